@@ -50,8 +50,7 @@ def chunk_gla(
     cu_seqlens holds the N+1 document offsets). scale defaults to K ** -0.5.
     Returns (o [B, T, H, V] in q's dtype, final state or None).
     """
-    if backend == "auto" or backend == "triton":
-        backend = resolve_backend(backend, q.device)
+    backend = resolve_backend(backend, q.device)
     if backend == "triton":
         from fabric_lin.ops.gla.chunk import chunk_gla_triton
 

@@ -1,0 +1,114 @@
+"""`fabric-lin generate`: sample text from a model directory.
+
+GLA decodes with its recurrent state (one [B, H, K, V] tensor per layer, whatever the length);
+the transformer baseline with a growing key/value cache.
+"""
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from fabric_lin.config import Config
+from fabric_lin.model import GPT
+
+
+@torch.no_grad()
+def generate_tokens(
+    model: GPT,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    eos_id: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """prompt: [T] token ids. Returns the new tokens [<= max_new_tokens] (stops after eos_id)."""
+    cache = model.new_cache()
+    logits = model(prompt[None], cache=cache)[0, -1]  # the whole prompt in one chunked pass
+    new_tokens = []
+    for _ in range(max_new_tokens):
+        token = sample(logits, temperature, top_k, generator)
+        new_tokens.append(token)
+        if eos_id is not None and token.item() == eos_id:
+            break
+        logits = model(token.view(1, 1), cache=cache)[0, -1]
+    return torch.stack(new_tokens) if new_tokens else prompt.new_empty(0)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator=None) -> torch.Tensor:
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        threshold = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -> GPT:
+    from fabric_lin.convert.model_dir import load_model_dir_weights
+
+    config = Config.from_checkpoint(checkpoint_dir)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.load_state_dict(load_model_dir_weights(checkpoint_dir, model), assign=True)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def main(
+    checkpoint_dir: Path,
+    prompt: str = "The capital of France",
+    max_new_tokens: int = 50,
+    temperature: float = 0.8,
+    top_k: Optional[int] = 50,
+    seed: int = 1234,
+    device: Optional[str] = None,
+    precision: Optional[str] = None,
+) -> str:
+    """Generate text from a model directory (lit_model.pth, model_config.yaml, tokenizer files).
+
+    Args:
+        checkpoint_dir: a model directory, e.g. the output of `fabric-lin convert_pretrained_checkpoint`.
+        prompt: the text to continue.
+        max_new_tokens: how many tokens to sample at most (stops early at the end-of-text token).
+        temperature: 0 for greedy decoding; higher is more random.
+        top_k: sample only among the k most likely tokens.
+        seed: random seed for sampling.
+        device: "cpu", "cuda", ...; default: cuda if available.
+        precision: "32-true", "bf16-true" or "16-true"; default bf16-true on CUDA, 32-true on CPU.
+    """
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint_dir {str(checkpoint_dir)!r} is not a directory")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = precision or ("bf16-true" if device.type == "cuda" else "32-true")
+    dtypes = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+    if precision not in dtypes:
+        raise ValueError(f"precision must be one of {sorted(dtypes)}, got {precision!r}")
+
+    tokenizer = Tokenizer(checkpoint_dir)
+    model = load_model(checkpoint_dir, device, dtypes[precision])
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"{checkpoint_dir}: tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"
+        )
+    # Pretraining data is documents joined by end-of-text tokens (no BOS), so a prompt that starts a
+    # document is one that follows an end-of-text token.
+    prompt_tokens = tokenizer.encode(prompt).to(device=device, dtype=torch.long)
+    prompt_ids = prompt_tokens
+    if tokenizer.eos_id is not None:
+        prompt_ids = torch.cat([prompt_tokens.new_tensor([tokenizer.eos_id]), prompt_tokens])
+    generator = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    new = generate_tokens(model, prompt_ids, max_new_tokens, temperature, top_k, tokenizer.eos_id, generator)
+    elapsed = time.perf_counter() - start
+    text = tokenizer.decode(torch.cat([prompt_tokens, new]).tolist())
+    print(text)
+    print(f"{len(new)} tokens in {elapsed:.2f} s ({len(new) / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    return text

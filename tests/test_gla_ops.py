@@ -1,0 +1,114 @@
+"""The chunked PyTorch GLA against the naive fp32 recurrence (the oracle in ops/gla/naive.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fabric_lin.ops.gla import chunk_gla, chunk_gla_torch, naive_recurrent_gla, recurrent_gla_step
+
+
+def make_inputs(B, T, H, K, V, seed=0, gate_logit=None, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=g)
+    k = torch.randn(B, T, H, K, generator=g)
+    v = torch.randn(B, T, H, V, generator=g)
+    logits = torch.randn(B, T, H, K, generator=g) if gate_logit is None else torch.full((B, T, H, K), gate_logit)
+    gk = F.logsigmoid(logits) / 16
+    h0 = torch.randn(B, H, K, V, generator=g)
+    tensors = [q, k, v, gk, h0]
+    if requires_grad:
+        for t in tensors:
+            t.requires_grad_(True)
+    return tensors
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("H,K,V", [(2, 16, 16), (3, 32, 16), (1, 8, 40)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_matches_naive(T, H, K, V, with_state):
+    q, k, v, gk, h0 = make_inputs(2, T, H, K, V, seed=T)
+    h0 = h0 if with_state else None
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+    o, s = chunk_gla_torch(q, k, v, gk, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s, s_ref, rtol=1e-4, atol=1e-4)
+    o2, s2 = chunk_gla_torch(q, k, v, gk, initial_state=h0)
+    assert s2 is None and torch.equal(o2, o)
+
+
+def test_custom_scale():
+    q, k, v, gk, _ = make_inputs(1, 70, 2, 16, 16)
+    o_ref, _ = naive_recurrent_gla(q, k, v, gk, scale=0.37)
+    o, _ = chunk_gla_torch(q, k, v, gk, scale=0.37)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_strongest_gates_over_2048_steps_stay_finite_and_exact():
+    # logsigmoid(-20)/16 per step is about -1.25: the cumulative gate over a 64-token chunk reaches
+    # -80, where exp(-b) overflows fp32 if the chunk is not handled stably.
+    q, k, v, gk, h0 = make_inputs(1, 2048, 2, 16, 16, gate_logit=-20.0)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+    o, s = chunk_gla_torch(q, k, v, gk, initial_state=h0, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s, s_ref, rtol=1e-4, atol=1e-4)
+    # mixed: strong and weak gates in one chunk
+    q, k, v, _, _ = make_inputs(1, 300, 2, 16, 16, seed=3)
+    logits = torch.where(torch.rand(1, 300, 2, 16) < 0.5, torch.tensor(-20.0), torch.tensor(8.0))
+    gk = F.logsigmoid(logits) / 16
+    torch.testing.assert_close(chunk_gla_torch(q, k, v, gk)[0], naive_recurrent_gla(q, k, v, gk)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T", [1, 63, 130])
+def test_gradients_match_naive(T):
+    inputs = make_inputs(2, T, 2, 16, 24, seed=7, requires_grad=True)
+    q, k, v, gk, h0 = inputs
+    grad_o = torch.randn(2, T, 2, 24)
+    grad_s = torch.randn(2, 2, 16, 24)
+
+    def grads(fn):
+        o, s = fn(q, k, v, gk, initial_state=h0, output_final_state=True)
+        return torch.autograd.grad((o * grad_o).sum() + (s * grad_s).sum(), inputs)
+
+    for name, g, g_ref in zip(["dq", "dk", "dv", "dgk", "dh0"], grads(chunk_gla_torch), grads(naive_recurrent_gla)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-3, atol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+def test_varlen_equals_documents_run_separately():
+    offsets = [0, 15, 100, 101, 230, 300]
+    q, k, v, gk, _ = make_inputs(1, 300, 2, 16, 32, seed=11)
+    h0 = torch.randn(len(offsets) - 1, 2, 16, 32)
+    cu_seqlens = torch.tensor(offsets, dtype=torch.int32)
+    o, s = chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens, backend="torch")
+    for i, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+        o_doc, s_doc = naive_recurrent_gla(
+            q[:, start:end], k[:, start:end], v[:, start:end], gk[:, start:end], initial_state=h0[i : i + 1], output_final_state=True
+        )
+        torch.testing.assert_close(o[:, start:end], o_doc, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(s[i : i + 1], s_doc, rtol=1e-4, atol=1e-4)
+
+
+def test_varlen_gradients_match_naive():
+    inputs = make_inputs(1, 150, 2, 16, 16, seed=5, requires_grad=True)
+    q, k, v, gk, _ = inputs
+    cu_seqlens = torch.tensor([0, 40, 41, 150])
+    w = torch.randn(1, 150, 2, 16)
+    g = torch.autograd.grad((chunk_gla_torch(q, k, v, gk, cu_seqlens=cu_seqlens)[0] * w).sum(), (q, k, v, gk))
+    g_ref = torch.autograd.grad((naive_recurrent_gla(q, k, v, gk, cu_seqlens=cu_seqlens)[0] * w).sum(), (q, k, v, gk))
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_recurrent_step_continues_the_chunked_state():
+    q, k, v, gk, h0 = make_inputs(2, 90, 2, 16, 8)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+    _, state = chunk_gla_torch(q[:, :70], k[:, :70], v[:, :70], gk[:, :70], initial_state=h0, output_final_state=True)
+    for t in range(70, 90):
+        o_t, state = recurrent_gla_step(q[:, t], k[:, t], v[:, t], gk[:, t], state)
+        torch.testing.assert_close(o_t, o_ref[:, t], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, s_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_backend_is_rejected():
+    q, k, v, gk, _ = make_inputs(1, 4, 1, 8, 8)
+    with pytest.raises(ValueError, match="backend"):
+        chunk_gla(q, k, v, gk, backend="cuda")

@@ -1,0 +1,121 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fabric_lin.config import Config
+from fabric_lin.model import GPT, chunked_cross_entropy
+
+
+def tiny(name: str, **overrides) -> Config:
+    return Config.from_name(name, vocab_size=97, hidden_size=64, num_layers=2, **overrides)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [tiny("gla-debug"), tiny("gla-debug", num_heads=4, num_kv_heads=2), tiny("transformer-debug"),
+     tiny("transformer-debug", num_kv_heads=2)],
+    ids=["gla", "gla-gqa", "transformer", "transformer-gqa"],
+)
+def test_token_by_token_decoding_reproduces_full_forward(config):
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 75))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        prompt = 40  # a chunked prefill, then one token at a time
+        steps = [model(ids[:, :prompt], cache=cache)]
+        for t in range(prompt, ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    if config.block_type == "gla":  # constant memory per token: one [B, H, K, V] state per layer
+        assert cache.layers[0].shape == (2, config.num_heads, config.head_k_dim, config.head_v_dim)
+
+
+def test_transformer_prompt_appended_to_cache():
+    torch.manual_seed(0)
+    model = GPT(tiny("transformer-debug")).eval()
+    ids = torch.randint(0, 97, (1, 30))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        first = model(ids[:, :12], cache=cache)
+        second = model(ids[:, 12:], cache=cache)
+    torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gla-debug", "transformer-debug"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_meta_build_then_reset_parameters_equals_eager_init(name, tie):
+    config = tiny(name, tie_embeddings=tie)
+    torch.manual_seed(1234)
+    eager = GPT(config)
+    torch.manual_seed(1234)
+    with torch.device("meta"):
+        lazy = GPT(config)
+    lazy.to_empty(device="cpu")
+    lazy.reset_parameters()
+    eager_state, lazy_state = eager.state_dict(), lazy.state_dict()
+    assert eager_state.keys() == lazy_state.keys()
+    for key in eager_state:
+        assert torch.equal(eager_state[key], lazy_state[key]), key
+    # the init is the one specified: N(0, 0.02) weights, zero biases, unit norms
+    w = eager.layers[0].mlp.up_proj.weight
+    assert abs(w.std().item() - 0.02) < 0.002
+    assert torch.equal(eager.layers[0].attn_norm.weight, torch.ones(64))
+    if name == "gla-debug":
+        assert torch.equal(eager.layers[0].attn.gk_proj[1].bias, torch.zeros_like(eager.layers[0].attn.gk_proj[1].bias))
+
+
+def test_different_seeds_give_different_weights():
+    torch.manual_seed(1)
+    a = GPT(tiny("gla-debug"))
+    torch.manual_seed(2)
+    b = GPT(tiny("gla-debug"))
+    assert not torch.equal(a.embeddings.weight, b.embeddings.weight)
+
+
+def test_loss_with_targets_equals_full_cross_entropy_and_its_gradient():
+    torch.manual_seed(0)
+    model = GPT(tiny("gla-debug"))
+    ids = torch.randint(0, 97, (3, 50))
+    targets = torch.randint(0, 97, (3, 50))
+    targets[0, :5] = -100
+    loss = model(ids, targets=targets)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    reference = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), ignore_index=-100)
+    ref_grads = torch.autograd.grad(reference, list(model.parameters()))
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_chunked_cross_entropy_chunks_smaller_than_rows():
+    h = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(11, 16, requires_grad=True)
+    t = torch.randint(0, 11, (37,))
+    loss = chunked_cross_entropy(h, w, t, chunk_size=8)
+    torch.testing.assert_close(loss, F.cross_entropy(h @ w.T, t))
+
+
+@pytest.mark.parametrize("name", ["gla-debug", "transformer-debug"])
+def test_packed_documents_equal_separate_documents(name):
+    torch.manual_seed(0)
+    model = GPT(tiny(name)).eval()
+    docs = [torch.randint(0, 97, (1, n)) for n in (20, 1, 70)]
+    cu_seqlens = torch.tensor([0, 20, 21, 91])
+    with torch.no_grad():
+        packed = model(torch.cat(docs, dim=1), cu_seqlens=cu_seqlens)
+        separate = torch.cat([model(d) for d in docs], dim=1)
+    torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-4)
+
+
+def test_gla_attention_layout_matches_design():
+    model = GPT(Config.from_name("gla-debug"))
+    attn = model.layers[0].attn
+    c = model.config
+    assert attn.q_proj.weight.shape == (c.key_dim, c.hidden_size) and attn.q_proj.bias is None
+    assert attn.gk_proj[0].weight.shape == (16, c.hidden_size) and attn.gk_proj[0].bias is None
+    assert attn.gk_proj[1].weight.shape == (c.key_dim, 16) and attn.gk_proj[1].bias is not None
+    assert attn.g_norm.weight.shape == (c.head_v_dim,) and attn.g_norm.eps == 1e-5
+    assert model.norm.eps == 1e-6
