@@ -1,0 +1,309 @@
+"""A model directory: the weights of one model and what is needed to run it.
+
+    lit_model.pth        the model's state dict alone (plain `torch.save` of a dict of tensors)
+                         or, instead, model.safetensors / model.safetensors.index.json with shards
+    model_config.yaml    `Config.save`
+    tokenizer files      `fabric_lin.data.tokenizer.TOKENIZER_FILES`
+
+Everything read here comes from files that travel between people, so nothing is unpickled beyond
+tensors (`torch.load(weights_only=True)`, safetensors), and file names read from an index stay
+inside their directory.
+"""
+import json
+import os
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from fabric_lin.config import Config
+
+MODEL_FILE = "lit_model.pth"
+CONFIG_FILE = "model_config.yaml"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model_dir_weights(model_dir: Union[str, Path]) -> Dict[str, torch.Tensor]:
+    """The state dict stored in `model_dir` (lit_model.pth, else safetensors), on the CPU.
+
+    `torch.compile`'s `_orig_mod.` prefixes are removed. A training checkpoint (the dict with
+    `model`, `optimizer`, ...) or a sharded one is refused with the command that converts it.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir} is not a directory: expected a model directory holding {MODEL_FILE}")
+    path = model_dir / MODEL_FILE
+    if path.is_dir():
+        raise ValueError(
+            f"{path} is a directory: this is a sharded training checkpoint, not a model directory. "
+            f"Convert it first: fabric-lin convert_pretrained_checkpoint {model_dir} --output_dir <DIR>"
+        )
+    if path.is_file():
+        state = torch_load_tensors(path)
+        if isinstance(state, dict) and isinstance(state.get("model"), dict):
+            raise ValueError(
+                f"{path} is a training checkpoint (keys {sorted(state)[:6]}), not a model state dict. "
+                f"Convert it first: fabric-lin convert_pretrained_checkpoint {model_dir} --output_dir <DIR>"
+            )
+    elif (model_dir / SAFETENSORS_FILE).is_file() or (model_dir / SAFETENSORS_INDEX_FILE).is_file():
+        state = load_safetensors_dir(model_dir)
+    else:
+        raise FileNotFoundError(
+            f"{model_dir} holds no {MODEL_FILE}, {SAFETENSORS_FILE} or {SAFETENSORS_INDEX_FILE}; "
+            f"found {sorted(p.name for p in model_dir.iterdir())[:10]}"
+        )
+    return strip_compile_prefix(tensor_dict(state, path))
+
+
+def check_state_dict(
+    state_dict: Dict[str, torch.Tensor], model: Union[nn.Module, Config], exact_dtype: bool = False, source: str = "state dict"
+) -> None:
+    """Raise a ValueError listing every difference between `state_dict` and `model`'s own:
+    missing and unexpected names, shape mismatches and dtype mismatches.
+
+    Floating-point tensors of another precision are accepted unless `exact_dtype` (a bf16 export
+    loads into an fp32 model); a floating tensor where an integer one is expected, or the reverse,
+    is always a mismatch. `model` may be on the meta device, or a `Config` (checked on meta).
+    """
+    if isinstance(model, Config):
+        model = meta_model(model)
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    problems = []
+    for name, want in expected.items():
+        got = state_dict.get(name)
+        if got is None:
+            continue
+        if tuple(got.shape) != tuple(want.shape):
+            problems.append(f"{name}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+        if got.dtype != want.dtype and (exact_dtype or got.dtype.is_floating_point != want.dtype.is_floating_point):
+            problems.append(f"{name}: dtype {got.dtype}, expected {want.dtype}")
+    if missing or unexpected or problems:
+        lines = [f"{source} does not match the model:"]
+        if missing:
+            lines.append(f"  missing ({len(missing)}): {_short_list(missing)}")
+        if unexpected:
+            lines.append(f"  unexpected ({len(unexpected)}): {_short_list(unexpected)}")
+        lines += [f"  {p}" for p in problems]
+        raise ValueError("\n".join(lines))
+
+
+def meta_model(config: Config) -> nn.Module:
+    from fabric_lin.model import GPT
+
+    with torch.device("meta"):
+        return GPT(config)
+
+
+def torch_load_tensors(path: Path, allow_numpy: bool = False):
+    """`torch.load(weights_only=True)`, memory-mapped when the file allows it.
+
+    `allow_numpy` admits plain numpy arrays (what a NumPy RNG state is made of, in a training
+    checkpoint's metadata); no other global is ever admitted.
+    """
+    safe = []
+    if allow_numpy:
+        import numpy as np
+
+        reconstruct = getattr(getattr(np, "_core", np.core), "multiarray")._reconstruct
+        safe = [reconstruct, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in ("uint32", "int64", "float64"))]
+    try:
+        with torch.serialization.safe_globals(safe):
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):  # e.g. a file in the legacy (non-zip) format cannot be mapped
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        if "Weights only load failed" in str(e) or isinstance(e, __import__("pickle").UnpicklingError):
+            raise ValueError(
+                f"{path} holds objects other than tensors and plain containers, so it is not loaded "
+                f"(files are never unpickled beyond tensors). Details: {str(e).splitlines()[-1][:300]}"
+            ) from None
+        raise
+
+
+def tensor_dict(state, path: Path) -> Dict[str, torch.Tensor]:
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
+    bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ValueError(f"{path}: expected a dict of name -> tensor; these entries are not: {_short_list(map(repr, bad))}")
+    return state
+
+
+def strip_compile_prefix(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Remove `_orig_mod.` (left by `torch.compile`) wherever it occurs in a name."""
+    out = {}
+    for name, tensor in state_dict.items():
+        clean = ".".join(part for part in name.split(".") if part != "_orig_mod")
+        if clean in out:
+            raise ValueError(f"two tensors map to {clean!r} once `_orig_mod.` is removed (one is {name!r})")
+        out[clean] = tensor
+    return out
+
+
+def inside(directory: Path, name: str, what: str) -> Path:
+    """`directory / name`, refusing a name that leaves `directory` (absolute, `..`, symlink out)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise ValueError(f"{what}: file name {name!r} is not a relative path inside {directory}")
+    path = (directory / name).resolve()
+    if not path.is_relative_to(directory.resolve()):
+        raise ValueError(f"{what}: file name {name!r} points outside {directory}")
+    return path
+
+
+def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors`, or of the shards listed by `model.safetensors.index.json`."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    index_path = directory / SAFETENSORS_INDEX_FILE
+    if index_path.is_file():
+        index = read_json(index_path)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path}: expected a non-empty 'weight_map' of tensor name -> shard file")
+        files = {}
+        for tensor_name, file_name in weight_map.items():
+            files.setdefault(file_name, set()).add(tensor_name)
+        state = {}
+        for file_name, names in files.items():
+            shard_path = inside(directory, file_name, str(index_path))
+            if not shard_path.is_file():
+                raise FileNotFoundError(f"{index_path} lists {file_name!r}, which does not exist in {directory}")
+            shard = load_file(shard_path)
+            absent = sorted(names - set(shard))
+            if absent:
+                raise ValueError(f"{index_path} places {_short_list(absent)} in {file_name}, which lacks them")
+            for name in names:
+                state[name] = shard[name]
+        return state
+    path = directory / SAFETENSORS_FILE
+    if not path.is_file():
+        found = sorted(p.name for p in directory.glob("*.safetensors"))
+        raise FileNotFoundError(
+            f"{directory} holds neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX_FILE}"
+            + (f" (found {found[:5]}; an index file is needed for shards)" if found else "")
+        )
+    return load_file(path)
+
+
+def save_safetensors_dir(
+    state_dict: Dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = 5 * 2**30, metadata: Optional[dict] = None
+) -> List[str]:
+    """Write `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` plus the index when the
+    tensors exceed `max_shard_bytes`. Returns the file names written."""
+    from safetensors.torch import save_file
+
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    metadata = {"format": "pt", **(metadata or {})}
+    if len(shards) == 1:
+        atomic_write(directory / SAFETENSORS_FILE, lambda p: save_file(shards[0], p, metadata=metadata))
+        return [SAFETENSORS_FILE]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        atomic_write(directory / file_name, lambda p, s=shard: save_file(s, p, metadata=metadata))
+        weight_map.update({k: file_name for k in shard})
+        names.append(file_name)
+    total = sum(t.numel() * t.element_size() for t in state_dict.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    atomic_write(directory / SAFETENSORS_INDEX_FILE, lambda p: Path(p).write_text(json.dumps(index, indent=2) + "\n"))
+    return names + [SAFETENSORS_INDEX_FILE]
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:
+    if dtype is None:
+        return None
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {list(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
+    if dtype is None:
+        return state_dict
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+
+
+def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path] = ()) -> Path:
+    """Create `output_dir`; refuse a non-empty one unless `overwrite`, and one that is a source."""
+    output_dir = Path(output_dir)
+    for source in sources:
+        if output_dir.resolve() == Path(source).resolve():
+            raise ValueError(f"output_dir {output_dir} is the input directory; choose another one")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise NotADirectoryError(f"output_dir {output_dir} exists and is not a directory")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"output_dir {output_dir} is not empty (holds {sorted(p.name for p in output_dir.iterdir())[:5]}); "
+            "pass --overwrite true to write into it"
+        )
+    output_dir.mkdir(parents=True, exist_ok=True)
+    return output_dir
+
+
+def atomic_write(path: Path, write) -> None:
+    """Call `write(tmp_path)` and rename the result to `path`, so a reader never sees half a file."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    try:
+        write(str(tmp))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_model_dir(
+    state_dict: Dict[str, torch.Tensor], config: Config, output_dir: Path, tokenizer_dir: Optional[Path] = None
+) -> List[str]:
+    """Write lit_model.pth, model_config.yaml and (from `tokenizer_dir`) the tokenizer files.
+    Returns the names of the tokenizer files copied."""
+    output_dir = Path(output_dir)
+    atomic_write(output_dir / MODEL_FILE, lambda p: torch.save(dict(state_dict), p))
+    atomic_write(output_dir / CONFIG_FILE, config.save)
+    return copy_tokenizer(tokenizer_dir, output_dir) if tokenizer_dir is not None else []
+
+
+def copy_tokenizer(src_dir: Path, dst_dir: Path) -> List[str]:
+    """Copy the tokenizer files of `src_dir`; without a tokenizer.model, warn and copy nothing."""
+    from fabric_lin.data.tokenizer import TOKENIZER_FILES, copy_tokenizer_files
+
+    if not (Path(src_dir) / "tokenizer.model").is_file():
+        print(
+            f"Warning: {src_dir} has no tokenizer.model, so {dst_dir} gets no tokenizer; copy a SentencePiece "
+            f"tokenizer.model there before running generate"
+        )
+        return []
+    return [p.name for p in copy_tokenizer_files(src_dir, dst_dir) if p.name in TOKENIZER_FILES]
+
+
+def _short_list(items, limit: int = 12) -> str:
+    items = list(items)
+    shown = ", ".join(str(i) for i in items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")

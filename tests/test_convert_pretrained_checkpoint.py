@@ -1,0 +1,264 @@
+"""convert_pretrained_checkpoint: training checkpoints (one device, FSDP-sharded) -> model directory.
+
+Run as a script (`python tests/test_convert_pretrained_checkpoint.py OUT_DIR`), this file is also the
+2-process FSDP2 job that writes a sharded checkpoint in Fabric's layout on the CPU.
+"""
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fabric_lin.config import Config
+from fabric_lin.convert.model_dir import load_model_dir_weights
+from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+from fabric_lin.model import GPT
+
+
+def write_checkpoint_dir_files(ckpt_dir: Path, config: Config) -> None:
+    """model_config.yaml, hyperparameters.yaml and tokenizer files, as pretrain writes beside lit_model.pth."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    config.save(ckpt_dir / "model_config.yaml")
+    (ckpt_dir / "hyperparameters.yaml").write_text("model_name: gla-debug\n")
+    (ckpt_dir / "tokenizer.model").write_bytes(b"sentencepiece model bytes for the copy test")
+    (ckpt_dir / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+
+
+def trained_model(config: Config, steps: int = 2, compile_prefix: bool = False):
+    torch.manual_seed(0)
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        x = torch.randint(0, config.vocab_size, (2, 17))
+        model(x[:, :-1], targets=x[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def fabric_single_device_checkpoint(tmp_path: Path, config: Config, compiled: bool = False):
+    from lightning.fabric import Fabric
+
+    model, optimizer = trained_model(config)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    ckpt_dir = tmp_path / "out" / "step-00000002"
+    write_checkpoint_dir_files(ckpt_dir, config)
+    # the state pretrain saves, with every kind of object it holds (NumPy's RNG state is an array)
+    saved_model = torch.compile(model) if compiled else model
+    state = {
+        "model": saved_model,
+        "optimizer": optimizer,
+        "train_dataloader": {"current_epoch": 0, "num_samples_yielded": 8, "latest_worker_idx": 0},
+        "iter_num": 4,
+        "step_count": 2,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+    }
+    fabric.save(ckpt_dir / "lit_model.pth", state)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return ckpt_dir, expected
+
+
+def assert_same_tensors(got: dict, expected: dict):
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_single_device_checkpoint_converts_to_the_model_weights(tmp_path):
+    config = Config.from_name("gla-debug")
+    ckpt_dir, expected = fabric_single_device_checkpoint(tmp_path, config)
+    out = tmp_path / "model"
+    convert_pretrained_checkpoint(ckpt_dir, out)
+
+    assert sorted(p.name for p in out.iterdir()) == ["lit_model.pth", "model_config.yaml", "tokenizer.model", "tokenizer_config.json"]
+    assert (out / "tokenizer.model").read_bytes() == (ckpt_dir / "tokenizer.model").read_bytes()
+    assert Config.from_checkpoint(out) == config
+    # a plain state dict, loadable with weights_only=True
+    raw = torch.load(out / "lit_model.pth", weights_only=True)
+    assert_same_tensors(raw, expected)
+    model = GPT(config)
+    model.load_state_dict(load_model_dir_weights(out))
+    x = torch.randint(0, config.vocab_size, (1, 9))
+    ref, _ = trained_model(config)
+    torch.testing.assert_close(model(x), ref(x))
+
+
+def test_compile_prefix_is_stripped(tmp_path):
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, expected = fabric_single_device_checkpoint(tmp_path, config, compiled=True)
+    saved = torch.load(ckpt_dir / "lit_model.pth", weights_only=False)["model"]
+    # whether Fabric keeps `_orig_mod.` depends on its version; make sure the converter sees it
+    if not any("_orig_mod." in k for k in saved):
+        saved = {f"_orig_mod.{k}": v for k, v in saved.items()}
+        full = torch.load(ckpt_dir / "lit_model.pth", weights_only=False)
+        full["model"] = saved
+        torch.save(full, ckpt_dir / "lit_model.pth")
+    convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
+    assert_same_tensors(torch.load(tmp_path / "model" / "lit_model.pth", weights_only=True), expected)
+
+
+def test_dtype_cast(tmp_path):
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, expected = fabric_single_device_checkpoint(tmp_path, config)
+    convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model", dtype="bfloat16")
+    got = torch.load(tmp_path / "model" / "lit_model.pth", weights_only=True)
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+    assert_same_tensors(got, {k: v.bfloat16() for k, v in expected.items()})
+    with pytest.raises(ValueError, match="dtype 'fp8' is not supported"):
+        convert_pretrained_checkpoint(ckpt_dir, tmp_path / "other", dtype="fp8")
+
+
+def test_refuses_non_empty_output_unless_overwrite(tmp_path):
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, expected = fabric_single_device_checkpoint(tmp_path, config)
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not empty.*notes.txt.*--overwrite"):
+        convert_pretrained_checkpoint(ckpt_dir, out)
+    assert not (out / "lit_model.pth").exists()
+    convert_pretrained_checkpoint(ckpt_dir, out, overwrite=True)
+    assert_same_tensors(torch.load(out / "lit_model.pth", weights_only=True), expected)
+    assert (out / "notes.txt").read_text() == "keep me"
+    with pytest.raises(ValueError, match="is the input directory"):
+        convert_pretrained_checkpoint(ckpt_dir, ckpt_dir, overwrite=True)
+
+
+def test_not_a_checkpoint_gets_a_clear_error(tmp_path):
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)
+    with pytest.raises(FileNotFoundError, match=r"not a training checkpoint.*step-00000002"):
+        convert_pretrained_checkpoint(ckpt_dir.parent, tmp_path / "model")
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        convert_pretrained_checkpoint(tmp_path / "missing", tmp_path / "model")
+    unfinished = ckpt_dir.parent / ".tmp-step-00000004"
+    ckpt_dir.rename(unfinished)
+    with pytest.raises(ValueError, match="unfinished checkpoint"):
+        convert_pretrained_checkpoint(unfinished, tmp_path / "model")
+    # a model directory given where a training checkpoint is expected
+    unfinished.rename(ckpt_dir)
+    convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
+    with pytest.raises(ValueError, match="already a model directory"):
+        convert_pretrained_checkpoint(tmp_path / "model", tmp_path / "model2")
+
+
+def test_config_mismatch_lists_the_differences(tmp_path):
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)
+    Config.from_name("gla-debug", num_layers=2, hidden_size=256, num_heads=2).save(ckpt_dir / "model_config.yaml")
+    with pytest.raises(ValueError) as info:
+        convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
+    message = str(info.value)
+    assert "missing (14): layers.1.attn_norm.weight" in message
+    assert "embeddings.weight: shape (4096, 128), expected (4096, 256)" in message
+    assert not (tmp_path / "model" / "lit_model.pth").exists()
+
+
+def test_pickled_code_in_checkpoint_is_refused(tmp_path):
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)
+    full = torch.load(ckpt_dir / "lit_model.pth", weights_only=False)
+    full["hook"] = _Payload()
+    torch.save(full, ckpt_dir / "lit_model.pth")
+    with pytest.raises(ValueError, match="never unpickled beyond tensors"):
+        convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
+    assert not (tmp_path / "pwned").exists()
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {Path(__file__).parent}/pwned",))
+
+
+# ---------------------------------------------------------------- sharded: FSDP2 on 2 CPU processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_worker(rank: int, world_size: int, ckpt_dir: str, port: int) -> None:
+    """Shard gla-debug with FSDP2 across the CPU processes, train two steps, and save as Fabric's
+    FSDPStrategy(state_dict_type="sharded") does: DCP of {"model", "optimizer"} into the directory
+    lit_model.pth, the rest with torch.save into lit_model.pth/meta.pt from rank 0."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    config = Config.from_checkpoint(ckpt_dir)
+    torch.manual_seed(0)
+    model = GPT(config)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(1 + rank)  # each rank its own data
+    for _ in range(2):
+        x = torch.randint(0, config.vocab_size, (1, 17))
+        model(x[:, :-1], targets=x[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state_dict = model.state_dict()
+    assert all(isinstance(t, torch.distributed.tensor.DTensor) for t in state_dict.values())
+    path = Path(ckpt_dir) / "lit_model.pth"
+    dcp.save({"model": state_dict, "optimizer": optimizer.state_dict()}, checkpoint_id=path)
+    full = {k: v.full_tensor() for k, v in state_dict.items()}
+    if rank == 0:
+        torch.save({"iter_num": 2, "step_count": 2, "train_dataloader": {"num_samples_yielded": 2}}, path / "meta.pt")
+        torch.save(full, Path(ckpt_dir).parent / "expected_weights.pth")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fsdp_sharded_checkpoint_converts_on_cpu_to_the_unsharded_weights(tmp_path):
+    config = Config.from_name("gla-debug")
+    ckpt_dir = tmp_path / "out" / "step-00000002"
+    write_checkpoint_dir_files(ckpt_dir, config)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(ckpt_dir)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    weights = ckpt_dir / "lit_model.pth"
+    assert weights.is_dir() and len(list(weights.glob("*.distcp"))) == 2 and (weights / "meta.pt").is_file()
+
+    out = tmp_path / "model"
+    convert_pretrained_checkpoint(ckpt_dir, out)
+    expected = torch.load(tmp_path / "out" / "expected_weights.pth", weights_only=True)
+    got = torch.load(out / "lit_model.pth", weights_only=True)
+    assert_same_tensors(got, expected)
+    # training moved the weights away from the shared init: the comparison is not of two inits
+    torch.manual_seed(0)
+    init = GPT(config).state_dict()
+    assert not torch.equal(init["layers.0.attn.q_proj.weight"], got["layers.0.attn.q_proj.weight"])
+    assert (out / "tokenizer.model").is_file() and Config.from_checkpoint(out) == config
+
+
+def test_sharded_metadata_with_foreign_pickle_is_refused(tmp_path):
+    import pickle
+
+    from fabric_lin.convert.pretrained_checkpoint import load_sharded_model_state
+
+    weights = tmp_path / "lit_model.pth"
+    weights.mkdir()
+    (weights / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(ValueError, match="refers to posix.system|refers to os.system"):
+        load_sharded_model_state(weights)
+    assert not (Path(__file__).parent / "pwned").exists()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_worker, args=(2, sys.argv[1], _free_port()), nprocs=2)
