@@ -1,0 +1,232 @@
+"""What the SlimPajama and Starcoder preprocessors share: batched tokenization into token arrays, the
+per-file report, and `run_recipe`, which runs a recipe with litdata's DataProcessor into a temporary
+directory and renames it to the output directory only once everything was written.
+"""
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Iterable, Iterator, List, Optional, Union
+
+import numpy as np
+from litdata.processing.data_processor import DataChunkRecipe, DataProcessor
+from litdata.streaming.item_loader import TokensLoader
+
+from fabric_lin.data.prepared import PREPARED_INFO_FILE, check_prepared_dir, write_prepared_info
+from fabric_lin.data.tokenizer import Tokenizer, token_dtype
+
+# Documents are encoded in groups of about this many characters: large enough for SentencePiece's
+# threads to share, small enough that the Python lists of ids stay a few hundred MB at most.
+ENCODE_GROUP_CHARS = 4_000_000
+REPORTS_DIR = ".reports"
+
+
+class TokenizeRecipe(DataChunkRecipe):
+    """A DataChunkRecipe whose items are raw files and whose output is EOS-separated token arrays.
+
+    Subclasses implement `prepare_structure(input_dir)` (the file list) and `read_documents(path)`
+    (lists of texts, raising BadFileError for a bad file)."""
+
+    is_generator = True
+
+    def __init__(self, tokenizer_path: Union[str, Path], chunk_size: int, num_threads: int = 1) -> None:
+        super().__init__(chunk_size=chunk_size)
+        self.tokenizer_path = str(tokenizer_path)
+        self.num_threads = num_threads
+        self.report_dir: Optional[str] = None  # set by run_recipe
+        self._tokenizer: Optional[Tokenizer] = None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        # loaded in the worker process: the recipe travels to spawned workers by pickling
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer(self.tokenizer_path)
+        return self._tokenizer
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_tokenizer"] = None
+        return state
+
+    def read_documents(self, path: str) -> Iterator[List[str]]:
+        raise NotImplementedError
+
+    def tokenize(self, texts: List[str]) -> Iterator[np.ndarray]:
+        """Token arrays (each at most `chunk_size` tokens) of `texts`, every document followed by EOS."""
+        dtype = token_dtype(self.tokenizer.vocab_size)
+        start = 0
+        while start < len(texts):
+            end, chars = start, 0
+            while end < len(texts) and (end == start or chars < ENCODE_GROUP_CHARS):
+                chars += len(texts[end])
+                end += 1
+            ids = self.tokenizer.encode_batch(texts[start:end], bos=False, eos=True, num_threads=self.num_threads)
+            count = sum(len(x) for x in ids)
+            tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=count)
+            for offset in range(0, count, self.chunk_size):
+                yield tokens[offset : offset + self.chunk_size]
+            start = end
+
+    def prepare_item(self, path: str) -> Iterator[np.ndarray]:
+        from fabric_lin.data.raw_files import BadFileError
+
+        record = {"path": path, "status": "ok", "documents": 0, "skipped_rows": 0, "tokens": 0}
+        self._skipped_rows = 0
+        try:
+            for texts in self.read_documents(path):
+                record["documents"] += len(texts)
+                for tokens in self.tokenize(texts):
+                    record["tokens"] += len(tokens)
+                    yield tokens
+        except BadFileError as err:
+            record["status"] = "partial" if record["documents"] else "skipped"
+            record["reason"] = err.reason
+        record["skipped_rows"] = self._skipped_rows
+        self._write_report(record)
+
+    def _write_report(self, record: dict) -> None:
+        if record["status"] == "ok":
+            line = f"{record['path']}: {record['documents']} documents, {record['tokens']} tokens"
+        elif record["status"] == "skipped":
+            line = f"SKIPPED {record['path']}: {record['reason']}"
+        else:
+            line = f"PARTIAL {record['path']}: {record['reason']} ({record['documents']} documents kept)"
+        print(line, file=sys.stderr if record["status"] != "ok" else sys.stdout, flush=True)
+        if self.report_dir is not None:
+            with open(os.path.join(self.report_dir, f"worker-{os.getpid()}.jsonl"), "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _read_reports(report_dir: Path) -> List[dict]:
+    records = []
+    for path in sorted(report_dir.glob("*.jsonl")):
+        records.extend(json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line)
+    return sorted(records, key=lambda r: r["path"])
+
+
+def summarize(records: List[dict]) -> dict:
+    bad = [r for r in records if r["status"] != "ok"]
+    return {
+        "files": len(records),
+        "files_ok": len(records) - len(bad),
+        "documents": sum(r["documents"] for r in records),
+        "skipped_rows": sum(r["skipped_rows"] for r in records),
+        "tokens": sum(r["tokens"] for r in records),
+        "bad_files": [{"path": r["path"], "status": r["status"], "reason": r["reason"]} for r in bad],
+    }
+
+
+def format_summary(summary: dict, output_dir: Path, seconds: float) -> str:
+    lines = [
+        f"Prepared {output_dir}: {summary['files_ok']}/{summary['files']} files, {summary['documents']} documents,"
+        f" {summary['tokens']} tokens in {seconds:.1f}s ({summary['tokens'] / max(seconds, 1e-9):,.0f} tokens/s);"
+        f" {summary['skipped_rows']} rows skipped by the recipe's filter"
+    ]
+    if summary["bad_files"]:
+        lines.append(f"{len(summary['bad_files'])} bad file(s):")
+        lines += [f"  {b['status']}: {b['path']}: {b['reason']}" for b in summary["bad_files"]]
+    return "\n".join(lines)
+
+
+def require_flags(**values) -> None:
+    # the command-line functions take these as --flags (defaults None) rather than positionals
+    missing = [f"--{name}" for name, value in values.items() if value is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+
+
+def default_num_workers() -> int:
+    return os.cpu_count() or 1
+
+
+def run_recipe(
+    recipe: TokenizeRecipe,
+    input_dir: Union[str, Path],
+    output_dir: Union[str, Path],
+    num_workers: Optional[int] = None,
+    fast_dev_run: Union[bool, int] = False,
+    recipe_name: str = "",
+) -> dict:
+    """Run `recipe` over `input_dir` with litdata's DataProcessor; return the summary.
+
+    Chunks are written into a hidden sibling `.tmp-<name>-<id>` of `output_dir`; `prepared.json`
+    (tokenizer identity, summary) is written last and the directory renamed to `output_dir`, so an
+    interrupted run leaves no directory that `check_prepared_dir` accepts."""
+    input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
+    if not input_dir.is_dir():
+        raise FileNotFoundError(f"Input directory {str(input_dir)!r} does not exist")
+    if output_dir.exists() and any(output_dir.iterdir()):
+        raise FileExistsError(f"Output directory {output_dir} exists and is not empty: delete it or pick another")
+    tokenizer = Tokenizer(recipe.tokenizer_path)
+    num_workers = num_workers or default_num_workers()
+    recipe.num_threads = max(1, (os.cpu_count() or 1) // num_workers)
+
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    run_id = f"{output_dir.name}-{uuid.uuid4().hex[:8]}"
+    tmp_dir = output_dir.parent / f".tmp-{run_id}"
+    cache_dir = output_dir.parent / f".tmp-cache-{run_id}"
+    report_dir = tmp_dir / REPORTS_DIR
+    report_dir.mkdir(parents=True)
+    recipe.report_dir = str(report_dir)
+
+    # DataProcessor wipes its cache folders (default /tmp/chunks, shared by every run on the machine),
+    # forces the multiprocessing start method and takes over SIGINT: keep all three to this run.
+    saved_env = {k: os.environ.get(k) for k in ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")}
+    os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = str(cache_dir / "chunks")
+    os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(cache_dir / "data")
+    saved_start_method = multiprocessing.get_start_method(allow_none=True)
+    saved_sigint = signal.getsignal(signal.SIGINT)
+    start = time.perf_counter()
+    try:
+        processor = DataProcessor(
+            input_dir=str(input_dir),
+            output_dir=str(tmp_dir),
+            num_workers=num_workers,
+            fast_dev_run=fast_dev_run,
+            item_loader=TokensLoader(),
+            # keep the sorted file order: `fast_dev_run=N` then takes the first N files
+            reorder_files=False,
+        )
+        processor.run(recipe)
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        multiprocessing.set_start_method(saved_start_method, force=True)
+        signal.signal(signal.SIGINT, saved_sigint)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    seconds = time.perf_counter() - start
+
+    summary = summarize(_read_reports(report_dir))
+    shutil.rmtree(report_dir)
+    if summary["tokens"] == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise RuntimeError(
+            f"No tokens were produced from {input_dir}: every file was bad or empty\n" + format_summary(summary, output_dir, seconds)
+        )
+    write_prepared_info(
+        tmp_dir,
+        tokenizer=tokenizer,
+        recipe=recipe_name or type(recipe).__name__,
+        input_dir=str(input_dir),
+        fast_dev_run=fast_dev_run,
+        chunk_size=recipe.chunk_size,
+        summary=summary,
+    )
+    check_prepared_dir(tmp_dir, tokenizer)
+    if output_dir.exists():
+        output_dir.rmdir()  # empty, checked above
+    os.rename(tmp_dir, output_dir)
+    print(format_summary(summary, output_dir, seconds), flush=True)
+    return summary
+
+
+__all__ = ["TokenizeRecipe", "run_recipe", "summarize", "PREPARED_INFO_FILE"]

@@ -1,0 +1,61 @@
+"""Starcoder -> litdata token chunks.
+
+Reads every `*.parquet` under `input_dir` (recursively) in batches of 8192 rows of the `content`
+column. Files are tokenized with bos=False, eos=True, a whole batch at once (SentencePiece's
+multi-threaded list encoding).
+
+    python data_prep/prepare_starcoder.py --input_dir data/starcoderdata-raw \
+        --output_dir data/starcoder --tokenizer_path checkpoints/meta-llama/Llama-2-7b-hf
+"""
+import sys
+from pathlib import Path
+from typing import Iterator, List, Optional, Union
+
+if __name__ == "__main__":  # run as a script: make `data_prep` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data_prep.base import TokenizeRecipe, require_flags, run_recipe
+from fabric_lin.data.raw_files import find_files, iter_parquet_texts
+
+COLUMN = "content"
+ROWS_PER_BATCH = 8192
+
+
+class StarcoderRecipe(TokenizeRecipe):
+    def prepare_structure(self, input_dir: Optional[str]) -> List[str]:
+        return [str(p) for p in find_files(input_dir, ".parquet")]
+
+    def read_documents(self, path: str) -> Iterator[List[str]]:
+        yield from iter_parquet_texts(path, column=COLUMN, batch_size=ROWS_PER_BATCH)
+
+
+def prepare(
+    input_dir: Optional[Path] = None,
+    output_dir: Optional[Path] = None,
+    tokenizer_path: Optional[Path] = None,
+    chunk_size: int = 2049 * 8192,
+    num_workers: Optional[int] = None,
+    fast_dev_run: Union[bool, int] = False,
+) -> dict:
+    """Tokenize Starcoder `*.parquet` files (column `content`) into litdata chunks for `TokensLoader`.
+
+    Args:
+        input_dir: Directory searched recursively for `*.parquet` files (e.g. starcoderdata).
+        output_dir: Directory to create; written under a temporary name and renamed when complete.
+        tokenizer_path: Directory holding the tokenizer.model (and optional tokenizer_config.json).
+        chunk_size: Tokens per chunk file.
+        num_workers: Worker processes (default: one per CPU core).
+        fast_dev_run: Process only the first files (True: 10, or this many) to try the pipeline.
+    """
+    require_flags(input_dir=input_dir, output_dir=output_dir, tokenizer_path=tokenizer_path)
+    recipe = StarcoderRecipe(tokenizer_path=tokenizer_path, chunk_size=chunk_size)
+    return run_recipe(recipe, input_dir, output_dir, num_workers, fast_dev_run, recipe_name="starcoder")
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI
+
+    # call the imported module's function so the recipe pickles as data_prep.prepare_starcoder.*, not __main__.*
+    from data_prep.prepare_starcoder import prepare as prepare_from_module
+
+    CLI(prepare_from_module, as_positional=False)

@@ -1,0 +1,98 @@
+"""The data module interface the trainer uses, and the pieces the token data modules share."""
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from fabric_lin.data.prepared import check_prepared_dir
+from fabric_lin.data.tokenizer import Tokenizer
+
+
+@dataclass
+class DataModule:
+    """Base of fabric-lin's data modules (LitGPT's shape, without Lightning's DataModule machinery).
+
+    The trainer calls `connect(tokenizer, batch_size, max_seq_length)`, then `prepare_data()` on
+    rank 0, `setup()` on every rank, then `train_dataloader()` / `val_dataloader()`. Batches are int64
+    tensors [batch_size, max_seq_length + 1]: inputs are `batch[:, :-1]`, targets `batch[:, 1:]`."""
+
+    seed: int = 42
+    """Seed of the shuffling and of the dataset mixing."""
+    num_workers: int = 8
+    """DataLoader worker processes per rank."""
+
+    tokenizer: Optional[Tokenizer] = field(default=None, init=False, repr=False)
+    batch_size: int = field(default=1, init=False, repr=False)
+    max_seq_length: int = field(default=-1, init=False, repr=False)
+
+    def connect(self, tokenizer: Optional[Tokenizer] = None, batch_size: int = 1, max_seq_length: int = -1) -> None:
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.max_seq_length = max_seq_length
+
+    def prepare_data(self) -> None:
+        pass
+
+    def setup(self) -> None:
+        pass
+
+    def train_dataloader(self):
+        raise NotImplementedError
+
+    def val_dataloader(self):
+        raise NotImplementedError
+
+    @property
+    def block_size(self) -> int:
+        if self.max_seq_length is None or self.max_seq_length < 1:
+            raise ValueError(
+                f"{type(self).__name__}: max_seq_length={self.max_seq_length}; call"
+                " connect(tokenizer, batch_size, max_seq_length) with max_seq_length >= 1 first"
+            )
+        return self.max_seq_length + 1
+
+
+def collate_tokens(samples: Sequence[Union[np.ndarray, torch.Tensor]]) -> torch.Tensor:
+    """Stack token blocks (stored as uint16 or int32) into one int64 batch."""
+    if isinstance(samples[0], torch.Tensor):
+        return torch.stack(list(samples)).long()
+    return torch.from_numpy(np.stack(samples).astype(np.int64))
+
+
+def token_dataset(path: Union[str, Path], block_size: int, shuffle: bool, seed: int, tokenizer: Optional[Tokenizer]):
+    """A StreamingDataset of `block_size`-token blocks of one prepared directory (checked first)."""
+    from litdata.streaming import StreamingDataset, TokensLoader
+
+    check_prepared_dir(path, tokenizer)
+    dataset = StreamingDataset(
+        input_dir=str(path),
+        item_loader=TokensLoader(block_size=block_size),
+        shuffle=shuffle,
+        drop_last=True,
+        seed=seed,
+    )
+    if len(dataset) == 0:
+        raise ValueError(
+            f"{path} yields no block of {block_size} tokens (max_seq_length + 1): each chunk file holds fewer tokens"
+        )
+    return dataset
+
+
+def token_dataloader(dataset, batch_size: int, num_workers: int, drop_last: bool = True):
+    from litdata.streaming import StreamingDataLoader
+
+    return StreamingDataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        drop_last=drop_last,
+        collate_fn=collate_tokens,
+        pin_memory=torch.cuda.is_available(),
+    )
+
+
+def check_dirs(paths: List[Path], tokenizer: Optional[Tokenizer]) -> None:
+    for path in paths:
+        check_prepared_dir(path, tokenizer)

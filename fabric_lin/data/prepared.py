@@ -1,0 +1,75 @@
+"""Prepared (tokenized) data directories: litdata chunks + index.json + `prepared.json`.
+
+`prepared.json` is written last by the preprocessors, just before the directory gets its final
+name; it records which tokenizer made the tokens so that training with another one is refused."""
+import json
+from pathlib import Path
+from typing import Optional, Union
+
+from fabric_lin.data.tokenizer import Tokenizer
+
+PREPARED_INFO_FILE = "prepared.json"
+INDEX_FILE = "index.json"
+
+
+def write_prepared_info(out_dir: Union[str, Path], tokenizer: Tokenizer, **fields) -> Path:
+    info = {
+        "complete": True,
+        "tokenizer": {
+            "vocab_size": tokenizer.vocab_size,
+            "sha256": tokenizer.model_hash,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+        },
+        **fields,
+    }
+    path = Path(out_dir) / PREPARED_INFO_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def check_prepared_dir(path: Union[str, Path], tokenizer: Optional[Tokenizer] = None) -> dict:
+    """Check that `path` is a complete prepared directory (made with `tokenizer`, when given).
+
+    Returns the contents of its prepared.json. Raises FileNotFoundError for a missing directory or
+    index, ValueError for an incomplete directory or a tokenizer mismatch."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"Prepared data directory {str(path)!r} does not exist: run `fabric-lin prepare_slimpajama` or"
+            " `fabric-lin prepare_starcoder` to create it"
+        )
+    index_path = path / INDEX_FILE
+    if not index_path.is_file():
+        raise FileNotFoundError(
+            f"{path} has no {INDEX_FILE}: it is not a prepared litdata directory, or its preprocessing run did not"
+            " finish; prepare it again"
+        )
+    info_path = path / PREPARED_INFO_FILE
+    if not info_path.is_file():
+        raise ValueError(
+            f"{path} is incomplete: {PREPARED_INFO_FILE} is missing (written last by fabric-lin's preprocessors,"
+            " so the run was interrupted or another tool wrote this directory); prepare it again"
+        )
+    try:
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: unreadable JSON in {info_path.name} or {INDEX_FILE}: {err}") from err
+    if info.get("complete") is not True:
+        raise ValueError(f"{info_path} does not mark the directory complete; prepare it again")
+    missing = [c["filename"] for c in index.get("chunks", []) if not (path / c["filename"]).is_file()]
+    if missing:
+        raise ValueError(f"{path} is incomplete: {len(missing)} chunk file(s) listed in {INDEX_FILE} are missing, e.g. {missing[0]}")
+    if tokenizer is not None:
+        made_by = info.get("tokenizer", {})
+        if made_by.get("vocab_size") != tokenizer.vocab_size or made_by.get("sha256") != tokenizer.model_hash:
+            raise ValueError(
+                f"{path} was tokenized with a different tokenizer (vocab_size={made_by.get('vocab_size')},"
+                f" sha256={str(made_by.get('sha256'))[:12]}...) than {tokenizer.model_path}"
+                f" (vocab_size={tokenizer.vocab_size}, sha256={tokenizer.model_hash[:12]}...); prepare the data with"
+                " this tokenizer or train with the one that made it"
+            )
+    return info

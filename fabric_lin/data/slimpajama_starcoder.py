@@ -1,0 +1,57 @@
+"""SlimPajama mixed with Starcoder, as in TinyLlama's pretraining."""
+from dataclasses import dataclass
+from pathlib import Path
+
+from fabric_lin.data.base import DataModule, token_dataloader, token_dataset
+
+# share of training samples drawn from each dataset: their token counts in TinyLlama's mix
+SLIMPAJAMA_WEIGHT = 0.693584
+STARCODER_WEIGHT = 0.306416
+
+
+@dataclass
+class SlimPajamaStarcoder(DataModule):
+    """Prepared SlimPajama (train, val) and Starcoder directories under `data_path`."""
+
+    data_path: Path = Path("data/")
+    """Holds slimpajama/train, slimpajama/val and starcoder, each written by fabric-lin's preprocessors."""
+    use_starcoder: bool = True
+    """Mix Starcoder into the training data (0.693584 : 0.306416); False trains on SlimPajama alone."""
+    seed: int = 42
+    num_workers: int = 8
+
+    @property
+    def slimpajama_train(self) -> Path:
+        return Path(self.data_path) / "slimpajama" / "train"
+
+    @property
+    def slimpajama_val(self) -> Path:
+        return Path(self.data_path) / "slimpajama" / "val"
+
+    @property
+    def starcoder_train(self) -> Path:
+        return Path(self.data_path) / "starcoder"
+
+    def setup(self) -> None:
+        from fabric_lin.data.prepared import check_prepared_dir
+
+        for path in [self.slimpajama_train, self.slimpajama_val] + ([self.starcoder_train] if self.use_starcoder else []):
+            check_prepared_dir(path, self.tokenizer)
+
+    def train_dataloader(self):
+        from litdata.streaming import CombinedStreamingDataset
+
+        datasets = [token_dataset(self.slimpajama_train, self.block_size, True, self.seed, self.tokenizer)]
+        if self.use_starcoder:
+            datasets.append(token_dataset(self.starcoder_train, self.block_size, True, self.seed, self.tokenizer))
+            # iterate_over_all=False: sample by the weights; the epoch ends when one dataset runs out
+            dataset = CombinedStreamingDataset(
+                datasets=datasets, seed=self.seed, weights=(SLIMPAJAMA_WEIGHT, STARCODER_WEIGHT), iterate_over_all=False
+            )
+        else:
+            dataset = datasets[0]
+        return token_dataloader(dataset, self.batch_size, self.num_workers)
+
+    def val_dataloader(self):
+        dataset = token_dataset(self.slimpajama_val, self.block_size, False, self.seed, self.tokenizer)
+        return token_dataloader(dataset, self.batch_size, self.num_workers)

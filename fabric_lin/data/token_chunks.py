@@ -1,0 +1,39 @@
+"""Any one prepared directory (and an optional validation directory)."""
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from fabric_lin.data.base import DataModule, token_dataloader, token_dataset
+
+
+@dataclass
+class TokenChunks(DataModule):
+    """Token chunks written by `fabric-lin prepare_slimpajama` / `prepare_starcoder` (or SampleCorpus)."""
+
+    data_path: Optional[Path] = None
+    """Prepared directory to train on."""
+    val_path: Optional[Path] = None
+    """Prepared directory to validate on; without it `val_dataloader()` returns None (no validation)."""
+    shuffle: bool = True
+    """Shuffle the training blocks."""
+    seed: int = 42
+    num_workers: int = 8
+
+    def setup(self) -> None:
+        from fabric_lin.data.prepared import check_prepared_dir
+
+        if self.data_path is None:
+            raise ValueError("TokenChunks needs data_path: a directory written by fabric-lin's preprocessors")
+        check_prepared_dir(self.data_path, self.tokenizer)
+        if self.val_path is not None:
+            check_prepared_dir(self.val_path, self.tokenizer)
+
+    def train_dataloader(self):
+        dataset = token_dataset(self.data_path, self.block_size, self.shuffle, self.seed, self.tokenizer)
+        return token_dataloader(dataset, self.batch_size, self.num_workers)
+
+    def val_dataloader(self):
+        if self.val_path is None:
+            return None
+        dataset = token_dataset(self.val_path, self.block_size, False, self.seed, self.tokenizer)
+        return token_dataloader(dataset, self.batch_size, self.num_workers)
