@@ -1,0 +1,741 @@
+"""`fabric-lin pretrain`: pretrain a GLA (or transformer baseline) language model with Lightning Fabric.
+
+Reads top to bottom: `setup()` (the command line: check arguments, build Fabric, launch) ->
+`main()` (seed, model, optimizer, data, resume) -> `fit()` (the loop) -> `validate()`;
+then the checkpoint helpers (`save_checkpoint`, `find_resume_dir`).
+
+A checkpoint is a directory `out_dir/step-XXXXXXXX/` (the optimizer step) or `out_dir/final/`:
+`lit_model.pth` (Fabric's save of model, optimizer, train dataloader state, counters and RNG states;
+a directory of shards under FSDP), `hyperparameters.yaml`, `model_config.yaml` and the tokenizer
+files. It is written under a `.tmp-` name and renamed last, so any `step-*` directory is complete.
+"""
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, fields, is_dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Union
+
+import lightning as L
+import numpy as np
+import torch
+import yaml
+from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
+
+from fabric_lin.args import EvalArgs, OptimizerArgs, TrainArgs, learning_rate
+from fabric_lin.config import Config
+from fabric_lin.data import DataModule, SampleCorpus
+from fabric_lin.flops import flops_per_token, peak_flops
+from fabric_lin.model import GPT, Block, RMSNorm
+
+STEP_DIR_PATTERN = re.compile(r"^step-(\d{8})$")
+CHECKPOINT_FILE = "lit_model.pth"
+METRICS_FILE = "metrics.jsonl"
+PROCESS_START = time.perf_counter()
+
+# Data modules are dataclasses, for which jsonargparse disables subclasses by default; `--data SampleCorpus`
+# and YAML `data: {class_path: ..., init_args: ...}` need them enabled.
+try:
+    from jsonargparse import set_parsing_settings
+
+    set_parsing_settings(subclasses_enabled=[DataModule])
+except ImportError:  # the loop itself does not need jsonargparse
+    pass
+
+
+def setup(
+    model_name: Optional[str] = None,
+    model_config: Optional[Config] = None,
+    out_dir: Path = Path("out/pretrain"),
+    precision: Optional[Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]] = None,
+    resume: Union[bool, Literal["auto"], Path] = False,
+    initial_checkpoint_dir: Optional[Path] = None,
+    data: Optional[DataModule] = None,
+    train: TrainArgs = TrainArgs(),
+    eval: EvalArgs = EvalArgs(),
+    optimizer: OptimizerArgs = OptimizerArgs(),
+    devices: Union[int, Literal["auto"]] = "auto",
+    num_nodes: int = 1,
+    seed: int = 42,
+    tokenizer_dir: Optional[Path] = None,
+    logger_name: Literal["tensorboard", "csv", "wandb"] = "tensorboard",
+    compile: Optional[bool] = None,
+    activation_checkpointing: bool = False,
+    reset_state_at_doc_boundaries: bool = False,
+) -> None:
+    """Pretrain a model.
+
+    Arguments:
+        model_name: A name from `fabric-lin pretrain list` (mutually exclusive with model_config).
+        model_config: A full model configuration (the fields of `fabric_lin.config.Config`).
+        out_dir: Directory for checkpoints (step-XXXXXXXX/, final/), logs and metrics.jsonl.
+        precision: bf16-mixed, bf16-true, 16-mixed or 32-true. Default: bf16-mixed on GPU, 32-true on CPU.
+        resume: false: start fresh. true: resume from the newest checkpoint in out_dir (error if none).
+            auto: resume from the newest checkpoint if there is one. A path: resume from that checkpoint directory.
+        initial_checkpoint_dir: A model directory (convert_pretrained_checkpoint's output) whose weights
+            initialise the model before training (continued pretraining).
+        data: The data module. Default: SampleCorpus (a small corpus shipped with the package).
+        train: Training schedule, batch sizes and checkpointing.
+        eval: Validation.
+        optimizer: AdamW settings.
+        devices: Devices per node ("auto": every GPU, or one CPU process).
+        num_nodes: Number of nodes.
+        seed: Random seed (weights; the data order follows the data module's own seed).
+        tokenizer_dir: Directory of tokenizer.model. Default: the data module's tokenizer, if it has one.
+        logger_name: tensorboard, csv or wandb (needs `pip install wandb`).
+        compile: torch.compile the model. Default: on with CUDA, off on CPU.
+        activation_checkpointing: Recompute each Block's activations in the backward pass.
+        reset_state_at_doc_boundaries: Reset the recurrent state (and attention) at each EOS token,
+            so packed documents do not see each other.
+    """
+    config = resolve_model_config(model_name, model_config)
+    cuda = torch.cuda.is_available()
+    accelerator = "cuda" if cuda else "cpu"
+    if devices == "auto":
+        devices = torch.cuda.device_count() if cuda else 1
+    if not isinstance(devices, int) or devices < 1 or num_nodes < 1:
+        raise ValueError(f"devices must be a positive integer or 'auto' and num_nodes positive, got devices={devices!r}, num_nodes={num_nodes!r}")
+    precision = precision or ("bf16-mixed" if cuda else "32-true")
+    compile = cuda if compile is None else compile
+    data = SampleCorpus() if data is None else data
+    hparams = capture_hparams(dict(
+        model_name=model_name, model_config=model_config, out_dir=out_dir, precision=precision, resume=resume,
+        initial_checkpoint_dir=initial_checkpoint_dir, data=data, train=train, eval=eval, optimizer=optimizer,
+        devices=devices, num_nodes=num_nodes, seed=seed, tokenizer_dir=tokenizer_dir, logger_name=logger_name,
+        compile=compile, activation_checkpointing=activation_checkpointing,
+        reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
+    ))
+    # errors that would otherwise appear only after the model and the data are loaded
+    accumulation = train.gradient_accumulation_iters(devices, num_nodes)
+    max_steps = train.total_steps()
+    if train.lr_schedule == "wsd" and not 0.0 < train.wsd_decay_fraction <= 1.0:
+        raise ValueError(f"train.wsd_decay_fraction must be in (0, 1], got {train.wsd_decay_fraction}")
+    if train.keep_last_n is not None and train.keep_last_n < 1:
+        raise ValueError(f"train.keep_last_n must be at least 1 (or None to keep all), got {train.keep_last_n}")
+    if not (train.save_interval is None or train.save_interval > 0) or train.log_interval < 1 or eval.interval < 1:
+        raise ValueError(
+            f"train.save_interval ({train.save_interval}), train.log_interval ({train.log_interval}) and "
+            f"eval.interval ({eval.interval}) must be positive"
+        )
+    if initial_checkpoint_dir is not None and not Path(initial_checkpoint_dir).is_dir():
+        raise FileNotFoundError(f"--initial_checkpoint_dir {initial_checkpoint_dir} is not a directory (expected a model directory)")
+    check_out_dir_writable(Path(out_dir))
+
+    if devices * num_nodes > 1:
+        if cuda:
+            strategy = FSDPStrategy(
+                auto_wrap_policy={Block},
+                activation_checkpointing_policy={Block} if activation_checkpointing else None,
+                sharding_strategy="HYBRID_SHARD",
+                state_dict_type="sharded",
+                timeout=timedelta(minutes=30),
+            )
+        else:  # Fabric's FSDP refuses the CPU; DDP over gloo runs the same multi-process logic
+            strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(minutes=30))
+    else:
+        strategy = "auto"
+    logger = make_logger(logger_name, Path(out_dir), hparams)
+    fabric = L.Fabric(
+        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision,
+        loggers=[logger],
+    )
+    fabric.launch()
+    main(
+        fabric, config, Path(out_dir), resume, initial_checkpoint_dir, data, train, eval, optimizer, seed,
+        tokenizer_dir, compile, activation_checkpointing, reset_state_at_doc_boundaries, accumulation, max_steps,
+        hparams, precision,
+    )
+
+
+def main(
+    fabric: L.Fabric,
+    config: Config,
+    out_dir: Path,
+    resume: Union[bool, str, Path],
+    initial_checkpoint_dir: Optional[Path],
+    data: DataModule,
+    train: TrainArgs,
+    eval: EvalArgs,
+    optimizer_args: OptimizerArgs,
+    seed: int,
+    tokenizer_dir: Optional[Path],
+    compile: bool,
+    activation_checkpointing: bool,
+    reset_state_at_doc_boundaries: bool,
+    accumulation: int,
+    max_steps: int,
+    hparams: Dict[str, Any],
+    precision: str,
+) -> None:
+    stop = StopRequest()
+    stop.install()
+    resume_dir = find_resume_dir(resume, out_dir)  # before any work, so a bad --resume fails fast
+    fabric.seed_everything(seed)
+
+    # data
+    if fabric.global_rank == 0:
+        data.prepare_data()
+    fabric.barrier()
+    tokenizer_dir = tokenizer_dir or getattr(data, "tokenizer_dir", None)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{config.vocab_size}; use a model config with vocab_size >= {tokenizer.vocab_size}"
+        )
+    if reset_state_at_doc_boundaries and tokenizer is None:
+        raise ValueError("reset_state_at_doc_boundaries needs the EOS id: give --tokenizer_dir")
+    eos_id = tokenizer.eos_id if reset_state_at_doc_boundaries else None
+    data.connect(tokenizer=tokenizer, batch_size=train.micro_batch_size, max_seq_length=train.max_seq_length)
+    data.setup()
+    train_dataloader = data.train_dataloader()
+    val_dataloader = data.val_dataloader()
+    train_dataloader, val_dataloader = fabric.setup_dataloaders(train_dataloader, val_dataloader)
+
+    # model: empty (meta under FSDP) then initialised in place, as an eager build with this seed
+    sharded = isinstance(fabric.strategy, FSDPStrategy)
+    with fabric.init_module(empty_init=True):
+        model = GPT(config)
+    if not sharded:
+        fabric.seed_everything(seed)
+        model.reset_parameters()
+        if initial_checkpoint_dir is not None:
+            model.load_state_dict(load_initial_weights(initial_checkpoint_dir))
+        if activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    no_decay = no_decay_parameter_names(model)
+    fabric.print(f"{config.name or 'model'}: {sum(p.numel() for p in model.parameters()):,} parameters")
+    if compile:
+        model = torch.compile(model)
+    model = fabric.setup(model)  # under FSDP, wrapping materialises the meta model via reset_parameters
+    if sharded and initial_checkpoint_dir is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(
+            model._forward_module if hasattr(model, "_forward_module") else model,
+            load_initial_weights(initial_checkpoint_dir),
+            options=StateDictOptions(full_state_dict=True, strict=True),
+        )
+
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if canonical_name(n) not in no_decay], "weight_decay": optimizer_args.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if canonical_name(n) in no_decay], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(
+        groups, lr=optimizer_args.lr, betas=tuple(optimizer_args.betas), eps=optimizer_args.eps,
+        fused=fabric.device.type == "cuda",
+    )
+    optimizer = fabric.setup_optimizers(optimizer)
+
+    state = {
+        "model": model,
+        "optimizer": optimizer,
+        "train_dataloader": train_dataloader,
+        "iter_num": 0,
+        "step_count": 0,
+        "skipped_steps": 0,
+        "rng_states": {},
+    }
+    if resume_dir is not None:
+        fabric.print(f"Resuming from {resume_dir}")
+        fabric.load(resume_dir / CHECKPOINT_FILE, state)
+        set_rng_states(state["rng_states"])
+
+    ctx = RunContext(
+        out_dir=out_dir, hparams=hparams, config=config, tokenizer_dir=tokenizer_dir, train=train, eval=eval,
+        optimizer_args=optimizer_args, accumulation=accumulation, max_steps=max_steps, eos_id=eos_id,
+        precision=precision, stop=stop,
+    )
+    fit(fabric, state, val_dataloader, ctx)
+
+
+class RunContext:
+    """What fit() needs besides the train state: settings and file locations."""
+
+    def __init__(self, **kwargs: Any):
+        self.__dict__.update(kwargs)
+
+
+def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext) -> None:
+    model, optimizer, train = state["model"], state["optimizer"], ctx.train
+    tokens_per_step = train.global_batch_size * train.max_seq_length
+    flops_token = flops_per_token(ctx.config, train.max_seq_length)
+    peak = peak_flops(fabric.device, ctx.precision)
+    metrics_path = ctx.out_dir / METRICS_FILE
+    pending: List[Tuple[int, torch.Tensor, float, torch.Tensor]] = []
+    start_step = state["step_count"]
+
+    if ctx.eval.initial_validation and start_step == 0:
+        val_loss = validate(fabric, model, val_dataloader, ctx.eval.max_iters)
+        log_validation(fabric, metrics_path, 0, val_loss)
+    if start_step >= ctx.max_steps:
+        fabric.print(f"Nothing to train: the checkpoint is at step {start_step}, max_steps is {ctx.max_steps}")
+        return
+
+    train_iterator = CycleIterator(state["train_dataloader"])
+    fabric.barrier()
+    run_start = window_start = time.perf_counter()
+    window_step = start_step
+    first_step_time = None
+    consecutive_nonfinite = 0
+    stopped_by_signal = False
+
+    while state["step_count"] < ctx.max_steps:
+        step = state["step_count"]
+        lr = learning_rate(step, ctx.optimizer_args.lr, train.min_lr, train.lr_warmup_steps, ctx.max_steps, train.lr_schedule, train.wsd_decay_fraction)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        loss_sum = torch.zeros((), device=fabric.device)
+        for micro in range(ctx.accumulation):
+            batch = next(train_iterator).long()  # litdata's TokensLoader yields the stored dtype (often int32)
+            state["iter_num"] += 1
+            input_ids = batch[:, : train.max_seq_length].contiguous()
+            targets = batch[:, 1 : train.max_seq_length + 1].contiguous()
+            with fabric.no_backward_sync(model, enabled=micro < ctx.accumulation - 1):
+                loss = compute_loss(model, input_ids, targets, ctx.eos_id)
+                fabric.backward(loss / ctx.accumulation)
+            loss_sum += loss.detach()
+        grad_norm = fabric.clip_gradients(
+            model, optimizer, max_norm=train.max_norm if train.max_norm else float("inf"), error_if_nonfinite=False
+        )
+        step_loss = loss_sum / ctx.accumulation
+        # one collective per step: the global grad norm is the same on every rank, the signal may not be
+        nonfinite = not bool(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
+        nonfinite, stop_now = agree(fabric, nonfinite, ctx.stop.requested)
+        if nonfinite:
+            # skip the update (the data is consumed and the step counted, as a loss-scaler skip)
+            optimizer.zero_grad(set_to_none=True)
+            state["skipped_steps"] += 1
+            consecutive_nonfinite += 1
+            fabric.print(f"step {step + 1}: non-finite loss or gradient norm, update skipped ({consecutive_nonfinite} in a row)")
+        else:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            consecutive_nonfinite = 0
+        state["step_count"] += 1
+        step = state["step_count"]
+        if first_step_time is None:
+            first_step_time = time.perf_counter() - PROCESS_START
+            fabric.print(f"Time to first optimizer step: {first_step_time:.1f}s (from process start)")
+            fabric.log_dict({"time_to_first_step_s": first_step_time}, step=step)
+        pending.append((step, step_loss.detach(), lr, grad_norm.detach()))
+
+        if consecutive_nonfinite >= train.max_nonfinite_steps:
+            flush_metrics(fabric, metrics_path, pending)
+            save_checkpoint(fabric, state, ctx, f"step-{step:08d}")
+            raise RuntimeError(
+                f"{consecutive_nonfinite} consecutive steps with a non-finite loss or gradient norm "
+                f"(train.max_nonfinite_steps={train.max_nonfinite_steps}); the last good weights are saved in "
+                f"{ctx.out_dir / f'step-{step:08d}'}. Lower optimizer.lr or check the data."
+            )
+
+        if step % train.log_interval == 0 or step == ctx.max_steps or stop_now:
+            now = time.perf_counter()
+            losses = flush_metrics(fabric, metrics_path, pending)
+            elapsed_window = now - window_start
+            tokens_per_sec = (step - window_step) * tokens_per_step / max(elapsed_window, 1e-9)
+            metrics = {
+                "loss": losses[-1], "lr": lr, "grad_norm": float(grad_norm), "tokens_per_sec": tokens_per_sec,
+                "tokens": step * tokens_per_step, "skipped_steps": state["skipped_steps"],
+            }
+            if peak is not None:
+                metrics["mfu"] = flops_token * tokens_per_sec / (peak * fabric.world_size)
+            if fabric.device.type == "cuda":
+                metrics["max_memory_gb"] = torch.cuda.max_memory_allocated(fabric.device) / 1e9
+            fabric.log_dict(metrics, step=step)
+            seconds_per_step = (now - run_start) / max(step - start_step, 1)
+            eta = seconds_per_step * (ctx.max_steps - step)
+            fabric.print(progress_line(step, ctx.max_steps, metrics, eta))
+            window_start, window_step = now, step
+
+        if step % ctx.eval.interval == 0 and step < ctx.max_steps:
+            val_loss = validate(fabric, model, val_dataloader, ctx.eval.max_iters)
+            log_validation(fabric, metrics_path, step, val_loss)
+        if stop_now:
+            flush_metrics(fabric, metrics_path, pending)
+            save_checkpoint(fabric, state, ctx, f"step-{step:08d}")
+            fabric.print(f"Stop requested by signal: checkpoint saved at step {step}; resume with --resume auto")
+            stopped_by_signal = True
+            break
+        if train.save_interval is not None and step % train.save_interval == 0 and step < ctx.max_steps:
+            flush_metrics(fabric, metrics_path, pending)
+            save_checkpoint(fabric, state, ctx, f"step-{step:08d}")
+
+    elapsed = time.perf_counter() - run_start
+    flush_metrics(fabric, metrics_path, pending)
+    if stopped_by_signal:
+        return
+    if ctx.eval.final_validation:
+        val_loss = validate(fabric, model, val_dataloader, ctx.eval.max_iters)
+        log_validation(fabric, metrics_path, state["step_count"], val_loss)
+    save_checkpoint(fabric, state, ctx, "final")
+    trained_tokens = (state["step_count"] - start_step) * tokens_per_step
+    summary = (
+        f"Training finished: {state['step_count'] * tokens_per_step:,} tokens in total "
+        f"({trained_tokens:,} in this run) | elapsed {format_seconds(elapsed)} | "
+        f"{trained_tokens / max(elapsed, 1e-9):,.0f} tokens/s"
+    )
+    if fabric.device.type == "cuda":
+        summary += f" | peak memory {torch.cuda.max_memory_allocated(fabric.device) / 1e9:.2f} GB"
+    fabric.print(summary)
+
+
+@torch.no_grad()
+def validate(fabric: L.Fabric, model, val_dataloader, max_iters: int) -> float:
+    """Mean loss over `max_iters` validation batches per rank, averaged over ranks."""
+    model.eval()
+    losses = []
+    for i, batch in enumerate(val_dataloader):
+        if i >= max_iters:
+            break
+        batch = batch.long()
+        losses.append(model(batch[:, :-1].contiguous(), targets=batch[:, 1:].contiguous()))
+    model.train()
+    if not losses:
+        raise RuntimeError("the validation dataloader yielded no batch: check the data module's validation split")
+    val_loss = torch.stack(losses).mean()
+    return float(fabric.all_reduce(val_loss, reduce_op="mean"))
+
+
+def compute_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, eos_id: Optional[int]) -> torch.Tensor:
+    if eos_id is None:
+        return model(input_ids, targets=targets)
+    # packed documents: flatten the micro-batch to one row and reset the state after each EOS
+    cu_seqlens = doc_boundaries(input_ids, eos_id)
+    return model(input_ids.reshape(1, -1), targets=targets.reshape(1, -1), cu_seqlens=cu_seqlens)
+
+
+def doc_boundaries(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """cu_seqlens (int32, starting at 0, ending at B*T) for the rows of `input_ids` [B, T] laid end to
+    end: a document starts at each row start and after each EOS token."""
+    B, T = input_ids.shape
+    flat = input_ids.reshape(-1)
+    after_eos = torch.nonzero(flat == eos_id).flatten() + 1
+    row_starts = torch.arange(0, B * T + 1, T, device=flat.device)
+    bounds = torch.unique(torch.cat([row_starts, after_eos]))  # sorted; B*T appears once
+    return bounds.to(torch.int32)
+
+
+def agree(fabric: L.Fabric, *flags: bool) -> Tuple[bool, ...]:
+    """Each flag true on any rank -> true on every rank."""
+    if fabric.world_size == 1:
+        return tuple(flags)
+    t = torch.tensor([float(f) for f in flags], device=fabric.device)
+    t = fabric.all_reduce(t, reduce_op="sum")
+    return tuple(bool(x > 0) for x in t.tolist())
+
+
+class CycleIterator:
+    """Iterate a dataloader forever, starting a new epoch when one ends."""
+
+    def __init__(self, iterable):
+        self.iterable = iterable
+        self.epoch = 0
+        self._iterator: Optional[Iterator] = None
+
+    def __next__(self):
+        if self._iterator is None:
+            self._iterator = iter(self.iterable)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self.epoch += 1
+            self._iterator = iter(self.iterable)
+            return next(self._iterator)
+
+    def __iter__(self):
+        return self
+
+
+class StopRequest:
+    """SIGTERM or SIGUSR1 (a scheduler's preemption notice) -> checkpoint at the next step boundary, exit 0."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        self.requested = False
+
+    def install(self) -> None:
+        for name in self.SIGNALS:
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+
+# ---------------------------------------------------------------- logging
+
+
+def flush_metrics(fabric: L.Fabric, path: Path, pending: List) -> List[float]:
+    """Write the pending per-step records to metrics.jsonl (rank 0) and return their losses, averaged
+    over ranks. One device-to-host transfer per call, not per step."""
+    if not pending:
+        return []
+    losses = torch.stack([p[1] for p in pending]).float()
+    losses = fabric.all_reduce(losses, reduce_op="mean") if fabric.world_size > 1 else losses
+    norms = torch.stack([p[3].float() for p in pending])
+    loss_values, norm_values = losses.tolist(), norms.tolist()
+    if fabric.global_rank == 0:
+        with open(path, "a", encoding="utf-8") as f:
+            for (step, _, lr, _), loss, norm in zip(pending, loss_values, norm_values):
+                f.write(json.dumps({"step": step, "loss": loss, "lr": lr, "grad_norm": norm}) + "\n")
+    pending.clear()
+    return loss_values
+
+
+def log_validation(fabric: L.Fabric, path: Path, step: int, val_loss: float) -> None:
+    val_ppl = math.exp(min(val_loss, 100.0))
+    fabric.log_dict({"val_loss": val_loss, "val_ppl": val_ppl}, step=step)
+    fabric.print(f"step {step}: val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}")
+    if fabric.global_rank == 0:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "val_loss": val_loss, "val_ppl": val_ppl}) + "\n")
+
+
+def progress_line(step: int, max_steps: int, m: Dict[str, float], eta: float) -> str:
+    line = (
+        f"step {step}/{max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | grad_norm {m['grad_norm']:.3f} | "
+        f"{m['tokens_per_sec']:,.0f} tok/s"
+    )
+    if "mfu" in m:
+        line += f" | MFU {100 * m['mfu']:.1f}%"
+    if "max_memory_gb" in m:
+        line += f" | mem {m['max_memory_gb']:.1f} GB"
+    return line + f" | ETA {format_seconds(eta)}"
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def make_logger(name: str, out_dir: Path, hparams: Dict[str, Any]):
+    if name == "tensorboard":
+        from lightning.fabric.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(root_dir=out_dir / "logs", name="tensorboard")
+    if name == "csv":
+        from lightning.fabric.loggers import CSVLogger
+
+        return CSVLogger(root_dir=out_dir / "logs", name="csv")
+    if name == "wandb":
+        try:
+            from lightning.pytorch.loggers import WandbLogger
+            import wandb  # noqa: F401
+        except ImportError as e:
+            raise ImportError("logger_name=wandb needs the wandb package: pip install wandb") from e
+        return WandbLogger(project="fabric-lin", name=out_dir.name, save_dir=str(out_dir / "logs"), resume="allow", config=hparams)
+    raise ValueError(f"logger_name must be tensorboard, csv or wandb, got {name!r}")
+
+
+# ---------------------------------------------------------------- model helpers
+
+
+def resolve_model_config(model_name: Optional[str], model_config: Optional[Config]) -> Config:
+    if (model_name is None) == (model_config is None):
+        raise ValueError("give exactly one of --model_name and --model_config (`fabric-lin pretrain list` shows the names)")
+    return Config.from_name(model_name) if model_name is not None else model_config
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name without the prefixes that compile, FSDP, Fabric and checkpoint wrappers add."""
+    for prefix in ("_forward_module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def no_decay_parameter_names(model: torch.nn.Module) -> set:
+    """Norm weights and biases: no weight decay."""
+    names = set()
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            if isinstance(module, RMSNorm) or param_name == "bias":
+                names.add(canonical_name(f"{module_name}.{param_name}" if module_name else param_name))
+    return names
+
+
+def load_initial_weights(model_dir: Path) -> Dict[str, torch.Tensor]:
+    from fabric_lin.convert.model_dir import load_model_dir_weights  # weights_only, names the mismatches
+
+    return load_model_dir_weights(model_dir)
+
+
+def load_tokenizer(tokenizer_dir: Optional[Path]):
+    if tokenizer_dir is None:
+        return None
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    return Tokenizer(tokenizer_dir)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(fabric: L.Fabric, state: Dict[str, Any], ctx: RunContext, name: str) -> Path:
+    """Write out_dir/<name>/ atomically: everything goes into out_dir/.tmp-<name>/, renamed last."""
+    final_dir = ctx.out_dir / name
+    tmp_dir = ctx.out_dir / f".tmp-{name}"
+    if fabric.global_rank == 0:
+        if tmp_dir.exists():  # left by a run killed while saving
+            shutil.rmtree(tmp_dir)
+        tmp_dir.mkdir(parents=True)
+    fabric.barrier()
+    state["rng_states"] = get_rng_states()
+    fabric.save(tmp_dir / CHECKPOINT_FILE, state)  # every rank takes part; it ends with a barrier
+    if fabric.global_rank == 0:
+        save_hparams(ctx.hparams, tmp_dir / "hyperparameters.yaml")
+        ctx.config.save(tmp_dir / "model_config.yaml")
+        if ctx.tokenizer_dir is not None:
+            from fabric_lin.data.tokenizer import copy_tokenizer_files
+
+            copy_tokenizer_files(ctx.tokenizer_dir, tmp_dir)
+        fsync_tree(tmp_dir)
+        if final_dir.exists():  # e.g. a resumed run passing a step it had saved before
+            old = ctx.out_dir / f".tmp-old-{name}"
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final_dir, old)
+            os.replace(tmp_dir, final_dir)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp_dir, final_dir)
+        fsync_dir(ctx.out_dir)
+        if name != "final" and ctx.train.keep_last_n is not None:
+            prune_checkpoints(ctx.out_dir, ctx.train.keep_last_n)
+        fabric.print(f"Saved checkpoint {final_dir}")
+    fabric.barrier()
+    return final_dir
+
+
+def step_checkpoints(out_dir: Path) -> List[Path]:
+    """Complete step-* checkpoints, oldest first."""
+    if not out_dir.is_dir():
+        return []
+    found = [p for p in out_dir.iterdir() if STEP_DIR_PATTERN.match(p.name) and (p / CHECKPOINT_FILE).exists()]
+    return sorted(found, key=lambda p: int(STEP_DIR_PATTERN.match(p.name).group(1)))
+
+
+def find_resume_dir(resume: Union[bool, str, Path], out_dir: Path) -> Optional[Path]:
+    """The checkpoint directory to resume from, or None for a fresh start.
+
+    auto/true pick `final/` if present (it is written after every step checkpoint of the run), else the
+    newest step-* directory; temporary `.tmp-*` directories are never considered."""
+    if resume is False or resume is None:
+        return None
+    if resume is True or resume == "auto":
+        candidates = []
+        if (out_dir / "final" / CHECKPOINT_FILE).exists():
+            candidates.append(out_dir / "final")
+        candidates += step_checkpoints(out_dir)[::-1]
+        if candidates:
+            return candidates[0]
+        if resume == "auto":
+            return None
+        raise FileNotFoundError(f"--resume true: no checkpoint (step-XXXXXXXX/ or final/ with {CHECKPOINT_FILE}) in {out_dir}")
+    path = Path(resume)
+    if path.name == CHECKPOINT_FILE:
+        path = path.parent
+    if not (path / CHECKPOINT_FILE).exists():
+        raise FileNotFoundError(f"--resume {resume}: expected a checkpoint directory holding {CHECKPOINT_FILE}")
+    return path
+
+
+def prune_checkpoints(out_dir: Path, keep_last_n: int) -> None:
+    """Delete all but the newest `keep_last_n` complete step-* checkpoints (called after a save completes)."""
+    for old in step_checkpoints(out_dir)[:-keep_last_n]:
+        # rename first, so a kill during the deletion leaves a .tmp- directory, never a partial step-*
+        doomed = out_dir / f".tmp-deleted-{old.name}"
+        os.replace(old, doomed)
+        shutil.rmtree(doomed)
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for filename in filenames:
+            with open(os.path.join(dirpath, filename), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_out_dir_writable(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".tmp-write-test-{os.getpid()}"
+        probe.write_bytes(b"0" * 4096)
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"out_dir {out_dir} is not writable: {e}") from e
+
+
+def get_rng_states() -> Dict[str, Any]:
+    """Python, NumPy and torch generator states, as tensors and plain values (loadable with weights_only)."""
+    np_state = np.random.get_state()
+    states = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: Dict[str, Any]) -> None:
+    if not states:
+        return
+    random.setstate(tuple(states["python"]) if not isinstance(states["python"], tuple) else states["python"])
+    name, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# ---------------------------------------------------------------- hyperparameters
+
+
+def capture_hparams(arguments: Dict[str, Any]) -> Dict[str, Any]:
+    """setup()'s arguments as plain data, written as hyperparameters.yaml (usable with --config)."""
+    return {key: to_plain(value) for key, value in arguments.items()}
+
+
+def to_plain(value: Any) -> Any:
+    if isinstance(value, DataModule) and is_dataclass(value):
+        cls = type(value)
+        init_args = {f.name: to_plain(getattr(value, f.name)) for f in fields(value) if f.init}
+        return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_plain(getattr(value, f.name)) for f in fields(value) if f.init}
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_plain(v) for k, v in value.items()}
+    return value
+
+
+def save_hparams(hparams: Dict[str, Any], path: Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(hparams, f, sort_keys=False)
