@@ -1,0 +1,276 @@
+"""Model directory <-> Hugging Face format of flash-linear-attention (fla).
+
+fla's `GLAForCausalLM` (model_type "gla") and `TransformerForCausalLM` (model_type "transformer")
+name their parameters as fabric-lin does, under a `model.` prefix, with two exceptions:
+
+    fabric-lin                          fla
+    embeddings.weight                   model.embeddings.weight
+    layers.{i}.attn.g_norm.weight       model.layers.{i}.attn.g_norm_swish_gate.weight   (fuse_norm: true)
+                                        model.layers.{i}.attn.g_norm.weight              (fuse_norm: false)
+    lm_head.weight                      lm_head.weight           (absent when embeddings are tied)
+
+Config fields map one to one, except that fla's GLA block uses `norm_eps` for the per-head output
+norm too, while fabric-lin has its own `head_norm_eps` (1e-5 by default, next to norm_eps 1e-6). The
+exported config.json keeps fla's meaning (`norm_eps` = the block norms' eps) and records
+fabric-lin's own values under the extra key "fabric_lin", which fla ignores and `convert_from_hf`
+reads back, so a round trip is exact; loaded in fla, the head norm runs with norm_eps.
+fla also fixes the forget gate's low-rank width and logit normalizer at 16; other values are refused.
+"""
+import json
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from fabric_lin.config import Config
+from fabric_lin.convert.model_dir import (
+    atomic_write,
+    cast_floating,
+    check_state_dict,
+    copy_tokenizer,
+    load_model_dir_weights,
+    load_safetensors_dir,
+    parse_dtype,
+    prepare_output_dir,
+    read_json,
+    save_model_dir,
+    save_safetensors_dir,
+)
+
+HF_CONFIG_FILE = "config.json"
+ARCHITECTURES = {"gla": "GLAForCausalLM", "transformer": "TransformerForCausalLM"}
+FLA_FIXED_GATE = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}
+
+
+def convert_to_hf(
+    model_dir: Path, output_dir: Path, dtype: Optional[str] = None, overwrite: bool = False, max_shard_gb: float = 5.0
+) -> None:
+    """Export a model directory as safetensors + config.json in flash-linear-attention's format, so
+    that, with fla installed, `AutoModelForCausalLM.from_pretrained(output_dir)` loads it.
+
+    Args:
+        model_dir: a model directory (what convert_pretrained_checkpoint writes).
+        output_dir: where to write model.safetensors (or shards and an index), config.json and the tokenizer files.
+        dtype: cast floating-point weights to float32, bfloat16 or float16 (default: keep).
+        overwrite: write into a non-empty output_dir.
+        max_shard_gb: largest safetensors file; more weights than this are split into shards with an index.
+    """
+    model_dir = Path(model_dir)
+    torch_dtype = parse_dtype(dtype)
+    config = Config.from_checkpoint(model_dir)
+    hf_config = fla_config(config)
+    state_dict = load_model_dir_weights(model_dir)
+    check_state_dict(state_dict, config, source=str(model_dir))
+    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[model_dir])
+
+    state_dict = cast_floating(state_dict, torch_dtype)
+    hf_state = {to_hf_name(name): tensor for name, tensor in state_dict.items()}
+    floating = {t.dtype for t in hf_state.values() if t.is_floating_point()}
+    hf_config["torch_dtype"] = str(floating.pop()).removeprefix("torch.") if len(floating) == 1 else "float32"
+    tokenizer_ids = special_token_ids(model_dir)
+    hf_config.update(tokenizer_ids)
+
+    files = save_safetensors_dir(hf_state, output_dir, max_shard_bytes=int(max_shard_gb * 2**30))
+    atomic_write(output_dir / HF_CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
+    tokenizer_files = copy_tokenizer(model_dir, output_dir)
+    if tokenizer_files and not (output_dir / "tokenizer_config.json").exists():
+        write_hf_tokenizer_config(output_dir, model_dir)
+        tokenizer_files.append("tokenizer_config.json")
+    print(f"Exported {model_dir} as fla {hf_config['architectures'][0]} ({len(hf_state)} tensors) -> {output_dir}: {files}")
+    if config.block_type == "gla" and config.head_norm_eps != config.norm_eps:
+        print(
+            f"Note: fla's GLA uses norm_eps={config.norm_eps} for the per-head output norm, where this model "
+            f"used head_norm_eps={config.head_norm_eps}; fla's logits therefore differ slightly from fabric-lin's."
+        )
+    print(f"Tokenizer files: {tokenizer_files}")
+
+
+def convert_from_hf(
+    checkpoint_dir: Path, output_dir: Path, dtype: Optional[str] = None, overwrite: bool = False, name: Optional[str] = None
+) -> None:
+    """Convert a flash-linear-attention GLAForCausalLM (or TransformerForCausalLM) checkpoint in
+    safetensors format into a model directory.
+
+    Args:
+        checkpoint_dir: a directory with config.json and model.safetensors (or shards and model.safetensors.index.json).
+        output_dir: where to write the model directory.
+        dtype: cast floating-point weights to float32, bfloat16 or float16 (default: keep).
+        overwrite: write into a non-empty output_dir.
+        name: the model's name in model_config.yaml (default: the one recorded at export, else the directory name).
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    torch_dtype = parse_dtype(dtype)
+    config_path = checkpoint_dir / HF_CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} does not exist: expected a Hugging Face checkpoint directory with config.json")
+    config = config_from_fla(read_json(config_path), config_path, name=name or checkpoint_dir.name)
+    if not any(checkpoint_dir.glob("*.safetensors")) and any(checkpoint_dir.glob("*.bin")):
+        raise ValueError(
+            f"{checkpoint_dir} holds PyTorch .bin weights; only safetensors are read (a .bin file is a pickle that "
+            "can run code). Save it with `model.save_pretrained(dir, safe_serialization=True)`"
+        )
+    hf_state = load_safetensors_dir(checkpoint_dir)
+    if config.tie_embeddings:
+        hf_state.pop("lm_head.weight", None)  # tied: the same tensor as the embeddings
+    state_dict = {from_hf_name(name): tensor for name, tensor in hf_state.items()}
+    check_state_dict(state_dict, config, source=str(checkpoint_dir))
+    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
+    state_dict = cast_floating(state_dict, torch_dtype)
+    tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir)
+    print(f"Converted {checkpoint_dir} ({len(state_dict)} tensors) -> {output_dir}; tokenizer files {tokenizer_files}")
+
+
+def to_hf_name(name: str) -> str:
+    if name == "lm_head.weight":
+        return name
+    if name.endswith(".attn.g_norm.weight"):
+        name = name.replace(".attn.g_norm.weight", ".attn.g_norm_swish_gate.weight")
+    return f"model.{name}"
+
+
+def from_hf_name(name: str) -> str:
+    if name == "lm_head.weight":
+        return name
+    name = name.removeprefix("model.")
+    return name.replace(".attn.g_norm_swish_gate.weight", ".attn.g_norm.weight")
+
+
+def fla_config(config: Config) -> dict:
+    """config.json fields of fla's GLAConfig / TransformerConfig for `config`."""
+    common = dict(
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        hidden_ratio=config.hidden_ratio,
+        intermediate_size=config.intermediate_size,
+        hidden_act="swish",
+        max_position_embeddings=config.max_seq_length,
+        elementwise_affine=True,
+        norm_eps=config.norm_eps,
+        initializer_range=config.initializer_range,
+        tie_word_embeddings=config.tie_embeddings,
+        use_cache=True,
+        fuse_norm=True,
+        fuse_swiglu=True,
+        fuse_cross_entropy=True,
+        vocab_size=config.vocab_size,
+    )
+    if config.block_type == "gla":
+        wrong = {k: getattr(config, k) for k, v in FLA_FIXED_GATE.items() if getattr(config, k) != v}
+        if wrong:
+            raise ValueError(f"fla's GLA fixes {FLA_FIXED_GATE}; this model has {wrong}, so it cannot be exported to fla")
+        specific = dict(
+            expand_k=config.expand_k,
+            expand_v=config.expand_v,
+            attn_mode="chunk",
+            use_short_conv=False,
+            conv_size=4,
+            use_output_gate=True,
+            feature_map=None,
+            clamp_min=None,
+            use_gk=True,
+            use_gv=False,
+            attn=None,
+        )
+        ours = dict(name=config.name, head_norm_eps=config.head_norm_eps, **FLA_FIXED_GATE)
+    else:
+        specific = dict(qkv_bias=False, qk_norm=False, window_size=None, rope_theta=config.rope_base)
+        ours = dict(name=config.name)
+    model_type = config.block_type
+    return dict(architectures=[ARCHITECTURES[model_type]], model_type=model_type, **common, **specific, fabric_lin=ours)
+
+
+def config_from_fla(hf: dict, path: Path, name: str) -> Config:
+    """Our Config for an fla config.json; features fabric-lin's model does not have are refused."""
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported; expected one of {list(ARCHITECTURES)} (fla's GLA or transformer)")
+
+    def get(key, default=None):
+        return hf.get(key, default) if hf.get(key) is not None else default
+
+    unsupported = {
+        "hidden_act": (get("hidden_act", "swish"), ("swish", "silu")),
+        "elementwise_affine": (get("elementwise_affine", True), (True,)),
+    }
+    if model_type == "gla":
+        unsupported.update(
+            use_short_conv=(get("use_short_conv", False), (False,)),
+            feature_map=(hf.get("feature_map"), (None,)),
+            use_output_gate=(get("use_output_gate", True), (True,)),
+            clamp_min=(hf.get("clamp_min"), (None,)),
+            use_gk=(get("use_gk", True), (True,)),
+            use_gv=(get("use_gv", False), (False,)),
+            attn=(hf.get("attn"), (None,)),
+        )
+    else:
+        unsupported.update(
+            qkv_bias=(get("qkv_bias", False), (False,)),
+            qk_norm=(get("qk_norm", False), (False,)),
+            window_size=(hf.get("window_size"), (None,)),
+        )
+    bad = [f"{k}={v!r} (supported: {', '.join(map(repr, ok))})" for k, (v, ok) in unsupported.items() if v not in ok]
+    if bad:
+        raise ValueError(f"{path}: fabric-lin's {model_type} model has no equivalent of " + "; ".join(bad))
+    required = ["hidden_size", "num_hidden_layers", "num_heads", "vocab_size"]
+    missing = [k for k in required if not isinstance(hf.get(k), int)]
+    if missing:
+        raise ValueError(f"{path}: missing or non-integer fields {missing}")
+    ours = hf.get("fabric_lin") if isinstance(hf.get("fabric_lin"), dict) else {}
+    norm_eps = float(get("norm_eps", 1e-6))
+    fields = dict(
+        name=ours.get("name") or name,
+        block_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_heads"],
+        num_kv_heads=hf.get("num_kv_heads"),
+        hidden_ratio=get("hidden_ratio", 4),
+        intermediate_size=hf.get("intermediate_size"),
+        norm_eps=norm_eps,
+        tie_embeddings=bool(get("tie_word_embeddings", False)),
+        initializer_range=float(get("initializer_range", 0.02)),
+        max_seq_length=int(get("max_position_embeddings", 2048)),
+    )
+    if model_type == "gla":
+        fields.update(
+            expand_k=get("expand_k", 0.5),
+            expand_v=get("expand_v", 1.0),
+            head_norm_eps=float(ours.get("head_norm_eps", norm_eps)),  # fla: the head norm uses norm_eps
+            **FLA_FIXED_GATE,
+        )
+    else:
+        fields.update(rope_base=float(get("rope_theta", 10000.0)))
+    try:
+        return Config(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def special_token_ids(model_dir: Path) -> Dict[str, Optional[int]]:
+    """bos/eos ids for config.json from the model directory's tokenizer, when it has one."""
+    if not (model_dir / "tokenizer.model").is_file():
+        return {}
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model_dir)
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+
+
+def write_hf_tokenizer_config(output_dir: Path, model_dir: Path) -> None:
+    """A tokenizer_config.json for `AutoTokenizer` (SentencePiece via LlamaTokenizer). fabric-lin trains
+    on documents without BOS and with EOS at the end, so no BOS is added to a prompt."""
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model_dir)
+    piece = tokenizer.processor.IdToPiece
+    data = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": piece(tokenizer.bos_id) if tokenizer.bos_id is not None else None,
+        "eos_token": piece(tokenizer.eos_id) if tokenizer.eos_id is not None else None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
+    atomic_write(output_dir / "tokenizer_config.json", lambda p: Path(p).write_text(json.dumps(data, indent=2) + "\n"))

@@ -1,0 +1,225 @@
+"""convert_to_hf / convert_from_hf: flash-linear-attention's GLAForCausalLM format, both ways."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from fabric_lin.config import Config
+from fabric_lin.convert.hf import convert_from_hf, convert_to_hf
+from fabric_lin.convert.model_dir import load_model_dir_weights
+from fabric_lin.model import GPT
+
+
+def train_sentencepiece(directory: Path, vocab_size: int = 64) -> None:
+    import sentencepiece as spm
+
+    directory.mkdir(parents=True, exist_ok=True)
+    text = directory / "corpus.txt"
+    text.write_text("\n".join(f"the gated linear attention model number {i} reads tokens" for i in range(200)))
+    spm.SentencePieceTrainer.Train(
+        input=str(text), model_prefix=str(directory / "tokenizer"), vocab_size=vocab_size, model_type="bpe",
+        bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,
+    )
+    text.unlink()
+    (directory / "tokenizer.vocab").unlink()
+
+
+def make_model_dir(directory: Path, config: Config, seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = GPT(config)
+    with torch.no_grad():  # norms and biases away from their init, so a mix-up would show
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(state, directory / "lit_model.pth")
+    config.save(directory / "model_config.yaml")
+    train_sentencepiece(directory)
+    return state
+
+
+def small_config(**overrides) -> Config:
+    return Config.from_name("gla-debug", vocab_size=64, num_layers=2, **overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"tie_embeddings": True}, {"num_heads": 4, "num_kv_heads": 2}, {"block_type": "transformer", "num_heads": 4}],
+    ids=["gla", "gla-tied", "gla-gqa", "transformer"],
+)
+def test_round_trip_is_exact(tmp_path, overrides):
+    config = small_config(**overrides)
+    state = make_model_dir(tmp_path / "model", config)
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    convert_from_hf(tmp_path / "hf", tmp_path / "back")
+
+    assert Config.from_checkpoint(tmp_path / "back") == config
+    back = load_model_dir_weights(tmp_path / "back")
+    assert sorted(back) == sorted(state)
+    for name in state:
+        assert torch.equal(back[name], state[name]), name
+    assert (tmp_path / "back" / "tokenizer.model").read_bytes() == (tmp_path / "model" / "tokenizer.model").read_bytes()
+
+
+def test_export_uses_fla_names_and_config_fields(tmp_path):
+    config = small_config()
+    state = make_model_dir(tmp_path / "model", config)
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert files == ["config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
+
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    assert len(hf) == len(state)
+    assert torch.equal(hf["model.embeddings.weight"], state["embeddings.weight"])
+    assert torch.equal(hf["lm_head.weight"], state["lm_head.weight"])
+    assert torch.equal(hf["model.layers.1.attn.g_norm_swish_gate.weight"], state["layers.1.attn.g_norm.weight"])
+    assert torch.equal(hf["model.layers.0.attn.gk_proj.1.bias"], state["layers.0.attn.gk_proj.1.bias"])
+    assert torch.equal(hf["model.norm.weight"], state["norm.weight"])
+
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["model_type"] == "gla" and cfg["architectures"] == ["GLAForCausalLM"]
+    expected = dict(
+        hidden_size=128, num_hidden_layers=2, num_heads=2, num_kv_heads=2, expand_k=0.5, expand_v=1.0,
+        intermediate_size=config.intermediate_size, vocab_size=64, norm_eps=1e-6, tie_word_embeddings=False,
+        attn_mode="chunk", use_short_conv=False, use_output_gate=True, hidden_act="swish", fuse_norm=True,
+        elementwise_affine=True, feature_map=None, clamp_min=None, attn=None, bos_token_id=1, eos_token_id=2,
+        torch_dtype="float32",
+    )
+    assert {k: cfg[k] for k in expected} == expected
+    assert cfg["fabric_lin"]["head_norm_eps"] == 1e-5
+    tok = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert (tok["bos_token"], tok["eos_token"], tok["add_bos_token"]) == ("<s>", "</s>", False)
+
+
+def test_tied_export_has_no_lm_head_and_bf16_cast(tmp_path):
+    make_model_dir(tmp_path / "model", small_config(tie_embeddings=True))
+    convert_to_hf(tmp_path / "model", tmp_path / "hf", dtype="bfloat16")
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    assert "lm_head.weight" not in hf and {t.dtype for t in hf.values()} == {torch.bfloat16}
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True and cfg["torch_dtype"] == "bfloat16"
+
+
+def test_sharded_export_with_index(tmp_path):
+    state = make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "hf", max_shard_gb=100_000 / 2**30)  # 100 kB shards
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 3 and not (tmp_path / "hf" / "model.safetensors").exists()
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in state.values())
+    convert_from_hf(tmp_path / "hf", tmp_path / "back")
+    back = load_model_dir_weights(tmp_path / "back")
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def rms(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def fla_gla_reference_logits(hf_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    """GLAForCausalLM's forward as fla defines it, written from fla's modeling_gla.py / layers/gla.py
+    and reading only config.json and the safetensors file: token-by-token recurrence in fp64."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    w = {k: v.double() for k, v in load_file(hf_dir / "model.safetensors").items()}
+    eps, H = cfg["norm_eps"], cfg["num_heads"]
+    groups = H // (cfg["num_kv_heads"] or H)
+    x = F.embedding(input_ids, w["model.embeddings.weight"])
+    B, T, d = x.shape
+    for i in range(cfg["num_hidden_layers"]):
+        p = lambda n: w[f"model.layers.{i}.{n}"]  # noqa: E731
+        h = rms(x, p("attn_norm.weight"), eps)
+        q, k, v, g = (h @ p(f"attn.{n}_proj.weight").T for n in "qkvg")
+        gk = (h @ p("attn.gk_proj.0.weight").T) @ p("attn.gk_proj.1.weight").T + p("attn.gk_proj.1.bias")
+        Dk, Dv = q.shape[-1] // H, v.shape[-1] // (H // groups)
+        # fla: repeat(x, '... (h d) -> ... (h g) d', g=groups)
+        q = q.view(B, T, H, Dk)
+        k, gk = (t.view(B, T, H // groups, 1, Dk).expand(-1, -1, -1, groups, -1).reshape(B, T, H, Dk) for t in (k, gk))
+        v = v.view(B, T, H // groups, 1, Dv).expand(-1, -1, -1, groups, -1).reshape(B, T, H, Dv)
+        gk = F.logsigmoid(gk) / 16
+        S = torch.zeros(B, H, Dk, Dv, dtype=torch.float64)
+        o = torch.empty(B, T, H, Dv, dtype=torch.float64)
+        for t in range(T):
+            S = S * gk[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * Dk**-0.5, S)
+        o = rms(o, p("attn.g_norm_swish_gate.weight"), eps) * F.silu(g.view(B, T, H, Dv))
+        x = x + o.reshape(B, T, H * Dv) @ p("attn.o_proj.weight").T
+        h = rms(x, p("mlp_norm.weight"), eps)
+        x = x + (F.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+    x = rms(x, w["model.norm.weight"], eps)
+    head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.embeddings.weight"]
+    return x @ head.T
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_heads": 4, "num_kv_heads": 2, "tie_embeddings": True}], ids=["mha", "gqa-tied"])
+def test_exported_model_computes_fla_logits(tmp_path, overrides):
+    # fla's head norm eps is norm_eps; with head_norm_eps equal to it the two models are the same function
+    config = small_config(head_norm_eps=1e-6, **overrides)
+    make_model_dir(tmp_path / "model", config)
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    model = GPT(config)
+    model.load_state_dict(load_model_dir_weights(tmp_path / "model"))
+    ids = torch.randint(0, config.vocab_size, (2, 70))  # more than one 64-token chunk
+    with torch.no_grad():
+        ours = model(ids).double()
+    ref = fla_gla_reference_logits(tmp_path / "hf", ids)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_export_refuses_what_fla_cannot_express(tmp_path):
+    make_model_dir(tmp_path / "model", small_config(gate_low_rank_dim=32))
+    with pytest.raises(ValueError, match="fla's GLA fixes .*gate_low_rank_dim': 32"):
+        convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_import_refuses_unsupported_fla_features_and_bad_files(tmp_path):
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+
+    cfg_path.write_text(json.dumps({**cfg, "use_short_conv": True, "clamp_min": -1.0}))
+    with pytest.raises(ValueError, match=r"no equivalent of use_short_conv=True .*clamp_min=-1.0"):
+        convert_from_hf(tmp_path / "hf", tmp_path / "back")
+    cfg_path.write_text(json.dumps({**cfg, "model_type": "mamba"}))
+    with pytest.raises(ValueError, match="model_type 'mamba' is not supported"):
+        convert_from_hf(tmp_path / "hf", tmp_path / "back")
+
+    cfg_path.write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match=r"missing \(14\): layers.2"):
+        convert_from_hf(tmp_path / "hf", tmp_path / "back")
+
+    cfg_path.write_text(json.dumps(cfg))
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    hf["model.layers.0.attn.q_proj.weight"] = hf["model.layers.0.attn.q_proj.weight"][:, :5].contiguous()
+    hf["model.layers.0.attn.q_conv1d.weight"] = torch.zeros(3)
+    save_file(hf, tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(ValueError) as info:
+        convert_from_hf(tmp_path / "hf", tmp_path / "back")
+    assert "unexpected (1): layers.0.attn.q_conv1d.weight" in str(info.value)
+    assert "layers.0.attn.q_proj.weight: shape (64, 5), expected (64, 128)" in str(info.value)
+
+
+def test_index_may_not_point_outside_the_directory(tmp_path):
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "hf", max_shard_gb=100_000 / 2**30)
+    index_path = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "../outside.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="points outside"):
+        convert_from_hf(tmp_path / "hf", tmp_path / "back")
+
+
+def test_pickle_weights_are_not_read(tmp_path):
+    (tmp_path / "hf").mkdir()
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "hf", overwrite=True)
+    (tmp_path / "hf" / "model.safetensors").rename(tmp_path / "hf" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="only safetensors are read"):
+        convert_from_hf(tmp_path / "hf", tmp_path / "back")
