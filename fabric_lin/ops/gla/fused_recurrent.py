@@ -1,0 +1,89 @@
+"""One GLA decoding step in one Triton launch: read the fp32 state, decay it, add k^T v, read out q.
+
+Same contract as recurrent.py's `recurrent_gla_step` (the PyTorch path, used on the CPU):
+    S' = diag(exp(gk)) S + k^T v,   o = (q * scale) S'
+Each program owns one (batch, head) and a tile of value columns, so the state is read and written once.
+"""
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fabric_lin.ops.gla.recurrent import recurrent_gla_step
+
+
+@triton.jit
+def _recurrent_step_kernel(q, k, v, g, s_in, s_out, o, scale, K: tl.constexpr, V: tl.constexpr,
+                           BK: tl.constexpr, BV: tl.constexpr, USE_STATE: tl.constexpr):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    b_q = tl.load(q + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_g = tl.load(g + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_bh * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    state_offs = i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+    S = b_k[:, None] * b_v[None, :]
+    if USE_STATE:
+        S += tl.load(s_in + state_offs, mask=m_kv, other=0.0) * tl.exp(b_g)[:, None]
+    tl.store(s_out + state_offs, S, mask=m_kv)
+    tl.store(o + i_bh * V + o_v, tl.sum(b_q[:, None] * S, axis=0).to(o.dtype.element_ty), mask=m_v)
+
+
+@torch.library.custom_op("fabric_lin::recurrent_gla_step", mutates_args=())
+def recurrent_gla_step_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, state: Optional[torch.Tensor], scale: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    B, H, K = q.shape
+    V = v.shape[-1]
+    o = q.new_empty(B, H, V)
+    new_state = q.new_empty(B, H, K, V, dtype=torch.float32)
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(max(16, triton.next_power_of_2(V)), 64 if BK <= 128 else 32)
+    _recurrent_step_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, v, gk, state, new_state, o, scale, K, V, BK, BV, USE_STATE=state is not None, num_warps=4
+    )
+    return o, new_state
+
+
+@recurrent_gla_step_op.register_fake
+def _(q, k, v, gk, state, scale):
+    B, H, K = q.shape
+    return q.new_empty(B, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)
+
+
+def fused_recurrent_gla_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gk: torch.Tensor,
+    state: Optional[torch.Tensor],
+    scale: Optional[float] = None,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q, k, gk: [B, H, K]; v: [B, H, V]; state: [B, H, K, V] fp32 or None (zeros).
+
+    Returns o [B, H, V] in q's dtype and the new fp32 state. backend "auto" runs the Triton kernel on
+    CUDA and `recurrent_gla_step` elsewhere; "triton" / "torch" force one.
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "torch"
+    if backend == "torch":
+        return recurrent_gla_step(q, k, v, gk, state, scale)
+    B, H, K = q.shape
+    if k.shape != q.shape or gk.shape != q.shape or v.shape[:2] != (B, H):
+        raise ValueError(
+            f"expected q, k, gk [B, H, K] and v [B, H, V], got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"gk {tuple(gk.shape)}, v {tuple(v.shape)}"
+        )
+    if state is not None:
+        if tuple(state.shape) != (B, H, K, v.shape[-1]):
+            raise ValueError(f"state must have shape {(B, H, K, v.shape[-1])}, got {tuple(state.shape)}")
+        state = state.float().contiguous()
+    scale = K**-0.5 if scale is None else float(scale)
+    return recurrent_gla_step_op(q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), state, scale)

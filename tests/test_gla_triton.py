@@ -1,0 +1,214 @@
+"""The Triton GLA kernels against the naive fp32 recurrence.
+
+On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before
+Triton is imported), in fp32, on small shapes. With CUDA the GPU tests run bf16 inputs on the real
+shapes and compare with the fp32 naive recurrence by relative RMS error.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from fabric_lin.ops.gla import chunk_gla, naive_recurrent_gla, recurrent_gla_step  # noqa: E402
+from fabric_lin.ops.gla.fused_recurrent import fused_recurrent_gla_step  # noqa: E402
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make_inputs(B, T, H, K, V, N=None, seed=0, device="cpu", dtype=torch.float32, gate_logit=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=g)
+    k = torch.randn(B, T, H, K, generator=g)
+    v = torch.randn(B, T, H, V, generator=g)
+    logits = torch.randn(B, T, H, K, generator=g) if gate_logit is None else torch.full((B, T, H, K), gate_logit)
+    gk = F.logsigmoid(logits) / 16
+    h0 = torch.randn(N or B, H, K, V, generator=g)
+    q, k, v = (x.to(device=device, dtype=dtype) for x in (q, k, v))
+    return q, k, v, gk.to(device), h0.to(device)
+
+
+def forward_backward(fn, q, k, v, gk, h0, cu_seqlens, seed=1):
+    """Output, final state and gradients of sum(o * do) + sum(ht * dht), inputs taken as leaves."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, gk)]
+    h0 = None if h0 is None else h0.detach().clone().requires_grad_(True)
+    o, ht = fn(*leaves, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    g = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=g).to(o.device)
+    dht = torch.randn(ht.shape, generator=g).to(o.device)
+    ((o.float() * do).sum() + (ht * dht).sum()).backward()
+    grads = [x.grad for x in leaves] + ([h0.grad] if h0 is not None else [])
+    return [o, ht] + grads
+
+
+def triton_gla(*args, **kwargs):
+    return chunk_gla(*args, backend="triton", **kwargs)
+
+
+NAMES = ["o", "ht", "dq", "dk", "dv", "dgk", "dh0"]
+
+
+def assert_close_scaled(a, b, name):
+    """fp32 agreement: elementwise within 1e-4 relative, or 1e-4 of the tensor's largest magnitude
+    (dgk is a long cumulative sum whose small entries carry the rounding of the large ones)."""
+    atol = 1e-4 * max(1.0, b.abs().max().item())
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@cpu_only
+def test_kernels_run_in_the_interpreter():
+    from fabric_lin.ops.gla import chunk
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    assert type(chunk._fwd_output_kernel).__name__ == "InterpretedFunction", "chunk.py was imported before TRITON_INTERPRET was set"
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "B,T,H,K,V,with_h0",
+    [(2, 1, 1, 16, 32, True), (1, 63, 2, 32, 16, True), (2, 64, 1, 16, 64, False), (1, 130, 1, 64, 16, True)],
+)
+def test_triton_matches_naive_fp32(B, T, H, K, V, with_h0):
+    q, k, v, gk, h0 = make_inputs(B, T, H, K, V, seed=T + K)
+    h0 = h0 if with_h0 else None
+    ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, None)
+    out = forward_backward(triton_gla, q, k, v, gk, h0, None)
+    for name, a, b in zip(NAMES, out, ref):
+        assert_close_scaled(a, b, name)
+
+
+@cpu_only
+def test_triton_varlen_matches_naive_fp32():
+    offsets = torch.tensor([0, 15, 64, 100, 130, 131], dtype=torch.int32)
+    q, k, v, gk, h0 = make_inputs(1, 131, 2, 16, 32, N=5, seed=7)
+    ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
+    out = forward_backward(triton_gla, q, k, v, gk, h0, offsets)
+    for name, a, b in zip(NAMES, out, ref):
+        assert_close_scaled(a, b, name)
+
+
+@cpu_only
+def test_triton_head_dims_not_powers_of_two_and_custom_scale():
+    # K=40 and V=72 leave partly masked tiles; V spans two value tiles of 64
+    q, k, v, gk, _ = make_inputs(1, 70, 1, 40, 72, seed=3)
+    ref = forward_backward(lambda *a, **kw: naive_recurrent_gla(*a, scale=0.3, **kw), q, k, v, gk, None, None)
+    out = forward_backward(lambda *a, **kw: triton_gla(*a, scale=0.3, **kw), q, k, v, gk, None, None)
+    for name, a, b in zip(NAMES, out, ref):
+        assert_close_scaled(a, b, name)
+
+
+@cpu_only
+def test_triton_strong_gates_stay_finite():
+    # half the channels decay by logsigmoid(-20)/16 ~ -1.25 per step: -80 over one chunk, where a
+    # chunked form that divides by exp(b) overflows fp32
+    q, k, v, _, h0 = make_inputs(1, 130, 1, 16, 16, seed=5)
+    logits = torch.where(torch.rand(1, 130, 1, 16, generator=torch.Generator().manual_seed(0)) < 0.5, -20.0, 8.0)
+    gk = F.logsigmoid(logits) / 16
+    ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, None)
+    out = forward_backward(triton_gla, q, k, v, gk, h0, None)
+    for name, a, b in zip(NAMES, out, ref):
+        assert torch.isfinite(a).all(), name
+        assert_close_scaled(a, b, name)
+
+
+@cpu_only
+def test_triton_without_final_state_returns_none_and_same_output():
+    q, k, v, gk, _ = make_inputs(1, 20, 1, 16, 16)
+    o, ht = triton_gla(q, k, v, gk)
+    o_ref, _ = naive_recurrent_gla(q, k, v, gk)
+    assert ht is None
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
+
+
+@cpu_only
+def test_fused_recurrent_step_matches_reference():
+    B, H, K, V = 2, 3, 32, 48
+    g = torch.Generator().manual_seed(0)
+    q, k, gk = (torch.randn(B, H, K, generator=g) for _ in range(3))
+    v = torch.randn(B, H, V, generator=g)
+    gk = F.logsigmoid(gk) / 16
+    state = torch.randn(B, H, K, V, generator=g)
+    for s in (state, None):
+        o_ref, s_ref = recurrent_gla_step(q, k, v, gk, s)
+        o, s_new = fused_recurrent_gla_step(q, k, v, gk, s, backend="triton")
+        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s_new, s_ref, rtol=1e-5, atol=1e-5)
+    # one step of the recurrence is the naive recurrence on a sequence of length 1
+    o_seq, s_seq = naive_recurrent_gla(q[:, None], k[:, None], v[:, None], gk[:, None], initial_state=state, output_final_state=True)
+    o, s_new = fused_recurrent_gla_step(q, k, v, gk, state, backend="triton")
+    torch.testing.assert_close(o, o_seq[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_new, s_seq, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- GPU, bf16 against the fp32 oracle
+
+
+def rel_rms(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+
+
+def check_bf16(B, T, H, K, V, cu_seqlens=None, seed=0):
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    q, k, v, gk, h0 = make_inputs(B, T, H, K, V, N=N, seed=seed, device="cuda", dtype=torch.bfloat16)
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32, device="cuda")
+    ref = forward_backward(naive_recurrent_gla, q.float(), k.float(), v.float(), gk, h0, cu)
+    out = forward_backward(triton_gla, q, k, v, gk, h0, cu)
+    errors = {name: rel_rms(a, b) for name, a, b in zip(NAMES, out, ref)}
+    assert out[0].dtype == torch.bfloat16 and out[2].dtype == torch.bfloat16
+    bad = {name: e for name, e in errors.items() if not e <= 0.005}
+    assert not bad, f"relative RMS error above 0.005: {bad} (all: {errors})"
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "B,T,H,K,V",
+    [(2, 63, 2, 64, 64), (1, 1000, 2, 128, 256), (2, 300, 2, 100, 100), (2, 2048, 8, 128, 128), (1, 2, 1, 256, 32)],
+)
+def test_gpu_bf16_matches_fp32_naive(B, T, H, K, V):
+    check_bf16(B, T, H, K, V)
+
+
+@needs_cuda
+def test_gpu_bf16_varlen_matches_fp32_naive():
+    check_bf16(1, 2000, 4, 128, 128, cu_seqlens=[0, 15, 100, 300, 1200, 2000])
+
+
+@needs_cuda
+def test_gpu_fused_recurrent_step():
+    B, H, K, V = 3, 4, 128, 256
+    q, k, gk = (torch.randn(B, H, K, device="cuda") for _ in range(3))
+    v = torch.randn(B, H, V, device="cuda")
+    gk = F.logsigmoid(gk) / 16
+    state = torch.randn(B, H, K, V, device="cuda")
+    o_ref, s_ref = recurrent_gla_step(q, k, v, gk, state)
+    o, s = fused_recurrent_gla_step(q.bfloat16(), k.bfloat16(), v.bfloat16(), gk, state)
+    assert rel_rms(o, o_ref) < 0.01 and rel_rms(s, s_ref) < 0.01
+
+
+@needs_cuda
+def test_gpu_compiled_model_step_uses_the_op():
+    # torch.compile keeps the custom op opaque: the compiled function matches eager, with no graph break
+    q, k, v, gk, h0 = make_inputs(2, 256, 4, 64, 128, device="cuda", dtype=torch.bfloat16)
+
+    def f(q, k, v, gk, h0):
+        o, ht = chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+        return o.float().square().mean() + ht.mean()
+
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(f)(q, k, v, gk, h0)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, gk, h0)]
+    loss = torch.compile(f, fullgraph=True)(*leaves)
+    loss.backward()
+    leaves_ref = [x.clone().requires_grad_(True) for x in (q, k, v, gk, h0)]
+    loss_ref = f(*leaves_ref)
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-3, atol=1e-3)
+    for a, b in zip(leaves, leaves_ref):
+        assert rel_rms(a.grad, b.grad) < 1e-3
