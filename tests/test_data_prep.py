@@ -1,0 +1,226 @@
+"""The SlimPajama and Starcoder preprocessors, end to end through litdata's DataProcessor."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from data_prep.prepare_slimpajama import prepare as prepare_slimpajama
+from fabric_lin.cli import main as cli_main
+from fabric_lin.data import Tokenizer, check_prepared_dir
+from fabric_lin.data.train_tokenizer import main as train_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def paragraphs(n, seed):
+    """n distinct real paragraphs (pieces of stdlib modules)."""
+    import sysconfig
+
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        text = sources[int(rng.integers(len(sources)))].read_text(encoding="utf-8", errors="replace")
+        start = int(rng.integers(max(1, len(text) - 800)))
+        out.append(f"doc {seed}-{i}: " + text[start : start + int(rng.integers(50, 600))])
+    return out
+
+
+def write_jsonl_zst(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    path.write_bytes(zstandard.ZstdCompressor().compress(data))
+
+
+def slimpajama_rows(seed, n=24):
+    rows = []
+    for i, text in enumerate(paragraphs(n, seed)):
+        github = i % 4 == 1
+        rows.append({"text": ("GITHUB ROW " if github else "") + text, "meta": {"redpajama_set_name": "RedPajamaGithub" if github else "RedPajamaC4"}})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prep")
+    sp, sc = root / "slimpajama-raw", root / "starcoder-raw"
+    good_sp = {"a/part-0.jsonl.zst": slimpajama_rows(1), "b.jsonl.zst": slimpajama_rows(2), "c/d/part-1.jsonl.zst": slimpajama_rows(3)}
+    for name, rows in good_sp.items():
+        write_jsonl_zst(sp / name, rows)
+    # the bad SlimPajama files, one per kind
+    (sp / "corrupt.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage that is not a zstd frame")
+    whole = zstandard.ZstdCompressor().compress("".join(json.dumps(r) + "\n" for r in slimpajama_rows(4)).encode())
+    (sp / "truncated.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    lines = "".join(json.dumps(r) + "\n" for r in slimpajama_rows(5, 3)) + '{"text": "unterminated\n'
+    (sp / "badjson.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    rows = slimpajama_rows(6, 3)
+    rows[1] = {"content": "no text field", "meta": {}}
+    write_jsonl_zst(sp / "notext.jsonl.zst", rows)
+    (sp / "empty.jsonl.zst").write_bytes(b"")
+
+    good_sc = {"python/train-0.parquet": paragraphs(30, 7), "train-1.parquet": paragraphs(20, 8)}
+    for name, texts in good_sc.items():
+        (sc / name).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"max_stars_repo_path": ["x.py"] * len(texts), "content": texts}), sc / name, row_group_size=7)
+    (sc / "garbage.parquet").write_bytes(b"PAR1 this is not a parquet file PAR1")
+    pq.write_table(pa.table({"text": ["wrong column"]}), sc / "nocontent.parquet")
+    (sc / "empty.parquet").write_bytes(b"")
+
+    tok_raw = root / "tok-raw"
+    tok_raw.mkdir()
+    (tok_raw / "all.txt").write_text("\n".join(paragraphs(300, 99)), encoding="utf-8")
+    train_tokenizer(tok_raw, root / "tokenizer", vocab_size=500, num_threads=1)
+    return {"root": root, "sp": sp, "sc": sc, "good_sp": good_sp, "good_sc": good_sc, "tokenizer": root / "tokenizer"}
+
+
+def read_tokens(path):
+    """Every token of a prepared directory, in order, through StreamingDataset + TokensLoader."""
+    from litdata.streaming import StreamingDataset, TokensLoader
+
+    dataset = StreamingDataset(str(path), item_loader=TokensLoader(block_size=1), shuffle=False)
+    return np.concatenate([np.asarray(item) for item in dataset]).astype(np.int64)
+
+
+def expected_tokens(tokenizer, texts):
+    return [tokenizer.encode(t, bos=False, eos=True).tolist() for t in texts]
+
+
+def split_documents(tokens, eos_id):
+    docs, start = [], 0
+    for i in np.flatnonzero(tokens == eos_id):
+        docs.append(tokens[start : i + 1].tolist())
+        start = i + 1
+    assert start == len(tokens), "the token stream must end with EOS"
+    return docs
+
+
+def kept_texts(rows):
+    return [r["text"] for r in rows if r["meta"]["redpajama_set_name"] != "RedPajamaGithub"]
+
+
+def test_slimpajama_round_trip_and_bad_files(corpus, capfd):
+    tokenizer = Tokenizer(corpus["tokenizer"])
+    out = corpus["root"] / "slimpajama" / "train"
+    summary = prepare_slimpajama(corpus["sp"], out, corpus["tokenizer"], chunk_size=2000, num_workers=2)
+
+    reasons = {Path(b["path"]).name: (b["status"], b["reason"]) for b in summary["bad_files"]}
+    assert reasons.keys() == {"corrupt.jsonl.zst", "truncated.jsonl.zst", "badjson.jsonl.zst", "notext.jsonl.zst", "empty.jsonl.zst"}
+    assert all(status == "skipped" for status, _ in reasons.values())
+    assert "corrupt zstd" in reasons["corrupt.jsonl.zst"][1]
+    assert "truncated" in reasons["truncated.jsonl.zst"][1]
+    assert "invalid JSON on line 4" in reasons["badjson.jsonl.zst"][1]
+    assert "line 2 has no string field 'text'" in reasons["notext.jsonl.zst"][1]
+    assert "empty file" in reasons["empty.jsonl.zst"][1]
+    printed = capfd.readouterr()
+    assert "SKIPPED" in printed.err and "badjson.jsonl.zst" in printed.err
+    assert "5 bad file(s)" in printed.out
+
+    # two workers take files in any order: compare the documents as a multiset
+    texts = [t for rows in corpus["good_sp"].values() for t in kept_texts(rows)]
+    expected = expected_tokens(tokenizer, texts)
+    tokens = read_tokens(out)
+    got = split_documents(tokens, tokenizer.eos_id)
+    assert Counter(map(tuple, got)) == Counter(map(tuple, expected))
+    assert not any("GITHUB ROW" in tokenizer.decode(d) for d in got)
+    assert summary["documents"] == len(texts) and summary["tokens"] == len(tokens)
+    assert summary["skipped_rows"] == sum(len(rows) - len(kept_texts(rows)) for rows in corpus["good_sp"].values())
+
+    info = check_prepared_dir(out, tokenizer)
+    assert info["tokenizer"]["vocab_size"] == 500 and info["recipe"] == "slimpajama"
+    index = json.loads((out / "index.json").read_text())
+    assert all(c["dim"] <= 2000 for c in index["chunks"]) and len(index["chunks"]) > 1
+    assert index["config"]["data_format"] == ["no_header_numpy:5"]  # uint16 tokens for a small vocabulary
+    with pytest.raises(FileExistsError, match=str(out)):
+        prepare_slimpajama(corpus["sp"], out, corpus["tokenizer"])
+
+
+def test_slimpajama_fast_dev_run_is_a_prefix(corpus):
+    tokenizer = Tokenizer(corpus["tokenizer"])
+    out = corpus["root"] / "fast"
+    summary = prepare_slimpajama(corpus["sp"], out, corpus["tokenizer"], num_workers=1, fast_dev_run=2)
+    # files in sorted order: a/part-0, b, badjson, ...: the first two
+    assert summary["files"] == 2
+    texts = kept_texts(corpus["good_sp"]["a/part-0.jsonl.zst"]) + kept_texts(corpus["good_sp"]["b.jsonl.zst"])
+    expected = [t for doc in expected_tokens(tokenizer, texts) for t in doc]
+    assert read_tokens(out).tolist() == expected
+    assert json.loads((out / "prepared.json").read_text())["fast_dev_run"] == 2
+
+
+def test_starcoder_round_trip_and_bad_files_through_cli(corpus, capfd):
+    tokenizer = Tokenizer(corpus["tokenizer"])
+    out = corpus["root"] / "starcoder"
+    cli_main(
+        ["prepare_starcoder", "--input_dir", str(corpus["sc"]), "--output_dir", str(out),
+         "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "1", "--chunk_size", "3000"]
+    )
+    info = check_prepared_dir(out, tokenizer)
+    reasons = {Path(b["path"]).name: b["reason"] for b in info["summary"]["bad_files"]}
+    assert reasons.keys() == {"garbage.parquet", "nocontent.parquet", "empty.parquet"}
+    assert "unreadable parquet" in reasons["garbage.parquet"]
+    assert "missing column 'content'" in reasons["nocontent.parquet"]
+    assert "empty file" in reasons["empty.parquet"]
+    assert "3 bad file(s)" in capfd.readouterr().out
+    # one worker, files in sorted order (python/train-0 before train-1), rows in order
+    texts = corpus["good_sc"]["python/train-0.parquet"] + corpus["good_sc"]["train-1.parquet"]
+    expected = [t for doc in expected_tokens(tokenizer, texts) for t in doc]
+    assert read_tokens(out).tolist() == expected
+    assert info["summary"]["documents"] == len(texts)
+
+
+def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path):
+    out = tmp_path / "interrupted"
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "data_prep" / "prepare_slimpajama.py"), "--input_dir", str(corpus["sp"]),
+         "--output_dir", str(out), "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while not list(tmp_path.glob(".tmp-interrupted-*")) and time.time() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert process.poll() is None, "the run ended before it could be interrupted"
+        os.killpg(process.pid, signal.SIGKILL)
+    finally:
+        process.wait()
+    assert not out.exists()
+    (partial,) = tmp_path.glob(".tmp-interrupted-*")
+    with pytest.raises(FileNotFoundError, match="no index.json"):
+        check_prepared_dir(partial)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_prepared_dir(out)
+
+
+def test_check_prepared_dir_rejects_incomplete_and_mismatched(corpus, tmp_path):
+    source = corpus["root"] / "fast"
+    if not source.exists():
+        pytest.skip("needs the output of test_slimpajama_fast_dev_run_is_a_prefix")
+    tokenizer = Tokenizer(corpus["tokenizer"])
+
+    no_marker = shutil.copytree(source, tmp_path / "no-marker")
+    (no_marker / "prepared.json").unlink()
+    with pytest.raises(ValueError, match=f"{no_marker} is incomplete: prepared.json is missing"):
+        check_prepared_dir(no_marker, tokenizer)
+
+    missing_chunk = shutil.copytree(source, tmp_path / "missing-chunk")
+    next(missing_chunk.glob("chunk-*.bin")).unlink()
+    with pytest.raises(ValueError, match="chunk file"):
+        check_prepared_dir(missing_chunk)
+
+    other_dir = tmp_path / "other-tokenizer"
+    other_raw = tmp_path / "other-raw"
+    other_raw.mkdir()
+    (other_raw / "a.txt").write_text("\n".join(paragraphs(200, 5)))
+    train_tokenizer(other_raw, other_dir, vocab_size=400, num_threads=1)
+    with pytest.raises(ValueError, match="different tokenizer"):
+        check_prepared_dir(source, Tokenizer(other_dir))

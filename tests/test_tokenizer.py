@@ -1,0 +1,98 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import zstandard
+
+from fabric_lin.data import Tokenizer
+from fabric_lin.data.tokenizer import copy_tokenizer_files, tokenizer_model_hash
+from fabric_lin.data.train_tokenizer import main as train_tokenizer
+
+# one word that only occurs in each input format: if the trainer read the format, BPE learns the word
+WORDS = {"txt": "qvtxtword", "jsonl": "qvjsonlword", "parquet": "qvparquetword"}
+CODE = 'def f(x):\n\treturn x  *  2  # naïve 2024 → ∑ 🙂\n\n    print("done")\n'
+
+
+def make_raw_inputs(root):
+    root.mkdir(parents=True, exist_ok=True)
+    prose = "the quick brown fox jumps over the lazy dog while the cat sleeps near the door"
+    (root / "a.txt").write_text("\n".join(f"{prose} {WORDS['txt']} {i}" for i in range(300)), encoding="utf-8")
+    rows = "".join(json.dumps({"text": f"{WORDS['jsonl']} {prose} {i}", "meta": {}}) + "\n" for i in range(300))
+    (root / "nested").mkdir(exist_ok=True)
+    (root / "nested" / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(rows.encode()))
+    pq.write_table(pa.table({"content": [f"{WORDS['parquet']} = {i}\n{CODE}" for i in range(300)]}), root / "c.parquet")
+    (root / "broken.jsonl.zst").write_bytes(b"this is not zstd")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    make_raw_inputs(root / "raw")
+    train_tokenizer(root / "raw", root / "tokenizer", vocab_size=500, num_threads=1)
+    return root / "tokenizer"
+
+
+def test_train_tokenizer_reads_every_format(tokenizer_dir):
+    tokenizer = Tokenizer(tokenizer_dir)
+    assert tokenizer.vocab_size == 500
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
+    for word in WORDS.values():
+        assert tokenizer.processor.PieceToId("▁" + word) != tokenizer.processor.unk_id(), word
+    assert json.loads((tokenizer_dir / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
+
+
+def test_encode_decode_round_trip(tokenizer_dir):
+    tokenizer = Tokenizer(tokenizer_dir)
+    ids = tokenizer.encode(CODE)
+    assert ids.dtype == torch.int32 and ids.ndim == 1
+    # identity normalization + byte fallback: code (tabs, runs of spaces, newlines, emoji) survives
+    assert tokenizer.decode(ids) == CODE
+    assert tokenizer.decode(ids.tolist()) == CODE
+    with_special = tokenizer.encode(CODE, bos=True, eos=True)
+    assert with_special[0].item() == 1 and with_special[-1].item() == 2
+    assert torch.equal(with_special[1:-1], ids)
+    # byte fallback: a character never seen in training becomes its UTF-8 bytes
+    assert tokenizer.decode(tokenizer.encode("ẞ")) == "ẞ"
+
+
+def test_encode_batch_matches_one_at_a_time(tokenizer_dir):
+    tokenizer = Tokenizer(tokenizer_dir)
+    texts = [CODE * (i % 3 + 1) + str(i) for i in range(50)] + [""]
+    batch = tokenizer.encode_batch(texts, num_threads=2)
+    assert batch == [tokenizer.encode(t, eos=True).tolist() for t in texts]
+    assert batch[-1] == [tokenizer.eos_id]
+    assert tokenizer.encode_batch(texts[:3], bos=True, eos=False) == [tokenizer.encode(t, bos=True).tolist() for t in texts[:3]]
+
+
+def test_tokenizer_config_overrides_special_tokens(tokenizer_dir, tmp_path):
+    copied = copy_tokenizer_files(tokenizer_dir, tmp_path / "copy")
+    assert sorted(p.name for p in copied) == ["tokenizer.model", "tokenizer_config.json"]
+    assert tokenizer_model_hash(tmp_path / "copy" / "tokenizer.model") == Tokenizer(tokenizer_dir).model_hash
+    (tmp_path / "copy" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<s>"}}))
+    assert Tokenizer(tmp_path / "copy").eos_id == 1
+    (tmp_path / "copy" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<not-a-piece>"}))
+    with pytest.raises(ValueError, match="bos_token='<not-a-piece>'.*tokenizer_config.json|tokenizer_config.json.*<not-a-piece>"):
+        Tokenizer(tmp_path / "copy")
+
+
+def test_tokenizer_errors_name_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        Tokenizer(tmp_path / "does-not-exist")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty/tokenizer.model"):
+        Tokenizer(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match=r"empty/tokenizer.model"):
+        copy_tokenizer_files(tmp_path / "empty", tmp_path / "dst")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(ValueError, match=r"bad/tokenizer.model"):
+        Tokenizer(tmp_path / "bad")
+
+
+def test_train_tokenizer_without_inputs(tmp_path):
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "notes.md").write_text("not an input format")
+    with pytest.raises(FileNotFoundError, match="raw"):
+        train_tokenizer(tmp_path / "raw", tmp_path / "out", vocab_size=300)
