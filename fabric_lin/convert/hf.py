@@ -43,18 +43,20 @@ FLA_FIXED_GATE = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}
 
 
 def convert_to_hf(
-    model_dir: Path, output_dir: Path, dtype: Optional[str] = None, overwrite: bool = False, max_shard_gb: float = 5.0
+    model_dir: Path, output_dir: Optional[Path] = None, dtype: Optional[str] = None, overwrite: bool = False, max_shard_gb: float = 5.0
 ) -> None:
     """Export a model directory as safetensors + config.json in flash-linear-attention's format, so
     that, with fla installed, `AutoModelForCausalLM.from_pretrained(output_dir)` loads it.
 
     Args:
         model_dir: a model directory (what convert_pretrained_checkpoint writes).
-        output_dir: where to write model.safetensors (or shards and an index), config.json and the tokenizer files.
+        output_dir: (required) where to write model.safetensors (or shards and an index), config.json and the tokenizer files.
         dtype: cast floating-point weights to float32, bfloat16 or float16 (default: keep).
         overwrite: write into a non-empty output_dir.
         max_shard_gb: largest safetensors file; more weights than this are split into shards with an index.
     """
+    if output_dir is None:
+        raise ValueError("convert_to_hf: --output_dir is required")
     model_dir = Path(model_dir)
     torch_dtype = parse_dtype(dtype)
     config = Config.from_checkpoint(model_dir)
@@ -86,18 +88,20 @@ def convert_to_hf(
 
 
 def convert_from_hf(
-    checkpoint_dir: Path, output_dir: Path, dtype: Optional[str] = None, overwrite: bool = False, name: Optional[str] = None
+    checkpoint_dir: Path, output_dir: Optional[Path] = None, dtype: Optional[str] = None, overwrite: bool = False, name: Optional[str] = None
 ) -> None:
     """Convert a flash-linear-attention GLAForCausalLM (or TransformerForCausalLM) checkpoint in
     safetensors format into a model directory.
 
     Args:
         checkpoint_dir: a directory with config.json and model.safetensors (or shards and model.safetensors.index.json).
-        output_dir: where to write the model directory.
+        output_dir: where to write the model directory (required).
         dtype: cast floating-point weights to float32, bfloat16 or float16 (default: keep).
         overwrite: write into a non-empty output_dir.
         name: the model's name in model_config.yaml (default: the one recorded at export, else the directory name).
     """
+    if output_dir is None:
+        raise ValueError("convert_from_hf: --output_dir is required")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
     config_path = checkpoint_dir / HF_CONFIG_FILE

@@ -37,7 +37,7 @@ FABRIC_SHARDED_METADATA = "meta.pt"  # lightning.fabric.utilities.load._METADATA
 
 
 def convert_pretrained_checkpoint(
-    checkpoint_dir: Path, output_dir: Path, dtype: Optional[str] = None, overwrite: bool = False
+    checkpoint_dir: Path, output_dir: Optional[Path] = None, dtype: Optional[str] = None, overwrite: bool = False
 ) -> None:
     """Write the model of a training checkpoint as a model directory (lit_model.pth with the model's
     state dict alone, model_config.yaml, tokenizer files), for `generate`, evaluation and
@@ -46,10 +46,12 @@ def convert_pretrained_checkpoint(
     Args:
         checkpoint_dir: a training checkpoint directory, e.g. out/pretrain/gla-340M/step-00002048
             or .../final; from one device or FSDP-sharded from many.
-        output_dir: where to write the model directory.
+        output_dir: where to write the model directory (required).
         dtype: cast floating-point weights to float32, bfloat16 or float16 (default: keep).
         overwrite: write into a non-empty output_dir.
     """
+    if output_dir is None:
+        raise ValueError("convert_pretrained_checkpoint: --output_dir is required")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
     config, weights_path = find_training_checkpoint(checkpoint_dir)

@@ -1,0 +1,230 @@
+"""Hugging Face Llama / Mistral weights -> a GLA model directory, for continual pretraining.
+
+The GLA model is built from its named config and every Llama weight whose shape matches is copied:
+
+    Llama (HF names)                                  GLA
+    model.embed_tokens.weight                         embeddings.weight
+    model.layers.{i}.input_layernorm.weight           layers.{i}.attn_norm.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  layers.{i}.attn.{q,k,v,o}_proj.weight
+    model.layers.{i}.post_attention_layernorm.weight  layers.{i}.mlp_norm.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight   layers.{i}.mlp.{gate,up,down}_proj.weight
+    model.norm.weight                                 norm.weight
+    lm_head.weight (embed_tokens when tied)           lm_head.weight (when GLA's is untied)
+
+The GLA-only weights (output gate g_proj, low-rank forget gate gk_proj, per-head g_norm) keep the
+model's fresh init. Llama's RoPE has no GLA counterpart, so q and k are used without it. The norms'
+eps is taken from the Llama (`rms_norm_eps`), as the weights were trained with it. A vocabulary of
+another size is warned about: the embedding rows (and lm_head rows) are truncated, or the extra rows
+keep their fresh init.
+"""
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from fabric_lin.config import Config
+from fabric_lin.convert.model_dir import (
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX_FILE,
+    inside,
+    meta_model,
+    parse_dtype,
+    prepare_output_dir,
+    read_json,
+    save_model_dir,
+)
+
+LLAMA_MODEL_TYPES = ("llama", "mistral")
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+
+
+def convert_from_llama(
+    checkpoint_dir: Optional[Path] = None,
+    model_name: str = "gla-7B",
+    output_dir: Optional[Path] = None,
+    dtype: Optional[str] = None,
+    overwrite: bool = False,
+    seed: int = 42,
+) -> Dict[str, List[str]]:
+    """Initialise a GLA model from a Hugging Face Llama or Mistral checkpoint (safetensors).
+
+    Args:
+        checkpoint_dir: (required) the Hugging Face directory: config.json, model.safetensors or
+            shards with model.safetensors.index.json, tokenizer.model.
+        model_name: the GLA config to build (`fabric-lin pretrain list`); hidden size and layer count
+            must match the Llama's.
+        output_dir: (required) where to write the model directory (for `pretrain --initial_checkpoint_dir`).
+        dtype: float32, bfloat16 or float16 (default: the Llama's embedding dtype).
+        overwrite: write into a non-empty output_dir.
+        seed: seed of the fresh init of the weights that are not copied.
+
+    Returns the report: names `copied`, `initialized` (kept at init), `ignored` (Llama tensors not used).
+    """
+    if checkpoint_dir is None:
+        raise ValueError("convert_from_llama: --checkpoint_dir is required")
+    if output_dir is None:
+        raise ValueError("convert_from_llama: --output_dir is required")
+    checkpoint_dir = Path(checkpoint_dir)
+    config_path = checkpoint_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} does not exist: expected a Hugging Face Llama/Mistral directory")
+    llama = read_json(config_path)
+    if llama.get("model_type") not in LLAMA_MODEL_TYPES:
+        raise ValueError(f"{config_path}: model_type {llama.get('model_type')!r}; expected one of {LLAMA_MODEL_TYPES}")
+    config = Config.from_name(model_name, norm_eps=float(llama.get("rms_norm_eps", 1e-6)))
+    if config.block_type != "gla":
+        raise ValueError(f"model_name {model_name!r} is a {config.block_type} model; expected a GLA model")
+    for ours, theirs in (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers")):
+        if llama.get(theirs) != getattr(config, ours):
+            raise ValueError(
+                f"{config_path}: {theirs}={llama.get(theirs)} but {model_name} has {ours}={getattr(config, ours)}; "
+                "choose a GLA config of the Llama's width and depth"
+            )
+    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
+
+    reader = SafetensorsReader(checkpoint_dir)
+    torch_dtype = parse_dtype(dtype) or reader.dtype("model.embed_tokens.weight")
+    llama_tied = bool(llama.get("tie_word_embeddings", False)) or "lm_head.weight" not in reader.names
+    sources = {name: llama_name(name, llama_tied) for name in meta_model(config).state_dict()}
+
+    state, copied, initialized, partial = {}, [], [], []
+    model = meta_model(config)
+    torch.manual_seed(seed)
+    for name, target in model.state_dict().items():
+        source_name = sources[name]
+        source = reader.get(source_name) if source_name in reader.names else None
+        if source is not None and source.shape == target.shape:
+            state[name] = source.to(torch_dtype)
+            torch.testing.assert_close(state[name], source.to(torch_dtype), rtol=0, atol=0, msg=f"{source_name} -> {name}")
+            copied.append(name)
+            continue
+        fresh = fresh_init(model, name).to(torch_dtype)
+        vocab_rows = name in ("embeddings.weight", "lm_head.weight") and source is not None
+        if vocab_rows and source.ndim == 2 and source.shape[1] == target.shape[1]:
+            rows = min(source.shape[0], target.shape[0])
+            fresh[:rows] = source[:rows].to(torch_dtype)
+            torch.testing.assert_close(fresh[:rows], source[:rows].to(torch_dtype), rtol=0, atol=0, msg=name)
+            partial.append(name)
+            print(
+                f"Warning: vocabulary sizes differ: {source_name} has {source.shape[0]} rows, {model_name} has "
+                f"vocab_size={target.shape[0]}; "
+                + (f"rows {target.shape[0]}.. dropped" if source.shape[0] > target.shape[0] else f"rows {rows}.. keep their init")
+            )
+        else:
+            if source is not None:
+                print(f"Warning: {source_name} has shape {tuple(source.shape)}, {name} needs {tuple(target.shape)}: kept at init")
+            initialized.append(name)
+        state[name] = fresh
+    used = {sources[n] for n in copied + partial}
+    ignored = [n for n in reader.names if n not in used]
+
+    tokenizer_files = save_model_dir(state, config, output_dir, tokenizer_dir=checkpoint_dir)
+    warn_tokenizer_vocab(output_dir, config)
+    print(f"Built {model_name} from {checkpoint_dir} -> {output_dir} ({torch_dtype}), tokenizer files {tokenizer_files}")
+    print(f"  copied from the Llama ({len(copied)}): {summarize(copied)}")
+    if partial:
+        print(f"  copied in part, vocabulary rows ({len(partial)}): {summarize(partial)}")
+    print(f"  kept at init ({len(initialized)}): {summarize(initialized)}")
+    if ignored:
+        print(f"  Llama tensors not used ({len(ignored)}): {summarize(ignored)}")
+    return {"copied": copied, "partial": partial, "initialized": initialized, "ignored": ignored}
+
+
+def llama_name(name: str, llama_tied: bool) -> Optional[str]:
+    """The HF Llama tensor that `name` is copied from (None: no counterpart)."""
+    if name == "embeddings.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    if name == "lm_head.weight":
+        return "model.embed_tokens.weight" if llama_tied else "lm_head.weight"
+    match = _LAYER.match(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def fresh_init(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """Tensor `name` as the model's own `reset_parameters` initialises it, materialising only the
+    module that owns it (the rest of the model stays on the meta device)."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if getattr(module, attr).device.type == "meta":
+        module.to_empty(device="cpu", recurse=False)
+        module.reset_parameters()
+    return getattr(module, attr).detach().clone()
+
+
+class SafetensorsReader:
+    """Tensors of model.safetensors or of the shards of model.safetensors.index.json, read one at a time."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        self.directory = Path(directory)
+        index_path = self.directory / SAFETENSORS_INDEX_FILE
+        if index_path.is_file():
+            weight_map = read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{index_path}: expected a non-empty 'weight_map' of tensor name -> shard file")
+            files = {f: inside(self.directory, f, str(index_path)) for f in set(weight_map.values())}
+            self.file_of = {name: files[f] for name, f in weight_map.items()}
+        elif (self.directory / SAFETENSORS_FILE).is_file():
+            with safe_open(self.directory / SAFETENSORS_FILE, framework="pt") as f:
+                self.file_of = {name: self.directory / SAFETENSORS_FILE for name in f.keys()}
+        else:
+            found = sorted(p.name for p in self.directory.iterdir())
+            raise FileNotFoundError(
+                f"{self.directory} holds neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX_FILE} (found {found[:8]}); "
+                "only safetensors are read"
+            )
+        missing = sorted({str(p.name) for p in self.file_of.values() if not p.is_file()})
+        if missing:
+            raise FileNotFoundError(f"{self.directory}: shard files {missing} are listed but missing")
+        self.names = list(self.file_of)
+        self._open = safe_open
+        if "model.embed_tokens.weight" not in self.file_of:
+            raise ValueError(f"{self.directory} has no model.embed_tokens.weight: not a Hugging Face Llama checkpoint")
+
+    def get(self, name: str) -> torch.Tensor:
+        with self._open(self.file_of[name], framework="pt") as f:
+            if name not in f.keys():
+                raise ValueError(f"{self.file_of[name]} lacks {name}, which the index places there")
+            return f.get_tensor(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        with self._open(self.file_of[name], framework="pt") as f:
+            code = f.get_slice(name).get_dtype()
+        return _SAFETENSORS_DTYPES.get(code) or self.get(name).dtype
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def warn_tokenizer_vocab(model_dir: Path, config: Config) -> None:
+    if not (model_dir / "tokenizer.model").is_file():
+        return
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    vocab = Tokenizer(model_dir).vocab_size
+    if vocab > config.vocab_size:
+        print(f"Warning: the tokenizer has {vocab} pieces but {config.name} has vocab_size={config.vocab_size}: ids past it cannot be embedded")
+
+
+def summarize(names: List[str]) -> str:
+    """`layers.{i}.x` for names repeated across layers, with the count."""
+    counts = Counter(re.sub(r"^(model\.)?layers\.\d+\.", r"\1layers.{i}.", n) for n in names)
+    return ", ".join(f"{n} (x{c})" if c > 1 else n for n, c in counts.items()) or "none"

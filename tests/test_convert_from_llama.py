@@ -1,0 +1,186 @@
+"""convert_from_llama on tiny random Llama checkpoints written by hand with Hugging Face Llama names
+(transformers is not needed)."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fabric_lin.config import Config, name_to_config
+from fabric_lin.convert.from_llama import convert_from_llama
+from fabric_lin.convert.model_dir import load_model_dir_weights
+from fabric_lin.model import GPT
+from test_convert_hf import train_sentencepiece
+
+GLA_ONLY = ["attn.g_proj.weight", "attn.gk_proj.0.weight", "attn.gk_proj.1.weight", "attn.gk_proj.1.bias", "attn.g_norm.weight"]
+SHARED = [
+    "attn_norm.weight", "attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight", "attn.o_proj.weight",
+    "mlp_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+]
+LLAMA_OF = {
+    "attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+    **{f"attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"},
+    **{f"mlp.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+}
+
+
+def write_tiny_llama(
+    directory: Path, hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=64, tied=False,
+    shards=1, model_type="mistral", dtype=torch.float32,
+) -> dict:
+    """A random Llama/Mistral in Hugging Face's layout: config.json and safetensors (sharded with an index)."""
+    g = torch.Generator().manual_seed(7)
+    r = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    head_dim = hidden // heads
+    w = {"model.embed_tokens.weight": r(vocab, hidden), "model.norm.weight": 1 + r(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w.update({
+            p + "input_layernorm.weight": 1 + r(hidden),
+            p + "post_attention_layernorm.weight": 1 + r(hidden),
+            p + "self_attn.q_proj.weight": r(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": r(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": r(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": r(hidden, heads * head_dim),
+            p + "self_attn.rotary_emb.inv_freq": torch.rand(head_dim // 2, generator=g),  # old checkpoints have it
+            p + "mlp.gate_proj.weight": r(intermediate, hidden),
+            p + "mlp.up_proj.weight": r(intermediate, hidden),
+            p + "mlp.down_proj.weight": r(hidden, intermediate),
+        })
+    if not tied:
+        w["lm_head.weight"] = r(vocab, hidden)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = dict(
+        architectures=["MistralForCausalLM" if model_type == "mistral" else "LlamaForCausalLM"], model_type=model_type,
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        intermediate_size=intermediate, vocab_size=vocab, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+        rope_theta=10000.0, torch_dtype=str(dtype).removeprefix("torch."),
+    )
+    (directory / "config.json").write_text(json.dumps(config))
+    names = list(w)
+    if shards == 1:
+        save_file(w, directory / "model.safetensors")
+    else:
+        weight_map = {}
+        for s in range(shards):
+            part = {n: w[n].contiguous() for n in names[s::shards]}
+            file_name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            save_file(part, directory / file_name)
+            weight_map.update({n: file_name for n in part})
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return w
+
+
+@pytest.fixture
+def mistral_shaped_gla(monkeypatch):
+    """A tiny GLA with gla-7B's layout (expand_k=1, grouped key/value heads) so that q/k/v/o match."""
+    monkeypatch.setitem(
+        name_to_config, "gla-tiny-mistral",
+        dict(name="gla-tiny-mistral", vocab_size=64, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+             expand_k=1.0, expand_v=1.0, intermediate_size=512),
+    )
+    return "gla-tiny-mistral"
+
+
+def check_model_dir_loads(out: Path) -> dict:
+    config = Config.from_checkpoint(out)
+    state = load_model_dir_weights(out)
+    model = GPT(config)
+    model.load_state_dict(state)  # strict: every name and shape
+    logits = model(torch.randint(0, config.vocab_size, (1, 5)))
+    assert torch.isfinite(logits).all()
+    return state
+
+
+def test_copies_every_matching_tensor_from_a_sharded_mistral(tmp_path, mistral_shaped_gla, capsys):
+    llama = write_tiny_llama(tmp_path / "mistral", shards=3)
+    train_sentencepiece(tmp_path / "mistral", vocab_size=80)  # more pieces than the model's 64 rows
+    report = convert_from_llama(tmp_path / "mistral", mistral_shaped_gla, tmp_path / "gla")
+
+    expected_copied = ["embeddings.weight", "norm.weight", "lm_head.weight"] + [f"layers.{i}.{n}" for i in range(2) for n in SHARED]
+    assert sorted(report["copied"]) == sorted(expected_copied)
+    assert sorted(report["initialized"]) == sorted(f"layers.{i}.{n}" for i in range(2) for n in GLA_ONLY)
+    assert sorted(report["ignored"]) == [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(2)]
+    assert report["partial"] == []
+
+    state = check_model_dir_loads(tmp_path / "gla")
+    assert torch.equal(state["embeddings.weight"], llama["model.embed_tokens.weight"])
+    assert torch.equal(state["lm_head.weight"], llama["lm_head.weight"])
+    assert torch.equal(state["norm.weight"], llama["model.norm.weight"])
+    for i in range(2):
+        for ours, theirs in LLAMA_OF.items():
+            assert torch.equal(state[f"layers.{i}.{ours}"], llama[f"model.layers.{i}.{theirs}"]), ours
+        # the GLA-only weights are the model's init: N(0, 0.02) weights, zero bias, unit norm
+        assert torch.equal(state[f"layers.{i}.attn.g_norm.weight"], torch.ones(32))
+        assert torch.equal(state[f"layers.{i}.attn.gk_proj.1.bias"], torch.zeros(64))
+        assert abs(state[f"layers.{i}.attn.g_proj.weight"].std().item() - 0.02) < 0.002
+    config = Config.from_checkpoint(tmp_path / "gla")
+    assert config.norm_eps == 1e-5 and config.name == "gla-tiny-mistral"
+    assert (tmp_path / "gla" / "tokenizer.model").read_bytes() == (tmp_path / "mistral" / "tokenizer.model").read_bytes()
+    printed = capsys.readouterr().out
+    assert "the tokenizer has 80 pieces but gla-tiny-mistral has vocab_size=64" in printed
+    assert "kept at init (10): layers.{i}.attn.g_proj.weight (x2)" in printed
+
+
+def test_shape_mismatch_keeps_init_and_is_reported(tmp_path, capsys):
+    # gla-debug: 2 heads, expand_k=0.5 -> q/k are 64 x 128; this Llama's q is 128 x 128, its k/v 64 x 128
+    llama = write_tiny_llama(tmp_path / "llama", model_type="llama", layers=4, heads=4, kv_heads=2, vocab=4096)
+    report = convert_from_llama(tmp_path / "llama", "gla-debug", tmp_path / "gla")
+    layer0 = {n.removeprefix("layers.0.") for n in report["copied"] if n.startswith("layers.0.")}
+    assert layer0 == set(SHARED) - {"attn.q_proj.weight", "attn.v_proj.weight"}  # gla-debug's v is 128 x 128
+    assert {n.removeprefix("layers.0.") for n in report["initialized"] if n.startswith("layers.0.")} == set(GLA_ONLY) | {
+        "attn.q_proj.weight", "attn.v_proj.weight"
+    }
+    assert "model.layers.0.self_attn.q_proj.weight" in report["ignored"]
+    state = check_model_dir_loads(tmp_path / "gla")
+    assert torch.equal(state["layers.3.attn.k_proj.weight"], llama["model.layers.3.self_attn.k_proj.weight"])
+    assert "model.layers.0.self_attn.q_proj.weight has shape (128, 128), layers.0.attn.q_proj.weight needs (64, 128)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("llama_vocab", [80, 48])
+def test_vocabulary_mismatch_truncates_or_extends(tmp_path, mistral_shaped_gla, capsys, llama_vocab):
+    llama = write_tiny_llama(tmp_path / "mistral", vocab=llama_vocab)
+    report = convert_from_llama(tmp_path / "mistral", mistral_shaped_gla, tmp_path / "gla")
+    assert sorted(report["partial"]) == ["embeddings.weight", "lm_head.weight"]
+    assert "vocabulary sizes differ" in capsys.readouterr().out
+    state = check_model_dir_loads(tmp_path / "gla")
+    rows = min(llama_vocab, 64)
+    for ours, theirs in (("embeddings.weight", "model.embed_tokens.weight"), ("lm_head.weight", "lm_head.weight")):
+        assert state[ours].shape == (64, 128)
+        assert torch.equal(state[ours][:rows], llama[theirs][:rows])
+        if llama_vocab < 64:  # the new rows are freshly initialised, not zeros and not copies
+            extra = state[ours][rows:]
+            assert abs(extra.std().item() - 0.02) < 0.004
+
+
+def test_tied_llama_fills_the_untied_lm_head_and_bf16_is_kept(tmp_path, mistral_shaped_gla):
+    llama = write_tiny_llama(tmp_path / "llama", tied=True, model_type="llama", dtype=torch.bfloat16)
+    report = convert_from_llama(tmp_path / "llama", mistral_shaped_gla, tmp_path / "gla")
+    assert "lm_head.weight" in report["copied"]
+    state = load_model_dir_weights(tmp_path / "gla")
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    assert torch.equal(state["lm_head.weight"], llama["model.embed_tokens.weight"])
+
+
+def test_bad_inputs_get_clear_errors(tmp_path, mistral_shaped_gla):
+    write_tiny_llama(tmp_path / "wide", hidden=256, heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match="hidden_size=256 but gla-tiny-mistral has hidden_size=128"):
+        convert_from_llama(tmp_path / "wide", mistral_shaped_gla, tmp_path / "gla")
+    write_tiny_llama(tmp_path / "qwen", model_type="qwen2")
+    with pytest.raises(ValueError, match="model_type 'qwen2'"):
+        convert_from_llama(tmp_path / "qwen", mistral_shaped_gla, tmp_path / "gla")
+    with pytest.raises(ValueError, match="Unknown model name 'gla-8B'"):
+        convert_from_llama(tmp_path / "wide", "gla-8B", tmp_path / "gla")
+    ok = tmp_path / "ok"
+    write_tiny_llama(ok, shards=2)
+    index = json.loads((ok / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "/etc/passwd"
+    (ok / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="is not a relative path"):
+        convert_from_llama(ok, mistral_shaped_gla, tmp_path / "gla")
+    (tmp_path / "gla").mkdir(exist_ok=True)
+    (tmp_path / "gla" / "x").write_text("")
+    write_tiny_llama(tmp_path / "fine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        convert_from_llama(tmp_path / "fine", mistral_shaped_gla, tmp_path / "gla")
