@@ -2,11 +2,38 @@
 from dataclasses import dataclass
 from pathlib import Path
 
+from litdata.streaming import CombinedStreamingDataset
+from litdata.utilities.env import _WorkerEnv
+
 from fabric_lin.data.base import DataModule, token_dataloader, token_dataset
 
 # share of training samples drawn from each dataset: their token counts in TinyLlama's mix
 SLIMPAJAMA_WEIGHT = 0.693584
 STARCODER_WEIGHT = 0.306416
+
+
+class MixedStreamingDataset(CombinedStreamingDataset):
+    """CombinedStreamingDataset whose resume is exact with several DataLoader workers.
+
+    litdata (0.2.76) restores each child dataset from the child's total sample count and splits that
+    total over the workers as if they had taken whole batches from the child in turn. With weighted
+    mixing a worker's batch holds samples of both children, so every worker resumes at a wrong place.
+    The loader state does hold each worker's count per child (`num_samples_yielded`); here, inside the
+    worker, each child is given the total whose round-robin split yields exactly this worker's count."""
+
+    def __iter__(self):
+        worker = _WorkerEnv.detect()
+        counts = (self._num_samples_yielded or {}).get(worker.rank)
+        if counts is not None:
+            for dataset, count in zip(self._datasets, counts):
+                state = getattr(dataset, "_state_dict", None)
+                if state:
+                    batch_size, num_workers = state["batch_size"], state["num_workers"]
+                    full_rounds, rest = divmod(count, batch_size)
+                    # full rounds for every worker, a full batch for each worker before this one, then `rest`
+                    total = full_rounds * num_workers * batch_size + worker.rank * batch_size + rest
+                    dataset._state_dict = {**state, "num_samples_yielded": total}
+        return super().__iter__()
 
 
 @dataclass
@@ -39,13 +66,11 @@ class SlimPajamaStarcoder(DataModule):
             check_prepared_dir(path, self.tokenizer)
 
     def train_dataloader(self):
-        from litdata.streaming import CombinedStreamingDataset
-
         datasets = [token_dataset(self.slimpajama_train, self.block_size, True, self.seed, self.tokenizer)]
         if self.use_starcoder:
             datasets.append(token_dataset(self.starcoder_train, self.block_size, True, self.seed, self.tokenizer))
             # iterate_over_all=False: sample by the weights; the epoch ends when one dataset runs out
-            dataset = CombinedStreamingDataset(
+            dataset = MixedStreamingDataset(
                 datasets=datasets, seed=self.seed, weights=(SLIMPAJAMA_WEIGHT, STARCODER_WEIGHT), iterate_over_all=False
             )
         else:

@@ -1,0 +1,184 @@
+"""Data modules: mixing weights, dataloader resume, validation order, the sample corpus."""
+import io
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fabric_lin.config import Config
+from fabric_lin.data import SampleCorpus, SlimPajamaStarcoder, TokenChunks, Tokenizer
+from fabric_lin.data.prepared import write_prepared_info
+from fabric_lin.data.train_tokenizer import main as train_tokenizer
+
+SEQ = 7  # max_seq_length: blocks of 8 tokens
+
+
+def write_token_dir(path: Path, tokens: np.ndarray, tokenizer: Tokenizer, chunk_size: int = 4000) -> None:
+    """A prepared directory written directly with litdata's Cache (not through the preprocessors)."""
+    from litdata.streaming.cache import Cache
+    from litdata.streaming.item_loader import TokensLoader
+
+    cache = Cache(str(path), chunk_size=chunk_size, item_loader=TokensLoader())
+    for i, start in enumerate(range(0, len(tokens), 1000)):
+        cache[i] = tokens[start : start + 1000]
+    cache.done()
+    cache.merge()
+    write_prepared_info(path, tokenizer, recipe="test")
+
+
+@pytest.fixture(scope="module")
+def mix(tmp_path_factory):
+    """slimpajama tokens are even, starcoder tokens odd: a block tells where it came from."""
+    root = tmp_path_factory.mktemp("mix")
+    raw = root / "raw"
+    raw.mkdir()
+    (raw / "a.txt").write_text("\n".join(f"line {i} of some text for a tokenizer" for i in range(500)))
+    train_tokenizer(raw, root / "tokenizer", vocab_size=300, num_threads=1)
+    tokenizer = Tokenizer(root / "tokenizer")
+    rng = np.random.default_rng(0)
+    slimpajama = (rng.integers(0, 150, 160_000) * 2).astype(np.uint16)
+    starcoder = (rng.integers(0, 150, 100_000) * 2 + 1).astype(np.uint16)
+    val = np.arange(8000, dtype=np.uint16) % 300
+    write_token_dir(root / "data" / "slimpajama" / "train", slimpajama, tokenizer)
+    write_token_dir(root / "data" / "slimpajama" / "val", val, tokenizer)
+    write_token_dir(root / "data" / "starcoder", starcoder, tokenizer)
+    return {"root": root, "data": root / "data", "tokenizer": tokenizer, "val": val, "slimpajama": slimpajama}
+
+
+def torch_round_trip(obj):
+    """What a checkpoint does to the state: torch.save, then torch.load."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def module(mix, batch_size, num_workers=0, **kwargs):
+    data = SlimPajamaStarcoder(data_path=mix["data"], num_workers=num_workers, **kwargs)
+    data.connect(mix["tokenizer"], batch_size=batch_size, max_seq_length=SEQ)
+    data.setup()
+    return data
+
+
+def test_mixing_share_matches_weights(mix):
+    loader = module(mix, batch_size=100).train_dataloader()
+    from_slimpajama = total = 0
+    for i, batch in enumerate(loader):
+        assert batch.dtype == torch.int64 and batch.shape == (100, SEQ + 1)
+        parity = batch % 2
+        assert torch.all(parity == parity[:, :1]), "a block mixes the two datasets"
+        from_slimpajama += int((parity[:, 0] == 0).sum())
+        total += len(batch)
+        if total >= 20_000:
+            break
+    assert total == 20_000
+    share = from_slimpajama / total
+    assert abs(share - 0.693584) < 0.01, share
+
+
+def test_use_starcoder_false_reads_slimpajama_only(mix):
+    loader = module(mix, batch_size=50, use_starcoder=False).train_dataloader()
+    batches = [b for _, b in zip(range(20), loader)]
+    assert all(torch.all(b % 2 == 0) for b in batches)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kind", ["SlimPajamaStarcoder", "TokenChunks"])
+def test_resume_continues_with_the_next_batch(mix, kind, num_workers):
+    def make_loader():
+        if kind == "TokenChunks":
+            data = TokenChunks(data_path=mix["data"] / "starcoder", num_workers=num_workers)
+            data.connect(mix["tokenizer"], batch_size=4, max_seq_length=SEQ)
+            data.setup()
+            return data.train_dataloader()
+        return module(mix, batch_size=4, num_workers=num_workers).train_dataloader()
+
+    for consumed in (1, 6, 11):
+        loader = make_loader()
+        iterator = iter(loader)
+        for _ in range(consumed):
+            next(iterator)
+        state = loader.state_dict()
+        expected = [next(iterator) for _ in range(4)]
+        del iterator
+
+        resumed = make_loader()
+        resumed.load_state_dict(torch_round_trip(state))
+        got = [b for _, b in zip(range(4), resumed)]
+        assert len(got) == 4
+        for a, b in zip(expected, got):
+            assert torch.equal(a, b), f"resumed after {consumed} batches"
+    # a fresh loader starts elsewhere, so the comparison above tells resumed from restarted
+    assert not torch.equal(next(iter(make_loader())), expected[0])
+
+
+def test_val_dataloader_is_in_order(mix):
+    loader = module(mix, batch_size=10).val_dataloader()
+    tokens = torch.cat([b.flatten() for b in loader]).numpy()
+    # chunks of 4000 tokens hold 500 blocks of 8, so every token is used, in order
+    assert np.array_equal(tokens, mix["val"].astype(np.int64))
+
+
+def test_setup_errors_name_the_directory(mix, tmp_path):
+    data = SlimPajamaStarcoder(data_path=tmp_path / "nowhere")
+    data.connect(mix["tokenizer"], batch_size=1, max_seq_length=SEQ)
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere" / "slimpajama" / "train")):
+        data.setup()
+    with pytest.raises(ValueError, match="TokenChunks needs data_path"):
+        TokenChunks().setup()
+    unconnected = SlimPajamaStarcoder(data_path=mix["data"], num_workers=0)
+    with pytest.raises(ValueError, match="max_seq_length"):
+        unconnected.train_dataloader()
+
+
+def test_sample_corpus_builds_once_under_concurrency(tmp_path):
+    cache_dir = tmp_path / "sample_corpus"
+    code = "import sys; from fabric_lin.data.sample_corpus import ensure_sample_corpus; print('PATH', ensure_sample_corpus(sys.argv[1]))"
+    start = time.perf_counter()
+    processes = [
+        subprocess.Popen([sys.executable, "-c", code, str(cache_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    seconds = time.perf_counter() - start
+    assert all(p.returncode == 0 for p in processes), outputs
+    paths = {line.split(" ", 1)[1] for out in outputs for line in out.splitlines() if line.startswith("PATH ")}
+    assert len(paths) == 1
+    assert sum(out.count("Built the sample corpus") for out in outputs) == 1
+    assert seconds < 120, seconds
+    root = Path(paths.pop())
+    assert not list(cache_dir.glob(".tmp-*"))
+
+    data = SampleCorpus(cache_dir=cache_dir, num_workers=0)
+    assert data.data_path == root and data.tokenizer_dir == root / "tokenizer"
+    start = time.perf_counter()
+    data.prepare_data()  # cached: no rebuild
+    assert time.perf_counter() - start < 5
+    tokenizer = Tokenizer(data.tokenizer_dir)
+    assert tokenizer.vocab_size == Config.from_name("gla-debug").vocab_size == 4096
+    data.connect(tokenizer, batch_size=4, max_seq_length=64)
+    data.setup()
+    batch = next(iter(data.train_dataloader()))
+    assert batch.shape == (4, 65) and batch.dtype == torch.int64 and int(batch.max()) < 4096
+    val = next(iter(data.val_dataloader()))
+    assert val.shape == (4, 65)
+
+    info = json.loads((root / "slimpajama" / "train" / "prepared.json").read_text())
+    assert info["summary"]["skipped_rows"] > 0 and not info["summary"]["bad_files"]
+    starcoder = json.loads((root / "starcoder" / "prepared.json").read_text())["summary"]
+    corpus = json.loads((root / "corpus.json").read_text())
+    assert starcoder["documents"] == corpus["train_modules"] and corpus["val_modules"] > 0
+
+    # deterministic: the raw corpus and the tokenizer come out byte for byte the same again
+    from fabric_lin.data.sample_corpus import VOCAB_SIZE, stdlib_modules, write_raw_corpus
+
+    write_raw_corpus(tmp_path / "again", stdlib_modules())
+    for path in (root / "raw").rglob("*.*"):
+        assert (tmp_path / "again" / path.relative_to(root / "raw")).read_bytes() == path.read_bytes(), path
+    train_tokenizer(tmp_path / "again" / "train", tmp_path / "again-tok", vocab_size=VOCAB_SIZE, num_threads=1)
+    assert (tmp_path / "again-tok" / "tokenizer.model").read_bytes() == (root / "tokenizer" / "tokenizer.model").read_bytes()
