@@ -197,34 +197,11 @@ def main(
     data.setup()
     train_dataloader = data.train_dataloader()
     val_dataloader = data.val_dataloader()
-    train_dataloader, val_dataloader = fabric.setup_dataloaders(train_dataloader, val_dataloader)
+    train_dataloader = fabric.setup_dataloaders(train_dataloader)
+    if val_dataloader is not None:  # a data module without a validation split returns None
+        val_dataloader = fabric.setup_dataloaders(val_dataloader)
 
-    # model: empty (meta under FSDP) then initialised in place, as an eager build with this seed
-    sharded = isinstance(fabric.strategy, FSDPStrategy)
-    with fabric.init_module(empty_init=True):
-        model = GPT(config)
-    if not sharded:
-        fabric.seed_everything(seed)
-        model.reset_parameters()
-        if initial_checkpoint_dir is not None:
-            model.load_state_dict(load_initial_weights(initial_checkpoint_dir))
-        if activation_checkpointing:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
-    no_decay = no_decay_parameter_names(model)
-    fabric.print(f"{config.name or 'model'}: {sum(p.numel() for p in model.parameters()):,} parameters")
-    if compile:
-        model = torch.compile(model)
-    model = fabric.setup(model)  # under FSDP, wrapping materialises the meta model via reset_parameters
-    if sharded and initial_checkpoint_dir is not None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(
-            model._forward_module if hasattr(model, "_forward_module") else model,
-            load_initial_weights(initial_checkpoint_dir),
-            options=StateDictOptions(full_state_dict=True, strict=True),
-        )
+    model, no_decay = build_model(fabric, config, seed, initial_checkpoint_dir, activation_checkpointing, compile)
 
     groups = [
         {"params": [p for n, p in model.named_parameters() if canonical_name(n) not in no_decay], "weight_decay": optimizer_args.weight_decay},
@@ -256,6 +233,44 @@ def main(
         precision=precision, stop=stop,
     )
     fit(fabric, state, val_dataloader, ctx)
+
+
+def build_model(
+    fabric: L.Fabric, config: Config, seed: int, initial_checkpoint_dir: Optional[Path] = None,
+    activation_checkpointing: bool = False, compile: bool = False,
+):
+    """The model set up by Fabric, and the names of the parameters without weight decay.
+
+    Built empty (on the meta device under FSDP) and then initialised in place: on one device or DDP,
+    `reset_parameters()` after re-seeding gives the same weights as an eager `GPT(config)` with this
+    seed; under FSDP the wrapping materialises each Block with its modules' `reset_parameters()`."""
+    sharded = isinstance(fabric.strategy, FSDPStrategy)
+    with fabric.init_module(empty_init=True):
+        model = GPT(config)
+    if not sharded:
+        fabric.seed_everything(seed, verbose=False)
+        model.reset_parameters()
+        if initial_checkpoint_dir is not None:
+            model.load_state_dict(load_initial_weights(initial_checkpoint_dir))
+        if activation_checkpointing:  # under FSDP the strategy's activation_checkpointing_policy does it
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    no_decay = no_decay_parameter_names(model)
+    fabric.print(f"{config.name or 'model'}: {sum(p.numel() for p in model.parameters()):,} parameters")
+    if compile:
+        model = torch.compile(model)
+    model = fabric.setup(model)
+    if sharded and initial_checkpoint_dir is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        wrapped = model._forward_module
+        wrapped = getattr(wrapped, "_orig_mod", wrapped)  # under torch.compile, the FSDP module inside
+        set_model_state_dict(
+            wrapped, load_initial_weights(initial_checkpoint_dir),
+            options=StateDictOptions(full_state_dict=True, strict=True),
+        )
+    return model, no_decay
 
 
 class RunContext:
@@ -391,8 +406,10 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
 
 
 @torch.no_grad()
-def validate(fabric: L.Fabric, model, val_dataloader, max_iters: int) -> float:
-    """Mean loss over `max_iters` validation batches per rank, averaged over ranks."""
+def validate(fabric: L.Fabric, model, val_dataloader, max_iters: int) -> Optional[float]:
+    """Mean loss over `max_iters` validation batches per rank, averaged over ranks (None without validation data)."""
+    if val_dataloader is None:
+        return None
     model.eval()
     losses = []
     for i, batch in enumerate(val_dataloader):
@@ -494,7 +511,9 @@ def flush_metrics(fabric: L.Fabric, path: Path, pending: List) -> List[float]:
     return loss_values
 
 
-def log_validation(fabric: L.Fabric, path: Path, step: int, val_loss: float) -> None:
+def log_validation(fabric: L.Fabric, path: Path, step: int, val_loss: Optional[float]) -> None:
+    if val_loss is None:
+        return
     val_ppl = math.exp(min(val_loss, 100.0))
     fabric.log_dict({"val_loss": val_loss, "val_ppl": val_ppl}, step=step)
     fabric.print(f"step {step}: val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}")

@@ -1,0 +1,212 @@
+"""Unit tests of the pretraining loop's pieces: schedules, batch arithmetic, document boundaries,
+checkpoint discovery, FLOPs, model init and the CLI's typing of `data`."""
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from fabric_lin.args import EvalArgs, TrainArgs, learning_rate
+from fabric_lin.config import Config
+from fabric_lin.flops import flops_per_token, matmul_params
+from fabric_lin.model import GPT
+from fabric_lin.pretrain import (
+    build_model,
+    canonical_name,
+    doc_boundaries,
+    find_resume_dir,
+    get_rng_states,
+    no_decay_parameter_names,
+    prune_checkpoints,
+    set_rng_states,
+    step_checkpoints,
+)
+
+
+def test_cosine_schedule_values():
+    kw = dict(base_lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110, schedule="cosine")
+    assert learning_rate(0, **kw) == pytest.approx(1e-4)  # (0 + 1) / 10 of the peak
+    assert learning_rate(9, **kw) == pytest.approx(1e-3)
+    assert learning_rate(10, **kw) == pytest.approx(1e-3)  # decay starts at the peak
+    # halfway through the decay the cosine is at the midpoint of base and min
+    assert learning_rate(60, **kw) == pytest.approx(0.5 * (1e-3 + 1e-4))
+    assert learning_rate(110, **kw) == pytest.approx(1e-4)
+    assert learning_rate(500, **kw) == pytest.approx(1e-4)  # clamped past the end
+
+
+def test_wsd_schedule_values():
+    # flame: stable part = 90% of max_steps including the warmup, decay = last 10%
+    kw = dict(base_lr=3e-4, min_lr=3e-5, warmup_steps=10, max_steps=200, schedule="wsd", decay_fraction=0.1)
+    assert learning_rate(4, **kw) == pytest.approx(3e-4 * 5 / 10)
+    assert learning_rate(10, **kw) == pytest.approx(3e-4)
+    assert learning_rate(179, **kw) == pytest.approx(3e-4)
+    assert learning_rate(180, **kw) == pytest.approx(3e-4)  # decay starts at 180 = 0.9 * 200
+    assert learning_rate(190, **kw) == pytest.approx(3e-4 - (3e-4 - 3e-5) * 0.5)
+    assert learning_rate(200, **kw) == pytest.approx(3e-5)
+
+
+def test_unknown_schedule_is_named():
+    with pytest.raises(ValueError, match="'linear'"):
+        learning_rate(100, 1e-3, 1e-4, 10, 200, schedule="linear")
+
+
+def test_gradient_accumulation_arithmetic():
+    # flame's 340M recipe: 32 sequences per GPU x 8 GPUs = 256 sequences of 2048 = 524,288 tokens
+    train = TrainArgs(global_batch_size=256, micro_batch_size=8, max_tokens=10_737_418_240, max_seq_length=2048)
+    assert train.gradient_accumulation_iters(devices=8, num_nodes=1) == 4
+    assert train.gradient_accumulation_iters(devices=8, num_nodes=4) == 1
+    assert train.total_steps() == 20480
+    with pytest.raises(ValueError, match=r"global_batch_size=256 .* train.micro_batch_size \(8\) x devices \(6\)"):
+        train.gradient_accumulation_iters(devices=6, num_nodes=1)
+
+
+def test_max_tokens_and_max_steps_exclusive():
+    with pytest.raises(ValueError, match="exactly one of train.max_tokens"):
+        TrainArgs(max_tokens=10, max_steps=10).total_steps()
+    with pytest.raises(ValueError, match="max_tokens=100 is less than one optimizer step"):
+        TrainArgs(max_tokens=100, global_batch_size=2, max_seq_length=64).total_steps()
+
+
+def test_doc_boundaries_against_python_reference():
+    eos = 2
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 50, (3, 17), generator=g)
+    ids[0, 4] = ids[0, 16] = ids[2, 0] = ids[2, 9] = eos
+    expected = {0}
+    flat = ids.flatten().tolist()
+    for i, t in enumerate(flat):  # a document starts at each row start and after each EOS
+        if i % 17 == 0:
+            expected.add(i)
+        if t == eos:
+            expected.add(i + 1)
+    expected.add(len(flat))
+    got = doc_boundaries(ids, eos)
+    assert got.dtype == torch.int32
+    assert got.tolist() == sorted(expected)
+
+
+def test_packed_loss_equals_per_document_losses():
+    """cu_seqlens from EOS positions: the packed forward gives each document the loss it gets alone."""
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("gla-debug", num_layers=1, vocab_size=64))
+    eos = 2
+    ids = torch.randint(3, 64, (2, 12))
+    ids[0, 5] = eos  # row 0 = doc A (6 tokens incl. EOS) + doc B (6 tokens); row 1 = doc C
+    targets = torch.randint(3, 64, (2, 12))
+    from fabric_lin.pretrain import compute_loss
+
+    packed = compute_loss(model, ids, targets, eos)
+    pieces = [(ids[:1, :6], targets[:1, :6]), (ids[:1, 6:], targets[:1, 6:]), (ids[1:], targets[1:])]
+    total = sum(model(x, targets=t) * t.numel() for x, t in pieces)
+    torch.testing.assert_close(packed, total / targets.numel(), rtol=1e-5, atol=1e-5)
+
+
+def _make_ckpt(root: Path, name: str) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "lit_model.pth").write_bytes(b"x")
+    return d
+
+
+def test_find_resume_dir(tmp_path):
+    assert find_resume_dir("auto", tmp_path) is None
+    assert find_resume_dir(False, tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="--resume true: no checkpoint"):
+        find_resume_dir(True, tmp_path)
+    _make_ckpt(tmp_path, "step-00000002")
+    _make_ckpt(tmp_path, "step-00000010")
+    _make_ckpt(tmp_path, ".tmp-step-00000012")  # interrupted save: never chosen
+    (tmp_path / "step-00000011").mkdir()  # no lit_model.pth: not complete
+    assert find_resume_dir("auto", tmp_path) == tmp_path / "step-00000010"
+    assert find_resume_dir(True, tmp_path) == tmp_path / "step-00000010"
+    # a path: the directory or the lit_model.pth in it
+    assert find_resume_dir(tmp_path / "step-00000002", tmp_path) == tmp_path / "step-00000002"
+    assert find_resume_dir(tmp_path / "step-00000002" / "lit_model.pth", tmp_path) == tmp_path / "step-00000002"
+    with pytest.raises(FileNotFoundError, match="step-00000011"):
+        find_resume_dir(tmp_path / "step-00000011", tmp_path)
+    _make_ckpt(tmp_path, "final")
+    assert find_resume_dir("auto", tmp_path) == tmp_path / "final"
+
+
+def test_prune_keeps_newest(tmp_path):
+    for step in (2, 4, 6, 8):
+        _make_ckpt(tmp_path, f"step-{step:08d}")
+    prune_checkpoints(tmp_path, keep_last_n=2)
+    assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000006", "step-00000008"]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_rng_states_round_trip():
+    import random
+
+    import numpy as np
+
+    states = get_rng_states()
+    a = (random.random(), np.random.rand(), torch.rand(1).item())
+    set_rng_states(states)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
+
+
+def test_matmul_params_equal_the_models_matrices():
+    for name in ("gla-debug", "transformer-debug", "gla-340M"):
+        config = Config.from_name(name)
+        with torch.device("meta"):
+            model = GPT(config)
+        # every Linear weight is one multiply-add per token; the embedding is a lookup
+        expected = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        assert matmul_params(config) == expected, name
+
+
+def test_flops_per_token_gla_340m():
+    config = Config.from_name("gla-340M")
+    # independent arithmetic for d=1024, 24 layers, 4 heads of K=128, V=256, chunk 64, vocab 32000
+    per_layer = 1024 * 512 * 2 + 1024 * 1024 * 2 + 1024 * 16 + 16 * 512 + 1024 * 1024 + 3 * 1024 * 2816
+    n = 24 * per_layer + 1024 * 32000
+    attention = 24 * 4 * (2 * 64 * (128 + 256) + 4 * 128 * 256)
+    assert flops_per_token(config, 2048) == 3 * (2 * n + attention)
+    t = Config.from_name("transformer-340M")
+    assert flops_per_token(t, 2048) == 3 * (2 * matmul_params(t) + 24 * 4 * 2048 * 1024)
+
+
+def test_empty_init_then_reset_equals_eager_build():
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    config = Config.from_name("gla-debug", num_layers=2)
+    model, no_decay = build_model(fabric, config, seed=123)
+    torch.manual_seed(123)
+    eager = GPT(config)
+    got = model.state_dict()
+    for key, value in eager.state_dict().items():
+        assert torch.equal(got[key], value), key
+    assert "layers.0.attn_norm.weight" in no_decay and "layers.0.attn.gk_proj.1.bias" in no_decay
+    assert "layers.0.attn.q_proj.weight" not in no_decay and "embeddings.weight" not in no_decay
+
+
+def test_no_decay_names_survive_wrappers():
+    assert canonical_name("_forward_module._orig_mod.layers.0._fsdp_wrapped_module.mlp_norm.weight") == "layers.0.mlp_norm.weight"
+    model = GPT(Config.from_name("gla-debug", num_layers=1))
+    names = no_decay_parameter_names(model)
+    assert names == {n for n, p in model.named_parameters() if p.ndim == 1}
+
+
+def test_cli_accepts_data_module_subclass_and_rejects_unknown_keys(capsys):
+    """`--data TokenChunks --data.data_path X` is parsed into the data module; a wrong key is named."""
+    from jsonargparse import ArgumentParser
+
+    from fabric_lin.data import DataModule, TokenChunks
+    from fabric_lin.pretrain import setup  # noqa: F401  (enables data module subclasses)
+
+    parser = ArgumentParser()
+    parser.add_argument("--data", type=DataModule)
+    cfg = parser.parse_args(["--data", "TokenChunks", "--data.data_path", "/some/dir", "--data.num_workers", "0"])
+    data = parser.instantiate(cfg).data
+    assert isinstance(data, TokenChunks) and str(data.data_path) == "/some/dir" and data.num_workers == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data", "TokenChunks", "--data.no_such_key", "1"])
+    assert "no_such_key" in capsys.readouterr().err
+
+
+def test_eval_args_defaults_are_litgpt_like():
+    e = EvalArgs()
+    assert (e.interval, e.max_iters, e.initial_validation, e.final_validation) == (1000, 100, False, True)
+    assert math.isclose(TrainArgs().max_norm, 1.0)
