@@ -26,11 +26,15 @@ SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model_dir_weights(model_dir: Union[str, Path]) -> Dict[str, torch.Tensor]:
+def load_model_dir_weights(
+    model_dir: Union[str, Path], model: Optional[Union[nn.Module, Config]] = None
+) -> Dict[str, torch.Tensor]:
     """The state dict stored in `model_dir` (lit_model.pth, else safetensors), on the CPU.
 
     `torch.compile`'s `_orig_mod.` prefixes are removed. A training checkpoint (the dict with
     `model`, `optimizer`, ...) or a sharded one is refused with the command that converts it.
+    With `model` (a module, possibly on meta, or a Config), the tensors are checked against it by
+    `check_state_dict`, so a mismatch is reported name by name.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -55,7 +59,10 @@ def load_model_dir_weights(model_dir: Union[str, Path]) -> Dict[str, torch.Tenso
             f"{model_dir} holds no {MODEL_FILE}, {SAFETENSORS_FILE} or {SAFETENSORS_INDEX_FILE}; "
             f"found {sorted(p.name for p in model_dir.iterdir())[:10]}"
         )
-    return strip_compile_prefix(tensor_dict(state, path))
+    state = strip_compile_prefix(tensor_dict(state, path))
+    if model is not None:
+        check_state_dict(state, model, source=str(model_dir))
+    return state
 
 
 def check_state_dict(
