@@ -184,3 +184,31 @@ def test_bad_inputs_get_clear_errors(tmp_path, mistral_shaped_gla):
     write_tiny_llama(tmp_path / "fine")
     with pytest.raises(FileExistsError, match="not empty"):
         convert_from_llama(tmp_path / "fine", mistral_shaped_gla, tmp_path / "gla")
+
+
+def test_gla_7B_from_mistral_recipe_matches_the_conversion():
+    import subprocess
+    import sys
+
+    import yaml
+
+    from fabric_lin.args import TrainArgs
+
+    path = Path(__file__).parents[1] / "config_hub" / "gla_7B_from_mistral.yaml"
+    recipe = yaml.safe_load(path.read_text())
+    # the model pretrain builds is the one convert_from_llama writes for Mistral-7B (rms_norm_eps 1e-5)
+    assert Config(**recipe["model_config"]) == Config.from_name("gla-7B", norm_eps=1e-5)
+    train = TrainArgs(**recipe["train"])
+    assert train.gradient_accumulation_iters(devices=recipe["devices"], num_nodes=recipe["num_nodes"]) == 8
+    assert (train.micro_batch_size, recipe["devices"], train.global_batch_size) == (4, 8, 256)
+    assert (train.max_steps, train.lr_warmup_steps, train.max_seq_length) == (10240, 512, 2048)
+    assert recipe["optimizer"]["lr"] == 3e-5
+    assert recipe["data"]["init_args"]["use_starcoder"] is False
+    assert recipe["initial_checkpoint_dir"] == recipe["tokenizer_dir"]
+    # and the command line accepts every key
+    proc = subprocess.run(
+        [sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(path), "--print_config"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "initial_checkpoint_dir: checkpoints/gla-7B-from-mistral" in proc.stdout
