@@ -1,0 +1,130 @@
+"""GPU check of convert_to_hf against flash-linear-attention itself: an exported model, loaded by
+fla's `AutoModelForCausalLM.from_pretrained`, gives fabric-lin's logits within bf16 tolerance.
+
+Skips without CUDA or without `fla` (pip install flash-linear-attention transformers). Run it as a
+test or as a script that prints one JSON line per case:
+
+    python tests/test_convert_fla_gpu.py [--model gla-340M] [--seq_len 2048]
+
+The tolerance is relative to bf16's own rounding: both bf16 models are compared with fabric-lin's
+fp32 forward, and fla's error may be at most twice fabric-lin's own bf16 error plus a small floor.
+"""
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from fabric_lin.config import Config
+from fabric_lin.convert.hf import convert_to_hf
+from fabric_lin.model import GPT
+
+
+def fla_available(model_type: str = "gla") -> bool:
+    try:
+        import fla  # noqa: F401  (registers fla's model types with transformers' Auto classes)
+        import transformers  # noqa: F401
+
+        if model_type == "transformer":
+            import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def compare_with_fla(config: Config, seq_len: int = 1024, batch: int = 2, seed: int = 0) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    import fla  # noqa: F401
+
+    torch.manual_seed(seed)
+    model = GPT(config)
+    with torch.no_grad():  # norms and gate biases away from their init, so their mapping matters
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len), device="cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, hf_dir = Path(tmp) / "model", Path(tmp) / "hf"
+        model_dir.mkdir()
+        torch.save(model.state_dict(), model_dir / "lit_model.pth")
+        config.save(model_dir / "model_config.yaml")
+        convert_to_hf(model_dir, hf_dir, dtype="bfloat16")
+        fla_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.bfloat16).cuda().eval()
+        with torch.no_grad():
+            fla_logits = fla_model(input_ids=ids).logits.float()
+        del fla_model
+    model = model.cuda().eval()
+    with torch.no_grad():
+        ref = model(ids).float()  # fp32
+        ours = model.to(torch.bfloat16)(ids).float()
+    ours_err = (ours - ref).abs()
+    fla_err = (fla_logits - ref).abs()
+    between = (fla_logits - ours).abs()
+    return {
+        "model": config.name, "block_type": config.block_type, "norm_eps": config.norm_eps,
+        "head_norm_eps": config.head_norm_eps, "seq_len": seq_len, "batch": batch,
+        "max_abs_diff_fla_vs_fabric_lin_bf16": between.max().item(),
+        "mean_abs_diff_fla_vs_fabric_lin_bf16": between.mean().item(),
+        "max_abs_err_fabric_lin_bf16_vs_fp32": ours_err.max().item(),
+        "max_abs_err_fla_bf16_vs_fabric_lin_fp32": fla_err.max().item(),
+        "mean_abs_err_fabric_lin_bf16_vs_fp32": ours_err.mean().item(),
+        "mean_abs_err_fla_bf16_vs_fabric_lin_fp32": fla_err.mean().item(),
+        "logits_std": ref.std().item(),
+    }
+
+
+def within_bf16_tolerance(result: dict) -> bool:
+    floor = 0.02 * result["logits_std"]
+    return (
+        result["max_abs_err_fla_bf16_vs_fabric_lin_fp32"] <= 2 * result["max_abs_err_fabric_lin_bf16_vs_fp32"] + floor
+        and result["mean_abs_err_fla_bf16_vs_fabric_lin_fp32"] <= 2 * result["mean_abs_err_fabric_lin_bf16_vs_fp32"] + floor
+    )
+
+
+CASES = {
+    # fla's head norm uses norm_eps: with head_norm_eps equal, the two models are the same function
+    "gla-same-eps": lambda name: Config.from_name(name, head_norm_eps=Config.from_name(name).norm_eps),
+    # fabric-lin's default head_norm_eps (1e-5) against fla's norm_eps (1e-6): the documented difference
+    "gla-default": lambda name: Config.from_name(name),
+    "gla-gqa-tied": lambda name: Config.from_name(name, num_heads=8, num_kv_heads=4, tie_embeddings=True, head_norm_eps=1e-6),
+    "transformer": lambda name: Config.from_name("transformer-340M", num_layers=4),
+}
+
+
+needs_gpu_and_fla = pytest.mark.skipif(
+    not torch.cuda.is_available() or not fla_available(), reason="needs CUDA and flash-linear-attention (fla)"
+)
+
+
+@needs_gpu_and_fla
+@pytest.mark.parametrize("case", [c for c in CASES if c != "transformer"])
+def test_exported_gla_matches_fla(case):
+    result = compare_with_fla(CASES[case]("gla-340M"))
+    print(json.dumps({"case": case, **result}))
+    assert within_bf16_tolerance(result), result
+
+
+@needs_gpu_and_fla
+@pytest.mark.skipif(not fla_available("transformer"), reason="fla's transformer needs flash_attn")
+def test_exported_transformer_matches_fla():
+    result = compare_with_fla(CASES["transformer"](None))
+    print(json.dumps({"case": "transformer", **result}))
+    assert within_bf16_tolerance(result), result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gla-340M")
+    parser.add_argument("--seq_len", type=int, default=1024)
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or not fla_available():
+        raise SystemExit("needs CUDA and flash-linear-attention: pip install flash-linear-attention transformers")
+    for case, make in CASES.items():
+        if case == "transformer" and not fla_available("transformer"):
+            print(json.dumps({"case": case, "skipped": "flash_attn is not installed"}))
+            continue
+        result = compare_with_fla(make(args.model), seq_len=args.seq_len)
+        print(json.dumps({"case": case, **result, "within_bf16_tolerance": within_bf16_tolerance(result)}), flush=True)
