@@ -41,6 +41,7 @@ class TokenizeRecipe(DataChunkRecipe):
         self.num_threads = num_threads
         self.report_dir: Optional[str] = None  # set by run_recipe
         self._tokenizer: Optional[Tokenizer] = None
+        self._skipped_rows = 0  # rows of the current file that the recipe's filter dropped
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -194,6 +195,9 @@ def run_recipe(
             reorder_files=False,
         )
         processor.run(recipe)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
     finally:
         for key, value in saved_env.items():
             if value is None:

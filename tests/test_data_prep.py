@@ -74,6 +74,14 @@ def corpus(tmp_path_factory):
         (sc / name).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.table({"max_stars_repo_path": ["x.py"] * len(texts), "content": texts}), sc / name, row_group_size=7)
     (sc / "garbage.parquet").write_bytes(b"PAR1 this is not a parquet file PAR1")
+    # readable footer and first row group, corrupt second row group: found only while streaming
+    partial = paragraphs(14, 9)
+    pq.write_table(pa.table({"content": partial}), sc / "partial.parquet", row_group_size=7, compression="zstd", use_dictionary=False)
+    column = pq.ParquetFile(sc / "partial.parquet").metadata.row_group(1).column(0)
+    data = bytearray((sc / "partial.parquet").read_bytes())
+    for i in range(column.data_page_offset + 20, column.data_page_offset + column.total_compressed_size - 4):
+        data[i] ^= 0x5A
+    (sc / "partial.parquet").write_bytes(bytes(data))
     pq.write_table(pa.table({"text": ["wrong column"]}), sc / "nocontent.parquet")
     (sc / "empty.parquet").write_bytes(b"")
 
@@ -81,7 +89,8 @@ def corpus(tmp_path_factory):
     tok_raw.mkdir()
     (tok_raw / "all.txt").write_text("\n".join(paragraphs(300, 99)), encoding="utf-8")
     train_tokenizer(tok_raw, root / "tokenizer", vocab_size=500, num_threads=1)
-    return {"root": root, "sp": sp, "sc": sc, "good_sp": good_sp, "good_sc": good_sc, "tokenizer": root / "tokenizer"}
+    return {"root": root, "sp": sp, "sc": sc, "good_sp": good_sp, "good_sc": good_sc, "partial_sc": partial[:7],
+            "tokenizer": root / "tokenizer"}
 
 
 def read_tokens(path):
@@ -166,13 +175,16 @@ def test_starcoder_round_trip_and_bad_files_through_cli(corpus, capfd):
     )
     info = check_prepared_dir(out, tokenizer)
     reasons = {Path(b["path"]).name: b["reason"] for b in info["summary"]["bad_files"]}
-    assert reasons.keys() == {"garbage.parquet", "nocontent.parquet", "empty.parquet"}
+    assert reasons.keys() == {"garbage.parquet", "nocontent.parquet", "empty.parquet", "partial.parquet"}
+    assert "unreadable parquet after 7 rows" in reasons["partial.parquet"]
+    assert {b["status"] for b in info["summary"]["bad_files"] if b["path"].endswith("partial.parquet")} == {"partial"}
     assert "unreadable parquet" in reasons["garbage.parquet"]
     assert "missing column 'content'" in reasons["nocontent.parquet"]
     assert "empty file" in reasons["empty.parquet"]
-    assert "3 bad file(s)" in capfd.readouterr().out
-    # one worker, files in sorted order (python/train-0 before train-1), rows in order
-    texts = corpus["good_sc"]["python/train-0.parquet"] + corpus["good_sc"]["train-1.parquet"]
+    assert "4 bad file(s)" in capfd.readouterr().out
+    # one worker, files in sorted order (partial, python/train-0, train-1), rows in order; of the
+    # partial file, the row group read before the corrupt one
+    texts = corpus["partial_sc"] + corpus["good_sc"]["python/train-0.parquet"] + corpus["good_sc"]["train-1.parquet"]
     expected = [t for doc in expected_tokens(tokenizer, texts) for t in doc]
     assert read_tokens(out).tolist() == expected
     assert info["summary"]["documents"] == len(texts)

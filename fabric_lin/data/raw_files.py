@@ -18,6 +18,10 @@ class BadFileError(Exception):
         self.rows_done = rows_done
 
 
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
 def find_files(input_dir: Union[str, Path], suffix: str) -> List[Path]:
     """All files under `input_dir` (recursively) whose name ends with `suffix`, sorted."""
     input_dir = Path(input_dir)
@@ -33,7 +37,10 @@ def decompress_zstd(path: Union[str, Path]) -> bytes:
     """The whole decompressed content of a (possibly multi-frame) .zst file; truncation is an error."""
     import zstandard
 
-    raw = Path(path).read_bytes()
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as err:
+        raise BadFileError(path, f"cannot read: {err.strerror or err}") from None
     if not raw:
         raise BadFileError(path, "empty file")
     pieces = []
@@ -83,12 +90,12 @@ def open_parquet(path: Union[str, Path], column: str = "content"):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if Path(path).stat().st_size == 0:
-        raise BadFileError(path, "empty file")
     try:
+        if Path(path).stat().st_size == 0:
+            raise BadFileError(path, "empty file")
         parquet_file = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
-        raise BadFileError(path, f"unreadable parquet: {err}") from None
+        raise BadFileError(path, f"unreadable parquet: {_one_line(err)}") from None
     schema = parquet_file.schema_arrow
     if column not in schema.names:
         raise BadFileError(path, f"missing column {column!r} (columns: {', '.join(schema.names)})")
@@ -109,12 +116,14 @@ def iter_parquet_texts(
     parquet_file = open_parquet(path, column)
     rows_done = 0
     try:
-        for batch in parquet_file.iter_batches(batch_size=batch_size, columns=[column]):
-            texts = [text for text in batch.column(0).to_pylist() if text is not None]
-            rows_done += batch.num_rows
-            yield texts
+        # row group by row group, so that a damaged row group costs only itself and the ones after it
+        for row_group in range(parquet_file.num_row_groups):
+            for batch in parquet_file.iter_batches(batch_size=batch_size, row_groups=[row_group], columns=[column]):
+                texts = [text for text in batch.column(0).to_pylist() if text is not None]
+                rows_done += batch.num_rows
+                yield texts
     except (pa.ArrowException, OSError) as err:
-        raise BadFileError(path, f"unreadable parquet after {rows_done} rows: {err}", rows_done) from None
+        raise BadFileError(path, f"unreadable parquet after {rows_done} rows: {_one_line(err)}", rows_done) from None
 
 
 def iter_text_file_lines(path: Union[str, Path]) -> Iterator[str]:
