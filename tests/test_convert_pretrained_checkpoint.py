@@ -17,7 +17,7 @@ import torch
 from fabric_lin.config import Config
 from fabric_lin.convert.model_dir import load_model_dir_weights
 from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
-from fabric_lin.model import GPT
+from fabric_lin.model import GPT, Block
 
 
 def write_checkpoint_dir_files(ckpt_dir: Path, config: Config) -> None:
@@ -184,24 +184,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fsdp_worker(rank: int, world_size: int, ckpt_dir: str, port: int) -> None:
-    """Shard gla-debug with FSDP2 across the CPU processes, train two steps, and save as Fabric's
+def _fsdp_worker(rank: int, world_size: int, ckpt_dir: str, port: int, kind: str) -> None:
+    """Shard gla-debug across the CPU processes, train two steps, and save as Fabric's
     FSDPStrategy(state_dict_type="sharded") does: DCP of {"model", "optimizer"} into the directory
-    lit_model.pth, the rest with torch.save into lit_model.pth/meta.pt from rank 0."""
+    lit_model.pth, the rest with torch.save into lit_model.pth/meta.pt from rank 0.
+
+    kind "fsdp1": torch's FullyShardedDataParallel (what Fabric wraps), saved through Fabric's own
+    sharded state-dict context and DCP save function. kind "fsdp2": `fully_shard` (DTensor shards)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     config = Config.from_checkpoint(ckpt_dir)
     torch.manual_seed(0)
     model = GPT(config)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"), use_orig_params=True)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(1 + rank)  # each rank its own data
     for _ in range(2):
@@ -209,11 +219,25 @@ def _fsdp_worker(rank: int, world_size: int, ckpt_dir: str, port: int) -> None:
         model(x[:, :-1], targets=x[:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad()
-    state_dict = model.state_dict()
-    assert all(isinstance(t, torch.distributed.tensor.DTensor) for t in state_dict.values())
     path = Path(ckpt_dir) / "lit_model.pth"
-    dcp.save({"model": state_dict, "optimizer": optimizer.state_dict()}, checkpoint_id=path)
-    full = {k: v.full_tensor() for k, v in state_dict.items()}
+    if kind == "fsdp1":
+        from lightning.fabric.strategies.fsdp import (
+            _distributed_checkpoint_save,
+            _get_full_state_dict_context,
+            _get_sharded_state_dict_context,
+        )
+
+        with _get_sharded_state_dict_context(model):
+            state = {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model, optimizer)}
+        assert all(type(t).__name__ == "ShardedTensor" for t in state["model"].values())
+        _distributed_checkpoint_save(state, path)
+        with _get_full_state_dict_context(model, world_size=world_size, rank0_only=False):
+            full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    else:
+        state_dict = model.state_dict()
+        assert all(isinstance(t, torch.distributed.tensor.DTensor) for t in state_dict.values())
+        dcp.save({"model": state_dict, "optimizer": optimizer.state_dict()}, checkpoint_id=path)
+        full = {k: v.full_tensor() for k, v in state_dict.items()}
     if rank == 0:
         torch.save({"iter_num": 2, "step_count": 2, "train_dataloader": {"num_samples_yielded": 2}}, path / "meta.pt")
         torch.save(full, Path(ckpt_dir).parent / "expected_weights.pth")
@@ -221,12 +245,13 @@ def _fsdp_worker(rank: int, world_size: int, ckpt_dir: str, port: int) -> None:
     dist.destroy_process_group()
 
 
-def test_fsdp_sharded_checkpoint_converts_on_cpu_to_the_unsharded_weights(tmp_path):
-    config = Config.from_name("gla-debug")
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+def test_fsdp_sharded_checkpoint_converts_on_cpu_to_the_unsharded_weights(tmp_path, kind):
+    config = Config.from_name("gla-debug", num_layers=2)
     ckpt_dir = tmp_path / "out" / "step-00000002"
     write_checkpoint_dir_files(ckpt_dir, config)
     proc = subprocess.run(
-        [sys.executable, __file__, str(ckpt_dir)], capture_output=True, text=True, timeout=300,
+        [sys.executable, __file__, str(ckpt_dir), kind], capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -261,4 +286,5 @@ def test_sharded_metadata_with_foreign_pickle_is_refused(tmp_path):
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    mp.spawn(_fsdp_worker, args=(2, sys.argv[1], _free_port()), nprocs=2)
+    # fork: the workers inherit the imports instead of repeating them
+    mp.start_processes(_fsdp_worker, args=(2, sys.argv[1], _free_port(), sys.argv[2]), nprocs=2, start_method="fork")
