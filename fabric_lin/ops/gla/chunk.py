@@ -3,12 +3,16 @@
 The math is the one of chunk_torch.py (chunks of BT=64 tokens, b = cumsum(gk) inside a chunk, fp32
 state), arranged so that every matrix product is a full 64-row tile:
 
-  * intra-chunk scores A_ij = sum_k q_ik k_jk exp(b_ik - b_jk), j <= i. For the blocks below the
-    16x16 diagonal, each sub-chunk J gives a reference row r (its last row) and
+  * intra-chunk scores A_ij = sum_k q_ik k_jk exp(b_ik - b_jk), j <= i. The chunk is split into
+    blocks of 16 rows; for block J with last row r,
         A[rows > r, cols in J] = (q * exp(b - b_r))[rows > r] @ ((k * exp(b_r - b))[rows in J])^T,
-    with both exponents <= 0; the three products (J = 0, 1, 2) are 64x64 tiles that add up, each
-    filling its own column band. The 16x16 diagonal blocks are summed pair by pair (16 steps, one
-    column of every block per step), so no exponent is ever positive.
+    both exponents <= 0; the three products (J = 0, 1, 2) are 64x64 tiles, each filling its own column
+    band. The same is done once more inside every 16-row block with blocks of 4 rows (reference = last
+    row of the 4-row block, products masked to the same 16-row block), and the pairs inside each
+    4-row block are summed one by one (4 steps, one column of every block per step). No exponent is
+    ever positive, whatever the gates.
+  * gc = b (fp32, [B, T, H, K]) is written once by the state pass and read by the other kernels;
+    reference rows are plain loads of gc, and rows past a sequence's end read its last row.
   * h_n, the fp32 state entering chunk n, comes from one sequential pass (_fwd_state_kernel), and
     o = (q * exp(b)) @ h_n + A @ v (_fwd_output_kernel).
 
@@ -28,59 +32,31 @@ import triton
 import triton.language as tl
 
 BT = 64  # chunk
-BC = 16  # sub-chunk of the intra-chunk scores
+BC = 16  # first split of the chunk for the intra-chunk scores
+BS = 4  # second split, inside each BC block; pairs inside a BS block are summed one by one
 
 
 @triton.jit
-def _intra_chunk_scores(q, k, g, row0, n_rows, stride, K, scale,
-                        BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr):
-    """A [BT, BT] fp32 for the chunk whose first row is `row0`; q, k, g point at the head's column 0."""
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n_rows
-    blk_start = (o_t // BC) * BC
-    A = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        offs = (row0 + o_t[:, None]) * stride + o_k[None, :]
-        m = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + offs, mask=m, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + offs, mask=m, other=0.0).to(tl.float32)
-        b_g = tl.cumsum(tl.load(g + offs, mask=m, other=0.0).to(tl.float32), axis=0)
-        for J in tl.static_range(BT // BC - 1):
-            r = J * BC + BC - 1
-            b_r = tl.sum(tl.where(o_t[:, None] == r, b_g, 0.0), axis=0)
-            after = (o_t > r)[:, None]
-            in_J = ((o_t >= J * BC) & (o_t <= r))[:, None]
-            q_J = tl.where(after, b_q * tl.exp(tl.where(after, b_g - b_r[None, :], 0.0)), 0.0)
-            k_J = tl.where(in_J, b_k * tl.exp(tl.where(in_J, b_r[None, :] - b_g, 0.0)), 0.0)
-            A += tl.dot(q_J.to(q.dtype.element_ty), tl.trans(k_J.to(q.dtype.element_ty)), input_precision=DOT_PREC)
-        # diagonal blocks: E = b_i - b_p for the partner row p = blk_start(i) + jj
-        b_start = tl.zeros([BT, BK], dtype=tl.float32)
-        for J in tl.static_range(BT // BC):
-            row = tl.sum(tl.where(o_t[:, None] == J * BC, b_g, 0.0), axis=0)
-            b_start = tl.where((o_t // BC == J)[:, None], row[None, :], b_start)
-        E = b_g - b_start
-        for jj in range(BC):
-            p = blk_start + jj
-            m_p = (p < n_rows)[:, None] & m_k[None, :]
-            offs_p = (row0 + p[:, None]) * stride + o_k[None, :]
-            k_p = tl.load(k + offs_p, mask=m_p, other=0.0).to(tl.float32)
-            ok = (o_t >= p)[:, None]
-            s = tl.sum(tl.where(ok, b_q * k_p * tl.exp(tl.where(ok, E, 0.0)), 0.0), axis=1)
-            A += tl.where(o_t[None, :] == p[:, None], s[:, None], 0.0)
-            m_next = ((p + 1 < n_rows) & (jj + 1 < BC))[:, None] & m_k[None, :]
-            E -= tl.load(g + offs_p + stride, mask=m_next, other=0.0).to(tl.float32)
-    return A
+def _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(first row of the chunk in the flattened [B*T] rows, rows left in its sequence, global chunk index)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        n_rows = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos - i_t * BT).to(tl.int32)
+        i_tg = i_c.to(tl.int64)
+    else:
+        i_b = i_bh // H
+        i_t = i_c
+        bos = (i_b * T).to(tl.int64)
+        n_rows = T - i_t * BT
+        i_tg = (i_b * tl.cdiv(T, BT) + i_t).to(tl.int64)
+    return bos + i_t * BT, n_rows, i_tg
 
 
 @triton.jit
-def _fwd_state_kernel(k, v, g, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
-    """h[chunk n] = the state entering chunk n; ht = the state after the last chunk (fp32)."""
-    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_h = i_nh // H, i_nh % H
+def _seq_start(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(first row of sequence i_n, its length, index of its first chunk)."""
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
@@ -88,6 +64,92 @@ def _fwd_state_kernel(k, v, g, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.co
     else:
         bos = (i_n * T).to(tl.int64)
         boh = (i_n * tl.cdiv(T, BT)).to(tl.int64)
+    return bos, T, boh
+
+
+@triton.jit
+def _load_tile(ptr, row0, rows, n_rows, stride, o_k, m_k):
+    m = (rows < n_rows)[:, None] & m_k[None, :]
+    return tl.load(ptr + (row0 + rows[:, None]) * stride + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_gate(gc, row0, rows, n_rows, stride, o_k, m_k):
+    """Cumulative gate at `rows`, rows past the sequence end read as its last row (no decay there)."""
+    rows = tl.minimum(rows, n_rows - 1)
+    return tl.load(gc + (row0 + rows[:, None]) * stride + o_k[None, :], mask=m_k[None, :], other=0.0)
+
+
+@triton.jit
+def _load_gate_row(gc, row0, r, n_rows, stride, o_k, m_k):
+    """Cumulative gate at row r (clamped to the sequence), [BK]."""
+    r = tl.minimum(r, n_rows - 1)
+    return tl.load(gc + (row0 + r) * stride + o_k, mask=m_k, other=0.0)
+
+
+@triton.jit
+def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k, scale,
+                 BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The part of A [BT, BT] that columns o_k of q, k contribute (see the module docstring)."""
+    DT = q.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    b_q = _load_tile(q, row0, o_t, n_rows, stride, o_k, m_k) * scale
+    b_k = _load_tile(k, row0, o_t, n_rows, stride, o_k, m_k)
+    b_g = _load_gate(gc, row0, o_t, n_rows, stride, o_k, m_k)
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    # level 1: blocks of BC rows, reference = last row of block J
+    for J in tl.static_range(BT // BC - 1):
+        r = J * BC + BC - 1
+        b_r = _load_gate_row(gc, row0, r, n_rows, stride, o_k, m_k)[None, :]
+        after = (o_t > r)[:, None]
+        in_J = ((o_t >= J * BC) & (o_t <= r))[:, None]
+        q_J = tl.where(after, b_q * tl.exp(tl.where(after, b_g - b_r, 0.0)), 0.0)
+        k_J = tl.where(in_J, b_k * tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
+        A += tl.dot(q_J.to(DT), tl.trans(k_J.to(DT)), input_precision=DOT_PREC)
+    # level 2: blocks of BS rows inside each BC block, reference = last row of block J2 of the same BC block
+    same = (o_t[:, None] // BC) == (o_t[None, :] // BC)
+    pos = o_t % BC
+    for J2 in tl.static_range(BC // BS - 1):
+        r2 = J2 * BS + BS - 1
+        b_r = _load_gate(gc, row0, (o_t // BC) * BC + r2, n_rows, stride, o_k, m_k)
+        after = (pos > r2)[:, None]
+        in_J = ((pos >= J2 * BS) & (pos <= r2))[:, None]
+        q_J = tl.where(after, b_q * tl.exp(tl.where(after, b_g - b_r, 0.0)), 0.0)
+        k_J = tl.where(in_J, b_k * tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
+        A += tl.where(same, tl.dot(q_J.to(DT), tl.trans(k_J.to(DT)), input_precision=DOT_PREC), 0.0)
+    # pairs inside each BS block: column p = (i // BS) * BS + jj of row i
+    A_pairs = tl.zeros([BT, BT], dtype=tl.float32)
+    for jj in tl.static_range(BS):
+        p = (o_t // BS) * BS + jj
+        k_p = _load_tile(k, row0, p, n_rows, stride, o_k, m_k)
+        b_p = _load_gate(gc, row0, p, n_rows, stride, o_k, m_k)
+        ok = (o_t >= p)[:, None]
+        s = tl.sum(tl.where(ok, b_q * k_p * tl.exp(tl.where(ok, b_g - b_p, 0.0)), 0.0), axis=1)
+        A_pairs += tl.where(o_t[None, :] == p[:, None], s[:, None], 0.0)
+    return A + A_pairs
+
+
+@triton.jit
+def _intra_chunk_scores(q, k, gc, row0, n_rows, stride, K, scale,
+                        BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                        DOT_PREC: tl.constexpr):
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        A += _scores_tile(q, k, gc, row0, n_rows, stride, o_k, o_k < K, scale, BT, BC, BS, DOT_PREC)
+    return A
+
+
+@triton.jit
+def _fwd_state_kernel(k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      USE_H0: tl.constexpr, STORE_GC: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+    """h[chunk n] = the state entering chunk n; ht = the state after the last chunk (fp32).
+    With STORE_GC, the in-chunk cumulative gate gc is computed from g and written (by the programs of
+    the first value tile); without, gc is read."""
+    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = _seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(T, BT)
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -99,84 +161,75 @@ def _fwd_state_kernel(k, v, g, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.co
     if USE_H0:
         S += tl.load(h0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
     k += i_h * K
-    g += i_h * K
+    if STORE_GC:
+        g += i_h * K
+    gc += i_h * K
     v += i_h * V
     for i_t in range(NT):
         tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
-        rows = bos + i_t * BT + o_t
-        m_t = (i_t * BT + o_t) < T
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_k = tl.load(k + rows[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_g = tl.cumsum(tl.load(g + rows[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32), axis=0)
-        b_v = tl.load(v + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_last = tl.sum(tl.where(o_t[:, None] == BT - 1, b_g, 0.0), axis=0)
-        k_end = (b_k * tl.exp(b_last[None, :] - b_g)).to(b_v.dtype)
+        row0 = bos + i_t * BT
+        n_rows = T - i_t * BT
+        b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
+        if STORE_GC:
+            b_graw = _load_tile(g, row0, o_t, n_rows, H * K, o_k, m_k)
+            b_g = tl.cumsum(b_graw, axis=0)
+            b_last = tl.sum(b_graw, axis=0)
+            if i_v == 0:
+                tl.store(gc + (row0 + o_t[:, None]) * (H * K) + o_k[None, :], b_g,
+                         mask=(o_t < n_rows)[:, None] & m_k[None, :])
+        else:
+            b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
+            b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
+        b_v = tl.load(v + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], mask=(o_t < n_rows)[:, None] & m_v[None, :], other=0.0)
+        k_end = (b_k * tl.exp(tl.minimum(b_last[None, :] - b_g, 0.0))).to(b_v.dtype)
         S = S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(k_end), b_v, input_precision=DOT_PREC)
     tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
 
 
 @triton.jit
-def _fwd_output_kernel(q, k, v, g, h, o, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, K: tl.constexpr,
-                       V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+def _fwd_output_kernel(q, k, v, gc, h, o, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
     """o = (q * exp(b)) @ h_n + A @ v for one chunk of one head, all value columns."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_c * 2)
-        i_t = tl.load(chunk_indices + i_c * 2 + 1)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        i_tg = i_c.to(tl.int64)
-    else:
-        i_t = i_c
-        bos = (i_b * T).to(tl.int64)
-        i_tg = (i_b * tl.cdiv(T, BT) + i_t).to(tl.int64)
-    row0 = bos + i_t * BT
-    n_rows = T - i_t * BT
+    i_h = i_bh % H
+    row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
     q += i_h * K
     k += i_h * K
-    g += i_h * K
+    gc += i_h * K
     v += i_h * V
     o += i_h * V
     h += (i_tg * H + i_h) * K * V
-    A = _intra_chunk_scores(q, k, g, row0, n_rows, H * K, K, scale, BT, BC, BK, DOT_PREC)
-    A = A.to(v.dtype.element_ty)
+    DT = v.dtype.element_ty
+    A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BC, BS, BK, DOT_PREC).to(DT)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_rows
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_v = tl.load(v + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], mask=m_tv, other=0.0)
-        acc = tl.dot(A, b_v, input_precision=DOT_PREC)
+        acc = tl.zeros([BT, BV], dtype=tl.float32)
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
-            offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
-            m_tk = m_t[:, None] & m_k[None, :]
-            b_q = tl.load(q + offs, mask=m_tk, other=0.0).to(tl.float32)
-            b_g = tl.cumsum(tl.load(g + offs, mask=m_tk, other=0.0).to(tl.float32), axis=0)
-            q_dec = (b_q * (tl.exp(b_g) * scale)).to(b_v.dtype)
+            b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k)
+            b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
+            q_dec = (b_q * (tl.exp(b_g) * scale)).to(DT)
             b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-            acc += tl.dot(q_dec, b_h.to(b_v.dtype), input_precision=DOT_PREC)
-        tl.store(o + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_tv)
+            acc += tl.dot(q_dec, b_h.to(DT), input_precision=DOT_PREC)
+        b_v = tl.load(v + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        acc += tl.dot(A, b_v.to(DT), input_precision=DOT_PREC)
+        tl.store(o + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], acc.to(o.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
 
 
 @triton.jit
-def _bwd_state_kernel(q, g, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H: tl.constexpr,
+def _bwd_state_kernel(q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
     """dh[chunk n] = gradient of the state leaving chunk n; dh0 = gradient of the initial state."""
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = (i_n * T).to(tl.int64)
-        boh = (i_n * tl.cdiv(T, BT)).to(tl.int64)
+    bos, T, boh = _seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(T, BT)
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -188,18 +241,17 @@ def _bwd_state_kernel(q, g, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, 
     if USE_DHT:
         dS += tl.load(dht + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
     q += i_h * K
-    g += i_h * K
+    gc += i_h * K
     do += i_h * V
     for i in range(NT):
         i_t = NT - 1 - i
         tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
-        rows = bos + i_t * BT + o_t
-        m_t = (i_t * BT + o_t) < T
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + rows[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_g = tl.cumsum(tl.load(g + rows[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32), axis=0)
-        b_do = tl.load(do + rows[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_last = tl.sum(tl.where(o_t[:, None] == BT - 1, b_g, 0.0), axis=0)
+        row0 = bos + i_t * BT
+        n_rows = T - i_t * BT
+        b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
+        b_do = tl.load(do + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], mask=(o_t < n_rows)[:, None] & m_v[None, :], other=0.0)
         q_dec = (b_q * (tl.exp(b_g) * scale)).to(b_do.dtype)
         dS = dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(q_dec), b_do, input_precision=DOT_PREC)
     if USE_H0:
@@ -207,27 +259,17 @@ def _bwd_state_kernel(q, g, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, 
 
 
 @triton.jit
-def _bwd_chunk_kernel(q, k, v, g, h, do, dh, dq, dk, dv, dg, cu_seqlens, chunk_indices, scale, T,
+def _bwd_chunk_kernel(q, k, v, gc, h, do, dh, dq, dk, dv, dg, cu_seqlens, chunk_indices, scale, T,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+                      BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+                      DOT_PREC: tl.constexpr):
     """dq, dk, dv, dgk of one chunk of one head, from h_n (state in), dh_n (gradient of state out), do."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_c * 2)
-        i_t = tl.load(chunk_indices + i_c * 2 + 1)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        i_tg = i_c.to(tl.int64)
-    else:
-        i_t = i_c
-        bos = (i_b * T).to(tl.int64)
-        i_tg = (i_b * tl.cdiv(T, BT) + i_t).to(tl.int64)
-    row0 = bos + i_t * BT
-    n_rows = T - i_t * BT
+    i_h = i_bh % H
+    row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
     q += i_h * K
     k += i_h * K
-    g += i_h * K
+    gc += i_h * K
     dq += i_h * K
     dk += i_h * K
     dg += i_h * K
@@ -237,81 +279,81 @@ def _bwd_chunk_kernel(q, k, v, g, h, do, dh, dq, dk, dv, dg, cu_seqlens, chunk_i
     h += (i_tg * H + i_h) * K * V
     dh += (i_tg * H + i_h) * K * V
     DT = v.dtype.element_ty
-
     o_t = tl.arange(0, BT)
     m_t = o_t < n_rows
-    blk_start = (o_t // BC) * BC
-    A = _intra_chunk_scores(q, k, g, row0, n_rows, H * K, K, scale, BT, BC, BK, DOT_PREC).to(DT)
+    A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BC, BS, BK, DOT_PREC).to(DT)
 
-    # dv = A^T do + (k * exp(b_last - b)) dh_n;  dA = do v^T
+    # dv = (k * exp(b_last - b)) dh_n + A^T do;  dA = do v^T
     dA = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         offs_v = (row0 + o_t[:, None]) * (H * V) + o_v[None, :]
-        b_do = tl.load(do + offs_v, mask=m_tv, other=0.0)
-        b_v = tl.load(v + offs_v, mask=m_tv, other=0.0)
-        dA += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
-        b_dv = tl.dot(tl.trans(A), b_do, input_precision=DOT_PREC)
+        b_dv = tl.zeros([BT, BV], dtype=tl.float32)
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
-            offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
-            m_tk = m_t[:, None] & m_k[None, :]
-            b_k = tl.load(k + offs, mask=m_tk, other=0.0).to(tl.float32)
-            b_g = tl.cumsum(tl.load(g + offs, mask=m_tk, other=0.0).to(tl.float32), axis=0)
-            b_last = tl.sum(tl.where(o_t[:, None] == BT - 1, b_g, 0.0), axis=0)
+            b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
+            b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
+            b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
             k_end = (b_k * tl.exp(b_last[None, :] - b_g)).to(DT)
             b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(DT)
             b_dv += tl.dot(k_end, b_dh, input_precision=DOT_PREC)
+        b_do = tl.load(do + offs_v, mask=m_tv, other=0.0).to(DT)
+        b_v = tl.load(v + offs_v, mask=m_tv, other=0.0).to(DT)
+        dA += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+        b_dv += tl.dot(tl.trans(A), b_do, input_precision=DOT_PREC)
         tl.store(dv + offs_v, b_dv.to(dv.dtype.element_ty), mask=m_tv)
     dA = tl.where(o_t[:, None] >= o_t[None, :], dA, 0.0)
+    same = (o_t[:, None] // BC) == (o_t[None, :] // BC)
+    dA_c = dA.to(DT)
+    dA_same = tl.where(same, dA, 0.0).to(DT)
+    pos = o_t % BC
 
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + offs, mask=m_tk, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + offs, mask=m_tk, other=0.0).to(tl.float32)
-        b_g = tl.cumsum(tl.load(g + offs, mask=m_tk, other=0.0).to(tl.float32), axis=0)
-        b_last = tl.sum(tl.where(o_t[:, None] == BT - 1, b_g, 0.0), axis=0)
+        offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
+        b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
+        b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
         b_dq = tl.zeros([BT, BK], dtype=tl.float32)  # gradient of the scaled q
         b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-        # blocks below the 16x16 diagonal, through the reference row r of each sub-chunk J
+        # level 1: blocks of BC rows through the last row of block J
         for J in tl.static_range(BT // BC - 1):
             r = J * BC + BC - 1
-            b_r = tl.sum(tl.where(o_t[:, None] == r, b_g, 0.0), axis=0)
+            b_r = _load_gate_row(gc, row0, r, n_rows, H * K, o_k, m_k)[None, :]
             after = (o_t > r)[:, None]
             in_J = ((o_t >= J * BC) & (o_t <= r))[:, None]
-            f_q = tl.where(after, tl.exp(tl.where(after, b_g - b_r[None, :], 0.0)), 0.0)
-            f_k = tl.where(in_J, tl.exp(tl.where(in_J, b_r[None, :] - b_g, 0.0)), 0.0)
-            q_J = (b_q * f_q).to(DT)
-            k_J = (b_k * f_k).to(DT)
-            dA_c = dA.to(DT)
-            b_dq += f_q * tl.dot(dA_c, k_J, input_precision=DOT_PREC)
-            b_dk += f_k * tl.dot(tl.trans(dA_c), q_J, input_precision=DOT_PREC)
-        # the diagonal blocks, pair by pair; E = b_i - b_p for partner row p = blk_start(i) + jj
-        b_start = tl.zeros([BT, BK], dtype=tl.float32)
-        for J in tl.static_range(BT // BC):
-            row = tl.sum(tl.where(o_t[:, None] == J * BC, b_g, 0.0), axis=0)
-            b_start = tl.where((o_t // BC == J)[:, None], row[None, :], b_start)
-        E = b_g - b_start
-        for jj in range(BC):
-            p = blk_start + jj
-            m_p = (p < n_rows)[:, None] & m_k[None, :]
-            offs_p = (row0 + p[:, None]) * (H * K) + o_k[None, :]
-            k_p = tl.load(k + offs_p, mask=m_p, other=0.0).to(tl.float32)
-            q_p = tl.load(q + offs_p, mask=m_p, other=0.0).to(tl.float32) * scale
+            f_q = tl.where(after, tl.exp(tl.where(after, b_g - b_r, 0.0)), 0.0)
+            f_k = tl.where(in_J, tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
+            b_dq += f_q * tl.dot(dA_c, (b_k * f_k).to(DT), input_precision=DOT_PREC)
+            b_dk += f_k * tl.dot(tl.trans(dA_c), (b_q * f_q).to(DT), input_precision=DOT_PREC)
+        # level 2: blocks of BS rows inside each BC block
+        for J2 in tl.static_range(BC // BS - 1):
+            r2 = J2 * BS + BS - 1
+            b_r = _load_gate(gc, row0, (o_t // BC) * BC + r2, n_rows, H * K, o_k, m_k)
+            after = (pos > r2)[:, None]
+            in_J = ((pos >= J2 * BS) & (pos <= r2))[:, None]
+            f_q = tl.where(after, tl.exp(tl.where(after, b_g - b_r, 0.0)), 0.0)
+            f_k = tl.where(in_J, tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
+            b_dq += f_q * tl.dot(dA_same, (b_k * f_k).to(DT), input_precision=DOT_PREC)
+            b_dk += f_k * tl.dot(tl.trans(dA_same), (b_q * f_q).to(DT), input_precision=DOT_PREC)
+        # pairs inside each BS block
+        for jj in tl.static_range(BS):
+            p = (o_t // BS) * BS + jj
+            k_p = _load_tile(k, row0, p, n_rows, H * K, o_k, m_k)
+            q_p = _load_tile(q, row0, p, n_rows, H * K, o_k, m_k) * scale
+            b_p = _load_gate(gc, row0, p, n_rows, H * K, o_k, m_k)
             dA_ip = tl.sum(tl.where(o_t[None, :] == p[:, None], dA, 0.0), axis=1)  # dA[i, p(i)]
             dA_pj = tl.sum(tl.where(o_t[:, None] == p[None, :], dA, 0.0), axis=0)  # dA[p(j), j]
             ok_q = (o_t >= p)[:, None]
             ok_k = (p >= o_t)[:, None]
-            b_dq += tl.where(ok_q, dA_ip[:, None] * k_p * tl.exp(tl.where(ok_q, E, 0.0)), 0.0)
-            b_dk += tl.where(ok_k, dA_pj[:, None] * q_p * tl.exp(tl.where(ok_k, -E, 0.0)), 0.0)
-            m_next = ((p + 1 < n_rows) & (jj + 1 < BC))[:, None] & m_k[None, :]
-            E -= tl.load(g + offs_p + H * K, mask=m_next, other=0.0).to(tl.float32)
+            b_dq += tl.where(ok_q, dA_ip[:, None] * k_p * tl.exp(tl.where(ok_q, b_g - b_p, 0.0)), 0.0)
+            b_dk += tl.where(ok_k, dA_pj[:, None] * q_p * tl.exp(tl.where(ok_k, b_p - b_g, 0.0)), 0.0)
         # the state parts: do h_n^T and v dh_n^T, and sum_v h_n * dh_n for the last-row gate term
         dq_s = tl.zeros([BT, BK], dtype=tl.float32)
         dk_s = tl.zeros([BT, BK], dtype=tl.float32)
@@ -322,8 +364,8 @@ def _bwd_chunk_kernel(q, k, v, g, h, do, dh, dq, dk, dv, dg, cu_seqlens, chunk_i
             m_tv = m_t[:, None] & m_v[None, :]
             m_kv = m_k[:, None] & m_v[None, :]
             offs_v = (row0 + o_t[:, None]) * (H * V) + o_v[None, :]
-            b_do = tl.load(do + offs_v, mask=m_tv, other=0.0)
-            b_v = tl.load(v + offs_v, mask=m_tv, other=0.0)
+            b_do = tl.load(do + offs_v, mask=m_tv, other=0.0).to(DT)
+            b_v = tl.load(v + offs_v, mask=m_tv, other=0.0).to(DT)
             b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
             b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
             dq_s += tl.dot(b_do, tl.trans(b_h.to(DT)), input_precision=DOT_PREC)
@@ -340,8 +382,14 @@ def _bwd_chunk_kernel(q, k, v, g, h, do, dh, dq, dk, dv, dg, cu_seqlens, chunk_i
         tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
+# Tile widths, warps and pipeline depth. Module-level so that benchmarks/gla_kernel.py can sweep them.
+LAUNCH = {"BK": 64, "BV": 64, "state_warps": 4, "output_warps": 4, "bwd_warps": 4, "stages": 1}
+
+
 def _block_sizes(K: int, V: int) -> Tuple[int, int]:
-    return min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
+    BK = min(LAUNCH["BK"], max(16, triton.next_power_of_2(K)))
+    BV = min(LAUNCH["BV"], max(16, triton.next_power_of_2(V)))
+    return BK, BV
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -365,54 +413,64 @@ def _chunk_layout(cu_seqlens: Optional[torch.Tensor], B: int, T: int):
     return len(lengths), offsets[-1], chunk_indices, chunk_offsets
 
 
+def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
+    """Per-chunk states h (input dtype) and the final state (fp32); fills gc from g when g is given."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    N, NC, _, chunk_offsets = layout
+    BK, BV = _block_sizes(K, V)
+    h = k.new_empty(NC, H, K, V)
+    ht = k.new_empty(N, H, K, V, dtype=torch.float32)
+    _fwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
+        k, v, g, gc, h, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
+        USE_H0=initial_state is not None, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=_dot_precision(k.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["stages"],
+    )
+    return h, ht
+
+
 def _forward(q, k, v, g, scale, initial_state, cu_seqlens):
+    """(o, final state, gc = in-chunk cumulative gate, kept for the backward pass)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    N, NC, chunk_indices, chunk_offsets = _chunk_layout(cu_seqlens, B, T)
+    layout = _chunk_layout(cu_seqlens, B, T)
+    NC, chunk_indices = layout[1], layout[2]
     BK, BV = _block_sizes(K, V)
-    prec = _dot_precision(q.dtype)
-    h = q.new_empty(NC, H, K, V)
-    ht = q.new_empty(N, H, K, V, dtype=torch.float32)
-    _fwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
-        k, v, g, h, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
-        USE_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None, DOT_PREC=prec, num_warps=4,
-    )
-    o = torch.empty_like(v)
+    gc = torch.empty_like(g, dtype=torch.float32)
+    h, ht = _states(k, v, g, gc, initial_state, cu_seqlens, layout)
+    o = torch.empty_like(v, dtype=q.dtype)
     grid = (NC, H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H)
     _fwd_output_kernel[grid](
-        q, k, v, g, h, o, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BK, BV,
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=prec, num_warps=4,
+        q, k, v, gc, h, o, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV,
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
+        num_warps=LAUNCH["output_warps"], num_stages=LAUNCH["stages"],
     )
-    return o, ht, h
+    return o, ht, gc
 
 
-def _backward(q, k, v, g, scale, initial_state, cu_seqlens, do, dht):
+def _backward(q, k, v, gc, scale, initial_state, cu_seqlens, do, dht):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    N, NC, chunk_indices, chunk_offsets = _chunk_layout(cu_seqlens, B, T)
+    layout = _chunk_layout(cu_seqlens, B, T)
+    N, NC, chunk_indices, chunk_offsets = layout
     BK, BV = _block_sizes(K, V)
     prec = _dot_precision(q.dtype)
     is_varlen = cu_seqlens is not None
     # the per-chunk states, recomputed rather than kept from the forward pass
-    h = q.new_empty(NC, H, K, V)
-    ht = q.new_empty(N, H, K, V, dtype=torch.float32)
-    state_grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)
-    _fwd_state_kernel[state_grid](
-        k, v, g, h, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
-        USE_H0=initial_state is not None, IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=4,
-    )
+    h, _ = _states(k, v, None, gc, initial_state, cu_seqlens, layout)
     dh = q.new_empty(NC, H, K, V)
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
-    _bwd_state_kernel[state_grid](
-        q, g, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, BK, BV,
-        USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=4,
+    _bwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
+        q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, BK, BV,
+        USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen, DOT_PREC=prec,
+        num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["stages"],
     )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dg = torch.empty_like(g)
+    dg = torch.empty_like(gc)
     grid = (NC, H) if is_varlen else (triton.cdiv(T, BT), B * H)
     _bwd_chunk_kernel[grid](
-        q, k, v, g, h, do, dh, dq, dk, dv, dg, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BK, BV,
-        IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=4,
+        q, k, v, gc, h, do, dh, dq, dk, dv, dg, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV,
+        IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=LAUNCH["bwd_warps"], num_stages=LAUNCH["stages"],
     )
     return dq, dk, dv, dg, dh0
 
@@ -422,51 +480,53 @@ def _backward(q, k, v, g, scale, initial_state, cu_seqlens, do, dht):
 def chunk_gla_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    o, ht, _ = _forward(q, k, v, g, scale, initial_state, cu_seqlens)
-    return o, ht
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, g, scale, initial_state, cu_seqlens)
 
 
 @chunk_gla_fwd_op.register_fake
 def _(q, k, v, g, scale, initial_state, cu_seqlens):
     B, T, H, K = q.shape
+    V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return v.new_empty(B, T, H, v.shape[-1]), q.new_empty(N, H, K, v.shape[-1], dtype=torch.float32)
+    return q.new_empty(B, T, H, V), q.new_empty(N, H, K, V, dtype=torch.float32), torch.empty_like(g, dtype=torch.float32)
 
 
 @torch.library.custom_op("fabric_lin::chunk_gla_bwd", mutates_args=())
 def chunk_gla_bwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, scale: float,
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
     dht: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dg, dh0 = _backward(q, k, v, g, scale, initial_state, cu_seqlens, do, dht)
+    dq, dk, dv, dg, dh0 = _backward(q, k, v, gc, scale, initial_state, cu_seqlens, do, dht)
     if dh0 is None:
         dh0 = q.new_zeros(0, dtype=torch.float32)
     return dq, dk, dv, dg, dh0
 
 
 @chunk_gla_bwd_op.register_fake
-def _(q, k, v, g, scale, initial_state, cu_seqlens, do, dht):
+def _(q, k, v, gc, scale, initial_state, cu_seqlens, do, dht):
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), dh0
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gc), dh0
 
 
 class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-        o, ht = chunk_gla_fwd_op(q, k, v, g, scale, initial_state, cu_seqlens)
-        ctx.save_for_backward(q, k, v, g, initial_state, cu_seqlens)
+        o, ht, gc = chunk_gla_fwd_op(q, k, v, g, scale, initial_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, gc, initial_state, cu_seqlens)
         ctx.scale = scale
         ctx.output_final_state = output_final_state
-        return o, ht
+        ctx.g_dtype = g.dtype
+        ctx.mark_non_differentiable(gc)
+        return o, ht, gc
 
     @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, g, initial_state, cu_seqlens = ctx.saved_tensors
+    def backward(ctx, do, dht, _dgc):
+        q, k, v, gc, initial_state, cu_seqlens = ctx.saved_tensors
         dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
-        dq, dk, dv, dg, dh0 = chunk_gla_bwd_op(q, k, v, g, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht)
-        return dq, dk, dv, dg, None, (dh0 if initial_state is not None else None), None, None
+        dq, dk, dv, dg, dh0 = chunk_gla_bwd_op(q, k, v, gc, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht)
+        return dq, dk, dv, dg.to(ctx.g_dtype), None, (dh0 if initial_state is not None else None), None, None
 
 
 def chunk_gla_triton(
@@ -496,7 +556,7 @@ def chunk_gla_triton(
         initial_state = initial_state.float().contiguous()
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
-    o, ht = ChunkGLAFunction.apply(
+    o, ht, _ = ChunkGLAFunction.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), scale, initial_state, output_final_state,
         cu_seqlens,
     )
