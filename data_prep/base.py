@@ -12,13 +12,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional, Union
+from typing import Iterator, List, Optional, Union
 
 import numpy as np
 from litdata.processing.data_processor import DataChunkRecipe, DataProcessor
 from litdata.streaming.item_loader import TokensLoader
 
-from fabric_lin.data.prepared import PREPARED_INFO_FILE, check_prepared_dir, write_prepared_info
+from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
 
 # Documents are encoded in groups of about this many characters: large enough for SentencePiece's
@@ -232,5 +232,3 @@ def run_recipe(
     print(format_summary(summary, output_dir, seconds), flush=True)
     return summary
 
-
-__all__ = ["TokenizeRecipe", "run_recipe", "summarize", "PREPARED_INFO_FILE"]

@@ -1,7 +1,7 @@
 """The data module interface the trainer uses, and the pieces the token data modules share."""
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -91,8 +91,3 @@ def token_dataloader(dataset, batch_size: int, num_workers: int, drop_last: bool
         collate_fn=collate_tokens,
         pin_memory=torch.cuda.is_available(),
     )
-
-
-def check_dirs(paths: List[Path], tokenizer: Optional[Tokenizer]) -> None:
-    for path in paths:
-        check_prepared_dir(path, tokenizer)

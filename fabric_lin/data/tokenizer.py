@@ -5,7 +5,6 @@ The directory holds `tokenizer.model` (SentencePiece, e.g. Llama-2's) and option
 """
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Union
@@ -137,7 +136,3 @@ def token_dtype(vocab_size: int):
     import numpy as np
 
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
-
-
-def default_num_threads() -> int:
-    return os.cpu_count() or 1
