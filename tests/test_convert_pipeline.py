@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,6 +12,7 @@ from fabric_lin.config import Config
 from fabric_lin.convert.model_dir import load_model_dir_weights
 from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
 from fabric_lin.model import GPT
+from test_convert_pretrained_checkpoint import load_whole_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +29,7 @@ def run_pretrain(out_dir: Path, *extra: str) -> None:
 
 
 def training_checkpoint_model(checkpoint_dir: Path) -> dict:
-    # our own test file: read it whole, the numpy RNG state included
-    with torch.serialization.safe_globals([np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]):
-        return torch.load(checkpoint_dir / "lit_model.pth", weights_only=True)["model"]
+    return load_whole_checkpoint(checkpoint_dir / "lit_model.pth")["model"]
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,15 @@ def fabric_single_device_checkpoint(tmp_path: Path, config: Config, compiled: bo
     return ckpt_dir, expected
 
 
+def load_whole_checkpoint(path: Path) -> dict:
+    """A training checkpoint written by the tests or by pretrain, read whole: tensors, containers and
+    the arrays of NumPy's RNG state (no other global is admitted)."""
+    multiarray = getattr(np, "_core", None) or np.core
+    allowed = [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32"))]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, weights_only=True)
+
+
 def assert_same_tensors(got: dict, expected: dict):
     assert sorted(got) == sorted(expected)
     for name in expected:
@@ -91,11 +100,11 @@ def test_single_device_checkpoint_converts_to_the_model_weights(tmp_path):
 def test_compile_prefix_is_stripped(tmp_path):
     config = Config.from_name("gla-debug", num_layers=1)
     ckpt_dir, expected = fabric_single_device_checkpoint(tmp_path, config, compiled=True)
-    saved = torch.load(ckpt_dir / "lit_model.pth", weights_only=False)["model"]
+    full = load_whole_checkpoint(ckpt_dir / "lit_model.pth")
+    saved = full["model"]
     # whether Fabric keeps `_orig_mod.` depends on its version; make sure the converter sees it
     if not any("_orig_mod." in k for k in saved):
         saved = {f"_orig_mod.{k}": v for k, v in saved.items()}
-        full = torch.load(ckpt_dir / "lit_model.pth", weights_only=False)
         full["model"] = saved
         torch.save(full, ckpt_dir / "lit_model.pth")
     convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
@@ -162,7 +171,7 @@ def test_config_mismatch_lists_the_differences(tmp_path):
 def test_pickled_code_in_checkpoint_is_refused(tmp_path):
     config = Config.from_name("gla-debug", num_layers=1)
     ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)
-    full = torch.load(ckpt_dir / "lit_model.pth", weights_only=False)
+    full = load_whole_checkpoint(ckpt_dir / "lit_model.pth")
     full["hook"] = _Payload()
     torch.save(full, ckpt_dir / "lit_model.pth")
     with pytest.raises(ValueError, match="never unpickled beyond tensors"):

@@ -116,7 +116,7 @@ def torch_load_tensors(path: Path, allow_numpy: bool = False):
     if allow_numpy:
         import numpy as np
 
-        reconstruct = getattr(getattr(np, "_core", np.core), "multiarray")._reconstruct
+        reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct  # numpy 2 / numpy 1
         safe = [reconstruct, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in ("uint32", "int64", "float64"))]
     try:
         with torch.serialization.safe_globals(safe):
