@@ -1,0 +1,67 @@
+"""load_model_dir_weights and check_state_dict: what generate and --initial_checkpoint_dir rely on."""
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fabric_lin.config import Config
+from fabric_lin.convert.model_dir import check_state_dict, load_model_dir_weights
+from fabric_lin.model import GPT
+
+
+@pytest.fixture
+def config():
+    return Config.from_name("gla-debug", num_layers=1, vocab_size=64)
+
+
+def test_reads_lit_model_pth_and_safetensors_alike(tmp_path, config):
+    torch.manual_seed(0)
+    state = GPT(config).state_dict()
+    (tmp_path / "pth").mkdir()
+    torch.save({f"_orig_mod.{k}": v for k, v in state.items()}, tmp_path / "pth" / "lit_model.pth")
+    (tmp_path / "st").mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "st" / "model.safetensors")
+    for directory in ("pth", "st"):
+        got = load_model_dir_weights(tmp_path / directory, config)
+        assert sorted(got) == sorted(state) and all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_training_checkpoints_and_empty_directories_are_refused(tmp_path, config):
+    state = GPT(config).state_dict()
+    (tmp_path / "train").mkdir()
+    torch.save({"model": state, "iter_num": 3}, tmp_path / "train" / "lit_model.pth")
+    with pytest.raises(ValueError, match="is a training checkpoint .*convert_pretrained_checkpoint"):
+        load_model_dir_weights(tmp_path / "train")
+    (tmp_path / "sharded" / "lit_model.pth").mkdir(parents=True)
+    with pytest.raises(ValueError, match="sharded training checkpoint"):
+        load_model_dir_weights(tmp_path / "sharded")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no lit_model.pth"):
+        load_model_dir_weights(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        load_model_dir_weights(tmp_path / "missing")
+    (tmp_path / "odd").mkdir()
+    torch.save({"w": torch.zeros(2), "step": 3}, tmp_path / "odd" / "lit_model.pth")
+    with pytest.raises(ValueError, match="these entries are not: 'step'"):
+        load_model_dir_weights(tmp_path / "odd")
+
+
+def test_check_state_dict_lists_every_mismatch(config):
+    model = GPT(config)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    check_state_dict(state, model)  # identical: no error
+    check_state_dict({k: v.bfloat16() for k, v in state.items()}, model)  # another float precision loads
+    with pytest.raises(ValueError, match="norm.weight: dtype torch.bfloat16, expected torch.float32"):
+        check_state_dict({k: v.bfloat16() for k, v in state.items()}, model, exact_dtype=True)
+
+    state["layers.0.mlp.up_proj.weight"] = state["layers.0.mlp.up_proj.weight"].t()
+    state["norm.weight"] = state["norm.weight"].long()
+    del state["lm_head.weight"]
+    state["layers.0.attn.rotary.inv_freq"] = torch.zeros(4)
+    with pytest.raises(ValueError) as info:
+        check_state_dict(state, config, source="some/file.pth")
+    lines = str(info.value).splitlines()
+    assert lines[0] == "some/file.pth does not match the model:"
+    assert "  missing (1): lm_head.weight" in lines
+    assert "  unexpected (1): layers.0.attn.rotary.inv_freq" in lines
+    assert "  layers.0.mlp.up_proj.weight: shape (128, 512), expected (512, 128)" in lines
+    assert "  norm.weight: dtype torch.int64, expected torch.float32" in lines
