@@ -158,6 +158,9 @@ def fla_config(config: Config) -> dict:
         fuse_norm=True,
         fuse_swiglu=True,
         fuse_cross_entropy=True,
+        # read by some fla versions' forward without a default in their config class
+        fuse_linear_cross_entropy=False,
+        use_l2warp=False,
         vocab_size=config.vocab_size,
     )
     if config.block_type == "gla":
