@@ -223,3 +223,24 @@ def test_pickle_weights_are_not_read(tmp_path):
     (tmp_path / "hf" / "model.safetensors").rename(tmp_path / "hf" / "pytorch_model.bin")
     with pytest.raises(ValueError, match="only safetensors are read"):
         convert_from_hf(tmp_path / "hf", tmp_path / "back")
+
+
+def test_fla_trained_checkpoint_without_fabric_lin_key(tmp_path):
+    # as fla's own save_pretrained writes it: no "fabric_lin" entry, fuse_norm false -> attn.g_norm
+    state = make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "flame-gla")
+    cfg_path = tmp_path / "flame-gla" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["fabric_lin"]
+    cfg.update(fuse_norm=False, num_kv_heads=None, intermediate_size=None, hidden_ratio=4)
+    cfg_path.write_text(json.dumps(cfg))
+    hf = load_file(tmp_path / "flame-gla" / "model.safetensors")
+    hf = {k.replace("g_norm_swish_gate", "g_norm"): v for k, v in hf.items()}
+    save_file(hf, tmp_path / "flame-gla" / "model.safetensors")
+
+    convert_from_hf(tmp_path / "flame-gla", tmp_path / "back")
+    config = Config.from_checkpoint(tmp_path / "back")
+    # fla normalises heads with norm_eps; the MLP width follows from hidden_ratio as in fla's GatedMLP
+    assert (config.name, config.head_norm_eps, config.num_kv_heads, config.intermediate_size) == ("flame-gla", 1e-6, 2, 512)
+    back = load_model_dir_weights(tmp_path / "back")
+    assert all(torch.equal(back[k], state[k]) for k in state)
