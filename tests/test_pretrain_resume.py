@@ -1,0 +1,233 @@
+"""End to end: `fabric-lin pretrain` as a subprocess on the CPU (fp32, gla-debug, the sample corpus).
+
+An uninterrupted run is the reference. Runs stopped by SIGKILL (also while a checkpoint is being
+written), by SIGTERM, and on 2 processes (DDP over gloo) are resumed with `--resume auto` and must log
+the same loss at every step and end with the same weights, bit for bit.
+
+Run as a script for the long fault-injection tally (not in CI):
+    python tests/test_pretrain_resume.py --kills 100
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+COMMON = [
+    "--model_name", "gla-debug",
+    "--train.max_steps", str(STEPS), "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
+    "--train.max_seq_length", "64", "--train.lr_warmup_steps", "2", "--train.save_interval", "2",
+    "--eval.interval", "1000", "--eval.max_iters", "1", "--eval.final_validation", "false",
+    "--optimizer.lr", "3e-3", "--logger_name", "csv",
+]
+TIMEOUT = 300
+
+
+def command(out_dir: Path, *extra: str) -> List[str]:
+    return [sys.executable, "-m", "fabric_lin.cli", "pretrain", *COMMON, "--out_dir", str(out_dir), *extra]
+
+
+def run(out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(command(out_dir, *extra), capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def start(out_dir: Path, *extra: str) -> subprocess.Popen:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = open(out_dir.parent / f"{out_dir.name}.log", "ab")
+    return subprocess.Popen(command(out_dir, *extra), stdout=log, stderr=subprocess.STDOUT)
+
+
+def logged_losses(out_dir: Path) -> Dict[int, float]:
+    """step -> loss; a step logged again after a resume keeps its last value."""
+    losses = {}
+    path = out_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by SIGKILL
+                continue
+            if "loss" in record:
+                losses[record["step"]] = record["loss"]
+    return losses
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = TIMEOUT, poll: float = 0.02) -> bool:
+    """Poll `condition()` until true; False if the process ended first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return True
+        if proc.poll() is not None:
+            return condition()
+        time.sleep(poll)
+    proc.kill()
+    raise TimeoutError("the training run did not reach the expected point")
+
+
+def final_weights(out_dir: Path) -> Dict[str, torch.Tensor]:
+    return torch.load(out_dir / "final" / "lit_model.pth", map_location="cpu", weights_only=True)["model"]
+
+
+def assert_same_run(out_dir: Path, reference: Path) -> None:
+    got, expected = logged_losses(out_dir), logged_losses(reference)
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    assert got == expected  # exact float equality, every step
+    a, b = final_weights(out_dir), final_weights(reference)
+    assert a.keys() == b.keys()
+    for key in b:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "out"
+    run(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_ddp(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference_ddp") / "out"
+    run(out, "--devices", "2")
+    return out
+
+
+def test_reference_run_writes_the_checkpoint_format(reference):
+    assert sorted(p.name for p in reference.iterdir() if p.name.startswith("step-")) == [
+        f"step-{s:08d}" for s in (2, 4, 6)
+    ]
+    assert not list(reference.glob(".tmp-*"))
+    final = reference / "final"
+    assert {"lit_model.pth", "hyperparameters.yaml", "model_config.yaml", "tokenizer.model"} <= {p.name for p in final.iterdir()}
+    state = torch.load(final / "lit_model.pth", map_location="cpu", weights_only=True)
+    assert {"model", "optimizer", "train_dataloader", "iter_num", "step_count", "rng_states"} <= set(state)
+    assert state["step_count"] == STEPS and state["iter_num"] == STEPS * 2  # 4 sequences = 2 micro-batches of 2
+    losses = logged_losses(reference)
+    assert losses[STEPS] < losses[1] - 0.5  # it learns
+
+
+def test_sigkill_while_saving_and_at_a_step_then_resume_is_exact(reference, tmp_path):
+    out = tmp_path / "out"
+    keep = ("--train.keep_last_n", "2")
+    # 1: killed as soon as the first checkpoint's temporary directory appears (mid-save)
+    proc = start(out, "--resume", "auto", *keep)
+    wait_for(lambda: any(out.glob(".tmp-step-*")), proc, poll=0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # 2: resumed, then killed again between steps
+    proc = start(out, "--resume", "auto", *keep)
+    reached = wait_for(lambda: max(logged_losses(out), default=0) >= 6, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert reached and not (out / "final").exists()
+    run(out, "--resume", "auto", *keep)
+    assert_same_run(out, reference)
+    assert not list(out.glob(".tmp-*"))
+    assert len([p for p in out.iterdir() if p.name.startswith("step-")]) == 2  # train.keep_last_n
+
+
+def test_sigterm_saves_and_exits_zero_then_resume_is_exact(reference, tmp_path):
+    out = tmp_path / "out"
+    proc = start(out)
+    wait_for(lambda: max(logged_losses(out), default=0) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=TIMEOUT) == 0
+    log = (tmp_path / "out.log").read_text()
+    assert "Stop requested by signal" in log
+    last_step = max(logged_losses(out))
+    assert last_step < STEPS and (out / f"step-{last_step:08d}" / "lit_model.pth").exists()
+    assert not (out / "final").exists()
+    run(out, "--resume", "auto")
+    assert_same_run(out, reference)
+
+
+def test_two_processes_gloo_sigterm_and_resume_are_exact(reference_ddp, tmp_path):
+    assert (reference_ddp / "final" / "lit_model.pth").is_file()
+    out = tmp_path / "out"
+    proc = start(out, "--devices", "2")  # the signal reaches rank 0 only; the ranks agree to stop
+    wait_for(lambda: max(logged_losses(out), default=0) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=TIMEOUT) == 0
+    assert not (out / "final").exists()
+    run(out, "--devices", "2", "--resume", "auto")
+    assert_same_run(out, reference_ddp)
+
+
+def test_resume_from_final_trains_nothing(reference, tmp_path):
+    result = run(reference, "--resume", "auto")
+    assert "Nothing to train" in result.stdout + result.stderr
+
+
+def test_nonfinite_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
+    """Weights of 1e38 overflow the activations: every step's loss is non-finite; updates are skipped
+    and the run stops after train.max_nonfinite_steps, saving the untouched weights."""
+    from fabric_lin.config import Config
+
+    config_path = tmp_path / "model_config.yaml"
+    Config.from_name("gla-debug", initializer_range=1e38).save(config_path)
+    cmd = command(tmp_path / "out", "--train.max_nonfinite_steps", "2")
+    cmd[cmd.index("--model_name"): cmd.index("--model_name") + 2] = ["--model_config", str(config_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode != 0
+    assert "2 consecutive steps with a non-finite loss or gradient norm" in result.stderr
+    assert "update skipped" in result.stdout + result.stderr
+    state = torch.load(tmp_path / "out" / "step-00000002" / "lit_model.pth", map_location="cpu", weights_only=True)
+    assert state["skipped_steps"] == 2 and state["optimizer"]["state"] == {}  # no update was ever made
+
+
+def kill_tally(kills: int, workdir: Path, seed: int = 0) -> None:
+    """`kills` trials: start a fresh run, SIGKILL it at a random moment (startup, a step, a checkpoint
+    write), resume it with --resume auto to the end, and compare with the reference exactly."""
+    rng = random.Random(seed)
+    reference = workdir / "reference"
+    if not (reference / "final").exists():
+        t0 = time.time()
+        run(reference)
+        duration = time.time() - t0
+    else:
+        duration = 20.0
+    exact = 0
+    for trial in range(1, kills + 1):
+        out = workdir / f"trial{trial:03d}"
+        proc = start(out)
+        delay = rng.uniform(0.0, duration)
+        try:
+            proc.wait(timeout=delay)
+            when = "after it finished"
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            when = f"at {delay:.1f}s, step {max(logged_losses(out), default=0)}"
+        run(out, "--resume", "auto")
+        try:
+            assert_same_run(out, reference)
+            exact += 1
+            verdict = "exact"
+        except AssertionError as e:
+            verdict = f"DIFFERENT: {e}"
+        print(f"trial {trial}: killed {when}: {verdict}", flush=True)
+    print(f"{exact}/{kills} exact")
+
+
+if __name__ == "__main__":
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kills", type=int, default=100)
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+    kill_tally(args.kills, args.workdir or Path(tempfile.mkdtemp(prefix="fabric-lin-kills-")))
