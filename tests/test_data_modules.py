@@ -81,6 +81,12 @@ def test_mixing_share_matches_weights(mix):
     assert abs(share - 0.693584) < 0.01, share
 
 
+def test_an_epoch_yields_only_full_batches(mix):
+    # each of the two workers stops when its SlimPajama stream runs out, mid-batch
+    shapes = [tuple(b.shape) for b in module(mix, batch_size=64, num_workers=2).train_dataloader()]
+    assert len(shapes) > 100 and set(shapes) == {(64, SEQ + 1)}
+
+
 def test_use_starcoder_false_reads_slimpajama_only(mix):
     loader = module(mix, batch_size=50, use_starcoder=False).train_dataloader()
     batches = [b for _, b in zip(range(20), loader)]

@@ -5,6 +5,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
+from litdata.streaming import StreamingDataLoader
 
 from fabric_lin.data.prepared import check_prepared_dir
 from fabric_lin.data.tokenizer import Tokenizer
@@ -54,6 +55,20 @@ class DataModule:
         return self.max_seq_length + 1
 
 
+class FullBatchStreamingDataLoader(StreamingDataLoader):
+    """A StreamingDataLoader that yields only full batches.
+
+    StreamingDataLoader takes `drop_last` for the dataset (equal sample counts per rank) and does not
+    pass it on to the DataLoader, so a worker whose stream ends (for a mix: when one dataset runs out)
+    hands over a short last batch. Those are dropped here; the samples in them count as consumed in
+    `state_dict()`, as with DataLoader's own drop_last."""
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            if len(batch) == self.batch_size:
+                yield batch
+
+
 def collate_tokens(samples: Sequence[Union[np.ndarray, torch.Tensor]]) -> torch.Tensor:
     """Stack token blocks (stored as uint16 or int32) into one int64 batch."""
     if isinstance(samples[0], torch.Tensor):
@@ -80,14 +95,12 @@ def token_dataset(path: Union[str, Path], block_size: int, shuffle: bool, seed: 
     return dataset
 
 
-def token_dataloader(dataset, batch_size: int, num_workers: int, drop_last: bool = True):
-    from litdata.streaming import StreamingDataLoader
-
-    return StreamingDataLoader(
+def token_dataloader(dataset, batch_size: int, num_workers: int):
+    return FullBatchStreamingDataLoader(
         dataset,
         batch_size=batch_size,
         num_workers=num_workers,
-        drop_last=drop_last,
+        drop_last=True,
         collate_fn=collate_tokens,
         pin_memory=torch.cuda.is_available(),
     )

@@ -21,10 +21,10 @@ from typing import Dict, List, Optional, Tuple
 
 from fabric_lin.data.slimpajama_starcoder import SlimPajamaStarcoder
 
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2
 VOCAB_SIZE = 4096
 VAL_EVERY = 10  # every tenth module (in sorted order) goes to the validation split
-CHUNK_SIZE = 2049 * 64  # small chunks, so that workers and ranks get several each
+CHUNK_SIZE = 2049 * 16  # small chunks, so that loader workers and ranks get several each
 SLIMPAJAMA_SHARDS = 4
 STARCODER_SHARDS = 2
 OTHER_SETS = ("RedPajamaCommonCrawl", "RedPajamaC4", "RedPajamaBook", "RedPajamaArXiv", "RedPajamaWikipedia", "RedPajamaStackExchange")
@@ -168,8 +168,9 @@ def ensure_sample_corpus(cache_dir: Optional[Path] = None) -> Path:
 
 @dataclass
 class SampleCorpus(SlimPajamaStarcoder):
-    """The embedded default: Python's standard library as a small SlimPajama + Starcoder corpus, with
-    its own 4096-piece tokenizer (`tokenizer_dir`). Built on first use, then read from the cache."""
+    """The embedded default: Python's standard library as a small SlimPajama and Starcoder corpus.
+
+    Built on first use, with its own 4096-piece tokenizer (`tokenizer_dir`), then read from the cache."""
 
     data_path: Path = field(default=Path(), init=False)
     cache_dir: Optional[Path] = None
