@@ -1,6 +1,7 @@
 """The SlimPajama and Starcoder preprocessors, end to end through litdata's DataProcessor."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -134,6 +135,7 @@ def test_slimpajama_round_trip_and_bad_files(corpus, capfd):
     printed = capfd.readouterr()
     assert "SKIPPED" in printed.err and "badjson.jsonl.zst" in printed.err
     assert "5 bad file(s)" in printed.out
+    assert re.search(r"part-0.jsonl.zst: 18 documents, \d+ tokens", printed.out)  # progress, file by file
 
     # two workers take files in any order: compare the documents as a multiset
     texts = [t for rows in corpus["good_sp"].values() for t in kept_texts(rows)]
