@@ -52,6 +52,7 @@ def main(
     input_dir: Optional[Path] = None,
     output_dir: Optional[Path] = None,
     vocab_size: int = 32000,
+    max_files: Optional[int] = None,
     max_sentences: int = 5_000_000,
     max_sentence_length: int = 4192,
     character_coverage: float = 0.9995,
@@ -64,6 +65,7 @@ def main(
         input_dir: Directory searched recursively for *.jsonl.zst, *.parquet and *.txt files.
         output_dir: Directory to write (usable as `tokenizer_dir` / `--tokenizer_path`).
         vocab_size: Number of pieces, including <unk>, <s>, </s> and the 256 byte-fallback pieces.
+        max_files: Read at most this many input files, evenly spread over the sorted list (default: all).
         max_sentences: Lines sampled (uniformly, reservoir) from the inputs for training.
         max_sentence_length: Longer lines are cut to this many characters.
         character_coverage: Share of characters covered by pieces; the rest use byte fallback.
@@ -77,6 +79,9 @@ def main(
     if input_dir is None or output_dir is None:
         raise ValueError("--input_dir and --output_dir are required")
     files = find_training_files(input_dir)
+    if max_files is not None and len(files) > max_files:
+        step = len(files) / max_files
+        files = [files[int(i * step)] for i in range(max_files)]
     # reservoir sample: a fixed memory bound whatever the corpus size, and deterministic for a seed
     rng = random.Random(seed)
     sample: List[str] = []
