@@ -9,8 +9,10 @@ Everything read here comes from files that travel between people, so nothing is 
 tensors (`torch.load(weights_only=True)`, safetensors), and file names read from an index stay
 inside their directory.
 """
+import contextlib
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Union
 
@@ -119,7 +121,7 @@ def torch_load_tensors(path: Path, allow_numpy: bool = False):
         reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct  # numpy 2 / numpy 1
         safe = [reconstruct, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in ("uint32", "int64", "float64"))]
     try:
-        with torch.serialization.safe_globals(safe):
+        with torch.serialization.safe_globals(safe) if safe else contextlib.nullcontext():
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except RuntimeError as e:
@@ -127,7 +129,7 @@ def torch_load_tensors(path: Path, allow_numpy: bool = False):
                     raise
                 return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        if "Weights only load failed" in str(e) or isinstance(e, __import__("pickle").UnpicklingError):
+        if "Weights only load failed" in str(e) or isinstance(e, pickle.UnpicklingError):
             raise ValueError(
                 f"{path} holds objects other than tensors and plain containers, so it is not loaded "
                 f"(files are never unpickled beyond tensors). Details: {str(e).splitlines()[-1][:300]}"

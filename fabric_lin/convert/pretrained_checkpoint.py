@@ -9,7 +9,9 @@ A training checkpoint `out_dir/step-XXXXXXXX/` (or `final/`) holds `lit_model.pt
 Only the model's tensors are read. The sharded form is consolidated in this process, on the CPU,
 without a process group: DCP reassembles every tensor from its shards into a preallocated full one.
 """
+import collections
 import io
+import pathlib
 import pickle
 import warnings
 from pathlib import Path
@@ -147,9 +149,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
         elif module == "torch.serialization" and name == "_get_layout":
             obj = torch.serialization._get_layout
         elif module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
-            obj = getattr(__import__("pathlib"), name)
+            obj = getattr(pathlib, name)
         elif module == "collections" and name == "OrderedDict":
-            obj = __import__("collections").OrderedDict
+            obj = collections.OrderedDict
         if obj is None:
             raise ValueError(
                 f"{self.path} refers to {module}.{name}, which is not part of a torch.distributed.checkpoint "
