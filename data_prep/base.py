@@ -226,8 +226,11 @@ def run_recipe(
         summary=summary,
     )
     check_prepared_dir(tmp_dir, tokenizer)
+    if output_dir.exists() and any(output_dir.iterdir()):  # another run finished first
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise FileExistsError(f"Output directory {output_dir} was written by another run while this one ran")
     if output_dir.exists():
-        output_dir.rmdir()  # empty, checked above
+        output_dir.rmdir()
     os.rename(tmp_dir, output_dir)
     print(format_summary(summary, output_dir, seconds), flush=True)
     return summary
