@@ -20,7 +20,6 @@ import json
 from pathlib import Path
 from typing import Dict, Optional
 
-
 from fabric_lin.config import Config
 from fabric_lin.convert.model_dir import (
     atomic_write,
