@@ -1,0 +1,171 @@
+"""GLA kernel speed on one GPU: forward and forward+backward milliseconds (triton.testing.do_bench).
+
+Compares fabric-lin's Triton `chunk_gla`, flash-linear-attention's `chunk_gla` (when the
+`flash-linear-attention` package is importable) and SDPA flash attention (causal, head dim K) at the
+same B, T, H. Prints one JSON document (and writes it to --out if given), with ratios ours / fla and
+ours / SDPA, and a per-kernel time breakdown of our forward+backward at the first shape.
+
+    python benchmarks/gla_kernel.py --out gla_kernel.json
+    python benchmarks/gla_kernel.py --shapes 16,2048,4,128,256
+"""
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from fabric_lin.ops.gla.chunk import chunk_gla_triton
+
+SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128), (1, 32768, 8, 128, 128)]
+
+
+def gla_inputs(B, T, H, K, V, dtype=torch.bfloat16, device="cuda"):
+    q = torch.randn(B, T, H, K, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, T, H, K, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, T, H, V, device=device, dtype=dtype, requires_grad=True)
+    gk = (F.logsigmoid(torch.randn(B, T, H, K, device=device)) / 16).requires_grad_(True)
+    do = torch.randn(B, T, H, V, device=device, dtype=dtype)
+    return (q, k, v, gk), do
+
+
+def time_fn(fn, inputs, do):
+    """(forward ms, forward+backward ms)."""
+    def fwd():
+        with torch.no_grad():
+            fn(*inputs)
+
+    def fwd_bwd():
+        o = fn(*inputs)
+        o.backward(do)
+
+    return do_bench(fwd, warmup=25, rep=100), do_bench(fwd_bwd, warmup=25, rep=100, grad_to_none=list(inputs))
+
+
+def load_fla():
+    try:
+        from fla.ops.gla import chunk_gla
+    except Exception as e:  # not installed, or it fails to import against this torch/triton
+        return None, f"{type(e).__name__}: {e}"
+    return (lambda q, k, v, gk: chunk_gla(q, k, v, g=gk)[0]), None
+
+
+def sdpa_inputs(B, T, H, D, dtype=torch.bfloat16):
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    return (q, k, v), torch.randn(B, H, T, D, device="cuda", dtype=dtype)
+
+
+def sdpa_flash(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def kernel_breakdown(fn, inputs, do, steps=5):
+    """Per-kernel CUDA time (ms per call) of forward+backward, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn(*inputs).backward(do)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn(*inputs).backward(do)
+        torch.cuda.synchronize()
+    rows = {}
+    for evt in prof.key_averages():
+        device_us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if device_us > 0 and evt.count > 0:
+            rows[evt.key[:80]] = round(device_us / 1000 / steps, 4)
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1])[:15])
+
+
+SWEEP = [
+    {},
+    {"output_warps": 8, "bwd_warps": 8},
+    {"stages": 2},
+    {"BK": 32},
+]
+
+
+def sweep(fn, shape):
+    """Forward and forward+backward ms for each launch setting in SWEEP (changes on top of the default);
+    leaves the fastest forward+backward setting in place."""
+    from fabric_lin.ops.gla import chunk
+
+    default = dict(chunk.LAUNCH)
+    results = []
+    inputs, do = gla_inputs(*shape)
+    for change in SWEEP:
+        chunk.LAUNCH.clear()
+        chunk.LAUNCH.update(default, **change)
+        try:
+            fwd, fwd_bwd = time_fn(fn, inputs, do)
+            results.append({"change": change, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd})
+        except Exception as e:  # a setting that does not compile (shared memory, registers) is reported
+            results.append({"change": change, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    best = min((r for r in results if "fwd_bwd_ms" in r), key=lambda r: r["fwd_bwd_ms"])
+    chunk.LAUNCH.clear()
+    chunk.LAUNCH.update(default, **best["change"])
+    return {"shape": list(shape), "results": results, "chosen": dict(chunk.LAUNCH)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the three reference shapes)")
+    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--no-breakdown", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time launch settings (tiles, warps) at the first shape first")
+    args = parser.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+
+    ours = lambda q, k, v, gk: chunk_gla_triton(q, k, v, gk)[0]  # noqa: E731
+    fla, fla_error = load_fla()
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dtype": "bfloat16",
+        "fla": fla_error or "flash-linear-attention chunk_gla",
+        "results": [],
+    }
+    if args.sweep:
+        report["sweep"] = sweep(ours, shapes[0])
+        print(json.dumps(report["sweep"]), flush=True)
+    for shape in shapes:
+        B, T, H, K, V = shape
+        inputs, do = gla_inputs(*shape)
+        start = time.perf_counter()
+        ours(*inputs).backward(do)
+        torch.cuda.synchronize()
+        row = {"shape": list(shape), "ours_first_call_s": round(time.perf_counter() - start, 2)}
+        row["ours_fwd_ms"], row["ours_fwd_bwd_ms"] = time_fn(ours, inputs, do)
+        if fla is not None:
+            with torch.no_grad():
+                o_ours, o_fla = ours(*inputs).float(), fla(*inputs).float()
+            row["o_rel_rms_vs_fla"] = ((o_ours - o_fla).pow(2).mean().sqrt() / o_fla.pow(2).mean().sqrt()).item()
+            row["fla_fwd_ms"], row["fla_fwd_bwd_ms"] = time_fn(fla, inputs, do)
+            row["ratio_fwd_vs_fla"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
+            row["ratio_fwd_bwd_vs_fla"] = row["ours_fwd_bwd_ms"] / row["fla_fwd_bwd_ms"]
+        del inputs, do
+        s_inputs, s_do = sdpa_inputs(B, T, H, K)
+        row["sdpa_flash_fwd_ms"], row["sdpa_flash_fwd_bwd_ms"] = time_fn(sdpa_flash, s_inputs, s_do)
+        row["ratio_fwd_bwd_vs_sdpa"] = row["ours_fwd_bwd_ms"] / row["sdpa_flash_fwd_bwd_ms"]
+        del s_inputs, s_do
+        report["results"].append(row)
+        print(json.dumps(row), flush=True)
+    if not args.no_breakdown:
+        inputs, do = gla_inputs(*shapes[0])
+        report["breakdown_ours_ms"] = kernel_breakdown(ours, inputs, do)
+        if fla is not None:
+            report["breakdown_fla_ms"] = kernel_breakdown(fla, inputs, do)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Fused RMSNorm kernels: RMSNorm with the residual add folded in, and per-head RMSNorm x swish(gate).
+
+    rms_norm(x, weight, eps, residual=None)  ->  y                       (residual None)
+                                             ->  (y, x + residual)      (pre-norm block: the new residual stream)
+    rms_norm_gated(x, gate, weight, eps)     ->  rmsnorm(x) * weight * silu(gate)   over the last dim
+
+Each row is normalised in fp32 in one program; the backward recomputes from the saved input and
+1/rms. `backend="auto"` runs Triton on CUDA and the PyTorch reference (`*_ref`, beside each op)
+elsewhere; "triton" / "torch" force one.
+"""
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def rms_norm_ref(x, weight, eps=1e-6, residual=None):
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    hf = h.float()
+    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return y if residual is None else (y, h)
+
+
+def rms_norm_gated_ref(x, gate, weight, eps=1e-5):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float() * F.silu(gate.float())
+    return y.to(x.dtype)
+
+
+def _pick(backend: str, x: torch.Tensor) -> str:
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
+    return ("triton" if x.is_cuda else "torch") if backend == "auto" else backend
+
+
+def _rows(D: int) -> Tuple[int, int]:
+    """(block width, warps) for rows of D elements."""
+    BD = triton.next_power_of_2(D)
+    return BD, min(16, max(1, BD // 512))
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _norm_fwd_kernel(x, r, g, w, y, h, rstd, D, eps, BD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     HAS_GATE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BD)
+    m = cols < D
+    b_x = tl.load(x + row * D + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        b_x += tl.load(r + row * D + cols, mask=m, other=0.0).to(tl.float32)
+        b_x = b_x.to(h.dtype.element_ty).to(tl.float32)  # the residual stream is kept in the input dtype
+        tl.store(h + row * D + cols, b_x.to(h.dtype.element_ty), mask=m)
+    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
+    tl.store(rstd + row, b_rstd)
+    b_y = b_x * b_rstd * tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        b_g = tl.load(g + row * D + cols, mask=m, other=0.0).to(tl.float32)
+        b_y = b_y * b_g * tl.sigmoid(b_g)
+    tl.store(y + row * D + cols, b_y.to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dg, dw_part, n_rows, D, rows_per_program,
+                     BD: tl.constexpr, HAS_DH_EXTRA: tl.constexpr, HAS_GATE: tl.constexpr):
+    """dx for rows [pid * rows_per_program, ...), and this program's partial sum of dweight."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BD)
+    m = cols < D
+    b_w = tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
+    b_dw = tl.zeros([BD], dtype=tl.float32)
+    row_start = pid * rows_per_program
+    for i in range(rows_per_program):
+        row = (row_start + i).to(tl.int64)
+        if row < n_rows:
+            b_h = tl.load(h + row * D + cols, mask=m, other=0.0).to(tl.float32)
+            b_rstd = tl.load(rstd + row)
+            b_dy = tl.load(dy + row * D + cols, mask=m, other=0.0).to(tl.float32)
+            xhat = b_h * b_rstd
+            if HAS_GATE:
+                b_g = tl.load(g + row * D + cols, mask=m, other=0.0).to(tl.float32)
+                sig = tl.sigmoid(b_g)
+                n = xhat * b_w
+                tl.store(dg + row * D + cols, (b_dy * n * sig * (1.0 + b_g * (1.0 - sig))).to(dg.dtype.element_ty), mask=m)
+                b_dy = b_dy * b_g * sig
+            b_dw += b_dy * xhat
+            dxhat = b_dy * b_w
+            b_dx = b_rstd * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=0) / D))
+            if HAS_DH_EXTRA:
+                b_dx += tl.load(dh_extra + row * D + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(dx + row * D + cols, b_dx.to(dx.dtype.element_ty), mask=m)
+    tl.store(dw_part + pid * D + cols, b_dw, mask=m)
+
+
+# ------------------------------------------------------------------------------------ torch.library ops
+
+
+def _fwd(x, residual, gate, weight, eps):
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    n = x2.shape[0]
+    y = torch.empty_like(x2)
+    h = torch.empty_like(x2) if residual is not None else x2
+    rstd = torch.empty(n, device=x.device, dtype=torch.float32)
+    BD, warps = _rows(D)
+    r2 = residual.reshape(-1, D) if residual is not None else None
+    g2 = gate.reshape(-1, D) if gate is not None else None
+    if n > 0:
+        _norm_fwd_kernel[(n,)](x2, r2, g2, weight, y, h, rstd, D, eps, BD=BD, HAS_RESIDUAL=residual is not None,
+                               HAS_GATE=gate is not None, num_warps=warps)
+    return y.view_as(x), h.view_as(x), rstd
+
+
+def _bwd(h, gate, weight, rstd, dy, dh_extra):
+    D = h.shape[-1]
+    h2 = h.reshape(-1, D)
+    n = h2.shape[0]
+    dx = torch.empty_like(h2)
+    dg = torch.empty_like(gate.reshape(-1, D)) if gate is not None else None
+    BD, warps = _rows(D)
+    programs = max(1, min(n, 4 * (torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2)))
+    rows_per_program = triton.cdiv(max(n, 1), programs)
+    dw_part = torch.zeros(programs, D, device=h.device, dtype=torch.float32)
+    if n > 0:
+        _norm_bwd_kernel[(programs,)](
+            h2, gate.reshape(-1, D) if gate is not None else None, weight, rstd, dy.reshape(-1, D).contiguous(),
+            dh_extra.reshape(-1, D).contiguous() if dh_extra is not None else None, dx, dg, dw_part, n, D,
+            rows_per_program, BD=BD, HAS_DH_EXTRA=dh_extra is not None, HAS_GATE=gate is not None, num_warps=warps,
+        )
+    dw = dw_part.sum(0).to(weight.dtype)
+    return dx.view_as(h), (dg.view_as(gate) if gate is not None else None), dw
+
+
+@torch.library.custom_op("fabric_lin::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(
+    x: torch.Tensor, residual: Optional[torch.Tensor], gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, h, rstd = _fwd(x, residual, gate, weight, eps)
+    return y, (h if residual is not None else x.new_empty(0)), rstd
+
+
+@_rms_norm_fwd_op.register_fake
+def _(x, residual, gate, weight, eps):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    h = torch.empty_like(x) if residual is not None else x.new_empty(0)
+    return torch.empty_like(x), h, x.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("fabric_lin::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(
+    h: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
+    dh_extra: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dg, dw = _bwd(h, gate, weight, rstd, dy, dh_extra)
+    return dx, (dg if dg is not None else h.new_empty(0)), dw
+
+
+@_rms_norm_bwd_op.register_fake
+def _(h, gate, weight, rstd, dy, dh_extra):
+    return torch.empty_like(h), (torch.empty_like(gate) if gate is not None else h.new_empty(0)), torch.empty_like(weight)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, gate, weight, eps):
+        y, h, rstd = _rms_norm_fwd_op(x, residual, gate, weight, eps)
+        ctx.save_for_backward(h if residual is not None else x, gate, weight, rstd)
+        ctx.has_residual = residual is not None
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh_out):
+        h, gate, weight, rstd = ctx.saved_tensors
+        dh_extra = dh_out.contiguous() if ctx.has_residual and dh_out is not None else None
+        dx, dg, dw = _rms_norm_bwd_op(h, gate, weight, rstd, dy.contiguous(), dh_extra)
+        return dx, (dx if ctx.has_residual else None), (dg if gate is not None else None), dw, None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """RMSNorm over the last dim. With `residual`, normalises h = x + residual and returns (y, h)."""
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if _pick(backend, x) == "torch":
+        return rms_norm_ref(x, weight, eps, residual)
+    y, h = _RMSNormFunction.apply(x.contiguous(), residual.contiguous() if residual is not None else None, None,
+                                  weight, float(eps))
+    return y if residual is None else (y, h)
+
+
+def rms_norm_gated(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, backend: str = "auto"
+) -> torch.Tensor:
+    """rmsnorm(x) * weight * silu(gate) over the last dim (GLA's per-head output norm and output gate)."""
+    if gate.shape != x.shape:
+        raise ValueError(f"gate must have the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    if _pick(backend, x) == "torch":
+        return rms_norm_gated_ref(x, gate, weight, eps)
+    y, _ = _RMSNormFunction.apply(x.contiguous(), None, gate.contiguous(), weight, float(eps))
+    return y

@@ -1,0 +1,124 @@
+"""Fused Triton ops (RMSNorm + residual, gated per-head RMSNorm, SwiGLU, linear + cross-entropy) against
+their PyTorch references, values and gradients. Without CUDA the kernels run in Triton's interpreter
+(TRITON_INTERPRET=1, set before Triton is imported), in fp32."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from fabric_lin.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref  # noqa: E402
+from fabric_lin.ops.norm import rms_norm, rms_norm_gated, rms_norm_gated_ref, rms_norm_ref  # noqa: E402
+from fabric_lin.ops.swiglu import swiglu, swiglu_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def grads_of(out, inputs, seed=1):
+    """Gradients of sum(out * r) for a fixed random r, w.r.t. inputs."""
+    outs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g).to(o.device)).sum() for o in outs)
+    return torch.autograd.grad(loss, inputs)
+
+
+def tol(dtype):
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+def check(a, b, dtype, name):
+    torch.testing.assert_close(a.float(), b.float(), **tol(dtype), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 48, generator=g).to(DEVICE, dtype)
+    res = torch.randn(3, 5, 48, generator=g).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(48, generator=g)).to(DEVICE, dtype)
+    args = [x, w] + ([res] if with_residual else [])
+    ref_in, out_in = leaves(*args), leaves(*args)
+
+    def call(fn, t, **kw):
+        return fn(t[0], t[1], 1e-6, t[2] if with_residual else None, **kw)
+
+    ref = call(lambda *a: rms_norm_ref(*a), ref_in)
+    out = call(lambda *a: rms_norm(*a, backend="triton"), out_in)
+    for a, b, name in zip(out if with_residual else (out,), ref if with_residual else (ref,), ["y", "h"]):
+        check(a, b, dtype, name)
+    for a, b, name in zip(grads_of(out, out_in), grads_of(ref, ref_in), ["dx", "dweight", "dresidual"]):
+        check(a, b, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_gated_matches_reference(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 7, 4, 40, generator=g).to(DEVICE, dtype)  # [B, T, H, head_v_dim]
+    gate = torch.randn(2, 7, 4, 40, generator=g).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(40, generator=g)).to(DEVICE, dtype)
+    ref_in, out_in = leaves(x, gate, w), leaves(x, gate, w)
+    ref = rms_norm_gated_ref(*ref_in, eps=1e-5)
+    out = rms_norm_gated(*out_in, eps=1e-5, backend="triton")
+    check(out, ref, dtype, "y")
+    for a, b, name in zip(grads_of(out, out_in), grads_of(ref, ref_in), ["dx", "dgate", "dweight"]):
+        check(a, b, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_matches_reference(dtype):
+    g = torch.Generator().manual_seed(2)
+    gate, up = (torch.randn(3, 1500, generator=g).to(DEVICE, dtype) for _ in range(2))  # two blocks, one partial
+    ref_in, out_in = leaves(gate, up), leaves(gate, up)
+    ref, out = swiglu_ref(*ref_in), swiglu(*out_in, backend="triton")
+    check(out, ref, dtype, "y")
+    for a, b, name in zip(grads_of(out, out_in), grads_of(ref, ref_in), ["dgate", "dup"]):
+        check(a, b, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_cross_entropy_matches_reference(dtype):
+    g = torch.Generator().manual_seed(3)
+    N, d, V = 37, 16, 300  # several row chunks and vocabulary blocks, the last ones partial
+    hidden = torch.randn(N, d, generator=g).to(DEVICE, dtype)
+    weight = (0.5 * torch.randn(V, d, generator=g)).to(DEVICE, dtype)
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[[0, 5, 36]] = -100
+    targets = targets.to(DEVICE)
+    ref_in, out_in = leaves(hidden, weight), leaves(hidden, weight)
+    ref = linear_cross_entropy_ref(*ref_in, targets)
+    out = linear_cross_entropy(*out_in, targets, chunk_size=16, backend="triton")
+    torch.testing.assert_close(out, ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+    (2.5 * ref).backward()
+    (2.5 * out).backward()
+    check(out_in[0].grad, ref_in[0].grad, dtype, "dhidden")
+    check(out_in[1].grad, ref_in[1].grad, dtype, "dweight")
+
+
+def test_linear_cross_entropy_without_grad_and_all_ignored():
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(9, 8, generator=g).to(DEVICE), torch.randn(50, 8, generator=g).to(DEVICE)
+    targets = torch.randint(0, 50, (9,), generator=g).to(DEVICE)
+    with torch.no_grad():
+        out = linear_cross_entropy(hidden, weight, targets, chunk_size=4, backend="triton")
+    torch.testing.assert_close(out, F.cross_entropy(hidden @ weight.t(), targets), rtol=1e-5, atol=1e-5)
+    ignored = torch.full((9,), -100, device=DEVICE)
+    assert linear_cross_entropy(hidden, weight, ignored, backend="triton").item() == 0.0
+
+
+def test_bad_shapes_are_reported():
+    with pytest.raises(ValueError, match="weight must have shape"):
+        rms_norm(torch.randn(2, 8), torch.ones(7), backend="triton")
+    with pytest.raises(ValueError, match="gate and up must match"):
+        swiglu(torch.randn(2, 8), torch.randn(2, 9), backend="triton")
+    with pytest.raises(ValueError, match="expected hidden"):
+        linear_cross_entropy(torch.randn(2, 8), torch.randn(5, 7), torch.zeros(2, dtype=torch.long), backend="triton")
