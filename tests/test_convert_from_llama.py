@@ -212,3 +212,19 @@ def test_gla_7B_from_mistral_recipe_matches_the_conversion():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "initial_checkpoint_dir: checkpoints/gla-7B-from-mistral" in proc.stdout
+
+
+def test_hugging_face_cache_snapshot_with_symlinked_shards(tmp_path, mistral_shaped_gla):
+    # a hub cache: snapshots/<rev>/<file> -> ../../blobs/<hash>
+    repo = tmp_path / "models--mistralai--Tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    llama = write_tiny_llama(snapshot, shards=2)
+    (repo / "blobs").mkdir()
+    for i, path in enumerate(sorted(snapshot.iterdir())):
+        blob = repo / "blobs" / f"blob{i}"
+        path.rename(blob)
+        path.symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    report = convert_from_llama(snapshot, mistral_shaped_gla, tmp_path / "gla")
+    assert len(report["copied"]) == 21
+    state = load_model_dir_weights(tmp_path / "gla")
+    assert torch.equal(state["layers.1.mlp.down_proj.weight"], llama["model.layers.1.mlp.down_proj.weight"])

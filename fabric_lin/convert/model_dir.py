@@ -158,13 +158,16 @@ def strip_compile_prefix(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch
 
 
 def inside(directory: Path, name: str, what: str) -> Path:
-    """`directory / name`, refusing a name that leaves `directory` (absolute, `..`, symlink out)."""
+    """`directory / name`, refusing a name that leaves `directory` (absolute, or through `..`).
+
+    The check is on the name, not on where symlinks lead: a Hugging Face cache snapshot links its
+    files to blobs elsewhere, and links made by the directory's owner are theirs to make."""
     if not isinstance(name, str) or not name or Path(name).is_absolute():
         raise ValueError(f"{what}: file name {name!r} is not a relative path inside {directory}")
-    path = (directory / name).resolve()
-    if not path.is_relative_to(directory.resolve()):
+    normal = os.path.normpath(name)
+    if normal == ".." or normal.startswith(".." + os.sep) or normal == ".":
         raise ValueError(f"{what}: file name {name!r} points outside {directory}")
-    return path
+    return Path(directory) / normal
 
 
 def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[str] = None) -> Dict[str, torch.Tensor]:
