@@ -258,9 +258,12 @@ def parse_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:
 
 
 def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
-    if dtype is None:
-        return state_dict
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    """Cast the floating-point tensors in place, one at a time, so a 7B model is never held twice."""
+    if dtype is not None:
+        for name, tensor in state_dict.items():
+            if tensor.is_floating_point():
+                state_dict[name] = tensor.to(dtype)
+    return state_dict
 
 
 def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path] = ()) -> Path:
