@@ -16,14 +16,16 @@ state), arranged so that every matrix product is a full 64-row tile:
   * h_n, the fp32 state entering chunk n, comes from one sequential pass (_fwd_state_kernel), and
     o = (q * exp(b)) @ h_n + A @ v (_fwd_output_kernel).
 
-Backward: a reverse pass gives dh_n (the gradient of the state leaving chunk n) and dh0; one kernel
-per chunk then recomputes A and produces dv, dq, dk and dgk. For the gate, with db_i the gradient of
-the in-chunk cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i  (elementwise, q and k as they enter the
-products), plus, for b at the chunk's last row, sum_v(h_n dh_n) exp(b_last) + sum_j k_j dk_j(state part);
-dgk is the reverse cumulative sum of db inside the chunk plus that last-row term.
+Backward: the states h_n are recomputed, a reverse pass gives dh_n (the gradient of the state leaving
+chunk n) and dh0; per chunk, one kernel gives dv = (k exp(b_last - b)) dh_n + A^T do and
+dA = tril(do v^T) (A is kept from the forward pass, in the input dtype; dA goes through memory in
+fp32), and one kernel per chunk and key tile gives dq, dk and dgk. For the gate, with db_i the
+gradient of the in-chunk cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i  (elementwise, q and k as
+they enter the products), plus, for b at the chunk's last row, sum_v(h_n dh_n) exp(b_last) +
+sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside the chunk plus that term.
 
-Five launches for forward plus backward (two forward, three backward; the backward recomputes h and A
-instead of keeping them). The per-chunk states are stored in the input dtype; all accumulation is fp32.
+Six launches for forward plus backward. The per-chunk states are stored in the input dtype; all
+accumulation is fp32.
 """
 from typing import Optional, Tuple
 
@@ -187,10 +189,11 @@ def _fwd_state_kernel(k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H: t
 
 
 @triton.jit
-def _fwd_output_kernel(q, k, v, gc, h, o, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, K: tl.constexpr,
-                       V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
-    """o = (q * exp(b)) @ h_n + A @ v for one chunk of one head, all value columns."""
+def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+    """o = (q * exp(b)) @ h_n + A @ v for one chunk of one head, all value columns; A is kept for the
+    backward pass ([B*T, H, BT], input dtype)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_h = i_bh % H
     row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -204,6 +207,7 @@ def _fwd_output_kernel(q, k, v, gc, h, o, cu_seqlens, chunk_indices, scale, T, H
     A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BC, BS, BK, DOT_PREC).to(DT)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_rows
+    tl.store(A_out + (row0 + o_t[:, None]) * (H * BT) + i_h * BT + o_t[None, :], A, mask=m_t[:, None])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -259,32 +263,25 @@ def _bwd_state_kernel(q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
 
 
 @triton.jit
-def _bwd_chunk_kernel(q, k, v, gc, h, do, dh, dq, dk, dv, dg, cu_seqlens, chunk_indices, scale, T,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                      DOT_PREC: tl.constexpr):
-    """dq, dk, dv, dgk of one chunk of one head, from h_n (state in), dh_n (gradient of state out), do."""
+def _bwd_dv_kernel(k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
+    """dv = (k * exp(b_last - b)) dh_n + A^T do, and dA = tril(do v^T) (fp32, [B*T, H, BT]) for one chunk."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_h = i_bh % H
     row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
-    q += i_h * K
     k += i_h * K
     gc += i_h * K
-    dq += i_h * K
-    dk += i_h * K
-    dg += i_h * K
     v += i_h * V
     do += i_h * V
     dv += i_h * V
-    h += (i_tg * H + i_h) * K * V
     dh += (i_tg * H + i_h) * K * V
     DT = v.dtype.element_ty
     o_t = tl.arange(0, BT)
     m_t = o_t < n_rows
-    A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BC, BS, BK, DOT_PREC).to(DT)
-
-    # dv = (k * exp(b_last - b)) dh_n + A^T do;  dA = do v^T
-    dA = tl.zeros([BT, BT], dtype=tl.float32)
+    offs_A = (row0 + o_t[:, None]) * (H * BT) + i_h * BT + o_t[None, :]
+    b_A = tl.load(A + offs_A, mask=m_t[:, None], other=0.0).to(DT)
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -302,88 +299,116 @@ def _bwd_chunk_kernel(q, k, v, gc, h, do, dh, dq, dk, dv, dg, cu_seqlens, chunk_
             b_dv += tl.dot(k_end, b_dh, input_precision=DOT_PREC)
         b_do = tl.load(do + offs_v, mask=m_tv, other=0.0).to(DT)
         b_v = tl.load(v + offs_v, mask=m_tv, other=0.0).to(DT)
-        dA += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
-        b_dv += tl.dot(tl.trans(A), b_do, input_precision=DOT_PREC)
+        b_dA += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+        b_dv += tl.dot(tl.trans(b_A), b_do, input_precision=DOT_PREC)
         tl.store(dv + offs_v, b_dv.to(dv.dtype.element_ty), mask=m_tv)
-    dA = tl.where(o_t[:, None] >= o_t[None, :], dA, 0.0)
+    b_dA = tl.where(o_t[:, None] >= o_t[None, :], b_dA, 0.0)
+    tl.store(dA + offs_A, b_dA, mask=m_t[:, None])
+
+
+@triton.jit
+def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
+    """dq, dk, dgk of one chunk, one head, one tile of key columns."""
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_bh % H
+    row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    q += i_h * K
+    k += i_h * K
+    gc += i_h * K
+    dq += i_h * K
+    dk += i_h * K
+    dg += i_h * K
+    v += i_h * V
+    do += i_h * V
+    dA += i_h * BT
+    h += (i_tg * H + i_h) * K * V
+    dh += (i_tg * H + i_h) * K * V
+    DT = v.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_rows
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
+
+    b_dA = tl.load(dA + (row0 + o_t[:, None]) * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
     same = (o_t[:, None] // BC) == (o_t[None, :] // BC)
-    dA_c = dA.to(DT)
-    dA_same = tl.where(same, dA, 0.0).to(DT)
+    dA_c = b_dA.to(DT)
+    dA_same = tl.where(same, b_dA, 0.0).to(DT)
     pos = o_t % BC
 
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
-        b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
-        b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
-        b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
-        b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
-        b_dq = tl.zeros([BT, BK], dtype=tl.float32)  # gradient of the scaled q
-        b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-        # level 1: blocks of BC rows through the last row of block J
-        for J in tl.static_range(BT // BC - 1):
-            r = J * BC + BC - 1
-            b_r = _load_gate_row(gc, row0, r, n_rows, H * K, o_k, m_k)[None, :]
-            after = (o_t > r)[:, None]
-            in_J = ((o_t >= J * BC) & (o_t <= r))[:, None]
-            f_q = tl.where(after, tl.exp(tl.where(after, b_g - b_r, 0.0)), 0.0)
-            f_k = tl.where(in_J, tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
-            b_dq += f_q * tl.dot(dA_c, (b_k * f_k).to(DT), input_precision=DOT_PREC)
-            b_dk += f_k * tl.dot(tl.trans(dA_c), (b_q * f_q).to(DT), input_precision=DOT_PREC)
-        # level 2: blocks of BS rows inside each BC block
-        for J2 in tl.static_range(BC // BS - 1):
-            r2 = J2 * BS + BS - 1
-            b_r = _load_gate(gc, row0, (o_t // BC) * BC + r2, n_rows, H * K, o_k, m_k)
-            after = (pos > r2)[:, None]
-            in_J = ((pos >= J2 * BS) & (pos <= r2))[:, None]
-            f_q = tl.where(after, tl.exp(tl.where(after, b_g - b_r, 0.0)), 0.0)
-            f_k = tl.where(in_J, tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
-            b_dq += f_q * tl.dot(dA_same, (b_k * f_k).to(DT), input_precision=DOT_PREC)
-            b_dk += f_k * tl.dot(tl.trans(dA_same), (b_q * f_q).to(DT), input_precision=DOT_PREC)
-        # pairs inside each BS block
-        for jj in tl.static_range(BS):
-            p = (o_t // BS) * BS + jj
-            k_p = _load_tile(k, row0, p, n_rows, H * K, o_k, m_k)
-            q_p = _load_tile(q, row0, p, n_rows, H * K, o_k, m_k) * scale
-            b_p = _load_gate(gc, row0, p, n_rows, H * K, o_k, m_k)
-            dA_ip = tl.sum(tl.where(o_t[None, :] == p[:, None], dA, 0.0), axis=1)  # dA[i, p(i)]
-            dA_pj = tl.sum(tl.where(o_t[:, None] == p[None, :], dA, 0.0), axis=0)  # dA[p(j), j]
-            ok_q = (o_t >= p)[:, None]
-            ok_k = (p >= o_t)[:, None]
-            b_dq += tl.where(ok_q, dA_ip[:, None] * k_p * tl.exp(tl.where(ok_q, b_g - b_p, 0.0)), 0.0)
-            b_dk += tl.where(ok_k, dA_pj[:, None] * q_p * tl.exp(tl.where(ok_k, b_p - b_g, 0.0)), 0.0)
-        # the state parts: do h_n^T and v dh_n^T, and sum_v h_n * dh_n for the last-row gate term
-        dq_s = tl.zeros([BT, BK], dtype=tl.float32)
-        dk_s = tl.zeros([BT, BK], dtype=tl.float32)
-        hdh = tl.zeros([BK], dtype=tl.float32)
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            m_tv = m_t[:, None] & m_v[None, :]
-            m_kv = m_k[:, None] & m_v[None, :]
-            offs_v = (row0 + o_t[:, None]) * (H * V) + o_v[None, :]
-            b_do = tl.load(do + offs_v, mask=m_tv, other=0.0).to(DT)
-            b_v = tl.load(v + offs_v, mask=m_tv, other=0.0).to(DT)
-            b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-            b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-            dq_s += tl.dot(b_do, tl.trans(b_h.to(DT)), input_precision=DOT_PREC)
-            dk_s += tl.dot(b_v, tl.trans(b_dh.to(DT)), input_precision=DOT_PREC)
-            hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-        dk_s = dk_s * tl.exp(b_last[None, :] - b_g)
-        b_dq += dq_s * tl.exp(b_g)
-        b_dk += dk_s
-        db = b_q * b_dq - b_k * b_dk
-        db_last = hdh * tl.exp(b_last) + tl.sum(b_k * dk_s, axis=0)
-        b_dg = tl.sum(db, axis=0)[None, :] - tl.cumsum(db, axis=0) + db + db_last[None, :]
-        tl.store(dq + offs, (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
-        tl.store(dk + offs, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-        tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
+    b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
+    b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
+    b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
+    b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)  # gradient of the scaled q
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    # level 1: blocks of BC rows through the last row of block J
+    for J in tl.static_range(BT // BC - 1):
+        r = J * BC + BC - 1
+        b_r = _load_gate_row(gc, row0, r, n_rows, H * K, o_k, m_k)[None, :]
+        after = (o_t > r)[:, None]
+        in_J = ((o_t >= J * BC) & (o_t <= r))[:, None]
+        f_q = tl.where(after, tl.exp(tl.where(after, b_g - b_r, 0.0)), 0.0)
+        f_k = tl.where(in_J, tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
+        b_dq += f_q * tl.dot(dA_c, (b_k * f_k).to(DT), input_precision=DOT_PREC)
+        b_dk += f_k * tl.dot(tl.trans(dA_c), (b_q * f_q).to(DT), input_precision=DOT_PREC)
+    # level 2: blocks of BS rows inside each BC block
+    for J2 in tl.static_range(BC // BS - 1):
+        r2 = J2 * BS + BS - 1
+        b_r = _load_gate(gc, row0, (o_t // BC) * BC + r2, n_rows, H * K, o_k, m_k)
+        after = (pos > r2)[:, None]
+        in_J = ((pos >= J2 * BS) & (pos <= r2))[:, None]
+        f_q = tl.where(after, tl.exp(tl.where(after, b_g - b_r, 0.0)), 0.0)
+        f_k = tl.where(in_J, tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
+        b_dq += f_q * tl.dot(dA_same, (b_k * f_k).to(DT), input_precision=DOT_PREC)
+        b_dk += f_k * tl.dot(tl.trans(dA_same), (b_q * f_q).to(DT), input_precision=DOT_PREC)
+    # pairs inside each BS block; dA[i, p(i)] and dA[p(j), j] are read back from memory
+    for jj in tl.static_range(BS):
+        p = (o_t // BS) * BS + jj
+        m_p = p < n_rows
+        k_p = _load_tile(k, row0, p, n_rows, H * K, o_k, m_k)
+        q_p = _load_tile(q, row0, p, n_rows, H * K, o_k, m_k) * scale
+        b_p = _load_gate(gc, row0, p, n_rows, H * K, o_k, m_k)
+        dA_ip = tl.load(dA + (row0 + o_t) * (H * BT) + p, mask=m_t & m_p, other=0.0)
+        dA_pj = tl.load(dA + (row0 + p) * (H * BT) + o_t, mask=m_t & m_p, other=0.0)
+        ok_q = (o_t >= p)[:, None]
+        ok_k = (p >= o_t)[:, None]
+        b_dq += tl.where(ok_q, dA_ip[:, None] * k_p * tl.exp(tl.where(ok_q, b_g - b_p, 0.0)), 0.0)
+        b_dk += tl.where(ok_k, dA_pj[:, None] * q_p * tl.exp(tl.where(ok_k, b_p - b_g, 0.0)), 0.0)
+    # the state parts: do h_n^T and v dh_n^T, and sum_v h_n * dh_n for the last-row gate term
+    dq_s = tl.zeros([BT, BK], dtype=tl.float32)
+    dk_s = tl.zeros([BT, BK], dtype=tl.float32)
+    hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        offs_v = (row0 + o_t[:, None]) * (H * V) + o_v[None, :]
+        b_do = tl.load(do + offs_v, mask=m_tv, other=0.0).to(DT)
+        b_v = tl.load(v + offs_v, mask=m_tv, other=0.0).to(DT)
+        b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        dq_s += tl.dot(b_do, tl.trans(b_h.to(DT)), input_precision=DOT_PREC)
+        dk_s += tl.dot(b_v, tl.trans(b_dh.to(DT)), input_precision=DOT_PREC)
+        hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    dk_s = dk_s * tl.exp(b_last[None, :] - b_g)
+    b_dq += dq_s * tl.exp(b_g)
+    b_dk += dk_s
+    db = b_q * b_dq - b_k * b_dk
+    db_last = hdh * tl.exp(b_last) + tl.sum(b_k * dk_s, axis=0)
+    b_dg = tl.sum(db, axis=0)[None, :] - tl.cumsum(db, axis=0) + db + db_last[None, :]
+    tl.store(dq + offs, (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + offs, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
 # Tile widths, warps and pipeline depth. Module-level so that benchmarks/gla_kernel.py can sweep them.
-LAUNCH = {"BK": 64, "BV": 64, "state_warps": 4, "output_warps": 4, "bwd_warps": 4, "stages": 1}
+LAUNCH = {"BK": 64, "BV": 64, "state_warps": 4, "output_warps": 4, "dv_warps": 4, "dqk_warps": 8, "stages": 1}
 
 
 def _block_sizes(K: int, V: int) -> Tuple[int, int]:
@@ -430,7 +455,7 @@ def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
 
 
 def _forward(q, k, v, g, scale, initial_state, cu_seqlens):
-    """(o, final state, gc = in-chunk cumulative gate, kept for the backward pass)."""
+    """(o, final state, and for the backward pass: gc = in-chunk cumulative gate, A = intra-chunk scores)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     layout = _chunk_layout(cu_seqlens, B, T)
@@ -439,16 +464,17 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens):
     gc = torch.empty_like(g, dtype=torch.float32)
     h, ht = _states(k, v, g, gc, initial_state, cu_seqlens, layout)
     o = torch.empty_like(v, dtype=q.dtype)
+    A = q.new_empty(B, T, H, BT)
     grid = (NC, H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H)
     _fwd_output_kernel[grid](
-        q, k, v, gc, h, o, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV,
+        q, k, v, gc, h, o, A, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
         num_warps=LAUNCH["output_warps"], num_stages=LAUNCH["stages"],
     )
-    return o, ht, gc
+    return o, ht, gc, A
 
 
-def _backward(q, k, v, gc, scale, initial_state, cu_seqlens, do, dht):
+def _backward(q, k, v, gc, A, scale, initial_state, cu_seqlens, do, dht):
     B, T, H, K = q.shape
     V = v.shape[-1]
     layout = _chunk_layout(cu_seqlens, B, T)
@@ -465,12 +491,17 @@ def _backward(q, k, v, gc, scale, initial_state, cu_seqlens, do, dht):
         USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen, DOT_PREC=prec,
         num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["stages"],
     )
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dg = torch.empty_like(gc)
+    dv = torch.empty_like(v)
+    dA = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
     grid = (NC, H) if is_varlen else (triton.cdiv(T, BT), B * H)
-    _bwd_chunk_kernel[grid](
-        q, k, v, gc, h, do, dh, dq, dk, dv, dg, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV,
-        IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=LAUNCH["bwd_warps"], num_stages=LAUNCH["stages"],
+    _bwd_dv_kernel[grid](
+        k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H, K, V, BT, BK, BV,
+        IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=LAUNCH["dv_warps"], num_stages=LAUNCH["stages"],
+    )
+    dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gc)
+    _bwd_dqk_kernel[(triton.cdiv(K, BK),) + grid](
+        q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV,
+        IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["stages"],
     )
     return dq, dk, dv, dg, dh0
 
@@ -480,7 +511,7 @@ def _backward(q, k, v, gc, scale, initial_state, cu_seqlens, do, dht):
 def chunk_gla_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, g, scale, initial_state, cu_seqlens)
 
 
@@ -489,23 +520,24 @@ def _(q, k, v, g, scale, initial_state, cu_seqlens):
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return q.new_empty(B, T, H, V), q.new_empty(N, H, K, V, dtype=torch.float32), torch.empty_like(g, dtype=torch.float32)
+    return (q.new_empty(B, T, H, V), q.new_empty(N, H, K, V, dtype=torch.float32),
+            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, BT))
 
 
 @torch.library.custom_op("fabric_lin::chunk_gla_bwd", mutates_args=())
 def chunk_gla_bwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, A: torch.Tensor, scale: float,
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
     dht: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dg, dh0 = _backward(q, k, v, gc, scale, initial_state, cu_seqlens, do, dht)
+    dq, dk, dv, dg, dh0 = _backward(q, k, v, gc, A, scale, initial_state, cu_seqlens, do, dht)
     if dh0 is None:
         dh0 = q.new_zeros(0, dtype=torch.float32)
     return dq, dk, dv, dg, dh0
 
 
 @chunk_gla_bwd_op.register_fake
-def _(q, k, v, gc, scale, initial_state, cu_seqlens, do, dht):
+def _(q, k, v, gc, A, scale, initial_state, cu_seqlens, do, dht):
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gc), dh0
 
@@ -513,19 +545,18 @@ def _(q, k, v, gc, scale, initial_state, cu_seqlens, do, dht):
 class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-        o, ht, gc = chunk_gla_fwd_op(q, k, v, g, scale, initial_state, cu_seqlens)
-        ctx.save_for_backward(q, k, v, gc, initial_state, cu_seqlens)
+        o, ht, gc, A = chunk_gla_fwd_op(q, k, v, g, scale, initial_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, gc, A, initial_state, cu_seqlens)
         ctx.scale = scale
         ctx.output_final_state = output_final_state
         ctx.g_dtype = g.dtype
-        ctx.mark_non_differentiable(gc)
-        return o, ht, gc
+        return o, ht
 
     @staticmethod
-    def backward(ctx, do, dht, _dgc):
-        q, k, v, gc, initial_state, cu_seqlens = ctx.saved_tensors
+    def backward(ctx, do, dht):
+        q, k, v, gc, A, initial_state, cu_seqlens = ctx.saved_tensors
         dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
-        dq, dk, dv, dg, dh0 = chunk_gla_bwd_op(q, k, v, gc, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht)
+        dq, dk, dv, dg, dh0 = chunk_gla_bwd_op(q, k, v, gc, A, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht)
         return dq, dk, dv, dg.to(ctx.g_dtype), None, (dh0 if initial_state is not None else None), None, None
 
 
@@ -556,7 +587,7 @@ def chunk_gla_triton(
         initial_state = initial_state.float().contiguous()
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
-    o, ht, _ = ChunkGLAFunction.apply(
+    o, ht = ChunkGLAFunction.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), scale, initial_state, output_final_state,
         cu_seqlens,
     )
