@@ -100,7 +100,7 @@ def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k, scale,
     b_g = _load_gate(gc, row0, o_t, n_rows, stride, o_k, m_k)
     A = tl.zeros([BT, BT], dtype=tl.float32)
     # level 1: blocks of BC rows, reference = last row of block J
-    for J in tl.static_range(BT // BC - 1):
+    for J in range(BT // BC - 1):
         r = J * BC + BC - 1
         b_r = _load_gate_row(gc, row0, r, n_rows, stride, o_k, m_k)[None, :]
         after = (o_t > r)[:, None]
@@ -111,7 +111,7 @@ def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k, scale,
     # level 2: blocks of BS rows inside each BC block, reference = last row of block J2 of the same BC block
     same = (o_t[:, None] // BC) == (o_t[None, :] // BC)
     pos = o_t % BC
-    for J2 in tl.static_range(BC // BS - 1):
+    for J2 in range(BC // BS - 1):
         r2 = J2 * BS + BS - 1
         b_r = _load_gate(gc, row0, (o_t // BC) * BC + r2, n_rows, stride, o_k, m_k)
         after = (pos > r2)[:, None]
@@ -121,7 +121,7 @@ def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k, scale,
         A += tl.where(same, tl.dot(q_J.to(DT), tl.trans(k_J.to(DT)), input_precision=DOT_PREC), 0.0)
     # pairs inside each BS block: column p = (i // BS) * BS + jj of row i
     A_pairs = tl.zeros([BT, BT], dtype=tl.float32)
-    for jj in tl.static_range(BS):
+    for jj in range(BS):
         p = (o_t // BS) * BS + jj
         k_p = _load_tile(k, row0, p, n_rows, stride, o_k, m_k)
         b_p = _load_gate(gc, row0, p, n_rows, stride, o_k, m_k)
@@ -347,7 +347,7 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)  # gradient of the scaled q
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
     # level 1: blocks of BC rows through the last row of block J
-    for J in tl.static_range(BT // BC - 1):
+    for J in range(BT // BC - 1):
         r = J * BC + BC - 1
         b_r = _load_gate_row(gc, row0, r, n_rows, H * K, o_k, m_k)[None, :]
         after = (o_t > r)[:, None]
@@ -357,7 +357,7 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
         b_dq += f_q * tl.dot(dA_c, (b_k * f_k).to(DT), input_precision=DOT_PREC)
         b_dk += f_k * tl.dot(tl.trans(dA_c), (b_q * f_q).to(DT), input_precision=DOT_PREC)
     # level 2: blocks of BS rows inside each BC block
-    for J2 in tl.static_range(BC // BS - 1):
+    for J2 in range(BC // BS - 1):
         r2 = J2 * BS + BS - 1
         b_r = _load_gate(gc, row0, (o_t // BC) * BC + r2, n_rows, H * K, o_k, m_k)
         after = (pos > r2)[:, None]
@@ -367,7 +367,7 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
         b_dq += f_q * tl.dot(dA_same, (b_k * f_k).to(DT), input_precision=DOT_PREC)
         b_dk += f_k * tl.dot(tl.trans(dA_same), (b_q * f_q).to(DT), input_precision=DOT_PREC)
     # pairs inside each BS block; dA[i, p(i)] and dA[p(j), j] are read back from memory
-    for jj in tl.static_range(BS):
+    for jj in range(BS):
         p = (o_t // BS) * BS + jj
         m_p = p < n_rows
         k_p = _load_tile(k, row0, p, n_rows, H * K, o_k, m_k)
@@ -408,7 +408,10 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
 
 
 # Tile widths, warps and pipeline depth. Module-level so that benchmarks/gla_kernel.py can sweep them.
-LAUNCH = {"BK": 64, "BV": 64, "state_warps": 4, "output_warps": 4, "dv_warps": 4, "dqk_warps": 8, "stages": 1}
+# Chosen so that ptxas (sm_90, K=128, V=256, bf16) reports no register spills: the per-chunk kernels run
+# 8 warps without software pipelining, the sequential state passes pipeline their loads two deep.
+LAUNCH = {"BK": 64, "BV": 64, "state_warps": 8, "state_stages": 2, "output_warps": 8, "dv_warps": 8,
+          "dqk_warps": 8, "stages": 1}
 
 
 def _block_sizes(K: int, V: int) -> Tuple[int, int]:
@@ -449,7 +452,7 @@ def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
     _fwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
         k, v, g, gc, h, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
         USE_H0=initial_state is not None, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(k.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["stages"],
+        DOT_PREC=_dot_precision(k.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
     )
     return h, ht
 
@@ -489,7 +492,7 @@ def _backward(q, k, v, gc, A, scale, initial_state, cu_seqlens, do, dht):
     _bwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
         q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, BK, BV,
         USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen, DOT_PREC=prec,
-        num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["stages"],
+        num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
     )
     dv = torch.empty_like(v)
     dA = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
