@@ -127,6 +127,7 @@ def setup(
     if initial_checkpoint_dir is not None and not Path(initial_checkpoint_dir).is_dir():
         raise FileNotFoundError(f"--initial_checkpoint_dir {initial_checkpoint_dir} is not a directory (expected a model directory)")
     check_out_dir_writable(Path(out_dir))
+    check_free_space(Path(out_dir), config)
 
     if devices * num_nodes > 1:
         if cuda:
@@ -174,65 +175,64 @@ def main(
     hparams: Dict[str, Any],
     precision: str,
 ) -> None:
-    stop = StopRequest()
-    stop.install()
-    resume_dir = find_resume_dir(resume, out_dir)  # before any work, so a bad --resume fails fast
-    fabric.seed_everything(seed)
+    with StopRequest() as stop:  # SIGTERM/SIGUSR1 from here on: checkpoint at the next step, exit 0
+        resume_dir = find_resume_dir(resume, out_dir)  # before any work, so a bad --resume fails fast
+        fabric.seed_everything(seed)
 
-    # data
-    if fabric.global_rank == 0:
-        data.prepare_data()
-    fabric.barrier()
-    tokenizer_dir = tokenizer_dir or getattr(data, "tokenizer_dir", None)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(
-            f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-            f"{config.vocab_size}; use a model config with vocab_size >= {tokenizer.vocab_size}"
+        # data
+        if fabric.global_rank == 0:
+            data.prepare_data()
+        fabric.barrier()
+        tokenizer_dir = tokenizer_dir or getattr(data, "tokenizer_dir", None)
+        tokenizer = load_tokenizer(tokenizer_dir)
+        if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+            raise ValueError(
+                f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                f"{config.vocab_size}; use a model config with vocab_size >= {tokenizer.vocab_size}"
+            )
+        if reset_state_at_doc_boundaries and tokenizer is None:
+            raise ValueError("reset_state_at_doc_boundaries needs the EOS id: give --tokenizer_dir")
+        eos_id = tokenizer.eos_id if reset_state_at_doc_boundaries else None
+        data.connect(tokenizer=tokenizer, batch_size=train.micro_batch_size, max_seq_length=train.max_seq_length)
+        data.setup()
+        train_dataloader = data.train_dataloader()
+        val_dataloader = data.val_dataloader()
+        train_dataloader = fabric.setup_dataloaders(train_dataloader)
+        if val_dataloader is not None:  # a data module without a validation split returns None
+            val_dataloader = fabric.setup_dataloaders(val_dataloader)
+
+        model, no_decay = build_model(fabric, config, seed, initial_checkpoint_dir, activation_checkpointing, compile)
+
+        groups = [
+            {"params": [p for n, p in model.named_parameters() if canonical_name(n) not in no_decay], "weight_decay": optimizer_args.weight_decay},
+            {"params": [p for n, p in model.named_parameters() if canonical_name(n) in no_decay], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(
+            groups, lr=optimizer_args.lr, betas=tuple(optimizer_args.betas), eps=optimizer_args.eps,
+            fused=fabric.device.type == "cuda",
         )
-    if reset_state_at_doc_boundaries and tokenizer is None:
-        raise ValueError("reset_state_at_doc_boundaries needs the EOS id: give --tokenizer_dir")
-    eos_id = tokenizer.eos_id if reset_state_at_doc_boundaries else None
-    data.connect(tokenizer=tokenizer, batch_size=train.micro_batch_size, max_seq_length=train.max_seq_length)
-    data.setup()
-    train_dataloader = data.train_dataloader()
-    val_dataloader = data.val_dataloader()
-    train_dataloader = fabric.setup_dataloaders(train_dataloader)
-    if val_dataloader is not None:  # a data module without a validation split returns None
-        val_dataloader = fabric.setup_dataloaders(val_dataloader)
+        optimizer = fabric.setup_optimizers(optimizer)
 
-    model, no_decay = build_model(fabric, config, seed, initial_checkpoint_dir, activation_checkpointing, compile)
+        state = {
+            "model": model,
+            "optimizer": optimizer,
+            "train_dataloader": train_dataloader,
+            "iter_num": 0,
+            "step_count": 0,
+            "skipped_steps": 0,
+            "rng_states": {},
+        }
+        if resume_dir is not None:
+            fabric.print(f"Resuming from {resume_dir}")
+            fabric.load(resume_dir / CHECKPOINT_FILE, state)
+            set_rng_states(state["rng_states"])
 
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if canonical_name(n) not in no_decay], "weight_decay": optimizer_args.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if canonical_name(n) in no_decay], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(
-        groups, lr=optimizer_args.lr, betas=tuple(optimizer_args.betas), eps=optimizer_args.eps,
-        fused=fabric.device.type == "cuda",
-    )
-    optimizer = fabric.setup_optimizers(optimizer)
-
-    state = {
-        "model": model,
-        "optimizer": optimizer,
-        "train_dataloader": train_dataloader,
-        "iter_num": 0,
-        "step_count": 0,
-        "skipped_steps": 0,
-        "rng_states": {},
-    }
-    if resume_dir is not None:
-        fabric.print(f"Resuming from {resume_dir}")
-        fabric.load(resume_dir / CHECKPOINT_FILE, state)
-        set_rng_states(state["rng_states"])
-
-    ctx = RunContext(
-        out_dir=out_dir, hparams=hparams, config=config, tokenizer_dir=tokenizer_dir, train=train, eval=eval,
-        optimizer_args=optimizer_args, accumulation=accumulation, max_steps=max_steps, eos_id=eos_id,
-        precision=precision, stop=stop,
-    )
-    fit(fabric, state, val_dataloader, ctx)
+        ctx = RunContext(
+            out_dir=out_dir, hparams=hparams, config=config, tokenizer_dir=tokenizer_dir, train=train, eval=eval,
+            optimizer_args=optimizer_args, accumulation=accumulation, max_steps=max_steps, eos_id=eos_id,
+            precision=precision, stop=stop,
+        )
+        fit(fabric, state, val_dataloader, ctx)
 
 
 def build_model(
@@ -482,10 +482,22 @@ class StopRequest:
     def __init__(self):
         self.requested = False
 
+    def __enter__(self) -> "StopRequest":
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
     def install(self) -> None:
+        self.previous = {}
         for name in self.SIGNALS:
             if hasattr(signal, name):
-                signal.signal(getattr(signal, name), self._handle)
+                self.previous[name] = signal.signal(getattr(signal, name), self._handle)
+
+    def uninstall(self) -> None:
+        for name, handler in getattr(self, "previous", {}).items():
+            signal.signal(getattr(signal, name), handler)
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
@@ -705,6 +717,23 @@ def check_out_dir_writable(out_dir: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise OSError(f"out_dir {out_dir} is not writable: {e}") from e
+
+
+def checkpoint_bytes(config: Config) -> int:
+    """Size of one training checkpoint: fp32 weights and AdamW's two fp32 moments."""
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(config).parameters())
+    return 12 * n
+
+
+def check_free_space(out_dir: Path, config: Config) -> None:
+    needed = checkpoint_bytes(config)
+    free = shutil.disk_usage(out_dir).free
+    if free < needed:
+        raise OSError(
+            f"out_dir {out_dir} has {free / 1e9:.2f} GB free, but one checkpoint of {config.name or 'this model'} "
+            f"takes {needed / 1e9:.2f} GB (fp32 weights and optimizer state): free space or choose another out_dir"
+        )
 
 
 def get_rng_states() -> Dict[str, Any]:

@@ -247,3 +247,65 @@ def test_config_hub_debug_runs_on_cpu_defaults():
     assert cfg.model_name == "gla-debug" and type(cfg.data).__name__ == "SampleCorpus"
     assert cfg.precision == "32-true" and cfg.compile is False and cfg.devices == 1
     assert cfg.train.gradient_accumulation_iters(1, 1) == 2
+
+
+# ---- errors before any training step: each names the offending value
+
+
+def _setup(tmp_path, **kwargs):
+    from fabric_lin.pretrain import setup
+
+    defaults = dict(
+        model_name="gla-debug", out_dir=tmp_path / "out", logger_name="csv", devices=1,
+        train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=32),
+    )
+    setup(**{**defaults, **kwargs})
+
+
+def test_error_unknown_model_name_suggests_close_names(tmp_path):
+    with pytest.raises(ValueError, match=r"Unknown model name 'gla-340m'.*Did you mean 'gla-340M'"):
+        _setup(tmp_path, model_name="gla-340m")
+
+
+def test_error_batch_not_divisible(tmp_path):
+    with pytest.raises(ValueError, match=r"global_batch_size=6 .*micro_batch_size \(4\) x devices \(1\)"):
+        _setup(tmp_path, train=TrainArgs(global_batch_size=6, micro_batch_size=4, max_steps=1))
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_error_out_dir_not_writable(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match=f"out_dir {blocker / 'out'} is not writable"):
+        _setup(tmp_path, out_dir=blocker / "out")
+
+
+def test_error_out_dir_full(tmp_path, monkeypatch):
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(OSError, match=rf"out_dir {tmp_path / 'out'} has 0.00 GB free, but one checkpoint of gla-debug takes 0.03 GB"):
+        _setup(tmp_path)
+
+
+def test_error_data_dir_without_index(tmp_path):
+    from fabric_lin.data import TokenChunks
+
+    empty = tmp_path / "tokens"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=f"{empty} has no index.json"):
+        _setup(tmp_path, data=TokenChunks(data_path=empty, num_workers=0))
+
+
+def test_error_missing_tokenizer(tmp_path):
+    from fabric_lin.data import TokenChunks
+
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "no_tokenizer")):
+        _setup(tmp_path, data=TokenChunks(data_path=tmp_path, num_workers=0), tokenizer_dir=tmp_path / "no_tokenizer")
+
+
+def test_error_resume_path_without_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"--resume {tmp_path / 'nothing'}: expected a checkpoint directory"):
+        _setup(tmp_path, resume=tmp_path / "nothing")
