@@ -117,12 +117,13 @@ def main():
     parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the three reference shapes)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--no-breakdown", action="store_true")
+    parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
     parser.add_argument("--sweep", action="store_true", help="time launch settings (tiles, warps) at the first shape first")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
 
     ours = lambda q, k, v, gk: chunk_gla_triton(q, k, v, gk)[0]  # noqa: E731
-    fla, fla_error = load_fla()
+    fla, fla_error = (None, "left out (--no-fla)") if args.no_fla else load_fla()
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -155,6 +156,9 @@ def main():
         del s_inputs, s_do
         report["results"].append(row)
         print(json.dumps(row), flush=True)
+        if args.out:  # each shape as it finishes, so that an interrupted run keeps what it measured
+            with open(args.out + ".partial", "a") as f:
+                f.write(json.dumps(row) + "\n")
     if not args.no_breakdown:
         inputs, do = gla_inputs(*shapes[0])
         report["breakdown_ours_ms"] = kernel_breakdown(ours, inputs, do)

@@ -410,7 +410,7 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
 # Tile widths, warps and pipeline depth. Module-level so that benchmarks/gla_kernel.py can sweep them.
 # Chosen so that ptxas (sm_90, K=128, V=256, bf16) reports no register spills: the per-chunk kernels run
 # 8 warps without software pipelining, the sequential state passes pipeline their loads two deep.
-LAUNCH = {"BK": 64, "BV": 64, "state_warps": 8, "state_stages": 2, "output_warps": 8, "dv_warps": 8,
+LAUNCH = {"BK": 64, "BV": 64, "BV_out": 128, "state_warps": 8, "state_stages": 2, "output_warps": 8, "dv_warps": 8,
           "dqk_warps": 8, "stages": 1}
 
 
@@ -469,8 +469,9 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens):
     o = torch.empty_like(v, dtype=q.dtype)
     A = q.new_empty(B, T, H, BT)
     grid = (NC, H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H)
+    BV_out = min(LAUNCH["BV_out"], max(16, triton.next_power_of_2(V)))
     _fwd_output_kernel[grid](
-        q, k, v, gc, h, o, A, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV,
+        q, k, v, gc, h, o, A, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV_out,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
         num_warps=LAUNCH["output_warps"], num_stages=LAUNCH["stages"],
     )
