@@ -122,3 +122,34 @@ def test_bad_shapes_are_reported():
         swiglu(torch.randn(2, 8), torch.randn(2, 9), backend="triton")
     with pytest.raises(ValueError, match="expected hidden"):
         linear_cross_entropy(torch.randn(2, 8), torch.randn(5, 7), torch.zeros(2, dtype=torch.long), backend="triton")
+
+
+def test_ops_compile_without_graph_breaks():
+    # each fused op is a torch.library custom op: dynamo captures it whole, and the gradients still flow
+    g = torch.Generator().manual_seed(5)
+    x, res, gate = (torch.randn(4, 32, generator=g).to(DEVICE) for _ in range(3))
+    w = torch.ones(32, device=DEVICE)
+    weight = torch.randn(40, 32, generator=g).to(DEVICE)
+    targets = torch.randint(0, 40, (4,), generator=g).to(DEVICE)
+
+    def f(x, res, gate, w, weight):
+        y, h = rms_norm(x, w, residual=res, backend="triton")
+        y = rms_norm_gated(swiglu(y, gate, backend="triton"), h, w, backend="triton")
+        return linear_cross_entropy(y, weight, targets, backend="triton")
+
+    def f_ref(x, res, gate, w, weight):
+        y, h = rms_norm_ref(x, w, residual=res)
+        y = rms_norm_gated_ref(swiglu_ref(y, gate), h, w)
+        return linear_cross_entropy_ref(y, weight, targets)
+
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(f)(x, res, gate, w, weight)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    ins, ins_ref = leaves(x, res, gate, w, weight), leaves(x, res, gate, w, weight)
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(*ins)
+    ref = f_ref(*ins_ref)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.backward()
+    ref.backward()
+    for a, b, name in zip(ins, ins_ref, ["dx", "dres", "dgate", "dw", "dweight"]):
+        check(a.grad, b.grad, torch.float32, name)

@@ -145,6 +145,30 @@ def test_fused_recurrent_step_matches_reference():
     torch.testing.assert_close(s_new, s_seq, rtol=1e-5, atol=1e-5)
 
 
+@cpu_only
+def test_torch_compile_captures_the_op_without_graph_breaks():
+    # the Triton op is a torch.library custom op: dynamo keeps it as one opaque node, forward and backward
+    q, k, v, gk, h0 = make_inputs(1, 70, 2, 16, 32, seed=11)
+
+    def f(q, k, v, gk, h0):
+        o, ht = chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True, backend="triton")
+        return o.square().mean() + ht.mean()
+
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(f)(q, k, v, gk, h0)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, gk, h0)]
+    loss = torch.compile(f, backend="aot_eager", fullgraph=True)(*leaves)
+    loss.backward()
+    leaves_ref = [x.clone().requires_grad_(True) for x in (q, k, v, gk, h0)]
+    loss_ref = naive_recurrent_gla(*leaves_ref[:4], initial_state=leaves_ref[4], output_final_state=True)
+    loss_ref = loss_ref[0].square().mean() + loss_ref[1].mean()
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-5)
+    for name, a, b in zip(["dq", "dk", "dv", "dgk", "dh0"], leaves, leaves_ref):
+        assert_close_scaled(a.grad, b.grad, name)
+
+
 # ---------------------------------------------------------------- GPU, bf16 against the fp32 oracle
 
 
