@@ -84,9 +84,10 @@ def kernel_breakdown(fn, inputs, do, steps=5):
 
 SWEEP = [
     {},
-    {"output_warps": 8, "bwd_warps": 8},
-    {"stages": 2},
-    {"BK": 32},
+    {"state_BK": 32, "state_BV": 32},
+    {"state_warps": 4, "state_stages": 1},
+    {"output_warps": 4, "BV_out": 64},
+    {"dqk_warps": 4},
 ]
 
 

@@ -93,6 +93,21 @@ def test_triton_varlen_matches_naive_fp32():
 
 
 @cpu_only
+def test_triton_narrow_state_tiles(monkeypatch):
+    # the state passes split K and V into 16-wide tiles here, the per-chunk kernels into 32-wide ones
+    from fabric_lin.ops.gla import chunk
+
+    for key, value in {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32}.items():
+        monkeypatch.setitem(chunk.LAUNCH, key, value)
+    offsets = torch.tensor([0, 70, 100], dtype=torch.int32)
+    q, k, v, gk, h0 = make_inputs(1, 100, 1, 40, 48, N=2, seed=9)
+    ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
+    out = forward_backward(triton_gla, q, k, v, gk, h0, offsets)
+    for name, a, b in zip(NAMES, out, ref):
+        assert_close_scaled(a, b, name)
+
+
+@cpu_only
 def test_triton_head_dims_not_powers_of_two_and_custom_scale():
     # K=40 and V=72 leave partly masked tiles; V spans two value tiles of 64
     q, k, v, gk, _ = make_inputs(1, 70, 1, 40, 72, seed=3)

@@ -410,13 +410,15 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
 # Tile widths, warps and pipeline depth. Module-level so that benchmarks/gla_kernel.py can sweep them.
 # Chosen so that ptxas (sm_90, K=128, V=256, bf16) reports no register spills: the per-chunk kernels run
 # 8 warps without software pipelining, the sequential state passes pipeline their loads two deep.
-LAUNCH = {"BK": 64, "BV": 64, "BV_out": 128, "state_warps": 8, "state_stages": 2, "output_warps": 8, "dv_warps": 8,
+LAUNCH = {"BK": 64, "BV": 64, "BV_out": 128, "state_BK": 64, "state_BV": 64, "state_warps": 8, "state_stages": 2, "output_warps": 8, "dv_warps": 8,
           "dqk_warps": 8, "stages": 1}
 
 
-def _block_sizes(K: int, V: int) -> Tuple[int, int]:
-    BK = min(LAUNCH["BK"], max(16, triton.next_power_of_2(K)))
-    BV = min(LAUNCH["BV"], max(16, triton.next_power_of_2(V)))
+def _block_sizes(K: int, V: int, kind: str = "") -> Tuple[int, int]:
+    """Key and value tile widths; kind "state_" for the sequential state passes (their programs are
+    (key tile, value tile, sequence, head), so narrower tiles give long single sequences more programs)."""
+    BK = min(LAUNCH[kind + "BK"], max(16, triton.next_power_of_2(K)))
+    BV = min(LAUNCH[kind + "BV"], max(16, triton.next_power_of_2(V)))
     return BK, BV
 
 
@@ -446,7 +448,7 @@ def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
     B, T, H, K = k.shape
     V = v.shape[-1]
     N, NC, _, chunk_offsets = layout
-    BK, BV = _block_sizes(K, V)
+    BK, BV = _block_sizes(K, V, "state_")
     h = k.new_empty(NC, H, K, V)
     ht = k.new_empty(N, H, K, V, dtype=torch.float32)
     _fwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
@@ -490,8 +492,9 @@ def _backward(q, k, v, gc, A, scale, initial_state, cu_seqlens, do, dht):
     h, _ = _states(k, v, None, gc, initial_state, cu_seqlens, layout)
     dh = q.new_empty(NC, H, K, V)
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
-    _bwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
-        q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, BK, BV,
+    SK, SV = _block_sizes(K, V, "state_")
+    _bwd_state_kernel[(triton.cdiv(K, SK), triton.cdiv(V, SV), N * H)](
+        q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, SK, SV,
         USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen, DOT_PREC=prec,
         num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
     )
