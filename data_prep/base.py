@@ -104,6 +104,21 @@ class TokenizeRecipe(DataChunkRecipe):
                 f.write(json.dumps(record) + "\n")
 
 
+class InterruptibleDataProcessor(DataProcessor):
+    """litdata's DataProcessor answers Ctrl-C (SIGINT) with `os._exit(0)`: the job ends with status 0,
+    as if it had succeeded, and nothing after it runs. Here the workers are stopped and
+    KeyboardInterrupt raised, so the caller cleans up and the process exits with an error."""
+
+    def _signal_handler(self, signum, frame) -> None:
+        for stop_queue in self.stop_queues:
+            stop_queue.put(None)
+        for worker in self.workers:
+            worker.terminate()
+        for worker in self.workers:
+            worker.join(5)
+        raise KeyboardInterrupt
+
+
 def _read_reports(report_dir: Path) -> List[dict]:
     records = []
     for path in sorted(report_dir.glob("*.jsonl")):
@@ -185,7 +200,7 @@ def run_recipe(
     saved_sigint = signal.getsignal(signal.SIGINT)
     start = time.perf_counter()
     try:
-        processor = DataProcessor(
+        processor = InterruptibleDataProcessor(
             input_dir=str(input_dir),
             output_dir=str(tmp_dir),
             num_workers=num_workers,

@@ -192,7 +192,8 @@ def test_starcoder_round_trip_and_bad_files_through_cli(corpus, capfd):
     assert info["summary"]["documents"] == len(texts)
 
 
-def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path):
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path, how):
     out = tmp_path / "interrupted"
     process = subprocess.Popen(
         [sys.executable, str(REPO / "data_prep" / "prepare_slimpajama.py"), "--input_dir", str(corpus["sp"]),
@@ -204,15 +205,24 @@ def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path):
         while not list(tmp_path.glob(".tmp-interrupted-*")) and time.time() < deadline and process.poll() is None:
             time.sleep(0.05)
         assert process.poll() is None, "the run ended before it could be interrupted"
-        os.killpg(process.pid, signal.SIGKILL)
+        if how == "SIGKILL":  # a killed job: nothing runs after it
+            os.killpg(process.pid, signal.SIGKILL)
+        else:  # Ctrl-C
+            time.sleep(1.0)
+            process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
     finally:
-        process.wait()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode != 0
     assert not out.exists()
-    (partial,) = tmp_path.glob(".tmp-interrupted-*")
-    with pytest.raises(FileNotFoundError, match="no index.json"):
-        check_prepared_dir(partial)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         check_prepared_dir(out)
+    if how == "SIGKILL":
+        (partial,) = tmp_path.glob(".tmp-interrupted-*")
+        with pytest.raises(FileNotFoundError, match="no index.json"):
+            check_prepared_dir(partial)
 
 
 def test_check_prepared_dir_rejects_incomplete_and_mismatched(corpus, tmp_path):
