@@ -373,18 +373,20 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
             fabric.print(progress_line(step, ctx.max_steps, metrics, eta))
             window_start, window_step = now, step
 
-        if step % ctx.eval.interval == 0 and step < ctx.max_steps:
-            val_loss = validate(fabric, model, val_dataloader, ctx.eval.max_iters)
-            log_validation(fabric, metrics_path, step, val_loss)
         if stop_now:
             flush_metrics(fabric, metrics_path, pending)
             save_checkpoint(fabric, state, ctx, f"step-{step:08d}")
             fabric.print(f"Stop requested by signal: checkpoint saved at step {step}; resume with --resume auto")
             stopped_by_signal = True
             break
+        paused = time.perf_counter()
+        if step % ctx.eval.interval == 0 and step < ctx.max_steps:
+            val_loss = validate(fabric, model, val_dataloader, ctx.eval.max_iters)
+            log_validation(fabric, metrics_path, step, val_loss)
         if train.save_interval is not None and step % train.save_interval == 0 and step < ctx.max_steps:
             flush_metrics(fabric, metrics_path, pending)
             save_checkpoint(fabric, state, ctx, f"step-{step:08d}")
+        window_start += time.perf_counter() - paused  # tokens/s measures training, not validation or saving
 
     elapsed = time.perf_counter() - run_start
     flush_metrics(fabric, metrics_path, pending)
