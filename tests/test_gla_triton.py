@@ -93,14 +93,17 @@ def test_triton_varlen_matches_naive_fp32():
 
 
 @cpu_only
-def test_triton_narrow_state_tiles(monkeypatch):
-    # the state passes split K and V into 16-wide tiles here, the per-chunk kernels into 32-wide ones
+@pytest.mark.parametrize("state_split", [False, True])
+def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split):
+    # the state passes split K and V into 16-wide tiles here, the per-chunk kernels into 32-wide ones;
+    # state_split picks the sequential pass with the products inside, or chunk-parallel updates + scan
     from fabric_lin.ops.gla import chunk
 
-    for key, value in {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32}.items():
+    tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "scan_SK": 16, "scan_SV": 16}
+    for key, value in dict(tiles, state_split=state_split).items():
         monkeypatch.setitem(chunk.LAUNCH, key, value)
-    offsets = torch.tensor([0, 70, 100], dtype=torch.int32)
-    q, k, v, gk, h0 = make_inputs(1, 100, 1, 40, 48, N=2, seed=9)
+    offsets = torch.tensor([0, 300, 330], dtype=torch.int32)  # 5 chunks, then 1
+    q, k, v, gk, h0 = make_inputs(1, 330, 1, 40, 48, N=2, seed=9)
     ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
     out = forward_backward(triton_gla, q, k, v, gk, h0, offsets)
     for name, a, b in zip(NAMES, out, ref):

@@ -189,6 +189,103 @@ def _fwd_state_kernel(k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H: t
 
 
 @triton.jit
+def _chunk_update_kernel(x, y, g, gc, u, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         REVERSE: tl.constexpr, STORE_GC: tl.constexpr, IS_VARLEN: tl.constexpr,
+                         DOT_PREC: tl.constexpr):
+    """One chunk's own term of the state recurrence, fp32, into u[chunk]:
+    forward (x=k, y=v):  (k * exp(b_last - b))^T v;   reverse (x=q, y=do):  (q * scale * exp(b))^T do.
+    With STORE_GC, gc is computed from g here (by the programs of the first value tile)."""
+    i_kv, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
+    i_h = i_bh % H
+    row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    x += i_h * K
+    gc += i_h * K
+    y += i_h * V
+    b_x = _load_tile(x, row0, o_t, n_rows, H * K, o_k, m_k)
+    if STORE_GC:
+        g += i_h * K
+        b_graw = _load_tile(g, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_g = tl.cumsum(b_graw, axis=0)
+        b_last = tl.sum(b_graw, axis=0)
+        if i_v == 0:
+            tl.store(gc + (row0 + o_t[:, None]) * (H * K) + o_k[None, :], b_g, mask=(o_t < n_rows)[:, None] & m_k[None, :])
+    else:
+        b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
+    b_y = tl.load(y + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], mask=(o_t < n_rows)[:, None] & m_v[None, :], other=0.0)
+    if REVERSE:
+        b_x = b_x * (tl.exp(b_g) * scale)
+    else:
+        b_x = b_x * tl.exp(tl.minimum(b_last[None, :] - b_g, 0.0))
+    b_u = tl.dot(tl.trans(b_x.to(b_y.dtype)), b_y, input_precision=DOT_PREC)
+    tl.store(u + (i_tg * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_u, mask=m_k[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _scan_load(hu, gc, idx, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+               V: tl.constexpr, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """Step idx of the scan: (u of its chunk, b_last of its chunk, offsets into hu, whether idx < NT)."""
+    ok = idx < NT
+    if REVERSE:
+        i_t = NT - 1 - idx
+    else:
+        i_t = idx
+    offs = ((boh + i_t) * H) * K * V + state_offs
+    b_u = tl.load(hu + offs, mask=m_kv & ok, other=0.0)
+    last_row = bos + i_t * BT + tl.minimum(BT, T - i_t * BT) - 1
+    b_last = tl.load(gc + last_row * (H * K) + o_k, mask=m_k & ok, other=0.0)
+    return b_u, b_last, offs, ok
+
+
+@triton.jit
+def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
+                       USE_S0: tl.constexpr, STORE_FINAL: tl.constexpr, REVERSE: tl.constexpr,
+                       IS_VARLEN: tl.constexpr):
+    """In place over hu [chunks, H, K, V] fp32: reads chunk n's own term u_n, writes the state S that
+    chunk n sees, S <- exp(b_last,n) * S + u_n. Forward S starts at s0 (h0) and runs over the chunks in
+    order; REVERSE starts at dht and runs backwards (then hu[n] is the gradient of the state after chunk n).
+    s_final gets the last S (final state, or dh0)."""
+    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = _seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    NT = tl.cdiv(T, BT)
+    o_k = i_k * SK + tl.arange(0, SK)
+    o_v = i_v * SV + tl.arange(0, SV)
+    m_k = o_k < K
+    m_kv = m_k[:, None] & (o_v < V)[None, :]
+    state_offs = o_k[:, None] * V + o_v[None, :]
+    S = tl.zeros([SK, SV], dtype=tl.float32)
+    if USE_S0:
+        S += tl.load(s0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0)
+    gc += i_h * K
+    hu += i_h * K * V
+    # four chunks per step: their loads are issued together (the stores into the same buffer would
+    # otherwise keep each load waiting for the previous chunk's store); past the end they read as zero
+    for i0 in range(0, NT, 4):
+        u0, d0, offs0, ok0 = _scan_load(hu, gc, i0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+        u1, d1, offs1, ok1 = _scan_load(hu, gc, i0 + 1, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+        u2, d2, offs2, ok2 = _scan_load(hu, gc, i0 + 2, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+        u3, d3, offs3, ok3 = _scan_load(hu, gc, i0 + 3, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+        tl.store(hu + offs0, S, mask=m_kv & ok0)
+        S = S * tl.exp(d0)[:, None] + u0
+        tl.store(hu + offs1, S, mask=m_kv & ok1)
+        S = S * tl.exp(d1)[:, None] + u1
+        tl.store(hu + offs2, S, mask=m_kv & ok2)
+        S = S * tl.exp(d2)[:, None] + u2
+        tl.store(hu + offs3, S, mask=m_kv & ok3)
+        S = S * tl.exp(d3)[:, None] + u3
+    if STORE_FINAL:
+        tl.store(s_final + i_nh * K * V + state_offs, S, mask=m_kv)
+
+
+@triton.jit
 def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -411,7 +508,11 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
 # Chosen so that ptxas (sm_90, K=128, V=256, bf16) reports no register spills: the per-chunk kernels run
 # 8 warps without software pipelining, the sequential state passes pipeline their loads two deep.
 LAUNCH = {"BK": 64, "BV": 64, "BV_out": 128, "state_BK": 64, "state_BV": 64, "state_warps": 8, "state_stages": 2, "output_warps": 8, "dv_warps": 8,
-          "dqk_warps": 8, "stages": 1}
+          "dqk_warps": 8, "stages": 1,
+          # state passes as chunk-parallel updates + an elementwise scan (True), as one sequential pass with
+          # the matrix products inside (False), or the scan when the sequential pass would have fewer than
+          # two programs per multiprocessor ("auto": long sequences, few heads)
+          "state_split": "auto", "scan_SK": 16, "scan_SV": 64, "scan_stages": 3}
 
 
 def _block_sizes(K: int, V: int, kind: str = "") -> Tuple[int, int]:
@@ -443,20 +544,84 @@ def _chunk_layout(cu_seqlens: Optional[torch.Tensor], B: int, T: int):
     return len(lengths), offsets[-1], chunk_indices, chunk_offsets
 
 
+def _split_states(K: int, V: int, N: int, H: int, device: torch.device) -> bool:
+    mode = LAUNCH["state_split"]
+    if mode != "auto":
+        return bool(mode)
+    if device.type != "cuda":
+        return False
+    SK, SV = _block_sizes(K, V, "state_")
+    programs = triton.cdiv(K, SK) * triton.cdiv(V, SV) * N * H
+    return programs < 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _scan(hu, gc, s0, s_final, cu_seqlens, layout, T, reverse):
+    N, chunk_offsets = layout[0], layout[3]
+    H, K, V = hu.shape[1:]
+    SK = min(LAUNCH["scan_SK"], max(16, triton.next_power_of_2(K)))
+    SV = min(LAUNCH["scan_SV"], max(16, triton.next_power_of_2(V)))
+    _state_scan_kernel[(triton.cdiv(K, SK), triton.cdiv(V, SV), N * H)](
+        hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H, K, V, BT, SK, SV,
+        USE_S0=s0 is not None, STORE_FINAL=s_final is not None, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None, num_warps=4,
+        num_stages=LAUNCH["scan_stages"],
+    )
+
+
+def _chunk_updates(x, y, g, gc, scale, cu_seqlens, layout, reverse):
+    """[chunks, H, K, V] fp32: each chunk's own term of the (reverse) state recurrence."""
+    B, T, H, K = x.shape
+    V = y.shape[-1]
+    NC, chunk_indices = layout[1], layout[2]
+    BK, BV = _block_sizes(K, V, "state_")
+    u = x.new_empty(NC, H, K, V, dtype=torch.float32)
+    grid = (triton.cdiv(K, BK) * triton.cdiv(V, BV),) + ((NC, H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H))
+    _chunk_update_kernel[grid](
+        x, y, g, gc, u, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BK, BV,
+        REVERSE=reverse, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=_dot_precision(x.dtype), num_warps=4, num_stages=1,
+    )
+    return u
+
+
 def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
-    """Per-chunk states h (input dtype) and the final state (fp32); fills gc from g when g is given."""
+    """Per-chunk states h (the state each chunk sees) and the final state (fp32); fills gc from g when g
+    is given."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     N, NC, _, chunk_offsets = layout
+    ht = k.new_empty(N, H, K, V, dtype=torch.float32)
+    if _split_states(K, V, N, H, k.device):
+        h = _chunk_updates(k, v, g, gc, 1.0, cu_seqlens, layout, reverse=False)
+        _scan(h, gc, initial_state, ht, cu_seqlens, layout, T, reverse=False)
+        return h, ht
     BK, BV = _block_sizes(K, V, "state_")
     h = k.new_empty(NC, H, K, V)
-    ht = k.new_empty(N, H, K, V, dtype=torch.float32)
     _fwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
         k, v, g, gc, h, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
         USE_H0=initial_state is not None, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(k.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
     )
     return h, ht
+
+
+def _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout):
+    """dh [chunks, H, K, V] (gradient of the state leaving each chunk) and dh0 (or None)."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    N, NC, _, chunk_offsets = layout
+    dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
+    if _split_states(K, V, N, H, q.device):
+        dh = _chunk_updates(q, do, None, gc, scale, cu_seqlens, layout, reverse=True)
+        _scan(dh, gc, dht, dh0, cu_seqlens, layout, T, reverse=True)
+        return dh, dh0
+    SK, SV = _block_sizes(K, V, "state_")
+    dh = q.new_empty(NC, H, K, V)
+    _bwd_state_kernel[(triton.cdiv(K, SK), triton.cdiv(V, SV), N * H)](
+        q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, SK, SV,
+        USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=_dot_precision(q.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
+    )
+    return dh, dh0
 
 
 def _forward(q, k, v, g, scale, initial_state, cu_seqlens):
@@ -490,14 +655,7 @@ def _backward(q, k, v, gc, A, scale, initial_state, cu_seqlens, do, dht):
     is_varlen = cu_seqlens is not None
     # the per-chunk states, recomputed rather than kept from the forward pass
     h, _ = _states(k, v, None, gc, initial_state, cu_seqlens, layout)
-    dh = q.new_empty(NC, H, K, V)
-    dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
-    SK, SV = _block_sizes(K, V, "state_")
-    _bwd_state_kernel[(triton.cdiv(K, SK), triton.cdiv(V, SV), N * H)](
-        q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, SK, SV,
-        USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen, DOT_PREC=prec,
-        num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
-    )
+    dh, dh0 = _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout)
     dv = torch.empty_like(v)
     dA = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
     grid = (NC, H) if is_varlen else (triton.cdiv(T, BT), B * H)
