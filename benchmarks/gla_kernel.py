@@ -88,6 +88,7 @@ SWEEP = [
     {"state_warps": 4, "state_stages": 1},
     {"output_warps": 4, "BV_out": 64},
     {"dqk_warps": 4},
+    {"state_split": True},
 ]
 
 
@@ -119,9 +120,18 @@ def main():
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
+    parser.add_argument("--launch", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="launch settings of fabric_lin.ops.gla.chunk.LAUNCH, e.g. state_split=auto dqk_warps=4")
     parser.add_argument("--sweep", action="store_true", help="time launch settings (tiles, warps) at the first shape first")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    from fabric_lin.ops.gla import chunk
+
+    for item in args.launch:
+        key, _, value = item.partition("=")
+        if key not in chunk.LAUNCH:
+            raise SystemExit(f"--launch {item}: unknown key {key!r}, expected one of {sorted(chunk.LAUNCH)}")
+        chunk.LAUNCH[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
 
     ours = lambda q, k, v, gk: chunk_gla_triton(q, k, v, gk)[0]  # noqa: E731
     fla, fla_error = (None, "left out (--no-fla)") if args.no_fla else load_fla()
@@ -130,6 +140,7 @@ def main():
         "torch": torch.__version__,
         "dtype": "bfloat16",
         "fla": fla_error or "flash-linear-attention chunk_gla",
+        "launch": dict(chunk.LAUNCH),
         "results": [],
     }
     if args.sweep:

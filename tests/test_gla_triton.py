@@ -217,8 +217,20 @@ def test_gpu_bf16_matches_fp32_naive(B, T, H, K, V):
 
 
 @needs_cuda
-def test_gpu_bf16_varlen_matches_fp32_naive():
+@pytest.mark.parametrize("state_split", [False, True])
+def test_gpu_bf16_varlen_matches_fp32_naive(monkeypatch, state_split):
+    from fabric_lin.ops.gla import chunk
+
+    monkeypatch.setitem(chunk.LAUNCH, "state_split", state_split)
     check_bf16(1, 2000, 4, 128, 128, cu_seqlens=[0, 15, 100, 300, 1200, 2000])
+
+
+@needs_cuda
+def test_gpu_bf16_scan_state_pass_matches_fp32_naive(monkeypatch):
+    from fabric_lin.ops.gla import chunk
+
+    monkeypatch.setitem(chunk.LAUNCH, "state_split", True)
+    check_bf16(1, 1000, 2, 128, 256)
 
 
 @needs_cuda

@@ -510,9 +510,10 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
 LAUNCH = {"BK": 64, "BV": 64, "BV_out": 128, "state_BK": 64, "state_BV": 64, "state_warps": 8, "state_stages": 2, "output_warps": 8, "dv_warps": 8,
           "dqk_warps": 8, "stages": 1,
           # state passes as chunk-parallel updates + an elementwise scan (True), as one sequential pass with
-          # the matrix products inside (False), or the scan when the sequential pass would have fewer than
-          # two programs per multiprocessor ("auto": long sequences, few heads)
-          "state_split": "auto", "scan_SK": 16, "scan_SV": 64, "scan_stages": 3}
+          # the matrix products inside (False, the setting measured on an H200 so far), or the scan when the
+          # sequential pass would have fewer than two programs per multiprocessor ("auto": long sequences,
+          # few heads)
+          "state_split": False, "scan_SK": 16, "scan_SV": 64, "scan_stages": 3}
 
 
 def _block_sizes(K: int, V: int, kind: str = "") -> Tuple[int, int]:
