@@ -16,9 +16,8 @@ import random
 import re
 import shutil
 import signal
-import sys
 import time
-from dataclasses import asdict, fields, is_dataclass
+from dataclasses import fields, is_dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Union
@@ -286,7 +285,7 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
     flops_token = flops_per_token(ctx.config, train.max_seq_length)
     peak = peak_flops(fabric.device, ctx.precision)
     metrics_path = ctx.out_dir / METRICS_FILE
-    pending: List[Tuple[int, torch.Tensor, float, torch.Tensor]] = []
+    pending: List[Tuple[int, torch.Tensor, float, torch.Tensor, torch.Tensor]] = []
     start_step = state["step_count"]
 
     if ctx.eval.initial_validation and start_step == 0:
@@ -311,9 +310,11 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
             group["lr"] = lr
 
         loss_sum = torch.zeros((), device=fabric.device)
+        fingerprint = torch.zeros((), dtype=torch.int64, device=fabric.device)
         for micro in range(ctx.accumulation):
             batch = next(train_iterator).long()  # litdata's TokensLoader yields the stored dtype (often int32)
             state["iter_num"] += 1
+            fingerprint += batch_fingerprint(batch) * (micro + 1)
             input_ids = batch[:, : train.max_seq_length].contiguous()
             targets = batch[:, 1 : train.max_seq_length + 1].contiguous()
             with fabric.no_backward_sync(model, enabled=micro < ctx.accumulation - 1):
@@ -343,7 +344,7 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
             first_step_time = time.perf_counter() - PROCESS_START
             fabric.print(f"Time to first optimizer step: {first_step_time:.1f}s (from process start)")
             fabric.log_dict({"time_to_first_step_s": first_step_time}, step=step)
-        pending.append((step, step_loss.detach(), lr, grad_norm.detach()))
+        pending.append((step, step_loss.detach(), lr, grad_norm.detach(), fingerprint))
 
         if consecutive_nonfinite >= train.max_nonfinite_steps:
             flush_metrics(fabric, metrics_path, pending)
@@ -445,6 +446,13 @@ def doc_boundaries(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return bounds.to(torch.int32)
 
 
+def batch_fingerprint(batch: torch.Tensor) -> torch.Tensor:
+    """An int64 checksum of a batch's token ids and their positions, computed on the device. Logged per
+    step (summed over micro-batches and ranks) so that two runs can be checked to see the same data."""
+    weights = torch.arange(1, batch.numel() + 1, device=batch.device, dtype=torch.int64).view_as(batch) * 1_000_003 + 7
+    return ((batch.to(torch.int64) + 1) * weights).sum()
+
+
 def agree(fabric: L.Fabric, *flags: bool) -> Tuple[bool, ...]:
     """Each flag true on any rank -> true on every rank."""
     if fabric.world_size == 1:
@@ -514,13 +522,17 @@ def flush_metrics(fabric: L.Fabric, path: Path, pending: List) -> List[float]:
     if not pending:
         return []
     losses = torch.stack([p[1] for p in pending]).float()
-    losses = fabric.all_reduce(losses, reduce_op="mean") if fabric.world_size > 1 else losses
+    fingerprints = torch.stack([p[4] for p in pending])
+    if fabric.world_size > 1:
+        losses = fabric.all_reduce(losses, reduce_op="mean")
+        fingerprints = fabric.all_reduce(fingerprints, reduce_op="sum")
     norms = torch.stack([p[3].float() for p in pending])
-    loss_values, norm_values = losses.tolist(), norms.tolist()
+    loss_values, norm_values, fingerprint_values = losses.tolist(), norms.tolist(), fingerprints.tolist()
     if fabric.global_rank == 0:
         with open(path, "a", encoding="utf-8") as f:
-            for (step, _, lr, _), loss, norm in zip(pending, loss_values, norm_values):
-                f.write(json.dumps({"step": step, "loss": loss, "lr": lr, "grad_norm": norm}) + "\n")
+            for (step, _, lr, _, _), loss, norm, data in zip(pending, loss_values, norm_values, fingerprint_values):
+                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "data_fingerprint": data}
+                f.write(json.dumps(record) + "\n")
     pending.clear()
     return loss_values
 

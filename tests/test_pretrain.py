@@ -102,6 +102,19 @@ def test_packed_loss_equals_per_document_losses():
     torch.testing.assert_close(packed, total / targets.numel(), rtol=1e-5, atol=1e-5)
 
 
+def test_batch_fingerprint_sees_tokens_and_their_order():
+    from fabric_lin.pretrain import batch_fingerprint
+
+    batch = torch.arange(24).view(2, 12)
+    reference = batch_fingerprint(batch)
+    assert batch_fingerprint(batch.clone()) == reference
+    assert batch_fingerprint(batch.flip(0)) != reference  # rows swapped
+    changed = batch.clone()
+    changed[1, 3] += 1
+    assert batch_fingerprint(changed) != reference
+    assert batch_fingerprint(batch.to(torch.int32)) == reference  # stored dtype does not matter
+
+
 def _make_ckpt(root: Path, name: str) -> Path:
     d = root / name
     d.mkdir(parents=True)
