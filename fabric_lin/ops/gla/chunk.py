@@ -743,6 +743,8 @@ def chunk_gla_triton(
             f"chunk_gla: expected q, k, gk of one shape [B, T, H, K] and v [B, T, H, V], got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}, gk {tuple(gk.shape)}"
         )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"chunk_gla: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens needs batch size 1, got {B}")
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
