@@ -26,6 +26,7 @@ import lightning as L
 import numpy as np
 import torch
 import yaml
+from lightning.fabric.loggers import CSVLogger
 from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
 
 from fabric_lin.args import EvalArgs, OptimizerArgs, TrainArgs, learning_rate
@@ -177,6 +178,8 @@ def main(
     with StopRequest() as stop:  # SIGTERM/SIGUSR1 from here on: checkpoint at the next step, exit 0
         resume_dir = find_resume_dir(resume, out_dir)  # before any work, so a bad --resume fails fast
         fabric.seed_everything(seed)
+        if not isinstance(fabric.logger, CSVLogger):  # Fabric's CSVLogger cannot; hyperparameters.yaml has them
+            fabric.logger.log_hyperparams(hparams)
 
         # data
         if fabric.global_rank == 0:
@@ -344,6 +347,9 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
             first_step_time = time.perf_counter() - PROCESS_START
             fabric.print(f"Time to first optimizer step: {first_step_time:.1f}s (from process start)")
             fabric.log_dict({"time_to_first_step_s": first_step_time}, step=step)
+            if fabric.global_rank == 0:
+                with open(metrics_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"step": step, "time_to_first_step_s": first_step_time}) + "\n")
         pending.append((step, step_loss.detach(), lr, grad_norm.detach(), fingerprint))
 
         if consecutive_nonfinite >= train.max_nonfinite_steps:
@@ -573,8 +579,6 @@ def make_logger(name: str, out_dir: Path, hparams: Dict[str, Any]):
 
         return TensorBoardLogger(root_dir=out_dir / "logs", name="tensorboard")
     if name == "csv":
-        from lightning.fabric.loggers import CSVLogger
-
         return CSVLogger(root_dir=out_dir / "logs", name="csv")
     if name == "wandb":
         try:
