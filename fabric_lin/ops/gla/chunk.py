@@ -13,8 +13,11 @@ state), arranged so that every matrix product is a full 64-row tile:
     ever positive, whatever the gates.
   * gc = b (fp32, [B, T, H, K]) is written once by the state pass and read by the other kernels;
     reference rows are plain loads of gc, and rows past a sequence's end read its last row.
-  * h_n, the fp32 state entering chunk n, comes from one sequential pass (_fwd_state_kernel), and
-    o = (q * exp(b)) @ h_n + A @ v (_fwd_output_kernel).
+  * h_n, the state entering chunk n, comes from a state pass, and o = (q * exp(b)) @ h_n + A @ v
+    (_fwd_output_kernel). The state pass is either one sequential loop per (sequence, head, tile) with
+    the products inside (_fwd_state_kernel, h_n kept in the input dtype), or, for long sequences with
+    few heads, chunk-parallel products (_chunk_update_kernel) followed by an elementwise scan over the
+    chunks (_state_scan_kernel, h_n in fp32); LAUNCH["state_split"] picks.
 
 Backward: the states h_n are recomputed, a reverse pass gives dh_n (the gradient of the state leaving
 chunk n) and dh0; per chunk, one kernel gives dv = (k exp(b_last - b)) dh_n + A^T do and
@@ -24,7 +27,7 @@ gradient of the in-chunk cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i  (elem
 they enter the products), plus, for b at the chunk's last row, sum_v(h_n dh_n) exp(b_last) +
 sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside the chunk plus that term.
 
-Six launches for forward plus backward. The per-chunk states are stored in the input dtype; all
+Six launches for forward plus backward with the sequential state pass (nine with the scan). All
 accumulation is fp32.
 """
 from typing import Optional, Tuple
