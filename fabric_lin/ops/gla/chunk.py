@@ -15,7 +15,7 @@ state), arranged so that every matrix product is a full 64-row tile:
     reference rows are plain loads of gc, and rows past a sequence's end read its last row.
   * h_n, the state entering chunk n, comes from a state pass, and o = (q * exp(b)) @ h_n + A @ v
     (_fwd_output_kernel). The state pass is either one sequential loop per (sequence, head, tile) with
-    the products inside (_fwd_state_kernel, h_n kept in the input dtype), or, for long sequences with
+    the products inside (_fwd_state_kernel, h_n in the input dtype or fp32, LAUNCH["state_dtype"]), or, for long sequences with
     few heads, chunk-parallel products (_chunk_update_kernel) followed by an elementwise scan over the
     chunks (_state_scan_kernel, h_n in fp32); LAUNCH["state_split"] picks.
 
@@ -516,7 +516,16 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 128, "state_BK": 64, "state_BV": 64, "st
           # the matrix products inside (False, the setting measured on an H200 so far), or the scan when the
           # sequential pass would have fewer than two programs per multiprocessor ("auto": long sequences,
           # few heads)
-          "state_split": False, "scan_SK": 16, "scan_SV": 64, "scan_stages": 3}
+          "state_split": False, "scan_SK": 16, "scan_SV": 64, "scan_stages": 3,
+          # dtype of the per-chunk states h and dh of the sequential pass: "input" (bf16 for bf16 inputs,
+          # half the traffic), "fp32", or "auto" = fp32 when a state crosses the op's boundary (initial
+          # state given, final-state gradient flowing), where rounding them costs most relative accuracy
+          "state_dtype": "auto"}
+
+
+def _state_dtype(x: torch.Tensor, boundary_state: bool) -> torch.dtype:
+    mode = LAUNCH["state_dtype"]
+    return torch.float32 if mode == "fp32" or (mode == "auto" and boundary_state) else x.dtype
 
 
 def _block_sizes(K: int, V: int, kind: str = "") -> Tuple[int, int]:
@@ -599,7 +608,7 @@ def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
         _scan(h, gc, initial_state, ht, cu_seqlens, layout, T, reverse=False)
         return h, ht
     BK, BV = _block_sizes(K, V, "state_")
-    h = k.new_empty(NC, H, K, V)
+    h = k.new_empty(NC, H, K, V, dtype=_state_dtype(k, initial_state is not None))
     _fwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
         k, v, g, gc, h, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
         USE_H0=initial_state is not None, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
@@ -619,7 +628,7 @@ def _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout):
         _scan(dh, gc, dht, dh0, cu_seqlens, layout, T, reverse=True)
         return dh, dh0
     SK, SV = _block_sizes(K, V, "state_")
-    dh = q.new_empty(NC, H, K, V)
+    dh = q.new_empty(NC, H, K, V, dtype=_state_dtype(q, initial_state is not None or dht is not None))
     _bwd_state_kernel[(triton.cdiv(K, SK), triton.cdiv(V, SV), N * H)](
         q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, SK, SV,
         USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
