@@ -135,6 +135,8 @@ def setup(
                 auto_wrap_policy={Block},
                 activation_checkpointing_policy={Block} if activation_checkpointing else None,
                 sharding_strategy="HYBRID_SHARD",
+                # replicate across nodes, shard over this run's devices of a node (not every visible GPU)
+                device_mesh=(num_nodes, devices),
                 state_dict_type="sharded",
                 timeout=timedelta(minutes=30),
             )
