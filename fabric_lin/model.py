@@ -5,6 +5,7 @@ GLA block (pre-norm, as flash-linear-attention's GLAForCausalLM):
     h   = x + attn(attn_norm(x))
     out = h + mlp(mlp_norm(h))
 """
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -15,6 +16,22 @@ from torch.utils.checkpoint import checkpoint
 
 from fabric_lin.config import Config
 from fabric_lin.ops.gla import chunk_gla, recurrent_gla_step
+
+# Fused Triton kernels for the training step on CUDA (fabric_lin/ops/); the plain PyTorch lines below
+# are the reference and the CPU path. FABRIC_LIN_FUSED_OPS=0 turns the kernels off.
+try:
+    from fabric_lin.ops.cross_entropy import linear_cross_entropy
+    from fabric_lin.ops.gla.fused_recurrent import fused_recurrent_gla_step
+    from fabric_lin.ops.norm import rms_norm, rms_norm_gated
+    from fabric_lin.ops.swiglu import swiglu
+
+    FUSED_OPS = os.environ.get("FABRIC_LIN_FUSED_OPS", "1") != "0"
+except ImportError:  # no Triton on this platform
+    FUSED_OPS = False
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    return FUSED_OPS and x.is_cuda
 
 
 class Linear(nn.Linear):
@@ -46,10 +63,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
         self.reset_parameters()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()
-        x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x_fp32 * self.weight.float()).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """RMSNorm(x); with `residual`, h = x + residual is normalised and (RMSNorm(h), h) returned."""
+        if use_fused(x):
+            return rms_norm(x, self.weight, self.eps, residual)
+        h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+        h_fp32 = h.float()
+        y = (h_fp32 * torch.rsqrt(h_fp32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+        return y if residual is None else (y, h)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -66,7 +87,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, d, std=std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(swiglu(gate, up) if use_fused(x) else F.silu(gate) * up)
 
 
 class GatedLinearAttention(nn.Module):
@@ -104,13 +126,17 @@ class GatedLinearAttention(nn.Module):
         if cache is None:
             o, _ = chunk_gla(q, k, v, gk, cu_seqlens=cu_seqlens)
         elif T == 1:
-            o, cache.layers[layer] = recurrent_gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], cache.layers[layer])
+            step = fused_recurrent_gla_step if use_fused(x) else recurrent_gla_step
+            o, cache.layers[layer] = step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], cache.layers[layer])
             o = o.unsqueeze(1)
         else:
             o, cache.layers[layer] = chunk_gla(q, k, v, gk, initial_state=cache.layers[layer], output_final_state=True)
 
         g = self.g_proj(x).view(B, T, c.num_heads, c.head_v_dim)
-        o = (self.g_norm(o).float() * F.silu(g.float())).to(x.dtype)
+        if use_fused(x):  # per-head RMSNorm times swish(gate) in one kernel
+            o = rms_norm_gated(o.to(g.dtype), g, self.g_norm.weight, self.g_norm.eps)
+        else:
+            o = (self.g_norm(o).float() * F.silu(g.float())).to(g.dtype)
         return self.o_proj(o.reshape(B, T, c.value_dim))
 
 
@@ -185,8 +211,10 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cu_seqlens=None, cache=None, layer: int = 0):
-        h = x + self.attn(self.attn_norm(x), cu_seqlens=cu_seqlens, cache=cache, layer=layer)
-        return h + self.mlp(self.mlp_norm(h))
+        attn_out = self.attn(self.attn_norm(x), cu_seqlens=cu_seqlens, cache=cache, layer=layer)
+        # h = x + attn_out in x's dtype (fp32 residual stream under bf16-mixed), normed = mlp_norm(h)
+        normed, h = self.mlp_norm(x, residual=attn_out)
+        return h + self.mlp(normed)
 
 
 @dataclass
@@ -248,7 +276,13 @@ class GPT(nn.Module):
         if return_hidden:
             return x
         if targets is not None:
-            return chunked_cross_entropy(x.flatten(0, 1), self.output_weight, targets.flatten())
+            hidden, weight = x.flatten(0, 1), self.output_weight
+            if use_fused(x):
+                if torch.is_autocast_enabled("cuda"):  # the kernel is opaque to autocast: cast as autocast would
+                    dtype = torch.get_autocast_dtype("cuda")
+                    hidden, weight = hidden.to(dtype), weight.to(dtype)
+                return linear_cross_entropy(hidden, weight, targets.flatten())
+            return chunked_cross_entropy(hidden, weight, targets.flatten())
         return F.linear(x, self.output_weight)
 
 
