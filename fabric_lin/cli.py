@@ -24,7 +24,7 @@ def load_command(name: str) -> Callable:
 
 
 def main(argv=None) -> None:
-    from jsonargparse import CLI, set_docstring_parse_options
+    from jsonargparse import CLI, set_parsing_settings
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if len(argv) >= 2 and argv[1] == "list" and argv[0] in ("pretrain", "generate"):
@@ -32,7 +32,7 @@ def main(argv=None) -> None:
 
         print("\n".join(name_to_config))
         return
-    set_docstring_parse_options(attribute_docstrings=True)
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
     if argv and argv[0] in COMMANDS:
         components = {argv[0]: load_command(argv[0])}
     else:  # `fabric-lin --help` or an unknown subcommand: list every one that imports
