@@ -347,7 +347,7 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
         step = state["step_count"]
         if first_step_time is None:
             first_step_time = time.perf_counter() - PROCESS_START
-            fabric.print(f"Time to first optimizer step: {first_step_time:.1f}s (from process start)")
+            fabric.print(f"Time to first optimizer step: {first_step_time:.1f}s (from start-up)")
             fabric.log_dict({"time_to_first_step_s": first_step_time}, step=step)
             if fabric.global_rank == 0:
                 with open(metrics_path, "a", encoding="utf-8") as f:
