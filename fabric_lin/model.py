@@ -269,7 +269,10 @@ class GPT(nn.Module):
         normed hidden states [B, T, d]."""
         x = self.embeddings(input_ids)
         for i, block in enumerate(self.layers):
-            x = block(x, cu_seqlens=cu_seqlens, cache=cache, layer=i)
+            if cache is None:  # no per-layer int argument in training: a compiled Block would specialise on it
+                x = block(x, cu_seqlens=cu_seqlens)
+            else:
+                x = block(x, cu_seqlens=cu_seqlens, cache=cache, layer=i)
         x = self.norm(x)
         if cache is not None:
             cache.position += input_ids.shape[1]
