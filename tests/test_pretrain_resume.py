@@ -202,13 +202,26 @@ def test_nonfinite_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
 def kill_tally(kills: int, workdir: Path, seed: int = 0) -> None:
     """`kills` trials: start a fresh run, SIGKILL it at a random moment, resume it with --resume auto to
     the end, and compare with the reference exactly. The moment: after a random number of logged steps
-    (0 = during start-up) plus a random delay of up to a second, so it falls on start-up, data loading,
+    (0 = during start-up) plus a random delay of up to 1.5 steps, so it falls on start-up, data loading,
     forward, backward, optimizer step or a checkpoint write whatever the machine's speed. A trial whose
     run finished before the kill is retried; only real kills count."""
     rng = random.Random(seed)
     reference = workdir / "reference"
-    if not (reference / "final").exists():
-        run(reference)
+    if reference.exists():
+        import shutil
+
+        shutil.rmtree(reference)
+    # the reference run, timing its steps so that the random delays span about one step on this machine
+    proc = start(reference)
+    seen: Dict[int, float] = {}
+    while proc.poll() is None:
+        for step in logged_losses(reference):
+            seen.setdefault(step, time.time())
+        time.sleep(0.005)
+    assert proc.returncode == 0 and (reference / "final").exists()
+    times = [seen[s + 1] - seen[s] for s in range(1, STEPS) if s in seen and s + 1 in seen]
+    step_seconds = sorted(times)[len(times) // 2] if times else 0.5
+    print(f"reference: {step_seconds:.3f}s per step (median)", flush=True)
     exact = trial = 0
     mid_save = 0
     while trial < kills:
@@ -218,7 +231,7 @@ def kill_tally(kills: int, workdir: Path, seed: int = 0) -> None:
 
             shutil.rmtree(out)
         after_step = rng.randint(0, STEPS - 1)
-        delay = rng.uniform(0.0, 1.0)
+        delay = rng.uniform(0.0, 1.5 * step_seconds)
         proc = start(out)
         wait_for(lambda: max(logged_losses(out), default=0) >= after_step, proc)
         time.sleep(delay)
