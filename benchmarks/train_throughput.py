@@ -22,21 +22,12 @@ from fabric_lin.model import GPT
 def fla_model(config: Config):
     from fla.models import GLAConfig, GLAForCausalLM
 
-    fla_config = GLAConfig(
-        hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_layers,
-        num_heads=config.num_heads,
-        expand_k=config.expand_k,
-        expand_v=config.expand_v,
-        vocab_size=config.vocab_size,
-        tie_word_embeddings=config.tie_embeddings,
-        attn_mode="chunk",
-        fuse_norm=True,
-        fuse_swiglu=True,
-        fuse_cross_entropy=True,
-        norm_eps=config.norm_eps,
-    )
-    model = GLAForCausalLM(fla_config)
+    from fabric_lin.convert.hf import fla_config
+
+    # the same config.json fields that `fabric-lin convert_to_hf` writes (fused norm, swiglu and
+    # cross-entropy on), less the keys that name the format rather than the model
+    fields = {k: v for k, v in fla_config(config).items() if k not in ("architectures", "model_type", "fabric_lin")}
+    model = GLAForCausalLM(GLAConfig(**fields))
 
     def loss_fn(ids, targets):
         return model(input_ids=ids, labels=ids).loss
