@@ -211,7 +211,10 @@ def main(
         if reset_state_at_doc_boundaries and tokenizer is None:
             raise ValueError("reset_state_at_doc_boundaries needs the EOS id: give --tokenizer_dir")
         eos_id = tokenizer.eos_id if reset_state_at_doc_boundaries else None
-        data.connect(tokenizer=tokenizer, batch_size=train.micro_batch_size, max_seq_length=train.max_seq_length)
+        data.connect(
+            tokenizer=tokenizer, batch_size=train.micro_batch_size, max_seq_length=train.max_seq_length,
+            vocab_size=config.vocab_size,
+        )
         data.setup()
         train_dataloader = data.train_dataloader()
         val_dataloader = data.val_dataloader()
@@ -248,7 +251,7 @@ def main(
         ctx = RunContext(
             out_dir=out_dir, hparams=hparams, config=config, tokenizer_dir=tokenizer_dir, train=train, eval=eval,
             optimizer_args=optimizer_args, accumulation=accumulation, max_steps=max_steps, eos_id=eos_id,
-            precision=precision, stop=stop,
+            precision=precision, stop=stop, data=data,
         )
         fit(fabric, state, val_dataloader, ctx)
 
@@ -318,7 +321,14 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
         fabric.print(f"Nothing to train: the checkpoint is at step {start_step}, max_steps is {ctx.max_steps}")
         return
 
-    train_iterator = CycleIterator(state["train_dataloader"])
+    data_path = getattr(ctx.data, "data_path", None)
+    data_name = type(ctx.data).__name__ + (f" {data_path}" if data_path is not None else "")
+    train_iterator = CycleIterator(state["train_dataloader"], empty_error=(
+        f"The training data ({data_name}) yields no full batch of train.micro_batch_size={train.micro_batch_size}"
+        f" samples of max_seq_length + 1 = {train.max_seq_length + 1} tokens (train.max_seq_length="
+        f"{train.max_seq_length}) in any DataLoader worker of a process: lower train.max_seq_length,"
+        " train.micro_batch_size or data.num_workers, or give it more data"
+    ))
     fabric.barrier()
     run_start = window_start = time.perf_counter()
     window_step = start_step
@@ -489,10 +499,11 @@ def agree(fabric: L.Fabric, *flags: bool) -> Tuple[bool, ...]:
 
 
 class CycleIterator:
-    """Iterate a dataloader forever, starting a new epoch when one ends."""
+    """Iterate a dataloader forever, starting a new epoch when one ends (`empty_error` if a new one is empty)."""
 
-    def __init__(self, iterable):
+    def __init__(self, iterable, empty_error: str = "the dataloader yields no batch"):
         self.iterable = iterable
+        self.empty_error = empty_error
         self.epoch = 0
         self._iterator: Optional[Iterator] = None
 
@@ -504,7 +515,10 @@ class CycleIterator:
         except StopIteration:
             self.epoch += 1
             self._iterator = iter(self.iterable)
-            return next(self._iterator)
+            try:
+                return next(self._iterator)
+            except StopIteration:  # a whole epoch without a batch: the data is too small
+                raise ValueError(self.empty_error) from None
 
     def __iter__(self):
         return self

@@ -322,3 +322,94 @@ def test_error_missing_tokenizer(tmp_path):
 def test_error_resume_path_without_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"--resume {tmp_path / 'nothing'}: expected a checkpoint directory"):
         _setup(tmp_path, resume=tmp_path / "nothing")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """Two small tokenizers (300 and 320 pieces) and prepared directories made with the first: `tokens` of
+    4 chunk files of 1000 tokens, written with litdata's Cache and write_prepared_info as the preprocessors do."""
+    import numpy as np
+    from litdata.streaming.cache import Cache
+    from litdata.streaming.item_loader import TokensLoader
+
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.data.prepared import write_prepared_info
+    from fabric_lin.data.train_tokenizer import main as train_tokenizer
+
+    root = tmp_path_factory.mktemp("prepared")
+    for name, vocab_size, words in (("tok300", 300, "some text for a tokenizer"), ("tok320", 320, "other words, other pieces")):
+        (root / f"{name}-raw").mkdir()
+        (root / f"{name}-raw" / "a.txt").write_text("\n".join(f"line {i} of {words}" for i in range(500)))
+        train_tokenizer(root / f"{name}-raw", root / name, vocab_size=vocab_size, num_threads=1)
+    tokens = (np.arange(4000) % 300).astype(np.uint16)
+    cache = Cache(str(root / "tokens"), chunk_size=1000, item_loader=TokensLoader())
+    for i in range(4):
+        cache[i] = tokens[i * 1000 : (i + 1) * 1000]
+    cache.done()
+    cache.merge()
+    write_prepared_info(root / "tokens", Tokenizer(root / "tok300"), recipe="test")
+    return root
+
+
+def test_error_max_seq_length_beyond_the_data(tmp_path, prepared):
+    """Chunk files of 1000 tokens hold no block of 1000 + 1: refused before the model is built."""
+    from fabric_lin.data import TokenChunks
+
+    data = TokenChunks(data_path=prepared / "tokens", num_workers=0)
+    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=1000)
+    with pytest.raises(ValueError, match=rf"max_seq_length=1000 is too long for {prepared / 'tokens'}: .* 1001 tokens .*"
+                       r"its largest chunk file holds 1000 tokens"):
+        _setup(tmp_path, data=data, train=train)
+    assert not (tmp_path / "out" / "final").exists()
+
+
+def test_error_data_yields_no_full_batch(tmp_path, prepared):
+    """4 chunk files give 4 blocks of 501 tokens, fewer than one micro batch of 8: a clear error at the
+    first micro-batch (no forward pass, no optimizer step), not a bare StopIteration."""
+    from fabric_lin.data import TokenChunks
+
+    data = TokenChunks(data_path=prepared / "tokens", num_workers=0)
+    train = TrainArgs(global_batch_size=8, micro_batch_size=8, max_steps=1, max_seq_length=500, save_interval=None)
+    with pytest.raises(ValueError, match=rf"\(TokenChunks {prepared / 'tokens'}\) yields no full batch of "
+                       r"train.micro_batch_size=8 .*train.max_seq_length=500"):
+        _setup(tmp_path, data=data, train=train, eval=EvalArgs(final_validation=False))
+    assert not list((tmp_path / "out").glob("step-*")) and not (tmp_path / "out" / "final").exists()
+
+
+def test_error_data_vocab_larger_than_the_model_without_tokenizer(tmp_path, prepared):
+    """No tokenizer_dir: prepared.json's vocab_size (300) is checked against the model's (256)."""
+    from fabric_lin.data import TokenChunks
+
+    config = Config.from_name("gla-debug", vocab_size=256)
+    with pytest.raises(ValueError, match=rf"{prepared / 'tokens'} was tokenized with a vocabulary of 300 tokens .*"
+                       r"the model's vocab_size=256"):
+        _setup(tmp_path, model_name=None, model_config=config, data=TokenChunks(data_path=prepared / "tokens", num_workers=0))
+
+
+def test_error_tokenizer_vocab_larger_than_the_model(tmp_path, prepared):
+    from fabric_lin.data import TokenChunks
+
+    config = Config.from_name("gla-debug", vocab_size=256)
+    with pytest.raises(ValueError, match=rf"the tokenizer in {prepared / 'tok300'} has 300 tokens but the model's vocab_size is 256"):
+        _setup(tmp_path, model_name=None, model_config=config, tokenizer_dir=prepared / "tok300",
+               data=TokenChunks(data_path=prepared / "tokens", num_workers=0))
+
+
+def test_error_tokenizer_dir_differs_from_the_one_that_made_the_data(tmp_path, prepared):
+    from fabric_lin.data import TokenChunks
+
+    with pytest.raises(ValueError, match=rf"{prepared / 'tokens'} was tokenized with a different tokenizer \(vocab_size=300,"
+                       rf".* than {prepared / 'tok320' / 'tokenizer.model'} \(vocab_size=320"):
+        _setup(tmp_path, tokenizer_dir=prepared / "tok320", data=TokenChunks(data_path=prepared / "tokens", num_workers=0))
+
+
+def test_transformer_has_no_length_limit_from_its_config():
+    """RoPE is computed on the fly: the baseline takes sequences beyond model_config.max_seq_length, so
+    train.max_seq_length is checked against the data only."""
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("transformer-debug", num_layers=1, max_seq_length=16))
+    ids = torch.randint(0, 4096, (1, 40))
+    with torch.no_grad():
+        long, short = model(ids), model(ids[:, :16])
+    assert torch.isfinite(long).all()
+    torch.testing.assert_close(long[:, :16], short)  # causal: the first 16 positions do not see the rest

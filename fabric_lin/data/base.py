@@ -1,4 +1,5 @@
 """The data module interface the trainer uses, and the pieces the token data modules share."""
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -7,7 +8,7 @@ import numpy as np
 import torch
 from litdata.streaming import StreamingDataLoader
 
-from fabric_lin.data.prepared import check_prepared_dir
+from fabric_lin.data.prepared import INDEX_FILE, check_prepared_dir
 from fabric_lin.data.tokenizer import Tokenizer
 
 
@@ -15,7 +16,7 @@ from fabric_lin.data.tokenizer import Tokenizer
 class DataModule:
     """Base of fabric-lin's data modules (LitGPT's shape, without Lightning's DataModule machinery).
 
-    The trainer calls `connect(tokenizer, batch_size, max_seq_length)`, then `prepare_data()` on
+    The trainer calls `connect(tokenizer, batch_size, max_seq_length, vocab_size)`, then `prepare_data()` on
     rank 0, `setup()` on every rank, then `train_dataloader()` / `val_dataloader()`. Batches are int64
     tensors [batch_size, max_seq_length + 1]: inputs are `batch[:, :-1]`, targets `batch[:, 1:]`."""
 
@@ -27,11 +28,17 @@ class DataModule:
     tokenizer: Optional[Tokenizer] = field(default=None, init=False, repr=False)
     batch_size: int = field(default=1, init=False, repr=False)
     max_seq_length: int = field(default=-1, init=False, repr=False)
+    vocab_size: Optional[int] = field(default=None, init=False, repr=False)
+    """The model's vocabulary: prepared directories made with a larger one are refused in `setup()`."""
 
-    def connect(self, tokenizer: Optional[Tokenizer] = None, batch_size: int = 1, max_seq_length: int = -1) -> None:
+    def connect(
+        self, tokenizer: Optional[Tokenizer] = None, batch_size: int = 1, max_seq_length: int = -1,
+        vocab_size: Optional[int] = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_seq_length = max_seq_length
+        self.vocab_size = vocab_size
 
     def prepare_data(self) -> None:
         pass
@@ -89,8 +96,18 @@ def token_dataset(path: Union[str, Path], block_size: int, shuffle: bool, seed: 
         seed=seed,
     )
     if len(dataset) == 0:
+        # TokensLoader cuts blocks inside each chunk file; drop_last gives every process the same number
+        chunks = json.loads((Path(path) / INDEX_FILE).read_text(encoding="utf-8")).get("chunks", [])
+        dims = [int(c.get("dim") or 0) for c in chunks]
+        blocks, processes = sum(d // block_size for d in dims), dataset.distributed_env.world_size
+        why = (
+            f"its largest chunk file holds {max(dims, default=0)} tokens" if blocks == 0
+            else f"it gives {blocks} such block(s), fewer than one for each of the {processes} processes"
+        )
         raise ValueError(
-            f"{path} yields no block of {block_size} tokens (max_seq_length + 1): each chunk file holds fewer tokens"
+            f"max_seq_length={block_size - 1} is too long for {path}: a sample is a block of max_seq_length + 1 ="
+            f" {block_size} tokens from one chunk file, and {why}; lower train.max_seq_length or prepare the data"
+            " with a larger chunk_size"
         )
     return dataset
 

@@ -30,11 +30,14 @@ def write_prepared_info(out_dir: Union[str, Path], tokenizer: Tokenizer, **field
     return path
 
 
-def check_prepared_dir(path: Union[str, Path], tokenizer: Optional[Tokenizer] = None) -> dict:
-    """Check that `path` is a complete prepared directory (made with `tokenizer`, when given).
+def check_prepared_dir(
+    path: Union[str, Path], tokenizer: Optional[Tokenizer] = None, vocab_size: Optional[int] = None
+) -> dict:
+    """Check that `path` is a complete prepared directory (made with `tokenizer`, when given, and with
+    a vocabulary of at most `vocab_size` tokens, the model's, when given).
 
     Returns the contents of its prepared.json. Raises FileNotFoundError for a missing directory or
-    index, ValueError for an incomplete directory or a tokenizer mismatch."""
+    index, ValueError for an incomplete directory, a tokenizer mismatch or a too large vocabulary."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(
@@ -72,4 +75,11 @@ def check_prepared_dir(path: Union[str, Path], tokenizer: Optional[Tokenizer] = 
                 f" (vocab_size={tokenizer.vocab_size}, sha256={tokenizer.model_hash[:12]}...); prepare the data with"
                 " this tokenizer or train with the one that made it"
             )
+    data_vocab = info.get("tokenizer", {}).get("vocab_size")
+    if vocab_size is not None and isinstance(data_vocab, int) and data_vocab > vocab_size:
+        raise ValueError(
+            f"{path} was tokenized with a vocabulary of {data_vocab} tokens ({PREPARED_INFO_FILE}: tokenizer.vocab_size),"
+            f" more than the model's vocab_size={vocab_size}: token ids would fall outside the embedding; use a model"
+            f" config with vocab_size >= {data_vocab} or prepare the data with the model's tokenizer"
+        )
     return info

@@ -63,7 +63,7 @@ class SlimPajamaStarcoder(DataModule):
         from fabric_lin.data.prepared import check_prepared_dir
 
         for path in [self.slimpajama_train, self.slimpajama_val] + ([self.starcoder_train] if self.use_starcoder else []):
-            check_prepared_dir(path, self.tokenizer)
+            check_prepared_dir(path, self.tokenizer, self.vocab_size)
 
     def train_dataloader(self):
         datasets = [token_dataset(self.slimpajama_train, self.block_size, True, self.seed, self.tokenizer)]

@@ -24,9 +24,9 @@ class TokenChunks(DataModule):
 
         if self.data_path is None:
             raise ValueError("TokenChunks needs data_path: a directory written by fabric-lin's preprocessors")
-        check_prepared_dir(self.data_path, self.tokenizer)
+        check_prepared_dir(self.data_path, self.tokenizer, self.vocab_size)
         if self.val_path is not None:
-            check_prepared_dir(self.val_path, self.tokenizer)
+            check_prepared_dir(self.val_path, self.tokenizer, self.vocab_size)
 
     def train_dataloader(self):
         dataset = token_dataset(self.data_path, self.block_size, self.shuffle, self.seed, self.tokenizer)
