@@ -1,16 +1,25 @@
 """Training throughput of gla-340M on one GPU, side by side with flash-linear-attention's
 GLAForCausalLM (same config, batch and optimizer) and fabric-lin's transformer-340M.
 
-Regime "bf16-weights": weights in bf16, fused AdamW, no compile, micro batch x context tokens per
-step - the regime in which flash-linear-attention's own trainer is usually measured.
-Prints one JSON object; run on a GPU:
+Regime (a) "bf16-weights": weights in bf16, fused AdamW, no compile, micro batch x context tokens per
+step, random tokens - the regime in which flash-linear-attention's own trainer is usually measured.
+Regime (b) "real-loop": `fabric-lin pretrain` itself (bf16-mixed, each Block compiled, the Fabric step,
+the sample corpus through the data loader), tokens/s as the trainer logs it.
+Each measurement runs in its own process with a time limit (a peer that spends its limit autotuning
+is reported as such). Prints one JSON object; run on a GPU:
 
     python benchmarks/train_throughput.py --batch_size 16 --seq_len 2048 --steps 20
+    python benchmarks/train_throughput.py --batch_size 2 --seq_len 16384 --models fabric-lin,transformer
 """
 import argparse
 import gc
 import json
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -85,6 +94,78 @@ def measure(name, build, config, batch_size, seq_len, steps, warmup):
     return result
 
 
+REAL_LOOP_CONFIGS = {"fabric-lin": "config_hub/gla_340M.yaml", "transformer": "config_hub/transformer_340M.yaml"}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def real_loop(key, batch_size, seq_len, steps, warmup, timeout):
+    """Regime (b): `fabric-lin pretrain` for warmup + steps optimizer steps; the median logged tokens/s after warmup."""
+    name = f"fabric-lin pretrain {Path(REAL_LOOP_CONFIGS[key]).stem} (bf16-mixed, compile)"
+    out_dir = Path(tempfile.mkdtemp(prefix="throughput-"))
+    cmd = [
+        sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(ROOT / REAL_LOOP_CONFIGS[key]),
+        "--data", "SampleCorpus", "--tokenizer_dir", "null", "--out_dir", str(out_dir), "--logger_name", "csv",
+        "--train.max_seq_length", str(seq_len), "--train.micro_batch_size", str(batch_size),
+        "--train.global_batch_size", str(batch_size), "--train.max_tokens", "null",
+        "--train.max_steps", str(warmup + steps), "--train.lr_warmup_steps", "1", "--train.log_interval", "1",
+        "--train.save_interval", "null", "--eval.initial_validation", "false", "--eval.final_validation", "false",
+    ]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"model": name, "skipped": f"did not finish within {timeout} s"}
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()] if (out_dir / "metrics.jsonl").exists() else []
+    steady = [r for r in records if "tokens_per_sec" in r and r["step"] > warmup]
+    if proc.returncode != 0 or not steady:
+        return {"model": name, "skipped": f"exit code {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}"}
+    tokens_per_s = statistics.median(r["tokens_per_sec"] for r in steady)
+    first = next((r for r in records if "time_to_first_step_s" in r), {})
+    return {
+        "model": name,
+        "tokens_per_s": round(tokens_per_s),
+        "ms_per_step": round(batch_size * seq_len / tokens_per_s * 1e3, 2),
+        "peak_memory_gib": round(max(r.get("max_memory_gb", 0.0) for r in steady) * 1e9 / 2**30, 2),
+        "mfu": round(statistics.median(r["mfu"] for r in steady), 4) if "mfu" in steady[0] else None,
+        "first_step_s": round(first.get("time_to_first_step_s", float("nan")), 1),
+        "recompilations": steady[-1].get("recompilations"),
+        "final_loss": round(steady[-1]["loss"], 3),
+    }
+
+
+def run_isolated(regime, key, args):
+    """One measurement in its own process (a clean allocator and peak-memory count, and a time limit)."""
+    cmd = [sys.executable, __file__, "--worker", regime, "--models", key, "--batch_size", str(args.batch_size),
+           "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--timeout", str(args.timeout)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 60, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"model": key, "skipped": f"no result within {args.timeout + 60} s (start-up: compilation, autotuning)"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"model": key, "skipped": f"exit code {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}"}
+    return json.loads(lines[-1])
+
+
+def worker(regime, key, args):
+    if regime == "real-loop":
+        print(json.dumps(real_loop(key, args.batch_size, args.seq_len, args.steps, args.warmup, args.timeout)))
+        return
+    gla = Config.from_name("gla-340M")
+    runs = {
+        "fabric-lin": ("fabric-lin gla-340M", ours, gla),
+        "fla": ("flash-linear-attention GLAForCausalLM 340M", fla_model, gla),
+        "transformer": ("fabric-lin transformer-340M", ours, Config.from_name("transformer-340M")),
+    }
+    name, build, config = runs[key]
+    try:
+        measure(name, build, config, args.batch_size, args.seq_len, args.steps, args.warmup)
+    except ImportError as e:
+        print(json.dumps({"model": name, "skipped": f"not importable: {e}"}))
+    except torch.cuda.OutOfMemoryError as e:
+        print(json.dumps({"model": name, "skipped": f"out of memory: {str(e)[:300]}"}))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch_size", type=int, default=16)
@@ -92,32 +173,35 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", default="fabric-lin,fla,transformer")
+    parser.add_argument("--regimes", default="bf16-weights,real-loop", help="bf16-weights (a), real-loop (b)")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per measurement")
+    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.models, args)
+        return
 
-    gla = Config.from_name("gla-340M")
-    runs = {
-        "fabric-lin": ("fabric-lin gla-340M", ours, gla),
-        "fla": ("flash-linear-attention GLAForCausalLM 340M", fla_model, gla),
-        "transformer": ("fabric-lin transformer-340M", ours, Config.from_name("transformer-340M")),
-    }
     results = {}
-    for key in args.models.split(","):
-        name, build, config = runs[key]
-        try:
-            results[key] = measure(name, build, config, args.batch_size, args.seq_len, args.steps, args.warmup)
-        except ImportError as e:
-            results[key] = {"model": name, "skipped": f"not importable: {e}"}
-        except torch.cuda.OutOfMemoryError as e:
-            results[key] = {"model": name, "skipped": f"out of memory: {e}"}
-            torch.cuda.empty_cache()
-    if "tokens_per_s" in results.get("fabric-lin", {}) and "tokens_per_s" in results.get("fla", {}):
-        ours_r, peer = results["fabric-lin"], results["fla"]
-        results["ratios"] = {
-            "tokens_per_s_vs_fla": round(ours_r["tokens_per_s"] / peer["tokens_per_s"], 3),
-            "peak_memory_vs_fla": round(ours_r["peak_memory_gib"] / peer["peak_memory_gib"], 3),
-        }
-    print(json.dumps({"device": torch.cuda.get_device_name(), "batch_size": args.batch_size, "seq_len": args.seq_len,
-                      "torch": torch.__version__, "results": results}, indent=1))
+    for regime in args.regimes.split(","):
+        for key in args.models.split(","):
+            if regime == "real-loop" and key not in REAL_LOOP_CONFIGS:
+                continue  # the peer has no fabric-lin loop
+            results[f"{regime}/{key}"] = run_isolated(regime, key, args)
+            print(json.dumps({f"{regime}/{key}": results[f"{regime}/{key}"]}), flush=True)
+    ratios = {}
+    peer = results.get("bf16-weights/fla", {})
+    if "tokens_per_s" in peer:
+        for label, r in results.items():
+            if "tokens_per_s" in r and label != "bf16-weights/fla":
+                ratios[f"{label} tokens/s vs fla (a)"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
+                ratios[f"{label} peak memory vs fla (a)"] = round(r["peak_memory_gib"] / peer["peak_memory_gib"], 3)
+    report = {"device": torch.cuda.get_device_name(), "batch_size": args.batch_size, "seq_len": args.seq_len,
+              "torch": torch.__version__, "results": results, "ratios": ratios}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from fabric_lin.model import GPT, Block, RMSNorm
 STEP_DIR_PATTERN = re.compile(r"^step-(\d{8})$")
 CHECKPOINT_FILE = "lit_model.pth"
 METRICS_FILE = "metrics.jsonl"
+COMPILE_CACHE_DIR = "compile_cache"
 
 
 def process_start_time() -> float:
@@ -81,6 +82,7 @@ def setup(
     tokenizer_dir: Optional[Path] = None,
     logger_name: Literal["tensorboard", "csv", "wandb"] = "tensorboard",
     compile: Optional[bool] = None,
+    compile_cache: bool = True,
     activation_checkpointing: bool = False,
     reset_state_at_doc_boundaries: bool = False,
 ) -> None:
@@ -105,6 +107,9 @@ def setup(
         tokenizer_dir: Directory of tokenizer.model. Default: the data module's tokenizer, if it has one.
         logger_name: tensorboard, csv or wandb (needs `pip install wandb`).
         compile: torch.compile the model. Default: on with CUDA, off on CPU.
+        compile_cache: Keep Triton's and torch.compile's caches in out_dir/compile_cache (sets
+            TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR), so that a resumed run, or any later run into
+            the same out_dir, loads compiled kernels and graphs instead of building them again.
         activation_checkpointing: Recompute each Block's activations in the backward pass.
         reset_state_at_doc_boundaries: Reset the recurrent state (and attention) at each EOS token,
             so packed documents do not see each other.
@@ -123,7 +128,7 @@ def setup(
         model_name=model_name, model_config=model_config, out_dir=out_dir, precision=precision, resume=resume,
         initial_checkpoint_dir=initial_checkpoint_dir, data=data, train=train, eval=eval, optimizer=optimizer,
         devices=devices, num_nodes=num_nodes, seed=seed, tokenizer_dir=tokenizer_dir, logger_name=logger_name,
-        compile=compile, activation_checkpointing=activation_checkpointing,
+        compile=compile, compile_cache=compile_cache, activation_checkpointing=activation_checkpointing,
         reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
     ))
     # errors that would otherwise appear only after the model and the data are loaded
@@ -158,6 +163,9 @@ def setup(
             strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(minutes=30))
     else:
         strategy = "auto"
+    if compile_cache:  # before Fabric starts any process or compiles anything; its processes inherit these
+        os.environ["TRITON_CACHE_DIR"] = str((Path(out_dir) / COMPILE_CACHE_DIR / "triton").absolute())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((Path(out_dir) / COMPILE_CACHE_DIR / "inductor").absolute())
     logger = make_logger(logger_name, Path(out_dir), hparams)
     fabric = L.Fabric(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision,
@@ -251,7 +259,7 @@ def main(
         ctx = RunContext(
             out_dir=out_dir, hparams=hparams, config=config, tokenizer_dir=tokenizer_dir, train=train, eval=eval,
             optimizer_args=optimizer_args, accumulation=accumulation, max_steps=max_steps, eos_id=eos_id,
-            precision=precision, stop=stop, data=data,
+            precision=precision, stop=stop, data=data, compile=compile,
         )
         fit(fabric, state, val_dataloader, ctx)
 
@@ -333,6 +341,7 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
     run_start = window_start = time.perf_counter()
     window_step = start_step
     first_step_time = None
+    graphs_at_first_step = 0
     consecutive_nonfinite = 0
     stopped_by_signal = False
 
@@ -375,11 +384,16 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
         step = state["step_count"]
         if first_step_time is None:
             first_step_time = time.time() - PROCESS_START
-            fabric.print(f"Time to first optimizer step: {first_step_time:.1f}s (from process start)")
+            graphs_at_first_step = compiled_graphs()
+            fabric.print(
+                f"Time to first optimizer step: {first_step_time:.1f}s (from process start); "
+                f"torch.compile graphs so far: {graphs_at_first_step}"
+            )
             fabric.log_dict({"time_to_first_step_s": first_step_time}, step=step)
             if fabric.global_rank == 0:
                 with open(metrics_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"step": step, "time_to_first_step_s": first_step_time}) + "\n")
+                    record = {"step": step, "time_to_first_step_s": first_step_time, "compiled_graphs": graphs_at_first_step}
+                    f.write(json.dumps(record) + "\n")
         pending.append((step, step_loss.detach(), lr, grad_norm.detach(), fingerprint))
 
         if consecutive_nonfinite >= train.max_nonfinite_steps:
@@ -404,6 +418,10 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
                 metrics["mfu"] = flops_token * tokens_per_sec / (peak * fabric.world_size)
             if fabric.device.type == "cuda":
                 metrics["max_memory_gb"] = torch.cuda.max_memory_allocated(fabric.device) / 1e9
+            if ctx.compile:
+                # graphs Dynamo built after the first step: a shape, dtype or mode it had not seen
+                # (validation's no_grad is one); each costs seconds to minutes of compilation
+                metrics["recompilations"] = compiled_graphs() - graphs_at_first_step
             fabric.log_dict(metrics, step=step)
             seconds_per_step = (now - run_start) / max(step - start_step, 1)
             eta = seconds_per_step * (ctx.max_steps - step)
@@ -461,6 +479,13 @@ def validate(fabric: L.Fabric, model, val_dataloader, max_iters: int) -> Optiona
         raise RuntimeError("the validation dataloader yielded no batch: check the data module's validation split")
     val_loss = torch.stack(losses).mean()
     return float(fabric.all_reduce(val_loss, reduce_op="mean"))
+
+
+def compiled_graphs() -> int:
+    """How many frames torch.compile (Dynamo) has compiled in this process, first compilations included."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
 
 
 def compute_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, eos_id: Optional[int]) -> torch.Tensor:
@@ -597,6 +622,8 @@ def progress_line(step: int, max_steps: int, m: Dict[str, float], eta: float) ->
         line += f" | MFU {100 * m['mfu']:.1f}%"
     if "max_memory_gb" in m:
         line += f" | mem {m['max_memory_gb']:.1f} GB"
+    if m.get("recompilations"):
+        line += f" | recompilations {m['recompilations']}"
     return line + f" | ETA {format_seconds(eta)}"
 
 

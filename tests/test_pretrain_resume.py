@@ -18,6 +18,7 @@ from typing import Dict, List
 
 import pytest
 import torch
+import yaml
 
 pytestmark = pytest.mark.slow
 
@@ -128,6 +129,14 @@ def test_reference_run_writes_the_checkpoint_format(reference):
     assert state["step_count"] == STEPS and state["iter_num"] == STEPS * 2  # 4 sequences = 2 micro-batches of 2
     losses = logged_losses(reference)
     assert losses[STEPS] < losses[1] - 0.5  # it learns
+    # start-up is logged: time from process start to the first optimizer step, and torch.compile's
+    # graph count (compile is off on the CPU by default, so none)
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    first = [r for r in records if "time_to_first_step_s" in r]
+    assert len(first) == 1 and first[0]["step"] == 1 and 0 < first[0]["time_to_first_step_s"] < TIMEOUT
+    assert first[0]["compiled_graphs"] == 0
+    hparams = yaml.safe_load((final / "hyperparameters.yaml").read_text())
+    assert hparams["compile"] is False and hparams["compile_cache"] is True
 
 
 def test_sigkill_while_saving_and_at_a_step_then_resume_is_exact(reference, tmp_path):

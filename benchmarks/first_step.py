@@ -1,0 +1,184 @@
+"""Time to first optimizer step of gla-340M in a fresh process: fabric-lin with empty and with warm
+compile caches, and flash-linear-attention's GLAForCausalLM where it is importable. Run on a GPU:
+
+    python benchmarks/first_step.py --out first_step.json
+    python benchmarks/first_step.py --seq_lens 2048 --no-fla
+
+fabric-lin: `fabric-lin pretrain` (config_hub/gla_340M.yaml, bf16-mixed, compile on, the sample corpus,
+prepared before the clock starts as any real run's data is) into a new out_dir, so its compile caches
+(out_dir/compile_cache: Triton's and Inductor's) start empty; then `--resume auto` into the same out_dir,
+which is what a restart after preemption does, with the caches warm. The figure is the trainer's own
+"time to first step" (process start to the end of the first optimizer step), checked against the wall
+time seen from here. The peer: the same config, bf16-mixed (autocast), fused AdamW, no compile (how it
+is usually trained), a new empty Triton cache directory. A run that does not reach its first step
+within --timeout seconds is recorded as such.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MICRO_BATCH = {2048: 16, 16384: 2}  # 32K tokens per step at 2048, as in the throughput benchmark
+
+
+def first_step_record(metrics_file):
+    """The record with time_to_first_step_s in a metrics file, or None (a line still being written is skipped)."""
+    if not metrics_file.exists():
+        return None
+    for line in metrics_file.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "time_to_first_step_s" in record:
+            return record
+    return None
+
+
+def run_until_first_step(cmd, env, metrics_file, timeout, log_file):
+    """Run cmd; return (wall seconds until metrics_file reports the first step or None, its record, exit code)."""
+    start = time.time()
+    with open(log_file, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        seen = None
+        while time.time() - start < timeout:
+            if seen is None:
+                record = first_step_record(metrics_file)
+                if record is not None:
+                    seen = (round(time.time() - start, 1), record)
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+        rc = proc.wait()
+    if seen is None and first_step_record(metrics_file) is not None:  # finished between two polls
+        seen = (round(time.time() - start, 1), first_step_record(metrics_file))
+    return (seen[0], seen[1], rc) if seen else (None, None, rc)
+
+
+def fabric_lin_runs(seq_len, work, timeout, steps, config):
+    out_dir = work / f"fabric-lin-{seq_len}"
+    metrics = out_dir / "metrics.jsonl"
+    base = [
+        sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(config),
+        "--data", "SampleCorpus", "--tokenizer_dir", "null", "--out_dir", str(out_dir), "--logger_name", "csv",
+        "--train.max_seq_length", str(seq_len), "--train.micro_batch_size", str(MICRO_BATCH[seq_len]),
+        "--train.global_batch_size", str(MICRO_BATCH[seq_len]), "--train.max_tokens", "null",
+        "--train.lr_warmup_steps", "1", "--train.log_interval", "1", "--train.save_interval", "null",
+        "--eval.initial_validation", "false", "--eval.final_validation", "false",
+    ]
+    results = []
+    for caches, extra in (("empty", ["--train.max_steps", str(steps)]),
+                          ("warm (resumed run, same out_dir)", ["--train.max_steps", str(2 * steps), "--resume", "auto"])):
+        if metrics.exists():
+            metrics.rename(out_dir / "metrics-previous.jsonl")  # so that the next first step is this run's
+        wall, record, rc = run_until_first_step(base + extra, dict(os.environ), metrics, timeout,
+                                                work / f"fabric-lin-{seq_len}-{len(results)}.log")
+        results.append({
+            "model": f"fabric-lin {Path(config).name}", "seq_len": seq_len, "micro_batch": MICRO_BATCH[seq_len],
+            "compile": "the config's (on with CUDA by default)", "caches": caches, "exit_code": rc,
+            "time_to_first_step_s": round(record["time_to_first_step_s"], 1) if record else None,
+            "wall_s_seen_here": wall, "compiled_graphs_at_first_step": (record or {}).get("compiled_graphs"),
+            "note": None if record else f"no first step within {timeout} s",
+        })
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def fla_worker(seq_len, steps, out_path):
+    """In its own process: build flash-linear-attention's model and report the first optimizer step."""
+    import torch
+
+    from fla.models import GLAConfig, GLAForCausalLM
+
+    from fabric_lin.config import Config
+    from fabric_lin.convert.hf import fla_config
+
+    config = Config.from_name("gla-340M")
+    fields = {k: v for k, v in fla_config(config).items() if k not in ("architectures", "model_type", "fabric_lin")}
+    model = GLAForCausalLM(GLAConfig(**fields)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    ids = torch.randint(0, config.vocab_size, (MICRO_BATCH[seq_len], seq_len), device="cuda")
+    for step in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step == 0:
+            from fabric_lin.pretrain import PROCESS_START
+
+            with open(out_path, "w") as f:  # the parent polls this file
+                f.write(json.dumps({"time_to_first_step_s": time.time() - PROCESS_START}) + "\n")
+
+
+def fla_run(seq_len, work, timeout, steps, cache_dir):
+    try:
+        import fla  # noqa: F401
+    except Exception as e:
+        return {"model": "flash-linear-attention GLAForCausalLM", "skipped": f"not importable: {type(e).__name__}: {e}"}
+    metrics = work / f"fla-{seq_len}.jsonl"
+    cache_dir = Path(cache_dir or work / f"fla-{seq_len}-triton-cache")
+    caches = "empty" if not cache_dir.exists() or not any(cache_dir.iterdir()) else "warm"
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir))
+    cmd = [sys.executable, __file__, "--fla-worker", str(seq_len), "--steps", str(steps), "--worker-out", str(metrics)]
+    wall, record, rc = run_until_first_step(cmd, env, metrics, timeout, work / f"fla-{seq_len}.log")
+    result = {
+        "model": "flash-linear-attention GLAForCausalLM", "seq_len": seq_len, "micro_batch": MICRO_BATCH[seq_len],
+        "compile": False, "caches": caches, "exit_code": rc,
+        "time_to_first_step_s": round(record["time_to_first_step_s"], 1) if record else None,
+        "wall_s_seen_here": wall, "note": None if record else f"no first step within {timeout} s",
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq_lens", nargs="*", type=int, default=[2048, 16384], choices=sorted(MICRO_BATCH))
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a run may take to reach its first step")
+    parser.add_argument("--config", default=str(ROOT / "config_hub/gla_340M.yaml"),
+                        help="fabric-lin's model and run settings (the peer always builds gla-340M)")
+    parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
+    parser.add_argument("--fla_seq_lens", nargs="*", type=int, default=[2048], help="context lengths run for the peer")
+    parser.add_argument("--fla_cache_dir", help="the peer's Triton cache (default: a new one per run); "
+                        "naming one lets later benchmarks reuse its autotuning")
+    parser.add_argument("--work_dir", help="where the runs write (default: a new temporary directory)")
+    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--fla-worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.fla_worker:
+        fla_worker(args.fla_worker, args.steps, args.worker_out)
+        return
+
+    from fabric_lin.data.sample_corpus import ensure_sample_corpus
+
+    ensure_sample_corpus()  # data preparation is not start-up: build the corpus before any clock starts
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="first_step-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    for seq_len in args.seq_lens:
+        results += fabric_lin_runs(seq_len, work, args.timeout, args.steps, args.config)
+        if not args.no_fla and seq_len in args.fla_seq_lens:
+            results.append(fla_run(seq_len, work, args.timeout, args.steps, args.fla_cache_dir))
+    import torch
+
+    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "work_dir": str(work), "results": results}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
