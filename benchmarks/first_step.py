@@ -67,7 +67,7 @@ def fabric_lin_runs(seq_len, work, timeout, steps, config):
     metrics = out_dir / "metrics.jsonl"
     base = [
         sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(config),
-        "--data", "SampleCorpus", "--tokenizer_dir", "null", "--out_dir", str(out_dir), "--logger_name", "csv",
+        "--data", "SampleCorpus", "--data.validation", "false", "--tokenizer_dir", "null", "--out_dir", str(out_dir), "--logger_name", "csv",
         "--train.max_seq_length", str(seq_len), "--train.micro_batch_size", str(MICRO_BATCH[seq_len]),
         "--train.global_batch_size", str(MICRO_BATCH[seq_len]), "--train.max_tokens", "null",
         "--train.lr_warmup_steps", "1", "--train.log_interval", "1", "--train.save_interval", "null",
@@ -85,6 +85,7 @@ def fabric_lin_runs(seq_len, work, timeout, steps, config):
             "compile": "the config's (on with CUDA by default)", "caches": caches, "exit_code": rc,
             "time_to_first_step_s": round(record["time_to_first_step_s"], 1) if record else None,
             "wall_s_seen_here": wall, "compiled_graphs_at_first_step": (record or {}).get("compiled_graphs"),
+            "startup_phases_s": {k: round(v, 1) for k, v in (record or {}).get("startup_phases_s", {}).items()},
             "note": None if record else f"no first step within {timeout} s",
         })
         print(json.dumps(results[-1]), flush=True)

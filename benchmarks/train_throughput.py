@@ -104,7 +104,7 @@ def real_loop(key, batch_size, seq_len, steps, warmup, timeout):
     out_dir = Path(tempfile.mkdtemp(prefix="throughput-"))
     cmd = [
         sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(ROOT / REAL_LOOP_CONFIGS[key]),
-        "--data", "SampleCorpus", "--tokenizer_dir", "null", "--out_dir", str(out_dir), "--logger_name", "csv",
+        "--data", "SampleCorpus", "--data.validation", "false", "--tokenizer_dir", "null", "--out_dir", str(out_dir), "--logger_name", "csv",
         "--train.max_seq_length", str(seq_len), "--train.micro_batch_size", str(batch_size),
         "--train.global_batch_size", str(batch_size), "--train.max_tokens", "null",
         "--train.max_steps", str(warmup + steps), "--train.lr_warmup_steps", "1", "--train.log_interval", "1",

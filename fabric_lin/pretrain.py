@@ -199,6 +199,7 @@ def main(
     hparams: Dict[str, Any],
     precision: str,
 ) -> None:
+    startup = {"launched": time.time() - PROCESS_START}  # seconds from process start, for the first-step line
     with StopRequest() as stop:  # SIGTERM/SIGUSR1 from here on: checkpoint at the next step, exit 0
         resume_dir = find_resume_dir(resume, out_dir)  # before any work, so a bad --resume fails fast
         fabric.seed_everything(seed)
@@ -230,7 +231,9 @@ def main(
         if val_dataloader is not None:  # a data module without a validation split returns None
             val_dataloader = fabric.setup_dataloaders(val_dataloader)
 
+        startup["data ready"] = time.time() - PROCESS_START
         model, no_decay = build_model(fabric, config, seed, initial_checkpoint_dir, activation_checkpointing, compile)
+        startup["model built"] = time.time() - PROCESS_START
 
         groups = [
             {"params": [p for n, p in model.named_parameters() if canonical_name(n) not in no_decay], "weight_decay": optimizer_args.weight_decay},
@@ -255,11 +258,12 @@ def main(
             fabric.print(f"Resuming from {resume_dir}")
             fabric.load(resume_dir / CHECKPOINT_FILE, state)
             set_rng_states(state["rng_states"])
+            startup["checkpoint loaded"] = time.time() - PROCESS_START
 
         ctx = RunContext(
             out_dir=out_dir, hparams=hparams, config=config, tokenizer_dir=tokenizer_dir, train=train, eval=eval,
             optimizer_args=optimizer_args, accumulation=accumulation, max_steps=max_steps, eos_id=eos_id,
-            precision=precision, stop=stop, data=data, compile=compile,
+            precision=precision, stop=stop, data=data, compile=compile, startup=startup,
         )
         fit(fabric, state, val_dataloader, ctx)
 
@@ -338,6 +342,7 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
         " train.micro_batch_size or data.num_workers, or give it more data"
     ))
     fabric.barrier()
+    loop_start = time.time() - PROCESS_START
     run_start = window_start = time.perf_counter()
     window_step = start_step
     first_step_time = None
@@ -385,14 +390,18 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
         if first_step_time is None:
             first_step_time = time.time() - PROCESS_START
             graphs_at_first_step = compiled_graphs()
+            # where the start-up went: each phase ends at the time shown (seconds from process start)
+            phases = dict(ctx.startup, **{"loop started": loop_start})
             fabric.print(
-                f"Time to first optimizer step: {first_step_time:.1f}s (from process start); "
-                f"torch.compile graphs so far: {graphs_at_first_step}"
+                f"Time to first optimizer step: {first_step_time:.1f}s (from process start; "
+                + ", ".join(f"{name} at {t:.1f}s" for name, t in phases.items())
+                + f"); torch.compile graphs so far: {graphs_at_first_step}"
             )
             fabric.log_dict({"time_to_first_step_s": first_step_time}, step=step)
             if fabric.global_rank == 0:
                 with open(metrics_path, "a", encoding="utf-8") as f:
-                    record = {"step": step, "time_to_first_step_s": first_step_time, "compiled_graphs": graphs_at_first_step}
+                    record = {"step": step, "time_to_first_step_s": first_step_time, "compiled_graphs": graphs_at_first_step,
+                              "startup_phases_s": phases}
                     f.write(json.dumps(record) + "\n")
         pending.append((step, step_loss.detach(), lr, grad_norm.detach(), fingerprint))
 

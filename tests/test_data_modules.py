@@ -130,6 +130,24 @@ def test_val_dataloader_is_in_order(mix):
     assert np.array_equal(tokens, mix["val"].astype(np.int64))
 
 
+def test_validation_false_needs_no_val_split(mix, tmp_path):
+    # a copy of the data without slimpajama/val: setup refuses it unless validation is off
+    import shutil
+
+    data_path = tmp_path / "data"
+    shutil.copytree(mix["data"], data_path)
+    shutil.rmtree(data_path / "slimpajama" / "val")
+    with_validation = SlimPajamaStarcoder(data_path=data_path, num_workers=0)
+    with_validation.connect(mix["tokenizer"], batch_size=2, max_seq_length=SEQ)
+    with pytest.raises(FileNotFoundError, match="val"):
+        with_validation.setup()
+    data = SlimPajamaStarcoder(data_path=data_path, num_workers=0, validation=False)
+    data.connect(mix["tokenizer"], batch_size=2, max_seq_length=SEQ)
+    data.setup()
+    assert data.val_dataloader() is None
+    assert next(iter(data.train_dataloader())).shape == (2, SEQ + 1)
+
+
 def test_setup_errors_name_the_directory(mix, tmp_path):
     data = SlimPajamaStarcoder(data_path=tmp_path / "nowhere")
     data.connect(mix["tokenizer"], batch_size=1, max_seq_length=SEQ)

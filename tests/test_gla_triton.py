@@ -93,14 +93,19 @@ def test_triton_varlen_matches_naive_fp32():
 
 
 @cpu_only
-@pytest.mark.parametrize("state_split", [False, True])
-def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split):
+@pytest.mark.parametrize("state_split,fused_bwd_states,separate_cumsum", [
+    (False, False, False), (False, True, True), (True, False, False),
+])
+def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fused_bwd_states, separate_cumsum):
     # the state passes split K and V into 16-wide tiles here, the per-chunk kernels into 32-wide ones;
-    # state_split picks the sequential pass with the products inside, or chunk-parallel updates + scan
+    # state_split picks the sequential pass with the products inside, or chunk-parallel updates + scan;
+    # fused_bwd_states runs the backward's two sequential passes as one launch; separate_cumsum computes
+    # the in-chunk cumulative gate by its own kernel rather than inside the forward state pass
     from fabric_lin.ops.gla import chunk
 
     tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "scan_SK": 16, "scan_SV": 16}
-    for key, value in dict(tiles, state_split=state_split).items():
+    settings = dict(tiles, state_split=state_split, fused_bwd_states=fused_bwd_states, separate_cumsum=separate_cumsum)
+    for key, value in settings.items():
         monkeypatch.setitem(chunk.LAUNCH, key, value)
     offsets = torch.tensor([0, 300, 330], dtype=torch.int32)  # 5 chunks, then 1
     q, k, v, gk, h0 = make_inputs(1, 330, 1, 40, 48, N=2, seed=9)

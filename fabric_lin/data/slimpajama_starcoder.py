@@ -46,6 +46,8 @@ class SlimPajamaStarcoder(DataModule):
     """Mix Starcoder into the training data (0.693584 : 0.306416); False trains on SlimPajama alone."""
     seed: int = 42
     num_workers: int = 8
+    validation: bool = True
+    """False: no validation split (the loop skips validation), e.g. for contexts longer than its chunks."""
 
     @property
     def slimpajama_train(self) -> Path:
@@ -62,7 +64,8 @@ class SlimPajamaStarcoder(DataModule):
     def setup(self) -> None:
         from fabric_lin.data.prepared import check_prepared_dir
 
-        for path in [self.slimpajama_train, self.slimpajama_val] + ([self.starcoder_train] if self.use_starcoder else []):
+        paths = [self.slimpajama_train] + ([self.slimpajama_val] if self.validation else [])
+        for path in paths + ([self.starcoder_train] if self.use_starcoder else []):
             check_prepared_dir(path, self.tokenizer, self.vocab_size)
 
     def train_dataloader(self):
@@ -78,5 +81,7 @@ class SlimPajamaStarcoder(DataModule):
         return token_dataloader(dataset, self.batch_size, self.num_workers)
 
     def val_dataloader(self):
+        if not self.validation:
+            return None
         dataset = token_dataset(self.slimpajama_val, self.block_size, False, self.seed, self.tokenizer)
         return token_dataloader(dataset, self.batch_size, self.num_workers)

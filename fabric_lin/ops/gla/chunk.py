@@ -11,7 +11,8 @@ state), arranged so that every matrix product is a full 64-row tile:
     row of the 4-row block, products masked to the same 16-row block), and the pairs inside each
     4-row block are summed one by one (4 steps, one column of every block per step). No exponent is
     ever positive, whatever the gates.
-  * gc = b (fp32, [B, T, H, K]) is written once by the state pass and read by the other kernels;
+  * gc = b (fp32, [B, T, H, K]) is written once (by _gate_cumsum_kernel, or inside the state pass:
+    LAUNCH["separate_cumsum"]) and read by the other kernels;
     reference rows are plain loads of gc, and rows past a sequence's end read its last row.
   * h_n, the state entering chunk n, comes from a state pass, and o = (q * exp(b)) @ h_n + A @ v
     (_fwd_output_kernel). The state pass is either one sequential loop per (sequence, head, tile) with
@@ -27,8 +28,9 @@ gradient of the in-chunk cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i  (elem
 they enter the products), plus, for b at the chunk's last row, sum_v(h_n dh_n) exp(b_last) +
 sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside the chunk plus that term.
 
-Six launches for forward plus backward with the sequential state pass (nine with the scan). All
-accumulation is fp32.
+The backward's two sequential passes (states recomputed forwards, their gradients backwards) share
+one launch (LAUNCH["fused_bwd_states"]): six launches for forward plus backward with the sequential
+state pass (gate cumsum, states, output; both state passes, dv, dq/dk). All accumulation is fp32.
 """
 from typing import Optional, Tuple
 
@@ -146,13 +148,27 @@ def _intra_chunk_scores(q, k, gc, row0, n_rows, stride, K, scale,
 
 
 @triton.jit
-def _fwd_state_kernel(k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      USE_H0: tl.constexpr, STORE_GC: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+def _gate_cumsum_kernel(g, gc, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                        BK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """gc = cumulative sum of g inside each chunk (fp32), one chunk of one head and key tile per program."""
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_bh % H
+    row0, n_rows, _ = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    b_g = tl.cumsum(_load_tile(g + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k), axis=0)
+    tl.store(gc + i_h * K + (row0 + o_t[:, None]) * (H * K) + o_k[None, :], b_g, mask=(o_t < n_rows)[:, None] & m_k[None, :])
+
+
+@triton.jit
+def _state_pass(i_k, i_v, i_nh, k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                USE_H0: tl.constexpr, STORE_GC: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                DOT_PREC: tl.constexpr):
     """h[chunk n] = the state entering chunk n; ht = the state after the last chunk (fp32).
     With STORE_GC, the in-chunk cumulative gate gc is computed from g and written (by the programs of
     the first value tile); without, gc is read."""
-    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = _seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(T, BT)
@@ -188,7 +204,16 @@ def _fwd_state_kernel(k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H: t
         b_v = tl.load(v + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], mask=(o_t < n_rows)[:, None] & m_v[None, :], other=0.0)
         k_end = (b_k * tl.exp(tl.minimum(b_last[None, :] - b_g, 0.0))).to(b_v.dtype)
         S = S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(k_end), b_v, input_precision=DOT_PREC)
-    tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
+    if STORE_HT:
+        tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
+
+
+@triton.jit
+def _fwd_state_kernel(k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      USE_H0: tl.constexpr, STORE_GC: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+    _state_pass(tl.program_id(0), tl.program_id(1), tl.program_id(2), k, v, g, gc, h, h0, ht, cu_seqlens,
+                chunk_offsets, T, H, K, V, BT, BK, BV, USE_H0, STORE_GC, True, IS_VARLEN, DOT_PREC)
 
 
 @triton.jit
@@ -327,11 +352,10 @@ def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scal
 
 
 @triton.jit
-def _bwd_state_kernel(q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H: tl.constexpr,
-                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dstate_pass(i_k, i_v, i_nh, q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H: tl.constexpr,
+                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
     """dh[chunk n] = gradient of the state leaving chunk n; dh0 = gradient of the initial state."""
-    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = _seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(T, BT)
@@ -360,6 +384,31 @@ def _bwd_state_kernel(q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
         dS = dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(q_dec), b_do, input_precision=DOT_PREC)
     if USE_H0:
         tl.store(dh0 + i_nh * K * V + state_offs, dS, mask=m_kv)
+
+
+@triton.jit
+def _bwd_state_kernel(q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+    _dstate_pass(tl.program_id(0), tl.program_id(1), tl.program_id(2), q, gc, do, dh, dht, dh0, cu_seqlens,
+                 chunk_offsets, scale, T, H, K, V, BT, BK, BV, USE_DHT, USE_H0, IS_VARLEN, DOT_PREC)
+
+
+@triton.jit
+def _bwd_both_states_kernel(q, k, v, gc, do, h, dh, h0, dht, dh0, cu_seqlens, chunk_offsets, scale, T, NH,
+                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                            DOT_PREC: tl.constexpr):
+    """The backward pass's two sequential passes in one launch: programs i_p < NH recompute the states h
+    (forward over the chunks), the others the state gradients dh (backward over the chunks). They are
+    independent, so each fills the multiprocessors while the other waits on its loads."""
+    i_k, i_v, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if i_p < NH:
+        _state_pass(i_k, i_v, i_p, k, v, gc, gc, h, h0, h0, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
+                    USE_H0, False, False, IS_VARLEN, DOT_PREC)
+    else:
+        _dstate_pass(i_k, i_v, i_p - NH, q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V,
+                     BT, BK, BV, USE_DHT, USE_H0, IS_VARLEN, DOT_PREC)
 
 
 @triton.jit
@@ -507,11 +556,17 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
     tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
-# Tile widths, warps and pipeline depth. Module-level so that benchmarks/gla_kernel.py can sweep them.
-# Chosen so that ptxas (sm_90, K=128, V=256, bf16) reports no register spills: the per-chunk kernels run
-# 8 warps without software pipelining, the sequential state passes pipeline their loads two deep.
-LAUNCH = {"BK": 64, "BV": 64, "BV_out": 128, "state_BK": 64, "state_BV": 64, "state_warps": 8, "state_stages": 2, "output_warps": 8, "dv_warps": 8,
+# The launch table: tile widths, warps and pipeline depth, fixed (no autotuning, so no start-up search and
+# nothing re-tuned when the batch size or sequence length changes). Module-level so that
+# `benchmarks/gla_kernel.py --sweep` can time alternatives on a GPU: on an H200 (bf16, the gla-340M layer
+# shape) 4 warps for the state passes without software pipelining, the output and dv kernels, 8 warps for
+# dq/dk, were the fastest of the settings tried; the sweep prints how far this table is from the best.
+LAUNCH = {"BK": 64, "BV": 64, "BV_out": 128, "state_BK": 64, "state_BV": 64, "state_warps": 4, "state_stages": 1, "output_warps": 4, "dv_warps": 4,
           "dqk_warps": 8, "stages": 1,
+          # the backward pass's state recomputation and state-gradient pass in one launch
+          "fused_bwd_states": True,
+          # the forward's in-chunk cumulative gate by its own kernel (True) or inside the sequential state pass
+          "separate_cumsum": True,
           # state passes as chunk-parallel updates + an elementwise scan (True), as one sequential pass with
           # the matrix products inside (False, the setting measured on an H200 so far), or the scan when the
           # sequential pass would have fewer than two programs per multiprocessor ("auto": long sequences,
@@ -607,6 +662,14 @@ def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
         h = _chunk_updates(k, v, g, gc, 1.0, cu_seqlens, layout, reverse=False)
         _scan(h, gc, initial_state, ht, cu_seqlens, layout, T, reverse=False)
         return h, ht
+    if g is not None and LAUNCH["separate_cumsum"]:
+        # the cumulative gate by its own fully parallel kernel: inside the sequential pass it would add
+        # its latency to every one of the pass's steps
+        BKc = min(128, max(16, triton.next_power_of_2(K)))
+        grid = (triton.cdiv(K, BKc),) + ((NC, H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H))
+        _gate_cumsum_kernel[grid](g, gc, cu_seqlens, layout[2], T, H, K, BT, BKc, IS_VARLEN=cu_seqlens is not None,
+                                  num_warps=4)
+        g = None
     BK, BV = _block_sizes(K, V, "state_")
     h = k.new_empty(NC, H, K, V, dtype=_state_dtype(k, initial_state is not None))
     _fwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
@@ -635,6 +698,23 @@ def _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout):
         DOT_PREC=_dot_precision(q.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
     )
     return dh, dh0
+
+
+def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, layout):
+    """_states (without the final state) and _state_grads, as one launch of the two sequential passes."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N, NC, _, chunk_offsets = layout
+    BK, BV = _block_sizes(K, V, "state_")
+    h = k.new_empty(NC, H, K, V, dtype=_state_dtype(k, initial_state is not None))
+    dh = q.new_empty(NC, H, K, V, dtype=_state_dtype(q, initial_state is not None or dht is not None))
+    dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
+    _bwd_both_states_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), 2 * N * H)](
+        q, k, v, gc, do, h, dh, initial_state, dht, dh0, cu_seqlens, chunk_offsets, scale, T, N * H, H, K, V, BT,
+        BK, BV, USE_H0=initial_state is not None, USE_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=_dot_precision(q.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
+    )
+    return h, dh, dh0
 
 
 def _forward(q, k, v, g, scale, initial_state, cu_seqlens):
@@ -666,9 +746,12 @@ def _backward(q, k, v, gc, A, scale, initial_state, cu_seqlens, do, dht):
     BK, BV = _block_sizes(K, V)
     prec = _dot_precision(q.dtype)
     is_varlen = cu_seqlens is not None
-    # the per-chunk states, recomputed rather than kept from the forward pass
-    h, _ = _states(k, v, None, gc, initial_state, cu_seqlens, layout)
-    dh, dh0 = _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout)
+    # the per-chunk states, recomputed rather than kept from the forward pass, and their gradients
+    if LAUNCH["fused_bwd_states"] and not _split_states(K, V, N, H, q.device):
+        h, dh, dh0 = _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, layout)
+    else:
+        h, _ = _states(k, v, None, gc, initial_state, cu_seqlens, layout)
+        dh, dh0 = _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout)
     dv = torch.empty_like(v)
     dA = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
     grid = (NC, H) if is_varlen else (triton.cdiv(T, BT), B * H)
