@@ -100,7 +100,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def real_loop(key, batch_size, seq_len, steps, warmup, timeout):
     """Regime (b): `fabric-lin pretrain` for warmup + steps optimizer steps; the median logged tokens/s after warmup."""
-    name = f"fabric-lin pretrain {Path(REAL_LOOP_CONFIGS[key]).stem} (bf16-mixed, compile)"
+    name = f"fabric-lin pretrain {Path(REAL_LOOP_CONFIGS[key]).stem} (real loop: the config's precision, compile on with CUDA)"
     out_dir = Path(tempfile.mkdtemp(prefix="throughput-"))
     cmd = [
         sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(ROOT / REAL_LOOP_CONFIGS[key]),
@@ -115,7 +115,8 @@ def real_loop(key, batch_size, seq_len, steps, warmup, timeout):
     except subprocess.TimeoutExpired:
         return {"model": name, "skipped": f"did not finish within {timeout} s"}
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()] if (out_dir / "metrics.jsonl").exists() else []
-    steady = [r for r in records if "tokens_per_sec" in r and r["step"] > warmup]
+    steady = [r for r in records if "tokens_per_sec" in r and r["step"] > warmup]  # the log-step records
+    losses = [r["loss"] for r in records if "loss" in r]  # the per-step records
     if proc.returncode != 0 or not steady:
         return {"model": name, "skipped": f"exit code {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}"}
     tokens_per_s = statistics.median(r["tokens_per_sec"] for r in steady)
@@ -128,15 +129,41 @@ def real_loop(key, batch_size, seq_len, steps, warmup, timeout):
         "mfu": round(statistics.median(r["mfu"] for r in steady), 4) if "mfu" in steady[0] else None,
         "first_step_s": round(first.get("time_to_first_step_s", float("nan")), 1),
         "recompilations": steady[-1].get("recompilations"),
-        "final_loss": round(steady[-1]["loss"], 3),
+        "final_loss": round(losses[-1], 3),
     }
+
+
+def data_loader_alone(batch_size, seq_len, batches, num_workers):
+    """The training data loader by itself (sample corpus, as in the real loop): tokens/s it can deliver,
+    to set against the tokens/s a training step consumes."""
+    from fabric_lin.data import SampleCorpus
+
+    data = SampleCorpus(num_workers=num_workers, validation=False)
+    data.prepare_data()
+    data.connect(batch_size=batch_size, max_seq_length=seq_len)
+    data.setup()
+    loader = data.train_dataloader()
+    iterator, seen, start = iter(loader), 0, None
+    while seen < batches:
+        try:
+            batch = next(iterator)
+        except StopIteration:  # a small corpus: go round again, as the trainer's CycleIterator does
+            iterator = iter(loader)
+            continue
+        if start is None:  # the first batch pays for worker start-up
+            start = time.perf_counter()
+            continue
+        seen += 1
+    elapsed = time.perf_counter() - start
+    return {"model": f"data loader alone (sample corpus, {num_workers} workers)", "batches": batches,
+            "tokens_per_s": round(batches * batch.shape[0] * (batch.shape[1] - 1) / elapsed)}
 
 
 def run_isolated(regime, key, args):
     """One measurement in its own process (a clean allocator and peak-memory count, and a time limit)."""
     cmd = [sys.executable, __file__, "--worker", regime, "--models", key, "--batch_size", str(args.batch_size),
            "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--timeout", str(args.timeout)]
+           "--timeout", str(args.timeout), "--num_workers", str(args.num_workers)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 60, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -150,6 +177,9 @@ def run_isolated(regime, key, args):
 def worker(regime, key, args):
     if regime == "real-loop":
         print(json.dumps(real_loop(key, args.batch_size, args.seq_len, args.steps, args.warmup, args.timeout)))
+        return
+    if regime == "data-loader":
+        print(json.dumps(data_loader_alone(args.batch_size, args.seq_len, 10 * args.steps, args.num_workers)))
         return
     gla = Config.from_name("gla-340M")
     runs = {
@@ -173,7 +203,9 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", default="fabric-lin,fla,transformer")
-    parser.add_argument("--regimes", default="bf16-weights,real-loop", help="bf16-weights (a), real-loop (b)")
+    parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",
+                        help="bf16-weights (a), real-loop (b), data-loader (the loader alone, no GPU needed)")
+    parser.add_argument("--num_workers", type=int, default=2, help="data loader workers for the data-loader regime")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per measurement")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -187,6 +219,8 @@ def main():
         for key in args.models.split(","):
             if regime == "real-loop" and key not in REAL_LOOP_CONFIGS:
                 continue  # the peer has no fabric-lin loop
+            if regime == "data-loader" and key != "fabric-lin":
+                continue  # one loader serves every model
             results[f"{regime}/{key}"] = run_isolated(regime, key, args)
             print(json.dumps({f"{regime}/{key}": results[f"{regime}/{key}"]}), flush=True)
     ratios = {}
@@ -196,7 +230,7 @@ def main():
             if "tokens_per_s" in r and label != "bf16-weights/fla":
                 ratios[f"{label} tokens/s vs fla (a)"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
                 ratios[f"{label} peak memory vs fla (a)"] = round(r["peak_memory_gib"] / peer["peak_memory_gib"], 3)
-    report = {"device": torch.cuda.get_device_name(), "batch_size": args.batch_size, "seq_len": args.seq_len,
+    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "batch_size": args.batch_size, "seq_len": args.seq_len,
               "torch": torch.__version__, "results": results, "ratios": ratios}
     text = json.dumps(report, indent=1)
     print(text)

@@ -432,6 +432,10 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
                 # (validation's no_grad is one); each costs seconds to minutes of compilation
                 metrics["recompilations"] = compiled_graphs() - graphs_at_first_step
             fabric.log_dict(metrics, step=step)
+            if fabric.global_rank == 0:  # the speed figures also go to metrics.jsonl (the losses are there per step)
+                with open(metrics_path, "a", encoding="utf-8") as f:
+                    speed = {k: v for k, v in metrics.items() if k not in ("loss", "lr", "grad_norm")}
+                    f.write(json.dumps({"step": step, **speed}) + "\n")
             seconds_per_step = (now - run_start) / max(step - start_step, 1)
             eta = seconds_per_step * (ctx.max_steps - step)
             fabric.print(progress_line(step, ctx.max_steps, metrics, eta))
