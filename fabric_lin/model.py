@@ -16,14 +16,15 @@ from torch.utils.checkpoint import checkpoint
 
 from fabric_lin.config import Config
 from fabric_lin.ops.gla import chunk_gla, recurrent_gla_step
+from fabric_lin.ops.gla.gate import log_decay
 
 # Fused Triton kernels for the training step on CUDA (fabric_lin/ops/); the plain PyTorch lines below
 # are the reference and the CPU path. FABRIC_LIN_FUSED_OPS=0 turns the kernels off.
 try:
     from fabric_lin.ops.cross_entropy import linear_cross_entropy
     from fabric_lin.ops.gla.fused_recurrent import fused_recurrent_gla_step
-    from fabric_lin.ops.norm import rms_norm, rms_norm_gated
-    from fabric_lin.ops.swiglu import swiglu
+    from fabric_lin.ops.norm import rms_norm, rms_norm_gated_linear
+    from fabric_lin.ops.swiglu import swiglu_linear
 
     FUSED_OPS = os.environ.get("FABRIC_LIN_FUSED_OPS", "1") != "0"
 except ImportError:  # no Triton on this platform
@@ -88,7 +89,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(swiglu(gate, up) if use_fused(x) else F.silu(gate) * up)
+        if use_fused(x):  # the activation is recomputed in the backward pass rather than kept
+            return swiglu_linear(gate, up, self.down_proj.weight)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class GatedLinearAttention(nn.Module):
@@ -119,7 +122,7 @@ class GatedLinearAttention(nn.Module):
         k = self.k_proj(x).view(B, T, c.num_kv_heads, c.head_k_dim)
         v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_v_dim)
         gk = self.gk_proj(x).view(B, T, c.num_kv_heads, c.head_k_dim)
-        gk = F.logsigmoid(gk.float()) / c.gate_logit_normalizer
+        gk = log_decay(gk, c.gate_logit_normalizer)  # fp32, keeps the bf16 logits for backward
         if groups > 1:  # key/value head h serves query heads h*groups ... h*groups + groups - 1
             k, v, gk = (t.repeat_interleave(groups, dim=2) for t in (k, v, gk))
 
@@ -133,10 +136,9 @@ class GatedLinearAttention(nn.Module):
             o, cache.layers[layer] = chunk_gla(q, k, v, gk, initial_state=cache.layers[layer], output_final_state=True)
 
         g = self.g_proj(x).view(B, T, c.num_heads, c.head_v_dim)
-        if use_fused(x):  # per-head RMSNorm times swish(gate) in one kernel
-            o = rms_norm_gated(o.to(g.dtype), g, self.g_norm.weight, self.g_norm.eps)
-        else:
-            o = (self.g_norm(o).float() * F.silu(g.float())).to(g.dtype)
+        if use_fused(x):  # per-head RMSNorm times swish(gate) in one kernel, then o_proj; recomputed in backward
+            return rms_norm_gated_linear(o.to(g.dtype), g, self.g_norm.weight, self.g_norm.eps, self.o_proj.weight)
+        o = (self.g_norm(o).float() * F.silu(g.float())).to(g.dtype)
         return self.o_proj(o.reshape(B, T, c.value_dim))
 
 

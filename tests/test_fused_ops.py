@@ -12,8 +12,14 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from fabric_lin.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref  # noqa: E402
-from fabric_lin.ops.norm import rms_norm, rms_norm_gated, rms_norm_gated_ref, rms_norm_ref  # noqa: E402
-from fabric_lin.ops.swiglu import swiglu, swiglu_ref  # noqa: E402
+from fabric_lin.ops.norm import (  # noqa: E402
+    rms_norm,
+    rms_norm_gated,
+    rms_norm_gated_linear,
+    rms_norm_gated_ref,
+    rms_norm_ref,
+)
+from fabric_lin.ops.swiglu import swiglu, swiglu_linear, swiglu_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
@@ -75,6 +81,28 @@ def test_rms_norm_gated_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_gated_linear_matches_reference_and_keeps_no_activation(dtype):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 7, 3, 40, generator=g).to(DEVICE, dtype)  # [B, T, H, head_v_dim]
+    gate = torch.randn(2, 7, 3, 40, generator=g).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(40, generator=g)).to(DEVICE, dtype)
+    proj = (0.2 * torch.randn(24, 120, generator=g)).to(DEVICE, dtype)
+    ref_in, out_in = leaves(x, gate, w, proj), leaves(x, gate, w, proj)
+    ref = F.linear(rms_norm_gated_ref(*ref_in[:3], eps=1e-5).reshape(2, 7, 120), ref_in[3])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = rms_norm_gated_linear(*out_in[:3], 1e-5, out_in[3], backend="triton")
+    assert out.shape == (2, 7, 24)
+    check(out, ref, dtype, "out")
+    for a, b, name in zip(grads_of(out, out_in), grads_of(ref, ref_in), ["dx", "dgate", "dweight", "dproj"]):
+        check(a, b, dtype, name)
+    # kept for backward: x, gate, the two weights and one rstd per row; not the normed [2, 7, 3, 40] activation
+    assert sorted(saved) == sorted([(2, 7, 3, 40), (2, 7, 3, 40), (40,), (42,), (24, 120)])
+    with pytest.raises(ValueError, match=r"proj_weight must be \[out, 120\]"):
+        rms_norm_gated_linear(x, gate, w, 1e-5, torch.randn(24, 100), backend="triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_matches_reference(dtype):
     g = torch.Generator().manual_seed(2)
     gate, up = (torch.randn(3, 1500, generator=g).to(DEVICE, dtype) for _ in range(2))  # two blocks, one partial
@@ -83,6 +111,37 @@ def test_swiglu_matches_reference(dtype):
     check(out, ref, dtype, "y")
     for a, b, name in zip(grads_of(out, out_in), grads_of(ref, ref_in), ["dgate", "dup"]):
         check(a, b, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_linear_matches_reference_and_keeps_no_activation(dtype):
+    g = torch.Generator().manual_seed(6)
+    gate, up = (torch.randn(2, 9, 40, generator=g).to(DEVICE, dtype) for _ in range(2))
+    weight = (0.2 * torch.randn(24, 40, generator=g)).to(DEVICE, dtype)
+    ref_in, out_in = leaves(gate, up, weight), leaves(gate, up, weight)
+    ref = F.linear(swiglu_ref(ref_in[0], ref_in[1]), ref_in[2])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = swiglu_linear(*out_in, backend="triton")
+    check(out, ref, dtype, "out")
+    for a, b, name in zip(grads_of(out, out_in), grads_of(ref, ref_in), ["dgate", "dup", "dweight"]):
+        check(a, b, dtype, name)
+    # kept for backward: gate, up and the weight, not the [2, 9, 40] activation silu(gate) * up
+    assert sorted(saved) == sorted([(2, 9, 40), (2, 9, 40), (24, 40)])
+
+
+def test_swiglu_linear_casts_the_weight_to_the_activations_dtype():
+    # bf16-mixed: bf16 activations, an fp32 parameter; the gradient reaches the parameter in fp32
+    g = torch.Generator().manual_seed(7)
+    gate, up = (torch.randn(5, 16, generator=g).to(DEVICE, torch.float64) for _ in range(2))
+    weight = torch.randn(8, 16, generator=g).to(DEVICE).requires_grad_(True)
+    out = swiglu_linear(gate, up, weight, backend="torch")
+    assert out.dtype == torch.float64
+    out.sum().backward()
+    assert weight.grad.dtype == torch.float32
+    torch.testing.assert_close(weight.grad, (torch.ones(5, 8, dtype=torch.float64).t() @ swiglu_ref(gate, up)).float())
+    with pytest.raises(ValueError, match=r"weight be \[out, 16\]"):
+        swiglu_linear(gate, up, torch.randn(8, 15), backend="triton")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -132,14 +191,20 @@ def test_ops_compile_without_graph_breaks():
     weight = torch.randn(40, 32, generator=g).to(DEVICE)
     targets = torch.randint(0, 40, (4,), generator=g).to(DEVICE)
 
+    proj = torch.randn(32, 32, generator=g).to(DEVICE) / 8
+
     def f(x, res, gate, w, weight):
         y, h = rms_norm(x, w, residual=res, backend="triton")
         y = rms_norm_gated(swiglu(y, gate, backend="triton"), h, w, backend="triton")
+        y = swiglu_linear(y, h, proj, backend="triton")
+        y = rms_norm_gated_linear(y.view(4, 2, 16), gate.view(4, 2, 16), w[:16], 1e-5, proj, backend="triton")
         return linear_cross_entropy(y, weight, targets, backend="triton")
 
     def f_ref(x, res, gate, w, weight):
         y, h = rms_norm_ref(x, w, residual=res)
         y = rms_norm_gated_ref(swiglu_ref(y, gate), h, w)
+        y = F.linear(swiglu_ref(y, h), proj)
+        y = F.linear(rms_norm_gated_ref(y.view(4, 2, 16), gate.view(4, 2, 16), w[:16]).view(4, 32), proj)
         return linear_cross_entropy_ref(y, weight, targets)
 
     torch._dynamo.reset()

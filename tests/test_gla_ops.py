@@ -112,3 +112,25 @@ def test_unknown_backend_is_rejected():
     q, k, v, gk, _ = make_inputs(1, 4, 1, 8, 8)
     with pytest.raises(ValueError, match="backend"):
         chunk_gla(q, k, v, gk, backend="cuda")
+
+
+def test_log_decay_matches_logsigmoid_and_keeps_the_logits_dtype():
+    from fabric_lin.ops.gla.gate import log_decay
+
+    g = torch.Generator().manual_seed(11)
+    logits64 = (4 * torch.randn(3, 50, 4, 8, generator=g, dtype=torch.float64)).requires_grad_(True)
+    ref64 = logits64.detach().clone().requires_grad_(True)
+    out = log_decay(logits64, 16)
+    expected = F.logsigmoid(ref64.float()) / 16
+    torch.testing.assert_close(out, expected)
+    assert out.dtype == torch.float32 and (out <= 0).all()
+    weights = torch.randn(out.shape, generator=g)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(logits64.grad, ref64.grad)
+    # in bf16 the backward keeps the bf16 logits, not an fp32 copy
+    saved = []
+    logits16 = torch.randn(2, 5, 3, generator=g).to(torch.bfloat16).requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+        log_decay(logits16, 16).sum().backward()
+    assert saved == [torch.bfloat16] and logits16.grad.dtype == torch.bfloat16

@@ -208,3 +208,48 @@ def rms_norm_gated(
         return rms_norm_gated_ref(x, gate, weight, eps)
     y, _ = _RMSNormFunction.apply(x.contiguous(), None, gate.contiguous(), weight, float(eps))
     return y
+
+
+class _RMSNormGatedLinearFunction(torch.autograd.Function):
+    """rms_norm_gated over the heads, then the output projection; the normed, gated activation is
+    recomputed in the backward pass instead of being kept for the projection's weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps, proj_weight):
+        y, _, rstd = _rms_norm_fwd_op(x, None, gate, weight, eps)
+        ctx.save_for_backward(x, gate, weight, rstd, proj_weight)
+        ctx.eps = eps
+        return torch.matmul(y.reshape(*x.shape[:-2], -1), proj_weight.t())
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, gate, weight, rstd, proj_weight = ctx.saved_tensors
+        y, _, _ = _rms_norm_fwd_op(x, None, gate, weight, ctx.eps)
+        d_out = d_out.contiguous()
+        d_proj = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, proj_weight.shape[1]))
+        dy = torch.matmul(d_out, proj_weight).view_as(x)
+        dx, dg, dw = _rms_norm_bwd_op(x, gate, weight, rstd, dy, None)
+        return dx, dg, dw, None, d_proj
+
+
+def rms_norm_gated_linear(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, proj_weight: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """rms_norm_gated(x, gate, weight) on [..., heads, head_dim], heads flattened, times proj_weight^T;
+    keeps x, gate and the weights for the backward pass, not the normed activation. proj_weight is cast
+    to x's dtype first (what autocast does for a linear layer under bf16-mixed)."""
+    if proj_weight.shape[-1] != x.shape[-2] * x.shape[-1]:
+        raise ValueError(
+            f"rms_norm_gated_linear: proj_weight must be [out, {x.shape[-2] * x.shape[-1]}] (heads x head_dim of x "
+            f"{tuple(x.shape)}), got {tuple(proj_weight.shape)}"
+        )
+    if _pick(backend, x) == "torch":
+        y = rms_norm_gated_ref(x, gate, weight, eps)
+        return F.linear(y.reshape(*x.shape[:-2], -1), proj_weight.to(y.dtype))
+    if gate.shape != x.shape or weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"rms_norm_gated_linear: gate must have the shape of x {tuple(x.shape)} and weight ({x.shape[-1]},), "
+            f"got {tuple(gate.shape)} and {tuple(weight.shape)}"
+        )
+    return _RMSNormGatedLinearFunction.apply(x.contiguous(), gate.contiguous(), weight, float(eps), proj_weight.to(x.dtype))
