@@ -27,7 +27,8 @@ def saved_bytes_per_token(config: Config, tokens: int, device: str):
     """(bytes per token, list of saved tensors) for one Block's forward at micro batch 1 x `tokens`."""
     # the fused ops (the CUDA path) wherever this runs
     model_module.use_fused = lambda x: True
-    for name in ("chunk_gla", "rms_norm", "rms_norm_gated", "rms_norm_gated_linear", "swiglu", "swiglu_linear"):
+    for name in ("chunk_gla", "chunk_gla_from_logits", "rms_norm", "rms_norm_gated", "rms_norm_gated_linear", "swiglu",
+                 "swiglu_linear"):
         if hasattr(model_module, name):  # the fused ops this version of the model uses
             setattr(model_module, name, functools.partial(getattr(model_module, name), backend="triton"))
     block = model_module.Block(config).to(device=device, dtype=torch.bfloat16)

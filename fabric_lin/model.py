@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fabric_lin.config import Config
-from fabric_lin.ops.gla import chunk_gla, recurrent_gla_step
-from fabric_lin.ops.gla.gate import log_decay
+from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, log_decay, recurrent_gla_step
 
 # Fused Triton kernels for the training step on CUDA (fabric_lin/ops/); the plain PyTorch lines below
 # are the reference and the CPU path. FABRIC_LIN_FUSED_OPS=0 turns the kernels off.
@@ -121,18 +120,19 @@ class GatedLinearAttention(nn.Module):
         q = self.q_proj(x).view(B, T, c.num_heads, c.head_k_dim)
         k = self.k_proj(x).view(B, T, c.num_kv_heads, c.head_k_dim)
         v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_v_dim)
-        gk = self.gk_proj(x).view(B, T, c.num_kv_heads, c.head_k_dim)
-        gk = log_decay(gk, c.gate_logit_normalizer)  # fp32, keeps the bf16 logits for backward
+        gate_logits = self.gk_proj(x).view(B, T, c.num_kv_heads, c.head_k_dim)
         if groups > 1:  # key/value head h serves query heads h*groups ... h*groups + groups - 1
-            k, v, gk = (t.repeat_interleave(groups, dim=2) for t in (k, v, gk))
+            k, v, gate_logits = (t.repeat_interleave(groups, dim=2) for t in (k, v, gate_logits))
 
-        if cache is None:
-            o, _ = chunk_gla(q, k, v, gk, cu_seqlens=cu_seqlens)
+        if cache is None:  # training: the log forget gate logsigmoid(logits) / normalizer is formed inside the op
+            o, _ = chunk_gla_from_logits(q, k, v, gate_logits, c.gate_logit_normalizer, cu_seqlens=cu_seqlens)
         elif T == 1:
+            gk = log_decay(gate_logits, c.gate_logit_normalizer)  # fp32, <= 0
             step = fused_recurrent_gla_step if use_fused(x) else recurrent_gla_step
             o, cache.layers[layer] = step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], cache.layers[layer])
             o = o.unsqueeze(1)
         else:
+            gk = log_decay(gate_logits, c.gate_logit_normalizer)
             o, cache.layers[layer] = chunk_gla(q, k, v, gk, initial_state=cache.layers[layer], output_final_state=True)
 
         g = self.g_proj(x).view(B, T, c.num_heads, c.head_v_dim)

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from fabric_lin.ops.gla import chunk_gla, naive_recurrent_gla, recurrent_gla_step  # noqa: E402
+from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, naive_recurrent_gla, recurrent_gla_step  # noqa: E402
 from fabric_lin.ops.gla.fused_recurrent import fused_recurrent_gla_step  # noqa: E402
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
@@ -115,6 +115,28 @@ def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fus
         assert_close_scaled(a, b, name)
 
 
+def naive_from_logits(q, k, v, logits, **kwargs):
+    return naive_recurrent_gla(q, k, v, F.logsigmoid(logits.float()) / 16, **kwargs)
+
+
+def triton_from_logits(q, k, v, logits, **kwargs):
+    return chunk_gla_from_logits(q, k, v, logits, 16, backend="triton", **kwargs)
+
+
+@cpu_only
+@pytest.mark.parametrize("T,offsets", [(63, None), (130, None), (330, [0, 1, 64, 200, 330])])
+def test_triton_from_logits_matches_naive_fp32(T, offsets):
+    # the gate formed inside from its logits; the backward recomputes gk and its cumulative sums
+    N = 1 if offsets is None else len(offsets) - 1
+    q, k, v, _, h0 = make_inputs(1, T, 2, 32, 48, N=N, seed=12)
+    logits = 3 * torch.randn(1, T, 2, 32, generator=torch.Generator().manual_seed(13))
+    cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
+    ref = forward_backward(naive_from_logits, q, k, v, logits, h0, cu)
+    out = forward_backward(triton_from_logits, q, k, v, logits, h0, cu)
+    for name, a, b in zip(["o", "ht", "dq", "dk", "dv", "dlogits", "dh0"], out, ref):
+        assert_close_scaled(a, b, name)
+
+
 @cpu_only
 def test_triton_head_dims_not_powers_of_two_and_custom_scale():
     # K=40 and V=72 leave partly masked tiles; V spans two value tiles of 64
@@ -169,12 +191,18 @@ def test_fused_recurrent_step_matches_reference():
 
 
 @cpu_only
-def test_torch_compile_captures_the_op_without_graph_breaks():
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_torch_compile_captures_the_op_without_graph_breaks(from_logits):
     # the Triton op is a torch.library custom op: dynamo keeps it as one opaque node, forward and backward
     q, k, v, gk, h0 = make_inputs(1, 70, 2, 16, 32, seed=11)
+    if from_logits:  # the same gate, given as logits: gk = logsigmoid(logits) / 16
+        gk = torch.logit(torch.exp(16 * gk).clamp(1e-6, 1 - 1e-6))
 
     def f(q, k, v, gk, h0):
-        o, ht = chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True, backend="triton")
+        if from_logits:
+            o, ht = chunk_gla_from_logits(q, k, v, gk, 16, initial_state=h0, output_final_state=True, backend="triton")
+        else:
+            o, ht = chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True, backend="triton")
         return o.square().mean() + ht.mean()
 
     torch._dynamo.reset()
@@ -184,7 +212,8 @@ def test_torch_compile_captures_the_op_without_graph_breaks():
     loss = torch.compile(f, backend="aot_eager", fullgraph=True)(*leaves)
     loss.backward()
     leaves_ref = [x.clone().requires_grad_(True) for x in (q, k, v, gk, h0)]
-    loss_ref = naive_recurrent_gla(*leaves_ref[:4], initial_state=leaves_ref[4], output_final_state=True)
+    reference = naive_from_logits if from_logits else naive_recurrent_gla
+    loss_ref = reference(*leaves_ref[:4], initial_state=leaves_ref[4], output_final_state=True)
     loss_ref = loss_ref[0].square().mean() + loss_ref[1].mean()
     loss_ref.backward()
     torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-5)
@@ -219,6 +248,20 @@ def check_bf16(B, T, H, K, V, cu_seqlens=None, seed=0):
 )
 def test_gpu_bf16_matches_fp32_naive(B, T, H, K, V):
     check_bf16(B, T, H, K, V)
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,T,H,K,V,offsets", [(2, 1000, 4, 128, 256, None), (1, 2000, 4, 128, 128, [0, 15, 100, 300, 1200, 2000])])
+def test_gpu_bf16_from_logits_matches_fp32_naive(B, T, H, K, V, offsets):
+    N = B if offsets is None else len(offsets) - 1
+    q, k, v, _, h0 = make_inputs(B, T, H, K, V, N=N, seed=3, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(B, T, H, K, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
+    cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    ref = forward_backward(naive_from_logits, q.float(), k.float(), v.float(), logits.float(), h0, cu)
+    out = forward_backward(triton_from_logits, q, k, v, logits, h0, cu)
+    errors = {name: rel_rms(a.float(), b) for name, a, b in zip(["o", "ht", "dq", "dk", "dv", "dlogits", "dh0"], out, ref)}
+    bad = {name: e for name, e in errors.items() if not e <= 0.005}
+    assert not bad, f"relative RMS error above 0.005: {bad} (all: {errors})"
 
 
 @needs_cuda

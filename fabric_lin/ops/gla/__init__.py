@@ -2,7 +2,9 @@
 
     naive.py        naive_recurrent_gla: fp32 token-by-token recurrence, the test oracle
     chunk_torch.py  chunk_gla_torch: chunked form in PyTorch (CPU path, autograd backward)
-    chunk.py        chunk_gla_triton: Triton forward/backward kernels (CUDA, or TRITON_INTERPRET=1)
+    chunk.py        chunk_gla_triton: Triton forward/backward kernels (CUDA, or TRITON_INTERPRET=1);
+                    chunk_gla_from_logits_triton: the same with the forget gate formed from its logits
+    gate.py         log_decay: logsigmoid(gate_logits) / normalizer
     recurrent.py    recurrent_gla_step: one decoding step
 """
 from typing import Optional, Tuple
@@ -10,6 +12,7 @@ from typing import Optional, Tuple
 import torch
 
 from fabric_lin.ops.gla.chunk_torch import chunk_gla_torch
+from fabric_lin.ops.gla.gate import log_decay
 from fabric_lin.ops.gla.naive import naive_recurrent_gla
 from fabric_lin.ops.gla.recurrent import recurrent_gla_step
 
@@ -58,4 +61,30 @@ def chunk_gla(
     return chunk_gla_torch(q, k, v, gk, scale, initial_state, output_final_state, cu_seqlens)
 
 
-__all__ = ["chunk_gla", "chunk_gla_torch", "naive_recurrent_gla", "recurrent_gla_step", "resolve_backend"]
+def chunk_gla_from_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate_logits: torch.Tensor,
+    normalizer: float = 16.0,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """chunk_gla with gk = logsigmoid(gate_logits) / normalizer formed inside (GLA's forget gate). The
+    Triton path's backward pass keeps the logits (in their dtype) rather than gk's fp32 cumulative sums."""
+    backend = resolve_backend(backend, q.device)
+    if backend == "triton":
+        from fabric_lin.ops.gla.chunk import chunk_gla_from_logits_triton
+
+        return chunk_gla_from_logits_triton(q, k, v, gate_logits, normalizer, scale, initial_state, output_final_state, cu_seqlens)
+    gk = log_decay(gate_logits, normalizer)
+    return chunk_gla_torch(q, k, v, gk, scale, initial_state, output_final_state, cu_seqlens)
+
+
+__all__ = [
+    "chunk_gla", "chunk_gla_from_logits", "chunk_gla_torch", "log_decay", "naive_recurrent_gla", "recurrent_gla_step",
+    "resolve_backend",
+]

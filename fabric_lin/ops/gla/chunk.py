@@ -31,6 +31,9 @@ sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside the c
 The backward's two sequential passes (states recomputed forwards, their gradients backwards) share
 one launch (LAUNCH["fused_bwd_states"]): six launches for forward plus backward with the sequential
 state pass (gate cumsum, states, output; both state passes, dv, dq/dk). All accumulation is fp32.
+
+chunk_gla_from_logits_triton takes the forget gate as logits (gk = logsigmoid(logits) / normalizer) and
+keeps only those for the backward pass, recomputing gk and gc there (seven launches).
 """
 from typing import Optional, Tuple
 
@@ -653,6 +656,15 @@ def _chunk_updates(x, y, g, gc, scale, cu_seqlens, layout, reverse):
     return u
 
 
+def _gate_cumsum(g, gc, cu_seqlens, layout):
+    """gc <- the cumulative sum of g inside each chunk (fp32)."""
+    B, T, H, K = g.shape
+    BKc = min(128, max(16, triton.next_power_of_2(K)))
+    grid = (triton.cdiv(K, BKc),) + ((layout[1], H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H))
+    _gate_cumsum_kernel[grid](g, gc, cu_seqlens, layout[2], T, H, K, BT, BKc, IS_VARLEN=cu_seqlens is not None,
+                              num_warps=4)
+
+
 def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
     """Per-chunk states h (the state each chunk sees) and the final state (fp32); fills gc from g when g
     is given."""
@@ -667,10 +679,7 @@ def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
     if g is not None and LAUNCH["separate_cumsum"]:
         # the cumulative gate by its own fully parallel kernel: inside the sequential pass it would add
         # its latency to every one of the pass's steps
-        BKc = min(128, max(16, triton.next_power_of_2(K)))
-        grid = (triton.cdiv(K, BKc),) + ((NC, H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H))
-        _gate_cumsum_kernel[grid](g, gc, cu_seqlens, layout[2], T, H, K, BT, BKc, IS_VARLEN=cu_seqlens is not None,
-                                  num_warps=4)
+        _gate_cumsum(g, gc, cu_seqlens, layout)
         g = None
     BK, BV = _block_sizes(K, V, "state_")
     h = k.new_empty(NC, H, K, V, dtype=_state_dtype(k, initial_state is not None))
@@ -823,22 +832,13 @@ class ChunkGLAFunction(torch.autograd.Function):
         return dq, dk, dv, dg.to(ctx.g_dtype), None, (dh0 if initial_state is not None else None), None, None
 
 
-def chunk_gla_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    gk: torch.Tensor,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Same contract as chunk_gla_torch: q, k, gk [B, T, H, K], v [B, T, H, V], states [B or N, H, K, V] fp32."""
+def _checked_inputs(q, k, v, gate, gate_name, scale, initial_state, cu_seqlens):
+    """(scale, initial_state, cu_seqlens) ready for the kernels; errors name the argument and the shape expected."""
     B, T, H, K = q.shape
-    if k.shape != q.shape or gk.shape != q.shape or v.shape[:3] != q.shape[:3]:
+    if k.shape != q.shape or gate.shape != q.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(
-            f"chunk_gla: expected q, k, gk of one shape [B, T, H, K] and v [B, T, H, V], got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}, gk {tuple(gk.shape)}"
+            f"chunk_gla: expected q, k, {gate_name} of one shape [B, T, H, K] and v [B, T, H, V], got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, {gate_name} {tuple(gate.shape)}"
         )
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"chunk_gla: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -852,8 +852,84 @@ def chunk_gla_triton(
         initial_state = initial_state.float().contiguous()
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
+    return scale, initial_state, cu_seqlens
+
+
+def chunk_gla_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gk: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Same contract as chunk_gla_torch: q, k, gk [B, T, H, K], v [B, T, H, V], states [B or N, H, K, V] fp32."""
+    scale, initial_state, cu_seqlens = _checked_inputs(q, k, v, gk, "gk", scale, initial_state, cu_seqlens)
     o, ht = ChunkGLAFunction.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), scale, initial_state, output_final_state,
         cu_seqlens,
+    )
+    return o, (ht if output_final_state else None)
+
+
+# The gate from its logits: gk = logsigmoid(gate_logits) / normalizer is formed inside, and the
+# backward pass recomputes gk and its in-chunk cumulative sums from the logits (one elementwise pass,
+# one cumsum launch) instead of keeping gc: the layer then keeps 2 bytes per gate entry (bf16 logits)
+# where it kept 8 (fp32 gc, and the fp32 logsigmoid input).
+@torch.library.custom_op("fabric_lin::chunk_gate_cumsum", mutates_args=())
+def chunk_gate_cumsum_op(g: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+    gc = torch.empty_like(g, dtype=torch.float32)
+    B, T = g.shape[:2]
+    _gate_cumsum(g, gc, cu_seqlens, _chunk_layout(cu_seqlens, B, T))
+    return gc
+
+
+@chunk_gate_cumsum_op.register_fake
+def _(g, cu_seqlens):
+    return torch.empty_like(g, dtype=torch.float32)
+
+
+def _log_decay(gate_logits: torch.Tensor, normalizer: float) -> torch.Tensor:
+    return torch.nn.functional.logsigmoid(gate_logits.float()) / normalizer
+
+
+class ChunkGLAFromLogitsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, gate_logits, normalizer, scale, initial_state, output_final_state, cu_seqlens):
+        g = _log_decay(gate_logits, normalizer)
+        o, ht, _, A = chunk_gla_fwd_op(q, k, v, g, scale, initial_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, gate_logits, A, initial_state, cu_seqlens)
+        ctx.scale, ctx.normalizer, ctx.output_final_state = scale, normalizer, output_final_state
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, gate_logits, A, initial_state, cu_seqlens = ctx.saved_tensors
+        gc = chunk_gate_cumsum_op(_log_decay(gate_logits, ctx.normalizer), cu_seqlens)
+        dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
+        dq, dk, dv, dg, dh0 = chunk_gla_bwd_op(q, k, v, gc, A, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht)
+        # d logsigmoid(x) / dx = sigmoid(-x)
+        d_logits = (dg * torch.sigmoid(-gate_logits.float()) / ctx.normalizer).to(gate_logits.dtype)
+        return (dq, dk, dv, d_logits, None, None, (dh0 if initial_state is not None else None), None, None)
+
+
+def chunk_gla_from_logits_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate_logits: torch.Tensor,
+    normalizer: float,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """chunk_gla_triton with gk = logsigmoid(gate_logits) / normalizer (gate_logits [B, T, H, K], any float dtype)."""
+    scale, initial_state, cu_seqlens = _checked_inputs(q, k, v, gate_logits, "gate_logits", scale, initial_state, cu_seqlens)
+    o, ht = ChunkGLAFromLogitsFunction.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), gate_logits.contiguous(), float(normalizer), scale,
+        initial_state, output_final_state, cu_seqlens,
     )
     return o, (ht if output_final_state else None)
