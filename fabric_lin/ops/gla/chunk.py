@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fabric_lin.ops.gla.gate import log_decay
+
 BT = 64  # chunk
 BC = 16  # first split of the chunk for the intra-chunk scores
 BS = 4  # second split, inside each BC block; pairs inside a BS block are summed one by one
@@ -891,14 +893,10 @@ def _(g, cu_seqlens):
     return torch.empty_like(g, dtype=torch.float32)
 
 
-def _log_decay(gate_logits: torch.Tensor, normalizer: float) -> torch.Tensor:
-    return torch.nn.functional.logsigmoid(gate_logits.float()) / normalizer
-
-
 class ChunkGLAFromLogitsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, gate_logits, normalizer, scale, initial_state, output_final_state, cu_seqlens):
-        g = _log_decay(gate_logits, normalizer)
+        g = log_decay(gate_logits, normalizer)
         o, ht, _, A = chunk_gla_fwd_op(q, k, v, g, scale, initial_state, cu_seqlens)
         ctx.save_for_backward(q, k, v, gate_logits, A, initial_state, cu_seqlens)
         ctx.scale, ctx.normalizer, ctx.output_final_state = scale, normalizer, output_final_state
@@ -907,7 +905,7 @@ class ChunkGLAFromLogitsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, gate_logits, A, initial_state, cu_seqlens = ctx.saved_tensors
-        gc = chunk_gate_cumsum_op(_log_decay(gate_logits, ctx.normalizer), cu_seqlens)
+        gc = chunk_gate_cumsum_op(log_decay(gate_logits, ctx.normalizer), cu_seqlens)
         dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
         dq, dk, dv, dg, dh0 = chunk_gla_bwd_op(q, k, v, gc, A, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht)
         # d logsigmoid(x) / dx = sigmoid(-x)
