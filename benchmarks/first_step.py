@@ -62,6 +62,12 @@ def run_until_first_step(cmd, env, metrics_file, timeout, log_file):
     return (seen[0], seen[1], rc) if seen else (None, None, rc)
 
 
+def why_no_first_step(rc, timeout, log_file):
+    if rc == -9:  # killed here at the limit
+        return f"no first step within {timeout} s"
+    return f"exited with code {rc} before its first step (see {log_file})"
+
+
 def fabric_lin_runs(seq_len, work, timeout, steps, config):
     out_dir = work / f"fabric-lin-{seq_len}"
     metrics = out_dir / "metrics.jsonl"
@@ -78,15 +84,15 @@ def fabric_lin_runs(seq_len, work, timeout, steps, config):
                           ("warm (resumed run, same out_dir)", ["--train.max_steps", str(2 * steps), "--resume", "auto"])):
         if metrics.exists():
             metrics.rename(out_dir / "metrics-previous.jsonl")  # so that the next first step is this run's
-        wall, record, rc = run_until_first_step(base + extra, dict(os.environ), metrics, timeout,
-                                                work / f"fabric-lin-{seq_len}-{len(results)}.log")
+        log_file = work / f"fabric-lin-{seq_len}-{len(results)}.log"
+        wall, record, rc = run_until_first_step(base + extra, dict(os.environ), metrics, timeout, log_file)
         results.append({
             "model": f"fabric-lin {Path(config).name}", "seq_len": seq_len, "micro_batch": MICRO_BATCH[seq_len],
             "compile": "the config's (on with CUDA by default)", "caches": caches, "exit_code": rc,
             "time_to_first_step_s": round(record["time_to_first_step_s"], 1) if record else None,
             "wall_s_seen_here": wall, "compiled_graphs_at_first_step": (record or {}).get("compiled_graphs"),
             "startup_phases_s": {k: round(v, 1) for k, v in (record or {}).get("startup_phases_s", {}).items()},
-            "note": None if record else f"no first step within {timeout} s",
+            "note": None if record else why_no_first_step(rc, timeout, log_file),
         })
         print(json.dumps(results[-1]), flush=True)
     return results
@@ -130,12 +136,13 @@ def fla_run(seq_len, work, timeout, steps, cache_dir):
     caches = "empty" if not cache_dir.exists() or not any(cache_dir.iterdir()) else "warm"
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir))
     cmd = [sys.executable, __file__, "--fla-worker", str(seq_len), "--steps", str(steps), "--worker-out", str(metrics)]
-    wall, record, rc = run_until_first_step(cmd, env, metrics, timeout, work / f"fla-{seq_len}.log")
+    log_file = work / f"fla-{seq_len}.log"
+    wall, record, rc = run_until_first_step(cmd, env, metrics, timeout, log_file)
     result = {
         "model": "flash-linear-attention GLAForCausalLM", "seq_len": seq_len, "micro_batch": MICRO_BATCH[seq_len],
         "compile": False, "caches": caches, "exit_code": rc,
         "time_to_first_step_s": round(record["time_to_first_step_s"], 1) if record else None,
-        "wall_s_seen_here": wall, "note": None if record else f"no first step within {timeout} s",
+        "wall_s_seen_here": wall, "note": None if record else why_no_first_step(rc, timeout, log_file),
     }
     print(json.dumps(result), flush=True)
     return result
