@@ -57,8 +57,10 @@ def run_until_first_step(cmd, env, metrics_file, timeout, log_file):
         if proc.poll() is None:
             proc.kill()
         rc = proc.wait()
-    if seen is None and first_step_record(metrics_file) is not None:  # finished between two polls
-        seen = (round(time.time() - start, 1), first_step_record(metrics_file))
+    if seen is None:  # finished between two polls
+        record = first_step_record(metrics_file)
+        if record is not None:
+            seen = (round(time.time() - start, 1), record)
     return (seen[0], seen[1], rc) if seen else (None, None, rc)
 
 
@@ -101,20 +103,18 @@ def fabric_lin_runs(seq_len, work, timeout, steps, config):
 def fla_worker(seq_len, steps, out_path):
     """In its own process: build flash-linear-attention's model and report the first optimizer step."""
     import torch
-
-    from fla.models import GLAConfig, GLAForCausalLM
+    from train_throughput import fla_model  # the peer built as in the throughput benchmark (this folder)
 
     from fabric_lin.config import Config
-    from fabric_lin.convert.hf import fla_config
 
     config = Config.from_name("gla-340M")
-    fields = {k: v for k, v in fla_config(config).items() if k not in ("architectures", "model_type", "fabric_lin")}
-    model = GLAForCausalLM(GLAConfig(**fields)).cuda()
+    model, loss_fn = fla_model(config)
+    model = model.cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
     ids = torch.randint(0, config.vocab_size, (MICRO_BATCH[seq_len], seq_len), device="cuda")
     for step in range(steps):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = loss_fn(ids, ids)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -126,14 +126,14 @@ class GatedLinearAttention(nn.Module):
 
         if cache is None:  # training: the log forget gate logsigmoid(logits) / normalizer is formed inside the op
             o, _ = chunk_gla_from_logits(q, k, v, gate_logits, c.gate_logit_normalizer, cu_seqlens=cu_seqlens)
-        elif T == 1:
+        else:  # decoding from the cached state: one token, or a prompt
             gk = log_decay(gate_logits, c.gate_logit_normalizer)  # fp32, <= 0
-            step = fused_recurrent_gla_step if use_fused(x) else recurrent_gla_step
-            o, cache.layers[layer] = step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], cache.layers[layer])
-            o = o.unsqueeze(1)
-        else:
-            gk = log_decay(gate_logits, c.gate_logit_normalizer)
-            o, cache.layers[layer] = chunk_gla(q, k, v, gk, initial_state=cache.layers[layer], output_final_state=True)
+            if T == 1:
+                step = fused_recurrent_gla_step if use_fused(x) else recurrent_gla_step
+                o, cache.layers[layer] = step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], cache.layers[layer])
+                o = o.unsqueeze(1)
+            else:
+                o, cache.layers[layer] = chunk_gla(q, k, v, gk, initial_state=cache.layers[layer], output_final_state=True)
 
         g = self.g_proj(x).view(B, T, c.num_heads, c.head_v_dim)
         if use_fused(x):  # per-head RMSNorm times swish(gate) in one kernel, then o_proj; recomputed in backward

@@ -244,12 +244,12 @@ def rms_norm_gated_linear(
             f"rms_norm_gated_linear: proj_weight must be [out, {x.shape[-2] * x.shape[-1]}] (heads x head_dim of x "
             f"{tuple(x.shape)}), got {tuple(proj_weight.shape)}"
         )
-    if _pick(backend, x) == "torch":
-        y = rms_norm_gated_ref(x, gate, weight, eps)
-        return F.linear(y.reshape(*x.shape[:-2], -1), proj_weight.to(y.dtype))
     if gate.shape != x.shape or weight.shape != (x.shape[-1],):
         raise ValueError(
             f"rms_norm_gated_linear: gate must have the shape of x {tuple(x.shape)} and weight ({x.shape[-1]},), "
             f"got {tuple(gate.shape)} and {tuple(weight.shape)}"
         )
+    if _pick(backend, x) == "torch":
+        y = rms_norm_gated_ref(x, gate, weight, eps)
+        return F.linear(y.reshape(*x.shape[:-2], -1), proj_weight.to(y.dtype))
     return _RMSNormGatedLinearFunction.apply(x.contiguous(), gate.contiguous(), weight, float(eps), proj_weight.to(x.dtype))

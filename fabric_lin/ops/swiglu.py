@@ -104,10 +104,6 @@ def _(gate, up, weight):
     return gate.new_empty(*gate.shape[:-1], weight.shape[0])
 
 
-def _swiglu_linear_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
 def _swiglu_linear_backward(ctx, d_out):
     gate, up, weight = ctx.saved_tensors
     d_out = d_out.contiguous()
@@ -117,7 +113,7 @@ def _swiglu_linear_backward(ctx, d_out):
     return d_gate, d_up, d_weight
 
 
-torch.library.register_autograd("fabric_lin::swiglu_linear_fwd", _swiglu_linear_backward, setup_context=_swiglu_linear_setup)
+torch.library.register_autograd("fabric_lin::swiglu_linear_fwd", _swiglu_linear_backward, setup_context=_setup)
 
 
 def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> torch.Tensor:
