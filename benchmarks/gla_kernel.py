@@ -82,47 +82,20 @@ def kernel_breakdown(fn, inputs, do, steps=5):
     return dict(sorted(rows.items(), key=lambda kv: -kv[1])[:15])
 
 
-SWEEP = [  # changes to the shipped table; a setting that faults the GPU ends the process, so the least tried come last
-    {},
-    {"fused_bwd_states": False},
-    {"separate_cumsum": False},
-    {"state_split": True},
-    {"state_warps": 8},
-    {"state_stages": 2},
-    {"state_warps": 8, "state_stages": 2},
-    {"output_warps": 4},
-    {"BV_out": 256},
-    {"output_warps": 4, "BV_out": 256},
-    {"dv_warps": 8},
-    {"dqk_warps": 4},
-    {"stages": 2},
-    {"state_BV": 128},
-]
-
-
-def sweep(fn, shape):
-    """Forward and forward+backward ms for each launch setting in SWEEP (changes on top of the default);
-    leaves the fastest forward+backward setting in place."""
+def sweep(shape):
+    """The opt-in launch search (fabric_lin.ops.gla.tune) at one shape: every setting it tried, and how
+    far the shipped table is from the best one. The shipped table is put back afterwards."""
     from fabric_lin.ops.gla import chunk
+    from fabric_lin.ops.gla.tune import tune_launch
 
-    default = dict(chunk.LAUNCH)
-    results = []
-    inputs, do = gla_inputs(*shape)
-    for change in SWEEP:
-        chunk.LAUNCH.clear()
-        chunk.LAUNCH.update(default, **change)
-        try:
-            fwd, fwd_bwd = time_fn(fn, inputs, do)
-            results.append({"change": change, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd})
-        except Exception as e:  # a setting that does not compile (shared memory, registers) is reported
-            results.append({"change": change, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-    best = min((r for r in results if "fwd_bwd_ms" in r), key=lambda r: r["fwd_bwd_ms"])
+    shipped = dict(chunk.LAUNCH)
+    result = tune_launch(*shape)
     chunk.LAUNCH.clear()
-    chunk.LAUNCH.update(default, **best["change"])
-    # the shipped table against the best setting found: how much a search would still buy
-    default_ms = results[0].get("fwd_bwd_ms")
-    return {"shape": list(shape), "results": results, "chosen": dict(chunk.LAUNCH),
-            "default_fwd_bwd_vs_best": default_ms / best["fwd_bwd_ms"] if default_ms else None}
+    chunk.LAUNCH.update(shipped)
+    changed = {k: v for k, v in result["launch"].items() if shipped.get(k) != v}
+    return {"shape": list(shape), "best_changes": changed, "best_fwd_bwd_ms": result["fwd_bwd_ms"],
+            "shipped_fwd_bwd_ms": result["shipped_fwd_bwd_ms"],
+            "shipped_vs_best": result["shipped_fwd_bwd_ms"] / result["fwd_bwd_ms"], "tried": result["tried"]}
 
 
 def main():
@@ -131,9 +104,12 @@ def main():
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
+    parser.add_argument("--fla-only", action="store_true",
+                        help="time flash-linear-attention alone (e.g. to fill its autotuning cache ahead of a comparison)")
     parser.add_argument("--launch", nargs="*", default=[], metavar="KEY=VALUE",
                         help="launch settings of fabric_lin.ops.gla.chunk.LAUNCH, e.g. state_split=auto dqk_warps=4")
-    parser.add_argument("--sweep", action="store_true", help="time launch settings (tiles, warps) at the first shape first")
+    parser.add_argument("--sweep", action="store_true",
+                        help="first run the launch search (tiles, warps) at the first shape and report it; the timings use the shipped table")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     from fabric_lin.ops.gla import chunk
@@ -146,6 +122,8 @@ def main():
 
     ours = lambda q, k, v, gk: chunk_gla_triton(q, k, v, gk)[0]  # noqa: E731
     fla, fla_error = (None, "left out (--no-fla)") if args.no_fla else load_fla()
+    if args.fla_only and fla is None:
+        raise SystemExit(f"--fla-only: flash-linear-attention is not usable: {fla_error}")
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -155,17 +133,22 @@ def main():
         "results": [],
     }
     if args.sweep:
-        report["sweep"] = sweep(ours, shapes[0])
-        report["launch"] = dict(chunk.LAUNCH)
+        report["sweep"] = sweep(shapes[0])
         print(json.dumps(report["sweep"]), flush=True)
     for shape in shapes:
         B, T, H, K, V = shape
         inputs, do = gla_inputs(*shape)
-        start = time.perf_counter()
-        ours(*inputs).backward(do)
-        torch.cuda.synchronize()
-        row = {"shape": list(shape), "ours_first_call_s": round(time.perf_counter() - start, 2)}
-        row["ours_fwd_ms"], row["ours_fwd_bwd_ms"] = time_fn(ours, inputs, do)
+        row = {"shape": list(shape)}
+        for name, fn in [("fla", fla)] if args.fla_only else [("ours", ours)]:
+            start = time.perf_counter()
+            fn(*inputs).backward(do)  # compilation (and for fla, autotuning) happens here
+            torch.cuda.synchronize()
+            row[f"{name}_first_call_s"] = round(time.perf_counter() - start, 2)
+            row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = time_fn(fn, inputs, do)
+        if args.fla_only:
+            report["results"].append(row)
+            print(json.dumps(row), flush=True)
+            continue
         if fla is not None:
             with torch.no_grad():
                 o_ours, o_fla = ours(*inputs).float(), fla(*inputs).float()
@@ -183,7 +166,7 @@ def main():
         if args.out:  # each shape as it finishes, so that an interrupted run keeps what it measured
             with open(args.out + ".partial", "a") as f:
                 f.write(json.dumps(row) + "\n")
-    if not args.no_breakdown:
+    if not args.no_breakdown and not args.fla_only:
         inputs, do = gla_inputs(*shapes[0])
         report["breakdown_ours_ms"] = kernel_breakdown(ours, inputs, do)
         if fla is not None:

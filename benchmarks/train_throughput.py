@@ -53,7 +53,7 @@ def ours(config: Config):
     return model, loss_fn
 
 
-def measure(name, build, config, batch_size, seq_len, steps, warmup):
+def measure(name, build, config, batch_size, seq_len, steps, warmup, extra=None):
     torch.manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
     model, loss_fn = build(config)
@@ -86,6 +86,7 @@ def measure(name, build, config, batch_size, seq_len, steps, warmup):
         "mfu": round(tokens_per_s * flops_per_token(config, seq_len) / peak, 4) if peak else None,
         "first_step_s": round(first_step, 1),
         "final_loss": round(loss.item(), 3),
+        **(extra or {}),
     }
     del model, optimizer, loss
     gc.collect()
@@ -94,19 +95,28 @@ def measure(name, build, config, batch_size, seq_len, steps, warmup):
     return result
 
 
-REAL_LOOP_CONFIGS = {"fabric-lin": "config_hub/gla_340M.yaml", "transformer": "config_hub/transformer_340M.yaml"}
+REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
+    "fabric-lin": ("config_hub/gla_340M.yaml", []),
+    # the same with shapes specialised, to show what marking them dynamic costs in step time
+    "fabric-lin-static": ("config_hub/gla_340M.yaml", ["--compile_dynamic", "false"]),
+    "transformer": ("config_hub/transformer_340M.yaml", []),
+}
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def real_loop(key, batch_size, seq_len, steps, warmup, timeout):
-    """Regime (b): `fabric-lin pretrain` for warmup + steps optimizer steps; the median logged tokens/s after warmup."""
-    name = f"fabric-lin pretrain {Path(REAL_LOOP_CONFIGS[key]).stem} (real loop: the config's precision, compile on with CUDA)"
+def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1):
+    """Regime (b): `fabric-lin pretrain` for warmup + steps optimizer steps; the median logged tokens/s after
+    warmup. With devices > 1: HYBRID_SHARD over that many GPUs, micro batch batch_size on each."""
+    recipe, extra = REAL_LOOP_CONFIGS[key]
+    name = f"fabric-lin pretrain {Path(recipe).stem} {' '.join(extra)} (real loop: the config's precision, compile on with CUDA)"
+    if devices > 1:
+        name += f", HYBRID_SHARD over {devices} GPUs"
     out_dir = Path(tempfile.mkdtemp(prefix="throughput-"))
     cmd = [
-        sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(ROOT / REAL_LOOP_CONFIGS[key]),
+        sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(ROOT / recipe), *extra,
         "--data", "SampleCorpus", "--data.validation", "false", "--tokenizer_dir", "null", "--out_dir", str(out_dir), "--logger_name", "csv",
         "--train.max_seq_length", str(seq_len), "--train.micro_batch_size", str(batch_size),
-        "--train.global_batch_size", str(batch_size), "--train.max_tokens", "null",
+        "--train.global_batch_size", str(batch_size * devices), "--train.max_tokens", "null", "--devices", str(devices),
         "--train.max_steps", str(warmup + steps), "--train.lr_warmup_steps", "1", "--train.log_interval", "1",
         "--train.save_interval", "null", "--eval.initial_validation", "false", "--eval.final_validation", "false",
     ]
@@ -123,8 +133,10 @@ def real_loop(key, batch_size, seq_len, steps, warmup, timeout):
     first = next((r for r in records if "time_to_first_step_s" in r), {})
     return {
         "model": name,
+        "devices": devices,
         "tokens_per_s": round(tokens_per_s),
-        "ms_per_step": round(batch_size * seq_len / tokens_per_s * 1e3, 2),
+        "tokens_per_s_per_device": round(tokens_per_s / devices),
+        "ms_per_step": round(batch_size * devices * seq_len / tokens_per_s * 1e3, 2),
         "peak_memory_gib": round(max(r.get("max_memory_gb", 0.0) for r in steady) * 1e9 / 2**30, 2),
         "mfu": round(statistics.median(r["mfu"] for r in steady), 4) if "mfu" in steady[0] else None,
         "first_step_s": round(first.get("time_to_first_step_s", float("nan")), 1),
@@ -163,7 +175,7 @@ def run_isolated(regime, key, args):
     """One measurement in its own process (a clean allocator and peak-memory count, and a time limit)."""
     cmd = [sys.executable, __file__, "--worker", regime, "--models", key, "--batch_size", str(args.batch_size),
            "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--timeout", str(args.timeout), "--num_workers", str(args.num_workers)]
+           "--timeout", str(args.timeout), "--num_workers", str(args.num_workers), "--devices", str(args.devices)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 60, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -176,7 +188,7 @@ def run_isolated(regime, key, args):
 
 def worker(regime, key, args):
     if regime == "real-loop":
-        print(json.dumps(real_loop(key, args.batch_size, args.seq_len, args.steps, args.warmup, args.timeout)))
+        print(json.dumps(real_loop(key, args.batch_size, args.seq_len, args.steps, args.warmup, args.timeout, args.devices)))
         return
     if regime == "data-loader":
         print(json.dumps(data_loader_alone(args.batch_size, args.seq_len, 10 * args.steps, args.num_workers)))
@@ -184,12 +196,21 @@ def worker(regime, key, args):
     gla = Config.from_name("gla-340M")
     runs = {
         "fabric-lin": ("fabric-lin gla-340M", ours, gla),
+        "fabric-lin-tuned": ("fabric-lin gla-340M, launch settings searched first (as kernel_autotune does)", ours, gla),
         "fla": ("flash-linear-attention GLAForCausalLM 340M", fla_model, gla),
         "transformer": ("fabric-lin transformer-340M", ours, Config.from_name("transformer-340M")),
     }
     name, build, config = runs[key]
+    extra = {}
+    if key == "fabric-lin-tuned":
+        from fabric_lin.ops.gla.tune import tune_launch
+
+        start = time.perf_counter()
+        found = tune_launch(args.batch_size, args.seq_len, config.num_heads, config.head_k_dim, config.head_v_dim)
+        extra = {"search_s": round(time.perf_counter() - start, 1), "launch": found["launch"],
+                 "kernel_fwd_bwd_ms_shipped_vs_searched": [found["shipped_fwd_bwd_ms"], found["fwd_bwd_ms"]]}
     try:
-        measure(name, build, config, args.batch_size, args.seq_len, args.steps, args.warmup)
+        measure(name, build, config, args.batch_size, args.seq_len, args.steps, args.warmup, extra)
     except ImportError as e:
         print(json.dumps({"model": name, "skipped": f"not importable: {e}"}))
     except torch.cuda.OutOfMemoryError as e:
@@ -202,11 +223,15 @@ def main():
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--models", default="fabric-lin,fla,transformer")
+    parser.add_argument("--models", default="fabric-lin,fla,transformer",
+                        help="of fabric-lin, fabric-lin-tuned (regime a after the launch search), fabric-lin-static "
+                        "(regime b with specialised shapes), fla, transformer")
     parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",
                         help="bf16-weights (a), real-loop (b), data-loader (the loader alone, no GPU needed)")
     parser.add_argument("--num_workers", type=int, default=2, help="data loader workers for the data-loader regime")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per measurement")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="GPUs for the real loop (HYBRID_SHARD when > 1; micro batch --batch_size on each)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -219,6 +244,10 @@ def main():
         for key in args.models.split(","):
             if regime == "real-loop" and key not in REAL_LOOP_CONFIGS:
                 continue  # the peer has no fabric-lin loop
+            if regime == "bf16-weights" and key == "fabric-lin-static":
+                continue  # no compile in regime (a)
+            if regime == "real-loop" and key == "fabric-lin-tuned":
+                continue
             if regime == "data-loader" and key != "fabric-lin":
                 continue  # one loader serves every model
             results[f"{regime}/{key}"] = run_isolated(regime, key, args)
@@ -230,6 +259,11 @@ def main():
             if "tokens_per_s" in r and label != "bf16-weights/fla":
                 ratios[f"{label} tokens/s vs fla (a)"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
                 ratios[f"{label} peak memory vs fla (a)"] = round(r["peak_memory_gib"] / peer["peak_memory_gib"], 3)
+    # the shipped launch table against the searched one, and dynamic against specialised shapes (step time)
+    for label, base, other in [("shipped launch table vs searched (a)", "bf16-weights/fabric-lin", "bf16-weights/fabric-lin-tuned"),
+                               ("dynamic shapes vs specialised (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-static")]:
+        if "ms_per_step" in results.get(base, {}) and "ms_per_step" in results.get(other, {}):
+            ratios[f"{label}, ms/step"] = round(results[base]["ms_per_step"] / results[other]["ms_per_step"], 4)
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "batch_size": args.batch_size, "seq_len": args.seq_len,
               "torch": torch.__version__, "results": results, "ratios": ratios}
     text = json.dumps(report, indent=1)

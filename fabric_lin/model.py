@@ -244,6 +244,9 @@ class GPT(nn.Module):
             )
         if self.embeddings.weight.device.type != "meta":
             self.reset_parameters()
+        # With compiled blocks: mark the batch and sequence dimensions dynamic, so that a new context
+        # length or a smaller last batch reuses the compiled graph instead of compiling another one.
+        self.dynamic_shapes = False
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -270,6 +273,9 @@ class GPT(nn.Module):
         (computed in chunks, the full fp32 logits are never held); with `return_hidden`, the final
         normed hidden states [B, T, d]."""
         x = self.embeddings(input_ids)
+        if self.dynamic_shapes and cache is None:
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            torch._dynamo.maybe_mark_dynamic(x, 1)
         for i, block in enumerate(self.layers):
             if cache is None:  # no per-layer int argument in training: a compiled Block would specialise on it
                 x = block(x, cu_seqlens=cu_seqlens)

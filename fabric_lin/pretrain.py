@@ -83,6 +83,8 @@ def setup(
     logger_name: Literal["tensorboard", "csv", "wandb"] = "tensorboard",
     compile: Optional[bool] = None,
     compile_cache: bool = True,
+    compile_dynamic: bool = True,
+    kernel_autotune: bool = False,
     activation_checkpointing: bool = False,
     reset_state_at_doc_boundaries: bool = False,
 ) -> None:
@@ -110,6 +112,13 @@ def setup(
         compile_cache: Keep Triton's and torch.compile's caches in out_dir/compile_cache (sets
             TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR), so that a resumed run, or any later run into
             the same out_dir, loads compiled kernels and graphs instead of building them again.
+        compile_dynamic: Compile the blocks for any batch size and sequence length (marked dynamic), so
+            that a new context length or a smaller batch (validation, a last partial batch) does not
+            compile them again. False: shapes are specialised, each new one compiles anew.
+        kernel_autotune: Search the GLA kernels' launch settings (tiles, warps) at this run's layer shape
+            before training, about a minute on a GPU, instead of using the shipped table. The result
+            is kept in out_dir/compile_cache/gla_launch.json, keyed by GPU, dtype and head dims (not by
+            batch size or context), so a resumed run or a new context length does not search again.
         activation_checkpointing: Recompute each Block's activations in the backward pass.
         reset_state_at_doc_boundaries: Reset the recurrent state (and attention) at each EOS token,
             so packed documents do not see each other.
@@ -128,8 +137,8 @@ def setup(
         model_name=model_name, model_config=model_config, out_dir=out_dir, precision=precision, resume=resume,
         initial_checkpoint_dir=initial_checkpoint_dir, data=data, train=train, eval=eval, optimizer=optimizer,
         devices=devices, num_nodes=num_nodes, seed=seed, tokenizer_dir=tokenizer_dir, logger_name=logger_name,
-        compile=compile, compile_cache=compile_cache, activation_checkpointing=activation_checkpointing,
-        reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
+        compile=compile, compile_cache=compile_cache, compile_dynamic=compile_dynamic, kernel_autotune=kernel_autotune,
+        activation_checkpointing=activation_checkpointing, reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
     ))
     # errors that would otherwise appear only after the model and the data are loaded
     accumulation = train.gradient_accumulation_iters(devices, num_nodes)
@@ -175,7 +184,7 @@ def setup(
     main(
         fabric, config, Path(out_dir), resume, initial_checkpoint_dir, data, train, eval, optimizer, seed,
         tokenizer_dir, compile, activation_checkpointing, reset_state_at_doc_boundaries, accumulation, max_steps,
-        hparams, precision,
+        hparams, precision, kernel_autotune, compile_dynamic,
     )
 
 
@@ -198,6 +207,8 @@ def main(
     max_steps: int,
     hparams: Dict[str, Any],
     precision: str,
+    kernel_autotune: bool = False,
+    compile_dynamic: bool = True,
 ) -> None:
     startup = {"launched": time.time() - PROCESS_START}  # seconds from process start, for the first-step line
     with StopRequest() as stop:  # SIGTERM/SIGUSR1 from here on: checkpoint at the next step, exit 0
@@ -232,8 +243,13 @@ def main(
             val_dataloader = fabric.setup_dataloaders(val_dataloader)
 
         startup["data ready"] = time.time() - PROCESS_START
-        model, no_decay = build_model(fabric, config, seed, initial_checkpoint_dir, activation_checkpointing, compile)
+        model, no_decay = build_model(
+            fabric, config, seed, initial_checkpoint_dir, activation_checkpointing, compile, compile_dynamic
+        )
         startup["model built"] = time.time() - PROCESS_START
+        if kernel_autotune and fabric.device.type == "cuda" and config.block_type == "gla":
+            tune_gla_kernels(fabric, config, train, precision, out_dir)
+            startup["kernels tuned"] = time.time() - PROCESS_START
 
         groups = [
             {"params": [p for n, p in model.named_parameters() if canonical_name(n) not in no_decay], "weight_decay": optimizer_args.weight_decay},
@@ -270,7 +286,7 @@ def main(
 
 def build_model(
     fabric: L.Fabric, config: Config, seed: int, initial_checkpoint_dir: Optional[Path] = None,
-    activation_checkpointing: bool = False, compile: bool = False,
+    activation_checkpointing: bool = False, compile: bool = False, compile_dynamic: bool = True,
 ):
     """The model set up by Fabric, and the names of the parameters without weight decay.
 
@@ -297,6 +313,7 @@ def build_model(
         # and parameter names keep no `_orig_mod.` prefix.
         for block in model.layers:
             block.compile()
+        model.dynamic_shapes = compile_dynamic
     model = fabric.setup(model)
     if sharded and initial_checkpoint_dir is not None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -308,6 +325,18 @@ def build_model(
             options=StateDictOptions(full_state_dict=True, strict=True),
         )
     return model, no_decay
+
+
+def tune_gla_kernels(fabric: L.Fabric, config: Config, train: TrainArgs, precision: str, out_dir: Path) -> None:
+    """kernel_autotune: the GLA launch settings for this layer shape, from out_dir's cache or searched.
+    Every process searches on its own GPU; rank 0 alone writes the cache."""
+    from fabric_lin.ops.gla.tune import tuned_launch
+
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else torch.float32
+    tuned_launch(
+        train.micro_batch_size, train.max_seq_length, config.num_heads, config.head_k_dim, config.head_v_dim, dtype,
+        cache_file=out_dir / COMPILE_CACHE_DIR / "gla_launch.json", write_cache=fabric.global_rank == 0, log=fabric.print,
+    )
 
 
 class RunContext:

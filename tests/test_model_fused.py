@@ -19,6 +19,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FUSED_FUNCTIONS = ("chunk_gla_from_logits", "rms_norm", "rms_norm_gated_linear", "swiglu_linear", "linear_cross_entropy")
 
 
+def use_triton_ops(monkeypatch):
+    """The model's CUDA path: its fused ops, as Triton kernels also where "auto" would pick PyTorch (CPU)."""
+    monkeypatch.setattr(model_module, "use_fused", lambda x: True)
+    for fn in FUSED_FUNCTIONS:
+        monkeypatch.setattr(model_module, fn, functools.partial(getattr(model_module, fn), backend="triton"))
+
+
 def loss_and_grads(model, ids, targets):
     model.zero_grad(set_to_none=True)
     loss = model(ids, targets=targets)
@@ -38,12 +45,35 @@ def test_fused_path_matches_torch_path(monkeypatch, name):
     monkeypatch.setattr(model_module, "use_fused", lambda x: False)
     ref_loss, ref_grads = loss_and_grads(model, ids, targets)
 
-    monkeypatch.setattr(model_module, "use_fused", lambda x: True)
-    for fn in FUSED_FUNCTIONS:  # the Triton implementations, also where "auto" would pick PyTorch (CPU)
-        monkeypatch.setattr(model_module, fn, functools.partial(getattr(model_module, fn), backend="triton"))
+    use_triton_ops(monkeypatch)
     loss, grads = loss_and_grads(model, ids, targets)
 
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     for param, ref in ref_grads.items():
         scale = max(1.0, ref.abs().max().item())
         torch.testing.assert_close(grads[param], ref, rtol=1e-4, atol=1e-4 * scale, msg=lambda m: f"{param}: {m}")
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_compiled_blocks_do_not_recompile_for_new_batch_or_length(monkeypatch, dynamic):
+    # Regional compilation as the trainer does it, on the fused path (as on CUDA: the GLA op is opaque
+    # to the compiler). The eager backend: what is tested is Dynamo's guards, which shapes a compiled
+    # graph accepts. With dynamic_shapes a new batch size or context length reuses the first graph;
+    # with specialised shapes each one compiles anew (the control).
+    from fabric_lin.pretrain import compiled_graphs
+
+    use_triton_ops(monkeypatch)
+    torch._dynamo.reset()
+    config = Config.from_name("gla-debug", num_layers=1)
+    model = GPT(config).to(DEVICE)
+    for block in model.layers:
+        block.compile(backend="eager")
+    model.dynamic_shapes = dynamic
+    before = compiled_graphs()
+    with torch.no_grad():  # the forward's guards decide; the interpreter makes every kernel slow
+        for batch, length in [(2, 40), (3, 100)]:
+            ids = torch.randint(0, config.vocab_size, (batch, length), device=DEVICE)
+            model(ids, return_hidden=True)
+    graphs = compiled_graphs() - before
+    torch._dynamo.reset()
+    assert graphs == (1 if dynamic else 2), graphs
