@@ -139,9 +139,9 @@ def test_swiglu_linear_casts_the_weight_to_the_activations_dtype():
     assert out.dtype == torch.float64
     out.sum().backward()
     assert weight.grad.dtype == torch.float32
-    torch.testing.assert_close(weight.grad, (torch.ones(5, 8, dtype=torch.float64).t() @ swiglu_ref(gate, up)).float())
+    torch.testing.assert_close(weight.grad, (torch.ones(5, 8, dtype=torch.float64, device=DEVICE).t() @ swiglu_ref(gate, up)).float())
     with pytest.raises(ValueError, match=r"weight be \[out, 16\]"):
-        swiglu_linear(gate, up, torch.randn(8, 15), backend="triton")
+        swiglu_linear(gate, up, torch.randn(8, 15, device=DEVICE), backend="triton")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
