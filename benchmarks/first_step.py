@@ -131,6 +131,7 @@ def fla_run(seq_len, work, timeout, steps, cache_dir):
         import fla  # noqa: F401
     except Exception as e:
         return {"model": "flash-linear-attention GLAForCausalLM", "skipped": f"not importable: {type(e).__name__}: {e}"}
+    work.mkdir(parents=True, exist_ok=True)
     metrics = work / f"fla-{seq_len}.jsonl"
     cache_dir = Path(cache_dir or work / f"fla-{seq_len}-triton-cache")
     caches = "empty" if not cache_dir.exists() or not any(cache_dir.iterdir()) else "warm"

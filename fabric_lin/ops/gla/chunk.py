@@ -562,12 +562,14 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
 
 
 # The launch table: tile widths, warps and pipeline depth, fixed (no autotuning, so no start-up search and
-# nothing re-tuned when the batch size or sequence length changes). Module-level so that
-# `benchmarks/gla_kernel.py --sweep` can time alternatives on a GPU: on an H200 (bf16, the gla-340M layer
-# shape) 4 warps for the state passes without software pipelining and for the dv kernel, 8 for dq/dk, were
-# the fastest of the settings tried; the sweep prints how far this table is from the best. The output
-# kernel stays at 8 warps: at 4 (about 0.09 ms faster there) its output was wrong at K=256, V=32 on an
-# H200 with Triton 3.6 (tests/test_gla_triton.py::test_gpu_bf16_matches_fp32_naive).
+# nothing re-tuned when the batch size or sequence length changes). Module-level so that the opt-in search
+# (tune.py: `kernel_autotune` in pretrain, `benchmarks/gla_kernel.py --sweep`) can replace it. On an H200
+# (bf16, the gla-340M layer shape) 4 warps for the state passes without software pipelining and for the dv
+# kernel, 8 for dq/dk, were the fastest of the settings tried. The search finds 128-wide state tiles and a
+# 4-warp output kernel over 256-wide value tiles 1.13x faster at that shape (2.2% of a training step), but
+# the 4-warp output kernel gave a wrong output at K=256, V=32 on an H200 with Triton 3.6
+# (tests/test_gla_triton.py::test_gpu_bf16_matches_fp32_naive), so the shipped table keeps 8; the search
+# checks every setting's output and gradients at the shape it tunes for.
 LAUNCH = {"BK": 64, "BV": 64, "BV_out": 128, "state_BK": 64, "state_BV": 64, "state_warps": 4, "state_stages": 1, "output_warps": 8, "dv_warps": 4,
           "dqk_warps": 8, "stages": 1,
           # the backward pass's state recomputation and state-gradient pass in one launch

@@ -1,0 +1,96 @@
+"""Compile flash-linear-attention's Triton autotuning candidates ahead of a comparison, in parallel.
+
+flash-linear-attention autotunes each kernel on first use, compiling every candidate config one after
+another: on a fresh H200 its gla-340M training step did not start within 260 s. To measure its steady
+state within a time limit, this script splits the work: worker i of n compiles every n-th candidate of
+each autotuned kernel (its training step at 16 x 2048 and the kernel benchmark's shapes), with its own
+autotuning results left unstored (FLA_CACHE_RESULTS=0), into the shared TRITON_CACHE_DIR. A later
+process using that cache still autotunes over every candidate - same choice as without this script -
+but finds each one compiled. Its first-step time then no longer shows a cold start; first_step.py
+measures that from an empty cache.
+
+    TRITON_CACHE_DIR=/tmp/fla-cache python benchmarks/fla_precompile.py --workers 6
+    TRITON_CACHE_DIR=/tmp/fla-cache python benchmarks/train_throughput.py --models fabric-lin,fla
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker(i: int, n: int, batch_size: int, seq_len: int) -> None:
+    os.environ["FLA_CACHE_RESULTS"] = "0"  # read when fla is imported: this worker's choices are not kept
+    from triton.runtime.autotuner import Autotuner
+
+    all_candidates = Autotuner.prune_configs
+
+    def my_share(self, kwargs):
+        configs = all_candidates(self, kwargs)
+        return configs[i::n] or configs[:1]
+
+    Autotuner.prune_configs = my_share
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from gla_kernel import SHAPES, gla_inputs, load_fla
+    from train_throughput import fla_model
+
+    from fabric_lin.config import Config
+
+    config = Config.from_name("gla-340M")
+    model, loss_fn = fla_model(config)
+    model = model.cuda().to(torch.bfloat16).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    data = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device="cuda")
+    loss_fn(data[:, :-1].contiguous(), data[:, 1:].contiguous()).backward()
+    optimizer.step()
+    torch.cuda.synchronize()
+    print(f"worker {i}/{n}: training step {batch_size} x {seq_len} compiled", flush=True)
+    del model, optimizer
+    torch.cuda.empty_cache()
+    fla, error = load_fla()
+    if fla is None:
+        raise SystemExit(f"flash-linear-attention is not usable: {error}")
+    for shape in SHAPES:
+        inputs, do = gla_inputs(*shape)
+        fla(*inputs).backward(do)
+        torch.cuda.synchronize()
+        print(f"worker {i}/{n}: chunk_gla {shape} compiled", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=6, help="processes, spread over the visible GPUs")
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker, args.workers, args.batch_size, args.seq_len)
+        return
+    if "TRITON_CACHE_DIR" not in os.environ:
+        raise SystemExit("set TRITON_CACHE_DIR: the compiled candidates go there, for the comparison to reuse")
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise SystemExit("needs a CUDA GPU")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in range(gpus))).split(",")
+    start = time.time()
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--workers", str(args.workers),
+                          "--batch_size", str(args.batch_size), "--seq_len", str(args.seq_len)],
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=visible[i % len(visible)]))
+        for i in range(args.workers)
+    ]
+    codes = [p.wait() for p in procs]
+    print(f"{args.workers} workers on {gpus} GPU(s): exit codes {codes}, {time.time() - start:.0f} s", flush=True)
+    sys.exit(max(codes, key=abs))
+
+
+if __name__ == "__main__":
+    main()
