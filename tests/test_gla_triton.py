@@ -93,18 +93,21 @@ def test_triton_varlen_matches_naive_fp32():
 
 
 @cpu_only
-@pytest.mark.parametrize("state_split,fused_bwd_states,separate_cumsum", [
-    (False, False, False), (False, True, True), (True, False, False),
+@pytest.mark.parametrize("state_split,fused_bwd_states,separate_cumsum,separate_scores", [
+    (False, False, False, False), (False, True, True, True), (True, False, False, True),
 ])
-def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fused_bwd_states, separate_cumsum):
+def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fused_bwd_states, separate_cumsum,
+                                                   separate_scores):
     # the state passes split K and V into 16-wide tiles here, the per-chunk kernels into 32-wide ones;
     # state_split picks the sequential pass with the products inside, or chunk-parallel updates + scan;
     # fused_bwd_states runs the backward's two sequential passes as one launch; separate_cumsum computes
-    # the in-chunk cumulative gate by its own kernel rather than inside the forward state pass
+    # the in-chunk cumulative gate by its own kernel rather than inside the forward state pass;
+    # separate_scores computes the intra-chunk scores by their own kernel, which the output kernel reads
     from fabric_lin.ops.gla import chunk
 
     tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "scan_SK": 16, "scan_SV": 16}
-    settings = dict(tiles, state_split=state_split, fused_bwd_states=fused_bwd_states, separate_cumsum=separate_cumsum)
+    settings = dict(tiles, state_split=state_split, fused_bwd_states=fused_bwd_states, separate_cumsum=separate_cumsum,
+                    separate_scores=separate_scores)
     for key, value in settings.items():
         monkeypatch.setitem(chunk.LAUNCH, key, value)
     offsets = torch.tensor([0, 300, 330], dtype=torch.int32)  # 5 chunks, then 1

@@ -15,7 +15,8 @@ state), arranged so that every matrix product is a full 64-row tile:
     LAUNCH["separate_cumsum"]) and read by the other kernels;
     reference rows are plain loads of gc, and rows past a sequence's end read its last row.
   * h_n, the state entering chunk n, comes from a state pass, and o = (q * exp(b)) @ h_n + A @ v
-    (_fwd_output_kernel). The state pass is either one sequential loop per (sequence, head, tile) with
+    (_fwd_output_kernel, which computes A itself or reads it from _fwd_scores_kernel, a kernel of its
+    own with fewer registers per program: LAUNCH["separate_scores"]). The state pass is either one sequential loop per (sequence, head, tile) with
     the products inside (_fwd_state_kernel; h_n in the input dtype or fp32, LAUNCH["state_dtype"]), or,
     for long sequences with few heads, chunk-parallel products (_chunk_update_kernel) followed by an
     elementwise scan over the chunks (_state_scan_kernel, h_n in fp32); LAUNCH["state_split"] picks.
@@ -319,11 +320,29 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
 
 
 @triton.jit
+def _fwd_scores_kernel(q, k, gc, A_out, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, K: tl.constexpr,
+                       BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                       IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+    """A = the intra-chunk scores of one chunk of one head ([B*T, H, BT], input dtype), for the output
+    kernel to read (LAUNCH["separate_scores"]) and the backward pass."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_h = i_bh % H
+    row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    A = _intra_chunk_scores(q + i_h * K, k + i_h * K, gc + i_h * K, row0, n_rows, H * K, K, scale,
+                            BT, BC, BS, BK, DOT_PREC)
+    o_t = tl.arange(0, BT)
+    tl.store(A_out + (row0 + o_t[:, None]) * (H * BT) + i_h * BT + o_t[None, :], A.to(A_out.dtype.element_ty),
+             mask=(o_t < n_rows)[:, None])
+
+
+@triton.jit
 def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
-    """o = (q * exp(b)) @ h_n + A @ v for one chunk of one head, all value columns; A is kept for the
-    backward pass ([B*T, H, BT], input dtype)."""
+                       BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                       LOAD_SCORES: tl.constexpr):
+    """o = (q * exp(b)) @ h_n + A @ v for one chunk of one head, all value columns. A is computed here
+    and kept for the backward pass ([B*T, H, BT], input dtype), or, with LOAD_SCORES, read from there
+    (written by _fwd_scores_kernel)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_h = i_bh % H
     row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -334,10 +353,14 @@ def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scal
     o += i_h * V
     h += (i_tg * H + i_h) * K * V
     DT = v.dtype.element_ty
-    A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BC, BS, BK, DOT_PREC).to(DT)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_rows
-    tl.store(A_out + (row0 + o_t[:, None]) * (H * BT) + i_h * BT + o_t[None, :], A, mask=m_t[:, None])
+    A_ptrs = A_out + (row0 + o_t[:, None]) * (H * BT) + i_h * BT + o_t[None, :]
+    if LOAD_SCORES:
+        A = tl.load(A_ptrs, mask=m_t[:, None], other=0.0).to(DT)
+    else:
+        A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BC, BS, BK, DOT_PREC).to(DT)
+        tl.store(A_ptrs, A, mask=m_t[:, None])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -572,6 +595,9 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
 # checks every setting's output and gradients at the shape it tunes for.
 LAUNCH = {"BK": 64, "BV": 64, "BV_out": 128, "state_BK": 64, "state_BV": 64, "state_warps": 4, "state_stages": 1, "output_warps": 8, "dv_warps": 4,
           "dqk_warps": 8, "stages": 1,
+          # the forward's intra-chunk scores by their own kernel, read by the output kernel (True), or computed
+          # inside the output kernel (False: one launch, but the output kernel's programs hold both)
+          "separate_scores": False, "scores_warps": 4,
           # the backward pass's state recomputation and state-gradient pass in one launch
           "fused_bwd_states": True,
           # the forward's in-chunk cumulative gate by its own kernel (True) or inside the sequential state pass
@@ -745,9 +771,15 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens):
     A = q.new_empty(B, T, H, BT)
     grid = (NC, H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H)
     BV_out = min(LAUNCH["BV_out"], max(16, triton.next_power_of_2(V)))
+    if LAUNCH["separate_scores"]:
+        _fwd_scores_kernel[grid](
+            q, k, gc, A, cu_seqlens, chunk_indices, scale, T, H, K, BT, BC, BS, BK,
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
+            num_warps=LAUNCH["scores_warps"], num_stages=LAUNCH["stages"],
+        )
     _fwd_output_kernel[grid](
         q, k, v, gc, h, o, A, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV_out,
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype), LOAD_SCORES=LAUNCH["separate_scores"],
         num_warps=LAUNCH["output_warps"], num_stages=LAUNCH["stages"],
     )
     return o, ht, gc, A

@@ -26,7 +26,8 @@ from fabric_lin.ops.gla import chunk
 # one group per kernel (or structural choice); within a group every combination is tried
 SEARCH_SPACE: List[Dict[str, tuple]] = [
     {"state_BV": (64, 128), "state_warps": (4, 8), "state_stages": (1, 2)},  # sequential state passes
-    {"output_warps": (8, 4), "BV_out": (128, 256)},  # forward output kernel
+    {"output_warps": (8, 4), "BV_out": (128, 256), "separate_scores": (False, True)},  # forward output kernel
+    {"scores_warps": (4, 8)},  # the separate score kernel, where chosen
     {"dv_warps": (4, 8)},
     {"dqk_warps": (8, 4)},
     {"stages": (1, 2)},  # pipelining of the chunk-parallel kernels
