@@ -328,15 +328,19 @@ def build_model(
 
 
 def tune_gla_kernels(fabric: L.Fabric, config: Config, train: TrainArgs, precision: str, out_dir: Path) -> None:
-    """kernel_autotune: the GLA launch settings for this layer shape, from out_dir's cache or searched.
-    Every process searches on its own GPU; rank 0 alone writes the cache."""
+    """kernel_autotune: the GLA launch settings for this layer shape, from out_dir's cache or searched by
+    rank 0 and sent to every process, so that all of them (and a resumed run) use the same kernels."""
+    from fabric_lin.ops.gla import chunk
     from fabric_lin.ops.gla.tune import tuned_launch
 
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else torch.float32
-    tuned_launch(
-        train.micro_batch_size, train.max_seq_length, config.num_heads, config.head_k_dim, config.head_v_dim, dtype,
-        cache_file=out_dir / COMPILE_CACHE_DIR / "gla_launch.json", write_cache=fabric.global_rank == 0, log=fabric.print,
-    )
+    launch = None
+    if fabric.global_rank == 0:
+        launch = tuned_launch(
+            train.micro_batch_size, train.max_seq_length, config.num_heads, config.head_k_dim, config.head_v_dim, dtype,
+            cache_file=out_dir / COMPILE_CACHE_DIR / "gla_launch.json", log=fabric.print,
+        )
+    chunk.LAUNCH.update(fabric.broadcast(launch, src=0))
 
 
 class RunContext:

@@ -80,3 +80,47 @@ def test_bad_cache_file_is_named(tmp_path):
     cache.write_text(json.dumps({key: {"no_such_setting": 1}}))
     with pytest.raises(ValueError, match="unknown launch keys \\['no_such_setting'\\]"):
         tune.tuned_launch(**SHAPE, cache_file=cache, device="cpu")
+
+
+class FakeFabric:
+    """The two things tune_gla_kernels asks of Fabric: the rank, and a broadcast from rank 0."""
+
+    def __init__(self, rank, rank0_settings=None):
+        self.global_rank, self.rank0_settings, self.sent = rank, rank0_settings, None
+
+    def broadcast(self, obj, src=0):
+        assert src == 0
+        if self.global_rank == 0:
+            self.sent = obj
+            return obj
+        return self.rank0_settings
+
+    def print(self, *args):
+        pass
+
+
+def test_pretrain_search_runs_on_rank_0_and_every_rank_installs_its_result(monkeypatch, tmp_path):
+    from fabric_lin.args import TrainArgs
+    from fabric_lin.config import Config
+    from fabric_lin.pretrain import tune_gla_kernels
+
+    config = Config.from_name("gla-debug")
+    train = TrainArgs(micro_batch_size=4, global_batch_size=4, max_seq_length=256)
+    calls = []
+
+    def fake_tuned_launch(B, T, H, K, V, dtype, cache_file=None, log=print):
+        calls.append((B, T, H, K, V, dtype, cache_file))
+        return dict(chunk.LAUNCH, dqk_warps=4)
+
+    monkeypatch.setattr(tune, "tuned_launch", fake_tuned_launch)
+    chunk.LAUNCH.update(dqk_warps=8)
+    rank0 = FakeFabric(0)
+    tune_gla_kernels(rank0, config, train, "bf16-mixed", tmp_path)
+    assert calls == [(4, 256, config.num_heads, config.head_k_dim, config.head_v_dim, torch.bfloat16,
+                      tmp_path / "compile_cache" / "gla_launch.json")]
+    assert chunk.LAUNCH["dqk_warps"] == 4 and rank0.sent["dqk_warps"] == 4
+
+    chunk.LAUNCH.update(dqk_warps=8)
+    tune_gla_kernels(FakeFabric(1, rank0_settings=rank0.sent), config, train, "bf16-mixed", tmp_path)
+    assert len(calls) == 1  # rank 1 did not search
+    assert chunk.LAUNCH["dqk_warps"] == 4

@@ -131,11 +131,10 @@ def tune_launch(
 
 def tuned_launch(
     B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, cache_file: Optional[Path] = None,
-    device: str = "cuda", write_cache: bool = True, log: Callable[[str], None] = print, **search,
+    device: str = "cuda", log: Callable[[str], None] = print, **search,
 ) -> Dict:
     """The launch table for (H, K, V, dtype) on this GPU: read from cache_file when it holds this key,
-    searched (tune_launch at B, T) and written there otherwise (unless write_cache is False: the
-    other processes of a multi-GPU run). Installs it in chunk.LAUNCH."""
+    searched (tune_launch at B, T) and written there otherwise. Installs it in chunk.LAUNCH."""
     key = launch_key(H, K, V, dtype, torch.device(device))
     cached = {}
     if cache_file is not None and Path(cache_file).exists():
@@ -151,7 +150,7 @@ def tuned_launch(
         log(f"GLA launch settings for {key} from {cache_file}")
         return dict(chunk.LAUNCH)
     result = tune_launch(B, T, H, K, V, dtype, device, log=log, **search)
-    if cache_file is not None and write_cache:
+    if cache_file is not None:
         cached[key] = result["launch"]
         Path(cache_file).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(f"{cache_file}.tmp-{os.getpid()}")
