@@ -25,7 +25,8 @@ from fabric_lin.ops.gla import chunk
 
 # one group per kernel (or structural choice); within a group every combination is tried
 SEARCH_SPACE: List[Dict[str, tuple]] = [
-    {"state_BV": (64, 128), "state_warps": (4, 8), "state_stages": (1, 2)},  # sequential state passes
+    # sequential state passes; narrow tiles give a long single sequence (few heads) more programs
+    {"state_BK": (64, 32), "state_BV": (64, 128, 32), "state_warps": (4, 8), "state_stages": (1, 2)},
     {"output_warps": (8, 4), "BV_out": (128, 256), "separate_scores": (False, True)},  # forward output kernel
     {"scores_warps": (4, 8)},  # the separate score kernel, where chosen
     {"dv_warps": (4, 8)},
