@@ -7,7 +7,7 @@ GLA block (pre-norm, as flash-linear-attention's GLAForCausalLM):
 """
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -22,7 +22,7 @@ from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, log_decay, recu
 try:
     from fabric_lin.ops.cross_entropy import linear_cross_entropy
     from fabric_lin.ops.gla.fused_recurrent import fused_recurrent_gla_step
-    from fabric_lin.ops.norm import rms_norm, rms_norm_gated_linear
+    from fabric_lin.ops.norm import rms_norm, rms_norm_gated_linear, rms_norm_linears
     from fabric_lin.ops.swiglu import swiglu_linear
 
     FUSED_OPS = os.environ.get("FABRIC_LIN_FUSED_OPS", "1") != "0"
@@ -76,8 +76,21 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def normed_projections(norm: RMSNorm, x: torch.Tensor, linears: List[nn.Linear], residual: Optional[torch.Tensor] = None):
+    """[linear(norm(x)) for linear in linears] for bias-free linears; with `residual`, norm(x + residual) and
+    also h = x + residual: (projections, h). On the fused path the normed activation is recomputed in the
+    backward pass instead of being kept for the projections (one [tokens, hidden] tensor less per call)."""
+    if use_fused(x):
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        return rms_norm_linears(x, norm.weight, norm.eps, [lin.weight for lin in linears], residual, dtype)
+    normed = norm(x, residual)
+    y, h = normed if residual is not None else (normed, None)
+    outs = [lin(y) for lin in linears]
+    return (outs, h) if residual is not None else outs
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), x = the normed block stream."""
 
     def __init__(self, config: Config):
         super().__init__()
@@ -86,11 +99,12 @@ class MLP(nn.Module):
         self.up_proj = Linear(d, i, std=std)
         self.down_proj = Linear(i, d, std=std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if use_fused(x):  # the activation is recomputed in the backward pass rather than kept
-            return swiglu_linear(gate, up, self.down_proj.weight)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(mlp(norm(x + residual)), x + residual)."""
+        (gate, up), h = normed_projections(norm, x, [self.gate_proj, self.up_proj], residual)
+        if use_fused(gate):  # the activation is recomputed in the backward pass rather than kept
+            return swiglu_linear(gate, up, self.down_proj.weight), h
+        return self.down_proj(F.silu(gate) * up), h
 
 
 class GatedLinearAttention(nn.Module):
@@ -112,15 +126,20 @@ class GatedLinearAttention(nn.Module):
         self.g_norm = RMSNorm(config.head_v_dim, eps=config.head_norm_eps)  # per head, before the gate
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, cache: Optional["DecodeCache"] = None, layer: int = 0
+        self, x: torch.Tensor, norm: RMSNorm, cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional["DecodeCache"] = None, layer: int = 0,
     ) -> torch.Tensor:
+        """attention(norm(x))."""
         c = self.config
         B, T, _ = x.shape
         groups = c.num_heads // c.num_kv_heads
-        q = self.q_proj(x).view(B, T, c.num_heads, c.head_k_dim)
-        k = self.k_proj(x).view(B, T, c.num_kv_heads, c.head_k_dim)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_v_dim)
-        gate_logits = self.gk_proj(x).view(B, T, c.num_kv_heads, c.head_k_dim)
+        q, k, v, gate_low_rank, g = normed_projections(
+            norm, x, [self.q_proj, self.k_proj, self.v_proj, self.gk_proj[0], self.g_proj]
+        )
+        q = q.view(B, T, c.num_heads, c.head_k_dim)
+        k = k.view(B, T, c.num_kv_heads, c.head_k_dim)
+        v = v.view(B, T, c.num_kv_heads, c.head_v_dim)
+        gate_logits = self.gk_proj[1](gate_low_rank).view(B, T, c.num_kv_heads, c.head_k_dim)
         if groups > 1:  # key/value head h serves query heads h*groups ... h*groups + groups - 1
             k, v, gate_logits = (t.repeat_interleave(groups, dim=2) for t in (k, v, gate_logits))
 
@@ -135,7 +154,7 @@ class GatedLinearAttention(nn.Module):
             else:
                 o, cache.layers[layer] = chunk_gla(q, k, v, gk, initial_state=cache.layers[layer], output_final_state=True)
 
-        g = self.g_proj(x).view(B, T, c.num_heads, c.head_v_dim)
+        g = g.view(B, T, c.num_heads, c.head_v_dim)
         if use_fused(x):  # per-head RMSNorm times swish(gate) in one kernel, then o_proj; recomputed in backward
             return rms_norm_gated_linear(o.to(g.dtype), g, self.g_norm.weight, self.g_norm.eps, self.o_proj.weight)
         o = (self.g_norm(o).float() * F.silu(g.float())).to(g.dtype)
@@ -168,16 +187,19 @@ class CausalSelfAttention(nn.Module):
         self.o_proj = Linear(d, d, std=std)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, cache: Optional["DecodeCache"] = None, layer: int = 0
+        self, x: torch.Tensor, norm: RMSNorm, cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional["DecodeCache"] = None, layer: int = 0,
     ) -> torch.Tensor:
+        """attention(norm(x))."""
         c = self.config
         B, T, d = x.shape
         head_dim = d // c.num_heads
         start = cache.position if cache is not None else 0
         positions = torch.arange(start, start + T, device=x.device)
-        q = apply_rope(self.q_proj(x).view(B, T, c.num_heads, head_dim), positions, c.rope_base)
-        k = apply_rope(self.k_proj(x).view(B, T, c.num_kv_heads, head_dim), positions, c.rope_base)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, head_dim)
+        q, k, v = normed_projections(norm, x, [self.q_proj, self.k_proj, self.v_proj])
+        q = apply_rope(q.view(B, T, c.num_heads, head_dim), positions, c.rope_base)
+        k = apply_rope(k.view(B, T, c.num_kv_heads, head_dim), positions, c.rope_base)
+        v = v.view(B, T, c.num_kv_heads, head_dim)
         if cache is not None:
             if cache.layers[layer] is not None:
                 k_past, v_past = cache.layers[layer]
@@ -213,10 +235,11 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cu_seqlens=None, cache=None, layer: int = 0):
-        attn_out = self.attn(self.attn_norm(x), cu_seqlens=cu_seqlens, cache=cache, layer=layer)
-        # h = x + attn_out in x's dtype (fp32 residual stream under bf16-mixed), normed = mlp_norm(h)
-        normed, h = self.mlp_norm(x, residual=attn_out)
-        return h + self.mlp(normed)
+        # each sublayer applies its pre-norm together with its input projections (normed_projections)
+        attn_out = self.attn(x, self.attn_norm, cu_seqlens=cu_seqlens, cache=cache, layer=layer)
+        # h = x + attn_out in x's dtype (fp32 residual stream under bf16-mixed), the MLP sees mlp_norm(h)
+        mlp_out, h = self.mlp(x, self.mlp_norm, residual=attn_out)
+        return h + mlp_out
 
 
 @dataclass

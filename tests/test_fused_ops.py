@@ -17,6 +17,7 @@ from fabric_lin.ops.norm import (  # noqa: E402
     rms_norm_gated,
     rms_norm_gated_linear,
     rms_norm_gated_ref,
+    rms_norm_linears,
     rms_norm_ref,
 )
 from fabric_lin.ops.swiglu import swiglu, swiglu_linear, swiglu_ref  # noqa: E402
@@ -100,6 +101,50 @@ def test_rms_norm_gated_linear_matches_reference_and_keeps_no_activation(dtype):
     assert sorted(saved) == sorted([(2, 7, 3, 40), (2, 7, 3, 40), (40,), (42,), (24, 120)])
     with pytest.raises(ValueError, match=r"proj_weight must be \[out, 120\]"):
         rms_norm_gated_linear(x, gate, w, 1e-5, torch.randn(24, 100), backend="triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_linears_matches_reference_and_keeps_no_normed_activation(dtype, with_residual):
+    # a pre-norm block's input projections: three weights of different widths, the last output unused
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 7, 48, generator=g).to(DEVICE, dtype)
+    residual = torch.randn(2, 7, 48, generator=g).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(48, generator=g)).to(DEVICE, dtype)
+    projs = [(0.2 * torch.randn(n, 48, generator=g)).to(DEVICE, dtype) for n in (24, 16, 8)]
+    ref_in, out_in = leaves(x, residual, w, *projs), leaves(x, residual, w, *projs)
+    if not with_residual:
+        ref_in[1] = out_in[1] = None
+    ref_normed = rms_norm_ref(ref_in[0], ref_in[2], 1e-6, ref_in[1])
+    ref_y, ref_h = ref_normed if with_residual else (ref_normed, None)
+    ref_outs = [F.linear(ref_y, p) for p in ref_in[3:]]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        result = rms_norm_linears(out_in[0], out_in[2], 1e-6, out_in[3:], residual=out_in[1], backend="triton")
+    outs, h = result if with_residual else (result, None)
+    for a, b, name in zip(outs, ref_outs, ["out0", "out1", "out2"]):
+        assert a.is_contiguous()
+        check(a, b, dtype, name)
+    used_out, used_ref = tuple(outs[:2]) + ((h,) if with_residual else ()), tuple(ref_outs[:2]) + ((ref_h,) if with_residual else ())
+    wrt_out = [t for t in out_in if t is not None]
+    wrt_ref = [t for t in ref_in if t is not None]
+    names = ["dx"] + (["dresidual"] if with_residual else []) + ["dweight", "dproj0", "dproj1", "dproj2"]
+    out_grads = torch.autograd.grad(
+        sum((o.float() * torch.randn(o.shape, generator=torch.Generator().manual_seed(i)).to(o.device)).sum()
+            for i, o in enumerate(used_out)), wrt_out, allow_unused=True)
+    ref_grads = torch.autograd.grad(
+        sum((o.float() * torch.randn(o.shape, generator=torch.Generator().manual_seed(i)).to(o.device)).sum()
+            for i, o in enumerate(used_ref)), wrt_ref, allow_unused=True)
+    for a, b, name in zip(out_grads, ref_grads, names):
+        if b is None:  # the unused projection: no gradient reaches it
+            assert a is None or a.abs().max() == 0, name
+            continue
+        check(a, b, dtype, name)
+    # kept for backward: x (or h), the norm weight, one rstd per row and the stacked weights; not the
+    # normed [2, 7, 48] activation (one [2, 7, 48] tensor only)
+    assert sorted(saved) == sorted([(2, 7, 48), (48,), (14,), (48, 48)])
+    with pytest.raises(ValueError, match=r"expected projection weights \[out, 48\]"):
+        rms_norm_linears(x, w, 1e-6, [torch.randn(8, 40)], backend="triton")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -16,7 +16,8 @@ from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FUSED_FUNCTIONS = ("chunk_gla_from_logits", "rms_norm", "rms_norm_gated_linear", "swiglu_linear", "linear_cross_entropy")
+FUSED_FUNCTIONS = ("chunk_gla_from_logits", "rms_norm", "rms_norm_gated_linear", "rms_norm_linears", "swiglu_linear",
+                   "linear_cross_entropy")
 
 
 def use_triton_ops(monkeypatch):

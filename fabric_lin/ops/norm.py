@@ -3,12 +3,14 @@
     rms_norm(x, weight, eps, residual=None)  ->  y                       (residual None)
                                              ->  (y, x + residual)      (pre-norm block: the new residual stream)
     rms_norm_gated(x, gate, weight, eps)     ->  rmsnorm(x) * weight * silu(gate)   over the last dim
+    rms_norm_gated_linear, rms_norm_linears  ->  the same followed by projections, the normed activation
+                                                 recomputed in the backward pass rather than kept
 
 Each row is normalised in fp32 in one program; the backward recomputes from the saved input and
 1/rms. `backend="auto"` runs Triton on CUDA and the PyTorch reference (`*_ref`, beside each op)
 elsewhere; "triton" / "torch" force one.
 """
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -253,3 +255,63 @@ def rms_norm_gated_linear(
         y = rms_norm_gated_ref(x, gate, weight, eps)
         return F.linear(y.reshape(*x.shape[:-2], -1), proj_weight.to(y.dtype))
     return _RMSNormGatedLinearFunction.apply(x.contiguous(), gate.contiguous(), weight, float(eps), proj_weight.to(x.dtype))
+
+
+class _RMSNormLinearsFunction(torch.autograd.Function):
+    """RMSNorm (with the residual add folded in, when given), then projections of the normed activation
+    by row blocks of one stacked weight (each output its own contiguous tensor); the normed activation is
+    recomputed in the backward pass instead of being kept for the weight gradients."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, stacked, sizes):
+        y, h, rstd = _rms_norm_fwd_op(x, residual, None, weight, eps)
+        source = h if residual is not None else x
+        ctx.save_for_backward(source, weight, rstd, stacked)
+        ctx.eps, ctx.has_residual, ctx.sizes = eps, residual is not None, sizes
+        y = y.to(stacked.dtype)
+        return (h, *(torch.matmul(y, w.t()) for w in stacked.split(sizes)))
+
+    @staticmethod
+    def backward(ctx, dh_out, *d_outs):
+        source, weight, rstd, stacked = ctx.saved_tensors
+        dh_extra = dh_out.contiguous() if ctx.has_residual and dh_out is not None else None
+        y, _, _ = _rms_norm_fwd_op(source, None, None, weight, ctx.eps)
+        y = y.to(stacked.dtype).reshape(-1, y.shape[-1])
+        # the outputs' gradients side by side: one product for the input gradient (summed over the
+        # projections inside the product, rounded once) and one for the stacked weight's
+        d_cat = torch.cat([
+            (d if d is not None else y.new_zeros(*y.shape[:-1], n)).reshape(y.shape[0], n)
+            for d, n in zip(d_outs, ctx.sizes)
+        ], dim=-1)
+        dy = torch.matmul(d_cat, stacked).view_as(source)
+        d_stacked = torch.matmul(d_cat.t(), y)
+        dx, _, dw = _rms_norm_bwd_op(source, None, weight, rstd, dy, dh_extra)
+        return dx, (dx if ctx.has_residual else None), dw, None, d_stacked, None
+
+
+def rms_norm_linears(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, proj_weights: Sequence[torch.Tensor],
+    residual: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None, backend: str = "auto",
+) -> Union[List[torch.Tensor], Tuple[List[torch.Tensor], torch.Tensor]]:
+    """[rms_norm(x) @ w.T for w in proj_weights] (a pre-norm block's input projections); with `residual`,
+    h = x + residual is normalised and (projections, h) returned. The projections run in `dtype`
+    (default x's; under bf16-mixed the autocast dtype, as a linear layer would), the weights cast to it
+    (and stacked: one saved copy). Keeps x (or h) and 1/rms for the backward pass, not the normed
+    activation."""
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm_linears: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm_linears: residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    bad = [tuple(w.shape) for w in proj_weights if w.dim() != 2 or w.shape[1] != x.shape[-1]]
+    if not proj_weights or bad:
+        raise ValueError(f"rms_norm_linears: expected projection weights [out, {x.shape[-1]}], got {bad or 'none'}")
+    dtype = dtype or x.dtype
+    if _pick(backend, x) == "torch":
+        normed = rms_norm_ref(x, weight, eps, residual)
+        y, h = normed if residual is not None else (normed, None)
+        outs = [F.linear(y.to(dtype), w.to(dtype)) for w in proj_weights]
+        return (outs, h) if residual is not None else outs
+    stacked = torch.cat([w.to(dtype) for w in proj_weights]) if len(proj_weights) > 1 else proj_weights[0].to(dtype)
+    h, *outs = _RMSNormLinearsFunction.apply(x.contiguous(), residual.contiguous() if residual is not None else None,
+                                             weight, float(eps), stacked, [w.shape[0] for w in proj_weights])
+    return (outs, h) if residual is not None else outs
