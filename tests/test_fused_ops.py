@@ -147,6 +147,26 @@ def test_rms_norm_linears_matches_reference_and_keeps_no_normed_activation(dtype
         rms_norm_linears(x, w, 1e-6, [torch.randn(8, 40)], backend="triton")
 
 
+def test_rms_norm_linears_runs_the_projections_in_the_compute_dtype():
+    # bf16-mixed: an fp32 residual stream and fp32 weights, projections in bf16 as autocast runs a linear
+    # layer; the weights' gradients reach them in fp32
+    g = torch.Generator().manual_seed(10)
+    x, residual = (torch.randn(2, 5, 32, generator=g).to(DEVICE) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(32, generator=g)).to(DEVICE)
+    projs = [(0.2 * torch.randn(n, 32, generator=g)).to(DEVICE) for n in (16, 8)]
+    ref_in, out_in = leaves(x, residual, w, *projs), leaves(x, residual, w, *projs)
+    ref_y, ref_h = rms_norm_ref(ref_in[0], ref_in[2], 1e-6, ref_in[1])
+    ref_outs = [F.linear(ref_y.to(torch.bfloat16), p.to(torch.bfloat16)) for p in ref_in[3:]]
+    outs, h = rms_norm_linears(out_in[0], out_in[2], 1e-6, out_in[3:], residual=out_in[1], dtype=torch.bfloat16,
+                               backend="triton")
+    assert [o.dtype for o in outs] == [torch.bfloat16] * 2 and h.dtype == torch.float32
+    for a, b in zip(outs, ref_outs):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    for a, b in zip(grads_of(tuple(outs) + (h,), out_in), grads_of(tuple(ref_outs) + (ref_h,), ref_in)):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_matches_reference(dtype):
     g = torch.Generator().manual_seed(2)
