@@ -2,7 +2,8 @@
 # Every GPU measurement behind tutorials/performance.md, one after the other, each with a time limit;
 # JSON and logs go to the folder given (default bench-out/). Run from the repository root on a GPU machine:
 #
-#     bash benchmarks/gpu_suite.sh bench-out
+#     bash benchmarks/gpu_suite.sh bench-out                          # everything (well over 10 minutes)
+#     bash benchmarks/gpu_suite.sh bench-out gpu_tests,train_2048     # only the steps named
 #
 # flash-linear-attention autotunes its kernels on first use (many minutes). first_step.py runs it first,
 # with an empty Triton cache of its own (out/triton-cache), and records that cold start as the peer's
@@ -10,6 +11,7 @@
 # cache, so that the later comparisons measure its steady state (it still autotunes over every candidate).
 set -u
 out="${1:-bench-out}"
+only="${2:-}"  # comma-separated step names; empty: all
 mkdir -p "$out"
 cache="$(cd "$out" && pwd)/triton-cache"
 export PYTHONUNBUFFERED=1
@@ -17,6 +19,7 @@ export PYTHONUNBUFFERED=1
 step() {  # name, seconds, command...
     local name=$1 limit=$2
     shift 2
+    if [ -n "$only" ] && [[ ",$only," != *",$name,"* ]]; then return; fi
     echo "== $name (at most ${limit}s): $*"
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     echo "   exit code $? ($(date +%T)); log: $out/$name.log"
