@@ -2,11 +2,12 @@
 
 The shipped table needs no search, so nothing is timed at start-up. `tune_launch` is for those who want
 the last few percent on a new GPU or layer shape: it times forward+backward at one shape for each
-setting of SEARCH_SPACE and keeps the fastest whose output and gradients agree with the shipped table's.
+setting of SEARCH_SPACE and keeps the fastest whose output and gradients agree with those of the table
+in place at the start (the shipped one, unless changed).
 
-The settings act on separate kernels (state passes, output, dv, dq/dk) whose times add up, so each
-group is searched exhaustively with the others held, and the groups are swept again until nothing
-improves: the result of the full product of every setting at a fraction of its cost.
+The settings act mostly on separate kernels (state passes, output, dv, dq/dk) whose times add up, so
+each group is searched exhaustively with the others held, and the groups are swept again until nothing
+improves: close to the best of the full product of every setting, at a fraction of its cost.
 
 Results are keyed by what decides the kernels' code and tiling - GPU, dtype, heads, key and value
 dims, Triton version - and not by batch size or sequence length: a run with a new batch size or
