@@ -246,8 +246,6 @@ def main():
                 continue  # the peer has no fabric-lin loop
             if regime == "bf16-weights" and key == "fabric-lin-static":
                 continue  # no compile in regime (a)
-            if regime == "real-loop" and key == "fabric-lin-tuned":
-                continue
             if regime == "data-loader" and key != "fabric-lin":
                 continue  # one loader serves every model
             results[f"{regime}/{key}"] = run_isolated(regime, key, args)

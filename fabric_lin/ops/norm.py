@@ -280,7 +280,7 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
         # the outputs' gradients side by side: one product for the input gradient (summed over the
         # projections inside the product, rounded once) and one for the stacked weight's
         d_cat = torch.cat([
-            (d if d is not None else y.new_zeros(*y.shape[:-1], n)).reshape(y.shape[0], n)
+            d.reshape(y.shape[0], n) if d is not None else y.new_zeros(y.shape[0], n)
             for d, n in zip(d_outs, ctx.sizes)
         ], dim=-1)
         dy = torch.matmul(d_cat, stacked).view_as(source)
