@@ -53,7 +53,7 @@ def ours(config: Config):
     return model, loss_fn
 
 
-def measure(name, build, config, batch_size, seq_len, steps, warmup, extra=None):
+def measure(name, build, config, batch_size, seq_len, steps, warmup, extra=None, profile_steps=0):
     torch.manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
     model, loss_fn = build(config)
@@ -61,20 +61,38 @@ def measure(name, build, config, batch_size, seq_len, steps, warmup, extra=None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     data = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device="cuda")
     ids, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-    times = []
-    compile_start = time.perf_counter()
-    for step in range(warmup + steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def train_step():
         loss = loss_fn(ids, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    times = []
+    compile_start = time.perf_counter()
+    for step in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = train_step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         if step == 0:
             first_step = time.perf_counter() - compile_start
+    if profile_steps:  # after the timed steps, so that profiling costs them nothing
+        from profile_step import profiler, summarize_trace
+
+        with profiler() as prof:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(profile_steps):
+                loss = train_step()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(f"{tmp}/trace.json")
+            extra = dict(extra or {}, profile=summarize_trace(Path(f"{tmp}/trace.json"), profile_steps, wall))
     step_time = sorted(times[warmup:])[len(times[warmup:]) // 2]  # median
     tokens_per_s = batch_size * seq_len / step_time
     peak = peak_flops(torch.device("cuda"), "bf16-true")
@@ -175,7 +193,8 @@ def run_isolated(regime, key, args):
     """One measurement in its own process (a clean allocator and peak-memory count, and a time limit)."""
     cmd = [sys.executable, __file__, "--worker", regime, "--models", key, "--batch_size", str(args.batch_size),
            "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--timeout", str(args.timeout), "--num_workers", str(args.num_workers), "--devices", str(args.devices)]
+           "--timeout", str(args.timeout), "--num_workers", str(args.num_workers), "--devices", str(args.devices),
+           "--profile", str(args.profile)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 60, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -210,7 +229,7 @@ def worker(regime, key, args):
         extra = {"search_s": round(time.perf_counter() - start, 1), "launch": found["launch"],
                  "kernel_fwd_bwd_ms_shipped_vs_searched": [found["shipped_fwd_bwd_ms"], found["fwd_bwd_ms"]]}
     try:
-        measure(name, build, config, args.batch_size, args.seq_len, args.steps, args.warmup, extra)
+        measure(name, build, config, args.batch_size, args.seq_len, args.steps, args.warmup, extra, args.profile)
     except ImportError as e:
         print(json.dumps({"model": name, "skipped": f"not importable: {e}"}))
     except torch.cuda.OutOfMemoryError as e:
@@ -232,6 +251,8 @@ def main():
     parser.add_argument("--timeout", type=int, default=300, help="seconds per measurement")
     parser.add_argument("--devices", type=int, default=1,
                         help="GPUs for the real loop (HYBRID_SHARD when > 1; micro batch --batch_size on each)")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="regime (a): also profile this many steps after the timed ones (GPU time by kind of kernel)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
