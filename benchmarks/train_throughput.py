@@ -117,24 +117,30 @@ REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     "fabric-lin": ("config_hub/gla_340M.yaml", []),
     # the same with shapes specialised, to show what marking them dynamic costs in step time
     "fabric-lin-static": ("config_hub/gla_340M.yaml", ["--compile_dynamic", "false"]),
+    # several GPUs: each Block's gathered weights kept from its forward to its backward pass and across
+    # accumulated micro-batches (one all-gather per optimizer step)
+    "fabric-lin-zero2": ("config_hub/gla_340M.yaml", ["--fsdp_reshard_after_forward", "false"]),
     "transformer": ("config_hub/transformer_340M.yaml", []),
 }
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1):
+def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1, accumulation=1):
     """Regime (b): `fabric-lin pretrain` for warmup + steps optimizer steps; the median logged tokens/s after
-    warmup. With devices > 1: HYBRID_SHARD over that many GPUs, micro batch batch_size on each."""
+    warmup. With devices > 1: HYBRID_SHARD over that many GPUs, micro batch batch_size on each; each
+    optimizer step accumulates `accumulation` micro-batches on each device."""
     recipe, extra = REAL_LOOP_CONFIGS[key]
     name = f"fabric-lin pretrain {Path(recipe).stem} {' '.join(extra)} (real loop: the config's precision, compile on with CUDA)"
     if devices > 1:
         name += f", HYBRID_SHARD over {devices} GPUs"
+    if accumulation > 1:
+        name += f", {accumulation} micro-batches per step"
     out_dir = Path(tempfile.mkdtemp(prefix="throughput-"))
     cmd = [
         sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(ROOT / recipe), *extra,
         "--data", "SampleCorpus", "--data.validation", "false", "--tokenizer_dir", "null", "--out_dir", str(out_dir), "--logger_name", "csv",
         "--train.max_seq_length", str(seq_len), "--train.micro_batch_size", str(batch_size),
-        "--train.global_batch_size", str(batch_size * devices), "--train.max_tokens", "null", "--devices", str(devices),
+        "--train.global_batch_size", str(batch_size * devices * accumulation), "--train.max_tokens", "null", "--devices", str(devices),
         "--train.max_steps", str(warmup + steps), "--train.lr_warmup_steps", "1", "--train.log_interval", "1",
         "--train.save_interval", "null", "--eval.initial_validation", "false", "--eval.final_validation", "false",
     ]
@@ -152,9 +158,10 @@ def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1):
     return {
         "model": name,
         "devices": devices,
+        "accumulation": accumulation,
         "tokens_per_s": round(tokens_per_s),
         "tokens_per_s_per_device": round(tokens_per_s / devices),
-        "ms_per_step": round(batch_size * devices * seq_len / tokens_per_s * 1e3, 2),
+        "ms_per_step": round(batch_size * devices * accumulation * seq_len / tokens_per_s * 1e3, 2),
         "peak_memory_gib": round(max(r.get("max_memory_gb", 0.0) for r in steady) * 1e9 / 2**30, 2),
         "mfu": round(statistics.median(r["mfu"] for r in steady), 4) if "mfu" in steady[0] else None,
         "first_step_s": round(first.get("time_to_first_step_s", float("nan")), 1),
@@ -194,7 +201,7 @@ def run_isolated(regime, key, args):
     cmd = [sys.executable, __file__, "--worker", regime, "--models", key, "--batch_size", str(args.batch_size),
            "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--timeout", str(args.timeout), "--num_workers", str(args.num_workers), "--devices", str(args.devices),
-           "--profile", str(args.profile)]
+           "--accumulation", str(args.accumulation), "--profile", str(args.profile)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 60, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -207,7 +214,8 @@ def run_isolated(regime, key, args):
 
 def worker(regime, key, args):
     if regime == "real-loop":
-        print(json.dumps(real_loop(key, args.batch_size, args.seq_len, args.steps, args.warmup, args.timeout, args.devices)))
+        print(json.dumps(real_loop(key, args.batch_size, args.seq_len, args.steps, args.warmup, args.timeout, args.devices,
+                                   args.accumulation)))
         return
     if regime == "data-loader":
         print(json.dumps(data_loader_alone(args.batch_size, args.seq_len, 10 * args.steps, args.num_workers)))
@@ -244,13 +252,15 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", default="fabric-lin,fla,transformer",
                         help="of fabric-lin, fabric-lin-tuned (regime a after the launch search), fabric-lin-static "
-                        "(regime b with specialised shapes), fla, transformer")
+                        "(regime b with specialised shapes), fabric-lin-zero2 (regime b, weights kept gathered "
+                        "under FSDP), fla, transformer")
     parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",
                         help="bf16-weights (a), real-loop (b), data-loader (the loader alone, no GPU needed)")
     parser.add_argument("--num_workers", type=int, default=2, help="data loader workers for the data-loader regime")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per measurement")
     parser.add_argument("--devices", type=int, default=1,
                         help="GPUs for the real loop (HYBRID_SHARD when > 1; micro batch --batch_size on each)")
+    parser.add_argument("--accumulation", type=int, default=1, help="real loop: micro-batches per optimizer step")
     parser.add_argument("--profile", type=int, default=0,
                         help="regime (a): also profile this many steps after the timed ones (GPU time by kind of kernel)")
     parser.add_argument("--out", help="also write the JSON here")

@@ -28,6 +28,7 @@ import torch
 import yaml
 from lightning.fabric.loggers import CSVLogger
 from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
+from torch.distributed.fsdp import ShardingStrategy
 
 from fabric_lin.args import EvalArgs, OptimizerArgs, TrainArgs, learning_rate
 from fabric_lin.config import Config
@@ -86,6 +87,7 @@ def setup(
     compile_dynamic: bool = True,
     kernel_autotune: bool = False,
     activation_checkpointing: bool = False,
+    fsdp_reshard_after_forward: bool = True,
     reset_state_at_doc_boundaries: bool = False,
 ) -> None:
     """Pretrain a model.
@@ -120,6 +122,12 @@ def setup(
             is kept in out_dir/compile_cache/gla_launch.json, keyed by GPU, dtype and head dims (not by
             batch size or context), so a resumed run or a new context length does not search again.
         activation_checkpointing: Recompute each Block's activations in the backward pass.
+        fsdp_reshard_after_forward: With several GPUs (FSDP HYBRID_SHARD): free each Block's gathered
+            weights after its forward pass and gather them again for its backward pass (true: least
+            memory). False keeps them until the backward pass and, while gradients accumulate over
+            micro-batches, until the optimizer step (ZeRO-2 inside a node: one all-gather of the weights
+            per optimizer step instead of two per micro-batch, for the model's weights in the compute
+            dtype held on every GPU).
         reset_state_at_doc_boundaries: Reset the recurrent state (and attention) at each EOS token,
             so packed documents do not see each other.
     """
@@ -138,7 +146,8 @@ def setup(
         initial_checkpoint_dir=initial_checkpoint_dir, data=data, train=train, eval=eval, optimizer=optimizer,
         devices=devices, num_nodes=num_nodes, seed=seed, tokenizer_dir=tokenizer_dir, logger_name=logger_name,
         compile=compile, compile_cache=compile_cache, compile_dynamic=compile_dynamic, kernel_autotune=kernel_autotune,
-        activation_checkpointing=activation_checkpointing, reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
+        activation_checkpointing=activation_checkpointing, fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+        reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
     ))
     # errors that would otherwise appear only after the model and the data are loaded
     accumulation = train.gradient_accumulation_iters(devices, num_nodes)
@@ -162,8 +171,12 @@ def setup(
             strategy = FSDPStrategy(
                 auto_wrap_policy={Block},
                 activation_checkpointing_policy={Block} if activation_checkpointing else None,
-                sharding_strategy="HYBRID_SHARD",
-                # replicate across nodes, shard over this run's devices of a node (not every visible GPU)
+                # replicated across nodes, sharded inside one; gathered weights freed after each
+                # Block's forward (HYBRID_SHARD) or kept until its backward (_HYBRID_SHARD_ZERO2)
+                sharding_strategy=(
+                    ShardingStrategy.HYBRID_SHARD if fsdp_reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
+                ),
+                # over this run's devices of a node (not every visible GPU)
                 device_mesh=(num_nodes, devices),
                 state_dict_type="sharded",
                 timeout=timedelta(minutes=30),

@@ -46,6 +46,17 @@ def check(a, b, dtype, name):
     torch.testing.assert_close(a.float(), b.float(), **tol(dtype), msg=lambda m: f"{name}: {m}")
 
 
+def check_against_fp32(a, b, dtype, name):
+    """a (computed in dtype) against b (the reference computed in fp32 from the same inputs): element-wise in
+    fp32; in bf16 by relative RMS error, since a sum over many rows (a norm weight's gradient) in bf16 can
+    put single elements well off while the whole is as close as bf16 allows."""
+    if dtype == torch.float32:
+        check(a, b, dtype, name)
+        return
+    error = ((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
+    assert error <= 1e-2, f"{name}: relative RMS error {error:.4f} against the fp32 reference (at most 0.01)"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_reference(dtype, with_residual):
@@ -112,7 +123,8 @@ def test_rms_norm_linears_matches_reference_and_keeps_no_normed_activation(dtype
     residual = torch.randn(2, 7, 48, generator=g).to(DEVICE, dtype)
     w = (1 + 0.1 * torch.randn(48, generator=g)).to(DEVICE, dtype)
     projs = [(0.2 * torch.randn(n, 48, generator=g)).to(DEVICE, dtype) for n in (24, 16, 8)]
-    ref_in, out_in = leaves(x, residual, w, *projs), leaves(x, residual, w, *projs)
+    # the reference in fp32 from the same (dtype-rounded) inputs
+    ref_in, out_in = leaves(*(t.float() for t in (x, residual, w, *projs))), leaves(x, residual, w, *projs)
     if not with_residual:
         ref_in[1] = out_in[1] = None
     ref_normed = rms_norm_ref(ref_in[0], ref_in[2], 1e-6, ref_in[1])
@@ -123,8 +135,8 @@ def test_rms_norm_linears_matches_reference_and_keeps_no_normed_activation(dtype
         result = rms_norm_linears(out_in[0], out_in[2], 1e-6, out_in[3:], residual=out_in[1], backend="triton")
     outs, h = result if with_residual else (result, None)
     for a, b, name in zip(outs, ref_outs, ["out0", "out1", "out2"]):
-        assert a.is_contiguous()
-        check(a, b, dtype, name)
+        assert a.is_contiguous() and a.dtype == dtype
+        check_against_fp32(a, b, dtype, name)
     # the last output left out of the loss: its weight gets no gradient (zero here, None in the reference)
     used_out = tuple(outs[:2]) + ((h,) if with_residual else ())
     used_ref = tuple(ref_outs[:2]) + ((ref_h,) if with_residual else ())
@@ -135,7 +147,7 @@ def test_rms_norm_linears_matches_reference_and_keeps_no_normed_activation(dtype
         if b is None:
             assert a is None or a.abs().max() == 0, name
             continue
-        check(a, b, dtype, name)
+        check_against_fp32(a, b, dtype, name)
     # kept for backward: x (or h), the norm weight, one rstd per row and the stacked weights; not the
     # normed [2, 7, 48] activation (one [2, 7, 48] tensor only)
     assert sorted(saved) == sorted([(2, 7, 48), (48,), (14,), (48, 48)])
