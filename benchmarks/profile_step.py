@@ -55,7 +55,7 @@ def union_us(intervals: List[Tuple[float, float]]) -> float:
     return total
 
 
-def summarize_trace(trace_path: Path, steps: int, wall_s: float, top: int = 15) -> Dict:
+def summarize_trace(trace_path: Path, steps: int, wall_s: float, top: int = 25) -> Dict:
     """Milliseconds per step from a torch.profiler Chrome trace of `steps` steps that took `wall_s` seconds."""
     events = json.loads(Path(trace_path).read_text())["traceEvents"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
