@@ -29,12 +29,16 @@ step gpu_tests 600 python -m pytest -q -p no:cacheprovider tests/test_gla_triton
 step first_step 900 python benchmarks/first_step.py --fla_cache_dir "$cache" --out "$out/first_step.json"
 step fla_precompile 900 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_precompile.py --workers 6
 step gla_kernel 900 env TRITON_CACHE_DIR="$cache" python benchmarks/gla_kernel.py --sweep --out "$out/gla_kernel.json"
-step train_2048 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py \
+step train_2048 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --profile 2 \
     --models fabric-lin,fabric-lin-tuned,fla,transformer,fabric-lin-static --out "$out/train_2048.json"
 step train_16k 900 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --batch_size 2 --seq_len 16384 \
     --regimes bf16-weights,real-loop --out "$out/train_16k.json"
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-    step train_2gpu 600 python benchmarks/train_throughput.py --regimes real-loop --models fabric-lin --devices 2 \
-        --out "$out/train_2gpu.json"
+    # 1 GPU and 2 GPUs, one step after the other, each optimizer step 4 micro-batches per GPU
+    step train_1gpu_acc4 300 python benchmarks/train_throughput.py --regimes real-loop --models fabric-lin \
+        --accumulation 4 --steps 8 --warmup 3 --out "$out/train_1gpu_acc4.json"
+    step train_2gpu 600 python benchmarks/train_throughput.py --regimes real-loop --models fabric-lin,fabric-lin-zero2 \
+        --devices 2 --accumulation 4 --steps 8 --warmup 3 --out "$out/train_2gpu.json"
+    step profile_2gpu 300 python benchmarks/profile_step.py --devices 2 --out "$out/profile_2gpu.json"
 fi
 step activation_memory 300 python benchmarks/activation_memory.py
