@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import time
+from collections import deque
 from dataclasses import fields, is_dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -270,7 +271,7 @@ def main(
         ]
         optimizer = torch.optim.AdamW(
             groups, lr=optimizer_args.lr, betas=tuple(optimizer_args.betas), eps=optimizer_args.eps,
-            fused=fabric.device.type == "cuda",
+            fused=True,  # also on the CPU: the loop skips non-finite updates through its found_inf
         )
         optimizer = fabric.setup_optimizers(optimizer)
 
@@ -395,6 +396,7 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
     graphs_at_first_step = 0
     consecutive_nonfinite = 0
     stopped_by_signal = False
+    step_flags = StepFlags(fabric)
 
     while state["step_count"] < ctx.max_steps:
         step = state["step_count"]
@@ -418,22 +420,36 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
             model, optimizer, max_norm=train.max_norm if train.max_norm else float("inf"), error_if_nonfinite=False
         )
         step_loss = loss_sum / ctx.accumulation
-        # one collective per step: the global grad norm is the same on every rank, the signal may not be
-        nonfinite = not bool(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
-        nonfinite, stop_now = agree(fabric, nonfinite, ctx.stop.requested)
-        if nonfinite:
-            # skip the update (the data is consumed and the step counted, as a loss-scaler skip)
-            optimizer.zero_grad(set_to_none=True)
-            state["skipped_steps"] += 1
-            consecutive_nonfinite += 1
-            fabric.print(f"step {step + 1}: non-finite loss or gradient norm, update skipped ({consecutive_nonfinite} in a row)")
-        else:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            consecutive_nonfinite = 0
+        # A non-finite loss or gradient norm skips the update (the data is consumed and the step counted,
+        # as a loss-scaler skip), decided on the device: fused AdamW leaves weights, moments and step
+        # counts untouched where found_inf is set. (Under 16-mixed the loss scaler sets found_inf itself,
+        # from the gradients.) The host learns of it a step later, without waiting for the GPU.
+        nonfinite = ~(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
+        optimizer.optimizer.found_inf = step_flags.push(step + 1, nonfinite, ctx.stop.requested)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         state["step_count"] += 1
         step = state["step_count"]
+        # the flags that have arrived; all of them where the host stops anyway (logging, saving, the
+        # end) or while steps are failing, so that a run of failures stops at the step it should
+        wait_all = (
+            consecutive_nonfinite > 0 or step % train.log_interval == 0 or step == ctx.max_steps or first_step_time is None
+            or (train.save_interval is not None and step % train.save_interval == 0)
+        )
+        flags = step_flags.pop(wait_all)
+        stop_now = any(stop_requested for _, _, stop_requested in flags)
+        if stop_now:  # stopping at this step: its checkpoint must count this step's skip too
+            flags += step_flags.pop(wait_all=True)
+        for flagged_step, skipped, _ in flags:
+            if skipped:
+                state["skipped_steps"] += 1
+                consecutive_nonfinite += 1
+                fabric.print(f"step {flagged_step}: non-finite loss or gradient norm, update skipped ({consecutive_nonfinite} in a row)")
+            else:
+                consecutive_nonfinite = 0
         if first_step_time is None:
+            if fabric.device.type == "cuda":
+                torch.cuda.synchronize(fabric.device)  # the step done, not only queued
             first_step_time = time.time() - PROCESS_START
             graphs_at_first_step = compiled_graphs()
             # where the start-up went: each phase ends at the time shown (seconds from process start)
@@ -461,8 +477,8 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
             )
 
         if step % train.log_interval == 0 or step == ctx.max_steps or stop_now:
+            losses = flush_metrics(fabric, metrics_path, pending)  # waits for the GPU: the window ends here
             now = time.perf_counter()
-            losses = flush_metrics(fabric, metrics_path, pending)
             elapsed_window = now - window_start
             tokens_per_sec = (step - window_step) * tokens_per_step / max(elapsed_window, 1e-9)
             metrics = {
@@ -573,13 +589,44 @@ def batch_fingerprint(batch: torch.Tensor) -> torch.Tensor:
     return ((batch.to(torch.int64) + 1) * weights).sum()
 
 
-def agree(fabric: L.Fabric, *flags: bool) -> Tuple[bool, ...]:
-    """Each flag true on any rank -> true on every rank."""
-    if fabric.world_size == 1:
-        return tuple(flags)
-    t = torch.tensor([float(f) for f in flags], device=fabric.device)
-    t = fabric.all_reduce(t, reduce_op="sum")
-    return tuple(bool(x > 0) for x in t.tolist())
+class StepFlags:
+    """Each step's flags - update skipped (non-finite loss or gradient norm), stop requested (a signal, which
+    may reach one rank only) - summed over ranks on the device, so that every rank skips the same updates
+    and stops at the same step without the host waiting for the GPU after each step. The host reads a
+    step's flags once they have arrived (`pop`), usually one step later."""
+
+    def __init__(self, fabric: L.Fabric):
+        self.fabric = fabric
+        self.queue: deque = deque()  # (step, flags on the host or being copied there, copy-done event)
+
+    def push(self, step: int, nonfinite: torch.Tensor, stop_requested: bool) -> torch.Tensor:
+        """Queue this step's flags; returns 1.0 where any rank's update is to be skipped, else 0.0 (on the device)."""
+        device = nonfinite.device
+        flags = torch.stack([nonfinite.float(), torch.full((), float(stop_requested), device=device)])
+        if self.fabric.world_size > 1:
+            # not fabric.all_reduce: it starts with a barrier, which waits for the GPU
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.SUM)
+        if device.type == "cuda":
+            host = torch.empty(2, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = flags, None
+        self.queue.append((step, host, event))
+        return (flags[0] > 0).float()
+
+    def pop(self, wait_all: bool) -> List[Tuple[int, bool, bool]]:
+        """(step, update skipped, stop requested) of the queued steps but the newest, or of all when
+        wait_all (waiting for the GPU to get there)."""
+        popped = []
+        while self.queue and (wait_all or len(self.queue) > 1):
+            step, host, event = self.queue.popleft()
+            if event is not None:
+                event.synchronize()
+            skipped, stop = host.tolist()
+            popped.append((step, skipped > 0, stop > 0))
+        return popped
 
 
 class CycleIterator:

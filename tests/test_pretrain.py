@@ -19,6 +19,7 @@ from fabric_lin.pretrain import (
     get_rng_states,
     no_decay_parameter_names,
     prune_checkpoints,
+    StepFlags,
     set_rng_states,
     step_checkpoints,
 )
@@ -413,3 +414,29 @@ def test_transformer_has_no_length_limit_from_its_config():
         long, short = model(ids), model(ids[:, :16])
     assert torch.isfinite(long).all()
     torch.testing.assert_close(long[:, :16], short)  # causal: the first 16 positions do not see the rest
+
+
+def test_step_flags_reach_the_host_a_step_later_unless_waited_for():
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    flags = StepFlags(fabric)
+    assert float(flags.push(1, torch.tensor(False), stop_requested=False)) == 0.0
+    assert flags.pop(wait_all=False) == []  # the newest step's flags stay queued
+    assert float(flags.push(2, torch.tensor(True), stop_requested=False)) == 1.0  # the optimizer's found_inf
+    assert float(flags.push(3, torch.tensor(False), stop_requested=True)) == 0.0
+    assert flags.pop(wait_all=False) == [(1, False, False), (2, True, False)]
+    assert flags.pop(wait_all=True) == [(3, False, True)]
+    assert flags.pop(wait_all=True) == []
+
+
+def test_fused_adamw_found_inf_leaves_the_update_out():
+    # what the loop relies on to skip a non-finite step without the host reading the flag first
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    weight.grad = torch.full((4,), float("nan"))
+    optimizer.found_inf = torch.tensor(1.0)
+    optimizer.step()
+    assert torch.equal(weight.detach(), torch.ones(4)) and float(optimizer.state[weight]["step"]) == 0
+    weight.grad = torch.ones(4)
+    optimizer.found_inf = torch.tensor(0.0)
+    optimizer.step()
+    assert (weight.detach() < 1).all() and float(optimizer.state[weight]["step"]) == 1
