@@ -85,10 +85,19 @@ def summarize_trace(trace_path: Path, steps: int, wall_s: float, top: int = 25) 
     }
 
 
-def profiler() -> torch.profiler.profile:
-    # GPU kernels only: recording every CPU-side op as well slows the host enough to starve the GPU
-    cuda = torch.cuda.is_available()
-    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU])
+def profiler(host_ops: bool = False) -> torch.profiler.profile:
+    # GPU kernels only, unless asked: recording every host-side op as well slows the host enough to
+    # starve the GPU (the step's wall time then says little)
+    activities = [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    if host_ops or not activities:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    return torch.profiler.profile(activities=activities)
+
+
+def top_host_ops(prof: torch.profiler.profile, steps: int, top: int = 25) -> Dict[str, float]:
+    """Host-side milliseconds per step by op, self time (excluding the ops each one calls)."""
+    ops = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+    return {k[:90]: round(us / 1e3 / steps, 2) for k, us in sorted(ops, key=lambda kv: -kv[1])[:top]}
 
 
 def synchronize() -> None:
@@ -96,14 +105,14 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def install_profiler(first_micro: int, micros: int, steps: int, report_dir: Path) -> None:
+def install_profiler(first_micro: int, micros: int, steps: int, report_dir: Path, host_ops: bool = False) -> None:
     """Wrap the trainer's loss function: start profiling at micro-batch `first_micro` (counted from 0, a
     step's first), stop `micros` micro-batches later (the next step's first), and write this rank's summary."""
     import fabric_lin.pretrain as pretrain
 
     compute_loss = pretrain.compute_loss
     calls = {"n": 0}
-    prof = profiler()
+    prof = profiler(host_ops)
     timing = {}
 
     def profiled_compute_loss(*args, **kwargs):
@@ -121,6 +130,8 @@ def install_profiler(first_micro: int, micros: int, steps: int, report_dir: Path
             trace = report_dir / f"trace-rank{rank}.json"
             prof.export_chrome_trace(str(trace))
             summary = summarize_trace(trace, steps, wall)
+            if host_ops:
+                summary["host_self_ms_by_op"] = top_host_ops(prof, steps)
             (report_dir / f"rank{rank}.json").write_text(json.dumps(summary))
             trace.unlink()
         return compute_loss(*args, **kwargs)
@@ -137,6 +148,8 @@ def main():
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--warmup", type=int, default=5, help="optimizer steps before profiling")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps profiled")
+    parser.add_argument("--host_ops", action="store_true",
+                        help="also record host-side ops (where the host's time per step goes; slows the step)")
     parser.add_argument("--report_dir", help="where each rank writes its summary (default: a new temporary folder)")
     parser.add_argument("--out", help="also write the JSON here")
     args, extra = parser.parse_known_args()  # anything else goes to `fabric-lin pretrain`
@@ -144,7 +157,7 @@ def main():
     # Fabric starts ranks 1.. by running this same command again; they must use rank 0's folders
     report_dir = Path(args.report_dir or os.environ.setdefault("PROFILE_STEP_DIR", tempfile.mkdtemp(prefix="profile-step-")))
     report_dir.mkdir(parents=True, exist_ok=True)
-    install_profiler(args.warmup * args.accumulation, args.steps * args.accumulation, args.steps, report_dir)
+    install_profiler(args.warmup * args.accumulation, args.steps * args.accumulation, args.steps, report_dir, args.host_ops)
 
     from fabric_lin.cli import main as cli
 
