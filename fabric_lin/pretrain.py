@@ -432,8 +432,9 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
         step = state["step_count"]
         # the flags that have arrived; all of them where the host stops anyway (logging, saving, the
         # end) or while steps are failing, so that a run of failures stops at the step it should
+        log_step = step % train.log_interval == 0 or step == ctx.max_steps
         wait_all = (
-            consecutive_nonfinite > 0 or step % train.log_interval == 0 or step == ctx.max_steps or first_step_time is None
+            log_step or consecutive_nonfinite > 0 or first_step_time is None
             or (train.save_interval is not None and step % train.save_interval == 0)
         )
         flags = step_flags.pop(wait_all)
@@ -476,7 +477,7 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
                 f"{ctx.out_dir / f'step-{step:08d}'}. Lower optimizer.lr or check the data."
             )
 
-        if step % train.log_interval == 0 or step == ctx.max_steps or stop_now:
+        if log_step or stop_now:
             losses = flush_metrics(fabric, metrics_path, pending)  # waits for the GPU: the window ends here
             now = time.perf_counter()
             elapsed_window = now - window_start

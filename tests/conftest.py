@@ -7,3 +7,9 @@ import torch
 # test module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS error of a against the reference b, in fp32."""
+    a, b = a.float(), b.float()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12)).item()

@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from conftest import rel_rms  # noqa: E402
 
 from fabric_lin.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref  # noqa: E402
 from fabric_lin.ops.norm import (  # noqa: E402
@@ -53,7 +54,7 @@ def check_against_fp32(a, b, dtype, name):
     if dtype == torch.float32:
         check(a, b, dtype, name)
         return
-    error = ((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
+    error = rel_rms(a, b)
     assert error <= 1e-2, f"{name}: relative RMS error {error:.4f} against the fp32 reference (at most 0.01)"
 
 

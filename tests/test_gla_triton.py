@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from conftest import rel_rms  # noqa: E402
 
 from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, naive_recurrent_gla, recurrent_gla_step  # noqa: E402
 from fabric_lin.ops.gla.fused_recurrent import fused_recurrent_gla_step  # noqa: E402
@@ -225,11 +226,6 @@ def test_torch_compile_captures_the_op_without_graph_breaks(from_logits):
 
 
 # ---------------------------------------------------------------- GPU, bf16 against the fp32 oracle
-
-
-def rel_rms(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12)).item()
 
 
 def check_bf16(B, T, H, K, V, cu_seqlens=None, seed=0):
