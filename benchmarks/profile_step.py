@@ -61,7 +61,7 @@ def summarize_trace(trace_path: Path, steps: int, wall_s: float, top: int = 25) 
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     by_kind: Dict[str, float] = defaultdict(float)
     by_name: Dict[str, float] = defaultdict(float)
-    compute, everything = [], []
+    compute, everything, compute_kernels = [], [], []
     for e in kernels:
         kind = kind_of(e["name"])
         by_kind[kind] += e["dur"]
@@ -70,6 +70,7 @@ def summarize_trace(trace_path: Path, steps: int, wall_s: float, top: int = 25) 
         everything.append(interval)
         if kind != "communication":
             compute.append(interval)
+            compute_kernels.append((e["ts"], e["ts"] + e["dur"], e["name"][:60]))
     per_step = lambda us: round(us / 1e3 / steps, 2)  # noqa: E731
     wall_ms = wall_s * 1e3 / steps
     compute_ms = union_us(compute) / 1e3 / steps
@@ -82,6 +83,29 @@ def summarize_trace(trace_path: Path, steps: int, wall_s: float, top: int = 25) 
         "any_kernel_busy_ms": per_step(union_us(everything)),
         "ms_by_kind": {k: per_step(v) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": {k: per_step(v) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]},
+        "idle_gaps": idle_gaps(compute_kernels, steps),
+    }
+
+
+def idle_gaps(kernels: List[Tuple[float, float, str]], steps: int, min_us: float = 20.0, top: int = 12) -> Dict:
+    """Where the GPU waits: the gaps of at least `min_us` between one compute kernel's end and the next one's
+    start, summed per step by the pair of kernels around them ("before -> after"), largest first."""
+    by_pair: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0])
+    reach, before = None, None
+    for start, end, name in sorted(kernels):
+        if reach is not None and start - reach >= min_us:
+            entry = by_pair[f"{before} -> {name}"]
+            entry[0] += start - reach
+            entry[1] += 1
+        if reach is None or end > reach:
+            reach, before = end, name
+    total = sum(v[0] for v in by_pair.values())
+    largest = sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        f"gaps over {min_us:.0f} us, ms per step": round(total / 1e3 / steps, 2),
+        "largest (ms per step, gaps per step)": {
+            pair: [round(us / 1e3 / steps, 2), round(n / steps, 1)] for pair, (us, n) in largest
+        },
     }
 
 
@@ -148,6 +172,7 @@ def main():
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--warmup", type=int, default=5, help="optimizer steps before profiling")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps profiled")
+    parser.add_argument("--num_workers", type=int, default=4, help="data loader workers per rank")
     parser.add_argument("--host_ops", action="store_true",
                         help="also record host-side ops (where the host's time per step goes; slows the step)")
     parser.add_argument("--report_dir", help="where each rank writes its summary (default: a new temporary folder)")
@@ -163,7 +188,7 @@ def main():
 
     cli([
         "pretrain", "--config", str(ROOT / args.config),
-        "--data", "SampleCorpus", "--data.validation", "false", "--tokenizer_dir", "null",
+        "--data", "SampleCorpus", "--data.validation", "false", "--data.num_workers", str(args.num_workers), "--tokenizer_dir", "null",
         "--out_dir", str(report_dir / "run"), "--logger_name", "csv", "--devices", str(args.devices),
         "--train.max_seq_length", str(args.seq_len), "--train.micro_batch_size", str(args.batch_size),
         "--train.global_batch_size", str(args.batch_size * args.devices * args.accumulation),

@@ -40,3 +40,7 @@ def test_summary_of_two_steps(tmp_path):
     assert summary["any_kernel_busy_ms"] == 1.65  # compute plus the 300 us the all-gather ran alone
     assert summary["ms_by_kind"] == {"matmul": 1.0, "communication": 0.5, "gla recurrence": 0.5}
     assert list(summary["top_kernels_ms"])[0] == "nvjet_gemm"
+    # one idle gap between compute kernels: 1500..2000 us (the all-gather is not compute), over 2 steps
+    gaps = summary["idle_gaps"]
+    assert gaps["gaps over 20 us, ms per step"] == 0.25
+    assert gaps["largest (ms per step, gaps per step)"] == {"_fwd_output_kernel -> nvjet_gemm": [0.25, 0.5]}
