@@ -120,15 +120,19 @@ REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     # several GPUs: each Block's gathered weights kept from its forward to its backward pass and across
     # accumulated micro-batches (one all-gather per optimizer step)
     "fabric-lin-zero2": ("config_hub/gla_340M.yaml", ["--fsdp_reshard_after_forward", "false"]),
+    # one GPU: each Block's forward and backward pass replayed as a CUDA graph
+    "fabric-lin-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile_mode", "reduce-overhead"]),
     "transformer": ("config_hub/transformer_340M.yaml", []),
 }
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1, accumulation=1):
+def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1, accumulation=1, num_workers=4):
     """Regime (b): `fabric-lin pretrain` for warmup + steps optimizer steps; the median logged tokens/s after
     warmup. With devices > 1: HYBRID_SHARD over that many GPUs, micro batch batch_size on each; each
-    optimizer step accumulates `accumulation` micro-batches on each device."""
+    optimizer step accumulates `accumulation` micro-batches on each device. The sample corpus is read by
+    `num_workers` loader processes per rank (the recipes use 8); read in the training process itself, a new
+    chunk file stalls the step."""
     recipe, extra = REAL_LOOP_CONFIGS[key]
     name = f"fabric-lin pretrain {Path(recipe).stem} {' '.join(extra)} (real loop: the config's precision, compile on with CUDA)"
     if devices > 1:
@@ -140,7 +144,7 @@ def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1, accum
     log_interval = max(1, min(5, steps // 2))
     cmd = [
         sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(ROOT / recipe), *extra,
-        "--data", "SampleCorpus", "--data.validation", "false", "--tokenizer_dir", "null", "--out_dir", str(out_dir), "--logger_name", "csv",
+        "--data", "SampleCorpus", "--data.validation", "false", "--data.num_workers", str(num_workers), "--tokenizer_dir", "null", "--out_dir", str(out_dir), "--logger_name", "csv",
         "--train.max_seq_length", str(seq_len), "--train.micro_batch_size", str(batch_size),
         "--train.global_batch_size", str(batch_size * devices * accumulation), "--train.max_tokens", "null", "--devices", str(devices),
         "--train.max_steps", str(warmup + steps), "--train.lr_warmup_steps", "1", "--train.log_interval", str(log_interval),
@@ -218,7 +222,7 @@ def run_isolated(regime, key, args):
 def worker(regime, key, args):
     if regime == "real-loop":
         print(json.dumps(real_loop(key, args.batch_size, args.seq_len, args.steps, args.warmup, args.timeout, args.devices,
-                                   args.accumulation)))
+                                   args.accumulation, args.num_workers)))
         return
     if regime == "data-loader":
         print(json.dumps(data_loader_alone(args.batch_size, args.seq_len, 10 * args.steps, args.num_workers)))
@@ -256,10 +260,10 @@ def main():
     parser.add_argument("--models", default="fabric-lin,fla,transformer",
                         help="of fabric-lin, fabric-lin-tuned (regime a after the launch search), fabric-lin-static "
                         "(regime b with specialised shapes), fabric-lin-zero2 (regime b, weights kept gathered "
-                        "under FSDP), fla, transformer")
+                        "under FSDP), fabric-lin-cudagraphs (regime b, CUDA graphs, one GPU), fla, transformer")
     parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",
                         help="bf16-weights (a), real-loop (b), data-loader (the loader alone, no GPU needed)")
-    parser.add_argument("--num_workers", type=int, default=2, help="data loader workers for the data-loader regime")
+    parser.add_argument("--num_workers", type=int, default=4, help="data loader workers (per rank) of the real loop and the data-loader regime")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per measurement")
     parser.add_argument("--devices", type=int, default=1,
                         help="GPUs for the real loop (HYBRID_SHARD when > 1; micro batch --batch_size on each)")
