@@ -86,6 +86,7 @@ def setup(
     compile: Optional[bool] = None,
     compile_cache: bool = True,
     compile_dynamic: bool = True,
+    compile_mode: Literal["default", "reduce-overhead"] = "default",
     kernel_autotune: bool = False,
     activation_checkpointing: bool = False,
     fsdp_reshard_after_forward: bool = True,
@@ -118,6 +119,11 @@ def setup(
         compile_dynamic: Compile the blocks for any batch size and sequence length (marked dynamic), so
             that a new context length or a smaller batch (validation, a last partial batch) does not
             compile them again. False: shapes are specialised, each new one compiles anew.
+        compile_mode: "reduce-overhead" runs each compiled Block's forward and backward pass as a CUDA
+            graph: one launch replays its kernels, so the host, which otherwise launches them one by one,
+            no longer holds the GPU back (one GPU only: FSDP gathers the weights into new memory each
+            step, which a recorded graph cannot follow; not with reset_state_at_doc_boundaries, whose
+            shapes change with every batch). "default": kernels launched one by one.
         kernel_autotune: Search the GLA kernels' launch settings (tiles, warps) at this run's layer shape
             before training, about a minute on a GPU, instead of using the shipped table. The result
             is kept in out_dir/compile_cache/gla_launch.json, keyed by GPU, dtype and head dims (not by
@@ -146,7 +152,8 @@ def setup(
         model_name=model_name, model_config=model_config, out_dir=out_dir, precision=precision, resume=resume,
         initial_checkpoint_dir=initial_checkpoint_dir, data=data, train=train, eval=eval, optimizer=optimizer,
         devices=devices, num_nodes=num_nodes, seed=seed, tokenizer_dir=tokenizer_dir, logger_name=logger_name,
-        compile=compile, compile_cache=compile_cache, compile_dynamic=compile_dynamic, kernel_autotune=kernel_autotune,
+        compile=compile, compile_cache=compile_cache, compile_dynamic=compile_dynamic, compile_mode=compile_mode,
+        kernel_autotune=kernel_autotune,
         activation_checkpointing=activation_checkpointing, fsdp_reshard_after_forward=fsdp_reshard_after_forward,
         reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
     ))
@@ -162,6 +169,16 @@ def setup(
             f"train.save_interval ({train.save_interval}), train.log_interval ({train.log_interval}) and "
             f"eval.interval ({eval.interval}) must be positive"
         )
+    if compile_mode not in ("default", "reduce-overhead"):
+        raise ValueError(f"compile_mode must be 'default' or 'reduce-overhead', got {compile_mode!r}")
+    if compile_mode == "reduce-overhead" and not (cuda and compile and devices * num_nodes == 1):
+        raise ValueError(
+            "compile_mode 'reduce-overhead' (CUDA graphs) needs one CUDA GPU and compile on; got "
+            f"cuda={cuda}, compile={compile}, devices={devices}, num_nodes={num_nodes}"
+        )
+    if compile_mode == "reduce-overhead" and reset_state_at_doc_boundaries:
+        # each batch's document count changes a tensor shape, and each new shape records another graph
+        raise ValueError("compile_mode 'reduce-overhead' (CUDA graphs) cannot be used with reset_state_at_doc_boundaries")
     if initial_checkpoint_dir is not None and not Path(initial_checkpoint_dir).is_dir():
         raise FileNotFoundError(f"--initial_checkpoint_dir {initial_checkpoint_dir} is not a directory (expected a model directory)")
     check_out_dir_writable(Path(out_dir))
@@ -198,7 +215,7 @@ def setup(
     main(
         fabric, config, Path(out_dir), resume, initial_checkpoint_dir, data, train, eval, optimizer, seed,
         tokenizer_dir, compile, activation_checkpointing, reset_state_at_doc_boundaries, accumulation, max_steps,
-        hparams, precision, kernel_autotune, compile_dynamic,
+        hparams, precision, kernel_autotune, compile_dynamic, compile_mode,
     )
 
 
@@ -223,6 +240,7 @@ def main(
     precision: str,
     kernel_autotune: bool = False,
     compile_dynamic: bool = True,
+    compile_mode: str = "default",
 ) -> None:
     startup = {"launched": time.time() - PROCESS_START}  # seconds from process start, for the first-step line
     with StopRequest() as stop:  # SIGTERM/SIGUSR1 from here on: checkpoint at the next step, exit 0
@@ -258,7 +276,7 @@ def main(
 
         startup["data ready"] = time.time() - PROCESS_START
         model, no_decay = build_model(
-            fabric, config, seed, initial_checkpoint_dir, activation_checkpointing, compile, compile_dynamic
+            fabric, config, seed, initial_checkpoint_dir, activation_checkpointing, compile, compile_dynamic, compile_mode
         )
         startup["model built"] = time.time() - PROCESS_START
         if kernel_autotune and fabric.device.type == "cuda" and config.block_type == "gla":
@@ -294,6 +312,7 @@ def main(
             out_dir=out_dir, hparams=hparams, config=config, tokenizer_dir=tokenizer_dir, train=train, eval=eval,
             optimizer_args=optimizer_args, accumulation=accumulation, max_steps=max_steps, eos_id=eos_id,
             precision=precision, stop=stop, data=data, compile=compile, startup=startup,
+            cuda_graphs=compile and compile_mode == "reduce-overhead",
         )
         fit(fabric, state, val_dataloader, ctx)
 
@@ -301,6 +320,7 @@ def main(
 def build_model(
     fabric: L.Fabric, config: Config, seed: int, initial_checkpoint_dir: Optional[Path] = None,
     activation_checkpointing: bool = False, compile: bool = False, compile_dynamic: bool = True,
+    compile_mode: str = "default",
 ):
     """The model set up by Fabric, and the names of the parameters without weight decay.
 
@@ -326,7 +346,7 @@ def build_model(
         # Dynamo compiles once and reuses the graph for every layer (start-up of one block, not 24),
         # and parameter names keep no `_orig_mod.` prefix.
         for block in model.layers:
-            block.compile()
+            block.compile(mode=None if compile_mode == "default" else compile_mode)
         model.dynamic_shapes = compile_dynamic
     model = fabric.setup(model)
     if sharded and initial_checkpoint_dir is not None:
@@ -412,6 +432,8 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
             fingerprint += batch_fingerprint(batch) * (micro + 1)
             input_ids = batch[:, : train.max_seq_length].contiguous()
             targets = batch[:, 1 : train.max_seq_length + 1].contiguous()
+            if ctx.cuda_graphs:  # this micro-batch's graphs may reuse the last one's graph memory
+                torch.compiler.cudagraph_mark_step_begin()
             with fabric.no_backward_sync(model, enabled=micro < ctx.accumulation - 1):
                 loss = compute_loss(model, input_ids, targets, ctx.eos_id)
                 fabric.backward(loss / ctx.accumulation)

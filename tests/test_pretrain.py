@@ -287,6 +287,20 @@ def test_error_batch_not_divisible(tmp_path):
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
+def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"compile_mode 'reduce-overhead' \(CUDA graphs\) needs one CUDA GPU and compile on; got cuda=False"):
+        _setup(tmp_path, compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match=r"compile_mode must be 'default' or 'reduce-overhead', got 'max-autotune'"):
+        _setup(tmp_path, compile_mode="max-autotune")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before any GPU work
+    with pytest.raises(ValueError, match=r"needs one CUDA GPU and compile on; got cuda=True, compile=True, devices=2"):
+        _setup(tmp_path, compile_mode="reduce-overhead", devices=2,
+               train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=1, max_seq_length=32))
+    with pytest.raises(ValueError, match="cannot be used with reset_state_at_doc_boundaries"):
+        _setup(tmp_path, compile_mode="reduce-overhead", reset_state_at_doc_boundaries=True)
+    assert not (tmp_path / "out").exists()
+
+
 def test_error_out_dir_not_writable(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
