@@ -30,7 +30,7 @@ step first_step 900 python benchmarks/first_step.py --fla_cache_dir "$cache" --o
 step fla_precompile 900 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_precompile.py --workers 6
 step gla_kernel 900 env TRITON_CACHE_DIR="$cache" python benchmarks/gla_kernel.py --sweep --out "$out/gla_kernel.json"
 step train_2048 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --profile 2 \
-    --models fabric-lin,fabric-lin-tuned,fla,transformer,fabric-lin-static --out "$out/train_2048.json"
+    --models fabric-lin,fabric-lin-tuned,fla,transformer,fabric-lin-static,fabric-lin-cudagraphs --out "$out/train_2048.json"
 step train_16k 900 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --batch_size 2 --seq_len 16384 \
     --regimes bf16-weights,real-loop --out "$out/train_16k.json"
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then

@@ -113,6 +113,7 @@ def measure(name, build, config, batch_size, seq_len, steps, warmup, extra=None,
     return result
 
 
+REGIME_A_MODELS = ("fabric-lin", "fabric-lin-tuned", "fla", "transformer")
 REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     "fabric-lin": ("config_hub/gla_340M.yaml", []),
     # the same with shapes specialised, to show what marking them dynamic costs in step time
@@ -282,8 +283,8 @@ def main():
         for key in args.models.split(","):
             if regime == "real-loop" and key not in REAL_LOOP_CONFIGS:
                 continue  # the peer has no fabric-lin loop
-            if regime == "bf16-weights" and key == "fabric-lin-static":
-                continue  # no compile in regime (a)
+            if regime == "bf16-weights" and key not in REGIME_A_MODELS:
+                continue  # a setting of the real loop only (compile, FSDP, CUDA graphs)
             if regime == "data-loader" and key != "fabric-lin":
                 continue  # one loader serves every model
             results[f"{regime}/{key}"] = run_isolated(regime, key, args)
@@ -297,7 +298,8 @@ def main():
                 ratios[f"{label} peak memory vs fla (a)"] = round(r["peak_memory_gib"] / peer["peak_memory_gib"], 3)
     # the shipped launch table against the searched one, and dynamic against specialised shapes (step time)
     for label, base, other in [("shipped launch table vs searched (a)", "bf16-weights/fabric-lin", "bf16-weights/fabric-lin-tuned"),
-                               ("dynamic shapes vs specialised (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-static")]:
+                               ("dynamic shapes vs specialised (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-static"),
+                               ("kernels launched one by one vs CUDA graphs (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-cudagraphs")]:
         if "ms_per_step" in results.get(base, {}) and "ms_per_step" in results.get(other, {}):
             ratios[f"{label}, ms/step"] = round(results[base]["ms_per_step"] / results[other]["ms_per_step"], 4)
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "batch_size": args.batch_size, "seq_len": args.seq_len,
