@@ -178,9 +178,11 @@ def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1, accum
     }
 
 
-def data_loader_alone(batch_size, seq_len, batches, num_workers):
+def data_loader_alone(batch_size, seq_len, batches, num_workers, busy_ms=50.0):
     """The training data loader by itself (sample corpus, as in the real loop): tokens/s it can deliver,
-    to set against the tokens/s a training step consumes."""
+    to set against the tokens/s a training step consumes; then how long each fetch waits when the
+    training process is busy between fetches (`busy_ms` of Python, as a host launching kernels): a
+    loader fast on average can still hold a step back now and then."""
     from fabric_lin.data import SampleCorpus
 
     data = SampleCorpus(num_workers=num_workers, validation=False)
@@ -188,20 +190,35 @@ def data_loader_alone(batch_size, seq_len, batches, num_workers):
     data.connect(batch_size=batch_size, max_seq_length=seq_len)
     data.setup()
     loader = data.train_dataloader()
-    iterator, seen, start = iter(loader), 0, None
-    while seen < batches:
-        try:
-            batch = next(iterator)
-        except StopIteration:  # a small corpus: go round again, as the trainer's CycleIterator does
-            iterator = iter(loader)
-            continue
-        if start is None:  # the first batch pays for worker start-up
-            start = time.perf_counter()
-            continue
-        seen += 1
+    iterator = iter(loader)
+
+    def fetch():
+        nonlocal iterator
+        while True:
+            try:
+                return next(iterator)
+            except StopIteration:  # a small corpus: go round again, as the trainer's CycleIterator does
+                iterator = iter(loader)
+
+    batch = fetch()  # the first batch pays for worker start-up
+    start = time.perf_counter()
+    for _ in range(batches):
+        batch = fetch()
     elapsed = time.perf_counter() - start
+    waits_ms = []
+    for _ in range(batches):
+        until = time.perf_counter() + busy_ms / 1e3
+        while time.perf_counter() < until:  # busy, holding the interpreter as a launching host does
+            pass
+        fetch_start = time.perf_counter()
+        fetch()
+        waits_ms.append((time.perf_counter() - fetch_start) * 1e3)
+    waits_ms.sort()
     return {"model": f"data loader alone (sample corpus, {num_workers} workers)", "batches": batches,
-            "tokens_per_s": round(batches * batch.shape[0] * (batch.shape[1] - 1) / elapsed)}
+            "tokens_per_s": round(batches * batch.shape[0] * (batch.shape[1] - 1) / elapsed),
+            f"fetch wait with the host busy {busy_ms:.0f} ms between fetches, ms": {
+                "median": round(statistics.median(waits_ms), 1), "p90": round(waits_ms[int(0.9 * len(waits_ms))], 1),
+                "max": round(waits_ms[-1], 1), "fetches over 20 ms": sum(w > 20 for w in waits_ms)}}
 
 
 def run_isolated(regime, key, args):
