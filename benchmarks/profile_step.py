@@ -1,6 +1,6 @@
 """Where a training step's time goes: `fabric-lin pretrain` itself (the real loop, one GPU or HYBRID_SHARD
-over several) with torch.profiler around a few optimizer steps after warmup. Per rank: the step's wall time,
-GPU time by kind of kernel (matmul, GLA recurrence, fused norm/SwiGLU/cross-entropy, Inductor-compiled,
+over several, on bench_corpus.py's corpus) with torch.profiler around a few optimizer steps after warmup.
+Per rank: the step's wall time, GPU time by kind of kernel (matmul, GLA recurrence, fused norm/SwiGLU/cross-entropy, Inductor-compiled,
 communication, optimizer, other), how long no compute kernel ran (the GPU waiting for the host or for
 communication), and the top kernels. Prints one JSON object; run on a GPU:
 
@@ -184,11 +184,19 @@ def main():
     report_dir.mkdir(parents=True, exist_ok=True)
     install_profiler(args.warmup * args.accumulation, args.steps * args.accumulation, args.steps, report_dir, args.host_ops)
 
+    corpus = report_dir / "corpus"
+    if "LOCAL_RANK" not in os.environ:  # the first process writes it; the ranks Fabric starts read it
+        from bench_corpus import benchmark_corpus
+
+        benchmark_corpus(corpus, args.batch_size, args.seq_len, (args.warmup + args.steps + 1) * args.devices * args.accumulation,
+                         loaders=args.devices * max(args.num_workers, 1))
+
     from fabric_lin.cli import main as cli
 
     cli([
         "pretrain", "--config", str(ROOT / args.config),
-        "--data", "SampleCorpus", "--data.validation", "false", "--data.num_workers", str(args.num_workers), "--tokenizer_dir", "null",
+        "--data", "SlimPajamaStarcoder", "--data.data_path", str(corpus), "--data.validation", "false",
+        "--data.num_workers", str(args.num_workers), "--tokenizer_dir", "null",
         "--out_dir", str(report_dir / "run"), "--logger_name", "csv", "--devices", str(args.devices),
         "--train.max_seq_length", str(args.seq_len), "--train.micro_batch_size", str(args.batch_size),
         "--train.global_batch_size", str(args.batch_size * args.devices * args.accumulation),

@@ -4,7 +4,7 @@ GLAForCausalLM (same config, batch and optimizer) and fabric-lin's transformer-3
 Regime (a) "bf16-weights": weights in bf16, fused AdamW, no compile, micro batch x context tokens per
 step, random tokens - the regime in which flash-linear-attention's own trainer is usually measured.
 Regime (b) "real-loop": `fabric-lin pretrain` itself (bf16-mixed, each Block compiled, the Fabric step,
-the sample corpus through the data loader), tokens/s as the trainer logs it.
+a prepared corpus through the data loader: bench_corpus.py), tokens/s as the trainer logs it.
 Each measurement runs in its own process with a time limit (a peer that spends its limit autotuning
 is reported as such). Prints one JSON object; run on a GPU:
 
@@ -14,6 +14,7 @@ is reported as such). Prints one JSON object; run on a GPU:
 import argparse
 import gc
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench_corpus import benchmark_corpus
 from fabric_lin.config import Config
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.model import GPT
@@ -131,31 +133,40 @@ ROOT = Path(__file__).resolve().parent.parent
 def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1, accumulation=1, num_workers=4):
     """Regime (b): `fabric-lin pretrain` for warmup + steps optimizer steps; the median logged tokens/s after
     warmup. With devices > 1: HYBRID_SHARD over that many GPUs, micro batch batch_size on each; each
-    optimizer step accumulates `accumulation` micro-batches on each device. The sample corpus is read by
-    `num_workers` loader processes per rank (the recipes use 8); read in the training process itself, a new
-    chunk file stalls the step."""
+    optimizer step accumulates `accumulation` micro-batches on each device. The corpus (bench_corpus.py:
+    random tokens, chunk files as large as a real corpus's) is read by `num_workers` loader processes per
+    rank (the recipes use 8)."""
     recipe, extra = REAL_LOOP_CONFIGS[key]
     name = f"fabric-lin pretrain {Path(recipe).stem} {' '.join(extra)} (real loop: the config's precision, compile on with CUDA)"
     if devices > 1:
         name += f", HYBRID_SHARD over {devices} GPUs"
     if accumulation > 1:
         name += f", {accumulation} micro-batches per step"
-    out_dir = Path(tempfile.mkdtemp(prefix="throughput-"))
-    # log (and so wait for the GPU) every few steps, as a real run does, not after every step
-    log_interval = max(1, min(5, steps // 2))
-    cmd = [
-        sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(ROOT / recipe), *extra,
-        "--data", "SampleCorpus", "--data.validation", "false", "--data.num_workers", str(num_workers), "--tokenizer_dir", "null", "--out_dir", str(out_dir), "--logger_name", "csv",
-        "--train.max_seq_length", str(seq_len), "--train.micro_batch_size", str(batch_size),
-        "--train.global_batch_size", str(batch_size * devices * accumulation), "--train.max_tokens", "null", "--devices", str(devices),
-        "--train.max_steps", str(warmup + steps), "--train.lr_warmup_steps", "1", "--train.log_interval", str(log_interval),
-        "--train.save_interval", "null", "--eval.initial_validation", "false", "--eval.final_validation", "false",
-    ]
+    work = Path(tempfile.mkdtemp(prefix="throughput-"))
+    out_dir = work / "out"
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"model": name, "skipped": f"did not finish within {timeout} s"}
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()] if (out_dir / "metrics.jsonl").exists() else []
+        corpus = benchmark_corpus(work / "corpus", batch_size, seq_len, (warmup + steps) * devices * accumulation,
+                                  loaders=devices * max(num_workers, 1))
+        # log (and so wait for the GPU) every few steps, as a real run does, not after every step
+        log_interval = max(1, min(5, steps // 2))
+        cmd = [
+            sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(ROOT / recipe), *extra,
+            "--data", "SlimPajamaStarcoder", "--data.data_path", str(corpus), "--data.validation", "false",
+            "--data.num_workers", str(num_workers), "--tokenizer_dir", "null", "--out_dir", str(out_dir),
+            "--logger_name", "csv", "--train.max_seq_length", str(seq_len), "--train.micro_batch_size", str(batch_size),
+            "--train.global_batch_size", str(batch_size * devices * accumulation), "--train.max_tokens", "null",
+            "--devices", str(devices), "--train.max_steps", str(warmup + steps), "--train.lr_warmup_steps", "1",
+            "--train.log_interval", str(log_interval), "--train.save_interval", "null",
+            "--eval.initial_validation", "false", "--eval.final_validation", "false",
+        ]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return {"model": name, "skipped": f"did not finish within {timeout} s"}
+        metrics = out_dir / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    finally:  # the corpus and the final checkpoint (GBs)
+        shutil.rmtree(work, ignore_errors=True)
     # the log-step records whose window of log_interval steps starts after the warm-up
     steady = [r for r in records if "tokens_per_sec" in r and r["step"] - log_interval >= warmup]
     losses = [r["loss"] for r in records if "loss" in r]  # the per-step records
