@@ -123,6 +123,8 @@ REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     # several GPUs: each Block's gathered weights kept from its forward to its backward pass and across
     # accumulated micro-batches (one all-gather per optimizer step)
     "fabric-lin-zero2": ("config_hub/gla_340M.yaml", ["--fsdp_reshard_after_forward", "false"]),
+    # several GPUs: DistributedDataParallel instead of FSDP (whole model on every GPU, fewer host hooks)
+    "fabric-lin-ddp": ("config_hub/gla_340M.yaml", ["--data_parallel", "ddp"]),
     # one GPU: each Block's forward and backward pass replayed as a CUDA graph
     "fabric-lin-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile_mode", "reduce-overhead"]),
     "transformer": ("config_hub/transformer_340M.yaml", []),
@@ -139,7 +141,7 @@ def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1, accum
     recipe, extra = REAL_LOOP_CONFIGS[key]
     name = f"fabric-lin pretrain {Path(recipe).stem} {' '.join(extra)} (real loop: the config's precision, compile on with CUDA)"
     if devices > 1:
-        name += f", HYBRID_SHARD over {devices} GPUs"
+        name += f", {'DDP' if 'ddp' in extra else 'HYBRID_SHARD'} over {devices} GPUs"
     if accumulation > 1:
         name += f", {accumulation} micro-batches per step"
     work = Path(tempfile.mkdtemp(prefix="throughput-"))
@@ -289,7 +291,8 @@ def main():
     parser.add_argument("--models", default="fabric-lin,fla,transformer",
                         help="of fabric-lin, fabric-lin-tuned (regime a after the launch search), fabric-lin-static "
                         "(regime b with specialised shapes), fabric-lin-zero2 (regime b, weights kept gathered "
-                        "under FSDP), fabric-lin-cudagraphs (regime b, CUDA graphs, one GPU), fla, transformer")
+                        "under FSDP), fabric-lin-ddp (regime b, DDP over several GPUs), fabric-lin-cudagraphs (regime b, "
+                        "CUDA graphs, one GPU), fla, transformer")
     parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",
                         help="bf16-weights (a), real-loop (b), data-loader (the loader alone, no GPU needed)")
     parser.add_argument("--num_workers", type=int, default=4, help="data loader workers (per rank) of the real loop and the data-loader regime")

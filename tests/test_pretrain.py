@@ -301,6 +301,28 @@ def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_strategy_for_each_data_parallel_choice():
+    from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from fabric_lin.pretrain import make_strategy
+
+    assert make_strategy(cuda=True, devices=1, num_nodes=1, data_parallel="ddp") == "auto"
+    cpu = make_strategy(cuda=False, devices=2, num_nodes=1, data_parallel="fsdp")
+    assert isinstance(cpu, DDPStrategy) and cpu._process_group_backend == "gloo"
+    ddp = make_strategy(cuda=True, devices=2, num_nodes=1, data_parallel="ddp")
+    assert type(ddp) is DDPStrategy and ddp._process_group_backend == "nccl"
+    assert ddp._ddp_kwargs["gradient_as_bucket_view"] is True
+    fsdp = make_strategy(cuda=True, devices=2, num_nodes=2, data_parallel="fsdp", fsdp_reshard_after_forward=False)
+    assert isinstance(fsdp, FSDPStrategy) and fsdp.sharding_strategy == ShardingStrategy._HYBRID_SHARD_ZERO2
+    assert make_strategy(cuda=True, devices=2, num_nodes=1).sharding_strategy == ShardingStrategy.HYBRID_SHARD
+
+
+def test_error_data_parallel_choice(tmp_path):
+    with pytest.raises(ValueError, match=r"data_parallel must be 'fsdp' or 'ddp', got 'zero3'"):
+        _setup(tmp_path, data_parallel="zero3")
+
+
 def test_error_out_dir_not_writable(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
