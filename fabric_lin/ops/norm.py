@@ -126,7 +126,7 @@ def _bwd(h, gate, weight, rstd, dy, dh_extra):
     BD, warps = _rows(D)
     programs = max(1, min(n, 4 * (torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2)))
     rows_per_program = triton.cdiv(max(n, 1), programs)
-    dw_part = torch.zeros(programs, D, device=h.device, dtype=torch.float32)
+    dw_part = torch.empty(programs, D, device=h.device, dtype=torch.float32)  # every program writes its whole row
     if n > 0:
         _norm_bwd_kernel[(programs,)](
             h2, gate.reshape(-1, D) if gate is not None else None, weight, rstd, dy.reshape(-1, D).contiguous(),
