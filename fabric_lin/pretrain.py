@@ -90,6 +90,7 @@ def setup(
     kernel_autotune: bool = False,
     activation_checkpointing: bool = False,
     data_parallel: Literal["fsdp", "ddp"] = "fsdp",
+    fsdp_unit: Literal["block", "model"] = "block",
     fsdp_reshard_after_forward: bool = True,
     reset_state_at_doc_boundaries: bool = False,
 ) -> None:
@@ -135,6 +136,12 @@ def setup(
             (DistributedDataParallel, 16 bytes per parameter: 5.4 GB at gla-340M) and all-reduces the
             gradients in buckets, with less host work per step than FSDP's hooks around every Block.
             Several CPU processes always use DDP.
+        fsdp_unit: With FSDP: what one all-gather gathers. "block": each Block's weights, just before the
+            Block runs (least memory: one Block's weights gathered at a time). "model": all weights at
+            once, one all-gather and one reduce-scatter per pass instead of one per Block, so FSDP's
+            per-unit host work runs once rather than for every Block, at the cost of the whole model's
+            compute-dtype weights and full-size gradients on every GPU during the step and of
+            communication that no longer overlaps the Blocks' compute (small models on a fast link).
         fsdp_reshard_after_forward: With several GPUs (FSDP HYBRID_SHARD): free each Block's gathered
             weights after its forward pass and gather them again for its backward pass (true: least
             memory). False keeps them until the backward pass and, while gradients accumulate over
@@ -161,7 +168,8 @@ def setup(
         compile=compile, compile_cache=compile_cache, compile_dynamic=compile_dynamic, compile_mode=compile_mode,
         kernel_autotune=kernel_autotune,
         activation_checkpointing=activation_checkpointing, data_parallel=data_parallel,
-        fsdp_reshard_after_forward=fsdp_reshard_after_forward, reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
+        fsdp_unit=fsdp_unit, fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+        reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
     ))
     # errors that would otherwise appear only after the model and the data are loaded
     accumulation = train.gradient_accumulation_iters(devices, num_nodes)
@@ -175,6 +183,8 @@ def setup(
             f"train.save_interval ({train.save_interval}), train.log_interval ({train.log_interval}) and "
             f"eval.interval ({eval.interval}) must be positive"
         )
+    if fsdp_unit not in ("block", "model"):
+        raise ValueError(f"fsdp_unit must be 'block' or 'model', got {fsdp_unit!r}")
     if data_parallel not in ("fsdp", "ddp"):
         raise ValueError(f"data_parallel must be 'fsdp' or 'ddp', got {data_parallel!r}")
     if compile_mode not in ("default", "reduce-overhead"):
@@ -192,7 +202,9 @@ def setup(
     check_out_dir_writable(Path(out_dir))
     check_free_space(Path(out_dir), config)
 
-    strategy = make_strategy(cuda, devices, num_nodes, data_parallel, activation_checkpointing, fsdp_reshard_after_forward)
+    strategy = make_strategy(
+        cuda, devices, num_nodes, data_parallel, activation_checkpointing, fsdp_reshard_after_forward, fsdp_unit
+    )
     if compile_cache:  # before Fabric starts any process or compiles anything; its processes inherit these
         os.environ["TRITON_CACHE_DIR"] = str((Path(out_dir) / COMPILE_CACHE_DIR / "triton").absolute())
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((Path(out_dir) / COMPILE_CACHE_DIR / "inductor").absolute())
@@ -309,7 +321,7 @@ def main(
 
 def make_strategy(
     cuda: bool, devices: int, num_nodes: int, data_parallel: str = "fsdp", activation_checkpointing: bool = False,
-    fsdp_reshard_after_forward: bool = True,
+    fsdp_reshard_after_forward: bool = True, fsdp_unit: str = "block",
 ):
     """Fabric's strategy for this many processes: "auto" for one; with several GPUs FSDP HYBRID_SHARD or
     DDP (`data_parallel`); several CPU processes always use DDP over gloo (Fabric's FSDP refuses the CPU)."""
@@ -322,7 +334,7 @@ def make_strategy(
         # (no copy); activation checkpointing, when on, is applied to the Blocks by build_model
         return DDPStrategy(process_group_backend="nccl", gradient_as_bucket_view=True, timeout=timedelta(minutes=30))
     return FSDPStrategy(
-        auto_wrap_policy={Block},
+        auto_wrap_policy={Block} if fsdp_unit == "block" else None,  # None: the whole model is one unit
         activation_checkpointing_policy={Block} if activation_checkpointing else None,
         # replicated across nodes, sharded inside one; gathered weights freed after each
         # Block's forward (HYBRID_SHARD) or kept until its backward (_HYBRID_SHARD_ZERO2)

@@ -316,11 +316,16 @@ def test_strategy_for_each_data_parallel_choice():
     fsdp = make_strategy(cuda=True, devices=2, num_nodes=2, data_parallel="fsdp", fsdp_reshard_after_forward=False)
     assert isinstance(fsdp, FSDPStrategy) and fsdp.sharding_strategy == ShardingStrategy._HYBRID_SHARD_ZERO2
     assert make_strategy(cuda=True, devices=2, num_nodes=1).sharding_strategy == ShardingStrategy.HYBRID_SHARD
+    assert make_strategy(cuda=True, devices=2, num_nodes=1)._fsdp_kwargs["auto_wrap_policy"] is not None
+    whole = make_strategy(cuda=True, devices=2, num_nodes=1, fsdp_unit="model")
+    assert "auto_wrap_policy" not in whole._fsdp_kwargs  # one unit: the root module
 
 
 def test_error_data_parallel_choice(tmp_path):
     with pytest.raises(ValueError, match=r"data_parallel must be 'fsdp' or 'ddp', got 'zero3'"):
         _setup(tmp_path, data_parallel="zero3")
+    with pytest.raises(ValueError, match=r"fsdp_unit must be 'block' or 'model', got 'layer'"):
+        _setup(tmp_path, fsdp_unit="layer")
 
 
 def test_error_out_dir_not_writable(tmp_path):
