@@ -76,16 +76,23 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def normed_projections(norm: RMSNorm, x: torch.Tensor, linears: List[nn.Linear], residual: Optional[torch.Tensor] = None):
+def normed_projections(
+    norm: RMSNorm, x: torch.Tensor, linears: List[nn.Linear], residual: Optional[torch.Tensor] = None,
+    side_by_side: bool = False,
+):
     """[linear(norm(x)) for linear in linears] for bias-free linears; with `residual`, norm(x + residual) and
     also h = x + residual: (projections, h). On the fused path the normed activation is recomputed in the
-    backward pass instead of being kept for the projections (one [tokens, hidden] tensor less per call)."""
+    backward pass instead of being kept for the projections (one [tokens, hidden] tensor less per call).
+    side_by_side: one tensor, the projections concatenated on the last dim."""
     if use_fused(x):
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-        return rms_norm_linears(x, norm.weight, norm.eps, [lin.weight for lin in linears], residual, dtype)
+        return rms_norm_linears(x, norm.weight, norm.eps, [lin.weight for lin in linears], residual, dtype,
+                                side_by_side=side_by_side)
     normed = norm(x, residual)
     y, h = normed if residual is not None else (normed, None)
     outs = [lin(y) for lin in linears]
+    if side_by_side:
+        outs = torch.cat(outs, dim=-1)
     return (outs, h) if residual is not None else outs
 
 
@@ -101,9 +108,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(mlp(norm(x + residual)), x + residual)."""
+        if use_fused(x):
+            # gate and up side by side in one tensor, whose gradient the SwiGLU kernel writes as one tensor
+            # (no concatenation in the projections' backward); the activation is recomputed in the
+            # backward pass rather than kept
+            gate_up, h = normed_projections(norm, x, [self.gate_proj, self.up_proj], residual, side_by_side=True)
+            return swiglu_linear(gate_up, self.down_proj.weight), h
         (gate, up), h = normed_projections(norm, x, [self.gate_proj, self.up_proj], residual)
-        if use_fused(gate):  # the activation is recomputed in the backward pass rather than kept
-            return swiglu_linear(gate, up, self.down_proj.weight), h
         return self.down_proj(F.silu(gate) * up), h
 
 

@@ -177,6 +177,32 @@ def test_rms_norm_linears_runs_the_projections_in_the_compute_dtype():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_linears_side_by_side(dtype):
+    # an MLP's gate and up projections as one output: the same values and gradients as two outputs
+    g = torch.Generator().manual_seed(11)
+    x, residual = (torch.randn(2, 7, 48, generator=g).to(DEVICE, dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(48, generator=g)).to(DEVICE, dtype)
+    projs = [(0.2 * torch.randn(40, 48, generator=g)).to(DEVICE, dtype) for _ in range(2)]
+    ref_in, out_in = leaves(*(t.float() for t in (x, residual, w, *projs))), leaves(x, residual, w, *projs)
+    ref_y, ref_h = rms_norm_ref(ref_in[0], ref_in[2], 1e-6, ref_in[1])
+    ref_out = torch.cat([F.linear(ref_y, p) for p in ref_in[3:]], dim=-1)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out, h = rms_norm_linears(out_in[0], out_in[2], 1e-6, out_in[3:], residual=out_in[1], backend="triton",
+                                  side_by_side=True)
+    assert out.shape == (2, 7, 80) and out.is_contiguous()
+    check_against_fp32(out, ref_out, dtype, "out")
+    check_against_fp32(h, ref_h, dtype, "h")
+    names = ["dx", "dresidual", "dweight", "dproj0", "dproj1"]
+    for a, b, name in zip(grads_of((out, h), out_in), grads_of((ref_out, ref_h), ref_in), names):
+        check_against_fp32(a, b, dtype, name)
+    assert sorted(saved) == sorted([(2, 7, 48), (48,), (14,), (80, 48)])
+    # the PyTorch path gives the same layout
+    torch_out, _ = rms_norm_linears(x, w, 1e-6, projs, residual=residual, backend="torch", side_by_side=True)
+    check_against_fp32(torch_out, ref_out, dtype, "torch path")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_matches_reference(dtype):
     g = torch.Generator().manual_seed(2)
     gate, up = (torch.randn(3, 1500, generator=g).to(DEVICE, dtype) for _ in range(2))  # two blocks, one partial
@@ -189,33 +215,37 @@ def test_swiglu_matches_reference(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_linear_matches_reference_and_keeps_no_activation(dtype):
+    # gate and up side by side in one [..., 2 I] tensor; I = 1100: a full and a partial column block
     g = torch.Generator().manual_seed(6)
-    gate, up = (torch.randn(2, 9, 40, generator=g).to(DEVICE, dtype) for _ in range(2))
-    weight = (0.2 * torch.randn(24, 40, generator=g)).to(DEVICE, dtype)
-    ref_in, out_in = leaves(gate, up, weight), leaves(gate, up, weight)
-    ref = F.linear(swiglu_ref(ref_in[0], ref_in[1]), ref_in[2])
+    gate_up = torch.randn(2, 3, 2200, generator=g).to(DEVICE, dtype)
+    weight = (0.05 * torch.randn(24, 1100, generator=g)).to(DEVICE, dtype)
+    ref_in, out_in = leaves(gate_up, weight), leaves(gate_up, weight)
+    ref = F.linear(swiglu_ref(ref_in[0][..., :1100], ref_in[0][..., 1100:]), ref_in[1])
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
         out = swiglu_linear(*out_in, backend="triton")
     check(out, ref, dtype, "out")
-    for a, b, name in zip(grads_of(out, out_in), grads_of(ref, ref_in), ["dgate", "dup", "dweight"]):
+    for a, b, name in zip(grads_of(out, out_in), grads_of(ref, ref_in), ["dgate_up", "dweight"]):
         check(a, b, dtype, name)
-    # kept for backward: gate, up and the weight, not the [2, 9, 40] activation silu(gate) * up
-    assert sorted(saved) == sorted([(2, 9, 40), (2, 9, 40), (24, 40)])
+    # kept for backward: gate_up and the weight, not the [2, 3, 1100] activation silu(gate) * up
+    assert sorted(saved) == sorted([(2, 3, 2200), (24, 1100)])
 
 
 def test_swiglu_linear_casts_the_weight_to_the_activations_dtype():
     # bf16-mixed: bf16 activations, an fp32 parameter; the gradient reaches the parameter in fp32
     g = torch.Generator().manual_seed(7)
-    gate, up = (torch.randn(5, 16, generator=g).to(DEVICE, torch.float64) for _ in range(2))
+    gate_up = torch.randn(5, 32, generator=g).to(DEVICE, torch.float64)
     weight = torch.randn(8, 16, generator=g).to(DEVICE).requires_grad_(True)
-    out = swiglu_linear(gate, up, weight, backend="torch")
+    out = swiglu_linear(gate_up, weight, backend="torch")
     assert out.dtype == torch.float64
     out.sum().backward()
     assert weight.grad.dtype == torch.float32
-    torch.testing.assert_close(weight.grad, (torch.ones(5, 8, dtype=torch.float64, device=DEVICE).t() @ swiglu_ref(gate, up)).float())
-    with pytest.raises(ValueError, match=r"weight be \[out, 16\]"):
-        swiglu_linear(gate, up, torch.randn(8, 15, device=DEVICE), backend="triton")
+    expected = torch.ones(5, 8, dtype=torch.float64, device=DEVICE).t() @ swiglu_ref(gate_up[:, :16], gate_up[:, 16:])
+    torch.testing.assert_close(weight.grad, expected.float())
+    with pytest.raises(ValueError, match=r"gate_up must be \[\.\.\., 2 I\] and weight \[out, I\], got gate_up \(5, 32\) and weight \(8, 15\)"):
+        swiglu_linear(gate_up, torch.randn(8, 15, device=DEVICE), backend="triton")
+    with pytest.raises(ValueError, match=r"gate_up must be \[\.\.\., 2 I\]"):
+        swiglu_linear(gate_up[:, :31], weight, backend="triton")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -270,7 +300,7 @@ def test_ops_compile_without_graph_breaks():
     def f(x, res, gate, w, weight):
         y, h = rms_norm(x, w, residual=res, backend="triton")
         y = rms_norm_gated(swiglu(y, gate, backend="triton"), h, w, backend="triton")
-        y = swiglu_linear(y, h, proj, backend="triton")
+        y = swiglu_linear(torch.cat([y, h], dim=-1), proj, backend="triton")
         y = rms_norm_gated_linear(y.view(4, 2, 16), gate.view(4, 2, 16), w[:16], 1e-5, proj, backend="triton")
         return linear_cross_entropy(y, weight, targets, backend="triton")
 

@@ -259,8 +259,9 @@ def rms_norm_gated_linear(
 
 class _RMSNormLinearsFunction(torch.autograd.Function):
     """RMSNorm (with the residual add folded in, when given), then projections of the normed activation
-    by row blocks of one stacked weight (each output its own contiguous tensor); the normed activation is
-    recomputed in the backward pass instead of being kept for the weight gradients."""
+    by row blocks of one stacked weight (each output its own contiguous tensor; with sizes None, one
+    product and one output, the projections side by side); the normed activation is recomputed in the
+    backward pass instead of being kept for the weight gradients."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, stacked, sizes):
@@ -269,6 +270,8 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
         ctx.save_for_backward(source, weight, rstd, stacked)
         ctx.eps, ctx.has_residual, ctx.sizes = eps, residual is not None, sizes
         y = y.to(stacked.dtype)
+        if sizes is None:
+            return h, torch.matmul(y, stacked.t())
         return (h, *(torch.matmul(y, w.t()) for w in stacked.split(sizes)))
 
     @staticmethod
@@ -278,11 +281,15 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
         y, _, _ = _rms_norm_fwd_op(source, None, None, weight, ctx.eps)
         y = y.to(stacked.dtype).reshape(-1, y.shape[-1])
         # the outputs' gradients side by side: one product for the input gradient (summed over the
-        # projections inside the product, rounded once) and one for the stacked weight's
-        d_cat = torch.cat([
-            d.reshape(y.shape[0], n) if d is not None else y.new_zeros(y.shape[0], n)
-            for d, n in zip(d_outs, ctx.sizes)
-        ], dim=-1)
+        # projections inside the product, rounded once) and one for the stacked weight's; one output
+        # (sizes None) hands them over side by side already
+        if ctx.sizes is None:
+            d_cat = d_outs[0].reshape(y.shape[0], -1) if d_outs[0] is not None else y.new_zeros(y.shape[0], stacked.shape[0])
+        else:
+            d_cat = torch.cat([
+                d.reshape(y.shape[0], n) if d is not None else y.new_zeros(y.shape[0], n)
+                for d, n in zip(d_outs, ctx.sizes)
+            ], dim=-1)
         dy = torch.matmul(d_cat, stacked).view_as(source)
         d_stacked = torch.matmul(d_cat.t(), y)
         dx, _, dw = _rms_norm_bwd_op(source, None, weight, rstd, dy, dh_extra)
@@ -292,12 +299,14 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
 def rms_norm_linears(
     x: torch.Tensor, weight: torch.Tensor, eps: float, proj_weights: Sequence[torch.Tensor],
     residual: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None, backend: str = "auto",
-) -> Union[List[torch.Tensor], Tuple[List[torch.Tensor], torch.Tensor]]:
+    side_by_side: bool = False,
+) -> Union[List[torch.Tensor], Tuple[List[torch.Tensor], torch.Tensor], torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """[rms_norm(x) @ w.T for w in proj_weights] (a pre-norm block's input projections); with `residual`,
     h = x + residual is normalised and (projections, h) returned. The projections run in `dtype`
     (default x's; under bf16-mixed the autocast dtype, as a linear layer would), the weights cast to it
     (and stacked: one saved copy). Keeps x (or h) and 1/rms for the backward pass, not the normed
-    activation."""
+    activation. side_by_side: one output, the projections concatenated on the last dim (one product;
+    its gradient arrives as one tensor, where separate outputs' gradients are first concatenated)."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm_linears: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
@@ -310,8 +319,13 @@ def rms_norm_linears(
         normed = rms_norm_ref(x, weight, eps, residual)
         y, h = normed if residual is not None else (normed, None)
         outs = [F.linear(y.to(dtype), w.to(dtype)) for w in proj_weights]
+        if side_by_side:
+            outs = torch.cat(outs, dim=-1)
         return (outs, h) if residual is not None else outs
     stacked = torch.cat([w.to(dtype) for w in proj_weights]) if len(proj_weights) > 1 else proj_weights[0].to(dtype)
+    sizes = None if side_by_side else [w.shape[0] for w in proj_weights]
     h, *outs = _RMSNormLinearsFunction.apply(x.contiguous(), residual.contiguous() if residual is not None else None,
-                                             weight, float(eps), stacked, [w.shape[0] for w in proj_weights])
+                                             weight, float(eps), stacked, sizes)
+    if side_by_side:
+        outs = outs[0]
     return (outs, h) if residual is not None else outs

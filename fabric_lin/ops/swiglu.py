@@ -17,33 +17,43 @@ def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# One program per (row, block of BLOCK columns). gate and up are read at row * stride_in + column: two
+# tensors of rows of I (stride_in = I), or the two halves of one [rows, 2 I] tensor (stride_in = 2 I, up
+# starting I elements after gate), the layout of an MLP's gate and up projections computed side by side.
 @triton.jit
-def _swiglu_fwd_kernel(gate, up, y, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    g = tl.load(gate + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(up + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(y + offs, (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=m)
+def _swiglu_fwd_kernel(gate, up, y, I, stride_in, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < I
+    g = tl.load(gate + row * stride_in + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(up + row * stride_in + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(y + row * I + cols, (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(gate, up, dy, dgate, dup, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    g = tl.load(gate + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(up + offs, mask=m, other=0.0).to(tl.float32)
-    d = tl.load(dy + offs, mask=m, other=0.0).to(tl.float32)
+def _swiglu_bwd_kernel(gate, up, dy, dgate, dup, I, stride_in, BLOCK: tl.constexpr):
+    """dgate and dup in the layout of gate and up."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < I
+    g = tl.load(gate + row * stride_in + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(up + row * stride_in + cols, mask=m, other=0.0).to(tl.float32)
+    d = tl.load(dy + row * I + cols, mask=m, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
-    tl.store(dup + offs, (d * g * sig).to(dup.dtype.element_ty), mask=m)
-    tl.store(dgate + offs, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dgate.dtype.element_ty), mask=m)
+    tl.store(dup + row * stride_in + cols, (d * g * sig).to(dup.dtype.element_ty), mask=m)
+    tl.store(dgate + row * stride_in + cols, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dgate.dtype.element_ty), mask=m)
+
+
+def _grid(rows: int, I: int):
+    return (rows, triton.cdiv(I, BLOCK))
 
 
 @torch.library.custom_op("fabric_lin::swiglu_fwd", mutates_args=())
 def _swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, y, n, BLOCK=BLOCK, num_warps=4)
+    I = gate.shape[-1]
+    if y.numel():
+        _swiglu_fwd_kernel[_grid(y.numel() // I, I)](gate, up, y, I, I, BLOCK=BLOCK, num_warps=4)
     return y
 
 
@@ -55,15 +65,36 @@ def _(gate, up):
 @torch.library.custom_op("fabric_lin::swiglu_bwd", mutates_args=())
 def _swiglu_bwd_op(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-    n = gate.numel()
-    if n:
-        _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, dy, dgate, dup, n, BLOCK=BLOCK, num_warps=4)
+    I = gate.shape[-1]
+    if gate.numel():
+        _swiglu_bwd_kernel[_grid(gate.numel() // I, I)](gate, up, dy, dgate, dup, I, I, BLOCK=BLOCK, num_warps=4)
     return dgate, dup
 
 
 @_swiglu_bwd_op.register_fake
 def _(gate, up, dy):
     return torch.empty_like(gate), torch.empty_like(up)
+
+
+def _packed_fwd(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a contiguous [..., 2 I] gate_up (gate first)."""
+    I = gate_up.shape[-1] // 2
+    y = gate_up.new_empty(*gate_up.shape[:-1], I)
+    if y.numel():
+        _swiglu_fwd_kernel[_grid(y.numel() // I, I)](gate_up, gate_up[..., I:], y, I, 2 * I, BLOCK=BLOCK, num_warps=4)
+    return y
+
+
+def _packed_bwd(gate_up: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The gradient of gate_up, in its [..., 2 I] layout: one tensor, so the projections that made
+    gate_up take it as it is (no concatenation of two gradients)."""
+    I = gate_up.shape[-1] // 2
+    d_gate_up = torch.empty_like(gate_up)
+    if d_gate_up.numel():
+        _swiglu_bwd_kernel[_grid(dy.numel() // I, I)](
+            gate_up, gate_up[..., I:], dy, d_gate_up, d_gate_up[..., I:], I, 2 * I, BLOCK=BLOCK, num_warps=4
+        )
+    return d_gate_up
 
 
 def _setup(ctx, inputs, output):
@@ -92,40 +123,52 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch
 
 
 # SwiGLU followed by the down projection, with the activation recomputed in the backward pass: an MLP
-# then keeps gate, up and the weight for its backward, not also the [tokens, intermediate] activation
+# then keeps gate_up and the weight for its backward, not also the [tokens, intermediate] activation
 # that a separate linear layer would save (a third of an MLP's saved activations).
 @torch.library.custom_op("fabric_lin::swiglu_linear_fwd", mutates_args=())
-def _swiglu_linear_fwd_op(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(_swiglu_fwd_op(gate, up), weight.t())
+def _swiglu_linear_fwd_op(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(_packed_fwd(gate_up), weight.t())
 
 
 @_swiglu_linear_fwd_op.register_fake
-def _(gate, up, weight):
-    return gate.new_empty(*gate.shape[:-1], weight.shape[0])
+def _(gate_up, weight):
+    return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("fabric_lin::swiglu_linear_bwd", mutates_args=())
+def _swiglu_linear_bwd_op(gate_up: torch.Tensor, weight: torch.Tensor, d_out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    y = _packed_fwd(gate_up)  # recomputed: one elementwise pass instead of keeping it
+    d_weight = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, y.shape[-1]))
+    return _packed_bwd(gate_up, torch.matmul(d_out, weight)), d_weight
+
+
+@_swiglu_linear_bwd_op.register_fake
+def _(gate_up, weight, d_out):
+    return torch.empty_like(gate_up), weight.new_empty(weight.shape)
 
 
 def _swiglu_linear_backward(ctx, d_out):
-    gate, up, weight = ctx.saved_tensors
-    d_out = d_out.contiguous()
-    y = _swiglu_fwd_op(gate, up)  # recomputed: one elementwise pass instead of keeping it
-    d_weight = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, y.shape[-1]))
-    d_gate, d_up = _swiglu_bwd_op(gate, up, torch.matmul(d_out, weight).contiguous())
-    return d_gate, d_up, d_weight
+    gate_up, weight = ctx.saved_tensors
+    return _swiglu_linear_bwd_op(gate_up, weight, d_out.contiguous())
 
 
 torch.library.register_autograd("fabric_lin::swiglu_linear_fwd", _swiglu_linear_backward, setup_context=_setup)
 
 
-def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """(silu(gate) * up) @ weight^T, keeping only gate, up and weight for the backward pass. The weight is
-    cast to gate's dtype first (what autocast does for a linear layer under bf16-mixed)."""
+def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """(silu(gate) * up) @ weight^T for gate_up = [..., 2 I], gate its first half and up its second (an
+    MLP's two input projections computed side by side), keeping only gate_up and weight for the backward
+    pass, whose gradient of gate_up is one tensor in the same layout. The weight is cast to gate_up's
+    dtype first (what autocast does for a linear layer under bf16-mixed)."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
-    if gate.shape != up.shape or gate.dtype != up.dtype or weight.shape[-1] != gate.shape[-1]:
+    I = gate_up.shape[-1] // 2
+    if gate_up.shape[-1] % 2 or weight.dim() != 2 or weight.shape[-1] != I:
         raise ValueError(
-            f"swiglu_linear: gate and up must match and weight be [out, {gate.shape[-1]}], got gate "
-            f"{tuple(gate.shape)} {gate.dtype}, up {tuple(up.shape)} {up.dtype}, weight {tuple(weight.shape)}"
+            f"swiglu_linear: gate_up must be [..., 2 I] and weight [out, I], got gate_up {tuple(gate_up.shape)}"
+            f" and weight {tuple(weight.shape)}"
         )
-    if backend == "torch" or (backend == "auto" and not gate.is_cuda):
-        return F.linear(swiglu_ref(gate, up), weight.to(gate.dtype))
-    return _swiglu_linear_fwd_op(gate.contiguous(), up.contiguous(), weight.to(gate.dtype))
+    if backend == "torch" or (backend == "auto" and not gate_up.is_cuda):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.linear(swiglu_ref(gate, up), weight.to(gate_up.dtype))
+    return _swiglu_linear_fwd_op(gate_up.contiguous(), weight.to(gate_up.dtype))
