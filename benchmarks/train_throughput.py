@@ -193,18 +193,32 @@ def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1, accum
     }
 
 
-def data_loader_alone(batch_size, seq_len, batches, num_workers, busy_ms=50.0):
-    """The training data loader by itself (sample corpus, as in the real loop): tokens/s it can deliver,
-    to set against the tokens/s a training step consumes; then how long each fetch waits when the
-    training process is busy between fetches (`busy_ms` of Python, as a host launching kernels): a
-    loader fast on average can still hold a step back now and then."""
-    from fabric_lin.data import SampleCorpus
+def data_loader_alone(batch_size, seq_len, batches, num_workers, corpus="benchmark", busy_ms=50.0):
+    """The training data loader by itself, on the real loop's corpus (bench_corpus.py) or, with corpus
+    "sample", on the sample corpus (one micro-batch per chunk file): tokens/s it can deliver, to set
+    against the tokens/s a training step consumes; then how long each fetch waits when the training
+    process is busy between fetches (`busy_ms` of Python, as a host launching kernels): a loader fast on
+    average can still hold a step back now and then."""
+    from fabric_lin.data import SampleCorpus, SlimPajamaStarcoder
 
-    data = SampleCorpus(num_workers=num_workers, validation=False)
-    data.prepare_data()
-    data.connect(batch_size=batch_size, max_seq_length=seq_len)
-    data.setup()
-    loader = data.train_dataloader()
+    work = Path(tempfile.mkdtemp(prefix="loader-"))
+    try:
+        if corpus == "sample":
+            data = SampleCorpus(num_workers=num_workers, validation=False)
+            data.prepare_data()
+        else:
+            path = benchmark_corpus(work / "corpus", batch_size, seq_len, 2 * batches + 1, loaders=max(num_workers, 1))
+            data = SlimPajamaStarcoder(data_path=path, num_workers=num_workers, validation=False)
+        data.connect(batch_size=batch_size, max_seq_length=seq_len)
+        data.setup()
+        return fetch_times(data.train_dataloader(), batches, busy_ms, f"data loader alone ({corpus} corpus, {num_workers} workers)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def fetch_times(loader, batches, busy_ms, name):
+    """Tokens/s over `batches` fetches back to back, then each of `batches` more fetches' wait with the
+    host busy for `busy_ms` before it."""
     iterator = iter(loader)
 
     def fetch():
@@ -229,7 +243,7 @@ def data_loader_alone(batch_size, seq_len, batches, num_workers, busy_ms=50.0):
         fetch()
         waits_ms.append((time.perf_counter() - fetch_start) * 1e3)
     waits_ms.sort()
-    return {"model": f"data loader alone (sample corpus, {num_workers} workers)", "batches": batches,
+    return {"model": name, "batches": batches,
             "tokens_per_s": round(batches * batch.shape[0] * (batch.shape[1] - 1) / elapsed),
             f"fetch wait with the host busy {busy_ms:.0f} ms between fetches, ms": {
                 "median": round(statistics.median(waits_ms), 1), "p90": round(waits_ms[int(0.9 * len(waits_ms))], 1),
@@ -241,6 +255,7 @@ def run_isolated(regime, key, args):
     cmd = [sys.executable, __file__, "--worker", regime, "--models", key, "--batch_size", str(args.batch_size),
            "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--timeout", str(args.timeout), "--num_workers", str(args.num_workers), "--devices", str(args.devices),
+           "--loader_corpus", args.loader_corpus,
            "--accumulation", str(args.accumulation), "--profile", str(args.profile)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 60, cwd=ROOT)
@@ -258,7 +273,7 @@ def worker(regime, key, args):
                                    args.accumulation, args.num_workers)))
         return
     if regime == "data-loader":
-        print(json.dumps(data_loader_alone(args.batch_size, args.seq_len, 10 * args.steps, args.num_workers)))
+        print(json.dumps(data_loader_alone(args.batch_size, args.seq_len, 10 * args.steps, args.num_workers, args.loader_corpus)))
         return
     gla = Config.from_name("gla-340M")
     runs = {
@@ -299,6 +314,8 @@ def main():
     parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",
                         help="bf16-weights (a), real-loop (b), data-loader (the loader alone, no GPU needed)")
     parser.add_argument("--num_workers", type=int, default=4, help="data loader workers (per rank) of the real loop and the data-loader regime")
+    parser.add_argument("--loader_corpus", choices=["benchmark", "sample"], default="benchmark",
+                        help="data-loader regime: the real loop's corpus (bench_corpus.py) or the sample corpus")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per measurement")
     parser.add_argument("--devices", type=int, default=1,
                         help="GPUs for the real loop (HYBRID_SHARD when > 1; micro batch --batch_size on each)")
