@@ -48,3 +48,10 @@ def benchmark_corpus(root: Path, batch_size: int, seq_len: int, batches: int, lo
         tokens = rng.integers(0, tokenizer.vocab_size, blocks * block_size, dtype=np.int64).astype(np.uint16)
         write_tokens(Path(root) / name, tokens, block_size, chunk_blocks, tokenizer)
     return Path(root)
+
+
+def pretrain_data_args(corpus: Path, num_workers: int) -> list:
+    """`fabric-lin pretrain` arguments that train on `corpus` with `num_workers` loader processes per rank
+    (no validation split, no tokenizer: the tokens are random)."""
+    return ["--data", "SlimPajamaStarcoder", "--data.data_path", str(corpus), "--data.validation", "false",
+            "--data.num_workers", str(num_workers), "--tokenizer_dir", "null"]

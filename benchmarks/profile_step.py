@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -185,9 +186,9 @@ def main():
     install_profiler(args.warmup * args.accumulation, args.steps * args.accumulation, args.steps, report_dir, args.host_ops)
 
     corpus = report_dir / "corpus"
-    if "LOCAL_RANK" not in os.environ:  # the first process writes it; the ranks Fabric starts read it
-        from bench_corpus import benchmark_corpus
+    from bench_corpus import benchmark_corpus, pretrain_data_args
 
+    if "LOCAL_RANK" not in os.environ:  # the first process writes it; the ranks Fabric starts read it
         benchmark_corpus(corpus, args.batch_size, args.seq_len, (args.warmup + args.steps + 1) * args.devices * args.accumulation,
                          loaders=args.devices * max(args.num_workers, 1))
 
@@ -195,8 +196,7 @@ def main():
 
     cli([
         "pretrain", "--config", str(ROOT / args.config),
-        "--data", "SlimPajamaStarcoder", "--data.data_path", str(corpus), "--data.validation", "false",
-        "--data.num_workers", str(args.num_workers), "--tokenizer_dir", "null",
+        *pretrain_data_args(corpus, args.num_workers),
         "--out_dir", str(report_dir / "run"), "--logger_name", "csv", "--devices", str(args.devices),
         "--train.max_seq_length", str(args.seq_len), "--train.micro_batch_size", str(args.batch_size),
         "--train.global_batch_size", str(args.batch_size * args.devices * args.accumulation),
@@ -220,6 +220,8 @@ def main():
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
+    if not args.report_dir:  # a folder of its own: the corpus and the run's checkpoint (GBs) go with it
+        shutil.rmtree(report_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench_corpus import benchmark_corpus
+from bench_corpus import benchmark_corpus, pretrain_data_args
 from fabric_lin.config import Config
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.model import GPT
@@ -155,8 +155,7 @@ def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1, accum
         log_interval = max(1, min(5, steps // 2))
         cmd = [
             sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(ROOT / recipe), *extra,
-            "--data", "SlimPajamaStarcoder", "--data.data_path", str(corpus), "--data.validation", "false",
-            "--data.num_workers", str(num_workers), "--tokenizer_dir", "null", "--out_dir", str(out_dir),
+            *pretrain_data_args(corpus, num_workers), "--out_dir", str(out_dir),
             "--logger_name", "csv", "--train.max_seq_length", str(seq_len), "--train.micro_batch_size", str(batch_size),
             "--train.global_batch_size", str(batch_size * devices * accumulation), "--train.max_tokens", "null",
             "--devices", str(devices), "--train.max_steps", str(warmup + steps), "--train.lr_warmup_steps", "1",
