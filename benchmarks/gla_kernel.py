@@ -7,6 +7,10 @@ ours / SDPA, and a per-kernel time breakdown of our forward+backward at the firs
 
     python benchmarks/gla_kernel.py --out gla_kernel.json
     python benchmarks/gla_kernel.py --shapes 16,2048,4,128,256
+    python benchmarks/gla_kernel.py --variants sep:separate_scores=true wide:state_BV=128,BV_out=256
+
+--variants times other launch tables (fabric_lin.ops.gla.chunk.LAUNCH) in the same run, each against
+the same fla figures, and reports how far each one's output is from the table in place.
 """
 import argparse
 import json
@@ -98,6 +102,47 @@ def sweep(shape):
             "shipped_vs_best": result["shipped_fwd_bwd_ms"] / result["fwd_bwd_ms"], "tried": result["tried"]}
 
 
+def parse_launch(items, what):
+    """{key: value} from KEY=VALUE strings, values as LAUNCH holds them (bool, int or str)."""
+    from fabric_lin.ops.gla import chunk
+
+    settings = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in chunk.LAUNCH:
+            raise SystemExit(f"{what} {item}: unknown key {key!r}, expected one of {sorted(chunk.LAUNCH)}")
+        settings[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    return settings
+
+
+def time_variants(variants, inputs, do, fla_fwd_bwd_ms):
+    """{name: ms and ratio} for each launch variant, timed with the table in place changed by it."""
+    from fabric_lin.ops.gla import chunk
+
+    base = dict(chunk.LAUNCH)
+    with torch.no_grad():
+        o_base = chunk_gla_triton(*inputs)[0].float()
+    results = {}
+    for name, settings in variants.items():
+        chunk.LAUNCH.update(settings)
+        try:
+            fn = lambda q, k, v, gk: chunk_gla_triton(q, k, v, gk)[0]  # noqa: E731
+            with torch.no_grad():
+                o = fn(*inputs).float()
+            fwd_ms, fwd_bwd_ms = time_fn(fn, inputs, do)
+            row = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
+                   "o_rel_rms_vs_table": ((o - o_base).pow(2).mean().sqrt() / o_base.pow(2).mean().sqrt()).item()}
+            if fla_fwd_bwd_ms:
+                row["ratio_fwd_bwd_vs_fla"] = fwd_bwd_ms / fla_fwd_bwd_ms
+            results[name] = row
+        except Exception as e:  # a setting that does not compile or fit is reported, not fatal
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        finally:
+            chunk.LAUNCH.clear()
+            chunk.LAUNCH.update(base)
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the three reference shapes)")
@@ -108,17 +153,21 @@ def main():
                         help="time flash-linear-attention alone (e.g. to fill its autotuning cache ahead of a comparison)")
     parser.add_argument("--launch", nargs="*", default=[], metavar="KEY=VALUE",
                         help="launch settings of fabric_lin.ops.gla.chunk.LAUNCH, e.g. state_split=auto dqk_warps=4")
+    parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="other launch tables to time at every shape, each as changes to the one in place")
     parser.add_argument("--sweep", action="store_true",
                         help="first run the launch search (tiles, warps) at the first shape and report it; the timings use the shipped table")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     from fabric_lin.ops.gla import chunk
 
-    for item in args.launch:
-        key, _, value = item.partition("=")
-        if key not in chunk.LAUNCH:
-            raise SystemExit(f"--launch {item}: unknown key {key!r}, expected one of {sorted(chunk.LAUNCH)}")
-        chunk.LAUNCH[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    chunk.LAUNCH.update(parse_launch(args.launch, "--launch"))
+    variants = {}
+    for item in args.variants:
+        name, sep, changes = item.partition(":")
+        if not sep or not changes:
+            raise SystemExit(f"--variants {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+        variants[name] = parse_launch(changes.split(","), f"--variants {name}:")
 
     ours = lambda q, k, v, gk: chunk_gla_triton(q, k, v, gk)[0]  # noqa: E731
     fla, fla_error = (None, "left out (--no-fla)") if args.no_fla else load_fla()
@@ -130,6 +179,7 @@ def main():
         "dtype": "bfloat16",
         "fla": fla_error or "flash-linear-attention chunk_gla",
         "launch": dict(chunk.LAUNCH),
+        "variants": variants,
         "results": [],
     }
     if args.sweep:
@@ -156,6 +206,8 @@ def main():
             row["fla_fwd_ms"], row["fla_fwd_bwd_ms"] = time_fn(fla, inputs, do)
             row["ratio_fwd_vs_fla"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
             row["ratio_fwd_bwd_vs_fla"] = row["ours_fwd_bwd_ms"] / row["fla_fwd_bwd_ms"]
+        if variants:
+            row["variants"] = time_variants(variants, inputs, do, row.get("fla_fwd_bwd_ms"))
         del inputs, do
         s_inputs, s_do = sdpa_inputs(B, T, H, K)
         row["sdpa_flash_fwd_ms"], row["sdpa_flash_fwd_bwd_ms"] = time_fn(sdpa_flash, s_inputs, s_do)

@@ -152,9 +152,13 @@ def test_triton_head_dims_not_powers_of_two_and_custom_scale():
 
 
 @cpu_only
-def test_triton_strong_gates_stay_finite():
+@pytest.mark.parametrize("separate_scores", [False, True])
+def test_triton_strong_gates_stay_finite(monkeypatch, separate_scores):
     # half the channels decay by logsigmoid(-20)/16 ~ -1.25 per step: -80 over one chunk, where a
-    # chunked form that divides by exp(b) overflows fp32
+    # chunked form that divides by exp(b) overflows fp32; both ways of computing the intra-chunk scores
+    from fabric_lin.ops.gla import chunk
+
+    monkeypatch.setitem(chunk.LAUNCH, "separate_scores", separate_scores)
     q, k, v, _, h0 = make_inputs(1, 130, 1, 16, 16, seed=5)
     logits = torch.where(torch.rand(1, 130, 1, 16, generator=torch.Generator().manual_seed(0)) < 0.5, -20.0, 8.0)
     gk = F.logsigmoid(logits) / 16

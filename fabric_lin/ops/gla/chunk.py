@@ -322,18 +322,49 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
 
 @triton.jit
 def _fwd_scores_kernel(q, k, gc, A_out, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, K: tl.constexpr,
-                       BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-                       IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
-    """A = the intra-chunk scores of one chunk of one head ([B*T, H, BT], input dtype), for the output
-    kernel to read (LAUNCH["separate_scores"]) and the backward pass."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       DOT_PREC: tl.constexpr):
+    """Rows [BC * i_s, BC * i_s + BC) of A, the intra-chunk scores of one chunk of one head ([B*T, H, BT],
+    input dtype), for the output kernel to read (LAUNCH["separate_scores"]) and the backward pass.
+    One strip of BC rows per program, so a chunk's scores take BT // BC programs.
+
+    Columns before the strip: one product whose reference is the strip's first row r,
+        A[strip, j < r] = (q * exp(b - b_r))[strip] @ ((k * exp(b_r - b))[j < r])^T,
+    both exponents <= 0. Columns inside the strip (the diagonal block): one column per step, each an
+    elementwise product with exponent b_i - b_j <= 0 (i >= j)."""
+    i_s, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
-    row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
-    A = _intra_chunk_scores(q + i_h * K, k + i_h * K, gc + i_h * K, row0, n_rows, H * K, K, scale,
-                            BT, BC, BS, BK, DOT_PREC)
-    o_t = tl.arange(0, BT)
-    tl.store(A_out + (row0 + o_t[:, None]) * (H * BT) + i_h * BT + o_t[None, :], A.to(A_out.dtype.element_ty),
-             mask=(o_t < n_rows)[:, None])
+    row0, n_rows, _ = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    DT = q.dtype.element_ty
+    q += i_h * K
+    k += i_h * K
+    gc += i_h * K
+    r = i_s * BC  # the strip's first row
+    o_t = tl.arange(0, BT)  # all rows (columns of A)
+    o_i = r + tl.arange(0, BC)  # the strip's rows
+    before = (o_t < r)[:, None]
+    A = tl.zeros([BC, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = _load_tile(q, row0, o_i, n_rows, H * K, o_k, m_k) * scale
+        b_gq = _load_gate(gc, row0, o_i, n_rows, H * K, o_k, m_k)
+        b_r = _load_gate_row(gc, row0, r, n_rows, H * K, o_k, m_k)[None, :]
+        if i_s > 0:
+            b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
+            b_gk = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
+            k_r = tl.where(before, b_k * tl.exp(tl.where(before, b_r - b_gk, 0.0)), 0.0)
+            q_r = b_q * tl.exp(b_gq - b_r)
+            A += tl.dot(q_r.to(DT), tl.trans(k_r.to(DT)), input_precision=DOT_PREC)
+        for jj in range(BC):
+            c = r + jj
+            k_c = tl.load(k + (row0 + c) * (H * K) + o_k, mask=m_k & (c < n_rows), other=0.0).to(tl.float32)[None, :]
+            g_c = _load_gate_row(gc, row0, c, n_rows, H * K, o_k, m_k)[None, :]
+            ok = (o_i >= c)[:, None]
+            s = tl.sum(tl.where(ok, b_q * k_c * tl.exp(tl.where(ok, b_gq - g_c, 0.0)), 0.0), axis=1)
+            A += tl.where(o_t[None, :] == c, s[:, None], 0.0)
+    tl.store(A_out + (row0 + o_i[:, None]) * (H * BT) + i_h * BT + o_t[None, :], A.to(A_out.dtype.element_ty),
+             mask=(o_i < n_rows)[:, None])
 
 
 @triton.jit
@@ -341,9 +372,10 @@ def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scal
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                        LOAD_SCORES: tl.constexpr):
-    """o = (q * exp(b)) @ h_n + A @ v for one chunk of one head, all value columns. A is computed here
-    and kept for the backward pass ([B*T, H, BT], input dtype), or, with LOAD_SCORES, read from there
-    (written by _fwd_scores_kernel)."""
+    """o = (q * exp(b)) @ h_n + A @ v for one chunk of one head. A is computed here and kept for the
+    backward pass ([B*T, H, BT], input dtype), or, with LOAD_SCORES, read from there (written by
+    _fwd_scores_kernel). Program (i_c, i_bh, i_v0) covers value tiles i_v0, i_v0 + the grid's third
+    size, ...: all of them when that size is 1 (as it must be when A is computed here)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_h = i_bh % H
     row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -362,7 +394,7 @@ def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scal
     else:
         A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BC, BS, BK, DOT_PREC).to(DT)
         tl.store(A_ptrs, A, mask=m_t[:, None])
-    for i_v in range(tl.cdiv(V, BV)):
+    for i_v in range(tl.program_id(2), tl.cdiv(V, BV), tl.num_programs(2)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         acc = tl.zeros([BT, BV], dtype=tl.float32)
@@ -772,18 +804,21 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens):
     A = q.new_empty(B, T, H, BT)
     grid = (NC, H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H)
     BV_out = min(LAUNCH["BV_out"], max(16, triton.next_power_of_2(V)))
-    if LAUNCH["separate_scores"]:
-        _fwd_scores_kernel[grid](
-            q, k, gc, A, cu_seqlens, chunk_indices, scale, T, H, K, BT, BC, BS, BK,
+    separate = LAUNCH["separate_scores"]
+    if separate:
+        _fwd_scores_kernel[(BT // BC,) + grid](
+            q, k, gc, A, cu_seqlens, chunk_indices, scale, T, H, K, BT, BC, BK,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
             num_warps=LAUNCH["scores_warps"], num_stages=LAUNCH["stages"],
         )
     # fewer than 8 warps over value tiles narrower than 64 went wrong on an H200 (Triton 3.6, bf16): outputs
     # 0.3-0.5 off in relative RMS at V=32 and an illegal memory access at K=64, V=32; such tiles keep 8
     output_warps = LAUNCH["output_warps"] if BV_out >= 64 else max(LAUNCH["output_warps"], 8)
-    _fwd_output_kernel[grid](
+    # with the scores read from memory, the value tiles of a chunk are programs of their own
+    value_programs = triton.cdiv(V, BV_out) if separate else 1
+    _fwd_output_kernel[grid + (value_programs,)](
         q, k, v, gc, h, o, A, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV_out,
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype), LOAD_SCORES=LAUNCH["separate_scores"],
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype), LOAD_SCORES=separate,
         num_warps=output_warps, num_stages=LAUNCH["stages"],
     )
     return o, ht, gc, A
