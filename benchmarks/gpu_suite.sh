@@ -37,7 +37,7 @@ if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; th
     # 1 GPU and 2 GPUs, one step after the other, each optimizer step 4 micro-batches per GPU
     step train_1gpu_acc4 300 python benchmarks/train_throughput.py --regimes real-loop --models fabric-lin \
         --accumulation 4 --steps 8 --warmup 3 --out "$out/train_1gpu_acc4.json"
-    step train_2gpu 600 python benchmarks/train_throughput.py --regimes real-loop --models fabric-lin,fabric-lin-zero2,fabric-lin-fsdp-model,fabric-lin-ddp \
+    step train_2gpu 600 python benchmarks/train_throughput.py --regimes real-loop --models fabric-lin,fabric-lin-fsdp-block,fabric-lin-fsdp-block-reshard,fabric-lin-ddp \
         --devices 2 --accumulation 4 --steps 8 --warmup 3 --out "$out/train_2gpu.json"
     step profile_2gpu 300 python benchmarks/profile_step.py --devices 2 --out "$out/profile_2gpu.json"
 fi

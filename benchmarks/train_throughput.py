@@ -120,11 +120,11 @@ REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     "fabric-lin": ("config_hub/gla_340M.yaml", []),
     # the same with shapes specialised, to show what marking them dynamic costs in step time
     "fabric-lin-static": ("config_hub/gla_340M.yaml", ["--compile_dynamic", "false"]),
-    # several GPUs: each Block's gathered weights kept from its forward to its backward pass and across
-    # accumulated micro-batches (one all-gather per optimizer step)
-    "fabric-lin-zero2": ("config_hub/gla_340M.yaml", ["--fsdp_reshard_after_forward", "false"]),
-    # several GPUs: the whole model one FSDP unit (one all-gather and reduce-scatter per pass, not per Block)
-    "fabric-lin-fsdp-model": ("config_hub/gla_340M.yaml", ["--fsdp_unit", "model"]),
+    # several GPUs (the recipe: FSDP with the whole model one unit): one FSDP unit per Block instead, its
+    # gathered weights kept from its forward to its backward pass and across accumulated micro-batches
+    "fabric-lin-fsdp-block": ("config_hub/gla_340M.yaml", ["--fsdp_unit", "block"]),
+    # the same, each Block's weights freed after its forward pass and gathered again for its backward pass
+    "fabric-lin-fsdp-block-reshard": ("config_hub/gla_340M.yaml", ["--fsdp_unit", "block", "--fsdp_reshard_after_forward", "true"]),
     # several GPUs: DistributedDataParallel instead of FSDP (whole model on every GPU, fewer host hooks)
     "fabric-lin-ddp": ("config_hub/gla_340M.yaml", ["--data_parallel", "ddp"]),
     # one GPU: each Block's forward and backward pass replayed as a CUDA graph
@@ -306,8 +306,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", default="fabric-lin,fla,transformer",
                         help="of fabric-lin, fabric-lin-tuned (regime a after the launch search), fabric-lin-static "
-                        "(regime b with specialised shapes), fabric-lin-zero2 (regime b, weights kept gathered "
-                        "under FSDP), fabric-lin-fsdp-model (regime b, the whole model one FSDP unit), fabric-lin-ddp (regime b, DDP "
+                        "(regime b with specialised shapes), fabric-lin-fsdp-block (regime b, one FSDP unit per Block), "
+                        "fabric-lin-fsdp-block-reshard (the same, weights gathered again for the backward pass), fabric-lin-ddp (regime b, DDP "
                         "over several GPUs), fabric-lin-cudagraphs (regime b, "
                         "CUDA graphs, one GPU), fla, transformer")
     parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",
