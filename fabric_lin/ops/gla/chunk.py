@@ -619,14 +619,14 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
 
 # The launch table: tile widths, warps and pipeline depth, fixed (no autotuning, so no start-up search and
 # nothing re-tuned when the batch size or sequence length changes). Module-level so that the opt-in search
-# (tune.py: `kernel_autotune` in pretrain, `benchmarks/gla_kernel.py --sweep`) can replace it. On an H200
-# (bf16, the gla-340M layer shape) 4 warps for the state passes without software pipelining and for the dv
-# kernel, 8 for dq/dk, were the fastest of the settings tried. The search finds 128-wide state tiles and a
-# 4-warp output kernel over 256-wide value tiles 1.13x faster at that shape (2.2% of a training step), but
-# the 4-warp output kernel gave a wrong output at K=256, V=32 on an H200 with Triton 3.6
-# (tests/test_gla_triton.py::test_gpu_bf16_matches_fp32_naive), so the shipped table keeps 8; the search
-# checks every setting's output and gradients at the shape it tunes for.
-LAUNCH = {"BK": 64, "BV": 64, "BV_out": 128, "state_BK": 64, "state_BV": 64, "state_warps": 4, "state_stages": 1, "output_warps": 8, "dv_warps": 4,
+# (tune.py: `kernel_autotune` in pretrain, `benchmarks/gla_kernel.py --sweep`) can replace it. Measured on
+# an H200 (bf16, tutorials/performance.md): 128-wide value tiles for the sequential state passes, a 4-warp
+# output kernel over 256-wide value tiles (8 warps below 64: see _forward), 4 warps for the state passes
+# and the dv kernel, 8 for dq/dk; at the gla-340M layer 1.84 ms forward+backward against 2.06 for the
+# earlier 64-wide state tiles and 8-warp, 128-wide output kernel. The split state pass when the
+# sequential one would have fewer programs than half the multiprocessors (32K tokens, one sequence, 8
+# heads: 16 programs; 3.56 against 5.82 ms), not at 128 or 256 programs, where the sequential pass won.
+LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "state_warps": 4, "state_stages": 1, "output_warps": 4, "dv_warps": 4,
           "dqk_warps": 8, "stages": 1,
           # the forward's intra-chunk scores by their own kernel, read by the output kernel (True), or computed
           # inside the output kernel (False: one launch, but the output kernel's programs hold both)
@@ -636,10 +636,9 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 128, "state_BK": 64, "state_BV": 64, "st
           # the forward's in-chunk cumulative gate by its own kernel (True) or inside the sequential state pass
           "separate_cumsum": True,
           # state passes as chunk-parallel updates + an elementwise scan (True), as one sequential pass with
-          # the matrix products inside (False, the setting measured on an H200 so far), or the scan when the
-          # sequential pass would have fewer than two programs per multiprocessor ("auto": long sequences,
-          # few heads)
-          "state_split": False, "scan_SK": 16, "scan_SV": 64, "scan_stages": 3,
+          # the matrix products inside (False), or the scan when the sequential pass would have fewer
+          # programs than half the multiprocessors ("auto": long sequences, few heads)
+          "state_split": "auto", "scan_SK": 16, "scan_SV": 64, "scan_stages": 3,
           # dtype of the per-chunk states h and dh of the sequential pass: "input" (bf16 for bf16 inputs,
           # half the traffic), "fp32", or "auto" = fp32 when a state crosses the op's boundary (initial
           # state given, final-state gradient flowing), where rounding them costs most relative accuracy
@@ -688,7 +687,7 @@ def _split_states(K: int, V: int, N: int, H: int, device: torch.device) -> bool:
         return False
     SK, SV = _block_sizes(K, V, "state_")
     programs = triton.cdiv(K, SK) * triton.cdiv(V, SV) * N * H
-    return programs < 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * programs < torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _scan(hu, gc, s0, s_final, cu_seqlens, layout, T, reverse):
