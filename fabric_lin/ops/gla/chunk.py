@@ -16,7 +16,8 @@ state), arranged so that every matrix product is a full 64-row tile:
     reference rows are plain loads of gc, and rows past a sequence's end read its last row.
   * h_n, the state entering chunk n, comes from a state pass, and o = (q * exp(b)) @ h_n + A @ v
     (_fwd_output_kernel, which computes A itself or reads it from _fwd_scores_kernel, a kernel of its
-    own with fewer registers per program: LAUNCH["separate_scores"]). The state pass is either one
+    own with one 16-row strip of A per program and a simpler split of the chunk, referenced to each
+    strip's first row: LAUNCH["separate_scores"]). The state pass is either one
     sequential loop per (sequence, head, tile) with the products inside (_fwd_state_kernel; h_n in the
     input dtype or fp32, LAUNCH["state_dtype"]), or, for long sequences with few heads, chunk-parallel
     products (_chunk_update_kernel) followed by an elementwise scan over the chunks (_state_scan_kernel,
