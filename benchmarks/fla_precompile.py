@@ -67,6 +67,8 @@ def main():
     parser.add_argument("--workers", type=int, default=6, help="processes, spread over the visible GPUs")
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--worker_gib", type=float, default=36.0,
+                        help="GPU memory one worker needs (its training step at --batch_size x --seq_len)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -80,11 +82,21 @@ def main():
     if gpus == 0:
         raise SystemExit("needs a CUDA GPU")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in range(gpus))).split(",")
+    # each worker runs a whole training step of the fla model (28.4 GiB at 16 x 2048): more workers than
+    # fit side by side on the GPUs run out of memory and leave their share of the candidates uncompiled
+    per_worker = args.worker_gib * 2**30
+    fits = [int(torch.cuda.mem_get_info(g)[0] // per_worker) for g in range(gpus)]
+    # one slot per worker that fits, taken GPU by GPU in turn
+    slots = [visible[g] for round_ in range(max(fits)) for g in range(gpus) if round_ < fits[g]] or visible[:1]
+    if args.workers > len(slots):
+        print(f"--workers {args.workers}: only {len(slots)} fit in the free memory of {gpus} GPU(s) at "
+              f"{args.worker_gib} GiB each; running {len(slots)}", flush=True)
+        args.workers = len(slots)
     start = time.time()
     procs = [
         subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--workers", str(args.workers),
                           "--batch_size", str(args.batch_size), "--seq_len", str(args.seq_len)],
-                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=visible[i % len(visible)]))
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=slots[i]))
         for i in range(args.workers)
     ]
     codes = [p.wait() for p in procs]
