@@ -32,6 +32,8 @@ SEARCH_SPACE: List[Dict[str, tuple]] = [
     {"scores_warps": (4, 8)},  # the separate score kernel, where chosen
     {"dv_warps": (4, 8)},
     {"dqk_warps": (8, 4)},
+    # key tiles of the chunk-parallel kernels: 32 gives dq/dk twice the programs, each holding smaller tiles
+    {"BK": (64, 32)},
     {"stages": (1, 2)},  # pipelining of the chunk-parallel kernels
     {"fused_bwd_states": (True, False), "separate_cumsum": (True, False), "state_split": (False, True)},
 ]
