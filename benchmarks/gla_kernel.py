@@ -34,6 +34,16 @@ def gla_inputs(B, T, H, K, V, dtype=torch.bfloat16, device="cuda"):
     return (q, k, v, gk), do
 
 
+def ours(q, k, v, gk):
+    return chunk_gla_triton(q, k, v, gk)[0]
+
+
+def rel_rms(x, ref):
+    """Relative RMS difference of x from ref (in fp32)."""
+    x, ref = x.float(), ref.float()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
 def time_fn(fn, inputs, do):
     """(forward ms, forward+backward ms)."""
     def fwd():
@@ -121,17 +131,15 @@ def time_variants(variants, inputs, do, fla_fwd_bwd_ms):
 
     base = dict(chunk.LAUNCH)
     with torch.no_grad():
-        o_base = chunk_gla_triton(*inputs)[0].float()
+        o_base = ours(*inputs)
     results = {}
     for name, settings in variants.items():
         chunk.LAUNCH.update(settings)
         try:
-            fn = lambda q, k, v, gk: chunk_gla_triton(q, k, v, gk)[0]  # noqa: E731
             with torch.no_grad():
-                o = fn(*inputs).float()
-            fwd_ms, fwd_bwd_ms = time_fn(fn, inputs, do)
-            row = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
-                   "o_rel_rms_vs_table": ((o - o_base).pow(2).mean().sqrt() / o_base.pow(2).mean().sqrt()).item()}
+                o = ours(*inputs)
+            fwd_ms, fwd_bwd_ms = time_fn(ours, inputs, do)
+            row = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "o_rel_rms_vs_table": rel_rms(o, o_base)}
             if fla_fwd_bwd_ms:
                 row["ratio_fwd_bwd_vs_fla"] = fwd_bwd_ms / fla_fwd_bwd_ms
             results[name] = row
@@ -169,7 +177,6 @@ def main():
             raise SystemExit(f"--variants {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
         variants[name] = parse_launch(changes.split(","), f"--variants {name}:")
 
-    ours = lambda q, k, v, gk: chunk_gla_triton(q, k, v, gk)[0]  # noqa: E731
     fla, fla_error = (None, "left out (--no-fla)") if args.no_fla else load_fla()
     if args.fla_only and fla is None:
         raise SystemExit(f"--fla-only: flash-linear-attention is not usable: {fla_error}")
@@ -201,8 +208,7 @@ def main():
             continue
         if fla is not None:
             with torch.no_grad():
-                o_ours, o_fla = ours(*inputs).float(), fla(*inputs).float()
-            row["o_rel_rms_vs_fla"] = ((o_ours - o_fla).pow(2).mean().sqrt() / o_fla.pow(2).mean().sqrt()).item()
+                row["o_rel_rms_vs_fla"] = rel_rms(ours(*inputs), fla(*inputs))
             row["fla_fwd_ms"], row["fla_fwd_bwd_ms"] = time_fn(fla, inputs, do)
             row["ratio_fwd_vs_fla"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
             row["ratio_fwd_bwd_vs_fla"] = row["ours_fwd_bwd_ms"] / row["fla_fwd_bwd_ms"]
