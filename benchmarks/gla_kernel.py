@@ -96,6 +96,32 @@ def kernel_breakdown(fn, inputs, do, steps=5):
     return dict(sorted(rows.items(), key=lambda kv: -kv[1])[:15])
 
 
+def kernel_resources():
+    """Registers, spills, shared memory and warps of each of our compiled GLA kernels, and how many of its
+    programs one multiprocessor can hold by registers (64K per SM) and shared memory (228 KiB on an H200)."""
+    import triton
+    from fabric_lin.ops.gla import chunk
+
+    rows = {}
+    for name in sorted(vars(chunk)):
+        fn = getattr(chunk, name)
+        if not isinstance(fn, triton.runtime.JITFunction):
+            continue
+        for caches in getattr(fn, "device_caches", {}).values():
+            for i, kernel in enumerate(caches[0].values()):
+                try:
+                    kernel._init_handles()
+                    warps, regs, shared = kernel.metadata.num_warps, kernel.n_regs, kernel.metadata.shared
+                    rows[f"{name}#{i}"] = {
+                        "warps": warps, "regs_per_thread": regs, "spills": kernel.n_spills, "shared_bytes": shared,
+                        "programs_per_sm_by_regs": 65536 // max(1, regs * 32 * warps),
+                        "programs_per_sm_by_shared": (233472 // shared) if shared else None,
+                    }
+                except Exception as e:  # another Triton's internals: report, do not fail the benchmark
+                    rows[f"{name}#{i}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return rows
+
+
 def sweep(shape):
     """The opt-in launch search (fabric_lin.ops.gla.tune) at one shape: every setting it tried, and how
     far the shipped table is from the best one. The shipped table is put back afterwards."""
@@ -221,14 +247,18 @@ def main():
         del s_inputs, s_do
         report["results"].append(row)
         print(json.dumps(row), flush=True)
+        if not args.no_breakdown and shape == shapes[0]:
+            # right after the first shape, so that a run cut short by a time limit still has it
+            inputs, do = gla_inputs(*shape)
+            report["breakdown_ours_ms"] = kernel_breakdown(ours, inputs, do)
+            if fla is not None:
+                report["breakdown_fla_ms"] = kernel_breakdown(fla, inputs, do)
+            report["resources_ours"] = kernel_resources()
+            del inputs, do
+            print(json.dumps({k: report[k] for k in report if k.startswith(("breakdown", "resources"))}), flush=True)
         if args.out:  # each shape as it finishes, so that an interrupted run keeps what it measured
             with open(args.out + ".partial", "a") as f:
                 f.write(json.dumps(row) + "\n")
-    if not args.no_breakdown and not args.fla_only:
-        inputs, do = gla_inputs(*shapes[0])
-        report["breakdown_ours_ms"] = kernel_breakdown(ours, inputs, do)
-        if fla is not None:
-            report["breakdown_fla_ms"] = kernel_breakdown(fla, inputs, do)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
