@@ -128,12 +128,19 @@ def triton_from_logits(q, k, v, logits, **kwargs):
 
 
 @cpu_only
-@pytest.mark.parametrize("T,offsets", [(63, None), (130, None), (330, [0, 1, 64, 200, 330])])
-def test_triton_from_logits_matches_naive_fp32(T, offsets):
-    # the gate formed inside from its logits; the backward recomputes gk and its cumulative sums
+@pytest.mark.parametrize("T,offsets,logit_scale,state_split", [
+    (63, None, 3, False), (130, None, 3, True), (330, [0, 1, 64, 200, 330], 3, False),
+    (130, None, 40, False),  # logits up to ~+-150: exp(|x|) overflows fp32 unless logsigmoid and sigmoid avoid it
+])
+def test_triton_from_logits_matches_naive_fp32(monkeypatch, T, offsets, logit_scale, state_split):
+    # the gate formed inside the gate cumsum kernel from its logits; the backward recomputes gk's cumulative
+    # sums and the dq/dk kernel writes the logits' gradient; state_split: chunk-parallel state passes
+    from fabric_lin.ops.gla import chunk
+
+    monkeypatch.setitem(chunk.LAUNCH, "state_split", state_split)
     N = 1 if offsets is None else len(offsets) - 1
     q, k, v, _, h0 = make_inputs(1, T, 2, 32, 48, N=N, seed=12)
-    logits = 3 * torch.randn(1, T, 2, 32, generator=torch.Generator().manual_seed(13))
+    logits = logit_scale * torch.randn(1, T, 2, 32, generator=torch.Generator().manual_seed(13))
     cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
     ref = forward_backward(naive_from_logits, q, k, v, logits, h0, cu)
     out = forward_backward(triton_from_logits, q, k, v, logits, h0, cu)

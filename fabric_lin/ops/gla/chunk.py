@@ -35,16 +35,15 @@ The backward's two sequential passes (states recomputed forwards, their gradient
 one launch (LAUNCH["fused_bwd_states"]): six launches for forward plus backward with the sequential
 state pass (gate cumsum, states, output; both state passes, dv, dq/dk). All accumulation is fp32.
 
-chunk_gla_from_logits_triton takes the forget gate as logits (gk = logsigmoid(logits) / normalizer) and
-keeps only those for the backward pass, recomputing gk and gc there (seven launches).
+chunk_gla_from_logits_triton takes the forget gate as logits (gk = logsigmoid(logits) / normalizer, formed
+in the gate cumsum kernel) and keeps only those for the backward pass, recomputing gc there; the dq/dk
+kernel then writes the logits' gradient (seven launches, no elementwise pass over the gate besides).
 """
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
-
-from fabric_lin.ops.gla.gate import log_decay
 
 BT = 64  # chunk
 BC = 16  # first split of the chunk for the intra-chunk scores
@@ -156,16 +155,26 @@ def _intra_chunk_scores(q, k, gc, row0, n_rows, stride, K, scale,
 
 
 @triton.jit
-def _gate_cumsum_kernel(g, gc, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                        BK: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """gc = cumulative sum of g inside each chunk (fp32), one chunk of one head and key tile per program."""
+def _log_decay(x, normalizer):
+    """logsigmoid(x) / normalizer in fp32, written so that exp never overflows."""
+    return (tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))) / normalizer
+
+
+@triton.jit
+def _gate_cumsum_kernel(g, gc, cu_seqlens, chunk_indices, normalizer, T, H: tl.constexpr, K: tl.constexpr,
+                        BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, FROM_LOGITS: tl.constexpr):
+    """gc = cumulative sum of g inside each chunk (fp32), one chunk of one head and key tile per program.
+    FROM_LOGITS: g holds the gate's logits, and the log gate logsigmoid(g) / normalizer is summed."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     row0, n_rows, _ = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_g = tl.cumsum(_load_tile(g + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k), axis=0)
+    b_g = _load_tile(g + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
+    if FROM_LOGITS:  # rows past the end become nonzero here, but they come after every stored row
+        b_g = _log_decay(b_g, normalizer)
+    b_g = tl.cumsum(b_g, axis=0)
     tl.store(gc + i_h * K + (row0 + o_t[:, None]) * (H * K) + o_k[None, :], b_g, mask=(o_t < n_rows)[:, None] & m_k[None, :])
 
 
@@ -518,11 +527,12 @@ def _bwd_dv_kernel(k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H:
 
 
 @triton.jit
-def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
+def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer, T,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
-    """dq, dk, dgk of one chunk, one head, one tile of key columns."""
+                    DOT_PREC: tl.constexpr, FROM_LOGITS: tl.constexpr):
+    """dq, dk, dgk of one chunk, one head, one tile of key columns; FROM_LOGITS: dg gets the gradient of
+    the gate's logits instead, dgk * d logsigmoid(x) / dx / normalizer = dgk * sigmoid(-x) / normalizer."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -613,6 +623,10 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_in
     db = b_q * b_dq - b_k * b_dk
     db_last = hdh * tl.exp(b_last) + tl.sum(b_k * dk_s, axis=0)
     b_dg = tl.sum(db, axis=0)[None, :] - tl.cumsum(db, axis=0) + db + db_last[None, :]
+    if FROM_LOGITS:
+        x = tl.load(logits + i_h * K + offs, mask=m_tk, other=0.0).to(tl.float32)
+        sigmoid_neg_x = tl.exp(tl.minimum(-x, 0.0)) / (1.0 + tl.exp(-tl.abs(x)))  # no exp of a positive number
+        b_dg = b_dg * sigmoid_neg_x / normalizer
     tl.store(dq + offs, (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + offs, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
@@ -719,13 +733,14 @@ def _chunk_updates(x, y, g, gc, scale, cu_seqlens, layout, reverse):
     return u
 
 
-def _gate_cumsum(g, gc, cu_seqlens, layout):
-    """gc <- the cumulative sum of g inside each chunk (fp32)."""
+def _gate_cumsum(g, gc, cu_seqlens, layout, normalizer=None):
+    """gc <- the cumulative sum of g inside each chunk (fp32); with a normalizer, g holds the gate's logits
+    and the sum is over logsigmoid(g) / normalizer."""
     B, T, H, K = g.shape
     BKc = min(128, max(16, triton.next_power_of_2(K)))
     grid = (triton.cdiv(K, BKc),) + ((layout[1], H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H))
-    _gate_cumsum_kernel[grid](g, gc, cu_seqlens, layout[2], T, H, K, BT, BKc, IS_VARLEN=cu_seqlens is not None,
-                              num_warps=4)
+    _gate_cumsum_kernel[grid](g, gc, cu_seqlens, layout[2], normalizer or 1.0, T, H, K, BT, BKc,
+                              IS_VARLEN=cu_seqlens is not None, FROM_LOGITS=normalizer is not None, num_warps=4)
 
 
 def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
@@ -791,14 +806,18 @@ def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, la
     return h, dh, dh0
 
 
-def _forward(q, k, v, g, scale, initial_state, cu_seqlens):
-    """(o, final state, and for the backward pass: gc = in-chunk cumulative gate, A = intra-chunk scores)."""
+def _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
+    """(o, final state, and for the backward pass: gc = in-chunk cumulative gate, A = intra-chunk scores).
+    With a normalizer, g holds the gate's logits (log gate = logsigmoid(g) / normalizer)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     layout = _chunk_layout(cu_seqlens, B, T)
     NC, chunk_indices = layout[1], layout[2]
     BK, BV = _block_sizes(K, V)
     gc = torch.empty_like(g, dtype=torch.float32)
+    if normalizer is not None:
+        _gate_cumsum(g, gc, cu_seqlens, layout, normalizer)
+        g = None  # the state pass reads gc
     h, ht = _states(k, v, g, gc, initial_state, cu_seqlens, layout)
     o = torch.empty_like(v, dtype=q.dtype)
     A = q.new_empty(B, T, H, BT)
@@ -824,10 +843,19 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens):
     return o, ht, gc, A
 
 
-def _backward(q, k, v, gc, A, scale, initial_state, cu_seqlens, do, dht):
+def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, normalizer=None):
+    """(dq, dk, dv, dgate, dh0). gate is gc, the in-chunk cumulative log gate (dgate: the log gate's gradient,
+    fp32), or, with a normalizer, the gate's logits (gc is recomputed from them; dgate: the logits' gradient,
+    in their dtype)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     layout = _chunk_layout(cu_seqlens, B, T)
+    logits = gate if normalizer is not None else None
+    if logits is not None:
+        gc = torch.empty_like(logits, dtype=torch.float32)
+        _gate_cumsum(logits, gc, cu_seqlens, layout, normalizer)
+    else:
+        gc = gate
     N, NC, chunk_indices, chunk_offsets = layout
     BK, BV = _block_sizes(K, V)
     prec = _dot_precision(q.dtype)
@@ -845,10 +873,11 @@ def _backward(q, k, v, gc, A, scale, initial_state, cu_seqlens, do, dht):
         k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H, K, V, BT, BK, BV,
         IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=LAUNCH["dv_warps"], num_stages=LAUNCH["stages"],
     )
-    dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gc)
+    dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gate)
     _bwd_dqk_kernel[(triton.cdiv(K, BK),) + grid](
-        q, k, v, gc, h, do, dh, dA, dq, dk, dg, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV,
-        IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["stages"],
+        q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
+        BT, BC, BS, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
+        num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["stages"],
     )
     return dq, dk, dv, dg, dh0
 
@@ -857,13 +886,13 @@ def _backward(q, k, v, gc, A, scale, initial_state, cu_seqlens, do, dht):
 @torch.library.custom_op("fabric_lin::chunk_gla_fwd", mutates_args=())
 def chunk_gla_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
-    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], normalizer: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, g, scale, initial_state, cu_seqlens)
+    return _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer)
 
 
 @chunk_gla_fwd_op.register_fake
-def _(q, k, v, g, scale, initial_state, cu_seqlens):
+def _(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -873,20 +902,20 @@ def _(q, k, v, g, scale, initial_state, cu_seqlens):
 
 @torch.library.custom_op("fabric_lin::chunk_gla_bwd", mutates_args=())
 def chunk_gla_bwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, A: torch.Tensor, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, A: torch.Tensor, scale: float,
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
-    dht: Optional[torch.Tensor],
+    dht: Optional[torch.Tensor], normalizer: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dg, dh0 = _backward(q, k, v, gc, A, scale, initial_state, cu_seqlens, do, dht)
+    dq, dk, dv, dg, dh0 = _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, normalizer)
     if dh0 is None:
         dh0 = q.new_zeros(0, dtype=torch.float32)
     return dq, dk, dv, dg, dh0
 
 
 @chunk_gla_bwd_op.register_fake
-def _(q, k, v, gc, A, scale, initial_state, cu_seqlens, do, dht):
+def _(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, normalizer=None):
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gc), dh0
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gate), dh0
 
 
 class ChunkGLAFunction(torch.autograd.Function):
@@ -949,28 +978,15 @@ def chunk_gla_triton(
     return o, (ht if output_final_state else None)
 
 
-# The gate from its logits: gk = logsigmoid(gate_logits) / normalizer is formed inside, and the
-# backward pass recomputes gk and its in-chunk cumulative sums from the logits (one elementwise pass,
-# one cumsum launch) instead of keeping gc: the layer then keeps 2 bytes per gate entry (bf16 logits)
-# where it kept 8 (fp32 gc, and the fp32 logsigmoid input).
-@torch.library.custom_op("fabric_lin::chunk_gate_cumsum", mutates_args=())
-def chunk_gate_cumsum_op(g: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
-    gc = torch.empty_like(g, dtype=torch.float32)
-    B, T = g.shape[:2]
-    _gate_cumsum(g, gc, cu_seqlens, _chunk_layout(cu_seqlens, B, T))
-    return gc
-
-
-@chunk_gate_cumsum_op.register_fake
-def _(g, cu_seqlens):
-    return torch.empty_like(g, dtype=torch.float32)
-
-
+# The gate from its logits: gk = logsigmoid(gate_logits) / normalizer is formed inside the gate cumsum
+# kernel, and the backward pass recomputes gk's in-chunk cumulative sums from the logits (one launch) and
+# writes the logits' gradient from the dq/dk kernel: the layer keeps 2 bytes per gate entry (bf16 logits)
+# where it would keep 8 (fp32 gc, and the fp32 logsigmoid input), and no elementwise pass over the gate
+# runs outside the kernels.
 class ChunkGLAFromLogitsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, gate_logits, normalizer, scale, initial_state, output_final_state, cu_seqlens):
-        g = log_decay(gate_logits, normalizer)
-        o, ht, _, A = chunk_gla_fwd_op(q, k, v, g, scale, initial_state, cu_seqlens)
+        o, ht, _, A = chunk_gla_fwd_op(q, k, v, gate_logits, scale, initial_state, cu_seqlens, normalizer)
         ctx.save_for_backward(q, k, v, gate_logits, A, initial_state, cu_seqlens)
         ctx.scale, ctx.normalizer, ctx.output_final_state = scale, normalizer, output_final_state
         return o, ht
@@ -978,11 +994,10 @@ class ChunkGLAFromLogitsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, gate_logits, A, initial_state, cu_seqlens = ctx.saved_tensors
-        gc = chunk_gate_cumsum_op(log_decay(gate_logits, ctx.normalizer), cu_seqlens)
         dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
-        dq, dk, dv, dg, dh0 = chunk_gla_bwd_op(q, k, v, gc, A, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht)
-        # d logsigmoid(x) / dx = sigmoid(-x)
-        d_logits = (dg * torch.sigmoid(-gate_logits.float()) / ctx.normalizer).to(gate_logits.dtype)
+        dq, dk, dv, d_logits, dh0 = chunk_gla_bwd_op(
+            q, k, v, gate_logits, A, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht, ctx.normalizer
+        )
         return (dq, dk, dv, d_logits, None, None, (dh0 if initial_state is not None else None), None, None)
 
 
