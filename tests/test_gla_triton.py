@@ -261,14 +261,15 @@ def test_gpu_bf16_matches_fp32_naive(B, T, H, K, V):
 
 
 # settings the launch search can choose (tune.py), on the same shapes: the shipped table's sequential state
-# passes (its "auto" split takes the scan at these shapes), the earlier table, and the separate score
-# kernel (a 4-warp output kernel over 32-wide value tiles failed on an H200; the launch keeps 8 warps for
+# passes (its "auto" split takes the scan at these shapes), the earlier table, the separate score
+# kernel, pipelined loads with narrower key tiles (a 4-warp output kernel over 32-wide value tiles failed on an H200; the launch keeps 8 warps for
 # tiles narrower than 64, so the V=32 shapes check that guard)
 SEARCHED_SETTINGS = [
     {"state_split": False},
     {"state_BV": 64, "BV_out": 128, "output_warps": 8, "state_split": False},
     {"separate_scores": True, "scores_warps": 4},
     {"separate_scores": True, "scores_warps": 8, "BV_out": 128, "state_split": False},
+    {"stages": 2, "dqk_stages": 2, "BK": 32},  # software-pipelined loads, 32-wide key tiles
 ]
 
 

@@ -556,10 +556,7 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
     offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
 
     b_dA = tl.load(dA + (row0 + o_t[:, None]) * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
-    same = (o_t[:, None] // BC) == (o_t[None, :] // BC)
     dA_c = b_dA.to(DT)
-    dA_same = tl.where(same, b_dA, 0.0).to(DT)
-    pos = o_t % BC
 
     b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
     b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
@@ -577,7 +574,11 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
         f_k = tl.where(in_J, tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
         b_dq += f_q * tl.dot(dA_c, (b_k * f_k).to(DT), input_precision=DOT_PREC)
         b_dk += f_k * tl.dot(tl.trans(dA_c), (b_q * f_q).to(DT), input_precision=DOT_PREC)
-    # level 2: blocks of BS rows inside each BC block
+    # level 2: blocks of BS rows inside each BC block (dA restricted to those blocks formed only now, so that
+    # the level-1 loop does not hold it)
+    same = (o_t[:, None] // BC) == (o_t[None, :] // BC)
+    dA_same = tl.where(same, dA_c, 0.0)
+    pos = o_t % BC
     for J2 in range(BC // BS - 1):
         r2 = J2 * BS + BS - 1
         b_r = _load_gate(gc, row0, (o_t // BC) * BC + r2, n_rows, H * K, o_k, m_k)
@@ -642,7 +643,7 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
 # sequential one would have fewer programs than half the multiprocessors (32K tokens, one sequence, 8
 # heads: 16 programs; 3.56 against 5.82 ms), not at 128 or 256 programs, where the sequential pass won.
 LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "state_warps": 4, "state_stages": 1, "output_warps": 4, "dv_warps": 4,
-          "dqk_warps": 8, "stages": 1,
+          "dqk_warps": 8, "stages": 1, "dqk_stages": 1,
           # the forward's intra-chunk scores by their own kernel, read by the output kernel (True), or computed
           # inside the output kernel (False: one launch, but the output kernel's programs hold both)
           "separate_scores": False, "scores_warps": 4,
@@ -877,7 +878,7 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
     _bwd_dqk_kernel[(triton.cdiv(K, BK),) + grid](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
         BT, BC, BS, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
-        num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["stages"],
+        num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["dqk_stages"],
     )
     return dq, dk, dv, dg, dh0
 

@@ -31,10 +31,10 @@ SEARCH_SPACE: List[Dict[str, tuple]] = [
     {"output_warps": (8, 4), "BV_out": (128, 256), "separate_scores": (False, True)},  # forward output kernel
     {"scores_warps": (4, 8)},  # the separate score kernel, where chosen
     {"dv_warps": (4, 8)},
-    {"dqk_warps": (8, 4)},
+    {"dqk_warps": (8, 4), "dqk_stages": (1, 2)},  # stages: pipelining of the loads in its state loop
     # key tiles of the chunk-parallel kernels: 32 gives dq/dk twice the programs, each holding smaller tiles
     {"BK": (64, 32)},
-    {"stages": (1, 2)},  # pipelining of the chunk-parallel kernels
+    {"stages": (1, 2)},  # pipelining of the other chunk-parallel kernels
     {"fused_bwd_states": (True, False), "separate_cumsum": (True, False), "state_split": (False, True)},
 ]
 
