@@ -106,7 +106,8 @@ def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fus
     # separate_scores computes the intra-chunk scores by their own kernel, which the output kernel reads
     from fabric_lin.ops.gla import chunk
 
-    tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "scan_SK": 16, "scan_SV": 16}
+    tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "scan_SK": 16, "scan_SV": 16,
+             "state_maxnreg": 128, "output_maxnreg": 128, "dv_maxnreg": 128, "dqk_maxnreg": 128}
     settings = dict(tiles, state_split=state_split, fused_bwd_states=fused_bwd_states, separate_cumsum=separate_cumsum,
                     separate_scores=separate_scores)
     for key, value in settings.items():
@@ -262,7 +263,7 @@ def test_gpu_bf16_matches_fp32_naive(B, T, H, K, V):
 
 # settings the launch search can choose (tune.py), on the same shapes: the shipped table's sequential state
 # passes (its "auto" split takes the scan at these shapes), the earlier table, the separate score
-# kernel, pipelined loads with narrower key tiles (a 4-warp output kernel over 32-wide value tiles failed on an H200; the launch keeps 8 warps for
+# kernel, pipelined loads with narrower key tiles, register caps (a 4-warp output kernel over 32-wide value tiles failed on an H200; the launch keeps 8 warps for
 # tiles narrower than 64, so the V=32 shapes check that guard)
 SEARCHED_SETTINGS = [
     {"state_split": False},
@@ -270,6 +271,7 @@ SEARCHED_SETTINGS = [
     {"separate_scores": True, "scores_warps": 4},
     {"separate_scores": True, "scores_warps": 8, "BV_out": 128, "state_split": False},
     {"stages": 2, "dqk_stages": 2, "BK": 32},  # software-pipelined loads, 32-wide key tiles
+    {"dqk_maxnreg": 128, "dv_maxnreg": 168, "output_maxnreg": 168, "state_maxnreg": 168},  # register caps
 ]
 
 

@@ -556,7 +556,10 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
     offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
 
     b_dA = tl.load(dA + (row0 + o_t[:, None]) * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
+    same = (o_t[:, None] // BC) == (o_t[None, :] // BC)
     dA_c = b_dA.to(DT)
+    dA_same = tl.where(same, b_dA, 0.0).to(DT)
+    pos = o_t % BC
 
     b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
     b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
@@ -574,11 +577,7 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
         f_k = tl.where(in_J, tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
         b_dq += f_q * tl.dot(dA_c, (b_k * f_k).to(DT), input_precision=DOT_PREC)
         b_dk += f_k * tl.dot(tl.trans(dA_c), (b_q * f_q).to(DT), input_precision=DOT_PREC)
-    # level 2: blocks of BS rows inside each BC block (dA restricted to those blocks formed only now, so that
-    # the level-1 loop does not hold it)
-    same = (o_t[:, None] // BC) == (o_t[None, :] // BC)
-    dA_same = tl.where(same, dA_c, 0.0)
-    pos = o_t % BC
+    # level 2: blocks of BS rows inside each BC block
     for J2 in range(BC // BS - 1):
         r2 = J2 * BS + BS - 1
         b_r = _load_gate(gc, row0, (o_t // BC) * BC + r2, n_rows, H * K, o_k, m_k)
@@ -658,7 +657,17 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # dtype of the per-chunk states h and dh of the sequential pass: "input" (bf16 for bf16 inputs,
           # half the traffic), "fp32", or "auto" = fp32 when a state crosses the op's boundary (initial
           # state given, final-state gradient flowing), where rounding them costs most relative accuracy
-          "state_dtype": "auto"}
+          "state_dtype": "auto",
+          # registers per thread a kernel may use (0: the compiler's choice). Nsight Compute on an H200 found
+          # every kernel latency-bound at 12.5% occupancy, limited by registers (214-255 per thread: one
+          # 8-warp or two 4-warp programs per multiprocessor); a cap trades spills for more programs per SM
+          "state_maxnreg": 0, "output_maxnreg": 0, "dv_maxnreg": 0, "dqk_maxnreg": 0}
+
+
+def _register_cap(kernel: str) -> dict:
+    """Launch option {"maxnreg": n} where LAUNCH caps the kernel's registers per thread."""
+    cap = LAUNCH[kernel + "_maxnreg"]
+    return {"maxnreg": cap} if cap else {}
 
 
 def _state_dtype(x: torch.Tensor, boundary_state: bool) -> torch.dtype:
@@ -766,6 +775,7 @@ def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
         k, v, g, gc, h, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
         USE_H0=initial_state is not None, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(k.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
+        **_register_cap("state"),
     )
     return h, ht
 
@@ -786,6 +796,7 @@ def _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout):
         q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, SK, SV,
         USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(q.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
+        **_register_cap("state"),
     )
     return dh, dh0
 
@@ -803,6 +814,7 @@ def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, la
         q, k, v, gc, do, h, dh, initial_state, dht, dh0, cu_seqlens, chunk_offsets, scale, T, N * H, H, K, V, BT,
         BK, BV, USE_H0=initial_state is not None, USE_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(q.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
+        **_register_cap("state"),
     )
     return h, dh, dh0
 
@@ -839,7 +851,7 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
     _fwd_output_kernel[grid + (value_programs,)](
         q, k, v, gc, h, o, A, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV_out,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype), LOAD_SCORES=separate,
-        num_warps=output_warps, num_stages=LAUNCH["stages"],
+        num_warps=output_warps, num_stages=LAUNCH["stages"], **_register_cap("output"),
     )
     return o, ht, gc, A
 
@@ -873,12 +885,13 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
     _bwd_dv_kernel[grid](
         k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H, K, V, BT, BK, BV,
         IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=LAUNCH["dv_warps"], num_stages=LAUNCH["stages"],
+        **_register_cap("dv"),
     )
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gate)
     _bwd_dqk_kernel[(triton.cdiv(K, BK),) + grid](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
         BT, BC, BS, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
-        num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["dqk_stages"],
+        num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["dqk_stages"], **_register_cap("dqk"),
     )
     return dq, dk, dv, dg, dh0
 
