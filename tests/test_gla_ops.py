@@ -114,6 +114,16 @@ def test_unknown_backend_is_rejected():
         chunk_gla(q, k, v, gk, backend="cuda")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("normalizer", [0, -16.0, float("nan")])
+def test_from_logits_rejects_a_normalizer_that_is_not_positive(backend, normalizer):
+    from fabric_lin.ops.gla import chunk_gla_from_logits
+
+    q, k, v, logits, _ = make_inputs(1, 4, 1, 8, 8)
+    with pytest.raises(ValueError, match="normalizer must be a positive number"):
+        chunk_gla_from_logits(q, k, v, logits, normalizer, backend=backend)
+
+
 def test_log_decay_matches_logsigmoid_and_keeps_the_logits_dtype():
     from fabric_lin.ops.gla.gate import log_decay
 

@@ -75,6 +75,8 @@ def chunk_gla_from_logits(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """chunk_gla with gk = logsigmoid(gate_logits) / normalizer formed inside (GLA's forget gate). The
     Triton path's backward pass keeps the logits (in their dtype) rather than gk's fp32 cumulative sums."""
+    if not normalizer > 0:
+        raise ValueError(f"chunk_gla_from_logits: normalizer must be a positive number, got {normalizer!r}")
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
         from fabric_lin.ops.gla.chunk import chunk_gla_from_logits_triton

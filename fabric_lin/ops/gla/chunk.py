@@ -638,9 +638,10 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
 # an H200 (bf16, tutorials/performance.md): 128-wide value tiles for the sequential state passes, a 4-warp
 # output kernel over 256-wide value tiles (8 warps below 64: see _forward), 4 warps for the state passes
 # and the dv kernel, 8 for dq/dk; at the gla-340M layer 1.84 ms forward+backward against 2.06 for the
-# earlier 64-wide state tiles and 8-warp, 128-wide output kernel (1.81 with the dv kernel's register cap). The split state pass when the
-# sequential one would have fewer programs than half the multiprocessors (32K tokens, one sequence, 8
-# heads: 16 programs; 3.56 against 5.82 ms), not at 128 or 256 programs, where the sequential pass won.
+# earlier 64-wide state tiles and 8-warp, 128-wide output kernel (1.81 with the dv kernel's register
+# cap, below). The split state pass when the sequential one would have fewer programs than half the
+# multiprocessors (32K tokens, one sequence, 8 heads: 16 programs; 3.56 against 5.82 ms), not at 128 or
+# 256 programs, where the sequential pass won.
 LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "state_warps": 4, "state_stages": 1, "output_warps": 4, "dv_warps": 4,
           "dqk_warps": 8, "stages": 1, "dqk_stages": 1,
           # the forward's intra-chunk scores by their own kernel, read by the output kernel (True), or computed
