@@ -41,6 +41,8 @@ if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; th
         --devices 2 --accumulation 4 --steps 8 --warmup 3 --out "$out/train_2gpu.json"
     step profile_2gpu 300 python benchmarks/profile_step.py --devices 2 --out "$out/profile_2gpu.json"
 fi
+# the real loop's step on one GPU, GPU time by kind of kernel (beside regime (a)'s --profile above)
+step profile_1gpu 300 python benchmarks/profile_step.py --devices 1 --out "$out/profile_1gpu.json"
 # where the host's time per step goes (micro batch 1: the GPU's work is small, the host's is not)
 step profile_host 300 python benchmarks/profile_step.py --batch_size 1 --host_ops --out "$out/profile_host.json"
 step activation_memory 300 python benchmarks/activation_memory.py
