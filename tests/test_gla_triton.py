@@ -261,11 +261,11 @@ def test_gpu_bf16_matches_fp32_naive(B, T, H, K, V):
     check_bf16(B, T, H, K, V)
 
 
-# settings the launch search (tune.py) or a user (chunk.LAUNCH; gla_kernel.py --launch) can choose, on the same shapes: the
-# shipped table's sequential state passes (its "auto" split takes the scan at these shapes), the earlier
-# table, the separate score kernel, pipelined loads with narrower key tiles, register caps on every kernel
-# (a 4-warp output kernel over 32-wide value tiles failed on an H200; the launch keeps 8 warps for tiles
-# narrower than 64, so the V=32 shapes check that guard)
+# settings the launch search (tune.py) or a user (chunk.LAUNCH; gla_kernel.py --launch) can choose, on the
+# same shapes: the shipped table's sequential state passes (its "auto" split takes the scan at these
+# shapes), the earlier table, the separate score kernel, pipelined loads with narrower key tiles, register
+# caps on every kernel (a 4-warp output kernel over 32-wide value tiles failed on an H200; the launch keeps
+# 8 warps for tiles narrower than 64, so the V=32 shapes check that guard)
 SEARCHED_SETTINGS = [
     {"state_split": False},
     {"state_BV": 64, "BV_out": 128, "output_warps": 8, "state_split": False},
