@@ -3,7 +3,8 @@
 Compares fabric-lin's Triton `chunk_gla`, flash-linear-attention's `chunk_gla` (when the
 `flash-linear-attention` package is importable) and SDPA flash attention (causal, head dim K) at the
 same B, T, H. Prints one JSON document (and writes it to --out if given), with ratios ours / fla and
-ours / SDPA, and a per-kernel time breakdown of our forward+backward at the first shape.
+ours / SDPA, and at the first shape a per-kernel time breakdown of our forward+backward and fla's, with
+each of our compiled kernels' registers, spills and shared memory (what limits its programs per SM).
 
     python benchmarks/gla_kernel.py --out gla_kernel.json
     python benchmarks/gla_kernel.py --shapes 16,2048,4,128,256
@@ -189,6 +190,9 @@ def main():
                         help="launch settings of fabric_lin.ops.gla.chunk.LAUNCH, e.g. state_split=auto dqk_warps=4")
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
                         help="other launch tables to time at every shape, each as changes to the one in place")
+    parser.add_argument("--just-run", type=int, default=0, metavar="N",
+                        help="only run our forward+backward N times at the first shape, untimed (a short workload "
+                             "for a profiler such as Nsight Compute), and exit")
     parser.add_argument("--sweep", action="store_true",
                         help="first run the launch search (tiles, warps) at the first shape and report it; the timings use the shipped table")
     args = parser.parse_args()
@@ -202,6 +206,13 @@ def main():
         if not sep or not changes:
             raise SystemExit(f"--variants {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
         variants[name] = parse_launch(changes.split(","), f"--variants {name}:")
+    if args.just_run:
+        inputs, do = gla_inputs(*shapes[0])
+        for _ in range(args.just_run):
+            ours(*inputs).backward(do)
+        torch.cuda.synchronize()
+        print(f"ran forward+backward {args.just_run} times at {shapes[0]}")
+        return
 
     fla, fla_error = (None, "left out (--no-fla)") if args.no_fla else load_fla()
     if args.fla_only and fla is None:
