@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from fabric_lin.ops.gla.chunk import chunk_gla_triton
+from fabric_lin.ops.gla.tune import rel_rms
 
 SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128), (1, 32768, 8, 128, 128)]
 
@@ -37,12 +38,6 @@ def gla_inputs(B, T, H, K, V, dtype=torch.bfloat16, device="cuda"):
 
 def ours(q, k, v, gk):
     return chunk_gla_triton(q, k, v, gk)[0]
-
-
-def rel_rms(x, ref):
-    """Relative RMS difference of x from ref (in fp32)."""
-    x, ref = x.float(), ref.float()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
 
 
 def time_fn(fn, inputs, do):

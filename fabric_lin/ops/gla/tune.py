@@ -55,7 +55,8 @@ def _combinations(group: Dict[str, tuple]) -> List[Dict]:
     return combos
 
 
-def _rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative RMS difference of x from ref (in fp32)."""
     x, ref = x.float(), ref.float()
     return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()
 
@@ -100,7 +101,7 @@ def tune_launch(
         chunk.LAUNCH.clear()
         chunk.LAUNCH.update(setting)
         try:
-            errors = [_rel_rms(x, ref) for x, ref in zip(outputs(), reference)]
+            errors = [rel_rms(x, ref) for x, ref in zip(outputs(), reference)]
             worst = max(errors)
             if not worst <= max_rel_error:  # also rejects NaN
                 tried.append({"setting": setting, "rejected": f"relative RMS error {worst:.3g} > {max_rel_error}"})
