@@ -94,22 +94,24 @@ def test_triton_varlen_matches_naive_fp32():
 
 
 @cpu_only
-@pytest.mark.parametrize("state_split,fused_bwd_states,separate_cumsum,separate_scores", [
-    (False, False, False, False), (False, True, True, True), (True, False, False, True),
+@pytest.mark.parametrize("state_split,fused_bwd_states,separate_cumsum,separate_scores,state_prefetch", [
+    (False, False, False, False, True), (False, True, True, True, False), (False, True, True, False, True),
+    (True, False, False, True, False),
 ])
 def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fused_bwd_states, separate_cumsum,
-                                                   separate_scores):
+                                                   separate_scores, state_prefetch):
     # the state passes split K and V into 16-wide tiles here, the per-chunk kernels into 32-wide ones;
     # state_split picks the sequential pass with the products inside, or chunk-parallel updates + scan;
     # fused_bwd_states runs the backward's two sequential passes as one launch; separate_cumsum computes
     # the in-chunk cumulative gate by its own kernel rather than inside the forward state pass;
-    # separate_scores computes the intra-chunk scores by their own kernel, which the output kernel reads
+    # separate_scores computes the intra-chunk scores by their own kernel, which the output kernel reads;
+    # state_prefetch has the sequential passes load the next chunk while the current one's products run
     from fabric_lin.ops.gla import chunk
 
     tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "scan_SK": 16, "scan_SV": 16,
              "state_maxnreg": 128, "output_maxnreg": 128, "dv_maxnreg": 128, "dqk_maxnreg": 128}
     settings = dict(tiles, state_split=state_split, fused_bwd_states=fused_bwd_states, separate_cumsum=separate_cumsum,
-                    separate_scores=separate_scores)
+                    separate_scores=separate_scores, state_prefetch=state_prefetch)
     for key, value in settings.items():
         monkeypatch.setitem(chunk.LAUNCH, key, value)
     offsets = torch.tensor([0, 300, 330], dtype=torch.int32)  # 5 chunks, then 1
@@ -273,6 +275,8 @@ SEARCHED_SETTINGS = [
     {"separate_scores": True, "scores_warps": 8, "BV_out": 128, "state_split": False},
     {"stages": 2, "dqk_stages": 2, "BK": 32},  # software-pipelined loads, 32-wide key tiles
     {"dqk_maxnreg": 128, "dv_maxnreg": 168, "output_maxnreg": 168, "state_maxnreg": 168},  # register caps
+    {"state_prefetch": True, "state_split": False, "state_warps": 4},  # next chunk's loads issued early
+    {"state_prefetch": False, "state_split": False},  # each chunk's loads when its step starts
 ]
 
 

@@ -3,13 +3,14 @@
 The math is the one of chunk_torch.py (chunks of BT=64 tokens, b = cumsum(gk) inside a chunk, fp32
 state), arranged so that every matrix product is a full 64-row tile:
 
-  * intra-chunk scores A_ij = sum_k q_ik k_jk exp(b_ik - b_jk), j <= i. The chunk is split into
-    blocks of 16 rows; for block J with last row r,
-        A[rows > r, cols in J] = (q * exp(b - b_r))[rows > r] @ ((k * exp(b_r - b))[rows in J])^T,
-    both exponents <= 0; the three products (J = 0, 1, 2) are 64x64 tiles, each filling its own column
-    band. The same is done once more inside every 16-row block with blocks of 4 rows (reference = last
-    row of the 4-row block, products masked to the same 16-row block), and the pairs inside each
-    4-row block are summed one by one (4 steps, one column of every block per step). No exponent is
+  * intra-chunk scores A_ij = sum_k q_ik k_jk exp(b_ik - b_jk), j <= i, in three levels and the diagonal.
+    Level 1 splits the chunk into blocks of 16 rows; for block t with last row r,
+        A[rows > r, cols in t] = (q * exp(b - b_r))[rows > r] @ ((k * exp(b_r - b))[rows in t])^T,
+    both exponents <= 0; the three products (t = 0, 1, 2) are 64x64 tiles, each filling its own column
+    band. Level 2 does the same inside every 16-row block with blocks of 4 rows (reference = last row of
+    the 4-row block, products masked to the same 16-row block), level 3 inside every 4-row block with
+    single rows, and the diagonal is sum_k q_ik k_ik. A key row's factor exp(b_r - b) has the same r for
+    every t that uses it (the last row of its own block), so each level computes it once. No exponent is
     ever positive, whatever the gates.
   * gc = b (fp32, [B, T, H, K]) is written once (by _gate_cumsum_kernel, or inside the state pass:
     LAUNCH["separate_cumsum"]) and read by the other kernels;
@@ -25,11 +26,11 @@ state), arranged so that every matrix product is a full 64-row tile:
 
 Backward: the states h_n are recomputed, a reverse pass gives dh_n (the gradient of the state leaving
 chunk n) and dh0; per chunk, one kernel gives dv = (k exp(b_last - b)) dh_n + A^T do and
-dA = tril(do v^T) (A is kept from the forward pass, in the input dtype; dA goes through memory in
-fp32), and one kernel per chunk and key tile gives dq, dk and dgk. For the gate, with db_i the
-gradient of the in-chunk cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i  (elementwise, q and k as
-they enter the products), plus, for b at the chunk's last row, sum_v(h_n dh_n) exp(b_last) +
-sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside the chunk plus that term.
+dA = tril(do v^T) (A is kept from the forward pass; both go through memory in the input dtype, the one
+the products use), and one kernel per chunk and key tile gives dq, dk and dgk, level by level as A was
+made. For the gate, with db_i the gradient of the in-chunk cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i
+(elementwise, q and k as they enter the products), plus, for b at the chunk's last row,
+sum_v(h_n dh_n) exp(b_last) + sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside the chunk plus that term.
 
 The backward's two sequential passes (states recomputed forwards, their gradients backwards) share
 one launch (LAUNCH["fused_bwd_states"]): six launches for forward plus backward with the sequential
@@ -47,7 +48,7 @@ import triton.language as tl
 
 BT = 64  # chunk
 BC = 16  # first split of the chunk for the intra-chunk scores
-BS = 4  # second split, inside each BC block; pairs inside a BS block are summed one by one
+BS = 4  # second split, inside each BC block; the third splits a BS block into single rows
 
 
 @triton.jit
@@ -82,9 +83,15 @@ def _seq_start(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: t
 
 
 @triton.jit
-def _load_tile(ptr, row0, rows, n_rows, stride, o_k, m_k):
+def _load_raw(ptr, row0, rows, n_rows, stride, o_k, m_k):
+    """Rows `rows` (those before n_rows) of a [rows, stride] tensor, columns o_k, in its dtype."""
     m = (rows < n_rows)[:, None] & m_k[None, :]
-    return tl.load(ptr + (row0 + rows[:, None]) * stride + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    return tl.load(ptr + (row0 + rows[:, None]) * stride + o_k[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _load_tile(ptr, row0, rows, n_rows, stride, o_k, m_k):
+    return _load_raw(ptr, row0, rows, n_rows, stride, o_k, m_k).to(tl.float32)
 
 
 @triton.jit
@@ -102,45 +109,60 @@ def _load_gate_row(gc, row0, r, n_rows, stride, o_k, m_k):
 
 
 @triton.jit
-def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k, scale,
-                 BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The part of A [BT, BT] that columns o_k of q, k contribute (see the module docstring)."""
-    DT = q.dtype.element_ty
+def _ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, P: tl.constexpr, r, BT: tl.constexpr):
+    """b at row r of each row's block of P rows: [1, BK] when one block is the whole chunk, else [BT, BK]."""
+    if P == BT:
+        return _load_gate_row(gc, row0, r, n_rows, stride, o_k, m_k)[None, :]
+    else:
+        return _load_gate(gc, row0, (o_t // P) * P + r, n_rows, stride, o_k, m_k)
+
+
+@triton.jit
+def _key_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, S: tl.constexpr, BT: tl.constexpr):
+    """exp(b_last - b) of each key row, b_last = b at the last row of its block of S rows (exponent <= 0)."""
+    if S > 1:
+        return tl.exp(_ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, S, S - 1, BT) - b_g)
+    else:
+        return tl.full([BT, 1], 1.0, tl.float32)
+
+
+@triton.jit
+def _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl.constexpr, S: tl.constexpr,
+                  BT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """A + the scores between the blocks of S rows inside each block of P rows (one level of the module
+    docstring's split): for block t with last row r, rows after it (q referenced to r) against its rows
+    (k referenced to r, the one factor per key row that every t shares)."""
+    DT = q.dtype.element_ty  # the products run in the inputs' dtype
     o_t = tl.arange(0, BT)
-    b_q = _load_tile(q, row0, o_t, n_rows, stride, o_k, m_k) * scale
-    b_k = _load_tile(k, row0, o_t, n_rows, stride, o_k, m_k)
+    pos = o_t % P
+    k_ref = b_k * _key_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, S, BT)
+    for t in range(P // S - 1):
+        r = t * S + S - 1
+        b_r = _ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, P, r, BT)
+        q_t = tl.where((pos > r)[:, None], b_q * tl.exp(tl.minimum(b_g - b_r, 0.0)), 0.0)
+        k_t = tl.where((pos // S == t)[:, None], k_ref, 0.0)
+        scores = tl.dot(q_t.to(DT), tl.trans(k_t.to(DT)), input_precision=DOT_PREC)
+        if P < BT:  # only pairs inside the same block of P rows
+            scores = tl.where((o_t[:, None] // P) == (o_t[None, :] // P), scores, 0.0)
+        A += scores
+    return A
+
+
+@triton.jit
+def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k,
+                 BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The part of A [BT, BT] / scale that columns o_k of q, k contribute (see the module docstring). q and k
+    stay in their dtype until used (half the registers of fp32 tiles: the output kernel holds them)."""
+    o_t = tl.arange(0, BT)
+    b_q = _load_raw(q, row0, o_t, n_rows, stride, o_k, m_k)
+    b_k = _load_raw(k, row0, o_t, n_rows, stride, o_k, m_k)
     b_g = _load_gate(gc, row0, o_t, n_rows, stride, o_k, m_k)
     A = tl.zeros([BT, BT], dtype=tl.float32)
-    # level 1: blocks of BC rows, reference = last row of block J
-    for J in range(BT // BC - 1):
-        r = J * BC + BC - 1
-        b_r = _load_gate_row(gc, row0, r, n_rows, stride, o_k, m_k)[None, :]
-        after = (o_t > r)[:, None]
-        in_J = ((o_t >= J * BC) & (o_t <= r))[:, None]
-        q_J = tl.where(after, b_q * tl.exp(tl.where(after, b_g - b_r, 0.0)), 0.0)
-        k_J = tl.where(in_J, b_k * tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
-        A += tl.dot(q_J.to(DT), tl.trans(k_J.to(DT)), input_precision=DOT_PREC)
-    # level 2: blocks of BS rows inside each BC block, reference = last row of block J2 of the same BC block
-    same = (o_t[:, None] // BC) == (o_t[None, :] // BC)
-    pos = o_t % BC
-    for J2 in range(BC // BS - 1):
-        r2 = J2 * BS + BS - 1
-        b_r = _load_gate(gc, row0, (o_t // BC) * BC + r2, n_rows, stride, o_k, m_k)
-        after = (pos > r2)[:, None]
-        in_J = ((pos >= J2 * BS) & (pos <= r2))[:, None]
-        q_J = tl.where(after, b_q * tl.exp(tl.where(after, b_g - b_r, 0.0)), 0.0)
-        k_J = tl.where(in_J, b_k * tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
-        A += tl.where(same, tl.dot(q_J.to(DT), tl.trans(k_J.to(DT)), input_precision=DOT_PREC), 0.0)
-    # pairs inside each BS block: column p = (i // BS) * BS + jj of row i
-    A_pairs = tl.zeros([BT, BT], dtype=tl.float32)
-    for jj in range(BS):
-        p = (o_t // BS) * BS + jj
-        k_p = _load_tile(k, row0, p, n_rows, stride, o_k, m_k)
-        b_p = _load_gate(gc, row0, p, n_rows, stride, o_k, m_k)
-        ok = (o_t >= p)[:, None]
-        s = tl.sum(tl.where(ok, b_q * k_p * tl.exp(tl.where(ok, b_g - b_p, 0.0)), 0.0), axis=1)
-        A_pairs += tl.where(o_t[None, :] == p[:, None], s[:, None], 0.0)
-    return A + A_pairs
+    A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT, BC, BT, DOT_PREC)
+    A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BC, BS, BT, DOT_PREC)
+    A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BS, 1, BT, DOT_PREC)
+    # the diagonal: exp(b_i - b_i) = 1
+    return A + tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), axis=1)[:, None], 0.0)
 
 
 @triton.jit
@@ -150,8 +172,8 @@ def _intra_chunk_scores(q, k, gc, row0, n_rows, stride, K, scale,
     A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        A += _scores_tile(q, k, gc, row0, n_rows, stride, o_k, o_k < K, scale, BT, BC, BS, DOT_PREC)
-    return A
+        A += _scores_tile(q, k, gc, row0, n_rows, stride, o_k, o_k < K, BT, BC, BS, DOT_PREC)
+    return A * scale
 
 
 @triton.jit
@@ -179,10 +201,29 @@ def _gate_cumsum_kernel(g, gc, cu_seqlens, chunk_indices, normalizer, T, H: tl.c
 
 
 @triton.jit
+def _step_inputs(x, gate, y, i_t, bos, T, o_t, o_k, m_k, o_v, m_v, H: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, BT: tl.constexpr, RAW_GATE: tl.constexpr):
+    """Chunk i_t's tiles for one step of a state pass, as loaded: x [BT, BK] and y [BT, BV] in their dtype, the
+    gate [BT, BK] (gc, or with RAW_GATE the per-row log gate g) and gc's last row [BK] (zeros with RAW_GATE)."""
+    row0 = bos + i_t * BT
+    n_rows = T - i_t * BT
+    m_x = (o_t < n_rows)[:, None] & m_k[None, :]
+    b_x = tl.load(x + (row0 + o_t[:, None]) * (H * K) + o_k[None, :], mask=m_x, other=0.0)
+    if RAW_GATE:
+        b_gate = tl.load(gate + (row0 + o_t[:, None]) * (H * K) + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
+        b_last = tl.zeros_like(o_k).to(tl.float32)
+    else:
+        b_gate = _load_gate(gate, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_last = _load_gate_row(gate, row0, BT - 1, n_rows, H * K, o_k, m_k)
+    b_y = tl.load(y + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], mask=(o_t < n_rows)[:, None] & m_v[None, :], other=0.0)
+    return b_x, b_gate, b_last, b_y
+
+
+@triton.jit
 def _state_pass(i_k, i_v, i_nh, k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_GC: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr):
     """h[chunk n] = the state entering chunk n; ht = the state after the last chunk (fp32).
     With STORE_GC, the in-chunk cumulative gate gc is computed from g and written (by the programs of
     the first value tile); without, gc is read."""
@@ -199,27 +240,33 @@ def _state_pass(i_k, i_v, i_nh, k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offset
     if USE_H0:
         S += tl.load(h0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
     k += i_h * K
-    if STORE_GC:
-        g += i_h * K
     gc += i_h * K
     v += i_h * V
+    if STORE_GC:
+        gate = g + i_h * K
+    else:
+        gate = gc
+    if PREFETCH:  # the loads of chunk i_t + 1 are issued before chunk i_t's products, so they overlap them
+        n_k, n_gate, n_last, n_v = _step_inputs(k, gate, v, 0, bos, T, o_t, o_k, m_k, o_v, m_v, H, K, V, BT, STORE_GC)
     for i_t in range(NT):
-        tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
-        row0 = bos + i_t * BT
-        n_rows = T - i_t * BT
-        b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
-        if STORE_GC:
-            b_graw = _load_tile(g, row0, o_t, n_rows, H * K, o_k, m_k)
-            b_g = tl.cumsum(b_graw, axis=0)
-            b_last = tl.sum(b_graw, axis=0)
-            if i_v == 0:
-                tl.store(gc + (row0 + o_t[:, None]) * (H * K) + o_k[None, :], b_g,
-                         mask=(o_t < n_rows)[:, None] & m_k[None, :])
+        if PREFETCH:
+            b_k, b_gate, b_last, b_v = n_k, n_gate, n_last, n_v
+            n_k, n_gate, n_last, n_v = _step_inputs(k, gate, v, tl.minimum(i_t + 1, NT - 1), bos, T, o_t, o_k, m_k,
+                                                    o_v, m_v, H, K, V, BT, STORE_GC)
         else:
-            b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
-            b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
-        b_v = tl.load(v + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], mask=(o_t < n_rows)[:, None] & m_v[None, :], other=0.0)
-        k_end = (b_k * tl.exp(tl.minimum(b_last[None, :] - b_g, 0.0))).to(b_v.dtype)
+            b_k, b_gate, b_last, b_v = _step_inputs(k, gate, v, i_t, bos, T, o_t, o_k, m_k, o_v, m_v, H, K, V, BT,
+                                                    STORE_GC)
+        tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
+        if STORE_GC:
+            b_g = tl.cumsum(b_gate, axis=0)
+            b_last = tl.sum(b_gate, axis=0)
+            if i_v == 0:
+                row0 = bos + i_t * BT
+                tl.store(gc + (row0 + o_t[:, None]) * (H * K) + o_k[None, :], b_g,
+                         mask=(o_t < T - i_t * BT)[:, None] & m_k[None, :])
+        else:
+            b_g = b_gate
+        k_end = (b_k.to(tl.float32) * tl.exp(tl.minimum(b_last[None, :] - b_g, 0.0))).to(b_v.dtype)
         S = S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(k_end), b_v, input_precision=DOT_PREC)
     if STORE_HT:
         tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
@@ -228,9 +275,10 @@ def _state_pass(i_k, i_v, i_nh, k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offset
 @triton.jit
 def _fwd_state_kernel(k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      USE_H0: tl.constexpr, STORE_GC: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+                      USE_H0: tl.constexpr, STORE_GC: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                      PREFETCH: tl.constexpr):
     _state_pass(tl.program_id(0), tl.program_id(1), tl.program_id(2), k, v, g, gc, h, h0, ht, cu_seqlens,
-                chunk_offsets, T, H, K, V, BT, BK, BV, USE_H0, STORE_GC, True, IS_VARLEN, DOT_PREC)
+                chunk_offsets, T, H, K, V, BT, BK, BV, USE_H0, STORE_GC, True, IS_VARLEN, DOT_PREC, PREFETCH)
 
 
 @triton.jit
@@ -425,7 +473,8 @@ def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scal
 @triton.jit
 def _dstate_pass(i_k, i_v, i_nh, q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H: tl.constexpr,
                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+                 USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                 PREFETCH: tl.constexpr):
     """dh[chunk n] = gradient of the state leaving chunk n; dh0 = gradient of the initial state."""
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = _seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -442,16 +491,18 @@ def _dstate_pass(i_k, i_v, i_nh, q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offs
     q += i_h * K
     gc += i_h * K
     do += i_h * V
+    if PREFETCH:  # as in _state_pass, chunk i_t - 1's loads overlap chunk i_t's products
+        n_q, n_g, n_last, n_do = _step_inputs(q, gc, do, NT - 1, bos, T, o_t, o_k, m_k, o_v, m_v, H, K, V, BT, False)
     for i in range(NT):
         i_t = NT - 1 - i
+        if PREFETCH:
+            b_q, b_g, b_last, b_do = n_q, n_g, n_last, n_do
+            n_q, n_g, n_last, n_do = _step_inputs(q, gc, do, tl.maximum(i_t - 1, 0), bos, T, o_t, o_k, m_k, o_v, m_v,
+                                                  H, K, V, BT, False)
+        else:
+            b_q, b_g, b_last, b_do = _step_inputs(q, gc, do, i_t, bos, T, o_t, o_k, m_k, o_v, m_v, H, K, V, BT, False)
         tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
-        row0 = bos + i_t * BT
-        n_rows = T - i_t * BT
-        b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k)
-        b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
-        b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
-        b_do = tl.load(do + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], mask=(o_t < n_rows)[:, None] & m_v[None, :], other=0.0)
-        q_dec = (b_q * (tl.exp(b_g) * scale)).to(b_do.dtype)
+        q_dec = (b_q.to(tl.float32) * (tl.exp(b_g) * scale)).to(b_do.dtype)
         dS = dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(q_dec), b_do, input_precision=DOT_PREC)
     if USE_H0:
         tl.store(dh0 + i_nh * K * V + state_offs, dS, mask=m_kv)
@@ -460,33 +511,34 @@ def _dstate_pass(i_k, i_v, i_nh, q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offs
 @triton.jit
 def _bwd_state_kernel(q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+                      USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                      PREFETCH: tl.constexpr):
     _dstate_pass(tl.program_id(0), tl.program_id(1), tl.program_id(2), q, gc, do, dh, dht, dh0, cu_seqlens,
-                 chunk_offsets, scale, T, H, K, V, BT, BK, BV, USE_DHT, USE_H0, IS_VARLEN, DOT_PREC)
+                 chunk_offsets, scale, T, H, K, V, BT, BK, BV, USE_DHT, USE_H0, IS_VARLEN, DOT_PREC, PREFETCH)
 
 
 @triton.jit
 def _bwd_both_states_kernel(q, k, v, gc, do, h, dh, h0, dht, dh0, cu_seqlens, chunk_offsets, scale, T, NH,
                             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                            DOT_PREC: tl.constexpr):
+                            DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr):
     """The backward pass's two sequential passes in one launch: programs i_p < NH recompute the states h
     (forward over the chunks), the others the state gradients dh (backward over the chunks). They are
     independent, so each fills the multiprocessors while the other waits on its loads."""
     i_k, i_v, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if i_p < NH:
         _state_pass(i_k, i_v, i_p, k, v, gc, gc, h, h0, h0, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
-                    USE_H0, False, False, IS_VARLEN, DOT_PREC)
+                    USE_H0, False, False, IS_VARLEN, DOT_PREC, PREFETCH)
     else:
         _dstate_pass(i_k, i_v, i_p - NH, q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V,
-                     BT, BK, BV, USE_DHT, USE_H0, IS_VARLEN, DOT_PREC)
+                     BT, BK, BV, USE_DHT, USE_H0, IS_VARLEN, DOT_PREC, PREFETCH)
 
 
 @triton.jit
 def _bwd_dv_kernel(k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
                    DOT_PREC: tl.constexpr):
-    """dv = (k * exp(b_last - b)) dh_n + A^T do, and dA = tril(do v^T) (fp32, [B*T, H, BT]) for one chunk."""
+    """dv = (k * exp(b_last - b)) dh_n + A^T do, and dA = tril(do v^T) ([B*T, H, BT], input dtype) for one chunk."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_h = i_bh % H
     row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -523,7 +575,30 @@ def _bwd_dv_kernel(k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H:
         b_dv += tl.dot(tl.trans(b_A), b_do, input_precision=DOT_PREC)
         tl.store(dv + offs_v, b_dv.to(dv.dtype.element_ty), mask=m_tv)
     b_dA = tl.where(o_t[:, None] >= o_t[None, :], b_dA, 0.0)
-    tl.store(dA + offs_A, b_dA, mask=m_t[:, None])
+    tl.store(dA + offs_A, b_dA.to(dA.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl.constexpr,
+               S: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The gradients of _scores_level's products: dq += f_q * (dA @ k_t), dk += f_k * (dA^T @ q_t), with dA
+    (dA_c, in the inputs' dtype) kept to pairs inside one block of P rows; each f_q serves both."""
+    DT = q.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    pos = o_t % P
+    if P < BT:
+        dA_c = tl.where((o_t[:, None] // P) == (o_t[None, :] // P), dA_c, 0.0).to(DT)
+    f_k = _key_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, S, BT)
+    k_ref = b_k * f_k
+    for t in range(P // S - 1):
+        r = t * S + S - 1
+        b_r = _ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, P, r, BT)
+        f_q = tl.where((pos > r)[:, None], tl.exp(tl.minimum(b_g - b_r, 0.0)), 0.0)
+        in_t = (pos // S == t)[:, None]
+        k_t = tl.where(in_t, k_ref, 0.0).to(DT)
+        b_dq += f_q * tl.dot(dA_c, k_t, input_precision=DOT_PREC)
+        b_dk += tl.where(in_t, f_k * tl.dot(tl.trans(dA_c), (b_q * f_q).to(DT), input_precision=DOT_PREC), 0.0)
+    return b_dq, b_dk
 
 
 @triton.jit
@@ -555,51 +630,20 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
     m_tk = m_t[:, None] & m_k[None, :]
     offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
 
-    b_dA = tl.load(dA + (row0 + o_t[:, None]) * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
-    same = (o_t[:, None] // BC) == (o_t[None, :] // BC)
-    dA_c = b_dA.to(DT)
-    dA_same = tl.where(same, b_dA, 0.0).to(DT)
-    pos = o_t % BC
-
     b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
     b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
     b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
     b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
+    dA_c = tl.load(dA + (row0 + o_t[:, None]) * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0).to(DT)
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)  # gradient of the scaled q
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    # level 1: blocks of BC rows through the last row of block J
-    for J in range(BT // BC - 1):
-        r = J * BC + BC - 1
-        b_r = _load_gate_row(gc, row0, r, n_rows, H * K, o_k, m_k)[None, :]
-        after = (o_t > r)[:, None]
-        in_J = ((o_t >= J * BC) & (o_t <= r))[:, None]
-        f_q = tl.where(after, tl.exp(tl.where(after, b_g - b_r, 0.0)), 0.0)
-        f_k = tl.where(in_J, tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
-        b_dq += f_q * tl.dot(dA_c, (b_k * f_k).to(DT), input_precision=DOT_PREC)
-        b_dk += f_k * tl.dot(tl.trans(dA_c), (b_q * f_q).to(DT), input_precision=DOT_PREC)
-    # level 2: blocks of BS rows inside each BC block
-    for J2 in range(BC // BS - 1):
-        r2 = J2 * BS + BS - 1
-        b_r = _load_gate(gc, row0, (o_t // BC) * BC + r2, n_rows, H * K, o_k, m_k)
-        after = (pos > r2)[:, None]
-        in_J = ((pos >= J2 * BS) & (pos <= r2))[:, None]
-        f_q = tl.where(after, tl.exp(tl.where(after, b_g - b_r, 0.0)), 0.0)
-        f_k = tl.where(in_J, tl.exp(tl.where(in_J, b_r - b_g, 0.0)), 0.0)
-        b_dq += f_q * tl.dot(dA_same, (b_k * f_k).to(DT), input_precision=DOT_PREC)
-        b_dk += f_k * tl.dot(tl.trans(dA_same), (b_q * f_q).to(DT), input_precision=DOT_PREC)
-    # pairs inside each BS block; dA[i, p(i)] and dA[p(j), j] are read back from memory
-    for jj in range(BS):
-        p = (o_t // BS) * BS + jj
-        m_p = p < n_rows
-        k_p = _load_tile(k, row0, p, n_rows, H * K, o_k, m_k)
-        q_p = _load_tile(q, row0, p, n_rows, H * K, o_k, m_k) * scale
-        b_p = _load_gate(gc, row0, p, n_rows, H * K, o_k, m_k)
-        dA_ip = tl.load(dA + (row0 + o_t) * (H * BT) + p, mask=m_t & m_p, other=0.0)
-        dA_pj = tl.load(dA + (row0 + p) * (H * BT) + o_t, mask=m_t & m_p, other=0.0)
-        ok_q = (o_t >= p)[:, None]
-        ok_k = (p >= o_t)[:, None]
-        b_dq += tl.where(ok_q, dA_ip[:, None] * k_p * tl.exp(tl.where(ok_q, b_g - b_p, 0.0)), 0.0)
-        b_dk += tl.where(ok_k, dA_pj[:, None] * q_p * tl.exp(tl.where(ok_k, b_p - b_g, 0.0)), 0.0)
+    # the three levels of the intra-chunk split, then the diagonal (dA[i, i] read back from memory)
+    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT, BC, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BC, BS, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BS, 1, BT, DOT_PREC)
+    dA_diag = tl.load(dA + (row0 + o_t) * (H * BT) + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
+    b_dq += dA_diag * b_k
+    b_dk += dA_diag * b_q
     # the state parts: do h_n^T and v dh_n^T, and sum_v h_n * dh_n for the last-row gate term
     dq_s = tl.zeros([BT, BK], dtype=tl.float32)
     dk_s = tl.zeros([BT, BK], dtype=tl.float32)
@@ -642,7 +686,11 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
 # cap, below). The split state pass when the sequential one would have fewer programs than half the
 # multiprocessors (32K tokens, one sequence, 8 heads: 16 programs; 3.56 against 5.82 ms), not at 128 or
 # 256 programs, where the sequential pass won.
-LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "state_warps": 4, "state_stages": 1, "output_warps": 4, "dv_warps": 4,
+LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "state_warps": "auto", "state_stages": 1,
+          # the sequential state passes issue chunk n+1's loads before chunk n's products (True) or load each
+          # chunk when its step starts (False). Measured on an H200 (run U, tutorials/performance.md): 1.70
+          # against 1.77 ms at the gla-340M layer (4 warps), 5.31 against 5.63 ms at 8K tokens (8 warps)
+          "state_prefetch": True, "output_warps": 4, "dv_warps": 4,
           "dqk_warps": 8, "stages": 1, "dqk_stages": 1,
           # the forward's intra-chunk scores by their own kernel, read by the output kernel (True), or computed
           # inside the output kernel (False: one launch, but the output kernel's programs hold both)
@@ -707,15 +755,33 @@ def _chunk_layout(cu_seqlens: Optional[torch.Tensor], B: int, T: int):
     return len(lengths), offsets[-1], chunk_indices, chunk_offsets
 
 
+def _state_programs(K: int, V: int, N: int, H: int) -> int:
+    """Programs of one sequential state pass: one per (key tile, value tile, sequence, head)."""
+    SK, SV = _block_sizes(K, V, "state_")
+    return triton.cdiv(K, SK) * triton.cdiv(V, SV) * N * H
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def _split_states(K: int, V: int, N: int, H: int, device: torch.device) -> bool:
     mode = LAUNCH["state_split"]
     if mode != "auto":
         return bool(mode)
     if device.type != "cuda":
         return False
-    SK, SV = _block_sizes(K, V, "state_")
-    programs = triton.cdiv(K, SK) * triton.cdiv(V, SV) * N * H
-    return 2 * programs < torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * _state_programs(K, V, N, H) < _multiprocessors(device)
+
+
+def _state_warps(K: int, V: int, N: int, H: int, device: torch.device) -> int:
+    """Warps of the sequential state passes; "auto": 8 when a pass has no more programs than the GPU has
+    multiprocessors (one program per SM: twice the threads to keep its loads and products going), else 4
+    (two programs per SM)."""
+    warps = LAUNCH["state_warps"]
+    if warps != "auto":
+        return warps
+    return 8 if _state_programs(K, V, N, H) <= _multiprocessors(device) else 4
 
 
 def _scan(hu, gc, s0, s_final, cu_seqlens, layout, T, reverse):
@@ -777,7 +843,8 @@ def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
     _fwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
         k, v, g, gc, h, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
         USE_H0=initial_state is not None, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(k.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
+        DOT_PREC=_dot_precision(k.dtype), PREFETCH=LAUNCH["state_prefetch"], num_warps=_state_warps(K, V, N, H, k.device),
+        num_stages=LAUNCH["state_stages"],
         **_register_cap("state"),
     )
     return h, ht
@@ -798,7 +865,8 @@ def _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout):
     _bwd_state_kernel[(triton.cdiv(K, SK), triton.cdiv(V, SV), N * H)](
         q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, SK, SV,
         USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(q.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
+        DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"], num_warps=_state_warps(K, V, N, H, q.device),
+        num_stages=LAUNCH["state_stages"],
         **_register_cap("state"),
     )
     return dh, dh0
@@ -816,7 +884,8 @@ def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, la
     _bwd_both_states_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), 2 * N * H)](
         q, k, v, gc, do, h, dh, initial_state, dht, dh0, cu_seqlens, chunk_offsets, scale, T, N * H, H, K, V, BT,
         BK, BV, USE_H0=initial_state is not None, USE_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(q.dtype), num_warps=LAUNCH["state_warps"], num_stages=LAUNCH["state_stages"],
+        DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"], num_warps=_state_warps(K, V, N, H, q.device),
+        num_stages=LAUNCH["state_stages"],
         **_register_cap("state"),
     )
     return h, dh, dh0
@@ -883,7 +952,7 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
         h, _ = _states(k, v, None, gc, initial_state, cu_seqlens, layout)
         dh, dh0 = _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout)
     dv = torch.empty_like(v)
-    dA = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
+    dA = torch.empty(B, T, H, BT, device=q.device, dtype=q.dtype)  # the products read it in this dtype
     grid = (NC, H) if is_varlen else (triton.cdiv(T, BT), B * H)
     _bwd_dv_kernel[grid](
         k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H, K, V, BT, BK, BV,

@@ -26,8 +26,9 @@ from fabric_lin.ops.gla import chunk
 
 # one group per kernel (or structural choice); within a group every combination is tried
 SEARCH_SPACE: List[Dict[str, tuple]] = [
-    # sequential state passes; narrow tiles give a long single sequence (few heads) more programs
-    {"state_BK": (64, 32), "state_BV": (64, 128, 32), "state_warps": (4, 8), "state_stages": (1, 2)},
+    # sequential state passes; narrow tiles give a long single sequence (few heads) more programs; the next
+    # chunk's loads issued early (prefetch) took the place of a second pipeline stage, which lost
+    {"state_BK": (64, 32), "state_BV": (64, 128, 32), "state_warps": ("auto", 4, 8), "state_prefetch": (True, False)},
     {"output_warps": (8, 4), "BV_out": (128, 256), "separate_scores": (False, True)},  # forward output kernel
     {"scores_warps": (4, 8)},  # the separate score kernel, where chosen
     # a register cap (0: none) gives dv three programs per multiprocessor; on dq/dk and the output kernel
