@@ -18,11 +18,11 @@ state), arranged so that every matrix product is a full 64-row tile:
   * h_n, the state entering chunk n, comes from a state pass, and o = (q * exp(b)) @ h_n + A @ v
     (_fwd_output_kernel, which computes A itself or reads it from _fwd_scores_kernel, a kernel of its
     own with one 16-row strip of A per program and a simpler split of the chunk, referenced to each
-    strip's first row: LAUNCH["separate_scores"]). The state pass is either one
-    sequential loop per (sequence, head, tile) with the products inside (_fwd_state_kernel; h_n in the
-    input dtype or fp32, LAUNCH["state_dtype"]), or, for long sequences with few heads, chunk-parallel
-    products (_chunk_update_kernel) followed by an elementwise scan over the chunks (_state_scan_kernel,
-    h_n in fp32); LAUNCH["state_split"] picks.
+    strip's first row: LAUNCH["separate_scores"]). The state pass is either one sequential loop per
+    (sequence, head, tile) with the products inside (_fwd_state_kernel), or, for long sequences with few
+    heads, chunk-parallel products (_chunk_update_kernel) followed by an elementwise scan over the chunks
+    (_state_scan_kernel, the sum carried in fp32); LAUNCH["state_split"] picks. Either way h_n is kept in
+    the input dtype or in fp32 (LAUNCH["state_dtype"]).
 
 Backward: the states h_n are recomputed, a reverse pass gives dh_n (the gradient of the state leaving
 chunk n) and dh0; per chunk, one kernel gives dv = (k exp(b_last - b)) dh_n + A^T do and
@@ -286,7 +286,7 @@ def _chunk_update_kernel(x, y, g, gc, u, cu_seqlens, chunk_indices, scale, T, H:
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          REVERSE: tl.constexpr, STORE_GC: tl.constexpr, IS_VARLEN: tl.constexpr,
                          DOT_PREC: tl.constexpr):
-    """One chunk's own term of the state recurrence, fp32, into u[chunk]:
+    """One chunk's own term of the state recurrence (fp32 products, stored in u's dtype) into u[chunk]:
     forward (x=k, y=v):  (k * exp(b_last - b))^T v;   reverse (x=q, y=do):  (q * scale * exp(b))^T do.
     With STORE_GC, gc is computed from g here (by the programs of the first value tile)."""
     i_kv, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -317,7 +317,8 @@ def _chunk_update_kernel(x, y, g, gc, u, cu_seqlens, chunk_indices, scale, T, H:
     else:
         b_x = b_x * tl.exp(tl.minimum(b_last[None, :] - b_g, 0.0))
     b_u = tl.dot(tl.trans(b_x.to(b_y.dtype)), b_y, input_precision=DOT_PREC)
-    tl.store(u + (i_tg * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_u, mask=m_k[:, None] & m_v[None, :])
+    tl.store(u + (i_tg * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty),
+             mask=m_k[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -330,7 +331,7 @@ def _scan_load(hu, gc, idx, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H: tl.c
     else:
         i_t = idx
     offs = ((boh + i_t) * H) * K * V + state_offs
-    b_u = tl.load(hu + offs, mask=m_kv & ok, other=0.0)
+    b_u = tl.load(hu + offs, mask=m_kv & ok, other=0.0).to(tl.float32)
     last_row = bos + i_t * BT + tl.minimum(BT, T - i_t * BT) - 1
     b_last = tl.load(gc + last_row * (H * K) + o_k, mask=m_k & ok, other=0.0)
     return b_u, b_last, offs, ok
@@ -341,8 +342,8 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
                        V: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
                        USE_S0: tl.constexpr, STORE_FINAL: tl.constexpr, REVERSE: tl.constexpr,
                        IS_VARLEN: tl.constexpr):
-    """In place over hu [chunks, H, K, V] fp32: reads chunk n's own term u_n, writes the state S that
-    chunk n sees, S <- exp(b_last,n) * S + u_n. Forward S starts at s0 (h0) and runs over the chunks in
+    """In place over hu [chunks, H, K, V] (fp32, or the inputs' dtype: the state is carried in fp32 either
+    way): reads chunk n's own term u_n, writes the state S that chunk n sees, S <- exp(b_last,n) * S + u_n. Forward S starts at s0 (h0) and runs over the chunks in
     order; REVERSE starts at dht and runs backwards (then hu[n] is the gradient of the state after chunk n).
     s_final gets the last S (final state, or dh0)."""
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -356,7 +357,7 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
     state_offs = o_k[:, None] * V + o_v[None, :]
     S = tl.zeros([SK, SV], dtype=tl.float32)
     if USE_S0:
-        S += tl.load(s0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0)
+        S += tl.load(s0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
     gc += i_h * K
     hu += i_h * K * V
     # four chunks per step: their loads are issued together (the stores into the same buffer would
@@ -366,13 +367,13 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
         u1, d1, offs1, ok1 = _scan_load(hu, gc, i0 + 1, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
         u2, d2, offs2, ok2 = _scan_load(hu, gc, i0 + 2, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
         u3, d3, offs3, ok3 = _scan_load(hu, gc, i0 + 3, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-        tl.store(hu + offs0, S, mask=m_kv & ok0)
+        tl.store(hu + offs0, S.to(hu.dtype.element_ty), mask=m_kv & ok0)
         S = S * tl.exp(d0)[:, None] + u0
-        tl.store(hu + offs1, S, mask=m_kv & ok1)
+        tl.store(hu + offs1, S.to(hu.dtype.element_ty), mask=m_kv & ok1)
         S = S * tl.exp(d1)[:, None] + u1
-        tl.store(hu + offs2, S, mask=m_kv & ok2)
+        tl.store(hu + offs2, S.to(hu.dtype.element_ty), mask=m_kv & ok2)
         S = S * tl.exp(d2)[:, None] + u2
-        tl.store(hu + offs3, S, mask=m_kv & ok3)
+        tl.store(hu + offs3, S.to(hu.dtype.element_ty), mask=m_kv & ok3)
         S = S * tl.exp(d3)[:, None] + u3
     if STORE_FINAL:
         tl.store(s_final + i_nh * K * V + state_offs, S, mask=m_kv)
@@ -703,7 +704,7 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # the matrix products inside (False), or the scan when the sequential pass would have fewer
           # programs than half the multiprocessors ("auto": long sequences, few heads)
           "state_split": "auto", "scan_SK": 16, "scan_SV": 64, "scan_stages": 3,
-          # dtype of the per-chunk states h and dh of the sequential pass: "input" (bf16 for bf16 inputs,
+          # dtype of the per-chunk states h and dh (both state passes): "input" (bf16 for bf16 inputs,
           # half the traffic), "fp32", or "auto" = fp32 when a state crosses the op's boundary (initial
           # state given, final-state gradient flowing), where rounding them costs most relative accuracy
           "state_dtype": "auto",
@@ -796,13 +797,13 @@ def _scan(hu, gc, s0, s_final, cu_seqlens, layout, T, reverse):
     )
 
 
-def _chunk_updates(x, y, g, gc, scale, cu_seqlens, layout, reverse):
-    """[chunks, H, K, V] fp32: each chunk's own term of the (reverse) state recurrence."""
+def _chunk_updates(x, y, g, gc, scale, cu_seqlens, layout, reverse, dtype):
+    """[chunks, H, K, V] in `dtype`: each chunk's own term of the (reverse) state recurrence."""
     B, T, H, K = x.shape
     V = y.shape[-1]
     NC, chunk_indices = layout[1], layout[2]
     BK, BV = _block_sizes(K, V, "state_")
-    u = x.new_empty(NC, H, K, V, dtype=torch.float32)
+    u = x.new_empty(NC, H, K, V, dtype=dtype)
     grid = (triton.cdiv(K, BK) * triton.cdiv(V, BV),) + ((NC, H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H))
     _chunk_update_kernel[grid](
         x, y, g, gc, u, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BK, BV,
@@ -830,7 +831,7 @@ def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
     N, NC, _, chunk_offsets = layout
     ht = k.new_empty(N, H, K, V, dtype=torch.float32)
     if _split_states(K, V, N, H, k.device):
-        h = _chunk_updates(k, v, g, gc, 1.0, cu_seqlens, layout, reverse=False)
+        h = _chunk_updates(k, v, g, gc, 1.0, cu_seqlens, layout, False, _state_dtype(k, initial_state is not None))
         _scan(h, gc, initial_state, ht, cu_seqlens, layout, T, reverse=False)
         return h, ht
     if g is not None and LAUNCH["separate_cumsum"]:
@@ -857,7 +858,8 @@ def _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout):
     N, NC, _, chunk_offsets = layout
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
     if _split_states(K, V, N, H, q.device):
-        dh = _chunk_updates(q, do, None, gc, scale, cu_seqlens, layout, reverse=True)
+        dh = _chunk_updates(q, do, None, gc, scale, cu_seqlens, layout, True,
+                            _state_dtype(q, initial_state is not None or dht is not None))
         _scan(dh, gc, dht, dh0, cu_seqlens, layout, T, reverse=True)
         return dh, dh0
     SK, SV = _block_sizes(K, V, "state_")
