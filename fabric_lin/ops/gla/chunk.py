@@ -343,9 +343,9 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
                        USE_S0: tl.constexpr, STORE_FINAL: tl.constexpr, REVERSE: tl.constexpr,
                        IS_VARLEN: tl.constexpr):
     """In place over hu [chunks, H, K, V] (fp32, or the inputs' dtype: the state is carried in fp32 either
-    way): reads chunk n's own term u_n, writes the state S that chunk n sees, S <- exp(b_last,n) * S + u_n. Forward S starts at s0 (h0) and runs over the chunks in
-    order; REVERSE starts at dht and runs backwards (then hu[n] is the gradient of the state after chunk n).
-    s_final gets the last S (final state, or dh0)."""
+    way): reads chunk n's own term u_n, writes the state S that chunk n sees, S <- exp(b_last,n) * S + u_n.
+    Forward S starts at s0 (h0) and runs over the chunks in order; REVERSE starts at dht and runs backwards
+    (then hu[n] is the gradient of the state after chunk n). s_final gets the last S (final state, or dh0)."""
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = _seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -360,13 +360,22 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
         S += tl.load(s0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
     gc += i_h * K
     hu += i_h * K * V
-    # four chunks per step: their loads are issued together (the stores into the same buffer would
-    # otherwise keep each load waiting for the previous chunk's store); past the end they read as zero
+    # four chunks per step, whose loads are issued together and one step ahead: before the stores of the
+    # step in hand, which write the same buffer and would otherwise keep each load waiting for them (eight
+    # loads in flight); past the end they read as zero
+    n_u0, n_d0, n_offs0, n_ok0 = _scan_load(hu, gc, 0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+    n_u1, n_d1, n_offs1, n_ok1 = _scan_load(hu, gc, 1, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+    n_u2, n_d2, n_offs2, n_ok2 = _scan_load(hu, gc, 2, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+    n_u3, n_d3, n_offs3, n_ok3 = _scan_load(hu, gc, 3, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
     for i0 in range(0, NT, 4):
-        u0, d0, offs0, ok0 = _scan_load(hu, gc, i0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-        u1, d1, offs1, ok1 = _scan_load(hu, gc, i0 + 1, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-        u2, d2, offs2, ok2 = _scan_load(hu, gc, i0 + 2, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-        u3, d3, offs3, ok3 = _scan_load(hu, gc, i0 + 3, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+        u0, d0, offs0, ok0 = n_u0, n_d0, n_offs0, n_ok0
+        u1, d1, offs1, ok1 = n_u1, n_d1, n_offs1, n_ok1
+        u2, d2, offs2, ok2 = n_u2, n_d2, n_offs2, n_ok2
+        u3, d3, offs3, ok3 = n_u3, n_d3, n_offs3, n_ok3
+        n_u0, n_d0, n_offs0, n_ok0 = _scan_load(hu, gc, i0 + 4, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+        n_u1, n_d1, n_offs1, n_ok1 = _scan_load(hu, gc, i0 + 5, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+        n_u2, n_d2, n_offs2, n_ok2 = _scan_load(hu, gc, i0 + 6, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+        n_u3, n_d3, n_offs3, n_ok3 = _scan_load(hu, gc, i0 + 7, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
         tl.store(hu + offs0, S.to(hu.dtype.element_ty), mask=m_kv & ok0)
         S = S * tl.exp(d0)[:, None] + u0
         tl.store(hu + offs1, S.to(hu.dtype.element_ty), mask=m_kv & ok1)
