@@ -3,8 +3,9 @@
 Compares fabric-lin's Triton `chunk_gla`, flash-linear-attention's `chunk_gla` (when the
 `flash-linear-attention` package is importable) and SDPA flash attention (causal, head dim K) at the
 same B, T, H. Prints one JSON document (and writes it to --out if given), with ratios ours / fla and
-ours / SDPA, and at the first shape a per-kernel time breakdown of our forward+backward and fla's, with
-each of our compiled kernels' registers, spills and shared memory (what limits its programs per SM).
+ours / SDPA, at every shape a per-kernel time breakdown of our forward+backward and fla's, and after the
+first shape each of our compiled kernels' registers, spills and shared memory (what limits its programs
+per SM).
 
     python benchmarks/gla_kernel.py --out gla_kernel.json
     python benchmarks/gla_kernel.py --shapes 16,2048,4,128,256
@@ -74,15 +75,21 @@ def sdpa_flash(q, k, v):
 
 
 def kernel_breakdown(fn, inputs, do, steps=5):
-    """Per-kernel CUDA time (ms per call) of forward+backward, from torch.profiler."""
+    """Per-kernel CUDA time (ms per call) of forward+backward, from torch.profiler. The inputs' gradients are
+    dropped before each call, as do_bench's grad_to_none does, so no accumulation kernel is counted."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
+    def fwd_bwd():
+        for x in inputs:
+            x.grad = None
         fn(*inputs).backward(do)
+
+    for _ in range(3):
+        fwd_bwd()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            fn(*inputs).backward(do)
+            fwd_bwd()
         torch.cuda.synchronize()
     rows = {}
     for evt in prof.key_averages():
@@ -251,17 +258,17 @@ def main():
         row["sdpa_flash_fwd_ms"], row["sdpa_flash_fwd_bwd_ms"] = time_fn(sdpa_flash, s_inputs, s_do)
         row["ratio_fwd_bwd_vs_sdpa"] = row["ours_fwd_bwd_ms"] / row["sdpa_flash_fwd_bwd_ms"]
         del s_inputs, s_do
+        if not args.no_breakdown:  # per shape: which kernel bounds the time changes with the shape
+            inputs, do = gla_inputs(*shape)
+            row["breakdown_ours_ms"] = kernel_breakdown(ours, inputs, do)
+            if fla is not None:
+                row["breakdown_fla_ms"] = kernel_breakdown(fla, inputs, do)
+            del inputs, do
+            if shape == shapes[0]:  # right after the first shape, so that a run cut short still has it
+                report["resources_ours"] = kernel_resources()
+                print(json.dumps({"resources_ours": report["resources_ours"]}), flush=True)
         report["results"].append(row)
         print(json.dumps(row), flush=True)
-        if not args.no_breakdown and shape == shapes[0]:
-            # right after the first shape, so that a run cut short by a time limit still has it
-            inputs, do = gla_inputs(*shape)
-            report["breakdown_ours_ms"] = kernel_breakdown(ours, inputs, do)
-            if fla is not None:
-                report["breakdown_fla_ms"] = kernel_breakdown(fla, inputs, do)
-            report["resources_ours"] = kernel_resources()
-            del inputs, do
-            print(json.dumps({k: report[k] for k in report if k.startswith(("breakdown", "resources"))}), flush=True)
         if args.out:  # each shape as it finishes, so that an interrupted run keeps what it measured
             with open(args.out + ".partial", "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -30,7 +30,8 @@ dA = tril(do v^T) (A is kept from the forward pass; both go through memory in th
 the products use), and one kernel per chunk and key tile gives dq, dk and dgk, level by level as A was
 made. For the gate, with db_i the gradient of the in-chunk cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i
 (elementwise, q and k as they enter the products), plus, for b at the chunk's last row,
-sum_v(h_n dh_n) exp(b_last) + sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside the chunk plus that term.
+sum_v(h_n dh_n) exp(b_last) + sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside
+the chunk plus that term.
 
 The backward's two sequential passes (states recomputed forwards, their gradients backwards) share
 one launch (LAUNCH["fused_bwd_states"]): six launches for forward plus backward with the sequential
@@ -690,17 +691,20 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
 # nothing re-tuned when the batch size or sequence length changes). Module-level so that the opt-in search
 # (tune.py: `kernel_autotune` in pretrain, `benchmarks/gla_kernel.py --sweep`) can replace it. Measured on
 # an H200 (bf16, tutorials/performance.md): 128-wide value tiles for the sequential state passes, a 4-warp
-# output kernel over 256-wide value tiles (8 warps below 64: see _forward), 4 warps for the state passes
-# and the dv kernel, 8 for dq/dk; at the gla-340M layer 1.84 ms forward+backward against 2.06 for the
-# earlier 64-wide state tiles and 8-warp, 128-wide output kernel (1.81 with the dv kernel's register
-# cap, below). The split state pass when the sequential one would have fewer programs than half the
-# multiprocessors (32K tokens, one sequence, 8 heads: 16 programs; 3.56 against 5.82 ms), not at 128 or
-# 256 programs, where the sequential pass won.
-LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "state_warps": "auto", "state_stages": 1,
+# output kernel over 256-wide value tiles (8 warps below 64: see _forward), 4 warps for the dv kernel, 8
+# for dq/dk; at the gla-340M layer 1.84 ms forward+backward against 2.06 for the earlier 64-wide state
+# tiles and 8-warp, 128-wide output kernel (1.81 with the dv kernel's register cap, below; 1.69 with the
+# state passes' prefetch and the three-level scores). The split state pass when the sequential one would
+# have fewer programs than half the multiprocessors (32K tokens, one sequence, 8 heads: 16 programs; 3.56
+# against 5.82 ms), not at 128 or 256 programs, where the sequential pass won.
+LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "state_stages": 1,
           # the sequential state passes issue chunk n+1's loads before chunk n's products (True) or load each
-          # chunk when its step starts (False). Measured on an H200 (run U, tutorials/performance.md): 1.70
-          # against 1.77 ms at the gla-340M layer (4 warps), 5.31 against 5.63 ms at 8K tokens (8 warps)
-          "state_prefetch": True, "output_warps": 4, "dv_warps": 4,
+          # chunk when its step starts (False); their warps: 4, 8, or "auto" = 8 when a pass has no more
+          # programs than the GPU has multiprocessors, else 4. On an H200 (run V, tutorials/performance.md):
+          # 1.70 against 1.79 ms at the gla-340M layer (256 programs a pass, 4 warps), 5.35 against 5.82 at
+          # 8K tokens (128 programs, 8 warps; 5.45 with 4)
+          "state_prefetch": True, "state_warps": "auto",
+          "output_warps": 4, "dv_warps": 4,
           "dqk_warps": 8, "stages": 1, "dqk_stages": 1,
           # the forward's intra-chunk scores by their own kernel, read by the output kernel (True), or computed
           # inside the output kernel (False: one launch, but the output kernel's programs hold both)
@@ -853,8 +857,8 @@ def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
     _fwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
         k, v, g, gc, h, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
         USE_H0=initial_state is not None, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(k.dtype), PREFETCH=LAUNCH["state_prefetch"], num_warps=_state_warps(K, V, N, H, k.device),
-        num_stages=LAUNCH["state_stages"],
+        DOT_PREC=_dot_precision(k.dtype), PREFETCH=LAUNCH["state_prefetch"],
+        num_warps=_state_warps(K, V, N, H, k.device), num_stages=LAUNCH["state_stages"],
         **_register_cap("state"),
     )
     return h, ht
@@ -876,8 +880,8 @@ def _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout):
     _bwd_state_kernel[(triton.cdiv(K, SK), triton.cdiv(V, SV), N * H)](
         q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, SK, SV,
         USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"], num_warps=_state_warps(K, V, N, H, q.device),
-        num_stages=LAUNCH["state_stages"],
+        DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"],
+        num_warps=_state_warps(K, V, N, H, q.device), num_stages=LAUNCH["state_stages"],
         **_register_cap("state"),
     )
     return dh, dh0
@@ -895,8 +899,8 @@ def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, la
     _bwd_both_states_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), 2 * N * H)](
         q, k, v, gc, do, h, dh, initial_state, dht, dh0, cu_seqlens, chunk_offsets, scale, T, N * H, H, K, V, BT,
         BK, BV, USE_H0=initial_state is not None, USE_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"], num_warps=_state_warps(K, V, N, H, q.device),
-        num_stages=LAUNCH["state_stages"],
+        DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"],
+        num_warps=_state_warps(K, V, N, H, q.device), num_stages=LAUNCH["state_stages"],
         **_register_cap("state"),
     )
     return h, dh, dh0
