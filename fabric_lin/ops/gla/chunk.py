@@ -163,7 +163,8 @@ def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k,
     A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BC, BS, BT, DOT_PREC)
     A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BS, 1, BT, DOT_PREC)
     # the diagonal: exp(b_i - b_i) = 1
-    return A + tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), axis=1)[:, None], 0.0)
+    diagonal = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), axis=1)
+    return A + tl.where(o_t[:, None] == o_t[None, :], diagonal[:, None], 0.0)
 
 
 @triton.jit
