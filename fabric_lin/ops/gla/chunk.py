@@ -128,6 +128,19 @@ def _key_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, S: tl.constexpr, B
 
 
 @triton.jit
+def _block_factors(t, b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, P: tl.constexpr, S: tl.constexpr,
+                   BT: tl.constexpr):
+    """Block t of S rows inside each block of P rows, referenced to its last row r: (the query-side factor
+    exp(b - b_r) of the rows after it, 0 on the others; the mask of its own rows). The forward's scores and
+    their gradients both take the split from here."""
+    pos = o_t % P
+    r = t * S + S - 1
+    b_r = _ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, P, r, BT)
+    f_q = tl.where((pos > r)[:, None], tl.exp(tl.minimum(b_g - b_r, 0.0)), 0.0)
+    return f_q, (pos // S == t)[:, None]
+
+
+@triton.jit
 def _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl.constexpr, S: tl.constexpr,
                   BT: tl.constexpr, DOT_PREC: tl.constexpr):
     """A + the scores between the blocks of S rows inside each block of P rows (one level of the module
@@ -135,14 +148,11 @@ def _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl
     (k referenced to r, the one factor per key row that every t shares)."""
     DT = q.dtype.element_ty  # the products run in the inputs' dtype
     o_t = tl.arange(0, BT)
-    pos = o_t % P
     k_ref = b_k * _key_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, S, BT)
     for t in range(P // S - 1):
-        r = t * S + S - 1
-        b_r = _ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, P, r, BT)
-        q_t = tl.where((pos > r)[:, None], b_q * tl.exp(tl.minimum(b_g - b_r, 0.0)), 0.0)
-        k_t = tl.where((pos // S == t)[:, None], k_ref, 0.0)
-        scores = tl.dot(q_t.to(DT), tl.trans(k_t.to(DT)), input_precision=DOT_PREC)
+        f_q, in_t = _block_factors(t, b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, P, S, BT)
+        k_t = tl.where(in_t, k_ref, 0.0)
+        scores = tl.dot((b_q * f_q).to(DT), tl.trans(k_t.to(DT)), input_precision=DOT_PREC)
         if P < BT:  # only pairs inside the same block of P rows
             scores = tl.where((o_t[:, None] // P) == (o_t[None, :] // P), scores, 0.0)
         A += scores
@@ -340,6 +350,17 @@ def _scan_load(hu, gc, idx, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H: tl.c
 
 
 @triton.jit
+def _scan_load4(hu, gc, i0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """_scan_load of steps i0 .. i0 + 3, their loads issued together."""
+    u0, d0, offs0, ok0 = _scan_load(hu, gc, i0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+    u1, d1, offs1, ok1 = _scan_load(hu, gc, i0 + 1, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+    u2, d2, offs2, ok2 = _scan_load(hu, gc, i0 + 2, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+    u3, d3, offs3, ok3 = _scan_load(hu, gc, i0 + 3, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+    return u0, d0, offs0, ok0, u1, d1, offs1, ok1, u2, d2, offs2, ok2, u3, d3, offs3, ok3
+
+
+@triton.jit
 def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
                        USE_S0: tl.constexpr, STORE_FINAL: tl.constexpr, REVERSE: tl.constexpr,
@@ -365,19 +386,16 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
     # four chunks per step, whose loads are issued together and one step ahead: before the stores of the
     # step in hand, which write the same buffer and would otherwise keep each load waiting for them (eight
     # loads in flight); past the end they read as zero
-    n_u0, n_d0, n_offs0, n_ok0 = _scan_load(hu, gc, 0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-    n_u1, n_d1, n_offs1, n_ok1 = _scan_load(hu, gc, 1, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-    n_u2, n_d2, n_offs2, n_ok2 = _scan_load(hu, gc, 2, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-    n_u3, n_d3, n_offs3, n_ok3 = _scan_load(hu, gc, 3, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+    (n_u0, n_d0, n_offs0, n_ok0, n_u1, n_d1, n_offs1, n_ok1, n_u2, n_d2, n_offs2, n_ok2,
+     n_u3, n_d3, n_offs3, n_ok3) = _scan_load4(hu, gc, 0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
     for i0 in range(0, NT, 4):
         u0, d0, offs0, ok0 = n_u0, n_d0, n_offs0, n_ok0
         u1, d1, offs1, ok1 = n_u1, n_d1, n_offs1, n_ok1
         u2, d2, offs2, ok2 = n_u2, n_d2, n_offs2, n_ok2
         u3, d3, offs3, ok3 = n_u3, n_d3, n_offs3, n_ok3
-        n_u0, n_d0, n_offs0, n_ok0 = _scan_load(hu, gc, i0 + 4, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-        n_u1, n_d1, n_offs1, n_ok1 = _scan_load(hu, gc, i0 + 5, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-        n_u2, n_d2, n_offs2, n_ok2 = _scan_load(hu, gc, i0 + 6, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-        n_u3, n_d3, n_offs3, n_ok3 = _scan_load(hu, gc, i0 + 7, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+        (n_u0, n_d0, n_offs0, n_ok0, n_u1, n_d1, n_offs1, n_ok1, n_u2, n_d2, n_offs2, n_ok2,
+         n_u3, n_d3, n_offs3, n_ok3) = _scan_load4(hu, gc, i0 + 4, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V,
+                                                   BT, REVERSE)
         tl.store(hu + offs0, S.to(hu.dtype.element_ty), mask=m_kv & ok0)
         S = S * tl.exp(d0)[:, None] + u0
         tl.store(hu + offs1, S.to(hu.dtype.element_ty), mask=m_kv & ok1)
@@ -597,16 +615,12 @@ def _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k
     (dA_c, in the inputs' dtype) kept to pairs inside one block of P rows; each f_q serves both."""
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
-    pos = o_t % P
     if P < BT:
         dA_c = tl.where((o_t[:, None] // P) == (o_t[None, :] // P), dA_c, 0.0).to(DT)
     f_k = _key_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, S, BT)
     k_ref = b_k * f_k
     for t in range(P // S - 1):
-        r = t * S + S - 1
-        b_r = _ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, P, r, BT)
-        f_q = tl.where((pos > r)[:, None], tl.exp(tl.minimum(b_g - b_r, 0.0)), 0.0)
-        in_t = (pos // S == t)[:, None]
+        f_q, in_t = _block_factors(t, b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, P, S, BT)
         k_t = tl.where(in_t, k_ref, 0.0).to(DT)
         b_dq += f_q * tl.dot(dA_c, k_t, input_precision=DOT_PREC)
         b_dk += tl.where(in_t, f_k * tl.dot(tl.trans(dA_c), (b_q * f_q).to(DT), input_precision=DOT_PREC), 0.0)
