@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def worker(i: int, n: int, batch_size: int, seq_len: int) -> None:
+def worker(i: int, n: int, batch_size: int, seq_len: int, kernels_only: bool) -> None:
     os.environ["FLA_CACHE_RESULTS"] = "0"  # read when fla is imported: this worker's choices are not kept
     from triton.runtime.autotuner import Autotuner
 
@@ -41,17 +41,18 @@ def worker(i: int, n: int, batch_size: int, seq_len: int) -> None:
 
     from fabric_lin.config import Config
 
-    config = Config.from_name("gla-340M")
-    model, loss_fn = fla_model(config)
-    model = model.cuda().to(torch.bfloat16).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    data = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device="cuda")
-    loss_fn(data[:, :-1].contiguous(), data[:, 1:].contiguous()).backward()
-    optimizer.step()
-    torch.cuda.synchronize()
-    print(f"worker {i}/{n}: training step {batch_size} x {seq_len} compiled", flush=True)
-    del model, optimizer
-    torch.cuda.empty_cache()
+    if not kernels_only:
+        config = Config.from_name("gla-340M")
+        model, loss_fn = fla_model(config)
+        model = model.cuda().to(torch.bfloat16).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+        data = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device="cuda")
+        loss_fn(data[:, :-1].contiguous(), data[:, 1:].contiguous()).backward()
+        optimizer.step()
+        torch.cuda.synchronize()
+        print(f"worker {i}/{n}: training step {batch_size} x {seq_len} compiled", flush=True)
+        del model, optimizer
+        torch.cuda.empty_cache()
     fla, error = load_fla()
     if fla is None:
         raise SystemExit(f"flash-linear-attention is not usable: {error}")
@@ -67,12 +68,15 @@ def main():
     parser.add_argument("--workers", type=int, default=6, help="processes, spread over the visible GPUs")
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--seq_len", type=int, default=2048)
-    parser.add_argument("--worker_gib", type=float, default=36.0,
-                        help="GPU memory one worker needs (its training step at --batch_size x --seq_len)")
+    parser.add_argument("--worker_gib", type=float, default=None,
+                        help="GPU memory one worker needs (default: 36, its training step at --batch_size x "
+                             "--seq_len; 8 with --kernels_only)")
+    parser.add_argument("--kernels_only", action="store_true",
+                        help="only chunk_gla at the kernel benchmark's shapes (for gla_kernel.py), not the training step")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.workers, args.batch_size, args.seq_len)
+        worker(args.worker, args.workers, args.batch_size, args.seq_len, args.kernels_only)
         return
     if "TRITON_CACHE_DIR" not in os.environ:
         raise SystemExit("set TRITON_CACHE_DIR: the compiled candidates go there, for the comparison to reuse")
@@ -84,6 +88,8 @@ def main():
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in range(gpus))).split(",")
     # each worker runs a whole training step of the fla model (28.4 GiB at 16 x 2048): more workers than
     # fit side by side on the GPUs run out of memory and leave their share of the candidates uncompiled
+    if args.worker_gib is None:
+        args.worker_gib = 8.0 if args.kernels_only else 36.0
     per_worker = args.worker_gib * 2**30
     fits = [int(torch.cuda.mem_get_info(g)[0] // per_worker) for g in range(gpus)]
     # one slot per worker that fits, taken GPU by GPU in turn
@@ -95,7 +101,8 @@ def main():
     start = time.time()
     procs = [
         subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--workers", str(args.workers),
-                          "--batch_size", str(args.batch_size), "--seq_len", str(args.seq_len)],
+                          "--batch_size", str(args.batch_size), "--seq_len", str(args.seq_len)]
+                         + (["--kernels_only"] if args.kernels_only else []),
                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=slots[i]))
         for i in range(args.workers)
     ]

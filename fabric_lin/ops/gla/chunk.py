@@ -160,8 +160,35 @@ def _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl
 
 
 @triton.jit
+def _half_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, P: tl.constexpr, BT: tl.constexpr):
+    """Level P of the split into halves: every block of P rows is cut in two and referenced to r, the last
+    row of its first half. (first: the mask of the first half's rows, the keys; f): exp(b_r - b) on the
+    first half's rows, exp(b - b_r) on the second half's (the queries). b falls down the rows, so one
+    exponential, exp(-|b - b_r|), gives both with exponents <= 0."""
+    first = ((o_t % P) < P // 2)[:, None]
+    f = tl.exp(-tl.abs(b_g - _ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, P, P // 2 - 1, BT)))
+    return first, f
+
+
+@triton.jit
+def _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl.constexpr, BT: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
+    """A + the scores between the two halves of every block of P rows: one product, second-half queries
+    against first-half keys, both referenced to the last row of the first half."""
+    DT = q.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    first, f = _half_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, P, BT)
+    q_f = tl.where(first, 0.0, b_q * f).to(DT)
+    k_f = tl.where(first, b_k * f, 0.0).to(DT)
+    scores = tl.dot(q_f, tl.trans(k_f), input_precision=DOT_PREC)
+    if P < BT:  # only pairs inside the same block of P rows
+        scores = tl.where((o_t[:, None] // P) == (o_t[None, :] // P), scores, 0.0)
+    return A + scores
+
+
+@triton.jit
 def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k,
-                 BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr):
+                 BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, HALVES: tl.constexpr):
     """The part of A [BT, BT] / scale that columns o_k of q, k contribute (see the module docstring). q and k
     stay in their dtype until used (half the registers of fp32 tiles: the output kernel holds them)."""
     o_t = tl.arange(0, BT)
@@ -169,9 +196,17 @@ def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k,
     b_k = _load_raw(k, row0, o_t, n_rows, stride, o_k, m_k)
     b_g = _load_gate(gc, row0, o_t, n_rows, stride, o_k, m_k)
     A = tl.zeros([BT, BT], dtype=tl.float32)
-    A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT, BC, BT, DOT_PREC)
-    A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BC, BS, BT, DOT_PREC)
-    A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BS, 1, BT, DOT_PREC)
+    if HALVES:  # six levels of halves (blocks of 64, 32, ..., 2 rows): one product each
+        A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT, BT, DOT_PREC)
+        A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 2, BT, DOT_PREC)
+        A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 4, BT, DOT_PREC)
+        A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 8, BT, DOT_PREC)
+        A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 16, BT, DOT_PREC)
+        A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 32, BT, DOT_PREC)
+    else:  # three levels of quarters (64, 16, 4 rows): three products each
+        A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT, BC, BT, DOT_PREC)
+        A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BC, BS, BT, DOT_PREC)
+        A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BS, 1, BT, DOT_PREC)
     # the diagonal: exp(b_i - b_i) = 1
     diagonal = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), axis=1)
     return A + tl.where(o_t[:, None] == o_t[None, :], diagonal[:, None], 0.0)
@@ -180,11 +215,11 @@ def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k,
 @triton.jit
 def _intra_chunk_scores(q, k, gc, row0, n_rows, stride, K, scale,
                         BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-                        DOT_PREC: tl.constexpr):
+                        DOT_PREC: tl.constexpr, HALVES: tl.constexpr):
     A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        A += _scores_tile(q, k, gc, row0, n_rows, stride, o_k, o_k < K, BT, BC, BS, DOT_PREC)
+        A += _scores_tile(q, k, gc, row0, n_rows, stride, o_k, o_k < K, BT, BC, BS, DOT_PREC, HALVES)
     return A * scale
 
 
@@ -459,7 +494,7 @@ def _fwd_scores_kernel(q, k, gc, A_out, cu_seqlens, chunk_indices, scale, T, H: 
 def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-                       LOAD_SCORES: tl.constexpr):
+                       LOAD_SCORES: tl.constexpr, HALVES: tl.constexpr):
     """o = (q * exp(b)) @ h_n + A @ v for one chunk of one head. A is computed here and kept for the
     backward pass ([B*T, H, BT], input dtype), or, with LOAD_SCORES, read from there (written by
     _fwd_scores_kernel). Program (i_c, i_bh, i_v0) covers value tiles i_v0, i_v0 + the grid's third
@@ -480,7 +515,7 @@ def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scal
     if LOAD_SCORES:
         A = tl.load(A_ptrs, mask=m_t[:, None], other=0.0).to(DT)
     else:
-        A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BC, BS, BK, DOT_PREC).to(DT)
+        A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BC, BS, BK, DOT_PREC, HALVES).to(DT)
         tl.store(A_ptrs, A, mask=m_t[:, None])
     for i_v in range(tl.program_id(2), tl.cdiv(V, BV), tl.num_programs(2)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -628,49 +663,53 @@ def _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k
 
 
 @triton.jit
-def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer, T,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                    DOT_PREC: tl.constexpr, FROM_LOGITS: tl.constexpr):
-    """dq, dk, dgk of one chunk, one head, one tile of key columns; FROM_LOGITS: dg gets the gradient of
-    the gate's logits instead, dgk * d logsigmoid(x) / dx / normalizer = dgk * sigmoid(-x) / normalizer."""
-    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_bh % H
-    row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
-    q += i_h * K
-    k += i_h * K
-    gc += i_h * K
-    dq += i_h * K
-    dk += i_h * K
-    dg += i_h * K
-    v += i_h * V
-    do += i_h * V
-    dA += i_h * BT
-    h += (i_tg * H + i_h) * K * V
-    dh += (i_tg * H + i_h) * K * V
+def _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl.constexpr,
+                BT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The gradients of _scores_halves' product, dq += f (dA @ (k f)) on the second halves' rows and
+    dk += f (dA^T @ (q f)) on the first halves', with dA kept to pairs inside one block of P rows (the rows
+    left out hold pairs that the product did not make)."""
+    DT = q.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    if P < BT:
+        dA_c = tl.where((o_t[:, None] // P) == (o_t[None, :] // P), dA_c, 0.0).to(DT)
+    first, f = _half_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, P, BT)
+    k_f = tl.where(first, b_k * f, 0.0).to(DT)
+    q_f = tl.where(first, 0.0, b_q * f).to(DT)
+    b_dq += tl.where(first, 0.0, f * tl.dot(dA_c, k_f, input_precision=DOT_PREC))
+    b_dk += tl.where(first, f * tl.dot(tl.trans(dA_c), q_f, input_precision=DOT_PREC), 0.0)
+    return b_dq, b_dk
+
+
+@triton.jit
+def _dqk_intra(b_dq, b_dk, dA, q, b_q, b_k, b_g, gc, row0, n_rows, m_t, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+               BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, HALVES: tl.constexpr):
+    """b_dq, b_dk + the intra-chunk scores' part of dq (of the scaled q) and dk, level by level as the forward
+    made the scores, then the diagonal (dA[i, i] read back)."""
+    DT = q.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    dA_c = tl.load(dA + (row0 + o_t[:, None]) * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0).to(DT)
+    if HALVES:
+        b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT, BT, DOT_PREC)
+        b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 2, BT, DOT_PREC)
+        b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 4, BT, DOT_PREC)
+        b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 8, BT, DOT_PREC)
+        b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 16, BT, DOT_PREC)
+        b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 32, BT, DOT_PREC)
+    else:
+        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT, BC, BT, DOT_PREC)
+        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BC, BS, BT, DOT_PREC)
+        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BS, 1, BT, DOT_PREC)
+    dA_diag = tl.load(dA + (row0 + o_t) * (H * BT) + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
+    return b_dq + dA_diag * b_k, b_dk + dA_diag * b_q
+
+
+@triton.jit
+def _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The state parts of dq and dk before their gate factors, do h_n^T and v dh_n^T ([BT, BK] each), and
+    sum_v h_n * dh_n ([BK]) for the last-row gate term."""
     DT = v.dtype.element_ty
     o_t = tl.arange(0, BT)
-    m_t = o_t < n_rows
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
-
-    b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
-    b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
-    b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
-    b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
-    dA_c = tl.load(dA + (row0 + o_t[:, None]) * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0).to(DT)
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)  # gradient of the scaled q
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    # the three levels of the intra-chunk split, then the diagonal (dA[i, i] read back from memory)
-    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT, BC, BT, DOT_PREC)
-    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BC, BS, BT, DOT_PREC)
-    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BS, 1, BT, DOT_PREC)
-    dA_diag = tl.load(dA + (row0 + o_t) * (H * BT) + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
-    b_dq += dA_diag * b_k
-    b_dk += dA_diag * b_q
-    # the state parts: do h_n^T and v dh_n^T, and sum_v h_n * dh_n for the last-row gate term
     dq_s = tl.zeros([BT, BK], dtype=tl.float32)
     dk_s = tl.zeros([BT, BK], dtype=tl.float32)
     hdh = tl.zeros([BK], dtype=tl.float32)
@@ -687,11 +726,66 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
         dq_s += tl.dot(b_do, tl.trans(b_h.to(DT)), input_precision=DOT_PREC)
         dk_s += tl.dot(b_v, tl.trans(b_dh.to(DT)), input_precision=DOT_PREC)
         hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-    dk_s = dk_s * tl.exp(b_last[None, :] - b_g)
-    b_dq += dq_s * tl.exp(b_g)
-    b_dk += dk_s
+    return dq_s, dk_s, hdh
+
+
+@triton.jit
+def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer, T,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+                    DOT_PREC: tl.constexpr, FROM_LOGITS: tl.constexpr, HALVES: tl.constexpr,
+                    STATE_FIRST: tl.constexpr):
+    """dq, dk, dgk of one chunk, one head, one tile of key columns; FROM_LOGITS: dg gets the gradient of
+    the gate's logits instead, dgk * d logsigmoid(x) / dx / normalizer = dgk * sigmoid(-x) / normalizer.
+    STATE_FIRST: the state part before the intra-chunk part, so that its tiles are dead while the intra-chunk
+    part's are live; else after it."""
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_bh % H
+    row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    q += i_h * K
+    k += i_h * K
+    gc += i_h * K
+    dq += i_h * K
+    dk += i_h * K
+    dg += i_h * K
+    v += i_h * V
+    do += i_h * V
+    dA += i_h * BT
+    h += (i_tg * H + i_h) * K * V
+    dh += (i_tg * H + i_h) * K * V
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_rows
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
+
+    if STATE_FIRST:
+        dq_s, dk_s, hdh = _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H, V, BT, BK, BV, DOT_PREC)
+        b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
+        dk_s = dk_s * tl.exp(b_last[None, :] - b_g)
+        b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
+        db_last = hdh * tl.exp(b_last) + tl.sum(b_k * dk_s, axis=0)
+        b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
+        # the gradient of the scaled q
+        b_dq, b_dk = _dqk_intra(dq_s * tl.exp(b_g), dk_s, dA, q, b_q, b_k, b_g, gc, row0, n_rows, m_t, o_k, m_k,
+                                H, K, BT, BC, BS, DOT_PREC, HALVES)
+    else:
+        zeros = tl.zeros([BT, BK], dtype=tl.float32)
+        b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
+        b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
+        b_dq, b_dk = _dqk_intra(zeros, zeros, dA, q, b_q, b_k, b_g, gc, row0, n_rows, m_t, o_k, m_k,
+                                H, K, BT, BC, BS, DOT_PREC, HALVES)
+        dq_s, dk_s, hdh = _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H, V, BT, BK, BV, DOT_PREC)
+        dk_s = dk_s * tl.exp(b_last[None, :] - b_g)
+        b_dq += dq_s * tl.exp(b_g)
+        b_dk += dk_s
+        db_last = hdh * tl.exp(b_last) + tl.sum(b_k * dk_s, axis=0)
+    # the gate: db_i = q_i dq_i - k_i dk_i, summed from the chunk's end, plus the last row's term
     db = b_q * b_dq - b_k * b_dk
-    db_last = hdh * tl.exp(b_last) + tl.sum(b_k * dk_s, axis=0)
     b_dg = tl.sum(db, axis=0)[None, :] - tl.cumsum(db, axis=0) + db + db_last[None, :]
     if FROM_LOGITS:
         x = tl.load(logits + i_h * K + offs, mask=m_tk, other=0.0).to(tl.float32)
@@ -721,9 +815,15 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           "state_prefetch": True, "state_warps": "auto",
           "output_warps": 4, "dv_warps": 4,
           "dqk_warps": 8, "stages": 1, "dqk_stages": 1,
+          # the dq/dk kernel's state part (do h^T, v dh^T) before its intra-chunk part (True) or after (False)
+          "dqk_state_first": True,
           # the forward's intra-chunk scores by their own kernel, read by the output kernel (True), or computed
           # inside the output kernel (False: one launch, but the output kernel's programs hold both)
           "separate_scores": False, "scores_warps": 4,
+          # how the intra-chunk scores (output and dq/dk kernels) split a chunk: "quarters" = three levels
+          # of blocks of 16, 4 and 1 rows (three products a level), "halves" = six levels of halves (one
+          # product a level, one exponential serving both its factors)
+          "score_levels": "halves",
           # the backward pass's state recomputation and state-gradient pass in one launch
           "fused_bwd_states": True,
           # the forward's in-chunk cumulative gate by its own kernel (True) or inside the sequential state pass
@@ -748,6 +848,13 @@ def _register_cap(kernel: str) -> dict:
     """Launch option {"maxnreg": n} where LAUNCH caps the kernel's registers per thread."""
     cap = LAUNCH[kernel + "_maxnreg"]
     return {"maxnreg": cap} if cap else {}
+
+
+def _score_halves() -> bool:
+    split = LAUNCH["score_levels"]
+    if split not in ("halves", "quarters"):
+        raise ValueError(f"LAUNCH['score_levels'] = {split!r}: expected 'halves' or 'quarters'")
+    return split == "halves"
 
 
 def _state_dtype(x: torch.Tensor, boundary_state: bool) -> torch.dtype:
@@ -937,7 +1044,9 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
     o = torch.empty_like(v, dtype=q.dtype)
     A = q.new_empty(B, T, H, BT)
     grid = (NC, H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H)
-    BV_out = min(LAUNCH["BV_out"], max(16, triton.next_power_of_2(V)))
+    # value tiles at least 64 wide (the extra columns masked): narrower ones went wrong on an H200 (Triton
+    # 3.6, bf16), outputs 0.12-0.5 off in relative RMS at V=32, and an illegal memory access at K=64, V=32
+    BV_out = min(LAUNCH["BV_out"], max(64, triton.next_power_of_2(V)))
     separate = LAUNCH["separate_scores"]
     if separate:
         _fwd_scores_kernel[(BT // BC,) + grid](
@@ -945,15 +1054,13 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
             num_warps=LAUNCH["scores_warps"], num_stages=LAUNCH["stages"],
         )
-    # fewer than 8 warps over value tiles narrower than 64 went wrong on an H200 (Triton 3.6, bf16): outputs
-    # 0.3-0.5 off in relative RMS at V=32 and an illegal memory access at K=64, V=32; such tiles keep 8
-    output_warps = LAUNCH["output_warps"] if BV_out >= 64 else max(LAUNCH["output_warps"], 8)
     # with the scores read from memory, the value tiles of a chunk are programs of their own
     value_programs = triton.cdiv(V, BV_out) if separate else 1
     _fwd_output_kernel[grid + (value_programs,)](
         q, k, v, gc, h, o, A, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV_out,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype), LOAD_SCORES=separate,
-        num_warps=output_warps, num_stages=LAUNCH["stages"], **_register_cap("output"),
+        HALVES=_score_halves(),
+        num_warps=LAUNCH["output_warps"], num_stages=LAUNCH["stages"], **_register_cap("output"),
     )
     return o, ht, gc, A
 
@@ -993,6 +1100,7 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
     _bwd_dqk_kernel[(triton.cdiv(K, BK),) + grid](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
         BT, BC, BS, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
+        HALVES=_score_halves(), STATE_FIRST=LAUNCH["dqk_state_first"],
         num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["dqk_stages"], **_register_cap("dqk"),
     )
     return dq, dk, dv, dg, dh0
