@@ -94,26 +94,24 @@ def test_triton_varlen_matches_naive_fp32():
 
 
 @cpu_only
-@pytest.mark.parametrize("state_split,fused_bwd_states,separate_cumsum,separate_scores,state_prefetch,score_levels,dqk_state_first", [
-    (False, False, False, False, True, "quarters", False), (False, True, True, True, False, "halves", True),
-    (False, True, True, False, True, "halves", False), (True, False, False, True, False, "quarters", True),
+@pytest.mark.parametrize("state_split,fused_bwd_states,separate_cumsum,separate_scores,state_prefetch", [
+    (False, False, False, False, True), (False, True, True, True, False), (False, True, True, False, True),
+    (True, False, False, True, False),
 ])
 def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fused_bwd_states, separate_cumsum,
-                                                   separate_scores, state_prefetch, score_levels, dqk_state_first):
+                                                   separate_scores, state_prefetch):
     # the state passes split K and V into 16-wide tiles here, the per-chunk kernels into 32-wide ones;
     # state_split picks the sequential pass with the products inside, or chunk-parallel updates + scan;
     # fused_bwd_states runs the backward's two sequential passes as one launch; separate_cumsum computes
     # the in-chunk cumulative gate by its own kernel rather than inside the forward state pass;
     # separate_scores computes the intra-chunk scores by their own kernel, which the output kernel reads;
-    # state_prefetch has the sequential passes load the next chunk while the current one's products run;
-    # score_levels splits the intra-chunk scores in quarters or halves; dqk_state_first orders dq/dk's parts
+    # state_prefetch has the sequential passes load the next chunk while the current one's products run
     from fabric_lin.ops.gla import chunk
 
     tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "scan_SK": 16, "scan_SV": 16,
              "state_maxnreg": 128, "output_maxnreg": 128, "dv_maxnreg": 128, "dqk_maxnreg": 128}
     settings = dict(tiles, state_split=state_split, fused_bwd_states=fused_bwd_states, separate_cumsum=separate_cumsum,
-                    separate_scores=separate_scores, state_prefetch=state_prefetch, score_levels=score_levels,
-                    dqk_state_first=dqk_state_first)
+                    separate_scores=separate_scores, state_prefetch=state_prefetch)
     for key, value in settings.items():
         monkeypatch.setitem(chunk.LAUNCH, key, value)
     offsets = torch.tensor([0, 300, 330], dtype=torch.int32)  # 5 chunks, then 1
@@ -164,18 +162,14 @@ def test_triton_head_dims_not_powers_of_two_and_custom_scale():
 
 
 @cpu_only
-@pytest.mark.parametrize("separate_scores,score_levels,decay", [
-    (False, "quarters", -20.0), (True, "quarters", -20.0), (False, "halves", -20.0), (False, "halves", -3000.0),
-])
-def test_triton_strong_gates_stay_finite(monkeypatch, separate_scores, score_levels, decay):
+@pytest.mark.parametrize("separate_scores,decay", [(False, -20.0), (True, -20.0), (False, -3000.0)])
+def test_triton_strong_gates_stay_finite(monkeypatch, separate_scores, decay):
     # half the channels decay by logsigmoid(-20)/16 ~ -1.25 per step: -80 over one chunk, where a
-    # chunked form that divides by exp(b) overflows fp32; -3000 decays by ~190 per step, where a reference
-    # row more than half a step away from either row of a pair would overflow; every way of computing the
-    # intra-chunk scores
+    # chunked form that divides by exp(b) overflows fp32; -3000 decays by ~190 per step, where any factor
+    # with a positive exponent of one step or more overflows; both ways of computing the intra-chunk scores
     from fabric_lin.ops.gla import chunk
 
     monkeypatch.setitem(chunk.LAUNCH, "separate_scores", separate_scores)
-    monkeypatch.setitem(chunk.LAUNCH, "score_levels", score_levels)
     q, k, v, _, h0 = make_inputs(1, 130, 1, 16, 16, seed=5)
     logits = torch.where(torch.rand(1, 130, 1, 16, generator=torch.Generator().manual_seed(0)) < 0.5, decay, 8.0)
     gk = F.logsigmoid(logits) / 16
@@ -273,7 +267,7 @@ def test_gpu_bf16_matches_fp32_naive(B, T, H, K, V):
 # settings the launch search (tune.py) or a user (chunk.LAUNCH; gla_kernel.py --launch) can choose, on the
 # same shapes: the shipped table's sequential state passes (its "auto" split takes the scan at these
 # shapes), the earlier table, the separate score kernel, pipelined loads with narrower key tiles, register
-# caps on every kernel, the scores in quarters (output kernels over 32-wide value tiles failed on an H200;
+# caps on every kernel, an 8-warp output kernel (output kernels over 32-wide value tiles failed on an H200;
 # the launch keeps them at least 64 wide, so the V=32 shapes check that guard)
 SEARCHED_SETTINGS = [
     {"state_split": False},
@@ -284,9 +278,7 @@ SEARCHED_SETTINGS = [
     {"dqk_maxnreg": 128, "dv_maxnreg": 168, "output_maxnreg": 168, "state_maxnreg": 168},  # register caps
     {"state_prefetch": True, "state_split": False, "state_warps": 4},  # next chunk's loads issued early
     {"state_prefetch": False, "state_split": False},  # each chunk's loads when its step starts
-    {"score_levels": "quarters", "dqk_state_first": False},  # the earlier table's intra-chunk scores
-    {"score_levels": "quarters", "dqk_state_first": True, "state_split": False, "BK": 32},
-    {"dqk_state_first": False, "output_warps": 8},
+    {"output_warps": 8},
 ]
 
 
@@ -306,12 +298,8 @@ def test_gpu_bf16_searchable_settings_match_fp32_naive(monkeypatch, settings, B,
 
 
 @needs_cuda
-@pytest.mark.parametrize("score_levels", ["quarters", "halves"])
 @pytest.mark.parametrize("B,T,H,K,V,offsets", [(2, 1000, 4, 128, 256, None), (1, 2000, 4, 128, 128, [0, 15, 100, 300, 1200, 2000])])
-def test_gpu_bf16_from_logits_matches_fp32_naive(monkeypatch, score_levels, B, T, H, K, V, offsets):
-    from fabric_lin.ops.gla import chunk
-
-    monkeypatch.setitem(chunk.LAUNCH, "score_levels", score_levels)
+def test_gpu_bf16_from_logits_matches_fp32_naive(B, T, H, K, V, offsets):
     N = B if offsets is None else len(offsets) - 1
     q, k, v, _, h0 = make_inputs(B, T, H, K, V, N=N, seed=3, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(B, T, H, K, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)

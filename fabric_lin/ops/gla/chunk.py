@@ -3,15 +3,14 @@
 The math is the one of chunk_torch.py (chunks of BT=64 tokens, b = cumsum(gk) inside a chunk, fp32
 state), arranged so that every matrix product is a full 64-row tile:
 
-  * intra-chunk scores A_ij = sum_k q_ik k_jk exp(b_ik - b_jk), j <= i, in three levels and the diagonal.
-    Level 1 splits the chunk into blocks of 16 rows; for block t with last row r,
-        A[rows > r, cols in t] = (q * exp(b - b_r))[rows > r] @ ((k * exp(b_r - b))[rows in t])^T,
-    both exponents <= 0; the three products (t = 0, 1, 2) are 64x64 tiles, each filling its own column
-    band. Level 2 does the same inside every 16-row block with blocks of 4 rows (reference = last row of
-    the 4-row block, products masked to the same 16-row block), level 3 inside every 4-row block with
-    single rows, and the diagonal is sum_k q_ik k_ik. A key row's factor exp(b_r - b) has the same r for
-    every t that uses it (the last row of its own block), so each level computes it once. No exponent is
-    ever positive, whatever the gates.
+  * intra-chunk scores A_ij = sum_k q_ik k_jk exp(b_ik - b_jk), j <= i, in six levels of halves and the
+    diagonal. Level P (P = 64, 32, ..., 2) cuts every block of P rows in two halves and references both to
+    r, the last row of the first half:
+        A[second half, first half] = (q * exp(b - b_r))[second half] @ ((k * exp(b_r - b))[first half])^T,
+    both exponents <= 0 (b falls down the rows), so one exponential, exp(-|b - b_r|), gives both factors.
+    Each level is one 64x64 product masked to pairs inside the same block of P rows; every pair i > j is
+    made at exactly one level (the one whose halves first separate i from j), and the diagonal is
+    sum_k q_ik k_ik. No exponent is ever positive, whatever the gates.
   * gc = b (fp32, [B, T, H, K]) is written once (by _gate_cumsum_kernel, or inside the state pass:
     LAUNCH["separate_cumsum"]) and read by the other kernels;
     reference rows are plain loads of gc, and rows past a sequence's end read its last row.
@@ -48,8 +47,7 @@ import triton
 import triton.language as tl
 
 BT = 64  # chunk
-BC = 16  # first split of the chunk for the intra-chunk scores
-BS = 4  # second split, inside each BC block; the third splits a BS block into single rows
+BC = 16  # rows of A per program of the separate score kernel
 
 
 @triton.jit
@@ -119,47 +117,6 @@ def _ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, P: tl.constexpr, r, BT: t
 
 
 @triton.jit
-def _key_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, S: tl.constexpr, BT: tl.constexpr):
-    """exp(b_last - b) of each key row, b_last = b at the last row of its block of S rows (exponent <= 0)."""
-    if S > 1:
-        return tl.exp(_ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, S, S - 1, BT) - b_g)
-    else:
-        return tl.full([BT, 1], 1.0, tl.float32)
-
-
-@triton.jit
-def _block_factors(t, b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, P: tl.constexpr, S: tl.constexpr,
-                   BT: tl.constexpr):
-    """Block t of S rows inside each block of P rows, referenced to its last row r: (the query-side factor
-    exp(b - b_r) of the rows after it, 0 on the others; the mask of its own rows). The forward's scores and
-    their gradients both take the split from here."""
-    pos = o_t % P
-    r = t * S + S - 1
-    b_r = _ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, P, r, BT)
-    f_q = tl.where((pos > r)[:, None], tl.exp(tl.minimum(b_g - b_r, 0.0)), 0.0)
-    return f_q, (pos // S == t)[:, None]
-
-
-@triton.jit
-def _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl.constexpr, S: tl.constexpr,
-                  BT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """A + the scores between the blocks of S rows inside each block of P rows (one level of the module
-    docstring's split): for block t with last row r, rows after it (q referenced to r) against its rows
-    (k referenced to r, the one factor per key row that every t shares)."""
-    DT = q.dtype.element_ty  # the products run in the inputs' dtype
-    o_t = tl.arange(0, BT)
-    k_ref = b_k * _key_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, S, BT)
-    for t in range(P // S - 1):
-        f_q, in_t = _block_factors(t, b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, P, S, BT)
-        k_t = tl.where(in_t, k_ref, 0.0)
-        scores = tl.dot((b_q * f_q).to(DT), tl.trans(k_t.to(DT)), input_precision=DOT_PREC)
-        if P < BT:  # only pairs inside the same block of P rows
-            scores = tl.where((o_t[:, None] // P) == (o_t[None, :] // P), scores, 0.0)
-        A += scores
-    return A
-
-
-@triton.jit
 def _half_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, P: tl.constexpr, BT: tl.constexpr):
     """Level P of the split into halves: every block of P rows is cut in two and referenced to r, the last
     row of its first half. (first: the mask of the first half's rows, the keys; f): exp(b_r - b) on the
@@ -187,8 +144,7 @@ def _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: t
 
 
 @triton.jit
-def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k,
-                 BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, HALVES: tl.constexpr):
+def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k, BT: tl.constexpr, DOT_PREC: tl.constexpr):
     """The part of A [BT, BT] / scale that columns o_k of q, k contribute (see the module docstring). q and k
     stay in their dtype until used (half the registers of fp32 tiles: the output kernel holds them)."""
     o_t = tl.arange(0, BT)
@@ -196,30 +152,25 @@ def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k,
     b_k = _load_raw(k, row0, o_t, n_rows, stride, o_k, m_k)
     b_g = _load_gate(gc, row0, o_t, n_rows, stride, o_k, m_k)
     A = tl.zeros([BT, BT], dtype=tl.float32)
-    if HALVES:  # six levels of halves (blocks of 64, 32, ..., 2 rows): one product each
-        A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT, BT, DOT_PREC)
-        A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 2, BT, DOT_PREC)
-        A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 4, BT, DOT_PREC)
-        A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 8, BT, DOT_PREC)
-        A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 16, BT, DOT_PREC)
-        A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 32, BT, DOT_PREC)
-    else:  # three levels of quarters (64, 16, 4 rows): three products each
-        A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT, BC, BT, DOT_PREC)
-        A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BC, BS, BT, DOT_PREC)
-        A = _scores_level(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BS, 1, BT, DOT_PREC)
+    # six levels of halves, blocks of 64, 32, ..., 2 rows (BT = 64)
+    A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT, BT, DOT_PREC)
+    A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 2, BT, DOT_PREC)
+    A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 4, BT, DOT_PREC)
+    A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 8, BT, DOT_PREC)
+    A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 16, BT, DOT_PREC)
+    A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 32, BT, DOT_PREC)
     # the diagonal: exp(b_i - b_i) = 1
     diagonal = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), axis=1)
     return A + tl.where(o_t[:, None] == o_t[None, :], diagonal[:, None], 0.0)
 
 
 @triton.jit
-def _intra_chunk_scores(q, k, gc, row0, n_rows, stride, K, scale,
-                        BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-                        DOT_PREC: tl.constexpr, HALVES: tl.constexpr):
+def _intra_chunk_scores(q, k, gc, row0, n_rows, stride, K, scale, BT: tl.constexpr, BK: tl.constexpr,
+                        DOT_PREC: tl.constexpr):
     A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        A += _scores_tile(q, k, gc, row0, n_rows, stride, o_k, o_k < K, BT, BC, BS, DOT_PREC, HALVES)
+        A += _scores_tile(q, k, gc, row0, n_rows, stride, o_k, o_k < K, BT, DOT_PREC)
     return A * scale
 
 
@@ -492,9 +443,8 @@ def _fwd_scores_kernel(q, k, gc, A_out, cu_seqlens, chunk_indices, scale, T, H: 
 
 @triton.jit
 def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr,
-                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-                       LOAD_SCORES: tl.constexpr, HALVES: tl.constexpr):
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, LOAD_SCORES: tl.constexpr):
     """o = (q * exp(b)) @ h_n + A @ v for one chunk of one head. A is computed here and kept for the
     backward pass ([B*T, H, BT], input dtype), or, with LOAD_SCORES, read from there (written by
     _fwd_scores_kernel). Program (i_c, i_bh, i_v0) covers value tiles i_v0, i_v0 + the grid's third
@@ -515,7 +465,7 @@ def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scal
     if LOAD_SCORES:
         A = tl.load(A_ptrs, mask=m_t[:, None], other=0.0).to(DT)
     else:
-        A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BC, BS, BK, DOT_PREC, HALVES).to(DT)
+        A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BK, DOT_PREC).to(DT)
         tl.store(A_ptrs, A, mask=m_t[:, None])
     for i_v in range(tl.program_id(2), tl.cdiv(V, BV), tl.num_programs(2)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -644,25 +594,6 @@ def _bwd_dv_kernel(k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H:
 
 
 @triton.jit
-def _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl.constexpr,
-               S: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The gradients of _scores_level's products: dq += f_q * (dA @ k_t), dk += f_k * (dA^T @ q_t), with dA
-    (dA_c, in the inputs' dtype) kept to pairs inside one block of P rows; each f_q serves both."""
-    DT = q.dtype.element_ty
-    o_t = tl.arange(0, BT)
-    if P < BT:
-        dA_c = tl.where((o_t[:, None] // P) == (o_t[None, :] // P), dA_c, 0.0).to(DT)
-    f_k = _key_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, S, BT)
-    k_ref = b_k * f_k
-    for t in range(P // S - 1):
-        f_q, in_t = _block_factors(t, b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, P, S, BT)
-        k_t = tl.where(in_t, k_ref, 0.0).to(DT)
-        b_dq += f_q * tl.dot(dA_c, k_t, input_precision=DOT_PREC)
-        b_dk += tl.where(in_t, f_k * tl.dot(tl.trans(dA_c), (b_q * f_q).to(DT), input_precision=DOT_PREC), 0.0)
-    return b_dq, b_dk
-
-
-@triton.jit
 def _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl.constexpr,
                 BT: tl.constexpr, DOT_PREC: tl.constexpr):
     """The gradients of _scores_halves' product, dq += f (dA @ (k f)) on the second halves' rows and
@@ -682,23 +613,18 @@ def _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_
 
 @triton.jit
 def _dqk_intra(b_dq, b_dk, dA, q, b_q, b_k, b_g, gc, row0, n_rows, m_t, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
-               BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, HALVES: tl.constexpr):
+               BT: tl.constexpr, DOT_PREC: tl.constexpr):
     """b_dq, b_dk + the intra-chunk scores' part of dq (of the scaled q) and dk, level by level as the forward
     made the scores, then the diagonal (dA[i, i] read back)."""
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
     dA_c = tl.load(dA + (row0 + o_t[:, None]) * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0).to(DT)
-    if HALVES:
-        b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT, BT, DOT_PREC)
-        b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 2, BT, DOT_PREC)
-        b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 4, BT, DOT_PREC)
-        b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 8, BT, DOT_PREC)
-        b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 16, BT, DOT_PREC)
-        b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 32, BT, DOT_PREC)
-    else:
-        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT, BC, BT, DOT_PREC)
-        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BC, BS, BT, DOT_PREC)
-        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BS, 1, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 2, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 4, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 8, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 16, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 32, BT, DOT_PREC)
     dA_diag = tl.load(dA + (row0 + o_t) * (H * BT) + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
     return b_dq + dA_diag * b_k, b_dk + dA_diag * b_q
 
@@ -731,14 +657,13 @@ def _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H: tl.constexpr, V: tl.constex
 
 @triton.jit
 def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer, T,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                    DOT_PREC: tl.constexpr, FROM_LOGITS: tl.constexpr, HALVES: tl.constexpr,
-                    STATE_FIRST: tl.constexpr):
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, FROM_LOGITS: tl.constexpr):
     """dq, dk, dgk of one chunk, one head, one tile of key columns; FROM_LOGITS: dg gets the gradient of
     the gate's logits instead, dgk * d logsigmoid(x) / dx / normalizer = dgk * sigmoid(-x) / normalizer.
-    STATE_FIRST: the state part before the intra-chunk part, so that its tiles are dead while the intra-chunk
-    part's are live; else after it."""
+    The state part comes first, so that its tiles are dead by the time the intra-chunk part's are live
+    (the other order spilled: 400 spilled registers, 2.44 against 1.53 ms forward+backward at the gla-340M
+    layer on an H200)."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -760,30 +685,16 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
     m_tk = m_t[:, None] & m_k[None, :]
     offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
 
-    if STATE_FIRST:
-        dq_s, dk_s, hdh = _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H, V, BT, BK, BV, DOT_PREC)
-        b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
-        b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
-        dk_s = dk_s * tl.exp(b_last[None, :] - b_g)
-        b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
-        db_last = hdh * tl.exp(b_last) + tl.sum(b_k * dk_s, axis=0)
-        b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
-        # the gradient of the scaled q
-        b_dq, b_dk = _dqk_intra(dq_s * tl.exp(b_g), dk_s, dA, q, b_q, b_k, b_g, gc, row0, n_rows, m_t, o_k, m_k,
-                                H, K, BT, BC, BS, DOT_PREC, HALVES)
-    else:
-        zeros = tl.zeros([BT, BK], dtype=tl.float32)
-        b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
-        b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
-        b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
-        b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
-        b_dq, b_dk = _dqk_intra(zeros, zeros, dA, q, b_q, b_k, b_g, gc, row0, n_rows, m_t, o_k, m_k,
-                                H, K, BT, BC, BS, DOT_PREC, HALVES)
-        dq_s, dk_s, hdh = _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H, V, BT, BK, BV, DOT_PREC)
-        dk_s = dk_s * tl.exp(b_last[None, :] - b_g)
-        b_dq += dq_s * tl.exp(b_g)
-        b_dk += dk_s
-        db_last = hdh * tl.exp(b_last) + tl.sum(b_k * dk_s, axis=0)
+    dq_s, dk_s, hdh = _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H, V, BT, BK, BV, DOT_PREC)
+    b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
+    b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
+    dk_s = dk_s * tl.exp(b_last[None, :] - b_g)
+    b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
+    db_last = hdh * tl.exp(b_last) + tl.sum(b_k * dk_s, axis=0)
+    b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
+    # b_dq: the gradient of the scaled q
+    b_dq, b_dk = _dqk_intra(dq_s * tl.exp(b_g), dk_s, dA, q, b_q, b_k, b_g, gc, row0, n_rows, m_t, o_k, m_k, H, K, BT,
+                            DOT_PREC)
     # the gate: db_i = q_i dq_i - k_i dk_i, summed from the chunk's end, plus the last row's term
     db = b_q * b_dq - b_k * b_dk
     b_dg = tl.sum(db, axis=0)[None, :] - tl.cumsum(db, axis=0) + db + db_last[None, :]
@@ -800,12 +711,14 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
 # nothing re-tuned when the batch size or sequence length changes). Module-level so that the opt-in search
 # (tune.py: `kernel_autotune` in pretrain, `benchmarks/gla_kernel.py --sweep`) can replace it. Measured on
 # an H200 (bf16, tutorials/performance.md): 128-wide value tiles for the sequential state passes, a 4-warp
-# output kernel over 256-wide value tiles (8 warps below 64: see _forward), 4 warps for the dv kernel, 8
+# output kernel over 256-wide value tiles (at least 64 wide: see _forward), 4 warps for the dv kernel, 8
 # for dq/dk; at the gla-340M layer 1.84 ms forward+backward against 2.06 for the earlier 64-wide state
 # tiles and 8-warp, 128-wide output kernel (1.81 with the dv kernel's register cap, below; 1.69 with the
-# state passes' prefetch and the three-level scores). The split state pass when the sequential one would
-# have fewer programs than half the multiprocessors (32K tokens, one sequence, 8 heads: 16 programs; 3.56
-# against 5.82 ms), not at 128 or 256 programs, where the sequential pass won.
+# state passes' prefetch and scores in three levels of quarters; 1.53-1.57 with the scores in halves and
+# dq/dk's state part first, against 1.70-1.72 for the quarters in the same runs). The split state pass
+# when the sequential one would have fewer programs than half the multiprocessors (32K tokens, one
+# sequence, 8 heads: 16 programs; 3.56 against 5.82 ms), not at 128 or 256 programs, where the sequential
+# pass won.
 LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "state_stages": 1,
           # the sequential state passes issue chunk n+1's loads before chunk n's products (True) or load each
           # chunk when its step starts (False); their warps: 4, 8, or "auto" = 8 when a pass has no more
@@ -815,15 +728,9 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           "state_prefetch": True, "state_warps": "auto",
           "output_warps": 4, "dv_warps": 4,
           "dqk_warps": 8, "stages": 1, "dqk_stages": 1,
-          # the dq/dk kernel's state part (do h^T, v dh^T) before its intra-chunk part (True) or after (False)
-          "dqk_state_first": True,
           # the forward's intra-chunk scores by their own kernel, read by the output kernel (True), or computed
           # inside the output kernel (False: one launch, but the output kernel's programs hold both)
           "separate_scores": False, "scores_warps": 4,
-          # how the intra-chunk scores (output and dq/dk kernels) split a chunk: "quarters" = three levels
-          # of blocks of 16, 4 and 1 rows (three products a level), "halves" = six levels of halves (one
-          # product a level, one exponential serving both its factors)
-          "score_levels": "halves",
           # the backward pass's state recomputation and state-gradient pass in one launch
           "fused_bwd_states": True,
           # the forward's in-chunk cumulative gate by its own kernel (True) or inside the sequential state pass
@@ -848,13 +755,6 @@ def _register_cap(kernel: str) -> dict:
     """Launch option {"maxnreg": n} where LAUNCH caps the kernel's registers per thread."""
     cap = LAUNCH[kernel + "_maxnreg"]
     return {"maxnreg": cap} if cap else {}
-
-
-def _score_halves() -> bool:
-    split = LAUNCH["score_levels"]
-    if split not in ("halves", "quarters"):
-        raise ValueError(f"LAUNCH['score_levels'] = {split!r}: expected 'halves' or 'quarters'")
-    return split == "halves"
 
 
 def _state_dtype(x: torch.Tensor, boundary_state: bool) -> torch.dtype:
@@ -1057,9 +957,8 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
     # with the scores read from memory, the value tiles of a chunk are programs of their own
     value_programs = triton.cdiv(V, BV_out) if separate else 1
     _fwd_output_kernel[grid + (value_programs,)](
-        q, k, v, gc, h, o, A, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BC, BS, BK, BV_out,
+        q, k, v, gc, h, o, A, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BK, BV_out,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype), LOAD_SCORES=separate,
-        HALVES=_score_halves(),
         num_warps=LAUNCH["output_warps"], num_stages=LAUNCH["stages"], **_register_cap("output"),
     )
     return o, ht, gc, A
@@ -1099,8 +998,7 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gate)
     _bwd_dqk_kernel[(triton.cdiv(K, BK),) + grid](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
-        BT, BC, BS, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
-        HALVES=_score_halves(), STATE_FIRST=LAUNCH["dqk_state_first"],
+        BT, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
         num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["dqk_stages"], **_register_cap("dqk"),
     )
     return dq, dk, dv, dg, dh0

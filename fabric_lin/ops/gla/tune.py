@@ -36,8 +36,6 @@ SEARCH_SPACE: List[Dict[str, tuple]] = [
     # so the search leaves those keys as the table has them
     {"dv_warps": (4, 8), "dv_maxnreg": (168, 0)},
     {"dqk_warps": (8, 4)},
-    # how the output and dq/dk kernels split a chunk's scores, and the order of dq/dk's two parts
-    {"score_levels": ("quarters", "halves"), "dqk_state_first": (False, True)},
     # key tiles of the chunk-parallel kernels: 32 gives dq/dk twice the programs, each holding smaller tiles
     {"BK": (64, 32)},
     {"stages": (1, 2)},  # pipelining of the other chunk-parallel kernels
