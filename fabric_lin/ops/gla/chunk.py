@@ -119,9 +119,9 @@ def _ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, P: tl.constexpr, r, BT: t
 @triton.jit
 def _half_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, P: tl.constexpr, BT: tl.constexpr):
     """Level P of the split into halves: every block of P rows is cut in two and referenced to r, the last
-    row of its first half. (first: the mask of the first half's rows, the keys; f): exp(b_r - b) on the
-    first half's rows, exp(b - b_r) on the second half's (the queries). b falls down the rows, so one
-    exponential, exp(-|b - b_r|), gives both with exponents <= 0."""
+    row of its first half. Returns (first, f): first masks the first half's rows (the keys' side); f is
+    exp(b_r - b) on those rows and exp(b - b_r) on the second half's (the queries' side). b falls down the
+    rows, so one exponential, exp(-|b - b_r|), gives both with exponents <= 0."""
     first = ((o_t % P) < P // 2)[:, None]
     f = tl.exp(-tl.abs(b_g - _ref_gate(gc, row0, o_t, n_rows, stride, o_k, m_k, P, P // 2 - 1, BT)))
     return first, f
