@@ -86,8 +86,8 @@ def main():
     if gpus == 0:
         raise SystemExit("needs a CUDA GPU")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in range(gpus))).split(",")
-    # each worker runs a whole training step of the fla model (28.4 GiB at 16 x 2048): more workers than
-    # fit side by side on the GPUs run out of memory and leave their share of the candidates uncompiled
+    # each worker runs a whole training step of the fla model (28.4 GiB at 16 x 2048) unless --kernels_only:
+    # more workers than fit side by side on the GPUs run out of memory and leave their share uncompiled
     if args.worker_gib is None:
         args.worker_gib = 8.0 if args.kernels_only else 36.0
     per_worker = args.worker_gib * 2**30
