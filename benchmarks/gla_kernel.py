@@ -119,10 +119,22 @@ def kernel_resources():
                         "warps": warps, "regs_per_thread": regs, "spills": kernel.n_spills, "shared_bytes": shared,
                         "programs_per_sm_by_regs": 65536 // max(1, regs * 32 * warps),
                         "programs_per_sm_by_shared": (233472 // shared) if shared else None,
+                        **_flags(fn, kernel),
                     }
                 except Exception as e:  # another Triton's internals: report, do not fail the benchmark
                     rows[f"{name}#{i}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     return rows
+
+
+def _flags(fn, kernel):
+    """The kernel's boolean compile-time flags (which of dq/dk it makes, ...), where Triton keeps them by argument
+    index; {} where this Triton keeps them otherwise."""
+    flags = {}
+    for key, value in (getattr(getattr(kernel, "src", None), "constants", None) or {}).items():
+        index = key[0] if isinstance(key, tuple) and key else key
+        if isinstance(index, int) and index < len(fn.arg_names) and isinstance(value, bool):
+            flags[fn.arg_names[index]] = value
+    return flags
 
 
 def sweep(shape):

@@ -94,24 +94,28 @@ def test_triton_varlen_matches_naive_fp32():
 
 
 @cpu_only
-@pytest.mark.parametrize("state_split,fused_bwd_states,separate_cumsum,separate_scores,state_prefetch", [
-    (False, False, False, False, True), (False, True, True, True, False), (False, True, True, False, True),
-    (True, False, False, True, False),
-])
+@pytest.mark.parametrize(
+    "state_split,fused_bwd_states,separate_cumsum,separate_scores,state_prefetch,dqk_prefetch,dqk_early_loads", [
+        (False, False, False, False, True, True, False), (False, True, True, True, False, False, True),
+        (False, True, True, False, True, True, True), (True, False, False, True, False, False, False),
+    ])
 def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fused_bwd_states, separate_cumsum,
-                                                   separate_scores, state_prefetch):
+                                                   separate_scores, state_prefetch, dqk_prefetch, dqk_early_loads):
     # the state passes split K and V into 16-wide tiles here, the per-chunk kernels into 32-wide ones;
     # state_split picks the sequential pass with the products inside, or chunk-parallel updates + scan;
     # fused_bwd_states runs the backward's two sequential passes as one launch; separate_cumsum computes
     # the in-chunk cumulative gate by its own kernel rather than inside the forward state pass;
     # separate_scores computes the intra-chunk scores by their own kernel, which the output kernel reads;
-    # state_prefetch has the sequential passes load the next chunk while the current one's products run
+    # state_prefetch has the sequential passes load the next chunk while the current one's products run;
+    # dqk_prefetch has dq/dk's state part load the next value tile before the current one's products;
+    # dqk_early_loads has dq/dk load the chunk's q, k, gate and dA before its state part
     from fabric_lin.ops.gla import chunk
 
-    tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "scan_SK": 16, "scan_SV": 16,
+    tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "dv_BK": 32, "scan_SK": 16, "scan_SV": 16,
              "state_maxnreg": 128, "output_maxnreg": 128, "dv_maxnreg": 128, "dqk_maxnreg": 128}
     settings = dict(tiles, state_split=state_split, fused_bwd_states=fused_bwd_states, separate_cumsum=separate_cumsum,
-                    separate_scores=separate_scores, state_prefetch=state_prefetch)
+                    separate_scores=separate_scores, state_prefetch=state_prefetch, dqk_prefetch=dqk_prefetch,
+                    dqk_early_loads=dqk_early_loads)
     for key, value in settings.items():
         monkeypatch.setitem(chunk.LAUNCH, key, value)
     offsets = torch.tensor([0, 300, 330], dtype=torch.int32)  # 5 chunks, then 1
@@ -279,6 +283,10 @@ SEARCHED_SETTINGS = [
     {"state_prefetch": True, "state_split": False, "state_warps": 4},  # next chunk's loads issued early
     {"state_prefetch": False, "state_split": False},  # each chunk's loads when its step starts
     {"output_warps": 8},
+    {"dqk_prefetch": False},  # dq/dk's state part loads each value tile when its step starts
+    {"dv_BK": 64},  # the dv kernel looping over key tiles (K > 64) inside each value tile
+    {"dqk_early_loads": True},  # dq/dk's q, k, gate and dA loaded before its state part at every V
+    {"dqk_early_loads": False},  # and after it
 ]
 
 

@@ -550,6 +550,16 @@ def _bwd_both_states_kernel(q, k, v, gc, do, h, dh, h0, dht, dh0, cu_seqlens, ch
 
 
 @triton.jit
+def _decayed_keys(k, gc, row0, n_rows, stride, o_k, m_k, BT: tl.constexpr, DT: tl.constexpr):
+    """k * exp(b_last - b), columns o_k, in DT: the keys as the state leaving the chunk sees them."""
+    o_t = tl.arange(0, BT)
+    b_k = _load_tile(k, row0, o_t, n_rows, stride, o_k, m_k)
+    b_g = _load_gate(gc, row0, o_t, n_rows, stride, o_k, m_k)
+    b_last = _load_gate_row(gc, row0, BT - 1, n_rows, stride, o_k, m_k)
+    return (b_k * tl.exp(b_last[None, :] - b_g)).to(DT)
+
+
+@triton.jit
 def _bwd_dv_kernel(k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
                    DOT_PREC: tl.constexpr):
@@ -569,6 +579,8 @@ def _bwd_dv_kernel(k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H:
     offs_A = (row0 + o_t[:, None]) * (H * BT) + i_h * BT + o_t[None, :]
     b_A = tl.load(A + offs_A, mask=m_t[:, None], other=0.0).to(DT)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    if BK >= K:  # one key tile: its decayed keys are formed once for all value tiles
+        k_end_all = _decayed_keys(k, gc, row0, n_rows, H * K, tl.arange(0, BK), tl.arange(0, BK) < K, BT, DT)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -578,10 +590,10 @@ def _bwd_dv_kernel(k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H:
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
-            b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
-            b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
-            b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
-            k_end = (b_k * tl.exp(b_last[None, :] - b_g)).to(DT)
+            if BK >= K:
+                k_end = k_end_all
+            else:
+                k_end = _decayed_keys(k, gc, row0, n_rows, H * K, o_k, m_k, BT, DT)
             b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(DT)
             b_dv += tl.dot(k_end, b_dh, input_precision=DOT_PREC)
         b_do = tl.load(do + offs_v, mask=m_tv, other=0.0).to(DT)
@@ -594,76 +606,95 @@ def _bwd_dv_kernel(k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H:
 
 
 @triton.jit
-def _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl.constexpr,
-                BT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The gradients of _scores_halves' product, dq += f (dA @ (k f)) on the second halves' rows and
-    dk += f (dA^T @ (q f)) on the first halves', with dA kept to pairs inside one block of P rows (the rows
-    left out hold pairs that the product did not make)."""
-    DT = q.dtype.element_ty
+def _level_factors(dA_c, b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl.constexpr, BT: tl.constexpr):
+    """Level P of the backward's halves, as _scores_halves made the scores: (dA kept to the pairs inside one
+    block of P rows (the others were not made by this level's product), the keys' factor exp(b_r - b) on
+    the first halves' rows and 0 on the others, the queries' factor exp(b - b_r) on the second halves'
+    rows and 0 on the others)."""
     o_t = tl.arange(0, BT)
     if P < BT:
-        dA_c = tl.where((o_t[:, None] // P) == (o_t[None, :] // P), dA_c, 0.0).to(DT)
+        dA_c = tl.where((o_t[:, None] // P) == (o_t[None, :] // P), dA_c, 0.0).to(dA_c.dtype)
     first, f = _half_factor(b_g, gc, row0, o_t, n_rows, stride, o_k, m_k, P, BT)
-    k_f = tl.where(first, b_k * f, 0.0).to(DT)
-    q_f = tl.where(first, 0.0, b_q * f).to(DT)
-    b_dq += tl.where(first, 0.0, f * tl.dot(dA_c, k_f, input_precision=DOT_PREC))
-    b_dk += tl.where(first, f * tl.dot(tl.trans(dA_c), q_f, input_precision=DOT_PREC), 0.0)
+    return dA_c, tl.where(first, f, 0.0), tl.where(first, 0.0, f)
+
+
+@triton.jit
+def _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, scale, P: tl.constexpr,
+               BT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The gradients of level P's product: dq += f_q (dA @ (k f_k)), dk += f_k (dA^T @ (q scale f_q)), b_dq being
+    the gradient of the scaled q."""
+    DT = dA_c.dtype
+    dA_c, f_k, f_q = _level_factors(dA_c, b_g, gc, row0, n_rows, stride, o_k, m_k, P, BT)
+    k_f = (b_k.to(tl.float32) * f_k).to(DT)
+    q_f = (b_q.to(tl.float32) * (f_q * scale)).to(DT)
+    b_dq += f_q * tl.dot(dA_c, k_f, input_precision=DOT_PREC)
+    b_dk += f_k * tl.dot(tl.trans(dA_c), q_f, input_precision=DOT_PREC)
     return b_dq, b_dk
 
 
 @triton.jit
-def _dqk_intra(b_dq, b_dk, dA, q, b_q, b_k, b_g, gc, row0, n_rows, m_t, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
-               BT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """b_dq, b_dk + the intra-chunk scores' part of dq (of the scaled q) and dk, level by level as the forward
-    made the scores, then the diagonal (dA[i, i] read back)."""
-    DT = q.dtype.element_ty
+def _dqk_state_tiles(v, h, do, dh, row0, m_t, o_k, m_k, i_v, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     BV: tl.constexpr):
+    """do, v ([BT, BV]) and h_n, dh_n ([BK, BV]) at value tile i_v; past the last tile, all masked (no traffic)."""
     o_t = tl.arange(0, BT)
-    dA_c = tl.load(dA + (row0 + o_t[:, None]) * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0).to(DT)
-    b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT, BT, DOT_PREC)
-    b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 2, BT, DOT_PREC)
-    b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 4, BT, DOT_PREC)
-    b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 8, BT, DOT_PREC)
-    b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 16, BT, DOT_PREC)
-    b_dq, b_dk = _dqk_halves(b_dq, b_dk, dA_c, q, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, BT // 32, BT, DOT_PREC)
-    dA_diag = tl.load(dA + (row0 + o_t) * (H * BT) + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
-    return b_dq + dA_diag * b_k, b_dk + dA_diag * b_q
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_tv = m_t[:, None] & m_v[None, :]
+    m_kv = m_k[:, None] & m_v[None, :]
+    offs_v = (row0 + o_t[:, None]) * (H * V) + o_v[None, :]
+    b_do = tl.load(do + offs_v, mask=m_tv, other=0.0)
+    b_v = tl.load(v + offs_v, mask=m_tv, other=0.0)
+    b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+    b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+    return b_do, b_v, b_h, b_dh
 
 
 @triton.jit
 def _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr, DOT_PREC: tl.constexpr):
+               BV: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr):
     """The state parts of dq and dk before their gate factors, do h_n^T and v dh_n^T ([BT, BK] each), and
-    sum_v h_n * dh_n ([BK]) for the last-row gate term."""
+    sum_v h_n * dh_n ([BK]) for the last-row gate term. PREFETCH: value tile i_v + 1's loads are issued
+    before tile i_v's products (as in the state passes), else each tile is loaded when its step starts."""
     DT = v.dtype.element_ty
-    o_t = tl.arange(0, BT)
     dq_s = tl.zeros([BT, BK], dtype=tl.float32)
     dk_s = tl.zeros([BT, BK], dtype=tl.float32)
     hdh = tl.zeros([BK], dtype=tl.float32)
+    if PREFETCH:
+        n_do, n_v, n_h, n_dh = _dqk_state_tiles(v, h, do, dh, row0, m_t, o_k, m_k, 0, H, V, BT, BV)
     for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
-        offs_v = (row0 + o_t[:, None]) * (H * V) + o_v[None, :]
-        b_do = tl.load(do + offs_v, mask=m_tv, other=0.0).to(DT)
-        b_v = tl.load(v + offs_v, mask=m_tv, other=0.0).to(DT)
-        b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-        b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-        dq_s += tl.dot(b_do, tl.trans(b_h.to(DT)), input_precision=DOT_PREC)
-        dk_s += tl.dot(b_v, tl.trans(b_dh.to(DT)), input_precision=DOT_PREC)
+        if PREFETCH:
+            b_do, b_v, b_h, b_dh = n_do, n_v, n_h, n_dh
+            n_do, n_v, n_h, n_dh = _dqk_state_tiles(v, h, do, dh, row0, m_t, o_k, m_k, i_v + 1, H, V, BT, BV)
+        else:
+            b_do, b_v, b_h, b_dh = _dqk_state_tiles(v, h, do, dh, row0, m_t, o_k, m_k, i_v, H, V, BT, BV)
+        dq_s += tl.dot(b_do.to(DT), tl.trans(b_h.to(DT)), input_precision=DOT_PREC)
+        dk_s += tl.dot(b_v.to(DT), tl.trans(b_dh.to(DT)), input_precision=DOT_PREC)
         hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
     return dq_s, dk_s, hdh
 
 
 @triton.jit
+def _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    """The chunk's tiles for dq/dk's intra-chunk part: b, b at the last row, q, k (their dtype), dA."""
+    o_t = tl.arange(0, BT)
+    b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
+    b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
+    b_q = _load_raw(q, row0, o_t, n_rows, H * K, o_k, m_k)
+    b_k = _load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
+    dA_c = tl.load(dA + (row0 + o_t[:, None]) * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
+    return b_g, b_last, b_q, b_k, dA_c
+
+
+@triton.jit
 def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer, T,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                    BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, FROM_LOGITS: tl.constexpr):
+                    BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, FROM_LOGITS: tl.constexpr,
+                    PREFETCH: tl.constexpr, EARLY_LOADS: tl.constexpr):
     """dq, dk, dgk of one chunk, one head, one tile of key columns; FROM_LOGITS: dg gets the gradient of
     the gate's logits instead, dgk * d logsigmoid(x) / dx / normalizer = dgk * sigmoid(-x) / normalizer.
     The state part comes first, so that its tiles are dead by the time the intra-chunk part's are live
     (the other order spilled: 400 spilled registers, 2.44 against 1.53 ms forward+backward at the gla-340M
-    layer on an H200)."""
+    layer on an H200). q and k stay in their dtype until used."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -685,17 +716,27 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
     m_tk = m_t[:, None] & m_k[None, :]
     offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
 
-    dq_s, dk_s, hdh = _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H, V, BT, BK, BV, DOT_PREC)
-    b_g = _load_gate(gc, row0, o_t, n_rows, H * K, o_k, m_k)
-    b_last = _load_gate_row(gc, row0, BT - 1, n_rows, H * K, o_k, m_k)
-    dk_s = dk_s * tl.exp(b_last[None, :] - b_g)
-    b_k = _load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
-    db_last = hdh * tl.exp(b_last) + tl.sum(b_k * dk_s, axis=0)
-    b_q = _load_tile(q, row0, o_t, n_rows, H * K, o_k, m_k) * scale
-    # b_dq: the gradient of the scaled q
-    b_dq, b_dk = _dqk_intra(dq_s * tl.exp(b_g), dk_s, dA, q, b_q, b_k, b_g, gc, row0, n_rows, m_t, o_k, m_k, H, K, BT,
-                            DOT_PREC)
-    # the gate: db_i = q_i dq_i - k_i dk_i, summed from the chunk's end, plus the last row's term
+    if EARLY_LOADS:  # the chunk's q, k, gate and dA in flight while the state part runs
+        b_g, b_last, b_q, b_k, dA_c = _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H, K, BT)
+    dq_s, dk_s, hdh = _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H, V, BT, BK, BV, DOT_PREC, PREFETCH)
+    if not EARLY_LOADS:
+        b_g, b_last, b_q, b_k, dA_c = _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H, K, BT)
+    b_dq = dq_s * tl.exp(b_g)  # the gradient of the scaled q
+    b_dk = dk_s * tl.exp(b_last[None, :] - b_g)
+    db_last = hdh * tl.exp(b_last) + tl.sum(b_k.to(tl.float32) * b_dk, axis=0)
+    # the intra-chunk part, level by level as the forward made the scores, then the diagonal (dA[i, i])
+    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 2, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 4, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 8, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 16, BT, DOT_PREC)
+    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 32, BT, DOT_PREC)
+    dA_diag = tl.load(dA + (row0 + o_t) * (H * BT) + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
+    b_q = b_q.to(tl.float32) * scale
+    b_k = b_k.to(tl.float32)
+    b_dq += dA_diag * b_k
+    b_dk += dA_diag * b_q
+    # the gate: db_i = (q_i scale) dq_i - k_i dk_i, summed from the chunk's end, plus the last row's term
     db = b_q * b_dq - b_k * b_dk
     b_dg = tl.sum(db, axis=0)[None, :] - tl.cumsum(db, axis=0) + db + db_last[None, :]
     if FROM_LOGITS:
@@ -707,6 +748,7 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
     tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
+
 # The launch table: tile widths, warps and pipeline depth, fixed (no autotuning, so no start-up search and
 # nothing re-tuned when the batch size or sequence length changes). Module-level so that the opt-in search
 # (tune.py: `kernel_autotune` in pretrain, `benchmarks/gla_kernel.py --sweep`) can replace it. Measured on
@@ -715,7 +757,9 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
 # for dq/dk; at the gla-340M layer 1.84 ms forward+backward against 2.06 for the earlier 64-wide state
 # tiles and 8-warp, 128-wide output kernel (1.81 with the dv kernel's register cap, below; 1.69 with the
 # state passes' prefetch and scores in three levels of quarters; 1.53-1.57 with the scores in halves and
-# dq/dk's state part first, against 1.70-1.72 for the quarters in the same runs). The split state pass
+# dq/dk's state part first, against 1.70-1.72 for the quarters in the same runs; 1.38 with dq/dk's state
+# part prefetching and the dv kernel's keys decayed once, against 1.57 for the table before them, run Z5).
+# The split state pass
 # when the sequential one would have fewer programs than half the multiprocessors (32K tokens, one
 # sequence, 8 heads: 16 programs; 3.56 against 5.82 ms), not at 128 or 256 programs, where the sequential
 # pass won.
@@ -728,6 +772,17 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           "state_prefetch": True, "state_warps": "auto",
           "output_warps": 4, "dv_warps": 4,
           "dqk_warps": 8, "stages": 1, "dqk_stages": 1,
+          # dq/dk's state part issues value tile n+1's loads before tile n's products (True), or loads each
+          # tile when its step starts (False): on an H200 (runs Z3, Z4) 1.47 against 1.50 ms at the gla-340M
+          # layer, 4.46 against 4.51 at 8K. dq/dk's own tiles (q, k, gate, dA) loaded before its state part
+          # (True), after it (False), or "auto" = before when V <= 128: 4.25 against 4.34 ms at 8K and 2.51
+          # against 2.57 at 32K (V = 128), but 1.57 against 1.46 at the gla-340M layer, whose four value
+          # tiles keep them waiting longer (run Z4)
+          "dqk_prefetch": True, "dqk_early_loads": "auto",
+          # key tile width of the dv kernel: one tile covering K (K <= dv_BK) forms the decayed keys once for
+          # all value tiles, where 64-wide tiles formed them again for each value tile (run Z3: 1.38 against
+          # 1.47 ms at the gla-340M layer, 4.28 against 4.46 at 8K, 2.53 against 2.62 at 32K)
+          "dv_BK": 128,
           # the forward's intra-chunk scores by their own kernel, read by the output kernel (True), or computed
           # inside the output kernel (False: one launch, but the output kernel's programs hold both)
           "separate_scores": False, "scores_warps": 4,
@@ -747,8 +802,14 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # every kernel latency-bound at 12.5% occupancy, limited by registers (214-255 per thread: one
           # 8-warp or two 4-warp programs per multiprocessor); a cap trades spills for more programs per SM
           # and shipped where it paid: dv at 168 (220 before, no spills, 3 programs per SM): 1.805 against
-          # 1.830 ms at the gla-340M layer, 1% at 8K and 32K; caps on dq/dk and the output kernel spilled and lost
+          # 1.830 ms at the gla-340M layer, 1% at 8K and 32K (with one key tile it needs 160, run Z5; uncapped,
+          # 1.54 against 1.38 at the gla-340M layer, run Z3); caps on dq/dk and the output kernel spilled and lost
           "state_maxnreg": 0, "output_maxnreg": 0, "dv_maxnreg": 168, "dqk_maxnreg": 0}
+
+
+def _dqk_early_loads(V: int) -> bool:
+    mode = LAUNCH["dqk_early_loads"]
+    return V <= 128 if mode == "auto" else bool(mode)
 
 
 def _register_cap(kernel: str) -> dict:
@@ -990,8 +1051,9 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
     dv = torch.empty_like(v)
     dA = torch.empty(B, T, H, BT, device=q.device, dtype=q.dtype)  # the products read it in this dtype
     grid = (NC, H) if is_varlen else (triton.cdiv(T, BT), B * H)
+    dv_BK = min(LAUNCH["dv_BK"], max(16, triton.next_power_of_2(K)))
     _bwd_dv_kernel[grid](
-        k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H, K, V, BT, BK, BV,
+        k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H, K, V, BT, dv_BK, BV,
         IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=LAUNCH["dv_warps"], num_stages=LAUNCH["stages"],
         **_register_cap("dv"),
     )
@@ -999,7 +1061,8 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
     _bwd_dqk_kernel[(triton.cdiv(K, BK),) + grid](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
         BT, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
-        num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["dqk_stages"], **_register_cap("dqk"),
+        PREFETCH=LAUNCH["dqk_prefetch"], EARLY_LOADS=_dqk_early_loads(V), num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["dqk_stages"],
+        **_register_cap("dqk"),
     )
     return dq, dk, dv, dg, dh0
 
