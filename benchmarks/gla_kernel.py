@@ -127,7 +127,7 @@ def kernel_resources():
 
 
 def _flags(fn, kernel):
-    """The kernel's boolean compile-time flags (which of dq/dk it makes, ...), where Triton keeps them by argument
+    """The kernel's boolean compile-time flags (PREFETCH, EARLY_LOADS, ...), where Triton keeps them by argument
     index; {} where this Triton keeps them otherwise."""
     flags = {}
     for key, value in (getattr(getattr(kernel, "src", None), "constants", None) or {}).items():

@@ -111,8 +111,8 @@ def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fus
     # dqk_early_loads has dq/dk load the chunk's q, k, gate and dA before its state part
     from fabric_lin.ops.gla import chunk
 
-    tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "dv_BK": 32, "scan_SK": 16, "scan_SV": 16,
-             "state_maxnreg": 128, "output_maxnreg": 128, "dv_maxnreg": 128, "dqk_maxnreg": 128}
+    tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "dv_BK": 32, "scan_SK": 16,
+             "scan_SV": 16, "state_maxnreg": 128, "output_maxnreg": 128, "dv_maxnreg": 128, "dqk_maxnreg": 128}
     settings = dict(tiles, state_split=state_split, fused_bwd_states=fused_bwd_states, separate_cumsum=separate_cumsum,
                     separate_scores=separate_scores, state_prefetch=state_prefetch, dqk_prefetch=dqk_prefetch,
                     dqk_early_loads=dqk_early_loads)

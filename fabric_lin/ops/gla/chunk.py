@@ -748,7 +748,6 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
     tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
-
 # The launch table: tile widths, warps and pipeline depth, fixed (no autotuning, so no start-up search and
 # nothing re-tuned when the batch size or sequence length changes). Module-level so that the opt-in search
 # (tune.py: `kernel_autotune` in pretrain, `benchmarks/gla_kernel.py --sweep`) can replace it. Measured on
@@ -759,10 +758,9 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
 # state passes' prefetch and scores in three levels of quarters; 1.53-1.57 with the scores in halves and
 # dq/dk's state part first, against 1.70-1.72 for the quarters in the same runs; 1.38 with dq/dk's state
 # part prefetching and the dv kernel's keys decayed once, against 1.57 for the table before them, run Z5).
-# The split state pass
-# when the sequential one would have fewer programs than half the multiprocessors (32K tokens, one
-# sequence, 8 heads: 16 programs; 3.56 against 5.82 ms), not at 128 or 256 programs, where the sequential
-# pass won.
+# The split state pass when the sequential one would have fewer programs than half the multiprocessors
+# (32K tokens, one sequence, 8 heads: 16 programs; 3.56 against 5.82 ms), not at 128 or 256 programs,
+# where the sequential pass won.
 LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "state_stages": 1,
           # the sequential state passes issue chunk n+1's loads before chunk n's products (True) or load each
           # chunk when its step starts (False); their warps: 4, 8, or "auto" = 8 when a pass has no more
@@ -808,6 +806,7 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
 
 
 def _dqk_early_loads(V: int) -> bool:
+    """Whether dq/dk loads its own tiles before its state part (LAUNCH["dqk_early_loads"]; "auto": V <= 128)."""
     mode = LAUNCH["dqk_early_loads"]
     return V <= 128 if mode == "auto" else bool(mode)
 
@@ -1061,8 +1060,8 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
     _bwd_dqk_kernel[(triton.cdiv(K, BK),) + grid](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
         BT, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
-        PREFETCH=LAUNCH["dqk_prefetch"], EARLY_LOADS=_dqk_early_loads(V), num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["dqk_stages"],
-        **_register_cap("dqk"),
+        PREFETCH=LAUNCH["dqk_prefetch"], EARLY_LOADS=_dqk_early_loads(V), num_warps=LAUNCH["dqk_warps"],
+        num_stages=LAUNCH["dqk_stages"], **_register_cap("dqk"),
     )
     return dq, dk, dv, dg, dh0
 
