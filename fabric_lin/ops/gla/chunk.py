@@ -865,9 +865,7 @@ def _split_states(K: int, V: int, N: int, H: int, device: torch.device) -> bool:
     mode = LAUNCH["state_split"]
     if mode != "auto":
         return bool(mode)
-    if device.type != "cuda":
-        return False
-    return 2 * _state_programs(K, V, N, H) < _multiprocessors(device)
+    return 2 * _state_programs(K, V, N, H) < _multiprocessors(device)  # never on the CPU (1 multiprocessor)
 
 
 def _state_warps(K: int, V: int, N: int, H: int, device: torch.device) -> int:

@@ -1,0 +1,52 @@
+"""benchmarks/kernel_registers.py: the GLA kernels compiled for sm_90 on this CPU machine, as launched."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+pytestmark = pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel has no ptxas")
+
+
+def kernel_registers(*args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_registers.py"), *args],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_every_launch_compiled_with_its_launch_settings():
+    report = kernel_registers("--shapes", "2,130,2,32,32", "--sms", "1", "--spill-lines", "_bwd_dqk_kernel",
+                              "--variants", "cap:dqk_maxnreg=128", "warps4:dqk_warps=4,output_warps=8")
+    assert report["target"] == "sm_90"
+    (shape,) = report["shapes"]
+    shipped = shape["shipped"]
+    # one GPU multiprocessor: the sequential state passes, six launches for forward + backward
+    assert [r["kernel"] for r in shipped] == ["_gate_cumsum_kernel", "_fwd_state_kernel", "_fwd_output_kernel",
+                                              "_bwd_both_states_kernel", "_bwd_dv_kernel", "_bwd_dqk_kernel"]
+    for row in shipped:
+        assert 0 < row["regs_per_thread"] <= 255 and row["spills"] >= 0
+        assert row["programs_per_sm_by_regs"] == 65536 // (row["regs_per_thread"] * 32 * row["warps"])
+    by_name = lambda rows: {r["kernel"]: r for r in rows}  # noqa: E731
+    dqk, capped = by_name(shipped)["_bwd_dqk_kernel"], by_name(shape["cap"])["_bwd_dqk_kernel"]
+    assert dqk["warps"] == 8 and dqk["regs_per_thread"] > 128  # uncapped, it takes more than the cap
+    assert capped["regs_per_thread"] <= 128 and capped["spills"] > dqk["spills"]
+    assert capped["spill_lines"] and all(line["line"] for line in capped["spill_lines"])
+    assert sum(line["spill_stores"] + line["spill_loads"] for line in capped["spill_lines"]) > 0
+    warps = by_name(shape["warps4"])
+    assert warps["_bwd_dqk_kernel"]["warps"] == 4 and warps["_fwd_output_kernel"]["warps"] == 8
+    assert by_name(shape["warps4"])["_bwd_dv_kernel"] == by_name(shipped)["_bwd_dv_kernel"]  # untouched
+
+
+def test_many_multiprocessors_split_the_state_passes():
+    (shape,) = kernel_registers("--shapes", "1,130,2,32,32")["shapes"]  # 2 programs a pass, 132 SMs
+    names = [r["kernel"] for r in shape["shipped"]]
+    assert names.count("_chunk_update_kernel") == 3 and names.count("_state_scan_kernel") == 3
+    assert "_fwd_state_kernel" not in names and names[-2:] == ["_bwd_dv_kernel", "_bwd_dqk_kernel"]
