@@ -30,7 +30,7 @@ REPORTS_DIR = ".reports"
 class TokenizeRecipe(DataChunkRecipe):
     """A DataChunkRecipe whose items are raw files and whose output is EOS-separated token arrays.
 
-    Subclasses implement `prepare_structure(input_dir)` (the file list) and `read_documents(path)`
+    Subclasses implement `find_inputs(input_dir)` (the sorted file list) and `read_documents(path)`
     (lists of texts, raising BadFileError for a bad file)."""
 
     is_generator = True
@@ -42,6 +42,7 @@ class TokenizeRecipe(DataChunkRecipe):
         self.report_dir: Optional[str] = None  # set by run_recipe
         self._tokenizer: Optional[Tokenizer] = None
         self._skipped_rows = 0  # rows of the current file that the recipe's filter dropped
+        self.first_files: Optional[int] = None  # only the first this many files (fast_dev_run; set by run_recipe)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -54,6 +55,13 @@ class TokenizeRecipe(DataChunkRecipe):
         state = self.__dict__.copy()
         state["_tokenizer"] = None
         return state
+
+    def find_inputs(self, input_dir: str) -> List[str]:
+        raise NotImplementedError
+
+    def prepare_structure(self, input_dir: Optional[str]) -> List[str]:
+        files = self.find_inputs(input_dir)
+        return files[: self.first_files] if self.first_files else files
 
     def read_documents(self, path: str) -> Iterator[List[str]]:
         raise NotImplementedError
@@ -181,6 +189,10 @@ def run_recipe(
         raise FileExistsError(f"Output directory {output_dir} exists and is not empty: delete it or pick another")
     tokenizer = Tokenizer(recipe.tokenizer_path)
     num_workers = num_workers or default_num_workers()
+    # the first files in sorted order, taken here: litdata's own fast_dev_run keeps that many files per
+    # worker (not the first ones once there are several workers) and reads True as 1
+    fast_dev_run = 10 if fast_dev_run is True else int(fast_dev_run or 0)
+    recipe.first_files = fast_dev_run or None
     recipe.num_threads = max(1, (os.cpu_count() or 1) // num_workers)
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -204,10 +216,9 @@ def run_recipe(
             input_dir=str(input_dir),
             output_dir=str(tmp_dir),
             num_workers=num_workers,
-            fast_dev_run=fast_dev_run,
+            fast_dev_run=False,  # (left out, litdata reads an environment variable whose default is 1 file)
             item_loader=TokensLoader(),
-            # keep the sorted file order: `fast_dev_run=N` then takes the first N files
-            reorder_files=False,
+            reorder_files=False,  # keep the sorted file order
         )
         processor.run(recipe)
     except BaseException:

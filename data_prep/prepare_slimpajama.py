@@ -23,7 +23,7 @@ DOCUMENTS_PER_BATCH = 8192
 
 
 class SlimPajamaRecipe(TokenizeRecipe):
-    def prepare_structure(self, input_dir: Optional[str]) -> List[str]:
+    def find_inputs(self, input_dir: str) -> List[str]:
         return [str(p) for p in find_files(input_dir, ".jsonl.zst")]
 
     def read_documents(self, path: str) -> Iterator[List[str]]:

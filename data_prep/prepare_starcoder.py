@@ -22,7 +22,7 @@ ROWS_PER_BATCH = 8192
 
 
 class StarcoderRecipe(TokenizeRecipe):
-    def prepare_structure(self, input_dir: Optional[str]) -> List[str]:
+    def find_inputs(self, input_dir: str) -> List[str]:
         return [str(p) for p in find_files(input_dir, ".parquet")]
 
     def read_documents(self, path: str) -> Iterator[List[str]]:

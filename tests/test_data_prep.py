@@ -69,6 +69,9 @@ def corpus(tmp_path_factory):
     rows[1] = {"content": "no text field", "meta": {}}
     write_jsonl_zst(sp / "notext.jsonl.zst", rows)
     (sp / "empty.jsonl.zst").write_bytes(b"")
+    rows = slimpajama_rows(10, 3)
+    rows[2]["text"] = "half an emoji \ud83d"  # a lone surrogate: json.dumps writes it as the escape \ud83d
+    write_jsonl_zst(sp / "surrogate.jsonl.zst", rows)
 
     good_sc = {"python/train-0.parquet": paragraphs(30, 7), "train-1.parquet": paragraphs(20, 8)}
     for name, texts in good_sc.items():
@@ -84,6 +87,10 @@ def corpus(tmp_path_factory):
         data[i] ^= 0x5A
     (sc / "partial.parquet").write_bytes(bytes(data))
     pq.write_table(pa.table({"text": ["wrong column"]}), sc / "nocontent.parquet")
+    # a string column whose second row group holds bytes that are not UTF-8 (Arrow writes them unchecked)
+    not_utf8 = paragraphs(7, 11) + [b"bad \xff bytes", b"more"]
+    column = pa.array([t if isinstance(t, bytes) else t.encode() for t in not_utf8], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"content": column}), sc / "badutf8.parquet", row_group_size=7)
     (sc / "empty.parquet").write_bytes(b"")
 
     tok_raw = root / "tok-raw"
@@ -91,7 +98,7 @@ def corpus(tmp_path_factory):
     (tok_raw / "all.txt").write_text("\n".join(paragraphs(300, 99)), encoding="utf-8")
     train_tokenizer(tok_raw, root / "tokenizer", vocab_size=500, num_threads=1)
     return {"root": root, "sp": sp, "sc": sc, "good_sp": good_sp, "good_sc": good_sc, "partial_sc": partial[:7],
-            "tokenizer": root / "tokenizer"}
+            "badutf8_sc": not_utf8[:7], "tokenizer": root / "tokenizer"}
 
 
 def read_tokens(path):
@@ -125,16 +132,18 @@ def test_slimpajama_round_trip_and_bad_files(corpus, capfd):
     summary = prepare_slimpajama(corpus["sp"], out, corpus["tokenizer"], chunk_size=2000, num_workers=2)
 
     reasons = {Path(b["path"]).name: (b["status"], b["reason"]) for b in summary["bad_files"]}
-    assert reasons.keys() == {"corrupt.jsonl.zst", "truncated.jsonl.zst", "badjson.jsonl.zst", "notext.jsonl.zst", "empty.jsonl.zst"}
+    assert reasons.keys() == {"corrupt.jsonl.zst", "truncated.jsonl.zst", "badjson.jsonl.zst", "notext.jsonl.zst",
+                              "empty.jsonl.zst", "surrogate.jsonl.zst"}
     assert all(status == "skipped" for status, _ in reasons.values())
     assert "corrupt zstd" in reasons["corrupt.jsonl.zst"][1]
     assert "truncated" in reasons["truncated.jsonl.zst"][1]
     assert "invalid JSON on line 4" in reasons["badjson.jsonl.zst"][1]
     assert "line 2 has no string field 'text'" in reasons["notext.jsonl.zst"][1]
     assert "empty file" in reasons["empty.jsonl.zst"][1]
+    assert "line 3: field 'text' is not valid Unicode (surrogates not allowed" in reasons["surrogate.jsonl.zst"][1]
     printed = capfd.readouterr()
     assert "SKIPPED" in printed.err and "badjson.jsonl.zst" in printed.err
-    assert "5 bad file(s)" in printed.out
+    assert "6 bad file(s)" in printed.out
     assert re.search(r"part-0.jsonl.zst: 18 documents, \d+ tokens", printed.out)  # progress, file by file
 
     # two workers take files in any order: compare the documents as a multiset
@@ -168,6 +177,20 @@ def test_slimpajama_fast_dev_run_is_a_prefix(corpus):
     assert json.loads((out / "prepared.json").read_text())["fast_dev_run"] == 2
 
 
+def test_fast_dev_run_true_is_the_first_ten_files_whatever_the_workers(corpus, tmp_path):
+    tokenizer = Tokenizer(corpus["tokenizer"])
+    texts = paragraphs(12, 12)
+    for i, text in enumerate(texts):
+        write_jsonl_zst(tmp_path / "raw" / f"part-{i:02d}.jsonl.zst", [{"text": text, "meta": {}}])
+    out = tmp_path / "fast"
+    cli_main(["prepare_slimpajama", "--input_dir", str(tmp_path / "raw"), "--output_dir", str(out),
+              "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "2", "--fast_dev_run", "true"])
+    info = check_prepared_dir(out, tokenizer)
+    assert info["summary"]["files"] == 10 and info["fast_dev_run"] == 10
+    got = split_documents(read_tokens(out), tokenizer.eos_id)  # two workers: in any order
+    assert Counter(map(tuple, got)) == Counter(map(tuple, expected_tokens(tokenizer, texts[:10])))
+
+
 def test_starcoder_round_trip_and_bad_files_through_cli(corpus, capfd):
     tokenizer = Tokenizer(corpus["tokenizer"])
     out = corpus["root"] / "starcoder"
@@ -177,16 +200,20 @@ def test_starcoder_round_trip_and_bad_files_through_cli(corpus, capfd):
     )
     info = check_prepared_dir(out, tokenizer)
     reasons = {Path(b["path"]).name: b["reason"] for b in info["summary"]["bad_files"]}
-    assert reasons.keys() == {"garbage.parquet", "nocontent.parquet", "empty.parquet", "partial.parquet"}
+    assert reasons.keys() == {"garbage.parquet", "nocontent.parquet", "empty.parquet", "partial.parquet",
+                              "badutf8.parquet"}
     assert "unreadable parquet after 7 rows" in reasons["partial.parquet"]
-    assert {b["status"] for b in info["summary"]["bad_files"] if b["path"].endswith("partial.parquet")} == {"partial"}
+    assert "unreadable parquet after 7 rows: column 'content' is not UTF-8" in reasons["badutf8.parquet"]
+    partial_files = {Path(b["path"]).name for b in info["summary"]["bad_files"] if b["status"] == "partial"}
+    assert partial_files == {"partial.parquet", "badutf8.parquet"}
     assert "unreadable parquet" in reasons["garbage.parquet"]
     assert "missing column 'content'" in reasons["nocontent.parquet"]
     assert "empty file" in reasons["empty.parquet"]
-    assert "4 bad file(s)" in capfd.readouterr().out
-    # one worker, files in sorted order (partial, python/train-0, train-1), rows in order; of the
-    # partial file, the row group read before the corrupt one
-    texts = corpus["partial_sc"] + corpus["good_sc"]["python/train-0.parquet"] + corpus["good_sc"]["train-1.parquet"]
+    assert "5 bad file(s)" in capfd.readouterr().out
+    # one worker, files in sorted order (badutf8, partial, python/train-0, train-1), rows in order; of the
+    # partial files, the row group read before the bad one
+    texts = (corpus["badutf8_sc"] + corpus["partial_sc"] + corpus["good_sc"]["python/train-0.parquet"]
+             + corpus["good_sc"]["train-1.parquet"])
     expected = [t for doc in expected_tokens(tokenizer, texts) for t in doc]
     assert read_tokens(out).tolist() == expected
     assert info["summary"]["documents"] == len(texts)
@@ -248,3 +275,14 @@ def test_check_prepared_dir_rejects_incomplete_and_mismatched(corpus, tmp_path):
     train_tokenizer(other_raw, other_dir, vocab_size=400, num_threads=1)
     with pytest.raises(ValueError, match="different tokenizer"):
         check_prepared_dir(source, Tokenizer(other_dir))
+
+
+def test_train_tokenizer_skips_the_bad_files_by_name(corpus, tmp_path, capfd):
+    # the bad files of both corpora, lone surrogates and bytes that are not UTF-8 among them
+    for directory in (corpus["sp"], corpus["sc"]):
+        shutil.copytree(directory, tmp_path / "raw" / directory.name)
+    train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=400, num_threads=1)
+    skipped = capfd.readouterr().err
+    for name in ("surrogate.jsonl.zst", "badjson.jsonl.zst", "badutf8.parquet", "garbage.parquet"):
+        assert re.search(rf"SKIPPED \S*{re.escape(name)}: ", skipped), name
+    assert Tokenizer(tmp_path / "tok").vocab_size == 400

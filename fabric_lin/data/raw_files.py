@@ -77,6 +77,12 @@ def read_slimpajama_file(path: Union[str, Path]) -> List[Tuple[str, Optional[str
             raise BadFileError(path, f"invalid JSON on line {line_number}: {err.msg} (column {err.colno})") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             raise BadFileError(path, f"line {line_number} has no string field 'text'")
+        try:  # JSON escapes can spell half a surrogate pair ("\ud83d"), which no tokenizer can encode
+            row["text"].encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise BadFileError(
+                path, f"line {line_number}: field 'text' is not valid Unicode ({err.reason} at character {err.start})"
+            ) from None
         meta = row.get("meta")
         set_name = meta.get("redpajama_set_name") if isinstance(meta, dict) else None
         rows.append((row["text"], set_name))
@@ -124,6 +130,10 @@ def iter_parquet_texts(
                 yield texts
     except (pa.ArrowException, OSError) as err:
         raise BadFileError(path, f"unreadable parquet after {rows_done} rows: {_one_line(err)}", rows_done) from None
+    except UnicodeDecodeError as err:  # a string column whose bytes are not UTF-8 (Arrow does not check on read)
+        raise BadFileError(
+            path, f"unreadable parquet after {rows_done} rows: column {column!r} is not UTF-8 ({err.reason})", rows_done
+        ) from None
 
 
 def iter_text_file_lines(path: Union[str, Path]) -> Iterator[str]:
