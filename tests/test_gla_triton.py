@@ -287,6 +287,7 @@ SEARCHED_SETTINGS = [
     {"dv_BK": 64},  # the dv kernel looping over key tiles (K > 64) inside each value tile
     {"dqk_early_loads": True},  # dq/dk's q, k, gate and dA loaded before its state part at every V
     {"dqk_early_loads": False},  # and after it
+    {"output_warps": 16, "dqk_warps": 16},  # the search's 16-warp programs
 ]
 
 

@@ -29,13 +29,16 @@ SEARCH_SPACE: List[Dict[str, tuple]] = [
     # sequential state passes; narrow tiles give a long single sequence (few heads) more programs; the next
     # chunk's loads issued early (prefetch) took the place of a second pipeline stage, which lost
     {"state_BK": (64, 32), "state_BV": (64, 128, 32), "state_warps": ("auto", 4, 8), "state_prefetch": (True, False)},
-    {"output_warps": (8, 4), "BV_out": (128, 256), "separate_scores": (False, True)},  # forward output kernel
+    # forward output kernel; and below, dq/dk. 16 warps hold the same tiles in half the registers per thread
+    # (benchmarks/kernel_registers.py: 128 per thread, so one 16-warp program per SM where there are now two
+    # 4-warp output programs or one 8-warp dq/dk program), not yet timed on a GPU
+    {"output_warps": (8, 4, 16), "BV_out": (128, 256), "separate_scores": (False, True)},
     {"scores_warps": (4, 8)},  # the separate score kernel, where chosen
     # a register cap (0: none) gives dv three programs per multiprocessor; on dq/dk and the output kernel
     # caps spilled and lost on an H200 (tutorials/performance.md), as did a second pipeline stage for dq/dk,
     # so the search leaves those keys as the table has them
     {"dv_warps": (4, 8), "dv_maxnreg": (168, 0)},
-    {"dqk_warps": (8, 4)},
+    {"dqk_warps": (8, 4, 16)},
     # key tiles of the chunk-parallel kernels: 32 gives dq/dk twice the programs, each holding smaller tiles
     {"BK": (64, 32)},
     {"stages": (1, 2)},  # pipelining of the other chunk-parallel kernels
