@@ -38,15 +38,23 @@ def generate_tokens(
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator=None) -> torch.Tensor:
+    """One token from `logits` [V]: greedy at temperature <= 0, else among the `top_k` most likely
+    tokens (None or 0: all of them, as in Hugging Face's `generate`)."""
+    check_top_k(top_k)
     logits = logits.float()
     if temperature <= 0:
         return logits.argmax(dim=-1)
     logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
+    if top_k and top_k < logits.shape[-1]:
         threshold = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def check_top_k(top_k: Optional[int]) -> None:
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be a positive number of tokens, or 0 or None for no top-k filter; got top_k={top_k}")
 
 
 def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -> GPT:
@@ -76,7 +84,7 @@ def main(
         prompt: the text to continue.
         max_new_tokens: how many tokens to sample at most (stops early at the end-of-text token).
         temperature: 0 for greedy decoding; higher is more random.
-        top_k: sample only among the k most likely tokens.
+        top_k: sample only among the k most likely tokens; 0 or null: no top-k filter (all tokens).
         seed: random seed for sampling.
         device: "cpu", "cuda", ...; default: cuda if available.
         precision: "32-true", "bf16-true" or "16-true"; default bf16-true on CUDA, 32-true on CPU.
@@ -91,6 +99,7 @@ def main(
     dtypes = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
     if precision not in dtypes:
         raise ValueError(f"precision must be one of {sorted(dtypes)}, got {precision!r}")
+    check_top_k(top_k)  # before the model is loaded, which takes minutes for a large one
 
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, device, dtypes[precision])

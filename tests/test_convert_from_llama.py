@@ -1,6 +1,7 @@
 """convert_from_llama on tiny random Llama checkpoints written by hand with Hugging Face Llama names
 (transformers is not needed)."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,41 @@ def test_hugging_face_cache_snapshot_with_symlinked_shards(tmp_path, mistral_sha
     assert len(report["copied"]) == 21
     state = load_model_dir_weights(tmp_path / "gla")
     assert torch.equal(state["layers.1.mlp.down_proj.weight"], llama["model.layers.1.mlp.down_proj.weight"])
+
+
+def test_quantized_llama_is_refused(tmp_path, mistral_shaped_gla):
+    llama = write_tiny_llama(tmp_path / "int8")
+    # LLM.int8's layout: an int8 weight of the weight's own shape plus its row scales `.SCB`
+    name = "model.layers.0.self_attn.q_proj.weight"
+    scale = llama[name].abs().amax(dim=1)
+    llama[name] = (llama[name] / scale[:, None] * 127).round().to(torch.int8)
+    llama["model.layers.0.self_attn.q_proj.SCB"] = scale
+    save_file(llama, tmp_path / "int8" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"int8: model\.layers\.0\.self_attn\.q_proj\.weight has dtype torch\.int8"):
+        convert_from_llama(tmp_path / "int8", mistral_shaped_gla, tmp_path / "gla")
+
+    config_path = tmp_path / "int8" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'quantization_config' key"):
+        convert_from_llama(tmp_path / "int8", mistral_shaped_gla, tmp_path / "gla", overwrite=True)
+
+
+@pytest.mark.parametrize(
+    "name,vocab,value",
+    [("model.layers.1.mlp.down_proj.weight", 64, 1e6), ("model.embed_tokens.weight", 80, 1e6),
+     ("model.norm.weight", 64, float("nan"))],
+    ids=["overflow", "overflow-vocab-rows", "nan"],
+)
+def test_copy_that_is_not_the_source_is_refused(tmp_path, mistral_shaped_gla, name, vocab, value):
+    llama = write_tiny_llama(tmp_path / "llama", vocab=vocab)
+    # the rounding of an ordinary float32 -> float16 conversion passes
+    convert_from_llama(tmp_path / "llama", mistral_shaped_gla, tmp_path / "fine", dtype="float16")
+    state = load_model_dir_weights(tmp_path / "fine")
+    assert torch.equal(state["layers.1.mlp.down_proj.weight"], llama["model.layers.1.mlp.down_proj.weight"].half())
+
+    llama[name].view(-1)[0] = value
+    save_file(llama, tmp_path / "llama" / "model.safetensors")
+    with pytest.raises(ValueError, match=re.escape(name)):
+        convert_from_llama(tmp_path / "llama", mistral_shaped_gla, tmp_path / "gla", dtype="float16")

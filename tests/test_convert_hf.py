@@ -244,3 +244,57 @@ def test_fla_trained_checkpoint_without_fabric_lin_key(tmp_path):
     assert (config.name, config.head_norm_eps, config.num_kv_heads, config.intermediate_size) == ("flame-gla", 1e-6, 2, 512)
     back = load_model_dir_weights(tmp_path / "back")
     assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("first_sharded", [True, False], ids=["sharded-then-single", "single-then-sharded"])
+def test_overwrite_leaves_only_the_latest_exports_weights(tmp_path, first_sharded):
+    old = make_model_dir(tmp_path / "old", small_config(), seed=0)
+    new = make_model_dir(tmp_path / "new", small_config(), seed=1)
+    assert not torch.equal(old["embeddings.weight"], new["embeddings.weight"])
+    shard_gb, single_gb = 100_000 / 2**30, 5.0
+    convert_to_hf(tmp_path / "old", tmp_path / "hf", max_shard_gb=shard_gb if first_sharded else single_gb)
+    convert_to_hf(tmp_path / "new", tmp_path / "hf", overwrite=True, max_shard_gb=single_gb if first_sharded else shard_gb)
+
+    convert_from_hf(tmp_path / "hf", tmp_path / "back")
+    back = load_model_dir_weights(tmp_path / "back")
+    assert sorted(back) == sorted(new)
+    for name in new:
+        assert torch.equal(back[name], new[name]), name
+    weights = sorted(p.name for p in (tmp_path / "hf").glob("model*"))
+    if first_sharded:
+        assert weights == ["model.safetensors"]
+    else:  # no model.safetensors left for transformers to prefer, and no shard outside the index
+        index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+        assert weights == sorted(set(index["weight_map"].values()) | {"model.safetensors.index.json"})
+
+
+def test_directory_mixing_two_exports_is_refused(tmp_path):
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "single")
+    convert_to_hf(tmp_path / "model", tmp_path / "hf", max_shard_gb=100_000 / 2**30)
+    (tmp_path / "hf" / "model.safetensors").write_bytes((tmp_path / "single" / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"holds both model\.safetensors and model\.safetensors\.index\.json.*two exports"):
+        convert_from_hf(tmp_path / "hf", tmp_path / "back")
+
+
+def test_copied_tokenizer_config_gets_add_bos_token_false(tmp_path, capsys):
+    make_model_dir(tmp_path / "model", small_config())
+    llama2 = {  # Llama-2's tokenizer_config.json, abridged
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False, "rstrip": False},
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "</s>",
+        "legacy": False,
+        "model_max_length": 1000000000000000019884624838656,
+        "pad_token": None,
+        "sp_model_kwargs": {},
+        "tokenizer_class": "LlamaTokenizer",
+        "unk_token": "<unk>",
+    }
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps(llama2))
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    exported = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert exported == {**llama2, "add_bos_token": False}
+    assert list(exported) == list(llama2)
+    assert "add_bos_token true -> false" in capsys.readouterr().out

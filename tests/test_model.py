@@ -119,3 +119,22 @@ def test_gla_attention_layout_matches_design():
     assert attn.gk_proj[1].weight.shape == (c.key_dim, 16) and attn.gk_proj[1].bias is not None
     assert attn.g_norm.weight.shape == (c.head_v_dim,) and attn.g_norm.eps == 1e-5
     assert model.norm.eps == 1e-6
+
+
+def test_generate_top_k_zero_is_no_filter_and_negative_is_refused(tmp_path):
+    from fabric_lin.generate import main as generate, sample
+    from test_convert_hf import make_model_dir, small_config
+
+    logits = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(logits, 1.0, 0, g) for _ in range(3000)])
+    frequencies = torch.bincount(draws, minlength=4) / 3000
+    # softmax([0, 1, 2, 3]): every token drawn, none filtered
+    torch.testing.assert_close(frequencies, torch.tensor([0.0321, 0.0871, 0.2369, 0.6439]), rtol=0, atol=0.02)
+    assert {sample(logits, 1.0, 1, g).item() for _ in range(20)} == {3}
+
+    make_model_dir(tmp_path / "model", small_config())
+    text = generate(tmp_path / "model", prompt="the model", max_new_tokens=4, temperature=1.0, top_k=0, device="cpu")
+    assert text.startswith("the model")
+    with pytest.raises(ValueError, match="top_k=-1"):
+        generate(tmp_path / "model", prompt="the model", max_new_tokens=4, top_k=-1, device="cpu")

@@ -33,6 +33,7 @@ from fabric_lin.convert.model_dir import (
     parse_dtype,
     prepare_output_dir,
     read_json,
+    refuse_mixed_exports,
     save_model_dir,
 )
 
@@ -84,6 +85,13 @@ def convert_from_llama(
     llama = read_json(config_path)
     if llama.get("model_type") not in LLAMA_MODEL_TYPES:
         raise ValueError(f"{config_path}: model_type {llama.get('model_type')!r}; expected one of {LLAMA_MODEL_TYPES}")
+    if "quantization_config" in llama:
+        # int8/4-bit weights are integers plus scale tensors (`.SCB`, ...): copied, they are not the weights
+        method = llama["quantization_config"].get("quant_method") if isinstance(llama["quantization_config"], dict) else None
+        raise ValueError(
+            f"{config_path} has a 'quantization_config' key (quant_method {method!r}): a quantized checkpoint cannot "
+            "be copied into a GLA model; convert the unquantized (float) checkpoint"
+        )
     config = Config.from_name(model_name, norm_eps=float(llama.get("rms_norm_eps", 1e-6)))
     if config.block_type != "gla":
         raise ValueError(f"model_name {model_name!r} is a {config.block_type} model; expected a GLA model")
@@ -106,9 +114,14 @@ def convert_from_llama(
     for name, target in model.state_dict().items():
         source_name = sources[name]
         source = reader.get(source_name) if source_name in reader.names else None
+        if source is not None and target.is_floating_point() and not source.is_floating_point():
+            raise ValueError(
+                f"{checkpoint_dir}: {source_name} has dtype {source.dtype}, expected a floating-point weight for {name} "
+                "(a quantized checkpoint? convert the unquantized one)"
+            )
         if source is not None and source.shape == target.shape:
             state[name] = source.to(torch_dtype)
-            torch.testing.assert_close(state[name], source.to(torch_dtype), rtol=0, atol=0, msg=f"{source_name} -> {name}")
+            check_copy(state[name], source, f"{checkpoint_dir}: {source_name} -> {name}")
             copied.append(name)
             continue
         fresh = fresh_init(model, name).to(torch_dtype)
@@ -116,7 +129,7 @@ def convert_from_llama(
         if vocab_rows and source.ndim == 2 and source.shape[1] == target.shape[1]:
             rows = min(source.shape[0], target.shape[0])
             fresh[:rows] = source[:rows].to(torch_dtype)
-            torch.testing.assert_close(fresh[:rows], source[:rows].to(torch_dtype), rtol=0, atol=0, msg=name)
+            check_copy(fresh[:rows], source[:rows], f"{checkpoint_dir}: {source_name}[:{rows}] -> {name}[:{rows}]")
             partial.append(name)
             print(
                 f"Warning: vocabulary sizes differ: {source_name} has {source.shape[0]} rows, {model_name} has "
@@ -157,6 +170,21 @@ def llama_name(name: str, llama_tied: bool) -> Optional[str]:
     return None
 
 
+def check_copy(copy: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    """Refuse a copy that differs from the source by more than rounding to the copy's dtype: a value
+    past the dtype's range (inf in float16 from 1e6) or a NaN in the source. Compared in fp32
+    against the source as read, since the copy compared with a second cast of it always agrees."""
+    finfo = torch.finfo(copy.dtype)
+    try:
+        torch.testing.assert_close(copy.float(), source.float(), rtol=finfo.eps, atol=finfo.smallest_normal)
+    except AssertionError as e:
+        details = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip())
+        raise ValueError(
+            f"{what}: the {copy.dtype} copy differs from the source by more than rounding (a value out of "
+            f"{copy.dtype}'s range, or NaN): {details}"
+        ) from None
+
+
 def fresh_init(model: torch.nn.Module, name: str) -> torch.Tensor:
     """Tensor `name` as the model's own `reset_parameters` initialises it, materialising only the
     module that owns it (the rest of the model stays on the meta device)."""
@@ -180,6 +208,7 @@ class SafetensorsReader:
             weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ValueError(f"{index_path}: expected a non-empty 'weight_map' of tensor name -> shard file")
+            refuse_mixed_exports(self.directory, weight_map.values(), index_path)
             files = {f: inside(self.directory, f, str(index_path)) for f in set(weight_map.values())}
             self.file_of = {name: files[f] for name, f in weight_map.items()}
         elif (self.directory / SAFETENSORS_FILE).is_file():

@@ -73,7 +73,9 @@ def convert_to_hf(
     files = save_safetensors_dir(hf_state, output_dir, max_shard_bytes=int(max_shard_gb * 2**30))
     atomic_write(output_dir / HF_CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
     tokenizer_files = copy_tokenizer(model_dir, output_dir)
-    if tokenizer_files and not (output_dir / "tokenizer_config.json").exists():
+    if "tokenizer_config.json" in tokenizer_files:
+        without_bos_token(output_dir / "tokenizer_config.json")
+    elif tokenizer_files:
         write_hf_tokenizer_config(output_dir, model_dir)
         tokenizer_files.append("tokenizer_config.json")
     print(f"Exported {model_dir} as fla {hf_config['architectures'][0]} ({len(hf_state)} tensors) -> {output_dir}: {files}")
@@ -281,3 +283,17 @@ def write_hf_tokenizer_config(output_dir: Path, model_dir: Path) -> None:
         "add_eos_token": False,
     }
     atomic_write(output_dir / "tokenizer_config.json", lambda p: Path(p).write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def without_bos_token(path: Path) -> None:
+    """Set "add_bos_token": false in a copied tokenizer_config.json, keeping every other key.
+
+    fabric-lin's documents have no BOS (data prep encodes with bos=False, eos=True; generate encodes
+    prompts without BOS), but LlamaTokenizer prepends one when the key is true (Llama-2's file) or absent."""
+    data = read_json(path)
+    if data.get("add_bos_token") is False:
+        return
+    before = json.dumps(data["add_bos_token"]) if "add_bos_token" in data else "absent"
+    data["add_bos_token"] = False
+    atomic_write(path, lambda p: Path(p).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"))
+    print(f"{path}: add_bos_token {before} -> false (fabric-lin's training data and generate have no BOS)")

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Union
 
@@ -25,6 +26,7 @@ MODEL_FILE = "lit_model.pth"
 CONFIG_FILE = "model_config.yaml"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -181,6 +183,7 @@ def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[st
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index_path}: expected a non-empty 'weight_map' of tensor name -> shard file")
+        refuse_mixed_exports(directory, weight_map.values(), index_path)
         files = {}
         for tensor_name, file_name in weight_map.items():
             files.setdefault(file_name, set()).add(tensor_name)
@@ -206,13 +209,43 @@ def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[st
     return load_file(path)
 
 
+def refuse_mixed_exports(directory: Path, index_files: Iterable[str], index_path: Path) -> None:
+    """Refuse a directory whose model.safetensors is not one of the files its index lists: two
+    exports were written into it, and readers disagree on which wins (transformers takes
+    model.safetensors, an index-first reader the shards)."""
+    if (Path(directory) / SAFETENSORS_FILE).is_file() and SAFETENSORS_FILE not in set(index_files):
+        raise ValueError(
+            f"{directory} holds both {SAFETENSORS_FILE} and {index_path.name}, which does not list it: two exports "
+            f"are mixed in one directory and it is unclear which weights are meant; remove the stale one "
+            f"(or export again into an empty directory)"
+        )
+
+
+def remove_safetensors_weights(directory: Path) -> List[str]:
+    """Delete model.safetensors, model.safetensors.index.json and model-NNNNN-of-NNNNN.safetensors in
+    `directory`. Returns the names removed."""
+    removed = []
+    for path in sorted(Path(directory).iterdir()):
+        if path.name in (SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE) or _SHARD_NAME.fullmatch(path.name):
+            path.unlink()
+            removed.append(path.name)
+    return removed
+
+
 def save_safetensors_dir(
     state_dict: Dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = 5 * 2**30, metadata: Optional[dict] = None
 ) -> List[str]:
     """Write `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` plus the index when the
-    tensors exceed `max_shard_bytes`. Returns the file names written."""
+    tensors exceed `max_shard_bytes`. Returns the file names written.
+
+    The weight files of an earlier export in `directory` go first: left beside the new ones, a
+    stale index or model.safetensors is what some reader would load. Removed before writing, an
+    interrupted export leaves no weights rather than a mix of two."""
     from safetensors.torch import save_file
 
+    removed = remove_safetensors_weights(directory)
+    if removed:
+        print(f"Removed the weight files of an earlier export in {directory}: {_short_list(removed, 6)}")
     shards: List[Dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state_dict.items():
