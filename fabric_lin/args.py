@@ -39,6 +39,10 @@ class TrainArgs:
     """Stop with an error after this many consecutive steps with a non-finite loss or gradient norm"""
 
     def gradient_accumulation_iters(self, devices: int, num_nodes: int) -> int:
+        for key in ("micro_batch_size", "global_batch_size", "max_seq_length", "lr_warmup_steps", "max_nonfinite_steps"):
+            minimum = 0 if key == "lr_warmup_steps" else 1
+            if getattr(self, key) < minimum:
+                raise ValueError(f"train.{key} must be at least {minimum}, got {getattr(self, key)}")
         per_pass = self.micro_batch_size * devices * num_nodes
         iters, remainder = divmod(self.global_batch_size, per_pass)
         if remainder or iters == 0:

@@ -42,6 +42,9 @@ class Config:
             self.intermediate_size = 256 * math.ceil(raw / 256)
         if self.block_type not in ("gla", "transformer"):
             raise ValueError(f"block_type must be 'gla' or 'transformer', got {self.block_type!r}")
+        for size in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self, size) < 1:
+                raise ValueError(f"model config {size} must be at least 1, got {getattr(self, size)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         for width_name in ("key_dim", "value_dim"):

@@ -39,6 +39,7 @@ from fabric_lin.model import GPT, Block, RMSNorm
 
 STEP_DIR_PATTERN = re.compile(r"^step-(\d{8})$")
 CHECKPOINT_FILE = "lit_model.pth"
+STEP_FILE = "step.json"  # {"step_count": N} in every checkpoint: which one is newest, without loading it
 METRICS_FILE = "metrics.jsonl"
 COMPILE_CACHE_DIR = "compile_cache"
 
@@ -161,6 +162,11 @@ def setup(
     precision = precision or ("bf16-mixed" if cuda else "32-true")
     compile = cuda if compile is None else compile
     data = SampleCorpus() if data is None else data
+    if type(data) is DataModule:  # --data.<option> alone: jsonargparse builds the base class
+        raise ValueError(
+            "--data.* options need a data module: give --data SampleCorpus, TokenChunks or SlimPajamaStarcoder "
+            "(or a config file's data: class_path) before them"
+        )
     hparams = capture_hparams(dict(
         model_name=model_name, model_config=model_config, out_dir=out_dir, precision=precision, resume=resume,
         initial_checkpoint_dir=initial_checkpoint_dir, data=data, train=train, eval=eval, optimizer=optimizer,
@@ -183,6 +189,8 @@ def setup(
             f"train.save_interval ({train.save_interval}), train.log_interval ({train.log_interval}) and "
             f"eval.interval ({eval.interval}) must be positive"
         )
+    if eval.max_iters < 1:
+        raise ValueError(f"eval.max_iters must be at least 1 (validation batches per device), got {eval.max_iters}")
     if fsdp_unit not in ("block", "model"):
         raise ValueError(f"fsdp_unit must be 'block' or 'model', got {fsdp_unit!r}")
     if data_parallel not in ("fsdp", "ddp"):
@@ -257,6 +265,11 @@ def main(
         fabric.barrier()
         tokenizer_dir = tokenizer_dir or getattr(data, "tokenizer_dir", None)
         tokenizer = load_tokenizer(tokenizer_dir)
+        if tokenizer is None:
+            fabric.print(
+                f"Warning: no tokenizer (--tokenizer_dir, or a data module that has one): the checkpoints will hold "
+                f"no tokenizer files, which generate and convert_to_hf need; {type(data).__name__} reads token ids only"
+            )
         if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
             raise ValueError(
                 f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -306,7 +319,13 @@ def main(
         }
         if resume_dir is not None:
             fabric.print(f"Resuming from {resume_dir}")
-            fabric.load(resume_dir / CHECKPOINT_FILE, state)
+            try:
+                fabric.load(resume_dir / CHECKPOINT_FILE, state)
+            except KeyError as e:  # a model directory's lit_model.pth holds the weights alone
+                raise ValueError(
+                    f"--resume {resume_dir}: {CHECKPOINT_FILE} there is not a training checkpoint ({e}); to start "
+                    f"from a model directory's weights, use --initial_checkpoint_dir {resume_dir}"
+                ) from None
             set_rng_states(state["rng_states"])
             startup["checkpoint loaded"] = time.time() - PROCESS_START
 
@@ -316,7 +335,14 @@ def main(
             precision=precision, stop=stop, data=data, compile=compile, startup=startup,
             cuda_graphs=compile and compile_mode == "reduce-overhead",
         )
-        fit(fabric, state, val_dataloader, ctx)
+        status = "failed"
+        try:
+            fit(fabric, state, val_dataloader, ctx)
+            status = "success"
+        finally:
+            # Fabric's CSV logger writes its file only every 100 logged steps, and at finalize
+            for logger in fabric.loggers:
+                logger.finalize(status)
 
 
 def make_strategy(
@@ -365,7 +391,7 @@ def build_model(
         fabric.seed_everything(seed, verbose=False)
         model.reset_parameters()
         if initial_checkpoint_dir is not None:
-            model.load_state_dict(load_initial_weights(initial_checkpoint_dir))
+            model.load_state_dict(load_initial_weights(initial_checkpoint_dir, config, fabric.print))
         if activation_checkpointing:  # under FSDP the strategy's activation_checkpointing_policy does it
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
@@ -386,7 +412,7 @@ def build_model(
         wrapped = model._forward_module
         wrapped = getattr(wrapped, "_orig_mod", wrapped)  # under torch.compile, the FSDP module inside
         set_model_state_dict(
-            wrapped, load_initial_weights(initial_checkpoint_dir),
+            wrapped, load_initial_weights(initial_checkpoint_dir, config, fabric.print),
             options=StateDictOptions(full_state_dict=True, strict=True),
         )
     return model, no_decay
@@ -429,6 +455,9 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
         log_validation(fabric, metrics_path, 0, val_loss)
     if start_step >= ctx.max_steps:
         fabric.print(f"Nothing to train: the checkpoint is at step {start_step}, max_steps is {ctx.max_steps}")
+        final = final_checkpoint_step(ctx.out_dir)
+        if final is None or final < start_step:  # e.g. stopped by a signal at the last step: finish the run
+            finish(fabric, state, val_dataloader, ctx, metrics_path)
         return
 
     data_path = getattr(ctx.data, "data_path", None)
@@ -576,10 +605,7 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
     flush_metrics(fabric, metrics_path, pending)
     if stopped_by_signal:
         return
-    if ctx.eval.final_validation:
-        val_loss = validate(fabric, model, val_dataloader, ctx.eval.max_iters)
-        log_validation(fabric, metrics_path, state["step_count"], val_loss)
-    save_checkpoint(fabric, state, ctx, "final")
+    finish(fabric, state, val_dataloader, ctx, metrics_path)
     trained_tokens = (state["step_count"] - start_step) * tokens_per_step
     summary = (
         f"Training finished: {state['step_count'] * tokens_per_step:,} tokens in total "
@@ -589,6 +615,14 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
     if fabric.device.type == "cuda":
         summary += f" | peak memory {torch.cuda.max_memory_allocated(fabric.device) / 1e9:.2f} GB"
     fabric.print(summary)
+
+
+def finish(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext, metrics_path: Path) -> None:
+    """The end of a run: the final validation, then out_dir/final/."""
+    if ctx.eval.final_validation:
+        val_loss = validate(fabric, state["model"], val_dataloader, ctx.eval.max_iters)
+        log_validation(fabric, metrics_path, state["step_count"], val_loss)
+    save_checkpoint(fabric, state, ctx, "final")
 
 
 @torch.no_grad()
@@ -837,10 +871,22 @@ def no_decay_parameter_names(model: torch.nn.Module) -> set:
     return names
 
 
-def load_initial_weights(model_dir: Path) -> Dict[str, torch.Tensor]:
+def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str, torch.Tensor]:
+    """The weights of a model directory, checked against `config` (names, shapes, dtypes: each mismatch
+    listed); a model_config.yaml there that differs from `config` in fields that keep the shapes (eps,
+    context length, ...) is reported, not refused: continued pretraining may change them on purpose."""
     from fabric_lin.convert.model_dir import load_model_dir_weights  # weights_only, names the mismatches
 
-    return load_model_dir_weights(model_dir)
+    saved_config = Path(model_dir) / "model_config.yaml"
+    if saved_config.is_file():
+        saved = Config.from_file(saved_config)
+        differ = {k: (v, getattr(config, k)) for k, v in vars(saved).items() if k != "name" and getattr(config, k, v) != v}
+        if differ:
+            log(
+                f"Warning: --initial_checkpoint_dir {model_dir}: its model_config.yaml differs from this run's model in "
+                + ", ".join(f"{k} ({a!r} there, {b!r} here)" for k, (a, b) in sorted(differ.items()))
+            )
+    return load_model_dir_weights(model_dir, config)
 
 
 def load_tokenizer(tokenizer_dir: Optional[Path]):
@@ -866,6 +912,7 @@ def save_checkpoint(fabric: L.Fabric, state: Dict[str, Any], ctx: RunContext, na
     state["rng_states"] = get_rng_states()
     fabric.save(tmp_dir / CHECKPOINT_FILE, state)  # every rank takes part; it ends with a barrier
     if fabric.global_rank == 0:
+        (tmp_dir / STEP_FILE).write_text(json.dumps({"step_count": state["step_count"]}) + "\n")
         save_hparams(ctx.hparams, tmp_dir / "hyperparameters.yaml")
         ctx.config.save(tmp_dir / "model_config.yaml")
         if ctx.tokenizer_dir is not None:
@@ -901,17 +948,18 @@ def step_checkpoints(out_dir: Path) -> List[Path]:
 def find_resume_dir(resume: Union[bool, str, Path], out_dir: Path) -> Optional[Path]:
     """The checkpoint directory to resume from, or None for a fresh start.
 
-    auto/true pick `final/` if present (it is written after every step checkpoint of the run), else the
-    newest step-* directory; temporary `.tmp-*` directories are never considered."""
+    auto/true pick the complete checkpoint with the highest step: `final/` when it is at least as new as
+    every step-* directory (a run extended past its first max_steps saves step-* directories after its
+    old `final/`); temporary `.tmp-*` directories are never considered."""
     if resume is False or resume is None:
         return None
     if resume is True or resume == "auto":
-        candidates = []
-        if (out_dir / "final" / CHECKPOINT_FILE).exists():
-            candidates.append(out_dir / "final")
-        candidates += step_checkpoints(out_dir)[::-1]
+        candidates = [(int(STEP_DIR_PATTERN.match(p.name).group(1)), 0, p) for p in step_checkpoints(out_dir)]
+        final = final_checkpoint_step(out_dir)
+        if final is not None:
+            candidates.append((final, 1, out_dir / "final"))  # on a tie, final/ (its validation is done)
         if candidates:
-            return candidates[0]
+            return max(candidates)[2]
         if resume == "auto":
             return None
         raise FileNotFoundError(f"--resume true: no checkpoint (step-XXXXXXXX/ or final/ with {CHECKPOINT_FILE}) in {out_dir}")
@@ -921,6 +969,17 @@ def find_resume_dir(resume: Union[bool, str, Path], out_dir: Path) -> Optional[P
     if not (path / CHECKPOINT_FILE).exists():
         raise FileNotFoundError(f"--resume {resume}: expected a checkpoint directory holding {CHECKPOINT_FILE}")
     return path
+
+
+def final_checkpoint_step(out_dir: Path) -> Optional[float]:
+    """The step of a complete out_dir/final/ (inf when it predates step.json: then taken as the newest), or None."""
+    final = out_dir / "final"
+    if not (final / CHECKPOINT_FILE).exists():
+        return None
+    try:
+        return int(json.loads((final / STEP_FILE).read_text())["step_count"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def prune_checkpoints(out_dir: Path, keep_last_n: int) -> None:

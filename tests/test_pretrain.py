@@ -52,6 +52,15 @@ def test_unknown_schedule_is_named():
         learning_rate(100, 1e-3, 1e-4, 10, 200, schedule="linear")
 
 
+@pytest.mark.parametrize("key,value", [("micro_batch_size", 0), ("global_batch_size", -4), ("max_seq_length", 0),
+                                       ("max_nonfinite_steps", 0), ("lr_warmup_steps", -1)])
+def test_bad_train_sizes_are_named(key, value):
+    train = TrainArgs(global_batch_size=8, micro_batch_size=2, max_steps=3)
+    setattr(train, key, value)
+    with pytest.raises(ValueError, match=rf"train\.{key} must be at least \d, got {value}"):
+        train.gradient_accumulation_iters(devices=1, num_nodes=1)
+
+
 def test_gradient_accumulation_arithmetic():
     # flame's 340M recipe: 32 sequences per GPU x 8 GPUs = 256 sequences of 2048 = 524,288 tokens
     train = TrainArgs(global_batch_size=256, micro_batch_size=8, max_tokens=10_737_418_240, max_seq_length=2048)
@@ -139,8 +148,13 @@ def test_find_resume_dir(tmp_path):
     assert find_resume_dir(tmp_path / "step-00000002" / "lit_model.pth", tmp_path) == tmp_path / "step-00000002"
     with pytest.raises(FileNotFoundError, match="step-00000011"):
         find_resume_dir(tmp_path / "step-00000011", tmp_path)
-    _make_ckpt(tmp_path, "final")
+    final = _make_ckpt(tmp_path, "final")  # without step.json (older runs): taken as the newest
     assert find_resume_dir("auto", tmp_path) == tmp_path / "final"
+    # a run extended past its first max_steps saves step-* directories after its old final/
+    (final / "step.json").write_text('{"step_count": 4}')
+    assert find_resume_dir("auto", tmp_path) == tmp_path / "step-00000010"
+    (final / "step.json").write_text('{"step_count": 10}')  # a tie: final/, whose validation is done
+    assert find_resume_dir(True, tmp_path) == tmp_path / "final"
 
 
 def test_prune_keeps_newest(tmp_path):
@@ -481,3 +495,48 @@ def test_fused_adamw_found_inf_leaves_the_update_out():
     optimizer.found_inf = torch.tensor(0.0)
     optimizer.step()
     assert (weight.detach() < 1).all() and float(optimizer.state[weight]["step"]) == 1
+
+
+def test_error_eval_max_iters_not_positive(tmp_path):
+    with pytest.raises(ValueError, match=r"eval.max_iters must be at least 1 \(validation batches per device\), got 0"):
+        _setup(tmp_path, eval=EvalArgs(max_iters=0))
+    assert not (tmp_path / "out").exists()
+
+
+def test_error_data_options_without_a_data_module(tmp_path):
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(ValueError, match=r"--data\.\* options need a data module: give --data SampleCorpus"):
+        cli_main(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
+                  "--train.max_steps", "1", "--data.num_workers", "2"])
+
+
+def test_error_resume_from_a_model_directory_points_to_initial_checkpoint_dir(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    torch.save(GPT(Config.from_name("gla-debug")).state_dict(), model_dir / "lit_model.pth")  # weights alone
+    with pytest.raises(ValueError, match=rf"not a training checkpoint .*use --initial_checkpoint_dir {model_dir}"):
+        _setup(tmp_path, resume=model_dir, eval=EvalArgs(final_validation=False))
+
+
+def test_initial_checkpoint_dir_is_checked_against_the_model(tmp_path, capsys):
+    from fabric_lin.convert.model_dir import save_model_dir
+
+    state = GPT(Config.from_name("gla-debug")).state_dict()
+    state["layers.1.attn.k_proj.weight"] = (state["layers.1.attn.k_proj.weight"] * 1000).to(torch.int32)
+    (tmp_path / "model").mkdir()
+    save_model_dir(state, Config.from_name("gla-debug", norm_eps=1e-5), tmp_path / "model")
+    with pytest.raises(ValueError, match=r"layers\.1\.attn\.k_proj\.weight: dtype torch\.int32, expected torch\.float32"):
+        _setup(tmp_path, initial_checkpoint_dir=tmp_path / "model", eval=EvalArgs(final_validation=False))
+    # the model_config.yaml there differs in a field that keeps the shapes: reported before the weights
+    assert "its model_config.yaml differs from this run's model in norm_eps (1e-05 there, 1e-06 here)" in capsys.readouterr().out
+
+
+def test_no_tokenizer_is_warned_of(tmp_path, prepared, capsys):
+    from fabric_lin.data import TokenChunks
+
+    config = Config.from_name("gla-debug", vocab_size=320)
+    _setup(tmp_path, model_name=None, model_config=config, eval=EvalArgs(final_validation=False),
+           data=TokenChunks(data_path=prepared / "tokens", num_workers=0))
+    assert "Warning: no tokenizer (--tokenizer_dir, or a data module that has one)" in capsys.readouterr().out
+    assert (tmp_path / "out" / "final" / "lit_model.pth").exists()

@@ -9,6 +9,7 @@ Run as a script for the long fault-injection tally (not in CI):
 """
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,6 +138,16 @@ def test_reference_run_writes_the_checkpoint_format(reference):
     assert first[0]["compiled_graphs"] == 0
     hparams = yaml.safe_load((final / "hyperparameters.yaml").read_text())
     assert hparams["compile"] is False and hparams["compile_cache"] is True
+    # which checkpoint is newest is read from step.json, without loading the checkpoint
+    assert json.loads((final / "step.json").read_text()) == {"step_count": STEPS}
+    assert json.loads((reference / "step-00000004" / "step.json").read_text()) == {"step_count": 4}
+    # the CSV logger's file holds every logged step (Fabric's writes it only every 100 steps, and at the end)
+    import csv
+
+    with open(reference / "logs" / "csv" / "version_0" / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("loss")]
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    assert float(rows[-1]["loss"]) == pytest.approx(losses[STEPS], rel=1e-6)
 
 
 def test_sigkill_while_saving_and_at_a_step_then_resume_is_exact(reference, tmp_path):
@@ -189,6 +200,36 @@ def test_two_processes_gloo_sigterm_and_resume_are_exact(reference_ddp, tmp_path
 def test_resume_from_final_trains_nothing(reference, tmp_path):
     result = run(reference, "--resume", "auto")
     assert "Nothing to train" in result.stdout + result.stderr
+    assert "Saved checkpoint" not in result.stdout + result.stderr  # final/ is already the newest
+
+
+def test_stopped_at_the_last_step_then_resume_writes_final(reference, tmp_path):
+    """A signal during the last step saves step-<max_steps>/ and no final/: resuming finishes the run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copytree(reference / "final", out / f"step-{STEPS:08d}")
+    result = run(out, "--resume", "auto", "--eval.final_validation", "true")
+    log = result.stdout + result.stderr
+    assert "Nothing to train" in log and f"Saved checkpoint {out / 'final'}" in log
+    assert json.loads((out / "final" / "step.json").read_text()) == {"step_count": STEPS}
+    assert any("val_loss" in json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
+    a, b = final_weights(out), final_weights(reference)
+    assert all(torch.equal(a[key], b[key]) for key in b)
+
+
+def test_a_run_extended_past_its_final_resumes_from_its_newest_step(reference, tmp_path):
+    """Raising max_steps after a finished run saves step-* directories newer than the old final/:
+    --resume auto continues from the newest of them, not from final/."""
+    longer = ("--train.max_steps", str(STEPS + 4))
+    extended = tmp_path / "extended"  # the reference continued to STEPS + 4 without interruption
+    run(extended, "--resume", str(reference / "final"), *longer)
+    out = tmp_path / "out"  # the same continuation, stopped after step STEPS + 2
+    shutil.copytree(reference, out)
+    shutil.copytree(extended / f"step-{STEPS + 2:08d}", out / f"step-{STEPS + 2:08d}")
+    result = run(out, "--resume", "auto", *longer)
+    assert f"Resuming from {out / f'step-{STEPS + 2:08d}'}" in result.stdout + result.stderr
+    a, b = final_weights(out), final_weights(extended)
+    assert all(torch.equal(a[key], b[key]) for key in b)
 
 
 def test_nonfinite_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
@@ -220,8 +261,6 @@ def kill_tally(kills: int, workdir: Path, seed: int = 0) -> None:
     rng = random.Random(seed)
     reference = workdir / "reference"
     if reference.exists():
-        import shutil
-
         shutil.rmtree(reference)
     # the reference run, timing its steps so that the random delays span about one step on this machine
     proc = start(reference)
