@@ -23,8 +23,34 @@ def load_command(name: str) -> Callable:
     return getattr(importlib.import_module(module_name), function_name)
 
 
+def valid_keys_hint(message: str) -> str:
+    """jsonargparse names an unknown key inside a nested class (`model_config:`, `data.init_args:`) but not
+    the keys the class accepts: add them."""
+    import dataclasses
+    import inspect
+    import re
+
+    hints = []
+    for class_path, key in re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message):
+        module_name, _, class_name = class_path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError):
+            continue
+        if dataclasses.is_dataclass(cls):
+            valid = [f.name for f in dataclasses.fields(cls) if f.init]
+        else:
+            valid = [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
+        hints.append(f"{class_path} has no option {key!r}; valid options are: {', '.join(valid)}")
+    return message + "".join(f"\n  {hint}" for hint in hints)
+
+
 def main(argv=None) -> None:
-    from jsonargparse import CLI, set_parsing_settings
+    from jsonargparse import CLI, ArgumentParser, set_parsing_settings
+
+    class Parser(ArgumentParser):
+        def error(self, message, *args, **kwargs):
+            return super().error(valid_keys_hint(str(message)), *args, **kwargs)
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if len(argv) >= 2 and argv[1] == "list" and argv[0] in ("pretrain", "generate"):
@@ -42,7 +68,7 @@ def main(argv=None) -> None:
                 components[name] = load_command(name)
             except (ImportError, AttributeError):
                 pass
-    CLI(components, args=argv, as_positional=True)
+    CLI(components, args=argv, as_positional=True, parser_class=Parser)
 
 
 if __name__ == "__main__":

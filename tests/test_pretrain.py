@@ -234,6 +234,21 @@ def test_cli_accepts_data_module_subclass_and_rejects_unknown_keys(capsys):
     assert "no_such_key" in capsys.readouterr().err
 
 
+def test_cli_lists_the_valid_keys_of_a_nested_class(tmp_path, capsys):
+    """An unknown key inside model_config: or a data module is named with the keys the class accepts."""
+    from fabric_lin.cli import main as cli_main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("model_config:\n  hiden_size: 128\n")
+    with pytest.raises(SystemExit):
+        cli_main(["pretrain", "--config", str(config), "--out_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "fabric_lin.config.Config has no option 'hiden_size'; valid options are: name, block_type, vocab_size, hidden_size," in err
+    with pytest.raises(SystemExit):
+        cli_main(["pretrain", "--model_name", "gla-debug", "--data", "SampleCorpus", "--data.sede", "3"])
+    assert "fabric_lin.data.SampleCorpus has no option 'sede'; valid options are: seed, num_workers," in capsys.readouterr().err
+
+
 def test_eval_args_defaults_are_litgpt_like():
     e = EvalArgs()
     assert (e.interval, e.max_iters, e.initial_validation, e.final_validation) == (1000, 100, False, True)
