@@ -172,7 +172,7 @@ def test_pickled_code_in_checkpoint_is_refused(tmp_path):
     config = Config.from_name("gla-debug", num_layers=1)
     ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)
     full = load_whole_checkpoint(ckpt_dir / "lit_model.pth")
-    full["hook"] = _Payload()
+    full["hook"] = _Payload(tmp_path / "pwned")
     torch.save(full, ckpt_dir / "lit_model.pth")
     with pytest.raises(ValueError, match="never unpickled beyond tensors"):
         convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
@@ -180,8 +180,13 @@ def test_pickled_code_in_checkpoint_is_refused(tmp_path):
 
 
 class _Payload:
+    """Unpickled, it runs `touch target`: the file's absence afterwards shows that no code ran."""
+
+    def __init__(self, target: Path):
+        self.target = target
+
     def __reduce__(self):
-        return (os.system, (f"touch {Path(__file__).parent}/pwned",))
+        return (os.system, (f"touch {self.target}",))
 
 
 # ---------------------------------------------------------------- sharded: FSDP2 on 2 CPU processes
@@ -286,10 +291,10 @@ def test_sharded_metadata_with_foreign_pickle_is_refused(tmp_path):
 
     weights = tmp_path / "lit_model.pth"
     weights.mkdir()
-    (weights / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    (weights / ".metadata").write_bytes(pickle.dumps(_Payload(tmp_path / "pwned")))
     with pytest.raises(ValueError, match="refers to posix.system|refers to os.system"):
         load_sharded_model_state(weights)
-    assert not (Path(__file__).parent / "pwned").exists()
+    assert not (tmp_path / "pwned").exists()
 
 
 if __name__ == "__main__":

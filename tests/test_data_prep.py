@@ -165,10 +165,16 @@ def test_slimpajama_round_trip_and_bad_files(corpus, capfd):
         prepare_slimpajama(corpus["sp"], out, corpus["tokenizer"])
 
 
-def test_slimpajama_fast_dev_run_is_a_prefix(corpus):
-    tokenizer = Tokenizer(corpus["tokenizer"])
+@pytest.fixture(scope="module")
+def fast_prepared(corpus):
+    """(directory, summary) of the SlimPajama corpus prepared with fast_dev_run=2 and one worker."""
     out = corpus["root"] / "fast"
-    summary = prepare_slimpajama(corpus["sp"], out, corpus["tokenizer"], num_workers=1, fast_dev_run=2)
+    return out, prepare_slimpajama(corpus["sp"], out, corpus["tokenizer"], num_workers=1, fast_dev_run=2)
+
+
+def test_slimpajama_fast_dev_run_is_a_prefix(corpus, fast_prepared):
+    tokenizer = Tokenizer(corpus["tokenizer"])
+    out, summary = fast_prepared
     # files in sorted order: a/part-0, b, badjson, ...: the first two
     assert summary["files"] == 2
     texts = kept_texts(corpus["good_sp"]["a/part-0.jsonl.zst"]) + kept_texts(corpus["good_sp"]["b.jsonl.zst"])
@@ -252,10 +258,8 @@ def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path, ho
             check_prepared_dir(partial)
 
 
-def test_check_prepared_dir_rejects_incomplete_and_mismatched(corpus, tmp_path):
-    source = corpus["root"] / "fast"
-    if not source.exists():
-        pytest.skip("needs the output of test_slimpajama_fast_dev_run_is_a_prefix")
+def test_check_prepared_dir_rejects_incomplete_and_mismatched(corpus, fast_prepared, tmp_path):
+    source, _ = fast_prepared
     tokenizer = Tokenizer(corpus["tokenizer"])
 
     no_marker = shutil.copytree(source, tmp_path / "no-marker")
