@@ -1,5 +1,6 @@
 """convert_to_hf / convert_from_hf: flash-linear-attention's GLAForCausalLM format, both ways."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,64 @@ def fla_gla_reference_logits(hf_dir: Path, input_ids: torch.Tensor) -> torch.Ten
     x = rms(x, w["model.norm.weight"], eps)
     head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.embeddings.weight"]
     return x @ head.T
+
+
+def rotate(x: torch.Tensor, base: float) -> torch.Tensor:
+    """RoPE as Llama and fla's TransformerForCausalLM apply it, one 2x2 rotation per pair of dims: x[..., i]
+    and x[..., i + D/2] of the token at position t turn by t * base^(-2i/D). x: [B, T, H, D]."""
+    B, T, H, D = x.shape
+    out = torch.empty_like(x)
+    for t in range(T):
+        for i in range(D // 2):
+            angle = t * base ** (-2 * i / D)
+            c, s = math.cos(angle), math.sin(angle)
+            a, b = x[:, t, :, i], x[:, t, :, i + D // 2]
+            out[:, t, :, i], out[:, t, :, i + D // 2] = a * c - b * s, b * c + a * s
+    return out
+
+
+def fla_transformer_reference_logits(hf_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    """TransformerForCausalLM's forward as fla defines it (pre-norm blocks, RoPE, causal softmax attention,
+    SwiGLU), reading only config.json and the safetensors file; fp64, one query at a time."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    w = {k: v.double() for k, v in load_file(hf_dir / "model.safetensors").items()}
+    eps, H, base = cfg["norm_eps"], cfg["num_heads"], cfg["rope_theta"]
+    groups = H // (cfg["num_kv_heads"] or H)
+    x = F.embedding(input_ids, w["model.embeddings.weight"])
+    B, T, d = x.shape
+    D = d // H
+    for i in range(cfg["num_hidden_layers"]):
+        p = lambda n: w[f"model.layers.{i}.{n}"]  # noqa: E731
+        h = rms(x, p("attn_norm.weight"), eps)
+        q, k, v = (h @ p(f"attn.{n}_proj.weight").T for n in "qkv")
+        q, k = rotate(q.view(B, T, H, D), base), rotate(k.view(B, T, H // groups, D), base)
+        v = v.view(B, T, H // groups, D)
+        o = torch.empty(B, T, H, D, dtype=torch.float64)
+        for head in range(H):
+            kv = head // groups  # query heads share their group's key/value head
+            for t in range(T):
+                scores = (k[:, : t + 1, kv] @ q[:, t, head, :, None])[..., 0] / math.sqrt(D)  # [B, t+1]
+                o[:, t, head] = (scores.softmax(-1)[:, None, :] @ v[:, : t + 1, kv])[:, 0]
+        x = x + o.reshape(B, T, d) @ p("attn.o_proj.weight").T
+        h = rms(x, p("mlp_norm.weight"), eps)
+        x = x + (F.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+    x = rms(x, w["model.norm.weight"], eps)
+    head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.embeddings.weight"]
+    return x @ head.T
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_kv_heads": 2}], ids=["mha", "gqa"])
+def test_exported_transformer_computes_fla_logits(tmp_path, overrides):
+    config = small_config(block_type="transformer", num_heads=4, rope_base=500.0, **overrides)  # fast turns
+    make_model_dir(tmp_path / "model", config)
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    model = GPT(config)
+    model.load_state_dict(load_model_dir_weights(tmp_path / "model"))
+    ids = torch.randint(0, config.vocab_size, (2, 40))
+    with torch.no_grad():
+        ours = model(ids).double()
+    ref = fla_transformer_reference_logits(tmp_path / "hf", ids)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"num_heads": 4, "num_kv_heads": 2, "tie_embeddings": True}], ids=["mha", "gqa-tied"])
