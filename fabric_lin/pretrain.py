@@ -134,7 +134,7 @@ def setup(
         activation_checkpointing: Recompute each Block's activations in the backward pass.
         data_parallel: With several GPUs: "fsdp" shards the weights, gradients and optimizer state over a
             node's GPUs (FSDP HYBRID_SHARD; replicated across nodes); "ddp" keeps all of them on every GPU
-            (DistributedDataParallel, 16 bytes per parameter: 5.4 GB at gla-340M) and all-reduces the
+            (DistributedDataParallel, 16 bytes per parameter: 6.0 GB at gla-340M) and all-reduces the
             gradients in buckets, with less host work per step than FSDP's hooks around every Block.
             Several CPU processes always use DDP.
         fsdp_unit: With FSDP: what one all-gather gathers. "block": each Block's weights, just before the
@@ -855,10 +855,10 @@ def resolve_model_config(model_name: Optional[str], model_config: Optional[Confi
 
 
 def canonical_name(name: str) -> str:
-    """A parameter name without the prefixes that compile, FSDP, Fabric and checkpoint wrappers add."""
+    """A parameter name without the prefixes that compile, FSDP, DDP, Fabric and checkpoint wrappers add."""
     for prefix in ("_forward_module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
         name = name.replace(prefix, "")
-    return name
+    return name.removeprefix("module.")  # DistributedDataParallel's (the model has no submodule of that name)
 
 
 def no_decay_parameter_names(model: torch.nn.Module) -> set:

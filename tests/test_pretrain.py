@@ -1,6 +1,7 @@
 """Unit tests of the pretraining loop's pieces: schedules, batch arithmetic, document boundaries,
 checkpoint discovery, FLOPs, model init and the CLI's typing of `data`."""
 import math
+import os
 from pathlib import Path
 
 import lightning as L
@@ -555,3 +556,22 @@ def test_no_tokenizer_is_warned_of(tmp_path, prepared, capsys):
            data=TokenChunks(data_path=prepared / "tokens", num_workers=0))
     assert "Warning: no tokenizer (--tokenizer_dir, or a data module that has one)" in capsys.readouterr().out
     assert (tmp_path / "out" / "final" / "lit_model.pth").exists()
+
+
+def test_no_decay_names_found_in_a_ddp_wrapped_model(tmp_path, monkeypatch):
+    """Fabric's DDP (a 1-process gloo group here) names parameters `_forward_module.module.<name>`: the
+    norm weights and biases must still be found, or weight decay reaches them under DDP."""
+    from lightning.fabric.strategies import DDPStrategy
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=DDPStrategy(process_group_backend="gloo"))
+    fabric.launch()
+    try:
+        model, no_decay = build_model(fabric, Config.from_name("gla-debug", num_layers=1), seed=0)
+        names = [n for n, _ in model.named_parameters()]
+        assert any(n.startswith("_forward_module.module.") for n in names)  # DDP's wrapping
+        assert {canonical_name(n) for n in names if canonical_name(n) in no_decay} == no_decay
+        assert len(no_decay) == sum(p.ndim == 1 for p in model.parameters()) > 0
+    finally:
+        torch.distributed.destroy_process_group()
