@@ -23,13 +23,16 @@ def generate_tokens(
     top_k: Optional[int] = None,
     eos_id: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
+    vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """prompt: [T] token ids. Returns the new tokens [<= max_new_tokens] (stops after eos_id)."""
+    """prompt: [T] token ids. Returns the new tokens [<= max_new_tokens] (stops after eos_id). With
+    `vocab_size`, only ids below it are sampled: a model may have more rows than its tokenizer has pieces
+    (a padded vocabulary), and those ids decode to nothing."""
     cache = model.new_cache()
     logits = model(prompt[None], cache=cache)[0, -1]  # the whole prompt in one chunked pass
     new_tokens = []
     for _ in range(max_new_tokens):
-        token = sample(logits, temperature, top_k, generator)
+        token = sample(logits[:vocab_size], temperature, top_k, generator)
         new_tokens.append(token)
         if eos_id is not None and token.item() == eos_id:
             break
@@ -115,7 +118,9 @@ def main(
         prompt_ids = torch.cat([prompt_tokens.new_tensor([tokenizer.eos_id]), prompt_tokens])
     generator = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
-    new = generate_tokens(model, prompt_ids, max_new_tokens, temperature, top_k, tokenizer.eos_id, generator)
+    new = generate_tokens(
+        model, prompt_ids, max_new_tokens, temperature, top_k, tokenizer.eos_id, generator, vocab_size=tokenizer.vocab_size
+    )
     elapsed = time.perf_counter() - start
     text = tokenizer.decode(torch.cat([prompt_tokens, new]).tolist())
     print(text)

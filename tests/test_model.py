@@ -138,3 +138,21 @@ def test_generate_top_k_zero_is_no_filter_and_negative_is_refused(tmp_path):
     assert text.startswith("the model")
     with pytest.raises(ValueError, match="top_k=-1"):
         generate(tmp_path / "model", prompt="the model", max_new_tokens=4, top_k=-1, device="cpu")
+
+
+def test_generate_samples_only_ids_the_tokenizer_has(tmp_path):
+    """A model with more vocabulary rows than its tokenizer has pieces: the extra ids (here made the most
+    likely ones) are never sampled, so every token decodes."""
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.generate import main as generate
+    from test_convert_hf import make_model_dir, small_config
+
+    config = Config.from_name("gla-debug", vocab_size=128, num_layers=2)
+    state = make_model_dir(tmp_path / "model", config)
+    pieces = Tokenizer(tmp_path / "model").vocab_size
+    assert pieces < config.vocab_size
+    state["lm_head.weight"][pieces:] = 100 * state["lm_head.weight"][:pieces].abs().max()  # dominate the logits
+    torch.save(state, tmp_path / "model" / "lit_model.pth")
+    for temperature in (0.0, 1.0):
+        text = generate(tmp_path / "model", prompt="the model", max_new_tokens=8, temperature=temperature, device="cpu")
+        assert text.startswith("the model")
