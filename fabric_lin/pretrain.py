@@ -326,6 +326,16 @@ def main(
                     f"--resume {resume_dir}: {CHECKPOINT_FILE} there is not a training checkpoint ({e}); to start "
                     f"from a model directory's weights, use --initial_checkpoint_dir {resume_dir}"
                 ) from None
+            except ValueError as e:
+                if "parameter group" not in str(e):
+                    raise
+                # DDP runs of earlier versions put every parameter in the weight-decay group
+                raise ValueError(
+                    f"--resume {resume_dir}: its optimizer state has other parameter groups than this run's ({e}). "
+                    "A DDP run of an earlier version put the norm weights and biases in the weight-decay group; "
+                    f"continue from its weights: fabric-lin convert_pretrained_checkpoint {resume_dir} --output_dir "
+                    "<DIR>, then --initial_checkpoint_dir <DIR> (AdamW's moments start again)"
+                ) from None
             set_rng_states(state["rng_states"])
             startup["checkpoint loaded"] = time.time() - PROCESS_START
 

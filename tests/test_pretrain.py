@@ -575,3 +575,15 @@ def test_no_decay_names_found_in_a_ddp_wrapped_model(tmp_path, monkeypatch):
         assert len(no_decay) == sum(p.ndim == 1 for p in model.parameters()) > 0
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_error_resume_with_other_optimizer_groups_says_how_to_continue(tmp_path):
+    """A checkpoint whose optimizer has every parameter in one group (DDP runs of earlier versions)."""
+    _setup(tmp_path, eval=EvalArgs(final_validation=False))
+    path = tmp_path / "out" / "final" / "lit_model.pth"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    decay, no_decay = state["optimizer"]["param_groups"]
+    decay["params"], no_decay["params"] = decay["params"] + no_decay["params"], []
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=r"other parameter groups than this run's .* convert_pretrained_checkpoint"):
+        _setup(tmp_path, resume=tmp_path / "out" / "final", out_dir=tmp_path / "again", eval=EvalArgs(final_validation=False))
