@@ -558,23 +558,28 @@ def test_no_tokenizer_is_warned_of(tmp_path, prepared, capsys):
     assert (tmp_path / "out" / "final" / "lit_model.pth").exists()
 
 
-def test_no_decay_names_found_in_a_ddp_wrapped_model(tmp_path, monkeypatch):
+def test_no_decay_names_found_in_a_ddp_wrapped_model():
     """Fabric's DDP (a 1-process gloo group here) names parameters `_forward_module.module.<name>`: the
     norm weights and biases must still be found, or weight decay reaches them under DDP."""
     from lightning.fabric.strategies import DDPStrategy
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=DDPStrategy(process_group_backend="gloo"))
-    fabric.launch()
+    # Fabric sets WORLD_SIZE, LOCAL_RANK, ... in os.environ; left there, a later `--devices 2` subprocess
+    # takes itself for an already launched rank and waits for a second one that never starts
+    saved_environ = dict(os.environ)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
     try:
+        fabric = L.Fabric(accelerator="cpu", devices=1, strategy=DDPStrategy(process_group_backend="gloo"))
+        fabric.launch()
         model, no_decay = build_model(fabric, Config.from_name("gla-debug", num_layers=1), seed=0)
         names = [n for n, _ in model.named_parameters()]
         assert any(n.startswith("_forward_module.module.") for n in names)  # DDP's wrapping
         assert {canonical_name(n) for n in names if canonical_name(n) in no_decay} == no_decay
         assert len(no_decay) == sum(p.ndim == 1 for p in model.parameters()) > 0
     finally:
-        torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved_environ)
 
 
 def test_error_resume_with_other_optimizer_groups_says_how_to_continue(tmp_path):
