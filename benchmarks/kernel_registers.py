@@ -55,14 +55,15 @@ class CompileOnlyDriver:
         return torch.device("cpu")
 
 
-def ptxas_report(ptx: str, maxnreg) -> tuple:
-    """(registers per thread, local-memory frame bytes) of a kernel's PTX, compiled as Triton compiles it."""
+def ptxas_report(ptx: str) -> tuple:
+    """(registers per thread, local-memory frame bytes) of a kernel's PTX, compiled as Triton compiles it
+    (a register cap is in the PTX itself, as .maxnreg)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
         with open(path, "w") as f:
             f.write(ptx)
         cmd = [os.path.join(NVIDIA_BIN, "ptxas"), "-v", f"--gpu-name=sm_{TARGET.arch}a", path,
-               "-o", os.path.join(tmp, "kernel.cubin")] + ([f"--maxrregcount={maxnreg}"] if maxnreg else [])
+               "-o", os.path.join(tmp, "kernel.cubin")]
         result = subprocess.run(cmd, capture_output=True, text=True)
     registers = re.findall(r"Used (\d+) registers", result.stderr)
     frame = re.findall(r"(\d+) bytes (?:cumulative )?stack", result.stderr)
@@ -101,7 +102,7 @@ def compile_only(records: list, lines_of: set):
 
     def compile_and_report(fn, *args, grid, warmup, **kwargs):
         kernel = run(fn, *args, grid=grid, warmup=True, **kwargs)
-        registers, frame = ptxas_report(kernel.asm["ptx"], kwargs.get("maxnreg"))
+        registers, frame = ptxas_report(kernel.asm["ptx"])
         warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
         row = {"kernel": fn.__name__, "warps": warps, "regs_per_thread": registers, "spills": frame // 4,
                "shared_bytes": shared, "programs_per_sm_by_regs": 65536 // (registers * 32 * warps),

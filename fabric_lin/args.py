@@ -39,8 +39,9 @@ class TrainArgs:
     """Stop with an error after this many consecutive steps with a non-finite loss or gradient norm"""
 
     def gradient_accumulation_iters(self, devices: int, num_nodes: int) -> int:
-        for key in ("micro_batch_size", "global_batch_size", "max_seq_length", "lr_warmup_steps", "max_nonfinite_steps"):
-            minimum = 0 if key == "lr_warmup_steps" else 1
+        minimums = {"micro_batch_size": 1, "global_batch_size": 1, "max_seq_length": 1, "lr_warmup_steps": 0,
+                    "max_nonfinite_steps": 1}
+        for key, minimum in minimums.items():
             if getattr(self, key) < minimum:
                 raise ValueError(f"train.{key} must be at least {minimum}, got {getattr(self, key)}")
         per_pass = self.micro_batch_size * devices * num_nodes

@@ -28,6 +28,7 @@ def generate_tokens(
     """prompt: [T] token ids. Returns the new tokens [<= max_new_tokens] (stops after eos_id). With
     `vocab_size`, only ids below it are sampled: a model may have more rows than its tokenizer has pieces
     (a padded vocabulary), and those ids decode to nothing."""
+    check_top_k(top_k)
     cache = model.new_cache()
     logits = model(prompt[None], cache=cache)[0, -1]  # the whole prompt in one chunked pass
     new_tokens = []
@@ -43,7 +44,6 @@ def generate_tokens(
 def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator=None) -> torch.Tensor:
     """One token from `logits` [V]: greedy at temperature <= 0, else among the `top_k` most likely
     tokens (None or 0: all of them, as in Hugging Face's `generate`)."""
-    check_top_k(top_k)
     logits = logits.float()
     if temperature <= 0:
         return logits.argmax(dim=-1)
