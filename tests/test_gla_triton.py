@@ -318,6 +318,7 @@ SEARCHED_SETTINGS = [
     {"dqk_early_loads": False},  # and after it
     {"output_warps": 16, "dqk_warps": 16},  # the search's 16-warp programs
     {"dqk_suffix": "product"},  # the gate gradient's sums from the chunk's end by a product, not a scan
+    {"separate_cumsum": False, "both_states_warps": 4},  # the gate's cumsum inside the forward state pass
 ]
 
 

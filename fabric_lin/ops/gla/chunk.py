@@ -798,7 +798,9 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # tiles keep them waiting longer (run Z4)
           "dqk_prefetch": True, "dqk_early_loads": "auto",
           # the gate's gradient sums db from the chunk's end: "scan" (a reverse cumulative sum along the rows,
-          # across the warps) or "product" (U @ db, U upper-triangular ones, on the tensor cores)
+          # across the warps) or "product" (U @ db, U upper-triangular ones, on the tensor cores). The product
+          # leaves the program 176 spilled registers where the scan leaves 26 (gla-340M layer): 1.53 against
+          # 1.37 ms there, 4.83 against 4.20 at 8K (run AA3)
           "dqk_suffix": "scan",
           # key tile width of the dv kernel: one tile covering K (K <= dv_BK) forms the decayed keys once for
           # all value tiles, where 64-wide tiles formed them again for each value tile (run Z3: 1.38 against
@@ -809,7 +811,13 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           "separate_scores": False, "scores_warps": 4,
           # the backward pass's state recomputation and state-gradient pass in one launch
           "fused_bwd_states": True,
-          # the forward's in-chunk cumulative gate by its own kernel (True) or inside the sequential state pass
+          # warps of that launch (twice the programs of one pass); 0: as the state passes (state_warps). 4 at 8K
+          # (256 programs; state_warps auto gives 8): 4.200 against 4.221 ms, at the gla-340M layer 1.377 against
+          # 1.373 (run AA4), within the runs' spread, so not the table's
+          "both_states_warps": 0,
+          # the forward's in-chunk cumulative gate by its own kernel (True) or inside the sequential state pass:
+          # 1.370 / 4.193 against 1.434 / 4.268 ms at the gla-340M layer and 8K (run AA2; with each chunk's scan
+          # after the previous chunk's product instead, 1.373 / 4.221 against 1.415 / 4.310, run AA4)
           "separate_cumsum": True,
           # state passes as chunk-parallel updates + an elementwise scan (True), as one sequential pass with
           # the matrix products inside (False), or the scan when the sequential pass would have fewer
@@ -1003,7 +1011,7 @@ def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, la
         q, k, v, gc, do, h, dh, initial_state, dht, dh0, cu_seqlens, chunk_offsets, scale, T, N * H, H, K, V, BT,
         BK, BV, USE_H0=initial_state is not None, USE_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"],
-        num_warps=_state_warps(K, V, N, H, q.device), num_stages=LAUNCH["state_stages"],
+        num_warps=LAUNCH["both_states_warps"] or _state_warps(K, V, N, H, q.device), num_stages=LAUNCH["state_stages"],
         **_register_cap("state"),
     )
     return h, dh, dh0

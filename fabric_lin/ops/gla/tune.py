@@ -30,8 +30,9 @@ SEARCH_SPACE: List[Dict[str, tuple]] = [
     # chunk's loads issued early (prefetch) took the place of a second pipeline stage, which lost
     {"state_BK": (64, 32), "state_BV": (64, 128, 32), "state_warps": ("auto", 4, 8), "state_prefetch": (True, False)},
     # forward output kernel; and below, dq/dk. 16 warps hold the same tiles in half the registers per thread
-    # (benchmarks/kernel_registers.py: 128 per thread, so one 16-warp program per SM where there are now two
-    # 4-warp output programs or one 8-warp dq/dk program), not yet timed on a GPU
+    # (benchmarks/kernel_registers.py: 128 per thread, one 16-warp program per SM where there are two 4-warp
+    # output programs or one 8-warp dq/dk program); on an H200 they lost at every shape (run AA1: 1.39 and
+    # 1.52 against 1.37 ms at the gla-340M layer, 4.29 and 5.03 against 4.18 at 8K)
     {"output_warps": (8, 4, 16), "BV_out": (128, 256), "separate_scores": (False, True)},
     {"scores_warps": (4, 8)},  # the separate score kernel, where chosen
     # a register cap (0: none) gives dv three programs per multiprocessor; on dq/dk and the output kernel
@@ -42,7 +43,8 @@ SEARCH_SPACE: List[Dict[str, tuple]] = [
     # key tiles of the chunk-parallel kernels: 32 gives dq/dk twice the programs, each holding smaller tiles
     {"BK": (64, 32)},
     {"stages": (1, 2)},  # pipelining of the other chunk-parallel kernels
-    {"fused_bwd_states": (True, False), "separate_cumsum": (True, False), "state_split": (False, True)},
+    {"fused_bwd_states": (True, False), "both_states_warps": (0, 4), "separate_cumsum": (True, False),
+     "state_split": (False, True)},
 ]
 
 
