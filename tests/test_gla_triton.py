@@ -13,12 +13,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from conftest import rel_rms  # noqa: E402
 
 from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, naive_recurrent_gla, recurrent_gla_step  # noqa: E402
-from fabric_lin.ops.gla.chunk import _dot_precision, _suffix_sums  # noqa: E402
 from fabric_lin.ops.gla.fused_recurrent import fused_recurrent_gla_step  # noqa: E402
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
@@ -98,13 +95,12 @@ def test_triton_varlen_matches_naive_fp32():
 
 @cpu_only
 @pytest.mark.parametrize(
-    "state_split,fused_bwd_states,separate_cumsum,separate_scores,state_prefetch,dqk_prefetch,dqk_early_loads,dqk_suffix", [
-        (False, False, False, False, True, True, False, "product"), (False, True, True, True, False, False, True, "scan"),
-        (False, True, True, False, True, True, True, "product"), (True, False, False, True, False, False, False, "scan"),
+    "state_split,fused_bwd_states,separate_cumsum,separate_scores,state_prefetch,dqk_prefetch,dqk_early_loads", [
+        (False, False, False, False, True, True, False), (False, True, True, True, False, False, True),
+        (False, True, True, False, True, True, True), (True, False, False, True, False, False, False),
     ])
 def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fused_bwd_states, separate_cumsum,
-                                                   separate_scores, state_prefetch, dqk_prefetch, dqk_early_loads,
-                                                   dqk_suffix):
+                                                   separate_scores, state_prefetch, dqk_prefetch, dqk_early_loads):
     # the state passes split K and V into 16-wide tiles here, the per-chunk kernels into 32-wide ones;
     # state_split picks the sequential pass with the products inside, or chunk-parallel updates + scan;
     # fused_bwd_states runs the backward's two sequential passes as one launch; separate_cumsum computes
@@ -112,15 +108,14 @@ def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fus
     # separate_scores computes the intra-chunk scores by their own kernel, which the output kernel reads;
     # state_prefetch has the sequential passes load the next chunk while the current one's products run;
     # dqk_prefetch has dq/dk's state part load the next value tile before the current one's products;
-    # dqk_early_loads has dq/dk load the chunk's q, k, gate and dA before its state part; dqk_suffix sums the
-    # gate's gradient from the chunk's end by a product with a triangular matrix or by a scan
+    # dqk_early_loads has dq/dk load the chunk's q, k, gate and dA before its state part
     from fabric_lin.ops.gla import chunk
 
     tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "dv_BK": 32, "scan_SK": 16,
              "scan_SV": 16, "state_maxnreg": 128, "output_maxnreg": 128, "dv_maxnreg": 128, "dqk_maxnreg": 128}
     settings = dict(tiles, state_split=state_split, fused_bwd_states=fused_bwd_states, separate_cumsum=separate_cumsum,
                     separate_scores=separate_scores, state_prefetch=state_prefetch, dqk_prefetch=dqk_prefetch,
-                    dqk_early_loads=dqk_early_loads, dqk_suffix=dqk_suffix)
+                    dqk_early_loads=dqk_early_loads)
     for key, value in settings.items():
         monkeypatch.setitem(chunk.LAUNCH, key, value)
     offsets = torch.tensor([0, 300, 330], dtype=torch.int32)  # 5 chunks, then 1
@@ -129,29 +124,6 @@ def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fus
     out = forward_backward(triton_gla, q, k, v, gk, h0, offsets)
     for name, a, b in zip(NAMES, out, ref):
         assert_close_scaled(a, b, name)
-
-
-@triton.jit
-def _suffix_sums_kernel(x, y, DOT_PREC: tl.constexpr):
-    offs = tl.arange(0, 64)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    tl.store(y + offs, _suffix_sums(tl.load(x + offs), 64, DOT_PREC))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_suffix_sums_product_keeps_fp32_precision(dtype):
-    # dq/dk can sum the gate's gradient from the chunk's end as a product with upper-triangular ones; for
-    # 16-bit inputs the fp32 terms go in as two bf16 parts, which must keep ~16 significant bits. Terms over
-    # six orders of magnitude, against a float64 suffix sum. In the interpreter bf16 products are not
-    # reliable, so that case needs a GPU.
-    if dtype != torch.float32 and not torch.cuda.is_available():
-        pytest.skip("bf16 products need a GPU (the interpreter gets them wrong)")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 64)[:, None]
-    y = torch.empty_like(x).to(device)
-    _suffix_sums_kernel[(1,)](x.to(device), y, DOT_PREC=_dot_precision(dtype))
-    ref = x.double().flip(0).cumsum(0).flip(0)
-    error = ((y.cpu().double() - ref).norm() / ref.norm()).item()
-    assert error < 1e-5, f"relative error {error:.2e} of the suffix sums ({dtype} inputs)"
 
 
 def naive_from_logits(q, k, v, logits, **kwargs):
@@ -317,7 +289,6 @@ SEARCHED_SETTINGS = [
     {"dqk_early_loads": True},  # dq/dk's q, k, gate and dA loaded before its state part at every V
     {"dqk_early_loads": False},  # and after it
     {"output_warps": 16, "dqk_warps": 16},  # the search's 16-warp programs
-    {"dqk_suffix": "product"},  # the gate gradient's sums from the chunk's end by a product, not a scan
     {"separate_cumsum": False, "both_states_warps": 4},  # the gate's cumsum inside the forward state pass
 ]
 

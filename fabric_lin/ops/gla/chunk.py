@@ -686,27 +686,10 @@ def _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H: tl.constexpr,
 
 
 @triton.jit
-def _suffix_sums(db, BT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """sum_{j >= i} db_j for every row i of db ([BT, BK] fp32), as the product U @ db with U[i, j] = (j >= i).
-    The rows are spread over the warps, so a scan along them goes through shared memory and barriers at
-    every step; the product is one pass through shared memory. For 16-bit inputs db goes in as two bf16
-    parts, db = hi + lo to 16 significant bits, whose products with 0 and 1 accumulate in fp32; fp32 inputs
-    take one exact fp32 product."""
-    o_t = tl.arange(0, BT)
-    upper = o_t[None, :] >= o_t[:, None]
-    if DOT_PREC == "ieee":
-        return tl.dot(tl.where(upper, 1.0, 0.0), db, input_precision="ieee")
-    ones = tl.where(upper, 1.0, 0.0).to(tl.bfloat16)
-    hi = db.to(tl.bfloat16)
-    lo = (db - hi.to(tl.float32)).to(tl.bfloat16)
-    return tl.dot(ones, lo, tl.dot(ones, hi))
-
-
-@triton.jit
 def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer, T,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, FROM_LOGITS: tl.constexpr,
-                    PREFETCH: tl.constexpr, EARLY_LOADS: tl.constexpr, SUFFIX_BY_PRODUCT: tl.constexpr):
+                    PREFETCH: tl.constexpr, EARLY_LOADS: tl.constexpr):
     """dq, dk, dgk of one chunk, one head, one tile of key columns; FROM_LOGITS: dg gets the gradient of
     the gate's logits instead, dgk * d logsigmoid(x) / dx / normalizer = dgk * sigmoid(-x) / normalizer.
     The state part comes first, so that its tiles are dead by the time the intra-chunk part's are live
@@ -753,12 +736,11 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
     b_k = b_k.to(tl.float32)
     b_dq += dA_diag * b_k
     b_dk += dA_diag * b_q
-    # the gate: db_i = (q_i scale) dq_i - k_i dk_i, summed from the chunk's end, plus the last row's term
+    # the gate: db_i = (q_i scale) dq_i - k_i dk_i, summed from the chunk's end, plus the last row's term. One
+    # reverse scan: a sum and a forward scan left 54 spilled registers at the gla-340M layer, this 26, same
+    # time; the sums as a product with triangular ones on the tensor cores spilled 176, 12-15% slower (run AA3)
     db = b_q * b_dq - b_k * b_dk
-    if SUFFIX_BY_PRODUCT:
-        b_dg = _suffix_sums(db, BT, DOT_PREC) + db_last[None, :]
-    else:
-        b_dg = tl.cumsum(db, axis=0, reverse=True) + db_last[None, :]
+    b_dg = tl.cumsum(db, axis=0, reverse=True) + db_last[None, :]
     if FROM_LOGITS:
         x = tl.load(logits + i_h * K + offs, mask=m_tk, other=0.0).to(tl.float32)
         sigmoid_neg_x = tl.exp(tl.minimum(-x, 0.0)) / (1.0 + tl.exp(-tl.abs(x)))  # no exp of a positive number
@@ -797,11 +779,6 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # against 2.57 at 32K (V = 128), but 1.57 against 1.46 at the gla-340M layer, whose four value
           # tiles keep them waiting longer (run Z4)
           "dqk_prefetch": True, "dqk_early_loads": "auto",
-          # the gate's gradient sums db from the chunk's end: "scan" (a reverse cumulative sum along the rows,
-          # across the warps) or "product" (U @ db, U upper-triangular ones, on the tensor cores). The product
-          # leaves the program 176 spilled registers where the scan leaves 26 (gla-340M layer): 1.53 against
-          # 1.37 ms there, 4.83 against 4.20 at 8K (run AA3)
-          "dqk_suffix": "scan",
           # key tile width of the dv kernel: one tile covering K (K <= dv_BK) forms the decayed keys once for
           # all value tiles, where 64-wide tiles formed them again for each value tile (run Z3: 1.38 against
           # 1.47 ms at the gla-340M layer, 4.28 against 4.46 at 8K, 2.53 against 2.62 at 32K)
@@ -1089,8 +1066,7 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
     _bwd_dqk_kernel[(triton.cdiv(K, BK),) + grid](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
         BT, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
-        PREFETCH=LAUNCH["dqk_prefetch"], EARLY_LOADS=_dqk_early_loads(V),
-        SUFFIX_BY_PRODUCT=LAUNCH["dqk_suffix"] == "product", num_warps=LAUNCH["dqk_warps"],
+        PREFETCH=LAUNCH["dqk_prefetch"], EARLY_LOADS=_dqk_early_loads(V), num_warps=LAUNCH["dqk_warps"],
         num_stages=LAUNCH["dqk_stages"], **_register_cap("dqk"),
     )
     return dq, dk, dv, dg, dh0

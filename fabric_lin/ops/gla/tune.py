@@ -39,7 +39,7 @@ SEARCH_SPACE: List[Dict[str, tuple]] = [
     # caps spilled and lost on an H200 (tutorials/performance.md), as did a second pipeline stage for dq/dk,
     # so the search leaves those keys as the table has them
     {"dv_warps": (4, 8), "dv_maxnreg": (168, 0)},
-    {"dqk_warps": (8, 4, 16), "dqk_suffix": ("scan", "product")},
+    {"dqk_warps": (8, 4, 16)},
     # key tiles of the chunk-parallel kernels: 32 gives dq/dk twice the programs, each holding smaller tiles
     {"BK": (64, 32)},
     {"stages": (1, 2)},  # pipelining of the other chunk-parallel kernels
