@@ -252,12 +252,14 @@ def test_nonfinite_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
     assert moments and all(float(m["step"]) == 0 and not m["exp_avg"].any() and not m["exp_avg_sq"].any() for m in moments)
 
 
-def kill_tally(kills: int, workdir: Path, seed: int = 0) -> None:
+def kill_tally(kills: int, workdir: Path, seed: int = 0) -> int:
     """`kills` trials: start a fresh run, SIGKILL it at a random moment, resume it with --resume auto to
     the end, and compare with the reference exactly. The moment: after a random number of logged steps
     (0 = during start-up) plus a random delay of up to 1.5 steps, so it falls on start-up, data loading,
     forward, backward, optimizer step or a checkpoint write whatever the machine's speed. A trial whose
-    run finished before the kill is retried; only real kills count."""
+    run finished before the kill is retried; only real kills count. An exact trial's run directory is
+    removed once compared (each holds ~100 MB of checkpoints), a different one kept with its log.
+    Returns the number of exact trials."""
     rng = random.Random(seed)
     reference = workdir / "reference"
     if reference.exists():
@@ -278,8 +280,6 @@ def kill_tally(kills: int, workdir: Path, seed: int = 0) -> None:
     while trial < kills:
         out = workdir / f"trial{trial + 1:03d}"
         if out.exists():
-            import shutil
-
             shutil.rmtree(out)
         after_step = rng.randint(0, STEPS - 1)
         delay = rng.uniform(0.0, 1.5 * step_seconds)
@@ -299,11 +299,13 @@ def kill_tally(kills: int, workdir: Path, seed: int = 0) -> None:
             assert_same_run(out, reference)
             exact += 1
             verdict = "exact"
+            shutil.rmtree(out)
         except AssertionError as e:
-            verdict = f"DIFFERENT: {e}"
+            verdict = f"DIFFERENT: {e} (kept: {out})"
         where = "while saving a checkpoint" if saving else "between/inside steps"
         print(f"trial {trial}: killed after step {killed_at} (+{delay:.2f}s), {where}: {verdict}", flush=True)
     print(f"{exact}/{kills} exact ({mid_save} kills hit a checkpoint write)")
+    return exact
 
 
 if __name__ == "__main__":
@@ -314,4 +316,8 @@ if __name__ == "__main__":
     parser.add_argument("--kills", type=int, default=100)
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
-    kill_tally(args.kills, args.workdir or Path(tempfile.mkdtemp(prefix="fabric-lin-kills-")))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fabric-lin-kills-"))
+    if kill_tally(args.kills, workdir) == args.kills and args.workdir is None:
+        shutil.rmtree(workdir)  # a temporary directory with nothing left to inspect
+    else:
+        print(f"runs and logs in {workdir}")
