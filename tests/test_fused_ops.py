@@ -253,7 +253,7 @@ def test_swiglu_linear_casts_the_weight_to_the_activations_dtype():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_cross_entropy_matches_reference(dtype):
     g = torch.Generator().manual_seed(3)
-    N, d, V = 37, 16, 300  # several row chunks and vocabulary blocks, the last ones partial
+    N, d, V = 37, 16, 300  # several row chunks, the last partial; one vocabulary block, partly padding
     hidden = torch.randn(N, d, generator=g).to(DEVICE, dtype)
     weight = (0.5 * torch.randn(V, d, generator=g)).to(DEVICE, dtype)
     targets = torch.randint(0, V, (N,), generator=g)
@@ -324,3 +324,142 @@ def test_ops_compile_without_graph_breaks():
     ref.backward()
     for a, b, name in zip(ins, ins_ref, ["dx", "dres", "dgate", "dw", "dweight"]):
         check(a.grad, b.grad, torch.float32, name)
+
+
+def rms_norm_64(x, weight, eps):
+    """RMSNorm in float64, the independent reference of the edge-case tests below."""
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def test_norm_ops_give_a_zero_weight_gradient_for_zero_rows():
+    # an empty batch: no row contributes to the weight's gradient, which must be zeros, not whatever
+    # memory the partial sums were given (deterministic mode fills uninitialised memory with NaN)
+    x = torch.randn(0, 48, device=DEVICE)
+    deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)  # warn_only: cuBLAS would refuse its default workspace
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        calls = {
+            "rms_norm": lambda x, w: rms_norm(x, w, backend="triton"),
+            "rms_norm residual": lambda x, w: rms_norm(x, w, residual=torch.zeros_like(x), backend="triton")[0],
+            "rms_norm_gated": lambda x, w: rms_norm_gated(x, torch.ones_like(x), w, backend="triton"),
+            "rms_norm_linears": lambda x, w: rms_norm_linears(x, w, 1e-6, [torch.ones(8, 48, device=DEVICE)],
+                                                              backend="triton")[0],
+        }
+        for name, call in calls.items():
+            x_in, w = leaves(x, torch.ones(48, device=DEVICE))
+            call(x_in, w).sum().backward()
+            assert x_in.grad.shape == (0, 48), name
+            assert torch.equal(w.grad, torch.zeros(48, device=DEVICE)), f"{name}: dweight {w.grad[:4].tolist()}..."
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def test_norm_ops_read_a_strided_weight():
+    # a norm weight that is a strided view (a column of a [D, 2] tensor): the kernels index it as dense
+    g = torch.Generator().manual_seed(12)
+    x, gate = (torch.randn(3, 2, 40, generator=g).to(DEVICE) for _ in range(2))
+    proj = (0.2 * torch.randn(8, 80, generator=g)).to(DEVICE)
+    w_base = (1 + 0.1 * torch.randn(40, 2, generator=g)).to(DEVICE)
+    calls = {
+        "rms_norm": (lambda w: rms_norm(x, w, 1e-6, backend="triton"), lambda w: rms_norm_64(x, w, 1e-6)),
+        "rms_norm_gated": (lambda w: rms_norm_gated(x, gate, w, 1e-5, backend="triton"),
+                           lambda w: rms_norm_64(x, w, 1e-5) * F.silu(gate.double())),
+        "rms_norm_gated_linear": (lambda w: rms_norm_gated_linear(x, gate, w, 1e-5, proj, backend="triton"),
+                                  lambda w: (rms_norm_64(x, w, 1e-5) * F.silu(gate.double())).reshape(3, 80)
+                                  @ proj.double().t()),
+        "rms_norm_linears": (lambda w: rms_norm_linears(x, w, 1e-6, [proj[:, :40]], backend="triton")[0],
+                             lambda w: rms_norm_64(x, w, 1e-6) @ proj[:, :40].double().t()),
+    }
+    for name, (call, ref_call) in calls.items():
+        w = w_base.clone().requires_grad_(True)
+        w_64 = w_base.double().requires_grad_(True)
+        out, ref = call(w[:, 0]), ref_call(w_64[:, 0])
+        check(out, ref, torch.float32, name)
+        check(grads_of(out, [w])[0], grads_of(ref, [w_64])[0], torch.float32, f"{name} dweight")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_linear_cross_entropy_with_no_counted_target_is_zero_on_both_backends(backend):
+    # every target ignored, or no rows: the mean over no rows is 0 with zero gradients (as the model's
+    # chunked_cross_entropy gives), on either backend, not NaN on one and 0 on the other
+    g = torch.Generator().manual_seed(13)
+    hidden, weight = torch.randn(6, 8, generator=g).to(DEVICE), torch.randn(20, 8, generator=g).to(DEVICE)
+    for n in (6, 0):
+        h_in, w_in = leaves(hidden[:n], weight)
+        loss = linear_cross_entropy(h_in, w_in, torch.full((n,), -100, device=DEVICE), backend=backend)
+        assert loss.item() == 0.0, f"{n} rows: loss {loss.item()}"
+        loss.backward()
+        assert torch.equal(h_in.grad, torch.zeros_like(h_in)) and torch.equal(w_in.grad, torch.zeros_like(w_in))
+
+
+@pytest.mark.parametrize("bad_target", [20, -1])
+def test_linear_cross_entropy_does_not_turn_an_out_of_range_target_into_a_loss(bad_target):
+    # a target outside [0, V) that is not ignore_index: the PyTorch path raises; the kernel, which cannot
+    # raise without a host sync, gives NaN (which the training loop reports and skips) rather than
+    # reading a logit outside the row
+    g = torch.Generator().manual_seed(14)
+    hidden, weight = torch.randn(4, 8, generator=g).to(DEVICE), torch.randn(20, 8, generator=g).to(DEVICE)
+    targets = torch.tensor([1, bad_target, 3, -100], device=DEVICE)
+    h_in, w_in = leaves(hidden, weight)
+    loss = linear_cross_entropy(h_in, w_in, targets, backend="triton")
+    assert torch.isnan(loss), f"target {bad_target} of a vocabulary of 20 gave the loss {loss.item()}"
+    loss.backward()
+    assert torch.isnan(h_in.grad[1]).all() and torch.isfinite(h_in.grad[[0, 2, 3]]).all()
+    with pytest.raises(IndexError, match=f"Target {bad_target} is out of bounds"):
+        linear_cross_entropy(hidden, weight, targets, backend="torch")
+
+
+def test_linear_cross_entropy_rejects_a_bad_chunk_size_and_float_targets():
+    hidden, weight, targets = torch.randn(4, 8), torch.randn(20, 8), torch.tensor([1, 2, 3, 4])
+    for chunk_size in (0, -1):
+        with pytest.raises(ValueError, match=f"chunk_size must be a positive int, got {chunk_size}"):
+            linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, backend="triton")
+    with pytest.raises(ValueError, match="targets must be integer class indices, got torch.float32"):
+        linear_cross_entropy(hidden, weight, targets.float(), backend="triton")
+
+
+def test_linear_cross_entropy_over_several_vocabulary_blocks():
+    # V above the kernel's 4096-wide block: the running max and sum are merged across blocks, the last
+    # one partial; rows whose largest logit lies in the first block, and in the second
+    g = torch.Generator().manual_seed(15)
+    N, d, V = 5, 8, 5001
+    hidden = torch.randn(N, d, generator=g).to(DEVICE)
+    weight = torch.randn(V, d, generator=g).to(DEVICE)
+    weight[[7, 4900]] *= 4  # large logits in either block
+    targets = torch.tensor([7, 4900, 4096, -100, 5000], device=DEVICE)
+    h_in, w_in = leaves(hidden, weight)
+    h_64, w_64 = leaves(hidden.double(), weight.double())
+    out = linear_cross_entropy(h_in, w_in, targets, chunk_size=2, backend="triton")
+    ref = F.cross_entropy(h_64 @ w_64.t(), targets)
+    check(out, ref, torch.float32, "loss")
+    out.backward()
+    ref.backward()
+    check(h_in.grad, h_64.grad, torch.float32, "dhidden")
+    check(w_in.grad, w_64.grad, torch.float32, "dweight")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_paths_match_float64(dtype):
+    # the PyTorch references themselves (the CPU path, and what the kernels are compared with), odd sizes
+    g = torch.Generator().manual_seed(16)
+    x, r, gate = (torch.randn(3, 100, generator=g).to(DEVICE, dtype) for _ in range(3))
+    w = (1 + 0.1 * torch.randn(100, generator=g)).to(DEVICE, dtype)
+    lm_head = (0.1 * torch.randn(7, 100, generator=g)).to(DEVICE, dtype)
+    targets = torch.tensor([5, -100, 6], device=DEVICE)
+    y, h = rms_norm(x, w, 1e-6, residual=r, backend="torch")
+    h_64 = x.double() + r.double()
+    pairs = [
+        (y, rms_norm_64(h_64, w, 1e-6), "rms_norm"), (h, h_64, "h"),
+        (rms_norm_gated(x, gate, w, 1e-5, backend="torch"), rms_norm_64(x, w, 1e-5) * F.silu(gate.double()),
+         "rms_norm_gated"),
+        (swiglu(x, gate, backend="torch"), F.silu(x.double()) * gate.double(), "swiglu"),
+        (linear_cross_entropy(x, lm_head, targets, backend="torch"),
+         F.cross_entropy(x.double() @ lm_head.double().t(), targets), "linear_cross_entropy"),
+    ]
+    for a, b, name in pairs:
+        assert a.dtype == (torch.float32 if name == "linear_cross_entropy" else dtype), name
+        check_against_fp32(a, b, dtype, name)

@@ -17,17 +17,23 @@ import triton.language as tl
 
 
 def linear_cross_entropy_ref(hidden, weight, targets, ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy of hidden @ weight^T against targets over the rows whose target is not ignore_index."""
-    return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=ignore_index)
+    """Mean cross-entropy of hidden @ weight^T against targets over the rows whose target is not ignore_index
+    (0 when there are none, as the kernel and the model's chunked_cross_entropy give, not F.cross_entropy's NaN)."""
+    total = F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=ignore_index, reduction="sum")
+    return total / (targets != ignore_index).sum().clamp(min=1)
 
 
 @triton.jit
 def _ce_rows_kernel(logits, targets, loss, stride, V, ignore_index, BV: tl.constexpr):
-    """Loss of one row, and its logits replaced by softmax - onehot (zeros for an ignored row)."""
+    """Loss of one row, and its logits replaced by softmax - onehot (zeros for an ignored row). A target
+    outside [0, V) gives NaN loss and gradient: raising would need a host sync every step, and the
+    training loop reports and skips a non-finite loss."""
     row = tl.program_id(0).to(tl.int64)
     ptr = logits + row * stride
-    target = tl.load(targets + row).to(tl.int32)
-    valid = target != ignore_index
+    t = tl.load(targets + row)
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < V)
+    target = t.to(tl.int32)
     cols = tl.arange(0, BV)
     m_vec = tl.full([BV], float("-inf"), tl.float32)
     s_vec = tl.zeros([BV], dtype=tl.float32)
@@ -39,13 +45,13 @@ def _ce_rows_kernel(logits, targets, loss, stride, V, ignore_index, BV: tl.const
         m_vec = m_new
     m = tl.max(m_vec, axis=0)
     lse = m + tl.log(tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
-    x_target = tl.load(ptr + tl.where(valid, target, 0)).to(tl.float32)
-    tl.store(loss + row, tl.where(valid, lse - x_target, 0.0))
+    x_target = tl.load(ptr + tl.where(valid & in_range, target, 0)).to(tl.float32)
+    tl.store(loss + row, tl.where(valid, tl.where(in_range, lse - x_target, float("nan")), 0.0))
     for start in range(0, V, BV):
         mask = start + cols < V
         x = tl.load(ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
         grad = tl.exp(x - lse) - tl.where(start + cols == target, 1.0, 0.0)
-        grad = tl.where(valid, grad, 0.0)
+        grad = tl.where(valid, tl.where(in_range, grad, float("nan")), 0.0)
         tl.store(ptr + start + cols, grad.to(logits.dtype.element_ty), mask=mask)
 
 
@@ -107,7 +113,8 @@ def linear_cross_entropy(
     chunk_size: int = 4096,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Mean cross-entropy of hidden [N, d] @ weight[V, d]^T against targets [N] (ignore_index rows left out)."""
+    """Mean cross-entropy of hidden [N, d] @ weight[V, d]^T against targets [N] (ignore_index rows left out).
+    A target outside [0, V) raises on the PyTorch path and makes the loss NaN on the Triton path."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
@@ -115,6 +122,10 @@ def linear_cross_entropy(
             f"expected hidden [N, d], weight [V, d], targets [N], got {tuple(hidden.shape)}, {tuple(weight.shape)}, "
             f"{tuple(targets.shape)}"
         )
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer class indices, got {targets.dtype}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if backend == "torch" or (backend == "auto" and not hidden.is_cuda):
         return linear_cross_entropy_ref(hidden, weight, targets, ignore_index)
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):

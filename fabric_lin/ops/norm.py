@@ -105,6 +105,7 @@ def _fwd(x, residual, gate, weight, eps):
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     n = x2.shape[0]
+    weight = weight.contiguous()  # the kernels index it as dense
     y = torch.empty_like(x2)
     h = torch.empty_like(x2) if residual is not None else x2
     rstd = torch.empty(n, device=x.device, dtype=torch.float32)
@@ -121,12 +122,14 @@ def _bwd(h, gate, weight, rstd, dy, dh_extra):
     D = h.shape[-1]
     h2 = h.reshape(-1, D)
     n = h2.shape[0]
+    weight = weight.contiguous()
     dx = torch.empty_like(h2)
     dg = torch.empty_like(gate.reshape(-1, D)) if gate is not None else None
     BD, warps = _rows(D)
     programs = max(1, min(n, 4 * (torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2)))
     rows_per_program = triton.cdiv(max(n, 1), programs)
-    dw_part = torch.empty(programs, D, device=h.device, dtype=torch.float32)  # every program writes its whole row
+    # every launched program writes its whole row; with no rows nothing is launched and the sum is zero
+    dw_part = (torch.empty if n > 0 else torch.zeros)(programs, D, device=h.device, dtype=torch.float32)
     if n > 0:
         _norm_bwd_kernel[(programs,)](
             h2, gate.reshape(-1, D) if gate is not None else None, weight, rstd, dy.reshape(-1, D).contiguous(),
