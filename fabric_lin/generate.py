@@ -28,16 +28,19 @@ def generate_tokens(
     """prompt: [T] token ids. Returns the new tokens [<= max_new_tokens] (stops after eos_id). With
     `vocab_size`, only ids below it are sampled: a model may have more rows than its tokenizer has pieces
     (a padded vocabulary), and those ids decode to nothing."""
-    check_top_k(top_k)
+    check_generation_args(max_new_tokens, temperature, top_k)
+    if prompt.dim() != 1 or len(prompt) == 0:
+        raise ValueError(f"prompt must be a 1-D tensor of at least one token id, got shape {tuple(prompt.shape)}")
     cache = model.new_cache()
-    logits = model(prompt[None], cache=cache)[0, -1]  # the whole prompt in one chunked pass
+    input_ids = prompt[None]  # the whole prompt in one chunked pass, then one token at a time
     new_tokens = []
-    for _ in range(max_new_tokens):
+    for _ in range(max_new_tokens):  # a pass only when its logits are sampled: none after the last token
+        logits = model(input_ids, cache=cache)[0, -1]
         token = sample(logits[:vocab_size], temperature, top_k, generator)
         new_tokens.append(token)
         if eos_id is not None and token.item() == eos_id:
             break
-        logits = model(token.view(1, 1), cache=cache)[0, -1]
+        input_ids = token.view(1, 1)
     return torch.stack(new_tokens) if new_tokens else prompt.new_empty(0)
 
 
@@ -53,6 +56,14 @@ def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], gener
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def check_generation_args(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be 0 or a positive number, got max_new_tokens={max_new_tokens}")
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"temperature must be 0 (greedy) or positive, got temperature={temperature}")
+    check_top_k(top_k)
 
 
 def check_top_k(top_k: Optional[int]) -> None:
@@ -102,7 +113,7 @@ def main(
     dtypes = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
     if precision not in dtypes:
         raise ValueError(f"precision must be one of {sorted(dtypes)}, got {precision!r}")
-    check_top_k(top_k)  # before the model is loaded, which takes minutes for a large one
+    check_generation_args(max_new_tokens, temperature, top_k)  # before loading the model, minutes for a large one
 
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, device, dtypes[precision])

@@ -1,0 +1,248 @@
+"""Decoding against independent references: incremental decoding (GLA state, transformer KV cache) against
+a full forward pass, `generate_tokens` against argmax / sampling of full-forward logits, the decoding step
+against a float64 loop, and the errors for bad arguments."""
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fabric_lin.config import Config
+from fabric_lin.generate import generate_tokens, sample
+from fabric_lin.model import GPT
+from fabric_lin.ops.gla import recurrent_gla_step
+
+NAMES = ["gla-debug", "transformer-debug"]
+# around the chunk size of 64: one token, one short of a chunk, a full chunk, one over, two chunks and a bit
+PROMPT_LENGTHS = [1, 63, 64, 65, 130]
+
+
+def debug_model(name: str, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(Config.from_name(name)).eval()
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def model(request):
+    return debug_model(request.param)
+
+
+@pytest.mark.parametrize("prompt", PROMPT_LENGTHS)
+def test_prefill_then_steps_match_full_forward(model, prompt):
+    ids = torch.randint(0, model.config.vocab_size, (2, prompt + 4), generator=torch.Generator().manual_seed(prompt))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :prompt], cache=cache)]
+        steps += [model(ids[:, t : t + 1], cache=cache) for t in range(prompt, ids.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_every_token_decoded_one_at_a_time_matches_full_forward(model):
+    # no chunked prefill at all: the decoding step alone carries the state across two chunk boundaries
+    ids = torch.randint(0, model.config.vocab_size, (1, 130), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, t : t + 1], cache=cache) for t in range(ids.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_prompts_appended_to_a_gla_state_match_full_forward():
+    model = debug_model("gla-debug")
+    ids = torch.randint(0, model.config.vocab_size, (2, 140), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        parts = [model(ids[:, a:b], cache=cache) for a, b in [(0, 65), (65, 66), (66, 140)]]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("prompt", [1, 65, 130])
+def test_greedy_generation_is_argmax_of_full_forward(model, prompt):
+    ids = torch.randint(0, model.config.vocab_size, (prompt,), generator=torch.Generator().manual_seed(3))
+    new = generate_tokens(model, ids, max_new_tokens=5, temperature=0.0)
+    assert new.shape == (5,)
+    with torch.no_grad():
+        logits = model(torch.cat([ids, new])[None])[0]
+    # the token at step i is the argmax of the full forward's logits at the position before it
+    assert new.tolist() == logits[prompt - 1 : -1].argmax(-1).tolist()
+
+
+def test_sampling_equals_sampling_full_forward_logits_with_the_same_generator(model):
+    temperature, top_k, n = 0.7, 20, 6
+    ids = torch.randint(0, model.config.vocab_size, (65,), generator=torch.Generator().manual_seed(4))
+    new = generate_tokens(model, ids, n, temperature, top_k, generator=torch.Generator().manual_seed(5))
+
+    g = torch.Generator().manual_seed(5)
+    seq = ids
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(seq[None])[0, -1].double() / temperature
+            kth = logits.sort(descending=True).values[top_k - 1]
+            probs = F.softmax(logits.masked_fill(logits < kth, -math.inf), dim=-1)
+            seq = torch.cat([seq, torch.multinomial(probs.float(), 1, generator=g)])
+    assert new.tolist() == seq[len(ids) :].tolist()
+
+
+def test_sample_follows_softmax_of_logits_over_temperature_within_top_k():
+    logits = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(logits, 0.5, 2, g) for _ in range(3000)])
+    frequencies = torch.bincount(draws, minlength=4) / 3000
+    # softmax([4, 6]) over the two kept tokens: 0.1192, 0.8808
+    torch.testing.assert_close(frequencies, torch.tensor([0.0, 0.0, 0.1192, 0.8808]), rtol=0, atol=0.02)
+    assert sample(logits, 0.0, None).item() == 3
+
+
+def test_generation_stops_after_eos_and_keeps_it():
+    model = debug_model("gla-debug")
+    ids = torch.tensor([5, 6, 7])
+    greedy = generate_tokens(model, ids, 4, temperature=0.0)
+    eos = greedy[1].item()
+    assert eos != greedy[0].item()
+    assert generate_tokens(model, ids, 4, temperature=0.0, eos_id=eos).tolist() == greedy[:2].tolist()
+
+
+def count_forward_calls(model: GPT) -> list:
+    calls = []
+    model.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[1]))
+    return calls
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, 1, 3])
+def test_generation_runs_no_forward_pass_whose_logits_are_unused(max_new_tokens):
+    # one pass for the prompt, one per new token after the first; a last step's logits would be thrown away
+    model = debug_model("gla-debug")
+    calls = count_forward_calls(model)
+    new = generate_tokens(model, torch.tensor([5, 6, 7]), max_new_tokens, temperature=0.0)
+    assert len(new) == max_new_tokens
+    assert calls == ([3] + [1] * (max_new_tokens - 1) if max_new_tokens else [])
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, match",
+    [
+        (torch.tensor([], dtype=torch.long), {}, "prompt"),
+        (torch.tensor([[1, 2, 3]]), {}, "prompt"),
+        (torch.tensor([1, 2, 3]), {"max_new_tokens": -1}, "max_new_tokens=-1"),
+        (torch.tensor([1, 2, 3]), {"temperature": -0.5}, "temperature=-0.5"),
+        (torch.tensor([1, 2, 3]), {"temperature": float("nan")}, "temperature=nan"),
+    ],
+    ids=["empty-prompt", "batched-prompt", "negative-max-new-tokens", "negative-temperature", "nan-temperature"],
+)
+def test_bad_arguments_are_refused_by_name(prompt, kwargs, match):
+    model = debug_model("gla-debug")
+    kwargs = {"max_new_tokens": 3, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        generate_tokens(model, prompt, **kwargs)
+
+
+def test_generate_cli_refuses_negative_max_new_tokens(tmp_path):
+    from fabric_lin.generate import main as generate
+    from test_convert_hf import make_model_dir, small_config
+
+    make_model_dir(tmp_path / "model", small_config())
+    with pytest.raises(ValueError, match="max_new_tokens=-2"):
+        generate(tmp_path / "model", prompt="the model", max_new_tokens=-2, device="cpu")
+
+
+def float64_steps(q, k, v, gk, state):
+    """The recurrence token by token in float64: q, k, gk [B, T, H, K], v [B, T, H, V]."""
+    q, k, v, gk, state = (x.double() for x in (q, k, v, gk, state))
+    outs = []
+    for t in range(q.shape[1]):
+        state = gk[:, t].exp()[..., None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * q.shape[-1] ** -0.5, state))
+    return torch.stack(outs, dim=1), state
+
+
+def step_inputs(B, T, H, K, V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g)
+    v = torch.randn(B, T, H, V, generator=g)
+    # gate logits from strongly closed (-20) to open: decays from ~exp(-1.25) to ~1 per step
+    gk = F.logsigmoid(torch.randn(B, T, H, K, generator=g) * 8) / 16
+    return q, k, v, gk, torch.randn(B, H, K, V, generator=g)
+
+
+def run_steps(step, q, k, v, gk, state):
+    outs = []
+    for t in range(q.shape[1]):
+        o, state = step(q[:, t], k[:, t], v[:, t], gk[:, t], state)
+        outs.append(o)
+    return torch.stack(outs, dim=1), state
+
+
+def test_recurrent_step_matches_float64_loop():
+    q, k, v, gk, h0 = step_inputs(2, 40, 3, 24, 20)
+    o, s = run_steps(recurrent_gla_step, q, k, v, gk, h0)
+    o_ref, s_ref = float64_steps(q, k, v, gk, h0)
+    assert s.dtype == torch.float32
+    torch.testing.assert_close(o, o_ref.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s, s_ref.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernel in Triton's interpreter, on CPU-only machines")
+@pytest.mark.parametrize("K,V", [(32, 64), (256, 80)])  # 256: gla-1.3B's head width, the narrower value tiles
+def test_fused_step_matches_float64_loop(K, V):
+    from fabric_lin.ops.gla.fused_recurrent import fused_recurrent_gla_step
+
+    q, k, v, gk, h0 = step_inputs(1, 6, 2, K, V)
+    o, s = run_steps(lambda *a: fused_recurrent_gla_step(*a, backend="triton"), q, k, v, gk, h0)
+    o_ref, s_ref = float64_steps(q, k, v, gk, h0)
+    torch.testing.assert_close(o, o_ref.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s, s_ref.float(), rtol=1e-4, atol=1e-4)
+    # from no state: the first step of a sequence
+    o, s = fused_recurrent_gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], None, backend="triton")
+    o_ref, s_ref = float64_steps(q[:, :1], k[:, :1], v[:, :1], gk[:, :1], torch.zeros_like(h0))
+    torch.testing.assert_close(o, o_ref[:, 0].float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s, s_ref.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels in Triton's interpreter, on CPU-only machines")
+@pytest.mark.parametrize("prompt", [1, 65])
+def test_fused_decoding_path_matches_full_forward(monkeypatch, prompt):
+    # the model's CUDA path (fused norms, Triton prefill from no state, the fused step) in the interpreter
+    import fabric_lin.model as model_module
+    from test_model_fused import use_triton_ops
+
+    use_triton_ops(monkeypatch)
+    for fn in ("chunk_gla", "fused_recurrent_gla_step"):
+        monkeypatch.setattr(model_module, fn, functools.partial(getattr(model_module, fn), backend="triton"))
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("gla-debug", num_layers=1)).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt + 3), generator=torch.Generator().manual_seed(prompt))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :prompt], cache=cache)]
+        steps += [model(ids[:, t : t + 1], cache=cache) for t in range(prompt, ids.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_decoding_matches_full_forward(name, dtype):
+    # the CUDA path: fused norms, the Triton chunked prefill and the fused decoding step
+    from conftest import rel_rms
+
+    model = debug_model(name).to("cuda", dtype)
+    for prompt in PROMPT_LENGTHS:
+        g = torch.Generator().manual_seed(prompt)
+        ids = torch.randint(0, model.config.vocab_size, (2, prompt + 4), generator=g).cuda()
+        with torch.no_grad():
+            full = model(ids).float()
+            cache = model.new_cache()
+            steps = [model(ids[:, :prompt], cache=cache)]
+            steps += [model(ids[:, t : t + 1], cache=cache) for t in range(prompt, ids.shape[1])]
+        decoded = torch.cat(steps, dim=1).float()
+        assert rel_rms(decoded, full) < (1e-3 if dtype == torch.float32 else 3e-2), (prompt, rel_rms(decoded, full))
+    if dtype == torch.float32:
+        ids = torch.arange(65, device="cuda") * 7
+        new = generate_tokens(model, ids, max_new_tokens=5, temperature=0.0)
+        with torch.no_grad():
+            logits = model(torch.cat([ids, new])[None])[0]
+        assert new.tolist() == logits[64:-1].argmax(-1).tolist()
