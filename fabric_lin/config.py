@@ -1,6 +1,7 @@
 """Model configurations: one `Config` dataclass and the named models as plain data."""
 import difflib
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -35,21 +36,48 @@ class Config:
     max_seq_length: int = 2048
 
     def __post_init__(self):
+        # YAML hands over whatever was written ('128' quoted, a quoted "false" that is truthy), so the
+        # types are checked before any arithmetic turns them into an obscure error or a silent change
+        optional = {"num_kv_heads", "intermediate_size"} | ({"hidden_ratio"} if self.intermediate_size is not None else set())
+        for name, kind in _FIELD_KINDS.items():
+            value = getattr(self, name)
+            if not (value is None and name in optional or _is_kind(value, kind)):
+                raise ValueError(f"model config {name} must be {kind}, got {value!r}")
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.intermediate_size is None:
+            if not self.hidden_ratio > 0:
+                raise ValueError(f"model config hidden_ratio must be positive, got {self.hidden_ratio!r}")
             raw = int(self.hidden_size * self.hidden_ratio * 2 / 3)
             self.intermediate_size = 256 * math.ceil(raw / 256)
         if self.block_type not in ("gla", "transformer"):
             raise ValueError(f"block_type must be 'gla' or 'transformer', got {self.block_type!r}")
-        for size in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+        for size in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "gate_low_rank_dim", "max_seq_length"):
             if getattr(self, size) < 1:
                 raise ValueError(f"model config {size} must be at least 1, got {getattr(self, size)}")
+        for name in ("expand_k", "expand_v", "gate_logit_normalizer", "rope_base"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model config {name} must be positive, got {getattr(self, name)!r}")
+        for name in ("norm_eps", "head_norm_eps", "initializer_range"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model config {name} must not be negative, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        for width_name in ("key_dim", "value_dim"):
-            if getattr(self, width_name) % self.num_heads:
-                raise ValueError(f"{width_name}={getattr(self, width_name)} is not divisible by num_heads={self.num_heads}")
+        # the widths split into heads, named by the keys they come from
+        if self.block_type == "gla":
+            widths = {f"hidden_size * expand_k = {self.hidden_size} * {self.expand_k}": self.key_dim,
+                      f"hidden_size * expand_v = {self.hidden_size} * {self.expand_v}": self.value_dim}
+        else:
+            widths = {"hidden_size": self.hidden_size}
+        for source, width in widths.items():
+            if width < self.num_heads or width % self.num_heads:
+                raise ValueError(f"{source} = {width} must be a positive multiple of num_heads={self.num_heads}")
+        if self.block_type == "transformer" and self.head_k_dim % 2:
+            raise ValueError(
+                f"hidden_size / num_heads = {self.hidden_size} / {self.num_heads} = {self.head_k_dim}: the rotary"
+                " embedding needs an even head dim"
+            )
 
     # derived widths
     @property
@@ -89,7 +117,10 @@ class Config:
         unknown = sorted(set(data) - valid)
         if unknown:
             raise ValueError(f"{path}: unknown keys {unknown}; valid keys are {sorted(valid)}")
-        return cls(**{**data, **overrides})
+        try:
+            return cls(**{**data, **overrides})
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: Union[str, Path], **overrides: Any) -> "Config":
@@ -101,6 +132,22 @@ class Config:
     def save(self, path: Union[str, Path]) -> None:
         with open(path, "w", encoding="utf-8") as f:
             yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+
+
+_FIELD_KINDS = {
+    **dict.fromkeys(["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "gate_low_rank_dim",
+                     "intermediate_size", "max_seq_length"], "an integer"),
+    **dict.fromkeys(["expand_k", "expand_v", "gate_logit_normalizer", "hidden_ratio", "norm_eps", "head_norm_eps",
+                     "initializer_range", "rope_base"], "a number"),
+    "tie_embeddings": "true or false",
+}
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind == "true or false":
+        return isinstance(value, bool)
+    number = numbers.Integral if kind == "an integer" else numbers.Real
+    return isinstance(value, number) and not isinstance(value, bool)
 
 
 configs = [
