@@ -63,10 +63,6 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_k: Option
         raise ValueError(f"max_new_tokens must be 0 or a positive number, got max_new_tokens={max_new_tokens}")
     if not temperature >= 0:  # also refuses NaN
         raise ValueError(f"temperature must be 0 (greedy) or positive, got temperature={temperature}")
-    check_top_k(top_k)
-
-
-def check_top_k(top_k: Optional[int]) -> None:
     if top_k is not None and top_k < 0:
         raise ValueError(f"top_k must be a positive number of tokens, or 0 or None for no top-k filter; got top_k={top_k}")
 

@@ -23,6 +23,17 @@ def debug_model(name: str, seed: int = 0) -> GPT:
     return GPT(Config.from_name(name)).eval()
 
 
+def prefill_then_steps(model: GPT, ids: torch.Tensor, prompt: int):
+    """(logits of the first `prompt` tokens in one pass, then one token at a time through the cache; logits
+    of one full forward pass over ids)."""
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :prompt], cache=cache)]
+        steps += [model(ids[:, t : t + 1], cache=cache) for t in range(prompt, ids.shape[1])]
+    return torch.cat(steps, dim=1), full
+
+
 @pytest.fixture(scope="module", params=NAMES)
 def model(request):
     return debug_model(request.param)
@@ -31,12 +42,8 @@ def model(request):
 @pytest.mark.parametrize("prompt", PROMPT_LENGTHS)
 def test_prefill_then_steps_match_full_forward(model, prompt):
     ids = torch.randint(0, model.config.vocab_size, (2, prompt + 4), generator=torch.Generator().manual_seed(prompt))
-    with torch.no_grad():
-        full = model(ids)
-        cache = model.new_cache()
-        steps = [model(ids[:, :prompt], cache=cache)]
-        steps += [model(ids[:, t : t + 1], cache=cache) for t in range(prompt, ids.shape[1])]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    decoded, full = prefill_then_steps(model, ids, prompt)
+    torch.testing.assert_close(decoded, full, rtol=1e-4, atol=1e-4)
 
 
 def test_every_token_decoded_one_at_a_time_matches_full_forward(model):
@@ -214,12 +221,8 @@ def test_fused_decoding_path_matches_full_forward(monkeypatch, prompt):
     torch.manual_seed(0)
     model = GPT(Config.from_name("gla-debug", num_layers=1)).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, prompt + 3), generator=torch.Generator().manual_seed(prompt))
-    with torch.no_grad():
-        full = model(ids)
-        cache = model.new_cache()
-        steps = [model(ids[:, :prompt], cache=cache)]
-        steps += [model(ids[:, t : t + 1], cache=cache) for t in range(prompt, ids.shape[1])]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    decoded, full = prefill_then_steps(model, ids, prompt)
+    torch.testing.assert_close(decoded, full, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -233,12 +236,7 @@ def test_gpu_decoding_matches_full_forward(name, dtype):
     for prompt in PROMPT_LENGTHS:
         g = torch.Generator().manual_seed(prompt)
         ids = torch.randint(0, model.config.vocab_size, (2, prompt + 4), generator=g).cuda()
-        with torch.no_grad():
-            full = model(ids).float()
-            cache = model.new_cache()
-            steps = [model(ids[:, :prompt], cache=cache)]
-            steps += [model(ids[:, t : t + 1], cache=cache) for t in range(prompt, ids.shape[1])]
-        decoded = torch.cat(steps, dim=1).float()
+        decoded, full = (x.float() for x in prefill_then_steps(model, ids, prompt))
         assert rel_rms(decoded, full) < (1e-3 if dtype == torch.float32 else 3e-2), (prompt, rel_rms(decoded, full))
     if dtype == torch.float32:
         ids = torch.arange(65, device="cuda") * 7
