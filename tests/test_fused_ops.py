@@ -382,6 +382,32 @@ def test_norm_ops_read_a_strided_weight():
         check(grads_of(out, [w])[0], grads_of(ref, [w_64])[0], torch.float32, f"{name} dweight")
 
 
+@pytest.mark.parametrize("D", [1000, 256, 24])
+def test_norm_ops_over_many_rows_and_programs(D):
+    # enough rows that the kernels tile several rows at a time and the backward's programs loop over many
+    # tiles, the last one partly past the end (n not a multiple of the rows per tile or per program);
+    # against float64, with a residual and with a gate
+    g = torch.Generator().manual_seed(15)
+    n = 1603 if D < 1000 else 303
+    x, res, gate = (torch.randn(n, D, generator=g).to(DEVICE) for _ in range(3))
+    w_base = 1 + 0.1 * torch.randn(D, generator=g).to(DEVICE)
+    for name in ("residual", "gate"):
+        inputs = leaves(x, res if name == "residual" else gate, w_base)
+        inputs_64 = [t.detach().double().requires_grad_(True) for t in inputs]
+        if name == "residual":
+            out = rms_norm(inputs[0], inputs[2], 1e-6, residual=inputs[1], backend="triton")
+            h_64 = inputs_64[0] + inputs_64[1]
+            ref = (rms_norm_64(h_64, inputs_64[2], 1e-6), h_64)
+        else:
+            out = rms_norm_gated(*inputs, 1e-5, backend="triton")
+            ref = rms_norm_64(inputs_64[0], inputs_64[2], 1e-5) * F.silu(inputs_64[1])
+        for a, b, part in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,),
+                              ["y", "h"]):
+            check(a, b, torch.float32, f"{name} {part}")
+        for a, b, part in zip(grads_of(out, inputs), grads_of(ref, inputs_64), ["dx", "d" + name, "dweight"]):
+            check(a, b, torch.float32, f"{name} {part}")
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_linear_cross_entropy_with_no_counted_target_is_zero_on_both_backends(backend):
     # every target ignored, or no rows: the mean over no rows is 0 with zero gradients (as the model's
@@ -409,8 +435,10 @@ def test_linear_cross_entropy_does_not_turn_an_out_of_range_target_into_a_loss(b
     assert torch.isnan(loss), f"target {bad_target} of a vocabulary of 20 gave the loss {loss.item()}"
     loss.backward()
     assert torch.isnan(h_in.grad[1]).all() and torch.isfinite(h_in.grad[[0, 2, 3]]).all()
+    # on the CPU: on a GPU, PyTorch's cross-entropy fails a device-side assert, which ends the process's use of
+    # the GPU (every later test in it would fail)
     with pytest.raises(IndexError, match=f"Target {bad_target} is out of bounds"):
-        linear_cross_entropy(hidden, weight, targets, backend="torch")
+        linear_cross_entropy(hidden.cpu(), weight.cpu(), targets.cpu(), backend="torch")
 
 
 def test_linear_cross_entropy_rejects_a_bad_chunk_size_and_float_targets():

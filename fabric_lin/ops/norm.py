@@ -37,65 +37,73 @@ def _pick(backend: str, x: torch.Tensor) -> str:
     return ("triton" if x.is_cuda else "torch") if backend == "auto" else backend
 
 
-def _rows(D: int) -> Tuple[int, int]:
-    """(block width, warps) for rows of D elements."""
+def _rows(D: int) -> Tuple[int, int, int]:
+    """(block width, rows per tile, warps) for rows of D elements: tiles of ~4096 elements, so that a
+    program has enough loads in flight whatever D (one 256-wide row per 1-warp program, GLA's per-head
+    norm, left the backward pass at about half the memory bandwidth on an H200)."""
     BD = triton.next_power_of_2(D)
-    return BD, min(16, max(1, BD // 512))
+    R = max(1, 4096 // BD)
+    return BD, R, min(16, max(1, R * BD // 512))
 
 
 # --------------------------------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def _norm_fwd_kernel(x, r, g, w, y, h, rstd, D, eps, BD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     HAS_GATE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _norm_fwd_kernel(x, r, g, w, y, h, rstd, n_rows, D, eps, BD: tl.constexpr, R: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
+    """Rows [pid * R, pid * R + R)."""
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     cols = tl.arange(0, BD)
-    m = cols < D
-    b_x = tl.load(x + row * D + cols, mask=m, other=0.0).to(tl.float32)
+    m_row = rows < n_rows
+    m = m_row[:, None] & (cols < D)[None, :]
+    offs = rows[:, None] * D + cols[None, :]
+    b_x = tl.load(x + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        b_x += tl.load(r + row * D + cols, mask=m, other=0.0).to(tl.float32)
+        b_x += tl.load(r + offs, mask=m, other=0.0).to(tl.float32)
         b_x = b_x.to(h.dtype.element_ty).to(tl.float32)  # the residual stream is kept in the input dtype
-        tl.store(h + row * D + cols, b_x.to(h.dtype.element_ty), mask=m)
-    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
-    tl.store(rstd + row, b_rstd)
-    b_y = b_x * b_rstd * tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(h + offs, b_x.to(h.dtype.element_ty), mask=m)
+    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+    tl.store(rstd + rows, b_rstd, mask=m_row)
+    b_y = b_x * b_rstd[:, None] * tl.load(w + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     if HAS_GATE:
-        b_g = tl.load(g + row * D + cols, mask=m, other=0.0).to(tl.float32)
+        b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
         b_y = b_y * b_g * tl.sigmoid(b_g)
-    tl.store(y + row * D + cols, b_y.to(y.dtype.element_ty), mask=m)
+    tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dg, dw_part, n_rows, D, rows_per_program,
-                     BD: tl.constexpr, HAS_DH_EXTRA: tl.constexpr, HAS_GATE: tl.constexpr):
-    """dx for rows [pid * rows_per_program, ...), and this program's partial sum of dweight."""
+                     BD: tl.constexpr, R: tl.constexpr, HAS_DH_EXTRA: tl.constexpr, HAS_GATE: tl.constexpr):
+    """dx for rows [pid * rows_per_program, ...) (a multiple of R), R rows at a time, and this program's
+    partial sum of dweight."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
-    m = cols < D
-    b_w = tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
-    b_dw = tl.zeros([BD], dtype=tl.float32)
-    row_start = pid * rows_per_program
-    for i in range(rows_per_program):
-        row = (row_start + i).to(tl.int64)
-        if row < n_rows:
-            b_h = tl.load(h + row * D + cols, mask=m, other=0.0).to(tl.float32)
-            b_rstd = tl.load(rstd + row)
-            b_dy = tl.load(dy + row * D + cols, mask=m, other=0.0).to(tl.float32)
-            xhat = b_h * b_rstd
-            if HAS_GATE:
-                b_g = tl.load(g + row * D + cols, mask=m, other=0.0).to(tl.float32)
-                sig = tl.sigmoid(b_g)
-                n = xhat * b_w
-                tl.store(dg + row * D + cols, (b_dy * n * sig * (1.0 + b_g * (1.0 - sig))).to(dg.dtype.element_ty), mask=m)
-                b_dy = b_dy * b_g * sig
-            b_dw += b_dy * xhat
-            dxhat = b_dy * b_w
-            b_dx = b_rstd * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=0) / D))
-            if HAS_DH_EXTRA:
-                b_dx += tl.load(dh_extra + row * D + cols, mask=m, other=0.0).to(tl.float32)
-            tl.store(dx + row * D + cols, b_dx.to(dx.dtype.element_ty), mask=m)
-    tl.store(dw_part + pid * D + cols, b_dw, mask=m)
+    m_col = cols < D
+    b_w = tl.load(w + cols, mask=m_col, other=0.0).to(tl.float32)[None, :]
+    b_dw = tl.zeros([R, BD], dtype=tl.float32)  # summed over its rows once, at the end
+    row_start = pid.to(tl.int64) * rows_per_program
+    for i in range(0, rows_per_program, R):
+        rows = row_start + i + tl.arange(0, R)
+        m_row = rows < n_rows
+        m = m_row[:, None] & m_col[None, :]
+        offs = rows[:, None] * D + cols[None, :]
+        b_h = tl.load(h + offs, mask=m, other=0.0).to(tl.float32)
+        b_rstd = tl.load(rstd + rows, mask=m_row, other=0.0)[:, None]
+        b_dy = tl.load(dy + offs, mask=m, other=0.0).to(tl.float32)
+        xhat = b_h * b_rstd
+        if HAS_GATE:
+            b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(b_g)
+            tl.store(dg + offs, (b_dy * xhat * b_w * sig * (1.0 + b_g * (1.0 - sig))).to(dg.dtype.element_ty), mask=m)
+            b_dy = b_dy * b_g * sig
+        b_dw += b_dy * xhat
+        dxhat = b_dy * b_w
+        b_dx = b_rstd * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=1) / D)[:, None])
+        if HAS_DH_EXTRA:
+            b_dx += tl.load(dh_extra + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=m)
+    tl.store(dw_part + pid * D + cols, tl.sum(b_dw, axis=0), mask=m_col)
 
 
 # ------------------------------------------------------------------------------------ torch.library ops
@@ -109,12 +117,13 @@ def _fwd(x, residual, gate, weight, eps):
     y = torch.empty_like(x2)
     h = torch.empty_like(x2) if residual is not None else x2
     rstd = torch.empty(n, device=x.device, dtype=torch.float32)
-    BD, warps = _rows(D)
+    BD, R, warps = _rows(D)
     r2 = residual.reshape(-1, D) if residual is not None else None
     g2 = gate.reshape(-1, D) if gate is not None else None
     if n > 0:
-        _norm_fwd_kernel[(n,)](x2, r2, g2, weight, y, h, rstd, D, eps, BD=BD, HAS_RESIDUAL=residual is not None,
-                               HAS_GATE=gate is not None, num_warps=warps)
+        _norm_fwd_kernel[(triton.cdiv(n, R),)](x2, r2, g2, weight, y, h, rstd, n, D, eps, BD=BD, R=R,
+                                               HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
+                                               num_warps=warps)
     return y.view_as(x), h.view_as(x), rstd
 
 
@@ -125,16 +134,20 @@ def _bwd(h, gate, weight, rstd, dy, dh_extra):
     weight = weight.contiguous()
     dx = torch.empty_like(h2)
     dg = torch.empty_like(gate.reshape(-1, D)) if gate is not None else None
-    BD, warps = _rows(D)
-    programs = max(1, min(n, 4 * (torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2)))
-    rows_per_program = triton.cdiv(max(n, 1), programs)
+    BD, R, warps = _rows(D)
+    sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2
+    # programs that each loop over several tiles, summing their rows' part of dweight (fewer partial sums
+    # than one program per tile), but enough of them that the last wave leaves little of the GPU idle
+    programs = max(1, min(triton.cdiv(n, R), 16 * sms))
+    rows_per_program = triton.cdiv(triton.cdiv(max(n, 1), programs), R) * R
+    programs = triton.cdiv(max(n, 1), rows_per_program)  # none without rows to do
     # every launched program writes its whole row; with no rows nothing is launched and the sum is zero
     dw_part = (torch.empty if n > 0 else torch.zeros)(programs, D, device=h.device, dtype=torch.float32)
     if n > 0:
         _norm_bwd_kernel[(programs,)](
             h2, gate.reshape(-1, D) if gate is not None else None, weight, rstd, dy.reshape(-1, D).contiguous(),
             dh_extra.reshape(-1, D).contiguous() if dh_extra is not None else None, dx, dg, dw_part, n, D,
-            rows_per_program, BD=BD, HAS_DH_EXTRA=dh_extra is not None, HAS_GATE=gate is not None, num_warps=warps,
+            rows_per_program, BD=BD, R=R, HAS_DH_EXTRA=dh_extra is not None, HAS_GATE=gate is not None, num_warps=warps,
         )
     dw = dw_part.sum(0).to(weight.dtype)
     return dx.view_as(h), (dg.view_as(gate) if gate is not None else None), dw

@@ -1,0 +1,109 @@
+"""The fused norm and SwiGLU kernels against flash-linear-attention's, at the gla-340M training step's shapes.
+
+One GPU, bf16, forward and forward+backward milliseconds (triton.testing.do_bench), each op of ours beside
+fla's equivalent (when importable) in the same process, and ours as a fraction of the memory bandwidth
+its minimal traffic needs (every input read once, every output written once):
+
+    python benchmarks/fused_ops.py --out fused_ops.json
+    python benchmarks/fused_ops.py --rows 8192            # a smaller batch
+
+  rms_norm + residual   x + residual -> (y, h), hidden 1024 (a block's two pre-norms)
+  rms_norm_gated        per-head rmsnorm(o) * swish(g), 4 heads of 256 (GLA's output norm and gate)
+  swiglu                silu(gate) * up, 2816 wide (the MLP)
+
+Prints one JSON document.
+"""
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+from fabric_lin.ops.norm import rms_norm, rms_norm_gated
+from fabric_lin.ops.swiglu import swiglu
+
+
+def fla_ops():
+    """{op name: fla's function with our op's signature}, or {} without flash-linear-attention."""
+    try:
+        from fla.modules.activations import swiglu as fla_swiglu
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
+        from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
+    except ImportError:
+        return {}
+    return {
+        "rms_norm + residual": lambda x, r, w: fla_rms_norm(x, w, None, residual=r, eps=1e-6, prenorm=True),
+        "rms_norm_gated": lambda x, g, w: fla_rms_norm_gated(x, g, w, None, activation="swish", eps=1e-5),
+        "swiglu": lambda gate, up: fla_swiglu(gate, up),
+    }
+
+
+def cases(rows: int):
+    """(name, our function, its inputs, tensors of the minimal traffic forward and backward)."""
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    x, r, w = randn(rows, 1024), randn(rows, 1024), 1 + 0.1 * randn(1024)
+    o, g, w_head = randn(rows, 4, 256), randn(rows, 4, 256), 1 + 0.1 * randn(256)
+    gate, up = randn(rows, 2816), randn(rows, 2816)
+    return [
+        # forward: x, r in, y, h out; backward: h, dy, dh in, dx out
+        ("rms_norm + residual", lambda x, r, w: rms_norm(x, w, 1e-6, residual=r), (x, r, w), (4, 4)),
+        # forward: o, g in, y out; backward: o, g, dy in, do, dg out
+        ("rms_norm_gated", lambda o, g, w: rms_norm_gated(o, g, w, 1e-5), (o, g, w_head), (3, 5)),
+        # forward: gate, up in, y out; backward: gate, up, dy in, dgate, dup out
+        ("swiglu", swiglu, (gate, up), (3, 5)),
+    ]
+
+
+def time_op(fn, inputs):
+    """(forward ms, forward+backward ms) of fn, the output gradients fixed random tensors."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    with torch.no_grad():
+        outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = [torch.randn_like(t) for t in outs]
+
+    def fwd_bwd():
+        out = fn(*leaves)
+        torch.autograd.backward(out if isinstance(out, tuple) else (out,), grads)
+
+    with torch.no_grad():
+        fwd_ms = do_bench(lambda: fn(*leaves))
+    return fwd_ms, do_bench(fwd_bwd, grad_to_none=leaves)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=16 * 2048, help="tokens (micro batch x sequence length)")
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    peers = fla_ops()
+    # the copy bandwidth this GPU reaches, for the fraction below
+    a = torch.empty(2**28, device="cuda", dtype=torch.uint8)
+    b = torch.empty_like(a)
+    copy_gb_s = 2 * a.numel() / do_bench(lambda: b.copy_(a)) / 1e6
+    results = []
+    for name, fn, inputs, (fwd_tensors, bwd_tensors) in cases(args.rows):
+        fwd_ms, fwd_bwd_ms = time_op(fn, inputs)
+        big = inputs[0].numel() * inputs[0].element_size()  # bytes of one activation-sized tensor
+        row = {"op": name, "shape": list(inputs[0].shape), "ours_fwd_ms": round(fwd_ms, 4),
+               "ours_fwd_bwd_ms": round(fwd_bwd_ms, 4),
+               "ours_fwd_bwd_fraction_of_copy_bandwidth": round(
+                   (fwd_tensors + bwd_tensors) * big / (fwd_bwd_ms * 1e6) / copy_gb_s, 3)}
+        if name in peers:
+            fla_fwd, fla_fwd_bwd = time_op(peers[name], inputs)
+            row.update(fla_fwd_ms=round(fla_fwd, 4), fla_fwd_bwd_ms=round(fla_fwd_bwd, 4),
+                       ratio_fwd_vs_fla=round(fwd_ms / fla_fwd, 3), ratio_fwd_bwd_vs_fla=round(fwd_bwd_ms / fla_fwd_bwd, 3))
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": args.rows,
+              "copy_gb_s": round(copy_gb_s), "fla": bool(peers), "ops": results}
+    print(json.dumps(report, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
