@@ -1,8 +1,11 @@
 """The fused norm and SwiGLU kernels against flash-linear-attention's, at the gla-340M training step's shapes.
 
-One GPU, bf16, forward and forward+backward milliseconds (triton.testing.do_bench), each op of ours beside
-fla's equivalent (when importable) in the same process, and ours as a fraction of the memory bandwidth
-its minimal traffic needs (every input read once, every output written once):
+One GPU, bf16, each op of ours beside fla's equivalent (when importable) in the same process: forward and
+forward+backward milliseconds of wall time (triton.testing.do_bench), and the GPU time of forward+backward
+(the kernels' time, from torch.profiler). At these sizes a norm's kernels take less time than the host
+needs to launch them through autograd, so its wall time in isolation is the host's; in a training step
+the host runs ahead and the GPU time is what the op costs. Ours also as a fraction of the copy bandwidth
+its minimal traffic needs in that GPU time (every input read once, every output written once):
 
     python benchmarks/fused_ops.py --out fused_ops.json
     python benchmarks/fused_ops.py --rows 8192            # a smaller batch
@@ -56,8 +59,11 @@ def cases(rows: int):
     ]
 
 
-def time_op(fn, inputs):
-    """(forward ms, forward+backward ms) of fn, the output gradients fixed random tensors."""
+def time_op(fn, inputs, profiled_calls=10):
+    """(forward ms, forward+backward ms, forward+backward GPU ms) of fn, the output gradients fixed random
+    tensors; the inputs' gradients dropped before each call (no accumulation kernel counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     with torch.no_grad():
         outs = fn(*leaves)
@@ -65,12 +71,21 @@ def time_op(fn, inputs):
     grads = [torch.randn_like(t) for t in outs]
 
     def fwd_bwd():
+        for x in leaves:
+            x.grad = None
         out = fn(*leaves)
         torch.autograd.backward(out if isinstance(out, tuple) else (out,), grads)
 
     with torch.no_grad():
         fwd_ms = do_bench(lambda: fn(*leaves))
-    return fwd_ms, do_bench(fwd_bwd, grad_to_none=leaves)
+    fwd_bwd_ms = do_bench(fwd_bwd)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(profiled_calls):
+            fwd_bwd()
+        torch.cuda.synchronize()
+    device_us = sum(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0) for e in prof.key_averages())
+    return fwd_ms, fwd_bwd_ms, (device_us / 1000 / profiled_calls if device_us else None)
 
 
 def main():
@@ -85,16 +100,18 @@ def main():
     copy_gb_s = 2 * a.numel() / do_bench(lambda: b.copy_(a)) / 1e6
     results = []
     for name, fn, inputs, (fwd_tensors, bwd_tensors) in cases(args.rows):
-        fwd_ms, fwd_bwd_ms = time_op(fn, inputs)
+        fwd_ms, fwd_bwd_ms, gpu_ms = time_op(fn, inputs)
         big = inputs[0].numel() * inputs[0].element_size()  # bytes of one activation-sized tensor
         row = {"op": name, "shape": list(inputs[0].shape), "ours_fwd_ms": round(fwd_ms, 4),
-               "ours_fwd_bwd_ms": round(fwd_bwd_ms, 4),
-               "ours_fwd_bwd_fraction_of_copy_bandwidth": round(
-                   (fwd_tensors + bwd_tensors) * big / (fwd_bwd_ms * 1e6) / copy_gb_s, 3)}
+               "ours_fwd_bwd_ms": round(fwd_bwd_ms, 4), "ours_fwd_bwd_gpu_ms": gpu_ms and round(gpu_ms, 4),
+               "ours_fwd_bwd_gpu_fraction_of_copy_bandwidth": gpu_ms and round(
+                   (fwd_tensors + bwd_tensors) * big / (gpu_ms * 1e6) / copy_gb_s, 3)}
         if name in peers:
-            fla_fwd, fla_fwd_bwd = time_op(peers[name], inputs)
+            fla_fwd, fla_fwd_bwd, fla_gpu = time_op(peers[name], inputs)
             row.update(fla_fwd_ms=round(fla_fwd, 4), fla_fwd_bwd_ms=round(fla_fwd_bwd, 4),
-                       ratio_fwd_vs_fla=round(fwd_ms / fla_fwd, 3), ratio_fwd_bwd_vs_fla=round(fwd_bwd_ms / fla_fwd_bwd, 3))
+                       fla_fwd_bwd_gpu_ms=fla_gpu and round(fla_gpu, 4),
+                       ratio_fwd_vs_fla=round(fwd_ms / fla_fwd, 3), ratio_fwd_bwd_vs_fla=round(fwd_bwd_ms / fla_fwd_bwd, 3),
+                       ratio_fwd_bwd_gpu_vs_fla=round(gpu_ms / fla_gpu, 3) if gpu_ms and fla_gpu else None)
         results.append(row)
         print(json.dumps(row), flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": args.rows,
