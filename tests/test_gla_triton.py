@@ -101,8 +101,7 @@ def test_triton_varlen_matches_naive_fp32():
     ])
 def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fused_bwd_states, separate_cumsum,
                                                    separate_scores, state_prefetch, dqk_prefetch, dqk_early_loads):
-    # the state passes split K and V into 16-wide tiles here, the per-chunk kernels into 32-wide ones (dq/dk's
-    # state part into 16-wide value tiles);
+    # the state passes split K and V into 16-wide tiles here, the per-chunk kernels into 32-wide ones;
     # state_split picks the sequential pass with the products inside, or chunk-parallel updates + scan;
     # fused_bwd_states runs the backward's two sequential passes as one launch; separate_cumsum computes
     # the in-chunk cumulative gate by its own kernel rather than inside the forward state pass;
@@ -112,7 +111,7 @@ def test_triton_narrow_tiles_and_both_state_passes(monkeypatch, state_split, fus
     # dqk_early_loads has dq/dk load the chunk's q, k, gate and dA before its state part
     from fabric_lin.ops.gla import chunk
 
-    tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "dqk_BV": 16, "BV_out": 32, "dv_BK": 32, "scan_SK": 16,
+    tiles = {"state_BK": 16, "state_BV": 16, "BK": 32, "BV": 32, "BV_out": 32, "dv_BK": 32, "scan_SK": 16,
              "scan_SV": 16, "state_maxnreg": 128, "output_maxnreg": 128, "dv_maxnreg": 128, "dqk_maxnreg": 128}
     settings = dict(tiles, state_split=state_split, fused_bwd_states=fused_bwd_states, separate_cumsum=separate_cumsum,
                     separate_scores=separate_scores, state_prefetch=state_prefetch, dqk_prefetch=dqk_prefetch,
@@ -291,8 +290,6 @@ SEARCHED_SETTINGS = [
     {"dqk_early_loads": False},  # and after it
     {"output_warps": 16, "dqk_warps": 16},  # the search's 16-warp programs
     {"separate_cumsum": False, "both_states_warps": 4},  # the gate's cumsum inside the forward state pass
-    # dq/dk's state part over its own value tiles; the fused backward state passes capped at 128 registers
-    {"dqk_BV": 128, "both_states_maxnreg": 128, "both_states_warps": 8},
 ]
 
 

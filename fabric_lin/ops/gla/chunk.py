@@ -779,9 +779,6 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # against 2.57 at 32K (V = 128), but 1.57 against 1.46 at the gla-340M layer, whose four value
           # tiles keep them waiting longer (run Z4)
           "dqk_prefetch": True, "dqk_early_loads": "auto",
-          # value tile width of dq/dk's state part (0: BV, the dv kernel's): one step over V = 128 instead
-          # of two spills fewer registers at 8K (Triton 3.6: 38 against 54)
-          "dqk_BV": 0,
           # key tile width of the dv kernel: one tile covering K (K <= dv_BK) forms the decayed keys once for
           # all value tiles, where 64-wide tiles formed them again for each value tile (run Z3: 1.38 against
           # 1.47 ms at the gla-340M layer, 4.28 against 4.46 at 8K, 2.53 against 2.62 at 32K)
@@ -813,10 +810,7 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # and shipped where it paid: dv at 168 (220 before, no spills, 3 programs per SM): 1.805 against
           # 1.830 ms at the gla-340M layer, 1% at 8K and 32K (with one key tile it needs 160, run Z5; uncapped,
           # 1.54 against 1.38 at the gla-340M layer, run Z3); caps on dq/dk and the output kernel spilled and lost
-          "state_maxnreg": 0, "output_maxnreg": 0, "dv_maxnreg": 168, "dqk_maxnreg": 0,
-          # the fused backward state passes' own cap (0: state_maxnreg's). At 8K, 128 gives two 8-warp programs
-          # per SM (16 spilled; 160 registers uncapped, one per SM, 256 programs in two waves)
-          "both_states_maxnreg": 0}
+          "state_maxnreg": 0, "output_maxnreg": 0, "dv_maxnreg": 168, "dqk_maxnreg": 0}
 
 
 def _dqk_early_loads(V: int) -> bool:
@@ -995,7 +989,7 @@ def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, la
         BK, BV, USE_H0=initial_state is not None, USE_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"],
         num_warps=LAUNCH["both_states_warps"] or _state_warps(K, V, N, H, q.device), num_stages=LAUNCH["state_stages"],
-        **_register_cap("both_states" if LAUNCH["both_states_maxnreg"] else "state"),
+        **_register_cap("state"),
     )
     return h, dh, dh0
 
@@ -1069,10 +1063,9 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
         **_register_cap("dv"),
     )
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gate)
-    dqk_BV = min(LAUNCH["dqk_BV"], max(16, triton.next_power_of_2(V))) if LAUNCH["dqk_BV"] else BV
     _bwd_dqk_kernel[(triton.cdiv(K, BK),) + grid](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
-        BT, BK, dqk_BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
+        BT, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
         PREFETCH=LAUNCH["dqk_prefetch"], EARLY_LOADS=_dqk_early_loads(V), num_warps=LAUNCH["dqk_warps"],
         num_stages=LAUNCH["dqk_stages"], **_register_cap("dqk"),
     )
