@@ -25,10 +25,12 @@ step() {  # name, seconds, command...
     echo "   exit code $? ($(date +%T)); log: $out/$name.log"
 }
 
-step gpu_tests 600 python -m pytest -q -p no:cacheprovider tests/test_gla_triton.py tests/test_fused_ops.py tests/test_model_fused.py
+step gpu_tests 600 python -m pytest -q -p no:cacheprovider tests/test_gla_triton.py tests/test_fused_ops.py tests/test_model_fused.py \
+    tests/test_generate.py
 step first_step 900 python benchmarks/first_step.py --fla_cache_dir "$cache" --out "$out/first_step.json"
 step fla_precompile 900 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_precompile.py --workers 6
 step gla_kernel 900 env TRITON_CACHE_DIR="$cache" python benchmarks/gla_kernel.py --sweep --out "$out/gla_kernel.json"
+step fused_ops 300 env TRITON_CACHE_DIR="$cache" python benchmarks/fused_ops.py --out "$out/fused_ops.json"
 step train_2048 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --profile 2 \
     --models fabric-lin,fabric-lin-tuned,fla,transformer,fabric-lin-static,fabric-lin-cudagraphs --out "$out/train_2048.json"
 step train_16k 900 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --batch_size 2 --seq_len 16384 \
