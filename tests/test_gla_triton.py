@@ -94,6 +94,23 @@ def test_triton_varlen_matches_naive_fp32():
 
 
 @cpu_only
+@pytest.mark.parametrize("dqk_early_loads", [True, False])
+def test_triton_fine_blocks_match_naive_fp32(monkeypatch, dqk_early_loads):
+    # dq/dk's levels inside blocks of 16 rows as products batched over the blocks (dqk_fine_blocks), before or
+    # after the chunk's own tiles are loaded; varlen with sequences ending inside a block, an initial state
+    from fabric_lin.ops.gla import chunk
+
+    monkeypatch.setitem(chunk.LAUNCH, "dqk_fine_blocks", True)
+    monkeypatch.setitem(chunk.LAUNCH, "dqk_early_loads", dqk_early_loads)
+    offsets = torch.tensor([0, 7, 64, 100, 163], dtype=torch.int32)
+    q, k, v, gk, h0 = make_inputs(1, 163, 2, 32, 48, N=4, seed=11)
+    ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
+    out = forward_backward(triton_gla, q, k, v, gk, h0, offsets)
+    for name, a, b in zip(NAMES, out, ref):
+        assert_close_scaled(a, b, name)
+
+
+@cpu_only
 @pytest.mark.parametrize(
     "state_split,fused_bwd_states,separate_cumsum,separate_scores,state_prefetch,dqk_prefetch,dqk_early_loads", [
         (False, False, False, False, True, True, False), (False, True, True, True, False, False, True),
@@ -290,6 +307,8 @@ SEARCHED_SETTINGS = [
     {"dqk_early_loads": False},  # and after it
     {"output_warps": 16, "dqk_warps": 16},  # the search's 16-warp programs
     {"separate_cumsum": False, "both_states_warps": 4},  # the gate's cumsum inside the forward state pass
+    {"dqk_fine_blocks": True},  # dq/dk's levels inside blocks of 16 rows batched over the blocks
+    {"dqk_fine_blocks": True, "dqk_early_loads": False},
 ]
 
 

@@ -27,8 +27,9 @@ Backward: the states h_n are recomputed, a reverse pass gives dh_n (the gradient
 chunk n) and dh0; per chunk, one kernel gives dv = (k exp(b_last - b)) dh_n + A^T do and
 dA = tril(do v^T) (A is kept from the forward pass; both go through memory in the input dtype, the one
 the products use), and one kernel per chunk and key tile gives dq, dk and dgk, level by level as A was
-made. For the gate, with db_i the gradient of the in-chunk cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i
-(elementwise, q and k as they enter the products), plus, for b at the chunk's last row,
+made (or, LAUNCH["dqk_fine_blocks"], its four levels inside blocks of 16 rows as [16, 16] pieces of dA
+batched over the four blocks, _dqk_fine_levels). For the gate, with db_i the gradient of the in-chunk
+cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i (elementwise, q and k as they enter the products), plus, for b at the chunk's last row,
 sum_v(h_n dh_n) exp(b_last) + sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside
 the chunk plus that term.
 
@@ -633,6 +634,45 @@ def _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m
 
 
 @triton.jit
+def _dqk_fine_levels(q, k, gc, dA, row0, n_rows, stride, o_k, m_k, scale, H: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BS: tl.constexpr, LEVELS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The levels inside the chunk's blocks of BS = 2**LEVELS rows (P = BS, BS/2, ..., 2), as _dqk_level makes
+    them but on [BT/BS, BS, BK] tiles: per block, a [BS, BS] piece of dA against [BS, BK] factor tiles,
+    batched over the blocks, where a level of 64x64 products would multiply zeros everywhere but on its
+    diagonal blocks. Returns their part of (dq, dk), [BT, BK]; their tiles are loaded here and dead after."""
+    NB: tl.constexpr = BT // BS
+    DT = q.dtype.element_ty
+    t = tl.arange(0, BS)
+    rows = tl.arange(0, NB)[:, None, None] * BS + t[None, :, None]  # [NB, BS, 1], rows of the chunk
+    m3 = (rows < n_rows) & m_k[None, None, :]
+    offs = (row0 + rows) * stride + o_k[None, None, :]
+    b_q = tl.load(q + offs, mask=m3, other=0.0)
+    b_k = tl.load(k + offs, mask=m3, other=0.0)
+    b_g = tl.load(gc + (row0 + tl.minimum(rows, n_rows - 1)) * stride + o_k[None, None, :], mask=m_k[None, None, :],
+                  other=0.0)
+    cols = tl.arange(0, NB)[:, None, None] * BS + t[None, None, :]  # [NB, 1, BS]: dA's columns of each block
+    dA_b = tl.load(dA + (row0 + rows) * (H * BT) + cols, mask=rows < n_rows, other=0.0)  # [NB, BS, BS]
+    dA_bt = tl.permute(dA_b, (0, 2, 1))
+    dq = tl.zeros([NB, BS, BK], dtype=tl.float32)
+    dk = tl.zeros([NB, BS, BK], dtype=tl.float32)
+    for level in tl.static_range(LEVELS):  # P = BS, BS/2, ..., 2
+        P = BS >> level
+        same_block = ((t[:, None] // P) == (t[None, :] // P))[None, :, :]
+        dA_p = tl.where(same_block, dA_b, 0.0).to(dA_b.dtype)
+        dA_pt = tl.where(same_block, dA_bt, 0.0).to(dA_b.dtype)  # same_block is symmetric
+        first = ((t % P) < P // 2)[None, :, None]
+        ref = tl.arange(0, NB)[:, None, None] * BS + ((t // P) * P + P // 2 - 1)[None, :, None]
+        b_r = tl.load(gc + (row0 + tl.minimum(ref, n_rows - 1)) * stride + o_k[None, None, :], mask=m_k[None, None, :],
+                      other=0.0)
+        f = tl.exp(-tl.abs(b_g - b_r))
+        f_k = tl.where(first, f, 0.0)
+        f_q = tl.where(first, 0.0, f)
+        dq += f_q * tl.dot(dA_p, (b_k.to(tl.float32) * f_k).to(DT), input_precision=DOT_PREC)
+        dk += f_k * tl.dot(dA_pt, (b_q.to(tl.float32) * (f_q * scale)).to(DT), input_precision=DOT_PREC)
+    return tl.reshape(dq, [BT, BK]), tl.reshape(dk, [BT, BK])
+
+
+@triton.jit
 def _dqk_state_tiles(v, h, do, dh, row0, m_t, o_k, m_k, i_v, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BV: tl.constexpr):
     """do, v ([BT, BV]) and h_n, dh_n ([BK, BV]) at value tile i_v; past the last tile, all masked (no traffic)."""
@@ -689,7 +729,7 @@ def _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H: tl.constexpr,
 def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer, T,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, FROM_LOGITS: tl.constexpr,
-                    PREFETCH: tl.constexpr, EARLY_LOADS: tl.constexpr):
+                    PREFETCH: tl.constexpr, EARLY_LOADS: tl.constexpr, FINE_BLOCKS: tl.constexpr):
     """dq, dk, dgk of one chunk, one head, one tile of key columns; FROM_LOGITS: dg gets the gradient of
     the gate's logits instead, dgk * d logsigmoid(x) / dx / normalizer = dgk * sigmoid(-x) / normalizer.
     The state part comes first, so that its tiles are dead by the time the intra-chunk part's are live
@@ -718,19 +758,26 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
 
     if EARLY_LOADS:  # the chunk's q, k, gate and dA in flight while the state part runs
         b_g, b_last, b_q, b_k, dA_c = _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H, K, BT)
+    if FINE_BLOCKS:  # the four levels inside blocks of 16 rows first, their tiles dead before the state part's
+        fine_dq, fine_dk = _dqk_fine_levels(q, k, gc, dA, row0, n_rows, H * K, o_k, m_k, scale, H, BT, BK, BT // 4,
+                                            4, DOT_PREC)
     dq_s, dk_s, hdh = _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H, V, BT, BK, BV, DOT_PREC, PREFETCH)
     if not EARLY_LOADS:
         b_g, b_last, b_q, b_k, dA_c = _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H, K, BT)
     b_dq = dq_s * tl.exp(b_g)  # the gradient of the scaled q
     b_dk = dk_s * tl.exp(b_last[None, :] - b_g)
     db_last = hdh * tl.exp(b_last) + tl.sum(b_k.to(tl.float32) * b_dk, axis=0)
+    if FINE_BLOCKS:
+        b_dq += fine_dq
+        b_dk += fine_dk
     # the intra-chunk part, level by level as the forward made the scores, then the diagonal (dA[i, i])
     b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT, BT, DOT_PREC)
     b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 2, BT, DOT_PREC)
-    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 4, BT, DOT_PREC)
-    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 8, BT, DOT_PREC)
-    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 16, BT, DOT_PREC)
-    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 32, BT, DOT_PREC)
+    if not FINE_BLOCKS:
+        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 4, BT, DOT_PREC)
+        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 8, BT, DOT_PREC)
+        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 16, BT, DOT_PREC)
+        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 32, BT, DOT_PREC)
     dA_diag = tl.load(dA + (row0 + o_t) * (H * BT) + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
     b_q = b_q.to(tl.float32) * scale
     b_k = b_k.to(tl.float32)
@@ -779,6 +826,11 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # against 2.57 at 32K (V = 128), but 1.57 against 1.46 at the gla-340M layer, whose four value
           # tiles keep them waiting longer (run Z4)
           "dqk_prefetch": True, "dqk_early_loads": "auto",
+          # dq/dk's four levels inside blocks of 16 rows as products batched over the four blocks ([16, 16]
+          # pieces of dA, _dqk_fine_levels: True) or as 64x64 products masked to the blocks (False). Not yet
+          # timed on a GPU; Triton 3.6 spills 42 registers at 8K with dqk_early_loads=false (54 for the
+          # table) and 46 at the gla-340M layer (26)
+          "dqk_fine_blocks": False,
           # key tile width of the dv kernel: one tile covering K (K <= dv_BK) forms the decayed keys once for
           # all value tiles, where 64-wide tiles formed them again for each value tile (run Z3: 1.38 against
           # 1.47 ms at the gla-340M layer, 4.28 against 4.46 at 8K, 2.53 against 2.62 at 32K)
@@ -1066,8 +1118,8 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
     _bwd_dqk_kernel[(triton.cdiv(K, BK),) + grid](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
         BT, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
-        PREFETCH=LAUNCH["dqk_prefetch"], EARLY_LOADS=_dqk_early_loads(V), num_warps=LAUNCH["dqk_warps"],
-        num_stages=LAUNCH["dqk_stages"], **_register_cap("dqk"),
+        PREFETCH=LAUNCH["dqk_prefetch"], EARLY_LOADS=_dqk_early_loads(V), FINE_BLOCKS=LAUNCH["dqk_fine_blocks"],
+        num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["dqk_stages"], **_register_cap("dqk"),
     )
     return dq, dk, dv, dg, dh0
 
