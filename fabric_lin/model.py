@@ -137,15 +137,15 @@ class GatedLinearAttention(nn.Module):
         self.g_norm = RMSNorm(config.head_v_dim, eps=config.head_norm_eps)  # per head, before the gate
 
     def forward(
-        self, x: torch.Tensor, norm: RMSNorm, cu_seqlens: Optional[torch.Tensor] = None,
+        self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
         cache: Optional["DecodeCache"] = None, layer: int = 0,
-    ) -> torch.Tensor:
-        """attention(norm(x))."""
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(attention(norm(x + residual)), x + residual)."""
         c = self.config
         B, T, _ = x.shape
         groups = c.num_heads // c.num_kv_heads
-        q, k, v, gate_low_rank, g = normed_projections(
-            norm, x, [self.q_proj, self.k_proj, self.v_proj, self.gk_proj[0], self.g_proj]
+        (q, k, v, gate_low_rank, g), h = normed_projections(
+            norm, x, [self.q_proj, self.k_proj, self.v_proj, self.gk_proj[0], self.g_proj], residual
         )
         q = q.view(B, T, c.num_heads, c.head_k_dim)
         k = k.view(B, T, c.num_kv_heads, c.head_k_dim)
@@ -167,9 +167,9 @@ class GatedLinearAttention(nn.Module):
 
         g = g.view(B, T, c.num_heads, c.head_v_dim)
         if use_fused(x):  # per-head RMSNorm times swish(gate) in one kernel, then o_proj; recomputed in backward
-            return rms_norm_gated_linear(o.to(g.dtype), g, self.g_norm.weight, self.g_norm.eps, self.o_proj.weight)
+            return rms_norm_gated_linear(o.to(g.dtype), g, self.g_norm.weight, self.g_norm.eps, self.o_proj.weight), h
         o = (self.g_norm(o).float() * F.silu(g.float())).to(g.dtype)
-        return self.o_proj(o.reshape(B, T, c.value_dim))
+        return self.o_proj(o.reshape(B, T, c.value_dim)), h
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -198,16 +198,16 @@ class CausalSelfAttention(nn.Module):
         self.o_proj = Linear(d, d, std=std)
 
     def forward(
-        self, x: torch.Tensor, norm: RMSNorm, cu_seqlens: Optional[torch.Tensor] = None,
+        self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
         cache: Optional["DecodeCache"] = None, layer: int = 0,
-    ) -> torch.Tensor:
-        """attention(norm(x))."""
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(attention(norm(x + residual)), x + residual)."""
         c = self.config
         B, T, d = x.shape
         head_dim = d // c.num_heads
         start = cache.position if cache is not None else 0
         positions = torch.arange(start, start + T, device=x.device)
-        q, k, v = normed_projections(norm, x, [self.q_proj, self.k_proj, self.v_proj])
+        (q, k, v), h = normed_projections(norm, x, [self.q_proj, self.k_proj, self.v_proj], residual)
         q = apply_rope(q.view(B, T, c.num_heads, head_dim), positions, c.rope_base)
         k = apply_rope(k.view(B, T, c.num_kv_heads, head_dim), positions, c.rope_base)
         v = v.view(B, T, c.num_kv_heads, head_dim)
@@ -234,7 +234,7 @@ class CausalSelfAttention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, d))
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, d)), h
 
 
 class Block(nn.Module):
@@ -245,12 +245,15 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cu_seqlens=None, cache=None, layer: int = 0):
-        # each sublayer applies its pre-norm together with its input projections (normed_projections)
-        attn_out = self.attn(x, self.attn_norm, cu_seqlens=cu_seqlens, cache=cache, layer=layer)
-        # h = x + attn_out in x's dtype (fp32 residual stream under bf16-mixed), the MLP sees mlp_norm(h)
-        mlp_out, h = self.mlp(x, self.mlp_norm, residual=attn_out)
-        return h + mlp_out
+    def forward(self, x, pending, cu_seqlens=None, cache=None, layer: int = 0):
+        """(residual stream, pending) -> the same after this block. The stream's value after a block is
+        stream + pending: the last sublayer's output is added by the next pre-norm kernel, which reads both
+        anyway (no add of its own, and no sum of two gradients of the stream in the backward pass)."""
+        # each sublayer applies its pre-norm together with its input projections (normed_projections);
+        # h = x + pending in x's dtype (fp32 residual stream under bf16-mixed), the attention sees attn_norm(h)
+        attn_out, h = self.attn(x, self.attn_norm, pending, cu_seqlens=cu_seqlens, cache=cache, layer=layer)
+        mlp_out, h = self.mlp(h, self.mlp_norm, residual=attn_out)
+        return h, mlp_out
 
 
 @dataclass
@@ -307,15 +310,20 @@ class GPT(nn.Module):
         (computed in chunks, the full fp32 logits are never held); with `return_hidden`, the final
         normed hidden states [B, T, d]."""
         x = self.embeddings(input_ids)
+        # the first block's pending output: zeros in the dtype the sublayers' outputs have, so that every block
+        # is called alike (a compiled Block reuses one graph; x + 0 is exactly x)
+        compute_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        pending = torch.zeros_like(x, dtype=compute_dtype)
         if self.dynamic_shapes and cache is None:
-            torch._dynamo.maybe_mark_dynamic(x, 0)
-            torch._dynamo.maybe_mark_dynamic(x, 1)
+            for t in (x, pending):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 1)
         for i, block in enumerate(self.layers):
             if cache is None:  # no per-layer int argument in training: a compiled Block would specialise on it
-                x = block(x, cu_seqlens=cu_seqlens)
+                x, pending = block(x, pending, cu_seqlens=cu_seqlens)
             else:
-                x = block(x, cu_seqlens=cu_seqlens, cache=cache, layer=i)
-        x = self.norm(x)
+                x, pending = block(x, pending, cu_seqlens=cu_seqlens, cache=cache, layer=i)
+        x, _ = self.norm(x, residual=pending)
         if cache is not None:
             cache.position += input_ids.shape[1]
         if return_hidden:

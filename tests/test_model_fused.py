@@ -60,12 +60,13 @@ def test_compiled_blocks_do_not_recompile_for_new_batch_or_length(monkeypatch, d
     # Regional compilation as the trainer does it, on the fused path (as on CUDA: the GLA op is opaque
     # to the compiler). The eager backend: what is tested is Dynamo's guards, which shapes a compiled
     # graph accepts. With dynamic_shapes a new batch size or context length reuses the first graph;
-    # with specialised shapes each one compiles anew (the control).
+    # with specialised shapes each one compiles anew (the control). Two layers: every block, the first one
+    # included, is called alike and reuses the same graph.
     from fabric_lin.pretrain import compiled_graphs
 
     use_triton_ops(monkeypatch)
     torch._dynamo.reset()
-    config = Config.from_name("gla-debug", num_layers=1)
+    config = Config.from_name("gla-debug", num_layers=2)
     model = GPT(config).to(DEVICE)
     for block in model.layers:
         block.compile(backend="eager")
