@@ -156,3 +156,31 @@ def test_generate_samples_only_ids_the_tokenizer_has(tmp_path):
     for temperature in (0.0, 1.0):
         text = generate(tmp_path / "model", prompt="the model", max_new_tokens=8, temperature=temperature, device="cpu")
         assert text.startswith("the model")
+
+
+@pytest.mark.parametrize("name", ["gla-debug", "transformer-debug"])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(name):
+    # pretrain's activation_checkpointing wraps every Block (it takes and returns the residual stream and the
+    # pending sublayer output); recomputing the Blocks in the backward pass must not change the result
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from fabric_lin.model import Block
+
+    config = Config.from_name(name, num_layers=2)
+    torch.manual_seed(0)
+    model = GPT(config)
+    ids = torch.randint(0, config.vocab_size, (2, 70))
+    targets = torch.roll(ids, -1, dims=1)
+    results = []
+    for wrap in (False, True):
+        if wrap:
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+            assert sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules()) == config.num_layers
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, targets=targets)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (ref_loss, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
