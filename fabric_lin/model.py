@@ -4,6 +4,8 @@ block and the language model. Tensor layout everywhere is [B, T, H, D].
 GLA block (pre-norm, as flash-linear-attention's GLAForCausalLM):
     h   = x + attn(attn_norm(x))
     out = h + mlp(mlp_norm(h))
+The last add is made by the next block's attn_norm (or the final norm), which reads both terms anyway: a
+Block takes and returns (x, pending) with out = x + pending, pending = mlp(...) (zeros before the first).
 """
 import os
 from dataclasses import dataclass, field
