@@ -97,13 +97,15 @@ def test_triton_varlen_matches_naive_fp32():
 @pytest.mark.parametrize("dqk_early_loads", [True, False])
 def test_triton_fine_blocks_match_naive_fp32(monkeypatch, dqk_early_loads):
     # dq/dk's levels inside blocks of 16 rows as products batched over the blocks (dqk_fine_blocks), before or
-    # after the chunk's own tiles are loaded; varlen with sequences ending inside a block, an initial state
+    # after the chunk's own tiles are loaded; varlen with sequences ending inside a block, an initial state,
+    # 32-wide key tiles over K = 40 (the second one mostly masked)
     from fabric_lin.ops.gla import chunk
 
     monkeypatch.setitem(chunk.LAUNCH, "dqk_fine_blocks", True)
     monkeypatch.setitem(chunk.LAUNCH, "dqk_early_loads", dqk_early_loads)
+    monkeypatch.setitem(chunk.LAUNCH, "BK", 32)
     offsets = torch.tensor([0, 7, 64, 100, 163], dtype=torch.int32)
-    q, k, v, gk, h0 = make_inputs(1, 163, 2, 32, 48, N=4, seed=11)
+    q, k, v, gk, h0 = make_inputs(1, 163, 2, 40, 48, N=4, seed=11)
     ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
     out = forward_backward(triton_gla, q, k, v, gk, h0, offsets)
     for name, a, b in zip(NAMES, out, ref):
