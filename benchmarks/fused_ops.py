@@ -2,9 +2,9 @@
 
 One GPU, bf16, each op of ours beside fla's equivalent (when importable) in the same process: forward and
 forward+backward milliseconds of wall time (triton.testing.do_bench), and the GPU time of forward+backward
-(the kernels' time, from torch.profiler). At these sizes a norm's kernels take less time than the host
-needs to launch them through autograd, so its wall time in isolation is the host's; in a training step
-the host runs ahead and the GPU time is what the op costs. Ours also as a fraction of the copy bandwidth
+(the kernels' time, from torch.profiler). At these sizes a norm's wall time in isolation came out far
+above its kernels' time in a training step's profile, by all appearances the host's time to launch them
+through autograd; in a training step the host runs ahead and the GPU time is what the op costs. Ours also as a fraction of the copy bandwidth
 its minimal traffic needs in that GPU time (every input read once, every output written once):
 
     python benchmarks/fused_ops.py --out fused_ops.json

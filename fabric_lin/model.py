@@ -78,6 +78,11 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer computes in for input x: autocast's, where it is on, else x's."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
 def normed_projections(
     norm: RMSNorm, x: torch.Tensor, linears: List[nn.Linear], residual: Optional[torch.Tensor] = None,
     side_by_side: bool = False,
@@ -87,8 +92,7 @@ def normed_projections(
     backward pass instead of being kept for the projections (one [tokens, hidden] tensor less per call).
     side_by_side: one tensor, the projections concatenated on the last dim."""
     if use_fused(x):
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-        return rms_norm_linears(x, norm.weight, norm.eps, [lin.weight for lin in linears], residual, dtype,
+        return rms_norm_linears(x, norm.weight, norm.eps, [lin.weight for lin in linears], residual, compute_dtype(x),
                                 side_by_side=side_by_side)
     normed = norm(x, residual)
     y, h = normed if residual is not None else (normed, None)
@@ -314,8 +318,7 @@ class GPT(nn.Module):
         x = self.embeddings(input_ids)
         # the first block's pending output: zeros in the dtype the sublayers' outputs have, so that every block
         # is called alike (a compiled Block reuses one graph; x + 0 is exactly x)
-        compute_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        pending = torch.zeros_like(x, dtype=compute_dtype)
+        pending = torch.zeros_like(x, dtype=compute_dtype(x))
         if self.dynamic_shapes and cache is None:
             for t in (x, pending):
                 torch._dynamo.maybe_mark_dynamic(t, 0)

@@ -140,7 +140,7 @@ def _bwd(h, gate, weight, rstd, dy, dh_extra):
     # than one program per tile), but enough of them that the last wave leaves little of the GPU idle
     programs = max(1, min(triton.cdiv(n, R), 16 * sms))
     rows_per_program = triton.cdiv(triton.cdiv(max(n, 1), programs), R) * R
-    programs = triton.cdiv(max(n, 1), rows_per_program)  # none without rows to do
+    programs = triton.cdiv(max(n, 1), rows_per_program)  # the rounding up may have left programs with no rows
     # every launched program writes its whole row; with no rows nothing is launched and the sum is zero
     dw_part = (torch.empty if n > 0 else torch.zeros)(programs, D, device=h.device, dtype=torch.float32)
     if n > 0:

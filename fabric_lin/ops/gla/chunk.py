@@ -29,7 +29,8 @@ dA = tril(do v^T) (A is kept from the forward pass; both go through memory in th
 the products use), and one kernel per chunk and key tile gives dq, dk and dgk, level by level as A was
 made (or, LAUNCH["dqk_fine_blocks"], its four levels inside blocks of 16 rows as [16, 16] pieces of dA
 batched over the four blocks, _dqk_fine_levels). For the gate, with db_i the gradient of the in-chunk
-cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i (elementwise, q and k as they enter the products), plus, for b at the chunk's last row,
+cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i (elementwise, q and k as they enter the products), plus,
+for b at the chunk's last row,
 sum_v(h_n dh_n) exp(b_last) + sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside
 the chunk plus that term.
 
