@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from conftest import rel_rms  # noqa: E402
+from conftest import compiled_graph_ops, rel_rms  # noqa: E402
 
 from fabric_lin.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref  # noqa: E402
 from fabric_lin.ops.norm import (  # noqa: E402
@@ -317,10 +317,14 @@ def test_ops_compile_without_graph_breaks():
     explain = torch._dynamo.explain(f)(x, res, gate, w, weight)
     assert explain.graph_break_count == 0, explain.break_reasons
     ins, ins_ref = leaves(x, res, gate, w, weight), leaves(x, res, gate, w, weight)
-    out = torch.compile(f, backend="aot_eager", fullgraph=True)(*ins)
+    out, forward_ops, backward_ops = compiled_graph_ops(f, *ins)
+    # each kernel wrapper is one node of the graphs (in eager mode the same functions run without the op)
+    assert {"fabric_lin.rms_norm_fwd.default", "fabric_lin.swiglu_fwd.default", "fabric_lin.swiglu_linear_fwd.default",
+            "fabric_lin.linear_cross_entropy_fwd.default"} <= forward_ops, forward_ops
+    assert {"fabric_lin.rms_norm_bwd.default", "fabric_lin.swiglu_bwd.default",
+            "fabric_lin.swiglu_linear_bwd.default"} <= backward_ops, backward_ops
     ref = f_ref(*ins_ref)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    out.backward()
     ref.backward()
     for a, b, name in zip(ins, ins_ref, ["dx", "dres", "dgate", "dw", "dweight"]):
         check(a.grad, b.grad, torch.float32, name)
@@ -491,3 +495,13 @@ def test_torch_paths_match_float64(dtype):
     for a, b, name in pairs:
         assert a.dtype == (torch.float32 if name == "linear_cross_entropy" else dtype), name
         check_against_fp32(a, b, dtype, name)
+
+
+def test_launch_arithmetic_matches_triton():
+    # the wrappers' plain-Python grid arithmetic gives what Triton's own helpers give
+    import triton
+
+    from fabric_lin.ops.launch import cdiv, next_power_of_2
+
+    assert [next_power_of_2(n) for n in range(1, 5000)] == [triton.next_power_of_2(n) for n in range(1, 5000)]
+    assert all(cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 300) for b in range(1, 70))

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fabric_lin.ops.launch import next_power_of_2, op_or_fn
+
 
 def linear_cross_entropy_ref(hidden, weight, targets, ignore_index: int = -100) -> torch.Tensor:
     """Mean cross-entropy of hidden @ weight^T against targets over the rows whose target is not ignore_index
@@ -61,7 +63,7 @@ def _forward(hidden, weight, targets, ignore_index, chunk_size, need_dw):
     losses = torch.empty(N, device=hidden.device, dtype=torch.float32)
     dh = torch.empty_like(hidden)
     dw = torch.zeros(V, d, device=hidden.device, dtype=torch.float32) if need_dw else None
-    BV = min(4096, triton.next_power_of_2(V))
+    BV = min(4096, next_power_of_2(V))
     for start in range(0, N, chunk_size):
         h = hidden[start : start + chunk_size]
         logits = h @ weight.t()  # [rows, V], input dtype
@@ -91,10 +93,14 @@ def _(hidden, weight, targets, ignore_index, chunk_size, need_dw):
     return hidden.new_empty((), dtype=torch.float32), torch.empty_like(hidden), dw
 
 
+def _ce_fwd(*args):
+    return op_or_fn(_linear_ce_fwd_op, _forward)(*args)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, chunk_size):
-        loss, dh, dw = _linear_ce_fwd_op(hidden, weight, targets, ignore_index, chunk_size, weight.requires_grad)
+        loss, dh, dw = _ce_fwd(hidden, weight, targets, ignore_index, chunk_size, weight.requires_grad)
         ctx.save_for_backward(dh, dw)
         ctx.need_dw = weight.requires_grad
         return loss
@@ -130,5 +136,5 @@ def linear_cross_entropy(
         return linear_cross_entropy_ref(hidden, weight, targets, ignore_index)
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
         # no gradient wanted: the same kernel, its gradients dropped
-        return _linear_ce_fwd_op(hidden.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, chunk_size, False)[0]
+        return _ce_fwd(hidden.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, chunk_size, False)[0]
     return _LinearCrossEntropy.apply(hidden.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, chunk_size)

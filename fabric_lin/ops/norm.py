@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fabric_lin.ops.launch import cdiv, multiprocessors, next_power_of_2, op_or_fn
+
 
 def rms_norm_ref(x, weight, eps=1e-6, residual=None):
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
@@ -41,7 +43,7 @@ def _rows(D: int) -> Tuple[int, int, int]:
     """(block width, rows per tile, warps) for rows of D elements: tiles of ~4096 elements, so that a
     program has enough loads in flight whatever D (one 256-wide row per 1-warp program, GLA's per-head
     norm, left the backward pass at about half the memory bandwidth on an H200)."""
-    BD = triton.next_power_of_2(D)
+    BD = next_power_of_2(D)
     R = max(1, 4096 // BD)
     return BD, R, min(16, max(1, R * BD // 512))
 
@@ -107,9 +109,14 @@ def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dg, dw_part, n_rows, D, ro
 
 
 # ------------------------------------------------------------------------------------ torch.library ops
+# _fwd and _bwd are the ops' functions; the autograd Functions below call them through op_or_fn (the
+# registered op only while torch.compile traces).
 
 
-def _fwd(x, residual, gate, weight, eps):
+def _fwd(
+    x: torch.Tensor, residual: Optional[torch.Tensor], gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h = x + residual (an empty tensor without residual), 1/rms per row)."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     n = x2.shape[0]
@@ -121,13 +128,17 @@ def _fwd(x, residual, gate, weight, eps):
     r2 = residual.reshape(-1, D) if residual is not None else None
     g2 = gate.reshape(-1, D) if gate is not None else None
     if n > 0:
-        _norm_fwd_kernel[(triton.cdiv(n, R),)](x2, r2, g2, weight, y, h, rstd, n, D, eps, BD=BD, R=R,
-                                               HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
-                                               num_warps=warps)
-    return y.view_as(x), h.view_as(x), rstd
+        _norm_fwd_kernel[(cdiv(n, R),)](x2, r2, g2, weight, y, h, rstd, n, D, eps, BD=BD, R=R,
+                                        HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
+                                        num_warps=warps)
+    return y.view_as(x), (h.view_as(x) if residual is not None else x.new_empty(0)), rstd
 
 
-def _bwd(h, gate, weight, rstd, dy, dh_extra):
+def _bwd(
+    h: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
+    dh_extra: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dgate (an empty tensor without gate), dweight)."""
     D = h.shape[-1]
     h2 = h.reshape(-1, D)
     n = h2.shape[0]
@@ -135,12 +146,12 @@ def _bwd(h, gate, weight, rstd, dy, dh_extra):
     dx = torch.empty_like(h2)
     dg = torch.empty_like(gate.reshape(-1, D)) if gate is not None else None
     BD, R, warps = _rows(D)
-    sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2
+    sms = multiprocessors(h.device) if h.is_cuda else 2
     # programs that each loop over several tiles, summing their rows' part of dweight (fewer partial sums
     # than one program per tile), but enough of them that the last wave leaves little of the GPU idle
-    programs = max(1, min(triton.cdiv(n, R), 16 * sms))
-    rows_per_program = triton.cdiv(triton.cdiv(max(n, 1), programs), R) * R
-    programs = triton.cdiv(max(n, 1), rows_per_program)  # the rounding up may have left programs with no rows
+    programs = max(1, min(cdiv(n, R), 16 * sms))
+    rows_per_program = cdiv(cdiv(max(n, 1), programs), R) * R
+    programs = cdiv(max(n, 1), rows_per_program)  # the rounding up may have left programs with no rows
     # every launched program writes its whole row; with no rows nothing is launched and the sum is zero
     dw_part = (torch.empty if n > 0 else torch.zeros)(programs, D, device=h.device, dtype=torch.float32)
     if n > 0:
@@ -150,15 +161,11 @@ def _bwd(h, gate, weight, rstd, dy, dh_extra):
             rows_per_program, BD=BD, R=R, HAS_DH_EXTRA=dh_extra is not None, HAS_GATE=gate is not None, num_warps=warps,
         )
     dw = dw_part.sum(0).to(weight.dtype)
-    return dx.view_as(h), (dg.view_as(gate) if gate is not None else None), dw
+    return dx.view_as(h), (dg.view_as(gate) if gate is not None else h.new_empty(0)), dw
 
 
-@torch.library.custom_op("fabric_lin::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd_op(
-    x: torch.Tensor, residual: Optional[torch.Tensor], gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, h, rstd = _fwd(x, residual, gate, weight, eps)
-    return y, (h if residual is not None else x.new_empty(0)), rstd
+_rms_norm_fwd_op = torch.library.custom_op("fabric_lin::rms_norm_fwd", mutates_args=())(_fwd)
+_rms_norm_bwd_op = torch.library.custom_op("fabric_lin::rms_norm_bwd", mutates_args=())(_bwd)
 
 
 @_rms_norm_fwd_op.register_fake
@@ -168,24 +175,23 @@ def _(x, residual, gate, weight, eps):
     return torch.empty_like(x), h, x.new_empty(rows, dtype=torch.float32)
 
 
-@torch.library.custom_op("fabric_lin::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd_op(
-    h: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
-    dh_extra: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dg, dw = _bwd(h, gate, weight, rstd, dy, dh_extra)
-    return dx, (dg if dg is not None else h.new_empty(0)), dw
-
-
 @_rms_norm_bwd_op.register_fake
 def _(h, gate, weight, rstd, dy, dh_extra):
     return torch.empty_like(h), (torch.empty_like(gate) if gate is not None else h.new_empty(0)), torch.empty_like(weight)
 
 
+def _norm_fwd(*args):
+    return op_or_fn(_rms_norm_fwd_op, _fwd)(*args)
+
+
+def _norm_bwd(*args):
+    return op_or_fn(_rms_norm_bwd_op, _bwd)(*args)
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, gate, weight, eps):
-        y, h, rstd = _rms_norm_fwd_op(x, residual, gate, weight, eps)
+        y, h, rstd = _norm_fwd(x, residual, gate, weight, eps)
         ctx.save_for_backward(h if residual is not None else x, gate, weight, rstd)
         ctx.has_residual = residual is not None
         return y, h
@@ -194,7 +200,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dh_out):
         h, gate, weight, rstd = ctx.saved_tensors
         dh_extra = dh_out.contiguous() if ctx.has_residual and dh_out is not None else None
-        dx, dg, dw = _rms_norm_bwd_op(h, gate, weight, rstd, dy.contiguous(), dh_extra)
+        dx, dg, dw = _norm_bwd(h, gate, weight, rstd, dy.contiguous(), dh_extra)
         return dx, (dx if ctx.has_residual else None), (dg if gate is not None else None), dw, None
 
 
@@ -234,7 +240,7 @@ class _RMSNormGatedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate, weight, eps, proj_weight):
-        y, _, rstd = _rms_norm_fwd_op(x, None, gate, weight, eps)
+        y, _, rstd = _norm_fwd(x, None, gate, weight, eps)
         ctx.save_for_backward(x, gate, weight, rstd, proj_weight)
         ctx.eps = eps
         return torch.matmul(y.reshape(*x.shape[:-2], -1), proj_weight.t())
@@ -242,11 +248,11 @@ class _RMSNormGatedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x, gate, weight, rstd, proj_weight = ctx.saved_tensors
-        y, _, _ = _rms_norm_fwd_op(x, None, gate, weight, ctx.eps)
+        y, _, _ = _norm_fwd(x, None, gate, weight, ctx.eps)
         d_out = d_out.contiguous()
         d_proj = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, proj_weight.shape[1]))
         dy = torch.matmul(d_out, proj_weight).view_as(x)
-        dx, dg, dw = _rms_norm_bwd_op(x, gate, weight, rstd, dy, None)
+        dx, dg, dw = _norm_bwd(x, gate, weight, rstd, dy, None)
         return dx, dg, dw, None, d_proj
 
 
@@ -281,7 +287,7 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, stacked, sizes):
-        y, h, rstd = _rms_norm_fwd_op(x, residual, None, weight, eps)
+        y, h, rstd = _norm_fwd(x, residual, None, weight, eps)
         source = h if residual is not None else x
         ctx.save_for_backward(source, weight, rstd, stacked)
         ctx.eps, ctx.has_residual, ctx.sizes = eps, residual is not None, sizes
@@ -294,7 +300,7 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
     def backward(ctx, dh_out, *d_outs):
         source, weight, rstd, stacked = ctx.saved_tensors
         dh_extra = dh_out.contiguous() if ctx.has_residual and dh_out is not None else None
-        y, _, _ = _rms_norm_fwd_op(source, None, None, weight, ctx.eps)
+        y, _, _ = _norm_fwd(source, None, None, weight, ctx.eps)
         y = y.to(stacked.dtype).reshape(-1, y.shape[-1])
         # the outputs' gradients side by side: one product for the input gradient (summed over the
         # projections inside the product, rounded once) and one for the stacked weight's; one output
@@ -308,7 +314,7 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
             ], dim=-1)
         dy = torch.matmul(d_cat, stacked).view_as(source)
         d_stacked = torch.matmul(d_cat.t(), y)
-        dx, _, dw = _rms_norm_bwd_op(source, None, weight, rstd, dy, dh_extra)
+        dx, _, dw = _norm_bwd(source, None, weight, rstd, dy, dh_extra)
         return dx, (dx if ctx.has_residual else None), dw, None, d_stacked, None
 
 

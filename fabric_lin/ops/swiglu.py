@@ -10,6 +10,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fabric_lin.ops.launch import cdiv, op_or_fn
+
 BLOCK = 1024
 
 
@@ -45,7 +47,7 @@ def _swiglu_bwd_kernel(gate, up, dy, dgate, dup, I, stride_in, BLOCK: tl.constex
 
 
 def _grid(rows: int, I: int):
-    return (rows, triton.cdiv(I, BLOCK))
+    return (rows, cdiv(I, BLOCK))
 
 
 @torch.library.custom_op("fabric_lin::swiglu_fwd", mutates_args=())
@@ -125,9 +127,18 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch
 # SwiGLU followed by the down projection, with the activation recomputed in the backward pass: an MLP
 # then keeps gate_up and the weight for its backward, not also the [tokens, intermediate] activation
 # that a separate linear layer would save (a third of an MLP's saved activations).
-@torch.library.custom_op("fabric_lin::swiglu_linear_fwd", mutates_args=())
-def _swiglu_linear_fwd_op(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _swiglu_linear_fwd(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.matmul(_packed_fwd(gate_up), weight.t())
+
+
+def _swiglu_linear_bwd(gate_up: torch.Tensor, weight: torch.Tensor, d_out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    y = _packed_fwd(gate_up)  # recomputed: one elementwise pass instead of keeping it
+    d_weight = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, y.shape[-1]))
+    return _packed_bwd(gate_up, torch.matmul(d_out, weight)), d_weight
+
+
+_swiglu_linear_fwd_op = torch.library.custom_op("fabric_lin::swiglu_linear_fwd", mutates_args=())(_swiglu_linear_fwd)
+_swiglu_linear_bwd_op = torch.library.custom_op("fabric_lin::swiglu_linear_bwd", mutates_args=())(_swiglu_linear_bwd)
 
 
 @_swiglu_linear_fwd_op.register_fake
@@ -135,24 +146,23 @@ def _(gate_up, weight):
     return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("fabric_lin::swiglu_linear_bwd", mutates_args=())
-def _swiglu_linear_bwd_op(gate_up: torch.Tensor, weight: torch.Tensor, d_out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    y = _packed_fwd(gate_up)  # recomputed: one elementwise pass instead of keeping it
-    d_weight = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, y.shape[-1]))
-    return _packed_bwd(gate_up, torch.matmul(d_out, weight)), d_weight
-
-
 @_swiglu_linear_bwd_op.register_fake
 def _(gate_up, weight, d_out):
     return torch.empty_like(gate_up), weight.new_empty(weight.shape)
 
 
-def _swiglu_linear_backward(ctx, d_out):
-    gate_up, weight = ctx.saved_tensors
-    return _swiglu_linear_bwd_op(gate_up, weight, d_out.contiguous())
+class _SwiGLULinearFunction(torch.autograd.Function):
+    """The ops through op_or_fn: the registered ops only while torch.compile traces."""
 
+    @staticmethod
+    def forward(ctx, gate_up, weight):
+        ctx.save_for_backward(gate_up, weight)
+        return op_or_fn(_swiglu_linear_fwd_op, _swiglu_linear_fwd)(gate_up, weight)
 
-torch.library.register_autograd("fabric_lin::swiglu_linear_fwd", _swiglu_linear_backward, setup_context=_setup)
+    @staticmethod
+    def backward(ctx, d_out):
+        gate_up, weight = ctx.saved_tensors
+        return op_or_fn(_swiglu_linear_bwd_op, _swiglu_linear_bwd)(gate_up, weight, d_out.contiguous())
 
 
 def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -171,4 +181,4 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, backend: str = "a
     if backend == "torch" or (backend == "auto" and not gate_up.is_cuda):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.linear(swiglu_ref(gate, up), weight.to(gate_up.dtype))
-    return _swiglu_linear_fwd_op(gate_up.contiguous(), weight.to(gate_up.dtype))
+    return _SwiGLULinearFunction.apply(gate_up.contiguous(), weight.to(gate_up.dtype))

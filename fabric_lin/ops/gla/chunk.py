@@ -48,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fabric_lin.ops.launch import cdiv, multiprocessors, next_power_of_2, op_or_fn
+
 BT = 64  # chunk
 BC = 16  # rows of A per program of the separate score kernel
 
@@ -886,8 +888,8 @@ def _state_dtype(x: torch.Tensor, boundary_state: bool) -> torch.dtype:
 def _block_sizes(K: int, V: int, kind: str = "") -> Tuple[int, int]:
     """Key and value tile widths; kind "state_" for the sequential state passes (their programs are
     (key tile, value tile, sequence, head), so narrower tiles give long single sequences more programs)."""
-    BK = min(LAUNCH[kind + "BK"], max(16, triton.next_power_of_2(K)))
-    BV = min(LAUNCH[kind + "BV"], max(16, triton.next_power_of_2(V)))
+    BK = min(LAUNCH[kind + "BK"], max(16, next_power_of_2(K)))
+    BV = min(LAUNCH[kind + "BV"], max(16, next_power_of_2(V)))
     return BK, BV
 
 
@@ -899,9 +901,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _chunk_layout(cu_seqlens: Optional[torch.Tensor], B: int, T: int):
     """(number of sequences, total chunks, chunk_indices [(seq, chunk in seq)] int32, chunk_offsets int32)."""
     if cu_seqlens is None:
-        return B, B * triton.cdiv(T, BT), None, None
+        return B, B * cdiv(T, BT), None, None
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    counts = [triton.cdiv(n, BT) for n in lengths]
+    counts = [cdiv(n, BT) for n in lengths]
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
@@ -915,11 +917,11 @@ def _chunk_layout(cu_seqlens: Optional[torch.Tensor], B: int, T: int):
 def _state_programs(K: int, V: int, N: int, H: int) -> int:
     """Programs of one sequential state pass: one per (key tile, value tile, sequence, head)."""
     SK, SV = _block_sizes(K, V, "state_")
-    return triton.cdiv(K, SK) * triton.cdiv(V, SV) * N * H
+    return cdiv(K, SK) * cdiv(V, SV) * N * H
 
 
 def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return multiprocessors(device) if device.type == "cuda" else 1
 
 
 def _split_states(K: int, V: int, N: int, H: int, device: torch.device) -> bool:
@@ -942,9 +944,9 @@ def _state_warps(K: int, V: int, N: int, H: int, device: torch.device) -> int:
 def _scan(hu, gc, s0, s_final, cu_seqlens, layout, T, reverse):
     N, chunk_offsets = layout[0], layout[3]
     H, K, V = hu.shape[1:]
-    SK = min(LAUNCH["scan_SK"], max(16, triton.next_power_of_2(K)))
-    SV = min(LAUNCH["scan_SV"], max(16, triton.next_power_of_2(V)))
-    _state_scan_kernel[(triton.cdiv(K, SK), triton.cdiv(V, SV), N * H)](
+    SK = min(LAUNCH["scan_SK"], max(16, next_power_of_2(K)))
+    SV = min(LAUNCH["scan_SV"], max(16, next_power_of_2(V)))
+    _state_scan_kernel[(cdiv(K, SK), cdiv(V, SV), N * H)](
         hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H, K, V, BT, SK, SV,
         USE_S0=s0 is not None, STORE_FINAL=s_final is not None, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None, num_warps=4,
         num_stages=LAUNCH["scan_stages"],
@@ -958,7 +960,7 @@ def _chunk_updates(x, y, g, gc, scale, cu_seqlens, layout, reverse, dtype):
     NC, chunk_indices = layout[1], layout[2]
     BK, BV = _block_sizes(K, V, "state_")
     u = x.new_empty(NC, H, K, V, dtype=dtype)
-    grid = (triton.cdiv(K, BK) * triton.cdiv(V, BV),) + ((NC, H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H))
+    grid = (cdiv(K, BK) * cdiv(V, BV),) + ((NC, H) if cu_seqlens is not None else (cdiv(T, BT), B * H))
     _chunk_update_kernel[grid](
         x, y, g, gc, u, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BK, BV,
         REVERSE=reverse, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
@@ -971,8 +973,8 @@ def _gate_cumsum(g, gc, cu_seqlens, layout, normalizer=None):
     """gc <- the cumulative sum of g inside each chunk (fp32); with a normalizer, g holds the gate's logits
     and the sum is over logsigmoid(g) / normalizer."""
     B, T, H, K = g.shape
-    BKc = min(128, max(16, triton.next_power_of_2(K)))
-    grid = (triton.cdiv(K, BKc),) + ((layout[1], H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H))
+    BKc = min(128, max(16, next_power_of_2(K)))
+    grid = (cdiv(K, BKc),) + ((layout[1], H) if cu_seqlens is not None else (cdiv(T, BT), B * H))
     _gate_cumsum_kernel[grid](g, gc, cu_seqlens, layout[2], normalizer or 1.0, T, H, K, BT, BKc,
                               IS_VARLEN=cu_seqlens is not None, FROM_LOGITS=normalizer is not None, num_warps=4)
 
@@ -995,7 +997,7 @@ def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
         g = None
     BK, BV = _block_sizes(K, V, "state_")
     h = k.new_empty(NC, H, K, V, dtype=_state_dtype(k, initial_state is not None))
-    _fwd_state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), N * H)](
+    _fwd_state_kernel[(cdiv(K, BK), cdiv(V, BV), N * H)](
         k, v, g, gc, h, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
         USE_H0=initial_state is not None, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(k.dtype), PREFETCH=LAUNCH["state_prefetch"],
@@ -1018,7 +1020,7 @@ def _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout):
         return dh, dh0
     SK, SV = _block_sizes(K, V, "state_")
     dh = q.new_empty(NC, H, K, V, dtype=_state_dtype(q, initial_state is not None or dht is not None))
-    _bwd_state_kernel[(triton.cdiv(K, SK), triton.cdiv(V, SV), N * H)](
+    _bwd_state_kernel[(cdiv(K, SK), cdiv(V, SV), N * H)](
         q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, SK, SV,
         USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"],
@@ -1037,7 +1039,7 @@ def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, la
     h = k.new_empty(NC, H, K, V, dtype=_state_dtype(k, initial_state is not None))
     dh = q.new_empty(NC, H, K, V, dtype=_state_dtype(q, initial_state is not None or dht is not None))
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
-    _bwd_both_states_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), 2 * N * H)](
+    _bwd_both_states_kernel[(cdiv(K, BK), cdiv(V, BV), 2 * N * H)](
         q, k, v, gc, do, h, dh, initial_state, dht, dh0, cu_seqlens, chunk_offsets, scale, T, N * H, H, K, V, BT,
         BK, BV, USE_H0=initial_state is not None, USE_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"],
@@ -1062,10 +1064,10 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
     h, ht = _states(k, v, g, gc, initial_state, cu_seqlens, layout)
     o = torch.empty_like(v, dtype=q.dtype)
     A = q.new_empty(B, T, H, BT)
-    grid = (NC, H) if cu_seqlens is not None else (triton.cdiv(T, BT), B * H)
+    grid = (NC, H) if cu_seqlens is not None else (cdiv(T, BT), B * H)
     # value tiles at least 64 wide (the extra columns masked): narrower ones went wrong on an H200 (Triton
     # 3.6, bf16), outputs 0.12-0.5 off in relative RMS at V=32, and an illegal memory access at K=64, V=32
-    BV_out = min(LAUNCH["BV_out"], max(64, triton.next_power_of_2(V)))
+    BV_out = min(LAUNCH["BV_out"], max(64, next_power_of_2(V)))
     separate = LAUNCH["separate_scores"]
     if separate:
         _fwd_scores_kernel[(BT // BC,) + grid](
@@ -1074,7 +1076,7 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
             num_warps=LAUNCH["scores_warps"], num_stages=LAUNCH["stages"],
         )
     # with the scores read from memory, the value tiles of a chunk are programs of their own
-    value_programs = triton.cdiv(V, BV_out) if separate else 1
+    value_programs = cdiv(V, BV_out) if separate else 1
     _fwd_output_kernel[grid + (value_programs,)](
         q, k, v, gc, h, o, A, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BK, BV_out,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype), LOAD_SCORES=separate,
@@ -1108,15 +1110,15 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
         dh, dh0 = _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout)
     dv = torch.empty_like(v)
     dA = torch.empty(B, T, H, BT, device=q.device, dtype=q.dtype)  # the products read it in this dtype
-    grid = (NC, H) if is_varlen else (triton.cdiv(T, BT), B * H)
-    dv_BK = min(LAUNCH["dv_BK"], max(16, triton.next_power_of_2(K)))
+    grid = (NC, H) if is_varlen else (cdiv(T, BT), B * H)
+    dv_BK = min(LAUNCH["dv_BK"], max(16, next_power_of_2(K)))
     _bwd_dv_kernel[grid](
         k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H, K, V, BT, dv_BK, BV,
         IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=LAUNCH["dv_warps"], num_stages=LAUNCH["stages"],
         **_register_cap("dv"),
     )
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gate)
-    _bwd_dqk_kernel[(triton.cdiv(K, BK),) + grid](
+    _bwd_dqk_kernel[(cdiv(K, BK),) + grid](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
         BT, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
         PREFETCH=LAUNCH["dqk_prefetch"], EARLY_LOADS=_dqk_early_loads(V), FINE_BLOCKS=LAUNCH["dqk_fine_blocks"],
@@ -1125,13 +1127,17 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
     return dq, dk, dv, dg, dh0
 
 
-# torch.library ops: torch.compile sees them as opaque calls with known output shapes.
-@torch.library.custom_op("fabric_lin::chunk_gla_fwd", mutates_args=())
-def chunk_gla_fwd_op(
+# torch.library ops of _gla_fwd and _gla_bwd: torch.compile sees them as opaque calls with known output
+# shapes. The autograd Functions call them through op_or_fn (the registered op only while torch.compile
+# traces; the functions themselves in eager mode, without the dispatcher's cost).
+def _gla_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], normalizer: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer)
+
+
+chunk_gla_fwd_op = torch.library.custom_op("fabric_lin::chunk_gla_fwd", mutates_args=())(_gla_fwd)
 
 
 @chunk_gla_fwd_op.register_fake
@@ -1143,8 +1149,7 @@ def _(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
             torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, BT))
 
 
-@torch.library.custom_op("fabric_lin::chunk_gla_bwd", mutates_args=())
-def chunk_gla_bwd_op(
+def _gla_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, A: torch.Tensor, scale: float,
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
     dht: Optional[torch.Tensor], normalizer: Optional[float] = None,
@@ -1153,6 +1158,9 @@ def chunk_gla_bwd_op(
     if dh0 is None:
         dh0 = q.new_zeros(0, dtype=torch.float32)
     return dq, dk, dv, dg, dh0
+
+
+chunk_gla_bwd_op = torch.library.custom_op("fabric_lin::chunk_gla_bwd", mutates_args=())(_gla_bwd)
 
 
 @chunk_gla_bwd_op.register_fake
@@ -1164,7 +1172,7 @@ def _(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, normalizer=No
 class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-        o, ht, gc, A = chunk_gla_fwd_op(q, k, v, g, scale, initial_state, cu_seqlens)
+        o, ht, gc, A = op_or_fn(chunk_gla_fwd_op, _gla_fwd)(q, k, v, g, scale, initial_state, cu_seqlens)
         ctx.save_for_backward(q, k, v, gc, A, initial_state, cu_seqlens)
         ctx.scale = scale
         ctx.output_final_state = output_final_state
@@ -1175,7 +1183,9 @@ class ChunkGLAFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, gc, A, initial_state, cu_seqlens = ctx.saved_tensors
         dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
-        dq, dk, dv, dg, dh0 = chunk_gla_bwd_op(q, k, v, gc, A, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht)
+        dq, dk, dv, dg, dh0 = op_or_fn(chunk_gla_bwd_op, _gla_bwd)(
+            q, k, v, gc, A, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht
+        )
         return dq, dk, dv, dg.to(ctx.g_dtype), None, (dh0 if initial_state is not None else None), None, None
 
 
@@ -1229,7 +1239,7 @@ def chunk_gla_triton(
 class ChunkGLAFromLogitsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, gate_logits, normalizer, scale, initial_state, output_final_state, cu_seqlens):
-        o, ht, _, A = chunk_gla_fwd_op(q, k, v, gate_logits, scale, initial_state, cu_seqlens, normalizer)
+        o, ht, _, A = op_or_fn(chunk_gla_fwd_op, _gla_fwd)(q, k, v, gate_logits, scale, initial_state, cu_seqlens, normalizer)
         ctx.save_for_backward(q, k, v, gate_logits, A, initial_state, cu_seqlens)
         ctx.scale, ctx.normalizer, ctx.output_final_state = scale, normalizer, output_final_state
         return o, ht
@@ -1238,7 +1248,7 @@ class ChunkGLAFromLogitsFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, gate_logits, A, initial_state, cu_seqlens = ctx.saved_tensors
         dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
-        dq, dk, dv, d_logits, dh0 = chunk_gla_bwd_op(
+        dq, dk, dv, d_logits, dh0 = op_or_fn(chunk_gla_bwd_op, _gla_bwd)(
             q, k, v, gate_logits, A, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht, ctx.normalizer
         )
         return (dq, dk, dv, d_logits, None, None, (dh0 if initial_state is not None else None), None, None)

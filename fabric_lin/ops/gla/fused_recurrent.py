@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from fabric_lin.ops.gla.recurrent import recurrent_gla_step
+from fabric_lin.ops.launch import cdiv, next_power_of_2, op_or_fn
 
 
 @triton.jit
@@ -33,20 +34,23 @@ def _recurrent_step_kernel(q, k, v, g, s_in, s_out, o, scale, K: tl.constexpr, V
     tl.store(o + i_bh * V + o_v, tl.sum(b_q[:, None] * S, axis=0).to(o.dtype.element_ty), mask=m_v)
 
 
-@torch.library.custom_op("fabric_lin::recurrent_gla_step", mutates_args=())
-def recurrent_gla_step_op(
+def _step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, state: Optional[torch.Tensor], scale: float
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     B, H, K = q.shape
     V = v.shape[-1]
     o = q.new_empty(B, H, V)
     new_state = q.new_empty(B, H, K, V, dtype=torch.float32)
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(max(16, triton.next_power_of_2(V)), 64 if BK <= 128 else 32)
-    _recurrent_step_kernel[(triton.cdiv(V, BV), B * H)](
+    BK = max(16, next_power_of_2(K))
+    BV = min(max(16, next_power_of_2(V)), 64 if BK <= 128 else 32)
+    _recurrent_step_kernel[(cdiv(V, BV), B * H)](
         q, k, v, gk, state, new_state, o, scale, K, V, BK, BV, USE_STATE=state is not None, num_warps=4
     )
     return o, new_state
+
+
+# a torch.library op, so that torch.compile keeps the step one opaque call (op_or_fn: only while it traces)
+recurrent_gla_step_op = torch.library.custom_op("fabric_lin::recurrent_gla_step", mutates_args=())(_step)
 
 
 @recurrent_gla_step_op.register_fake
@@ -86,4 +90,4 @@ def fused_recurrent_gla_step(
             raise ValueError(f"state must have shape {(B, H, K, v.shape[-1])}, got {tuple(state.shape)}")
         state = state.float().contiguous()
     scale = K**-0.5 if scale is None else float(scale)
-    return recurrent_gla_step_op(q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), state, scale)
+    return op_or_fn(recurrent_gla_step_op, _step)(q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), state, scale)
