@@ -94,14 +94,15 @@ def test_triton_varlen_matches_naive_fp32():
 
 
 @cpu_only
-@pytest.mark.parametrize("dqk_early_loads", [True, False])
-def test_triton_fine_blocks_match_naive_fp32(monkeypatch, dqk_early_loads):
-    # dq/dk's levels inside blocks of 16 rows as products batched over the blocks (dqk_fine_blocks), before or
-    # after the chunk's own tiles are loaded; varlen with sequences ending inside a block, an initial state,
-    # 32-wide key tiles over K = 40 (the second one mostly masked)
+@pytest.mark.parametrize("dqk_fine_blocks,dqk_early_loads", [(True, True), (True, False), (False, True), (False, False)])
+def test_triton_dqk_level_forms_match_naive_fp32(monkeypatch, dqk_fine_blocks, dqk_early_loads):
+    # dq/dk's finest levels inside blocks of 16 rows as products batched over the blocks (dqk_fine_blocks, the
+    # table's) or as 64x64 products masked to the blocks, before or after the chunk's own tiles are loaded;
+    # varlen with sequences ending inside a block, an initial state, 32-wide key tiles over K = 40 (the
+    # second one mostly masked)
     from fabric_lin.ops.gla import chunk
 
-    monkeypatch.setitem(chunk.LAUNCH, "dqk_fine_blocks", True)
+    monkeypatch.setitem(chunk.LAUNCH, "dqk_fine_blocks", dqk_fine_blocks)
     monkeypatch.setitem(chunk.LAUNCH, "dqk_early_loads", dqk_early_loads)
     monkeypatch.setitem(chunk.LAUNCH, "BK", 32)
     offsets = torch.tensor([0, 7, 64, 100, 163], dtype=torch.int32)
@@ -308,11 +309,11 @@ SEARCHED_SETTINGS = [
     {"dqk_prefetch": False},  # dq/dk's state part loads each value tile when its step starts
     {"dv_BK": 64},  # the dv kernel looping over key tiles (K > 64) inside each value tile
     {"dqk_early_loads": True},  # dq/dk's q, k, gate and dA loaded before its state part at every V
-    {"dqk_early_loads": False},  # and after it
+    {"dqk_early_loads": "auto"},  # before it when V <= 128
     {"output_warps": 16, "dqk_warps": 16},  # the search's 16-warp programs
     {"separate_cumsum": False, "both_states_warps": 4},  # the gate's cumsum inside the forward state pass
-    {"dqk_fine_blocks": True},  # dq/dk's levels inside blocks of 16 rows batched over the blocks
-    {"dqk_fine_blocks": True, "dqk_early_loads": False},
+    {"dqk_fine_blocks": False},  # dq/dk's finest levels as 64x64 products masked to the blocks of 16 rows
+    {"dqk_fine_blocks": False, "dqk_early_loads": "auto"},
 ]
 
 

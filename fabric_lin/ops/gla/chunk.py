@@ -27,8 +27,8 @@ Backward: the states h_n are recomputed, a reverse pass gives dh_n (the gradient
 chunk n) and dh0; per chunk, one kernel gives dv = (k exp(b_last - b)) dh_n + A^T do and
 dA = tril(do v^T) (A is kept from the forward pass; both go through memory in the input dtype, the one
 the products use), and one kernel per chunk and key tile gives dq, dk and dgk, level by level as A was
-made (or, LAUNCH["dqk_fine_blocks"], its four levels inside blocks of 16 rows as [16, 16] pieces of dA
-batched over the four blocks, _dqk_fine_levels). For the gate, with db_i the gradient of the in-chunk
+made, its four finest levels inside blocks of 16 rows as [16, 16] pieces of dA batched over the four
+blocks (_dqk_fine_levels; LAUNCH["dqk_fine_blocks"] False: as 64x64 products masked to the blocks). For the gate, with db_i the gradient of the in-chunk
 cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i (elementwise, q and k as they enter the products), plus,
 for b at the chunk's last row,
 sum_v(h_n dh_n) exp(b_last) + sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside
@@ -827,13 +827,15 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # layer, 4.46 against 4.51 at 8K. dq/dk's own tiles (q, k, gate, dA) loaded before its state part
           # (True), after it (False), or "auto" = before when V <= 128: 4.25 against 4.34 ms at 8K and 2.51
           # against 2.57 at 32K (V = 128), but 1.57 against 1.46 at the gla-340M layer, whose four value
-          # tiles keep them waiting longer (run Z4)
-          "dqk_prefetch": True, "dqk_early_loads": "auto",
+          # tiles keep them waiting longer (run Z4). With the fine blocks below, after it at every V (run AC1)
+          "dqk_prefetch": True, "dqk_early_loads": False,
           # dq/dk's four levels inside blocks of 16 rows as products batched over the four blocks ([16, 16]
-          # pieces of dA, _dqk_fine_levels: True) or as 64x64 products masked to the blocks (False). Not yet
-          # timed on a GPU; Triton 3.6 spills 42 registers at 8K with dqk_early_loads=false (54 for the
-          # table) and 46 at the gla-340M layer (26)
-          "dqk_fine_blocks": False,
+          # pieces of dA, _dqk_fine_levels: True) or as 64x64 products masked to the blocks (False). Run AC1
+          # (H200, forward+backward): 1.355-1.363 against 1.374-1.376 ms at the gla-340M layer; at 8K and 32K
+          # 4.178 and 2.487 against 4.195 and 2.503 with dqk_early_loads False, but 4.258 and 2.522 with
+          # "auto" (loads early at V = 128). Triton 3.6 spills 42 registers at 8K (54 before) and 46 at the
+          # gla-340M layer (26): fewer tiles live at once, for more spilled ones
+          "dqk_fine_blocks": True,
           # key tile width of the dv kernel: one tile covering K (K <= dv_BK) forms the decayed keys once for
           # all value tiles, where 64-wide tiles formed them again for each value tile (run Z3: 1.38 against
           # 1.47 ms at the gla-340M layer, 4.28 against 4.46 at 8K, 2.53 against 2.62 at 32K)
