@@ -1,0 +1,102 @@
+"""The host's share of a training step: what Python, autograd and the kernels' wrappers cost per
+forward+backward, with the GPU taken out. Runs on the CPU: the model takes its fused path (the Triton
+wrappers), every Triton launch is replaced by a counter and every torch.matmul by an empty tensor of the
+product's shape, and the widths are gla-debug's, so that what remains is the host's work. Where a GPU
+finishes a layer's kernels faster than the host launches them, this is the step's floor.
+
+    python benchmarks/host_overhead.py                 # 24 layers (gla-340M's depth), one JSON object
+    python benchmarks/host_overhead.py --profile 25    # and cProfile's top 25 functions by own time
+
+Triton's own launch cost (binding the arguments, the driver call) and CUDA's are not in the figure: the
+launches never reach Triton's runtime. `launches_per_step` counts them by kernel.
+"""
+import argparse
+import cProfile
+import functools
+import io
+import json
+import pstats
+import time
+from collections import Counter
+
+import torch
+import triton.runtime.jit as triton_jit
+
+import fabric_lin.model as model_module
+import fabric_lin.ops.gla as gla_ops
+import fabric_lin.ops.norm as norm_ops
+from fabric_lin.config import Config
+
+
+def take_the_gpu_out(launches: Counter) -> None:
+    """Route the model to its fused path on CPU tensors, with no-op kernel launches and empty products."""
+
+    def counted_launch(kernel, grid):
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))
+
+        def launch(*args, **kwargs):
+            launches[name] += 1
+
+        return launch
+
+    def empty_matmul(a, b):  # the [..., n, k] @ [..., k, m] products of the wrappers, without the arithmetic
+        return a.new_empty(*a.shape[:-1], b.shape[-1])
+
+    triton_jit.KernelInterface.__getitem__ = counted_launch
+    torch.matmul = empty_matmul
+    model_module.use_fused = lambda x: True
+    norm_ops._pick = lambda backend, x: "triton"
+    gla_ops.resolve_backend = lambda backend, device: "triton"
+    model_module.swiglu_linear = functools.partial(model_module.swiglu_linear, backend="triton")
+    model_module.linear_cross_entropy = functools.partial(model_module.linear_cross_entropy, backend="triton")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--tokens", type=int, default=16, help="sequence length (batch 1)")
+    parser.add_argument("--steps", type=int, default=10, help="forward+backward passes per repeat")
+    parser.add_argument("--repeats", type=int, default=7, help="the fastest repeat is reported")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="also cProfile's top N functions")
+    args = parser.parse_args()
+
+    launches: Counter = Counter()
+    take_the_gpu_out(launches)
+    torch.manual_seed(0)
+    config = Config.from_name("gla-debug", num_layers=args.layers)
+    model = model_module.GPT(config)
+    ids = torch.randint(0, config.vocab_size, (1, args.tokens))
+
+    def step():
+        model(ids, targets=ids).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    for _ in range(3):  # warm-up: first-call costs (imports, caches) out of the figure
+        step()
+    launches.clear()
+    best = float("inf")
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        best = min(best, (time.perf_counter() - start) / args.steps)
+    per_step = {name: count // (args.repeats * args.steps) for name, count in sorted(launches.items())}
+    result = {
+        "layers": args.layers,
+        "host_ms_per_fwd_bwd": round(best * 1e3, 2),
+        "host_ms_per_layer": round(best * 1e3 / args.layers, 3),
+        "launches_per_step": per_step,
+        "torch": torch.__version__,
+    }
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [step() for _ in range(args.steps)])
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
+        result["profile"] = text.getvalue().splitlines()
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

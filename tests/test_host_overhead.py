@@ -1,0 +1,29 @@
+"""benchmarks/host_overhead.py: the fused path's launches per step, counted with the GPU taken out."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_launches_per_step_follow_the_layer_structure():
+    layers = 3
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "host_overhead.py"), "--layers", str(layers), "--steps", "1",
+         "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=True,
+    )
+    result = json.loads(out.stdout)
+    launches = result["launches_per_step"]
+    # per layer, forward: the attention's pre-norm, the gate cumsum, the state pass, the output, the gated
+    # norm, the MLP's pre-norm, SwiGLU; backward: the three norms and SwiGLU recomputed, the gate cumsum
+    # recomputed, both state passes in one launch, dv, dq/dk, the three norms' and SwiGLU's backward;
+    # once: the final norm forward and backward and the cross-entropy
+    assert launches == {
+        "_norm_fwd_kernel": 6 * layers + 1, "_norm_bwd_kernel": 3 * layers + 1,
+        "_gate_cumsum_kernel": 2 * layers, "_fwd_state_kernel": layers, "_fwd_output_kernel": layers,
+        "_bwd_both_states_kernel": layers, "_bwd_dv_kernel": layers, "_bwd_dqk_kernel": layers,
+        "_swiglu_fwd_kernel": 2 * layers, "_swiglu_bwd_kernel": layers, "_ce_rows_kernel": 1,
+    }
+    assert result["layers"] == layers and result["host_ms_per_fwd_bwd"] > 0
