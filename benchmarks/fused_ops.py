@@ -9,6 +9,10 @@ its minimal traffic needs in that GPU time (every input read once, every output 
 
     python benchmarks/fused_ops.py --out fused_ops.json
     python benchmarks/fused_ops.py --rows 8192            # a smaller batch
+    python benchmarks/fused_ops.py --variants pre:bwd_prefetch=true small:tile_elements=2048
+
+--variants times the norms again under other settings of their launch table (fabric_lin.ops.norm.NORM_LAUNCH),
+each as changes to the one in place: ours only, GPU time and fraction of the copy bandwidth.
 
   rms_norm + residual   x + residual -> (y, h), hidden 1024 (a block's two pre-norms)
   rms_norm_gated        per-head rmsnorm(o) * swish(g), 4 heads of 256 (GLA's output norm and gate)
@@ -22,8 +26,10 @@ import json
 import torch
 from triton.testing import do_bench
 
+from fabric_lin.ops import norm
 from fabric_lin.ops.norm import rms_norm, rms_norm_gated
 from fabric_lin.ops.swiglu import swiglu
+from gla_kernel import parse_launch
 
 
 def fla_ops():
@@ -92,7 +98,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=16 * 2048, help="tokens (micro batch x sequence length)")
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="other settings of the norms' launch table (NORM_LAUNCH) to time, each as changes to the one in place")
     args = parser.parse_args()
+    variants = {}
+    for item in args.variants:
+        name, sep, changes = item.partition(":")
+        if not sep or not changes:
+            raise SystemExit(f"--variants {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+        variants[name] = parse_launch(changes.split(","), f"--variants {name}:", norm.NORM_LAUNCH)
     peers = fla_ops()
     # the copy bandwidth this GPU reaches, for the fraction below
     a = torch.empty(2**28, device="cuda", dtype=torch.uint8)
@@ -100,12 +114,27 @@ def main():
     copy_gb_s = 2 * a.numel() / do_bench(lambda: b.copy_(a)) / 1e6
     results = []
     for name, fn, inputs, (fwd_tensors, bwd_tensors) in cases(args.rows):
-        fwd_ms, fwd_bwd_ms, gpu_ms = time_op(fn, inputs)
         big = inputs[0].numel() * inputs[0].element_size()  # bytes of one activation-sized tensor
+
+        def fraction_of_copy(gpu_ms):
+            return gpu_ms and round((fwd_tensors + bwd_tensors) * big / (gpu_ms * 1e6) / copy_gb_s, 3)
+
+        fwd_ms, fwd_bwd_ms, gpu_ms = time_op(fn, inputs)
         row = {"op": name, "shape": list(inputs[0].shape), "ours_fwd_ms": round(fwd_ms, 4),
                "ours_fwd_bwd_ms": round(fwd_bwd_ms, 4), "ours_fwd_bwd_gpu_ms": gpu_ms and round(gpu_ms, 4),
-               "ours_fwd_bwd_gpu_fraction_of_copy_bandwidth": gpu_ms and round(
-                   (fwd_tensors + bwd_tensors) * big / (gpu_ms * 1e6) / copy_gb_s, 3)}
+               "ours_fwd_bwd_gpu_fraction_of_copy_bandwidth": fraction_of_copy(gpu_ms)}
+        if variants and name.startswith("rms_norm"):
+            row["variants"] = {}
+            base = dict(norm.NORM_LAUNCH)
+            for variant, settings in variants.items():
+                norm.NORM_LAUNCH.update(settings)
+                try:
+                    _, v_fwd_bwd_ms, v_gpu_ms = time_op(fn, inputs)
+                    row["variants"][variant] = {"fwd_bwd_ms": round(v_fwd_bwd_ms, 4), "fwd_bwd_gpu_ms": v_gpu_ms and round(v_gpu_ms, 4),
+                                                "fwd_bwd_gpu_fraction_of_copy_bandwidth": fraction_of_copy(v_gpu_ms)}
+                finally:
+                    norm.NORM_LAUNCH.clear()
+                    norm.NORM_LAUNCH.update(base)
         if name in peers:
             fla_fwd, fla_fwd_bwd, fla_gpu = time_op(peers[name], inputs)
             row.update(fla_fwd_ms=round(fla_fwd, 4), fla_fwd_bwd_ms=round(fla_fwd_bwd, 4),
@@ -115,7 +144,8 @@ def main():
         results.append(row)
         print(json.dumps(row), flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": args.rows,
-              "copy_gb_s": round(copy_gb_s), "fla": bool(peers), "ops": results}
+              "copy_gb_s": round(copy_gb_s), "fla": bool(peers), "norm_launch": dict(norm.NORM_LAUNCH),
+              "variants": variants, "ops": results}
     print(json.dumps(report, indent=1))
     if args.out:
         with open(args.out, "w") as f:

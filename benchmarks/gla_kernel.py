@@ -153,15 +153,17 @@ def sweep(shape):
             "shipped_vs_best": result["shipped_fwd_bwd_ms"] / result["fwd_bwd_ms"], "tried": result["tried"]}
 
 
-def parse_launch(items, what):
-    """{key: value} from KEY=VALUE strings, values as LAUNCH holds them (bool, int or str)."""
-    from fabric_lin.ops.gla import chunk
+def parse_launch(items, what, table=None):
+    """{key: value} from KEY=VALUE strings, values as a launch table holds them (bool, int or str); the
+    keys those of `table` (default: the GLA kernels' LAUNCH)."""
+    if table is None:
+        from fabric_lin.ops.gla.chunk import LAUNCH as table
 
     settings = {}
     for item in items:
         key, _, value = item.partition("=")
-        if key not in chunk.LAUNCH:
-            raise SystemExit(f"{what} {item}: unknown key {key!r}, expected one of {sorted(chunk.LAUNCH)}")
+        if key not in table:
+            raise SystemExit(f"{what} {item}: unknown key {key!r}, expected one of {sorted(table)}")
         settings[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
     return settings
 

@@ -386,11 +386,19 @@ def test_norm_ops_read_a_strided_weight():
         check(grads_of(out, [w])[0], grads_of(ref, [w_64])[0], torch.float32, f"{name} dweight")
 
 
+NORM_SETTINGS = [{}, {"bwd_prefetch": True}, {"bwd_prefetch": True, "tile_elements": 2048, "bwd_programs_per_sm": 32}]
+
+
+@pytest.mark.parametrize("settings", NORM_SETTINGS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "shipped")
 @pytest.mark.parametrize("D", [1000, 256, 24])
-def test_norm_ops_over_many_rows_and_programs(D):
+def test_norm_ops_over_many_rows_and_programs(monkeypatch, D, settings):
     # enough rows that the kernels tile several rows at a time and the backward's programs loop over many
     # tiles, the last one partly past the end (n not a multiple of the rows per tile or per program);
-    # against float64, with a residual and with a gate
+    # against float64, with a residual and with a gate; the backward's tiles loaded one step ahead or not
+    from fabric_lin.ops import norm
+
+    for key, value in settings.items():
+        monkeypatch.setitem(norm.NORM_LAUNCH, key, value)
     g = torch.Generator().manual_seed(15)
     n = 1603 if D < 1000 else 303
     x, res, gate = (torch.randn(n, D, generator=g).to(DEVICE) for _ in range(3))

@@ -314,6 +314,8 @@ SEARCHED_SETTINGS = [
     {"separate_cumsum": False, "both_states_warps": 4},  # the gate's cumsum inside the forward state pass
     {"dqk_fine_blocks": False},  # dq/dk's finest levels as 64x64 products masked to the blocks of 16 rows
     {"dqk_fine_blocks": False, "dqk_early_loads": "auto"},
+    {"state_BK": 128, "state_split": False},  # one key tile per state-pass program (K <= 128)
+    {"state_BK": 128, "state_split": True, "state_prefetch": False},
 ]
 
 

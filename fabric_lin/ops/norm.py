@@ -39,13 +39,25 @@ def _pick(backend: str, x: torch.Tensor) -> str:
     return ("triton" if x.is_cuda else "torch") if backend == "auto" else backend
 
 
+# Launch settings of the norm kernels (benchmarks/fused_ops.py --variants times others):
+#   tile_elements: elements per tile (rows of D elements, R = tile_elements // D of them), so that a program
+#     has enough loads in flight whatever D (one 256-wide row per 1-warp program, GLA's per-head norm, left
+#     the backward pass at about half the memory bandwidth on an H200);
+#   elements_per_thread: of a tile (warps = tile_elements / (32 * elements_per_thread), 1 to 16): fewer hold
+#     fewer registers, so more programs fit on a multiprocessor;
+#   bwd_programs_per_sm: the backward's programs per multiprocessor, each looping over tiles and summing
+#     its rows' part of the weight's gradient once, at the end;
+#   bwd_prefetch: the backward loads tile i+1 before it works on tile i (True), or loads each tile when its
+#     step starts (False: Triton does not pipeline loads that feed no matrix product, so each step waits on
+#     its loads with none in flight)
+NORM_LAUNCH = {"tile_elements": 4096, "elements_per_thread": 16, "bwd_programs_per_sm": 16, "bwd_prefetch": False}
+
+
 def _rows(D: int) -> Tuple[int, int, int]:
-    """(block width, rows per tile, warps) for rows of D elements: tiles of ~4096 elements, so that a
-    program has enough loads in flight whatever D (one 256-wide row per 1-warp program, GLA's per-head
-    norm, left the backward pass at about half the memory bandwidth on an H200)."""
+    """(block width, rows per tile, warps) for rows of D elements."""
     BD = next_power_of_2(D)
-    R = max(1, 4096 // BD)
-    return BD, R, min(16, max(1, R * BD // 512))
+    R = max(1, NORM_LAUNCH["tile_elements"] // BD)
+    return BD, R, min(16, max(1, R * BD // (32 * NORM_LAUNCH["elements_per_thread"])))
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -75,8 +87,25 @@ def _norm_fwd_kernel(x, r, g, w, y, h, rstd, n_rows, D, eps, BD: tl.constexpr, R
 
 
 @triton.jit
+def _bwd_tile(h, g, rstd, dy, dh_extra, rows, m_row, offs, m, HAS_DH_EXTRA: tl.constexpr, HAS_GATE: tl.constexpr):
+    """One tile's inputs of the backward pass: (h, gate, 1/rms, dy, extra residual gradient), fp32; the
+    ones a kernel does not have are zeros that the caller never reads."""
+    b_h = tl.load(h + offs, mask=m, other=0.0).to(tl.float32)
+    b_rstd = tl.load(rstd + rows, mask=m_row, other=0.0)
+    b_dy = tl.load(dy + offs, mask=m, other=0.0).to(tl.float32)
+    b_g = tl.zeros_like(b_h)
+    b_e = tl.zeros_like(b_h)
+    if HAS_GATE:
+        b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_DH_EXTRA:
+        b_e = tl.load(dh_extra + offs, mask=m, other=0.0).to(tl.float32)
+    return b_h, b_g, b_rstd, b_dy, b_e
+
+
+@triton.jit
 def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dg, dw_part, n_rows, D, rows_per_program,
-                     BD: tl.constexpr, R: tl.constexpr, HAS_DH_EXTRA: tl.constexpr, HAS_GATE: tl.constexpr):
+                     BD: tl.constexpr, R: tl.constexpr, HAS_DH_EXTRA: tl.constexpr, HAS_GATE: tl.constexpr,
+                     PREFETCH: tl.constexpr):
     """dx for rows [pid * rows_per_program, ...) (a multiple of R), R rows at a time, and this program's
     partial sum of dweight."""
     pid = tl.program_id(0)
@@ -85,25 +114,36 @@ def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dg, dw_part, n_rows, D, ro
     b_w = tl.load(w + cols, mask=m_col, other=0.0).to(tl.float32)[None, :]
     b_dw = tl.zeros([R, BD], dtype=tl.float32)  # summed over its rows once, at the end
     row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)  # past the program's rows nothing is loaded
+    if PREFETCH:
+        rows = row_start + tl.arange(0, R)
+        m = (rows < row_end)[:, None] & m_col[None, :]
+        n_h, n_g, n_rstd, n_dy, n_e = _bwd_tile(h, g, rstd, dy, dh_extra, rows, rows < row_end,
+                                                rows[:, None] * D + cols[None, :], m, HAS_DH_EXTRA, HAS_GATE)
     for i in range(0, rows_per_program, R):
         rows = row_start + i + tl.arange(0, R)
-        m_row = rows < n_rows
+        m_row = rows < row_end
         m = m_row[:, None] & m_col[None, :]
         offs = rows[:, None] * D + cols[None, :]
-        b_h = tl.load(h + offs, mask=m, other=0.0).to(tl.float32)
-        b_rstd = tl.load(rstd + rows, mask=m_row, other=0.0)[:, None]
-        b_dy = tl.load(dy + offs, mask=m, other=0.0).to(tl.float32)
-        xhat = b_h * b_rstd
+        if PREFETCH:
+            b_h, b_g, b_rstd, b_dy, b_e = n_h, n_g, n_rstd, n_dy, n_e
+            rows_next = rows + R
+            m_next = (rows_next < row_end)[:, None] & m_col[None, :]
+            n_h, n_g, n_rstd, n_dy, n_e = _bwd_tile(h, g, rstd, dy, dh_extra, rows_next, rows_next < row_end,
+                                                    rows_next[:, None] * D + cols[None, :], m_next, HAS_DH_EXTRA, HAS_GATE)
+        else:
+            b_h, b_g, b_rstd, b_dy, b_e = _bwd_tile(h, g, rstd, dy, dh_extra, rows, m_row, offs, m,
+                                                    HAS_DH_EXTRA, HAS_GATE)
+        xhat = b_h * b_rstd[:, None]
         if HAS_GATE:
-            b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
             sig = tl.sigmoid(b_g)
             tl.store(dg + offs, (b_dy * xhat * b_w * sig * (1.0 + b_g * (1.0 - sig))).to(dg.dtype.element_ty), mask=m)
             b_dy = b_dy * b_g * sig
         b_dw += b_dy * xhat
         dxhat = b_dy * b_w
-        b_dx = b_rstd * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=1) / D)[:, None])
+        b_dx = b_rstd[:, None] * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=1) / D)[:, None])
         if HAS_DH_EXTRA:
-            b_dx += tl.load(dh_extra + offs, mask=m, other=0.0).to(tl.float32)
+            b_dx += b_e
         tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=m)
     tl.store(dw_part + pid * D + cols, tl.sum(b_dw, axis=0), mask=m_col)
 
@@ -149,7 +189,7 @@ def _bwd(
     sms = multiprocessors(h.device) if h.is_cuda else 2
     # programs that each loop over several tiles, summing their rows' part of dweight (fewer partial sums
     # than one program per tile), but enough of them that the last wave leaves little of the GPU idle
-    programs = max(1, min(cdiv(n, R), 16 * sms))
+    programs = max(1, min(cdiv(n, R), NORM_LAUNCH["bwd_programs_per_sm"] * sms))
     rows_per_program = cdiv(cdiv(max(n, 1), programs), R) * R
     programs = cdiv(max(n, 1), rows_per_program)  # the rounding up may have left programs with no rows
     # every launched program writes its whole row; with no rows nothing is launched and the sum is zero
@@ -158,7 +198,8 @@ def _bwd(
         _norm_bwd_kernel[(programs,)](
             h2, gate.reshape(-1, D) if gate is not None else None, weight, rstd, dy.reshape(-1, D).contiguous(),
             dh_extra.reshape(-1, D).contiguous() if dh_extra is not None else None, dx, dg, dw_part, n, D,
-            rows_per_program, BD=BD, R=R, HAS_DH_EXTRA=dh_extra is not None, HAS_GATE=gate is not None, num_warps=warps,
+            rows_per_program, BD=BD, R=R, HAS_DH_EXTRA=dh_extra is not None, HAS_GATE=gate is not None,
+            PREFETCH=NORM_LAUNCH["bwd_prefetch"], num_warps=warps,
         )
     dw = dw_part.sum(0).to(weight.dtype)
     return dx.view_as(h), (dg.view_as(gate) if gate is not None else h.new_empty(0)), dw
