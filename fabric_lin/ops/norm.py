@@ -40,17 +40,21 @@ def _pick(backend: str, x: torch.Tensor) -> str:
 
 
 # Launch settings of the norm kernels (benchmarks/fused_ops.py --variants times others):
-#   tile_elements: elements per tile (rows of D elements, R = tile_elements // D of them), so that a program
-#     has enough loads in flight whatever D (one 256-wide row per 1-warp program, GLA's per-head norm, left
-#     the backward pass at about half the memory bandwidth on an H200);
+#   tile_elements: elements per tile (rows of D elements, R = tile_elements // D of them, at least one), so
+#     that a program has several rows' loads in flight when rows are short (one 256-wide row per 1-warp
+#     program, GLA's per-head norm, left the backward pass at about half the memory bandwidth on an H200);
 #   elements_per_thread: of a tile (warps = tile_elements / (32 * elements_per_thread), 1 to 16): fewer hold
 #     fewer registers, so more programs fit on a multiprocessor;
 #   bwd_programs_per_sm: the backward's programs per multiprocessor, each looping over tiles and summing
 #     its rows' part of the weight's gradient once, at the end;
 #   bwd_prefetch: the backward loads tile i+1 before it works on tile i (True), or loads each tile when its
-#     step starts (False: Triton does not pipeline loads that feed no matrix product, so each step waits on
-#     its loads with none in flight)
-NORM_LAUNCH = {"tile_elements": 4096, "elements_per_thread": 16, "bwd_programs_per_sm": 16, "bwd_prefetch": False}
+#     step starts (False: Triton does not pipeline loads that feed no matrix product).
+# On an H200 (run AD3, tutorials/performance.md; forward+backward GPU time at the gla-340M step's 32768
+# rows): 1024-element tiles at 8 elements per thread (4 warps; Triton 3.8: 56 registers in the backward,
+# 9 programs per SM) took the pre-norm with residual from 0.203 to 0.179 ms and the per-head gated norm
+# from 0.174 to 0.160 against 4096-element tiles at 16 (8 warps, 80-99 registers, 2-3 programs per SM);
+# the next tile loaded ahead gained ~1% at 2048-element tiles, 32 backward programs per SM lost
+NORM_LAUNCH = {"tile_elements": 1024, "elements_per_thread": 8, "bwd_programs_per_sm": 16, "bwd_prefetch": False}
 
 
 def _rows(D: int) -> Tuple[int, int, int]:
