@@ -71,7 +71,7 @@ def _forward(hidden, weight, targets, ignore_index, chunk_size, need_dw):
                                        logits.stride(0), V, ignore_index, BV=BV, num_warps=8)
         dh[start : start + chunk_size] = logits @ weight
         if need_dw:
-            dw += (logits.t() @ h).float()
+            dw += logits.t() @ h  # the input-dtype product added into fp32 as it is read (no fp32 copy of it first)
     count = (targets != ignore_index).sum().clamp(min=1).float()
     loss = losses.sum() / count
     dh = (dh.float() / count).to(hidden.dtype)
