@@ -176,6 +176,68 @@ def test_rms_norm_linears_runs_the_projections_in_the_compute_dtype():
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
 
 
+def same_when_rounded(low, full):
+    """low is full rounded to low's dtype: exactly on a GPU (round to nearest even, as torch rounds); within
+    one unit in the last place in Triton's interpreter, whose bf16 stores round otherwise."""
+    if low.is_cuda:
+        assert torch.equal(low, full.to(low.dtype))
+    else:
+        torch.testing.assert_close(low.float(), full, rtol=2 ** -7, atol=0)
+
+
+def test_mixed_dtype_residual_stream_needs_no_casts(monkeypatch):
+    # bf16-mixed: the residual stream in fp32, the sublayer's output added to it in bf16. The norm kernel
+    # writes the normed activation in the projections' dtype (not fp32 then cast), and the bf16 residual's
+    # gradient itself, the fp32 one rounded, where autograd would cast it in a pass of its own
+    from fabric_lin.ops import norm
+
+    normed_dtypes, residual_grads = [], []
+    fwd, bwd = norm._fwd, norm._bwd
+
+    def spy_fwd(*args):
+        out = fwd(*args)
+        normed_dtypes.append(out[0].dtype)
+        return out
+
+    def spy_bwd(*args):
+        out = bwd(*args)
+        residual_grads.append((out[3].dtype, out[3].numel()))  # empty where no residual gradient of its own
+        return out
+
+    monkeypatch.setattr(norm, "_fwd", spy_fwd)
+    monkeypatch.setattr(norm, "_bwd", spy_bwd)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 5, 32, generator=g).to(DEVICE)
+    pending = torch.randn(2, 5, 32, generator=g).to(DEVICE, torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(32, generator=g)).to(DEVICE)
+    projs = [(0.2 * torch.randn(n, 32, generator=g)).to(DEVICE) for n in (16, 8)]
+    out_in, ref_in = leaves(x, pending, w, *projs), leaves(x, pending, w, *projs)
+    outs, h = rms_norm_linears(out_in[0], out_in[2], 1e-6, out_in[3:], residual=out_in[1], dtype=torch.bfloat16,
+                               backend="triton")
+    ref_y, ref_h = rms_norm_ref(ref_in[0], ref_in[2], 1e-6, ref_in[1])
+    ref_outs = [F.linear(ref_y.to(torch.bfloat16), p.to(torch.bfloat16)) for p in ref_in[3:]]
+    assert h.dtype == torch.float32 and [o.dtype for o in outs] == [torch.bfloat16] * 2
+    for a, b in zip(outs, ref_outs):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    grads = grads_of(tuple(outs) + (h,), out_in)
+    ref_grads = grads_of(tuple(ref_outs) + (ref_h,), ref_in)
+    assert grads[1].dtype == torch.bfloat16
+    same_when_rounded(grads[1], grads[0])
+    for a, b, name in zip(grads, ref_grads, ["dx", "dpending", "dweight", "dproj0", "dproj1"]):
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2, msg=lambda m: f"{name}: {m}")
+    assert normed_dtypes == [torch.bfloat16, torch.bfloat16]  # the forward and the backward's recomputation
+    assert residual_grads == [(torch.bfloat16, x.numel())]
+    # the plain norm with a residual (the model's final norm): y in x's dtype, the residual's gradient in its own
+    out_in = leaves(x, pending, w)
+    y, h = rms_norm(out_in[0], out_in[2], 1e-6, residual=out_in[1], backend="triton")
+    assert y.dtype == h.dtype == torch.float32
+    dx, dpending, _ = grads_of((y, h), out_in)
+    assert dpending.dtype == torch.bfloat16
+    same_when_rounded(dpending, dx)
+    assert residual_grads[-1] == (torch.bfloat16, x.numel())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_linears_side_by_side(dtype):
     # an MLP's gate and up projections as one output: the same values and gradients as two outputs

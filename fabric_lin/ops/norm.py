@@ -107,11 +107,11 @@ def _bwd_tile(h, g, rstd, dy, dh_extra, rows, m_row, offs, m, HAS_DH_EXTRA: tl.c
 
 
 @triton.jit
-def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dg, dw_part, n_rows, D, rows_per_program,
+def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dres, dg, dw_part, n_rows, D, rows_per_program,
                      BD: tl.constexpr, R: tl.constexpr, HAS_DH_EXTRA: tl.constexpr, HAS_GATE: tl.constexpr,
-                     PREFETCH: tl.constexpr):
+                     HAS_DRES: tl.constexpr, PREFETCH: tl.constexpr):
     """dx for rows [pid * rows_per_program, ...) (a multiple of R), R rows at a time, and this program's
-    partial sum of dweight."""
+    partial sum of dweight; with HAS_DRES also dx in the residual's dtype (dres)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     m_col = cols < D
@@ -149,6 +149,8 @@ def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dg, dw_part, n_rows, D, ro
         if HAS_DH_EXTRA:
             b_dx += b_e
         tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=m)
+        if HAS_DRES:
+            tl.store(dres + offs, b_dx.to(dres.dtype.element_ty), mask=m)
     tl.store(dw_part + pid * D + cols, tl.sum(b_dw, axis=0), mask=m_col)
 
 
@@ -158,14 +160,15 @@ def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dg, dw_part, n_rows, D, ro
 
 
 def _fwd(
-    x: torch.Tensor, residual: Optional[torch.Tensor], gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: Optional[torch.Tensor], gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+    y_dtype: Optional[torch.dtype],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h = x + residual (an empty tensor without residual), 1/rms per row)."""
+    """(y in y_dtype (None: x's), h = x + residual (an empty tensor without residual), 1/rms per row)."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     n = x2.shape[0]
     weight = weight.contiguous()  # the kernels index it as dense
-    y = torch.empty_like(x2)
+    y = torch.empty_like(x2, dtype=y_dtype or x.dtype)
     h = torch.empty_like(x2) if residual is not None else x2
     rstd = torch.empty(n, device=x.device, dtype=torch.float32)
     BD, R, warps = _rows(D)
@@ -180,14 +183,17 @@ def _fwd(
 
 def _bwd(
     h: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
-    dh_extra: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dgate (an empty tensor without gate), dweight)."""
+    dh_extra: Optional[torch.Tensor], residual_dtype: Optional[torch.dtype],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dgate (an empty tensor without gate), dweight, dx in residual_dtype where that is given and
+    differs from h's (else an empty tensor): the residual's gradient, which autograd would otherwise cast
+    from dx in a pass of its own)."""
     D = h.shape[-1]
     h2 = h.reshape(-1, D)
     n = h2.shape[0]
     weight = weight.contiguous()
     dx = torch.empty_like(h2)
+    dres = torch.empty_like(h2, dtype=residual_dtype) if _casts_residual_grad(h, residual_dtype) else None
     dg = torch.empty_like(gate.reshape(-1, D)) if gate is not None else None
     BD, R, warps = _rows(D)
     sms = multiprocessors(h.device) if h.is_cuda else 2
@@ -201,12 +207,19 @@ def _bwd(
     if n > 0:
         _norm_bwd_kernel[(programs,)](
             h2, gate.reshape(-1, D) if gate is not None else None, weight, rstd, dy.reshape(-1, D).contiguous(),
-            dh_extra.reshape(-1, D).contiguous() if dh_extra is not None else None, dx, dg, dw_part, n, D,
+            dh_extra.reshape(-1, D).contiguous() if dh_extra is not None else None, dx, dres, dg, dw_part, n, D,
             rows_per_program, BD=BD, R=R, HAS_DH_EXTRA=dh_extra is not None, HAS_GATE=gate is not None,
-            PREFETCH=NORM_LAUNCH["bwd_prefetch"], num_warps=warps,
+            HAS_DRES=dres is not None, PREFETCH=NORM_LAUNCH["bwd_prefetch"], num_warps=warps,
         )
     dw = dw_part.sum(0).to(weight.dtype)
-    return dx.view_as(h), (dg.view_as(gate) if gate is not None else h.new_empty(0)), dw
+    return (dx.view_as(h), (dg.view_as(gate) if gate is not None else h.new_empty(0)), dw,
+            dres.view_as(h) if dres is not None else h.new_empty(0))
+
+
+def _casts_residual_grad(h: torch.Tensor, residual_dtype: Optional[torch.dtype]) -> bool:
+    """Whether the backward writes the residual's gradient in a dtype of its own (bf16-mixed: the residual
+    stream in fp32, the sublayer output added to it in bf16)."""
+    return residual_dtype is not None and residual_dtype != h.dtype
 
 
 _rms_norm_fwd_op = torch.library.custom_op("fabric_lin::rms_norm_fwd", mutates_args=())(_fwd)
@@ -214,15 +227,17 @@ _rms_norm_bwd_op = torch.library.custom_op("fabric_lin::rms_norm_bwd", mutates_a
 
 
 @_rms_norm_fwd_op.register_fake
-def _(x, residual, gate, weight, eps):
+def _(x, residual, gate, weight, eps, y_dtype):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     h = torch.empty_like(x) if residual is not None else x.new_empty(0)
-    return torch.empty_like(x), h, x.new_empty(rows, dtype=torch.float32)
+    return torch.empty_like(x, dtype=y_dtype or x.dtype), h, x.new_empty(rows, dtype=torch.float32)
 
 
 @_rms_norm_bwd_op.register_fake
-def _(h, gate, weight, rstd, dy, dh_extra):
-    return torch.empty_like(h), (torch.empty_like(gate) if gate is not None else h.new_empty(0)), torch.empty_like(weight)
+def _(h, gate, weight, rstd, dy, dh_extra, residual_dtype):
+    dres = torch.empty_like(h, dtype=residual_dtype) if _casts_residual_grad(h, residual_dtype) else h.new_empty(0)
+    return (torch.empty_like(h), (torch.empty_like(gate) if gate is not None else h.new_empty(0)), torch.empty_like(weight),
+            dres)
 
 
 def _norm_fwd(*args):
@@ -236,17 +251,25 @@ def _norm_bwd(*args):
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, gate, weight, eps):
-        y, h, rstd = _norm_fwd(x, residual, gate, weight, eps)
+        y, h, rstd = _norm_fwd(x, residual, gate, weight, eps, None)
         ctx.save_for_backward(h if residual is not None else x, gate, weight, rstd)
         ctx.has_residual = residual is not None
+        ctx.residual_dtype = residual.dtype if residual is not None else None
         return y, h
 
     @staticmethod
     def backward(ctx, dy, dh_out):
         h, gate, weight, rstd = ctx.saved_tensors
         dh_extra = dh_out.contiguous() if ctx.has_residual and dh_out is not None else None
-        dx, dg, dw = _norm_bwd(h, gate, weight, rstd, dy.contiguous(), dh_extra)
-        return dx, (dx if ctx.has_residual else None), (dg if gate is not None else None), dw, None
+        dx, dg, dw, dres = _norm_bwd(h, gate, weight, rstd, dy.contiguous(), dh_extra, ctx.residual_dtype)
+        return dx, _residual_grad(ctx, h, dx, dres), (dg if gate is not None else None), dw, None
+
+
+def _residual_grad(ctx, h, dx, dres):
+    """The residual's gradient: dx, or the copy of it in the residual's own dtype that the backward wrote."""
+    if not ctx.has_residual:
+        return None
+    return dres if _casts_residual_grad(h, ctx.residual_dtype) else dx
 
 
 def rms_norm(
@@ -285,7 +308,7 @@ class _RMSNormGatedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate, weight, eps, proj_weight):
-        y, _, rstd = _norm_fwd(x, None, gate, weight, eps)
+        y, _, rstd = _norm_fwd(x, None, gate, weight, eps, None)
         ctx.save_for_backward(x, gate, weight, rstd, proj_weight)
         ctx.eps = eps
         return torch.matmul(y.reshape(*x.shape[:-2], -1), proj_weight.t())
@@ -293,11 +316,11 @@ class _RMSNormGatedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x, gate, weight, rstd, proj_weight = ctx.saved_tensors
-        y, _, _ = _norm_fwd(x, None, gate, weight, ctx.eps)
+        y, _, _ = _norm_fwd(x, None, gate, weight, ctx.eps, None)
         d_out = d_out.contiguous()
         d_proj = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, proj_weight.shape[1]))
         dy = torch.matmul(d_out, proj_weight).view_as(x)
-        dx, dg, dw = _norm_bwd(x, gate, weight, rstd, dy, None)
+        dx, dg, dw, _ = _norm_bwd(x, gate, weight, rstd, dy, None, None)
         return dx, dg, dw, None, d_proj
 
 
@@ -328,15 +351,17 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
     """RMSNorm (with the residual add folded in, when given), then projections of the normed activation
     by row blocks of one stacked weight (each output its own contiguous tensor; with sizes None, one
     product and one output, the projections side by side); the normed activation is recomputed in the
-    backward pass instead of being kept for the weight gradients."""
+    backward pass instead of being kept for the weight gradients. The norm kernel writes the normed
+    activation in the projections' dtype (under bf16-mixed: bf16 from the fp32 residual stream, no cast of
+    its own) and, in the backward pass, the residual's gradient in the residual's dtype."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, stacked, sizes):
-        y, h, rstd = _norm_fwd(x, residual, None, weight, eps)
+        y, h, rstd = _norm_fwd(x, residual, None, weight, eps, stacked.dtype)
         source = h if residual is not None else x
         ctx.save_for_backward(source, weight, rstd, stacked)
         ctx.eps, ctx.has_residual, ctx.sizes = eps, residual is not None, sizes
-        y = y.to(stacked.dtype)
+        ctx.residual_dtype = residual.dtype if residual is not None else None
         if sizes is None:
             return h, torch.matmul(y, stacked.t())
         return (h, *(torch.matmul(y, w.t()) for w in stacked.split(sizes)))
@@ -345,8 +370,8 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
     def backward(ctx, dh_out, *d_outs):
         source, weight, rstd, stacked = ctx.saved_tensors
         dh_extra = dh_out.contiguous() if ctx.has_residual and dh_out is not None else None
-        y, _, _ = _norm_fwd(source, None, None, weight, ctx.eps)
-        y = y.to(stacked.dtype).reshape(-1, y.shape[-1])
+        y, _, _ = _norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype)
+        y = y.reshape(-1, y.shape[-1])
         # the outputs' gradients side by side: one product for the input gradient (summed over the
         # projections inside the product, rounded once) and one for the stacked weight's; one output
         # (sizes None) hands them over side by side already
@@ -359,8 +384,8 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
             ], dim=-1)
         dy = torch.matmul(d_cat, stacked).view_as(source)
         d_stacked = torch.matmul(d_cat.t(), y)
-        dx, _, dw = _norm_bwd(source, None, weight, rstd, dy, dh_extra)
-        return dx, (dx if ctx.has_residual else None), dw, None, d_stacked, None
+        dx, _, dw, dres = _norm_bwd(source, None, weight, rstd, dy, dh_extra, ctx.residual_dtype)
+        return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None
 
 
 def rms_norm_linears(
