@@ -228,6 +228,21 @@ def test_mixed_dtype_residual_stream_needs_no_casts(monkeypatch):
         torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2, msg=lambda m: f"{name}: {m}")
     assert normed_dtypes == [torch.bfloat16, torch.bfloat16]  # the forward and the backward's recomputation
     assert residual_grads == [(torch.bfloat16, x.numel())]
+    # compiled (the Blocks of the real loop are): one graph, the same values and gradients, dtypes included
+
+    def loss(*ins):
+        outs, h = rms_norm_linears(ins[0], ins[2], 1e-6, ins[3:], residual=ins[1], dtype=torch.bfloat16, backend="triton")
+        return sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs)) + (h * h).sum()
+
+    compiled_in, eager_in = leaves(x, pending, w, *projs), leaves(x, pending, w, *projs)
+    out, forward_ops, backward_ops = compiled_graph_ops(loss, *compiled_in)
+    assert "fabric_lin.rms_norm_fwd.default" in forward_ops and "fabric_lin.rms_norm_bwd.default" in backward_ops
+    eager = loss(*eager_in)
+    eager.backward()
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    for a, b, name in zip(compiled_in, eager_in, ["dx", "dpending", "dweight", "dproj0", "dproj1"]):
+        assert a.grad.dtype == b.grad.dtype, name
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"compiled {name}: {m}")
     # the plain norm with a residual (the model's final norm): y in x's dtype, the residual's gradient in its own
     out_in = leaves(x, pending, w)
     y, h = rms_norm(out_in[0], out_in[2], 1e-6, residual=out_in[1], backend="triton")
