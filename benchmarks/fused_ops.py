@@ -29,7 +29,7 @@ from triton.testing import do_bench
 from fabric_lin.ops import norm
 from fabric_lin.ops.norm import rms_norm, rms_norm_gated
 from fabric_lin.ops.swiglu import swiglu
-from gla_kernel import parse_launch
+from gla_kernel import parse_variants
 
 
 def fla_ops():
@@ -101,12 +101,7 @@ def main():
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
                         help="other settings of the norms' launch table (NORM_LAUNCH) to time, each as changes to the one in place")
     args = parser.parse_args()
-    variants = {}
-    for item in args.variants:
-        name, sep, changes = item.partition(":")
-        if not sep or not changes:
-            raise SystemExit(f"--variants {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
-        variants[name] = parse_launch(changes.split(","), f"--variants {name}:", norm.NORM_LAUNCH)
+    variants = parse_variants(args.variants, norm.NORM_LAUNCH)
     peers = fla_ops()
     # the copy bandwidth this GPU reaches, for the fraction below
     a = torch.empty(2**28, device="cuda", dtype=torch.uint8)

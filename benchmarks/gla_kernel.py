@@ -168,6 +168,17 @@ def parse_launch(items, what, table=None):
     return settings
 
 
+def parse_variants(items, table=None):
+    """{name: settings} from NAME:KEY=VALUE[,KEY=VALUE...] strings (--variants), keys those of `table`."""
+    variants = {}
+    for item in items:
+        name, sep, changes = item.partition(":")
+        if not sep or not changes:
+            raise SystemExit(f"--variants {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+        variants[name] = parse_launch(changes.split(","), f"--variants {name}:", table)
+    return variants
+
+
 def time_variants(variants, inputs, do, fla_fwd_bwd_ms):
     """{name: ms and ratio} for each launch variant, timed with the table in place changed by it."""
     from fabric_lin.ops.gla import chunk
@@ -216,12 +227,7 @@ def main():
     from fabric_lin.ops.gla import chunk
 
     chunk.LAUNCH.update(parse_launch(args.launch, "--launch"))
-    variants = {}
-    for item in args.variants:
-        name, sep, changes = item.partition(":")
-        if not sep or not changes:
-            raise SystemExit(f"--variants {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
-        variants[name] = parse_launch(changes.split(","), f"--variants {name}:")
+    variants = parse_variants(args.variants)
     if args.just_run:
         inputs, do = gla_inputs(*shapes[0])
         for _ in range(args.just_run):

@@ -33,7 +33,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from gla_kernel import SHAPES, parse_launch  # noqa: E402
+from gla_kernel import SHAPES, parse_variants  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -155,10 +155,7 @@ def main():
     from fabric_lin.ops.gla import chunk
 
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
-    variants = {"shipped": {}}
-    for item in args.variants:
-        name, _, settings = item.partition(":")
-        variants[name] = parse_launch(settings.split(","), f"--variants {name}")
+    variants = {"shipped": {}, **parse_variants(args.variants)}
     report = {"triton": triton.__version__, "target": f"sm_{TARGET.arch}", "sms": args.sms, "shapes": []}
     for shape in shapes:
         row = {"shape": list(shape)}
