@@ -91,9 +91,12 @@ def _norm_fwd_kernel(x, r, g, w, y, h, rstd, n_rows, D, eps, BD: tl.constexpr, R
 
 
 @triton.jit
-def _bwd_tile(h, g, rstd, dy, dh_extra, rows, m_row, offs, m, HAS_DH_EXTRA: tl.constexpr, HAS_GATE: tl.constexpr):
-    """One tile's inputs of the backward pass: (h, gate, 1/rms, dy, extra residual gradient), fp32; the
-    ones a kernel does not have are zeros that the caller never reads."""
+def _bwd_tile(h, g, rstd, dy, dh_extra, rows, row_end, cols, D, HAS_DH_EXTRA: tl.constexpr, HAS_GATE: tl.constexpr):
+    """The backward pass's inputs at rows (those from row_end on left out): (h, gate, 1/rms, dy, extra
+    residual gradient), fp32; the ones a kernel does not have are zeros that the caller never reads."""
+    m_row = rows < row_end
+    m = m_row[:, None] & (cols < D)[None, :]
+    offs = rows[:, None] * D + cols[None, :]
     b_h = tl.load(h + offs, mask=m, other=0.0).to(tl.float32)
     b_rstd = tl.load(rstd + rows, mask=m_row, other=0.0)
     b_dy = tl.load(dy + offs, mask=m, other=0.0).to(tl.float32)
@@ -120,23 +123,18 @@ def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dres, dg, dw_part, n_rows,
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)  # past the program's rows nothing is loaded
     if PREFETCH:
-        rows = row_start + tl.arange(0, R)
-        m = (rows < row_end)[:, None] & m_col[None, :]
-        n_h, n_g, n_rstd, n_dy, n_e = _bwd_tile(h, g, rstd, dy, dh_extra, rows, rows < row_end,
-                                                rows[:, None] * D + cols[None, :], m, HAS_DH_EXTRA, HAS_GATE)
+        n_h, n_g, n_rstd, n_dy, n_e = _bwd_tile(h, g, rstd, dy, dh_extra, row_start + tl.arange(0, R), row_end, cols, D,
+                                                HAS_DH_EXTRA, HAS_GATE)
     for i in range(0, rows_per_program, R):
         rows = row_start + i + tl.arange(0, R)
-        m_row = rows < row_end
-        m = m_row[:, None] & m_col[None, :]
+        m = (rows < row_end)[:, None] & m_col[None, :]
         offs = rows[:, None] * D + cols[None, :]
-        if PREFETCH:
+        if PREFETCH:  # this tile's inputs were loaded in the step before; the next tile's are issued now
             b_h, b_g, b_rstd, b_dy, b_e = n_h, n_g, n_rstd, n_dy, n_e
-            rows_next = rows + R
-            m_next = (rows_next < row_end)[:, None] & m_col[None, :]
-            n_h, n_g, n_rstd, n_dy, n_e = _bwd_tile(h, g, rstd, dy, dh_extra, rows_next, rows_next < row_end,
-                                                    rows_next[:, None] * D + cols[None, :], m_next, HAS_DH_EXTRA, HAS_GATE)
+            n_h, n_g, n_rstd, n_dy, n_e = _bwd_tile(h, g, rstd, dy, dh_extra, rows + R, row_end, cols, D,
+                                                    HAS_DH_EXTRA, HAS_GATE)
         else:
-            b_h, b_g, b_rstd, b_dy, b_e = _bwd_tile(h, g, rstd, dy, dh_extra, rows, m_row, offs, m,
+            b_h, b_g, b_rstd, b_dy, b_e = _bwd_tile(h, g, rstd, dy, dh_extra, rows, row_end, cols, D,
                                                     HAS_DH_EXTRA, HAS_GATE)
         xhat = b_h * b_rstd[:, None]
         if HAS_GATE:
@@ -253,21 +251,20 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, residual, gate, weight, eps):
         y, h, rstd = _norm_fwd(x, residual, gate, weight, eps, None)
         ctx.save_for_backward(h if residual is not None else x, gate, weight, rstd)
-        ctx.has_residual = residual is not None
-        ctx.residual_dtype = residual.dtype if residual is not None else None
+        ctx.residual_dtype = residual.dtype if residual is not None else None  # None: no residual
         return y, h
 
     @staticmethod
     def backward(ctx, dy, dh_out):
         h, gate, weight, rstd = ctx.saved_tensors
-        dh_extra = dh_out.contiguous() if ctx.has_residual and dh_out is not None else None
+        dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
         dx, dg, dw, dres = _norm_bwd(h, gate, weight, rstd, dy.contiguous(), dh_extra, ctx.residual_dtype)
         return dx, _residual_grad(ctx, h, dx, dres), (dg if gate is not None else None), dw, None
 
 
 def _residual_grad(ctx, h, dx, dres):
     """The residual's gradient: dx, or the copy of it in the residual's own dtype that the backward wrote."""
-    if not ctx.has_residual:
+    if ctx.residual_dtype is None:  # no residual
         return None
     return dres if _casts_residual_grad(h, ctx.residual_dtype) else dx
 
@@ -360,8 +357,8 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
         y, h, rstd = _norm_fwd(x, residual, None, weight, eps, stacked.dtype)
         source = h if residual is not None else x
         ctx.save_for_backward(source, weight, rstd, stacked)
-        ctx.eps, ctx.has_residual, ctx.sizes = eps, residual is not None, sizes
-        ctx.residual_dtype = residual.dtype if residual is not None else None
+        ctx.eps, ctx.sizes = eps, sizes
+        ctx.residual_dtype = residual.dtype if residual is not None else None  # None: no residual
         if sizes is None:
             return h, torch.matmul(y, stacked.t())
         return (h, *(torch.matmul(y, w.t()) for w in stacked.split(sizes)))
@@ -369,7 +366,7 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh_out, *d_outs):
         source, weight, rstd, stacked = ctx.saved_tensors
-        dh_extra = dh_out.contiguous() if ctx.has_residual and dh_out is not None else None
+        dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
         y, _, _ = _norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype)
         y = y.reshape(-1, y.shape[-1])
         # the outputs' gradients side by side: one product for the input gradient (summed over the
