@@ -50,8 +50,7 @@ def _grid(rows: int, I: int):
     return (rows, cdiv(I, BLOCK))
 
 
-@torch.library.custom_op("fabric_lin::swiglu_fwd", mutates_args=())
-def _swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(gate)
     I = gate.shape[-1]
     if y.numel():
@@ -59,13 +58,7 @@ def _swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@_swiglu_fwd_op.register_fake
-def _(gate, up):
-    return torch.empty_like(gate)
-
-
-@torch.library.custom_op("fabric_lin::swiglu_bwd", mutates_args=())
-def _swiglu_bwd_op(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     I = gate.shape[-1]
     if gate.numel():
@@ -73,9 +66,32 @@ def _swiglu_bwd_op(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> Tu
     return dgate, dup
 
 
+_swiglu_fwd_op = torch.library.custom_op("fabric_lin::swiglu_fwd", mutates_args=())(_swiglu_fwd)
+_swiglu_bwd_op = torch.library.custom_op("fabric_lin::swiglu_bwd", mutates_args=())(_swiglu_bwd)
+
+
+@_swiglu_fwd_op.register_fake
+def _(gate, up):
+    return torch.empty_like(gate)
+
+
 @_swiglu_bwd_op.register_fake
 def _(gate, up, dy):
     return torch.empty_like(gate), torch.empty_like(up)
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """The ops through op_or_fn: the registered ops only while torch.compile traces."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return op_or_fn(_swiglu_fwd_op, _swiglu_fwd)(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        return op_or_fn(_swiglu_bwd_op, _swiglu_bwd)(gate, up, dy.contiguous())
 
 
 def _packed_fwd(gate_up: torch.Tensor) -> torch.Tensor:
@@ -99,18 +115,6 @@ def _packed_bwd(gate_up: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return d_gate_up
 
 
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _backward(ctx, dy):
-    gate, up = ctx.saved_tensors
-    return _swiglu_bwd_op(gate, up, dy.contiguous())
-
-
-torch.library.register_autograd("fabric_lin::swiglu_fwd", _backward, setup_context=_setup)
-
-
 def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """silu(gate) * up, elementwise; gate and up of one shape and dtype."""
     if backend not in ("auto", "triton", "torch"):
@@ -121,7 +125,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch
         )
     if backend == "torch" or (backend == "auto" and not gate.is_cuda):
         return swiglu_ref(gate, up)
-    return _swiglu_fwd_op(gate.contiguous(), up.contiguous())
+    return _SwiGLUFunction.apply(gate.contiguous(), up.contiguous())
 
 
 # SwiGLU followed by the down projection, with the activation recomputed in the backward pass: an MLP
