@@ -94,15 +94,19 @@ def test_triton_varlen_matches_naive_fp32():
 
 
 @cpu_only
-@pytest.mark.parametrize("dqk_fine_blocks,dqk_early_loads", [(True, True), (True, False), (False, True), (False, False)])
-def test_triton_dqk_level_forms_match_naive_fp32(monkeypatch, dqk_fine_blocks, dqk_early_loads):
-    # dq/dk's finest levels inside blocks of 16 rows as products batched over the blocks (dqk_fine_blocks, the
-    # table's) or as 64x64 products masked to the blocks, before or after the chunk's own tiles are loaded;
+@pytest.mark.parametrize(
+    "dqk_fine_rows,dqk_early_loads,output_fine_rows", [(16, True, 0), (16, False, 16), (32, False, 32), (0, True, 16), (0, False, 0)]
+)
+def test_triton_level_forms_match_naive_fp32(monkeypatch, dqk_fine_rows, dqk_early_loads, output_fine_rows):
+    # dq/dk's finest levels inside blocks of 16 or 32 rows as products batched over the blocks (dqk_fine_rows,
+    # 16 the table's) or as 64x64 products masked to the blocks (0), before or after the chunk's own tiles are
+    # loaded; the forward's scores split the same way (output_fine_rows);
     # varlen with sequences ending inside a block, an initial state, 32-wide key tiles over K = 40 (the
     # second one mostly masked)
     from fabric_lin.ops.gla import chunk
 
-    monkeypatch.setitem(chunk.LAUNCH, "dqk_fine_blocks", dqk_fine_blocks)
+    monkeypatch.setitem(chunk.LAUNCH, "dqk_fine_rows", dqk_fine_rows)
+    monkeypatch.setitem(chunk.LAUNCH, "output_fine_rows", output_fine_rows)
     monkeypatch.setitem(chunk.LAUNCH, "dqk_early_loads", dqk_early_loads)
     monkeypatch.setitem(chunk.LAUNCH, "BK", 32)
     offsets = torch.tensor([0, 7, 64, 100, 163], dtype=torch.int32)
@@ -312,8 +316,10 @@ SEARCHED_SETTINGS = [
     {"dqk_early_loads": "auto"},  # before it when V <= 128
     {"output_warps": 16, "dqk_warps": 16},  # the search's 16-warp programs
     {"separate_cumsum": False, "both_states_warps": 4},  # the gate's cumsum inside the forward state pass
-    {"dqk_fine_blocks": False},  # dq/dk's finest levels as 64x64 products masked to the blocks of 16 rows
-    {"dqk_fine_blocks": False, "dqk_early_loads": "auto"},
+    {"dqk_fine_rows": 0},  # dq/dk's finest levels as 64x64 products masked to the blocks of 16 rows
+    {"dqk_fine_rows": 0, "dqk_early_loads": "auto"},
+    {"dqk_fine_rows": 32, "output_fine_rows": 32},  # five levels inside blocks of 32 rows, batched over two blocks
+    {"output_fine_rows": 16},  # the forward's four finest levels batched over blocks of 16 rows
     {"state_BK": 128, "state_split": False},  # one key tile per state-pass program (K <= 128)
     {"state_BK": 128, "state_split": True, "state_prefetch": False},
 ]

@@ -28,7 +28,7 @@ chunk n) and dh0; per chunk, one kernel gives dv = (k exp(b_last - b)) dh_n + A^
 dA = tril(do v^T) (A is kept from the forward pass; both go through memory in the input dtype, the one
 the products use), and one kernel per chunk and key tile gives dq, dk and dgk, level by level as A was
 made, its four finest levels inside blocks of 16 rows as [16, 16] pieces of dA batched over the four
-blocks (_dqk_fine_levels; LAUNCH["dqk_fine_blocks"] False: as 64x64 products masked to the blocks). For the gate, with db_i the gradient of the in-chunk
+blocks (_dqk_fine_levels; LAUNCH["dqk_fine_rows"] 0: as 64x64 products masked to the blocks). For the gate, with db_i the gradient of the in-chunk
 cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i (elementwise, q and k as they enter the products), plus,
 for b at the chunk's last row,
 sum_v(h_n dh_n) exp(b_last) + sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside
@@ -148,33 +148,86 @@ def _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, P: t
 
 
 @triton.jit
-def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k, BT: tl.constexpr, DOT_PREC: tl.constexpr):
+def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k, BT: tl.constexpr, DOT_PREC: tl.constexpr,
+                 FINE_ROWS: tl.constexpr):
     """The part of A [BT, BT] / scale that columns o_k of q, k contribute (see the module docstring). q and k
-    stay in their dtype until used (half the registers of fp32 tiles: the output kernel holds them)."""
+    stay in their dtype until used (half the registers of fp32 tiles: the output kernel holds them).
+    FINE_ROWS > 0: only the levels of blocks larger than FINE_ROWS rows; the pairs inside those blocks and
+    the diagonal are _scores_fine_levels' (zeros here)."""
     o_t = tl.arange(0, BT)
     b_q = _load_raw(q, row0, o_t, n_rows, stride, o_k, m_k)
     b_k = _load_raw(k, row0, o_t, n_rows, stride, o_k, m_k)
     b_g = _load_gate(gc, row0, o_t, n_rows, stride, o_k, m_k)
     A = tl.zeros([BT, BT], dtype=tl.float32)
     # six levels of halves, blocks of 64, 32, ..., 2 rows (BT = 64)
-    A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT, BT, DOT_PREC)
-    A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 2, BT, DOT_PREC)
-    A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 4, BT, DOT_PREC)
-    A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 8, BT, DOT_PREC)
-    A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 16, BT, DOT_PREC)
-    A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT // 32, BT, DOT_PREC)
-    # the diagonal: exp(b_i - b_i) = 1
-    diagonal = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), axis=1)
-    return A + tl.where(o_t[:, None] == o_t[None, :], diagonal[:, None], 0.0)
+    for level in tl.static_range(6):
+        if (BT >> level) > FINE_ROWS:
+            A = _scores_halves(A, q, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m_k, BT >> level, BT, DOT_PREC)
+    if FINE_ROWS == 0:  # the diagonal: exp(b_i - b_i) = 1
+        diagonal = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), axis=1)
+        A += tl.where(o_t[:, None] == o_t[None, :], diagonal[:, None], 0.0)
+    return A
+
+
+@triton.jit
+def _scores_fine_levels(q, k, gc, row0, n_rows, stride, o_k, m_k, BT: tl.constexpr, BK: tl.constexpr,
+                        BS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The scores inside the chunk's blocks of BS rows (levels P = BS, BS/2, ..., 2 and the diagonal) as
+    [BT/BS, BS, BS] pieces, each from [BS, BK] factor tiles, batched over the blocks: the same exponentials
+    as the 64x64 levels, a BT/BS-th of their products and masks. Columns o_k's part, / scale."""
+    NB: tl.constexpr = BT // BS
+    DT = q.dtype.element_ty
+    t = tl.arange(0, BS)
+    rows = tl.arange(0, NB)[:, None, None] * BS + t[None, :, None]  # [NB, BS, 1], rows of the chunk
+    offs = (row0 + rows) * stride + o_k[None, None, :]
+    m3 = (rows < n_rows) & m_k[None, None, :]
+    b_q = tl.load(q + offs, mask=m3, other=0.0)
+    b_k = tl.load(k + offs, mask=m3, other=0.0)
+    b_g = tl.load(gc + (row0 + tl.minimum(rows, n_rows - 1)) * stride + o_k[None, None, :], mask=m_k[None, None, :],
+                  other=0.0)
+    A = tl.zeros([NB, BS, BS], dtype=tl.float32)
+    for level in tl.static_range(6):
+        P = BS >> level  # BS, BS/2, ..., 2
+        if P >= 2:
+            first = ((t % P) < P // 2)[None, :, None]
+            ref = tl.arange(0, NB)[:, None, None] * BS + ((t // P) * P + P // 2 - 1)[None, :, None]
+            b_r = tl.load(gc + (row0 + tl.minimum(ref, n_rows - 1)) * stride + o_k[None, None, :],
+                          mask=m_k[None, None, :], other=0.0)
+            f = tl.exp(-tl.abs(b_g - b_r))
+            q_f = tl.where(first, 0.0, b_q * f).to(DT)
+            k_f = tl.where(first, b_k * f, 0.0).to(DT)
+            scores = tl.dot(q_f, tl.permute(k_f, (0, 2, 1)), input_precision=DOT_PREC)
+            if P < BS:  # only pairs inside the same block of P rows
+                scores = tl.where(((t[:, None] // P) == (t[None, :] // P))[None, :, :], scores, 0.0)
+            A += scores
+    diagonal = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), axis=2)  # [NB, BS]
+    return A + tl.where((t[:, None] == t[None, :])[None, :, :], diagonal[:, :, None], 0.0)
+
+
+@triton.jit
+def _block_diagonal(A_b, BT: tl.constexpr, BS: tl.constexpr):
+    """[BT/BS, BS, BS] blocks -> the [BT, BT] tile holding them on its diagonal, zeros elsewhere."""
+    NB: tl.constexpr = BT // BS
+    blocks = tl.arange(0, NB)
+    A4 = tl.where((blocks[:, None, None, None] == blocks[None, None, :, None]), A_b[:, :, None, :], 0.0)
+    return tl.reshape(A4, [BT, BT])
 
 
 @triton.jit
 def _intra_chunk_scores(q, k, gc, row0, n_rows, stride, K, scale, BT: tl.constexpr, BK: tl.constexpr,
-                        DOT_PREC: tl.constexpr):
+                        DOT_PREC: tl.constexpr, FINE_ROWS: tl.constexpr):
+    """A [BT, BT], fp32. FINE_ROWS > 0: the pairs inside blocks of FINE_ROWS rows by _scores_fine_levels."""
     A = tl.zeros([BT, BT], dtype=tl.float32)
+    if FINE_ROWS > 0:
+        A_fine = tl.zeros([BT // FINE_ROWS, FINE_ROWS, FINE_ROWS], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        A += _scores_tile(q, k, gc, row0, n_rows, stride, o_k, o_k < K, BT, DOT_PREC)
+        m_k = o_k < K
+        A += _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k, BT, DOT_PREC, FINE_ROWS)
+        if FINE_ROWS > 0:
+            A_fine += _scores_fine_levels(q, k, gc, row0, n_rows, stride, o_k, m_k, BT, BK, FINE_ROWS, DOT_PREC)
+    if FINE_ROWS > 0:
+        A += _block_diagonal(A_fine, BT, FINE_ROWS)
     return A * scale
 
 
@@ -448,7 +501,8 @@ def _fwd_scores_kernel(q, k, gc, A_out, cu_seqlens, chunk_indices, scale, T, H: 
 @triton.jit
 def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, LOAD_SCORES: tl.constexpr):
+                       IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, LOAD_SCORES: tl.constexpr,
+                       FINE_ROWS: tl.constexpr):
     """o = (q * exp(b)) @ h_n + A @ v for one chunk of one head. A is computed here and kept for the
     backward pass ([B*T, H, BT], input dtype), or, with LOAD_SCORES, read from there (written by
     _fwd_scores_kernel). Program (i_c, i_bh, i_v0) covers value tiles i_v0, i_v0 + the grid's third
@@ -469,7 +523,7 @@ def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scal
     if LOAD_SCORES:
         A = tl.load(A_ptrs, mask=m_t[:, None], other=0.0).to(DT)
     else:
-        A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BK, DOT_PREC).to(DT)
+        A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BK, DOT_PREC, FINE_ROWS).to(DT)
         tl.store(A_ptrs, A, mask=m_t[:, None])
     for i_v in range(tl.program_id(2), tl.cdiv(V, BV), tl.num_programs(2)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -638,8 +692,8 @@ def _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, stride, o_k, m
 
 @triton.jit
 def _dqk_fine_levels(q, k, gc, dA, row0, n_rows, stride, o_k, m_k, scale, H: tl.constexpr, BT: tl.constexpr,
-                     BK: tl.constexpr, BS: tl.constexpr, LEVELS: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The levels inside the chunk's blocks of BS = 2**LEVELS rows (P = BS, BS/2, ..., 2), as _dqk_level makes
+                     BK: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The levels inside the chunk's blocks of BS rows (P = BS, BS/2, ..., 2), as _dqk_level makes
     them but on [BT/BS, BS, BK] tiles: per block, a [BS, BS] piece of dA against [BS, BK] factor tiles,
     batched over the blocks, where a level of 64x64 products would multiply zeros everywhere but on its
     diagonal blocks. Returns their part of (dq, dk), [BT, BK]; their tiles are loaded here and dead after."""
@@ -658,20 +712,21 @@ def _dqk_fine_levels(q, k, gc, dA, row0, n_rows, stride, o_k, m_k, scale, H: tl.
     dA_bt = tl.permute(dA_b, (0, 2, 1))
     dq = tl.zeros([NB, BS, BK], dtype=tl.float32)
     dk = tl.zeros([NB, BS, BK], dtype=tl.float32)
-    for level in tl.static_range(LEVELS):  # P = BS, BS/2, ..., 2
-        P = BS >> level
-        same_block = ((t[:, None] // P) == (t[None, :] // P))[None, :, :]
-        dA_p = tl.where(same_block, dA_b, 0.0).to(dA_b.dtype)
-        dA_pt = tl.where(same_block, dA_bt, 0.0).to(dA_b.dtype)  # same_block is symmetric
-        first = ((t % P) < P // 2)[None, :, None]
-        ref = tl.arange(0, NB)[:, None, None] * BS + ((t // P) * P + P // 2 - 1)[None, :, None]
-        b_r = tl.load(gc + (row0 + tl.minimum(ref, n_rows - 1)) * stride + o_k[None, None, :], mask=m_k[None, None, :],
-                      other=0.0)
-        f = tl.exp(-tl.abs(b_g - b_r))
-        f_k = tl.where(first, f, 0.0)
-        f_q = tl.where(first, 0.0, f)
-        dq += f_q * tl.dot(dA_p, (b_k.to(tl.float32) * f_k).to(DT), input_precision=DOT_PREC)
-        dk += f_k * tl.dot(dA_pt, (b_q.to(tl.float32) * (f_q * scale)).to(DT), input_precision=DOT_PREC)
+    for level in tl.static_range(6):
+        P = BS >> level  # BS, BS/2, ..., 2
+        if P >= 2:
+            same_block = ((t[:, None] // P) == (t[None, :] // P))[None, :, :]
+            dA_p = tl.where(same_block, dA_b, 0.0).to(dA_b.dtype)
+            dA_pt = tl.where(same_block, dA_bt, 0.0).to(dA_b.dtype)  # same_block is symmetric
+            first = ((t % P) < P // 2)[None, :, None]
+            ref = tl.arange(0, NB)[:, None, None] * BS + ((t // P) * P + P // 2 - 1)[None, :, None]
+            b_r = tl.load(gc + (row0 + tl.minimum(ref, n_rows - 1)) * stride + o_k[None, None, :], mask=m_k[None, None, :],
+                          other=0.0)
+            f = tl.exp(-tl.abs(b_g - b_r))
+            f_k = tl.where(first, f, 0.0)
+            f_q = tl.where(first, 0.0, f)
+            dq += f_q * tl.dot(dA_p, (b_k.to(tl.float32) * f_k).to(DT), input_precision=DOT_PREC)
+            dk += f_k * tl.dot(dA_pt, (b_q.to(tl.float32) * (f_q * scale)).to(DT), input_precision=DOT_PREC)
     return tl.reshape(dq, [BT, BK]), tl.reshape(dk, [BT, BK])
 
 
@@ -732,7 +787,7 @@ def _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H: tl.constexpr,
 def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer, T,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, FROM_LOGITS: tl.constexpr,
-                    PREFETCH: tl.constexpr, EARLY_LOADS: tl.constexpr, FINE_BLOCKS: tl.constexpr):
+                    PREFETCH: tl.constexpr, EARLY_LOADS: tl.constexpr, FINE_ROWS: tl.constexpr):
     """dq, dk, dgk of one chunk, one head, one tile of key columns; FROM_LOGITS: dg gets the gradient of
     the gate's logits instead, dgk * d logsigmoid(x) / dx / normalizer = dgk * sigmoid(-x) / normalizer.
     The state part comes first, so that its tiles are dead by the time the intra-chunk part's are live
@@ -761,26 +816,24 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
 
     if EARLY_LOADS:  # the chunk's q, k, gate and dA in flight while the state part runs
         b_g, b_last, b_q, b_k, dA_c = _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H, K, BT)
-    if FINE_BLOCKS:  # the four levels inside blocks of 16 rows first, their tiles dead before the state part's
-        fine_dq, fine_dk = _dqk_fine_levels(q, k, gc, dA, row0, n_rows, H * K, o_k, m_k, scale, H, BT, BK, BT // 4,
-                                            4, DOT_PREC)
+    if FINE_ROWS > 0:  # the levels inside blocks of FINE_ROWS rows first, their tiles dead before the state part's
+        fine_dq, fine_dk = _dqk_fine_levels(q, k, gc, dA, row0, n_rows, H * K, o_k, m_k, scale, H, BT, BK, FINE_ROWS,
+                                            DOT_PREC)
     dq_s, dk_s, hdh = _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H, V, BT, BK, BV, DOT_PREC, PREFETCH)
     if not EARLY_LOADS:
         b_g, b_last, b_q, b_k, dA_c = _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H, K, BT)
     b_dq = dq_s * tl.exp(b_g)  # the gradient of the scaled q
     b_dk = dk_s * tl.exp(b_last[None, :] - b_g)
     db_last = hdh * tl.exp(b_last) + tl.sum(b_k.to(tl.float32) * b_dk, axis=0)
-    if FINE_BLOCKS:
+    if FINE_ROWS > 0:
         b_dq += fine_dq
         b_dk += fine_dk
-    # the intra-chunk part, level by level as the forward made the scores, then the diagonal (dA[i, i])
-    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT, BT, DOT_PREC)
-    b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 2, BT, DOT_PREC)
-    if not FINE_BLOCKS:
-        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 4, BT, DOT_PREC)
-        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 8, BT, DOT_PREC)
-        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 16, BT, DOT_PREC)
-        b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale, BT // 32, BT, DOT_PREC)
+    # the intra-chunk part, level by level as the forward made the scores (those of blocks larger than
+    # FINE_ROWS rows), then the diagonal (dA[i, i])
+    for level in tl.static_range(6):
+        if (BT >> level) > FINE_ROWS:
+            b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale,
+                                    BT >> level, BT, DOT_PREC)
     dA_diag = tl.load(dA + (row0 + o_t) * (H * BT) + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
     b_q = b_q.to(tl.float32) * scale
     b_k = b_k.to(tl.float32)
@@ -829,13 +882,14 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # against 2.57 at 32K (V = 128), but 1.57 against 1.46 at the gla-340M layer, whose four value
           # tiles keep them waiting longer (run Z4). With the fine blocks below, after it at every V (run AC1)
           "dqk_prefetch": True, "dqk_early_loads": False,
-          # dq/dk's four levels inside blocks of 16 rows as products batched over the four blocks ([16, 16]
-          # pieces of dA, _dqk_fine_levels: True) or as 64x64 products masked to the blocks (False). Run AC1
-          # (H200, forward+backward): 1.355-1.363 against 1.374-1.376 ms at the gla-340M layer; at 8K and 32K
-          # 4.178 and 2.487 against 4.195 and 2.503 with dqk_early_loads False, but 4.258 and 2.522 with
-          # "auto" (loads early at V = 128). Triton 3.6 spills 42 registers at 8K (54 before) and 46 at the
-          # gla-340M layer (26): fewer tiles live at once, for more spilled ones
-          "dqk_fine_blocks": True,
+          # dq/dk's levels inside blocks of dqk_fine_rows rows (16: the four finest; 32: five) as products batched
+          # over the blocks ([16, 16] pieces of dA, _dqk_fine_levels), or 0: every level as a 64x64 product masked
+          # to its blocks. Run AC1 (H200, forward+backward, 16 against 0): 1.355-1.363 against 1.374-1.376 ms at
+          # the gla-340M layer; at 8K and 32K 4.178 and 2.487 against 4.195 and 2.503 with dqk_early_loads False,
+          # but 4.258 and 2.522 with "auto" (loads early at V = 128). Triton 3.6 spills 42 registers at 8K (54
+          # before) and 46 at the gla-340M layer (26): fewer tiles live at once, for more spilled ones.
+          # output_fine_rows: the same split for the forward's scores (_scores_fine_levels; 0: six 64x64 levels)
+          "dqk_fine_rows": 16, "output_fine_rows": 0,
           # key tile width of the dv kernel: one tile covering K (K <= dv_BK) forms the decayed keys once for
           # all value tiles, where 64-wide tiles formed them again for each value tile (run Z3: 1.38 against
           # 1.47 ms at the gla-340M layer, 4.28 against 4.46 at 8K, 2.53 against 2.62 at 32K)
@@ -1082,7 +1136,7 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
     _fwd_output_kernel[grid + (value_programs,)](
         q, k, v, gc, h, o, A, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BK, BV_out,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype), LOAD_SCORES=separate,
-        num_warps=LAUNCH["output_warps"], num_stages=LAUNCH["stages"], **_register_cap("output"),
+        FINE_ROWS=LAUNCH["output_fine_rows"], num_warps=LAUNCH["output_warps"], num_stages=LAUNCH["stages"], **_register_cap("output"),
     )
     return o, ht, gc, A
 
@@ -1123,7 +1177,7 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
     _bwd_dqk_kernel[(cdiv(K, BK),) + grid](
         q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
         BT, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
-        PREFETCH=LAUNCH["dqk_prefetch"], EARLY_LOADS=_dqk_early_loads(V), FINE_BLOCKS=LAUNCH["dqk_fine_blocks"],
+        PREFETCH=LAUNCH["dqk_prefetch"], EARLY_LOADS=_dqk_early_loads(V), FINE_ROWS=LAUNCH["dqk_fine_rows"],
         num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["dqk_stages"], **_register_cap("dqk"),
     )
     return dq, dk, dv, dg, dh0

@@ -40,10 +40,12 @@ SEARCH_SPACE: List[Dict[str, tuple]] = [
     # so the search leaves those keys as the table has them
     {"dv_warps": (4, 8), "dv_maxnreg": (168, 0)},
     {"dqk_warps": (8, 4, 16)},
-    # dq/dk's four levels inside 16-row blocks as products batched over the blocks, with the chunk's own tiles
-    # loaded before or after its state part (Triton 3.6: 42 spilled registers at 8K with the loads after it,
-    # 54 for the table; 46 against 26 at the gla-340M layer)
-    {"dqk_fine_blocks": (False, True), "dqk_early_loads": ("auto", False)},
+    # dq/dk's levels inside 16- or 32-row blocks as products batched over the blocks (0: as 64x64 products),
+    # with the chunk's own tiles loaded before or after its state part (Triton 3.6: 42 spilled registers at
+    # 8K with 16-row blocks and the loads after it, 54 for 64x64 products; 46 against 26 at the gla-340M
+    # layer); the forward's scores split the same way
+    {"dqk_fine_rows": (0, 16, 32), "dqk_early_loads": ("auto", False)},
+    {"output_fine_rows": (0, 16, 32)},
     # key tiles of the chunk-parallel kernels: 32 gives dq/dk twice the programs, each holding smaller tiles
     {"BK": (64, 32)},
     {"stages": (1, 2)},  # pipelining of the other chunk-parallel kernels
