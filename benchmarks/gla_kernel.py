@@ -3,7 +3,7 @@
 Compares fabric-lin's Triton `chunk_gla`, flash-linear-attention's `chunk_gla` (when the
 `flash-linear-attention` package is importable) and SDPA flash attention (causal, head dim K) at the
 same B, T, H. Prints one JSON document (and writes it to --out if given), with ratios ours / fla and
-ours / SDPA, at every shape a per-kernel time breakdown of our forward+backward and fla's, and after the
+ours / SDPA, the memory each forward pass keeps for its backward (MiB), at every shape a per-kernel time breakdown of our forward+backward and fla's, and after the
 first shape each of our compiled kernels' registers, spills and shared memory (what limits its programs
 per SM).
 
@@ -52,6 +52,19 @@ def time_fn(fn, inputs, do):
         o.backward(do)
 
     return do_bench(fwd, warmup=25, rep=100), do_bench(fwd_bwd, warmup=25, rep=100, grad_to_none=list(inputs))
+
+
+def saved_mib(fn, inputs):
+    """MiB the forward pass leaves allocated for the backward (what autograd keeps, the output excluded)."""
+    for x in inputs:
+        x.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    o = fn(*inputs)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before - o.numel() * o.element_size()
+    del o
+    return round(kept / 2**20, 1)
 
 
 def load_fla():
@@ -193,7 +206,8 @@ def time_variants(variants, inputs, do, fla_fwd_bwd_ms):
             with torch.no_grad():
                 o = ours(*inputs)
             fwd_ms, fwd_bwd_ms = time_fn(ours, inputs, do)
-            row = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "o_rel_rms_vs_table": rel_rms(o, o_base)}
+            row = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "o_rel_rms_vs_table": rel_rms(o, o_base),
+                   "saved_mib": saved_mib(ours, inputs)}
             if fla_fwd_bwd_ms:
                 row["ratio_fwd_bwd_vs_fla"] = fwd_bwd_ms / fla_fwd_bwd_ms
             results[name] = row
@@ -261,6 +275,7 @@ def main():
             torch.cuda.synchronize()
             row[f"{name}_first_call_s"] = round(time.perf_counter() - start, 2)
             row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = time_fn(fn, inputs, do)
+            row[f"{name}_saved_mib"] = saved_mib(fn, inputs)
         if args.fla_only:
             report["results"].append(row)
             print(json.dumps(row), flush=True)
@@ -269,6 +284,7 @@ def main():
             with torch.no_grad():
                 row["o_rel_rms_vs_fla"] = rel_rms(ours(*inputs), fla(*inputs))
             row["fla_fwd_ms"], row["fla_fwd_bwd_ms"] = time_fn(fla, inputs, do)
+            row["fla_saved_mib"] = saved_mib(fla, inputs)
             row["ratio_fwd_vs_fla"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
             row["ratio_fwd_bwd_vs_fla"] = row["ours_fwd_bwd_ms"] / row["fla_fwd_bwd_ms"]
         if variants:

@@ -134,8 +134,8 @@ def kernel_resources(shape, sms: int, lines_of=()) -> list:
     chunk._multiprocessors = lambda device: sms
     try:
         with compile_only(records, set(lines_of)):
-            o, _, gc, A = chunk._forward(q, k, v, gk, K ** -0.5, None, None)
-            chunk._backward(q, k, v, gc, A, K ** -0.5, None, None, torch.randn_like(o), None)
+            o, _, gc, A, kd = chunk._forward(q, k, v, gk, K ** -0.5, None, None)
+            chunk._backward(q, k, v, gc, A, kd if kd.numel() else None, K ** -0.5, None, None, torch.randn_like(o), None)
     finally:
         chunk._multiprocessors = multiprocessors
     return records

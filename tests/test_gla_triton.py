@@ -180,6 +180,52 @@ def test_triton_from_logits_matches_naive_fp32(monkeypatch, T, offsets, logit_sc
 
 
 @cpu_only
+@pytest.mark.parametrize("decayed_keys", ["recompute", "backward", "saved"])
+@pytest.mark.parametrize("state_split,fused_bwd_states", [(False, True), (False, False), (True, True)])
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_triton_decayed_key_forms_match_naive_fp32(monkeypatch, decayed_keys, state_split, fused_bwd_states, from_logits):
+    # the decayed keys k * exp(b_last - b) of the backward's state recomputation and dv kernel: formed by each
+    # (recompute), once in the backward (by the gate cumsum from logits, else by the sequential state pass),
+    # or written by the forward's state pass and kept (saved; gk given, sequential pass only). Varlen with
+    # sequences ending inside a chunk, an initial state, K = 40 over 32-wide key tiles
+    from fabric_lin.ops.gla import chunk
+
+    monkeypatch.setitem(chunk.LAUNCH, "decayed_keys", decayed_keys)
+    monkeypatch.setitem(chunk.LAUNCH, "state_split", state_split)
+    monkeypatch.setitem(chunk.LAUNCH, "fused_bwd_states", fused_bwd_states)
+    monkeypatch.setitem(chunk.LAUNCH, "BK", 32)
+    monkeypatch.setitem(chunk.LAUNCH, "state_BK", 32)
+    offsets = torch.tensor([0, 7, 64, 100, 163], dtype=torch.int32)
+    q, k, v, gk, h0 = make_inputs(1, 163, 2, 40, 48, N=4, seed=14)
+    if from_logits:
+        logits = 3 * torch.randn(1, 163, 2, 40, generator=torch.Generator().manual_seed(15))
+        ref = forward_backward(naive_from_logits, q, k, v, logits, h0, offsets)
+        out = forward_backward(triton_from_logits, q, k, v, logits, h0, offsets)
+    else:
+        ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
+        out = forward_backward(triton_gla, q, k, v, gk, h0, offsets)
+    for name, a, b in zip(NAMES, out, ref):
+        assert_close_scaled(a, b, name)
+
+
+@cpu_only
+def test_decayed_keys_stay_out_of_narrow_state_tiles(monkeypatch):
+    # on an H200 the state passes went wrong writing or reading the decayed keys over 32-wide value tiles:
+    # "saved" keeps none there (the backward forms them), and keeps them where the tiles are 64 wide or more
+    from fabric_lin.ops.gla import chunk
+
+    monkeypatch.setitem(chunk.LAUNCH, "decayed_keys", "saved")
+    monkeypatch.setitem(chunk.LAUNCH, "state_split", False)
+    for V, kept in [(32, False), (48, True)]:
+        q, k, v, gk, _ = make_inputs(1, 70, 2, 16, V, seed=V)
+        kd = chunk._forward(q, k, v, gk, 0.25, None, None)[4]
+        assert (kd.shape == k.shape) if kept else (kd.numel() == 0), (V, tuple(kd.shape))
+        assert chunk._state_pass_takes_decayed_keys(16, V, 1, 2, q.device) == kept
+    monkeypatch.setitem(chunk.LAUNCH, "state_BV", 32)  # a table with 32-wide state tiles at any V
+    assert not chunk._state_pass_takes_decayed_keys(16, 128, 1, 2, torch.device("cpu"))
+
+
+@cpu_only
 def test_triton_head_dims_not_powers_of_two_and_custom_scale():
     # K=40 and V=72 leave partly masked tiles; V spans two value tiles of 64
     q, k, v, gk, _ = make_inputs(1, 70, 1, 40, 72, seed=3)
@@ -319,9 +365,11 @@ SEARCHED_SETTINGS = [
     {"dqk_fine_rows": 0},  # dq/dk's finest levels as 64x64 products masked to the blocks of 16 rows
     {"dqk_fine_rows": 0, "dqk_early_loads": "auto"},
     {"dqk_fine_rows": 32, "output_fine_rows": 32},  # five levels inside blocks of 32 rows, batched over two blocks
-    {"output_fine_rows": 16},  # the forward's four finest levels batched over blocks of 16 rows
+    {"output_fine_rows": 0},  # the forward's scores in six 64x64 levels (the table before its 16-row blocks)
     {"state_BK": 128, "state_split": False},  # one key tile per state-pass program (K <= 128)
     {"state_BK": 128, "state_split": True, "state_prefetch": False},
+    {"decayed_keys": "recompute"},  # the state recomputation and dv kernel each form the decayed keys
+    {"decayed_keys": "saved", "state_split": False},  # the forward's state pass writes them, the op keeps them
 ]
 
 

@@ -10,7 +10,9 @@ state), arranged so that every matrix product is a full 64-row tile:
     both exponents <= 0 (b falls down the rows), so one exponential, exp(-|b - b_r|), gives both factors.
     Each level is one 64x64 product masked to pairs inside the same block of P rows; every pair i > j is
     made at exactly one level (the one whose halves first separate i from j), and the diagonal is
-    sum_k q_ik k_ik. No exponent is ever positive, whatever the gates.
+    sum_k q_ik k_ik. No exponent is ever positive, whatever the gates. The levels inside blocks of 16 rows
+    (and the diagonal) need no 64x64 product: they run as [16, 16] pieces batched over the chunk's four
+    blocks (_scores_fine_levels, LAUNCH["output_fine_rows"]), placed on A's diagonal blocks after.
   * gc = b (fp32, [B, T, H, K]) is written once (by _gate_cumsum_kernel, or inside the state pass:
     LAUNCH["separate_cumsum"]) and read by the other kernels;
     reference rows are plain loads of gc, and rows past a sequence's end read its last row.
@@ -26,8 +28,10 @@ state), arranged so that every matrix product is a full 64-row tile:
 Backward: the states h_n are recomputed, a reverse pass gives dh_n (the gradient of the state leaving
 chunk n) and dh0; per chunk, one kernel gives dv = (k exp(b_last - b)) dh_n + A^T do and
 dA = tril(do v^T) (A is kept from the forward pass; both go through memory in the input dtype, the one
-the products use), and one kernel per chunk and key tile gives dq, dk and dgk, level by level as A was
-made, its four finest levels inside blocks of 16 rows as [16, 16] pieces of dA batched over the four
+the products use). The decayed keys k exp(b_last - b), which the state recomputation and the dv kernel
+both use, are written once (by the backward's gate cumsum, else by the state recomputation) and read by
+the other, rather than formed by each from k and the fp32 gc (LAUNCH["decayed_keys"]). One kernel per
+chunk and key tile gives dq, dk and dgk, level by level as A was made, its four finest levels inside blocks of 16 rows as [16, 16] pieces of dA batched over the four
 blocks (_dqk_fine_levels; LAUNCH["dqk_fine_rows"] 0: as 64x64 products masked to the blocks). For the gate, with db_i the gradient of the in-chunk
 cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i (elementwise, q and k as they enter the products), plus,
 for b at the chunk's last row,
@@ -238,10 +242,13 @@ def _log_decay(x, normalizer):
 
 
 @triton.jit
-def _gate_cumsum_kernel(g, gc, cu_seqlens, chunk_indices, normalizer, T, H: tl.constexpr, K: tl.constexpr,
-                        BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, FROM_LOGITS: tl.constexpr):
+def _gate_cumsum_kernel(g, gc, k, kd, cu_seqlens, chunk_indices, normalizer, T, H: tl.constexpr, K: tl.constexpr,
+                        BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, FROM_LOGITS: tl.constexpr,
+                        STORE_KD: tl.constexpr):
     """gc = cumulative sum of g inside each chunk (fp32), one chunk of one head and key tile per program.
-    FROM_LOGITS: g holds the gate's logits, and the log gate logsigmoid(g) / normalizer is summed."""
+    FROM_LOGITS: g holds the gate's logits, and the log gate logsigmoid(g) / normalizer is summed.
+    STORE_KD: also the decayed keys kd = k * exp(b_last - b) (k's dtype), for the backward's state pass and
+    dv kernel to read instead of k and gc."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     row0, n_rows, _ = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -252,14 +259,23 @@ def _gate_cumsum_kernel(g, gc, cu_seqlens, chunk_indices, normalizer, T, H: tl.c
     if FROM_LOGITS:  # rows past the end become nonzero here, but they come after every stored row
         b_g = _log_decay(b_g, normalizer)
     b_g = tl.cumsum(b_g, axis=0)
-    tl.store(gc + i_h * K + (row0 + o_t[:, None]) * (H * K) + o_k[None, :], b_g, mask=(o_t < n_rows)[:, None] & m_k[None, :])
+    m_tk = (o_t < n_rows)[:, None] & m_k[None, :]
+    offs = i_h * K + (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
+    tl.store(gc + offs, b_g, mask=m_tk)
+    if STORE_KD:
+        last = tl.minimum(n_rows, BT) - 1
+        b_last = tl.sum(tl.where((o_t == last)[:, None], b_g, 0.0), axis=0)
+        b_k = tl.load(k + offs, mask=m_tk, other=0.0).to(tl.float32)
+        k_end = b_k * tl.exp(tl.minimum(b_last[None, :] - b_g, 0.0))
+        tl.store(kd + offs, k_end.to(kd.dtype.element_ty), mask=m_tk)
 
 
 @triton.jit
 def _step_inputs(x, gate, y, i_t, bos, T, o_t, o_k, m_k, o_v, m_v, H: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr, BT: tl.constexpr, RAW_GATE: tl.constexpr):
+                 V: tl.constexpr, BT: tl.constexpr, RAW_GATE: tl.constexpr, LAST_ONLY: tl.constexpr):
     """Chunk i_t's tiles for one step of a state pass, as loaded: x [BT, BK] and y [BT, BV] in their dtype, the
-    gate [BT, BK] (gc, or with RAW_GATE the per-row log gate g) and gc's last row [BK] (zeros with RAW_GATE)."""
+    gate [BT, BK] (gc, or with RAW_GATE the per-row log gate g) and gc's last row [BK] (zeros with RAW_GATE).
+    LAST_ONLY: gc's last row alone is read (x holds the decayed keys), the gate tile returned is zeros."""
     row0 = bos + i_t * BT
     n_rows = T - i_t * BT
     m_x = (o_t < n_rows)[:, None] & m_k[None, :]
@@ -267,6 +283,9 @@ def _step_inputs(x, gate, y, i_t, bos, T, o_t, o_k, m_k, o_v, m_v, H: tl.constex
     if RAW_GATE:
         b_gate = tl.load(gate + (row0 + o_t[:, None]) * (H * K) + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
         b_last = tl.zeros_like(o_k).to(tl.float32)
+    elif LAST_ONLY:
+        b_gate = tl.zeros_like(b_x).to(tl.float32)
+        b_last = _load_gate_row(gate, row0, BT - 1, n_rows, H * K, o_k, m_k)
     else:
         b_gate = _load_gate(gate, row0, o_t, n_rows, H * K, o_k, m_k)
         b_last = _load_gate_row(gate, row0, BT - 1, n_rows, H * K, o_k, m_k)
@@ -275,13 +294,15 @@ def _step_inputs(x, gate, y, i_t, bos, T, o_t, o_k, m_k, o_v, m_v, H: tl.constex
 
 
 @triton.jit
-def _state_pass(i_k, i_v, i_nh, k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr,
+def _state_pass(i_k, i_v, i_nh, k, v, g, gc, kd, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_GC: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr):
+                DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr, KD_MODE: tl.constexpr):
     """h[chunk n] = the state entering chunk n; ht = the state after the last chunk (fp32).
     With STORE_GC, the in-chunk cumulative gate gc is computed from g and written (by the programs of
-    the first value tile); without, gc is read."""
+    the first value tile); without, gc is read. The decayed keys k * exp(b_last - b) ([B*T, H, K], k's dtype):
+    KD_MODE 0 forms them from k and gc, 1 forms them and writes them to kd (first value tile's programs),
+    2 reads them from kd (and of gc only each chunk's last row)."""
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = _seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(T, BT)
@@ -301,16 +322,22 @@ def _state_pass(i_k, i_v, i_nh, k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offset
         gate = g + i_h * K
     else:
         gate = gc
+    if KD_MODE == 2:
+        keys = kd + i_h * K
+    else:
+        keys = k
+    LAST_ONLY: tl.constexpr = KD_MODE == 2
     if PREFETCH:  # the loads of chunk i_t + 1 are issued before chunk i_t's products, so they overlap them
-        n_k, n_gate, n_last, n_v = _step_inputs(k, gate, v, 0, bos, T, o_t, o_k, m_k, o_v, m_v, H, K, V, BT, STORE_GC)
+        n_k, n_gate, n_last, n_v = _step_inputs(keys, gate, v, 0, bos, T, o_t, o_k, m_k, o_v, m_v, H, K, V, BT, STORE_GC,
+                                                LAST_ONLY)
     for i_t in range(NT):
         if PREFETCH:
             b_k, b_gate, b_last, b_v = n_k, n_gate, n_last, n_v
-            n_k, n_gate, n_last, n_v = _step_inputs(k, gate, v, tl.minimum(i_t + 1, NT - 1), bos, T, o_t, o_k, m_k,
-                                                    o_v, m_v, H, K, V, BT, STORE_GC)
+            n_k, n_gate, n_last, n_v = _step_inputs(keys, gate, v, tl.minimum(i_t + 1, NT - 1), bos, T, o_t, o_k, m_k,
+                                                    o_v, m_v, H, K, V, BT, STORE_GC, LAST_ONLY)
         else:
-            b_k, b_gate, b_last, b_v = _step_inputs(k, gate, v, i_t, bos, T, o_t, o_k, m_k, o_v, m_v, H, K, V, BT,
-                                                    STORE_GC)
+            b_k, b_gate, b_last, b_v = _step_inputs(keys, gate, v, i_t, bos, T, o_t, o_k, m_k, o_v, m_v, H, K, V, BT,
+                                                    STORE_GC, LAST_ONLY)
         tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
         if STORE_GC:
             b_g = tl.cumsum(b_gate, axis=0)
@@ -321,19 +348,26 @@ def _state_pass(i_k, i_v, i_nh, k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offset
                          mask=(o_t < T - i_t * BT)[:, None] & m_k[None, :])
         else:
             b_g = b_gate
-        k_end = (b_k.to(tl.float32) * tl.exp(tl.minimum(b_last[None, :] - b_g, 0.0))).to(b_v.dtype)
+        if KD_MODE == 2:
+            k_end = b_k.to(b_v.dtype)
+        else:
+            k_end = (b_k.to(tl.float32) * tl.exp(tl.minimum(b_last[None, :] - b_g, 0.0))).to(b_v.dtype)
+            if KD_MODE == 1:
+                if i_v == 0:
+                    tl.store(kd + i_h * K + (bos + i_t * BT + o_t[:, None]) * (H * K) + o_k[None, :], k_end.to(kd.dtype.element_ty),
+                             mask=(o_t < T - i_t * BT)[:, None] & m_k[None, :])
         S = S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(k_end), b_v, input_precision=DOT_PREC)
     if STORE_HT:
         tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
 
 
 @triton.jit
-def _fwd_state_kernel(k, v, g, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
+def _fwd_state_kernel(k, v, g, gc, kd, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       USE_H0: tl.constexpr, STORE_GC: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-                      PREFETCH: tl.constexpr):
-    _state_pass(tl.program_id(0), tl.program_id(1), tl.program_id(2), k, v, g, gc, h, h0, ht, cu_seqlens,
-                chunk_offsets, T, H, K, V, BT, BK, BV, USE_H0, STORE_GC, True, IS_VARLEN, DOT_PREC, PREFETCH)
+                      PREFETCH: tl.constexpr, KD_MODE: tl.constexpr):
+    _state_pass(tl.program_id(0), tl.program_id(1), tl.program_id(2), k, v, g, gc, kd, h, h0, ht, cu_seqlens,
+                chunk_offsets, T, H, K, V, BT, BK, BV, USE_H0, STORE_GC, True, IS_VARLEN, DOT_PREC, PREFETCH, KD_MODE)
 
 
 @triton.jit
@@ -565,15 +599,17 @@ def _dstate_pass(i_k, i_v, i_nh, q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offs
     gc += i_h * K
     do += i_h * V
     if PREFETCH:  # as in _state_pass, chunk i_t - 1's loads overlap chunk i_t's products
-        n_q, n_g, n_last, n_do = _step_inputs(q, gc, do, NT - 1, bos, T, o_t, o_k, m_k, o_v, m_v, H, K, V, BT, False)
+        n_q, n_g, n_last, n_do = _step_inputs(q, gc, do, NT - 1, bos, T, o_t, o_k, m_k, o_v, m_v, H, K, V, BT, False,
+                                              False)
     for i in range(NT):
         i_t = NT - 1 - i
         if PREFETCH:
             b_q, b_g, b_last, b_do = n_q, n_g, n_last, n_do
             n_q, n_g, n_last, n_do = _step_inputs(q, gc, do, tl.maximum(i_t - 1, 0), bos, T, o_t, o_k, m_k, o_v, m_v,
-                                                  H, K, V, BT, False)
+                                                  H, K, V, BT, False, False)
         else:
-            b_q, b_g, b_last, b_do = _step_inputs(q, gc, do, i_t, bos, T, o_t, o_k, m_k, o_v, m_v, H, K, V, BT, False)
+            b_q, b_g, b_last, b_do = _step_inputs(q, gc, do, i_t, bos, T, o_t, o_k, m_k, o_v, m_v, H, K, V, BT, False,
+                                                  False)
         tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
         q_dec = (b_q.to(tl.float32) * (tl.exp(b_g) * scale)).to(b_do.dtype)
         dS = dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(q_dec), b_do, input_precision=DOT_PREC)
@@ -591,40 +627,50 @@ def _bwd_state_kernel(q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
 
 
 @triton.jit
-def _bwd_both_states_kernel(q, k, v, gc, do, h, dh, h0, dht, dh0, cu_seqlens, chunk_offsets, scale, T, NH,
+def _bwd_both_states_kernel(q, k, v, gc, kd, do, h, dh, h0, dht, dh0, cu_seqlens, chunk_offsets, scale, T, NH,
                             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                            DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr):
+                            DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr, KD_MODE: tl.constexpr):
     """The backward pass's two sequential passes in one launch: programs i_p < NH recompute the states h
-    (forward over the chunks), the others the state gradients dh (backward over the chunks). They are
-    independent, so each fills the multiprocessors while the other waits on its loads."""
+    (forward over the chunks; the decayed keys as KD_MODE says, see _state_pass), the others the state
+    gradients dh (backward over the chunks). They are independent, so each fills the multiprocessors while
+    the other waits on its loads."""
     i_k, i_v, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if i_p < NH:
-        _state_pass(i_k, i_v, i_p, k, v, gc, gc, h, h0, h0, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
-                    USE_H0, False, False, IS_VARLEN, DOT_PREC, PREFETCH)
+        _state_pass(i_k, i_v, i_p, k, v, gc, gc, kd, h, h0, h0, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
+                    USE_H0, False, False, IS_VARLEN, DOT_PREC, PREFETCH, KD_MODE)
     else:
         _dstate_pass(i_k, i_v, i_p - NH, q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V,
                      BT, BK, BV, USE_DHT, USE_H0, IS_VARLEN, DOT_PREC, PREFETCH)
 
 
 @triton.jit
-def _decayed_keys(k, gc, row0, n_rows, stride, o_k, m_k, BT: tl.constexpr, DT: tl.constexpr):
-    """k * exp(b_last - b), columns o_k, in DT: the keys as the state leaving the chunk sees them."""
+def _decayed_keys(k, gc, row0, n_rows, stride, o_k, m_k, BT: tl.constexpr, DT: tl.constexpr, STORED: tl.constexpr):
+    """k * exp(b_last - b), columns o_k, in DT: the keys as the state leaving the chunk sees them (STORED: k
+    holds them already)."""
     o_t = tl.arange(0, BT)
-    b_k = _load_tile(k, row0, o_t, n_rows, stride, o_k, m_k)
-    b_g = _load_gate(gc, row0, o_t, n_rows, stride, o_k, m_k)
-    b_last = _load_gate_row(gc, row0, BT - 1, n_rows, stride, o_k, m_k)
-    return (b_k * tl.exp(b_last[None, :] - b_g)).to(DT)
+    if STORED:
+        k_end = _load_raw(k, row0, o_t, n_rows, stride, o_k, m_k).to(DT)
+    else:
+        b_k = _load_tile(k, row0, o_t, n_rows, stride, o_k, m_k)
+        b_g = _load_gate(gc, row0, o_t, n_rows, stride, o_k, m_k)
+        b_last = _load_gate_row(gc, row0, BT - 1, n_rows, stride, o_k, m_k)
+        k_end = (b_k * tl.exp(b_last[None, :] - b_g)).to(DT)
+    return k_end
 
 
 @triton.jit
-def _bwd_dv_kernel(k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
+def _bwd_dv_kernel(k, v, gc, kd, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
-    """dv = (k * exp(b_last - b)) dh_n + A^T do, and dA = tril(do v^T) ([B*T, H, BT], input dtype) for one chunk."""
+                   DOT_PREC: tl.constexpr, READ_KD: tl.constexpr):
+    """dv = (k * exp(b_last - b)) dh_n + A^T do, and dA = tril(do v^T) ([B*T, H, BT], input dtype) for one chunk.
+    READ_KD: the decayed keys k * exp(b_last - b) are read from kd (written by the state pass or the gate
+    cumsum), not formed from k and gc."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_h = i_bh % H
     row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    if READ_KD:
+        k = kd  # the keys read below are the decayed ones
     k += i_h * K
     gc += i_h * K
     v += i_h * V
@@ -638,7 +684,7 @@ def _bwd_dv_kernel(k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H:
     b_A = tl.load(A + offs_A, mask=m_t[:, None], other=0.0).to(DT)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     if BK >= K:  # one key tile: its decayed keys are formed once for all value tiles
-        k_end_all = _decayed_keys(k, gc, row0, n_rows, H * K, tl.arange(0, BK), tl.arange(0, BK) < K, BT, DT)
+        k_end_all = _decayed_keys(k, gc, row0, n_rows, H * K, tl.arange(0, BK), tl.arange(0, BK) < K, BT, DT, READ_KD)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -651,7 +697,7 @@ def _bwd_dv_kernel(k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H:
             if BK >= K:
                 k_end = k_end_all
             else:
-                k_end = _decayed_keys(k, gc, row0, n_rows, H * K, o_k, m_k, BT, DT)
+                k_end = _decayed_keys(k, gc, row0, n_rows, H * K, o_k, m_k, BT, DT, READ_KD)
             b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(DT)
             b_dv += tl.dot(k_end, b_dh, input_precision=DOT_PREC)
         b_do = tl.load(do + offs_v, mask=m_tv, other=0.0).to(DT)
@@ -888,8 +934,11 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # the gla-340M layer; at 8K and 32K 4.178 and 2.487 against 4.195 and 2.503 with dqk_early_loads False,
           # but 4.258 and 2.522 with "auto" (loads early at V = 128). Triton 3.6 spills 42 registers at 8K (54
           # before) and 46 at the gla-340M layer (26): fewer tiles live at once, for more spilled ones.
-          # output_fine_rows: the same split for the forward's scores (_scores_fine_levels; 0: six 64x64 levels)
-          "dqk_fine_rows": 16, "output_fine_rows": 0,
+          # 32 spilled 290 registers (Triton 3.8). output_fine_rows: the same split for the forward's scores
+          # (_scores_fine_levels; 0: six 64x64 levels). Run AF1, 16 against 0: forward 1.348 against 1.374 ms at
+          # 8K (forward+backward 4.148 against 4.184), 2.471 against 2.484 at 32K, 1.354 against 1.360 at the
+          # gla-340M layer; Triton 3.8 spills 48 registers at 8K against 82 (32: 86, not timed)
+          "dqk_fine_rows": 16, "output_fine_rows": 16,
           # key tile width of the dv kernel: one tile covering K (K <= dv_BK) forms the decayed keys once for
           # all value tiles, where 64-wide tiles formed them again for each value tile (run Z3: 1.38 against
           # 1.47 ms at the gla-340M layer, 4.28 against 4.46 at 8K, 2.53 against 2.62 at 32K)
@@ -911,6 +960,17 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # the matrix products inside (False), or the scan when the sequential pass would have fewer
           # programs than half the multiprocessors ("auto": long sequences, few heads)
           "state_split": "auto", "scan_SK": 16, "scan_SV": 64, "scan_stages": 3,
+          # the decayed keys k * exp(b_last - b), which the backward's state recomputation and the dv kernel
+          # both use: "recompute" (each forms them from k and gc), "backward" (formed once in the backward pass,
+          # by the gate cumsum where the gate comes as logits, else by the sequential state pass, and read by
+          # the others: at 8K ~0.27 GB of fp32 gate reads fewer for 0.13 GB written), or "saved" (chunk_gla with
+          # gk given: written by the forward's state pass and kept for the backward, one more [B, T, H, K]
+          # tensor in the inputs' dtype kept; the recomputation reads no gate tile at all). Run AF2 (H200,
+          # forward+backward): "backward" 4.138 against 4.157 ms at 8K and 1.341 against 1.354 at the gla-340M
+          # layer; "saved" 4.097 and 1.320, keeping 448 MiB for the backward at 8K against 320 (fla: 384) and
+          # 112 against 80 (fla: 96) at the gla-340M layer. Only where the state passes' value tiles are at
+          # least 64 wide (_state_pass_takes_decayed_keys); the split state passes form their own
+          "decayed_keys": "backward",
           # dtype of the per-chunk states h and dh (both state passes): "input" (bf16 for bf16 inputs,
           # half the traffic), "fp32", or "auto" = fp32 when a state crosses the op's boundary (initial
           # state given, final-state gradient flowing), where rounding them costs most relative accuracy
@@ -1025,19 +1085,26 @@ def _chunk_updates(x, y, g, gc, scale, cu_seqlens, layout, reverse, dtype):
     return u
 
 
-def _gate_cumsum(g, gc, cu_seqlens, layout, normalizer=None):
+def _gate_cumsum(g, gc, cu_seqlens, layout, normalizer=None, k=None, kd=None):
     """gc <- the cumulative sum of g inside each chunk (fp32); with a normalizer, g holds the gate's logits
-    and the sum is over logsigmoid(g) / normalizer."""
+    and the sum is over logsigmoid(g) / normalizer. With k and kd: kd <- the decayed keys k * exp(b_last - b)."""
     B, T, H, K = g.shape
     BKc = min(128, max(16, next_power_of_2(K)))
     grid = (cdiv(K, BKc),) + ((layout[1], H) if cu_seqlens is not None else (cdiv(T, BT), B * H))
-    _gate_cumsum_kernel[grid](g, gc, cu_seqlens, layout[2], normalizer or 1.0, T, H, K, BT, BKc,
-                              IS_VARLEN=cu_seqlens is not None, FROM_LOGITS=normalizer is not None, num_warps=4)
+    _gate_cumsum_kernel[grid](g, gc, k, kd, cu_seqlens, layout[2], normalizer or 1.0, T, H, K, BT, BKc,
+                              IS_VARLEN=cu_seqlens is not None, FROM_LOGITS=normalizer is not None,
+                              STORE_KD=kd is not None, num_warps=4)
 
 
-def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
+# how the decayed keys k * exp(b_last - b), which the state pass and the dv kernel both use, reach them
+# (LAUNCH["decayed_keys"]): 0 formed from k and gc by each, 1 formed and written by the state pass, 2 read
+KD_FORM, KD_WRITE, KD_READ = 0, 1, 2
+
+
+def _states(k, v, g, gc, initial_state, cu_seqlens, layout, kd=None, kd_mode=KD_FORM):
     """Per-chunk states h (the state each chunk sees) and the final state (fp32); fills gc from g when g
-    is given."""
+    is given. kd, kd_mode: the decayed keys written or read by the sequential pass (the split one forms
+    them itself and writes none: the caller checks _state_pass_takes_decayed_keys)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     N, NC, _, chunk_offsets = layout
@@ -1054,9 +1121,9 @@ def _states(k, v, g, gc, initial_state, cu_seqlens, layout):
     BK, BV = _block_sizes(K, V, "state_")
     h = k.new_empty(NC, H, K, V, dtype=_state_dtype(k, initial_state is not None))
     _fwd_state_kernel[(cdiv(K, BK), cdiv(V, BV), N * H)](
-        k, v, g, gc, h, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
+        k, v, g, gc, kd, h, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV,
         USE_H0=initial_state is not None, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(k.dtype), PREFETCH=LAUNCH["state_prefetch"],
+        DOT_PREC=_dot_precision(k.dtype), PREFETCH=LAUNCH["state_prefetch"], KD_MODE=kd_mode,
         num_warps=_state_warps(K, V, N, H, k.device), num_stages=LAUNCH["state_stages"],
         **_register_cap("state"),
     )
@@ -1086,7 +1153,7 @@ def _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout):
     return dh, dh0
 
 
-def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, layout):
+def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, layout, kd=None, kd_mode=KD_FORM):
     """_states (without the final state) and _state_grads, as one launch of the two sequential passes."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -1096,18 +1163,34 @@ def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, la
     dh = q.new_empty(NC, H, K, V, dtype=_state_dtype(q, initial_state is not None or dht is not None))
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
     _bwd_both_states_kernel[(cdiv(K, BK), cdiv(V, BV), 2 * N * H)](
-        q, k, v, gc, do, h, dh, initial_state, dht, dh0, cu_seqlens, chunk_offsets, scale, T, N * H, H, K, V, BT,
+        q, k, v, gc, kd, do, h, dh, initial_state, dht, dh0, cu_seqlens, chunk_offsets, scale, T, N * H, H, K, V, BT,
         BK, BV, USE_H0=initial_state is not None, USE_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"],
+        DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"], KD_MODE=kd_mode,
         num_warps=LAUNCH["both_states_warps"] or _state_warps(K, V, N, H, q.device), num_stages=LAUNCH["state_stages"],
         **_register_cap("state"),
     )
     return h, dh, dh0
 
 
+def _state_pass_takes_decayed_keys(K: int, V: int, N: int, H: int, device: torch.device) -> bool:
+    """Whether the state passes may write or read the decayed keys: the sequential pass, over value tiles at
+    least 64 wide. With 32-wide ones (V = 32), state passes that wrote or read them gave inf gradients or an
+    illegal memory access on an H200 (Triton 3.6, bf16; runs AF2, AF4), where forming them from k and gc is
+    right; the dv kernel reading them was right there."""
+    return _block_sizes(K, V, "state_")[1] >= 64 and not _split_states(K, V, N, H, device)
+
+
+def _keeps_decayed_keys(K: int, V: int, N: int, H: int, device: torch.device, normalizer) -> bool:
+    """Whether the forward pass's state pass writes the decayed keys for the backward pass to keep
+    (LAUNCH["decayed_keys"] "saved"; the gate given as gk, not as logits)."""
+    return (LAUNCH["decayed_keys"] == "saved" and normalizer is None
+            and _state_pass_takes_decayed_keys(K, V, N, H, device))
+
+
 def _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
-    """(o, final state, and for the backward pass: gc = in-chunk cumulative gate, A = intra-chunk scores).
-    With a normalizer, g holds the gate's logits (log gate = logsigmoid(g) / normalizer)."""
+    """(o, final state, and for the backward pass: gc = in-chunk cumulative gate, A = intra-chunk scores,
+    kd = the decayed keys, or an empty tensor where they are not kept). With a normalizer, g holds the
+    gate's logits (log gate = logsigmoid(g) / normalizer)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     layout = _chunk_layout(cu_seqlens, B, T)
@@ -1117,7 +1200,12 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
     if normalizer is not None:
         _gate_cumsum(g, gc, cu_seqlens, layout, normalizer)
         g = None  # the state pass reads gc
-    h, ht = _states(k, v, g, gc, initial_state, cu_seqlens, layout)
+    if _keeps_decayed_keys(K, V, layout[0], H, q.device, normalizer):
+        kd = torch.empty_like(k)
+        h, ht = _states(k, v, g, gc, initial_state, cu_seqlens, layout, kd, KD_WRITE)
+    else:
+        kd = k.new_empty(0)
+        h, ht = _states(k, v, g, gc, initial_state, cu_seqlens, layout)
     o = torch.empty_like(v, dtype=q.dtype)
     A = q.new_empty(B, T, H, BT)
     grid = (NC, H) if cu_seqlens is not None else (cdiv(T, BT), B * H)
@@ -1138,39 +1226,55 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype), LOAD_SCORES=separate,
         FINE_ROWS=LAUNCH["output_fine_rows"], num_warps=LAUNCH["output_warps"], num_stages=LAUNCH["stages"], **_register_cap("output"),
     )
-    return o, ht, gc, A
+    return o, ht, gc, A, kd
 
 
-def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, normalizer=None):
+def _backward(q, k, v, gate, A, kd, scale, initial_state, cu_seqlens, do, dht, normalizer=None):
     """(dq, dk, dv, dgate, dh0). gate is gc, the in-chunk cumulative log gate (dgate: the log gate's gradient,
     fp32), or, with a normalizer, the gate's logits (gc is recomputed from them; dgate: the logits' gradient,
-    in their dtype)."""
+    in their dtype). kd: the decayed keys kept from the forward pass, or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     layout = _chunk_layout(cu_seqlens, B, T)
+    N, NC, chunk_indices, chunk_offsets = layout
+    split = _split_states(K, V, N, H, q.device)
+    state_takes_kd = _state_pass_takes_decayed_keys(K, V, N, H, q.device)
+    # the decayed keys k * exp(b_last - b), read by the state recomputation and the dv kernel: formed once
+    # here (by the gate cumsum, else by the sequential state pass) unless kept or LAUNCH says "recompute"
+    form_once = kd is None and LAUNCH["decayed_keys"] != "recompute"
     logits = gate if normalizer is not None else None
     if logits is not None:
         gc = torch.empty_like(logits, dtype=torch.float32)
-        _gate_cumsum(logits, gc, cu_seqlens, layout, normalizer)
+        if form_once:
+            kd = torch.empty_like(k)
+            form_once = False
+            _gate_cumsum(logits, gc, cu_seqlens, layout, normalizer, k, kd)
+        else:
+            _gate_cumsum(logits, gc, cu_seqlens, layout, normalizer)
     else:
         gc = gate
-    N, NC, chunk_indices, chunk_offsets = layout
+    if kd is not None:
+        kd_mode = KD_READ if state_takes_kd else KD_FORM  # the dv kernel reads them either way
+    elif form_once and state_takes_kd:
+        kd, kd_mode = torch.empty_like(k), KD_WRITE
+    else:
+        kd_mode = KD_FORM
     BK, BV = _block_sizes(K, V)
     prec = _dot_precision(q.dtype)
     is_varlen = cu_seqlens is not None
     # the per-chunk states, recomputed rather than kept from the forward pass, and their gradients
-    if LAUNCH["fused_bwd_states"] and not _split_states(K, V, N, H, q.device):
-        h, dh, dh0 = _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, layout)
+    if LAUNCH["fused_bwd_states"] and not split:
+        h, dh, dh0 = _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, layout, kd, kd_mode)
     else:
-        h, _ = _states(k, v, None, gc, initial_state, cu_seqlens, layout)
+        h, _ = _states(k, v, None, gc, initial_state, cu_seqlens, layout, kd, kd_mode)
         dh, dh0 = _state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout)
     dv = torch.empty_like(v)
     dA = torch.empty(B, T, H, BT, device=q.device, dtype=q.dtype)  # the products read it in this dtype
     grid = (NC, H) if is_varlen else (cdiv(T, BT), B * H)
     dv_BK = min(LAUNCH["dv_BK"], max(16, next_power_of_2(K)))
     _bwd_dv_kernel[grid](
-        k, v, gc, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H, K, V, BT, dv_BK, BV,
-        IS_VARLEN=is_varlen, DOT_PREC=prec, num_warps=LAUNCH["dv_warps"], num_stages=LAUNCH["stages"],
+        k, v, gc, kd, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H, K, V, BT, dv_BK, BV,
+        IS_VARLEN=is_varlen, DOT_PREC=prec, READ_KD=kd is not None, num_warps=LAUNCH["dv_warps"], num_stages=LAUNCH["stages"],
         **_register_cap("dv"),
     )
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gate)
@@ -1189,7 +1293,7 @@ def _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, norma
 def _gla_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], normalizer: Optional[float] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer)
 
 
@@ -1201,16 +1305,18 @@ def _(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    kd = torch.empty_like(k) if _keeps_decayed_keys(K, V, N, H, q.device, normalizer) else k.new_empty(0)
     return (q.new_empty(B, T, H, V), q.new_empty(N, H, K, V, dtype=torch.float32),
-            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, BT))
+            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, BT), kd)
 
 
 def _gla_bwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, A: torch.Tensor, scale: float,
-    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, A: torch.Tensor, kd: Optional[torch.Tensor],
+    scale: float, initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
     dht: Optional[torch.Tensor], normalizer: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dg, dh0 = _backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, normalizer)
+    kd = kd if kd is not None and kd.numel() > 0 else None  # empty: not kept by the forward pass
+    dq, dk, dv, dg, dh0 = _backward(q, k, v, gate, A, kd, scale, initial_state, cu_seqlens, do, dht, normalizer)
     if dh0 is None:
         dh0 = q.new_zeros(0, dtype=torch.float32)
     return dq, dk, dv, dg, dh0
@@ -1220,7 +1326,7 @@ chunk_gla_bwd_op = torch.library.custom_op("fabric_lin::chunk_gla_bwd", mutates_
 
 
 @chunk_gla_bwd_op.register_fake
-def _(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, normalizer=None):
+def _(q, k, v, gate, A, kd, scale, initial_state, cu_seqlens, do, dht, normalizer=None):
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gate), dh0
 
@@ -1228,8 +1334,8 @@ def _(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, normalizer=No
 class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-        o, ht, gc, A = op_or_fn(chunk_gla_fwd_op, _gla_fwd)(q, k, v, g, scale, initial_state, cu_seqlens)
-        ctx.save_for_backward(q, k, v, gc, A, initial_state, cu_seqlens)
+        o, ht, gc, A, kd = op_or_fn(chunk_gla_fwd_op, _gla_fwd)(q, k, v, g, scale, initial_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, gc, A, kd, initial_state, cu_seqlens)
         ctx.scale = scale
         ctx.output_final_state = output_final_state
         ctx.g_dtype = g.dtype
@@ -1237,10 +1343,10 @@ class ChunkGLAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gc, A, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, v, gc, A, kd, initial_state, cu_seqlens = ctx.saved_tensors
         dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
         dq, dk, dv, dg, dh0 = op_or_fn(chunk_gla_bwd_op, _gla_bwd)(
-            q, k, v, gc, A, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht
+            q, k, v, gc, A, kd, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht
         )
         return dq, dk, dv, dg.to(ctx.g_dtype), None, (dh0 if initial_state is not None else None), None, None
 
@@ -1295,7 +1401,7 @@ def chunk_gla_triton(
 class ChunkGLAFromLogitsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, gate_logits, normalizer, scale, initial_state, output_final_state, cu_seqlens):
-        o, ht, _, A = op_or_fn(chunk_gla_fwd_op, _gla_fwd)(q, k, v, gate_logits, scale, initial_state, cu_seqlens, normalizer)
+        o, ht, _, A, _ = op_or_fn(chunk_gla_fwd_op, _gla_fwd)(q, k, v, gate_logits, scale, initial_state, cu_seqlens, normalizer)
         ctx.save_for_backward(q, k, v, gate_logits, A, initial_state, cu_seqlens)
         ctx.scale, ctx.normalizer, ctx.output_final_state = scale, normalizer, output_final_state
         return o, ht
@@ -1305,7 +1411,7 @@ class ChunkGLAFromLogitsFunction(torch.autograd.Function):
         q, k, v, gate_logits, A, initial_state, cu_seqlens = ctx.saved_tensors
         dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
         dq, dk, dv, d_logits, dh0 = op_or_fn(chunk_gla_bwd_op, _gla_bwd)(
-            q, k, v, gate_logits, A, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht, ctx.normalizer
+            q, k, v, gate_logits, A, None, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht, ctx.normalizer
         )
         return (dq, dk, dv, d_logits, None, None, (dh0 if initial_state is not None else None), None, None)
 

@@ -46,6 +46,9 @@ SEARCH_SPACE: List[Dict[str, tuple]] = [
     # layer); the forward's scores split the same way
     {"dqk_fine_rows": (0, 16, 32), "dqk_early_loads": ("auto", False)},
     {"output_fine_rows": (0, 16, 32)},
+    # the decayed keys formed once in the backward pass or by each of its kernels ("saved" trades memory for
+    # speed, so the search leaves it to the user)
+    {"decayed_keys": ("backward", "recompute")},
     # key tiles of the chunk-parallel kernels: 32 gives dq/dk twice the programs, each holding smaller tiles
     {"BK": (64, 32)},
     {"stages": (1, 2)},  # pipelining of the other chunk-parallel kernels
