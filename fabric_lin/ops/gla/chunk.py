@@ -31,12 +31,12 @@ dA = tril(do v^T) (A is kept from the forward pass; both go through memory in th
 the products use). The decayed keys k exp(b_last - b), which the state recomputation and the dv kernel
 both use, are written once (by the backward's gate cumsum, else by the state recomputation) and read by
 the other, rather than formed by each from k and the fp32 gc (LAUNCH["decayed_keys"]). One kernel per
-chunk and key tile gives dq, dk and dgk, level by level as A was made, its four finest levels inside blocks of 16 rows as [16, 16] pieces of dA batched over the four
-blocks (_dqk_fine_levels; LAUNCH["dqk_fine_rows"] 0: as 64x64 products masked to the blocks). For the gate, with db_i the gradient of the in-chunk
-cumulative gate b_i,  db_i = q_i dq_i - k_i dk_i (elementwise, q and k as they enter the products), plus,
-for b at the chunk's last row,
-sum_v(h_n dh_n) exp(b_last) + sum_j k_j dk_j(state part); dgk is the reverse cumulative sum of db inside
-the chunk plus that term.
+chunk and key tile gives dq, dk and dgk, level by level as A was made, its four finest levels inside
+blocks of 16 rows as [16, 16] pieces of dA batched over the four blocks (_dqk_fine_levels;
+LAUNCH["dqk_fine_rows"] 0: as 64x64 products masked to the blocks). For the gate, with db_i the gradient
+of the in-chunk cumulative gate b_i, db_i = q_i dq_i - k_i dk_i (elementwise, q and k as they enter the
+products), plus, for b at the chunk's last row, sum_v(h_n dh_n) exp(b_last) + sum_j k_j dk_j(state part);
+dgk is the reverse cumulative sum of db inside the chunk plus that term.
 
 The backward's two sequential passes (states recomputed forwards, their gradients backwards) share
 one launch (LAUNCH["fused_bwd_states"]): six launches for forward plus backward with the sequential
@@ -354,8 +354,8 @@ def _state_pass(i_k, i_v, i_nh, k, v, g, gc, kd, h, h0, ht, cu_seqlens, chunk_of
             k_end = (b_k.to(tl.float32) * tl.exp(tl.minimum(b_last[None, :] - b_g, 0.0))).to(b_v.dtype)
             if KD_MODE == 1:
                 if i_v == 0:
-                    tl.store(kd + i_h * K + (bos + i_t * BT + o_t[:, None]) * (H * K) + o_k[None, :], k_end.to(kd.dtype.element_ty),
-                             mask=(o_t < T - i_t * BT)[:, None] & m_k[None, :])
+                    kd_offs = i_h * K + (bos + i_t * BT + o_t[:, None]) * (H * K) + o_k[None, :]
+                    tl.store(kd + kd_offs, k_end.to(kd.dtype.element_ty), mask=(o_t < T - i_t * BT)[:, None] & m_k[None, :])
         S = S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(k_end), b_v, input_precision=DOT_PREC)
     if STORE_HT:
         tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
