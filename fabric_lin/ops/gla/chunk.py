@@ -174,6 +174,34 @@ def _scores_tile(q, k, gc, row0, n_rows, stride, o_k, m_k, BT: tl.constexpr, DOT
 
 
 @triton.jit
+def _block_tiles(q, k, gc, row0, n_rows, stride, o_k, m_k, BT: tl.constexpr, BS: tl.constexpr):
+    """q, k (their dtype) and b (fp32) of the chunk as [BT/BS, BS, BK] tiles, block by block of BS rows."""
+    NB: tl.constexpr = BT // BS
+    rows = tl.arange(0, NB)[:, None, None] * BS + tl.arange(0, BS)[None, :, None]
+    m3 = (rows < n_rows) & m_k[None, None, :]
+    offs = (row0 + rows) * stride + o_k[None, None, :]
+    b_q = tl.load(q + offs, mask=m3, other=0.0)
+    b_k = tl.load(k + offs, mask=m3, other=0.0)
+    b_g = tl.load(gc + (row0 + tl.minimum(rows, n_rows - 1)) * stride + o_k[None, None, :], mask=m_k[None, None, :],
+                  other=0.0)
+    return b_q, b_k, b_g
+
+
+@triton.jit
+def _block_level_factor(b_g, gc, row0, n_rows, stride, o_k, m_k, P: tl.constexpr, BT: tl.constexpr,
+                        BS: tl.constexpr):
+    """_half_factor's (first, f) of level P on [BT/BS, BS, BK] tiles: every block of P rows inside each block of
+    BS rows cut in two and referenced to the last row of its first half."""
+    NB: tl.constexpr = BT // BS
+    t = tl.arange(0, BS)
+    first = ((t % P) < P // 2)[None, :, None]
+    ref = tl.arange(0, NB)[:, None, None] * BS + ((t // P) * P + P // 2 - 1)[None, :, None]
+    b_r = tl.load(gc + (row0 + tl.minimum(ref, n_rows - 1)) * stride + o_k[None, None, :], mask=m_k[None, None, :],
+                  other=0.0)
+    return first, tl.exp(-tl.abs(b_g - b_r))
+
+
+@triton.jit
 def _scores_fine_levels(q, k, gc, row0, n_rows, stride, o_k, m_k, BT: tl.constexpr, BK: tl.constexpr,
                         BS: tl.constexpr, DOT_PREC: tl.constexpr):
     """The scores inside the chunk's blocks of BS rows (levels P = BS, BS/2, ..., 2 and the diagonal) as
@@ -182,22 +210,12 @@ def _scores_fine_levels(q, k, gc, row0, n_rows, stride, o_k, m_k, BT: tl.constex
     NB: tl.constexpr = BT // BS
     DT = q.dtype.element_ty
     t = tl.arange(0, BS)
-    rows = tl.arange(0, NB)[:, None, None] * BS + t[None, :, None]  # [NB, BS, 1], rows of the chunk
-    offs = (row0 + rows) * stride + o_k[None, None, :]
-    m3 = (rows < n_rows) & m_k[None, None, :]
-    b_q = tl.load(q + offs, mask=m3, other=0.0)
-    b_k = tl.load(k + offs, mask=m3, other=0.0)
-    b_g = tl.load(gc + (row0 + tl.minimum(rows, n_rows - 1)) * stride + o_k[None, None, :], mask=m_k[None, None, :],
-                  other=0.0)
+    b_q, b_k, b_g = _block_tiles(q, k, gc, row0, n_rows, stride, o_k, m_k, BT, BS)
     A = tl.zeros([NB, BS, BS], dtype=tl.float32)
     for level in tl.static_range(6):
         P = BS >> level  # BS, BS/2, ..., 2
         if P >= 2:
-            first = ((t % P) < P // 2)[None, :, None]
-            ref = tl.arange(0, NB)[:, None, None] * BS + ((t // P) * P + P // 2 - 1)[None, :, None]
-            b_r = tl.load(gc + (row0 + tl.minimum(ref, n_rows - 1)) * stride + o_k[None, None, :],
-                          mask=m_k[None, None, :], other=0.0)
-            f = tl.exp(-tl.abs(b_g - b_r))
+            first, f = _block_level_factor(b_g, gc, row0, n_rows, stride, o_k, m_k, P, BT, BS)
             q_f = tl.where(first, 0.0, b_q * f).to(DT)
             k_f = tl.where(first, b_k * f, 0.0).to(DT)
             scores = tl.dot(q_f, tl.permute(k_f, (0, 2, 1)), input_precision=DOT_PREC)
@@ -746,6 +764,8 @@ def _dqk_fine_levels(q, k, gc, dA, row0, n_rows, stride, o_k, m_k, scale, H: tl.
     NB: tl.constexpr = BT // BS
     DT = q.dtype.element_ty
     t = tl.arange(0, BS)
+    # the tiles _block_tiles loads, loaded here: through it Triton 3.8 compiles this kernel to other spills (44
+    # against 48 registers at the gla-340M layer), and the timed form is this one
     rows = tl.arange(0, NB)[:, None, None] * BS + t[None, :, None]  # [NB, BS, 1], rows of the chunk
     m3 = (rows < n_rows) & m_k[None, None, :]
     offs = (row0 + rows) * stride + o_k[None, None, :]
@@ -764,11 +784,7 @@ def _dqk_fine_levels(q, k, gc, dA, row0, n_rows, stride, o_k, m_k, scale, H: tl.
             same_block = ((t[:, None] // P) == (t[None, :] // P))[None, :, :]
             dA_p = tl.where(same_block, dA_b, 0.0).to(dA_b.dtype)
             dA_pt = tl.where(same_block, dA_bt, 0.0).to(dA_b.dtype)  # same_block is symmetric
-            first = ((t % P) < P // 2)[None, :, None]
-            ref = tl.arange(0, NB)[:, None, None] * BS + ((t // P) * P + P // 2 - 1)[None, :, None]
-            b_r = tl.load(gc + (row0 + tl.minimum(ref, n_rows - 1)) * stride + o_k[None, None, :], mask=m_k[None, None, :],
-                          other=0.0)
-            f = tl.exp(-tl.abs(b_g - b_r))
+            first, f = _block_level_factor(b_g, gc, row0, n_rows, stride, o_k, m_k, P, BT, BS)
             f_k = tl.where(first, f, 0.0)
             f_q = tl.where(first, 0.0, f)
             dq += f_q * tl.dot(dA_p, (b_k.to(tl.float32) * f_k).to(DT), input_precision=DOT_PREC)
