@@ -3,9 +3,9 @@
 Compares fabric-lin's Triton `chunk_gla`, flash-linear-attention's `chunk_gla` (when the
 `flash-linear-attention` package is importable) and SDPA flash attention (causal, head dim K) at the
 same B, T, H. Prints one JSON document (and writes it to --out if given), with ratios ours / fla and
-ours / SDPA, the memory each forward pass keeps for its backward (MiB), at every shape a per-kernel time breakdown of our forward+backward and fla's, and after the
-first shape each of our compiled kernels' registers, spills and shared memory (what limits its programs
-per SM).
+ours / SDPA, the memory each forward pass keeps for its backward (MiB), at every shape a per-kernel time
+breakdown of our forward+backward and fla's, and after the first shape each of our compiled kernels'
+registers, spills and shared memory (what limits its programs per SM).
 
     python benchmarks/gla_kernel.py --out gla_kernel.json
     python benchmarks/gla_kernel.py --shapes 16,2048,4,128,256

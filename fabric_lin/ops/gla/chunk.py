@@ -1261,9 +1261,8 @@ def _backward(q, k, v, gate, A, kd, scale, initial_state, cu_seqlens, do, dht, n
     logits = gate if normalizer is not None else None
     if logits is not None:
         gc = torch.empty_like(logits, dtype=torch.float32)
-        if form_once:
+        if form_once:  # by the gate cumsum (then kd is set, and the state recomputation reads it)
             kd = torch.empty_like(k)
-            form_once = False
             _gate_cumsum(logits, gc, cu_seqlens, layout, normalizer, k, kd)
         else:
             _gate_cumsum(logits, gc, cu_seqlens, layout, normalizer)
