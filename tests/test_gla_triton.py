@@ -221,6 +221,22 @@ def test_decayed_keys_stay_out_of_narrow_state_tiles(monkeypatch):
         kd = chunk._forward(q, k, v, gk, 0.25, None, None)[4]
         assert (kd.shape == k.shape) if kept else (kd.numel() == 0), (V, tuple(kd.shape))
         assert chunk._state_pass_takes_decayed_keys(16, V, 1, 2, q.device) == kept
+    # with the gate as logits, the backward's gate cumsum writes them only over the wider tiles too (at V = 32
+    # on an H200 the dv kernel then read them after an illegal memory access)
+    monkeypatch.setitem(chunk.LAUNCH, "decayed_keys", "backward")
+    gate_cumsum, writes = chunk._gate_cumsum, []
+
+    def recording_gate_cumsum(*args):
+        writes.append(len(args) > 6 and args[6] is not None)
+        return gate_cumsum(*args)
+
+    monkeypatch.setattr(chunk, "_gate_cumsum", recording_gate_cumsum)
+    for V in (32, 48):
+        q, k, v, _, _ = make_inputs(1, 70, 2, 16, V, seed=V)
+        logits = torch.randn(1, 70, 2, 16, generator=torch.Generator().manual_seed(V))
+        q.requires_grad_(True)
+        chunk_gla_from_logits(q, k, v, logits, 16.0, backend="triton")[0].sum().backward()
+    assert writes == [False, False, False, True], writes  # forward, backward at V = 32; forward, backward at 48
     monkeypatch.setitem(chunk.LAUNCH, "state_BV", 32)  # a table with 32-wide state tiles at any V
     assert not chunk._state_pass_takes_decayed_keys(16, 128, 1, 2, torch.device("cpu"))
 
@@ -389,7 +405,10 @@ def test_gpu_bf16_searchable_settings_match_fp32_naive(monkeypatch, settings, B,
 
 
 @needs_cuda
-@pytest.mark.parametrize("B,T,H,K,V,offsets", [(2, 1000, 4, 128, 256, None), (1, 2000, 4, 128, 128, [0, 15, 100, 300, 1200, 2000])])
+# one chunk at V = 64, where the gate cumsum writes the decayed keys; at V = 32 (32-wide state tiles) every
+# kernel forms them itself
+@pytest.mark.parametrize("B,T,H,K,V,offsets", [(2, 1000, 4, 128, 256, None), (1, 2000, 4, 128, 128, [0, 15, 100, 300, 1200, 2000]),
+                                                (2, 63, 2, 64, 64, None), (1, 2, 1, 256, 32, None), (2, 63, 1, 64, 32, None)])
 def test_gpu_bf16_from_logits_matches_fp32_naive(B, T, H, K, V, offsets):
     N = B if offsets is None else len(offsets) - 1
     q, k, v, _, h0 = make_inputs(B, T, H, K, V, N=N, seed=3, device="cuda", dtype=torch.bfloat16)

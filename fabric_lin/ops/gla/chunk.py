@@ -1189,10 +1189,11 @@ def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, la
 
 
 def _state_pass_takes_decayed_keys(K: int, V: int, N: int, H: int, device: torch.device) -> bool:
-    """Whether the state passes may write or read the decayed keys: the sequential pass, over value tiles at
-    least 64 wide. With 32-wide ones (V = 32), state passes that wrote or read them gave inf gradients or an
-    illegal memory access on an H200 (Triton 3.6, bf16; runs AF2, AF4), where forming them from k and gc is
-    right; the dv kernel reading them was right there."""
+    """Whether the decayed keys are written once and read (by the state passes and the dv kernel): only for the
+    sequential state pass over value tiles at least 64 wide. With 32-wide ones (V = 32), state passes that
+    wrote or read them gave inf gradients or an illegal memory access on an H200 (Triton 3.6, bf16; runs AF2,
+    AF4), and so did the gate cumsum writing them for the dv kernel to read (run AG1), where each kernel
+    forming them from k and gc is right."""
     return _block_sizes(K, V, "state_")[1] >= 64 and not _split_states(K, V, N, H, device)
 
 
@@ -1254,10 +1255,11 @@ def _backward(q, k, v, gate, A, kd, scale, initial_state, cu_seqlens, do, dht, n
     layout = _chunk_layout(cu_seqlens, B, T)
     N, NC, chunk_indices, chunk_offsets = layout
     split = _split_states(K, V, N, H, q.device)
-    state_takes_kd = _state_pass_takes_decayed_keys(K, V, N, H, q.device)
     # the decayed keys k * exp(b_last - b), read by the state recomputation and the dv kernel: formed once
-    # here (by the gate cumsum, else by the sequential state pass) unless kept or LAUNCH says "recompute"
-    form_once = kd is None and LAUNCH["decayed_keys"] != "recompute"
+    # here (by the gate cumsum, else by the sequential state pass) unless kept or LAUNCH says "recompute",
+    # and never over narrow state tiles (kd is kept only where they are not)
+    takes_kd = _state_pass_takes_decayed_keys(K, V, N, H, q.device)
+    form_once = kd is None and LAUNCH["decayed_keys"] != "recompute" and takes_kd
     logits = gate if normalizer is not None else None
     if logits is not None:
         gc = torch.empty_like(logits, dtype=torch.float32)
@@ -1269,8 +1271,8 @@ def _backward(q, k, v, gate, A, kd, scale, initial_state, cu_seqlens, do, dht, n
     else:
         gc = gate
     if kd is not None:
-        kd_mode = KD_READ if state_takes_kd else KD_FORM  # the dv kernel reads them either way
-    elif form_once and state_takes_kd:
+        kd_mode = KD_READ
+    elif form_once:
         kd, kd_mode = torch.empty_like(k), KD_WRITE
     else:
         kd_mode = KD_FORM
