@@ -241,6 +241,24 @@ def test_decayed_keys_stay_out_of_narrow_state_tiles(monkeypatch):
     assert not chunk._state_pass_takes_decayed_keys(16, 128, 1, 2, torch.device("cpu"))
 
 
+def test_state_pass_warps_follow_the_launch_programs(monkeypatch):
+    # 8 warps where a launch has no more programs than multiprocessors; the backward's fused pair counts both
+    # passes' programs (at 8K tokens, 16 heads, K = V = 128: 128 a pass on 132 multiprocessors, 256 both)
+    from fabric_lin.ops.gla import chunk
+
+    monkeypatch.setattr(chunk, "_multiprocessors", lambda device: 132)
+    device = torch.device("cuda")
+    assert chunk._state_programs(128, 128, 4, 16) == 128
+    assert chunk._state_warps(128, 128, 4, 16, device) == 8
+    assert chunk._both_states_warps(128, 128, 4, 16, device) == 4
+    assert chunk._both_states_warps(128, 128, 1, 16, device) == 8  # 64 programs both
+    monkeypatch.setitem(chunk.LAUNCH, "both_states_warps", 0)  # as one pass
+    assert chunk._both_states_warps(128, 128, 4, 16, device) == 8
+    monkeypatch.setitem(chunk.LAUNCH, "both_states_warps", "auto")
+    monkeypatch.setitem(chunk.LAUNCH, "state_warps", 8)
+    assert chunk._both_states_warps(128, 128, 4, 16, device) == 8
+
+
 @cpu_only
 def test_triton_head_dims_not_powers_of_two_and_custom_scale():
     # K=40 and V=72 leave partly masked tiles; V spans two value tiles of 64

@@ -964,10 +964,11 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           "separate_scores": False, "scores_warps": 4,
           # the backward pass's state recomputation and state-gradient pass in one launch
           "fused_bwd_states": True,
-          # warps of that launch (twice the programs of one pass); 0: as the state passes (state_warps). 4 at 8K
-          # (256 programs; state_warps auto gives 8): 4.200 against 4.221 ms, at the gla-340M layer 1.377 against
-          # 1.373 (run AA4), within the runs' spread, so not the table's
-          "both_states_warps": 0,
+          # warps of that launch: 4, 8, "auto" (state_warps' rule applied to the launch's programs, twice a
+          # pass's, where state_warps is "auto", else state_warps), or 0 (as one pass: state_warps). At 8K (256 programs, 128 a pass) that is 4
+          # where the per-pass rule gave 8: 4.109 against 4.129 ms (run AG2; 4.200 against 4.221 in run AA4);
+          # the gla-340M layer (512 programs) had 4 either way, and 32K takes the split passes
+          "both_states_warps": "auto",
           # the forward's in-chunk cumulative gate by its own kernel (True) or inside the sequential state pass:
           # 1.370 / 4.193 against 1.434 / 4.268 ms at the gla-340M layer and 8K (run AA2; with each chunk's scan
           # after the previous chunk's product instead, 1.373 / 4.221 against 1.415 / 4.310, run AA4)
@@ -1063,14 +1064,22 @@ def _split_states(K: int, V: int, N: int, H: int, device: torch.device) -> bool:
     return 2 * _state_programs(K, V, N, H) < _multiprocessors(device)  # never on the CPU (1 multiprocessor)
 
 
-def _state_warps(K: int, V: int, N: int, H: int, device: torch.device) -> int:
-    """Warps of the sequential state passes; "auto": 8 when a pass has no more programs than the GPU has
-    multiprocessors (one program per SM: twice the threads to keep its loads and products going), else 4
-    (two programs per SM)."""
+def _state_warps(K: int, V: int, N: int, H: int, device: torch.device, passes: int = 1) -> int:
+    """Warps of the sequential state passes; "auto": 8 when the launch (`passes` passes' programs) has no more
+    programs than the GPU has multiprocessors (one program per SM: twice the threads to keep its loads and
+    products going), else 4 (two programs per SM)."""
     warps = LAUNCH["state_warps"]
     if warps != "auto":
         return warps
-    return 8 if _state_programs(K, V, N, H) <= _multiprocessors(device) else 4
+    return 8 if passes * _state_programs(K, V, N, H) <= _multiprocessors(device) else 4
+
+
+def _both_states_warps(K: int, V: int, N: int, H: int, device: torch.device) -> int:
+    """Warps of the backward's two state passes as one launch (LAUNCH["both_states_warps"])."""
+    warps = LAUNCH["both_states_warps"]
+    if warps == "auto" or warps == 0:
+        return _state_warps(K, V, N, H, device, passes=2 if warps == "auto" else 1)
+    return warps
 
 
 def _scan(hu, gc, s0, s_final, cu_seqlens, layout, T, reverse):
@@ -1182,7 +1191,7 @@ def _states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, la
         q, k, v, gc, kd, do, h, dh, initial_state, dht, dh0, cu_seqlens, chunk_offsets, scale, T, N * H, H, K, V, BT,
         BK, BV, USE_H0=initial_state is not None, USE_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(q.dtype), PREFETCH=LAUNCH["state_prefetch"], KD_MODE=kd_mode,
-        num_warps=LAUNCH["both_states_warps"] or _state_warps(K, V, N, H, q.device), num_stages=LAUNCH["state_stages"],
+        num_warps=_both_states_warps(K, V, N, H, q.device), num_stages=LAUNCH["state_stages"],
         **_register_cap("state"),
     )
     return h, dh, dh0

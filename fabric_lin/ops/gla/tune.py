@@ -52,7 +52,7 @@ SEARCH_SPACE: List[Dict[str, tuple]] = [
     # key tiles of the chunk-parallel kernels: 32 gives dq/dk twice the programs, each holding smaller tiles
     {"BK": (64, 32)},
     {"stages": (1, 2)},  # pipelining of the other chunk-parallel kernels
-    {"fused_bwd_states": (True, False), "both_states_warps": (0, 4), "separate_cumsum": (True, False),
+    {"fused_bwd_states": (True, False), "both_states_warps": ("auto", 8), "separate_cumsum": (True, False),
      "state_split": (False, True)},
 ]
 
