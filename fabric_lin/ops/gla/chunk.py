@@ -1202,7 +1202,8 @@ def _state_pass_takes_decayed_keys(K: int, V: int, N: int, H: int, device: torch
     sequential state pass over value tiles at least 64 wide. With 32-wide ones (V = 32), state passes that
     wrote or read them gave inf gradients or an illegal memory access on an H200 (Triton 3.6, bf16; runs AF2,
     AF4), and so did the gate cumsum writing them for the dv kernel to read (run AG1), where each kernel
-    forming them from k and gc is right."""
+    forming them from k and gc is right. The dv kernel read them in all three failing forms (it writes dA,
+    which dq/dk reads: the infinite gradients were dq, dk, dgk); which kernel faults was not isolated."""
     return _block_sizes(K, V, "state_")[1] >= 64 and not _split_states(K, V, N, H, device)
 
 
