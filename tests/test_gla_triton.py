@@ -221,8 +221,8 @@ def test_decayed_keys_stay_out_of_narrow_state_tiles(monkeypatch):
         kd = chunk._forward(q, k, v, gk, 0.25, None, None)[4]
         assert (kd.shape == k.shape) if kept else (kd.numel() == 0), (V, tuple(kd.shape))
         assert chunk._state_pass_takes_decayed_keys(16, V, 1, 2, q.device) == kept
-    # with the gate as logits, the backward's gate cumsum writes them only over the wider tiles too (at V = 32
-    # on an H200 the dv kernel then read them after an illegal memory access)
+    # with the gate as logits, the backward's gate cumsum writes them only over the wider tiles too (at V = 32,
+    # written there and read by the dv kernel, they gave an illegal memory access on an H200)
     monkeypatch.setitem(chunk.LAUNCH, "decayed_keys", "backward")
     gate_cumsum, writes = chunk._gate_cumsum, []
 

@@ -965,9 +965,10 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # the backward pass's state recomputation and state-gradient pass in one launch
           "fused_bwd_states": True,
           # warps of that launch: 4, 8, "auto" (state_warps' rule applied to the launch's programs, twice a
-          # pass's, where state_warps is "auto", else state_warps), or 0 (as one pass: state_warps). At 8K (256 programs, 128 a pass) that is 4
-          # where the per-pass rule gave 8: 4.109 against 4.129 ms (run AG2; 4.200 against 4.221 in run AA4);
-          # the gla-340M layer (512 programs) had 4 either way, and 32K takes the split passes
+          # pass's, where state_warps is "auto", else state_warps), or 0 (as one pass: state_warps). At 8K
+          # (256 programs, 128 a pass) "auto" gives 4 where the per-pass rule gave 8: 4.109 against 4.129 ms
+          # (run AG2; 4.200 against 4.221 in run AA4); the gla-340M layer (512 programs) had 4 either way, and
+          # 32K takes the split passes
           "both_states_warps": "auto",
           # the forward's in-chunk cumulative gate by its own kernel (True) or inside the sequential state pass:
           # 1.370 / 4.193 against 1.434 / 4.268 ms at the gla-340M layer and 8K (run AA2; with each chunk's scan
@@ -1077,8 +1078,10 @@ def _state_warps(K: int, V: int, N: int, H: int, device: torch.device, passes: i
 def _both_states_warps(K: int, V: int, N: int, H: int, device: torch.device) -> int:
     """Warps of the backward's two state passes as one launch (LAUNCH["both_states_warps"])."""
     warps = LAUNCH["both_states_warps"]
-    if warps == "auto" or warps == 0:
-        return _state_warps(K, V, N, H, device, passes=2 if warps == "auto" else 1)
+    if warps == "auto":
+        return _state_warps(K, V, N, H, device, passes=2)
+    if warps == 0:  # as one pass
+        return _state_warps(K, V, N, H, device)
     return warps
 
 
