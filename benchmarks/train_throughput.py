@@ -127,8 +127,10 @@ REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     "fabric-lin-fsdp-block-reshard": ("config_hub/gla_340M.yaml", ["--fsdp_unit", "block", "--fsdp_reshard_after_forward", "true"]),
     # several GPUs: DistributedDataParallel instead of FSDP (whole model on every GPU, fewer host hooks)
     "fabric-lin-ddp": ("config_hub/gla_340M.yaml", ["--data_parallel", "ddp"]),
-    # one GPU: each Block's forward and backward pass replayed as a CUDA graph
+    # one GPU: each Block's forward and backward pass replayed as a CUDA graph (what "fabric-lin" runs on one
+    # GPU by compile_mode auto) or launched kernel by kernel (what it runs on several)
     "fabric-lin-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile_mode", "reduce-overhead"]),
+    "fabric-lin-no-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile_mode", "default"]),
     "transformer": ("config_hub/transformer_340M.yaml", []),
 }
 ROOT = Path(__file__).resolve().parent.parent
@@ -349,7 +351,8 @@ def main():
     # the shipped launch table against the searched one, and dynamic against specialised shapes (step time)
     for label, base, other in [("shipped launch table vs searched (a)", "bf16-weights/fabric-lin", "bf16-weights/fabric-lin-tuned"),
                                ("dynamic shapes vs specialised (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-static"),
-                               ("kernels launched one by one vs CUDA graphs (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-cudagraphs")]:
+                               ("kernels launched one by one vs CUDA graphs (b)", "real-loop/fabric-lin-no-cudagraphs", "real-loop/fabric-lin-cudagraphs"),
+                               ("kernels launched one by one vs compile_mode auto (b)", "real-loop/fabric-lin-no-cudagraphs", "real-loop/fabric-lin")]:
         if "ms_per_step" in results.get(base, {}) and "ms_per_step" in results.get(other, {}):
             ratios[f"{label}, ms/step"] = round(results[base]["ms_per_step"] / results[other]["ms_per_step"], 4)
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "batch_size": args.batch_size, "seq_len": args.seq_len,

@@ -13,6 +13,7 @@ from fabric_lin.config import Config
 from fabric_lin.flops import flops_per_token, matmul_params
 from fabric_lin.model import GPT
 from fabric_lin.pretrain import (
+    auto_compile_mode,
     build_model,
     canonical_name,
     doc_boundaries,
@@ -320,7 +321,7 @@ def test_error_batch_not_divisible(tmp_path):
 def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"compile_mode 'reduce-overhead' \(CUDA graphs\) needs one CUDA GPU and compile on; got cuda=False"):
         _setup(tmp_path, compile_mode="reduce-overhead")
-    with pytest.raises(ValueError, match=r"compile_mode must be 'default' or 'reduce-overhead', got 'max-autotune'"):
+    with pytest.raises(ValueError, match=r"compile_mode must be 'auto', 'default' or 'reduce-overhead', got 'max-autotune'"):
         _setup(tmp_path, compile_mode="max-autotune")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before any GPU work
     with pytest.raises(ValueError, match=r"needs one CUDA GPU and compile on; got cuda=True, compile=True, devices=2"):
@@ -329,6 +330,14 @@ def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="cannot be used with reset_state_at_doc_boundaries"):
         _setup(tmp_path, compile_mode="reduce-overhead", reset_state_at_doc_boundaries=True)
     assert not (tmp_path / "out").exists()
+
+
+def test_compile_mode_auto_picks_cuda_graphs_only_where_they_can_run():
+    assert auto_compile_mode(cuda=True, compile=True, world_size=1, reset_state_at_doc_boundaries=False) == "reduce-overhead"
+    assert auto_compile_mode(cuda=True, compile=True, world_size=2, reset_state_at_doc_boundaries=False) == "default"
+    assert auto_compile_mode(cuda=True, compile=False, world_size=1, reset_state_at_doc_boundaries=False) == "default"
+    assert auto_compile_mode(cuda=False, compile=True, world_size=1, reset_state_at_doc_boundaries=False) == "default"
+    assert auto_compile_mode(cuda=True, compile=True, world_size=1, reset_state_at_doc_boundaries=True) == "default"
 
 
 def test_strategy_for_each_data_parallel_choice():

@@ -8,6 +8,7 @@ Run as a script for the long fault-injection tally (not in CI):
     python tests/test_pretrain_resume.py --kills 100
 """
 import json
+import math
 import random
 import shutil
 import signal
@@ -321,3 +322,33 @@ if __name__ == "__main__":
         shutil.rmtree(workdir)  # a temporary directory with nothing left to inspect
     else:
         print(f"runs and logs in {workdir}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_train_as_kernel_launches_do_and_resume(tmp_path):
+    """On one GPU compile_mode auto replays each compiled Block as a CUDA graph. Graph replays write into
+    memory recorded once, so a buffer read after the next replay overwrote it would show here (as the first
+    micro-batch's weight gradients did, with 2 micro-batches per step as here): the same run
+    with kernels launched one by one must log the same losses, validation included, and a run resumed from
+    a step checkpoint the same losses as the uninterrupted one (bf16-mixed; GPU reductions may reorder, so
+    close rather than equal)."""
+    gpu = ("--compile_cache", "false", "--eval.interval", "4", "--eval.final_validation", "true")
+    graphs, launches, resumed = tmp_path / "graphs", tmp_path / "launches", tmp_path / "resumed"
+    assert "mode reduce-overhead" in run(graphs, *gpu).stdout
+    assert "mode default" in run(launches, *gpu, "--compile_mode", "default").stdout
+    with_graphs, without = logged_losses(graphs), logged_losses(launches)
+    assert sorted(with_graphs) == list(range(1, STEPS + 1)) and sorted(without) == sorted(with_graphs)
+    for step in with_graphs:
+        assert math.isfinite(with_graphs[step]) and abs(with_graphs[step] - without[step]) <= 2e-3 * without[step], step
+
+    def val_losses(out_dir):
+        return [r["val_loss"] for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+
+    assert len(val_losses(graphs)) >= 2  # steps 4 and 8 (and the final validation)
+    assert val_losses(graphs) == pytest.approx(val_losses(launches), rel=2e-3)
+    resumed.mkdir()
+    shutil.copytree(graphs / f"step-{4:08d}", resumed / f"step-{4:08d}")
+    run(resumed, *gpu, "--resume", "auto")
+    after = logged_losses(resumed)
+    assert sorted(after) == list(range(5, STEPS + 1))
+    assert [after[s] for s in after] == pytest.approx([with_graphs[s] for s in after], rel=1e-3)
