@@ -3,11 +3,11 @@
 flash-linear-attention autotunes each kernel on first use, compiling every candidate config one after
 another: on a fresh H200 its gla-340M training step did not start within 260 s. To measure its steady
 state within a time limit, this script splits the work: worker i of n compiles every n-th candidate of
-each autotuned kernel (its training step at 16 x 2048 and the kernel benchmark's shapes), with its own
-autotuning results left unstored (FLA_CACHE_RESULTS=0), into the shared TRITON_CACHE_DIR. A later
-process using that cache still autotunes over every candidate - same choice as without this script -
-but finds each one compiled. Its first-step time then no longer shows a cold start; first_step.py
-measures that from an empty cache.
+each autotuned kernel (its training step at --batch_size x --seq_len, 16 x 2048 by default, and the
+kernel benchmark's shapes), with its own autotuning results left unstored (FLA_CACHE_RESULTS=0), into
+the shared TRITON_CACHE_DIR. A later process using that cache still autotunes over every candidate -
+same choice as without this script - but finds each one compiled. Its first-step time then no longer
+shows a cold start; first_step.py measures that from an empty cache.
 
     TRITON_CACHE_DIR=/tmp/fla-cache python benchmarks/fla_precompile.py --workers 6
     TRITON_CACHE_DIR=/tmp/fla-cache python benchmarks/train_throughput.py --models fabric-lin,fla

@@ -32,7 +32,10 @@ step fla_precompile 900 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_prec
 step gla_kernel 900 env TRITON_CACHE_DIR="$cache" python benchmarks/gla_kernel.py --sweep --out "$out/gla_kernel.json"
 step fused_ops 300 env TRITON_CACHE_DIR="$cache" python benchmarks/fused_ops.py --out "$out/fused_ops.json"
 step train_2048 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --profile 2 \
-    --models fabric-lin,fabric-lin-tuned,fla,transformer,fabric-lin-static,fabric-lin-cudagraphs --out "$out/train_2048.json"
+    --models fabric-lin,fabric-lin-tuned,fla,transformer,fabric-lin-static,fabric-lin-no-cudagraphs --out "$out/train_2048.json"
+# the peer's candidates at 16K too (half the micro batch of the 2048 step, so 8 workers fit on one GPU)
+step fla_precompile_16k 600 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_precompile.py --workers 8 --batch_size 1 \
+    --seq_len 16384 --worker_gib 16
 step train_16k 900 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --batch_size 2 --seq_len 16384 \
     --regimes bf16-weights,real-loop --out "$out/train_16k.json"
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then

@@ -310,8 +310,8 @@ def main():
                         help="of fabric-lin, fabric-lin-tuned (regime a after the launch search), fabric-lin-static "
                         "(regime b with specialised shapes), fabric-lin-fsdp-block (regime b, one FSDP unit per Block), "
                         "fabric-lin-fsdp-block-reshard (the same, weights gathered again for the backward pass), fabric-lin-ddp (regime b, DDP "
-                        "over several GPUs), fabric-lin-cudagraphs (regime b, "
-                        "CUDA graphs, one GPU), fla, transformer")
+                        "over several GPUs), fabric-lin-cudagraphs / fabric-lin-no-cudagraphs (regime b, one GPU, CUDA graphs "
+                        "forced on / off; fabric-lin: compile_mode auto, on), fla, transformer")
     parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",
                         help="bf16-weights (a), real-loop (b), data-loader (the loader alone, no GPU needed)")
     parser.add_argument("--num_workers", type=int, default=4, help="data loader workers (per rank) of the real loop and the data-loader regime")
