@@ -474,7 +474,7 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
     start_step = state["step_count"]
 
     if ctx.eval.initial_validation and start_step == 0:
-        val_loss = validate(fabric, model, val_dataloader, ctx.eval.max_iters)
+        val_loss = validate(fabric, model, val_dataloader, ctx.eval.max_iters, ctx.cuda_graphs)
         log_validation(fabric, metrics_path, 0, val_loss)
     if start_step >= ctx.max_steps:
         fabric.print(f"Nothing to train: the checkpoint is at step {start_step}, max_steps is {ctx.max_steps}")
@@ -624,7 +624,7 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
             break
         paused = time.perf_counter()
         if step % ctx.eval.interval == 0 and step < ctx.max_steps:
-            val_loss = validate(fabric, model, val_dataloader, ctx.eval.max_iters)
+            val_loss = validate(fabric, model, val_dataloader, ctx.eval.max_iters, ctx.cuda_graphs)
             log_validation(fabric, metrics_path, step, val_loss)
         if train.save_interval is not None and step % train.save_interval == 0 and step < ctx.max_steps:
             flush_metrics(fabric, metrics_path, pending)
@@ -650,13 +650,13 @@ def fit(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext
 def finish(fabric: L.Fabric, state: Dict[str, Any], val_dataloader, ctx: RunContext, metrics_path: Path) -> None:
     """The end of a run: the final validation, then out_dir/final/."""
     if ctx.eval.final_validation:
-        val_loss = validate(fabric, state["model"], val_dataloader, ctx.eval.max_iters)
+        val_loss = validate(fabric, state["model"], val_dataloader, ctx.eval.max_iters, ctx.cuda_graphs)
         log_validation(fabric, metrics_path, state["step_count"], val_loss)
     save_checkpoint(fabric, state, ctx, "final")
 
 
 @torch.no_grad()
-def validate(fabric: L.Fabric, model, val_dataloader, max_iters: int) -> Optional[float]:
+def validate(fabric: L.Fabric, model, val_dataloader, max_iters: int, cuda_graphs: bool = False) -> Optional[float]:
     """Mean loss over `max_iters` validation batches per rank, averaged over ranks (None without validation data)."""
     if val_dataloader is None:
         return None
@@ -666,6 +666,11 @@ def validate(fabric: L.Fabric, model, val_dataloader, max_iters: int) -> Optiona
         if i >= max_iters:
             break
         batch = batch.long()
+        if cuda_graphs:
+            # one generation of graphs per forward pass, as in training. Without a step marked (a validation
+            # before the first training step), each compiled Block's call would start a generation of its own
+            # and free the outputs of the Block before it, which are this Block's inputs
+            torch.compiler.cudagraph_mark_step_begin()
         losses.append(model(batch[:, :-1].contiguous(), targets=batch[:, 1:].contiguous()))
     model.train()
     if not losses:
