@@ -1,5 +1,5 @@
-"""End to end: `fabric-lin pretrain` as a subprocess (gla-debug, the sample corpus): on the CPU in fp32, or
-on a machine with a GPU there with its defaults (bf16-mixed, each Block compiled and replayed as a CUDA graph).
+"""End to end: `fabric-lin pretrain` as a subprocess (gla-debug, the sample corpus): on the CPU in fp32 or,
+where there is a GPU, with the GPU's defaults (bf16-mixed, each Block compiled and replayed as a CUDA graph).
 
 An uninterrupted run is the reference. Runs stopped by SIGKILL (also while a checkpoint is being
 written), by SIGTERM, and on 2 processes (DDP over gloo) are resumed with `--resume auto` and must log
