@@ -167,7 +167,7 @@ def sweep(shape):
 
 
 def parse_launch(items, what, table=None):
-    """{key: value} from KEY=VALUE strings, values as a launch table holds them (bool, int or str); the
+    """{key: value} from KEY=VALUE strings, values as a launch table holds them (bool, int, float or str); the
     keys those of `table` (default: the GLA kernels' LAUNCH)."""
     if table is None:
         from fabric_lin.ops.gla.chunk import LAUNCH as table
@@ -177,8 +177,17 @@ def parse_launch(items, what, table=None):
         key, _, value = item.partition("=")
         if key not in table:
             raise SystemExit(f"{what} {item}: unknown key {key!r}, expected one of {sorted(table)}")
-        settings[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+        settings[key] = {"true": True, "false": False}.get(value.lower(), _number_or_text(value))
     return settings
+
+
+def _number_or_text(value):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
 
 
 def parse_variants(items, table=None):

@@ -102,9 +102,11 @@ def test_triton_level_forms_match_naive_fp32(monkeypatch, dqk_fine_rows, dqk_ear
     # 16 the table's) or as 64x64 products masked to the blocks (0), before or after the chunk's own tiles are
     # loaded; the forward's scores split the same way (output_fine_rows);
     # varlen with sequences ending inside a block, an initial state, 32-wide key tiles over K = 40 (the
-    # second one mostly masked)
+    # second one mostly masked); the levels taken for every chunk (the shipped table takes them only where the
+    # gate's spread is past single_reference_limit)
     from fabric_lin.ops.gla import chunk
 
+    monkeypatch.setitem(chunk.LAUNCH, "single_reference", "off")
     monkeypatch.setitem(chunk.LAUNCH, "dqk_fine_rows", dqk_fine_rows)
     monkeypatch.setitem(chunk.LAUNCH, "output_fine_rows", output_fine_rows)
     monkeypatch.setitem(chunk.LAUNCH, "dqk_early_loads", dqk_early_loads)
@@ -288,6 +290,44 @@ def test_triton_strong_gates_stay_finite(monkeypatch, separate_scores, decay):
         assert_close_scaled(a, b, name)
 
 
+def mixed_spread_gates(T, H, K, strong_rows, strong_cols, seed=0, strong_logit=-30.0):
+    """Gates of logsigmoid(randn) / 16 (a spread of ~2 over a chunk), but logsigmoid(strong_logit) / 16 at the
+    strong rows and columns: -30 decays by ~1.9 per step, a spread of ~60 from the chunk's middle row, past
+    single_reference_limit; -20 by ~1.25, a spread of ~40, just inside it."""
+    logits = torch.randn(1, T, H, K, generator=torch.Generator().manual_seed(seed))
+    logits[:, strong_rows, :, strong_cols] = strong_logit
+    return F.logsigmoid(logits) / 16
+
+
+@cpu_only
+@pytest.mark.parametrize("mode", ["off", "split"])
+def test_triton_single_reference_matches_naive_fp32(monkeypatch, mode):
+    # the scores and their gradients with one reference row where the gate's spread allows it, the levels
+    # where it does not: varlen, an initial state, 32-wide key tiles over K = 40; the sequence from row 100
+    # decays fast in columns 0-7 (its chunk's first key tile past the limit, the second not)
+    from fabric_lin.ops.gla import chunk
+
+    monkeypatch.setitem(chunk.LAUNCH, "single_reference", mode)
+    monkeypatch.setitem(chunk.LAUNCH, "BK", 32)
+    flags = []
+    make_flags = chunk._reference_flags
+    monkeypatch.setattr(chunk, "_reference_flags", lambda n, device: flags.append(make_flags(n, device)) or flags[-1])
+    offsets = torch.tensor([0, 7, 64, 100, 163], dtype=torch.int32)
+    q, k, v, _, h0 = make_inputs(1, 163, 2, 40, 48, N=4, seed=11)
+    gk = mixed_spread_gates(163, 2, 40, slice(100, 163), slice(0, 8))
+    ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
+    out = forward_backward(triton_gla, q, k, v, gk, h0, offsets)
+    for name, a, b in zip(NAMES, out, ref):
+        assert torch.isfinite(a).all(), name
+        assert_close_scaled(a, b, name)
+    output_flags, dqk_flags = (f.view(-1).tolist() for f in flags)
+    if mode == "split":  # chunks (sequence, chunk): (0,0) (1,0) (2,0) (3,0); grids (chunk, head), (key tile, chunk, head)
+        assert output_flags == [0, 0, 0, 0, 0, 0, 1, 1], output_flags
+        assert dqk_flags == [0, 0, 0, 0, 0, 0, 1, 1] + [0] * 8, dqk_flags
+    else:  # one unused element each
+        assert len(output_flags) == len(dqk_flags) == 1
+
+
 @cpu_only
 def test_triton_without_final_state_returns_none_and_same_output():
     q, k, v, gk, _ = make_inputs(1, 20, 1, 16, 16)
@@ -354,9 +394,14 @@ def test_torch_compile_captures_the_op_without_graph_breaks(from_logits):
 # ---------------------------------------------------------------- GPU, bf16 against the fp32 oracle
 
 
-def check_bf16(B, T, H, K, V, cu_seqlens=None, seed=0):
+def check_bf16(B, T, H, K, V, cu_seqlens=None, seed=0, strong_logit=None):
+    """With strong_logit, the second half of each sequence decays fast in the first quarter of the key columns
+    (mixed_spread_gates), so that both the single-reference scores and the levels are taken."""
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     q, k, v, gk, h0 = make_inputs(B, T, H, K, V, N=N, seed=seed, device="cuda", dtype=torch.bfloat16)
+    if strong_logit is not None:
+        gk = torch.cat([mixed_spread_gates(T, H, K, slice(T // 2, T), slice(0, max(1, K // 4)), seed=seed + b,
+                                           strong_logit=strong_logit) for b in range(B)]).cuda()
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32, device="cuda")
     ref = forward_backward(naive_recurrent_gla, q.float(), k.float(), v.float(), gk, h0, cu)
     out = forward_backward(triton_gla, q, k, v, gk, h0, cu)
@@ -404,6 +449,8 @@ SEARCHED_SETTINGS = [
     {"state_BK": 128, "state_split": True, "state_prefetch": False},
     {"decayed_keys": "recompute"},  # the state recomputation and dv kernel each form the decayed keys
     {"decayed_keys": "saved", "state_split": False},  # the forward's state pass writes them, the op keeps them
+    {"single_reference": "off"},  # the levels everywhere (the shipped "split" takes one reference row where it can)
+    {"single_dqk_warps": 8},
 ]
 
 
@@ -419,7 +466,7 @@ def test_gpu_bf16_searchable_settings_match_fp32_naive(monkeypatch, settings, B,
 
     for key, value in settings.items():
         monkeypatch.setitem(chunk.LAUNCH, key, value)
-    check_bf16(B, T, H, K, V)
+    check_bf16(B, T, H, K, V, strong_logit=-30.0)  # chunks on both sides of single_reference_limit
 
 
 @needs_cuda
@@ -437,6 +484,17 @@ def test_gpu_bf16_from_logits_matches_fp32_naive(B, T, H, K, V, offsets):
     errors = {name: rel_rms(a.float(), b) for name, a, b in zip(["o", "ht", "dq", "dk", "dv", "dlogits", "dh0"], out, ref)}
     bad = {name: e for name, e in errors.items() if not e <= 0.005}
     assert not bad, f"relative RMS error above 0.005: {bad} (all: {errors})"
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode,strong_logit", [("off", -30.0), ("split", -30.0), ("split", -20.0)])
+def test_gpu_bf16_mixed_gate_spreads_match_fp32_naive(monkeypatch, mode, strong_logit):
+    # the second half of the sequence decays fast in a quarter of the key columns (the first key tile of its
+    # chunks): past single_reference_limit (-30) or just inside it, factors up to ~exp(40) (-20)
+    from fabric_lin.ops.gla import chunk
+
+    monkeypatch.setitem(chunk.LAUNCH, "single_reference", mode)
+    check_bf16(2, 1000, 2, 128, 256, seed=2, strong_logit=strong_logit)
 
 
 @needs_cuda

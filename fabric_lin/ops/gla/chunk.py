@@ -551,31 +551,52 @@ def _fwd_scores_kernel(q, k, gc, A_out, cu_seqlens, chunk_indices, scale, T, H: 
 
 
 @triton.jit
-def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr,
-                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, LOAD_SCORES: tl.constexpr,
-                       FINE_ROWS: tl.constexpr):
-    """o = (q * exp(b)) @ h_n + A @ v for one chunk of one head. A is computed here and kept for the
-    backward pass ([B*T, H, BT], input dtype), or, with LOAD_SCORES, read from there (written by
-    _fwd_scores_kernel). Program (i_c, i_bh, i_v0) covers value tiles i_v0, i_v0 + the grid's third
-    size, ...: all of them when that size is 1 (as it must be when A is computed here)."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    i_h = i_bh % H
-    row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
-    q += i_h * K
-    k += i_h * K
-    gc += i_h * K
-    v += i_h * V
-    o += i_h * V
-    h += (i_tg * H + i_h) * K * V
+def _gate_spread(gc, row0, n_rows, stride, o_k, m_k, BT: tl.constexpr):
+    """max |b - b_r| over the chunk's rows and the key columns o_k, b_r the chunk's middle row: how far from 1
+    the single-reference factors exp(+-(b - b_r)) of _single_reference_scores reach (log scale)."""
+    e = _load_gate(gc, row0, tl.arange(0, BT), n_rows, stride, o_k, m_k) - \
+        _load_gate_row(gc, row0, BT // 2 - 1, n_rows, stride, o_k, m_k)[None, :]
+    return tl.max(tl.max(tl.abs(e), axis=1), axis=0)
+
+
+@triton.jit
+def _single_reference_scores(q, k, gc, row0, n_rows, stride, K, scale, BT: tl.constexpr, BK: tl.constexpr,
+                             DOT_PREC: tl.constexpr):
+    """A [BT, BT], fp32, with every row referenced to the chunk's middle row r: one product per key tile,
+        A = tril((q * exp(b - b_r)) @ (k * exp(b_r - b))^T),
+    the same algebra as the levels without their splits. Its factors reach exp(spread) (_gate_spread), so
+    it is taken only where the spread is below LAUNCH["single_reference_limit"]; above it, the levels."""
+    DT = q.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        e = _load_gate(gc, row0, o_t, n_rows, stride, o_k, m_k) - \
+            _load_gate_row(gc, row0, BT // 2 - 1, n_rows, stride, o_k, m_k)[None, :]
+        q_f = (_load_tile(q, row0, o_t, n_rows, stride, o_k, m_k) * tl.exp(e)).to(DT)
+        k_f = (_load_tile(k, row0, o_t, n_rows, stride, o_k, m_k) * tl.exp(-e)).to(DT)
+        A += tl.dot(q_f, tl.trans(k_f), input_precision=DOT_PREC)
+    # the pairs j > i, masked here, may reach exp(2 spread) or overflow; a select leaves no trace of them
+    return tl.where(o_t[:, None] >= o_t[None, :], A, 0.0) * scale
+
+
+@triton.jit
+def _output_chunk(q, k, v, gc, h, o, A_ptrs, row0, n_rows, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+                  SCORES: tl.constexpr, FINE_ROWS: tl.constexpr):
+    """o of one chunk, pointers at its head. SCORES: 0 A by the levels, 1 A read from A_ptrs, 2 A with one
+    reference row (_single_reference_scores); A is stored at A_ptrs where it is computed here."""
     DT = v.dtype.element_ty
     o_t = tl.arange(0, BT)
     m_t = o_t < n_rows
-    A_ptrs = A_out + (row0 + o_t[:, None]) * (H * BT) + i_h * BT + o_t[None, :]
-    if LOAD_SCORES:
+    if SCORES == 1:
         A = tl.load(A_ptrs, mask=m_t[:, None], other=0.0).to(DT)
     else:
-        A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BK, DOT_PREC, FINE_ROWS).to(DT)
+        if SCORES == 2:
+            A = _single_reference_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BK, DOT_PREC).to(DT)
+        else:
+            A = _intra_chunk_scores(q, k, gc, row0, n_rows, H * K, K, scale, BT, BK, DOT_PREC, FINE_ROWS).to(DT)
         tl.store(A_ptrs, A, mask=m_t[:, None])
     for i_v in range(tl.program_id(2), tl.cdiv(V, BV), tl.num_programs(2)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -593,6 +614,48 @@ def _fwd_output_kernel(q, k, v, gc, h, o, A_out, cu_seqlens, chunk_indices, scal
         acc += tl.dot(A, b_v.to(DT), input_precision=DOT_PREC)
         tl.store(o + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], acc.to(o.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _fwd_output_kernel(q, k, v, gc, h, o, A_out, flags, cu_seqlens, chunk_indices, scale, limit, T, H: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, LOAD_SCORES: tl.constexpr,
+                       FINE_ROWS: tl.constexpr, SINGLE: tl.constexpr):
+    """o = (q * exp(b)) @ h_n + A @ v for one chunk of one head. A is computed here and kept for the
+    backward pass ([B*T, H, BT], input dtype), or, with LOAD_SCORES, read from there (written by
+    _fwd_scores_kernel). Program (i_c, i_bh, i_v0) covers value tiles i_v0, i_v0 + the grid's third
+    size, ...: all of them when that size is 1 (as it must be when A is computed here).
+    SINGLE (where A is computed here): 0 A by the levels; 1 A with one reference row where the chunk's gate
+    spread is at most `limit`, else nothing is done here and the program's flag is set; 2 A by the levels
+    where the flag is set, nothing elsewhere (the launch after a SINGLE = 1 one)."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_h = i_bh % H
+    row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    q += i_h * K
+    k += i_h * K
+    gc += i_h * K
+    v += i_h * V
+    o += i_h * V
+    h += (i_tg * H + i_h) * K * V
+    o_t = tl.arange(0, BT)
+    A_ptrs = A_out + (row0 + o_t[:, None]) * (H * BT) + i_h * BT + o_t[None, :]
+    flag = flags + i_c * tl.num_programs(1) + i_bh
+    if LOAD_SCORES:
+        _output_chunk(q, k, v, gc, h, o, A_ptrs, row0, n_rows, scale, H, K, V, BT, BK, BV, DOT_PREC, 1, FINE_ROWS)
+    elif SINGLE == 0:
+        _output_chunk(q, k, v, gc, h, o, A_ptrs, row0, n_rows, scale, H, K, V, BT, BK, BV, DOT_PREC, 0, FINE_ROWS)
+    elif SINGLE == 1:
+        spread = 0.0
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            spread = tl.maximum(spread, _gate_spread(gc, row0, n_rows, H * K, o_k, o_k < K, BT))
+        single = spread <= limit
+        if single:
+            _output_chunk(q, k, v, gc, h, o, A_ptrs, row0, n_rows, scale, H, K, V, BT, BK, BV, DOT_PREC, 2, FINE_ROWS)
+        tl.store(flag, tl.where(single, 0, 1).to(tl.int8))
+    else:  # SINGLE == 2
+        if tl.load(flag) != 0:
+            _output_chunk(q, k, v, gc, h, o, A_ptrs, row0, n_rows, scale, H, K, V, BT, BK, BV, DOT_PREC, 0, FINE_ROWS)
 
 
 @triton.jit
@@ -846,15 +909,83 @@ def _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H: tl.constexpr,
 
 
 @triton.jit
-def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer, T,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                    BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, FROM_LOGITS: tl.constexpr,
-                    PREFETCH: tl.constexpr, EARLY_LOADS: tl.constexpr, FINE_ROWS: tl.constexpr):
+def _dqk_chunk(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, row0, n_rows, i_k, scale, normalizer,
+               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, DOT_PREC: tl.constexpr, FROM_LOGITS: tl.constexpr, PREFETCH: tl.constexpr,
+               EARLY_LOADS: tl.constexpr, FINE_ROWS: tl.constexpr, SINGLE_REFERENCE: tl.constexpr):
+    """dq, dk, dgk of one chunk and key tile, pointers at its head. SINGLE_REFERENCE: the intra-chunk part as
+    the gradient of _single_reference_scores' one product, else level by level."""
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_rows
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
+    DT = q.dtype.element_ty
+
+    if EARLY_LOADS:  # the chunk's q, k, gate and dA in flight while the state part runs
+        b_g, b_last, b_q, b_k, dA_c = _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H, K, BT)
+    if FINE_ROWS > 0 and not SINGLE_REFERENCE:
+        # the levels inside blocks of FINE_ROWS rows first, their tiles dead before the state part's
+        fine_dq, fine_dk = _dqk_fine_levels(q, k, gc, dA, row0, n_rows, H * K, o_k, m_k, scale, H, BT, BK, FINE_ROWS,
+                                            DOT_PREC)
+    dq_s, dk_s, hdh = _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H, V, BT, BK, BV, DOT_PREC, PREFETCH)
+    if not EARLY_LOADS:
+        b_g, b_last, b_q, b_k, dA_c = _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H, K, BT)
+    b_dq = dq_s * tl.exp(b_g)  # the gradient of the scaled q
+    b_dk = dk_s * tl.exp(b_last[None, :] - b_g)
+    db_last = hdh * tl.exp(b_last) + tl.sum(b_k.to(tl.float32) * b_dk, axis=0)
+    if SINGLE_REFERENCE:
+        # dA is lower-triangular with its diagonal (the dv kernel's mask), so one product per side gives every
+        # pair j <= i: dq_i = exp(b_i - b_r) sum_j dA_ij k_j exp(b_r - b_j), dk alike
+        e = b_g - _load_gate_row(gc, row0, BT // 2 - 1, n_rows, H * K, o_k, m_k)[None, :]
+        f_q = tl.exp(e)
+        f_k = tl.exp(-e)
+        b_dq += f_q * tl.dot(dA_c, (b_k.to(tl.float32) * f_k).to(DT), input_precision=DOT_PREC)
+        b_dk += f_k * tl.dot(tl.trans(dA_c), (b_q.to(tl.float32) * (f_q * scale)).to(DT), input_precision=DOT_PREC)
+        b_q = b_q.to(tl.float32) * scale
+        b_k = b_k.to(tl.float32)
+    else:
+        if FINE_ROWS > 0:
+            b_dq += fine_dq
+            b_dk += fine_dk
+        # the intra-chunk part, level by level as the forward made the scores (those of blocks larger than
+        # FINE_ROWS rows), then the diagonal (dA[i, i])
+        for level in tl.static_range(6):
+            if (BT >> level) > FINE_ROWS:
+                b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale,
+                                        BT >> level, BT, DOT_PREC)
+        dA_diag = tl.load(dA + (row0 + o_t) * (H * BT) + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
+        b_q = b_q.to(tl.float32) * scale
+        b_k = b_k.to(tl.float32)
+        b_dq += dA_diag * b_k
+        b_dk += dA_diag * b_q
+    # the gate: db_i = (q_i scale) dq_i - k_i dk_i, summed from the chunk's end, plus the last row's term. One
+    # reverse scan: a sum and a forward scan left 54 spilled registers at the gla-340M layer, this 26, same
+    # time; the sums as a product with triangular ones on the tensor cores spilled 176, 12-15% slower (run AA3)
+    db = b_q * b_dq - b_k * b_dk
+    b_dg = tl.cumsum(db, axis=0, reverse=True) + db_last[None, :]
+    if FROM_LOGITS:
+        x = tl.load(logits + offs, mask=m_tk, other=0.0).to(tl.float32)
+        sigmoid_neg_x = tl.exp(tl.minimum(-x, 0.0)) / (1.0 + tl.exp(-tl.abs(x)))  # no exp of a positive number
+        b_dg = b_dg * sigmoid_neg_x / normalizer
+    tl.store(dq + offs, (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + offs, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit
+def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, flags, cu_seqlens, chunk_indices, scale,
+                    normalizer, limit, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                    FROM_LOGITS: tl.constexpr, PREFETCH: tl.constexpr, EARLY_LOADS: tl.constexpr,
+                    FINE_ROWS: tl.constexpr, SINGLE: tl.constexpr):
     """dq, dk, dgk of one chunk, one head, one tile of key columns; FROM_LOGITS: dg gets the gradient of
     the gate's logits instead, dgk * d logsigmoid(x) / dx / normalizer = dgk * sigmoid(-x) / normalizer.
     The state part comes first, so that its tiles are dead by the time the intra-chunk part's are live
     (the other order spilled: 400 spilled registers, 2.44 against 1.53 ms forward+backward at the gla-340M
-    layer on an H200). q and k stay in their dtype until used."""
+    layer on an H200). q and k stay in their dtype until used. SINGLE as in _fwd_output_kernel, the spread
+    taken over this program's key tile."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     row0, n_rows, i_tg = _chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -864,55 +995,28 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, 
     dq += i_h * K
     dk += i_h * K
     dg += i_h * K
+    if FROM_LOGITS:
+        logits += i_h * K
     v += i_h * V
     do += i_h * V
     dA += i_h * BT
     h += (i_tg * H + i_h) * K * V
     dh += (i_tg * H + i_h) * K * V
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n_rows
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
-
-    if EARLY_LOADS:  # the chunk's q, k, gate and dA in flight while the state part runs
-        b_g, b_last, b_q, b_k, dA_c = _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H, K, BT)
-    if FINE_ROWS > 0:  # the levels inside blocks of FINE_ROWS rows first, their tiles dead before the state part's
-        fine_dq, fine_dk = _dqk_fine_levels(q, k, gc, dA, row0, n_rows, H * K, o_k, m_k, scale, H, BT, BK, FINE_ROWS,
-                                            DOT_PREC)
-    dq_s, dk_s, hdh = _dqk_state(v, h, do, dh, row0, m_t, o_k, m_k, H, V, BT, BK, BV, DOT_PREC, PREFETCH)
-    if not EARLY_LOADS:
-        b_g, b_last, b_q, b_k, dA_c = _dqk_chunk_tiles(q, k, gc, dA, row0, n_rows, m_t, o_k, m_k, H, K, BT)
-    b_dq = dq_s * tl.exp(b_g)  # the gradient of the scaled q
-    b_dk = dk_s * tl.exp(b_last[None, :] - b_g)
-    db_last = hdh * tl.exp(b_last) + tl.sum(b_k.to(tl.float32) * b_dk, axis=0)
-    if FINE_ROWS > 0:
-        b_dq += fine_dq
-        b_dk += fine_dk
-    # the intra-chunk part, level by level as the forward made the scores (those of blocks larger than
-    # FINE_ROWS rows), then the diagonal (dA[i, i])
-    for level in tl.static_range(6):
-        if (BT >> level) > FINE_ROWS:
-            b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale,
-                                    BT >> level, BT, DOT_PREC)
-    dA_diag = tl.load(dA + (row0 + o_t) * (H * BT) + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
-    b_q = b_q.to(tl.float32) * scale
-    b_k = b_k.to(tl.float32)
-    b_dq += dA_diag * b_k
-    b_dk += dA_diag * b_q
-    # the gate: db_i = (q_i scale) dq_i - k_i dk_i, summed from the chunk's end, plus the last row's term. One
-    # reverse scan: a sum and a forward scan left 54 spilled registers at the gla-340M layer, this 26, same
-    # time; the sums as a product with triangular ones on the tensor cores spilled 176, 12-15% slower (run AA3)
-    db = b_q * b_dq - b_k * b_dk
-    b_dg = tl.cumsum(db, axis=0, reverse=True) + db_last[None, :]
-    if FROM_LOGITS:
-        x = tl.load(logits + i_h * K + offs, mask=m_tk, other=0.0).to(tl.float32)
-        sigmoid_neg_x = tl.exp(tl.minimum(-x, 0.0)) / (1.0 + tl.exp(-tl.abs(x)))  # no exp of a positive number
-        b_dg = b_dg * sigmoid_neg_x / normalizer
-    tl.store(dq + offs, (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + offs, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
+    flag = flags + (i_k * tl.num_programs(1) + i_c) * tl.num_programs(2) + i_bh
+    if SINGLE == 0:
+        _dqk_chunk(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, row0, n_rows, i_k, scale, normalizer, H, K, V, BT,
+                   BK, BV, DOT_PREC, FROM_LOGITS, PREFETCH, EARLY_LOADS, FINE_ROWS, False)
+    elif SINGLE == 1:
+        o_k = i_k * BK + tl.arange(0, BK)
+        single = _gate_spread(gc, row0, n_rows, H * K, o_k, o_k < K, BT) <= limit
+        if single:
+            _dqk_chunk(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, row0, n_rows, i_k, scale, normalizer, H, K, V,
+                       BT, BK, BV, DOT_PREC, FROM_LOGITS, PREFETCH, EARLY_LOADS, FINE_ROWS, True)
+        tl.store(flag, tl.where(single, 0, 1).to(tl.int8))
+    else:  # SINGLE == 2
+        if tl.load(flag) != 0:
+            _dqk_chunk(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, row0, n_rows, i_k, scale, normalizer, H, K, V,
+                       BT, BK, BV, DOT_PREC, FROM_LOGITS, PREFETCH, EARLY_LOADS, FINE_ROWS, False)
 
 
 # The launch table: tile widths, warps and pipeline depth, fixed (no autotuning, so no start-up search and
@@ -955,6 +1059,20 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # 8K (forward+backward 4.148 against 4.184), 2.471 against 2.484 at 32K, 1.354 against 1.360 at the
           # gla-340M layer; Triton 3.8 spills 48 registers at 8K against 82 (32: 86, not timed)
           "dqk_fine_rows": 16, "output_fine_rows": 16,
+          # the intra-chunk scores (output kernel) and their gradients (dq/dk) with every row referenced to
+          # the chunk's middle row r: one product where the levels take six, but factors exp(+-(b - b_r))
+          # that grow with the gate's spread over the chunk, max |b - b_r|. "split": a launch that takes the
+          # one product where the spread is at most single_reference_limit and flags the other programs, then
+          # a launch of the levels for the flagged ones (each compiled with only its own path's registers);
+          # "off": the levels everywhere. The limit keeps the factors within exp(40) ~ 2e17 (bf16 and fp32
+          # reach 3e38): the products of pairs j <= i stay at most 1 in their exponent, the masked pairs
+          # j > i at most exp(80). Run AM3 (H200, forward+backward ms, gla-340M layer / 8K / 32K): 0.961 /
+          # 2.744 / 1.789 against 1.340 / 4.107 / 2.470 for "off"; with every chunk past the limit (the levels
+          # after a launch that only measures the spread) 1.416 / 4.430 / 2.638. A form with both paths in
+          # one kernel behind a branch took 1.309 / 2.889 / 1.864 (run AM1). single_dqk_warps: the warps of
+          # the first dq/dk launch (4: 0.961 / 2.744 against 1.015 / 2.915 ms for 8 at the gla-340M layer and
+          # 8K, run AM3); the first output launch keeps output_warps (8: 1.096 at the gla-340M layer, AM1)
+          "single_reference": "split", "single_reference_limit": 40.0, "single_dqk_warps": 4,
           # key tile width of the dv kernel: one tile covering K (K <= dv_BK) forms the decayed keys once for
           # all value tiles, where 64-wide tiles formed them again for each value tile (run Z3: 1.38 against
           # 1.47 ms at the gla-340M layer, 4.28 against 4.46 at 8K, 2.53 against 2.62 at 32K)
@@ -1000,6 +1118,31 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # 1.830 ms at the gla-340M layer, 1% at 8K and 32K (with one key tile it needs 160, run Z5; uncapped,
           # 1.54 against 1.38 at the gla-340M layer, run Z3); caps on dq/dk and the output kernel spilled and lost
           "state_maxnreg": 0, "output_maxnreg": 0, "dv_maxnreg": 168, "dqk_maxnreg": 0}
+
+
+def _single_reference_modes(programs: int, device: torch.device) -> Tuple[Tuple[int, ...], torch.Tensor]:
+    """The SINGLE values to launch the output and dq/dk kernels with, in order (LAUNCH["single_reference"]), and
+    the programs' flags the split launches pass between them (one int8 per program; one element where unused)."""
+    mode = LAUNCH["single_reference"]
+    if mode not in ("off", "split"):
+        raise ValueError(f"LAUNCH['single_reference'] = {mode!r}; expected 'off' or 'split'")
+    if mode == "off":
+        return (0,), _reference_flags(1, device)
+    return (1, 2), _reference_flags(programs, device)
+
+
+def _dqk_warps(mode: int, BK: int) -> int:
+    """Warps of the dq/dk launch with SINGLE = mode (single_dqk_warps for the single-reference launch, else
+    dqk_warps), at least 8 over key tiles narrower than 64: with BK = 32 either launch at 4 warps gave wrong
+    dq, dk or dgk on an H200 with Triton 3.6 (relative RMS error 0.07 to 97 against the fp32 recurrence) or
+    an illegal memory access, where at 8 warps both matched it (runs AM1-AM4)."""
+    warps = LAUNCH["single_dqk_warps" if mode == 1 else "dqk_warps"]
+    return warps if BK >= 64 else max(warps, 8)
+
+
+def _reference_flags(programs: int, device: torch.device) -> torch.Tensor:
+    """Per-program flags of the split launches: set by the first for the programs the second must do."""
+    return torch.empty(programs, dtype=torch.int8, device=device)
 
 
 def _dqk_early_loads(V: int) -> bool:
@@ -1251,11 +1394,16 @@ def _forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer=None):
         )
     # with the scores read from memory, the value tiles of a chunk are programs of their own
     value_programs = cdiv(V, BV_out) if separate else 1
-    _fwd_output_kernel[grid + (value_programs,)](
-        q, k, v, gc, h, o, A, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BK, BV_out,
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype), LOAD_SCORES=separate,
-        FINE_ROWS=LAUNCH["output_fine_rows"], num_warps=LAUNCH["output_warps"], num_stages=LAUNCH["stages"], **_register_cap("output"),
-    )
+    modes, flags = _single_reference_modes(grid[0] * grid[1], q.device)
+    if separate:  # the scores come from _fwd_scores_kernel: one launch reads them
+        modes = (0,)
+    for mode in modes:
+        _fwd_output_kernel[grid + (value_programs,)](
+            q, k, v, gc, h, o, A, flags, cu_seqlens, chunk_indices, scale, LAUNCH["single_reference_limit"], T,
+            H, K, V, BT, BK, BV_out, IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
+            LOAD_SCORES=separate, FINE_ROWS=LAUNCH["output_fine_rows"], SINGLE=mode,
+            num_warps=LAUNCH["output_warps"], num_stages=LAUNCH["stages"], **_register_cap("output"),
+        )
     return o, ht, gc, A, kd
 
 
@@ -1308,12 +1456,16 @@ def _backward(q, k, v, gate, A, kd, scale, initial_state, cu_seqlens, do, dht, n
         **_register_cap("dv"),
     )
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gate)
-    _bwd_dqk_kernel[(cdiv(K, BK),) + grid](
-        q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, cu_seqlens, chunk_indices, scale, normalizer or 1.0, T, H, K, V,
-        BT, BK, BV, IS_VARLEN=is_varlen, DOT_PREC=prec, FROM_LOGITS=logits is not None,
-        PREFETCH=LAUNCH["dqk_prefetch"], EARLY_LOADS=_dqk_early_loads(V), FINE_ROWS=LAUNCH["dqk_fine_rows"],
-        num_warps=LAUNCH["dqk_warps"], num_stages=LAUNCH["dqk_stages"], **_register_cap("dqk"),
-    )
+    dqk_grid = (cdiv(K, BK),) + grid
+    modes, flags = _single_reference_modes(dqk_grid[0] * dqk_grid[1] * dqk_grid[2], q.device)
+    for mode in modes:
+        _bwd_dqk_kernel[dqk_grid](
+            q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, flags, cu_seqlens, chunk_indices, scale,
+            normalizer or 1.0, LAUNCH["single_reference_limit"], T, H, K, V, BT, BK, BV, IS_VARLEN=is_varlen,
+            DOT_PREC=prec, FROM_LOGITS=logits is not None, PREFETCH=LAUNCH["dqk_prefetch"],
+            EARLY_LOADS=_dqk_early_loads(V), FINE_ROWS=LAUNCH["dqk_fine_rows"], SINGLE=mode,
+            num_warps=_dqk_warps(mode, BK), num_stages=LAUNCH["dqk_stages"], **_register_cap("dqk"),
+        )
     return dq, dk, dv, dg, dh0
 
 

@@ -39,7 +39,7 @@ SEARCH_SPACE: List[Dict[str, tuple]] = [
     # caps spilled and lost on an H200 (tutorials/performance.md), as did a second pipeline stage for dq/dk,
     # so the search leaves those keys as the table has them
     {"dv_warps": (4, 8), "dv_maxnreg": (168, 0)},
-    {"dqk_warps": (8, 4, 16)},
+    {"dqk_warps": (8, 4, 16), "single_dqk_warps": (4, 8)},
     # dq/dk's levels inside 16- or 32-row blocks as products batched over the blocks (0: as 64x64 products),
     # with the chunk's own tiles loaded before or after its state part (Triton 3.6: 42 spilled registers at
     # 8K with 16-row blocks and the loads after it, 54 for 64x64 products; 46 against 26 at the gla-340M
