@@ -13,6 +13,12 @@ state), arranged so that every matrix product is a full 64-row tile:
     sum_k q_ik k_ik. No exponent is ever positive, whatever the gates. The levels inside blocks of 16 rows
     (and the diagonal) need no 64x64 product: they run as [16, 16] pieces batched over the chunk's four
     blocks (_scores_fine_levels, LAUNCH["output_fine_rows"]), placed on A's diagonal blocks after.
+  * or, where the gates allow, with one reference row for the whole chunk (r its middle row):
+        A = tril((q * exp(b - b_r)) @ (k * exp(b_r - b))^T),
+    one product per key tile instead of six levels. Its exponents reach the gate's spread max |b - b_r|
+    (positive above r), so it is taken only where that is at most LAUNCH["single_reference_limit"]: a first
+    launch does these chunks and flags the others, a second launch runs the levels for the flagged ones
+    (LAUNCH["single_reference"] "split"; "off": the levels everywhere). dq/dk is split the same way.
   * gc = b (fp32, [B, T, H, K]) is written once (by _gate_cumsum_kernel, or inside the state pass:
     LAUNCH["separate_cumsum"]) and read by the other kernels;
     reference rows are plain loads of gc, and rows past a sequence's end read its last row.
@@ -39,12 +45,13 @@ products), plus, for b at the chunk's last row, sum_v(h_n dh_n) exp(b_last) + su
 dgk is the reverse cumulative sum of db inside the chunk plus that term.
 
 The backward's two sequential passes (states recomputed forwards, their gradients backwards) share
-one launch (LAUNCH["fused_bwd_states"]): six launches for forward plus backward with the sequential
-state pass (gate cumsum, states, output; both state passes, dv, dq/dk). All accumulation is fp32.
+one launch (LAUNCH["fused_bwd_states"]): eight launches for forward plus backward with the sequential
+state pass (gate cumsum, states, output twice; both state passes, dv, dq/dk twice). All accumulation is
+fp32.
 
 chunk_gla_from_logits_triton takes the forget gate as logits (gk = logsigmoid(logits) / normalizer, formed
 in the gate cumsum kernel) and keeps only those for the backward pass, recomputing gc there; the dq/dk
-kernel then writes the logits' gradient (seven launches, no elementwise pass over the gate besides).
+kernel then writes the logits' gradient (nine launches, no elementwise pass over the gate besides).
 """
 from typing import Optional, Tuple
 
