@@ -1099,6 +1099,11 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # 1.370 / 4.193 against 1.434 / 4.268 ms at the gla-340M layer and 8K (run AA2; with each chunk's scan
           # after the previous chunk's product instead, 1.373 / 4.221 against 1.415 / 4.310, run AA4)
           "separate_cumsum": True,
+          # its key tile and warps. Run AN3 (H200, the gla-340M training shape 16 x 2048, 4 heads of 128, bf16
+          # logits; us per call): from the logits 46.1 at 128-wide tiles and 4 warps, 39.2 at 16 and 2 (a copy
+          # of the same bytes: 50.7); with the decayed keys (the backward's) 128.9 against 77.4: a [64, 128]
+          # fp32 tile with the keys and their decayed form beside it is too much for one program's registers
+          "cumsum_BK": 16, "cumsum_warps": 2,
           # state passes as chunk-parallel updates + an elementwise scan (True), as one sequential pass with
           # the matrix products inside (False), or the scan when the sequential pass would have fewer
           # programs than half the multiprocessors ("auto": long sequences, few heads)
@@ -1267,11 +1272,11 @@ def _gate_cumsum(g, gc, cu_seqlens, layout, normalizer=None, k=None, kd=None):
     """gc <- the cumulative sum of g inside each chunk (fp32); with a normalizer, g holds the gate's logits
     and the sum is over logsigmoid(g) / normalizer. With k and kd: kd <- the decayed keys k * exp(b_last - b)."""
     B, T, H, K = g.shape
-    BKc = min(128, max(16, next_power_of_2(K)))
+    BKc = min(LAUNCH["cumsum_BK"], max(16, next_power_of_2(K)))
     grid = (cdiv(K, BKc),) + ((layout[1], H) if cu_seqlens is not None else (cdiv(T, BT), B * H))
     _gate_cumsum_kernel[grid](g, gc, k, kd, cu_seqlens, layout[2], normalizer or 1.0, T, H, K, BT, BKc,
                               IS_VARLEN=cu_seqlens is not None, FROM_LOGITS=normalizer is not None,
-                              STORE_KD=kd is not None, num_warps=4)
+                              STORE_KD=kd is not None, num_warps=LAUNCH["cumsum_warps"])
 
 
 # how the decayed keys k * exp(b_last - b), which the state pass and the dv kernel both use, reach them
