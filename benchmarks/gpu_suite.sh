@@ -32,6 +32,7 @@ step gpu_tests 1800 python -m pytest -q -p no:cacheprovider tests/test_gla_trito
 step first_step 900 python benchmarks/first_step.py --fla_cache_dir "$cache" --out "$out/first_step.json"
 step fla_precompile 900 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_precompile.py --workers 6
 step gla_kernel 900 env TRITON_CACHE_DIR="$cache" python benchmarks/gla_kernel.py --sweep --out "$out/gla_kernel.json"
+step gate_cumsum 120 env TRITON_CACHE_DIR="$cache" python benchmarks/gate_cumsum.py --out "$out/gate_cumsum.json"
 step fused_ops 300 env TRITON_CACHE_DIR="$cache" python benchmarks/fused_ops.py --out "$out/fused_ops.json"
 step train_2048 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --profile 2 \
     --models fabric-lin,fabric-lin-tuned,fla,transformer,fabric-lin-static,fabric-lin-no-cudagraphs --out "$out/train_2048.json"

@@ -1099,10 +1099,10 @@ LAUNCH = {"BK": 64, "BV": 64, "BV_out": 256, "state_BK": 64, "state_BV": 128, "s
           # 1.370 / 4.193 against 1.434 / 4.268 ms at the gla-340M layer and 8K (run AA2; with each chunk's scan
           # after the previous chunk's product instead, 1.373 / 4.221 against 1.415 / 4.310, run AA4)
           "separate_cumsum": True,
-          # its key tile and warps. Run AN3 (H200, the gla-340M training shape 16 x 2048, 4 heads of 128, bf16
-          # logits; us per call): from the logits 46.1 at 128-wide tiles and 4 warps, 39.2 at 16 and 2 (a copy
-          # of the same bytes: 50.7); with the decayed keys (the backward's) 128.9 against 77.4: a [64, 128]
-          # fp32 tile with the keys and their decayed form beside it is too much for one program's registers
+          # its key tile and warps. Run AN4 (H200, the gla-340M training shape 16 x 2048, 4 heads of 128, bf16
+          # logits; us per call): from the logits 45.3 at 128-wide tiles and 4 warps, 38.7 at 16 and 2 (torch's
+          # copy of the same bytes: 50.6); with the decayed keys (the backward's) 128.5 against 76.0 (32 and 4:
+          # 82.7). In the training step 5.1 -> 3.1 ms (AN1 -> AN4)
           "cumsum_BK": 16, "cumsum_warps": 2,
           # state passes as chunk-parallel updates + an elementwise scan (True), as one sequential pass with
           # the matrix products inside (False), or the scan when the sequential pass would have fewer
