@@ -43,9 +43,9 @@ def main():
     k = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
     layout = chunk._chunk_layout(None, B, T)
     copy = torch.empty_like(logits, dtype=torch.float32)
-    result = {"shape": [B, T, H, K], "shipped": [chunk.LAUNCH["cumsum_BK"], chunk.LAUNCH["cumsum_warps"]],
-              "copy of the forward's bytes (bf16 -> fp32), us": time_us(lambda: copy.copy_(logits)), "launches": {}}
     shipped = chunk.LAUNCH["cumsum_BK"], chunk.LAUNCH["cumsum_warps"]
+    result = {"shape": [B, T, H, K], "shipped": list(shipped),
+              "copy of the forward's bytes (bf16 -> fp32), us": time_us(lambda: copy.copy_(logits)), "launches": {}}
     first = None
     try:
         for tile, warps in launches:
