@@ -1,0 +1,116 @@
+"""Chunked gated delta rule in plain PyTorch: the CPU path and the readable version of the kernels.
+
+The sequence is cut into chunks of C=64 tokens. Inside a chunk, with b = cumsum(g) (b <= 0, falling)
+and S the state carried in from the previous chunk, write the state after token i as
+    S_i = exp(b_i) S + sum_{j<=i} exp(b_i - b_j) k_j d_j^T,
+where d_j = beta_j (v_j - (decayed S_{j-1})^T k_j) is the correction token j writes. Substituting
+S_{j-1} gives a lower-triangular system for the corrections of the whole chunk, d [C, V]:
+    (I + A) d = beta * v - (beta * exp(b) * k) S,    A_ij = beta_i (k_i . k_j) exp(b_i - b_j), j < i.
+With T = (I + A)^{-1} (unit lower triangular, the UT/WY form of the DeltaNet papers), the corrections
+split into a part that depends only on the chunk and a part linear in the incoming state:
+    u = T (beta * v)               [C, V]
+    w = T (beta * exp(b) * k)      [C, K]
+    d = u - w S
+u and w are computed for all chunks at once; the pass over chunks is then GLA's with a scalar decay:
+    o      = (scale q * exp(b)) S + (scale q k^T * exp(b_i - b_j), j <= i) d
+    S_next = exp(b_C) S + (k * exp(b_C - b))^T d
+Every exponent above is a difference b_i - b_j with i >= j, or b itself, so each is <= 0: nothing
+overflows however fast the gate decays. The i < j half of exp(b_i - b_j) is masked to -inf before
+the exp, so no inf (or inf * 0 in the backward pass) appears. The state crosses chunks in fp32.
+Gradients come from autograd.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def chunk_gated_delta_rule_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """q, k: [B, T, H, K]; v: [B, T, H, V]; g, beta: [B, T, H]; initial_state: [B or N, H, K, V] fp32.
+
+    Returns o [B, T, H, V] in q's dtype and, if asked, the final state [B or N, H, K, V] in fp32.
+    Inputs are assumed valid (chunk_gated_delta_rule checks them).
+    """
+    if cu_seqlens is not None:
+        return _chunk_varlen(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dtype = q.dtype
+    scale = K**-0.5 if scale is None else scale
+
+    # Pad T up to a multiple of the chunk. Padded tokens have q = k = v = 0, beta = 0 (no write) and
+    # g = 0 (no decay), so they change neither the outputs before them nor the final state.
+    pad = (-T) % CHUNK
+    N = (T + pad) // CHUNK
+
+    def to_chunks(x):  # [B, T, H, *D] -> [B, H, N, C, *D], fp32 for the arithmetic
+        x = x.float()
+        if x.dim() == 3:
+            return F.pad(x, (0, 0, 0, pad)).view(B, N, CHUNK, H).permute(0, 3, 1, 2)
+        return F.pad(x, (0, 0, 0, 0, 0, pad)).view(B, N, CHUNK, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
+
+    q, k, v, g, beta = to_chunks(q) * scale, to_chunks(k), to_chunks(v), to_chunks(g), to_chunks(beta)
+    b = g.cumsum(dim=-1)  # [B, H, N, C]
+    b_last = b[..., -1:]  # [B, H, N, 1]
+
+    # exp(b_i - b_j) for j <= i, zero above the diagonal: [B, H, N, C, C]
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    decay = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+
+    # The UT transform of the chunk: A is strictly lower triangular, I + A unit lower triangular.
+    A = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    eye = torch.eye(CHUNK, dtype=A.dtype, device=A.device)
+    rhs = torch.cat([beta[..., None] * v, (beta * b.exp())[..., None] * k], dim=-1)  # [B, H, N, C, V + K]
+    uw = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    u, w = uw[..., :V], uw[..., V:]  # [B, H, N, C, V], [B, H, N, C, K]
+
+    scores = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C], causal, diagonal included
+    q_decayed = q * b.exp()[..., None]
+    k_to_end = k * (b_last - b).exp()[..., None]
+    chunk_decay = b_last.exp()[..., None]  # [B, H, N, 1, 1]
+
+    state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    outputs = []
+    for n in range(N):
+        d = u[:, :, n] - w[:, :, n] @ state  # [B, H, C, V], the corrections the chunk writes
+        outputs.append(q_decayed[:, :, n] @ state + scores[:, :, n] @ d)
+        state = chunk_decay[:, :, n] * state + k_to_end[:, :, n].transpose(-1, -2) @ d
+    o = torch.stack(outputs, dim=2) if outputs else q.new_zeros(B, H, 0, CHUNK, V)  # [B, H, N, C, V]
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * CHUNK, H, V)[:, :T]
+    return o.to(dtype), (state if output_final_state else None)
+
+
+def _chunk_varlen(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """Documents packed along T (B=1): scatter them into a padded batch, one row each, run, gather back.
+
+    A row's padding sits after its document and, as in the chunked path, leaves its state unchanged,
+    so the final state of an empty document is its initial state.
+    """
+    bounds = cu_seqlens.tolist()
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    device = q.device
+    # token t of document i lands at row i, position t - bounds[i]
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    pos = torch.arange(q.shape[1], device=device) - torch.tensor(bounds[:-1], device=device)[doc]
+
+    def to_batch(x):
+        out = x.new_zeros(len(lengths), max(lengths), *x.shape[2:])
+        out[doc, pos] = x[0]
+        return out
+
+    o, final = chunk_gated_delta_rule_torch(
+        to_batch(q), to_batch(k), to_batch(v), to_batch(g), to_batch(beta), scale, initial_state, output_final_state
+    )
+    return o[doc, pos].unsqueeze(0), final

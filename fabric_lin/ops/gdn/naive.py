@@ -1,0 +1,59 @@
+"""The gated delta rule written as plainly as possible: the test oracle for every faster path.
+
+Per head, with a state S of shape [K, V], a log decay g_t <= 0 and a write strength beta_t in (0, 1):
+    S_t = exp(g_t) S_{t-1}                              (forget)
+    S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T          (delta rule: move S^T k_t toward v_t)
+    o_t = S_t^T (scale q_t)
+The correction reads the state after the decay, as flash-linear-attention's recurrence does.
+Everything is computed in fp32, one token at a time.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+
+def naive_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """q, k: [B, T, H, K]; v: [B, T, H, V]; g, beta: [B, T, H]; initial_state: [B or N, H, K, V].
+
+    Returns o [B, T, H, V] in q's dtype and, if asked, the final state [B or N, H, K, V] in fp32.
+    With `cu_seqlens` (B must be 1, N+1 document offsets) the state starts afresh at every document.
+    """
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"cu_seqlens needs batch size 1, got {q.shape[0]}")
+        outputs, states = [], []
+        bounds = cu_seqlens.tolist()
+        for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            h0 = None if initial_state is None else initial_state[i : i + 1]
+            o, ht = naive_recurrent_gated_delta_rule(
+                q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end], scale, h0, True
+            )
+            outputs.append(o)
+            states.append(ht)
+        final = torch.cat(states) if output_final_state else None
+        return torch.cat(outputs, dim=1), final
+
+    dtype = q.dtype
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    o = q.new_zeros(B, T, H, V)
+    for t in range(T):
+        k_t = k[:, t]  # [B, H, K]
+        state = state * g[:, t].exp()[..., None, None]
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k_t))  # [B, H, V]
+        state = state + k_t[..., None] * delta[..., None, :]
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, state)
+    return o.to(dtype), (state if output_final_state else None)
