@@ -65,8 +65,9 @@ def module(mix, batch_size, num_workers=0, **kwargs):
     return data
 
 
-def test_mixing_share_matches_weights(mix):
-    loader = module(mix, batch_size=100).train_dataloader()
+@pytest.mark.parametrize("weights,share", [(None, 0.693584), ((3.0, 1.0), 0.75)])
+def test_mixing_share_matches_weights(mix, weights, share):
+    loader = module(mix, batch_size=100, **({} if weights is None else {"weights": weights})).train_dataloader()
     from_slimpajama = total = 0
     for i, batch in enumerate(loader):
         assert batch.dtype == torch.int64 and batch.shape == (100, SEQ + 1)
@@ -77,8 +78,33 @@ def test_mixing_share_matches_weights(mix):
         if total >= 20_000:
             break
     assert total == 20_000
-    share = from_slimpajama / total
-    assert abs(share - 0.693584) < 0.01, share
+    assert abs(from_slimpajama / total - share) < 0.01, from_slimpajama / total
+
+
+@pytest.mark.parametrize("weights", [(0.7, 0.0), (0.7, -0.3), (float("nan"), 0.3), (0.5, 0.3, 0.2)])
+def test_mix_weights_are_validated(mix, weights):
+    with pytest.raises(ValueError, match=r"data.weights must be two positive numbers, the shares of SlimPajama and "
+                       r"Starcoder \(default \[0.693584, 0.306416\]\); got \[" + ", ".join(map(str, weights))):
+        SlimPajamaStarcoder(data_path=mix["data"], weights=weights)
+
+
+def test_mix_weights_from_the_command_line(tmp_path):
+    """--data.weights reaches the data module; a bad value stops the run before anything is written."""
+    from jsonargparse import ArgumentParser
+
+    from fabric_lin.cli import main as cli_main
+    from fabric_lin.data import DataModule
+    from fabric_lin.pretrain import setup  # noqa: F401  (enables data module subclasses)
+
+    parser = ArgumentParser()
+    parser.add_argument("--data", type=DataModule)
+    cfg = parser.parse_args(["--data", "SlimPajamaStarcoder", "--data.weights", "[0.5, 0.5]"])
+    assert tuple(parser.instantiate(cfg).data.weights) == (0.5, 0.5)
+    assert tuple(SlimPajamaStarcoder().weights) == (0.693584, 0.306416)
+    with pytest.raises(ValueError, match=r"data.weights must be two positive numbers.*got \[0.5, -1.0\]"):
+        cli_main(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                  "--data", "SlimPajamaStarcoder", "--data.weights", "[0.5, -1]"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_epoch_yields_only_full_batches(mix):

@@ -1,15 +1,13 @@
 """SlimPajama mixed with Starcoder, as in TinyLlama's pretraining."""
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Tuple
 
 from litdata.streaming import CombinedStreamingDataset
 from litdata.utilities.env import _WorkerEnv
 
 from fabric_lin.data.base import DataModule, token_dataloader, token_dataset
-
-# share of training samples drawn from each dataset: their token counts in TinyLlama's mix
-SLIMPAJAMA_WEIGHT = 0.693584
-STARCODER_WEIGHT = 0.306416
 
 
 class MixedStreamingDataset(CombinedStreamingDataset):
@@ -43,11 +41,26 @@ class SlimPajamaStarcoder(DataModule):
     data_path: Path = Path("data/")
     """Holds slimpajama/train, slimpajama/val and starcoder, each written by fabric-lin's preprocessors."""
     use_starcoder: bool = True
-    """Mix Starcoder into the training data (0.693584 : 0.306416); False trains on SlimPajama alone."""
+    """Mix Starcoder into the training data (by `weights`); False trains on SlimPajama alone."""
+    weights: Tuple[float, float] = (0.693584, 0.306416)
+    """Relative shares of training samples drawn from SlimPajama and from Starcoder (normalised to sum to 1).
+    The default is the two datasets' token counts in TinyLlama's mix."""
     seed: int = 42
     num_workers: int = 8
     validation: bool = True
     """False: no validation split (the loop skips validation), e.g. for contexts longer than its chunks."""
+
+    def __post_init__(self) -> None:
+        self.check_weights()
+
+    def check_weights(self) -> None:
+        weights = list(self.weights) if isinstance(self.weights, (list, tuple)) else [self.weights]
+        if len(weights) != 2 or not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
+            raise ValueError(
+                f"data.weights must be two positive numbers, the shares of SlimPajama and Starcoder "
+                f"(default [0.693584, 0.306416]); got {weights}. To train on SlimPajama alone set "
+                f"data.use_starcoder false"
+            )
 
     @property
     def slimpajama_train(self) -> Path:
@@ -64,6 +77,8 @@ class SlimPajamaStarcoder(DataModule):
     def setup(self) -> None:
         from fabric_lin.data.prepared import check_prepared_dir
 
+        self.check_weights()  # again here: subclasses with their own __post_init__ reach this
+
         paths = [self.slimpajama_train] + ([self.slimpajama_val] if self.validation else [])
         for path in paths + ([self.starcoder_train] if self.use_starcoder else []):
             check_prepared_dir(path, self.tokenizer, self.vocab_size)
@@ -74,7 +89,7 @@ class SlimPajamaStarcoder(DataModule):
             datasets.append(token_dataset(self.starcoder_train, self.block_size, True, self.seed, self.tokenizer))
             # iterate_over_all=False: sample by the weights; the epoch ends when one dataset runs out
             dataset = MixedStreamingDataset(
-                datasets=datasets, seed=self.seed, weights=(SLIMPAJAMA_WEIGHT, STARCODER_WEIGHT), iterate_over_all=False
+                datasets=datasets, seed=self.seed, weights=tuple(self.weights), iterate_over_all=False
             )
         else:
             dataset = datasets[0]
