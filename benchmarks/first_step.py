@@ -161,7 +161,7 @@ def main():
     parser.add_argument("--fla_cache_dir", help="the peer's Triton cache (default: a new one per run); "
                         "naming one lets later benchmarks reuse its autotuning")
     parser.add_argument("--work_dir", help="where the runs write (default: a new temporary directory)")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", help="also write the JSON document here (with the command, date and machine)")
     parser.add_argument("--fla-worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -181,12 +181,11 @@ def main():
             results.append(fla_run(seq_len, work, args.timeout, args.steps, args.fla_cache_dir))
     import torch
 
+    from common import write_result
+
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "work_dir": str(work), "results": results}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    write_result(report, args.out, fla_ran=any(r.get("time_to_first_step_s") and "flash" in r["model"] for r in results))
 
 
 if __name__ == "__main__":

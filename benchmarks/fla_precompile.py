@@ -11,6 +11,9 @@ shows a cold start; first_step.py measures that from an empty cache.
 
     TRITON_CACHE_DIR=/tmp/fla-cache python benchmarks/fla_precompile.py --workers 6
     TRITON_CACHE_DIR=/tmp/fla-cache python benchmarks/train_throughput.py --models fabric-lin,fla
+
+With --out it also writes a JSON record of the run (workers, exit codes, seconds): a comparison's
+result file should say how long the peer's candidates were compiled beforehand.
 """
 import argparse
 import os
@@ -73,6 +76,7 @@ def main():
                              "--seq_len; 8 with --kernels_only)")
     parser.add_argument("--kernels_only", action="store_true",
                         help="only chunk_gla at the kernel benchmark's shapes (for gla_kernel.py), not the training step")
+    parser.add_argument("--out", help="also write a JSON record of the run here (with the command, date and machine)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -107,7 +111,14 @@ def main():
         for i in range(args.workers)
     ]
     codes = [p.wait() for p in procs]
-    print(f"{args.workers} workers on {gpus} GPU(s): exit codes {codes}, {time.time() - start:.0f} s", flush=True)
+    seconds = time.time() - start
+    print(f"{args.workers} workers on {gpus} GPU(s): exit codes {codes}, {seconds:.0f} s", flush=True)
+    if args.out:
+        from common import write_result
+
+        write_result({"workers": args.workers, "gpus": gpus, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                      "kernels_only": args.kernels_only, "exit_codes": codes, "seconds": round(seconds)},
+                     args.out, fla_ran=True)
     sys.exit(max(codes, key=abs))
 
 

@@ -8,9 +8,9 @@ documents per SentencePiece call (spread over threads) and yields one token arra
 
     python benchmarks/prepare_throughput.py --num_workers 1 --megabytes 40
     python benchmarks/prepare_throughput.py --input_dir data/slimpajama-raw/validation \
-        --tokenizer_path checkpoints/meta-llama/Llama-2-7b-hf --num_workers 8
+        --tokenizer_path checkpoints/meta-llama/Llama-2-7b-hf --num_workers 8 --out prepare_throughput.json
 
-Prints one JSON object.
+Prints one JSON document.
 """
 import io
 import json
@@ -27,6 +27,7 @@ from typing import Iterator, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import write_result  # noqa: E402
 from data_prep.base import run_recipe  # noqa: E402
 from data_prep.prepare_slimpajama import SKIPPED_SET, SlimPajamaRecipe  # noqa: E402
 
@@ -105,6 +106,7 @@ def main(
     num_workers: int = 1,
     megabytes: float = 40.0,
     work_dir: Optional[Path] = None,
+    out: Optional[Path] = None,
 ) -> dict:
     """Args:
     input_dir: SlimPajama-format `*.jsonl.zst` files; default: a corpus cut from the standard library.
@@ -112,6 +114,7 @@ def main(
     num_workers: DataProcessor workers, the same for both recipes.
     megabytes: size of the generated corpus (when no input_dir is given).
     work_dir: where the outputs are written (deleted afterwards); default: a temporary directory.
+    out: also write the JSON document here (with the command, date and machine).
     """
     work = Path(tempfile.mkdtemp(prefix="prepare-throughput-", dir=work_dir))
     try:
@@ -163,7 +166,7 @@ def main(
             "cpu_efficiency_ratio": round(ours["tokens_per_worker_cpu_s"] / baseline["tokens_per_worker_cpu_s"], 2),
             "encode_only": encode_only(tokenizer_path, Path(input_dir), max(1, (os.cpu_count() or 1) // num_workers)),
         }
-        print(json.dumps(report, indent=2))
+        write_result(report, out, indent=2)
         return report
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -177,7 +177,7 @@ def main():
     parser.add_argument("--host_ops", action="store_true",
                         help="also record host-side ops (where the host's time per step goes; slows the step)")
     parser.add_argument("--report_dir", help="where each rank writes its summary (default: a new temporary folder)")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", help="also write the JSON document here (with the command, date and machine)")
     args, extra = parser.parse_known_args()  # anything else goes to `fabric-lin pretrain`
 
     # Fabric starts ranks 1.. by running this same command again; they must use rank 0's folders
@@ -187,6 +187,7 @@ def main():
 
     corpus = report_dir / "corpus"
     from bench_corpus import benchmark_corpus, pretrain_data_args
+    from common import write_result
 
     if "LOCAL_RANK" not in os.environ:  # the first process writes it; the ranks Fabric starts read it
         benchmark_corpus(corpus, args.batch_size, args.seq_len, (args.warmup + args.steps + 1) * args.devices * args.accumulation,
@@ -217,9 +218,7 @@ def main():
                                          / ranks["rank0"]["wall_ms_per_step"] * 1e3) if "rank0" in ranks else None,
         "ranks": ranks,
     }
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(result, args.out)
     if not args.report_dir:  # a folder of its own: the corpus and the run's checkpoint (GBs) go with it
         shutil.rmtree(report_dir, ignore_errors=True)
 

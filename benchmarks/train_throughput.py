@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from bench_corpus import benchmark_corpus, pretrain_data_args
+from common import write_result
 from fabric_lin.config import Config
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.model import GPT
@@ -323,7 +324,7 @@ def main():
     parser.add_argument("--accumulation", type=int, default=1, help="real loop: micro-batches per optimizer step")
     parser.add_argument("--profile", type=int, default=0,
                         help="regime (a): also profile this many steps after the timed ones (GPU time by kind of kernel)")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", help="also write the JSON document here (with the command, date and machine)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -357,10 +358,7 @@ def main():
             ratios[f"{label}, ms/step"] = round(results[base]["ms_per_step"] / results[other]["ms_per_step"], 4)
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "batch_size": args.batch_size, "seq_len": args.seq_len,
               "torch": torch.__version__, "results": results, "ratios": ratios}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    write_result(report, args.out, fla_ran="tokens_per_s" in peer)
 
 
 if __name__ == "__main__":

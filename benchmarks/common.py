@@ -1,0 +1,165 @@
+"""What the benchmark scripts share: how a GPU time is taken, and how a result document is written.
+
+    from common import kernel_ms, time_ms, write_result
+
+    fwd_ms = time_ms(lambda: op(*inputs))                        # triton.testing.do_bench: L2 flushed per call
+    us = 1e3 * time_ms(lambda: op(*inputs), back_to_back=100)    # 100 calls between two CUDA events
+    by_kernel = kernel_ms(fwd_bwd, calls=5)                      # torch.profiler, ms per call by kernel
+    write_result(report, args.out, fla_ran=True)                 # print it, write --out atomically
+
+A result document is the script's own JSON object with a "run" record in front (the command line, the
+date, the fabric-lin commit, the machine and its package versions), so that a file copied into
+benchmarks/results/ says by itself how it was made. The scripts run as `python benchmarks/<name>.py`,
+which puts this folder on the import path.
+"""
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# environment variables that change what a benchmark measures, recorded when set
+RECORDED_ENV = ("CUDA_VISIBLE_DEVICES", "TRITON_CACHE_DIR", "TRITON_INTERPRET", "FABRIC_LIN_FUSED_OPS")
+
+
+def time_ms(fn: Callable[[], object], *, back_to_back: Optional[int] = None, grad_to_none: Optional[Sequence] = None,
+            warmup: int = 25, rep: int = 100) -> float:
+    """Mean GPU milliseconds of one call of `fn`.
+
+    By default `triton.testing.do_bench`: calls for about `warmup` ms, then for about `rep` ms, each timed
+    on its own after L2 is flushed and the gradients of `grad_to_none` are dropped. A kernel then reads
+    its inputs from memory, as in a training step, where the other layers' work has evicted them.
+
+    back_to_back=N: 5 calls, then N calls issued back to back between two CUDA events, L2 not flushed.
+    For kernels of a few tens of microseconds, where do_bench's per-call flush and event pair are a
+    large share of what is timed.
+    """
+    import torch
+
+    if back_to_back is None:
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none)
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(back_to_back):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / back_to_back
+
+
+def kernel_ms(fn: Callable[[], object], *, calls: int = 5, warmup: int = 3) -> Dict[str, float]:
+    """GPU milliseconds per call of `fn`, by kernel name (torch.profiler, GPU activity only), largest first.
+
+    `fn` is called `warmup` times unprofiled, so that compilation and autotuning stay out, then `calls`
+    times under the profiler. Wall time says how long the host took to launch the kernels as well;
+    this says how long the GPU ran them. If `fn` runs a backward pass, it should drop the inputs'
+    gradients itself, or the accumulation kernels are counted too."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = {}
+    for event in prof.key_averages():
+        # the attribute's name changed between torch versions
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us > 0 and event.count > 0:
+            rows[event.key] = device_us / 1e3 / calls
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+
+
+def _version(*distributions: str) -> Optional[str]:
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def machine(fla_ran: bool = False) -> Dict:
+    """The machine and the versions a result depends on. The GPU is asked of torch only where the script
+    has imported it already (a CPU benchmark does not pay for importing it)."""
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and torch.cuda.is_available()
+    record = {
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "gpus": torch.cuda.device_count() if cuda else 0,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "cuda": torch.version.cuda if torch is not None else None,
+        "triton": _version("triton", "pytorch-triton"),
+    }
+    if fla_ran:  # the peer's version matters only where it was measured
+        fla = sys.modules.get("fla")
+        record["fla"] = _version("flash-linear-attention", "fla-core") or getattr(fla, "__version__", None)
+    return record
+
+
+def run_record(fla_ran: bool = False) -> Dict:
+    """How this result was made: the command line, the date, the code and the machine."""
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "command": shlex.join(["python", *sys.argv]),
+        "env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git("rev-parse", "HEAD"),
+        "uncommitted_changes": None if dirty is None else bool(dirty),
+        "machine": machine(fla_ran),
+    }
+
+
+def write_result(report: Dict, out: Optional[str] = None, *, fla_ran: bool = False, indent: int = 1) -> Dict:
+    """Print `report` with the run record in front, as one JSON document, and write it to `out` if given.
+
+    The file is written under a temporary name in the same folder and renamed over `out` last, so that
+    an interrupted run never leaves a half-written result where a complete one is expected.
+    fla_ran: flash-linear-attention was measured in this run (its version is then recorded)."""
+    document = {"run": run_record(fla_ran), **report}
+    text = json.dumps(document, indent=indent) + "\n"
+    print(text, end="", flush=True)
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        umask = os.umask(0)
+        os.umask(umask)
+        try:
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make the result readable by its writer only
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return document
