@@ -1,8 +1,9 @@
 """The host's share of a training step: what Python, autograd and the kernels' wrappers cost per
-forward+backward, with the GPU taken out. Runs on the CPU: the model takes its fused path (the Triton
-wrappers), every Triton launch is replaced by a counter and every torch.matmul by an empty tensor of the
-product's shape, and the widths are gla-debug's, so that what remains is the host's work. Where a GPU
-finishes a layer's kernels faster than the host launches them, this is the step's floor.
+forward+backward, with the GPU taken out. Runs on the CPU: the model is built with its fused Triton
+ops (`GPT(config, fused=True)`, the CUDA path), every Triton launch is replaced by a counter and every
+torch.matmul by an empty tensor of the product's shape, and the widths are gla-debug's, so that what
+remains is the host's work. Where a GPU finishes a layer's kernels faster than the host launches them,
+this is the step's floor.
 
     python benchmarks/host_overhead.py                 # 24 layers (gla-340M's depth), one JSON object
     python benchmarks/host_overhead.py --profile 25    # and cProfile's top 25 functions by own time
@@ -12,9 +13,7 @@ launches never reach Triton's runtime. `launches_per_step` counts them by kernel
 """
 import argparse
 import cProfile
-import functools
 import io
-import json
 import pstats
 import time
 from collections import Counter
@@ -22,14 +21,13 @@ from collections import Counter
 import torch
 import triton.runtime.jit as triton_jit
 
-import fabric_lin.model as model_module
-import fabric_lin.ops.gla as gla_ops
-import fabric_lin.ops.norm as norm_ops
+from common import write_result
 from fabric_lin.config import Config
+from fabric_lin.model import GPT
 
 
 def take_the_gpu_out(launches: Counter) -> None:
-    """Route the model to its fused path on CPU tensors, with no-op kernel launches and empty products."""
+    """No-op kernel launches, counted by kernel, and matmuls that only allocate their output."""
 
     def counted_launch(kernel, grid):
         name = getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))
@@ -44,11 +42,6 @@ def take_the_gpu_out(launches: Counter) -> None:
 
     triton_jit.KernelInterface.__getitem__ = counted_launch
     torch.matmul = empty_matmul
-    model_module.use_fused = lambda x: True
-    norm_ops._pick = lambda backend, x: "triton"
-    gla_ops.resolve_backend = lambda backend, device: "triton"
-    model_module.swiglu_linear = functools.partial(model_module.swiglu_linear, backend="triton")
-    model_module.linear_cross_entropy = functools.partial(model_module.linear_cross_entropy, backend="triton")
 
 
 def main() -> None:
@@ -58,13 +51,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="forward+backward passes per repeat")
     parser.add_argument("--repeats", type=int, default=7, help="the fastest repeat is reported")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="also cProfile's top N functions")
+    parser.add_argument("--out", help="also write the JSON document here (with the command, date and machine)")
     args = parser.parse_args()
 
     launches: Counter = Counter()
     take_the_gpu_out(launches)
     torch.manual_seed(0)
     config = Config.from_name("gla-debug", num_layers=args.layers)
-    model = model_module.GPT(config)
+    model = GPT(config, fused=True)
     ids = torch.randint(0, config.vocab_size, (1, args.tokens))
 
     def step():
@@ -95,7 +89,7 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
         result["profile"] = text.getvalue().splitlines()
-    print(json.dumps(result, indent=1))
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":
