@@ -48,7 +48,8 @@ def fla_model(config: Config):
 
 
 def ours(config: Config):
-    model = GPT(config)
+    # the fused Triton ops, chosen when the model is built (it is built on the CPU, then moved to the GPU)
+    model = GPT(config, fused=True)
 
     def loss_fn(ids, targets):
         return model(ids, targets=targets)
@@ -120,18 +121,19 @@ REGIME_A_MODELS = ("fabric-lin", "fabric-lin-tuned", "fla", "transformer")
 REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     "fabric-lin": ("config_hub/gla_340M.yaml", []),
     # the same with shapes specialised, to show what marking them dynamic costs in step time
-    "fabric-lin-static": ("config_hub/gla_340M.yaml", ["--compile_dynamic", "false"]),
+    "fabric-lin-static": ("config_hub/gla_340M.yaml", ["--compile.dynamic", "false"]),
     # several GPUs (the recipe: FSDP with the whole model one unit): one FSDP unit per Block instead, its
     # gathered weights kept from its forward to its backward pass and across accumulated micro-batches
-    "fabric-lin-fsdp-block": ("config_hub/gla_340M.yaml", ["--fsdp_unit", "block"]),
+    "fabric-lin-fsdp-block": ("config_hub/gla_340M.yaml", ["--parallelism.fsdp_unit", "block"]),
     # the same, each Block's weights freed after its forward pass and gathered again for its backward pass
-    "fabric-lin-fsdp-block-reshard": ("config_hub/gla_340M.yaml", ["--fsdp_unit", "block", "--fsdp_reshard_after_forward", "true"]),
+    "fabric-lin-fsdp-block-reshard": ("config_hub/gla_340M.yaml", ["--parallelism.fsdp_unit", "block",
+                                                                "--parallelism.fsdp_reshard_after_forward", "true"]),
     # several GPUs: DistributedDataParallel instead of FSDP (whole model on every GPU, fewer host hooks)
-    "fabric-lin-ddp": ("config_hub/gla_340M.yaml", ["--data_parallel", "ddp"]),
+    "fabric-lin-ddp": ("config_hub/gla_340M.yaml", ["--parallelism.data_parallel", "ddp"]),
     # one GPU: each Block's forward and backward pass replayed as a CUDA graph (what "fabric-lin" runs on one
-    # GPU by compile_mode auto) or launched kernel by kernel (what it runs on several)
-    "fabric-lin-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile_mode", "reduce-overhead"]),
-    "fabric-lin-no-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile_mode", "default"]),
+    # GPU by compile.mode auto) or launched kernel by kernel (what it runs on several)
+    "fabric-lin-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile.mode", "reduce-overhead"]),
+    "fabric-lin-no-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile.mode", "default"]),
     "transformer": ("config_hub/transformer_340M.yaml", []),
 }
 ROOT = Path(__file__).resolve().parent.parent
@@ -280,7 +282,7 @@ def worker(regime, key, args):
     gla = Config.from_name("gla-340M")
     runs = {
         "fabric-lin": ("fabric-lin gla-340M", ours, gla),
-        "fabric-lin-tuned": ("fabric-lin gla-340M, launch settings searched first (as kernel_autotune does)", ours, gla),
+        "fabric-lin-tuned": ("fabric-lin gla-340M, launch settings searched first (as compile.kernel_autotune does)", ours, gla),
         "fla": ("flash-linear-attention GLAForCausalLM 340M", fla_model, gla),
         "transformer": ("fabric-lin transformer-340M", ours, Config.from_name("transformer-340M")),
     }
@@ -312,7 +314,7 @@ def main():
                         "(regime b with specialised shapes), fabric-lin-fsdp-block (regime b, one FSDP unit per Block), "
                         "fabric-lin-fsdp-block-reshard (the same, weights gathered again for the backward pass), fabric-lin-ddp (regime b, DDP "
                         "over several GPUs), fabric-lin-cudagraphs / fabric-lin-no-cudagraphs (regime b, one GPU, CUDA graphs "
-                        "forced on / off; fabric-lin: compile_mode auto, on), fla, transformer")
+                        "forced on / off; fabric-lin: compile.mode auto, on), fla, transformer")
     parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",
                         help="bf16-weights (a), real-loop (b), data-loader (the loader alone, no GPU needed)")
     parser.add_argument("--num_workers", type=int, default=4, help="data loader workers (per rank) of the real loop and the data-loader regime")
@@ -353,7 +355,7 @@ def main():
     for label, base, other in [("shipped launch table vs searched (a)", "bf16-weights/fabric-lin", "bf16-weights/fabric-lin-tuned"),
                                ("dynamic shapes vs specialised (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-static"),
                                ("kernels launched one by one vs CUDA graphs (b)", "real-loop/fabric-lin-no-cudagraphs", "real-loop/fabric-lin-cudagraphs"),
-                               ("kernels launched one by one vs compile_mode auto (b)", "real-loop/fabric-lin-no-cudagraphs", "real-loop/fabric-lin")]:
+                               ("kernels launched one by one vs compile.mode auto (b)", "real-loop/fabric-lin-no-cudagraphs", "real-loop/fabric-lin")]:
         if "ms_per_step" in results.get(base, {}) and "ms_per_step" in results.get(other, {}):
             ratios[f"{label}, ms/step"] = round(results[base]["ms_per_step"] / results[other]["ms_per_step"], 4)
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "batch_size": args.batch_size, "seq_len": args.seq_len,
