@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU measurement behind tutorials/performance.md, one after the other, each with a time limit;
-# JSON and logs go to the folder given (default bench-out/). Run from the repository root on a GPU machine:
+# Every GPU measurement of tutorials/performance.md, one after the other, each with a time limit;
+# JSON (each with its command, date and machine) and logs go to the folder given (default bench-out/), to be
+# kept as dated files under benchmarks/results/. Run from the repository root on a GPU machine:
 #
 #     bash benchmarks/gpu_suite.sh bench-out                          # everything (well over 10 minutes)
 #     bash benchmarks/gpu_suite.sh bench-out gpu_tests,train_2048     # only the steps named
@@ -30,7 +31,8 @@ step() {  # name, seconds, command...
 step gpu_tests 1800 python -m pytest -q -p no:cacheprovider tests/test_gla_triton.py tests/test_fused_ops.py tests/test_model_fused.py \
     tests/test_generate.py tests/test_pretrain_resume.py tests/test_convert_fla_gpu.py
 step first_step 900 python benchmarks/first_step.py --fla_cache_dir "$cache" --out "$out/first_step.json"
-step fla_precompile 900 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_precompile.py --workers 6
+step fla_precompile 900 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_precompile.py --workers 6 \
+    --out "$out/fla_precompile.json"
 step gla_kernel 900 env TRITON_CACHE_DIR="$cache" python benchmarks/gla_kernel.py --sweep --out "$out/gla_kernel.json"
 step gate_cumsum 120 env TRITON_CACHE_DIR="$cache" python benchmarks/gate_cumsum.py --out "$out/gate_cumsum.json"
 step fused_ops 300 env TRITON_CACHE_DIR="$cache" python benchmarks/fused_ops.py --out "$out/fused_ops.json"
@@ -38,7 +40,7 @@ step train_2048 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throu
     --models fabric-lin,fabric-lin-tuned,fla,transformer,fabric-lin-static,fabric-lin-no-cudagraphs --out "$out/train_2048.json"
 # the peer's candidates at 16K too (half the micro batch of the 2048 step, so 8 workers fit on one GPU)
 step fla_precompile_16k 600 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_precompile.py --workers 8 --batch_size 1 \
-    --seq_len 16384 --worker_gib 16
+    --seq_len 16384 --worker_gib 16 --out "$out/fla_precompile_16k.json"
 step train_16k 900 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --batch_size 2 --seq_len 16384 \
     --regimes bf16-weights,real-loop --out "$out/train_16k.json"
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
@@ -53,4 +55,4 @@ fi
 step profile_1gpu 300 python benchmarks/profile_step.py --devices 1 --out "$out/profile_1gpu.json"
 # where the host's time per step goes (micro batch 1: the GPU's work is small, the host's is not)
 step profile_host 300 python benchmarks/profile_step.py --batch_size 1 --host_ops --out "$out/profile_host.json"
-step activation_memory 300 python benchmarks/activation_memory.py
+step activation_memory 300 python benchmarks/activation_memory.py --out "$out/activation_memory.json"
