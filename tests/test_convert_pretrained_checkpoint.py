@@ -287,7 +287,7 @@ def test_fsdp_sharded_checkpoint_converts_on_cpu_to_the_unsharded_weights(tmp_pa
 def test_sharded_metadata_with_foreign_pickle_is_refused(tmp_path):
     import pickle
 
-    from fabric_lin.convert.pretrained_checkpoint import load_sharded_model_state
+    from fabric_lin.checkpoint import load_sharded_model_state
 
     weights = tmp_path / "lit_model.pth"
     weights.mkdir()

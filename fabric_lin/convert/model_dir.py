@@ -20,10 +20,9 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 import torch.nn as nn
 
+from fabric_lin.checkpoint import CONFIG_FILE, MODEL_FILE  # the same names as in a training checkpoint
 from fabric_lin.config import Config
 
-MODEL_FILE = "lit_model.pth"
-CONFIG_FILE = "model_config.yaml"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
