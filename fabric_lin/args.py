@@ -1,7 +1,7 @@
 """The small dataclasses that group `fabric-lin pretrain`'s options (`--train.*`, `--eval.*`,
-`--optimizer.*`). jsonargparse turns each field into a flag and a YAML key."""
-import math
-from dataclasses import dataclass
+`--optimizer.*`, `--parallelism.*`, `--compile.*`). jsonargparse turns each field into a flag and a
+YAML key. Each group checks its own values (`validate`), naming the key, the value and what was expected."""
+from dataclasses import dataclass, replace
 from typing import Literal, Optional, Tuple
 
 
@@ -71,6 +71,19 @@ class TrainArgs:
             )
         return steps
 
+    def validate(self) -> None:
+        """The fields that `gradient_accumulation_iters` and `total_steps` do not check."""
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ValueError(f"train.save_interval must be at least 1 (or null: only the final checkpoint), got {self.save_interval}")
+        if self.log_interval < 1:
+            raise ValueError(f"train.log_interval must be at least 1, got {self.log_interval}")
+        if self.lr_schedule not in ("cosine", "wsd"):
+            raise ValueError(f"train.lr_schedule must be 'cosine' or 'wsd', got {self.lr_schedule!r}")
+        if self.lr_schedule == "wsd" and not 0.0 < self.wsd_decay_fraction <= 1.0:
+            raise ValueError(f"train.wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction}")
+        if self.keep_last_n is not None and self.keep_last_n < 1:
+            raise ValueError(f"train.keep_last_n must be at least 1 (or null to keep all), got {self.keep_last_n}")
+
 
 @dataclass
 class EvalArgs:
@@ -85,6 +98,12 @@ class EvalArgs:
     final_validation: bool = True
     """Validate after the last step"""
 
+    def validate(self) -> None:
+        if self.interval < 1:
+            raise ValueError(f"eval.interval must be at least 1 (optimizer steps between validations), got {self.interval}")
+        if self.max_iters < 1:
+            raise ValueError(f"eval.max_iters must be at least 1 (validation batches per device), got {self.max_iters}")
+
 
 @dataclass
 class OptimizerArgs:
@@ -96,25 +115,82 @@ class OptimizerArgs:
     eps: float = 1e-8
 
 
-def learning_rate(step: int, base_lr: float, min_lr: float, warmup_steps: int, max_steps: int,
-                  schedule: str = "cosine", decay_fraction: float = 0.1) -> float:
-    """The learning rate for optimizer step `step` (0-based): a pure function, so nothing to checkpoint.
+@dataclass
+class ParallelismArgs:
+    """How several devices share the work. One device, or several CPU processes (DDP over gloo),
+    ignore all but activation_checkpointing."""
 
-    cosine: linear warmup 0 -> base_lr over `warmup_steps`, then cosine to min_lr at `max_steps`.
-    wsd:    linear warmup, constant base_lr until (1 - decay_fraction) * max_steps (the stable part
-            includes the warmup, as flame's warmup_stable_decay), then linear decay to min_lr.
-    """
-    if step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
-    if schedule == "cosine":
-        span = max(max_steps - warmup_steps, 1)
-        progress = min((step - warmup_steps) / span, 1.0)
-        return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-    if schedule == "wsd":
-        decay_steps = max(int(round(max_steps * decay_fraction)), 1)
-        decay_start = max(max_steps - decay_steps, warmup_steps)
-        if step < decay_start:
-            return base_lr
-        progress = min((step - decay_start) / max(max_steps - decay_start, 1), 1.0)
-        return base_lr - (base_lr - min_lr) * progress
-    raise ValueError(f"train.lr_schedule must be 'cosine' or 'wsd', got {schedule!r}")
+    data_parallel: Literal["fsdp", "ddp"] = "fsdp"
+    """With several GPUs: "fsdp" shards the weights, gradients and optimizer state over a node's GPUs
+    (FSDP HYBRID_SHARD; replicated across nodes); "ddp" keeps all of them on every GPU
+    (DistributedDataParallel, 16 bytes per parameter: 6.0 GB at gla-340M) and all-reduces the gradients
+    in buckets, with less host work per step than FSDP's hooks around every Block"""
+    fsdp_unit: Literal["block", "model"] = "block"
+    """With FSDP: what one all-gather gathers. "block": each Block's weights, just before the Block runs
+    (least memory). "model": all weights at once, one all-gather and one reduce-scatter per pass instead of
+    one per Block (less host work), at the cost of the whole model's compute-dtype weights and full-size
+    gradients on every GPU during the step and of communication that no longer overlaps the Blocks' compute"""
+    fsdp_reshard_after_forward: bool = True
+    """With FSDP: free each Block's gathered weights after its forward pass and gather them again for its
+    backward pass (least memory). False keeps them until the backward pass and, while gradients accumulate
+    over micro-batches, until the optimizer step (ZeRO-2 inside a node: one all-gather of the weights per
+    optimizer step instead of two per micro-batch)"""
+    activation_checkpointing: bool = False
+    """Recompute each Block's activations in the backward pass (less memory, about a third more compute)"""
+
+    def validate(self) -> None:
+        if self.data_parallel not in ("fsdp", "ddp"):
+            raise ValueError(f"parallelism.data_parallel must be 'fsdp' or 'ddp', got {self.data_parallel!r}")
+        if self.fsdp_unit not in ("block", "model"):
+            raise ValueError(f"parallelism.fsdp_unit must be 'block' or 'model', got {self.fsdp_unit!r}")
+
+
+@dataclass
+class CompileArgs:
+    """torch.compile of the model (each Block compiled in place) and the kernels' launch settings."""
+
+    enabled: Optional[bool] = None
+    """Compile the model. null: on with CUDA, off on the CPU"""
+    cache: bool = True
+    """Keep Triton's and torch.compile's caches in out_dir/compile_cache (TRITON_CACHE_DIR and
+    TORCHINDUCTOR_CACHE_DIR), so that a resumed run, or any later run into the same out_dir, loads compiled
+    kernels and graphs instead of building them again"""
+    dynamic: bool = True
+    """Compile the Blocks for any batch size and sequence length (marked dynamic), so that a new context
+    length or a smaller batch (validation) does not compile them again. False: each new shape compiles anew"""
+    mode: Literal["auto", "default", "reduce-overhead"] = "auto"
+    """reduce-overhead: each compiled Block's forward and backward pass replays as a CUDA graph, one launch
+    for all its kernels, so the host no longer holds the GPU back (one GPU only: FSDP gathers the weights
+    into new memory each step, which a recorded graph cannot follow; not with reset_state_at_doc_boundaries,
+    whose shapes change with every batch). default: kernels launched one by one. auto: reduce-overhead
+    where it can run, default elsewhere"""
+    kernel_autotune: bool = False
+    """Search the GLA kernels' launch settings (tiles, warps) at this run's layer shape before training, about
+    a minute on a GPU, instead of using the shipped settings. Kept in out_dir/compile_cache/gla_launch.json,
+    keyed by GPU, dtype and head dims, so a resumed run or a new context length does not search again"""
+
+    def resolve(self, cuda: bool, devices: int, num_nodes: int, reset_state_at_doc_boundaries: bool) -> "CompileArgs":
+        """This run's settings: `enabled` null -> on with CUDA; mode "auto" -> "reduce-overhead" where CUDA
+        graphs can run (one CUDA GPU, compile on, shapes that do not change with every batch), else "default".
+        Raises, naming the keys, where the settings cannot run together."""
+        if self.mode not in ("auto", "default", "reduce-overhead"):
+            raise ValueError(f"compile.mode must be 'auto', 'default' or 'reduce-overhead', got {self.mode!r}")
+        enabled = cuda if self.enabled is None else self.enabled
+        graphs_can_run = cuda and enabled and devices * num_nodes == 1
+        mode = self.mode
+        if mode == "auto":
+            mode = "reduce-overhead" if graphs_can_run and not reset_state_at_doc_boundaries else "default"
+        if mode == "reduce-overhead" and not graphs_can_run:
+            raise ValueError(
+                "compile.mode 'reduce-overhead' (CUDA graphs) needs one CUDA GPU and compile.enabled true; got "
+                f"cuda={cuda}, compile.enabled={enabled}, devices={devices}, num_nodes={num_nodes}"
+            )
+        if mode == "reduce-overhead" and reset_state_at_doc_boundaries:
+            # each batch's document count changes a tensor shape, and each new shape records another graph
+            raise ValueError("compile.mode 'reduce-overhead' (CUDA graphs) cannot be used with reset_state_at_doc_boundaries")
+        return replace(self, enabled=enabled, mode=mode)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the compiled Blocks replay as CUDA graphs (after `resolve`)."""
+        return bool(self.enabled) and self.mode == "reduce-overhead"

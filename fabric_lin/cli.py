@@ -2,7 +2,7 @@
 command line (jsonargparse turns typed arguments into flags and YAML keys)."""
 import importlib
 import sys
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Optional
 
 # subcommand -> "module:function". A module is imported only when its subcommand runs (or for --help).
 COMMANDS: Dict[str, str] = {
@@ -45,6 +45,45 @@ def valid_keys_hint(message: str) -> str:
     return message + "".join(f"\n  {hint}" for hint in hints)
 
 
+def renamed_keys_message(argv: List[str], renamed: Dict[str, str]) -> Optional[str]:
+    """One line naming the new key of each old key in `argv` (`--old value`, `--old=value`) or at the top
+    of a `--config` file given there; None when there is none. An old key that is now the name of a
+    group (`compile`) is old only with a plain value (true, false, null), not with a mapping."""
+    import yaml
+
+    def is_old(key: str, value) -> bool:
+        return key in renamed and not (renamed[key].startswith(key + ".") and isinstance(value, dict))
+
+    found = []  # (where, key)
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--"):
+            continue
+        key, has_value, value = arg[2:].partition("=")
+        if not has_value:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if key == "config":
+            try:
+                with open(value, encoding="utf-8") as f:
+                    content = yaml.safe_load(f)
+            except (OSError, yaml.YAMLError):
+                continue  # jsonargparse reports an unreadable config file
+            if isinstance(content, dict):
+                found += [(value, k) for k, v in content.items() if is_old(k, v)]
+            continue
+        if key in renamed:
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                pass
+            if is_old(key, value):
+                found.append((None, key))
+    parts = []
+    for where in dict.fromkeys(where for where, _ in found):  # the command line or a config file, in argv's order
+        renames = ", ".join(f"{key} is now {renamed[key]}" for w, key in found if w == where)
+        parts.append(f"{where}: {renames}" if where else renames)
+    return "; ".join(parts) or None
+
+
 def main(argv=None) -> None:
     from jsonargparse import CLI, ArgumentParser, set_parsing_settings
 
@@ -61,6 +100,11 @@ def main(argv=None) -> None:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     if argv and argv[0] in COMMANDS:
         components = {argv[0]: load_command(argv[0])}
+        renamed = getattr(importlib.import_module(components[argv[0]].__module__), "RENAMED_KEYS", {})
+        message = renamed_keys_message(argv[1:], renamed)
+        if message:
+            print(f"fabric-lin {argv[0]}: error: {message}", file=sys.stderr)
+            raise SystemExit(2)
     else:  # `fabric-lin --help` or an unknown subcommand: list every one that imports
         components = {}
         for name in COMMANDS:

@@ -1,5 +1,7 @@
-"""Unit tests of the pretraining loop's pieces: schedules, batch arithmetic, document boundaries,
-checkpoint discovery, FLOPs, model init and the CLI's typing of `data`."""
+"""The pretraining loop through `setup` and the `fabric-lin pretrain` command line: its option groups,
+the errors it gives before any work, the learning-rate schedule, batch arithmetic, document
+boundaries, FLOPs, model init and the CLI's typing of `data` (the checkpoint format: test_checkpoint.py)."""
+import json
 import math
 import os
 from pathlib import Path
@@ -8,22 +10,17 @@ import lightning as L
 import pytest
 import torch
 
-from fabric_lin.args import EvalArgs, TrainArgs, learning_rate
+from fabric_lin.args import CompileArgs, EvalArgs, ParallelismArgs, TrainArgs
 from fabric_lin.config import Config
 from fabric_lin.flops import flops_per_token, matmul_params
+from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.model import GPT
 from fabric_lin.pretrain import (
-    auto_compile_mode,
     build_model,
     canonical_name,
     doc_boundaries,
-    find_resume_dir,
-    get_rng_states,
     no_decay_parameter_names,
-    prune_checkpoints,
     StepFlags,
-    set_rng_states,
-    step_checkpoints,
 )
 
 
@@ -125,57 +122,6 @@ def test_batch_fingerprint_sees_tokens_and_their_order():
     changed[1, 3] += 1
     assert batch_fingerprint(changed) != reference
     assert batch_fingerprint(batch.to(torch.int32)) == reference  # stored dtype does not matter
-
-
-def _make_ckpt(root: Path, name: str) -> Path:
-    d = root / name
-    d.mkdir(parents=True)
-    (d / "lit_model.pth").write_bytes(b"x")
-    return d
-
-
-def test_find_resume_dir(tmp_path):
-    assert find_resume_dir("auto", tmp_path) is None
-    assert find_resume_dir(False, tmp_path) is None
-    with pytest.raises(FileNotFoundError, match="--resume true: no checkpoint"):
-        find_resume_dir(True, tmp_path)
-    _make_ckpt(tmp_path, "step-00000002")
-    _make_ckpt(tmp_path, "step-00000010")
-    _make_ckpt(tmp_path, ".tmp-step-00000012")  # interrupted save: never chosen
-    (tmp_path / "step-00000011").mkdir()  # no lit_model.pth: not complete
-    assert find_resume_dir("auto", tmp_path) == tmp_path / "step-00000010"
-    assert find_resume_dir(True, tmp_path) == tmp_path / "step-00000010"
-    # a path: the directory or the lit_model.pth in it
-    assert find_resume_dir(tmp_path / "step-00000002", tmp_path) == tmp_path / "step-00000002"
-    assert find_resume_dir(tmp_path / "step-00000002" / "lit_model.pth", tmp_path) == tmp_path / "step-00000002"
-    with pytest.raises(FileNotFoundError, match="step-00000011"):
-        find_resume_dir(tmp_path / "step-00000011", tmp_path)
-    final = _make_ckpt(tmp_path, "final")  # without step.json (older runs): taken as the newest
-    assert find_resume_dir("auto", tmp_path) == tmp_path / "final"
-    # a run extended past its first max_steps saves step-* directories after its old final/
-    (final / "step.json").write_text('{"step_count": 4}')
-    assert find_resume_dir("auto", tmp_path) == tmp_path / "step-00000010"
-    (final / "step.json").write_text('{"step_count": 10}')  # a tie: final/, whose validation is done
-    assert find_resume_dir(True, tmp_path) == tmp_path / "final"
-
-
-def test_prune_keeps_newest(tmp_path):
-    for step in (2, 4, 6, 8):
-        _make_ckpt(tmp_path, f"step-{step:08d}")
-    prune_checkpoints(tmp_path, keep_last_n=2)
-    assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000006", "step-00000008"]
-    assert not list(tmp_path.glob(".tmp-*"))
-
-
-def test_rng_states_round_trip():
-    import random
-
-    import numpy as np
-
-    states = get_rng_states()
-    a = (random.random(), np.random.rand(), torch.rand(1).item())
-    set_rng_states(states)
-    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
 
 
 def test_matmul_params_equal_the_models_matrices():
@@ -290,7 +236,7 @@ def test_config_hub_recipes(name):
 def test_config_hub_debug_runs_on_cpu_defaults():
     cfg = parse_run_config(CONFIG_HUB / "debug.yaml")
     assert cfg.model_name == "gla-debug" and type(cfg.data).__name__ == "SampleCorpus"
-    assert cfg.precision == "32-true" and cfg.compile is False and cfg.devices == 1
+    assert cfg.precision == "32-true" and cfg.compile.enabled is False and cfg.devices == 1
     assert cfg.train.gradient_accumulation_iters(1, 1) == 2
 
 
@@ -319,25 +265,38 @@ def test_error_batch_not_divisible(tmp_path):
 
 
 def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"compile_mode 'reduce-overhead' \(CUDA graphs\) needs one CUDA GPU and compile on; got cuda=False"):
-        _setup(tmp_path, compile_mode="reduce-overhead")
-    with pytest.raises(ValueError, match=r"compile_mode must be 'auto', 'default' or 'reduce-overhead', got 'max-autotune'"):
-        _setup(tmp_path, compile_mode="max-autotune")
+    graphs = CompileArgs(mode="reduce-overhead")
+    with pytest.raises(ValueError, match=r"compile.mode 'reduce-overhead' \(CUDA graphs\) needs one CUDA GPU and "
+                       r"compile.enabled true; got cuda=False, compile.enabled=False, devices=1, num_nodes=1"):
+        _setup(tmp_path, compile=graphs)
+    with pytest.raises(ValueError, match=r"compile.mode must be 'auto', 'default' or 'reduce-overhead', got 'max-autotune'"):
+        _setup(tmp_path, compile=CompileArgs(mode="max-autotune"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before any GPU work
-    with pytest.raises(ValueError, match=r"needs one CUDA GPU and compile on; got cuda=True, compile=True, devices=2"):
-        _setup(tmp_path, compile_mode="reduce-overhead", devices=2,
+    with pytest.raises(ValueError, match=r"needs one CUDA GPU and compile.enabled true; got cuda=True, compile.enabled=True, devices=2"):
+        _setup(tmp_path, compile=graphs, devices=2,
                train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=1, max_seq_length=32))
+    with pytest.raises(ValueError, match=r"needs one CUDA GPU and compile.enabled true; got cuda=True, compile.enabled=False, devices=1"):
+        _setup(tmp_path, compile=CompileArgs(enabled=False, mode="reduce-overhead"))
     with pytest.raises(ValueError, match="cannot be used with reset_state_at_doc_boundaries"):
-        _setup(tmp_path, compile_mode="reduce-overhead", reset_state_at_doc_boundaries=True)
+        _setup(tmp_path, compile=graphs, reset_state_at_doc_boundaries=True)
     assert not (tmp_path / "out").exists()
 
 
-def test_compile_mode_auto_picks_cuda_graphs_only_where_they_can_run():
-    assert auto_compile_mode(cuda=True, compile=True, world_size=1, reset_state_at_doc_boundaries=False) == "reduce-overhead"
-    assert auto_compile_mode(cuda=True, compile=True, world_size=2, reset_state_at_doc_boundaries=False) == "default"
-    assert auto_compile_mode(cuda=True, compile=False, world_size=1, reset_state_at_doc_boundaries=False) == "default"
-    assert auto_compile_mode(cuda=False, compile=True, world_size=1, reset_state_at_doc_boundaries=False) == "default"
-    assert auto_compile_mode(cuda=True, compile=True, world_size=1, reset_state_at_doc_boundaries=True) == "default"
+@pytest.mark.parametrize("cuda,enabled,devices,num_nodes,reset,mode", [
+    (True, None, 1, 1, False, "reduce-overhead"),  # one GPU, compile on by default with CUDA
+    (True, True, 2, 1, False, "default"),
+    (True, True, 1, 2, False, "default"),
+    (True, False, 1, 1, False, "default"),
+    (False, True, 1, 1, False, "default"),
+    (False, None, 1, 1, False, "default"),  # compile off by default on the CPU
+    (True, True, 1, 1, True, "default"),
+])
+def test_compile_mode_auto_picks_cuda_graphs_only_where_they_can_run(cuda, enabled, devices, num_nodes, reset, mode):
+    resolved = CompileArgs(enabled=enabled, mode="auto").resolve(cuda, devices, num_nodes, reset)
+    assert resolved.mode == mode and resolved.enabled is (cuda if enabled is None else enabled)
+    assert resolved.cuda_graphs is (mode == "reduce-overhead")
+    # an explicit mode is kept where it can run
+    assert CompileArgs(enabled=enabled, mode="default").resolve(cuda, devices, num_nodes, reset).mode == "default"
 
 
 def test_strategy_for_each_data_parallel_choice():
@@ -346,25 +305,28 @@ def test_strategy_for_each_data_parallel_choice():
 
     from fabric_lin.pretrain import make_strategy
 
-    assert make_strategy(cuda=True, devices=1, num_nodes=1, data_parallel="ddp") == "auto"
-    cpu = make_strategy(cuda=False, devices=2, num_nodes=1, data_parallel="fsdp")
+    assert make_strategy(cuda=True, devices=1, num_nodes=1, parallelism=ParallelismArgs(data_parallel="ddp")) == "auto"
+    cpu = make_strategy(cuda=False, devices=2, num_nodes=1, parallelism=ParallelismArgs(data_parallel="fsdp"))
     assert isinstance(cpu, DDPStrategy) and cpu._process_group_backend == "gloo"
-    ddp = make_strategy(cuda=True, devices=2, num_nodes=1, data_parallel="ddp")
+    ddp = make_strategy(cuda=True, devices=2, num_nodes=1, parallelism=ParallelismArgs(data_parallel="ddp"))
     assert type(ddp) is DDPStrategy and ddp._process_group_backend == "nccl"
     assert ddp._ddp_kwargs["gradient_as_bucket_view"] is True
-    fsdp = make_strategy(cuda=True, devices=2, num_nodes=2, data_parallel="fsdp", fsdp_reshard_after_forward=False)
+    fsdp = make_strategy(cuda=True, devices=2, num_nodes=2, parallelism=ParallelismArgs(fsdp_reshard_after_forward=False))
     assert isinstance(fsdp, FSDPStrategy) and fsdp.sharding_strategy == ShardingStrategy._HYBRID_SHARD_ZERO2
     assert make_strategy(cuda=True, devices=2, num_nodes=1).sharding_strategy == ShardingStrategy.HYBRID_SHARD
     assert make_strategy(cuda=True, devices=2, num_nodes=1)._fsdp_kwargs["auto_wrap_policy"] is not None
-    whole = make_strategy(cuda=True, devices=2, num_nodes=1, fsdp_unit="model")
+    whole = make_strategy(cuda=True, devices=2, num_nodes=1, parallelism=ParallelismArgs(fsdp_unit="model"))
     assert "auto_wrap_policy" not in whole._fsdp_kwargs  # one unit: the root module
+    checkpointed = make_strategy(cuda=True, devices=2, num_nodes=1, parallelism=ParallelismArgs(activation_checkpointing=True))
+    assert checkpointed._activation_checkpointing_kwargs and not make_strategy(True, 2, 1)._activation_checkpointing_kwargs
 
 
 def test_error_data_parallel_choice(tmp_path):
-    with pytest.raises(ValueError, match=r"data_parallel must be 'fsdp' or 'ddp', got 'zero3'"):
-        _setup(tmp_path, data_parallel="zero3")
-    with pytest.raises(ValueError, match=r"fsdp_unit must be 'block' or 'model', got 'layer'"):
-        _setup(tmp_path, fsdp_unit="layer")
+    with pytest.raises(ValueError, match=r"parallelism.data_parallel must be 'fsdp' or 'ddp', got 'zero3'"):
+        _setup(tmp_path, parallelism=ParallelismArgs(data_parallel="zero3"))
+    with pytest.raises(ValueError, match=r"parallelism.fsdp_unit must be 'block' or 'model', got 'layer'"):
+        _setup(tmp_path, parallelism=ParallelismArgs(fsdp_unit="layer"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_error_out_dir_not_writable(tmp_path):
@@ -601,3 +563,91 @@ def test_error_resume_with_other_optimizer_groups_says_how_to_continue(tmp_path)
     torch.save(state, path)
     with pytest.raises(ValueError, match=r"other parameter groups than this run's .* convert_pretrained_checkpoint"):
         _setup(tmp_path, resume=tmp_path / "out" / "final", out_dir=tmp_path / "again", eval=EvalArgs(final_validation=False))
+
+
+@pytest.mark.parametrize("train,eval,message", [
+    (dict(save_interval=0), {}, r"train.save_interval must be at least 1 \(or null: only the final checkpoint\), got 0"),
+    (dict(log_interval=0), {}, r"train.log_interval must be at least 1, got 0"),
+    (dict(keep_last_n=0), {}, r"train.keep_last_n must be at least 1 \(or null to keep all\), got 0"),
+    (dict(lr_schedule="wsd", wsd_decay_fraction=1.5), {}, r"train.wsd_decay_fraction must be in \(0, 1\], got 1.5"),
+    (dict(lr_schedule="linear"), {}, r"train.lr_schedule must be 'cosine' or 'wsd', got 'linear'"),
+    ({}, dict(interval=0), r"eval.interval must be at least 1 \(optimizer steps between validations\), got 0"),
+])
+def test_error_train_and_eval_values_are_named(tmp_path, train, eval, message):
+    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=32, **train)
+    with pytest.raises(ValueError, match=message):
+        _setup(tmp_path, train=train, eval=EvalArgs(**eval))
+    assert not (tmp_path / "out").exists()
+
+
+# ---- keys that moved into the option groups
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--compile_cache", "false"], "compile_cache is now compile.cache"),
+    (["--compile_mode=default"], "compile_mode is now compile.mode"),
+    (["--compile", "false"], "compile is now compile.enabled"),
+    (["--fsdp_unit", "model", "--activation_checkpointing", "true"],
+     "fsdp_unit is now parallelism.fsdp_unit, activation_checkpointing is now parallelism.activation_checkpointing"),
+])
+def test_old_command_line_keys_name_the_new_key(tmp_path, capsys, flags, message):
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"fabric-lin pretrain: error: {message}\n"  # one line
+    assert not (tmp_path / "out").exists()
+
+
+def test_old_config_file_keys_name_the_new_key(tmp_path, capsys):
+    """A config file of an earlier version (e.g. a checkpoint's hyperparameters.yaml) with keys that
+    moved: one line names each new key, with the file."""
+    from fabric_lin.cli import main as cli_main
+
+    old = tmp_path / "old.yaml"
+    old.write_text("model_name: gla-debug\ncompile: null\ncompile_cache: true\ndata_parallel: fsdp\n")
+    with pytest.raises(SystemExit):
+        cli_main(["pretrain", "--config", str(old), "--out_dir", str(tmp_path / "out")])
+    assert capsys.readouterr().err == (
+        f"fabric-lin pretrain: error: {old}: compile is now compile.enabled, compile_cache is now compile.cache, "
+        "data_parallel is now parallelism.data_parallel\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_new_group_keys_parse_from_the_command_line_and_yaml(tmp_path):
+    from jsonargparse import ArgumentParser
+
+    from fabric_lin.pretrain import setup
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_function_arguments(setup)
+    parser.add_argument("--config", action="config")
+    config = tmp_path / "run.yaml"
+    config.write_text("model_name: gla-debug\ncompile:\n  cache: false\n  mode: default\nparallelism:\n  fsdp_unit: model\n")
+    cfg = parser.instantiate(parser.parse_args([
+        "--config", str(config), "--compile.enabled", "true", "--parallelism.activation_checkpointing", "true",
+    ]))
+    assert cfg.compile == CompileArgs(enabled=True, cache=False, dynamic=True, mode="default", kernel_autotune=False)
+    assert cfg.parallelism == ParallelismArgs(data_parallel="fsdp", fsdp_unit="model", activation_checkpointing=True)
+
+
+def test_hyperparameters_yaml_is_a_config_for_the_next_run(tmp_path):
+    """The hyperparameters.yaml in a checkpoint records this run's resolved arguments, and `--config` reads
+    it back: the same groups, and a run continued from it."""
+    from fabric_lin.cli import main as cli_main
+
+    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=32, lr_warmup_steps=1)
+    _setup(tmp_path, train=train, eval=EvalArgs(final_validation=False),
+           parallelism=ParallelismArgs(fsdp_unit="model"), compile=CompileArgs(dynamic=False, mode="default"))
+    hparams = tmp_path / "out" / "final" / "hyperparameters.yaml"
+    cfg = parse_run_config(hparams)
+    assert cfg.model_name == "gla-debug" and cfg.devices == 1 and cfg.precision == "32-true"  # resolved
+    assert cfg.train == train and cfg.eval == EvalArgs(final_validation=False)
+    assert cfg.parallelism == ParallelismArgs(fsdp_unit="model")
+    assert cfg.compile == CompileArgs(enabled=False, dynamic=False, mode="default")  # enabled resolved for the CPU
+    assert type(cfg.data).__name__ == "SampleCorpus" and tuple(cfg.data.weights) == (0.693584, 0.306416)
+    cli_main(["pretrain", "--config", str(hparams), "--resume", "auto", "--train.max_steps", "2"])
+    assert json.loads((tmp_path / "out" / "final" / "step.json").read_text()) == {"step_count": 2}

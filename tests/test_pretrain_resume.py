@@ -144,7 +144,7 @@ def test_reference_run_writes_the_checkpoint_format(reference):
     assert len(first) == 1 and first[0]["step"] == 1 and 0 < first[0]["time_to_first_step_s"] < TIMEOUT
     assert (first[0]["compiled_graphs"] > 0) if compiles else (first[0]["compiled_graphs"] == 0)
     hparams = yaml.safe_load((final / "hyperparameters.yaml").read_text())
-    assert hparams["compile"] is compiles and hparams["compile_cache"] is True
+    assert hparams["compile"]["enabled"] is compiles and hparams["compile"]["cache"] is True
     # which checkpoint is newest is read from step.json, without loading the checkpoint
     assert json.loads((final / "step.json").read_text()) == {"step_count": STEPS}
     assert json.loads((reference / "step-00000004" / "step.json").read_text()) == {"step_count": 4}
@@ -332,17 +332,17 @@ if __name__ == "__main__":
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_train_as_kernel_launches_do_and_resume(tmp_path):
-    """On one GPU compile_mode auto replays each compiled Block as a CUDA graph. Graph replays write into
+    """On one GPU compile.mode auto replays each compiled Block as a CUDA graph. Graph replays write into
     memory recorded once, so a buffer read after the next replay overwrote it would show here (as the first
     micro-batch's weight gradients did, with 2 micro-batches per step as here): the same run
     with kernels launched one by one must log the same losses, validation included, and a run resumed from
     a step checkpoint the same losses as the uninterrupted one (bf16-mixed; GPU reductions may reorder, so
     close rather than equal)."""
-    gpu = ("--compile_cache", "false", "--eval.interval", "4", "--eval.initial_validation", "true",
+    gpu = ("--compile.cache", "false", "--eval.interval", "4", "--eval.initial_validation", "true",
            "--eval.final_validation", "true")
     graphs, launches, resumed = tmp_path / "graphs", tmp_path / "launches", tmp_path / "resumed"
     assert "mode reduce-overhead" in run(graphs, *gpu).stdout
-    assert "mode default" in run(launches, *gpu, "--compile_mode", "default").stdout
+    assert "mode default" in run(launches, *gpu, "--compile.mode", "default").stdout
     with_graphs, without = logged_losses(graphs), logged_losses(launches)
     assert sorted(with_graphs) == list(range(1, STEPS + 1)) and sorted(without) == sorted(with_graphs)
     for step in with_graphs:

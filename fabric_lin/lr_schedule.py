@@ -1,0 +1,27 @@
+"""The learning-rate schedule: a pure function of the optimizer step, so a checkpoint needs no
+scheduler state and a resumed run continues the same curve."""
+import math
+
+
+def learning_rate(step: int, base_lr: float, min_lr: float, warmup_steps: int, max_steps: int,
+                  schedule: str = "cosine", decay_fraction: float = 0.1) -> float:
+    """The learning rate for optimizer step `step` (0-based).
+
+    cosine: linear warmup 0 -> base_lr over `warmup_steps`, then cosine to min_lr at `max_steps`.
+    wsd:    linear warmup, constant base_lr until (1 - decay_fraction) * max_steps (the stable part
+            includes the warmup, as flame's warmup_stable_decay), then linear decay to min_lr.
+    """
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    if schedule == "cosine":
+        span = max(max_steps - warmup_steps, 1)
+        progress = min((step - warmup_steps) / span, 1.0)
+        return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    if schedule == "wsd":
+        decay_steps = max(int(round(max_steps * decay_fraction)), 1)
+        decay_start = max(max_steps - decay_steps, warmup_steps)
+        if step < decay_start:
+            return base_lr
+        progress = min((step - decay_start) / max(max_steps - decay_start, 1), 1.0)
+        return base_lr - (base_lr - min_lr) * progress
+    raise ValueError(f"train.lr_schedule must be 'cosine' or 'wsd', got {schedule!r}")

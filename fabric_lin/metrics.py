@@ -1,0 +1,218 @@
+"""What a training run reports, written from one place (`MetricsWriter`): `out_dir/metrics.jsonl`
+(rank 0, one JSON object per line), the Fabric loggers (TensorBoard, CSV or wandb) and the console.
+
+metrics.jsonl holds four kinds of record, each with its "step":
+    every optimizer step     loss (averaged over ranks), lr, grad_norm, data_fingerprint
+    the first step           time_to_first_step_s, compiled_graphs, startup_phases_s
+    every train.log_interval tokens_per_sec, tokens, skipped_steps, and where known mfu,
+                             max_memory_gb, recompilations
+    every validation         val_loss, val_ppl
+"""
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from lightning.fabric.loggers import CSVLogger
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def process_start_time() -> float:
+    """Wall-clock time at which this process started (from /proc on Linux; elsewhere, this import)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+PROCESS_START = process_start_time()
+
+
+def compiled_graphs() -> int:
+    """How many frames torch.compile (Dynamo) has compiled in this process, first compilations included."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
+class MetricsWriter:
+    """One run's metrics. Per-step values stay on the device until `flush` (one device-to-host transfer
+    per log interval, not per step); tokens/s is measured over the steps since the last progress line,
+    without the time spent `paused` (validation, saving)."""
+
+    def __init__(self, fabric, out_dir: Path, max_steps: int, tokens_per_step: int,
+                 flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
+                 count_recompilations: bool = False):
+        self.fabric = fabric
+        self.path = Path(out_dir) / METRICS_FILE
+        self.max_steps = max_steps
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.count_recompilations = count_recompilations
+        self.startup: Dict[str, float] = {"launched": time.time() - PROCESS_START}
+        self.pending: List[Tuple[int, torch.Tensor, float, torch.Tensor, torch.Tensor]] = []
+        self.graphs_at_first_step = 0
+
+    def write(self, *records: Dict[str, Any]) -> None:
+        if self.fabric.global_rank == 0:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(record) + "\n" for record in records)
+
+    def log_hyperparams(self, hparams: Dict[str, Any]) -> None:
+        if not isinstance(self.fabric.logger, CSVLogger):  # Fabric's CSVLogger cannot; hyperparameters.yaml has them
+            self.fabric.logger.log_hyperparams(hparams)
+
+    def startup_phase(self, name: str) -> None:
+        """A phase of the start-up ended now (reported with the time to the first step)."""
+        self.startup[name] = time.time() - PROCESS_START
+
+    def start(self, step: int) -> None:
+        """The training loop starts, at optimizer step `step`."""
+        self.startup_phase("loop started")
+        self.start_step = self.window_step = step
+        self.run_start = self.window_start = time.perf_counter()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time inside is left out of tokens/s (which measures training, not validation or saving)."""
+        paused = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window_start += time.perf_counter() - paused
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.run_start
+
+    def add_step(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, fingerprint: torch.Tensor) -> None:
+        self.pending.append((step, loss.detach(), lr, grad_norm.detach(), fingerprint))
+
+    def flush(self) -> List[float]:
+        """Write the pending per-step records (rank 0) and return their losses, averaged over ranks."""
+        if not self.pending:
+            return []
+        fabric = self.fabric
+        losses = torch.stack([p[1] for p in self.pending]).float()
+        fingerprints = torch.stack([p[4] for p in self.pending])
+        if fabric.world_size > 1:
+            losses = fabric.all_reduce(losses, reduce_op="mean")
+            fingerprints = fabric.all_reduce(fingerprints, reduce_op="sum")
+        norms = torch.stack([p[3].float() for p in self.pending])
+        loss_values, norm_values, fingerprint_values = losses.tolist(), norms.tolist(), fingerprints.tolist()
+        self.write(*(
+            {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "data_fingerprint": data}
+            for (step, _, lr, _, _), loss, norm, data in zip(self.pending, loss_values, norm_values, fingerprint_values)
+        ))
+        self.pending.clear()
+        return loss_values
+
+    def log_first_step(self, step: int) -> None:
+        """The time from process start to the first optimizer step, and where the start-up went."""
+        if self.fabric.device.type == "cuda":
+            torch.cuda.synchronize(self.fabric.device)  # the step done, not only queued
+        seconds = time.time() - PROCESS_START
+        self.graphs_at_first_step = compiled_graphs()
+        self.fabric.print(
+            f"Time to first optimizer step: {seconds:.1f}s (from process start; "
+            + ", ".join(f"{name} at {t:.1f}s" for name, t in self.startup.items())
+            + f"); torch.compile graphs so far: {self.graphs_at_first_step}"
+        )
+        self.fabric.log_dict({"time_to_first_step_s": seconds}, step=step)
+        self.write({"step": step, "time_to_first_step_s": seconds, "compiled_graphs": self.graphs_at_first_step,
+                    "startup_phases_s": dict(self.startup)})
+
+    def log_progress(self, step: int, lr: float, grad_norm: torch.Tensor, skipped_steps: int) -> None:
+        """Flush, then log the speed since the last progress line and print the progress line."""
+        losses = self.flush()  # waits for the GPU: the window ends here
+        now = time.perf_counter()
+        tokens_per_sec = (step - self.window_step) * self.tokens_per_step / max(now - self.window_start, 1e-9)
+        metrics = {
+            "loss": losses[-1], "lr": lr, "grad_norm": float(grad_norm), "tokens_per_sec": tokens_per_sec,
+            "tokens": step * self.tokens_per_step, "skipped_steps": skipped_steps,
+        }
+        if self.peak_flops is not None:
+            metrics["mfu"] = self.flops_per_token * tokens_per_sec / (self.peak_flops * self.fabric.world_size)
+        if self.fabric.device.type == "cuda":
+            metrics["max_memory_gb"] = torch.cuda.max_memory_allocated(self.fabric.device) / 1e9
+        if self.count_recompilations:
+            # graphs Dynamo built after the first step: a shape, dtype or mode it had not seen
+            # (validation's no_grad is one); each costs seconds to minutes of compilation
+            metrics["recompilations"] = compiled_graphs() - self.graphs_at_first_step
+        self.fabric.log_dict(metrics, step=step)
+        # the losses are in metrics.jsonl per step already; the speed figures are added
+        self.write({"step": step, **{k: v for k, v in metrics.items() if k not in ("loss", "lr", "grad_norm")}})
+        eta = (now - self.run_start) / max(step - self.start_step, 1) * (self.max_steps - step)
+        self.fabric.print(progress_line(step, self.max_steps, metrics, eta))
+        self.window_start, self.window_step = now, step
+
+    def log_validation(self, step: int, val_loss: Optional[float]) -> None:
+        if val_loss is None:  # no validation data
+            return
+        val_ppl = math.exp(min(val_loss, 100.0))
+        self.fabric.log_dict({"val_loss": val_loss, "val_ppl": val_ppl}, step=step)
+        self.fabric.print(f"step {step}: val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}")
+        self.write({"step": step, "val_loss": val_loss, "val_ppl": val_ppl})
+
+    def log_summary(self, step_count: int, elapsed: float) -> None:
+        trained_tokens = (step_count - self.start_step) * self.tokens_per_step
+        summary = (
+            f"Training finished: {step_count * self.tokens_per_step:,} tokens in total "
+            f"({trained_tokens:,} in this run) | elapsed {format_seconds(elapsed)} | "
+            f"{trained_tokens / max(elapsed, 1e-9):,.0f} tokens/s"
+        )
+        if self.fabric.device.type == "cuda":
+            summary += f" | peak memory {torch.cuda.max_memory_allocated(self.fabric.device) / 1e9:.2f} GB"
+        self.fabric.print(summary)
+
+    def close(self, status: str) -> None:
+        # Fabric's CSV logger writes its file only every 100 logged steps, and at finalize
+        for logger in self.fabric.loggers:
+            logger.finalize(status)
+
+
+def progress_line(step: int, max_steps: int, m: Dict[str, float], eta: float) -> str:
+    line = (
+        f"step {step}/{max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | grad_norm {m['grad_norm']:.3f} | "
+        f"{m['tokens_per_sec']:,.0f} tok/s"
+    )
+    if "mfu" in m:
+        line += f" | MFU {100 * m['mfu']:.1f}%"
+    if "max_memory_gb" in m:
+        line += f" | mem {m['max_memory_gb']:.1f} GB"
+    if m.get("recompilations"):
+        line += f" | recompilations {m['recompilations']}"
+    return line + f" | ETA {format_seconds(eta)}"
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def make_logger(name: str, out_dir: Path, hparams: Dict[str, Any]):
+    if name == "tensorboard":
+        from lightning.fabric.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(root_dir=out_dir / "logs", name="tensorboard")
+    if name == "csv":
+        return CSVLogger(root_dir=out_dir / "logs", name="csv")
+    if name == "wandb":
+        try:
+            from lightning.pytorch.loggers import WandbLogger
+            import wandb  # noqa: F401
+        except ImportError as e:
+            raise ImportError("logger_name=wandb needs the wandb package: pip install wandb") from e
+        return WandbLogger(project="fabric-lin", name=out_dir.name, save_dir=str(out_dir / "logs"), resume="allow", config=hparams)
+    raise ValueError(f"logger_name must be tensorboard, csv or wandb, got {name!r}")
