@@ -48,11 +48,13 @@ def valid_keys_hint(message: str) -> str:
 def renamed_keys_message(argv: List[str], renamed: Dict[str, str]) -> Optional[str]:
     """One line naming the new key of each old key in `argv` (`--old value`, `--old=value`) or at the top
     of a `--config` file given there; None when there is none. An old key that is now the name of a
-    group (`compile`) is old only with a plain value (true, false, null), not with a mapping."""
+    group (`compile`) is old only with the values it had (true, false, null), not with a mapping or a file."""
     import yaml
 
     def is_old(key: str, value) -> bool:
-        return key in renamed and not (renamed[key].startswith(key + ".") and isinstance(value, dict))
+        if renamed.get(key, "").startswith(key + "."):  # a group now: its old values were true, false, null
+            return value is None or isinstance(value, bool)
+        return key in renamed
 
     found = []  # (where, key)
     for i, arg in enumerate(argv):

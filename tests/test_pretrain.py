@@ -651,3 +651,16 @@ def test_hyperparameters_yaml_is_a_config_for_the_next_run(tmp_path):
     assert type(cfg.data).__name__ == "SampleCorpus" and tuple(cfg.data.weights) == (0.693584, 0.306416)
     cli_main(["pretrain", "--config", str(hparams), "--resume", "auto", "--train.max_steps", "2"])
     assert json.loads((tmp_path / "out" / "final" / "step.json").read_text()) == {"step_count": 2}
+
+
+def test_a_compile_group_file_is_not_taken_for_the_old_compile_flag(tmp_path):
+    """`--compile FILE` (a YAML file of the group) and `--compile '{...}'` are the new form: parsed, then
+    refused here for another reason (max_steps 0), which shows that parsing went through."""
+    from fabric_lin.cli import main as cli_main
+
+    group = tmp_path / "compile.yaml"
+    group.write_text("enabled: false\ncache: false\n")
+    for value in (str(group), '{"enabled": false}'):
+        with pytest.raises(ValueError, match="train.max_steps must be positive, got 0"):
+            cli_main(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
+                      "--compile", value, "--train.max_steps", "0"])
