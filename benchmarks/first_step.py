@@ -120,7 +120,7 @@ def fla_worker(seq_len, steps, out_path):
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         if step == 0:
-            from fabric_lin.pretrain import PROCESS_START
+            from fabric_lin.metrics import PROCESS_START
 
             with open(out_path, "w") as f:  # the parent polls this file
                 f.write(json.dumps({"time_to_first_step_s": time.time() - PROCESS_START}) + "\n")
