@@ -27,7 +27,7 @@ from typing import Callable, Dict, Optional, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 
 # environment variables that change what a benchmark measures, recorded when set
-RECORDED_ENV = ("CUDA_VISIBLE_DEVICES", "TRITON_CACHE_DIR", "TRITON_INTERPRET", "FABRIC_LIN_FUSED_OPS")
+RECORDED_ENV = ("CUDA_VISIBLE_DEVICES", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_INTERPRET")
 
 
 def time_ms(fn: Callable[[], object], *, back_to_back: Optional[int] = None, grad_to_none: Optional[Sequence] = None,
