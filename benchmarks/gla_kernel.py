@@ -2,17 +2,21 @@
 
 Compares fabric-lin's Triton `chunk_gla`, flash-linear-attention's `chunk_gla` (when the
 `flash-linear-attention` package is importable) and SDPA flash attention (causal, head dim K) at the
-same B, T, H. Prints one JSON document (and writes it to --out if given), with ratios ours / fla and
-ours / SDPA, the memory each forward pass keeps for its backward (MiB), at every shape a per-kernel time
-breakdown of our forward+backward and fla's, and after the first shape each of our compiled kernels'
-registers, spills and shared memory (what limits its programs per SM).
+same B, T, H, in one process. Prints one JSON document (and writes it to --out if given), with ratios
+ours / fla and ours / SDPA, the memory each forward pass keeps for its backward (MiB), at every shape a
+per-kernel time breakdown of our forward+backward and fla's, and after the first shape each of our
+compiled kernels' registers, spills and shared memory (what limits its programs per SM).
 
     python benchmarks/gla_kernel.py --out gla_kernel.json
-    python benchmarks/gla_kernel.py --shapes 16,2048,4,128,256
-    python benchmarks/gla_kernel.py --variants sep:separate_scores=true wide:state_BV=128,BV_out=256
+    python benchmarks/gla_kernel.py --shapes 16,2048,4,128,256 --gates slow fast mixed
+    python benchmarks/gla_kernel.py --variants w8:output.warps=8 wide:state.BV=64,output.BV=128
 
---variants times other launch tables (fabric_lin.ops.gla.chunk.LAUNCH) in the same run, each against
-the same fla figures, and reports how far each one's output is from the table in place.
+--gates: the forget gates the kernels are timed on. slow: logsigmoid(randn) / 16, as fla's own benchmarks draw
+them (a decay of ~0.05 per step); fast: logsigmoid(randn - 24) / 16, ~1.5 per step, as a trained model's
+short-memory channels forget; mixed: the two in alternate key columns, so that every key tile holds both.
+--launch and --variants time other launch settings (fields of fabric_lin.ops.gla.launch.GLALaunch, written
+kernel.field=value) against the same fla figures, and report how far each one's output is from the shipped
+settings'.
 """
 import argparse
 import json
@@ -20,25 +24,38 @@ import time
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
+from common import kernel_ms, time_ms, write_result
 from fabric_lin.ops.gla.chunk import chunk_gla_triton
-from fabric_lin.ops.gla.tune import rel_rms
+from fabric_lin.ops.gla.launch import SHIPPED
+from fabric_lin.ops.gla.tune import rel_rms, tune_launch, with_settings
 
 SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128), (1, 32768, 8, 128, 128)]
+GATES = ("slow", "fast", "mixed")
 
 
-def gla_inputs(B, T, H, K, V, dtype=torch.bfloat16, device="cuda"):
+def gate_logits(B, T, H, K, gates, device="cuda"):
+    x = torch.randn(B, T, H, K, device=device)
+    if gates == "fast":
+        return x - 24
+    if gates == "mixed":
+        return torch.where(torch.arange(K, device=device) % 2 == 0, x, x - 24)
+    if gates != "slow":
+        raise SystemExit(f"--gates {gates!r}: expected one of {GATES}")
+    return x
+
+
+def gla_inputs(B, T, H, K, V, gates="slow", dtype=torch.bfloat16, device="cuda"):
     q = torch.randn(B, T, H, K, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(B, T, H, K, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(B, T, H, V, device=device, dtype=dtype, requires_grad=True)
-    gk = (F.logsigmoid(torch.randn(B, T, H, K, device=device)) / 16).requires_grad_(True)
+    gk = (F.logsigmoid(gate_logits(B, T, H, K, gates, device)) / 16).requires_grad_(True)
     do = torch.randn(B, T, H, V, device=device, dtype=dtype)
     return (q, k, v, gk), do
 
 
-def ours(q, k, v, gk):
-    return chunk_gla_triton(q, k, v, gk)[0]
+def ours_with(launch):
+    return lambda q, k, v, gk: chunk_gla_triton(q, k, v, gk, launch=launch)[0]
 
 
 def time_fn(fn, inputs, do):
@@ -48,10 +65,9 @@ def time_fn(fn, inputs, do):
             fn(*inputs)
 
     def fwd_bwd():
-        o = fn(*inputs)
-        o.backward(do)
+        fn(*inputs).backward(do)
 
-    return do_bench(fwd, warmup=25, rep=100), do_bench(fwd_bwd, warmup=25, rep=100, grad_to_none=list(inputs))
+    return time_ms(fwd), time_ms(fwd_bwd, grad_to_none=list(inputs))
 
 
 def saved_mib(fn, inputs):
@@ -87,172 +103,142 @@ def sdpa_flash(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def kernel_breakdown(fn, inputs, do, steps=5):
-    """Per-kernel CUDA time (ms per call) of forward+backward, from torch.profiler. The inputs' gradients are
-    dropped before each call, as do_bench's grad_to_none does, so no accumulation kernel is counted."""
-    from torch.profiler import ProfilerActivity, profile
-
+def kernel_breakdown(fn, inputs, do):
+    """Per-kernel GPU time (ms per call, the 15 largest) of forward+backward; the inputs' gradients are dropped
+    before each call, so no accumulation kernel is counted."""
     def fwd_bwd():
         for x in inputs:
             x.grad = None
         fn(*inputs).backward(do)
 
-    for _ in range(3):
-        fwd_bwd()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fwd_bwd()
-        torch.cuda.synchronize()
-    rows = {}
-    for evt in prof.key_averages():
-        device_us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        if device_us > 0 and evt.count > 0:
-            rows[evt.key[:80]] = round(device_us / 1000 / steps, 4)
-    return dict(sorted(rows.items(), key=lambda kv: -kv[1])[:15])
+    rows = kernel_ms(fwd_bwd)
+    return {name[:80]: round(ms, 4) for name, ms in list(rows.items())[:15]}
+
+
+def kernel_modules():
+    from fabric_lin.ops.common import cumsum, state_pass
+    from fabric_lin.ops.gla import chunk_bwd, chunk_fwd
+
+    return [cumsum, state_pass, chunk_fwd, chunk_bwd]
 
 
 def kernel_resources():
     """Registers, spills, shared memory and warps of each of our compiled GLA kernels, and how many of its
     programs one multiprocessor can hold by registers (64K per SM) and shared memory (228 KiB on an H200)."""
     import triton
-    from fabric_lin.ops.gla import chunk
 
     rows = {}
-    for name in sorted(vars(chunk)):
-        fn = getattr(chunk, name)
-        if not isinstance(fn, triton.runtime.JITFunction):
-            continue
-        for caches in getattr(fn, "device_caches", {}).values():
-            for i, kernel in enumerate(caches[0].values()):
-                try:
-                    kernel._init_handles()
-                    warps, regs, shared = kernel.metadata.num_warps, kernel.n_regs, kernel.metadata.shared
-                    rows[f"{name}#{i}"] = {
-                        "warps": warps, "regs_per_thread": regs, "spills": kernel.n_spills, "shared_bytes": shared,
-                        "programs_per_sm_by_regs": 65536 // max(1, regs * 32 * warps),
-                        "programs_per_sm_by_shared": (233472 // shared) if shared else None,
-                        **_flags(fn, kernel),
-                    }
-                except Exception as e:  # another Triton's internals: report, do not fail the benchmark
-                    rows[f"{name}#{i}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    for module in kernel_modules():
+        for name in sorted(vars(module)):
+            fn = getattr(module, name)
+            if not isinstance(fn, triton.runtime.JITFunction):
+                continue
+            for caches in getattr(fn, "device_caches", {}).values():
+                for i, kernel in enumerate(caches[0].values()):
+                    try:
+                        kernel._init_handles()
+                        warps, regs, shared = kernel.metadata.num_warps, kernel.n_regs, kernel.metadata.shared
+                        rows[f"{name}#{i}"] = {
+                            "warps": warps, "regs_per_thread": regs, "spills": kernel.n_spills, "shared_bytes": shared,
+                            "programs_per_sm_by_regs": 65536 // max(1, regs * 32 * warps),
+                            "programs_per_sm_by_shared": (233472 // shared) if shared else None,
+                        }
+                    except Exception as e:  # another Triton's internals: report, do not fail the benchmark
+                        rows[f"{name}#{i}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     return rows
 
 
-def _flags(fn, kernel):
-    """The kernel's boolean compile-time flags (PREFETCH, EARLY_LOADS, ...), where Triton keeps them by argument
-    index; {} where this Triton keeps them otherwise."""
-    flags = {}
-    for key, value in (getattr(getattr(kernel, "src", None), "constants", None) or {}).items():
-        index = key[0] if isinstance(key, tuple) and key else key
-        if isinstance(index, int) and index < len(fn.arg_names) and isinstance(value, bool):
-            flags[fn.arg_names[index]] = value
-    return flags
-
-
 def sweep(shape):
-    """The opt-in launch search (fabric_lin.ops.gla.tune) at one shape: every setting it tried, and how
-    far the shipped table is from the best one. The shipped table is put back afterwards."""
-    from fabric_lin.ops.gla import chunk
-    from fabric_lin.ops.gla.tune import tune_launch
-
-    shipped = dict(chunk.LAUNCH)
+    """The opt-in launch search (fabric_lin.ops.gla.tune) at one shape: every setting it tried, and how far
+    the shipped settings are from the best one."""
     result = tune_launch(*shape)
-    chunk.LAUNCH.clear()
-    chunk.LAUNCH.update(shipped)
-    changed = {k: v for k, v in result["launch"].items() if shipped.get(k) != v}
-    return {"shape": list(shape), "best_changes": changed, "best_fwd_bwd_ms": result["fwd_bwd_ms"],
-            "shipped_fwd_bwd_ms": result["shipped_fwd_bwd_ms"],
-            "shipped_vs_best": result["shipped_fwd_bwd_ms"] / result["fwd_bwd_ms"], "tried": result["tried"]}
+    best = result["launch"]
+    return {"shape": list(shape), "best_launch": best.as_json, "best_fwd_bwd_ms": result["fwd_bwd_ms"],
+            "shipped_fwd_bwd_ms": result["start_fwd_bwd_ms"],
+            "shipped_vs_best": result["start_fwd_bwd_ms"] / result["fwd_bwd_ms"], "tried": result["tried"]}
 
 
-def parse_launch(items, what, table=None):
-    """{key: value} from KEY=VALUE strings, values as a launch table holds them (bool, int, float or str); the
-    keys those of `table` (default: the GLA kernels' LAUNCH)."""
-    if table is None:
-        from fabric_lin.ops.gla.chunk import LAUNCH as table
-
+def parse_settings(items, what):
+    """{"kernel.field": value} from KEY=VALUE strings, values as ints, floats, or None ("none")."""
     settings = {}
     for item in items:
-        key, _, value = item.partition("=")
-        if key not in table:
-            raise SystemExit(f"{what} {item}: unknown key {key!r}, expected one of {sorted(table)}")
-        settings[key] = {"true": True, "false": False}.get(value.lower(), _number_or_text(value))
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"{what} {item!r}: expected KEY=VALUE, e.g. dqk.warps=4")
+        settings[key] = None if value.lower() == "none" else _number(value, f"{what} {item}")
+    try:
+        with_settings(SHIPPED, settings)
+    except ValueError as e:
+        raise SystemExit(f"{what}: {e}; the fields are those of fabric_lin.ops.gla.launch.GLALaunch") from None
     return settings
 
 
-def _number_or_text(value):
+def _number(value, what):
     for kind in (int, float):
         try:
             return kind(value)
         except ValueError:
             pass
-    return value
+    raise SystemExit(f"{what}: {value!r} is not a number")
 
 
-def parse_variants(items, table=None):
-    """{name: settings} from NAME:KEY=VALUE[,KEY=VALUE...] strings (--variants), keys those of `table`."""
+def parse_variants(items):
+    """{name: launch} from NAME:KEY=VALUE[,KEY=VALUE...] strings (--variants)."""
     variants = {}
     for item in items:
         name, sep, changes = item.partition(":")
         if not sep or not changes:
             raise SystemExit(f"--variants {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
-        variants[name] = parse_launch(changes.split(","), f"--variants {name}:", table)
+        variants[name] = with_settings(SHIPPED, parse_settings(changes.split(","), f"--variants {name}:"))
     return variants
 
 
-def time_variants(variants, inputs, do, fla_fwd_bwd_ms):
-    """{name: ms and ratio} for each launch variant, timed with the table in place changed by it."""
-    from fabric_lin.ops.gla import chunk
-
-    base = dict(chunk.LAUNCH)
+def time_variants(variants, launch, inputs, do, fla_fwd_bwd_ms):
+    """{name: ms and ratio} for each launch variant, its output against `launch`'s."""
     with torch.no_grad():
-        o_base = ours(*inputs)
+        o_base = ours_with(launch)(*inputs)
     results = {}
-    for name, settings in variants.items():
-        chunk.LAUNCH.update(settings)
+    for name, variant in variants.items():
+        fn = ours_with(variant)
         try:
             with torch.no_grad():
-                o = ours(*inputs)
-            fwd_ms, fwd_bwd_ms = time_fn(ours, inputs, do)
-            row = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "o_rel_rms_vs_table": rel_rms(o, o_base),
-                   "saved_mib": saved_mib(ours, inputs)}
+                o = fn(*inputs)
+            fwd_ms, fwd_bwd_ms = time_fn(fn, inputs, do)
+            row = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "o_rel_rms_vs_shipped": rel_rms(o, o_base),
+                   "saved_mib": saved_mib(fn, inputs)}
             if fla_fwd_bwd_ms:
                 row["ratio_fwd_bwd_vs_fla"] = fwd_bwd_ms / fla_fwd_bwd_ms
             results[name] = row
         except Exception as e:  # a setting that does not compile or fit is reported, not fatal
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        finally:
-            chunk.LAUNCH.clear()
-            chunk.LAUNCH.update(base)
     return results
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the three reference shapes)")
+    parser.add_argument("--gates", nargs="*", default=["slow"], choices=GATES, help="gate families to time on")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
     parser.add_argument("--fla-only", action="store_true",
                         help="time flash-linear-attention alone (e.g. to fill its autotuning cache ahead of a comparison)")
     parser.add_argument("--launch", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="launch settings of fabric_lin.ops.gla.chunk.LAUNCH, e.g. state_split=auto dqk_warps=4")
+                        help="launch settings in place of the shipped ones, e.g. dqk.warps=4 state.warps=none")
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
-                        help="other launch tables to time at every shape, each as changes to the one in place")
+                        help="other launch settings to time at every shape, each as changes to the shipped ones")
     parser.add_argument("--just-run", type=int, default=0, metavar="N",
                         help="only run our forward+backward N times at the first shape, untimed (a short workload "
                              "for a profiler such as Nsight Compute), and exit")
     parser.add_argument("--sweep", action="store_true",
-                        help="first run the launch search (tiles, warps) at the first shape and report it; the timings use the shipped table")
+                        help="first run the launch search (tiles, warps) at the first shape and report it")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
-    from fabric_lin.ops.gla import chunk
-
-    chunk.LAUNCH.update(parse_launch(args.launch, "--launch"))
+    launch = with_settings(SHIPPED, parse_settings(args.launch, "--launch"))
     variants = parse_variants(args.variants)
+    ours = ours_with(launch)
     if args.just_run:
-        inputs, do = gla_inputs(*shapes[0])
+        inputs, do = gla_inputs(*shapes[0], gates=args.gates[0])
         for _ in range(args.just_run):
             ours(*inputs).backward(do)
         torch.cuda.synchronize()
@@ -262,66 +248,51 @@ def main():
     fla, fla_error = (None, "left out (--no-fla)") if args.no_fla else load_fla()
     if args.fla_only and fla is None:
         raise SystemExit(f"--fla-only: flash-linear-attention is not usable: {fla_error}")
-    report = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "dtype": "bfloat16",
-        "fla": fla_error or "flash-linear-attention chunk_gla",
-        "launch": dict(chunk.LAUNCH),
-        "variants": variants,
-        "results": [],
-    }
+    report = {"dtype": "bfloat16", "fla": fla_error or "flash-linear-attention chunk_gla", "launch": launch.as_json,
+              "variants": {name: v.as_json for name, v in variants.items()}, "results": []}
     if args.sweep:
         report["sweep"] = sweep(shapes[0])
-        print(json.dumps(report["sweep"]), flush=True)
-    for shape in shapes:
-        B, T, H, K, V = shape
-        inputs, do = gla_inputs(*shape)
-        row = {"shape": list(shape)}
-        for name, fn in [("fla", fla)] if args.fla_only else [("ours", ours)]:
-            start = time.perf_counter()
-            fn(*inputs).backward(do)  # compilation (and for fla, autotuning) happens here
-            torch.cuda.synchronize()
-            row[f"{name}_first_call_s"] = round(time.perf_counter() - start, 2)
-            row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = time_fn(fn, inputs, do)
-            row[f"{name}_saved_mib"] = saved_mib(fn, inputs)
-        if args.fla_only:
-            report["results"].append(row)
-            print(json.dumps(row), flush=True)
-            continue
-        if fla is not None:
-            with torch.no_grad():
-                row["o_rel_rms_vs_fla"] = rel_rms(ours(*inputs), fla(*inputs))
-            row["fla_fwd_ms"], row["fla_fwd_bwd_ms"] = time_fn(fla, inputs, do)
-            row["fla_saved_mib"] = saved_mib(fla, inputs)
-            row["ratio_fwd_vs_fla"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
-            row["ratio_fwd_bwd_vs_fla"] = row["ours_fwd_bwd_ms"] / row["fla_fwd_bwd_ms"]
-        if variants:
-            row["variants"] = time_variants(variants, inputs, do, row.get("fla_fwd_bwd_ms"))
-        del inputs, do
-        s_inputs, s_do = sdpa_inputs(B, T, H, K)
-        row["sdpa_flash_fwd_ms"], row["sdpa_flash_fwd_bwd_ms"] = time_fn(sdpa_flash, s_inputs, s_do)
-        row["ratio_fwd_bwd_vs_sdpa"] = row["ours_fwd_bwd_ms"] / row["sdpa_flash_fwd_bwd_ms"]
-        del s_inputs, s_do
-        if not args.no_breakdown:  # per shape: which kernel bounds the time changes with the shape
-            inputs, do = gla_inputs(*shape)
-            row["breakdown_ours_ms"] = kernel_breakdown(ours, inputs, do)
+    for gates in args.gates:
+        for shape in shapes:
+            B, T, H, K, V = shape
+            inputs, do = gla_inputs(*shape, gates=gates)
+            row = {"shape": list(shape), "gates": gates}
+            for name, fn in [("fla", fla)] if args.fla_only else [("ours", ours)]:
+                start = time.perf_counter()
+                fn(*inputs).backward(do)  # compilation (and for fla, autotuning) happens here
+                torch.cuda.synchronize()
+                row[f"{name}_first_call_s"] = round(time.perf_counter() - start, 2)
+                row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = time_fn(fn, inputs, do)
+                row[f"{name}_saved_mib"] = saved_mib(fn, inputs)
+            if args.fla_only:
+                report["results"].append(row)
+                print(json.dumps(row), flush=True)
+                continue
             if fla is not None:
-                row["breakdown_fla_ms"] = kernel_breakdown(fla, inputs, do)
+                with torch.no_grad():
+                    row["o_rel_rms_vs_fla"] = rel_rms(ours(*inputs), fla(*inputs))
+                row["fla_fwd_ms"], row["fla_fwd_bwd_ms"] = time_fn(fla, inputs, do)
+                row["fla_saved_mib"] = saved_mib(fla, inputs)
+                row["ratio_fwd_vs_fla"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
+                row["ratio_fwd_bwd_vs_fla"] = row["ours_fwd_bwd_ms"] / row["fla_fwd_bwd_ms"]
+            if variants:
+                row["variants"] = time_variants(variants, launch, inputs, do, row.get("fla_fwd_bwd_ms"))
             del inputs, do
-            if shape == shapes[0]:  # right after the first shape, so that a run cut short still has it
-                report["resources_ours"] = kernel_resources()
-                print(json.dumps({"resources_ours": report["resources_ours"]}), flush=True)
-        report["results"].append(row)
-        print(json.dumps(row), flush=True)
-        if args.out:  # each shape as it finishes, so that an interrupted run keeps what it measured
-            with open(args.out + ".partial", "a") as f:
-                f.write(json.dumps(row) + "\n")
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+            s_inputs, s_do = sdpa_inputs(B, T, H, K)
+            row["sdpa_flash_fwd_ms"], row["sdpa_flash_fwd_bwd_ms"] = time_fn(sdpa_flash, s_inputs, s_do)
+            row["ratio_fwd_bwd_vs_sdpa"] = row["ours_fwd_bwd_ms"] / row["sdpa_flash_fwd_bwd_ms"]
+            del s_inputs, s_do
+            if not args.no_breakdown:  # per shape: which kernel bounds the time changes with the shape
+                inputs, do = gla_inputs(*shape, gates=gates)
+                row["breakdown_ours_ms"] = kernel_breakdown(ours, inputs, do)
+                if fla is not None:
+                    row["breakdown_fla_ms"] = kernel_breakdown(fla, inputs, do)
+                del inputs, do
+                if "resources_ours" not in report:
+                    report["resources_ours"] = kernel_resources()
+            report["results"].append(row)
+            print(json.dumps(row), flush=True)  # each row as it finishes: a run cut short keeps them in its log
+    write_result(report, args.out, fla_ran=fla is not None)
 
 
 if __name__ == "__main__":

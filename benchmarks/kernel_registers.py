@@ -8,11 +8,11 @@ local-memory frame, reported as Triton reports spills on a GPU (frame bytes / 4)
 depend on the GPU (the split state pass, the state passes' warps) are made for --sms multiprocessors.
 
     python benchmarks/kernel_registers.py                                  # the three reference shapes
-    python benchmarks/kernel_registers.py --shapes 16,2048,4,128,256 --variants w8:output_warps=8
+    python benchmarks/kernel_registers.py --shapes 16,2048,4,128,256 --variants w8:output.warps=8
     python benchmarks/kernel_registers.py --shapes 4,8192,16,128,128 --spill-lines _bwd_dqk_kernel
 
-The figures are the installed Triton's: Triton 3.6, the GPU image's, reproduces the H200's own report
-(tutorials/performance.md); another Triton version compiles the same source differently.
+The figures are the installed Triton's: Triton 3.6, the GPU image's, reproduces the H200's own report;
+another Triton version compiles the same source differently.
 --spill-lines counts each kernel's spill stores and loads (STL / LDL) by source line (nvdisasm -gi).
 Prints one JSON document.
 """
@@ -33,6 +33,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from common import write_result  # noqa: E402
 from gla_kernel import SHAPES, parse_variants  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -121,23 +122,25 @@ def compile_only(records: list, lines_of: set):
         config._active = driver
 
 
-def kernel_resources(shape, sms: int, lines_of=()) -> list:
+def kernel_resources(shape, sms: int, launch, lines_of=()) -> list:
     """One row per launch of a bf16 forward + backward at shape (B, T, H, K, V), in launch order."""
-    from fabric_lin.ops.gla import chunk
+    from fabric_lin.ops import launch as launch_helpers
+    from fabric_lin.ops.gla.chunk import chunk_gla_triton
 
     B, T, H, K, V = shape
     q, k = torch.randn(B, T, H, K, dtype=torch.bfloat16), torch.randn(B, T, H, K, dtype=torch.bfloat16)
     v = torch.randn(B, T, H, V, dtype=torch.bfloat16)
     gk = -torch.rand(B, T, H, K)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, gk)]
     records = []
-    multiprocessors = chunk._multiprocessors
-    chunk._multiprocessors = lambda device: sms
+    multiprocessors = launch_helpers.multiprocessors
+    launch_helpers.multiprocessors = lambda device: sms
     try:
         with compile_only(records, set(lines_of)):
-            o, _, gc, A, kd = chunk._forward(q, k, v, gk, K ** -0.5, None, None)
-            chunk._backward(q, k, v, gc, A, kd if kd.numel() else None, K ** -0.5, None, None, torch.randn_like(o), None)
+            o, _ = chunk_gla_triton(*leaves, launch=launch)
+            o.backward(torch.randn_like(o))
     finally:
-        chunk._multiprocessors = multiprocessors
+        launch_helpers.multiprocessors = multiprocessors
     return records
 
 
@@ -145,31 +148,26 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the three reference shapes)")
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
-                        help="other launch tables (LAUNCH changes), each compiled beside the shipped one")
+                        help="other launch settings (changes to the shipped GLALaunch), each compiled beside it")
     parser.add_argument("--spill-lines", nargs="*", default=[], metavar="KERNEL",
                         help="kernels whose spill instructions to count by source line")
+    parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU compiled for (H200: 132)")
     args = parser.parse_args()
     if not os.path.exists(os.path.join(NVIDIA_BIN, "ptxas")):
         raise SystemExit(f"no ptxas in {NVIDIA_BIN}: this Triton wheel cannot compile for NVIDIA GPUs")
-    from fabric_lin.ops.gla import chunk
+    from fabric_lin.ops.gla.launch import SHIPPED
 
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
-    variants = {"shipped": {}, **parse_variants(args.variants)}
+    variants = {"shipped": SHIPPED, **parse_variants(args.variants)}
     report = {"triton": triton.__version__, "target": f"sm_{TARGET.arch}", "sms": args.sms, "shapes": []}
     for shape in shapes:
         row = {"shape": list(shape)}
-        for name, settings in variants.items():
-            base = dict(chunk.LAUNCH)
-            chunk.LAUNCH.update(settings)
-            try:
-                row[name] = kernel_resources(shape, args.sms, args.spill_lines)
-            finally:
-                chunk.LAUNCH.clear()
-                chunk.LAUNCH.update(base)
+        for name, launch in variants.items():
+            row[name] = kernel_resources(shape, args.sms, launch, args.spill_lines)
         report["shapes"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    print(json.dumps(report, indent=1))
+    write_result(report, args.out)
 
 
 if __name__ == "__main__":

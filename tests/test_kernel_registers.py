@@ -24,7 +24,7 @@ def kernel_registers(*args):
 
 def test_every_launch_compiled_with_its_launch_settings():
     report = kernel_registers("--shapes", "2,130,2,32,32", "--sms", "1", "--spill-lines", "_bwd_dqk_kernel",
-                              "--variants", "cap:dqk_maxnreg=128", "warps:dqk_warps=16,output_warps=8")
+                              "--variants", "cap:dqk.maxnreg=128", "warps:dqk.warps=16,output.warps=8")
     assert report["target"] == "sm_90"
     (shape,) = report["shapes"]
     shipped = shape["shipped"]
@@ -33,7 +33,7 @@ def test_every_launch_compiled_with_its_launch_settings():
     assert [r["kernel"] for r in shipped] == ["_gate_cumsum_kernel", "_fwd_state_kernel", "_fwd_output_kernel",
                                               "_fwd_output_kernel", "_bwd_both_states_kernel", "_bwd_dv_kernel",
                                               "_bwd_dqk_kernel", "_bwd_dqk_kernel"]
-    # K = 32: 32-wide key tiles, where both dq/dk launches take at least 8 warps (_dqk_warps)
+    # K = 32: 32-wide key tiles, where both dq/dk launches take at least 8 warps (chunk_bwd.dqk_warps)
     assert [r["warps"] for r in shipped if r["kernel"] == "_bwd_dqk_kernel"] == [8, 8]
     for row in shipped:
         assert 0 < row["regs_per_thread"] <= 255 and row["spills"] >= 0

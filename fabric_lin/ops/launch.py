@@ -1,17 +1,76 @@
-"""Host-side helpers of the kernels' Python wrappers, kept cheap because a gla-340M training step calls
-them hundreds of times (the step is host-bound where its kernels are short).
+"""What every kernel's Python wrapper shares: how a kernel is launched (`KernelLaunch`) and the host-side
+arithmetic around a launch, kept cheap because a gla-340M training step calls it hundreds of times (the
+step is host-bound where its kernels are short).
 
-* cdiv, next_power_of_2: plain Python. Recent Triton makes triton.cdiv and triton.next_power_of_2
-  constexpr functions, whose every host call unwraps its arguments first (microseconds each, ~1,700
-  calls per step).
+* KernelLaunch: one kernel's tile widths, warps, pipeline stages and register cap, an immutable value.
+  Each op family bundles one per kernel (`fabric_lin.ops.gla.launch.GLALaunch`) and passes it down
+  explicitly; nothing is looked up in module state.
+* cdiv, next_power_of_2, tile_width: plain Python. Recent Triton makes triton.cdiv and
+  triton.next_power_of_2 constexpr functions, whose every host call unwraps its arguments first
+  (microseconds each, ~1,700 calls per step).
 * multiprocessors: the GPU's multiprocessor count, asked of the driver once per device.
 * op_or_fn: a torch.library custom op while torch.compile traces (where it must be one opaque node of
   the graph), its Python function otherwise (the dispatcher costs ~10 us per call in eager mode).
 """
+import dataclasses
 import functools
-from typing import Callable
+import json
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """How one Triton kernel is launched."""
+
+    BK: int = 64
+    """Key (or row) tile width; a head dim narrower than it takes the next power of two (at least 16)."""
+    BV: int = 64
+    """Value tile width, likewise."""
+    warps: Optional[int] = 4
+    """Warps per program; None: chosen from the launch's program count (see the kernel's host function)."""
+    stages: int = 1
+    """Software-pipelining stages of the kernel's loops."""
+    maxnreg: int = 0
+    """Registers per thread the compiler may use (0: its own choice)."""
+
+    def options(self, warps: Optional[int] = None) -> dict:
+        """Triton's launch options: num_warps (`warps` where the host chose them), num_stages, maxnreg."""
+        options = {"num_warps": warps if warps is not None else self.warps, "num_stages": self.stages}
+        if self.maxnreg:
+            options["maxnreg"] = self.maxnreg
+        return options
+
+
+def launch_to_json(launch) -> str:
+    """A launch bundle (a frozen dataclass of KernelLaunch fields and plain values) as a JSON string: the form
+    a torch.library op takes it in (ops accept strings, not Python objects)."""
+    return json.dumps(dataclasses.asdict(launch), sort_keys=True)
+
+
+def launch_from_dict(cls, data: dict, source: str = "launch settings"):
+    """An instance of the launch bundle `cls` from a dict (e.g. parsed JSON); unknown keys are an error that
+    names them and the valid ones."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a mapping of {cls.__name__} fields, got {type(data).__name__}")
+    values = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in data:
+            continue
+        value = data[field.name]
+        if dataclasses.is_dataclass(field.default):  # a KernelLaunch field
+            kernel_fields = {f.name for f in dataclasses.fields(KernelLaunch)}
+            unknown = sorted(set(value) - kernel_fields) if isinstance(value, dict) else None
+            if unknown is None or unknown:
+                raise ValueError(f"{source}: {field.name} has unknown keys {unknown}; valid keys are {sorted(kernel_fields)}")
+            value = KernelLaunch(**value)
+        values[field.name] = value
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"{source}: unknown keys {unknown}; valid keys are {[f.name for f in dataclasses.fields(cls)]}")
+    return cls(**values)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -23,13 +82,21 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def tile_width(limit: int, dim: int) -> int:
+    """A tile over a dim of `dim` elements: `limit` wide, or the dim's next power of two (at least 16, the
+    narrowest tile a tensor-core product takes) where that is narrower."""
+    return min(limit, max(16, next_power_of_2(dim)))
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessors_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def multiprocessors(device: torch.device) -> int:
-    """Multiprocessors of the CUDA device `device`."""
+    """Multiprocessors of a CUDA device; 1 for any other device (Triton's interpreter on the CPU)."""
+    if device.type != "cuda":
+        return 1
     return _multiprocessors_of(device.index if device.index is not None else torch.cuda.current_device())
 
 

@@ -1,6 +1,7 @@
 """One GLA decoding step in one Triton launch: read the fp32 state, decay it, add k^T v, read out q.
 
-Same contract as recurrent.py's `recurrent_gla_step` (the PyTorch path, used on the CPU):
+Same contract as recurrent.py's `recurrent_gla_step` (the PyTorch path); `fused_recurrent_gla_step` in
+fabric_lin.ops.gla picks one of them:
     S' = diag(exp(gk)) S + k^T v,   o = (q * scale) S'
 Each program owns one (batch, head) and a tile of value columns, so the state is read and written once.
 """
@@ -10,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.gla.recurrent import recurrent_gla_step
 from fabric_lin.ops.launch import cdiv, next_power_of_2, op_or_fn
 
 
@@ -59,35 +59,12 @@ def _(q, k, v, gk, state, scale):
     return q.new_empty(B, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)
 
 
-def fused_recurrent_gla_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    gk: torch.Tensor,
-    state: Optional[torch.Tensor],
+def fused_recurrent_gla_step_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, state: Optional[torch.Tensor],
     scale: Optional[float] = None,
-    backend: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """q, k, gk: [B, H, K]; v: [B, H, V]; state: [B, H, K, V] fp32 or None (zeros).
-
-    Returns o [B, H, V] in q's dtype and the new fp32 state. backend "auto" runs the Triton kernel on
-    CUDA and `recurrent_gla_step` elsewhere; "triton" / "torch" force one.
-    """
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
-    if backend == "auto":
-        backend = "triton" if q.is_cuda else "torch"
-    if backend == "torch":
-        return recurrent_gla_step(q, k, v, gk, state, scale)
-    B, H, K = q.shape
-    if k.shape != q.shape or gk.shape != q.shape or v.shape[:2] != (B, H):
-        raise ValueError(
-            f"expected q, k, gk [B, H, K] and v [B, H, V], got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"gk {tuple(gk.shape)}, v {tuple(v.shape)}"
-        )
+    """recurrent_gla_step in one launch; the shapes checked by the caller (fabric_lin.ops.gla)."""
     if state is not None:
-        if tuple(state.shape) != (B, H, K, v.shape[-1]):
-            raise ValueError(f"state must have shape {(B, H, K, v.shape[-1])}, got {tuple(state.shape)}")
         state = state.float().contiguous()
-    scale = K**-0.5 if scale is None else float(scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return op_or_fn(recurrent_gla_step_op, _step)(q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), state, scale)

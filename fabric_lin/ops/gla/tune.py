@@ -1,60 +1,61 @@
-"""Opt-in search over the GLA kernels' launch table (`LAUNCH` in chunk.py).
+"""Opt-in search over the GLA kernels' launch settings (`GLALaunch` in launch.py).
 
-The shipped table needs no search, so nothing is timed at start-up. `tune_launch` is for those who want
-the last few percent on a new GPU or layer shape: it times forward+backward at one shape for each
-setting of SEARCH_SPACE and keeps the fastest whose output and gradients agree with those of the table
-in place at the start (the shipped one, unless changed).
+The shipped settings need no search, so nothing is timed at start-up. `tune_launch` is for those who want
+the last few percent on a new GPU or layer shape: it times forward+backward at one shape for each setting
+of SEARCH_SPACE and returns the fastest whose output and gradients agree with those of the starting
+settings (the shipped ones unless given). It changes no module state: the caller passes the result on
+(`chunk_gla(..., launch=...)`, `GPT(config, fused=True, gla_launch=...)`).
 
-The settings act mostly on separate kernels (state passes, output, dv, dq/dk) whose times add up, so
-each group is searched exhaustively with the others held, and the groups are swept again until nothing
+The settings act mostly on separate kernels (state passes, output, dv, dq/dk) whose times add up, so each
+group is searched exhaustively with the others held, and the groups are swept again until nothing
 improves: close to the best of the full product of every setting, at a fraction of its cost.
 
-Results are keyed by what decides the kernels' code and tiling - GPU, dtype, heads, key and value
-dims, Triton version - and not by batch size or sequence length: a run with a new batch size or
-context reuses the settings found (`cache_file`), it does not search again.
+Results are keyed by what decides the kernels' code and tiling - GPU, dtype, heads, key and value dims,
+Triton version - and not by batch size or sequence length: a run with a new batch size or context reuses
+the settings found (`cache_file`), it does not search again.
 """
+import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 
 from fabric_lin.ops.gla import chunk
+from fabric_lin.ops.gla.launch import SHIPPED, GLALaunch
 
-# one group per kernel (or structural choice); within a group every combination is tried
+# one group per kernel; within a group every combination is tried. Keys are GLALaunch fields, "kernel.field"
+# for a KernelLaunch's. Left out: settings that only ever lost on an H200 (register caps on dq/dk and the
+# output kernel, a second pipeline stage for dq/dk).
 SEARCH_SPACE: List[Dict[str, tuple]] = [
-    # sequential state passes; narrow tiles give a long single sequence (few heads) more programs; the next
-    # chunk's loads issued early (prefetch) took the place of a second pipeline stage, which lost
-    {"state_BK": (64, 32), "state_BV": (64, 128, 32), "state_warps": ("auto", 4, 8), "state_prefetch": (True, False)},
-    # forward output kernel; and below, dq/dk. 16 warps hold the same tiles in half the registers per thread
-    # (benchmarks/kernel_registers.py: 128 per thread, one 16-warp program per SM where there are two 4-warp
-    # output programs or one 8-warp dq/dk program); on an H200 they lost at every shape (run AA1: 1.39 and
-    # 1.52 against 1.37 ms at the gla-340M layer, 4.29 and 5.03 against 4.18 at 8K)
-    {"output_warps": (8, 4, 16), "BV_out": (128, 256), "separate_scores": (False, True)},
-    {"scores_warps": (4, 8)},  # the separate score kernel, where chosen
-    # a register cap (0: none) gives dv three programs per multiprocessor; on dq/dk and the output kernel
-    # caps spilled and lost on an H200 (tutorials/performance.md), as did a second pipeline stage for dq/dk,
-    # so the search leaves those keys as the table has them
-    {"dv_warps": (4, 8), "dv_maxnreg": (168, 0)},
-    {"dqk_warps": (8, 4, 16), "single_dqk_warps": (4, 8)},
-    # dq/dk's levels inside 16- or 32-row blocks as products batched over the blocks (0: as 64x64 products),
-    # with the chunk's own tiles loaded before or after its state part (Triton 3.6: 42 spilled registers at
-    # 8K with 16-row blocks and the loads after it, 54 for 64x64 products; 46 against 26 at the gla-340M
-    # layer); the forward's scores split the same way
-    {"dqk_fine_rows": (0, 16, 32), "dqk_early_loads": ("auto", False)},
-    {"output_fine_rows": (0, 16, 32)},
-    # the decayed keys formed once in the backward pass or by each of its kernels ("saved" trades memory for
-    # speed, so the search leaves it to the user)
-    {"decayed_keys": ("backward", "recompute")},
-    # key tiles of the chunk-parallel kernels: 32 gives dq/dk twice the programs, each holding smaller tiles
-    {"BK": (64, 32)},
-    {"stages": (1, 2)},  # pipelining of the other chunk-parallel kernels
-    {"fused_bwd_states": (True, False), "both_states_warps": ("auto", 8), "separate_cumsum": (True, False),
-     "state_split": (False, True)},
+    # sequential state passes; narrow tiles give a long single sequence (few heads) more programs
+    {"state.BK": (64, 32), "state.BV": (64, 128, 32), "state.warps": (None, 4, 8)},
+    {"output.warps": (8, 4, 16), "output.BV": (128, 256)},
+    {"dv.warps": (4, 8), "dv.maxnreg": (168, 0)},
+    {"dqk.warps": (8, 4, 16), "dqk_single_warps": (4, 8)},
+    # 32-wide key tiles give the output kernel and dq/dk twice the programs, each holding smaller tiles
+    {"output.BK": (64, 32)},
+    {"dqk.BK": (64, 32)},
+    {"output.stages": (1, 2), "dv.stages": (1, 2)},
 ]
+
+
+def with_settings(launch: GLALaunch, settings: Dict[str, Any]) -> GLALaunch:
+    """`launch` with some fields changed: {"dqk.warps": 4, "dqk_single_warps": 8, ...}."""
+    top: Dict[str, Any] = {}
+    for key, value in settings.items():
+        kernel, _, field = key.partition(".")
+        if not hasattr(launch, kernel) or (field and not hasattr(getattr(launch, kernel), field)):
+            raise ValueError(f"unknown GLA launch setting {key!r}")
+        if field:
+            current = top.get(kernel, getattr(launch, kernel))
+            top[kernel] = dataclasses.replace(current, **{field: value})
+        else:
+            top[kernel] = value
+    return dataclasses.replace(launch, **top)
 
 
 def launch_key(H: int, K: int, V: int, dtype: torch.dtype, device: torch.device) -> str:
@@ -78,13 +79,13 @@ def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def tune_launch(
     B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
-    max_rel_error: float = 0.02, max_rounds: int = 2, log: Callable[[str], None] = print,
-    bench: Optional[Callable] = None,
-) -> Dict:
-    """Search LAUNCH at shape (B, T, H, K, V); leaves the best setting in chunk.LAUNCH and returns
-    {"launch", "fwd_bwd_ms", "shipped_fwd_bwd_ms", "tried"}. A setting whose output or any gradient is
-    further than max_rel_error (relative RMS) from the table in place at the start is rejected, as is one
-    that fails to compile. `bench(fn, leaves)` gives fn's milliseconds (default: triton.testing.do_bench)."""
+    start: GLALaunch = SHIPPED, max_rel_error: float = 0.02, max_rounds: int = 2,
+    log: Callable[[str], None] = print, bench: Optional[Callable] = None,
+) -> Dict[str, Any]:
+    """Search the launch settings at shape (B, T, H, K, V) from `start`: {"launch" (a GLALaunch),
+    "fwd_bwd_ms", "start_fwd_bwd_ms", "tried"}. A setting whose output or any gradient is further than
+    max_rel_error (relative RMS) from `start`'s is rejected, as is one that fails to compile.
+    `bench(fn, leaves)` gives fn's milliseconds (default: triton.testing.do_bench)."""
     if bench is None:
         from triton.testing import do_bench
 
@@ -98,66 +99,59 @@ def tune_launch(
     do = torch.randn(B, T, H, V, device=device, dtype=dtype)
     leaves = [q, k, v, gk]
 
-    def outputs():
+    def outputs(launch):
         for x in leaves:
             x.grad = None
-        o, _ = chunk.chunk_gla_triton(q, k, v, gk)
+        o, _ = chunk.chunk_gla_triton(q, k, v, gk, launch=launch)
         o.backward(do)
         return [o.detach()] + [x.grad for x in leaves]
 
-    def fwd_bwd():
-        chunk.chunk_gla_triton(q, k, v, gk)[0].backward(do)
-
-    start = dict(chunk.LAUNCH)
-    reference = outputs()
+    reference = outputs(start)
     tried = []
 
-    def measure(setting: Dict) -> Optional[float]:
-        chunk.LAUNCH.clear()
-        chunk.LAUNCH.update(setting)
+    def measure(launch: GLALaunch, changes: Dict) -> Optional[float]:
         try:
-            errors = [rel_rms(x, ref) for x, ref in zip(outputs(), reference)]
+            errors = [rel_rms(x, ref) for x, ref in zip(outputs(launch), reference)]
             worst = max(errors)
             if not worst <= max_rel_error:  # also rejects NaN
-                tried.append({"setting": setting, "rejected": f"relative RMS error {worst:.3g} > {max_rel_error}"})
+                tried.append({"changes": changes, "rejected": f"relative RMS error {worst:.3g} > {max_rel_error}"})
                 return None
-            ms = bench(fwd_bwd, leaves)
+            ms = bench(lambda: chunk.chunk_gla_triton(q, k, v, gk, launch=launch)[0].backward(do), leaves)
         except Exception as e:  # shared memory or registers exceeded: not a candidate
-            tried.append({"setting": setting, "rejected": f"{type(e).__name__}: {str(e)[:200]}"})
+            tried.append({"changes": changes, "rejected": f"{type(e).__name__}: {str(e)[:200]}"})
             return None
-        tried.append({"setting": setting, "fwd_bwd_ms": ms})
+        tried.append({"changes": changes, "fwd_bwd_ms": ms})
         return ms
 
-    best, best_ms = dict(start), measure(dict(start))
+    best, best_changes = start, {}
+    best_ms = measure(start, {})
     if best_ms is None:
-        raise RuntimeError(f"the launch table in place does not run at shape {(B, T, H, K, V)}: {tried[-1]}")
-    shipped_ms = best_ms
+        raise RuntimeError(f"the starting launch settings do not run at shape {(B, T, H, K, V)}: {tried[-1]}")
+    start_ms = best_ms
     for _ in range(max_rounds):
         improved = False
         for group in SEARCH_SPACE:
             for change in _combinations(group):
-                candidate = dict(best, **change)
+                candidate = with_settings(best, change)
                 if candidate == best:
                     continue
-                ms = measure(candidate)
+                ms = measure(candidate, dict(best_changes, **change))
                 if ms is not None and ms < best_ms:
                     best, best_ms, improved = candidate, ms, True
+                    best_changes = dict(best_changes, **change)
         if not improved:
             break
-    chunk.LAUNCH.clear()
-    chunk.LAUNCH.update(best)
-    changed = {k: v for k, v in best.items() if start.get(k) != v}
     log(f"GLA launch search at {(B, T, H, K, V)} {dtype}: {len(tried)} settings, forward+backward "
-        f"{shipped_ms:.3f} ms -> {best_ms:.3f} ms with {changed or 'the table unchanged'}")
-    return {"launch": best, "fwd_bwd_ms": best_ms, "shipped_fwd_bwd_ms": shipped_ms, "tried": tried}
+        f"{start_ms:.3f} ms -> {best_ms:.3f} ms with {best_changes or 'the settings unchanged'}")
+    return {"launch": best, "fwd_bwd_ms": best_ms, "start_fwd_bwd_ms": start_ms, "tried": tried}
 
 
 def tuned_launch(
     B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, cache_file: Optional[Path] = None,
     device: str = "cuda", log: Callable[[str], None] = print, **search,
-) -> Dict:
-    """The launch table for (H, K, V, dtype) on this GPU: read from cache_file when it holds this key,
-    searched (tune_launch at B, T) and written there otherwise. Installs it in chunk.LAUNCH."""
+) -> GLALaunch:
+    """The launch settings for (H, K, V, dtype) on this GPU: read from cache_file when it holds this key,
+    searched (tune_launch at B, T) and written there otherwise."""
     key = launch_key(H, K, V, dtype, torch.device(device))
     cached = {}
     if cache_file is not None and Path(cache_file).exists():
@@ -165,18 +159,17 @@ def tuned_launch(
             cached = json.loads(Path(cache_file).read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{cache_file}: not a JSON launch cache ({e}); delete it to search again") from e
+        if not isinstance(cached, dict):
+            raise ValueError(f"{cache_file}: expected a JSON object of launch settings by key; delete it to search again")
     if key in cached:
-        unknown = set(cached[key]) - set(chunk.LAUNCH)
-        if unknown:
-            raise ValueError(f"{cache_file}: entry {key!r} has unknown launch keys {sorted(unknown)}; delete it to search again")
-        chunk.LAUNCH.update(cached[key])
+        launch = GLALaunch.from_dict(cached[key], source=f"{cache_file} entry {key!r} (delete it to search again)")
         log(f"GLA launch settings for {key} from {cache_file}")
-        return dict(chunk.LAUNCH)
-    result = tune_launch(B, T, H, K, V, dtype, device, log=log, **search)
+        return launch
+    launch = tune_launch(B, T, H, K, V, dtype, device, log=log, **search)["launch"]
     if cache_file is not None:
-        cached[key] = result["launch"]
+        cached[key] = dataclasses.asdict(launch)
         Path(cache_file).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(f"{cache_file}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(cached, indent=1) + "\n")
         tmp.replace(cache_file)  # atomic: a reader never sees half a file
-    return result["launch"]
+    return launch

@@ -1,0 +1,31 @@
+"""The one rule that picks an op's implementation: every public op takes `backend` = "auto", "triton" or
+"torch" and resolves it here. "auto" runs the Triton kernels on CUDA tensors and the PyTorch reference
+(written once, beside each kernel) anywhere else; "triton" also runs the kernels on CPU tensors under
+Triton's interpreter (TRITON_INTERPRET=1), which is how CI tests them. A model chooses once, when it
+is built (`GPT(config, fused=...)`), and passes "triton" or "torch" to every op it calls.
+"""
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+TRITON_AVAILABLE = _triton_imports()  # Triton does not import on every platform
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """"triton" or "torch" for an op whose inputs are on `device`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and TRITON_AVAILABLE else "torch"
+    if backend == "triton" and not TRITON_AVAILABLE:
+        raise RuntimeError("backend='triton' needs the triton package, which does not import on this platform")
+    return backend
