@@ -9,10 +9,6 @@ its minimal traffic needs in that GPU time (every input read once, every output 
 
     python benchmarks/fused_ops.py --out fused_ops.json
     python benchmarks/fused_ops.py --rows 8192            # a smaller batch
-    python benchmarks/fused_ops.py --variants pre:bwd_prefetch=true small:tile_elements=2048
-
---variants times the norms again under other settings of their launch table (fabric_lin.ops.norm.NORM_LAUNCH),
-each as changes to the one in place: ours only, GPU time and fraction of the copy bandwidth.
 
   rms_norm + residual   x + residual -> (y, h), hidden 1024 (a block's two pre-norms)
   rms_norm_gated        per-head rmsnorm(o) * swish(g), 4 heads of 256 (GLA's output norm and gate)
@@ -21,15 +17,15 @@ each as changes to the one in place: ours only, GPU time and fraction of the cop
 Prints one JSON document.
 """
 import argparse
+import dataclasses
 import json
 
 import torch
-from triton.testing import do_bench
 
-from fabric_lin.ops import norm
+from common import kernel_ms, time_ms, write_result
 from fabric_lin.ops.norm import rms_norm, rms_norm_gated
+from fabric_lin.ops.norm_triton import NORM_LAUNCH
 from fabric_lin.ops.swiglu import swiglu
-from gla_kernel import parse_variants
 
 
 def fla_ops():
@@ -68,8 +64,6 @@ def cases(rows: int):
 def time_op(fn, inputs, profiled_calls=10):
     """(forward ms, forward+backward ms, forward+backward GPU ms) of fn, the output gradients fixed random
     tensors; the inputs' gradients dropped before each call (no accumulation kernel counted)."""
-    from torch.profiler import ProfilerActivity, profile
-
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     with torch.no_grad():
         outs = fn(*leaves)
@@ -83,30 +77,22 @@ def time_op(fn, inputs, profiled_calls=10):
         torch.autograd.backward(out if isinstance(out, tuple) else (out,), grads)
 
     with torch.no_grad():
-        fwd_ms = do_bench(lambda: fn(*leaves))
-    fwd_bwd_ms = do_bench(fwd_bwd)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(profiled_calls):
-            fwd_bwd()
-        torch.cuda.synchronize()
-    device_us = sum(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0) for e in prof.key_averages())
-    return fwd_ms, fwd_bwd_ms, (device_us / 1000 / profiled_calls if device_us else None)
+        fwd_ms = time_ms(lambda: fn(*leaves))
+    fwd_bwd_ms = time_ms(fwd_bwd)
+    gpu_ms = sum(kernel_ms(fwd_bwd, calls=profiled_calls).values())
+    return fwd_ms, fwd_bwd_ms, (gpu_ms or None)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=16 * 2048, help="tokens (micro batch x sequence length)")
     parser.add_argument("--out", help="also write the JSON here")
-    parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
-                        help="other settings of the norms' launch table (NORM_LAUNCH) to time, each as changes to the one in place")
     args = parser.parse_args()
-    variants = parse_variants(args.variants, norm.NORM_LAUNCH)
     peers = fla_ops()
     # the copy bandwidth this GPU reaches, for the fraction below
     a = torch.empty(2**28, device="cuda", dtype=torch.uint8)
     b = torch.empty_like(a)
-    copy_gb_s = 2 * a.numel() / do_bench(lambda: b.copy_(a)) / 1e6
+    copy_gb_s = 2 * a.numel() / time_ms(lambda: b.copy_(a)) / 1e6
     results = []
     for name, fn, inputs, (fwd_tensors, bwd_tensors) in cases(args.rows):
         big = inputs[0].numel() * inputs[0].element_size()  # bytes of one activation-sized tensor
@@ -118,18 +104,6 @@ def main():
         row = {"op": name, "shape": list(inputs[0].shape), "ours_fwd_ms": round(fwd_ms, 4),
                "ours_fwd_bwd_ms": round(fwd_bwd_ms, 4), "ours_fwd_bwd_gpu_ms": gpu_ms and round(gpu_ms, 4),
                "ours_fwd_bwd_gpu_fraction_of_copy_bandwidth": fraction_of_copy(gpu_ms)}
-        if variants and name.startswith("rms_norm"):
-            row["variants"] = {}
-            base = dict(norm.NORM_LAUNCH)
-            for variant, settings in variants.items():
-                norm.NORM_LAUNCH.update(settings)
-                try:
-                    _, v_fwd_bwd_ms, v_gpu_ms = time_op(fn, inputs)
-                    row["variants"][variant] = {"fwd_bwd_ms": round(v_fwd_bwd_ms, 4), "fwd_bwd_gpu_ms": v_gpu_ms and round(v_gpu_ms, 4),
-                                                "fwd_bwd_gpu_fraction_of_copy_bandwidth": fraction_of_copy(v_gpu_ms)}
-                finally:
-                    norm.NORM_LAUNCH.clear()
-                    norm.NORM_LAUNCH.update(base)
         if name in peers:
             fla_fwd, fla_fwd_bwd, fla_gpu = time_op(peers[name], inputs)
             row.update(fla_fwd_ms=round(fla_fwd, 4), fla_fwd_bwd_ms=round(fla_fwd_bwd, 4),
@@ -138,13 +112,9 @@ def main():
                        ratio_fwd_bwd_gpu_vs_fla=round(gpu_ms / fla_gpu, 3) if gpu_ms and fla_gpu else None)
         results.append(row)
         print(json.dumps(row), flush=True)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": args.rows,
-              "copy_gb_s": round(copy_gb_s), "fla": bool(peers), "norm_launch": dict(norm.NORM_LAUNCH),
-              "variants": variants, "ops": results}
-    print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    report = {"rows": args.rows, "copy_gb_s": round(copy_gb_s), "fla": bool(peers),
+              "norm_launch": dataclasses.asdict(NORM_LAUNCH), "ops": results}
+    write_result(report, args.out, fla_ran=bool(peers))
 
 
 if __name__ == "__main__":

@@ -189,7 +189,7 @@ def test_mixed_dtype_residual_stream_needs_no_casts(monkeypatch):
     # bf16-mixed: the residual stream in fp32, the sublayer's output added to it in bf16. The norm kernel
     # writes the normed activation in the projections' dtype (not fp32 then cast), and the bf16 residual's
     # gradient itself, the fp32 one rounded, where autograd would cast it in a pass of its own
-    from fabric_lin.ops import norm
+    from fabric_lin.ops import norm_triton as norm
 
     normed_dtypes, residual_grads = [], []
     fwd, bwd = norm._fwd, norm._bwd
@@ -463,24 +463,11 @@ def test_norm_ops_read_a_strided_weight():
         check(grads_of(out, [w])[0], grads_of(ref, [w_64])[0], torch.float32, f"{name} dweight")
 
 
-NORM_SETTINGS = [
-    {},  # the shipped table
-    {"tile_elements": 4096, "elements_per_thread": 16},  # several 1024-wide rows per tile
-    {"bwd_prefetch": True},
-    {"bwd_prefetch": True, "tile_elements": 2048, "bwd_programs_per_sm": 32},
-]
-
-
-@pytest.mark.parametrize("settings", NORM_SETTINGS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "shipped")
 @pytest.mark.parametrize("D", [1000, 256, 24])
-def test_norm_ops_over_many_rows_and_programs(monkeypatch, D, settings):
-    # enough rows that the kernels tile several rows at a time and the backward's programs loop over many
-    # tiles, the last one partly past the end (n not a multiple of the rows per tile or per program);
-    # against float64, with a residual and with a gate; the backward's tiles loaded one step ahead or not
-    from fabric_lin.ops import norm
-
-    for key, value in settings.items():
-        monkeypatch.setitem(norm.NORM_LAUNCH, key, value)
+def test_norm_ops_over_many_rows_and_programs(D):
+    # enough rows that the kernels tile several rows at a time (D = 256: 4 rows a tile, 24: 32) and the
+    # backward's programs loop over many tiles, the last one partly past the end (n not a multiple of the
+    # rows per tile or per program); against float64, with a residual and with a gate
     g = torch.Generator().manual_seed(15)
     n = 1603 if D < 1000 else 303
     x, res, gate = (torch.randn(n, D, generator=g).to(DEVICE) for _ in range(3))
@@ -504,8 +491,7 @@ def test_norm_ops_over_many_rows_and_programs(monkeypatch, D, settings):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_linear_cross_entropy_with_no_counted_target_is_zero_on_both_backends(backend):
-    # every target ignored, or no rows: the mean over no rows is 0 with zero gradients (as the model's
-    # chunked_cross_entropy gives), on either backend, not NaN on one and 0 on the other
+    # every target ignored, or no rows: the mean over no rows is 0 with zero gradients, on either backend, not NaN on one and 0 on the other
     g = torch.Generator().manual_seed(13)
     hidden, weight = torch.randn(6, 8, generator=g).to(DEVICE), torch.randn(20, 8, generator=g).to(DEVICE)
     for n in (6, 0):

@@ -6,18 +6,17 @@
     rms_norm_gated_linear, rms_norm_linears  ->  the same followed by projections, the normed activation
                                                  recomputed in the backward pass rather than kept
 
-Each row is normalised in fp32 in one program; the backward recomputes from the saved input and
-1/rms. `backend="auto"` runs Triton on CUDA and the PyTorch reference (`*_ref`, beside each op)
-elsewhere; "triton" / "torch" force one.
+The PyTorch references (`*_ref`) are here; the Triton kernels, in norm_triton.py, normalise each row in fp32
+in one program, and their backward recomputes from the saved input and 1/rms. `backend` picks one by the
+rule of fabric_lin/ops/backend.py (norm_triton.py is imported only when the kernels run: Triton does not
+import on every platform).
 """
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from fabric_lin.ops.launch import cdiv, multiprocessors, next_power_of_2, op_or_fn
+from fabric_lin.ops.backend import resolve_backend
 
 
 def rms_norm_ref(x, weight, eps=1e-6, residual=None):
@@ -33,242 +32,6 @@ def rms_norm_gated_ref(x, gate, weight, eps=1e-5):
     return y.to(x.dtype)
 
 
-def _pick(backend: str, x: torch.Tensor) -> str:
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
-    return ("triton" if x.is_cuda else "torch") if backend == "auto" else backend
-
-
-# Launch settings of the norm kernels (benchmarks/fused_ops.py --variants times others):
-#   tile_elements: elements per tile (rows of D elements, R = tile_elements // D of them, at least one), so
-#     that a program has several rows' loads in flight when rows are short (one 256-wide row per 1-warp
-#     program, GLA's per-head norm, left the backward pass at about half the memory bandwidth on an H200);
-#   elements_per_thread: of a tile (warps = tile_elements / (32 * elements_per_thread), 1 to 16): fewer hold
-#     fewer registers, so more programs fit on a multiprocessor;
-#   bwd_programs_per_sm: the backward's programs per multiprocessor, each looping over tiles and summing
-#     its rows' part of the weight's gradient once, at the end;
-#   bwd_prefetch: the backward loads tile i+1 before it works on tile i (True), or loads each tile when its
-#     step starts (False: Triton does not pipeline loads that feed no matrix product).
-# On an H200 (run AD3, tutorials/performance.md; forward+backward GPU time at the gla-340M step's 32768
-# rows): 1024-element tiles at 8 elements per thread (4 warps; Triton 3.8: 56 registers in the backward,
-# 9 programs per SM) took the pre-norm with residual from 0.203 to 0.179 ms and the per-head gated norm
-# from 0.174 to 0.160 against 4096-element tiles at 16 (8 warps, 80-99 registers, 2-3 programs per SM);
-# the next tile loaded ahead gained ~1% at 2048-element tiles, 32 backward programs per SM lost
-NORM_LAUNCH = {"tile_elements": 1024, "elements_per_thread": 8, "bwd_programs_per_sm": 16, "bwd_prefetch": False}
-
-
-def _rows(D: int) -> Tuple[int, int, int]:
-    """(block width, rows per tile, warps) for rows of D elements."""
-    BD = next_power_of_2(D)
-    R = max(1, NORM_LAUNCH["tile_elements"] // BD)
-    return BD, R, min(16, max(1, R * BD // (32 * NORM_LAUNCH["elements_per_thread"])))
-
-
-# --------------------------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _norm_fwd_kernel(x, r, g, w, y, h, rstd, n_rows, D, eps, BD: tl.constexpr, R: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
-    """Rows [pid * R, pid * R + R)."""
-    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    cols = tl.arange(0, BD)
-    m_row = rows < n_rows
-    m = m_row[:, None] & (cols < D)[None, :]
-    offs = rows[:, None] * D + cols[None, :]
-    b_x = tl.load(x + offs, mask=m, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        b_x += tl.load(r + offs, mask=m, other=0.0).to(tl.float32)
-        b_x = b_x.to(h.dtype.element_ty).to(tl.float32)  # the residual stream is kept in the input dtype
-        tl.store(h + offs, b_x.to(h.dtype.element_ty), mask=m)
-    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
-    tl.store(rstd + rows, b_rstd, mask=m_row)
-    b_y = b_x * b_rstd[:, None] * tl.load(w + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
-    if HAS_GATE:
-        b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
-        b_y = b_y * b_g * tl.sigmoid(b_g)
-    tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _bwd_tile(h, g, rstd, dy, dh_extra, rows, row_end, cols, D, HAS_DH_EXTRA: tl.constexpr, HAS_GATE: tl.constexpr):
-    """The backward pass's inputs at rows (those from row_end on left out): (h, gate, 1/rms, dy, extra
-    residual gradient), fp32; the ones a kernel does not have are zeros that the caller never reads."""
-    m_row = rows < row_end
-    m = m_row[:, None] & (cols < D)[None, :]
-    offs = rows[:, None] * D + cols[None, :]
-    b_h = tl.load(h + offs, mask=m, other=0.0).to(tl.float32)
-    b_rstd = tl.load(rstd + rows, mask=m_row, other=0.0)
-    b_dy = tl.load(dy + offs, mask=m, other=0.0).to(tl.float32)
-    b_g = tl.zeros_like(b_h)
-    b_e = tl.zeros_like(b_h)
-    if HAS_GATE:
-        b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
-    if HAS_DH_EXTRA:
-        b_e = tl.load(dh_extra + offs, mask=m, other=0.0).to(tl.float32)
-    return b_h, b_g, b_rstd, b_dy, b_e
-
-
-@triton.jit
-def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dres, dg, dw_part, n_rows, D, rows_per_program,
-                     BD: tl.constexpr, R: tl.constexpr, HAS_DH_EXTRA: tl.constexpr, HAS_GATE: tl.constexpr,
-                     HAS_DRES: tl.constexpr, PREFETCH: tl.constexpr):
-    """dx for rows [pid * rows_per_program, ...) (a multiple of R), R rows at a time, and this program's
-    partial sum of dweight; with HAS_DRES also dx in the residual's dtype (dres)."""
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BD)
-    m_col = cols < D
-    b_w = tl.load(w + cols, mask=m_col, other=0.0).to(tl.float32)[None, :]
-    b_dw = tl.zeros([R, BD], dtype=tl.float32)  # summed over its rows once, at the end
-    row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)  # past the program's rows nothing is loaded
-    if PREFETCH:
-        n_h, n_g, n_rstd, n_dy, n_e = _bwd_tile(h, g, rstd, dy, dh_extra, row_start + tl.arange(0, R), row_end, cols, D,
-                                                HAS_DH_EXTRA, HAS_GATE)
-    for i in range(0, rows_per_program, R):
-        rows = row_start + i + tl.arange(0, R)
-        m = (rows < row_end)[:, None] & m_col[None, :]
-        offs = rows[:, None] * D + cols[None, :]
-        if PREFETCH:  # this tile's inputs were loaded in the step before; the next tile's are issued now
-            b_h, b_g, b_rstd, b_dy, b_e = n_h, n_g, n_rstd, n_dy, n_e
-            n_h, n_g, n_rstd, n_dy, n_e = _bwd_tile(h, g, rstd, dy, dh_extra, rows + R, row_end, cols, D,
-                                                    HAS_DH_EXTRA, HAS_GATE)
-        else:
-            b_h, b_g, b_rstd, b_dy, b_e = _bwd_tile(h, g, rstd, dy, dh_extra, rows, row_end, cols, D,
-                                                    HAS_DH_EXTRA, HAS_GATE)
-        xhat = b_h * b_rstd[:, None]
-        if HAS_GATE:
-            sig = tl.sigmoid(b_g)
-            tl.store(dg + offs, (b_dy * xhat * b_w * sig * (1.0 + b_g * (1.0 - sig))).to(dg.dtype.element_ty), mask=m)
-            b_dy = b_dy * b_g * sig
-        b_dw += b_dy * xhat
-        dxhat = b_dy * b_w
-        b_dx = b_rstd[:, None] * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=1) / D)[:, None])
-        if HAS_DH_EXTRA:
-            b_dx += b_e
-        tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=m)
-        if HAS_DRES:
-            tl.store(dres + offs, b_dx.to(dres.dtype.element_ty), mask=m)
-    tl.store(dw_part + pid * D + cols, tl.sum(b_dw, axis=0), mask=m_col)
-
-
-# ------------------------------------------------------------------------------------ torch.library ops
-# _fwd and _bwd are the ops' functions; the autograd Functions below call them through op_or_fn (the
-# registered op only while torch.compile traces).
-
-
-def _fwd(
-    x: torch.Tensor, residual: Optional[torch.Tensor], gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-    y_dtype: Optional[torch.dtype],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y in y_dtype (None: x's), h = x + residual (an empty tensor without residual), 1/rms per row)."""
-    D = x.shape[-1]
-    x2 = x.reshape(-1, D)
-    n = x2.shape[0]
-    weight = weight.contiguous()  # the kernels index it as dense
-    y = torch.empty_like(x2, dtype=y_dtype or x.dtype)
-    h = torch.empty_like(x2) if residual is not None else x2
-    rstd = torch.empty(n, device=x.device, dtype=torch.float32)
-    BD, R, warps = _rows(D)
-    r2 = residual.reshape(-1, D) if residual is not None else None
-    g2 = gate.reshape(-1, D) if gate is not None else None
-    if n > 0:
-        _norm_fwd_kernel[(cdiv(n, R),)](x2, r2, g2, weight, y, h, rstd, n, D, eps, BD=BD, R=R,
-                                        HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
-                                        num_warps=warps)
-    return y.view_as(x), (h.view_as(x) if residual is not None else x.new_empty(0)), rstd
-
-
-def _bwd(
-    h: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
-    dh_extra: Optional[torch.Tensor], residual_dtype: Optional[torch.dtype],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dgate (an empty tensor without gate), dweight, dx in residual_dtype where that is given and
-    differs from h's (else an empty tensor): the residual's gradient, which autograd would otherwise cast
-    from dx in a pass of its own)."""
-    D = h.shape[-1]
-    h2 = h.reshape(-1, D)
-    n = h2.shape[0]
-    weight = weight.contiguous()
-    dx = torch.empty_like(h2)
-    dres = torch.empty_like(h2, dtype=residual_dtype) if _casts_residual_grad(h, residual_dtype) else None
-    dg = torch.empty_like(gate.reshape(-1, D)) if gate is not None else None
-    BD, R, warps = _rows(D)
-    sms = multiprocessors(h.device) if h.is_cuda else 2
-    # programs that each loop over several tiles, summing their rows' part of dweight (fewer partial sums
-    # than one program per tile), but enough of them that the last wave leaves little of the GPU idle
-    programs = max(1, min(cdiv(n, R), NORM_LAUNCH["bwd_programs_per_sm"] * sms))
-    rows_per_program = cdiv(cdiv(max(n, 1), programs), R) * R
-    programs = cdiv(max(n, 1), rows_per_program)  # the rounding up may have left programs with no rows
-    # every launched program writes its whole row; with no rows nothing is launched and the sum is zero
-    dw_part = (torch.empty if n > 0 else torch.zeros)(programs, D, device=h.device, dtype=torch.float32)
-    if n > 0:
-        _norm_bwd_kernel[(programs,)](
-            h2, gate.reshape(-1, D) if gate is not None else None, weight, rstd, dy.reshape(-1, D).contiguous(),
-            dh_extra.reshape(-1, D).contiguous() if dh_extra is not None else None, dx, dres, dg, dw_part, n, D,
-            rows_per_program, BD=BD, R=R, HAS_DH_EXTRA=dh_extra is not None, HAS_GATE=gate is not None,
-            HAS_DRES=dres is not None, PREFETCH=NORM_LAUNCH["bwd_prefetch"], num_warps=warps,
-        )
-    dw = dw_part.sum(0).to(weight.dtype)
-    return (dx.view_as(h), (dg.view_as(gate) if gate is not None else h.new_empty(0)), dw,
-            dres.view_as(h) if dres is not None else h.new_empty(0))
-
-
-def _casts_residual_grad(h: torch.Tensor, residual_dtype: Optional[torch.dtype]) -> bool:
-    """Whether the backward writes the residual's gradient in a dtype of its own (bf16-mixed: the residual
-    stream in fp32, the sublayer output added to it in bf16)."""
-    return residual_dtype is not None and residual_dtype != h.dtype
-
-
-_rms_norm_fwd_op = torch.library.custom_op("fabric_lin::rms_norm_fwd", mutates_args=())(_fwd)
-_rms_norm_bwd_op = torch.library.custom_op("fabric_lin::rms_norm_bwd", mutates_args=())(_bwd)
-
-
-@_rms_norm_fwd_op.register_fake
-def _(x, residual, gate, weight, eps, y_dtype):
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    h = torch.empty_like(x) if residual is not None else x.new_empty(0)
-    return torch.empty_like(x, dtype=y_dtype or x.dtype), h, x.new_empty(rows, dtype=torch.float32)
-
-
-@_rms_norm_bwd_op.register_fake
-def _(h, gate, weight, rstd, dy, dh_extra, residual_dtype):
-    dres = torch.empty_like(h, dtype=residual_dtype) if _casts_residual_grad(h, residual_dtype) else h.new_empty(0)
-    return (torch.empty_like(h), (torch.empty_like(gate) if gate is not None else h.new_empty(0)), torch.empty_like(weight),
-            dres)
-
-
-def _norm_fwd(*args):
-    return op_or_fn(_rms_norm_fwd_op, _fwd)(*args)
-
-
-def _norm_bwd(*args):
-    return op_or_fn(_rms_norm_bwd_op, _bwd)(*args)
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, gate, weight, eps):
-        y, h, rstd = _norm_fwd(x, residual, gate, weight, eps, None)
-        ctx.save_for_backward(h if residual is not None else x, gate, weight, rstd)
-        ctx.residual_dtype = residual.dtype if residual is not None else None  # None: no residual
-        return y, h
-
-    @staticmethod
-    def backward(ctx, dy, dh_out):
-        h, gate, weight, rstd = ctx.saved_tensors
-        dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
-        dx, dg, dw, dres = _norm_bwd(h, gate, weight, rstd, dy.contiguous(), dh_extra, ctx.residual_dtype)
-        return dx, _residual_grad(ctx, h, dx, dres), (dg if gate is not None else None), dw, None
-
-
-def _residual_grad(ctx, h, dx, dres):
-    """The residual's gradient: dx, or the copy of it in the residual's own dtype that the backward wrote."""
-    if ctx.residual_dtype is None:  # no residual
-        return None
-    return dres if _casts_residual_grad(h, ctx.residual_dtype) else dx
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
     backend: str = "auto",
@@ -278,11 +41,11 @@ def rms_norm(
         raise ValueError(f"weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if _pick(backend, x) == "torch":
+    if resolve_backend(backend, x.device) == "torch":
         return rms_norm_ref(x, weight, eps, residual)
-    y, h = _RMSNormFunction.apply(x.contiguous(), residual.contiguous() if residual is not None else None, None,
-                                  weight, float(eps))
-    return y if residual is None else (y, h)
+    from fabric_lin.ops.norm_triton import rms_norm_triton
+
+    return rms_norm_triton(x, weight, eps, residual)
 
 
 def rms_norm_gated(
@@ -293,32 +56,11 @@ def rms_norm_gated(
         raise ValueError(f"gate must have the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
-    if _pick(backend, x) == "torch":
+    if resolve_backend(backend, x.device) == "torch":
         return rms_norm_gated_ref(x, gate, weight, eps)
-    y, _ = _RMSNormFunction.apply(x.contiguous(), None, gate.contiguous(), weight, float(eps))
-    return y
+    from fabric_lin.ops.norm_triton import rms_norm_gated_triton
 
-
-class _RMSNormGatedLinearFunction(torch.autograd.Function):
-    """rms_norm_gated over the heads, then the output projection; the normed, gated activation is
-    recomputed in the backward pass instead of being kept for the projection's weight gradient."""
-
-    @staticmethod
-    def forward(ctx, x, gate, weight, eps, proj_weight):
-        y, _, rstd = _norm_fwd(x, None, gate, weight, eps, None)
-        ctx.save_for_backward(x, gate, weight, rstd, proj_weight)
-        ctx.eps = eps
-        return torch.matmul(y.reshape(*x.shape[:-2], -1), proj_weight.t())
-
-    @staticmethod
-    def backward(ctx, d_out):
-        x, gate, weight, rstd, proj_weight = ctx.saved_tensors
-        y, _, _ = _norm_fwd(x, None, gate, weight, ctx.eps, None)
-        d_out = d_out.contiguous()
-        d_proj = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, proj_weight.shape[1]))
-        dy = torch.matmul(d_out, proj_weight).view_as(x)
-        dx, dg, dw, _ = _norm_bwd(x, gate, weight, rstd, dy, None, None)
-        return dx, dg, dw, None, d_proj
+    return rms_norm_gated_triton(x, gate, weight, eps)
 
 
 def rms_norm_gated_linear(
@@ -338,51 +80,12 @@ def rms_norm_gated_linear(
             f"rms_norm_gated_linear: gate must have the shape of x {tuple(x.shape)} and weight ({x.shape[-1]},), "
             f"got {tuple(gate.shape)} and {tuple(weight.shape)}"
         )
-    if _pick(backend, x) == "torch":
+    if resolve_backend(backend, x.device) == "torch":
         y = rms_norm_gated_ref(x, gate, weight, eps)
         return F.linear(y.reshape(*x.shape[:-2], -1), proj_weight.to(y.dtype))
-    return _RMSNormGatedLinearFunction.apply(x.contiguous(), gate.contiguous(), weight, float(eps), proj_weight.to(x.dtype))
+    from fabric_lin.ops.norm_triton import rms_norm_gated_linear_triton
 
-
-class _RMSNormLinearsFunction(torch.autograd.Function):
-    """RMSNorm (with the residual add folded in, when given), then projections of the normed activation
-    by row blocks of one stacked weight (each output its own contiguous tensor; with sizes None, one
-    product and one output, the projections side by side); the normed activation is recomputed in the
-    backward pass instead of being kept for the weight gradients. The norm kernel writes the normed
-    activation in the projections' dtype (under bf16-mixed: bf16 from the fp32 residual stream, no cast of
-    its own) and, in the backward pass, the residual's gradient in the residual's dtype."""
-
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps, stacked, sizes):
-        y, h, rstd = _norm_fwd(x, residual, None, weight, eps, stacked.dtype)
-        source = h if residual is not None else x
-        ctx.save_for_backward(source, weight, rstd, stacked)
-        ctx.eps, ctx.sizes = eps, sizes
-        ctx.residual_dtype = residual.dtype if residual is not None else None  # None: no residual
-        if sizes is None:
-            return h, torch.matmul(y, stacked.t())
-        return (h, *(torch.matmul(y, w.t()) for w in stacked.split(sizes)))
-
-    @staticmethod
-    def backward(ctx, dh_out, *d_outs):
-        source, weight, rstd, stacked = ctx.saved_tensors
-        dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
-        y, _, _ = _norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype)
-        y = y.reshape(-1, y.shape[-1])
-        # the outputs' gradients side by side: one product for the input gradient (summed over the
-        # projections inside the product, rounded once) and one for the stacked weight's; one output
-        # (sizes None) hands them over side by side already
-        if ctx.sizes is None:
-            d_cat = d_outs[0].reshape(y.shape[0], -1) if d_outs[0] is not None else y.new_zeros(y.shape[0], stacked.shape[0])
-        else:
-            d_cat = torch.cat([
-                d.reshape(y.shape[0], n) if d is not None else y.new_zeros(y.shape[0], n)
-                for d, n in zip(d_outs, ctx.sizes)
-            ], dim=-1)
-        dy = torch.matmul(d_cat, stacked).view_as(source)
-        d_stacked = torch.matmul(d_cat.t(), y)
-        dx, _, dw, dres = _norm_bwd(source, None, weight, rstd, dy, dh_extra, ctx.residual_dtype)
-        return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None
+    return rms_norm_gated_linear_triton(x, gate, weight, eps, proj_weight)
 
 
 def rms_norm_linears(
@@ -404,17 +107,14 @@ def rms_norm_linears(
     if not proj_weights or bad:
         raise ValueError(f"rms_norm_linears: expected projection weights [out, {x.shape[-1]}], got {bad or 'none'}")
     dtype = dtype or x.dtype
-    if _pick(backend, x) == "torch":
+    if resolve_backend(backend, x.device) == "torch":
         normed = rms_norm_ref(x, weight, eps, residual)
         y, h = normed if residual is not None else (normed, None)
         outs = [F.linear(y.to(dtype), w.to(dtype)) for w in proj_weights]
         if side_by_side:
             outs = torch.cat(outs, dim=-1)
         return (outs, h) if residual is not None else outs
-    stacked = torch.cat([w.to(dtype) for w in proj_weights]) if len(proj_weights) > 1 else proj_weights[0].to(dtype)
-    sizes = None if side_by_side else [w.shape[0] for w in proj_weights]
-    h, *outs = _RMSNormLinearsFunction.apply(x.contiguous(), residual.contiguous() if residual is not None else None,
-                                             weight, float(eps), stacked, sizes)
-    if side_by_side:
-        outs = outs[0]
+    from fabric_lin.ops.norm_triton import rms_norm_linears_triton
+
+    outs, h = rms_norm_linears_triton(x, weight, eps, proj_weights, residual, dtype, side_by_side)
     return (outs, h) if residual is not None else outs

@@ -1,172 +1,29 @@
 """SwiGLU activation, silu(gate) * up, as one elementwise Triton kernel forward and one backward.
 
-The backward recomputes silu from the saved inputs, so nothing but gate and up is kept.
-`backend="auto"` runs Triton on CUDA and `swiglu_ref` elsewhere; "triton" / "torch" force one.
+The backward recomputes silu from the saved inputs, so nothing but gate and up is kept. `backend` picks the
+kernels (swiglu_triton.py, imported only when they run) or `swiglu_ref` by the rule of fabric_lin/ops/backend.py.
 """
-from typing import Tuple
-
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from fabric_lin.ops.launch import cdiv, op_or_fn
-
-BLOCK = 1024
+from fabric_lin.ops.backend import resolve_backend
 
 
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# One program per (row, block of BLOCK columns). gate and up are read at row * stride_in + column: two
-# tensors of rows of I (stride_in = I), or the two halves of one [rows, 2 I] tensor (stride_in = 2 I, up
-# starting I elements after gate), the layout of an MLP's gate and up projections computed side by side.
-@triton.jit
-def _swiglu_fwd_kernel(gate, up, y, I, stride_in, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < I
-    g = tl.load(gate + row * stride_in + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(up + row * stride_in + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(y + row * I + cols, (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _swiglu_bwd_kernel(gate, up, dy, dgate, dup, I, stride_in, BLOCK: tl.constexpr):
-    """dgate and dup in the layout of gate and up."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < I
-    g = tl.load(gate + row * stride_in + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(up + row * stride_in + cols, mask=m, other=0.0).to(tl.float32)
-    d = tl.load(dy + row * I + cols, mask=m, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    tl.store(dup + row * stride_in + cols, (d * g * sig).to(dup.dtype.element_ty), mask=m)
-    tl.store(dgate + row * stride_in + cols, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dgate.dtype.element_ty), mask=m)
-
-
-def _grid(rows: int, I: int):
-    return (rows, cdiv(I, BLOCK))
-
-
-def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    y = torch.empty_like(gate)
-    I = gate.shape[-1]
-    if y.numel():
-        _swiglu_fwd_kernel[_grid(y.numel() // I, I)](gate, up, y, I, I, BLOCK=BLOCK, num_warps=4)
-    return y
-
-
-def _swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-    I = gate.shape[-1]
-    if gate.numel():
-        _swiglu_bwd_kernel[_grid(gate.numel() // I, I)](gate, up, dy, dgate, dup, I, I, BLOCK=BLOCK, num_warps=4)
-    return dgate, dup
-
-
-_swiglu_fwd_op = torch.library.custom_op("fabric_lin::swiglu_fwd", mutates_args=())(_swiglu_fwd)
-_swiglu_bwd_op = torch.library.custom_op("fabric_lin::swiglu_bwd", mutates_args=())(_swiglu_bwd)
-
-
-@_swiglu_fwd_op.register_fake
-def _(gate, up):
-    return torch.empty_like(gate)
-
-
-@_swiglu_bwd_op.register_fake
-def _(gate, up, dy):
-    return torch.empty_like(gate), torch.empty_like(up)
-
-
-class _SwiGLUFunction(torch.autograd.Function):
-    """The ops through op_or_fn: the registered ops only while torch.compile traces."""
-
-    @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return op_or_fn(_swiglu_fwd_op, _swiglu_fwd)(gate, up)
-
-    @staticmethod
-    def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        return op_or_fn(_swiglu_bwd_op, _swiglu_bwd)(gate, up, dy.contiguous())
-
-
-def _packed_fwd(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a contiguous [..., 2 I] gate_up (gate first)."""
-    I = gate_up.shape[-1] // 2
-    y = gate_up.new_empty(*gate_up.shape[:-1], I)
-    if y.numel():
-        _swiglu_fwd_kernel[_grid(y.numel() // I, I)](gate_up, gate_up[..., I:], y, I, 2 * I, BLOCK=BLOCK, num_warps=4)
-    return y
-
-
-def _packed_bwd(gate_up: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """The gradient of gate_up, in its [..., 2 I] layout: one tensor, so the projections that made
-    gate_up take it as it is (no concatenation of two gradients)."""
-    I = gate_up.shape[-1] // 2
-    d_gate_up = torch.empty_like(gate_up)
-    if d_gate_up.numel():
-        _swiglu_bwd_kernel[_grid(dy.numel() // I, I)](
-            gate_up, gate_up[..., I:], dy, d_gate_up, d_gate_up[..., I:], I, 2 * I, BLOCK=BLOCK, num_warps=4
-        )
-    return d_gate_up
-
-
 def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """silu(gate) * up, elementwise; gate and up of one shape and dtype."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(
             f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}"
         )
-    if backend == "torch" or (backend == "auto" and not gate.is_cuda):
+    if resolve_backend(backend, gate.device) == "torch":
         return swiglu_ref(gate, up)
-    return _SwiGLUFunction.apply(gate.contiguous(), up.contiguous())
+    from fabric_lin.ops.swiglu_triton import swiglu_triton
 
-
-# SwiGLU followed by the down projection, with the activation recomputed in the backward pass: an MLP
-# then keeps gate_up and the weight for its backward, not also the [tokens, intermediate] activation
-# that a separate linear layer would save (a third of an MLP's saved activations).
-def _swiglu_linear_fwd(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(_packed_fwd(gate_up), weight.t())
-
-
-def _swiglu_linear_bwd(gate_up: torch.Tensor, weight: torch.Tensor, d_out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    y = _packed_fwd(gate_up)  # recomputed: one elementwise pass instead of keeping it
-    d_weight = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, y.shape[-1]))
-    return _packed_bwd(gate_up, torch.matmul(d_out, weight)), d_weight
-
-
-_swiglu_linear_fwd_op = torch.library.custom_op("fabric_lin::swiglu_linear_fwd", mutates_args=())(_swiglu_linear_fwd)
-_swiglu_linear_bwd_op = torch.library.custom_op("fabric_lin::swiglu_linear_bwd", mutates_args=())(_swiglu_linear_bwd)
-
-
-@_swiglu_linear_fwd_op.register_fake
-def _(gate_up, weight):
-    return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
-
-
-@_swiglu_linear_bwd_op.register_fake
-def _(gate_up, weight, d_out):
-    return torch.empty_like(gate_up), weight.new_empty(weight.shape)
-
-
-class _SwiGLULinearFunction(torch.autograd.Function):
-    """The ops through op_or_fn: the registered ops only while torch.compile traces."""
-
-    @staticmethod
-    def forward(ctx, gate_up, weight):
-        ctx.save_for_backward(gate_up, weight)
-        return op_or_fn(_swiglu_linear_fwd_op, _swiglu_linear_fwd)(gate_up, weight)
-
-    @staticmethod
-    def backward(ctx, d_out):
-        gate_up, weight = ctx.saved_tensors
-        return op_or_fn(_swiglu_linear_bwd_op, _swiglu_linear_bwd)(gate_up, weight, d_out.contiguous())
+    return swiglu_triton(gate, up)
 
 
 def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -174,15 +31,15 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, backend: str = "a
     MLP's two input projections computed side by side), keeping only gate_up and weight for the backward
     pass, whose gradient of gate_up is one tensor in the same layout. The weight is cast to gate_up's
     dtype first (what autocast does for a linear layer under bf16-mixed)."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
     I = gate_up.shape[-1] // 2
     if gate_up.shape[-1] % 2 or weight.dim() != 2 or weight.shape[-1] != I:
         raise ValueError(
             f"swiglu_linear: gate_up must be [..., 2 I] and weight [out, I], got gate_up {tuple(gate_up.shape)}"
             f" and weight {tuple(weight.shape)}"
         )
-    if backend == "torch" or (backend == "auto" and not gate_up.is_cuda):
+    if resolve_backend(backend, gate_up.device) == "torch":
         gate, up = gate_up.chunk(2, dim=-1)
         return F.linear(swiglu_ref(gate, up), weight.to(gate_up.dtype))
-    return _SwiGLULinearFunction.apply(gate_up.contiguous(), weight.to(gate_up.dtype))
+    from fabric_lin.ops.swiglu_triton import swiglu_linear_triton
+
+    return swiglu_linear_triton(gate_up, weight)
