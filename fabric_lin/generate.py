@@ -72,7 +72,7 @@ def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -
 
     config = Config.from_checkpoint(checkpoint_dir)
     with torch.device("meta"):
-        model = GPT(config)
+        model = GPT(config, fused=device.type == "cuda")
     model.load_state_dict(load_model_dir_weights(checkpoint_dir, model), assign=True)
     return model.to(device=device, dtype=dtype).eval()
 

@@ -1,7 +1,6 @@
 """Decoding against independent references: incremental decoding (GLA state, transformer KV cache) against
 a full forward pass, `generate_tokens` against argmax / sampling of full-forward logits, the decoding step
 against a float64 loop, and the errors for bad arguments."""
-import functools
 import math
 
 import pytest
@@ -18,9 +17,9 @@ NAMES = ["gla-debug", "transformer-debug"]
 PROMPT_LENGTHS = [1, 63, 64, 65, 130]
 
 
-def debug_model(name: str, seed: int = 0) -> GPT:
+def debug_model(name: str, seed: int = 0, fused: bool = False) -> GPT:
     torch.manual_seed(seed)
-    return GPT(Config.from_name(name)).eval()
+    return GPT(Config.from_name(name), fused=fused).eval()
 
 
 def prefill_then_steps(model: GPT, ids: torch.Tensor, prompt: int):
@@ -194,7 +193,7 @@ def test_recurrent_step_matches_float64_loop():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernel in Triton's interpreter, on CPU-only machines")
 @pytest.mark.parametrize("K,V", [(32, 64), (256, 80)])  # 256: gla-1.3B's head width, the narrower value tiles
 def test_fused_step_matches_float64_loop(K, V):
-    from fabric_lin.ops.gla.fused_recurrent import fused_recurrent_gla_step
+    from fabric_lin.ops.gla import fused_recurrent_gla_step
 
     q, k, v, gk, h0 = step_inputs(1, 6, 2, K, V)
     o, s = run_steps(lambda *a: fused_recurrent_gla_step(*a, backend="triton"), q, k, v, gk, h0)
@@ -210,16 +209,10 @@ def test_fused_step_matches_float64_loop(K, V):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels in Triton's interpreter, on CPU-only machines")
 @pytest.mark.parametrize("prompt", [1, 65])
-def test_fused_decoding_path_matches_full_forward(monkeypatch, prompt):
+def test_fused_decoding_path_matches_full_forward(prompt):
     # the model's CUDA path (fused norms, Triton prefill from no state, the fused step) in the interpreter
-    import fabric_lin.model as model_module
-    from test_model_fused import use_triton_ops
-
-    use_triton_ops(monkeypatch)
-    for fn in ("chunk_gla", "fused_recurrent_gla_step"):
-        monkeypatch.setattr(model_module, fn, functools.partial(getattr(model_module, fn), backend="triton"))
     torch.manual_seed(0)
-    model = GPT(Config.from_name("gla-debug", num_layers=1)).eval()
+    model = GPT(Config.from_name("gla-debug", num_layers=1), fused=True).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, prompt + 3), generator=torch.Generator().manual_seed(prompt))
     decoded, full = prefill_then_steps(model, ids, prompt)
     torch.testing.assert_close(decoded, full, rtol=1e-4, atol=1e-4)
@@ -232,7 +225,7 @@ def test_gpu_decoding_matches_full_forward(name, dtype):
     # the CUDA path: fused norms, the Triton chunked prefill and the fused decoding step
     from conftest import rel_rms
 
-    model = debug_model(name).to("cuda", dtype)
+    model = debug_model(name, fused=True).to("cuda", dtype)
     for prompt in PROMPT_LENGTHS:
         g = torch.Generator().manual_seed(prompt)
         ids = torch.randint(0, model.config.vocab_size, (2, prompt + 4), generator=g).cuda()

@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 
 from fabric_lin.config import Config
-from fabric_lin.model import GPT, chunked_cross_entropy
+from fabric_lin.model import GPT
+from fabric_lin.ops.cross_entropy import linear_cross_entropy
 
 
 def tiny(name: str, **overrides) -> Config:
@@ -90,12 +91,19 @@ def test_loss_with_targets_equals_full_cross_entropy_and_its_gradient():
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
 
 
-def test_chunked_cross_entropy_chunks_smaller_than_rows():
+def test_cross_entropy_reference_in_chunks_smaller_than_the_rows():
+    # the CPU path's loss (chunked, each chunk's logits recomputed in the backward pass) against one
+    # F.cross_entropy over all rows: the same loss and gradients
     h = torch.randn(37, 16, requires_grad=True)
     w = torch.randn(11, 16, requires_grad=True)
     t = torch.randint(0, 11, (37,))
-    loss = chunked_cross_entropy(h, w, t, chunk_size=8)
-    torch.testing.assert_close(loss, F.cross_entropy(h @ w.T, t))
+    loss = linear_cross_entropy(h, w, t, chunk_size=8, backend="torch")
+    dh, dw = torch.autograd.grad(loss, [h, w])
+    ref = F.cross_entropy(h @ w.T, t)
+    ref_dh, ref_dw = torch.autograd.grad(ref, [h, w])
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(dh, ref_dh)
+    torch.testing.assert_close(dw, ref_dw)
 
 
 @pytest.mark.parametrize("name", ["gla-debug", "transformer-debug"])
@@ -160,8 +168,8 @@ def test_generate_samples_only_ids_the_tokenizer_has(tmp_path):
 
 @pytest.mark.parametrize("name", ["gla-debug", "transformer-debug"])
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(name):
-    # pretrain's activation_checkpointing wraps every Block (it takes and returns the residual stream and the
-    # pending sublayer output); recomputing the Blocks in the backward pass must not change the result
+    # pretrain's activation_checkpointing wraps every Block (it takes and returns the residual stream as the
+    # pair (x, delta)); recomputing the Blocks in the backward pass must not change the result
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
     from fabric_lin.model import Block

@@ -1,7 +1,6 @@
 """The model's fused path (the Triton ops it uses on CUDA) against its plain PyTorch path: the same
 loss and the same gradient for every parameter. Without CUDA the kernels run in Triton's interpreter
 (set before Triton is imported), in fp32; with CUDA both paths run on the GPU in fp32."""
-import functools
 import os
 
 import torch
@@ -11,20 +10,19 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-import fabric_lin.model as model_module  # noqa: E402
 from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FUSED_FUNCTIONS = ("chunk_gla_from_logits", "rms_norm", "rms_norm_gated_linear", "rms_norm_linears", "swiglu_linear",
-                   "linear_cross_entropy")
 
 
-def use_triton_ops(monkeypatch):
-    """The model's CUDA path: its fused ops, as Triton kernels also where "auto" would pick PyTorch (CPU)."""
-    monkeypatch.setattr(model_module, "use_fused", lambda x: True)
-    for fn in FUSED_FUNCTIONS:
-        monkeypatch.setattr(model_module, fn, functools.partial(getattr(model_module, fn), backend="triton"))
+def fused_and_reference(config):
+    """The model built on the fused kernels and on the PyTorch references, with the same weights."""
+    torch.manual_seed(0)
+    reference = GPT(config, fused=False).to(DEVICE)
+    fused = GPT(config, fused=True).to(DEVICE)
+    fused.load_state_dict(reference.state_dict())
+    return fused, reference
 
 
 def loss_and_grads(model, ids, targets):
@@ -35,19 +33,15 @@ def loss_and_grads(model, ids, targets):
 
 
 @pytest.mark.parametrize("name", ["gla-debug", "transformer-debug"])
-def test_fused_path_matches_torch_path(monkeypatch, name):
+def test_fused_path_matches_torch_path(name):
     config = Config.from_name(name, num_layers=2)
-    torch.manual_seed(0)
-    model = GPT(config).to(DEVICE)
+    fused, reference = fused_and_reference(config)
     ids = torch.randint(0, config.vocab_size, (2, 80), device=DEVICE)
     targets = torch.roll(ids, -1, dims=1)
     targets[0, :5] = -100  # ignored positions go through both cross-entropies too
 
-    monkeypatch.setattr(model_module, "use_fused", lambda x: False)
-    ref_loss, ref_grads = loss_and_grads(model, ids, targets)
-
-    use_triton_ops(monkeypatch)
-    loss, grads = loss_and_grads(model, ids, targets)
+    ref_loss, ref_grads = loss_and_grads(reference, ids, targets)
+    loss, grads = loss_and_grads(fused, ids, targets)
 
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     for param, ref in ref_grads.items():
@@ -56,18 +50,17 @@ def test_fused_path_matches_torch_path(monkeypatch, name):
 
 
 @pytest.mark.parametrize("dynamic", [True, False])
-def test_compiled_blocks_do_not_recompile_for_new_batch_or_length(monkeypatch, dynamic):
+def test_compiled_blocks_do_not_recompile_for_new_batch_or_length(dynamic):
     # Regional compilation as the trainer does it, on the fused path (as on CUDA: the GLA op is opaque
     # to the compiler). The eager backend: what is tested is Dynamo's guards, which shapes a compiled
     # graph accepts. With dynamic_shapes a new batch size or context length reuses the first graph;
     # with specialised shapes each one compiles anew (the control). Two layers: every block, the first one
     # included, is called alike and reuses the same graph.
-    from fabric_lin.pretrain import compiled_graphs
+    from fabric_lin.metrics import compiled_graphs
 
-    use_triton_ops(monkeypatch)
     torch._dynamo.reset()
     config = Config.from_name("gla-debug", num_layers=2)
-    model = GPT(config).to(DEVICE)
+    model = GPT(config, fused=True).to(DEVICE)
     for block in model.layers:
         block.compile(backend="eager")
     model.dynamic_shapes = dynamic
