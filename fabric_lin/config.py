@@ -2,9 +2,9 @@
 import difflib
 import math
 import numbers
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, List, Literal, Optional, Union
 
 import yaml
 
@@ -12,48 +12,65 @@ import yaml
 @dataclass
 class Config:
     name: str = ""
-    block_type: Literal["gla", "transformer"] = "gla"
+    block_type: Literal["gla", "gdn", "transformer"] = "gla"
+    """gla: Gated Linear Attention; gdn: Gated DeltaNet; transformer: the softmax-attention baseline"""
     vocab_size: int = 32000
     hidden_size: int = 1024
     num_layers: int = 24
     num_heads: int = 4
-    # Grouped key/value heads (MQA/GQA). None means one key/value head per query head.
+    # Grouped key/value heads (MQA/GQA; GLA and transformer). None means one key/value head per query head.
     num_kv_heads: Optional[int] = None
-    # GLA: key width = hidden_size * expand_k, value width = hidden_size * expand_v (all heads together)
+    # GLA: key width = hidden_size * expand_k, value width = hidden_size * expand_v (all heads together).
+    # GDN: key width per head = head_dim, value width per head = head_dim * expand_v (fla's meaning there).
     expand_k: float = 0.5
     expand_v: float = 1.0
+    head_dim: Optional[int] = None
     gate_low_rank_dim: int = 16
     gate_logit_normalizer: int = 16
+    conv_size: int = 4  # GDN: width of the causal depthwise convolutions after q, k and v
     # SwiGLU width; None = 256 * ceil(int(hidden_size * hidden_ratio * 2 / 3) / 256)
     intermediate_size: Optional[int] = None
     hidden_ratio: int = 4
     norm_eps: float = 1e-6
-    head_norm_eps: float = 1e-5  # the per-head RMSNorm on the GLA output
+    # eps of the per-head RMSNorm on the GLA/GDN output; None: norm_eps, as flash-linear-attention's models
+    # use (checkpoints trained with another value keep it in their model_config.yaml)
+    head_norm_eps: Optional[float] = None
     tie_embeddings: bool = False
     initializer_range: float = 0.02
-    # transformer baseline only
+    # transformer layers: RoPE base
     rope_base: float = 10000.0
     max_seq_length: int = 2048
+    # hybrids (gla, gdn): the layers (0-based) that are softmax-attention blocks instead, with their own heads
+    # (fla's `attn` config key: layers, num_heads, num_kv_heads)
+    attn_layers: List[int] = field(default_factory=list)
+    attn_num_heads: Optional[int] = None
+    attn_num_kv_heads: Optional[int] = None
 
     def __post_init__(self):
         # YAML hands over whatever was written ('128' quoted, a quoted "false" that is truthy), so the
         # types are checked before any arithmetic turns them into an obscure error or a silent change
-        optional = {"num_kv_heads", "intermediate_size"} | ({"hidden_ratio"} if self.intermediate_size is not None else set())
+        optional = {"num_kv_heads", "intermediate_size", "head_dim", "head_norm_eps", "attn_num_heads",
+                    "attn_num_kv_heads"} | ({"hidden_ratio"} if self.intermediate_size is not None else set())
         for name, kind in _FIELD_KINDS.items():
             value = getattr(self, name)
             if not (value is None and name in optional or _is_kind(value, kind)):
                 raise ValueError(f"model config {name} must be {kind}, got {value!r}")
+        if not isinstance(self.attn_layers, (list, tuple)) or not all(_is_kind(i, "an integer") for i in self.attn_layers):
+            raise ValueError(f"model config attn_layers must be a list of layer indices, got {self.attn_layers!r}")
+        self.attn_layers = sorted(set(self.attn_layers))
+        if self.block_type not in ("gla", "gdn", "transformer"):
+            raise ValueError(f"block_type must be 'gla', 'gdn' or 'transformer', got {self.block_type!r}")
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
+        if self.head_norm_eps is None:
+            self.head_norm_eps = self.norm_eps
         if self.intermediate_size is None:
             if not self.hidden_ratio > 0:
                 raise ValueError(f"model config hidden_ratio must be positive, got {self.hidden_ratio!r}")
             raw = int(self.hidden_size * self.hidden_ratio * 2 / 3)
             self.intermediate_size = 256 * math.ceil(raw / 256)
-        if self.block_type not in ("gla", "transformer"):
-            raise ValueError(f"block_type must be 'gla' or 'transformer', got {self.block_type!r}")
         for size in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                     "gate_low_rank_dim", "max_seq_length"):
+                     "gate_low_rank_dim", "max_seq_length", "conv_size"):
             if getattr(self, size) < 1:
                 raise ValueError(f"model config {size} must be at least 1, got {getattr(self, size)}")
         for name in ("expand_k", "expand_v", "gate_logit_normalizer", "rope_base"):
@@ -64,12 +81,16 @@ class Config:
                 raise ValueError(f"model config {name} must not be negative, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.block_type == "gdn":
+            self._check_gdn()
         # the widths split into heads, named by the keys they come from
         if self.block_type == "gla":
             widths = {f"hidden_size * expand_k = {self.hidden_size} * {self.expand_k}": self.key_dim,
                       f"hidden_size * expand_v = {self.hidden_size} * {self.expand_v}": self.value_dim}
-        else:
+        elif self.block_type == "transformer":
             widths = {"hidden_size": self.hidden_size}
+        else:
+            widths = {}
         for source, width in widths.items():
             if width < self.num_heads or width % self.num_heads:
                 raise ValueError(f"{source} = {width} must be a positive multiple of num_heads={self.num_heads}")
@@ -78,15 +99,62 @@ class Config:
                 f"hidden_size / num_heads = {self.hidden_size} / {self.num_heads} = {self.head_k_dim}: the rotary"
                 " embedding needs an even head dim"
             )
+        self._check_attn_layers()
 
-    # derived widths
+    def _check_gdn(self) -> None:
+        if self.head_dim is None or self.head_dim < 1:
+            raise ValueError(f"block_type 'gdn' needs head_dim, the key width of each head (e.g. 128), got {self.head_dim!r}")
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(
+                f"block_type 'gdn' has one key/value head per head: num_kv_heads ({self.num_kv_heads}) must equal "
+                f"num_heads ({self.num_heads}) or be left out"
+            )
+        head_v = self.head_dim * self.expand_v
+        if head_v != int(head_v):
+            raise ValueError(f"head_dim * expand_v = {self.head_dim} * {self.expand_v} = {head_v} must be a whole number")
+
+    def _check_attn_layers(self) -> None:
+        if not self.attn_layers:
+            if self.attn_num_heads is not None or self.attn_num_kv_heads is not None:
+                raise ValueError("model config attn_num_heads / attn_num_kv_heads are set but attn_layers is empty")
+            return
+        if self.block_type == "transformer":
+            raise ValueError("model config attn_layers makes hybrids of gla or gdn models; a transformer is all attention")
+        bad = [i for i in self.attn_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"model config attn_layers {bad} out of range: the layers are 0 .. {self.num_layers - 1}")
+        if self.attn_num_heads is None:
+            raise ValueError("model config attn_layers needs attn_num_heads, the softmax-attention layers' heads")
+        kv = self.attn_kv_heads
+        if self.attn_num_heads < 1 or kv < 1 or self.attn_num_heads % kv:
+            raise ValueError(f"attn_num_heads ({self.attn_num_heads}) must be a positive multiple of attn_num_kv_heads ({kv})")
+        if self.hidden_size % self.attn_num_heads or (self.hidden_size // self.attn_num_heads) % 2:
+            raise ValueError(
+                f"hidden_size / attn_num_heads = {self.hidden_size} / {self.attn_num_heads} must be a whole, even head dim"
+                " (the rotary embedding)"
+            )
+
+    @property
+    def attn_kv_heads(self) -> int:
+        """Key/value heads of the softmax-attention layers of a hybrid."""
+        return self.attn_num_kv_heads if self.attn_num_kv_heads is not None else self.attn_num_heads
+
+    # derived widths (all heads together, and per head)
     @property
     def key_dim(self) -> int:
-        return int(self.hidden_size * self.expand_k) if self.block_type == "gla" else self.hidden_size
+        if self.block_type == "gla":
+            return int(self.hidden_size * self.expand_k)
+        if self.block_type == "gdn":
+            return self.num_heads * self.head_dim
+        return self.hidden_size
 
     @property
     def value_dim(self) -> int:
-        return int(self.hidden_size * self.expand_v) if self.block_type == "gla" else self.hidden_size
+        if self.block_type == "gla":
+            return int(self.hidden_size * self.expand_v)
+        if self.block_type == "gdn":
+            return self.num_heads * int(self.head_dim * self.expand_v)
+        return self.hidden_size
 
     @property
     def head_k_dim(self) -> int:
@@ -136,7 +204,8 @@ class Config:
 
 _FIELD_KINDS = {
     **dict.fromkeys(["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "gate_low_rank_dim",
-                     "intermediate_size", "max_seq_length"], "an integer"),
+                     "intermediate_size", "max_seq_length", "head_dim", "conv_size", "attn_num_heads",
+                     "attn_num_kv_heads"], "an integer"),
     **dict.fromkeys(["expand_k", "expand_v", "gate_logit_normalizer", "hidden_ratio", "norm_eps", "head_norm_eps",
                      "initializer_range", "rope_base"], "a number"),
     "tie_embeddings": "true or false",
@@ -160,10 +229,16 @@ configs = [
         name="gla-7B", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
         expand_k=1.0, expand_v=1.0, intermediate_size=14336,
     ),
+    # Gated DeltaNet as flash-linear-attention's GatedDeltaNetConfig counts them (num_heads * head_dim =
+    # 0.75 * hidden_size); gdn-1.3B is that config's defaults
+    dict(name="gdn-340M", block_type="gdn", hidden_size=1024, num_layers=24, num_heads=4, head_dim=128, expand_v=2.0),
+    dict(name="gdn-1.3B", block_type="gdn", hidden_size=2048, num_layers=21, num_heads=6, head_dim=256, expand_v=2.0),
     # Llama-style baseline: RoPE + SDPA, 16 heads of 64, same MLP and budget as gla-340M
     dict(name="transformer-340M", block_type="transformer", hidden_size=1024, num_layers=24, num_heads=16),
     # tiny models for tests and the CPU quick start (vocabulary of the sample corpus tokenizer)
     dict(name="gla-debug", vocab_size=4096, hidden_size=128, num_layers=4, num_heads=2, expand_k=0.5, expand_v=1.0),
+    dict(name="gdn-debug", block_type="gdn", vocab_size=4096, hidden_size=128, num_layers=4, num_heads=2, head_dim=48,
+         expand_v=2.0),
     dict(name="transformer-debug", block_type="transformer", vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4),
 ]
 name_to_config = {c["name"]: c for c in configs}

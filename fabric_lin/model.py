@@ -1,7 +1,7 @@
-"""The whole model in one file: norms, GLA attention, the transformer baseline's attention, MLP,
-block and the language model. Tensor layout everywhere is [B, T, H, D].
+"""The whole model in one file: norms, GLA attention, Gated DeltaNet attention, the transformer baseline's
+attention, MLP, block and the language model. Tensor layout everywhere is [B, T, H, D].
 
-GLA block (pre-norm, as flash-linear-attention's GLAForCausalLM):
+Block (pre-norm, as flash-linear-attention's GLAForCausalLM and GatedDeltaNetForCausalLM):
     h   = x + attn(attn_norm(x))
     out = h + mlp(mlp_norm(h))
 Each pre-norm also makes the add in front of it: a Block takes the residual stream as a pair (x, delta),
@@ -16,15 +16,19 @@ module keeps the backend its ops are called with, and each formula is written on
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fabric_lin.config import Config
 from fabric_lin.ops.cross_entropy import linear_cross_entropy
+from fabric_lin.ops.gdn import chunk_gated_delta_rule, gdn_gate, recurrent_gated_delta_rule_step
 from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, fused_recurrent_gla_step, log_decay
 from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.ops.norm import rms_norm, rms_norm_gated_linear, rms_norm_linears
+from fabric_lin.ops.short_conv import causal_conv1d
 from fabric_lin.ops.swiglu import swiglu_linear
 
 
@@ -161,6 +165,93 @@ class GatedLinearAttention(nn.Module):
         return x, out
 
 
+class ShortConvolution(nn.Module):
+    """Causal depthwise convolution of `width` taps over each channel, then SiLU (fabric_lin/ops/short_conv.py);
+    the weight [channels, 1, width] as nn.Conv1d and flash-linear-attention's ShortConvolution keep it."""
+
+    def __init__(self, channels: int, width: int, std: float = 0.02):
+        super().__init__()
+        self.std = std
+        self.weight = nn.Parameter(torch.empty(channels, 1, width))
+        self.reset_parameters()
+
+    def forward(self, x: torch.Tensor, cache: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None):
+        """x [B, T, channels] -> (silu(conv(x)), the last width - 1 inputs: the cache a next call continues from)."""
+        return causal_conv1d(x, self.weight[:, 0], cache, cu_seqlens)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet attention, as flash-linear-attention's GatedDeltaNet layer (parameter names too): q, k, v
+    projections each through a short causal convolution and SiLU; per head a decay g = -exp(A_log) *
+    softplus(a + dt_bias) and a write strength beta = sigmoid(b); q and k L2-normalised; the gated delta rule
+    (fabric_lin/ops/gdn/); the output normed per head times swish(g_proj(x)), then o_proj."""
+
+    def __init__(self, config: Config, fused: bool = False):
+        super().__init__()
+        self.config = config
+        self.backend = backend_of(fused)
+        d, std, H = config.hidden_size, config.initializer_range, config.num_heads
+        self.q_proj = Linear(d, config.key_dim, std=std)
+        self.k_proj = Linear(d, config.key_dim, std=std)
+        self.v_proj = Linear(d, config.value_dim, std=std)
+        self.a_proj = Linear(d, H, std=std)
+        self.b_proj = Linear(d, H, std=std)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.q_conv1d = ShortConvolution(config.key_dim, config.conv_size, std)
+        self.k_conv1d = ShortConvolution(config.key_dim, config.conv_size, std)
+        self.v_conv1d = ShortConvolution(config.value_dim, config.conv_size, std)
+        self.g_proj = Linear(d, config.value_dim, std=std)  # output gate
+        self.o_norm = RMSNorm(config.head_v_dim, eps=config.head_norm_eps, fused=fused)  # per head, before the gate
+        self.o_proj = Linear(config.value_dim, d, std=std)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """A_log and dt_bias (the submodules initialise their own parameters), as flash-linear-attention draws
+        them: A ~ U(0, 16); dt log-uniform in [1e-3, 1e-1] (at least 1e-4) and dt_bias = softplus^-1(dt)."""
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).log())
+            dt = torch.exp(torch.rand_like(self.dt_bias) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+            dt = dt.clamp(min=1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(
+        self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional["DecodeCache"] = None, layer: int = 0,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, attention(norm(x + delta))). With a cache: the convolutions' last inputs and the state
+        continue from it, and are left there."""
+        c = self.config
+        B, T, _ = x.shape
+        H, K, V = c.num_heads, c.head_k_dim, c.head_v_dim
+        x, (q, k, v, a, b, g) = prenorm_projections(
+            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj]
+        )
+        conv_q, conv_k, conv_v, state = cache.layers[layer] if cache is not None and cache.layers[layer] else (None,) * 4
+        q, conv_q = self.q_conv1d(q, conv_q, cu_seqlens)
+        k, conv_k = self.k_conv1d(k, conv_k, cu_seqlens)
+        v, conv_v = self.v_conv1d(v, conv_v, cu_seqlens)
+        decay, beta = gdn_gate(a, b, self.A_log, self.dt_bias)  # [B, T, H] fp32
+        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
+        if cache is not None and T == 1:  # one decoding step
+            o, state = recurrent_gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], decay[:, 0], beta[:, 0], state,
+                                                       use_qk_l2norm=True)
+            o = o.unsqueeze(1)
+        else:
+            # the chunked PyTorch path is the gated delta rule's only one so far, on every device
+            o, state = chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state, output_final_state=cache is not None,
+                                              cu_seqlens=cu_seqlens, use_qk_l2norm=True, backend="torch")
+        if cache is not None:
+            cache.layers[layer] = (conv_q, conv_k, conv_v, state)
+        g = g.view(B, T, H, V)
+        out = rms_norm_gated_linear(o.to(g.dtype), g, self.o_norm.weight, self.o_norm.eps, self.o_proj.weight,
+                                    backend=self.backend)
+        return x, out
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     """Rotary embedding on [B, T, H, D], Llama's half-split convention."""
     D = x.shape[-1]
@@ -174,16 +265,18 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.T
 
 
 class CausalSelfAttention(nn.Module):
-    """Softmax attention with RoPE through SDPA: the Llama-style baseline."""
+    """Softmax attention with RoPE through SDPA: the Llama-style baseline, and a hybrid's attention layers (as
+    flash-linear-attention's Attention: no biases, no q/k norms, the whole context)."""
 
-    def __init__(self, config: Config, fused: bool = False):
+    def __init__(self, config: Config, num_heads: int, num_kv_heads: int):
         super().__init__()
         self.config = config
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         d, std = config.hidden_size, config.initializer_range
-        head_dim = d // config.num_heads
+        head_dim = d // num_heads
         self.q_proj = Linear(d, d, std=std)
-        self.k_proj = Linear(d, config.num_kv_heads * head_dim, std=std)
-        self.v_proj = Linear(d, config.num_kv_heads * head_dim, std=std)
+        self.k_proj = Linear(d, num_kv_heads * head_dim, std=std)
+        self.v_proj = Linear(d, num_kv_heads * head_dim, std=std)
         self.o_proj = Linear(d, d, std=std)
 
     def forward(
@@ -193,19 +286,20 @@ class CausalSelfAttention(nn.Module):
         """(x + delta, attention(norm(x + delta)))."""
         c = self.config
         B, T, d = x.shape
-        head_dim = d // c.num_heads
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        head_dim = d // heads
         start = cache.position if cache is not None else 0
         positions = torch.arange(start, start + T, device=x.device)
         x, (q, k, v) = prenorm_projections(norm, x, delta, [self.q_proj, self.k_proj, self.v_proj])
-        q = apply_rope(q.view(B, T, c.num_heads, head_dim), positions, c.rope_base)
-        k = apply_rope(k.view(B, T, c.num_kv_heads, head_dim), positions, c.rope_base)
-        v = v.view(B, T, c.num_kv_heads, head_dim)
+        q = apply_rope(q.view(B, T, heads, head_dim), positions, c.rope_base)
+        k = apply_rope(k.view(B, T, kv_heads, head_dim), positions, c.rope_base)
+        v = v.view(B, T, kv_heads, head_dim)
         if cache is not None:
             if cache.layers[layer] is not None:
                 k_past, v_past = cache.layers[layer]
                 k, v = torch.cat([k_past, k], dim=1), torch.cat([v_past, v], dim=1)
             cache.layers[layer] = (k, v)
-        groups = c.num_heads // c.num_kv_heads
+        groups = heads // kv_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D] for SDPA
@@ -227,13 +321,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: Config, fused: bool = False, gla_launch: Optional[GLALaunch] = None):
+    def __init__(self, config: Config, fused: bool = False, gla_launch: Optional[GLALaunch] = None, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused)
-        if config.block_type == "gla":
+        if config.block_type == "transformer":
+            self.attn = CausalSelfAttention(config, config.num_heads, config.num_kv_heads)
+        elif layer in config.attn_layers:  # a hybrid's softmax-attention layer
+            self.attn = CausalSelfAttention(config, config.attn_num_heads, config.attn_kv_heads)
+        elif config.block_type == "gla":
             self.attn = GatedLinearAttention(config, fused, gla_launch)
         else:
-            self.attn = CausalSelfAttention(config, fused)
+            self.attn = GatedDeltaNet(config, fused)
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused)
         self.mlp = MLP(config, fused)
 
@@ -247,8 +345,8 @@ class Block(nn.Module):
 
 @dataclass
 class DecodeCache:
-    """Per-layer decoding state: GLA keeps a [B, H, K, V] fp32 state (constant size),
-    the transformer keeps growing (keys, values)."""
+    """Per-layer decoding state: GLA keeps a [B, H, K, V] fp32 state (constant size); Gated DeltaNet that state and
+    its convolutions' last inputs; softmax attention keeps growing (keys, values)."""
 
     layers: List = field(default_factory=list)
     position: int = 0
@@ -267,7 +365,7 @@ class GPT(nn.Module):
         # `reset_parameters()` give the same weights for the same seed.
         with _preserve_rng():
             self.embeddings = Embedding(config.vocab_size, config.hidden_size, std=config.initializer_range)
-            self.layers = nn.ModuleList(Block(config, fused, gla_launch) for _ in range(config.num_layers))
+            self.layers = nn.ModuleList(Block(config, fused, gla_launch, i) for i in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused)
             self.lm_head = None if config.tie_embeddings else Linear(
                 config.hidden_size, config.vocab_size, std=config.initializer_range

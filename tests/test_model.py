@@ -125,7 +125,7 @@ def test_gla_attention_layout_matches_design():
     assert attn.q_proj.weight.shape == (c.key_dim, c.hidden_size) and attn.q_proj.bias is None
     assert attn.gk_proj[0].weight.shape == (16, c.hidden_size) and attn.gk_proj[0].bias is None
     assert attn.gk_proj[1].weight.shape == (c.key_dim, 16) and attn.gk_proj[1].bias is not None
-    assert attn.g_norm.weight.shape == (c.head_v_dim,) and attn.g_norm.eps == 1e-5
+    assert attn.g_norm.weight.shape == (c.head_v_dim,) and attn.g_norm.eps == c.norm_eps == 1e-6  # fla: norm_eps
     assert model.norm.eps == 1e-6
 
 

@@ -4,23 +4,24 @@
     chunk_torch.py  chunk_gated_delta_rule_torch: chunked UT/WY form in PyTorch (CPU path, autograd backward)
     recurrent.py    recurrent_gated_delta_rule_step: one decoding step
     l2norm.py       l2norm: fla's q/k normalisation (eps 1e-6 inside the square root)
+    gate.py         gdn_gate: the decay g and write strength beta from their projections
 """
 from typing import Optional, Tuple
 
 import torch
 
+from fabric_lin.ops.backend import resolve_backend as shared_resolve_backend
 from fabric_lin.ops.gdn.chunk_torch import chunk_gated_delta_rule_torch
+from fabric_lin.ops.gdn.gate import gdn_gate
 from fabric_lin.ops.gdn.l2norm import l2norm
 from fabric_lin.ops.gdn.naive import naive_recurrent_gated_delta_rule
 from fabric_lin.ops.gdn.recurrent import recurrent_gated_delta_rule_step
 
-# The Triton kernels come later; until then "auto" means the PyTorch path on every device.
-BACKENDS = ("auto", "torch")
-
-
-def resolve_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"chunk_gated_delta_rule: backend must be one of {BACKENDS}, got {backend!r}")
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The shared rule (fabric_lin/ops/backend.py), for an op whose only implementation so far is PyTorch's:
+    "auto" takes it on every device, "triton" is refused by name."""
+    if shared_resolve_backend(backend, torch.device("cpu")) == "triton":
+        raise ValueError("the gated delta rule has no Triton kernels yet: use backend 'auto' or 'torch'")
     return "torch"
 
 
@@ -45,7 +46,7 @@ def chunk_gated_delta_rule(
     scale defaults to K ** -0.5. use_qk_l2norm normalises q and k over K inside the op (fla's
     use_qk_l2norm_in_kernel). Returns (o [B, T, H, V] in q's dtype, final state or None).
     """
-    backend = resolve_backend(backend)
+    resolve_backend(backend, q.device)
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     dtype = q.dtype
     if use_qk_l2norm:
@@ -103,6 +104,6 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
 
 
 __all__ = [
-    "chunk_gated_delta_rule", "chunk_gated_delta_rule_torch", "l2norm", "naive_recurrent_gated_delta_rule",
+    "chunk_gated_delta_rule", "chunk_gated_delta_rule_torch", "gdn_gate", "l2norm", "naive_recurrent_gated_delta_rule",
     "recurrent_gated_delta_rule_step", "resolve_backend",
 ]

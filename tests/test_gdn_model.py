@@ -1,0 +1,172 @@
+"""The Gated DeltaNet family: configs and parameter counts as flash-linear-attention counts them, the init, the
+short convolution and gate against independent formulas, decoding and packed documents against the full
+forward, hybrids with softmax-attention layers, and the fused path against the PyTorch one."""
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from fabric_lin.config import Config  # noqa: E402
+from fabric_lin.model import GPT, CausalSelfAttention, GatedDeltaNet  # noqa: E402
+from fabric_lin.ops.gdn import gdn_gate  # noqa: E402
+from fabric_lin.ops.short_conv import causal_conv1d  # noqa: E402
+
+
+def tiny(**overrides) -> Config:
+    return Config.from_name("gdn-debug", vocab_size=97, num_layers=2, **overrides)
+
+
+def count_on_meta(config: Config) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(config).parameters())
+
+
+def test_parameter_counts_match_flash_linear_attention():
+    # fla's GatedDeltaNetForCausalLM counts, per layer: q, k d x H*K; v, g d x H*V; o H*V x d; a, b d x H; A_log,
+    # dt_bias H; convolutions (2 H*K + H*V) x 4; head norm V; MLP 3 x d x 2816 (5632); two norms; then both
+    # embeddings and the final norm. gdn-340M: H=4, K=128, V=256, d=1024; gdn-1.3B: H=6, K=256, V=512, d=2048
+    def expected(d, layers, H, K, mlp):
+        V = 2 * K
+        attn = 2 * d * H * K + 3 * d * H * V + 2 * d * H + 2 * H + 4 * (2 * H * K + H * V) + V
+        return layers * (attn + 3 * d * mlp + 2 * d) + 2 * 32000 * d + d
+
+    assert expected(1024, 24, 4, 128, 2816) == 374_267_072 == count_on_meta(Config.from_name("gdn-340M"))
+    assert expected(2048, 21, 6, 256, 5632) == 1_387_348_732 == count_on_meta(Config.from_name("gdn-1.3B"))
+
+
+def test_gdn_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="needs head_dim"):
+        Config(block_type="gdn", hidden_size=64, num_heads=2)
+    with pytest.raises(ValueError, match="num_kv_heads \\(1\\) must equal num_heads \\(2\\)"):
+        Config(block_type="gdn", hidden_size=64, num_heads=2, head_dim=16, num_kv_heads=1)
+    with pytest.raises(ValueError, match="head_dim \\* expand_v = 15 \\* 1.5"):
+        Config(block_type="gdn", hidden_size=64, num_heads=2, head_dim=15, expand_v=1.5)
+    with pytest.raises(ValueError, match="attn_layers \\[5\\] out of range"):
+        tiny(attn_layers=[5], attn_num_heads=4)
+    with pytest.raises(ValueError, match="attn_layers needs attn_num_heads"):
+        tiny(attn_layers=[1])
+    with pytest.raises(ValueError, match="a transformer is all attention"):
+        Config.from_name("transformer-debug", attn_layers=[1], attn_num_heads=4)
+    with pytest.raises(ValueError, match="attn_layers must be a list"):
+        tiny(attn_layers="1")
+
+
+def test_meta_build_then_reset_equals_eager_init_and_init_is_flas():
+    config = tiny(attn_layers=[1], attn_num_heads=4)
+    torch.manual_seed(3)
+    eager = GPT(config)
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        lazy = GPT(config)
+    lazy.to_empty(device="cpu")
+    lazy.reset_parameters()
+    for (name, a), (_, b) in zip(eager.state_dict().items(), lazy.state_dict().items()):
+        assert torch.equal(a, b), name
+    attn = eager.layers[0].attn
+    assert isinstance(attn, GatedDeltaNet) and isinstance(eager.layers[1].attn, CausalSelfAttention)
+    # A = exp(A_log) ~ U(0, 16); dt = softplus(dt_bias) in [1e-4, 0.1], log-uniform from 1e-3
+    many = GPT(Config.from_name("gdn-debug", num_heads=64, head_dim=2, vocab_size=8, num_layers=1)).layers[0].attn
+    A, dt = many.A_log.exp(), F.softplus(many.dt_bias)
+    assert 0 < A.min() and A.max() < 16 and 4 < A.mean() < 12
+    assert dt.min() >= 1e-4 - 1e-9 and dt.max() <= 0.1 + 1e-6
+    assert math.log(1e-3) - 0.5 < dt.log().mean() < math.log(0.1) + 0.5
+    assert abs(attn.q_conv1d.weight.std().item() - 0.02) < 0.01 and attn.q_conv1d.weight.shape == (config.key_dim, 1, 4)
+    assert attn.o_norm.eps == config.norm_eps == 1e-6
+
+
+def test_short_convolution_equals_conv1d_and_continues_from_its_cache():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 11, 6, generator=g), torch.randn(6, 4, generator=g)
+    reference = F.silu(F.conv1d(x.transpose(1, 2), w[:, None], padding=3, groups=6)[..., :11]).transpose(1, 2)
+    y, cache = causal_conv1d(x, w)
+    torch.testing.assert_close(y, reference)
+    torch.testing.assert_close(cache, x[:, -3:])
+    first, cache = causal_conv1d(x[:, :5], w)  # a prompt, then one token at a time from the cache
+    steps = [first]
+    for t in range(5, 11):
+        out, cache = causal_conv1d(x[:, t : t + 1], w, cache)
+        steps.append(out)
+    torch.testing.assert_close(torch.cat(steps, dim=1), reference)
+    # documents packed along T start from zeros, as separate sequences
+    docs = [x[:1, :3], x[:1, 3:4], x[:1, 4:11]]
+    packed, _ = causal_conv1d(torch.cat(docs, 1), w, cu_seqlens=torch.tensor([0, 3, 4, 11]))
+    torch.testing.assert_close(packed, torch.cat([causal_conv1d(d, w)[0] for d in docs], 1))
+
+
+def test_gate_and_beta_formulas():
+    a, b = torch.randn(2, 5, 3), torch.randn(2, 5, 3)
+    A_log, dt_bias = torch.randn(3), torch.randn(3)
+    g, beta = gdn_gate(a.bfloat16(), b.bfloat16(), A_log, dt_bias)
+    assert g.dtype == beta.dtype == torch.float32
+    expected = -A_log.exp() * torch.log1p(torch.exp(a.bfloat16().float() + dt_bias))
+    torch.testing.assert_close(g, expected)
+    torch.testing.assert_close(beta, 1 / (1 + torch.exp(-b.bfloat16().float())))
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_prefill_then_token_steps_equal_the_full_forward(hybrid):
+    config = tiny(attn_layers=[1], attn_num_heads=4) if hybrid else tiny()
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    ids = torch.randint(0, 97, (2, 75))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :40], cache=cache)]  # a chunked prefill, then one token at a time
+        for t in range(40, 75):
+            steps.append(model(ids[:, t : t + 1], cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    conv_q, conv_k, conv_v, state = cache.layers[0]
+    assert state.shape == (2, config.num_heads, config.head_k_dim, config.head_v_dim) and conv_v.shape == (2, 3, config.value_dim)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_packed_documents_equal_separate_documents(hybrid):
+    # cu_seqlens resets the delta state, the convolution window (and attention) at each document start
+    config = tiny(attn_layers=[0], attn_num_heads=2) if hybrid else tiny()
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    docs = [torch.randint(0, 97, (1, n)) for n in (20, 1, 70)]
+    with torch.no_grad():
+        packed = model(torch.cat(docs, dim=1), cu_seqlens=torch.tensor([0, 20, 21, 91]))
+        separate = torch.cat([model(d) for d in docs], dim=1)
+    torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-4)
+
+
+def test_loss_and_gradients_equal_full_cross_entropy():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    ids, targets = torch.randint(0, 97, (2, 70)), torch.randint(0, 97, (2, 70))
+    loss = model(ids, targets=targets)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    reference = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+    ref_grads = torch.autograd.grad(reference, list(model.parameters()))
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    for (name, _), g, r in zip(model.named_parameters(), grads, ref_grads):
+        assert g.abs().sum() > 0, f"{name} gets no gradient"
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_fused_path_matches_torch_path():
+    # the fused norms with their projections, SwiGLU and cross-entropy (Triton; the interpreter without a GPU)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = tiny(attn_layers=[1], attn_num_heads=4)
+    torch.manual_seed(0)
+    reference = GPT(config, fused=False).to(device)
+    fused = GPT(config, fused=True).to(device)
+    fused.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 97, (2, 40), device=device)
+    losses, grads = [], []
+    for model in (reference, fused):
+        loss = model(ids, targets=torch.roll(ids, -1, 1))
+        grads.append(torch.autograd.grad(loss, list(model.parameters())))
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    for (name, _), a, b in zip(reference.named_parameters(), grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * max(1.0, b.abs().max().item()), msg=lambda m: f"{name}: {m}")
