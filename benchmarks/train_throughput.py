@@ -12,6 +12,7 @@ is reported as such). Prints one JSON object; run on a GPU:
     python benchmarks/train_throughput.py --batch_size 2 --seq_len 16384 --models fabric-lin,transformer
 """
 import argparse
+import functools
 import gc
 import json
 import shutil
@@ -47,9 +48,10 @@ def fla_model(config: Config):
     return model, loss_fn
 
 
-def ours(config: Config):
-    # the fused Triton ops, chosen when the model is built (it is built on the CPU, then moved to the GPU)
-    model = GPT(config, fused=True)
+def ours(config: Config, gla_launch=None):
+    # the fused Triton ops, chosen when the model is built (it is built on the CPU, then moved to the GPU);
+    # gla_launch: the GLA kernels' launch settings (None: the shipped ones)
+    model = GPT(config, fused=True, gla_launch=gla_launch)
 
     def loss_fn(ids, targets):
         return model(ids, targets=targets)
@@ -293,8 +295,9 @@ def worker(regime, key, args):
 
         start = time.perf_counter()
         found = tune_launch(args.batch_size, args.seq_len, config.num_heads, config.head_k_dim, config.head_v_dim)
-        extra = {"search_s": round(time.perf_counter() - start, 1), "launch": found["launch"],
-                 "kernel_fwd_bwd_ms_shipped_vs_searched": [found["shipped_fwd_bwd_ms"], found["fwd_bwd_ms"]]}
+        build = functools.partial(ours, gla_launch=found["launch"])  # the search returns settings, changes none
+        extra = {"search_s": round(time.perf_counter() - start, 1), "launch": json.loads(found["launch"].as_json),
+                 "kernel_fwd_bwd_ms_shipped_vs_searched": [found["start_fwd_bwd_ms"], found["fwd_bwd_ms"]]}
     try:
         measure(name, build, config, args.batch_size, args.seq_len, args.steps, args.warmup, extra, args.profile)
     except ImportError as e:
