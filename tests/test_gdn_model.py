@@ -170,3 +170,30 @@ def test_fused_path_matches_torch_path():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
     for (name, _), a, b in zip(reference.named_parameters(), grads[1], grads[0]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * max(1.0, b.abs().max().item()), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("config", [Config.from_name("gdn-340M"), tiny(attn_layers=[1], attn_num_heads=4, attn_num_kv_heads=2)],
+                         ids=["gdn-340M", "hybrid"])
+def test_matmul_params_equal_the_models_matrices(config):
+    from fabric_lin.flops import matmul_params
+
+    with torch.device("meta"):
+        model = GPT(config)
+    # every Linear weight is one multiply-add per token; embeddings, convolutions, A_log and dt_bias are not
+    assert matmul_params(config) == sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_flops_per_token_gdn_340m_and_a_hybrid():
+    from fabric_lin.flops import flops_per_token, matmul_params
+
+    # independent arithmetic for d=1024, 24 layers, 4 heads of K=128, V=256, chunk 64, vocab 32000
+    per_layer = 2 * 1024 * 512 + 2 * 1024 * 1024 + 2 * 1024 * 4 + 1024 * 1024 + 3 * 1024 * 2816
+    n = 24 * per_layer + 1024 * 32000
+    rule = 24 * 4 * (6 * 64 * 128 + 4 * 64 * 256 + 6 * 128 * 256 + 2 * 64 * 64 / 3)
+    assert flops_per_token(Config.from_name("gdn-340M"), 2048) == pytest.approx(3 * (2 * n + rule), rel=1e-12)
+    # a hybrid's attention layer costs what a transformer layer's attention does over the context
+    hybrid, plain = tiny(attn_layers=[1], attn_num_heads=4), tiny()
+    gdn_layer = 2 * (6 * 64 * 48 + 4 * 64 * 96 + 6 * 48 * 96 + 2 * 64 * 64 / 3)
+    expected = 3 * (2 * matmul_params(hybrid) + 4 * 512 * 128 + gdn_layer)
+    assert flops_per_token(hybrid, 512) == pytest.approx(expected, rel=1e-12)
+    assert flops_per_token(plain, 512) == pytest.approx(3 * (2 * matmul_params(plain) + 2 * gdn_layer), rel=1e-12)
