@@ -125,6 +125,8 @@ class Config:
             raise ValueError(f"model config attn_layers {bad} out of range: the layers are 0 .. {self.num_layers - 1}")
         if self.attn_num_heads is None:
             raise ValueError("model config attn_layers needs attn_num_heads, the softmax-attention layers' heads")
+        if self.attn_num_kv_heads is None:
+            self.attn_num_kv_heads = self.attn_num_heads
         kv = self.attn_kv_heads
         if self.attn_num_heads < 1 or kv < 1 or self.attn_num_heads % kv:
             raise ValueError(f"attn_num_heads ({self.attn_num_heads}) must be a positive multiple of attn_num_kv_heads ({kv})")

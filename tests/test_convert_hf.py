@@ -49,8 +49,11 @@ def small_config(**overrides) -> Config:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"tie_embeddings": True}, {"num_heads": 4, "num_kv_heads": 2}, {"block_type": "transformer", "num_heads": 4}],
-    ids=["gla", "gla-tied", "gla-gqa", "transformer"],
+    [{}, {"tie_embeddings": True}, {"num_heads": 4, "num_kv_heads": 2}, {"block_type": "transformer", "num_heads": 4},
+     {"head_norm_eps": 1e-5}, {"attn_layers": [1], "attn_num_heads": 4, "attn_num_kv_heads": 2},
+     {"block_type": "gdn", "head_dim": 48, "expand_v": 2.0},
+     {"block_type": "gdn", "head_dim": 32, "expand_v": 1.5, "attn_layers": [0], "attn_num_heads": 2, "rope_base": 500.0}],
+    ids=["gla", "gla-tied", "gla-gqa", "transformer", "gla-own-head-eps", "gla-hybrid", "gdn", "gdn-hybrid"],
 )
 def test_round_trip_is_exact(tmp_path, overrides):
     config = small_config(**overrides)
@@ -91,7 +94,7 @@ def test_export_uses_fla_names_and_config_fields(tmp_path):
         torch_dtype="float32",
     )
     assert {k: cfg[k] for k in expected} == expected
-    assert cfg["fabric_lin"]["head_norm_eps"] == 1e-5
+    assert cfg["fabric_lin"] == {"name": "gla-debug"}  # the head norm's eps is fla's (norm_eps): nothing to record
     tok = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert (tok["bos_token"], tok["eos_token"], tok["add_bos_token"]) == ("<s>", "</s>", False)
 
@@ -199,6 +202,90 @@ def fla_transformer_reference_logits(hf_dir: Path, input_ids: torch.Tensor) -> t
     return x @ head.T
 
 
+def fla_attention_layer(h: torch.Tensor, p, heads: int, kv_heads: int, base: float) -> torch.Tensor:
+    """fla's Attention layer (no biases, RoPE, causal softmax over the whole context), fp64, one query at a time."""
+    B, T, d = h.shape
+    D, groups = d // heads, heads // kv_heads
+    q, k, v = (h @ p(f"attn.{n}_proj.weight").T for n in "qkv")
+    q, k = rotate(q.view(B, T, heads, D), base), rotate(k.view(B, T, kv_heads, D), base)
+    v = v.view(B, T, kv_heads, D)
+    o = torch.empty(B, T, heads, D, dtype=torch.float64)
+    for head in range(heads):
+        kv = head // groups  # query heads share their group's key/value head
+        for t in range(T):
+            scores = (k[:, : t + 1, kv] @ q[:, t, head, :, None])[..., 0] / math.sqrt(D)  # [B, t+1]
+            o[:, t, head] = (scores.softmax(-1)[:, None, :] @ v[:, : t + 1, kv])[:, 0]
+    return o.reshape(B, T, d) @ p("attn.o_proj.weight").T
+
+
+def fla_gdn_reference_logits(hf_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    """GatedDeltaNetForCausalLM's forward as fla defines it, written from fla's layers/gated_deltanet.py and
+    reading only config.json and the safetensors file: short causal convolutions with SiLU, per-head decay
+    -exp(A_log) * softplus(a + dt_bias) and write strength sigmoid(b), q and k L2-normalised (eps 1e-6 under the
+    square root), the delta rule token by token, the head norm times swish(g); fp64. The layers in `attn` are
+    softmax attention."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    w = {k: v.double() for k, v in load_file(hf_dir / "model.safetensors").items()}
+    eps, H, K = cfg["norm_eps"], cfg["num_heads"], cfg["head_dim"]
+    V = int(K * cfg["expand_v"])
+    attn = cfg.get("attn") or {"layers": []}
+    x = F.embedding(input_ids, w["model.embeddings.weight"])
+    B, T, d = x.shape
+
+    def conv_silu(x, weight):  # weight [D, 1, W]: y_t = sum_j weight[:, j] * x_{t - W + 1 + j}
+        W = weight.shape[-1]
+        padded = torch.cat([x.new_zeros(B, W - 1, x.shape[-1]), x], dim=1)
+        return F.silu(sum(weight[:, 0, j] * padded[:, j : j + T] for j in range(W)))
+
+    def l2(x):
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    for i in range(cfg["num_hidden_layers"]):
+        p = lambda n: w[f"model.layers.{i}.{n}"]  # noqa: E731
+        h = rms(x, p("attn_norm.weight"), eps)
+        if i in attn["layers"]:
+            x = x + fla_attention_layer(h, p, attn["num_heads"], attn.get("num_kv_heads") or attn["num_heads"], attn["rope_theta"])
+        else:
+            q, k, v = (conv_silu(h @ p(f"attn.{n}_proj.weight").T, p(f"attn.{n}_conv1d.weight")) for n in "qkv")
+            q, k, v = l2(q.view(B, T, H, K)), l2(k.view(B, T, H, K)), v.view(B, T, H, V)
+            decay = -p("attn.A_log").exp() * F.softplus(h @ p("attn.a_proj.weight").T + p("attn.dt_bias"))
+            beta = torch.sigmoid(h @ p("attn.b_proj.weight").T)
+            S = torch.zeros(B, H, K, V, dtype=torch.float64)
+            o = torch.empty(B, T, H, V, dtype=torch.float64)
+            for t in range(T):
+                S = S * decay[:, t].exp()[..., None, None]
+                correction = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t])
+                S = S + beta[:, t, :, None, None] * k[:, t, :, :, None] * correction[:, :, None, :]
+                o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * K**-0.5, S)
+            o = rms(o, p("attn.o_norm.weight"), eps) * F.silu((h @ p("attn.g_proj.weight").T).view(B, T, H, V))
+            x = x + o.reshape(B, T, H * V) @ p("attn.o_proj.weight").T
+        h = rms(x, p("mlp_norm.weight"), eps)
+        x = x + (F.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+    x = rms(x, w["model.norm.weight"], eps)
+    head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.embeddings.weight"]
+    return x @ head.T
+
+
+@pytest.mark.parametrize("overrides", [{}, {"attn_layers": [1], "attn_num_heads": 4, "attn_num_kv_heads": 2, "rope_base": 500.0},
+                                       {"tie_embeddings": True, "head_dim": 32, "expand_v": 1.5}],
+                         ids=["gdn", "gdn-hybrid", "gdn-tied"])
+def test_exported_gdn_computes_fla_logits(tmp_path, overrides):
+    config = small_config(block_type="gdn", **{"head_dim": 48, "expand_v": 2.0, **overrides})
+    make_model_dir(tmp_path / "model", config)
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["model_type"] == "gated_deltanet" and cfg["architectures"] == ["GatedDeltaNetForCausalLM"]
+    assert (cfg["head_dim"], cfg["num_heads"], cfg["use_gate"], cfg["use_short_conv"], cfg["conv_size"]) == (
+        config.head_dim, 2, True, True, 4)
+    model = GPT(config)
+    model.load_state_dict(load_model_dir_weights(tmp_path / "model"))
+    ids = torch.randint(0, config.vocab_size, (2, 70))  # more than one 64-token chunk
+    with torch.no_grad():
+        ours = model(ids).double()
+    ref = fla_gdn_reference_logits(tmp_path / "hf", ids)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"num_kv_heads": 2}], ids=["mha", "gqa"])
 def test_exported_transformer_computes_fla_logits(tmp_path, overrides):
     config = small_config(block_type="transformer", num_heads=4, rope_base=500.0, **overrides)  # fast turns
@@ -261,6 +348,35 @@ def test_import_refuses_unsupported_fla_features_and_bad_files(tmp_path):
         convert_from_hf(tmp_path / "hf", tmp_path / "back")
     assert "unexpected (1): layers.0.attn.q_conv1d.weight" in str(info.value)
     assert "layers.0.attn.q_proj.weight: shape (64, 5), expected (64, 128)" in str(info.value)
+
+
+def test_gdn_import_refuses_what_fabric_lin_cannot_express(tmp_path):
+    make_model_dir(tmp_path / "model", small_config(block_type="gdn", head_dim=48, expand_v=2.0))
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for change, message in [
+        ({"allow_neg_eigval": True, "use_gate": False}, r"no equivalent of use_gate=False .*allow_neg_eigval=True"),
+        ({"num_v_heads": 4}, r"num_v_heads=4 \(supported: 2\)"),
+        ({"output_gate_activation": "sigmoid"}, r"output_gate_activation='sigmoid'"),
+        ({"head_dim": None}, r"missing or non-integer fields \['head_dim'\]"),
+        ({"attn": [{"layers": [0], "num_heads": 4}, {"layers": [1], "num_heads": 2}]}, r"one set of attention heads"),
+        ({"attn": {"layers": [1], "num_heads": 4, "window_size": 512}}, r"window_size=512"),
+    ]:
+        cfg_path.write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=message):
+            convert_from_hf(tmp_path / "hf", tmp_path / "back")
+    # a mismatched file is refused with the list of differences
+    cfg_path.write_text(json.dumps(cfg))
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    hf["model.layers.0.attn.A_log"] = torch.zeros(3)
+    del hf["model.layers.1.attn.v_conv1d.weight"]
+    save_file(hf, tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(ValueError) as info:
+        convert_from_hf(tmp_path / "hf", tmp_path / "back")
+    assert "missing (1): layers.1.attn.v_conv1d.weight" in str(info.value)
+    assert "layers.0.attn.A_log: shape (3,), expected (2,)" in str(info.value)
+    assert not (tmp_path / "back").exists()
 
 
 def test_index_may_not_point_outside_the_directory(tmp_path):

@@ -1,20 +1,21 @@
 """Model directory <-> Hugging Face format of flash-linear-attention (fla).
 
-fla's `GLAForCausalLM` (model_type "gla") and `TransformerForCausalLM` (model_type "transformer")
-name their parameters as fabric-lin does, under a `model.` prefix, with two exceptions:
+fla's `GLAForCausalLM` (model_type "gla"), `GatedDeltaNetForCausalLM` ("gated_deltanet") and
+`TransformerForCausalLM` ("transformer") name their parameters as fabric-lin does, under a `model.` prefix,
+with one exception:
 
     fabric-lin                          fla
     embeddings.weight                   model.embeddings.weight
-    layers.{i}.attn.g_norm.weight       model.layers.{i}.attn.g_norm_swish_gate.weight   (fuse_norm: true)
-                                        model.layers.{i}.attn.g_norm.weight              (fuse_norm: false)
+    layers.{i}.attn.g_norm.weight       model.layers.{i}.attn.g_norm_swish_gate.weight   (GLA, fuse_norm: true)
+                                        model.layers.{i}.attn.g_norm.weight              (GLA, fuse_norm: false)
     lm_head.weight                      lm_head.weight           (absent when embeddings are tied)
 
-Config fields map one to one, except that fla's GLA block uses `norm_eps` for the per-head output
-norm too, while fabric-lin has its own `head_norm_eps` (1e-5 by default, next to norm_eps 1e-6). The
-exported config.json keeps fla's meaning (`norm_eps` = the block norms' eps) and records
-fabric-lin's own values under the extra key "fabric_lin", which fla ignores and `convert_from_hf`
-reads back, so a round trip is exact; loaded in fla, the head norm runs with norm_eps.
-fla also fixes the forget gate's low-rank width and logit normalizer at 16; other values are refused.
+A hybrid's softmax-attention layers are fla's `attn` config key (layers, num_heads, num_kv_heads), their
+q/k/v/o projections named alike. Config fields map one to one; fla's per-head output norm uses `norm_eps`,
+as fabric-lin's `head_norm_eps` does by default. A model trained with another head_norm_eps keeps it under
+the extra key "fabric_lin" (fla ignores it, `convert_from_hf` reads it back, so a round trip is exact);
+loaded in fla, the head norm then runs with norm_eps. fla also fixes GLA's forget-gate low-rank width and
+logit normalizer at 16; other values are refused.
 """
 import json
 from pathlib import Path
@@ -36,7 +37,9 @@ from fabric_lin.convert.model_dir import (
 )
 
 HF_CONFIG_FILE = "config.json"
-ARCHITECTURES = {"gla": "GLAForCausalLM", "transformer": "TransformerForCausalLM"}
+# fla's model_type and architecture for each block_type
+MODEL_TYPES = {"gla": "gla", "gdn": "gated_deltanet", "transformer": "transformer"}
+ARCHITECTURES = {"gla": "GLAForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM", "transformer": "TransformerForCausalLM"}
 FLA_FIXED_GATE = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}
 
 
@@ -79,9 +82,9 @@ def convert_to_hf(
         write_hf_tokenizer_config(output_dir, model_dir)
         tokenizer_files.append("tokenizer_config.json")
     print(f"Exported {model_dir} as fla {hf_config['architectures'][0]} ({len(hf_state)} tensors) -> {output_dir}: {files}")
-    if config.block_type == "gla" and config.head_norm_eps != config.norm_eps:
+    if config.block_type != "transformer" and config.head_norm_eps != config.norm_eps:
         print(
-            f"Note: fla's GLA uses norm_eps={config.norm_eps} for the per-head output norm, where this model "
+            f"Note: fla uses norm_eps={config.norm_eps} for the per-head output norm, where this model "
             f"used head_norm_eps={config.head_norm_eps}; fla's logits therefore differ from fabric-lin's, most where a "
             f"head's output is near zero (measured on a small model at init: up to about one logit standard deviation). "
             f"Train with head_norm_eps equal to norm_eps when fla must reproduce the logits exactly."
@@ -92,8 +95,8 @@ def convert_to_hf(
 def convert_from_hf(
     checkpoint_dir: Path, output_dir: Optional[Path] = None, dtype: Optional[str] = None, overwrite: bool = False, name: Optional[str] = None
 ) -> None:
-    """Convert a flash-linear-attention GLAForCausalLM (or TransformerForCausalLM) checkpoint in
-    safetensors format into a model directory.
+    """Convert a flash-linear-attention GLAForCausalLM, GatedDeltaNetForCausalLM or TransformerForCausalLM
+    checkpoint in safetensors format into a model directory.
 
     Args:
         checkpoint_dir: a directory with config.json and model.safetensors (or shards and model.safetensors.index.json).
@@ -141,18 +144,24 @@ def from_hf_name(name: str) -> str:
     return name.replace(".attn.g_norm_swish_gate.weight", ".attn.g_norm.weight")
 
 
+def fla_attn(config: Config) -> Optional[dict]:
+    """fla's `attn` config key for a hybrid's softmax-attention layers (None without any)."""
+    if not config.attn_layers:
+        return None
+    return dict(layers=list(config.attn_layers), num_heads=config.attn_num_heads, num_kv_heads=config.attn_kv_heads,
+                qkv_bias=False, window_size=None, rope_theta=config.rope_base)
+
+
 def fla_config(config: Config) -> dict:
-    """config.json fields of fla's GLAConfig / TransformerConfig for `config`."""
+    """config.json fields of fla's GLAConfig / GatedDeltaNetConfig / TransformerConfig for `config`."""
     common = dict(
         hidden_size=config.hidden_size,
         num_hidden_layers=config.num_layers,
         num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
         hidden_ratio=config.hidden_ratio,
         intermediate_size=config.intermediate_size,
         hidden_act="swish",
         max_position_embeddings=config.max_seq_length,
-        elementwise_affine=True,
         norm_eps=config.norm_eps,
         initializer_range=config.initializer_range,
         tie_word_embeddings=config.tie_embeddings,
@@ -165,11 +174,16 @@ def fla_config(config: Config) -> dict:
         use_l2warp=False,
         vocab_size=config.vocab_size,
     )
+    ours = dict(name=config.name)
+    if config.block_type != "transformer" and config.head_norm_eps != config.norm_eps:
+        ours["head_norm_eps"] = config.head_norm_eps
     if config.block_type == "gla":
         wrong = {k: getattr(config, k) for k, v in FLA_FIXED_GATE.items() if getattr(config, k) != v}
         if wrong:
             raise ValueError(f"fla's GLA fixes {FLA_FIXED_GATE}; this model has {wrong}, so it cannot be exported to fla")
         specific = dict(
+            num_kv_heads=config.num_kv_heads,
+            elementwise_affine=True,
             expand_k=config.expand_k,
             expand_v=config.expand_v,
             attn_mode="chunk",
@@ -180,13 +194,25 @@ def fla_config(config: Config) -> dict:
             clamp_min=None,
             use_gk=True,
             use_gv=False,
-            attn=None,
+            attn=fla_attn(config),
         )
-        ours = dict(name=config.name, head_norm_eps=config.head_norm_eps, **FLA_FIXED_GATE)
+    elif config.block_type == "gdn":
+        specific = dict(
+            attn_mode="chunk",
+            expand_v=config.expand_v,
+            head_dim=config.head_dim,
+            num_v_heads=None,
+            use_gate=True,
+            use_short_conv=True,
+            allow_neg_eigval=False,
+            conv_size=config.conv_size,
+            output_gate_activation="swish",
+            attn=fla_attn(config),
+        )
     else:
-        specific = dict(qkv_bias=False, qk_norm=False, window_size=None, rope_theta=config.rope_base)
-        ours = dict(name=config.name)
-    model_type = config.block_type
+        specific = dict(num_kv_heads=config.num_kv_heads, elementwise_affine=True, qkv_bias=False, qk_norm=False,
+                        window_size=None, rope_theta=config.rope_base)
+    model_type = MODEL_TYPES[config.block_type]
     return dict(architectures=[ARCHITECTURES[model_type]], model_type=model_type, **common, **specific, fabric_lin=ours)
 
 
@@ -194,7 +220,10 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     """Our Config for an fla config.json; features fabric-lin's model does not have are refused."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"{path}: model_type {model_type!r} is not supported; expected one of {list(ARCHITECTURES)} (fla's GLA or transformer)")
+        raise ValueError(
+            f"{path}: model_type {model_type!r} is not supported; expected one of {list(ARCHITECTURES)} (fla's GLA, "
+            "Gated DeltaNet or transformer)"
+        )
 
     def get(key, default=None):
         return hf.get(key, default) if hf.get(key) is not None else default
@@ -211,7 +240,15 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
             clamp_min=(hf.get("clamp_min"), (None,)),
             use_gk=(get("use_gk", True), (True,)),
             use_gv=(get("use_gv", False), (False,)),
-            attn=(hf.get("attn"), (None,)),
+        )
+    elif model_type == "gated_deltanet":
+        unsupported.update(
+            use_gate=(get("use_gate", True), (True,)),
+            use_short_conv=(get("use_short_conv", True), (True,)),
+            allow_neg_eigval=(get("allow_neg_eigval", False), (False,)),
+            num_v_heads=(get("num_v_heads", hf.get("num_heads")), (hf.get("num_heads"),)),
+            output_gate_activation=(get("output_gate_activation", "swish"), ("swish", "silu")),
+            attnres_block_size=(hf.get("attnres_block_size"), (None,)),
         )
     else:
         unsupported.update(
@@ -222,20 +259,20 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     bad = [f"{k}={v!r} (supported: {', '.join(map(repr, ok))})" for k, (v, ok) in unsupported.items() if v not in ok]
     if bad:
         raise ValueError(f"{path}: fabric-lin's {model_type} model has no equivalent of " + "; ".join(bad))
-    required = ["hidden_size", "num_hidden_layers", "num_heads", "vocab_size"]
+    required = ["hidden_size", "num_hidden_layers", "num_heads", "vocab_size"] + (["head_dim"] if model_type == "gated_deltanet" else [])
     missing = [k for k in required if not isinstance(hf.get(k), int)]
     if missing:
         raise ValueError(f"{path}: missing or non-integer fields {missing}")
     ours = hf.get("fabric_lin") if isinstance(hf.get("fabric_lin"), dict) else {}
     norm_eps = float(get("norm_eps", 1e-6))
+    block_type = {v: k for k, v in MODEL_TYPES.items()}[model_type]
     fields = dict(
         name=ours.get("name") or name,
-        block_type=model_type,
+        block_type=block_type,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
         num_heads=hf["num_heads"],
-        num_kv_heads=hf.get("num_kv_heads"),
         hidden_ratio=get("hidden_ratio", 4),
         intermediate_size=hf.get("intermediate_size"),
         norm_eps=norm_eps,
@@ -243,19 +280,41 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
         initializer_range=float(get("initializer_range", 0.02)),
         max_seq_length=int(get("max_position_embeddings", 2048)),
     )
-    if model_type == "gla":
-        fields.update(
-            expand_k=get("expand_k", 0.5),
-            expand_v=get("expand_v", 1.0),
-            head_norm_eps=float(ours.get("head_norm_eps", norm_eps)),  # fla: the head norm uses norm_eps
-            **FLA_FIXED_GATE,
-        )
+    if block_type != "gdn":
+        fields.update(num_kv_heads=hf.get("num_kv_heads"))
+    if block_type == "gla":
+        fields.update(expand_k=get("expand_k", 0.5), expand_v=get("expand_v", 1.0), **FLA_FIXED_GATE)
+    elif block_type == "gdn":
+        fields.update(head_dim=hf["head_dim"], expand_v=get("expand_v", 2.0), conv_size=int(get("conv_size", 4)))
     else:
         fields.update(rope_base=float(get("rope_theta", 10000.0)))
+    if block_type != "transformer":
+        fields.update(head_norm_eps=float(ours.get("head_norm_eps", norm_eps)),  # fla: the head norm uses norm_eps
+                      **attn_fields(hf.get("attn"), path))
     try:
         return Config(**fields)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def attn_fields(attn, path: Path) -> dict:
+    """Our hybrid fields from fla's `attn` key: one set of heads for every attention layer, full context."""
+    if attn is None:
+        return {}
+    specs = [attn] if isinstance(attn, dict) else attn
+    if not isinstance(specs, list) or not specs or not all(isinstance(s, dict) and "layers" in s and "num_heads" in s for s in specs):
+        raise ValueError(f"{path}: attn must be a mapping (or list of mappings) with layers and num_heads, got {attn!r}")
+    heads = {(s["num_heads"], s.get("num_kv_heads") or s["num_heads"]) for s in specs}
+    unsupported = [f"{k}={s[k]!r}" for s in specs for k in ("qkv_bias", "window_size", "qk_norm") if s.get(k)]
+    if len(heads) > 1 or unsupported or len({s.get("rope_theta", 10000.0) for s in specs}) > 1:
+        raise ValueError(
+            f"{path}: fabric-lin's hybrids have one set of attention heads over the whole context, no biases or q/k "
+            f"norms; attn has {sorted(heads)} heads{', ' + ', '.join(unsupported) if unsupported else ''}"
+        )
+    (num_heads, num_kv_heads), = heads
+    layers = sorted(i for s in specs for i in s["layers"])
+    return dict(attn_layers=layers, attn_num_heads=num_heads, attn_num_kv_heads=num_kv_heads,
+                rope_base=float(specs[0].get("rope_theta", 10000.0)))
 
 
 def special_token_ids(model_dir: Path) -> Dict[str, Optional[int]]:
