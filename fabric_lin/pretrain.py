@@ -36,6 +36,7 @@ from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.metrics import MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, RMSNorm
+from fabric_lin.ops.gla.launch import GLALaunch
 
 COMPILE_CACHE_DIR = "compile_cache"
 
@@ -200,11 +201,14 @@ def main(
         metrics.startup_phase("data ready")
 
         # model and optimizer
-        model, no_decay = build_model(fabric, config, seed, initial_checkpoint_dir, parallelism.activation_checkpointing, compile)
-        metrics.startup_phase("model built")
+        gla_launch = None  # the shipped launch settings
         if compile.kernel_autotune and fabric.device.type == "cuda" and config.block_type == "gla":
-            tune_gla_kernels(fabric, config, train, precision, out_dir)
+            gla_launch = tune_gla_kernels(fabric, config, train, precision, out_dir)
             metrics.startup_phase("kernels tuned")
+        model, no_decay = build_model(
+            fabric, config, seed, initial_checkpoint_dir, parallelism.activation_checkpointing, compile, gla_launch
+        )
+        metrics.startup_phase("model built")
         groups = [
             {"params": [p for n, p in model.named_parameters() if canonical_name(n) not in no_decay], "weight_decay": optimizer.weight_decay},
             {"params": [p for n, p in model.named_parameters() if canonical_name(n) in no_decay], "weight_decay": 0.0},
@@ -426,15 +430,18 @@ def resolve_model_config(model_name: Optional[str], model_config: Optional[Confi
 def build_model(
     fabric: L.Fabric, config: Config, seed: int, initial_checkpoint_dir: Optional[Path] = None,
     activation_checkpointing: bool = False, compile: CompileArgs = CompileArgs(enabled=False),
+    gla_launch: Optional[GLALaunch] = None,
 ):
-    """The model set up by Fabric, and the names of the parameters without weight decay.
+    """The model set up by Fabric, and the names of the parameters without weight decay. On CUDA it runs
+    the fused Triton kernels (GLA ones launched with `gla_launch`, None: the shipped settings), elsewhere
+    their PyTorch references.
 
     Built empty (on the meta device under FSDP) and then initialised in place: on one device or DDP,
     `reset_parameters()` after re-seeding gives the same weights as an eager `GPT(config)` with this
     seed; under FSDP the wrapping materialises each Block with its modules' `reset_parameters()`."""
     sharded = isinstance(fabric.strategy, FSDPStrategy)
     with fabric.init_module(empty_init=True):
-        model = GPT(config)
+        model = GPT(config, fused=fabric.device.type == "cuda", gla_launch=gla_launch)
     if not sharded:
         fabric.seed_everything(seed, verbose=False)
         model.reset_parameters()
@@ -510,10 +517,9 @@ def load_tokenizer(tokenizer_dir: Optional[Path]):
     return Tokenizer(tokenizer_dir)
 
 
-def tune_gla_kernels(fabric: L.Fabric, config: Config, train: TrainArgs, precision: str, out_dir: Path) -> None:
+def tune_gla_kernels(fabric: L.Fabric, config: Config, train: TrainArgs, precision: str, out_dir: Path) -> GLALaunch:
     """compile.kernel_autotune: the GLA launch settings for this layer shape, from out_dir's cache or searched
     by rank 0 and sent to every process, so that all of them (and a resumed run) use the same kernels."""
-    from fabric_lin.ops.gla import chunk
     from fabric_lin.ops.gla.tune import tuned_launch
 
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else torch.float32
@@ -523,7 +529,7 @@ def tune_gla_kernels(fabric: L.Fabric, config: Config, train: TrainArgs, precisi
             train.micro_batch_size, train.max_seq_length, config.num_heads, config.head_k_dim, config.head_v_dim, dtype,
             cache_file=out_dir / COMPILE_CACHE_DIR / "gla_launch.json", log=fabric.print,
         )
-    chunk.LAUNCH.update(fabric.broadcast(launch, src=0))
+    return fabric.broadcast(launch, src=0)
 
 
 # ---------------------------------------------------------------- the loop's pieces

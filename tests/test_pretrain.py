@@ -516,7 +516,8 @@ def test_initial_checkpoint_dir_is_checked_against_the_model(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"layers\.1\.attn\.k_proj\.weight: dtype torch\.int32, expected torch\.float32"):
         _setup(tmp_path, initial_checkpoint_dir=tmp_path / "model", eval=EvalArgs(final_validation=False))
     # the model_config.yaml there differs in a field that keeps the shapes: reported before the weights
-    assert "its model_config.yaml differs from this run's model in norm_eps (1e-05 there, 1e-06 here)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "its model_config.yaml differs from this run's model in " in out and " norm_eps (1e-05 there, 1e-06 here)" in out
 
 
 def test_no_tokenizer_is_warned_of(tmp_path, prepared, capsys):
@@ -664,3 +665,50 @@ def test_a_compile_group_file_is_not_taken_for_the_old_compile_flag(tmp_path):
         with pytest.raises(ValueError, match="train.max_steps must be positive, got 0"):
             cli_main(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
                       "--compile", value, "--train.max_steps", "0"])
+
+
+class RankFabric:
+    """What tune_gla_kernels asks of Fabric: the rank, a broadcast from rank 0, and print."""
+
+    def __init__(self, rank, from_rank0=None):
+        self.global_rank, self.from_rank0, self.sent = rank, from_rank0, None
+
+    def broadcast(self, obj, src=0):
+        assert src == 0
+        if self.global_rank == 0:
+            self.sent = obj
+            return obj
+        return self.from_rank0
+
+    def print(self, *args):
+        pass
+
+
+def test_kernel_autotune_searches_on_rank_0_and_every_rank_builds_with_its_result(monkeypatch, tmp_path):
+    import dataclasses
+
+    from fabric_lin.ops.gla import tune
+    from fabric_lin.ops.gla.launch import SHIPPED
+    from fabric_lin.pretrain import tune_gla_kernels
+
+    config = Config.from_name("gla-debug")
+    train = TrainArgs(micro_batch_size=4, global_batch_size=4, max_seq_length=256)
+    searched = dataclasses.replace(SHIPPED, dqk_single_warps=8)
+    assert searched != SHIPPED
+    calls = []
+
+    def fake_tuned_launch(B, T, H, K, V, dtype, cache_file=None, log=print):
+        calls.append((B, T, H, K, V, dtype, cache_file))
+        return searched
+
+    monkeypatch.setattr(tune, "tuned_launch", fake_tuned_launch)
+    rank0 = RankFabric(0)
+    assert tune_gla_kernels(rank0, config, train, "bf16-mixed", tmp_path) is searched
+    assert calls == [(4, 256, config.num_heads, config.head_k_dim, config.head_v_dim, torch.bfloat16,
+                      tmp_path / "compile_cache" / "gla_launch.json")]
+    assert rank0.sent is searched
+    assert tune_gla_kernels(RankFabric(1, from_rank0=rank0.sent), config, train, "bf16-mixed", tmp_path) is searched
+    assert len(calls) == 1  # rank 1 did not search
+    # every GLA layer of the model is built with the settings
+    model, _ = build_model(L.Fabric(accelerator="cpu", devices=1), config, seed=0, gla_launch=searched)
+    assert [block.attn.launch for block in model.module.layers] == [searched] * config.num_layers
