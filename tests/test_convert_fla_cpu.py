@@ -1,7 +1,7 @@
-"""CPU check of convert_to_hf against flash-linear-attention (fla) itself: an exported GLA model, loaded
-by fla's `AutoModelForCausalLM.from_pretrained`, gives fabric-lin's logits in fp32.
+"""CPU check of convert_to_hf against flash-linear-attention (fla) itself: an exported GLA or Gated DeltaNet
+model, loaded by fla's `AutoModelForCausalLM.from_pretrained`, gives fabric-lin's logits in fp32.
 
-fla's GLA layers are Triton kernels, so without CUDA they run in Triton's interpreter
+fla's layers are Triton kernels, so without CUDA they run in Triton's interpreter
 (TRITON_INTERPRET=1, fp32, on small models). The comparison runs in a subprocess, so the interpreter
 setting and the two interpreter adjustments below stay out of the pytest process:
 
@@ -46,15 +46,17 @@ def base(**overrides) -> Config:
 
 
 CASES = {  # name: (config, sequence lengths)
-    # fla's head norm uses norm_eps: with head_norm_eps equal, the two models are the same function
-    "same-eps": (lambda: base(head_norm_eps=1e-6), SEQ_LENS),
-    "gqa": (lambda: base(num_heads=4, num_kv_heads=2, head_norm_eps=1e-6), SEQ_LENS),
-    "tied": (lambda: base(tie_embeddings=True, head_norm_eps=1e-6), SEQ_LENS),
-    # fabric-lin's default head_norm_eps 1e-5 against fla's norm_eps 1e-6: the documented difference.
-    # Where a head's output is near zero (the first tokens), the eps moves its normed value a lot, so
-    # logits differ by up to about their std at this init scale. fla's logits equal those of this model
-    # run with head_norm_eps = norm_eps. One length keeps the test fast.
-    "default-eps": (lambda: base(), SEQ_LENS[1:]),
+    # fla's head norm uses norm_eps, as fabric-lin's does by default: the two models are the same function
+    "gla": (lambda: base(), SEQ_LENS),
+    "gqa": (lambda: base(num_heads=4, num_kv_heads=2), SEQ_LENS),
+    "tied": (lambda: base(tie_embeddings=True), SEQ_LENS),
+    "gdn": (lambda: base(block_type="gdn", head_dim=48, expand_v=2.0), SEQ_LENS),
+    "gdn-tied": (lambda: base(block_type="gdn", head_dim=32, expand_v=1.5, tie_embeddings=True), SEQ_LENS[1:]),
+    # a checkpoint trained with another head-norm eps (1e-5, an earlier default) against fla's norm_eps 1e-6:
+    # where a head's output is near zero (the first tokens), the eps moves its normed value a lot, so logits
+    # differ by up to about their std at this init scale. fla's logits equal those of this model run with
+    # head_norm_eps = norm_eps. One length keeps the test fast.
+    "own-head-eps": (lambda: base(head_norm_eps=1e-5), SEQ_LENS[1:]),
 }
 
 
@@ -122,12 +124,42 @@ def compare_with_fla(config: Config, seq_lens=SEQ_LENS, batch: int = 1, seed: in
         diff = (fla_logits - ours).abs()
         results.append({
             "fla_class": type(fla_model).__name__, "fla_mode": "fused_recurrent" if seq_len <= 64 else exported["attn_mode"],
-            "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "tie_embeddings": config.tie_embeddings,
+            "block_type": config.block_type, "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
+            "tie_embeddings": config.tie_embeddings,
             "norm_eps": config.norm_eps, "head_norm_eps": config.head_norm_eps, "batch": batch, "seq_len": seq_len,
             "max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(),
             "logits_std": ours.std().item(), **fla_eps, "seconds": round(time.perf_counter() - start, 2),
         })
     return results
+
+
+def generate_with_fla(config: Config, prompt_len: int = 20, new_tokens: int = 6, seed: int = 0) -> dict:
+    """fla's `generate` on an exported model, and fabric-lin's greedy tokens checked against fla's full forward
+    (each token the argmax of fla's logits at its position). In the interpreter fla's own cached decoding
+    does not reproduce its full forward, so its tokens are reported, not compared."""
+    from transformers import AutoModelForCausalLM
+
+    import fla  # noqa: F401
+    from fabric_lin.convert.hf import convert_to_hf
+    from fabric_lin.generate import generate_tokens
+    from fabric_lin.model import GPT
+
+    torch.manual_seed(seed)
+    model = GPT(config).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, hf_dir = Path(tmp) / "model", Path(tmp) / "hf"
+        model_dir.mkdir()
+        torch.save(model.state_dict(), model_dir / "lit_model.pth")
+        config.save(model_dir / "model_config.yaml")
+        convert_to_hf(model_dir, hf_dir, dtype="float32")
+        fla_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    prompt = torch.randint(0, config.vocab_size, (1, prompt_len))
+    fla_tokens = fla_model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[0, prompt_len:].tolist()
+    ours = generate_tokens(model, prompt[0], max_new_tokens=new_tokens, temperature=0.0)
+    with torch.no_grad():
+        fla_logits = fla_model(input_ids=torch.cat([prompt[0], ours])[None], use_cache=False).logits[0]
+    return {"fla_generate": fla_tokens, "ours": ours.tolist(),
+            "fla_argmax_on_ours": fla_logits[prompt_len - 1 : -1].argmax(-1).tolist()}
 
 
 def run_interpreted(timeout: float = 600) -> list:
@@ -140,8 +172,12 @@ def run_interpreted(timeout: float = 600) -> list:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, test_convert_fla_gpu.py runs fla's compiled kernels")
 @pytest.mark.skipif(not fla_installed(), reason="needs flash-linear-attention (fla) and transformers")
-def test_exported_gla_matches_fla_interpreted():
+def test_exported_models_match_fla_interpreted():
     results = run_interpreted()
+    generated = [r for r in results if r.get("case") == "gdn-generate"]
+    results = [r for r in results if r.get("case") != "gdn-generate"]
+    assert len(generated) == 1 and len(generated[0]["fla_generate"]) == 6  # fla's generate runs on the export
+    assert generated[0]["ours"] == generated[0]["fla_argmax_on_ours"]  # our decoding is fla's model's greedy path
     for r in results:
         print(json.dumps(r))
     assert {(r["case"], r["seq_len"]) for r in results} == {(c, t) for c, (_, lens) in CASES.items() for t in lens}
@@ -159,3 +195,4 @@ if __name__ == "__main__":
     for case, (make, seq_lens) in CASES.items():
         for result in compare_with_fla(make(), seq_lens):
             print(json.dumps({"case": case, **result}), flush=True)
+    print(json.dumps({"case": "gdn-generate", **generate_with_fla(CASES["gdn"][0]())}), flush=True)
