@@ -1,6 +1,6 @@
-"""Decoding against independent references: incremental decoding (GLA state, transformer KV cache) against
-a full forward pass, `generate_tokens` against argmax / sampling of full-forward logits, the decoding step
-against a float64 loop, and the errors for bad arguments."""
+"""Decoding against independent references: incremental decoding (GLA state, GDN state and convolution cache,
+transformer KV cache) against a full forward pass, `generate_tokens` against argmax / sampling of full-forward
+logits, the decoding step against a float64 loop, and the errors for bad arguments."""
 import math
 
 import pytest
@@ -12,7 +12,7 @@ from fabric_lin.generate import generate_tokens, sample
 from fabric_lin.model import GPT
 from fabric_lin.ops.gla import recurrent_gla_step
 
-NAMES = ["gla-debug", "transformer-debug"]
+NAMES = ["gla-debug", "gdn-debug", "transformer-debug"]
 # around the chunk size of 64: one token, one short of a chunk, a full chunk, one over, two chunks and a bit
 PROMPT_LENGTHS = [1, 63, 64, 65, 130]
 
