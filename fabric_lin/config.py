@@ -194,7 +194,9 @@ class Config:
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: Union[str, Path], **overrides: Any) -> "Config":
-        return cls.from_file(Path(checkpoint_dir) / "model_config.yaml", **overrides)
+        from fabric_lin.checkpoint import CONFIG_FILE  # the checkpoint module imports this one
+
+        return cls.from_file(Path(checkpoint_dir) / CONFIG_FILE, **overrides)
 
     def to_dict(self) -> dict:
         return asdict(self)

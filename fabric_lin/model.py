@@ -189,6 +189,8 @@ class GatedDeltaNet(nn.Module):
     softplus(a + dt_bias) and a write strength beta = sigmoid(b); q and k L2-normalised; the gated delta rule
     (fabric_lin/ops/gdn/); the output normed per head times swish(g_proj(x)), then o_proj."""
 
+    no_weight_decay = ("A_log", "dt_bias")  # as flash-linear-attention keeps them
+
     def __init__(self, config: Config, fused: bool = False):
         super().__init__()
         self.config = config

@@ -482,11 +482,12 @@ def canonical_name(name: str) -> str:
 
 
 def no_decay_parameter_names(model: torch.nn.Module) -> set:
-    """Norm weights and biases: no weight decay."""
+    """Norm weights, biases, and the parameters a module names in its `no_weight_decay` (GDN's A_log and
+    dt_bias): no weight decay."""
     names = set()
     for module_name, module in model.named_modules():
         for param_name, _ in module.named_parameters(recurse=False):
-            if isinstance(module, RMSNorm) or param_name == "bias":
+            if isinstance(module, RMSNorm) or param_name == "bias" or param_name in getattr(module, "no_weight_decay", ()):
                 names.add(canonical_name(f"{module_name}.{param_name}" if module_name else param_name))
     return names
 

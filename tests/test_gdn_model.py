@@ -197,3 +197,13 @@ def test_flops_per_token_gdn_340m_and_a_hybrid():
     expected = 3 * (2 * matmul_params(hybrid) + 4 * 512 * 128 + gdn_layer)
     assert flops_per_token(hybrid, 512) == pytest.approx(expected, rel=1e-12)
     assert flops_per_token(plain, 512) == pytest.approx(3 * (2 * matmul_params(plain) + 2 * gdn_layer), rel=1e-12)
+
+
+def test_a_log_and_dt_bias_take_no_weight_decay():
+    from fabric_lin.pretrain import no_decay_parameter_names
+
+    model = GPT(tiny(attn_layers=[1], attn_num_heads=4))
+    names = no_decay_parameter_names(model)
+    # every 1-D parameter (norm weights, A_log, dt_bias) and nothing else; convolution weights are decayed
+    assert names == {n for n, p in model.named_parameters() if p.ndim == 1}
+    assert {"layers.0.attn.A_log", "layers.0.attn.dt_bias"} <= names and "layers.0.attn.q_conv1d.weight" not in names
