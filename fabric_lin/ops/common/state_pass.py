@@ -53,6 +53,26 @@ def _step_inputs(x, gate, y, i_t, bos, T, o_t, o_k, m_k, o_v, m_v, H: tl.constex
 
 
 @triton.jit
+def _pass_start(i_k, i_v, i_nh, s0, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_S0: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """What a sequential pass's program starts from: its sequence (first row, length, first chunk), head,
+    chunk count, the key and value columns of its state tile with their masks and offsets, and the state
+    tile itself (fp32; s0's tile where USE_S0, else zeros)."""
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    NT = tl.cdiv(T, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_offs = o_k[:, None] * V + o_v[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_S0:
+        S += tl.load(s0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
+    return i_h, bos, T, boh, NT, o_k, o_v, m_k, m_v, m_kv, state_offs, S
+
+
+@triton.jit
 def _state_pass(i_k, i_v, i_nh, k, v, gc, kd, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -60,18 +80,9 @@ def _state_pass(i_k, i_v, i_nh, k, v, gc, kd, h, h0, ht, cu_seqlens, chunk_offse
     """h[chunk n] = the state entering chunk n; ht = the state after the last chunk (fp32). The decayed keys
     k * exp(b_last - b) ([B*T, H, K], k's dtype): KD_MODE 0 forms them from k and gc, 1 forms them and writes
     them to kd (first value tile's programs), 2 reads them from kd (and of gc only each chunk's last row)."""
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    NT = tl.cdiv(T, BT)
+    i_h, bos, T, boh, NT, o_k, o_v, m_k, m_v, m_kv, state_offs, S = _pass_start(
+        i_k, i_v, i_nh, h0, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV, USE_H0, IS_VARLEN)
     o_t = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_offs = o_k[:, None] * V + o_v[None, :]
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        S += tl.load(h0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
     k += i_h * K
     gc += i_h * K
     v += i_h * V
@@ -113,18 +124,9 @@ def _dstate_pass(i_k, i_v, i_nh, q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offs
                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
     """dh[chunk n] = gradient of the state leaving chunk n; dh0 = gradient of the initial state."""
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    NT = tl.cdiv(T, BT)
+    i_h, bos, T, boh, NT, o_k, o_v, m_k, m_v, m_kv, state_offs, dS = _pass_start(
+        i_k, i_v, i_nh, dht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV, USE_DHT, IS_VARLEN)
     o_t = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_offs = o_k[:, None] * V + o_v[None, :]
-    dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        dS += tl.load(dht + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
     q += i_h * K
     gc += i_h * K
     do += i_h * V

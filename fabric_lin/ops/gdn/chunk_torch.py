@@ -24,6 +24,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from fabric_lin.ops.common.varlen import as_padded_batch
+
 CHUNK = 64
 
 
@@ -93,24 +95,9 @@ def chunk_gated_delta_rule_torch(
 
 
 def _chunk_varlen(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """Documents packed along T (B=1): scatter them into a padded batch, one row each, run, gather back.
+    """Documents packed along T (B=1): one padded row each. A row's padding sits after its document and, as in
+    the chunked path, leaves its state unchanged, so the final state of an empty document is its initial state."""
+    def run(q, k, v, g, beta, initial_state, output_final_state):
+        return chunk_gated_delta_rule_torch(q, k, v, g, beta, scale, initial_state, output_final_state)
 
-    A row's padding sits after its document and, as in the chunked path, leaves its state unchanged,
-    so the final state of an empty document is its initial state.
-    """
-    bounds = cu_seqlens.tolist()
-    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    device = q.device
-    # token t of document i lands at row i, position t - bounds[i]
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
-    pos = torch.arange(q.shape[1], device=device) - torch.tensor(bounds[:-1], device=device)[doc]
-
-    def to_batch(x):
-        out = x.new_zeros(len(lengths), max(lengths), *x.shape[2:])
-        out[doc, pos] = x[0]
-        return out
-
-    o, final = chunk_gated_delta_rule_torch(
-        to_batch(q), to_batch(k), to_batch(v), to_batch(g), to_batch(beta), scale, initial_state, output_final_state
-    )
-    return o[doc, pos].unsqueeze(0), final
+    return as_padded_batch(run, cu_seqlens, (q, k, v, g, beta), initial_state, output_final_state)

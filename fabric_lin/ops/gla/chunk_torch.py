@@ -18,6 +18,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from fabric_lin.ops.common.varlen import as_padded_batch
+
 CHUNK = 64
 SUB = 16
 
@@ -92,22 +94,8 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, b: torch.Tensor) -> to
 
 
 def _chunk_gla_varlen(q, k, v, gk, scale, initial_state, output_final_state, cu_seqlens):
-    """Documents packed along T (B=1): scatter them into a padded batch, run, gather back."""
-    if q.shape[0] != 1:
-        raise ValueError(f"cu_seqlens needs batch size 1, got {q.shape[0]}")
-    bounds = cu_seqlens.tolist()
-    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    max_len = max(lengths)
-    # token t of document i lands at row i, position t - bounds[i]; padding sits at the end of rows
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device))
-    pos = torch.arange(q.shape[1], device=q.device) - cu_seqlens.to(q.device)[:-1].long()[doc]
+    """Documents packed along T (B=1): one padded row each (padding at a row's end, where it changes nothing)."""
+    def run(q, k, v, gk, initial_state, output_final_state):
+        return chunk_gla_torch(q, k, v, gk, scale, initial_state, output_final_state)
 
-    def to_batch(x):
-        out = x.new_zeros(len(lengths), max_len, *x.shape[2:])
-        out[doc, pos] = x[0]
-        return out
-
-    o, final = chunk_gla_torch(
-        to_batch(q), to_batch(k), to_batch(v), to_batch(gk), scale, initial_state, output_final_state
-    )
-    return o[doc, pos].unsqueeze(0), final
+    return as_padded_batch(run, cu_seqlens, (q, k, v, gk), initial_state, output_final_state)

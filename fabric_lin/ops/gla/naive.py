@@ -9,6 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from fabric_lin.ops.common.varlen import per_document
+
 
 def naive_recurrent_gla(
     q: torch.Tensor,
@@ -26,19 +28,10 @@ def naive_recurrent_gla(
     With `cu_seqlens` (B must be 1) the state starts afresh at every document boundary.
     """
     if cu_seqlens is not None:
-        if q.shape[0] != 1:
-            raise ValueError(f"cu_seqlens needs batch size 1, got {q.shape[0]}")
-        outputs, states = [], []
-        bounds = cu_seqlens.tolist()
-        for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            h0 = None if initial_state is None else initial_state[i : i + 1]
-            o, ht = naive_recurrent_gla(
-                q[:, start:end], k[:, start:end], v[:, start:end], gk[:, start:end], scale, h0, True
-            )
-            outputs.append(o)
-            states.append(ht)
-        final = torch.cat(states) if output_final_state else None
-        return torch.cat(outputs, dim=1), final
+        def run(q, k, v, gk, initial_state, output_final_state):
+            return naive_recurrent_gla(q, k, v, gk, scale, initial_state, output_final_state)
+
+        return per_document(run, cu_seqlens, (q, k, v, gk), initial_state, output_final_state)
 
     dtype = q.dtype
     B, T, H, K = q.shape
