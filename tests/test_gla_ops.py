@@ -144,3 +144,31 @@ def test_log_decay_matches_logsigmoid_and_keeps_the_logits_dtype():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
         log_decay(logits16, 16).sum().backward()
     assert saved == [torch.bfloat16] and logits16.grad.dtype == torch.bfloat16
+
+
+def test_levels_share_against_a_loop_over_chunks():
+    # independent: each (sequence, chunk, head) checked row by row, the last row standing in past the end
+    from fabric_lin.ops.gla.gate import SINGLE_REFERENCE_LIMIT, levels_share
+
+    def by_loop(gk, bounds):
+        past = total = 0
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            for c0 in range(s, e, 64):
+                rows = gk[0, c0 : min(c0 + 64, e)].double()
+                b = rows.cumsum(0)
+                ref = b[min(31, len(b) - 1)]
+                for h in range(gk.shape[2]):
+                    total += 1
+                    past += bool((b[:, h] - ref[h]).abs().max() > SINGLE_REFERENCE_LIMIT)
+        return past / total
+
+    g = torch.Generator().manual_seed(0)
+    slow = F.logsigmoid(torch.randn(1, 300, 3, 8, generator=g)) / 16
+    fast = F.logsigmoid(torch.randn(1, 300, 3, 8, generator=g) - 30) / 16  # ~1.9 per step: ~60 over half a chunk
+    assert levels_share(slow) == 0.0 and levels_share(fast) == 1.0
+    mixed = torch.where(torch.arange(300)[None, :, None, None] >= 150, fast, slow)
+    mixed[:, :, 1] = slow[:, :, 1]  # one head slow throughout
+    for cu in (None, torch.tensor([0, 7, 100, 230, 300])):
+        bounds = [0, 300] if cu is None else cu.tolist()
+        assert levels_share(mixed, cu) == pytest.approx(by_loop(mixed, bounds))
+        assert 0 < levels_share(mixed, cu) < 1

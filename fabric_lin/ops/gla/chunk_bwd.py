@@ -44,7 +44,8 @@ from fabric_lin.ops.common.state_pass import (
 )
 from fabric_lin.ops.gla.chunk_fwd import BT
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.ops.gla.scores import FINE_ROWS, SINGLE_REFERENCE_LIMIT, block_level_factor, gate_spread, half_factor
+from fabric_lin.ops.gla.gate import SINGLE_REFERENCE_LIMIT
+from fabric_lin.ops.gla.scores import FINE_ROWS, block_level_factor, gate_spread, half_factor
 from fabric_lin.ops.launch import cdiv, tile_width
 
 

@@ -17,7 +17,8 @@ from fabric_lin.ops.common.chunk_index import chunk_grid, chunk_layout, chunk_st
 from fabric_lin.ops.common.cumsum import gate_cumsum
 from fabric_lin.ops.common.state_pass import states
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.ops.gla.scores import SINGLE_REFERENCE_LIMIT, gate_spread, level_scores, single_reference_scores
+from fabric_lin.ops.gla.gate import SINGLE_REFERENCE_LIMIT
+from fabric_lin.ops.gla.scores import gate_spread, level_scores, single_reference_scores
 from fabric_lin.ops.launch import next_power_of_2
 
 BT = 64  # rows per chunk

@@ -2,9 +2,17 @@
 
 Written as an autograd Function so that the backward pass keeps the gate logits in their own dtype
 (bf16 in training), where `F.logsigmoid(x.float())` would keep the fp32 copy: half the bytes.
+
+`levels_share` tells how a model's gates meet the Triton kernels: a chunk whose cumulative gate moves
+by more than SINGLE_REFERENCE_LIMIT from its middle row takes the slower path (see scores.py).
 """
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+
+CHUNK = 64
+SINGLE_REFERENCE_LIMIT = 40.0
 
 
 class _LogDecay(torch.autograd.Function):
@@ -24,3 +32,26 @@ class _LogDecay(torch.autograd.Function):
 def log_decay(gate_logits: torch.Tensor, normalizer: float = 16.0) -> torch.Tensor:
     """logsigmoid(gate_logits) / normalizer as fp32 (every value <= 0: the per-step log decay gk)."""
     return _LogDecay.apply(gate_logits, float(normalizer))
+
+
+def levels_share(gk: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> float:
+    """The share of (chunk, head) pairs whose intra-chunk scores the Triton kernels make by the levels of
+    halves, the slower path: those where the in-chunk cumulative log gate b moves by more than
+    SINGLE_REFERENCE_LIMIT from the chunk's middle row, max |b - b_r| over the chunk's rows and key columns
+    (rows past a sequence's end count as its last row), as the output kernel decides. gk: [B, T, H, K], the
+    log gate (logsigmoid(logits) / normalizer); with cu_seqlens (B = 1) chunks restart at each document."""
+    if cu_seqlens is None:
+        sequences = [gk[i] for i in range(gk.shape[0])]
+    else:
+        bounds = cu_seqlens.tolist()
+        sequences = [gk[0, s:e] for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    past, total = 0, 0
+    for g in sequences:  # [T, H, K]
+        T = g.shape[0]
+        pad = (-T) % CHUNK
+        b = F.pad(g.float(), (0, 0, 0, 0, 0, pad)).unflatten(0, (-1, CHUNK)).cumsum(1)  # [chunks, C, H, K]
+        # rows past the end add a zero gate, so their cumulative sum is the last row's
+        spread = (b - b[:, CHUNK // 2 - 1 : CHUNK // 2]).abs().amax(dim=(1, 3))  # [chunks, H]
+        past += int((spread > SINGLE_REFERENCE_LIMIT).sum())
+        total += spread.numel()
+    return past / max(total, 1)

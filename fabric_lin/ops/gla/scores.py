@@ -12,7 +12,7 @@ rows (b = the in-chunk cumulative log gate, falling down the rows), made so that
 * **one reference row** (where the gate allows), r the chunk's middle row:
       A = tril((q * exp(b - b_r)) @ (k * exp(b_r - b))^T),
   one product per key tile instead of six levels. Its exponents reach the gate's spread max |b - b_r|
-  (positive above r), so it is taken only where the spread is at most SINGLE_REFERENCE_LIMIT: factors up
+  (positive above r), so it is taken only where the spread is at most SINGLE_REFERENCE_LIMIT (gate.py): factors up
   to exp(40) ~ 2e17 (bf16 and fp32 reach 3e38), the kept pairs j <= i at most 1 in their exponent, the
   masked pairs j > i at most exp(80).
 
@@ -24,7 +24,6 @@ import triton.language as tl
 from fabric_lin.ops.common.chunk_index import load_gate, load_gate_row, load_raw, load_tile
 
 FINE_ROWS = tl.constexpr(16)
-SINGLE_REFERENCE_LIMIT = 40.0
 
 
 @triton.jit
