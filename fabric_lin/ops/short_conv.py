@@ -6,28 +6,67 @@ over a window of W (4) tokens ending at t, channel by channel: nn.Conv1d(D, D, W
 with its first T outputs kept, as flash-linear-attention's ShortConvolution computes it. Inputs before
 the sequence are the `cache` (the W - 1 inputs before x, when decoding or continuing a prompt) or zeros;
 with `cu_seqlens` (documents packed along T) each document starts from zeros, as a fresh sequence.
-This is the PyTorch path; it is differentiable through autograd.
+`causal_conv1d_ref` is the PyTorch path (differentiable through autograd); `backend` picks it or the
+kernels of short_conv_triton.py (imported only when they run) by the rule of fabric_lin/ops/backend.py.
 """
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from fabric_lin.ops.backend import resolve_backend
+
+MAX_WIDTH = 8  # the kernels unroll the W x W shifted tiles of the backward; GDN uses W = 4
+
 
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor] = None,
-    cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True,
+    cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True, backend: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x [B, T, D], weight [D, W]; cache [B, W - 1, D] or None. Returns (y [B, T, D] in x's dtype, computed
-    in fp32; the new cache [B, W - 1, D]: the last W - 1 inputs, the cache's included)."""
+    """x [B, T, D], weight [D, W]; cache [B, W - 1, D] or None; cu_seqlens [N + 1] document offsets (B = 1)
+    or None. Returns (y [B, T, D] in x's dtype, computed in fp32; the new cache [B, W - 1, D] in x's dtype:
+    the last W - 1 inputs, the cache's included). On the kernels, one token continuing a cache with no
+    gradient wanted is one launch (y and the shifted cache)."""
+    _check_inputs(x, weight, cache, cu_seqlens)
+    if resolve_backend(backend, x.device) == "torch":
+        return causal_conv1d_ref(x, weight, cache, cu_seqlens, activation)
+    if weight.shape[1] > MAX_WIDTH:
+        raise ValueError(f"causal_conv1d: the Triton kernels take weight [D, W] with W <= {MAX_WIDTH}, got W = "
+                         f"{weight.shape[1]}; use backend='torch'")
+    from fabric_lin.ops.short_conv_triton import causal_conv1d_triton
+
+    return causal_conv1d_triton(x, weight, cache, cu_seqlens, activation)
+
+
+def _check_inputs(x, weight, cache, cu_seqlens) -> None:
+    """Shapes and dtypes only: nothing here reads a tensor's values (no host synchronisation)."""
+    if x.dim() != 3 or not x.is_floating_point():
+        raise ValueError(f"causal_conv1d: x must be a floating-point [B, T, D] tensor, got {x.dtype} of shape {tuple(x.shape)}")
     B, T, D = x.shape
-    if weight.dim() != 2 or weight.shape[0] != D:
-        raise ValueError(f"causal_conv1d: weight must be [D, W] with D = {D} (x's channels), got {tuple(weight.shape)}")
+    if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+        raise ValueError(f"causal_conv1d: weight must be [D, W] with D = {D} (x's channels) and W >= 1, got {tuple(weight.shape)}")
     W = weight.shape[1]
     if cache is not None and (tuple(cache.shape) != (B, W - 1, D)):
         raise ValueError(f"causal_conv1d: cache must be [B, W - 1, D] = {(B, W - 1, D)}, got {tuple(cache.shape)}")
-    if cache is not None and cu_seqlens is not None:
-        raise ValueError("causal_conv1d: a cache continues one sequence per row; it does not combine with cu_seqlens")
+    if cu_seqlens is not None:
+        if cache is not None:
+            raise ValueError("causal_conv1d: a cache continues one sequence per row; it does not combine with cu_seqlens")
+        if B != 1:
+            raise ValueError(f"causal_conv1d: cu_seqlens needs x with batch size 1 (documents packed along T), got B = {B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(
+                f"causal_conv1d: cu_seqlens must be a 1-D integer tensor of N + 1 >= 2 document offsets, "
+                f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+            )
+
+
+def causal_conv1d_ref(
+    x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """causal_conv1d in PyTorch, tap by tap (the formula above); the inputs checked by the caller."""
+    B, T, D = x.shape
+    W = weight.shape[1]
     history = cache.to(x.dtype) if cache is not None else x.new_zeros(B, W - 1, D)
     padded = torch.cat([history, x], dim=1)  # [B, W - 1 + T, D]
     w = weight.float()

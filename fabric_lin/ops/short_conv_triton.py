@@ -1,0 +1,336 @@
+"""The Triton kernels behind short_conv.py's causal_conv1d, their torch.library ops and autograd Function.
+
+    z[t, d] = sum_{j < W} weight[d, j] * x[t - (W - 1) + j, d],   y = silu(z)   (or z without the activation)
+
+Three kernels, each reading its inputs once and keeping nothing but x (and the cache) for the backward pass:
+* forward: one program per (tile of BD channels, tile of BT rows, sequence) sums the W shifted tiles of x.
+* backward: one program per (channel tile, block of rows, sequence) recomputes z where it needs it, so
+  neither z nor y is saved: dz[t] = dy[t] silu'(z[t]); dx[s] = sum_j weight[d, j] dz[s + W - 1 - j];
+  each program's share of dweight goes to its own slot of an fp32 buffer that the host sums (a fixed
+  order: the same gradient every run, which atomics would not give). The gradient of a given cache is
+  written by the first row block of each sequence, only when the cache needs one (the training path
+  passes no cache: the model takes one only when decoding).
+* decoding step: one token per sequence from the cache, which it also shifts (one launch per token).
+
+Varlen (`cu_seqlens`, B = 1): a program finds each row's document by binary search over the offsets (no
+host synchronisation, no per-token index tensor); a tap that would read before the document's first row
+reads zero, and a row's dz never reaches dx across a document end.
+"""
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fabric_lin.ops.launch import cdiv, next_power_of_2, op_or_fn
+
+BD = 64  # channels per program: 128 contiguous bytes of a bf16 row
+BT_FWD = 64
+BT_BWD = 32  # the backward keeps about five [BT, BD] fp32 tiles live at a time
+BWD_TILES = 8  # row tiles per backward program: fewer dweight partial sums to write and add up
+BD_STEP = 128
+
+
+@triton.jit
+def _document_bounds(cu_seqlens, rows, N, STEPS):
+    """(start, end) of the document holding each row: the largest i with cu_seqlens[i] <= row, by binary
+    search over the N + 1 offsets in STEPS = bit_length(N) halvings. An empty document shares its offset
+    with the next one; the search lands on the last of equal offsets, the document that holds the row."""
+    lo = tl.zeros_like(rows)
+    hi = lo + N
+    for _ in range(STEPS):
+        mid = (lo + hi + 1) // 2
+        inside = tl.load(cu_seqlens + mid).to(tl.int32) <= rows
+        lo = tl.where(inside, mid, lo)
+        hi = tl.where(inside, hi, mid - 1)
+    start = tl.load(cu_seqlens + lo).to(tl.int32)
+    end = tl.load(cu_seqlens + tl.minimum(lo + 1, N)).to(tl.int32)
+    return start, end
+
+
+@triton.jit
+def _row_bounds(cu_seqlens, rows, T, N, STEPS, W: tl.constexpr, HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(first row a tap of each row may read, the row after its sequence's last). Rows -(W - 1)..-1 are
+    the cache's slots; without a cache they read as zeros."""
+    if IS_VARLEN:
+        first, end = _document_bounds(cu_seqlens, rows, N, STEPS)
+    else:
+        end = tl.zeros_like(rows) + T
+        if HAS_CACHE:
+            first = tl.zeros_like(rows) - (W - 1)
+        else:
+            first = tl.zeros_like(rows)
+    return first, end
+
+
+@triton.jit
+def _load_input(x_seq, x_stride_t, c_seq, rows, first, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr,
+                HAS_CACHE: tl.constexpr):
+    """The convolution's input at `rows` (a [BT] vector) of one sequence as fp32 [BT, BD]: x at rows in
+    [0, T), the cache's slot row + W - 1 at negative rows, zero before each row's `first`."""
+    readable = (rows >= first) & (rows < T)
+    m_x = (readable & (rows >= 0))[:, None] & m_d[None, :]
+    b_x = tl.load(x_seq + rows.to(tl.int64)[:, None] * x_stride_t + o_d[None, :], mask=m_x, other=0.0)
+    b_x = b_x.to(tl.float32)
+    if HAS_CACHE:
+        m_c = (readable & (rows < 0))[:, None] & m_d[None, :]
+        b_c = tl.load(c_seq + (rows + W - 1)[:, None] * D + o_d[None, :], mask=m_c, other=0.0)
+        # the cache is rounded to x's dtype first, as the reference concatenates it with x
+        b_x += b_c.to(x_seq.dtype.element_ty).to(tl.float32)
+    return b_x
+
+
+@triton.jit
+def _preactivation(x_seq, x_stride_t, c_seq, weight, rows, first, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr,
+                   BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr):
+    """z at `rows`, fp32 [BT, BD]: tap j reads row - (W - 1 - j)."""
+    z = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(W):
+        b_w = tl.load(weight + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)
+        z += b_w[None, :] * _load_input(x_seq, x_stride_t, c_seq, rows - (W - 1 - j), first, T, o_d, m_d, D, W,
+                                        HAS_CACHE)
+    return z
+
+
+@triton.jit
+def _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows, first, end, T, o_d, m_d, D: tl.constexpr,
+                        W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr,
+                        ACTIVATION: tl.constexpr):
+    """dz at `rows` (zero outside [0, end)), z recomputed from the input."""
+    m = ((rows >= 0) & (rows < end) & (rows < T))[:, None] & m_d[None, :]
+    b_dy = tl.load(dy_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    if ACTIVATION:
+        z = _preactivation(x_seq, x_stride_t, c_seq, weight, rows, first, T, o_d, m_d, D, W, BT, BD, HAS_CACHE)
+        sig = tl.sigmoid(z)
+        b_dy = b_dy * sig * (1.0 + z * (1.0 - sig))
+    return b_dy
+
+
+@triton.jit
+def _conv_fwd_kernel(x, weight, cache, cu_seqlens, y, T, x_stride_b, x_stride_t, N, STEPS, D: tl.constexpr,
+                     W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr,
+                     IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr):
+    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    rows = i_t * BT + tl.arange(0, BT)
+    first, _ = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
+    x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
+    z = _preactivation(x_seq, x_stride_t, c_seq, weight, rows, first, T, o_d, m_d, D, W, BT, BD, HAS_CACHE)
+    if ACTIVATION:
+        z = z * tl.sigmoid(z)
+    p_y = y + i_b * T * D + rows.to(tl.int64)[:, None] * D + o_d[None, :]
+    tl.store(p_y, z.to(y.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _conv_bwd_kernel(x, weight, cache, cu_seqlens, dy, dx, dw_part, dcache, T, x_stride_b, x_stride_t, N, STEPS,
+                     TILES, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+                     BD: tl.constexpr, HAS_CACHE: tl.constexpr, WANT_DCACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     ACTIVATION: tl.constexpr):
+    """dx for TILES x BT rows, this block's share of dweight ([D, W] at slot (sequence, block) of dw_part),
+    and the cache's gradient from a sequence's first block."""
+    i_d, i_blk, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    o_w = tl.arange(0, BW)
+    x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
+    dy_seq, dx_seq = dy + i_b * T * D, dx + i_b * T * D
+    b_dw = tl.zeros([BW, BD], dtype=tl.float32)
+    for i_s in range(TILES):
+        rows = (i_blk * TILES + i_s) * BT + tl.arange(0, BT)
+        first, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
+        b_dx = tl.zeros([BT, BD], dtype=tl.float32)
+        for back in tl.static_range(W):
+            # dz `back` rows later reaches this row through tap W - 1 - back, inside the same document:
+            # those rows share this row's `first`, and _preactivation_grad zeroes them from `end` on
+            dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows + back, first, end, T, o_d, m_d,
+                                     D, W, BT, BD, HAS_CACHE, ACTIVATION)
+            b_w = tl.load(weight + o_d * W + (W - 1 - back), mask=m_d, other=0.0).to(tl.float32)
+            b_dx += b_w[None, :] * dz
+            if back == 0:  # this block's rows' dz against the input each tap read
+                for j in tl.static_range(W):
+                    b_in = _load_input(x_seq, x_stride_t, c_seq, rows - (W - 1 - j), first, T, o_d, m_d, D, W,
+                                       HAS_CACHE)
+                    b_dw += tl.where(o_w[:, None] == j, tl.sum(dz * b_in, 0)[None, :], 0.0)
+        p_dx = dx_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :]
+        tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
+    p_dw = dw_part + (i_b * tl.num_programs(1) + i_blk) * D * W + o_d[None, :] * W + o_w[:, None]
+    tl.store(p_dw, b_dw, mask=(o_w < W)[:, None] & m_d[None, :])
+    if WANT_DCACHE:
+        if i_blk == 0:
+            # cache slot i is row i - (W - 1); its taps reach rows 0..i
+            slots = tl.arange(0, BC)
+            rows = slots - (W - 1)
+            first = tl.zeros_like(rows) - (W - 1)
+            end = tl.zeros_like(rows) + T
+            b_dc = tl.zeros([BC, BD], dtype=tl.float32)
+            for back in tl.static_range(1, W):
+                dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows + back, first, end, T, o_d,
+                                         m_d, D, W, BC, BD, HAS_CACHE, ACTIVATION)
+                b_w = tl.load(weight + o_d * W + (W - 1 - back), mask=m_d, other=0.0).to(tl.float32)
+                b_dc += b_w[None, :] * dz
+            p_dc = dcache + i_b * (W - 1) * D + slots[:, None] * D + o_d[None, :]
+            tl.store(p_dc, b_dc.to(dcache.dtype.element_ty), mask=(slots < W - 1)[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _conv_step_kernel(x, weight, cache, y, new_cache, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
+                      ACTIVATION: tl.constexpr):
+    """One token per sequence: y from the W - 1 cached inputs and x; the cache shifted by one, x appended."""
+    i_d, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    z = tl.zeros([BD], dtype=tl.float32)
+    for j in tl.static_range(W - 1):
+        b_c = tl.load(cache + (i_b * (W - 1) + j) * D + o_d, mask=m_d, other=0.0).to(new_cache.dtype.element_ty)
+        z += tl.load(weight + o_d * W + j, mask=m_d, other=0.0).to(tl.float32) * b_c.to(tl.float32)
+        if j > 0:
+            tl.store(new_cache + (i_b * (W - 1) + j - 1) * D + o_d, b_c, mask=m_d)
+    b_x = tl.load(x + i_b * D + o_d, mask=m_d, other=0.0)
+    z += tl.load(weight + o_d * W + W - 1, mask=m_d, other=0.0).to(tl.float32) * b_x.to(tl.float32)
+    if W > 1:
+        tl.store(new_cache + (i_b * (W - 1) + W - 2) * D + o_d, b_x, mask=m_d)
+    if ACTIVATION:
+        z = z * tl.sigmoid(z)
+    tl.store(y + i_b * D + o_d, z.to(y.dtype.element_ty), mask=m_d)
+
+
+def _varlen_args(cu_seqlens: Optional[torch.Tensor]) -> Tuple[int, int]:
+    """(N documents, binary-search steps), from the offsets' shape alone (no host synchronisation)."""
+    if cu_seqlens is None:
+        return 0, 0
+    N = cu_seqlens.numel() - 1
+    return N, N.bit_length()
+
+
+def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+              activation: bool) -> torch.Tensor:
+    B, T, D = x.shape
+    W = weight.shape[1]
+    y = x.new_empty(B, T, D)
+    if y.numel():
+        N, steps = _varlen_args(cu_seqlens)
+        # without a cache the kernel is given x as its (never read) cache pointer
+        _conv_fwd_kernel[(cdiv(D, BD), cdiv(T, BT_FWD), B)](
+            x, weight, x if cache is None else cache, cu_seqlens, y, T, x.stride(0), x.stride(1), N, steps, D, W, BT_FWD, BD,
+            HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation, num_warps=4,
+        )
+    return y
+
+
+def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+              dy: torch.Tensor, activation: bool, want_dcache: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dcache; dcache is empty unless want_dcache)."""
+    B, T, D = x.shape
+    W = weight.shape[1]
+    dx = x.new_empty(B, T, D)
+    want_dcache = want_dcache and cache is not None and W > 1
+    dcache = cache.new_empty(cache.shape) if want_dcache else x.new_empty(0)
+    if T == 0:
+        if want_dcache:
+            dcache.zero_()
+        return dx, weight.new_zeros(weight.shape), dcache
+    tiles = min(BWD_TILES, cdiv(T, BT_BWD))
+    blocks = cdiv(T, BT_BWD * tiles)
+    dw_part = x.new_empty(B * blocks, D, W, dtype=torch.float32)
+    N, steps = _varlen_args(cu_seqlens)
+    _conv_bwd_kernel[(cdiv(D, BD), blocks, B)](
+        x, weight, x if cache is None else cache, cu_seqlens, dy, dx, dw_part, dcache, T, x.stride(0), x.stride(1), N, steps, tiles,
+        D, W, next_power_of_2(W), max(2, next_power_of_2(W - 1)), BT_BWD, BD,
+        HAS_CACHE=cache is not None, WANT_DCACHE=want_dcache, IS_VARLEN=cu_seqlens is not None,
+        ACTIVATION=activation, num_warps=4,
+    )
+    return dx, dw_part.sum(0).to(weight.dtype), dcache
+
+
+def _conv_step(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, activation: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    B, D = x.shape
+    W = weight.shape[1]
+    y, new_cache = x.new_empty(B, D), x.new_empty(B, W - 1, D)
+    if y.numel():
+        _conv_step_kernel[(cdiv(D, BD_STEP), B)](x, weight, cache, y, new_cache, D, W, BD_STEP, ACTIVATION=activation,
+                                                 num_warps=4)
+    return y, new_cache
+
+
+# torch.library ops, so that torch.compile keeps each kernel one opaque node (op_or_fn: only while it traces)
+_conv_fwd_op = torch.library.custom_op("fabric_lin::causal_conv1d_fwd", mutates_args=())(_conv_fwd)
+_conv_bwd_op = torch.library.custom_op("fabric_lin::causal_conv1d_bwd", mutates_args=())(_conv_bwd)
+_conv_step_op = torch.library.custom_op("fabric_lin::causal_conv1d_step", mutates_args=())(_conv_step)
+
+
+@_conv_fwd_op.register_fake
+def _(x, weight, cache, cu_seqlens, activation):
+    return x.new_empty(x.shape)
+
+
+@_conv_bwd_op.register_fake
+def _(x, weight, cache, cu_seqlens, dy, activation, want_dcache):
+    want_dcache = want_dcache and cache is not None and weight.shape[1] > 1
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), cache.new_empty(cache.shape) if want_dcache else x.new_empty(0)
+
+
+@_conv_step_op.register_fake
+def _(x, weight, cache, activation):
+    return x.new_empty(x.shape), x.new_empty(x.shape[0], weight.shape[1] - 1, x.shape[1])
+
+
+class _CausalConv1dFunction(torch.autograd.Function):
+    """The ops through op_or_fn: the registered ops only while torch.compile traces."""
+
+    @staticmethod
+    def forward(ctx, x, weight, cache, cu_seqlens, activation):
+        ctx.save_for_backward(x, weight, cache, cu_seqlens)
+        ctx.activation = activation
+        return op_or_fn(_conv_fwd_op, _conv_fwd)(x, weight, cache, cu_seqlens, activation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, cache, cu_seqlens = ctx.saved_tensors
+        want_dcache = cache is not None and ctx.needs_input_grad[2]
+        dx, dweight, dcache = op_or_fn(_conv_bwd_op, _conv_bwd)(x, weight, cache, cu_seqlens, dy.contiguous(),
+                                                                ctx.activation, want_dcache)
+        return dx, dweight, dcache if want_dcache else None, None, None
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, D] with its channels contiguous; the rows may be strided (a view of projections side by side)."""
+    return x if x.stride(2) == 1 or x.shape[2] <= 1 else x.contiguous()
+
+
+def causal_conv1d_step_triton(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
+                              activation: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step: x [B, D] (one token), weight [D, W], cache [B, W - 1, D] -> (y [B, D] in x's dtype,
+    the new cache [B, W - 1, D] in x's dtype: the cache's last W - 2 inputs, then x). Not differentiable."""
+    return op_or_fn(_conv_step_op, _conv_step)(x.contiguous(), weight.contiguous(), cache.contiguous(), activation)
+
+
+def causal_conv1d_triton(
+    x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """short_conv.causal_conv1d on the kernels; the shapes checked by the caller. A single token continuing a
+    cache with no gradient wanted takes the decoding step (one launch for y and the new cache)."""
+    B, T, D = x.shape
+    W = weight.shape[1]
+    weight = weight.contiguous()
+    wants_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (cache is not None and cache.requires_grad)
+    )
+    if T == 1 and cache is not None and W > 1 and not wants_grad:
+        y, new_cache = causal_conv1d_step_triton(x[:, 0], weight, cache, activation)
+        return y.unsqueeze(1), new_cache
+    x = _rows_contiguous(x)
+    if cache is not None:
+        cache = cache.contiguous()
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
+    y = _CausalConv1dFunction.apply(x, weight, cache, cu_seqlens, activation)
+    # the last W - 1 inputs, outside the Function: autograd differentiates the slice itself
+    if cache is None and T >= W - 1:
+        new_cache = x[:, T - (W - 1):]
+    else:
+        history = cache.to(x.dtype) if cache is not None else x.new_zeros(B, W - 1, D)
+        new_cache = torch.cat([history, x], dim=1)[:, T:]
+    return y, new_cache
