@@ -56,3 +56,6 @@ step profile_1gpu 300 python benchmarks/profile_step.py --devices 1 --out "$out/
 # where the host's time per step goes (micro batch 1: the GPU's work is small, the host's is not)
 step profile_host 300 python benchmarks/profile_step.py --batch_size 1 --host_ops --out "$out/profile_host.json"
 step activation_memory 300 python benchmarks/activation_memory.py --out "$out/activation_memory.json"
+# learning parity with fla, from the same weights on the same batches (fla's kernels compiled by the steps above)
+step parity_gla 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gla-340M --out "$out/parity_gla.json"
+step parity_gdn 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gdn-340M --out "$out/parity_gdn.json"
