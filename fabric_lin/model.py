@@ -13,10 +13,9 @@ stream in the backward pass).
 the CPU), `fused=False` on their PyTorch references (any device). The choice is made once, here: every
 module keeps the backend its ops are called with, and each formula is written once, in fabric_lin/ops/.
 """
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
-
-import math
 
 import torch
 import torch.nn as nn
