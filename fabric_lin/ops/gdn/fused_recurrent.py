@@ -1,0 +1,113 @@
+"""One Gated DeltaNet decoding step in one Triton launch: read the fp32 state, decay it, apply the delta
+rule, read out q.
+
+Same contract as recurrent.py's `recurrent_gated_delta_rule_step` (the PyTorch path):
+    S' = exp(g) S,   S' += beta k (v - S'^T k)^T,   o = S'^T (scale q)
+with q and k optionally L2-normalised inside (fla's eps 1e-6 inside the square root, l2norm.py).
+Each program owns one (batch, head) and a tile of value columns. The correction S'^T k of a value column
+sums over every key row, so a program holds the whole K column of its tile: the state is read and written
+once, and the programs of one head need nothing from each other.
+"""
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fabric_lin.ops.launch import cdiv, next_power_of_2, op_or_fn
+
+L2NORM_EPS = 1e-6  # fabric_lin/ops/gdn/l2norm.py's, fla's
+
+
+@triton.jit
+def _gdn_step_kernel(q, k, v, g, beta, s_in, s_out, o, scale, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, USE_STATE: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EPS: tl.constexpr):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    b_q = tl.load(q + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_bh * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_g = tl.load(g + i_bh).to(tl.float32)
+    b_beta = tl.load(beta + i_bh).to(tl.float32)
+    if USE_QK_L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + EPS)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + EPS)
+    state_offs = i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+    if USE_STATE:
+        S = tl.load(s_in + state_offs, mask=m_kv, other=0.0) * tl.exp(b_g)
+        delta = b_beta * (b_v - tl.sum(b_k[:, None] * S, axis=0))  # [BV]
+        S += b_k[:, None] * delta[None, :]
+    else:  # from zeros: S'^T k = 0
+        S = b_k[:, None] * (b_beta * b_v)[None, :]
+    tl.store(s_out + state_offs, S, mask=m_kv)
+    tl.store(o + i_bh * V + o_v, tl.sum((b_q * scale)[:, None] * S, axis=0).to(o.dtype.element_ty), mask=m_v)
+
+
+def _value_tile(K: int, V: int) -> Tuple[int, int]:
+    """(BK, BV): the whole key column (next power of two), and value columns enough to keep the fp32 state
+    tile at 4,096 elements (32 registers a thread at 4 warps), so K = 128 takes 32 columns and the 340M
+    model's B x H x V / BV programs (16 x 4 x 256 / 32 = 512) fill an H200's 132 multiprocessors."""
+    BK = max(16, next_power_of_2(K))
+    BV = min(max(16, next_power_of_2(V)), max(16, 4096 // BK))
+    return BK, BV
+
+
+def _step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: Optional[torch.Tensor], scale: float, use_qk_l2norm: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    B, H, K = q.shape
+    V = v.shape[-1]
+    o = q.new_empty(B, H, V)
+    new_state = q.new_empty(B, H, K, V, dtype=torch.float32)
+    if o.numel():
+        BK, BV = _value_tile(K, V)
+        _gdn_step_kernel[(cdiv(V, BV), B * H)](
+            q, k, v, g, beta, state, new_state, o, scale, K, V, BK, BV, USE_STATE=state is not None,
+            USE_QK_L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, num_warps=4,
+        )
+    return o, new_state
+
+
+# a torch.library op, so that torch.compile keeps the step one opaque call (op_or_fn: only while it traces)
+gdn_step_op = torch.library.custom_op("fabric_lin::recurrent_gated_delta_rule_step", mutates_args=())(_step)
+
+
+@gdn_step_op.register_fake
+def _(q, k, v, g, beta, state, scale, use_qk_l2norm):
+    B, H, K = q.shape
+    return q.new_empty(B, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)
+
+
+def _check_inputs(q, k, v, g, beta, state) -> None:
+    name = "fused_recurrent_gated_delta_rule_step"
+    if q.dim() != 3:
+        raise ValueError(f"{name}: q must be [B, H, K], got shape {tuple(q.shape)}")
+    B, H, K = q.shape
+    if tuple(k.shape) != (B, H, K):
+        raise ValueError(f"{name}: k must be [B, H, K] = {(B, H, K)} like q, got shape {tuple(k.shape)}")
+    if v.dim() != 3 or tuple(v.shape[:2]) != (B, H):
+        raise ValueError(f"{name}: v must be [B, H, V] with [B, H] = {(B, H)}, got shape {tuple(v.shape)}")
+    for arg, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (B, H):
+            raise ValueError(f"{name}: {arg} must be [B, H] = {(B, H)} (one value per head), got shape {tuple(x.shape)}")
+    if state is not None and tuple(state.shape) != (B, H, K, v.shape[-1]):
+        raise ValueError(f"{name}: state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}, got shape {tuple(state.shape)}")
+
+
+def fused_recurrent_gated_delta_rule_step_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: Optional[torch.Tensor], scale: Optional[float] = None, use_qk_l2norm: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """recurrent_gated_delta_rule_step in one launch: q, k [B, H, K]; v [B, H, V]; g (log decay), beta [B, H];
+    state [B, H, K, V] (read as fp32) or None (zeros). Returns o [B, H, V] in q's dtype and the new fp32
+    state (a new tensor). Not differentiable (decoding)."""
+    _check_inputs(q, k, v, g, beta, state)
+    if state is not None:
+        state = state.float().contiguous()
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return op_or_fn(gdn_step_op, _step)(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                        beta.contiguous(), state, scale, bool(use_qk_l2norm))
