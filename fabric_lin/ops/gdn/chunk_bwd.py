@@ -1,0 +1,237 @@
+"""The gated delta rule's chunked backward pass in Triton.
+
+Per chunk (per head), with S = h_n the state entering it, dS' the gradient of the state leaving it, P = q k^T * Gamma
+(causal, the diagonal included) and k_end = k exp(b_last - b):
+    dD = scale P^T do + k_end dS'                                   (the corrections' gradient)
+    dS = exp(b_last) dS' + scale (q exp(b))^T do - W^T dD           (carried backwards over the chunks)
+    dq = scale (exp(b) do S^T + (do D^T * Gamma) k)
+    dk = scale (do D^T * Gamma)^T q + k_end-free part: exp(b_last - b) D dS'^T,   dW = -dD S^T,   dU = dD
+then through W = (I + A)^-1 X and U = (I + A)^-1 Y to k, v, beta and the gate (`wy._wy_bwd_kernel`).
+The gate's gradient: with db_i the gradient of b_i, db = rows of (dq * q) - rows of (dk * k) (dk the output's and
+the state's parts) + the WY part, plus at the chunk's last row exp(b_last) sum(S * dS') + sum(k_end-part of dk * k);
+dg is db's reverse cumsum inside the chunk.
+
+Launches: W and U recomputed (`wy._wu_kernel`), then
+  * `_fwd_state_kernel` again for h_n and D (no final state),
+  * `_bwd_dd_local_kernel`: per value tile, chunk and head, scale P^T do,
+  * `_bwd_state_kernel`: per value tile, sequence and head, the reverse pass: dh_n (= dS' of chunk n), dD, dh0,
+  * `_bwd_dqkw_kernel`: per key tile, chunk and head, dq, the output's and state's part of dk (fp32), dW, and
+    their part of db (one row of partial sums per key tile),
+  * `wy._wy_bwd_kernel`: per chunk and head, the rest of dk, dv, dbeta and dg,
+  * (the q/k L2 norm's backward, when the forward normalised them).
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fabric_lin.ops.common.chunk_index import chunk_grid, chunk_layout, chunk_start, dot_precision, load_raw, seq_start
+from fabric_lin.ops.common.state_pass import state_dtype
+from fabric_lin.ops.gdn.chunk_fwd import _causal_decay, state_key_tile, states, wy_factors
+from fabric_lin.ops.gdn.launch import GDNLaunch
+from fabric_lin.ops.gdn.wy import BT, _wy_bwd_kernel, load_cum_gate
+from fabric_lin.ops.launch import cdiv, tile_width
+
+
+@triton.jit
+def _bwd_dd_local_kernel(q, k, b, do, dd, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+    """dd = scale P^T do (P = q k^T * Gamma) for one value tile of one chunk and head, in dd's dtype."""
+    i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_bh % H
+    row0, n_rows, _ = chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    DT = q.dtype.element_ty
+    q += i_h * K
+    k += i_h * K
+    o_t = tl.arange(0, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_st = tl.zeros([BT, BT], dtype=tl.float32)  # P^T before the decay: [j, i] = k_j . q_i
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = load_raw(q, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_st += tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)
+    b_b = load_cum_gate(b + i_h, row0, o_t, n_rows, H)
+    b_st = b_st * tl.trans(_causal_decay(b_b, BT)) * scale
+    b_do = load_raw(do + i_h * V, row0, o_t, n_rows, H * V, o_v, m_v)
+    b_dd = tl.dot(b_st.to(DT), b_do.to(DT), input_precision=DOT_PREC)
+    m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
+    tl.store(dd + i_h * V + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], b_dd.to(dd.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr,
+                      BV: tl.constexpr, USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
+                      DOT_PREC: tl.constexpr):
+    """The reverse pass over one sequence's chunks for one value tile and head: dh[chunk n] = dS', the gradient
+    of the state leaving chunk n (dh's dtype); dd = dd_local + k_end dS' (the corrections' whole gradient, dd's
+    dtype); dh0 = the initial state's gradient (fp32). BKS >= K: the whole key dimension."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    DT = q.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BKS)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_offs = o_k[:, None] * V + o_v[None, :]
+    q += i_h * K
+    k += i_h * K
+    w += i_h * K
+    b += i_h
+    do += i_h * V
+    dd_local += i_h * V
+    dd += i_h * V
+    dS = tl.zeros([BKS, BV], dtype=tl.float32)
+    if USE_DHT:
+        dS += tl.load(dht + i_nh * K * V + state_offs, mask=m_kv, other=0.0)
+    for i_r in range(tl.cdiv(T, BT)):
+        i_t = tl.cdiv(T, BT) - 1 - i_r
+        row0 = bos + i_t * BT
+        n_rows = T - i_t * BT
+        m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
+        tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
+        b_b = load_cum_gate(b, row0, o_t, n_rows, H)
+        b_last = load_cum_gate(b, row0, BT - 1, n_rows, H)
+        b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
+        k_end = (b_k * tl.exp(b_last - b_b)[:, None]).to(DT)
+        b_dd = load_raw(dd_local, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
+        b_dd += tl.dot(k_end, dS.to(DT), input_precision=DOT_PREC)
+        tl.store(dd + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], b_dd.to(dd.dtype.element_ty), mask=m_tv)
+        b_q = load_raw(q, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
+        q_start = (b_q * (tl.exp(b_b) * scale)[:, None]).to(DT)  # the queries as the chunk's start state sees them
+        b_w = load_raw(w, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_do = load_raw(do, row0, o_t, n_rows, H * V, o_v, m_v)
+        dS = (dS * tl.exp(b_last) + tl.dot(tl.trans(q_start), b_do.to(DT), input_precision=DOT_PREC)
+              - tl.dot(tl.trans(b_w), b_dd.to(DT), input_precision=DOT_PREC))
+    if USE_H0:
+        tl.store(dh0 + i_nh * K * V + state_offs, dS, mask=m_kv)
+
+
+@triton.jit
+def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, db_part, cu_seqlens, chunk_indices, scale, T,
+                     part_stride, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+    """For one key tile of one chunk and head: dq (dq's dtype), the output's and state's part of dk (fp32),
+    dW = -dD S^T (dw's dtype), and their part of db (fp32, the key tile's own row of db_part)."""
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_bh % H
+    row0, n_rows, i_tg = chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    DT = q.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_rows
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    d += i_h * V
+    do += i_h * V
+    dd += i_h * V
+    h += (i_tg * H + i_h) * K * V
+    dh += (i_tg * H + i_h) * K * V
+    dq_state = tl.zeros([BT, BK], dtype=tl.float32)  # do S^T
+    dk_state = tl.zeros([BT, BK], dtype=tl.float32)  # D dS'^T
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # dD S^T
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)  # do D^T
+    b_hdh = tl.zeros([BK], dtype=tl.float32)  # sum over values of S * dS'
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_do = load_raw(do, row0, o_t, n_rows, H * V, o_v, m_v).to(DT)
+        b_d = load_raw(d, row0, o_t, n_rows, H * V, o_v, m_v).to(DT)
+        b_dd = load_raw(dd, row0, o_t, n_rows, H * V, o_v, m_v).to(DT)
+        b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        dq_state += tl.dot(b_do, tl.trans(b_h.to(DT)), input_precision=DOT_PREC)
+        dk_state += tl.dot(b_d, tl.trans(b_dh.to(DT)), input_precision=DOT_PREC)
+        b_dw += tl.dot(b_dd, tl.trans(b_h.to(DT)), input_precision=DOT_PREC)
+        b_ds += tl.dot(b_do, tl.trans(b_d), input_precision=DOT_PREC)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    b_b = load_cum_gate(b + i_h, row0, o_t, n_rows, H)
+    b_last = load_cum_gate(b + i_h, row0, BT - 1, n_rows, H)
+    b_q = load_raw(q + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
+    b_k = load_raw(k + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
+    b_ds = (b_ds * _causal_decay(b_b, BT) * scale).to(DT)
+    b_dq = dq_state * (tl.exp(b_b) * scale)[:, None] + tl.dot(b_ds, b_k, input_precision=DOT_PREC)
+    dk_state = dk_state * tl.exp(b_last - b_b)[:, None]
+    b_dk = dk_state + tl.dot(tl.trans(b_ds), b_q, input_precision=DOT_PREC)
+    b_qf = b_q.to(tl.float32)
+    b_kf = b_k.to(tl.float32)
+    b_db = tl.sum(b_dq * b_qf, axis=1) - tl.sum(b_dk * b_kf, axis=1)
+    # b_last is every row's b in the state's decay exp(b_last) and the keys' exp(b_last - b): its gradient
+    # lands on the chunk's last row
+    db_last = tl.sum(b_hdh, axis=0) * tl.exp(b_last) + tl.sum(tl.sum(dk_state * b_kf, axis=1), axis=0)
+    b_db += tl.where(o_t == tl.minimum(n_rows, BT) - 1, db_last, 0.0)
+    m_tk = m_t[:, None] & m_k[None, :]
+    offs = i_h * K + (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
+    tl.store(dq + offs, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk_part + offs, b_dk, mask=m_tk)
+    tl.store(dw + offs, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
+    tl.store(db_part + i_k * part_stride + (row0 + o_t) * H + i_h, b_db, mask=m_t)
+
+
+# ------------------------------------------------------------------------------------------ host side
+
+
+def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torch.Tensor],
+             cu_seqlens: Optional[torch.Tensor], do, dht: Optional[torch.Tensor], launch: GDNLaunch,
+             dqk_dtype: Optional[torch.dtype] = None):
+    """(dq, dk, dv, dg fp32, dbeta in beta's dtype, dh0 fp32 or None) for q, k as the recurrence read them.
+    dqk_dtype: dq's and dk's dtype (default q's; fp32 where the L2 norm's backward follows)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    layout = chunk_layout(cu_seqlens, B, T, BT)
+    N, NC, chunk_indices, chunk_offsets = layout
+    is_varlen = cu_seqlens is not None
+    prec = dot_precision(q.dtype)
+    grid = chunk_grid(cu_seqlens, layout, T, B, H, BT)
+
+    w, u = wy_factors(k, v, beta, b, A_inv, cu_seqlens, layout, launch)
+    h, d, _ = states(k, w, u, b, initial_state, cu_seqlens, layout, launch)
+
+    dd_local = torch.empty_like(v)
+    BV = tile_width(launch.dd_local.BV, V)
+    _bwd_dd_local_kernel[(cdiv(V, BV),) + grid](
+        q, k, b, do, dd_local, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, tile_width(launch.dd_local.BK, K),
+        BV, IS_VARLEN=is_varlen, DOT_PREC=prec, **launch.dd_local.options(),
+    )
+
+    dh = q.new_empty(NC, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))
+    dd = torch.empty_like(v)
+    dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
+    BV = tile_width(launch.dstate.BV, V)
+    _bwd_state_kernel[(cdiv(V, BV), N * H)](
+        q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT,
+        state_key_tile(K), BV, USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen,
+        DOT_PREC=prec, **launch.dstate.options(),
+    )
+
+    dqk_dtype = dqk_dtype or q.dtype
+    dq = torch.empty_like(q, dtype=dqk_dtype)
+    dk_part = torch.empty_like(k, dtype=torch.float32)
+    dw = torch.empty_like(k)
+    BK = tile_width(launch.dqkw.BK, K)
+    NK = cdiv(K, BK)
+    db_part = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
+    _bwd_dqkw_kernel[(NK,) + grid](
+        q, k, d, b, h, dh, do, dd, dq, dk_part, dw, db_part, cu_seqlens, chunk_indices, scale, T, B * T * H,
+        H, K, V, BT, BK, tile_width(launch.dqkw.BV, V), IS_VARLEN=is_varlen, DOT_PREC=prec,
+        **launch.dqkw.options(),
+    )
+
+    dk = torch.empty_like(k, dtype=dqk_dtype)
+    dv = torch.empty_like(v)
+    dg = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    dbeta = torch.empty_like(beta)
+    _wy_bwd_kernel[grid](
+        k, v, beta, b, A_inv, dw, dd, dk_part, db_part, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, NK,
+        B * T * H, H, K, V, BT, tile_width(launch.wy_bwd.BK, K), tile_width(launch.wy_bwd.BV, V),
+        IS_VARLEN=is_varlen, DOT_PREC=prec, **launch.wy_bwd.options(),
+    )
+    return dq, dk, dv, dg, dbeta, dh0

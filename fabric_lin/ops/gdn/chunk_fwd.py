@@ -1,0 +1,179 @@
+"""The gated delta rule's chunked forward pass in Triton (chunks of BT = 64 rows, the math of chunk_torch.py).
+
+Launches, in order:
+  * (q/k L2 norm, `l2norm_triton.py`, when asked)
+  * `wy._solve_kernel`: per chunk and head, b = cumsum(g) and (I + A)^-1
+  * `wy._wu_kernel`: per chunk and head, W = (I + A)^-1 diag(beta exp(b)) K and U = (I + A)^-1 diag(beta) V
+  * `_fwd_state_kernel`: per value tile, sequence and head, the pass over chunks; it stores the state entering
+    each chunk, h_n, and the corrections D = U - W h_n, and carries h_{n+1} = exp(b_last) h_n + (K exp(b_last - b))^T D
+    in fp32. The correction needs every key row of the state, so one program holds all of K for its value tile.
+  * `_fwd_output_kernel`: per value tile, chunk and head, o = scale (exp(b) q h_n + (q k^T * Gamma) D).
+(I + A)^-1 and b are kept for the backward pass, which recomputes W, U, h and D from them.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fabric_lin.ops.common.chunk_index import chunk_grid, chunk_layout, chunk_start, dot_precision, load_raw, seq_start
+from fabric_lin.ops.common.state_pass import state_dtype
+from fabric_lin.ops.gdn.launch import GDNLaunch
+from fabric_lin.ops.gdn.wy import BC, BT, _solve_kernel, _wu_kernel, load_cum_gate
+from fabric_lin.ops.launch import cdiv, next_power_of_2, tile_width
+
+
+@triton.jit
+def _causal_decay(b_b, BT: tl.constexpr):
+    """Gamma [BT, BT]: exp(b_i - b_j) for j <= i, zero above the diagonal (whose exponents, positive, are never
+    taken)."""
+    o_t = tl.arange(0, BT)
+    causal = o_t[:, None] >= o_t[None, :]
+    return tl.exp(tl.where(causal, b_b[:, None] - b_b[None, :], float("-inf")))
+
+
+@triton.jit
+def _fwd_state_kernel(k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
+                      IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+    """h[chunk n] = the state entering chunk n (h's dtype), d = the corrections D = U - W h_n (the inputs' dtype),
+    ht = the final state (fp32), for one value tile of one sequence and head. BKS >= K: the whole key
+    dimension."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    DT = k.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BKS)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_offs = o_k[:, None] * V + o_v[None, :]
+    k += i_h * K
+    w += i_h * K
+    u += i_h * V
+    d += i_h * V
+    b += i_h
+    S = tl.zeros([BKS, BV], dtype=tl.float32)
+    if USE_H0:
+        S += tl.load(h0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0)
+    for i_t in range(tl.cdiv(T, BT)):
+        row0 = bos + i_t * BT
+        n_rows = T - i_t * BT
+        m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
+        tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
+        b_w = load_raw(w, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_u = load_raw(u, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
+        b_d = b_u - tl.dot(b_w, S.to(DT), input_precision=DOT_PREC)
+        tl.store(d + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], b_d.to(d.dtype.element_ty), mask=m_tv)
+        b_b = load_cum_gate(b, row0, o_t, n_rows, H)
+        b_last = load_cum_gate(b, row0, BT - 1, n_rows, H)
+        b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
+        k_end = (b_k * tl.exp(b_last - b_b)[:, None]).to(DT)  # the keys as the chunk's end sees them
+        S = S * tl.exp(b_last) + tl.dot(tl.trans(k_end), b_d.to(DT), input_precision=DOT_PREC)
+    tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
+
+
+@triton.jit
+def _fwd_output_kernel(q, k, d, b, h, o, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+    """o = scale (exp(b) q h_n + (q k^T * Gamma) D) for one value tile of one chunk and head."""
+    i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_bh % H
+    row0, n_rows, i_tg = chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
+    DT = q.dtype.element_ty
+    q += i_h * K
+    k += i_h * K
+    h += (i_tg * H + i_h) * K * V
+    o_t = tl.arange(0, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_s = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = load_raw(q, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_o += tl.dot(b_q, b_h.to(DT), input_precision=DOT_PREC)
+        b_s += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+    b_b = load_cum_gate(b + i_h, row0, o_t, n_rows, H)
+    b_s = b_s * _causal_decay(b_b, BT)
+    b_d = load_raw(d + i_h * V, row0, o_t, n_rows, H * V, o_v, m_v)
+    b_o = b_o * tl.exp(b_b)[:, None] + tl.dot(b_s.to(DT), b_d.to(DT), input_precision=DOT_PREC)
+    m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
+    tl.store(o + i_h * V + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], (b_o * scale).to(o.dtype.element_ty),
+             mask=m_tv)
+
+
+# ------------------------------------------------------------------------------------------ host side
+
+
+def state_key_tile(K: int) -> int:
+    """The state passes' key tile: all of K (a power of two, at least 16)."""
+    return max(16, next_power_of_2(K))
+
+
+def solve(k, g, beta, cu_seqlens, layout, launch: GDNLaunch):
+    """(b, the in-chunk cumsum of g [B, T, H] fp32; (I + A)^-1 [B, T, H, BT] in k's dtype)."""
+    B, T, H, K = k.shape
+    b = torch.empty_like(g, dtype=torch.float32)
+    A_inv = k.new_empty(B, T, H, BT)
+    _solve_kernel[chunk_grid(cu_seqlens, layout, T, B, H, BT)](
+        k, g, beta, b, A_inv, cu_seqlens, layout[2], T, H, K, BT, BC, tile_width(launch.solve.BK, K),
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), **launch.solve.options(),
+    )
+    return b, A_inv
+
+
+def wy_factors(k, v, beta, b, A_inv, cu_seqlens, layout, launch: GDNLaunch):
+    """(W [B, T, H, K], U [B, T, H, V]) in the inputs' dtype."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    w, u = torch.empty_like(k), torch.empty_like(v)
+    _wu_kernel[chunk_grid(cu_seqlens, layout, T, B, H, BT)](
+        k, v, beta, b, A_inv, w, u, cu_seqlens, layout[2], T, H, K, V, BT, tile_width(launch.wu.BK, K),
+        tile_width(launch.wu.BV, V), IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
+        **launch.wu.options(),
+    )
+    return w, u
+
+
+def states(k, w, u, b, initial_state, cu_seqlens, layout, launch: GDNLaunch):
+    """(h [chunks, H, K, V], the state entering each chunk; D [B, T, H, V] the corrections, in the inputs'
+    dtype; the final state [N, H, K, V] fp32)."""
+    B, T, H, K = k.shape
+    V = u.shape[-1]
+    N, NC, _, chunk_offsets = layout
+    BV = tile_width(launch.state.BV, V)
+    h = k.new_empty(NC, H, K, V, dtype=state_dtype(k, initial_state is not None))
+    d = torch.empty_like(u)
+    ht = k.new_empty(N, H, K, V, dtype=torch.float32)
+    _fwd_state_kernel[(cdiv(V, BV), N * H)](
+        k, w, u, b, h, d, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, state_key_tile(K), BV,
+        USE_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
+        **launch.state.options(),
+    )
+    return h, d, ht
+
+
+def forward(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
+            cu_seqlens: Optional[torch.Tensor], launch: GDNLaunch):
+    """(o, final state fp32, b = the in-chunk cumsum of g (fp32), (I + A)^-1 per chunk) for q, k as the
+    recurrence reads them (already normalised where asked)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    layout = chunk_layout(cu_seqlens, B, T, BT)
+    b, A_inv = solve(k, g, beta, cu_seqlens, layout, launch)
+    w, u = wy_factors(k, v, beta, b, A_inv, cu_seqlens, layout, launch)
+    h, d, ht = states(k, w, u, b, initial_state, cu_seqlens, layout, launch)
+    o = torch.empty_like(v)
+    BV = tile_width(launch.output.BV, V)
+    _fwd_output_kernel[(cdiv(V, BV),) + chunk_grid(cu_seqlens, layout, T, B, H, BT)](
+        q, k, d, b, h, o, cu_seqlens, layout[2], scale, T, H, K, V, BT, tile_width(launch.output.BK, K), BV,
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), **launch.output.options(),
+    )
+    return o, ht, b, A_inv
