@@ -262,7 +262,6 @@ def valid_inputs(B=2, T=10, H=2, K=8, V=6):
         (dict(initial_state=torch.zeros(2, 2, 6, 8)), r"initial_state must be \[N, H, K, V\] = \(2, 2, 8, 6\)"),
         (dict(initial_state=torch.zeros(2, 2, 8, 6).bfloat16()), r"initial_state must be float32"),
         (dict(cu_seqlens=torch.tensor([0, 4, 10])), r"cu_seqlens needs batch size 1.*B = 2"),
-        (dict(backend="triton"), r"no Triton kernels yet: use backend 'auto' or 'torch'"),
         (dict(backend="cuda"), r"backend must be one of \('auto', 'triton', 'torch'\), got 'cuda'"),
     ],
 )

@@ -1,7 +1,10 @@
-"""Gated DeltaNet ops (the gated delta rule). One public entry point per op; `backend` picks the implementation.
+"""Gated DeltaNet ops (the gated delta rule). One public entry point per op; `backend` picks the implementation
+(`fabric_lin/ops/backend.py`: "auto" runs Triton on CUDA and PyTorch elsewhere).
 
     naive.py        naive_recurrent_gated_delta_rule: fp32 token-by-token recurrence, the test oracle
     chunk_torch.py  chunk_gated_delta_rule_torch: chunked UT/WY form in PyTorch (CPU path, autograd backward)
+    chunk.py        the Triton path's autograd Function and ops (wy.py, chunk_fwd.py, chunk_bwd.py and
+                    l2norm_triton.py hold its kernels; launch.py its launch settings, GDNLaunch)
     recurrent.py    recurrent_gated_delta_rule_step: one decoding step
     l2norm.py       l2norm: fla's q/k normalisation (eps 1e-6 inside the square root)
     gate.py         gdn_gate: the decay g and write strength beta from their projections
@@ -10,19 +13,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from fabric_lin.ops.backend import resolve_backend as shared_resolve_backend
+from fabric_lin.ops.backend import resolve_backend
 from fabric_lin.ops.gdn.chunk_torch import chunk_gated_delta_rule_torch
 from fabric_lin.ops.gdn.gate import gdn_gate
 from fabric_lin.ops.gdn.l2norm import l2norm
+from fabric_lin.ops.gdn.launch import GDNLaunch
 from fabric_lin.ops.gdn.naive import naive_recurrent_gated_delta_rule
 from fabric_lin.ops.gdn.recurrent import recurrent_gated_delta_rule_step
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The shared rule (fabric_lin/ops/backend.py), for an op whose only implementation so far is PyTorch's:
-    "auto" takes it on every device, "triton" is refused by name."""
-    if shared_resolve_backend(backend, torch.device("cpu")) == "triton":
-        raise ValueError("the gated delta rule has no Triton kernels yet: use backend 'auto' or 'torch'")
-    return "torch"
 
 
 def chunk_gated_delta_rule(
@@ -37,6 +34,7 @@ def chunk_gated_delta_rule(
     cu_seqlens: Optional[torch.Tensor] = None,
     use_qk_l2norm: bool = False,
     backend: str = "auto",
+    launch: Optional[GDNLaunch] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule over a whole sequence (recurrence in naive.py).
 
@@ -44,10 +42,16 @@ def chunk_gated_delta_rule(
     write strength (in (0, 1) for a stable state). initial_state / final state: [B, H, K, V] fp32
     ([N, H, K, V] with cu_seqlens, where B = 1 and cu_seqlens holds the N+1 document offsets).
     scale defaults to K ** -0.5. use_qk_l2norm normalises q and k over K inside the op (fla's
-    use_qk_l2norm_in_kernel). Returns (o [B, T, H, V] in q's dtype, final state or None).
+    use_qk_l2norm_in_kernel). launch: the Triton kernels' launch settings (default: the shipped ones).
+    Returns (o [B, T, H, V] in q's dtype, final state or None).
     """
-    resolve_backend(backend, q.device)
+    chosen = resolve_backend(backend, q.device)
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    if chosen == "triton":
+        from fabric_lin.ops.gdn.chunk import chunk_gated_delta_rule_triton
+
+        return chunk_gated_delta_rule_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                             use_qk_l2norm, launch)
     dtype = q.dtype
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)  # fp32, so the normalised vectors are not rounded to q's dtype
@@ -104,6 +108,6 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
 
 
 __all__ = [
-    "chunk_gated_delta_rule", "chunk_gated_delta_rule_torch", "gdn_gate", "l2norm", "naive_recurrent_gated_delta_rule",
-    "recurrent_gated_delta_rule_step", "resolve_backend",
+    "GDNLaunch", "chunk_gated_delta_rule", "chunk_gated_delta_rule_torch", "gdn_gate", "l2norm",
+    "naive_recurrent_gated_delta_rule", "recurrent_gated_delta_rule_step", "resolve_backend",
 ]

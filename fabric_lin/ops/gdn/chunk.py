@@ -35,15 +35,14 @@ def _gdn_fwd(
     """(o, final state, b, (I + A)^-1, and with use_qk_l2norm the normalised q and k with their 1 / norms;
     without, those four are empty: the backward pass reads the inputs)."""
     settings = _launch_of(launch)
-    empty = q.new_empty(0)
-    q_rstd = k_rstd = empty
     if use_qk_l2norm:
         q, q_rstd = l2norm_fwd(q, settings.l2norm)
         k, k_rstd = l2norm_fwd(k, settings.l2norm)
     o, ht, b, A_inv = forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, settings)
-    if not use_qk_l2norm:
-        q = k = empty
-    return o, ht, b, A_inv, q, k, q_rstd, k_rstd
+    if use_qk_l2norm:
+        return o, ht, b, A_inv, q, k, q_rstd, k_rstd
+    # a custom op's outputs may alias neither its inputs nor each other: four distinct empty tensors
+    return (o, ht, b, A_inv) + tuple(q.new_empty(0) for _ in range(4))
 
 
 chunk_gdn_fwd_op = torch.library.custom_op("fabric_lin::chunk_gdn_fwd", mutates_args=())(_gdn_fwd)
@@ -55,7 +54,7 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, launch)
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     normed = (torch.empty_like(q), torch.empty_like(k), q.new_empty(B, T, H, dtype=torch.float32),
-              q.new_empty(B, T, H, dtype=torch.float32)) if use_qk_l2norm else (q.new_empty(0),) * 4
+              q.new_empty(B, T, H, dtype=torch.float32)) if use_qk_l2norm else tuple(q.new_empty(0) for _ in range(4))
     return (torch.empty_like(v), q.new_empty(N, H, K, V, dtype=torch.float32),
             torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, BT)) + normed
 

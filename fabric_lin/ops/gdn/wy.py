@@ -227,8 +227,7 @@ def _wy_bwd_kernel(k, v, beta, b, A_inv, dw, dd, dk_part, db_part, dk, dv, dbeta
     """One chunk of one head, from dW and dU = dD (the corrections' gradient):
         dT = dW X^T + dU Y^T           (X = diag(beta exp(b)) K, Y = diag(beta) V; W = T X, U = T Y)
         dX = T^T dW, dY = T^T dU       -> dk += diag(beta exp(b)) dX, dv = diag(beta) dY, dbeta, db
-        dA = strict_lower(-T^T dT T^T) -> with G = dA * Gamma: dk += diag(beta) G K + (diag(beta) G)^T K,
-                                          dbeta_i += k_i . (G K)_i, db += row sums - column sums of diag(beta) G * K K^T
+        dA = strict_lower(-T^T dT T^T) -> to k, beta and b through A = strict_lower(diag(beta) K K^T * Gamma)
     dk = dk_part (the output's and state's part, fp32) plus these; db adds db_part's NK_PART key tiles ([NK_PART,
     B*T, H], part_stride = B*T*H apart) and the gate's gradient is its reverse cumsum inside the chunk (b = cumsum(g))."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
@@ -279,27 +278,26 @@ def _wy_bwd_kernel(k, v, beta, b, A_inv, dw, dd, dk_part, db_part, dk, dv, dbeta
     d_t = tl.where(strict, d_t, 0.0)
     d_a = -tl.dot(tl.trans(t), tl.dot(d_t.to(DT), tl.trans(t), input_precision=DOT_PREC).to(DT),
                   input_precision=DOT_PREC)
-    b_g = tl.where(strict, d_a * tl.exp(tl.where(strict, b_b[:, None] - b_b[None, :], float("-inf"))), 0.0)
-    b_gb = b_g * b_beta[:, None]  # diag(beta) G
-    kkt = tl.zeros([BT, BT], dtype=tl.float32)
+    # G = dA * Gamma (strictly lower). A_ij = beta_i (k_i . k_j) Gamma_ij gives dk = diag(beta) G K + G^T diag(beta) K,
+    # dbeta_i = k_i . (G K)_i, and db = row sums - column sums of diag(beta) G * K K^T, which are
+    # beta_i k_i . (G K)_i and k_j . (G^T diag(beta) K)_j: no K K^T needed
+    b_dag = tl.where(strict, d_a * tl.exp(tl.where(strict, b_b[:, None] - b_b[None, :], float("-inf"))), 0.0).to(DT)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
-        b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_k = load_tile(k, row0, o_t, n_rows, H * K, o_k, m_k)
         b_dw = load_raw(dw, row0, o_t, n_rows, H * K, o_k, m_k).to(DT)
         b_dx = tl.dot(tl.trans(t), b_dw, input_precision=DOT_PREC)  # again: cheaper than keeping it across loops
-        b_gk = tl.dot(b_g.to(DT), b_k.to(DT), input_precision=DOT_PREC)
-        b_gtk = tl.dot(tl.trans(b_gb.to(DT)), b_k.to(DT), input_precision=DOT_PREC)
-        kkt += tl.dot(b_k.to(DT), tl.trans(b_k.to(DT)), input_precision=DOT_PREC)
-        b_kf = b_k.to(tl.float32)
-        b_dbeta += tl.sum(b_kf * b_gk, axis=1)
+        b_gk = tl.dot(b_dag, b_k.to(DT), input_precision=DOT_PREC)
+        b_gtk = tl.dot(tl.trans(b_dag), (b_k * b_beta[:, None]).to(DT), input_precision=DOT_PREC)
+        b_kgk = tl.sum(b_k * b_gk, axis=1)
+        b_dbeta += b_kgk
+        b_db += b_beta * b_kgk - tl.sum(b_k * b_gtk, axis=1)
         offs = (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
         b_dk = tl.load(dk_part + offs, mask=m_tk, other=0.0)
         b_dk += b_dx * b_kscale[:, None] + b_gk * b_beta[:, None] + b_gtk
         tl.store(dk + offs, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    b_gka = b_gb * kkt
-    b_db += tl.sum(b_gka, axis=1) - tl.sum(b_gka, axis=0)
     for i_p in range(NK_PART):
         b_db += tl.load(db_part + i_p * part_stride + (row0 + o_t) * H + i_h, mask=m_t, other=0.0)
     b_dg = tl.cumsum(tl.where(m_t, b_db, 0.0), axis=0, reverse=True)
