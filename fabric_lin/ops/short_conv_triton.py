@@ -2,11 +2,13 @@
 
     z[t, d] = sum_{j < W} weight[d, j] * x[t - (W - 1) + j, d],   y = silu(z)   (or z without the activation)
 
-Three kernels, each reading its inputs once and keeping nothing but x (and the cache) for the backward pass:
+Three kernels; the backward pass keeps nothing but x (and the cache), neither z nor y:
 * forward: one program per (tile of BD channels, tile of BT rows, sequence) sums the W shifted tiles of x.
-* backward: one program per (channel tile, block of rows, sequence) recomputes z where it needs it, so
-  neither z nor y is saved: dz[t] = dy[t] silu'(z[t]); dx[s] = sum_j weight[d, j] dz[s + W - 1 - j];
-  each program's share of dweight goes to its own slot of an fp32 buffer that the host sums (a fixed
+* backward: one program per (channel tile, block of TILES row tiles, sequence). A row tile recomputes z on
+  its BT rows, dz = dy silu'(z), and keeps dx for its first BT - (W - 1) rows,
+  dx[s] = sum_j weight[d, j] dz[s + W - 1 - j], the later rows' dz moved up within the tile by tl.gather
+  (so the next tile starts W - 1 rows before this one ends, and each input is loaded W times, not W x W).
+  Each program's share of dweight goes to its own slot of an fp32 buffer that the host sums (a fixed
   order: the same gradient every run, which atomics would not give). The gradient of a given cache is
   written by the first row block of each sequence, only when the cache needs one (the training path
   passes no cache: the model takes one only when decoding).
@@ -24,9 +26,12 @@ import triton.language as tl
 
 from fabric_lin.ops.launch import cdiv, next_power_of_2, op_or_fn
 
-BD = 64  # channels per program: 128 contiguous bytes of a bf16 row
-BT_FWD = 64
-BT_BWD = 32  # the backward keeps about five [BT, BD] fp32 tiles live at a time
+# Tiles, from ptxas's report for sm_90 at gdn-340M's shapes (bf16, D = 512 and 1024; the test file prints it):
+# the forward's [64 rows, 64 channels] takes 85 registers a thread (6 programs of 4 warps per SM); the
+# backward keeps about eight [BT, BD] fp32 tiles live, and [32, 32] is the widest without spills that
+# leaves 4 programs per SM ([32, 64]: 168 registers and spills).
+BD_FWD, BT_FWD = 64, 64  # 64 channels: 128 contiguous bytes of a bf16 row
+BD_BWD, BT_BWD = 32, 32
 BWD_TILES = 8  # row tiles per backward program: fewer dweight partial sums to write and add up
 BD_STEP = 128
 
@@ -128,33 +133,38 @@ def _conv_bwd_kernel(x, weight, cache, cu_seqlens, dy, dx, dw_part, dcache, T, x
                      TILES, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
                      BD: tl.constexpr, HAS_CACHE: tl.constexpr, WANT_DCACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
                      ACTIVATION: tl.constexpr):
-    """dx for TILES x BT rows, this block's share of dweight ([D, W] at slot (sequence, block) of dw_part),
-    and the cache's gradient from a sequence's first block."""
+    """dx for TILES tiles of BT - (W - 1) rows, this block's share of dweight ([D, W] at slot (sequence, block)
+    of dw_part), and the cache's gradient from a sequence's first block.
+
+    A tile computes dz on BT rows and keeps dx for its first BT - (W - 1): dx[s] takes dz from rows s..s + W - 1,
+    moved up by tl.gather within the tile, so each input is loaded W times (once per tap), not W x W."""
     i_d, i_blk, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     o_w = tl.arange(0, BW)
+    r = tl.arange(0, BT)
+    kept = r < BT - (W - 1)
     x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
     dy_seq, dx_seq = dy + i_b * T * D, dx + i_b * T * D
     b_dw = tl.zeros([BW, BD], dtype=tl.float32)
     for i_s in range(TILES):
-        rows = (i_blk * TILES + i_s) * BT + tl.arange(0, BT)
+        rows = (i_blk * TILES + i_s) * (BT - (W - 1)) + r
         first, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
-        b_dx = tl.zeros([BT, BD], dtype=tl.float32)
-        for back in tl.static_range(W):
-            # dz `back` rows later reaches this row through tap W - 1 - back, inside the same document:
-            # those rows share this row's `first`, and _preactivation_grad zeroes them from `end` on
-            dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows + back, first, end, T, o_d, m_d,
-                                     D, W, BT, BD, HAS_CACHE, ACTIVATION)
+        dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows, first, end, T, o_d, m_d, D, W, BT, BD,
+                                 HAS_CACHE, ACTIVATION)
+        dz_kept = tl.where(kept[:, None], dz, 0.0)  # rows past the kept ones belong to the next tile
+        for j in tl.static_range(W):
+            b_in = _load_input(x_seq, x_stride_t, c_seq, rows - (W - 1 - j), first, T, o_d, m_d, D, W, HAS_CACHE)
+            b_dw += tl.where(o_w[:, None] == j, tl.sum(dz_kept * b_in, 0)[None, :], 0.0)
+        b_w = tl.load(weight + o_d * W + (W - 1), mask=m_d, other=0.0).to(tl.float32)
+        b_dx = b_w[None, :] * dz
+        for back in tl.static_range(1, W):
+            # dz `back` rows later reaches this row through tap W - 1 - back, when inside its document
+            later = tl.gather(dz, tl.broadcast_to(tl.minimum(r + back, BT - 1)[:, None], [BT, BD]), axis=0)
             b_w = tl.load(weight + o_d * W + (W - 1 - back), mask=m_d, other=0.0).to(tl.float32)
-            b_dx += b_w[None, :] * dz
-            if back == 0:  # this block's rows' dz against the input each tap read
-                for j in tl.static_range(W):
-                    b_in = _load_input(x_seq, x_stride_t, c_seq, rows - (W - 1 - j), first, T, o_d, m_d, D, W,
-                                       HAS_CACHE)
-                    b_dw += tl.where(o_w[:, None] == j, tl.sum(dz * b_in, 0)[None, :], 0.0)
+            b_dx += tl.where((rows + back < end)[:, None], b_w[None, :] * later, 0.0)
         p_dx = dx_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :]
-        tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
+        tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=(kept & (rows < T))[:, None] & m_d[None, :])
     p_dw = dw_part + (i_b * tl.num_programs(1) + i_blk) * D * W + o_d[None, :] * W + o_w[:, None]
     tl.store(p_dw, b_dw, mask=(o_w < W)[:, None] & m_d[None, :])
     if WANT_DCACHE:
@@ -212,8 +222,9 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tenso
     if y.numel():
         N, steps = _varlen_args(cu_seqlens)
         # without a cache the kernel is given x as its (never read) cache pointer
-        _conv_fwd_kernel[(cdiv(D, BD), cdiv(T, BT_FWD), B)](
-            x, weight, x if cache is None else cache, cu_seqlens, y, T, x.stride(0), x.stride(1), N, steps, D, W, BT_FWD, BD,
+        _conv_fwd_kernel[(cdiv(D, BD_FWD), cdiv(T, BT_FWD), B)](
+            x, weight, x if cache is None else cache, cu_seqlens, y, T, x.stride(0), x.stride(1), N, steps, D, W, BT_FWD,
+            BD_FWD,
             HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation, num_warps=4,
         )
     return y
@@ -231,13 +242,14 @@ def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tenso
         if want_dcache:
             dcache.zero_()
         return dx, weight.new_zeros(weight.shape), dcache
-    tiles = min(BWD_TILES, cdiv(T, BT_BWD))
-    blocks = cdiv(T, BT_BWD * tiles)
+    kept = BT_BWD - (W - 1)  # rows of dx per tile
+    tiles = min(BWD_TILES, cdiv(T, kept))
+    blocks = cdiv(T, kept * tiles)
     dw_part = x.new_empty(B * blocks, D, W, dtype=torch.float32)
     N, steps = _varlen_args(cu_seqlens)
-    _conv_bwd_kernel[(cdiv(D, BD), blocks, B)](
-        x, weight, x if cache is None else cache, cu_seqlens, dy, dx, dw_part, dcache, T, x.stride(0), x.stride(1), N, steps, tiles,
-        D, W, next_power_of_2(W), max(2, next_power_of_2(W - 1)), BT_BWD, BD,
+    _conv_bwd_kernel[(cdiv(D, BD_BWD), blocks, B)](
+        x, weight, x if cache is None else cache, cu_seqlens, dy, dx, dw_part, dcache, T, x.stride(0), x.stride(1), N,
+        steps, tiles,        D, W, next_power_of_2(W), max(2, next_power_of_2(W - 1)), BT_BWD, BD_BWD,
         HAS_CACHE=cache is not None, WANT_DCACHE=want_dcache, IS_VARLEN=cu_seqlens is not None,
         ACTIVATION=activation, num_warps=4,
     )

@@ -1,0 +1,519 @@
+"""The short convolution's Triton kernels (forward, backward, decoding step) and the fused Gated DeltaNet
+decoding step, against references written here.
+
+On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1), in fp32; the
+references are fp64: F.conv1d with groups = D for the convolution, a token loop for the delta rule. Both
+families are also compiled for an H100/H200 (sm_90) with bf16 inputs at gdn-340M's shapes, without
+running them (benchmarks/kernel_registers.py's compile-only driver): run as a script, this file prints
+that report as JSON. With CUDA the GPU tests compare bf16 inputs with fp32 references.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+if __name__ != "__main__" and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# ---------------------------------------------------------------- references (fp64, independent of the code under test)
+
+
+def conv_reference(x, weight, cache=None, activation=True):
+    """F.conv1d over channels (groups = D) with the cache, or W - 1 zeros, on the left; then SiLU. fp64.
+    Returns (y [B, T, D], the last W - 1 inputs)."""
+    B, T, D = x.shape
+    W = weight.shape[1]
+    x = x.double()
+    left = cache.double() if cache is not None else x.new_zeros(B, W - 1, D)
+    padded = torch.cat([left, x], dim=1)
+    z = F.conv1d(padded.transpose(1, 2), weight.double()[:, None, :], groups=D).transpose(1, 2)
+    return (F.silu(z) if activation else z), padded[:, T:]
+
+
+def conv_reference_varlen(x, weight, bounds, activation=True):
+    """Each document of the packed row x [1, T, D] convolved on its own, from zeros."""
+    pieces = [conv_reference(x[:, s:e], weight, activation=activation)[0] for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return torch.cat(pieces, dim=1)
+
+
+def gdn_step_reference(q, k, v, g, beta, state, scale, use_qk_l2norm):
+    """One token of the gated delta rule in fp64, head by head."""
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    B, H, K = q.shape
+    V = v.shape[-1]
+    if use_qk_l2norm:  # fla's l2norm: eps inside the square root
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    S = torch.zeros(B, H, K, V, dtype=torch.float64) if state is None else state.double().clone()
+    o = torch.zeros(B, H, V, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            s = S[b, h] * torch.exp(g[b, h])  # [K, V]
+            kk = k[b, h][:, None]  # [K, 1]
+            s = s + beta[b, h] * kk @ (v[b, h][None, :] - kk.T @ s)
+            S[b, h] = s
+            o[b, h] = (scale * q[b, h])[None, :] @ s
+    return o, S
+
+
+def leaves(*tensors):
+    return [t.clone().requires_grad_(True) for t in tensors]
+
+
+def grads_of(out, inputs, upstream):
+    """Gradients of sum(out_i * upstream_i) with respect to inputs."""
+    loss = sum((o.double() * u.double()).sum() for o, u in zip(out, upstream))
+    return torch.autograd.grad(loss, inputs)
+
+
+def assert_close(actual, expected, name, tol=2e-5):
+    """fp32 against fp64: within tol of the reference's largest magnitude (sums of up to a few hundred terms)."""
+    err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    bound = tol * max(1.0, expected.abs().max().item() if expected.numel() else 0.0)
+    assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+
+
+# ---------------------------------------------------------------- the convolution, in Triton's interpreter
+
+
+def conv_inputs(B, T, D, W, seed=0, cache=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, D, generator=gen)
+    weight = torch.randn(D, W, generator=gen) * 0.7
+    c = torch.randn(B, W - 1, D, generator=gen) if cache else None
+    return x, weight, c
+
+
+@cpu_only
+@pytest.mark.parametrize("W", [2, 3, 4])
+@pytest.mark.parametrize("T", [1, 3, 37, 130, 300])  # 300: two backward row blocks per sequence
+def test_conv_matches_grouped_conv1d(W, T):
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    D = 100  # two channel tiles, the second partial
+    x, weight, _ = conv_inputs(2, T, D, W, seed=T * 10 + W)
+    xk, wk = leaves(x, weight)
+    y, new_cache = causal_conv1d(xk, wk, backend="triton")
+    xr, wr = leaves(x, weight)
+    y_ref, cache_ref = conv_reference(xr, wr)
+    assert y.dtype == torch.float32 and new_cache.shape == (2, W - 1, D)
+    assert_close(y, y_ref, "y")
+    assert_close(new_cache, cache_ref, "new cache")
+    up = [torch.randn_like(y), torch.randn_like(new_cache)]
+    for name, a, b in zip(["dx", "dweight"], grads_of((y, new_cache), (xk, wk), up), grads_of((y_ref, cache_ref), (xr, wr), up)):
+        assert_close(a, b, name)
+
+
+@cpu_only
+def test_conv_without_activation():
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    x, weight, cache = conv_inputs(2, 37, 70, 4, seed=3, cache=True)
+    ins = leaves(x, weight, cache)
+    y, _ = causal_conv1d(*ins, activation=False, backend="triton")
+    refs = leaves(x, weight, cache)
+    y_ref, _ = conv_reference(*refs, activation=False)
+    assert_close(y, y_ref, "y")
+    up = [torch.randn_like(y)]
+    for name, a, b in zip(["dx", "dweight", "dcache"], grads_of((y,), ins, up), grads_of((y_ref,), refs, up)):
+        assert_close(a, b, name)
+
+
+@cpu_only
+@pytest.mark.parametrize("W", [2, 3, 4])
+@pytest.mark.parametrize("T", [1, 2, 37])  # T = 1, 2 < W - 1 for W = 4: the new cache keeps cached inputs
+def test_conv_continues_from_a_cache_and_gives_its_gradient(W, T):
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    x, weight, cache = conv_inputs(3, T, 40, W, seed=T + W, cache=True)
+    ins = leaves(x, weight, cache)
+    with torch.enable_grad():  # a gradient wanted: the full kernels, not the decoding step
+        y, new_cache = causal_conv1d(*ins, backend="triton")
+    refs = leaves(x, weight, cache)
+    y_ref, cache_ref = conv_reference(*refs)
+    assert_close(y, y_ref, "y")
+    assert_close(new_cache, cache_ref, "new cache")
+    up = [torch.randn_like(y), torch.randn_like(new_cache)]
+    got, want = grads_of((y, new_cache), ins, up), grads_of((y_ref, cache_ref), refs, up)
+    for name, a, b in zip(["dx", "dweight", "dcache"], got, want):
+        assert_close(a, b, name)
+    # a cache that needs no gradient (x and weight do): none is computed, the others unchanged
+    xk, wk = leaves(x, weight)
+    y2, _ = causal_conv1d(xk, wk, cache, backend="triton")
+    y2.backward(up[0])
+    xr, wr = leaves(x, weight)
+    for name, a, b in zip(["dx", "dweight"], (xk.grad, wk.grad), grads_of(conv_reference(xr, wr, cache)[:1], (xr, wr), up)):
+        assert_close(a, b, name)
+
+
+@cpu_only
+@pytest.mark.parametrize("W", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_conv_varlen_restarts_at_every_document(W, dtype):
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    # empty documents (first, middle and last), length-1 documents, one across the forward's row tiles (64
+    # rows) and the backward's row blocks (8 tiles of 32 - (W - 1) rows: 232 to 248)
+    bounds = [0, 0, 1, 1, 3, 4, 250, 251, 253, 253, 300]
+    T = bounds[-1]
+    x, weight, _ = conv_inputs(1, T, 72, W, seed=W)
+    cu = torch.tensor(bounds, dtype=dtype)
+    ins = leaves(x, weight)
+    y, _ = causal_conv1d(*ins, cu_seqlens=cu, backend="triton")
+    refs = leaves(x, weight)
+    y_ref = conv_reference_varlen(refs[0], refs[1], bounds)
+    assert_close(y, y_ref, "y")
+    up = [torch.randn_like(y)]
+    for name, a, b in zip(["dx", "dweight"], grads_of((y,), ins, up), grads_of((y_ref,), refs, up)):
+        assert_close(a, b, name)
+    # and the document bounds do matter: the whole row convolved as one sequence differs
+    assert (conv_reference(x, weight)[0] - y_ref).abs().max() > 0.1
+
+
+@cpu_only
+@pytest.mark.parametrize("W", [2, 4])
+def test_conv_decoding_steps_equal_the_full_convolution(W):
+    from fabric_lin.ops.short_conv import causal_conv1d
+    from fabric_lin.ops.short_conv_triton import causal_conv1d_step_triton
+
+    x, weight, _ = conv_inputs(3, 12, 50, W, seed=7)
+    y_full, cache_full = conv_reference(x, weight)
+    with torch.no_grad():
+        y, cache = causal_conv1d(x[:, :5], weight, backend="triton")  # a prompt, then token by token
+        outs, direct_cache = [y], cache.clone()
+        for t in range(5, 12):
+            y_t, cache = causal_conv1d(x[:, t : t + 1], weight, cache, backend="triton")
+            y_direct, direct_cache = causal_conv1d_step_triton(x[:, t], weight, direct_cache)
+            torch.testing.assert_close(y_t[:, 0], y_direct, rtol=0, atol=0)
+            outs.append(y_t)
+    assert_close(torch.cat(outs, dim=1), y_full, "stepped y")
+    torch.testing.assert_close(cache, cache_full.float(), rtol=0, atol=0)  # the inputs themselves, shifted
+    torch.testing.assert_close(direct_cache, cache, rtol=0, atol=0)
+
+
+@cpu_only
+def test_conv_reads_a_view_of_projections_side_by_side():
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    qkv, weight, _ = conv_inputs(2, 37, 120, 4, seed=5)
+    q = qkv[..., 20:70]  # rows 120 apart, channels contiguous
+    w = weight[20:70]
+    ins = leaves(qkv, w)
+    y, _ = causal_conv1d(ins[0][..., 20:70], ins[1], backend="triton")
+    refs = leaves(qkv, w)
+    y_ref, _ = conv_reference(refs[0][..., 20:70], refs[1])
+    assert_close(y, y_ref, "y")
+    up = [torch.randn_like(y)]
+    got, want = grads_of((y,), ins, up), grads_of((y_ref,), refs, up)
+    assert_close(got[0], want[0], "d(side by side)")
+    assert got[0][..., :20].abs().max() == 0 and q.shape == y.shape
+
+
+@cpu_only
+def test_conv_compiles_to_one_node_each_way_without_graph_breaks():
+    from conftest import compiled_graph_ops
+
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    x, weight, _ = conv_inputs(1, 37, 40, 4, seed=9)
+    cu = torch.tensor([0, 5, 6, 37], dtype=torch.int32)
+
+    def f(x, weight):
+        y, cache = causal_conv1d(x, weight, cu_seqlens=cu, backend="triton")
+        return y.square().mean() + cache.mean()
+
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(f)(x, weight)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    ins = leaves(x, weight)
+    out, forward_ops, backward_ops = compiled_graph_ops(f, *ins)
+    assert "fabric_lin.causal_conv1d_fwd.default" in forward_ops, forward_ops
+    assert "fabric_lin.causal_conv1d_bwd.default" in backward_ops, backward_ops
+    refs = leaves(x, weight)
+    eager = f(*refs)
+    eager.backward()
+    torch.testing.assert_close(out, eager, rtol=1e-6, atol=1e-6)
+    for name, a, b in zip(["dx", "dweight"], ins, refs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6, msg=lambda m: f"compiled {name}: {m}")
+
+
+def dynamo_graph_ops(f, *inputs):
+    """(f's output compiled with fullgraph=True, the op names in the graph dynamo captured)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(f, backend=capture, fullgraph=True)(*inputs)
+    return out, {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+
+
+@cpu_only
+def test_decoding_steps_compile_as_opaque_ops():
+    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    x, weight, cache = conv_inputs(2, 1, 40, 4, seed=2, cache=True)
+    with torch.no_grad():
+        (y, new_cache), ops = dynamo_graph_ops(lambda *a: causal_conv1d(*a, backend="triton"), x, weight, cache)
+    assert "fabric_lin.causal_conv1d_step.default" in ops, ops
+    y_ref, cache_ref = conv_reference(x, weight, cache)
+    assert_close(y, y_ref, "compiled step y")
+    torch.testing.assert_close(new_cache, cache_ref.float(), rtol=0, atol=0)
+
+    q, k, v, g, beta, state = gdn_inputs(2, 2, 48, 96, seed=4)
+    (o, s), ops = dynamo_graph_ops(
+        lambda *a: fused_recurrent_gated_delta_rule_step_triton(*a, use_qk_l2norm=True), q, k, v, g, beta, state
+    )
+    assert "fabric_lin.recurrent_gated_delta_rule_step.default" in ops, ops
+    o_ref, s_ref = gdn_step_reference(q, k, v, g, beta, state, 48**-0.5, True)
+    assert_close(o, o_ref, "compiled gdn o")
+    assert_close(s, s_ref, "compiled gdn state")
+
+
+@cpu_only
+def test_conv_errors_name_the_argument():
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    x, weight, cache = conv_inputs(2, 5, 16, 4, cache=True)
+    cases = [
+        (dict(x=x[0], weight=weight), "x must be"),
+        (dict(x=x, weight=weight[:8]), "weight must be"),
+        (dict(x=x, weight=weight[:, 0]), "weight must be"),
+        (dict(x=x, weight=weight, cache=cache[:, :2]), "cache must be"),
+        (dict(x=x, weight=weight, cu_seqlens=torch.tensor([0, 5])), "cu_seqlens needs x with batch size 1"),
+        (dict(x=x[:1], weight=weight, cu_seqlens=torch.tensor([0.0, 5.0])), "cu_seqlens must be"),
+        (dict(x=x[:1], weight=weight, cache=cache[:1], cu_seqlens=torch.tensor([0, 5])), "does not combine"),
+        (dict(x=x, weight=torch.randn(16, 9)), "W <= 8"),
+        (dict(x=x, weight=weight, backend="cuda"), "backend must be"),
+    ]
+    for kwargs, message in cases:
+        kwargs.setdefault("backend", "triton")
+        with pytest.raises(ValueError, match=message):
+            causal_conv1d(**kwargs)
+    # the reference takes widths the kernels do not
+    assert causal_conv1d(x, torch.randn(16, 9), backend="torch")[0].shape == x.shape
+
+
+# ---------------------------------------------------------------- the Gated DeltaNet decoding step
+
+
+def gdn_inputs(B, H, K, V, seed=0, gate="slow", T=None):
+    """q, k, v, the log decay g, beta and a state; [B, H, ...] per token (with T: [B, T, H, ...])."""
+    gen = torch.Generator().manual_seed(seed)
+    lead = (B, H) if T is None else (B, T, H)
+    q, k = torch.randn(*lead, K, generator=gen), torch.randn(*lead, K, generator=gen)
+    v = torch.randn(*lead, V, generator=gen)
+    u = torch.rand(*lead, generator=gen)
+    g = -0.02 * u if gate == "slow" else -4.0 - 4.0 * u  # exp(g): 0.98..1, or 0.0003..0.02
+    beta = torch.rand(*lead, generator=gen)
+    state = torch.randn(B, H, K, V, generator=gen)
+    return q, k, v, g, beta, state
+
+
+@cpu_only
+@pytest.mark.parametrize("use_qk_l2norm", [False, True])
+@pytest.mark.parametrize("gate", ["slow", "fast"])
+@pytest.mark.parametrize("K,V", [(48, 96), (128, 40)])  # 96: two value tiles, the second partial
+def test_gdn_step_matches_an_fp64_step(use_qk_l2norm, gate, K, V):
+    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
+
+    q, k, v, g, beta, state = gdn_inputs(2, 3, K, V, seed=K + V, gate=gate)
+    if not use_qk_l2norm:  # keep ||k|| about 1, as the model's normalised keys, so the state stays bounded
+        q, k = q / K**0.5, k / K**0.5
+    else:  # a short q and k (squared norms ~ 5e-7), where the eps inside the square root matters
+        q[0, 0], k[0, 1] = q[0, 0] * 1e-4, k[0, 1] * 1e-4
+    for s in (state, None):
+        for scale in (None, 0.3):
+            o, s_new = fused_recurrent_gated_delta_rule_step_triton(q, k, v, g, beta, s, scale, use_qk_l2norm)
+            o_ref, s_ref = gdn_step_reference(q, k, v, g, beta, s, K**-0.5 if scale is None else scale, use_qk_l2norm)
+            assert o.dtype == torch.float32 and s_new.dtype == torch.float32 and s_new.shape == (2, 3, K, V)
+            assert_close(o, o_ref, f"o (state {'given' if s is not None else 'None'}, scale {scale})")
+            assert_close(s_new, s_ref, "state")
+    # the state is not changed in place
+    torch.testing.assert_close(state, gdn_inputs(2, 3, K, V, seed=K + V, gate=gate)[5], rtol=0, atol=0)
+
+
+@cpu_only
+@pytest.mark.parametrize("gate", ["slow", "fast"])
+@pytest.mark.parametrize("use_qk_l2norm", [False, True])
+def test_gdn_steps_chained_equal_the_naive_recurrence(gate, use_qk_l2norm):
+    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
+    from fabric_lin.ops.gdn.l2norm import l2norm
+    from fabric_lin.ops.gdn.naive import naive_recurrent_gated_delta_rule
+
+    B, T, H, K, V = 2, 24, 2, 48, 96
+    q, k, v, g, beta, h0 = gdn_inputs(B, H, K, V, seed=1, gate=gate, T=T)
+    if not use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    for initial in (h0, None):
+        state, outs = initial, []
+        for t in range(T):
+            o, state = fused_recurrent_gated_delta_rule_step_triton(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state,
+                                                                    use_qk_l2norm=use_qk_l2norm)
+            outs.append(o)
+        qn, kn = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q, k)
+        o_ref, s_ref = naive_recurrent_gated_delta_rule(qn, kn, v, g, beta, initial_state=initial, output_final_state=True)
+        assert_close(torch.stack(outs, dim=1), o_ref, "chained o", tol=1e-5)
+        assert_close(state, s_ref, "final state", tol=1e-5)
+
+
+@cpu_only
+def test_gdn_step_errors_name_the_argument():
+    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton as step
+
+    q, k, v, g, beta, state = gdn_inputs(2, 3, 16, 32)
+    cases = [
+        ((q[0], k, v, g, beta, state), "q must be"),
+        ((q, k[:, :, :8], v, g, beta, state), "k must be"),
+        ((q, k, v[:1], g, beta, state), "v must be"),
+        ((q, k, v, g[:, :, None], beta, state), "g must be"),
+        ((q, k, v, g, beta[:1], state), "beta must be"),
+        ((q, k, v, g, beta, state[..., :16]), "state must be"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            step(*args)
+
+
+# ---------------------------------------------------------------- compiled for sm_90 (bf16, gdn-340M's shapes)
+
+CONV_SHAPES = [(16, 2048, 512), (16, 2048, 1024)]  # B, T, D: gdn-340M's key and value convolutions
+GDN_STEP_SHAPE = (16, 4, 128, 256)  # B, H, K, V
+
+
+def sm90_report() -> dict:
+    """Every launch of the convolution (forward and backward, batched and varlen), its decoding step and the
+    GDN decoding step, compiled for sm_90 with bf16 inputs and not run; registers and spills from ptxas."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kernel_registers  # noqa: E402  (compile, do not interpret: it clears TRITON_INTERPRET)
+
+    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
+    from fabric_lin.ops.short_conv_triton import causal_conv1d_step_triton, causal_conv1d_triton
+
+    report = {"triton": kernel_registers.triton.__version__, "target": f"sm_{kernel_registers.TARGET.arch}",
+              "launches": []}
+
+    def compiled(label, run):
+        records = []
+        with kernel_registers.compile_only(records, set()):
+            run()
+        report["launches"] += [{"case": label, **row} for row in records]
+
+    bf16 = torch.bfloat16
+    for B, T, D in CONV_SHAPES:
+        weight = torch.randn(D, 4, requires_grad=True)  # an fp32 parameter, bf16 activations (bf16-mixed)
+
+        def conv(x, cu_seqlens=None):
+            y, _ = causal_conv1d_triton(x, weight, cu_seqlens=cu_seqlens)
+            y.backward(torch.ones_like(y))
+
+        compiled(f"conv B={B} T={T} D={D}", lambda: conv(torch.randn(B, T, D, dtype=bf16, requires_grad=True)))
+        cu = torch.arange(0, B * T + 1, 1000, dtype=torch.int32)
+        cu = torch.cat([cu, torch.tensor([B * T], dtype=torch.int32)]) if cu[-1] != B * T else cu
+        compiled(f"conv varlen T={B * T} D={D}", lambda: conv(torch.randn(1, B * T, D, dtype=bf16, requires_grad=True), cu))
+        compiled(f"conv step B={B} D={D}", lambda: causal_conv1d_step_triton(
+            torch.randn(B, D, dtype=bf16), weight.detach(), torch.randn(B, 3, D, dtype=bf16)))
+    B, H, K, V = GDN_STEP_SHAPE
+    q, k, v = (torch.randn(B, H, n, dtype=bf16) for n in (K, K, V))
+    g, beta = -torch.rand(B, H), torch.rand(B, H)
+    state = torch.randn(B, H, K, V)
+    compiled(f"gdn step B={B} H={H} K={K} V={V}",
+             lambda: fused_recurrent_gated_delta_rule_step_triton(q, k, v, g, beta, state, use_qk_l2norm=True))
+    return report
+
+
+@pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
+                    reason="this Triton wheel has no ptxas")
+def test_kernels_compile_for_sm90_in_bf16_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["target"] == "sm_90"
+    by_case = {}
+    for row in report["launches"]:
+        by_case.setdefault(row["case"], []).append(row["kernel"])
+        assert 0 < row["regs_per_thread"] <= 255, row
+        assert row["spills"] == 0, row
+    for B, T, D in CONV_SHAPES:
+        assert by_case[f"conv B={B} T={T} D={D}"] == ["_conv_fwd_kernel", "_conv_bwd_kernel"]
+        assert by_case[f"conv varlen T={B * T} D={D}"] == ["_conv_fwd_kernel", "_conv_bwd_kernel"]
+        assert by_case[f"conv step B={B} D={D}"] == ["_conv_step_kernel"]
+    assert by_case["gdn step B=16 H=4 K=128 V=256"] == ["_gdn_step_kernel"]
+
+
+# ---------------------------------------------------------------- GPU: bf16 against fp32 references
+
+
+@needs_cuda
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_conv_bf16_matches_fp32(varlen):
+    from conftest import rel_rms
+
+    from fabric_lin.ops.short_conv import causal_conv1d, causal_conv1d_ref
+
+    B, T, D, W = (1, 8192, 1024, 4) if varlen else (4, 2048, 1024, 4)
+    x = torch.randn(B, T, D, device="cuda")
+    weight = torch.randn(D, W, device="cuda") * 0.5
+    cu = torch.tensor([0, 1, 1, 700, 701, 4000, 8192], device="cuda", dtype=torch.int32) if varlen else None
+    xb, wk = x.bfloat16().requires_grad_(True), weight.clone().requires_grad_(True)
+    y, _ = causal_conv1d(xb, wk, cu_seqlens=cu)  # auto: the kernels on CUDA
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xr, wr = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    y_ref, _ = causal_conv1d_ref(xr, wr, cu_seqlens=cu)
+    y_ref.backward(dy.float())
+    assert y.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16 and wk.grad.dtype == torch.float32
+    for name, a, b in [("y", y, y_ref), ("dx", xb.grad, xr.grad), ("dweight", wk.grad, wr.grad)]:
+        assert rel_rms(a, b) < 0.01, (name, rel_rms(a, b))
+
+
+@needs_cuda
+def test_gpu_conv_step_bf16_matches_the_full_convolution():
+    from fabric_lin.ops.short_conv import causal_conv1d, causal_conv1d_ref
+
+    B, T, D, W = 16, 9, 1024, 4
+    x = torch.randn(B, T, D, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(D, W, device="cuda")
+    with torch.no_grad():
+        y_ref, cache_ref = causal_conv1d_ref(x, weight)
+        cache, outs = torch.zeros(B, W - 1, D, device="cuda", dtype=torch.bfloat16), []
+        for t in range(T):
+            y, cache = causal_conv1d(x[:, t : t + 1], weight, cache)
+            outs.append(y)
+    torch.testing.assert_close(torch.cat(outs, 1), y_ref, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(cache, cache_ref, rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("gate", ["slow", "fast"])
+def test_gpu_gdn_step_bf16_matches_fp32(gate):
+    from conftest import rel_rms
+
+    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
+    from fabric_lin.ops.gdn.recurrent import recurrent_gated_delta_rule_step
+
+    q, k, v, g, beta, state = (t.cuda() for t in gdn_inputs(*GDN_STEP_SHAPE, gate=gate))
+    o_ref, s_ref = recurrent_gated_delta_rule_step(q, k, v, g, beta, state, use_qk_l2norm=True)
+    o, s = fused_recurrent_gated_delta_rule_step_triton(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, state,
+                                                        use_qk_l2norm=True)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert rel_rms(o, o_ref) < 0.01 and rel_rms(s, s_ref) < 0.01
+
+
+if __name__ == "__main__":
+    print(json.dumps(sm90_report()))
