@@ -72,9 +72,10 @@ def leaves(*tensors):
 
 
 def grads_of(out, inputs, upstream):
-    """Gradients of sum(out_i * upstream_i) with respect to inputs."""
+    """Gradients of sum(out_i * upstream_i) with respect to inputs (zeros for one the outputs do not use)."""
     loss = sum((o.double() * u.double()).sum() for o, u in zip(out, upstream))
-    return torch.autograd.grad(loss, inputs)
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
 
 
 def assert_close(actual, expected, name, tol=2e-5):
@@ -154,6 +155,24 @@ def test_conv_continues_from_a_cache_and_gives_its_gradient(W, T):
     y2.backward(up[0])
     xr, wr = leaves(x, weight)
     for name, a, b in zip(["dx", "dweight"], (xk.grad, wk.grad), grads_of(conv_reference(xr, wr, cache)[:1], (xr, wr), up)):
+        assert_close(a, b, name)
+
+
+@cpu_only
+@pytest.mark.parametrize("T,W", [(0, 4), (5, 1), (1, 1)])
+def test_conv_empty_sequences_and_width_one(T, W):
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    x, weight, cache = conv_inputs(2, T, 20, W, seed=T + W, cache=True)
+    ins = leaves(x, weight, cache)
+    y, new_cache = causal_conv1d(*ins, backend="triton")
+    refs = leaves(x, weight, cache)
+    y_ref, cache_ref = conv_reference(*refs) if T else (refs[0].double(), torch.cat([refs[2], refs[0]], 1).double())
+    assert y.shape == (2, T, 20) and new_cache.shape == (2, W - 1, 20)
+    assert_close(y, y_ref, "y")
+    assert_close(new_cache, cache_ref, "new cache")
+    up = [torch.randn_like(y), torch.randn_like(new_cache)]
+    for name, a, b in zip(["dx", "dweight", "dcache"], grads_of((y, new_cache), ins, up), grads_of((y_ref, cache_ref), refs, up)):
         assert_close(a, b, name)
 
 

@@ -236,11 +236,10 @@ def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tenso
     B, T, D = x.shape
     W = weight.shape[1]
     dx = x.new_empty(B, T, D)
-    want_dcache = want_dcache and cache is not None and W > 1
-    dcache = cache.new_empty(cache.shape) if want_dcache else x.new_empty(0)
+    want_dcache = want_dcache and cache is not None
+    # zeros where no input reaches the cache's slots (T = 0); no launch writes an empty one (W = 1)
+    dcache = (cache.new_zeros(cache.shape) if T == 0 else cache.new_empty(cache.shape)) if want_dcache else x.new_empty(0)
     if T == 0:
-        if want_dcache:
-            dcache.zero_()
         return dx, weight.new_zeros(weight.shape), dcache
     kept = BT_BWD - (W - 1)  # rows of dx per tile
     tiles = min(BWD_TILES, cdiv(T, kept))
@@ -250,7 +249,7 @@ def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tenso
     _conv_bwd_kernel[(cdiv(D, BD_BWD), blocks, B)](
         x, weight, x if cache is None else cache, cu_seqlens, dy, dx, dw_part, dcache, T, x.stride(0), x.stride(1), N,
         steps, tiles,        D, W, next_power_of_2(W), max(2, next_power_of_2(W - 1)), BT_BWD, BD_BWD,
-        HAS_CACHE=cache is not None, WANT_DCACHE=want_dcache, IS_VARLEN=cu_seqlens is not None,
+        HAS_CACHE=cache is not None, WANT_DCACHE=want_dcache and W > 1, IS_VARLEN=cu_seqlens is not None,
         ACTIVATION=activation, num_warps=4,
     )
     return dx, dw_part.sum(0).to(weight.dtype), dcache
@@ -279,7 +278,7 @@ def _(x, weight, cache, cu_seqlens, activation):
 
 @_conv_bwd_op.register_fake
 def _(x, weight, cache, cu_seqlens, dy, activation, want_dcache):
-    want_dcache = want_dcache and cache is not None and weight.shape[1] > 1
+    want_dcache = want_dcache and cache is not None
     return x.new_empty(x.shape), weight.new_empty(weight.shape), cache.new_empty(cache.shape) if want_dcache else x.new_empty(0)
 
 
