@@ -1,15 +1,16 @@
 """The gated delta rule's chunked backward pass in Triton.
 
-Per chunk (per head), with S = h_n the state entering it, dS' the gradient of the state leaving it, P = q k^T * Gamma
-(causal, the diagonal included) and k_end = k exp(b_last - b):
+Per chunk and head, with S = h_n the state entering it, dS' the gradient of the state leaving it, P = q k^T * Gamma
+(causal, the diagonal included) and k_end = k exp(b_last - b), the keys as the chunk's end sees them:
     dD = scale P^T do + k_end dS'                                   (the corrections' gradient)
     dS = exp(b_last) dS' + scale (q exp(b))^T do - W^T dD           (carried backwards over the chunks)
     dq = scale (exp(b) do S^T + (do D^T * Gamma) k)
-    dk = scale (do D^T * Gamma)^T q + k_end-free part: exp(b_last - b) D dS'^T,   dW = -dD S^T,   dU = dD
-then through W = (I + A)^-1 X and U = (I + A)^-1 Y to k, v, beta and the gate (`wy._wy_bwd_kernel`).
-The gate's gradient: with db_i the gradient of b_i, db = rows of (dq * q) - rows of (dk * k) (dk the output's and
-the state's parts) + the WY part, plus at the chunk's last row exp(b_last) sum(S * dS') + sum(k_end-part of dk * k);
-dg is db's reverse cumsum inside the chunk.
+    dk = scale (do D^T * Gamma)^T q + exp(b_last - b) D dS'^T         (the output's and the state's parts)
+    dW = -dD S^T,   dU = dD
+and from dW and dU through W = (I + A)^-1 X and U = (I + A)^-1 Y on to k, v, beta and the gate (`wy._wy_bwd_kernel`).
+The gate: with db_i the gradient of b_i, db = row sums of dq * q - row sums of dk * k (dk's two parts above) + the
+WY part, plus at the chunk's last row exp(b_last) sum(S * dS') + sum(exp(b_last - b) D dS'^T * k), the gradient of
+b_last where it decays the state and the keys; dg is db's reverse cumsum inside the chunk (b = cumsum(g)).
 
 Launches: W and U recomputed (`wy._wu_kernel`), then
   * `_fwd_state_kernel` again for h_n and D (no final state),

@@ -38,11 +38,11 @@ def load_cum_gate(b, row0, rows, n_rows, H: tl.constexpr):
 
 @triton.jit
 def load_lower(A_inv, row0, n_rows, H: tl.constexpr, BT: tl.constexpr):
-    """(I + A)^-1 of a chunk, [BT, BT] fp32, A_inv at the head: the lower triangle with its diagonal (the rest
-    is zero and not stored), rows past the sequence's end zero."""
+    """(I + A)^-1 of a chunk, [BT, BT] in its stored dtype, A_inv at the head: the lower triangle with its
+    diagonal (the rest is zero and not stored), rows past the sequence's end zero."""
     o_t = tl.arange(0, BT)
     m = (o_t < n_rows)[:, None] & (o_t[None, :] <= o_t[:, None])
-    return tl.load(A_inv + (row0 + o_t[:, None]) * (H * BT) + o_t[None, :], mask=m, other=0.0).to(tl.float32)
+    return tl.load(A_inv + (row0 + o_t[:, None]) * (H * BT) + o_t[None, :], mask=m, other=0.0)
 
 
 # ------------------------------------------------------------------------------------- forward
