@@ -135,7 +135,8 @@ def test_kernels_run_in_the_interpreter():
     from fabric_lin.ops.gdn import wy
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    assert type(wy._solve_kernel).__name__ == "InterpretedFunction", "the kernels were defined before TRITON_INTERPRET was set"
+    assert type(wy._solve_kernel).__name__ == "InterpretedFunction", \
+        "the kernels were defined before TRITON_INTERPRET was set"
 
 
 @cpu_only

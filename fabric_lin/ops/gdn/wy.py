@@ -224,12 +224,13 @@ def _wu_kernel(k, v, beta, b, A_inv, w, u, cu_seqlens, chunk_indices, T, H: tl.c
 def _wy_bwd_kernel(k, v, beta, b, A_inv, dw, dd, dk_part, db_part, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
                    T, NK_PART, part_stride, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One chunk of one head, from dW and dU = dD (the corrections' gradient):
+    """One chunk of one head, from dW and dU = dD (the corrections' gradient), with T = (I + A)^-1:
         dT = dW X^T + dU Y^T           (X = diag(beta exp(b)) K, Y = diag(beta) V; W = T X, U = T Y)
         dX = T^T dW, dY = T^T dU       -> dk += diag(beta exp(b)) dX, dv = diag(beta) dY, dbeta, db
         dA = strict_lower(-T^T dT T^T) -> to k, beta and b through A = strict_lower(diag(beta) K K^T * Gamma)
     dk = dk_part (the output's and state's part, fp32) plus these; db adds db_part's NK_PART key tiles ([NK_PART,
-    B*T, H], part_stride = B*T*H apart) and the gate's gradient is its reverse cumsum inside the chunk (b = cumsum(g))."""
+    B*T, H], part_stride = B*T*H apart) and the gate's gradient is its reverse cumsum inside the chunk
+    (b = cumsum(g))."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_h = i_bh % H
     row0, n_rows, _ = chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
