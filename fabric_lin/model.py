@@ -12,6 +12,9 @@ stream in the backward pass).
 `GPT(config, fused=True)` runs the training step on fused Triton kernels (CUDA, or Triton's interpreter on
 the CPU), `fused=False` on their PyTorch references (any device). The choice is made once, here: every
 module keeps the backend its ops are called with, and each formula is written once, in fabric_lin/ops/.
+The fused kernels also make the matrix products around them (a norm and the projections after it, SwiGLU
+and the down projection) and read the Linear layers' weights directly; `float8=True` calls the Linear
+layers as modules instead, so that fabric_lin/fp8.py can swap them for FP8 ones.
 """
 import math
 from dataclasses import dataclass, field
@@ -26,9 +29,9 @@ from fabric_lin.ops.cross_entropy import linear_cross_entropy
 from fabric_lin.ops.gdn import chunk_gated_delta_rule, gdn_gate, recurrent_gated_delta_rule_step
 from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, fused_recurrent_gla_step, log_decay
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.ops.norm import rms_norm, rms_norm_gated_linear, rms_norm_linears
+from fabric_lin.ops.norm import rms_norm, rms_norm_gated, rms_norm_gated_linear, rms_norm_linears
 from fabric_lin.ops.short_conv import causal_conv1d
-from fabric_lin.ops.swiglu import swiglu_linear
+from fabric_lin.ops.swiglu import swiglu, swiglu_linear
 
 
 def backend_of(fused: bool) -> str:
@@ -79,39 +82,58 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def prenorm_projections(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor, linears: List[nn.Linear],
-                        side_by_side: bool = False):
-    """(x + delta, [linear(norm(x + delta)) for linear in linears]) for bias-free linears. On the fused path
-    the normed activation is recomputed in the backward pass instead of being kept for the projections (one
-    [tokens, hidden] tensor less per call). side_by_side: one tensor, the projections concatenated."""
-    outs, h = rms_norm_linears(x, norm.weight, norm.eps, [lin.weight for lin in linears], residual=delta,
-                               dtype=compute_dtype(x), backend=norm.backend, side_by_side=side_by_side)
-    return h, outs
+                        fused_linears: bool):
+    """(x + delta, [linear(norm(x + delta)) for linear in linears]) for bias-free linears. fused_linears: one
+    kernel makes the norm and a matrix product makes the projections from the weights, the normed activation
+    recomputed in the backward pass instead of being kept for them (one [tokens, hidden] tensor less per call);
+    else the norm, then each Linear module."""
+    if fused_linears:
+        outs, h = rms_norm_linears(x, norm.weight, norm.eps, [lin.weight for lin in linears], residual=delta,
+                                   dtype=compute_dtype(x), backend="triton")
+        return h, outs
+    y, h = norm(x, residual=delta)
+    return h, [lin(y) for lin in linears]
+
+
+def gated_output(o: torch.Tensor, g: torch.Tensor, norm: RMSNorm, o_proj: nn.Linear, fused_linears: bool) -> torch.Tensor:
+    """o_proj(RMSNorm(o) * swish(g)) per head: o, g [B, T, H, V] -> [B, T, hidden]. fused_linears: one kernel and
+    a product from o_proj's weight, the gated activation recomputed in the backward pass."""
+    o = o.to(g.dtype)
+    if fused_linears:
+        return rms_norm_gated_linear(o, g, norm.weight, norm.eps, o_proj.weight, backend="triton")
+    return o_proj(rms_norm_gated(o, g, norm.weight, norm.eps, backend=norm.backend).flatten(-2))
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), x = the normed block stream."""
 
-    def __init__(self, config: Config, fused: bool = False):
+    def __init__(self, config: Config, fused: bool = False, float8: bool = False):
         super().__init__()
         d, i, std = config.hidden_size, config.intermediate_size, config.initializer_range
         self.backend = backend_of(fused)
+        self.fused_linears = fused and not float8
         self.gate_proj = Linear(d, i, std=std)
         self.up_proj = Linear(d, i, std=std)
         self.down_proj = Linear(i, d, std=std)
 
     def forward(self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, mlp(norm(x + delta)))."""
+        if not self.fused_linears:
+            x, (gate, up) = prenorm_projections(norm, x, delta, [self.gate_proj, self.up_proj], False)
+            return x, self.down_proj(swiglu(gate, up, backend=self.backend))
         # gate and up side by side in one tensor, whose gradient the SwiGLU kernel writes as one tensor (no
         # concatenation in the projections' backward); the activation is recomputed in the backward pass
-        x, gate_up = prenorm_projections(norm, x, delta, [self.gate_proj, self.up_proj], side_by_side=True)
-        return x, swiglu_linear(gate_up, self.down_proj.weight, backend=self.backend)
+        gate_up, h = rms_norm_linears(x, norm.weight, norm.eps, [self.gate_proj.weight, self.up_proj.weight], residual=delta,
+                                      dtype=compute_dtype(x), backend="triton", side_by_side=True)
+        return h, swiglu_linear(gate_up, self.down_proj.weight, backend="triton")
 
 
 class GatedLinearAttention(nn.Module):
-    def __init__(self, config: Config, fused: bool = False, launch: Optional[GLALaunch] = None):
+    def __init__(self, config: Config, fused: bool = False, launch: Optional[GLALaunch] = None, float8: bool = False):
         super().__init__()
         self.config = config
         self.backend = backend_of(fused)
+        self.fused_linears = fused and not float8
         self.launch = launch  # the Triton kernels' launch settings (None: the shipped ones)
         d, std = config.hidden_size, config.initializer_range
         groups = config.num_heads // config.num_kv_heads
@@ -136,7 +158,7 @@ class GatedLinearAttention(nn.Module):
         B, T, _ = x.shape
         groups = c.num_heads // c.num_kv_heads
         x, (q, k, v, gate_low_rank, g) = prenorm_projections(
-            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.gk_proj[0], self.g_proj]
+            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.gk_proj[0], self.g_proj], self.fused_linears
         )
         q = q.view(B, T, c.num_heads, c.head_k_dim)
         k = k.view(B, T, c.num_kv_heads, c.head_k_dim)
@@ -157,11 +179,8 @@ class GatedLinearAttention(nn.Module):
             else:
                 o, cache.layers[layer] = chunk_gla(q, k, v, gk, initial_state=cache.layers[layer], output_final_state=True,
                                                    backend=self.backend, launch=self.launch)
-        # per-head RMSNorm times swish(gate), then o_proj (on the fused path one kernel, recomputed in backward)
         g = g.view(B, T, c.num_heads, c.head_v_dim)
-        out = rms_norm_gated_linear(o.to(g.dtype), g, self.g_norm.weight, self.g_norm.eps, self.o_proj.weight,
-                                    backend=self.backend)
-        return x, out
+        return x, gated_output(o, g, self.g_norm, self.o_proj, self.fused_linears)
 
 
 class ShortConvolution(nn.Module):
@@ -190,10 +209,11 @@ class GatedDeltaNet(nn.Module):
 
     no_weight_decay = ("A_log", "dt_bias")  # as flash-linear-attention keeps them
 
-    def __init__(self, config: Config, fused: bool = False):
+    def __init__(self, config: Config, fused: bool = False, float8: bool = False):
         super().__init__()
         self.config = config
         self.backend = backend_of(fused)
+        self.fused_linears = fused and not float8
         d, std, H = config.hidden_size, config.initializer_range, config.num_heads
         self.q_proj = Linear(d, config.key_dim, std=std)
         self.k_proj = Linear(d, config.key_dim, std=std)
@@ -229,7 +249,8 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         H, K, V = c.num_heads, c.head_k_dim, c.head_v_dim
         x, (q, k, v, a, b, g) = prenorm_projections(
-            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj]
+            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj],
+            self.fused_linears,
         )
         conv_q, conv_k, conv_v, state = cache.layers[layer] if cache is not None and cache.layers[layer] else (None,) * 4
         q, conv_q = self.q_conv1d(q, conv_q, cu_seqlens)
@@ -242,15 +263,11 @@ class GatedDeltaNet(nn.Module):
                                                        use_qk_l2norm=True)
             o = o.unsqueeze(1)
         else:
-            # the chunked PyTorch path is the gated delta rule's only one so far, on every device
             o, state = chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state, output_final_state=cache is not None,
-                                              cu_seqlens=cu_seqlens, use_qk_l2norm=True, backend="torch")
+                                              cu_seqlens=cu_seqlens, use_qk_l2norm=True, backend=self.backend)
         if cache is not None:
             cache.layers[layer] = (conv_q, conv_k, conv_v, state)
-        g = g.view(B, T, H, V)
-        out = rms_norm_gated_linear(o.to(g.dtype), g, self.o_norm.weight, self.o_norm.eps, self.o_proj.weight,
-                                    backend=self.backend)
-        return x, out
+        return x, gated_output(o, g.view(B, T, H, V), self.o_norm, self.o_proj, self.fused_linears)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -269,10 +286,11 @@ class CausalSelfAttention(nn.Module):
     """Softmax attention with RoPE through SDPA: the Llama-style baseline, and a hybrid's attention layers (as
     flash-linear-attention's Attention: no biases, no q/k norms, the whole context)."""
 
-    def __init__(self, config: Config, num_heads: int, num_kv_heads: int):
+    def __init__(self, config: Config, num_heads: int, num_kv_heads: int, fused_linears: bool = False):
         super().__init__()
         self.config = config
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.fused_linears = fused_linears
         d, std = config.hidden_size, config.initializer_range
         head_dim = d // num_heads
         self.q_proj = Linear(d, d, std=std)
@@ -291,7 +309,7 @@ class CausalSelfAttention(nn.Module):
         head_dim = d // heads
         start = cache.position if cache is not None else 0
         positions = torch.arange(start, start + T, device=x.device)
-        x, (q, k, v) = prenorm_projections(norm, x, delta, [self.q_proj, self.k_proj, self.v_proj])
+        x, (q, k, v) = prenorm_projections(norm, x, delta, [self.q_proj, self.k_proj, self.v_proj], self.fused_linears)
         q = apply_rope(q.view(B, T, heads, head_dim), positions, c.rope_base)
         k = apply_rope(k.view(B, T, kv_heads, head_dim), positions, c.rope_base)
         v = v.view(B, T, kv_heads, head_dim)
@@ -322,19 +340,20 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: Config, fused: bool = False, gla_launch: Optional[GLALaunch] = None, layer: int = 0):
+    def __init__(self, config: Config, fused: bool = False, gla_launch: Optional[GLALaunch] = None, layer: int = 0,
+                 float8: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused)
         if config.block_type == "transformer":
-            self.attn = CausalSelfAttention(config, config.num_heads, config.num_kv_heads)
+            self.attn = CausalSelfAttention(config, config.num_heads, config.num_kv_heads, fused and not float8)
         elif layer in config.attn_layers:  # a hybrid's softmax-attention layer
-            self.attn = CausalSelfAttention(config, config.attn_num_heads, config.attn_kv_heads)
+            self.attn = CausalSelfAttention(config, config.attn_num_heads, config.attn_kv_heads, fused and not float8)
         elif config.block_type == "gla":
-            self.attn = GatedLinearAttention(config, fused, gla_launch)
+            self.attn = GatedLinearAttention(config, fused, gla_launch, float8)
         else:
-            self.attn = GatedDeltaNet(config, fused)
+            self.attn = GatedDeltaNet(config, fused, float8)
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused)
-        self.mlp = MLP(config, fused)
+        self.mlp = MLP(config, fused, float8)
 
     def forward(self, x, delta, cu_seqlens=None, cache=None, layer: int = 0):
         """The residual stream is x + delta (delta: the last sublayer's output, not yet added); returns the
@@ -354,19 +373,20 @@ class DecodeCache:
 
 
 class GPT(nn.Module):
-    def __init__(self, config: Config, fused: bool = False, gla_launch: Optional[GLALaunch] = None):
+    def __init__(self, config: Config, fused: bool = False, gla_launch: Optional[GLALaunch] = None, float8: bool = False):
         """fused: the training step's fused Triton kernels (norms with their projections, SwiGLU, GLA,
         cross-entropy; CUDA, or Triton's interpreter on the CPU), else their PyTorch references (any device).
-        gla_launch: the GLA kernels' launch settings (None: the shipped ones; see fabric_lin/ops/gla/tune.py)."""
+        gla_launch: the GLA kernels' launch settings (None: the shipped ones; see fabric_lin/ops/gla/tune.py).
+        float8: the Linear layers called as modules, for fabric_lin/fp8.py to swap for FP8 ones."""
         super().__init__()
         self.config = config
-        self.fused = fused
+        self.fused, self.float8 = fused, float8
         # Draws made while the submodules are constructed must not shift the generator: the model's
         # init is `reset_parameters()` below, so an eager build and a meta build followed by
         # `reset_parameters()` give the same weights for the same seed.
         with _preserve_rng():
             self.embeddings = Embedding(config.vocab_size, config.hidden_size, std=config.initializer_range)
-            self.layers = nn.ModuleList(Block(config, fused, gla_launch, i) for i in range(config.num_layers))
+            self.layers = nn.ModuleList(Block(config, fused, gla_launch, i, float8) for i in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused)
             self.lm_head = None if config.tie_embeddings else Linear(
                 config.hidden_size, config.vocab_size, std=config.initializer_range
