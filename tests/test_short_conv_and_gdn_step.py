@@ -43,8 +43,8 @@ def conv_reference(x, weight, cache=None, activation=True):
 
 def conv_reference_varlen(x, weight, bounds, activation=True):
     """Each document of the packed row x [1, T, D] convolved on its own, from zeros."""
-    pieces = [conv_reference(x[:, s:e], weight, activation=activation)[0] for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
-    return torch.cat(pieces, dim=1)
+    spans = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return torch.cat([conv_reference(x[:, s:e], weight, activation=activation)[0] for s, e in spans], dim=1)
 
 
 def gdn_step_reference(q, k, v, g, beta, state, scale, use_qk_l2norm):
@@ -112,7 +112,8 @@ def test_conv_matches_grouped_conv1d(W, T):
     assert_close(y, y_ref, "y")
     assert_close(new_cache, cache_ref, "new cache")
     up = [torch.randn_like(y), torch.randn_like(new_cache)]
-    for name, a, b in zip(["dx", "dweight"], grads_of((y, new_cache), (xk, wk), up), grads_of((y_ref, cache_ref), (xr, wr), up)):
+    got, want = grads_of((y, new_cache), (xk, wk), up), grads_of((y_ref, cache_ref), (xr, wr), up)
+    for name, a, b in zip(["dx", "dweight"], got, want):
         assert_close(a, b, name)
 
 
@@ -154,7 +155,8 @@ def test_conv_continues_from_a_cache_and_gives_its_gradient(W, T):
     y2, _ = causal_conv1d(xk, wk, cache, backend="triton")
     y2.backward(up[0])
     xr, wr = leaves(x, weight)
-    for name, a, b in zip(["dx", "dweight"], (xk.grad, wk.grad), grads_of(conv_reference(xr, wr, cache)[:1], (xr, wr), up)):
+    want = grads_of(conv_reference(xr, wr, cache)[:1], (xr, wr), up)
+    for name, a, b in zip(["dx", "dweight"], (xk.grad, wk.grad), want):
         assert_close(a, b, name)
 
 
@@ -172,7 +174,8 @@ def test_conv_empty_sequences_and_width_one(T, W):
     assert_close(y, y_ref, "y")
     assert_close(new_cache, cache_ref, "new cache")
     up = [torch.randn_like(y), torch.randn_like(new_cache)]
-    for name, a, b in zip(["dx", "dweight", "dcache"], grads_of((y, new_cache), ins, up), grads_of((y_ref, cache_ref), refs, up)):
+    got, want = grads_of((y, new_cache), ins, up), grads_of((y_ref, cache_ref), refs, up)
+    for name, a, b in zip(["dx", "dweight", "dcache"], got, want):
         assert_close(a, b, name)
 
 
@@ -381,11 +384,13 @@ def test_gdn_steps_chained_equal_the_naive_recurrence(gate, use_qk_l2norm):
     for initial in (h0, None):
         state, outs = initial, []
         for t in range(T):
-            o, state = fused_recurrent_gated_delta_rule_step_triton(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state,
-                                                                    use_qk_l2norm=use_qk_l2norm)
+            o, state = fused_recurrent_gated_delta_rule_step_triton(
+                q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, use_qk_l2norm=use_qk_l2norm
+            )
             outs.append(o)
         qn, kn = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q, k)
-        o_ref, s_ref = naive_recurrent_gated_delta_rule(qn, kn, v, g, beta, initial_state=initial, output_final_state=True)
+        o_ref, s_ref = naive_recurrent_gated_delta_rule(qn, kn, v, g, beta, initial_state=initial,
+                                                        output_final_state=True)
         assert_close(torch.stack(outs, dim=1), o_ref, "chained o", tol=1e-5)
         assert_close(state, s_ref, "final state", tol=1e-5)
 
@@ -443,7 +448,8 @@ def sm90_report() -> dict:
         compiled(f"conv B={B} T={T} D={D}", lambda: conv(torch.randn(B, T, D, dtype=bf16, requires_grad=True)))
         cu = torch.arange(0, B * T + 1, 1000, dtype=torch.int32)
         cu = torch.cat([cu, torch.tensor([B * T], dtype=torch.int32)]) if cu[-1] != B * T else cu
-        compiled(f"conv varlen T={B * T} D={D}", lambda: conv(torch.randn(1, B * T, D, dtype=bf16, requires_grad=True), cu))
+        packed = torch.randn(1, B * T, D, dtype=bf16, requires_grad=True)
+        compiled(f"conv varlen T={B * T} D={D}", lambda: conv(packed, cu))
         compiled(f"conv step B={B} D={D}", lambda: causal_conv1d_step_triton(
             torch.randn(B, D, dtype=bf16), weight.detach(), torch.randn(B, 3, D, dtype=bf16)))
     B, H, K, V = GDN_STEP_SHAPE

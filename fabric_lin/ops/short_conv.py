@@ -41,18 +41,26 @@ def causal_conv1d(
 def _check_inputs(x, weight, cache, cu_seqlens) -> None:
     """Shapes and dtypes only: nothing here reads a tensor's values (no host synchronisation)."""
     if x.dim() != 3 or not x.is_floating_point():
-        raise ValueError(f"causal_conv1d: x must be a floating-point [B, T, D] tensor, got {x.dtype} of shape {tuple(x.shape)}")
+        raise ValueError(
+            f"causal_conv1d: x must be a floating-point [B, T, D] tensor, got {x.dtype} of shape {tuple(x.shape)}"
+        )
     B, T, D = x.shape
     if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
-        raise ValueError(f"causal_conv1d: weight must be [D, W] with D = {D} (x's channels) and W >= 1, got {tuple(weight.shape)}")
+        raise ValueError(
+            f"causal_conv1d: weight must be [D, W] with D = {D} (x's channels) and W >= 1, got {tuple(weight.shape)}"
+        )
     W = weight.shape[1]
     if cache is not None and (tuple(cache.shape) != (B, W - 1, D)):
         raise ValueError(f"causal_conv1d: cache must be [B, W - 1, D] = {(B, W - 1, D)}, got {tuple(cache.shape)}")
     if cu_seqlens is not None:
         if cache is not None:
-            raise ValueError("causal_conv1d: a cache continues one sequence per row; it does not combine with cu_seqlens")
+            raise ValueError(
+                "causal_conv1d: a cache continues one sequence per row; it does not combine with cu_seqlens"
+            )
         if B != 1:
-            raise ValueError(f"causal_conv1d: cu_seqlens needs x with batch size 1 (documents packed along T), got B = {B}")
+            raise ValueError(
+                f"causal_conv1d: cu_seqlens needs x with batch size 1 (documents packed along T), got B = {B}"
+            )
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
             raise ValueError(
                 f"causal_conv1d: cu_seqlens must be a 1-D integer tensor of N + 1 >= 2 document offsets, "

@@ -26,10 +26,9 @@ import triton.language as tl
 
 from fabric_lin.ops.launch import cdiv, next_power_of_2, op_or_fn
 
-# Tiles, from ptxas's report for sm_90 at gdn-340M's shapes (bf16, D = 512 and 1024; the test file prints it):
-# the forward's [64 rows, 64 channels] takes 85 registers a thread (6 programs of 4 warps per SM); the
-# backward keeps about eight [BT, BD] fp32 tiles live, and [32, 32] is the widest without spills that
-# leaves 4 programs per SM ([32, 64]: 168 registers and spills).
+# Tiles, from ptxas's report for sm_90 at gdn-340M's shapes (bf16, W = 4, D = 512 and 1024; the test file
+# prints it): the forward's [64 rows, 64 channels] takes 85 registers a thread (6 programs of 4 warps per
+# SM); the backward's [32, 32] takes 126 (4 programs per SM), where [32, 64] takes 168 and spills.
 BD_FWD, BT_FWD = 64, 64  # 64 channels: 128 contiguous bytes of a bf16 row
 BD_BWD, BT_BWD = 32, 32
 BWD_TILES = 8  # row tiles per backward program: fewer dweight partial sums to write and add up
@@ -223,9 +222,9 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tenso
         N, steps = _varlen_args(cu_seqlens)
         # without a cache the kernel is given x as its (never read) cache pointer
         _conv_fwd_kernel[(cdiv(D, BD_FWD), cdiv(T, BT_FWD), B)](
-            x, weight, x if cache is None else cache, cu_seqlens, y, T, x.stride(0), x.stride(1), N, steps, D, W, BT_FWD,
-            BD_FWD,
-            HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation, num_warps=4,
+            x, weight, x if cache is None else cache, cu_seqlens, y, T, x.stride(0), x.stride(1), N, steps, D, W,
+            BT_FWD, BD_FWD, HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation,
+            num_warps=4,
         )
     return y
 
@@ -238,7 +237,10 @@ def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tenso
     dx = x.new_empty(B, T, D)
     want_dcache = want_dcache and cache is not None
     # zeros where no input reaches the cache's slots (T = 0); no launch writes an empty one (W = 1)
-    dcache = (cache.new_zeros(cache.shape) if T == 0 else cache.new_empty(cache.shape)) if want_dcache else x.new_empty(0)
+    if want_dcache:
+        dcache = cache.new_zeros(cache.shape) if T == 0 else cache.new_empty(cache.shape)
+    else:
+        dcache = x.new_empty(0)
     if T == 0:
         return dx, weight.new_zeros(weight.shape), dcache
     kept = BT_BWD - (W - 1)  # rows of dx per tile
@@ -248,14 +250,15 @@ def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tenso
     N, steps = _varlen_args(cu_seqlens)
     _conv_bwd_kernel[(cdiv(D, BD_BWD), blocks, B)](
         x, weight, x if cache is None else cache, cu_seqlens, dy, dx, dw_part, dcache, T, x.stride(0), x.stride(1), N,
-        steps, tiles,        D, W, next_power_of_2(W), max(2, next_power_of_2(W - 1)), BT_BWD, BD_BWD,
+        steps, tiles, D, W, next_power_of_2(W), max(2, next_power_of_2(W - 1)), BT_BWD, BD_BWD,
         HAS_CACHE=cache is not None, WANT_DCACHE=want_dcache and W > 1, IS_VARLEN=cu_seqlens is not None,
         ACTIVATION=activation, num_warps=4,
     )
     return dx, dw_part.sum(0).to(weight.dtype), dcache
 
 
-def _conv_step(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, activation: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def _conv_step(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
+               activation: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     B, D = x.shape
     W = weight.shape[1]
     y, new_cache = x.new_empty(B, D), x.new_empty(B, W - 1, D)
@@ -279,7 +282,8 @@ def _(x, weight, cache, cu_seqlens, activation):
 @_conv_bwd_op.register_fake
 def _(x, weight, cache, cu_seqlens, dy, activation, want_dcache):
     want_dcache = want_dcache and cache is not None
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), cache.new_empty(cache.shape) if want_dcache else x.new_empty(0)
+    dcache = cache.new_empty(cache.shape) if want_dcache else x.new_empty(0)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), dcache
 
 
 @_conv_step_op.register_fake

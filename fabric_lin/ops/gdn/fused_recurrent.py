@@ -93,9 +93,13 @@ def _check_inputs(q, k, v, g, beta, state) -> None:
         raise ValueError(f"{name}: v must be [B, H, V] with [B, H] = {(B, H)}, got shape {tuple(v.shape)}")
     for arg, x in (("g", g), ("beta", beta)):
         if tuple(x.shape) != (B, H):
-            raise ValueError(f"{name}: {arg} must be [B, H] = {(B, H)} (one value per head), got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name}: {arg} must be [B, H] = {(B, H)} (one value per head), got shape {tuple(x.shape)}"
+            )
     if state is not None and tuple(state.shape) != (B, H, K, v.shape[-1]):
-        raise ValueError(f"{name}: state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}, got shape {tuple(state.shape)}")
+        raise ValueError(
+            f"{name}: state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}, got shape {tuple(state.shape)}"
+        )
 
 
 def fused_recurrent_gated_delta_rule_step_triton(
