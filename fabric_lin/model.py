@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from fabric_lin.config import Config
 from fabric_lin.ops.cross_entropy import linear_cross_entropy
-from fabric_lin.ops.gdn import chunk_gated_delta_rule, gdn_gate, recurrent_gated_delta_rule_step
+from fabric_lin.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step, gdn_gate
 from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, fused_recurrent_gla_step, log_decay
 from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.ops.norm import rms_norm, rms_norm_gated, rms_norm_gated_linear, rms_norm_linears
@@ -187,15 +187,16 @@ class ShortConvolution(nn.Module):
     """Causal depthwise convolution of `width` taps over each channel, then SiLU (fabric_lin/ops/short_conv.py);
     the weight [channels, 1, width] as nn.Conv1d and flash-linear-attention's ShortConvolution keep it."""
 
-    def __init__(self, channels: int, width: int, std: float = 0.02):
+    def __init__(self, channels: int, width: int, std: float = 0.02, fused: bool = False):
         super().__init__()
         self.std = std
+        self.backend = backend_of(fused)
         self.weight = nn.Parameter(torch.empty(channels, 1, width))
         self.reset_parameters()
 
     def forward(self, x: torch.Tensor, cache: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None):
         """x [B, T, channels] -> (silu(conv(x)), the last width - 1 inputs: the cache a next call continues from)."""
-        return causal_conv1d(x, self.weight[:, 0], cache, cu_seqlens)
+        return causal_conv1d(x, self.weight[:, 0], cache, cu_seqlens, backend=self.backend)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.std)
@@ -222,9 +223,9 @@ class GatedDeltaNet(nn.Module):
         self.b_proj = Linear(d, H, std=std)
         self.A_log = nn.Parameter(torch.empty(H))
         self.dt_bias = nn.Parameter(torch.empty(H))
-        self.q_conv1d = ShortConvolution(config.key_dim, config.conv_size, std)
-        self.k_conv1d = ShortConvolution(config.key_dim, config.conv_size, std)
-        self.v_conv1d = ShortConvolution(config.value_dim, config.conv_size, std)
+        self.q_conv1d = ShortConvolution(config.key_dim, config.conv_size, std, fused)
+        self.k_conv1d = ShortConvolution(config.key_dim, config.conv_size, std, fused)
+        self.v_conv1d = ShortConvolution(config.value_dim, config.conv_size, std, fused)
         self.g_proj = Linear(d, config.value_dim, std=std)  # output gate
         self.o_norm = RMSNorm(config.head_v_dim, eps=config.head_norm_eps, fused=fused)  # per head, before the gate
         self.o_proj = Linear(config.value_dim, d, std=std)
@@ -259,8 +260,8 @@ class GatedDeltaNet(nn.Module):
         decay, beta = gdn_gate(a, b, self.A_log, self.dt_bias)  # [B, T, H] fp32
         q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
         if cache is not None and T == 1:  # one decoding step
-            o, state = recurrent_gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], decay[:, 0], beta[:, 0], state,
-                                                       use_qk_l2norm=True)
+            o, state = fused_recurrent_gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], decay[:, 0], beta[:, 0], state,
+                                                             use_qk_l2norm=True, backend=self.backend)
             o = o.unsqueeze(1)
         else:
             o, state = chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state, output_final_state=cache is not None,

@@ -207,3 +207,17 @@ def test_a_log_and_dt_bias_take_no_weight_decay():
     # every 1-D parameter (norm weights, A_log, dt_bias) and nothing else; convolution weights are decayed
     assert names == {n for n, p in model.named_parameters() if p.ndim == 1}
     assert {"layers.0.attn.A_log", "layers.0.attn.dt_bias"} <= names and "layers.0.attn.q_conv1d.weight" not in names
+
+
+@pytest.mark.parametrize("prompt", [1, 65])
+def test_fused_decoding_path_matches_full_forward(prompt):
+    # the CUDA path (the Triton chunked prefill, convolution and decoding-step kernels; the interpreter on a CPU)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = GPT(tiny(num_layers=1), fused=True).to(device).eval()
+    ids = torch.randint(0, 97, (1, prompt + 3), generator=torch.Generator().manual_seed(prompt)).to(device)
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :prompt], cache=cache)] + [model(ids[:, t : t + 1], cache=cache) for t in range(prompt, ids.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)

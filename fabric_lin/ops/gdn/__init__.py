@@ -107,7 +107,27 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
             raise ValueError(f"{name}: initial_state must be float32, got {initial_state.dtype}")
 
 
+def fused_recurrent_gated_delta_rule_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: Optional[torch.Tensor],
+    scale: Optional[float] = None,
+    use_qk_l2norm: bool = False,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step: q, k [B, H, K]; v [B, H, V]; g, beta [B, H]; state [B, H, K, V] fp32 or None (zeros).
+    Returns o [B, H, V] in q's dtype and the new fp32 state; "triton": one launch (fused_recurrent.py)."""
+    if resolve_backend(backend, q.device) == "torch":
+        return recurrent_gated_delta_rule_step(q, k, v, g, beta, state, scale, use_qk_l2norm)
+    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
+
+    return fused_recurrent_gated_delta_rule_step_triton(q, k, v, g, beta, state, scale, use_qk_l2norm)
+
+
 __all__ = [
-    "GDNLaunch", "chunk_gated_delta_rule", "chunk_gated_delta_rule_torch", "gdn_gate", "l2norm",
-    "naive_recurrent_gated_delta_rule", "recurrent_gated_delta_rule_step", "resolve_backend",
+    "GDNLaunch", "chunk_gated_delta_rule", "chunk_gated_delta_rule_torch", "fused_recurrent_gated_delta_rule_step",
+    "gdn_gate", "l2norm", "naive_recurrent_gated_delta_rule", "recurrent_gated_delta_rule_step", "resolve_backend",
 ]
