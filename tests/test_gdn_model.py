@@ -214,7 +214,7 @@ def test_fused_decoding_path_matches_full_forward(prompt):
     # the CUDA path (the Triton chunked prefill, convolution and decoding-step kernels; the interpreter on a CPU)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model = GPT(tiny(num_layers=1), fused=True).to(device).eval()
+    model = GPT(Config.from_name("gdn-debug", vocab_size=97, num_layers=1), fused=True).to(device).eval()
     ids = torch.randint(0, 97, (1, prompt + 3), generator=torch.Generator().manual_seed(prompt)).to(device)
     with torch.no_grad():
         full = model(ids)
