@@ -1,0 +1,144 @@
+"""FP8 training of the model's Linear layers through torchao (`pip install 'fabric-lin[fp8]'`).
+
+The weights and the optimizer state stay in their usual precision; the products of the converted layers run
+in FP8 with dynamic scaling (torchao's Float8Linear: e4m3 inputs and weights, e5m2 gradients for "tensorwise",
+one scale per tensor; "rowwise", one scale per row, e4m3 throughout). Converted: the projections of every
+attention and MLP (q, k, v, the output gate, o, gate, up, down). Kept in bf16: the embedding; the output head,
+whose product the chunked cross-entropy makes itself, never holding the whole logits; and the small gate
+projections, GLA's low-rank forget gate and GDN's a/b (`gate_projections` converts those whose widths allow):
+their products are a sliver of the step and FP8 would cost them precision for little. A converted layer
+keeps its parameter names and plain tensors, so checkpoints and exports stay as they are, and a run can
+resume an FP8 checkpoint in bf16 and the reverse.
+
+The model must be built with `GPT(config, fused=..., float8=True)`, which calls its Linear layers as modules
+(the fused kernels otherwise read their weights directly), and converted after its weights are set
+(`convert_to_fp8`), before Fabric wraps it.
+"""
+import dataclasses
+from typing import List
+
+import torch
+import torch.nn as nn
+
+RECIPES = ("none", "tensorwise", "rowwise")
+MIN_TORCHAO = (0, 10)  # Float8LinearConfig.from_recipe_name
+SMALL_GATE_PROJECTIONS = ("gk_proj", "a_proj", "b_proj")
+
+
+@dataclasses.dataclass
+class FP8Args:
+    """FP8 training of the Linear layers (Hopper or newer: compute capability 8.9+), through torchao."""
+
+    recipe: str = "none"
+    """none: bf16 products; tensorwise: FP8 with one dynamic scale per tensor; rowwise: one per row (more precise,
+    a little slower)"""
+    gate_projections: bool = False
+    """Also the small gate projections (GLA's low-rank forget gate, GDN's a and b) where their widths allow"""
+
+    @property
+    def enabled(self) -> bool:
+        return self.recipe != "none"
+
+
+def check_fp8(args: FP8Args, device: torch.device) -> None:
+    """Refuse an FP8 setup that cannot run, before anything is built: the recipe, the device, torchao."""
+    if args.recipe not in RECIPES:
+        raise ValueError(f"fp8.recipe must be one of {RECIPES}, got {args.recipe!r}")
+    if not args.enabled:
+        return
+    if device.type != "cuda":
+        raise ValueError(
+            f"fp8.recipe {args.recipe!r} needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); this run is "
+            f"on the {device.type.upper()}: leave fp8.recipe at 'none'"
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(
+            f"fp8.recipe {args.recipe!r} needs a GPU of compute capability 8.9 or newer; "
+            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: leave fp8.recipe at 'none'"
+        )
+    torchao_version()
+
+
+def torchao_version() -> tuple:
+    """torchao's (major, minor), or an error that says how to install it."""
+    try:
+        import torchao
+    except ImportError:
+        raise ImportError(
+            "fp8.recipe needs torchao, which is not installed: pip install 'fabric-lin[fp8]' (or pip install torchao)"
+        ) from None
+    version = tuple(int(part) for part in torchao.__version__.split("+")[0].split(".")[:2])
+    if version < MIN_TORCHAO:
+        raise ImportError(
+            f"fp8.recipe needs torchao {'.'.join(map(str, MIN_TORCHAO))} or newer, found {torchao.__version__}: "
+            "pip install -U 'fabric-lin[fp8]'"
+        )
+    return version
+
+
+def fp8_layers(model: nn.Module, args: FP8Args) -> List[str]:
+    """The names of the Linear layers `convert_to_fp8` converts."""
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if name == "lm_head":
+            continue
+        if any(part in SMALL_GATE_PROJECTIONS for part in name.split(".")):
+            if not (args.gate_projections and _fp8_widths(module)):
+                continue
+        names.append(name)
+    return names
+
+
+def _fp8_widths(module: nn.Linear) -> bool:
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def check_fp8_shapes(model: nn.Module, args: FP8Args) -> None:
+    """FP8 products need both widths of a weight to be multiples of 16; name every layer to convert that is not."""
+    converted = set(fp8_layers(model, args))
+    bad = [f"{name} ({module.out_features} x {module.in_features})" for name, module in model.named_modules()
+           if name in converted and not _fp8_widths(module)]
+    if bad:
+        raise ValueError(
+            f"fp8.recipe {args.recipe!r}: FP8 products need weights whose widths are multiples of 16; these are not: "
+            f"{', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''}. Choose widths that are, or leave fp8.recipe at 'none'"
+        )
+
+
+def convert_to_fp8(model: nn.Module, args: FP8Args, emulate: bool = False) -> List[str]:
+    """Swap the Linear layers `fp8_layers` names for torchao's Float8Linear, in place, and return their names.
+    The new layers keep their parameters (the same tensors) and the model's init (`reset_parameters`, which a
+    model built on the meta device is materialised with). emulate: FP8 products emulated in higher precision
+    (torchao's emulate), e.g. on a CPU, for tests."""
+    torchao_version()
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    if getattr(model, "fused", False) and not getattr(model, "float8", False):
+        raise ValueError("convert_to_fp8: build the model with GPT(config, fused=..., float8=True), whose Linear layers "
+                         "are called as modules; the fused kernels read the weights themselves")
+    check_fp8_shapes(model, args)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(args.recipe), emulate=emulate)
+
+    class Float8Projection(Float8Linear):
+        """torchao's Float8Linear, initialised as the model's Linear layers are: N(0, std), zero bias."""
+
+        std = 0.02  # the converted layer's own, set below (this one serves the construction's first init)
+
+        def reset_parameters(self) -> None:
+            nn.init.normal_(self.weight, mean=0.0, std=self.std)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    names = fp8_layers(model, args)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        new = Float8Projection.from_float(old, config=config)
+        new.std = getattr(old, "std", 0.02)
+        setattr(parent, child, new)
+    return names

@@ -1,0 +1,126 @@
+"""FP8 training's setup on the CPU: the checks that refuse what cannot run (device, compute capability,
+torchao, widths), which Linear layers are converted, and, with torchao's FP8 emulation on the CPU, that the
+converted model trains close to the bf16/fp32 one, keeps its init and its checkpoints plain."""
+import builtins
+import importlib.util
+
+import pytest
+import torch
+
+from fabric_lin.config import Config
+from fabric_lin.fp8 import FP8Args, check_fp8, check_fp8_shapes, convert_to_fp8, fp8_layers
+from fabric_lin.model import GPT
+
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+
+
+def small(name="gla-debug", **overrides) -> Config:
+    return Config.from_name(name, num_layers=2, vocab_size=256, **overrides)
+
+
+def test_recipe_and_device_checks_name_the_fix(monkeypatch):
+    check_fp8(FP8Args("none"), torch.device("cpu"))  # nothing to check
+    with pytest.raises(ValueError, match="fp8.recipe must be one of \\('none', 'tensorwise', 'rowwise'\\), got 'e4m3'"):
+        check_fp8(FP8Args("e4m3"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs a CUDA GPU of compute capability 8.9 .* on the CPU: leave fp8.recipe at 'none'"):
+        check_fp8(FP8Args("tensorwise"), torch.device("cpu"))
+    # an A100 (8.0) has no FP8 tensor cores
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match="NVIDIA A100-SXM4-80GB has 8.0"):
+        check_fp8(FP8Args("rowwise"), torch.device("cuda", 0))
+
+
+def test_torchao_missing_or_too_old_is_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    real_import = builtins.__import__
+
+    def without_torchao(name, *args, **kwargs):
+        if name == "torchao" or name.startswith("torchao."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_torchao)
+    with pytest.raises(ImportError, match="pip install 'fabric-lin\\[fp8\\]'"):
+        check_fp8(FP8Args("tensorwise"), torch.device("cuda", 0))
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    if importlib.util.find_spec("torchao") is not None:
+        import torchao
+
+        monkeypatch.setattr(torchao, "__version__", "0.7.0")
+        with pytest.raises(ImportError, match="needs torchao 0.10 or newer, found 0.7.0"):
+            check_fp8(FP8Args("tensorwise"), torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("name", ["gla-debug", "gdn-debug", "transformer-debug"])
+def test_the_projections_are_converted_not_the_head_or_the_small_gates(name):
+    overrides = {"attn_layers": [1], "attn_num_heads": 4} if name != "transformer-debug" else {}
+    model = GPT(small(name, **overrides), float8=True)
+    layers = fp8_layers(model, FP8Args("tensorwise"))
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert "lm_head" in linears and "lm_head" not in layers
+    assert not any(part in n for n in layers for part in ("gk_proj", "a_proj", "b_proj"))
+    expected = {n for n in linears if n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj")}
+    assert set(layers) == expected and len(expected) >= 2 * 7
+    with_gates = set(fp8_layers(model, FP8Args("tensorwise", gate_projections=True)))
+    # GLA's low-rank gate (128 -> 16 -> 64) has widths FP8 takes; GDN's a and b (one output per head) do not
+    assert with_gates - expected == ({f"layers.0.attn.gk_proj.{i}" for i in (0, 1)} if name == "gla-debug" else set())
+
+
+def test_widths_fp8_cannot_take_are_named():
+    model = GPT(small(hidden_size=72, num_heads=2, expand_k=0.5, intermediate_size=200), float8=True)
+    with pytest.raises(ValueError, match="multiples of 16; these are not: layers.0.attn.q_proj \\(36 x 72\\)"):
+        check_fp8_shapes(model, FP8Args("tensorwise"))
+
+
+@needs_torchao
+def test_a_fused_model_without_float8_is_refused():
+    with pytest.raises(ValueError, match="float8=True"):
+        convert_to_fp8(GPT(small(), fused=True), FP8Args("tensorwise"), emulate=True)
+
+
+@needs_torchao
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("name", ["gla-debug", "gdn-debug"])
+def test_emulated_fp8_trains_close_to_full_precision_with_plain_checkpoints(recipe, name):
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = small(name)
+    torch.manual_seed(0)
+    reference = GPT(config)
+    model = GPT(config, float8=True)
+    model.load_state_dict(reference.state_dict())
+    converted = convert_to_fp8(model, FP8Args(recipe), emulate=True)
+    assert all(isinstance(model.get_submodule(n), Float8Linear) for n in converted)
+    # plain checkpoints both ways: the same names and tensors
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for m in (reference, model):
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+        for _ in range(3):
+            loss = m(ids, targets=torch.roll(ids, -1, 1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    assert abs(losses[1] - losses[0]) / losses[0] < 0.02, losses  # FP8's rounding, not another model
+    restored = GPT(config)
+    restored.load_state_dict(model.state_dict())  # an FP8 run's weights resume in bf16
+
+
+@needs_torchao
+def test_conversion_keeps_the_models_init_on_the_meta_device():
+    # under FSDP the model is built on the meta device and materialised module by module with reset_parameters
+    config = small()
+    with torch.device("meta"):
+        model = GPT(config, float8=True)
+    convert_to_fp8(model, FP8Args("tensorwise"), emulate=True)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.reset_parameters()
+    q = model.layers[0].attn.q_proj
+    assert type(q).__name__ == "Float8Projection" and abs(q.weight.std().item() - 0.02) < 0.003
