@@ -11,7 +11,6 @@ initial state and a final state's gradient) or --varlen (the sequences packed as
 the other specialisations. Prints one JSON document.
 """
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -22,19 +21,9 @@ from kernel_registers import NVIDIA_BIN, TARGET, compile_only  # noqa: E402 (it 
 import triton  # noqa: E402
 
 from common import write_result  # noqa: E402
+from fabric_lin.ops.launch import with_settings  # noqa: E402
 
 SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128)]
-
-
-def with_settings(launch, settings: dict):
-    """`launch` (a GDNLaunch) with fields "kernel.field" changed."""
-    changed = {}
-    for key, value in settings.items():
-        kernel, _, field = key.partition(".")
-        if not hasattr(launch, kernel) or not hasattr(getattr(launch, kernel), field):
-            raise SystemExit(f"unknown GDN launch setting {key!r}")
-        changed[kernel] = dataclasses.replace(changed.get(kernel, getattr(launch, kernel)), **{field: value})
-    return dataclasses.replace(launch, **changed)
 
 
 def parse_variants(texts):

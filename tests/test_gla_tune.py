@@ -101,5 +101,5 @@ def test_launch_settings_are_immutable_values():
     assert (changed.dqk.warps, changed.state.BV, changed.dqk_single_warps) == (16, 64, 8)
     assert (SHIPPED.dqk.warps, SHIPPED.state.BV, SHIPPED.dqk_single_warps) == (8, 128, 4)
     assert GLALaunch.from_dict(json.loads(changed.as_json)) == changed  # the form the ops take it in
-    with pytest.raises(ValueError, match="unknown GLA launch setting 'dqk.tiles'"):
+    with pytest.raises(ValueError, match="unknown GLALaunch setting 'dqk.tiles'"):
         tune.with_settings(SHIPPED, {"dqk.tiles": 2})

@@ -73,6 +73,21 @@ def launch_from_dict(cls, data: dict, source: str = "launch settings"):
     return cls(**values)
 
 
+def with_settings(launch, settings: dict):
+    """A launch bundle with some fields changed: {"dqk.warps": 4, "dqk_single_warps": 8, ...}, "kernel.field" for
+    a KernelLaunch's field."""
+    top = {}
+    for key, value in settings.items():
+        kernel, _, field = key.partition(".")
+        if not hasattr(launch, kernel) or (field and not hasattr(getattr(launch, kernel), field)):
+            raise ValueError(f"unknown {type(launch).__name__} setting {key!r}")
+        if field:
+            top[kernel] = dataclasses.replace(top.get(kernel, getattr(launch, kernel)), **{field: value})
+        else:
+            top[kernel] = value
+    return dataclasses.replace(launch, **top)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

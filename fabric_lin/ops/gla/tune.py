@@ -26,6 +26,7 @@ import triton
 
 from fabric_lin.ops.gla import chunk
 from fabric_lin.ops.gla.launch import SHIPPED, GLALaunch
+from fabric_lin.ops.launch import with_settings
 
 # one group per kernel; within a group every combination is tried. Keys are GLALaunch fields, "kernel.field"
 # for a KernelLaunch's. Left out: settings that only ever lost on an H200 (register caps on dq/dk and the
@@ -41,21 +42,6 @@ SEARCH_SPACE: List[Dict[str, tuple]] = [
     {"dqk.BK": (64, 32)},
     {"output.stages": (1, 2), "dv.stages": (1, 2)},
 ]
-
-
-def with_settings(launch: GLALaunch, settings: Dict[str, Any]) -> GLALaunch:
-    """`launch` with some fields changed: {"dqk.warps": 4, "dqk_single_warps": 8, ...}."""
-    top: Dict[str, Any] = {}
-    for key, value in settings.items():
-        kernel, _, field = key.partition(".")
-        if not hasattr(launch, kernel) or (field and not hasattr(getattr(launch, kernel), field)):
-            raise ValueError(f"unknown GLA launch setting {key!r}")
-        if field:
-            current = top.get(kernel, getattr(launch, kernel))
-            top[kernel] = dataclasses.replace(current, **{field: value})
-        else:
-            top[kernel] = value
-    return dataclasses.replace(launch, **top)
 
 
 def launch_key(H: int, K: int, V: int, dtype: torch.dtype, device: torch.device) -> str:
