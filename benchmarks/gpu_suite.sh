@@ -59,3 +59,4 @@ step activation_memory 300 python benchmarks/activation_memory.py --out "$out/ac
 # learning parity with fla, from the same weights on the same batches (fla's kernels compiled by the steps above)
 step parity_gla 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gla-340M --out "$out/parity_gla.json"
 step parity_gdn 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gdn-340M --out "$out/parity_gdn.json"
+step gdn_kernel 900 env TRITON_CACHE_DIR="$cache" python benchmarks/gdn_kernel.py --gates slow fast --out "$out/gdn_kernel.json"

@@ -1,0 +1,91 @@
+"""Gated DeltaNet kernel speed on one GPU: forward and forward+backward milliseconds of fabric-lin's Triton
+`chunk_gated_delta_rule` against flash-linear-attention's (when importable), in one process, with q/k L2-normalised
+inside both ops (the model's call). Prints one JSON document (and writes it to --out), with the ratios ours / fla,
+the memory each forward keeps for its backward (MiB), each output's distance from fla's, and per shape a
+per-kernel time breakdown of both.
+
+    python benchmarks/gdn_kernel.py --out gdn_kernel.json
+    python benchmarks/gdn_kernel.py --shapes 16,2048,4,128,256 --gates slow fast
+
+The default shapes (B, T, H, K, V) are the gdn-340M layer (16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128) and
+(1, 32768, 8, 128, 128). --gates: slow, a per-step log decay logsigmoid(randn) / 16 (~0.05); fast, ~1.5 per step,
+as a trained model's short-memory heads forget. beta = sigmoid(randn).
+"""
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from common import write_result
+from fabric_lin.ops.gdn import chunk_gated_delta_rule
+from fabric_lin.ops.gla.tune import rel_rms
+from gla_kernel import kernel_breakdown, saved_mib, time_fn
+
+SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128), (1, 32768, 8, 128, 128)]
+GATES = ("slow", "fast")
+
+
+def gdn_inputs(B, T, H, K, V, gates="slow", dtype=torch.bfloat16, device="cuda"):
+    q, k = (torch.randn(B, T, H, K, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, T, H, V, device=device, dtype=dtype, requires_grad=True)
+    x = torch.randn(B, T, H, device=device)
+    g = (F.logsigmoid(x - (24 if gates == "fast" else 0)) / 16).requires_grad_(True)
+    beta = torch.sigmoid(torch.randn(B, T, H, device=device)).to(dtype).requires_grad_(True)
+    return (q, k, v, g, beta), torch.randn(B, T, H, V, device=device, dtype=dtype)
+
+
+def ours(q, k, v, g, beta):
+    return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, backend="triton")[0]
+
+
+def load_fla():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+    except Exception as e:  # not installed, or it fails to import against this torch/triton
+        return None, f"{type(e).__name__}: {e}"
+    return (lambda q, k, v, g, beta: fla_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]), None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the three reference shapes)")
+    parser.add_argument("--gates", nargs="*", default=["slow"], choices=GATES)
+    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--no-breakdown", action="store_true")
+    parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gdn_kernel.py needs a CUDA GPU")
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    fla, fla_error = (None, "left out (--no-fla)") if args.no_fla else load_fla()
+    report = {"dtype": "bfloat16", "fla": fla_error or "flash-linear-attention chunk_gated_delta_rule", "results": []}
+    for gates in args.gates:
+        for shape in shapes:
+            inputs, do = gdn_inputs(*shape, gates=gates)
+            row = {"shape": list(shape), "gates": gates}
+            for name, fn in [("ours", ours)] + ([("fla", fla)] if fla is not None else []):
+                start = time.perf_counter()
+                fn(*inputs).backward(do)  # compilation (and for fla, autotuning) happens here
+                torch.cuda.synchronize()
+                row[f"{name}_first_call_s"] = round(time.perf_counter() - start, 2)
+                row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = time_fn(fn, inputs, do)
+                row[f"{name}_saved_mib"] = saved_mib(fn, inputs)
+            if fla is not None:
+                with torch.no_grad():
+                    row["o_rel_rms_vs_fla"] = rel_rms(ours(*inputs), fla(*inputs))
+                row["ratio_fwd_vs_fla"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
+                row["ratio_fwd_bwd_vs_fla"] = row["ours_fwd_bwd_ms"] / row["fla_fwd_bwd_ms"]
+            if not args.no_breakdown:
+                row["breakdown_ours_ms"] = kernel_breakdown(ours, inputs, do)
+                if fla is not None:
+                    row["breakdown_fla_ms"] = kernel_breakdown(fla, inputs, do)
+            del inputs, do
+            report["results"].append(row)
+            print(json.dumps(row), flush=True)
+    write_result(report, args.out, fla_ran=fla is not None)
+
+
+if __name__ == "__main__":
+    main()
