@@ -60,3 +60,9 @@ step activation_memory 300 python benchmarks/activation_memory.py --out "$out/ac
 step parity_gla 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gla-340M --out "$out/parity_gla.json"
 step parity_gdn 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gdn-340M --out "$out/parity_gdn.json"
 step gdn_kernel 900 env TRITON_CACHE_DIR="$cache" python benchmarks/gdn_kernel.py --gates slow fast --out "$out/gdn_kernel.json"
+# the context-length table: transformer-340M, gla-340M and gdn-340M at equal tokens per step (32K), regime (a)
+for ctx in 2048:16 8192:4 16384:2 32768:1; do
+    step "context_${ctx%%:*}" 900 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --regimes bf16-weights \
+        --models transformer,fabric-lin,gdn --seq_len "${ctx%%:*}" --batch_size "${ctx##*:}" --steps 10 --warmup 3 \
+        --out "$out/context_${ctx%%:*}.json"
+done

@@ -33,14 +33,17 @@ from fabric_lin.model import GPT
 
 
 def fla_model(config: Config):
-    from fla.models import GLAConfig, GLAForCausalLM
+    import fla.models
 
     from fabric_lin.convert.hf import fla_config
 
     # the same config.json fields that `fabric-lin convert_to_hf` writes (fused norm, swiglu and
     # cross-entropy on), less the keys that name the format rather than the model
-    fields = {k: v for k, v in fla_config(config).items() if k not in ("architectures", "model_type", "fabric_lin")}
-    model = GLAForCausalLM(GLAConfig(**fields))
+    fields = fla_config(config)
+    architecture = fields["architectures"][0]  # GLAForCausalLM or GatedDeltaNetForCausalLM
+    fields = {k: v for k, v in fields.items() if k not in ("architectures", "model_type", "fabric_lin")}
+    config_class = getattr(fla.models, architecture.replace("ForCausalLM", "Config"))
+    model = getattr(fla.models, architecture)(config_class(**fields))
 
     def loss_fn(ids, targets):
         return model(input_ids=ids, labels=ids).loss
@@ -119,7 +122,7 @@ def measure(name, build, config, batch_size, seq_len, steps, warmup, extra=None,
     return result
 
 
-REGIME_A_MODELS = ("fabric-lin", "fabric-lin-tuned", "fla", "transformer")
+REGIME_A_MODELS = ("fabric-lin", "fabric-lin-tuned", "fla", "transformer", "gdn", "fla-gdn")
 REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     "fabric-lin": ("config_hub/gla_340M.yaml", []),
     # the same with shapes specialised, to show what marking them dynamic costs in step time
@@ -137,6 +140,7 @@ REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     "fabric-lin-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile.mode", "reduce-overhead"]),
     "fabric-lin-no-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile.mode", "default"]),
     "transformer": ("config_hub/transformer_340M.yaml", []),
+    "gdn": ("config_hub/gdn_340M.yaml", []),
 }
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -287,6 +291,8 @@ def worker(regime, key, args):
         "fabric-lin-tuned": ("fabric-lin gla-340M, launch settings searched first (as compile.kernel_autotune does)", ours, gla),
         "fla": ("flash-linear-attention GLAForCausalLM 340M", fla_model, gla),
         "transformer": ("fabric-lin transformer-340M", ours, Config.from_name("transformer-340M")),
+        "gdn": ("fabric-lin gdn-340M", ours, Config.from_name("gdn-340M")),
+        "fla-gdn": ("flash-linear-attention GatedDeltaNetForCausalLM 340M", fla_model, Config.from_name("gdn-340M")),
     }
     name, build, config = runs[key]
     extra = {}
@@ -317,7 +323,8 @@ def main():
                         "(regime b with specialised shapes), fabric-lin-fsdp-block (regime b, one FSDP unit per Block), "
                         "fabric-lin-fsdp-block-reshard (the same, weights gathered again for the backward pass), fabric-lin-ddp (regime b, DDP "
                         "over several GPUs), fabric-lin-cudagraphs / fabric-lin-no-cudagraphs (regime b, one GPU, CUDA graphs "
-                        "forced on / off; fabric-lin: compile.mode auto, on), fla, transformer")
+                        "forced on / off; fabric-lin: compile.mode auto, on), fla, transformer, gdn (gdn-340M, both regimes), "
+                        "fla-gdn (fla's GatedDeltaNetForCausalLM, regime a)")
     parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",
                         help="bf16-weights (a), real-loop (b), data-loader (the loader alone, no GPU needed)")
     parser.add_argument("--num_workers", type=int, default=4, help="data loader workers (per rank) of the real loop and the data-loader regime")
@@ -348,12 +355,16 @@ def main():
             results[f"{regime}/{key}"] = run_isolated(regime, key, args)
             print(json.dumps({f"{regime}/{key}": results[f"{regime}/{key}"]}), flush=True)
     ratios = {}
-    peer = results.get("bf16-weights/fla", {})
-    if "tokens_per_s" in peer:
+    # each family against fla's model of the same family, regime (a)
+    for peer_key, ours_keys in (("bf16-weights/fla", lambda k: "gdn" not in k), ("bf16-weights/fla-gdn", lambda k: "gdn" in k)):
+        peer = results.get(peer_key, {})
+        if "tokens_per_s" not in peer:
+            continue
         for label, r in results.items():
-            if "tokens_per_s" in r and label != "bf16-weights/fla":
-                ratios[f"{label} tokens/s vs fla (a)"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
-                ratios[f"{label} peak memory vs fla (a)"] = round(r["peak_memory_gib"] / peer["peak_memory_gib"], 3)
+            if "tokens_per_s" in r and "fla" not in label.split("/")[1] and ours_keys(label.split("/")[1]):
+                ratios[f"{label} tokens/s vs {peer_key.split('/')[1]} (a)"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
+                ratios[f"{label} peak memory vs {peer_key.split('/')[1]} (a)"] = round(r["peak_memory_gib"] / peer["peak_memory_gib"], 3)
+    peer = results.get("bf16-weights/fla", results.get("bf16-weights/fla-gdn", {}))
     # the shipped launch table against the searched one, and dynamic against specialised shapes (step time)
     for label, base, other in [("shipped launch table vs searched (a)", "bf16-weights/fabric-lin", "bf16-weights/fabric-lin-tuned"),
                                ("dynamic shapes vs specialised (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-static"),
