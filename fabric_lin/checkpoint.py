@@ -12,14 +12,20 @@ A checkpoint directory holds:
                           dataloader (litdata's loader state), counters and RNG states. One file on one
                           device or DDP; under FSDP a torch.distributed.checkpoint (DCP) directory:
                           `.metadata`, one `__<rank>_0.distcp` per process and Fabric's `meta.pt`
-    step.json             {"step_count": N}: which checkpoint is newest, without loading one
+    step.json             {"step_count": N, "manifest": "manifest.json"}: which checkpoint is newest,
+                          without loading one; and that the checkpoint was written with a manifest
     hyperparameters.yaml  the run's arguments, usable with `fabric-lin pretrain --config`
     model_config.yaml     the model's `Config`
     tokenizer files       `fabric_lin.data.tokenizer.TOKENIZER_FILES`, when the run has a tokenizer
+    manifest.json         size and CRC-32 of every other file (under FSDP, each file of lit_model.pth/),
+                          written last
 
 Each is written under `.tmp-<name>/`, fsynced, and renamed last, so a `step-*` or `final` directory
-that holds lit_model.pth is complete. A model directory (`fabric_lin.convert.model_dir`) uses the same
-names for its weights and config.
+is complete when it was written; the manifest tells whether its bytes are still those that were
+written (`verify_checkpoint`). `--resume` verifies before loading: a damaged directory is renamed to
+`.damaged-<name>` (never deleted) and the newest verified checkpoint is used. Checkpoints written before
+the manifest existed (step.json without "manifest") still load, unverified. A model directory
+(`fabric_lin.convert.model_dir`) uses the same names for its weights and config.
 """
 import collections
 import io
@@ -30,8 +36,11 @@ import pickle
 import random
 import re
 import shutil
+import signal
+import threading
 import warnings
-from dataclasses import fields, is_dataclass
+import zlib
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -44,8 +53,12 @@ MODEL_FILE = "lit_model.pth"
 CONFIG_FILE = "model_config.yaml"
 HPARAMS_FILE = "hyperparameters.yaml"
 STEP_FILE = "step.json"
+MANIFEST_FILE = "manifest.json"
 FINAL_DIR = "final"
 TMP_PREFIX = ".tmp-"
+DAMAGED_PREFIX = ".damaged-"
+MANIFEST_FORMAT = 1
+READ_BLOCK = 16 << 20  # bytes read at a time while checksumming: a 90 GB checkpoint is never held in memory
 STEP_DIR_PATTERN = re.compile(r"^step-(\d{8})$")
 
 
@@ -84,7 +97,9 @@ class Checkpointer:
 
     def save(self, fabric, state: Dict[str, Any], final: bool = False) -> Path:
         """Write out_dir/step-<step_count>/ (or out_dir/final/) atomically: everything goes into a
-        `.tmp-` directory, renamed last; then prune to `keep_last_n` step directories. Every rank calls it."""
+        `.tmp-` directory, the manifest last, renamed at the end; then prune to `keep_last_n` step
+        directories. Every rank calls it. Interrupted (a second Ctrl-C, an error), it removes its
+        `.tmp-` directory and leaves the checkpoints that were there."""
         name = FINAL_DIR if final else step_dir_name(state["step_count"])
         final_dir = self.out_dir / name
         tmp_dir = self.out_dir / f"{TMP_PREFIX}{name}"
@@ -93,27 +108,37 @@ class Checkpointer:
                 shutil.rmtree(tmp_dir)
             tmp_dir.mkdir(parents=True)
         fabric.barrier()
-        state["rng_states"] = get_rng_states()
-        fabric.save(tmp_dir / MODEL_FILE, state)  # every rank takes part; it ends with a barrier
-        if fabric.global_rank == 0:
-            (tmp_dir / STEP_FILE).write_text(json.dumps({"step_count": state["step_count"]}) + "\n")
-            save_hparams(self.hparams, tmp_dir / HPARAMS_FILE)
-            self.config.save(tmp_dir / CONFIG_FILE)
-            if self.tokenizer_dir is not None:
-                from fabric_lin.data.tokenizer import copy_tokenizer_files
+        try:
+            state["rng_states"] = get_rng_states()
+            fabric.save(tmp_dir / MODEL_FILE, state)  # every rank takes part; it ends with a barrier
+            if fabric.global_rank == 0:
+                step_info = {"step_count": state["step_count"], "manifest": MANIFEST_FILE}
+                (tmp_dir / STEP_FILE).write_text(json.dumps(step_info) + "\n")
+                save_hparams(self.hparams, tmp_dir / HPARAMS_FILE)
+                self.config.save(tmp_dir / CONFIG_FILE)
+                if self.tokenizer_dir is not None:
+                    from fabric_lin.data.tokenizer import copy_tokenizer_files
 
-                copy_tokenizer_files(self.tokenizer_dir, tmp_dir)
-            _fsync_tree(tmp_dir)
-            if final_dir.exists():  # e.g. a resumed run passing a step it had saved before
-                old = self.out_dir / f"{TMP_PREFIX}old-{name}"
-                if old.exists():
+                    copy_tokenizer_files(self.tokenizer_dir, tmp_dir)
+            fabric.barrier()  # all files written before any is checksummed
+            write_manifest(fabric, tmp_dir)
+        except BaseException:
+            if fabric.global_rank == 0:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
+        if fabric.global_rank == 0:
+            # a signal between the two renames would leave neither the old nor the new directory in place
+            with signals_deferred(signal.SIGINT, signal.SIGTERM):
+                if final_dir.exists():  # e.g. a resumed run passing a step it had saved before
+                    old = self.out_dir / f"{TMP_PREFIX}old-{name}"
+                    if old.exists():
+                        shutil.rmtree(old)
+                    os.replace(final_dir, old)
+                    os.replace(tmp_dir, final_dir)
                     shutil.rmtree(old)
-                os.replace(final_dir, old)
-                os.replace(tmp_dir, final_dir)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp_dir, final_dir)
-            _fsync_dir(self.out_dir)
+                else:
+                    os.replace(tmp_dir, final_dir)
+                _fsync_dir(self.out_dir)
             if not final and self.keep_last_n is not None:
                 prune_checkpoints(self.out_dir, self.keep_last_n)
             fabric.print(f"Saved checkpoint {final_dir}")
@@ -122,6 +147,233 @@ class Checkpointer:
 
     def final_step(self) -> Optional[float]:
         return final_checkpoint_step(self.out_dir)
+
+
+class signals_deferred:
+    """Run the block without Python's handlers of these signals: one that arrives meanwhile goes to its
+    handler when the block ends. (Blocking the signal with pthread_sigmask would not do: the kernel hands
+    it to another thread, and Python runs the handler on the main thread all the same.) Elsewhere than
+    on the main thread, where no handler runs, it does nothing."""
+
+    def __init__(self, *signals):
+        self.signals = signals
+
+    def __enter__(self):
+        self.arrived: List[int] = []
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                self.previous[signum] = signal.signal(signum, lambda signum, frame: self.arrived.append(signum))
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        for signum in self.arrived:
+            handler = self.previous[signum]
+            if callable(handler):
+                handler(signum, None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
+
+
+# ---------------------------------------------------------------- the manifest
+
+
+def file_checksum(path: Path, fsync: bool = False) -> Dict[str, Any]:
+    """{"size": bytes, "crc32": 8 hex digits} of a file, read in blocks of READ_BLOCK bytes (zlib's CRC-32
+    runs at several GB/s: a few seconds per rank for a sharded 7B checkpoint). `fsync`: also flush the
+    file to disk while it is open."""
+    crc, size = 0, 0
+    block = bytearray(READ_BLOCK)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(block)
+            if not n:
+                break
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+        if fsync:
+            os.fsync(f.fileno())
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def checkpoint_files(directory: Path) -> List[str]:
+    """The files under `directory` but the manifest, as sorted relative POSIX paths."""
+    directory = Path(directory)
+    names = []
+    for dirpath, _, filenames in os.walk(directory):
+        for filename in filenames:
+            name = (Path(dirpath) / filename).relative_to(directory).as_posix()
+            if name != MANIFEST_FILE:
+                names.append(name)
+    return sorted(names)
+
+
+_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+
+
+def share(names: List[str], rank: int, world: int) -> List[str]:
+    """The files of `names` that `rank` checksums: a DCP shard `__<r>_<n>.distcp` goes to rank r, which
+    wrote it (on its node, still in the page cache), the other files in turn to every rank."""
+    mine = []
+    for i, name in enumerate(names):
+        shard = _SHARD_FILE.search(name)
+        if (int(shard.group(1)) if shard else i) % world == rank:
+            mine.append(name)
+    return mine
+
+
+def write_manifest(fabric, directory: Path) -> Dict[str, Any]:
+    """Write `directory`/manifest.json: size and CRC-32 of every other file, under FSDP each shard of
+    lit_model.pth/ too. Every rank calls it: the files are shared out (`share`), so that each rank reads
+    (and fsyncs) about 1/world_size of a sharded checkpoint; rank 0 writes the manifest, atomically."""
+    directory = Path(directory)
+    rank, world = fabric.global_rank, fabric.world_size
+    files = fabric.broadcast(checkpoint_files(directory) if rank == 0 else None, src=0)
+    mine = {name: file_checksum(directory / name, fsync=True) for name in share(files, rank, world)}
+    entries: Dict[str, Any] = {}
+    for part in all_gather_objects(fabric, mine):
+        entries.update(part)
+    manifest = {"format": MANIFEST_FORMAT, "checksum": "crc32", "files": {name: entries[name] for name in files}}
+    if rank == 0:
+        tmp = directory / f"{MANIFEST_FILE}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / MANIFEST_FILE)
+        for dirpath, _, _ in os.walk(directory):
+            _fsync_dir(Path(dirpath))
+    fabric.barrier()
+    return manifest
+
+
+def all_gather_objects(fabric, obj: Any) -> List[Any]:
+    """`obj` of every rank, in rank order (Fabric's all_gather takes tensors only)."""
+    if fabric.world_size == 1:
+        return [obj]
+    gathered: List[Any] = [None] * fabric.world_size
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
+
+
+@dataclass
+class Verification:
+    """What `verify_checkpoint` found in one checkpoint directory."""
+
+    directory: Path
+    problems: List[str] = field(default_factory=list)
+    """What is wrong, one entry per file; empty: the checkpoint may be loaded"""
+    has_manifest: bool = True
+    """False: written before checkpoints carried a manifest, so only its structure could be checked"""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def describe(self) -> str:
+        shown = self.problems[:4]
+        more = len(self.problems) - len(shown)
+        return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
+
+
+def verify_checkpoint(directory: Path, fabric=None) -> Verification:
+    """Check a checkpoint directory against its manifest: every file listed is there, of its size and
+    CRC-32. With `fabric`, every rank calls it and checks a share of the files; all get the whole result.
+    A directory without manifest.json passes if step.json does not say it had one (a checkpoint of an
+    earlier version) and its lit_model.pth is structurally whole."""
+    directory = Path(directory)
+    rank, world = (fabric.global_rank, fabric.world_size) if fabric is not None else (0, 1)
+    problems, has_manifest = _verify_share(directory, rank, world)
+    if fabric is not None and world > 1:
+        problems = sorted({p for part in all_gather_objects(fabric, problems) for p in part})
+    return Verification(directory, problems, has_manifest)
+
+
+def _verify_share(directory: Path, rank: int, world: int) -> Tuple[List[str], bool]:
+    if not directory.is_dir():
+        return [f"{directory} is not a directory"], True
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        step_info = _read_json(directory / STEP_FILE)
+        if isinstance(step_info, dict) and step_info.get("manifest"):
+            return [f"{MANIFEST_FILE} is missing, though {STEP_FILE} says the checkpoint was written with one"], True
+        return _structure_problems(directory), False
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("crc32"), str) for e in files.values()
+        ):
+            raise ValueError('"files" is not a mapping of file name -> {"size", "crc32"}')
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{MANIFEST_FILE} is unreadable ({type(e).__name__}: {e})"], True
+    problems = []
+    if not any(name == MODEL_FILE or name.startswith(MODEL_FILE + "/") for name in files):
+        problems.append(f"{MANIFEST_FILE} lists no {MODEL_FILE}")
+    for name in share(sorted(files), rank, world):
+        problems += _file_problems(directory, name, files[name])
+    return problems, True
+
+
+def _file_problems(directory: Path, name: str, expected: Dict[str, Any]) -> List[str]:
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts or not parts:
+        return [f"{MANIFEST_FILE} lists {name!r}, which is not a path inside the checkpoint"]
+    path = directory / name
+    if not path.is_file():
+        return [f"{name} is missing"]
+    size = path.stat().st_size
+    if size != expected["size"]:
+        how = "truncated" if size < expected["size"] else "grown"
+        return [f"{name} has {size:,} bytes, {expected['size']:,} when it was written ({how})"]
+    got = file_checksum(path)
+    if got["size"] != expected["size"]:
+        return [f"{name} changed size while it was read"]
+    if got["crc32"] != expected["crc32"]:
+        return [f"{name}'s bytes changed since it was written (CRC-32 {got['crc32']}, {expected['crc32']} in {MANIFEST_FILE})"]
+    return []
+
+
+def _structure_problems(directory: Path) -> List[str]:
+    """What a checkpoint without a manifest can be checked for: lit_model.pth is there and whole in structure."""
+    import zipfile
+
+    model = directory / MODEL_FILE
+    if not model.exists():
+        return [f"{MODEL_FILE} is missing"]
+    if model.is_dir():
+        return [] if (model / ".metadata").is_file() else [f"{MODEL_FILE}/.metadata is missing"]
+    if not zipfile.is_zipfile(model):
+        return [f"{MODEL_FILE} is truncated or damaged: it is not the readable zip archive torch.save writes"]
+    return []
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def set_aside(directory: Path) -> Path:
+    """Rename a damaged checkpoint directory to `.damaged-<name>` (`-2`, `-3`, ... if taken): out of the
+    way of --resume and pruning, kept for inspection."""
+    directory = Path(directory)
+    target = directory.with_name(f"{DAMAGED_PREFIX}{directory.name}")
+    n = 2
+    while target.exists():
+        target = directory.with_name(f"{DAMAGED_PREFIX}{directory.name}-{n}")
+        n += 1
+    os.replace(directory, target)
+    return target
+
+
+def unverified_note(directory: Path) -> str:
+    return f"Note: {directory} was written before checkpoints carried a manifest: its files cannot be verified"
+
 
 
 def load_train_state(fabric, checkpoint_dir: Path, state: Dict[str, Any]) -> None:
@@ -154,7 +406,7 @@ def save_hparams(hparams: Dict[str, Any], path: Path) -> None:
 
 def to_plain(value: Any) -> Any:
     """Arguments as YAML data that `--config` reads back: dataclasses as mappings, a data module as
-    jsonargparse's class_path/init_args, paths as strings."""
+    jsonargparse's class_path/init_args, paths as absolute paths (the file is read from other directories)."""
     from fabric_lin.data import DataModule
 
     if isinstance(value, DataModule) and is_dataclass(value):
@@ -164,20 +416,12 @@ def to_plain(value: Any) -> Any:
     if is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_plain(getattr(value, f.name)) for f in fields(value) if f.init}
     if isinstance(value, Path):
-        return str(value)
+        return os.path.abspath(value)
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: to_plain(v) for k, v in value.items()}
     return value
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for filename in filenames:
-            with open(os.path.join(dirpath, filename), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(dirpath))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -225,31 +469,121 @@ def step_checkpoints(out_dir: Path) -> List[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR_PATTERN.match(p.name).group(1)))
 
 
-def find_resume_dir(resume: Union[bool, str, Path, None], out_dir: Path) -> Optional[Path]:
-    """The checkpoint directory to resume from, or None for a fresh start.
+def checkpoint_dirs(out_dir: Path) -> List[Path]:
+    """Every step-* directory and final/ in out_dir, newest first: by step, final/ first on a tie (its
+    validation is done), final/ without step.json (older runs) first of all. Damaged ones included."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    found = []
+    for path in out_dir.iterdir():
+        match = STEP_DIR_PATTERN.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), 0, path))
+    final = out_dir / FINAL_DIR
+    if final.is_dir():
+        step = _read_json(final / STEP_FILE)
+        step = step.get("step_count") if isinstance(step, dict) else None
+        found.append((step if isinstance(step, int) else float("inf"), 1, final))
+    return [path for *_, path in sorted(found, reverse=True)]
 
-    auto/true pick the complete checkpoint with the highest step: `final/` when it is at least as new as
-    every step-* directory (a run extended past its first max_steps saves step-* directories after its
-    old `final/`); temporary `.tmp-*` directories are never considered."""
+
+def find_resume_dir(resume: Union[bool, str, Path, None], out_dir: Path) -> Optional[Path]:
+    """The checkpoint directory to resume from, or None for a fresh start, unverified (`select_resume_dir`
+    verifies).
+
+    auto/true pick the checkpoint with the highest step that holds lit_model.pth: `final/` when it is at
+    least as new as every step-* directory (a run extended past its first max_steps saves step-* directories
+    after its old `final/`); temporary `.tmp-*` and set-aside `.damaged-*` directories are never considered."""
     out_dir = Path(out_dir)
     if resume is False or resume is None:
         return None
     if resume is True or resume == "auto":
-        candidates = [(int(STEP_DIR_PATTERN.match(p.name).group(1)), 0, p) for p in step_checkpoints(out_dir)]
-        final = final_checkpoint_step(out_dir)
-        if final is not None:
-            candidates.append((final, 1, out_dir / FINAL_DIR))  # on a tie, final/ (its validation is done)
-        if candidates:
-            return max(candidates)[2]
+        for path in checkpoint_dirs(out_dir):
+            if (path / MODEL_FILE).exists():
+                return path
         if resume == "auto":
             return None
         raise FileNotFoundError(f"--resume true: no checkpoint (step-XXXXXXXX/ or {FINAL_DIR}/ with {MODEL_FILE}) in {out_dir}")
+    return explicit_resume_dir(resume)
+
+
+def explicit_resume_dir(resume: Union[str, Path]) -> Path:
+    """The directory `--resume <path>` names (the path of its lit_model.pth is taken too)."""
     path = Path(resume)
     if path.name == MODEL_FILE:
         path = path.parent
-    if not (path / MODEL_FILE).exists():
+    if path.name.startswith(TMP_PREFIX):
+        raise ValueError(f"--resume {resume}: an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
+    if not ((path / MODEL_FILE).exists() or (path / MANIFEST_FILE).is_file()):
         raise FileNotFoundError(f"--resume {resume}: expected a checkpoint directory holding {MODEL_FILE}")
     return path
+
+
+def select_resume_dir(fabric, resume: Union[bool, str, Path, None], out_dir: Path) -> Optional[Path]:
+    """The verified checkpoint to resume from, or None for a fresh start. Every rank calls it.
+
+    `--resume <dir>`: that directory, refused with what is wrong if it fails verification. auto/true: the
+    newest checkpoint in out_dir that passes; each newer one that fails is reported, set aside as
+    `.damaged-<name>` (by rank 0) and the next one tried. A checkpoint of an earlier version, which has
+    no manifest, is used with a note."""
+    out_dir = Path(out_dir)
+    if resume is False or resume is None:
+        return None
+    if not (resume is True or resume == "auto"):
+        path = explicit_resume_dir(resume)
+        check = verify_checkpoint(path, fabric)
+        if not check.ok:
+            raise ValueError(
+                f"--resume {resume}: the checkpoint is damaged: {check.describe()}. It is not loaded: pass an older "
+                f"checkpoint directory, or --resume auto for the newest verified one in out_dir"
+            )
+        if not check.has_manifest:
+            fabric.print(unverified_note(path))
+        return path
+    damaged: List[Path] = []
+    for candidate in checkpoint_dirs(out_dir):
+        check = verify_checkpoint(candidate, fabric)
+        if check.ok:
+            if not check.has_manifest:
+                fabric.print(unverified_note(candidate))
+            if damaged:
+                fabric.print(f"Warning: resuming from {candidate}, the newest checkpoint that verifies")
+            return candidate
+        moved = fabric.broadcast(set_aside(candidate) if fabric.global_rank == 0 else None, src=0)
+        fabric.print(f"Warning: checkpoint {candidate} is damaged: {check.describe()}. Set aside as {moved}")
+        damaged.append(moved)
+    if damaged:
+        raise ValueError(
+            f"--resume {resume}: no checkpoint in {out_dir} verifies; the damaged ones are set aside as "
+            f"{', '.join(p.name for p in damaged)}. Start the run again from step 0 with --resume false, or resume "
+            f"from a good copy of a checkpoint with --resume <dir>"
+        )
+    if resume == "auto":
+        return None
+    raise FileNotFoundError(f"--resume true: no checkpoint (step-XXXXXXXX/ or {FINAL_DIR}/) in {out_dir}")
+
+
+def earlier_run_checkpoints(out_dir: Path) -> List[str]:
+    """Names of the step-* directories and final/ that a run wrote into out_dir."""
+    return sorted(p.name for p in checkpoint_dirs(out_dir))
+
+
+def delete_checkpoints(out_dir: Path) -> List[str]:
+    """Delete out_dir's step-* directories, final/, set-aside `.damaged-*` and leftover `.tmp-*` directories.
+    Each is renamed to a `.tmp-` name first, so a kill during the deletion leaves nothing that looks complete."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    doomed = [p for p in out_dir.iterdir() if p.is_dir() and (
+        STEP_DIR_PATTERN.match(p.name) or p.name == FINAL_DIR or p.name.startswith((DAMAGED_PREFIX, TMP_PREFIX))
+    )]
+    for path in sorted(doomed):
+        trash = path if path.name.startswith(TMP_PREFIX) else out_dir / f"{TMP_PREFIX}deleted-{path.name}"
+        if trash != path:
+            os.replace(path, trash)
+        shutil.rmtree(trash)
+    return sorted(p.name for p in doomed)
 
 
 def final_checkpoint_step(out_dir: Path) -> Optional[float]:

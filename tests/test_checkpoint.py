@@ -1,7 +1,10 @@
-"""The training-checkpoint format (`fabric_lin.checkpoint`): atomic step directories, finding the one to
-resume from, pruning, RNG states, and the round trip of a train state through save and load. (Reading a
-checkpoint's model weights, single-file and FSDP-sharded: test_convert_pretrained_checkpoint.py.)"""
+"""The training-checkpoint format (`fabric_lin.checkpoint`): atomic step directories and their manifests,
+verification (truncated, changed, missing files, a missing manifest, checkpoints from before manifests),
+finding the one to resume from and falling back past damaged ones, pruning, deleting an earlier run, RNG
+states, and the round trip of a train state through save and load. (Reading a checkpoint's model weights,
+single-file and FSDP-sharded: test_convert_pretrained_checkpoint.py.)"""
 import json
+import os
 from pathlib import Path
 
 import lightning as L
@@ -12,10 +15,17 @@ import yaml
 from fabric_lin.checkpoint import (
     CONFIG_FILE,
     HPARAMS_FILE,
+    MANIFEST_FILE,
     MODEL_FILE,
     STEP_FILE,
     Checkpointer,
+    checkpoint_dirs,
+    delete_checkpoints,
+    earlier_run_checkpoints,
+    file_checksum,
     find_resume_dir,
+    select_resume_dir,
+    verify_checkpoint,
     final_checkpoint_step,
     get_rng_states,
     load_train_state,
@@ -97,8 +107,14 @@ def test_save_writes_a_complete_directory_then_load_restores_the_state(tmp_path)
     checkpointer = Checkpointer(tmp_path, hparams, config, keep_last_n=2)
     saved = checkpointer.save(fabric, state)
     assert saved == tmp_path / "step-00000003"
-    assert {p.name for p in saved.iterdir()} == {MODEL_FILE, STEP_FILE, HPARAMS_FILE, CONFIG_FILE}
-    assert json.loads((saved / STEP_FILE).read_text()) == {"step_count": 3}
+    assert {p.name for p in saved.iterdir()} == {MODEL_FILE, STEP_FILE, HPARAMS_FILE, CONFIG_FILE, MANIFEST_FILE}
+    assert json.loads((saved / STEP_FILE).read_text()) == {"step_count": 3, "manifest": MANIFEST_FILE}
+    # the manifest: every other file, its size and CRC-32
+    manifest = json.loads((saved / MANIFEST_FILE).read_text())
+    assert sorted(manifest["files"]) == sorted([MODEL_FILE, STEP_FILE, HPARAMS_FILE, CONFIG_FILE])
+    for name, entry in manifest["files"].items():
+        assert entry == file_checksum(saved / name) and entry["size"] == (saved / name).stat().st_size
+    assert verify_checkpoint(saved).ok and verify_checkpoint(saved).has_manifest
     assert yaml.safe_load((saved / HPARAMS_FILE).read_text()) == hparams
     assert Config.from_checkpoint(saved) == config
     assert not list(tmp_path.glob(".tmp-*"))
@@ -148,3 +164,239 @@ def test_load_of_a_model_directory_points_to_initial_checkpoint_dir(tmp_path):
     torch.save(model.state_dict(), tmp_path / MODEL_FILE)  # a model directory: the weights alone
     with pytest.raises(ValueError, match=rf"not a training checkpoint .*use --initial_checkpoint_dir {tmp_path}"):
         load_train_state(fabric, tmp_path, train_state(model, optimizer, {}))
+
+
+# ---------------------------------------------------------------- verification
+
+
+def saved_checkpoint(out_dir: Path, step: int = 2, fabric=None) -> Path:
+    fabric = fabric or L.Fabric(accelerator="cpu", devices=1)
+    model, optimizer = small_state(0)
+    state = train_state(model, optimizer, train_dataloader={"samples": 4})
+    state["step_count"] = step
+    return Checkpointer(out_dir, {"train": {"micro_batch_size": 2}}, Config.from_name("gla-debug")).save(fabric, state)
+
+
+def test_a_truncated_file_is_found(tmp_path):
+    saved = saved_checkpoint(tmp_path)
+    size = (saved / MODEL_FILE).stat().st_size
+    with open(saved / MODEL_FILE, "r+b") as f:
+        f.truncate(size - 1000)
+    check = verify_checkpoint(saved)
+    assert not check.ok
+    assert check.problems == [f"{MODEL_FILE} has {size - 1000:,} bytes, {size:,} when it was written (truncated)"]
+
+
+def test_changed_bytes_are_found(tmp_path):
+    """The same size, one byte different: what a size check misses and the checksum sees."""
+    saved = saved_checkpoint(tmp_path)
+    data = bytearray((saved / MODEL_FILE).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (saved / MODEL_FILE).write_bytes(data)
+    check = verify_checkpoint(saved)
+    assert len(check.problems) == 1
+    assert check.problems[0].startswith(f"{MODEL_FILE}'s bytes changed since it was written (CRC-32 ")
+
+
+def test_a_missing_file_is_found(tmp_path):
+    saved = saved_checkpoint(tmp_path)
+    (saved / CONFIG_FILE).unlink()
+    assert verify_checkpoint(saved).problems == [f"{CONFIG_FILE} is missing"]
+    (saved / MODEL_FILE).unlink()
+    assert verify_checkpoint(saved).problems == [f"{MODEL_FILE} is missing", f"{CONFIG_FILE} is missing"]
+
+
+def test_a_missing_manifest_is_found_where_step_json_says_there_was_one(tmp_path):
+    saved = saved_checkpoint(tmp_path)
+    (saved / MANIFEST_FILE).unlink()
+    assert verify_checkpoint(saved).problems == [
+        f"{MANIFEST_FILE} is missing, though {STEP_FILE} says the checkpoint was written with one"
+    ]
+    (saved / MANIFEST_FILE).write_text("{not json")
+    assert verify_checkpoint(saved).problems[0].startswith(f"{MANIFEST_FILE} is unreadable (JSONDecodeError")
+
+
+def test_a_checkpoint_from_before_manifests_passes_unverified_unless_its_structure_is_broken(tmp_path, capsys):
+    """Written by an earlier version: no manifest, step.json without "manifest". It loads with a note; a
+    truncated lit_model.pth is still found (the end of its zip archive is gone)."""
+    saved = saved_checkpoint(tmp_path)
+    (saved / MANIFEST_FILE).unlink()
+    (saved / STEP_FILE).write_text('{"step_count": 2}')
+    check = verify_checkpoint(saved)
+    assert check.ok and not check.has_manifest
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    assert select_resume_dir(fabric, "auto", tmp_path) == saved
+    assert f"Note: {saved} was written before checkpoints carried a manifest: its files cannot be verified" in capsys.readouterr().out
+    with open(saved / MODEL_FILE, "r+b") as f:
+        f.truncate(1000)
+    assert verify_checkpoint(saved).problems == [
+        f"{MODEL_FILE} is truncated or damaged: it is not the readable zip archive torch.save writes"
+    ]
+
+
+def test_resume_falls_back_to_the_newest_verified_checkpoint_and_sets_the_damaged_aside(tmp_path, capsys):
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    for step in (2, 4, 6):
+        saved_checkpoint(tmp_path, step, fabric)
+    final = tmp_path / "final"
+    (tmp_path / "step-00000006").rename(final)  # final/ at step 6: the newest
+    with open(final / MODEL_FILE, "r+b") as f:
+        f.truncate(100)
+    (tmp_path / "step-00000004" / HPARAMS_FILE).write_text("train: {micro_batch_size: 3}\n")
+    capsys.readouterr()
+    assert select_resume_dir(fabric, "auto", tmp_path) == tmp_path / "step-00000002"
+    out = capsys.readouterr().out
+    assert f"Warning: checkpoint {final} is damaged: {MODEL_FILE} has 100 bytes" in out
+    assert f"Set aside as {tmp_path / '.damaged-final'}" in out
+    assert f"Warning: checkpoint {tmp_path / 'step-00000004'} is damaged: {HPARAMS_FILE}'s bytes changed" in out
+    assert f"Warning: resuming from {tmp_path / 'step-00000002'}, the newest checkpoint that verifies" in out
+    # set aside, never deleted; out of the way of --resume and of the next search
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".damaged-final", ".damaged-step-00000004", "step-00000002"]
+    assert (tmp_path / ".damaged-final" / MODEL_FILE).stat().st_size == 100
+    assert checkpoint_dirs(tmp_path) == [tmp_path / "step-00000002"]
+    # damaged again under the same name: a second name
+    saved_checkpoint(tmp_path, 4, fabric)
+    (tmp_path / "step-00000004" / CONFIG_FILE).unlink()
+    assert select_resume_dir(fabric, True, tmp_path) == tmp_path / "step-00000002"
+    assert (tmp_path / ".damaged-step-00000004-2").is_dir()
+
+
+def test_resume_with_every_checkpoint_damaged_refuses(tmp_path):
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    saved = saved_checkpoint(tmp_path, 2, fabric)
+    (saved / MODEL_FILE).unlink()
+    with pytest.raises(ValueError, match=r"--resume auto: no checkpoint in .* verifies; the damaged ones are set aside as "
+                       r"\.damaged-step-00000002\. Start the run again from step 0 with --resume false"):
+        select_resume_dir(fabric, "auto", tmp_path)
+    assert select_resume_dir(fabric, "auto", tmp_path) is None  # nothing left to try: a fresh start
+
+
+def test_resume_from_a_named_damaged_directory_refuses_with_the_reason(tmp_path):
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    saved = saved_checkpoint(tmp_path, 2, fabric)
+    (saved / CONFIG_FILE).write_text((saved / CONFIG_FILE).read_text().replace("gla-debug", "gla-DEBUG"))
+    with pytest.raises(ValueError, match=rf"--resume {saved}: the checkpoint is damaged: {CONFIG_FILE}'s bytes changed since "
+                       r"it was written .* It is not loaded: pass an older checkpoint directory, or --resume auto"):
+        select_resume_dir(fabric, saved, tmp_path)
+    assert saved.is_dir()  # named by the user: reported, not moved
+
+
+def test_a_sharded_model_directory_is_listed_file_by_file(tmp_path):
+    """Under FSDP lit_model.pth is a directory of shards (DCP): each of its files is in the manifest,
+    and a damaged shard is found by name."""
+    fabric = ShardedSaveFabric()
+    saved = saved_checkpoint(tmp_path, 2, fabric)
+    manifest = json.loads((saved / MANIFEST_FILE).read_text())
+    shards = sorted(n for n in manifest["files"] if n.startswith(MODEL_FILE + "/"))
+    assert shards == [f"{MODEL_FILE}/.metadata", f"{MODEL_FILE}/__0_0.distcp", f"{MODEL_FILE}/__1_0.distcp", f"{MODEL_FILE}/meta.pt"]
+    assert verify_checkpoint(saved).ok
+    (saved / MODEL_FILE / "__1_0.distcp").write_bytes(b"shard 1, fewer bytes")
+    assert verify_checkpoint(saved).problems == [f"{MODEL_FILE}/__1_0.distcp has 20 bytes, 700 when it was written (truncated)"]
+    (saved / MODEL_FILE / "meta.pt").unlink()
+    assert verify_checkpoint(saved).problems[-1] == f"{MODEL_FILE}/meta.pt is missing"
+
+
+class ShardedSaveFabric:
+    """What Checkpointer.save asks of Fabric, saving lit_model.pth as FSDP's sharded form does: a directory."""
+
+    global_rank, world_size = 0, 1
+
+    def save(self, path, state):
+        path.mkdir()
+        (path / ".metadata").write_bytes(b"metadata")
+        for rank in range(2):
+            (path / f"__{rank}_0.distcp").write_bytes(f"shard {rank}".encode() * 100)
+        (path / "meta.pt").write_bytes(b"meta")
+
+    def barrier(self):
+        pass
+
+    def broadcast(self, obj, src=0):
+        return obj
+
+    def print(self, *args):
+        pass
+
+
+class InterruptedSaveFabric(ShardedSaveFabric):
+    """A second Ctrl-C while the model is being written."""
+
+    def save(self, path, state):
+        path.mkdir()
+        (path / "__0_0.distcp").write_bytes(b"half a shard")
+        raise KeyboardInterrupt
+
+
+def test_an_interrupted_save_leaves_the_complete_checkpoints_and_no_temporary_directory(tmp_path):
+    saved = saved_checkpoint(tmp_path, 2)
+    model, optimizer = small_state(0)
+    state = train_state(model, optimizer, train_dataloader={})
+    state["step_count"] = 4
+    with pytest.raises(KeyboardInterrupt):
+        Checkpointer(tmp_path, {}, Config.from_name("gla-debug")).save(InterruptedSaveFabric(), state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [saved.name] and verify_checkpoint(saved).ok
+
+
+def test_an_earlier_run_is_found_and_deleted_whole(tmp_path):
+    for name in ("step-00000002", "step-00000004", "final", ".damaged-step-00000006", ".tmp-step-00000008"):
+        _make_ckpt(tmp_path, name)
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "compile_cache").mkdir()
+    assert earlier_run_checkpoints(tmp_path) == ["final", "step-00000002", "step-00000004"]
+    deleted = delete_checkpoints(tmp_path)
+    assert deleted == [".damaged-step-00000006", ".tmp-step-00000008", "final", "step-00000002", "step-00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["compile_cache", "metrics.jsonl"]  # pretrain removes metrics.jsonl
+    assert earlier_run_checkpoints(tmp_path) == [] and delete_checkpoints(tmp_path / "none") == []
+
+
+def test_checksum_cost_on_a_debug_checkpoint(tmp_path):
+    """The manifest's cost, measured: a gla-debug checkpoint's files are read once more at the save and at
+    a resume. Printed for the record; the bound only catches a pathological slowdown."""
+    import time
+
+    import lightning as L
+
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    from fabric_lin.model import GPT
+
+    model = GPT(Config.from_name("gla-debug"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 4096, (1, 9))).sum().backward()
+    optimizer.step()
+    state = train_state(model, optimizer, train_dataloader={})
+    saved = Checkpointer(tmp_path, {}, Config.from_name("gla-debug")).save(fabric, state)
+    size = sum(p.stat().st_size for p in saved.iterdir())
+    start = time.perf_counter()
+    assert verify_checkpoint(saved).ok
+    seconds = time.perf_counter() - start
+    print(f"verified {size / 1e6:.1f} MB in {seconds * 1e3:.1f} ms ({size / seconds / 1e9:.2f} GB/s)")
+    assert size > 20e6 and seconds < 5.0
+
+
+def test_signals_during_the_renames_go_to_their_handler_afterwards():
+    """Between the two renames that replace a checkpoint, a Ctrl-C would leave neither directory in place:
+    it is held until the renames are done, then raised."""
+    import signal
+
+    from fabric_lin.checkpoint import signals_deferred
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with signals_deferred(signal.SIGINT, signal.SIGTERM):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # Python would run a handler here
+                done.append(1)
+    assert len(done) == 1000
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_each_rank_checksums_the_shards_it_wrote_and_a_share_of_the_rest():
+    from fabric_lin.checkpoint import share
+
+    names = ["hyperparameters.yaml", "lit_model.pth/.metadata", "lit_model.pth/__0_0.distcp", "lit_model.pth/__1_0.distcp",
+             "lit_model.pth/__2_0.distcp", "lit_model.pth/__3_0.distcp", "lit_model.pth/meta.pt", "step.json"]
+    shares = [share(names, rank, 4) for rank in range(4)]
+    assert sorted(n for part in shares for n in part) == names  # each file once
+    assert all(f"lit_model.pth/__{rank}_0.distcp" in shares[rank] for rank in range(4))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 2
+    assert share(names, 0, 1) == names
