@@ -1,10 +1,14 @@
-"""convert_pretrained_checkpoint: training checkpoints (one device, FSDP-sharded) -> model directory.
+"""convert_pretrained_checkpoint: training checkpoints (one device, FSDP-sharded) -> model directory,
+verified against their manifest first; the converters' outputs: their file mode, and no directory left
+behind by a failed conversion.
 
 Run as a script (`python tests/test_convert_pretrained_checkpoint.py OUT_DIR`), this file is also the
 2-process FSDP2 job that writes a sharded checkpoint in Fabric's layout on the CPU.
 """
+import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -179,6 +183,83 @@ def test_pickled_code_in_checkpoint_is_refused(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+def with_manifest(ckpt_dir: Path) -> Path:
+    """The manifest pretrain writes last into a checkpoint directory."""
+    from lightning.fabric import Fabric
+
+    from fabric_lin.checkpoint import write_manifest
+
+    write_manifest(Fabric(accelerator="cpu", devices=1), ckpt_dir)
+    return ckpt_dir
+
+
+def test_a_verified_checkpoint_converts_and_a_damaged_one_is_refused(tmp_path, capsys):
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, expected = fabric_single_device_checkpoint(tmp_path, config)
+    with_manifest(ckpt_dir)
+    convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
+    assert "cannot be verified" not in capsys.readouterr().out
+    assert_same_tensors(torch.load(tmp_path / "model" / "lit_model.pth", weights_only=True), expected)
+    size = (ckpt_dir / "lit_model.pth").stat().st_size
+    with open(ckpt_dir / "lit_model.pth", "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(ValueError, match=rf"{ckpt_dir}: the checkpoint is damaged: lit_model.pth has {size // 2:,} bytes, "
+                       rf"{size:,} when it was written \(truncated\). It is not converted"):
+        convert_pretrained_checkpoint(ckpt_dir, tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_checkpoint_from_before_manifests_converts_with_a_note(tmp_path, capsys):
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, expected = fabric_single_device_checkpoint(tmp_path, config)  # no manifest, as earlier versions wrote
+    convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
+    assert f"Note: {ckpt_dir} was written before checkpoints carried a manifest: its files cannot be verified" in capsys.readouterr().out
+    assert_same_tensors(torch.load(tmp_path / "model" / "lit_model.pth", weights_only=True), expected)
+
+
+def test_exported_files_get_the_usual_mode(tmp_path):
+    """Every file the converters write is a new file of mode 0o666 less the umask (safetensors and mkstemp
+    give 0o600): checked under umask 027, where the usual mode is 0o640."""
+    from fabric_lin.convert.hf import convert_to_hf
+
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)
+    os.chmod(ckpt_dir / "tokenizer.model", 0o600)  # a source's own mode is not copied
+    previous = os.umask(0o027)
+    try:
+        convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
+        modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "model").iterdir()}
+        for name in ("tokenizer.model", "tokenizer_config.json"):  # the test's stand-in bytes are no SentencePiece model
+            shutil.move(tmp_path / "model" / name, tmp_path / name)
+        convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    finally:
+        os.umask(previous)
+    modes.update({p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()})
+    assert modes == {name: oct(0o640) for name in ("lit_model.pth", "model_config.yaml", "tokenizer.model",
+                                                   "tokenizer_config.json", "model.safetensors", "config.json")}
+
+
+def test_a_failed_conversion_removes_the_directories_it_created(tmp_path, monkeypatch):
+    import errno
+
+    from fabric_lin.convert import model_dir
+
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)
+
+    def disk_full(obj, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(model_dir.torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        convert_pretrained_checkpoint(ckpt_dir, tmp_path / "models" / "a" / "model")
+    assert not (tmp_path / "models").exists()
+    (tmp_path / "kept").mkdir()  # a directory that was there before stays
+    with pytest.raises(OSError):
+        convert_pretrained_checkpoint(ckpt_dir, tmp_path / "kept")
+    assert (tmp_path / "kept").is_dir()
+
+
 class _Payload:
     """Unpickled, it runs `touch target`: the file's absence afterwards shows that no code ran."""
 
@@ -256,7 +337,32 @@ def _fsdp_worker(rank: int, world_size: int, ckpt_dir: str, port: int, kind: str
         torch.save({"iter_num": 2, "step_count": 2, "train_dataloader": {"num_samples_yielded": 2}}, path / "meta.pt")
         torch.save(full, Path(ckpt_dir).parent / "expected_weights.pth")
     dist.barrier()
+    # as Checkpointer.save does after its barrier: the ranks share out the checksums, rank 0 writes the manifest
+    from fabric_lin.checkpoint import write_manifest
+
+    write_manifest(_ProcessGroupFabric(), Path(ckpt_dir))
     dist.destroy_process_group()
+
+
+class _ProcessGroupFabric:
+    """What write_manifest asks of Fabric, over the process group of the workers above."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def broadcast(self, obj, src=0):
+        import torch.distributed as dist
+
+        objects = [obj]
+        dist.broadcast_object_list(objects, src=src)
+        return objects[0]
+
+    def barrier(self):
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 @pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
@@ -271,6 +377,11 @@ def test_fsdp_sharded_checkpoint_converts_on_cpu_to_the_unsharded_weights(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     weights = ckpt_dir / "lit_model.pth"
     assert weights.is_dir() and len(list(weights.glob("*.distcp"))) == 2 and (weights / "meta.pt").is_file()
+    # every file of the sharded lit_model.pth/ is in the manifest
+    manifest = json.loads((ckpt_dir / "manifest.json").read_text())
+    assert {n for n in manifest["files"] if n.startswith("lit_model.pth/")} == {
+        f"lit_model.pth/{p.relative_to(weights).as_posix()}" for p in weights.rglob("*") if p.is_file()
+    } >= {"lit_model.pth/.metadata", "lit_model.pth/__0_0.distcp", "lit_model.pth/__1_0.distcp", "lit_model.pth/meta.pt"}
 
     out = tmp_path / "model"
     convert_pretrained_checkpoint(ckpt_dir, out)
@@ -282,6 +393,12 @@ def test_fsdp_sharded_checkpoint_converts_on_cpu_to_the_unsharded_weights(tmp_pa
     init = GPT(config).state_dict()
     assert not torch.equal(init["layers.0.attn.q_proj.weight"], got["layers.0.attn.q_proj.weight"])
     assert (out / "tokenizer.model").is_file() and Config.from_checkpoint(out) == config
+    # a shard damaged afterwards is named, and the checkpoint not converted
+    with open(weights / "__1_0.distcp", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
+    with pytest.raises(ValueError, match=r"the checkpoint is damaged: lit_model.pth/__1_0.distcp's bytes changed since it was written"):
+        convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model2")
 
 
 def test_sharded_metadata_with_foreign_pickle_is_refused(tmp_path):

@@ -36,6 +36,7 @@ from fabric_lin.convert.model_dir import (
     refuse_mixed_exports,
     save_model_dir,
 )
+from fabric_lin.files import created_dir
 
 LLAMA_MODEL_TYPES = ("llama", "mistral")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -144,7 +145,8 @@ def convert_from_llama(
     used = {sources[n] for n in copied + partial}
     ignored = [n for n in reader.names if n not in used]
 
-    tokenizer_files = save_model_dir(state, config, output_dir, tokenizer_dir=checkpoint_dir)
+    with created_dir(output_dir):
+        tokenizer_files = save_model_dir(state, config, output_dir, tokenizer_dir=checkpoint_dir)
     warn_tokenizer_vocab(output_dir, config)
     print(f"Built {model_name} from {checkpoint_dir} -> {output_dir} ({torch_dtype}), tokenizer files {tokenizer_files}")
     print(f"  copied from the Llama ({len(copied)}): {summarize(copied)}")

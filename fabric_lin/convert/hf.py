@@ -35,6 +35,7 @@ from fabric_lin.convert.model_dir import (
     save_model_dir,
     save_safetensors_dir,
 )
+from fabric_lin.files import created_dir
 
 HF_CONFIG_FILE = "config.json"
 # fla's model_type and architecture for each block_type
@@ -46,8 +47,10 @@ FLA_FIXED_GATE = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}
 def convert_to_hf(
     model_dir: Path, output_dir: Optional[Path] = None, dtype: Optional[str] = None, overwrite: bool = False, max_shard_gb: float = 5.0
 ) -> None:
-    """Export a model directory as safetensors + config.json in flash-linear-attention's format, so
-    that, with fla installed, `AutoModelForCausalLM.from_pretrained(output_dir)` loads it.
+    """Export a model directory in flash-linear-attention's Hugging Face format.
+
+    The export (safetensors, config.json, tokenizer files) loads, with fla installed, through
+    `AutoModelForCausalLM.from_pretrained(output_dir)`.
 
     Args:
         model_dir: a model directory (what convert_pretrained_checkpoint writes).
@@ -73,14 +76,15 @@ def convert_to_hf(
     tokenizer_ids = special_token_ids(model_dir)
     hf_config.update(tokenizer_ids)
 
-    files = save_safetensors_dir(hf_state, output_dir, max_shard_bytes=int(max_shard_gb * 2**30))
-    atomic_write(output_dir / HF_CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
-    tokenizer_files = copy_tokenizer(model_dir, output_dir)
-    if "tokenizer_config.json" in tokenizer_files:
-        without_bos_token(output_dir / "tokenizer_config.json")
-    elif tokenizer_files:
-        write_hf_tokenizer_config(output_dir, model_dir)
-        tokenizer_files.append("tokenizer_config.json")
+    with created_dir(output_dir):
+        files = save_safetensors_dir(hf_state, output_dir, max_shard_bytes=int(max_shard_gb * 2**30))
+        atomic_write(output_dir / HF_CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
+        tokenizer_files = copy_tokenizer(model_dir, output_dir)
+        if "tokenizer_config.json" in tokenizer_files:
+            without_bos_token(output_dir / "tokenizer_config.json")
+        elif tokenizer_files:
+            write_hf_tokenizer_config(output_dir, model_dir)
+            tokenizer_files.append("tokenizer_config.json")
     print(f"Exported {model_dir} as fla {hf_config['architectures'][0]} ({len(hf_state)} tensors) -> {output_dir}: {files}")
     if config.block_type != "transformer" and config.head_norm_eps != config.norm_eps:
         print(
@@ -95,8 +99,9 @@ def convert_to_hf(
 def convert_from_hf(
     checkpoint_dir: Path, output_dir: Optional[Path] = None, dtype: Optional[str] = None, overwrite: bool = False, name: Optional[str] = None
 ) -> None:
-    """Convert a flash-linear-attention GLAForCausalLM, GatedDeltaNetForCausalLM or TransformerForCausalLM
-    checkpoint in safetensors format into a model directory.
+    """Convert a flash-linear-attention checkpoint (safetensors) into a model directory.
+
+    fla's GLAForCausalLM, GatedDeltaNetForCausalLM and TransformerForCausalLM are read.
 
     Args:
         checkpoint_dir: a directory with config.json and model.safetensors (or shards and model.safetensors.index.json).
@@ -125,7 +130,8 @@ def convert_from_hf(
     check_state_dict(state_dict, config, source=str(checkpoint_dir))
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
     state_dict = cast_floating(state_dict, torch_dtype)
-    tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir)
+    with created_dir(output_dir):
+        tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir)
     print(f"Converted {checkpoint_dir} ({len(state_dict)} tensors) -> {output_dir}; tokenizer files {tokenizer_files}")
 
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from fabric_lin.checkpoint import CONFIG_FILE, MODEL_FILE  # the same names as in a training checkpoint
 from fabric_lin.config import Config
+from fabric_lin.files import atomic_write
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
@@ -299,7 +300,9 @@ def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: Optional[torch.dty
 
 
 def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path] = ()) -> Path:
-    """Create `output_dir`; refuse a non-empty one unless `overwrite`, and one that is a source."""
+    """Check `output_dir` before anything is written: refuse a non-empty one unless `overwrite`, and one
+    that is a source. Create it with `fabric_lin.files.created_dir(output_dir)`, which removes it again (when still
+    empty) if the conversion fails."""
     output_dir = Path(output_dir)
     for source in sources:
         if output_dir.resolve() == Path(source).resolve():
@@ -311,19 +314,7 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
             f"output_dir {output_dir} is not empty (holds {sorted(p.name for p in output_dir.iterdir())[:5]}); "
             "pass --overwrite true to write into it"
         )
-    output_dir.mkdir(parents=True, exist_ok=True)
     return output_dir
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call `write(tmp_path)` and rename the result to `path`, so a reader never sees half a file."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    try:
-        write(str(tmp))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def save_model_dir(

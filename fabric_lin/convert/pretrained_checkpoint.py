@@ -2,12 +2,20 @@
 
 The training checkpoint's format (one file, or FSDP-sharded in torch.distributed.checkpoint form) is
 `fabric_lin.checkpoint`'s, which also reads it; only the model's tensors are taken. The sharded form is
-consolidated in this process, on the CPU, without a process group.
+consolidated in this process, on the CPU, without a process group. The checkpoint is verified against
+its manifest first: a damaged one is not converted.
 """
 from pathlib import Path
 from typing import Optional
 
-from fabric_lin.checkpoint import CONFIG_FILE, MODEL_FILE, find_training_checkpoint, load_model_weights
+from fabric_lin.checkpoint import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    find_training_checkpoint,
+    load_model_weights,
+    unverified_note,
+    verify_checkpoint,
+)
 from fabric_lin.convert.model_dir import (
     cast_floating,
     check_state_dict,
@@ -16,14 +24,17 @@ from fabric_lin.convert.model_dir import (
     save_model_dir,
     strip_compile_prefix,
 )
+from fabric_lin.files import created_dir
 
 
 def convert_pretrained_checkpoint(
     checkpoint_dir: Path, output_dir: Optional[Path] = None, dtype: Optional[str] = None, overwrite: bool = False
 ) -> None:
-    """Write the model of a training checkpoint as a model directory (lit_model.pth with the model's
-    state dict alone, model_config.yaml, tokenizer files), for `generate`, evaluation and
-    `pretrain --initial_checkpoint_dir`.
+    """Write the model of a training checkpoint as a model directory.
+
+    The model directory (lit_model.pth with the model's state dict alone, model_config.yaml, tokenizer
+    files) is what `generate`, evaluation and `pretrain --initial_checkpoint_dir` read. The checkpoint is
+    first verified against its manifest (checkpoints of earlier versions, without one, with a note).
 
     Args:
         checkpoint_dir: a training checkpoint directory, e.g. out/pretrain/gla-340M/step-00002048
@@ -37,6 +48,14 @@ def convert_pretrained_checkpoint(
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
     config, weights_path = find_training_checkpoint(checkpoint_dir)
+    check = verify_checkpoint(checkpoint_dir)
+    if not check.ok:
+        raise ValueError(
+            f"{checkpoint_dir}: the checkpoint is damaged: {check.describe()}. It is not converted; convert an "
+            "older checkpoint of the run"
+        )
+    if not check.has_manifest:
+        print(unverified_note(checkpoint_dir))
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
 
     state_dict = strip_compile_prefix(load_model_weights(weights_path))
@@ -44,7 +63,8 @@ def convert_pretrained_checkpoint(
     check_state_dict(state_dict, config, source=str(weights_path))
     state_dict = cast_floating(state_dict, torch_dtype)
 
-    tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir)
+    with created_dir(output_dir):
+        tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir)
     n_params = sum(t.numel() for t in state_dict.values())
     print(
         f"Converted {checkpoint_dir} ({form}): {len(state_dict)} tensors, {n_params:,} parameters, "

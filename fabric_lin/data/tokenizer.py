@@ -5,7 +5,6 @@ The directory holds `tokenizer.model` (SentencePiece, e.g. Llama-2's) and option
 """
 import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Union
 
@@ -24,7 +23,10 @@ def tokenizer_model_hash(model_path: Union[str, Path]) -> str:
 
 
 def copy_tokenizer_files(src_dir: Union[str, Path], dst_dir: Union[str, Path]) -> List[Path]:
-    """Copy the tokenizer files present in `src_dir` into `dst_dir`; `tokenizer.model` is required."""
+    """Copy the tokenizer files present in `src_dir` into `dst_dir`, as new files of the usual mode;
+    `tokenizer.model` is required."""
+    from fabric_lin.files import copy_file
+
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
     if not (src_dir / "tokenizer.model").is_file():
         raise FileNotFoundError(f"{src_dir / 'tokenizer.model'} does not exist: expected a SentencePiece tokenizer.model")
@@ -32,7 +34,7 @@ def copy_tokenizer_files(src_dir: Union[str, Path], dst_dir: Union[str, Path]) -
     copied = []
     for name in TOKENIZER_FILES:
         if (src_dir / name).is_file():
-            copied.append(Path(shutil.copy2(src_dir / name, dst_dir / name)))
+            copied.append(copy_file(src_dir / name, dst_dir / name))
     return copied
 
 
