@@ -1,8 +1,30 @@
 """The `fabric-lin` command: one subcommand per job, each a plain function whose signature is its
-command line (jsonargparse turns typed arguments into flags and YAML keys)."""
-import importlib
-import sys
-from typing import Callable, Dict, List, Optional
+command line (jsonargparse turns typed arguments into flags and YAML keys).
+
+A failure that fabric-lin anticipates (a bad value, a missing or damaged file, ...) is reported in one
+line naming the key, value or file and the fix, by rank 0 only, with exit code 2; an unexpected one
+(a bug) keeps its traceback, as does every failure with FABRIC_LIN_DEBUG=1. Ctrl-C exits with 130.
+"""
+import time
+
+# When this process reached its entry point, and the CPU time it had used by then (fabric_lin.metrics
+# derives the start of Python from the two). Taken before anything else is imported.
+ENTERED_AT = (time.time(), time.process_time())
+
+import ast  # noqa: E402
+import errno  # noqa: E402
+import importlib  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+from functools import lru_cache  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable, Dict, List, Optional  # noqa: E402
+
+DEBUG_ENV = "FABRIC_LIN_DEBUG"
+# where the raise statements of anticipated failures are
+PACKAGE_DIRS = tuple(str(Path(__file__).resolve().parents[1] / name) + os.sep for name in ("fabric_lin", "data_prep"))
+FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 
 # subcommand -> "module:function". A module is imported only when its subcommand runs (or for --help).
 COMMANDS: Dict[str, str] = {
@@ -21,28 +43,6 @@ COMMANDS: Dict[str, str] = {
 def load_command(name: str) -> Callable:
     module_name, function_name = COMMANDS[name].split(":")
     return getattr(importlib.import_module(module_name), function_name)
-
-
-def valid_keys_hint(message: str) -> str:
-    """jsonargparse names an unknown key inside a nested class (`model_config:`, `data.init_args:`) but not
-    the keys the class accepts: add them."""
-    import dataclasses
-    import inspect
-    import re
-
-    hints = []
-    for class_path, key in re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message):
-        module_name, _, class_name = class_path.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError, ValueError):
-            continue
-        if dataclasses.is_dataclass(cls):
-            valid = [f.name for f in dataclasses.fields(cls) if f.init]
-        else:
-            valid = [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
-        hints.append(f"{class_path} has no option {key!r}; valid options are: {', '.join(valid)}")
-    return message + "".join(f"\n  {hint}" for hint in hints)
 
 
 def renamed_keys_message(argv: List[str], renamed: Dict[str, str]) -> Optional[str]:
@@ -86,14 +86,154 @@ def renamed_keys_message(argv: List[str], renamed: Dict[str, str]) -> Optional[s
     return "; ".join(parts) or None
 
 
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0", "false", "False")
+
+
+def process_rank() -> int:
+    """This process's global rank: Fabric's, once it has launched, else the launchers' environment (0 alone)."""
+    rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    if rank_zero is not None and getattr(rank_zero.rank_zero_only, "rank", None) is not None:
+        return int(rank_zero.rank_zero_only.rank)
+    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+def expected_failure(error: BaseException) -> bool:
+    """An anticipated failure: raised by a `raise` statement of fabric_lin or data_prep (whose messages
+    name the value, file or key and the fix), or a file system error that names its file (no space left,
+    no permission, read-only). Anything else is a bug, and keeps its traceback."""
+    if isinstance(error, OSError) and error.errno in FILE_SYSTEM_ERRNOS and error.filename:
+        return True
+    if isinstance(error, (AssertionError, NotImplementedError)):
+        return False
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename
+    return filename.startswith(PACKAGE_DIRS) and (filename, tb.tb_lineno) in raise_statements(filename)
+
+
+@lru_cache(maxsize=None)
+def raise_statements(filename: str) -> frozenset:
+    """(filename, line) of every line spanned by a `raise X` statement of a source file."""
+    try:
+        tree = ast.parse(Path(filename).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return frozenset()
+    return frozenset(
+        (filename, line) for node in ast.walk(tree) if isinstance(node, ast.Raise) and node.exc is not None
+        for line in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+    )
+
+
+def report(prog: str, message: str) -> None:
+    """One message on stderr, from rank 0 only: a terminal's Ctrl-C or an error every rank meets
+    would otherwise print once per process."""
+    if process_rank() == 0 or debug_enabled():
+        print(f"{prog}: {message}", file=sys.stderr, flush=True)
+
+
+def one_line_parse_error(message: str, parser) -> str:
+    """jsonargparse's message for a bad command line or config value (up to a dozen lines) as one line:
+    the key, the value given and what is expected."""
+    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        import difflib
+
+        given = unknown.group(1).split()
+        option = next((a.split("=")[0] for a in given if a.startswith("--")), given[0] if given else "")
+        options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
+        close = difflib.get_close_matches(option, options, n=1, cutoff=0.75)
+        return f"unknown option {option}" + (f" (did you mean {close[0]}?)" if close else "") + (
+            "; options are not abbreviated" if close and close[0].startswith(option) else ""
+        )
+    keyed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.S)
+    if not keyed:
+        return " ".join(message.split())
+    key, rest = keyed.groups()
+    unknown_options = valid_keys_hints(rest)
+    if unknown_options:
+        return f"{key}: " + "; ".join(unknown_options)
+    given = re.search(r"(?:Given|Got) value: (.*)", rest)
+    expected = []
+    for what in re.findall(r"Expected a (.+?)(?:\. Got value:.*)?$", rest, re.M):
+        if what.startswith("path but") and len(re.findall("Expected a ", rest)) > 1:
+            continue  # jsonargparse also tried the value as a config file name
+        if what.startswith("dot import path string"):
+            what = ("a data module (SampleCorpus, TokenChunks, SlimPajamaStarcoder or an import path)" if key == "data"
+                    else "a class name or import path")
+        else:
+            what = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", what).replace("NoneType", "null")
+            what = re.sub(r"typing\.Literal\[(.*)\]", r"one of \1", what)
+        if what not in expected:
+            expected.append(what)
+    if given and expected:
+        return f"{key}: got {given.group(1).strip()}, expected {' or '.join(expected)}"
+    return f"{key}: " + " ".join(rest.split())
+
+
+def valid_keys_hints(message: str) -> List[str]:
+    """For each unknown key that jsonargparse names inside a nested class (`model_config:`, `data.init_args:`),
+    the keys the class accepts."""
+    import dataclasses
+    import inspect
+
+    hints = []
+    for class_path, key in re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message):
+        module_name, _, class_name = class_path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError):
+            hints.append(f"{class_path} has no option {key!r}")
+            continue
+        if dataclasses.is_dataclass(cls):
+            valid = [f.name for f in dataclasses.fields(cls) if f.init]
+        else:
+            valid = [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
+        hints.append(f"{class_path} has no option {key!r}; valid options are: {', '.join(valid)}")
+    return hints
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = f"fabric-lin {argv[0]}" if argv and argv[0] in COMMANDS else "fabric-lin"
+    try:
+        run(argv)
+    except KeyboardInterrupt as e:
+        if debug_enabled():
+            raise
+        report(prog, f"interrupted ({e})" if str(e) else "interrupted")
+        raise SystemExit(130) from None
+    except Exception as e:
+        if debug_enabled() or not expected_failure(e):
+            raise
+        report(prog, f"error: {e}")
+        raise SystemExit(2) from None
+
+
+def run(argv: List[str]) -> None:
     from jsonargparse import CLI, ArgumentParser, set_parsing_settings
 
     class Parser(ArgumentParser):
-        def error(self, message, *args, **kwargs):
-            return super().error(valid_keys_hint(str(message)), *args, **kwargs)
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("allow_abbrev", False)  # --train.max_step is not taken for --train.max_steps
+            super().__init__(*args, **kwargs)
 
-    argv = sys.argv[1:] if argv is None else list(argv)
+        def error(self, message, ex=None):
+            from jsonargparse._common import debug_mode_active
+
+            if not self.exit_on_error or debug_mode_active() or debug_enabled():
+                return super().error(message, ex)
+            parser = getattr(ex, "subcommand_parser", None) or self
+            prog = parser.prog.replace(" [options]", "")
+            print(f"{prog}: error: {one_line_parse_error(str(message), parser)}\n({prog} --help lists the options)", file=sys.stderr)
+            raise SystemExit(2)
+
     if len(argv) >= 2 and argv[1] == "list" and argv[0] in ("pretrain", "generate"):
         from fabric_lin.config import name_to_config
 
@@ -114,7 +254,10 @@ def main(argv=None) -> None:
                 components[name] = load_command(name)
             except (ImportError, AttributeError):
                 pass
-    CLI(components, args=argv, as_positional=True, parser_class=Parser)
+    CLI(
+        components, args=argv, as_positional=True, parser_class=Parser, prog="fabric-lin",
+        description=f"Pretrain linear-attention language models. {DEBUG_ENV}=1 shows the traceback of an error.",
+    )
 
 
 if __name__ == "__main__":

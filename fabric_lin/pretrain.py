@@ -23,10 +23,13 @@ from torch.distributed.fsdp import ShardingStrategy
 from fabric_lin.args import CompileArgs, EvalArgs, OptimizerArgs, ParallelismArgs, TrainArgs
 from fabric_lin.checkpoint import (
     CONFIG_FILE,
+    HPARAMS_FILE,
     Checkpointer,
     check_out_dir,
-    find_resume_dir,
+    delete_checkpoints,
+    earlier_run_checkpoints,
     load_train_state,
+    select_resume_dir,
     to_plain,
     train_state,
 )
@@ -34,7 +37,8 @@ from fabric_lin.config import Config
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.lr_schedule import learning_rate
-from fabric_lin.metrics import MetricsWriter, make_logger
+from fabric_lin.files import missing_ancestors, remove_empty_dirs
+from fabric_lin.metrics import METRICS_FILE, MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
 
@@ -70,6 +74,7 @@ def setup(
     out_dir: Path = Path("out/pretrain"),
     precision: Optional[Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]] = None,
     resume: Union[bool, Literal["auto"], Path] = False,
+    overwrite: bool = False,
     initial_checkpoint_dir: Optional[Path] = None,
     data: Optional[DataModule] = None,
     train: TrainArgs = TrainArgs(),
@@ -91,8 +96,12 @@ def setup(
         model_config: A full model configuration (the fields of `fabric_lin.config.Config`).
         out_dir: Directory for checkpoints (step-XXXXXXXX/, final/), logs and metrics.jsonl.
         precision: bf16-mixed, bf16-true, 16-mixed or 32-true. Default: bf16-mixed on GPU, 32-true on CPU.
-        resume: false: start fresh. true: resume from the newest checkpoint in out_dir (error if none).
-            auto: resume from the newest checkpoint if there is one. A path: resume from that checkpoint directory.
+        resume: false: start fresh (refused where out_dir holds an earlier run's checkpoints, see overwrite).
+            true: resume from the newest checkpoint in out_dir that verifies against its manifest (error if none).
+            auto: the same, or a fresh start if out_dir holds no checkpoint. A path: resume from that checkpoint
+            directory. A damaged checkpoint is reported, set aside as .damaged-<name> and not loaded.
+        overwrite: true: start afresh where out_dir holds an earlier run, deleting its checkpoints (step-*,
+            final, .damaged-*) and its metrics.jsonl first; its logs/ stay (loggers add a version).
         initial_checkpoint_dir: A model directory (convert_pretrained_checkpoint's output) whose weights
             initialise the model before training (continued pretraining).
         data: The data module. Default: SampleCorpus (a small corpus shipped with the package).
@@ -116,6 +125,11 @@ def setup(
         devices = torch.cuda.device_count() if cuda else 1
     if not isinstance(devices, int) or devices < 1 or num_nodes < 1:
         raise ValueError(f"devices must be a positive integer or 'auto' and num_nodes positive, got devices={devices!r}, num_nodes={num_nodes!r}")
+    if cuda and devices > torch.cuda.device_count():
+        raise ValueError(
+            f"--devices {devices}: this machine has {torch.cuda.device_count()} CUDA GPU(s) (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give --devices {torch.cuda.device_count()} or fewer"
+        )
     precision = precision or ("bf16-mixed" if cuda else "32-true")
     compile = replace(compile, enabled=cuda if compile.enabled is None else compile.enabled)
     data = SampleCorpus() if data is None else data
@@ -124,9 +138,10 @@ def setup(
             "--data.* options need a data module: give --data SampleCorpus, TokenChunks or SlimPajamaStarcoder "
             "(or a config file's data: class_path) before them"
         )
-    # this run's arguments, as resolved above, for hyperparameters.yaml and the logger (loadable with --config)
+    # this run's arguments, as resolved above, for hyperparameters.yaml and the logger (loadable with --config);
+    # not `overwrite`, an action on out_dir rather than a setting, which `--config ... --resume auto` would refuse
     arguments = locals()
-    hparams = to_plain({name: arguments[name] for name in inspect.signature(setup).parameters})
+    hparams = to_plain({name: arguments[name] for name in inspect.signature(setup).parameters if name != "overwrite"})
 
     # errors that would otherwise appear only after the model and the data are loaded
     train.gradient_accumulation_iters(devices, num_nodes)
@@ -138,26 +153,59 @@ def setup(
     if initial_checkpoint_dir is not None and not Path(initial_checkpoint_dir).is_dir():
         raise FileNotFoundError(f"--initial_checkpoint_dir {initial_checkpoint_dir} is not a directory (expected a model directory)")
     out_dir = Path(out_dir)
-    check_out_dir(out_dir, config)
+    check_earlier_run(out_dir, resume, overwrite)
+    created = missing_ancestors(out_dir)
+    fabric = None
+    try:
+        check_out_dir(out_dir, config)
+        if compile.cache:  # before Fabric starts any process or compiles anything; its processes inherit these
+            os.environ["TRITON_CACHE_DIR"] = str((out_dir / COMPILE_CACHE_DIR / "triton").absolute())
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((out_dir / COMPILE_CACHE_DIR / "inductor").absolute())
+        fabric = L.Fabric(
+            accelerator="cuda" if cuda else "cpu", devices=devices, num_nodes=num_nodes, precision=precision,
+            strategy=make_strategy(cuda, devices, num_nodes, parallelism), loggers=[make_logger(logger_name, out_dir, hparams)],
+        )
+        fabric.launch()
+        main(
+            fabric, config, out_dir=out_dir, resume=resume, overwrite=overwrite, initial_checkpoint_dir=initial_checkpoint_dir,
+            data=data, train=train, eval=eval, optimizer=optimizer, parallelism=parallelism, compile=compile, seed=seed,
+            tokenizer_dir=tokenizer_dir, reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
+            precision=precision, hparams=hparams,
+        )
+    except BaseException:
+        if fabric is None or fabric.global_rank == 0:
+            remove_empty_dirs(created)  # a failed run leaves no empty out_dir behind
+        raise
 
-    if compile.cache:  # before Fabric starts any process or compiles anything; its processes inherit these
-        os.environ["TRITON_CACHE_DIR"] = str((out_dir / COMPILE_CACHE_DIR / "triton").absolute())
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((out_dir / COMPILE_CACHE_DIR / "inductor").absolute())
-    fabric = L.Fabric(
-        accelerator="cuda" if cuda else "cpu", devices=devices, num_nodes=num_nodes, precision=precision,
-        strategy=make_strategy(cuda, devices, num_nodes, parallelism), loggers=[make_logger(logger_name, out_dir, hparams)],
-    )
-    fabric.launch()
-    main(
-        fabric, config, out_dir=out_dir, resume=resume, initial_checkpoint_dir=initial_checkpoint_dir, data=data,
-        train=train, eval=eval, optimizer=optimizer, parallelism=parallelism, compile=compile, seed=seed,
-        tokenizer_dir=tokenizer_dir, reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
-        precision=precision, hparams=hparams,
+
+def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:
+    """Refuse a fresh run into an out_dir that holds an earlier run's checkpoints: the two runs' step
+    directories would lie side by side, and a later --resume auto would take the earlier run's newest."""
+    continuing = resume is True or resume == "auto"
+    named = None if continuing or resume is False or resume is None else Path(resume)
+    if named is not None and named.name == "lit_model.pth":
+        named = named.parent
+    inside = named is not None and Path(os.path.abspath(named)).parent == Path(os.path.abspath(out_dir))
+    if overwrite and continuing:
+        raise ValueError(
+            f"--overwrite true deletes the checkpoints in {out_dir} that --resume {resume} would continue from: give one of the two"
+        )
+    if overwrite and inside:
+        raise ValueError(f"--overwrite true would delete the checkpoint --resume {resume} names, in out_dir {out_dir}")
+    earlier = earlier_run_checkpoints(out_dir)
+    if not earlier or continuing or overwrite or inside:
+        return
+    shown = ", ".join(earlier[:3] + ([f"... ({len(earlier) - 3} more)"] if len(earlier) > 3 else []))
+    raise FileExistsError(
+        f"out_dir {out_dir} holds the checkpoints of an earlier run ({shown}); a new run would put its own beside them. "
+        f"Continue that run with --resume auto, write this one to another --out_dir, or start afresh with "
+        f"--overwrite true (deletes those checkpoints)"
     )
 
 
 def main(
-    fabric: L.Fabric, config: Config, *, out_dir: Path, resume: Union[bool, str, Path], initial_checkpoint_dir: Optional[Path],
+    fabric: L.Fabric, config: Config, *, out_dir: Path, resume: Union[bool, str, Path], overwrite: bool = False,
+    initial_checkpoint_dir: Optional[Path],
     data: DataModule, train: TrainArgs, eval: EvalArgs, optimizer: OptimizerArgs, parallelism: ParallelismArgs,
     compile: CompileArgs, seed: int, tokenizer_dir: Optional[Path], reset_state_at_doc_boundaries: bool,
     precision: str, hparams: Dict,
@@ -167,10 +215,17 @@ def main(
         flops_per_token=flops_per_token(config, train.max_seq_length), peak_flops=peak_flops(fabric.device, precision),
         count_recompilations=compile.enabled,
     )
-    with StopRequest() as stop:  # SIGTERM/SIGUSR1 from here on: checkpoint at the next step, exit 0
-        resume_dir = find_resume_dir(resume, out_dir)  # before any work, so a bad --resume fails fast
+    # SIGTERM, SIGUSR1 and Ctrl-C from here on: checkpoint at the next step boundary
+    with StopRequest(announce=fabric.global_rank == 0) as stop:
+        if overwrite:
+            if fabric.global_rank == 0:
+                deleted = delete_checkpoints(out_dir)
+                (out_dir / METRICS_FILE).unlink(missing_ok=True)
+                if deleted:
+                    fabric.print(f"--overwrite true: deleted the earlier run's checkpoints in {out_dir}: {', '.join(deleted)}")
+            fabric.barrier()
+        resume_dir = select_resume_dir(fabric, resume, out_dir)  # before any work, so a bad --resume fails fast
         fabric.seed_everything(seed)
-        metrics.log_hyperparams(hparams)
 
         # data
         if fabric.global_rank == 0:
@@ -195,6 +250,8 @@ def main(
         data.setup()
         train_dataloader = data.train_dataloader()
         val_dataloader = data.val_dataloader()
+        if resume_dir is not None:
+            check_loader_matches(resume_dir, hparams, train_dataloader, fabric.print)
         train_dataloader = fabric.setup_dataloaders(train_dataloader)
         if val_dataloader is not None:  # a data module without a validation split returns None
             val_dataloader = fabric.setup_dataloaders(val_dataloader)
@@ -231,21 +288,28 @@ def main(
             " train.micro_batch_size or data.num_workers, or give it more data"
         ))
         checkpointer = Checkpointer(out_dir, hparams, config, tokenizer_dir, keep_last_n=train.keep_last_n)
+        metrics.log_hyperparams(hparams)  # here, so that a run failing before has written nothing into out_dir
         status = "failed"
         try:
             fit(
                 fabric, state, train_iterator, val_dataloader, train=train, eval=eval, checkpointer=checkpointer,
                 metrics=metrics, stop=stop, eos_id=tokenizer.eos_id if reset_state_at_doc_boundaries else None,
                 cuda_graphs=compile.cuda_graphs,
+                resume_hint="run the same command with --resume auto" + (" instead of --overwrite true" if overwrite else ""),
             )
             status = "success"
         finally:
             metrics.close(status)
+    if stop.signal_name == "SIGINT" and fabric.global_rank == 0:
+        # the shell's code for a command ended by Ctrl-C; the other ranks exit 0, as Fabric's launcher ends
+        # every process as soon as one of them exits with an error
+        raise SystemExit(130)
 
 
 def fit(
     fabric: L.Fabric, state: Dict, train_iterator: Iterator, val_dataloader, *, train: TrainArgs, eval: EvalArgs,
     checkpointer: Checkpointer, metrics: MetricsWriter, stop: "StopRequest", eos_id: Optional[int], cuda_graphs: bool,
+    resume_hint: str = "run the same command with --resume auto",
 ) -> None:
     model, optimizer = state["model"], state["optimizer"]
     base_lr = optimizer.defaults["lr"]  # as built for this run (a loaded checkpoint sets the groups' lr only)
@@ -340,8 +404,8 @@ def fit(
         if log_step or stop_now:
             metrics.log_progress(step, lr, grad_norm, state["skipped_steps"])
         if stop_now:
-            checkpointer.save(fabric, state)
-            fabric.print(f"Stop requested by signal: checkpoint saved at step {step}; resume with --resume auto")
+            saved = checkpointer.save(fabric, state)
+            fabric.print(f"Stopped by {stop.signal_name or 'a signal'} at step {step}: checkpoint saved in {saved}; to continue, {resume_hint}")
             stopped_by_signal = True
             break
         with metrics.paused():
@@ -510,6 +574,61 @@ def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str
     return load_model_dir_weights(model_dir, config)
 
 
+def check_loader_matches(resume_dir: Path, hparams: Dict, train_dataloader, log=print) -> None:
+    """Compare the values litdata's loader state depends on - micro batch size, DataLoader workers (0 counts
+    as 1), processes - with those in the checkpoint's hyperparameters.yaml. A mix of datasets (litdata's
+    CombinedStreamingDataset) restores its position only with the same three and otherwise fails inside
+    litdata without naming the one that changed: refused here, naming it. A single dataset is re-striped
+    from its position over the new layout: noted."""
+    import yaml
+    from litdata.streaming import CombinedStreamingDataset
+
+    try:
+        saved = yaml.safe_load((Path(resume_dir) / HPARAMS_FILE).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return
+    if not isinstance(saved, dict):
+        return
+
+    def values(h: Dict) -> Dict[str, Optional[int]]:
+        workers = ((h.get("data") or {}).get("init_args") or {}).get("num_workers")
+        devices, nodes = h.get("devices"), h.get("num_nodes", 1)
+        return {
+            "train.micro_batch_size": (h.get("train") or {}).get("micro_batch_size"),
+            "data.num_workers": max(workers, 1) if isinstance(workers, int) else None,
+            "devices x num_nodes": devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None,
+        }
+
+    then, now = values(saved), values(hparams)
+    changed = [key for key in then if then[key] is not None and now[key] is not None and then[key] != now[key]]
+    if not changed:
+        return
+
+    def shown(h: Dict, key: str) -> str:
+        if key == "devices x num_nodes":
+            return f"{h.get('devices')} x {h.get('num_nodes', 1)}"
+        if key == "data.num_workers":
+            return str(((h.get("data") or {}).get("init_args") or {}).get("num_workers"))
+        return str(then[key] if h is saved else now[key])
+
+    differences = ", ".join(f"{key} is {shown(hparams, key)} here, {shown(saved, key)} in the checkpoint" for key in changed)
+    flags = " ".join(
+        f"--devices {saved.get('devices')} --num_nodes {saved.get('num_nodes', 1)}" if key == "devices x num_nodes"
+        else f"--{key} {shown(saved, key)}" for key in changed
+    )
+    if isinstance(getattr(train_dataloader, "dataset", None), CombinedStreamingDataset):
+        raise ValueError(
+            f"--resume {resume_dir}: {differences}. A mix of datasets continues from its position only with the "
+            f"checkpoint's micro batch size, DataLoader workers and process count: resume with {flags}, or continue from "
+            f"its weights in a new data order: fabric-lin convert_pretrained_checkpoint {resume_dir} --output_dir <DIR>, "
+            f"then --initial_checkpoint_dir <DIR> (AdamW's moments start again)"
+        )
+    log(
+        f"Note: {differences}: the data continues from the checkpoint's position, spread over the new layout, "
+        f"so the samples that follow are not those the original run would have seen ({flags} keeps them)"
+    )
+
+
 def load_tokenizer(tokenizer_dir: Optional[Path]):
     if tokenizer_dir is None:
         return None
@@ -629,12 +748,17 @@ class CycleIterator:
 
 
 class StopRequest:
-    """SIGTERM or SIGUSR1 (a scheduler's preemption notice) -> checkpoint at the next step boundary, exit 0."""
+    """SIGTERM or SIGUSR1 (a scheduler's preemption notice) or SIGINT (Ctrl-C) -> checkpoint at the next
+    step boundary and stop. A second Ctrl-C stops at once: KeyboardInterrupt, wherever the loop is (a
+    checkpoint being written is removed, see Checkpointer.save; the complete ones stay)."""
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
-    def __init__(self):
+    def __init__(self, announce: bool = True):
         self.requested = False
+        self.interrupted = False  # a first Ctrl-C came
+        self.signal_name: Optional[str] = None  # the first signal this process received
+        self.announce = announce  # say so on the console (rank 0: a terminal's Ctrl-C reaches every rank)
 
     def __enter__(self) -> "StopRequest":
         self.previous = {}
@@ -648,4 +772,15 @@ class StopRequest:
             signal.signal(getattr(signal, name), handler)
 
     def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and self.interrupted:
+            raise KeyboardInterrupt(
+                "a second Ctrl-C: stopped at once, without a checkpoint of this step; the ones saved before are whole: "
+                "the same command with --resume auto continues from the newest"
+            )
+        self.interrupted = self.interrupted or name == "SIGINT"
         self.requested = True
+        self.signal_name = self.signal_name or name
+        if self.announce and name == "SIGINT":
+            # os.write, not print: a handler that prints while the loop prints fails with a reentrant call
+            os.write(2, b"\nCtrl-C: stopping with a checkpoint at the end of this step (Ctrl-C again to stop at once, without it)\n")

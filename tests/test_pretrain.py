@@ -272,6 +272,7 @@ def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"compile.mode must be 'auto', 'default' or 'reduce-overhead', got 'max-autotune'"):
         _setup(tmp_path, compile=CompileArgs(mode="max-autotune"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before any GPU work
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"needs one CUDA GPU and compile.enabled true; got cuda=True, compile.enabled=True, devices=2"):
         _setup(tmp_path, compile=graphs, devices=2,
                train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=1, max_seq_length=32))
@@ -279,6 +280,16 @@ def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):
         _setup(tmp_path, compile=CompileArgs(enabled=False, mode="reduce-overhead"))
     with pytest.raises(ValueError, match="cannot be used with reset_state_at_doc_boundaries"):
         _setup(tmp_path, compile=graphs, reset_state_at_doc_boundaries=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_error_more_devices_than_gpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(ValueError, match=r"--devices 8: this machine has 2 CUDA GPU\(s\) \(CUDA_VISIBLE_DEVICES=0,1\); "
+                       r"give --devices 2 or fewer"):
+        _setup(tmp_path, devices=8)
     assert not (tmp_path / "out").exists()
 
 
@@ -490,12 +501,24 @@ def test_error_eval_max_iters_not_positive(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_error_data_options_without_a_data_module(tmp_path):
+def cli_error(argv, capsys) -> str:
+    """Run `fabric-lin <argv>` in this process, expecting an anticipated failure: exit code 2 and one line on
+    stderr, no traceback. Returns the line."""
     from fabric_lin.cli import main as cli_main
 
-    with pytest.raises(ValueError, match=r"--data\.\* options need a data module: give --data SampleCorpus"):
-        cli_main(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
-                  "--train.max_steps", "1", "--data.num_workers", "2"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_error_data_options_without_a_data_module(tmp_path, capsys):
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
+                     "--train.max_steps", "1", "--data.num_workers", "2"], capsys)
+    assert err.startswith("fabric-lin pretrain: error: --data.* options need a data module: give --data SampleCorpus")
 
 
 def test_error_resume_from_a_model_directory_points_to_initial_checkpoint_dir(tmp_path):
@@ -562,6 +585,9 @@ def test_error_resume_with_other_optimizer_groups_says_how_to_continue(tmp_path)
     decay, no_decay = state["optimizer"]["param_groups"]
     decay["params"], no_decay["params"] = decay["params"] + no_decay["params"], []
     torch.save(state, path)
+    # as an earlier version wrote it: without the manifest (which would report the file as changed)
+    (path.parent / "manifest.json").unlink()
+    (path.parent / "step.json").write_text('{"step_count": 1}\n')
     with pytest.raises(ValueError, match=r"other parameter groups than this run's .* convert_pretrained_checkpoint"):
         _setup(tmp_path, resume=tmp_path / "out" / "final", out_dir=tmp_path / "again", eval=EvalArgs(final_validation=False))
 
@@ -651,20 +677,18 @@ def test_hyperparameters_yaml_is_a_config_for_the_next_run(tmp_path):
     assert cfg.compile == CompileArgs(enabled=False, dynamic=False, mode="default")  # enabled resolved for the CPU
     assert type(cfg.data).__name__ == "SampleCorpus" and tuple(cfg.data.weights) == (0.693584, 0.306416)
     cli_main(["pretrain", "--config", str(hparams), "--resume", "auto", "--train.max_steps", "2"])
-    assert json.loads((tmp_path / "out" / "final" / "step.json").read_text()) == {"step_count": 2}
+    assert json.loads((tmp_path / "out" / "final" / "step.json").read_text())["step_count"] == 2
 
 
-def test_a_compile_group_file_is_not_taken_for_the_old_compile_flag(tmp_path):
+def test_a_compile_group_file_is_not_taken_for_the_old_compile_flag(tmp_path, capsys):
     """`--compile FILE` (a YAML file of the group) and `--compile '{...}'` are the new form: parsed, then
     refused here for another reason (max_steps 0), which shows that parsing went through."""
-    from fabric_lin.cli import main as cli_main
-
     group = tmp_path / "compile.yaml"
     group.write_text("enabled: false\ncache: false\n")
     for value in (str(group), '{"enabled": false}'):
-        with pytest.raises(ValueError, match="train.max_steps must be positive, got 0"):
-            cli_main(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
-                      "--compile", value, "--train.max_steps", "0"])
+        err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
+                         "--compile", value, "--train.max_steps", "0"], capsys)
+        assert err == "fabric-lin pretrain: error: train.max_steps must be positive, got 0\n"
 
 
 class RankFabric:
@@ -712,3 +736,201 @@ def test_kernel_autotune_searches_on_rank_0_and_every_rank_builds_with_its_resul
     # every GLA layer of the model is built with the settings
     model, _ = build_model(L.Fabric(accelerator="cpu", devices=1), config, seed=0, gla_launch=searched)
     assert [block.attn.launch for block in model.module.layers] == [searched] * config.num_layers
+
+
+# ---- an out_dir that holds an earlier run
+
+
+def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path, capsys):
+    _setup(tmp_path, eval=EvalArgs(final_validation=False))
+    out = tmp_path / "out"
+    (out / "step-00000005").mkdir()  # an earlier run's step beyond this run's max_steps
+    first = (out / "final" / "lit_model.pth").read_bytes()
+    with pytest.raises(FileExistsError, match=rf"out_dir {out} holds the checkpoints of an earlier run \(final, step-00000005\); "
+                       r"a new run would put its own beside them. Continue that run with --resume auto, write this one to "
+                       r"another --out_dir, or start afresh with --overwrite true \(deletes those checkpoints\)"):
+        _setup(tmp_path, eval=EvalArgs(final_validation=False))
+    assert (out / "final" / "lit_model.pth").read_bytes() == first  # untouched
+    # the same from the command line: one line
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(out), "--train.max_steps", "1"], capsys)
+    assert err.startswith(f"fabric-lin pretrain: error: out_dir {out} holds the checkpoints of an earlier run")
+    # contradictions are refused before any work
+    with pytest.raises(ValueError, match="--overwrite true deletes the checkpoints .* that --resume auto would continue from"):
+        _setup(tmp_path, overwrite=True, resume="auto")
+    with pytest.raises(ValueError, match="--overwrite true would delete the checkpoint --resume .*final names"):
+        _setup(tmp_path, overwrite=True, resume=out / "final")
+    # --overwrite true: the earlier run's checkpoints and metrics are gone, only this run's are there
+    (out / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0}\n')
+    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32, save_interval=1)
+    _setup(tmp_path, overwrite=True, train=train, eval=EvalArgs(final_validation=False))
+    assert "--overwrite true: deleted the earlier run's checkpoints in" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("step-", "final", "."))) == ["final", "step-00000001"]
+    assert {json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()} == {1, 2}
+    # the checkpoints record no overwrite: `--config <their hyperparameters.yaml> --resume auto` is not refused
+    assert "overwrite" not in (out / "final" / "hyperparameters.yaml").read_text()
+
+
+def test_hyperparameters_yaml_holds_absolute_paths(tmp_path, monkeypatch, prepared):
+    import yaml
+
+    from fabric_lin.data import TokenChunks
+
+    monkeypatch.chdir(tmp_path)
+    data = TokenChunks(data_path=Path(os.path.relpath(prepared / "tokens", tmp_path)), num_workers=0)
+    config = Config.from_name("gla-debug", vocab_size=320)
+    _setup(tmp_path, model_name=None, model_config=config, out_dir=Path("runs/out"), data=data,
+           tokenizer_dir=Path(os.path.relpath(prepared / "tok300", tmp_path)), eval=EvalArgs(final_validation=False))
+    hparams = yaml.safe_load((tmp_path / "runs" / "out" / "final" / "hyperparameters.yaml").read_text())
+    assert hparams["out_dir"] == str(tmp_path / "runs" / "out")
+    assert hparams["tokenizer_dir"] == str(prepared / "tok300")
+    assert hparams["data"]["init_args"]["data_path"] == str(prepared / "tokens")
+
+
+def test_a_failed_run_removes_the_empty_output_directories_it_created(tmp_path):
+    from fabric_lin.data import TokenChunks
+
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # after the launch: the data is checked in main
+        _setup(tmp_path, out_dir=tmp_path / "runs" / "a" / "b", data=TokenChunks(data_path=tmp_path / "nothing", num_workers=0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
+
+
+# ---- resuming with other loader values
+
+
+def test_resume_names_the_loader_value_that_changed(tmp_path, capsys):
+    """The sample corpus mixes two datasets, whose position litdata restores only with the same micro batch
+    size, workers and processes: the one that changed is named, with the flag that resumes."""
+    _setup(tmp_path, eval=EvalArgs(final_validation=False))
+    final = tmp_path / "out" / "final"
+    other = TrainArgs(global_batch_size=2, micro_batch_size=1, max_steps=2, max_seq_length=32)
+    with pytest.raises(ValueError, match=rf"--resume {final}: train.micro_batch_size is 1 here, 2 in the checkpoint. A mix "
+                       r"of datasets continues from its position only with the checkpoint's micro batch size, DataLoader "
+                       r"workers and process count: resume with --train.micro_batch_size 2, or continue from its weights "
+                       rf"in a new data order: fabric-lin convert_pretrained_checkpoint {final} --output_dir <DIR>"):
+        _setup(tmp_path, out_dir=tmp_path / "again", resume=final, train=other, eval=EvalArgs(final_validation=False))
+    assert not (tmp_path / "again").exists()
+
+
+def test_loader_values_compared_with_the_checkpoint(tmp_path, capsys):
+    import yaml
+    from litdata.streaming import CombinedStreamingDataset
+
+    from fabric_lin.pretrain import check_loader_matches
+
+    saved = {"devices": 1, "num_nodes": 1, "train": {"micro_batch_size": 2}, "data": {"init_args": {"num_workers": 0}}}
+    (tmp_path / "hyperparameters.yaml").write_text(yaml.safe_dump(saved))
+
+    class Loader:
+        def __init__(self, dataset):
+            self.dataset = dataset
+
+    mixed = Loader(CombinedStreamingDataset.__new__(CombinedStreamingDataset))
+    same = {**saved, "data": {"init_args": {"num_workers": 1}}}  # litdata counts 0 workers as 1
+    check_loader_matches(tmp_path, same, mixed)
+    with pytest.raises(ValueError, match=r"data.num_workers is 4 here, 0 in the checkpoint, devices x num_nodes is 2 x 1 here, "
+                       r"1 x 1 in the checkpoint\. .* resume with --data.num_workers 0 --devices 1 --num_nodes 1, or"):
+        check_loader_matches(tmp_path, {**saved, "devices": 2, "data": {"init_args": {"num_workers": 4}}}, mixed)
+    # one dataset: litdata spreads it from its position over the new layout; said, not refused
+    lines = []
+    check_loader_matches(tmp_path, {**saved, "train": {"micro_batch_size": 4}}, Loader(object()), lines.append)
+    assert lines == ["Note: train.micro_batch_size is 4 here, 2 in the checkpoint: the data continues from the checkpoint's "
+                     "position, spread over the new layout, so the samples that follow are not those the original run "
+                     "would have seen (--train.micro_batch_size 2 keeps them)"]
+
+
+def test_resume_from_a_damaged_directory_refuses_in_one_line(tmp_path, capsys):
+    _setup(tmp_path, eval=EvalArgs(final_validation=False))
+    final = tmp_path / "out" / "final"
+    with open(final / "lit_model.pth", "r+b") as f:
+        f.truncate(4096)
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "again"), "--resume", str(final),
+                     "--train.max_steps", "1", "--train.global_batch_size", "2", "--train.micro_batch_size", "2"], capsys)
+    assert err.startswith(f"fabric-lin pretrain: error: --resume {final}: the checkpoint is damaged: lit_model.pth has 4,096 "
+                          f"bytes, ")
+    assert "(truncated). It is not loaded" in err and final.is_dir()
+
+
+# ---- the command line's errors
+
+
+def test_a_bad_value_is_one_line_and_a_hint_not_the_usage(tmp_path, capsys):
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["pretrain", "--model_name", "gla-debug", "--train.max_steps", "abc"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "fabric-lin pretrain: error: train.max_steps: got abc, expected int or null\n"
+        "(fabric-lin pretrain --help lists the options)\n"
+    )
+    with pytest.raises(SystemExit):
+        cli_main(["pretrain", "--model_name", "gla-debug", "--precision", "bf16"])
+    assert capsys.readouterr().err.startswith(
+        "fabric-lin pretrain: error: precision: got bf16, expected one of 'bf16-mixed', 'bf16-true', '16-mixed', '32-true' or null\n"
+    )
+
+
+@pytest.mark.parametrize("flags", [["--train.max_step", "10"], ["--train.max_step=10"], ["--eval.max_iter", "2"]])
+def test_an_abbreviated_flag_is_refused(tmp_path, capsys, flags):
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), *flags])
+    assert info.value.code == 2
+    option = flags[0].split("=")[0]
+    assert capsys.readouterr().err.startswith(
+        f"fabric-lin pretrain: error: unknown option {option} (did you mean {option}s?); options are not abbreviated\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unexpected_error_keeps_its_traceback_and_the_debug_flag_shows_every_one(tmp_path, capsys, monkeypatch):
+    from fabric_lin import pretrain
+    from fabric_lin.cli import main as cli_main
+
+    argv = ["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+            "--train.global_batch_size", "2", "--train.micro_batch_size", "2", "--data", "TokenChunks",
+            "--data.data_path", str(tmp_path / "nothing")]
+    assert cli_error(argv, capsys).startswith("fabric-lin pretrain: error: Prepared data directory")
+    monkeypatch.setenv("FABRIC_LIN_DEBUG", "1")  # the exception itself, with its traceback
+    with pytest.raises(FileNotFoundError, match="Prepared data directory"):
+        cli_main(argv)
+    monkeypatch.delenv("FABRIC_LIN_DEBUG")
+
+    def bug(*args, **kwargs):
+        return {}["no such key"]
+
+    monkeypatch.setattr(pretrain, "check_out_dir", bug)
+    with pytest.raises(KeyError):  # not an anticipated failure: not turned into one line
+        cli_main(argv)
+
+
+def test_anticipated_failures_are_told_from_bugs():
+    import errno
+
+    from fabric_lin.cli import expected_failure
+
+    def raised(f):
+        try:
+            f()
+        except Exception as e:
+            return e
+
+    assert expected_failure(raised(lambda: Config.from_name("gla-340m")))  # a raise statement of fabric_lin
+    assert expected_failure(raised(lambda: TrainArgs(max_steps=0).total_steps()))
+    assert not expected_failure(raised(lambda: int("x")))  # raised outside fabric_lin
+    assert not expected_failure(raised(lambda: torch.zeros(2).view(3)))
+    assert not expected_failure(raised(lambda: learning_rate(0, None, 0, 0, 1, "cosine", 0.1)))  # a TypeError inside fabric_lin
+    assert expected_failure(OSError(errno.ENOSPC, "No space left on device", "/data/out/step-00000100/lit_model.pth"))
+
+
+def test_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    from fabric_lin.cli import report
+
+    report("fabric-lin pretrain", "error: once")
+    monkeypatch.setattr(rank_zero_only, "rank", 3)
+    report("fabric-lin pretrain", "error: from rank 3")
+    assert capsys.readouterr().err == "fabric-lin pretrain: error: once\n"

@@ -2,8 +2,11 @@
 where there is a GPU, with the GPU's defaults (bf16-mixed, each Block compiled and replayed as a CUDA graph).
 
 An uninterrupted run is the reference. Runs stopped by SIGKILL (also while a checkpoint is being
-written), by SIGTERM, and on 2 processes (DDP over gloo) are resumed with `--resume auto` and must log
-the same loss and the same data checksum at every step and end with the same weights, bit for bit.
+written), by SIGTERM, by Ctrl-C, and on 2 processes (DDP over gloo) are resumed with `--resume auto` and
+must log the same loss and the same data checksum at every step and end with the same weights, bit for
+bit; so must a run resumed past a damaged checkpoint. A second Ctrl-C stops at once; a fresh run into a
+used out_dir is refused; errors met by every rank are printed once; the start-up time counts from
+Python's start, also behind a shell.
 
 Run as a script for the long fault-injection tally (not in CI):
     python tests/test_pretrain_resume.py --kills 100
@@ -50,10 +53,21 @@ def run(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = None) -> sub
     return result
 
 
-def start(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+def start(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = None, terminal: bool = False) -> subprocess.Popen:
+    """The run in the background, its output in <out_dir>.log. `terminal`: in a process group of its own,
+    as a terminal's foreground job, for `ctrl_c`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir.parent / f"{out_dir.name}.log", "ab")
-    return subprocess.Popen(command(out_dir, *extra), stdout=log, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(command(out_dir, *extra), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=terminal)
+
+
+def ctrl_c(proc: subprocess.Popen) -> None:
+    """What a terminal's Ctrl-C does: SIGINT to every process of the foreground job (the trainer, its
+    DataLoader workers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:
+        pass
 
 
 def logged_losses(out_dir: Path) -> Dict[int, float]:
@@ -117,6 +131,17 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
+WORKERS = ("--data", "SampleCorpus", "--data.num_workers", "1")
+
+
+@pytest.fixture(scope="module")
+def reference_workers(tmp_path_factory) -> Path:
+    """The reference with a DataLoader worker process, which a terminal's Ctrl-C reaches too."""
+    out = tmp_path_factory.mktemp("reference_workers") / "out"
+    run(out, *WORKERS)
+    return out
+
+
 @pytest.fixture(scope="module")
 def reference_ddp(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference_ddp") / "out"
@@ -146,8 +171,15 @@ def test_reference_run_writes_the_checkpoint_format(reference):
     hparams = yaml.safe_load((final / "hyperparameters.yaml").read_text())
     assert hparams["compile"]["enabled"] is compiles and hparams["compile"]["cache"] is True
     # which checkpoint is newest is read from step.json, without loading the checkpoint
-    assert json.loads((final / "step.json").read_text()) == {"step_count": STEPS}
-    assert json.loads((reference / "step-00000004" / "step.json").read_text()) == {"step_count": 4}
+    assert json.loads((final / "step.json").read_text()) == {"step_count": STEPS, "manifest": "manifest.json"}
+    assert json.loads((reference / "step-00000004" / "step.json").read_text())["step_count"] == 4
+    # each checkpoint carries its manifest, and verifies
+    from fabric_lin.checkpoint import verify_checkpoint
+
+    for checkpoint in [final, *reference.glob("step-*")]:
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        assert set(manifest["files"]) == {p.name for p in checkpoint.iterdir()} - {"manifest.json"}
+        assert verify_checkpoint(checkpoint).ok
     # the CSV logger's file holds every logged step (Fabric's writes it only every 100 steps, and at the end)
     import csv
 
@@ -184,8 +216,9 @@ def test_sigterm_saves_and_exits_zero_then_resume_is_exact(reference, tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=TIMEOUT) == 0
     log = (tmp_path / "out.log").read_text()
-    assert "Stop requested by signal" in log
     last_step = max(logged_losses(out))
+    assert (f"Stopped by SIGTERM at step {last_step}: checkpoint saved in {out / f'step-{last_step:08d}'}; to continue, "
+            "run the same command with --resume auto") in log
     assert last_step < STEPS and (out / f"step-{last_step:08d}" / "lit_model.pth").exists()
     assert not (out / "final").exists()
     run(out, "--resume", "auto")
@@ -193,7 +226,13 @@ def test_sigterm_saves_and_exits_zero_then_resume_is_exact(reference, tmp_path):
 
 
 def test_two_processes_gloo_sigterm_and_resume_are_exact(reference_ddp, tmp_path):
+    from fabric_lin.checkpoint import verify_checkpoint
+
     assert (reference_ddp / "final" / "lit_model.pth").is_file()
+    # the manifest's files were checksummed by both ranks, each its share; rank 0 wrote it whole
+    manifest = json.loads((reference_ddp / "final" / "manifest.json").read_text())
+    assert set(manifest["files"]) == {p.name for p in (reference_ddp / "final").iterdir()} - {"manifest.json"}
+    assert verify_checkpoint(reference_ddp / "final").ok
     out = tmp_path / "out"
     proc = start(out, "--devices", "2", env=CPU_ONLY)  # the signal reaches rank 0 only; the ranks agree to stop
     wait_for(lambda: max(logged_losses(out), default=0) >= 3, proc)
@@ -202,6 +241,138 @@ def test_two_processes_gloo_sigterm_and_resume_are_exact(reference_ddp, tmp_path
     assert not (out / "final").exists()
     run(out, "--devices", "2", "--resume", "auto", env=CPU_ONLY)
     assert_same_run(out, reference_ddp)
+
+
+def test_ctrl_c_saves_at_the_step_boundary_exits_130_then_resume_is_exact(reference_workers, tmp_path):
+    from fabric_lin.checkpoint import verify_checkpoint
+
+    out = tmp_path / "out"
+    proc = start(out, *WORKERS, terminal=True)
+    wait_for(lambda: max(logged_losses(out), default=0) >= 3, proc)
+    ctrl_c(proc)
+    assert proc.wait(timeout=TIMEOUT) == 130
+    log = (tmp_path / "out.log").read_text()
+    last_step = max(logged_losses(out))
+    # said once (the DataLoader worker leaves Ctrl-C to the trainer), one line on how to continue, no traceback
+    assert log.count("Ctrl-C: stopping with a checkpoint at the end of this step (Ctrl-C again to stop at once, without it)") == 1
+    assert (f"Stopped by SIGINT at step {last_step}: checkpoint saved in {out / f'step-{last_step:08d}'}; to continue, "
+            "run the same command with --resume auto") in log
+    assert "Traceback" not in log
+    assert verify_checkpoint(out / f"step-{last_step:08d}").ok and last_step < STEPS and not (out / "final").exists()
+    run(out, *WORKERS, "--resume", "auto")
+    assert_same_run(out, reference_workers)
+
+
+def test_a_second_ctrl_c_stops_at_once_leaving_only_whole_checkpoints(reference, tmp_path):
+    """Two Ctrl-C in a row stop inside a step; a second one while the first one's checkpoint is being written
+    stops the save: either way no `.tmp-` directory is left, every checkpoint verifies, and the run
+    resumes from the newest to the reference's end."""
+    from fabric_lin.checkpoint import verify_checkpoint
+
+    out = tmp_path / "out"
+
+    def assert_only_whole_checkpoints(returncode: int, log_from: int) -> None:
+        log = (tmp_path / "out.log").read_text()[log_from:]
+        assert "Traceback" not in log
+        # 130: the exit code of a command stopped by Ctrl-C; a shell shows the same for a process that a
+        # Ctrl-C after Python's own handling had ended (its interpreter shutting down) ends
+        assert returncode in (130, -signal.SIGINT)
+        if returncode == 130:
+            assert "fabric-lin pretrain: interrupted (a second Ctrl-C: stopped at once" in log
+        assert not list(out.glob(".tmp-*"))
+        steps = list(out.glob("step-*"))
+        assert steps and all(verify_checkpoint(step).ok for step in steps)
+
+    def first_ctrl_c_taken(log_from: int) -> bool:
+        # a second SIGINT sent before the first is taken would merge with it (signals do not queue)
+        return "Ctrl-C: stopping with a checkpoint" in (tmp_path / "out.log").read_text()[log_from:]
+
+    proc = start(out, terminal=True)
+    wait_for(lambda: max(logged_losses(out), default=0) >= 3, proc)
+    ctrl_c(proc)
+    assert wait_for(lambda: first_ctrl_c_taken(0), proc, poll=0.001)
+    ctrl_c(proc)
+    returncode = proc.wait(timeout=TIMEOUT)
+    assert returncode == 130  # inside the step: the loop's handler took it
+    assert_only_whole_checkpoints(returncode, 0)
+
+    log_from = len((tmp_path / "out.log").read_text())
+    logged = max(logged_losses(out))
+    proc = start(out, "--resume", "auto", terminal=True)
+    wait_for(lambda: max(logged_losses(out), default=0) > logged, proc)  # a step of this run
+    ctrl_c(proc)
+    assert wait_for(lambda: first_ctrl_c_taken(log_from), proc, poll=0.001)
+    assert wait_for(lambda: any(out.glob(".tmp-step-*")), proc, poll=0.001)  # a checkpoint being written
+    ctrl_c(proc)
+    assert_only_whole_checkpoints(proc.wait(timeout=TIMEOUT), log_from)
+    run(out, "--resume", "auto")
+    assert_same_run(out, reference)
+
+
+def test_resume_past_a_damaged_checkpoint_is_exact(reference, tmp_path):
+    """The newest checkpoint's lit_model.pth has one byte changed (same size, loadable): --resume auto says so,
+    sets it aside and continues from the step before, ending as the reference does."""
+    out = tmp_path / "out"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("final"))  # as if stopped after step 6
+    path = out / "step-00000006" / "lit_model.pth"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(data)
+    log = run(out, "--resume", "auto").stdout
+    assert f"Warning: checkpoint {out / 'step-00000006'} is damaged: lit_model.pth's bytes changed since it was written" in log
+    assert f"Set aside as {out / '.damaged-step-00000006'}" in log
+    assert f"Warning: resuming from {out / 'step-00000004'}, the newest checkpoint that verifies" in log
+    assert f"Resuming from {out / 'step-00000004'}" in log
+    assert (out / ".damaged-step-00000006" / "lit_model.pth").read_bytes() == bytes(data)  # kept, never deleted
+    assert_same_run(out, reference)
+
+
+def test_a_second_fresh_run_into_the_same_out_dir_is_refused_in_one_line(reference, tmp_path):
+    """README's quick-start command run again: out_dir holds the first run; nothing is touched."""
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    result = subprocess.run(command(out), capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"fabric-lin pretrain: error: out_dir {out} holds the checkpoints of an earlier run (final, step-00000002, "
+        "step-00000004, ... (1 more)); a new run would put its own beside them. Continue that run with --resume auto, "
+        "write this one to another --out_dir, or start afresh with --overwrite true (deletes those checkpoints)\n"
+    )
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_an_error_every_rank_meets_is_printed_once(tmp_path):
+    """Two processes both find the --resume directory missing (after the launch): rank 0 alone reports it;
+    the out_dir the run created is removed again."""
+    missing = tmp_path / "nothing"
+    result = subprocess.run(command(tmp_path / "out", "--devices", "2", "--resume", str(missing)), capture_output=True,
+                            text=True, timeout=TIMEOUT, env=CPU_ONLY)
+    assert result.returncode == 2
+    line = f"fabric-lin pretrain: error: --resume {missing}: expected a checkpoint directory holding lit_model.pth\n"
+    assert (result.stdout + result.stderr).count(line) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_time_to_first_step_counts_from_pythons_start_behind_a_shell(tmp_path):
+    """`bash -c "sleep 3; fabric-lin ..."` execs the last command in the shell's process, which keeps the
+    shell's start time: the 3 seconds before Python started are not start-up."""
+    import shlex
+
+    out = tmp_path / "out"
+    shell = "sleep 3; exec " + shlex.join(command(out, "--train.max_steps", "1"))  # exec: what bash does by itself here
+    began = time.time()
+    proc = subprocess.Popen(["bash", "-c", shell], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def first_step():
+        path = out / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return next((r["time_to_first_step_s"] for r in records if "time_to_first_step_s" in r), None)
+
+    wait_for(lambda: first_step() is not None, proc, poll=0.01)
+    seen = time.time() - began  # sleep 3 + Python's start-up and first step (+ polling)
+    assert proc.wait(timeout=TIMEOUT) == 0
+    assert 0 < first_step() < seen - 2.5
 
 
 def test_resume_from_final_trains_nothing(reference, tmp_path):
@@ -218,7 +389,7 @@ def test_stopped_at_the_last_step_then_resume_writes_final(reference, tmp_path):
     result = run(out, "--resume", "auto", "--eval.final_validation", "true")
     log = result.stdout + result.stderr
     assert "Nothing to train" in log and f"Saved checkpoint {out / 'final'}" in log
-    assert json.loads((out / "final" / "step.json").read_text()) == {"step_count": STEPS}
+    assert json.loads((out / "final" / "step.json").read_text())["step_count"] == STEPS
     assert any("val_loss" in json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
     a, b = final_weights(out), final_weights(reference)
     assert all(torch.equal(a[key], b[key]) for key in b)
