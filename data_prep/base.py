@@ -20,6 +20,7 @@ from litdata.streaming.item_loader import TokensLoader
 
 from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
+from fabric_lin.files import created_dir
 
 # Documents are encoded in groups of about this many characters: large enough for SentencePiece's
 # threads to share, small enough that the Python lists of ids stay a few hundred MB at most.
@@ -146,9 +147,10 @@ def summarize(records: List[dict]) -> dict:
     }
 
 
-def format_summary(summary: dict, output_dir: Path, seconds: float) -> str:
+def format_summary(summary: dict, heading: str, seconds: float) -> str:
+    """`heading` (e.g. "Prepared <output_dir>"), then the counts and each bad file."""
     lines = [
-        f"Prepared {output_dir}: {summary['files_ok']}/{summary['files']} files, {summary['documents']} documents,"
+        f"{heading}: {summary['files_ok']}/{summary['files']} files, {summary['documents']} documents,"
         f" {summary['tokens']} tokens in {seconds:.1f}s ({summary['tokens'] / max(seconds, 1e-9):,.0f} tokens/s);"
         f" {summary['skipped_rows']} rows skipped by the recipe's filter"
     ]
@@ -194,8 +196,16 @@ def run_recipe(
     fast_dev_run = 10 if fast_dev_run is True else int(fast_dev_run or 0)
     recipe.first_files = fast_dev_run or None
     recipe.num_threads = max(1, (os.cpu_count() or 1) // num_workers)
+    if fast_dev_run:
+        found = len(recipe.find_inputs(str(input_dir)))
+        print(f"fast_dev_run: the first {min(fast_dev_run, found)} of the {found} input files (sorted by path)", flush=True)
 
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    with created_dir(output_dir.parent):
+        return _run_into(recipe, input_dir, output_dir, tokenizer, num_workers, fast_dev_run, recipe_name)
+
+
+def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokenizer: Tokenizer, num_workers: int,
+              fast_dev_run: int, recipe_name: str) -> dict:
     run_id = f"{output_dir.name}-{uuid.uuid4().hex[:8]}"
     tmp_dir = output_dir.parent / f".tmp-{run_id}"
     cache_dir = output_dir.parent / f".tmp-cache-{run_id}"
@@ -216,7 +226,10 @@ def run_recipe(
             input_dir=str(input_dir),
             output_dir=str(tmp_dir),
             num_workers=num_workers,
-            fast_dev_run=False,  # (left out, litdata reads an environment variable whose default is 1 file)
+            # the recipe lists only the first fast_dev_run files, so litdata's own cut (as many per worker)
+            # keeps them all; given, its log line shows the value asked for (left out, litdata would read
+            # an environment variable whose default is 1 file)
+            fast_dev_run=fast_dev_run or False,
             item_loader=TokensLoader(),
             reorder_files=False,  # keep the sorted file order
         )
@@ -240,7 +253,8 @@ def run_recipe(
     if summary["tokens"] == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise RuntimeError(
-            f"No tokens were produced from {input_dir}: every file was bad or empty\n" + format_summary(summary, output_dir, seconds)
+            f"No tokens were produced from {input_dir}: every file was bad or empty, so {output_dir} was not written\n"
+            + format_summary(summary, f"Read {input_dir}", seconds)
         )
     write_prepared_info(
         tmp_dir,
@@ -258,6 +272,5 @@ def run_recipe(
     if output_dir.exists():
         output_dir.rmdir()
     os.rename(tmp_dir, output_dir)
-    print(format_summary(summary, output_dir, seconds), flush=True)
+    print(format_summary(summary, f"Prepared {output_dir}", seconds), flush=True)
     return summary
-

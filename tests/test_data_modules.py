@@ -203,6 +203,11 @@ def test_sample_corpus_builds_once_under_concurrency(tmp_path):
     assert seconds < 120, seconds
     root = Path(paths.pop())
     assert not list(cache_dir.glob(".tmp-*"))
+    # the console names the corpus's real place (the temporary one it is built in is gone); the
+    # preprocessors' reports, which name that one, are in its log
+    (builder,) = [out for out in outputs if "Built the sample corpus" in out]
+    assert f"Built the sample corpus in {root} in " in builder and f"(log: {root / 'build.log'})" in builder
+    assert ".tmp-" not in builder and "Prepared" in (root / "build.log").read_text()
 
     data = SampleCorpus(cache_dir=cache_dir, num_workers=0)
     assert data.data_path == root and data.tokenizer_dir == root / "tokenizer"

@@ -183,7 +183,7 @@ def test_slimpajama_fast_dev_run_is_a_prefix(corpus, fast_prepared):
     assert json.loads((out / "prepared.json").read_text())["fast_dev_run"] == 2
 
 
-def test_fast_dev_run_true_is_the_first_ten_files_whatever_the_workers(corpus, tmp_path):
+def test_fast_dev_run_true_is_the_first_ten_files_whatever_the_workers(corpus, tmp_path, capfd):
     tokenizer = Tokenizer(corpus["tokenizer"])
     texts = paragraphs(12, 12)
     for i, text in enumerate(texts):
@@ -193,6 +193,9 @@ def test_fast_dev_run_true_is_the_first_ten_files_whatever_the_workers(corpus, t
               "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "2", "--fast_dev_run", "true"])
     info = check_prepared_dir(out, tokenizer)
     assert info["summary"]["files"] == 10 and info["fast_dev_run"] == 10
+    printed = capfd.readouterr().out
+    assert "fast_dev_run: the first 10 of the 12 input files (sorted by path)" in printed
+    assert "fast_dev_run=10" in printed and "fast_dev_run=False" not in printed  # litdata's line says what was asked
     got = split_documents(read_tokens(out), tokenizer.eos_id)  # two workers: in any order
     assert Counter(map(tuple, got)) == Counter(map(tuple, expected_tokens(tokenizer, texts[:10])))
 
@@ -223,6 +226,24 @@ def test_starcoder_round_trip_and_bad_files_through_cli(corpus, capfd):
     expected = [t for doc in expected_tokens(tokenizer, texts) for t in doc]
     assert read_tokens(out).tolist() == expected
     assert info["summary"]["documents"] == len(texts)
+
+
+def test_every_file_bad_names_the_input_and_creates_no_directory(corpus, tmp_path, capfd):
+    """No tokens at all: the error says nothing was written where the output was to be, and the directories
+    the run made for it are gone again."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "bad.jsonl.zst").write_bytes(b"not zstd at all")
+    out = tmp_path / "a" / "b" / "out"
+    with pytest.raises(SystemExit) as info:
+        cli_main(["prepare_slimpajama", "--input_dir", str(raw), "--output_dir", str(out), "--tokenizer_path",
+                  str(corpus["tokenizer"]), "--num_workers", "1"])
+    assert info.value.code == 2
+    err = capfd.readouterr().err
+    assert f"fabric-lin prepare_slimpajama: error: No tokens were produced from {raw}: every file was bad or empty, so {out} " \
+           f"was not written\nRead {raw}: 0/1 files" in err
+    assert "Prepared" not in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])

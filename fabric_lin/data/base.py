@@ -1,5 +1,6 @@
 """The data module interface the trainer uses, and the pieces the token data modules share."""
 import json
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -120,4 +121,13 @@ def token_dataloader(dataset, batch_size: int, num_workers: int):
         drop_last=True,
         collate_fn=collate_tokens,
         pin_memory=torch.cuda.is_available(),
+        worker_init_fn=leave_ctrl_c_to_the_trainer,
     )
+
+
+def leave_ctrl_c_to_the_trainer(worker_id: int) -> None:
+    """A terminal's Ctrl-C reaches the DataLoader workers too. The trainer answers it by stopping at the
+    next step boundary, which needs the workers' next batches; a worker that took it would end at once
+    (PyTorch's worker loop returns on KeyboardInterrupt) and the next batch fail. A second Ctrl-C stops
+    the trainer, which ends its workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -5,6 +5,7 @@ docstrings SlimPajama-format `.jsonl.zst` rows (`text`, `meta.redpajama_set_name
 is labelled RedPajamaGithub, which the SlimPajama recipe drops). A 4096-piece tokenizer (the vocabulary
 of `gla-debug`) is trained on the training split and the two real preprocessors tokenize it. The
 result is cached under a name derived from the sources, so it is built once per Python installation.
+The preprocessors' output goes to `build.log` in the corpus directory.
 """
 import ast
 import hashlib
@@ -15,9 +16,10 @@ import sys
 import sysconfig
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from fabric_lin.data.slimpajama_starcoder import SlimPajamaStarcoder
 
@@ -25,6 +27,7 @@ CORPUS_VERSION = 2
 VOCAB_SIZE = 4096
 VAL_EVERY = 10  # every tenth module (in sorted order) goes to the validation split
 CHUNK_SIZE = 2049 * 16  # small chunks, so that loader workers and ranks get several each
+BUILD_LOG = "build.log"
 SLIMPAJAMA_SHARDS = 4
 STARCODER_SHARDS = 2
 OTHER_SETS = ("RedPajamaCommonCrawl", "RedPajamaC4", "RedPajamaBook", "RedPajamaArXiv", "RedPajamaWikipedia", "RedPajamaStackExchange")
@@ -125,7 +128,6 @@ def build_sample_corpus(out_dir: Path, files: List[Path]) -> None:
     from data_prep import prepare_slimpajama, prepare_starcoder
     from fabric_lin.data import train_tokenizer
 
-    start = time.perf_counter()
     raw = out_dir / "raw"
     counts = write_raw_corpus(raw, files)
     tokenizer_dir = out_dir / "tokenizer"
@@ -136,7 +138,26 @@ def build_sample_corpus(out_dir: Path, files: List[Path]) -> None:
     prepare_starcoder.prepare(raw / "train" / "starcoder", out_dir / "starcoder", **common)
     info = {"version": CORPUS_VERSION, "python": sys.version, "sources": [p.name for p in files], **counts}
     (out_dir / "corpus.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-    print(f"Built the sample corpus in {out_dir} in {time.perf_counter() - start:.1f}s", flush=True)
+
+
+@contextmanager
+def output_to(path: Path) -> Iterator[None]:
+    """Send this process's stdout and stderr, and so those of the processes it starts, to the file `path`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
 
 
 def ensure_sample_corpus(cache_dir: Optional[Path] = None) -> Path:
@@ -156,13 +177,23 @@ def ensure_sample_corpus(cache_dir: Optional[Path] = None) -> Path:
         if (target / "corpus.json").is_file():
             return target  # another process built it while this one waited
         tmp = cache_dir / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+        print(f"Building the sample corpus (first use): Python's standard library, tokenized into {target}", flush=True)
+        start = time.perf_counter()
         try:
-            build_sample_corpus(tmp, files)
+            tmp.mkdir()
+            try:
+                with output_to(tmp / BUILD_LOG):
+                    build_sample_corpus(tmp, files)
+            except BaseException:
+                log = (tmp / BUILD_LOG).read_text(encoding="utf-8", errors="replace").splitlines()
+                print("The sample corpus build failed; the end of its log:\n" + "\n".join(log[-20:]), file=sys.stderr)
+                raise
             if target.exists():  # an interrupted build without corpus.json
                 shutil.rmtree(target)
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        print(f"Built the sample corpus in {target} in {time.perf_counter() - start:.1f}s (log: {target / BUILD_LOG})", flush=True)
     return target
 
 
