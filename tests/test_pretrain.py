@@ -934,3 +934,25 @@ def test_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
     monkeypatch.setattr(rank_zero_only, "rank", 3)
     report("fabric-lin pretrain", "error: from rank 3")
     assert capsys.readouterr().err == "fabric-lin pretrain: error: once\n"
+
+
+def test_help_describes_every_command_in_whole_sentences(capsys):
+    """`fabric-lin --help` lists each command with its docstring's first paragraph, which jsonargparse cuts
+    at the first line break: each first line is a whole sentence."""
+    from fabric_lin.cli import COMMANDS, main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["--help"])
+    assert info.value.code == 0
+    listing = capsys.readouterr().out.split("Available subcommands:")[1]
+    descriptions, name = {}, None
+    for line in listing.splitlines():
+        words = line.split(None, 1)
+        if words and words[0] in COMMANDS and line.startswith("    ") and not line.startswith("     "):
+            name = words[0]
+            descriptions[name] = words[1] if len(words) > 1 else ""
+        elif name and line.strip():
+            descriptions[name] += " " + line.strip()
+    assert sorted(descriptions) == sorted(COMMANDS)
+    for name, description in descriptions.items():
+        assert description.strip().endswith("."), (name, description)

@@ -81,10 +81,14 @@ def test_tokenizer_errors_name_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         Tokenizer(tmp_path / "does-not-exist")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"empty/tokenizer.model"):
+    with pytest.raises(FileNotFoundError, match=r"empty/tokenizer.model .*\(found: nothing\)"):
         Tokenizer(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match=r"empty/tokenizer.model"):
         copy_tokenizer_files(tmp_path / "empty", tmp_path / "dst")
+    for i in range(12):  # a directory full of other files: the first ten are named, in one line
+        (tmp_path / "empty" / f"file-{i:02d}.txt").write_text("")
+    with pytest.raises(FileNotFoundError, match=r"\(found: file-00.txt, .*, file-09.txt, \.\.\. \(2 more\)\)$"):
+        Tokenizer(tmp_path / "empty")
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "tokenizer.model").write_bytes(b"not a sentencepiece model")
     with pytest.raises(ValueError, match=r"bad/tokenizer.model"):

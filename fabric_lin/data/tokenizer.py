@@ -58,9 +58,10 @@ class Tokenizer:
         self.model_path = checkpoint_dir / "tokenizer.model"
         if not self.model_path.is_file():
             present = sorted(p.name for p in checkpoint_dir.iterdir())
+            shown = ", ".join(present[:10]) + (f", ... ({len(present) - 10} more)" if len(present) > 10 else "")
             raise FileNotFoundError(
                 f"{self.model_path} does not exist: expected a SentencePiece tokenizer.model in {checkpoint_dir}"
-                f" (found: {', '.join(present) or 'nothing'})"
+                f" (found: {shown or 'nothing'})"
             )
         self.processor = SentencePieceProcessor()
         try:
