@@ -210,10 +210,23 @@ def main(argv=None) -> None:
         report(prog, f"interrupted ({e})" if str(e) else "interrupted")
         raise SystemExit(130) from None
     except Exception as e:
-        if debug_enabled() or not expected_failure(e):
+        failure = anticipated_cause(e)
+        if debug_enabled() or failure is None:
             raise
-        report(prog, f"error: {e}")
+        report(prog, f"error: {failure}")
         raise SystemExit(2) from None
+
+
+def anticipated_cause(error: BaseException) -> Optional[BaseException]:
+    """`error` if it is an anticipated failure, else the first one it was raised from (jsonargparse wraps
+    the ValueError of a data module's own check in one of its own), else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if expected_failure(error):
+            return error
+        seen.add(id(error))
+        error = error.__cause__
+    return None
 
 
 def run(argv: List[str]) -> None:

@@ -326,6 +326,14 @@ def fit(
             finish(fabric, state, val_dataloader, eval, checkpointer, metrics, cuda_graphs)
         return
 
+    # a signal during the start-up (data, model, compilation): this process has taken no step, so there is
+    # nothing new to save. Agreed by all ranks, as the signal may have reached one of them only
+    stop_before = torch.tensor(float(stop.requested), device=fabric.device)
+    if fabric.world_size > 1:
+        torch.distributed.all_reduce(stop_before)
+    if stop_before.item() > 0:
+        fabric.print(f"Stopped by {stop.signal_name or 'a signal'} before the first step: nothing new to save; to continue, {resume_hint}")
+        return
     fabric.barrier()
     metrics.start(start_step)
     consecutive_nonfinite = 0

@@ -906,6 +906,13 @@ def test_an_unexpected_error_keeps_its_traceback_and_the_debug_flag_shows_every_
         cli_main(argv)
 
 
+def test_a_data_modules_own_check_is_one_line_though_jsonargparse_wraps_it(tmp_path, capsys):
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--data", "SlimPajamaStarcoder", "--data.weights", "[1, -1]"], capsys)
+    assert err.startswith("fabric-lin pretrain: error: data.weights must be two positive numbers, the shares of SlimPajama and "
+                          "Starcoder (default [0.693584, 0.306416]); got [1.0, -1.0]")
+
+
 def test_anticipated_failures_are_told_from_bugs():
     import errno
 

@@ -263,6 +263,22 @@ def test_ctrl_c_saves_at_the_step_boundary_exits_130_then_resume_is_exact(refere
     assert_same_run(out, reference_workers)
 
 
+def test_ctrl_c_during_the_start_up_stops_before_the_first_step(tmp_path):
+    """Nothing was trained yet (the start-up can take minutes where blocks are compiled): the run stops
+    before its first step, with nothing to save, and exits 130."""
+    out = tmp_path / "out"
+    proc = start(out, terminal=True)
+    log = tmp_path / "out.log"
+    wait_for(lambda: "Seed set to" in log.read_text(), proc, poll=0.005)  # inside the handler's reach, before the loop
+    ctrl_c(proc)
+    assert proc.wait(timeout=TIMEOUT) == 130
+    text = log.read_text()
+    assert ("Stopped by SIGINT before the first step: nothing new to save; to continue, run the same command with "
+            "--resume auto") in text
+    assert "Traceback" not in text and not list(out.glob("step-*")) and not list(out.glob(".tmp-*"))
+    assert not logged_losses(out)
+
+
 def test_a_second_ctrl_c_stops_at_once_leaving_only_whole_checkpoints(reference, tmp_path):
     """Two Ctrl-C in a row stop inside a step; a second one while the first one's checkpoint is being written
     stops the save: either way no `.tmp-` directory is left, every checkpoint verifies, and the run
