@@ -124,3 +124,15 @@ def test_conversion_keeps_the_models_init_on_the_meta_device():
     model.reset_parameters()
     q = model.layers[0].attn.q_proj
     assert type(q).__name__ == "Float8Projection" and abs(q.weight.std().item() - 0.02) < 0.003
+
+
+@needs_torchao
+def test_conversion_keeps_the_parameters_and_their_order():
+    # the optimizer's state follows model.parameters(): an FP8 run's optimizer state resumes in bf16 and the
+    # reverse only if the conversion keeps the same tensors, in the same order
+    model = GPT(small("gdn-debug"), float8=True)
+    before = list(model.named_parameters())
+    convert_to_fp8(model, FP8Args("rowwise"), emulate=True)
+    after = list(model.named_parameters())
+    assert [n for n, _ in before] == [n for n, _ in after]
+    assert all(a is b for (_, a), (_, b) in zip(before, after))
