@@ -115,7 +115,7 @@ def expected_failure(error: BaseException) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     filename = tb.tb_frame.f_code.co_filename
-    return filename.startswith(PACKAGE_DIRS) and (filename, tb.tb_lineno) in raise_statements(filename)
+    return os.path.realpath(filename).startswith(PACKAGE_DIRS) and (filename, tb.tb_lineno) in raise_statements(filename)
 
 
 @lru_cache(maxsize=None)

@@ -354,11 +354,9 @@ def test_checksum_cost_on_a_debug_checkpoint(tmp_path):
     a resume. Printed for the record; the bound only catches a pathological slowdown."""
     import time
 
-    import lightning as L
-
-    fabric = L.Fabric(accelerator="cpu", devices=1)
     from fabric_lin.model import GPT
 
+    fabric = L.Fabric(accelerator="cpu", devices=1)
     model = GPT(Config.from_name("gla-debug"))
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randint(0, 4096, (1, 9))).sum().backward()
