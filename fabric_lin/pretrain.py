@@ -4,16 +4,15 @@ Reads top to bottom: `setup()` (the command line: check arguments, build Fabric,
 `main()` (seed, data, model, optimizer, resume) -> `fit()` (the loop) -> `validate()`; then the
 pieces they use. Elsewhere: the checkpoint format in `fabric_lin.checkpoint`, the learning-rate
 schedule in `fabric_lin.lr_schedule`, what is logged in `fabric_lin.metrics`, the option groups in
-`fabric_lin.args`.
+`fabric_lin.args`, a batch's loss and checksum in `fabric_lin.batches`, signals and skipped steps in
+`fabric_lin.stopping`.
 """
 import inspect
 import os
-import signal
-from collections import deque
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, Iterator, List, Literal, Optional, Tuple, Union
+from typing import Dict, Iterator, Literal, Optional, Union
 
 import lightning as L
 import torch
@@ -21,6 +20,7 @@ from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
 from torch.distributed.fsdp import ShardingStrategy
 
 from fabric_lin.args import CompileArgs, EvalArgs, OptimizerArgs, ParallelismArgs, TrainArgs
+from fabric_lin.batches import CycleIterator, batch_fingerprint, compute_loss
 from fabric_lin.checkpoint import (
     CONFIG_FILE,
     HPARAMS_FILE,
@@ -41,6 +41,7 @@ from fabric_lin.files import missing_ancestors, remove_empty_dirs
 from fabric_lin.metrics import METRICS_FILE, MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
+from fabric_lin.stopping import StepFlags, StopRequest
 
 COMPILE_CACHE_DIR = "compile_cache"
 
@@ -308,7 +309,7 @@ def main(
 
 def fit(
     fabric: L.Fabric, state: Dict, train_iterator: Iterator, val_dataloader, *, train: TrainArgs, eval: EvalArgs,
-    checkpointer: Checkpointer, metrics: MetricsWriter, stop: "StopRequest", eos_id: Optional[int], cuda_graphs: bool,
+    checkpointer: Checkpointer, metrics: MetricsWriter, stop: StopRequest, eos_id: Optional[int], cuda_graphs: bool,
     resume_hint: str = "run the same command with --resume auto",
 ) -> None:
     model, optimizer = state["model"], state["optimizer"]
@@ -658,137 +659,3 @@ def tune_gla_kernels(fabric: L.Fabric, config: Config, train: TrainArgs, precisi
             cache_file=out_dir / COMPILE_CACHE_DIR / "gla_launch.json", log=fabric.print,
         )
     return fabric.broadcast(launch, src=0)
-
-
-# ---------------------------------------------------------------- the loop's pieces
-
-
-def compute_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, eos_id: Optional[int]) -> torch.Tensor:
-    if eos_id is None:
-        return model(input_ids, targets=targets)
-    # packed documents: flatten the micro-batch to one row and reset the state after each EOS
-    cu_seqlens = doc_boundaries(input_ids, eos_id)
-    return model(input_ids.reshape(1, -1), targets=targets.reshape(1, -1), cu_seqlens=cu_seqlens)
-
-
-def doc_boundaries(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """cu_seqlens (int32, starting at 0, ending at B*T) for the rows of `input_ids` [B, T] laid end to
-    end: a document starts at each row start and after each EOS token."""
-    B, T = input_ids.shape
-    flat = input_ids.reshape(-1)
-    after_eos = torch.nonzero(flat == eos_id).flatten() + 1
-    row_starts = torch.arange(0, B * T + 1, T, device=flat.device)
-    bounds = torch.unique(torch.cat([row_starts, after_eos]))  # sorted; B*T appears once
-    return bounds.to(torch.int32)
-
-
-def batch_fingerprint(batch: torch.Tensor) -> torch.Tensor:
-    """An int64 checksum of a batch's token ids and their positions, computed on the device. Logged per
-    step (summed over micro-batches and ranks) so that two runs can be checked to see the same data."""
-    weights = torch.arange(1, batch.numel() + 1, device=batch.device, dtype=torch.int64).view_as(batch) * 1_000_003 + 7
-    return ((batch.to(torch.int64) + 1) * weights).sum()
-
-
-class StepFlags:
-    """Each step's flags - update skipped (non-finite loss or gradient norm), stop requested (a signal, which
-    may reach one rank only) - summed over ranks on the device, so that every rank skips the same updates
-    and stops at the same step without the host waiting for the GPU after each step. The host reads a
-    step's flags once they have arrived (`pop`), usually one step later."""
-
-    def __init__(self, fabric: L.Fabric):
-        self.fabric = fabric
-        self.queue: deque = deque()  # (step, flags on the host or being copied there, copy-done event)
-
-    def push(self, step: int, nonfinite: torch.Tensor, stop_requested: bool) -> torch.Tensor:
-        """Queue this step's flags; returns 1.0 where any rank's update is to be skipped, else 0.0 (on the device)."""
-        device = nonfinite.device
-        flags = torch.stack([nonfinite.float(), torch.full((), float(stop_requested), device=device)])
-        if self.fabric.world_size > 1:
-            # not fabric.all_reduce: it starts with a barrier, which waits for the GPU
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.SUM)
-        if device.type == "cuda":
-            host = torch.empty(2, pin_memory=True)
-            host.copy_(flags, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host, event = flags, None
-        self.queue.append((step, host, event))
-        return (flags[0] > 0).float()
-
-    def pop(self, wait_all: bool) -> List[Tuple[int, bool, bool]]:
-        """(step, update skipped, stop requested) of the queued steps but the newest, or of all when
-        wait_all (waiting for the GPU to get there)."""
-        popped = []
-        while self.queue and (wait_all or len(self.queue) > 1):
-            step, host, event = self.queue.popleft()
-            if event is not None:
-                event.synchronize()
-            skipped, stop = host.tolist()
-            popped.append((step, skipped > 0, stop > 0))
-        return popped
-
-
-class CycleIterator:
-    """Iterate a dataloader forever, starting a new epoch when one ends (`empty_error` if a new one is empty)."""
-
-    def __init__(self, iterable, empty_error: str = "the dataloader yields no batch"):
-        self.iterable = iterable
-        self.empty_error = empty_error
-        self.epoch = 0
-        self._iterator: Optional[Iterator] = None
-
-    def __next__(self):
-        if self._iterator is None:
-            self._iterator = iter(self.iterable)
-        try:
-            return next(self._iterator)
-        except StopIteration:
-            self.epoch += 1
-            self._iterator = iter(self.iterable)
-            try:
-                return next(self._iterator)
-            except StopIteration:  # a whole epoch without a batch: the data is too small
-                raise ValueError(self.empty_error) from None
-
-    def __iter__(self):
-        return self
-
-
-class StopRequest:
-    """SIGTERM or SIGUSR1 (a scheduler's preemption notice) or SIGINT (Ctrl-C) -> checkpoint at the next
-    step boundary and stop. A second Ctrl-C stops at once: KeyboardInterrupt, wherever the loop is (a
-    checkpoint being written is removed, see Checkpointer.save; the complete ones stay)."""
-
-    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
-
-    def __init__(self, announce: bool = True):
-        self.requested = False
-        self.interrupted = False  # a first Ctrl-C came
-        self.signal_name: Optional[str] = None  # the first signal this process received
-        self.announce = announce  # say so on the console (rank 0: a terminal's Ctrl-C reaches every rank)
-
-    def __enter__(self) -> "StopRequest":
-        self.previous = {}
-        for name in self.SIGNALS:
-            if hasattr(signal, name):
-                self.previous[name] = signal.signal(getattr(signal, name), self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, handler in self.previous.items():
-            signal.signal(getattr(signal, name), handler)
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if name == "SIGINT" and self.interrupted:
-            raise KeyboardInterrupt(
-                "a second Ctrl-C: stopped at once, without a checkpoint of this step; the ones saved before are whole: "
-                "the same command with --resume auto continues from the newest"
-            )
-        self.interrupted = self.interrupted or name == "SIGINT"
-        self.requested = True
-        self.signal_name = self.signal_name or name
-        if self.announce and name == "SIGINT":
-            # os.write, not print: a handler that prints while the loop prints fails with a reentrant call
-            os.write(2, b"\nCtrl-C: stopping with a checkpoint at the end of this step (Ctrl-C again to stop at once, without it)\n")

@@ -15,13 +15,9 @@ from fabric_lin.config import Config
 from fabric_lin.flops import flops_per_token, matmul_params
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.model import GPT
-from fabric_lin.pretrain import (
-    build_model,
-    canonical_name,
-    doc_boundaries,
-    no_decay_parameter_names,
-    StepFlags,
-)
+from fabric_lin.batches import doc_boundaries
+from fabric_lin.pretrain import build_model, canonical_name, no_decay_parameter_names
+from fabric_lin.stopping import StepFlags
 
 
 def test_cosine_schedule_values():
@@ -103,7 +99,7 @@ def test_packed_loss_equals_per_document_losses():
     ids = torch.randint(3, 64, (2, 12))
     ids[0, 5] = eos  # row 0 = doc A (6 tokens incl. EOS) + doc B (6 tokens); row 1 = doc C
     targets = torch.randint(3, 64, (2, 12))
-    from fabric_lin.pretrain import compute_loss
+    from fabric_lin.batches import compute_loss
 
     packed = compute_loss(model, ids, targets, eos)
     pieces = [(ids[:1, :6], targets[:1, :6]), (ids[:1, 6:], targets[:1, 6:]), (ids[1:], targets[1:])]
@@ -112,7 +108,7 @@ def test_packed_loss_equals_per_document_losses():
 
 
 def test_batch_fingerprint_sees_tokens_and_their_order():
-    from fabric_lin.pretrain import batch_fingerprint
+    from fabric_lin.batches import batch_fingerprint
 
     batch = torch.arange(24).view(2, 12)
     reference = batch_fingerprint(batch)

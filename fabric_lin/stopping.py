@@ -1,0 +1,88 @@
+"""When a run skips an update or stops: the signals that ask for a checkpoint and a stop, and each step's flags
+(update skipped, stop requested) agreed across ranks without the host waiting for the GPU."""
+import os
+import signal
+from collections import deque
+from typing import List, Optional, Tuple
+
+import lightning as L
+import torch
+
+
+class StepFlags:
+    """Each step's flags - update skipped (non-finite loss or gradient norm), stop requested (a signal, which
+    may reach one rank only) - summed over ranks on the device, so that every rank skips the same updates
+    and stops at the same step without the host waiting for the GPU after each step. The host reads a
+    step's flags once they have arrived (`pop`), usually one step later."""
+
+    def __init__(self, fabric: L.Fabric):
+        self.fabric = fabric
+        self.queue: deque = deque()  # (step, flags on the host or being copied there, copy-done event)
+
+    def push(self, step: int, nonfinite: torch.Tensor, stop_requested: bool) -> torch.Tensor:
+        """Queue this step's flags; returns 1.0 where any rank's update is to be skipped, else 0.0 (on the device)."""
+        device = nonfinite.device
+        flags = torch.stack([nonfinite.float(), torch.full((), float(stop_requested), device=device)])
+        if self.fabric.world_size > 1:
+            # not fabric.all_reduce: it starts with a barrier, which waits for the GPU
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.SUM)
+        if device.type == "cuda":
+            host = torch.empty(2, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = flags, None
+        self.queue.append((step, host, event))
+        return (flags[0] > 0).float()
+
+    def pop(self, wait_all: bool) -> List[Tuple[int, bool, bool]]:
+        """(step, update skipped, stop requested) of the queued steps but the newest, or of all when
+        wait_all (waiting for the GPU to get there)."""
+        popped = []
+        while self.queue and (wait_all or len(self.queue) > 1):
+            step, host, event = self.queue.popleft()
+            if event is not None:
+                event.synchronize()
+            skipped, stop = host.tolist()
+            popped.append((step, skipped > 0, stop > 0))
+        return popped
+
+
+class StopRequest:
+    """SIGTERM or SIGUSR1 (a scheduler's preemption notice) or SIGINT (Ctrl-C) -> checkpoint at the next
+    step boundary and stop. A second Ctrl-C stops at once: KeyboardInterrupt, wherever the loop is (a
+    checkpoint being written is removed, see Checkpointer.save; the complete ones stay)."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+
+    def __init__(self, announce: bool = True):
+        self.requested = False
+        self.interrupted = False  # a first Ctrl-C came
+        self.signal_name: Optional[str] = None  # the first signal this process received
+        self.announce = announce  # say so on the console (rank 0: a terminal's Ctrl-C reaches every rank)
+
+    def __enter__(self) -> "StopRequest":
+        self.previous = {}
+        for name in self.SIGNALS:
+            if hasattr(signal, name):
+                self.previous[name] = signal.signal(getattr(signal, name), self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, handler in self.previous.items():
+            signal.signal(getattr(signal, name), handler)
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and self.interrupted:
+            raise KeyboardInterrupt(
+                "a second Ctrl-C: stopped at once, without a checkpoint of this step; the ones saved before are whole: "
+                "the same command with --resume auto continues from the newest"
+            )
+        self.interrupted = self.interrupted or name == "SIGINT"
+        self.requested = True
+        self.signal_name = self.signal_name or name
+        if self.announce and name == "SIGINT":
+            # os.write, not print: a handler that prints while the loop prints fails with a reentrant call
+            os.write(2, b"\nCtrl-C: stopping with a checkpoint at the end of this step (Ctrl-C again to stop at once, without it)\n")
