@@ -36,6 +36,7 @@ from fabric_lin.checkpoint import (
 from fabric_lin.config import Config
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.flops import flops_per_token, peak_flops
+from fabric_lin.fp8 import FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.files import missing_ancestors, remove_empty_dirs
 from fabric_lin.metrics import METRICS_FILE, MetricsWriter, make_logger
@@ -83,6 +84,7 @@ def setup(
     optimizer: OptimizerArgs = OptimizerArgs(),
     parallelism: ParallelismArgs = ParallelismArgs(),
     compile: CompileArgs = CompileArgs(),
+    fp8: FP8Args = FP8Args(),
     devices: Union[int, Literal["auto"]] = "auto",
     num_nodes: int = 1,
     seed: int = 42,
@@ -112,6 +114,7 @@ def setup(
         parallelism: How several devices share the work: FSDP or DDP, FSDP's unit and resharding,
             activation checkpointing.
         compile: torch.compile (on by default with CUDA), its caches and mode, the GLA kernels' launch search.
+        fp8: FP8 products for the Linear layers (through torchao; compute capability 8.9+).
         devices: Devices per node ("auto": every GPU, or one CPU process).
         num_nodes: Number of nodes.
         seed: Random seed (weights; the data order follows the data module's own seed).
@@ -151,6 +154,7 @@ def setup(
     eval.validate()
     parallelism.validate()
     compile = compile.resolve(cuda, devices, num_nodes, reset_state_at_doc_boundaries)
+    check_fp8(fp8, torch.device("cuda" if cuda else "cpu"))
     if initial_checkpoint_dir is not None and not Path(initial_checkpoint_dir).is_dir():
         raise FileNotFoundError(f"--initial_checkpoint_dir {initial_checkpoint_dir} is not a directory (expected a model directory)")
     out_dir = Path(out_dir)
@@ -169,7 +173,7 @@ def setup(
         fabric.launch()
         main(
             fabric, config, out_dir=out_dir, resume=resume, overwrite=overwrite, initial_checkpoint_dir=initial_checkpoint_dir,
-            data=data, train=train, eval=eval, optimizer=optimizer, parallelism=parallelism, compile=compile, seed=seed,
+            data=data, train=train, eval=eval, optimizer=optimizer, parallelism=parallelism, compile=compile, fp8=fp8, seed=seed,
             tokenizer_dir=tokenizer_dir, reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
             precision=precision, hparams=hparams,
         )
@@ -209,7 +213,7 @@ def main(
     initial_checkpoint_dir: Optional[Path],
     data: DataModule, train: TrainArgs, eval: EvalArgs, optimizer: OptimizerArgs, parallelism: ParallelismArgs,
     compile: CompileArgs, seed: int, tokenizer_dir: Optional[Path], reset_state_at_doc_boundaries: bool,
-    precision: str, hparams: Dict,
+    precision: str, hparams: Dict, fp8: FP8Args = FP8Args(),
 ) -> None:
     metrics = MetricsWriter(
         fabric, out_dir, max_steps=train.total_steps(), tokens_per_step=train.global_batch_size * train.max_seq_length,
@@ -264,7 +268,7 @@ def main(
             gla_launch = tune_gla_kernels(fabric, config, train, precision, out_dir)
             metrics.startup_phase("kernels tuned")
         model, no_decay = build_model(
-            fabric, config, seed, initial_checkpoint_dir, parallelism.activation_checkpointing, compile, gla_launch
+            fabric, config, seed, initial_checkpoint_dir, parallelism.activation_checkpointing, compile, gla_launch, fp8
         )
         metrics.startup_phase("model built")
         groups = [
@@ -503,27 +507,29 @@ def resolve_model_config(model_name: Optional[str], model_config: Optional[Confi
 def build_model(
     fabric: L.Fabric, config: Config, seed: int, initial_checkpoint_dir: Optional[Path] = None,
     activation_checkpointing: bool = False, compile: CompileArgs = CompileArgs(enabled=False),
-    gla_launch: Optional[GLALaunch] = None,
+    gla_launch: Optional[GLALaunch] = None, fp8: FP8Args = FP8Args(),
 ):
     """The model set up by Fabric, and the names of the parameters without weight decay. On CUDA it runs
     the fused Triton kernels (GLA ones launched with `gla_launch`, None: the shipped settings), elsewhere
-    their PyTorch references.
+    their PyTorch references; with fp8, its Linear layers are swapped for FP8 ones once their weights are set.
 
     Built empty (on the meta device under FSDP) and then initialised in place: on one device or DDP,
     `reset_parameters()` after re-seeding gives the same weights as an eager `GPT(config)` with this
     seed; under FSDP the wrapping materialises each Block with its modules' `reset_parameters()`."""
     sharded = isinstance(fabric.strategy, FSDPStrategy)
     with fabric.init_module(empty_init=True):
-        model = GPT(config, fused=fabric.device.type == "cuda", gla_launch=gla_launch)
+        model = GPT(config, fused=fabric.device.type == "cuda", gla_launch=gla_launch, float8=fp8.enabled)
     if not sharded:
         fabric.seed_everything(seed, verbose=False)
         model.reset_parameters()
         if initial_checkpoint_dir is not None:
             model.load_state_dict(load_initial_weights(initial_checkpoint_dir, config, fabric.print))
-        if activation_checkpointing:  # under FSDP the strategy's activation_checkpointing_policy does it
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    if fp8.enabled:  # the converted layers keep the parameters, and under FSDP materialise with the model's init
+        fabric.print(f"FP8 ({fp8.recipe}): {len(convert_to_fp8(model, fp8))} Linear layers")
+    if activation_checkpointing and not sharded:  # under FSDP the strategy's activation_checkpointing_policy does it
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     no_decay = no_decay_parameter_names(model)
     fabric.print(f"{config.name or 'model'}: {sum(p.numel() for p in model.parameters()):,} parameters")
     if compile.enabled:

@@ -136,3 +136,24 @@ def test_conversion_keeps_the_parameters_and_their_order():
     after = list(model.named_parameters())
     assert [n for n, _ in before] == [n for n, _ in after]
     assert all(a is b for (_, a), (_, b) in zip(before, after))
+
+
+def test_the_recipes_option_parses_and_a_cpu_run_is_refused_in_one_line(capsys):
+    from pathlib import Path
+
+    from test_pretrain import parse_run_config
+
+    from fabric_lin.cli import main as cli_main
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("gla_340M", "gdn_340M"):  # the recipes document the option, off
+        assert parse_run_config(root / "config_hub" / f"{name}.yaml").fp8 == FP8Args("none", False)
+    if torch.cuda.is_available():
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["pretrain", "--config", str(root / "config_hub" / "debug.yaml"), "--fp8.recipe", "rowwise",
+                  "--out_dir", "/nonexistent/never-created"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fabric-lin pretrain: error: fp8.recipe 'rowwise' needs a CUDA GPU of compute capability 8.9 or newer "
+                   "(Ada, Hopper); this run is on the CPU: leave fp8.recipe at 'none'"]
