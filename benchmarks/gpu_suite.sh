@@ -59,6 +59,14 @@ step activation_memory 300 python benchmarks/activation_memory.py --out "$out/ac
 # learning parity with fla, from the same weights on the same batches (fla's kernels compiled by the steps above)
 step parity_gla 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gla-340M --out "$out/parity_gla.json"
 step parity_gdn 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gdn-340M --out "$out/parity_gdn.json"
+# FP8 (torchao; compute capability 8.9+): the step against fla's and our bf16 one, gla-1.3B's real loop, and
+# 300 steps of FP8 against bf16 from the same weights on the same batches (the plot needs matplotlib)
+step train_fp8 1500 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --regimes bf16-weights,real-loop \
+    --models fla,fabric-lin,fabric-lin-compiled,fabric-lin-fp8,fabric-lin-fp8-rowwise --out "$out/train_fp8.json"
+step train_fp8_1b 900 python benchmarks/train_throughput.py --regimes real-loop --models gla-1B,gla-1B-fp8 \
+    --batch_size 8 --timeout 400 --out "$out/train_fp8_1b.json"
+step parity_fp8 1200 python benchmarks/learning_parity.py --model gla-340M --steps 300 --peer fp8-tensorwise \
+    --out "$out/parity_fp8.json" --plot "$out/parity_fp8.png"
 step gdn_kernel 900 env TRITON_CACHE_DIR="$cache" python benchmarks/gdn_kernel.py --gates slow fast --out "$out/gdn_kernel.json"
 # the context-length table: transformer-340M, gla-340M and gdn-340M at equal tokens per step (32K), regime (a)
 for ctx in 2048:16 8192:4 16384:2 32768:1; do

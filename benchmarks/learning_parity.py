@@ -1,14 +1,17 @@
-"""Learning parity with flash-linear-attention: fabric-lin's model and fla's, from identical weights (ours exported
-with `convert_to_hf`) on identical batches, trained side by side with the same recipe: bf16 autocast over fp32
-weights, AdamW (fused; no weight decay on 1-D parameters: norms, biases, A_log, dt_bias), the same warmup and
-cosine schedule, gradient clipping at 1.0. One GPU, one process; prints one JSON document.
+"""Learning parity: fabric-lin's model against a peer trained side by side from identical weights on identical
+batches with the same recipe: bf16 autocast over fp32 weights, AdamW (fused; no weight decay on 1-D parameters:
+norms, biases, A_log, dt_bias), the same warmup and cosine schedule, gradient clipping at 1.0. The peer is
+flash-linear-attention's model (`--peer fla`, loaded from ours exported with `convert_to_hf`) or our own model
+with its Linear layers in FP8 (`--peer fp8-tensorwise` / `fp8-rowwise`, converted as `--fp8.recipe` does; then
+"ours" is the bf16 run). One GPU, one process; prints one JSON document, and with --plot draws both loss curves.
 
     python benchmarks/learning_parity.py --model gla-340M --steps 200 --out gla_parity.json
     python benchmarks/learning_parity.py --model gdn-340M --steps 200 --out gdn_parity.json
+    python benchmarks/learning_parity.py --model gla-340M --steps 300 --peer fp8-tensorwise --out fp8.json --plot fp8.png
 
 The data is the sample corpus (the Python standard library as prose and code, `fabric_lin.data.SampleCorpus`):
 real text, built on the machine, the same batches for both models. Reported: both losses at every step, the
-relative difference |ours - fla| / fla per step, its mean, the final losses (last step and the mean of the
+relative difference |ours - peer| / peer per step, its mean, the final losses (last step and the mean of the
 last 10), and for GLA the share of chunks whose intra-chunk scores take the slower path of the Triton kernels
 (`fabric_lin.ops.gla.gate.levels_share`) at the first step, the middle one and the last.
 """
@@ -70,6 +73,36 @@ def fla_from_export(model: GPT, config: Config):
         return AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
 
 
+def fp8_copy(model: GPT, config: Config, recipe: str) -> GPT:
+    """Our model with the same weights, its Linear layers converted to FP8 as `fabric-lin pretrain --fp8.recipe` does."""
+    from fabric_lin.fp8 import FP8Args, convert_to_fp8
+
+    copy = GPT(config, fused=True, float8=True)
+    copy.load_state_dict(model.state_dict())
+    convert_to_fp8(copy, FP8Args(recipe=recipe))
+    return copy
+
+
+def plot_losses(rows: list, peer_name: str, title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=[3, 1])
+    steps = [r["step"] for r in rows]
+    top.plot(steps, [r["loss_ours"] for r in rows], label="fabric-lin (bf16)" if peer_name.startswith("fp8") else "fabric-lin")
+    top.plot(steps, [r["loss_peer"] for r in rows], label=peer_name, alpha=0.8)
+    top.set_ylabel("training loss")
+    top.set_title(title)
+    top.legend()
+    bottom.plot(steps, [100 * r["relative_difference"] for r in rows], color="gray")
+    bottom.set_ylabel("|difference| (%)")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def gate_share_hooks(model: GPT, shares: list) -> list:
     """Forward hooks on every GLA layer's gate that append the share of chunks on the slower path."""
     from fabric_lin.ops.gla.gate import levels_share
@@ -93,18 +126,26 @@ def main():
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--weight_decay", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--peer", choices=["fla", "fp8-tensorwise", "fp8-rowwise"], default="fla")
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--plot", help="also draw both loss curves into this PNG (needs matplotlib)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("learning_parity.py needs a CUDA GPU (fla's kernels)")
+        raise SystemExit("learning_parity.py needs a CUDA GPU (the fused kernels)")
+    if args.plot:
+        import matplotlib  # noqa: F401  (missing: fail now, not after the run)
     config = Config.from_name(args.model)
-    if config.block_type not in ("gla", "gdn"):
+    if args.peer == "fla" and config.block_type not in ("gla", "gdn"):
         raise SystemExit(f"--model {args.model}: expected a GLA or Gated DeltaNet model (fla has its own class for each)")
     batches = sample_batches(args.steps, args.batch_size, args.seq_len, config.vocab_size)
 
     torch.manual_seed(args.seed)
     ours = GPT(config, fused=True)
-    peer = fla_from_export(ours, config).cuda().train()
+    if args.peer == "fla":
+        peer = fla_from_export(ours, config)
+    else:
+        peer = fp8_copy(ours, config, args.peer.removeprefix("fp8-"))
+    peer = peer.cuda().train()
     ours = ours.cuda().train()
     opt_ours = adamw(ours.named_parameters(), args.lr, args.weight_decay)
     opt_peer = adamw(peer.named_parameters(), args.lr, args.weight_decay)
@@ -120,11 +161,11 @@ def main():
         batch = batch.cuda()
         shares.clear()
         losses = {}
-        for name, model, opt in (("ours", ours, opt_ours), ("fla", peer, opt_peer)):
+        for name, model, opt in (("ours", ours, opt_ours), ("peer", peer, opt_peer)):
             for group in opt.param_groups:
                 group["lr"] = lr
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                if name == "ours":
+                if isinstance(model, GPT):
                     loss = model(batch[:, :-1], targets=batch[:, 1:])
                 else:  # fla predicts labels[t + 1] at t and ignores the last position: the same targets as ours
                     loss = model(input_ids=batch, labels=batch).loss
@@ -135,25 +176,28 @@ def main():
             losses[name] = loss.item()
         if step in check_at and shares:
             share_at[step] = sum(shares) / len(shares)
-        rows.append({"step": step, "lr": lr, "loss_ours": losses["ours"], "loss_fla": losses["fla"],
-                     "relative_difference": abs(losses["ours"] - losses["fla"]) / losses["fla"]})
+        rows.append({"step": step, "lr": lr, "loss_ours": losses["ours"], "loss_peer": losses["peer"],
+                     "relative_difference": abs(losses["ours"] - losses["peer"]) / losses["peer"]})
     for hook in hooks:
         hook.remove()
     last = rows[-10:]
     final_ours = sum(r["loss_ours"] for r in last) / len(last)
-    final_fla = sum(r["loss_fla"] for r in last) / len(last)
+    final_peer = sum(r["loss_peer"] for r in last) / len(last)
     report = {
-        "model": args.model, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-        "lr": args.lr, "warmup": args.warmup, "seconds": round(time.perf_counter() - start, 1),
+        "model": args.model, "peer": args.peer, "steps": args.steps, "batch_size": args.batch_size,
+        "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup, "seconds": round(time.perf_counter() - start, 1),
         "mean_relative_difference": sum(r["relative_difference"] for r in rows) / len(rows),
-        "final_loss_ours": rows[-1]["loss_ours"], "final_loss_fla": rows[-1]["loss_fla"],
-        "final_relative_difference": abs(rows[-1]["loss_ours"] - rows[-1]["loss_fla"]) / rows[-1]["loss_fla"],
-        "last_10_mean_loss_ours": final_ours, "last_10_mean_loss_fla": final_fla,
-        "last_10_relative_difference": abs(final_ours - final_fla) / final_fla,
-        "levels_share_at_step": share_at, "diverged": any(not math.isfinite(r["loss_ours"]) for r in rows),
+        "final_loss_ours": rows[-1]["loss_ours"], "final_loss_peer": rows[-1]["loss_peer"],
+        "final_relative_difference": abs(rows[-1]["loss_ours"] - rows[-1]["loss_peer"]) / rows[-1]["loss_peer"],
+        "last_10_mean_loss_ours": final_ours, "last_10_mean_loss_peer": final_peer,
+        "last_10_relative_difference": abs(final_ours - final_peer) / final_peer,
+        "levels_share_at_step": share_at,
+        "diverged": any(not math.isfinite(r[key]) for r in rows for key in ("loss_ours", "loss_peer")),
         "per_step": rows,
     }
-    write_result(report, args.out, fla_ran=True)
+    write_result(report, args.out, fla_ran=args.peer == "fla")
+    if args.plot:
+        plot_losses(rows, args.peer, f"{args.model}: fabric-lin vs {args.peer}, {args.batch_size} x {args.seq_len}", args.plot)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ is reported as such). Prints one JSON object; run on a GPU:
 
     python benchmarks/train_throughput.py --batch_size 16 --seq_len 2048 --steps 20
     python benchmarks/train_throughput.py --batch_size 2 --seq_len 16384 --models fabric-lin,transformer
+    python benchmarks/train_throughput.py --models fla,fabric-lin-compiled,fabric-lin-fp8,fabric-lin-fp8-rowwise \
+        --regimes bf16-weights,real-loop      # FP8 (H100/H200): the models a regime does not run are skipped
+    python benchmarks/train_throughput.py --models gla-1B,gla-1B-fp8 --regimes real-loop
 """
 import argparse
 import functools
@@ -51,10 +54,19 @@ def fla_model(config: Config):
     return model, loss_fn
 
 
-def ours(config: Config, gla_launch=None):
+def ours(config: Config, gla_launch=None, compiled=False, fp8_recipe="none"):
     # the fused Triton ops, chosen when the model is built (it is built on the CPU, then moved to the GPU);
-    # gla_launch: the GLA kernels' launch settings (None: the shipped ones)
-    model = GPT(config, fused=True, gla_launch=gla_launch)
+    # gla_launch: the GLA kernels' launch settings (None: the shipped ones); compiled: each Block compiled as
+    # the trainer does; fp8_recipe: its Linear layers converted as `--fp8.recipe` does
+    from fabric_lin.fp8 import FP8Args, convert_to_fp8
+
+    fp8 = FP8Args(recipe=fp8_recipe)
+    model = GPT(config, fused=True, gla_launch=gla_launch, float8=fp8.enabled)
+    if fp8.enabled:
+        convert_to_fp8(model, fp8)
+    if compiled:
+        for block in model.layers:
+            block.compile()
 
     def loss_fn(ids, targets):
         return model(ids, targets=targets)
@@ -122,7 +134,8 @@ def measure(name, build, config, batch_size, seq_len, steps, warmup, extra=None,
     return result
 
 
-REGIME_A_MODELS = ("fabric-lin", "fabric-lin-tuned", "fla", "transformer", "gdn", "fla-gdn")
+REGIME_A_MODELS = ("fabric-lin", "fabric-lin-tuned", "fabric-lin-compiled", "fabric-lin-fp8", "fabric-lin-fp8-rowwise",
+                   "fla", "transformer", "gdn", "fla-gdn")
 REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     "fabric-lin": ("config_hub/gla_340M.yaml", []),
     # the same with shapes specialised, to show what marking them dynamic costs in step time
@@ -139,6 +152,11 @@ REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     # GPU by compile.mode auto) or launched kernel by kernel (what it runs on several)
     "fabric-lin-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile.mode", "reduce-overhead"]),
     "fabric-lin-no-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile.mode", "default"]),
+    # the Linear layers' products in FP8 (torchao), one scale per tensor or per row
+    "fabric-lin-fp8": ("config_hub/gla_340M.yaml", ["--fp8.recipe", "tensorwise"]),
+    "fabric-lin-fp8-rowwise": ("config_hub/gla_340M.yaml", ["--fp8.recipe", "rowwise"]),
+    "gla-1B": ("config_hub/gla_1B.yaml", []),
+    "gla-1B-fp8": ("config_hub/gla_1B.yaml", ["--fp8.recipe", "tensorwise"]),
     "transformer": ("config_hub/transformer_340M.yaml", []),
     "gdn": ("config_hub/gdn_340M.yaml", []),
 }
@@ -289,6 +307,11 @@ def worker(regime, key, args):
     runs = {
         "fabric-lin": ("fabric-lin gla-340M", ours, gla),
         "fabric-lin-tuned": ("fabric-lin gla-340M, launch settings searched first (as compile.kernel_autotune does)", ours, gla),
+        "fabric-lin-compiled": ("fabric-lin gla-340M, each Block compiled", functools.partial(ours, compiled=True), gla),
+        "fabric-lin-fp8": ("fabric-lin gla-340M, FP8 tensorwise, each Block compiled",
+                           functools.partial(ours, compiled=True, fp8_recipe="tensorwise"), gla),
+        "fabric-lin-fp8-rowwise": ("fabric-lin gla-340M, FP8 rowwise, each Block compiled",
+                                   functools.partial(ours, compiled=True, fp8_recipe="rowwise"), gla),
         "fla": ("flash-linear-attention GLAForCausalLM 340M", fla_model, gla),
         "transformer": ("fabric-lin transformer-340M", ours, Config.from_name("transformer-340M")),
         "gdn": ("fabric-lin gdn-340M", ours, Config.from_name("gdn-340M")),
@@ -324,7 +347,9 @@ def main():
                         "fabric-lin-fsdp-block-reshard (the same, weights gathered again for the backward pass), fabric-lin-ddp (regime b, DDP "
                         "over several GPUs), fabric-lin-cudagraphs / fabric-lin-no-cudagraphs (regime b, one GPU, CUDA graphs "
                         "forced on / off; fabric-lin: compile.mode auto, on), fla, transformer, gdn (gdn-340M, both regimes), "
-                        "fla-gdn (fla's GatedDeltaNetForCausalLM, regime a)")
+                        "fla-gdn (fla's GatedDeltaNetForCausalLM, regime a), fabric-lin-compiled (regime a, each Block compiled), "
+                        "fabric-lin-fp8 / fabric-lin-fp8-rowwise (both regimes; regime a compiles each Block), "
+                        "gla-1B / gla-1B-fp8 (regime b, gla-1.3B in bf16 / FP8)")
     parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",
                         help="bf16-weights (a), real-loop (b), data-loader (the loader alone, no GPU needed)")
     parser.add_argument("--num_workers", type=int, default=4, help="data loader workers (per rank) of the real loop and the data-loader regime")
@@ -361,7 +386,8 @@ def main():
         if "tokens_per_s" not in peer:
             continue
         for label, r in results.items():
-            if "tokens_per_s" in r and "fla" not in label.split("/")[1] and ours_keys(label.split("/")[1]):
+            key = label.split("/")[1]
+            if "tokens_per_s" in r and "fla" not in key and "1B" not in key and ours_keys(key):
                 ratios[f"{label} tokens/s vs {peer_key.split('/')[1]} (a)"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
                 ratios[f"{label} peak memory vs {peer_key.split('/')[1]} (a)"] = round(r["peak_memory_gib"] / peer["peak_memory_gib"], 3)
     peer = results.get("bf16-weights/fla", results.get("bf16-weights/fla-gdn", {}))
@@ -372,6 +398,15 @@ def main():
                                ("kernels launched one by one vs compile.mode auto (b)", "real-loop/fabric-lin-no-cudagraphs", "real-loop/fabric-lin")]:
         if "ms_per_step" in results.get(base, {}) and "ms_per_step" in results.get(other, {}):
             ratios[f"{label}, ms/step"] = round(results[base]["ms_per_step"] / results[other]["ms_per_step"], 4)
+    # FP8 against the same model and regime in bf16
+    for label, bf16, fp8 in [("FP8 tensorwise vs bf16 (a, compiled)", "bf16-weights/fabric-lin-compiled", "bf16-weights/fabric-lin-fp8"),
+                             ("FP8 rowwise vs bf16 (a, compiled)", "bf16-weights/fabric-lin-compiled", "bf16-weights/fabric-lin-fp8-rowwise"),
+                             ("FP8 tensorwise vs bf16 (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-fp8"),
+                             ("FP8 rowwise vs bf16 (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-fp8-rowwise"),
+                             ("gla-1.3B FP8 tensorwise vs bf16 (b)", "real-loop/gla-1B", "real-loop/gla-1B-fp8")]:
+        if "tokens_per_s" in results.get(bf16, {}) and "tokens_per_s" in results.get(fp8, {}):
+            ratios[f"{label}, tokens/s"] = round(results[fp8]["tokens_per_s"] / results[bf16]["tokens_per_s"], 3)
+            ratios[f"{label}, peak memory"] = round(results[fp8]["peak_memory_gib"] / results[bf16]["peak_memory_gib"], 3)
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "batch_size": args.batch_size, "seq_len": args.seq_len,
               "torch": torch.__version__, "results": results, "ratios": ratios}
     write_result(report, args.out, fla_ran="tokens_per_s" in peer)

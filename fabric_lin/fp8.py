@@ -8,7 +8,9 @@ whose product the chunked cross-entropy makes itself, never holding the whole lo
 projections, GLA's low-rank forget gate and GDN's a/b (`gate_projections` converts those whose widths allow):
 their products are a sliver of the step and FP8 would cost them precision for little. A converted layer
 keeps its parameter names and plain tensors, so checkpoints and exports stay as they are, and a run can
-resume an FP8 checkpoint in bf16 and the reverse.
+resume an FP8 checkpoint in bf16 and the reverse. Under FSDP the weights are all-gathered in their own precision:
+torchao's FP8 all-gather (`enable_fsdp_float8_all_gather`) works with FSDP2's `fully_shard` only, and Fabric's
+FSDPStrategy wraps with FSDP1.
 
 The model must be built with `GPT(config, fused=..., float8=True)`, which calls its Linear layers as modules
 (the fused kernels otherwise read their weights directly), and converted after its weights are set
@@ -30,8 +32,7 @@ class FP8Args:
     """FP8 training of the Linear layers (Hopper or newer: compute capability 8.9+), through torchao."""
 
     recipe: str = "none"
-    """none: bf16 products; tensorwise: FP8 with one dynamic scale per tensor; rowwise: one per row (more precise,
-    a little slower)"""
+    """none: bf16 products; tensorwise: FP8 with one dynamic scale per tensor; rowwise: one per row (more precise)"""
     gate_projections: bool = False
     """Also the small gate projections (GLA's low-rank forget gate, GDN's a and b) where their widths allow"""
 
