@@ -2,9 +2,9 @@
 where there is a GPU, with the GPU's defaults (bf16-mixed, each Block compiled and replayed as a CUDA graph).
 
 An uninterrupted run is the reference. Runs stopped by SIGKILL (also while a checkpoint is being
-written), by SIGTERM, by Ctrl-C, and on 2 processes (DDP over gloo) are resumed with `--resume auto` and
-must log the same loss and the same data checksum at every step and end with the same weights, bit for
-bit; so must a run resumed past a damaged checkpoint. A second Ctrl-C stops at once; a fresh run into a
+written), by SIGTERM, by Ctrl-C, and on 2 processes (DDP over gloo: SIGTERM, or SIGKILL of either rank,
+which must end the whole job) are resumed with `--resume auto` and must log the same loss and the same
+data checksum at every step and end with the same weights, bit for bit; so must a run resumed past a damaged checkpoint. A second Ctrl-C stops at once; a fresh run into a
 used out_dir is refused; errors met by every rank are printed once; the start-up time counts from
 Python's start, also behind a shell.
 
@@ -238,6 +238,47 @@ def test_two_processes_gloo_sigterm_and_resume_are_exact(reference_ddp, tmp_path
     wait_for(lambda: max(logged_losses(out), default=0) >= 3, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=TIMEOUT) == 0
+    assert not (out / "final").exists()
+    run(out, "--devices", "2", "--resume", "auto", env=CPU_ONLY)
+    assert_same_run(out, reference_ddp)
+
+
+def rank_process(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of a rank of a 2-process run: rank 0 is the launched process, rank 1 its child started with
+    LOCAL_RANK=1 (its DataLoader workers, forked, carry rank 0's environment)."""
+    if rank == 0:
+        return launcher.pid
+    children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    ranks = [int(pid) for pid in children if b"LOCAL_RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()]
+    assert len(ranks) == 1, children
+    return ranks[0]
+
+
+def ended_within(pid: int, seconds: float) -> bool:
+    """Whether the process ended (exited, or left as a zombie for its parent to collect) within `seconds`."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
+@pytest.mark.parametrize("killed", [0, 1])
+def test_sigkill_of_one_rank_ends_the_job_then_resume_is_exact(reference_ddp, tmp_path, killed):
+    out = tmp_path / "out"
+    launcher = start(out, "--devices", "2", env=CPU_ONLY)
+    wait_for(lambda: max(logged_losses(out), default=0) >= 3, launcher)
+    ranks = {rank: rank_process(launcher, rank) for rank in (0, 1)}
+    os.kill(ranks[killed], signal.SIGKILL)
+    # the other rank finds its peer gone at its next collective and exits with an error: no hang
+    survivor = ranks[1 - killed]
+    assert ended_within(survivor, 60), f"rank {1 - killed} still running 60 s after rank {killed} was killed"
+    assert launcher.wait(timeout=10) != 0
     assert not (out / "final").exists()
     run(out, "--devices", "2", "--resume", "auto", env=CPU_ONLY)
     assert_same_run(out, reference_ddp)
