@@ -4,9 +4,10 @@ where there is a GPU, with the GPU's defaults (bf16-mixed, each Block compiled a
 An uninterrupted run is the reference. Runs stopped by SIGKILL (also while a checkpoint is being
 written), by SIGTERM, by Ctrl-C, and on 2 processes (DDP over gloo: SIGTERM, or SIGKILL of either rank,
 which must end the whole job) are resumed with `--resume auto` and must log the same loss and the same
-data checksum at every step and end with the same weights, bit for bit; so must a run resumed past a damaged checkpoint. A second Ctrl-C stops at once; a fresh run into a
-used out_dir is refused; errors met by every rank are printed once; the start-up time counts from
-Python's start, also behind a shell.
+data checksum at every step and end with the same weights, bit for bit; so must a run resumed past a
+damaged checkpoint, and two nodes of one process each under torchrun against one node of two. A second
+Ctrl-C stops at once; a fresh run into a used out_dir is refused; errors met by every rank are printed
+once; the start-up time counts from Python's start, also behind a shell.
 
 Run as a script for the long fault-injection tally (not in CI):
     python tests/test_pretrain_resume.py --kills 100
@@ -281,6 +282,32 @@ def test_sigkill_of_one_rank_ends_the_job_then_resume_is_exact(reference_ddp, tm
     assert launcher.wait(timeout=10) != 0
     assert not (out / "final").exists()
     run(out, "--devices", "2", "--resume", "auto", env=CPU_ONLY)
+    assert_same_run(out, reference_ddp)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_under_torchrun_train_as_one_node_with_two_processes(reference_ddp, tmp_path):
+    """The multi-node tutorial's launch, two nodes of one process each on this host: every step's loss and
+    batches and the final weights are those of one node with two processes."""
+    out, port = tmp_path / "out", free_port()
+    fabric_lin = shutil.which("fabric-lin") or pytest.skip("the fabric-lin console script is not installed")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    nodes = [
+        subprocess.Popen([*torchrun, "--node-rank", str(rank), fabric_lin, "pretrain", *COMMON, "--out_dir", str(out),
+                          "--devices", "1", "--num_nodes", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=CPU_ONLY)
+        for rank in (0, 1)
+    ]
+    logs = [node.communicate(timeout=TIMEOUT)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert_same_run(out, reference_ddp)
 
 
