@@ -1,6 +1,8 @@
+import math
 import os
 
 import torch
+import torch.nn.functional as F
 
 # Without a GPU the Triton kernels run in Triton's interpreter. The variable must be set before any
 # kernel is defined, and fabric_lin.model imports the fused kernels, so it is set here, before any
@@ -39,3 +41,56 @@ def compiled_graph_ops(f, *inputs):
         for kind, gms in graphs.items()
     }
     return out, names["forward"], names["backward"]
+
+
+def gated_delta_rule_fp64(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, cu_seqlens=None,
+                          use_qk_l2norm=False):
+    """S_t = exp(g_t) S_{t-1}; S_t += beta_t k_t (v_t - S_t^T k_t)^T; o_t = S_t^T (scale q_t), token by token in
+    fp64, documents of cu_seqlens each from their own initial state; the ops' test reference (output_final_state is
+    taken for their signature: the final state is always returned). Returns (o, final state [N, H, K, V])."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    if use_qk_l2norm:  # fla's l2norm: eps inside the square root
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = 1 / math.sqrt(K) if scale is None else scale
+    spans = [(0, T)] if cu_seqlens is None else list(zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:]))
+    outputs, finals = [], []
+    for i, (start, end) in enumerate(spans):
+        if initial_state is None:
+            S = q.new_zeros(B, H, K, V)
+        else:
+            S = initial_state.double() if cu_seqlens is None else initial_state[i : i + 1].double()
+        for t in range(start, end):
+            S = torch.exp(g[:, t, :, None, None]) * S
+            error = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+            S = S + torch.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * error)
+            outputs.append(torch.einsum("bhk,bhkv->bhv", scale * q[:, t], S))
+        finals.append(S)
+    o = torch.stack(outputs, dim=1) if outputs else q.new_zeros(B, 0, H, V)
+    return o, torch.cat(finals)
+
+
+def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n_states=None, seed=0):
+    """fp32 q, k, v, g, beta, h0 on the CPU. Gates: slow, g ~ -0.01 per step (the state carries across many
+    chunks); fast, ~ -5 per step (exp(g) ~ 0.007: the state forgets within a few tokens; in-chunk cumulative
+    sums reach ~-320, where an exp(-b) anywhere would overflow fp32); mixed, log-uniform over -1e-3 to -8, fast
+    and slow tokens side by side in a chunk. normalized_keys: |k| <= 1, keeping beta |k|^2 < 2 where the delta
+    rule contracts (raw Gaussian keys are for use_qk_l2norm, normalised inside the op)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    if normalized_keys:
+        k = F.normalize(k, dim=-1) * (0.5 + 0.5 * torch.rand(B, T, H, 1, generator=gen))
+    v = torch.randn(B, T, H, V, generator=gen)
+    u = torch.rand(B, T, H, generator=gen)
+    if gate == "fast":
+        g = -5.0 * (0.5 + u)
+    elif gate == "slow":
+        g = -0.01 * (0.5 + u)
+    else:
+        g = -torch.exp(math.log(1e-3) + u * (math.log(8.0) - math.log(1e-3)))
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    h0 = torch.randn(n_states or B, H, K, V, generator=gen)
+    return q, k, v, g, beta, h0

@@ -1,13 +1,13 @@
-"""The gated delta rule ops (fabric_lin/ops/gdn) against an fp64 recurrence written here.
+"""The gated delta rule ops (fabric_lin/ops/gdn) against an fp64 recurrence (conftest.py).
 
-The reference below is deliberately independent of the code under test: its own loop, its own
+The reference is deliberately independent of the code under test: its own loop, its own
 L2 normalisation, fp64 throughout. Errors are measured as max|x - ref| / max|ref| per tensor.
 """
 import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from conftest import gated_delta_rule_fp64 as reference_fp64, gated_delta_rule_inputs
 
 from fabric_lin.ops.gdn import (
     chunk_gated_delta_rule,
@@ -30,36 +30,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def reference_fp64(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False):
-    """S_t = exp(g_t) S_{t-1}; S_t += beta_t k_t (v_t - S_t^T k_t)^T; o_t = S_t^T (scale q_t), in fp64.
-
-    q, k: [B, T, H, K]; v: [B, T, H, V]; g, beta: [B, T, H]; initial_state: [N, H, K, V].
-    Returns o [B, T, H, V] and the final state [N, H, K, V], both fp64.
-    """
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
-    if use_qk_l2norm:  # fla's l2norm: eps inside the square root
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = 1 / math.sqrt(K) if scale is None else scale
-    spans = [(0, T)] if cu_seqlens is None else list(zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:]))
-    outputs, finals = [], []
-    for i, (start, end) in enumerate(spans):
-        if initial_state is None:
-            S = torch.zeros(B, H, K, V, dtype=torch.float64)
-        else:
-            S = initial_state.double() if cu_seqlens is None else initial_state[i : i + 1].double()
-        for t in range(start, end):
-            S = torch.exp(g[:, t, :, None, None]) * S
-            error = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S)
-            S = S + torch.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * error)
-            outputs.append(torch.einsum("bhk,bhkv->bhv", scale * q[:, t], S))
-        finals.append(S)
-    o = torch.stack(outputs, dim=1) if outputs else torch.zeros(B, 0, H, V, dtype=torch.float64)
-    return o, torch.cat(finals)
-
-
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """max|x - ref| / max|ref|; against an all-zero reference (dg with T = 1 and no initial state)
     the absolute error, so x must be zero too."""
@@ -70,24 +40,9 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def make_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n_states=None, seed=0):
-    """fp32 leaves q, k, v, g, beta, h0. Keys of norm <= 1 keep beta |k|^2 < 2, where the delta rule
-    contracts; raw Gaussian keys (for use_qk_l2norm) are normalised inside the op."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, K, generator=gen)
-    k = torch.randn(B, T, H, K, generator=gen)
-    if normalized_keys:
-        k = F.normalize(k, dim=-1) * (0.5 + 0.5 * torch.rand(B, T, H, 1, generator=gen))
-    v = torch.randn(B, T, H, V, generator=gen)
-    u = torch.rand(B, T, H, generator=gen)
-    if gate == "fast":  # exp(g) ~ 0.007: the state forgets within a few tokens
-        g = -5.0 * (0.5 + u)
-    elif gate == "slow":  # exp(g) ~ 0.99: the state carries across many chunks
-        g = -0.01 * (0.5 + u)
-    else:  # log-uniform from -1e-3 to -8, fast and slow tokens side by side in a chunk
-        g = -torch.exp(math.log(1e-3) + u * (math.log(8.0) - math.log(1e-3)))
-    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
-    h0 = torch.randn(n_states or B, H, K, V, generator=gen)
-    return [x.requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    """fp32 leaves q, k, v, g, beta, h0 (conftest.gated_delta_rule_inputs)."""
+    inputs = gated_delta_rule_inputs(B, T, H, K, V, gate, normalized_keys, n_states, seed)
+    return [x.requires_grad_(True) for x in inputs]
 
 
 def outputs_and_grads(fn, inputs, with_state, seed=1, **kwargs):

@@ -1,4 +1,4 @@
-"""The Triton gated delta rule (fabric_lin/ops/gdn/chunk.py) against an fp64 recurrence written here.
+"""The Triton gated delta rule (fabric_lin/ops/gdn/chunk.py) against an fp64 recurrence (conftest.py).
 
 On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before
 Triton is imported), in fp32, on small shapes: outputs, final state and every gradient to 1e-4. With CUDA
@@ -6,7 +6,6 @@ the GPU tests run bf16 inputs on the real layer shapes against the fp32 chunked 
 checked against an fp64 recurrence in test_gdn_ops.py) by relative RMS error.
 """
 import json
-import math
 import os
 
 import torch
@@ -15,8 +14,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from conftest import compiled_graph_ops, rel_rms  # noqa: E402
+from conftest import compiled_graph_ops, gated_delta_rule_inputs, rel_rms  # noqa: E402
+from conftest import gated_delta_rule_fp64 as reference_fp64  # noqa: E402
 
 from fabric_lin.ops.gdn import chunk_gated_delta_rule  # noqa: E402
 from fabric_lin.ops.gdn.launch import SHIPPED, GDNLaunch  # noqa: E402
@@ -38,54 +37,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def reference_fp64(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, cu_seqlens=None,
-                   use_qk_l2norm=False):
-    """S_t = exp(g_t) S_{t-1}; S_t += beta_t k_t (v_t - S_t^T k_t)^T; o_t = S_t^T (scale q_t), token by token in
-    fp64, documents of cu_seqlens each from their own initial state. Returns (o, final state [N, H, K, V])."""
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
-    if use_qk_l2norm:  # fla's l2norm: eps inside the square root
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = 1 / math.sqrt(K) if scale is None else scale
-    spans = [(0, T)] if cu_seqlens is None else list(zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:]))
-    outputs, finals = [], []
-    for i, (start, end) in enumerate(spans):
-        if initial_state is None:
-            S = q.new_zeros(B, H, K, V)
-        else:
-            S = initial_state.double() if cu_seqlens is None else initial_state[i : i + 1].double()
-        for t in range(start, end):
-            S = torch.exp(g[:, t, :, None, None]) * S
-            error = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S)
-            S = S + torch.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * error)
-            outputs.append(torch.einsum("bhk,bhkv->bhv", scale * q[:, t], S))
-        finals.append(S)
-    o = torch.stack(outputs, dim=1) if outputs else q.new_zeros(B, 0, H, V)
-    return o, torch.cat(finals)
-
-
 def make_inputs(B, T, H, K, V, gate="mixed", n_states=None, seed=0, device="cpu", dtype=torch.float32,
                 normalized_keys=True):
-    """q, k, v, g (fp32), beta, h0 (fp32). slow: g ~ -0.01 per step; fast: ~ -5 per step, in-chunk cumulative
-    sums to ~-320 (an exp(-b) anywhere would overflow fp32); mixed: log-uniform over -1e-3 to -8, fast and slow
-    tokens side by side. normalized_keys: |k| <= 1 (beta |k|^2 < 2, where the delta rule contracts)."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, K, generator=gen)
-    k = torch.randn(B, T, H, K, generator=gen)
-    if normalized_keys:
-        k = F.normalize(k, dim=-1) * (0.5 + 0.5 * torch.rand(B, T, H, 1, generator=gen))
-    v = torch.randn(B, T, H, V, generator=gen)
-    u = torch.rand(B, T, H, generator=gen)
-    if gate == "fast":
-        g = -5.0 * (0.5 + u)
-    elif gate == "slow":
-        g = -0.01 * (0.5 + u)
-    else:
-        g = -torch.exp(math.log(1e-3) + u * (math.log(8.0) - math.log(1e-3)))
-    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
-    h0 = torch.randn(n_states or B, H, K, V, generator=gen)
+    """q, k, v, g (fp32), beta, h0 (fp32) of conftest.gated_delta_rule_inputs, on `device`, q, k, v and beta in `dtype`."""
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(B, T, H, K, V, gate, normalized_keys, n_states, seed)
     q, k, v, beta = (x.to(device=device, dtype=dtype) for x in (q, k, v, beta))
     return q, k, v, g.to(device), beta, h0.to(device)
 
