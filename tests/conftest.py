@@ -94,3 +94,35 @@ def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     h0 = torch.randn(n_states or B, H, K, V, generator=gen)
     return q, k, v, g, beta, h0
+
+
+def export_to_fla(model, config, dtype: str = "float32"):
+    """fla's model (on the CPU, in `dtype`) loaded from `model`'s weights exported as `fabric-lin convert_to_hf`
+    does, and the config.json the export wrote."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    import fla  # noqa: F401  (registers fla's model types with transformers)
+    from fabric_lin.checkpoint import MODEL_FILE
+    from fabric_lin.convert.hf import convert_to_hf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, hf_dir = Path(tmp) / "model", Path(tmp) / "hf"
+        model_dir.mkdir()
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, model_dir / MODEL_FILE)
+        config.save(model_dir / "model_config.yaml")
+        convert_to_hf(model_dir, hf_dir, dtype=dtype)
+        exported = json.loads((hf_dir / "config.json").read_text())
+        fla_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=getattr(torch, dtype)).eval()
+    return fla_model, exported
+
+
+def perturb_vectors(model, scale: float = 0.1) -> None:
+    """Norm weights and gate biases moved away from their init (ones, zeros), so that a wrong mapping of them shows."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * scale)

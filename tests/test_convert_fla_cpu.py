@@ -28,9 +28,7 @@ if __name__ == "__main__":
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -87,26 +85,13 @@ def adapt_interpreter() -> None:
 
 
 def compare_with_fla(config: Config, seq_lens=SEQ_LENS, batch: int = 1, seed: int = 0) -> list:
-    from transformers import AutoModelForCausalLM
-
-    import fla  # noqa: F401  (registers fla's model types with transformers' Auto classes)
-    from fabric_lin.convert.hf import convert_to_hf
+    from conftest import export_to_fla, perturb_vectors
     from fabric_lin.model import GPT
 
     torch.manual_seed(seed)
     model = GPT(config).eval()
-    with torch.no_grad():  # norms and gate biases away from their init, so their mapping matters
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir, hf_dir = Path(tmp) / "model", Path(tmp) / "hf"
-        model_dir.mkdir()
-        torch.save(model.state_dict(), model_dir / "lit_model.pth")
-        config.save(model_dir / "model_config.yaml")
-        convert_to_hf(model_dir, hf_dir, dtype="float32")
-        exported = json.loads((hf_dir / "config.json").read_text())
-        fla_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    perturb_vectors(model)
+    fla_model, exported = export_to_fla(model, config)
     results = []
     for seq_len in seq_lens:
         ids = torch.randint(0, config.vocab_size, (batch, seq_len))
@@ -137,22 +122,13 @@ def generate_with_fla(config: Config, prompt_len: int = 20, new_tokens: int = 6,
     """fla's `generate` on an exported model, and fabric-lin's greedy tokens checked against fla's full forward
     (each token the argmax of fla's logits at its position). In the interpreter fla's own cached decoding
     does not reproduce its full forward, so its tokens are reported, not compared."""
-    from transformers import AutoModelForCausalLM
-
-    import fla  # noqa: F401
-    from fabric_lin.convert.hf import convert_to_hf
+    from conftest import export_to_fla
     from fabric_lin.generate import generate_tokens
     from fabric_lin.model import GPT
 
     torch.manual_seed(seed)
     model = GPT(config).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir, hf_dir = Path(tmp) / "model", Path(tmp) / "hf"
-        model_dir.mkdir()
-        torch.save(model.state_dict(), model_dir / "lit_model.pth")
-        config.save(model_dir / "model_config.yaml")
-        convert_to_hf(model_dir, hf_dir, dtype="float32")
-        fla_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    fla_model = export_to_fla(model, config)[0]
     prompt = torch.randint(0, config.vocab_size, (1, prompt_len))
     fla_tokens = fla_model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[0, prompt_len:].tolist()
     ours = generate_tokens(model, prompt[0], max_new_tokens=new_tokens, temperature=0.0)

@@ -11,14 +11,13 @@ fp32 forward, and fla's error may be at most twice fabric-lin's own bf16 error p
 """
 import argparse
 import json
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import export_to_fla, perturb_vectors
+
 from fabric_lin.config import Config
-from fabric_lin.convert.hf import convert_to_hf
 from fabric_lin.model import GPT
 
 
@@ -35,27 +34,14 @@ def fla_available(model_type: str = "gla") -> bool:
 
 
 def compare_with_fla(config: Config, seq_len: int = 1024, batch: int = 2, seed: int = 0) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    import fla  # noqa: F401
-
     torch.manual_seed(seed)
     model = GPT(config, fused=True)
-    with torch.no_grad():  # norms and gate biases away from their init, so their mapping matters
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
+    perturb_vectors(model)
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), device="cuda")
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir, hf_dir = Path(tmp) / "model", Path(tmp) / "hf"
-        model_dir.mkdir()
-        torch.save(model.state_dict(), model_dir / "lit_model.pth")
-        config.save(model_dir / "model_config.yaml")
-        convert_to_hf(model_dir, hf_dir, dtype="bfloat16")
-        fla_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.bfloat16).cuda().eval()
-        with torch.no_grad():
-            fla_logits = fla_model(input_ids=ids).logits.float()
-        del fla_model
+    fla_model = export_to_fla(model, config, dtype="bfloat16")[0].cuda()
+    with torch.no_grad():
+        fla_logits = fla_model(input_ids=ids).logits.float()
+    del fla_model
     model = model.cuda().eval()
     with torch.no_grad():
         ref = model(ids).float()  # fp32
@@ -98,25 +84,13 @@ CASES = {
 def compare_fp32_with_fla(config: Config, seq_len: int = 300, batch: int = 2, seed: int = 0) -> dict:
     """fabric-lin's fp32 forward on its PyTorch path against fla's fp32 model on the GPU (relative error), and
     fla's `generate` on the export (its greedy tokens, and ours)."""
-    from transformers import AutoModelForCausalLM
-
-    import fla  # noqa: F401
     from fabric_lin.generate import generate_tokens
 
     torch.manual_seed(seed)
     model = GPT(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
+    perturb_vectors(model)
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), device="cuda")
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir, hf_dir = Path(tmp) / "model", Path(tmp) / "hf"
-        model_dir.mkdir()
-        torch.save(model.state_dict(), model_dir / "lit_model.pth")
-        config.save(model_dir / "model_config.yaml")
-        convert_to_hf(model_dir, hf_dir, dtype="float32")
-        fla_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).cuda().eval()
+    fla_model = export_to_fla(model, config, dtype="float32")[0].cuda()
     model = model.cuda().eval()
     with torch.no_grad():
         fla_logits = fla_model(input_ids=ids, use_cache=False).logits.float()
