@@ -1,6 +1,7 @@
 import math
 import os
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -9,6 +10,16 @@ import torch.nn.functional as F
 # test module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of many tiny tensor ops (token-by-token recurrences, the Triton interpreter's programs):
+    intra-op threads only add synchronisation, and on a shared CPU their spin-waiting slows them many times."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:

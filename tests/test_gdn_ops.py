@@ -20,14 +20,7 @@ TOL = 1e-4
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Every op here is tiny (a token's [B, H, K, V] state): intra-op threads only add synchronisation,
-    # and on a shared CPU their spin-waiting makes the token loops many times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # every op here is tiny (conftest.one_thread)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

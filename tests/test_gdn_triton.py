@@ -27,14 +27,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 NAMES = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # the interpreter runs each program's small tensor ops one after another: intra-op threads only add
-    # synchronisation, and on a shared CPU their spin-waiting slows everything down
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # every op here is tiny (conftest.one_thread)
 
 
 def make_inputs(B, T, H, K, V, gate="mixed", n_states=None, seed=0, device="cpu", dtype=torch.float32,
