@@ -1,5 +1,5 @@
 """What the training loop does with a batch: the loss (with packed documents' boundaries where the state
-resets at EOS), a checksum of the tokens for checking two runs saw the same data, and a data loader read
+resets at EOS), per-sample checksums of the tokens for checking two runs saw the same data, and a data loader read
 forever, epoch after epoch."""
 from typing import Iterator, Optional
 
@@ -26,10 +26,14 @@ def doc_boundaries(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 
 def batch_fingerprint(batch: torch.Tensor) -> torch.Tensor:
-    """An int64 checksum of a batch's token ids and their positions, computed on the device. Logged per
-    step (summed over micro-batches and ranks) so that two runs can be checked to see the same data."""
-    weights = torch.arange(1, batch.numel() + 1, device=batch.device, dtype=torch.int64).view_as(batch) * 1_000_003 + 7
-    return ((batch.to(torch.int64) + 1) * weights).sum()
+    """The sum of the batch's per-sample checksums (int64, computed on the device). Logged per step (summed
+    over micro-batches and processes), it tells whether two runs trained each step on the same samples,
+    however those were split over processes and micro-batches."""
+    weights = torch.arange(1, batch.shape[-1] + 1, device=batch.device, dtype=torch.int64) * 1_000_003 + 7
+    per_sample = ((batch.to(torch.int64) + 1) * weights).sum(-1)
+    # a non-linear mix of each sample's sum, so that tokens swapped between two samples change the total
+    mixed = (per_sample ^ (per_sample >> 29)) * 0x5851F42D4C957F2D
+    return (mixed ^ (mixed >> 32)).sum()
 
 
 class CycleIterator:

@@ -255,8 +255,6 @@ def main(
         data.setup()
         train_dataloader = data.train_dataloader()
         val_dataloader = data.val_dataloader()
-        if resume_dir is not None:
-            check_loader_matches(resume_dir, hparams, train_dataloader, fabric.print)
         train_dataloader = fabric.setup_dataloaders(train_dataloader)
         if val_dataloader is not None:  # a data module without a validation split returns None
             val_dataloader = fabric.setup_dataloaders(val_dataloader)
@@ -354,9 +352,9 @@ def fit(
         loss_sum = torch.zeros((), device=fabric.device)
         fingerprint = torch.zeros((), dtype=torch.int64, device=fabric.device)
         for micro in range(accumulation):
-            batch = next(train_iterator).long()  # litdata's TokensLoader yields the stored dtype (often int32)
+            batch = next(train_iterator).long()  # a data module's own loader may yield the stored dtype
             state["iter_num"] += 1
-            fingerprint += batch_fingerprint(batch) * (micro + 1)
+            fingerprint += batch_fingerprint(batch)
             input_ids = batch[:, : train.max_seq_length].contiguous()
             targets = batch[:, 1 : train.max_seq_length + 1].contiguous()
             if cuda_graphs:  # this micro-batch's graphs may reuse the last one's graph memory
@@ -587,61 +585,6 @@ def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str
                 + ", ".join(f"{k} ({a!r} there, {b!r} here)" for k, (a, b) in sorted(differ.items()))
             )
     return load_model_dir_weights(model_dir, config)
-
-
-def check_loader_matches(resume_dir: Path, hparams: Dict, train_dataloader, log=print) -> None:
-    """Compare the values litdata's loader state depends on - micro batch size, DataLoader workers (0 counts
-    as 1), processes - with those in the checkpoint's hyperparameters.yaml. A mix of datasets (litdata's
-    CombinedStreamingDataset) restores its position only with the same three and otherwise fails inside
-    litdata without naming the one that changed: refused here, naming it. A single dataset is re-striped
-    from its position over the new layout: noted."""
-    import yaml
-    from litdata.streaming import CombinedStreamingDataset
-
-    try:
-        saved = yaml.safe_load((Path(resume_dir) / HPARAMS_FILE).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return
-    if not isinstance(saved, dict):
-        return
-
-    def values(h: Dict) -> Dict[str, Optional[int]]:
-        workers = ((h.get("data") or {}).get("init_args") or {}).get("num_workers")
-        devices, nodes = h.get("devices"), h.get("num_nodes", 1)
-        return {
-            "train.micro_batch_size": (h.get("train") or {}).get("micro_batch_size"),
-            "data.num_workers": max(workers, 1) if isinstance(workers, int) else None,
-            "devices x num_nodes": devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None,
-        }
-
-    then, now = values(saved), values(hparams)
-    changed = [key for key in then if then[key] is not None and now[key] is not None and then[key] != now[key]]
-    if not changed:
-        return
-
-    def shown(h: Dict, key: str) -> str:
-        if key == "devices x num_nodes":
-            return f"{h.get('devices')} x {h.get('num_nodes', 1)}"
-        if key == "data.num_workers":
-            return str(((h.get("data") or {}).get("init_args") or {}).get("num_workers"))
-        return str(then[key] if h is saved else now[key])
-
-    differences = ", ".join(f"{key} is {shown(hparams, key)} here, {shown(saved, key)} in the checkpoint" for key in changed)
-    flags = " ".join(
-        f"--devices {saved.get('devices')} --num_nodes {saved.get('num_nodes', 1)}" if key == "devices x num_nodes"
-        else f"--{key} {shown(saved, key)}" for key in changed
-    )
-    if isinstance(getattr(train_dataloader, "dataset", None), CombinedStreamingDataset):
-        raise ValueError(
-            f"--resume {resume_dir}: {differences}. A mix of datasets continues from its position only with the "
-            f"checkpoint's micro batch size, DataLoader workers and process count: resume with {flags}, or continue from "
-            f"its weights in a new data order: fabric-lin convert_pretrained_checkpoint {resume_dir} --output_dir <DIR>, "
-            f"then --initial_checkpoint_dir <DIR> (AdamW's moments start again)"
-        )
-    log(
-        f"Note: {differences}: the data continues from the checkpoint's position, spread over the new layout, "
-        f"so the samples that follow are not those the original run would have seen ({flags} keeps them)"
-    )
 
 
 def load_tokenizer(tokenizer_dir: Optional[Path]):

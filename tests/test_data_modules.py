@@ -1,4 +1,6 @@
-"""Data modules: mixing weights, dataloader resume, validation order, the sample corpus."""
+"""Data modules: mixing weights, dataloader resume, validation order, the sample corpus; the training
+stream on any number of processes, workers and micro batch sizes, resumed from one layout on another
+(8 -> 4, 2 -> 1, 1 -> 2 processes) with no sample repeated or skipped, by a checksum per sample."""
 import io
 import json
 import subprocess
@@ -111,12 +113,6 @@ def test_mix_weights_from_the_command_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_an_epoch_yields_only_full_batches(mix):
-    # each of the two workers stops when its SlimPajama stream runs out, mid-batch
-    shapes = [tuple(b.shape) for b in module(mix, batch_size=64, num_workers=2).train_dataloader()]
-    assert len(shapes) > 100 and set(shapes) == {(64, SEQ + 1)}
-
-
 def test_use_starcoder_false_reads_slimpajama_only(mix):
     loader = module(mix, batch_size=50, use_starcoder=False).train_dataloader()
     batches = [b for _, b in zip(range(20), loader)]
@@ -151,6 +147,96 @@ def test_resume_continues_with_the_next_batch(mix, kind, num_workers):
             assert torch.equal(a, b), f"resumed after {consumed} batches"
     # a fresh loader starts elsewhere, so the comparison above tells resumed from restarted
     assert not torch.equal(next(iter(make_loader())), expected[0])
+
+
+# ---- the training stream on any layout
+
+
+def sample_ids(batches) -> list:
+    """A checksum per sample: its bytes (random tokens, so every block of the fixture's data is unique)."""
+    return [bytes(row.numpy().astype(np.uint16)) for batch in batches for row in batch]
+
+
+def litdata_blocks(path: Path) -> list:
+    """Every block of a prepared directory as litdata's own loader reads it, in order (the reference)."""
+    from litdata.streaming import StreamingDataset, TokensLoader
+
+    dataset = StreamingDataset(str(path), item_loader=TokensLoader(block_size=SEQ + 1), shuffle=False)
+    return [bytes(np.asarray(block).astype(np.uint16)) for block in dataset]
+
+
+class Layout:
+    """The training loaders of the `world_size` processes of one layout, each read through one iterator
+    as the training loop does; started at the position of `state` (rank 0's loader state) when given."""
+
+    def __init__(self, mix, world_size: int, batch_size: int, num_workers: int = 0, state=None):
+        self.loaders = []
+        for rank in range(world_size):
+            loader = module(mix, batch_size=batch_size, num_workers=num_workers).train_dataloader()
+            loader.rank_and_world = (rank, world_size)
+            if state is not None:
+                loader.load_state_dict(torch_round_trip(state))
+            self.loaders.append(loader)
+        self.iterators = [iter(loader) for loader in self.loaders]
+        self.batch_size = batch_size
+
+    def take_steps(self, steps: int, global_batch: int):
+        """What `steps` optimizer steps of `global_batch` samples read: per step, the samples of every
+        micro batch of every process."""
+        accumulation = global_batch // (len(self.loaders) * self.batch_size)
+        return [sample_ids(next(it) for _ in range(accumulation) for it in self.iterators) for _ in range(steps)]
+
+
+def test_an_epoch_of_a_source_reads_each_of_its_blocks_once(mix):
+    data = TokenChunks(data_path=mix["data"] / "starcoder", num_workers=0)
+    data.connect(mix["tokenizer"], batch_size=100, max_seq_length=SEQ)
+    data.setup()
+    blocks = litdata_blocks(mix["data"] / "starcoder")
+    assert len(blocks) == 12_500 and len(set(blocks)) == len(blocks)
+    iterator = iter(data.train_dataloader())
+    first, second = (sample_ids(next(iterator) for _ in range(125)) for _ in range(2))
+    assert sorted(first) == sorted(blocks) and sorted(second) == sorted(blocks)
+    assert first != second and first != blocks  # shuffled, and differently in each epoch
+
+
+def test_each_group_of_1024_samples_holds_the_shares_exactly(mix):
+    iterator = iter(module(mix, batch_size=1024).train_dataloader())
+    given = 0
+    for group in range(1, 40):  # more than an epoch of slimpajama (20,000 blocks)
+        given += int((next(iterator)[:, 0] % 2 == 0).sum())
+        assert abs(given - group * 1024 * 0.693584) < 1, group
+
+
+@pytest.mark.parametrize("world_size,batch_size,num_workers", [(2, 4, 0), (4, 2, 2), (8, 1, 0)])
+def test_the_stream_is_the_same_on_any_layout(mix, world_size, batch_size, num_workers):
+    one_process = Layout(mix, 1, 8).take_steps(5, global_batch=16)
+    assert Layout(mix, world_size, batch_size, num_workers).take_steps(5, global_batch=16) == one_process
+
+
+@pytest.mark.parametrize("before,after", [((8, 2, 0), (4, 1, 2)), ((2, 2, 1), (1, 4, 0)), ((1, 4, 0), (2, 1, 2))],
+                         ids=["8->4", "2->1", "1->2"])
+def test_resumed_on_another_layout_no_sample_is_repeated_or_skipped(mix, before, after):
+    """(processes, micro batch size, workers) before and after the checkpoint, 32 samples a step."""
+    uninterrupted = Layout(mix, 1, 8).take_steps(30, global_batch=32)
+    first = Layout(mix, *before)
+    seen = first.take_steps(12, global_batch=32)
+    states = [loader.state_dict() for loader in first.loaders]
+    assert all(state == states[0] for state in states)  # the position is the same on every process
+    seen += Layout(mix, *after, state=states[0]).take_steps(18, global_batch=32)  # rank 0's state, as Fabric saves it
+    assert [sorted(step) for step in seen] == [sorted(step) for step in uninterrupted]
+    consumed = [sample for step in seen for sample in step]
+    # 960 samples: within one epoch of both sources, so no sample may appear twice
+    assert len(consumed) == 960 and len(set(consumed)) == 960
+
+
+def test_resuming_in_another_sample_order_is_refused(mix):
+    state = module(mix, batch_size=4).train_dataloader().state_dict()
+    with pytest.raises(ValueError, match=r"another sample order: seed is 7 here, 42 in the checkpoint; weights is \[0.5, 0.5\] "
+                       r"here, \[0.693584, 0.306416\] in the checkpoint"):
+        module(mix, batch_size=4, seed=7, weights=(0.5, 0.5)).train_dataloader().load_state_dict(state)
+    litdata_state = {"dataset": {}, "current_epoch": 0, "num_samples_yielded": 8, "latest_worker_idx": 0}
+    with pytest.raises(ValueError, match="written by litdata's StreamingDataLoader"):
+        module(mix, batch_size=4).train_dataloader().load_state_dict(litdata_state)
 
 
 def test_val_dataloader_is_in_order(mix):

@@ -107,16 +107,22 @@ def test_packed_loss_equals_per_document_losses():
     torch.testing.assert_close(packed, total / targets.numel(), rtol=1e-5, atol=1e-5)
 
 
-def test_batch_fingerprint_sees_tokens_and_their_order():
+def test_batch_fingerprint_sums_per_sample_checksums():
+    """Samples are told apart by their tokens and the tokens' order within them; which micro-batch or
+    process (row order, split) a sample came in does not change the step's sum."""
     from fabric_lin.batches import batch_fingerprint
 
     batch = torch.arange(24).view(2, 12)
     reference = batch_fingerprint(batch)
-    assert batch_fingerprint(batch.clone()) == reference
-    assert batch_fingerprint(batch.flip(0)) != reference  # rows swapped
+    assert batch_fingerprint(batch.flip(0)) == reference  # rows in another order
+    assert batch_fingerprint(batch[:1]) + batch_fingerprint(batch[1:]) == reference  # split over micro-batches
     changed = batch.clone()
     changed[1, 3] += 1
     assert batch_fingerprint(changed) != reference
+    assert batch_fingerprint(batch.flip(1)) != reference  # tokens in another order within the samples
+    swapped = batch.clone()
+    swapped[0, 5], swapped[1, 5] = batch[1, 5], batch[0, 5]  # a token moved from one sample to the other
+    assert batch_fingerprint(swapped) != reference
     assert batch_fingerprint(batch.to(torch.int32)) == reference  # stored dtype does not matter
 
 
@@ -794,45 +800,35 @@ def test_a_failed_run_removes_the_empty_output_directories_it_created(tmp_path):
 # ---- resuming with other loader values
 
 
-def test_resume_names_the_loader_value_that_changed(tmp_path, capsys):
-    """The sample corpus mixes two datasets, whose position litdata restores only with the same micro batch
-    size, workers and processes: the one that changed is named, with the flag that resumes."""
+def _fingerprints(out_dir):
+    import json
+
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["data_fingerprint"] for r in records if "data_fingerprint" in r}
+
+
+def test_resume_with_another_micro_batch_size_trains_on_the_same_samples(tmp_path):
+    """The data position is one number of samples: resumed with micro batches of 1 (two per step), the
+    steps after the checkpoint train on the samples the uninterrupted run (micro batches of 2) took."""
+    common = dict(eval=EvalArgs(final_validation=False, interval=1000))
+    train = dict(global_batch_size=2, max_seq_length=32, save_interval=2)
+    _setup(tmp_path, out_dir=tmp_path / "whole", train=TrainArgs(micro_batch_size=2, max_steps=4, **train), **common)
+    _setup(tmp_path, out_dir=tmp_path / "split", train=TrainArgs(micro_batch_size=2, max_steps=2, **train), **common)
+    _setup(tmp_path, out_dir=tmp_path / "split", resume=tmp_path / "split" / "final",
+           train=TrainArgs(micro_batch_size=1, max_steps=4, **train), **common)
+    whole, split = _fingerprints(tmp_path / "whole"), _fingerprints(tmp_path / "split")
+    assert sorted(whole) == [1, 2, 3, 4] and len(set(whole.values())) == 4
+    assert split == whole
+
+
+def test_resume_in_another_data_order_is_refused_naming_the_value(tmp_path):
+    from fabric_lin.data import SampleCorpus
+
     _setup(tmp_path, eval=EvalArgs(final_validation=False))
     final = tmp_path / "out" / "final"
-    other = TrainArgs(global_batch_size=2, micro_batch_size=1, max_steps=2, max_seq_length=32)
-    with pytest.raises(ValueError, match=rf"--resume {final}: train.micro_batch_size is 1 here, 2 in the checkpoint. A mix "
-                       r"of datasets continues from its position only with the checkpoint's micro batch size, DataLoader "
-                       r"workers and process count: resume with --train.micro_batch_size 2, or continue from its weights "
-                       rf"in a new data order: fabric-lin convert_pretrained_checkpoint {final} --output_dir <DIR>"):
-        _setup(tmp_path, out_dir=tmp_path / "again", resume=final, train=other, eval=EvalArgs(final_validation=False))
-    assert not (tmp_path / "again").exists()
-
-
-def test_loader_values_compared_with_the_checkpoint(tmp_path, capsys):
-    import yaml
-    from litdata.streaming import CombinedStreamingDataset
-
-    from fabric_lin.pretrain import check_loader_matches
-
-    saved = {"devices": 1, "num_nodes": 1, "train": {"micro_batch_size": 2}, "data": {"init_args": {"num_workers": 0}}}
-    (tmp_path / "hyperparameters.yaml").write_text(yaml.safe_dump(saved))
-
-    class Loader:
-        def __init__(self, dataset):
-            self.dataset = dataset
-
-    mixed = Loader(CombinedStreamingDataset.__new__(CombinedStreamingDataset))
-    same = {**saved, "data": {"init_args": {"num_workers": 1}}}  # litdata counts 0 workers as 1
-    check_loader_matches(tmp_path, same, mixed)
-    with pytest.raises(ValueError, match=r"data.num_workers is 4 here, 0 in the checkpoint, devices x num_nodes is 2 x 1 here, "
-                       r"1 x 1 in the checkpoint\. .* resume with --data.num_workers 0 --devices 1 --num_nodes 1, or"):
-        check_loader_matches(tmp_path, {**saved, "devices": 2, "data": {"init_args": {"num_workers": 4}}}, mixed)
-    # one dataset: litdata spreads it from its position over the new layout; said, not refused
-    lines = []
-    check_loader_matches(tmp_path, {**saved, "train": {"micro_batch_size": 4}}, Loader(object()), lines.append)
-    assert lines == ["Note: train.micro_batch_size is 4 here, 2 in the checkpoint: the data continues from the checkpoint's "
-                     "position, spread over the new layout, so the samples that follow are not those the original run "
-                     "would have seen (--train.micro_batch_size 2 keeps them)"]
+    with pytest.raises(ValueError, match=r"the checkpoint's data position is a place in another sample order: seed is 7 "
+                       r"here, 42 in the checkpoint .* convert_pretrained_checkpoint"):
+        _setup(tmp_path, out_dir=tmp_path / "again", resume=final, data=SampleCorpus(seed=7), eval=EvalArgs(final_validation=False))
 
 
 def test_resume_from_a_damaged_directory_refuses_in_one_line(tmp_path, capsys):

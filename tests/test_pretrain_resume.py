@@ -5,7 +5,9 @@ An uninterrupted run is the reference. Runs stopped by SIGKILL (also while a che
 written), by SIGTERM, by Ctrl-C, and on 2 processes (DDP over gloo: SIGTERM, or SIGKILL of either rank,
 which must end the whole job) are resumed with `--resume auto` and must log the same loss and the same
 data checksum at every step and end with the same weights, bit for bit; so must a run resumed past a
-damaged checkpoint, and two nodes of one process each under torchrun against one node of two. A second
+damaged checkpoint, and two nodes of one process each under torchrun against one node of two. One
+process and two train on the same samples at every step, also when a run is resumed on the other
+number (the loss then equal up to the order of floating-point sums). A second
 Ctrl-C stops at once; a fresh run into a used out_dir is refused; errors met by every rank are printed
 once; the start-up time counts from Python's start, also behind a shell.
 
@@ -309,6 +311,40 @@ def test_two_nodes_under_torchrun_train_as_one_node_with_two_processes(reference
     logs = [node.communicate(timeout=TIMEOUT)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert_same_run(out, reference_ddp)
+
+
+def assert_same_samples_close_losses(out_dir: Path, reference: Path, steps) -> None:
+    """Each step trained on the reference's samples (the sum of per-sample checksums), and the loss follows
+    the reference's: equal up to the order of the floating-point sums, which the split changes."""
+    got, expected = logged_data(out_dir), logged_data(reference)
+    assert {s: got[s] for s in steps} == {s: expected[s] for s in steps}
+    losses, expected_losses = logged_losses(out_dir), logged_losses(reference)
+    for step in steps:
+        assert losses[step] == pytest.approx(expected_losses[step], rel=1e-4, abs=1e-4), step
+
+
+def test_one_process_and_two_train_on_the_same_samples(reference, reference_ddp):
+    """Two processes with a micro batch each per step, or one with two: the same samples at every step."""
+    assert_same_samples_close_losses(reference_ddp, reference, range(1, STEPS + 1))
+    assert len(set(logged_data(reference).values())) == STEPS
+
+
+@pytest.mark.parametrize("processes", [(2, 1), (1, 2)], ids=["2->1", "1->2"])
+def test_resumed_on_another_process_count_no_sample_is_repeated_or_skipped(reference, reference_ddp, tmp_path, processes):
+    """The data mix (SlimPajama and Starcoder of the sample corpus) resumed from step 4 on the other number of
+    processes: steps 5-8 train on the samples of the uninterrupted run, and its loss continues."""
+    before, after = processes
+    uninterrupted = reference_ddp if before == 2 else reference
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copytree(uninterrupted / "step-00000004", out / "step-00000004")
+    result = run(out, "--resume", "auto", "--devices", str(after), env=CPU_ONLY)
+    assert f"Resuming from {out / 'step-00000004'}" in result.stdout
+    assert sorted(logged_losses(out)) == [5, 6, 7, 8]
+    assert_same_samples_close_losses(out, uninterrupted, range(5, STEPS + 1))
+    a, b = final_weights(out), final_weights(uninterrupted)
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-4, msg=key)
 
 
 def test_ctrl_c_saves_at_the_step_boundary_exits_130_then_resume_is_exact(reference_workers, tmp_path):

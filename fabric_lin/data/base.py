@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from litdata.streaming import StreamingDataLoader
 
-from fabric_lin.data.prepared import INDEX_FILE, check_prepared_dir
+from fabric_lin.data.prepared import INDEX_FILE, block_too_long, check_prepared_dir
 from fabric_lin.data.tokenizer import Tokenizer
 
 
@@ -64,12 +64,10 @@ class DataModule:
 
 
 class FullBatchStreamingDataLoader(StreamingDataLoader):
-    """A StreamingDataLoader that yields only full batches.
+    """A StreamingDataLoader that yields only full batches (validation: compiled graphs keep one shape).
 
     StreamingDataLoader takes `drop_last` for the dataset (equal sample counts per rank) and does not
-    pass it on to the DataLoader, so a worker whose stream ends (for a mix: when one dataset runs out)
-    hands over a short last batch. Those are dropped here; the samples in them count as consumed in
-    `state_dict()`, as with DataLoader's own drop_last."""
+    pass it on to the DataLoader, so each worker hands over a short last batch; dropped here."""
 
     def __iter__(self):
         for batch in super().__iter__():
@@ -84,18 +82,28 @@ def collate_tokens(samples: Sequence[Union[np.ndarray, torch.Tensor]]) -> torch.
     return torch.from_numpy(np.stack(samples).astype(np.int64))
 
 
-def token_dataset(path: Union[str, Path], block_size: int, shuffle: bool, seed: int, tokenizer: Optional[Tokenizer]):
-    """A StreamingDataset of `block_size`-token blocks of one prepared directory (checked first)."""
+def token_train_loader(
+    paths: Sequence[Union[str, Path]], block_size: int, batch_size: int, num_workers: int, seed: int,
+    tokenizer: Optional[Tokenizer], weights: Optional[Sequence[float]] = None, shuffle: bool = True,
+):
+    """The training loader of prepared directories (mixed by `weights`): batches of this process from a
+    stream of samples that is the same on any number of processes (`fabric_lin.data.sample_order`)."""
+    from fabric_lin.data.sample_order import SampleStream, TrainLoader
+
+    for path in paths:
+        check_prepared_dir(path, tokenizer)
+    stream = SampleStream(paths, block_size, seed, weights, shuffle)
+    return TrainLoader(stream, batch_size, num_workers, worker_init_fn=leave_ctrl_c_to_the_trainer)
+
+
+def token_val_loader(path: Union[str, Path], block_size: int, batch_size: int, num_workers: int,
+                     tokenizer: Optional[Tokenizer]):
+    """The validation loader of one prepared directory (checked first): its `block_size`-token blocks in
+    order, split over the processes by litdata."""
     from litdata.streaming import StreamingDataset, TokensLoader
 
     check_prepared_dir(path, tokenizer)
-    dataset = StreamingDataset(
-        input_dir=str(path),
-        item_loader=TokensLoader(block_size=block_size),
-        shuffle=shuffle,
-        drop_last=True,
-        seed=seed,
-    )
+    dataset = StreamingDataset(input_dir=str(path), item_loader=TokensLoader(block_size=block_size), shuffle=False, drop_last=True)
     if len(dataset) == 0:
         # TokensLoader cuts blocks inside each chunk file; drop_last gives every process the same number
         chunks = json.loads((Path(path) / INDEX_FILE).read_text(encoding="utf-8")).get("chunks", [])
@@ -105,15 +113,7 @@ def token_dataset(path: Union[str, Path], block_size: int, shuffle: bool, seed: 
             f"its largest chunk file holds {max(dims, default=0)} tokens" if blocks == 0
             else f"it gives {blocks} such block(s), fewer than one for each of the {processes} processes"
         )
-        raise ValueError(
-            f"max_seq_length={block_size - 1} is too long for {path}: a sample is a block of max_seq_length + 1 ="
-            f" {block_size} tokens from one chunk file, and {why}; lower train.max_seq_length or prepare the data"
-            " with a larger chunk_size"
-        )
-    return dataset
-
-
-def token_dataloader(dataset, batch_size: int, num_workers: int):
+        raise block_too_long(path, block_size, why)
     return FullBatchStreamingDataLoader(
         dataset,
         batch_size=batch_size,

@@ -30,6 +30,14 @@ def write_prepared_info(out_dir: Union[str, Path], tokenizer: Tokenizer, **field
     return path
 
 
+def block_too_long(path: Union[str, Path], block_size: int, why: str) -> ValueError:
+    return ValueError(
+        f"max_seq_length={block_size - 1} is too long for {path}: a sample is a block of max_seq_length + 1 ="
+        f" {block_size} tokens from one chunk file, and {why}; lower train.max_seq_length or prepare the data"
+        " with a larger chunk_size"
+    )
+
+
 def check_prepared_dir(
     path: Union[str, Path], tokenizer: Optional[Tokenizer] = None, vocab_size: Optional[int] = None
 ) -> dict:

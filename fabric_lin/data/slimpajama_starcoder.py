@@ -4,34 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Tuple
 
-from litdata.streaming import CombinedStreamingDataset
-from litdata.utilities.env import _WorkerEnv
-
-from fabric_lin.data.base import DataModule, token_dataloader, token_dataset
-
-
-class MixedStreamingDataset(CombinedStreamingDataset):
-    """CombinedStreamingDataset whose resume is exact with several DataLoader workers.
-
-    litdata (0.2.76) restores each child dataset from the child's total sample count and splits that
-    total over the workers as if they had taken whole batches from the child in turn. With weighted
-    mixing a worker's batch holds samples of both children, so every worker resumes at a wrong place.
-    The loader state does hold each worker's count per child (`num_samples_yielded`); here, inside the
-    worker, each child is given the total whose round-robin split yields exactly this worker's count."""
-
-    def __iter__(self):
-        worker = _WorkerEnv.detect()
-        counts = (self._num_samples_yielded or {}).get(worker.rank)
-        if counts is not None:
-            for dataset, count in zip(self._datasets, counts):
-                state = getattr(dataset, "_state_dict", None)
-                if state:
-                    batch_size, num_workers = state["batch_size"], state["num_workers"]
-                    full_rounds, rest = divmod(count, batch_size)
-                    # full rounds for every worker, a full batch for each worker before this one, then `rest`
-                    total = full_rounds * num_workers * batch_size + worker.rank * batch_size + rest
-                    dataset._state_dict = {**state, "num_samples_yielded": total}
-        return super().__iter__()
+from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
 
 
 @dataclass
@@ -84,19 +57,14 @@ class SlimPajamaStarcoder(DataModule):
             check_prepared_dir(path, self.tokenizer, self.vocab_size)
 
     def train_dataloader(self):
-        datasets = [token_dataset(self.slimpajama_train, self.block_size, True, self.seed, self.tokenizer)]
-        if self.use_starcoder:
-            datasets.append(token_dataset(self.starcoder_train, self.block_size, True, self.seed, self.tokenizer))
-            # iterate_over_all=False: sample by the weights; the epoch ends when one dataset runs out
-            dataset = MixedStreamingDataset(
-                datasets=datasets, seed=self.seed, weights=tuple(self.weights), iterate_over_all=False
-            )
-        else:
-            dataset = datasets[0]
-        return token_dataloader(dataset, self.batch_size, self.num_workers)
+        if not self.use_starcoder:
+            return token_train_loader([self.slimpajama_train], self.block_size, self.batch_size, self.num_workers,
+                                      self.seed, self.tokenizer)
+        # each dataset is read epoch after epoch: the shares hold for the whole run
+        return token_train_loader([self.slimpajama_train, self.starcoder_train], self.block_size, self.batch_size,
+                                  self.num_workers, self.seed, self.tokenizer, weights=self.weights)
 
     def val_dataloader(self):
         if not self.validation:
             return None
-        dataset = token_dataset(self.slimpajama_val, self.block_size, False, self.seed, self.tokenizer)
-        return token_dataloader(dataset, self.batch_size, self.num_workers)
+        return token_val_loader(self.slimpajama_val, self.block_size, self.batch_size, self.num_workers, self.tokenizer)

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fabric_lin.data.base import DataModule, token_dataloader, token_dataset
+from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
 
 
 @dataclass
@@ -29,11 +29,11 @@ class TokenChunks(DataModule):
             check_prepared_dir(self.val_path, self.tokenizer, self.vocab_size)
 
     def train_dataloader(self):
-        dataset = token_dataset(self.data_path, self.block_size, self.shuffle, self.seed, self.tokenizer)
-        return token_dataloader(dataset, self.batch_size, self.num_workers)
+        return token_train_loader(
+            [self.data_path], self.block_size, self.batch_size, self.num_workers, self.seed, self.tokenizer, shuffle=self.shuffle
+        )
 
     def val_dataloader(self):
         if self.val_path is None:
             return None
-        dataset = token_dataset(self.val_path, self.block_size, False, self.seed, self.tokenizer)
-        return token_dataloader(dataset, self.batch_size, self.num_workers)
+        return token_val_loader(self.val_path, self.block_size, self.batch_size, self.num_workers, self.tokenizer)

@@ -1,0 +1,251 @@
+"""The training data as one stream of samples, the same on any number of processes.
+
+Position p of the stream is a fixed sample, chosen from the seed alone: step s of a run trains on
+positions [s * G, (s + 1) * G), G the global batch size, however they are split. Process `rank` of
+`world_size` takes micro batches of B positions in turn: its t-th holds positions
+`start + (t * world_size + rank) * B + [0, B)`. A checkpoint saves one number, the next position, so a
+run resumed on another number of processes, DataLoader workers or micro batch size continues the same
+stream: no sample is repeated or skipped, and each step sees the samples it would have seen.
+
+litdata's StreamingDataLoader cannot do this: its state is a count per process and per worker, striped
+over the layout that wrote it, and a CombinedStreamingDataset resumes only on that same layout (it
+fails inside litdata otherwise). litdata still reads the chunks: a sample is `StreamingDataset[i]`.
+
+Which sample a position holds:
+- Mixing: positions come in groups (1,024 positions for the SlimPajama/Starcoder mix, `mix_group_size`);
+  each group gives every source its share by the weights, exactly (the rounding carried from group to
+  group), at seeded places within the group. So the number of samples each source gave before a position is known without counting.
+- Each source is read in epochs, again and again. An epoch visits the source's chunk files in a seeded
+  order, `WINDOW_CHUNKS` files at a time, the blocks of those files in a seeded order: every block once
+  per epoch, reading a few files at a time (as litdata's own shuffle does) while mixing the documents
+  of many.
+"""
+import json
+import math
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from fabric_lin.data.prepared import INDEX_FILE, block_too_long
+
+# chunk files whose blocks are shuffled together: enough files to mix many documents' blocks in a batch,
+# few enough that the order of one window (its blocks' indices) stays small
+WINDOW_CHUNKS = 16
+STATE_FORMAT = "fabric-lin sample stream 1"
+# seed streams of the three kinds of draw, so that no two draws share one
+CHUNK_ORDER, WINDOW_ORDER, MIX_PLACES = 1, 2, 3
+
+
+def blocks_per_chunk(path: Path, block_size: int) -> np.ndarray:
+    """How many `block_size`-token blocks litdata's TokensLoader cuts from each chunk file of a prepared
+    directory, in its index's order (the order of `StreamingDataset[i]`)."""
+    index_path = Path(path) / INDEX_FILE
+    try:
+        chunks = json.loads(index_path.read_text(encoding="utf-8"))["chunks"]
+        dims = [int(chunk["dim"]) for chunk in chunks]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{index_path}: expected litdata's index with a token count (dim) for every chunk ({err!r})") from None
+    return np.array([dim // block_size for dim in dims], dtype=np.int64)
+
+
+class SourceOrder:
+    """The order in which one source's blocks are read: block index (litdata's) of its k-th sample."""
+
+    def __init__(self, blocks: np.ndarray, seed: int, source: int, shuffle: bool):
+        self.blocks = blocks  # per chunk file
+        self.total = int(blocks.sum())
+        self.chunk_starts = np.concatenate([[0], np.cumsum(blocks)])  # first block index of each chunk
+        self.seed, self.source, self.shuffle = seed, source, shuffle
+        # the last epoch's and window's orders: a process reads its source's samples in increasing k
+        self._starts: Tuple[int, Optional[np.ndarray]] = (-1, None)
+        self._window: Tuple[Tuple[int, int], Optional[np.ndarray]] = ((-1, -1), None)
+
+    def block(self, k: int) -> int:
+        epoch, i = divmod(k, self.total)
+        window_starts = self.window_starts(epoch)
+        window = int(np.searchsorted(window_starts, i, side="right")) - 1
+        return int(self.window_blocks(epoch, window)[i - window_starts[window]])
+
+    def chunk_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.blocks))
+        return np.random.default_rng([self.seed, CHUNK_ORDER, self.source, epoch]).permutation(len(self.blocks))
+
+    def window_starts(self, epoch: int) -> np.ndarray:
+        """Position within the epoch of each window's first block."""
+        if self._starts[0] != epoch:
+            sizes = self.blocks[self.chunk_order(epoch)]
+            per_window = np.add.reduceat(sizes, np.arange(0, len(sizes), WINDOW_CHUNKS))
+            self._starts = (epoch, np.concatenate([[0], np.cumsum(per_window)[:-1]]))
+        return self._starts[1]
+
+    def window_blocks(self, epoch: int, window: int) -> np.ndarray:
+        """The block indices of one window's chunk files, in the order they are read."""
+        if self._window[0] != (epoch, window):
+            chunks = self.chunk_order(epoch)[window * WINDOW_CHUNKS : (window + 1) * WINDOW_CHUNKS]
+            indices = np.concatenate([np.arange(self.chunk_starts[c], self.chunk_starts[c + 1]) for c in chunks])
+            if self.shuffle:
+                np.random.default_rng([self.seed, WINDOW_ORDER, self.source, epoch, window]).shuffle(indices)
+            self._window = ((epoch, window), indices)
+        return self._window[1]
+
+
+def mix_group_size(weights: Sequence[float]) -> int:
+    """Positions per mixing group: a power of two >= 1024 that gives the least of the sources a share of
+    at least one sample per source (so the rounding never takes a group's last place from a source)."""
+    size = 1024
+    while size * min(weights) < len(weights):
+        size *= 2
+    return size
+
+
+class MixOrder:
+    """Which source each position draws from, and how many samples that source gave before it."""
+
+    def __init__(self, weights: Sequence[float], seed: int):
+        total = sum(weights)
+        self.shares = np.array([w / total for w in weights], dtype=np.float64)
+        self.group = mix_group_size(self.shares)
+        self.seed = seed
+        self._places: Tuple[int, Optional[Tuple[np.ndarray, np.ndarray]]] = (-1, None)
+
+    def given_before_group(self, group: int) -> np.ndarray:
+        """Samples each source gave in groups [0, group): its share rounded down, the last source the rest."""
+        n = group * self.group
+        counts = np.floor(n * self.shares[:-1]).astype(np.int64)
+        return np.append(counts, n - counts.sum())
+
+    def group_places(self, group: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(source, its sample count within the group before this place) of each place of one group."""
+        if self._places[0] != group:
+            self._places = (group, self.draw_places(group))
+        return self._places[1]
+
+    def draw_places(self, group: int) -> Tuple[np.ndarray, np.ndarray]:
+        counts = self.given_before_group(group + 1) - self.given_before_group(group)
+        sources = np.repeat(np.arange(len(counts)), counts)
+        np.random.default_rng([self.seed, MIX_PLACES, group]).shuffle(sources)
+        rank_in_source = np.empty_like(sources)
+        for source in range(len(counts)):
+            places = np.flatnonzero(sources == source)
+            rank_in_source[places] = np.arange(len(places))
+        return sources, rank_in_source
+
+    def sample(self, position: int) -> Tuple[int, int]:
+        """(source, k): position `position` holds the source's k-th sample."""
+        group, place = divmod(position, self.group)
+        sources, rank_in_source = self.group_places(group)
+        source = int(sources[place])
+        return source, int(self.given_before_group(group)[source] + rank_in_source[place])
+
+
+class SampleStream(IterableDataset):
+    """The stream of `block_size`-token samples of one or more prepared directories, mixed by `weights`;
+    iterated, the micro batches of one process (`place`) from a start position, forever."""
+
+    def __init__(self, paths: Sequence[Path], block_size: int, seed: int, weights: Optional[Sequence[float]] = None,
+                 shuffle: bool = True):
+        from litdata.streaming import StreamingDataset, TokensLoader
+
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"data.seed must be a non-negative integer (it seeds the data order); got {seed!r}")
+        weights = [1.0] * len(paths) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(paths) or not all(math.isfinite(w) and w > 0 for w in weights):
+            raise ValueError(f"one positive, finite weight per data directory ({len(paths)}) expected; got {weights}")
+        self.paths = [Path(p) for p in paths]
+        self.block_size, self.seed, self.weights, self.shuffle = block_size, seed, weights, shuffle
+        self.orders = []
+        for source, path in enumerate(self.paths):
+            blocks = blocks_per_chunk(path, block_size)
+            if blocks.sum() == 0:
+                raise block_too_long(path, block_size, "its largest chunk file holds fewer tokens")
+            self.orders.append(SourceOrder(blocks, seed, source, shuffle))
+        self.mix = MixOrder(weights, seed)
+        # litdata reads the blocks: StreamingDataset[i] is block i in the index's order, whatever the process
+        self.datasets = [StreamingDataset(str(p), item_loader=TokensLoader(block_size=block_size), shuffle=False)
+                         for p in self.paths]
+        self.start, self.rank, self.world_size, self.batch_size = 0, 0, 1, 1
+
+    def place(self, start: int, rank: int, world_size: int, batch_size: int) -> None:
+        """Where the next iteration reads: micro batches of `batch_size` of process `rank` from `start`."""
+        self.start, self.rank, self.world_size, self.batch_size = start, rank, world_size, batch_size
+
+    def sample(self, position: int) -> np.ndarray:
+        source, k = self.mix.sample(position)
+        return self.datasets[source][self.orders[source].block(k)]
+
+    def batch_positions(self, t: int) -> range:
+        """The positions of this process's t-th micro batch."""
+        first = self.start + (t * self.world_size + self.rank) * self.batch_size
+        return range(first, first + self.batch_size)
+
+    def __iter__(self):
+        # DataLoader workers take the micro batches in turn, and the DataLoader returns them in that order
+        worker = torch.utils.data.get_worker_info()
+        t, step = (0, 1) if worker is None else (worker.id, worker.num_workers)
+        while True:
+            samples = [self.sample(p) for p in self.batch_positions(t)]
+            yield torch.from_numpy(np.stack(samples).astype(np.int64))
+            t += step
+
+    def order_key(self) -> Dict:
+        """What fixes the meaning of a position: saved with it, compared on resume."""
+        return {
+            "seed": self.seed,
+            "weights": self.weights,
+            "shuffle": self.shuffle,
+            "block_size": self.block_size,
+            "blocks_per_source": [order.total for order in self.orders],
+        }
+
+
+def process_place() -> Tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class TrainLoader(DataLoader):
+    """The training DataLoader of a `SampleStream`: batches [batch_size, block_size] (int64) of this
+    process, forever; `state_dict()` is the next position of the stream, whatever the layout."""
+
+    def __init__(self, stream: SampleStream, batch_size: int, num_workers: int, worker_init_fn=None):
+        super().__init__(stream, batch_size=None, num_workers=num_workers, pin_memory=torch.cuda.is_available(),
+                         worker_init_fn=worker_init_fn)
+        self.micro_batch_size = batch_size
+        self.next_position = 0
+        self.rank_and_world: Optional[Tuple[int, int]] = None  # None: torch.distributed's
+
+    def __iter__(self):
+        rank, world_size = self.rank_and_world or process_place()
+        start = self.next_position
+        self.dataset.place(start, rank, world_size, self.micro_batch_size)
+        for taken, batch in enumerate(super().__iter__(), 1):
+            # every process takes as many batches as the others, so each has the same next position
+            self.next_position = start + taken * world_size * self.micro_batch_size
+            yield batch
+
+    def state_dict(self) -> Dict:
+        return {"format": STATE_FORMAT, "next_position": self.next_position, "order": self.dataset.order_key()}
+
+    def load_state_dict(self, state: Dict) -> None:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                "the checkpoint's data position was written by litdata's StreamingDataLoader (an earlier fabric-lin), "
+                "which cannot be continued here; continue from its weights: fabric-lin convert_pretrained_checkpoint "
+                "<checkpoint> --output_dir <DIR>, then --initial_checkpoint_dir <DIR> (the data starts again)"
+            )
+        saved, here = state["order"], self.dataset.order_key()
+        changed = [f"{key} is {here[key]} here, {saved.get(key)} in the checkpoint" for key in here if saved.get(key) != here[key]]
+        if changed:
+            raise ValueError(
+                f"the checkpoint's data position is a place in another sample order: {'; '.join(changed)} (blocks_per_source: "
+                f"the data directories' sizes in samples of block_size tokens). Resume with the data and data.seed, "
+                f"data.weights and train.max_seq_length of the checkpoint's hyperparameters.yaml, or continue from its "
+                f"weights in a new data order: fabric-lin convert_pretrained_checkpoint <checkpoint> --output_dir <DIR>, "
+                f"then --initial_checkpoint_dir <DIR>"
+            )
+        self.next_position = int(state["next_position"])
