@@ -8,9 +8,9 @@ A run's out_dir holds:
 
 A checkpoint directory holds:
 
-    lit_model.pth         Fabric's save of the train state (`train_state`): model, optimizer, train
-                          dataloader (litdata's loader state), counters and RNG states. One file on one
-                          device or DDP; under FSDP a torch.distributed.checkpoint (DCP) directory:
+    lit_model.pth         Fabric's save of the train state (`train_state`): model, optimizer, the
+                          training data's position (`fabric_lin.data.sample_order`), counters and RNG
+                          states. One file on one device or DDP; under FSDP a torch.distributed.checkpoint (DCP) directory:
                           `.metadata`, one `__<rank>_0.distcp` per process and Fabric's `meta.pt`
     step.json             {"step_count": N, "manifest": "manifest.json"}: which checkpoint is newest,
                           without loading one; and that the checkpoint was written with a manifest
@@ -27,18 +27,13 @@ written (`verify_checkpoint`). `--resume` verifies before loading: a damaged dir
 the manifest existed (step.json without "manifest") still load, unverified. A model directory
 (`fabric_lin.convert.model_dir`) uses the same names for its weights and config.
 """
-import collections
-import io
 import json
 import os
-import pathlib
-import pickle
 import random
 import re
 import shutil
 import signal
 import threading
-import warnings
 import zlib
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -46,7 +41,6 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint
 import yaml
 
 MODEL_FILE = "lit_model.pth"
@@ -378,9 +372,19 @@ def unverified_note(directory: Path) -> str:
 
 def load_train_state(fabric, checkpoint_dir: Path, state: Dict[str, Any]) -> None:
     """Restore `state` (see `train_state`) in place from a checkpoint directory, RNG states included."""
+    from lightning.fabric.strategies import FSDPStrategy
+
+    from fabric_lin.sharded_checkpoint import load_sharded_train_state
+
     fabric.print(f"Resuming from {checkpoint_dir}")
+    weights_path = Path(checkpoint_dir) / MODEL_FILE
     try:
-        fabric.load(Path(checkpoint_dir) / MODEL_FILE, state)
+        if weights_path.is_dir() and not isinstance(fabric.strategy, FSDPStrategy):
+            # written under FSDP, resumed without it (e.g. on one GPU): each process reads every shard
+            fabric.print(f"{weights_path} is sharded (FSDP) and this run is not: its tensors are reassembled whole")
+            load_sharded_train_state(weights_path, state)
+        else:
+            fabric.load(weights_path, state)
     except KeyError as e:  # a model directory's lit_model.pth holds the weights alone
         raise ValueError(
             f"--resume {checkpoint_dir}: {MODEL_FILE} there is not a training checkpoint ({e}); to start "
@@ -662,6 +666,8 @@ def find_training_checkpoint(checkpoint_dir: Path) -> Tuple[Any, Path]:
 def load_model_weights(weights_path: Path) -> Dict[str, torch.Tensor]:
     """The model's tensors of a checkpoint's lit_model.pth, single file or FSDP-sharded, as saved
     (names may carry torch.compile's `_orig_mod.` prefix)."""
+    from fabric_lin.sharded_checkpoint import load_sharded_model_state
+
     weights_path = Path(weights_path)
     if weights_path.is_dir():
         return load_sharded_model_state(weights_path)
@@ -681,86 +687,3 @@ def load_single_file_model_state(path: Path) -> Dict[str, torch.Tensor]:
             raise ValueError(f"{path} holds a bare state dict: {path.parent} is already a model directory, not a training checkpoint")
         raise ValueError(f"{path}: no 'model' entry; found keys {sorted(map(str, checkpoint))}")
     return tensor_dict(checkpoint["model"], path)
-
-
-def load_sharded_model_state(path: Path) -> Dict[str, torch.Tensor]:
-    """Consolidate the `model` entry of a DCP checkpoint directory into full CPU tensors, in this
-    process and without a process group: DCP reassembles every tensor from its shards into a
-    preallocated full one. The optimizer's entries are not read."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = _SafeDCPReader(str(path))
-    metadata = reader.read_metadata()
-    planner_data = metadata.planner_data or {}
-    full: Dict[str, torch.Tensor] = {}
-    not_tensors = []
-    for key, item in metadata.state_dict_metadata.items():
-        location = planner_data.get(key, tuple(key.split(".", 1)))
-        if not location or location[0] != "model":
-            continue  # the optimizer's state
-        name = ".".join(str(part) for part in location[1:])
-        if not isinstance(item, TensorStorageMetadata):
-            not_tensors.append(name)
-            continue
-        full[name] = torch.empty(item.size, dtype=item.properties.dtype)
-    if not_tensors:
-        raise ValueError(f"{path}: model entries {not_tensors[:8]} are pickled objects, not tensors; they are not read")
-    if not full:
-        top = sorted({str(planner_data.get(k, (k,))[0]) for k in metadata.state_dict_metadata})
-        raise ValueError(f"{path}: no tensors under 'model'; the checkpoint's top-level entries are {top}")
-    state = {"model": full}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=_SafeDCPReader(str(path)), no_dist=True)
-    return state["model"]
-
-
-class _SafeDCPReader(torch.distributed.checkpoint.FileSystemReader):
-    """FileSystemReader whose `.metadata` is unpickled with only DCP's own metadata classes (plus
-    torch.Size, dtypes and layouts) allowed, and whose shard file names must stay in the directory.
-    (torch's own reader uses a plain `pickle.load`, which runs whatever the file names.)"""
-
-    def read_metadata(self, *args, **kwargs):
-        from fabric_lin.convert.model_dir import inside
-
-        path = Path(self.path) / ".metadata"
-        metadata = _RestrictedUnpickler(io.BytesIO(path.read_bytes()), path).load()
-        if not isinstance(metadata, torch.distributed.checkpoint.metadata.Metadata):
-            raise ValueError(f"{path}: expected a torch.distributed.checkpoint Metadata, got {type(metadata).__name__}")
-        for info in (metadata.storage_data or {}).values():
-            inside(Path(self.path), str(info.relative_path), str(path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = torch.distributed.checkpoint.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file, path: Path):
-        super().__init__(file)
-        self.path = path
-
-    def find_class(self, module: str, name: str):
-        import torch.distributed.checkpoint.filesystem as dcp_filesystem
-        import torch.distributed.checkpoint.metadata as dcp_metadata
-
-        obj = None
-        if module == "torch.distributed.checkpoint.metadata" and isinstance(getattr(dcp_metadata, name, None), type):
-            obj = getattr(dcp_metadata, name)
-        elif module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
-            obj = dcp_filesystem._StorageInfo
-        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))):
-            obj = getattr(torch, name)
-        elif module == "torch.serialization" and name == "_get_layout":
-            obj = torch.serialization._get_layout
-        elif module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
-            obj = getattr(pathlib, name)
-        elif module == "collections" and name == "OrderedDict":
-            obj = collections.OrderedDict
-        if obj is None:
-            raise ValueError(
-                f"{self.path} refers to {module}.{name}, which is not part of a torch.distributed.checkpoint "
-                "metadata file; refusing to unpickle it"
-            )
-        return obj

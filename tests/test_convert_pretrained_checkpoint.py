@@ -36,7 +36,12 @@ def write_checkpoint_dir_files(ckpt_dir: Path, config: Config) -> None:
 def trained_model(config: Config, steps: int = 2, compile_prefix: bool = False):
     torch.manual_seed(0)
     model = GPT(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # pretrain's two parameter groups (weight decay, and none for norms and biases)
+    from fabric_lin.pretrain import canonical_name, no_decay_parameter_names
+
+    no_decay = no_decay_parameter_names(model)
+    groups = [[p for n, p in model.named_parameters() if (canonical_name(n) in no_decay) == flag] for flag in (False, True)]
+    optimizer = torch.optim.AdamW([{"params": groups[0], "weight_decay": 0.1}, {"params": groups[1], "weight_decay": 0.0}], lr=1e-2)
     for _ in range(steps):
         x = torch.randint(0, config.vocab_size, (2, 17))
         model(x[:, :-1], targets=x[:, 1:]).backward()
@@ -307,7 +312,12 @@ def _fsdp_worker(rank: int, world_size: int, ckpt_dir: str, port: int, kind: str
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # pretrain's two parameter groups (weight decay, and none for norms and biases)
+    from fabric_lin.pretrain import canonical_name, no_decay_parameter_names
+
+    no_decay = no_decay_parameter_names(model)
+    groups = [[p for n, p in model.named_parameters() if (canonical_name(n) in no_decay) == flag] for flag in (False, True)]
+    optimizer = torch.optim.AdamW([{"params": groups[0], "weight_decay": 0.1}, {"params": groups[1], "weight_decay": 0.0}], lr=1e-2)
     torch.manual_seed(1 + rank)  # each rank its own data
     for _ in range(2):
         x = torch.randint(0, config.vocab_size, (1, 17))
@@ -334,7 +344,10 @@ def _fsdp_worker(rank: int, world_size: int, ckpt_dir: str, port: int, kind: str
         dcp.save({"model": state_dict, "optimizer": optimizer.state_dict()}, checkpoint_id=path)
         full = {k: v.full_tensor() for k, v in state_dict.items()}
     if rank == 0:
-        torch.save({"iter_num": 2, "step_count": 2, "train_dataloader": {"num_samples_yielded": 2}}, path / "meta.pt")
+        from fabric_lin.checkpoint import get_rng_states
+
+        meta = {"iter_num": 4, "step_count": 2, "train_dataloader": {"next_position": 4}, "rng_states": get_rng_states()}
+        torch.save(meta, path / "meta.pt")
         torch.save(full, Path(ckpt_dir).parent / "expected_weights.pth")
     dist.barrier()
     # as Checkpointer.save does after its barrier: the ranks share out the checksums, rank 0 writes the manifest
@@ -401,10 +414,89 @@ def test_fsdp_sharded_checkpoint_converts_on_cpu_to_the_unsharded_weights(tmp_pa
         convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model2")
 
 
+def adamw_with_pretrain_groups(model):
+    from fabric_lin.pretrain import no_decay_parameter_names
+
+    no_decay = no_decay_parameter_names(model)
+    groups = [[p for n, p in model.named_parameters() if (n in no_decay) == flag] for flag in (False, True)]
+    return torch.optim.AdamW([{"params": groups[0], "weight_decay": 0.1}, {"params": groups[1], "weight_decay": 0.0}], lr=1e-2)
+
+
+def test_fabric_fsdp_checkpoint_resumes_whole_in_one_process(tmp_path):
+    """A 2-process FSDP checkpoint in Fabric's format (model and optimizer in DCP shards, the rest in
+    meta.pt) restores a one-process train state: weights, AdamW's moments and steps, each under its
+    parameter in pretrain's two groups, equal those of the same two steps taken in one process (the two
+    processes' batches, gradients averaged as FSDP does)."""
+    from lightning.fabric.strategies import SingleDeviceStrategy
+
+    from fabric_lin.checkpoint import load_train_state, train_state
+    from fabric_lin.sharded_checkpoint import load_sharded_train_state
+
+    config = Config.from_name("gla-debug", num_layers=2)
+    ckpt_dir = tmp_path / "out" / "step-00000002"
+    write_checkpoint_dir_files(ckpt_dir, config)
+    proc = subprocess.run([sys.executable, __file__, str(ckpt_dir), "fsdp1"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    batches = []  # as the workers draw them
+    for rank in range(2):
+        torch.manual_seed(1 + rank)
+        batches.append([torch.randint(0, config.vocab_size, (1, 17)) for _ in range(2)])
+    torch.manual_seed(0)
+    reference = GPT(config)
+    reference_optimizer = adamw_with_pretrain_groups(reference)
+    for step in range(2):
+        for rank in range(2):
+            x = batches[rank][step]
+            (reference(x[:, :-1], targets=x[:, 1:]) / 2).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+
+    class Loader:  # what fabric.load does with the data loader: hands it its state
+        def load_state_dict(self, state):
+            self.state = state
+
+    torch.manual_seed(5)
+    model = GPT(config)
+    optimizer = adamw_with_pretrain_groups(model)
+    optimizer.param_groups[0]["lr"] = 3.0  # restored from the checkpoint
+    class OneDeviceFabric:  # what load_train_state asks of Fabric in a run without FSDP
+        strategy = SingleDeviceStrategy(device=torch.device("cpu"))
+        lines = []
+
+        def print(self, line):
+            self.lines.append(line)
+
+    state = train_state(model, optimizer, Loader())
+    load_train_state(OneDeviceFabric(), ckpt_dir, state)
+    assert OneDeviceFabric.lines[-1] == f"{ckpt_dir / 'lit_model.pth'} is sharded (FSDP) and this run is not: its tensors are reassembled whole"
+    saved_rng = torch.load(ckpt_dir / "lit_model.pth" / "meta.pt", weights_only=True)["rng_states"]
+    assert torch.equal(torch.get_rng_state(), saved_rng["torch"])
+
+    expected = reference.state_dict()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-6, atol=1e-9, msg=name)
+    moments = {name: reference_optimizer.state[p] for name, p in reference.named_parameters()}
+    for name, p in model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(optimizer.state[p][key], moments[name][key], rtol=1e-6, atol=1e-12, msg=f"{name} {key}")
+        assert torch.count_nonzero(optimizer.state[p]["exp_avg"]) > 0, name  # two steps were taken
+    assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [(1e-2, 0.1), (1e-2, 0.0)]
+    assert [len(g["params"]) for g in optimizer.param_groups] == [len(g["params"]) for g in reference_optimizer.param_groups]
+    assert state["train_dataloader"].state == {"next_position": 4}
+    assert state["iter_num"] == 4 and state["step_count"] == 2
+
+    # a run whose model has other parameters is told which
+    other = GPT(Config.from_name("gla-debug", num_layers=1))
+    with pytest.raises(ValueError, match=r"the checkpoint's model does not fit this run's: missing \[\], unexpected \['layers.1"):
+        load_sharded_train_state(ckpt_dir / "lit_model.pth", train_state(other, torch.optim.AdamW(other.parameters()), Loader()))
+
+
 def test_sharded_metadata_with_foreign_pickle_is_refused(tmp_path):
     import pickle
 
-    from fabric_lin.checkpoint import load_sharded_model_state
+    from fabric_lin.sharded_checkpoint import load_sharded_model_state
 
     weights = tmp_path / "lit_model.pth"
     weights.mkdir()

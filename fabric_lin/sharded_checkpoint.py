@@ -1,0 +1,194 @@
+"""FSDP-sharded training checkpoints read in one process, without a process group.
+
+Under FSDP a checkpoint's lit_model.pth is a torch.distributed.checkpoint (DCP) directory: the model's and
+the optimizer's tensors in shards (`__<rank>_0.distcp`, described by `.metadata`), and Fabric's `meta.pt`
+with the rest of the train state. DCP reassembles each tensor whole from its shards into a preallocated one
+(`no_dist=True`), so any process can read one: `convert_pretrained_checkpoint` takes the model's weights,
+and a run without FSDP (one GPU, or DDP) resumes the whole train state (`load_sharded_train_state`), e.g.
+a run of 2 GPUs continued on 1. Pickled entries are read as plain values only (`weights_only`).
+"""
+import collections
+import io
+import pathlib
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+FABRIC_META_FILE = "meta.pt"  # Fabric's FSDPStrategy: what is neither a module nor an optimizer
+
+
+def load_sharded_train_state(path: Path, state: Dict[str, Any]) -> None:
+    """Restore `state` (`checkpoint.train_state`: model, optimizer, the data loader, counters, RNG states)
+    in place from the sharded lit_model.pth/ `path`, in a process that does not run FSDP. The optimizer's
+    state, saved keyed by parameter names, is keyed here by this optimizer's parameter order."""
+    from fabric_lin.convert.model_dir import torch_load_tensors
+    from fabric_lin.pretrain import canonical_name
+
+    path = Path(path)
+    model, optimizer = state["model"], state["optimizer"]
+    own = {canonical_name(name): name for name in model.state_dict()}
+    saved = {canonical_name(name): tensor for name, tensor in load_sharded_model_state(path).items()}
+    if set(own) != set(saved):
+        raise ValueError(
+            f"{path}: the checkpoint's model does not fit this run's: missing {sorted(set(own) - set(saved))[:8]}, "
+            f"unexpected {sorted(set(saved) - set(own))[:8]}"
+        )
+    model.load_state_dict({own[name]: tensor for name, tensor in saved.items()})
+
+    names = {id(p): canonical_name(name) for name, p in model.named_parameters()}
+    position = {names[id(p)]: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    saved_optimizer = read_sharded_entry(path, "optimizer")
+
+    def index(name: str) -> int:
+        if canonical_name(name) not in position:
+            raise ValueError(f"{path}: the optimizer state names parameter {name!r}, which this run's model does not have")
+        return position[canonical_name(name)]
+
+    optimizer.load_state_dict({
+        "state": {index(name): value for name, value in saved_optimizer.get("state", {}).items()},
+        "param_groups": [{**group, "params": [index(name) for name in group["params"]]}
+                         for group in saved_optimizer["param_groups"]],
+    })
+    rest = torch_load_tensors(path / FABRIC_META_FILE, allow_numpy=True)
+    for key, value in rest.items():  # as fabric.load does: objects restore their state, values are replaced
+        if hasattr(state.get(key), "load_state_dict"):
+            state[key].load_state_dict(value)
+        else:
+            state[key] = value
+
+
+def read_sharded_entry(path: Path, top: str) -> Any:
+    """The top-level entry `top` of a DCP directory (e.g. "optimizer"), nested as it was saved, every tensor
+    whole on the CPU."""
+    metadata = _SafeDCPReader(str(path)).read_metadata()
+    root: Dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        location = (metadata.planner_data or {}).get(key, tuple(key.split(".")))
+        if not location or location[0] != top:
+            continue
+        leaf = torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+        _set_nested(root, location, leaf)
+    if top not in root:
+        raise ValueError(f"{path}: no entry {top!r} in the checkpoint")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(root, storage_reader=_SafeDCPReader(str(path)), planner=_PlainValuesLoadPlanner(), no_dist=True)
+    return root[top]
+
+
+def _set_nested(root: Dict[str, Any], location: tuple, leaf: Any) -> None:
+    """Place `leaf` at `location` (keys of dicts, indices of lists) under `root`, making the containers."""
+    node: Union[Dict, List] = root
+    for part, following in zip(location[:-1], location[1:]):
+        empty = [] if isinstance(following, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (part + 1 - len(node)))
+            node[part] = empty if node[part] is None else node[part]
+            node = node[part]
+        else:
+            node = node.setdefault(part, empty)
+    if isinstance(node, list):
+        node.extend([None] * (location[-1] + 1 - len(node)))
+    node[location[-1]] = leaf
+
+
+class _PlainValuesLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading the pickled (non-tensor) entries with `weights_only=True`: plain
+    values (numbers, strings, lists, dicts) only. The value read is handed on re-serialised, since the
+    parent class unpickles with weights_only=False."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        plain = torch.load(value, weights_only=True)
+        buffer = io.BytesIO()
+        torch.save(plain, buffer)
+        buffer.seek(0)
+        super().load_bytes(read_item, buffer)
+
+
+def load_sharded_model_state(path: Path) -> Dict[str, torch.Tensor]:
+    """Consolidate the `model` entry of a DCP checkpoint directory into full CPU tensors, in this
+    process and without a process group: DCP reassembles every tensor from its shards into a
+    preallocated full one. The optimizer's entries are not read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = _SafeDCPReader(str(path))
+    metadata = reader.read_metadata()
+    planner_data = metadata.planner_data or {}
+    full: Dict[str, torch.Tensor] = {}
+    not_tensors = []
+    for key, item in metadata.state_dict_metadata.items():
+        location = planner_data.get(key, tuple(key.split(".", 1)))
+        if not location or location[0] != "model":
+            continue  # the optimizer's state
+        name = ".".join(str(part) for part in location[1:])
+        if not isinstance(item, TensorStorageMetadata):
+            not_tensors.append(name)
+            continue
+        full[name] = torch.empty(item.size, dtype=item.properties.dtype)
+    if not_tensors:
+        raise ValueError(f"{path}: model entries {not_tensors[:8]} are pickled objects, not tensors; they are not read")
+    if not full:
+        top = sorted({str(planner_data.get(k, (k,))[0]) for k in metadata.state_dict_metadata})
+        raise ValueError(f"{path}: no tensors under 'model'; the checkpoint's top-level entries are {top}")
+    state = {"model": full}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=_SafeDCPReader(str(path)), no_dist=True)
+    return state["model"]
+
+
+class _SafeDCPReader(torch.distributed.checkpoint.FileSystemReader):
+    """FileSystemReader whose `.metadata` is unpickled with only DCP's own metadata classes (plus
+    torch.Size, dtypes and layouts) allowed, and whose shard file names must stay in the directory.
+    (torch's own reader uses a plain `pickle.load`, which runs whatever the file names.)"""
+
+    def read_metadata(self, *args, **kwargs):
+        from fabric_lin.convert.model_dir import inside
+
+        path = Path(self.path) / ".metadata"
+        metadata = _RestrictedUnpickler(io.BytesIO(path.read_bytes()), path).load()
+        if not isinstance(metadata, torch.distributed.checkpoint.metadata.Metadata):
+            raise ValueError(f"{path}: expected a torch.distributed.checkpoint Metadata, got {type(metadata).__name__}")
+        for info in (metadata.storage_data or {}).values():
+            inside(Path(self.path), str(info.relative_path), str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = torch.distributed.checkpoint.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        import torch.distributed.checkpoint.filesystem as dcp_filesystem
+        import torch.distributed.checkpoint.metadata as dcp_metadata
+
+        obj = None
+        if module == "torch.distributed.checkpoint.metadata" and isinstance(getattr(dcp_metadata, name, None), type):
+            obj = getattr(dcp_metadata, name)
+        elif module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
+            obj = dcp_filesystem._StorageInfo
+        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))):
+            obj = getattr(torch, name)
+        elif module == "torch.serialization" and name == "_get_layout":
+            obj = torch.serialization._get_layout
+        elif module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
+            obj = getattr(pathlib, name)
+        elif module == "collections" and name == "OrderedDict":
+            obj = collections.OrderedDict
+        if obj is None:
+            raise ValueError(
+                f"{self.path} refers to {module}.{name}, which is not part of a torch.distributed.checkpoint "
+                "metadata file; refusing to unpickle it"
+            )
+        return obj
