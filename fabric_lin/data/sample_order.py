@@ -39,16 +39,15 @@ STATE_FORMAT = "fabric-lin sample stream 1"
 CHUNK_ORDER, WINDOW_ORDER, MIX_PLACES = 1, 2, 3
 
 
-def blocks_per_chunk(path: Path, block_size: int) -> np.ndarray:
-    """How many `block_size`-token blocks litdata's TokensLoader cuts from each chunk file of a prepared
-    directory, in its index's order (the order of `StreamingDataset[i]`)."""
+def chunk_tokens(path: Path) -> np.ndarray:
+    """The token count of each chunk file of a prepared directory, in its index's order (litdata's
+    TokensLoader cuts each into blocks, numbered in this order by `StreamingDataset[i]`)."""
     index_path = Path(path) / INDEX_FILE
     try:
         chunks = json.loads(index_path.read_text(encoding="utf-8"))["chunks"]
-        dims = [int(chunk["dim"]) for chunk in chunks]
+        return np.array([int(chunk["dim"]) for chunk in chunks], dtype=np.int64)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{index_path}: expected litdata's index with a token count (dim) for every chunk ({err!r})") from None
-    return np.array([dim // block_size for dim in dims], dtype=np.int64)
 
 
 class SourceOrder:
@@ -119,27 +118,27 @@ class MixOrder:
         return np.append(counts, n - counts.sum())
 
     def group_places(self, group: int) -> Tuple[np.ndarray, np.ndarray]:
-        """(source, its sample count within the group before this place) of each place of one group."""
+        """(source, that source's samples given before this place) of each place of one group."""
         if self._places[0] != group:
             self._places = (group, self.draw_places(group))
         return self._places[1]
 
     def draw_places(self, group: int) -> Tuple[np.ndarray, np.ndarray]:
-        counts = self.given_before_group(group + 1) - self.given_before_group(group)
+        before = self.given_before_group(group)
+        counts = self.given_before_group(group + 1) - before
         sources = np.repeat(np.arange(len(counts)), counts)
         np.random.default_rng([self.seed, MIX_PLACES, group]).shuffle(sources)
-        rank_in_source = np.empty_like(sources)
+        given_before = np.empty_like(sources)
         for source in range(len(counts)):
             places = np.flatnonzero(sources == source)
-            rank_in_source[places] = np.arange(len(places))
-        return sources, rank_in_source
+            given_before[places] = before[source] + np.arange(len(places))
+        return sources, given_before
 
     def sample(self, position: int) -> Tuple[int, int]:
         """(source, k): position `position` holds the source's k-th sample."""
         group, place = divmod(position, self.group)
-        sources, rank_in_source = self.group_places(group)
-        source = int(sources[place])
-        return source, int(self.given_before_group(group)[source] + rank_in_source[place])
+        sources, given_before = self.group_places(group)
+        return int(sources[place]), int(given_before[place])
 
 
 class SampleStream(IterableDataset):
@@ -159,9 +158,10 @@ class SampleStream(IterableDataset):
         self.block_size, self.seed, self.weights, self.shuffle = block_size, seed, weights, shuffle
         self.orders = []
         for source, path in enumerate(self.paths):
-            blocks = blocks_per_chunk(path, block_size)
+            tokens = chunk_tokens(path)
+            blocks = tokens // block_size
             if blocks.sum() == 0:
-                raise block_too_long(path, block_size, "its largest chunk file holds fewer tokens")
+                raise block_too_long(path, block_size, f"its largest chunk file holds {tokens.max(initial=0)} tokens")
             self.orders.append(SourceOrder(blocks, seed, source, shuffle))
         self.mix = MixOrder(weights, seed)
         # litdata reads the blocks: StreamingDataset[i] is block i in the index's order, whatever the process
