@@ -1,5 +1,4 @@
 """The data module interface the trainer uses, and the pieces the token data modules share."""
-import json
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,7 +8,7 @@ import numpy as np
 import torch
 from litdata.streaming import StreamingDataLoader
 
-from fabric_lin.data.prepared import INDEX_FILE, block_too_long, check_prepared_dir
+from fabric_lin.data.prepared import block_too_long, check_prepared_dir, chunk_tokens
 from fabric_lin.data.tokenizer import Tokenizer
 
 
@@ -106,11 +105,10 @@ def token_val_loader(path: Union[str, Path], block_size: int, batch_size: int, n
     dataset = StreamingDataset(input_dir=str(path), item_loader=TokensLoader(block_size=block_size), shuffle=False, drop_last=True)
     if len(dataset) == 0:
         # TokensLoader cuts blocks inside each chunk file; drop_last gives every process the same number
-        chunks = json.loads((Path(path) / INDEX_FILE).read_text(encoding="utf-8")).get("chunks", [])
-        dims = [int(c.get("dim") or 0) for c in chunks]
-        blocks, processes = sum(d // block_size for d in dims), dataset.distributed_env.world_size
+        dims = chunk_tokens(path)
+        blocks, processes = int((dims // block_size).sum()), dataset.distributed_env.world_size
         why = (
-            f"its largest chunk file holds {max(dims, default=0)} tokens" if blocks == 0
+            f"its largest chunk file holds {dims.max(initial=0)} tokens" if blocks == 0
             else f"it gives {blocks} such block(s), fewer than one for each of the {processes} processes"
         )
         raise block_too_long(path, block_size, why)

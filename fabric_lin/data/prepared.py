@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Optional, Union
 
+import numpy as np
+
 from fabric_lin.data.tokenizer import Tokenizer
 
 PREPARED_INFO_FILE = "prepared.json"
@@ -28,6 +30,17 @@ def write_prepared_info(out_dir: Union[str, Path], tokenizer: Tokenizer, **field
     tmp.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def chunk_tokens(path: Union[str, Path]) -> np.ndarray:
+    """The token count of each chunk file of a prepared directory, in its index's order (litdata's
+    TokensLoader cuts each into blocks, numbered in this order by `StreamingDataset[i]`)."""
+    index_path = Path(path) / INDEX_FILE
+    try:
+        chunks = json.loads(index_path.read_text(encoding="utf-8"))["chunks"]
+        return np.array([int(chunk["dim"]) for chunk in chunks], dtype=np.int64)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{index_path}: expected litdata's index with a token count (dim) for every chunk ({err!r})") from None
 
 
 def block_too_long(path: Union[str, Path], block_size: int, why: str) -> ValueError:

@@ -20,7 +20,6 @@ Which sample a position holds:
   per epoch, reading a few files at a time (as litdata's own shuffle does) while mixing the documents
   of many.
 """
-import json
 import math
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from fabric_lin.data.prepared import INDEX_FILE, block_too_long
+from fabric_lin.data.prepared import block_too_long, chunk_tokens
 
 # chunk files whose blocks are shuffled together: enough files to mix many documents' blocks in a batch,
 # few enough that the order of one window (its blocks' indices) stays small
@@ -37,17 +36,6 @@ WINDOW_CHUNKS = 16
 STATE_FORMAT = "fabric-lin sample stream 1"
 # seed streams of the three kinds of draw, so that no two draws share one
 CHUNK_ORDER, WINDOW_ORDER, MIX_PLACES = 1, 2, 3
-
-
-def chunk_tokens(path: Path) -> np.ndarray:
-    """The token count of each chunk file of a prepared directory, in its index's order (litdata's
-    TokensLoader cuts each into blocks, numbered in this order by `StreamingDataset[i]`)."""
-    index_path = Path(path) / INDEX_FILE
-    try:
-        chunks = json.loads(index_path.read_text(encoding="utf-8"))["chunks"]
-        return np.array([int(chunk["dim"]) for chunk in chunks], dtype=np.int64)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{index_path}: expected litdata's index with a token count (dim) for every chunk ({err!r})") from None
 
 
 class SourceOrder:
