@@ -1,3 +1,4 @@
+import json
 import math
 import os
 
@@ -137,3 +138,20 @@ def perturb_vectors(model, scale: float = 0.1) -> None:
         for p in model.parameters():
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * scale)
+
+
+def logged_data_fingerprints(out_dir) -> dict:
+    """step -> the data fingerprint a run logged in its metrics.jsonl (the sum of per-sample checksums of
+    the step's batches over micro-batches and processes)."""
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["data_fingerprint"] for r in records if "data_fingerprint" in r}
+
+
+def litdata_blocks(path, block_size: int) -> list:
+    """Every block of a prepared directory as litdata's own loader reads it, in order, as int64 bytes
+    (the reference the training stream is checked against)."""
+    import numpy as np
+    from litdata.streaming import StreamingDataset, TokensLoader
+
+    dataset = StreamingDataset(str(path), item_loader=TokensLoader(block_size=block_size), shuffle=False)
+    return [bytes(np.asarray(block).astype(np.int64)) for block in dataset]

@@ -16,6 +16,7 @@ from fabric_lin.config import Config
 from fabric_lin.data import SampleCorpus, SlimPajamaStarcoder, TokenChunks, Tokenizer
 from fabric_lin.data.prepared import write_prepared_info
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
+from conftest import litdata_blocks
 
 SEQ = 7  # max_seq_length: blocks of 8 tokens
 
@@ -154,15 +155,7 @@ def test_resume_continues_with_the_next_batch(mix, kind, num_workers):
 
 def sample_ids(batches) -> list:
     """A checksum per sample: its bytes (random tokens, so every block of the fixture's data is unique)."""
-    return [bytes(row.numpy().astype(np.uint16)) for batch in batches for row in batch]
-
-
-def litdata_blocks(path: Path) -> list:
-    """Every block of a prepared directory as litdata's own loader reads it, in order (the reference)."""
-    from litdata.streaming import StreamingDataset, TokensLoader
-
-    dataset = StreamingDataset(str(path), item_loader=TokensLoader(block_size=SEQ + 1), shuffle=False)
-    return [bytes(np.asarray(block).astype(np.uint16)) for block in dataset]
+    return [bytes(row.numpy()) for batch in batches for row in batch]
 
 
 class Layout:
@@ -191,7 +184,7 @@ def test_an_epoch_of_a_source_reads_each_of_its_blocks_once(mix):
     data = TokenChunks(data_path=mix["data"] / "starcoder", num_workers=0)
     data.connect(mix["tokenizer"], batch_size=100, max_seq_length=SEQ)
     data.setup()
-    blocks = litdata_blocks(mix["data"] / "starcoder")
+    blocks = litdata_blocks(mix["data"] / "starcoder", SEQ + 1)
     assert len(blocks) == 12_500 and len(set(blocks)) == len(blocks)
     iterator = iter(data.train_dataloader())
     first, second = (sample_ids(next(iterator) for _ in range(125)) for _ in range(2))

@@ -18,6 +18,7 @@ from fabric_lin.model import GPT
 from fabric_lin.batches import doc_boundaries
 from fabric_lin.pretrain import build_model, canonical_name, no_decay_parameter_names
 from fabric_lin.stopping import StepFlags
+from conftest import litdata_blocks, logged_data_fingerprints
 
 
 def test_cosine_schedule_values():
@@ -427,11 +428,7 @@ def test_data_smaller_than_a_micro_batch_is_read_epoch_after_epoch(tmp_path, pre
     data = TokenChunks(data_path=prepared / "tokens", num_workers=0)
     data.connect(batch_size=8, max_seq_length=500)
     data.setup()
-    import numpy as np
-    from litdata.streaming import StreamingDataset, TokensLoader
-
-    blocks = [bytes(np.asarray(b).astype(np.int64)) for b in StreamingDataset(
-        str(prepared / "tokens"), item_loader=TokensLoader(block_size=501), shuffle=False)]
+    blocks = litdata_blocks(prepared / "tokens", 501)
     batch = next(iter(data.train_dataloader()))
     assert batch.shape == (8, 501) and len(blocks) == 4
     assert sorted(bytes(row.numpy()) for row in batch) == sorted(blocks * 2)
@@ -808,13 +805,6 @@ def test_a_failed_run_removes_the_empty_output_directories_it_created(tmp_path):
 # ---- resuming with other loader values
 
 
-def _fingerprints(out_dir):
-    import json
-
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["data_fingerprint"] for r in records if "data_fingerprint" in r}
-
-
 def test_resume_with_another_micro_batch_size_trains_on_the_same_samples(tmp_path):
     """The data position is one number of samples: resumed with micro batches of 1 (two per step), the
     steps after the checkpoint train on the samples the uninterrupted run (micro batches of 2) took."""
@@ -824,7 +814,7 @@ def test_resume_with_another_micro_batch_size_trains_on_the_same_samples(tmp_pat
     _setup(tmp_path, out_dir=tmp_path / "split", train=TrainArgs(micro_batch_size=2, max_steps=2, **train), **common)
     _setup(tmp_path, out_dir=tmp_path / "split", resume=tmp_path / "split" / "final",
            train=TrainArgs(micro_batch_size=1, max_steps=4, **train), **common)
-    whole, split = _fingerprints(tmp_path / "whole"), _fingerprints(tmp_path / "split")
+    whole, split = logged_data_fingerprints(tmp_path / "whole"), logged_data_fingerprints(tmp_path / "split")
     assert sorted(whole) == [1, 2, 3, 4] and len(set(whole.values())) == 4
     assert split == whole
 

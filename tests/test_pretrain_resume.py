@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 import yaml
+from conftest import logged_data_fingerprints
 
 pytestmark = pytest.mark.slow
 
@@ -105,22 +106,12 @@ def final_weights(out_dir: Path) -> Dict[str, torch.Tensor]:
     return torch.load(out_dir / "final" / "lit_model.pth", map_location="cpu", weights_only=True)["model"]
 
 
-def logged_data(out_dir: Path) -> Dict[int, int]:
-    """step -> checksum of the step's batches (token ids and positions, summed over ranks)."""
-    data = {}
-    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "data_fingerprint" in record:
-            data[record["step"]] = record["data_fingerprint"]
-    return data
-
-
 def assert_same_run(out_dir: Path, reference: Path) -> None:
     got, expected = logged_losses(out_dir), logged_losses(reference)
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert got == expected  # exact float equality, every step
     # the same samples in the same order: none repeated or skipped across the interruptions
-    assert logged_data(out_dir) == logged_data(reference)
+    assert logged_data_fingerprints(out_dir) == logged_data_fingerprints(reference)
     a, b = final_weights(out_dir), final_weights(reference)
     assert a.keys() == b.keys()
     for key in b:
@@ -316,7 +307,7 @@ def test_two_nodes_under_torchrun_train_as_one_node_with_two_processes(reference
 def assert_same_samples_close_losses(out_dir: Path, reference: Path, steps) -> None:
     """Each step trained on the reference's samples (the sum of per-sample checksums), and the loss follows
     the reference's: equal up to the order of the floating-point sums, which the split changes."""
-    got, expected = logged_data(out_dir), logged_data(reference)
+    got, expected = logged_data_fingerprints(out_dir), logged_data_fingerprints(reference)
     assert {s: got[s] for s in steps} == {s: expected[s] for s in steps}
     losses, expected_losses = logged_losses(out_dir), logged_losses(reference)
     for step in steps:
@@ -326,7 +317,7 @@ def assert_same_samples_close_losses(out_dir: Path, reference: Path, steps) -> N
 def test_one_process_and_two_train_on_the_same_samples(reference, reference_ddp):
     """Two processes with a micro batch each per step, or one with two: the same samples at every step."""
     assert_same_samples_close_losses(reference_ddp, reference, range(1, STEPS + 1))
-    assert len(set(logged_data(reference).values())) == STEPS
+    assert len(set(logged_data_fingerprints(reference).values())) == STEPS
 
 
 @pytest.mark.parametrize("processes", [(2, 1), (1, 2)], ids=["2->1", "1->2"])
