@@ -8,6 +8,9 @@ from typing import List, Optional, Tuple
 import lightning as L
 import torch
 
+# what a scheduler sends before preemption or at a time limit (SIGTERM; SIGUSR1 with SLURM's --signal), and Ctrl-C
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+
 
 class StepFlags:
     """Each step's flags - update skipped (non-finite loss or gradient norm), stop requested (a signal, which
@@ -54,8 +57,6 @@ class StopRequest:
     step boundary and stop. A second Ctrl-C stops at once: KeyboardInterrupt, wherever the loop is (a
     checkpoint being written is removed, see Checkpointer.save; the complete ones stay)."""
 
-    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
-
     def __init__(self, announce: bool = True):
         self.requested = False
         self.interrupted = False  # a first Ctrl-C came
@@ -64,7 +65,7 @@ class StopRequest:
 
     def __enter__(self) -> "StopRequest":
         self.previous = {}
-        for name in self.SIGNALS:
+        for name in STOP_SIGNALS:
             if hasattr(signal, name):
                 self.previous[name] = signal.signal(getattr(signal, name), self._handle)
         return self

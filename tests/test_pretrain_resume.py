@@ -68,8 +68,14 @@ def start(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = None, term
 def ctrl_c(proc: subprocess.Popen) -> None:
     """What a terminal's Ctrl-C does: SIGINT to every process of the foreground job (the trainer, its
     DataLoader workers)."""
+    signal_job(proc, signal.SIGINT)
+
+
+def signal_job(proc: subprocess.Popen, signum: int) -> None:
+    """`signum` to every process of the job (started with terminal=True), as schedulers send SIGTERM: SLURM's
+    preemption and scancel, Kubernetes, systemd, `timeout`."""
     try:
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signum)
     except ProcessLookupError:
         pass
 
@@ -125,12 +131,12 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-WORKERS = ("--data", "SampleCorpus", "--data.num_workers", "1")
+WORKERS = ("--data", "SampleCorpus", "--data.num_workers", "2")
 
 
 @pytest.fixture(scope="module")
 def reference_workers(tmp_path_factory) -> Path:
-    """The reference with a DataLoader worker process, which a terminal's Ctrl-C reaches too."""
+    """The reference with DataLoader worker processes, which a signal to the whole job reaches too."""
     out = tmp_path_factory.mktemp("reference_workers") / "out"
     run(out, *WORKERS)
     return out
@@ -217,6 +223,69 @@ def test_sigterm_saves_and_exits_zero_then_resume_is_exact(reference, tmp_path):
     assert not (out / "final").exists()
     run(out, "--resume", "auto")
     assert_same_run(out, reference)
+
+
+def test_sigterm_to_the_whole_job_with_loader_workers_saves_and_resume_is_exact(reference_workers, tmp_path):
+    """The DataLoader workers receive the scheduler's SIGTERM too: they leave it to the trainer, which
+    checkpoints at the step reached and exits 0, without a traceback."""
+    from fabric_lin.checkpoint import verify_checkpoint
+
+    out = tmp_path / "out"
+    proc = start(out, *WORKERS, terminal=True)
+    wait_for(lambda: max(logged_losses(out), default=0) >= 3, proc)
+    signal_job(proc, signal.SIGTERM)
+    assert proc.wait(timeout=TIMEOUT) == 0
+    log = (tmp_path / "out.log").read_text()
+    last_step = max(logged_losses(out))
+    assert (f"Stopped by SIGTERM at step {last_step}: checkpoint saved in {out / f'step-{last_step:08d}'}; to continue, "
+            "run the same command with --resume auto") in log
+    assert "Traceback" not in log and "killed by signal" not in log
+    assert verify_checkpoint(out / f"step-{last_step:08d}").ok and last_step < STEPS and not (out / "final").exists()
+    run(out, *WORKERS, "--resume", "auto")
+    assert_same_run(out, reference_workers)
+
+
+def test_sigterm_to_the_whole_job_while_saving_leaves_only_whole_checkpoints(reference_workers, tmp_path):
+    """SIGTERM while a periodic checkpoint is being written, and again while the stop's own checkpoint is:
+    each save completes, no `.tmp-` directory is left, every checkpoint verifies, and the run resumes exactly."""
+    from fabric_lin.checkpoint import verify_checkpoint
+
+    out = tmp_path / "out"
+    proc = start(out, *WORKERS, "--train.save_interval", "1", terminal=True)
+    assert wait_for(lambda: any(out.glob(".tmp-step-*")), proc, poll=0.001)
+    saving = {p.name for p in out.glob(".tmp-step-*")}
+    signal_job(proc, signal.SIGTERM)
+    # the stop's checkpoint: a save of a later step
+    assert wait_for(lambda: bool({p.name for p in out.glob(".tmp-step-*")} - saving), proc, poll=0.001)
+    signal_job(proc, signal.SIGTERM)
+    assert proc.wait(timeout=TIMEOUT) == 0
+    log = (tmp_path / "out.log").read_text()
+    assert "Stopped by SIGTERM at step " in log and "Traceback" not in log
+    assert not list(out.glob(".tmp-*"))
+    steps = sorted(out.glob("step-*"))
+    assert len(steps) >= 2 and all(verify_checkpoint(step).ok for step in steps)
+    run(out, *WORKERS, "--resume", "auto")
+    assert_same_run(out, reference_workers)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's unshare")
+def test_saves_take_no_room_in_the_temporary_directory(reference, tmp_path):
+    """TMPDIR on a file system of 256 KiB, smaller than one checkpoint of this run (25 MB): every save
+    succeeds, so no checkpoint byte passes through it."""
+    small = tmp_path / "small_tmp"
+    small.mkdir()
+    mount = f"mount -t tmpfs -o size=256k tmpfs {small}"
+    # a mount namespace of its own (with a user namespace, where the user may not mount)
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {probe.stderr.decode().strip()}")
+    out = tmp_path / "out"
+    script = f'{mount} && exec env TMPDIR={small} "$@"'
+    result = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh", *command(out)],
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_same_run(out, reference)
+    assert (out / "step-00000002" / "lit_model.pth").stat().st_size > 256 * 1024
 
 
 def test_two_processes_gloo_sigterm_and_resume_are_exact(reference_ddp, tmp_path):

@@ -10,6 +10,7 @@ from litdata.streaming import StreamingDataLoader
 
 from fabric_lin.data.prepared import block_too_long, check_prepared_dir, chunk_tokens
 from fabric_lin.data.tokenizer import Tokenizer
+from fabric_lin.stopping import STOP_SIGNALS
 
 
 @dataclass
@@ -39,6 +40,14 @@ class DataModule:
         self.batch_size = batch_size
         self.max_seq_length = max_seq_length
         self.vocab_size = vocab_size
+
+    def validate(self) -> None:
+        """Check the options before any work (the trainer calls it first): each wrong value named."""
+        if not isinstance(self.num_workers, int) or self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be 0 (load in the training process) or a positive number of "
+                             f"DataLoader worker processes per rank, got {self.num_workers!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"data.seed must be a non-negative integer (it seeds the data order), got {self.seed!r}")
 
     def prepare_data(self) -> None:
         pass
@@ -92,7 +101,7 @@ def token_train_loader(
     for path in paths:
         check_prepared_dir(path, tokenizer)
     stream = SampleStream(paths, block_size, seed, weights, shuffle)
-    return TrainLoader(stream, batch_size, num_workers, worker_init_fn=leave_ctrl_c_to_the_trainer)
+    return TrainLoader(stream, batch_size, num_workers, worker_init_fn=leave_stop_signals_to_the_trainer)
 
 
 def token_val_loader(path: Union[str, Path], block_size: int, batch_size: int, num_workers: int,
@@ -119,13 +128,17 @@ def token_val_loader(path: Union[str, Path], block_size: int, batch_size: int, n
         drop_last=True,
         collate_fn=collate_tokens,
         pin_memory=torch.cuda.is_available(),
-        worker_init_fn=leave_ctrl_c_to_the_trainer,
+        worker_init_fn=leave_stop_signals_to_the_trainer,
     )
 
 
-def leave_ctrl_c_to_the_trainer(worker_id: int) -> None:
-    """A terminal's Ctrl-C reaches the DataLoader workers too. The trainer answers it by stopping at the
-    next step boundary, which needs the workers' next batches; a worker that took it would end at once
-    (PyTorch's worker loop returns on KeyboardInterrupt) and the next batch fail. A second Ctrl-C stops
-    the trainer, which ends its workers."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """The signals that stop a run reach the DataLoader workers too: a terminal's Ctrl-C goes to the whole
+    foreground job, and schedulers (SLURM's preemption and scancel, Kubernetes, systemd, `timeout`) send
+    SIGTERM to every process of the job. The trainer answers them by stopping with a checkpoint at the next
+    step boundary, which needs the workers' next batches; a worker that took one would end at once
+    (SIGTERM's default, or PyTorch's worker loop returning on KeyboardInterrupt) and the next batch fail.
+    So the workers ignore them. A worker still ends with its trainer: the trainer shuts its workers down
+    when it stops, and a worker whose trainer has died notices within seconds and exits."""
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
