@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 import yaml
+from lightning.fabric.plugins import TorchCheckpointIO
 
 MODEL_FILE = "lit_model.pth"
 CONFIG_FILE = "model_config.yaml"
@@ -141,6 +142,21 @@ class Checkpointer:
 
     def final_step(self) -> Optional[float]:
         return final_checkpoint_step(self.out_dir)
+
+
+class CheckpointFileIO(TorchCheckpointIO):
+    """Fabric's writer of lit_model.pth (one device and DDP): `torch.save` straight into the file.
+
+    Lightning's own writer first serialises the whole checkpoint into memory, then writes it through an
+    fsspec transaction, which puts the bytes in a temporary file of the default temporary directory
+    ($TMPDIR) and moves them: a second copy of every checkpoint in memory and on a file system the run
+    never chose, so a node with a small /tmp fails every save. The file lies in the checkpoint's `.tmp-`
+    directory, renamed only when everything is written, so writing it in place is just as safe."""
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        torch.save(checkpoint, path)  # fsynced with the rest when the manifest is written
 
 
 class signals_deferred:
@@ -557,20 +573,30 @@ def select_resume_dir(fabric, resume: Union[bool, str, Path, None], out_dir: Pat
         moved = fabric.broadcast(set_aside(candidate) if fabric.global_rank == 0 else None, src=0)
         fabric.print(f"Warning: checkpoint {candidate} is damaged: {check.describe()}. Set aside as {moved}")
         damaged.append(moved)
-    if damaged:
+    set_aside_earlier = damaged_checkpoints(out_dir)
+    if set_aside_earlier:
+        # starting from step 0 here would put a second run's steps and metrics into the first one's out_dir
         raise ValueError(
             f"--resume {resume}: no checkpoint in {out_dir} verifies; the damaged ones are set aside as "
-            f"{', '.join(p.name for p in damaged)}. Start the run again from step 0 with --resume false, or resume "
-            f"from a good copy of a checkpoint with --resume <dir>"
+            f"{', '.join(set_aside_earlier)}. Resume from a good copy of one with --resume <dir>, start again in a new "
+            f"--out_dir, or start again from step 0 in this one with --resume false --overwrite true (deletes them)"
         )
     if resume == "auto":
         return None
     raise FileNotFoundError(f"--resume true: no checkpoint (step-XXXXXXXX/ or {FINAL_DIR}/) in {out_dir}")
 
 
+def damaged_checkpoints(out_dir: Path) -> List[str]:
+    """Names of the checkpoints of out_dir that a resume set aside as damaged (`.damaged-*`)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    return sorted(p.name for p in out_dir.iterdir() if p.is_dir() and p.name.startswith(DAMAGED_PREFIX))
+
+
 def earlier_run_checkpoints(out_dir: Path) -> List[str]:
-    """Names of the step-* directories and final/ that a run wrote into out_dir."""
-    return sorted(p.name for p in checkpoint_dirs(out_dir))
+    """Names of the step-* directories and final/ that a run wrote into out_dir, and of those set aside as damaged."""
+    return sorted(p.name for p in checkpoint_dirs(out_dir)) + damaged_checkpoints(out_dir)
 
 
 def delete_checkpoints(out_dir: Path) -> List[str]:

@@ -24,6 +24,7 @@ from fabric_lin.batches import CycleIterator, batch_fingerprint, compute_loss
 from fabric_lin.checkpoint import (
     CONFIG_FILE,
     HPARAMS_FILE,
+    CheckpointFileIO,
     Checkpointer,
     check_out_dir,
     delete_checkpoints,
@@ -142,6 +143,9 @@ def setup(
             "--data.* options need a data module: give --data SampleCorpus, TokenChunks or SlimPajamaStarcoder "
             "(or a config file's data: class_path) before them"
         )
+    data.validate()
+    if not cuda:
+        check_cpu_processes(devices)
     # this run's arguments, as resolved above, for hyperparameters.yaml and the logger (loadable with --config);
     # not `overwrite`, an action on out_dir rather than a setting, which `--config ... --resume auto` would refuse
     arguments = locals()
@@ -166,9 +170,12 @@ def setup(
         if compile.cache:  # before Fabric starts any process or compiles anything; its processes inherit these
             os.environ["TRITON_CACHE_DIR"] = str((out_dir / COMPILE_CACHE_DIR / "triton").absolute())
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((out_dir / COMPILE_CACHE_DIR / "inductor").absolute())
+        strategy = make_strategy(cuda, devices, num_nodes, parallelism)
         fabric = L.Fabric(
             accelerator="cuda" if cuda else "cpu", devices=devices, num_nodes=num_nodes, precision=precision,
-            strategy=make_strategy(cuda, devices, num_nodes, parallelism), loggers=[make_logger(logger_name, out_dir, hparams)],
+            strategy=strategy, loggers=[make_logger(logger_name, out_dir, hparams)],
+            # FSDP writes its shards itself (torch.distributed.checkpoint, in place) and takes no such plugin
+            plugins=[] if isinstance(strategy, FSDPStrategy) else [CheckpointFileIO()],
         )
         fabric.launch()
         main(
@@ -181,6 +188,25 @@ def setup(
         if fabric is None or fabric.global_rank == 0:
             remove_empty_dirs(created)  # a failed run leaves no empty out_dir behind
         raise
+
+
+def usable_cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: a scheduler's allocation, taskset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def check_cpu_processes(devices: int) -> None:
+    """On the CPU, each of `devices` processes computes with at least one core of its own: more processes than
+    cores would only take turns on them, slower than fewer processes, with nothing gained."""
+    cores = usable_cpu_cores()
+    if devices > cores:
+        raise ValueError(
+            f"--devices {devices}: without a CUDA GPU each device is a CPU process, and this machine gives this run "
+            f"{cores} CPU core(s); give --devices {cores} or fewer"
+        )
 
 
 def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:

@@ -265,10 +265,16 @@ def test_resume_with_every_checkpoint_damaged_refuses(tmp_path):
     fabric = L.Fabric(accelerator="cpu", devices=1)
     saved = saved_checkpoint(tmp_path, 2, fabric)
     (saved / MODEL_FILE).unlink()
-    with pytest.raises(ValueError, match=r"--resume auto: no checkpoint in .* verifies; the damaged ones are set aside as "
-                       r"\.damaged-step-00000002\. Start the run again from step 0 with --resume false"):
+    refusal = (r"--resume {}: no checkpoint in .* verifies; the damaged ones are set aside as \.damaged-step-00000002\. "
+               r"Resume from a good copy of one with --resume <dir>, start again in a new --out_dir, or start again from "
+               r"step 0 in this one with --resume false --overwrite true \(deletes them\)$")
+    with pytest.raises(ValueError, match=refusal.format("auto")):
         select_resume_dir(fabric, "auto", tmp_path)
-    assert select_resume_dir(fabric, "auto", tmp_path) is None  # nothing left to try: a fresh start
+    # set aside by the first attempt: the next one, with nothing left to try, does not start from step 0 unasked
+    for resume in ("auto", True):
+        with pytest.raises(ValueError, match=refusal.format(resume)):
+            select_resume_dir(fabric, resume, tmp_path)
+    assert earlier_run_checkpoints(tmp_path) == [".damaged-step-00000002"]  # so --resume false is refused too
 
 
 def test_resume_from_a_named_damaged_directory_refuses_with_the_reason(tmp_path):
@@ -342,7 +348,7 @@ def test_an_earlier_run_is_found_and_deleted_whole(tmp_path):
         _make_ckpt(tmp_path, name)
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "compile_cache").mkdir()
-    assert earlier_run_checkpoints(tmp_path) == ["final", "step-00000002", "step-00000004"]
+    assert earlier_run_checkpoints(tmp_path) == ["final", "step-00000002", "step-00000004", ".damaged-step-00000006"]
     deleted = delete_checkpoints(tmp_path)
     assert deleted == [".damaged-step-00000006", ".tmp-step-00000008", "final", "step-00000002", "step-00000004"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["compile_cache", "metrics.jsonl"]  # pretrain removes metrics.jsonl
