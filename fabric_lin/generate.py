@@ -6,7 +6,7 @@ the transformer baseline with a growing key/value cache.
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -14,7 +14,6 @@ from fabric_lin.config import Config
 from fabric_lin.model import GPT
 
 
-@torch.no_grad()
 def generate_tokens(
     model: GPT,
     prompt: torch.Tensor,
@@ -28,20 +27,55 @@ def generate_tokens(
     """prompt: [T] token ids. Returns the new tokens [<= max_new_tokens] (stops after eos_id). With
     `vocab_size`, only ids below it are sampled: a model may have more rows than its tokenizer has pieces
     (a padded vocabulary), and those ids decode to nothing."""
+    new_tokens = list(stream_tokens(model, prompt, max_new_tokens, temperature, top_k, eos_id, generator, vocab_size))
+    return torch.stack(new_tokens) if new_tokens else prompt.new_empty(0)
+
+
+@torch.no_grad()
+def stream_tokens(
+    model: GPT,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    eos_id: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+    vocab_size: Optional[int] = None,
+) -> Iterator[torch.Tensor]:
+    """`generate_tokens`, one new token (a 0-d tensor) at a time, as each is sampled."""
     check_generation_args(max_new_tokens, temperature, top_k)
     if prompt.dim() != 1 or len(prompt) == 0:
         raise ValueError(f"prompt must be a 1-D tensor of at least one token id, got shape {tuple(prompt.shape)}")
     cache = model.new_cache()
     input_ids = prompt[None]  # the whole prompt in one chunked pass, then one token at a time
-    new_tokens = []
     for _ in range(max_new_tokens):  # a pass only when its logits are sampled: none after the last token
         logits = model(input_ids, cache=cache)[0, -1]
         token = sample(logits[:vocab_size], temperature, top_k, generator)
-        new_tokens.append(token)
+        yield token
         if eos_id is not None and token.item() == eos_id:
-            break
+            return
         input_ids = token.view(1, 1)
-    return torch.stack(new_tokens) if new_tokens else prompt.new_empty(0)
+
+
+class GrowingText:
+    """The text of a prompt and the tokens added to it so far. A piece decodes into more than its own text
+    (SentencePiece joins words, and one character can take several byte tokens), so the whole text is
+    decoded after each token, and what lies past the text given so far is new; a character still missing
+    bytes waits for them."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int]):
+        self.tokenizer = tokenizer
+        self.ids = [int(t) for t in prompt_ids]
+        self.text = tokenizer.decode(self.ids)
+
+    def add(self, token: torch.Tensor) -> str:
+        """The new text that `token` completes ("" while it completes none)."""
+        self.ids.append(int(token))
+        text = self.tokenizer.decode(self.ids)
+        if not text.startswith(self.text) or text.endswith("\ufffd"):
+            return ""
+        new, self.text = text[len(self.text):], text
+        return new
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator=None) -> torch.Tensor:
@@ -104,7 +138,7 @@ def main(
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"checkpoint_dir {str(checkpoint_dir)!r} is not a directory")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     precision = precision or ("bf16-true" if device.type == "cuda" else "32-true")
     dtypes = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
     if precision not in dtypes:
@@ -124,12 +158,36 @@ def main(
     if tokenizer.eos_id is not None:
         prompt_ids = torch.cat([prompt_tokens.new_tensor([tokenizer.eos_id]), prompt_tokens])
     generator = torch.Generator().manual_seed(seed)
-    start = time.perf_counter()
-    new = generate_tokens(
+    tokens = stream_tokens(
         model, prompt_ids, max_new_tokens, temperature, top_k, tokenizer.eos_id, generator, vocab_size=tokenizer.vocab_size
     )
-    elapsed = time.perf_counter() - start
-    text = tokenizer.decode(torch.cat([prompt_tokens, new]).tolist())
-    print(text)
-    print(f"{len(new)} tokens in {elapsed:.2f} s ({len(new) / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
-    return text
+    # printed as it is sampled; after a Ctrl-C what was printed stays (fabric_lin.cli then exits with 130)
+    text = GrowingText(tokenizer, prompt_tokens.tolist())
+    print(text.text, end="", flush=True)
+    count, start = 0, time.perf_counter()
+    try:
+        for token in tokens:
+            count += 1
+            print(text.add(token), end="", flush=True)
+    finally:
+        elapsed = time.perf_counter() - start
+        print(flush=True)
+        print(f"{count} tokens in {elapsed:.2f} s ({count / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr, flush=True)
+    return text.text
+
+
+def resolve_device(device: Optional[str]) -> torch.device:
+    """--device as a torch.device (default: cuda if there is a GPU), refused in one line where it cannot run."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:<index>") from None
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {device}: this machine has no CUDA GPU that PyTorch can use; give --device cpu")
+        if resolved.index is not None and resolved.index >= count:
+            raise ValueError(f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+    return resolved

@@ -237,3 +237,39 @@ def test_gpu_decoding_matches_full_forward(name, dtype):
         with torch.no_grad():
             logits = model(torch.cat([ids, new])[None])[0]
         assert new.tolist() == logits[64:-1].argmax(-1).tolist()
+
+
+def test_generate_prints_the_text_as_it_is_sampled_and_ctrl_c_keeps_it(tmp_path):
+    """The prompt, then each token's text as it comes; a Ctrl-C (SIGINT to the foreground job) stops at once,
+    keeping what was printed, with the count of tokens and exit code 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from test_convert_hf import make_model_dir, small_config
+
+    make_model_dir(tmp_path / "model", small_config())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fabric_lin.cli", "generate", str(tmp_path / "model"), "--prompt", "the model",
+         "--max_new_tokens", "1000000", "--device", "cpu", "--top_k", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        printed = b""
+        while len(printed) <= len("the model") + 20:  # the prompt, then text of sampled tokens, while it runs
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            assert chunk, proc.stderr.read().decode()
+            printed += chunk
+        assert proc.poll() is None and printed.startswith(b"the model")
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert (printed + rest).endswith(b"\n")  # the text kept, its line ended
+    lines = err.decode().splitlines()
+    assert "Traceback" not in err.decode()
+    assert lines[-1] == "fabric-lin generate: interrupted"
+    count = int(lines[-2].split(" tokens in ")[0])
+    assert 0 < count < 1000000

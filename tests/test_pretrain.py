@@ -953,3 +953,36 @@ def test_help_describes_every_command_in_whole_sentences(capsys):
     assert sorted(descriptions) == sorted(COMMANDS)
     for name, description in descriptions.items():
         assert description.strip().endswith("."), (name, description)
+
+
+def test_error_negative_num_workers_is_one_line(tmp_path, capsys):
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--data", "SampleCorpus", "--data.num_workers", "-1"], capsys)
+    assert err.startswith("fabric-lin pretrain: error: data.num_workers must be 0 (load in the training process) or a "
+                          "positive number of DataLoader worker processes per rank, got -1")
+    assert not (tmp_path / "out").exists()
+
+
+def test_error_more_cpu_processes_than_cores(tmp_path, capsys, monkeypatch):
+    from fabric_lin.pretrain import usable_cpu_cores
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cores = usable_cpu_cores()
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--devices", str(cores + 6), "--train.global_batch_size", str(4 * (cores + 6))], capsys)
+    assert err == (f"fabric-lin pretrain: error: --devices {cores + 6}: without a CUDA GPU each device is a CPU process, and "
+                   f"this machine gives this run {cores} CPU core(s); give --devices {cores} or fewer\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("device,message", [
+    ("cuda", "--device cuda: this machine has no CUDA GPU that PyTorch can use; give --device cpu"),
+    ("gpu0", "--device 'gpu0': expected cpu, cuda or cuda:<index>"),
+])
+def test_generate_error_device_is_one_line(tmp_path, capsys, monkeypatch, device, message):
+    from test_convert_hf import make_model_dir, small_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    make_model_dir(tmp_path / "model", small_config())
+    err = cli_error(["generate", str(tmp_path / "model"), "--device", device], capsys)
+    assert err == f"fabric-lin generate: error: {message}\n"

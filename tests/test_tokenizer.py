@@ -43,6 +43,15 @@ def test_train_tokenizer_reads_every_format(tokenizer_dir):
     assert json.loads((tokenizer_dir / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
 
 
+def test_train_tokenizer_counts_only_the_files_it_read(tmp_path, capsys):
+    make_raw_inputs(tmp_path / "raw")  # four files, one of them not zstd
+    train_tokenizer(tmp_path / "raw", tmp_path / "tokenizer", vocab_size=400, num_threads=1, max_sentences=200)
+    captured = capsys.readouterr()
+    assert f"SKIPPED {tmp_path / 'raw' / 'broken.jsonl.zst'}:" in captured.err
+    assert "lines from 3 file(s); 1 unreadable file(s) skipped\n" in captured.out
+    assert sorted(p.name for p in (tmp_path / "tokenizer").iterdir()) == ["tokenizer.model", "tokenizer_config.json"]
+
+
 def test_encode_decode_round_trip(tokenizer_dir):
     tokenizer = Tokenizer(tokenizer_dir)
     ids = tokenizer.encode(CODE)

@@ -184,6 +184,9 @@ def ensure_sample_corpus(cache_dir: Optional[Path] = None) -> Path:
             try:
                 with output_to(tmp / BUILD_LOG):
                     build_sample_corpus(tmp, files)
+            except KeyboardInterrupt:
+                print("The sample corpus build was interrupted: nothing was kept; the next run builds it again", file=sys.stderr)
+                raise
             except BaseException:
                 log = (tmp / BUILD_LOG).read_text(encoding="utf-8", errors="replace").splitlines()
                 print("The sample corpus build failed; the end of its log:\n" + "\n".join(log[-20:]), file=sys.stderr)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, List, Optional
 
+from fabric_lin.files import atomic_write
 from fabric_lin.data.raw_files import BadFileError, iter_parquet_texts, iter_text_file_lines, read_slimpajama_file
 
 SUFFIXES = (".jsonl.zst", ".parquet", ".txt")
@@ -25,7 +26,8 @@ def find_training_files(input_dir: Path) -> List[Path]:
     return files
 
 
-def iter_documents(files: List[Path]) -> Iterator[str]:
+def iter_documents(files: List[Path], skipped: List[Path]) -> Iterator[str]:
+    """The documents of `files`; a file that cannot be read is reported, added to `skipped` and passed over."""
     for path in files:
         try:
             if path.name.endswith(".jsonl.zst"):
@@ -37,12 +39,13 @@ def iter_documents(files: List[Path]) -> Iterator[str]:
                 yield "".join(iter_text_file_lines(path))
         except BadFileError as err:
             print(f"SKIPPED {err.path}: {err.reason}", file=sys.stderr, flush=True)
+            skipped.append(path)
 
 
-def iter_sentences(files: List[Path], max_sentence_length: int) -> Iterator[str]:
+def iter_sentences(files: List[Path], max_sentence_length: int, skipped: List[Path]) -> Iterator[str]:
     # SentencePiece learns from "sentences"; lines of a document are natural ones (newlines themselves
     # are then encoded through byte fallback, as in Llama's tokenizer)
-    for document in iter_documents(files):
+    for document in iter_documents(files, skipped):
         for line in document.split("\n"):
             if line.strip():
                 yield line[:max_sentence_length]
@@ -86,7 +89,8 @@ def main(
     rng = random.Random(seed)
     sample: List[str] = []
     seen = 0
-    for sentence in iter_sentences(files, max_sentence_length):
+    skipped: List[Path] = []
+    for sentence in iter_sentences(files, max_sentence_length, skipped):
         seen += 1
         if len(sample) < max_sentences:
             sample.append(sentence)
@@ -94,9 +98,12 @@ def main(
             j = rng.randrange(seen)
             if j < max_sentences:
                 sample[j] = sentence
+    read = len(files) - len(skipped)
+    unreadable = f" ({len(skipped)} of them unreadable, skipped: see the SKIPPED lines above)" if skipped else ""
     if not sample:
-        raise ValueError(f"No text found in the {len(files)} input file(s) under {input_dir}")
-    print(f"Training a {vocab_size}-piece BPE tokenizer on {len(sample)} of {seen} lines from {len(files)} files", flush=True)
+        raise ValueError(f"No text found in the {len(files)} input file(s) under {input_dir}{unreadable}")
+    print(f"Training a {vocab_size}-piece BPE tokenizer on {len(sample)} of {seen} lines from {read} file(s)"
+          + (f"; {len(skipped)} unreadable file(s) skipped" if skipped else ""), flush=True)
 
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -120,8 +127,9 @@ def main(
     )
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "tokenizer.model").write_bytes(model.getvalue())
     config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": False}
-    (output_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    # each file whole or not there: a directory with a cut tokenizer.model would load and encode wrongly
+    atomic_write(output_dir / "tokenizer_config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+    atomic_write(output_dir / "tokenizer.model", lambda tmp: Path(tmp).write_bytes(model.getvalue()))
     print(f"Wrote {output_dir / 'tokenizer.model'} and tokenizer_config.json", flush=True)
     return output_dir
