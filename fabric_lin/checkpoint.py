@@ -70,6 +70,8 @@ def train_state(model, optimizer, train_dataloader) -> Dict[str, Any]:
         "train_dataloader": train_dataloader,
         "iter_num": 0,  # micro-batches taken
         "step_count": 0,  # optimizer steps taken
+        "tokens_seen": 0,  # tokens trained on, over all processes (steps of different sizes after a resume that changed them)
+        "schedule_tokens_per_step": 0,  # tokens per step of the run's first attempt: the learning rate schedule's unit
         "skipped_steps": 0,  # steps whose update was skipped (non-finite loss or gradient norm)
         "rng_states": {},
     }

@@ -1,12 +1,18 @@
 """What a training run reports, written from one place (`MetricsWriter`): `out_dir/metrics.jsonl`
 (rank 0, one JSON object per line), the Fabric loggers (TensorBoard, CSV or wandb) and the console.
 
-metrics.jsonl holds four kinds of record, each with its "step":
+metrics.jsonl holds these kinds of record, each with its "step" and "attempt":
     every optimizer step     loss (averaged over ranks), lr, grad_norm, data_fingerprint
     the first step           time_to_first_step_s, compiled_graphs, startup_phases_s
     every train.log_interval tokens_per_sec, tokens, skipped_steps, and where known mfu,
                              max_memory_gb, recompilations
     every validation         val_loss, val_ppl
+    a resume with changes    resume_changes (`--resume_changes`: what changed, each value before and after)
+
+It reads as one history of the run, each step once. "attempt" numbers the runs of the command that made the
+history (1, then one more for each resume). A resumed attempt starts from its checkpoint's step: the records
+that earlier attempts wrote after that step (steps trained again now) move to metrics.superseded.jsonl, and
+TensorBoard is told to drop them too (`purge_step`), so that a plot of either is one curve.
 """
 import json
 import math
@@ -18,9 +24,10 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
-from lightning.fabric.loggers import CSVLogger
+from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
 METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
 
 
 def process_start_time() -> float:
@@ -80,11 +87,40 @@ class MetricsWriter:
         self.startup: Dict[str, float] = {"launched": time.time() - PROCESS_START}
         self.pending: List[Tuple[int, torch.Tensor, float, torch.Tensor, torch.Tensor]] = []
         self.graphs_at_first_step = 0
+        self.attempt = 1
 
     def write(self, *records: Dict[str, Any]) -> None:
         if self.fabric.global_rank == 0:
             with open(self.path, "a", encoding="utf-8") as f:
-                f.writelines(json.dumps(record) + "\n" for record in records)
+                f.writelines(json.dumps({**record, "attempt": self.attempt}) + "\n" for record in records)
+
+    def begin_attempt(self, step: int) -> None:
+        """This attempt trains on from optimizer step `step` (0: from the start): the records of later steps
+        leave metrics.jsonl for metrics.superseded.jsonl, and the logger drops them (rank 0 does it)."""
+        if self.fabric.global_rank != 0:
+            return
+        kept, superseded, attempts = [], [], [0]
+        superseded_path = self.path.with_name(SUPERSEDED_FILE)
+        if superseded_path.exists():
+            attempts += [r.get("attempt", 0) for r in read_records(superseded_path)]
+        if self.path.exists():
+            for record in read_records(self.path):
+                (kept if record.get("step", 0) <= step else superseded).append(record)
+                attempts.append(record.get("attempt", 0))
+        self.attempt = max(attempts) + 1
+        if superseded:
+            with open(superseded_path, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(record) + "\n" for record in superseded)
+                f.flush()
+                os.fsync(f.fileno())
+        if self.path.exists():
+            tmp = self.path.with_name(f".tmp-{self.path.name}")
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(record) + "\n" for record in kept)
+            os.replace(tmp, self.path)  # moved records are in the superseded file first: none is lost
+        for logger in self.fabric.loggers:
+            if isinstance(logger, RunTensorBoardLogger):
+                logger.drop_records_after(step)
 
     def log_hyperparams(self, hparams: Dict[str, Any]) -> None:
         if not isinstance(self.fabric.logger, CSVLogger):  # Fabric's CSVLogger cannot; hyperparameters.yaml has them
@@ -94,9 +130,10 @@ class MetricsWriter:
         """A phase of the start-up ended now (reported with the time to the first step)."""
         self.startup[name] = time.time() - PROCESS_START
 
-    def start(self, step: int) -> None:
-        """The training loop starts, at optimizer step `step`."""
+    def start(self, step: int, max_steps: int) -> None:
+        """The training loop starts, at optimizer step `step`, to end at `max_steps`."""
         self.startup_phase("loop started")
+        self.max_steps = max_steps
         self.start_step = self.window_step = step
         self.run_start = self.window_start = time.perf_counter()
 
@@ -149,14 +186,14 @@ class MetricsWriter:
         self.write({"step": step, "time_to_first_step_s": seconds, "compiled_graphs": self.graphs_at_first_step,
                     "startup_phases_s": dict(self.startup)})
 
-    def log_progress(self, step: int, lr: float, grad_norm: torch.Tensor, skipped_steps: int) -> None:
+    def log_progress(self, step: int, lr: float, grad_norm: torch.Tensor, skipped_steps: int, tokens: int) -> None:
         """Flush, then log the speed since the last progress line and print the progress line."""
         losses = self.flush()  # waits for the GPU: the window ends here
         now = time.perf_counter()
         tokens_per_sec = (step - self.window_step) * self.tokens_per_step / max(now - self.window_start, 1e-9)
         metrics = {
             "loss": losses[-1], "lr": lr, "grad_norm": float(grad_norm), "tokens_per_sec": tokens_per_sec,
-            "tokens": step * self.tokens_per_step, "skipped_steps": skipped_steps,
+            "tokens": tokens, "skipped_steps": skipped_steps,
         }
         if self.peak_flops is not None:
             metrics["mfu"] = self.flops_per_token * tokens_per_sec / (self.peak_flops * self.fabric.world_size)
@@ -181,10 +218,10 @@ class MetricsWriter:
         self.fabric.print(f"step {step}: val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}")
         self.write({"step": step, "val_loss": val_loss, "val_ppl": val_ppl})
 
-    def log_summary(self, step_count: int, elapsed: float) -> None:
+    def log_summary(self, step_count: int, tokens: int, elapsed: float) -> None:
         trained_tokens = (step_count - self.start_step) * self.tokens_per_step
         summary = (
-            f"Training finished: {step_count * self.tokens_per_step:,} tokens in total "
+            f"Training finished: {tokens:,} tokens in total "
             f"({trained_tokens:,} in this run) | elapsed {format_seconds(elapsed)} | "
             f"{trained_tokens / max(elapsed, 1e-9):,.0f} tokens/s"
         )
@@ -219,11 +256,38 @@ def format_seconds(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
-def make_logger(name: str, out_dir: Path, hparams: Dict[str, Any]):
-    if name == "tensorboard":
-        from lightning.fabric.loggers import TensorBoardLogger
+def read_records(path: Path) -> List[Dict[str, Any]]:
+    """The records of a metrics file; a line cut short by a kill is left out."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
 
-        return TensorBoardLogger(root_dir=out_dir / "logs", name="tensorboard")
+
+class RunTensorBoardLogger(TensorBoardLogger):
+    """TensorBoard's log of one run across its attempts: a resumed run writes into the version directory of
+    the run it continues (a fresh one into a new version), and from the step it resumes at, TensorBoard drops
+    what earlier attempts wrote (SummaryWriter's `purge_step`): one curve, each step once."""
+
+    def __init__(self, root_dir: Path, continuing: bool):
+        super().__init__(root_dir=root_dir, name="tensorboard")
+        if continuing:
+            versions = self._get_next_version()
+            self._version = max(versions - 1, 0)
+
+    def drop_records_after(self, step: int) -> None:
+        # SummaryWriter's arguments, kept by TensorBoardLogger until it makes the writer at its first record
+        self._kwargs["purge_step"] = step + 1
+
+
+def make_logger(name: str, out_dir: Path, hparams: Dict[str, Any], continuing: bool = False):
+    """`continuing`: the run resumes one in out_dir (TensorBoard then writes on into its directory)."""
+    if name == "tensorboard":
+        return RunTensorBoardLogger(out_dir / "logs", continuing)
     if name == "csv":
         return CSVLogger(root_dir=out_dir / "logs", name="csv")
     if name == "wandb":

@@ -12,7 +12,7 @@ import os
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, Iterator, Literal, Optional, Union
+from typing import Dict, Iterator, List, Literal, Optional, Union
 
 import lightning as L
 import torch
@@ -36,6 +36,7 @@ from fabric_lin.checkpoint import (
 )
 from fabric_lin.config import Config
 from fabric_lin.data import DataModule, SampleCorpus
+from fabric_lin.data.sample_order import TrainLoader
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import learning_rate
@@ -43,6 +44,7 @@ from fabric_lin.files import missing_ancestors, remove_empty_dirs
 from fabric_lin.metrics import METRICS_FILE, MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
+from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
 from fabric_lin.stopping import StepFlags, StopRequest
 
 COMPILE_CACHE_DIR = "compile_cache"
@@ -77,6 +79,7 @@ def setup(
     out_dir: Path = Path("out/pretrain"),
     precision: Optional[Literal["bf16-mixed", "bf16-true", "16-mixed", "32-true"]] = None,
     resume: Union[bool, Literal["auto"], Path] = False,
+    resume_changes: Optional[List[str]] = None,
     overwrite: bool = False,
     initial_checkpoint_dir: Optional[Path] = None,
     data: Optional[DataModule] = None,
@@ -104,6 +107,9 @@ def setup(
             true: resume from the newest checkpoint in out_dir that verifies against its manifest (error if none).
             auto: the same, or a fresh start if out_dir holds no checkpoint. A path: resume from that checkpoint
             directory. A damaged checkpoint is reported, set aside as .damaged-<name> and not loaded.
+        resume_changes: The run's settings that a resume may change on purpose, among train.global_batch_size,
+            train.max_steps, train.max_tokens, data (any data.* setting) and seed; a resume that changes one
+            not named here is refused, naming it (tutorials/resume.md: what each change does).
         overwrite: true: start afresh where out_dir holds an earlier run, deleting its checkpoints (step-*,
             final, .damaged-*) and its metrics.jsonl first; its logs/ stay (loggers add a version).
         initial_checkpoint_dir: A model directory (convert_pretrained_checkpoint's output) whose weights
@@ -144,12 +150,15 @@ def setup(
             "(or a config file's data: class_path) before them"
         )
     data.validate()
+    check_changeable(resume_changes or [])
     if not cuda:
         check_cpu_processes(devices)
+        set_cpu_threads(devices)
     # this run's arguments, as resolved above, for hyperparameters.yaml and the logger (loadable with --config);
-    # not `overwrite`, an action on out_dir rather than a setting, which `--config ... --resume auto` would refuse
+    # not `overwrite` and `resume_changes`, actions of this command rather than settings of the run
     arguments = locals()
-    hparams = to_plain({name: arguments[name] for name in inspect.signature(setup).parameters if name != "overwrite"})
+    hparams = to_plain({name: arguments[name] for name in inspect.signature(setup).parameters
+                        if name not in ("overwrite", "resume_changes")})
 
     # errors that would otherwise appear only after the model and the data are loaded
     train.gradient_accumulation_iters(devices, num_nodes)
@@ -173,13 +182,14 @@ def setup(
         strategy = make_strategy(cuda, devices, num_nodes, parallelism)
         fabric = L.Fabric(
             accelerator="cuda" if cuda else "cpu", devices=devices, num_nodes=num_nodes, precision=precision,
-            strategy=strategy, loggers=[make_logger(logger_name, out_dir, hparams)],
+            strategy=strategy, loggers=[make_logger(logger_name, out_dir, hparams, continuing=resume is not False)],
             # FSDP writes its shards itself (torch.distributed.checkpoint, in place) and takes no such plugin
             plugins=[] if isinstance(strategy, FSDPStrategy) else [CheckpointFileIO()],
         )
         fabric.launch()
         main(
-            fabric, config, out_dir=out_dir, resume=resume, overwrite=overwrite, initial_checkpoint_dir=initial_checkpoint_dir,
+            fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,
+            initial_checkpoint_dir=initial_checkpoint_dir,
             data=data, train=train, eval=eval, optimizer=optimizer, parallelism=parallelism, compile=compile, fp8=fp8, seed=seed,
             tokenizer_dir=tokenizer_dir, reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
             precision=precision, hparams=hparams,
@@ -209,6 +219,26 @@ def check_cpu_processes(devices: int) -> None:
         )
 
 
+def set_cpu_threads(devices: int) -> None:
+    """On the CPU, each of this node's `devices` processes computes with its share of the cores (unless
+    OMP_NUM_THREADS sets it): the same threads, so the same sums and losses, whatever else runs. Where other
+    work already keeps the cores busy, threads that wait for each other can make a step many times slower,
+    so that is said, with what to set."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return  # torch took it at import
+    cores = usable_cpu_cores()
+    threads = max(1, cores // devices)
+    torch.set_num_threads(threads)
+    try:
+        load = os.getloadavg()[0]  # processes running or waiting for a core, over the last minute
+    except OSError:
+        return
+    if threads > 1 and load >= cores and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"Note: this machine is busy (load average {load:.1f} on {cores} cores); training uses {threads} threads "
+              f"per process. If steps are slow, OMP_NUM_THREADS=1 fabric-lin pretrain ... keeps them from waiting "
+              f"for each other", flush=True)
+
+
 def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:
     """Refuse a fresh run into an out_dir that holds an earlier run's checkpoints: the two runs' step
     directories would lie side by side, and a later --resume auto would take the earlier run's newest."""
@@ -235,8 +265,8 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
 
 
 def main(
-    fabric: L.Fabric, config: Config, *, out_dir: Path, resume: Union[bool, str, Path], overwrite: bool = False,
-    initial_checkpoint_dir: Optional[Path],
+    fabric: L.Fabric, config: Config, *, out_dir: Path, resume: Union[bool, str, Path], resume_changes: List[str],
+    overwrite: bool = False, initial_checkpoint_dir: Optional[Path],
     data: DataModule, train: TrainArgs, eval: EvalArgs, optimizer: OptimizerArgs, parallelism: ParallelismArgs,
     compile: CompileArgs, seed: int, tokenizer_dir: Optional[Path], reset_state_at_doc_boundaries: bool,
     precision: str, hparams: Dict, fp8: FP8Args = FP8Args(),
@@ -256,6 +286,15 @@ def main(
                     fabric.print(f"--overwrite true: deleted the earlier run's checkpoints in {out_dir}: {', '.join(deleted)}")
             fabric.barrier()
         resume_dir = select_resume_dir(fabric, resume, out_dir)  # before any work, so a bad --resume fails fast
+        run_changes: List[str] = []
+        if resume_dir is not None:
+            run_changes, other_changes = compare_with_checkpoint(resume_dir, hparams, config.to_dict(), resume_changes)
+            for change in run_changes:
+                fabric.print(f"Resuming with a change of the run (--resume_changes): {change}")
+            if other_changes:
+                fabric.print(f"Note: resuming with other settings than the checkpoint's: {'; '.join(other_changes)}")
+        elif resume_changes:
+            fabric.print(f"Note: --resume_changes {', '.join(resume_changes)} has no effect: this run starts at step 0")
         fabric.seed_everything(seed)
 
         # data
@@ -280,6 +319,10 @@ def main(
                      vocab_size=config.vocab_size)
         data.setup()
         train_dataloader = data.train_dataloader()
+        if any(change.startswith("data") for change in run_changes):
+            if not isinstance(train_dataloader, TrainLoader):
+                raise ValueError(f"--resume_changes data: {type(data).__name__}'s training loader cannot go on in a new order")
+            train_dataloader.new_order_allowed = True
         val_dataloader = data.val_dataloader()
         train_dataloader = fabric.setup_dataloaders(train_dataloader)
         if val_dataloader is not None:  # a data module without a validation split returns None
@@ -307,6 +350,9 @@ def main(
         if resume_dir is not None:
             load_train_state(fabric, resume_dir, state)
             metrics.startup_phase("checkpoint loaded")
+        metrics.begin_attempt(state["step_count"])
+        if run_changes:
+            metrics.write({"step": state["step_count"], "resume_changes": run_changes})
 
         data_path = getattr(data, "data_path", None)
         data_name = type(data).__name__ + (f" {data_path}" if data_path is not None else "")
@@ -342,14 +388,21 @@ def fit(
 ) -> None:
     model, optimizer = state["model"], state["optimizer"]
     base_lr = optimizer.defaults["lr"]  # as built for this run (a loaded checkpoint sets the groups' lr only)
-    max_steps = train.total_steps()
     accumulation = train.global_batch_size // (train.micro_batch_size * fabric.world_size)
     start_step = state["step_count"]
+    # The schedule counts tokens, in steps of the run's first tokens per step: the same as counting steps,
+    # until a resume changes the global batch size, after which the learning rate and the end of the run
+    # still follow the tokens trained on (train.max_steps then counts steps of the first size)
+    tokens_per_step = train.global_batch_size * train.max_seq_length
+    state["schedule_tokens_per_step"] = schedule_unit = state["schedule_tokens_per_step"] or tokens_per_step
+    schedule_steps = train.max_steps if train.max_steps is not None else train.max_tokens // schedule_unit
+    max_steps = start_step + max(schedule_steps * schedule_unit - state["tokens_seen"], 0) // tokens_per_step
 
     if eval.initial_validation and start_step == 0:
         metrics.log_validation(0, validate(fabric, model, val_dataloader, eval.max_iters, cuda_graphs))
     if start_step >= max_steps:
-        fabric.print(f"Nothing to train: the checkpoint is at step {start_step}, max_steps is {max_steps}")
+        fabric.print(f"Nothing to train: the checkpoint is at step {start_step}, {state['tokens_seen']:,} tokens, the end of "
+                     f"the schedule ({schedule_steps} steps of {schedule_unit:,} tokens)")
         final = checkpointer.final_step()
         if final is None or final < start_step:  # e.g. stopped by a signal at the last step: finish the run
             finish(fabric, state, val_dataloader, eval, checkpointer, metrics, cuda_graphs)
@@ -364,14 +417,15 @@ def fit(
         fabric.print(f"Stopped by {stop.signal_name or 'a signal'} before the first step: nothing new to save; to continue, {resume_hint}")
         return
     fabric.barrier()
-    metrics.start(start_step)
+    metrics.start(start_step, max_steps)
     consecutive_nonfinite = 0
     stopped_by_signal = False
     step_flags = StepFlags(fabric)
 
     while state["step_count"] < max_steps:
         step = state["step_count"]
-        lr = learning_rate(step, base_lr, train.min_lr, train.lr_warmup_steps, max_steps, train.lr_schedule, train.wsd_decay_fraction)
+        lr = learning_rate(state["tokens_seen"] / schedule_unit, base_lr, train.min_lr, train.lr_warmup_steps, schedule_steps,
+                           train.lr_schedule, train.wsd_decay_fraction)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
@@ -409,6 +463,7 @@ def fit(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         state["step_count"] += 1
+        state["tokens_seen"] += tokens_per_step
         step = state["step_count"]
 
         # the flags that have arrived; all of them where the host stops anyway (logging, saving, the
@@ -439,7 +494,7 @@ def fit(
                 f"{saved}. Lower optimizer.lr or check the data."
             )
         if log_step or stop_now:
-            metrics.log_progress(step, lr, grad_norm, state["skipped_steps"])
+            metrics.log_progress(step, lr, grad_norm, state["skipped_steps"], state["tokens_seen"])
         if stop_now:
             saved = checkpointer.save(fabric, state)
             fabric.print(f"Stopped by {stop.signal_name or 'a signal'} at step {step}: checkpoint saved in {saved}; to continue, {resume_hint}")
@@ -457,7 +512,7 @@ def fit(
     if stopped_by_signal:
         return
     finish(fabric, state, val_dataloader, eval, checkpointer, metrics, cuda_graphs)
-    metrics.log_summary(state["step_count"], elapsed)
+    metrics.log_summary(state["step_count"], state["tokens_seen"], elapsed)
 
 
 def finish(fabric: L.Fabric, state: Dict, val_dataloader, eval: EvalArgs, checkpointer: Checkpointer,

@@ -225,11 +225,36 @@ def test_resumed_on_another_layout_no_sample_is_repeated_or_skipped(mix, before,
 def test_resuming_in_another_sample_order_is_refused(mix):
     state = module(mix, batch_size=4).train_dataloader().state_dict()
     with pytest.raises(ValueError, match=r"another sample order: seed is 7 here, 42 in the checkpoint; weights is \[0.5, 0.5\] "
-                       r"here, \[0.693584, 0.306416\] in the checkpoint"):
+                       r"here, \[0.693584, 0.306416\] in the checkpoint.* or go on in a new order with --resume_changes data"):
         module(mix, batch_size=4, seed=7, weights=(0.5, 0.5)).train_dataloader().load_state_dict(state)
-    litdata_state = {"dataset": {}, "current_epoch": 0, "num_samples_yielded": 8, "latest_worker_idx": 0}
-    with pytest.raises(ValueError, match="written by litdata's StreamingDataLoader"):
-        module(mix, batch_size=4).train_dataloader().load_state_dict(litdata_state)
+
+
+def test_a_new_mix_allowed_on_resume_reads_each_source_on_after_what_it_gave(mix):
+    """--resume_changes data: the new stream (other weights and seed) starts at its position 0, and each
+    source carries on after the samples it gave before, so no sample is read twice."""
+    first = iter(module(mix, batch_size=16).train_dataloader())
+    loader = module(mix, batch_size=16).train_dataloader()
+    iterator = iter(loader)
+    before = sample_ids(next(iterator) for _ in range(15))  # 240 samples of the default mix
+    assert before == sample_ids(next(first) for _ in range(15))
+    state = torch_round_trip(loader.state_dict())
+
+    changed = module(mix, batch_size=16, seed=7, weights=(0.5, 0.5)).train_dataloader()
+    with pytest.raises(ValueError, match="another sample order"):
+        changed.load_state_dict(state)
+    changed.new_order_allowed = True
+    changed.load_state_dict(state)
+    assert changed.next_position == 0
+    after = [b for _, b in zip(range(64), changed)]  # a mixing group of 1,024 samples: half from each source
+    assert sum(int((b[:, 0] % 2 == 0).sum()) for b in after) == 512
+    # every block of the fixture's data is unique, and both runs stay inside one epoch of each source
+    consumed = before + sample_ids(after)
+    assert len(set(consumed)) == len(consumed) == 1264
+    # and the state it saves carries the offsets on to the next resume
+    again = module(mix, batch_size=16, seed=7, weights=(0.5, 0.5)).train_dataloader()
+    again.load_state_dict(torch_round_trip(changed.state_dict()))
+    assert again.dataset.carried == changed.dataset.carried != [(7, 0, 0), (7, 1, 0)]
+    assert torch.equal(next(iter(again)), next(iter(changed)))
 
 
 def test_val_dataloader_is_in_order(mix):

@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-from fabric_lin.args import CompileArgs, EvalArgs, ParallelismArgs, TrainArgs
+from fabric_lin.args import CompileArgs, EvalArgs, OptimizerArgs, ParallelismArgs, TrainArgs
 from fabric_lin.config import Config
 from fabric_lin.flops import flops_per_token, matmul_params
 from fabric_lin.lr_schedule import learning_rate
@@ -683,7 +683,8 @@ def test_hyperparameters_yaml_is_a_config_for_the_next_run(tmp_path):
     assert cfg.parallelism == ParallelismArgs(fsdp_unit="model")
     assert cfg.compile == CompileArgs(enabled=False, dynamic=False, mode="default")  # enabled resolved for the CPU
     assert type(cfg.data).__name__ == "SampleCorpus" and tuple(cfg.data.weights) == (0.693584, 0.306416)
-    cli_main(["pretrain", "--config", str(hparams), "--resume", "auto", "--train.max_steps", "2"])
+    cli_main(["pretrain", "--config", str(hparams), "--resume", "auto", "--train.max_steps", "2",
+              "--resume_changes", "[train.max_steps]"])
     assert json.loads((tmp_path / "out" / "final" / "step.json").read_text())["step_count"] == 2
 
 
@@ -812,7 +813,7 @@ def test_resume_with_another_micro_batch_size_trains_on_the_same_samples(tmp_pat
     train = dict(global_batch_size=2, max_seq_length=32, save_interval=2)
     _setup(tmp_path, out_dir=tmp_path / "whole", train=TrainArgs(micro_batch_size=2, max_steps=4, **train), **common)
     _setup(tmp_path, out_dir=tmp_path / "split", train=TrainArgs(micro_batch_size=2, max_steps=2, **train), **common)
-    _setup(tmp_path, out_dir=tmp_path / "split", resume=tmp_path / "split" / "final",
+    _setup(tmp_path, out_dir=tmp_path / "split", resume=tmp_path / "split" / "final", resume_changes=["train.max_steps"],
            train=TrainArgs(micro_batch_size=1, max_steps=4, **train), **common)
     whole, split = logged_data_fingerprints(tmp_path / "whole"), logged_data_fingerprints(tmp_path / "split")
     assert sorted(whole) == [1, 2, 3, 4] and len(set(whole.values())) == 4
@@ -824,8 +825,9 @@ def test_resume_in_another_data_order_is_refused_naming_the_value(tmp_path):
 
     _setup(tmp_path, eval=EvalArgs(final_validation=False))
     final = tmp_path / "out" / "final"
-    with pytest.raises(ValueError, match=r"the checkpoint's data position is a place in another sample order: seed is 7 "
-                       r"here, 42 in the checkpoint .* convert_pretrained_checkpoint"):
+    with pytest.raises(ValueError, match=rf"--resume {final}: this run differs from the checkpoint's in data.seed: 42 in the "
+                       r"checkpoint, 7 here. Resume with the checkpoint's values \(its hyperparameters.yaml\), or change them "
+                       r"on purpose with --resume_changes '\[data\]'"):
         _setup(tmp_path, out_dir=tmp_path / "again", resume=final, data=SampleCorpus(seed=7), eval=EvalArgs(final_validation=False))
 
 
@@ -986,3 +988,69 @@ def test_generate_error_device_is_one_line(tmp_path, capsys, monkeypatch, device
     make_model_dir(tmp_path / "model", small_config())
     err = cli_error(["generate", str(tmp_path / "model"), "--device", device], capsys)
     assert err == f"fabric-lin generate: error: {message}\n"
+
+
+# ---- resuming a run with changes of the run itself
+
+
+def metrics_records(out_dir: Path) -> list:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_with_another_global_batch_size_refuses_in_one_line(tmp_path, capsys):
+    train = ["--train.max_steps", "1", "--train.micro_batch_size", "2", "--train.max_seq_length", "32"]
+    _setup(tmp_path, eval=EvalArgs(final_validation=False))
+    final = tmp_path / "out" / "final"
+    base = ["pretrain", "--out_dir", str(tmp_path / "again"), "--resume", str(final), "--logger_name", "csv", *train]
+    err = cli_error([*base, "--model_name", "gla-debug", "--train.global_batch_size", "4"], capsys)
+    assert err == (f"fabric-lin pretrain: error: --resume {final}: this run differs from the checkpoint's in "
+                   f"train.global_batch_size: 2 in the checkpoint, 4 here. Resume with the checkpoint's values (its "
+                   f"hyperparameters.yaml), or change them on purpose with --resume_changes '[train.global_batch_size]' "
+                   f"(tutorials/resume.md says what then happens)\n")
+    err = cli_error([*base, "--model_name", "gla-debug", "--train.global_batch_size", "2", "--resume_changes", "[optimizer.lr]"], capsys)
+    assert err == ("fabric-lin pretrain: error: --resume_changes optimizer.lr: expected names among train.global_batch_size, "
+                   "train.max_steps, train.max_tokens, data, seed\n")
+
+
+def test_resume_with_another_model_refuses_naming_the_fields(tmp_path):
+    _setup(tmp_path, eval=EvalArgs(final_validation=False))
+    final = tmp_path / "out" / "final"
+    with pytest.raises(ValueError, match=rf"--resume {final}: a resumed run trains the checkpoint's run, and this one differs in "
+                       r"model: num_layers 4 in the checkpoint, 1 here; train.max_seq_length: 32 in the checkpoint, 16 here\. "
+                       r"To start another run from its weights"):
+        _setup(tmp_path, out_dir=tmp_path / "again", resume=final, model_name=None,
+               model_config=Config.from_name("gla-debug", num_layers=1),
+               train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=16))
+
+
+def test_a_larger_global_batch_on_resume_keeps_tokens_and_the_schedule_in_tokens(tmp_path, capsys):
+    """Four steps of 2 x 32 tokens, then with --resume_changes a global batch of 4 to the end of a 512-token
+    budget: two more steps of 128 tokens. The tokens count on, the learning rate is the schedule's at the
+    tokens trained on (in steps of the first size), and the change is logged."""
+    common = dict(eval=EvalArgs(final_validation=False), optimizer=OptimizerArgs(lr=1e-3))
+    train = dict(micro_batch_size=2, max_seq_length=32, lr_warmup_steps=2, min_lr=1e-4, log_interval=1)
+    _setup(tmp_path, train=TrainArgs(global_batch_size=2, max_tokens=256, **train), **common)
+    final = tmp_path / "out" / "final"
+    capsys.readouterr()
+    _setup(tmp_path, resume=final, resume_changes=["train.global_batch_size", "train.max_tokens"],
+           train=TrainArgs(global_batch_size=4, max_tokens=512, **train), **common)
+    out = capsys.readouterr().out
+    assert "Resuming with a change of the run (--resume_changes): train.global_batch_size: 2 in the checkpoint, 4 here" in out
+    assert "Resuming with a change of the run (--resume_changes): train.max_tokens: 256 in the checkpoint, 512 here" in out
+    records = metrics_records(tmp_path / "out")
+    losses = [r for r in records if "loss" in r and "lr" in r]
+    assert [r["step"] for r in losses] == [1, 2, 3, 4, 5, 6]
+    tokens = {r["step"]: r["tokens"] for r in records if "tokens" in r}
+    assert tokens == {1: 64, 2: 128, 3: 192, 4: 256, 5: 384, 6: 512}
+    # the first attempt's schedule: 4 steps; then, stretched to 512 tokens, 8 steps of 64 tokens, in which
+    # steps 5 and 6 start at 256 and 384 tokens: positions 4 and 6
+    expected = [learning_rate(position, 1e-3, 1e-4, 2, 4) for position in range(4)]
+    expected += [learning_rate(position, 1e-3, 1e-4, 2, 8) for position in (4, 6)]
+    assert [r["lr"] for r in losses] == pytest.approx(expected, rel=1e-12)
+    (change,) = [r for r in records if "resume_changes" in r]
+    assert change["step"] == 4 and change["attempt"] == 2 and len(change["resume_changes"]) == 2
+    # the next resume goes on from the new batch size without naming it again
+    _setup(tmp_path, resume=final, resume_changes=["train.max_tokens"],
+           train=TrainArgs(global_batch_size=4, max_tokens=1024, **train), **common)
+    tokens = {r["step"]: r["tokens"] for r in metrics_records(tmp_path / "out") if "tokens" in r}
+    assert tokens[10] == 1024 and max(tokens) == 10

@@ -112,10 +112,21 @@ def final_weights(out_dir: Path) -> Dict[str, torch.Tensor]:
     return torch.load(out_dir / "final" / "lit_model.pth", map_location="cpu", weights_only=True)["model"]
 
 
+def assert_one_history(out_dir: Path, steps: int = STEPS) -> None:
+    """metrics.jsonl reads as one run: each step's loss once, in order, every record numbered by its attempt,
+    and no record of a step after the one its attempt resumed from (replayed steps are in the superseded file)."""
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
+    assert all(isinstance(r["attempt"], int) and r["attempt"] >= 1 for r in records)
+    attempts = [r["attempt"] for r in records]
+    assert attempts == sorted(attempts)  # a later attempt's records come after the earlier one's
+
+
 def assert_same_run(out_dir: Path, reference: Path) -> None:
     got, expected = logged_losses(out_dir), logged_losses(reference)
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert got == expected  # exact float equality, every step
+    assert_one_history(out_dir)
     # the same samples in the same order: none repeated or skipped across the interruptions
     assert logged_data_fingerprints(out_dir) == logged_data_fingerprints(reference)
     a, b = final_weights(out_dir), final_weights(reference)
@@ -207,6 +218,34 @@ def test_sigkill_while_saving_and_at_a_step_then_resume_is_exact(reference, tmp_
     assert_same_run(out, reference)
     assert not list(out.glob(".tmp-*"))
     assert len([p for p in out.iterdir() if p.name.startswith("step-")]) == 2  # train.keep_last_n
+    # three attempts; the first, killed while saving step 2, was trained again from step 0 by the second
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["attempt"] == 3 and records[0]["attempt"] == 2
+    replayed = [json.loads(line) for line in (out / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in replayed if "loss" in r and r["attempt"] == 1} == {1, 2}
+    assert {r["attempt"] for r in replayed} <= {1, 2}
+
+
+def test_tensorboard_shows_one_curve_after_a_kill_and_a_resume(reference, tmp_path):
+    """SIGKILL after step 5 (the last checkpoint at step 4), then resumed: the resumed attempt writes into the
+    same TensorBoard run, which drops the killed attempt's records of steps 5 and later; each step's loss
+    appears once, equal to metrics.jsonl's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    tensorboard = ("--logger_name", "tensorboard")
+    proc = start(out, *tensorboard)
+    wait_for(lambda: max(logged_losses(out), default=0) >= 5, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run(out, "--resume", "auto", *tensorboard)
+    assert_same_run(out, reference)
+    assert [p.name for p in (out / "logs" / "tensorboard").iterdir()] == ["version_0"]
+    events = EventAccumulator(str(out / "logs" / "tensorboard" / "version_0"))
+    events.Reload()
+    curve = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert [step for step, _ in curve] == list(range(1, STEPS + 1))
+    assert [value for _, value in curve] == pytest.approx([logged_losses(out)[step] for step in range(1, STEPS + 1)], rel=1e-6)
 
 
 def test_sigterm_saves_and_exits_zero_then_resume_is_exact(reference, tmp_path):
@@ -578,7 +617,7 @@ def test_stopped_at_the_last_step_then_resume_writes_final(reference, tmp_path):
 def test_a_run_extended_past_its_final_resumes_from_its_newest_step(reference, tmp_path):
     """Raising max_steps after a finished run saves step-* directories newer than the old final/:
     --resume auto continues from the newest of them, not from final/."""
-    longer = ("--train.max_steps", str(STEPS + 4))
+    longer = ("--train.max_steps", str(STEPS + 4), "--resume_changes", "[train.max_steps]")
     extended = tmp_path / "extended"  # the reference continued to STEPS + 4 without interruption
     run(extended, "--resume", str(reference / "final"), *longer)
     out = tmp_path / "out"  # the same continuation, stopped after step STEPS + 2

@@ -7,6 +7,10 @@ positions [s * G, (s + 1) * G), G the global batch size, however they are split.
 run resumed on another number of processes, DataLoader workers or micro batch size continues the same
 stream: no sample is repeated or skipped, and each step sees the samples it would have seen.
 
+A run resumed on other data on purpose (`--resume_changes data`: a new mix, another directory) starts a new
+stream at position 0, in which each source that the old one read carries on in its old order after the
+samples it gave (`carried`; a source is known by its index.json, wherever it lies), so none is read twice.
+
 litdata's StreamingDataLoader cannot do this: its state is a count per process and per worker, striped
 over the layout that wrote it, and a CombinedStreamingDataset resumes only on that same layout (it
 fails inside litdata otherwise). litdata still reads the chunks: a sample is `StreamingDataset[i]`.
@@ -20,20 +24,21 @@ Which sample a position holds:
   per epoch, reading a few files at a time (as litdata's own shuffle does) while mixing the documents
   of many.
 """
+import hashlib
 import math
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from fabric_lin.data.prepared import block_too_long, chunk_tokens
+from fabric_lin.data.prepared import INDEX_FILE, block_too_long, chunk_tokens
 
 # chunk files whose blocks are shuffled together: enough files to mix many documents' blocks in a batch,
 # few enough that the order of one window (its blocks' indices) stays small
 WINDOW_CHUNKS = 16
-STATE_FORMAT = "fabric-lin sample stream 1"
+STATE_FORMAT = "fabric-lin sample stream 2"
 # seed streams of the three kinds of draw, so that no two draws share one
 CHUNK_ORDER, WINDOW_ORDER, MIX_PLACES = 1, 2, 3
 
@@ -128,6 +133,17 @@ class MixOrder:
         sources, given_before = self.group_places(group)
         return int(sources[place]), int(given_before[place])
 
+    def given_before(self, position: int) -> np.ndarray:
+        """Samples each source gave at positions [0, position)."""
+        group, place = divmod(position, self.group)
+        sources, _ = self.group_places(group)
+        return self.given_before_group(group) + np.bincount(sources[:place], minlength=len(self.shares))
+
+
+def source_key(path: Path) -> str:
+    """What identifies a prepared directory's samples wherever it lies: a digest of its index.json."""
+    return hashlib.sha256((Path(path) / INDEX_FILE).read_bytes()).hexdigest()[:16]
+
 
 class SampleStream(IterableDataset):
     """The stream of `block_size`-token samples of one or more prepared directories, mixed by `weights`;
@@ -152,6 +168,10 @@ class SampleStream(IterableDataset):
                 raise block_too_long(path, block_size, f"its largest chunk file holds {tokens.max(initial=0)} tokens")
             self.orders.append(SourceOrder(blocks, seed, source, shuffle))
         self.mix = MixOrder(weights, seed)
+        self.sources = [source_key(p) for p in self.paths]
+        # per source: the seed and source number its order is drawn with, and the samples it gave before this
+        # stream began; other than (seed, source, 0) only in a run resumed on other data (the module's docstring)
+        self.carried: List[Tuple[int, int, int]] = [(seed, source, 0) for source in range(len(self.paths))]
         # litdata reads the blocks: StreamingDataset[i] is block i in the index's order, whatever the process
         self.datasets = [StreamingDataset(str(p), item_loader=TokensLoader(block_size=block_size), shuffle=False)
                          for p in self.paths]
@@ -163,7 +183,14 @@ class SampleStream(IterableDataset):
 
     def sample(self, position: int) -> np.ndarray:
         source, k = self.mix.sample(position)
-        return self.datasets[source][self.orders[source].block(k)]
+        return self.datasets[source][self.orders[source].block(self.carried[source][2] + k)]
+
+    def carry_on(self, carried: Sequence[Sequence[int]]) -> None:
+        """Read each source in the order of (seed, source number) after the samples it gave, as `carried` says."""
+        self.carried = [(int(seed), int(number), int(given)) for seed, number, given in carried]
+        for source, (seed, number, _) in enumerate(self.carried):
+            if (seed, number) != (self.orders[source].seed, self.orders[source].source):
+                self.orders[source] = SourceOrder(self.orders[source].blocks, seed, number, self.shuffle)
 
     def batch_positions(self, t: int) -> range:
         """The positions of this process's t-th micro batch."""
@@ -187,7 +214,16 @@ class SampleStream(IterableDataset):
             "shuffle": self.shuffle,
             "block_size": self.block_size,
             "blocks_per_source": [order.total for order in self.orders],
+            "sources": self.sources,
         }
+
+
+def carried_after(order: Dict, carried: Sequence[Sequence[int]], position: int) -> Dict[str, Tuple[int, int, int]]:
+    """source key -> (seed, source number, samples given) of each source at `position` of the stream `order`
+    (an `order_key`) whose sources were `carried` into it."""
+    given = MixOrder(order["weights"], order["seed"]).given_before(position)
+    return {key: (int(carried[i][0]), int(carried[i][1]), int(carried[i][2]) + int(given[i]))
+            for i, key in enumerate(order["sources"])}
 
 
 def process_place() -> Tuple[int, int]:
@@ -205,6 +241,8 @@ class TrainLoader(DataLoader):
                          worker_init_fn=worker_init_fn)
         self.micro_batch_size = batch_size
         self.next_position = 0
+        # whether load_state_dict may go on from a checkpoint of another sample order (--resume_changes data)
+        self.new_order_allowed = False
         self.rank_and_world: Optional[Tuple[int, int]] = None  # None: torch.distributed's
 
     def __iter__(self):
@@ -217,23 +255,34 @@ class TrainLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> Dict:
-        return {"format": STATE_FORMAT, "next_position": self.next_position, "order": self.dataset.order_key()}
+        return {"format": STATE_FORMAT, "next_position": self.next_position, "order": self.dataset.order_key(),
+                "carried": [list(c) for c in self.dataset.carried]}
 
     def load_state_dict(self, state: Dict) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(
-                "the checkpoint's data position was written by litdata's StreamingDataLoader (an earlier fabric-lin), "
-                "which cannot be continued here; continue from its weights: fabric-lin convert_pretrained_checkpoint "
-                "<checkpoint> --output_dir <DIR>, then --initial_checkpoint_dir <DIR> (the data starts again)"
+                "the checkpoint's data position is in a format this version does not read; continue from its weights: "
+                "fabric-lin convert_pretrained_checkpoint <checkpoint> --output_dir <DIR>, then --initial_checkpoint_dir <DIR>"
             )
         saved, here = state["order"], self.dataset.order_key()
-        changed = [f"{key} is {here[key]} here, {saved.get(key)} in the checkpoint" for key in here if saved.get(key) != here[key]]
-        if changed:
+        if saved == here:
+            self.dataset.carry_on(state["carried"])
+            self.next_position = int(state["next_position"])
+            return
+        if not self.new_order_allowed:
+            changed = [f"{key} is {here[key]} here, {saved.get(key)} in the checkpoint" for key in here if saved.get(key) != here[key]]
             raise ValueError(
                 f"the checkpoint's data position is a place in another sample order: {'; '.join(changed)} (blocks_per_source: "
-                f"the data directories' sizes in samples of block_size tokens). Resume with the data and data.seed, "
-                f"data.weights and train.max_seq_length of the checkpoint's hyperparameters.yaml, or continue from its "
-                f"weights in a new data order: fabric-lin convert_pretrained_checkpoint <checkpoint> --output_dir <DIR>, "
-                f"then --initial_checkpoint_dir <DIR>"
+                f"the data directories' sizes in samples of block_size tokens; sources: their index.json). Resume with "
+                f"the data and data.seed, data.weights and train.max_seq_length of the checkpoint's hyperparameters.yaml, "
+                f"or go on in a new order with --resume_changes data (each source read on after the samples it gave)"
             )
-        self.next_position = int(state["next_position"])
+        if saved["block_size"] != here["block_size"]:
+            raise ValueError(
+                f"the checkpoint's data position counts samples of {saved['block_size']} tokens, this run's are "
+                f"{here['block_size']} (train.max_seq_length + 1): a new order cannot tell which of them were read"
+            )
+        # the new stream starts at position 0; each source known to the old one carries on where it stopped
+        old = carried_after(saved, state["carried"], int(state["next_position"]))
+        self.dataset.carry_on([old.get(key, fresh) for key, fresh in zip(self.dataset.sources, self.dataset.carried)])
+        self.next_position = 0

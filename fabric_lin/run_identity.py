@@ -1,0 +1,98 @@
+"""What makes a run that run: the settings a resumed run must share with its checkpoint, unless it changes
+them on purpose (`--resume_changes`).
+
+The checkpoint's own hyperparameters.yaml and model_config.yaml are the record: a resume compares this run's
+settings with them. The model, the sequence length and the seed of the weights are the run itself; a larger
+global batch later in a run, a new data mix and a longer (or shorter) schedule are what practitioners change
+on purpose, so they pass when named, and are then logged. The rest (logging, evaluation, saving, the layout
+of processes and workers, the optimizer's settings) may change freely; changes are reported in one note.
+"""
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+import yaml
+
+from fabric_lin.checkpoint import CONFIG_FILE, HPARAMS_FILE
+
+# settings a resume may change when --resume_changes names them ("data" stands for every data.* setting)
+CHANGEABLE = ("train.global_batch_size", "train.max_steps", "train.max_tokens", "data", "seed")
+# part of the run, never changed on resume
+FIXED = ("model", "train.max_seq_length")
+# not settings of the run: how this attempt was started, or where its process layout puts the work
+NOT_COMPARED = ("resume", "resume_changes", "out_dir", "model_name", "model_config", "data.num_workers")
+
+
+def flat(value: Any, prefix: str = "") -> Dict[str, Any]:
+    """Nested mappings as one mapping of dotted keys; a data module's class_path/init_args as `data` and `data.*`."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    if "class_path" in value and "init_args" in value:
+        return {prefix: value["class_path"], **flat(value["init_args"], prefix)}
+    out: Dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(flat(item, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def settings(hparams: Dict[str, Any], model: Dict[str, Any]) -> Dict[str, Any]:
+    """The run's settings as dotted keys, the model's config (less its name) as one entry; as the YAML files
+    hold them, so that a tuple given and the list read back compare equal."""
+    hparams, model = yaml.safe_load(yaml.safe_dump(hparams)), yaml.safe_load(yaml.safe_dump(model))
+    values = {k: v for k, v in flat(hparams).items() if k not in NOT_COMPARED}
+    values["model"] = {k: v for k, v in model.items() if k != "name"}
+    return values
+
+
+def group_of(key: str) -> str:
+    return "data" if key == "data" or key.startswith("data.") else key
+
+
+def describe(key: str, saved: Any, given: Any) -> str:
+    if key == "model":
+        fields = sorted(k for k in set(saved) | set(given) if saved.get(k) != given.get(k))
+        return "model: " + ", ".join(f"{k} {saved.get(k)!r} in the checkpoint, {given.get(k)!r} here" for k in fields)
+    return f"{key}: {saved!r} in the checkpoint, {given!r} here"
+
+
+def check_changeable(names: Sequence[str]) -> None:
+    unknown = [name for name in names if name not in CHANGEABLE]
+    if unknown:
+        raise ValueError(f"--resume_changes {', '.join(unknown)}: expected names among {', '.join(CHANGEABLE)}")
+
+
+def compare_with_checkpoint(checkpoint_dir: Path, hparams: Dict[str, Any], model: Dict[str, Any],
+                            allowed: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(changes of the run that `allowed` lets pass, other changed settings), each described in a few words.
+    Raises, in one message naming each saved and given value, where the run itself changed."""
+    check_changeable(allowed)
+    checkpoint_dir = Path(checkpoint_dir)
+    if not (checkpoint_dir / HPARAMS_FILE).is_file():
+        raise ValueError(
+            f"--resume {checkpoint_dir}: it is not a training checkpoint (it has no {HPARAMS_FILE}); to start from a "
+            f"model directory's weights, use --initial_checkpoint_dir {checkpoint_dir}"
+        )
+    with open(checkpoint_dir / HPARAMS_FILE, encoding="utf-8") as f:
+        saved_hparams = yaml.safe_load(f) or {}
+    with open(checkpoint_dir / CONFIG_FILE, encoding="utf-8") as f:
+        saved_model = yaml.safe_load(f) or {}
+    saved, given = settings(saved_hparams, saved_model), settings(hparams, model)
+    changed = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
+    fixed = [describe(k, saved.get(k), given.get(k)) for k in changed if k in FIXED]
+    if fixed:
+        raise ValueError(
+            f"--resume {checkpoint_dir}: a resumed run trains the checkpoint's run, and this one differs in "
+            + "; ".join(fixed) + ". To start another run from its weights: fabric-lin convert_pretrained_checkpoint "
+            f"{checkpoint_dir} --output_dir <DIR>, then --initial_checkpoint_dir <DIR>"
+        )
+    refused = [k for k in changed if group_of(k) in CHANGEABLE and group_of(k) not in allowed]
+    if refused:
+        names = sorted({group_of(k) for k in refused})
+        raise ValueError(
+            f"--resume {checkpoint_dir}: this run differs from the checkpoint's in "
+            + "; ".join(describe(k, saved.get(k), given.get(k)) for k in refused)
+            + f". Resume with the checkpoint's values (its {HPARAMS_FILE}), or change them on purpose with "
+            f"--resume_changes '[{', '.join(names)}]' (tutorials/resume.md says what then happens)"
+        )
+    run_changes = [describe(k, saved.get(k), given.get(k)) for k in changed if group_of(k) in CHANGEABLE]
+    other = [describe(k, saved.get(k), given.get(k)) for k in changed if group_of(k) not in CHANGEABLE]
+    return run_changes, other
