@@ -6,6 +6,7 @@ Written as an autograd Function so that the backward pass keeps the gate logits 
 `levels_share` tells how a model's gates meet the Triton kernels: a chunk whose cumulative gate moves
 by more than `single_reference_limit(dtype)` from its middle row takes the slower path (see scores.py).
 """
+import functools
 import math
 from typing import Optional
 
@@ -21,6 +22,7 @@ QK_HEADROOM = 256.0
 factors in their own dtype."""
 
 
+@functools.lru_cache(maxsize=None)  # read at every launch: a dict look-up, not a finfo and a log
 def single_reference_limit(dtype: torch.dtype) -> float:
     """The gate spread up to which the Triton kernels take one reference row for q, k, v of `dtype`. The factors
     exp(spread) multiply q and k in that dtype: bf16 and fp32 reach 3e38, so SINGLE_REFERENCE_LIMIT binds (40);
