@@ -367,13 +367,13 @@ def per_head_errors(out, ref, names):
     return errors
 
 
-def float16_case(with_h0, offsets, from_logits, T=150, K=32, V=32):
+def float16_case(with_h0, offsets, from_logits, T=150, K=32, V=32, device="cpu"):
     """(inputs, cu_seqlens, outputs and gradients of the Triton op, those of the fp64 recurrence, their names).
     from_logits: the gates given as the model gives them, float16 logits with normalizer 16."""
     N = 1 if offsets is None else len(offsets) - 1
-    q, k, v, gk, h0 = float16_inputs(T, K, V, N)
+    q, k, v, gk, h0 = (x.to(device) for x in float16_inputs(T, K, V, N))
     h0 = h0 if with_h0 else None
-    cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
+    cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32, device=device)
     gate = as_logits(gk) if from_logits else gk
 
     def ours(q, k, v, gate, **kwargs):
@@ -404,7 +404,10 @@ FLOAT16_CASES = [  # (initial state, cu_seqlens, gates as logits)
 def test_triton_float16_within_fla_tolerance_of_fp64(with_h0, offsets, from_logits):
     # every output and gradient finite, and within fla's tolerance of the fp64 recurrence at every gate strength:
     # the single-reference factors, exp(+-(b - b_r)), stay inside float16's range (65504 = exp(11.09))
-    _, _, out, ref, names = float16_case(with_h0, offsets, from_logits)
+    assert_float16_within_fla_tolerance(*float16_case(with_h0, offsets, from_logits)[2:])
+
+
+def assert_float16_within_fla_tolerance(out, ref, names):
     assert out[0].dtype == torch.float16 and out[2].dtype == torch.float16 and out[5].dtype == torch.float16
     bad = [name for name, a in zip(names, out) if not torch.isfinite(a).all()]
     assert not bad, f"not finite: {bad}"
@@ -552,6 +555,15 @@ def test_gpu_bf16_varlen_matches_fp32_naive(monkeypatch, split):
 def test_gpu_bf16_scan_state_pass_matches_fp32_naive(monkeypatch):
     gpu_of(monkeypatch, 10**6)
     check_bf16(1, 1000, 2, 128, 256)
+
+
+@needs_cuda
+@pytest.mark.parametrize("with_h0,offsets,from_logits",
+                         [(True, None, False), (False, [0, 15, 100, 300, 1200, 2000], True)])
+def test_gpu_float16_within_fla_tolerance_of_fp64(with_h0, offsets, from_logits):
+    # the interpreter's float16 test at the model's head dims, on the compiled kernels
+    assert_float16_within_fla_tolerance(*float16_case(with_h0, offsets, from_logits, T=2000, K=128, V=128,
+                                                      device="cuda")[2:])
 
 
 @needs_cuda
