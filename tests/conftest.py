@@ -84,6 +84,28 @@ def gated_delta_rule_fp64(q, k, v, g, beta, scale=None, initial_state=None, outp
     return o, torch.cat(finals)
 
 
+def gated_linear_attention_fp64(q, k, v, gk, scale=None, initial_state=None, cu_seqlens=None):
+    """S_t = diag(exp(gk_t)) S_{t-1} + k_t^T v_t; o_t = (scale q_t) S_t, token by token in fp64, documents of cu_seqlens
+    each from their own initial state: the GLA ops' test reference, written apart from fabric_lin/ops/gla/naive.py.
+    Returns (o, final state [N, H, K, V])."""
+    q, k, v, gk = (x.double() for x in (q, k, v, gk))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = 1 / math.sqrt(K) if scale is None else scale
+    spans = [(0, T)] if cu_seqlens is None else list(zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:]))
+    outputs, finals = [], []
+    for i, (start, end) in enumerate(spans):
+        if initial_state is None:
+            S = q.new_zeros(B, H, K, V)
+        else:
+            S = initial_state.double() if cu_seqlens is None else initial_state[i : i + 1].double()
+        for t in range(start, end):
+            S = torch.exp(gk[:, t, :, :, None]) * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outputs.append(torch.einsum("bhk,bhkv->bhv", scale * q[:, t], S))
+        finals.append(S)
+    return torch.stack(outputs, dim=1), torch.cat(finals)
+
+
 def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n_states=None, seed=0):
     """fp32 q, k, v, g, beta, h0 on the CPU. Gates: slow, g ~ -0.01 per step (the state carries across many
     chunks); fast, ~ -5 per step (exp(g) ~ 0.007: the state forgets within a few tokens; in-chunk cumulative
@@ -106,6 +128,36 @@ def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     h0 = torch.randn(n_states or B, H, K, V, generator=gen)
     return q, k, v, g, beta, h0
+
+
+def adapt_interpreter_for_fla() -> None:
+    """Two adjustments of Triton's interpreter that flash-linear-attention's kernels need to run in it; call before
+    importing fla, in a process of its own (they change the interpreter for every kernel run after):
+
+    - autotuning: the interpreter has no benchmarker (Triton raises "0 active drivers"), so each autotuned
+      kernel runs with its first config. Block sizes change the order of fp32 sums, not the function.
+    - loop variables: compiled Triton makes a `for i in range(n)` variable a tensor, the interpreter a
+      Python int, so fla's `i_t.to(tl.int64)` in chunk_fwd_kernel_h (the chunked mode, T > 64) fails with
+      "'int' object has no attribute 'to'". Loop variables are converted to tensors as the interpreter
+      already does for every assignment."""
+    import ast
+
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interpreter
+
+    prune = autotuner.Autotuner.prune_configs
+    autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
+
+    class LoopVariablesAsTensors(interpreter.ASTTransformer):
+        def visit_For(self, node):
+            self.generic_visit(node)
+            if isinstance(node.target, ast.Name):
+                name = node.target.id
+                same = ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=ast.Name(id=name, ctx=ast.Load()))
+                node.body.insert(0, self.visit_Assign(same))  # i = to_tensor(i)
+            return node
+
+    interpreter.FunctionRewriter.ast_transformer = LoopVariablesAsTensors()
 
 
 def export_to_fla(model, config, dtype: str = "float32"):

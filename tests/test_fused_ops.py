@@ -1,6 +1,6 @@
 """Fused Triton ops (RMSNorm + residual, gated per-head RMSNorm, SwiGLU, linear + cross-entropy) against
 their PyTorch references, values and gradients. Without CUDA the kernels run in Triton's interpreter
-(TRITON_INTERPRET=1, set before Triton is imported), in fp32."""
+(TRITON_INTERPRET=1, set before Triton is imported), in fp32 (the cross-entropy's loss-scale test in float16)."""
 import os
 
 import torch
@@ -344,6 +344,25 @@ def test_linear_cross_entropy_matches_reference(dtype):
     (2.5 * out).backward()
     check(out_in[0].grad, ref_in[0].grad, dtype, "dhidden")
     check(out_in[1].grad, ref_in[1].grad, dtype, "dweight")
+
+
+def test_linear_cross_entropy_float16_under_a_loss_scale():
+    # 16-mixed: GradScaler multiplies the loss by 2**16, past float16's 65504, before the backward pass; and the
+    # gradients of the mean over 256 rows (|weight| ~ 0.005: entries ~3e-5) would be float16 subnormals. The
+    # scaled gradients come out finite and as precise as float16 holds them, against fp64.
+    g = torch.Generator().manual_seed(6)
+    N, d, V = 256, 16, 300
+    hidden = torch.randn(N, d, generator=g).to(DEVICE, torch.float16)
+    weight = (0.005 * torch.randn(V, d, generator=g)).to(DEVICE, torch.float16)
+    targets = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+    targets[:10] = -100
+    for loss_scale in (2.0**16, 2.0**10):
+        out_in, ref_in = leaves(hidden, weight), leaves(hidden.double(), weight.double())
+        (linear_cross_entropy(*out_in, targets, backend="triton") * loss_scale).backward()
+        (linear_cross_entropy_ref(*ref_in, targets) * loss_scale).backward()
+        for name, a, b in zip(["dhidden", "dweight"], [x.grad for x in out_in], [x.grad for x in ref_in]):
+            assert a.dtype == torch.float16 and torch.isfinite(a).all(), f"{name} at loss scale {loss_scale}"
+            assert rel_rms(a, b) < 5e-4, f"{name} at loss scale {loss_scale}: relative RMS error {rel_rms(a, b):.2e}"
 
 
 def test_linear_cross_entropy_without_grad_and_all_ignored():

@@ -1,4 +1,6 @@
 """The chunked PyTorch GLA against the naive fp32 recurrence (the oracle in ops/gla/naive.py)."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -150,7 +152,7 @@ def test_levels_share_against_a_loop_over_chunks():
     # independent: each (sequence, chunk, head) checked row by row, the last row standing in past the end
     from fabric_lin.ops.gla.gate import SINGLE_REFERENCE_LIMIT, levels_share
 
-    def by_loop(gk, bounds):
+    def by_loop(gk, bounds, limit=SINGLE_REFERENCE_LIMIT):
         past = total = 0
         for s, e in zip(bounds[:-1], bounds[1:]):
             for c0 in range(s, e, 64):
@@ -159,7 +161,7 @@ def test_levels_share_against_a_loop_over_chunks():
                 ref = b[min(31, len(b) - 1)]
                 for h in range(gk.shape[2]):
                     total += 1
-                    past += bool((b[:, h] - ref[h]).abs().max() > SINGLE_REFERENCE_LIMIT)
+                    past += bool((b[:, h] - ref[h]).abs().max() > limit)
         return past / total
 
     g = torch.Generator().manual_seed(0)
@@ -172,3 +174,9 @@ def test_levels_share_against_a_loop_over_chunks():
         bounds = [0, 300] if cu is None else cu.tolist()
         assert levels_share(mixed, cu) == pytest.approx(by_loop(mixed, bounds))
         assert 0 < levels_share(mixed, cu) < 1
+    # float16's limit, log(65504 / 256) = 5.5: gates of ~-0.25 a step (~8 over half a chunk) are past it there only
+    middling = F.logsigmoid(torch.randn(1, 300, 3, 8, generator=g) - 4) / 16
+    assert levels_share(middling) == 0.0 and levels_share(middling, dtype=torch.float32) == 0.0
+    assert levels_share(middling, dtype=torch.float16) == 1.0
+    fp16_limit = math.log(65504 / 256)
+    assert levels_share(mixed, dtype=torch.float16) == pytest.approx(by_loop(mixed, [0, 300], limit=fp16_limit))

@@ -1,10 +1,15 @@
-"""The Triton GLA kernels against the naive fp32 recurrence.
+"""The Triton GLA kernels against the naive fp32 recurrence (float16 inputs against an fp64 one).
 
 On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before
-Triton is imported), in fp32, on small shapes. With CUDA the GPU tests run bf16 inputs on the real
-shapes and compare with the fp32 naive recurrence by relative RMS error.
+Triton is imported), in fp32 and float16 (its bf16 products are wrong), on small shapes. With CUDA the GPU
+tests run bf16 inputs on the real shapes and compare with the fp32 naive recurrence by relative RMS error.
+As a script this file runs fla's chunk_gla for test_triton_float16_error_against_fla.
 """
+import functools
+import importlib.util
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -13,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from conftest import compiled_graph_ops, rel_rms  # noqa: E402
+from conftest import compiled_graph_ops, gated_linear_attention_fp64, rel_rms  # noqa: E402
 
 from fabric_lin.ops.common.state_pass import takes_decayed_keys  # noqa: E402
 from fabric_lin.ops.gla import (  # noqa: E402
@@ -324,6 +329,135 @@ def test_torch_compile_captures_the_op_without_graph_breaks(from_logits):
         assert_close_scaled(a.grad, b.grad, name)
 
 
+# ---------------------------------------------------------------- float16 against the fp64 recurrence
+
+# fla's own tests (tests/ops/test_gla.py) accept a chunk_gla result whose relative RMS error, against its
+# recurrent op in the same dtype, is below these; here the reference is the fp64 recurrence
+FLA_TOLERANCE = {"o": 0.004, "ht": 0.005, "dq": 0.005, "dk": 0.005, "dv": 0.005, "dgk": 0.005, "dh0": 0.005}
+# one head per gate strength, each gate logsigmoid(u) / normalizer with u uniform in [0, 1) as fla's tests draw
+# it: -6.9 to -3.1 per step at 0.1; -0.69 to -0.31 at 1 (fla's tests without a normalizer), where half a
+# chunk moves by ~16 and exp(16) overflows float16; -0.23 to -0.10 at 3, about float16's single-reference limit
+# (5.5) over half a chunk, so chunks on both paths; -0.07 to -0.03 at 10
+NORMALIZERS = (0.1, 1.0, 3.0, 10.0)
+
+
+def float16_inputs(T, K, V, N, seed=0):
+    """fla's test inputs in float16, head h gated at NORMALIZERS[h]: q, k, v uniform in [0, 1), the log gate gk
+    (float16, as fla's tests pass it), h0 uniform in fp32 ([N, H, K, V])."""
+    g = torch.Generator().manual_seed(seed)
+    H = len(NORMALIZERS)
+    q, k = (torch.rand(1, T, H, K, generator=g).half() for _ in range(2))
+    v = torch.rand(1, T, H, V, generator=g).half()
+    u = torch.rand(1, T, H, K, generator=g)
+    gk = (F.logsigmoid(u) / torch.tensor(NORMALIZERS)[:, None]).half()
+    return q, k, v, gk, torch.rand(N, H, K, V, generator=g)
+
+
+def as_logits(gk, normalizer=16.0):
+    """float16 logits x with logsigmoid(x) / normalizer = gk: the same gates given as the model gives them."""
+    return (-torch.log(torch.expm1(-normalizer * gk.double()))).half()
+
+
+def per_head_errors(out, ref, names):
+    """{name: relative RMS error of each head}; the head is dim 1 of the states [N, H, K, V], dim 2 of the rest."""
+    errors = {}
+    for name, a, r in zip(names, out, ref):
+        dim = 1 if name in ("ht", "dh0") else 2
+        errors[name] = [rel_rms(a.select(dim, h), r.select(dim, h)) for h in range(len(NORMALIZERS))]
+    return errors
+
+
+def float16_case(with_h0, offsets, from_logits, T=150, K=32, V=32, device="cpu"):
+    """(inputs, cu_seqlens, outputs and gradients of the Triton op, those of the fp64 recurrence, their names).
+    from_logits: the gates given as the model gives them, float16 logits with normalizer 16."""
+    N = 1 if offsets is None else len(offsets) - 1
+    q, k, v, gk, h0 = (x.to(device) for x in float16_inputs(T, K, V, N))
+    h0 = h0 if with_h0 else None
+    cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32, device=device)
+    gate = as_logits(gk) if from_logits else gk
+
+    def ours(q, k, v, gate, **kwargs):
+        if from_logits:
+            return chunk_gla_from_logits(q, k, v, gate, 16.0, backend="triton", **kwargs)
+        return triton_gla(q, k, v, gate, **kwargs)
+
+    def reference(q, k, v, gate, initial_state=None, output_final_state=True, cu_seqlens=None):
+        gk = F.logsigmoid(gate) / 16.0 if from_logits else gate
+        return gated_linear_attention_fp64(q, k, v, gk, initial_state=initial_state, cu_seqlens=cu_seqlens)
+
+    inputs = (q, k, v, gate, h0)
+    out = forward_backward(ours, *inputs, cu)
+    ref = forward_backward(reference, *(None if x is None else x.double() for x in inputs), cu)
+    names = NAMES if with_h0 else NAMES[:-1]
+    if from_logits:
+        names = [("dlogits" if n == "dgk" else n) for n in names]
+    return inputs, cu, out, ref, names
+
+
+FLOAT16_CASES = [  # (initial state, cu_seqlens, gates as logits)
+    (True, None, False), (False, None, True), (True, [0, 15, 100, 150], True), (False, [0, 70, 150], False),
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("with_h0,offsets,from_logits", FLOAT16_CASES)
+def test_triton_float16_within_fla_tolerance_of_fp64(with_h0, offsets, from_logits):
+    # every output and gradient finite, and within fla's tolerance of the fp64 recurrence at every gate strength:
+    # the single-reference factors, exp(+-(b - b_r)), stay inside float16's range (65504 = exp(11.09))
+    assert_float16_within_fla_tolerance(*float16_case(with_h0, offsets, from_logits)[2:])
+
+
+def assert_float16_within_fla_tolerance(out, ref, names):
+    assert out[0].dtype == torch.float16 and out[2].dtype == torch.float16 and out[5].dtype == torch.float16
+    bad = [name for name, a in zip(names, out) if not torch.isfinite(a).all()]
+    assert not bad, f"not finite: {bad}"
+    errors = per_head_errors(out, ref, names)
+    over = {f"{name} at normalizer {NORMALIZERS[h]}": f"{e:.2e}" for name, errs in errors.items()
+            for h, e in enumerate(errs) if not e < FLA_TOLERANCE[name.replace("dlogits", "dgk")]}
+    assert not over, f"relative RMS error against fp64 above fla's tolerance: {over}"
+
+
+def fla_chunk_gla(q, k, v, gate, from_logits, initial_state=None, output_final_state=True, cu_seqlens=None):
+    """fla's chunk_gla with float16_case's arguments (from_logits: the gate as logits, normalizer 16)."""
+    from fla.ops.gla import chunk_gla as fla_op
+
+    gk = F.logsigmoid(gate.float()) / 16.0 if from_logits else gate
+    return fla_op(q, k, v, gk, initial_state=initial_state, output_final_state=output_final_state,
+                  cu_seqlens=cu_seqlens)
+
+
+def fla_forward_backward(inputs, cu_seqlens, from_logits, tmp_path):
+    """forward_backward of fla's chunk_gla on the same inputs, run by this file as a script in a process of its own
+    (fla's kernels need conftest.adapt_interpreter_for_fla). Skips where fla does not import."""
+    torch.save({"inputs": inputs, "cu_seqlens": cu_seqlens, "from_logits": from_logits}, tmp_path / "inputs.pt")
+    proc = subprocess.run([sys.executable, __file__, str(tmp_path / "inputs.pt"), str(tmp_path / "fla.pt")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    if proc.returncode == 3:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return torch.load(tmp_path / "fla.pt")
+
+
+# our float16 error against fp64 over fla's on the same inputs, at most: fla keeps the scores A, their gradient dA
+# and the products of dq, dk and dv on them in fp32 (in the interpreter even its tf32 products are exact),
+# and makes the pairs within 16 rows one by one, where ours take float16 factors; dgk, the reverse cumulative sum
+# of q dq - k dk, keeps what those roundings leave where the two terms cancel (most with fast gates)
+FLA_RATIO = {"o": 1.1, "ht": 1.1, "dq": 1.3, "dk": 1.3, "dv": 1.3, "dlogits": 2.5, "dh0": 1.1}
+
+
+@cpu_only
+def test_triton_float16_error_against_fla(tmp_path):
+    # one call, the model's (gates as logits), varlen with initial states; fla's op in the interpreter is slow
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("needs flash-linear-attention (fla)")
+    inputs, cu, out, ref, names = float16_case(True, [0, 15, 100, 150], True)
+    theirs = fla_forward_backward(inputs, cu, True, tmp_path)
+    ours_err, fla_err = per_head_errors(out, ref, names), per_head_errors(theirs, ref, names)
+    over = {f"{name} at normalizer {NORMALIZERS[h]}": f"ours {a:.2e}, fla {b:.2e}" for name in names
+            for h, (a, b) in enumerate(zip(ours_err[name], fla_err[name])) if not a <= FLA_RATIO[name] * b}
+    assert not over, f"float16 error against fp64 above {FLA_RATIO} times fla's: {over}"
+
+
 # ---------------------------------------------------------------- GPU, bf16 against the fp32 oracle
 
 
@@ -424,6 +558,15 @@ def test_gpu_bf16_scan_state_pass_matches_fp32_naive(monkeypatch):
 
 
 @needs_cuda
+@pytest.mark.parametrize("with_h0,offsets,from_logits",
+                         [(True, None, False), (False, [0, 15, 100, 300, 1200, 2000], True)])
+def test_gpu_float16_within_fla_tolerance_of_fp64(with_h0, offsets, from_logits):
+    # the interpreter's float16 test at the model's head dims, on the compiled kernels
+    assert_float16_within_fla_tolerance(*float16_case(with_h0, offsets, from_logits, T=2000, K=128, V=128,
+                                                      device="cuda")[2:])
+
+
+@needs_cuda
 def test_gpu_fused_recurrent_step():
     B, H, K, V = 3, 4, 128, 256
     q, k, gk = (torch.randn(B, H, K, device="cuda") for _ in range(3))
@@ -456,3 +599,17 @@ def test_gpu_compiled_model_step_uses_the_op():
     torch.testing.assert_close(loss, loss_ref, rtol=1e-3, atol=1e-3)
     for a, b in zip(leaves, leaves_ref):
         assert rel_rms(a.grad, b.grad) < 1e-3
+
+
+if __name__ == "__main__":  # fla_forward_backward's process
+    from conftest import adapt_interpreter_for_fla
+
+    adapt_interpreter_for_fla()
+    try:
+        import fla.ops.gla  # noqa: F401
+    except ImportError as e:
+        print(f"fla's chunk_gla does not import: {e}")
+        sys.exit(3)
+    data = torch.load(sys.argv[1])
+    fla_op = functools.partial(fla_chunk_gla, from_logits=data["from_logits"])
+    torch.save(forward_backward(fla_op, *data["inputs"], data["cu_seqlens"]), sys.argv[2])

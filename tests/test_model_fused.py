@@ -1,6 +1,7 @@
 """The model's fused path (the Triton ops it uses on CUDA) against its plain PyTorch path: the same
 loss and the same gradient for every parameter. Without CUDA the kernels run in Triton's interpreter
-(set before Triton is imported), in fp32; with CUDA both paths run on the GPU in fp32."""
+(set before Triton is imported), in fp32 (and float16 autocast, 16-mixed's); with CUDA both paths run on the
+GPU."""
 import os
 
 import torch
@@ -9,6 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from conftest import rel_rms  # noqa: E402
 
 from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT  # noqa: E402
@@ -25,11 +27,12 @@ def fused_and_reference(config):
     return fused, reference
 
 
-def loss_and_grads(model, ids, targets):
+def loss_and_grads(model, ids, targets, loss_scale=1.0):
+    """The loss and every parameter's gradient, the backward pass run on loss * loss_scale (as GradScaler does)."""
     model.zero_grad(set_to_none=True)
     loss = model(ids, targets=targets)
-    loss.backward()
-    return loss.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    (loss * loss_scale).backward()
+    return loss.detach(), {name: p.grad.detach() / loss_scale for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("name", ["gla-debug", "transformer-debug"])
@@ -47,6 +50,31 @@ def test_fused_path_matches_torch_path(name):
     for param, ref in ref_grads.items():
         scale = max(1.0, ref.abs().max().item())
         torch.testing.assert_close(grads[param], ref, rtol=1e-4, atol=1e-4 * scale, msg=lambda m: f"{param}: {m}")
+
+
+def test_16_mixed_gradients_of_fast_forgetting_gates_near_fp32():
+    # 16-mixed: float16 autocast, and GradScaler's first loss scale, 2**16 (past float16's 65504), on a GLA model
+    # whose forget gates forget fast (gate bias -6: logsigmoid(-6) / 16 ~ -0.37 a step, ~12 over half a chunk,
+    # where exp(12) is past 65504 too). Fused and PyTorch paths: the loss and every parameter's gradient finite
+    # and within float16's precision of the fp32 model's (q_proj's and k_proj's, the least precise, ~1e-2 on
+    # the PyTorch path; ~4e-2 there under bf16 autocast).
+    config = Config.from_name("gla-debug", num_layers=1, vocab_size=512)
+    fused, reference = fused_and_reference(config)
+    with torch.no_grad():
+        for model in (fused, reference):
+            model.layers[0].attn.gk_proj[1].bias.fill_(-6.0)
+    ids = torch.randint(0, config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    targets = torch.roll(ids, -1, dims=1)
+    ref_loss, ref_grads = loss_and_grads(reference, ids, targets)
+    for path, model in (("torch", reference), ("fused", fused)):
+        with torch.autocast(DEVICE, dtype=torch.float16):
+            loss, grads = loss_and_grads(model, ids, targets, loss_scale=2.0**16)
+        assert torch.isfinite(loss) and abs(loss - ref_loss) < 1e-3 * ref_loss, (path, loss, ref_loss)
+        bad = [name for name, g in grads.items() if not torch.isfinite(g).all()]
+        assert not bad, f"{path}: gradients not finite: {bad}"
+        errors = {name: rel_rms(grads[name], ref) for name, ref in ref_grads.items()}
+        over = {name: f"{e:.2e}" for name, e in errors.items() if not e < 2e-2}
+        assert not over, f"{path}: relative RMS error against fp32 above 2e-2: {over}"
 
 
 @pytest.mark.parametrize("dynamic", [True, False])

@@ -4,7 +4,8 @@ The rows are taken `chunk_size` at a time: logits = hidden_chunk @ weight^T (in 
 Triton program per row computes log-sum-exp and the row's loss in fp32 and overwrites the logits with
 their gradient, softmax - onehot; then d hidden_chunk = grad @ weight and d weight += grad^T @ hidden_chunk.
 All of that happens in the forward pass (the loss is a scalar, so the backward only scales the saved
-gradients), so the peak is one [chunk_size, vocab] buffer in the input dtype.
+gradients, those of the summed loss, by dloss / count), so the peak is one [chunk_size, vocab] buffer in the
+input dtype.
 
 The kernel is in cross_entropy_triton.py (imported only when it runs); `linear_cross_entropy_ref` is the
 PyTorch definition (the CPU path, chunked the same way). `backend` picks one by the rule of

@@ -41,6 +41,11 @@ def _ce_rows_kernel(logits, targets, loss, stride, V, ignore_index, BV: tl.const
 
 
 def _forward(hidden, weight, targets, ignore_index, chunk_size, need_dw):
+    """(mean loss, the gradients of the summed loss for hidden and weight, the count of rows the mean divides
+    by). The gradients stay those of the sum until the backward pass scales them by dloss / count: the mean's,
+    ~1e-5 and below over a few thousand rows, would be float16 subnormals (below 6.1e-5) before GradScaler's
+    factor could lift them. A row's d hidden is at most 2 max |weight|; d weight is kept in fp32 where the
+    weight is float16, whose range a frequent token's sum over the rows can pass."""
     N, d = hidden.shape
     V = weight.shape[0]
     losses = torch.empty(N, device=hidden.device, dtype=torch.float32)
@@ -57,23 +62,29 @@ def _forward(hidden, weight, targets, ignore_index, chunk_size, need_dw):
             dw += logits.t() @ h  # the input-dtype product added into fp32 as it is read (no fp32 copy of it first)
     count = (targets != ignore_index).sum().clamp(min=1).float()
     loss = losses.sum() / count
-    dh = (dh.float() / count).to(hidden.dtype)
-    dw = (dw / count).to(weight.dtype) if need_dw else weight.new_empty(0)
-    return loss, dh, dw
+    if not need_dw:
+        dw = weight.new_empty(0)
+    elif weight.dtype != torch.float16:
+        dw = dw.to(weight.dtype)
+    return loss, dh, dw, count
 
 
 @torch.library.custom_op("fabric_lin::linear_cross_entropy_fwd", mutates_args=())
 def _linear_ce_fwd_op(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, chunk_size: int,
     need_dw: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(hidden, weight, targets, ignore_index, chunk_size, need_dw)
 
 
 @_linear_ce_fwd_op.register_fake
 def _(hidden, weight, targets, ignore_index, chunk_size, need_dw):
-    dw = torch.empty_like(weight) if need_dw else weight.new_empty(0)
-    return hidden.new_empty((), dtype=torch.float32), torch.empty_like(hidden), dw
+    if need_dw:
+        dw = torch.empty_like(weight, dtype=torch.float32 if weight.dtype == torch.float16 else weight.dtype)
+    else:
+        dw = weight.new_empty(0)
+    scalar = hidden.new_empty((), dtype=torch.float32)
+    return scalar, torch.empty_like(hidden), dw, torch.empty_like(scalar)
 
 
 def _ce_fwd(*args):
@@ -83,15 +94,17 @@ def _ce_fwd(*args):
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, chunk_size):
-        loss, dh, dw = _ce_fwd(hidden, weight, targets, ignore_index, chunk_size, weight.requires_grad)
-        ctx.save_for_backward(dh, dw)
-        ctx.need_dw = weight.requires_grad
+        loss, dh, dw, count = _ce_fwd(hidden, weight, targets, ignore_index, chunk_size, weight.requires_grad)
+        ctx.save_for_backward(dh, dw, count)
+        ctx.need_dw, ctx.weight_dtype = weight.requires_grad, weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
-        dh, dw = ctx.saved_tensors
-        return dh * dloss.to(dh.dtype), (dw * dloss.to(dw.dtype) if ctx.need_dw else None), None, None, None
+        dh, dw, count = ctx.saved_tensors
+        # an fp32 scalar, which the products take in fp32 (GradScaler's first factor, 2**16, is past float16's range)
+        scale = dloss / count
+        return dh * scale, ((dw * scale).to(ctx.weight_dtype) if ctx.need_dw else None), None, None, None
 
 
 def linear_cross_entropy_triton(hidden, weight, targets, ignore_index: int, chunk_size: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ from fabric_lin.ops.common.state_pass import (
 )
 from fabric_lin.ops.gla.chunk_fwd import BT
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.ops.gla.gate import SINGLE_REFERENCE_LIMIT
+from fabric_lin.ops.gla.gate import single_reference_limit
 from fabric_lin.ops.gla.scores import FINE_ROWS, block_level_factor, gate_spread, half_factor
 from fabric_lin.ops.launch import cdiv, tile_width
 
@@ -381,7 +381,7 @@ def backward(q, k, v, gate, A, scale: float, initial_state: Optional[torch.Tenso
     for first in (True, False):
         _bwd_dqk_kernel[dqk_grid](
             q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, flags, cu_seqlens, chunk_indices, scale,
-            normalizer or 1.0, SINGLE_REFERENCE_LIMIT, T, H, K, V, BT, BK, BV, IS_VARLEN=is_varlen,
+            normalizer or 1.0, single_reference_limit(q.dtype), T, H, K, V, BT, BK, BV, IS_VARLEN=is_varlen,
             DOT_PREC=prec, FROM_LOGITS=logits is not None, FIRST=first,
             **launch.dqk.options(dqk_warps(launch, first, BK)),
         )

@@ -17,7 +17,7 @@ from fabric_lin.ops.common.chunk_index import chunk_grid, chunk_layout, chunk_st
 from fabric_lin.ops.common.cumsum import gate_cumsum
 from fabric_lin.ops.common.state_pass import states
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.ops.gla.gate import SINGLE_REFERENCE_LIMIT
+from fabric_lin.ops.gla.gate import single_reference_limit
 from fabric_lin.ops.gla.scores import gate_spread, level_scores, single_reference_scores
 from fabric_lin.ops.launch import next_power_of_2
 
@@ -112,7 +112,7 @@ def forward(q, k, v, g, scale: float, initial_state: Optional[torch.Tensor], cu_
     flags = torch.empty(grid[0] * grid[1], dtype=torch.int8, device=q.device)  # set by the first launch
     for first in (True, False):
         _fwd_output_kernel[grid](
-            q, k, v, gc, h, o, A, flags, cu_seqlens, chunk_indices, scale, SINGLE_REFERENCE_LIMIT, T,
+            q, k, v, gc, h, o, A, flags, cu_seqlens, chunk_indices, scale, single_reference_limit(q.dtype), T,
             H, K, V, BT, BK, BV, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), FIRST=first,
             **launch.output.options(),
         )

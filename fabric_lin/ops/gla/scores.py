@@ -12,9 +12,10 @@ rows (b = the in-chunk cumulative log gate, falling down the rows), made so that
 * **one reference row** (where the gate allows), r the chunk's middle row:
       A = tril((q * exp(b - b_r)) @ (k * exp(b_r - b))^T),
   one product per key tile instead of six levels. Its exponents reach the gate's spread max |b - b_r|
-  (positive above r), so it is taken only where the spread is at most SINGLE_REFERENCE_LIMIT (gate.py): factors up
-  to exp(40) ~ 2e17 (bf16 and fp32 reach 3e38), the kept pairs j <= i at most 1 in their exponent, the
-  masked pairs j > i at most exp(80).
+  (positive above r), so it is taken only where the spread is at most single_reference_limit(dtype) (gate.py):
+  40 for bf16 and fp32, factors up to exp(40) ~ 2e17 (both reach 3e38); 5.5 for float16, whose range ends at
+  65504, factors up to 256. The kept pairs j <= i are at most 1 in their exponent, the masked pairs j > i at
+  most exp(80) (in the fp32 accumulator).
 
 The backward pass (`chunk_bwd.py`) differentiates the same products, so it uses these factors too.
 """
