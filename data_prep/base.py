@@ -83,10 +83,6 @@ class TokenizeRecipe(DataChunkRecipe):
         else:
             self._bad_rows_more += 1
 
-    def shown_path(self, path: str) -> str:
-        """The name of an input file in reports."""
-        return path
-
     def tokenize(self, texts: List[str]) -> Iterator[np.ndarray]:
         """Token arrays (each at most `chunk_size` tokens) of `texts`, every document followed by EOS."""
         dtype = token_dtype(self.tokenizer.vocab_size)
@@ -106,7 +102,7 @@ class TokenizeRecipe(DataChunkRecipe):
     def prepare_item(self, path: str) -> Iterator[np.ndarray]:
         from fabric_lin.data.raw_files import BadFileError
 
-        record = {"path": self.shown_path(path), "status": "ok", "documents": 0, "skipped_rows": 0, "tokens": 0}
+        record = file_record(path)
         self._skipped_rows = self._bad_rows = self._bad_rows_more = self._held_out = 0
         self._bad_rows_named = []
         try:
@@ -138,6 +134,12 @@ class TokenizeRecipe(DataChunkRecipe):
         if self.report_dir is not None:
             with open(os.path.join(self.report_dir, f"worker-{os.getpid()}.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def file_record(path: str, documents: int = 0, tokens: int = 0) -> dict:
+    """What the report says of one input file (the counts the summary adds up); a recipe fills it in."""
+    return {"path": path, "status": "ok", "documents": documents, "skipped_rows": 0, "tokens": tokens, "bad_rows": 0,
+            "bad_rows_named": [], "bad_rows_more": 0, "held_out": 0}
 
 
 class InterruptibleDataProcessor(DataProcessor):

@@ -11,31 +11,36 @@ bos=False, eos=True, many at once, and written to OUT/train and OUT/val:
 Which documents are held out for OUT/val is decided by a hash of (the file's path relative to
 `input_dir`, the document's line or row number) against `--val_fraction`: the same documents on every
 run, whatever the number of workers, and a file added to the corpus moves no other document. The
-first pass tokenizes the training documents and sets the held-out texts aside, one JSON-lines file
-per input file; a second, small pass tokenizes those into OUT/val. Both are written inside a hidden
-sibling of OUT that is renamed to OUT last, so an interrupted run leaves no OUT.
+workers tokenize every document; the tokens of the held-out ones go to one token file per input file,
+which this process then writes, in input file order, as the chunks of OUT/val. Both directories are
+written inside a hidden sibling of OUT that is renamed to OUT last, so an interrupted run leaves no OUT.
 """
 import hashlib
-import json
 import os
 import shutil
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator, List, Optional, Union
 
+import numpy as np
+
 if __name__ == "__main__":  # run as a script: make `data_prep` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep.base import TokenizeRecipe, default_num_workers, require_flags, run_recipe
+from data_prep.base import (TokenizeRecipe, default_num_workers, file_record, format_summary, require_flags, run_recipe,
+                            summarize)
+from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
 from fabric_lin.data.raw_files import BadFileError, find_text_files, iter_text_documents
+from fabric_lin.data.tokenizer import Tokenizer, token_dtype
 from fabric_lin.files import created_dir
 
 # Documents read from a file at once (and so handed to the tokenizer together, in groups of
 # base.ENCODE_GROUP_CHARS characters).
 DOCUMENTS_PER_BATCH = 8192
 HELD_OUT_DIR = ".held-out"
-HELD_OUT_SUFFIX = ".held-out.jsonl"
+HELD_OUT_SUFFIX = ".tokens"  # <held-out dir>/<input file's relative path>.tokens: EOS-separated token ids
 
 
 def held_out(relative_path: str, index: int, val_fraction: float) -> bool:
@@ -49,8 +54,9 @@ def held_out(relative_path: str, index: int, val_fraction: float) -> bool:
 
 class TextRecipe(TokenizeRecipe):
     """Tokenizes field or column `text_key` of every document of the files of `input_dir` that match
-    `pattern`, except the documents `held_out` picks, which go to one JSON-lines file per input file under
-    `held_out_dir`. Empty documents are dropped (counted as skipped rows); bad rows are counted and named."""
+    `pattern`. The tokens of the documents `held_out` picks go to one token file per input file under
+    `held_out_dir`, the others to the chunks. Empty documents are dropped (counted as skipped rows); bad
+    rows are counted and named."""
 
     def __init__(self, tokenizer_path: Union[str, Path], chunk_size: int, input_dir: Union[str, Path],
                  text_key: str = "text", pattern: str = "**/*", val_fraction: float = 0.0,
@@ -68,50 +74,32 @@ class TextRecipe(TokenizeRecipe):
 
     def read_documents(self, path: str) -> Iterator[List[str]]:
         relative = Path(path).relative_to(self.input_dir).as_posix()
-        held_out_file = None
         read = 0  # documents read, empty ones included
-        try:
-            for batch in iter_text_documents(path, self.text_key, DOCUMENTS_PER_BATCH):
-                for rows, reason in batch.bad:
-                    self.skip_bad_rows(rows, reason)
-                read += len(batch.texts)
-                texts = []
-                for index, text in zip(batch.indices, batch.texts):
-                    if not text:
-                        self._skipped_rows += 1
-                    elif held_out(relative, index, self.val_fraction):
-                        if held_out_file is None:
-                            held_out_file = self._open_held_out_file(relative)
-                        held_out_file.write(json.dumps({"text": text}) + "\n")
-                        self._held_out += 1
-                    else:
-                        texts.append(text)
-                if texts:
-                    yield texts
-        finally:
-            if held_out_file is not None:
-                held_out_file.close()
+        for batch in iter_text_documents(path, self.text_key, DOCUMENTS_PER_BATCH):
+            for rows, reason in batch.bad:
+                self.skip_bad_rows(rows, reason)
+            read += len(batch.texts)
+            texts, held = [], []
+            for index, text in zip(batch.indices, batch.texts):
+                if not text:
+                    self._skipped_rows += 1
+                else:
+                    (held if held_out(relative, index, self.val_fraction) else texts).append(text)
+            if held:
+                self._hold_out(relative, held)
+            if texts:
+                yield texts
         if read == 0:
             raise BadFileError(path, f"no usable document: {self._bad_rows} bad row(s)" if self._bad_rows else "empty file: no documents")
 
-    def _open_held_out_file(self, relative: str):
+    def _hold_out(self, relative: str, texts: List[str]) -> None:
+        """Append the tokens of `texts`, each followed by EOS, to the held-out token file of input file `relative`."""
         path = Path(self.held_out_dir) / (relative + HELD_OUT_SUFFIX)
         path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "w", encoding="utf-8")
-
-
-class HeldOutRecipe(TextRecipe):
-    """The second pass: tokenizes the documents a TextRecipe held out, from its `held_out_dir`, and names
-    each file in its reports by the input file the documents came from."""
-
-    def __init__(self, tokenizer_path: Union[str, Path], chunk_size: int, held_out_dir: Union[str, Path],
-                 source_dir: Union[str, Path]) -> None:
-        super().__init__(tokenizer_path, chunk_size, input_dir=held_out_dir, pattern=f"**/*{HELD_OUT_SUFFIX}")
-        self.source_dir = str(source_dir)
-
-    def shown_path(self, path: str) -> str:
-        relative = Path(path).relative_to(self.input_dir).as_posix()
-        return str(Path(self.source_dir) / relative[: -len(HELD_OUT_SUFFIX)])
+        with open(path, "ab") as f:
+            for tokens in self.tokenize(texts):
+                tokens.tofile(f)
+        self._held_out += len(texts)
 
 
 def prepare(
@@ -181,23 +169,52 @@ def _prepare_into(stage: Path, input_dir: Path, output_dir: Path, tokenizer_path
     settings = {"text_key": text_key, "pattern": pattern, "val_fraction": val_fraction}
     train = run_recipe(recipe, input_dir, stage / "train", num_workers, fast_dev_run, recipe_name="text",
                        info={"split": "train", **settings}, shown_as=output_dir / "train")
-    held_out_files = sorted(held_out_dir.rglob(f"*{HELD_OUT_SUFFIX}"))
-    if not held_out_files:
+    info = {"split": "val", "recipe": "text", "input_dir": str(input_dir), "chunk_size": chunk_size,
+            "fast_dev_run": 10 if fast_dev_run is True else int(fast_dev_run or 0), **settings}
+    val = write_held_out_split(held_out_dir, stage / "val", input_dir, Tokenizer(tokenizer_path), chunk_size, info,
+                               shown_as=output_dir / "val")
+    if val is None:
         why = "--val_fraction is 0" if val_fraction == 0 else (
             f"none of the {train['documents']} documents fell into the --val_fraction {val_fraction} share (raise it)")
         print(f"No validation split: {why}, so {output_dir / 'val'} is not written", flush=True)
-        return {"train": train, "val": None}
-    print(f"Validation split: the {train['held_out']} documents held out from {len(held_out_files)} file(s)", flush=True)
-    val = run_recipe(
-        HeldOutRecipe(tokenizer_path, chunk_size, held_out_dir, source_dir=input_dir), held_out_dir, stage / "val",
-        min(num_workers, len(held_out_files)), recipe_name="text",
-        # the held-out documents of the input files the training pass read
-        info={"split": "val", "input_dir": str(input_dir), "fast_dev_run": 10 if fast_dev_run is True else int(fast_dev_run or 0),
-              **settings},
-        shown_as=output_dir / "val",
-    )
-    shutil.rmtree(held_out_dir)
+    shutil.rmtree(held_out_dir, ignore_errors=True)
     return {"train": train, "val": val}
+
+
+def write_held_out_split(held_out_dir: Path, out_dir: Path, input_dir: Path, tokenizer: Tokenizer, chunk_size: int,
+                         info: dict, shown_as: Path) -> Optional[dict]:
+    """Write the prepared directory `out_dir` from the token files under `held_out_dir`, in the order of the
+    input files they came from; return its summary (None, and nothing written, when there are none).
+
+    litdata's Cache writes the chunks, as its DataProcessor's workers do, here in this one process: the
+    documents are tokenized already, and a second DataProcessor would cost seconds of worker start-up."""
+    from litdata.streaming.cache import Cache
+    from litdata.streaming.item_loader import TokensLoader
+
+    def source(path: Path) -> Path:  # the input file's path relative to input_dir
+        return path.relative_to(held_out_dir).with_name(path.name[: -len(HELD_OUT_SUFFIX)])
+
+    files = sorted(held_out_dir.rglob(f"*{HELD_OUT_SUFFIX}"), key=source)
+    if not files:
+        return None
+    start = time.perf_counter()
+    dtype = token_dtype(tokenizer.vocab_size)
+    cache = Cache(str(out_dir), chunk_size=chunk_size, item_loader=TokensLoader())
+    records, items = [], 0
+    for path in files:
+        tokens = np.fromfile(path, dtype=dtype)
+        for offset in range(0, len(tokens), chunk_size):
+            cache[items] = tokens[offset : offset + chunk_size]
+            items += 1
+        documents = int(np.count_nonzero(tokens == tokenizer.eos_id))  # each document ends with EOS
+        records.append(file_record(str(input_dir / source(path)), documents=documents, tokens=len(tokens)))
+    cache.done()
+    cache.merge()
+    summary = summarize(records)
+    write_prepared_info(out_dir, tokenizer=tokenizer, **info, summary=summary)
+    check_prepared_dir(out_dir, tokenizer)
+    print(format_summary(summary, f"Prepared {shown_as}", time.perf_counter() - start), flush=True)
+    return summary
 
 
 if __name__ == "__main__":
