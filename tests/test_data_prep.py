@@ -509,16 +509,16 @@ def test_prepare_text_names_and_skips_bad_input(corpus, tmp_path, capfd):
     assert read_tokens(out / "train").tolist() == [t for doc in expected_tokens(tokenizer, texts) for t in doc]
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "no corpus file", "pattern"])
+@pytest.mark.parametrize("case", ["missing", "empty", "no corpus file", "pattern", "absolute pattern"])
 def test_prepare_text_without_input_files_is_one_line(corpus, tmp_path, capfd, case):
     raw = tmp_path / "raw"
     if case != "missing":
         raw.mkdir()
     if case in ("no corpus file", "pattern"):
         (raw / "README.md").write_text("readme")
-    if case == "pattern":
+    if case in ("pattern", "absolute pattern"):
         (raw / "a.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
-    pattern = ["--pattern", "*.parquet"] if case == "pattern" else []
+    pattern = {"pattern": ["--pattern", "*.parquet"], "absolute pattern": ["--pattern", str(raw / "*.jsonl")]}.get(case, [])
     with pytest.raises(SystemExit) as info:
         cli_main(["prepare_text", "--input_dir", str(raw), "--output_dir", str(tmp_path / "out" / "text"),
                   "--tokenizer_path", str(corpus["tokenizer"]), *pattern])
@@ -530,6 +530,7 @@ def test_prepare_text_without_input_files_is_one_line(corpus, tmp_path, capfd, c
                  ".jsonl.gz, .json.gz, .parquet, .txt; no file matches it",
         "no corpus file": "it holds 1 other file(s), e.g. README.md",
         "pattern": f"No input files under {raw} with --pattern '*.parquet'",
+        "absolute pattern": f"--pattern '{raw / '*.jsonl'}': expected a glob relative to --input_dir, e.g. '**/*.parquet'",
     }[case]
     assert err.startswith("fabric-lin prepare_text: error: ") and expected in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()

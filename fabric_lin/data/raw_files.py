@@ -188,6 +188,8 @@ def find_text_files(input_dir: Union[str, Path], pattern: str = "**/*") -> Tuple
     input_dir = Path(input_dir)
     if not input_dir.is_dir():
         raise FileNotFoundError(f"Input directory {str(input_dir)!r} does not exist")
+    if not pattern or Path(pattern).is_absolute():
+        raise ValueError(f"--pattern {pattern!r}: expected a glob relative to --input_dir, e.g. '**/*.parquet'")
     matched = sorted(p for p in input_dir.glob(pattern) if p.is_file())
     files = [p for p in matched if p.name.endswith(TEXT_SUFFIXES)]
     others = [p for p in matched if not p.name.endswith(TEXT_SUFFIXES)]
