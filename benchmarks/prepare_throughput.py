@@ -1,12 +1,18 @@
-"""Preprocessing throughput: fabric-lin's SlimPajama recipe against a one-document-at-a-time recipe.
+"""Preprocessing throughput: fabric-lin's SlimPajama recipe against a one-document-at-a-time recipe, and
+`prepare_text` against the SlimPajama recipe on the same documents.
 
-Both run through litdata's DataProcessor on the same `*.jsonl.zst` input with the same number of
-workers, write TokensLoader chunks, and are timed end to end (worker start included). The baseline
-does what LitGPT's SlimPajama recipe does: read the file line by line, `tokenizer.encode(text,
-eos=True)` per document, yield one tensor per document. fabric-lin's recipe encodes thousands of
-documents per SentencePiece call (spread over threads) and yields one token array per group.
+All run through litdata's DataProcessor with the same number of workers, write TokensLoader chunks,
+and are timed end to end (worker start included). The baseline does what LitGPT's SlimPajama recipe
+does: read the file line by line, `tokenizer.encode(text, eos=True)` per document, yield one tensor
+per document. fabric-lin's recipe encodes thousands of documents per SentencePiece call (spread over
+threads) and yields one token array per group. `prepare_text` reads the documents the SlimPajama
+recipe keeps, in the same order, written once as `{"text": ...}` JSON lines in `.jsonl.zst` files and
+once as parquet files; it is timed as the command runs, with its default validation split (val/ is
+written too), and must produce the same tokens in all. With `--repeats N` the four runs take turns N
+times and each figure is the median of its N runs, so that other load on a shared machine falls on
+every recipe alike.
 
-    python benchmarks/prepare_throughput.py --num_workers 1 --megabytes 40
+    python benchmarks/prepare_throughput.py --num_workers 1 --megabytes 40 --repeats 3
     python benchmarks/prepare_throughput.py --input_dir data/slimpajama-raw/validation \
         --tokenizer_path checkpoints/meta-llama/Llama-2-7b-hf --num_workers 8 --out prepare_throughput.json
 
@@ -28,8 +34,9 @@ from typing import Iterator, List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import write_result  # noqa: E402
-from data_prep.base import run_recipe  # noqa: E402
+from data_prep.base import file_record, run_recipe  # noqa: E402
 from data_prep.prepare_slimpajama import SKIPPED_SET, SlimPajamaRecipe  # noqa: E402
+from data_prep.prepare_text import prepare as prepare_text  # noqa: E402
 
 
 class OneDocumentAtATimeRecipe(SlimPajamaRecipe):
@@ -38,7 +45,7 @@ class OneDocumentAtATimeRecipe(SlimPajamaRecipe):
     def prepare_item(self, path: str) -> Iterator:
         import zstandard
 
-        record = {"path": path, "status": "ok", "documents": 0, "skipped_rows": 0, "tokens": 0}
+        record = file_record(path)
         with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as reader:
             for line in io.TextIOWrapper(reader, encoding="utf-8"):
                 row = json.loads(line)
@@ -76,6 +83,63 @@ def write_benchmark_corpus(out_dir: Path, megabytes: float, seed: int = 0) -> No
         shard += 1
 
 
+def write_text_copies(input_dir: Path, out_dir: Path) -> None:
+    """The documents the SlimPajama recipe keeps from each file of `input_dir` (all but RedPajamaGithub's),
+    in order, as prepare_text's inputs: out_dir/jsonl_zst/<name>.jsonl.zst and out_dir/parquet/<name>.parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    from fabric_lin.data.raw_files import find_files, read_slimpajama_file
+
+    for folder in ("jsonl_zst", "parquet"):
+        (out_dir / folder).mkdir(parents=True)
+    for path in find_files(input_dir, ".jsonl.zst"):
+        texts = [text for text, set_name in read_slimpajama_file(path) if set_name != SKIPPED_SET]
+        stem = path.relative_to(input_dir).as_posix().replace("/", "_")[: -len(".jsonl.zst")]
+        data = "".join(json.dumps({"text": text}) + "\n" for text in texts).encode("utf-8")
+        (out_dir / "jsonl_zst" / f"{stem}.jsonl.zst").write_bytes(zstandard.ZstdCompressor(level=3).compress(data))
+        pq.write_table(pa.table({"text": texts}), out_dir / "parquet" / f"{stem}.parquet")
+
+
+def timed(run) -> dict:
+    """Wall time and the worker processes' CPU time of `run()`, which returns (tokens, documents, output dirs)."""
+    load_before = os.getloadavg()[0]
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    tokens, documents, out_dirs = run()
+    seconds = time.perf_counter() - start
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_seconds = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+    result = {
+        "seconds": round(seconds, 2),
+        # CPU time of the worker processes: tells a busy machine (other load) from a slow recipe
+        "worker_cpu_seconds": round(cpu_seconds, 2),
+        "load_average_before": round(load_before, 2),
+        "tokens": tokens,
+        "documents": documents,
+        "tokens_per_s": round(tokens / seconds),
+        "tokens_per_worker_cpu_s": round(tokens / max(cpu_seconds, 1e-9)),
+        "disk_bytes": sum(p.stat().st_size for d in out_dirs for p in d.glob("chunk-*.bin")),
+    }
+    for d in out_dirs:
+        shutil.rmtree(d)
+    return result
+
+
+def median_run(runs: List[dict]) -> dict:
+    """The median of each figure of several runs of one recipe, with every run's tokens/s beside it."""
+    import statistics
+
+    keys = ("seconds", "worker_cpu_seconds", "tokens_per_s", "tokens_per_worker_cpu_s")
+    median = {**runs[0], **{key: round(statistics.median(r[key] for r in runs), 2) for key in keys}}
+    if len(runs) > 1:
+        median["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+        median["tokens_per_worker_cpu_s_runs"] = [r["tokens_per_worker_cpu_s"] for r in runs]
+        median["load_average_before_runs"] = [r["load_average_before"] for r in runs]
+    return median
+
+
 def encode_only(tokenizer_path: Path, input_dir: Path, num_threads: int) -> dict:
     """The tokenizer calls alone, in this process: one call per document vs. one call per group."""
     from fabric_lin.data.raw_files import find_files, read_slimpajama_file
@@ -106,14 +170,16 @@ def main(
     num_workers: int = 1,
     megabytes: float = 40.0,
     work_dir: Optional[Path] = None,
+    repeats: int = 1,
     out: Optional[Path] = None,
 ) -> dict:
     """Args:
     input_dir: SlimPajama-format `*.jsonl.zst` files; default: a corpus cut from the standard library.
     tokenizer_path: tokenizer directory; default: the sample corpus's 4096-piece tokenizer.
-    num_workers: DataProcessor workers, the same for both recipes.
+    num_workers: DataProcessor workers, the same for every recipe.
     megabytes: size of the generated corpus (when no input_dir is given).
     work_dir: where the outputs are written (deleted afterwards); default: a temporary directory.
+    repeats: run the recipes in turn this many times; the figures are the medians.
     out: also write the JSON document here (with the command, date and machine).
     """
     work = Path(tempfile.mkdtemp(prefix="prepare-throughput-", dir=work_dir))
@@ -126,31 +192,39 @@ def main(
             input_dir = work / "input"
             write_benchmark_corpus(input_dir, megabytes)
         input_bytes = sum(p.stat().st_size for p in Path(input_dir).rglob("*.jsonl.zst"))
-        results = {}
-        for name, recipe_class in (("one_document_at_a_time", OneDocumentAtATimeRecipe), ("fabric_lin", SlimPajamaRecipe)):
-            recipe = recipe_class(tokenizer_path=tokenizer_path, chunk_size=2049 * 16384)
-            load_before = os.getloadavg()[0]
-            cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            start = time.perf_counter()
-            summary = run_recipe(recipe, input_dir, work / name, num_workers=num_workers)
-            seconds = time.perf_counter() - start
-            cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu_seconds = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
-            results[name] = {
-                "seconds": round(seconds, 2),
-                # CPU time of the worker processes: tells a busy machine (other load) from a slow recipe
-                "worker_cpu_seconds": round(cpu_seconds, 2),
-                "load_average_before": round(load_before, 2),
-                "tokens": summary["tokens"],
-                "documents": summary["documents"],
-                "tokens_per_s": round(summary["tokens"] / seconds),
-                "tokens_per_worker_cpu_s": round(summary["tokens"] / max(cpu_seconds, 1e-9)),
-                "disk_bytes": sum(p.stat().st_size for p in (work / name).glob("chunk-*.bin")),
-            }
-            shutil.rmtree(work / name)
+        write_text_copies(Path(input_dir), work / "text")
+
+        def slimpajama(recipe_class):
+            def run(out_dir: Path):
+                recipe = recipe_class(tokenizer_path=tokenizer_path, chunk_size=2049 * 16384)
+                summary = run_recipe(recipe, input_dir, out_dir, num_workers=num_workers)
+                return summary["tokens"], summary["documents"], [out_dir]
+            return run
+
+        def text(folder: str):
+            def run(out_dir: Path):
+                splits = prepare_text(work / "text" / folder, out_dir, tokenizer_path, num_workers=num_workers)
+                written = {split: summary for split, summary in splits.items() if summary is not None}
+                return (sum(s["tokens"] for s in written.values()), sum(s["documents"] for s in written.values()),
+                        [out_dir / split for split in written])
+            return run
+
+        recipes = {
+            "one_document_at_a_time": slimpajama(OneDocumentAtATimeRecipe),
+            "fabric_lin": slimpajama(SlimPajamaRecipe),
+            "prepare_text_jsonl_zst": text("jsonl_zst"),
+            "prepare_text_parquet": text("parquet"),
+        }
+        runs = {name: [] for name in recipes}
+        for _ in range(repeats):
+            for name, run in recipes.items():
+                runs[name].append(timed(lambda: run(work / name)))
+                shutil.rmtree(work / name, ignore_errors=True)
+        results = {name: median_run(name_runs) for name, name_runs in runs.items()}
         baseline, ours = results["one_document_at_a_time"], results["fabric_lin"]
-        if baseline["tokens"] != ours["tokens"] or baseline["documents"] != ours["documents"]:
-            raise RuntimeError(f"The two recipes disagree on the output: {baseline} vs {ours}")
+        for name in ("one_document_at_a_time", "prepare_text_jsonl_zst", "prepare_text_parquet"):
+            if (results[name]["tokens"], results[name]["documents"]) != (ours["tokens"], ours["documents"]):
+                raise RuntimeError(f"{name} and the SlimPajama recipe disagree on the output: {results[name]} vs {ours}")
         report = {
             "benchmark": "prepare_throughput",
             "cpu_count": os.cpu_count(),
@@ -162,6 +236,13 @@ def main(
             "tokens": ours["tokens"],
             **results,
             "speedup": round(ours["tokens_per_s"] / baseline["tokens_per_s"], 2),
+            # prepare_text on the same documents against the SlimPajama recipe: wall clock and CPU time per token
+            "prepare_text_vs_slimpajama": {
+                name: {"tokens_per_s": round(results[f"prepare_text_{name}"]["tokens_per_s"] / ours["tokens_per_s"], 3),
+                       "tokens_per_worker_cpu_s": round(results[f"prepare_text_{name}"]["tokens_per_worker_cpu_s"]
+                                                        / ours["tokens_per_worker_cpu_s"], 3)}
+                for name in ("jsonl_zst", "parquet")
+            },
             # the wall-clock speedup needs idle cores for the encoding threads; this one does not
             "cpu_efficiency_ratio": round(ours["tokens_per_worker_cpu_s"] / baseline["tokens_per_worker_cpu_s"], 2),
             "encode_only": encode_only(tokenizer_path, Path(input_dir), max(1, (os.cpu_count() or 1) // num_workers)),

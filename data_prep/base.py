@@ -1,6 +1,6 @@
-"""What the SlimPajama and Starcoder preprocessors share: batched tokenization into token arrays, the
-per-file report, and `run_recipe`, which runs a recipe with litdata's DataProcessor into a temporary
-directory and renames it to the output directory only once everything was written.
+"""What the preprocessors (SlimPajama, Starcoder, any text corpus) share: batched tokenization into token
+arrays, the per-file report, and `run_recipe`, which runs a recipe with litdata's DataProcessor into a
+temporary directory and renames it to the output directory only once everything was written.
 """
 import itertools
 import json
@@ -26,13 +26,17 @@ from fabric_lin.files import created_dir
 # threads to share, small enough that the Python lists of ids stay a few hundred MB at most.
 ENCODE_GROUP_CHARS = 4_000_000
 REPORTS_DIR = ".reports"
+# A file's bad rows are counted; this many of them are named in its report line and in prepared.json.
+BAD_ROWS_NAMED = 3
 
 
 class TokenizeRecipe(DataChunkRecipe):
     """A DataChunkRecipe whose items are raw files and whose output is EOS-separated token arrays.
 
     Subclasses implement `find_inputs(input_dir)` (the sorted file list) and `read_documents(path)`
-    (lists of texts, raising BadFileError for a bad file)."""
+    (lists of texts, raising BadFileError for a bad file). While reading, a subclass may count the rows
+    its filter drops (`_skipped_rows`), the bad rows it leaves out (`skip_bad_rows`) and the documents it
+    holds out for a validation split (`_held_out`); each file's report and the summary show them."""
 
     is_generator = True
 
@@ -43,6 +47,10 @@ class TokenizeRecipe(DataChunkRecipe):
         self.report_dir: Optional[str] = None  # set by run_recipe
         self._tokenizer: Optional[Tokenizer] = None
         self._skipped_rows = 0  # rows of the current file that the recipe's filter dropped
+        self._bad_rows = 0  # rows of the current file left out as bad (invalid JSON, not UTF-8, ...)
+        self._bad_rows_named: List[str] = []  # where and why, for the first BAD_ROWS_NAMED reports
+        self._bad_rows_more = 0  # reports of bad rows beyond those
+        self._held_out = 0  # documents of the current file held out for the validation split
         self.first_files: Optional[int] = None  # only the first this many files (fast_dev_run; set by run_recipe)
 
     @property
@@ -67,6 +75,14 @@ class TokenizeRecipe(DataChunkRecipe):
     def read_documents(self, path: str) -> Iterator[List[str]]:
         raise NotImplementedError
 
+    def skip_bad_rows(self, rows: int, reason: str) -> None:
+        """Count `rows` bad rows of the current file, left out; `reason` says where and why."""
+        self._bad_rows += rows
+        if len(self._bad_rows_named) < BAD_ROWS_NAMED:
+            self._bad_rows_named.append(reason)
+        else:
+            self._bad_rows_more += 1
+
     def tokenize(self, texts: List[str]) -> Iterator[np.ndarray]:
         """Token arrays (each at most `chunk_size` tokens) of `texts`, every document followed by EOS."""
         dtype = token_dtype(self.tokenizer.vocab_size)
@@ -86,8 +102,9 @@ class TokenizeRecipe(DataChunkRecipe):
     def prepare_item(self, path: str) -> Iterator[np.ndarray]:
         from fabric_lin.data.raw_files import BadFileError
 
-        record = {"path": path, "status": "ok", "documents": 0, "skipped_rows": 0, "tokens": 0}
-        self._skipped_rows = 0
+        record = file_record(path)
+        self._skipped_rows = self._bad_rows = self._bad_rows_more = self._held_out = 0
+        self._bad_rows_named = []
         try:
             for texts in self.read_documents(path):
                 record["documents"] += len(texts)
@@ -98,19 +115,31 @@ class TokenizeRecipe(DataChunkRecipe):
             record["status"] = "partial" if record["documents"] else "skipped"
             record["reason"] = err.reason
         record["skipped_rows"] = self._skipped_rows
+        record.update(bad_rows=self._bad_rows, bad_rows_named=self._bad_rows_named, bad_rows_more=self._bad_rows_more,
+                      held_out=self._held_out)
         self._write_report(record)
 
     def _write_report(self, record: dict) -> None:
+        held_out = f", {record['held_out']} held out for validation" if record["held_out"] else ""
         if record["status"] == "ok":
-            line = f"{record['path']}: {record['documents']} documents, {record['tokens']} tokens"
+            line = f"{record['path']}: {record['documents']} documents, {record['tokens']} tokens{held_out}"
         elif record["status"] == "skipped":
             line = f"SKIPPED {record['path']}: {record['reason']}"
         else:
-            line = f"PARTIAL {record['path']}: {record['reason']} ({record['documents']} documents kept)"
-        print(line, file=sys.stderr if record["status"] != "ok" else sys.stdout, flush=True)
+            line = f"PARTIAL {record['path']}: {record['reason']} ({record['documents']} documents kept{held_out})"
+        if record["bad_rows"]:
+            line += f"; {bad_rows_text(record)}"
+        worrying = record["status"] != "ok" or record["bad_rows"]
+        print(line, file=sys.stderr if worrying else sys.stdout, flush=True)
         if self.report_dir is not None:
             with open(os.path.join(self.report_dir, f"worker-{os.getpid()}.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def file_record(path: str, documents: int = 0, tokens: int = 0) -> dict:
+    """What the report says of one input file (the counts the summary adds up); a recipe fills it in."""
+    return {"path": path, "status": "ok", "documents": documents, "skipped_rows": 0, "tokens": tokens, "bad_rows": 0,
+            "bad_rows_named": [], "bad_rows_more": 0, "held_out": 0}
 
 
 class InterruptibleDataProcessor(DataProcessor):
@@ -135,6 +164,12 @@ def _read_reports(report_dir: Path) -> List[dict]:
     return sorted(records, key=lambda r: r["path"])
 
 
+def bad_rows_text(record: dict) -> str:
+    """"3 bad rows left out: line 4: invalid JSON ...; line 9: ..." for a file's record."""
+    more = f"; and {record['bad_rows_more']} more" if record["bad_rows_more"] else ""
+    return f"{record['bad_rows']} bad row(s) left out: " + "; ".join(record["bad_rows_named"]) + more
+
+
 def summarize(records: List[dict]) -> dict:
     bad = [r for r in records if r["status"] != "ok"]
     return {
@@ -143,7 +178,13 @@ def summarize(records: List[dict]) -> dict:
         "documents": sum(r["documents"] for r in records),
         "skipped_rows": sum(r["skipped_rows"] for r in records),
         "tokens": sum(r["tokens"] for r in records),
+        "held_out": sum(r["held_out"] for r in records),
         "bad_files": [{"path": r["path"], "status": r["status"], "reason": r["reason"]} for r in bad],
+        "bad_rows": sum(r["bad_rows"] for r in records),
+        "files_with_bad_rows": [
+            {key: r[key] for key in ("path", "bad_rows", "bad_rows_named", "bad_rows_more")}
+            for r in records if r["bad_rows"]
+        ],
     }
 
 
@@ -154,9 +195,14 @@ def format_summary(summary: dict, heading: str, seconds: float) -> str:
         f" {summary['tokens']} tokens in {seconds:.1f}s ({summary['tokens'] / max(seconds, 1e-9):,.0f} tokens/s);"
         f" {summary['skipped_rows']} rows skipped by the recipe's filter"
     ]
+    if summary["held_out"]:
+        lines.append(f"{summary['held_out']} documents held out for the validation split")
     if summary["bad_files"]:
         lines.append(f"{len(summary['bad_files'])} bad file(s):")
         lines += [f"  {b['status']}: {b['path']}: {b['reason']}" for b in summary["bad_files"]]
+    if summary["bad_rows"]:
+        lines.append(f"{summary['bad_rows']} bad row(s) left out, in {len(summary['files_with_bad_rows'])} file(s):")
+        lines += [f"  {f['path']}: {bad_rows_text(f)}" for f in summary["files_with_bad_rows"]]
     return "\n".join(lines)
 
 
@@ -178,12 +224,15 @@ def run_recipe(
     num_workers: Optional[int] = None,
     fast_dev_run: Union[bool, int] = False,
     recipe_name: str = "",
+    info: Optional[dict] = None,
+    shown_as: Optional[Path] = None,
 ) -> dict:
     """Run `recipe` over `input_dir` with litdata's DataProcessor; return the summary.
 
     Chunks are written into a hidden sibling `.tmp-<name>-<id>` of `output_dir`; `prepared.json`
-    (tokenizer identity, summary) is written last and the directory renamed to `output_dir`, so an
-    interrupted run leaves no directory that `check_prepared_dir` accepts."""
+    (tokenizer identity, summary, and the fields of `info`) is written last and the directory renamed to
+    `output_dir`, so an interrupted run leaves no directory that `check_prepared_dir` accepts. Messages
+    name the output `shown_as` when given (where a caller moves `output_dir` to afterwards)."""
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
     if not input_dir.is_dir():
         raise FileNotFoundError(f"Input directory {str(input_dir)!r} does not exist")
@@ -200,12 +249,14 @@ def run_recipe(
         found = len(recipe.find_inputs(str(input_dir)))
         print(f"fast_dev_run: the first {min(fast_dev_run, found)} of the {found} input files (sorted by path)", flush=True)
 
+    info = {"recipe": recipe_name or type(recipe).__name__, "input_dir": str(input_dir), "fast_dev_run": fast_dev_run,
+            "chunk_size": recipe.chunk_size, **(info or {})}
     with created_dir(output_dir.parent):
-        return _run_into(recipe, input_dir, output_dir, tokenizer, num_workers, fast_dev_run, recipe_name)
+        return _run_into(recipe, input_dir, output_dir, tokenizer, num_workers, fast_dev_run, info, shown_as or output_dir)
 
 
 def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokenizer: Tokenizer, num_workers: int,
-              fast_dev_run: int, recipe_name: str) -> dict:
+              fast_dev_run: int, info: dict, shown_as: Path) -> dict:
     run_id = f"{output_dir.name}-{uuid.uuid4().hex[:8]}"
     tmp_dir = output_dir.parent / f".tmp-{run_id}"
     cache_dir = output_dir.parent / f".tmp-cache-{run_id}"
@@ -253,18 +304,10 @@ def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokeniz
     if summary["tokens"] == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise RuntimeError(
-            f"No tokens were produced from {input_dir}: every file was bad or empty, so {output_dir} was not written\n"
+            f"No tokens were produced from {input_dir}: every file was bad or empty, so {shown_as} was not written\n"
             + format_summary(summary, f"Read {input_dir}", seconds)
         )
-    write_prepared_info(
-        tmp_dir,
-        tokenizer=tokenizer,
-        recipe=recipe_name or type(recipe).__name__,
-        input_dir=str(input_dir),
-        fast_dev_run=fast_dev_run,
-        chunk_size=recipe.chunk_size,
-        summary=summary,
-    )
+    write_prepared_info(tmp_dir, tokenizer=tokenizer, **info, summary=summary)
     check_prepared_dir(tmp_dir, tokenizer)
     if output_dir.exists() and any(output_dir.iterdir()):  # another run finished first
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -272,5 +315,5 @@ def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokeniz
     if output_dir.exists():
         output_dir.rmdir()
     os.rename(tmp_dir, output_dir)
-    print(format_summary(summary, f"Prepared {output_dir}", seconds), flush=True)
+    print(format_summary(summary, f"Prepared {shown_as}", seconds), flush=True)
     return summary

@@ -33,6 +33,7 @@ COMMANDS: Dict[str, str] = {
     "train_tokenizer": "fabric_lin.data.train_tokenizer:main",
     "prepare_slimpajama": "data_prep.prepare_slimpajama:prepare",
     "prepare_starcoder": "data_prep.prepare_starcoder:prepare",
+    "prepare_text": "data_prep.prepare_text:prepare",
     "convert_pretrained_checkpoint": "fabric_lin.convert.pretrained_checkpoint:convert_pretrained_checkpoint",
     "convert_to_hf": "fabric_lin.convert.hf:convert_to_hf",
     "convert_from_hf": "fabric_lin.convert.hf:convert_from_hf",

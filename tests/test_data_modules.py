@@ -1,6 +1,6 @@
-"""Data modules: mixing weights, dataloader resume, validation order, the sample corpus; the training
-stream on any number of processes, workers and micro batch sizes, resumed from one layout on another
-(8 -> 4, 2 -> 1, 1 -> 2 processes) with no sample repeated or skipped, by a checksum per sample."""
+"""Data modules: mixing weights, dataloader resume, validation order, the sample corpus, TextFiles; the
+training stream on any number of processes, workers and micro batch sizes, resumed from one layout on
+another (8 -> 4, 2 -> 1, 1 -> 2 processes) with no sample repeated or skipped, by a checksum per sample."""
 import io
 import json
 import subprocess
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fabric_lin.config import Config
-from fabric_lin.data import SampleCorpus, SlimPajamaStarcoder, TokenChunks, Tokenizer
+from fabric_lin.data import SampleCorpus, SlimPajamaStarcoder, TextFiles, TokenChunks, Tokenizer
 from fabric_lin.data.prepared import write_prepared_info
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
 from conftest import litdata_blocks
@@ -68,6 +68,19 @@ def module(mix, batch_size, num_workers=0, **kwargs):
     return data
 
 
+def text_files(mix, batch_size, num_workers=0, **kwargs):
+    """TextFiles over the fixture's two training directories (even and odd tokens), 3 : 1 unless told."""
+    kwargs.setdefault("train_weights", [3.0, 1.0])
+    data = TextFiles(train_dir=[mix["data"] / "slimpajama" / "train", mix["data"] / "starcoder"], num_workers=num_workers,
+                     **kwargs)
+    data.connect(mix["tokenizer"], batch_size=batch_size, max_seq_length=SEQ)
+    data.setup()
+    return data
+
+
+MODULES = {"SlimPajamaStarcoder": module, "TextFiles": text_files}
+
+
 @pytest.mark.parametrize("weights,share", [(None, 0.693584), ((3.0, 1.0), 0.75)])
 def test_mixing_share_matches_weights(mix, weights, share):
     loader = module(mix, batch_size=100, **({} if weights is None else {"weights": weights})).train_dataloader()
@@ -114,6 +127,71 @@ def test_mix_weights_from_the_command_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("weights,share", [([3.0, 1.0], 0.75), ([1, 4], 0.2), (None, 160_000 / 260_000)])
+def test_text_files_mix_by_train_weights_or_by_size(mix, weights, share):
+    """Two directories (even and odd tokens) mixed by train_weights, or by their token counts (160,000 : 100,000)."""
+    iterator = iter(text_files(mix, batch_size=1024, train_weights=weights).train_dataloader())
+    even = sum(int((next(iterator)[:, 0] % 2 == 0).sum()) for _ in range(10))
+    assert abs(even - 10 * 1024 * share) <= 1, even
+
+
+def test_text_files_one_directory_and_its_validation_in_order(mix, capsys):
+    data = TextFiles(train_dir=mix["data"] / "starcoder", val_dir=mix["data"] / "slimpajama" / "val", num_workers=0)
+    data.connect(mix["tokenizer"], batch_size=10, max_seq_length=SEQ)
+    data.setup()
+    assert all(torch.all(b % 2 == 1) for _, b in zip(range(20), data.train_dataloader()))
+    tokens = torch.cat([b.flatten() for b in data.val_dataloader()]).numpy()
+    assert np.array_equal(tokens, mix["val"].astype(np.int64))
+    assert "no validation" not in capsys.readouterr().out
+
+
+def test_text_files_without_a_validation_directory_says_so_once(mix, tmp_path, capsys, monkeypatch):
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    for val_dir, why in ((None, "data.val_dir is not set"), (tmp_path / "val", f"data.val_dir {tmp_path / 'val'} does not exist")):
+        data = text_files(mix, batch_size=2, val_dir=val_dir)
+        assert data.val_dataloader() is None
+        assert next(iter(data.train_dataloader())).shape == (2, SEQ + 1)
+        out = capsys.readouterr().out
+        assert out.count("TextFiles: no validation") == 1 and why in out, out
+    monkeypatch.setattr(rank_zero_only, "rank", 1)  # the other processes of a run say nothing
+    text_files(mix, batch_size=2)
+    assert "no validation" not in capsys.readouterr().out
+
+
+def test_text_files_errors_name_the_setting(mix, tmp_path):
+    two = [mix["data"] / "slimpajama" / "train", mix["data"] / "starcoder"]
+    for weights in ([1.0], [1.0, 0.0], [1.0, float("nan")], [1, 2, 3]):
+        with pytest.raises(ValueError, match=r"data.train_weights must be one positive number per data.train_dir \(2: "
+                           rf".*slimpajama/train, .*starcoder\); got \[{', '.join(map(str, weights))}\]"):
+            TextFiles(train_dir=two, train_weights=weights)
+    with pytest.raises(ValueError, match="TextFiles needs data.train_dir"):
+        TextFiles().setup()
+    data = TextFiles(train_dir=[two[0], tmp_path / "nowhere"])
+    data.connect(mix["tokenizer"], batch_size=1, max_seq_length=SEQ)
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere")):
+        data.setup()
+
+
+def test_text_files_from_the_command_line_and_a_recipe(tmp_path):
+    """--data TextFiles takes one directory or a list; over a config_hub recipe (SlimPajamaStarcoder's data
+    block) it keeps none of that module's weights."""
+    from jsonargparse import ArgumentParser
+
+    from fabric_lin.pretrain import setup
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_function_arguments(setup)
+    parser.add_argument("--config", action="config")
+    data = parser.instantiate(parser.parse_args(
+        ["--data", "TextFiles", "--data.train_dir", "[a/train, b/train]", "--data.train_weights", "[1, 2]", "--data.val_dir", "a/val"]
+    )).data
+    assert data == TextFiles(train_dir=[Path("a/train"), Path("b/train")], train_weights=[1.0, 2.0], val_dir=Path("a/val"))
+    recipe = Path(__file__).resolve().parents[1] / "config_hub" / "gdn_340M.yaml"
+    data = parser.instantiate(parser.parse_args(["--config", str(recipe), "--data", "TextFiles", "--data.train_dir", "x/train"])).data
+    assert isinstance(data, TextFiles) and data.train_dirs == [Path("x/train")] and data.train_weights is None
+
+
 def test_use_starcoder_false_reads_slimpajama_only(mix):
     loader = module(mix, batch_size=50, use_starcoder=False).train_dataloader()
     batches = [b for _, b in zip(range(20), loader)]
@@ -121,7 +199,7 @@ def test_use_starcoder_false_reads_slimpajama_only(mix):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("kind", ["SlimPajamaStarcoder", "TokenChunks"])
+@pytest.mark.parametrize("kind", ["SlimPajamaStarcoder", "TokenChunks", "TextFiles"])
 def test_resume_continues_with_the_next_batch(mix, kind, num_workers):
     def make_loader():
         if kind == "TokenChunks":
@@ -129,7 +207,7 @@ def test_resume_continues_with_the_next_batch(mix, kind, num_workers):
             data.connect(mix["tokenizer"], batch_size=4, max_seq_length=SEQ)
             data.setup()
             return data.train_dataloader()
-        return module(mix, batch_size=4, num_workers=num_workers).train_dataloader()
+        return MODULES[kind](mix, batch_size=4, num_workers=num_workers).train_dataloader()
 
     for consumed in (1, 6, 11):
         loader = make_loader()
@@ -162,10 +240,10 @@ class Layout:
     """The training loaders of the `world_size` processes of one layout, each read through one iterator
     as the training loop does; started at the position of `state` (rank 0's loader state) when given."""
 
-    def __init__(self, mix, world_size: int, batch_size: int, num_workers: int = 0, state=None):
+    def __init__(self, mix, world_size: int, batch_size: int, num_workers: int = 0, state=None, make=module):
         self.loaders = []
         for rank in range(world_size):
-            loader = module(mix, batch_size=batch_size, num_workers=num_workers).train_dataloader()
+            loader = make(mix, batch_size=batch_size, num_workers=num_workers).train_dataloader()
             loader.rank_and_world = (rank, world_size)
             if state is not None:
                 loader.load_state_dict(torch_round_trip(state))
@@ -206,16 +284,18 @@ def test_the_stream_is_the_same_on_any_layout(mix, world_size, batch_size, num_w
     assert Layout(mix, world_size, batch_size, num_workers).take_steps(5, global_batch=16) == one_process
 
 
+@pytest.mark.parametrize("kind", ["SlimPajamaStarcoder", "TextFiles"])
 @pytest.mark.parametrize("before,after", [((8, 2, 0), (4, 1, 2)), ((2, 2, 1), (1, 4, 0)), ((1, 4, 0), (2, 1, 2))],
                          ids=["8->4", "2->1", "1->2"])
-def test_resumed_on_another_layout_no_sample_is_repeated_or_skipped(mix, before, after):
+def test_resumed_on_another_layout_no_sample_is_repeated_or_skipped(mix, before, after, kind):
     """(processes, micro batch size, workers) before and after the checkpoint, 32 samples a step."""
-    uninterrupted = Layout(mix, 1, 8).take_steps(30, global_batch=32)
-    first = Layout(mix, *before)
+    make = MODULES[kind]
+    uninterrupted = Layout(mix, 1, 8, make=make).take_steps(30, global_batch=32)
+    first = Layout(mix, *before, make=make)
     seen = first.take_steps(12, global_batch=32)
     states = [loader.state_dict() for loader in first.loaders]
     assert all(state == states[0] for state in states)  # the position is the same on every process
-    seen += Layout(mix, *after, state=states[0]).take_steps(18, global_batch=32)  # rank 0's state, as Fabric saves it
+    seen += Layout(mix, *after, state=states[0], make=make).take_steps(18, global_batch=32)  # rank 0's state, as Fabric saves it
     assert [sorted(step) for step in seen] == [sorted(step) for step in uninterrupted]
     consumed = [sample for step in seen for sample in step]
     # 960 samples: within one epoch of both sources, so no sample may appear twice

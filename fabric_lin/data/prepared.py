@@ -62,8 +62,8 @@ def check_prepared_dir(
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(
-            f"Prepared data directory {str(path)!r} does not exist: run `fabric-lin prepare_slimpajama` or"
-            " `fabric-lin prepare_starcoder` to create it"
+            f"Prepared data directory {str(path)!r} does not exist: run `fabric-lin prepare_text`,"
+            " `fabric-lin prepare_slimpajama` or `fabric-lin prepare_starcoder` to create it"
         )
     index_path = path / INDEX_FILE
     if not index_path.is_file():

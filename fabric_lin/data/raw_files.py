@@ -1,11 +1,14 @@
-"""Readers for the raw corpora: SlimPajama `*.jsonl.zst`, Starcoder `*.parquet`, plain `*.txt`.
+"""Readers for the raw corpora: SlimPajama `*.jsonl.zst`, Starcoder `*.parquet`, plain `*.txt`, and any
+text corpus of JSON lines, parquet or text files (`iter_text_documents`, for prepare_text).
 
 Every reader raises `BadFileError(path, reason)` for a file it cannot use, so a preprocessor can
 report the file and go on with the others.
 """
+import gzip
 import json
+import zlib
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple, Union
+from typing import Iterator, List, NamedTuple, Optional, Tuple, Union
 
 
 class BadFileError(Exception):
@@ -16,6 +19,10 @@ class BadFileError(Exception):
         # rows already handed out before the error (a parquet file is streamed, so a late error is
         # found after earlier batches were used)
         self.rows_done = rows_done
+
+
+# JSON-lines files (plain or compressed) are read this many bytes at a time.
+READ_BLOCK_BYTES = 1 << 20
 
 
 def _one_line(err: Exception) -> str:
@@ -33,29 +40,46 @@ def find_files(input_dir: Union[str, Path], suffix: str) -> List[Path]:
     return files
 
 
-def decompress_zstd(path: Union[str, Path]) -> bytes:
-    """The whole decompressed content of a (possibly multi-frame) .zst file; truncation is an error."""
+def iter_zstd(path: Union[str, Path], read_size: int = READ_BLOCK_BYTES) -> Iterator[bytes]:
+    """The decompressed content of a (possibly multi-frame) .zst file, block by block; truncation is an error.
+
+    zstandard's stream_reader ends a truncated stream silently, as if the file were complete, so the
+    frames are decoded here and the last one must reach its end."""
     import zstandard
 
+    decompressor = zstandard.ZstdDecompressor()
+    frame = None  # the frame being decoded
+    size = 0
     try:
-        raw = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            while True:
+                data = f.read(read_size)
+                if not data:
+                    break
+                size += len(data)
+                while data:
+                    if frame is None:
+                        frame = decompressor.decompressobj()
+                    out = frame.decompress(data)
+                    if out:
+                        yield out
+                    if frame.eof:  # the rest of the data starts the next frame
+                        data, frame = frame.unused_data, None
+                    else:
+                        data = b""
     except OSError as err:
         raise BadFileError(path, f"cannot read: {err.strerror or err}") from None
-    if not raw:
-        raise BadFileError(path, "empty file")
-    pieces = []
-    rest = raw
-    decompressor = zstandard.ZstdDecompressor()
-    try:
-        while rest:
-            frame = decompressor.decompressobj()
-            pieces.append(frame.decompress(rest))
-            if not frame.eof:
-                raise BadFileError(path, "corrupt zstd: stream is truncated (the last frame never ends)")
-            rest = frame.unused_data
     except zstandard.ZstdError as err:
         raise BadFileError(path, f"corrupt zstd: {err}") from None
-    return b"".join(pieces)
+    if size == 0:
+        raise BadFileError(path, "empty file")
+    if frame is not None:
+        raise BadFileError(path, "corrupt zstd: stream is truncated (the last frame never ends)")
+
+
+def decompress_zstd(path: Union[str, Path]) -> bytes:
+    """The whole decompressed content of a (possibly multi-frame) .zst file; truncation is an error."""
+    return b"".join(iter_zstd(path))
 
 
 def read_slimpajama_file(path: Union[str, Path]) -> List[Tuple[str, Optional[str]]]:
@@ -139,3 +163,199 @@ def iter_parquet_texts(
 def iter_text_file_lines(path: Union[str, Path]) -> Iterator[str]:
     with open(path, encoding="utf-8", errors="replace") as f:
         yield from f
+
+
+# ---- any text corpus (prepare_text): JSON lines, parquet, plain text
+
+JSON_LINES_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz", ".json.gz")
+TEXT_SUFFIXES = JSON_LINES_SUFFIXES + (".parquet", ".txt")
+
+
+class DocumentBatch(NamedTuple):
+    """Some documents of one file, as read. `texts[i]` is the file's document number `indices[i]`: its line
+    (JSON lines) or row (parquet), counted from 0 with blank and bad ones included, so that a document keeps
+    its number when another line is fixed or removed. A null value (JSON or parquet) is an empty text.
+    `bad` holds (rows, reason) for each bad row, or group of rows, left out."""
+
+    indices: List[int]
+    texts: List[str]
+    bad: List[Tuple[int, str]]
+
+
+def find_text_files(input_dir: Union[str, Path], pattern: str = "**/*") -> Tuple[List[Path], List[Path]]:
+    """The files under `input_dir` that match the glob `pattern` (relative to it) and end with one of
+    TEXT_SUFFIXES, sorted; and the matched files of other suffixes, which are not read."""
+    input_dir = Path(input_dir)
+    if not input_dir.is_dir():
+        raise FileNotFoundError(f"Input directory {str(input_dir)!r} does not exist")
+    if not pattern or Path(pattern).is_absolute():
+        raise ValueError(f"--pattern {pattern!r}: expected a glob relative to --input_dir, e.g. '**/*.parquet'")
+    matched = sorted(p for p in input_dir.glob(pattern) if p.is_file())
+    files = [p for p in matched if p.name.endswith(TEXT_SUFFIXES)]
+    others = [p for p in matched if not p.name.endswith(TEXT_SUFFIXES)]
+    if not files:
+        found = (
+            f"it holds {len(others)} other file(s), e.g. {', '.join(str(p.relative_to(input_dir)) for p in others[:3])}"
+            if others else "no file matches it"
+        )
+        raise FileNotFoundError(
+            f"No input files under {input_dir} with --pattern {pattern!r}: expected files ending in "
+            f"{', '.join(TEXT_SUFFIXES)}; {found}"
+        )
+    return files, others
+
+
+def iter_text_documents(path: Union[str, Path], key: str = "text", batch_size: int = 8192) -> Iterator[DocumentBatch]:
+    """The documents of one file of a text corpus, up to `batch_size` at a time: field `key` of each JSON line
+    (.jsonl, .jsonl.zst, .jsonl.gz, .json.gz), column `key` of a parquet file (read row group by row group,
+    batch by batch), or the whole of a .txt file (one document). A bad row is reported in the batch and left
+    out; a file that cannot be read on raises BadFileError (after the batches read before the damage)."""
+    name = Path(path).name
+    if name.endswith(".parquet"):
+        yield from _iter_parquet_documents(path, key, batch_size)
+    elif name.endswith(".txt"):
+        yield DocumentBatch([0], [_read_text_file(path)], [])
+    elif name.endswith(JSON_LINES_SUFFIXES):
+        yield from _iter_json_lines_documents(path, key, batch_size)
+    else:
+        raise BadFileError(path, f"not a file prepare_text reads: expected a name ending in {', '.join(TEXT_SUFFIXES)}")
+
+
+def _read_text_file(path: Union[str, Path]) -> str:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise BadFileError(path, f"cannot read: {err.strerror or err}") from None
+    if not data:
+        raise BadFileError(path, "empty file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadFileError(path, f"not UTF-8 text: {err.reason} at byte {err.start}") from None
+
+
+def _iter_blocks(path: Union[str, Path]) -> Iterator[bytes]:
+    """The (decompressed) bytes of a JSON-lines file, block by block."""
+    name = Path(path).name
+    if name.endswith(".zst"):
+        yield from iter_zstd(path)
+        return
+    try:
+        with (gzip.open(path, "rb") if name.endswith(".gz") else open(path, "rb")) as f:
+            # read1: what one read of the file gives; read() would wait for a whole block and so lose the
+            # part of a truncated gzip stream before the break
+            for block in iter(lambda: f.read1(READ_BLOCK_BYTES), b""):
+                yield block
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:  # EOFError: a truncated gzip stream
+        raise BadFileError(path, f"corrupt gzip: {_one_line(err)}") from None
+    except OSError as err:
+        raise BadFileError(path, f"cannot read: {err.strerror or err}") from None
+
+
+def _iter_lines(path: Union[str, Path]) -> Iterator[bytes]:
+    """The lines of a JSON-lines file (without their newline), however long: a line may span blocks."""
+    pending: List[bytes] = []  # the start of a line that continues in the next block
+    for block in _iter_blocks(path):
+        lines = block.split(b"\n")
+        if len(lines) == 1:
+            pending.append(block)
+            continue
+        lines[0] = b"".join(pending) + lines[0]
+        pending = [lines.pop()]
+        yield from lines
+    rest = b"".join(pending)
+    if rest:
+        yield rest
+
+
+def _json_line_text(line: bytes, key: str) -> Tuple[Optional[str], Optional[str]]:
+    """(the text of field `key`, None), or (None, what is wrong with the line)."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        return None, f"not UTF-8 ({err.reason} at byte {err.start})"
+    except json.JSONDecodeError as err:
+        return None, f"invalid JSON: {err.msg} (column {err.colno})"
+    if not isinstance(row, dict):
+        return None, f"a JSON {type(row).__name__}, expected an object with a string field {key!r}"
+    if key not in row:
+        keys = ", ".join(list(row)[:8]) + (", ..." if len(row) > 8 else "")
+        return None, f"no field {key!r} (fields: {keys or 'none'}; --text_key names the field to read)"
+    text = row[key]
+    if text is None:
+        return "", None
+    if not isinstance(text, str):
+        return None, f"field {key!r} is a JSON {type(text).__name__}, expected a string"
+    try:  # JSON escapes can spell half a surrogate pair ("\ud83d"), which no tokenizer can encode
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return None, f"field {key!r} is not valid Unicode ({err.reason} at character {err.start})"
+    return text, None
+
+
+def _iter_json_lines_documents(path: Union[str, Path], key: str, batch_size: int) -> Iterator[DocumentBatch]:
+    batch = DocumentBatch([], [], [])
+    line_number = 0
+    try:
+        for line_number, line in enumerate(_iter_lines(path), start=1):
+            if not line.strip():
+                continue
+            text, problem = _json_line_text(line, key)
+            if problem is None:
+                batch.indices.append(line_number - 1)
+                batch.texts.append(text)
+            else:
+                batch.bad.append((1, f"line {line_number}: {problem}"))
+            if len(batch.texts) >= batch_size:
+                yield batch
+                batch = DocumentBatch([], [], [])
+    except BadFileError as err:  # the file breaks off: what was read before it is good
+        if batch.texts or batch.bad:
+            yield batch
+        where = f" after line {line_number}" if line_number else ""
+        raise BadFileError(path, f"{err.reason}{where}", rows_done=line_number) from None
+    if batch.texts or batch.bad:
+        yield batch
+
+
+def _iter_parquet_documents(path: Union[str, Path], column: str, batch_size: int) -> Iterator[DocumentBatch]:
+    import pyarrow as pa
+
+    parquet_file = open_parquet(path, column)
+    groups = parquet_file.num_row_groups
+    first_row = 0  # of the current row group
+    for group in range(groups):
+        group_rows = parquet_file.metadata.row_group(group).num_rows
+        row = first_row
+        try:
+            # a row group is read in batches, so memory holds one batch of texts, never the whole file
+            for batch in parquet_file.iter_batches(batch_size=batch_size, row_groups=[group], columns=[column]):
+                yield _parquet_batch(batch.column(0), row)
+                row += batch.num_rows
+        except (pa.ArrowException, OSError) as err:
+            # row groups are independent: a damaged one costs its own remaining rows only
+            lost = first_row + group_rows - row
+            yield DocumentBatch([], [], [(lost, f"row group {group} of {groups} (rows {row} to {row + lost - 1}): "
+                                                f"unreadable: {_one_line(err)}")])
+        first_row += group_rows
+
+
+def _parquet_batch(values, first_row: int) -> DocumentBatch:
+    """The texts of a batch of a string column whose first row is `first_row` of the file."""
+    import pyarrow as pa
+
+    try:
+        texts = values.to_pylist()
+    except UnicodeDecodeError:  # Arrow does not check strings on read: find the rows that are not UTF-8
+        binary = pa.large_binary() if pa.types.is_large_string(values.type) else pa.binary()
+        batch = DocumentBatch([], [], [])
+        for row, raw in enumerate(values.view(binary).to_pylist(), start=first_row):
+            try:
+                text = "" if raw is None else raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                batch.bad.append((1, f"row {row}: not UTF-8 ({err.reason} at byte {err.start})"))
+                continue
+            batch.indices.append(row)
+            batch.texts.append(text)
+        return batch
+    return DocumentBatch(list(range(first_row, first_row + len(texts))), [t or "" for t in texts], [])

@@ -1,0 +1,89 @@
+"""Your own corpus, prepared by `fabric-lin prepare_text`: one training directory or several mixed by weights."""
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Union
+
+from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
+
+
+@dataclass
+class TextFiles(DataModule):
+    """Directories written by `fabric-lin prepare_text` (OUT/train, OUT/val), or any prepared directories.
+
+    Several training directories are mixed as SlimPajamaStarcoder mixes its two: the one sample stream of
+    `fabric_lin.data.sample_order`, each directory's share set by `train_weights`."""
+
+    train_dir: Union[Path, List[Path], None] = None
+    """The prepared training directory (prepare_text's OUT/train), or a list of them to mix."""
+    val_dir: Optional[Path] = None
+    """The prepared validation directory (OUT/val). Not given, or not there: no validation, said at start-up."""
+    train_weights: Optional[List[float]] = None
+    """Relative shares of training samples drawn from each train_dir, in order (normalised to sum to 1).
+    Default: the directories' token counts, so each sample is read about as often as any other."""
+    seed: int = 42
+    num_workers: int = 8
+
+    validating: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.check_weights()
+
+    @property
+    def train_dirs(self) -> List[Path]:
+        if self.train_dir is None:
+            return []
+        return [Path(p) for p in (self.train_dir if isinstance(self.train_dir, (list, tuple)) else [self.train_dir])]
+
+    def check_weights(self) -> None:
+        if self.train_weights is None:
+            return
+        weights = list(self.train_weights) if isinstance(self.train_weights, (list, tuple)) else [self.train_weights]
+        if len(weights) != len(self.train_dirs) or not all(
+            isinstance(w, (int, float)) and 0 < w < float("inf") for w in weights
+        ):
+            raise ValueError(
+                f"data.train_weights must be one positive number per data.train_dir ({len(self.train_dirs)}: "
+                f"{', '.join(map(str, self.train_dirs)) or 'none'}); got {weights}. Leave it out to mix by size"
+            )
+
+    def setup(self) -> None:
+        from fabric_lin.data.prepared import check_prepared_dir
+
+        if not self.train_dirs:
+            raise ValueError(
+                "TextFiles needs data.train_dir: a directory written by `fabric-lin prepare_text` (its OUT/train), or a list of them"
+            )
+        self.check_weights()
+        for path in self.train_dirs:
+            check_prepared_dir(path, self.tokenizer, self.vocab_size)
+        self.validating = self.val_dir is not None and Path(self.val_dir).exists()
+        if self.validating:
+            check_prepared_dir(self.val_dir, self.tokenizer, self.vocab_size)
+        else:
+            why = "data.val_dir is not set" if self.val_dir is None else (
+                f"data.val_dir {self.val_dir} does not exist (prepare_text writes OUT/val when --val_fraction holds out"
+                " any document)"
+            )
+            say_once(f"TextFiles: no validation: {why}")
+
+    def train_dataloader(self):
+        weights = self.train_weights
+        if weights is None and len(self.train_dirs) > 1:
+            from fabric_lin.data.prepared import chunk_tokens
+
+            weights = [float(chunk_tokens(path).sum()) for path in self.train_dirs]
+        return token_train_loader(self.train_dirs, self.block_size, self.batch_size, self.num_workers, self.seed,
+                                  self.tokenizer, weights=weights)
+
+    def val_dataloader(self):
+        if not self.validating:
+            return None
+        return token_val_loader(self.val_dir, self.block_size, self.batch_size, self.num_workers, self.tokenizer)
+
+
+def say_once(message: str) -> None:
+    """Print `message` in the first process only (every process of a run sets its data module up)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        print(message, flush=True)
