@@ -146,7 +146,7 @@ def setup(
     data = SampleCorpus() if data is None else data
     if type(data) is DataModule:  # --data.<option> alone: jsonargparse builds the base class
         raise ValueError(
-            "--data.* options need a data module: give --data SampleCorpus, TokenChunks or SlimPajamaStarcoder "
+            "--data.* options need a data module: give --data SampleCorpus, TokenChunks, SlimPajamaStarcoder or TextFiles "
             "(or a config file's data: class_path) before them"
         )
     data.validate()
