@@ -1,3 +1,4 @@
+import contextlib
 import json
 import math
 import os
@@ -21,6 +22,46 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def fla_in_interpreter():
+    """Within: flash-linear-attention's (fla's) kernels run in Triton's interpreter (TRITON_INTERPRET=1), where two
+    things of compiled Triton that fla relies on are missing; both are put back on leaving.
+
+    - autotuning: the interpreter has no benchmarker (Triton raises "0 active drivers"), so each autotuned kernel
+      runs with its first config. Block sizes change the order of fp32 sums, not the function.
+    - loop variables: compiled Triton makes a `for i in range(n)` variable a tensor, the interpreter a Python int,
+      so fla's `i_t.to(tl.int64)` in chunk_fwd_kernel_h (the chunked mode, T > 64) fails with "'int' object has no
+      attribute 'to'". Loop variables are converted to tensors as the interpreter already does for every
+      assignment. (The interpreter rewrites a kernel once, at its first run: one first run inside keeps the
+      conversion, which changes nothing of what a kernel computes.)
+
+    fla's kernels themselves run unchanged."""
+    import ast
+
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interpreter
+
+    prune = autotuner.Autotuner.prune_configs
+    transformer = interpreter.FunctionRewriter.ast_transformer
+
+    class LoopVariablesAsTensors(interpreter.ASTTransformer):
+        def visit_For(self, node):
+            self.generic_visit(node)
+            if isinstance(node.target, ast.Name):
+                name = node.target.id
+                same = ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=ast.Name(id=name, ctx=ast.Load()))
+                node.body.insert(0, self.visit_Assign(same))  # i = to_tensor(i)
+            return node
+
+    autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
+    interpreter.FunctionRewriter.ast_transformer = LoopVariablesAsTensors()
+    try:
+        yield
+    finally:
+        autotuner.Autotuner.prune_configs = prune
+        interpreter.FunctionRewriter.ast_transformer = transformer
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -2,15 +2,8 @@
 model, loaded by fla's `AutoModelForCausalLM.from_pretrained`, gives fabric-lin's logits in fp32.
 
 fla's layers are Triton kernels, so without CUDA they run in Triton's interpreter
-(TRITON_INTERPRET=1, fp32, on small models). The comparison runs in a subprocess, so the interpreter
-setting and the two interpreter adjustments below stay out of the pytest process:
-
-- autotuning: the interpreter has no benchmarker (Triton raises "0 active drivers"), so each autotuned
-  kernel runs with its first config. Block sizes change the order of fp32 sums, not the function.
-- loop variables: compiled Triton makes a `for i in range(n)` variable a tensor, the interpreter a
-  Python int, so fla's `i_t.to(tl.int64)` in chunk_fwd_kernel_h (the chunked mode, T > 64) fails with
-  "'int' object has no attribute 'to'". Loop variables are converted to tensors as the interpreter
-  already does for every assignment.
+(TRITON_INTERPRET=1, fp32, on small models), with conftest.fla_in_interpreter's two adjustments. The
+comparison runs in a subprocess, so that the interpreter setting stays out of the pytest process.
 
 fla's kernels themselves run unchanged. fla picks its fused_recurrent mode for T <= 64 and the chunked
 mode (chunk 64) above, so each case is run at both. Skips when fla or transformers is not installed
@@ -60,28 +53,6 @@ CASES = {  # name: (config, sequence lengths)
 
 def fla_installed() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("fla", "transformers"))
-
-
-def adapt_interpreter() -> None:
-    """The two interpreter adjustments of the module docstring; call before importing fla."""
-    import ast
-
-    import triton.runtime.autotuner as autotuner
-    import triton.runtime.interpreter as interpreter
-
-    prune = autotuner.Autotuner.prune_configs
-    autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
-
-    class LoopVariablesAsTensors(interpreter.ASTTransformer):
-        def visit_For(self, node):
-            self.generic_visit(node)
-            if isinstance(node.target, ast.Name):
-                name = node.target.id
-                same = ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=ast.Name(id=name, ctx=ast.Load()))
-                node.body.insert(0, self.visit_Assign(same))  # i = to_tensor(i)
-            return node
-
-    interpreter.FunctionRewriter.ast_transformer = LoopVariablesAsTensors()
 
 
 def compare_with_fla(config: Config, seq_lens=SEQ_LENS, batch: int = 1, seed: int = 0) -> list:
@@ -167,8 +138,10 @@ def test_exported_models_match_fla_interpreted():
 if __name__ == "__main__":
     if not fla_installed():
         raise SystemExit("needs flash-linear-attention: pip install flash-linear-attention transformers")
-    adapt_interpreter()
-    for case, (make, seq_lens) in CASES.items():
-        for result in compare_with_fla(make(), seq_lens):
-            print(json.dumps({"case": case, **result}), flush=True)
-    print(json.dumps({"case": "gdn-generate", **generate_with_fla(CASES["gdn"][0]())}), flush=True)
+    from conftest import fla_in_interpreter
+
+    with fla_in_interpreter():
+        for case, (make, seq_lens) in CASES.items():
+            for result in compare_with_fla(make(), seq_lens):
+                print(json.dumps({"case": case, **result}), flush=True)
+        print(json.dumps({"case": "gdn-generate", **generate_with_fla(CASES["gdn"][0]())}), flush=True)
