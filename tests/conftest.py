@@ -128,9 +128,11 @@ def gated_delta_rule_fp64(q, k, v, g, beta, scale=None, initial_state=None, outp
 def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n_states=None, seed=0):
     """fp32 q, k, v, g, beta, h0 on the CPU. Gates: slow, g ~ -0.01 per step (the state carries across many
     chunks); fast, ~ -5 per step (exp(g) ~ 0.007: the state forgets within a few tokens; in-chunk cumulative
-    sums reach ~-320, where an exp(-b) anywhere would overflow fp32); mixed, log-uniform over -1e-3 to -8, fast
-    and slow tokens side by side in a chunk. normalized_keys: |k| <= 1, keeping beta |k|^2 < 2 where the delta
-    rule contracts (raw Gaussian keys are for use_qk_l2norm, normalised inside the op)."""
+    sums reach ~-320, where an exp(-b) anywhere would overflow fp32); forgetting, uniform over -40 to -10 per step
+    (exp(g) < 5e-5: the state is gone after one token, and the true gradient of g is tiny, ~1e-7, beside the
+    O(1) terms a chunked backward pass assembles it from); mixed, log-uniform over -1e-3 to -8, fast and slow
+    tokens side by side in a chunk. normalized_keys: |k| <= 1, keeping beta |k|^2 < 2 where the delta rule
+    contracts (raw Gaussian keys are for use_qk_l2norm, normalised inside the op)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen)
     k = torch.randn(B, T, H, K, generator=gen)
@@ -142,6 +144,8 @@ def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n
         g = -5.0 * (0.5 + u)
     elif gate == "slow":
         g = -0.01 * (0.5 + u)
+    elif gate == "forgetting":
+        g = -10.0 - 30.0 * u
     else:
         g = -torch.exp(math.log(1e-3) + u * (math.log(8.0) - math.log(1e-3)))
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))

@@ -117,11 +117,11 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
 
 
 @triton.jit
-def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, db_part, cu_seqlens, chunk_indices, scale, T,
+def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seqlens, chunk_indices, scale, T,
                      part_stride, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
     """For one key tile of one chunk and head: dq (dq's dtype), the output's and state's part of dk (fp32),
-    dW = -dD S^T (dw's dtype), and their part of db (fp32, the key tile's own row of db_part)."""
+    dW = -dD S^T (dw's dtype), and their part of the gate's gradient dg (fp32, the key tile's own row of dg_part)."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     row0, n_rows, i_tg = chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -154,27 +154,39 @@ def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, db_part, cu_seq
         b_dw += tl.dot(b_dd, tl.trans(b_h.to(DT)), input_precision=DOT_PREC)
         b_ds += tl.dot(b_do, tl.trans(b_d), input_precision=DOT_PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    m_tk = m_t[:, None] & m_k[None, :]
+    offs = i_h * K + (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
+    tl.store(dw + offs, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)  # stored first: its registers are needed below
     b_b = load_cum_gate(b + i_h, row0, o_t, n_rows, H)
     b_last = load_cum_gate(b + i_h, row0, BT - 1, n_rows, H)
     b_q = load_raw(q + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
     b_k = load_raw(k + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
-    b_ds = (b_ds * _causal_decay(b_b, BT) * scale).to(DT)
+    # P's diagonal (exp(0) = 1 whatever the gate) moves no b: it enters db_i once through q_i and once, negated,
+    # through k_i. Summed into dq . q and dk . k it would leave the rounding of those O(1) terms in db, which is
+    # all there is of a fast gate's tiny true gradient; so it is kept out of db, and added to dq and dk apart
+    b_ds = b_ds * _causal_decay(b_b, BT) * scale
+    diagonal = o_t[:, None] == o_t[None, :]
+    ds_diag = tl.sum(tl.where(diagonal, b_ds, 0.0), axis=1)
+    b_ds = tl.where(diagonal, 0.0, b_ds).to(DT)
     b_dq = dq_state * (tl.exp(b_b) * scale)[:, None] + tl.dot(b_ds, b_k, input_precision=DOT_PREC)
-    dk_state = dk_state * tl.exp(b_last - b_b)[:, None]
-    b_dk = dk_state + tl.dot(tl.trans(b_ds), b_q, input_precision=DOT_PREC)
-    b_qf = b_q.to(tl.float32)
-    b_kf = b_k.to(tl.float32)
-    b_db = tl.sum(b_dq * b_qf, axis=1) - tl.sum(b_dk * b_kf, axis=1)
-    # b_last is every row's b in the state's decay exp(b_last) and the keys' exp(b_last - b): its gradient
-    # lands on the chunk's last row
-    db_last = tl.sum(b_hdh, axis=0) * tl.exp(b_last) + tl.sum(tl.sum(dk_state * b_kf, axis=1), axis=0)
-    b_db += tl.where(o_t == tl.minimum(n_rows, BT) - 1, db_last, 0.0)
-    m_tk = m_t[:, None] & m_k[None, :]
-    offs = i_h * K + (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
+    b_db = tl.sum(b_dq * b_q.to(tl.float32), axis=1)
+    b_dq += ds_diag[:, None] * b_k.to(tl.float32)
     tl.store(dq + offs, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    b_dk = tl.dot(tl.trans(b_ds), b_q, input_precision=DOT_PREC)
+    b_db -= tl.sum(b_dk * b_k.to(tl.float32), axis=1)
+    dk_state = dk_state * tl.exp(b_last - b_b)[:, None]
+    # The keys' exp(b_last - b_i) = exp(g_{i+1} + ... + g_last) moves g_t for t > i only, by c_i = k_i . dk_state_i:
+    # g_t's gradient gets the sum of c_i over the rows i < t. Taken as b_last's gradient minus b_i's, the last row's
+    # c (of a key no decay reaches, O(1)) would be added at the last row and taken away again in the reverse cumsum
+    c = tl.sum(dk_state * b_k.to(tl.float32), axis=1)
+    b_dk += dk_state + ds_diag[:, None] * b_q.to(tl.float32)
     tl.store(dk_part + offs, b_dk, mask=m_tk)
-    tl.store(dw + offs, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
-    tl.store(db_part + i_k * part_stride + (row0 + o_t) * H + i_h, b_db, mask=m_t)
+    # exp(b_last) decays the state: its gradient lands on the chunk's last row, so db's reverse cumsum gives it
+    # to every row's g
+    b_db += tl.where(o_t == tl.minimum(n_rows, BT) - 1, tl.sum(b_hdh, axis=0) * tl.exp(b_last), 0.0)
+    dg_keys = tl.sum(tl.where(o_t[:, None] > o_t[None, :], c[None, :], 0.0), axis=1)
+    b_dg = tl.cumsum(tl.where(m_t, b_db, 0.0), axis=0, reverse=True) + dg_keys
+    tl.store(dg_part + i_k * part_stride + (row0 + o_t) * H + i_h, b_dg, mask=m_t)
 
 
 # ------------------------------------------------------------------------------------------ host side
@@ -219,9 +231,9 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dw = torch.empty_like(k)
     BK = tile_width(launch.dqkw.BK, K)
     NK = cdiv(K, BK)
-    db_part = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
+    dg_part = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
     _bwd_dqkw_kernel[(NK,) + grid](
-        q, k, d, b, h, dh, do, dd, dq, dk_part, dw, db_part, cu_seqlens, chunk_indices, scale, T, B * T * H,
+        q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seqlens, chunk_indices, scale, T, B * T * H,
         H, K, V, BT, BK, tile_width(launch.dqkw.BV, V), IS_VARLEN=is_varlen, DOT_PREC=prec,
         **launch.dqkw.options(),
     )
@@ -231,7 +243,7 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dg = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     dbeta = torch.empty_like(beta)
     _wy_bwd_kernel[grid](
-        k, v, beta, b, A_inv, dw, dd, dk_part, db_part, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, NK,
+        k, v, beta, b, A_inv, dw, dd, dk_part, dg_part, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, NK,
         B * T * H, H, K, V, BT, tile_width(launch.wy_bwd.BK, K), tile_width(launch.wy_bwd.BV, V),
         IS_VARLEN=is_varlen, DOT_PREC=prec, **launch.wy_bwd.options(),
     )
