@@ -131,9 +131,9 @@ def forgetting_gate_errors(fn):
 def test_forgetting_gates_gate_gradient_is_more_than_rounding():
     # With forgetting gates the true dg is tiny (~1e-5 of dbeta here), while the chunked backward pass assembles it
     # from O(1) terms, such as the final state's gradient reaching the last key of a chunk through
-    # exp(b_last - b_last) = 1. Where such a term were added and taken away again, dg would be its rounding: in
-    # fp32 that was 1.4% of dg's norm here (110% on other draws). fp32 gives dg to a few parts in 1e5 (the
-    # cumulative gate itself is rounded), and every other tensor to fp32's rounding.
+    # exp(b_last - b_last) = 1. Where such a term is added and taken away again, dg is its rounding: in fp32 1.4%
+    # of dg's norm on these inputs, 110% on others. fp32 gives dg to a few parts in 1e5 (the cumulative gate itself
+    # is rounded), and every other tensor to fp32's rounding.
     ours = forgetting_gate_errors(triton_op)
     assert ours["dg"] < 1e-3, ours
     assert all(e < 1e-5 for name, e in ours.items() if name != "dg"), ours

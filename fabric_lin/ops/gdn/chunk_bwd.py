@@ -8,16 +8,20 @@ Per chunk and head, with S = h_n the state entering it, dS' the gradient of the 
     dk = scale (do D^T * Gamma)^T q + exp(b_last - b) D dS'^T         (the output's and the state's parts)
     dW = -dD S^T,   dU = dD
 and from dW and dU through W = (I + A)^-1 X and U = (I + A)^-1 Y on to k, v, beta and the gate (`wy._wy_bwd_kernel`).
-The gate: with db_i the gradient of b_i, db = row sums of dq * q - row sums of dk * k (dk's two parts above) + the
-WY part, plus at the chunk's last row exp(b_last) sum(S * dS') + sum(exp(b_last - b) D dS'^T * k), the gradient of
-b_last where it decays the state and the keys; dg is db's reverse cumsum inside the chunk (b = cumsum(g)).
+The gate (b = cumsum(g) inside the chunk): with db_i the gradient of b_i, db = row sums of dq * q - row sums of
+dk * k over P's strictly lower part and q's decay exp(b), plus the WY part, plus exp(b_last) sum(S * dS') at the
+chunk's last row (where b_last decays the state); dg is db's reverse cumsum, plus for the keys' decay
+exp(b_last - b_i), which moves g_t for t > i only, the sum over i < t of k_i . (exp(b_last - b_i) D dS'^T)_i.
+Neither P's diagonal nor the last key's decay (both exp(0) = 1) is taken as a gradient added to one row and taken
+away at another: with fast-forgetting gates the true dg is tiny, and the rounding of such O(1) terms would be all
+of it.
 
 Launches: W and U recomputed (`wy._wu_kernel`), then
   * `_fwd_state_kernel` again for h_n and D (no final state),
   * `_bwd_dd_local_kernel`: per value tile, chunk and head, scale P^T do,
   * `_bwd_state_kernel`: per value tile, sequence and head, the reverse pass: dh_n (= dS' of chunk n), dD, dh0,
   * `_bwd_dqkw_kernel`: per key tile, chunk and head, dq, the output's and state's part of dk (fp32), dW, and
-    their part of db (one row of partial sums per key tile),
+    their part of dg (one row of partial sums per key tile),
   * `wy._wy_bwd_kernel`: per chunk and head, the rest of dk, dv, dbeta and dg,
   * (the q/k L2 norm's backward, when the forward normalised them).
 """
