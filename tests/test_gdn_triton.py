@@ -187,6 +187,33 @@ def test_head_dims_over_several_tiles_and_custom_scale(launch):
     check_against_fp64((q, k, v, g, beta), h0, launch=launch, scale=0.3, cu_seqlens=cu, use_qk_l2norm=True)
 
 
+def test_state_passes_narrow_where_the_gpu_is_short_of_programs():
+    # one program per value tile, sequence and head: at most one per multiprocessor takes narrow_state
+    from fabric_lin.ops.gdn.launch import state_pass_launch
+
+    def chosen(V, N, H, sms=132):
+        return state_pass_launch(SHIPPED.state, SHIPPED.narrow_state, V, N, H, sms)
+
+    assert chosen(128, 4, 16) == SHIPPED.narrow_state  # 2 x 64 = 128 programs on 132 SMs: 256 narrowed
+    assert chosen(256, 16, 4) == SHIPPED.state  # the gdn-340M layer: 4 x 64 = 256 programs
+    assert chosen(512, 16, 6) == SHIPPED.state  # the gdn-1.3B layer: 8 x 96
+    assert chosen(128, 1, 8) == SHIPPED.narrow_state  # 32K tokens, one sequence: 16 programs
+    assert chosen(128, 4, 16, sms=1) == SHIPPED.state and chosen(32, 1, 1, sms=1) == SHIPPED.narrow_state
+    assert SHIPPED.narrow_state.BV < SHIPPED.state.BV and SHIPPED.narrow_state.stages == 2
+
+
+@cpu_only
+def test_narrow_state_passes_match_fp64_recurrence(monkeypatch):
+    # the narrow launch as an H200 takes it at 4 x 16 heads, forced here on two sequences of two heads with a
+    # 16-wide tile over V = 40 (three tiles, the last partly masked)
+    from fabric_lin.ops import launch as launch_helpers
+
+    monkeypatch.setattr(launch_helpers, "multiprocessors", lambda device: 132)
+    launch = GDNLaunch(narrow_state=KernelLaunch(BV=16, stages=2))
+    q, k, v, g, beta, h0 = make_inputs(2, 100, 2, 32, 40, gate="mixed", seed=13)
+    check_against_fp64((q, k, v, g, beta), h0, launch=launch)
+
+
 @cpu_only
 def test_backend_rule_and_launch_settings(monkeypatch):
     # "auto" on the CPU is the PyTorch path, "triton" the kernels (in the interpreter)

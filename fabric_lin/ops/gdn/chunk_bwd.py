@@ -34,7 +34,8 @@ import triton.language as tl
 from fabric_lin.ops.common.chunk_index import chunk_grid, chunk_layout, chunk_start, dot_precision, load_raw, seq_start
 from fabric_lin.ops.common.state_pass import state_dtype
 from fabric_lin.ops.gdn.chunk_fwd import _causal_decay, state_key_tile, states, wy_factors
-from fabric_lin.ops.gdn.launch import GDNLaunch
+from fabric_lin.ops import launch as launch_helpers
+from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
 from fabric_lin.ops.gdn.wy import BT, _wy_bwd_kernel, load_cum_gate
 from fabric_lin.ops.launch import cdiv, tile_width
 
@@ -222,11 +223,12 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dh = q.new_empty(NC, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))
     dd = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
-    BV = tile_width(launch.dstate.BV, V)
+    dstate = state_pass_launch(launch.dstate, launch.narrow_state, V, N, H, launch_helpers.multiprocessors(q.device))
+    BV = tile_width(dstate.BV, V)
     _bwd_state_kernel[(cdiv(V, BV), N * H)](
         q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT,
         state_key_tile(K), BV, USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen,
-        DOT_PREC=prec, **launch.dstate.options(),
+        DOT_PREC=prec, **dstate.options(),
     )
 
     dqk_dtype = dqk_dtype or q.dtype
