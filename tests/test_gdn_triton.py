@@ -331,9 +331,10 @@ def test_gpu_bf16_training_call_without_states():
 
 
 @needs_cuda
-@pytest.mark.parametrize("gate", ["slow", "fast"])
+@pytest.mark.parametrize("gate", ["slow", "fast", "forgetting"])
 def test_gpu_bf16_error_within_fla(gate):
     # where flash-linear-attention is importable: our bf16 error against fp32 no more than 1.25 times fla's own
+    # (the fp32 path's dg is itself within 1e-4 of fp64 with forgetting gates, test_gdn_ops.py)
     fla = pytest.importorskip("fla.ops.gated_delta_rule")
     B, T, H, K, V = 4, 2048, 4, 128, 256
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, gate=gate, seed=6, device="cuda", dtype=torch.bfloat16,
@@ -346,7 +347,12 @@ def test_gpu_bf16_error_within_fla(gate):
         return fla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
                                           output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm)
 
-    theirs = forward_backward(fla_op, (q, k, v, g, beta), h0, **kwargs)
+    try:
+        theirs = forward_backward(fla_op, (q, k, v, g, beta), h0, **kwargs)
+    except RuntimeError as e:  # fla 0.6.0 refuses its gated backward on Hopper with Triton 3.4 to 3.7.0
+        if "incorrect results" not in str(e):
+            raise
+        pytest.skip(f"fla refuses its backward here, and its gradients would be no reference: {e}")
     for name, a, b, r in zip(NAMES, ours, theirs, ref):
         ours_err, fla_err = rel_rms(a, r), rel_rms(b, r)
         assert ours_err <= 1.25 * fla_err + 1e-4, f"{name}: ours {ours_err:.2e}, fla {fla_err:.2e}"
