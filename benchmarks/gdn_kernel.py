@@ -6,10 +6,13 @@ per-kernel time breakdown of both.
 
     python benchmarks/gdn_kernel.py --out gdn_kernel.json
     python benchmarks/gdn_kernel.py --shapes 16,2048,4,128,256 --gates slow fast
+    python benchmarks/gdn_kernel.py --shapes 4,8192,16,128,128 --variants wide:narrow_state.BV=64
 
 The default shapes (B, T, H, K, V) are the gdn-340M layer (16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128) and
 (1, 32768, 8, 128, 128). --gates: slow, a per-step log decay logsigmoid(randn) / 16 (~0.05); fast, ~1.5 per step,
 as a trained model's short-memory heads forget. beta = sigmoid(randn).
+--variants times other launch settings (fields of fabric_lin.ops.gdn.launch.GDNLaunch, written kernel.field=value)
+against the same fla figures, each with its output's distance from the shipped settings'.
 """
 import argparse
 import json
@@ -20,7 +23,9 @@ import torch.nn.functional as F
 
 from common import write_result
 from fabric_lin.ops.gdn import chunk_gated_delta_rule
+from fabric_lin.ops.gdn.launch import SHIPPED
 from fabric_lin.ops.gla.tune import rel_rms
+from fabric_lin.ops.launch import with_settings
 from gla_kernel import kernel_breakdown, saved_mib, time_fn
 
 SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128), (1, 32768, 8, 128, 128)]
@@ -36,15 +41,63 @@ def gdn_inputs(B, T, H, K, V, gates="slow", dtype=torch.bfloat16, device="cuda")
     return (q, k, v, g, beta), torch.randn(B, T, H, V, device=device, dtype=dtype)
 
 
-def ours(q, k, v, g, beta):
-    return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, backend="triton")[0]
+def ours_with(launch):
+    return lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, backend="triton",
+                                                           launch=launch)[0]
+
+
+ours = ours_with(SHIPPED)
+
+
+def parse_variants(texts):
+    """{"name": GDNLaunch} from "name:kernel.field=value,..." strings (changes to the shipped settings)."""
+    variants = {}
+    for text in texts:
+        name, sep, body = text.partition(":")
+        if not sep or not body:
+            raise SystemExit(f"--variants {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+        settings = {}
+        for item in body.split(","):
+            key, _, value = item.partition("=")
+            settings[key] = None if value == "None" else int(value)
+        try:
+            variants[name] = with_settings(SHIPPED, settings)
+        except ValueError as e:
+            raise SystemExit(f"--variants {name}: {e}") from None
+    return variants
+
+
+def time_variants(variants, inputs, do, fla_fwd_ms, fla_fwd_bwd_ms):
+    """{name: ms, ratios against fla and the output's distance from the shipped settings'} per launch variant."""
+    with torch.no_grad():
+        o_shipped = ours(*inputs)
+    results = {}
+    for name, launch in variants.items():
+        fn = ours_with(launch)
+        try:
+            with torch.no_grad():
+                o = fn(*inputs)
+            fwd_ms, fwd_bwd_ms = time_fn(fn, inputs, do)
+            row = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "o_rel_rms_vs_shipped": rel_rms(o, o_shipped)}
+            if fla_fwd_ms:
+                row["ratio_fwd_vs_fla"] = fwd_ms / fla_fwd_ms
+                row["ratio_fwd_bwd_vs_fla"] = fwd_bwd_ms / fla_fwd_bwd_ms
+            results[name] = row
+        except Exception as e:  # a setting that does not compile or fit is reported, not fatal
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return results
 
 
 def load_fla():
     try:
+        import fla.ops.common.chunk_o as fla_chunk_o
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
     except Exception as e:  # not installed, or it fails to import against this torch/triton
         return None, f"{type(e).__name__}: {e}"
+    # fla 0.6.0 refuses its gated backward on Hopper with Triton 3.4 to 3.7.0, whose results it says are wrong
+    # there: lifted for the timing, which is all that is taken of fla here (its output is compared forward only)
+    if getattr(fla_chunk_o, "TRITON_ABOVE_3_7_1", True) is False:
+        fla_chunk_o.TRITON_ABOVE_3_7_1 = True
     return (lambda q, k, v, g, beta: fla_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]), None
 
 
@@ -52,6 +105,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the three reference shapes)")
     parser.add_argument("--gates", nargs="*", default=["slow"], choices=GATES)
+    parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="other launch settings (changes to the shipped GDNLaunch), each timed beside it")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
@@ -59,8 +114,10 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("gdn_kernel.py needs a CUDA GPU")
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    variants = parse_variants(args.variants)
     fla, fla_error = (None, "left out (--no-fla)") if args.no_fla else load_fla()
-    report = {"dtype": "bfloat16", "fla": fla_error or "flash-linear-attention chunk_gated_delta_rule", "results": []}
+    report = {"dtype": "bfloat16", "fla": fla_error or "flash-linear-attention chunk_gated_delta_rule",
+              "variants": {name: launch.as_json for name, launch in variants.items()}, "results": []}
     for gates in args.gates:
         for shape in shapes:
             inputs, do = gdn_inputs(*shape, gates=gates)
@@ -77,6 +134,8 @@ def main():
                     row["o_rel_rms_vs_fla"] = rel_rms(ours(*inputs), fla(*inputs))
                 row["ratio_fwd_vs_fla"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
                 row["ratio_fwd_bwd_vs_fla"] = row["ours_fwd_bwd_ms"] / row["fla_fwd_bwd_ms"]
+            if variants:
+                row["variants"] = time_variants(variants, inputs, do, row.get("fla_fwd_ms"), row.get("fla_fwd_bwd_ms"))
             if not args.no_breakdown:
                 row["breakdown_ours_ms"] = kernel_breakdown(ours, inputs, do)
                 if fla is not None:

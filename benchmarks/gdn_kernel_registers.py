@@ -8,41 +8,32 @@ on any machine, with or without a GPU: kernel_registers.py's compile-only driver
 
 The call is a training layer's (q/k L2 norm inside, no initial or final state) unless --initial-state (an
 initial state and a final state's gradient) or --varlen (the sequences packed as three documents) ask for
-the other specialisations. Prints one JSON document.
+the other specialisations. Launch decisions that depend on the GPU (the state passes' launch, GDNLaunch's
+narrow_state) are made for --sms multiprocessors. Prints one JSON document, with the path of the fabric_lin
+package it compiled (the checkout this script is in, whatever else is installed).
 """
 import argparse
 import json
 import os
 import sys
 
+from pathlib import Path
+
 import torch
 
-from kernel_registers import NVIDIA_BIN, TARGET, compile_only  # noqa: E402 (it sets the compile-only mode)
+from kernel_registers import NVIDIA_BIN, TARGET, compile_only  # noqa: E402 (compile-only mode, this checkout's fabric_lin)
 import triton  # noqa: E402
 
 from common import write_result  # noqa: E402
-from fabric_lin.ops.launch import with_settings  # noqa: E402
+from gdn_kernel import parse_variants  # noqa: E402
 
 SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128)]
 
 
-def parse_variants(texts):
-    """{"name": GDNLaunch} from "name:kernel.field=value,..." strings."""
-    from fabric_lin.ops.gdn.launch import SHIPPED
-
-    variants = {}
-    for text in texts:
-        name, _, body = text.partition(":")
-        settings = {}
-        for item in body.split(","):
-            key, _, value = item.partition("=")
-            settings[key] = None if value == "None" else int(value)
-        variants[name] = with_settings(SHIPPED, settings)
-    return variants
-
-
-def kernel_resources(shape, launch, varlen: bool, initial_state: bool, lines_of=()) -> list:
-    """One row per launch of a bf16 forward + backward at shape (B, T, H, K, V), in launch order."""
+def kernel_resources(shape, launch, varlen: bool, initial_state: bool, sms: int = 132, lines_of=()) -> list:
+    """One row per launch of a bf16 forward + backward at shape (B, T, H, K, V), in launch order, as launched on a
+    GPU of `sms` multiprocessors."""
+    from fabric_lin.ops import launch as launch_helpers
     from fabric_lin.ops.gdn.chunk import chunk_gated_delta_rule_triton
 
     B, T, H, K, V = shape
@@ -59,13 +50,18 @@ def kernel_resources(shape, launch, varlen: bool, initial_state: bool, lines_of=
     N = 3 if varlen else B
     h0 = torch.randn(N, H, K, V, requires_grad=True) if initial_state else None
     records = []
-    with compile_only(records, set(lines_of)):
-        o, ht = chunk_gated_delta_rule_triton(*leaves, initial_state=h0, output_final_state=initial_state,
-                                              cu_seqlens=cu_seqlens, use_qk_l2norm=True, launch=launch)
-        loss = (o.float() * torch.randn_like(o, dtype=torch.float32)).sum()
-        if ht is not None:
-            loss = loss + ht.sum()
-        loss.backward()
+    multiprocessors = launch_helpers.multiprocessors
+    launch_helpers.multiprocessors = lambda device: sms
+    try:
+        with compile_only(records, set(lines_of)):
+            o, ht = chunk_gated_delta_rule_triton(*leaves, initial_state=h0, output_final_state=initial_state,
+                                                  cu_seqlens=cu_seqlens, use_qk_l2norm=True, launch=launch)
+            loss = (o.float() * torch.randn_like(o, dtype=torch.float32)).sum()
+            if ht is not None:
+                loss = loss + ht.sum()
+            loss.backward()
+    finally:
+        launch_helpers.multiprocessors = multiprocessors
     return records
 
 
@@ -78,20 +74,23 @@ def main():
     parser.add_argument("--initial-state", action="store_true", help="an initial state and a final state's gradient")
     parser.add_argument("--spill-lines", nargs="*", default=[], metavar="KERNEL",
                         help="kernels whose spill instructions to count by source line")
+    parser.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU compiled for (H200: 132)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     if not os.path.exists(os.path.join(NVIDIA_BIN, "ptxas")):
         raise SystemExit(f"no ptxas in {NVIDIA_BIN}: this Triton wheel cannot compile for NVIDIA GPUs")
+    import fabric_lin
     from fabric_lin.ops.gdn.launch import SHIPPED
 
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     variants = {"shipped": SHIPPED, **parse_variants(args.variants)}
-    report = {"triton": triton.__version__, "target": f"sm_{TARGET.arch}", "dtype": "bfloat16",
-              "varlen": args.varlen, "initial_state": args.initial_state, "shapes": []}
+    report = {"triton": triton.__version__, "target": f"sm_{TARGET.arch}", "sms": args.sms, "dtype": "bfloat16",
+              "varlen": args.varlen, "initial_state": args.initial_state,
+              "fabric_lin": str(Path(fabric_lin.__file__).parent), "shapes": []}
     for shape in shapes:
         row = {"shape": list(shape)}
         for name, launch in variants.items():
-            row[name] = kernel_resources(shape, launch, args.varlen, args.initial_state, args.spill_lines)
+            row[name] = kernel_resources(shape, launch, args.varlen, args.initial_state, args.sms, args.spill_lines)
         report["shapes"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     write_result(report, args.out)

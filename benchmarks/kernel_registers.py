@@ -25,8 +25,11 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret (read when the kernels are defined)
+# the fabric_lin of this checkout, ahead of any installed one: the kernels compiled are the ones beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -105,7 +108,8 @@ def compile_only(records: list, lines_of: set):
         kernel = run(fn, *args, grid=grid, warmup=True, **kwargs)
         registers, frame = ptxas_report(kernel.asm["ptx"])
         warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
-        row = {"kernel": fn.__name__, "warps": warps, "regs_per_thread": registers, "spills": frame // 4,
+        row = {"kernel": fn.__name__, "grid": list(grid) if isinstance(grid, tuple) else None, "warps": warps,
+               "regs_per_thread": registers, "spills": frame // 4,
                "shared_bytes": shared, "programs_per_sm_by_regs": 65536 // (registers * 32 * warps),
                "programs_per_sm_by_shared": 233472 // shared if shared else None}
         if fn.__name__ in lines_of:

@@ -1,3 +1,4 @@
+import contextlib
 import json
 import math
 import os
@@ -21,6 +22,46 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def fla_in_interpreter():
+    """Within: flash-linear-attention's (fla's) kernels run in Triton's interpreter (TRITON_INTERPRET=1), where two
+    things of compiled Triton that fla relies on are missing; both are put back on leaving.
+
+    - autotuning: the interpreter has no benchmarker (Triton raises "0 active drivers"), so each autotuned kernel
+      runs with its first config. Block sizes change the order of fp32 sums, not the function.
+    - loop variables: compiled Triton makes a `for i in range(n)` variable a tensor, the interpreter a Python int,
+      so fla's `i_t.to(tl.int64)` in chunk_fwd_kernel_h (the chunked mode, T > 64) fails with "'int' object has no
+      attribute 'to'". Loop variables are converted to tensors as the interpreter already does for every
+      assignment. (The interpreter rewrites a kernel once, at its first run: one first run inside keeps the
+      conversion, which changes nothing of what a kernel computes.)
+
+    fla's kernels themselves run unchanged."""
+    import ast
+
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interpreter
+
+    prune = autotuner.Autotuner.prune_configs
+    transformer = interpreter.FunctionRewriter.ast_transformer
+
+    class LoopVariablesAsTensors(interpreter.ASTTransformer):
+        def visit_For(self, node):
+            self.generic_visit(node)
+            if isinstance(node.target, ast.Name):
+                name = node.target.id
+                same = ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=ast.Name(id=name, ctx=ast.Load()))
+                node.body.insert(0, self.visit_Assign(same))  # i = to_tensor(i)
+            return node
+
+    autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
+    interpreter.FunctionRewriter.ast_transformer = LoopVariablesAsTensors()
+    try:
+        yield
+    finally:
+        autotuner.Autotuner.prune_configs = prune
+        interpreter.FunctionRewriter.ast_transformer = transformer
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -109,9 +150,11 @@ def gated_linear_attention_fp64(q, k, v, gk, scale=None, initial_state=None, cu_
 def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n_states=None, seed=0):
     """fp32 q, k, v, g, beta, h0 on the CPU. Gates: slow, g ~ -0.01 per step (the state carries across many
     chunks); fast, ~ -5 per step (exp(g) ~ 0.007: the state forgets within a few tokens; in-chunk cumulative
-    sums reach ~-320, where an exp(-b) anywhere would overflow fp32); mixed, log-uniform over -1e-3 to -8, fast
-    and slow tokens side by side in a chunk. normalized_keys: |k| <= 1, keeping beta |k|^2 < 2 where the delta
-    rule contracts (raw Gaussian keys are for use_qk_l2norm, normalised inside the op)."""
+    sums reach ~-320, where an exp(-b) anywhere would overflow fp32); forgetting, uniform over -40 to -10 per step
+    (exp(g) < 5e-5: the state is gone after one token, and the true gradient of g is tiny, ~1e-7, beside the
+    O(1) terms a chunked backward pass assembles it from); mixed, log-uniform over -1e-3 to -8, fast and slow
+    tokens side by side in a chunk. normalized_keys: |k| <= 1, keeping beta |k|^2 < 2 where the delta rule
+    contracts (raw Gaussian keys are for use_qk_l2norm, normalised inside the op)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen)
     k = torch.randn(B, T, H, K, generator=gen)
@@ -123,41 +166,13 @@ def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n
         g = -5.0 * (0.5 + u)
     elif gate == "slow":
         g = -0.01 * (0.5 + u)
+    elif gate == "forgetting":
+        g = -10.0 - 30.0 * u
     else:
         g = -torch.exp(math.log(1e-3) + u * (math.log(8.0) - math.log(1e-3)))
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     h0 = torch.randn(n_states or B, H, K, V, generator=gen)
     return q, k, v, g, beta, h0
-
-
-def adapt_interpreter_for_fla() -> None:
-    """Two adjustments of Triton's interpreter that flash-linear-attention's kernels need to run in it; call before
-    importing fla, in a process of its own (they change the interpreter for every kernel run after):
-
-    - autotuning: the interpreter has no benchmarker (Triton raises "0 active drivers"), so each autotuned
-      kernel runs with its first config. Block sizes change the order of fp32 sums, not the function.
-    - loop variables: compiled Triton makes a `for i in range(n)` variable a tensor, the interpreter a
-      Python int, so fla's `i_t.to(tl.int64)` in chunk_fwd_kernel_h (the chunked mode, T > 64) fails with
-      "'int' object has no attribute 'to'". Loop variables are converted to tensors as the interpreter
-      already does for every assignment."""
-    import ast
-
-    import triton.runtime.autotuner as autotuner
-    import triton.runtime.interpreter as interpreter
-
-    prune = autotuner.Autotuner.prune_configs
-    autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
-
-    class LoopVariablesAsTensors(interpreter.ASTTransformer):
-        def visit_For(self, node):
-            self.generic_visit(node)
-            if isinstance(node.target, ast.Name):
-                name = node.target.id
-                same = ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=ast.Name(id=name, ctx=ast.Load()))
-                node.body.insert(0, self.visit_Assign(same))  # i = to_tensor(i)
-            return node
-
-    interpreter.FunctionRewriter.ast_transformer = LoopVariablesAsTensors()
 
 
 def export_to_fla(model, config, dtype: str = "float32"):

@@ -2,12 +2,13 @@
 model, loaded by fla's `AutoModelForCausalLM.from_pretrained`, gives fabric-lin's logits in fp32.
 
 fla's layers are Triton kernels, so without CUDA they run in Triton's interpreter
-(TRITON_INTERPRET=1, fp32, on small models). The comparison runs in a subprocess, so the interpreter
-setting and the two interpreter adjustments fla's kernels need (conftest.adapt_interpreter_for_fla) stay
-out of the pytest process. fla's kernels themselves run unchanged. fla picks its fused_recurrent mode for
-T <= 64 and the chunked mode (chunk 64) above, so each case is run at both. Skips when fla or transformers
-is not installed (pip install flash-linear-attention transformers) and when CUDA is present
-(test_convert_fla_gpu.py covers that). As a script it prints one JSON line per case and length:
+(TRITON_INTERPRET=1, fp32, on small models), with conftest.fla_in_interpreter's two adjustments. The
+comparison runs in a subprocess, so that the interpreter setting stays out of the pytest process.
+
+fla's kernels themselves run unchanged. fla picks its fused_recurrent mode for T <= 64 and the chunked
+mode (chunk 64) above, so each case is run at both. Skips when fla or transformers is not installed
+(pip install flash-linear-attention transformers) and when CUDA is present (test_convert_fla_gpu.py
+covers that). As a script it prints one JSON line per case and length:
 
     TRITON_INTERPRET=1 python tests/test_convert_fla_cpu.py
 """
@@ -137,10 +138,10 @@ def test_exported_models_match_fla_interpreted():
 if __name__ == "__main__":
     if not fla_installed():
         raise SystemExit("needs flash-linear-attention: pip install flash-linear-attention transformers")
-    from conftest import adapt_interpreter_for_fla
+    from conftest import fla_in_interpreter
 
-    adapt_interpreter_for_fla()
-    for case, (make, seq_lens) in CASES.items():
-        for result in compare_with_fla(make(), seq_lens):
-            print(json.dumps({"case": case, **result}), flush=True)
-    print(json.dumps({"case": "gdn-generate", **generate_with_fla(CASES["gdn"][0]())}), flush=True)
+    with fla_in_interpreter():
+        for case, (make, seq_lens) in CASES.items():
+            for result in compare_with_fla(make(), seq_lens):
+                print(json.dumps({"case": case, **result}), flush=True)
+        print(json.dumps({"case": "gdn-generate", **generate_with_fla(CASES["gdn"][0]())}), flush=True)

@@ -27,7 +27,10 @@ def kernel_registers(*args):
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gdn_kernel_registers.py"), *args],
                             capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+    report = json.loads(result.stdout)
+    # the kernels of this checkout, not of a fabric-lin installed elsewhere (which python's path would find first)
+    assert Path(report["fabric_lin"]) == ROOT / "fabric_lin", report["fabric_lin"]
+    return report
 
 
 def check_rows(rows):
@@ -39,9 +42,16 @@ def check_rows(rows):
 
 def test_layer_shapes_compile_for_sm90():
     report = kernel_registers("--shapes", "16,2048,4,128,256", "4,8192,16,128,128")
-    assert report["target"] == "sm_90" and report["dtype"] == "bfloat16"
+    assert report["target"] == "sm_90" and report["dtype"] == "bfloat16" and report["sms"] == 132
     for shape in report["shapes"]:
         check_rows(shape["shipped"])
+        for row in shape["shipped"]:
+            assert row["spills"] == 0, row
+    # the state passes on an H200: the gdn-340M layer's 16 x 4 heads in 64-wide value tiles of V = 256 (256
+    # programs), the 16-head shape's 4 x 16 heads in 32-wide tiles of V = 128 (narrow_state: 256, not 128)
+    for shape, value_tiles in zip(report["shapes"], [4, 4]):
+        passes = [r for r in shape["shipped"] if r["kernel"] in ("_fwd_state_kernel", "_bwd_state_kernel")]
+        assert [r["grid"] for r in passes] == [[value_tiles, 64]] * 3, passes
 
 
 def test_varlen_states_and_odd_head_dims_compile_for_sm90():

@@ -76,7 +76,7 @@ def assert_matches(fn, inputs, with_state, tol=TOL, fn_kwargs=None, ref_kwargs=N
 @pytest.mark.parametrize("T", [1, 37, 129, 300])
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("use_qk_l2norm", [False, True])
-@pytest.mark.parametrize("gate", ["fast", "slow", "mixed"])
+@pytest.mark.parametrize("gate", ["fast", "slow", "mixed", "forgetting"])
 def test_chunk_matches_fp64_recurrence(T, with_state, use_qk_l2norm, gate):
     inputs = make_inputs(2, T, 2, 24, 40, gate=gate, normalized_keys=not use_qk_l2norm, seed=T)
     kwargs = {"use_qk_l2norm": use_qk_l2norm}
@@ -89,7 +89,7 @@ VARLEN_OFFSETS = [0, 1, 2, 3, 40, 40, 41, 170, 171, 300]
 
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("use_qk_l2norm", [False, True])
-@pytest.mark.parametrize("gate", ["fast", "slow", "mixed"])
+@pytest.mark.parametrize("gate", ["fast", "slow", "mixed", "forgetting"])
 def test_varlen_matches_fp64_recurrence_per_document(with_state, use_qk_l2norm, gate):
     cu_seqlens = torch.tensor(VARLEN_OFFSETS, dtype=torch.int32)
     n_docs = len(VARLEN_OFFSETS) - 1

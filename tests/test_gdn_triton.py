@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from conftest import compiled_graph_ops, gated_delta_rule_inputs, rel_rms  # noqa: E402
+from conftest import compiled_graph_ops, fla_in_interpreter, gated_delta_rule_inputs, rel_rms  # noqa: E402
 from conftest import gated_delta_rule_fp64 as reference_fp64  # noqa: E402
 
 from fabric_lin.ops.gdn import chunk_gated_delta_rule  # noqa: E402
@@ -117,6 +117,45 @@ def test_fast_gates_stay_finite_without_final_state(gate):
     check_against_fp64((q, k, v, g, beta), None, with_final_state=False, use_qk_l2norm=True)
 
 
+def forgetting_gate_errors(fn):
+    """Relative RMS errors against fp64 of fn's outputs and gradients, with log decays of -10 to -40 a token
+    (conftest's "forgetting" gates), an initial state and a final state's gradient."""
+    q, k, v, g, beta, h0 = make_inputs(1, 128, 1, 64, 32, gate="forgetting", seed=12)
+    ref = forward_backward(reference_fp64, (q, k, v, g, beta), h0)
+    dg_ref, dbeta_ref = ref[NAMES.index("dg")], ref[NAMES.index("dbeta")]
+    assert dg_ref.norm() < 1e-4 * dbeta_ref.norm()  # the regime meant: a true dg far below beta's gradient
+    return {name: rel_rms(a, r) for name, a, r in zip(NAMES, forward_backward(fn, (q, k, v, g, beta), h0), ref)}
+
+
+@cpu_only
+def test_forgetting_gates_gate_gradient_is_more_than_rounding():
+    # With forgetting gates the true dg is tiny (~1e-5 of dbeta here), while the chunked backward pass assembles it
+    # from O(1) terms, such as the final state's gradient reaching the last key of a chunk through
+    # exp(b_last - b_last) = 1. Where such a term is added and taken away again, dg is its rounding: in fp32 1.4%
+    # of dg's norm on these inputs, 110% on others. fp32 gives dg to a few parts in 1e5 (the cumulative gate itself
+    # is rounded), and every other tensor to fp32's rounding.
+    ours = forgetting_gate_errors(triton_op)
+    assert ours["dg"] < 1e-3, ours
+    assert all(e < 1e-5 for name, e in ours.items() if name != "dg"), ours
+
+
+@cpu_only
+def test_forgetting_gates_error_within_fla():
+    # where flash-linear-attention is importable (run in the interpreter too): no tensor further from fp64 than
+    # 1.25 times fla's error on the same inputs, or than fp32's rounding where both are at it
+    fla = pytest.importorskip("fla.ops.gated_delta_rule")
+
+    def fla_op(q, k, v, g, beta, initial_state=None, output_final_state=False):
+        return fla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                          output_final_state=output_final_state)
+
+    ours = forgetting_gate_errors(triton_op)
+    with fla_in_interpreter():
+        theirs = forgetting_gate_errors(fla_op)
+    worse = {name: (ours[name], theirs[name]) for name in NAMES if not ours[name] <= max(1.25 * theirs[name], 1e-6)}
+    assert not worse, f"(ours, fla's) relative RMS errors: {worse} (fla's: {theirs})"
+
+
 @cpu_only
 @pytest.mark.parametrize("with_h0", [False, True])
 @pytest.mark.parametrize("use_qk_l2norm", [False, True])
@@ -146,6 +185,33 @@ def test_head_dims_over_several_tiles_and_custom_scale(launch):
     cu = torch.tensor([0, 30, 100], dtype=torch.int32)
     q, k, v, g, beta, h0 = make_inputs(1, 100, 1, 80, 72, n_states=2, seed=3, normalized_keys=False)
     check_against_fp64((q, k, v, g, beta), h0, launch=launch, scale=0.3, cu_seqlens=cu, use_qk_l2norm=True)
+
+
+def test_state_passes_narrow_where_the_gpu_is_short_of_programs():
+    # one program per value tile, sequence and head: at most one per multiprocessor takes narrow_state
+    from fabric_lin.ops.gdn.launch import state_pass_launch
+
+    def chosen(V, N, H, sms=132):
+        return state_pass_launch(SHIPPED.state, SHIPPED.narrow_state, V, N, H, sms)
+
+    assert chosen(128, 4, 16) == SHIPPED.narrow_state  # 2 x 64 = 128 programs on 132 SMs: 256 narrowed
+    assert chosen(256, 16, 4) == SHIPPED.state  # the gdn-340M layer: 4 x 64 = 256 programs
+    assert chosen(512, 16, 6) == SHIPPED.state  # the gdn-1.3B layer: 8 x 96
+    assert chosen(128, 1, 8) == SHIPPED.narrow_state  # 32K tokens, one sequence: 16 programs
+    assert chosen(128, 4, 16, sms=1) == SHIPPED.state and chosen(32, 1, 1, sms=1) == SHIPPED.narrow_state
+    assert SHIPPED.narrow_state.BV < SHIPPED.state.BV and SHIPPED.narrow_state.stages == 2
+
+
+@cpu_only
+def test_narrow_state_passes_match_fp64_recurrence(monkeypatch):
+    # the narrow launch as an H200 takes it at 4 x 16 heads, forced here on two sequences of two heads with a
+    # 16-wide tile over V = 40 (three tiles, the last partly masked)
+    from fabric_lin.ops import launch as launch_helpers
+
+    monkeypatch.setattr(launch_helpers, "multiprocessors", lambda device: 132)
+    launch = GDNLaunch(narrow_state=KernelLaunch(BV=16, stages=2))
+    q, k, v, g, beta, h0 = make_inputs(2, 100, 2, 32, 40, gate="mixed", seed=13)
+    check_against_fp64((q, k, v, g, beta), h0, launch=launch)
 
 
 @cpu_only
@@ -265,9 +331,10 @@ def test_gpu_bf16_training_call_without_states():
 
 
 @needs_cuda
-@pytest.mark.parametrize("gate", ["slow", "fast"])
+@pytest.mark.parametrize("gate", ["slow", "fast", "forgetting"])
 def test_gpu_bf16_error_within_fla(gate):
     # where flash-linear-attention is importable: our bf16 error against fp32 no more than 1.25 times fla's own
+    # (the fp32 path's dg is itself within 1e-4 of fp64 with forgetting gates, test_gdn_ops.py)
     fla = pytest.importorskip("fla.ops.gated_delta_rule")
     B, T, H, K, V = 4, 2048, 4, 128, 256
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, gate=gate, seed=6, device="cuda", dtype=torch.bfloat16,
@@ -280,7 +347,12 @@ def test_gpu_bf16_error_within_fla(gate):
         return fla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
                                           output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm)
 
-    theirs = forward_backward(fla_op, (q, k, v, g, beta), h0, **kwargs)
+    try:
+        theirs = forward_backward(fla_op, (q, k, v, g, beta), h0, **kwargs)
+    except RuntimeError as e:  # fla 0.6.0 refuses its gated backward on Hopper with Triton 3.4 to 3.7.0
+        if "incorrect results" not in str(e):
+            raise
+        pytest.skip(f"fla refuses its backward here, and its gradients would be no reference: {e}")
     for name, a, b, r in zip(NAMES, ours, theirs, ref):
         ours_err, fla_err = rel_rms(a, r), rel_rms(b, r)
         assert ours_err <= 1.25 * fla_err + 1e-4, f"{name}: ours {ours_err:.2e}, fla {fla_err:.2e}"

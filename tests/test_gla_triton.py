@@ -428,7 +428,7 @@ def fla_chunk_gla(q, k, v, gate, from_logits, initial_state=None, output_final_s
 
 def fla_forward_backward(inputs, cu_seqlens, from_logits, tmp_path):
     """forward_backward of fla's chunk_gla on the same inputs, run by this file as a script in a process of its own
-    (fla's kernels need conftest.adapt_interpreter_for_fla). Skips where fla does not import."""
+    (fla's kernels need conftest.fla_in_interpreter). Skips where fla does not import."""
     torch.save({"inputs": inputs, "cu_seqlens": cu_seqlens, "from_logits": from_logits}, tmp_path / "inputs.pt")
     proc = subprocess.run([sys.executable, __file__, str(tmp_path / "inputs.pt"), str(tmp_path / "fla.pt")],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -602,14 +602,14 @@ def test_gpu_compiled_model_step_uses_the_op():
 
 
 if __name__ == "__main__":  # fla_forward_backward's process
-    from conftest import adapt_interpreter_for_fla
+    from conftest import fla_in_interpreter
 
-    adapt_interpreter_for_fla()
-    try:
-        import fla.ops.gla  # noqa: F401
-    except ImportError as e:
-        print(f"fla's chunk_gla does not import: {e}")
-        sys.exit(3)
-    data = torch.load(sys.argv[1])
-    fla_op = functools.partial(fla_chunk_gla, from_logits=data["from_logits"])
-    torch.save(forward_backward(fla_op, *data["inputs"], data["cu_seqlens"]), sys.argv[2])
+    with fla_in_interpreter():
+        try:
+            import fla.ops.gla  # noqa: F401
+        except ImportError as e:
+            print(f"fla's chunk_gla does not import: {e}")
+            sys.exit(3)
+        data = torch.load(sys.argv[1])
+        fla_op = functools.partial(fla_chunk_gla, from_logits=data["from_logits"])
+        torch.save(forward_backward(fla_op, *data["inputs"], data["cu_seqlens"]), sys.argv[2])

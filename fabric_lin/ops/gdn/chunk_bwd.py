@@ -8,16 +8,20 @@ Per chunk and head, with S = h_n the state entering it, dS' the gradient of the 
     dk = scale (do D^T * Gamma)^T q + exp(b_last - b) D dS'^T         (the output's and the state's parts)
     dW = -dD S^T,   dU = dD
 and from dW and dU through W = (I + A)^-1 X and U = (I + A)^-1 Y on to k, v, beta and the gate (`wy._wy_bwd_kernel`).
-The gate: with db_i the gradient of b_i, db = row sums of dq * q - row sums of dk * k (dk's two parts above) + the
-WY part, plus at the chunk's last row exp(b_last) sum(S * dS') + sum(exp(b_last - b) D dS'^T * k), the gradient of
-b_last where it decays the state and the keys; dg is db's reverse cumsum inside the chunk (b = cumsum(g)).
+The gate (b = cumsum(g) inside the chunk): with db_i the gradient of b_i, db = row sums of dq * q - row sums of
+dk * k over P's strictly lower part and q's decay exp(b), plus the WY part, plus exp(b_last) sum(S * dS') at the
+chunk's last row (where b_last decays the state); dg is db's reverse cumsum, plus for the keys' decay
+exp(b_last - b_i), which moves g_t for t > i only, the sum over i < t of k_i . (exp(b_last - b_i) D dS'^T)_i.
+Neither P's diagonal nor the last key's decay (both exp(0) = 1) is taken as a gradient added to one row and taken
+away at another: with fast-forgetting gates the true dg is tiny, and the rounding of such O(1) terms would be all
+of it.
 
 Launches: W and U recomputed (`wy._wu_kernel`), then
   * `_fwd_state_kernel` again for h_n and D (no final state),
   * `_bwd_dd_local_kernel`: per value tile, chunk and head, scale P^T do,
   * `_bwd_state_kernel`: per value tile, sequence and head, the reverse pass: dh_n (= dS' of chunk n), dD, dh0,
   * `_bwd_dqkw_kernel`: per key tile, chunk and head, dq, the output's and state's part of dk (fp32), dW, and
-    their part of db (one row of partial sums per key tile),
+    their part of dg (one row of partial sums per key tile),
   * `wy._wy_bwd_kernel`: per chunk and head, the rest of dk, dv, dbeta and dg,
   * (the q/k L2 norm's backward, when the forward normalised them).
 """
@@ -30,7 +34,8 @@ import triton.language as tl
 from fabric_lin.ops.common.chunk_index import chunk_grid, chunk_layout, chunk_start, dot_precision, load_raw, seq_start
 from fabric_lin.ops.common.state_pass import state_dtype
 from fabric_lin.ops.gdn.chunk_fwd import _causal_decay, state_key_tile, states, wy_factors
-from fabric_lin.ops.gdn.launch import GDNLaunch
+from fabric_lin.ops import launch as launch_helpers
+from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
 from fabric_lin.ops.gdn.wy import BT, _wy_bwd_kernel, load_cum_gate
 from fabric_lin.ops.launch import cdiv, tile_width
 
@@ -117,11 +122,11 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
 
 
 @triton.jit
-def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, db_part, cu_seqlens, chunk_indices, scale, T,
+def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seqlens, chunk_indices, scale, T,
                      part_stride, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
     """For one key tile of one chunk and head: dq (dq's dtype), the output's and state's part of dk (fp32),
-    dW = -dD S^T (dw's dtype), and their part of db (fp32, the key tile's own row of db_part)."""
+    dW = -dD S^T (dw's dtype), and their part of the gate's gradient dg (fp32, the key tile's own row of dg_part)."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     row0, n_rows, i_tg = chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -154,27 +159,39 @@ def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, db_part, cu_seq
         b_dw += tl.dot(b_dd, tl.trans(b_h.to(DT)), input_precision=DOT_PREC)
         b_ds += tl.dot(b_do, tl.trans(b_d), input_precision=DOT_PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    m_tk = m_t[:, None] & m_k[None, :]
+    offs = i_h * K + (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
+    tl.store(dw + offs, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)  # stored first: its registers are needed below
     b_b = load_cum_gate(b + i_h, row0, o_t, n_rows, H)
     b_last = load_cum_gate(b + i_h, row0, BT - 1, n_rows, H)
     b_q = load_raw(q + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
     b_k = load_raw(k + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
-    b_ds = (b_ds * _causal_decay(b_b, BT) * scale).to(DT)
+    # P's diagonal (exp(0) = 1 whatever the gate) moves no b: it enters db_i once through q_i and once, negated,
+    # through k_i. Summed into dq . q and dk . k it would leave the rounding of those O(1) terms in db, which is
+    # all there is of a fast gate's tiny true gradient; so it is kept out of db, and added to dq and dk apart
+    b_ds = b_ds * _causal_decay(b_b, BT) * scale
+    diagonal = o_t[:, None] == o_t[None, :]
+    ds_diag = tl.sum(tl.where(diagonal, b_ds, 0.0), axis=1)
+    b_ds = tl.where(diagonal, 0.0, b_ds).to(DT)
     b_dq = dq_state * (tl.exp(b_b) * scale)[:, None] + tl.dot(b_ds, b_k, input_precision=DOT_PREC)
-    dk_state = dk_state * tl.exp(b_last - b_b)[:, None]
-    b_dk = dk_state + tl.dot(tl.trans(b_ds), b_q, input_precision=DOT_PREC)
-    b_qf = b_q.to(tl.float32)
-    b_kf = b_k.to(tl.float32)
-    b_db = tl.sum(b_dq * b_qf, axis=1) - tl.sum(b_dk * b_kf, axis=1)
-    # b_last is every row's b in the state's decay exp(b_last) and the keys' exp(b_last - b): its gradient
-    # lands on the chunk's last row
-    db_last = tl.sum(b_hdh, axis=0) * tl.exp(b_last) + tl.sum(tl.sum(dk_state * b_kf, axis=1), axis=0)
-    b_db += tl.where(o_t == tl.minimum(n_rows, BT) - 1, db_last, 0.0)
-    m_tk = m_t[:, None] & m_k[None, :]
-    offs = i_h * K + (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
+    b_db = tl.sum(b_dq * b_q.to(tl.float32), axis=1)
+    b_dq += ds_diag[:, None] * b_k.to(tl.float32)
     tl.store(dq + offs, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    b_dk = tl.dot(tl.trans(b_ds), b_q, input_precision=DOT_PREC)
+    b_db -= tl.sum(b_dk * b_k.to(tl.float32), axis=1)
+    dk_state = dk_state * tl.exp(b_last - b_b)[:, None]
+    # The keys' exp(b_last - b_i) = exp(g_{i+1} + ... + g_last) moves g_t for t > i only, by c_i = k_i . dk_state_i:
+    # g_t's gradient gets the sum of c_i over the rows i < t. Taken as b_last's gradient minus b_i's, the last row's
+    # c (of a key no decay reaches, O(1)) would be added at the last row and taken away again in the reverse cumsum
+    c = tl.sum(dk_state * b_k.to(tl.float32), axis=1)
+    b_dk += dk_state + ds_diag[:, None] * b_q.to(tl.float32)
     tl.store(dk_part + offs, b_dk, mask=m_tk)
-    tl.store(dw + offs, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
-    tl.store(db_part + i_k * part_stride + (row0 + o_t) * H + i_h, b_db, mask=m_t)
+    # exp(b_last) decays the state: its gradient lands on the chunk's last row, so db's reverse cumsum gives it
+    # to every row's g
+    b_db += tl.where(o_t == tl.minimum(n_rows, BT) - 1, tl.sum(b_hdh, axis=0) * tl.exp(b_last), 0.0)
+    dg_keys = tl.sum(tl.where(o_t[:, None] > o_t[None, :], c[None, :], 0.0), axis=1)
+    b_dg = tl.cumsum(tl.where(m_t, b_db, 0.0), axis=0, reverse=True) + dg_keys
+    tl.store(dg_part + i_k * part_stride + (row0 + o_t) * H + i_h, b_dg, mask=m_t)
 
 
 # ------------------------------------------------------------------------------------------ host side
@@ -206,11 +223,12 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dh = q.new_empty(NC, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))
     dd = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
-    BV = tile_width(launch.dstate.BV, V)
+    dstate = state_pass_launch(launch.dstate, launch.narrow_state, V, N, H, launch_helpers.multiprocessors(q.device))
+    BV = tile_width(dstate.BV, V)
     _bwd_state_kernel[(cdiv(V, BV), N * H)](
         q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT,
         state_key_tile(K), BV, USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen,
-        DOT_PREC=prec, **launch.dstate.options(),
+        DOT_PREC=prec, **dstate.options(),
     )
 
     dqk_dtype = dqk_dtype or q.dtype
@@ -219,9 +237,9 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dw = torch.empty_like(k)
     BK = tile_width(launch.dqkw.BK, K)
     NK = cdiv(K, BK)
-    db_part = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
+    dg_part = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
     _bwd_dqkw_kernel[(NK,) + grid](
-        q, k, d, b, h, dh, do, dd, dq, dk_part, dw, db_part, cu_seqlens, chunk_indices, scale, T, B * T * H,
+        q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seqlens, chunk_indices, scale, T, B * T * H,
         H, K, V, BT, BK, tile_width(launch.dqkw.BV, V), IS_VARLEN=is_varlen, DOT_PREC=prec,
         **launch.dqkw.options(),
     )
@@ -231,7 +249,7 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dg = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     dbeta = torch.empty_like(beta)
     _wy_bwd_kernel[grid](
-        k, v, beta, b, A_inv, dw, dd, dk_part, db_part, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, NK,
+        k, v, beta, b, A_inv, dw, dd, dk_part, dg_part, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, NK,
         B * T * H, H, K, V, BT, tile_width(launch.wy_bwd.BK, K), tile_width(launch.wy_bwd.BV, V),
         IS_VARLEN=is_varlen, DOT_PREC=prec, **launch.wy_bwd.options(),
     )

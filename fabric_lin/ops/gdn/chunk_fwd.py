@@ -18,7 +18,8 @@ import triton.language as tl
 
 from fabric_lin.ops.common.chunk_index import chunk_grid, chunk_layout, chunk_start, dot_precision, load_raw, seq_start
 from fabric_lin.ops.common.state_pass import state_dtype
-from fabric_lin.ops.gdn.launch import GDNLaunch
+from fabric_lin.ops import launch as launch_helpers
+from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
 from fabric_lin.ops.gdn.wy import BC, BT, _solve_kernel, _wu_kernel, load_cum_gate
 from fabric_lin.ops.launch import cdiv, next_power_of_2, tile_width
 
@@ -148,14 +149,15 @@ def states(k, w, u, b, initial_state, cu_seqlens, layout, launch: GDNLaunch):
     B, T, H, K = k.shape
     V = u.shape[-1]
     N, NC, _, chunk_offsets = layout
-    BV = tile_width(launch.state.BV, V)
+    state = state_pass_launch(launch.state, launch.narrow_state, V, N, H, launch_helpers.multiprocessors(k.device))
+    BV = tile_width(state.BV, V)
     h = k.new_empty(NC, H, K, V, dtype=state_dtype(k, initial_state is not None))
     d = torch.empty_like(u)
     ht = k.new_empty(N, H, K, V, dtype=torch.float32)
     _fwd_state_kernel[(cdiv(V, BV), N * H)](
         k, w, u, b, h, d, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, state_key_tile(K), BV,
         USE_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
-        **launch.state.options(),
+        **state.options(),
     )
     return h, d, ht
 

@@ -66,21 +66,24 @@ def chunk_gated_delta_rule_torch(
     q, k, v, g, beta = to_chunks(q) * scale, to_chunks(k), to_chunks(v), to_chunks(g), to_chunks(beta)
     b = g.cumsum(dim=-1)  # [B, H, N, C]
     b_last = b[..., -1:]  # [B, H, N, 1]
+    # b_last - b_i = g_{i+1} + ... + g_C, summed as such: taken as a difference, the last row's zero would pass b_last's
+    # gradient to every g and take it back through b_C's, and with a fast gate that rounding is all of its gradient
+    to_end = F.pad(g[..., 1:], (0, 1)).flip(-1).cumsum(dim=-1).flip(-1)  # [B, H, N, C]
 
-    # exp(b_i - b_j) for j <= i, zero above the diagonal: [B, H, N, C, C]
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    decay = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    # exp(b_i - b_j) for j < i, the diagonal a constant 1 (for the same reason), zero above: [B, H, N, C, C]
+    eye = torch.eye(CHUNK, dtype=q.dtype, device=q.device)
+    strict = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril(-1)
+    decay = (b[..., :, None] - b[..., None, :]).masked_fill(~strict, float("-inf")).exp() + eye
 
     # The UT transform of the chunk: A is strictly lower triangular, I + A unit lower triangular.
     A = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
-    eye = torch.eye(CHUNK, dtype=A.dtype, device=A.device)
     rhs = torch.cat([beta[..., None] * v, (beta * b.exp())[..., None] * k], dim=-1)  # [B, H, N, C, V + K]
     uw = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     u, w = uw[..., :V], uw[..., V:]  # [B, H, N, C, V], [B, H, N, C, K]
 
     scores = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C], causal, diagonal included
     q_decayed = q * b.exp()[..., None]
-    k_to_end = k * (b_last - b).exp()[..., None]
+    k_to_end = k * to_end.exp()[..., None]
     chunk_decay = b_last.exp()[..., None]  # [B, H, N, 1, 1]
 
     state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()

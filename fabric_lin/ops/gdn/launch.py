@@ -2,14 +2,18 @@
 
 `SHIPPED` is what every call uses unless it passes another (`chunk_gated_delta_rule(..., launch=...)`). The
 values are plain defaults (64-wide tiles, 4 warps), not yet timed on a GPU: nothing is searched at start-up,
-and nothing changes with the batch size or the sequence length.
+and nothing changes with the sequence length; the state passes' launch is chosen by the number of sequences
+and heads (below).
 
 The state passes hold the whole key dimension of the state in one program (the correction D = U - W S needs
-every key row of S), so their `BK` is not a setting: the tile is K rounded up to a power of two.
+every key row of S), so their `BK` is not a setting: the tile is K rounded up to a power of two. Their only
+parallelism is one program per value tile, sequence and head, each looping over all of its sequence's chunks;
+where that leaves the GPU short of programs (4 x 16 heads of V = 128 in 64-wide tiles: 128 programs for an
+H200's 132 multiprocessors, one each), `state_pass_launch` takes `narrow_state` instead.
 """
 from dataclasses import dataclass
 
-from fabric_lin.ops.launch import KernelLaunch, launch_from_dict, launch_to_json
+from fabric_lin.ops.launch import KernelLaunch, cdiv, launch_from_dict, launch_to_json, tile_width
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,12 @@ class GDNLaunch:
     """The chunk's own part of dD, scale (q k^T * decay)^T do."""
     dstate: KernelLaunch = KernelLaunch(BV=64, warps=4)
     """The reverse state pass: the state gradients and the rest of dD."""
+    narrow_state: KernelLaunch = KernelLaunch(BV=32, warps=4, stages=2)
+    """Either state pass where its own launch would have no more programs than the GPU has multiprocessors: an SM
+    with one program has nothing to do while that program's loads are in flight. Narrower value tiles, so twice
+    the programs, two to an SM where one multiplies while the other waits; and stages=2, so that each program
+    loads the next chunk's W, U and keys while it multiplies this one's (sm_90, Triton 3.6, K = V = 128: 170 and
+    168 registers, 74 and 103 KB of shared memory, the forward and the reverse pass: two programs an SM)."""
     dqkw: KernelLaunch = KernelLaunch(BK=64, BV=64, warps=4)
     """dq, the output's and state's part of dk, dW and their part of the gate's gradient, per key tile."""
     wy_bwd: KernelLaunch = KernelLaunch(BK=64, BV=64, warps=4)
@@ -43,3 +53,14 @@ class GDNLaunch:
 
 
 SHIPPED = GDNLaunch()
+
+
+def state_pass_launch(own: KernelLaunch, narrow: KernelLaunch, V: int, N: int, H: int, multiprocessors: int) -> KernelLaunch:
+    """A state pass's launch: `own` (GDNLaunch.state or dstate), or `narrow` (GDNLaunch.narrow_state) where own's
+    value tiles give at most one program per multiprocessor (N sequences, H heads, value width V): 4 x 16 heads of
+    V = 128 on an H200 (128 programs, 132 SMs) take narrow, the gdn-340M layer's 16 x 4 heads of V = 256 (256) their
+    own. In Triton's interpreter a device counts one multiprocessor, so there only a one-program pass takes
+    `narrow`."""
+    programs = cdiv(V, tile_width(own.BV, V)) * N * H
+    return narrow if programs <= multiprocessors else own
+

@@ -221,16 +221,16 @@ def _wu_kernel(k, v, beta, b, A_inv, w, u, cu_seqlens, chunk_indices, T, H: tl.c
 
 
 @triton.jit
-def _wy_bwd_kernel(k, v, beta, b, A_inv, dw, dd, dk_part, db_part, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
+def _wy_bwd_kernel(k, v, beta, b, A_inv, dw, dd, dk_part, dg_part, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
                    T, NK_PART, part_stride, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
     """One chunk of one head, from dW and dU = dD (the corrections' gradient), with T = (I + A)^-1:
         dT = dW X^T + dU Y^T           (X = diag(beta exp(b)) K, Y = diag(beta) V; W = T X, U = T Y)
         dX = T^T dW, dY = T^T dU       -> dk += diag(beta exp(b)) dX, dv = diag(beta) dY, dbeta, db
         dA = strict_lower(-T^T dT T^T) -> to k, beta and b through A = strict_lower(diag(beta) K K^T * Gamma)
-    dk = dk_part (the output's and state's part, fp32) plus these; db adds db_part's NK_PART key tiles ([NK_PART,
-    B*T, H], part_stride = B*T*H apart) and the gate's gradient is its reverse cumsum inside the chunk
-    (b = cumsum(g))."""
+    dk = dk_part (the output's and state's part, fp32) plus these. The gate's gradient is db's reverse cumsum inside
+    the chunk (b = cumsum(g)) plus the output's and state's part, dg_part's NK_PART key tiles ([NK_PART, B*T, H],
+    part_stride = B*T*H apart; `_bwd_dqkw_kernel` says why that part is not a db)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_h = i_bh % H
     row0, n_rows, _ = chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -299,8 +299,8 @@ def _wy_bwd_kernel(k, v, beta, b, A_inv, dw, dd, dk_part, db_part, dk, dv, dbeta
         b_dk = tl.load(dk_part + offs, mask=m_tk, other=0.0)
         b_dk += b_dx * b_kscale[:, None] + b_gk * b_beta[:, None] + b_gtk
         tl.store(dk + offs, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    for i_p in range(NK_PART):
-        b_db += tl.load(db_part + i_p * part_stride + (row0 + o_t) * H + i_h, mask=m_t, other=0.0)
     b_dg = tl.cumsum(tl.where(m_t, b_db, 0.0), axis=0, reverse=True)
+    for i_p in range(NK_PART):
+        b_dg += tl.load(dg_part + i_p * part_stride + (row0 + o_t) * H + i_h, mask=m_t, other=0.0)
     tl.store(dg + (row0 + o_t) * H + i_h, b_dg, mask=m_t)
     tl.store(dbeta + (row0 + o_t) * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
