@@ -61,7 +61,7 @@ def fla_from_export(model: GPT, config: Config):
     from transformers import AutoModelForCausalLM
 
     import fla  # noqa: F401  (registers fla's model types with transformers)
-    from fabric_lin.checkpoint import MODEL_FILE
+    from fabric_lin.weights import MODEL_FILE
     from fabric_lin.convert.hf import convert_to_hf
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -44,8 +44,9 @@ import torch
 import yaml
 from lightning.fabric.plugins import TorchCheckpointIO
 
-MODEL_FILE = "lit_model.pth"
-CONFIG_FILE = "model_config.yaml"
+from fabric_lin.config import CONFIG_FILE, Config
+from fabric_lin.weights import MODEL_FILE, meta_model, tensor_dict, torch_load_tensors
+
 HPARAMS_FILE = "hyperparameters.yaml"
 STEP_FILE = "step.json"
 MANIFEST_FILE = "manifest.json"
@@ -474,8 +475,6 @@ def check_out_dir(out_dir: Path, config) -> None:
 
 def checkpoint_bytes(config) -> int:
     """Size of one training checkpoint: fp32 weights and AdamW's two fp32 moments."""
-    from fabric_lin.convert.model_dir import meta_model
-
     return 12 * sum(p.numel() for p in meta_model(config).parameters())
 
 
@@ -670,8 +669,6 @@ def set_rng_states(states: Dict[str, Any]) -> None:
 
 def find_training_checkpoint(checkpoint_dir: Path) -> Tuple[Any, Path]:
     """(Config, path of lit_model.pth) of a training checkpoint directory, or a clear error."""
-    from fabric_lin.config import Config
-
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"{checkpoint_dir} is not a directory: expected a training checkpoint directory")
@@ -704,8 +701,6 @@ def load_model_weights(weights_path: Path) -> Dict[str, torch.Tensor]:
 
 def load_single_file_model_state(path: Path) -> Dict[str, torch.Tensor]:
     """The `model` entry of a checkpoint saved by `fabric.save` on one device (or DDP)."""
-    from fabric_lin.convert.model_dir import tensor_dict, torch_load_tensors
-
     # the checkpoint also holds the RNG states, which include NumPy's (an array)
     checkpoint = torch_load_tensors(path, allow_numpy=True)
     if not isinstance(checkpoint, dict):

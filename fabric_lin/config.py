@@ -8,6 +8,8 @@ from typing import Any, List, Literal, Optional, Union
 
 import yaml
 
+CONFIG_FILE = "model_config.yaml"  # the model's Config, in a checkpoint and in a model directory
+
 
 @dataclass
 class Config:
@@ -194,8 +196,6 @@ class Config:
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: Union[str, Path], **overrides: Any) -> "Config":
-        from fabric_lin.checkpoint import CONFIG_FILE  # the checkpoint module imports this one
-
         return cls.from_file(Path(checkpoint_dir) / CONFIG_FILE, **overrides)
 
     def to_dict(self) -> dict:

@@ -22,8 +22,6 @@ from torch.distributed.fsdp import ShardingStrategy
 from fabric_lin.args import CompileArgs, EvalArgs, OptimizerArgs, ParallelismArgs, TrainArgs
 from fabric_lin.batches import CycleIterator, batch_fingerprint, compute_loss
 from fabric_lin.checkpoint import (
-    CONFIG_FILE,
-    HPARAMS_FILE,
     CheckpointFileIO,
     Checkpointer,
     check_out_dir,
@@ -34,7 +32,7 @@ from fabric_lin.checkpoint import (
     to_plain,
     train_state,
 )
-from fabric_lin.config import Config
+from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader
 from fabric_lin.flops import flops_per_token, peak_flops
@@ -46,6 +44,7 @@ from fabric_lin.model import GPT, Block, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
 from fabric_lin.stopping import StepFlags, StopRequest
+from fabric_lin.weights import canonical_name
 
 COMPILE_CACHE_DIR = "compile_cache"
 
@@ -630,13 +629,6 @@ def build_model(
             options=StateDictOptions(full_state_dict=True, strict=True),
         )
     return model, no_decay
-
-
-def canonical_name(name: str) -> str:
-    """A parameter name without the prefixes that compile, FSDP, DDP, Fabric and checkpoint wrappers add."""
-    for prefix in ("_forward_module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name.removeprefix("module.")  # DistributedDataParallel's (the model has no submodule of that name)
 
 
 def no_decay_parameter_names(model: torch.nn.Module) -> set:

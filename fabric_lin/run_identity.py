@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import yaml
 
-from fabric_lin.checkpoint import CONFIG_FILE, HPARAMS_FILE
+from fabric_lin.checkpoint import HPARAMS_FILE
+from fabric_lin.config import CONFIG_FILE
 
 # settings a resume may change when --resume_changes names them ("data" stands for every data.* setting)
 CHANGEABLE = ("train.global_batch_size", "train.max_steps", "train.max_tokens", "data", "seed")

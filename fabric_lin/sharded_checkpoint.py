@@ -20,6 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from fabric_lin.weights import canonical_name, inside, torch_load_tensors
+
 FABRIC_META_FILE = "meta.pt"  # Fabric's FSDPStrategy: what is neither a module nor an optimizer
 
 
@@ -27,9 +29,6 @@ def load_sharded_train_state(path: Path, state: Dict[str, Any]) -> None:
     """Restore `state` (`checkpoint.train_state`: model, optimizer, the data loader, counters, RNG states)
     in place from the sharded lit_model.pth/ `path`, in a process that does not run FSDP. The optimizer's
     state, saved keyed by parameter names, is keyed here by this optimizer's parameter order."""
-    from fabric_lin.convert.model_dir import torch_load_tensors
-    from fabric_lin.pretrain import canonical_name
-
     path = Path(path)
     model, optimizer = state["model"], state["optimizer"]
     own = {canonical_name(name): name for name in model.state_dict()}
@@ -115,9 +114,6 @@ def load_sharded_model_state(path: Path) -> Dict[str, torch.Tensor]:
     """Consolidate the `model` entry of a DCP checkpoint directory into full CPU tensors, in this
     process and without a process group: DCP reassembles every tensor from its shards into a
     preallocated full one. The optimizer's entries are not read."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     reader = _SafeDCPReader(str(path))
     metadata = reader.read_metadata()
     planner_data = metadata.planner_data or {}
@@ -150,8 +146,6 @@ class _SafeDCPReader(torch.distributed.checkpoint.FileSystemReader):
     (torch's own reader uses a plain `pickle.load`, which runs whatever the file names.)"""
 
     def read_metadata(self, *args, **kwargs):
-        from fabric_lin.convert.model_dir import inside
-
         path = Path(self.path) / ".metadata"
         metadata = _RestrictedUnpickler(io.BytesIO(path.read_bytes()), path).load()
         if not isinstance(metadata, torch.distributed.checkpoint.metadata.Metadata):

@@ -185,7 +185,7 @@ def export_to_fla(model, config, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
     import fla  # noqa: F401  (registers fla's model types with transformers)
-    from fabric_lin.checkpoint import MODEL_FILE
+    from fabric_lin.weights import MODEL_FILE
     from fabric_lin.convert.hf import convert_to_hf
 
     with tempfile.TemporaryDirectory() as tmp:

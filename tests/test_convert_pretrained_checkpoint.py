@@ -37,7 +37,8 @@ def trained_model(config: Config, steps: int = 2, compile_prefix: bool = False):
     torch.manual_seed(0)
     model = GPT(config)
     # pretrain's two parameter groups (weight decay, and none for norms and biases)
-    from fabric_lin.pretrain import canonical_name, no_decay_parameter_names
+    from fabric_lin.pretrain import no_decay_parameter_names
+    from fabric_lin.weights import canonical_name
 
     no_decay = no_decay_parameter_names(model)
     groups = [[p for n, p in model.named_parameters() if (canonical_name(n) in no_decay) == flag] for flag in (False, True)]
@@ -313,7 +314,8 @@ def _fsdp_worker(rank: int, world_size: int, ckpt_dir: str, port: int, kind: str
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     # pretrain's two parameter groups (weight decay, and none for norms and biases)
-    from fabric_lin.pretrain import canonical_name, no_decay_parameter_names
+    from fabric_lin.pretrain import no_decay_parameter_names
+    from fabric_lin.weights import canonical_name
 
     no_decay = no_decay_parameter_names(model)
     groups = [[p for n, p in model.named_parameters() if (canonical_name(n) in no_decay) == flag] for flag in (False, True)]

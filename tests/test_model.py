@@ -153,7 +153,7 @@ def test_generate_samples_only_ids_the_tokenizer_has(tmp_path):
     likely ones) are never sampled, so every token decodes."""
     from fabric_lin.data import Tokenizer
     from fabric_lin.generate import main as generate
-    from test_convert_hf import make_model_dir, small_config
+    from test_convert_hf import make_model_dir
 
     config = Config.from_name("gla-debug", vocab_size=128, num_layers=2)
     state = make_model_dir(tmp_path / "model", config)

@@ -16,7 +16,8 @@ from fabric_lin.flops import flops_per_token, matmul_params
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.model import GPT
 from fabric_lin.batches import doc_boundaries
-from fabric_lin.pretrain import build_model, canonical_name, no_decay_parameter_names
+from fabric_lin.pretrain import build_model, no_decay_parameter_names
+from fabric_lin.weights import canonical_name
 from fabric_lin.stopping import StepFlags
 from conftest import litdata_blocks, logged_data_fingerprints
 

@@ -28,14 +28,13 @@ from fabric_lin.config import Config
 from fabric_lin.convert.model_dir import (
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX_FILE,
-    inside,
-    meta_model,
     parse_dtype,
     prepare_output_dir,
     read_json,
     refuse_mixed_exports,
     save_model_dir,
 )
+from fabric_lin.weights import inside, meta_model
 from fabric_lin.files import created_dir
 
 LLAMA_MODEL_TYPES = ("llama", "mistral")

@@ -9,10 +9,7 @@ Everything read here comes from files that travel between people, so nothing is 
 tensors (`torch.load(weights_only=True)`, safetensors), and file names read from an index stay
 inside their directory.
 """
-import contextlib
 import json
-import os
-import pickle
 import re
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Union
@@ -20,9 +17,9 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 import torch.nn as nn
 
-from fabric_lin.checkpoint import CONFIG_FILE, MODEL_FILE  # the same names as in a training checkpoint
-from fabric_lin.config import Config
+from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.files import atomic_write
+from fabric_lin.weights import MODEL_FILE, canonical_state_dict, inside, meta_model, tensor_dict, torch_load_tensors
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
@@ -63,7 +60,7 @@ def load_model_dir_weights(
             f"{model_dir} holds no {MODEL_FILE}, {SAFETENSORS_FILE} or {SAFETENSORS_INDEX_FILE}; "
             f"found {sorted(p.name for p in model_dir.iterdir())[:10]}"
         )
-    state = strip_compile_prefix(tensor_dict(state, path))
+    state = canonical_state_dict(tensor_dict(state, path))
     if model is not None:
         check_state_dict(state, model, source=str(model_dir))
     return state
@@ -101,75 +98,6 @@ def check_state_dict(
             lines.append(f"  unexpected ({len(unexpected)}): {_short_list(unexpected)}")
         lines += [f"  {p}" for p in problems]
         raise ValueError("\n".join(lines))
-
-
-def meta_model(config: Config) -> nn.Module:
-    from fabric_lin.model import GPT
-
-    with torch.device("meta"):
-        return GPT(config)
-
-
-def torch_load_tensors(path: Path, allow_numpy: bool = False):
-    """`torch.load(weights_only=True)`, memory-mapped when the file allows it.
-
-    `allow_numpy` admits plain numpy arrays (what a NumPy RNG state is made of, in a training
-    checkpoint's metadata); no other global is ever admitted.
-    """
-    safe = []
-    if allow_numpy:
-        import numpy as np
-
-        reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct  # numpy 2 / numpy 1
-        safe = [reconstruct, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in ("uint32", "int64", "float64"))]
-    try:
-        with torch.serialization.safe_globals(safe) if safe else contextlib.nullcontext():
-            try:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as e:
-                if "mmap" not in str(e):  # e.g. a file in the legacy (non-zip) format cannot be mapped
-                    raise
-                return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        if "Weights only load failed" in str(e) or isinstance(e, pickle.UnpicklingError):
-            raise ValueError(
-                f"{path} holds objects other than tensors and plain containers, so it is not loaded "
-                f"(files are never unpickled beyond tensors). Details: {str(e).splitlines()[-1][:300]}"
-            ) from None
-        raise
-
-
-def tensor_dict(state, path: Path) -> Dict[str, torch.Tensor]:
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
-    bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
-    if bad:
-        raise ValueError(f"{path}: expected a dict of name -> tensor; these entries are not: {_short_list(map(repr, bad))}")
-    return state
-
-
-def strip_compile_prefix(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Remove `_orig_mod.` (left by `torch.compile`) wherever it occurs in a name."""
-    out = {}
-    for name, tensor in state_dict.items():
-        clean = ".".join(part for part in name.split(".") if part != "_orig_mod")
-        if clean in out:
-            raise ValueError(f"two tensors map to {clean!r} once `_orig_mod.` is removed (one is {name!r})")
-        out[clean] = tensor
-    return out
-
-
-def inside(directory: Path, name: str, what: str) -> Path:
-    """`directory / name`, refusing a name that leaves `directory` (absolute, or through `..`).
-
-    The check is on the name, not on where symlinks lead: a Hugging Face cache snapshot links its
-    files to blobs elsewhere, and links made by the directory's owner are theirs to make."""
-    if not isinstance(name, str) or not name or Path(name).is_absolute():
-        raise ValueError(f"{what}: file name {name!r} is not a relative path inside {directory}")
-    normal = os.path.normpath(name)
-    if normal == ".." or normal.startswith(".." + os.sep) or normal == ".":
-        raise ValueError(f"{what}: file name {name!r} points outside {directory}")
-    return Path(directory) / normal
 
 
 def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[str] = None) -> Dict[str, torch.Tensor]:

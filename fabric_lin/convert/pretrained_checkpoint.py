@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Optional
 
 from fabric_lin.checkpoint import (
-    CONFIG_FILE,
-    MODEL_FILE,
     find_training_checkpoint,
     load_model_weights,
     unverified_note,
@@ -22,9 +20,10 @@ from fabric_lin.convert.model_dir import (
     parse_dtype,
     prepare_output_dir,
     save_model_dir,
-    strip_compile_prefix,
 )
+from fabric_lin.config import CONFIG_FILE
 from fabric_lin.files import created_dir
+from fabric_lin.weights import MODEL_FILE, canonical_state_dict
 
 
 def convert_pretrained_checkpoint(
@@ -58,7 +57,7 @@ def convert_pretrained_checkpoint(
         print(unverified_note(checkpoint_dir))
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
 
-    state_dict = strip_compile_prefix(load_model_weights(weights_path))
+    state_dict = canonical_state_dict(load_model_weights(weights_path))
     form = f"sharded ({len(list(weights_path.glob('*.distcp')))} shard files)" if weights_path.is_dir() else "single file"
     check_state_dict(state_dict, config, source=str(weights_path))
     state_dict = cast_floating(state_dict, torch_dtype)

@@ -1,0 +1,94 @@
+"""A model's weights as files hold them: the file name, loading tensors without unpickling anything else,
+the parameter names free of the wrappers' prefixes, and a model of the right shapes that holds no memory.
+Used by the training checkpoint (fabric_lin.checkpoint), the FSDP shard reader (fabric_lin.sharded_checkpoint)
+and the model directories of fabric_lin.convert alike."""
+import contextlib
+import os
+import pickle
+from pathlib import Path
+from typing import Dict
+
+import torch
+import torch.nn as nn
+
+from fabric_lin.config import Config
+from fabric_lin.model import GPT
+
+MODEL_FILE = "lit_model.pth"  # a model directory's weights, or a training checkpoint's whole train state
+# prefixes that torch.compile, FSDP, Fabric and activation checkpointing put into parameter names
+WRAPPER_PREFIXES = ("_forward_module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name as the bare model names it: without the prefixes that compile, FSDP, DDP, Fabric and
+    checkpoint wrappers add."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name.removeprefix("module.")  # DistributedDataParallel's (the model has no submodule of that name)
+
+
+def canonical_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """`state_dict` with every name made canonical (`canonical_name`), refusing two tensors of one name."""
+    out = {}
+    for name, tensor in state_dict.items():
+        clean = canonical_name(name)
+        if clean in out:
+            raise ValueError(f"two tensors map to {clean!r} once the wrappers' prefixes are removed (one is {name!r})")
+        out[clean] = tensor
+    return out
+
+
+def meta_model(config: Config) -> nn.Module:
+    with torch.device("meta"):
+        return GPT(config)
+
+
+def torch_load_tensors(path: Path, allow_numpy: bool = False):
+    """`torch.load(weights_only=True)`, memory-mapped when the file allows it.
+
+    `allow_numpy` admits plain numpy arrays (what a NumPy RNG state is made of, in a training
+    checkpoint's metadata); no other global is ever admitted.
+    """
+    safe = []
+    if allow_numpy:
+        import numpy as np
+
+        reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct  # numpy 2 / numpy 1
+        safe = [reconstruct, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in ("uint32", "int64", "float64"))]
+    try:
+        with torch.serialization.safe_globals(safe) if safe else contextlib.nullcontext():
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):  # e.g. a file in the legacy (non-zip) format cannot be mapped
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        if "Weights only load failed" in str(e) or isinstance(e, pickle.UnpicklingError):
+            raise ValueError(
+                f"{path} holds objects other than tensors and plain containers, so it is not loaded "
+                f"(files are never unpickled beyond tensors). Details: {str(e).splitlines()[-1][:300]}"
+            ) from None
+        raise
+
+
+def tensor_dict(state, path: Path) -> Dict[str, torch.Tensor]:
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
+    bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ValueError(f"{path}: expected a dict of name -> tensor; these entries are not: {', '.join(map(repr, bad[:12])) + (f' ... ({len(bad) - 12} more)' if len(bad) > 12 else '')}")
+    return state
+
+
+def inside(directory: Path, name: str, what: str) -> Path:
+    """`directory / name`, refusing a name that leaves `directory` (absolute, or through `..`).
+
+    The check is on the name, not on where symlinks lead: a Hugging Face cache snapshot links its
+    files to blobs elsewhere, and links made by the directory's owner are theirs to make."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise ValueError(f"{what}: file name {name!r} is not a relative path inside {directory}")
+    normal = os.path.normpath(name)
+    if normal == ".." or normal.startswith(".." + os.sep) or normal == ".":
+        raise ValueError(f"{what}: file name {name!r} points outside {directory}")
+    return Path(directory) / normal
