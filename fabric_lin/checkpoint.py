@@ -12,8 +12,7 @@ A checkpoint directory holds:
                           training data's position (`fabric_lin.data.sample_order`), counters and RNG
                           states. One file on one device or DDP; under FSDP a torch.distributed.checkpoint (DCP) directory:
                           `.metadata`, one `__<rank>_0.distcp` per process and Fabric's `meta.pt`
-    step.json             {"step_count": N, "manifest": "manifest.json"}: which checkpoint is newest,
-                          without loading one; and that the checkpoint was written with a manifest
+    step.json             {"step_count": N}: which checkpoint is newest, without loading one
     hyperparameters.yaml  the run's arguments, usable with `fabric-lin pretrain --config`
     model_config.yaml     the model's `Config`
     tokenizer files       `fabric_lin.data.tokenizer.TOKENIZER_FILES`, when the run has a tokenizer
@@ -23,8 +22,7 @@ A checkpoint directory holds:
 Each is written under `.tmp-<name>/`, fsynced, and renamed last, so a `step-*` or `final` directory
 is complete when it was written; the manifest tells whether its bytes are still those that were
 written (`verify_checkpoint`). `--resume` verifies before loading: a damaged directory is renamed to
-`.damaged-<name>` (never deleted) and the newest verified checkpoint is used. Checkpoints written before
-the manifest existed (step.json without "manifest") still load, unverified. A model directory
+`.damaged-<name>` (never deleted) and the newest verified checkpoint is used. A model directory
 (`fabric_lin.convert.model_dir`) uses the same names for its weights and config.
 """
 import json
@@ -110,7 +108,7 @@ class Checkpointer:
             state["rng_states"] = get_rng_states()
             fabric.save(tmp_dir / MODEL_FILE, state)  # every rank takes part; it ends with a barrier
             if fabric.global_rank == 0:
-                step_info = {"step_count": state["step_count"], "manifest": MANIFEST_FILE}
+                step_info = {"step_count": state["step_count"]}
                 (tmp_dir / STEP_FILE).write_text(json.dumps(step_info) + "\n")
                 save_hparams(self.hparams, tmp_dir / HPARAMS_FILE)
                 self.config.save(tmp_dir / CONFIG_FILE)
@@ -279,8 +277,6 @@ class Verification:
     directory: Path
     problems: List[str] = field(default_factory=list)
     """What is wrong, one entry per file; empty: the checkpoint may be loaded"""
-    has_manifest: bool = True
-    """False: written before checkpoints carried a manifest, so only its structure could be checked"""
 
     @property
     def ok(self) -> bool:
@@ -294,26 +290,21 @@ class Verification:
 
 def verify_checkpoint(directory: Path, fabric=None) -> Verification:
     """Check a checkpoint directory against its manifest: every file listed is there, of its size and
-    CRC-32. With `fabric`, every rank calls it and checks a share of the files; all get the whole result.
-    A directory without manifest.json passes if step.json does not say it had one (a checkpoint of an
-    earlier version) and its lit_model.pth is structurally whole."""
+    CRC-32. With `fabric`, every rank calls it and checks a share of the files; all get the whole result."""
     directory = Path(directory)
     rank, world = (fabric.global_rank, fabric.world_size) if fabric is not None else (0, 1)
-    problems, has_manifest = _verify_share(directory, rank, world)
+    problems = _verify_share(directory, rank, world)
     if fabric is not None and world > 1:
         problems = sorted({p for part in all_gather_objects(fabric, problems) for p in part})
-    return Verification(directory, problems, has_manifest)
+    return Verification(directory, problems)
 
 
-def _verify_share(directory: Path, rank: int, world: int) -> Tuple[List[str], bool]:
+def _verify_share(directory: Path, rank: int, world: int) -> List[str]:
     if not directory.is_dir():
-        return [f"{directory} is not a directory"], True
+        return [f"{directory} is not a directory"]
     manifest_path = directory / MANIFEST_FILE
     if not manifest_path.is_file():
-        step_info = _read_json(directory / STEP_FILE)
-        if isinstance(step_info, dict) and step_info.get("manifest"):
-            return [f"{MANIFEST_FILE} is missing, though {STEP_FILE} says the checkpoint was written with one"], True
-        return _structure_problems(directory), False
+        return [f"{MANIFEST_FILE} is missing (it is written last: the checkpoint was never completed, or lost it since)"]
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         files = manifest["files"]
@@ -322,13 +313,13 @@ def _verify_share(directory: Path, rank: int, world: int) -> Tuple[List[str], bo
         ):
             raise ValueError('"files" is not a mapping of file name -> {"size", "crc32"}')
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return [f"{MANIFEST_FILE} is unreadable ({type(e).__name__}: {e})"], True
+        return [f"{MANIFEST_FILE} is unreadable ({type(e).__name__}: {e})"]
     problems = []
     if not any(name == MODEL_FILE or name.startswith(MODEL_FILE + "/") for name in files):
         problems.append(f"{MANIFEST_FILE} lists no {MODEL_FILE}")
     for name in share(sorted(files), rank, world):
         problems += _file_problems(directory, name, files[name])
-    return problems, True
+    return problems
 
 
 def _file_problems(directory: Path, name: str, expected: Dict[str, Any]) -> List[str]:
@@ -347,20 +338,6 @@ def _file_problems(directory: Path, name: str, expected: Dict[str, Any]) -> List
         return [f"{name} changed size while it was read"]
     if got["crc32"] != expected["crc32"]:
         return [f"{name}'s bytes changed since it was written (CRC-32 {got['crc32']}, {expected['crc32']} in {MANIFEST_FILE})"]
-    return []
-
-
-def _structure_problems(directory: Path) -> List[str]:
-    """What a checkpoint without a manifest can be checked for: lit_model.pth is there and whole in structure."""
-    import zipfile
-
-    model = directory / MODEL_FILE
-    if not model.exists():
-        return [f"{MODEL_FILE} is missing"]
-    if model.is_dir():
-        return [] if (model / ".metadata").is_file() else [f"{MODEL_FILE}/.metadata is missing"]
-    if not zipfile.is_zipfile(model):
-        return [f"{MODEL_FILE} is truncated or damaged: it is not the readable zip archive torch.save writes"]
     return []
 
 
@@ -384,10 +361,6 @@ def set_aside(directory: Path) -> Path:
     return target
 
 
-def unverified_note(directory: Path) -> str:
-    return f"Note: {directory} was written before checkpoints carried a manifest: its files cannot be verified"
-
-
 
 def load_train_state(fabric, checkpoint_dir: Path, state: Dict[str, Any]) -> None:
     """Restore `state` (see `train_state`) in place from a checkpoint directory, RNG states included."""
@@ -408,16 +381,6 @@ def load_train_state(fabric, checkpoint_dir: Path, state: Dict[str, Any]) -> Non
         raise ValueError(
             f"--resume {checkpoint_dir}: {MODEL_FILE} there is not a training checkpoint ({e}); to start "
             f"from a model directory's weights, use --initial_checkpoint_dir {checkpoint_dir}"
-        ) from None
-    except ValueError as e:
-        if "parameter group" not in str(e):
-            raise
-        # DDP runs of earlier versions put every parameter in the weight-decay group
-        raise ValueError(
-            f"--resume {checkpoint_dir}: its optimizer state has other parameter groups than this run's ({e}). "
-            "A DDP run of an earlier version put the norm weights and biases in the weight-decay group; "
-            f"continue from its weights: fabric-lin convert_pretrained_checkpoint {checkpoint_dir} --output_dir "
-            "<DIR>, then --initial_checkpoint_dir <DIR> (AdamW's moments start again)"
         ) from None
     set_rng_states(state["rng_states"])
 
@@ -492,7 +455,8 @@ def step_checkpoints(out_dir: Path) -> List[Path]:
 
 def checkpoint_dirs(out_dir: Path) -> List[Path]:
     """Every step-* directory and final/ in out_dir, newest first: by step, final/ first on a tie (its
-    validation is done), final/ without step.json (older runs) first of all. Damaged ones included."""
+    validation is done). Damaged ones included: a final/ whose step.json cannot be read comes first, so that
+    verifying it sets it aside."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
@@ -509,26 +473,6 @@ def checkpoint_dirs(out_dir: Path) -> List[Path]:
     return [path for *_, path in sorted(found, reverse=True)]
 
 
-def find_resume_dir(resume: Union[bool, str, Path, None], out_dir: Path) -> Optional[Path]:
-    """The checkpoint directory to resume from, or None for a fresh start, unverified (`select_resume_dir`
-    verifies).
-
-    auto/true pick the checkpoint with the highest step that holds lit_model.pth: `final/` when it is at
-    least as new as every step-* directory (a run extended past its first max_steps saves step-* directories
-    after its old `final/`); temporary `.tmp-*` and set-aside `.damaged-*` directories are never considered."""
-    out_dir = Path(out_dir)
-    if resume is False or resume is None:
-        return None
-    if resume is True or resume == "auto":
-        for path in checkpoint_dirs(out_dir):
-            if (path / MODEL_FILE).exists():
-                return path
-        if resume == "auto":
-            return None
-        raise FileNotFoundError(f"--resume true: no checkpoint (step-XXXXXXXX/ or {FINAL_DIR}/ with {MODEL_FILE}) in {out_dir}")
-    return explicit_resume_dir(resume)
-
-
 def explicit_resume_dir(resume: Union[str, Path]) -> Path:
     """The directory `--resume <path>` names (the path of its lit_model.pth is taken too)."""
     path = Path(resume)
@@ -538,6 +482,11 @@ def explicit_resume_dir(resume: Union[str, Path]) -> Path:
         raise ValueError(f"--resume {resume}: an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
     if not ((path / MODEL_FILE).exists() or (path / MANIFEST_FILE).is_file()):
         raise FileNotFoundError(f"--resume {resume}: expected a checkpoint directory holding {MODEL_FILE}")
+    if not (path / STEP_FILE).is_file() and not (path / MANIFEST_FILE).is_file():
+        raise ValueError(
+            f"--resume {resume}: it is not a training checkpoint (it has no {STEP_FILE} or {MANIFEST_FILE}); to start "
+            f"from a model directory's weights, use --initial_checkpoint_dir {path}"
+        )
     return path
 
 
@@ -546,8 +495,7 @@ def select_resume_dir(fabric, resume: Union[bool, str, Path, None], out_dir: Pat
 
     `--resume <dir>`: that directory, refused with what is wrong if it fails verification. auto/true: the
     newest checkpoint in out_dir that passes; each newer one that fails is reported, set aside as
-    `.damaged-<name>` (by rank 0) and the next one tried. A checkpoint of an earlier version, which has
-    no manifest, is used with a note."""
+    `.damaged-<name>` (by rank 0) and the next one tried."""
     out_dir = Path(out_dir)
     if resume is False or resume is None:
         return None
@@ -559,15 +507,11 @@ def select_resume_dir(fabric, resume: Union[bool, str, Path, None], out_dir: Pat
                 f"--resume {resume}: the checkpoint is damaged: {check.describe()}. It is not loaded: pass an older "
                 f"checkpoint directory, or --resume auto for the newest verified one in out_dir"
             )
-        if not check.has_manifest:
-            fabric.print(unverified_note(path))
         return path
     damaged: List[Path] = []
     for candidate in checkpoint_dirs(out_dir):
         check = verify_checkpoint(candidate, fabric)
         if check.ok:
-            if not check.has_manifest:
-                fabric.print(unverified_note(candidate))
             if damaged:
                 fabric.print(f"Warning: resuming from {candidate}, the newest checkpoint that verifies")
             return candidate
@@ -617,15 +561,11 @@ def delete_checkpoints(out_dir: Path) -> List[str]:
     return sorted(p.name for p in doomed)
 
 
-def final_checkpoint_step(out_dir: Path) -> Optional[float]:
-    """The step of a complete out_dir/final/ (inf when it predates step.json: then taken as the newest), or None."""
-    final = Path(out_dir) / FINAL_DIR
-    if not (final / MODEL_FILE).exists():
-        return None
-    try:
-        return int(json.loads((final / STEP_FILE).read_text())["step_count"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return float("inf")
+def final_checkpoint_step(out_dir: Path) -> Optional[int]:
+    """The step of out_dir/final/, or None where there is none (or its step.json cannot be read)."""
+    step = _read_json(Path(out_dir) / FINAL_DIR / STEP_FILE)
+    step = step.get("step_count") if isinstance(step, dict) else None
+    return step if isinstance(step, int) else None
 
 
 def prune_checkpoints(out_dir: Path, keep_last_n: int) -> None:
@@ -680,6 +620,11 @@ def find_training_checkpoint(checkpoint_dir: Path) -> Tuple[Any, Path]:
         finals = [FINAL_DIR] if (checkpoint_dir / FINAL_DIR / MODEL_FILE).exists() else []
         hint = f"; it holds checkpoints {(steps[-3:] + finals)}, pass one of those" if steps or finals else ""
         raise FileNotFoundError(f"{checkpoint_dir} is not a training checkpoint: it has no {MODEL_FILE}{hint}")
+    if not (checkpoint_dir / STEP_FILE).is_file() and not (checkpoint_dir / MANIFEST_FILE).is_file():
+        raise ValueError(
+            f"{checkpoint_dir} holds {MODEL_FILE} but no {STEP_FILE} or {MANIFEST_FILE}: it is already a model directory "
+            f"(convert_pretrained_checkpoint's output), not a training checkpoint"
+        )
     if weights_path.is_dir() and not (weights_path / ".metadata").is_file():
         raise ValueError(
             f"{weights_path} is a directory without the torch.distributed.checkpoint `.metadata` file; "

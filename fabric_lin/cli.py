@@ -46,47 +46,6 @@ def load_command(name: str) -> Callable:
     return getattr(importlib.import_module(module_name), function_name)
 
 
-def renamed_keys_message(argv: List[str], renamed: Dict[str, str]) -> Optional[str]:
-    """One line naming the new key of each old key in `argv` (`--old value`, `--old=value`) or at the top
-    of a `--config` file given there; None when there is none. An old key that is now the name of a
-    group (`compile`) is old only with the values it had (true, false, null), not with a mapping or a file."""
-    import yaml
-
-    def is_old(key: str, value) -> bool:
-        if renamed.get(key, "").startswith(key + "."):  # a group now: its old values were true, false, null
-            return value is None or isinstance(value, bool)
-        return key in renamed
-
-    found = []  # (where, key)
-    for i, arg in enumerate(argv):
-        if not arg.startswith("--"):
-            continue
-        key, has_value, value = arg[2:].partition("=")
-        if not has_value:
-            value = argv[i + 1] if i + 1 < len(argv) else ""
-        if key == "config":
-            try:
-                with open(value, encoding="utf-8") as f:
-                    content = yaml.safe_load(f)
-            except (OSError, yaml.YAMLError):
-                continue  # jsonargparse reports an unreadable config file
-            if isinstance(content, dict):
-                found += [(value, k) for k, v in content.items() if is_old(k, v)]
-            continue
-        if key in renamed:
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError:
-                pass
-            if is_old(key, value):
-                found.append((None, key))
-    parts = []
-    for where in dict.fromkeys(where for where, _ in found):  # the command line or a config file, in argv's order
-        renames = ", ".join(f"{key} is now {renamed[key]}" for w, key in found if w == where)
-        parts.append(f"{where}: {renames}" if where else renames)
-    return "; ".join(parts) or None
-
-
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0", "false", "False")
 
@@ -256,11 +215,6 @@ def run(argv: List[str]) -> None:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     if argv and argv[0] in COMMANDS:
         components = {argv[0]: load_command(argv[0])}
-        renamed = getattr(importlib.import_module(components[argv[0]].__module__), "RENAMED_KEYS", {})
-        message = renamed_keys_message(argv[1:], renamed)
-        if message:
-            print(f"fabric-lin {argv[0]}: error: {message}", file=sys.stderr)
-            raise SystemExit(2)
     else:  # `fabric-lin --help` or an unknown subcommand: list every one that imports
         components = {}
         for name in COMMANDS:

@@ -48,20 +48,6 @@ from fabric_lin.weights import canonical_name
 
 COMPILE_CACHE_DIR = "compile_cache"
 
-# Keys that moved into the option groups. `fabric-lin pretrain` refuses them (on the command line or at
-# the top of a --config file) with one line naming the new key; `compile` was a bool and is now a group.
-RENAMED_KEYS = {
-    "compile": "compile.enabled",
-    "compile_cache": "compile.cache",
-    "compile_dynamic": "compile.dynamic",
-    "compile_mode": "compile.mode",
-    "kernel_autotune": "compile.kernel_autotune",
-    "data_parallel": "parallelism.data_parallel",
-    "fsdp_unit": "parallelism.fsdp_unit",
-    "fsdp_reshard_after_forward": "parallelism.fsdp_reshard_after_forward",
-    "activation_checkpointing": "parallelism.activation_checkpointing",
-}
-
 # Data modules are dataclasses, for which jsonargparse disables subclasses by default; `--data SampleCorpus`
 # and YAML `data: {class_path: ..., init_args: ...}` need them enabled.
 try:

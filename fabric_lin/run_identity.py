@@ -67,11 +67,6 @@ def compare_with_checkpoint(checkpoint_dir: Path, hparams: Dict[str, Any], model
     Raises, in one message naming each saved and given value, where the run itself changed."""
     check_changeable(allowed)
     checkpoint_dir = Path(checkpoint_dir)
-    if not (checkpoint_dir / HPARAMS_FILE).is_file():
-        raise ValueError(
-            f"--resume {checkpoint_dir}: it is not a training checkpoint (it has no {HPARAMS_FILE}); to start from a "
-            f"model directory's weights, use --initial_checkpoint_dir {checkpoint_dir}"
-        )
     with open(checkpoint_dir / HPARAMS_FILE, encoding="utf-8") as f:
         saved_hparams = yaml.safe_load(f) or {}
     with open(checkpoint_dir / CONFIG_FILE, encoding="utf-8") as f:

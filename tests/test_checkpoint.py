@@ -4,6 +4,7 @@ finding the one to resume from and falling back past damaged ones, pruning, dele
 states, and the round trip of a train state through save and load. (Reading a checkpoint's model weights,
 single-file and FSDP-sharded: test_convert_pretrained_checkpoint.py.)"""
 import json
+import re
 import os
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from fabric_lin.checkpoint import (
     delete_checkpoints,
     earlier_run_checkpoints,
     file_checksum,
-    find_resume_dir,
+    explicit_resume_dir,
     select_resume_dir,
     verify_checkpoint,
     final_checkpoint_step,
@@ -41,32 +42,42 @@ def _make_ckpt(root: Path, name: str) -> Path:
     d = root / name
     d.mkdir(parents=True)
     (d / "lit_model.pth").write_bytes(b"x")
+    match = re.match(r"step-(\d+)$", name)
+    if match:
+        (d / "step.json").write_text(json.dumps({"step_count": int(match.group(1))}))
     return d
 
 
-def test_find_resume_dir(tmp_path):
-    assert find_resume_dir("auto", tmp_path) is None
-    assert find_resume_dir(False, tmp_path) is None
+def test_checkpoints_are_found_newest_first(tmp_path):
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    assert select_resume_dir(fabric, "auto", tmp_path) is None and select_resume_dir(fabric, False, tmp_path) is None
     with pytest.raises(FileNotFoundError, match="--resume true: no checkpoint"):
-        find_resume_dir(True, tmp_path)
+        select_resume_dir(fabric, True, tmp_path)
     _make_ckpt(tmp_path, "step-00000002")
     _make_ckpt(tmp_path, "step-00000010")
     _make_ckpt(tmp_path, ".tmp-step-00000012")  # interrupted save: never chosen
-    (tmp_path / "step-00000011").mkdir()  # no lit_model.pth: not complete
-    assert find_resume_dir("auto", tmp_path) == tmp_path / "step-00000010"
-    assert find_resume_dir(True, tmp_path) == tmp_path / "step-00000010"
+    (tmp_path / "notes").mkdir()
+    assert checkpoint_dirs(tmp_path) == [tmp_path / "step-00000010", tmp_path / "step-00000002"]
     # a path: the directory or the lit_model.pth in it
-    assert find_resume_dir(tmp_path / "step-00000002", tmp_path) == tmp_path / "step-00000002"
-    assert find_resume_dir(tmp_path / "step-00000002" / "lit_model.pth", tmp_path) == tmp_path / "step-00000002"
-    with pytest.raises(FileNotFoundError, match="step-00000011"):
-        find_resume_dir(tmp_path / "step-00000011", tmp_path)
-    final = _make_ckpt(tmp_path, "final")  # without step.json (older runs): taken as the newest
-    assert find_resume_dir("auto", tmp_path) == tmp_path / "final"
+    assert explicit_resume_dir(tmp_path / "step-00000002") == tmp_path / "step-00000002"
+    assert explicit_resume_dir(tmp_path / "step-00000002" / "lit_model.pth") == tmp_path / "step-00000002"
+    (tmp_path / "step-00000011").mkdir()  # nothing in it
+    with pytest.raises(FileNotFoundError, match="step-00000011: expected a checkpoint directory holding lit_model.pth"):
+        explicit_resume_dir(tmp_path / "step-00000011")
+    with pytest.raises(ValueError, match="an unfinished checkpoint"):
+        explicit_resume_dir(tmp_path / ".tmp-step-00000012")
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "lit_model.pth").write_bytes(b"x")  # the weights alone: a model directory
+    with pytest.raises(ValueError, match=rf"it is not a training checkpoint .* use --initial_checkpoint_dir {model_dir}"):
+        explicit_resume_dir(model_dir)
+    final = _make_ckpt(tmp_path, "final")  # its step.json unreadable: first, so that verifying it sets it aside
+    assert checkpoint_dirs(tmp_path)[0] == final and final_checkpoint_step(tmp_path) is None
     # a run extended past its first max_steps saves step-* directories after its old final/
     (final / "step.json").write_text('{"step_count": 4}')
-    assert find_resume_dir("auto", tmp_path) == tmp_path / "step-00000010"
-    (final / "step.json").write_text('{"step_count": 10}')  # a tie: final/, whose validation is done
-    assert find_resume_dir(True, tmp_path) == tmp_path / "final"
+    assert checkpoint_dirs(tmp_path)[:2] == [tmp_path / "step-00000011", tmp_path / "step-00000010"]
+    (final / "step.json").write_text('{"step_count": 11}')  # a tie: final/, whose validation is done
+    assert checkpoint_dirs(tmp_path)[0] == final and final_checkpoint_step(tmp_path) == 11
 
 
 def test_prune_keeps_newest(tmp_path):
@@ -108,13 +119,13 @@ def test_save_writes_a_complete_directory_then_load_restores_the_state(tmp_path)
     saved = checkpointer.save(fabric, state)
     assert saved == tmp_path / "step-00000003"
     assert {p.name for p in saved.iterdir()} == {MODEL_FILE, STEP_FILE, HPARAMS_FILE, CONFIG_FILE, MANIFEST_FILE}
-    assert json.loads((saved / STEP_FILE).read_text()) == {"step_count": 3, "manifest": MANIFEST_FILE}
+    assert json.loads((saved / STEP_FILE).read_text()) == {"step_count": 3}
     # the manifest: every other file, its size and CRC-32
     manifest = json.loads((saved / MANIFEST_FILE).read_text())
     assert sorted(manifest["files"]) == sorted([MODEL_FILE, STEP_FILE, HPARAMS_FILE, CONFIG_FILE])
     for name, entry in manifest["files"].items():
         assert entry == file_checksum(saved / name) and entry["size"] == (saved / name).stat().st_size
-    assert verify_checkpoint(saved).ok and verify_checkpoint(saved).has_manifest
+    assert verify_checkpoint(saved).ok
     assert yaml.safe_load((saved / HPARAMS_FILE).read_text()) == hparams
     assert Config.from_checkpoint(saved) == config
     assert not list(tmp_path.glob(".tmp-*"))
@@ -138,7 +149,7 @@ def test_save_writes_a_complete_directory_then_load_restores_the_state(tmp_path)
         checkpointer.save(fabric, state)
     assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000004", "step-00000005"]
     checkpointer.save(fabric, state, final=True)
-    assert final_checkpoint_step(tmp_path) == 5 and find_resume_dir("auto", tmp_path) == tmp_path / "final"
+    assert final_checkpoint_step(tmp_path) == 5 and select_resume_dir(fabric, "auto", tmp_path) == tmp_path / "final"
     assert len(step_checkpoints(tmp_path)) == 2 and not list(tmp_path.glob(".tmp-*"))
 
 
@@ -206,32 +217,27 @@ def test_a_missing_file_is_found(tmp_path):
     assert verify_checkpoint(saved).problems == [f"{MODEL_FILE} is missing", f"{CONFIG_FILE} is missing"]
 
 
-def test_a_missing_manifest_is_found_where_step_json_says_there_was_one(tmp_path):
+def test_a_missing_or_unreadable_manifest_is_found(tmp_path):
     saved = saved_checkpoint(tmp_path)
     (saved / MANIFEST_FILE).unlink()
-    assert verify_checkpoint(saved).problems == [
-        f"{MANIFEST_FILE} is missing, though {STEP_FILE} says the checkpoint was written with one"
-    ]
+    assert verify_checkpoint(saved).problems[0].startswith(f"{MANIFEST_FILE} is missing")
     (saved / MANIFEST_FILE).write_text("{not json")
     assert verify_checkpoint(saved).problems[0].startswith(f"{MANIFEST_FILE} is unreadable (JSONDecodeError")
 
 
-def test_a_checkpoint_from_before_manifests_passes_unverified_unless_its_structure_is_broken(tmp_path, capsys):
-    """Written by an earlier version: no manifest, step.json without "manifest". It loads with a note; a
-    truncated lit_model.pth is still found (the end of its zip archive is gone)."""
-    saved = saved_checkpoint(tmp_path)
-    (saved / MANIFEST_FILE).unlink()
-    (saved / STEP_FILE).write_text('{"step_count": 2}')
-    check = verify_checkpoint(saved)
-    assert check.ok and not check.has_manifest
+def test_a_checkpoint_without_its_manifest_is_damaged(tmp_path, capsys):
+    """The manifest is written last: a directory without it was never completed, or lost it since. It is set
+    aside like any damaged checkpoint, and named with the reason when given to --resume."""
     fabric = L.Fabric(accelerator="cpu", devices=1)
-    assert select_resume_dir(fabric, "auto", tmp_path) == saved
-    assert f"Note: {saved} was written before checkpoints carried a manifest: its files cannot be verified" in capsys.readouterr().out
-    with open(saved / MODEL_FILE, "r+b") as f:
-        f.truncate(1000)
-    assert verify_checkpoint(saved).problems == [
-        f"{MODEL_FILE} is truncated or damaged: it is not the readable zip archive torch.save writes"
-    ]
+    older = saved_checkpoint(tmp_path, 2, fabric)
+    saved = saved_checkpoint(tmp_path, 4, fabric)
+    (saved / MANIFEST_FILE).unlink()
+    reason = f"{MANIFEST_FILE} is missing (it is written last: the checkpoint was never completed, or lost it since)"
+    assert verify_checkpoint(saved).problems == [reason]
+    with pytest.raises(ValueError, match=rf"--resume {saved}: the checkpoint is damaged: {MANIFEST_FILE} is missing"):
+        select_resume_dir(fabric, saved, tmp_path)
+    assert select_resume_dir(fabric, "auto", tmp_path) == older
+    assert f"Warning: checkpoint {saved} is damaged: {reason}. Set aside as {tmp_path / '.damaged-step-00000004'}" in capsys.readouterr().out
 
 
 def test_resume_falls_back_to_the_newest_verified_checkpoint_and_sets_the_damaged_aside(tmp_path, capsys):

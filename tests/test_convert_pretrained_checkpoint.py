@@ -69,6 +69,8 @@ def fabric_single_device_checkpoint(tmp_path: Path, config: Config, compiled: bo
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
     }
     fabric.save(ckpt_dir / "lit_model.pth", state)
+    (ckpt_dir / "step.json").write_text('{"step_count": 2}\n')
+    with_manifest(ckpt_dir)
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return ckpt_dir, expected
 
@@ -170,6 +172,7 @@ def test_config_mismatch_lists_the_differences(tmp_path):
     config = Config.from_name("gla-debug", num_layers=1)
     ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)
     Config.from_name("gla-debug", num_layers=2, hidden_size=256, num_heads=2).save(ckpt_dir / "model_config.yaml")
+    with_manifest(ckpt_dir)  # written so: the manifest agrees, the model does not
     with pytest.raises(ValueError) as info:
         convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
     message = str(info.value)
@@ -184,6 +187,7 @@ def test_pickled_code_in_checkpoint_is_refused(tmp_path):
     full = load_whole_checkpoint(ckpt_dir / "lit_model.pth")
     full["hook"] = _Payload(tmp_path / "pwned")
     torch.save(full, ckpt_dir / "lit_model.pth")
+    with_manifest(ckpt_dir)  # a file made so on purpose comes with a manifest that fits it
     with pytest.raises(ValueError, match="never unpickled beyond tensors"):
         convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
     assert not (tmp_path / "pwned").exists()
@@ -202,9 +206,8 @@ def with_manifest(ckpt_dir: Path) -> Path:
 def test_a_verified_checkpoint_converts_and_a_damaged_one_is_refused(tmp_path, capsys):
     config = Config.from_name("gla-debug", num_layers=1)
     ckpt_dir, expected = fabric_single_device_checkpoint(tmp_path, config)
-    with_manifest(ckpt_dir)
     convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
-    assert "cannot be verified" not in capsys.readouterr().out
+    assert f"Converted {ckpt_dir} (single file)" in capsys.readouterr().out
     assert_same_tensors(torch.load(tmp_path / "model" / "lit_model.pth", weights_only=True), expected)
     size = (ckpt_dir / "lit_model.pth").stat().st_size
     with open(ckpt_dir / "lit_model.pth", "r+b") as f:
@@ -215,12 +218,15 @@ def test_a_verified_checkpoint_converts_and_a_damaged_one_is_refused(tmp_path, c
     assert not (tmp_path / "other").exists()
 
 
-def test_a_checkpoint_from_before_manifests_converts_with_a_note(tmp_path, capsys):
+def test_a_checkpoint_without_its_manifest_is_not_converted(tmp_path):
+    """The manifest is written last: a directory without it was never completed (or lost it since)."""
     config = Config.from_name("gla-debug", num_layers=1)
-    ckpt_dir, expected = fabric_single_device_checkpoint(tmp_path, config)  # no manifest, as earlier versions wrote
-    convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
-    assert f"Note: {ckpt_dir} was written before checkpoints carried a manifest: its files cannot be verified" in capsys.readouterr().out
-    assert_same_tensors(torch.load(tmp_path / "model" / "lit_model.pth", weights_only=True), expected)
+    ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)
+    (ckpt_dir / "manifest.json").unlink()
+    with pytest.raises(ValueError, match=rf"{ckpt_dir}: the checkpoint is damaged: manifest.json is missing \(it is written "
+                       r"last: the checkpoint was never completed, or lost it since\). It is not converted"):
+        convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
+    assert not (tmp_path / "model").exists()
 
 
 def test_exported_files_get_the_usual_mode(tmp_path):

@@ -11,7 +11,6 @@ from typing import Optional
 from fabric_lin.checkpoint import (
     find_training_checkpoint,
     load_model_weights,
-    unverified_note,
     verify_checkpoint,
 )
 from fabric_lin.convert.model_dir import (
@@ -33,7 +32,7 @@ def convert_pretrained_checkpoint(
 
     The model directory (lit_model.pth with the model's state dict alone, model_config.yaml, tokenizer
     files) is what `generate`, evaluation and `pretrain --initial_checkpoint_dir` read. The checkpoint is
-    first verified against its manifest (checkpoints of earlier versions, without one, with a note).
+    first verified against its manifest.
 
     Args:
         checkpoint_dir: a training checkpoint directory, e.g. out/pretrain/gla-340M/step-00002048
@@ -53,8 +52,6 @@ def convert_pretrained_checkpoint(
             f"{checkpoint_dir}: the checkpoint is damaged: {check.describe()}. It is not converted; convert an "
             "older checkpoint of the run"
         )
-    if not check.has_manifest:
-        print(unverified_note(checkpoint_dir))
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
 
     state_dict = canonical_state_dict(load_model_weights(weights_path))

@@ -261,7 +261,7 @@ class TrainLoader(DataLoader):
     def load_state_dict(self, state: Dict) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(
-                "the checkpoint's data position is in a format this version does not read; continue from its weights: "
+                "the checkpoint's data position is not a fabric-lin sample stream's; continue from its weights: "
                 "fabric-lin convert_pretrained_checkpoint <checkpoint> --output_dir <DIR>, then --initial_checkpoint_dir <DIR>"
             )
         saved, here = state["order"], self.dataset.order_key()
