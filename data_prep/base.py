@@ -20,6 +20,7 @@ from litdata.streaming.item_loader import TokensLoader
 
 from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
+from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
 from fabric_lin.files import created_dir
 
 # Documents are encoded in groups of about this many characters: large enough for SentencePiece's
@@ -210,7 +211,7 @@ def require_flags(**values) -> None:
     # the command-line functions take these as --flags (defaults None) rather than positionals
     missing = [f"--{name}" for name, value in values.items() if value is None]
     if missing:
-        raise ValueError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+        raise InvalidValue(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
 
 
 def default_num_workers() -> int:
@@ -235,9 +236,9 @@ def run_recipe(
     name the output `shown_as` when given (where a caller moves `output_dir` to afterwards)."""
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
     if not input_dir.is_dir():
-        raise FileNotFoundError(f"Input directory {str(input_dir)!r} does not exist")
+        raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
     if output_dir.exists() and any(output_dir.iterdir()):
-        raise FileExistsError(f"Output directory {output_dir} exists and is not empty: delete it or pick another")
+        raise AlreadyExists(f"Output directory {output_dir} exists and is not empty: delete it or pick another")
     tokenizer = Tokenizer(recipe.tokenizer_path)
     num_workers = num_workers or default_num_workers()
     # the first files in sorted order, taken here: litdata's own fast_dev_run keeps that many files per
@@ -303,7 +304,7 @@ def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokeniz
     shutil.rmtree(report_dir)
     if summary["tokens"] == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise RuntimeError(
+        raise UserError(
             f"No tokens were produced from {input_dir}: every file was bad or empty, so {shown_as} was not written\n"
             + format_summary(summary, f"Read {input_dir}", seconds)
         )
@@ -311,7 +312,7 @@ def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokeniz
     check_prepared_dir(tmp_dir, tokenizer)
     if output_dir.exists() and any(output_dir.iterdir()):  # another run finished first
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise FileExistsError(f"Output directory {output_dir} was written by another run while this one ran")
+        raise AlreadyExists(f"Output directory {output_dir} was written by another run while this one ran")
     if output_dir.exists():
         output_dir.rmdir()
     os.rename(tmp_dir, output_dir)

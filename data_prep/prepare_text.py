@@ -26,11 +26,20 @@ from typing import Iterator, List, Optional, Union
 
 import numpy as np
 
+from fabric_lin.errors import AlreadyExists, InvalidValue
+
 if __name__ == "__main__":  # run as a script: make `data_prep` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep.base import (TokenizeRecipe, default_num_workers, file_record, format_summary, require_flags, run_recipe,
-                            summarize)
+from data_prep.base import (
+    TokenizeRecipe,
+    default_num_workers,
+    file_record,
+    format_summary,
+    require_flags,
+    run_recipe,
+    summarize,
+)
 from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
 from fabric_lin.data.raw_files import BadFileError, find_text_files, iter_text_documents
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
@@ -130,11 +139,11 @@ def prepare(
     """
     require_flags(input_dir=input_dir, output_dir=output_dir, tokenizer_path=tokenizer_path)
     if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
-        raise ValueError(f"--val_fraction {val_fraction}: expected a share of the documents, at least 0 and below 1")
+        raise InvalidValue(f"--val_fraction {val_fraction}: expected a share of the documents, at least 0 and below 1")
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
     if output_dir.exists() and any(output_dir.iterdir()):
         # never mixed with the chunks of an earlier run: the trainer would read both
-        raise FileExistsError(f"Output directory {output_dir} exists and is not empty: delete it or pick another")
+        raise AlreadyExists(f"Output directory {output_dir} exists and is not empty: delete it or pick another")
     files, others = find_text_files(input_dir, pattern)  # a missing or empty input directory fails here
     if others:
         shown = ", ".join(str(p.relative_to(input_dir)) for p in others[:3]) + (", ..." if len(others) > 3 else "")
@@ -148,7 +157,7 @@ def prepare(
             splits = _prepare_into(stage, input_dir, output_dir, tokenizer_path, text_key, pattern, val_fraction,
                                    chunk_size, num_workers, fast_dev_run)
             if output_dir.exists() and any(output_dir.iterdir()):
-                raise FileExistsError(f"Output directory {output_dir} was written by another run while this one ran")
+                raise AlreadyExists(f"Output directory {output_dir} was written by another run while this one ran")
             if output_dir.exists():
                 output_dir.rmdir()
             os.rename(stage, output_dir)

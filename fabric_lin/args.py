@@ -4,6 +4,8 @@ YAML key. Each group checks its own values (`validate`), naming the key, the val
 from dataclasses import dataclass, replace
 from typing import Literal, Optional, Tuple
 
+from fabric_lin.errors import InvalidValue
+
 
 @dataclass
 class TrainArgs:
@@ -43,11 +45,11 @@ class TrainArgs:
                     "max_nonfinite_steps": 1}
         for key, minimum in minimums.items():
             if getattr(self, key) < minimum:
-                raise ValueError(f"train.{key} must be at least {minimum}, got {getattr(self, key)}")
+                raise InvalidValue(f"train.{key} must be at least {minimum}, got {getattr(self, key)}")
         per_pass = self.micro_batch_size * devices * num_nodes
         iters, remainder = divmod(self.global_batch_size, per_pass)
         if remainder or iters == 0:
-            raise ValueError(
+            raise InvalidValue(
                 f"train.global_batch_size={self.global_batch_size} must be a positive multiple of "
                 f"train.micro_batch_size ({self.micro_batch_size}) x devices ({devices}) x num_nodes ({num_nodes}) "
                 f"= {per_pass}"
@@ -56,16 +58,16 @@ class TrainArgs:
 
     def total_steps(self) -> int:
         if (self.max_tokens is None) == (self.max_steps is None):
-            raise ValueError(
+            raise InvalidValue(
                 f"give exactly one of train.max_tokens ({self.max_tokens}) and train.max_steps ({self.max_steps})"
             )
         if self.max_steps is not None:
             if self.max_steps <= 0:
-                raise ValueError(f"train.max_steps must be positive, got {self.max_steps}")
+                raise InvalidValue(f"train.max_steps must be positive, got {self.max_steps}")
             return self.max_steps
         steps = self.max_tokens // (self.global_batch_size * self.max_seq_length)
         if steps <= 0:
-            raise ValueError(
+            raise InvalidValue(
                 f"train.max_tokens={self.max_tokens} is less than one optimizer step of "
                 f"global_batch_size x max_seq_length = {self.global_batch_size * self.max_seq_length} tokens"
             )
@@ -74,15 +76,15 @@ class TrainArgs:
     def validate(self) -> None:
         """The fields that `gradient_accumulation_iters` and `total_steps` do not check."""
         if self.save_interval is not None and self.save_interval < 1:
-            raise ValueError(f"train.save_interval must be at least 1 (or null: only the final checkpoint), got {self.save_interval}")
+            raise InvalidValue(f"train.save_interval must be at least 1 (or null: only the final checkpoint), got {self.save_interval}")
         if self.log_interval < 1:
-            raise ValueError(f"train.log_interval must be at least 1, got {self.log_interval}")
+            raise InvalidValue(f"train.log_interval must be at least 1, got {self.log_interval}")
         if self.lr_schedule not in ("cosine", "wsd"):
-            raise ValueError(f"train.lr_schedule must be 'cosine' or 'wsd', got {self.lr_schedule!r}")
+            raise InvalidValue(f"train.lr_schedule must be 'cosine' or 'wsd', got {self.lr_schedule!r}")
         if self.lr_schedule == "wsd" and not 0.0 < self.wsd_decay_fraction <= 1.0:
-            raise ValueError(f"train.wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction}")
+            raise InvalidValue(f"train.wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction}")
         if self.keep_last_n is not None and self.keep_last_n < 1:
-            raise ValueError(f"train.keep_last_n must be at least 1 (or null to keep all), got {self.keep_last_n}")
+            raise InvalidValue(f"train.keep_last_n must be at least 1 (or null to keep all), got {self.keep_last_n}")
 
 
 @dataclass
@@ -100,9 +102,9 @@ class EvalArgs:
 
     def validate(self) -> None:
         if self.interval < 1:
-            raise ValueError(f"eval.interval must be at least 1 (optimizer steps between validations), got {self.interval}")
+            raise InvalidValue(f"eval.interval must be at least 1 (optimizer steps between validations), got {self.interval}")
         if self.max_iters < 1:
-            raise ValueError(f"eval.max_iters must be at least 1 (validation batches per device), got {self.max_iters}")
+            raise InvalidValue(f"eval.max_iters must be at least 1 (validation batches per device), got {self.max_iters}")
 
 
 @dataclass
@@ -140,9 +142,9 @@ class ParallelismArgs:
 
     def validate(self) -> None:
         if self.data_parallel not in ("fsdp", "ddp"):
-            raise ValueError(f"parallelism.data_parallel must be 'fsdp' or 'ddp', got {self.data_parallel!r}")
+            raise InvalidValue(f"parallelism.data_parallel must be 'fsdp' or 'ddp', got {self.data_parallel!r}")
         if self.fsdp_unit not in ("block", "model"):
-            raise ValueError(f"parallelism.fsdp_unit must be 'block' or 'model', got {self.fsdp_unit!r}")
+            raise InvalidValue(f"parallelism.fsdp_unit must be 'block' or 'model', got {self.fsdp_unit!r}")
 
 
 @dataclass
@@ -174,20 +176,20 @@ class CompileArgs:
         graphs can run (one CUDA GPU, compile on, shapes that do not change with every batch), else "default".
         Raises, naming the keys, where the settings cannot run together."""
         if self.mode not in ("auto", "default", "reduce-overhead"):
-            raise ValueError(f"compile.mode must be 'auto', 'default' or 'reduce-overhead', got {self.mode!r}")
+            raise InvalidValue(f"compile.mode must be 'auto', 'default' or 'reduce-overhead', got {self.mode!r}")
         enabled = cuda if self.enabled is None else self.enabled
         graphs_can_run = cuda and enabled and devices * num_nodes == 1
         mode = self.mode
         if mode == "auto":
             mode = "reduce-overhead" if graphs_can_run and not reset_state_at_doc_boundaries else "default"
         if mode == "reduce-overhead" and not graphs_can_run:
-            raise ValueError(
+            raise InvalidValue(
                 "compile.mode 'reduce-overhead' (CUDA graphs) needs one CUDA GPU and compile.enabled true; got "
                 f"cuda={cuda}, compile.enabled={enabled}, devices={devices}, num_nodes={num_nodes}"
             )
         if mode == "reduce-overhead" and reset_state_at_doc_boundaries:
             # each batch's document count changes a tensor shape, and each new shape records another graph
-            raise ValueError("compile.mode 'reduce-overhead' (CUDA graphs) cannot be used with reset_state_at_doc_boundaries")
+            raise InvalidValue("compile.mode 'reduce-overhead' (CUDA graphs) cannot be used with reset_state_at_doc_boundaries")
         return replace(self, enabled=enabled, mode=mode)
 
     @property

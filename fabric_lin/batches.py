@@ -5,6 +5,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from fabric_lin.errors import InvalidValue
+
 
 def compute_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, eos_id: Optional[int]) -> torch.Tensor:
     if eos_id is None:
@@ -56,7 +58,7 @@ class CycleIterator:
             try:
                 return next(self._iterator)
             except StopIteration:  # a whole epoch without a batch: the data is too small
-                raise ValueError(self.empty_error) from None
+                raise InvalidValue(self.empty_error) from None
 
     def __iter__(self):
         return self

@@ -43,6 +43,7 @@ import yaml
 from lightning.fabric.plugins import TorchCheckpointIO
 
 from fabric_lin.config import CONFIG_FILE, Config
+from fabric_lin.errors import InvalidValue, MissingFile, UserError
 from fabric_lin.weights import MODEL_FILE, meta_model, tensor_dict, torch_load_tensors
 
 HPARAMS_FILE = "hyperparameters.yaml"
@@ -311,7 +312,7 @@ def _verify_share(directory: Path, rank: int, world: int) -> List[str]:
         if not isinstance(files, dict) or not all(
             isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("crc32"), str) for e in files.values()
         ):
-            raise ValueError('"files" is not a mapping of file name -> {"size", "crc32"}')
+            raise InvalidValue('"files" is not a mapping of file name -> {"size", "crc32"}')
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [f"{MANIFEST_FILE} is unreadable ({type(e).__name__}: {e})"]
     problems = []
@@ -378,7 +379,7 @@ def load_train_state(fabric, checkpoint_dir: Path, state: Dict[str, Any]) -> Non
         else:
             fabric.load(weights_path, state)
     except KeyError as e:  # a model directory's lit_model.pth holds the weights alone
-        raise ValueError(
+        raise InvalidValue(
             f"--resume {checkpoint_dir}: {MODEL_FILE} there is not a training checkpoint ({e}); to start "
             f"from a model directory's weights, use --initial_checkpoint_dir {checkpoint_dir}"
         ) from None
@@ -426,11 +427,11 @@ def check_out_dir(out_dir: Path, config) -> None:
         probe.write_bytes(b"0" * 4096)
         probe.unlink()
     except OSError as e:
-        raise OSError(f"out_dir {out_dir} is not writable: {e}") from e
+        raise UserError(f"out_dir {out_dir} is not writable: {e}") from e
     needed = checkpoint_bytes(config)
     free = shutil.disk_usage(out_dir).free
     if free < needed:
-        raise OSError(
+        raise UserError(
             f"out_dir {out_dir} has {free / 1e9:.2f} GB free, but one checkpoint of {config.name or 'this model'} "
             f"takes {needed / 1e9:.2f} GB (fp32 weights and optimizer state): free space or choose another out_dir"
         )
@@ -479,11 +480,11 @@ def explicit_resume_dir(resume: Union[str, Path]) -> Path:
     if path.name == MODEL_FILE:
         path = path.parent
     if path.name.startswith(TMP_PREFIX):
-        raise ValueError(f"--resume {resume}: an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
+        raise InvalidValue(f"--resume {resume}: an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
     if not ((path / MODEL_FILE).exists() or (path / MANIFEST_FILE).is_file()):
-        raise FileNotFoundError(f"--resume {resume}: expected a checkpoint directory holding {MODEL_FILE}")
+        raise MissingFile(f"--resume {resume}: expected a checkpoint directory holding {MODEL_FILE}")
     if not (path / STEP_FILE).is_file() and not (path / MANIFEST_FILE).is_file():
-        raise ValueError(
+        raise InvalidValue(
             f"--resume {resume}: it is not a training checkpoint (it has no {STEP_FILE} or {MANIFEST_FILE}); to start "
             f"from a model directory's weights, use --initial_checkpoint_dir {path}"
         )
@@ -503,7 +504,7 @@ def select_resume_dir(fabric, resume: Union[bool, str, Path, None], out_dir: Pat
         path = explicit_resume_dir(resume)
         check = verify_checkpoint(path, fabric)
         if not check.ok:
-            raise ValueError(
+            raise InvalidValue(
                 f"--resume {resume}: the checkpoint is damaged: {check.describe()}. It is not loaded: pass an older "
                 f"checkpoint directory, or --resume auto for the newest verified one in out_dir"
             )
@@ -521,14 +522,14 @@ def select_resume_dir(fabric, resume: Union[bool, str, Path, None], out_dir: Pat
     set_aside_earlier = damaged_checkpoints(out_dir)
     if set_aside_earlier:
         # starting from step 0 here would put a second run's steps and metrics into the first one's out_dir
-        raise ValueError(
+        raise InvalidValue(
             f"--resume {resume}: no checkpoint in {out_dir} verifies; the damaged ones are set aside as "
             f"{', '.join(set_aside_earlier)}. Resume from a good copy of one with --resume <dir>, start again in a new "
             f"--out_dir, or start again from step 0 in this one with --resume false --overwrite true (deletes them)"
         )
     if resume == "auto":
         return None
-    raise FileNotFoundError(f"--resume true: no checkpoint (step-XXXXXXXX/ or {FINAL_DIR}/) in {out_dir}")
+    raise MissingFile(f"--resume true: no checkpoint (step-XXXXXXXX/ or {FINAL_DIR}/) in {out_dir}")
 
 
 def damaged_checkpoints(out_dir: Path) -> List[str]:
@@ -611,22 +612,22 @@ def find_training_checkpoint(checkpoint_dir: Path) -> Tuple[Any, Path]:
     """(Config, path of lit_model.pth) of a training checkpoint directory, or a clear error."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(f"{checkpoint_dir} is not a directory: expected a training checkpoint directory")
+        raise MissingFile(f"{checkpoint_dir} is not a directory: expected a training checkpoint directory")
     if checkpoint_dir.name.startswith(TMP_PREFIX):
-        raise ValueError(f"{checkpoint_dir} is an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
+        raise InvalidValue(f"{checkpoint_dir} is an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
     weights_path = checkpoint_dir / MODEL_FILE
     if not weights_path.exists():
         steps = [p.name for p in step_checkpoints(checkpoint_dir)]
         finals = [FINAL_DIR] if (checkpoint_dir / FINAL_DIR / MODEL_FILE).exists() else []
         hint = f"; it holds checkpoints {(steps[-3:] + finals)}, pass one of those" if steps or finals else ""
-        raise FileNotFoundError(f"{checkpoint_dir} is not a training checkpoint: it has no {MODEL_FILE}{hint}")
+        raise MissingFile(f"{checkpoint_dir} is not a training checkpoint: it has no {MODEL_FILE}{hint}")
     if not (checkpoint_dir / STEP_FILE).is_file() and not (checkpoint_dir / MANIFEST_FILE).is_file():
-        raise ValueError(
+        raise InvalidValue(
             f"{checkpoint_dir} holds {MODEL_FILE} but no {STEP_FILE} or {MANIFEST_FILE}: it is already a model directory "
             f"(convert_pretrained_checkpoint's output), not a training checkpoint"
         )
     if weights_path.is_dir() and not (weights_path / ".metadata").is_file():
-        raise ValueError(
+        raise InvalidValue(
             f"{weights_path} is a directory without the torch.distributed.checkpoint `.metadata` file; "
             "expected Fabric's sharded FSDP checkpoint"
         )
@@ -649,9 +650,9 @@ def load_single_file_model_state(path: Path) -> Dict[str, torch.Tensor]:
     # the checkpoint also holds the RNG states, which include NumPy's (an array)
     checkpoint = torch_load_tensors(path, allow_numpy=True)
     if not isinstance(checkpoint, dict):
-        raise ValueError(f"{path}: expected the dict saved by fabric.save, got {type(checkpoint).__name__}")
+        raise InvalidValue(f"{path}: expected the dict saved by fabric.save, got {type(checkpoint).__name__}")
     if "model" not in checkpoint:
         if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
-            raise ValueError(f"{path} holds a bare state dict: {path.parent} is already a model directory, not a training checkpoint")
-        raise ValueError(f"{path}: no 'model' entry; found keys {sorted(map(str, checkpoint))}")
+            raise InvalidValue(f"{path} holds a bare state dict: {path.parent} is already a model directory, not a training checkpoint")
+        raise InvalidValue(f"{path}: no 'model' entry; found keys {sorted(map(str, checkpoint))}")
     return tensor_dict(checkpoint["model"], path)

@@ -1,8 +1,8 @@
 """The `fabric-lin` command: one subcommand per job, each a plain function whose signature is its
 command line (jsonargparse turns typed arguments into flags and YAML keys).
 
-A failure that fabric-lin anticipates (a bad value, a missing or damaged file, ...) is reported in one
-line naming the key, value or file and the fix, by rank 0 only, with exit code 2; an unexpected one
+A failure that fabric-lin anticipates (a bad value, a missing or damaged file, ...: `fabric_lin.errors.UserError`)
+is reported in one line naming the key, value or file and the fix, by rank 0 only, with exit code 2; an unexpected one
 (a bug) keeps its traceback, as does every failure with FABRIC_LIN_DEBUG=1. Ctrl-C exits with 130.
 """
 import time
@@ -11,19 +11,14 @@ import time
 # derives the start of Python from the two). Taken before anything else is imported.
 ENTERED_AT = (time.time(), time.process_time())
 
-import ast  # noqa: E402
 import errno  # noqa: E402
 import importlib  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
-from functools import lru_cache  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional  # noqa: E402
 
 DEBUG_ENV = "FABRIC_LIN_DEBUG"
-# where the raise statements of anticipated failures are
-PACKAGE_DIRS = tuple(str(Path(__file__).resolve().parents[1] / name) + os.sep for name in ("fabric_lin", "data_prep"))
 FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 
 # subcommand -> "module:function". A module is imported only when its subcommand runs (or for --help).
@@ -62,33 +57,14 @@ def process_rank() -> int:
 
 
 def expected_failure(error: BaseException) -> bool:
-    """An anticipated failure: raised by a `raise` statement of fabric_lin or data_prep (whose messages
-    name the value, file or key and the fix), or a file system error that names its file (no space left,
-    no permission, read-only). Anything else is a bug, and keeps its traceback."""
+    """An anticipated failure: a `UserError` (raised where a mistake in what the user gave is found, its message
+    naming the value, file or key and the fix), or a file system error that names its file (no space left, no
+    permission, read-only). Anything else is a bug, and keeps its traceback."""
+    from fabric_lin.errors import UserError
+
     if isinstance(error, OSError) and error.errno in FILE_SYSTEM_ERRNOS and error.filename:
         return True
-    if isinstance(error, (AssertionError, NotImplementedError)):
-        return False
-    tb = error.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    filename = tb.tb_frame.f_code.co_filename
-    return os.path.realpath(filename).startswith(PACKAGE_DIRS) and (filename, tb.tb_lineno) in raise_statements(filename)
-
-
-@lru_cache(maxsize=None)
-def raise_statements(filename: str) -> frozenset:
-    """(filename, line) of every line spanned by a `raise X` statement of a source file."""
-    try:
-        tree = ast.parse(Path(filename).read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError):
-        return frozenset()
-    return frozenset(
-        (filename, line) for node in ast.walk(tree) if isinstance(node, ast.Raise) and node.exc is not None
-        for line in range(node.lineno, (node.end_lineno or node.lineno) + 1)
-    )
+    return isinstance(error, UserError)
 
 
 def report(prog: str, message: str) -> None:

@@ -8,6 +8,8 @@ from typing import Any, List, Literal, Optional, Union
 
 import yaml
 
+from fabric_lin.errors import InvalidValue, MissingFile
+
 CONFIG_FILE = "model_config.yaml"  # the model's Config, in a checkpoint and in a model directory
 
 
@@ -56,33 +58,33 @@ class Config:
         for name, kind in _FIELD_KINDS.items():
             value = getattr(self, name)
             if not (value is None and name in optional or _is_kind(value, kind)):
-                raise ValueError(f"model config {name} must be {kind}, got {value!r}")
+                raise InvalidValue(f"model config {name} must be {kind}, got {value!r}")
         if not isinstance(self.attn_layers, (list, tuple)) or not all(_is_kind(i, "an integer") for i in self.attn_layers):
-            raise ValueError(f"model config attn_layers must be a list of layer indices, got {self.attn_layers!r}")
+            raise InvalidValue(f"model config attn_layers must be a list of layer indices, got {self.attn_layers!r}")
         self.attn_layers = sorted(set(self.attn_layers))
         if self.block_type not in ("gla", "gdn", "transformer"):
-            raise ValueError(f"block_type must be 'gla', 'gdn' or 'transformer', got {self.block_type!r}")
+            raise InvalidValue(f"block_type must be 'gla', 'gdn' or 'transformer', got {self.block_type!r}")
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.head_norm_eps is None:
             self.head_norm_eps = self.norm_eps
         if self.intermediate_size is None:
             if not self.hidden_ratio > 0:
-                raise ValueError(f"model config hidden_ratio must be positive, got {self.hidden_ratio!r}")
+                raise InvalidValue(f"model config hidden_ratio must be positive, got {self.hidden_ratio!r}")
             raw = int(self.hidden_size * self.hidden_ratio * 2 / 3)
             self.intermediate_size = 256 * math.ceil(raw / 256)
         for size in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                      "gate_low_rank_dim", "max_seq_length", "conv_size"):
             if getattr(self, size) < 1:
-                raise ValueError(f"model config {size} must be at least 1, got {getattr(self, size)}")
+                raise InvalidValue(f"model config {size} must be at least 1, got {getattr(self, size)}")
         for name in ("expand_k", "expand_v", "gate_logit_normalizer", "rope_base"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"model config {name} must be positive, got {getattr(self, name)!r}")
+                raise InvalidValue(f"model config {name} must be positive, got {getattr(self, name)!r}")
         for name in ("norm_eps", "head_norm_eps", "initializer_range"):
             if getattr(self, name) < 0:
-                raise ValueError(f"model config {name} must not be negative, got {getattr(self, name)!r}")
+                raise InvalidValue(f"model config {name} must not be negative, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise InvalidValue(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.block_type == "gdn":
             self._check_gdn()
         # the widths split into heads, named by the keys they come from
@@ -95,9 +97,9 @@ class Config:
             widths = {}
         for source, width in widths.items():
             if width < self.num_heads or width % self.num_heads:
-                raise ValueError(f"{source} = {width} must be a positive multiple of num_heads={self.num_heads}")
+                raise InvalidValue(f"{source} = {width} must be a positive multiple of num_heads={self.num_heads}")
         if self.block_type == "transformer" and self.head_k_dim % 2:
-            raise ValueError(
+            raise InvalidValue(
                 f"hidden_size / num_heads = {self.hidden_size} / {self.num_heads} = {self.head_k_dim}: the rotary"
                 " embedding needs an even head dim"
             )
@@ -105,35 +107,35 @@ class Config:
 
     def _check_gdn(self) -> None:
         if self.head_dim is None or self.head_dim < 1:
-            raise ValueError(f"block_type 'gdn' needs head_dim, the key width of each head (e.g. 128), got {self.head_dim!r}")
+            raise InvalidValue(f"block_type 'gdn' needs head_dim, the key width of each head (e.g. 128), got {self.head_dim!r}")
         if self.num_kv_heads != self.num_heads:
-            raise ValueError(
+            raise InvalidValue(
                 f"block_type 'gdn' has one key/value head per head: num_kv_heads ({self.num_kv_heads}) must equal "
                 f"num_heads ({self.num_heads}) or be left out"
             )
         head_v = self.head_dim * self.expand_v
         if head_v != int(head_v):
-            raise ValueError(f"head_dim * expand_v = {self.head_dim} * {self.expand_v} = {head_v} must be a whole number")
+            raise InvalidValue(f"head_dim * expand_v = {self.head_dim} * {self.expand_v} = {head_v} must be a whole number")
 
     def _check_attn_layers(self) -> None:
         if not self.attn_layers:
             if self.attn_num_heads is not None or self.attn_num_kv_heads is not None:
-                raise ValueError("model config attn_num_heads / attn_num_kv_heads are set but attn_layers is empty")
+                raise InvalidValue("model config attn_num_heads / attn_num_kv_heads are set but attn_layers is empty")
             return
         if self.block_type == "transformer":
-            raise ValueError("model config attn_layers makes hybrids of gla or gdn models; a transformer is all attention")
+            raise InvalidValue("model config attn_layers makes hybrids of gla or gdn models; a transformer is all attention")
         bad = [i for i in self.attn_layers if not 0 <= i < self.num_layers]
         if bad:
-            raise ValueError(f"model config attn_layers {bad} out of range: the layers are 0 .. {self.num_layers - 1}")
+            raise InvalidValue(f"model config attn_layers {bad} out of range: the layers are 0 .. {self.num_layers - 1}")
         if self.attn_num_heads is None:
-            raise ValueError("model config attn_layers needs attn_num_heads, the softmax-attention layers' heads")
+            raise InvalidValue("model config attn_layers needs attn_num_heads, the softmax-attention layers' heads")
         if self.attn_num_kv_heads is None:
             self.attn_num_kv_heads = self.attn_num_heads
         kv = self.attn_kv_heads
         if self.attn_num_heads < 1 or kv < 1 or self.attn_num_heads % kv:
-            raise ValueError(f"attn_num_heads ({self.attn_num_heads}) must be a positive multiple of attn_num_kv_heads ({kv})")
+            raise InvalidValue(f"attn_num_heads ({self.attn_num_heads}) must be a positive multiple of attn_num_kv_heads ({kv})")
         if self.hidden_size % self.attn_num_heads or (self.hidden_size // self.attn_num_heads) % 2:
-            raise ValueError(
+            raise InvalidValue(
                 f"hidden_size / attn_num_heads = {self.hidden_size} / {self.attn_num_heads} must be a whole, even head dim"
                 " (the rotary embedding)"
             )
@@ -173,26 +175,26 @@ class Config:
         if name not in name_to_config:
             close = difflib.get_close_matches(name, name_to_config, n=3, cutoff=0.4)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise ValueError(f"Unknown model name {name!r}.{hint} Known names: {', '.join(name_to_config)}")
+            raise InvalidValue(f"Unknown model name {name!r}.{hint} Known names: {', '.join(name_to_config)}")
         return cls(**{**name_to_config[name], **overrides})
 
     @classmethod
     def from_file(cls, path: Union[str, Path], **overrides: Any) -> "Config":
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist: expected a model_config.yaml")
+            raise MissingFile(f"{path} does not exist: expected a model_config.yaml")
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of Config fields, got {type(data).__name__}")
+            raise InvalidValue(f"{path}: expected a mapping of Config fields, got {type(data).__name__}")
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - valid)
         if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}; valid keys are {sorted(valid)}")
+            raise InvalidValue(f"{path}: unknown keys {unknown}; valid keys are {sorted(valid)}")
         try:
             return cls(**{**data, **overrides})
         except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+            raise InvalidValue(f"{path}: {e}") from None
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: Union[str, Path], **overrides: Any) -> "Config":

@@ -22,6 +22,8 @@ from typing import List
 import torch
 import torch.nn as nn
 
+from fabric_lin.errors import InvalidValue, MissingPackage
+
 RECIPES = ("none", "tensorwise", "rowwise")
 MIN_TORCHAO = (0, 10)  # Float8LinearConfig.from_recipe_name
 SMALL_GATE_PROJECTIONS = ("gk_proj", "a_proj", "b_proj")
@@ -44,17 +46,17 @@ class FP8Args:
 def check_fp8(args: FP8Args, device: torch.device) -> None:
     """Refuse an FP8 setup that cannot run, before anything is built: the recipe, the device, torchao."""
     if args.recipe not in RECIPES:
-        raise ValueError(f"fp8.recipe must be one of {RECIPES}, got {args.recipe!r}")
+        raise InvalidValue(f"fp8.recipe must be one of {RECIPES}, got {args.recipe!r}")
     if not args.enabled:
         return
     if device.type != "cuda":
-        raise ValueError(
+        raise InvalidValue(
             f"fp8.recipe {args.recipe!r} needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); this run is "
             f"on the {device.type.upper()}: leave fp8.recipe at 'none'"
         )
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
-        raise ValueError(
+        raise InvalidValue(
             f"fp8.recipe {args.recipe!r} needs a GPU of compute capability 8.9 or newer; "
             f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: leave fp8.recipe at 'none'"
         )
@@ -66,12 +68,12 @@ def torchao_version() -> tuple:
     try:
         import torchao
     except ImportError:
-        raise ImportError(
+        raise MissingPackage(
             "fp8.recipe needs torchao, which is not installed: pip install 'fabric-lin[fp8]' (or pip install torchao)"
         ) from None
     version = tuple(int(part) for part in torchao.__version__.split("+")[0].split(".")[:2])
     if version < MIN_TORCHAO:
-        raise ImportError(
+        raise MissingPackage(
             f"fp8.recipe needs torchao {'.'.join(map(str, MIN_TORCHAO))} or newer, found {torchao.__version__}: "
             "pip install -U 'fabric-lin[fp8]'"
         )
@@ -103,7 +105,7 @@ def check_fp8_shapes(model: nn.Module, args: FP8Args) -> None:
     bad = [f"{name} ({module.out_features} x {module.in_features})" for name, module in model.named_modules()
            if name in converted and not _fp8_widths(module)]
     if bad:
-        raise ValueError(
+        raise InvalidValue(
             f"fp8.recipe {args.recipe!r}: FP8 products need weights whose widths are multiples of 16; these are not: "
             f"{', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''}. Choose widths that are, or leave fp8.recipe at 'none'"
         )
@@ -119,7 +121,7 @@ def convert_to_fp8(model: nn.Module, args: FP8Args, emulate: bool = False) -> Li
     from torchao.float8.float8_linear import Float8Linear
 
     if getattr(model, "fused", False) and not getattr(model, "float8", False):
-        raise ValueError("convert_to_fp8: build the model with GPT(config, fused=..., float8=True), whose Linear layers "
+        raise InvalidValue("convert_to_fp8: build the model with GPT(config, fused=..., float8=True), whose Linear layers "
                          "are called as modules; the fused kernels read the weights themselves")
     check_fp8_shapes(model, args)
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(args.recipe), emulate=emulate)

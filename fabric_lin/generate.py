@@ -11,6 +11,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from fabric_lin.config import Config
+from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.model import GPT
 
 
@@ -45,7 +46,7 @@ def stream_tokens(
     """`generate_tokens`, one new token (a 0-d tensor) at a time, as each is sampled."""
     check_generation_args(max_new_tokens, temperature, top_k)
     if prompt.dim() != 1 or len(prompt) == 0:
-        raise ValueError(f"prompt must be a 1-D tensor of at least one token id, got shape {tuple(prompt.shape)}")
+        raise InvalidValue(f"prompt must be a 1-D tensor of at least one token id, got shape {tuple(prompt.shape)}")
     cache = model.new_cache()
     input_ids = prompt[None]  # the whole prompt in one chunked pass, then one token at a time
     for _ in range(max_new_tokens):  # a pass only when its logits are sampled: none after the last token
@@ -94,11 +95,11 @@ def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], gener
 
 def check_generation_args(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be 0 or a positive number, got max_new_tokens={max_new_tokens}")
+        raise InvalidValue(f"max_new_tokens must be 0 or a positive number, got max_new_tokens={max_new_tokens}")
     if not temperature >= 0:  # also refuses NaN
-        raise ValueError(f"temperature must be 0 (greedy) or positive, got temperature={temperature}")
+        raise InvalidValue(f"temperature must be 0 (greedy) or positive, got temperature={temperature}")
     if top_k is not None and top_k < 0:
-        raise ValueError(f"top_k must be a positive number of tokens, or 0 or None for no top-k filter; got top_k={top_k}")
+        raise InvalidValue(f"top_k must be a positive number of tokens, or 0 or None for no top-k filter; got top_k={top_k}")
 
 
 def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -> GPT:
@@ -137,18 +138,18 @@ def main(
 
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(f"checkpoint_dir {str(checkpoint_dir)!r} is not a directory")
+        raise MissingFile(f"checkpoint_dir {str(checkpoint_dir)!r} is not a directory")
     device = resolve_device(device)
     precision = precision or ("bf16-true" if device.type == "cuda" else "32-true")
     dtypes = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
     if precision not in dtypes:
-        raise ValueError(f"precision must be one of {sorted(dtypes)}, got {precision!r}")
+        raise InvalidValue(f"precision must be one of {sorted(dtypes)}, got {precision!r}")
     check_generation_args(max_new_tokens, temperature, top_k)  # before loading the model, minutes for a large one
 
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, device, dtypes[precision])
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(
+        raise InvalidValue(
             f"{checkpoint_dir}: tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"
         )
     # Pretraining data is documents joined by end-of-text tokens (no BOS), so a prompt that starts a
@@ -183,11 +184,11 @@ def resolve_device(device: Optional[str]) -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError:
-        raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:<index>") from None
+        raise InvalidValue(f"--device {device!r}: expected cpu, cuda or cuda:<index>") from None
     if resolved.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ValueError(f"--device {device}: this machine has no CUDA GPU that PyTorch can use; give --device cpu")
+            raise InvalidValue(f"--device {device}: this machine has no CUDA GPU that PyTorch can use; give --device cpu")
         if resolved.index is not None and resolved.index >= count:
-            raise ValueError(f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+            raise InvalidValue(f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
     return resolved

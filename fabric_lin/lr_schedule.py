@@ -1,6 +1,10 @@
 """The learning-rate schedule: a pure function of the optimizer step, so a checkpoint needs no
 scheduler state and a resumed run continues the same curve."""
 import math
+from dataclasses import dataclass
+from typing import Optional
+
+from fabric_lin.errors import InvalidValue
 
 
 def learning_rate(step: int, base_lr: float, min_lr: float, warmup_steps: int, max_steps: int,
@@ -24,4 +28,27 @@ def learning_rate(step: int, base_lr: float, min_lr: float, warmup_steps: int, m
             return base_lr
         progress = min((step - decay_start) / max(max_steps - decay_start, 1), 1.0)
         return base_lr - (base_lr - min_lr) * progress
-    raise ValueError(f"train.lr_schedule must be 'cosine' or 'wsd', got {schedule!r}")
+    raise InvalidValue(f"train.lr_schedule must be 'cosine' or 'wsd', got {schedule!r}")
+
+
+@dataclass(frozen=True)
+class TokenSchedule:
+    """A run's schedule, counted in tokens: `unit` tokens make one schedule step (the tokens per step of the
+    run's first attempt) and the schedule has `steps` of them. Counting tokens is counting steps, until a
+    resume changes the global batch size; then the learning rate and the end of the run still follow the
+    tokens trained on (train.max_steps counts steps of the first size)."""
+
+    unit: int
+    steps: int
+
+    @classmethod
+    def of_run(cls, max_steps: Optional[int], max_tokens: Optional[int], unit: int) -> "TokenSchedule":
+        return cls(unit, max_steps if max_steps is not None else max_tokens // unit)
+
+    def end_step(self, step: int, tokens_seen: int, tokens_per_step: int) -> int:
+        """The optimizer step at which a run now at `step`, having trained on `tokens_seen`, ends."""
+        return step + max(self.steps * self.unit - tokens_seen, 0) // tokens_per_step
+
+    def position(self, tokens_seen: int) -> float:
+        """Where `learning_rate` is, in schedule steps: the optimizer step itself where the batch never changed."""
+        return tokens_seen / self.unit

@@ -26,6 +26,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
+from fabric_lin.errors import InvalidValue, MissingPackage
+
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
 
@@ -292,9 +294,9 @@ def make_logger(name: str, out_dir: Path, hparams: Dict[str, Any], continuing: b
         return CSVLogger(root_dir=out_dir / "logs", name="csv")
     if name == "wandb":
         try:
-            from lightning.pytorch.loggers import WandbLogger
             import wandb  # noqa: F401
+            from lightning.pytorch.loggers import WandbLogger
         except ImportError as e:
-            raise ImportError("logger_name=wandb needs the wandb package: pip install wandb") from e
+            raise MissingPackage("logger_name=wandb needs the wandb package: pip install wandb") from e
         return WandbLogger(project="fabric-lin", name=out_dir.name, save_dir=str(out_dir / "logs"), resume="allow", config=hparams)
-    raise ValueError(f"logger_name must be tensorboard, csv or wandb, got {name!r}")
+    raise InvalidValue(f"logger_name must be tensorboard, csv or wandb, got {name!r}")

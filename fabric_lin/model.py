@@ -26,10 +26,24 @@ import torch.nn.functional as F
 
 from fabric_lin.config import Config
 from fabric_lin.ops.cross_entropy import linear_cross_entropy
-from fabric_lin.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step, gdn_gate
-from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, fused_recurrent_gla_step, log_decay
+from fabric_lin.ops.gdn import (
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule_step,
+    gdn_gate,
+)
+from fabric_lin.ops.gla import (
+    chunk_gla,
+    chunk_gla_from_logits,
+    fused_recurrent_gla_step,
+    log_decay,
+)
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.ops.norm import rms_norm, rms_norm_gated, rms_norm_gated_linear, rms_norm_linears
+from fabric_lin.ops.norm import (
+    rms_norm,
+    rms_norm_gated,
+    rms_norm_gated_linear,
+    rms_norm_linears,
+)
 from fabric_lin.ops.short_conv import causal_conv1d
 from fabric_lin.ops.swiglu import swiglu, swiglu_linear
 

@@ -9,21 +9,27 @@ schedule in `fabric_lin.lr_schedule`, what is logged in `fabric_lin.metrics`, th
 """
 import inspect
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, Iterator, List, Literal, Optional, Union
+from typing import Any, Dict, Iterator, List, Literal, Optional, Union
 
 import lightning as L
 import torch
 from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
 from torch.distributed.fsdp import ShardingStrategy
 
-from fabric_lin.args import CompileArgs, EvalArgs, OptimizerArgs, ParallelismArgs, TrainArgs
+from fabric_lin.args import (
+    CompileArgs,
+    EvalArgs,
+    OptimizerArgs,
+    ParallelismArgs,
+    TrainArgs,
+)
 from fabric_lin.batches import CycleIterator, batch_fingerprint, compute_loss
 from fabric_lin.checkpoint import (
-    CheckpointFileIO,
     Checkpointer,
+    CheckpointFileIO,
     check_out_dir,
     delete_checkpoints,
     earlier_run_checkpoints,
@@ -35,10 +41,11 @@ from fabric_lin.checkpoint import (
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader
+from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
+from fabric_lin.files import missing_ancestors, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FP8Args, check_fp8, convert_to_fp8
-from fabric_lin.lr_schedule import learning_rate
-from fabric_lin.files import missing_ancestors, remove_empty_dirs
+from fabric_lin.lr_schedule import TokenSchedule, learning_rate
 from fabric_lin.metrics import METRICS_FILE, MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
@@ -120,9 +127,9 @@ def setup(
     if devices == "auto":
         devices = torch.cuda.device_count() if cuda else 1
     if not isinstance(devices, int) or devices < 1 or num_nodes < 1:
-        raise ValueError(f"devices must be a positive integer or 'auto' and num_nodes positive, got devices={devices!r}, num_nodes={num_nodes!r}")
+        raise InvalidValue(f"devices must be a positive integer or 'auto' and num_nodes positive, got devices={devices!r}, num_nodes={num_nodes!r}")
     if cuda and devices > torch.cuda.device_count():
-        raise ValueError(
+        raise InvalidValue(
             f"--devices {devices}: this machine has {torch.cuda.device_count()} CUDA GPU(s) (CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give --devices {torch.cuda.device_count()} or fewer"
         )
@@ -130,7 +137,7 @@ def setup(
     compile = replace(compile, enabled=cuda if compile.enabled is None else compile.enabled)
     data = SampleCorpus() if data is None else data
     if type(data) is DataModule:  # --data.<option> alone: jsonargparse builds the base class
-        raise ValueError(
+        raise InvalidValue(
             "--data.* options need a data module: give --data SampleCorpus, TokenChunks, SlimPajamaStarcoder or TextFiles "
             "(or a config file's data: class_path) before them"
         )
@@ -154,7 +161,7 @@ def setup(
     compile = compile.resolve(cuda, devices, num_nodes, reset_state_at_doc_boundaries)
     check_fp8(fp8, torch.device("cuda" if cuda else "cpu"))
     if initial_checkpoint_dir is not None and not Path(initial_checkpoint_dir).is_dir():
-        raise FileNotFoundError(f"--initial_checkpoint_dir {initial_checkpoint_dir} is not a directory (expected a model directory)")
+        raise MissingFile(f"--initial_checkpoint_dir {initial_checkpoint_dir} is not a directory (expected a model directory)")
     out_dir = Path(out_dir)
     check_earlier_run(out_dir, resume, overwrite)
     created = missing_ancestors(out_dir)
@@ -198,7 +205,7 @@ def check_cpu_processes(devices: int) -> None:
     cores would only take turns on them, slower than fewer processes, with nothing gained."""
     cores = usable_cpu_cores()
     if devices > cores:
-        raise ValueError(
+        raise InvalidValue(
             f"--devices {devices}: without a CUDA GPU each device is a CPU process, and this machine gives this run "
             f"{cores} CPU core(s); give --devices {cores} or fewer"
         )
@@ -233,16 +240,16 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
         named = named.parent
     inside = named is not None and Path(os.path.abspath(named)).parent == Path(os.path.abspath(out_dir))
     if overwrite and continuing:
-        raise ValueError(
+        raise InvalidValue(
             f"--overwrite true deletes the checkpoints in {out_dir} that --resume {resume} would continue from: give one of the two"
         )
     if overwrite and inside:
-        raise ValueError(f"--overwrite true would delete the checkpoint --resume {resume} names, in out_dir {out_dir}")
+        raise InvalidValue(f"--overwrite true would delete the checkpoint --resume {resume} names, in out_dir {out_dir}")
     earlier = earlier_run_checkpoints(out_dir)
     if not earlier or continuing or overwrite or inside:
         return
     shown = ", ".join(earlier[:3] + ([f"... ({len(earlier) - 3} more)"] if len(earlier) > 3 else []))
-    raise FileExistsError(
+    raise AlreadyExists(
         f"out_dir {out_dir} holds the checkpoints of an earlier run ({shown}); a new run would put its own beside them. "
         f"Continue that run with --resume auto, write this one to another --out_dir, or start afresh with "
         f"--overwrite true (deletes those checkpoints)"
@@ -294,19 +301,19 @@ def main(
                 f"no tokenizer files, which generate and convert_to_hf need; {type(data).__name__} reads token ids only"
             )
         if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
-            raise ValueError(
+            raise InvalidValue(
                 f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                 f"{config.vocab_size}; use a model config with vocab_size >= {tokenizer.vocab_size}"
             )
         if reset_state_at_doc_boundaries and tokenizer is None:
-            raise ValueError("reset_state_at_doc_boundaries needs the EOS id: give --tokenizer_dir")
+            raise InvalidValue("reset_state_at_doc_boundaries needs the EOS id: give --tokenizer_dir")
         data.connect(tokenizer=tokenizer, batch_size=train.micro_batch_size, max_seq_length=train.max_seq_length,
                      vocab_size=config.vocab_size)
         data.setup()
         train_dataloader = data.train_dataloader()
         if any(change.startswith("data") for change in run_changes):
             if not isinstance(train_dataloader, TrainLoader):
-                raise ValueError(f"--resume_changes data: {type(data).__name__}'s training loader cannot go on in a new order")
+                raise InvalidValue(f"--resume_changes data: {type(data).__name__}'s training loader cannot go on in a new order")
             train_dataloader.new_order_allowed = True
         val_dataloader = data.val_dataloader()
         train_dataloader = fabric.setup_dataloaders(train_dataloader)
@@ -341,7 +348,7 @@ def main(
 
         data_path = getattr(data, "data_path", None)
         data_name = type(data).__name__ + (f" {data_path}" if data_path is not None else "")
-        train_iterator = CycleIterator(train_dataloader, empty_error=(
+        train_batches = CycleIterator(train_dataloader, empty_error=(
             f"The training data ({data_name}) yields no full batch of train.micro_batch_size={train.micro_batch_size}"
             f" samples of max_seq_length + 1 = {train.max_seq_length + 1} tokens (train.max_seq_length="
             f"{train.max_seq_length}) in any DataLoader worker of a process: lower train.max_seq_length,"
@@ -351,12 +358,12 @@ def main(
         metrics.log_hyperparams(hparams)  # here, so that a run failing before has written nothing into out_dir
         status = "failed"
         try:
-            fit(
-                fabric, state, train_iterator, val_dataloader, train=train, eval=eval, checkpointer=checkpointer,
-                metrics=metrics, stop=stop, eos_id=tokenizer.eos_id if reset_state_at_doc_boundaries else None,
-                cuda_graphs=compile.cuda_graphs,
-                resume_hint="run the same command with --resume auto" + (" instead of --overwrite true" if overwrite else ""),
-            )
+            fit(fabric, state, Run(
+                train=train, eval=eval, accumulation=train.gradient_accumulation_iters(fabric.world_size, 1),
+                cuda_graphs=compile.cuda_graphs, eos_id=tokenizer.eos_id if reset_state_at_doc_boundaries else None,
+                train_batches=train_batches, val_dataloader=val_dataloader, checkpointer=checkpointer, metrics=metrics,
+                stop=stop, resume_hint="run the same command with --resume auto" + (" instead of --overwrite true" if overwrite else ""),
+            ))
             status = "success"
         finally:
             metrics.close(status)
@@ -366,146 +373,141 @@ def main(
         raise SystemExit(130)
 
 
-def fit(
-    fabric: L.Fabric, state: Dict, train_iterator: Iterator, val_dataloader, *, train: TrainArgs, eval: EvalArgs,
-    checkpointer: Checkpointer, metrics: MetricsWriter, stop: StopRequest, eos_id: Optional[int], cuda_graphs: bool,
-    resume_hint: str = "run the same command with --resume auto",
-) -> None:
-    model, optimizer = state["model"], state["optimizer"]
+@dataclass
+class Run:
+    """What the loop works with, built by `main`: the option groups that steer it and the parts that do the work."""
+
+    train: TrainArgs
+    eval: EvalArgs
+    accumulation: int  # micro-batches per optimizer step on each process
+    cuda_graphs: bool  # the compiled Blocks replay as CUDA graphs
+    eos_id: Optional[int]  # where packed documents' state resets (reset_state_at_doc_boundaries), else None
+    train_batches: Iterator  # the training data, epoch after epoch
+    val_dataloader: Any  # None without validation data
+    checkpointer: Checkpointer
+    metrics: MetricsWriter
+    stop: StopRequest
+    resume_hint: str  # how to continue after a stop, as the console says it
+
+
+def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
+    model, optimizer, train, eval = state["model"], state["optimizer"], run.train, run.eval
     base_lr = optimizer.defaults["lr"]  # as built for this run (a loaded checkpoint sets the groups' lr only)
-    accumulation = train.global_batch_size // (train.micro_batch_size * fabric.world_size)
-    start_step = state["step_count"]
-    # The schedule counts tokens, in steps of the run's first tokens per step: the same as counting steps,
-    # until a resume changes the global batch size, after which the learning rate and the end of the run
-    # still follow the tokens trained on (train.max_steps then counts steps of the first size)
     tokens_per_step = train.global_batch_size * train.max_seq_length
-    state["schedule_tokens_per_step"] = schedule_unit = state["schedule_tokens_per_step"] or tokens_per_step
-    schedule_steps = train.max_steps if train.max_steps is not None else train.max_tokens // schedule_unit
-    max_steps = start_step + max(schedule_steps * schedule_unit - state["tokens_seen"], 0) // tokens_per_step
+    state["schedule_tokens_per_step"] = state["schedule_tokens_per_step"] or tokens_per_step
+    schedule = TokenSchedule.of_run(train.max_steps, train.max_tokens, state["schedule_tokens_per_step"])
+    start_step = state["step_count"]
+    end_step = schedule.end_step(start_step, state["tokens_seen"], tokens_per_step)
 
     if eval.initial_validation and start_step == 0:
-        metrics.log_validation(0, validate(fabric, model, val_dataloader, eval.max_iters, cuda_graphs))
-    if start_step >= max_steps:
+        run.metrics.log_validation(0, validate(fabric, model, run.val_dataloader, eval.max_iters, run.cuda_graphs))
+    if start_step >= end_step:
         fabric.print(f"Nothing to train: the checkpoint is at step {start_step}, {state['tokens_seen']:,} tokens, the end of "
-                     f"the schedule ({schedule_steps} steps of {schedule_unit:,} tokens)")
-        final = checkpointer.final_step()
-        if final is None or final < start_step:  # e.g. stopped by a signal at the last step: finish the run
-            finish(fabric, state, val_dataloader, eval, checkpointer, metrics, cuda_graphs)
+                     f"the schedule ({schedule.steps} steps of {schedule.unit:,} tokens)")
+        if (run.checkpointer.final_step() or -1) < start_step:  # e.g. stopped by a signal at the last step
+            finish(fabric, state, run)
         return
-
-    # a signal during the start-up (data, model, compilation): this process has taken no step, so there is
-    # nothing new to save. Agreed by all ranks, as the signal may have reached one of them only
-    stop_before = torch.tensor(float(stop.requested), device=fabric.device)
-    if fabric.world_size > 1:
-        torch.distributed.all_reduce(stop_before)
-    if stop_before.item() > 0:
-        fabric.print(f"Stopped by {stop.signal_name or 'a signal'} before the first step: nothing new to save; to continue, {resume_hint}")
+    if run.stop.requested_on_any_rank(fabric):  # during the start-up: no step taken, nothing new to save
+        fabric.print(f"Stopped by {run.stop.signal_name or 'a signal'} before the first step: nothing new to save; "
+                     f"to continue, {run.resume_hint}")
         return
     fabric.barrier()
-    metrics.start(start_step, max_steps)
-    consecutive_nonfinite = 0
-    stopped_by_signal = False
+    run.metrics.start(start_step, end_step)
     step_flags = StepFlags(fabric)
 
-    while state["step_count"] < max_steps:
-        step = state["step_count"]
-        lr = learning_rate(state["tokens_seen"] / schedule_unit, base_lr, train.min_lr, train.lr_warmup_steps, schedule_steps,
-                           train.lr_schedule, train.wsd_decay_fraction)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-
-        loss_sum = torch.zeros((), device=fabric.device)
-        fingerprint = torch.zeros((), dtype=torch.int64, device=fabric.device)
-        for micro in range(accumulation):
-            batch = next(train_iterator).long()  # a data module's own loader may yield the stored dtype
-            state["iter_num"] += 1
-            fingerprint += batch_fingerprint(batch)
-            input_ids = batch[:, : train.max_seq_length].contiguous()
-            targets = batch[:, 1 : train.max_seq_length + 1].contiguous()
-            if cuda_graphs:  # this micro-batch's graphs may reuse the last one's graph memory
-                torch.compiler.cudagraph_mark_step_begin()
-            with fabric.no_backward_sync(model, enabled=micro < accumulation - 1):
-                loss = compute_loss(model, input_ids, targets, eos_id)
-                fabric.backward(loss / accumulation)
-            if cuda_graphs and micro == 0 and accumulation > 1:
-                # autograd took the first micro-batch's weight gradients as the .grad tensors themselves, and
-                # they live in the graphs' memory, which the next micro-batch's replay overwrites: give them
-                # their own memory before the others are added in (one copy of the gradients per step)
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad = p.grad.clone()
-            loss_sum += loss.detach()
-        grad_norm = fabric.clip_gradients(
-            model, optimizer, max_norm=train.max_norm if train.max_norm else float("inf"), error_if_nonfinite=False
-        )
-        step_loss = loss_sum / accumulation
-        # A non-finite loss or gradient norm skips the update (the data is consumed and the step counted,
-        # as a loss-scaler skip), decided on the device: fused AdamW leaves weights, moments and step
-        # counts untouched where found_inf is set. (Under 16-mixed the loss scaler sets found_inf itself,
-        # from the gradients.) The host learns of it a step later, without waiting for the GPU.
-        nonfinite = ~(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
-        optimizer.optimizer.found_inf = step_flags.push(step + 1, nonfinite, stop.requested)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        state["step_count"] += 1
+    while state["step_count"] < end_step:
+        lr = learning_rate(schedule.position(state["tokens_seen"]), base_lr, train.min_lr, train.lr_warmup_steps,
+                           schedule.steps, train.lr_schedule, train.wsd_decay_fraction)
+        loss, grad_norm, fingerprint = train_step(fabric, state, run, lr, step_flags)
         state["tokens_seen"] += tokens_per_step
         step = state["step_count"]
-
-        # the flags that have arrived; all of them where the host stops anyway (logging, saving, the
-        # end, the first step) or while steps are failing, so that a run of failures stops where it should
-        log_step = step % train.log_interval == 0 or step == max_steps
+        log_step = step % train.log_interval == 0 or step == end_step
         save_step = train.save_interval is not None and step % train.save_interval == 0
-        flags = step_flags.pop(wait_all=log_step or save_step or consecutive_nonfinite > 0 or step == start_step + 1)
-        stop_now = any(stop_requested for _, _, stop_requested in flags)
-        if stop_now:  # stopping at this step: its checkpoint must count this step's skip too
-            flags += step_flags.pop(wait_all=True)
-        for flagged_step, skipped, _ in flags:
-            if skipped:
-                state["skipped_steps"] += 1
-                consecutive_nonfinite += 1
-                fabric.print(f"step {flagged_step}: non-finite loss or gradient norm, update skipped ({consecutive_nonfinite} in a row)")
-            else:
-                consecutive_nonfinite = 0
+        skipped, stop_now = step_flags.settle(wait=log_step or save_step or step == start_step + 1)
+        state["skipped_steps"] += skipped
         if step == start_step + 1:
-            metrics.log_first_step(step)
-        metrics.add_step(step, step_loss, lr, grad_norm, fingerprint)
-
-        if consecutive_nonfinite >= train.max_nonfinite_steps:
-            metrics.flush()
-            saved = checkpointer.save(fabric, state)
-            raise RuntimeError(
-                f"{consecutive_nonfinite} consecutive steps with a non-finite loss or gradient norm "
-                f"(train.max_nonfinite_steps={train.max_nonfinite_steps}); the last good weights are saved in "
-                f"{saved}. Lower optimizer.lr or check the data."
-            )
+            run.metrics.log_first_step(step)
+        run.metrics.add_step(step, loss, lr, grad_norm, fingerprint)
+        if step_flags.nonfinite_in_a_row >= train.max_nonfinite_steps:
+            stop_after_nonfinite_steps(fabric, state, run, step_flags.nonfinite_in_a_row)
         if log_step or stop_now:
-            metrics.log_progress(step, lr, grad_norm, state["skipped_steps"], state["tokens_seen"])
+            run.metrics.log_progress(step, lr, grad_norm, state["skipped_steps"], state["tokens_seen"])
         if stop_now:
-            saved = checkpointer.save(fabric, state)
-            fabric.print(f"Stopped by {stop.signal_name or 'a signal'} at step {step}: checkpoint saved in {saved}; to continue, {resume_hint}")
-            stopped_by_signal = True
-            break
-        with metrics.paused():
-            if step % eval.interval == 0 and step < max_steps:
-                metrics.log_validation(step, validate(fabric, model, val_dataloader, eval.max_iters, cuda_graphs))
-            if save_step and step < max_steps:
-                metrics.flush()
-                checkpointer.save(fabric, state)
+            saved = run.checkpointer.save(fabric, state)
+            fabric.print(f"Stopped by {run.stop.signal_name or 'a signal'} at step {step}: checkpoint saved in {saved}; "
+                         f"to continue, {run.resume_hint}")
+            run.metrics.flush()
+            return
+        with run.metrics.paused():
+            if step % eval.interval == 0 and step < end_step:
+                run.metrics.log_validation(step, validate(fabric, model, run.val_dataloader, eval.max_iters, run.cuda_graphs))
+            if save_step and step < end_step:
+                run.metrics.flush()
+                run.checkpointer.save(fabric, state)
 
-    elapsed = metrics.elapsed()
-    metrics.flush()
-    if stopped_by_signal:
-        return
-    finish(fabric, state, val_dataloader, eval, checkpointer, metrics, cuda_graphs)
-    metrics.log_summary(state["step_count"], state["tokens_seen"], elapsed)
+    elapsed = run.metrics.elapsed()
+    run.metrics.flush()
+    finish(fabric, state, run)
+    run.metrics.log_summary(state["step_count"], state["tokens_seen"], elapsed)
 
 
-def finish(fabric: L.Fabric, state: Dict, val_dataloader, eval: EvalArgs, checkpointer: Checkpointer,
-           metrics: MetricsWriter, cuda_graphs: bool) -> None:
+def train_step(fabric: L.Fabric, state: Dict, run: Run, lr: float, step_flags: StepFlags):
+    """One optimizer step at learning rate `lr`: `run.accumulation` micro-batches forward and backward, clipping,
+    the update. Returns the step's loss, gradient norm and data checksum, on the device (nothing waits for the GPU)."""
+    model, optimizer, train = state["model"], state["optimizer"], run.train
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=fabric.device)
+    fingerprint = torch.zeros((), dtype=torch.int64, device=fabric.device)
+    for micro in range(run.accumulation):
+        batch = next(run.train_batches).long()  # a data module's own loader may yield the stored dtype
+        state["iter_num"] += 1
+        fingerprint += batch_fingerprint(batch)
+        input_ids = batch[:, : train.max_seq_length].contiguous()
+        targets = batch[:, 1 : train.max_seq_length + 1].contiguous()
+        if run.cuda_graphs:  # this micro-batch's graphs may reuse the last one's graph memory
+            torch.compiler.cudagraph_mark_step_begin()
+        with fabric.no_backward_sync(model, enabled=micro < run.accumulation - 1):
+            loss = compute_loss(model, input_ids, targets, run.eos_id)
+            fabric.backward(loss / run.accumulation)
+        if run.cuda_graphs and micro == 0 and run.accumulation > 1:
+            # autograd took the first micro-batch's weight gradients as the .grad tensors themselves, and
+            # they live in the graphs' memory, which the next micro-batch's replay overwrites: give them
+            # their own memory before the others are added in (one copy of the gradients per step)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad = p.grad.clone()
+        loss_sum += loss.detach()
+    grad_norm = fabric.clip_gradients(model, optimizer, max_norm=train.max_norm or float("inf"), error_if_nonfinite=False)
+    step_loss = loss_sum / run.accumulation
+    # A non-finite loss or gradient norm skips the update (the data is consumed and the step counted,
+    # as a loss-scaler skip), decided on the device: fused AdamW leaves weights, moments and step
+    # counts untouched where found_inf is set. (Under 16-mixed the loss scaler sets found_inf itself,
+    # from the gradients.) The host learns of it a step later, without waiting for the GPU.
+    nonfinite = ~(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
+    optimizer.optimizer.found_inf = step_flags.push(state["step_count"] + 1, nonfinite, run.stop.requested)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    state["step_count"] += 1
+    return step_loss, grad_norm, fingerprint
+
+
+def stop_after_nonfinite_steps(fabric: L.Fabric, state: Dict, run: Run, in_a_row: int) -> None:
+    """Save the last good weights (no bad update was applied) and stop: the run is diverging or its data is bad."""
+    run.metrics.flush()
+    saved = run.checkpointer.save(fabric, state)
+    raise UserError(
+        f"{in_a_row} consecutive steps with a non-finite loss or gradient norm (train.max_nonfinite_steps="
+        f"{run.train.max_nonfinite_steps}); the last good weights are saved in {saved}. Lower optimizer.lr or check the data."
+    )
+
+
+def finish(fabric: L.Fabric, state: Dict, run: Run) -> None:
     """The end of a run: the final validation, then out_dir/final/."""
-    if eval.final_validation:
-        metrics.log_validation(state["step_count"], validate(fabric, state["model"], val_dataloader, eval.max_iters, cuda_graphs))
-    checkpointer.save(fabric, state, final=True)
+    if run.eval.final_validation:
+        loss = validate(fabric, state["model"], run.val_dataloader, run.eval.max_iters, run.cuda_graphs)
+        run.metrics.log_validation(state["step_count"], loss)
+    run.checkpointer.save(fabric, state, final=True)
 
 
 @torch.no_grad()
@@ -527,7 +529,7 @@ def validate(fabric: L.Fabric, model, val_dataloader, max_iters: int, cuda_graph
         losses.append(model(batch[:, :-1].contiguous(), targets=batch[:, 1:].contiguous()))
     model.train()
     if not losses:
-        raise RuntimeError("the validation dataloader yielded no batch: check the data module's validation split")
+        raise UserError("the validation dataloader yielded no batch: check the data module's validation split")
     val_loss = torch.stack(losses).mean()
     return float(fabric.all_reduce(val_loss, reduce_op="mean"))
 
@@ -564,7 +566,7 @@ def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: Paralle
 
 def resolve_model_config(model_name: Optional[str], model_config: Optional[Config]) -> Config:
     if (model_name is None) == (model_config is None):
-        raise ValueError("give exactly one of --model_name and --model_config (`fabric-lin pretrain list` shows the names)")
+        raise InvalidValue("give exactly one of --model_name and --model_config (`fabric-lin pretrain list` shows the names)")
     return Config.from_name(model_name) if model_name is not None else model_config
 
 
@@ -591,7 +593,9 @@ def build_model(
     if fp8.enabled:  # the converted layers keep the parameters, and under FSDP materialise with the model's init
         fabric.print(f"FP8 ({fp8.recipe}): {len(convert_to_fp8(model, fp8))} Linear layers")
     if activation_checkpointing and not sharded:  # under FSDP the strategy's activation_checkpointing_policy does it
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+        )
 
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     no_decay = no_decay_parameter_names(model)
@@ -606,7 +610,10 @@ def build_model(
         model.dynamic_shapes = compile.dynamic
     model = fabric.setup(model)
     if sharded and initial_checkpoint_dir is not None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
 
         wrapped = model._forward_module
         wrapped = getattr(wrapped, "_orig_mod", wrapped)  # under torch.compile, the FSDP module inside
@@ -632,7 +639,9 @@ def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str
     """The weights of a model directory, checked against `config` (names, shapes, dtypes: each mismatch
     listed); a model_config.yaml there that differs from `config` in fields that keep the shapes (eps,
     context length, ...) is reported, not refused: continued pretraining may change them on purpose."""
-    from fabric_lin.convert.model_dir import load_model_dir_weights  # weights_only, names the mismatches
+    from fabric_lin.convert.model_dir import (
+        load_model_dir_weights,  # weights_only, names the mismatches
+    )
 
     saved_config = Path(model_dir) / CONFIG_FILE
     if saved_config.is_file():

@@ -14,6 +14,7 @@ import yaml
 
 from fabric_lin.checkpoint import HPARAMS_FILE
 from fabric_lin.config import CONFIG_FILE
+from fabric_lin.errors import InvalidValue
 
 # settings a resume may change when --resume_changes names them ("data" stands for every data.* setting)
 CHANGEABLE = ("train.global_batch_size", "train.max_steps", "train.max_tokens", "data", "seed")
@@ -58,7 +59,7 @@ def describe(key: str, saved: Any, given: Any) -> str:
 def check_changeable(names: Sequence[str]) -> None:
     unknown = [name for name in names if name not in CHANGEABLE]
     if unknown:
-        raise ValueError(f"--resume_changes {', '.join(unknown)}: expected names among {', '.join(CHANGEABLE)}")
+        raise InvalidValue(f"--resume_changes {', '.join(unknown)}: expected names among {', '.join(CHANGEABLE)}")
 
 
 def compare_with_checkpoint(checkpoint_dir: Path, hparams: Dict[str, Any], model: Dict[str, Any],
@@ -75,7 +76,7 @@ def compare_with_checkpoint(checkpoint_dir: Path, hparams: Dict[str, Any], model
     changed = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
     fixed = [describe(k, saved.get(k), given.get(k)) for k in changed if k in FIXED]
     if fixed:
-        raise ValueError(
+        raise InvalidValue(
             f"--resume {checkpoint_dir}: a resumed run trains the checkpoint's run, and this one differs in "
             + "; ".join(fixed) + ". To start another run from its weights: fabric-lin convert_pretrained_checkpoint "
             f"{checkpoint_dir} --output_dir <DIR>, then --initial_checkpoint_dir <DIR>"
@@ -83,7 +84,7 @@ def compare_with_checkpoint(checkpoint_dir: Path, hparams: Dict[str, Any], model
     refused = [k for k in changed if group_of(k) in CHANGEABLE and group_of(k) not in allowed]
     if refused:
         names = sorted({group_of(k) for k in refused})
-        raise ValueError(
+        raise InvalidValue(
             f"--resume {checkpoint_dir}: this run differs from the checkpoint's in "
             + "; ".join(describe(k, saved.get(k), given.get(k)) for k in refused)
             + f". Resume with the checkpoint's values (its {HPARAMS_FILE}), or change them on purpose with "

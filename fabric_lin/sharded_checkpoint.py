@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from fabric_lin.errors import InvalidValue
 from fabric_lin.weights import canonical_name, inside, torch_load_tensors
 
 FABRIC_META_FILE = "meta.pt"  # Fabric's FSDPStrategy: what is neither a module nor an optimizer
@@ -34,7 +35,7 @@ def load_sharded_train_state(path: Path, state: Dict[str, Any]) -> None:
     own = {canonical_name(name): name for name in model.state_dict()}
     saved = {canonical_name(name): tensor for name, tensor in load_sharded_model_state(path).items()}
     if set(own) != set(saved):
-        raise ValueError(
+        raise InvalidValue(
             f"{path}: the checkpoint's model does not fit this run's: missing {sorted(set(own) - set(saved))[:8]}, "
             f"unexpected {sorted(set(saved) - set(own))[:8]}"
         )
@@ -46,7 +47,7 @@ def load_sharded_train_state(path: Path, state: Dict[str, Any]) -> None:
 
     def index(name: str) -> int:
         if canonical_name(name) not in position:
-            raise ValueError(f"{path}: the optimizer state names parameter {name!r}, which this run's model does not have")
+            raise InvalidValue(f"{path}: the optimizer state names parameter {name!r}, which this run's model does not have")
         return position[canonical_name(name)]
 
     optimizer.load_state_dict({
@@ -74,7 +75,7 @@ def read_sharded_entry(path: Path, top: str) -> Any:
         leaf = torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
         _set_nested(root, location, leaf)
     if top not in root:
-        raise ValueError(f"{path}: no entry {top!r} in the checkpoint")
+        raise InvalidValue(f"{path}: no entry {top!r} in the checkpoint")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(root, storage_reader=_SafeDCPReader(str(path)), planner=_PlainValuesLoadPlanner(), no_dist=True)
@@ -129,10 +130,10 @@ def load_sharded_model_state(path: Path) -> Dict[str, torch.Tensor]:
             continue
         full[name] = torch.empty(item.size, dtype=item.properties.dtype)
     if not_tensors:
-        raise ValueError(f"{path}: model entries {not_tensors[:8]} are pickled objects, not tensors; they are not read")
+        raise InvalidValue(f"{path}: model entries {not_tensors[:8]} are pickled objects, not tensors; they are not read")
     if not full:
         top = sorted({str(planner_data.get(k, (k,))[0]) for k in metadata.state_dict_metadata})
-        raise ValueError(f"{path}: no tensors under 'model'; the checkpoint's top-level entries are {top}")
+        raise InvalidValue(f"{path}: no tensors under 'model'; the checkpoint's top-level entries are {top}")
     state = {"model": full}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -149,7 +150,7 @@ class _SafeDCPReader(torch.distributed.checkpoint.FileSystemReader):
         path = Path(self.path) / ".metadata"
         metadata = _RestrictedUnpickler(io.BytesIO(path.read_bytes()), path).load()
         if not isinstance(metadata, torch.distributed.checkpoint.metadata.Metadata):
-            raise ValueError(f"{path}: expected a torch.distributed.checkpoint Metadata, got {type(metadata).__name__}")
+            raise InvalidValue(f"{path}: expected a torch.distributed.checkpoint Metadata, got {type(metadata).__name__}")
         for info in (metadata.storage_data or {}).values():
             inside(Path(self.path), str(info.relative_path), str(path))
         if getattr(metadata, "storage_meta", None) is None:
@@ -181,7 +182,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         elif module == "collections" and name == "OrderedDict":
             obj = collections.OrderedDict
         if obj is None:
-            raise ValueError(
+            raise InvalidValue(
                 f"{self.path} refers to {module}.{name}, which is not part of a torch.distributed.checkpoint "
                 "metadata file; refusing to unpickle it"
             )

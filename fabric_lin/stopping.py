@@ -21,6 +21,7 @@ class StepFlags:
     def __init__(self, fabric: L.Fabric):
         self.fabric = fabric
         self.queue: deque = deque()  # (step, flags on the host or being copied there, copy-done event)
+        self.nonfinite_in_a_row = 0  # skipped updates in a row, as far as the host knows
 
     def push(self, step: int, nonfinite: torch.Tensor, stop_requested: bool) -> torch.Tensor:
         """Queue this step's flags; returns 1.0 where any rank's update is to be skipped, else 0.0 (on the device)."""
@@ -51,6 +52,23 @@ class StepFlags:
             popped.append((step, skipped > 0, stop > 0))
         return popped
 
+    def settle(self, wait: bool) -> Tuple[int, bool]:
+        """Take in the flags that have arrived - all of them where `wait` (the host stops there anyway), or
+        while updates are being skipped, so that a run of them stops where it should, or once a stop is
+        asked for, so that the checkpoint counts the last step's skip too. Prints each skip. Returns (updates
+        skipped among them, whether a stop was asked for)."""
+        flags = self.pop(wait_all=wait or self.nonfinite_in_a_row > 0)
+        stop = any(stop_requested for _, _, stop_requested in flags)
+        if stop:
+            flags += self.pop(wait_all=True)
+        skipped = 0
+        for step, step_skipped, _ in flags:
+            self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if step_skipped else 0
+            if step_skipped:
+                skipped += 1
+                self.fabric.print(f"step {step}: non-finite loss or gradient norm, update skipped ({self.nonfinite_in_a_row} in a row)")
+        return skipped, stop
+
 
 class StopRequest:
     """SIGTERM or SIGUSR1 (a scheduler's preemption notice) or SIGINT (Ctrl-C) -> checkpoint at the next
@@ -73,6 +91,14 @@ class StopRequest:
     def __exit__(self, *exc) -> None:
         for name, handler in self.previous.items():
             signal.signal(getattr(signal, name), handler)
+
+    def requested_on_any_rank(self, fabric: L.Fabric) -> bool:
+        """Whether any rank received a signal (it may reach one of them only). Waits for the GPU: for the start
+        of a run, not for every step (StepFlags carries the flag with each step's others)."""
+        flag = torch.tensor(float(self.requested), device=fabric.device)
+        if fabric.world_size > 1:
+            torch.distributed.all_reduce(flag)
+        return flag.item() > 0
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from fabric_lin.config import Config
+from fabric_lin.errors import InvalidValue
 from fabric_lin.model import GPT
 
 MODEL_FILE = "lit_model.pth"  # a model directory's weights, or a training checkpoint's whole train state
@@ -33,7 +34,7 @@ def canonical_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch
     for name, tensor in state_dict.items():
         clean = canonical_name(name)
         if clean in out:
-            raise ValueError(f"two tensors map to {clean!r} once the wrappers' prefixes are removed (one is {name!r})")
+            raise InvalidValue(f"two tensors map to {clean!r} once the wrappers' prefixes are removed (one is {name!r})")
         out[clean] = tensor
     return out
 
@@ -65,7 +66,7 @@ def torch_load_tensors(path: Path, allow_numpy: bool = False):
                 return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         if "Weights only load failed" in str(e) or isinstance(e, pickle.UnpicklingError):
-            raise ValueError(
+            raise InvalidValue(
                 f"{path} holds objects other than tensors and plain containers, so it is not loaded "
                 f"(files are never unpickled beyond tensors). Details: {str(e).splitlines()[-1][:300]}"
             ) from None
@@ -74,10 +75,10 @@ def torch_load_tensors(path: Path, allow_numpy: bool = False):
 
 def tensor_dict(state, path: Path) -> Dict[str, torch.Tensor]:
     if not isinstance(state, dict):
-        raise ValueError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
+        raise InvalidValue(f"{path}: expected a dict of tensors, got {type(state).__name__}")
     bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
-        raise ValueError(f"{path}: expected a dict of name -> tensor; these entries are not: {', '.join(map(repr, bad[:12])) + (f' ... ({len(bad) - 12} more)' if len(bad) > 12 else '')}")
+        raise InvalidValue(f"{path}: expected a dict of name -> tensor; these entries are not: {', '.join(map(repr, bad[:12])) + (f' ... ({len(bad) - 12} more)' if len(bad) > 12 else '')}")
     return state
 
 
@@ -87,8 +88,8 @@ def inside(directory: Path, name: str, what: str) -> Path:
     The check is on the name, not on where symlinks lead: a Hugging Face cache snapshot links its
     files to blobs elsewhere, and links made by the directory's owner are theirs to make."""
     if not isinstance(name, str) or not name or Path(name).is_absolute():
-        raise ValueError(f"{what}: file name {name!r} is not a relative path inside {directory}")
+        raise InvalidValue(f"{what}: file name {name!r} is not a relative path inside {directory}")
     normal = os.path.normpath(name)
     if normal == ".." or normal.startswith(".." + os.sep) or normal == ".":
-        raise ValueError(f"{what}: file name {name!r} points outside {directory}")
+        raise InvalidValue(f"{what}: file name {name!r} points outside {directory}")
     return Path(directory) / normal

@@ -12,6 +12,7 @@ import torch
 
 from fabric_lin.args import CompileArgs, EvalArgs, OptimizerArgs, ParallelismArgs, TrainArgs
 from fabric_lin.config import Config
+from fabric_lin.errors import UserError
 from fabric_lin.flops import flops_per_token, matmul_params
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.model import GPT
@@ -347,7 +348,7 @@ def test_error_data_parallel_choice(tmp_path):
 def test_error_out_dir_not_writable(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    with pytest.raises(OSError, match=f"out_dir {blocker / 'out'} is not writable"):
+    with pytest.raises(UserError, match=f"out_dir {blocker / 'out'} is not writable"):
         _setup(tmp_path, out_dir=blocker / "out")
 
 
@@ -357,7 +358,7 @@ def test_error_out_dir_full(tmp_path, monkeypatch):
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
-    with pytest.raises(OSError, match=rf"out_dir {tmp_path / 'out'} has 0.00 GB free, but one checkpoint of gla-debug takes 0.03 GB"):
+    with pytest.raises(UserError, match=rf"out_dir {tmp_path / 'out'} has 0.00 GB free, but one checkpoint of gla-debug takes 0.03 GB"):
         _setup(tmp_path)
 
 
@@ -910,9 +911,10 @@ def test_anticipated_failures_are_told_from_bugs():
         except Exception as e:
             return e
 
-    assert expected_failure(raised(lambda: Config.from_name("gla-340m")))  # a raise statement of fabric_lin
+    assert expected_failure(raised(lambda: Config.from_name("gla-340m")))  # a UserError, where the mistake is found
     assert expected_failure(raised(lambda: TrainArgs(max_steps=0).total_steps()))
     assert not expected_failure(raised(lambda: int("x")))  # raised outside fabric_lin
+    assert not expected_failure(ValueError("a ValueError that is no UserError"))
     assert not expected_failure(raised(lambda: torch.zeros(2).view(3)))
     assert not expected_failure(raised(lambda: learning_rate(0, None, 0, 0, 1, "cosine", 0.1)))  # a TypeError inside fabric_lin
     assert expected_failure(OSError(errno.ENOSPC, "No space left on device", "/data/out/step-00000100/lit_model.pth"))

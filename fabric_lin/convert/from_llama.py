@@ -34,8 +34,9 @@ from fabric_lin.convert.model_dir import (
     refuse_mixed_exports,
     save_model_dir,
 )
-from fabric_lin.weights import inside, meta_model
+from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import created_dir
+from fabric_lin.weights import inside, meta_model
 
 LLAMA_MODEL_TYPES = ("llama", "mistral")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -75,29 +76,29 @@ def convert_from_llama(
     Returns the report: names `copied`, `initialized` (kept at init), `ignored` (Llama tensors not used).
     """
     if checkpoint_dir is None:
-        raise ValueError("convert_from_llama: --checkpoint_dir is required")
+        raise InvalidValue("convert_from_llama: --checkpoint_dir is required")
     if output_dir is None:
-        raise ValueError("convert_from_llama: --output_dir is required")
+        raise InvalidValue("convert_from_llama: --output_dir is required")
     checkpoint_dir = Path(checkpoint_dir)
     config_path = checkpoint_dir / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} does not exist: expected a Hugging Face Llama/Mistral directory")
+        raise MissingFile(f"{config_path} does not exist: expected a Hugging Face Llama/Mistral directory")
     llama = read_json(config_path)
     if llama.get("model_type") not in LLAMA_MODEL_TYPES:
-        raise ValueError(f"{config_path}: model_type {llama.get('model_type')!r}; expected one of {LLAMA_MODEL_TYPES}")
+        raise InvalidValue(f"{config_path}: model_type {llama.get('model_type')!r}; expected one of {LLAMA_MODEL_TYPES}")
     if "quantization_config" in llama:
         # int8/4-bit weights are integers plus scale tensors (`.SCB`, ...): copied, they are not the weights
         method = llama["quantization_config"].get("quant_method") if isinstance(llama["quantization_config"], dict) else None
-        raise ValueError(
+        raise InvalidValue(
             f"{config_path} has a 'quantization_config' key (quant_method {method!r}): a quantized checkpoint cannot "
             "be copied into a GLA model; convert the unquantized (float) checkpoint"
         )
     config = Config.from_name(model_name, norm_eps=float(llama.get("rms_norm_eps", 1e-6)))
     if config.block_type != "gla":
-        raise ValueError(f"model_name {model_name!r} is a {config.block_type} model; expected a GLA model")
+        raise InvalidValue(f"model_name {model_name!r} is a {config.block_type} model; expected a GLA model")
     for ours, theirs in (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers")):
         if llama.get(theirs) != getattr(config, ours):
-            raise ValueError(
+            raise InvalidValue(
                 f"{config_path}: {theirs}={llama.get(theirs)} but {model_name} has {ours}={getattr(config, ours)}; "
                 "choose a GLA config of the Llama's width and depth"
             )
@@ -115,7 +116,7 @@ def convert_from_llama(
         source_name = sources[name]
         source = reader.get(source_name) if source_name in reader.names else None
         if source is not None and target.is_floating_point() and not source.is_floating_point():
-            raise ValueError(
+            raise InvalidValue(
                 f"{checkpoint_dir}: {source_name} has dtype {source.dtype}, expected a floating-point weight for {name} "
                 "(a quantized checkpoint? convert the unquantized one)"
             )
@@ -180,7 +181,7 @@ def check_copy(copy: torch.Tensor, source: torch.Tensor, what: str) -> None:
         torch.testing.assert_close(copy.float(), source.float(), rtol=finfo.eps, atol=finfo.smallest_normal)
     except AssertionError as e:
         details = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip())
-        raise ValueError(
+        raise InvalidValue(
             f"{what}: the {copy.dtype} copy differs from the source by more than rounding (a value out of "
             f"{copy.dtype}'s range, or NaN): {details}"
         ) from None
@@ -208,7 +209,7 @@ class SafetensorsReader:
         if index_path.is_file():
             weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{index_path}: expected a non-empty 'weight_map' of tensor name -> shard file")
+                raise InvalidValue(f"{index_path}: expected a non-empty 'weight_map' of tensor name -> shard file")
             refuse_mixed_exports(self.directory, weight_map.values(), index_path)
             files = {f: inside(self.directory, f, str(index_path)) for f in set(weight_map.values())}
             self.file_of = {name: files[f] for name, f in weight_map.items()}
@@ -217,22 +218,22 @@ class SafetensorsReader:
                 self.file_of = {name: self.directory / SAFETENSORS_FILE for name in f.keys()}
         else:
             found = sorted(p.name for p in self.directory.iterdir())
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"{self.directory} holds neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX_FILE} (found {found[:8]}); "
                 "only safetensors are read"
             )
         missing = sorted({str(p.name) for p in self.file_of.values() if not p.is_file()})
         if missing:
-            raise FileNotFoundError(f"{self.directory}: shard files {missing} are listed but missing")
+            raise MissingFile(f"{self.directory}: shard files {missing} are listed but missing")
         self.names = list(self.file_of)
         self._open = safe_open
         if "model.embed_tokens.weight" not in self.file_of:
-            raise ValueError(f"{self.directory} has no model.embed_tokens.weight: not a Hugging Face Llama checkpoint")
+            raise InvalidValue(f"{self.directory} has no model.embed_tokens.weight: not a Hugging Face Llama checkpoint")
 
     def get(self, name: str) -> torch.Tensor:
         with self._open(self.file_of[name], framework="pt") as f:
             if name not in f.keys():
-                raise ValueError(f"{self.file_of[name]} lacks {name}, which the index places there")
+                raise InvalidValue(f"{self.file_of[name]} lacks {name}, which the index places there")
             return f.get_tensor(name)
 
     def dtype(self, name: str) -> torch.dtype:

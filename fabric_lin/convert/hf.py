@@ -35,6 +35,7 @@ from fabric_lin.convert.model_dir import (
     save_model_dir,
     save_safetensors_dir,
 )
+from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import created_dir
 
 HF_CONFIG_FILE = "config.json"
@@ -60,7 +61,7 @@ def convert_to_hf(
         max_shard_gb: largest safetensors file; more weights than this are split into shards with an index.
     """
     if output_dir is None:
-        raise ValueError("convert_to_hf: --output_dir is required")
+        raise InvalidValue("convert_to_hf: --output_dir is required")
     model_dir = Path(model_dir)
     torch_dtype = parse_dtype(dtype)
     config = Config.from_checkpoint(model_dir)
@@ -111,15 +112,15 @@ def convert_from_hf(
         name: the model's name in model_config.yaml (default: the one recorded at export, else the directory name).
     """
     if output_dir is None:
-        raise ValueError("convert_from_hf: --output_dir is required")
+        raise InvalidValue("convert_from_hf: --output_dir is required")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
     config_path = checkpoint_dir / HF_CONFIG_FILE
     if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} does not exist: expected a Hugging Face checkpoint directory with config.json")
+        raise MissingFile(f"{config_path} does not exist: expected a Hugging Face checkpoint directory with config.json")
     config = config_from_fla(read_json(config_path), config_path, name=name or checkpoint_dir.name)
     if not any(checkpoint_dir.glob("*.safetensors")) and any(checkpoint_dir.glob("*.bin")):
-        raise ValueError(
+        raise InvalidValue(
             f"{checkpoint_dir} holds PyTorch .bin weights; only safetensors are read (a .bin file is a pickle that "
             "can run code). Save it with `model.save_pretrained(dir, safe_serialization=True)`"
         )
@@ -186,7 +187,7 @@ def fla_config(config: Config) -> dict:
     if config.block_type == "gla":
         wrong = {k: getattr(config, k) for k, v in FLA_FIXED_GATE.items() if getattr(config, k) != v}
         if wrong:
-            raise ValueError(f"fla's GLA fixes {FLA_FIXED_GATE}; this model has {wrong}, so it cannot be exported to fla")
+            raise InvalidValue(f"fla's GLA fixes {FLA_FIXED_GATE}; this model has {wrong}, so it cannot be exported to fla")
         specific = dict(
             num_kv_heads=config.num_kv_heads,
             elementwise_affine=True,
@@ -226,7 +227,7 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     """Our Config for an fla config.json; features fabric-lin's model does not have are refused."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise ValueError(
+        raise InvalidValue(
             f"{path}: model_type {model_type!r} is not supported; expected one of {list(ARCHITECTURES)} (fla's GLA, "
             "Gated DeltaNet or transformer)"
         )
@@ -264,11 +265,11 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
         )
     bad = [f"{k}={v!r} (supported: {', '.join(map(repr, ok))})" for k, (v, ok) in unsupported.items() if v not in ok]
     if bad:
-        raise ValueError(f"{path}: fabric-lin's {model_type} model has no equivalent of " + "; ".join(bad))
+        raise InvalidValue(f"{path}: fabric-lin's {model_type} model has no equivalent of " + "; ".join(bad))
     required = ["hidden_size", "num_hidden_layers", "num_heads", "vocab_size"] + (["head_dim"] if model_type == "gated_deltanet" else [])
     missing = [k for k in required if not isinstance(hf.get(k), int)]
     if missing:
-        raise ValueError(f"{path}: missing or non-integer fields {missing}")
+        raise InvalidValue(f"{path}: missing or non-integer fields {missing}")
     ours = hf.get("fabric_lin") if isinstance(hf.get("fabric_lin"), dict) else {}
     norm_eps = float(get("norm_eps", 1e-6))
     block_type = {v: k for k, v in MODEL_TYPES.items()}[model_type]
@@ -300,7 +301,7 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     try:
         return Config(**fields)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise InvalidValue(f"{path}: {e}") from None
 
 
 def attn_fields(attn, path: Path) -> dict:
@@ -309,11 +310,11 @@ def attn_fields(attn, path: Path) -> dict:
         return {}
     specs = [attn] if isinstance(attn, dict) else attn
     if not isinstance(specs, list) or not specs or not all(isinstance(s, dict) and "layers" in s and "num_heads" in s for s in specs):
-        raise ValueError(f"{path}: attn must be a mapping (or list of mappings) with layers and num_heads, got {attn!r}")
+        raise InvalidValue(f"{path}: attn must be a mapping (or list of mappings) with layers and num_heads, got {attn!r}")
     heads = {(s["num_heads"], s.get("num_kv_heads") or s["num_heads"]) for s in specs}
     unsupported = [f"{k}={s[k]!r}" for s in specs for k in ("qkv_bias", "window_size", "qk_norm") if s.get(k)]
     if len(heads) > 1 or unsupported or len({s.get("rope_theta", 10000.0) for s in specs}) > 1:
-        raise ValueError(
+        raise InvalidValue(
             f"{path}: fabric-lin's hybrids have one set of attention heads over the whole context, no biases or q/k "
             f"norms; attn has {sorted(heads)} heads{', ' + ', '.join(unsupported) if unsupported else ''}"
         )

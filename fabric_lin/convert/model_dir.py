@@ -18,8 +18,16 @@ import torch
 import torch.nn as nn
 
 from fabric_lin.config import CONFIG_FILE, Config
+from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
 from fabric_lin.files import atomic_write
-from fabric_lin.weights import MODEL_FILE, canonical_state_dict, inside, meta_model, tensor_dict, torch_load_tensors
+from fabric_lin.weights import (
+    MODEL_FILE,
+    canonical_state_dict,
+    inside,
+    meta_model,
+    tensor_dict,
+    torch_load_tensors,
+)
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
@@ -39,24 +47,24 @@ def load_model_dir_weights(
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise FileNotFoundError(f"{model_dir} is not a directory: expected a model directory holding {MODEL_FILE}")
+        raise MissingFile(f"{model_dir} is not a directory: expected a model directory holding {MODEL_FILE}")
     path = model_dir / MODEL_FILE
     if path.is_dir():
-        raise ValueError(
+        raise InvalidValue(
             f"{path} is a directory: this is a sharded training checkpoint, not a model directory. "
             f"Convert it first: fabric-lin convert_pretrained_checkpoint {model_dir} --output_dir <DIR>"
         )
     if path.is_file():
         state = torch_load_tensors(path)
         if isinstance(state, dict) and isinstance(state.get("model"), dict):
-            raise ValueError(
+            raise InvalidValue(
                 f"{path} is a training checkpoint (keys {sorted(state)[:6]}), not a model state dict. "
                 f"Convert it first: fabric-lin convert_pretrained_checkpoint {model_dir} --output_dir <DIR>"
             )
     elif (model_dir / SAFETENSORS_FILE).is_file() or (model_dir / SAFETENSORS_INDEX_FILE).is_file():
         state = load_safetensors_dir(model_dir)
     else:
-        raise FileNotFoundError(
+        raise MissingFile(
             f"{model_dir} holds no {MODEL_FILE}, {SAFETENSORS_FILE} or {SAFETENSORS_INDEX_FILE}; "
             f"found {sorted(p.name for p in model_dir.iterdir())[:10]}"
         )
@@ -97,7 +105,7 @@ def check_state_dict(
         if unexpected:
             lines.append(f"  unexpected ({len(unexpected)}): {_short_list(unexpected)}")
         lines += [f"  {p}" for p in problems]
-        raise ValueError("\n".join(lines))
+        raise InvalidValue("\n".join(lines))
 
 
 def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[str] = None) -> Dict[str, torch.Tensor]:
@@ -110,7 +118,7 @@ def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[st
         index = read_json(index_path)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index_path}: expected a non-empty 'weight_map' of tensor name -> shard file")
+            raise InvalidValue(f"{index_path}: expected a non-empty 'weight_map' of tensor name -> shard file")
         refuse_mixed_exports(directory, weight_map.values(), index_path)
         files = {}
         for tensor_name, file_name in weight_map.items():
@@ -119,18 +127,18 @@ def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[st
         for file_name, names in files.items():
             shard_path = inside(directory, file_name, str(index_path))
             if not shard_path.is_file():
-                raise FileNotFoundError(f"{index_path} lists {file_name!r}, which does not exist in {directory}")
+                raise MissingFile(f"{index_path} lists {file_name!r}, which does not exist in {directory}")
             shard = load_file(shard_path)
             absent = sorted(names - set(shard))
             if absent:
-                raise ValueError(f"{index_path} places {_short_list(absent)} in {file_name}, which lacks them")
+                raise InvalidValue(f"{index_path} places {_short_list(absent)} in {file_name}, which lacks them")
             for name in names:
                 state[name] = shard[name]
         return state
     path = directory / SAFETENSORS_FILE
     if not path.is_file():
         found = sorted(p.name for p in directory.glob("*.safetensors"))
-        raise FileNotFoundError(
+        raise MissingFile(
             f"{directory} holds neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX_FILE}"
             + (f" (found {found[:5]}; an index file is needed for shards)" if found else "")
         )
@@ -142,7 +150,7 @@ def refuse_mixed_exports(directory: Path, index_files: Iterable[str], index_path
     exports were written into it, and readers disagree on which wins (transformers takes
     model.safetensors, an index-first reader the shards)."""
     if (Path(directory) / SAFETENSORS_FILE).is_file() and SAFETENSORS_FILE not in set(index_files):
-        raise ValueError(
+        raise InvalidValue(
             f"{directory} holds both {SAFETENSORS_FILE} and {index_path.name}, which does not list it: two exports "
             f"are mixed in one directory and it is unclear which weights are meant; remove the stale one "
             f"(or export again into an empty directory)"
@@ -204,9 +212,9 @@ def read_json(path: Path) -> dict:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+        raise InvalidValue(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise InvalidValue(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -214,7 +222,7 @@ def parse_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:
     if dtype is None:
         return None
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {list(DTYPES)}")
+        raise InvalidValue(f"dtype {dtype!r} is not supported; choose one of {list(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -234,11 +242,11 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
     output_dir = Path(output_dir)
     for source in sources:
         if output_dir.resolve() == Path(source).resolve():
-            raise ValueError(f"output_dir {output_dir} is the input directory; choose another one")
+            raise InvalidValue(f"output_dir {output_dir} is the input directory; choose another one")
     if output_dir.exists() and not output_dir.is_dir():
-        raise NotADirectoryError(f"output_dir {output_dir} exists and is not a directory")
+        raise UserError(f"output_dir {output_dir} exists and is not a directory")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
-        raise FileExistsError(
+        raise AlreadyExists(
             f"output_dir {output_dir} is not empty (holds {sorted(p.name for p in output_dir.iterdir())[:5]}); "
             "pass --overwrite true to write into it"
         )

@@ -13,6 +13,7 @@ from fabric_lin.checkpoint import (
     load_model_weights,
     verify_checkpoint,
 )
+from fabric_lin.config import CONFIG_FILE
 from fabric_lin.convert.model_dir import (
     cast_floating,
     check_state_dict,
@@ -20,7 +21,7 @@ from fabric_lin.convert.model_dir import (
     prepare_output_dir,
     save_model_dir,
 )
-from fabric_lin.config import CONFIG_FILE
+from fabric_lin.errors import InvalidValue
 from fabric_lin.files import created_dir
 from fabric_lin.weights import MODEL_FILE, canonical_state_dict
 
@@ -42,13 +43,13 @@ def convert_pretrained_checkpoint(
         overwrite: write into a non-empty output_dir.
     """
     if output_dir is None:
-        raise ValueError("convert_pretrained_checkpoint: --output_dir is required")
+        raise InvalidValue("convert_pretrained_checkpoint: --output_dir is required")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
     config, weights_path = find_training_checkpoint(checkpoint_dir)
     check = verify_checkpoint(checkpoint_dir)
     if not check.ok:
-        raise ValueError(
+        raise InvalidValue(
             f"{checkpoint_dir}: the checkpoint is damaged: {check.describe()}. It is not converted; convert an "
             "older checkpoint of the run"
         )

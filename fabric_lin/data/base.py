@@ -10,6 +10,7 @@ from litdata.streaming import StreamingDataLoader
 
 from fabric_lin.data.prepared import block_too_long, check_prepared_dir, chunk_tokens
 from fabric_lin.data.tokenizer import Tokenizer
+from fabric_lin.errors import InvalidValue
 from fabric_lin.stopping import STOP_SIGNALS
 
 
@@ -44,10 +45,10 @@ class DataModule:
     def validate(self) -> None:
         """Check the options before any work (the trainer calls it first): each wrong value named."""
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
-            raise ValueError(f"data.num_workers must be 0 (load in the training process) or a positive number of "
+            raise InvalidValue(f"data.num_workers must be 0 (load in the training process) or a positive number of "
                              f"DataLoader worker processes per rank, got {self.num_workers!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"data.seed must be a non-negative integer (it seeds the data order), got {self.seed!r}")
+            raise InvalidValue(f"data.seed must be a non-negative integer (it seeds the data order), got {self.seed!r}")
 
     def prepare_data(self) -> None:
         pass
@@ -64,7 +65,7 @@ class DataModule:
     @property
     def block_size(self) -> int:
         if self.max_seq_length is None or self.max_seq_length < 1:
-            raise ValueError(
+            raise InvalidValue(
                 f"{type(self).__name__}: max_seq_length={self.max_seq_length}; call"
                 " connect(tokenizer, batch_size, max_seq_length) with max_seq_length >= 1 first"
             )

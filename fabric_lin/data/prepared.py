@@ -9,6 +9,7 @@ from typing import Optional, Union
 import numpy as np
 
 from fabric_lin.data.tokenizer import Tokenizer
+from fabric_lin.errors import InvalidValue, MissingFile
 
 PREPARED_INFO_FILE = "prepared.json"
 INDEX_FILE = "index.json"
@@ -40,11 +41,11 @@ def chunk_tokens(path: Union[str, Path]) -> np.ndarray:
         chunks = json.loads(index_path.read_text(encoding="utf-8"))["chunks"]
         return np.array([int(chunk["dim"]) for chunk in chunks], dtype=np.int64)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{index_path}: expected litdata's index with a token count (dim) for every chunk ({err!r})") from None
+        raise InvalidValue(f"{index_path}: expected litdata's index with a token count (dim) for every chunk ({err!r})") from None
 
 
 def block_too_long(path: Union[str, Path], block_size: int, why: str) -> ValueError:
-    return ValueError(
+    return InvalidValue(
         f"max_seq_length={block_size - 1} is too long for {path}: a sample is a block of max_seq_length + 1 ="
         f" {block_size} tokens from one chunk file, and {why}; lower train.max_seq_length or prepare the data"
         " with a larger chunk_size"
@@ -61,19 +62,19 @@ def check_prepared_dir(
     index, ValueError for an incomplete directory, a tokenizer mismatch or a too large vocabulary."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"Prepared data directory {str(path)!r} does not exist: run `fabric-lin prepare_text`,"
             " `fabric-lin prepare_slimpajama` or `fabric-lin prepare_starcoder` to create it"
         )
     index_path = path / INDEX_FILE
     if not index_path.is_file():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"{path} has no {INDEX_FILE}: it is not a prepared litdata directory, or its preprocessing run did not"
             " finish; prepare it again"
         )
     info_path = path / PREPARED_INFO_FILE
     if not info_path.is_file():
-        raise ValueError(
+        raise InvalidValue(
             f"{path} is incomplete: {PREPARED_INFO_FILE} is missing (written last by fabric-lin's preprocessors,"
             " so the run was interrupted or another tool wrote this directory); prepare it again"
         )
@@ -81,16 +82,16 @@ def check_prepared_dir(
         info = json.loads(info_path.read_text(encoding="utf-8"))
         index = json.loads(index_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: unreadable JSON in {info_path.name} or {INDEX_FILE}: {err}") from err
+        raise InvalidValue(f"{path}: unreadable JSON in {info_path.name} or {INDEX_FILE}: {err}") from err
     if info.get("complete") is not True:
-        raise ValueError(f"{info_path} does not mark the directory complete; prepare it again")
+        raise InvalidValue(f"{info_path} does not mark the directory complete; prepare it again")
     missing = [c["filename"] for c in index.get("chunks", []) if not (path / c["filename"]).is_file()]
     if missing:
-        raise ValueError(f"{path} is incomplete: {len(missing)} chunk file(s) listed in {INDEX_FILE} are missing, e.g. {missing[0]}")
+        raise InvalidValue(f"{path} is incomplete: {len(missing)} chunk file(s) listed in {INDEX_FILE} are missing, e.g. {missing[0]}")
     if tokenizer is not None:
         made_by = info.get("tokenizer", {})
         if made_by.get("vocab_size") != tokenizer.vocab_size or made_by.get("sha256") != tokenizer.model_hash:
-            raise ValueError(
+            raise InvalidValue(
                 f"{path} was tokenized with a different tokenizer (vocab_size={made_by.get('vocab_size')},"
                 f" sha256={str(made_by.get('sha256'))[:12]}...) than {tokenizer.model_path}"
                 f" (vocab_size={tokenizer.vocab_size}, sha256={tokenizer.model_hash[:12]}...); prepare the data with"
@@ -98,7 +99,7 @@ def check_prepared_dir(
             )
     data_vocab = info.get("tokenizer", {}).get("vocab_size")
     if vocab_size is not None and isinstance(data_vocab, int) and data_vocab > vocab_size:
-        raise ValueError(
+        raise InvalidValue(
             f"{path} was tokenized with a vocabulary of {data_vocab} tokens ({PREPARED_INFO_FILE}: tokenizer.vocab_size),"
             f" more than the model's vocab_size={vocab_size}: token ids would fall outside the embedding; use a model"
             f" config with vocab_size >= {data_vocab} or prepare the data with the model's tokenizer"

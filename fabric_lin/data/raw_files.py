@@ -10,8 +10,10 @@ import zlib
 from pathlib import Path
 from typing import Iterator, List, NamedTuple, Optional, Tuple, Union
 
+from fabric_lin.errors import InvalidValue, MissingFile, UserError
 
-class BadFileError(Exception):
+
+class BadFileError(UserError):
     def __init__(self, path: Union[str, Path], reason: str, rows_done: int = 0) -> None:
         super().__init__(f"{path}: {reason}")
         self.path = str(path)
@@ -33,10 +35,10 @@ def find_files(input_dir: Union[str, Path], suffix: str) -> List[Path]:
     """All files under `input_dir` (recursively) whose name ends with `suffix`, sorted."""
     input_dir = Path(input_dir)
     if not input_dir.is_dir():
-        raise FileNotFoundError(f"Input directory {str(input_dir)!r} does not exist")
+        raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
     files = sorted(p for p in input_dir.rglob(f"*{suffix}") if p.is_file())
     if not files:
-        raise FileNotFoundError(f"No *{suffix} files found under {input_dir} (searched recursively)")
+        raise MissingFile(f"No *{suffix} files found under {input_dir} (searched recursively)")
     return files
 
 
@@ -187,9 +189,9 @@ def find_text_files(input_dir: Union[str, Path], pattern: str = "**/*") -> Tuple
     TEXT_SUFFIXES, sorted; and the matched files of other suffixes, which are not read."""
     input_dir = Path(input_dir)
     if not input_dir.is_dir():
-        raise FileNotFoundError(f"Input directory {str(input_dir)!r} does not exist")
+        raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
     if not pattern or Path(pattern).is_absolute():
-        raise ValueError(f"--pattern {pattern!r}: expected a glob relative to --input_dir, e.g. '**/*.parquet'")
+        raise InvalidValue(f"--pattern {pattern!r}: expected a glob relative to --input_dir, e.g. '**/*.parquet'")
     matched = sorted(p for p in input_dir.glob(pattern) if p.is_file())
     files = [p for p in matched if p.name.endswith(TEXT_SUFFIXES)]
     others = [p for p in matched if not p.name.endswith(TEXT_SUFFIXES)]
@@ -198,7 +200,7 @@ def find_text_files(input_dir: Union[str, Path], pattern: str = "**/*") -> Tuple
             f"it holds {len(others)} other file(s), e.g. {', '.join(str(p.relative_to(input_dir)) for p in others[:3])}"
             if others else "no file matches it"
         )
-        raise FileNotFoundError(
+        raise MissingFile(
             f"No input files under {input_dir} with --pattern {pattern!r}: expected files ending in "
             f"{', '.join(TEXT_SUFFIXES)}; {found}"
         )

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from fabric_lin.data.slimpajama_starcoder import SlimPajamaStarcoder
+from fabric_lin.errors import MissingFile
 
 CORPUS_VERSION = 2
 VOCAB_SIZE = 4096
@@ -42,7 +43,7 @@ def stdlib_modules() -> List[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in stdlib.glob("*.py") if p.is_file())
     if not files:
-        raise FileNotFoundError(f"No .py files found in the standard library directory {stdlib}")
+        raise MissingFile(f"No .py files found in the standard library directory {stdlib}")
     return files
 
 

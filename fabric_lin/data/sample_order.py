@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from fabric_lin.data.prepared import INDEX_FILE, block_too_long, chunk_tokens
+from fabric_lin.errors import InvalidValue
 
 # chunk files whose blocks are shuffled together: enough files to mix many documents' blocks in a batch,
 # few enough that the order of one window (its blocks' indices) stays small
@@ -154,10 +155,10 @@ class SampleStream(IterableDataset):
         from litdata.streaming import StreamingDataset, TokensLoader
 
         if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"data.seed must be a non-negative integer (it seeds the data order); got {seed!r}")
+            raise InvalidValue(f"data.seed must be a non-negative integer (it seeds the data order); got {seed!r}")
         weights = [1.0] * len(paths) if weights is None else [float(w) for w in weights]
         if len(weights) != len(paths) or not all(math.isfinite(w) and w > 0 for w in weights):
-            raise ValueError(f"one positive, finite weight per data directory ({len(paths)}) expected; got {weights}")
+            raise InvalidValue(f"one positive, finite weight per data directory ({len(paths)}) expected; got {weights}")
         self.paths = [Path(p) for p in paths]
         self.block_size, self.seed, self.weights, self.shuffle = block_size, seed, weights, shuffle
         self.orders = []
@@ -260,7 +261,7 @@ class TrainLoader(DataLoader):
 
     def load_state_dict(self, state: Dict) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(
+            raise InvalidValue(
                 "the checkpoint's data position is not a fabric-lin sample stream's; continue from its weights: "
                 "fabric-lin convert_pretrained_checkpoint <checkpoint> --output_dir <DIR>, then --initial_checkpoint_dir <DIR>"
             )
@@ -271,14 +272,14 @@ class TrainLoader(DataLoader):
             return
         if not self.new_order_allowed:
             changed = [f"{key} is {here[key]} here, {saved.get(key)} in the checkpoint" for key in here if saved.get(key) != here[key]]
-            raise ValueError(
+            raise InvalidValue(
                 f"the checkpoint's data position is a place in another sample order: {'; '.join(changed)} (blocks_per_source: "
                 f"the data directories' sizes in samples of block_size tokens; sources: their index.json). Resume with "
                 f"the data and data.seed, data.weights and train.max_seq_length of the checkpoint's hyperparameters.yaml, "
                 f"or go on in a new order with --resume_changes data (each source read on after the samples it gave)"
             )
         if saved["block_size"] != here["block_size"]:
-            raise ValueError(
+            raise InvalidValue(
                 f"the checkpoint's data position counts samples of {saved['block_size']} tokens, this run's are "
                 f"{here['block_size']} (train.max_seq_length + 1): a new order cannot tell which of them were read"
             )

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Tuple
 
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
+from fabric_lin.errors import InvalidValue
 
 
 @dataclass
@@ -29,7 +30,7 @@ class SlimPajamaStarcoder(DataModule):
     def check_weights(self) -> None:
         weights = list(self.weights) if isinstance(self.weights, (list, tuple)) else [self.weights]
         if len(weights) != 2 or not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
-            raise ValueError(
+            raise InvalidValue(
                 f"data.weights must be two positive numbers, the shares of SlimPajama and Starcoder "
                 f"(default [0.693584, 0.306416]); got {weights}. To train on SlimPajama alone set "
                 f"data.use_starcoder false"

@@ -4,6 +4,7 @@ from pathlib import Path
 from typing import List, Optional, Union
 
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
+from fabric_lin.errors import InvalidValue
 
 
 @dataclass
@@ -41,7 +42,7 @@ class TextFiles(DataModule):
         if len(weights) != len(self.train_dirs) or not all(
             isinstance(w, (int, float)) and 0 < w < float("inf") for w in weights
         ):
-            raise ValueError(
+            raise InvalidValue(
                 f"data.train_weights must be one positive number per data.train_dir ({len(self.train_dirs)}: "
                 f"{', '.join(map(str, self.train_dirs)) or 'none'}); got {weights}. Leave it out to mix by size"
             )
@@ -50,7 +51,7 @@ class TextFiles(DataModule):
         from fabric_lin.data.prepared import check_prepared_dir
 
         if not self.train_dirs:
-            raise ValueError(
+            raise InvalidValue(
                 "TextFiles needs data.train_dir: a directory written by `fabric-lin prepare_text` (its OUT/train), or a list of them"
             )
         self.check_weights()

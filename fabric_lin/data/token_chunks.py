@@ -4,6 +4,7 @@ from pathlib import Path
 from typing import Optional
 
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
+from fabric_lin.errors import InvalidValue
 
 
 @dataclass
@@ -23,7 +24,7 @@ class TokenChunks(DataModule):
         from fabric_lin.data.prepared import check_prepared_dir
 
         if self.data_path is None:
-            raise ValueError("TokenChunks needs data_path: a directory written by fabric-lin's preprocessors")
+            raise InvalidValue("TokenChunks needs data_path: a directory written by fabric-lin's preprocessors")
         check_prepared_dir(self.data_path, self.tokenizer, self.vocab_size)
         if self.val_path is not None:
             check_prepared_dir(self.val_path, self.tokenizer, self.vocab_size)

@@ -10,6 +10,8 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
+from fabric_lin.errors import InvalidValue, MissingFile
+
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json")
 
 
@@ -29,7 +31,7 @@ def copy_tokenizer_files(src_dir: Union[str, Path], dst_dir: Union[str, Path]) -
 
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
     if not (src_dir / "tokenizer.model").is_file():
-        raise FileNotFoundError(f"{src_dir / 'tokenizer.model'} does not exist: expected a SentencePiece tokenizer.model")
+        raise MissingFile(f"{src_dir / 'tokenizer.model'} does not exist: expected a SentencePiece tokenizer.model")
     dst_dir.mkdir(parents=True, exist_ok=True)
     copied = []
     for name in TOKENIZER_FILES:
@@ -51,7 +53,7 @@ class Tokenizer:
 
         checkpoint_dir = Path(checkpoint_dir)
         if not checkpoint_dir.is_dir():
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"Tokenizer directory {str(checkpoint_dir)!r} does not exist: expected a directory holding tokenizer.model"
             )
         self.checkpoint_dir = checkpoint_dir
@@ -59,7 +61,7 @@ class Tokenizer:
         if not self.model_path.is_file():
             present = sorted(p.name for p in checkpoint_dir.iterdir())
             shown = ", ".join(present[:10]) + (f", ... ({len(present) - 10} more)" if len(present) > 10 else "")
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"{self.model_path} does not exist: expected a SentencePiece tokenizer.model in {checkpoint_dir}"
                 f" (found: {shown or 'nothing'})"
             )
@@ -67,7 +69,7 @@ class Tokenizer:
         try:
             self.processor.Load(str(self.model_path))
         except (OSError, RuntimeError) as err:
-            raise ValueError(f"{self.model_path} is not a valid SentencePiece model: {err}") from err
+            raise InvalidValue(f"{self.model_path} is not a valid SentencePiece model: {err}") from err
 
         self.vocab_size = self.processor.GetPieceSize()
         self.bos_id = self.processor.bos_id()
@@ -77,14 +79,14 @@ class Tokenizer:
             try:
                 config = json.loads(config_path.read_text(encoding="utf-8"))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+                raise InvalidValue(f"{config_path} is not valid JSON: {err}") from err
             for key in ("bos_token", "eos_token"):
                 token = _token_content(config.get(key))
                 if token is None:
                     continue
                 token_id = self.processor.PieceToId(token)
                 if token_id == self.processor.unk_id() and token != self.processor.IdToPiece(token_id):
-                    raise ValueError(f"{config_path}: {key}={token!r} is not a piece of {self.model_path}")
+                    raise InvalidValue(f"{config_path}: {key}={token!r} is not a piece of {self.model_path}")
                 setattr(self, key.replace("_token", "_id"), token_id)
         for name in ("bos_id", "eos_id"):
             if getattr(self, name) < 0:
@@ -100,11 +102,11 @@ class Tokenizer:
     def _special(self, ids: List[int], bos: bool, eos: bool) -> List[int]:
         if bos:
             if self.bos_id is None:
-                raise ValueError(f"{self.model_path} defines no BOS token; call encode with bos=False")
+                raise InvalidValue(f"{self.model_path} defines no BOS token; call encode with bos=False")
             ids.insert(0, self.bos_id)
         if eos:
             if self.eos_id is None:
-                raise ValueError(f"{self.model_path} defines no EOS token; call encode with eos=False")
+                raise InvalidValue(f"{self.model_path} defines no EOS token; call encode with eos=False")
             ids.append(self.eos_id)
         return ids
 

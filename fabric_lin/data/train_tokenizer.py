@@ -10,8 +10,14 @@ import sys
 from pathlib import Path
 from typing import Iterator, List, Optional
 
+from fabric_lin.data.raw_files import (
+    BadFileError,
+    iter_parquet_texts,
+    iter_text_file_lines,
+    read_slimpajama_file,
+)
+from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import atomic_write
-from fabric_lin.data.raw_files import BadFileError, iter_parquet_texts, iter_text_file_lines, read_slimpajama_file
 
 SUFFIXES = (".jsonl.zst", ".parquet", ".txt")
 
@@ -19,10 +25,10 @@ SUFFIXES = (".jsonl.zst", ".parquet", ".txt")
 def find_training_files(input_dir: Path) -> List[Path]:
     input_dir = Path(input_dir)
     if not input_dir.is_dir():
-        raise FileNotFoundError(f"Input directory {str(input_dir)!r} does not exist")
+        raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
     files = sorted(p for p in input_dir.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES))
     if not files:
-        raise FileNotFoundError(f"No {', '.join('*' + s for s in SUFFIXES)} files found under {input_dir}")
+        raise MissingFile(f"No {', '.join('*' + s for s in SUFFIXES)} files found under {input_dir}")
     return files
 
 
@@ -80,7 +86,7 @@ def main(
     import sentencepiece as spm
 
     if input_dir is None or output_dir is None:
-        raise ValueError("--input_dir and --output_dir are required")
+        raise InvalidValue("--input_dir and --output_dir are required")
     files = find_training_files(input_dir)
     if max_files is not None and len(files) > max_files:
         step = len(files) / max_files
@@ -101,7 +107,7 @@ def main(
     read = len(files) - len(skipped)
     unreadable = f" ({len(skipped)} of them unreadable, skipped: see the SKIPPED lines above)" if skipped else ""
     if not sample:
-        raise ValueError(f"No text found in the {len(files)} input file(s) under {input_dir}{unreadable}")
+        raise InvalidValue(f"No text found in the {len(files)} input file(s) under {input_dir}{unreadable}")
     print(f"Training a {vocab_size}-piece BPE tokenizer on {len(sample)} of {seen} lines from {read} file(s)"
           + (f"; {len(skipped)} unreadable file(s) skipped" if skipped else ""), flush=True)
 

@@ -24,9 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.common.chunk_index import chunk_start, dot_precision, load_gate, load_gate_row, load_tile, seq_start
-from fabric_lin.ops.common.cumsum import gate_cumsum
 from fabric_lin.ops import launch as launch_helpers
+from fabric_lin.ops.common.chunk_index import (
+    chunk_start,
+    dot_precision,
+    load_gate,
+    load_gate_row,
+    load_tile,
+    seq_start,
+)
+from fabric_lin.ops.common.cumsum import gate_cumsum
 from fabric_lin.ops.launch import KernelLaunch, cdiv, tile_width
 
 KD_FORM, KD_WRITE, KD_READ = 0, 1, 2

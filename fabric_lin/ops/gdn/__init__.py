@@ -122,7 +122,9 @@ def fused_recurrent_gated_delta_rule_step(
     Returns o [B, H, V] in q's dtype and the new fp32 state; "triton": one launch (fused_recurrent.py)."""
     if resolve_backend(backend, q.device) == "torch":
         return recurrent_gated_delta_rule_step(q, k, v, g, beta, state, scale, use_qk_l2norm)
-    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
+    from fabric_lin.ops.gdn.fused_recurrent import (
+        fused_recurrent_gated_delta_rule_step_triton,
+    )
 
     return fused_recurrent_gated_delta_rule_step_triton(q, k, v, g, beta, state, scale, use_qk_l2norm)
 

@@ -16,9 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.common.chunk_index import chunk_grid, chunk_layout, chunk_start, dot_precision, load_raw, seq_start
-from fabric_lin.ops.common.state_pass import state_dtype
 from fabric_lin.ops import launch as launch_helpers
+from fabric_lin.ops.common.chunk_index import (
+    chunk_grid,
+    chunk_layout,
+    chunk_start,
+    dot_precision,
+    load_raw,
+    seq_start,
+)
+from fabric_lin.ops.common.state_pass import state_dtype
 from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
 from fabric_lin.ops.gdn.wy import BC, BT, _solve_kernel, _wu_kernel, load_cum_gate
 from fabric_lin.ops.launch import cdiv, next_power_of_2, tile_width

@@ -13,7 +13,13 @@ H200's 132 multiprocessors, one each), `state_pass_launch` takes `narrow_state` 
 """
 from dataclasses import dataclass
 
-from fabric_lin.ops.launch import KernelLaunch, cdiv, launch_from_dict, launch_to_json, tile_width
+from fabric_lin.ops.launch import (
+    KernelLaunch,
+    cdiv,
+    launch_from_dict,
+    launch_to_json,
+    tile_width,
+)
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,14 @@ from fabric_lin.ops.common.state_pass import (
     takes_decayed_keys,
 )
 from fabric_lin.ops.gla.chunk_fwd import BT
-from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.ops.gla.gate import single_reference_limit
-from fabric_lin.ops.gla.scores import FINE_ROWS, block_level_factor, gate_spread, half_factor
+from fabric_lin.ops.gla.launch import GLALaunch
+from fabric_lin.ops.gla.scores import (
+    FINE_ROWS,
+    block_level_factor,
+    gate_spread,
+    half_factor,
+)
 from fabric_lin.ops.launch import cdiv, tile_width
 
 

@@ -13,11 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.common.chunk_index import chunk_grid, chunk_layout, chunk_start, dot_precision, load_gate, load_tile
+from fabric_lin.ops.common.chunk_index import (
+    chunk_grid,
+    chunk_layout,
+    chunk_start,
+    dot_precision,
+    load_gate,
+    load_tile,
+)
 from fabric_lin.ops.common.cumsum import gate_cumsum
 from fabric_lin.ops.common.state_pass import states
-from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.ops.gla.gate import single_reference_limit
+from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.ops.gla.scores import gate_spread, level_scores, single_reference_scores
 from fabric_lin.ops.launch import next_power_of_2
 

@@ -1,0 +1,26 @@
+"""The one kind of error that means "the user gave something wrong": a value, a key, a file, a missing package.
+
+Raised where the mistake is found, with a message that names what was given and what was expected (and the
+fix, where there is one). `fabric_lin.cli` prints such an error as one line with exit code 2; any other
+error is a bug and keeps its traceback. The subclasses are also the built-in error a Python caller would
+catch for the same mistake (`except ValueError`, `except FileNotFoundError`, ...)."""
+
+
+class UserError(Exception):
+    """Something given to fabric-lin is wrong: the message says what, and what was expected."""
+
+
+class InvalidValue(UserError, ValueError):
+    """A value (an argument, a setting, a file's content) that cannot be used."""
+
+
+class MissingFile(UserError, FileNotFoundError):
+    """A file or directory that should be there is not."""
+
+
+class AlreadyExists(UserError, FileExistsError):
+    """An output that is already there and would be overwritten or mixed with."""
+
+
+class MissingPackage(UserError, ImportError):
+    """An optional package that this use needs is not installed."""
