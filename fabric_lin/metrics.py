@@ -137,6 +137,8 @@ class MetricsWriter:
         self.startup_phase("loop started")
         self.max_steps = max_steps
         self.start_step = self.window_step = step
+        self.paused_s = 0.0  # in validation and saving, since the loop started
+        self.steady_start = None  # (the time, paused_s) at the end of the first step
         self.run_start = self.window_start = time.perf_counter()
 
     @contextmanager
@@ -147,6 +149,7 @@ class MetricsWriter:
             yield
         finally:
             self.window_start += time.perf_counter() - paused
+            self.paused_s += time.perf_counter() - paused
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.run_start
@@ -178,6 +181,7 @@ class MetricsWriter:
         if self.fabric.device.type == "cuda":
             torch.cuda.synchronize(self.fabric.device)  # the step done, not only queued
         seconds = time.time() - PROCESS_START
+        self.steady_start = (time.perf_counter(), self.paused_s)
         self.graphs_at_first_step = compiled_graphs()
         self.fabric.print(
             f"Time to first optimizer step: {seconds:.1f}s (from process start; "
@@ -221,15 +225,21 @@ class MetricsWriter:
         self.write({"step": step, "val_loss": val_loss, "val_ppl": val_ppl})
 
     def log_summary(self, step_count: int, tokens: int, elapsed: float) -> None:
+        """The end of the run: its tokens and time, and its speed in steady state: from the end of the first step
+        on (compilation and warm-up left out), without validation and saving."""
         trained_tokens = (step_count - self.start_step) * self.tokens_per_step
-        summary = (
-            f"Training finished: {tokens:,} tokens in total "
-            f"({trained_tokens:,} in this run) | elapsed {format_seconds(elapsed)} | "
-            f"{trained_tokens / max(elapsed, 1e-9):,.0f} tokens/s"
-        )
+        summary = f"Training finished: {tokens:,} tokens in total ({trained_tokens:,} in this run) | elapsed {format_seconds(elapsed)}"
+        steady_steps = step_count - self.start_step - 1
+        if self.steady_start is not None and steady_steps > 0:
+            start, paused_before = self.steady_start
+            seconds = time.perf_counter() - start - (self.paused_s - paused_before)
+            summary += (f" | {steady_steps * self.tokens_per_step / max(seconds, 1e-9):,.0f} tokens/s after the first step "
+                        "(compilation and warm-up left out, as are validation and saving)")
         if self.fabric.device.type == "cuda":
             summary += f" | peak memory {torch.cuda.max_memory_allocated(self.fabric.device) / 1e9:.2f} GB"
         self.fabric.print(summary)
+        self.write({"step": step_count, "tokens_per_sec_after_first_step": (
+            steady_steps * self.tokens_per_step / max(seconds, 1e-9) if self.steady_start is not None and steady_steps > 0 else None)})
 
     def close(self, status: str) -> None:
         # Fabric's CSV logger writes its file only every 100 logged steps, and at finalize
