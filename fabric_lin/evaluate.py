@@ -130,6 +130,9 @@ def main(
     if task_names and checkpoint.tokenizer is None:
         raise ValueError(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text")
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)
+    if evaluate_data:  # the data's errors (no validation split, blocks too long) before the model is set up
+        data.prepare_data()
+        validation_loader(data, checkpoint, batch_size, max(seq_lens))
 
     fabric = L.Fabric(accelerator="cuda" if cuda else "cpu", devices=[torch_device.index or 0] if cuda else 1,
                       precision=precision)
@@ -150,7 +153,6 @@ def main(
         if evaluate_data:
             results["data"] = to_plain(data)
             results["lengths"] = []
-            data.prepare_data()
             for length in seq_lens:
                 loader = validation_loader(data, checkpoint, batch_size, length)
                 result = evaluate_length(fabric, model, loader, length, max_batches, bucket_size)
