@@ -231,7 +231,7 @@ def validation_loader(data: DataModule, checkpoint: "Checkpoint", batch_size: in
     try:
         loader = data.val_dataloader()
     except ValueError as e:  # e.g. blocks longer than the data's chunk files
-        raise ValueError(f"--seq_len {seq_len}: {e}") from None
+        raise ValueError(f"reading the validation data with --seq_len {seq_len}: {e}") from None
     if loader is None:
         raise ValueError(
             f"{type(data).__name__} gives no validation data, which evaluate reads: give a data module with a validation "
@@ -264,8 +264,6 @@ def evaluate_length(fabric, model, loader, seq_len: int, max_batches: Optional[i
                     total=expected_batches * loader.batch_size * seq_len if expected_batches else None)
     start = time.perf_counter()
     for batch in loader:
-        if max_batches is not None and batches >= max_batches:
-            break
         batch = batch.to(fabric.device).long()
         if batch.shape[1] != seq_len + 1:
             raise RuntimeError(f"the validation loader gave blocks of {batch.shape[1]} tokens, expected seq_len + 1 = {seq_len + 1}")
@@ -276,6 +274,8 @@ def evaluate_length(fabric, model, loader, seq_len: int, max_batches: Optional[i
         rows += batch.shape[0]
         batches += 1
         progress.update(batch.shape[0] * seq_len)
+        if batches == max_batches:
+            break
     sums = sums.cpu()  # waits for the device: the time below is the computation's
     elapsed = time.perf_counter() - start
     progress.close()
@@ -288,7 +288,7 @@ def evaluate_length(fabric, model, loader, seq_len: int, max_batches: Optional[i
     loss = float(sums.sum() / tokens)
     starts = list(range(0, seq_len, bucket_size))
     ends = [min(s + bucket_size, seq_len) for s in starts]
-    result = {
+    return {
         "seq_len": seq_len,
         "batches": batches,
         "batch_size": loader.batch_size,
@@ -308,7 +308,6 @@ def evaluate_length(fabric, model, loader, seq_len: int, max_batches: Optional[i
             "tokens": [rows * (e - s) for s, e in zip(starts, ends)],
         },
     }
-    return result
 
 
 def token_losses(model, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
