@@ -296,6 +296,38 @@ def test_errors_are_one_line(run, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "model" / "evaluate").exists()  # failed runs leave no output directory
 
 
+def test_task_names_are_checked_before_the_model_is_loaded(tmp_path, capsys, monkeypatch):
+    """Against a stand-in for the harness's TaskManager (its index of task names): an unknown name is one line with
+    the close ones; names all in --task_dir (or YAML files) leave the built-in tasks unindexed."""
+    import types
+
+    from fabric_lin.evaluate import find_tasks
+
+    built = []
+
+    class TaskManager:
+        def __init__(self, include_path=None, include_defaults=True):
+            built.append(include_defaults)
+            self.all_tasks = (["arc_easy", "hellaswag", "hellaswag_de"] if include_defaults else []) + (
+                [p.stem for p in Path(include_path).glob("*.yaml")] if include_path else [])
+
+    harness = types.ModuleType("lm_eval")
+    harness.tasks = types.ModuleType("lm_eval.tasks")
+    harness.tasks.TaskManager = TaskManager
+    monkeypatch.setitem(sys.modules, "lm_eval", harness)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "mine.yaml").write_text("task: mine\n")
+    err = cli_error(["evaluate", str(tmp_path / "no checkpoint"), "--tasks", "hellaswagg,arc_easy"], capsys)
+    assert err == ("fabric-lin evaluate: error: --tasks: lm-evaluation-harness has no task, group or tag named 'hellaswagg' "
+                   "(did you mean hellaswag, hellaswag_de?); `lm-eval ls tasks` lists them; a task of your own: the path "
+                   "of its YAML file, or --task_dir DIR\n")
+    built.clear()
+    assert find_tasks(["mine"], tmp_path / "tasks").all_tasks == ["mine"] and built == [False]
+    assert find_tasks([str(tmp_path / "tasks" / "mine.yaml")], None).all_tasks == [] and built == [False, False]
+    assert find_tasks(["mine", "hellaswag"], tmp_path / "tasks").all_tasks[-1] == "mine" and built[-1] is True
+
+
 # ---------------------------------------------------------------- lm-evaluation-harness itself (optional extra)
 
 
