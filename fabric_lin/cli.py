@@ -25,6 +25,7 @@ FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, err
 COMMANDS: Dict[str, str] = {
     "pretrain": "fabric_lin.pretrain:setup",
     "generate": "fabric_lin.generate:main",
+    "evaluate": "fabric_lin.evaluate:main",
     "train_tokenizer": "fabric_lin.data.train_tokenizer:main",
     "prepare_slimpajama": "data_prep.prepare_slimpajama:prepare",
     "prepare_starcoder": "data_prep.prepare_starcoder:prepare",

@@ -19,7 +19,9 @@ logit normalizer at 16; other values are refused.
 """
 import json
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
+
+import torch
 
 from fabric_lin.config import Config
 from fabric_lin.convert.model_dir import (
@@ -115,6 +117,19 @@ def convert_from_hf(
         raise InvalidValue("convert_from_hf: --output_dir is required")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
+    config, state_dict = read_fla_checkpoint(checkpoint_dir, name)
+    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
+    state_dict = cast_floating(state_dict, torch_dtype)
+    with created_dir(output_dir):
+        tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir)
+    print(f"Converted {checkpoint_dir} ({len(state_dict)} tensors) -> {output_dir}; tokenizer files {tokenizer_files}")
+
+
+def read_fla_checkpoint(checkpoint_dir: Path, name: Optional[str] = None) -> Tuple[Config, Dict[str, torch.Tensor]]:
+    """Our Config and state dict of a flash-linear-attention checkpoint directory (config.json and safetensors),
+    the tensors checked against the config. `name`: the model's name (default: the one recorded at export, else
+    the directory name)."""
+    checkpoint_dir = Path(checkpoint_dir)
     config_path = checkpoint_dir / HF_CONFIG_FILE
     if not config_path.is_file():
         raise MissingFile(f"{config_path} does not exist: expected a Hugging Face checkpoint directory with config.json")
@@ -129,11 +144,7 @@ def convert_from_hf(
         hf_state.pop("lm_head.weight", None)  # tied: the same tensor as the embeddings
     state_dict = {from_hf_name(name): tensor for name, tensor in hf_state.items()}
     check_state_dict(state_dict, config, source=str(checkpoint_dir))
-    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
-    state_dict = cast_floating(state_dict, torch_dtype)
-    with created_dir(output_dir):
-        tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir)
-    print(f"Converted {checkpoint_dir} ({len(state_dict)} tensors) -> {output_dir}; tokenizer files {tokenizer_files}")
+    return config, state_dict
 
 
 def to_hf_name(name: str) -> str:

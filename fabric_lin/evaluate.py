@@ -1,0 +1,680 @@
+"""`fabric-lin evaluate`: a model's loss and perplexity on held-out data, its loss by position in the sequence
+(at the training length and past it), and lm-evaluation-harness tasks, from any checkpoint.
+
+Reads top to bottom: `main()` (the command line: load the checkpoint, the data, each sequence length, the
+tasks, then the results file and the plot) -> `evaluate_length()` (one sequence length: the loss of every
+token of the validation batches, summed per position) -> `HarnessScorer` (what lm-evaluation-harness asks of a
+model, answered by the model in memory) -> the pieces they use: reading the three kinds of checkpoint, the
+run's data module, the plot.
+
+The validation batches are read as `pretrain` reads them (the data module's validation loader, in its fixed
+order, batches of the run's micro batch size), and the loss of a batch is the model's mean cross-entropy, so
+`--max_batches N` on a one-device run's checkpoint gives the val_loss that `pretrain` logged after reading N
+batches with the same weights.
+"""
+import difflib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from fabric_lin.checkpoint import (
+    HPARAMS_FILE,
+    MANIFEST_FILE,
+    STEP_FILE,
+    checkpoint_dirs,
+    find_training_checkpoint,
+    load_model_weights,
+    to_plain,
+    verify_checkpoint,
+)
+from fabric_lin.config import CONFIG_FILE, Config
+from fabric_lin.data import DataModule
+from fabric_lin.errors import InvalidValue, MissingFile, MissingPackage, UserError
+from fabric_lin.files import atomic_write, created_dir
+from fabric_lin.weights import MODEL_FILE, canonical_state_dict
+
+RESULTS_FILE = "evaluate.json"
+PLOT_FILE = "loss_by_position.png"
+BUCKETS_PER_TRAINING_LENGTH = 16  # the default bucket: 1/16 of the training length
+LOGIT_ROWS = 4096  # logits computed this many tokens at a time: [rows, vocab] in fp32 at most, never [B, T, vocab]
+
+# `--data TextFiles` on the command line: jsonargparse enables subclasses of dataclasses only when told
+try:
+    from jsonargparse import set_parsing_settings
+
+    set_parsing_settings(subclasses_enabled=[DataModule])
+except ImportError:
+    pass
+
+
+def main(
+    checkpoint_dir: Path,
+    data: Optional[DataModule] = None,
+    seq_len: Union[int, List[int], None] = None,
+    max_batches: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    bucket_size: Optional[int] = None,
+    tasks: Union[str, List[str], None] = None,
+    task_dir: Optional[Path] = None,
+    num_fewshot: Optional[int] = None,
+    limit: Optional[float] = None,
+    out_dir: Optional[Path] = None,
+    precision: Optional[Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]] = None,
+    device: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Evaluate a model: loss, perplexity and loss by position on validation data; lm-evaluation-harness tasks.
+
+    Args:
+        checkpoint_dir: A training checkpoint (out_dir/step-XXXXXXXX or out_dir/final, sharded or not), a model
+            directory (convert_pretrained_checkpoint's output) or an fla-format export (convert_to_hf's output).
+        data: The data module whose validation split is read. Default: the run's own, from the checkpoint's
+            hyperparameters.yaml (a model directory or an export has none: give --data, or only --tasks).
+        seq_len: One sequence length or a list of them, e.g. [2048, 4096, 8192]: the data is read in blocks of
+            each length. Default: the training length (hyperparameters.yaml's train.max_seq_length, else the
+            model config's max_seq_length).
+        max_batches: Read at most this many batches per length (default: the whole validation split). The
+            run's eval.max_iters gives the batches its validation read. 0: no data evaluation (tasks only).
+        batch_size: Sequences per batch. Default: the run's train.micro_batch_size (the same batches as its
+            validation), else 1. Also the batch size of the harness's requests.
+        bucket_size: Positions per bucket of the loss by position. Default: 1/16 of the training length.
+        tasks: lm-evaluation-harness tasks, groups or tags ("hellaswag,arc_easy" or a list), or YAML files of
+            tasks of your own. Needs `pip install -e '.[eval]'`.
+        task_dir: A directory of task YAML files of your own (lm-evaluation-harness's include_path).
+        num_fewshot: Few-shot examples per task (default: each task's own, else 0).
+        limit: Examples per task: a count, or a fraction below 1 (for a quick look; not a full result).
+        out_dir: Where evaluate.json and loss_by_position.png go. Default: a training checkpoint's
+            <run out_dir>/evaluate/<checkpoint name>/, else <checkpoint_dir>/evaluate/.
+        precision: 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true. Default: bf16-mixed on a GPU (what
+            pretrain validates with), 32-true on the CPU.
+        device: "cpu", "cuda", "cuda:1", ... Default: cuda if there is a GPU. The fused kernels run on a GPU,
+            their PyTorch references on the CPU.
+    """
+    import lightning as L
+
+    from fabric_lin.generate import resolve_device
+
+    checkpoint_dir = Path(checkpoint_dir)
+    seq_lens = check_arguments(seq_len, max_batches, batch_size, bucket_size, num_fewshot, limit)
+    task_names = task_list(tasks)
+    torch_device = resolve_device(device)
+    cuda = torch_device.type == "cuda"
+    precision = precision or ("bf16-mixed" if cuda else "32-true")
+    task_manager = find_tasks(task_names, task_dir) if task_names else None  # before the minutes of loading a model
+
+    checkpoint = load_checkpoint(checkpoint_dir)
+    hparams = checkpoint.hparams or {}
+    train_hparams = hparams.get("train") if isinstance(hparams.get("train"), dict) else {}
+    train_seq_len = train_hparams.get("max_seq_length") or checkpoint.config.max_seq_length
+    batch_size = batch_size or train_hparams.get("micro_batch_size") or 1
+    seq_lens = seq_lens or [train_seq_len]
+    bucket_size = bucket_size or max(1, train_seq_len // BUCKETS_PER_TRAINING_LENGTH)
+    if data is None and max_batches != 0 and checkpoint.hparams is not None:
+        data = run_data_module(checkpoint.hparams, checkpoint_dir / HPARAMS_FILE)
+    evaluate_data = data is not None and max_batches != 0
+    if evaluate_data:
+        data.validate()
+    if not evaluate_data and not task_names:
+        if max_batches == 0:
+            raise InvalidValue("--max_batches 0 leaves nothing to evaluate: give --tasks, or more batches")
+        raise InvalidValue(
+            f"{checkpoint_dir} is a {checkpoint.kind}, which names no validation data (a training checkpoint's "
+            f"{HPARAMS_FILE} does): give --data (e.g. --data TextFiles --data.train_dir DIR --data.val_dir DIR) or --tasks"
+        )
+    if task_names and checkpoint.tokenizer is None:
+        raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text")
+    out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)
+    if evaluate_data:  # the data's errors (no validation split, blocks too long) before the model is set up
+        data.prepare_data()
+        validation_loader(data, checkpoint, batch_size, max(seq_lens))
+
+    fabric = L.Fabric(accelerator="cuda" if cuda else "cpu", devices=[torch_device.index or 0] if cuda else 1,
+                      precision=precision)
+    model = build_model(fabric, checkpoint)
+    results: Dict[str, Any] = {
+        "checkpoint": str(checkpoint_dir.absolute()),
+        "kind": checkpoint.kind,
+        "model": checkpoint.config.name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "step": checkpoint.step,
+        "precision": precision,
+        "device": str(fabric.device),
+        "train_seq_len": train_seq_len,
+    }
+    print(f"{checkpoint.kind} {checkpoint_dir}: {checkpoint.config.name or 'model'}, {results['parameters']:,} parameters, "
+          f"{precision} on {fabric.device}" + ("" if cuda else " (the PyTorch path)"), flush=True)
+    with created_dir(out_dir):
+        if evaluate_data:
+            results["data"] = to_plain(data)
+            results["lengths"] = []
+            for length in seq_lens:
+                loader = validation_loader(data, checkpoint, batch_size, length)
+                result = evaluate_length(fabric, model, loader, length, max_batches, bucket_size)
+                results["lengths"].append(result)
+                print(f"seq_len {length}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
+                      f"{result['tokens']:,} tokens in {result['batches']} batches of {batch_size} | "
+                      f"{result['tokens_per_sec']:,.0f} tokens/s", flush=True)
+        if task_names:
+            scorer = HarnessScorer(fabric, model, checkpoint.tokenizer, batch_size, block_size=train_seq_len)
+            results["tasks"] = run_tasks(scorer, task_names, task_manager, num_fewshot, limit)
+        results_path = out_dir / RESULTS_FILE
+        (out_dir / PLOT_FILE).unlink(missing_ok=True)  # an earlier evaluation's, which these results may not match
+        atomic_write(results_path, lambda p: Path(p).write_text(json.dumps(results, indent=1, default=plain_value) + "\n"))
+        print(f"Results: {results_path}")
+        if evaluate_data:
+            if plot_loss_by_position(results, out_dir / PLOT_FILE):
+                print(f"Loss by position: {out_dir / PLOT_FILE}")
+            else:
+                print(f"Loss by position: in {results_path} (lengths[].by_position); for the plot, pip install matplotlib "
+                      f"(or pip install -e '.[eval]')")
+    return results
+
+
+def check_arguments(seq_len, max_batches, batch_size, bucket_size, num_fewshot, limit) -> List[int]:
+    """The sequence lengths as a list, each value checked before any work (each wrong one named)."""
+    lengths = [] if seq_len is None else [seq_len] if isinstance(seq_len, int) else list(seq_len)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths):
+        raise InvalidValue(f"--seq_len must be a positive number of tokens or a list of them, e.g. [2048, 4096]; got {seq_len!r}")
+    if max_batches is not None and max_batches < 0:
+        raise InvalidValue(f"--max_batches must be 0 (no data evaluation) or a positive number of batches, got {max_batches}")
+    for name, value in (("batch_size", batch_size), ("bucket_size", bucket_size)):
+        if value is not None and value < 1:
+            raise InvalidValue(f"--{name} must be at least 1, got {value}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise InvalidValue(f"--num_fewshot must be 0 or more examples, got {num_fewshot}")
+    if limit is not None and not limit > 0:
+        raise InvalidValue(f"--limit must be a positive count of examples per task, or a fraction below 1; got {limit}")
+    return list(dict.fromkeys(lengths))
+
+
+def task_list(tasks: Union[str, List[str], None]) -> List[str]:
+    """--tasks as a list of names: "a,b" (lm-evaluation-harness's own form), a list, or None."""
+    if tasks is None:
+        return []
+    items = tasks.split(",") if isinstance(tasks, str) else [t for item in tasks for t in str(item).split(",")]
+    return [t.strip() for t in items if t.strip()]
+
+
+def default_out_dir(checkpoint_dir: Path, kind: str) -> Path:
+    """Beside a training checkpoint, never inside it: its files are the ones its manifest lists."""
+    if kind == TRAINING_CHECKPOINT:
+        return checkpoint_dir.parent / "evaluate" / checkpoint_dir.name
+    return checkpoint_dir / "evaluate"
+
+
+def build_model(fabric, checkpoint: "Checkpoint"):
+    """The model in eval mode, set up by Fabric on its device and precision: the fused kernels on CUDA, their
+    PyTorch references elsewhere. The weights are taken as fp32 and Fabric casts them for a -true precision."""
+    from fabric_lin.convert.model_dir import cast_floating
+    from fabric_lin.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(checkpoint.config, fused=fabric.device.type == "cuda")
+    model.load_state_dict(cast_floating(checkpoint.state_dict, torch.float32), assign=True)
+    return fabric.setup_module(model.eval())
+
+
+# ---------------------------------------------------------------- the data: loss and loss by position
+
+
+def validation_loader(data: DataModule, checkpoint: "Checkpoint", batch_size: int, seq_len: int):
+    """The data module's validation loader, its blocks `seq_len` + 1 tokens long."""
+    data.connect(tokenizer=checkpoint.tokenizer, batch_size=batch_size, max_seq_length=seq_len,
+                 vocab_size=checkpoint.config.vocab_size)
+    data.setup()
+    try:
+        loader = data.val_dataloader()
+    except ValueError as e:  # e.g. blocks longer than the data's chunk files
+        raise InvalidValue(f"reading the validation data with --seq_len {seq_len}: {e}") from None
+    if loader is None:
+        raise InvalidValue(
+            f"{type(data).__name__} gives no validation data, which evaluate reads: give a data module with a validation "
+            "split (TextFiles --data.val_dir DIR, TokenChunks --data.val_path DIR, SlimPajamaStarcoder --data.validation true)"
+        )
+    return loader
+
+
+@torch.no_grad()
+def evaluate_length(fabric, model, loader, seq_len: int, max_batches: Optional[int], bucket_size: int) -> Dict[str, Any]:
+    """The loss of every token of the loader's batches ([B, seq_len + 1] blocks: inputs and shifted targets),
+    in the loader's order, up to `max_batches` batches: summed per position (fp64), then the mean over all
+    tokens (loss, perplexity) and over each bucket of `bucket_size` positions."""
+    from tqdm import tqdm
+
+    from fabric_lin.batches import batch_fingerprint
+
+    sums = torch.zeros(seq_len, dtype=torch.float64, device=fabric.device)
+    fingerprint = torch.zeros((), dtype=torch.int64, device=fabric.device)
+    rows = batches = 0
+    if fabric.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(fabric.device)
+    try:
+        expected_batches = len(loader)
+    except TypeError:  # a loader that cannot tell
+        expected_batches = max_batches
+    if max_batches is not None and expected_batches is not None:
+        expected_batches = min(expected_batches, max_batches)
+    progress = tqdm(desc=f"seq_len {seq_len}", unit="tok", unit_scale=True, dynamic_ncols=True,
+                    total=expected_batches * loader.batch_size * seq_len if expected_batches else None)
+    start = time.perf_counter()
+    for batch in loader:
+        batch = batch.to(fabric.device).long()
+        if batch.shape[1] != seq_len + 1:
+            raise UserError(f"the validation loader gave blocks of {batch.shape[1]} tokens, expected seq_len + 1 = {seq_len + 1}")
+        with fabric.autocast():
+            losses = token_losses(model, batch[:, :-1], batch[:, 1:])
+        sums += losses.sum(0, dtype=torch.float64)
+        fingerprint += batch_fingerprint(batch)
+        rows += batch.shape[0]
+        batches += 1
+        progress.update(batch.shape[0] * seq_len)
+        if batches == max_batches:
+            break
+    sums = sums.cpu()  # waits for the device: the time below is the computation's
+    elapsed = time.perf_counter() - start
+    progress.close()
+    if batches == 0:
+        raise InvalidValue(
+            f"seq_len {seq_len}: the validation data gives no full batch of {loader.batch_size} blocks of {seq_len + 1} "
+            "tokens; lower --batch_size or --seq_len"
+        )
+    tokens = rows * seq_len
+    loss = float(sums.sum() / tokens)
+    starts = list(range(0, seq_len, bucket_size))
+    ends = [min(s + bucket_size, seq_len) for s in starts]
+    return {
+        "seq_len": seq_len,
+        "batches": batches,
+        "batch_size": loader.batch_size,
+        "tokens": tokens,
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 100.0)),
+        "tokens_per_sec": tokens / max(elapsed, 1e-9),
+        "seconds": elapsed,
+        "max_memory_gb": torch.cuda.max_memory_allocated(fabric.device) / 1e9 if fabric.device.type == "cuda" else None,
+        # the sum of the blocks' checksums (fabric_lin.batches): two evaluations with equal values read the same tokens
+        "data_fingerprint": int(fingerprint),
+        "by_position": {
+            "bucket_size": bucket_size,
+            "start": starts,
+            "end": ends,
+            "loss": [float(sums[s:e].sum() / (rows * (e - s))) for s, e in zip(starts, ends)],
+            "tokens": [rows * (e - s) for s, e in zip(starts, ends)],
+        },
+    }
+
+
+def token_losses(model, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of each target token [B, T] (fp32): the model's final hidden states, then the logits of
+    LOGIT_ROWS tokens at a time, in the compute dtype, their log-softmax in fp32 (as the training loss)."""
+    hidden = model(input_ids, return_hidden=True).flatten(0, 1)
+    flat_targets = targets.flatten()
+    losses = torch.empty(flat_targets.shape, dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], LOGIT_ROWS):
+        rows = slice(start, start + LOGIT_ROWS)
+        logits = F.linear(hidden[rows], model.output_weight).float()
+        losses[rows] = F.cross_entropy(logits, flat_targets[rows], reduction="none")
+    return losses.view_as(targets)
+
+
+# ---------------------------------------------------------------- lm-evaluation-harness
+
+
+class HarnessScorer:
+    """What lm-evaluation-harness asks of a model (`lm_eval.api.model.LM`), on the model in memory; the text in
+    and out of the harness's requests, the tokens in between through the checkpoint's tokenizer.
+
+    Every sequence starts with the end-of-text token: the training data is documents joined by it (no BOS), so a
+    text that starts a document follows one. The model has no context limit (a recurrent state, or rotary
+    positions), so nothing is truncated: a continuation is scored after its whole context, and a document's
+    rolling log-likelihood scores every token once, after every token before it, `block_size` tokens per forward
+    pass with the recurrent state (or key/value cache) carried from one block to the next."""
+
+    def __init__(self, fabric, model, tokenizer, batch_size: int = 1, block_size: int = 2048):
+        if tokenizer.eos_id is None:
+            raise InvalidValue(f"{tokenizer.model_path} defines no end-of-text token, which starts every request's tokens")
+        self.fabric, self.model, self.tokenizer = fabric, model, tokenizer
+        self.batch_size, self.block_size = batch_size, block_size
+
+    def encode(self, text: str) -> List[int]:
+        return self.tokenizer.encode(text).tolist()
+
+    def split(self, context: str, continuation: str) -> Tuple[List[int], List[int]]:
+        """The tokens of context and of continuation. Spaces at the end of the context belong to the continuation
+        (a SentencePiece word carries the space before it); the continuation is what the tokens of the whole text
+        hold after those of the context, so that it is tokenized as it would be in running text."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        context_ids = self.encode(context) if context else []
+        whole = self.encode(context + continuation)
+        return whole[: len(context_ids)], whole[len(context_ids):]
+
+    @torch.no_grad()
+    def loglikelihood(self, requests: Sequence[Tuple[str, str]]) -> List[Tuple[float, bool]]:
+        """(log-probability of the continuation given the context, whether greedy decoding gives it) per
+        (context, continuation). Batches of `batch_size` requests of similar length, padded at the end (the
+        model is causal: padding after a sequence does not change it)."""
+        from tqdm import tqdm
+
+        eos = self.tokenizer.eos_id
+        sequences = []  # (tokens, number of continuation tokens at their end)
+        for context, continuation in requests:
+            context_ids, continuation_ids = self.split(context, continuation)
+            sequences.append(([eos] + context_ids + continuation_ids, len(continuation_ids)))
+        answers: List[Tuple[float, bool]] = [(0.0, True)] * len(sequences)
+        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0]))
+        progress = tqdm(desc="loglikelihood", total=sum(len(s) for s, _ in sequences), unit="tok", unit_scale=True,
+                        dynamic_ncols=True)
+        for first in range(0, len(order), self.batch_size):
+            chosen = order[first : first + self.batch_size]
+            longest = len(sequences[chosen[0]][0])
+            ids = torch.full((len(chosen), longest), eos, dtype=torch.long)
+            rows, positions, targets = [], [], []
+            for row, i in enumerate(chosen):
+                tokens, n = sequences[i]
+                ids[row, : len(tokens)] = torch.tensor(tokens)
+                # the continuation's tokens are predicted at the positions before them
+                rows += [row] * n
+                positions += range(len(tokens) - n - 1, len(tokens) - 1)
+                targets += tokens[len(tokens) - n:]
+            ids = ids.to(self.fabric.device)
+            with self.fabric.autocast():
+                hidden = self.model(ids, return_hidden=True)
+                logprobs, greedy = self.target_logprobs(hidden[rows, positions],
+                                                        torch.tensor(targets, dtype=torch.long, device=ids.device))
+            logprobs, greedy = logprobs.tolist(), greedy.tolist()
+            taken = 0
+            for i in chosen:
+                n = sequences[i][1]
+                answers[i] = (float(sum(logprobs[taken : taken + n])), all(greedy[taken : taken + n]))
+                taken += n
+            progress.update(sum(len(sequences[i][0]) for i in chosen))
+        progress.close()
+        return answers
+
+    @torch.no_grad()
+    def loglikelihood_rolling(self, texts: Sequence[str]) -> List[float]:
+        """The log-probability of each whole text, every token scored once after all of the text before it."""
+        from tqdm import tqdm
+
+        eos = self.tokenizer.eos_id
+        documents = [[eos] + self.encode(text) for text in texts]
+        progress = tqdm(desc="loglikelihood_rolling", total=sum(len(d) - 1 for d in documents), unit="tok",
+                        unit_scale=True, dynamic_ncols=True)
+        answers = []
+        for tokens in documents:
+            ids = torch.tensor(tokens, device=self.fabric.device)
+            cache = self.model.new_cache()
+            total = 0.0
+            for start in range(0, len(tokens) - 1, self.block_size):
+                inputs = ids[start : start + self.block_size]
+                targets = ids[start + 1 : start + self.block_size + 1]
+                inputs = inputs[: len(targets)]
+                with self.fabric.autocast():
+                    hidden = self.model(inputs[None], cache=cache, return_hidden=True)[0]
+                    logprobs, _ = self.target_logprobs(hidden, targets)
+                total += float(logprobs.double().sum())
+                progress.update(len(targets))
+            answers.append(total)
+        progress.close()
+        return answers
+
+    def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """log p(target) (fp32) and whether the target is the most likely token, for hidden states [N, d]."""
+        logprobs, greedy = [], []
+        for start in range(0, hidden.shape[0], LOGIT_ROWS):
+            logits = F.linear(hidden[start : start + LOGIT_ROWS], self.model.output_weight).float()
+            part = targets[start : start + LOGIT_ROWS]
+            logprobs.append(torch.log_softmax(logits, dim=-1).gather(1, part[:, None])[:, 0])
+            greedy.append(logits.argmax(dim=-1) == part)
+        if not logprobs:
+            return hidden.new_zeros(0, dtype=torch.float32), torch.zeros(0, dtype=torch.bool, device=hidden.device)
+        return torch.cat(logprobs), torch.cat(greedy)
+
+    @torch.no_grad()
+    def generate_until(self, requests: Sequence[Tuple[str, dict]]) -> List[str]:
+        """The text generated after each context, up to the first of its `until` strings (left out), the
+        end-of-text token or `max_gen_toks` tokens (default 256); greedy unless do_sample with a temperature."""
+        from tqdm import tqdm
+
+        from fabric_lin.generate import GrowingText, stream_tokens
+
+        eos = self.tokenizer.eos_id
+        answers = []
+        generator = torch.Generator().manual_seed(1234)
+        for context, options in tqdm(requests, desc="generate_until", dynamic_ncols=True):
+            options = dict(options or {})
+            until = options.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new_tokens = int(options.get("max_gen_toks", 256))
+            temperature = float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0
+            context_ids = self.encode(context)
+            text = GrowingText(self.tokenizer, context_ids)
+            generated = ""
+            prompt = torch.tensor([eos] + context_ids, device=self.fabric.device)
+            with self.fabric.autocast():
+                for token in stream_tokens(self.model, prompt, max_new_tokens, temperature, options.get("top_k"), eos,
+                                           generator, vocab_size=self.tokenizer.vocab_size):
+                    if int(token) == eos:
+                        break
+                    generated += text.add(token)
+                    stops = [generated.find(s) for s in until if s and s in generated]
+                    if stops:
+                        generated = generated[: min(stops)]
+                        break
+            answers.append(generated)
+        return answers
+
+
+def harness_model(scorer: HarnessScorer):
+    """`scorer` as an `lm_eval.api.model.LM`, which the harness's `simple_evaluate` takes in place of a model name."""
+    from lm_eval.api.model import LM
+
+    class FabricLinLM(LM):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return scorer.loglikelihood([request.args for request in requests])
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return scorer.loglikelihood_rolling([request.args[0] for request in requests])
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return scorer.generate_until([request.args for request in requests])
+
+    return FabricLinLM()
+
+
+def find_tasks(names: List[str], task_dir: Optional[Path]):
+    """The harness's TaskManager that knows every name of `names` (a task, group or tag, or a task YAML file),
+    or an error naming those it does not know. The built-in tasks (thousands of YAML files, seconds to index)
+    are left out when `task_dir` and the YAML files given hold every task asked for."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise MissingPackage("--tasks needs lm-evaluation-harness: pip install -e '.[eval]' (or pip install lm-eval)") from None
+    if task_dir is not None and not Path(task_dir).is_dir():
+        raise MissingFile(f"--task_dir {task_dir} is not a directory (expected task YAML files)")
+
+    def unknown(manager) -> List[str]:
+        return [n for n in names if n not in manager.all_tasks and not (n.endswith((".yaml", ".yml")) and Path(n).is_file())]
+
+    if task_dir is not None:
+        manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+        if not unknown(manager):
+            return manager
+    elif all(n.endswith((".yaml", ".yml")) and Path(n).is_file() for n in names):
+        return TaskManager(include_defaults=False)
+    manager = TaskManager(include_path=str(task_dir) if task_dir is not None else None)
+    missing = unknown(manager)
+    if missing:
+        close = difflib.get_close_matches(missing[0], manager.all_tasks, n=3, cutoff=0.6)
+        raise InvalidValue(
+            f"--tasks: lm-evaluation-harness has no task, group or tag named {', '.join(map(repr, missing))}"
+            + (f" (did you mean {', '.join(close)}?)" if close else "")
+            + "; `lm-eval ls tasks` lists them; a task of your own: the path of its YAML file, or --task_dir DIR"
+        )
+    return manager
+
+
+def run_tasks(scorer: HarnessScorer, names: List[str], task_manager, num_fewshot: Optional[int],
+              limit: Optional[float]) -> Dict[str, Any]:
+    """The harness's results of `names` (its `simple_evaluate`, on the model in memory), and its table printed."""
+    import lm_eval
+    from lm_eval.utils import make_table
+
+    output = lm_eval.simple_evaluate(
+        model=harness_model(scorer), tasks=names, task_manager=task_manager, num_fewshot=num_fewshot, limit=limit,
+        log_samples=False,
+    )
+    print(make_table(output))
+    from importlib.metadata import version
+
+    kept = ("results", "groups", "group_subtasks", "versions", "n-shot", "n-samples", "higher_is_better")
+    return {"lm_eval_version": version("lm_eval"), **{key: output[key] for key in kept if key in output},
+            **({"limit": limit} if limit is not None else {})}
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+TRAINING_CHECKPOINT, MODEL_DIRECTORY, FLA_EXPORT = "training checkpoint", "model directory", "fla export"
+
+
+@dataclass
+class Checkpoint:
+    """A model read from one of the three kinds of directory (tutorials/convert.md)."""
+
+    kind: str
+    config: Config
+    state_dict: Dict[str, torch.Tensor]
+    tokenizer: Any  # fabric_lin.data.Tokenizer, or None where the directory holds no tokenizer.model
+    hparams: Optional[Dict[str, Any]] = None  # a training checkpoint's hyperparameters.yaml
+    step: Optional[int] = None  # a training checkpoint's optimizer step
+
+
+def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
+    """The model of a training checkpoint (verified against its manifest first, as a resume does), a model
+    directory or an fla export; which one is told by the files it holds."""
+    from fabric_lin.convert.hf import HF_CONFIG_FILE, read_fla_checkpoint
+    from fabric_lin.convert.model_dir import SAFETENSORS_FILE, check_state_dict, load_model_dir_weights
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    checkpoint_dir = Path(checkpoint_dir)
+    expected = ("expected a training checkpoint (a run's step-XXXXXXXX/ or final/), a model directory "
+                "(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output)")
+    if not checkpoint_dir.is_dir():
+        raise MissingFile(f"{checkpoint_dir} is not a directory: {expected}")
+
+    def has(name: str) -> bool:
+        return (checkpoint_dir / name).exists()
+
+    tokenizer = Tokenizer(checkpoint_dir) if has("tokenizer.model") else None
+    if has(STEP_FILE) or has(MANIFEST_FILE) or has(HPARAMS_FILE) or (checkpoint_dir / MODEL_FILE).is_dir():
+        config, weights_path = find_training_checkpoint(checkpoint_dir)
+        check = verify_checkpoint(checkpoint_dir)
+        if not check.ok:
+            raise InvalidValue(
+                f"{checkpoint_dir}: the checkpoint is damaged: {check.describe()}. It is not evaluated; evaluate an "
+                "older checkpoint of the run"
+            )
+        state_dict = canonical_state_dict(load_model_weights(weights_path))
+        check_state_dict(state_dict, config, source=str(weights_path))
+        hparams = read_hparams(checkpoint_dir / HPARAMS_FILE) if has(HPARAMS_FILE) else None
+        step = read_step(checkpoint_dir / STEP_FILE)
+        return Checkpoint(TRAINING_CHECKPOINT, config, state_dict, tokenizer, hparams, step)
+    if has(CONFIG_FILE) and (has(MODEL_FILE) or has(SAFETENSORS_FILE) or has("model.safetensors.index.json")):
+        config = Config.from_checkpoint(checkpoint_dir)
+        return Checkpoint(MODEL_DIRECTORY, config, load_model_dir_weights(checkpoint_dir, config), tokenizer)
+    if has(HF_CONFIG_FILE):
+        config, state_dict = read_fla_checkpoint(checkpoint_dir)
+        return Checkpoint(FLA_EXPORT, config, state_dict, tokenizer)
+    inside = [p.name for p in checkpoint_dirs(checkpoint_dir)]
+    hint = f"; it holds a run's checkpoints ({', '.join(inside[:3])}): pass one of them" if inside else ""
+    raise MissingFile(
+        f"{checkpoint_dir} is not a checkpoint: it holds none of {MODEL_FILE}, {SAFETENSORS_FILE} or {HF_CONFIG_FILE}; "
+        f"{expected}{hint}"
+    )
+
+
+def read_hparams(path: Path) -> Dict[str, Any]:
+    import yaml
+
+    try:
+        hparams = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise InvalidValue(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(hparams, dict):
+        raise InvalidValue(f"{path}: expected a mapping of pretrain's arguments, got {type(hparams).__name__}")
+    return hparams
+
+
+def read_step(path: Path) -> Optional[int]:
+    try:
+        step = json.loads(path.read_text(encoding="utf-8")).get("step_count")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def run_data_module(hparams: Dict[str, Any], path: Path) -> DataModule:
+    """The data module a run trained with, from its hyperparameters.yaml (`data`: class_path and init_args).
+    Only fabric-lin's own data modules are built from a checkpoint: a class_path elsewhere would import a module
+    named by a file that may come from anyone."""
+    from jsonargparse import ArgumentParser
+
+    entry = hparams.get("data")
+    class_path = entry.get("class_path") if isinstance(entry, dict) else None
+    if not isinstance(class_path, str):
+        raise InvalidValue(f"{path}: its data entry is not a data module (class_path and init_args); give --data")
+    if not class_path.startswith("fabric_lin.data."):
+        raise InvalidValue(
+            f"{path}: data.class_path {class_path} is not one of fabric-lin's data modules, and evaluate imports no "
+            f"other module that a checkpoint names: give it on the command line, --data {class_path} --data.<option> ..."
+        )
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--data", type=DataModule)
+    try:
+        parsed = parser.parse_object({"data": entry})
+        instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # the second before jsonargparse 4.49
+        return instantiate(parsed).data
+    except Exception as e:  # jsonargparse's own error types, or the data module's check of its values
+        raise InvalidValue(f"{path}: its data entry does not load ({' '.join(str(e).split())}); give --data") from None
+
+
+def plain_value(value: Any) -> Any:
+    """JSON for what json does not write itself (numbers of NumPy, paths)."""
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+# ---------------------------------------------------------------- the plot
+
+
+def plot_loss_by_position(results: Dict[str, Any], path: Path) -> bool:
+    """Mean loss per position bucket, one line per sequence length, the training length marked; False
+    without matplotlib (an optional extra)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    figure = Figure(figsize=(8, 4.5), layout="constrained")
+    axes = figure.subplots()
+    for length in results["lengths"]:
+        buckets = length["by_position"]
+        centres = [(s + e) / 2 for s, e in zip(buckets["start"], buckets["end"])]
+        axes.plot(centres, buckets["loss"], marker=".", label=f"seq_len {length['seq_len']} (loss {length['loss']:.3f})")
+    axes.axvline(results["train_seq_len"], color="grey", linestyle="--", label=f"training length {results['train_seq_len']}")
+    axes.set_xlabel("position in the sequence (tokens)")
+    axes.set_ylabel("mean loss (nats per token)")
+    axes.set_title(f"{results['model'] or 'model'}: {Path(results['checkpoint']).name}"
+                   + (f" (step {results['step']})" if results.get("step") is not None else ""))
+    axes.grid(alpha=0.3)
+    axes.legend()
+    atomic_write(path, lambda p: figure.savefig(p, format="png", dpi=120))
+    return True

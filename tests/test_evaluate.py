@@ -1,0 +1,407 @@
+"""`fabric-lin evaluate` against independent references: the loss equals the val_loss that pretrain logged for
+the same weights and batches; the loss by position (at the training length and twice it) equals a direct
+cross-entropy of the model's logits over litdata's own reading of the blocks; every kind of checkpoint gives the
+same loss; the harness adapter's log-likelihoods equal log-softmax sums of a full forward pass (all three
+families, the rolling one across blocks of carried state); bad input is one line. The lm-evaluation-harness run
+itself needs the optional extra (`pip install -e '.[eval]'`) and is skipped without it."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import litdata_blocks
+from fabric_lin.args import EvalArgs, TrainArgs
+from fabric_lin.config import Config
+from fabric_lin.evaluate import HarnessScorer, main as evaluate, plot_loss_by_position
+from fabric_lin.model import GPT
+
+TRAIN_LEN = 32
+VAL_ITERS = 3
+WORDS = "the model reads a line of text and predicts the next word of it".split()
+
+
+def text_lines(n: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=rng.integers(4, 12))) for _ in range(n)]
+
+
+def write_prepared(path: Path, tokens: np.ndarray, tokenizer, chunk: int = 1000) -> None:
+    """A prepared directory of `tokens` in chunk files of `chunk` tokens, as the preprocessors write it."""
+    from litdata.streaming.cache import Cache
+    from litdata.streaming.item_loader import TokensLoader
+
+    from fabric_lin.data.prepared import write_prepared_info
+
+    cache = Cache(str(path), chunk_size=chunk, item_loader=TokensLoader())
+    for i in range(len(tokens) // chunk):
+        cache[i] = tokens[i * chunk : (i + 1) * chunk]
+    cache.done()
+    cache.merge()
+    write_prepared_info(path, tokenizer, recipe="test")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 2-step gla-debug run with a final validation of VAL_ITERS batches on a small corpus of its own
+    (a 300-piece tokenizer; 4 chunk files of 1000 tokens each for training and for validation)."""
+    from fabric_lin.data import TokenChunks, Tokenizer
+    from fabric_lin.data.train_tokenizer import main as train_tokenizer
+    from fabric_lin.pretrain import setup
+
+    root = tmp_path_factory.mktemp("evaluate")
+    (root / "raw").mkdir()
+    (root / "raw" / "a.txt").write_text("\n".join(text_lines(400, 0)))
+    train_tokenizer(root / "raw", root / "tok", vocab_size=300, num_threads=1)
+    tokenizer = Tokenizer(root / "tok")
+    for name, seed in (("train", 1), ("val", 2)):
+        ids = tokenizer.encode_batch(text_lines(900, seed), eos=True, num_threads=1)
+        write_prepared(root / name, np.concatenate(ids)[:4000].astype(np.uint16), tokenizer)
+    setup(
+        model_name="gla-debug", out_dir=root / "out", logger_name="csv", devices=1, tokenizer_dir=root / "tok",
+        data=TokenChunks(data_path=root / "train", val_path=root / "val", num_workers=0),
+        train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=TRAIN_LEN, save_interval=None,
+                        lr_warmup_steps=0),
+        eval=EvalArgs(max_iters=VAL_ITERS, interval=1000, final_validation=True),
+    )
+    return root
+
+
+def final_weights(run: Path) -> GPT:
+    """The model of the run's final checkpoint, read without evaluate's loader."""
+    checkpoint = torch.load(run / "out" / "final" / "lit_model.pth", weights_only=False)
+    model = GPT(Config.from_checkpoint(run / "out" / "final"))
+    model.load_state_dict(checkpoint["model"])
+    return model.eval()
+
+
+def test_loss_equals_the_val_loss_pretrain_logged(run, monkeypatch, capsys):
+    records = [json.loads(line) for line in (run / "out" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(logged) == 1  # the final validation only
+    for module in ("matplotlib", "matplotlib.figure"):  # the optional extra missing: the JSON and a hint
+        monkeypatch.setitem(sys.modules, module, None)
+    results = evaluate(run / "out" / "final", max_batches=VAL_ITERS)
+    (length,) = results["lengths"]
+    # the run's data module, micro batch size and length, from its hyperparameters.yaml
+    assert results["data"]["init_args"]["val_path"] == str(run / "val")
+    assert (length["seq_len"], length["batch_size"], length["batches"]) == (TRAIN_LEN, 2, VAL_ITERS)
+    assert length["tokens"] == VAL_ITERS * 2 * TRAIN_LEN
+    assert abs(length["loss"] - logged[0]) < 1e-5, (length["loss"], logged[0])
+    out_dir = run / "out" / "evaluate" / "final"
+    assert json.loads((out_dir / "evaluate.json").read_text()) == json.loads(json.dumps(results))
+    assert not (out_dir / "loss_by_position.png").exists()
+    assert "for the plot, pip install matplotlib" in capsys.readouterr().out
+
+
+def test_loss_by_position_equals_a_direct_cross_entropy(run, tmp_path):
+    """At the training length and twice it, the blocks read as litdata's own loader cuts them, in order."""
+    batches, bucket = 2, 8
+    results = evaluate(run / "out" / "final", seq_len=[TRAIN_LEN, 2 * TRAIN_LEN], max_batches=batches, bucket_size=bucket,
+                       out_dir=tmp_path / "eval")
+    model = final_weights(run)
+    for length, seq_len in zip(results["lengths"], (TRAIN_LEN, 2 * TRAIN_LEN)):
+        blocks = [np.frombuffer(b, dtype=np.int64) for b in litdata_blocks(run / "val", seq_len + 1)[: batches * 2]]
+        ids = torch.from_numpy(np.stack(blocks))
+        with torch.no_grad():
+            logits = model(ids[:, :-1])
+        losses = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view(-1, seq_len).double()
+        assert length["tokens"] == losses.numel() == batches * 2 * seq_len
+        assert length["loss"] == pytest.approx(losses.mean().item(), abs=1e-5)
+        by_position = length["by_position"]
+        assert by_position["start"] == list(range(0, seq_len, bucket))
+        expected = losses.view(-1, seq_len // bucket, bucket).mean(dim=(0, 2))
+        np.testing.assert_allclose(by_position["loss"], expected.numpy(), atol=1e-5)
+        assert by_position["tokens"] == [batches * 2 * bucket] * (seq_len // bucket)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
+    """A model directory and an fla export of final/, and final/ with its weights sharded (a DCP directory)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fabric_lin.checkpoint import write_manifest
+    from fabric_lin.convert.hf import convert_to_hf
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+    from fabric_lin.data import TokenChunks
+
+    final = run / "out" / "final"
+    convert_pretrained_checkpoint(final, tmp_path / "model")
+    convert_to_hf(tmp_path / "model", tmp_path / "fla")
+    sharded = tmp_path / "run" / "step-00000002"
+    shutil.copytree(final, sharded)
+    (sharded / "lit_model.pth").unlink()
+    (sharded / "manifest.json").unlink()
+    state = torch.load(final / "lit_model.pth", weights_only=False)["model"]
+    dcp.save({"model": state}, checkpoint_id=sharded / "lit_model.pth", no_dist=True)
+
+    class OneProcess:
+        global_rank, world_size = 0, 1
+
+        def broadcast(self, obj, src=0):
+            return obj
+
+        def barrier(self):
+            pass
+
+    write_manifest(OneProcess(), sharded)
+    data = dict(data_path=run / "train", val_path=run / "val", num_workers=0)
+    reference = evaluate(final, max_batches=2, out_dir=tmp_path / "reference")["lengths"][0]
+    for directory, kind in ((tmp_path / "model", "model directory"), (tmp_path / "fla", "fla export"),
+                            (sharded, "training checkpoint")):
+        results = evaluate(directory, data=TokenChunks(**data), seq_len=TRAIN_LEN, batch_size=2, max_batches=2)
+        assert results["kind"] == kind
+        assert results["lengths"][0]["data_fingerprint"] == reference["data_fingerprint"]
+        assert results["lengths"][0]["loss"] == pytest.approx(reference["loss"], abs=1e-6), directory
+    assert (sharded.parent / "evaluate" / sharded.name / "evaluate.json").is_file()  # beside the checkpoint, not in it
+
+
+def test_plot_of_the_loss_by_position(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = {"model": "gla-debug", "checkpoint": "out/final", "step": 2, "train_seq_len": 4, "lengths": [
+        {"seq_len": n, "loss": 5.0, "by_position": {"start": list(range(0, n, 2)), "end": list(range(2, n + 1, 2)),
+                                                     "loss": [5.0] * (n // 2)}} for n in (4, 8)]}
+    assert plot_loss_by_position(results, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+# ---------------------------------------------------------------- the harness adapter, without the harness
+
+
+def scorer_for(model: GPT, tokenizer, batch_size: int, block_size: int) -> HarnessScorer:
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    return HarnessScorer(fabric, fabric.setup_module(model), tokenizer, batch_size, block_size)
+
+
+def full_logprobs(model: GPT, tokens: list) -> torch.Tensor:
+    """log p(tokens[t] | tokens[:t]) for t >= 1, from one forward pass over the whole sequence."""
+    ids = torch.tensor(tokens)[None]
+    with torch.no_grad():
+        logits = model(ids[:, :-1])[0].double()
+    return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+
+
+@pytest.fixture(scope="module", params=["gla-debug", "gdn-debug", "transformer-debug"])
+def family_model(request):
+    torch.manual_seed(0)
+    return GPT(Config.from_name(request.param)).eval()
+
+
+def test_harness_loglikelihood_equals_a_full_forward_log_softmax(run, family_model):
+    """Requests of several lengths in padded batches; an empty context (the end-of-text token alone before the
+    continuation) and a context ending in spaces (moved to the continuation)."""
+    from fabric_lin.data import Tokenizer
+
+    tokenizer = Tokenizer(run / "tok")
+    lines = text_lines(7, 5)
+    requests = [(lines[0], " " + lines[1]), ("", lines[2]), (lines[3] + "  ", lines[4]), (lines[5] * 3, " next"),
+                ("the", " model")]
+    got = scorer_for(family_model, tokenizer, batch_size=2, block_size=TRAIN_LEN).loglikelihood(requests)
+    eos = tokenizer.eos_id
+    for (context, continuation), (logprob, greedy) in zip(requests, got):
+        stripped = context.rstrip()
+        whole = tokenizer.encode(context + continuation).tolist()
+        n = len(whole) - len(tokenizer.encode(stripped).tolist() if stripped else [])
+        assert n > 0
+        expected = full_logprobs(family_model, [eos] + whole)[-n:]
+        assert logprob == pytest.approx(expected.sum().item(), abs=1e-4)
+        with torch.no_grad():
+            logits = family_model(torch.tensor([eos] + whole)[None, :-1])[0, -n:]
+        assert greedy == bool((logits.argmax(-1) == torch.tensor(whole[-n:])).all())
+
+
+def test_harness_rolling_loglikelihood_carries_the_state_across_blocks(run, family_model):
+    """Blocks of 8 tokens through the decoding cache against one forward pass over the whole document."""
+    from fabric_lin.data import Tokenizer
+
+    tokenizer = Tokenizer(run / "tok")
+    texts = [" ".join(text_lines(6, 7)), "the", " ".join(text_lines(3, 8))]
+    got = scorer_for(family_model, tokenizer, batch_size=1, block_size=8).loglikelihood_rolling(texts)
+    for text, logprob in zip(texts, got):
+        tokens = [tokenizer.eos_id] + tokenizer.encode(text).tolist()
+        assert logprob == pytest.approx(full_logprobs(family_model, tokens).sum().item(), abs=1e-4)
+    assert len(tokenizer.encode(texts[0])) > 3 * 8  # several blocks
+
+
+def test_harness_generate_until_stops_at_the_first_stop_string(run):
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.generate import generate_tokens
+
+    tokenizer = Tokenizer(run / "tok")
+    model = final_weights(run)
+    context = "the model reads a line"
+    prompt = torch.tensor([tokenizer.eos_id] + tokenizer.encode(context).tolist())
+    greedy = generate_tokens(model, prompt, 12, temperature=0, eos_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size)
+    full = tokenizer.decode(prompt[1:].tolist() + greedy.tolist())[len(context):]
+    assert len(full.strip()) > 3
+    stop = full.strip()[2:4]
+    scorer = scorer_for(model, tokenizer, batch_size=1, block_size=TRAIN_LEN)
+    got = scorer.generate_until([(context, {"until": [stop, "never there"], "max_gen_toks": 12}),
+                                 (context, {"until": "never there", "max_gen_toks": 12})])
+    assert got == [full[: full.index(stop)], full]
+
+
+# ---------------------------------------------------------------- bad input: one line, exit code 2
+
+
+def cli_error(argv, capsys) -> str:
+    from fabric_lin.cli import main as cli_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_errors_are_one_line(run, tmp_path, capsys, monkeypatch):
+    final = run / "out" / "final"
+    (tmp_path / "empty").mkdir()
+    assert "empty is not a checkpoint: it holds none of lit_model.pth" in cli_error(["evaluate", str(tmp_path / "empty")], capsys)
+    assert "pass one of them" in cli_error(["evaluate", str(run / "out")], capsys)
+
+    damaged = tmp_path / "run" / "final"
+    shutil.copytree(final, damaged)
+    with open(damaged / "lit_model.pth", "r+b") as f:
+        f.seek(2000)
+        byte = f.read(1)
+        f.seek(2000)
+        f.write(b"\x00" if byte != b"\x00" else b"\x01")
+    assert "the checkpoint is damaged: lit_model.pth's bytes changed since it was written" in cli_error(
+        ["evaluate", str(damaged)], capsys)
+
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+
+    convert_pretrained_checkpoint(final, tmp_path / "model")
+    assert "is a model directory, which names no validation data" in cli_error(["evaluate", str(tmp_path / "model")], capsys)
+    err = cli_error(["evaluate", str(tmp_path / "model"), "--data", "TokenChunks", "--data.data_path", str(run / "train"),
+                     "--data.num_workers", "0"], capsys)
+    assert "TokenChunks gives no validation data" in err
+    assert "--seq_len must be a positive number" in cli_error(["evaluate", str(final), "--seq_len", "[32, 0]"], capsys)
+    # blocks longer than the data's chunk files (1000 tokens)
+    assert "with --seq_len 1000: max_seq_length=1000 is too long" in cli_error(["evaluate", str(final), "--seq_len", "1000"], capsys)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)
+    assert "--tasks needs lm-evaluation-harness: pip install -e '.[eval]'" in cli_error(
+        ["evaluate", str(final), "--tasks", "hellaswag"], capsys)
+    assert not (tmp_path / "model" / "evaluate").exists()  # failed runs leave no output directory
+
+
+def test_task_names_are_checked_before_the_model_is_loaded(tmp_path, capsys, monkeypatch):
+    """Against a stand-in for the harness's TaskManager (its index of task names): an unknown name is one line with
+    the close ones; names all in --task_dir (or YAML files) leave the built-in tasks unindexed."""
+    import types
+
+    from fabric_lin.evaluate import find_tasks
+
+    built = []
+
+    class TaskManager:
+        def __init__(self, include_path=None, include_defaults=True):
+            built.append(include_defaults)
+            self.all_tasks = (["arc_easy", "hellaswag", "hellaswag_de"] if include_defaults else []) + (
+                [p.stem for p in Path(include_path).glob("*.yaml")] if include_path else [])
+
+    harness = types.ModuleType("lm_eval")
+    harness.tasks = types.ModuleType("lm_eval.tasks")
+    harness.tasks.TaskManager = TaskManager
+    monkeypatch.setitem(sys.modules, "lm_eval", harness)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "mine.yaml").write_text("task: mine\n")
+    err = cli_error(["evaluate", str(tmp_path / "no checkpoint"), "--tasks", "hellaswagg,arc_easy"], capsys)
+    assert err == ("fabric-lin evaluate: error: --tasks: lm-evaluation-harness has no task, group or tag named 'hellaswagg' "
+                   "(did you mean hellaswag, hellaswag_de?); `lm-eval ls tasks` lists them; a task of your own: the path "
+                   "of its YAML file, or --task_dir DIR\n")
+    built.clear()
+    assert find_tasks(["mine"], tmp_path / "tasks").all_tasks == ["mine"] and built == [False]
+    assert find_tasks([str(tmp_path / "tasks" / "mine.yaml")], None).all_tasks == [] and built == [False, False]
+    assert find_tasks(["mine", "hellaswag"], tmp_path / "tasks").all_tasks[-1] == "mine" and built[-1] is True
+
+
+# ---------------------------------------------------------------- lm-evaluation-harness itself (optional extra)
+
+
+TASKS = {
+    "tiny_choice": """
+output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: label
+metric_list: [{metric: acc}]
+""",
+    "tiny_rolling": """
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{context}}"
+metric_list: [{metric: bits_per_byte}]
+""",
+    "tiny_generate": """
+output_type: generate_until
+doc_to_text: "{{context}}"
+doc_to_target: "{{choices[0]}}"
+generation_kwargs: {until: ["\\n"], max_gen_toks: 6}
+metric_list: [{metric: exact_match}]
+""",
+}
+
+
+@pytest.mark.slow
+def test_harness_tasks_on_the_model_in_memory(run, tmp_path):
+    """Three local tasks (multiple choice, rolling log-likelihood, generation) through `fabric-lin evaluate --tasks`,
+    the results against the model's own log-probabilities."""
+    pytest.importorskip("lm_eval")
+    from fabric_lin.data import Tokenizer
+
+    lines = text_lines(8, 9)
+    docs = [{"context": lines[i], "choices": [lines[i + 1], lines[i + 2]], "label": i % 2} for i in range(4)]
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps(doc) + "\n" for doc in docs)
+    (tmp_path / "tasks").mkdir()
+    for name, body in TASKS.items():
+        (tmp_path / "tasks" / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n"
+            f"test_split: test\nmetadata: {{version: 1.0}}\n{body}"
+        )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1])] + sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fabric_lin.cli", "evaluate", str(run / "out" / "final"), "--max_batches", "0",
+         "--tasks", ",".join(TASKS), "--task_dir", str(tmp_path / "tasks"), "--out_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "evaluate.json").read_text())["tasks"]["results"]
+
+    tokenizer = Tokenizer(run / "tok")
+    model = final_weights(run)
+    eos = tokenizer.eos_id
+    correct = 0
+    for doc in docs:  # the harness joins context and choice with a space (its target_delimiter)
+        scores = []
+        for choice in doc["choices"]:
+            whole = tokenizer.encode(doc["context"] + " " + choice).tolist()
+            n = len(whole) - len(tokenizer.encode(doc["context"]).tolist())
+            scores.append(full_logprobs(model, [eos] + whole)[-n:].sum().item())
+        correct += int(np.argmax(scores) == doc["label"])
+    assert results["tiny_choice"]["acc,none"] == pytest.approx(correct / len(docs))
+    logprob = sum(full_logprobs(model, [eos] + tokenizer.encode(doc["context"]).tolist()).sum().item() for doc in docs)
+    n_bytes = sum(len(doc["context"].encode("utf-8")) for doc in docs)
+    assert results["tiny_rolling"]["bits_per_byte,none"] == pytest.approx(-logprob / n_bytes / np.log(2), rel=1e-5)
+    assert "exact_match,none" in results["tiny_generate"]
+
+
+@pytest.mark.slow
+def test_unknown_task_name_is_one_line(run, capsys):
+    pytest.importorskip("lm_eval")
+    err = cli_error(["evaluate", str(run / "out" / "final"), "--tasks", "hellaswagg"], capsys)
+    assert "lm-evaluation-harness has no task, group or tag named 'hellaswagg' (did you mean hellaswag" in err
