@@ -1031,6 +1031,8 @@ def test_a_larger_global_batch_on_resume_keeps_tokens_and_the_schedule_in_tokens
     _setup(tmp_path, resume=final, resume_changes=["train.global_batch_size", "train.max_tokens"],
            train=TrainArgs(global_batch_size=4, max_tokens=512, **train), **common)
     out = capsys.readouterr().out
+    assert "Training finished: 512 tokens in total (256 in this run) | elapsed " in out
+    assert " tokens/s after the first step (compilation and warm-up left out, as are validation and saving)" in out
     assert "Resuming with a change of the run (--resume_changes): train.global_batch_size: 2 in the checkpoint, 4 here" in out
     assert "Resuming with a change of the run (--resume_changes): train.max_tokens: 256 in the checkpoint, 512 here" in out
     records = metrics_records(tmp_path / "out")
