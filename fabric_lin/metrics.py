@@ -151,8 +151,10 @@ class MetricsWriter:
             self.window_start += time.perf_counter() - paused
             self.paused_s += time.perf_counter() - paused
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.run_start
+    def stop_clock(self) -> float:
+        """The training steps are over (the final validation and save are not training): seconds since the loop started."""
+        self.end = time.perf_counter()
+        return self.end - self.run_start
 
     def add_step(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, fingerprint: torch.Tensor) -> None:
         self.pending.append((step, loss.detach(), lr, grad_norm.detach(), fingerprint))
@@ -232,7 +234,7 @@ class MetricsWriter:
         steady_steps = step_count - self.start_step - 1
         if self.steady_start is not None and steady_steps > 0:
             start, paused_before = self.steady_start
-            seconds = time.perf_counter() - start - (self.paused_s - paused_before)
+            seconds = self.end - start - (self.paused_s - paused_before)
             summary += (f" | {steady_steps * self.tokens_per_step / max(seconds, 1e-9):,.0f} tokens/s after the first step "
                         "(compilation and warm-up left out, as are validation and saving)")
         if self.fabric.device.type == "cuda":

@@ -445,7 +445,7 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
                 run.metrics.flush()
                 run.checkpointer.save(fabric, state)
 
-    elapsed = run.metrics.elapsed()
+    elapsed = run.metrics.stop_clock()
     run.metrics.flush()
     finish(fabric, state, run)
     run.metrics.log_summary(state["step_count"], state["tokens_seen"], elapsed)
