@@ -425,3 +425,22 @@ def test_sample_corpus_builds_once_under_concurrency(tmp_path):
         assert (tmp_path / "again" / path.relative_to(root / "raw")).read_bytes() == path.read_bytes(), path
     train_tokenizer(tmp_path / "again" / "train", tmp_path / "again-tok", vocab_size=VOCAB_SIZE, num_threads=1)
     assert (tmp_path / "again-tok" / "tokenizer.model").read_bytes() == (root / "tokenizer" / "tokenizer.model").read_bytes()
+
+
+def test_ctrl_c_while_the_sample_corpus_builds_says_interrupted_and_keeps_nothing(tmp_path):
+    import os
+    import signal
+
+    cache_dir = tmp_path / "sample_corpus"
+    code = "import sys; from fabric_lin.data.sample_corpus import ensure_sample_corpus; ensure_sample_corpus(sys.argv[1])"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(cache_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    first = proc.stdout.readline()
+    assert first.startswith("Building the sample corpus (first use)"), first
+    time.sleep(2)  # inside the build: the tokenizer or a preprocessor
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0
+    assert "The sample corpus build was interrupted: nothing was kept; the next run builds it again" in out
+    assert "failed" not in out
+    assert not [p for p in cache_dir.iterdir() if p.is_dir()]  # no corpus, complete or not

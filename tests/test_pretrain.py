@@ -1052,3 +1052,26 @@ def test_a_larger_global_batch_on_resume_keeps_tokens_and_the_schedule_in_tokens
            train=TrainArgs(global_batch_size=4, max_tokens=1024, **train), **common)
     tokens = {r["step"]: r["tokens"] for r in metrics_records(tmp_path / "out") if "tokens" in r}
     assert tokens[10] == 1024 and max(tokens) == 10
+
+
+def test_cpu_threads_are_the_cores_shared_by_the_processes(monkeypatch, capsys):
+    from fabric_lin import pretrain
+
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(pretrain, "usable_cpu_cores", lambda: 8)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    try:
+        pretrain.set_cpu_threads(2)
+        assert torch.get_num_threads() == 4 and capsys.readouterr().out == ""
+        monkeypatch.setattr(os, "getloadavg", lambda: (9.5, 9.0, 9.0))  # other work keeps every core busy
+        pretrain.set_cpu_threads(1)
+        assert torch.get_num_threads() == 8
+        assert ("Note: this machine is busy (load average 9.5 on 8 cores); training uses 8 threads per process. If steps "
+                "are slow, OMP_NUM_THREADS=1 fabric-lin pretrain ...") in capsys.readouterr().out
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
+        pretrain.set_cpu_threads(1)
+        assert torch.get_num_threads() == 8
+    finally:
+        torch.set_num_threads(threads)
