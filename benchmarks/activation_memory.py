@@ -11,6 +11,10 @@ imported), in bf16 for the bookkeeping only (no GPU numerics are involved). Prin
 
     python benchmarks/activation_memory.py                         # gla-340M
     python benchmarks/activation_memory.py --model transformer-340M --out activation_memory.json
+    python benchmarks/activation_memory.py --fp8 none tensorwise rowwise   # the Linear layers in FP8 (torchao)
+
+With --fp8 the Linear layers are converted as `--fp8.recipe` converts them (on the CPU with torchao's emulation,
+which keeps the same tensors for the backward pass): what FP8 adds to, or takes from, the activation memory.
 """
 import argparse
 import os
@@ -25,11 +29,16 @@ from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT  # noqa: E402
 
 
-def saved_bytes_per_token(model_name: str, tokens: int, device: str):
+def saved_bytes_per_token(model_name: str, tokens: int, device: str, fp8_recipe: str = "none"):
     """(bytes per token, list of saved tensors) for one Block's forward at micro batch 1 x `tokens`."""
+    from fabric_lin.fp8 import FP8Args, convert_to_fp8
+
     torch.manual_seed(0)
     config = Config.from_name(model_name, num_layers=2)
-    model = GPT(config, fused=True).to(device=device, dtype=torch.bfloat16)
+    fp8 = FP8Args(recipe=fp8_recipe)
+    model = GPT(config, fused=True, float8=fp8.enabled).to(device=device, dtype=torch.bfloat16)
+    if fp8.enabled:
+        convert_to_fp8(model, fp8, emulate=device != "cuda")
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
     inside = [False]  # set while the measured Block runs its forward pass
@@ -57,26 +66,30 @@ def main():
     parser.add_argument("--model", default="gla-340M")
     parser.add_argument("--tokens", type=int, default=128, help="sequence length of the probe (a multiple of 64)")
     parser.add_argument("--micro_batch_tokens", type=int, default=16 * 2048, help="to scale to one micro batch")
+    parser.add_argument("--fp8", nargs="+", default=["none"], choices=["none", "tensorwise", "rowwise"],
+                        help="the Linear layers' products: bf16 (none) or FP8 by torchao's recipe; several: one entry each")
     parser.add_argument("--out", help="also write the JSON document here (with the command, date and machine)")
     args = parser.parse_args()
     config = Config.from_name(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # twice the tokens: what grows with them is activation memory; what does not (copies of weights
-    # cast to the compute dtype, kept for the backward pass) is a per-layer constant
-    per_token, tensors = saved_bytes_per_token(args.model, args.tokens, device)
-    per_token_2, _ = saved_bytes_per_token(args.model, 2 * args.tokens, device)
-    total, total_2 = per_token * args.tokens, per_token_2 * 2 * args.tokens
-    slope = (total_2 - total) / args.tokens
-    constant = total - slope * args.tokens
-    per_micro_batch = (slope * args.micro_batch_tokens + constant) * config.num_layers
-    write_result({
-        "model": args.model, "device": device, "bytes_per_token_per_layer": slope,
-        "bytes_per_layer_independent_of_tokens": constant,
-        "activation_gib_per_micro_batch": round(per_micro_batch / 2**30, 2),
-        "micro_batch_tokens": args.micro_batch_tokens, "layers": config.num_layers,
-        "saved_tensors_at_probe_length": [dict(t, bytes=t.pop("bytes_per_token") * args.tokens) for t in tensors],
-    }, args.out)
-
+    results = {}
+    for recipe in args.fp8:
+        # twice the tokens: what grows with them is activation memory; what does not (copies of weights
+        # cast to the compute dtype, kept for the backward pass) is a per-layer constant
+        per_token, tensors = saved_bytes_per_token(args.model, args.tokens, device, recipe)
+        per_token_2, _ = saved_bytes_per_token(args.model, 2 * args.tokens, device, recipe)
+        total, total_2 = per_token * args.tokens, per_token_2 * 2 * args.tokens
+        slope = (total_2 - total) / args.tokens
+        constant = total - slope * args.tokens
+        per_micro_batch = (slope * args.micro_batch_tokens + constant) * config.num_layers
+        results[recipe] = {
+            "bytes_per_token_per_layer": slope, "bytes_per_layer_independent_of_tokens": constant,
+            "activation_gib_per_micro_batch": round(per_micro_batch / 2**30, 2),
+            "saved_tensors_at_probe_length": [dict(t, bytes=t.pop("bytes_per_token") * args.tokens) for t in tensors],
+        }
+    document = {"model": args.model, "device": device, "micro_batch_tokens": args.micro_batch_tokens,
+                "layers": config.num_layers, **(results["none"] if args.fp8 == ["none"] else {"fp8": results})}
+    write_result(document, args.out)
 
 if __name__ == "__main__":
     main()
