@@ -16,7 +16,7 @@ from fabric_lin.ops.gdn.chunk_bwd import backward
 from fabric_lin.ops.gdn.chunk_fwd import forward
 from fabric_lin.ops.gdn.l2norm_triton import l2norm_bwd, l2norm_fwd
 from fabric_lin.ops.gdn.launch import SHIPPED, GDNLaunch
-from fabric_lin.ops.gdn.wy import BT
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE
 from fabric_lin.ops.launch import op_or_fn
 
 
@@ -56,7 +56,7 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, launch)
     normed = (torch.empty_like(q), torch.empty_like(k), q.new_empty(B, T, H, dtype=torch.float32),
               q.new_empty(B, T, H, dtype=torch.float32)) if use_qk_l2norm else tuple(q.new_empty(0) for _ in range(4))
     return (torch.empty_like(v), q.new_empty(N, H, K, V, dtype=torch.float32),
-            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, BT)) + normed
+            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, CHUNK_SIZE)) + normed
 
 
 def _gdn_bwd(

@@ -3,8 +3,8 @@
 
     naive.py            naive_recurrent_gla: fp32 token-by-token recurrence, the test oracle
     chunk_torch.py      chunk_gla_torch: chunked form in PyTorch (CPU path, autograd backward)
-    chunk.py            the Triton path's autograd Functions and ops (chunk_fwd.py, chunk_bwd.py and scores.py
-                        hold its kernels; fabric_lin/ops/common/ the gate cumsum and state pass it shares)
+    chunk.py            the Triton path's ops and entry points (chunk_fwd.py, chunk_bwd.py, scores.py, cumsum.py
+                        and state_pass.py hold its kernels; fabric_lin/ops/chunked/ the core every family runs on)
     launch.py           GLALaunch: how the Triton kernels are launched (SHIPPED, or tune.py's search)
     gate.py             log_decay: logsigmoid(gate_logits) / normalizer
     recurrent.py        recurrent_gla_step: one decoding step in PyTorch; fused_recurrent.py: the same in one

@@ -4,7 +4,7 @@
 
 The math is chunk_torch.py's (chunks of 64 tokens, b = cumsum(gk) inside a chunk, fp32 state), arranged so
 that every matrix product is a full tile: see `scores.py` (the intra-chunk scores), `chunk_fwd.py` and
-`chunk_bwd.py` (the launches), and `fabric_lin/ops/common/` (the gate cumsum and the state pass). Eight
+`chunk_bwd.py` (the launches), `cumsum.py` (the gate's cumsum) and `state_pass.py` (the state pass). Eight
 launches for forward plus backward with the sequential state pass, nine from logits.
 
 From logits, the backward pass keeps the logits (2 bytes per gate entry in bf16) where it would keep fp32
@@ -18,7 +18,8 @@ from typing import Optional, Tuple
 import torch
 
 from fabric_lin.ops.gla.chunk_bwd import backward
-from fabric_lin.ops.gla.chunk_fwd import BT, forward
+from fabric_lin.ops.gla.chunk_fwd import forward
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE
 from fabric_lin.ops.gla.launch import SHIPPED, GLALaunch
 from fabric_lin.ops.launch import op_or_fn
 
@@ -47,7 +48,7 @@ def _(q, k, v, g, scale, initial_state, cu_seqlens, normalizer, launch):
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (q.new_empty(B, T, H, V), q.new_empty(N, H, K, V, dtype=torch.float32),
-            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, BT))
+            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, CHUNK_SIZE))
 
 
 def _gla_bwd(

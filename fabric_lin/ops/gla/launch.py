@@ -8,7 +8,7 @@ changes this module. The figures behind each value are in `benchmarks/results/`.
 Rules that depend on the call rather than on the GPU are not settings: the state pass splits into
 chunk-parallel updates and a scan where the sequential form would leave the GPU idle, its warps follow its
 program count where `state.warps` is None, and dq/dk takes at least 8 warps over key tiles narrower than 64
-(see `chunk_bwd.py` and `fabric_lin/ops/common/state_pass.py`).
+(see `chunk_bwd.py` and `state_pass.py`).
 """
 from dataclasses import dataclass
 
