@@ -5,6 +5,7 @@
     chunk_index.py  inside the kernels: where a chunk's or a sequence's rows are (varlen included), and the tile,
                     gate and per-head loads that mask the rows past a sequence's end
     varlen.py       documents packed along T for the PyTorch paths and the oracles
+    checks.py       every family's input checks (chunked ops and decoding steps), errors alike
 
 A family (`fabric_lin/ops/gla/`, `fabric_lin/ops/gdn/`) holds its math: the naive oracle, the chunked PyTorch
 path, its Triton kernels (the intra-chunk part and its inter-chunk state passes), and its launch settings.

@@ -82,34 +82,13 @@ def _(q, k, v, g, beta, state, scale, use_qk_l2norm):
     return q.new_empty(B, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)
 
 
-def _check_inputs(q, k, v, g, beta, state) -> None:
-    name = "fused_recurrent_gated_delta_rule_step"
-    if q.dim() != 3:
-        raise ValueError(f"{name}: q must be [B, H, K], got shape {tuple(q.shape)}")
-    B, H, K = q.shape
-    if tuple(k.shape) != (B, H, K):
-        raise ValueError(f"{name}: k must be [B, H, K] = {(B, H, K)} like q, got shape {tuple(k.shape)}")
-    if v.dim() != 3 or tuple(v.shape[:2]) != (B, H):
-        raise ValueError(f"{name}: v must be [B, H, V] with [B, H] = {(B, H)}, got shape {tuple(v.shape)}")
-    for arg, x in (("g", g), ("beta", beta)):
-        if tuple(x.shape) != (B, H):
-            raise ValueError(
-                f"{name}: {arg} must be [B, H] = {(B, H)} (one value per head), got shape {tuple(x.shape)}"
-            )
-    if state is not None and tuple(state.shape) != (B, H, K, v.shape[-1]):
-        raise ValueError(
-            f"{name}: state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}, got shape {tuple(state.shape)}"
-        )
-
-
 def fused_recurrent_gated_delta_rule_step_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: Optional[torch.Tensor], scale: Optional[float] = None, use_qk_l2norm: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """recurrent_gated_delta_rule_step in one launch: q, k [B, H, K]; v [B, H, V]; g (log decay), beta [B, H];
     state [B, H, K, V] (read as fp32) or None (zeros). Returns o [B, H, V] in q's dtype and the new fp32
-    state (a new tensor). Not differentiable (decoding)."""
-    _check_inputs(q, k, v, g, beta, state)
+    state (a new tensor). Not differentiable (decoding); the shapes checked by the caller (fabric_lin.ops.gdn)."""
     if state is not None:
         state = state.float().contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
