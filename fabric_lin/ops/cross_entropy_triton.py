@@ -5,7 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.launch import next_power_of_2, op_or_fn
+from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.launch import next_power_of_2
 
 
 @triton.jit
@@ -40,7 +41,11 @@ def _ce_rows_kernel(logits, targets, loss, stride, V, ignore_index, BV: tl.const
         tl.store(ptr + start + cols, grad.to(logits.dtype.element_ty), mask=mask)
 
 
-def _forward(hidden, weight, targets, ignore_index, chunk_size, need_dw):
+@kernel_op("linear_cross_entropy_fwd")
+def linear_ce_fwd(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, chunk_size: int,
+    need_dw: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss, the gradients of the summed loss for hidden and weight, the count of rows the mean divides
     by). The gradients stay those of the sum until the backward pass scales them by dloss / count: the mean's,
     ~1e-5 and below over a few thousand rows, would be float16 subnormals (below 6.1e-5) before GradScaler's
@@ -69,15 +74,7 @@ def _forward(hidden, weight, targets, ignore_index, chunk_size, need_dw):
     return loss, dh, dw, count
 
 
-@torch.library.custom_op("fabric_lin::linear_cross_entropy_fwd", mutates_args=())
-def _linear_ce_fwd_op(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, chunk_size: int,
-    need_dw: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(hidden, weight, targets, ignore_index, chunk_size, need_dw)
-
-
-@_linear_ce_fwd_op.register_fake
+@linear_ce_fwd.register_fake
 def _(hidden, weight, targets, ignore_index, chunk_size, need_dw):
     if need_dw:
         dw = torch.empty_like(weight, dtype=torch.float32 if weight.dtype == torch.float16 else weight.dtype)
@@ -87,14 +84,10 @@ def _(hidden, weight, targets, ignore_index, chunk_size, need_dw):
     return scalar, torch.empty_like(hidden), dw, torch.empty_like(scalar)
 
 
-def _ce_fwd(*args):
-    return op_or_fn(_linear_ce_fwd_op, _forward)(*args)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, chunk_size):
-        loss, dh, dw, count = _ce_fwd(hidden, weight, targets, ignore_index, chunk_size, weight.requires_grad)
+        loss, dh, dw, count = linear_ce_fwd(hidden, weight, targets, ignore_index, chunk_size, weight.requires_grad)
         ctx.save_for_backward(dh, dw, count)
         ctx.need_dw, ctx.weight_dtype = weight.requires_grad, weight.dtype
         return loss
@@ -110,5 +103,5 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy_triton(hidden, weight, targets, ignore_index: int, chunk_size: int) -> torch.Tensor:
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
         # no gradient wanted: the same kernel, its gradients dropped
-        return _ce_fwd(hidden.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, chunk_size, False)[0]
+        return linear_ce_fwd(hidden.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, chunk_size, False)[0]
     return _LinearCrossEntropy.apply(hidden.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, chunk_size)

@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.launch import cdiv, multiprocessors, next_power_of_2, op_or_fn
+from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.launch import cdiv, multiprocessors, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -117,11 +118,11 @@ def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dres, dg, dw_part, n_rows,
 
 
 # ------------------------------------------------------------------------------------ torch.library ops
-# _fwd and _bwd are the ops' functions; the autograd Functions below call them through op_or_fn (the
-# registered op only while torch.compile traces).
+# the kernel ops; the autograd Functions below call them
 
 
-def _fwd(
+@kernel_op("rms_norm_fwd")
+def norm_fwd(
     x: torch.Tensor, residual: Optional[torch.Tensor], gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
     y_dtype: Optional[torch.dtype],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,7 +144,8 @@ def _fwd(
     return y.view_as(x), (h.view_as(x) if residual is not None else x.new_empty(0)), rstd
 
 
-def _bwd(
+@kernel_op("rms_norm_bwd")
+def norm_bwd(
     h: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
     dh_extra: Optional[torch.Tensor], residual_dtype: Optional[torch.dtype],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,36 +186,24 @@ def _casts_residual_grad(h: torch.Tensor, residual_dtype: Optional[torch.dtype])
     return residual_dtype is not None and residual_dtype != h.dtype
 
 
-_rms_norm_fwd_op = torch.library.custom_op("fabric_lin::rms_norm_fwd", mutates_args=())(_fwd)
-_rms_norm_bwd_op = torch.library.custom_op("fabric_lin::rms_norm_bwd", mutates_args=())(_bwd)
-
-
-@_rms_norm_fwd_op.register_fake
+@norm_fwd.register_fake
 def _(x, residual, gate, weight, eps, y_dtype):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     h = torch.empty_like(x) if residual is not None else x.new_empty(0)
     return torch.empty_like(x, dtype=y_dtype or x.dtype), h, x.new_empty(rows, dtype=torch.float32)
 
 
-@_rms_norm_bwd_op.register_fake
+@norm_bwd.register_fake
 def _(h, gate, weight, rstd, dy, dh_extra, residual_dtype):
     dres = torch.empty_like(h, dtype=residual_dtype) if _casts_residual_grad(h, residual_dtype) else h.new_empty(0)
     return (torch.empty_like(h), (torch.empty_like(gate) if gate is not None else h.new_empty(0)), torch.empty_like(weight),
             dres)
 
 
-def _norm_fwd(*args):
-    return op_or_fn(_rms_norm_fwd_op, _fwd)(*args)
-
-
-def _norm_bwd(*args):
-    return op_or_fn(_rms_norm_bwd_op, _bwd)(*args)
-
-
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, gate, weight, eps):
-        y, h, rstd = _norm_fwd(x, residual, gate, weight, eps, None)
+        y, h, rstd = norm_fwd(x, residual, gate, weight, eps, None)
         ctx.save_for_backward(h if residual is not None else x, gate, weight, rstd)
         ctx.residual_dtype = residual.dtype if residual is not None else None  # None: no residual
         return y, h
@@ -222,7 +212,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dh_out):
         h, gate, weight, rstd = ctx.saved_tensors
         dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
-        dx, dg, dw, dres = _norm_bwd(h, gate, weight, rstd, dy.contiguous(), dh_extra, ctx.residual_dtype)
+        dx, dg, dw, dres = norm_bwd(h, gate, weight, rstd, dy.contiguous(), dh_extra, ctx.residual_dtype)
         return dx, _residual_grad(ctx, h, dx, dres), (dg if gate is not None else None), dw, None
 
 
@@ -239,7 +229,7 @@ class _RMSNormGatedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate, weight, eps, proj_weight):
-        y, _, rstd = _norm_fwd(x, None, gate, weight, eps, None)
+        y, _, rstd = norm_fwd(x, None, gate, weight, eps, None)
         ctx.save_for_backward(x, gate, weight, rstd, proj_weight)
         ctx.eps = eps
         return torch.matmul(y.reshape(*x.shape[:-2], -1), proj_weight.t())
@@ -247,11 +237,11 @@ class _RMSNormGatedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x, gate, weight, rstd, proj_weight = ctx.saved_tensors
-        y, _, _ = _norm_fwd(x, None, gate, weight, ctx.eps, None)
+        y, _, _ = norm_fwd(x, None, gate, weight, ctx.eps, None)
         d_out = d_out.contiguous()
         d_proj = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, proj_weight.shape[1]))
         dy = torch.matmul(d_out, proj_weight).view_as(x)
-        dx, dg, dw, _ = _norm_bwd(x, gate, weight, rstd, dy, None, None)
+        dx, dg, dw, _ = norm_bwd(x, gate, weight, rstd, dy, None, None)
         return dx, dg, dw, None, d_proj
 
 
@@ -265,7 +255,7 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, stacked, sizes):
-        y, h, rstd = _norm_fwd(x, residual, None, weight, eps, stacked.dtype)
+        y, h, rstd = norm_fwd(x, residual, None, weight, eps, stacked.dtype)
         source = h if residual is not None else x
         ctx.save_for_backward(source, weight, rstd, stacked)
         ctx.eps, ctx.sizes = eps, sizes
@@ -278,7 +268,7 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
     def backward(ctx, dh_out, *d_outs):
         source, weight, rstd, stacked = ctx.saved_tensors
         dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
-        y, _, _ = _norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype)
+        y, _, _ = norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype)
         y = y.reshape(-1, y.shape[-1])
         # the outputs' gradients side by side: one product for the input gradient (summed over the
         # projections inside the product, rounded once) and one for the stacked weight's; one output
@@ -292,7 +282,7 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
             ], dim=-1)
         dy = torch.matmul(d_cat, stacked).view_as(source)
         d_stacked = torch.matmul(d_cat.t(), y)
-        dx, _, dw, dres = _norm_bwd(source, None, weight, rstd, dy, dh_extra, ctx.residual_dtype)
+        dx, _, dw, dres = norm_bwd(source, None, weight, rstd, dy, dh_extra, ctx.residual_dtype)
         return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None
 
 

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.launch import cdiv, next_power_of_2, op_or_fn
+from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.launch import cdiv, next_power_of_2
 
 # Tiles, from ptxas's report for sm_90 at gdn-340M's shapes (bf16, W = 4, D = 512 and 1024; the test file
 # prints it): the forward's [64 rows, 64 channels] takes 85 registers a thread (6 programs of 4 warps per
@@ -213,7 +214,8 @@ def _varlen_args(cu_seqlens: Optional[torch.Tensor]) -> Tuple[int, int]:
     return N, N.bit_length()
 
 
-def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+@kernel_op("causal_conv1d_fwd")
+def conv_fwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
               activation: bool) -> torch.Tensor:
     B, T, D = x.shape
     W = weight.shape[1]
@@ -229,7 +231,8 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tenso
     return y
 
 
-def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+@kernel_op("causal_conv1d_bwd")
+def conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
               dy: torch.Tensor, activation: bool, want_dcache: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dcache; dcache is empty unless want_dcache)."""
     B, T, D = x.shape
@@ -257,7 +260,8 @@ def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tenso
     return dx, dw_part.sum(0).to(weight.dtype), dcache
 
 
-def _conv_step(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
+@kernel_op("causal_conv1d_step")
+def conv_step(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
                activation: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     B, D = x.shape
     W = weight.shape[1]
@@ -268,44 +272,35 @@ def _conv_step(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
     return y, new_cache
 
 
-# torch.library ops, so that torch.compile keeps each kernel one opaque node (op_or_fn: only while it traces)
-_conv_fwd_op = torch.library.custom_op("fabric_lin::causal_conv1d_fwd", mutates_args=())(_conv_fwd)
-_conv_bwd_op = torch.library.custom_op("fabric_lin::causal_conv1d_bwd", mutates_args=())(_conv_bwd)
-_conv_step_op = torch.library.custom_op("fabric_lin::causal_conv1d_step", mutates_args=())(_conv_step)
-
-
-@_conv_fwd_op.register_fake
+@conv_fwd.register_fake
 def _(x, weight, cache, cu_seqlens, activation):
     return x.new_empty(x.shape)
 
 
-@_conv_bwd_op.register_fake
+@conv_bwd.register_fake
 def _(x, weight, cache, cu_seqlens, dy, activation, want_dcache):
     want_dcache = want_dcache and cache is not None
     dcache = cache.new_empty(cache.shape) if want_dcache else x.new_empty(0)
     return x.new_empty(x.shape), weight.new_empty(weight.shape), dcache
 
 
-@_conv_step_op.register_fake
+@conv_step.register_fake
 def _(x, weight, cache, activation):
     return x.new_empty(x.shape), x.new_empty(x.shape[0], weight.shape[1] - 1, x.shape[1])
 
 
 class _CausalConv1dFunction(torch.autograd.Function):
-    """The ops through op_or_fn: the registered ops only while torch.compile traces."""
-
     @staticmethod
     def forward(ctx, x, weight, cache, cu_seqlens, activation):
         ctx.save_for_backward(x, weight, cache, cu_seqlens)
         ctx.activation = activation
-        return op_or_fn(_conv_fwd_op, _conv_fwd)(x, weight, cache, cu_seqlens, activation)
+        return conv_fwd(x, weight, cache, cu_seqlens, activation)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, cache, cu_seqlens = ctx.saved_tensors
         want_dcache = cache is not None and ctx.needs_input_grad[2]
-        dx, dweight, dcache = op_or_fn(_conv_bwd_op, _conv_bwd)(x, weight, cache, cu_seqlens, dy.contiguous(),
-                                                                ctx.activation, want_dcache)
+        dx, dweight, dcache = conv_bwd(x, weight, cache, cu_seqlens, dy.contiguous(), ctx.activation, want_dcache)
         return dx, dweight, dcache if want_dcache else None, None, None
 
 
@@ -318,7 +313,7 @@ def causal_conv1d_step_triton(x: torch.Tensor, weight: torch.Tensor, cache: torc
                               activation: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """One decoding step: x [B, D] (one token), weight [D, W], cache [B, W - 1, D] -> (y [B, D] in x's dtype,
     the new cache [B, W - 1, D] in x's dtype: the cache's last W - 2 inputs, then x). Not differentiable."""
-    return op_or_fn(_conv_step_op, _conv_step)(x.contiguous(), weight.contiguous(), cache.contiguous(), activation)
+    return conv_step(x.contiguous(), weight.contiguous(), cache.contiguous(), activation)
 
 
 def causal_conv1d_triton(

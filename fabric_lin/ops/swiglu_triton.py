@@ -5,7 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.launch import cdiv, op_or_fn
+from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.launch import cdiv
 
 BLOCK = 1024
 
@@ -41,7 +42,8 @@ def _grid(rows: int, I: int):
     return (rows, cdiv(I, BLOCK))
 
 
-def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+@kernel_op("swiglu_fwd")
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(gate)
     I = gate.shape[-1]
     if y.numel():
@@ -49,7 +51,8 @@ def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+@kernel_op("swiglu_bwd")
+def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     I = gate.shape[-1]
     if gate.numel():
@@ -57,32 +60,26 @@ def _swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> Tuple
     return dgate, dup
 
 
-_swiglu_fwd_op = torch.library.custom_op("fabric_lin::swiglu_fwd", mutates_args=())(_swiglu_fwd)
-_swiglu_bwd_op = torch.library.custom_op("fabric_lin::swiglu_bwd", mutates_args=())(_swiglu_bwd)
-
-
-@_swiglu_fwd_op.register_fake
+@swiglu_fwd.register_fake
 def _(gate, up):
     return torch.empty_like(gate)
 
 
-@_swiglu_bwd_op.register_fake
+@swiglu_bwd.register_fake
 def _(gate, up, dy):
     return torch.empty_like(gate), torch.empty_like(up)
 
 
 class _SwiGLUFunction(torch.autograd.Function):
-    """The ops through op_or_fn: the registered ops only while torch.compile traces."""
-
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return op_or_fn(_swiglu_fwd_op, _swiglu_fwd)(gate, up)
+        return swiglu_fwd(gate, up)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        return op_or_fn(_swiglu_bwd_op, _swiglu_bwd)(gate, up, dy.contiguous())
+        return swiglu_bwd(gate, up, dy.contiguous())
 
 
 def _packed_fwd(gate_up: torch.Tensor) -> torch.Tensor:
@@ -109,42 +106,38 @@ def _packed_bwd(gate_up: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 # SwiGLU followed by the down projection, with the activation recomputed in the backward pass: an MLP
 # then keeps gate_up and the weight for its backward, not also the [tokens, intermediate] activation
 # that a separate linear layer would save (a third of an MLP's saved activations).
-def _swiglu_linear_fwd(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+@kernel_op("swiglu_linear_fwd")
+def swiglu_linear_fwd(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.matmul(_packed_fwd(gate_up), weight.t())
 
 
-def _swiglu_linear_bwd(gate_up: torch.Tensor, weight: torch.Tensor, d_out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+@kernel_op("swiglu_linear_bwd")
+def swiglu_linear_bwd(gate_up: torch.Tensor, weight: torch.Tensor, d_out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     y = _packed_fwd(gate_up)  # recomputed: one elementwise pass instead of keeping it
     d_weight = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, y.shape[-1]))
     return _packed_bwd(gate_up, torch.matmul(d_out, weight)), d_weight
 
 
-_swiglu_linear_fwd_op = torch.library.custom_op("fabric_lin::swiglu_linear_fwd", mutates_args=())(_swiglu_linear_fwd)
-_swiglu_linear_bwd_op = torch.library.custom_op("fabric_lin::swiglu_linear_bwd", mutates_args=())(_swiglu_linear_bwd)
-
-
-@_swiglu_linear_fwd_op.register_fake
+@swiglu_linear_fwd.register_fake
 def _(gate_up, weight):
     return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
 
 
-@_swiglu_linear_bwd_op.register_fake
+@swiglu_linear_bwd.register_fake
 def _(gate_up, weight, d_out):
     return torch.empty_like(gate_up), weight.new_empty(weight.shape)
 
 
 class _SwiGLULinearFunction(torch.autograd.Function):
-    """The ops through op_or_fn: the registered ops only while torch.compile traces."""
-
     @staticmethod
     def forward(ctx, gate_up, weight):
         ctx.save_for_backward(gate_up, weight)
-        return op_or_fn(_swiglu_linear_fwd_op, _swiglu_linear_fwd)(gate_up, weight)
+        return swiglu_linear_fwd(gate_up, weight)
 
     @staticmethod
     def backward(ctx, d_out):
         gate_up, weight = ctx.saved_tensors
-        return op_or_fn(_swiglu_linear_bwd_op, _swiglu_linear_bwd)(gate_up, weight, d_out.contiguous())
+        return swiglu_linear_bwd(gate_up, weight, d_out.contiguous())
 
 
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

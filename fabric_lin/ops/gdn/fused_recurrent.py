@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.launch import cdiv, next_power_of_2, op_or_fn
+from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.launch import cdiv, next_power_of_2
 
 L2NORM_EPS = 1e-6  # fabric_lin/ops/gdn/l2norm.py's, fla's
 
@@ -55,7 +56,9 @@ def _value_tile(K: int, V: int) -> Tuple[int, int]:
     return BK, BV
 
 
-def _step(
+# a kernel op, so that torch.compile keeps the step one opaque call
+@kernel_op("recurrent_gated_delta_rule_step")
+def gdn_step_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: Optional[torch.Tensor], scale: float, use_qk_l2norm: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -72,11 +75,7 @@ def _step(
     return o, new_state
 
 
-# a torch.library op, so that torch.compile keeps the step one opaque call (op_or_fn: only while it traces)
-gdn_step_op = torch.library.custom_op("fabric_lin::recurrent_gated_delta_rule_step", mutates_args=())(_step)
-
-
-@gdn_step_op.register_fake
+@gdn_step_kernel.register_fake
 def _(q, k, v, g, beta, state, scale, use_qk_l2norm):
     B, H, K = q.shape
     return q.new_empty(B, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)
@@ -92,5 +91,5 @@ def fused_recurrent_gated_delta_rule_step_triton(
     if state is not None:
         state = state.float().contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return op_or_fn(gdn_step_op, _step)(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
-                                        beta.contiguous(), state, scale, bool(use_qk_l2norm))
+    return gdn_step_kernel(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state,
+                           scale, bool(use_qk_l2norm))

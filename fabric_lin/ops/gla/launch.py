@@ -12,11 +12,11 @@ program count where `state.warps` is None, and dq/dk takes at least 8 warps over
 """
 from dataclasses import dataclass
 
-from fabric_lin.ops.launch import KernelLaunch, launch_from_dict, launch_to_json
+from fabric_lin.ops.launch import KernelLaunch, LaunchBundle
 
 
 @dataclass(frozen=True)
-class GLALaunch:
+class GLALaunch(LaunchBundle):
     cumsum: KernelLaunch = KernelLaunch(BK=16, warps=2)
     """The in-chunk gate cumsum (also writes the decayed keys in the backward pass)."""
     state: KernelLaunch = KernelLaunch(BK=64, BV=128, warps=None)
@@ -31,14 +31,6 @@ class GLALaunch:
     """dq, dk and the gate's gradient: the launch of the chunks that need the levels."""
     dqk_single_warps: int = 4
     """Warps of dq/dk's first launch, the chunks whose scores take one reference row."""
-
-    def __post_init__(self):
-        # the form the torch.library ops take it in, made once: under torch.compile reading it is a constant
-        object.__setattr__(self, "as_json", launch_to_json(self))
-
-    @classmethod
-    def from_dict(cls, data: dict, source: str = "GLA launch settings") -> "GLALaunch":
-        return launch_from_dict(cls, data, source)
 
 
 SHIPPED = GLALaunch()
