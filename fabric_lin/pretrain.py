@@ -42,7 +42,7 @@ from fabric_lin.fp8 import FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.files import missing_ancestors, remove_empty_dirs
 from fabric_lin.metrics import METRICS_FILE, MetricsWriter, make_logger
-from fabric_lin.model import GPT, Block, RMSNorm
+from fabric_lin.model import GPT, Block, Launches, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
 from fabric_lin.stopping import StepFlags, StopRequest
@@ -597,7 +597,8 @@ def build_model(
     seed; under FSDP the wrapping materialises each Block with its modules' `reset_parameters()`."""
     sharded = isinstance(fabric.strategy, FSDPStrategy)
     with fabric.init_module(empty_init=True):
-        model = GPT(config, fused=fabric.device.type == "cuda", gla_launch=gla_launch, float8=fp8.enabled)
+        model = GPT(config, fused=fabric.device.type == "cuda", float8=fp8.enabled,
+                    launch=Launches() if gla_launch is None else Launches(gla=gla_launch))
     if not sharded:
         fabric.seed_everything(seed, verbose=False)
         model.reset_parameters()

@@ -9,13 +9,29 @@ input dtype.
 
 The kernel is in cross_entropy_triton.py (imported only when it runs); `linear_cross_entropy_ref` is the
 PyTorch definition (the CPU path, chunked the same way). `backend` picks one by the rule of
-fabric_lin/ops/backend.py.
+fabric_lin/ops/backend.py; `launch` (a CrossEntropyLaunch, default SHIPPED) says how the kernel is launched.
 """
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fabric_lin.ops.backend import resolve_backend
+from fabric_lin.ops.launch import LaunchBundle
+
+
+@dataclass(frozen=True)
+class CrossEntropyLaunch(LaunchBundle):
+    """How the loss kernel (one program per row of logits) is launched."""
+
+    vocab_tile: int = 4096
+    """Logits per step of a row's loops (the vocabulary's next power of two where that is smaller)."""
+    warps: int = 8
+
+
+SHIPPED = CrossEntropyLaunch()
 
 
 def linear_cross_entropy_ref(hidden, weight, targets, ignore_index: int = -100, chunk_size: int = 4096) -> torch.Tensor:
@@ -44,6 +60,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     chunk_size: int = 4096,
     backend: str = "auto",
+    launch: Optional[CrossEntropyLaunch] = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of hidden [N, d] @ weight[V, d]^T against targets [N] (ignore_index rows left out).
     A target outside [0, V) raises on the PyTorch path and makes the loss NaN on the Triton path."""
@@ -63,4 +80,4 @@ def linear_cross_entropy(
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     from fabric_lin.ops.cross_entropy_triton import linear_cross_entropy_triton
 
-    return linear_cross_entropy_triton(hidden, weight, targets, ignore_index, chunk_size)
+    return linear_cross_entropy_triton(hidden, weight, targets, ignore_index, chunk_size, launch)

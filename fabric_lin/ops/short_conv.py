@@ -7,21 +7,49 @@ with its first T outputs kept, as flash-linear-attention's ShortConvolution comp
 the sequence are the `cache` (the W - 1 inputs before x, when decoding or continuing a prompt) or zeros;
 with `cu_seqlens` (documents packed along T) each document starts from zeros, as a fresh sequence.
 `causal_conv1d_ref` is the PyTorch path (differentiable through autograd); `backend` picks it or the
-kernels of short_conv_triton.py (imported only when they run) by the rule of fabric_lin/ops/backend.py.
+kernels of short_conv_triton.py (imported only when they run) by the rule of fabric_lin/ops/backend.py;
+`launch` (a ShortConvLaunch, default SHIPPED) says how the kernels are launched.
 """
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from fabric_lin.ops.backend import resolve_backend
+from fabric_lin.ops.launch import LaunchBundle
 
 MAX_WIDTH = 8  # the kernels unroll the W x W shifted tiles of the backward; GDN uses W = 4
+
+
+@dataclass(frozen=True)
+class ShortConvLaunch(LaunchBundle):
+    """How the convolution's kernels are launched: tiles of rows and channels, from ptxas's report for sm_90 at
+    gdn-340M's shapes (bf16, W = 4, D = 512 and 1024; tests/test_short_conv_and_gdn_step.py prints it): the
+    forward's [64 rows, 64 channels] takes 85 registers a thread (6 programs of 4 warps per SM); the backward's
+    [32, 32] takes 126 (4 programs per SM), where [32, 64] takes 168 and spills."""
+
+    fwd_channels: int = 64
+    """Channels per forward tile: 128 contiguous bytes of a bf16 row."""
+    fwd_rows: int = 64
+    bwd_channels: int = 32
+    bwd_rows: int = 32
+    """Rows a backward tile recomputes; it keeps dx for the first bwd_rows - (W - 1) of them."""
+    bwd_row_tiles: int = 8
+    """Row tiles per backward program: fewer dweight partial sums to write and add up."""
+    step_channels: int = 128
+    """Channels per program of the decoding step."""
+    warps: int = 4
+    """Warps of every kernel."""
+
+
+SHIPPED = ShortConvLaunch()
 
 
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True, backend: str = "auto",
+    launch: Optional[ShortConvLaunch] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """x [B, T, D], weight [D, W]; cache [B, W - 1, D] or None; cu_seqlens [N + 1] document offsets (B = 1)
     or None. Returns (y [B, T, D] in x's dtype, computed in fp32; the new cache [B, W - 1, D] in x's dtype:
@@ -35,7 +63,7 @@ def causal_conv1d(
                          f"{weight.shape[1]}; use backend='torch'")
     from fabric_lin.ops.short_conv_triton import causal_conv1d_triton
 
-    return causal_conv1d_triton(x, weight, cache, cu_seqlens, activation)
+    return causal_conv1d_triton(x, weight, cache, cu_seqlens, activation, launch)
 
 
 def _check_inputs(x, weight, cache, cu_seqlens) -> None:

@@ -71,16 +71,18 @@ def fused_recurrent_gated_delta_rule_step(
     scale: Optional[float] = None,
     use_qk_l2norm: bool = False,
     backend: str = "auto",
+    launch: Optional[GDNLaunch] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One decoding step: q, k [B, H, K]; v [B, H, V]; g, beta [B, H]; state [B, H, K, V] fp32 or None (zeros).
-    Returns o [B, H, V] in q's dtype and the new fp32 state; "triton": one launch (fused_recurrent.py)."""
+    Returns o [B, H, V] in q's dtype and the new fp32 state; "triton": one launch (fused_recurrent.py), launched as
+    `launch` says (its step_warps)."""
     chosen = resolve_backend(backend, q.device)
     check_step_inputs("fused_recurrent_gated_delta_rule_step", q, k, v, per_head={"g": g, "beta": beta}, state=state)
     if chosen == "torch":
         return recurrent_gated_delta_rule_step(q, k, v, g, beta, state, scale, use_qk_l2norm)
     from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
 
-    return fused_recurrent_gated_delta_rule_step_triton(q, k, v, g, beta, state, scale, use_qk_l2norm)
+    return fused_recurrent_gated_delta_rule_step_triton(q, k, v, g, beta, state, scale, use_qk_l2norm, launch)
 
 
 __all__ = [

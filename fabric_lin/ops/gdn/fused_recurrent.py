@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from fabric_lin.ops.custom_op import kernel_op
-from fabric_lin.ops.launch import cdiv, next_power_of_2
+from fabric_lin.ops.gdn.launch import SHIPPED, GDNLaunch
+from fabric_lin.ops.launch import cdiv, launch_json, next_power_of_2
 
 L2NORM_EPS = 1e-6  # fabric_lin/ops/gdn/l2norm.py's, fla's
 
@@ -60,7 +61,7 @@ def _value_tile(K: int, V: int) -> Tuple[int, int]:
 @kernel_op("recurrent_gated_delta_rule_step")
 def gdn_step_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: Optional[torch.Tensor], scale: float, use_qk_l2norm: bool,
+    state: Optional[torch.Tensor], scale: float, use_qk_l2norm: bool, launch: str,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     B, H, K = q.shape
     V = v.shape[-1]
@@ -70,13 +71,13 @@ def gdn_step_kernel(
         BK, BV = _value_tile(K, V)
         _gdn_step_kernel[(cdiv(V, BV), B * H)](
             q, k, v, g, beta, state, new_state, o, scale, K, V, BK, BV, USE_STATE=state is not None,
-            USE_QK_L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, num_warps=4,
+            USE_QK_L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, num_warps=GDNLaunch.from_json(launch).step_warps,
         )
     return o, new_state
 
 
 @gdn_step_kernel.register_fake
-def _(q, k, v, g, beta, state, scale, use_qk_l2norm):
+def _(q, k, v, g, beta, state, scale, use_qk_l2norm, launch):
     B, H, K = q.shape
     return q.new_empty(B, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)
 
@@ -84,6 +85,7 @@ def _(q, k, v, g, beta, state, scale, use_qk_l2norm):
 def fused_recurrent_gated_delta_rule_step_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: Optional[torch.Tensor], scale: Optional[float] = None, use_qk_l2norm: bool = False,
+    launch: Optional[GDNLaunch] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """recurrent_gated_delta_rule_step in one launch: q, k [B, H, K]; v [B, H, V]; g (log decay), beta [B, H];
     state [B, H, K, V] (read as fp32) or None (zeros). Returns o [B, H, V] in q's dtype and the new fp32
@@ -92,4 +94,4 @@ def fused_recurrent_gated_delta_rule_step_triton(
         state = state.float().contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return gdn_step_kernel(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state,
-                           scale, bool(use_qk_l2norm))
+                           scale, bool(use_qk_l2norm), launch_json(launch, SHIPPED))

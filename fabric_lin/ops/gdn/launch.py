@@ -42,6 +42,8 @@ class GDNLaunch(LaunchBundle):
     """dq, the output's and state's part of dk, dW and their part of the gate's gradient, per key tile."""
     wy_bwd: KernelLaunch = KernelLaunch(BK=64, BV=64, warps=4)
     """Through W, U and (I + A)^-1 to dk, dv, dbeta; the gate's gradient summed and cumulated back."""
+    step_warps: int = 4
+    """Warps of the decoding step (fused_recurrent.py; its tiles follow the head dims)."""
 
 
 SHIPPED = GDNLaunch()

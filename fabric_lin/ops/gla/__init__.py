@@ -90,16 +90,17 @@ def fused_recurrent_gla_step(
     state: Optional[torch.Tensor],
     scale: Optional[float] = None,
     backend: str = "auto",
+    launch: Optional[GLALaunch] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One decoding step: q, k, gk [B, H, K]; v [B, H, V]; state [B, H, K, V] fp32 or None (zeros).
-    Returns o [B, H, V] in q's dtype and the new fp32 state."""
+    Returns o [B, H, V] in q's dtype and the new fp32 state. launch: the kernel's launch settings (its step_warps)."""
     chosen = resolve_backend(backend, q.device)
     check_step_inputs("fused_recurrent_gla_step", q, k, v, per_key={"gk": gk}, state=state)
     if chosen == "torch":
         return recurrent_gla_step(q, k, v, gk, state, scale)
     from fabric_lin.ops.gla.fused_recurrent import fused_recurrent_gla_step_triton
 
-    return fused_recurrent_gla_step_triton(q, k, v, gk, state, scale)
+    return fused_recurrent_gla_step_triton(q, k, v, gk, state, scale, launch)
 
 
 __all__ = [

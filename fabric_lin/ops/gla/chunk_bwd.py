@@ -349,9 +349,8 @@ def backward(q, k, v, gate, A, scale: float, initial_state: Optional[torch.Tenso
         gc = gate
         kd_mode = KD_WRITE if form_once else KD_FORM
     if split:
-        h, _ = states(k, v, None, gc, initial_state, cu_seqlens, layout, CHUNK_SIZE, launch.state, launch.scan, launch.cumsum)
-        dh, dh0 = split_state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout, CHUNK_SIZE, launch.state,
-                                    launch.scan)
+        h, _ = states(k, v, None, gc, initial_state, cu_seqlens, layout, CHUNK_SIZE, launch)
+        dh, dh0 = split_state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout, CHUNK_SIZE, launch)
     else:
         h, dh, dh0 = sequential_states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, layout, CHUNK_SIZE,
                                                  launch.state, kd, kd_mode)

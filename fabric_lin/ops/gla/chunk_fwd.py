@@ -100,7 +100,7 @@ def forward(q, k, v, g, scale: float, initial_state: Optional[torch.Tensor], cu_
     if normalizer is not None:
         gate_cumsum(g, gc, cu_seqlens, layout, CHUNK_SIZE, launch.cumsum, normalizer)
         g = None  # the state pass reads gc
-    h, ht = states(k, v, g, gc, initial_state, cu_seqlens, layout, CHUNK_SIZE, launch.state, launch.scan, launch.cumsum)
+    h, ht = states(k, v, g, gc, initial_state, cu_seqlens, layout, CHUNK_SIZE, launch)
     o = torch.empty_like(v, dtype=q.dtype)
     A = q.new_empty(B, T, H, CHUNK_SIZE)
     grid = chunk_grid(cu_seqlens, layout, T, B, H, CHUNK_SIZE)

@@ -31,6 +31,10 @@ class GLALaunch(LaunchBundle):
     """dq, dk and the gate's gradient: the launch of the chunks that need the levels."""
     dqk_single_warps: int = 4
     """Warps of dq/dk's first launch, the chunks whose scores take one reference row."""
+    updates_warps: int = 4
+    """Warps of the split state pass's chunk-parallel updates (in `state`'s tiles: they stand for that pass)."""
+    step_warps: int = 4
+    """Warps of the decoding step (fused_recurrent.py; its tiles follow the head dims)."""
 
 
 SHIPPED = GLALaunch()

@@ -27,6 +27,7 @@ import triton.language as tl
 from fabric_lin.ops.chunked.chunk_index import chunk_start, load_gate, load_gate_row, load_tile, state_pass_start
 from fabric_lin.ops.chunked.layout import chunk_grid, dot_precision, state_dtype
 from fabric_lin.ops.gla.cumsum import gate_cumsum
+from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.ops import launch as launch_helpers
 from fabric_lin.ops.launch import KernelLaunch, cdiv, tile_width
 
@@ -292,8 +293,9 @@ def _scan(hu, gc, s0, s_final, cu_seqlens, layout, T, BT, reverse, scan: KernelL
     )
 
 
-def _chunk_updates(x, y, g, gc, scale, cu_seqlens, layout, BT, reverse, dtype, state: KernelLaunch):
-    """[chunks, H, K, V] in `dtype`: each chunk's own term of the (reverse) state recurrence."""
+def _chunk_updates(x, y, g, gc, scale, cu_seqlens, layout, BT, reverse, dtype, state: KernelLaunch, warps: int):
+    """[chunks, H, K, V] in `dtype`: each chunk's own term of the (reverse) state recurrence, in the tiles of the
+    sequential pass it stands for (`state`), on `warps` warps."""
     B, T, H, K = x.shape
     V = y.shape[-1]
     NC, chunk_indices = layout.chunks, layout.chunk_indices
@@ -303,28 +305,30 @@ def _chunk_updates(x, y, g, gc, scale, cu_seqlens, layout, BT, reverse, dtype, s
     _chunk_update_kernel[grid](
         x, y, g, gc, u, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BK, BV,
         REVERSE=reverse, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(x.dtype), num_warps=4, num_stages=1,
+        DOT_PREC=dot_precision(x.dtype), num_warps=warps, num_stages=1,
     )
     return u
 
 
 def states(k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], gc: torch.Tensor,
            initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], layout, BT: int,
-           state: KernelLaunch, scan: KernelLaunch, cumsum: KernelLaunch):
+           launch: GLALaunch):
     """(per-chunk states h [chunks, H, K, V], the state entering each chunk; final state [N, H, K, V] fp32).
     With g given (the per-row log gate), gc is filled from it first (by the chunk-parallel updates where the
     pass is split, else by the gate cumsum's own launch); without, gc is read."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     N, NC, _, chunk_offsets = layout
+    state = launch.state
     ht = k.new_empty(N, H, K, V, dtype=torch.float32)
     if split_states(K, V, N, H, k.device, state):
-        h = _chunk_updates(k, v, g, gc, 1.0, cu_seqlens, layout, BT, False, state_dtype(k, initial_state is not None), state)
-        _scan(h, gc, initial_state, ht, cu_seqlens, layout, T, BT, False, scan)
+        h = _chunk_updates(k, v, g, gc, 1.0, cu_seqlens, layout, BT, False, state_dtype(k, initial_state is not None),
+                           state, launch.updates_warps)
+        _scan(h, gc, initial_state, ht, cu_seqlens, layout, T, BT, False, launch.scan)
         return h, ht
     if g is not None:
         # inside the sequential pass the cumsum would add its latency to every one of the pass's steps
-        gate_cumsum(g, gc, cu_seqlens, layout, BT, cumsum)
+        gate_cumsum(g, gc, cu_seqlens, layout, BT, launch.cumsum)
     BK, BV = tile_width(state.BK, K), tile_width(state.BV, V)
     h = k.new_empty(NC, H, K, V, dtype=state_dtype(k, initial_state is not None))
     _fwd_state_kernel[(cdiv(K, BK), cdiv(V, BV), N * H)](
@@ -335,14 +339,13 @@ def states(k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], gc: torc
     return h, ht
 
 
-def split_state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout, BT, state: KernelLaunch,
-                      scan: KernelLaunch):
+def split_state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout, BT, launch: GLALaunch):
     """The split form's state gradients: dh [chunks, H, K, V] (gradient of the state leaving each chunk) and
     dh0 (or None)."""
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
     dh = _chunk_updates(q, do, None, gc, scale, cu_seqlens, layout, BT, True,
-                        state_dtype(q, initial_state is not None or dht is not None), state)
-    _scan(dh, gc, dht, dh0, cu_seqlens, layout, q.shape[1], BT, True, scan)
+                        state_dtype(q, initial_state is not None or dht is not None), launch.state, launch.updates_warps)
+    _scan(dh, gc, dht, dh0, cu_seqlens, layout, q.shape[1], BT, True, launch.scan)
     return dh, dh0
 
 
