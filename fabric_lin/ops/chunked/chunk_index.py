@@ -3,8 +3,10 @@ chunks out on the host).
 
 Tensors are [B, T, H, D], read as [B*T] rows of H*D. Two kinds of program find their rows here:
 * chunk-parallel (one chunk of one head per program): `chunk_start`;
-* a sequential state pass (one sequence of one head per program, looping over its chunks): `seq_start`, and
-  `state_pass_start` for everything such a program sets up before its loop.
+* a sequential state pass (one sequence of one head per program, looping over its chunks): `seq_start` (its
+  sequence), `state_tile` (its tile of the [K, V] state), `initial_state_tile` (the state it starts from), or
+  `state_pass_start` for the three at once. The delta rule's passes call the three apart, in the order their
+  kernels always had (the compiled code is the same as before they were shared; ptxas schedules by it).
 Rows past a sequence's end are masked on load; a cumulative gate read there takes the sequence's last row (no
 decay past the end). Gates come per key column ([B*T, H, K], GLA's) or per head ([B*T, H], the delta rule's).
 """
@@ -44,24 +46,40 @@ def seq_start(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl
 
 
 @triton.jit
-def state_pass_start(i_k, i_v, i_nh, s0, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
-                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_S0: tl.constexpr,
-                     IS_VARLEN: tl.constexpr):
-    """What the program of a sequential state pass starts from, for key tile i_k, value tile i_v and (sequence,
-    head) i_nh: (head, the sequence's first row, its length, its first chunk, its chunk count, the key and value
-    columns of the state tile, their masks, the tile's mask and offsets in a [K, V] state, and the state tile
-    itself: fp32, s0's tile ([N * H, K, V]) where USE_S0, else zeros)."""
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    NT = tl.cdiv(T, BT)
+def state_tile(i_k, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Key tile i_k and value tile i_v of a [K, V] state: (key columns, value columns, their masks, the tile's mask
+    and its offsets in the state)."""
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     state_offs = o_k[:, None] * V + o_v[None, :]
+    return o_k, o_v, m_k, m_v, m_kv, state_offs
+
+
+@triton.jit
+def initial_state_tile(s0, i_nh, state_offs, m_kv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, USE_S0: tl.constexpr):
+    """The state a pass starts from, one tile of it, fp32: s0's ([N * H, K, V], i_nh its sequence and head) where
+    USE_S0, else zeros."""
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_S0:
         S += tl.load(s0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
+    return S
+
+
+@triton.jit
+def state_pass_start(i_k, i_v, i_nh, s0, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
+                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_S0: tl.constexpr,
+                     IS_VARLEN: tl.constexpr):
+    """What the program of a sequential state pass starts from, for key tile i_k, value tile i_v and (sequence,
+    head) i_nh: (head, the sequence's first row, its length, its first chunk, its chunk count, `state_tile`'s six,
+    and `initial_state_tile`)."""
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    NT = tl.cdiv(T, BT)
+    o_k, o_v, m_k, m_v, m_kv, state_offs = state_tile(i_k, i_v, K, V, BK, BV)
+    S = initial_state_tile(s0, i_nh, state_offs, m_kv, K, V, BK, BV, USE_S0)
     return i_h, bos, T, boh, NT, o_k, o_v, m_k, m_v, m_kv, state_offs, S
 
 

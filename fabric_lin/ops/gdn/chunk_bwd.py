@@ -31,7 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.chunked.chunk_index import chunk_start, load_head_gate, load_raw, state_pass_start
+from fabric_lin.ops.chunked.chunk_index import (
+    chunk_start,
+    initial_state_tile,
+    load_head_gate,
+    load_raw,
+    seq_start,
+    state_tile,
+)
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
 from fabric_lin.ops.gdn.chunk_fwd import _causal_decay, state_key_tile, states, wy_factors
 from fabric_lin.ops import launch as launch_helpers
@@ -78,11 +85,12 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
     of the state leaving chunk n (dh's dtype); dd = dd_local + k_end dS' (the corrections' whole gradient, dd's
     dtype); dh0 = the initial state's gradient (fp32). BKS >= K: the whole key dimension."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    # key tile 0 of width BKS: all of K, which the correction D = U - W S reads
-    i_h, bos, T, boh, NT, o_k, o_v, m_k, m_v, m_kv, state_offs, dS = state_pass_start(
-        0, i_v, i_nh, dht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BKS, BV, USE_DHT, IS_VARLEN)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
+    # key tile 0 of width BKS: all of K, which the correction D = U - W S reads
+    o_k, o_v, m_k, m_v, m_kv, state_offs = state_tile(0, i_v, K, V, BKS, BV)
     q += i_h * K
     k += i_h * K
     w += i_h * K
@@ -90,8 +98,9 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
     do += i_h * V
     dd_local += i_h * V
     dd += i_h * V
-    for i_r in range(NT):
-        i_t = NT - 1 - i_r
+    dS = initial_state_tile(dht, i_nh, state_offs, m_kv, K, V, BKS, BV, USE_DHT)
+    for i_r in range(tl.cdiv(T, BT)):
+        i_t = tl.cdiv(T, BT) - 1 - i_r
         row0 = bos + i_t * BT
         n_rows = T - i_t * BT
         m_tv = (o_t < n_rows)[:, None] & m_v[None, :]

@@ -16,7 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.chunked.chunk_index import chunk_start, load_head_gate, load_raw, state_pass_start
+from fabric_lin.ops.chunked.chunk_index import (
+    chunk_start,
+    initial_state_tile,
+    load_head_gate,
+    load_raw,
+    seq_start,
+    state_tile,
+)
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
 from fabric_lin.ops import launch as launch_helpers
 from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
@@ -41,17 +48,19 @@ def _fwd_state_kernel(k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_offsets, T, H:
     ht = the final state (fp32), for one value tile of one sequence and head. BKS >= K: the whole key
     dimension."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    # key tile 0 of width BKS: all of K, which the correction D = U - W S reads
-    i_h, bos, T, boh, NT, o_k, o_v, m_k, m_v, m_kv, state_offs, S = state_pass_start(
-        0, i_v, i_nh, h0, cu_seqlens, chunk_offsets, T, H, K, V, BT, BKS, BV, USE_H0, IS_VARLEN)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     DT = k.dtype.element_ty
     o_t = tl.arange(0, BT)
+    # key tile 0 of width BKS: all of K, which the correction D = U - W S reads
+    o_k, o_v, m_k, m_v, m_kv, state_offs = state_tile(0, i_v, K, V, BKS, BV)
     k += i_h * K
     w += i_h * K
     u += i_h * V
     d += i_h * V
     b += i_h
-    for i_t in range(NT):
+    S = initial_state_tile(h0, i_nh, state_offs, m_kv, K, V, BKS, BV, USE_H0)
+    for i_t in range(tl.cdiv(T, BT)):
         row0 = bos + i_t * BT
         n_rows = T - i_t * BT
         m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
