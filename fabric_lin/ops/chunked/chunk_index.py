@@ -5,8 +5,8 @@ Tensors are [B, T, H, D], read as [B*T] rows of H*D. Two kinds of program find t
 * chunk-parallel (one chunk of one head per program): `chunk_start`;
 * a sequential state pass (one sequence of one head per program, looping over its chunks): `seq_start` (its
   sequence), `state_tile` (its tile of the [K, V] state), `initial_state_tile` (the state it starts from), or
-  `state_pass_start` for the three at once. The delta rule's passes call the three apart, in the order their
-  kernels always had (the compiled code is the same as before they were shared; ptxas schedules by it).
+  `state_pass_start` for the three at once. The delta rule's passes call the three apart, between steps of their
+  own: ptxas schedules by the source's order, so the order a pass sets up in is part of its compiled code.
 Rows past a sequence's end are masked on load; a cumulative gate read there takes the sequence's last row (no
 decay past the end). Gates come per key column ([B*T, H, K], GLA's) or per head ([B*T, H], the delta rule's).
 """

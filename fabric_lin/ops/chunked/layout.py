@@ -13,8 +13,8 @@ import torch
 from fabric_lin.ops.launch import cdiv
 
 CHUNK_SIZE = 64
-"""Rows per chunk, for every family and path. Not a tuning knob: GLA's scores take its levels of halves down to
-2 rows (6 levels of 64) and GDN's triangular solve works on four 16-row blocks (checked where they are built)."""
+"""Rows per chunk, for every family and path. Not a tuning knob: GLA's scores take six levels of halves (64 rows
+down to 2) and GDN's triangular solve works on four blocks of 16 rows (its kernel asserts it)."""
 
 
 class ChunkLayout(NamedTuple):
