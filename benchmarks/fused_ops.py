@@ -24,7 +24,7 @@ import torch
 
 from common import kernel_ms, time_ms, write_result
 from fabric_lin.ops.norm import rms_norm, rms_norm_gated
-from fabric_lin.ops.norm_triton import NORM_LAUNCH
+from fabric_lin.ops.fused_launch import SHIPPED_NORM as NORM_LAUNCH
 from fabric_lin.ops.swiglu import swiglu
 
 

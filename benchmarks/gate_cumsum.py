@@ -1,4 +1,4 @@
-"""The gate cumsum kernel alone (fabric_lin/ops/common/cumsum.py), at the training shape, over launch settings
+"""The gate cumsum kernel alone (fabric_lin/ops/gla/cumsum.py), at the training shape, over launch settings
 (one GPU; microseconds per call).
 
 The kernel forms logsigmoid(logits) / 16 from the gate's bf16 logits and writes its in-chunk cumulative sum
@@ -13,9 +13,8 @@ import argparse
 import torch
 
 from common import time_ms, write_result
-from fabric_lin.ops.common.chunk_index import chunk_layout
-from fabric_lin.ops.common.cumsum import gate_cumsum
-from fabric_lin.ops.gla.chunk_fwd import BT
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE as BT, chunk_layout
+from fabric_lin.ops.gla.cumsum import gate_cumsum
 from fabric_lin.ops.gla.launch import SHIPPED
 from fabric_lin.ops.launch import KernelLaunch
 

@@ -116,8 +116,7 @@ def kernel_breakdown(fn, inputs, do):
 
 
 def kernel_modules():
-    from fabric_lin.ops.common import cumsum, state_pass
-    from fabric_lin.ops.gla import chunk_bwd, chunk_fwd
+    from fabric_lin.ops.gla import chunk_bwd, chunk_fwd, cumsum, state_pass
 
     return [cumsum, state_pass, chunk_fwd, chunk_bwd]
 

@@ -32,7 +32,7 @@ from bench_corpus import benchmark_corpus, pretrain_data_args
 from common import write_result
 from fabric_lin.config import Config
 from fabric_lin.flops import flops_per_token, peak_flops
-from fabric_lin.model import GPT
+from fabric_lin.model import GPT, Launches
 
 
 def fla_model(config: Config):
@@ -61,7 +61,8 @@ def ours(config: Config, gla_launch=None, compiled=False, fp8_recipe="none"):
     from fabric_lin.fp8 import FP8Args, convert_to_fp8
 
     fp8 = FP8Args(recipe=fp8_recipe)
-    model = GPT(config, fused=True, gla_launch=gla_launch, float8=fp8.enabled)
+    model = GPT(config, fused=True, launch=Launches() if gla_launch is None else Launches(gla=gla_launch),
+                float8=fp8.enabled)
     if fp8.enabled:
         convert_to_fp8(model, fp8)
     if compiled:

@@ -11,7 +11,9 @@ stream in the backward pass).
 
 `GPT(config, fused=True)` runs the training step on fused Triton kernels (CUDA, or Triton's interpreter on
 the CPU), `fused=False` on their PyTorch references (any device). The choice is made once, here: every
-module keeps the backend its ops are called with, and each formula is written once, in fabric_lin/ops/.
+module keeps the backend its ops are called with, and each formula is written once, in fabric_lin/ops/. So is
+how the kernels are launched: `GPT(config, launch=Launches(...))`, one launch-settings value per kernel family,
+each module keeping its family's and handing it to every op it calls.
 The fused kernels also make the matrix products around them (a norm and the projections after it, SwiGLU
 and the down projection) and read the Linear layers' weights directly; `float8=True` calls the Linear
 layers as modules instead, so that fabric_lin/fp8.py can swap them for FP8 ones.
@@ -26,30 +28,31 @@ import torch.nn.functional as F
 
 from fabric_lin.config import Config
 from fabric_lin.ops.cross_entropy import linear_cross_entropy
-from fabric_lin.ops.gdn import (
-    chunk_gated_delta_rule,
-    fused_recurrent_gated_delta_rule_step,
-    gdn_gate,
-)
-from fabric_lin.ops.gla import (
-    chunk_gla,
-    chunk_gla_from_logits,
-    fused_recurrent_gla_step,
-    log_decay,
-)
+from fabric_lin.ops.fused_launch import CrossEntropyLaunch, NormLaunch, ShortConvLaunch, SwiGLULaunch
+from fabric_lin.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step, gdn_gate
+from fabric_lin.ops.gdn.launch import GDNLaunch
+from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, fused_recurrent_gla_step, log_decay
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.ops.norm import (
-    rms_norm,
-    rms_norm_gated,
-    rms_norm_gated_linear,
-    rms_norm_linears,
-)
+from fabric_lin.ops.norm import rms_norm, rms_norm_gated, rms_norm_gated_linear, rms_norm_linears
 from fabric_lin.ops.short_conv import causal_conv1d
 from fabric_lin.ops.swiglu import swiglu, swiglu_linear
 
 
 def backend_of(fused: bool) -> str:
     return "triton" if fused else "torch"
+
+
+@dataclass(frozen=True)
+class Launches:
+    """How the model's Triton kernels are launched: one immutable value per kernel family, each defaulting to the
+    family's shipped settings (fabric_lin/ops/gla/tune.py searches GLA's). The PyTorch path ignores them."""
+
+    gla: GLALaunch = GLALaunch()
+    gdn: GDNLaunch = GDNLaunch()
+    norm: NormLaunch = NormLaunch()
+    short_conv: ShortConvLaunch = ShortConvLaunch()
+    swiglu: SwiGLULaunch = SwiGLULaunch()
+    cross_entropy: CrossEntropyLaunch = CrossEntropyLaunch()
 
 
 class Linear(nn.Linear):
@@ -75,16 +78,17 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6, fused: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, fused: bool = False, launch: NormLaunch = NormLaunch()):
         super().__init__()
         self.eps = eps
         self.backend = backend_of(fused)
+        self.launch = launch
         self.weight = nn.Parameter(torch.empty(dim))
         self.reset_parameters()
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """RMSNorm(x); with `residual`, h = x + residual is normalised and (RMSNorm(h), h) returned."""
-        return rms_norm(x, self.weight, self.eps, residual, backend=self.backend)
+        return rms_norm(x, self.weight, self.eps, residual, backend=self.backend, launch=self.launch)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -103,7 +107,7 @@ def prenorm_projections(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor, lin
     else the norm, then each Linear module."""
     if fused_linears:
         outs, h = rms_norm_linears(x, norm.weight, norm.eps, [lin.weight for lin in linears], residual=delta,
-                                   dtype=compute_dtype(x), backend="triton")
+                                   dtype=compute_dtype(x), backend="triton", launch=norm.launch)
         return h, outs
     y, h = norm(x, residual=delta)
     return h, [lin(y) for lin in linears]
@@ -114,18 +118,19 @@ def gated_output(o: torch.Tensor, g: torch.Tensor, norm: RMSNorm, o_proj: nn.Lin
     a product from o_proj's weight, the gated activation recomputed in the backward pass."""
     o = o.to(g.dtype)
     if fused_linears:
-        return rms_norm_gated_linear(o, g, norm.weight, norm.eps, o_proj.weight, backend="triton")
-    return o_proj(rms_norm_gated(o, g, norm.weight, norm.eps, backend=norm.backend).flatten(-2))
+        return rms_norm_gated_linear(o, g, norm.weight, norm.eps, o_proj.weight, backend="triton", launch=norm.launch)
+    return o_proj(rms_norm_gated(o, g, norm.weight, norm.eps, backend=norm.backend, launch=norm.launch).flatten(-2))
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), x = the normed block stream."""
 
-    def __init__(self, config: Config, fused: bool = False, float8: bool = False):
+    def __init__(self, config: Config, fused: bool = False, float8: bool = False, launch: SwiGLULaunch = SwiGLULaunch()):
         super().__init__()
         d, i, std = config.hidden_size, config.intermediate_size, config.initializer_range
         self.backend = backend_of(fused)
         self.fused_linears = fused and not float8
+        self.launch = launch
         self.gate_proj = Linear(d, i, std=std)
         self.up_proj = Linear(d, i, std=std)
         self.down_proj = Linear(i, d, std=std)
@@ -134,21 +139,21 @@ class MLP(nn.Module):
         """(x + delta, mlp(norm(x + delta)))."""
         if not self.fused_linears:
             x, (gate, up) = prenorm_projections(norm, x, delta, [self.gate_proj, self.up_proj], False)
-            return x, self.down_proj(swiglu(gate, up, backend=self.backend))
+            return x, self.down_proj(swiglu(gate, up, backend=self.backend, launch=self.launch))
         # gate and up side by side in one tensor, whose gradient the SwiGLU kernel writes as one tensor (no
         # concatenation in the projections' backward); the activation is recomputed in the backward pass
         gate_up, h = rms_norm_linears(x, norm.weight, norm.eps, [self.gate_proj.weight, self.up_proj.weight], residual=delta,
-                                      dtype=compute_dtype(x), backend="triton", side_by_side=True)
-        return h, swiglu_linear(gate_up, self.down_proj.weight, backend="triton")
+                                      dtype=compute_dtype(x), backend="triton", side_by_side=True, launch=norm.launch)
+        return h, swiglu_linear(gate_up, self.down_proj.weight, backend="triton", launch=self.launch)
 
 
 class GatedLinearAttention(nn.Module):
-    def __init__(self, config: Config, fused: bool = False, launch: Optional[GLALaunch] = None, float8: bool = False):
+    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), float8: bool = False):
         super().__init__()
         self.config = config
         self.backend = backend_of(fused)
         self.fused_linears = fused and not float8
-        self.launch = launch  # the Triton kernels' launch settings (None: the shipped ones)
+        self.launch = launch.gla
         d, std = config.hidden_size, config.initializer_range
         groups = config.num_heads // config.num_kv_heads
         self.q_proj = Linear(d, config.key_dim, std=std)
@@ -161,7 +166,7 @@ class GatedLinearAttention(nn.Module):
             Linear(config.gate_low_rank_dim, config.key_dim // groups, bias=True, std=std),
         )
         self.o_proj = Linear(config.value_dim, d, std=std)
-        self.g_norm = RMSNorm(config.head_v_dim, eps=config.head_norm_eps, fused=fused)  # per head, before the gate
+        self.g_norm = RMSNorm(config.head_v_dim, eps=config.head_norm_eps, fused=fused, launch=launch.norm)  # per head, before the gate
 
     def forward(
         self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
@@ -188,7 +193,7 @@ class GatedLinearAttention(nn.Module):
             gk = log_decay(gate_logits, c.gate_logit_normalizer)  # fp32, <= 0
             if T == 1:
                 o, cache.layers[layer] = fused_recurrent_gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], cache.layers[layer],
-                                                                  backend=self.backend)
+                                                                  backend=self.backend, launch=self.launch)
                 o = o.unsqueeze(1)
             else:
                 o, cache.layers[layer] = chunk_gla(q, k, v, gk, initial_state=cache.layers[layer], output_final_state=True,
@@ -201,16 +206,18 @@ class ShortConvolution(nn.Module):
     """Causal depthwise convolution of `width` taps over each channel, then SiLU (fabric_lin/ops/short_conv.py);
     the weight [channels, 1, width] as nn.Conv1d and flash-linear-attention's ShortConvolution keep it."""
 
-    def __init__(self, channels: int, width: int, std: float = 0.02, fused: bool = False):
+    def __init__(self, channels: int, width: int, std: float = 0.02, fused: bool = False,
+                 launch: ShortConvLaunch = ShortConvLaunch()):
         super().__init__()
         self.std = std
         self.backend = backend_of(fused)
+        self.launch = launch
         self.weight = nn.Parameter(torch.empty(channels, 1, width))
         self.reset_parameters()
 
     def forward(self, x: torch.Tensor, cache: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None):
         """x [B, T, channels] -> (silu(conv(x)), the last width - 1 inputs: the cache a next call continues from)."""
-        return causal_conv1d(x, self.weight[:, 0], cache, cu_seqlens, backend=self.backend)
+        return causal_conv1d(x, self.weight[:, 0], cache, cu_seqlens, backend=self.backend, launch=self.launch)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.std)
@@ -224,11 +231,12 @@ class GatedDeltaNet(nn.Module):
 
     no_weight_decay = ("A_log", "dt_bias")  # as flash-linear-attention keeps them
 
-    def __init__(self, config: Config, fused: bool = False, float8: bool = False):
+    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), float8: bool = False):
         super().__init__()
         self.config = config
         self.backend = backend_of(fused)
         self.fused_linears = fused and not float8
+        self.launch = launch.gdn
         d, std, H = config.hidden_size, config.initializer_range, config.num_heads
         self.q_proj = Linear(d, config.key_dim, std=std)
         self.k_proj = Linear(d, config.key_dim, std=std)
@@ -237,11 +245,11 @@ class GatedDeltaNet(nn.Module):
         self.b_proj = Linear(d, H, std=std)
         self.A_log = nn.Parameter(torch.empty(H))
         self.dt_bias = nn.Parameter(torch.empty(H))
-        self.q_conv1d = ShortConvolution(config.key_dim, config.conv_size, std, fused)
-        self.k_conv1d = ShortConvolution(config.key_dim, config.conv_size, std, fused)
-        self.v_conv1d = ShortConvolution(config.value_dim, config.conv_size, std, fused)
+        self.q_conv1d = ShortConvolution(config.key_dim, config.conv_size, std, fused, launch.short_conv)
+        self.k_conv1d = ShortConvolution(config.key_dim, config.conv_size, std, fused, launch.short_conv)
+        self.v_conv1d = ShortConvolution(config.value_dim, config.conv_size, std, fused, launch.short_conv)
         self.g_proj = Linear(d, config.value_dim, std=std)  # output gate
-        self.o_norm = RMSNorm(config.head_v_dim, eps=config.head_norm_eps, fused=fused)  # per head, before the gate
+        self.o_norm = RMSNorm(config.head_v_dim, eps=config.head_norm_eps, fused=fused, launch=launch.norm)  # per head, before the gate
         self.o_proj = Linear(config.value_dim, d, std=std)
         self.reset_parameters()
 
@@ -275,11 +283,12 @@ class GatedDeltaNet(nn.Module):
         q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
         if cache is not None and T == 1:  # one decoding step
             o, state = fused_recurrent_gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], decay[:, 0], beta[:, 0], state,
-                                                             use_qk_l2norm=True, backend=self.backend)
+                                                             use_qk_l2norm=True, backend=self.backend, launch=self.launch)
             o = o.unsqueeze(1)
         else:
             o, state = chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state, output_final_state=cache is not None,
-                                              cu_seqlens=cu_seqlens, use_qk_l2norm=True, backend=self.backend)
+                                              cu_seqlens=cu_seqlens, use_qk_l2norm=True, backend=self.backend,
+                                              launch=self.launch)
         if cache is not None:
             cache.layers[layer] = (conv_q, conv_k, conv_v, state)
         return x, gated_output(o, g.view(B, T, H, V), self.o_norm, self.o_proj, self.fused_linears)
@@ -355,20 +364,20 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: Config, fused: bool = False, gla_launch: Optional[GLALaunch] = None, layer: int = 0,
+    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), layer: int = 0,
                  float8: bool = False):
         super().__init__()
-        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused)
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused, launch=launch.norm)
         if config.block_type == "transformer":
             self.attn = CausalSelfAttention(config, config.num_heads, config.num_kv_heads, fused and not float8)
         elif layer in config.attn_layers:  # a hybrid's softmax-attention layer
             self.attn = CausalSelfAttention(config, config.attn_num_heads, config.attn_kv_heads, fused and not float8)
         elif config.block_type == "gla":
-            self.attn = GatedLinearAttention(config, fused, gla_launch, float8)
+            self.attn = GatedLinearAttention(config, fused, launch, float8)
         else:
-            self.attn = GatedDeltaNet(config, fused, float8)
-        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused)
-        self.mlp = MLP(config, fused, float8)
+            self.attn = GatedDeltaNet(config, fused, launch, float8)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused, launch=launch.norm)
+        self.mlp = MLP(config, fused, float8, launch.swiglu)
 
     def forward(self, x, delta, cu_seqlens=None, cache=None, layer: int = 0):
         """The residual stream is x + delta (delta: the last sublayer's output, not yet added); returns the
@@ -388,21 +397,22 @@ class DecodeCache:
 
 
 class GPT(nn.Module):
-    def __init__(self, config: Config, fused: bool = False, gla_launch: Optional[GLALaunch] = None, float8: bool = False):
-        """fused: the training step's fused Triton kernels (norms with their projections, SwiGLU, GLA,
-        cross-entropy; CUDA, or Triton's interpreter on the CPU), else their PyTorch references (any device).
-        gla_launch: the GLA kernels' launch settings (None: the shipped ones; see fabric_lin/ops/gla/tune.py).
+    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), float8: bool = False):
+        """fused: the training step's fused Triton kernels (norms with their projections, SwiGLU, GLA, GDN and
+        its convolutions, cross-entropy; CUDA, or Triton's interpreter on the CPU), else their PyTorch references
+        (any device). launch: how those kernels are launched, per family (default: the shipped settings).
         float8: the Linear layers called as modules, for fabric_lin/fp8.py to swap for FP8 ones."""
         super().__init__()
         self.config = config
         self.fused, self.float8 = fused, float8
+        self.launch = launch
         # Draws made while the submodules are constructed must not shift the generator: the model's
         # init is `reset_parameters()` below, so an eager build and a meta build followed by
         # `reset_parameters()` give the same weights for the same seed.
         with _preserve_rng():
             self.embeddings = Embedding(config.vocab_size, config.hidden_size, std=config.initializer_range)
-            self.layers = nn.ModuleList(Block(config, fused, gla_launch, i, float8) for i in range(config.num_layers))
-            self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused)
+            self.layers = nn.ModuleList(Block(config, fused, launch, i, float8) for i in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused, launch=launch.norm)
             self.lm_head = None if config.tie_embeddings else Linear(
                 config.hidden_size, config.vocab_size, std=config.initializer_range
             )
@@ -456,7 +466,7 @@ class GPT(nn.Module):
             return x
         if targets is not None:
             return linear_cross_entropy(x.flatten(0, 1), self.output_weight, targets.flatten(),
-                                        backend=backend_of(self.fused))
+                                        backend=backend_of(self.fused), launch=self.launch.cross_entropy)
         return F.linear(x, self.output_weight)
 
 

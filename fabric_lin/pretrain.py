@@ -47,7 +47,7 @@ from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import TokenSchedule, learning_rate
 from fabric_lin.metrics import METRICS_FILE, MetricsWriter, make_logger
-from fabric_lin.model import GPT, Block, RMSNorm
+from fabric_lin.model import GPT, Block, Launches, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
 from fabric_lin.stopping import StepFlags, StopRequest
@@ -584,7 +584,8 @@ def build_model(
     seed; under FSDP the wrapping materialises each Block with its modules' `reset_parameters()`."""
     sharded = isinstance(fabric.strategy, FSDPStrategy)
     with fabric.init_module(empty_init=True):
-        model = GPT(config, fused=fabric.device.type == "cuda", gla_launch=gla_launch, float8=fp8.enabled)
+        model = GPT(config, fused=fabric.device.type == "cuda", float8=fp8.enabled,
+                    launch=Launches() if gla_launch is None else Launches(gla=gla_launch))
     if not sharded:
         fabric.seed_everything(seed, verbose=False)
         model.reset_parameters()

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from conftest import compiled_graph_ops, gated_linear_attention_fp64, rel_rms  # noqa: E402
 
-from fabric_lin.ops.common.state_pass import takes_decayed_keys  # noqa: E402
+from fabric_lin.ops.gla.state_pass import takes_decayed_keys  # noqa: E402
 from fabric_lin.ops.gla import (  # noqa: E402
     chunk_gla, chunk_gla_from_logits, fused_recurrent_gla_step, naive_recurrent_gla, recurrent_gla_step,
 )
@@ -199,7 +199,7 @@ def test_decayed_keys_stay_out_of_narrow_state_tiles():
 def test_state_pass_warps_follow_the_launch_programs(monkeypatch):
     # 8 warps where a launch has no more programs than multiprocessors; the backward's fused pair counts both
     # passes' programs (at 8K tokens, 16 heads, K = V = 128: 128 a pass on 132 multiprocessors, 256 both)
-    from fabric_lin.ops.common.state_pass import sequential_programs, split_states, state_warps
+    from fabric_lin.ops.gla.state_pass import sequential_programs, split_states, state_warps
 
     gpu_of(monkeypatch, 132)
     device, state = torch.device("cuda"), SHIPPED.state

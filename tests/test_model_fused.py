@@ -100,3 +100,59 @@ def test_compiled_blocks_do_not_recompile_for_new_batch_or_length(dynamic):
     graphs = compiled_graphs() - before
     torch._dynamo.reset()
     assert graphs == (1 if dynamic else 2), graphs
+
+
+@pytest.mark.parametrize("name", ["gla-debug", "gdn-debug"])
+def test_every_kernel_op_is_launched_with_the_models_launch_settings(monkeypatch, name):
+    # GPT(config, launch=Launches(...)): every kernel op of a training step and of decoding gets its family's
+    # settings from the model (each op takes them last, as JSON), none falls back to the shipped ones. The
+    # settings here differ from the shipped ones only where the kernels' results do not depend on them (warps)
+    import dataclasses
+
+    from fabric_lin.model import Launches
+    from fabric_lin.ops import cross_entropy_triton, norm_triton, short_conv_triton, swiglu_triton
+    from fabric_lin.ops.gdn import chunk as gdn_chunk, fused_recurrent as gdn_step
+    from fabric_lin.ops.gla import chunk as gla_chunk, fused_recurrent as gla_step
+    from fabric_lin.ops.launch import with_settings
+
+    shipped = Launches()
+    launch = Launches(
+        gla=with_settings(shipped.gla, {"output.warps": 2, "step_warps": 2}),
+        gdn=with_settings(shipped.gdn, {"output.warps": 2, "step_warps": 2}),
+        norm=dataclasses.replace(shipped.norm, elements_per_thread=16),
+        short_conv=dataclasses.replace(shipped.short_conv, warps=2),
+        swiglu=dataclasses.replace(shipped.swiglu, warps=2),
+        cross_entropy=dataclasses.replace(shipped.cross_entropy, warps=4),
+    )
+    family_of = {
+        gla_chunk.chunk_gla_fwd: "gla", gla_chunk.chunk_gla_bwd: "gla", gla_step.recurrent_gla_step_kernel: "gla",
+        gdn_chunk.chunk_gdn_fwd: "gdn", gdn_chunk.chunk_gdn_bwd: "gdn", gdn_step.gdn_step_kernel: "gdn",
+        norm_triton.norm_fwd: "norm", norm_triton.norm_bwd: "norm",
+        short_conv_triton.conv_fwd: "short_conv", short_conv_triton.conv_bwd: "short_conv",
+        short_conv_triton.conv_step: "short_conv",
+        swiglu_triton.swiglu_linear_fwd: "swiglu", swiglu_triton.swiglu_linear_bwd: "swiglu",
+        cross_entropy_triton.linear_ce_fwd: "cross_entropy",
+    }
+    seen = []
+    for op, family in family_of.items():
+        def spy(*args, _fn=op.fn, _op=op, _family=family):
+            seen.append((_op.name, _family, args[-1]))
+            return _fn(*args)
+        monkeypatch.setattr(op, "fn", spy)
+
+    config = Config.from_name(name, num_layers=1, vocab_size=128)
+    model = GPT(config, fused=True, launch=launch).to(DEVICE)
+    ids = torch.randint(0, config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    model(ids, targets=torch.roll(ids, -1, dims=1)).backward()
+    with torch.no_grad():  # decoding: a prompt, then one token (the decoding step kernels)
+        cache = model.new_cache()
+        model(ids[:, :3], cache=cache)
+        model(ids[:, 3:4], cache=cache)
+
+    families = {"norm", "swiglu", "cross_entropy"} | ({"gla"} if name == "gla-debug" else {"gdn", "short_conv"})
+    assert {family for _, family, _ in seen} == families, seen
+    wrong = [(op, family) for op, family, text in seen if text != getattr(launch, family).as_json]
+    assert not wrong, f"kernel ops launched with other settings than the model's: {wrong}"
+    assert all(getattr(launch, family) != getattr(shipped, family) for family in families)
+    step = "recurrent_gla_step" if name == "gla-debug" else "recurrent_gated_delta_rule_step"
+    assert step in {op for op, _, _ in seen}

@@ -396,21 +396,22 @@ def test_gdn_steps_chained_equal_the_naive_recurrence(gate, use_qk_l2norm):
 
 
 @cpu_only
-def test_gdn_step_errors_name_the_argument():
-    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton as step
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gdn_step_errors_name_the_argument(backend):
+    from fabric_lin.ops.gdn import fused_recurrent_gated_delta_rule_step as step
 
     q, k, v, g, beta, state = gdn_inputs(2, 3, 16, 32)
     cases = [
-        ((q[0], k, v, g, beta, state), "q must be"),
-        ((q, k[:, :, :8], v, g, beta, state), "k must be"),
-        ((q, k, v[:1], g, beta, state), "v must be"),
-        ((q, k, v, g[:, :, None], beta, state), "g must be"),
-        ((q, k, v, g, beta[:1], state), "beta must be"),
-        ((q, k, v, g, beta, state[..., :16]), "state must be"),
+        ((q[0], k, v, g, beta, state), r"q must be \[B, H, K\], got shape \(3, 16\)"),
+        ((q, k[:, :, :8], v, g, beta, state), r"k must be \[B, H, K\] = \(2, 3, 16\) like q, got shape \(2, 3, 8\)"),
+        ((q, k, v[:1], g, beta, state), r"v must be \[B, H, V\]"),
+        ((q, k, v, g[:, :, None], beta, state), r"g must be \[B, H\] = \(2, 3\)"),
+        ((q, k, v, g, beta[:1], state), r"beta must be \[B, H\] = \(2, 3\)"),
+        ((q, k, v, g, beta, state[..., :16]), r"state must be \[B, H, K, V\] = \(2, 3, 16, 32\), got shape \(2, 3, 16, 16\)"),
     ]
     for args, message in cases:
-        with pytest.raises(ValueError, match=message):
-            step(*args)
+        with pytest.raises(ValueError, match="fused_recurrent_gated_delta_rule_step: " + message):
+            step(*args, backend=backend)
 
 
 # ---------------------------------------------------------------- compiled for sm_90 (bf16, gdn-340M's shapes)

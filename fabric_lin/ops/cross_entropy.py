@@ -9,13 +9,18 @@ input dtype.
 
 The kernel is in cross_entropy_triton.py (imported only when it runs); `linear_cross_entropy_ref` is the
 PyTorch definition (the CPU path, chunked the same way). `backend` picks one by the rule of
-fabric_lin/ops/backend.py.
+fabric_lin/ops/backend.py; `launch` (a CrossEntropyLaunch, by default the shipped settings: fabric_lin/ops/fused_launch.py) says how the kernel is launched.
 """
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fabric_lin.ops.backend import resolve_backend
+from fabric_lin.ops.fused_launch import CrossEntropyLaunch
+
+
 
 
 def linear_cross_entropy_ref(hidden, weight, targets, ignore_index: int = -100, chunk_size: int = 4096) -> torch.Tensor:
@@ -44,6 +49,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     chunk_size: int = 4096,
     backend: str = "auto",
+    launch: Optional[CrossEntropyLaunch] = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of hidden [N, d] @ weight[V, d]^T against targets [N] (ignore_index rows left out).
     A target outside [0, V) raises on the PyTorch path and makes the loss NaN on the Triton path."""
@@ -63,4 +69,4 @@ def linear_cross_entropy(
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     from fabric_lin.ops.cross_entropy_triton import linear_cross_entropy_triton
 
-    return linear_cross_entropy_triton(hidden, weight, targets, ignore_index, chunk_size)
+    return linear_cross_entropy_triton(hidden, weight, targets, ignore_index, chunk_size, launch)

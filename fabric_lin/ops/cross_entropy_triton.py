@@ -1,11 +1,13 @@
 """The Triton kernel behind cross_entropy.py's linear_cross_entropy, its torch.library op and autograd Function."""
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.launch import next_power_of_2, op_or_fn
+from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.fused_launch import SHIPPED_CROSS_ENTROPY as SHIPPED, CrossEntropyLaunch
+from fabric_lin.ops.launch import launch_json, next_power_of_2
 
 
 @triton.jit
@@ -40,7 +42,11 @@ def _ce_rows_kernel(logits, targets, loss, stride, V, ignore_index, BV: tl.const
         tl.store(ptr + start + cols, grad.to(logits.dtype.element_ty), mask=mask)
 
 
-def _forward(hidden, weight, targets, ignore_index, chunk_size, need_dw):
+@kernel_op("linear_cross_entropy_fwd")
+def linear_ce_fwd(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, chunk_size: int,
+    need_dw: bool, launch: str,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss, the gradients of the summed loss for hidden and weight, the count of rows the mean divides
     by). The gradients stay those of the sum until the backward pass scales them by dloss / count: the mean's,
     ~1e-5 and below over a few thousand rows, would be float16 subnormals (below 6.1e-5) before GradScaler's
@@ -51,12 +57,13 @@ def _forward(hidden, weight, targets, ignore_index, chunk_size, need_dw):
     losses = torch.empty(N, device=hidden.device, dtype=torch.float32)
     dh = torch.empty_like(hidden)
     dw = torch.zeros(V, d, device=hidden.device, dtype=torch.float32) if need_dw else None
-    BV = min(4096, next_power_of_2(V))
+    settings = CrossEntropyLaunch.from_json(launch)
+    BV = min(settings.vocab_tile, next_power_of_2(V))
     for start in range(0, N, chunk_size):
         h = hidden[start : start + chunk_size]
         logits = h @ weight.t()  # [rows, V], input dtype
         _ce_rows_kernel[(h.shape[0],)](logits, targets[start : start + chunk_size], losses[start:],
-                                       logits.stride(0), V, ignore_index, BV=BV, num_warps=8)
+                                       logits.stride(0), V, ignore_index, BV=BV, num_warps=settings.warps)
         dh[start : start + chunk_size] = logits @ weight
         if need_dw:
             dw += logits.t() @ h  # the input-dtype product added into fp32 as it is read (no fp32 copy of it first)
@@ -69,16 +76,8 @@ def _forward(hidden, weight, targets, ignore_index, chunk_size, need_dw):
     return loss, dh, dw, count
 
 
-@torch.library.custom_op("fabric_lin::linear_cross_entropy_fwd", mutates_args=())
-def _linear_ce_fwd_op(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, chunk_size: int,
-    need_dw: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(hidden, weight, targets, ignore_index, chunk_size, need_dw)
-
-
-@_linear_ce_fwd_op.register_fake
-def _(hidden, weight, targets, ignore_index, chunk_size, need_dw):
+@linear_ce_fwd.register_fake
+def _(hidden, weight, targets, ignore_index, chunk_size, need_dw, launch):
     if need_dw:
         dw = torch.empty_like(weight, dtype=torch.float32 if weight.dtype == torch.float16 else weight.dtype)
     else:
@@ -87,14 +86,11 @@ def _(hidden, weight, targets, ignore_index, chunk_size, need_dw):
     return scalar, torch.empty_like(hidden), dw, torch.empty_like(scalar)
 
 
-def _ce_fwd(*args):
-    return op_or_fn(_linear_ce_fwd_op, _forward)(*args)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size):
-        loss, dh, dw, count = _ce_fwd(hidden, weight, targets, ignore_index, chunk_size, weight.requires_grad)
+    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, launch):
+        loss, dh, dw, count = linear_ce_fwd(hidden, weight, targets, ignore_index, chunk_size, weight.requires_grad,
+                                            launch)
         ctx.save_for_backward(dh, dw, count)
         ctx.need_dw, ctx.weight_dtype = weight.requires_grad, weight.dtype
         return loss
@@ -104,11 +100,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh, dw, count = ctx.saved_tensors
         # an fp32 scalar, which the products take in fp32 (GradScaler's first factor, 2**16, is past float16's range)
         scale = dloss / count
-        return dh * scale, ((dw * scale).to(ctx.weight_dtype) if ctx.need_dw else None), None, None, None
+        return dh * scale, ((dw * scale).to(ctx.weight_dtype) if ctx.need_dw else None), None, None, None, None
 
 
-def linear_cross_entropy_triton(hidden, weight, targets, ignore_index: int, chunk_size: int) -> torch.Tensor:
+def linear_cross_entropy_triton(hidden, weight, targets, ignore_index: int, chunk_size: int,
+                                launch: Optional[CrossEntropyLaunch] = None) -> torch.Tensor:
+    launch = launch_json(launch, SHIPPED)
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
         # no gradient wanted: the same kernel, its gradients dropped
-        return _ce_fwd(hidden.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, chunk_size, False)[0]
-    return _LinearCrossEntropy.apply(hidden.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, chunk_size)
+        return linear_ce_fwd(hidden.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, chunk_size,
+                             False, launch)[0]
+    return _LinearCrossEntropy.apply(hidden.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, chunk_size,
+                                     launch)

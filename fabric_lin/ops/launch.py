@@ -1,22 +1,21 @@
-"""What every kernel's Python wrapper shares: how a kernel is launched (`KernelLaunch`) and the host-side
-arithmetic around a launch, kept cheap because a gla-340M training step calls it hundreds of times (the
+"""What every kernel's Python wrapper shares: how a kernel is launched (`KernelLaunch`, `LaunchBundle`) and the
+host-side arithmetic around a launch, kept cheap because a gla-340M training step calls it hundreds of times (the
 step is host-bound where its kernels are short).
 
 * KernelLaunch: one kernel's tile widths, warps, pipeline stages and register cap, an immutable value.
-  Each op family bundles one per kernel (`fabric_lin.ops.gla.launch.GLALaunch`) and passes it down
-  explicitly; nothing is looked up in module state.
+* LaunchBundle: the base of a kernel family's launch settings (`fabric_lin.ops.gla.launch.GLALaunch`, GDNLaunch,
+  NormLaunch, ...): a frozen dataclass of KernelLaunch fields and plain values, its defaults the shipped settings.
+  The model builds one per family and passes it down explicitly; nothing is looked up in module state.
 * cdiv, next_power_of_2, tile_width: plain Python. Recent Triton makes triton.cdiv and
   triton.next_power_of_2 constexpr functions, whose every host call unwraps its arguments first
   (microseconds each, ~1,700 calls per step).
 * multiprocessors: the GPU's multiprocessor count, asked of the driver once per device.
-* op_or_fn: a torch.library custom op while torch.compile traces (where it must be one opaque node of
-  the graph), its Python function otherwise (the dispatcher costs ~10 us per call in eager mode).
 """
 import dataclasses
 import functools
 import json
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -73,6 +72,41 @@ def launch_from_dict(cls, data: dict, source: str = "launch settings"):
     return cls(**values)
 
 
+@dataclass(frozen=True)
+class LaunchBundle:
+    """A kernel family's launch settings: subclass it as a frozen dataclass whose fields are KernelLaunch values
+    (one per kernel) and plain ones, their defaults the shipped settings."""
+
+    def __post_init__(self):
+        # the form the custom ops take it in, made once: under torch.compile reading it is a constant
+        object.__setattr__(self, "as_json", launch_to_json(self))
+
+    @classmethod
+    def from_dict(cls, data: dict, source: Optional[str] = None):
+        return launch_from_dict(cls, data, source or f"{cls.__name__} settings")
+
+    @classmethod
+    def from_json(cls, text: str):
+        """The bundle an op was given as `as_json` (parsed once per distinct text)."""
+        return _from_json(cls, text)
+
+
+def launch_json(launch: Optional[LaunchBundle], shipped: LaunchBundle) -> str:
+    """What a kernel op takes for `launch`: its JSON text, `shipped`'s where launch is None. A launch of another
+    class than shipped's is a TypeError naming the class expected."""
+    if launch is None:
+        return shipped.as_json
+    if not isinstance(launch, type(shipped)):
+        expected = type(shipped)
+        raise TypeError(f"launch must be a {expected.__module__}.{expected.__name__}, got {type(launch).__name__}")
+    return launch.as_json
+
+
+@functools.lru_cache(maxsize=256)
+def _from_json(cls, text: str):
+    return cls.from_dict(json.loads(text))
+
+
 def with_settings(launch, settings: dict):
     """A launch bundle with some fields changed: {"dqk.warps": 4, "dqk_single_warps": 8, ...}, "kernel.field" for
     a KernelLaunch's field."""
@@ -113,8 +147,3 @@ def multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return _multiprocessors_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def op_or_fn(op: Callable, fn: Callable) -> Callable:
-    """`op` (a custom op made from `fn`) under torch.compile, `fn` itself in eager mode."""
-    return op if torch.compiler.is_compiling() else fn

@@ -9,7 +9,7 @@
 The PyTorch references (`*_ref`) are here; the Triton kernels, in norm_triton.py, normalise each row in fp32
 in one program, and their backward recomputes from the saved input and 1/rms. `backend` picks one by the
 rule of fabric_lin/ops/backend.py (norm_triton.py is imported only when the kernels run: Triton does not
-import on every platform).
+import on every platform); `launch` (a NormLaunch, by default the shipped settings: fabric_lin/ops/fused_launch.py) says how the kernels are launched.
 """
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from fabric_lin.ops.backend import resolve_backend
+from fabric_lin.ops.fused_launch import NormLaunch
+
+
 
 
 def rms_norm_ref(x, weight, eps=1e-6, residual=None):
@@ -34,7 +37,7 @@ def rms_norm_gated_ref(x, gate, weight, eps=1e-5):
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
-    backend: str = "auto",
+    backend: str = "auto", launch: Optional[NormLaunch] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm over the last dim. With `residual`, normalises h = x + residual and returns (y, h)."""
     if weight.shape != (x.shape[-1],):
@@ -45,11 +48,12 @@ def rms_norm(
         return rms_norm_ref(x, weight, eps, residual)
     from fabric_lin.ops.norm_triton import rms_norm_triton
 
-    return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_triton(x, weight, eps, residual, launch)
 
 
 def rms_norm_gated(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, backend: str = "auto"
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, backend: str = "auto",
+    launch: Optional[NormLaunch] = None,
 ) -> torch.Tensor:
     """rmsnorm(x) * weight * silu(gate) over the last dim (GLA's per-head output norm and output gate)."""
     if gate.shape != x.shape:
@@ -60,12 +64,12 @@ def rms_norm_gated(
         return rms_norm_gated_ref(x, gate, weight, eps)
     from fabric_lin.ops.norm_triton import rms_norm_gated_triton
 
-    return rms_norm_gated_triton(x, gate, weight, eps)
+    return rms_norm_gated_triton(x, gate, weight, eps, launch)
 
 
 def rms_norm_gated_linear(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, proj_weight: torch.Tensor,
-    backend: str = "auto",
+    backend: str = "auto", launch: Optional[NormLaunch] = None,
 ) -> torch.Tensor:
     """rms_norm_gated(x, gate, weight) on [..., heads, head_dim], heads flattened, times proj_weight^T;
     keeps x, gate and the weights for the backward pass, not the normed activation. proj_weight is cast
@@ -85,13 +89,13 @@ def rms_norm_gated_linear(
         return F.linear(y.reshape(*x.shape[:-2], -1), proj_weight.to(y.dtype))
     from fabric_lin.ops.norm_triton import rms_norm_gated_linear_triton
 
-    return rms_norm_gated_linear_triton(x, gate, weight, eps, proj_weight)
+    return rms_norm_gated_linear_triton(x, gate, weight, eps, proj_weight, launch)
 
 
 def rms_norm_linears(
     x: torch.Tensor, weight: torch.Tensor, eps: float, proj_weights: Sequence[torch.Tensor],
     residual: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None, backend: str = "auto",
-    side_by_side: bool = False,
+    side_by_side: bool = False, launch: Optional[NormLaunch] = None,
 ) -> Union[List[torch.Tensor], Tuple[List[torch.Tensor], torch.Tensor], torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """[rms_norm(x) @ w.T for w in proj_weights] (a pre-norm block's input projections); with `residual`,
     h = x + residual is normalised and (projections, h) returned. The projections run in `dtype`
@@ -116,5 +120,5 @@ def rms_norm_linears(
         return (outs, h) if residual is not None else outs
     from fabric_lin.ops.norm_triton import rms_norm_linears_triton
 
-    outs, h = rms_norm_linears_triton(x, weight, eps, proj_weights, residual, dtype, side_by_side)
+    outs, h = rms_norm_linears_triton(x, weight, eps, proj_weights, residual, dtype, side_by_side, launch)
     return (outs, h) if residual is not None else outs

@@ -1,40 +1,22 @@
 """The Triton kernels behind norm.py's ops: RMSNorm with the residual add folded in, and per-head RMSNorm x
 swish(gate), forward and backward, their torch.library ops and autograd Functions, and the fused forms that
 recompute the normed activation in the backward pass instead of keeping it for the projections after it."""
-from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.launch import cdiv, multiprocessors, next_power_of_2, op_or_fn
+from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.launch import cdiv, launch_json, multiprocessors, next_power_of_2
+from fabric_lin.ops.fused_launch import SHIPPED_NORM as SHIPPED, NormLaunch
 
 
-@dataclass(frozen=True)
-class NormLaunch:
-    """How the norm kernels are launched."""
-
-    tile_elements: int = 1024
-    """Elements per tile (rows of D elements, R = tile_elements // D of them, at least one), so that a program
-    has several rows' loads in flight when rows are short (one 256-wide row per 1-warp program, GLA's
-    per-head norm, left the backward pass at about half the memory bandwidth on an H200)."""
-    elements_per_thread: int = 8
-    """Of a tile (warps = tile_elements / (32 * elements_per_thread), 1 to 16): fewer hold fewer registers, so
-    more programs fit on a multiprocessor."""
-    bwd_programs_per_sm: int = 16
-    """The backward's programs per multiprocessor, each looping over tiles and summing its rows' part of the
-    weight's gradient once, at the end."""
-
-
-NORM_LAUNCH = NormLaunch()
-
-
-def _rows(D: int) -> Tuple[int, int, int]:
+def _rows(D: int, launch: NormLaunch) -> Tuple[int, int, int]:
     """(block width, rows per tile, warps) for rows of D elements."""
     BD = next_power_of_2(D)
-    R = max(1, NORM_LAUNCH.tile_elements // BD)
-    return BD, R, min(16, max(1, R * BD // (32 * NORM_LAUNCH.elements_per_thread)))
+    R = max(1, launch.tile_elements // BD)
+    return BD, R, min(16, max(1, R * BD // (32 * launch.elements_per_thread)))
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -117,13 +99,13 @@ def _norm_bwd_kernel(h, g, w, rstd, dy, dh_extra, dx, dres, dg, dw_part, n_rows,
 
 
 # ------------------------------------------------------------------------------------ torch.library ops
-# _fwd and _bwd are the ops' functions; the autograd Functions below call them through op_or_fn (the
-# registered op only while torch.compile traces).
+# the kernel ops; the autograd Functions below call them
 
 
-def _fwd(
+@kernel_op("rms_norm_fwd")
+def norm_fwd(
     x: torch.Tensor, residual: Optional[torch.Tensor], gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-    y_dtype: Optional[torch.dtype],
+    y_dtype: Optional[torch.dtype], launch: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y in y_dtype (None: x's), h = x + residual (an empty tensor without residual), 1/rms per row)."""
     D = x.shape[-1]
@@ -133,7 +115,8 @@ def _fwd(
     y = torch.empty_like(x2, dtype=y_dtype or x.dtype)
     h = torch.empty_like(x2) if residual is not None else x2
     rstd = torch.empty(n, device=x.device, dtype=torch.float32)
-    BD, R, warps = _rows(D)
+    settings = NormLaunch.from_json(launch)
+    BD, R, warps = _rows(D, settings)
     r2 = residual.reshape(-1, D) if residual is not None else None
     g2 = gate.reshape(-1, D) if gate is not None else None
     if n > 0:
@@ -143,9 +126,10 @@ def _fwd(
     return y.view_as(x), (h.view_as(x) if residual is not None else x.new_empty(0)), rstd
 
 
-def _bwd(
+@kernel_op("rms_norm_bwd")
+def norm_bwd(
     h: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
-    dh_extra: Optional[torch.Tensor], residual_dtype: Optional[torch.dtype],
+    dh_extra: Optional[torch.Tensor], residual_dtype: Optional[torch.dtype], launch: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dgate (an empty tensor without gate), dweight, dx in residual_dtype where that is given and
     differs from h's (else an empty tensor): the residual's gradient, which autograd would otherwise cast
@@ -157,11 +141,12 @@ def _bwd(
     dx = torch.empty_like(h2)
     dres = torch.empty_like(h2, dtype=residual_dtype) if _casts_residual_grad(h, residual_dtype) else None
     dg = torch.empty_like(gate.reshape(-1, D)) if gate is not None else None
-    BD, R, warps = _rows(D)
+    settings = NormLaunch.from_json(launch)
+    BD, R, warps = _rows(D, settings)
     sms = multiprocessors(h.device) if h.is_cuda else 2
     # programs that each loop over several tiles, summing their rows' part of dweight (fewer partial sums
     # than one program per tile), but enough of them that the last wave leaves little of the GPU idle
-    programs = max(1, min(cdiv(n, R), NORM_LAUNCH.bwd_programs_per_sm * sms))
+    programs = max(1, min(cdiv(n, R), settings.bwd_programs_per_sm * sms))
     rows_per_program = cdiv(cdiv(max(n, 1), programs), R) * R
     programs = cdiv(max(n, 1), rows_per_program)  # the rounding up may have left programs with no rows
     # every launched program writes its whole row; with no rows nothing is launched and the sum is zero
@@ -184,46 +169,35 @@ def _casts_residual_grad(h: torch.Tensor, residual_dtype: Optional[torch.dtype])
     return residual_dtype is not None and residual_dtype != h.dtype
 
 
-_rms_norm_fwd_op = torch.library.custom_op("fabric_lin::rms_norm_fwd", mutates_args=())(_fwd)
-_rms_norm_bwd_op = torch.library.custom_op("fabric_lin::rms_norm_bwd", mutates_args=())(_bwd)
-
-
-@_rms_norm_fwd_op.register_fake
-def _(x, residual, gate, weight, eps, y_dtype):
+@norm_fwd.register_fake
+def _(x, residual, gate, weight, eps, y_dtype, launch):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     h = torch.empty_like(x) if residual is not None else x.new_empty(0)
     return torch.empty_like(x, dtype=y_dtype or x.dtype), h, x.new_empty(rows, dtype=torch.float32)
 
 
-@_rms_norm_bwd_op.register_fake
-def _(h, gate, weight, rstd, dy, dh_extra, residual_dtype):
+@norm_bwd.register_fake
+def _(h, gate, weight, rstd, dy, dh_extra, residual_dtype, launch):
     dres = torch.empty_like(h, dtype=residual_dtype) if _casts_residual_grad(h, residual_dtype) else h.new_empty(0)
     return (torch.empty_like(h), (torch.empty_like(gate) if gate is not None else h.new_empty(0)), torch.empty_like(weight),
             dres)
 
 
-def _norm_fwd(*args):
-    return op_or_fn(_rms_norm_fwd_op, _fwd)(*args)
-
-
-def _norm_bwd(*args):
-    return op_or_fn(_rms_norm_bwd_op, _bwd)(*args)
-
-
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, gate, weight, eps):
-        y, h, rstd = _norm_fwd(x, residual, gate, weight, eps, None)
+    def forward(ctx, x, residual, gate, weight, eps, launch):
+        y, h, rstd = norm_fwd(x, residual, gate, weight, eps, None, launch)
         ctx.save_for_backward(h if residual is not None else x, gate, weight, rstd)
         ctx.residual_dtype = residual.dtype if residual is not None else None  # None: no residual
+        ctx.launch = launch
         return y, h
 
     @staticmethod
     def backward(ctx, dy, dh_out):
         h, gate, weight, rstd = ctx.saved_tensors
         dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
-        dx, dg, dw, dres = _norm_bwd(h, gate, weight, rstd, dy.contiguous(), dh_extra, ctx.residual_dtype)
-        return dx, _residual_grad(ctx, h, dx, dres), (dg if gate is not None else None), dw, None
+        dx, dg, dw, dres = norm_bwd(h, gate, weight, rstd, dy.contiguous(), dh_extra, ctx.residual_dtype, ctx.launch)
+        return dx, _residual_grad(ctx, h, dx, dres), (dg if gate is not None else None), dw, None, None
 
 
 def _residual_grad(ctx, h, dx, dres):
@@ -238,21 +212,21 @@ class _RMSNormGatedLinearFunction(torch.autograd.Function):
     recomputed in the backward pass instead of being kept for the projection's weight gradient."""
 
     @staticmethod
-    def forward(ctx, x, gate, weight, eps, proj_weight):
-        y, _, rstd = _norm_fwd(x, None, gate, weight, eps, None)
+    def forward(ctx, x, gate, weight, eps, proj_weight, launch):
+        y, _, rstd = norm_fwd(x, None, gate, weight, eps, None, launch)
         ctx.save_for_backward(x, gate, weight, rstd, proj_weight)
-        ctx.eps = eps
+        ctx.eps, ctx.launch = eps, launch
         return torch.matmul(y.reshape(*x.shape[:-2], -1), proj_weight.t())
 
     @staticmethod
     def backward(ctx, d_out):
         x, gate, weight, rstd, proj_weight = ctx.saved_tensors
-        y, _, _ = _norm_fwd(x, None, gate, weight, ctx.eps, None)
+        y, _, _ = norm_fwd(x, None, gate, weight, ctx.eps, None, ctx.launch)
         d_out = d_out.contiguous()
         d_proj = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, proj_weight.shape[1]))
         dy = torch.matmul(d_out, proj_weight).view_as(x)
-        dx, dg, dw, _ = _norm_bwd(x, gate, weight, rstd, dy, None, None)
-        return dx, dg, dw, None, d_proj
+        dx, dg, dw, _ = norm_bwd(x, gate, weight, rstd, dy, None, None, ctx.launch)
+        return dx, dg, dw, None, d_proj, None
 
 
 class _RMSNormLinearsFunction(torch.autograd.Function):
@@ -264,11 +238,11 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
     its own) and, in the backward pass, the residual's gradient in the residual's dtype."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, stacked, sizes):
-        y, h, rstd = _norm_fwd(x, residual, None, weight, eps, stacked.dtype)
+    def forward(ctx, x, residual, weight, eps, stacked, sizes, launch):
+        y, h, rstd = norm_fwd(x, residual, None, weight, eps, stacked.dtype, launch)
         source = h if residual is not None else x
         ctx.save_for_backward(source, weight, rstd, stacked)
-        ctx.eps, ctx.sizes = eps, sizes
+        ctx.eps, ctx.sizes, ctx.launch = eps, sizes, launch
         ctx.residual_dtype = residual.dtype if residual is not None else None  # None: no residual
         if sizes is None:
             return h, torch.matmul(y, stacked.t())
@@ -278,7 +252,7 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
     def backward(ctx, dh_out, *d_outs):
         source, weight, rstd, stacked = ctx.saved_tensors
         dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
-        y, _, _ = _norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype)
+        y, _, _ = norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype, ctx.launch)
         y = y.reshape(-1, y.shape[-1])
         # the outputs' gradients side by side: one product for the input gradient (summed over the
         # projections inside the product, rounded once) and one for the stacked weight's; one output
@@ -292,30 +266,35 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
             ], dim=-1)
         dy = torch.matmul(d_cat, stacked).view_as(source)
         d_stacked = torch.matmul(d_cat.t(), y)
-        dx, _, dw, dres = _norm_bwd(source, None, weight, rstd, dy, dh_extra, ctx.residual_dtype)
-        return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None
+        dx, _, dw, dres = norm_bwd(source, None, weight, rstd, dy, dh_extra, ctx.residual_dtype, ctx.launch)
+        return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None, None
 
 
-def rms_norm_triton(x, weight, eps, residual=None):
+# the entry points of norm.py's ops; launch: a NormLaunch (None: SHIPPED)
+
+
+def rms_norm_triton(x, weight, eps, residual=None, launch: Optional[NormLaunch] = None):
     y, h = _RMSNormFunction.apply(x.contiguous(), residual.contiguous() if residual is not None else None, None,
-                                  weight, float(eps))
+                                  weight, float(eps), launch_json(launch, SHIPPED))
     return y if residual is None else (y, h)
 
 
-def rms_norm_gated_triton(x, gate, weight, eps):
-    y, _ = _RMSNormFunction.apply(x.contiguous(), None, gate.contiguous(), weight, float(eps))
+def rms_norm_gated_triton(x, gate, weight, eps, launch: Optional[NormLaunch] = None):
+    y, _ = _RMSNormFunction.apply(x.contiguous(), None, gate.contiguous(), weight, float(eps), launch_json(launch, SHIPPED))
     return y
 
 
-def rms_norm_gated_linear_triton(x, gate, weight, eps, proj_weight):
-    return _RMSNormGatedLinearFunction.apply(x.contiguous(), gate.contiguous(), weight, float(eps), proj_weight.to(x.dtype))
+def rms_norm_gated_linear_triton(x, gate, weight, eps, proj_weight, launch: Optional[NormLaunch] = None):
+    return _RMSNormGatedLinearFunction.apply(x.contiguous(), gate.contiguous(), weight, float(eps), proj_weight.to(x.dtype),
+                                             launch_json(launch, SHIPPED))
 
 
 def rms_norm_linears_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, proj_weights: Sequence[torch.Tensor],
-                            residual: Optional[torch.Tensor], dtype: torch.dtype, side_by_side: bool):
+                            residual: Optional[torch.Tensor], dtype: torch.dtype, side_by_side: bool,
+                            launch: Optional[NormLaunch] = None):
     """(projections: a list, or one tensor side by side; h = x + residual or None)."""
     stacked = torch.cat([w.to(dtype) for w in proj_weights]) if len(proj_weights) > 1 else proj_weights[0].to(dtype)
     sizes = None if side_by_side else [w.shape[0] for w in proj_weights]
     h, *outs = _RMSNormLinearsFunction.apply(x.contiguous(), residual.contiguous() if residual is not None else None,
-                                             weight, float(eps), stacked, sizes)
+                                             weight, float(eps), stacked, sizes, launch_json(launch, SHIPPED))
     return (outs[0] if side_by_side else outs), (h if residual is not None else None)

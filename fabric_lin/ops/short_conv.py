@@ -7,7 +7,8 @@ with its first T outputs kept, as flash-linear-attention's ShortConvolution comp
 the sequence are the `cache` (the W - 1 inputs before x, when decoding or continuing a prompt) or zeros;
 with `cu_seqlens` (documents packed along T) each document starts from zeros, as a fresh sequence.
 `causal_conv1d_ref` is the PyTorch path (differentiable through autograd); `backend` picks it or the
-kernels of short_conv_triton.py (imported only when they run) by the rule of fabric_lin/ops/backend.py.
+kernels of short_conv_triton.py (imported only when they run) by the rule of fabric_lin/ops/backend.py;
+`launch` (a ShortConvLaunch, by default the shipped settings: fabric_lin/ops/fused_launch.py) says how the kernels are launched.
 """
 from typing import Optional, Tuple
 
@@ -15,13 +16,17 @@ import torch
 import torch.nn.functional as F
 
 from fabric_lin.ops.backend import resolve_backend
+from fabric_lin.ops.fused_launch import ShortConvLaunch
 
 MAX_WIDTH = 8  # the kernels unroll the W x W shifted tiles of the backward; GDN uses W = 4
+
+
 
 
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True, backend: str = "auto",
+    launch: Optional[ShortConvLaunch] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """x [B, T, D], weight [D, W]; cache [B, W - 1, D] or None; cu_seqlens [N + 1] document offsets (B = 1)
     or None. Returns (y [B, T, D] in x's dtype, computed in fp32; the new cache [B, W - 1, D] in x's dtype:
@@ -35,7 +40,7 @@ def causal_conv1d(
                          f"{weight.shape[1]}; use backend='torch'")
     from fabric_lin.ops.short_conv_triton import causal_conv1d_triton
 
-    return causal_conv1d_triton(x, weight, cache, cu_seqlens, activation)
+    return causal_conv1d_triton(x, weight, cache, cu_seqlens, activation, launch)
 
 
 def _check_inputs(x, weight, cache, cu_seqlens) -> None:

@@ -24,15 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.launch import cdiv, next_power_of_2, op_or_fn
-
-# Tiles, from ptxas's report for sm_90 at gdn-340M's shapes (bf16, W = 4, D = 512 and 1024; the test file
-# prints it): the forward's [64 rows, 64 channels] takes 85 registers a thread (6 programs of 4 warps per
-# SM); the backward's [32, 32] takes 126 (4 programs per SM), where [32, 64] takes 168 and spills.
-BD_FWD, BT_FWD = 64, 64  # 64 channels: 128 contiguous bytes of a bf16 row
-BD_BWD, BT_BWD = 32, 32
-BWD_TILES = 8  # row tiles per backward program: fewer dweight partial sums to write and add up
-BD_STEP = 128
+from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.launch import cdiv, launch_json, next_power_of_2
+from fabric_lin.ops.fused_launch import SHIPPED_SHORT_CONV as SHIPPED, ShortConvLaunch
 
 
 @triton.jit
@@ -213,24 +207,29 @@ def _varlen_args(cu_seqlens: Optional[torch.Tensor]) -> Tuple[int, int]:
     return N, N.bit_length()
 
 
-def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-              activation: bool) -> torch.Tensor:
+@kernel_op("causal_conv1d_fwd")
+def conv_fwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+             activation: bool, launch: str) -> torch.Tensor:
     B, T, D = x.shape
     W = weight.shape[1]
     y = x.new_empty(B, T, D)
     if y.numel():
+        settings = ShortConvLaunch.from_json(launch)
+        BD, BT = settings.fwd_channels, settings.fwd_rows
         N, steps = _varlen_args(cu_seqlens)
         # without a cache the kernel is given x as its (never read) cache pointer
-        _conv_fwd_kernel[(cdiv(D, BD_FWD), cdiv(T, BT_FWD), B)](
+        _conv_fwd_kernel[(cdiv(D, BD), cdiv(T, BT), B)](
             x, weight, x if cache is None else cache, cu_seqlens, y, T, x.stride(0), x.stride(1), N, steps, D, W,
-            BT_FWD, BD_FWD, HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation,
-            num_warps=4,
+            BT, BD, HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation,
+            num_warps=settings.warps,
         )
     return y
 
 
-def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-              dy: torch.Tensor, activation: bool, want_dcache: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@kernel_op("causal_conv1d_bwd")
+def conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+             dy: torch.Tensor, activation: bool, want_dcache: bool,
+             launch: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dcache; dcache is empty unless want_dcache)."""
     B, T, D = x.shape
     W = weight.shape[1]
@@ -243,70 +242,67 @@ def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tenso
         dcache = x.new_empty(0)
     if T == 0:
         return dx, weight.new_zeros(weight.shape), dcache
-    kept = BT_BWD - (W - 1)  # rows of dx per tile
-    tiles = min(BWD_TILES, cdiv(T, kept))
+    settings = ShortConvLaunch.from_json(launch)
+    BD, BT = settings.bwd_channels, settings.bwd_rows
+    kept = BT - (W - 1)  # rows of dx per tile
+    tiles = min(settings.bwd_row_tiles, cdiv(T, kept))
     blocks = cdiv(T, kept * tiles)
     dw_part = x.new_empty(B * blocks, D, W, dtype=torch.float32)
     N, steps = _varlen_args(cu_seqlens)
-    _conv_bwd_kernel[(cdiv(D, BD_BWD), blocks, B)](
+    _conv_bwd_kernel[(cdiv(D, BD), blocks, B)](
         x, weight, x if cache is None else cache, cu_seqlens, dy, dx, dw_part, dcache, T, x.stride(0), x.stride(1), N,
-        steps, tiles, D, W, next_power_of_2(W), max(2, next_power_of_2(W - 1)), BT_BWD, BD_BWD,
+        steps, tiles, D, W, next_power_of_2(W), max(2, next_power_of_2(W - 1)), BT, BD,
         HAS_CACHE=cache is not None, WANT_DCACHE=want_dcache and W > 1, IS_VARLEN=cu_seqlens is not None,
-        ACTIVATION=activation, num_warps=4,
+        ACTIVATION=activation, num_warps=settings.warps,
     )
     return dx, dw_part.sum(0).to(weight.dtype), dcache
 
 
-def _conv_step(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
-               activation: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+@kernel_op("causal_conv1d_step")
+def conv_step(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, activation: bool,
+              launch: str) -> Tuple[torch.Tensor, torch.Tensor]:
     B, D = x.shape
     W = weight.shape[1]
     y, new_cache = x.new_empty(B, D), x.new_empty(B, W - 1, D)
     if y.numel():
-        _conv_step_kernel[(cdiv(D, BD_STEP), B)](x, weight, cache, y, new_cache, D, W, BD_STEP, ACTIVATION=activation,
-                                                 num_warps=4)
+        settings = ShortConvLaunch.from_json(launch)
+        BD = settings.step_channels
+        _conv_step_kernel[(cdiv(D, BD), B)](x, weight, cache, y, new_cache, D, W, BD, ACTIVATION=activation,
+                                            num_warps=settings.warps)
     return y, new_cache
 
 
-# torch.library ops, so that torch.compile keeps each kernel one opaque node (op_or_fn: only while it traces)
-_conv_fwd_op = torch.library.custom_op("fabric_lin::causal_conv1d_fwd", mutates_args=())(_conv_fwd)
-_conv_bwd_op = torch.library.custom_op("fabric_lin::causal_conv1d_bwd", mutates_args=())(_conv_bwd)
-_conv_step_op = torch.library.custom_op("fabric_lin::causal_conv1d_step", mutates_args=())(_conv_step)
-
-
-@_conv_fwd_op.register_fake
-def _(x, weight, cache, cu_seqlens, activation):
+@conv_fwd.register_fake
+def _(x, weight, cache, cu_seqlens, activation, launch):
     return x.new_empty(x.shape)
 
 
-@_conv_bwd_op.register_fake
-def _(x, weight, cache, cu_seqlens, dy, activation, want_dcache):
+@conv_bwd.register_fake
+def _(x, weight, cache, cu_seqlens, dy, activation, want_dcache, launch):
     want_dcache = want_dcache and cache is not None
     dcache = cache.new_empty(cache.shape) if want_dcache else x.new_empty(0)
     return x.new_empty(x.shape), weight.new_empty(weight.shape), dcache
 
 
-@_conv_step_op.register_fake
-def _(x, weight, cache, activation):
+@conv_step.register_fake
+def _(x, weight, cache, activation, launch):
     return x.new_empty(x.shape), x.new_empty(x.shape[0], weight.shape[1] - 1, x.shape[1])
 
 
 class _CausalConv1dFunction(torch.autograd.Function):
-    """The ops through op_or_fn: the registered ops only while torch.compile traces."""
-
     @staticmethod
-    def forward(ctx, x, weight, cache, cu_seqlens, activation):
+    def forward(ctx, x, weight, cache, cu_seqlens, activation, launch):
         ctx.save_for_backward(x, weight, cache, cu_seqlens)
-        ctx.activation = activation
-        return op_or_fn(_conv_fwd_op, _conv_fwd)(x, weight, cache, cu_seqlens, activation)
+        ctx.activation, ctx.launch = activation, launch
+        return conv_fwd(x, weight, cache, cu_seqlens, activation, launch)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, cache, cu_seqlens = ctx.saved_tensors
         want_dcache = cache is not None and ctx.needs_input_grad[2]
-        dx, dweight, dcache = op_or_fn(_conv_bwd_op, _conv_bwd)(x, weight, cache, cu_seqlens, dy.contiguous(),
-                                                                ctx.activation, want_dcache)
-        return dx, dweight, dcache if want_dcache else None, None, None
+        dx, dweight, dcache = conv_bwd(x, weight, cache, cu_seqlens, dy.contiguous(), ctx.activation, want_dcache,
+                                       ctx.launch)
+        return dx, dweight, dcache if want_dcache else None, None, None, None
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -314,19 +310,20 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 or x.shape[2] <= 1 else x.contiguous()
 
 
-def causal_conv1d_step_triton(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor,
-                              activation: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d_step_triton(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, activation: bool = True,
+                              launch: Optional[ShortConvLaunch] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """One decoding step: x [B, D] (one token), weight [D, W], cache [B, W - 1, D] -> (y [B, D] in x's dtype,
     the new cache [B, W - 1, D] in x's dtype: the cache's last W - 2 inputs, then x). Not differentiable."""
-    return op_or_fn(_conv_step_op, _conv_step)(x.contiguous(), weight.contiguous(), cache.contiguous(), activation)
+    return conv_step(x.contiguous(), weight.contiguous(), cache.contiguous(), activation, launch_json(launch, SHIPPED))
 
 
 def causal_conv1d_triton(
     x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor] = None,
-    cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True,
+    cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True, launch: Optional[ShortConvLaunch] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """short_conv.causal_conv1d on the kernels; the shapes checked by the caller. A single token continuing a
-    cache with no gradient wanted takes the decoding step (one launch for y and the new cache)."""
+    cache with no gradient wanted takes the decoding step (one launch for y and the new cache). launch: None for
+    the shipped settings."""
     B, T, D = x.shape
     W = weight.shape[1]
     weight = weight.contiguous()
@@ -334,14 +331,14 @@ def causal_conv1d_triton(
         x.requires_grad or weight.requires_grad or (cache is not None and cache.requires_grad)
     )
     if T == 1 and cache is not None and W > 1 and not wants_grad:
-        y, new_cache = causal_conv1d_step_triton(x[:, 0], weight, cache, activation)
+        y, new_cache = causal_conv1d_step_triton(x[:, 0], weight, cache, activation, launch)
         return y.unsqueeze(1), new_cache
     x = _rows_contiguous(x)
     if cache is not None:
         cache = cache.contiguous()
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.contiguous()
-    y = _CausalConv1dFunction.apply(x, weight, cache, cu_seqlens, activation)
+    y = _CausalConv1dFunction.apply(x, weight, cache, cu_seqlens, activation, launch_json(launch, SHIPPED))
     # the last W - 1 inputs, outside the Function: autograd differentiates the slice itself
     if cache is None and T >= W - 1:
         new_cache = x[:, T - (W - 1):]

@@ -1,16 +1,16 @@
 """The Triton kernels behind swiglu.py's ops, their torch.library ops and autograd Functions."""
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.launch import cdiv, op_or_fn
+from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.launch import cdiv, launch_json
+from fabric_lin.ops.fused_launch import SHIPPED_SWIGLU as SHIPPED, SwiGLULaunch
 
-BLOCK = 1024
 
-
-# One program per (row, block of BLOCK columns). gate and up are read at row * stride_in + column: two
+# One program per (row, block of BLOCK columns, SwiGLULaunch.block). gate and up are read at row * stride_in + column: two
 # tensors of rows of I (stride_in = I), or the two halves of one [rows, 2 I] tensor (stride_in = 2 I, up
 # starting I elements after gate), the layout of an MLP's gate and up projections computed side by side.
 @triton.jit
@@ -37,119 +37,115 @@ def _swiglu_bwd_kernel(gate, up, dy, dgate, dup, I, stride_in, BLOCK: tl.constex
     tl.store(dgate + row * stride_in + cols, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dgate.dtype.element_ty), mask=m)
 
 
-def _grid(rows: int, I: int):
-    return (rows, cdiv(I, BLOCK))
+def _launch(kernel, rows: int, I: int, launch: str, *args):
+    """kernel over `rows` rows of I columns, as `launch` (a SwiGLULaunch's JSON) says."""
+    settings = SwiGLULaunch.from_json(launch)
+    kernel[(rows, cdiv(I, settings.block))](*args, BLOCK=settings.block, num_warps=settings.warps)
 
 
-def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+@kernel_op("swiglu_fwd")
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, launch: str) -> torch.Tensor:
     y = torch.empty_like(gate)
     I = gate.shape[-1]
     if y.numel():
-        _swiglu_fwd_kernel[_grid(y.numel() // I, I)](gate, up, y, I, I, BLOCK=BLOCK, num_warps=4)
+        _launch(_swiglu_fwd_kernel, y.numel() // I, I, launch, gate, up, y, I, I)
     return y
 
 
-def _swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+@kernel_op("swiglu_bwd")
+def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, launch: str) -> Tuple[torch.Tensor, torch.Tensor]:
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     I = gate.shape[-1]
     if gate.numel():
-        _swiglu_bwd_kernel[_grid(gate.numel() // I, I)](gate, up, dy, dgate, dup, I, I, BLOCK=BLOCK, num_warps=4)
+        _launch(_swiglu_bwd_kernel, gate.numel() // I, I, launch, gate, up, dy, dgate, dup, I, I)
     return dgate, dup
 
 
-_swiglu_fwd_op = torch.library.custom_op("fabric_lin::swiglu_fwd", mutates_args=())(_swiglu_fwd)
-_swiglu_bwd_op = torch.library.custom_op("fabric_lin::swiglu_bwd", mutates_args=())(_swiglu_bwd)
-
-
-@_swiglu_fwd_op.register_fake
-def _(gate, up):
+@swiglu_fwd.register_fake
+def _(gate, up, launch):
     return torch.empty_like(gate)
 
 
-@_swiglu_bwd_op.register_fake
-def _(gate, up, dy):
+@swiglu_bwd.register_fake
+def _(gate, up, dy, launch):
     return torch.empty_like(gate), torch.empty_like(up)
 
 
 class _SwiGLUFunction(torch.autograd.Function):
-    """The ops through op_or_fn: the registered ops only while torch.compile traces."""
-
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, launch):
         ctx.save_for_backward(gate, up)
-        return op_or_fn(_swiglu_fwd_op, _swiglu_fwd)(gate, up)
+        ctx.launch = launch
+        return swiglu_fwd(gate, up, launch)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        return op_or_fn(_swiglu_bwd_op, _swiglu_bwd)(gate, up, dy.contiguous())
+        return (*swiglu_bwd(gate, up, dy.contiguous(), ctx.launch), None)
 
 
-def _packed_fwd(gate_up: torch.Tensor) -> torch.Tensor:
+def _packed_fwd(gate_up: torch.Tensor, launch: str) -> torch.Tensor:
     """silu(gate) * up of a contiguous [..., 2 I] gate_up (gate first)."""
     I = gate_up.shape[-1] // 2
     y = gate_up.new_empty(*gate_up.shape[:-1], I)
     if y.numel():
-        _swiglu_fwd_kernel[_grid(y.numel() // I, I)](gate_up, gate_up[..., I:], y, I, 2 * I, BLOCK=BLOCK, num_warps=4)
+        _launch(_swiglu_fwd_kernel, y.numel() // I, I, launch, gate_up, gate_up[..., I:], y, I, 2 * I)
     return y
 
 
-def _packed_bwd(gate_up: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+def _packed_bwd(gate_up: torch.Tensor, dy: torch.Tensor, launch: str) -> torch.Tensor:
     """The gradient of gate_up, in its [..., 2 I] layout: one tensor, so the projections that made
     gate_up take it as it is (no concatenation of two gradients)."""
     I = gate_up.shape[-1] // 2
     d_gate_up = torch.empty_like(gate_up)
     if d_gate_up.numel():
-        _swiglu_bwd_kernel[_grid(dy.numel() // I, I)](
-            gate_up, gate_up[..., I:], dy, d_gate_up, d_gate_up[..., I:], I, 2 * I, BLOCK=BLOCK, num_warps=4
-        )
+        _launch(_swiglu_bwd_kernel, dy.numel() // I, I, launch, gate_up, gate_up[..., I:], dy, d_gate_up,
+                d_gate_up[..., I:], I, 2 * I)
     return d_gate_up
 
 
 # SwiGLU followed by the down projection, with the activation recomputed in the backward pass: an MLP
 # then keeps gate_up and the weight for its backward, not also the [tokens, intermediate] activation
 # that a separate linear layer would save (a third of an MLP's saved activations).
-def _swiglu_linear_fwd(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(_packed_fwd(gate_up), weight.t())
+@kernel_op("swiglu_linear_fwd")
+def swiglu_linear_fwd(gate_up: torch.Tensor, weight: torch.Tensor, launch: str) -> torch.Tensor:
+    return torch.matmul(_packed_fwd(gate_up, launch), weight.t())
 
 
-def _swiglu_linear_bwd(gate_up: torch.Tensor, weight: torch.Tensor, d_out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    y = _packed_fwd(gate_up)  # recomputed: one elementwise pass instead of keeping it
+@kernel_op("swiglu_linear_bwd")
+def swiglu_linear_bwd(gate_up: torch.Tensor, weight: torch.Tensor, d_out: torch.Tensor,
+                      launch: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    y = _packed_fwd(gate_up, launch)  # recomputed: one elementwise pass instead of keeping it
     d_weight = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, y.shape[-1]))
-    return _packed_bwd(gate_up, torch.matmul(d_out, weight)), d_weight
+    return _packed_bwd(gate_up, torch.matmul(d_out, weight), launch), d_weight
 
 
-_swiglu_linear_fwd_op = torch.library.custom_op("fabric_lin::swiglu_linear_fwd", mutates_args=())(_swiglu_linear_fwd)
-_swiglu_linear_bwd_op = torch.library.custom_op("fabric_lin::swiglu_linear_bwd", mutates_args=())(_swiglu_linear_bwd)
-
-
-@_swiglu_linear_fwd_op.register_fake
-def _(gate_up, weight):
+@swiglu_linear_fwd.register_fake
+def _(gate_up, weight, launch):
     return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
 
 
-@_swiglu_linear_bwd_op.register_fake
-def _(gate_up, weight, d_out):
+@swiglu_linear_bwd.register_fake
+def _(gate_up, weight, d_out, launch):
     return torch.empty_like(gate_up), weight.new_empty(weight.shape)
 
 
 class _SwiGLULinearFunction(torch.autograd.Function):
-    """The ops through op_or_fn: the registered ops only while torch.compile traces."""
-
     @staticmethod
-    def forward(ctx, gate_up, weight):
+    def forward(ctx, gate_up, weight, launch):
         ctx.save_for_backward(gate_up, weight)
-        return op_or_fn(_swiglu_linear_fwd_op, _swiglu_linear_fwd)(gate_up, weight)
+        ctx.launch = launch
+        return swiglu_linear_fwd(gate_up, weight, launch)
 
     @staticmethod
     def backward(ctx, d_out):
         gate_up, weight = ctx.saved_tensors
-        return op_or_fn(_swiglu_linear_bwd_op, _swiglu_linear_bwd)(gate_up, weight, d_out.contiguous())
+        return (*swiglu_linear_bwd(gate_up, weight, d_out.contiguous(), ctx.launch), None)
 
 
-def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return _SwiGLUFunction.apply(gate.contiguous(), up.contiguous())
+def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, launch: Optional[SwiGLULaunch] = None) -> torch.Tensor:
+    return _SwiGLUFunction.apply(gate.contiguous(), up.contiguous(), launch_json(launch, SHIPPED))
 
 
-def swiglu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return _SwiGLULinearFunction.apply(gate_up.contiguous(), weight.to(gate_up.dtype))
+def swiglu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, launch: Optional[SwiGLULaunch] = None) -> torch.Tensor:
+    return _SwiGLULinearFunction.apply(gate_up.contiguous(), weight.to(gate_up.dtype), launch_json(launch, SHIPPED))

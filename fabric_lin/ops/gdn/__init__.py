@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from fabric_lin.ops.backend import resolve_backend
+from fabric_lin.ops.chunked.checks import check_inputs, check_step_inputs
 from fabric_lin.ops.gdn.chunk_torch import chunk_gated_delta_rule_torch
 from fabric_lin.ops.gdn.gate import gdn_gate
 from fabric_lin.ops.gdn.l2norm import l2norm
@@ -46,7 +47,8 @@ def chunk_gated_delta_rule(
     Returns (o [B, T, H, V] in q's dtype, final state or None).
     """
     chosen = resolve_backend(backend, q.device)
-    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    check_inputs("chunk_gated_delta_rule", q, k, v, per_head={"g": g, "beta": beta}, float32=("g",),
+                 initial_state=initial_state, cu_seqlens=cu_seqlens)
     if chosen == "triton":
         from fabric_lin.ops.gdn.chunk import chunk_gated_delta_rule_triton
 
@@ -59,54 +61,6 @@ def chunk_gated_delta_rule(
     return o.to(dtype), final_state
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
-    name = "chunk_gated_delta_rule"
-    if q.dim() != 4:
-        raise ValueError(f"{name}: q must be [B, T, H, K], got shape {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if tuple(k.shape) != (B, T, H, K):
-        raise ValueError(f"{name}: k must be [B, T, H, K] = {(B, T, H, K)} like q, got shape {tuple(k.shape)}")
-    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(f"{name}: v must be [B, T, H, V] with [B, T, H] = {(B, T, H)}, got shape {tuple(v.shape)}")
-    for arg, x in (("g", g), ("beta", beta)):
-        if tuple(x.shape) != (B, T, H):
-            raise ValueError(
-                f"{name}: {arg} must be [B, T, H] = {(B, T, H)} (one value per head and token), got shape {tuple(x.shape)}"
-            )
-    for arg, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
-        if not x.is_floating_point():
-            raise ValueError(f"{name}: {arg} must be a floating-point tensor, got {x.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{name}: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    # g is summed over a chunk and its differences exponentiated: bf16 would lose the small gates
-    if g.dtype != torch.float32:
-        raise ValueError(f"{name}: g must be float32 (the log decay is cumulated inside the op), got {g.dtype}")
-
-    N = B
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"{name}: cu_seqlens needs batch size 1 (documents packed along T), got B = {B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-            raise ValueError(
-                f"{name}: cu_seqlens must be a 1-D integer tensor of N+1 >= 2 document offsets, "
-                f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
-            )
-        bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != T or any(e < s for s, e in zip(bounds[:-1], bounds[1:])):
-            raise ValueError(f"{name}: cu_seqlens must rise from 0 to T = {T} without falling, got {bounds}")
-        N = len(bounds) - 1
-    if initial_state is not None:
-        V = v.shape[-1]
-        if tuple(initial_state.shape) != (N, H, K, V):
-            raise ValueError(
-                f"{name}: initial_state must be [N, H, K, V] = {(N, H, K, V)} "
-                f"(N = {'documents in cu_seqlens' if cu_seqlens is not None else 'batch size'}), "
-                f"got shape {tuple(initial_state.shape)}"
-            )
-        if initial_state.dtype != torch.float32:
-            raise ValueError(f"{name}: initial_state must be float32, got {initial_state.dtype}")
-
-
 def fused_recurrent_gated_delta_rule_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -117,16 +71,18 @@ def fused_recurrent_gated_delta_rule_step(
     scale: Optional[float] = None,
     use_qk_l2norm: bool = False,
     backend: str = "auto",
+    launch: Optional[GDNLaunch] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One decoding step: q, k [B, H, K]; v [B, H, V]; g, beta [B, H]; state [B, H, K, V] fp32 or None (zeros).
-    Returns o [B, H, V] in q's dtype and the new fp32 state; "triton": one launch (fused_recurrent.py)."""
-    if resolve_backend(backend, q.device) == "torch":
+    Returns o [B, H, V] in q's dtype and the new fp32 state; "triton": one launch (fused_recurrent.py), launched as
+    `launch` says (its step_warps)."""
+    chosen = resolve_backend(backend, q.device)
+    check_step_inputs("fused_recurrent_gated_delta_rule_step", q, k, v, per_head={"g": g, "beta": beta}, state=state)
+    if chosen == "torch":
         return recurrent_gated_delta_rule_step(q, k, v, g, beta, state, scale, use_qk_l2norm)
-    from fabric_lin.ops.gdn.fused_recurrent import (
-        fused_recurrent_gated_delta_rule_step_triton,
-    )
+    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
 
-    return fused_recurrent_gated_delta_rule_step_triton(q, k, v, g, beta, state, scale, use_qk_l2norm)
+    return fused_recurrent_gated_delta_rule_step_triton(q, k, v, g, beta, state, scale, use_qk_l2norm, launch)
 
 
 __all__ = [

@@ -1,40 +1,36 @@
-"""The gated delta rule's chunked Triton path: the autograd Function and torch.library ops around
-`chunk_fwd.forward` and `chunk_bwd.backward`, and its entry point `chunk_gated_delta_rule_triton`.
+"""The gated delta rule's chunked Triton path: its forward and backward kernel ops around `chunk_fwd.forward` and
+`chunk_bwd.backward`, their autograd Function (`fabric_lin/ops/chunked/autograd.py`), and its entry point
+`chunk_gated_delta_rule_triton`.
 
 The math is chunk_torch.py's (chunks of 64 tokens, the WY/UT form, fp32 state); `wy.py` holds the chunk-local
 kernels, `chunk_fwd.py` and `chunk_bwd.py` the passes and launches, `l2norm_triton.py` the q/k normalisation.
 Seven launches forward (eight with the L2 norm), eight backward (nine): the backward pass keeps only b (the gate's
 in-chunk cumsum, fp32) and (I + A)^-1 per chunk besides the inputs, and recomputes W, U, the states and D.
 """
-import functools
-import json
 from typing import Optional, Tuple
 
 import torch
 
+from fabric_lin.ops.chunked.autograd import apply_chunked, chunked_function
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE
+from fabric_lin.ops.custom_op import kernel_op
 from fabric_lin.ops.gdn.chunk_bwd import backward
 from fabric_lin.ops.gdn.chunk_fwd import forward
 from fabric_lin.ops.gdn.l2norm_triton import l2norm_bwd, l2norm_fwd
 from fabric_lin.ops.gdn.launch import SHIPPED, GDNLaunch
-from fabric_lin.ops.gdn.wy import BT
-from fabric_lin.ops.launch import op_or_fn
+from fabric_lin.ops.launch import launch_json
 
 
-@functools.lru_cache(maxsize=64)
-def _launch_of(text: str) -> GDNLaunch:
-    return GDNLaunch.from_dict(json.loads(text))
-
-
-# The ops take the launch as its JSON text: torch.library ops accept strings, not Python objects, and
-# torch.compile bakes a string argument into the graph as a constant.
-def _gdn_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], use_qk_l2norm: bool, launch: str,
+@kernel_op("chunk_gdn_fwd")
+def chunk_gdn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float, use_qk_l2norm: bool,
+    launch: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """(o, final state, b, (I + A)^-1, and with use_qk_l2norm the normalised q and k with their 1 / norms;
     without, those four are empty: the backward pass reads the inputs)."""
-    settings = _launch_of(launch)
+    settings = GDNLaunch.from_json(launch)
     if use_qk_l2norm:
         q, q_rstd = l2norm_fwd(q, settings.l2norm)
         k, k_rstd = l2norm_fwd(k, settings.l2norm)
@@ -45,32 +41,30 @@ def _gdn_fwd(
     return (o, ht, b, A_inv) + tuple(q.new_empty(0) for _ in range(4))
 
 
-chunk_gdn_fwd_op = torch.library.custom_op("fabric_lin::chunk_gdn_fwd", mutates_args=())(_gdn_fwd)
-
-
-@chunk_gdn_fwd_op.register_fake
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, launch):
+@chunk_gdn_fwd.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, launch):
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     normed = (torch.empty_like(q), torch.empty_like(k), q.new_empty(B, T, H, dtype=torch.float32),
               q.new_empty(B, T, H, dtype=torch.float32)) if use_qk_l2norm else tuple(q.new_empty(0) for _ in range(4))
     return (torch.empty_like(v), q.new_empty(N, H, K, V, dtype=torch.float32),
-            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, BT)) + normed
+            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, CHUNK_SIZE)) + normed
 
 
-def _gdn_bwd(
+@kernel_op("chunk_gdn_bwd")
+def chunk_gdn_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, beta: torch.Tensor, A_inv: torch.Tensor,
-    scale: float, initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
-    dht: Optional[torch.Tensor], q_rstd: Optional[torch.Tensor], k_rstd: Optional[torch.Tensor], launch: str,
+    q_rstd: Optional[torch.Tensor], k_rstd: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor], do: torch.Tensor, dht: Optional[torch.Tensor], scale: float,
+    use_qk_l2norm: bool, launch: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, dbeta, dh0; dh0 empty without an initial state). q, k as the recurrence read them; with
-    q_rstd and k_rstd (the L2 norm's) the gradients are taken on through the norm to the op's inputs."""
-    settings = _launch_of(launch)
-    normed = q_rstd is not None
+    use_qk_l2norm, q_rstd and k_rstd (the L2 norm's) take the gradients on through the norm to the op's inputs."""
+    settings = GDNLaunch.from_json(launch)
     dq, dk, dv, dg, dbeta, dh0 = backward(q, k, v, b, beta, A_inv, scale, initial_state, cu_seqlens, do, dht,
-                                          settings, torch.float32 if normed else None)
-    if normed:
+                                          settings, torch.float32 if use_qk_l2norm else None)
+    if use_qk_l2norm:
         dq = l2norm_bwd(q, q_rstd, dq, q.dtype, settings.l2norm)
         dk = l2norm_bwd(k, k_rstd, dk, k.dtype, settings.l2norm)
     if dh0 is None:
@@ -78,40 +72,25 @@ def _gdn_bwd(
     return dq, dk, dv, dg, dbeta, dh0
 
 
-chunk_gdn_bwd_op = torch.library.custom_op("fabric_lin::chunk_gdn_bwd", mutates_args=())(_gdn_bwd)
-
-
-@chunk_gdn_bwd_op.register_fake
-def _(q, k, v, b, beta, A_inv, scale, initial_state, cu_seqlens, do, dht, q_rstd, k_rstd, launch):
+@chunk_gdn_bwd.register_fake
+def _(q, k, v, b, beta, A_inv, q_rstd, k_rstd, initial_state, cu_seqlens, do, dht, scale, use_qk_l2norm, launch):
     dh0 = (torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None
            else q.new_empty(0, dtype=torch.float32))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(b),
             torch.empty_like(beta), dh0)
 
 
-class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, launch):
-        o, ht, b, A_inv, q_n, k_n, q_rstd, k_rstd = op_or_fn(chunk_gdn_fwd_op, _gdn_fwd)(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, launch
-        )
-        if use_qk_l2norm:
-            q, k = q_n, k_n
-        else:
-            q_rstd = k_rstd = None
-        ctx.save_for_backward(q, k, v, b, beta, A_inv, initial_state, cu_seqlens, q_rstd, k_rstd)
-        ctx.scale, ctx.output_final_state, ctx.launch = scale, output_final_state, launch
-        return o, ht
+def _kept(inputs, outputs, settings):
+    """The backward pass reads q and k as the recurrence read them (normalised where asked, with the norm's 1 / norms),
+    v, beta, b and (I + A)^-1."""
+    q, k, v, g, beta = inputs
+    b, A_inv, q_n, k_n, q_rstd, k_rstd = outputs
+    if settings[1]:  # use_qk_l2norm
+        return q_n, k_n, v, b, beta, A_inv, q_rstd, k_rstd
+    return q, k, v, b, beta, A_inv, None, None
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, b, beta, A_inv, initial_state, cu_seqlens, q_rstd, k_rstd = ctx.saved_tensors
-        dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
-        dq, dk, dv, dg, dbeta, dh0 = op_or_fn(chunk_gdn_bwd_op, _gdn_bwd)(
-            q, k, v, b, beta, A_inv, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht, q_rstd, k_rstd,
-            ctx.launch,
-        )
-        return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None, None, None)
+
+ChunkGatedDeltaRuleFunction = chunked_function("ChunkGatedDeltaRuleFunction", chunk_gdn_fwd, chunk_gdn_bwd, _kept)
 
 
 def chunk_gated_delta_rule_triton(
@@ -128,18 +107,6 @@ def chunk_gated_delta_rule_triton(
     launch: Optional[GDNLaunch] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """chunk_gated_delta_rule's contract (inputs checked there): q, k [B, T, H, K], v [B, T, H, V], g (fp32) and
-    beta [B, T, H], states [B or N, H, K, V] fp32. launch: the kernels' launch settings (default: `SHIPPED`)."""
-    if launch is None:
-        launch = SHIPPED
-    if not isinstance(launch, GDNLaunch):
-        raise TypeError(f"launch must be a fabric_lin.ops.gdn.launch.GDNLaunch, got {type(launch).__name__}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
-    o, ht = ChunkGatedDeltaRuleFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale, initial_state,
-        output_final_state, cu_seqlens, bool(use_qk_l2norm), launch.as_json,
-    )
-    return o, (ht if output_final_state else None)
+    beta [B, T, H], states [B or N, H, K, V] fp32. launch: the kernels' launch settings (default: the shipped ones)."""
+    return apply_chunked(ChunkGatedDeltaRuleFunction, (q, k, v, g, beta), scale, initial_state, output_final_state,
+                         cu_seqlens, bool(use_qk_l2norm), launch_json(launch, SHIPPED))

@@ -31,24 +31,19 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops import launch as launch_helpers
-from fabric_lin.ops.common.chunk_index import (
-    chunk_grid,
-    chunk_layout,
+from fabric_lin.ops.chunked.chunk_index import (
     chunk_start,
-    dot_precision,
+    initial_state_tile,
+    load_head_gate,
     load_raw,
     seq_start,
+    state_tile,
 )
-from fabric_lin.ops.common.state_pass import state_dtype
-from fabric_lin.ops.gdn.chunk_fwd import (
-    _causal_decay,
-    state_key_tile,
-    states,
-    wy_factors,
-)
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
+from fabric_lin.ops.gdn.chunk_fwd import _causal_decay, state_key_tile, states, wy_factors
+from fabric_lin.ops import launch as launch_helpers
 from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
-from fabric_lin.ops.gdn.wy import BT, _wy_bwd_kernel, load_cum_gate
+from fabric_lin.ops.gdn.wy import _wy_bwd_kernel
 from fabric_lin.ops.launch import cdiv, tile_width
 
 
@@ -73,7 +68,7 @@ def _bwd_dd_local_kernel(q, k, b, do, dd, cu_seqlens, chunk_indices, scale, T, H
         b_q = load_raw(q, row0, o_t, n_rows, H * K, o_k, m_k)
         b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
         b_st += tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)
-    b_b = load_cum_gate(b + i_h, row0, o_t, n_rows, H)
+    b_b = load_head_gate(b + i_h, row0, o_t, n_rows, H)
     b_st = b_st * tl.trans(_causal_decay(b_b, BT)) * scale
     b_do = load_raw(do + i_h * V, row0, o_t, n_rows, H * V, o_v, m_v)
     b_dd = tl.dot(b_st.to(DT), b_do.to(DT), input_precision=DOT_PREC)
@@ -94,12 +89,8 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
     bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BKS)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_offs = o_k[:, None] * V + o_v[None, :]
+    # key tile 0 of width BKS: all of K, which the correction D = U - W S reads
+    o_k, o_v, m_k, m_v, m_kv, state_offs = state_tile(0, i_v, K, V, BKS, BV)
     q += i_h * K
     k += i_h * K
     w += i_h * K
@@ -107,17 +98,15 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
     do += i_h * V
     dd_local += i_h * V
     dd += i_h * V
-    dS = tl.zeros([BKS, BV], dtype=tl.float32)
-    if USE_DHT:
-        dS += tl.load(dht + i_nh * K * V + state_offs, mask=m_kv, other=0.0)
+    dS = initial_state_tile(dht, i_nh, state_offs, m_kv, K, V, BKS, BV, USE_DHT)
     for i_r in range(tl.cdiv(T, BT)):
         i_t = tl.cdiv(T, BT) - 1 - i_r
         row0 = bos + i_t * BT
         n_rows = T - i_t * BT
         m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
         tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
-        b_b = load_cum_gate(b, row0, o_t, n_rows, H)
-        b_last = load_cum_gate(b, row0, BT - 1, n_rows, H)
+        b_b = load_head_gate(b, row0, o_t, n_rows, H)
+        b_last = load_head_gate(b, row0, BT - 1, n_rows, H)
         b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
         k_end = (b_k * tl.exp(b_last - b_b)[:, None]).to(DT)
         b_dd = load_raw(dd_local, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
@@ -174,8 +163,8 @@ def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seq
     m_tk = m_t[:, None] & m_k[None, :]
     offs = i_h * K + (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
     tl.store(dw + offs, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)  # stored first: its registers are needed below
-    b_b = load_cum_gate(b + i_h, row0, o_t, n_rows, H)
-    b_last = load_cum_gate(b + i_h, row0, BT - 1, n_rows, H)
+    b_b = load_head_gate(b + i_h, row0, o_t, n_rows, H)
+    b_last = load_head_gate(b + i_h, row0, BT - 1, n_rows, H)
     b_q = load_raw(q + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
     b_k = load_raw(k + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
     # P's diagonal (exp(0) = 1 whatever the gate) moves no b: it enters db_i once through q_i and once, negated,
@@ -216,11 +205,11 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dqk_dtype: dq's and dk's dtype (default q's; fp32 where the L2 norm's backward follows)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    layout = chunk_layout(cu_seqlens, B, T, BT)
+    layout = chunk_layout(cu_seqlens, B, T, CHUNK_SIZE)
     N, NC, chunk_indices, chunk_offsets = layout
     is_varlen = cu_seqlens is not None
     prec = dot_precision(q.dtype)
-    grid = chunk_grid(cu_seqlens, layout, T, B, H, BT)
+    grid = chunk_grid(cu_seqlens, layout, T, B, H, CHUNK_SIZE)
 
     w, u = wy_factors(k, v, beta, b, A_inv, cu_seqlens, layout, launch)
     h, d, _ = states(k, w, u, b, initial_state, cu_seqlens, layout, launch)
@@ -228,7 +217,7 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dd_local = torch.empty_like(v)
     BV = tile_width(launch.dd_local.BV, V)
     _bwd_dd_local_kernel[(cdiv(V, BV),) + grid](
-        q, k, b, do, dd_local, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, tile_width(launch.dd_local.BK, K),
+        q, k, b, do, dd_local, cu_seqlens, chunk_indices, scale, T, H, K, V, CHUNK_SIZE, tile_width(launch.dd_local.BK, K),
         BV, IS_VARLEN=is_varlen, DOT_PREC=prec, **launch.dd_local.options(),
     )
 
@@ -238,7 +227,7 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dstate = state_pass_launch(launch.dstate, launch.narrow_state, V, N, H, launch_helpers.multiprocessors(q.device))
     BV = tile_width(dstate.BV, V)
     _bwd_state_kernel[(cdiv(V, BV), N * H)](
-        q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT,
+        q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, CHUNK_SIZE,
         state_key_tile(K), BV, USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen,
         DOT_PREC=prec, **dstate.options(),
     )
@@ -252,7 +241,7 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dg_part = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
     _bwd_dqkw_kernel[(NK,) + grid](
         q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seqlens, chunk_indices, scale, T, B * T * H,
-        H, K, V, BT, BK, tile_width(launch.dqkw.BV, V), IS_VARLEN=is_varlen, DOT_PREC=prec,
+        H, K, V, CHUNK_SIZE, BK, tile_width(launch.dqkw.BV, V), IS_VARLEN=is_varlen, DOT_PREC=prec,
         **launch.dqkw.options(),
     )
 
@@ -262,7 +251,7 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dbeta = torch.empty_like(beta)
     _wy_bwd_kernel[grid](
         k, v, beta, b, A_inv, dw, dd, dk_part, dg_part, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, NK,
-        B * T * H, H, K, V, BT, tile_width(launch.wy_bwd.BK, K), tile_width(launch.wy_bwd.BV, V),
+        B * T * H, H, K, V, CHUNK_SIZE, tile_width(launch.wy_bwd.BK, K), tile_width(launch.wy_bwd.BV, V),
         IS_VARLEN=is_varlen, DOT_PREC=prec, **launch.wy_bwd.options(),
     )
     return dq, dk, dv, dg, dbeta, dh0

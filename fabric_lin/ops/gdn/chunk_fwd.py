@@ -16,18 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops import launch as launch_helpers
-from fabric_lin.ops.common.chunk_index import (
-    chunk_grid,
-    chunk_layout,
+from fabric_lin.ops.chunked.chunk_index import (
     chunk_start,
-    dot_precision,
+    initial_state_tile,
+    load_head_gate,
     load_raw,
     seq_start,
+    state_tile,
 )
-from fabric_lin.ops.common.state_pass import state_dtype
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
+from fabric_lin.ops import launch as launch_helpers
 from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
-from fabric_lin.ops.gdn.wy import BC, BT, _solve_kernel, _wu_kernel, load_cum_gate
+from fabric_lin.ops.gdn.wy import BC, _solve_kernel, _wu_kernel
 from fabric_lin.ops.launch import cdiv, next_power_of_2, tile_width
 
 
@@ -52,20 +52,14 @@ def _fwd_state_kernel(k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_offsets, T, H:
     bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     DT = k.dtype.element_ty
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BKS)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_offs = o_k[:, None] * V + o_v[None, :]
+    # key tile 0 of width BKS: all of K, which the correction D = U - W S reads
+    o_k, o_v, m_k, m_v, m_kv, state_offs = state_tile(0, i_v, K, V, BKS, BV)
     k += i_h * K
     w += i_h * K
     u += i_h * V
     d += i_h * V
     b += i_h
-    S = tl.zeros([BKS, BV], dtype=tl.float32)
-    if USE_H0:
-        S += tl.load(h0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0)
+    S = initial_state_tile(h0, i_nh, state_offs, m_kv, K, V, BKS, BV, USE_H0)
     for i_t in range(tl.cdiv(T, BT)):
         row0 = bos + i_t * BT
         n_rows = T - i_t * BT
@@ -75,8 +69,8 @@ def _fwd_state_kernel(k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_offsets, T, H:
         b_u = load_raw(u, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
         b_d = b_u - tl.dot(b_w, S.to(DT), input_precision=DOT_PREC)
         tl.store(d + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], b_d.to(d.dtype.element_ty), mask=m_tv)
-        b_b = load_cum_gate(b, row0, o_t, n_rows, H)
-        b_last = load_cum_gate(b, row0, BT - 1, n_rows, H)
+        b_b = load_head_gate(b, row0, o_t, n_rows, H)
+        b_last = load_head_gate(b, row0, BT - 1, n_rows, H)
         b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
         k_end = (b_k * tl.exp(b_last - b_b)[:, None]).to(DT)  # the keys as the chunk's end sees them
         S = S * tl.exp(b_last) + tl.dot(tl.trans(k_end), b_d.to(DT), input_precision=DOT_PREC)
@@ -108,7 +102,7 @@ def _fwd_output_kernel(q, k, d, b, h, o, cu_seqlens, chunk_indices, scale, T, H:
         b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_o += tl.dot(b_q, b_h.to(DT), input_precision=DOT_PREC)
         b_s += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
-    b_b = load_cum_gate(b + i_h, row0, o_t, n_rows, H)
+    b_b = load_head_gate(b + i_h, row0, o_t, n_rows, H)
     b_s = b_s * _causal_decay(b_b, BT)
     b_d = load_raw(d + i_h * V, row0, o_t, n_rows, H * V, o_v, m_v)
     b_o = b_o * tl.exp(b_b)[:, None] + tl.dot(b_s.to(DT), b_d.to(DT), input_precision=DOT_PREC)
@@ -126,12 +120,12 @@ def state_key_tile(K: int) -> int:
 
 
 def solve(k, g, beta, cu_seqlens, layout, launch: GDNLaunch):
-    """(b, the in-chunk cumsum of g [B, T, H] fp32; (I + A)^-1 [B, T, H, BT] in k's dtype)."""
+    """(b, the in-chunk cumsum of g [B, T, H] fp32; (I + A)^-1 [B, T, H, CHUNK_SIZE] in k's dtype)."""
     B, T, H, K = k.shape
     b = torch.empty_like(g, dtype=torch.float32)
-    A_inv = k.new_empty(B, T, H, BT)
-    _solve_kernel[chunk_grid(cu_seqlens, layout, T, B, H, BT)](
-        k, g, beta, b, A_inv, cu_seqlens, layout[2], T, H, K, BT, BC, tile_width(launch.solve.BK, K),
+    A_inv = k.new_empty(B, T, H, CHUNK_SIZE)
+    _solve_kernel[chunk_grid(cu_seqlens, layout, T, B, H, CHUNK_SIZE)](
+        k, g, beta, b, A_inv, cu_seqlens, layout.chunk_indices, T, H, K, CHUNK_SIZE, BC, tile_width(launch.solve.BK, K),
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), **launch.solve.options(),
     )
     return b, A_inv
@@ -142,8 +136,8 @@ def wy_factors(k, v, beta, b, A_inv, cu_seqlens, layout, launch: GDNLaunch):
     B, T, H, K = k.shape
     V = v.shape[-1]
     w, u = torch.empty_like(k), torch.empty_like(v)
-    _wu_kernel[chunk_grid(cu_seqlens, layout, T, B, H, BT)](
-        k, v, beta, b, A_inv, w, u, cu_seqlens, layout[2], T, H, K, V, BT, tile_width(launch.wu.BK, K),
+    _wu_kernel[chunk_grid(cu_seqlens, layout, T, B, H, CHUNK_SIZE)](
+        k, v, beta, b, A_inv, w, u, cu_seqlens, layout.chunk_indices, T, H, K, V, CHUNK_SIZE, tile_width(launch.wu.BK, K),
         tile_width(launch.wu.BV, V), IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
         **launch.wu.options(),
     )
@@ -162,7 +156,7 @@ def states(k, w, u, b, initial_state, cu_seqlens, layout, launch: GDNLaunch):
     d = torch.empty_like(u)
     ht = k.new_empty(N, H, K, V, dtype=torch.float32)
     _fwd_state_kernel[(cdiv(V, BV), N * H)](
-        k, w, u, b, h, d, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, BT, state_key_tile(K), BV,
+        k, w, u, b, h, d, initial_state, ht, cu_seqlens, chunk_offsets, T, H, K, V, CHUNK_SIZE, state_key_tile(K), BV,
         USE_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
         **state.options(),
     )
@@ -175,14 +169,14 @@ def forward(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor
     recurrence reads them (already normalised where asked)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    layout = chunk_layout(cu_seqlens, B, T, BT)
+    layout = chunk_layout(cu_seqlens, B, T, CHUNK_SIZE)
     b, A_inv = solve(k, g, beta, cu_seqlens, layout, launch)
     w, u = wy_factors(k, v, beta, b, A_inv, cu_seqlens, layout, launch)
     h, d, ht = states(k, w, u, b, initial_state, cu_seqlens, layout, launch)
     o = torch.empty_like(v)
     BV = tile_width(launch.output.BV, V)
-    _fwd_output_kernel[(cdiv(V, BV),) + chunk_grid(cu_seqlens, layout, T, B, H, BT)](
-        q, k, d, b, h, o, cu_seqlens, layout[2], scale, T, H, K, V, BT, tile_width(launch.output.BK, K), BV,
+    _fwd_output_kernel[(cdiv(V, BV),) + chunk_grid(cu_seqlens, layout, T, B, H, CHUNK_SIZE)](
+        q, k, d, b, h, o, cu_seqlens, layout.chunk_indices, scale, T, H, K, V, CHUNK_SIZE, tile_width(launch.output.BK, K), BV,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), **launch.output.options(),
     )
     return o, ht, b, A_inv

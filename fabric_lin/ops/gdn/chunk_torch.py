@@ -24,9 +24,9 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from fabric_lin.ops.common.varlen import as_padded_batch
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE
+from fabric_lin.ops.chunked.varlen import as_padded_batch
 
-CHUNK = 64
 
 
 def chunk_gated_delta_rule_torch(
@@ -54,14 +54,14 @@ def chunk_gated_delta_rule_torch(
 
     # Pad T up to a multiple of the chunk. Padded tokens have q = k = v = 0, beta = 0 (no write) and
     # g = 0 (no decay), so they change neither the outputs before them nor the final state.
-    pad = (-T) % CHUNK
-    N = (T + pad) // CHUNK
+    pad = (-T) % CHUNK_SIZE
+    N = (T + pad) // CHUNK_SIZE
 
     def to_chunks(x):  # [B, T, H, *D] -> [B, H, N, C, *D], fp32 for the arithmetic
         x = x.float()
         if x.dim() == 3:
-            return F.pad(x, (0, 0, 0, pad)).view(B, N, CHUNK, H).permute(0, 3, 1, 2)
-        return F.pad(x, (0, 0, 0, 0, 0, pad)).view(B, N, CHUNK, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
+            return F.pad(x, (0, 0, 0, pad)).view(B, N, CHUNK_SIZE, H).permute(0, 3, 1, 2)
+        return F.pad(x, (0, 0, 0, 0, 0, pad)).view(B, N, CHUNK_SIZE, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
 
     q, k, v, g, beta = to_chunks(q) * scale, to_chunks(k), to_chunks(v), to_chunks(g), to_chunks(beta)
     b = g.cumsum(dim=-1)  # [B, H, N, C]
@@ -71,8 +71,8 @@ def chunk_gated_delta_rule_torch(
     to_end = F.pad(g[..., 1:], (0, 1)).flip(-1).cumsum(dim=-1).flip(-1)  # [B, H, N, C]
 
     # exp(b_i - b_j) for j < i, the diagonal a constant 1 (for the same reason), zero above: [B, H, N, C, C]
-    eye = torch.eye(CHUNK, dtype=q.dtype, device=q.device)
-    strict = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril(-1)
+    eye = torch.eye(CHUNK_SIZE, dtype=q.dtype, device=q.device)
+    strict = torch.ones(CHUNK_SIZE, CHUNK_SIZE, dtype=torch.bool, device=q.device).tril(-1)
     decay = (b[..., :, None] - b[..., None, :]).masked_fill(~strict, float("-inf")).exp() + eye
 
     # The UT transform of the chunk: A is strictly lower triangular, I + A unit lower triangular.
@@ -92,8 +92,8 @@ def chunk_gated_delta_rule_torch(
         d = u[:, :, n] - w[:, :, n] @ state  # [B, H, C, V], the corrections the chunk writes
         outputs.append(q_decayed[:, :, n] @ state + scores[:, :, n] @ d)
         state = chunk_decay[:, :, n] * state + k_to_end[:, :, n].transpose(-1, -2) @ d
-    o = torch.stack(outputs, dim=2) if outputs else q.new_zeros(B, H, 0, CHUNK, V)  # [B, H, N, C, V]
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * CHUNK, H, V)[:, :T]
+    o = torch.stack(outputs, dim=2) if outputs else q.new_zeros(B, H, 0, CHUNK_SIZE, V)  # [B, H, N, C, V]
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * CHUNK_SIZE, H, V)[:, :T]
     return o.to(dtype), (state if output_final_state else None)
 
 

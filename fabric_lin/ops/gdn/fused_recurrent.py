@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.launch import cdiv, next_power_of_2, op_or_fn
+from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.gdn.launch import SHIPPED, GDNLaunch
+from fabric_lin.ops.launch import cdiv, launch_json, next_power_of_2
 
 L2NORM_EPS = 1e-6  # fabric_lin/ops/gdn/l2norm.py's, fla's
 
@@ -55,9 +57,11 @@ def _value_tile(K: int, V: int) -> Tuple[int, int]:
     return BK, BV
 
 
-def _step(
+# a kernel op, so that torch.compile keeps the step one opaque call
+@kernel_op("recurrent_gated_delta_rule_step")
+def gdn_step_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: Optional[torch.Tensor], scale: float, use_qk_l2norm: bool,
+    state: Optional[torch.Tensor], scale: float, use_qk_l2norm: bool, launch: str,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     B, H, K = q.shape
     V = v.shape[-1]
@@ -67,51 +71,27 @@ def _step(
         BK, BV = _value_tile(K, V)
         _gdn_step_kernel[(cdiv(V, BV), B * H)](
             q, k, v, g, beta, state, new_state, o, scale, K, V, BK, BV, USE_STATE=state is not None,
-            USE_QK_L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, num_warps=4,
+            USE_QK_L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, num_warps=GDNLaunch.from_json(launch).step_warps,
         )
     return o, new_state
 
 
-# a torch.library op, so that torch.compile keeps the step one opaque call (op_or_fn: only while it traces)
-gdn_step_op = torch.library.custom_op("fabric_lin::recurrent_gated_delta_rule_step", mutates_args=())(_step)
-
-
-@gdn_step_op.register_fake
-def _(q, k, v, g, beta, state, scale, use_qk_l2norm):
+@gdn_step_kernel.register_fake
+def _(q, k, v, g, beta, state, scale, use_qk_l2norm, launch):
     B, H, K = q.shape
     return q.new_empty(B, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)
-
-
-def _check_inputs(q, k, v, g, beta, state) -> None:
-    name = "fused_recurrent_gated_delta_rule_step"
-    if q.dim() != 3:
-        raise ValueError(f"{name}: q must be [B, H, K], got shape {tuple(q.shape)}")
-    B, H, K = q.shape
-    if tuple(k.shape) != (B, H, K):
-        raise ValueError(f"{name}: k must be [B, H, K] = {(B, H, K)} like q, got shape {tuple(k.shape)}")
-    if v.dim() != 3 or tuple(v.shape[:2]) != (B, H):
-        raise ValueError(f"{name}: v must be [B, H, V] with [B, H] = {(B, H)}, got shape {tuple(v.shape)}")
-    for arg, x in (("g", g), ("beta", beta)):
-        if tuple(x.shape) != (B, H):
-            raise ValueError(
-                f"{name}: {arg} must be [B, H] = {(B, H)} (one value per head), got shape {tuple(x.shape)}"
-            )
-    if state is not None and tuple(state.shape) != (B, H, K, v.shape[-1]):
-        raise ValueError(
-            f"{name}: state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}, got shape {tuple(state.shape)}"
-        )
 
 
 def fused_recurrent_gated_delta_rule_step_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: Optional[torch.Tensor], scale: Optional[float] = None, use_qk_l2norm: bool = False,
+    launch: Optional[GDNLaunch] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """recurrent_gated_delta_rule_step in one launch: q, k [B, H, K]; v [B, H, V]; g (log decay), beta [B, H];
     state [B, H, K, V] (read as fp32) or None (zeros). Returns o [B, H, V] in q's dtype and the new fp32
-    state (a new tensor). Not differentiable (decoding)."""
-    _check_inputs(q, k, v, g, beta, state)
+    state (a new tensor). Not differentiable (decoding); the shapes checked by the caller (fabric_lin.ops.gdn)."""
     if state is not None:
         state = state.float().contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return op_or_fn(gdn_step_op, _step)(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
-                                        beta.contiguous(), state, scale, bool(use_qk_l2norm))
+    return gdn_step_kernel(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state,
+                           scale, bool(use_qk_l2norm), launch_json(launch, SHIPPED))

@@ -13,17 +13,11 @@ H200's 132 multiprocessors, one each), `state_pass_launch` takes `narrow_state` 
 """
 from dataclasses import dataclass
 
-from fabric_lin.ops.launch import (
-    KernelLaunch,
-    cdiv,
-    launch_from_dict,
-    launch_to_json,
-    tile_width,
-)
+from fabric_lin.ops.launch import KernelLaunch, LaunchBundle, cdiv, tile_width
 
 
 @dataclass(frozen=True)
-class GDNLaunch:
+class GDNLaunch(LaunchBundle):
     l2norm: KernelLaunch = KernelLaunch(BK=16, warps=4)
     """The q/k L2 norm, forward and backward; BK: rows per program (each program holds whole rows)."""
     solve: KernelLaunch = KernelLaunch(BK=64, warps=4)
@@ -48,14 +42,8 @@ class GDNLaunch:
     """dq, the output's and state's part of dk, dW and their part of the gate's gradient, per key tile."""
     wy_bwd: KernelLaunch = KernelLaunch(BK=64, BV=64, warps=4)
     """Through W, U and (I + A)^-1 to dk, dv, dbeta; the gate's gradient summed and cumulated back."""
-
-    def __post_init__(self):
-        # the form the torch.library ops take it in, made once: under torch.compile reading it is a constant
-        object.__setattr__(self, "as_json", launch_to_json(self))
-
-    @classmethod
-    def from_dict(cls, data: dict, source: str = "GDN launch settings") -> "GDNLaunch":
-        return launch_from_dict(cls, data, source)
+    step_warps: int = 4
+    """Warps of the decoding step (fused_recurrent.py; its tiles follow the head dims)."""
 
 
 SHIPPED = GDNLaunch()

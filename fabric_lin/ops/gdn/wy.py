@@ -14,26 +14,9 @@ launch of its own would only read g and write b again. b (fp32, [B, T, H]) is wh
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.common.chunk_index import chunk_start, load_raw, load_tile
+from fabric_lin.ops.chunked.chunk_index import chunk_start, load_head_gate, load_head_rows, load_raw, load_tile
 
-BT = 64  # rows per chunk
-BC = 16  # rows per block of the triangular solve
-
-
-# ------------------------------------------------------------------------- per-head scalars of a chunk
-
-
-@triton.jit
-def load_head_rows(ptr, row0, rows, n_rows, H: tl.constexpr):
-    """A per-head scalar ([B*T, H], ptr at the head) at `rows` of a chunk, fp32; 0 past the sequence's end."""
-    return tl.load(ptr + (row0 + rows) * H, mask=rows < n_rows, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def load_cum_gate(b, row0, rows, n_rows, H: tl.constexpr):
-    """The in-chunk cumulative gate at `rows`, rows past the sequence's end reading its last row (no decay
-    there, so exponents of differences stay <= 0)."""
-    return tl.load(b + (row0 + tl.minimum(rows, n_rows - 1)) * H)
+BC = 16  # rows per block of the triangular solve: a chunk of CHUNK_SIZE = 64 rows is four of them
 
 
 @triton.jit
@@ -200,7 +183,7 @@ def _wu_kernel(k, v, beta, b, A_inv, w, u, cu_seqlens, chunk_indices, T, H: tl.c
     m_t = o_t < n_rows
     t = load_lower(A_inv + i_h * BT, row0, n_rows, H, BT).to(DT)
     b_beta = load_head_rows(beta + i_h, row0, o_t, n_rows, H)
-    b_kscale = b_beta * tl.exp(load_cum_gate(b + i_h, row0, o_t, n_rows, H))
+    b_kscale = b_beta * tl.exp(load_head_gate(b + i_h, row0, o_t, n_rows, H))
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -246,7 +229,7 @@ def _wy_bwd_kernel(k, v, beta, b, A_inv, dw, dd, dk_part, dg_part, dk, dv, dbeta
     dv += i_h * V
     t = load_lower(A_inv + i_h * BT, row0, n_rows, H, BT).to(DT)
     b_beta = load_head_rows(beta + i_h, row0, o_t, n_rows, H)
-    b_b = load_cum_gate(b + i_h, row0, o_t, n_rows, H)
+    b_b = load_head_gate(b + i_h, row0, o_t, n_rows, H)
     b_eb = tl.exp(b_b)
     b_kscale = b_beta * b_eb
 

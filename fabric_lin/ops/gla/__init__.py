@@ -3,8 +3,8 @@
 
     naive.py            naive_recurrent_gla: fp32 token-by-token recurrence, the test oracle
     chunk_torch.py      chunk_gla_torch: chunked form in PyTorch (CPU path, autograd backward)
-    chunk.py            the Triton path's autograd Functions and ops (chunk_fwd.py, chunk_bwd.py and scores.py
-                        hold its kernels; fabric_lin/ops/common/ the gate cumsum and state pass it shares)
+    chunk.py            the Triton path's ops and entry points (chunk_fwd.py, chunk_bwd.py, scores.py, cumsum.py
+                        and state_pass.py hold its kernels; fabric_lin/ops/chunked/ the core every family runs on)
     launch.py           GLALaunch: how the Triton kernels are launched (SHIPPED, or tune.py's search)
     gate.py             log_decay: logsigmoid(gate_logits) / normalizer
     recurrent.py        recurrent_gla_step: one decoding step in PyTorch; fused_recurrent.py: the same in one
@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from fabric_lin.ops.backend import resolve_backend
+from fabric_lin.ops.chunked.checks import check_inputs, check_step_inputs
 from fabric_lin.ops.gla.chunk_torch import chunk_gla_torch
 from fabric_lin.ops.gla.gate import log_decay
 from fabric_lin.ops.gla.launch import GLALaunch
@@ -43,7 +44,9 @@ def chunk_gla(
     launch: the Triton kernels' launch settings (default: the shipped ones).
     Returns (o [B, T, H, V] in q's dtype, final state or None).
     """
-    if resolve_backend(backend, q.device) == "triton":
+    chosen = resolve_backend(backend, q.device)
+    check_inputs("chunk_gla", q, k, v, per_key={"gk": gk}, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if chosen == "triton":
         from fabric_lin.ops.gla.chunk import chunk_gla_triton
 
         return chunk_gla_triton(q, k, v, gk, scale, initial_state, output_final_state, cu_seqlens, launch)
@@ -65,9 +68,12 @@ def chunk_gla_from_logits(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """chunk_gla with gk = logsigmoid(gate_logits) / normalizer formed inside (GLA's forget gate). The
     Triton path's backward pass keeps the logits (in their dtype) rather than gk's fp32 cumulative sums."""
+    chosen = resolve_backend(backend, q.device)
+    check_inputs("chunk_gla_from_logits", q, k, v, per_key={"gate_logits": gate_logits}, initial_state=initial_state,
+                 cu_seqlens=cu_seqlens)
     if not normalizer > 0:
         raise ValueError(f"chunk_gla_from_logits: normalizer must be a positive number, got {normalizer!r}")
-    if resolve_backend(backend, q.device) == "triton":
+    if chosen == "triton":
         from fabric_lin.ops.gla.chunk import chunk_gla_from_logits_triton
 
         return chunk_gla_from_logits_triton(q, k, v, gate_logits, normalizer, scale, initial_state, output_final_state,
@@ -84,22 +90,17 @@ def fused_recurrent_gla_step(
     state: Optional[torch.Tensor],
     scale: Optional[float] = None,
     backend: str = "auto",
+    launch: Optional[GLALaunch] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One decoding step: q, k, gk [B, H, K]; v [B, H, V]; state [B, H, K, V] fp32 or None (zeros).
-    Returns o [B, H, V] in q's dtype and the new fp32 state."""
-    B, H, K = q.shape
-    if k.shape != q.shape or gk.shape != q.shape or v.shape[:2] != (B, H):
-        raise ValueError(
-            f"expected q, k, gk [B, H, K] and v [B, H, V], got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"gk {tuple(gk.shape)}, v {tuple(v.shape)}"
-        )
-    if state is not None and tuple(state.shape) != (B, H, K, v.shape[-1]):
-        raise ValueError(f"state must have shape {(B, H, K, v.shape[-1])}, got {tuple(state.shape)}")
-    if resolve_backend(backend, q.device) == "torch":
+    Returns o [B, H, V] in q's dtype and the new fp32 state. launch: the kernel's launch settings (its step_warps)."""
+    chosen = resolve_backend(backend, q.device)
+    check_step_inputs("fused_recurrent_gla_step", q, k, v, per_key={"gk": gk}, state=state)
+    if chosen == "torch":
         return recurrent_gla_step(q, k, v, gk, state, scale)
     from fabric_lin.ops.gla.fused_recurrent import fused_recurrent_gla_step_triton
 
-    return fused_recurrent_gla_step_triton(q, k, v, gk, state, scale)
+    return fused_recurrent_gla_step_triton(q, k, v, gk, state, scale, launch)
 
 
 __all__ = [

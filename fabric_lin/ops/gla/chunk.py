@@ -1,148 +1,79 @@
-"""GLA's chunked Triton path: the autograd Functions and torch.library ops around `chunk_fwd.forward` and
-`chunk_bwd.backward`, and the two entry points `chunk_gla_triton` (the log gate given) and
-`chunk_gla_from_logits_triton` (the gate's logits given; logsigmoid(logits) / normalizer is formed inside).
+"""GLA's chunked Triton path: its forward and backward kernel ops around `chunk_fwd.forward` and
+`chunk_bwd.backward`, their autograd Function (`fabric_lin/ops/chunked/autograd.py`), and the two entry points
+`chunk_gla_triton` (the log gate given) and `chunk_gla_from_logits_triton` (the gate's logits given;
+logsigmoid(logits) / normalizer is formed inside).
 
 The math is chunk_torch.py's (chunks of 64 tokens, b = cumsum(gk) inside a chunk, fp32 state), arranged so
 that every matrix product is a full tile: see `scores.py` (the intra-chunk scores), `chunk_fwd.py` and
-`chunk_bwd.py` (the launches), and `fabric_lin/ops/common/` (the gate cumsum and the state pass). Eight
+`chunk_bwd.py` (the launches), `cumsum.py` (the gate's cumsum) and `state_pass.py` (the state pass). Eight
 launches for forward plus backward with the sequential state pass, nine from logits.
 
 From logits, the backward pass keeps the logits (2 bytes per gate entry in bf16) where it would keep fp32
 cumulative sums (4, and the fp32 logsigmoid input besides), recomputes the sums in one launch and writes
 the logits' gradient from the dq/dk kernel: no elementwise pass over the gate runs outside the kernels.
 """
-import functools
-import json
 from typing import Optional, Tuple
 
 import torch
 
+from fabric_lin.ops.chunked.autograd import apply_chunked, chunked_function
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE
+from fabric_lin.ops.custom_op import kernel_op
 from fabric_lin.ops.gla.chunk_bwd import backward
-from fabric_lin.ops.gla.chunk_fwd import BT, forward
+from fabric_lin.ops.gla.chunk_fwd import forward
 from fabric_lin.ops.gla.launch import SHIPPED, GLALaunch
-from fabric_lin.ops.launch import op_or_fn
+from fabric_lin.ops.launch import launch_json
 
 
-@functools.lru_cache(maxsize=64)
-def _launch_of(text: str) -> GLALaunch:
-    return GLALaunch.from_dict(json.loads(text))
-
-
-# The ops take the launch as its JSON text: torch.library ops accept strings, not Python objects, and
-# torch.compile bakes a string argument into the graph as a constant.
-def _gla_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
-    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], normalizer: Optional[float],
-    launch: str,
+@kernel_op("chunk_gla_fwd")
+def chunk_gla_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor], scale: float, normalizer: Optional[float], launch: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer, _launch_of(launch))
+    """(o, final state, gc = the in-chunk cumulative gate (fp32), A = the intra-chunk scores). g: the log gate gk,
+    or with a normalizer the gate's logits."""
+    return forward(q, k, v, g, scale, initial_state, cu_seqlens, normalizer, GLALaunch.from_json(launch))
 
 
-chunk_gla_fwd_op = torch.library.custom_op("fabric_lin::chunk_gla_fwd", mutates_args=())(_gla_fwd)
-
-
-@chunk_gla_fwd_op.register_fake
-def _(q, k, v, g, scale, initial_state, cu_seqlens, normalizer, launch):
+@chunk_gla_fwd.register_fake
+def _(q, k, v, g, initial_state, cu_seqlens, scale, normalizer, launch):
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (q.new_empty(B, T, H, V), q.new_empty(N, H, K, V, dtype=torch.float32),
-            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, BT))
+            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, CHUNK_SIZE))
 
 
-def _gla_bwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, A: torch.Tensor, scale: float,
+@kernel_op("chunk_gla_bwd")
+def chunk_gla_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, A: torch.Tensor,
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
-    dht: Optional[torch.Tensor], normalizer: Optional[float], launch: str,
+    dht: Optional[torch.Tensor], scale: float, normalizer: Optional[float], launch: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, d gate, dh0; dh0 empty without an initial state). gate: gc, or with a normalizer the logits."""
     dq, dk, dv, dg, dh0 = backward(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, normalizer,
-                                   _launch_of(launch))
+                                   GLALaunch.from_json(launch))
     if dh0 is None:
         dh0 = q.new_zeros(0, dtype=torch.float32)
     return dq, dk, dv, dg, dh0
 
 
-chunk_gla_bwd_op = torch.library.custom_op("fabric_lin::chunk_gla_bwd", mutates_args=())(_gla_bwd)
-
-
-@chunk_gla_bwd_op.register_fake
-def _(q, k, v, gate, A, scale, initial_state, cu_seqlens, do, dht, normalizer, launch):
+@chunk_gla_bwd.register_fake
+def _(q, k, v, gate, A, initial_state, cu_seqlens, do, dht, scale, normalizer, launch):
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gate), dh0
 
 
-class ChunkGLAFunction(torch.autograd.Function):
-    """The log gate gk given: its in-chunk cumulative sums (fp32) are kept for the backward pass."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, launch):
-        o, ht, gc, A = op_or_fn(chunk_gla_fwd_op, _gla_fwd)(q, k, v, g, scale, initial_state, cu_seqlens, None, launch)
-        ctx.save_for_backward(q, k, v, gc, A, initial_state, cu_seqlens)
-        ctx.scale, ctx.output_final_state, ctx.launch = scale, output_final_state, launch
-        ctx.g_dtype = g.dtype
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, gc, A, initial_state, cu_seqlens = ctx.saved_tensors
-        dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
-        dq, dk, dv, dg, dh0 = op_or_fn(chunk_gla_bwd_op, _gla_bwd)(
-            q, k, v, gc, A, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht, None, ctx.launch
-        )
-        return dq, dk, dv, dg.to(ctx.g_dtype), None, (dh0 if initial_state is not None else None), None, None, None
+def _kept(inputs, outputs, settings):
+    """The backward pass reads q, k, v, A and the gate: from logits (a normalizer given) the logits, which it
+    recomputes the cumulative sums from, else those sums (fp32)."""
+    q, k, v, g = inputs
+    gc, A = outputs
+    normalizer = settings[1]
+    return q, k, v, (g if normalizer is not None else gc), A
 
 
-class ChunkGLAFromLogitsFunction(torch.autograd.Function):
-    """The gate's logits given: only they are kept for the backward pass, which recomputes the cumulative gate."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, gate_logits, normalizer, scale, initial_state, output_final_state, cu_seqlens, launch):
-        o, ht, _, A = op_or_fn(chunk_gla_fwd_op, _gla_fwd)(q, k, v, gate_logits, scale, initial_state, cu_seqlens,
-                                                           normalizer, launch)
-        ctx.save_for_backward(q, k, v, gate_logits, A, initial_state, cu_seqlens)
-        ctx.scale, ctx.normalizer, ctx.output_final_state, ctx.launch = scale, normalizer, output_final_state, launch
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, gate_logits, A, initial_state, cu_seqlens = ctx.saved_tensors
-        dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
-        dq, dk, dv, d_logits, dh0 = op_or_fn(chunk_gla_bwd_op, _gla_bwd)(
-            q, k, v, gate_logits, A, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht, ctx.normalizer,
-            ctx.launch,
-        )
-        return dq, dk, dv, d_logits, None, None, (dh0 if initial_state is not None else None), None, None, None
-
-
-def _checked_inputs(q, k, v, gate, gate_name, scale, initial_state, cu_seqlens):
-    """(scale, initial_state, cu_seqlens) ready for the kernels; errors name the argument and the shape expected."""
-    B, T, H, K = q.shape
-    if k.shape != q.shape or gate.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(
-            f"chunk_gla: expected q, k, {gate_name} of one shape [B, T, H, K] and v [B, T, H, V], got q "
-            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, {gate_name} {tuple(gate.shape)}"
-        )
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"chunk_gla: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if cu_seqlens is not None and B != 1:
-        raise ValueError(f"cu_seqlens needs batch size 1, got {B}")
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, v.shape[-1]):
-        raise ValueError(f"initial_state must have shape {(N, H, K, v.shape[-1])}, got {tuple(initial_state.shape)}")
-    scale = K**-0.5 if scale is None else float(scale)
-    if initial_state is not None:
-        initial_state = initial_state.float().contiguous()
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
-    return scale, initial_state, cu_seqlens
-
-
-def _checked_launch(launch: Optional[GLALaunch]) -> str:
-    if launch is None:
-        launch = SHIPPED
-    if not isinstance(launch, GLALaunch):
-        raise TypeError(f"launch must be a fabric_lin.ops.gla.launch.GLALaunch, got {type(launch).__name__}")
-    return launch.as_json
+ChunkGLAFunction = chunked_function("ChunkGLAFunction", chunk_gla_fwd, chunk_gla_bwd, _kept)
 
 
 def chunk_gla_triton(
@@ -156,14 +87,10 @@ def chunk_gla_triton(
     cu_seqlens: Optional[torch.Tensor] = None,
     launch: Optional[GLALaunch] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Same contract as chunk_gla_torch: q, k, gk [B, T, H, K], v [B, T, H, V], states [B or N, H, K, V] fp32.
-    launch: the kernels' launch settings (default: `SHIPPED`)."""
-    scale, initial_state, cu_seqlens = _checked_inputs(q, k, v, gk, "gk", scale, initial_state, cu_seqlens)
-    o, ht = ChunkGLAFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), scale, initial_state, output_final_state,
-        cu_seqlens, _checked_launch(launch),
-    )
-    return o, (ht if output_final_state else None)
+    """Same contract as chunk_gla_torch: q, k, gk [B, T, H, K], v [B, T, H, V], states [B or N, H, K, V] fp32
+    (checked by the caller, fabric_lin.ops.gla). launch: the kernels' launch settings (default: the shipped ones)."""
+    return apply_chunked(ChunkGLAFunction, (q, k, v, gk), scale, initial_state, output_final_state, cu_seqlens, None,
+                         launch_json(launch, SHIPPED))
 
 
 def chunk_gla_from_logits_triton(
@@ -179,9 +106,5 @@ def chunk_gla_from_logits_triton(
     launch: Optional[GLALaunch] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """chunk_gla_triton with gk = logsigmoid(gate_logits) / normalizer (gate_logits [B, T, H, K], any float dtype)."""
-    scale, initial_state, cu_seqlens = _checked_inputs(q, k, v, gate_logits, "gate_logits", scale, initial_state, cu_seqlens)
-    o, ht = ChunkGLAFromLogitsFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), gate_logits.contiguous(), float(normalizer), scale,
-        initial_state, output_final_state, cu_seqlens, _checked_launch(launch),
-    )
-    return o, (ht if output_final_state else None)
+    return apply_chunked(ChunkGLAFunction, (q, k, v, gate_logits), scale, initial_state, output_final_state,
+                         cu_seqlens, float(normalizer), launch_json(launch, SHIPPED))

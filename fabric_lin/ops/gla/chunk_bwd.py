@@ -1,7 +1,7 @@
 """GLA's chunked backward pass in Triton.
 
 The per-chunk states h_n are recomputed rather than kept; one launch runs that forward pass and the reverse
-pass giving dh_n (the gradient of the state leaving chunk n) and dh0 (`fabric_lin/ops/common/state_pass.py`).
+pass giving dh_n (the gradient of the state leaving chunk n) and dh0 (`state_pass.py`).
 Then, per chunk:
   * dv = (k exp(b_last - b)) dh_n + A^T do and dA = tril(do v^T) (A kept from the forward pass; both go
     through memory in the inputs' dtype, the one the products use). The decayed keys k exp(b_last - b), which
@@ -21,18 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.common.chunk_index import (
-    chunk_grid,
-    chunk_layout,
-    chunk_start,
-    dot_precision,
-    load_gate,
-    load_gate_row,
-    load_raw,
-    load_tile,
-)
-from fabric_lin.ops.common.cumsum import gate_cumsum
-from fabric_lin.ops.common.state_pass import (
+from fabric_lin.ops.chunked.chunk_index import chunk_start, load_gate, load_gate_row, load_raw, load_tile
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision
+from fabric_lin.ops.gla.cumsum import gate_cumsum
+from fabric_lin.ops.gla.state_pass import (
     KD_FORM,
     KD_READ,
     KD_WRITE,
@@ -42,15 +34,9 @@ from fabric_lin.ops.common.state_pass import (
     states,
     takes_decayed_keys,
 )
-from fabric_lin.ops.gla.chunk_fwd import BT
-from fabric_lin.ops.gla.gate import single_reference_limit
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.ops.gla.scores import (
-    FINE_ROWS,
-    block_level_factor,
-    gate_spread,
-    half_factor,
-)
+from fabric_lin.ops.gla.gate import single_reference_limit
+from fabric_lin.ops.gla.scores import FINE_ROWS, block_level_factor, gate_spread, half_factor
 from fabric_lin.ops.launch import cdiv, tile_width
 
 
@@ -346,7 +332,7 @@ def backward(q, k, v, gate, A, scale: float, initial_state: Optional[torch.Tenso
     in their dtype)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    layout = chunk_layout(cu_seqlens, B, T, BT)
+    layout = chunk_layout(cu_seqlens, B, T, CHUNK_SIZE)
     N, NC, chunk_indices, chunk_offsets = layout
     split = split_states(K, V, N, H, q.device, launch.state)
     # the decayed keys k * exp(b_last - b), read by the state recomputation and the dv kernel: formed once (by
@@ -357,25 +343,24 @@ def backward(q, k, v, gate, A, scale: float, initial_state: Optional[torch.Tenso
     logits = gate if normalizer is not None else None
     if logits is not None:
         gc = torch.empty_like(logits, dtype=torch.float32)
-        gate_cumsum(logits, gc, cu_seqlens, layout, BT, launch.cumsum, normalizer, k if form_once else None, kd)
+        gate_cumsum(logits, gc, cu_seqlens, layout, CHUNK_SIZE, launch.cumsum, normalizer, k if form_once else None, kd)
         kd_mode = KD_READ if form_once else KD_FORM
     else:
         gc = gate
         kd_mode = KD_WRITE if form_once else KD_FORM
     if split:
-        h, _ = states(k, v, None, gc, initial_state, cu_seqlens, layout, BT, launch.state, launch.scan, launch.cumsum)
-        dh, dh0 = split_state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout, BT, launch.state,
-                                    launch.scan)
+        h, _ = states(k, v, None, gc, initial_state, cu_seqlens, layout, CHUNK_SIZE, launch)
+        dh, dh0 = split_state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout, CHUNK_SIZE, launch)
     else:
-        h, dh, dh0 = sequential_states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, layout, BT,
+        h, dh, dh0 = sequential_states_and_grads(q, k, v, gc, do, dht, initial_state, scale, cu_seqlens, layout, CHUNK_SIZE,
                                                  launch.state, kd, kd_mode)
     prec = dot_precision(q.dtype)
     is_varlen = cu_seqlens is not None
-    grid = chunk_grid(cu_seqlens, layout, T, B, H, BT)
+    grid = chunk_grid(cu_seqlens, layout, T, B, H, CHUNK_SIZE)
     dv = torch.empty_like(v)
-    dA = torch.empty(B, T, H, BT, device=q.device, dtype=q.dtype)  # the products read it in this dtype
+    dA = torch.empty(B, T, H, CHUNK_SIZE, device=q.device, dtype=q.dtype)  # the products read it in this dtype
     _bwd_dv_kernel[grid](
-        k, v, gc, kd, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H, K, V, BT,
+        k, v, gc, kd, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T, H, K, V, CHUNK_SIZE,
         tile_width(launch.dv.BK, K), tile_width(launch.dv.BV, V),
         IS_VARLEN=is_varlen, DOT_PREC=prec, READ_KD=kd is not None, **launch.dv.options(),
     )
@@ -386,7 +371,7 @@ def backward(q, k, v, gate, A, scale: float, initial_state: Optional[torch.Tenso
     for first in (True, False):
         _bwd_dqk_kernel[dqk_grid](
             q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, flags, cu_seqlens, chunk_indices, scale,
-            normalizer or 1.0, single_reference_limit(q.dtype), T, H, K, V, BT, BK, BV, IS_VARLEN=is_varlen,
+            normalizer or 1.0, single_reference_limit(q.dtype), T, H, K, V, CHUNK_SIZE, BK, BV, IS_VARLEN=is_varlen,
             DOT_PREC=prec, FROM_LOGITS=logits is not None, FIRST=first,
             **launch.dqk.options(dqk_warps(launch, first, BK)),
         )

@@ -1,7 +1,7 @@
 """GLA's chunked forward pass in Triton: o = (q * exp(b)) @ h_n + A @ v for every chunk n.
 
-Launches: the gate's in-chunk cumsum (`fabric_lin/ops/common/cumsum.py`), the state pass giving h_n, the
-state entering chunk n (`fabric_lin/ops/common/state_pass.py`), and the output kernel twice: first for the
+Launches: the gate's in-chunk cumsum (`cumsum.py`), the state pass giving h_n, the
+state entering chunk n (`state_pass.py`), and the output kernel twice: first for the
 chunks whose scores A take one reference row, flagging the others, then for the flagged ones with the levels
 of halves (`scores.py`), each launch compiled with only its own path's registers. A is kept for the
 backward pass in the inputs' dtype; b (fp32) is kept unless the gate came as logits (then the backward
@@ -13,22 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.common.chunk_index import (
-    chunk_grid,
-    chunk_layout,
-    chunk_start,
-    dot_precision,
-    load_gate,
-    load_tile,
-)
-from fabric_lin.ops.common.cumsum import gate_cumsum
-from fabric_lin.ops.common.state_pass import states
-from fabric_lin.ops.gla.gate import single_reference_limit
+from fabric_lin.ops.chunked.chunk_index import chunk_start, load_gate, load_tile
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision
+from fabric_lin.ops.gla.cumsum import gate_cumsum
+from fabric_lin.ops.gla.state_pass import states
 from fabric_lin.ops.gla.launch import GLALaunch
+from fabric_lin.ops.gla.gate import single_reference_limit
 from fabric_lin.ops.gla.scores import gate_spread, level_scores, single_reference_scores
 from fabric_lin.ops.launch import next_power_of_2
-
-BT = 64  # rows per chunk
 
 
 @triton.jit
@@ -102,16 +94,16 @@ def forward(q, k, v, g, scale: float, initial_state: Optional[torch.Tensor], cu_
     gate gk, or with a normalizer the gate's logits (gk = logsigmoid(g) / normalizer)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    layout = chunk_layout(cu_seqlens, B, T, BT)
-    chunk_indices = layout[2]
+    layout = chunk_layout(cu_seqlens, B, T, CHUNK_SIZE)
+    chunk_indices = layout.chunk_indices
     gc = torch.empty_like(g, dtype=torch.float32)
     if normalizer is not None:
-        gate_cumsum(g, gc, cu_seqlens, layout, BT, launch.cumsum, normalizer)
+        gate_cumsum(g, gc, cu_seqlens, layout, CHUNK_SIZE, launch.cumsum, normalizer)
         g = None  # the state pass reads gc
-    h, ht = states(k, v, g, gc, initial_state, cu_seqlens, layout, BT, launch.state, launch.scan, launch.cumsum)
+    h, ht = states(k, v, g, gc, initial_state, cu_seqlens, layout, CHUNK_SIZE, launch)
     o = torch.empty_like(v, dtype=q.dtype)
-    A = q.new_empty(B, T, H, BT)
-    grid = chunk_grid(cu_seqlens, layout, T, B, H, BT)
+    A = q.new_empty(B, T, H, CHUNK_SIZE)
+    grid = chunk_grid(cu_seqlens, layout, T, B, H, CHUNK_SIZE)
     BK = min(launch.output.BK, max(16, next_power_of_2(K)))
     # value tiles at least 64 wide (the extra columns masked): narrower ones went wrong on an H200 (Triton
     # 3.6, bf16), outputs 0.12-0.5 off in relative RMS at V=32, and an illegal memory access at K=64, V=32
@@ -120,7 +112,7 @@ def forward(q, k, v, g, scale: float, initial_state: Optional[torch.Tensor], cu_
     for first in (True, False):
         _fwd_output_kernel[grid](
             q, k, v, gc, h, o, A, flags, cu_seqlens, chunk_indices, scale, single_reference_limit(q.dtype), T,
-            H, K, V, BT, BK, BV, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), FIRST=first,
+            H, K, V, CHUNK_SIZE, BK, BV, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), FIRST=first,
             **launch.output.options(),
         )
     return o, ht, gc, A

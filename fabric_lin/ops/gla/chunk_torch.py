@@ -18,10 +18,10 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from fabric_lin.ops.common.varlen import as_padded_batch
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE
+from fabric_lin.ops.chunked.varlen import as_padded_batch
 
-CHUNK = 64
-SUB = 16
+SUB = 16  # rows per sub-chunk of the intra-chunk scores
 
 
 def chunk_gla_torch(
@@ -43,12 +43,12 @@ def chunk_gla_torch(
 
     # Pad T up to a multiple of the chunk: padded tokens have k = v = q = 0 and gk = 0 (no decay),
     # so they change neither the outputs before them nor the final state.
-    pad = (-T) % CHUNK
-    N = (T + pad) // CHUNK
+    pad = (-T) % CHUNK_SIZE
+    N = (T + pad) // CHUNK_SIZE
     # [B, T, H, D] -> [B, H, N, C, D], fp32 for the arithmetic
     def to_chunks(x):
         x = F.pad(x.float(), (0, 0, 0, 0, 0, pad))
-        return x.view(B, N, CHUNK, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
+        return x.view(B, N, CHUNK_SIZE, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
 
     q, k, v, gk = to_chunks(q) * scale, to_chunks(k), to_chunks(v), to_chunks(gk)
     b = gk.cumsum(dim=3)  # [B, H, N, C, K]
@@ -67,7 +67,7 @@ def chunk_gla_torch(
         o_inter.append(q_decayed[:, :, n] @ state)
         state = chunk_decay[:, :, n, :, None] * state + chunk_state_update[:, :, n]
     o = o_intra + torch.stack(o_inter, dim=2)
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * CHUNK, H, V)[:, :T]
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * CHUNK_SIZE, H, V)[:, :T]
     return o.to(dtype), (state if output_final_state else None)
 
 

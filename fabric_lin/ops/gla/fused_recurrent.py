@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.launch import cdiv, next_power_of_2, op_or_fn
+from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.gla.launch import SHIPPED, GLALaunch
+from fabric_lin.ops.launch import cdiv, launch_json, next_power_of_2
 
 
 @triton.jit
@@ -34,8 +36,11 @@ def _recurrent_step_kernel(q, k, v, g, s_in, s_out, o, scale, K: tl.constexpr, V
     tl.store(o + i_bh * V + o_v, tl.sum(b_q[:, None] * S, axis=0).to(o.dtype.element_ty), mask=m_v)
 
 
-def _step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, state: Optional[torch.Tensor], scale: float
+# a kernel op, so that torch.compile keeps the step one opaque call
+@kernel_op("recurrent_gla_step")
+def recurrent_gla_step_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, state: Optional[torch.Tensor], scale: float,
+    launch: str,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     B, H, K = q.shape
     V = v.shape[-1]
@@ -44,27 +49,26 @@ def _step(
     BK = max(16, next_power_of_2(K))
     BV = min(max(16, next_power_of_2(V)), 64 if BK <= 128 else 32)
     _recurrent_step_kernel[(cdiv(V, BV), B * H)](
-        q, k, v, gk, state, new_state, o, scale, K, V, BK, BV, USE_STATE=state is not None, num_warps=4
+        q, k, v, gk, state, new_state, o, scale, K, V, BK, BV, USE_STATE=state is not None,
+        num_warps=GLALaunch.from_json(launch).step_warps,
     )
     return o, new_state
 
 
-# a torch.library op, so that torch.compile keeps the step one opaque call (op_or_fn: only while it traces)
-recurrent_gla_step_op = torch.library.custom_op("fabric_lin::recurrent_gla_step", mutates_args=())(_step)
-
-
-@recurrent_gla_step_op.register_fake
-def _(q, k, v, gk, state, scale):
+@recurrent_gla_step_kernel.register_fake
+def _(q, k, v, gk, state, scale, launch):
     B, H, K = q.shape
     return q.new_empty(B, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)
 
 
 def fused_recurrent_gla_step_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, state: Optional[torch.Tensor],
-    scale: Optional[float] = None,
+    scale: Optional[float] = None, launch: Optional[GLALaunch] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """recurrent_gla_step in one launch; the shapes checked by the caller (fabric_lin.ops.gla)."""
+    """recurrent_gla_step in one launch; the shapes checked by the caller (fabric_lin.ops.gla). launch: None for
+    the shipped settings."""
     if state is not None:
         state = state.float().contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return op_or_fn(recurrent_gla_step_op, _step)(q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), state, scale)
+    return recurrent_gla_step_kernel(q.contiguous(), k.contiguous(), v.contiguous(), gk.contiguous(), state, scale,
+                                     launch_json(launch, SHIPPED))

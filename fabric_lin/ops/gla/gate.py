@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-CHUNK = 64
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE
+
 SINGLE_REFERENCE_LIMIT = 40.0
 """The most the single-reference exponents may reach in any dtype: the pairs the scores mask reach twice that,
 exp(80) times q k, in the fp32 accumulator (whose range ends at exp(88.7))."""
@@ -67,10 +68,10 @@ def levels_share(gk: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
     past, total = 0, 0
     for g in sequences:  # [T, H, K]
         T = g.shape[0]
-        pad = (-T) % CHUNK
-        b = F.pad(g.float(), (0, 0, 0, 0, 0, pad)).unflatten(0, (-1, CHUNK)).cumsum(1)  # [chunks, C, H, K]
+        pad = (-T) % CHUNK_SIZE
+        b = F.pad(g.float(), (0, 0, 0, 0, 0, pad)).unflatten(0, (-1, CHUNK_SIZE)).cumsum(1)  # [chunks, C, H, K]
         # rows past the end add a zero gate, so their cumulative sum is the last row's
-        spread = (b - b[:, CHUNK // 2 - 1 : CHUNK // 2]).abs().amax(dim=(1, 3))  # [chunks, H]
+        spread = (b - b[:, CHUNK_SIZE // 2 - 1 : CHUNK_SIZE // 2]).abs().amax(dim=(1, 3))  # [chunks, H]
         past += int((spread > limit).sum())
         total += spread.numel()
     return past / max(total, 1)

@@ -8,15 +8,15 @@ changes this module. The figures behind each value are in `benchmarks/results/`.
 Rules that depend on the call rather than on the GPU are not settings: the state pass splits into
 chunk-parallel updates and a scan where the sequential form would leave the GPU idle, its warps follow its
 program count where `state.warps` is None, and dq/dk takes at least 8 warps over key tiles narrower than 64
-(see `chunk_bwd.py` and `fabric_lin/ops/common/state_pass.py`).
+(see `chunk_bwd.py` and `state_pass.py`).
 """
 from dataclasses import dataclass
 
-from fabric_lin.ops.launch import KernelLaunch, launch_from_dict, launch_to_json
+from fabric_lin.ops.launch import KernelLaunch, LaunchBundle
 
 
 @dataclass(frozen=True)
-class GLALaunch:
+class GLALaunch(LaunchBundle):
     cumsum: KernelLaunch = KernelLaunch(BK=16, warps=2)
     """The in-chunk gate cumsum (also writes the decayed keys in the backward pass)."""
     state: KernelLaunch = KernelLaunch(BK=64, BV=128, warps=None)
@@ -31,14 +31,10 @@ class GLALaunch:
     """dq, dk and the gate's gradient: the launch of the chunks that need the levels."""
     dqk_single_warps: int = 4
     """Warps of dq/dk's first launch, the chunks whose scores take one reference row."""
-
-    def __post_init__(self):
-        # the form the torch.library ops take it in, made once: under torch.compile reading it is a constant
-        object.__setattr__(self, "as_json", launch_to_json(self))
-
-    @classmethod
-    def from_dict(cls, data: dict, source: str = "GLA launch settings") -> "GLALaunch":
-        return launch_from_dict(cls, data, source)
+    updates_warps: int = 4
+    """Warps of the split state pass's chunk-parallel updates (in `state`'s tiles: they stand for that pass)."""
+    step_warps: int = 4
+    """Warps of the decoding step (fused_recurrent.py; its tiles follow the head dims)."""
 
 
 SHIPPED = GLALaunch()

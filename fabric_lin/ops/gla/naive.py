@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from fabric_lin.ops.common.varlen import per_document
+from fabric_lin.ops.chunked.varlen import per_document
 
 
 def naive_recurrent_gla(

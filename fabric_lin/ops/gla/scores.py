@@ -22,12 +22,7 @@ The backward pass (`chunk_bwd.py`) differentiates the same products, so it uses 
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.common.chunk_index import (
-    load_gate,
-    load_gate_row,
-    load_raw,
-    load_tile,
-)
+from fabric_lin.ops.chunked.chunk_index import load_gate, load_gate_row, load_raw, load_tile
 
 FINE_ROWS = tl.constexpr(16)
 

@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.common.chunk_index import chunk_grid, chunk_start, load_tile
+from fabric_lin.ops.chunked.chunk_index import chunk_start, load_tile
+from fabric_lin.ops.chunked.layout import chunk_grid
 from fabric_lin.ops.launch import KernelLaunch, cdiv, tile_width
 
 
@@ -57,6 +58,6 @@ def gate_cumsum(g: torch.Tensor, gc: torch.Tensor, cu_seqlens: Optional[torch.Te
     B, T, H, K = g.shape
     BK = tile_width(launch.BK, K)
     grid = (cdiv(K, BK),) + chunk_grid(cu_seqlens, layout, T, B, H, BT)
-    _gate_cumsum_kernel[grid](g, gc, k, kd, cu_seqlens, layout[2], normalizer or 1.0, T, H, K, BT, BK,
+    _gate_cumsum_kernel[grid](g, gc, k, kd, cu_seqlens, layout.chunk_indices, normalizer or 1.0, T, H, K, BT, BK,
                               IS_VARLEN=cu_seqlens is not None, FROM_LOGITS=normalizer is not None,
                               STORE_KD=kd is not None, num_warps=launch.warps)

@@ -1,9 +1,12 @@
 """Documents packed along T (B = 1, `cu_seqlens` holding the N + 1 offsets) for the PyTorch paths and the
 oracles: run each document on its own, or scatter them into a padded batch of one row per document.
-Every recurrence here starts afresh at a document's first token, from that document's initial state."""
+Every recurrence here starts afresh at a document's first token, from that document's initial state.
+The offsets are checked as they are read (`layout.check_offsets`, as the Triton path does)."""
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
+
+from fabric_lin.ops.chunked.layout import check_offsets
 
 
 def per_document(
@@ -16,6 +19,7 @@ def per_document(
         raise ValueError(f"cu_seqlens needs batch size 1, got {sequences[0].shape[0]}")
     outputs, states = [], []
     bounds = cu_seqlens.tolist()
+    check_offsets(bounds, sequences[0].shape[1])
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         h0 = None if initial_state is None else initial_state[i : i + 1]
         o, ht = run(*(x[:, start:end] for x in sequences), initial_state=h0, output_final_state=True)
@@ -35,6 +39,7 @@ def as_padded_batch(
         raise ValueError(f"cu_seqlens needs batch size 1, got {sequences[0].shape[0]}")
     device = sequences[0].device
     bounds = cu_seqlens.tolist()
+    check_offsets(bounds, sequences[0].shape[1])
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     # token t of document i lands at row i, position t - bounds[i]
     doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))

@@ -24,16 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from fabric_lin.ops.chunked.chunk_index import chunk_start, load_gate, load_gate_row, load_tile, state_pass_start
+from fabric_lin.ops.chunked.layout import chunk_grid, dot_precision, state_dtype
+from fabric_lin.ops.gla.cumsum import gate_cumsum
+from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.ops import launch as launch_helpers
-from fabric_lin.ops.common.chunk_index import (
-    chunk_start,
-    dot_precision,
-    load_gate,
-    load_gate_row,
-    load_tile,
-    seq_start,
-)
-from fabric_lin.ops.common.cumsum import gate_cumsum
 from fabric_lin.ops.launch import KernelLaunch, cdiv, tile_width
 
 KD_FORM, KD_WRITE, KD_READ = 0, 1, 2
@@ -60,26 +55,6 @@ def _step_inputs(x, gate, y, i_t, bos, T, o_t, o_k, m_k, o_v, m_v, H: tl.constex
 
 
 @triton.jit
-def _pass_start(i_k, i_v, i_nh, s0, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_S0: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """What a sequential pass's program starts from: its sequence (first row, length, first chunk), head,
-    chunk count, the key and value columns of its state tile with their masks and offsets, and the state
-    tile itself (fp32; s0's tile where USE_S0, else zeros)."""
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    NT = tl.cdiv(T, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_offs = o_k[:, None] * V + o_v[None, :]
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_S0:
-        S += tl.load(s0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
-    return i_h, bos, T, boh, NT, o_k, o_v, m_k, m_v, m_kv, state_offs, S
-
-
-@triton.jit
 def _state_pass(i_k, i_v, i_nh, k, v, gc, kd, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -87,7 +62,7 @@ def _state_pass(i_k, i_v, i_nh, k, v, gc, kd, h, h0, ht, cu_seqlens, chunk_offse
     """h[chunk n] = the state entering chunk n; ht = the state after the last chunk (fp32). The decayed keys
     k * exp(b_last - b) ([B*T, H, K], k's dtype): KD_MODE 0 forms them from k and gc, 1 forms them and writes
     them to kd (first value tile's programs), 2 reads them from kd (and of gc only each chunk's last row)."""
-    i_h, bos, T, boh, NT, o_k, o_v, m_k, m_v, m_kv, state_offs, S = _pass_start(
+    i_h, bos, T, boh, NT, o_k, o_v, m_k, m_v, m_kv, state_offs, S = state_pass_start(
         i_k, i_v, i_nh, h0, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV, USE_H0, IS_VARLEN)
     o_t = tl.arange(0, BT)
     k += i_h * K
@@ -131,7 +106,7 @@ def _dstate_pass(i_k, i_v, i_nh, q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offs
                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
     """dh[chunk n] = gradient of the state leaving chunk n; dh0 = gradient of the initial state."""
-    i_h, bos, T, boh, NT, o_k, o_v, m_k, m_v, m_kv, state_offs, dS = _pass_start(
+    i_h, bos, T, boh, NT, o_k, o_v, m_k, m_v, m_kv, state_offs, dS = state_pass_start(
         i_k, i_v, i_nh, dht, cu_seqlens, chunk_offsets, T, H, K, V, BT, BK, BV, USE_DHT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     q += i_h * K
@@ -246,17 +221,9 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
     Forward S starts at s0 (h0) and runs over the chunks in order; REVERSE starts at dht and runs backwards
     (then hu[n] is the gradient of the state after chunk n). s_final gets the last S (final state, or dh0)."""
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    NT = tl.cdiv(T, BT)
-    o_k = i_k * SK + tl.arange(0, SK)
-    o_v = i_v * SV + tl.arange(0, SV)
-    m_k = o_k < K
-    m_kv = m_k[:, None] & (o_v < V)[None, :]
-    state_offs = o_k[:, None] * V + o_v[None, :]
-    S = tl.zeros([SK, SV], dtype=tl.float32)
-    if USE_S0:
-        S += tl.load(s0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
+    i_h, bos, T, boh, NT, o_k, o_v, m_k, m_v, m_kv, state_offs, S = state_pass_start(
+        i_k, i_v, i_nh, s0, cu_seqlens, chunk_offsets, T, H, K, V, BT, SK, SV,
+        USE_S0, IS_VARLEN)
     gc += i_h * K
     hu += i_h * K * V
     # four chunks per step, whose loads are issued together and one step ahead: before the stores of the
@@ -285,13 +252,6 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
 
 
 # ------------------------------------------------------------------------------------------ host side
-
-
-def state_dtype(x: torch.Tensor, boundary_state: bool) -> torch.dtype:
-    """dtype of the per-chunk states h and dh: fp32 when a state crosses the op's boundary (an initial state
-    given, a final state's gradient flowing), where rounding them costs most relative accuracy; else the
-    inputs' dtype (half the traffic for bf16)."""
-    return torch.float32 if boundary_state else x.dtype
 
 
 def sequential_programs(K: int, V: int, N: int, H: int, state: KernelLaunch) -> int:
@@ -323,7 +283,7 @@ def takes_decayed_keys(K: int, V: int, N: int, H: int, device: torch.device, sta
 
 
 def _scan(hu, gc, s0, s_final, cu_seqlens, layout, T, BT, reverse, scan: KernelLaunch):
-    N, chunk_offsets = layout[0], layout[3]
+    N, chunk_offsets = layout.sequences, layout.chunk_offsets
     H, K, V = hu.shape[1:]
     SK, SV = tile_width(scan.BK, K), tile_width(scan.BV, V)
     _state_scan_kernel[(cdiv(K, SK), cdiv(V, SV), N * H)](
@@ -333,39 +293,42 @@ def _scan(hu, gc, s0, s_final, cu_seqlens, layout, T, BT, reverse, scan: KernelL
     )
 
 
-def _chunk_updates(x, y, g, gc, scale, cu_seqlens, layout, BT, reverse, dtype, state: KernelLaunch):
-    """[chunks, H, K, V] in `dtype`: each chunk's own term of the (reverse) state recurrence."""
+def _chunk_updates(x, y, g, gc, scale, cu_seqlens, layout, BT, reverse, dtype, state: KernelLaunch, warps: int):
+    """[chunks, H, K, V] in `dtype`: each chunk's own term of the (reverse) state recurrence, in the tiles of the
+    sequential pass it stands for (`state`), on `warps` warps."""
     B, T, H, K = x.shape
     V = y.shape[-1]
-    NC, chunk_indices = layout[1], layout[2]
+    NC, chunk_indices = layout.chunks, layout.chunk_indices
     BK, BV = tile_width(state.BK, K), tile_width(state.BV, V)
     u = x.new_empty(NC, H, K, V, dtype=dtype)
-    grid = (cdiv(K, BK) * cdiv(V, BV),) + ((NC, H) if cu_seqlens is not None else (cdiv(T, BT), B * H))
+    grid = (cdiv(K, BK) * cdiv(V, BV),) + chunk_grid(cu_seqlens, layout, T, B, H, BT)
     _chunk_update_kernel[grid](
         x, y, g, gc, u, cu_seqlens, chunk_indices, scale, T, H, K, V, BT, BK, BV,
         REVERSE=reverse, STORE_GC=g is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(x.dtype), num_warps=4, num_stages=1,
+        DOT_PREC=dot_precision(x.dtype), num_warps=warps, num_stages=1,
     )
     return u
 
 
 def states(k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], gc: torch.Tensor,
            initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], layout, BT: int,
-           state: KernelLaunch, scan: KernelLaunch, cumsum: KernelLaunch):
+           launch: GLALaunch):
     """(per-chunk states h [chunks, H, K, V], the state entering each chunk; final state [N, H, K, V] fp32).
     With g given (the per-row log gate), gc is filled from it first (by the chunk-parallel updates where the
     pass is split, else by the gate cumsum's own launch); without, gc is read."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     N, NC, _, chunk_offsets = layout
+    state = launch.state
     ht = k.new_empty(N, H, K, V, dtype=torch.float32)
     if split_states(K, V, N, H, k.device, state):
-        h = _chunk_updates(k, v, g, gc, 1.0, cu_seqlens, layout, BT, False, state_dtype(k, initial_state is not None), state)
-        _scan(h, gc, initial_state, ht, cu_seqlens, layout, T, BT, False, scan)
+        h = _chunk_updates(k, v, g, gc, 1.0, cu_seqlens, layout, BT, False, state_dtype(k, initial_state is not None),
+                           state, launch.updates_warps)
+        _scan(h, gc, initial_state, ht, cu_seqlens, layout, T, BT, False, launch.scan)
         return h, ht
     if g is not None:
         # inside the sequential pass the cumsum would add its latency to every one of the pass's steps
-        gate_cumsum(g, gc, cu_seqlens, layout, BT, cumsum)
+        gate_cumsum(g, gc, cu_seqlens, layout, BT, launch.cumsum)
     BK, BV = tile_width(state.BK, K), tile_width(state.BV, V)
     h = k.new_empty(NC, H, K, V, dtype=state_dtype(k, initial_state is not None))
     _fwd_state_kernel[(cdiv(K, BK), cdiv(V, BV), N * H)](
@@ -376,14 +339,13 @@ def states(k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], gc: torc
     return h, ht
 
 
-def split_state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout, BT, state: KernelLaunch,
-                      scan: KernelLaunch):
+def split_state_grads(q, gc, do, dht, initial_state, scale, cu_seqlens, layout, BT, launch: GLALaunch):
     """The split form's state gradients: dh [chunks, H, K, V] (gradient of the state leaving each chunk) and
     dh0 (or None)."""
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
     dh = _chunk_updates(q, do, None, gc, scale, cu_seqlens, layout, BT, True,
-                        state_dtype(q, initial_state is not None or dht is not None), state)
-    _scan(dh, gc, dht, dh0, cu_seqlens, layout, q.shape[1], BT, True, scan)
+                        state_dtype(q, initial_state is not None or dht is not None), launch.state, launch.updates_warps)
+    _scan(dh, gc, dht, dh0, cu_seqlens, layout, q.shape[1], BT, True, launch.scan)
     return dh, dh0
 
 

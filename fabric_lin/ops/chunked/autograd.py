@@ -1,0 +1,59 @@
+"""The autograd wiring of a family's chunked Triton path, written once: a family gives its forward and backward
+kernel ops (`fabric_lin.ops.custom_op.kernel_op`) and says which tensors its backward reads; `chunked_function`
+makes the torch.autograd.Function, and `apply_chunked` calls it with the inputs as the kernels take them.
+
+The ops' contract, the same for every family (inputs: its differentiable per-token tensors, q, k, v first;
+settings: plain values, the launch settings' JSON text last):
+
+    forward_op(*inputs, initial_state, cu_seqlens, *settings)  -> (o, final state, *outputs kept for backward)
+    backward_op(*kept, initial_state, cu_seqlens, do, dht, *settings)
+                                                                -> (*the inputs' gradients, dh0)
+
+with kept = keep(inputs, outputs kept, settings), the tensors the backward pass reads (inputs or forward outputs;
+None where a setting leaves one out), dht None where no final state's gradient flows, and dh0 an empty tensor
+without an initial state (a custom op returns tensors, never None). The gradients reach autograd in their inputs'
+dtypes (a gate kept as its fp32 cumulative sum gets its gradient in the gate's own dtype).
+"""
+from typing import Callable, Optional, Sequence, Tuple, Type
+
+import torch
+
+
+def chunked_function(name: str, forward_op: Callable, backward_op: Callable, keep: Callable) -> Type[torch.autograd.Function]:
+    """The autograd.Function of a family's chunked path, named `name`; see the module for the ops' contract."""
+
+    class ChunkedFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, initial_state, cu_seqlens, output_final_state, settings, *inputs):
+            o, final_state, *outputs = forward_op(*inputs, initial_state, cu_seqlens, *settings)
+            ctx.save_for_backward(initial_state, cu_seqlens, *keep(inputs, outputs, settings))
+            ctx.settings, ctx.output_final_state = settings, output_final_state
+            ctx.dtypes = tuple(x.dtype for x in inputs)
+            return o, final_state
+
+        @staticmethod
+        def backward(ctx, do, dht):
+            initial_state, cu_seqlens, *kept = ctx.saved_tensors
+            dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
+            *grads, dh0 = backward_op(*kept, initial_state, cu_seqlens, do.contiguous(), dht, *ctx.settings)
+            grads = [grad.to(dtype) for grad, dtype in zip(grads, ctx.dtypes)]
+            return (dh0 if initial_state is not None else None, None, None, None, *grads)
+
+    ChunkedFunction.__name__ = ChunkedFunction.__qualname__ = name
+    return ChunkedFunction
+
+
+def apply_chunked(function: Type[torch.autograd.Function], inputs: Sequence[torch.Tensor], scale: Optional[float],
+                  initial_state: Optional[torch.Tensor], output_final_state: bool, cu_seqlens: Optional[torch.Tensor],
+                  *settings) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(o, final state or None) of `function` (a chunked_function) on inputs checked by the caller
+    (`checks.check_inputs`), taken as the kernels take them: contiguous, scale a float (K^-0.5 by default) put
+    first among the settings, cu_seqlens int32."""
+    scale = inputs[0].shape[-1] ** -0.5 if scale is None else float(scale)
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
+    o, final_state = function.apply(initial_state, cu_seqlens, output_final_state, (scale, *settings),
+                                    *(x.contiguous() for x in inputs))
+    return o, (final_state if output_final_state else None)

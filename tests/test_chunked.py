@@ -1,0 +1,107 @@
+"""The chunked-recurrence core (fabric_lin/ops/chunked/): the chunk layout and the input checks that every family's
+ops share, asked of both families."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # as the kernel tests set it, before any kernel is defined
+
+import pytest  # noqa: E402
+
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_layout  # noqa: E402
+from fabric_lin.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step  # noqa: E402
+from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, fused_recurrent_gla_step  # noqa: E402
+
+
+def test_chunk_layout_of_documents():
+    # documents of 1, 64, 65 and 0 rows: one chunk, one, two and none; each chunk numbered over all documents
+    cu = torch.tensor([0, 1, 65, 130, 130], dtype=torch.int32)
+    layout = chunk_layout(cu, 1, 130)
+    assert CHUNK_SIZE == 64
+    assert (layout.sequences, layout.chunks) == (4, 4)
+    assert layout.chunk_indices.tolist() == [0, 0, 1, 0, 2, 0, 2, 1]  # (document, chunk in it) pairs
+    assert layout.chunk_offsets.tolist() == [0, 1, 2, 4, 4]
+    assert chunk_layout(None, 3, 130) == (3, 9, None, None)  # 3 sequences of 3 chunks, no index tensors
+
+
+@pytest.mark.parametrize("bounds", [[0, 4, 9], [1, 10], [0, 6, 4, 10]])
+def test_chunk_layout_refuses_offsets_that_do_not_rise_from_0_to_T(bounds):
+    with pytest.raises(ValueError, match=rf"cu_seqlens must rise from 0 to T = 10 without falling, got \[{bounds[0]}, "):
+        chunk_layout(torch.tensor(bounds), 1, 10)
+
+
+# ------------------------------------------------------------------------------------ input checks
+
+
+def inputs(B=2, T=10, H=2, K=8, V=6):
+    return dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, H, V))
+
+
+def call(family, backend, q, k, v, gate=None, initial_state=None, cu_seqlens=None):
+    B, T, H, K = q.shape if q.dim() == 4 else (2, 10, 2, 8)
+    kwargs = dict(initial_state=initial_state, cu_seqlens=cu_seqlens, backend=backend)
+    if family == "gla":
+        gk = -torch.rand(B, T, H, K) if gate is None else gate
+        return chunk_gla(q, k, v, gk, **kwargs)
+    if family == "gla_from_logits":
+        return chunk_gla_from_logits(q, k, v, torch.randn(B, T, H, K) if gate is None else gate, **kwargs)
+    g = -torch.rand(B, T, H) if gate is None else gate
+    return chunk_gated_delta_rule(q, k, v, g, torch.rand(B, T, H), **kwargs)
+
+
+OPS = {"gla": "chunk_gla", "gla_from_logits": "chunk_gla_from_logits", "gdn": "chunk_gated_delta_rule"}
+GATES = {"gla": "gk", "gla_from_logits": "gate_logits", "gdn": "g"}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("family", ["gla", "gla_from_logits", "gdn"])
+def test_both_families_name_the_same_mistakes_alike(family, backend):
+    # each message: the op, the tensor, the shape (or dtype) given and the one expected; checked before either path
+    # runs, so the kernels never see them
+    op, x = OPS[family], inputs()
+    cases = [
+        (dict(x, q=torch.randn(2, 10, 16)), r"q must be \[B, T, H, K\], got shape \(2, 10, 16\)"),
+        (dict(x, k=torch.randn(2, 10, 2, 9)), r"k must be \[B, T, H, K\] = \(2, 10, 2, 8\) like q, got shape \(2, 10, 2, 9\)"),
+        (dict(x, v=torch.randn(2, 11, 2, 6)), r"v must be \[B, T, H, V\] with \[B, T, H\] = \(2, 10, 2\), got shape \(2, 11, 2, 6\)"),
+        (dict(x, v=torch.randn(2, 10, 2, 6).double()), r"q, k and v must share a dtype, got torch.float32, torch.float32, torch.float64"),
+        (dict(x, k=torch.ones(2, 10, 2, 8, dtype=torch.int64)), r"k must be a floating-point tensor, got torch.int64"),
+        (dict(x, initial_state=torch.zeros(2, 2, 6, 8)), r"initial_state must be \[N, H, K, V\] = \(2, 2, 8, 6\) \(N = batch size\), got shape \(2, 2, 6, 8\)"),
+        (dict(x, initial_state=torch.zeros(2, 2, 8, 6).bfloat16()), r"initial_state must be float32 \(the state is carried in fp32\), got torch.bfloat16"),
+        (dict(x, cu_seqlens=torch.tensor([0, 4, 10])), r"cu_seqlens needs batch size 1 \(documents packed along T\), got B = 2"),
+        (dict(inputs(B=1), cu_seqlens=torch.tensor([0.0, 10.0])), r"cu_seqlens must be a 1-D integer tensor of N\+1 >= 2 document offsets, got torch.float32 of shape \(2,\)"),
+        (dict(inputs(B=1), cu_seqlens=torch.tensor([0, 2, 5, 10]), initial_state=torch.zeros(1, 2, 8, 6)),
+         r"initial_state must be \[N, H, K, V\] = \(3, 2, 8, 6\) \(N = documents in cu_seqlens\), got shape \(1, 2, 8, 6\)"),
+    ]
+    gate_shape = "[B, T, H, K] = (2, 10, 2, 8) like q (one value per key column)" if family != "gdn" else \
+        "[B, T, H] = (2, 10, 2) (one value per head and token)"
+    cases.append((dict(x, gate=torch.randn(2, 10, 2, 8, 1)),
+                  rf"{GATES[family]} must be {gate_shape}".replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
+                  .replace(")", r"\)") + r", got shape \(2, 10, 2, 8, 1\)"))
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=f"^{op}: {message}$"):
+            call(family, backend, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("family", ["gla", "gdn"])
+def test_both_families_read_document_offsets_alike(family, backend):
+    # the offsets' values, checked where the op reads them (the chunk layout, the PyTorch path's documents)
+    x = inputs(B=1)
+    with pytest.raises(ValueError, match=r"cu_seqlens must rise from 0 to T = 10 without falling, got \[0, 6, 4, 10\]"):
+        call(family, backend, **x, cu_seqlens=torch.tensor([0, 6, 4, 10], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decoding_steps_name_their_mistakes_alike(backend):
+    B, H, K, V = 2, 3, 16, 32
+    q, k, v = torch.randn(B, H, K), torch.randn(B, H, K), torch.randn(B, H, V)
+    state = torch.zeros(B, H, K, V)
+    with pytest.raises(ValueError, match=r"^fused_recurrent_gla_step: k must be \[B, H, K\] = \(2, 3, 16\) like q, got shape \(2, 3, 8\)$"):
+        fused_recurrent_gla_step(q, k[..., :8], v, -torch.rand(B, H, K), state, backend=backend)
+    with pytest.raises(ValueError, match=r"^fused_recurrent_gated_delta_rule_step: k must be \[B, H, K\] = \(2, 3, 16\) like q, got shape \(2, 3, 8\)$"):
+        fused_recurrent_gated_delta_rule_step(q, k[..., :8], v, -torch.rand(B, H), torch.rand(B, H), state, backend=backend)
+    with pytest.raises(ValueError, match=r"^fused_recurrent_gla_step: gk must be \[B, H, K\] = \(2, 3, 16\) like q, got shape \(2, 3\)$"):
+        fused_recurrent_gla_step(q, k, v, -torch.rand(B, H), state, backend=backend)
+    with pytest.raises(ValueError, match=r"^fused_recurrent_gla_step: state must be \[B, H, K, V\] = \(2, 3, 16, 32\), got shape \(2, 3, 32, 16\)$"):
+        fused_recurrent_gla_step(q, k, v, -torch.rand(B, H, K), state.transpose(-1, -2), backend=backend)
