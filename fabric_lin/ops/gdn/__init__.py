@@ -27,7 +27,7 @@ def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    g: Optional[torch.Tensor],
     beta: torch.Tensor,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
@@ -39,16 +39,18 @@ def chunk_gated_delta_rule(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule over a whole sequence (recurrence in naive.py).
 
-    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] fp32, the log decay (<= 0); beta: [B, T, H], the
-    write strength (in (0, 1) for a stable state). initial_state / final state: [B, H, K, V] fp32
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] fp32, the log decay (<= 0), or None: no decay, the delta
+    rule of DeltaNet; beta: [B, T, H], the write strength (in (0, 1) for a stable state). initial_state / final state: [B, H, K, V] fp32
     ([N, H, K, V] with cu_seqlens, where B = 1 and cu_seqlens holds the N+1 document offsets).
     scale defaults to K ** -0.5. use_qk_l2norm normalises q and k over K inside the op (fla's
     use_qk_l2norm_in_kernel). launch: the Triton kernels' launch settings (default: the shipped ones).
     Returns (o [B, T, H, V] in q's dtype, final state or None).
     """
     chosen = resolve_backend(backend, q.device)
-    check_inputs("chunk_gated_delta_rule", q, k, v, per_head={"g": g, "beta": beta}, float32=("g",),
-                 initial_state=initial_state, cu_seqlens=cu_seqlens)
+    check_inputs("chunk_gated_delta_rule", q, k, v, per_head={"beta": beta} if g is None else {"g": g, "beta": beta},
+                 float32=("g",), initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if g is None:
+        g = q.new_zeros(q.shape[:3], dtype=torch.float32)
     if chosen == "triton":
         from fabric_lin.ops.gdn.chunk import chunk_gated_delta_rule_triton
 
@@ -65,7 +67,7 @@ def fused_recurrent_gated_delta_rule_step(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    g: Optional[torch.Tensor],
     beta: torch.Tensor,
     state: Optional[torch.Tensor],
     scale: Optional[float] = None,
@@ -73,11 +75,15 @@ def fused_recurrent_gated_delta_rule_step(
     backend: str = "auto",
     launch: Optional[GDNLaunch] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One decoding step: q, k [B, H, K]; v [B, H, V]; g, beta [B, H]; state [B, H, K, V] fp32 or None (zeros).
+    """One decoding step: q, k [B, H, K]; v [B, H, V]; g (None: no decay), beta [B, H]; state [B, H, K, V] fp32 or
+    None (zeros).
     Returns o [B, H, V] in q's dtype and the new fp32 state; "triton": one launch (fused_recurrent.py), launched as
     `launch` says (its step_warps)."""
     chosen = resolve_backend(backend, q.device)
-    check_step_inputs("fused_recurrent_gated_delta_rule_step", q, k, v, per_head={"g": g, "beta": beta}, state=state)
+    check_step_inputs("fused_recurrent_gated_delta_rule_step", q, k, v,
+                      per_head={"beta": beta} if g is None else {"g": g, "beta": beta}, state=state)
+    if g is None:
+        g = q.new_zeros(q.shape[:2], dtype=torch.float32)
     if chosen == "torch":
         return recurrent_gated_delta_rule_step(q, k, v, g, beta, state, scale, use_qk_l2norm)
     from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
