@@ -16,22 +16,23 @@ CONFIG_FILE = "model_config.yaml"  # the model's Config, in a checkpoint and in 
 @dataclass
 class Config:
     name: str = ""
-    block_type: Literal["gla", "gdn", "transformer"] = "gla"
-    """gla: Gated Linear Attention; gdn: Gated DeltaNet; transformer: the softmax-attention baseline"""
+    block_type: Literal["gla", "gdn", "deltanet", "transformer"] = "gla"
+    """gla: Gated Linear Attention; gdn: Gated DeltaNet; deltanet: DeltaNet (the delta rule without decay);
+    transformer: the softmax-attention baseline"""
     vocab_size: int = 32000
     hidden_size: int = 1024
     num_layers: int = 24
     num_heads: int = 4
     # Grouped key/value heads (MQA/GQA; GLA and transformer). None means one key/value head per query head.
     num_kv_heads: Optional[int] = None
-    # GLA: key width = hidden_size * expand_k, value width = hidden_size * expand_v (all heads together).
+    # GLA, DeltaNet: key width = hidden_size * expand_k, value width = hidden_size * expand_v (all heads together).
     # GDN: key width per head = head_dim, value width per head = head_dim * expand_v (fla's meaning there).
     expand_k: float = 0.5
     expand_v: float = 1.0
     head_dim: Optional[int] = None
     gate_low_rank_dim: int = 16
     gate_logit_normalizer: int = 16
-    conv_size: int = 4  # GDN: width of the causal depthwise convolutions after q, k and v
+    conv_size: int = 4  # GDN, DeltaNet: width of the causal depthwise convolutions after q, k and v
     # SwiGLU width; None = 256 * ceil(int(hidden_size * hidden_ratio * 2 / 3) / 256)
     intermediate_size: Optional[int] = None
     hidden_ratio: int = 4
@@ -44,7 +45,7 @@ class Config:
     # transformer layers: RoPE base
     rope_base: float = 10000.0
     max_seq_length: int = 2048
-    # hybrids (gla, gdn): the layers (0-based) that are softmax-attention blocks instead, with their own heads
+    # hybrids (gla, gdn, deltanet): the layers (0-based) that are softmax-attention blocks instead, with their own heads
     # (fla's `attn` config key: layers, num_heads, num_kv_heads)
     attn_layers: List[int] = field(default_factory=list)
     attn_num_heads: Optional[int] = None
@@ -62,8 +63,8 @@ class Config:
         if not isinstance(self.attn_layers, (list, tuple)) or not all(_is_kind(i, "an integer") for i in self.attn_layers):
             raise InvalidValue(f"model config attn_layers must be a list of layer indices, got {self.attn_layers!r}")
         self.attn_layers = sorted(set(self.attn_layers))
-        if self.block_type not in ("gla", "gdn", "transformer"):
-            raise InvalidValue(f"block_type must be 'gla', 'gdn' or 'transformer', got {self.block_type!r}")
+        if self.block_type not in ("gla", "gdn", "deltanet", "transformer"):
+            raise InvalidValue(f"block_type must be 'gla', 'gdn', 'deltanet' or 'transformer', got {self.block_type!r}")
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.head_norm_eps is None:
@@ -87,8 +88,13 @@ class Config:
             raise InvalidValue(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.block_type == "gdn":
             self._check_gdn()
+        if self.block_type == "deltanet" and self.num_kv_heads != self.num_heads:
+            raise InvalidValue(
+                f"block_type 'deltanet' has one key/value head per head: num_kv_heads ({self.num_kv_heads}) must equal "
+                f"num_heads ({self.num_heads}) or be left out"
+            )
         # the widths split into heads, named by the keys they come from
-        if self.block_type == "gla":
+        if self.block_type in ("gla", "deltanet"):
             widths = {f"hidden_size * expand_k = {self.hidden_size} * {self.expand_k}": self.key_dim,
                       f"hidden_size * expand_v = {self.hidden_size} * {self.expand_v}": self.value_dim}
         elif self.block_type == "transformer":
@@ -123,7 +129,7 @@ class Config:
                 raise InvalidValue("model config attn_num_heads / attn_num_kv_heads are set but attn_layers is empty")
             return
         if self.block_type == "transformer":
-            raise InvalidValue("model config attn_layers makes hybrids of gla or gdn models; a transformer is all attention")
+            raise InvalidValue("model config attn_layers makes hybrids of gla, gdn or deltanet models; a transformer is all attention")
         bad = [i for i in self.attn_layers if not 0 <= i < self.num_layers]
         if bad:
             raise InvalidValue(f"model config attn_layers {bad} out of range: the layers are 0 .. {self.num_layers - 1}")
@@ -148,7 +154,7 @@ class Config:
     # derived widths (all heads together, and per head)
     @property
     def key_dim(self) -> int:
-        if self.block_type == "gla":
+        if self.block_type in ("gla", "deltanet"):
             return int(self.hidden_size * self.expand_k)
         if self.block_type == "gdn":
             return self.num_heads * self.head_dim
@@ -156,7 +162,7 @@ class Config:
 
     @property
     def value_dim(self) -> int:
-        if self.block_type == "gla":
+        if self.block_type in ("gla", "deltanet"):
             return int(self.hidden_size * self.expand_v)
         if self.block_type == "gdn":
             return self.num_heads * int(self.head_dim * self.expand_v)
@@ -239,12 +245,18 @@ configs = [
     # 0.75 * hidden_size); gdn-1.3B is that config's defaults
     dict(name="gdn-340M", block_type="gdn", hidden_size=1024, num_layers=24, num_heads=4, head_dim=128, expand_v=2.0),
     dict(name="gdn-1.3B", block_type="gdn", hidden_size=2048, num_layers=21, num_heads=6, head_dim=256, expand_v=2.0),
+    # DeltaNet as flash-linear-attention's training recipes ship it (flame's delta_net_340M.json: 8 heads of 128);
+    # deltanet-1.3B is fla's DeltaNetConfig defaults (16 heads of 128)
+    dict(name="deltanet-340M", block_type="deltanet", hidden_size=1024, num_layers=24, num_heads=8, expand_k=1.0, expand_v=1.0),
+    dict(name="deltanet-1.3B", block_type="deltanet", hidden_size=2048, num_layers=24, num_heads=16, expand_k=1.0, expand_v=1.0),
     # Llama-style baseline: RoPE + SDPA, 16 heads of 64, same MLP and budget as gla-340M
     dict(name="transformer-340M", block_type="transformer", hidden_size=1024, num_layers=24, num_heads=16),
     # tiny models for tests and the CPU quick start (vocabulary of the sample corpus tokenizer)
     dict(name="gla-debug", vocab_size=4096, hidden_size=128, num_layers=4, num_heads=2, expand_k=0.5, expand_v=1.0),
     dict(name="gdn-debug", block_type="gdn", vocab_size=4096, hidden_size=128, num_layers=4, num_heads=2, head_dim=48,
          expand_v=2.0),
+    dict(name="deltanet-debug", block_type="deltanet", vocab_size=4096, hidden_size=128, num_layers=4, num_heads=2,
+         expand_k=1.0, expand_v=1.0),
     dict(name="transformer-debug", block_type="transformer", vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4),
 ]
 name_to_config = {c["name"]: c for c in configs}

@@ -46,6 +46,8 @@ def _mixer_params(config: Config, layer: int) -> int:
         attn = d * key + d * key // groups + d * value // groups + d * value  # q, k, v, output gate g
         attn += d * r + r * key // groups  # low-rank forget gate
         return attn + value * d  # o_proj
+    if config.block_type == "deltanet":  # q, k, v, b (one output per head), o_proj
+        return 2 * d * key + d * value + d * config.num_heads + value * d
     # gdn: q, k, v, output gate g, a and b (one output per head), o_proj
     return 2 * d * key + 2 * d * value + 2 * d * config.num_heads + value * d
 
@@ -64,7 +66,7 @@ def flops_per_token(config: Config, seq_length: int, chunk_size: int = 64) -> fl
     Chunked forms with chunk size C, per head (key width K, value width V) and token:
       GLA: intra-chunk scores q k^T over the chunk 2*C*K, scores times values 2*C*V; inter-chunk output
         (q * exp(b)) S 2*K*V, state update S += k^T v 2*K*V.
-      GDN: k k^T, q k^T and w = T (beta k) over the chunk 6*C*K; u = T (beta v) and the scores times the
+      GDN and DeltaNet (the same products, without the decay): k k^T, q k^T and w = T (beta k) over the chunk 6*C*K; u = T (beta v) and the scores times the
         corrections 4*C*V; w S, q S and the state update 6*K*V; the triangular solve for T, (2/3)*C*C.
       The kernels compute whole C x C blocks, so the causal mask saves nothing and is not halved. The short
       convolutions, like norms and activations, are left out.

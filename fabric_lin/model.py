@@ -294,6 +294,60 @@ class GatedDeltaNet(nn.Module):
         return x, gated_output(o, g.view(B, T, H, V), self.o_norm, self.o_proj, self.fused_linears)
 
 
+class DeltaNet(nn.Module):
+    """DeltaNet attention, as flash-linear-attention's DeltaNet layer with its training recipes' settings (parameter
+    names too): q, k, v projections each through a short causal convolution and SiLU; per head a write strength
+    beta = sigmoid(b); q and k L2-normalised; the delta rule, which is the gated one without a decay
+    (fabric_lin/ops/gdn/ with g=None); the output normed per head, then o_proj. No output gate."""
+
+    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), float8: bool = False):
+        super().__init__()
+        self.config = config
+        self.backend = backend_of(fused)
+        self.fused_linears = fused and not float8
+        self.launch = launch.gdn
+        d, std, H = config.hidden_size, config.initializer_range, config.num_heads
+        self.q_proj = Linear(d, config.key_dim, std=std)
+        self.k_proj = Linear(d, config.key_dim, std=std)
+        self.v_proj = Linear(d, config.value_dim, std=std)
+        self.b_proj = Linear(d, H, std=std)
+        self.q_conv1d = ShortConvolution(config.key_dim, config.conv_size, std, fused, launch.short_conv)
+        self.k_conv1d = ShortConvolution(config.key_dim, config.conv_size, std, fused, launch.short_conv)
+        self.v_conv1d = ShortConvolution(config.value_dim, config.conv_size, std, fused, launch.short_conv)
+        self.o_norm = RMSNorm(config.head_v_dim, eps=config.head_norm_eps, fused=fused, launch=launch.norm)  # per head
+        self.o_proj = Linear(config.value_dim, d, std=std)
+
+    def forward(
+        self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional["DecodeCache"] = None, layer: int = 0,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, attention(norm(x + delta))). With a cache: the convolutions' last inputs and the state
+        continue from it, and are left there."""
+        c = self.config
+        B, T, _ = x.shape
+        H, K, V = c.num_heads, c.head_k_dim, c.head_v_dim
+        x, (q, k, v, b) = prenorm_projections(
+            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.b_proj], self.fused_linears,
+        )
+        conv_q, conv_k, conv_v, state = cache.layers[layer] if cache is not None and cache.layers[layer] else (None,) * 4
+        q, conv_q = self.q_conv1d(q, conv_q, cu_seqlens)
+        k, conv_k = self.k_conv1d(k, conv_k, cu_seqlens)
+        v, conv_v = self.v_conv1d(v, conv_v, cu_seqlens)
+        beta = b.float().sigmoid()  # [B, T, H]
+        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
+        if cache is not None and T == 1:  # one decoding step
+            o, state = fused_recurrent_gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], None, beta[:, 0], state,
+                                                             use_qk_l2norm=True, backend=self.backend, launch=self.launch)
+            o = o.unsqueeze(1)
+        else:
+            o, state = chunk_gated_delta_rule(q, k, v, None, beta, initial_state=state, output_final_state=cache is not None,
+                                              cu_seqlens=cu_seqlens, use_qk_l2norm=True, backend=self.backend,
+                                              launch=self.launch)
+        if cache is not None:
+            cache.layers[layer] = (conv_q, conv_k, conv_v, state)
+        return x, self.o_proj(self.o_norm(o).flatten(-2))  # o in q's dtype, the projections' compute dtype
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     """Rotary embedding on [B, T, H, D], Llama's half-split convention."""
     D = x.shape[-1]
@@ -374,6 +428,8 @@ class Block(nn.Module):
             self.attn = CausalSelfAttention(config, config.attn_num_heads, config.attn_kv_heads, fused and not float8)
         elif config.block_type == "gla":
             self.attn = GatedLinearAttention(config, fused, launch, float8)
+        elif config.block_type == "deltanet":
+            self.attn = DeltaNet(config, fused, launch, float8)
         else:
             self.attn = GatedDeltaNet(config, fused, launch, float8)
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused, launch=launch.norm)

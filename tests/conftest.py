@@ -175,9 +175,10 @@ def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n
     return q, k, v, g, beta, h0
 
 
-def export_to_fla(model, config, dtype: str = "float32"):
+def export_to_fla(model, config, dtype: str = "float32", **fla_config):
     """fla's model (on the CPU, in `dtype`) loaded from `model`'s weights exported as `fabric-lin convert_to_hf`
-    does, and the config.json the export wrote."""
+    does, and the config.json the export wrote. `fla_config`: fields of fla's config set otherwise when it loads
+    (attn_mode, e.g.: fla's chunked DeltaNet kernel refuses fp32)."""
     import json
     import tempfile
     from pathlib import Path
@@ -195,7 +196,7 @@ def export_to_fla(model, config, dtype: str = "float32"):
         config.save(model_dir / "model_config.yaml")
         convert_to_hf(model_dir, hf_dir, dtype=dtype)
         exported = json.loads((hf_dir / "config.json").read_text())
-        fla_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=getattr(torch, dtype)).eval()
+        fla_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=getattr(torch, dtype), **fla_config).eval()
     return fla_model, exported
 
 

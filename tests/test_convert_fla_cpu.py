@@ -43,6 +43,8 @@ CASES = {  # name: (config, sequence lengths)
     "tied": (lambda: base(tie_embeddings=True), SEQ_LENS),
     "gdn": (lambda: base(block_type="gdn", head_dim=48, expand_v=2.0), SEQ_LENS),
     "gdn-tied": (lambda: base(block_type="gdn", head_dim=32, expand_v=1.5, tie_embeddings=True), SEQ_LENS[1:]),
+    # fla's chunked DeltaNet kernel refuses fp32: its recurrent one runs every length (compare_with_fla)
+    "deltanet": (lambda: base(block_type="deltanet", expand_k=1.0, expand_v=1.0), SEQ_LENS),
     # a checkpoint trained with another head-norm eps (1e-5, an earlier default) against fla's norm_eps 1e-6:
     # where a head's output is near zero (the first tokens), the eps moves its normed value a lot, so logits
     # differ by up to about their std at this init scale. fla's logits equal those of this model run with
@@ -62,7 +64,8 @@ def compare_with_fla(config: Config, seq_lens=SEQ_LENS, batch: int = 1, seed: in
     torch.manual_seed(seed)
     model = GPT(config).eval()
     perturb_vectors(model)
-    fla_model, exported = export_to_fla(model, config)
+    # fla's chunked DeltaNet kernel refuses fp32; its recurrent kernel is the same function at every length
+    fla_model, exported = export_to_fla(model, config, **({"attn_mode": "fused_recurrent"} if config.block_type == "deltanet" else {}))
     results = []
     for seq_len in seq_lens:
         ids = torch.randint(0, config.vocab_size, (batch, seq_len))
@@ -79,7 +82,8 @@ def compare_with_fla(config: Config, seq_lens=SEQ_LENS, batch: int = 1, seed: in
                     block.attn.g_norm.eps = config.head_norm_eps
         diff = (fla_logits - ours).abs()
         results.append({
-            "fla_class": type(fla_model).__name__, "fla_mode": "fused_recurrent" if seq_len <= 64 else exported["attn_mode"],
+            "fla_class": type(fla_model).__name__,
+            "fla_mode": "fused_recurrent" if seq_len <= 64 or config.block_type == "deltanet" else exported["attn_mode"],
             "block_type": config.block_type, "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
             "tie_embeddings": config.tie_embeddings,
             "norm_eps": config.norm_eps, "head_norm_eps": config.head_norm_eps, "batch": batch, "seq_len": seq_len,

@@ -12,7 +12,7 @@ from fabric_lin.generate import generate_tokens, sample
 from fabric_lin.model import GPT
 from fabric_lin.ops.gla import recurrent_gla_step
 
-NAMES = ["gla-debug", "gdn-debug", "transformer-debug"]
+NAMES = ["gla-debug", "gdn-debug", "deltanet-debug", "transformer-debug"]
 # around the chunk size of 64: one token, one short of a chunk, a full chunk, one over, two chunks and a bit
 PROMPT_LENGTHS = [1, 63, 64, 65, 130]
 

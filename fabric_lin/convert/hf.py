@@ -42,8 +42,9 @@ from fabric_lin.files import created_dir
 
 HF_CONFIG_FILE = "config.json"
 # fla's model_type and architecture for each block_type
-MODEL_TYPES = {"gla": "gla", "gdn": "gated_deltanet", "transformer": "transformer"}
-ARCHITECTURES = {"gla": "GLAForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM", "transformer": "TransformerForCausalLM"}
+MODEL_TYPES = {"gla": "gla", "gdn": "gated_deltanet", "deltanet": "delta_net", "transformer": "transformer"}
+ARCHITECTURES = {"gla": "GLAForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM", "delta_net": "DeltaNetForCausalLM",
+                 "transformer": "TransformerForCausalLM"}
 FLA_FIXED_GATE = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}
 
 
@@ -227,6 +228,21 @@ def fla_config(config: Config) -> dict:
             output_gate_activation="swish",
             attn=fla_attn(config),
         )
+    elif config.block_type == "deltanet":
+        specific = dict(
+            attn_mode="chunk",
+            expand_k=config.expand_k,
+            expand_v=config.expand_v,
+            use_gate=False,
+            use_beta=True,
+            use_short_conv=True,
+            use_output_norm=True,
+            allow_neg_eigval=False,
+            conv_size=config.conv_size,
+            qk_norm="l2",
+            qk_activation="silu",
+            attn=fla_attn(config),
+        )
     else:
         specific = dict(num_kv_heads=config.num_kv_heads, elementwise_affine=True, qkv_bias=False, qk_norm=False,
                         window_size=None, rope_theta=config.rope_base)
@@ -240,7 +256,7 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     if model_type not in ARCHITECTURES:
         raise InvalidValue(
             f"{path}: model_type {model_type!r} is not supported; expected one of {list(ARCHITECTURES)} (fla's GLA, "
-            "Gated DeltaNet or transformer)"
+            "Gated DeltaNet, DeltaNet or transformer)"
         )
 
     def get(key, default=None):
@@ -266,6 +282,17 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
             allow_neg_eigval=(get("allow_neg_eigval", False), (False,)),
             num_v_heads=(get("num_v_heads", hf.get("num_heads")), (hf.get("num_heads"),)),
             output_gate_activation=(get("output_gate_activation", "swish"), ("swish", "silu")),
+            attnres_block_size=(hf.get("attnres_block_size"), (None,)),
+        )
+    elif model_type == "delta_net":
+        unsupported.update(
+            use_gate=(get("use_gate", False), (False,)),
+            use_beta=(get("use_beta", True), (True,)),
+            use_short_conv=(get("use_short_conv", True), (True,)),
+            use_output_norm=(get("use_output_norm", True), (True,)),
+            allow_neg_eigval=(get("allow_neg_eigval", False), (False,)),
+            qk_norm=(get("qk_norm", "l2"), ("l2",)),
+            qk_activation=(get("qk_activation", "silu"), ("silu",)),
             attnres_block_size=(hf.get("attnres_block_size"), (None,)),
         )
     else:
@@ -298,12 +325,14 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
         initializer_range=float(get("initializer_range", 0.02)),
         max_seq_length=int(get("max_position_embeddings", 2048)),
     )
-    if block_type != "gdn":
+    if block_type in ("gla", "transformer"):
         fields.update(num_kv_heads=hf.get("num_kv_heads"))
     if block_type == "gla":
         fields.update(expand_k=get("expand_k", 0.5), expand_v=get("expand_v", 1.0), **FLA_FIXED_GATE)
     elif block_type == "gdn":
         fields.update(head_dim=hf["head_dim"], expand_v=get("expand_v", 2.0), conv_size=int(get("conv_size", 4)))
+    elif block_type == "deltanet":
+        fields.update(expand_k=get("expand_k", 1.0), expand_v=get("expand_v", 1.0), conv_size=int(get("conv_size", 4)))
     else:
         fields.update(rope_base=float(get("rope_theta", 10000.0)))
     if block_type != "transformer":

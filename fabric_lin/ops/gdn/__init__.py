@@ -48,7 +48,7 @@ def chunk_gated_delta_rule(
     """
     chosen = resolve_backend(backend, q.device)
     check_inputs("chunk_gated_delta_rule", q, k, v, per_head={"beta": beta} if g is None else {"g": g, "beta": beta},
-                 float32=("g",), initial_state=initial_state, cu_seqlens=cu_seqlens)
+                 float32=() if g is None else ("g",), initial_state=initial_state, cu_seqlens=cu_seqlens)
     if g is None:
         g = q.new_zeros(q.shape[:3], dtype=torch.float32)
     if chosen == "triton":
