@@ -7,10 +7,14 @@ per-kernel time breakdown of both.
     python benchmarks/gdn_kernel.py --out gdn_kernel.json
     python benchmarks/gdn_kernel.py --shapes 16,2048,4,128,256 --gates slow fast
     python benchmarks/gdn_kernel.py --shapes 4,8192,16,128,128 --variants wide:narrow_state.BV=64
+    python benchmarks/gdn_kernel.py --gates none --out delta_rule_kernel.json             # DeltaNet
 
 The default shapes (B, T, H, K, V) are the gdn-340M layer (16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128) and
-(1, 32768, 8, 128, 128). --gates: slow, a per-step log decay logsigmoid(randn) / 16 (~0.05); fast, ~1.5 per step,
-as a trained model's short-memory heads forget. beta = sigmoid(randn).
+(1, 32768, 8, 128, 128); with --gates none, the deltanet-340M layer (16, 2048, 8, 128, 128) and the same tokens
+at 8K, (4, 8192, 8, 128, 128). --gates: slow, a per-step log decay logsigmoid(randn) / 16 (~0.05); fast, ~1.5 per
+step, as a trained model's short-memory heads forget; none, DeltaNet's delta rule (g=None: our kernels with the
+decay compiled out, against fla's chunk_delta_rule), timed beside our gated op on the same shape with slow gates
+(`gated_*_ms`, `ratio_fwd_bwd_vs_gated`). beta = sigmoid(randn).
 --variants times other launch settings (fields of fabric_lin.ops.gdn.launch.GDNLaunch, written kernel.field=value)
 against the same fla figures, each with its output's distance from the shipped settings'.
 """
@@ -29,24 +33,31 @@ from fabric_lin.ops.launch import with_settings
 from gla_kernel import kernel_breakdown, saved_mib, time_fn
 
 SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128), (1, 32768, 8, 128, 128)]
-GATES = ("slow", "fast")
+# --gates none: the deltanet-340M layer (8 heads of K = V = 128) at 2K and, the same tokens a step, at 8K
+DELTA_SHAPES = [(16, 2048, 8, 128, 128), (4, 8192, 8, 128, 128)]
+GATES = ("slow", "fast", "none")
 
 
 def gdn_inputs(B, T, H, K, V, gates="slow", dtype=torch.bfloat16, device="cuda"):
+    """((q, k, v, g, beta), do); gates "none": ((q, k, v, beta), do)."""
     q, k = (torch.randn(B, T, H, K, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     v = torch.randn(B, T, H, V, device=device, dtype=dtype, requires_grad=True)
+    beta = torch.sigmoid(torch.randn(B, T, H, device=device)).to(dtype).requires_grad_(True)
+    do = torch.randn(B, T, H, V, device=device, dtype=dtype)
+    if gates == "none":
+        return (q, k, v, beta), do
     x = torch.randn(B, T, H, device=device)
     g = (F.logsigmoid(x - (24 if gates == "fast" else 0)) / 16).requires_grad_(True)
-    beta = torch.sigmoid(torch.randn(B, T, H, device=device)).to(dtype).requires_grad_(True)
-    return (q, k, v, g, beta), torch.randn(B, T, H, V, device=device, dtype=dtype)
+    return (q, k, v, g, beta), do
 
 
-def ours_with(launch):
+def ours_with(launch, gated=True):
+    """Our op as a function of gdn_inputs' tensors: the gated rule, or (gated False) the delta rule, g=None."""
+    if not gated:
+        return lambda q, k, v, beta: chunk_gated_delta_rule(q, k, v, None, beta, use_qk_l2norm=True,
+                                                            backend="triton", launch=launch)[0]
     return lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, backend="triton",
                                                            launch=launch)[0]
-
-
-ours = ours_with(SHIPPED)
 
 
 def parse_variants(texts):
@@ -67,13 +78,13 @@ def parse_variants(texts):
     return variants
 
 
-def time_variants(variants, inputs, do, fla_fwd_ms, fla_fwd_bwd_ms):
+def time_variants(variants, inputs, do, fla_fwd_ms, fla_fwd_bwd_ms, gated=True):
     """{name: ms, ratios against fla and the output's distance from the shipped settings'} per launch variant."""
     with torch.no_grad():
-        o_shipped = ours(*inputs)
+        o_shipped = ours_with(SHIPPED, gated)(*inputs)
     results = {}
     for name, launch in variants.items():
-        fn = ours_with(launch)
+        fn = ours_with(launch, gated)
         try:
             with torch.no_grad():
                 o = fn(*inputs)
@@ -89,8 +100,11 @@ def time_variants(variants, inputs, do, fla_fwd_ms, fla_fwd_bwd_ms):
 
 
 def load_fla():
+    """({"gated": fla's chunk_gated_delta_rule, "none": its chunk_delta_rule}, each a function of gdn_inputs'
+    tensors; or None) and the import error, if any."""
     try:
         import fla.ops.common.chunk_o as fla_chunk_o
+        from fla.ops.delta_rule import chunk_delta_rule
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
     except Exception as e:  # not installed, or it fails to import against this torch/triton
         return None, f"{type(e).__name__}: {e}"
@@ -98,12 +112,14 @@ def load_fla():
     # there: lifted for the timing, which is all that is taken of fla here (its output is compared forward only)
     if getattr(fla_chunk_o, "TRITON_ABOVE_3_7_1", True) is False:
         fla_chunk_o.TRITON_ABOVE_3_7_1 = True
-    return (lambda q, k, v, g, beta: fla_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]), None
+    return {"gated": lambda q, k, v, g, beta: fla_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0],
+            "none": lambda q, k, v, beta: chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True)[0]}, None
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the three reference shapes)")
+    parser.add_argument("--shapes", nargs="*",
+                        help="B,T,H,K,V (default: the three reference shapes; with gates none, DeltaNet's two)")
     parser.add_argument("--gates", nargs="*", default=["slow"], choices=GATES)
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
                         help="other launch settings (changes to the shipped GDNLaunch), each timed beside it")
@@ -113,15 +129,24 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gdn_kernel.py needs a CUDA GPU")
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else None
     variants = parse_variants(args.variants)
-    fla, fla_error = (None, "left out (--no-fla)") if args.no_fla else load_fla()
-    report = {"dtype": "bfloat16", "fla": fla_error or "flash-linear-attention chunk_gated_delta_rule",
+    fla_ops, fla_error = (None, "left out (--no-fla)") if args.no_fla else load_fla()
+    report = {"dtype": "bfloat16",
+              "fla": fla_error or "flash-linear-attention chunk_gated_delta_rule (gates none: chunk_delta_rule)",
               "variants": {name: launch.as_json for name, launch in variants.items()}, "results": []}
     for gates in args.gates:
-        for shape in shapes:
+        gated = gates != "none"
+        ours = ours_with(SHIPPED, gated)
+        fla = fla_ops["gated" if gated else "none"] if fla_ops is not None else None
+        for shape in shapes or (SHAPES if gated else DELTA_SHAPES):
             inputs, do = gdn_inputs(*shape, gates=gates)
             row = {"shape": list(shape), "gates": gates}
+            if not gated:  # the issue's bar: the delta rule no slower than the gated kernels on the same shape
+                gated_inputs, gated_do = gdn_inputs(*shape, gates="slow")
+                ours_with(SHIPPED)(*gated_inputs).backward(gated_do)  # compiled here, not timed
+                row["gated_fwd_ms"], row["gated_fwd_bwd_ms"] = time_fn(ours_with(SHIPPED), gated_inputs, gated_do)
+                del gated_inputs, gated_do
             for name, fn in [("ours", ours)] + ([("fla", fla)] if fla is not None else []):
                 start = time.perf_counter()
                 fn(*inputs).backward(do)  # compilation (and for fla, autotuning) happens here
@@ -134,8 +159,11 @@ def main():
                     row["o_rel_rms_vs_fla"] = rel_rms(ours(*inputs), fla(*inputs))
                 row["ratio_fwd_vs_fla"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
                 row["ratio_fwd_bwd_vs_fla"] = row["ours_fwd_bwd_ms"] / row["fla_fwd_bwd_ms"]
+            if not gated:
+                row["ratio_fwd_bwd_vs_gated"] = row["ours_fwd_bwd_ms"] / row["gated_fwd_bwd_ms"]
             if variants:
-                row["variants"] = time_variants(variants, inputs, do, row.get("fla_fwd_ms"), row.get("fla_fwd_bwd_ms"))
+                row["variants"] = time_variants(variants, inputs, do, row.get("fla_fwd_ms"), row.get("fla_fwd_bwd_ms"),
+                                                gated)
             if not args.no_breakdown:
                 row["breakdown_ours_ms"] = kernel_breakdown(ours, inputs, do)
                 if fla is not None:

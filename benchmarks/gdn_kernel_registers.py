@@ -5,10 +5,12 @@ on any machine, with or without a GPU: kernel_registers.py's compile-only driver
     python benchmarks/gdn_kernel_registers.py                          # the gdn-340M layer and a 16-head shape
     python benchmarks/gdn_kernel_registers.py --shapes 2,130,2,48,80 --varlen --initial-state
     python benchmarks/gdn_kernel_registers.py --variants w8:dqkw.warps=8 narrow:state.BV=32
+    python benchmarks/gdn_kernel_registers.py --no-gate                # DeltaNet's delta rule (g None)
 
 The call is a training layer's (q/k L2 norm inside, no initial or final state) unless --initial-state (an
 initial state and a final state's gradient) or --varlen (the sequences packed as three documents) ask for
-the other specialisations. Launch decisions that depend on the GPU (the state passes' launch, GDNLaunch's
+the other specialisations; --no-gate compiles the delta rule without a decay (every kernel's USE_GATE off)
+instead of the gated rule. Launch decisions that depend on the GPU (the state passes' launch, GDNLaunch's
 narrow_state) are made for --sms multiprocessors. Prints one JSON document, with the path of the fabric_lin
 package it compiled (the checkout this script is in, whatever else is installed).
 """
@@ -30,9 +32,10 @@ from gdn_kernel import parse_variants  # noqa: E402
 SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128)]
 
 
-def kernel_resources(shape, launch, varlen: bool, initial_state: bool, sms: int = 132, lines_of=()) -> list:
+def kernel_resources(shape, launch, varlen: bool, initial_state: bool, sms: int = 132, lines_of=(),
+                     gate: bool = True) -> list:
     """One row per launch of a bf16 forward + backward at shape (B, T, H, K, V), in launch order, as launched on a
-    GPU of `sms` multiprocessors."""
+    GPU of `sms` multiprocessors; gate False: the delta rule (g None)."""
     from fabric_lin.ops import launch as launch_helpers
     from fabric_lin.ops.gdn.chunk import chunk_gated_delta_rule_triton
 
@@ -47,6 +50,8 @@ def kernel_resources(shape, launch, varlen: bool, initial_state: bool, sms: int 
     if varlen:  # the batch as one packed row of three documents
         leaves = [x.detach().reshape(1, B * T, *x.shape[2:]).requires_grad_(True) for x in leaves]
         cu_seqlens = torch.tensor([0, 1, B * T // 3, B * T], dtype=torch.int32)
+    if not gate:
+        leaves[3] = None
     N = 3 if varlen else B
     h0 = torch.randn(N, H, K, V, requires_grad=True) if initial_state else None
     records = []
@@ -72,6 +77,7 @@ def main():
                         help="other launch settings (changes to the shipped GDNLaunch), each compiled beside it")
     parser.add_argument("--varlen", action="store_true", help="the sequences packed along T with cu_seqlens")
     parser.add_argument("--initial-state", action="store_true", help="an initial state and a final state's gradient")
+    parser.add_argument("--no-gate", action="store_true", help="the delta rule without a decay (g None, DeltaNet)")
     parser.add_argument("--spill-lines", nargs="*", default=[], metavar="KERNEL",
                         help="kernels whose spill instructions to count by source line")
     parser.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU compiled for (H200: 132)")
@@ -85,12 +91,13 @@ def main():
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     variants = {"shipped": SHIPPED, **parse_variants(args.variants)}
     report = {"triton": triton.__version__, "target": f"sm_{TARGET.arch}", "sms": args.sms, "dtype": "bfloat16",
-              "varlen": args.varlen, "initial_state": args.initial_state,
+              "varlen": args.varlen, "initial_state": args.initial_state, "gate": not args.no_gate,
               "fabric_lin": str(Path(fabric_lin.__file__).parent), "shapes": []}
     for shape in shapes:
         row = {"shape": list(shape)}
         for name, launch in variants.items():
-            row[name] = kernel_resources(shape, launch, args.varlen, args.initial_state, args.sms, args.spill_lines)
+            row[name] = kernel_resources(shape, launch, args.varlen, args.initial_state, args.sms, args.spill_lines,
+                                         gate=not args.no_gate)
         report["shapes"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     write_result(report, args.out)

@@ -125,6 +125,39 @@ def gated_delta_rule_fp64(q, k, v, g, beta, scale=None, initial_state=None, outp
     return o, torch.cat(finals)
 
 
+def delta_rule_fp64(q, k, v, beta, scale=None, initial_state=None, output_final_state=True, cu_seqlens=None,
+                    use_qk_l2norm=False):
+    """DeltaNet's delta rule from its definition, token by token in fp64, per head:
+        S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,    o_t = S_t^T (scale q_t),
+    q and k L2-normalised first where asked (fla's eps 1e-6 inside the square root); documents of cu_seqlens each
+    from their own initial state (zeros without one). The test reference of the gated delta rule's ops called with
+    g=None, written apart from gated_delta_rule_fp64 and fabric_lin/ops/gdn/naive.py: no decay appears in it at all.
+    output_final_state is taken for the ops' signature (the final state is always returned).
+    Returns (o [B, T, H, V], final state [N, H, K, V])."""
+    q, k, v, beta = (x.double() for x in (q, k, v, beta))
+    if use_qk_l2norm:
+        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+    rows, finals = [], []
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if initial_state is None:
+            S = torch.zeros(B, H, K, V, dtype=torch.float64)
+        else:
+            S = (initial_state if cu_seqlens is None else initial_state[n : n + 1]).double()
+        for t in range(start, end):
+            k_t, v_t = k[:, t, :, :, None], v[:, t, :, None, :]  # [B, H, K, 1], [B, H, 1, V]
+            predicted = (S * k_t).sum(-2, keepdim=True)  # S_{t-1}^T k_t: [B, H, 1, V]
+            S = S + beta[:, t, :, None, None] * k_t * (v_t - predicted)
+            rows.append((S * (scale * q[:, t, :, :, None])).sum(-2))  # [B, H, V]
+        finals.append(S)
+    o = torch.stack(rows, dim=1) if rows else torch.zeros(B, 0, H, V, dtype=torch.float64)
+    return o, torch.cat(finals)
+
+
 def gated_linear_attention_fp64(q, k, v, gk, scale=None, initial_state=None, cu_seqlens=None):
     """S_t = diag(exp(gk_t)) S_{t-1} + k_t^T v_t; o_t = (scale q_t) S_t, token by token in fp64, documents of cu_seqlens
     each from their own initial state: the GLA ops' test reference, written apart from fabric_lin/ops/gla/naive.py.

@@ -61,3 +61,13 @@ def test_varlen_states_and_odd_head_dims_compile_for_sm90():
     for shape in report["shapes"]:
         check_rows(shape["shipped"])
         check_rows(shape["narrow"])
+
+
+def test_delta_rule_compiles_for_sm90_without_spills():
+    # g None (DeltaNet): the same launches with every kernel's USE_GATE off, none spilling at the layer shapes
+    report = kernel_registers("--no-gate", "--shapes", "16,2048,4,128,256", "4,8192,16,128,128")
+    assert report["gate"] is False
+    for shape in report["shapes"]:
+        check_rows(shape["shipped"])
+        for row in shape["shipped"]:
+            assert row["spills"] == 0, row

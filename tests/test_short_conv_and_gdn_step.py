@@ -422,7 +422,8 @@ GDN_STEP_SHAPE = (16, 4, 128, 256)  # B, H, K, V
 
 def sm90_report() -> dict:
     """Every launch of the convolution (forward and backward, batched and varlen), its decoding step and the
-    GDN decoding step, compiled for sm_90 with bf16 inputs and not run; registers and spills from ptxas."""
+    GDN decoding step (gated, and without a gate), compiled for sm_90 with bf16 inputs and not run; registers and
+    spills from ptxas."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import kernel_registers  # noqa: E402  (compile, do not interpret: it clears TRITON_INTERPRET)
 
@@ -459,6 +460,8 @@ def sm90_report() -> dict:
     state = torch.randn(B, H, K, V)
     compiled(f"gdn step B={B} H={H} K={K} V={V}",
              lambda: fused_recurrent_gated_delta_rule_step_triton(q, k, v, g, beta, state, use_qk_l2norm=True))
+    compiled(f"delta rule step B={B} H={H} K={K} V={V}",  # g None: DeltaNet's step, USE_GATE off
+             lambda: fused_recurrent_gated_delta_rule_step_triton(q, k, v, None, beta, state, use_qk_l2norm=True))
     return report
 
 
@@ -480,6 +483,7 @@ def test_kernels_compile_for_sm90_in_bf16_without_spills():
         assert by_case[f"conv varlen T={B * T} D={D}"] == ["_conv_fwd_kernel", "_conv_bwd_kernel"]
         assert by_case[f"conv step B={B} D={D}"] == ["_conv_step_kernel"]
     assert by_case["gdn step B=16 H=4 K=128 V=256"] == ["_gdn_step_kernel"]
+    assert by_case["delta rule step B=16 H=4 K=128 V=256"] == ["_gdn_step_kernel"]
 
 
 # ---------------------------------------------------------------- GPU: bf16 against fp32 references

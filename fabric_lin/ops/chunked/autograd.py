@@ -12,7 +12,9 @@ settings: plain values, the launch settings' JSON text last):
 with kept = keep(inputs, outputs kept, settings), the tensors the backward pass reads (inputs or forward outputs;
 None where a setting leaves one out), dht None where no final state's gradient flows, and dh0 an empty tensor
 without an initial state (a custom op returns tensors, never None). The gradients reach autograd in their inputs'
-dtypes (a gate kept as its fp32 cumulative sum gets its gradient in the gate's own dtype).
+dtypes (a gate kept as its fp32 cumulative sum gets its gradient in the gate's own dtype). An input may be None (the
+delta rule without its gate): the ops take None for it, and its gradient (an empty tensor from the backward op) is
+None.
 """
 from typing import Callable, Optional, Sequence, Tuple, Type
 
@@ -28,7 +30,7 @@ def chunked_function(name: str, forward_op: Callable, backward_op: Callable, kee
             o, final_state, *outputs = forward_op(*inputs, initial_state, cu_seqlens, *settings)
             ctx.save_for_backward(initial_state, cu_seqlens, *keep(inputs, outputs, settings))
             ctx.settings, ctx.output_final_state = settings, output_final_state
-            ctx.dtypes = tuple(x.dtype for x in inputs)
+            ctx.dtypes = tuple(None if x is None else x.dtype for x in inputs)
             return o, final_state
 
         @staticmethod
@@ -36,7 +38,7 @@ def chunked_function(name: str, forward_op: Callable, backward_op: Callable, kee
             initial_state, cu_seqlens, *kept = ctx.saved_tensors
             dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
             *grads, dh0 = backward_op(*kept, initial_state, cu_seqlens, do.contiguous(), dht, *ctx.settings)
-            grads = [grad.to(dtype) for grad, dtype in zip(grads, ctx.dtypes)]
+            grads = [None if dtype is None else grad.to(dtype) for grad, dtype in zip(grads, ctx.dtypes)]
             return (dh0 if initial_state is not None else None, None, None, None, *grads)
 
     ChunkedFunction.__name__ = ChunkedFunction.__qualname__ = name
@@ -55,5 +57,5 @@ def apply_chunked(function: Type[torch.autograd.Function], inputs: Sequence[torc
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
     o, final_state = function.apply(initial_state, cu_seqlens, output_final_state, (scale, *settings),
-                                    *(x.contiguous() for x in inputs))
+                                    *(None if x is None else x.contiguous() for x in inputs))
     return o, (final_state if output_final_state else None)

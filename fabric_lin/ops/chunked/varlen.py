@@ -1,7 +1,8 @@
 """Documents packed along T (B = 1, `cu_seqlens` holding the N + 1 offsets) for the PyTorch paths and the
 oracles: run each document on its own, or scatter them into a padded batch of one row per document.
 Every recurrence here starts afresh at a document's first token, from that document's initial state.
-The offsets are checked as they are read (`layout.check_offsets`, as the Triton path does)."""
+The offsets are checked as they are read (`layout.check_offsets`, as the Triton path does). A sequence given as None
+(the delta rule's absent gate) reaches `run` as None; the first (q), which gives the batch and the length, never is."""
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
@@ -22,7 +23,8 @@ def per_document(
     check_offsets(bounds, sequences[0].shape[1])
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         h0 = None if initial_state is None else initial_state[i : i + 1]
-        o, ht = run(*(x[:, start:end] for x in sequences), initial_state=h0, output_final_state=True)
+        o, ht = run(*(None if x is None else x[:, start:end] for x in sequences), initial_state=h0,
+                    output_final_state=True)
         outputs.append(o)
         states.append(ht)
     return torch.cat(outputs, dim=1), (torch.cat(states) if output_final_state else None)
@@ -50,5 +52,6 @@ def as_padded_batch(
         out[doc, pos] = x[0]
         return out
 
-    o, final = run(*(to_batch(x) for x in sequences), initial_state=initial_state, output_final_state=output_final_state)
+    o, final = run(*(None if x is None else to_batch(x) for x in sequences), initial_state=initial_state,
+                   output_final_state=output_final_state)
     return o[doc, pos].unsqueeze(0), final

@@ -40,17 +40,17 @@ def chunk_gated_delta_rule(
     """The gated delta rule over a whole sequence (recurrence in naive.py).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] fp32, the log decay (<= 0), or None: no decay, the delta
-    rule of DeltaNet; beta: [B, T, H], the write strength (in (0, 1) for a stable state). initial_state / final state: [B, H, K, V] fp32
-    ([N, H, K, V] with cu_seqlens, where B = 1 and cu_seqlens holds the N+1 document offsets).
+    rule of DeltaNet (both paths then leave the decay out rather than apply zeros); beta: [B, T, H], the write
+    strength (in (0, 1) for a stable state). initial_state / final state: [B, H, K, V] fp32 ([N, H, K, V] with
+    cu_seqlens, where B = 1 and cu_seqlens holds the N+1 document offsets).
     scale defaults to K ** -0.5. use_qk_l2norm normalises q and k over K inside the op (fla's
     use_qk_l2norm_in_kernel). launch: the Triton kernels' launch settings (default: the shipped ones).
     Returns (o [B, T, H, V] in q's dtype, final state or None).
     """
     chosen = resolve_backend(backend, q.device)
-    check_inputs("chunk_gated_delta_rule", q, k, v, per_head={"beta": beta} if g is None else {"g": g, "beta": beta},
-                 float32=() if g is None else ("g",), initial_state=initial_state, cu_seqlens=cu_seqlens)
-    if g is None:
-        g = q.new_zeros(q.shape[:3], dtype=torch.float32)
+    gate = {} if g is None else {"g": g}
+    check_inputs("chunk_gated_delta_rule", q, k, v, per_head={**gate, "beta": beta}, float32=tuple(gate),
+                 initial_state=initial_state, cu_seqlens=cu_seqlens)
     if chosen == "triton":
         from fabric_lin.ops.gdn.chunk import chunk_gated_delta_rule_triton
 
@@ -80,10 +80,8 @@ def fused_recurrent_gated_delta_rule_step(
     Returns o [B, H, V] in q's dtype and the new fp32 state; "triton": one launch (fused_recurrent.py), launched as
     `launch` says (its step_warps)."""
     chosen = resolve_backend(backend, q.device)
-    check_step_inputs("fused_recurrent_gated_delta_rule_step", q, k, v,
-                      per_head={"beta": beta} if g is None else {"g": g, "beta": beta}, state=state)
-    if g is None:
-        g = q.new_zeros(q.shape[:2], dtype=torch.float32)
+    gate = {} if g is None else {"g": g}
+    check_step_inputs("fused_recurrent_gated_delta_rule_step", q, k, v, per_head={**gate, "beta": beta}, state=state)
     if chosen == "torch":
         return recurrent_gated_delta_rule_step(q, k, v, g, beta, state, scale, use_qk_l2norm)
     from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton

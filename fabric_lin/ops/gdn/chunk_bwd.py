@@ -24,6 +24,8 @@ Launches: W and U recomputed (`wy._wu_kernel`), then
     their part of dg (one row of partial sums per key tile),
   * `wy._wy_bwd_kernel`: per chunk and head, the rest of dk, dv, dbeta and dg,
   * (the q/k L2 norm's backward, when the forward normalised them).
+Without a gate (b None: the delta rule, where every exp(.) above is 1 and Gamma the causal mask) the kernels are
+compiled with USE_GATE off: no gate is read, no part of its gradient computed, and P's diagonal stays in P.
 """
 from typing import Optional
 
@@ -40,7 +42,7 @@ from fabric_lin.ops.chunked.chunk_index import (
     state_tile,
 )
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
-from fabric_lin.ops.gdn.chunk_fwd import _causal_decay, state_key_tile, states, wy_factors
+from fabric_lin.ops.gdn.chunk_fwd import _causal, _causal_decay, state_key_tile, states, wy_factors
 from fabric_lin.ops import launch as launch_helpers
 from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
 from fabric_lin.ops.gdn.wy import _wy_bwd_kernel
@@ -50,7 +52,7 @@ from fabric_lin.ops.launch import cdiv, tile_width
 @triton.jit
 def _bwd_dd_local_kernel(q, k, b, do, dd, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+                         IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr):
     """dd = scale P^T do (P = q k^T * Gamma) for one value tile of one chunk and head, in dd's dtype."""
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
@@ -68,8 +70,11 @@ def _bwd_dd_local_kernel(q, k, b, do, dd, cu_seqlens, chunk_indices, scale, T, H
         b_q = load_raw(q, row0, o_t, n_rows, H * K, o_k, m_k)
         b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
         b_st += tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)
-    b_b = load_head_gate(b + i_h, row0, o_t, n_rows, H)
-    b_st = b_st * tl.trans(_causal_decay(b_b, BT)) * scale
+    if USE_GATE:
+        b_b = load_head_gate(b + i_h, row0, o_t, n_rows, H)
+        b_st = b_st * tl.trans(_causal_decay(b_b, BT)) * scale
+    else:  # P^T: on and above the diagonal
+        b_st = tl.where(o_t[:, None] <= o_t[None, :], b_st, 0.0) * scale
     b_do = load_raw(do + i_h * V, row0, o_t, n_rows, H * V, o_v, m_v)
     b_dd = tl.dot(b_st.to(DT), b_do.to(DT), input_precision=DOT_PREC)
     m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
@@ -80,10 +85,11 @@ def _bwd_dd_local_kernel(q, k, b, do, dd, cu_seqlens, chunk_indices, scale, T, H
 def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr,
                       BV: tl.constexpr, USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
-                      DOT_PREC: tl.constexpr):
+                      DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr):
     """The reverse pass over one sequence's chunks for one value tile and head: dh[chunk n] = dS', the gradient
     of the state leaving chunk n (dh's dtype); dd = dd_local + k_end dS' (the corrections' whole gradient, dd's
-    dtype); dh0 = the initial state's gradient (fp32). BKS >= K: the whole key dimension."""
+    dtype); dh0 = the initial state's gradient (fp32). BKS >= K: the whole key dimension. Without USE_GATE (b None)
+    k_end = k, q enters undecayed and dS' passes back unscaled."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -94,7 +100,8 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
     q += i_h * K
     k += i_h * K
     w += i_h * K
-    b += i_h
+    if USE_GATE:
+        b += i_h
     do += i_h * V
     dd_local += i_h * V
     dd += i_h * V
@@ -105,18 +112,26 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
         n_rows = T - i_t * BT
         m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
         tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
-        b_b = load_head_gate(b, row0, o_t, n_rows, H)
-        b_last = load_head_gate(b, row0, BT - 1, n_rows, H)
-        b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
-        k_end = (b_k * tl.exp(b_last - b_b)[:, None]).to(DT)
+        if USE_GATE:
+            b_b = load_head_gate(b, row0, o_t, n_rows, H)
+            b_last = load_head_gate(b, row0, BT - 1, n_rows, H)
+            b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
+            k_end = (b_k * tl.exp(b_last - b_b)[:, None]).to(DT)
+        else:
+            k_end = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
         b_dd = load_raw(dd_local, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
         b_dd += tl.dot(k_end, dS.to(DT), input_precision=DOT_PREC)
         tl.store(dd + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], b_dd.to(dd.dtype.element_ty), mask=m_tv)
         b_q = load_raw(q, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
-        q_start = (b_q * (tl.exp(b_b) * scale)[:, None]).to(DT)  # the queries as the chunk's start state sees them
+        if USE_GATE:
+            q_start = (b_q * (tl.exp(b_b) * scale)[:, None]).to(DT)  # the queries as the chunk's start state sees them
+        else:
+            q_start = (b_q * scale).to(DT)
         b_w = load_raw(w, row0, o_t, n_rows, H * K, o_k, m_k)
         b_do = load_raw(do, row0, o_t, n_rows, H * V, o_v, m_v)
-        dS = (dS * tl.exp(b_last) + tl.dot(tl.trans(q_start), b_do.to(DT), input_precision=DOT_PREC)
+        if USE_GATE:
+            dS = dS * tl.exp(b_last)
+        dS = (dS + tl.dot(tl.trans(q_start), b_do.to(DT), input_precision=DOT_PREC)
               - tl.dot(tl.trans(b_w), b_dd.to(DT), input_precision=DOT_PREC))
     if USE_H0:
         tl.store(dh0 + i_nh * K * V + state_offs, dS, mask=m_kv)
@@ -125,9 +140,11 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
 @triton.jit
 def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seqlens, chunk_indices, scale, T,
                      part_stride, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+                     BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                     USE_GATE: tl.constexpr):
     """For one key tile of one chunk and head: dq (dq's dtype), the output's and state's part of dk (fp32),
-    dW = -dD S^T (dw's dtype), and their part of the gate's gradient dg (fp32, the key tile's own row of dg_part)."""
+    dW = -dD S^T (dw's dtype), and their part of the gate's gradient dg (fp32, the key tile's own row of dg_part;
+    without USE_GATE, b and dg_part are None and there is none)."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     row0, n_rows, i_tg = chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H, BT, IS_VARLEN)
@@ -159,40 +176,51 @@ def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seq
         dk_state += tl.dot(b_d, tl.trans(b_dh.to(DT)), input_precision=DOT_PREC)
         b_dw += tl.dot(b_dd, tl.trans(b_h.to(DT)), input_precision=DOT_PREC)
         b_ds += tl.dot(b_do, tl.trans(b_d), input_precision=DOT_PREC)
-        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+        if USE_GATE:
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
     m_tk = m_t[:, None] & m_k[None, :]
     offs = i_h * K + (row0 + o_t[:, None]) * (H * K) + o_k[None, :]
     tl.store(dw + offs, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)  # stored first: its registers are needed below
-    b_b = load_head_gate(b + i_h, row0, o_t, n_rows, H)
-    b_last = load_head_gate(b + i_h, row0, BT - 1, n_rows, H)
-    b_q = load_raw(q + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
-    b_k = load_raw(k + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
-    # P's diagonal (exp(0) = 1 whatever the gate) moves no b: it enters db_i once through q_i and once, negated,
-    # through k_i. Summed into dq . q and dk . k it would leave the rounding of those O(1) terms in db, which is
-    # all there is of a fast gate's tiny true gradient; so it is kept out of db, and added to dq and dk apart
-    b_ds = b_ds * _causal_decay(b_b, BT) * scale
-    diagonal = o_t[:, None] == o_t[None, :]
-    ds_diag = tl.sum(tl.where(diagonal, b_ds, 0.0), axis=1)
-    b_ds = tl.where(diagonal, 0.0, b_ds).to(DT)
-    b_dq = dq_state * (tl.exp(b_b) * scale)[:, None] + tl.dot(b_ds, b_k, input_precision=DOT_PREC)
-    b_db = tl.sum(b_dq * b_q.to(tl.float32), axis=1)
-    b_dq += ds_diag[:, None] * b_k.to(tl.float32)
-    tl.store(dq + offs, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    b_dk = tl.dot(tl.trans(b_ds), b_q, input_precision=DOT_PREC)
-    b_db -= tl.sum(b_dk * b_k.to(tl.float32), axis=1)
-    dk_state = dk_state * tl.exp(b_last - b_b)[:, None]
-    # The keys' exp(b_last - b_i) = exp(g_{i+1} + ... + g_last) moves g_t for t > i only, by c_i = k_i . dk_state_i:
-    # g_t's gradient gets the sum of c_i over the rows i < t. Taken as b_last's gradient minus b_i's, the last row's
-    # c (of a key no decay reaches, O(1)) would be added at the last row and taken away again in the reverse cumsum
-    c = tl.sum(dk_state * b_k.to(tl.float32), axis=1)
-    b_dk += dk_state + ds_diag[:, None] * b_q.to(tl.float32)
-    tl.store(dk_part + offs, b_dk, mask=m_tk)
-    # exp(b_last) decays the state: its gradient lands on the chunk's last row, so db's reverse cumsum gives it
-    # to every row's g
-    b_db += tl.where(o_t == tl.minimum(n_rows, BT) - 1, tl.sum(b_hdh, axis=0) * tl.exp(b_last), 0.0)
-    dg_keys = tl.sum(tl.where(o_t[:, None] > o_t[None, :], c[None, :], 0.0), axis=1)
-    b_dg = tl.cumsum(tl.where(m_t, b_db, 0.0), axis=0, reverse=True) + dg_keys
-    tl.store(dg_part + i_k * part_stride + (row0 + o_t) * H + i_h, b_dg, mask=m_t)
+    if USE_GATE:
+        b_b = load_head_gate(b + i_h, row0, o_t, n_rows, H)
+        b_last = load_head_gate(b + i_h, row0, BT - 1, n_rows, H)
+        b_q = load_raw(q + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_k = load_raw(k + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
+        # P's diagonal (exp(0) = 1 whatever the gate) moves no b: it enters db_i once through q_i and once, negated,
+        # through k_i. Summed into dq . q and dk . k it would leave the rounding of those O(1) terms in db, which is
+        # all there is of a fast gate's tiny true gradient; so it is kept out of db, and added to dq and dk apart
+        b_ds = b_ds * _causal_decay(b_b, BT) * scale
+        diagonal = o_t[:, None] == o_t[None, :]
+        ds_diag = tl.sum(tl.where(diagonal, b_ds, 0.0), axis=1)
+        b_ds = tl.where(diagonal, 0.0, b_ds).to(DT)
+        b_dq = dq_state * (tl.exp(b_b) * scale)[:, None] + tl.dot(b_ds, b_k, input_precision=DOT_PREC)
+        b_db = tl.sum(b_dq * b_q.to(tl.float32), axis=1)
+        b_dq += ds_diag[:, None] * b_k.to(tl.float32)
+        tl.store(dq + offs, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        b_dk = tl.dot(tl.trans(b_ds), b_q, input_precision=DOT_PREC)
+        b_db -= tl.sum(b_dk * b_k.to(tl.float32), axis=1)
+        dk_state = dk_state * tl.exp(b_last - b_b)[:, None]
+        # The keys' exp(b_last - b_i) = exp(g_{i+1} + ... + g_last) moves g_t for t > i only, by c_i = k_i . dk_state_i:
+        # g_t's gradient gets the sum of c_i over the rows i < t. Taken as b_last's gradient minus b_i's, the last row's
+        # c (of a key no decay reaches, O(1)) would be added at the last row and taken away again in the reverse cumsum
+        c = tl.sum(dk_state * b_k.to(tl.float32), axis=1)
+        b_dk += dk_state + ds_diag[:, None] * b_q.to(tl.float32)
+        tl.store(dk_part + offs, b_dk, mask=m_tk)
+        # exp(b_last) decays the state: its gradient lands on the chunk's last row, so db's reverse cumsum gives it
+        # to every row's g
+        b_db += tl.where(o_t == tl.minimum(n_rows, BT) - 1, tl.sum(b_hdh, axis=0) * tl.exp(b_last), 0.0)
+        dg_keys = tl.sum(tl.where(o_t[:, None] > o_t[None, :], c[None, :], 0.0), axis=1)
+        b_dg = tl.cumsum(tl.where(m_t, b_db, 0.0), axis=0, reverse=True) + dg_keys
+        tl.store(dg_part + i_k * part_stride + (row0 + o_t) * H + i_h, b_dg, mask=m_t)
+    else:
+        b_q = load_raw(q + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_k = load_raw(k + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)
+        # no gate, so no db to keep P's diagonal out of: P is q k^T on and below the diagonal
+        b_ds = _causal(b_ds * scale, BT).to(DT)
+        b_dq = dq_state * scale + tl.dot(b_ds, b_k, input_precision=DOT_PREC)
+        tl.store(dq + offs, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        b_dk = tl.dot(tl.trans(b_ds), b_q, input_precision=DOT_PREC) + dk_state
+        tl.store(dk_part + offs, b_dk, mask=m_tk)
 
 
 # ------------------------------------------------------------------------------------------ host side
@@ -201,14 +229,15 @@ def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seq
 def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torch.Tensor],
              cu_seqlens: Optional[torch.Tensor], do, dht: Optional[torch.Tensor], launch: GDNLaunch,
              dqk_dtype: Optional[torch.dtype] = None):
-    """(dq, dk, dv, dg fp32, dbeta in beta's dtype, dh0 fp32 or None) for q, k as the recurrence read them.
-    dqk_dtype: dq's and dk's dtype (default q's; fp32 where the L2 norm's backward follows)."""
+    """(dq, dk, dv, dg fp32, dbeta in beta's dtype, dh0 fp32 or None) for q, k as the recurrence read them; b None
+    (no gate): dg None. dqk_dtype: dq's and dk's dtype (default q's; fp32 where the L2 norm's backward follows)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     layout = chunk_layout(cu_seqlens, B, T, CHUNK_SIZE)
     N, NC, chunk_indices, chunk_offsets = layout
     is_varlen = cu_seqlens is not None
     prec = dot_precision(q.dtype)
+    gated = b is not None
     grid = chunk_grid(cu_seqlens, layout, T, B, H, CHUNK_SIZE)
 
     w, u = wy_factors(k, v, beta, b, A_inv, cu_seqlens, layout, launch)
@@ -218,7 +247,7 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     BV = tile_width(launch.dd_local.BV, V)
     _bwd_dd_local_kernel[(cdiv(V, BV),) + grid](
         q, k, b, do, dd_local, cu_seqlens, chunk_indices, scale, T, H, K, V, CHUNK_SIZE, tile_width(launch.dd_local.BK, K),
-        BV, IS_VARLEN=is_varlen, DOT_PREC=prec, **launch.dd_local.options(),
+        BV, IS_VARLEN=is_varlen, DOT_PREC=prec, USE_GATE=gated, **launch.dd_local.options(),
     )
 
     dh = q.new_empty(NC, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))
@@ -229,7 +258,7 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     _bwd_state_kernel[(cdiv(V, BV), N * H)](
         q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, CHUNK_SIZE,
         state_key_tile(K), BV, USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen,
-        DOT_PREC=prec, **dstate.options(),
+        DOT_PREC=prec, USE_GATE=gated, **dstate.options(),
     )
 
     dqk_dtype = dqk_dtype or q.dtype
@@ -238,20 +267,20 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dw = torch.empty_like(k)
     BK = tile_width(launch.dqkw.BK, K)
     NK = cdiv(K, BK)
-    dg_part = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
+    dg_part = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32) if gated else None
     _bwd_dqkw_kernel[(NK,) + grid](
         q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seqlens, chunk_indices, scale, T, B * T * H,
-        H, K, V, CHUNK_SIZE, BK, tile_width(launch.dqkw.BV, V), IS_VARLEN=is_varlen, DOT_PREC=prec,
+        H, K, V, CHUNK_SIZE, BK, tile_width(launch.dqkw.BV, V), IS_VARLEN=is_varlen, DOT_PREC=prec, USE_GATE=gated,
         **launch.dqkw.options(),
     )
 
     dk = torch.empty_like(k, dtype=dqk_dtype)
     dv = torch.empty_like(v)
-    dg = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    dg = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if gated else None
     dbeta = torch.empty_like(beta)
     _wy_bwd_kernel[grid](
         k, v, beta, b, A_inv, dw, dd, dk_part, dg_part, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, NK,
         B * T * H, H, K, V, CHUNK_SIZE, tile_width(launch.wy_bwd.BK, K), tile_width(launch.wy_bwd.BV, V),
-        IS_VARLEN=is_varlen, DOT_PREC=prec, **launch.wy_bwd.options(),
+        IS_VARLEN=is_varlen, DOT_PREC=prec, USE_GATE=gated, **launch.wy_bwd.options(),
     )
     return dq, dk, dv, dg, dbeta, dh0
