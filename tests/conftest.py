@@ -13,7 +13,6 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
 @pytest.fixture(scope="module")
 def one_thread():
     """For modules of many tiny tensor ops (token-by-token recurrences, the Triton interpreter's programs):
@@ -222,3 +221,48 @@ def litdata_blocks(path, block_size: int) -> list:
 
     dataset = StreamingDataset(str(path), item_loader=TokensLoader(block_size=block_size), shuffle=False)
     return [bytes(np.asarray(block).astype(np.int64)) for block in dataset]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The uninterrupted debug run (helpers.DEBUG_ARGS), what the stopped and resumed ones must reproduce."""
+    from helpers import debug_run
+
+    out = tmp_path_factory.mktemp("reference") / "out"
+    debug_run(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference_workers(tmp_path_factory):
+    """The reference with DataLoader worker processes, which a signal to the whole job reaches too."""
+    from helpers import LOADER_WORKERS, debug_run
+
+    out = tmp_path_factory.mktemp("reference_workers") / "out"
+    debug_run(out, *LOADER_WORKERS)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference_ddp(tmp_path_factory):
+    """The reference on two processes (DDP over gloo on the CPU)."""
+    from helpers import CPU_ONLY, debug_run
+
+    out = tmp_path_factory.mktemp("reference_ddp") / "out"
+    debug_run(out, "--devices", "2", env=CPU_ONLY)
+    return out
+
+
+@pytest.fixture(scope="session")
+def paragraphs_tokenizer(tmp_path_factory):
+    """A 500-piece tokenizer trained on 300 paragraphs of the standard library (helpers.paragraphs): the
+    preprocessors' tests tokenize with it."""
+    from fabric_lin.data.train_tokenizer import main as train_tokenizer
+    from helpers import paragraphs
+
+    root = tmp_path_factory.mktemp("paragraphs_tokenizer")
+    (root / "raw").mkdir()
+    (root / "raw" / "all.txt").write_text("\n".join(paragraphs(300, 99)), encoding="utf-8")
+    train_tokenizer(root / "raw", root / "tokenizer", vocab_size=500, num_threads=1)
+    return root / "tokenizer"
+

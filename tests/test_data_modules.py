@@ -14,24 +14,11 @@ import torch
 
 from fabric_lin.config import Config
 from fabric_lin.data import SampleCorpus, SlimPajamaStarcoder, TextFiles, TokenChunks, Tokenizer
-from fabric_lin.data.prepared import write_prepared_info
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
 from conftest import litdata_blocks
+from helpers import write_prepared
 
 SEQ = 7  # max_seq_length: blocks of 8 tokens
-
-
-def write_token_dir(path: Path, tokens: np.ndarray, tokenizer: Tokenizer, chunk_size: int = 4000) -> None:
-    """A prepared directory written directly with litdata's Cache (not through the preprocessors)."""
-    from litdata.streaming.cache import Cache
-    from litdata.streaming.item_loader import TokensLoader
-
-    cache = Cache(str(path), chunk_size=chunk_size, item_loader=TokensLoader())
-    for i, start in enumerate(range(0, len(tokens), 1000)):
-        cache[i] = tokens[start : start + 1000]
-    cache.done()
-    cache.merge()
-    write_prepared_info(path, tokenizer, recipe="test")
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +34,9 @@ def mix(tmp_path_factory):
     slimpajama = (rng.integers(0, 150, 160_000) * 2).astype(np.uint16)
     starcoder = (rng.integers(0, 150, 100_000) * 2 + 1).astype(np.uint16)
     val = np.arange(8000, dtype=np.uint16) % 300
-    write_token_dir(root / "data" / "slimpajama" / "train", slimpajama, tokenizer)
-    write_token_dir(root / "data" / "slimpajama" / "val", val, tokenizer)
-    write_token_dir(root / "data" / "starcoder", starcoder, tokenizer)
+    write_prepared(root / "data" / "slimpajama" / "train", slimpajama, tokenizer, chunk_size=4000)
+    write_prepared(root / "data" / "slimpajama" / "val", val, tokenizer, chunk_size=4000)
+    write_prepared(root / "data" / "starcoder", starcoder, tokenizer, chunk_size=4000)
     return {"root": root, "data": root / "data", "tokenizer": tokenizer, "val": val, "slimpajama": slimpajama}
 
 
