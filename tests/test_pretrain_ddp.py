@@ -35,6 +35,15 @@ from helpers import (
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def reference_ddp(tmp_path_factory) -> Path:
+    """The uninterrupted debug run on two processes (DDP over gloo on the CPU). Module-scoped: this file's tests
+    run on one pytest-xdist worker, which runs it once."""
+    out = tmp_path_factory.mktemp("reference_ddp") / "out"
+    run(out, "--devices", "2", env=CPU_ONLY)
+    return out
+
+
 def test_two_processes_gloo_sigterm_and_resume_are_exact(reference_ddp, tmp_path):
     from fabric_lin.checkpoint import verify_checkpoint
 
