@@ -118,6 +118,7 @@ class _ProcessGroupFabric:
         dist.barrier()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
 def test_fsdp_sharded_checkpoint_converts_on_cpu_to_the_unsharded_weights(tmp_path, kind):
     config = Config.from_name("gla-debug", num_layers=2)
@@ -162,6 +163,7 @@ def adamw_with_pretrain_groups(model):
     return torch.optim.AdamW([{"params": groups[0], "weight_decay": 0.1}, {"params": groups[1], "weight_decay": 0.0}], lr=1e-2)
 
 
+@pytest.mark.slow
 def test_fabric_fsdp_checkpoint_resumes_whole_in_one_process(tmp_path):
     """A 2-process FSDP checkpoint in Fabric's format (model and optimizer in DCP shards, the rest in
     meta.pt) restores a one-process train state: weights, AdamW's moments and steps, each under its
