@@ -13,6 +13,74 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+MAX_WORKERS = 4  # pytest-xdist's `-n auto` (pyproject's addopts): one worker per core, at most this many
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# Under pytest-xdist each worker computes with its share of the cores, and so do the subprocesses it starts
+# (pretrain honours OMP_NUM_THREADS): more threads than cores only spin-wait on each other, many times slower.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cores() // _workers))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core the process may use, at most MAX_WORKERS (each holds torch and a model or two;
+    the two-process tests start two more). PYTEST_XDIST_AUTO_NUM_WORKERS, where set, decides instead."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    return min(usable_cores(), MAX_WORKERS)
+
+
+def modules_with_module_fixtures() -> set:
+    """The test modules (paths relative to the repository) that define a module-scoped fixture, read from their
+    source (the controller of pytest-xdist collects nothing)."""
+    import ast
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    found = set()
+    for path in here.glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            for decorator in getattr(node, "decorator_list", ()):
+                if isinstance(decorator, ast.Call) and any(
+                        k.arg == "scope" and getattr(k.value, "value", None) == "module" for k in decorator.keywords):
+                    found.add(f"{here.name}/{path.name}")
+    return found
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the slow tests (subprocesses that train) first, so that no worker starts one when the
+    others have run out of work (the order within each kind kept; in one process, the order of the files)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's default distribution (`--dist load`), except that the tests of a module with a module-scoped
+    fixture (a corpus, a tokenizer, a training run) go to one worker together, which builds it once; every other test
+    goes to whichever worker is free (the e2e runs' session fixtures are built at most once per worker). Work is handed
+    out in the workers' order (slow tests first: pytest_collection_modifyitems), not by the size of each module's
+    share. An explicit --dist keeps xdist's own scheduler. (xdist's `--dist loadgroup` does not group under pytest
+    9.2: pytest-dev/pytest-xdist#1386.)"""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    whole = modules_with_module_fixtures()
+    config.option.loadscopereorder = False
+
+    class ModuleFixturesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in whole else nodeid
+
+    return ModuleFixturesTogether(config, log)
+
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -256,3 +324,38 @@ def litdata_blocks(path, block_size: int) -> list:
 
     dataset = StreamingDataset(str(path), item_loader=TokensLoader(block_size=block_size), shuffle=False)
     return [bytes(np.asarray(block).astype(np.int64)) for block in dataset]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The uninterrupted debug run (helpers.DEBUG_ARGS), what the stopped and resumed ones must reproduce."""
+    from helpers import debug_run
+
+    out = tmp_path_factory.mktemp("reference") / "out"
+    debug_run(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference_workers(tmp_path_factory):
+    """The reference with DataLoader worker processes, which a signal to the whole job reaches too."""
+    from helpers import LOADER_WORKERS, debug_run
+
+    out = tmp_path_factory.mktemp("reference_workers") / "out"
+    debug_run(out, *LOADER_WORKERS)
+    return out
+
+
+@pytest.fixture(scope="session")
+def paragraphs_tokenizer(tmp_path_factory):
+    """A 500-piece tokenizer trained on 300 paragraphs of the standard library (helpers.paragraphs): the
+    preprocessors' tests tokenize with it."""
+    from fabric_lin.data.train_tokenizer import main as train_tokenizer
+    from helpers import paragraphs
+
+    root = tmp_path_factory.mktemp("paragraphs_tokenizer")
+    (root / "raw").mkdir()
+    (root / "raw" / "all.txt").write_text("\n".join(paragraphs(300, 99)), encoding="utf-8")
+    train_tokenizer(root / "raw", root / "tokenizer", vocab_size=500, num_threads=1)
+    return root / "tokenizer"
+

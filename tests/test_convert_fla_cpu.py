@@ -1,16 +1,19 @@
-"""CPU check of convert_to_hf against flash-linear-attention (fla) itself: an exported GLA or Gated DeltaNet
-model, loaded by fla's `AutoModelForCausalLM.from_pretrained`, gives fabric-lin's logits in fp32.
+"""CPU check of convert_to_hf against flash-linear-attention (fla) itself, for every family (GLA, Gated DeltaNet,
+the transformer baseline, and the hybrids with softmax-attention layers): fla builds each exported config with the
+model's parameter names, shapes and count (at the shipped sizes too), and an exported model, loaded by fla's
+`AutoModelForCausalLM.from_pretrained`, gives fabric-lin's logits in fp32.
 
-fla's layers are Triton kernels, so without CUDA they run in Triton's interpreter
-(TRITON_INTERPRET=1, fp32, on small models), with conftest.fla_in_interpreter's two adjustments. The
-comparison runs in a subprocess, so that the interpreter setting stays out of the pytest process.
+fla's layers are Triton kernels, so without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, fp32, on
+small models), with conftest.fla_in_interpreter's two adjustments. fla's softmax-attention layer refuses to be built
+without flash-attn, which has no CPU build: for it, flash-attn's `flash_attn_func` is stood in by PyTorch's causal
+scaled_dot_product_attention (what it computes; fla's own code does the rest: projections, rotary embedding, heads).
+Each check runs in a subprocess, so that the interpreter setting and the stand-in stay out of the pytest process.
 
-fla's kernels themselves run unchanged. fla picks its fused_recurrent mode for T <= 64 and the chunked
-mode (chunk 64) above, so each case is run at both. Skips when fla or transformers is not installed
-(pip install flash-linear-attention transformers) and when CUDA is present (test_convert_fla_gpu.py
-covers that). As a script it prints one JSON line per case and length:
+fla's kernels themselves run unchanged. fla picks its fused_recurrent mode for T <= 64 and the chunked mode (chunk
+64) above, so each linear-attention case is run at both. Skips when fla or transformers is not installed and when
+CUDA is present (test_convert_fla_gpu.py covers that). As a script it prints one JSON line per case and length:
 
-    TRITON_INTERPRET=1 python tests/test_convert_fla_cpu.py
+    TRITON_INTERPRET=1 python tests/test_convert_fla_cpu.py [logits [CASE ...] | parameters]
 """
 import os
 import sys
@@ -29,6 +32,8 @@ import torch  # noqa: E402
 from fabric_lin.config import Config  # noqa: E402
 
 SEQ_LENS = (100, 40)  # chunked mode over two chunks (the second partial), and fused_recurrent
+# fla's GDN fused_recurrent kernel costs about 0.4 s per token in the interpreter (its GLA one a tenth of that)
+GDN_SEQ_LENS = (100, 16)
 TOL = 1e-4
 
 
@@ -41,20 +46,97 @@ CASES = {  # name: (config, sequence lengths)
     "gla": (lambda: base(), SEQ_LENS),
     "gqa": (lambda: base(num_heads=4, num_kv_heads=2), SEQ_LENS),
     "tied": (lambda: base(tie_embeddings=True), SEQ_LENS),
-    "gdn": (lambda: base(block_type="gdn", head_dim=48, expand_v=2.0), SEQ_LENS),
-    "gdn-tied": (lambda: base(block_type="gdn", head_dim=32, expand_v=1.5, tie_embeddings=True), SEQ_LENS[1:]),
+    "gdn": (lambda: base(block_type="gdn", head_dim=48, expand_v=2.0), GDN_SEQ_LENS),
+    "gdn-tied": (lambda: base(block_type="gdn", head_dim=32, expand_v=1.5, tie_embeddings=True), GDN_SEQ_LENS[1:]),
     # fla's chunked DeltaNet kernel refuses fp32: its recurrent one runs every length (compare_with_fla)
-    "deltanet": (lambda: base(block_type="deltanet", expand_k=1.0, expand_v=1.0), SEQ_LENS),
+    "deltanet": (lambda: base(block_type="deltanet", expand_k=1.0, expand_v=1.0), GDN_SEQ_LENS),
     # a checkpoint trained with another head-norm eps (1e-5, an earlier default) against fla's norm_eps 1e-6:
     # where a head's output is near zero (the first tokens), the eps moves its normed value a lot, so logits
     # differ by up to about their std at this init scale. fla's logits equal those of this model run with
     # head_norm_eps = norm_eps. One length keeps the test fast.
     "own-head-eps": (lambda: base(head_norm_eps=1e-5), SEQ_LENS[1:]),
+    # softmax attention: fla's layer around flash_attn_func's stand-in
+    "transformer": (lambda: base(block_type="transformer", num_heads=4, rope_base=500.0), SEQ_LENS[1:]),
+    "transformer-gqa": (lambda: base(block_type="transformer", num_heads=4, num_kv_heads=2, rope_base=500.0), SEQ_LENS[1:]),
+    "gla-hybrid": (lambda: base(attn_layers=[1], attn_num_heads=4, attn_num_kv_heads=2, rope_base=500.0), SEQ_LENS[:1]),
+    "gdn-hybrid": (lambda: base(block_type="gdn", head_dim=32, expand_v=1.5, attn_layers=[0], attn_num_heads=2), GDN_SEQ_LENS[:1]),
+}
+FAMILIES = {  # the cases each test runs in one subprocess (fla's import is paid once per subprocess)
+    "gla": ["gla", "gqa", "tied", "own-head-eps", "gla-hybrid"],
+    "gdn": ["gdn", "gdn-tied", "gdn-hybrid", "gdn-generate"],
+    "transformer": ["transformer", "transformer-gqa"],
+}
+# fla builds these from their exported config.json: every family at its shipped size, and the small hybrids
+PARAMETER_MODELS = {
+    "gla-340M": lambda: Config.from_name("gla-340M"),
+    "gla-340M-tied": lambda: Config.from_name("gla-340M", tie_embeddings=True),
+    "gla-7B": lambda: Config.from_name("gla-7B"),
+    "gdn-340M": lambda: Config.from_name("gdn-340M"),
+    "gdn-1.3B": lambda: Config.from_name("gdn-1.3B"),
+    "transformer-340M": lambda: Config.from_name("transformer-340M"),
+    "gla-hybrid": CASES["gla-hybrid"][0],
+    "gdn-hybrid": CASES["gdn-hybrid"][0],
 }
 
 
 def fla_installed() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("fla", "transformers"))
+
+
+def import_fla_with_flash_attn_stand_in() -> None:
+    """Import fla with flash-attn's `flash_attn_func` stood in by PyTorch's causal attention (flash-attn has no CPU
+    build, and fla's softmax-attention layer refuses to be built without it). The stand-in is in sys.modules only
+    while fla imports: transformers, which looks for flash-attn too, sees none (it looks before, here)."""
+    import types
+
+    import torch.nn.functional as F
+    import transformers.activations  # noqa: F401  (transformers' own look for flash-attn happens here)
+    import transformers.modeling_utils  # noqa: F401
+
+    def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), **kwargs):
+        """q [B, T, H, D], k and v [B, T, H_kv, D]; query head h reads key/value head h // (H / H_kv)."""
+        if not causal or tuple(window_size) != (-1, -1) or kwargs:
+            raise NotImplementedError(f"the stand-in computes causal attention over the whole context only: {kwargs}")
+        groups = q.shape[2] // k.shape[2]
+        k, v = (x.repeat_interleave(groups, dim=2) for x in (k, v))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return o.transpose(1, 2)
+
+    def flash_attn_varlen_func(*args, **kwargs):
+        raise NotImplementedError("the stand-in has no varlen attention (fla calls it for padded or packed input)")
+
+    stand_in = types.ModuleType("flash_attn")
+    stand_in.flash_attn_func, stand_in.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    sys.modules["flash_attn"] = stand_in
+    try:
+        import fla  # noqa: F401  (registers fla's model types with transformers; fla.layers.attn keeps the stand-in)
+    finally:
+        del sys.modules["flash_attn"]
+
+
+def fla_parameters(name: str, config: Config) -> dict:
+    """fla's model built (on the meta device) from the config.json convert_to_hf writes for `config`, against
+    fabric-lin's: parameter names (as exported) with their shapes, and counts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fabric_lin.convert.hf import fla_config, to_hf_name
+    from fabric_lin.model import GPT
+
+    exported = fla_config(config)
+    fields = {k: v for k, v in exported.items() if k not in ("architectures", "model_type", "fabric_lin")}
+    with torch.device("meta"):
+        ours = GPT(config)
+        theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(exported["model_type"], **fields))
+    ours_shapes = {to_hf_name(n): list(p.shape) for n, p in ours.named_parameters()}
+    theirs_shapes = {n: list(p.shape) for n, p in theirs.named_parameters()}
+    return {
+        "model": name, "block_type": config.block_type, "fla_class": type(theirs).__name__,
+        "architecture": exported["architectures"][0], "parameters": len(ours_shapes),
+        "missing_in_fla": sorted(set(ours_shapes) - set(theirs_shapes)),
+        "only_in_fla": sorted(set(theirs_shapes) - set(ours_shapes)),
+        "other_shapes": sorted(n for n in set(ours_shapes) & set(theirs_shapes) if ours_shapes[n] != theirs_shapes[n]),
+        "count": sum(p.numel() for p in ours.parameters()), "fla_count": sum(p.numel() for p in theirs.parameters()),
+    }
 
 
 def compare_with_fla(config: Config, seq_lens=SEQ_LENS, batch: int = 1, seed: int = 0) -> list:
@@ -83,9 +165,10 @@ def compare_with_fla(config: Config, seq_lens=SEQ_LENS, batch: int = 1, seed: in
         diff = (fla_logits - ours).abs()
         results.append({
             "fla_class": type(fla_model).__name__,
-            "fla_mode": "fused_recurrent" if seq_len <= 64 or config.block_type == "deltanet" else exported["attn_mode"],
+            "fla_mode": "softmax" if config.block_type == "transformer" else
+                        "fused_recurrent" if seq_len <= 64 or config.block_type == "deltanet" else exported["attn_mode"],
             "block_type": config.block_type, "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
-            "tie_embeddings": config.tie_embeddings,
+            "attn_layers": config.attn_layers, "tie_embeddings": config.tie_embeddings,
             "norm_eps": config.norm_eps, "head_norm_eps": config.head_norm_eps, "batch": batch, "seq_len": seq_len,
             "max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(),
             "logits_std": ours.std().item(), **fla_eps, "seconds": round(time.perf_counter() - start, 2),
@@ -93,7 +176,7 @@ def compare_with_fla(config: Config, seq_lens=SEQ_LENS, batch: int = 1, seed: in
     return results
 
 
-def generate_with_fla(config: Config, prompt_len: int = 20, new_tokens: int = 6, seed: int = 0) -> dict:
+def generate_with_fla(config: Config, prompt_len: int = 8, new_tokens: int = 4, seed: int = 0) -> dict:
     """fla's `generate` on an exported model, and fabric-lin's greedy tokens checked against fla's full forward
     (each token the argmax of fla's logits at its position). In the interpreter fla's own cached decoding
     does not reproduce its full forward, so its tokens are reported, not compared."""
@@ -113,30 +196,49 @@ def generate_with_fla(config: Config, prompt_len: int = 20, new_tokens: int = 6,
             "fla_argmax_on_ours": fla_logits[prompt_len - 1 : -1].argmax(-1).tolist()}
 
 
-def run_interpreted(timeout: float = 600) -> list:
+def run_interpreted(*args: str, timeout: float = 600) -> list:
     """This file as a script in a subprocess; its JSON lines."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, test_convert_fla_gpu.py runs fla's compiled kernels")
-@pytest.mark.skipif(not fla_installed(), reason="needs flash-linear-attention (fla) and transformers")
-def test_exported_models_match_fla_interpreted():
-    results = run_interpreted()
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, test_convert_fla_gpu.py runs fla's compiled kernels"),
+    pytest.mark.skipif(not fla_installed(), reason="needs flash-linear-attention (fla) and transformers"),
+    pytest.mark.slow,
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exported_models_match_fla_interpreted(family):
+    cases = FAMILIES[family]
+    results = run_interpreted("logits", *cases)
     generated = [r for r in results if r.get("case") == "gdn-generate"]
     results = [r for r in results if r.get("case") != "gdn-generate"]
-    assert len(generated) == 1 and len(generated[0]["fla_generate"]) == 6  # fla's generate runs on the export
-    assert generated[0]["ours"] == generated[0]["fla_argmax_on_ours"]  # our decoding is fla's model's greedy path
+    if "gdn-generate" in cases:
+        assert len(generated) == 1 and len(generated[0]["fla_generate"]) == 4  # fla's generate runs on the export
+        assert generated[0]["ours"] == generated[0]["fla_argmax_on_ours"]  # our decoding is fla's model's greedy path
     for r in results:
         print(json.dumps(r))
-    assert {(r["case"], r["seq_len"]) for r in results} == {(c, t) for c, (_, lens) in CASES.items() for t in lens}
+    assert {(r["case"], r["seq_len"]) for r in results} == {(c, t) for c in cases if c in CASES for t in CASES[c][1]}
     for r in results:
-        if r["head_norm_eps"] == r["norm_eps"]:
+        if r["head_norm_eps"] == r["norm_eps"] or r["block_type"] == "transformer":
             assert r["max_abs_diff"] < TOL, r
         else:  # the whole difference is the head norm's eps
             assert r["max_abs_diff_ours_at_fla_head_eps"] < TOL, r
+
+
+def test_fla_builds_the_exports_with_their_parameter_names_and_count():
+    results = {r["model"]: r for r in run_interpreted("parameters")}
+    assert sorted(results) == sorted(PARAMETER_MODELS)
+    assert {r["block_type"] for r in results.values()} == {"gla", "gdn", "transformer"}  # every family
+    for r in results.values():
+        print(json.dumps(r))
+        assert r["fla_class"] == r["architecture"], r  # the architecture config.json names
+        assert (r["missing_in_fla"], r["only_in_fla"], r["other_shapes"]) == ([], [], []), r
+        assert r["count"] == r["fla_count"] and r["parameters"] > 0, r
 
 
 if __name__ == "__main__":
@@ -144,8 +246,17 @@ if __name__ == "__main__":
         raise SystemExit("needs flash-linear-attention: pip install flash-linear-attention transformers")
     from conftest import fla_in_interpreter
 
-    with fla_in_interpreter():
-        for case, (make, seq_lens) in CASES.items():
-            for result in compare_with_fla(make(), seq_lens):
-                print(json.dumps({"case": case, **result}), flush=True)
-        print(json.dumps({"case": "gdn-generate", **generate_with_fla(CASES["gdn"][0]())}), flush=True)
+    import_fla_with_flash_attn_stand_in()
+    what, names = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("logits", [*CASES, "gdn-generate"])
+    if what == "parameters":
+        for name, make in PARAMETER_MODELS.items():
+            print(json.dumps(fla_parameters(name, make())), flush=True)
+    else:
+        with fla_in_interpreter():
+            for case in names:
+                if case == "gdn-generate":
+                    print(json.dumps({"case": case, **generate_with_fla(CASES["gdn"][0]())}), flush=True)
+                    continue
+                make, seq_lens = CASES[case]
+                for result in compare_with_fla(make(), seq_lens):
+                    print(json.dumps({"case": case, **result}), flush=True)

@@ -12,7 +12,7 @@ from fabric_lin.config import Config, name_to_config
 from fabric_lin.convert.from_llama import convert_from_llama
 from fabric_lin.convert.model_dir import load_model_dir_weights
 from fabric_lin.model import GPT
-from test_convert_hf import train_sentencepiece
+from helpers import train_sentencepiece
 
 GLA_ONLY = ["attn.g_proj.weight", "attn.gk_proj.0.weight", "attn.gk_proj.1.weight", "attn.gk_proj.1.bias", "attn.g_norm.weight"]
 SHARED = [

@@ -12,39 +12,7 @@ from fabric_lin.config import Config
 from fabric_lin.convert.hf import convert_from_hf, convert_to_hf
 from fabric_lin.convert.model_dir import load_model_dir_weights
 from fabric_lin.model import GPT
-
-
-def train_sentencepiece(directory: Path, vocab_size: int = 64) -> None:
-    import sentencepiece as spm
-
-    directory.mkdir(parents=True, exist_ok=True)
-    text = directory / "corpus.txt"
-    text.write_text("\n".join(f"the gated linear attention model number {i} reads tokens" for i in range(200)))
-    spm.SentencePieceTrainer.Train(
-        input=str(text), model_prefix=str(directory / "tokenizer"), vocab_size=vocab_size, model_type="bpe",
-        bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,
-    )
-    text.unlink()
-    (directory / "tokenizer.vocab").unlink()
-
-
-def make_model_dir(directory: Path, config: Config, seed: int = 0) -> dict:
-    torch.manual_seed(seed)
-    model = GPT(config)
-    with torch.no_grad():  # norms and biases away from their init, so a mix-up would show
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.save(state, directory / "lit_model.pth")
-    config.save(directory / "model_config.yaml")
-    train_sentencepiece(directory)
-    return state
-
-
-def small_config(**overrides) -> Config:
-    return Config.from_name("gla-debug", vocab_size=64, num_layers=2, **overrides)
+from helpers import make_model_dir, small_config
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,6 @@
 """The whole path: a debug pretraining run's checkpoint -> convert_pretrained_checkpoint -> generate,
 and pretrain --initial_checkpoint_dir starting from exactly the converted weights."""
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,20 +10,19 @@ from fabric_lin.config import Config
 from fabric_lin.convert.model_dir import load_model_dir_weights
 from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
 from fabric_lin.model import GPT
-from test_convert_pretrained_checkpoint import load_whole_checkpoint
+from helpers import load_whole_checkpoint, pretrain_command, run_ok
 
 pytestmark = pytest.mark.slow
 
 
 def run_pretrain(out_dir: Path, *extra: str) -> None:
-    args = [
-        sys.executable, "-m", "fabric_lin.cli", "pretrain", "--model_name", "gla-debug", "--out_dir", str(out_dir),
+    args = pretrain_command(
+        out_dir, "--model_name", "gla-debug",
         "--train.max_steps", "2", "--train.global_batch_size", "2", "--train.micro_batch_size", "2",
         "--train.max_seq_length", "32", "--train.lr_warmup_steps", "1", "--train.save_interval", "1",
         "--eval.max_iters", "1", "--logger_name", "csv", *extra,
-    ]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    )
+    run_ok(args, 600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def training_checkpoint_model(checkpoint_dir: Path) -> dict:

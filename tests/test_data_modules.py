@@ -1,37 +1,19 @@
-"""Data modules: mixing weights, dataloader resume, validation order, the sample corpus, TextFiles; the
+"""Data modules: mixing weights, dataloader resume, validation order, TextFiles; the
 training stream on any number of processes, workers and micro batch sizes, resumed from one layout on
 another (8 -> 4, 2 -> 1, 1 -> 2 processes) with no sample repeated or skipped, by a checksum per sample."""
 import io
-import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from fabric_lin.config import Config
-from fabric_lin.data import SampleCorpus, SlimPajamaStarcoder, TextFiles, TokenChunks, Tokenizer
-from fabric_lin.data.prepared import write_prepared_info
+from fabric_lin.data import SlimPajamaStarcoder, TextFiles, TokenChunks, Tokenizer
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
 from conftest import litdata_blocks
+from helpers import write_prepared
 
 SEQ = 7  # max_seq_length: blocks of 8 tokens
-
-
-def write_token_dir(path: Path, tokens: np.ndarray, tokenizer: Tokenizer, chunk_size: int = 4000) -> None:
-    """A prepared directory written directly with litdata's Cache (not through the preprocessors)."""
-    from litdata.streaming.cache import Cache
-    from litdata.streaming.item_loader import TokensLoader
-
-    cache = Cache(str(path), chunk_size=chunk_size, item_loader=TokensLoader())
-    for i, start in enumerate(range(0, len(tokens), 1000)):
-        cache[i] = tokens[start : start + 1000]
-    cache.done()
-    cache.merge()
-    write_prepared_info(path, tokenizer, recipe="test")
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +29,9 @@ def mix(tmp_path_factory):
     slimpajama = (rng.integers(0, 150, 160_000) * 2).astype(np.uint16)
     starcoder = (rng.integers(0, 150, 100_000) * 2 + 1).astype(np.uint16)
     val = np.arange(8000, dtype=np.uint16) % 300
-    write_token_dir(root / "data" / "slimpajama" / "train", slimpajama, tokenizer)
-    write_token_dir(root / "data" / "slimpajama" / "val", val, tokenizer)
-    write_token_dir(root / "data" / "starcoder", starcoder, tokenizer)
+    write_prepared(root / "data" / "slimpajama" / "train", slimpajama, tokenizer, chunk_size=4000)
+    write_prepared(root / "data" / "slimpajama" / "val", val, tokenizer, chunk_size=4000)
+    write_prepared(root / "data" / "starcoder", starcoder, tokenizer, chunk_size=4000)
     return {"root": root, "data": root / "data", "tokenizer": tokenizer, "val": val, "slimpajama": slimpajama}
 
 
@@ -372,75 +354,3 @@ def test_setup_errors_name_the_directory(mix, tmp_path):
     unconnected = SlimPajamaStarcoder(data_path=mix["data"], num_workers=0)
     with pytest.raises(ValueError, match="max_seq_length"):
         unconnected.train_dataloader()
-
-
-def test_sample_corpus_builds_once_under_concurrency(tmp_path):
-    cache_dir = tmp_path / "sample_corpus"
-    code = "import sys; from fabric_lin.data.sample_corpus import ensure_sample_corpus; print('PATH', ensure_sample_corpus(sys.argv[1]))"
-    start = time.perf_counter()
-    processes = [
-        subprocess.Popen([sys.executable, "-c", code, str(cache_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(2)
-    ]
-    outputs = [p.communicate(timeout=300)[0] for p in processes]
-    seconds = time.perf_counter() - start
-    assert all(p.returncode == 0 for p in processes), outputs
-    paths = {line.split(" ", 1)[1] for out in outputs for line in out.splitlines() if line.startswith("PATH ")}
-    assert len(paths) == 1
-    assert sum(out.count("Built the sample corpus") for out in outputs) == 1
-    assert seconds < 120, seconds
-    root = Path(paths.pop())
-    assert not list(cache_dir.glob(".tmp-*"))
-    # the console names the corpus's real place (the temporary one it is built in is gone); the
-    # preprocessors' reports, which name that one, are in its log
-    (builder,) = [out for out in outputs if "Built the sample corpus" in out]
-    assert f"Built the sample corpus in {root} in " in builder and f"(log: {root / 'build.log'})" in builder
-    assert ".tmp-" not in builder and "Prepared" in (root / "build.log").read_text()
-
-    data = SampleCorpus(cache_dir=cache_dir, num_workers=0)
-    assert data.data_path == root and data.tokenizer_dir == root / "tokenizer"
-    start = time.perf_counter()
-    data.prepare_data()  # cached: no rebuild
-    assert time.perf_counter() - start < 5
-    tokenizer = Tokenizer(data.tokenizer_dir)
-    assert tokenizer.vocab_size == Config.from_name("gla-debug").vocab_size == 4096
-    data.connect(tokenizer, batch_size=4, max_seq_length=64)
-    data.setup()
-    batch = next(iter(data.train_dataloader()))
-    assert batch.shape == (4, 65) and batch.dtype == torch.int64 and int(batch.max()) < 4096
-    val = next(iter(data.val_dataloader()))
-    assert val.shape == (4, 65)
-
-    info = json.loads((root / "slimpajama" / "train" / "prepared.json").read_text())
-    assert info["summary"]["skipped_rows"] > 0 and not info["summary"]["bad_files"]
-    starcoder = json.loads((root / "starcoder" / "prepared.json").read_text())["summary"]
-    corpus = json.loads((root / "corpus.json").read_text())
-    assert starcoder["documents"] == corpus["train_modules"] and corpus["val_modules"] > 0
-
-    # deterministic: the raw corpus and the tokenizer come out byte for byte the same again
-    from fabric_lin.data.sample_corpus import VOCAB_SIZE, stdlib_modules, write_raw_corpus
-
-    write_raw_corpus(tmp_path / "again", stdlib_modules())
-    for path in (root / "raw").rglob("*.*"):
-        assert (tmp_path / "again" / path.relative_to(root / "raw")).read_bytes() == path.read_bytes(), path
-    train_tokenizer(tmp_path / "again" / "train", tmp_path / "again-tok", vocab_size=VOCAB_SIZE, num_threads=1)
-    assert (tmp_path / "again-tok" / "tokenizer.model").read_bytes() == (root / "tokenizer" / "tokenizer.model").read_bytes()
-
-
-def test_ctrl_c_while_the_sample_corpus_builds_says_interrupted_and_keeps_nothing(tmp_path):
-    import os
-    import signal
-
-    cache_dir = tmp_path / "sample_corpus"
-    code = "import sys; from fabric_lin.data.sample_corpus import ensure_sample_corpus; ensure_sample_corpus(sys.argv[1])"
-    proc = subprocess.Popen([sys.executable, "-c", code, str(cache_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    first = proc.stdout.readline()
-    assert first.startswith("Building the sample corpus (first use)"), first
-    time.sleep(2)  # inside the build: the tokenizer or a preprocessor
-    os.killpg(proc.pid, signal.SIGINT)
-    out = proc.communicate(timeout=120)[0]
-    assert proc.returncode != 0
-    assert "The sample corpus build was interrupted: nothing was kept; the next run builds it again" in out
-    assert "failed" not in out
-    assert not [p for p in cache_dir.iterdir() if p.is_dir()]  # no corpus, complete or not

@@ -1,4 +1,7 @@
-"""The SlimPajama, Starcoder and text-corpus preprocessors, end to end through litdata's DataProcessor."""
+"""data_prep/: the SlimPajama and Starcoder preprocessors end to end through litdata's DataProcessor (every kind of
+bad file named and skipped, fast_dev_run, the CLI), and what every preprocessor shares: an interrupted run leaves
+nothing the trainer accepts, check_prepared_dir refuses incomplete and mismatched directories, the tokenizer trainer
+skips bad files by name. (The text-corpus preprocessor: test_prepare_text.py.)"""
 import json
 import os
 import re
@@ -10,33 +13,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
 
 from data_prep.prepare_slimpajama import prepare as prepare_slimpajama
-from data_prep.prepare_text import prepare as prepare_text
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def paragraphs(n, seed):
-    """n distinct real paragraphs (pieces of stdlib modules)."""
-    import sysconfig
-
-    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        text = sources[int(rng.integers(len(sources)))].read_text(encoding="utf-8", errors="replace")
-        start = int(rng.integers(max(1, len(text) - 800)))
-        out.append(f"doc {seed}-{i}: " + text[start : start + int(rng.integers(50, 600))])
-    return out
+from helpers import REPO, expected_tokens, paragraphs, read_tokens, split_documents
 
 
 def write_jsonl_zst(path, rows):
@@ -54,7 +40,7 @@ def slimpajama_rows(seed, n=24):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def corpus(tmp_path_factory, paragraphs_tokenizer):
     root = tmp_path_factory.mktemp("prep")
     sp, sc = root / "slimpajama-raw", root / "starcoder-raw"
     good_sp = {"a/part-0.jsonl.zst": slimpajama_rows(1), "b.jsonl.zst": slimpajama_rows(2), "c/d/part-1.jsonl.zst": slimpajama_rows(3)}
@@ -94,33 +80,8 @@ def corpus(tmp_path_factory):
     pq.write_table(pa.table({"content": column}), sc / "badutf8.parquet", row_group_size=7)
     (sc / "empty.parquet").write_bytes(b"")
 
-    tok_raw = root / "tok-raw"
-    tok_raw.mkdir()
-    (tok_raw / "all.txt").write_text("\n".join(paragraphs(300, 99)), encoding="utf-8")
-    train_tokenizer(tok_raw, root / "tokenizer", vocab_size=500, num_threads=1)
     return {"root": root, "sp": sp, "sc": sc, "good_sp": good_sp, "good_sc": good_sc, "partial_sc": partial[:7],
-            "badutf8_sc": not_utf8[:7], "tokenizer": root / "tokenizer"}
-
-
-def read_tokens(path):
-    """Every token of a prepared directory, in order, through StreamingDataset + TokensLoader."""
-    from litdata.streaming import StreamingDataset, TokensLoader
-
-    dataset = StreamingDataset(str(path), item_loader=TokensLoader(block_size=1), shuffle=False)
-    return np.concatenate([np.asarray(item) for item in dataset]).astype(np.int64)
-
-
-def expected_tokens(tokenizer, texts):
-    return [tokenizer.encode(t, bos=False, eos=True).tolist() for t in texts]
-
-
-def split_documents(tokens, eos_id):
-    docs, start = [], 0
-    for i in np.flatnonzero(tokens == eos_id):
-        docs.append(tokens[start : i + 1].tolist())
-        start = i + 1
-    assert start == len(tokens), "the token stream must end with EOS"
-    return docs
+            "badutf8_sc": not_utf8[:7], "tokenizer": paragraphs_tokenizer}
 
 
 def kept_texts(rows):
@@ -312,297 +273,3 @@ def test_train_tokenizer_skips_the_bad_files_by_name(corpus, tmp_path, capfd):
     for name in ("surrogate.jsonl.zst", "badjson.jsonl.zst", "badutf8.parquet", "garbage.parquet"):
         assert re.search(rf"SKIPPED \S*{re.escape(name)}: ", skipped), name
     assert Tokenizer(tmp_path / "tok").vocab_size == 400
-
-
-# ---- prepare_text: any corpus of JSON lines, parquet and text files
-
-
-def write_json_lines(path, rows, compress=None, frames=1):
-    """JSON lines, plain or compressed ("zst": in `frames` zstd frames, as multi-threaded writers make them; "gz")."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [(r if isinstance(r, bytes) else (json.dumps(r) if not isinstance(r, str) else r).encode()) + b"\n" for r in rows]
-    if compress == "zst":
-        per = -(-len(lines) // frames)
-        data = b"".join(zstandard.ZstdCompressor().compress(b"".join(lines[i : i + per])) for i in range(0, len(lines), per))
-    elif compress == "gz":
-        import gzip
-
-        data = gzip.compress(b"".join(lines))
-    else:
-        data = b"".join(lines)
-    path.write_bytes(data)
-
-
-@pytest.fixture(scope="module")
-def text_corpus(corpus):
-    """A corpus in every format prepare_text reads, and its documents file by file in sorted order (None:
-    an empty document, which is dropped)."""
-    raw = corpus["root"] / "text-raw"
-    docs = {}
-    web = paragraphs(30, 21)
-    web[4], web[17] = None, ""
-    docs["web/part-000.parquet"] = web
-    (raw / "web").mkdir(parents=True)
-    pq.write_table(pa.table({"id": list(range(30)), "text": web}), raw / "web" / "part-000.parquet", row_group_size=10)
-    docs["web/part-001.jsonl.zst"] = paragraphs(25, 22)
-    write_json_lines(raw / "web" / "part-001.jsonl.zst", [{"id": i, "text": t, "url": "x"} for i, t in enumerate(docs["web/part-001.jsonl.zst"])],
-                     compress="zst", frames=3)
-    docs["notes/a.jsonl"] = paragraphs(20, 23)
-    write_json_lines(raw / "notes" / "a.jsonl", [r for t in docs["notes/a.jsonl"] for r in ({"text": t}, "")])  # blank lines between
-    docs["notes/b.jsonl.gz"] = paragraphs(15, 24)
-    write_json_lines(raw / "notes" / "b.jsonl.gz", [{"text": t} for t in docs["notes/b.jsonl.gz"]], compress="gz")
-    docs["c4-train.00000-of-01024.json.gz"] = paragraphs(15, 25)
-    write_json_lines(raw / "c4-train.00000-of-01024.json.gz", [{"text": t} for t in docs["c4-train.00000-of-01024.json.gz"]], compress="gz")
-    for name, seed in (("books/x.txt", 26), ("books/y.txt", 27)):
-        docs[name] = ["\n\n".join(paragraphs(4, seed))]
-        (raw / name).parent.mkdir(parents=True, exist_ok=True)
-        (raw / name).write_text(docs[name][0], encoding="utf-8")
-    (raw / "README.md").write_text("# not part of the corpus\n")
-    ordered = [t for name in sorted(docs, key=Path) for t in docs[name] if t]
-    return {"raw": raw, "docs": docs, "ordered": ordered}
-
-
-def partition_in_order(got_train, got_val, expected):
-    """got_train and got_val split `expected` (documents of tokens, all distinct) in two, each keeping its order."""
-    held = set(map(tuple, got_val))
-    assert len(held) == len(got_val)
-    assert got_train == [d for d in expected if tuple(d) not in held]
-    assert got_val == [d for d in expected if tuple(d) in held]
-
-
-@pytest.fixture(scope="module")
-def text_prepared(corpus, text_corpus):
-    out = corpus["root"] / "text"
-    return out, prepare_text(text_corpus["raw"], out, corpus["tokenizer"], val_fraction=0.25, chunk_size=2000, num_workers=1)
-
-
-def test_prepare_text_every_format_with_a_validation_split(corpus, text_corpus, text_prepared):
-    tokenizer = Tokenizer(corpus["tokenizer"])
-    out, splits = text_prepared
-    assert sorted(p.name for p in out.iterdir()) == ["train", "val"]
-    # one worker: files in sorted order, documents in file order; each followed by EOS
-    got_train = split_documents(read_tokens(out / "train"), tokenizer.eos_id)
-    got_val = split_documents(read_tokens(out / "val"), tokenizer.eos_id)
-    partition_in_order(got_train, got_val, expected_tokens(tokenizer, text_corpus["ordered"]))
-    assert 10 < len(got_val) < 45  # a quarter of 107 documents
-    # held out by document, not by file: some file gave documents to both
-    val_texts = {tokenizer.decode(d[:-1]) for d in got_val}
-    assert any(0 < sum(t in val_texts for t in texts if t) < len([t for t in texts if t]) for texts in text_corpus["docs"].values())
-
-    train, val = (check_prepared_dir(out / split, tokenizer) for split in ("train", "val"))
-    assert (train["split"], val["split"], train["recipe"], val["val_fraction"]) == ("train", "val", "text", 0.25)
-    assert train["summary"]["files"] == 7 and not train["summary"]["bad_files"] and not train["summary"]["bad_rows"]
-    assert train["summary"]["skipped_rows"] == 2  # the null and the empty text
-    assert train["summary"]["documents"] == len(got_train) and train["summary"]["held_out"] == len(got_val)
-    assert val["summary"]["documents"] == len(got_val) and splits["val"]["tokens"] == sum(map(len, got_val))
-    assert all(c["dim"] <= 2000 for c in json.loads((out / "train" / "index.json").read_text())["chunks"])
-    assert not list(out.parent.glob(".tmp-*"))
-
-
-def test_prepare_text_split_is_the_same_on_every_run(corpus, text_corpus, text_prepared, tmp_path, capfd):
-    """Another run, with two workers and a file added to the corpus, holds out the same documents of the
-    files it had."""
-    tokenizer = Tokenizer(corpus["tokenizer"])
-    out, _ = text_prepared
-    before = {tuple(d) for d in split_documents(read_tokens(out / "val"), tokenizer.eos_id)}
-    raw = shutil.copytree(text_corpus["raw"], tmp_path / "raw")
-    added = paragraphs(40, 28)
-    write_json_lines(raw / "notes" / "added.jsonl", [{"text": t} for t in added])
-    splits = prepare_text(raw, tmp_path / "again", corpus["tokenizer"], val_fraction=0.25, chunk_size=2000, num_workers=2)
-    after = {tuple(d) for d in split_documents(read_tokens(tmp_path / "again" / "val"), tokenizer.eos_id)}
-    added_tokens = {tuple(d) for d in expected_tokens(tokenizer, added)}
-    assert after - added_tokens == before and after & added_tokens  # two workers: compared as sets
-    # each input file's line says how many of its documents it held out; the val/ summary counts them all
-    printed = capfd.readouterr().out
-    assert re.search(rf"{re.escape(str(raw / 'notes' / 'added.jsonl'))}: \d+ documents, \d+ tokens, \d+ held out for validation", printed)
-    assert f"Prepared {tmp_path / 'again' / 'val'}: 6/6 files, {len(after)} documents, {splits['val']['tokens']} tokens" in printed
-
-
-def complete_lines(data: bytes) -> list:
-    """The texts of the whole JSON lines in `data` (what a reader can use of a truncated file)."""
-    return [json.loads(line)["text"] for line in data.split(b"\n")[:-1]]
-
-
-def test_prepare_text_names_and_skips_bad_input(corpus, tmp_path, capfd):
-    import gzip
-    import zlib
-
-    tokenizer = Tokenizer(corpus["tokenizer"])
-    raw = tmp_path / "raw"
-    good = paragraphs(10, 31)
-    rows = [{"text": t} for t in good]
-    rows[3:3] = ["not json {"]  # line 4
-    rows[6:6] = [{"content": "no text field"}]  # line 7
-    rows[8:8] = [b'{"text": "caf\xe9 in latin-1"}']  # line 9: not UTF-8
-    rows += [{"text": "half an emoji \ud83d"}, {"text": 5}, "[1, 2]"]  # lines 14 to 16
-    write_json_lines(raw / "lines.jsonl", rows)
-    (raw / "corrupt.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage that is not a zstd frame")
-    truncated = paragraphs(20, 32)
-    write_json_lines(raw / "truncated.jsonl.zst", [{"text": t} for t in truncated], compress="zst", frames=4)
-    whole = (raw / "truncated.jsonl.zst").read_bytes()
-    cut = whole[: int(len(whole) * 0.6)]
-    (raw / "truncated.jsonl.zst").write_bytes(cut)
-    kept_zst = complete_lines(zstandard.ZstdDecompressor().stream_reader(cut, read_across_frames=True).read())
-    gz_texts = paragraphs(20, 33)
-    gz = gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in gz_texts).encode())
-    (raw / "truncated.jsonl.gz").write_bytes(gz[: len(gz) // 2])
-    kept_gz = complete_lines(zlib.decompressobj(wbits=31).decompress(gz[: len(gz) // 2]))
-    assert 0 < len(kept_zst) < 20 and 0 < len(kept_gz) < 20
-    pq.write_table(pa.table({"content": ["wrong column"]}), raw / "nocolumn.parquet")
-    # three row groups of 7 rows, the middle one damaged
-    damaged = paragraphs(21, 34)
-    pq.write_table(pa.table({"text": damaged}), raw / "damaged.parquet", row_group_size=7, compression="zstd", use_dictionary=False)
-    column = pq.ParquetFile(raw / "damaged.parquet").metadata.row_group(1).column(0)
-    data = bytearray((raw / "damaged.parquet").read_bytes())
-    for i in range(column.data_page_offset + 20, column.data_page_offset + column.total_compressed_size - 4):
-        data[i] ^= 0x5A
-    (raw / "damaged.parquet").write_bytes(bytes(data))
-    not_utf8 = paragraphs(7, 35) + [b"bad \xff bytes"] + paragraphs(1, 36)
-    column = pa.array([t if isinstance(t, bytes) else t.encode() for t in not_utf8], pa.binary()).view(pa.string())
-    pq.write_table(pa.table({"text": column}), raw / "badutf8.parquet")
-    (raw / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
-    (raw / "empty.jsonl").write_bytes(b"")
-    write_json_lines(raw / "allbad.jsonl", ["{", {"body": "x"}])
-
-    out = tmp_path / "out"
-    cli_main(["prepare_text", "--input_dir", str(raw), "--output_dir", str(out), "--tokenizer_path", str(corpus["tokenizer"]),
-              "--num_workers", "1", "--val_fraction", "0", "--chunk_size", "3000"])
-    summary = check_prepared_dir(out / "train", tokenizer)["summary"]
-    bad_files = {Path(b["path"]).name: (b["status"], b["reason"]) for b in summary["bad_files"]}
-    assert bad_files == {
-        "allbad.jsonl": ("skipped", "no usable document: 2 bad row(s)"),
-        "corrupt.jsonl.zst": ("skipped", bad_files["corrupt.jsonl.zst"][1]),
-        "empty.jsonl": ("skipped", "empty file: no documents"),
-        "latin1.txt": ("skipped", "not UTF-8 text: invalid continuation byte at byte 3"),
-        "nocolumn.parquet": ("skipped", "missing column 'text' (columns: content)"),
-        "truncated.jsonl.gz": ("partial", bad_files["truncated.jsonl.gz"][1]),
-        "truncated.jsonl.zst": ("partial", bad_files["truncated.jsonl.zst"][1]),
-    }
-    assert bad_files["corrupt.jsonl.zst"][1].startswith("corrupt zstd: ")
-    assert re.fullmatch(r"corrupt gzip: Compressed file ended before the end-of-stream marker was reached after line \d+",
-                        bad_files["truncated.jsonl.gz"][1])
-    assert re.fullmatch(r"corrupt zstd: stream is truncated \(the last frame never ends\) after line \d+",
-                        bad_files["truncated.jsonl.zst"][1])
-    bad_rows = {Path(f["path"]).name: (f["bad_rows"], f["bad_rows_named"]) for f in summary["files_with_bad_rows"]}
-    assert {Path(f["path"]).name: f["bad_rows_more"] for f in summary["files_with_bad_rows"]} == {
-        "lines.jsonl": 3, "damaged.parquet": 0, "badutf8.parquet": 0, "allbad.jsonl": 0}
-    assert bad_rows["lines.jsonl"][0] == 6 and bad_rows["lines.jsonl"][1] == [
-        "line 4: invalid JSON: Expecting value (column 1)",
-        "line 7: no field 'text' (fields: content; --text_key names the field to read)",
-        "line 9: not UTF-8 (invalid continuation byte at byte 13)",
-    ]
-    assert bad_rows["damaged.parquet"][0] == 7 and bad_rows["damaged.parquet"][1][0].startswith(
-        "row group 1 of 3 (rows 7 to 13): unreadable: ")
-    assert bad_rows["badutf8.parquet"] == (1, ["row 7: not UTF-8 (invalid start byte at byte 4)"])
-    assert summary["bad_rows"] == 6 + 7 + 1 + 2
-
-    printed = capfd.readouterr()
-    # each file named as it is read, with its bad rows; the summary at the end counts them
-    assert re.search(r"lines\.jsonl: 10 documents, \d+ tokens; 6 bad row\(s\) left out: line 4: .*; and 3 more", printed.err)
-    assert "SKIPPED " + str(raw / "latin1.txt") in printed.err and "PARTIAL " + str(raw / "truncated.jsonl.zst") in printed.err
-    assert "7 bad file(s):" in printed.out and "16 bad row(s) left out, in 4 file(s):" in printed.out
-    # --val_fraction 0: no validation split, and it says so
-    assert f"No validation split: --val_fraction is 0, so {out / 'val'} is not written" in printed.out
-    assert sorted(p.name for p in out.iterdir()) == ["train"]
-    # one worker, sorted files: the good rows of each, and what the truncated files held before the break
-    texts = not_utf8[:7] + not_utf8[8:] + damaged[:7] + damaged[14:] + good + kept_gz + kept_zst
-    assert read_tokens(out / "train").tolist() == [t for doc in expected_tokens(tokenizer, texts) for t in doc]
-
-
-@pytest.mark.parametrize("case", ["missing", "empty", "no corpus file", "pattern", "absolute pattern"])
-def test_prepare_text_without_input_files_is_one_line(corpus, tmp_path, capfd, case):
-    raw = tmp_path / "raw"
-    if case != "missing":
-        raw.mkdir()
-    if case in ("no corpus file", "pattern"):
-        (raw / "README.md").write_text("readme")
-    if case in ("pattern", "absolute pattern"):
-        (raw / "a.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
-    pattern = {"pattern": ["--pattern", "*.parquet"], "absolute pattern": ["--pattern", str(raw / "*.jsonl")]}.get(case, [])
-    with pytest.raises(SystemExit) as info:
-        cli_main(["prepare_text", "--input_dir", str(raw), "--output_dir", str(tmp_path / "out" / "text"),
-                  "--tokenizer_path", str(corpus["tokenizer"]), *pattern])
-    assert info.value.code == 2
-    err = capfd.readouterr().err
-    expected = {
-        "missing": f"Input directory {str(raw)!r} does not exist",
-        "empty": f"No input files under {raw} with --pattern '**/*': expected files ending in .jsonl, .jsonl.zst, "
-                 ".jsonl.gz, .json.gz, .parquet, .txt; no file matches it",
-        "no corpus file": "it holds 1 other file(s), e.g. README.md",
-        "pattern": f"No input files under {raw} with --pattern '*.parquet'",
-        "absolute pattern": f"--pattern '{raw / '*.jsonl'}': expected a glob relative to --input_dir, e.g. '**/*.parquet'",
-    }[case]
-    assert err.startswith("fabric-lin prepare_text: error: ") and expected in err and err.count("\n") == 1, err
-    assert not (tmp_path / "out").exists()
-
-
-def test_prepare_text_refuses_a_finished_output_dir(corpus, text_corpus, text_prepared, capfd):
-    out, _ = text_prepared
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    with pytest.raises(SystemExit) as info:
-        cli_main(["prepare_text", "--input_dir", str(text_corpus["raw"]), "--output_dir", str(out),
-                  "--tokenizer_path", str(corpus["tokenizer"])])
-    assert info.value.code == 2
-    assert f"Output directory {out} exists and is not empty: delete it or pick another" in capfd.readouterr().err
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-
-
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
-def test_prepare_text_interrupted_leaves_nothing_the_trainer_accepts(corpus, text_corpus, tmp_path, how):
-    out = tmp_path / "interrupted"
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "data_prep" / "prepare_text.py"), "--input_dir", str(text_corpus["raw"]),
-         "--output_dir", str(out), "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "1", "--val_fraction", "0.25"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 60
-        while not list(tmp_path.glob(".tmp-interrupted-*/.tmp-train-*")) and time.time() < deadline and process.poll() is None:
-            time.sleep(0.05)
-        assert process.poll() is None, "the run ended before it could be interrupted"
-        if how == "SIGKILL":
-            os.killpg(process.pid, signal.SIGKILL)
-        else:
-            time.sleep(1.0)
-            process.send_signal(signal.SIGINT)
-        process.wait(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    assert process.returncode != 0
-    assert not out.exists()
-    for split in ("train", "val"):
-        with pytest.raises(FileNotFoundError, match="does not exist"):
-            check_prepared_dir(out / split)
-    if how == "SIGINT":  # Ctrl-C removes what the run wrote
-        assert list(tmp_path.iterdir()) == []
-
-
-def test_pretrain_on_prepare_text_output_and_resume(corpus, text_prepared, tmp_path):
-    """`pretrain --data TextFiles` on prepare_text's train/ and val/ validates on val/; resumed from its
-    step-2 checkpoint, a run logs the same losses and data at steps 3 and 4 and ends with the same weights."""
-    import torch
-
-    from conftest import logged_data_fingerprints
-
-    out, _ = text_prepared
-    common = ["pretrain", "--model_name", "gla-debug", "--data", "TextFiles", "--data.train_dir", str(out / "train"),
-              "--data.val_dir", str(out / "val"), "--data.num_workers", "0", "--tokenizer_dir", str(corpus["tokenizer"]),
-              "--train.max_steps", "4", "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
-              "--train.max_seq_length", "32", "--train.save_interval", "2", "--eval.interval", "2", "--eval.max_iters", "1",
-              "--logger_name", "csv"]
-    cli_main([*common, "--out_dir", str(tmp_path / "whole")])
-    cli_main([*common, "--out_dir", str(tmp_path / "resumed"), "--resume", str(tmp_path / "whole" / "step-00000002")])
-
-    def logged(run):
-        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: r["loss"] for r in records if "loss" in r}, [r["step"] for r in records if "val_loss" in r]
-
-    (whole, whole_val), (resumed, resumed_val) = logged("whole"), logged("resumed")
-    assert sorted(whole) == [1, 2, 3, 4] and 2 in whole_val and 4 in whole_val and 4 in resumed_val
-    assert {step: whole[step] for step in (3, 4)} == {step: resumed[step] for step in (3, 4)}
-    fingerprints = logged_data_fingerprints(tmp_path / "whole")
-    assert {s: fingerprints[s] for s in (3, 4)} == {s: logged_data_fingerprints(tmp_path / "resumed")[s] for s in (3, 4)}
-    a, b = (torch.load(tmp_path / run / "final" / "lit_model.pth", weights_only=True)["model"] for run in ("whole", "resumed"))
-    assert all(torch.equal(a[k], b[k]) for k in a)

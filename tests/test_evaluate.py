@@ -22,6 +22,7 @@ from fabric_lin.args import EvalArgs, TrainArgs
 from fabric_lin.config import Config
 from fabric_lin.evaluate import HarnessScorer, main as evaluate, plot_loss_by_position
 from fabric_lin.model import GPT
+from helpers import cli_error, write_prepared
 
 TRAIN_LEN = 32
 VAL_ITERS = 3
@@ -31,21 +32,6 @@ WORDS = "the model reads a line of text and predicts the next word of it".split(
 def text_lines(n: int, seed: int) -> list:
     rng = np.random.default_rng(seed)
     return [" ".join(rng.choice(WORDS, size=rng.integers(4, 12))) for _ in range(n)]
-
-
-def write_prepared(path: Path, tokens: np.ndarray, tokenizer, chunk: int = 1000) -> None:
-    """A prepared directory of `tokens` in chunk files of `chunk` tokens, as the preprocessors write it."""
-    from litdata.streaming.cache import Cache
-    from litdata.streaming.item_loader import TokensLoader
-
-    from fabric_lin.data.prepared import write_prepared_info
-
-    cache = Cache(str(path), chunk_size=chunk, item_loader=TokensLoader())
-    for i in range(len(tokens) // chunk):
-        cache[i] = tokens[i * chunk : (i + 1) * chunk]
-    cache.done()
-    cache.merge()
-    write_prepared_info(path, tokenizer, recipe="test")
 
 
 @pytest.fixture(scope="module")
@@ -249,18 +235,6 @@ def test_harness_generate_until_stops_at_the_first_stop_string(run):
 
 
 # ---------------------------------------------------------------- bad input: one line, exit code 2
-
-
-def cli_error(argv, capsys) -> str:
-    from fabric_lin.cli import main as cli_main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        cli_main(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
 
 
 def test_errors_are_one_line(run, tmp_path, capsys, monkeypatch):

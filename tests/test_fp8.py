@@ -139,19 +139,15 @@ def test_conversion_keeps_the_parameters_and_their_order():
 
 
 def test_the_recipes_option_parses_and_a_cpu_run_is_refused_in_one_line(capsys):
-    from pathlib import Path
-
-    from test_pretrain import parse_run_config
-
     from fabric_lin.cli import main as cli_main
+    from helpers import CONFIG_HUB, parse_run_config
 
-    root = Path(__file__).resolve().parents[1]
     for name in ("gla_340M", "gdn_340M"):  # the recipes document the option, off
-        assert parse_run_config(root / "config_hub" / f"{name}.yaml").fp8 == FP8Args("none", False)
+        assert parse_run_config(CONFIG_HUB / f"{name}.yaml").fp8 == FP8Args("none", False)
     if torch.cuda.is_available():
         return
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["pretrain", "--config", str(root / "config_hub" / "debug.yaml"), "--fp8.recipe", "rowwise",
+        cli_main(["pretrain", "--config", str(CONFIG_HUB / "debug.yaml"), "--fp8.recipe", "rowwise",
                   "--out_dir", "/nonexistent/never-created"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()

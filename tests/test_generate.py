@@ -11,6 +11,7 @@ from fabric_lin.config import Config
 from fabric_lin.generate import generate_tokens, sample
 from fabric_lin.model import GPT
 from fabric_lin.ops.gla import recurrent_gla_step
+from helpers import cli_error, make_model_dir, small_config
 
 NAMES = ["gla-debug", "gdn-debug", "deltanet-debug", "transformer-debug"]
 # around the chunk size of 64: one token, one short of a chunk, a full chunk, one over, two chunks and a bit
@@ -147,7 +148,6 @@ def test_bad_arguments_are_refused_by_name(prompt, kwargs, match):
 
 def test_generate_cli_refuses_negative_max_new_tokens(tmp_path):
     from fabric_lin.generate import main as generate
-    from test_convert_hf import make_model_dir, small_config
 
     make_model_dir(tmp_path / "model", small_config())
     with pytest.raises(ValueError, match="max_new_tokens=-2"):
@@ -247,8 +247,6 @@ def test_generate_prints_the_text_as_it_is_sampled_and_ctrl_c_keeps_it(tmp_path)
     import subprocess
     import sys
 
-    from test_convert_hf import make_model_dir, small_config
-
     make_model_dir(tmp_path / "model", small_config())
     proc = subprocess.Popen(
         [sys.executable, "-m", "fabric_lin.cli", "generate", str(tmp_path / "model"), "--prompt", "the model",
@@ -273,3 +271,49 @@ def test_generate_prints_the_text_as_it_is_sampled_and_ctrl_c_keeps_it(tmp_path)
     assert lines[-1] == "fabric-lin generate: interrupted"
     count = int(lines[-2].split(" tokens in ")[0])
     assert 0 < count < 1000000
+
+
+def test_generate_top_k_zero_is_no_filter_and_negative_is_refused(tmp_path):
+    from fabric_lin.generate import main as generate, sample
+
+    logits = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(logits, 1.0, 0, g) for _ in range(3000)])
+    frequencies = torch.bincount(draws, minlength=4) / 3000
+    # softmax([0, 1, 2, 3]): every token drawn, none filtered
+    torch.testing.assert_close(frequencies, torch.tensor([0.0321, 0.0871, 0.2369, 0.6439]), rtol=0, atol=0.02)
+    assert {sample(logits, 1.0, 1, g).item() for _ in range(20)} == {3}
+
+    make_model_dir(tmp_path / "model", small_config())
+    text = generate(tmp_path / "model", prompt="the model", max_new_tokens=4, temperature=1.0, top_k=0, device="cpu")
+    assert text.startswith("the model")
+    with pytest.raises(ValueError, match="top_k=-1"):
+        generate(tmp_path / "model", prompt="the model", max_new_tokens=4, top_k=-1, device="cpu")
+
+
+def test_generate_samples_only_ids_the_tokenizer_has(tmp_path):
+    """A model with more vocabulary rows than its tokenizer has pieces: the extra ids (here made the most
+    likely ones) are never sampled, so every token decodes."""
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.generate import main as generate
+
+    config = Config.from_name("gla-debug", vocab_size=128, num_layers=2)
+    state = make_model_dir(tmp_path / "model", config)
+    pieces = Tokenizer(tmp_path / "model").vocab_size
+    assert pieces < config.vocab_size
+    state["lm_head.weight"][pieces:] = 100 * state["lm_head.weight"][:pieces].abs().max()  # dominate the logits
+    torch.save(state, tmp_path / "model" / "lit_model.pth")
+    for temperature in (0.0, 1.0):
+        text = generate(tmp_path / "model", prompt="the model", max_new_tokens=8, temperature=temperature, device="cpu")
+        assert text.startswith("the model")
+
+
+@pytest.mark.parametrize("device,message", [
+    ("cuda", "--device cuda: this machine has no CUDA GPU that PyTorch can use; give --device cpu"),
+    ("gpu0", "--device 'gpu0': expected cpu, cuda or cuda:<index>"),
+])
+def test_generate_error_device_is_one_line(tmp_path, capsys, monkeypatch, device, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    make_model_dir(tmp_path / "model", small_config())
+    err = cli_error(["generate", str(tmp_path / "model"), "--device", device], capsys)
+    assert err == f"fabric-lin generate: error: {message}\n"

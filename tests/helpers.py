@@ -1,0 +1,347 @@
+"""What the test modules share, written once: the repository's paths, `fabric-lin` run in this process (its
+one-line errors, pretrain's setup, a config file parsed as the command line does) or as a subprocess, what a
+run writes (metrics.jsonl, its final weights), and small inputs (a SentencePiece tokenizer, a model directory,
+a prepared token directory). pytest puts tests/ on sys.path: `from helpers import ...`. The kernel tests'
+references (fp64 recurrences, the Triton interpreter's fla adjustments) stay in conftest.py."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import lightning  # noqa: F401  (see below)
+import pytest
+import torch
+
+# Lightning's log handler writes to the sys.stderr of the moment lightning is first imported. Imported here, while
+# pytest collects, its INFO lines ("Seed set to 42") go to pytest's own capture, not into a test's capsys, where
+# cli_error counts the lines of an error (the test modules that called it first imported lightning at their top).
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_HUB = REPO / "config_hub"
+
+
+# ---- fabric-lin in this process
+
+
+def cli_error(argv, capsys) -> str:
+    """Run `fabric-lin <argv>` in this process, expecting an anticipated failure: exit code 2 and one line on
+    stderr, no traceback. Returns the line."""
+    from fabric_lin.cli import main as cli_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def setup_pretrain(tmp_path, **kwargs) -> None:
+    """pretrain's `setup` in this process: one step of gla-debug (global and micro batch 2, 32 tokens) into
+    tmp_path/out with the CSV logger, unless kwargs say otherwise."""
+    from fabric_lin.args import TrainArgs
+    from fabric_lin.pretrain import setup
+
+    defaults = dict(
+        model_name="gla-debug", out_dir=tmp_path / "out", logger_name="csv", devices=1,
+        train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=32),
+    )
+    setup(**{**defaults, **kwargs})
+
+
+def parse_run_config(path: Path):
+    """Parse a config_hub YAML exactly as `fabric-lin pretrain --config` does, without running it."""
+    from jsonargparse import ArgumentParser
+
+    from fabric_lin.pretrain import setup
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_function_arguments(setup)
+    parser.add_argument("--config", action="config")
+    return parser.instantiate(parser.parse_args(["--config", str(path)]))
+
+
+# ---- fabric-lin as a subprocess
+
+
+def pretrain_command(out_dir: Path, *args: str) -> List[str]:
+    """`fabric-lin pretrain <args> --out_dir <out_dir>` as this Python runs it."""
+    return [sys.executable, "-m", "fabric_lin.cli", "pretrain", *args, "--out_dir", str(out_dir)]
+
+
+def run_ok(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run `command` to its end; it must exit 0 (else its output's tail is the failure)."""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous (not a fixed one: the tests run in
+    parallel)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---- what a run writes
+
+
+def metrics_records(out_dir: Path) -> list:
+    """Every record of out_dir/metrics.jsonl."""
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def logged_losses(out_dir: Path) -> Dict[int, float]:
+    """step -> loss; a step logged again after a resume keeps its last value. A line cut by SIGKILL is left
+    out, and a run that has logged nothing yet has no losses."""
+    losses = {}
+    path = out_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by SIGKILL
+                continue
+            if "loss" in record:
+                losses[record["step"]] = record["loss"]
+    return losses
+
+
+def final_weights(out_dir: Path) -> Dict[str, torch.Tensor]:
+    """The model weights of the run's final checkpoint (out_dir/final)."""
+    return torch.load(out_dir / "final" / "lit_model.pth", map_location="cpu", weights_only=True)["model"]
+
+
+# ---- end to end: the debug run (gla-debug on the sample corpus) as a subprocess, stopped and resumed
+
+DEBUG_STEPS = 8
+DEBUG_ARGS = [
+    "--model_name", "gla-debug",
+    "--train.max_steps", str(DEBUG_STEPS), "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
+    "--train.max_seq_length", "64", "--train.lr_warmup_steps", "2", "--train.save_interval", "2",
+    "--eval.interval", "1000", "--eval.max_iters", "1", "--eval.final_validation", "false",
+    "--optimizer.lr", "3e-3", "--logger_name", "csv",
+]
+RUN_TIMEOUT = 300
+# the two-process runs are DDP over gloo on the CPU, also on a machine with one GPU (where NCCL over 2 GPUs
+# could not start)
+CPU_ONLY = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+LOADER_WORKERS = ("--data", "SampleCorpus", "--data.num_workers", "2")
+
+
+def debug_command(out_dir: Path, *extra: str) -> List[str]:
+    return [*pretrain_command(out_dir, *DEBUG_ARGS), *extra]
+
+
+def debug_run(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    return run_ok(debug_command(out_dir, *extra), RUN_TIMEOUT, env)
+
+
+def start_debug_run(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = None, terminal: bool = False) -> subprocess.Popen:
+    """The run in the background, its output in <out_dir>.log. `terminal`: in a process group of its own,
+    as a terminal's foreground job, for `ctrl_c`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = open(out_dir.parent / f"{out_dir.name}.log", "ab")
+    return subprocess.Popen(debug_command(out_dir, *extra), stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=terminal)
+
+
+def ctrl_c(proc: subprocess.Popen) -> None:
+    """What a terminal's Ctrl-C does: SIGINT to every process of the foreground job (the trainer, its
+    DataLoader workers)."""
+    signal_job(proc, signal.SIGINT)
+
+
+def signal_job(proc: subprocess.Popen, signum: int) -> None:
+    """`signum` to every process of the job (started with terminal=True), as schedulers send SIGTERM: SLURM's
+    preemption and scancel, Kubernetes, systemd, `timeout`."""
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = RUN_TIMEOUT, poll: float = 0.02) -> bool:
+    """Poll `condition()` until true; False if the process ended first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return True
+        if proc.poll() is not None:
+            return condition()
+        time.sleep(poll)
+    proc.kill()
+    raise TimeoutError("the training run did not reach the expected point")
+
+
+def assert_one_history(out_dir: Path, steps: int = DEBUG_STEPS) -> None:
+    """metrics.jsonl reads as one run: each step's loss once, in order, every record numbered by its attempt,
+    and no record of a step after the one its attempt resumed from (replayed steps are in the superseded file)."""
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
+    assert all(isinstance(r["attempt"], int) and r["attempt"] >= 1 for r in records)
+    attempts = [r["attempt"] for r in records]
+    assert attempts == sorted(attempts)  # a later attempt's records come after the earlier one's
+
+
+def assert_same_run(out_dir: Path, reference: Path) -> None:
+    """The run in out_dir, however often stopped and resumed, is the uninterrupted `reference` bit for bit."""
+    from conftest import logged_data_fingerprints
+
+    got, expected = logged_losses(out_dir), logged_losses(reference)
+    assert sorted(expected) == list(range(1, DEBUG_STEPS + 1))
+    assert got == expected  # exact float equality, every step
+    assert_one_history(out_dir)
+    # the same samples in the same order: none repeated or skipped across the interruptions
+    assert logged_data_fingerprints(out_dir) == logged_data_fingerprints(reference)
+    a, b = final_weights(out_dir), final_weights(reference)
+    assert a.keys() == b.keys()
+    for key in b:
+        assert torch.equal(a[key], b[key]), key
+
+
+# ---- checkpoints
+
+
+def write_checkpoint_dir_files(ckpt_dir: Path, config) -> None:
+    """model_config.yaml, hyperparameters.yaml and tokenizer files, as pretrain writes beside lit_model.pth."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    config.save(ckpt_dir / "model_config.yaml")
+    (ckpt_dir / "hyperparameters.yaml").write_text("model_name: gla-debug\n")
+    (ckpt_dir / "tokenizer.model").write_bytes(b"sentencepiece model bytes for the copy test")
+    (ckpt_dir / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+
+
+def load_whole_checkpoint(path: Path) -> dict:
+    """A training checkpoint written by the tests or by pretrain, read whole: tensors, containers and
+    the arrays of NumPy's RNG state (no other global is admitted)."""
+    import numpy as np
+
+    multiarray = getattr(np, "_core", None) or np.core
+    allowed = [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32"))]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, weights_only=True)
+
+
+def assert_same_tensors(got: dict, expected: dict):
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+class TouchOnUnpickle:
+    """Unpickled, it runs `touch target`: the file's absence afterwards shows that no code ran."""
+
+    def __init__(self, target: Path):
+        self.target = target
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.target}",))
+
+
+# ---- small inputs
+
+
+def train_sentencepiece(directory: Path, vocab_size: int = 64) -> None:
+    """A BPE tokenizer.model of `vocab_size` pieces (bos 1, eos 2, unk 0) in `directory`."""
+    import sentencepiece as spm
+
+    directory.mkdir(parents=True, exist_ok=True)
+    text = directory / "corpus.txt"
+    text.write_text("\n".join(f"the gated linear attention model number {i} reads tokens" for i in range(200)))
+    spm.SentencePieceTrainer.Train(
+        input=str(text), model_prefix=str(directory / "tokenizer"), vocab_size=vocab_size, model_type="bpe",
+        bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,
+    )
+    text.unlink()
+    (directory / "tokenizer.vocab").unlink()
+
+
+def make_model_dir(directory: Path, config, seed: int = 0) -> dict:
+    """A model directory (lit_model.pth, model_config.yaml, a 64-piece tokenizer) of a GPT of `config` whose norms
+    and biases are moved away from their init; returns its state dict."""
+    from fabric_lin.model import GPT
+
+    torch.manual_seed(seed)
+    model = GPT(config)
+    with torch.no_grad():  # norms and biases away from their init, so a mix-up would show
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(state, directory / "lit_model.pth")
+    config.save(directory / "model_config.yaml")
+    train_sentencepiece(directory)
+    return state
+
+
+def small_config(**overrides):
+    """gla-debug with 2 layers and a vocabulary of 64 (make_model_dir's tokenizer)."""
+    from fabric_lin.config import Config
+
+    return Config.from_name("gla-debug", vocab_size=64, num_layers=2, **overrides)
+
+
+def write_prepared(path: Path, tokens, tokenizer, item: int = 1000, chunk_size: int = 1000) -> None:
+    """A prepared directory of `tokens` as the preprocessors write it (litdata's Cache, then prepared.json), written
+    directly: items of `item` tokens (the last one may be shorter) in chunk files of `chunk_size` tokens."""
+    from litdata.streaming.cache import Cache
+    from litdata.streaming.item_loader import TokensLoader
+
+    from fabric_lin.data.prepared import write_prepared_info
+
+    cache = Cache(str(path), chunk_size=chunk_size, item_loader=TokensLoader())
+    for i, start in enumerate(range(0, len(tokens), item)):
+        cache[i] = tokens[start : start + item]
+    cache.done()
+    cache.merge()
+    write_prepared_info(path, tokenizer, recipe="test")
+
+
+def paragraphs(n, seed):
+    """n distinct real paragraphs (pieces of stdlib modules)."""
+    import sysconfig
+
+    import numpy as np
+
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        text = sources[int(rng.integers(len(sources)))].read_text(encoding="utf-8", errors="replace")
+        start = int(rng.integers(max(1, len(text) - 800)))
+        out.append(f"doc {seed}-{i}: " + text[start : start + int(rng.integers(50, 600))])
+    return out
+
+
+def read_tokens(path):
+    """Every token of a prepared directory, in order, through StreamingDataset + TokensLoader."""
+    import numpy as np
+    from litdata.streaming import StreamingDataset, TokensLoader
+
+    dataset = StreamingDataset(str(path), item_loader=TokensLoader(block_size=1), shuffle=False)
+    return np.concatenate([np.asarray(item) for item in dataset]).astype(np.int64)
+
+
+def expected_tokens(tokenizer, texts):
+    return [tokenizer.encode(t, bos=False, eos=True).tolist() for t in texts]
+
+
+def split_documents(tokens, eos_id):
+    """The documents of a token stream, each ending with its EOS."""
+    import numpy as np
+
+    docs, start = [], 0
+    for i in np.flatnonzero(tokens == eos_id):
+        docs.append(tokens[start : i + 1].tolist())
+        start = i + 1
+    assert start == len(tokens), "the token stream must end with EOS"
+    return docs

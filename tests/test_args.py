@@ -1,0 +1,74 @@
+"""fabric_lin/args.py: the option groups (train, eval, optimizer, parallelism, compile): their defaults, the sizes
+they refuse by name, the batch arithmetic (gradient accumulation, steps from a token budget), compile.mode auto's
+choice, and the groups' keys from the command line and YAML."""
+import math
+
+import pytest
+
+from fabric_lin.args import CompileArgs, EvalArgs, ParallelismArgs, TrainArgs
+
+
+@pytest.mark.parametrize("key,value", [("micro_batch_size", 0), ("global_batch_size", -4), ("max_seq_length", 0),
+                                       ("max_nonfinite_steps", 0), ("lr_warmup_steps", -1)])
+def test_bad_train_sizes_are_named(key, value):
+    train = TrainArgs(global_batch_size=8, micro_batch_size=2, max_steps=3)
+    setattr(train, key, value)
+    with pytest.raises(ValueError, match=rf"train\.{key} must be at least \d, got {value}"):
+        train.gradient_accumulation_iters(devices=1, num_nodes=1)
+
+
+def test_gradient_accumulation_arithmetic():
+    # flame's 340M recipe: 32 sequences per GPU x 8 GPUs = 256 sequences of 2048 = 524,288 tokens
+    train = TrainArgs(global_batch_size=256, micro_batch_size=8, max_tokens=10_737_418_240, max_seq_length=2048)
+    assert train.gradient_accumulation_iters(devices=8, num_nodes=1) == 4
+    assert train.gradient_accumulation_iters(devices=8, num_nodes=4) == 1
+    assert train.total_steps() == 20480
+    with pytest.raises(ValueError, match=r"global_batch_size=256 .* train.micro_batch_size \(8\) x devices \(6\)"):
+        train.gradient_accumulation_iters(devices=6, num_nodes=1)
+
+
+def test_max_tokens_and_max_steps_exclusive():
+    with pytest.raises(ValueError, match="exactly one of train.max_tokens"):
+        TrainArgs(max_tokens=10, max_steps=10).total_steps()
+    with pytest.raises(ValueError, match="max_tokens=100 is less than one optimizer step"):
+        TrainArgs(max_tokens=100, global_batch_size=2, max_seq_length=64).total_steps()
+
+
+def test_eval_args_defaults_are_litgpt_like():
+    e = EvalArgs()
+    assert (e.interval, e.max_iters, e.initial_validation, e.final_validation) == (1000, 100, False, True)
+    assert math.isclose(TrainArgs().max_norm, 1.0)
+
+
+@pytest.mark.parametrize("cuda,enabled,devices,num_nodes,reset,mode", [
+    (True, None, 1, 1, False, "reduce-overhead"),  # one GPU, compile on by default with CUDA
+    (True, True, 2, 1, False, "default"),
+    (True, True, 1, 2, False, "default"),
+    (True, False, 1, 1, False, "default"),
+    (False, True, 1, 1, False, "default"),
+    (False, None, 1, 1, False, "default"),  # compile off by default on the CPU
+    (True, True, 1, 1, True, "default"),
+])
+def test_compile_mode_auto_picks_cuda_graphs_only_where_they_can_run(cuda, enabled, devices, num_nodes, reset, mode):
+    resolved = CompileArgs(enabled=enabled, mode="auto").resolve(cuda, devices, num_nodes, reset)
+    assert resolved.mode == mode and resolved.enabled is (cuda if enabled is None else enabled)
+    assert resolved.cuda_graphs is (mode == "reduce-overhead")
+    # an explicit mode is kept where it can run
+    assert CompileArgs(enabled=enabled, mode="default").resolve(cuda, devices, num_nodes, reset).mode == "default"
+
+
+def test_new_group_keys_parse_from_the_command_line_and_yaml(tmp_path):
+    from jsonargparse import ArgumentParser
+
+    from fabric_lin.pretrain import setup
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_function_arguments(setup)
+    parser.add_argument("--config", action="config")
+    config = tmp_path / "run.yaml"
+    config.write_text("model_name: gla-debug\ncompile:\n  cache: false\n  mode: default\nparallelism:\n  fsdp_unit: model\n")
+    cfg = parser.instantiate(parser.parse_args([
+        "--config", str(config), "--compile.enabled", "true", "--parallelism.activation_checkpointing", "true",
+    ]))
+    assert cfg.compile == CompileArgs(enabled=True, cache=False, dynamic=True, mode="default", kernel_autotune=False)
+    assert cfg.parallelism == ParallelismArgs(data_parallel="fsdp", fsdp_unit="model", activation_checkpointing=True)

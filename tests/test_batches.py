@@ -1,0 +1,60 @@
+"""fabric_lin/batches.py: document boundaries from EOS, the packed loss (each document's loss as if alone), and a
+step's data fingerprint (the sum of per-sample checksums)."""
+import torch
+
+from fabric_lin.batches import doc_boundaries
+from fabric_lin.config import Config
+from fabric_lin.model import GPT
+
+
+def test_doc_boundaries_against_python_reference():
+    eos = 2
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 50, (3, 17), generator=g)
+    ids[0, 4] = ids[0, 16] = ids[2, 0] = ids[2, 9] = eos
+    expected = {0}
+    flat = ids.flatten().tolist()
+    for i, t in enumerate(flat):  # a document starts at each row start and after each EOS
+        if i % 17 == 0:
+            expected.add(i)
+        if t == eos:
+            expected.add(i + 1)
+    expected.add(len(flat))
+    got = doc_boundaries(ids, eos)
+    assert got.dtype == torch.int32
+    assert got.tolist() == sorted(expected)
+
+
+def test_packed_loss_equals_per_document_losses():
+    """cu_seqlens from EOS positions: the packed forward gives each document the loss it gets alone."""
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("gla-debug", num_layers=1, vocab_size=64))
+    eos = 2
+    ids = torch.randint(3, 64, (2, 12))
+    ids[0, 5] = eos  # row 0 = doc A (6 tokens incl. EOS) + doc B (6 tokens); row 1 = doc C
+    targets = torch.randint(3, 64, (2, 12))
+    from fabric_lin.batches import compute_loss
+
+    packed = compute_loss(model, ids, targets, eos)
+    pieces = [(ids[:1, :6], targets[:1, :6]), (ids[:1, 6:], targets[:1, 6:]), (ids[1:], targets[1:])]
+    total = sum(model(x, targets=t) * t.numel() for x, t in pieces)
+    torch.testing.assert_close(packed, total / targets.numel(), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_fingerprint_sums_per_sample_checksums():
+    """Samples are told apart by their tokens and the tokens' order within them; which micro-batch or
+    process (row order, split) a sample came in does not change the step's sum."""
+    from fabric_lin.batches import batch_fingerprint
+
+    batch = torch.arange(24).view(2, 12)
+    reference = batch_fingerprint(batch)
+    assert batch_fingerprint(batch.flip(0)) == reference  # rows in another order
+    assert batch_fingerprint(batch[:1]) + batch_fingerprint(batch[1:]) == reference  # split over micro-batches
+    changed = batch.clone()
+    changed[1, 3] += 1
+    assert batch_fingerprint(changed) != reference
+    assert batch_fingerprint(batch.flip(1)) != reference  # tokens in another order within the samples
+    swapped = batch.clone()
+    swapped[0, 5], swapped[1, 5] = batch[1, 5], batch[0, 5]  # a token moved from one sample to the other
+    assert batch_fingerprint(swapped) != reference
+    assert batch_fingerprint(batch.to(torch.int32)) == reference  # stored dtype does not matter

@@ -1,0 +1,208 @@
+"""fabric_lin/cli.py: the `fabric-lin` command line. Its parsing (data module classes, keys of nested classes, the
+option groups as files), its errors in one line with a hint and exit code 2 (bad values, abbreviated or unknown
+flags, keys a config file may not hold, a data module's own check), bugs told from anticipated failures, errors
+printed by rank 0 alone, and `--help` in whole sentences."""
+import pytest
+import torch
+
+from fabric_lin.args import TrainArgs
+from fabric_lin.config import Config
+from fabric_lin.lr_schedule import learning_rate
+from helpers import cli_error
+
+
+def test_cli_accepts_data_module_subclass_and_rejects_unknown_keys(capsys):
+    """`--data TokenChunks --data.data_path X` is parsed into the data module; a wrong key is named."""
+    from jsonargparse import ArgumentParser
+
+    from fabric_lin.data import DataModule, TokenChunks
+    from fabric_lin.pretrain import setup  # noqa: F401  (enables data module subclasses)
+
+    parser = ArgumentParser()
+    parser.add_argument("--data", type=DataModule)
+    cfg = parser.parse_args(["--data", "TokenChunks", "--data.data_path", "/some/dir", "--data.num_workers", "0"])
+    data = parser.instantiate(cfg).data
+    assert isinstance(data, TokenChunks) and str(data.data_path) == "/some/dir" and data.num_workers == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data", "TokenChunks", "--data.no_such_key", "1"])
+    assert "no_such_key" in capsys.readouterr().err
+
+
+def test_cli_lists_the_valid_keys_of_a_nested_class(tmp_path, capsys):
+    """An unknown key inside model_config: or a data module is named with the keys the class accepts."""
+    from fabric_lin.cli import main as cli_main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("model_config:\n  hiden_size: 128\n")
+    with pytest.raises(SystemExit):
+        cli_main(["pretrain", "--config", str(config), "--out_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "fabric_lin.config.Config has no option 'hiden_size'; valid options are: name, block_type, vocab_size, hidden_size," in err
+    with pytest.raises(SystemExit):
+        cli_main(["pretrain", "--model_name", "gla-debug", "--data", "SampleCorpus", "--data.sede", "3"])
+    assert "fabric_lin.data.SampleCorpus has no option 'sede'; valid options are: seed, num_workers," in capsys.readouterr().err
+
+
+def test_a_bad_value_is_one_line_and_a_hint_not_the_usage(tmp_path, capsys):
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["pretrain", "--model_name", "gla-debug", "--train.max_steps", "abc"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "fabric-lin pretrain: error: train.max_steps: got abc, expected int or null\n"
+        "(fabric-lin pretrain --help lists the options)\n"
+    )
+    with pytest.raises(SystemExit):
+        cli_main(["pretrain", "--model_name", "gla-debug", "--precision", "bf16"])
+    assert capsys.readouterr().err.startswith(
+        "fabric-lin pretrain: error: precision: got bf16, expected one of 'bf16-mixed', 'bf16-true', '16-mixed', '32-true' or null\n"
+    )
+
+
+@pytest.mark.parametrize("flags", [["--train.max_step", "10"], ["--train.max_step=10"], ["--eval.max_iter", "2"]])
+def test_an_abbreviated_flag_is_refused(tmp_path, capsys, flags):
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), *flags])
+    assert info.value.code == 2
+    option = flags[0].split("=")[0]
+    assert capsys.readouterr().err.startswith(
+        f"fabric-lin pretrain: error: unknown option {option} (did you mean {option}s?); options are not abbreviated\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--compile_cache", "false"], "unknown option --compile_cache (did you mean --compile.cache?)"),
+    (["--compile_mode=default"], "unknown option --compile_mode (did you mean --compile.mode?)"),
+    (["--fsdp_unit", "model"], "unknown option --fsdp_unit"),
+    (["--train.max_step", "3"], "unknown option --train.max_step (did you mean --train.max_steps?); options are not abbreviated"),
+])
+def test_unknown_command_line_keys_are_named_with_the_closest_one(tmp_path, capsys, flags, message):
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"fabric-lin pretrain: error: {message}\n(fabric-lin pretrain --help lists the options)\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_config_file_keys_are_named(tmp_path, capsys):
+    from fabric_lin.cli import main as cli_main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("model_name: gla-debug\ncompile_cache: true\n")
+    with pytest.raises(SystemExit):
+        cli_main(["pretrain", "--config", str(config), "--out_dir", str(tmp_path / "out")])
+    assert capsys.readouterr().err.startswith("fabric-lin pretrain: error: Subcommand 'pretrain' does not accept option 'compile_cache'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_compile_group_file_is_not_taken_for_the_old_compile_flag(tmp_path, capsys):
+    """`--compile FILE` (a YAML file of the group) and `--compile '{...}'` are the new form: parsed, then
+    refused here for another reason (max_steps 0), which shows that parsing went through."""
+    group = tmp_path / "compile.yaml"
+    group.write_text("enabled: false\ncache: false\n")
+    for value in (str(group), '{"enabled": false}'):
+        err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
+                         "--compile", value, "--train.max_steps", "0"], capsys)
+        assert err == "fabric-lin pretrain: error: train.max_steps must be positive, got 0\n"
+
+
+def test_error_data_options_without_a_data_module(tmp_path, capsys):
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
+                     "--train.max_steps", "1", "--data.num_workers", "2"], capsys)
+    assert err.startswith("fabric-lin pretrain: error: --data.* options need a data module: give --data SampleCorpus")
+
+
+def test_a_data_modules_own_check_is_one_line_though_jsonargparse_wraps_it(tmp_path, capsys):
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--data", "SlimPajamaStarcoder", "--data.weights", "[1, -1]"], capsys)
+    assert err.startswith("fabric-lin pretrain: error: data.weights must be two positive numbers, the shares of SlimPajama and "
+                          "Starcoder (default [0.693584, 0.306416]); got [1.0, -1.0]")
+
+
+def test_error_negative_num_workers_is_one_line(tmp_path, capsys):
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--data", "SampleCorpus", "--data.num_workers", "-1"], capsys)
+    assert err.startswith("fabric-lin pretrain: error: data.num_workers must be 0 (load in the training process) or a "
+                          "positive number of DataLoader worker processes per rank, got -1")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unexpected_error_keeps_its_traceback_and_the_debug_flag_shows_every_one(tmp_path, capsys, monkeypatch):
+    from fabric_lin import pretrain
+    from fabric_lin.cli import main as cli_main
+
+    argv = ["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+            "--train.global_batch_size", "2", "--train.micro_batch_size", "2", "--data", "TokenChunks",
+            "--data.data_path", str(tmp_path / "nothing")]
+    assert cli_error(argv, capsys).startswith("fabric-lin pretrain: error: Prepared data directory")
+    monkeypatch.setenv("FABRIC_LIN_DEBUG", "1")  # the exception itself, with its traceback
+    with pytest.raises(FileNotFoundError, match="Prepared data directory"):
+        cli_main(argv)
+    monkeypatch.delenv("FABRIC_LIN_DEBUG")
+
+    def bug(*args, **kwargs):
+        return {}["no such key"]
+
+    monkeypatch.setattr(pretrain, "check_out_dir", bug)
+    with pytest.raises(KeyError):  # not an anticipated failure: not turned into one line
+        cli_main(argv)
+
+
+def test_anticipated_failures_are_told_from_bugs():
+    import errno
+
+    from fabric_lin.cli import expected_failure
+
+    def raised(f):
+        try:
+            f()
+        except Exception as e:
+            return e
+
+    assert expected_failure(raised(lambda: Config.from_name("gla-340m")))  # a UserError, where the mistake is found
+    assert expected_failure(raised(lambda: TrainArgs(max_steps=0).total_steps()))
+    assert not expected_failure(raised(lambda: int("x")))  # raised outside fabric_lin
+    assert not expected_failure(ValueError("a ValueError that is no UserError"))
+    assert not expected_failure(raised(lambda: torch.zeros(2).view(3)))
+    assert not expected_failure(raised(lambda: learning_rate(0, None, 0, 0, 1, "cosine", 0.1)))  # a TypeError inside fabric_lin
+    assert expected_failure(OSError(errno.ENOSPC, "No space left on device", "/data/out/step-00000100/lit_model.pth"))
+
+
+def test_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    from fabric_lin.cli import report
+
+    report("fabric-lin pretrain", "error: once")
+    monkeypatch.setattr(rank_zero_only, "rank", 3)
+    report("fabric-lin pretrain", "error: from rank 3")
+    assert capsys.readouterr().err == "fabric-lin pretrain: error: once\n"
+
+
+def test_help_describes_every_command_in_whole_sentences(capsys):
+    """`fabric-lin --help` lists each command with its docstring's first paragraph, which jsonargparse cuts
+    at the first line break: each first line is a whole sentence."""
+    from fabric_lin.cli import COMMANDS, main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["--help"])
+    assert info.value.code == 0
+    listing = capsys.readouterr().out.split("Available subcommands:")[1]
+    descriptions, name = {}, None
+    for line in listing.splitlines():
+        words = line.split(None, 1)
+        if words and words[0] in COMMANDS and line.startswith("    ") and not line.startswith("     "):
+            name = words[0]
+            descriptions[name] = words[1] if len(words) > 1 else ""
+        elif name and line.strip():
+            descriptions[name] += " " + line.strip()
+    assert sorted(descriptions) == sorted(COMMANDS)
+    for name, description in descriptions.items():
+        assert description.strip().endswith("."), (name, description)

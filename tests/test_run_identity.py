@@ -1,0 +1,114 @@
+"""fabric_lin/run_identity.py, through pretrain's setup: what a resume may change (--resume_changes: the global
+batch size, the step or token budget, the data) and what it may not (the model, the sequence length), each refusal
+naming the values; other settings (the optimizer's, the micro batch size) pass with a note. A run resumed with a
+larger global batch counts its tokens on and keeps the schedule in tokens; one resumed with another micro batch
+size trains on the same samples."""
+import json
+
+import pytest
+
+from conftest import logged_data_fingerprints
+from fabric_lin.args import EvalArgs, OptimizerArgs, TrainArgs
+from fabric_lin.config import Config
+from fabric_lin.lr_schedule import learning_rate
+from helpers import cli_error, metrics_records, setup_pretrain
+
+
+def test_resume_with_another_global_batch_size_refuses_in_one_line(tmp_path, capsys):
+    train = ["--train.max_steps", "1", "--train.micro_batch_size", "2", "--train.max_seq_length", "32"]
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    final = tmp_path / "out" / "final"
+    base = ["pretrain", "--out_dir", str(tmp_path / "again"), "--resume", str(final), "--logger_name", "csv", *train]
+    err = cli_error([*base, "--model_name", "gla-debug", "--train.global_batch_size", "4"], capsys)
+    assert err == (f"fabric-lin pretrain: error: --resume {final}: this run differs from the checkpoint's in "
+                   f"train.global_batch_size: 2 in the checkpoint, 4 here. Resume with the checkpoint's values (its "
+                   f"hyperparameters.yaml), or change them on purpose with --resume_changes '[train.global_batch_size]' "
+                   f"(tutorials/resume.md says what then happens)\n")
+    err = cli_error([*base, "--model_name", "gla-debug", "--train.global_batch_size", "2", "--resume_changes", "[optimizer.lr]"], capsys)
+    assert err == ("fabric-lin pretrain: error: --resume_changes optimizer.lr: expected names among train.global_batch_size, "
+                   "train.max_steps, train.max_tokens, data, seed\n")
+
+
+def test_resume_with_another_model_refuses_naming_the_fields(tmp_path):
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    final = tmp_path / "out" / "final"
+    with pytest.raises(ValueError, match=rf"--resume {final}: a resumed run trains the checkpoint's run, and this one differs in "
+                       r"model: num_layers 4 in the checkpoint, 1 here; train.max_seq_length: 32 in the checkpoint, 16 here\. "
+                       r"To start another run from its weights"):
+        setup_pretrain(tmp_path, out_dir=tmp_path / "again", resume=final, model_name=None,
+               model_config=Config.from_name("gla-debug", num_layers=1),
+               train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=16))
+
+
+def test_resume_in_another_data_order_is_refused_naming_the_value(tmp_path):
+    from fabric_lin.data import SampleCorpus
+
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    final = tmp_path / "out" / "final"
+    with pytest.raises(ValueError, match=rf"--resume {final}: this run differs from the checkpoint's in data.seed: 42 in the "
+                       r"checkpoint, 7 here. Resume with the checkpoint's values \(its hyperparameters.yaml\), or change them "
+                       r"on purpose with --resume_changes '\[data\]'"):
+        setup_pretrain(tmp_path, out_dir=tmp_path / "again", resume=final, data=SampleCorpus(seed=7), eval=EvalArgs(final_validation=False))
+
+
+def test_resume_with_other_optimizer_settings_passes_with_a_note(tmp_path, capsys):
+    """The optimizer's settings are not the run's identity: a resume may change them, and says so in one note."""
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    capsys.readouterr()
+    setup_pretrain(tmp_path, resume=tmp_path / "out" / "final", out_dir=tmp_path / "again", resume_changes=["train.max_steps"],
+           optimizer=OptimizerArgs(lr=1e-4), eval=EvalArgs(final_validation=False, interval=5),
+           train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32))
+    out = capsys.readouterr().out
+    assert ("Note: resuming with other settings than the checkpoint's: eval.interval: 1000 in the checkpoint, 5 here; "
+            "optimizer.lr: 0.0004 in the checkpoint, 0.0001 here") in out
+    assert "Resuming with a change of the run (--resume_changes): train.max_steps: 1 in the checkpoint, 2 here" in out
+    assert json.loads((tmp_path / "again" / "final" / "step.json").read_text())["step_count"] == 2
+
+
+def test_a_larger_global_batch_on_resume_keeps_tokens_and_the_schedule_in_tokens(tmp_path, capsys):
+    """Four steps of 2 x 32 tokens, then with --resume_changes a global batch of 4 to the end of a 512-token
+    budget: two more steps of 128 tokens. The tokens count on, the learning rate is the schedule's at the
+    tokens trained on (in steps of the first size), and the change is logged."""
+    common = dict(eval=EvalArgs(final_validation=False), optimizer=OptimizerArgs(lr=1e-3))
+    train = dict(micro_batch_size=2, max_seq_length=32, lr_warmup_steps=2, min_lr=1e-4, log_interval=1)
+    setup_pretrain(tmp_path, train=TrainArgs(global_batch_size=2, max_tokens=256, **train), **common)
+    final = tmp_path / "out" / "final"
+    capsys.readouterr()
+    setup_pretrain(tmp_path, resume=final, resume_changes=["train.global_batch_size", "train.max_tokens"],
+           train=TrainArgs(global_batch_size=4, max_tokens=512, **train), **common)
+    out = capsys.readouterr().out
+    assert "Training finished: 512 tokens in total (256 in this run) | elapsed " in out
+    assert " tokens/s after the first step (compilation and warm-up left out, as are validation and saving)" in out
+    assert "Resuming with a change of the run (--resume_changes): train.global_batch_size: 2 in the checkpoint, 4 here" in out
+    assert "Resuming with a change of the run (--resume_changes): train.max_tokens: 256 in the checkpoint, 512 here" in out
+    records = metrics_records(tmp_path / "out")
+    losses = [r for r in records if "loss" in r and "lr" in r]
+    assert [r["step"] for r in losses] == [1, 2, 3, 4, 5, 6]
+    tokens = {r["step"]: r["tokens"] for r in records if "tokens" in r}
+    assert tokens == {1: 64, 2: 128, 3: 192, 4: 256, 5: 384, 6: 512}
+    # the first attempt's schedule: 4 steps; then, stretched to 512 tokens, 8 steps of 64 tokens, in which
+    # steps 5 and 6 start at 256 and 384 tokens: positions 4 and 6
+    expected = [learning_rate(position, 1e-3, 1e-4, 2, 4) for position in range(4)]
+    expected += [learning_rate(position, 1e-3, 1e-4, 2, 8) for position in (4, 6)]
+    assert [r["lr"] for r in losses] == pytest.approx(expected, rel=1e-12)
+    (change,) = [r for r in records if "resume_changes" in r]
+    assert change["step"] == 4 and change["attempt"] == 2 and len(change["resume_changes"]) == 2
+    # the next resume goes on from the new batch size without naming it again
+    setup_pretrain(tmp_path, resume=final, resume_changes=["train.max_tokens"],
+           train=TrainArgs(global_batch_size=4, max_tokens=1024, **train), **common)
+    tokens = {r["step"]: r["tokens"] for r in metrics_records(tmp_path / "out") if "tokens" in r}
+    assert tokens[10] == 1024 and max(tokens) == 10
+
+
+def test_resume_with_another_micro_batch_size_trains_on_the_same_samples(tmp_path):
+    """The data position is one number of samples: resumed with micro batches of 1 (two per step), the
+    steps after the checkpoint train on the samples the uninterrupted run (micro batches of 2) took."""
+    common = dict(eval=EvalArgs(final_validation=False, interval=1000))
+    train = dict(global_batch_size=2, max_seq_length=32, save_interval=2)
+    setup_pretrain(tmp_path, out_dir=tmp_path / "whole", train=TrainArgs(micro_batch_size=2, max_steps=4, **train), **common)
+    setup_pretrain(tmp_path, out_dir=tmp_path / "split", train=TrainArgs(micro_batch_size=2, max_steps=2, **train), **common)
+    setup_pretrain(tmp_path, out_dir=tmp_path / "split", resume=tmp_path / "split" / "final", resume_changes=["train.max_steps"],
+           train=TrainArgs(micro_batch_size=1, max_steps=4, **train), **common)
+    whole, split = logged_data_fingerprints(tmp_path / "whole"), logged_data_fingerprints(tmp_path / "split")
+    assert sorted(whole) == [1, 2, 3, 4] and len(set(whole.values())) == 4
+    assert split == whole

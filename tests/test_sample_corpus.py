@@ -1,0 +1,89 @@
+"""fabric_lin/data/sample_corpus.py: the embedded corpus (the Python standard library's modules through the
+preprocessors, and its tokenizer) built once in its cache though two processes ask for it at the same time, the
+same byte for byte on every build, read by SampleCorpus; a Ctrl-C during the build keeps nothing."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fabric_lin.config import Config
+from fabric_lin.data import SampleCorpus, Tokenizer
+from fabric_lin.data.train_tokenizer import main as train_tokenizer
+
+pytestmark = pytest.mark.slow  # subprocesses that build the corpus (about 20 s on 2 cores), or begin to
+
+
+def test_sample_corpus_builds_once_under_concurrency(tmp_path):
+    cache_dir = tmp_path / "sample_corpus"
+    code = "import sys; from fabric_lin.data.sample_corpus import ensure_sample_corpus; print('PATH', ensure_sample_corpus(sys.argv[1]))"
+    start = time.perf_counter()
+    processes = [
+        subprocess.Popen([sys.executable, "-c", code, str(cache_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    seconds = time.perf_counter() - start
+    assert all(p.returncode == 0 for p in processes), outputs
+    paths = {line.split(" ", 1)[1] for out in outputs for line in out.splitlines() if line.startswith("PATH ")}
+    assert len(paths) == 1
+    assert sum(out.count("Built the sample corpus") for out in outputs) == 1
+    assert seconds < 120, seconds
+    root = Path(paths.pop())
+    assert not list(cache_dir.glob(".tmp-*"))
+    # the console names the corpus's real place (the temporary one it is built in is gone); the
+    # preprocessors' reports, which name that one, are in its log
+    (builder,) = [out for out in outputs if "Built the sample corpus" in out]
+    assert f"Built the sample corpus in {root} in " in builder and f"(log: {root / 'build.log'})" in builder
+    assert ".tmp-" not in builder and "Prepared" in (root / "build.log").read_text()
+
+    data = SampleCorpus(cache_dir=cache_dir, num_workers=0)
+    assert data.data_path == root and data.tokenizer_dir == root / "tokenizer"
+    start = time.perf_counter()
+    data.prepare_data()  # cached: no rebuild
+    assert time.perf_counter() - start < 5
+    tokenizer = Tokenizer(data.tokenizer_dir)
+    assert tokenizer.vocab_size == Config.from_name("gla-debug").vocab_size == 4096
+    data.connect(tokenizer, batch_size=4, max_seq_length=64)
+    data.setup()
+    batch = next(iter(data.train_dataloader()))
+    assert batch.shape == (4, 65) and batch.dtype == torch.int64 and int(batch.max()) < 4096
+    val = next(iter(data.val_dataloader()))
+    assert val.shape == (4, 65)
+
+    info = json.loads((root / "slimpajama" / "train" / "prepared.json").read_text())
+    assert info["summary"]["skipped_rows"] > 0 and not info["summary"]["bad_files"]
+    starcoder = json.loads((root / "starcoder" / "prepared.json").read_text())["summary"]
+    corpus = json.loads((root / "corpus.json").read_text())
+    assert starcoder["documents"] == corpus["train_modules"] and corpus["val_modules"] > 0
+
+    # deterministic: the raw corpus and the tokenizer come out byte for byte the same again
+    from fabric_lin.data.sample_corpus import VOCAB_SIZE, stdlib_modules, write_raw_corpus
+
+    write_raw_corpus(tmp_path / "again", stdlib_modules())
+    for path in (root / "raw").rglob("*.*"):
+        assert (tmp_path / "again" / path.relative_to(root / "raw")).read_bytes() == path.read_bytes(), path
+    train_tokenizer(tmp_path / "again" / "train", tmp_path / "again-tok", vocab_size=VOCAB_SIZE, num_threads=1)
+    assert (tmp_path / "again-tok" / "tokenizer.model").read_bytes() == (root / "tokenizer" / "tokenizer.model").read_bytes()
+
+
+def test_ctrl_c_while_the_sample_corpus_builds_says_interrupted_and_keeps_nothing(tmp_path):
+    import os
+    import signal
+
+    cache_dir = tmp_path / "sample_corpus"
+    code = "import sys; from fabric_lin.data.sample_corpus import ensure_sample_corpus; ensure_sample_corpus(sys.argv[1])"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(cache_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    first = proc.stdout.readline()
+    assert first.startswith("Building the sample corpus (first use)"), first
+    time.sleep(2)  # inside the build: the tokenizer or a preprocessor
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0
+    assert "The sample corpus build was interrupted: nothing was kept; the next run builds it again" in out
+    assert "failed" not in out
+    assert not [p for p in cache_dir.iterdir() if p.is_dir()]  # no corpus, complete or not

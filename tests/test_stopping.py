@@ -1,0 +1,58 @@
+"""fabric_lin/stopping.py: each step's skip and stop flags, read by the host a step later unless waited for; fused
+AdamW's found_inf, on which skipping a non-finite step relies; and, end to end, a run whose every step is non-finite
+skipping its updates and stopping with a checkpoint. (Stopped by a signal and resumed: test_pretrain_resume.py.)"""
+import subprocess
+
+import lightning as L
+import pytest
+import torch
+
+from fabric_lin.stopping import StepFlags
+from helpers import RUN_TIMEOUT as TIMEOUT, debug_command as command
+
+
+def test_step_flags_reach_the_host_a_step_later_unless_waited_for():
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    flags = StepFlags(fabric)
+    assert float(flags.push(1, torch.tensor(False), stop_requested=False)) == 0.0
+    assert flags.pop(wait_all=False) == []  # the newest step's flags stay queued
+    assert float(flags.push(2, torch.tensor(True), stop_requested=False)) == 1.0  # the optimizer's found_inf
+    assert float(flags.push(3, torch.tensor(False), stop_requested=True)) == 0.0
+    assert flags.pop(wait_all=False) == [(1, False, False), (2, True, False)]
+    assert flags.pop(wait_all=True) == [(3, False, True)]
+    assert flags.pop(wait_all=True) == []
+
+
+def test_fused_adamw_found_inf_leaves_the_update_out():
+    # what the loop relies on to skip a non-finite step without the host reading the flag first
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    weight.grad = torch.full((4,), float("nan"))
+    optimizer.found_inf = torch.tensor(1.0)
+    optimizer.step()
+    assert torch.equal(weight.detach(), torch.ones(4)) and float(optimizer.state[weight]["step"]) == 0
+    weight.grad = torch.ones(4)
+    optimizer.found_inf = torch.tensor(0.0)
+    optimizer.step()
+    assert (weight.detach() < 1).all() and float(optimizer.state[weight]["step"]) == 1
+
+
+@pytest.mark.slow
+def test_nonfinite_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
+    """Weights of 1e38 overflow the activations: every step's loss is non-finite; updates are skipped
+    and the run stops after train.max_nonfinite_steps, saving the untouched weights."""
+    from fabric_lin.config import Config
+
+    config_path = tmp_path / "model_config.yaml"
+    Config.from_name("gla-debug", initializer_range=1e38).save(config_path)
+    cmd = command(tmp_path / "out", "--train.max_nonfinite_steps", "2")
+    cmd[cmd.index("--model_name"): cmd.index("--model_name") + 2] = ["--model_config", str(config_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode != 0
+    assert "2 consecutive steps with a non-finite loss or gradient norm" in result.stderr
+    assert "update skipped" in result.stdout + result.stderr
+    state = torch.load(tmp_path / "out" / "step-00000002" / "lit_model.pth", map_location="cpu", weights_only=True)
+    assert state["skipped_steps"] == 2
+    # no update was ever made: AdamW's step counts and moments as they started
+    moments = list(state["optimizer"]["state"].values())
+    assert moments and all(float(m["step"]) == 0 and not m["exp_avg"].any() and not m["exp_avg_sq"].any() for m in moments)
