@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 import yaml
-from lightning.fabric.plugins import TorchCheckpointIO
+from lightning_fabric.plugins import TorchCheckpointIO
 
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import InvalidValue, MissingFile, UserError
@@ -365,7 +365,7 @@ def set_aside(directory: Path) -> Path:
 
 def load_train_state(fabric, checkpoint_dir: Path, state: Dict[str, Any]) -> None:
     """Restore `state` (see `train_state`) in place from a checkpoint directory, RNG states included."""
-    from lightning.fabric.strategies import FSDPStrategy
+    from lightning_fabric.strategies import FSDPStrategy
 
     from fabric_lin.sharded_checkpoint import load_sharded_train_state
 

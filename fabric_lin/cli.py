@@ -48,7 +48,7 @@ def debug_enabled() -> bool:
 
 def process_rank() -> int:
     """This process's global rank: Fabric's, once it has launched, else the launchers' environment (0 alone)."""
-    rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    rank_zero = sys.modules.get("lightning_fabric.utilities.rank_zero")
     if rank_zero is not None and getattr(rank_zero.rank_zero_only, "rank", None) is not None:
         return int(rank_zero.rank_zero_only.rank)
     for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):

@@ -95,7 +95,7 @@ def main(
         device: "cpu", "cuda", "cuda:1", ... Default: cuda if there is a GPU. The fused kernels run on a GPU,
             their PyTorch references on the CPU.
     """
-    import lightning as L
+    import lightning_fabric as L
 
     from fabric_lin.generate import resolve_device
 

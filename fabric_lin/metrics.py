@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
-from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
 
 from fabric_lin.errors import InvalidValue, MissingPackage
 
@@ -305,10 +305,9 @@ def make_logger(name: str, out_dir: Path, hparams: Dict[str, Any], continuing: b
     if name == "csv":
         return CSVLogger(root_dir=out_dir / "logs", name="csv")
     if name == "wandb":
-        try:
-            import wandb  # noqa: F401
-            from lightning.pytorch.loggers import WandbLogger
+        try:  # Weights & Biases' own logger for Lightning Fabric
+            from wandb.integration.lightning.fabric import WandbLogger
         except ImportError as e:
-            raise MissingPackage("logger_name=wandb needs the wandb package: pip install wandb") from e
+            raise MissingPackage(f"logger_name=wandb needs the wandb package: pip install wandb ({e})") from e
         return WandbLogger(project="fabric-lin", name=out_dir.name, save_dir=str(out_dir / "logs"), resume="allow", config=hparams)
     raise InvalidValue(f"logger_name must be tensorboard, csv or wandb, got {name!r}")

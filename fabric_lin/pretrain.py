@@ -14,9 +14,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Literal, Optional, Union
 
-import lightning as L
+import lightning_fabric as L
 import torch
-from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
+from lightning_fabric.strategies import DDPStrategy, FSDPStrategy
 from torch.distributed.fsdp import ShardingStrategy
 
 from fabric_lin.args import (

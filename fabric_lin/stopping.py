@@ -5,7 +5,7 @@ import signal
 from collections import deque
 from typing import List, Optional, Tuple
 
-import lightning as L
+import lightning_fabric as L
 import torch
 
 # what a scheduler sends before preemption or at a time limit (SIGTERM; SIGUSR1 with SLURM's --signal), and Ctrl-C

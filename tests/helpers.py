@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import lightning  # noqa: F401  (see below)
+import lightning_fabric  # noqa: F401  (see below)
 import pytest
 import torch
 
-# Lightning's log handler writes to the sys.stderr of the moment lightning is first imported. Imported here, while
-# pytest collects, its INFO lines ("Seed set to 42") go to pytest's own capture, not into a test's capsys, where
-# cli_error counts the lines of an error (the test modules that called it first imported lightning at their top).
+# Lightning's log handler writes to the sys.stderr of the moment lightning_fabric is first imported. Imported here,
+# while pytest collects, its INFO lines ("Seed set to 42") go to pytest's own capture, not into a test's capsys,
+# where cli_error counts the lines of an error (the test modules that called it first imported it at their top).
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_HUB = REPO / "config_hub"

@@ -8,7 +8,7 @@ import re
 import os
 from pathlib import Path
 
-import lightning as L
+import lightning_fabric as L
 import pytest
 import torch
 import yaml

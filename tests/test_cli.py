@@ -176,7 +176,7 @@ def test_anticipated_failures_are_told_from_bugs():
 
 
 def test_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
 
     from fabric_lin.cli import report
 

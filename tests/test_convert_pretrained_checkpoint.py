@@ -37,7 +37,7 @@ def trained_model(config: Config, steps: int = 2, compile_prefix: bool = False):
 
 
 def fabric_single_device_checkpoint(tmp_path: Path, config: Config, compiled: bool = False):
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     model, optimizer = trained_model(config)
     fabric = Fabric(accelerator="cpu", devices=1)
@@ -62,7 +62,7 @@ def fabric_single_device_checkpoint(tmp_path: Path, config: Config, compiled: bo
 
 def with_manifest(ckpt_dir: Path) -> Path:
     """The manifest pretrain writes last into a checkpoint directory."""
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     from fabric_lin.checkpoint import write_manifest
 

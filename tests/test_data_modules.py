@@ -128,7 +128,7 @@ def test_text_files_one_directory_and_its_validation_in_order(mix, capsys):
 
 
 def test_text_files_without_a_validation_directory_says_so_once(mix, tmp_path, capsys, monkeypatch):
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
 
     for val_dir, why in ((None, "data.val_dir is not set"), (tmp_path / "val", f"data.val_dir {tmp_path / 'val'} does not exist")):
         data = text_files(mix, batch_size=2, val_dir=val_dir)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning as L
+import lightning_fabric as L
 import numpy as np
 import pytest
 import torch

@@ -8,7 +8,7 @@ test_pretrain_ddp.py, test_pretrain_gdn.py)."""
 import json
 import os
 
-import lightning as L
+import lightning_fabric as L
 import pytest
 import torch
 
@@ -238,7 +238,7 @@ def test_no_decay_names_are_the_models_vectors():
 def test_no_decay_names_found_in_a_ddp_wrapped_model():
     """Fabric's DDP (a 1-process gloo group here) names parameters `_forward_module.module.<name>`: the
     norm weights and biases must still be found, or weight decay reaches them under DDP."""
-    from lightning.fabric.strategies import DDPStrategy
+    from lightning_fabric.strategies import DDPStrategy
 
     # Fabric sets WORLD_SIZE, LOCAL_RANK, ... in os.environ; left there, a later `--devices 2` subprocess
     # takes itself for an already launched rank and waits for a second one that never starts
@@ -260,7 +260,7 @@ def test_no_decay_names_found_in_a_ddp_wrapped_model():
 
 
 def test_strategy_for_each_data_parallel_choice():
-    from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
+    from lightning_fabric.strategies import DDPStrategy, FSDPStrategy
     from torch.distributed.fsdp import ShardingStrategy
 
     from fabric_lin.pretrain import make_strategy

@@ -66,7 +66,7 @@ def _fsdp_worker(rank: int, world_size: int, ckpt_dir: str, port: int, kind: str
         optimizer.zero_grad()
     path = Path(ckpt_dir) / "lit_model.pth"
     if kind == "fsdp1":
-        from lightning.fabric.strategies.fsdp import (
+        from lightning_fabric.strategies.fsdp import (
             _distributed_checkpoint_save,
             _get_full_state_dict_context,
             _get_sharded_state_dict_context,
@@ -169,7 +169,7 @@ def test_fabric_fsdp_checkpoint_resumes_whole_in_one_process(tmp_path):
     meta.pt) restores a one-process train state: weights, AdamW's moments and steps, each under its
     parameter in pretrain's two groups, equal those of the same two steps taken in one process (the two
     processes' batches, gradients averaged as FSDP does)."""
-    from lightning.fabric.strategies import SingleDeviceStrategy
+    from lightning_fabric.strategies import SingleDeviceStrategy
 
     from fabric_lin.checkpoint import load_train_state, train_state
     from fabric_lin.sharded_checkpoint import load_sharded_train_state

@@ -3,7 +3,7 @@ AdamW's found_inf, on which skipping a non-finite step relies; and, end to end, 
 skipping its updates and stopping with a checkpoint. (Stopped by a signal and resumed: test_pretrain_resume.py.)"""
 import subprocess
 
-import lightning as L
+import lightning_fabric as L
 import pytest
 import torch
 

@@ -84,7 +84,7 @@ class TextFiles(DataModule):
 
 def say_once(message: str) -> None:
     """Print `message` in the first process only (every process of a run sets its data module up)."""
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
 
     if getattr(rank_zero_only, "rank", 0) == 0:
         print(message, flush=True)
