@@ -345,3 +345,25 @@ def split_documents(tokens, eos_id):
         start = i + 1
     assert start == len(tokens), "the token stream must end with EOS"
     return docs
+
+
+def interrupt_preparation(command: List[str], directory: Path, started: str, how: str) -> int:
+    """Run a data preparation script (`command`) in a session of its own, wait until the glob pattern `started`
+    under `directory` names what it writes while it runs, then stop it: SIGKILL to the whole session (a killed
+    job: nothing runs after it) or SIGINT to the script (Ctrl-C). Returns its exit code."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not list(directory.glob(started)) and time.time() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert process.poll() is None, "the run ended before it could be interrupted"
+        if how == "SIGKILL":
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            time.sleep(1.0)
+            process.send_signal(signal.SIGINT)
+        return process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

@@ -3,13 +3,9 @@ bad file named and skipped, fast_dev_run, the CLI), and what every preprocessor 
 nothing the trainer accepts, check_prepared_dir refuses incomplete and mismatched directories, the tokenizer trainer
 skips bad files by name. (The text-corpus preprocessor: test_prepare_text.py.)"""
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -22,7 +18,7 @@ from data_prep.prepare_slimpajama import prepare as prepare_slimpajama
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
-from helpers import REPO, expected_tokens, paragraphs, read_tokens, split_documents
+from helpers import REPO, expected_tokens, interrupt_preparation, paragraphs, read_tokens, split_documents
 
 
 def write_jsonl_zst(path, rows):
@@ -211,27 +207,10 @@ def test_every_file_bad_names_the_input_and_creates_no_directory(corpus, tmp_pat
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
 def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path, how):
     out = tmp_path / "interrupted"
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "data_prep" / "prepare_slimpajama.py"), "--input_dir", str(corpus["sp"]),
-         "--output_dir", str(out), "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 60
-        while not list(tmp_path.glob(".tmp-interrupted-*")) and time.time() < deadline and process.poll() is None:
-            time.sleep(0.05)
-        assert process.poll() is None, "the run ended before it could be interrupted"
-        if how == "SIGKILL":  # a killed job: nothing runs after it
-            os.killpg(process.pid, signal.SIGKILL)
-        else:  # Ctrl-C
-            time.sleep(1.0)
-            process.send_signal(signal.SIGINT)
-        process.wait(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    assert process.returncode != 0
+    command = [sys.executable, str(REPO / "data_prep" / "prepare_slimpajama.py"), "--input_dir", str(corpus["sp"]),
+               "--output_dir", str(out), "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "1"]
+    returncode = interrupt_preparation(command, tmp_path, ".tmp-interrupted-*", how)
+    assert returncode != 0
     assert not out.exists()
     with pytest.raises(FileNotFoundError, match="does not exist"):
         check_prepared_dir(out)

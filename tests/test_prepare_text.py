@@ -3,13 +3,9 @@ end to end through litdata's DataProcessor: every format read in order, a valida
 the same on every run, bad input named and skipped (files and rows), no input files in one line, a finished output
 refused, an interrupted run leaves nothing the trainer accepts, and pretrain on its output resumes exactly."""
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,7 +16,7 @@ import zstandard
 from data_prep.prepare_text import prepare as prepare_text
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
-from helpers import REPO, expected_tokens, paragraphs, read_tokens, split_documents
+from helpers import REPO, expected_tokens, interrupt_preparation, paragraphs, read_tokens, split_documents
 
 
 def write_json_lines(path, rows, compress=None, frames=1):
@@ -256,27 +252,11 @@ def test_prepare_text_refuses_a_finished_output_dir(paragraphs_tokenizer, text_c
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
 def test_prepare_text_interrupted_leaves_nothing_the_trainer_accepts(paragraphs_tokenizer, text_corpus, tmp_path, how):
     out = tmp_path / "interrupted"
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "data_prep" / "prepare_text.py"), "--input_dir", str(text_corpus["raw"]),
-         "--output_dir", str(out), "--tokenizer_path", str(paragraphs_tokenizer), "--num_workers", "1", "--val_fraction", "0.25"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 60
-        while not list(tmp_path.glob(".tmp-interrupted-*/.tmp-train-*")) and time.time() < deadline and process.poll() is None:
-            time.sleep(0.05)
-        assert process.poll() is None, "the run ended before it could be interrupted"
-        if how == "SIGKILL":
-            os.killpg(process.pid, signal.SIGKILL)
-        else:
-            time.sleep(1.0)
-            process.send_signal(signal.SIGINT)
-        process.wait(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    assert process.returncode != 0
+    command = [sys.executable, str(REPO / "data_prep" / "prepare_text.py"), "--input_dir", str(text_corpus["raw"]),
+               "--output_dir", str(out), "--tokenizer_path", str(paragraphs_tokenizer), "--num_workers", "1",
+               "--val_fraction", "0.25"]
+    returncode = interrupt_preparation(command, tmp_path, ".tmp-interrupted-*/.tmp-train-*", how)
+    assert returncode != 0
     assert not out.exists()
     for split in ("train", "val"):
         with pytest.raises(FileNotFoundError, match="does not exist"):
