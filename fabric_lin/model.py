@@ -223,7 +223,39 @@ class ShortConvolution(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=self.std)
 
 
-class GatedDeltaNet(nn.Module):
+class DeltaRuleLayer(nn.Module):
+    """What the Gated DeltaNet and DeltaNet layers share past their projections (each builds its own, in
+    flash-linear-attention's order): q, k, v through their short convolutions, then the delta rule with q and k
+    L2-normalised - one decoding step or the chunked op - continuing from and leaving a decoding cache."""
+
+    def delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: Optional[torch.Tensor],
+                   beta: torch.Tensor, cu_seqlens: Optional[torch.Tensor], cache: Optional["DecodeCache"],
+                   layer: int) -> torch.Tensor:
+        """o [B, T, H, V] from q, k [B, T, H*K] and v [B, T, H*V] (before their convolutions), decay [B, T, H]
+        fp32 or None (no decay) and beta [B, T, H]."""
+        c = self.config
+        B, T, _ = q.shape
+        H, K, V = c.num_heads, c.head_k_dim, c.head_v_dim
+        conv_q, conv_k, conv_v, state = cache.layers[layer] if cache is not None and cache.layers[layer] else (None,) * 4
+        q, conv_q = self.q_conv1d(q, conv_q, cu_seqlens)
+        k, conv_k = self.k_conv1d(k, conv_k, cu_seqlens)
+        v, conv_v = self.v_conv1d(v, conv_v, cu_seqlens)
+        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
+        if cache is not None and T == 1:  # one decoding step
+            o, state = fused_recurrent_gated_delta_rule_step(
+                q[:, 0], k[:, 0], v[:, 0], None if decay is None else decay[:, 0], beta[:, 0], state,
+                use_qk_l2norm=True, backend=self.backend, launch=self.launch)
+            o = o.unsqueeze(1)
+        else:
+            o, state = chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state, output_final_state=cache is not None,
+                                              cu_seqlens=cu_seqlens, use_qk_l2norm=True, backend=self.backend,
+                                              launch=self.launch)
+        if cache is not None:
+            cache.layers[layer] = (conv_q, conv_k, conv_v, state)
+        return o
+
+
+class GatedDeltaNet(DeltaRuleLayer):
     """Gated DeltaNet attention, as flash-linear-attention's GatedDeltaNet layer (parameter names too): q, k, v
     projections each through a short causal convolution and SiLU; per head a decay g = -exp(A_log) *
     softplus(a + dt_bias) and a write strength beta = sigmoid(b); q and k L2-normalised; the gated delta rule
@@ -268,33 +300,16 @@ class GatedDeltaNet(nn.Module):
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, attention(norm(x + delta))). With a cache: the convolutions' last inputs and the state
         continue from it, and are left there."""
-        c = self.config
-        B, T, _ = x.shape
-        H, K, V = c.num_heads, c.head_k_dim, c.head_v_dim
         x, (q, k, v, a, b, g) = prenorm_projections(
             norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj],
             self.fused_linears,
         )
-        conv_q, conv_k, conv_v, state = cache.layers[layer] if cache is not None and cache.layers[layer] else (None,) * 4
-        q, conv_q = self.q_conv1d(q, conv_q, cu_seqlens)
-        k, conv_k = self.k_conv1d(k, conv_k, cu_seqlens)
-        v, conv_v = self.v_conv1d(v, conv_v, cu_seqlens)
         decay, beta = gdn_gate(a, b, self.A_log, self.dt_bias)  # [B, T, H] fp32
-        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
-        if cache is not None and T == 1:  # one decoding step
-            o, state = fused_recurrent_gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], decay[:, 0], beta[:, 0], state,
-                                                             use_qk_l2norm=True, backend=self.backend, launch=self.launch)
-            o = o.unsqueeze(1)
-        else:
-            o, state = chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state, output_final_state=cache is not None,
-                                              cu_seqlens=cu_seqlens, use_qk_l2norm=True, backend=self.backend,
-                                              launch=self.launch)
-        if cache is not None:
-            cache.layers[layer] = (conv_q, conv_k, conv_v, state)
-        return x, gated_output(o, g.view(B, T, H, V), self.o_norm, self.o_proj, self.fused_linears)
+        o = self.delta_rule(q, k, v, decay, beta, cu_seqlens, cache, layer)
+        return x, gated_output(o, g.view(o.shape), self.o_norm, self.o_proj, self.fused_linears)
 
 
-class DeltaNet(nn.Module):
+class DeltaNet(DeltaRuleLayer):
     """DeltaNet attention, as flash-linear-attention's DeltaNet layer with its training recipes' settings (parameter
     names too): q, k, v projections each through a short causal convolution and SiLU; per head a write strength
     beta = sigmoid(b); q and k L2-normalised; the delta rule, which is the gated one without a decay
@@ -323,28 +338,10 @@ class DeltaNet(nn.Module):
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, attention(norm(x + delta))). With a cache: the convolutions' last inputs and the state
         continue from it, and are left there."""
-        c = self.config
-        B, T, _ = x.shape
-        H, K, V = c.num_heads, c.head_k_dim, c.head_v_dim
         x, (q, k, v, b) = prenorm_projections(
             norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.b_proj], self.fused_linears,
         )
-        conv_q, conv_k, conv_v, state = cache.layers[layer] if cache is not None and cache.layers[layer] else (None,) * 4
-        q, conv_q = self.q_conv1d(q, conv_q, cu_seqlens)
-        k, conv_k = self.k_conv1d(k, conv_k, cu_seqlens)
-        v, conv_v = self.v_conv1d(v, conv_v, cu_seqlens)
-        beta = b.float().sigmoid()  # [B, T, H]
-        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
-        if cache is not None and T == 1:  # one decoding step
-            o, state = fused_recurrent_gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], None, beta[:, 0], state,
-                                                             use_qk_l2norm=True, backend=self.backend, launch=self.launch)
-            o = o.unsqueeze(1)
-        else:
-            o, state = chunk_gated_delta_rule(q, k, v, None, beta, initial_state=state, output_final_state=cache is not None,
-                                              cu_seqlens=cu_seqlens, use_qk_l2norm=True, backend=self.backend,
-                                              launch=self.launch)
-        if cache is not None:
-            cache.layers[layer] = (conv_q, conv_k, conv_v, state)
+        o = self.delta_rule(q, k, v, None, b.float().sigmoid(), cu_seqlens, cache, layer)
         return x, self.o_proj(self.o_norm(o).flatten(-2))  # o in q's dtype, the projections' compute dtype
 
 
