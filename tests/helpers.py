@@ -264,6 +264,25 @@ def train_sentencepiece(directory: Path, vocab_size: int = 64) -> None:
     (directory / "tokenizer.vocab").unlink()
 
 
+def eager_model_built_as_from_meta(config, seed: int):
+    """GPT(config) built eagerly from `seed`, once it is checked that building it on the meta device and then
+    calling reset_parameters() gives the same state dict, names and values (how the trainer builds large models)."""
+    from fabric_lin.model import GPT
+
+    torch.manual_seed(seed)
+    eager = GPT(config)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        lazy = GPT(config)
+    lazy.to_empty(device="cpu")
+    lazy.reset_parameters()
+    eager_state, lazy_state = eager.state_dict(), lazy.state_dict()
+    assert eager_state.keys() == lazy_state.keys()
+    for key in eager_state:
+        assert torch.equal(eager_state[key], lazy_state[key]), key
+    return eager
+
+
 def make_model_dir(directory: Path, config, seed: int = 0) -> dict:
     """A model directory (lit_model.pth, model_config.yaml, a 64-piece tokenizer) of a GPT of `config` whose norms
     and biases are moved away from their init; returns its state dict."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT, CausalSelfAttention, DeltaNet  # noqa: E402
+from helpers import eager_model_built_as_from_meta  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,15 +68,7 @@ def test_config_errors_name_the_key():
 
 def test_meta_build_then_reset_equals_eager_init():
     config = tiny(attn_layers=[1], attn_num_heads=4)
-    torch.manual_seed(3)
-    eager = GPT(config)
-    torch.manual_seed(3)
-    with torch.device("meta"):
-        lazy = GPT(config)
-    lazy.to_empty(device="cpu")
-    lazy.reset_parameters()
-    for (name, a), (_, b) in zip(eager.state_dict().items(), lazy.state_dict().items()):
-        assert torch.equal(a, b), name
+    eager = eager_model_built_as_from_meta(config, seed=3)
     attn = eager.layers[0].attn
     assert isinstance(attn, DeltaNet) and isinstance(eager.layers[1].attn, CausalSelfAttention)
     assert abs(attn.q_proj.weight.std().item() - 0.02) < 0.005 and attn.o_norm.eps == config.norm_eps == 1e-6

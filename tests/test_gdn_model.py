@@ -16,6 +16,7 @@ from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT, CausalSelfAttention, GatedDeltaNet  # noqa: E402
 from fabric_lin.ops.gdn import gdn_gate  # noqa: E402
 from fabric_lin.ops.short_conv import causal_conv1d  # noqa: E402
+from helpers import eager_model_built_as_from_meta  # noqa: E402
 
 
 def tiny(**overrides) -> Config:
@@ -59,15 +60,7 @@ def test_gdn_config_errors_name_the_key():
 
 def test_meta_build_then_reset_equals_eager_init_and_init_is_flas():
     config = tiny(attn_layers=[1], attn_num_heads=4)
-    torch.manual_seed(3)
-    eager = GPT(config)
-    torch.manual_seed(3)
-    with torch.device("meta"):
-        lazy = GPT(config)
-    lazy.to_empty(device="cpu")
-    lazy.reset_parameters()
-    for (name, a), (_, b) in zip(eager.state_dict().items(), lazy.state_dict().items()):
-        assert torch.equal(a, b), name
+    eager = eager_model_built_as_from_meta(config, seed=3)
     attn = eager.layers[0].attn
     assert isinstance(attn, GatedDeltaNet) and isinstance(eager.layers[1].attn, CausalSelfAttention)
     # A = exp(A_log) ~ U(0, 16); dt = softplus(dt_bias) in [1e-4, 0.1], log-uniform from 1e-3

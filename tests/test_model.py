@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from fabric_lin.config import Config
 from fabric_lin.model import GPT
 from fabric_lin.ops.cross_entropy import linear_cross_entropy
+from helpers import eager_model_built_as_from_meta
 
 
 def tiny(name: str, **overrides) -> Config:
@@ -48,18 +49,7 @@ def test_transformer_prompt_appended_to_cache():
 @pytest.mark.parametrize("name", ["gla-debug", "transformer-debug"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_meta_build_then_reset_parameters_equals_eager_init(name, tie):
-    config = tiny(name, tie_embeddings=tie)
-    torch.manual_seed(1234)
-    eager = GPT(config)
-    torch.manual_seed(1234)
-    with torch.device("meta"):
-        lazy = GPT(config)
-    lazy.to_empty(device="cpu")
-    lazy.reset_parameters()
-    eager_state, lazy_state = eager.state_dict(), lazy.state_dict()
-    assert eager_state.keys() == lazy_state.keys()
-    for key in eager_state:
-        assert torch.equal(eager_state[key], lazy_state[key]), key
+    eager = eager_model_built_as_from_meta(tiny(name, tie_embeddings=tie), seed=1234)
     # the init is the one specified: N(0, 0.02) weights, zero biases, unit norms
     w = eager.layers[0].mlp.up_proj.weight
     assert abs(w.std().item() - 0.02) < 0.002
