@@ -608,8 +608,9 @@ def set_rng_states(states: Dict[str, Any]) -> None:
 # ---------------------------------------------------------------- reading the model's weights
 
 
-def find_training_checkpoint(checkpoint_dir: Path) -> Tuple[Any, Path]:
-    """(Config, path of lit_model.pth) of a training checkpoint directory, or a clear error."""
+def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]:
+    """(Config, path of lit_model.pth) of a training checkpoint directory whose checksums hold, or a clear error.
+    use: what the caller does with it ("evaluate", "convert"), for the error of a damaged checkpoint."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise MissingFile(f"{checkpoint_dir} is not a directory: expected a training checkpoint directory")
@@ -630,6 +631,12 @@ def find_training_checkpoint(checkpoint_dir: Path) -> Tuple[Any, Path]:
         raise InvalidValue(
             f"{weights_path} is a directory without the torch.distributed.checkpoint `.metadata` file; "
             "expected Fabric's sharded FSDP checkpoint"
+        )
+    check = verify_checkpoint(checkpoint_dir)
+    if not check.ok:
+        raise InvalidValue(
+            f"{checkpoint_dir}: the checkpoint is damaged: {check.describe()}. It is not "
+            f"{use}{'d' if use.endswith('e') else 'ed'}; {use} an older checkpoint of the run"
         )
     return Config.from_checkpoint(checkpoint_dir), weights_path
 

@@ -31,7 +31,6 @@ from fabric_lin.checkpoint import (
     find_training_checkpoint,
     load_model_weights,
     to_plain,
-    verify_checkpoint,
 )
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule
@@ -575,13 +574,7 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
 
     tokenizer = Tokenizer(checkpoint_dir) if has("tokenizer.model") else None
     if has(STEP_FILE) or has(MANIFEST_FILE) or has(HPARAMS_FILE) or (checkpoint_dir / MODEL_FILE).is_dir():
-        config, weights_path = find_training_checkpoint(checkpoint_dir)
-        check = verify_checkpoint(checkpoint_dir)
-        if not check.ok:
-            raise InvalidValue(
-                f"{checkpoint_dir}: the checkpoint is damaged: {check.describe()}. It is not evaluated; evaluate an "
-                "older checkpoint of the run"
-            )
+        config, weights_path = find_training_checkpoint(checkpoint_dir, use="evaluate")
         state_dict = canonical_state_dict(load_model_weights(weights_path))
         check_state_dict(state_dict, config, source=str(weights_path))
         hparams = read_hparams(checkpoint_dir / HPARAMS_FILE) if has(HPARAMS_FILE) else None

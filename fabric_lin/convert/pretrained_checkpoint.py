@@ -11,7 +11,6 @@ from typing import Optional
 from fabric_lin.checkpoint import (
     find_training_checkpoint,
     load_model_weights,
-    verify_checkpoint,
 )
 from fabric_lin.config import CONFIG_FILE
 from fabric_lin.convert.model_dir import (
@@ -46,13 +45,7 @@ def convert_pretrained_checkpoint(
         raise InvalidValue("convert_pretrained_checkpoint: --output_dir is required")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
-    config, weights_path = find_training_checkpoint(checkpoint_dir)
-    check = verify_checkpoint(checkpoint_dir)
-    if not check.ok:
-        raise InvalidValue(
-            f"{checkpoint_dir}: the checkpoint is damaged: {check.describe()}. It is not converted; convert an "
-            "older checkpoint of the run"
-        )
+    config, weights_path = find_training_checkpoint(checkpoint_dir, use="convert")
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
 
     state_dict = canonical_state_dict(load_model_weights(weights_path))
