@@ -264,6 +264,20 @@ def train_sentencepiece(directory: Path, vocab_size: int = 64) -> None:
     (directory / "tokenizer.vocab").unlink()
 
 
+def write_parquet_with_a_damaged_row_group(path: Path, column: str, texts: List[str], row_group: int = 1) -> None:
+    """A parquet file of `texts` in one string column, row groups of 7 rows, whose footer and other row groups
+    read but whose `row_group`'s data page is scrambled: the damage is found only while the file is streamed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({column: texts}), path, row_group_size=7, compression="zstd", use_dictionary=False)
+    chunk = pq.ParquetFile(path).metadata.row_group(row_group).column(0)
+    data = bytearray(path.read_bytes())
+    for i in range(chunk.data_page_offset + 20, chunk.data_page_offset + chunk.total_compressed_size - 4):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
 def eager_model_built_as_from_meta(config, seed: int):
     """GPT(config) built eagerly from `seed`, once it is checked that building it on the meta device and then
     calling reset_parameters() gives the same state dict, names and values (how the trainer builds large models)."""

@@ -18,7 +18,8 @@ from data_prep.prepare_slimpajama import prepare as prepare_slimpajama
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
-from helpers import REPO, expected_tokens, interrupt_preparation, paragraphs, read_tokens, split_documents
+from helpers import (REPO, expected_tokens, interrupt_preparation, paragraphs, read_tokens, split_documents,
+                     write_parquet_with_a_damaged_row_group)
 
 
 def write_jsonl_zst(path, rows):
@@ -63,12 +64,7 @@ def corpus(tmp_path_factory, paragraphs_tokenizer):
     (sc / "garbage.parquet").write_bytes(b"PAR1 this is not a parquet file PAR1")
     # readable footer and first row group, corrupt second row group: found only while streaming
     partial = paragraphs(14, 9)
-    pq.write_table(pa.table({"content": partial}), sc / "partial.parquet", row_group_size=7, compression="zstd", use_dictionary=False)
-    column = pq.ParquetFile(sc / "partial.parquet").metadata.row_group(1).column(0)
-    data = bytearray((sc / "partial.parquet").read_bytes())
-    for i in range(column.data_page_offset + 20, column.data_page_offset + column.total_compressed_size - 4):
-        data[i] ^= 0x5A
-    (sc / "partial.parquet").write_bytes(bytes(data))
+    write_parquet_with_a_damaged_row_group(sc / "partial.parquet", "content", partial)
     pq.write_table(pa.table({"text": ["wrong column"]}), sc / "nocontent.parquet")
     # a string column whose second row group holds bytes that are not UTF-8 (Arrow writes them unchecked)
     not_utf8 = paragraphs(7, 11) + [b"bad \xff bytes", b"more"]

@@ -16,7 +16,8 @@ import zstandard
 from data_prep.prepare_text import prepare as prepare_text
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
-from helpers import REPO, expected_tokens, interrupt_preparation, paragraphs, read_tokens, split_documents
+from helpers import (REPO, expected_tokens, interrupt_preparation, paragraphs, read_tokens, split_documents,
+                     write_parquet_with_a_damaged_row_group)
 
 
 def write_json_lines(path, rows, compress=None, frames=1):
@@ -153,12 +154,7 @@ def test_prepare_text_names_and_skips_bad_input(paragraphs_tokenizer, tmp_path, 
     pq.write_table(pa.table({"content": ["wrong column"]}), raw / "nocolumn.parquet")
     # three row groups of 7 rows, the middle one damaged
     damaged = paragraphs(21, 34)
-    pq.write_table(pa.table({"text": damaged}), raw / "damaged.parquet", row_group_size=7, compression="zstd", use_dictionary=False)
-    column = pq.ParquetFile(raw / "damaged.parquet").metadata.row_group(1).column(0)
-    data = bytearray((raw / "damaged.parquet").read_bytes())
-    for i in range(column.data_page_offset + 20, column.data_page_offset + column.total_compressed_size - 4):
-        data[i] ^= 0x5A
-    (raw / "damaged.parquet").write_bytes(bytes(data))
+    write_parquet_with_a_damaged_row_group(raw / "damaged.parquet", "text", damaged)
     not_utf8 = paragraphs(7, 35) + [b"bad \xff bytes"] + paragraphs(1, 36)
     column = pa.array([t if isinstance(t, bytes) else t.encode() for t in not_utf8], pa.binary()).view(pa.string())
     pq.write_table(pa.table({"text": column}), raw / "badutf8.parquet")
