@@ -264,6 +264,60 @@ def train_sentencepiece(directory: Path, vocab_size: int = 64) -> None:
     (directory / "tokenizer.vocab").unlink()
 
 
+def assert_decoding_equals_the_full_forward(config) -> None:
+    """A recurrent model's logits over 75 tokens equal those of a chunked prefill of 40 then one token at a time
+    from its decoding cache, whose first layer then holds the convolutions' windows and the delta state."""
+    from fabric_lin.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 75))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :40], cache=cache)]
+        for t in range(40, 75):
+            steps.append(model(ids[:, t : t + 1], cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    conv_q, conv_k, conv_v, state = cache.layers[0]
+    assert state.shape == (2, config.num_heads, config.head_k_dim, config.head_v_dim) and conv_v.shape == (2, 3, config.value_dim)
+
+
+def assert_packed_documents_equal_separate_documents(config) -> None:
+    """Documents of 20, 1 and 70 tokens packed in one row with cu_seqlens give the logits of each run alone."""
+    from fabric_lin.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    docs = [torch.randint(0, config.vocab_size, (1, n)) for n in (20, 1, 70)]
+    with torch.no_grad():
+        packed = model(torch.cat(docs, dim=1), cu_seqlens=torch.tensor([0, 20, 21, 91]))
+        separate = torch.cat([model(d) for d in docs], dim=1)
+    torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-4)
+
+
+def assert_fused_path_matches_torch_path(config, seq_len: int) -> None:
+    """The model on its fused kernels (Triton; the interpreter without a GPU) and on its PyTorch paths, from the
+    same weights: the same loss, and the same gradient for every parameter, none of them zero."""
+    from fabric_lin.model import GPT
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    reference = GPT(config, fused=False).to(device)
+    fused = GPT(config, fused=True).to(device)
+    fused.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, config.vocab_size, (2, seq_len), device=device)
+    losses, grads = [], []
+    for model in (reference, fused):
+        loss = model(ids, targets=torch.roll(ids, -1, 1))
+        grads.append(torch.autograd.grad(loss, list(model.parameters())))
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    for (name, _), a, b in zip(reference.named_parameters(), grads[1], grads[0]):
+        assert b.abs().sum() > 0, f"{name} gets no gradient"
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * max(1.0, b.abs().max().item()), msg=lambda m: f"{name}: {m}")
+
+
 def write_parquet_with_a_damaged_row_group(path: Path, column: str, texts: List[str], row_group: int = 1) -> None:
     """A parquet file of `texts` in one string column, row groups of 7 rows, whose footer and other row groups
     read but whose `row_group`'s data page is scrambled: the damage is found only while the file is streamed."""

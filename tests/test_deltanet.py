@@ -18,7 +18,12 @@ import torch.nn.functional as F  # noqa: E402
 
 from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT, CausalSelfAttention, DeltaNet  # noqa: E402
-from helpers import eager_model_built_as_from_meta  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_decoding_equals_the_full_forward,
+    assert_fused_path_matches_torch_path,
+    assert_packed_documents_equal_separate_documents,
+    eager_model_built_as_from_meta,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,50 +118,16 @@ def test_the_layer_is_the_delta_rule_of_its_projections():
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_prefill_then_token_steps_equal_the_full_forward(hybrid):
-    config = tiny(attn_layers=[1], attn_num_heads=4) if hybrid else tiny()
-    torch.manual_seed(0)
-    model = GPT(config).eval()
-    ids = torch.randint(0, 97, (2, 75))
-    with torch.no_grad():
-        full = model(ids)
-        cache = model.new_cache()
-        steps = [model(ids[:, :40], cache=cache)]  # a chunked prefill, then one token at a time
-        for t in range(40, 75):
-            steps.append(model(ids[:, t : t + 1], cache=cache))
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
-    conv_q, conv_k, conv_v, state = cache.layers[0]
-    assert state.shape == (2, config.num_heads, config.head_k_dim, config.head_v_dim) and conv_v.shape == (2, 3, config.value_dim)
+    assert_decoding_equals_the_full_forward(tiny(attn_layers=[1], attn_num_heads=4) if hybrid else tiny())
 
 
 def test_packed_documents_equal_separate_documents():
-    torch.manual_seed(0)
-    model = GPT(tiny()).eval()
-    docs = [torch.randint(0, 97, (1, n)) for n in (20, 1, 70)]
-    with torch.no_grad():
-        packed = model(torch.cat(docs, dim=1), cu_seqlens=torch.tensor([0, 20, 21, 91]))
-        separate = torch.cat([model(d) for d in docs], dim=1)
-    torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-4)
+    assert_packed_documents_equal_separate_documents(tiny())
 
 
 def test_fused_path_matches_torch_path():
     # the fused norms with their projections, SwiGLU, convolutions, the delta rule's kernels and cross-entropy
-    # (Triton; the interpreter without a GPU)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = tiny()
-    torch.manual_seed(0)
-    reference = GPT(config, fused=False).to(device)
-    fused = GPT(config, fused=True).to(device)
-    fused.load_state_dict(reference.state_dict())
-    ids = torch.randint(0, 97, (2, 70), device=device)
-    losses, grads = [], []
-    for model in (reference, fused):
-        loss = model(ids, targets=torch.roll(ids, -1, 1))
-        grads.append(torch.autograd.grad(loss, list(model.parameters())))
-        losses.append(loss.detach())
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
-    for (name, _), a, b in zip(reference.named_parameters(), grads[1], grads[0]):
-        assert b.abs().sum() > 0, f"{name} gets no gradient"
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * max(1.0, b.abs().max().item()), msg=lambda m: f"{name}: {m}")
+    assert_fused_path_matches_torch_path(tiny(), seq_len=70)
 
 
 def test_matmul_params_and_flops_per_token():

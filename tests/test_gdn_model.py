@@ -16,7 +16,12 @@ from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT, CausalSelfAttention, GatedDeltaNet  # noqa: E402
 from fabric_lin.ops.gdn import gdn_gate  # noqa: E402
 from fabric_lin.ops.short_conv import causal_conv1d  # noqa: E402
-from helpers import eager_model_built_as_from_meta  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_decoding_equals_the_full_forward,
+    assert_fused_path_matches_torch_path,
+    assert_packed_documents_equal_separate_documents,
+    eager_model_built_as_from_meta,
+)
 
 
 def tiny(**overrides) -> Config:
@@ -104,32 +109,13 @@ def test_gate_and_beta_formulas():
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_prefill_then_token_steps_equal_the_full_forward(hybrid):
-    config = tiny(attn_layers=[1], attn_num_heads=4) if hybrid else tiny()
-    torch.manual_seed(0)
-    model = GPT(config).eval()
-    ids = torch.randint(0, 97, (2, 75))
-    with torch.no_grad():
-        full = model(ids)
-        cache = model.new_cache()
-        steps = [model(ids[:, :40], cache=cache)]  # a chunked prefill, then one token at a time
-        for t in range(40, 75):
-            steps.append(model(ids[:, t : t + 1], cache=cache))
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
-    conv_q, conv_k, conv_v, state = cache.layers[0]
-    assert state.shape == (2, config.num_heads, config.head_k_dim, config.head_v_dim) and conv_v.shape == (2, 3, config.value_dim)
+    assert_decoding_equals_the_full_forward(tiny(attn_layers=[1], attn_num_heads=4) if hybrid else tiny())
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_packed_documents_equal_separate_documents(hybrid):
     # cu_seqlens resets the delta state, the convolution window (and attention) at each document start
-    config = tiny(attn_layers=[0], attn_num_heads=2) if hybrid else tiny()
-    torch.manual_seed(0)
-    model = GPT(config).eval()
-    docs = [torch.randint(0, 97, (1, n)) for n in (20, 1, 70)]
-    with torch.no_grad():
-        packed = model(torch.cat(docs, dim=1), cu_seqlens=torch.tensor([0, 20, 21, 91]))
-        separate = torch.cat([model(d) for d in docs], dim=1)
-    torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-4)
+    assert_packed_documents_equal_separate_documents(tiny(attn_layers=[0], attn_num_heads=2) if hybrid else tiny())
 
 
 def test_loss_and_gradients_equal_full_cross_entropy():
@@ -147,22 +133,8 @@ def test_loss_and_gradients_equal_full_cross_entropy():
 
 
 def test_fused_path_matches_torch_path():
-    # the fused norms with their projections, SwiGLU and cross-entropy (Triton; the interpreter without a GPU)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = tiny(attn_layers=[1], attn_num_heads=4)
-    torch.manual_seed(0)
-    reference = GPT(config, fused=False).to(device)
-    fused = GPT(config, fused=True).to(device)
-    fused.load_state_dict(reference.state_dict())
-    ids = torch.randint(0, 97, (2, 40), device=device)
-    losses, grads = [], []
-    for model in (reference, fused):
-        loss = model(ids, targets=torch.roll(ids, -1, 1))
-        grads.append(torch.autograd.grad(loss, list(model.parameters())))
-        losses.append(loss.detach())
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
-    for (name, _), a, b in zip(reference.named_parameters(), grads[1], grads[0]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * max(1.0, b.abs().max().item()), msg=lambda m: f"{name}: {m}")
+    # the fused norms with their projections, SwiGLU and cross-entropy
+    assert_fused_path_matches_torch_path(tiny(attn_layers=[1], attn_num_heads=4), seq_len=40)
 
 
 @pytest.mark.parametrize("config", [Config.from_name("gdn-340M"), tiny(attn_layers=[1], attn_num_heads=4, attn_num_kv_heads=2)],
