@@ -28,9 +28,10 @@ step() {  # name, seconds, command...
 
 # the tests that run on CUDA: the kernels against their references, decoding, pretrain runs with the GPU's
 # defaults (CUDA graphs included), the export to flash-linear-attention's model
-step gpu_tests 1800 python -m pytest -q -p no:cacheprovider tests/test_gla_triton.py tests/test_fused_ops.py tests/test_model_fused.py \
+step gpu_tests 1800 python -m pytest -q -p no:cacheprovider tests/test_gla_triton.py tests/test_gla_triton_gpu.py \
+    tests/test_norm.py tests/test_swiglu.py tests/test_cross_entropy.py tests/test_launch.py tests/test_model_fused.py \
     tests/test_generate.py tests/test_pretrain_resume.py tests/test_convert_fla_gpu.py tests/test_gdn_triton.py \
-    tests/test_short_conv_and_gdn_step.py tests/test_fp8.py
+    tests/test_short_conv.py tests/test_gdn_recurrent.py tests/test_fp8.py
 step first_step 900 python benchmarks/first_step.py --fla_cache_dir "$cache" --out "$out/first_step.json"
 step fla_precompile 900 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_precompile.py --workers 6 \
     --out "$out/fla_precompile.json"

@@ -138,6 +138,19 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12)).item()
 
 
+def check_against_fp32(a, b, dtype, name):
+    """a (computed in dtype) against b (the reference computed in fp32 from the same inputs): element-wise in
+    fp32; in bf16 by relative RMS error, since a sum over many rows (a norm weight's gradient) in bf16 can
+    put single elements well off while the whole is as close as bf16 allows."""
+    from helpers import check
+
+    if dtype == torch.float32:
+        check(a, b, dtype, name)
+        return
+    error = rel_rms(a, b)
+    assert error <= 1e-2, f"{name}: relative RMS error {error:.4f} against the fp32 reference (at most 0.01)"
+
+
 def compiled_graph_ops(f, *inputs):
     """Compile f with AOT autograd, run it forward and backward on `inputs` (leaves that need grad; the
     output a scalar) and return (the compiled output, the op names called in the forward graph, those
@@ -248,6 +261,78 @@ def gated_linear_attention_fp64(q, k, v, gk, scale=None, initial_state=None, cu_
     return torch.stack(outputs, dim=1), torch.cat(finals)
 
 
+# GLA's kernel tests (test_gla_triton.py, test_gla_triton_gpu.py): their inputs, the op and its references,
+# run forward and backward
+
+
+def make_inputs(B, T, H, K, V, N=None, seed=0, device="cpu", dtype=torch.float32, gate_logit=None):
+    """GLA's q, k, v (in `dtype`), the log gate gk = logsigmoid(logits) / 16 in fp32 (logits standard normal, or all
+    `gate_logit`) and N (by default B) initial states [N, H, K, V], on `device`."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=g)
+    k = torch.randn(B, T, H, K, generator=g)
+    v = torch.randn(B, T, H, V, generator=g)
+    logits = torch.randn(B, T, H, K, generator=g) if gate_logit is None else torch.full((B, T, H, K), gate_logit)
+    gk = F.logsigmoid(logits) / 16
+    h0 = torch.randn(N or B, H, K, V, generator=g)
+    q, k, v = (x.to(device=device, dtype=dtype) for x in (q, k, v))
+    return q, k, v, gk.to(device), h0.to(device)
+
+
+def forward_backward(fn, q, k, v, gk, h0, cu_seqlens, seed=1):
+    """Output, final state and gradients of sum(o * do) + sum(ht * dht), inputs taken as leaves."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, gk)]
+    h0 = None if h0 is None else h0.detach().clone().requires_grad_(True)
+    o, ht = fn(*leaves, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    g = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=g).to(o.device)
+    dht = torch.randn(ht.shape, generator=g).to(o.device)
+    ((o.float() * do).sum() + (ht * dht).sum()).backward()
+    grads = [x.grad for x in leaves] + ([h0.grad] if h0 is not None else [])
+    return [o, ht] + grads
+
+
+def triton_gla(*args, **kwargs):
+    """chunk_gla on its Triton kernels (in the interpreter without a GPU)."""
+    from fabric_lin.ops.gla import chunk_gla
+
+    return chunk_gla(*args, backend="triton", **kwargs)
+
+
+NAMES = ["o", "ht", "dq", "dk", "dv", "dgk", "dh0"]  # forward_backward's outputs, in order
+
+
+def gpu_of(monkeypatch, multiprocessors):
+    """The launch decisions made for a GPU of this many multiprocessors (the interpreter counts one): with many,
+    a state pass of few programs takes the split form (chunk-parallel updates and a scan)."""
+    from fabric_lin.ops import launch
+
+    monkeypatch.setattr(launch, "multiprocessors", lambda device: multiprocessors)
+
+
+def naive_from_logits(q, k, v, logits, **kwargs):
+    """The naive recurrence with the gate given as logits: gk = logsigmoid(logits) / 16."""
+    from fabric_lin.ops.gla import naive_recurrent_gla
+
+    return naive_recurrent_gla(q, k, v, F.logsigmoid(logits.float()) / 16, **kwargs)
+
+
+def triton_from_logits(q, k, v, logits, **kwargs):
+    """chunk_gla_from_logits (normalizer 16) on its Triton kernels."""
+    from fabric_lin.ops.gla import chunk_gla_from_logits
+
+    return chunk_gla_from_logits(q, k, v, logits, 16, backend="triton", **kwargs)
+
+
+def mixed_spread_gates(T, H, K, strong_rows, strong_cols, seed=0, strong_logit=-30.0):
+    """Gates of logsigmoid(randn) / 16 (a spread of ~2 over a chunk), but logsigmoid(strong_logit) / 16 at the
+    strong rows and columns: -30 decays by ~1.9 per step, a spread of ~60 from the chunk's middle row, past
+    the single-reference limit; -20 by ~1.25, a spread of ~40, just inside it."""
+    logits = torch.randn(1, T, H, K, generator=torch.Generator().manual_seed(seed))
+    logits[:, strong_rows, :, strong_cols] = strong_logit
+    return F.logsigmoid(logits) / 16
+
+
 def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n_states=None, seed=0):
     """fp32 q, k, v, g, beta, h0 on the CPU. Gates: slow, g ~ -0.01 per step (the state carries across many
     chunks); fast, ~ -5 per step (exp(g) ~ 0.007: the state forgets within a few tokens; in-chunk cumulative
@@ -274,6 +359,39 @@ def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     h0 = torch.randn(n_states or B, H, K, V, generator=gen)
     return q, k, v, g, beta, h0
+
+
+def gdn_step_reference(q, k, v, g, beta, state, scale, use_qk_l2norm):
+    """One token of the gated delta rule in fp64, head by head: the fused decoding step's test reference."""
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    B, H, K = q.shape
+    V = v.shape[-1]
+    if use_qk_l2norm:  # fla's l2norm: eps inside the square root
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    S = torch.zeros(B, H, K, V, dtype=torch.float64) if state is None else state.double().clone()
+    o = torch.zeros(B, H, V, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            s = S[b, h] * torch.exp(g[b, h])  # [K, V]
+            kk = k[b, h][:, None]  # [K, 1]
+            s = s + beta[b, h] * kk @ (v[b, h][None, :] - kk.T @ s)
+            S[b, h] = s
+            o[b, h] = (scale * q[b, h])[None, :] @ s
+    return o, S
+
+
+def gdn_inputs(B, H, K, V, seed=0, gate="slow", T=None):
+    """The decoding step's q, k, v, the log decay g, beta and a state; [B, H, ...] per token (with T: [B, T, H, ...])."""
+    gen = torch.Generator().manual_seed(seed)
+    lead = (B, H) if T is None else (B, T, H)
+    q, k = torch.randn(*lead, K, generator=gen), torch.randn(*lead, K, generator=gen)
+    v = torch.randn(*lead, V, generator=gen)
+    u = torch.rand(*lead, generator=gen)
+    g = -0.02 * u if gate == "slow" else -4.0 - 4.0 * u  # exp(g): 0.98..1, or 0.0003..0.02
+    beta = torch.rand(*lead, generator=gen)
+    state = torch.randn(B, H, K, V, generator=gen)
+    return q, k, v, g, beta, state
 
 
 def export_to_fla(model, config, dtype: str = "float32", **fla_config):

@@ -1,8 +1,9 @@
 """What the test modules share, written once: the repository's paths, `fabric-lin` run in this process (its
-one-line errors, pretrain's setup, a config file parsed as the command line does) or as a subprocess, what a
-run writes (metrics.jsonl, its final weights), and small inputs (a SentencePiece tokenizer, a model directory,
-a prepared token directory). pytest puts tests/ on sys.path: `from helpers import ...`. The kernel tests'
-references (fp64 recurrences, the Triton interpreter's fla adjustments) stay in conftest.py."""
+one-line errors, pretrain's setup, a config file parsed as the command line does) or as a subprocess, what a run
+writes (metrics.jsonl, its final weights), small inputs (a SentencePiece tokenizer, a model directory, a prepared
+token directory) and how the kernel tests compare (inputs as leaves, gradients, tolerances). pytest puts tests/ on
+sys.path: `from helpers import ...`. The kernel tests' references and inputs (fp64 recurrences, the Triton
+interpreter's fla adjustments) stay in conftest.py."""
 import json
 import os
 import signal
@@ -454,3 +455,37 @@ def interrupt_preparation(command: List[str], directory: Path, started: str, how
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+# ---- the kernel tests: values and gradients against a reference
+
+# gdn-340M's decoding step for 16 sequences: test_gdn_recurrent.py's GPU test and test_short_conv.py's sm_90 report,
+# here because that file, run as a script, must not import conftest.py (which sets TRITON_INTERPRET)
+GDN_STEP_SHAPE = (16, 4, 128, 256)  # B, H, K, V
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def grads_of(out, inputs, seed=1, allow_unused=False):
+    """Gradients of sum(out * r) for a fixed random r, w.r.t. inputs."""
+    outs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g).to(o.device)).sum() for o in outs)
+    return torch.autograd.grad(loss, inputs, allow_unused=allow_unused)
+
+
+def tol(dtype):
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+def check(a, b, dtype, name):
+    torch.testing.assert_close(a.float(), b.float(), **tol(dtype), msg=lambda m: f"{name}: {m}")
+
+
+def assert_close(actual, expected, name, tol=2e-5):
+    """fp32 against fp64: within tol of the reference's largest magnitude (sums of up to a few hundred terms)."""
+    err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    bound = tol * max(1.0, expected.abs().max().item() if expected.numel() else 0.0)
+    assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"

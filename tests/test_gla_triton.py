@@ -1,9 +1,11 @@
 """The Triton GLA kernels against the naive fp32 recurrence (float16 inputs against an fp64 one).
 
 On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before
-Triton is imported), in fp32 and float16 (its bf16 products are wrong), on small shapes. With CUDA the GPU
-tests run bf16 inputs on the real shapes and compare with the fp32 naive recurrence by relative RMS error.
-As a script this file runs fla's chunk_gla for test_triton_float16_error_against_fla.
+Triton is imported), in fp32 and float16 (its bf16 products are wrong), on small shapes. With CUDA the float16
+test also runs at the model's head dims on the compiled kernels; the other GPU tests, bf16 inputs on the real
+shapes against the fp32 naive recurrence, are in test_gla_triton_gpu.py. The inputs, the op and its references
+that both files use are in conftest.py. As a script this file runs fla's chunk_gla for
+test_triton_float16_error_against_fla.
 """
 import functools
 import importlib.util
@@ -18,7 +20,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from conftest import compiled_graph_ops, gated_linear_attention_fp64, rel_rms  # noqa: E402
+from conftest import (  # noqa: E402
+    NAMES, compiled_graph_ops, forward_backward, gated_linear_attention_fp64, gpu_of, make_inputs, mixed_spread_gates,
+    naive_from_logits, rel_rms, triton_from_logits, triton_gla,
+)
 
 from fabric_lin.ops.gla.state_pass import takes_decayed_keys  # noqa: E402
 from fabric_lin.ops.gla import (  # noqa: E402
@@ -29,38 +34,6 @@ from fabric_lin.ops.gla.tune import with_settings  # noqa: E402
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def make_inputs(B, T, H, K, V, N=None, seed=0, device="cpu", dtype=torch.float32, gate_logit=None):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, K, generator=g)
-    k = torch.randn(B, T, H, K, generator=g)
-    v = torch.randn(B, T, H, V, generator=g)
-    logits = torch.randn(B, T, H, K, generator=g) if gate_logit is None else torch.full((B, T, H, K), gate_logit)
-    gk = F.logsigmoid(logits) / 16
-    h0 = torch.randn(N or B, H, K, V, generator=g)
-    q, k, v = (x.to(device=device, dtype=dtype) for x in (q, k, v))
-    return q, k, v, gk.to(device), h0.to(device)
-
-
-def forward_backward(fn, q, k, v, gk, h0, cu_seqlens, seed=1):
-    """Output, final state and gradients of sum(o * do) + sum(ht * dht), inputs taken as leaves."""
-    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, gk)]
-    h0 = None if h0 is None else h0.detach().clone().requires_grad_(True)
-    o, ht = fn(*leaves, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
-    g = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=g).to(o.device)
-    dht = torch.randn(ht.shape, generator=g).to(o.device)
-    ((o.float() * do).sum() + (ht * dht).sum()).backward()
-    grads = [x.grad for x in leaves] + ([h0.grad] if h0 is not None else [])
-    return [o, ht] + grads
-
-
-def triton_gla(*args, **kwargs):
-    return chunk_gla(*args, backend="triton", **kwargs)
-
-
-NAMES = ["o", "ht", "dq", "dk", "dv", "dgk", "dh0"]
 
 
 def assert_close_scaled(a, b, name):
@@ -102,14 +75,6 @@ def test_triton_varlen_matches_naive_fp32():
         assert_close_scaled(a, b, name)
 
 
-def gpu_of(monkeypatch, multiprocessors):
-    """The launch decisions made for a GPU of this many multiprocessors (the interpreter counts one): with many,
-    a state pass of few programs takes the split form (chunk-parallel updates and a scan)."""
-    from fabric_lin.ops import launch
-
-    monkeypatch.setattr(launch, "multiprocessors", lambda device: multiprocessors)
-
-
 NARROW = with_settings(SHIPPED, {
     "state.BK": 16, "state.BV": 16, "output.BK": 32, "output.BV": 32, "dv.BK": 32, "dv.BV": 32, "dqk.BK": 32,
     "dqk.BV": 32, "scan.BK": 16, "scan.BV": 16, "state.maxnreg": 128, "output.maxnreg": 128, "dv.maxnreg": 128,
@@ -132,14 +97,6 @@ def test_triton_tiles_and_both_state_pass_forms(monkeypatch, split, launch):
     out = forward_backward(lambda *a, **kw: triton_gla(*a, launch=launch, **kw), q, k, v, gk, h0, offsets)
     for name, a, b in zip(NAMES, out, ref):
         assert_close_scaled(a, b, name)
-
-
-def naive_from_logits(q, k, v, logits, **kwargs):
-    return naive_recurrent_gla(q, k, v, F.logsigmoid(logits.float()) / 16, **kwargs)
-
-
-def triton_from_logits(q, k, v, logits, **kwargs):
-    return chunk_gla_from_logits(q, k, v, logits, 16, backend="triton", **kwargs)
 
 
 @cpu_only
@@ -239,15 +196,6 @@ def test_triton_strong_gates_stay_finite(decay):
         assert_close_scaled(a, b, name)
 
 
-def mixed_spread_gates(T, H, K, strong_rows, strong_cols, seed=0, strong_logit=-30.0):
-    """Gates of logsigmoid(randn) / 16 (a spread of ~2 over a chunk), but logsigmoid(strong_logit) / 16 at the
-    strong rows and columns: -30 decays by ~1.9 per step, a spread of ~60 from the chunk's middle row, past
-    the single-reference limit; -20 by ~1.25, a spread of ~40, just inside it."""
-    logits = torch.randn(1, T, H, K, generator=torch.Generator().manual_seed(seed))
-    logits[:, strong_rows, :, strong_cols] = strong_logit
-    return F.logsigmoid(logits) / 16
-
-
 @cpu_only
 @pytest.mark.parametrize("strong_logit", [-30.0, -3000.0])
 def test_triton_single_reference_and_levels_in_one_call_match_naive_fp32(strong_logit):
@@ -334,6 +282,8 @@ def test_torch_compile_captures_the_op_without_graph_breaks(from_logits):
 # fla's own tests (tests/ops/test_gla.py) accept a chunk_gla result whose relative RMS error, against its
 # recurrent op in the same dtype, is below these; here the reference is the fp64 recurrence
 FLA_TOLERANCE = {"o": 0.004, "ht": 0.005, "dq": 0.005, "dk": 0.005, "dv": 0.005, "dgk": 0.005, "dh0": 0.005}
+
+
 # one head per gate strength, each gate logsigmoid(u) / normalizer with u uniform in [0, 1) as fla's tests draw
 # it: -6.9 to -3.1 per step at 0.1; -0.69 to -0.31 at 1 (fla's tests without a normalizer), where half a
 # chunk moves by ~16 and exp(16) overflows float16; -0.23 to -0.10 at 3, about float16's single-reference limit
@@ -407,6 +357,15 @@ def test_triton_float16_within_fla_tolerance_of_fp64(with_h0, offsets, from_logi
     assert_float16_within_fla_tolerance(*float16_case(with_h0, offsets, from_logits)[2:])
 
 
+@needs_cuda
+@pytest.mark.parametrize("with_h0,offsets,from_logits",
+                         [(True, None, False), (False, [0, 15, 100, 300, 1200, 2000], True)])
+def test_gpu_float16_within_fla_tolerance_of_fp64(with_h0, offsets, from_logits):
+    # the interpreter's float16 test at the model's head dims, on the compiled kernels
+    assert_float16_within_fla_tolerance(*float16_case(with_h0, offsets, from_logits, T=2000, K=128, V=128,
+                                                      device="cuda")[2:])
+
+
 def assert_float16_within_fla_tolerance(out, ref, names):
     assert out[0].dtype == torch.float16 and out[2].dtype == torch.float16 and out[5].dtype == torch.float16
     bad = [name for name, a in zip(names, out) if not torch.isfinite(a).all()]
@@ -456,149 +415,6 @@ def test_triton_float16_error_against_fla(tmp_path):
     over = {f"{name} at normalizer {NORMALIZERS[h]}": f"ours {a:.2e}, fla {b:.2e}" for name in names
             for h, (a, b) in enumerate(zip(ours_err[name], fla_err[name])) if not a <= FLA_RATIO[name] * b}
     assert not over, f"float16 error against fp64 above {FLA_RATIO} times fla's: {over}"
-
-
-# ---------------------------------------------------------------- GPU, bf16 against the fp32 oracle
-
-
-def check_bf16(B, T, H, K, V, cu_seqlens=None, seed=0, strong_logit=None, launch=None):
-    """With strong_logit, the second half of each sequence decays fast in the first quarter of the key columns
-    (mixed_spread_gates), so that both the single-reference scores and the levels are taken."""
-    N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    q, k, v, gk, h0 = make_inputs(B, T, H, K, V, N=N, seed=seed, device="cuda", dtype=torch.bfloat16)
-    if strong_logit is not None:
-        gk = torch.cat([mixed_spread_gates(T, H, K, slice(T // 2, T), slice(0, max(1, K // 4)), seed=seed + b,
-                                           strong_logit=strong_logit) for b in range(B)]).cuda()
-    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32, device="cuda")
-    ref = forward_backward(naive_recurrent_gla, q.float(), k.float(), v.float(), gk, h0, cu)
-    out = forward_backward(lambda *a, **kw: triton_gla(*a, launch=launch, **kw), q, k, v, gk, h0, cu)
-    errors = {name: rel_rms(a, b) for name, a, b in zip(NAMES, out, ref)}
-    assert out[0].dtype == torch.bfloat16 and out[2].dtype == torch.bfloat16
-    bad = {name: e for name, e in errors.items() if not e <= 0.005}
-    assert not bad, f"relative RMS error above 0.005: {bad} (all: {errors})"
-
-
-@needs_cuda
-@pytest.mark.parametrize(
-    "B,T,H,K,V",
-    [(2, 63, 2, 64, 64), (1, 1000, 2, 128, 256), (2, 300, 2, 100, 100), (2, 2048, 8, 128, 128), (1, 2, 1, 256, 32)],
-)
-def test_gpu_bf16_matches_fp32_naive(B, T, H, K, V):
-    check_bf16(B, T, H, K, V)
-
-
-# settings the launch search (tune.py) or a user (`launch=`) can choose, on the same shapes: the earlier
-# state tiles and an 8-warp output kernel, pipelined loads with narrower key tiles, register caps on every
-# kernel, the search's 16-warp programs, one key tile per state-pass program, 8-warp single-reference dq/dk
-# (output kernels over 32-wide value tiles failed on an H200; the launch keeps them at least 64 wide, so the
-# V=32 shapes check that guard)
-SEARCHED_SETTINGS = [
-    {},
-    {"state.BV": 64, "output.BV": 128, "output.warps": 8},
-    {"output.stages": 2, "dv.stages": 2, "output.BK": 32, "dqk.BK": 32},
-    {"dqk.maxnreg": 128, "dv.maxnreg": 168, "output.maxnreg": 168, "state.maxnreg": 168},
-    {"state.warps": 4},
-    {"output.warps": 8},
-    {"dv.BK": 64},  # the dv kernel looping over key tiles (K > 64) inside each value tile
-    {"output.warps": 16, "dqk.warps": 16},
-    {"state.BK": 128},  # one key tile per state-pass program (K <= 128)
-    {"dqk_single_warps": 8},
-]
-
-
-@needs_cuda
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("settings", SEARCHED_SETTINGS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "shipped")
-@pytest.mark.parametrize(
-    "B,T,H,K,V",
-    [(2, 63, 2, 64, 64), (1, 1000, 2, 128, 256), (2, 300, 2, 100, 100), (2, 2048, 8, 128, 128), (1, 2, 1, 256, 32),
-     (2, 63, 1, 64, 32)],
-)
-def test_gpu_bf16_searchable_settings_match_fp32_naive(monkeypatch, split, settings, B, T, H, K, V):
-    gpu_of(monkeypatch, 10**6 if split else 1)
-    check_bf16(B, T, H, K, V, strong_logit=-30.0, launch=with_settings(SHIPPED, settings))  # chunks on both sides of the limit
-
-
-@needs_cuda
-# one chunk at V = 64, where the gate cumsum writes the decayed keys; at V = 32 (32-wide state tiles) every
-# kernel forms them itself
-@pytest.mark.parametrize("B,T,H,K,V,offsets", [(2, 1000, 4, 128, 256, None), (1, 2000, 4, 128, 128, [0, 15, 100, 300, 1200, 2000]),
-                                                (2, 63, 2, 64, 64, None), (1, 2, 1, 256, 32, None), (2, 63, 1, 64, 32, None)])
-def test_gpu_bf16_from_logits_matches_fp32_naive(B, T, H, K, V, offsets):
-    N = B if offsets is None else len(offsets) - 1
-    q, k, v, _, h0 = make_inputs(B, T, H, K, V, N=N, seed=3, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(B, T, H, K, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
-    cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32, device="cuda")
-    ref = forward_backward(naive_from_logits, q.float(), k.float(), v.float(), logits.float(), h0, cu)
-    out = forward_backward(triton_from_logits, q, k, v, logits, h0, cu)
-    errors = {name: rel_rms(a.float(), b) for name, a, b in zip(["o", "ht", "dq", "dk", "dv", "dlogits", "dh0"], out, ref)}
-    bad = {name: e for name, e in errors.items() if not e <= 0.005}
-    assert not bad, f"relative RMS error above 0.005: {bad} (all: {errors})"
-
-
-@needs_cuda
-@pytest.mark.parametrize("strong_logit", [-30.0, -20.0, -3000.0])
-def test_gpu_bf16_mixed_gate_spreads_match_fp32_naive(strong_logit):
-    # the second half of the sequence decays fast in a quarter of the key columns (the first key tile of its
-    # chunks): past the single-reference limit (-30, -3000) or just inside it, factors up to ~exp(40) (-20)
-    check_bf16(2, 1000, 2, 128, 256, seed=2, strong_logit=strong_logit)
-
-
-@needs_cuda
-@pytest.mark.parametrize("split", [False, True])
-def test_gpu_bf16_varlen_matches_fp32_naive(monkeypatch, split):
-    gpu_of(monkeypatch, 10**6 if split else 1)
-    check_bf16(1, 2000, 4, 128, 128, cu_seqlens=[0, 15, 100, 300, 1200, 2000])
-
-
-@needs_cuda
-def test_gpu_bf16_scan_state_pass_matches_fp32_naive(monkeypatch):
-    gpu_of(monkeypatch, 10**6)
-    check_bf16(1, 1000, 2, 128, 256)
-
-
-@needs_cuda
-@pytest.mark.parametrize("with_h0,offsets,from_logits",
-                         [(True, None, False), (False, [0, 15, 100, 300, 1200, 2000], True)])
-def test_gpu_float16_within_fla_tolerance_of_fp64(with_h0, offsets, from_logits):
-    # the interpreter's float16 test at the model's head dims, on the compiled kernels
-    assert_float16_within_fla_tolerance(*float16_case(with_h0, offsets, from_logits, T=2000, K=128, V=128,
-                                                      device="cuda")[2:])
-
-
-@needs_cuda
-def test_gpu_fused_recurrent_step():
-    B, H, K, V = 3, 4, 128, 256
-    q, k, gk = (torch.randn(B, H, K, device="cuda") for _ in range(3))
-    v = torch.randn(B, H, V, device="cuda")
-    gk = F.logsigmoid(gk) / 16
-    state = torch.randn(B, H, K, V, device="cuda")
-    o_ref, s_ref = recurrent_gla_step(q, k, v, gk, state)
-    o, s = fused_recurrent_gla_step(q.bfloat16(), k.bfloat16(), v.bfloat16(), gk, state)
-    assert rel_rms(o, o_ref) < 0.01 and rel_rms(s, s_ref) < 0.01
-
-
-@needs_cuda
-def test_gpu_compiled_model_step_uses_the_op():
-    # torch.compile keeps the custom op opaque: the compiled function matches eager, with no graph break
-    q, k, v, gk, h0 = make_inputs(2, 256, 4, 64, 128, device="cuda", dtype=torch.bfloat16)
-
-    def f(q, k, v, gk, h0):
-        o, ht = chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
-        return o.float().square().mean() + ht.mean()
-
-    torch._dynamo.reset()
-    explain = torch._dynamo.explain(f)(q, k, v, gk, h0)
-    assert explain.graph_break_count == 0, explain.break_reasons
-    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, gk, h0)]
-    loss = torch.compile(f, fullgraph=True)(*leaves)
-    loss.backward()
-    leaves_ref = [x.clone().requires_grad_(True) for x in (q, k, v, gk, h0)]
-    loss_ref = f(*leaves_ref)
-    loss_ref.backward()
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-3, atol=1e-3)
-    for a, b in zip(leaves, leaves_ref):
-        assert rel_rms(a.grad, b.grad) < 1e-3
 
 
 if __name__ == "__main__":  # fla_forward_backward's process

@@ -41,7 +41,7 @@ SHIPPED_SWIGLU = SwiGLULaunch()
 @dataclass(frozen=True)
 class ShortConvLaunch(LaunchBundle):
     """How the convolution's kernels are launched: tiles of rows and channels, from ptxas's report for sm_90 at
-    gdn-340M's shapes (bf16, W = 4, D = 512 and 1024; tests/test_short_conv_and_gdn_step.py prints it): the
+    gdn-340M's shapes (bf16, W = 4, D = 512 and 1024; tests/test_short_conv.py prints it): the
     forward's [64 rows, 64 channels] takes 85 registers a thread (6 programs of 4 warps per SM); the backward's
     [32, 32] takes 126 (4 programs per SM), where [32, 64] takes 168 and spills."""
 

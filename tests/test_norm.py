@@ -1,6 +1,8 @@
-"""Fused Triton ops (RMSNorm + residual, gated per-head RMSNorm, SwiGLU, linear + cross-entropy) against
-their PyTorch references, values and gradients. Without CUDA the kernels run in Triton's interpreter
-(TRITON_INTERPRET=1, set before Triton is imported), in fp32 (the cross-entropy's loss-scale test in float16)."""
+"""The fused norm ops (RMSNorm with a residual, the gated per-head RMSNorm, and either fused with the projections
+that follow it) against their PyTorch references, values and gradients, and against float64 at the edges (no rows,
+a strided weight, many rows and programs). Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1,
+set before Triton is imported), in fp32. The checks over every fused op at once (compiled without graph breaks, the
+PyTorch paths against float64, bad shapes reported) are here too."""
 import os
 
 import torch
@@ -10,7 +12,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from conftest import compiled_graph_ops, rel_rms  # noqa: E402
+from conftest import check_against_fp32, compiled_graph_ops  # noqa: E402
+from helpers import check, grads_of, leaves  # noqa: E402
 
 from fabric_lin.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref  # noqa: E402
 from fabric_lin.ops.norm import (  # noqa: E402
@@ -25,37 +28,6 @@ from fabric_lin.ops.swiglu import swiglu, swiglu_linear, swiglu_ref  # noqa: E40
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
-
-
-def leaves(*tensors):
-    return [t.detach().clone().requires_grad_(True) for t in tensors]
-
-
-def grads_of(out, inputs, seed=1, allow_unused=False):
-    """Gradients of sum(out * r) for a fixed random r, w.r.t. inputs."""
-    outs = out if isinstance(out, tuple) else (out,)
-    g = torch.Generator().manual_seed(seed)
-    loss = sum((o.float() * torch.randn(o.shape, generator=g).to(o.device)).sum() for o in outs)
-    return torch.autograd.grad(loss, inputs, allow_unused=allow_unused)
-
-
-def tol(dtype):
-    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-
-
-def check(a, b, dtype, name):
-    torch.testing.assert_close(a.float(), b.float(), **tol(dtype), msg=lambda m: f"{name}: {m}")
-
-
-def check_against_fp32(a, b, dtype, name):
-    """a (computed in dtype) against b (the reference computed in fp32 from the same inputs): element-wise in
-    fp32; in bf16 by relative RMS error, since a sum over many rows (a norm weight's gradient) in bf16 can
-    put single elements well off while the whole is as close as bf16 allows."""
-    if dtype == torch.float32:
-        check(a, b, dtype, name)
-        return
-    error = rel_rms(a, b)
-    assert error <= 1e-2, f"{name}: relative RMS error {error:.4f} against the fp32 reference (at most 0.01)"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -279,103 +251,6 @@ def test_rms_norm_linears_side_by_side(dtype):
     check_against_fp32(torch_out, ref_out, dtype, "torch path")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_swiglu_matches_reference(dtype):
-    g = torch.Generator().manual_seed(2)
-    gate, up = (torch.randn(3, 1500, generator=g).to(DEVICE, dtype) for _ in range(2))  # two blocks, one partial
-    ref_in, out_in = leaves(gate, up), leaves(gate, up)
-    ref, out = swiglu_ref(*ref_in), swiglu(*out_in, backend="triton")
-    check(out, ref, dtype, "y")
-    for a, b, name in zip(grads_of(out, out_in), grads_of(ref, ref_in), ["dgate", "dup"]):
-        check(a, b, dtype, name)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_swiglu_linear_matches_reference_and_keeps_no_activation(dtype):
-    # gate and up side by side in one [..., 2 I] tensor; I = 1100: a full and a partial column block
-    g = torch.Generator().manual_seed(6)
-    gate_up = torch.randn(2, 3, 2200, generator=g).to(DEVICE, dtype)
-    weight = (0.05 * torch.randn(24, 1100, generator=g)).to(DEVICE, dtype)
-    # the reference in fp32 from the same inputs: two bf16 computations that round the activation
-    # differently can put single elements of dweight (a sum over tokens) several bf16 steps apart
-    ref_in, out_in = leaves(gate_up.float(), weight.float()), leaves(gate_up, weight)
-    ref = F.linear(swiglu_ref(ref_in[0][..., :1100], ref_in[0][..., 1100:]), ref_in[1])
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        out = swiglu_linear(*out_in, backend="triton")
-    check_against_fp32(out, ref, dtype, "out")
-    for a, b, name in zip(grads_of(out, out_in), grads_of(ref, ref_in), ["dgate_up", "dweight"]):
-        check_against_fp32(a, b, dtype, name)
-    # kept for backward: gate_up and the weight, not the [2, 3, 1100] activation silu(gate) * up
-    assert sorted(saved) == sorted([(2, 3, 2200), (24, 1100)])
-
-
-def test_swiglu_linear_casts_the_weight_to_the_activations_dtype():
-    # bf16-mixed: bf16 activations, an fp32 parameter; the gradient reaches the parameter in fp32
-    g = torch.Generator().manual_seed(7)
-    gate_up = torch.randn(5, 32, generator=g).to(DEVICE, torch.float64)
-    weight = torch.randn(8, 16, generator=g).to(DEVICE).requires_grad_(True)
-    out = swiglu_linear(gate_up, weight, backend="torch")
-    assert out.dtype == torch.float64
-    out.sum().backward()
-    assert weight.grad.dtype == torch.float32
-    expected = torch.ones(5, 8, dtype=torch.float64, device=DEVICE).t() @ swiglu_ref(gate_up[:, :16], gate_up[:, 16:])
-    torch.testing.assert_close(weight.grad, expected.float())
-    with pytest.raises(ValueError, match=r"gate_up must be \[\.\.\., 2 I\] and weight \[out, I\], got gate_up \(5, 32\) and weight \(8, 15\)"):
-        swiglu_linear(gate_up, torch.randn(8, 15, device=DEVICE), backend="triton")
-    with pytest.raises(ValueError, match=r"gate_up must be \[\.\.\., 2 I\]"):
-        swiglu_linear(gate_up[:, :31], weight, backend="triton")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_cross_entropy_matches_reference(dtype):
-    g = torch.Generator().manual_seed(3)
-    N, d, V = 37, 16, 300  # several row chunks, the last partial; one vocabulary block, partly padding
-    hidden = torch.randn(N, d, generator=g).to(DEVICE, dtype)
-    weight = (0.5 * torch.randn(V, d, generator=g)).to(DEVICE, dtype)
-    targets = torch.randint(0, V, (N,), generator=g)
-    targets[[0, 5, 36]] = -100
-    targets = targets.to(DEVICE)
-    ref_in, out_in = leaves(hidden, weight), leaves(hidden, weight)
-    ref = linear_cross_entropy_ref(*ref_in, targets)
-    out = linear_cross_entropy(*out_in, targets, chunk_size=16, backend="triton")
-    torch.testing.assert_close(out, ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
-    (2.5 * ref).backward()
-    (2.5 * out).backward()
-    check(out_in[0].grad, ref_in[0].grad, dtype, "dhidden")
-    check(out_in[1].grad, ref_in[1].grad, dtype, "dweight")
-
-
-def test_linear_cross_entropy_float16_under_a_loss_scale():
-    # 16-mixed: GradScaler multiplies the loss by 2**16, past float16's 65504, before the backward pass; and the
-    # gradients of the mean over 256 rows (|weight| ~ 0.005: entries ~3e-5) would be float16 subnormals. The
-    # scaled gradients come out finite and as precise as float16 holds them, against fp64.
-    g = torch.Generator().manual_seed(6)
-    N, d, V = 256, 16, 300
-    hidden = torch.randn(N, d, generator=g).to(DEVICE, torch.float16)
-    weight = (0.005 * torch.randn(V, d, generator=g)).to(DEVICE, torch.float16)
-    targets = torch.randint(0, V, (N,), generator=g).to(DEVICE)
-    targets[:10] = -100
-    for loss_scale in (2.0**16, 2.0**10):
-        out_in, ref_in = leaves(hidden, weight), leaves(hidden.double(), weight.double())
-        (linear_cross_entropy(*out_in, targets, backend="triton") * loss_scale).backward()
-        (linear_cross_entropy_ref(*ref_in, targets) * loss_scale).backward()
-        for name, a, b in zip(["dhidden", "dweight"], [x.grad for x in out_in], [x.grad for x in ref_in]):
-            assert a.dtype == torch.float16 and torch.isfinite(a).all(), f"{name} at loss scale {loss_scale}"
-            assert rel_rms(a, b) < 5e-4, f"{name} at loss scale {loss_scale}: relative RMS error {rel_rms(a, b):.2e}"
-
-
-def test_linear_cross_entropy_without_grad_and_all_ignored():
-    g = torch.Generator().manual_seed(4)
-    hidden, weight = torch.randn(9, 8, generator=g).to(DEVICE), torch.randn(50, 8, generator=g).to(DEVICE)
-    targets = torch.randint(0, 50, (9,), generator=g).to(DEVICE)
-    with torch.no_grad():
-        out = linear_cross_entropy(hidden, weight, targets, chunk_size=4, backend="triton")
-    torch.testing.assert_close(out, F.cross_entropy(hidden @ weight.t(), targets), rtol=1e-5, atol=1e-5)
-    ignored = torch.full((9,), -100, device=DEVICE)
-    assert linear_cross_entropy(hidden, weight, ignored, backend="triton").item() == 0.0
-
-
 def test_bad_shapes_are_reported():
     with pytest.raises(ValueError, match="weight must have shape"):
         rms_norm(torch.randn(2, 8), torch.ones(7), backend="triton")
@@ -508,67 +383,6 @@ def test_norm_ops_over_many_rows_and_programs(D):
             check(a, b, torch.float32, f"{name} {part}")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_linear_cross_entropy_with_no_counted_target_is_zero_on_both_backends(backend):
-    # every target ignored, or no rows: the mean over no rows is 0 with zero gradients, on either backend, not NaN on one and 0 on the other
-    g = torch.Generator().manual_seed(13)
-    hidden, weight = torch.randn(6, 8, generator=g).to(DEVICE), torch.randn(20, 8, generator=g).to(DEVICE)
-    for n in (6, 0):
-        h_in, w_in = leaves(hidden[:n], weight)
-        loss = linear_cross_entropy(h_in, w_in, torch.full((n,), -100, device=DEVICE), backend=backend)
-        assert loss.item() == 0.0, f"{n} rows: loss {loss.item()}"
-        loss.backward()
-        assert torch.equal(h_in.grad, torch.zeros_like(h_in)) and torch.equal(w_in.grad, torch.zeros_like(w_in))
-
-
-@pytest.mark.parametrize("bad_target", [20, -1])
-def test_linear_cross_entropy_does_not_turn_an_out_of_range_target_into_a_loss(bad_target):
-    # a target outside [0, V) that is not ignore_index: the PyTorch path raises; the kernel, which cannot
-    # raise without a host sync, gives NaN (which the training loop reports and skips) rather than
-    # reading a logit outside the row
-    g = torch.Generator().manual_seed(14)
-    hidden, weight = torch.randn(4, 8, generator=g).to(DEVICE), torch.randn(20, 8, generator=g).to(DEVICE)
-    targets = torch.tensor([1, bad_target, 3, -100], device=DEVICE)
-    h_in, w_in = leaves(hidden, weight)
-    loss = linear_cross_entropy(h_in, w_in, targets, backend="triton")
-    assert torch.isnan(loss), f"target {bad_target} of a vocabulary of 20 gave the loss {loss.item()}"
-    loss.backward()
-    assert torch.isnan(h_in.grad[1]).all() and torch.isfinite(h_in.grad[[0, 2, 3]]).all()
-    # on the CPU: on a GPU, PyTorch's cross-entropy fails a device-side assert, which ends the process's use of
-    # the GPU (every later test in it would fail)
-    with pytest.raises(IndexError, match=f"Target {bad_target} is out of bounds"):
-        linear_cross_entropy(hidden.cpu(), weight.cpu(), targets.cpu(), backend="torch")
-
-
-def test_linear_cross_entropy_rejects_a_bad_chunk_size_and_float_targets():
-    hidden, weight, targets = torch.randn(4, 8), torch.randn(20, 8), torch.tensor([1, 2, 3, 4])
-    for chunk_size in (0, -1):
-        with pytest.raises(ValueError, match=f"chunk_size must be a positive int, got {chunk_size}"):
-            linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, backend="triton")
-    with pytest.raises(ValueError, match="targets must be integer class indices, got torch.float32"):
-        linear_cross_entropy(hidden, weight, targets.float(), backend="triton")
-
-
-def test_linear_cross_entropy_over_several_vocabulary_blocks():
-    # V above the kernel's 4096-wide block: the running max and sum are merged across blocks, the last
-    # one partial; rows whose largest logit lies in the first block, and in the second
-    g = torch.Generator().manual_seed(15)
-    N, d, V = 5, 8, 5001
-    hidden = torch.randn(N, d, generator=g).to(DEVICE)
-    weight = torch.randn(V, d, generator=g).to(DEVICE)
-    weight[[7, 4900]] *= 4  # large logits in either block
-    targets = torch.tensor([7, 4900, 4096, -100, 5000], device=DEVICE)
-    h_in, w_in = leaves(hidden, weight)
-    h_64, w_64 = leaves(hidden.double(), weight.double())
-    out = linear_cross_entropy(h_in, w_in, targets, chunk_size=2, backend="triton")
-    ref = F.cross_entropy(h_64 @ w_64.t(), targets)
-    check(out, ref, torch.float32, "loss")
-    out.backward()
-    ref.backward()
-    check(h_in.grad, h_64.grad, torch.float32, "dhidden")
-    check(w_in.grad, w_64.grad, torch.float32, "dweight")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_paths_match_float64(dtype):
     # the PyTorch references themselves (the CPU path, and what the kernels are compared with), odd sizes
@@ -590,13 +404,3 @@ def test_torch_paths_match_float64(dtype):
     for a, b, name in pairs:
         assert a.dtype == (torch.float32 if name == "linear_cross_entropy" else dtype), name
         check_against_fp32(a, b, dtype, name)
-
-
-def test_launch_arithmetic_matches_triton():
-    # the wrappers' plain-Python grid arithmetic gives what Triton's own helpers give
-    import triton
-
-    from fabric_lin.ops.launch import cdiv, next_power_of_2
-
-    assert [next_power_of_2(n) for n in range(1, 5000)] == [triton.next_power_of_2(n) for n in range(1, 5000)]
-    assert all(cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 300) for b in range(1, 70))

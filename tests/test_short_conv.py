@@ -1,11 +1,12 @@
-"""The short convolution's Triton kernels (forward, backward, decoding step) and the fused Gated DeltaNet
-decoding step, against references written here.
+"""The short convolution's Triton kernels (forward, backward, decoding step), against fp64 references written
+here: F.conv1d with groups = D. Also the checks that take the convolution's decoding step and the fused Gated
+DeltaNet decoding step together: both compile as opaque ops, and both are compiled for an H100/H200 (sm_90).
 
-On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1), in fp32; the
-references are fp64: F.conv1d with groups = D for the convolution, a token loop for the delta rule. Both
-families are also compiled for an H100/H200 (sm_90) with bf16 inputs at gdn-340M's shapes, without
-running them (benchmarks/kernel_registers.py's compile-only driver): run as a script, this file prints
-that report as JSON. With CUDA the GPU tests compare bf16 inputs with fp32 references.
+On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1), in fp32. The sm_90
+compilation uses bf16 inputs at gdn-340M's shapes and runs nothing (benchmarks/kernel_registers.py's compile-only
+driver): run as a script, this file prints that report as JSON (so conftest.py, which sets TRITON_INTERPRET, is
+imported only inside tests). With CUDA the GPU tests compare bf16 inputs with fp32 references. The GDN decoding
+step's own tests are in test_gdn_recurrent.py.
 """
 import json
 import os
@@ -20,6 +21,7 @@ if __name__ != "__main__" and not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from helpers import GDN_STEP_SHAPE, assert_close, leaves  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
@@ -47,42 +49,11 @@ def conv_reference_varlen(x, weight, bounds, activation=True):
     return torch.cat([conv_reference(x[:, s:e], weight, activation=activation)[0] for s, e in spans], dim=1)
 
 
-def gdn_step_reference(q, k, v, g, beta, state, scale, use_qk_l2norm):
-    """One token of the gated delta rule in fp64, head by head."""
-    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
-    B, H, K = q.shape
-    V = v.shape[-1]
-    if use_qk_l2norm:  # fla's l2norm: eps inside the square root
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    S = torch.zeros(B, H, K, V, dtype=torch.float64) if state is None else state.double().clone()
-    o = torch.zeros(B, H, V, dtype=torch.float64)
-    for b in range(B):
-        for h in range(H):
-            s = S[b, h] * torch.exp(g[b, h])  # [K, V]
-            kk = k[b, h][:, None]  # [K, 1]
-            s = s + beta[b, h] * kk @ (v[b, h][None, :] - kk.T @ s)
-            S[b, h] = s
-            o[b, h] = (scale * q[b, h])[None, :] @ s
-    return o, S
-
-
-def leaves(*tensors):
-    return [t.clone().requires_grad_(True) for t in tensors]
-
-
 def grads_of(out, inputs, upstream):
     """Gradients of sum(out_i * upstream_i) with respect to inputs (zeros for one the outputs do not use)."""
     loss = sum((o.double() * u.double()).sum() for o, u in zip(out, upstream))
     grads = torch.autograd.grad(loss, inputs, allow_unused=True)
     return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
-
-
-def assert_close(actual, expected, name, tol=2e-5):
-    """fp32 against fp64: within tol of the reference's largest magnitude (sums of up to a few hundred terms)."""
-    err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
-    bound = tol * max(1.0, expected.abs().max().item() if expected.numel() else 0.0)
-    assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
 
 
 # ---------------------------------------------------------------- the convolution, in Triton's interpreter
@@ -285,6 +256,8 @@ def dynamo_graph_ops(f, *inputs):
 
 @cpu_only
 def test_decoding_steps_compile_as_opaque_ops():
+    from conftest import gdn_inputs, gdn_step_reference
+
     from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
     from fabric_lin.ops.short_conv import causal_conv1d
 
@@ -330,94 +303,9 @@ def test_conv_errors_name_the_argument():
     assert causal_conv1d(x, torch.randn(16, 9), backend="torch")[0].shape == x.shape
 
 
-# ---------------------------------------------------------------- the Gated DeltaNet decoding step
-
-
-def gdn_inputs(B, H, K, V, seed=0, gate="slow", T=None):
-    """q, k, v, the log decay g, beta and a state; [B, H, ...] per token (with T: [B, T, H, ...])."""
-    gen = torch.Generator().manual_seed(seed)
-    lead = (B, H) if T is None else (B, T, H)
-    q, k = torch.randn(*lead, K, generator=gen), torch.randn(*lead, K, generator=gen)
-    v = torch.randn(*lead, V, generator=gen)
-    u = torch.rand(*lead, generator=gen)
-    g = -0.02 * u if gate == "slow" else -4.0 - 4.0 * u  # exp(g): 0.98..1, or 0.0003..0.02
-    beta = torch.rand(*lead, generator=gen)
-    state = torch.randn(B, H, K, V, generator=gen)
-    return q, k, v, g, beta, state
-
-
-@cpu_only
-@pytest.mark.parametrize("use_qk_l2norm", [False, True])
-@pytest.mark.parametrize("gate", ["slow", "fast"])
-@pytest.mark.parametrize("K,V", [(48, 96), (128, 40)])  # 96: two value tiles, the second partial
-def test_gdn_step_matches_an_fp64_step(use_qk_l2norm, gate, K, V):
-    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
-
-    q, k, v, g, beta, state = gdn_inputs(2, 3, K, V, seed=K + V, gate=gate)
-    if not use_qk_l2norm:  # keep ||k|| about 1, as the model's normalised keys, so the state stays bounded
-        q, k = q / K**0.5, k / K**0.5
-    else:  # a short q and k (squared norms ~ 5e-7), where the eps inside the square root matters
-        q[0, 0], k[0, 1] = q[0, 0] * 1e-4, k[0, 1] * 1e-4
-    for s in (state, None):
-        for scale in (None, 0.3):
-            o, s_new = fused_recurrent_gated_delta_rule_step_triton(q, k, v, g, beta, s, scale, use_qk_l2norm)
-            o_ref, s_ref = gdn_step_reference(q, k, v, g, beta, s, K**-0.5 if scale is None else scale, use_qk_l2norm)
-            assert o.dtype == torch.float32 and s_new.dtype == torch.float32 and s_new.shape == (2, 3, K, V)
-            assert_close(o, o_ref, f"o (state {'given' if s is not None else 'None'}, scale {scale})")
-            assert_close(s_new, s_ref, "state")
-    # the state is not changed in place
-    torch.testing.assert_close(state, gdn_inputs(2, 3, K, V, seed=K + V, gate=gate)[5], rtol=0, atol=0)
-
-
-@cpu_only
-@pytest.mark.parametrize("gate", ["slow", "fast"])
-@pytest.mark.parametrize("use_qk_l2norm", [False, True])
-def test_gdn_steps_chained_equal_the_naive_recurrence(gate, use_qk_l2norm):
-    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
-    from fabric_lin.ops.gdn.l2norm import l2norm
-    from fabric_lin.ops.gdn.naive import naive_recurrent_gated_delta_rule
-
-    B, T, H, K, V = 2, 24, 2, 48, 96
-    q, k, v, g, beta, h0 = gdn_inputs(B, H, K, V, seed=1, gate=gate, T=T)
-    if not use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    for initial in (h0, None):
-        state, outs = initial, []
-        for t in range(T):
-            o, state = fused_recurrent_gated_delta_rule_step_triton(
-                q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, use_qk_l2norm=use_qk_l2norm
-            )
-            outs.append(o)
-        qn, kn = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q, k)
-        o_ref, s_ref = naive_recurrent_gated_delta_rule(qn, kn, v, g, beta, initial_state=initial,
-                                                        output_final_state=True)
-        assert_close(torch.stack(outs, dim=1), o_ref, "chained o", tol=1e-5)
-        assert_close(state, s_ref, "final state", tol=1e-5)
-
-
-@cpu_only
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_gdn_step_errors_name_the_argument(backend):
-    from fabric_lin.ops.gdn import fused_recurrent_gated_delta_rule_step as step
-
-    q, k, v, g, beta, state = gdn_inputs(2, 3, 16, 32)
-    cases = [
-        ((q[0], k, v, g, beta, state), r"q must be \[B, H, K\], got shape \(3, 16\)"),
-        ((q, k[:, :, :8], v, g, beta, state), r"k must be \[B, H, K\] = \(2, 3, 16\) like q, got shape \(2, 3, 8\)"),
-        ((q, k, v[:1], g, beta, state), r"v must be \[B, H, V\]"),
-        ((q, k, v, g[:, :, None], beta, state), r"g must be \[B, H\] = \(2, 3\)"),
-        ((q, k, v, g, beta[:1], state), r"beta must be \[B, H\] = \(2, 3\)"),
-        ((q, k, v, g, beta, state[..., :16]), r"state must be \[B, H, K, V\] = \(2, 3, 16, 32\), got shape \(2, 3, 16, 16\)"),
-    ]
-    for args, message in cases:
-        with pytest.raises(ValueError, match="fused_recurrent_gated_delta_rule_step: " + message):
-            step(*args, backend=backend)
-
-
 # ---------------------------------------------------------------- compiled for sm_90 (bf16, gdn-340M's shapes)
 
 CONV_SHAPES = [(16, 2048, 512), (16, 2048, 1024)]  # B, T, D: gdn-340M's key and value convolutions
-GDN_STEP_SHAPE = (16, 4, 128, 256)  # B, H, K, V
 
 
 def sm90_report() -> dict:
@@ -527,22 +415,6 @@ def test_gpu_conv_step_bf16_matches_the_full_convolution():
             outs.append(y)
     torch.testing.assert_close(torch.cat(outs, 1), y_ref, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(cache, cache_ref, rtol=0, atol=0)
-
-
-@needs_cuda
-@pytest.mark.parametrize("gate", ["slow", "fast"])
-def test_gpu_gdn_step_bf16_matches_fp32(gate):
-    from conftest import rel_rms
-
-    from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
-    from fabric_lin.ops.gdn.recurrent import recurrent_gated_delta_rule_step
-
-    q, k, v, g, beta, state = (t.cuda() for t in gdn_inputs(*GDN_STEP_SHAPE, gate=gate))
-    o_ref, s_ref = recurrent_gated_delta_rule_step(q, k, v, g, beta, state, use_qk_l2norm=True)
-    o, s = fused_recurrent_gated_delta_rule_step_triton(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, state,
-                                                        use_qk_l2norm=True)
-    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
-    assert rel_rms(o, o_ref) < 0.01 and rel_rms(s, s_ref) < 0.01
 
 
 if __name__ == "__main__":
