@@ -1,8 +1,8 @@
 """How the Gated DeltaNet Triton kernels are launched: one immutable `GDNLaunch`, a `KernelLaunch` per kernel.
 
 `SHIPPED` is what every call uses unless it passes another (`chunk_gated_delta_rule(..., launch=...)`). The
-values are plain defaults (64-wide tiles, 4 warps), not yet timed on a GPU: nothing is searched at start-up,
-and nothing changes with the sequence length; the state passes' launch is chosen by the number of sequences
+values are plain defaults (64-wide tiles, 4 warps) where no other was timed faster on a GPU: nothing is searched at
+start-up, and nothing changes with the sequence length; the state passes' launch is chosen by the number of sequences
 and heads (below).
 
 The state passes hold the whole key dimension of the state in one program (the correction D = U - W S needs
@@ -20,8 +20,10 @@ from fabric_lin.ops.launch import KernelLaunch, LaunchBundle, cdiv, tile_width
 class GDNLaunch(LaunchBundle):
     l2norm: KernelLaunch = KernelLaunch(BK=16, warps=4)
     """The q/k L2 norm, forward and backward; BK: rows per program (each program holds whole rows)."""
-    solve: KernelLaunch = KernelLaunch(BK=64, warps=4)
-    """Per chunk: the gate's cumsum, A = strict_lower(beta K K^T * decay) and (I + A)^-1; BK: key tile of K K^T."""
+    solve: KernelLaunch = KernelLaunch(BK=64, warps=2)
+    """Per chunk: the gate's cumsum, A = strict_lower(beta K K^T * decay) and (I + A)^-1; BK: key tile of K K^T.
+    Two warps: at four, its 64 x 64 inverse takes 255 registers a thread on sm_90 (Triton 3.6), at two 241 without
+    spills, and the forward pass is 10-15% faster (benchmarks/results/2026-12-05-gdn-solve-warps-h100.md)."""
     wu: KernelLaunch = KernelLaunch(BK=64, BV=64, warps=4)
     """W = (I + A)^-1 (beta exp(b) K) and U = (I + A)^-1 (beta V), forward and again in the backward pass."""
     state: KernelLaunch = KernelLaunch(BV=64, warps=4)
