@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -17,6 +16,8 @@ from typing import Dict, List, Optional
 import lightning_fabric  # noqa: F401  (see below)
 import pytest
 import torch
+
+import fabric_lin_process
 
 # Lightning's log handler writes to the sys.stderr of the moment lightning_fabric is first imported. Imported here,
 # while pytest collects, its INFO lines ("Seed set to 42") go to pytest's own capture, not into a test's capsys,
@@ -73,12 +74,12 @@ def parse_run_config(path: Path):
 
 def pretrain_command(out_dir: Path, *args: str) -> List[str]:
     """`fabric-lin pretrain <args> --out_dir <out_dir>` as this Python runs it."""
-    return [sys.executable, "-m", "fabric_lin.cli", "pretrain", *args, "--out_dir", str(out_dir)]
+    return [*fabric_lin_process.FABRIC_LIN, "pretrain", *args, "--out_dir", str(out_dir)]
 
 
 def run_ok(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Run `command` to its end; it must exit 0 (else its output's tail is the failure)."""
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    result = fabric_lin_process.run(command, timeout, env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -145,13 +146,12 @@ def debug_run(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = None) 
     return run_ok(debug_command(out_dir, *extra), RUN_TIMEOUT, env)
 
 
-def start_debug_run(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = None, terminal: bool = False) -> subprocess.Popen:
-    """The run in the background, its output in <out_dir>.log. `terminal`: in a process group of its own,
-    as a terminal's foreground job, for `ctrl_c`."""
+def start_debug_run(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = None, terminal: bool = False):
+    """The run in the background (a subprocess.Popen or its forked equivalent), its output in <out_dir>.log.
+    `terminal`: in a process group of its own, as a terminal's foreground job, for `ctrl_c`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = open(out_dir.parent / f"{out_dir.name}.log", "ab")
-    return subprocess.Popen(debug_command(out_dir, *extra), stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=terminal)
+    return fabric_lin_process.start(debug_command(out_dir, *extra), out_dir.parent / f"{out_dir.name}.log", env,
+                                    new_session=terminal)
 
 
 def ctrl_c(proc: subprocess.Popen) -> None:

@@ -4,8 +4,6 @@ documents against the full forward, hybrids, the fused path against the PyTorch 
 recipe learning end to end. The export to fla's DeltaNetForCausalLM is compared in test_convert_fla_cpu.py."""
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +14,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import fabric_lin_process  # noqa: E402
 from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT, CausalSelfAttention, DeltaNet  # noqa: E402
 from helpers import (  # noqa: E402
@@ -147,12 +146,12 @@ def test_matmul_params_and_flops_per_token():
 @pytest.mark.slow
 def test_the_debug_recipe_learns(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(ROOT / "config_hub" / "debug_deltanet.yaml"),
+    cmd = [*fabric_lin_process.FABRIC_LIN, "pretrain", "--config", str(ROOT / "config_hub" / "debug_deltanet.yaml"),
            "--train.max_steps", "12", "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
            "--train.max_seq_length", "96", "--train.lr_warmup_steps", "2", "--train.save_interval", "null",
            "--eval.initial_validation", "false", "--eval.final_validation", "false", "--logger_name", "csv",
            "--out_dir", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    result = fabric_lin_process.run(cmd, 300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import json
 

@@ -3,13 +3,13 @@ cut to a few steps) as a subprocess. The loss falls; a run killed with SIGKILL a
 with `--resume auto` logs the same loss and data at every step and ends with the same weights, bit for bit."""
 import json
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import fabric_lin_process
 from helpers import CONFIG_HUB, final_weights, pretrain_command, run_ok
 
 pytestmark = pytest.mark.slow
@@ -53,8 +53,7 @@ def test_gdn_debug_recipe_learns_and_resumes_bit_exact_after_sigkill(tmp_path):
 
     out = tmp_path / "killed"
     out.mkdir()
-    log = open(tmp_path / "killed.log", "wb")
-    proc = subprocess.Popen(command(out, "--resume", "auto"), stdout=log, stderr=subprocess.STDOUT)
+    proc = fabric_lin_process.start(command(out, "--resume", "auto"), tmp_path / "killed.log")
     deadline = time.time() + TIMEOUT
     while not (out / "step-00000004" / "lit_model.pth").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)

@@ -24,6 +24,7 @@ import pytest
 import torch
 import yaml
 
+import fabric_lin_process
 from helpers import (
     DEBUG_STEPS as STEPS,
     LOADER_WORKERS,
@@ -314,7 +315,7 @@ def test_a_second_fresh_run_into_the_same_out_dir_is_refused_in_one_line(referen
     out = tmp_path / "out"
     shutil.copytree(reference, out)
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
-    result = subprocess.run(command(out), capture_output=True, text=True, timeout=TIMEOUT)
+    result = fabric_lin_process.run(command(out), TIMEOUT)
     assert result.returncode == 2
     assert result.stderr == (
         f"fabric-lin pretrain: error: out_dir {out} holds the checkpoints of an earlier run (final, step-00000002, "

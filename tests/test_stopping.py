@@ -1,12 +1,12 @@
 """fabric_lin/stopping.py: each step's skip and stop flags, read by the host a step later unless waited for; fused
 AdamW's found_inf, on which skipping a non-finite step relies; and, end to end, a run whose every step is non-finite
 skipping its updates and stopping with a checkpoint. (Stopped by a signal and resumed: test_pretrain_resume.py.)"""
-import subprocess
 
 import lightning_fabric as L
 import pytest
 import torch
 
+import fabric_lin_process
 from fabric_lin.stopping import StepFlags
 from helpers import RUN_TIMEOUT as TIMEOUT, debug_command as command
 
@@ -47,7 +47,7 @@ def test_nonfinite_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
     Config.from_name("gla-debug", initializer_range=1e38).save(config_path)
     cmd = command(tmp_path / "out", "--train.max_nonfinite_steps", "2")
     cmd[cmd.index("--model_name"): cmd.index("--model_name") + 2] = ["--model_config", str(config_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+    result = fabric_lin_process.run(cmd, TIMEOUT)
     assert result.returncode != 0
     assert "2 consecutive steps with a non-finite loss or gradient norm" in result.stderr
     assert "update skipped" in result.stdout + result.stderr
