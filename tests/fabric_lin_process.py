@@ -33,7 +33,8 @@ _forkserver = None
 def forkable(command: List[str], env: Optional[Dict[str, str]]) -> bool:
     if command[:3] != FABRIC_LIN or torch.cuda.is_available():
         return False
-    changed = {key for key in set(os.environ) | set(env or {}) if env is not None and os.environ.get(key) != env.get(key)}
+    env = os.environ if env is None else env
+    changed = {key for key in set(os.environ) | set(env) if os.environ.get(key) != env.get(key)}
     return changed <= {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"}  # read when used: CUDA is not, on this machine
 
 
@@ -111,8 +112,7 @@ def run(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None
             proc.kill()
             proc.wait()
             raise
-        read = lambda path: path.read_text() if path.exists() else ""  # noqa: E731
-        return subprocess.CompletedProcess(command, proc.returncode, read(out), read(err))
+        return subprocess.CompletedProcess(command, proc.returncode, out.read_text(), err.read_text())
 
 
 def _start(command, stdout: str, stderr: str, env, new_session: bool):
