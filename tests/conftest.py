@@ -265,7 +265,7 @@ def gated_linear_attention_fp64(q, k, v, gk, scale=None, initial_state=None, cu_
 # run forward and backward
 
 
-def make_inputs(B, T, H, K, V, N=None, seed=0, device="cpu", dtype=torch.float32, gate_logit=None):
+def gla_inputs(B, T, H, K, V, N=None, seed=0, device="cpu", dtype=torch.float32, gate_logit=None):
     """GLA's q, k, v (in `dtype`), the log gate gk = logsigmoid(logits) / 16 in fp32 (logits standard normal, or all
     `gate_logit`) and N (by default B) initial states [N, H, K, V], on `device`."""
     g = torch.Generator().manual_seed(seed)
@@ -279,7 +279,7 @@ def make_inputs(B, T, H, K, V, N=None, seed=0, device="cpu", dtype=torch.float32
     return q, k, v, gk.to(device), h0.to(device)
 
 
-def forward_backward(fn, q, k, v, gk, h0, cu_seqlens, seed=1):
+def gla_forward_backward(fn, q, k, v, gk, h0, cu_seqlens, seed=1):
     """Output, final state and gradients of sum(o * do) + sum(ht * dht), inputs taken as leaves."""
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, gk)]
     h0 = None if h0 is None else h0.detach().clone().requires_grad_(True)
@@ -299,7 +299,7 @@ def triton_gla(*args, **kwargs):
     return chunk_gla(*args, backend="triton", **kwargs)
 
 
-NAMES = ["o", "ht", "dq", "dk", "dv", "dgk", "dh0"]  # forward_backward's outputs, in order
+GLA_NAMES = ["o", "ht", "dq", "dk", "dv", "dgk", "dh0"]  # gla_forward_backward's outputs, in order
 
 
 def gpu_of(monkeypatch, multiprocessors):

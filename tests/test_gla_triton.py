@@ -21,8 +21,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from conftest import (  # noqa: E402
-    NAMES, compiled_graph_ops, forward_backward, gated_linear_attention_fp64, gpu_of, make_inputs, mixed_spread_gates,
-    naive_from_logits, rel_rms, triton_from_logits, triton_gla,
+    GLA_NAMES, compiled_graph_ops, gated_linear_attention_fp64, gla_forward_backward, gla_inputs, gpu_of,
+    mixed_spread_gates, naive_from_logits, rel_rms, triton_from_logits, triton_gla,
 )
 
 from fabric_lin.ops.gla.state_pass import takes_decayed_keys  # noqa: E402
@@ -57,21 +57,21 @@ def test_kernels_run_in_the_interpreter():
     [(2, 1, 1, 16, 32, True), (1, 63, 2, 32, 16, True), (2, 64, 1, 16, 64, False), (1, 130, 1, 64, 16, True)],
 )
 def test_triton_matches_naive_fp32(B, T, H, K, V, with_h0):
-    q, k, v, gk, h0 = make_inputs(B, T, H, K, V, seed=T + K)
+    q, k, v, gk, h0 = gla_inputs(B, T, H, K, V, seed=T + K)
     h0 = h0 if with_h0 else None
-    ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, None)
-    out = forward_backward(triton_gla, q, k, v, gk, h0, None)
-    for name, a, b in zip(NAMES, out, ref):
+    ref = gla_forward_backward(naive_recurrent_gla, q, k, v, gk, h0, None)
+    out = gla_forward_backward(triton_gla, q, k, v, gk, h0, None)
+    for name, a, b in zip(GLA_NAMES, out, ref):
         assert_close_scaled(a, b, name)
 
 
 @cpu_only
 def test_triton_varlen_matches_naive_fp32():
     offsets = torch.tensor([0, 15, 64, 100, 130, 131], dtype=torch.int32)
-    q, k, v, gk, h0 = make_inputs(1, 131, 2, 16, 32, N=5, seed=7)
-    ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
-    out = forward_backward(triton_gla, q, k, v, gk, h0, offsets)
-    for name, a, b in zip(NAMES, out, ref):
+    q, k, v, gk, h0 = gla_inputs(1, 131, 2, 16, 32, N=5, seed=7)
+    ref = gla_forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
+    out = gla_forward_backward(triton_gla, q, k, v, gk, h0, offsets)
+    for name, a, b in zip(GLA_NAMES, out, ref):
         assert_close_scaled(a, b, name)
 
 
@@ -92,10 +92,10 @@ def test_triton_tiles_and_both_state_pass_forms(monkeypatch, split, launch):
     # updates and a scan; varlen with a sequence of 5 chunks, then 1
     gpu_of(monkeypatch, 132 if split else 1)
     offsets = torch.tensor([0, 300, 330], dtype=torch.int32)
-    q, k, v, gk, h0 = make_inputs(1, 330, 1, 40, 48, N=2, seed=9)
-    ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
-    out = forward_backward(lambda *a, **kw: triton_gla(*a, launch=launch, **kw), q, k, v, gk, h0, offsets)
-    for name, a, b in zip(NAMES, out, ref):
+    q, k, v, gk, h0 = gla_inputs(1, 330, 1, 40, 48, N=2, seed=9)
+    ref = gla_forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
+    out = gla_forward_backward(lambda *a, **kw: triton_gla(*a, launch=launch, **kw), q, k, v, gk, h0, offsets)
+    for name, a, b in zip(GLA_NAMES, out, ref):
         assert_close_scaled(a, b, name)
 
 
@@ -109,11 +109,11 @@ def test_triton_from_logits_matches_naive_fp32(monkeypatch, T, offsets, logit_sc
     # sums and the dq/dk kernel writes the logits' gradient; split: chunk-parallel state passes
     gpu_of(monkeypatch, 132 if split else 1)
     N = 1 if offsets is None else len(offsets) - 1
-    q, k, v, _, h0 = make_inputs(1, T, 2, 32, 48, N=N, seed=12)
+    q, k, v, _, h0 = gla_inputs(1, T, 2, 32, 48, N=N, seed=12)
     logits = logit_scale * torch.randn(1, T, 2, 32, generator=torch.Generator().manual_seed(13))
     cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
-    ref = forward_backward(naive_from_logits, q, k, v, logits, h0, cu)
-    out = forward_backward(triton_from_logits, q, k, v, logits, h0, cu)
+    ref = gla_forward_backward(naive_from_logits, q, k, v, logits, h0, cu)
+    out = gla_forward_backward(triton_from_logits, q, k, v, logits, h0, cu)
     for name, a, b in zip(["o", "ht", "dq", "dk", "dv", "dlogits", "dh0"], out, ref):
         assert_close_scaled(a, b, name)
 
@@ -131,15 +131,15 @@ def test_triton_decayed_key_forms_match_naive_fp32(monkeypatch, V, split, from_l
     launch = with_settings(SHIPPED, {"output.BK": 32, "dqk.BK": 32, "state.BK": 32})
     assert takes_decayed_keys(40, V, 4, 2, torch.device("cpu"), launch.state) == (V == 48 and not split)
     offsets = torch.tensor([0, 7, 64, 100, 163], dtype=torch.int32)
-    q, k, v, gk, h0 = make_inputs(1, 163, 2, 40, V, N=4, seed=14)
+    q, k, v, gk, h0 = gla_inputs(1, 163, 2, 40, V, N=4, seed=14)
     if from_logits:
         logits = 3 * torch.randn(1, 163, 2, 40, generator=torch.Generator().manual_seed(15))
-        ref = forward_backward(naive_from_logits, q, k, v, logits, h0, offsets)
-        out = forward_backward(lambda *a, **kw: triton_from_logits(*a, launch=launch, **kw), q, k, v, logits, h0, offsets)
+        ref = gla_forward_backward(naive_from_logits, q, k, v, logits, h0, offsets)
+        out = gla_forward_backward(lambda *a, **kw: triton_from_logits(*a, launch=launch, **kw), q, k, v, logits, h0, offsets)
     else:
-        ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
-        out = forward_backward(lambda *a, **kw: triton_gla(*a, launch=launch, **kw), q, k, v, gk, h0, offsets)
-    for name, a, b in zip(NAMES, out, ref):
+        ref = gla_forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
+        out = gla_forward_backward(lambda *a, **kw: triton_gla(*a, launch=launch, **kw), q, k, v, gk, h0, offsets)
+    for name, a, b in zip(GLA_NAMES, out, ref):
         assert_close_scaled(a, b, name)
 
 
@@ -172,10 +172,10 @@ def test_state_pass_warps_follow_the_launch_programs(monkeypatch):
 @cpu_only
 def test_triton_head_dims_not_powers_of_two_and_custom_scale():
     # K=40 and V=72 leave partly masked tiles; V spans two value tiles of 64
-    q, k, v, gk, _ = make_inputs(1, 70, 1, 40, 72, seed=3)
-    ref = forward_backward(lambda *a, **kw: naive_recurrent_gla(*a, scale=0.3, **kw), q, k, v, gk, None, None)
-    out = forward_backward(lambda *a, **kw: triton_gla(*a, scale=0.3, **kw), q, k, v, gk, None, None)
-    for name, a, b in zip(NAMES, out, ref):
+    q, k, v, gk, _ = gla_inputs(1, 70, 1, 40, 72, seed=3)
+    ref = gla_forward_backward(lambda *a, **kw: naive_recurrent_gla(*a, scale=0.3, **kw), q, k, v, gk, None, None)
+    out = gla_forward_backward(lambda *a, **kw: triton_gla(*a, scale=0.3, **kw), q, k, v, gk, None, None)
+    for name, a, b in zip(GLA_NAMES, out, ref):
         assert_close_scaled(a, b, name)
 
 
@@ -186,12 +186,12 @@ def test_triton_strong_gates_stay_finite(decay):
     # that divides by exp(b) overflows fp32; -3000 decays by ~190 per step, a gate spread of thousands over a
     # chunk, where any factor with a positive exponent of one step or more overflows: only the levels of
     # halves (every exponent <= 0) give finite scores there, so this also shows they are the path taken
-    q, k, v, _, h0 = make_inputs(1, 130, 1, 16, 16, seed=5)
+    q, k, v, _, h0 = gla_inputs(1, 130, 1, 16, 16, seed=5)
     logits = torch.where(torch.rand(1, 130, 1, 16, generator=torch.Generator().manual_seed(0)) < 0.5, decay, 8.0)
     gk = F.logsigmoid(logits) / 16
-    ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, None)
-    out = forward_backward(triton_gla, q, k, v, gk, h0, None)
-    for name, a, b in zip(NAMES, out, ref):
+    ref = gla_forward_backward(naive_recurrent_gla, q, k, v, gk, h0, None)
+    out = gla_forward_backward(triton_gla, q, k, v, gk, h0, None)
+    for name, a, b in zip(GLA_NAMES, out, ref):
         assert torch.isfinite(a).all(), name
         assert_close_scaled(a, b, name)
 
@@ -205,18 +205,18 @@ def test_triton_single_reference_and_levels_in_one_call_match_naive_fp32(strong_
     # one reference row would overflow there)
     launch = with_settings(SHIPPED, {"output.BK": 32, "dqk.BK": 32})
     offsets = torch.tensor([0, 7, 64, 100, 163], dtype=torch.int32)
-    q, k, v, _, h0 = make_inputs(1, 163, 2, 40, 48, N=4, seed=11)
+    q, k, v, _, h0 = gla_inputs(1, 163, 2, 40, 48, N=4, seed=11)
     gk = mixed_spread_gates(163, 2, 40, slice(100, 163), slice(0, 8), strong_logit=strong_logit)
-    ref = forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
-    out = forward_backward(lambda *a, **kw: triton_gla(*a, launch=launch, **kw), q, k, v, gk, h0, offsets)
-    for name, a, b in zip(NAMES, out, ref):
+    ref = gla_forward_backward(naive_recurrent_gla, q, k, v, gk, h0, offsets)
+    out = gla_forward_backward(lambda *a, **kw: triton_gla(*a, launch=launch, **kw), q, k, v, gk, h0, offsets)
+    for name, a, b in zip(GLA_NAMES, out, ref):
         assert torch.isfinite(a).all(), name
         assert_close_scaled(a, b, name)
 
 
 @cpu_only
 def test_triton_without_final_state_returns_none_and_same_output():
-    q, k, v, gk, _ = make_inputs(1, 20, 1, 16, 16)
+    q, k, v, gk, _ = gla_inputs(1, 20, 1, 16, 16)
     o, ht = triton_gla(q, k, v, gk)
     o_ref, _ = naive_recurrent_gla(q, k, v, gk)
     assert ht is None
@@ -248,7 +248,7 @@ def test_fused_recurrent_step_matches_reference(K, V):
 @pytest.mark.parametrize("from_logits", [False, True])
 def test_torch_compile_captures_the_op_without_graph_breaks(from_logits):
     # the Triton op is a torch.library custom op: dynamo keeps it as one opaque node, forward and backward
-    q, k, v, gk, h0 = make_inputs(1, 70, 2, 16, 32, seed=11)
+    q, k, v, gk, h0 = gla_inputs(1, 70, 2, 16, 32, seed=11)
     if from_logits:  # the same gate, given as logits: gk = logsigmoid(logits) / 16
         gk = torch.logit(torch.exp(16 * gk).clamp(1e-6, 1 - 1e-6))
 
@@ -336,9 +336,9 @@ def float16_case(with_h0, offsets, from_logits, T=150, K=32, V=32, device="cpu")
         return gated_linear_attention_fp64(q, k, v, gk, initial_state=initial_state, cu_seqlens=cu_seqlens)
 
     inputs = (q, k, v, gate, h0)
-    out = forward_backward(ours, *inputs, cu)
-    ref = forward_backward(reference, *(None if x is None else x.double() for x in inputs), cu)
-    names = NAMES if with_h0 else NAMES[:-1]
+    out = gla_forward_backward(ours, *inputs, cu)
+    ref = gla_forward_backward(reference, *(None if x is None else x.double() for x in inputs), cu)
+    names = GLA_NAMES if with_h0 else GLA_NAMES[:-1]
     if from_logits:
         names = [("dlogits" if n == "dgk" else n) for n in names]
     return inputs, cu, out, ref, names
@@ -386,7 +386,7 @@ def fla_chunk_gla(q, k, v, gate, from_logits, initial_state=None, output_final_s
 
 
 def fla_forward_backward(inputs, cu_seqlens, from_logits, tmp_path):
-    """forward_backward of fla's chunk_gla on the same inputs, run by this file as a script in a process of its own
+    """gla_forward_backward of fla's chunk_gla on the same inputs, run by this file as a script in a process of its own
     (fla's kernels need conftest.fla_in_interpreter). Skips where fla does not import."""
     torch.save({"inputs": inputs, "cu_seqlens": cu_seqlens, "from_logits": from_logits}, tmp_path / "inputs.pt")
     proc = subprocess.run([sys.executable, __file__, str(tmp_path / "inputs.pt"), str(tmp_path / "fla.pt")],
@@ -428,4 +428,4 @@ if __name__ == "__main__":  # fla_forward_backward's process
             sys.exit(3)
         data = torch.load(sys.argv[1])
         fla_op = functools.partial(fla_chunk_gla, from_logits=data["from_logits"])
-        torch.save(forward_backward(fla_op, *data["inputs"], data["cu_seqlens"]), sys.argv[2])
+        torch.save(gla_forward_backward(fla_op, *data["inputs"], data["cu_seqlens"]), sys.argv[2])

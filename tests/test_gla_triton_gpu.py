@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from conftest import (  # noqa: E402
-    NAMES, forward_backward, gpu_of, make_inputs, mixed_spread_gates, naive_from_logits, rel_rms, triton_from_logits,
-    triton_gla,
+    GLA_NAMES, gla_forward_backward, gla_inputs, gpu_of, mixed_spread_gates, naive_from_logits, rel_rms,
+    triton_from_logits, triton_gla,
 )
 
 from fabric_lin.ops.gla import chunk_gla, fused_recurrent_gla_step, naive_recurrent_gla, recurrent_gla_step  # noqa: E402
@@ -29,14 +29,14 @@ def check_bf16(B, T, H, K, V, cu_seqlens=None, seed=0, strong_logit=None, launch
     """With strong_logit, the second half of each sequence decays fast in the first quarter of the key columns
     (mixed_spread_gates), so that both the single-reference scores and the levels are taken."""
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    q, k, v, gk, h0 = make_inputs(B, T, H, K, V, N=N, seed=seed, device="cuda", dtype=torch.bfloat16)
+    q, k, v, gk, h0 = gla_inputs(B, T, H, K, V, N=N, seed=seed, device="cuda", dtype=torch.bfloat16)
     if strong_logit is not None:
         gk = torch.cat([mixed_spread_gates(T, H, K, slice(T // 2, T), slice(0, max(1, K // 4)), seed=seed + b,
                                            strong_logit=strong_logit) for b in range(B)]).cuda()
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32, device="cuda")
-    ref = forward_backward(naive_recurrent_gla, q.float(), k.float(), v.float(), gk, h0, cu)
-    out = forward_backward(lambda *a, **kw: triton_gla(*a, launch=launch, **kw), q, k, v, gk, h0, cu)
-    errors = {name: rel_rms(a, b) for name, a, b in zip(NAMES, out, ref)}
+    ref = gla_forward_backward(naive_recurrent_gla, q.float(), k.float(), v.float(), gk, h0, cu)
+    out = gla_forward_backward(lambda *a, **kw: triton_gla(*a, launch=launch, **kw), q, k, v, gk, h0, cu)
+    errors = {name: rel_rms(a, b) for name, a, b in zip(GLA_NAMES, out, ref)}
     assert out[0].dtype == torch.bfloat16 and out[2].dtype == torch.bfloat16
     bad = {name: e for name, e in errors.items() if not e <= 0.005}
     assert not bad, f"relative RMS error above 0.005: {bad} (all: {errors})"
@@ -90,11 +90,11 @@ def test_gpu_bf16_searchable_settings_match_fp32_naive(monkeypatch, split, setti
                                                 (2, 63, 2, 64, 64, None), (1, 2, 1, 256, 32, None), (2, 63, 1, 64, 32, None)])
 def test_gpu_bf16_from_logits_matches_fp32_naive(B, T, H, K, V, offsets):
     N = B if offsets is None else len(offsets) - 1
-    q, k, v, _, h0 = make_inputs(B, T, H, K, V, N=N, seed=3, device="cuda", dtype=torch.bfloat16)
+    q, k, v, _, h0 = gla_inputs(B, T, H, K, V, N=N, seed=3, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(B, T, H, K, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
     cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32, device="cuda")
-    ref = forward_backward(naive_from_logits, q.float(), k.float(), v.float(), logits.float(), h0, cu)
-    out = forward_backward(triton_from_logits, q, k, v, logits, h0, cu)
+    ref = gla_forward_backward(naive_from_logits, q.float(), k.float(), v.float(), logits.float(), h0, cu)
+    out = gla_forward_backward(triton_from_logits, q, k, v, logits, h0, cu)
     errors = {name: rel_rms(a.float(), b) for name, a, b in zip(["o", "ht", "dq", "dk", "dv", "dlogits", "dh0"], out, ref)}
     bad = {name: e for name, e in errors.items() if not e <= 0.005}
     assert not bad, f"relative RMS error above 0.005: {bad} (all: {errors})"
@@ -136,7 +136,7 @@ def test_gpu_fused_recurrent_step():
 @needs_cuda
 def test_gpu_compiled_model_step_uses_the_op():
     # torch.compile keeps the custom op opaque: the compiled function matches eager, with no graph break
-    q, k, v, gk, h0 = make_inputs(2, 256, 4, 64, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v, gk, h0 = gla_inputs(2, 256, 4, 64, 128, device="cuda", dtype=torch.bfloat16)
 
     def f(q, k, v, gk, h0):
         o, ht = chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
