@@ -266,8 +266,9 @@ def train_sentencepiece(directory: Path, vocab_size: int = 64) -> None:
 
 
 def assert_decoding_equals_the_full_forward(config) -> None:
-    """A recurrent model's logits over 75 tokens equal those of a chunked prefill of 40 then one token at a time
-    from its decoding cache, whose first layer then holds the convolutions' windows and the delta state."""
+    """A model's logits over 75 tokens equal those of a chunked prefill of 40 then one token at a time from its
+    decoding cache. A recurrent first layer then holds constant memory: GLA one [B, H, K, V] state, the delta rule
+    the convolutions' windows and its state."""
     from fabric_lin.model import GPT
 
     torch.manual_seed(0)
@@ -280,8 +281,12 @@ def assert_decoding_equals_the_full_forward(config) -> None:
         for t in range(40, 75):
             steps.append(model(ids[:, t : t + 1], cache=cache))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
-    conv_q, conv_k, conv_v, state = cache.layers[0]
-    assert state.shape == (2, config.num_heads, config.head_k_dim, config.head_v_dim) and conv_v.shape == (2, 3, config.value_dim)
+    state_shape = (2, config.num_heads, config.head_k_dim, config.head_v_dim)
+    if config.block_type == "gla":
+        assert cache.layers[0].shape == state_shape
+    elif config.block_type in ("gdn", "deltanet"):
+        conv_q, conv_k, conv_v, state = cache.layers[0]
+        assert state.shape == state_shape and conv_v.shape == (2, 3, config.value_dim)
 
 
 def assert_packed_documents_equal_separate_documents(config) -> None:
@@ -463,6 +468,10 @@ def interrupt_preparation(command: List[str], directory: Path, started: str, how
 # here because that file, run as a script, must not import conftest.py (which sets TRITON_INTERPRET)
 GDN_STEP_SHAPE = (16, 4, 128, 256)  # B, H, K, V
 
+# where the fused ops' tests run: on the GPU in fp32 and bf16, else in Triton's interpreter in fp32 (its tl.dot on
+# bf16 inputs is wrong)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
 
 def leaves(*tensors):
     return [t.detach().clone().requires_grad_(True) for t in tensors]

@@ -5,29 +5,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import gla_inputs
 from fabric_lin.ops.gla import chunk_gla, chunk_gla_torch, naive_recurrent_gla, recurrent_gla_step
-
-
-def make_inputs(B, T, H, K, V, seed=0, gate_logit=None, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, K, generator=g)
-    k = torch.randn(B, T, H, K, generator=g)
-    v = torch.randn(B, T, H, V, generator=g)
-    logits = torch.randn(B, T, H, K, generator=g) if gate_logit is None else torch.full((B, T, H, K), gate_logit)
-    gk = F.logsigmoid(logits) / 16
-    h0 = torch.randn(B, H, K, V, generator=g)
-    tensors = [q, k, v, gk, h0]
-    if requires_grad:
-        for t in tensors:
-            t.requires_grad_(True)
-    return tensors
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
 @pytest.mark.parametrize("H,K,V", [(2, 16, 16), (3, 32, 16), (1, 8, 40)])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunk_matches_naive(T, H, K, V, with_state):
-    q, k, v, gk, h0 = make_inputs(2, T, H, K, V, seed=T)
+    q, k, v, gk, h0 = gla_inputs(2, T, H, K, V, seed=T)
     h0 = h0 if with_state else None
     o_ref, s_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
     o, s = chunk_gla_torch(q, k, v, gk, initial_state=h0, output_final_state=True)
@@ -38,7 +24,7 @@ def test_chunk_matches_naive(T, H, K, V, with_state):
 
 
 def test_custom_scale():
-    q, k, v, gk, _ = make_inputs(1, 70, 2, 16, 16)
+    q, k, v, gk, _ = gla_inputs(1, 70, 2, 16, 16)
     o_ref, _ = naive_recurrent_gla(q, k, v, gk, scale=0.37)
     o, _ = chunk_gla_torch(q, k, v, gk, scale=0.37)
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
@@ -47,14 +33,14 @@ def test_custom_scale():
 def test_strongest_gates_over_2048_steps_stay_finite_and_exact():
     # logsigmoid(-20)/16 per step is about -1.25: the cumulative gate over a 64-token chunk reaches
     # -80, where exp(-b) overflows fp32 if the chunk is not handled stably.
-    q, k, v, gk, h0 = make_inputs(1, 2048, 2, 16, 16, gate_logit=-20.0)
+    q, k, v, gk, h0 = gla_inputs(1, 2048, 2, 16, 16, gate_logit=-20.0)
     o_ref, s_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
     o, s = chunk_gla_torch(q, k, v, gk, initial_state=h0, output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(s, s_ref, rtol=1e-4, atol=1e-4)
     # mixed: strong and weak gates in one chunk
-    q, k, v, _, _ = make_inputs(1, 300, 2, 16, 16, seed=3)
+    q, k, v, _, _ = gla_inputs(1, 300, 2, 16, 16, seed=3)
     logits = torch.where(torch.rand(1, 300, 2, 16) < 0.5, torch.tensor(-20.0), torch.tensor(8.0))
     gk = F.logsigmoid(logits) / 16
     torch.testing.assert_close(chunk_gla_torch(q, k, v, gk)[0], naive_recurrent_gla(q, k, v, gk)[0], rtol=1e-4, atol=1e-4)
@@ -62,7 +48,7 @@ def test_strongest_gates_over_2048_steps_stay_finite_and_exact():
 
 @pytest.mark.parametrize("T", [1, 63, 130])
 def test_gradients_match_naive(T):
-    inputs = make_inputs(2, T, 2, 16, 24, seed=7, requires_grad=True)
+    inputs = [t.requires_grad_() for t in gla_inputs(2, T, 2, 16, 24, seed=7)]
     q, k, v, gk, h0 = inputs
     grad_o = torch.randn(2, T, 2, 24)
     grad_s = torch.randn(2, 2, 16, 24)
@@ -77,7 +63,7 @@ def test_gradients_match_naive(T):
 
 def test_varlen_equals_documents_run_separately():
     offsets = [0, 15, 100, 101, 230, 300]
-    q, k, v, gk, _ = make_inputs(1, 300, 2, 16, 32, seed=11)
+    q, k, v, gk, _ = gla_inputs(1, 300, 2, 16, 32, seed=11)
     h0 = torch.randn(len(offsets) - 1, 2, 16, 32)
     cu_seqlens = torch.tensor(offsets, dtype=torch.int32)
     o, s = chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens, backend="torch")
@@ -90,7 +76,7 @@ def test_varlen_equals_documents_run_separately():
 
 
 def test_varlen_gradients_match_naive():
-    inputs = make_inputs(1, 150, 2, 16, 16, seed=5, requires_grad=True)
+    inputs = [t.requires_grad_() for t in gla_inputs(1, 150, 2, 16, 16, seed=5)]
     q, k, v, gk, _ = inputs
     cu_seqlens = torch.tensor([0, 40, 41, 150])
     w = torch.randn(1, 150, 2, 16)
@@ -101,7 +87,7 @@ def test_varlen_gradients_match_naive():
 
 
 def test_recurrent_step_continues_the_chunked_state():
-    q, k, v, gk, h0 = make_inputs(2, 90, 2, 16, 8)
+    q, k, v, gk, h0 = gla_inputs(2, 90, 2, 16, 8)
     o_ref, s_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
     _, state = chunk_gla_torch(q[:, :70], k[:, :70], v[:, :70], gk[:, :70], initial_state=h0, output_final_state=True)
     for t in range(70, 90):
@@ -111,7 +97,7 @@ def test_recurrent_step_continues_the_chunked_state():
 
 
 def test_unknown_backend_is_rejected():
-    q, k, v, gk, _ = make_inputs(1, 4, 1, 8, 8)
+    q, k, v, gk, _ = gla_inputs(1, 4, 1, 8, 8)
     with pytest.raises(ValueError, match="backend"):
         chunk_gla(q, k, v, gk, backend="cuda")
 
@@ -121,7 +107,7 @@ def test_unknown_backend_is_rejected():
 def test_from_logits_rejects_a_normalizer_that_is_not_positive(backend, normalizer):
     from fabric_lin.ops.gla import chunk_gla_from_logits
 
-    q, k, v, logits, _ = make_inputs(1, 4, 1, 8, 8)
+    q, k, v, logits, _ = gla_inputs(1, 4, 1, 8, 8)
     with pytest.raises(ValueError, match="normalizer must be a positive number"):
         chunk_gla_from_logits(q, k, v, logits, normalizer, backend=backend)
 

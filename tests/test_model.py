@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from fabric_lin.config import Config
 from fabric_lin.model import GPT
 from fabric_lin.ops.cross_entropy import linear_cross_entropy
-from helpers import eager_model_built_as_from_meta
+from helpers import assert_decoding_equals_the_full_forward, eager_model_built_as_from_meta
 
 
 def tiny(name: str, **overrides) -> Config:
@@ -19,19 +19,7 @@ def tiny(name: str, **overrides) -> Config:
     ids=["gla", "gla-gqa", "transformer", "transformer-gqa"],
 )
 def test_token_by_token_decoding_reproduces_full_forward(config):
-    torch.manual_seed(0)
-    model = GPT(config).eval()
-    ids = torch.randint(0, config.vocab_size, (2, 75))
-    with torch.no_grad():
-        full = model(ids)
-        cache = model.new_cache()
-        prompt = 40  # a chunked prefill, then one token at a time
-        steps = [model(ids[:, :prompt], cache=cache)]
-        for t in range(prompt, ids.shape[1]):
-            steps.append(model(ids[:, t : t + 1], cache=cache))
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
-    if config.block_type == "gla":  # constant memory per token: one [B, H, K, V] state per layer
-        assert cache.layers[0].shape == (2, config.num_heads, config.head_k_dim, config.head_v_dim)
+    assert_decoding_equals_the_full_forward(config)
 
 
 def test_transformer_prompt_appended_to_cache():
