@@ -14,12 +14,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from conftest import rel_rms  # noqa: E402
-from helpers import check, leaves  # noqa: E402
+from helpers import DEVICE, DTYPES, check, leaves  # noqa: E402
 
 from fabric_lin.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

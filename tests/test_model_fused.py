@@ -11,11 +11,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from conftest import rel_rms  # noqa: E402
+from helpers import DEVICE  # noqa: E402
 
 from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def fused_and_reference(config):

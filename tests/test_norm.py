@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from conftest import check_against_fp32, compiled_graph_ops  # noqa: E402
-from helpers import check, grads_of, leaves  # noqa: E402
+from helpers import DEVICE, DTYPES, check, grads_of, leaves  # noqa: E402
 
 from fabric_lin.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref  # noqa: E402
 from fabric_lin.ops.norm import (  # noqa: E402
@@ -26,8 +26,6 @@ from fabric_lin.ops.norm import (  # noqa: E402
 )
 from fabric_lin.ops.swiglu import swiglu, swiglu_linear, swiglu_ref  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

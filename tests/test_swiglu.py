@@ -12,12 +12,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from conftest import check_against_fp32  # noqa: E402
-from helpers import check, grads_of, leaves  # noqa: E402
+from helpers import DEVICE, DTYPES, check, grads_of, leaves  # noqa: E402
 
 from fabric_lin.ops.swiglu import swiglu, swiglu_linear, swiglu_ref  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
