@@ -284,6 +284,9 @@ def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokeniz
             fast_dev_run=fast_dev_run or False,
             item_loader=TokensLoader(),
             reorder_files=False,  # keep the sorted file order
+            # litdata starts its workers with spawn by default: a new Python importing torch, ~3 s each (most
+            # of building the sample corpus). Forked, they start at once; macOS keeps spawn (fork is unsafe there)
+            start_method="fork" if sys.platform == "linux" else None,
         )
         processor.run(recipe)
     except BaseException:

@@ -442,8 +442,9 @@ def split_documents(tokens, eos_id):
 
 def interrupt_preparation(command: List[str], directory: Path, started: str, how: str) -> int:
     """Run a data preparation script (`command`) in a session of its own, wait until the glob pattern `started`
-    under `directory` names what it writes while it runs, then stop it: SIGKILL to the whole session (a killed
-    job: nothing runs after it) or SIGINT to the script (Ctrl-C). Returns its exit code."""
+    under `directory` names what it writes while it runs (a worker's report of its first file: with many files
+    the run is mid-way), then stop it: SIGKILL to the whole session (a killed job: nothing runs after it) or
+    SIGINT to the script (Ctrl-C). Returns its exit code."""
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 60
@@ -453,7 +454,6 @@ def interrupt_preparation(command: List[str], directory: Path, started: str, how
         if how == "SIGKILL":
             os.killpg(process.pid, signal.SIGKILL)
         else:
-            time.sleep(1.0)
             process.send_signal(signal.SIGINT)
         return process.wait(timeout=60)
     finally:

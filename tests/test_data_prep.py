@@ -202,16 +202,20 @@ def test_every_file_bad_names_the_input_and_creates_no_directory(corpus, tmp_pat
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
 def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path, how):
-    out = tmp_path / "interrupted"
-    command = [sys.executable, str(REPO / "data_prep" / "prepare_slimpajama.py"), "--input_dir", str(corpus["sp"]),
+    raw, runs = tmp_path / "raw", tmp_path / "runs"
+    for i in range(40):  # interrupted once the first is done, while the worker reads the others
+        write_jsonl_zst(raw / f"part-{i:03d}.jsonl.zst", slimpajama_rows(100 + i))
+    runs.mkdir()
+    out = runs / "interrupted"
+    command = [sys.executable, str(REPO / "data_prep" / "prepare_slimpajama.py"), "--input_dir", str(raw),
                "--output_dir", str(out), "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "1"]
-    returncode = interrupt_preparation(command, tmp_path, ".tmp-interrupted-*", how)
+    returncode = interrupt_preparation(command, runs, ".tmp-interrupted-*/.reports/*.jsonl", how)
     assert returncode != 0
     assert not out.exists()
     with pytest.raises(FileNotFoundError, match="does not exist"):
         check_prepared_dir(out)
     if how == "SIGKILL":
-        (partial,) = tmp_path.glob(".tmp-interrupted-*")
+        (partial,) = runs.glob(".tmp-interrupted-*")
         with pytest.raises(FileNotFoundError, match="no index.json"):
             check_prepared_dir(partial)
 

@@ -246,19 +246,24 @@ def test_prepare_text_refuses_a_finished_output_dir(paragraphs_tokenizer, text_c
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
-def test_prepare_text_interrupted_leaves_nothing_the_trainer_accepts(paragraphs_tokenizer, text_corpus, tmp_path, how):
-    out = tmp_path / "interrupted"
-    command = [sys.executable, str(REPO / "data_prep" / "prepare_text.py"), "--input_dir", str(text_corpus["raw"]),
+def test_prepare_text_interrupted_leaves_nothing_the_trainer_accepts(paragraphs_tokenizer, tmp_path, how):
+    raw, runs = tmp_path / "raw", tmp_path / "runs"
+    raw.mkdir()
+    for i in range(40):  # interrupted once the first is done, while the worker reads the others
+        (raw / f"doc-{i:03d}.txt").write_text("\n\n".join(paragraphs(24, 100 + i)), encoding="utf-8")
+    runs.mkdir()
+    out = runs / "interrupted"
+    command = [sys.executable, str(REPO / "data_prep" / "prepare_text.py"), "--input_dir", str(raw),
                "--output_dir", str(out), "--tokenizer_path", str(paragraphs_tokenizer), "--num_workers", "1",
                "--val_fraction", "0.25"]
-    returncode = interrupt_preparation(command, tmp_path, ".tmp-interrupted-*/.tmp-train-*", how)
+    returncode = interrupt_preparation(command, runs, ".tmp-interrupted-*/.tmp-train-*/.reports/*.jsonl", how)
     assert returncode != 0
     assert not out.exists()
     for split in ("train", "val"):
         with pytest.raises(FileNotFoundError, match="does not exist"):
             check_prepared_dir(out / split)
     if how == "SIGINT":  # Ctrl-C removes what the run wrote
-        assert list(tmp_path.iterdir()) == []
+        assert list(runs.iterdir()) == []
 
 
 def test_pretrain_on_prepare_text_output_and_resume(paragraphs_tokenizer, text_prepared, tmp_path):

@@ -13,8 +13,9 @@ import torch
 from fabric_lin.config import Config
 from fabric_lin.data import SampleCorpus, Tokenizer
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
+from helpers import wait_for
 
-pytestmark = pytest.mark.slow  # subprocesses that build the corpus (about 20 s on 2 cores), or begin to
+pytestmark = pytest.mark.slow  # subprocesses that build the corpus (about 4 s on 2 cores), or begin to
 
 
 def test_sample_corpus_builds_once_under_concurrency(tmp_path):
@@ -80,8 +81,9 @@ def test_ctrl_c_while_the_sample_corpus_builds_says_interrupted_and_keeps_nothin
                             text=True, start_new_session=True)
     first = proc.stdout.readline()
     assert first.startswith("Building the sample corpus (first use)"), first
-    time.sleep(2)  # inside the build: the tokenizer or a preprocessor
-    os.killpg(proc.pid, signal.SIGINT)
+    # inside the build, in a preprocessor: its worker has reported the first of the training files
+    assert wait_for(lambda: list(cache_dir.glob(".tmp-*/slimpajama/.tmp-train-*/.reports/*.jsonl")), proc, timeout=120)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole process group, the preprocessor's workers too
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0
     assert "The sample corpus build was interrupted: nothing was kept; the next run builds it again" in out
