@@ -3,8 +3,8 @@ any machine, with or without a GPU.
 
 The forward and backward launch code of `chunk_gla_triton` runs on CPU tensors with Triton's driver
 replaced by one that reports an sm_90 GPU: each launch is compiled with Triton's own specialization of
-its arguments and not run. ptxas -v (the one in Triton's wheel) gives the registers per thread and the
-local-memory frame, reported as Triton reports spills on a GPU (frame bytes / 4). Launch decisions that
+its arguments and not run. The cubin Triton built (with the ptxas in its wheel) records the registers per
+thread and the local-memory frame, reported as Triton reports spills on a GPU (frame bytes / 4). Launch decisions that
 depend on the GPU (the split state pass, the state passes' warps) are made for --sms multiprocessors.
 
     python benchmarks/kernel_registers.py                                  # the three reference shapes
@@ -59,21 +59,19 @@ class CompileOnlyDriver:
         return torch.device("cpu")
 
 
-def ptxas_report(ptx: str) -> tuple:
-    """(registers per thread, local-memory frame bytes) of a kernel's PTX, compiled as Triton compiles it
-    (a register cap is in the PTX itself, as .maxnreg)."""
+def cubin_resources(cubin: bytes) -> tuple:
+    """(registers per thread, local-memory frame bytes) of a compiled kernel, as its cubin records them: what the
+    driver reports on a GPU (cuobjdump's resource usage, read from the binary Triton built)."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        cmd = [os.path.join(NVIDIA_BIN, "ptxas"), "-v", f"--gpu-name=sm_{TARGET.arch}a", path,
-               "-o", os.path.join(tmp, "kernel.cubin")]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-    registers = re.findall(r"Used (\d+) registers", result.stderr)
-    frame = re.findall(r"(\d+) bytes (?:cumulative )?stack", result.stderr)
-    if result.returncode or not registers:
-        raise RuntimeError(f"ptxas failed on the kernel's PTX: {result.stderr[-500:]}")
-    return int(registers[-1]), int(frame[-1]) if frame else 0
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        result = subprocess.run([os.path.join(NVIDIA_BIN, "cuobjdump"), "--dump-resource-usage", path],
+                                capture_output=True, text=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", result.stdout)
+    if result.returncode or not found:
+        raise RuntimeError(f"cuobjdump could not read the kernel's resources: {result.stdout[-300:]}{result.stderr[-300:]}")
+    return int(found.group(1)), int(found.group(2))
 
 
 def spill_lines(cubin: bytes, top: int = 12) -> list:
@@ -106,7 +104,7 @@ def compile_only(records: list, lines_of: set):
 
     def compile_and_report(fn, *args, grid, warmup, **kwargs):
         kernel = run(fn, *args, grid=grid, warmup=True, **kwargs)
-        registers, frame = ptxas_report(kernel.asm["ptx"])
+        registers, frame = cubin_resources(kernel.asm["cubin"])
         warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
         row = {"kernel": fn.__name__, "grid": list(grid) if isinstance(grid, tuple) else None, "warps": warps,
                "regs_per_thread": registers, "spills": frame // 4,

@@ -311,7 +311,7 @@ CONV_SHAPES = [(16, 2048, 512), (16, 2048, 1024)]  # B, T, D: gdn-340M's key and
 def sm90_report() -> dict:
     """Every launch of the convolution (forward and backward, batched and varlen), its decoding step and the
     GDN decoding step (gated, and without a gate), compiled for sm_90 with bf16 inputs and not run; registers and
-    spills from ptxas."""
+    spills as the compiled cubins record them."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import kernel_registers  # noqa: E402  (compile, do not interpret: it clears TRITON_INTERPRET)
 
