@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import fabric_lin_process
 from fabric_lin.config import Config, name_to_config
 from fabric_lin.convert.from_llama import convert_from_llama
 from fabric_lin.convert.model_dir import load_model_dir_weights
@@ -188,9 +189,6 @@ def test_bad_inputs_get_clear_errors(tmp_path, mistral_shaped_gla):
 
 
 def test_gla_7B_from_mistral_recipe_matches_the_conversion():
-    import subprocess
-    import sys
-
     import yaml
 
     from fabric_lin.args import TrainArgs
@@ -207,10 +205,7 @@ def test_gla_7B_from_mistral_recipe_matches_the_conversion():
     assert recipe["data"]["init_args"]["use_starcoder"] is False
     assert recipe["initial_checkpoint_dir"] == recipe["tokenizer_dir"]
     # and the command line accepts every key
-    proc = subprocess.run(
-        [sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(path), "--print_config"],
-        capture_output=True, text=True, timeout=120,
-    )
+    proc = fabric_lin_process.run([*fabric_lin_process.FABRIC_LIN, "pretrain", "--config", str(path), "--print_config"], 120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "initial_checkpoint_dir: checkpoints/gla-7B-from-mistral" in proc.stdout
 

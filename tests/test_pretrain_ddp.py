@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fabric_lin_process
 from conftest import logged_data_fingerprints
 from helpers import (
     CPU_ONLY,
@@ -159,8 +160,7 @@ def test_an_error_every_rank_meets_is_printed_once(tmp_path):
     """Two processes both find the --resume directory missing (after the launch): rank 0 alone reports it;
     the out_dir the run created is removed again."""
     missing = tmp_path / "nothing"
-    result = subprocess.run(command(tmp_path / "out", "--devices", "2", "--resume", str(missing)), capture_output=True,
-                            text=True, timeout=TIMEOUT, env=CPU_ONLY)
+    result = fabric_lin_process.run(command(tmp_path / "out", "--devices", "2", "--resume", str(missing)), TIMEOUT, CPU_ONLY)
     assert result.returncode == 2
     line = f"fabric-lin pretrain: error: --resume {missing}: expected a checkpoint directory holding lit_model.pth\n"
     assert (result.stdout + result.stderr).count(line) == 1, result.stderr[-3000:]
