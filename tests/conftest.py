@@ -12,6 +12,10 @@ import torch.nn.functional as F
 # test module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter import skip_repatching_in_helper_calls
+
+    skip_repatching_in_helper_calls()
 
 MAX_WORKERS = 4  # pytest-xdist's `-n auto` (pyproject's addopts): one worker per core, at most this many
 
