@@ -7,13 +7,13 @@ fla's layers are Triton kernels, so without CUDA they run in Triton's interprete
 small models), with conftest.fla_in_interpreter's two adjustments. fla's softmax-attention layer refuses to be built
 without flash-attn, which has no CPU build: for it, flash-attn's `flash_attn_func` is stood in by PyTorch's causal
 scaled_dot_product_attention (what it computes; fla's own code does the rest: projections, rotary embedding, heads).
-Each check runs in a subprocess, so that the interpreter setting and the stand-in stay out of the pytest process.
+The checks run in one subprocess, so that the interpreter setting and the stand-in stay out of the pytest process.
 
 fla's kernels themselves run unchanged. fla picks its fused_recurrent mode for T <= 64 and the chunked mode (chunk
 64) above, so each linear-attention case is run at both. Skips when fla or transformers is not installed and when
 CUDA is present (test_convert_fla_gpu.py covers that). As a script it prints one JSON line per case and length:
 
-    TRITON_INTERPRET=1 python tests/test_convert_fla_cpu.py [logits [CASE ...] | parameters]
+    TRITON_INTERPRET=1 python tests/test_convert_fla_cpu.py [CASE ... | gdn-generate | parameters]
 """
 import os
 import sys
@@ -61,7 +61,7 @@ CASES = {  # name: (config, sequence lengths)
     "gla-hybrid": (lambda: base(attn_layers=[1], attn_num_heads=4, attn_num_kv_heads=2, rope_base=500.0), SEQ_LENS[:1]),
     "gdn-hybrid": (lambda: base(block_type="gdn", head_dim=32, expand_v=1.5, attn_layers=[0], attn_num_heads=2), GDN_SEQ_LENS[:1]),
 }
-FAMILIES = {  # the cases each test runs in one subprocess (fla's import is paid once per subprocess)
+FAMILIES = {  # the cases each test checks (all of them computed in one subprocess: fla_results)
     "gla": ["gla", "gqa", "tied", "own-head-eps", "gla-hybrid"],
     "gdn": ["gdn", "gdn-tied", "gdn-hybrid", "gdn-generate"],
     "transformer": ["transformer", "transformer-gqa"],
@@ -199,10 +199,10 @@ def generate_with_fla(config: Config, prompt_len: int = 8, new_tokens: int = 4, 
             "fla_argmax_on_ours": fla_logits[prompt_len - 1 : -1].argmax(-1).tolist()}
 
 
-def run_interpreted(*args: str, timeout: float = 600) -> list:
+def run_interpreted(*cases: str, timeout: float = 1200) -> list:
     """This file as a script in a subprocess; its JSON lines."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run([sys.executable, __file__, *cases], capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -214,10 +214,16 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(scope="module")
+def fla_results() -> list:
+    """Every check of this file, run in one subprocess (fla's and transformers' import, ~6 s, paid once)."""
+    return run_interpreted(*(case for cases in FAMILIES.values() for case in cases), "parameters")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_exported_models_match_fla_interpreted(family):
+def test_exported_models_match_fla_interpreted(fla_results, family):
     cases = FAMILIES[family]
-    results = run_interpreted("logits", *cases)
+    results = [r for r in fla_results if r["case"] in cases]
     generated = [r for r in results if r.get("case") == "gdn-generate"]
     results = [r for r in results if r.get("case") != "gdn-generate"]
     if "gdn-generate" in cases:
@@ -233,8 +239,8 @@ def test_exported_models_match_fla_interpreted(family):
             assert r["max_abs_diff_ours_at_fla_head_eps"] < TOL, r
 
 
-def test_fla_builds_the_exports_with_their_parameter_names_and_count():
-    results = {r["model"]: r for r in run_interpreted("parameters")}
+def test_fla_builds_the_exports_with_their_parameter_names_and_count(fla_results):
+    results = {r["model"]: r for r in fla_results if r["case"] == "parameters"}
     assert sorted(results) == sorted(PARAMETER_MODELS)
     assert {r["block_type"] for r in results.values()} == {"gla", "gdn", "transformer", "deltanet"}  # every family
     for r in results.values():
@@ -250,16 +256,14 @@ if __name__ == "__main__":
     from conftest import fla_in_interpreter
 
     import_fla_with_flash_attn_stand_in()
-    what, names = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("logits", [*CASES, "gdn-generate"])
-    if what == "parameters":
-        for name, make in PARAMETER_MODELS.items():
-            print(json.dumps(fla_parameters(name, make())), flush=True)
-    else:
-        with fla_in_interpreter():
-            for case in names:
-                if case == "gdn-generate":
-                    print(json.dumps({"case": case, **generate_with_fla(CASES["gdn"][0]())}), flush=True)
-                    continue
+    with fla_in_interpreter():
+        for case in sys.argv[1:] or [*CASES, "gdn-generate", "parameters"]:
+            if case == "parameters":
+                for name, make in PARAMETER_MODELS.items():
+                    print(json.dumps({"case": case, **fla_parameters(name, make())}), flush=True)
+            elif case == "gdn-generate":
+                print(json.dumps({"case": case, **generate_with_fla(CASES["gdn"][0]())}), flush=True)
+            else:
                 make, seq_lens = CASES[case]
                 for result in compare_with_fla(make(), seq_lens):
                     print(json.dumps({"case": case, **result}), flush=True)

@@ -139,7 +139,7 @@ def test_exported_gdn_matches_fla_in_fp32_and_fla_generates():
 
 
 @needs_gpu_and_fla
-@pytest.mark.skipif(not fla_available("transformer"), reason="fla's transformer needs flash_attn")
+@pytest.mark.skipif(not torch.cuda.is_available() or not fla_available("transformer"), reason="fla's transformer needs flash_attn")
 def test_exported_transformer_matches_fla():
     result = compare_with_fla(CASES["transformer"](None))
     print(json.dumps({"case": "transformer", **result}))
