@@ -3,10 +3,12 @@
 import os
 import signal
 from collections import deque
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
-import lightning_fabric as L
 import torch
+
+if TYPE_CHECKING:  # the data modules read STOP_SIGNALS: data preparation need not import Lightning (~1.5 s)
+    import lightning_fabric as L
 
 # what a scheduler sends before preemption or at a time limit (SIGTERM; SIGUSR1 with SLURM's --signal), and Ctrl-C
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
@@ -18,7 +20,7 @@ class StepFlags:
     and stops at the same step without the host waiting for the GPU after each step. The host reads a
     step's flags once they have arrived (`pop`), usually one step later."""
 
-    def __init__(self, fabric: L.Fabric):
+    def __init__(self, fabric: "L.Fabric"):
         self.fabric = fabric
         self.queue: deque = deque()  # (step, flags on the host or being copied there, copy-done event)
         self.nonfinite_in_a_row = 0  # skipped updates in a row, as far as the host knows
@@ -92,7 +94,7 @@ class StopRequest:
         for name, handler in self.previous.items():
             signal.signal(getattr(signal, name), handler)
 
-    def requested_on_any_rank(self, fabric: L.Fabric) -> bool:
+    def requested_on_any_rank(self, fabric: "L.Fabric") -> bool:
         """Whether any rank received a signal (it may reach one of them only). Waits for the GPU: for the start
         of a run, not for every step (StepFlags carries the flag with each step's others)."""
         flag = torch.tensor(float(self.requested), device=fabric.device)
