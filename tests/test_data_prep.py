@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from data_prep.base import REPORTS_DIR
 from data_prep.prepare_slimpajama import prepare as prepare_slimpajama
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
@@ -209,7 +210,7 @@ def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path, ho
     out = runs / "interrupted"
     command = [sys.executable, str(REPO / "data_prep" / "prepare_slimpajama.py"), "--input_dir", str(raw),
                "--output_dir", str(out), "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "1"]
-    returncode = interrupt_preparation(command, runs, ".tmp-interrupted-*/.reports/*.jsonl", how)
+    returncode = interrupt_preparation(command, runs, f".tmp-interrupted-*/{REPORTS_DIR}/*.jsonl", how)
     assert returncode != 0
     assert not out.exists()
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from data_prep.base import REPORTS_DIR
 from data_prep.prepare_text import prepare as prepare_text
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
@@ -256,7 +257,7 @@ def test_prepare_text_interrupted_leaves_nothing_the_trainer_accepts(paragraphs_
     command = [sys.executable, str(REPO / "data_prep" / "prepare_text.py"), "--input_dir", str(raw),
                "--output_dir", str(out), "--tokenizer_path", str(paragraphs_tokenizer), "--num_workers", "1",
                "--val_fraction", "0.25"]
-    returncode = interrupt_preparation(command, runs, ".tmp-interrupted-*/.tmp-train-*/.reports/*.jsonl", how)
+    returncode = interrupt_preparation(command, runs, f".tmp-interrupted-*/.tmp-train-*/{REPORTS_DIR}/*.jsonl", how)
     assert returncode != 0
     assert not out.exists()
     for split in ("train", "val"):

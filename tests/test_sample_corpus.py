@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from data_prep.base import REPORTS_DIR
 from fabric_lin.config import Config
 from fabric_lin.data import SampleCorpus, Tokenizer
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
@@ -82,7 +83,7 @@ def test_ctrl_c_while_the_sample_corpus_builds_says_interrupted_and_keeps_nothin
     first = proc.stdout.readline()
     assert first.startswith("Building the sample corpus (first use)"), first
     # inside the build, in a preprocessor: its worker has reported the first of the training files
-    assert wait_for(lambda: list(cache_dir.glob(".tmp-*/slimpajama/.tmp-train-*/.reports/*.jsonl")), proc, timeout=120)
+    assert wait_for(lambda: list(cache_dir.glob(f".tmp-*/slimpajama/.tmp-train-*/{REPORTS_DIR}/*.jsonl")), proc, timeout=120)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole process group, the preprocessor's workers too
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0
