@@ -199,17 +199,20 @@ def test_state_passes_narrow_where_the_gpu_is_short_of_programs():
     assert chosen(512, 16, 6) == SHIPPED.state  # the gdn-1.3B layer: 8 x 96
     assert chosen(128, 1, 8) == SHIPPED.narrow_state  # 32K tokens, one sequence: 16 programs
     assert chosen(128, 4, 16, sms=1) == SHIPPED.state and chosen(32, 1, 1, sms=1) == SHIPPED.narrow_state
-    assert SHIPPED.narrow_state.BV < SHIPPED.state.BV and SHIPPED.narrow_state.stages == 2
+    assert SHIPPED.narrow_state.BV < SHIPPED.state.BV and SHIPPED.narrow_state.stages == 3
+    assert SHIPPED.narrow_dstate.BV < SHIPPED.dstate.BV and SHIPPED.narrow_dstate.stages == 2
+    # the reverse pass takes narrow_dstate where the forward takes narrow_state: both narrowed at 4 x 16 heads
+    assert state_pass_launch(SHIPPED.dstate, SHIPPED.narrow_dstate, 128, 4, 16, 132) == SHIPPED.narrow_dstate
 
 
 @cpu_only
 def test_narrow_state_passes_match_fp64_recurrence(monkeypatch):
-    # the narrow launch as an H200 takes it at 4 x 16 heads, forced here on two sequences of two heads with a
-    # 16-wide tile over V = 40 (three tiles, the last partly masked)
+    # the narrow launches as an H200 takes them at 4 x 16 heads (the forward pass 3 stages, the reverse 2), forced
+    # here on two sequences of two heads with a 16-wide tile over V = 40 (three tiles, the last partly masked)
     from fabric_lin.ops import launch as launch_helpers
 
     monkeypatch.setattr(launch_helpers, "multiprocessors", lambda device: 132)
-    launch = GDNLaunch(narrow_state=KernelLaunch(BV=16, stages=2))
+    launch = GDNLaunch(narrow_state=KernelLaunch(BV=16, stages=3), narrow_dstate=KernelLaunch(BV=16, stages=2))
     q, k, v, g, beta, h0 = make_inputs(2, 100, 2, 32, 40, gate="mixed", seed=13)
     check_against_fp64((q, k, v, g, beta), h0, launch=launch)
 

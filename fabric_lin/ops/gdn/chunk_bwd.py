@@ -253,7 +253,7 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     dh = q.new_empty(NC, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))
     dd = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
-    dstate = state_pass_launch(launch.dstate, launch.narrow_state, V, N, H, launch_helpers.multiprocessors(q.device))
+    dstate = state_pass_launch(launch.dstate, launch.narrow_dstate, V, N, H, launch_helpers.multiprocessors(q.device))
     BV = tile_width(dstate.BV, V)
     _bwd_state_kernel[(cdiv(V, BV), N * H)](
         q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, CHUNK_SIZE,
