@@ -7,6 +7,7 @@ schedule in `fabric_lin.lr_schedule`, what is logged in `fabric_lin.metrics`, th
 `fabric_lin.args`, a batch's loss and checksum in `fabric_lin.batches`, signals and skipped steps in
 `fabric_lin.stopping`.
 """
+import contextlib
 import inspect
 import os
 from dataclasses import dataclass, replace
@@ -168,28 +169,45 @@ def setup(
     fabric = None
     try:
         check_out_dir(out_dir, config)
-        if compile.cache:  # before Fabric starts any process or compiles anything; its processes inherit these
-            os.environ["TRITON_CACHE_DIR"] = str((out_dir / COMPILE_CACHE_DIR / "triton").absolute())
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((out_dir / COMPILE_CACHE_DIR / "inductor").absolute())
-        strategy = make_strategy(cuda, devices, num_nodes, parallelism)
-        fabric = L.Fabric(
-            accelerator="cuda" if cuda else "cpu", devices=devices, num_nodes=num_nodes, precision=precision,
-            strategy=strategy, loggers=[make_logger(logger_name, out_dir, hparams, continuing=resume is not False)],
-            # FSDP writes its shards itself (torch.distributed.checkpoint, in place) and takes no such plugin
-            plugins=[] if isinstance(strategy, FSDPStrategy) else [CheckpointFileIO()],
-        )
-        fabric.launch()
-        main(
-            fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,
-            initial_checkpoint_dir=initial_checkpoint_dir,
-            data=data, train=train, eval=eval, optimizer=optimizer, parallelism=parallelism, compile=compile, fp8=fp8, seed=seed,
-            tokenizer_dir=tokenizer_dir, reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
-            precision=precision, hparams=hparams,
-        )
+        # Fabric's processes inherit the cache locations: set before it starts any process or compiles anything
+        with compile_caches_in(out_dir, compile.cache):
+            strategy = make_strategy(cuda, devices, num_nodes, parallelism)
+            fabric = L.Fabric(
+                accelerator="cuda" if cuda else "cpu", devices=devices, num_nodes=num_nodes, precision=precision,
+                strategy=strategy, loggers=[make_logger(logger_name, out_dir, hparams, continuing=resume is not False)],
+                # FSDP writes its shards itself (torch.distributed.checkpoint, in place) and takes no such plugin
+                plugins=[] if isinstance(strategy, FSDPStrategy) else [CheckpointFileIO()],
+            )
+            fabric.launch()
+            main(
+                fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,
+                initial_checkpoint_dir=initial_checkpoint_dir,
+                data=data, train=train, eval=eval, optimizer=optimizer, parallelism=parallelism, compile=compile, fp8=fp8, seed=seed,
+                tokenizer_dir=tokenizer_dir, reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
+                precision=precision, hparams=hparams,
+            )
     except BaseException:
         if fabric is None or fabric.global_rank == 0:
             remove_empty_dirs(created)  # a failed run leaves no empty out_dir behind
         raise
+
+
+@contextlib.contextmanager
+def compile_caches_in(out_dir: Path, enabled: bool) -> Iterator[None]:
+    """Triton's and torch.compile's caches in out_dir/compile_cache (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR) while
+    the run lasts, where `enabled`; afterwards the caller's own settings again, for a run started from Python."""
+    before = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    if enabled:
+        os.environ["TRITON_CACHE_DIR"] = str((out_dir / COMPILE_CACHE_DIR / "triton").absolute())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((out_dir / COMPILE_CACHE_DIR / "inductor").absolute())
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def usable_cpu_cores() -> int:

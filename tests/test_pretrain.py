@@ -213,6 +213,34 @@ def test_hyperparameters_yaml_is_a_config_for_the_next_run(tmp_path):
     assert json.loads((tmp_path / "out" / "final" / "step.json").read_text())["step_count"] == 2
 
 
+def test_compile_caches_are_the_runs_while_it_lasts_and_the_callers_again_after(tmp_path, monkeypatch):
+    """A run started from Python keeps Triton's and torch.compile's caches in out_dir/compile_cache while it lasts
+    (where Fabric's processes inherit them) and leaves the caller's environment as it was, also when it fails."""
+    import fabric_lin.pretrain as pretrain
+
+    names = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/callers/triton")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    seen = []
+
+    def main(fabric, config, **kwargs):
+        seen.append({name: os.environ.get(name) for name in names})
+        if len(seen) == 2:
+            raise RuntimeError("the run failed")
+
+    monkeypatch.setattr(pretrain, "main", main)
+    setup_pretrain(tmp_path)
+    cache = (tmp_path / "out" / "compile_cache").absolute()
+    assert seen == [{"TRITON_CACHE_DIR": str(cache / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}]
+    assert os.environ["TRITON_CACHE_DIR"] == "/callers/triton" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    with pytest.raises(RuntimeError, match="the run failed"):
+        setup_pretrain(tmp_path / "second")
+    assert len(seen) == 2 and seen[1]["TRITON_CACHE_DIR"].startswith(str(tmp_path / "second"))
+    assert os.environ["TRITON_CACHE_DIR"] == "/callers/triton" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    setup_pretrain(tmp_path / "third", compile=CompileArgs(cache=False))
+    assert seen[2] == {"TRITON_CACHE_DIR": "/callers/triton", "TORCHINDUCTOR_CACHE_DIR": None}
+
+
 # ---- the model, its optimizer groups, the strategy, kernel launches and threads
 
 
