@@ -31,7 +31,8 @@ step() {  # name, seconds, command...
 step gpu_tests 1800 python -m pytest -q -p no:cacheprovider tests/test_gla_triton.py tests/test_gla_triton_gpu.py \
     tests/test_norm.py tests/test_swiglu.py tests/test_cross_entropy.py tests/test_launch.py tests/test_model_fused.py \
     tests/test_generate.py tests/test_pretrain_resume.py tests/test_convert_fla_gpu.py tests/test_gdn_triton.py \
-    tests/test_short_conv.py tests/test_gdn_recurrent.py tests/test_fp8.py
+    tests/test_short_conv.py tests/test_gdn_recurrent.py tests/test_fp8.py tests/test_gdn_delta_rule.py tests/test_gdn_model.py \
+    tests/test_deltanet.py tests/test_chunked.py tests/test_gla_tune.py
 step first_step 900 python benchmarks/first_step.py --fla_cache_dir "$cache" --out "$out/first_step.json"
 step fla_precompile 900 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_precompile.py --workers 6 \
     --out "$out/fla_precompile.json"
