@@ -21,7 +21,7 @@ from litdata.streaming.item_loader import TokensLoader
 from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import created_dir
+from fabric_lin.files import created_dir, environment_variables
 
 # Documents are encoded in groups of about this many characters: large enough for SentencePiece's
 # threads to share, small enough that the Python lists of ids stay a few hundred MB at most.
@@ -267,37 +267,32 @@ def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokeniz
 
     # DataProcessor wipes its cache folders (default /tmp/chunks, shared by every run on the machine),
     # forces the multiprocessing start method and takes over SIGINT: keep all three to this run.
-    saved_env = {k: os.environ.get(k) for k in ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")}
-    os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = str(cache_dir / "chunks")
-    os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(cache_dir / "data")
+    cache_folders = {"DATA_OPTIMIZER_CACHE_FOLDER": str(cache_dir / "chunks"),
+                     "DATA_OPTIMIZER_DATA_CACHE_FOLDER": str(cache_dir / "data")}
     saved_start_method = multiprocessing.get_start_method(allow_none=True)
     saved_sigint = signal.getsignal(signal.SIGINT)
     start = time.perf_counter()
     try:
-        processor = InterruptibleDataProcessor(
-            input_dir=str(input_dir),
-            output_dir=str(tmp_dir),
-            num_workers=num_workers,
-            # the recipe lists only the first fast_dev_run files, so litdata's own cut (as many per worker)
-            # keeps them all; given, its log line shows the value asked for (left out, litdata would read
-            # an environment variable whose default is 1 file)
-            fast_dev_run=fast_dev_run or False,
-            item_loader=TokensLoader(),
-            reorder_files=False,  # keep the sorted file order
-            # litdata starts its workers with spawn by default: a new Python importing torch, ~3 s each (most
-            # of building the sample corpus). Forked, they start at once; macOS keeps spawn (fork is unsafe there)
-            start_method="fork" if sys.platform == "linux" else None,
-        )
-        processor.run(recipe)
+        with environment_variables(cache_folders):
+            processor = InterruptibleDataProcessor(
+                input_dir=str(input_dir),
+                output_dir=str(tmp_dir),
+                num_workers=num_workers,
+                # the recipe lists only the first fast_dev_run files, so litdata's own cut (as many per worker)
+                # keeps them all; given, its log line shows the value asked for (left out, litdata would read
+                # an environment variable whose default is 1 file)
+                fast_dev_run=fast_dev_run or False,
+                item_loader=TokensLoader(),
+                reorder_files=False,  # keep the sorted file order
+                # litdata starts its workers with spawn by default: a new Python importing torch, ~3 s each (most
+                # of building the sample corpus). Forked, they start at once; macOS keeps spawn (fork is unsafe there)
+                start_method="fork" if sys.platform == "linux" else None,
+            )
+            processor.run(recipe)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     finally:
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         multiprocessing.set_start_method(saved_start_method, force=True)
         signal.signal(signal.SIGINT, saved_sigint)
         shutil.rmtree(cache_dir, ignore_errors=True)

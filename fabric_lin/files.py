@@ -4,7 +4,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, List, Union
+from typing import Callable, Dict, Iterator, List, Union
 
 
 def default_file_mode() -> int:
@@ -71,3 +71,19 @@ def created_dir(path: Union[str, Path]) -> Iterator[Path]:
     except BaseException:
         remove_empty_dirs(created)
         raise
+
+
+@contextmanager
+def environment_variables(values: Dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set within the block (the directories a library or a child process is to use);
+    afterwards each variable as it was before, or absent again."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Literal, Optional, Union
+from typing import Any, ContextManager, Dict, Iterator, List, Literal, Optional, Union
 
 import lightning_fabric as L
 import torch
@@ -43,7 +43,7 @@ from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import missing_ancestors, remove_empty_dirs
+from fabric_lin.files import environment_variables, missing_ancestors, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import TokenSchedule, learning_rate
@@ -192,22 +192,13 @@ def setup(
         raise
 
 
-@contextlib.contextmanager
-def compile_caches_in(out_dir: Path, enabled: bool) -> Iterator[None]:
+def compile_caches_in(out_dir: Path, enabled: bool) -> ContextManager[None]:
     """Triton's and torch.compile's caches in out_dir/compile_cache (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR) while
     the run lasts, where `enabled`; afterwards the caller's own settings again, for a run started from Python."""
-    before = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-    if enabled:
-        os.environ["TRITON_CACHE_DIR"] = str((out_dir / COMPILE_CACHE_DIR / "triton").absolute())
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((out_dir / COMPILE_CACHE_DIR / "inductor").absolute())
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    if not enabled:
+        return contextlib.nullcontext()
+    cache = (out_dir / COMPILE_CACHE_DIR).absolute()
+    return environment_variables({"TRITON_CACHE_DIR": str(cache / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")})
 
 
 def usable_cpu_cores() -> int:
