@@ -8,9 +8,10 @@ jsonargparse, triton) and nothing else: multiprocessing's forkserver, one per py
 fabric_lin afresh and executes `fabric_lin.cli` as `__main__`, in its own process: its own pid, session, working
 directory, environment, stdout and stderr, signal handlers, exit code (or -signal) and DataLoader workers (forked
 from it, as from any Python on Linux); the other ranks of a multi-process run are started by Fabric as new Pythons.
-Where the environment differs from this one beyond OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES (read when used; HF_HOME
-or TRITON_INTERPRET are read by the libraries as they are imported), where CUDA is present (a CUDA context must not
-come through a fork), and for every other command, a new Python starts.
+Where the environment differs from this one in more than OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES (read when used)
+and PYTEST_CURRENT_TEST (read by nothing; an environment copied at import, as helpers.CPU_ONLY, holds another test's),
+for one (HF_HOME or TRITON_INTERPRET are read by the libraries as they are imported), where CUDA is present (a CUDA
+context must not come through a fork), and for every other command, a new Python starts.
 """
 import atexit
 import multiprocessing
@@ -35,7 +36,8 @@ def forkable(command: List[str], env: Optional[Dict[str, str]]) -> bool:
         return False
     env = os.environ if env is None else env
     changed = {key for key in set(os.environ) | set(env) if os.environ.get(key) != env.get(key)}
-    return changed <= {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"}  # read when used: CUDA is not, on this machine
+    # read when used (CUDA is not, on this machine); PYTEST_CURRENT_TEST, which pytest sets for each test, by nothing
+    return changed <= {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST"}
 
 
 def _as_fabric_lin(argv: List[str], env: Dict[str, str], cwd: str, stdout: str, stderr: str, new_session: bool) -> None:
