@@ -40,11 +40,12 @@ def kernel_resources(shape, launch, varlen: bool, initial_state: bool, sms: int 
     from fabric_lin.ops.gdn.chunk import chunk_gated_delta_rule_triton
 
     B, T, H, K, V = shape
-    q = torch.randn(B, T, H, K, dtype=torch.bfloat16)
-    k = torch.randn(B, T, H, K, dtype=torch.bfloat16)
-    v = torch.randn(B, T, H, V, dtype=torch.bfloat16)
-    g = -torch.rand(B, T, H)
-    beta = torch.rand(B, T, H, dtype=torch.bfloat16)
+    # the launches compile and never run, so no value is read: zeros, which cost nothing to make at these sizes
+    q = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
+    k = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
+    v = torch.zeros(B, T, H, V, dtype=torch.bfloat16)
+    g = torch.zeros(B, T, H)
+    beta = torch.zeros(B, T, H, dtype=torch.bfloat16)
     leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta)]
     cu_seqlens = None
     if varlen:  # the batch as one packed row of three documents
@@ -53,7 +54,7 @@ def kernel_resources(shape, launch, varlen: bool, initial_state: bool, sms: int 
     if not gate:
         leaves[3] = None
     N = 3 if varlen else B
-    h0 = torch.randn(N, H, K, V, requires_grad=True) if initial_state else None
+    h0 = torch.zeros(N, H, K, V, requires_grad=True) if initial_state else None
     records = []
     multiprocessors = launch_helpers.multiprocessors
     launch_helpers.multiprocessors = lambda device: sms
@@ -61,7 +62,7 @@ def kernel_resources(shape, launch, varlen: bool, initial_state: bool, sms: int 
         with compile_only(records, set(lines_of)):
             o, ht = chunk_gated_delta_rule_triton(*leaves, initial_state=h0, output_final_state=initial_state,
                                                   cu_seqlens=cu_seqlens, use_qk_l2norm=True, launch=launch)
-            loss = (o.float() * torch.randn_like(o, dtype=torch.float32)).sum()
+            loss = o.float().sum()
             if ht is not None:
                 loss = loss + ht.sum()
             loss.backward()

@@ -130,9 +130,10 @@ def kernel_resources(shape, sms: int, launch, lines_of=()) -> list:
     from fabric_lin.ops.gla.chunk import chunk_gla_triton
 
     B, T, H, K, V = shape
-    q, k = torch.randn(B, T, H, K, dtype=torch.bfloat16), torch.randn(B, T, H, K, dtype=torch.bfloat16)
-    v = torch.randn(B, T, H, V, dtype=torch.bfloat16)
-    gk = -torch.rand(B, T, H, K)
+    # the launches compile and never run, so no value is read: zeros, which cost nothing to make at these sizes
+    q, k = torch.zeros(B, T, H, K, dtype=torch.bfloat16), torch.zeros(B, T, H, K, dtype=torch.bfloat16)
+    v = torch.zeros(B, T, H, V, dtype=torch.bfloat16)
+    gk = torch.zeros(B, T, H, K)
     leaves = [x.requires_grad_(True) for x in (q, k, v, gk)]
     records = []
     multiprocessors = launch_helpers.multiprocessors
@@ -140,7 +141,7 @@ def kernel_resources(shape, sms: int, launch, lines_of=()) -> list:
     try:
         with compile_only(records, set(lines_of)):
             o, _ = chunk_gla_triton(*leaves, launch=launch)
-            o.backward(torch.randn_like(o))
+            o.backward(torch.ones_like(o))
     finally:
         launch_helpers.multiprocessors = multiprocessors
     return records
