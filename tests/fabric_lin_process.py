@@ -8,10 +8,10 @@ jsonargparse, triton) and nothing else: multiprocessing's forkserver, one per py
 fabric_lin afresh and executes `fabric_lin.cli` as `__main__`, in its own process: its own pid, session, working
 directory, environment, stdout and stderr, signal handlers, exit code (or -signal) and DataLoader workers (forked
 from it, as from any Python on Linux); the other ranks of a multi-process run are started by Fabric as new Pythons.
-Where the environment differs from this one in more than OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES (read when used)
-and PYTEST_CURRENT_TEST (read by nothing; an environment copied at import, as helpers.CPU_ONLY, holds another test's),
-for one (HF_HOME or TRITON_INTERPRET are read by the libraries as they are imported), where CUDA is present (a CUDA
-context must not come through a fork), and for every other command, a new Python starts.
+A new Python starts for every other command, where CUDA is present (a CUDA context must not come through a fork),
+and where the environment differs from this one in a variable a library reads as it is imported (HF_HOME,
+TRITON_INTERPRET): any variable but OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES (read when used) and PYTEST_CURRENT_TEST
+(read by nothing; an environment copied at import, as helpers.CPU_ONLY, holds another test's).
 """
 import atexit
 import multiprocessing
