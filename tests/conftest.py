@@ -13,9 +13,10 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton_interpreter import skip_repatching_in_helper_calls
+    from triton_interpreter import reuse_type_objects, skip_repatching_in_helper_calls
 
     skip_repatching_in_helper_calls()
+    reuse_type_objects()
 
 MAX_WORKERS = 4  # pytest-xdist's `-n auto` (pyproject's addopts): one worker per core, at most this many
 
