@@ -71,7 +71,7 @@ def kernel_resources(shape, launch, varlen: bool, initial_state: bool, sms: int 
     return records
 
 
-def main():
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the gdn-340M layer and 4,8192,16,128,128)")
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
@@ -83,7 +83,11 @@ def main():
                         help="kernels whose spill instructions to count by source line")
     parser.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU compiled for (H200: 132)")
     parser.add_argument("--out", help="also write the JSON here")
-    args = parser.parse_args()
+    return parser
+
+
+def build_report(args: argparse.Namespace) -> dict:
+    """The report of `arguments()`' options (its rows also printed to stderr as each shape is done)."""
     if not os.path.exists(os.path.join(NVIDIA_BIN, "ptxas")):
         raise SystemExit(f"no ptxas in {NVIDIA_BIN}: this Triton wheel cannot compile for NVIDIA GPUs")
     import fabric_lin
@@ -101,7 +105,12 @@ def main():
                                          gate=not args.no_gate)
         report["shapes"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    write_result(report, args.out)
+    return report
+
+
+def main():
+    args = arguments().parse_args()
+    write_result(build_report(args), args.out)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def kernel_resources(shape, sms: int, launch, lines_of=()) -> list:
     return records
 
 
-def main():
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the three reference shapes)")
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
@@ -156,7 +156,11 @@ def main():
                         help="kernels whose spill instructions to count by source line")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU compiled for (H200: 132)")
-    args = parser.parse_args()
+    return parser
+
+
+def build_report(args: argparse.Namespace) -> dict:
+    """The report of `arguments()`' options (its rows also printed to stderr as each shape is done)."""
     if not os.path.exists(os.path.join(NVIDIA_BIN, "ptxas")):
         raise SystemExit(f"no ptxas in {NVIDIA_BIN}: this Triton wheel cannot compile for NVIDIA GPUs")
     from fabric_lin.ops.gla.launch import SHIPPED
@@ -170,7 +174,12 @@ def main():
             row[name] = kernel_resources(shape, args.sms, launch, args.spill_lines)
         report["shapes"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    write_result(report, args.out)
+    return report
+
+
+def main():
+    args = arguments().parse_args()
+    write_result(build_report(args), args.out)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,10 @@
 """benchmarks/gdn_kernel_registers.py: every Gated DeltaNet kernel compiled for sm_90 with bf16 inputs on this
 machine, as launched at the gdn-340M layer shape and a 16-head one, and in its other specialisations."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import triton
+from compile_reports import compile_reports
 
 ROOT = Path(__file__).resolve().parents[1]
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -22,15 +19,25 @@ LAUNCHES = ["_l2norm_fwd_kernel", "_l2norm_fwd_kernel", "_solve_kernel", "_wu_ke
             "_bwd_dqkw_kernel", "_wy_bwd_kernel", "_l2norm_bwd_kernel", "_l2norm_bwd_kernel"]
 
 
-def kernel_registers(*args):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gdn_kernel_registers.py"), *args],
-                            capture_output=True, text=True, env=env, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
-    # the kernels of this checkout, not of a fabric-lin installed elsewhere (which python's path would find first)
-    assert Path(report["fabric_lin"]) == ROOT / "fabric_lin", report["fabric_lin"]
-    return report
+# each test's report: the script's options
+REPORTS = {
+    "layer_shapes": ["--shapes", "16,2048,4,128,256", "4,8192,16,128,128"],
+    # cu_seqlens, an initial state and a final state's gradient; K = 256 and V = 72 (masked tiles), K = 48
+    "varlen_and_odd_head_dims": ["--shapes", "2,256,2,256,72", "2,256,2,48,100", "--varlen", "--initial-state",
+                                 "--variants", "narrow:state.BV=32,dstate.BV=32,dqkw.warps=8"],
+    # g None (DeltaNet): the same launches with every kernel's USE_GATE off
+    "delta_rule": ["--no-gate", "--shapes", "16,2048,4,128,256", "4,8192,16,128,128"],
+}
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    """Every report of REPORTS, from one process."""
+    reports = compile_reports("gdn_kernel_registers", REPORTS)
+    for report in reports.values():
+        # the kernels of this checkout, not of a fabric-lin installed elsewhere (which python's path would find first)
+        assert Path(report["fabric_lin"]) == ROOT / "fabric_lin", report["fabric_lin"]
+    return reports
 
 
 def check_rows(rows):
@@ -40,8 +47,8 @@ def check_rows(rows):
         assert row["programs_per_sm_by_regs"] >= 1, row
 
 
-def test_layer_shapes_compile_for_sm90():
-    report = kernel_registers("--shapes", "16,2048,4,128,256", "4,8192,16,128,128")
+def test_layer_shapes_compile_for_sm90(reports):
+    report = reports["layer_shapes"]
     assert report["target"] == "sm_90" and report["dtype"] == "bfloat16" and report["sms"] == 132
     for shape in report["shapes"]:
         check_rows(shape["shipped"])
@@ -54,20 +61,19 @@ def test_layer_shapes_compile_for_sm90():
         assert [r["grid"] for r in passes] == [[value_tiles, 64]] * 3, passes
 
 
-def test_varlen_states_and_odd_head_dims_compile_for_sm90():
-    # cu_seqlens, an initial state and a final state's gradient; K = 256 and V = 72 (masked tiles), K = 48
-    report = kernel_registers("--shapes", "2,256,2,256,72", "2,256,2,48,100", "--varlen", "--initial-state",
-                              "--variants", "narrow:state.BV=32,dstate.BV=32,dqkw.warps=8")
+def test_varlen_states_and_odd_head_dims_compile_for_sm90(reports):
+    report = reports["varlen_and_odd_head_dims"]
     for shape in report["shapes"]:
         check_rows(shape["shipped"])
         check_rows(shape["narrow"])
 
 
-def test_delta_rule_compiles_for_sm90_without_spills():
-    # g None (DeltaNet): the same launches with every kernel's USE_GATE off, none spilling at the layer shapes
-    report = kernel_registers("--no-gate", "--shapes", "16,2048,4,128,256", "4,8192,16,128,128")
+def test_delta_rule_compiles_for_sm90_without_spills(reports):
+    # none of the delta rule's launches spills at the layer shapes
+    report = reports["delta_rule"]
     assert report["gate"] is False
     for shape in report["shapes"]:
         check_rows(shape["shipped"])
         for row in shape["shipped"]:
             assert row["spills"] == 0, row
+

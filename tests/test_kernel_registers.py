@@ -1,30 +1,31 @@
 """benchmarks/kernel_registers.py: the GLA kernels compiled for sm_90 on this CPU machine, as launched."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import triton
+from compile_reports import compile_reports
 
-ROOT = Path(__file__).resolve().parents[1]
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 pytestmark = pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel has no ptxas")
 
 
-def kernel_registers(*args):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_registers.py"), *args],
-                            capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+# each test's report: the script's options
+REPORTS = {
+    "one_multiprocessor": ["--shapes", "2,130,2,32,32", "--sms", "1", "--spill-lines", "_bwd_dqk_kernel",
+                           "--variants", "cap:dqk.maxnreg=128", "warps:dqk.warps=16,output.warps=8"],
+    "many_multiprocessors": ["--shapes", "1,130,2,32,32"],  # 2 programs a pass, 132 SMs
+}
 
 
-def test_every_launch_compiled_with_its_launch_settings():
-    report = kernel_registers("--shapes", "2,130,2,32,32", "--sms", "1", "--spill-lines", "_bwd_dqk_kernel",
-                              "--variants", "cap:dqk.maxnreg=128", "warps:dqk.warps=16,output.warps=8")
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    """Every report of REPORTS, from one process."""
+    return compile_reports("kernel_registers", REPORTS)
+
+
+def test_every_launch_compiled_with_its_launch_settings(reports):
+    report = reports["one_multiprocessor"]
     assert report["target"] == "sm_90"
     (shape,) = report["shapes"]
     shipped = shape["shipped"]
@@ -49,8 +50,9 @@ def test_every_launch_compiled_with_its_launch_settings():
     assert by_name(shape["warps"])["_bwd_dv_kernel"] == by_name(shipped)["_bwd_dv_kernel"]  # untouched
 
 
-def test_many_multiprocessors_split_the_state_passes():
-    (shape,) = kernel_registers("--shapes", "1,130,2,32,32")["shapes"]  # 2 programs a pass, 132 SMs
+def test_many_multiprocessors_split_the_state_passes(reports):
+    (shape,) = reports["many_multiprocessors"]["shapes"]
     names = [r["kernel"] for r in shape["shipped"]]
     assert names.count("_chunk_update_kernel") == 3 and names.count("_state_scan_kernel") == 3
     assert "_fwd_state_kernel" not in names and names[-3:] == ["_bwd_dv_kernel", "_bwd_dqk_kernel", "_bwd_dqk_kernel"]
+
