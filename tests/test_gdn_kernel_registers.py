@@ -9,7 +9,7 @@ from compile_reports import compile_reports
 ROOT = Path(__file__).resolve().parents[1]
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
-pytestmark = pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel has no ptxas")
+pytestmark = [pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel has no ptxas"), pytest.mark.slow]
 
 # one forward + backward with the q/k L2 norm: the norm twice, the solve, W/U, the state pass and the output
 # kernel; then W/U and the state pass again, dD's own part, the reverse pass, dq/dk/dW, the WY backward and

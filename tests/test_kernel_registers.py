@@ -7,7 +7,7 @@ from compile_reports import compile_reports
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
-pytestmark = pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel has no ptxas")
+pytestmark = [pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel has no ptxas"), pytest.mark.slow]
 
 
 # each test's report: the script's options

@@ -355,6 +355,7 @@ def sm90_report() -> dict:
 
 @pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
                     reason="this Triton wheel has no ptxas")
+@pytest.mark.slow
 def test_kernels_compile_for_sm90_in_bf16_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
