@@ -76,4 +76,3 @@ def test_delta_rule_compiles_for_sm90_without_spills(reports):
         check_rows(shape["shipped"])
         for row in shape["shipped"]:
             assert row["spills"] == 0, row
-

@@ -55,4 +55,3 @@ def test_many_multiprocessors_split_the_state_passes(reports):
     names = [r["kernel"] for r in shape["shipped"]]
     assert names.count("_chunk_update_kernel") == 3 and names.count("_state_scan_kernel") == 3
     assert "_fwd_state_kernel" not in names and names[-3:] == ["_bwd_dv_kernel", "_bwd_dqk_kernel", "_bwd_dqk_kernel"]
-

@@ -53,7 +53,6 @@ def skip_repatching_in_helper_calls() -> bool:
     return True
 
 
-
 def reuse_type_objects() -> bool:
     """Two pure functions of a type that the interpreter recomputes on every tensor operation: `_get_np_dtype`
     (the numpy dtype of a Triton dtype, from a table of 19 entries built anew on each call) and the block type of
