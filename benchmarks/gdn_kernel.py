@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import write_result
+from common import lift_fla_gdn_hopper_guard, write_result
 from fabric_lin.ops.gdn import chunk_gated_delta_rule
 from fabric_lin.ops.gdn.launch import SHIPPED
 from fabric_lin.ops.gla.tune import rel_rms
@@ -119,15 +119,11 @@ def load_fla():
     """({"gated": fla's chunk_gated_delta_rule, "none": its chunk_delta_rule}, each a function of gdn_inputs'
     tensors and cu_seqlens; or None) and the import error, if any."""
     try:
-        import fla.ops.common.chunk_o as fla_chunk_o
         from fla.ops.delta_rule import chunk_delta_rule
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
     except Exception as e:  # not installed, or it fails to import against this torch/triton
         return None, f"{type(e).__name__}: {e}"
-    # fla 0.6.0 refuses its gated backward on Hopper with Triton 3.4 to 3.7.0, whose results it says are wrong
-    # there: lifted for the timing, which is all that is taken of fla here (its output is compared forward only)
-    if getattr(fla_chunk_o, "TRITON_ABOVE_3_7_1", True) is False:
-        fla_chunk_o.TRITON_ABOVE_3_7_1 = True
+    lift_fla_gdn_hopper_guard()  # fla is timed here; its output is compared forward only
     return {"gated": lambda q, k, v, g, beta, cu_seqlens=None: fla_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
                                                                        cu_seqlens=cu_seqlens)[0],
             "none": lambda q, k, v, beta, cu_seqlens=None: chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True,
