@@ -3,11 +3,11 @@
 flash-linear-attention autotunes each kernel on first use, compiling every candidate config one after
 another: on a fresh H200 its gla-340M training step did not start within 260 s. To measure its steady
 state within a time limit, this script splits the work: worker i of n compiles every n-th candidate of
-each autotuned kernel (its training step at --batch_size x --seq_len, 16 x 2048 by default, and the
-kernel benchmark's shapes), with its own autotuning results left unstored (FLA_CACHE_RESULTS=0), into
-the shared TRITON_CACHE_DIR. A later process using that cache still autotunes over every candidate -
-same choice as without this script - but finds each one compiled. Its first-step time then no longer
-shows a cold start; first_step.py measures that from an empty cache.
+each autotuned kernel (the training step of --model's fla counterpart at --batch_size x --seq_len, gla-340M
+at 16 x 2048 by default, and for GLA the kernel benchmark's shapes), with its own autotuning results left
+unstored (FLA_CACHE_RESULTS=0), into the shared TRITON_CACHE_DIR. A later process using that cache still
+autotunes over every candidate - same choice as without this script - but finds each one compiled. Its
+first-step time then no longer shows a cold start; first_step.py measures that from an empty cache.
 
     TRITON_CACHE_DIR=/tmp/fla-cache python benchmarks/fla_precompile.py --workers 6
     TRITON_CACHE_DIR=/tmp/fla-cache python benchmarks/train_throughput.py --models fabric-lin,fla
@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def worker(i: int, n: int, batch_size: int, seq_len: int, kernels_only: bool) -> None:
+def worker(i: int, n: int, model_name: str, batch_size: int, seq_len: int, kernels_only: bool) -> None:
     os.environ["FLA_CACHE_RESULTS"] = "0"  # read when fla is imported: this worker's choices are not kept
     from triton.runtime.autotuner import Autotuner
 
@@ -45,7 +45,7 @@ def worker(i: int, n: int, batch_size: int, seq_len: int, kernels_only: bool) ->
     from fabric_lin.config import Config
 
     if not kernels_only:
-        config = Config.from_name("gla-340M")
+        config = Config.from_name(model_name)
         model, loss_fn = fla_model(config)
         model = model.cuda().to(torch.bfloat16).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
@@ -56,6 +56,8 @@ def worker(i: int, n: int, batch_size: int, seq_len: int, kernels_only: bool) ->
         print(f"worker {i}/{n}: training step {batch_size} x {seq_len} compiled", flush=True)
         del model, optimizer
         torch.cuda.empty_cache()
+    if Config.from_name(model_name).block_type != "gla":
+        return  # the kernel benchmark's shapes below are chunk_gla's
     fla, error = load_fla()
     if fla is None:
         raise SystemExit(f"flash-linear-attention is not usable: {error}")
@@ -69,6 +71,8 @@ def worker(i: int, n: int, batch_size: int, seq_len: int, kernels_only: bool) ->
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=6, help="processes, spread over the visible GPUs")
+    parser.add_argument("--model", default="gla-340M",
+                        help="the fabric-lin model name whose fla counterpart's training step is compiled (GLA or GDN)")
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--worker_gib", type=float, default=None,
@@ -80,7 +84,7 @@ def main():
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.workers, args.batch_size, args.seq_len, args.kernels_only)
+        worker(args.worker, args.workers, args.model, args.batch_size, args.seq_len, args.kernels_only)
         return
     if "TRITON_CACHE_DIR" not in os.environ:
         raise SystemExit("set TRITON_CACHE_DIR: the compiled candidates go there, for the comparison to reuse")
@@ -105,7 +109,7 @@ def main():
     start = time.time()
     procs = [
         subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--workers", str(args.workers),
-                          "--batch_size", str(args.batch_size), "--seq_len", str(args.seq_len)]
+                          "--model", args.model, "--batch_size", str(args.batch_size), "--seq_len", str(args.seq_len)]
                          + (["--kernels_only"] if args.kernels_only else []),
                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=slots[i]))
         for i in range(args.workers)
@@ -116,7 +120,7 @@ def main():
     if args.out:
         from common import write_result
 
-        write_result({"workers": args.workers, "gpus": gpus, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        write_result({"workers": args.workers, "gpus": gpus, "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
                       "kernels_only": args.kernels_only, "exit_codes": codes, "seconds": round(seconds)},
                      args.out, fla_ran=True)
     sys.exit(max(codes, key=abs))
