@@ -1,11 +1,14 @@
-"""The training-checkpoint format (`fabric_lin.checkpoint`): atomic step directories and their manifests,
-verification (truncated, changed, missing files, a missing manifest, checkpoints from before manifests),
+"""The training-checkpoint format (`fabric_lin.checkpoint`): atomic step directories and their manifests (each
+file's CRC-32 against zlib's of the whole file, the file read in several blocks), verification (truncated, changed
+in any block, missing files, a missing manifest, checkpoints from before manifests),
 finding the one to resume from and falling back past damaged ones, pruning, deleting an earlier run, RNG
 states, and the round trip of a train state through save and load. (Reading a checkpoint's model weights,
 single-file and FSDP-sharded: test_convert_pretrained_checkpoint.py.)"""
 import json
-import re
 import os
+import random
+import re
+import zlib
 from pathlib import Path
 
 import lightning_fabric as L
@@ -13,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+import fabric_lin.checkpoint as checkpoint_module
 from fabric_lin.checkpoint import (
     CONFIG_FILE,
     HPARAMS_FILE,
@@ -108,7 +112,29 @@ def small_state(seed: int):
     return model, optimizer
 
 
-def test_save_writes_a_complete_directory_then_load_restores_the_state(tmp_path):
+def whole_file_checksum(path: Path) -> dict:
+    """What the manifest must say of a file: its size and zlib's CRC-32 of all its bytes at once."""
+    data = path.read_bytes()
+    return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+
+
+def test_file_checksum_is_the_crc32_of_the_whole_file_across_read_blocks(tmp_path, monkeypatch):
+    """file_checksum reads a file block by block: the CRC carried from block to block must be zlib's CRC-32
+    of the whole file, for sizes on and around the block boundaries; and one file just past the real block."""
+    monkeypatch.setattr(checkpoint_module, "READ_BLOCK", 64)
+    data = bytes(random.Random(0).randrange(256) for _ in range(64 * 3 + 17))
+    for size in (0, 1, 63, 64, 65, 128, 64 * 3 + 17):
+        path = tmp_path / f"{size}.bin"
+        path.write_bytes(data[:size])
+        assert file_checksum(path) == whole_file_checksum(path), f"{size} bytes"
+    monkeypatch.undo()
+    path = tmp_path / "past-one-block.bin"
+    path.write_bytes(bytes(range(256)) * (checkpoint_module.READ_BLOCK // 256) + b"one more")
+    assert file_checksum(path) == whole_file_checksum(path)
+
+
+def test_save_writes_a_complete_directory_then_load_restores_the_state(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint_module, "READ_BLOCK", 256)  # lit_model.pth's ~2 kB are read in several blocks
     fabric = L.Fabric(accelerator="cpu", devices=1)
     model, optimizer = small_state(0)
     state = train_state(model, optimizer, train_dataloader={"samples": 12})
@@ -120,11 +146,12 @@ def test_save_writes_a_complete_directory_then_load_restores_the_state(tmp_path)
     assert saved == tmp_path / "step-00000003"
     assert {p.name for p in saved.iterdir()} == {MODEL_FILE, STEP_FILE, HPARAMS_FILE, CONFIG_FILE, MANIFEST_FILE}
     assert json.loads((saved / STEP_FILE).read_text()) == {"step_count": 3}
-    # the manifest: every other file, its size and CRC-32
+    # the manifest: every other file, its size and CRC-32 (zlib's, of the whole file)
     manifest = json.loads((saved / MANIFEST_FILE).read_text())
     assert sorted(manifest["files"]) == sorted([MODEL_FILE, STEP_FILE, HPARAMS_FILE, CONFIG_FILE])
+    assert (saved / MODEL_FILE).stat().st_size > 3 * checkpoint_module.READ_BLOCK
     for name, entry in manifest["files"].items():
-        assert entry == file_checksum(saved / name) and entry["size"] == (saved / name).stat().st_size
+        assert entry == whole_file_checksum(saved / name), name
     assert verify_checkpoint(saved).ok
     assert yaml.safe_load((saved / HPARAMS_FILE).read_text()) == hparams
     assert Config.from_checkpoint(saved) == config
@@ -198,11 +225,15 @@ def test_a_truncated_file_is_found(tmp_path):
     assert check.problems == [f"{MODEL_FILE} has {size - 1000:,} bytes, {size:,} when it was written (truncated)"]
 
 
-def test_changed_bytes_are_found(tmp_path):
-    """The same size, one byte different: what a size check misses and the checksum sees."""
+@pytest.mark.parametrize("where", ["first block", "middle", "last byte"])
+def test_changed_bytes_are_found(tmp_path, monkeypatch, where):
+    """The same size, one byte different: what a size check misses and the checksum sees, in any of the
+    blocks the file is read in."""
+    monkeypatch.setattr(checkpoint_module, "READ_BLOCK", 256)
     saved = saved_checkpoint(tmp_path)
     data = bytearray((saved / MODEL_FILE).read_bytes())
-    data[len(data) // 2] ^= 0x01
+    assert len(data) > 3 * checkpoint_module.READ_BLOCK
+    data[{"first block": 10, "middle": len(data) // 2, "last byte": -1}[where]] ^= 0x01
     (saved / MODEL_FILE).write_bytes(data)
     check = verify_checkpoint(saved)
     assert len(check.problems) == 1
