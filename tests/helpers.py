@@ -324,6 +324,26 @@ def assert_fused_path_matches_torch_path(config, seq_len: int) -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * max(1.0, b.abs().max().item()), msg=lambda m: f"{name}: {m}")
 
 
+def write_json_lines(path: Path, rows: list, compress: Optional[str] = None, frames: int = 1,
+                     final_newline: bool = True) -> None:
+    """JSON lines as real shards come: rows are dicts (dumped), strings or bytes (written as they are), plain or
+    compressed - "zst" in `frames` zstd frames cut at equal byte offsets, mid-line, as parallel compressors cut
+    them; "gz". final_newline=False: the last line ends without a newline, as many shards' do."""
+    import gzip
+
+    import zstandard
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [r if isinstance(r, bytes) else (r if isinstance(r, str) else json.dumps(r)).encode() for r in rows]
+    data = b"\n".join(lines) + (b"\n" if final_newline else b"")
+    if compress == "zst":
+        per = -(-len(data) // frames)
+        data = b"".join(zstandard.ZstdCompressor().compress(data[i : i + per]) for i in range(0, len(data), per))
+    elif compress == "gz":
+        data = gzip.compress(data)
+    path.write_bytes(data)
+
+
 def write_parquet_with_a_damaged_row_group(path: Path, column: str, texts: List[str], row_group: int = 1) -> None:
     """A parquet file of `texts` in one string column, row groups of 7 rows, whose footer and other row groups
     read but whose `row_group`'s data page is scrambled: the damage is found only while the file is streamed."""

@@ -1,7 +1,8 @@
 """data_prep/: the SlimPajama and Starcoder preprocessors end to end through litdata's DataProcessor (every kind of
 bad file named and skipped, fast_dev_run, the CLI), and what every preprocessor shares: an interrupted run leaves
 nothing the trainer accepts, check_prepared_dir refuses incomplete and mismatched directories, the tokenizer trainer
-skips bad files by name. (The text-corpus preprocessor: test_prepare_text.py.)"""
+skips bad files by name, documents tokenized in many groups lose nothing, every worker's report is read. (The
+text-corpus preprocessor: test_prepare_text.py; the raw-file readers alone: test_raw_files.py.)"""
 import json
 import re
 import shutil
@@ -20,13 +21,7 @@ from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
 from helpers import (REPO, expected_tokens, interrupt_preparation, paragraphs, read_tokens, split_documents,
-                     write_parquet_with_a_damaged_row_group)
-
-
-def write_jsonl_zst(path, rows):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    path.write_bytes(zstandard.ZstdCompressor().compress(data))
+                     write_json_lines, write_parquet_with_a_damaged_row_group)
 
 
 def slimpajama_rows(seed, n=24):
@@ -42,8 +37,9 @@ def corpus(tmp_path_factory, paragraphs_tokenizer):
     root = tmp_path_factory.mktemp("prep")
     sp, sc = root / "slimpajama-raw", root / "starcoder-raw"
     good_sp = {"a/part-0.jsonl.zst": slimpajama_rows(1), "b.jsonl.zst": slimpajama_rows(2), "c/d/part-1.jsonl.zst": slimpajama_rows(3)}
-    for name, rows in good_sp.items():
-        write_jsonl_zst(sp / name, rows)
+    for name, rows in good_sp.items():  # one file in two frames, one whose last line ends without a newline
+        write_json_lines(sp / name, rows, "zst", frames=2 if name == "a/part-0.jsonl.zst" else 1,
+                         final_newline=name != "b.jsonl.zst")
     # the bad SlimPajama files, one per kind
     (sp / "corrupt.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage that is not a zstd frame")
     whole = zstandard.ZstdCompressor().compress("".join(json.dumps(r) + "\n" for r in slimpajama_rows(4)).encode())
@@ -52,11 +48,11 @@ def corpus(tmp_path_factory, paragraphs_tokenizer):
     (sp / "badjson.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
     rows = slimpajama_rows(6, 3)
     rows[1] = {"content": "no text field", "meta": {}}
-    write_jsonl_zst(sp / "notext.jsonl.zst", rows)
+    write_json_lines(sp / "notext.jsonl.zst", rows, "zst")
     (sp / "empty.jsonl.zst").write_bytes(b"")
     rows = slimpajama_rows(10, 3)
     rows[2]["text"] = "half an emoji \ud83d"  # a lone surrogate: json.dumps writes it as the escape \ud83d
-    write_jsonl_zst(sp / "surrogate.jsonl.zst", rows)
+    write_json_lines(sp / "surrogate.jsonl.zst", rows, "zst")
 
     good_sc = {"python/train-0.parquet": paragraphs(30, 7), "train-1.parquet": paragraphs(20, 8)}
     for name, texts in good_sc.items():
@@ -142,7 +138,7 @@ def test_fast_dev_run_true_is_the_first_ten_files_whatever_the_workers(corpus, t
     tokenizer = Tokenizer(corpus["tokenizer"])
     texts = paragraphs(12, 12)
     for i, text in enumerate(texts):
-        write_jsonl_zst(tmp_path / "raw" / f"part-{i:02d}.jsonl.zst", [{"text": text, "meta": {}}])
+        write_json_lines(tmp_path / "raw" / f"part-{i:02d}.jsonl.zst", [{"text": text, "meta": {}}], "zst")
     out = tmp_path / "fast"
     cli_main(["prepare_slimpajama", "--input_dir", str(tmp_path / "raw"), "--output_dir", str(out),
               "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "2", "--fast_dev_run", "true"])
@@ -205,7 +201,7 @@ def test_every_file_bad_names_the_input_and_creates_no_directory(corpus, tmp_pat
 def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path, how):
     raw, runs = tmp_path / "raw", tmp_path / "runs"
     for i in range(40):  # interrupted once the first is done, while the worker reads the others
-        write_jsonl_zst(raw / f"part-{i:03d}.jsonl.zst", slimpajama_rows(100 + i))
+        write_json_lines(raw / f"part-{i:03d}.jsonl.zst", slimpajama_rows(100 + i), "zst")
     runs.mkdir()
     out = runs / "interrupted"
     command = [sys.executable, str(REPO / "data_prep" / "prepare_slimpajama.py"), "--input_dir", str(raw),
@@ -253,3 +249,32 @@ def test_train_tokenizer_skips_the_bad_files_by_name(corpus, tmp_path, capfd):
     for name in ("surrogate.jsonl.zst", "badjson.jsonl.zst", "badutf8.parquet", "garbage.parquet"):
         assert re.search(rf"SKIPPED \S*{re.escape(name)}: ", skipped), name
     assert Tokenizer(tmp_path / "tok").vocab_size == 400
+
+
+def test_documents_are_tokenized_in_groups_and_arrays_without_loss(paragraphs_tokenizer, monkeypatch):
+    """TokenizeRecipe.tokenize encodes documents in groups of about ENCODE_GROUP_CHARS characters and cuts their
+    tokens into arrays of at most chunk_size: with both small, every document's tokens come out once, in order,
+    wherever the groups and arrays end (the end-to-end corpora above fit one group)."""
+    import numpy as np
+
+    from data_prep import base
+
+    monkeypatch.setattr(base, "ENCODE_GROUP_CHARS", 1000)
+    recipe = base.TokenizeRecipe(paragraphs_tokenizer, chunk_size=100)
+    groups = []
+    encode_batch = recipe.tokenizer.encode_batch
+    monkeypatch.setattr(recipe.tokenizer, "encode_batch", lambda texts, **kw: groups.append(len(texts)) or encode_batch(texts, **kw))
+    texts = paragraphs(12, 42)
+    arrays = list(recipe.tokenize(texts))
+    expected = expected_tokens(Tokenizer(paragraphs_tokenizer), texts)
+    assert np.concatenate(arrays).tolist() == [t for doc in expected for t in doc]
+    assert len(groups) > 2 and sum(groups) == len(texts) and max(map(len, arrays)) == 100
+
+
+def test_worker_reports_are_read_to_their_last_line(tmp_path):
+    from data_prep.base import _read_reports, file_record
+
+    records = [file_record(f"/raw/{name}.jsonl.zst", documents=i) for i, name in enumerate("cab")]
+    (tmp_path / "worker-1.jsonl").write_text(json.dumps(records[0]) + "\n" + json.dumps(records[1]) + "\n")
+    (tmp_path / "worker-2.jsonl").write_text(json.dumps(records[2]))  # a last line without its newline
+    assert _read_reports(tmp_path) == sorted(records, key=lambda r: r["path"])

@@ -18,29 +18,13 @@ from data_prep.prepare_text import prepare as prepare_text
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
 from helpers import (REPO, expected_tokens, interrupt_preparation, paragraphs, read_tokens, split_documents,
-                     write_parquet_with_a_damaged_row_group)
-
-
-def write_json_lines(path, rows, compress=None, frames=1):
-    """JSON lines, plain or compressed ("zst": in `frames` zstd frames, as multi-threaded writers make them; "gz")."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [(r if isinstance(r, bytes) else (json.dumps(r) if not isinstance(r, str) else r).encode()) + b"\n" for r in rows]
-    if compress == "zst":
-        per = -(-len(lines) // frames)
-        data = b"".join(zstandard.ZstdCompressor().compress(b"".join(lines[i : i + per])) for i in range(0, len(lines), per))
-    elif compress == "gz":
-        import gzip
-
-        data = gzip.compress(b"".join(lines))
-    else:
-        data = b"".join(lines)
-    path.write_bytes(data)
+                     write_json_lines, write_parquet_with_a_damaged_row_group)
 
 
 @pytest.fixture(scope="module")
 def text_corpus(tmp_path_factory):
     """A corpus in every format prepare_text reads, and its documents file by file in sorted order (None:
-    an empty document, which is dropped)."""
+    an empty document, which is dropped). Some JSON-lines files end without a newline, as real shards may."""
     raw = tmp_path_factory.mktemp("prepare_text") / "text-raw"
     docs = {}
     web = paragraphs(30, 21)
@@ -50,11 +34,12 @@ def text_corpus(tmp_path_factory):
     pq.write_table(pa.table({"id": list(range(30)), "text": web}), raw / "web" / "part-000.parquet", row_group_size=10)
     docs["web/part-001.jsonl.zst"] = paragraphs(25, 22)
     write_json_lines(raw / "web" / "part-001.jsonl.zst", [{"id": i, "text": t, "url": "x"} for i, t in enumerate(docs["web/part-001.jsonl.zst"])],
-                     compress="zst", frames=3)
+                     compress="zst", frames=3, final_newline=False)
     docs["notes/a.jsonl"] = paragraphs(20, 23)
     write_json_lines(raw / "notes" / "a.jsonl", [r for t in docs["notes/a.jsonl"] for r in ({"text": t}, "")])  # blank lines between
     docs["notes/b.jsonl.gz"] = paragraphs(15, 24)
-    write_json_lines(raw / "notes" / "b.jsonl.gz", [{"text": t} for t in docs["notes/b.jsonl.gz"]], compress="gz")
+    write_json_lines(raw / "notes" / "b.jsonl.gz", [{"text": t} for t in docs["notes/b.jsonl.gz"]], compress="gz",
+                     final_newline=False)
     docs["c4-train.00000-of-01024.json.gz"] = paragraphs(15, 25)
     write_json_lines(raw / "c4-train.00000-of-01024.json.gz", [{"text": t} for t in docs["c4-train.00000-of-01024.json.gz"]], compress="gz")
     for name, seed in (("books/x.txt", 26), ("books/y.txt", 27)):
@@ -111,7 +96,7 @@ def test_prepare_text_split_is_the_same_on_every_run(paragraphs_tokenizer, text_
     before = {tuple(d) for d in split_documents(read_tokens(out / "val"), tokenizer.eos_id)}
     raw = shutil.copytree(text_corpus["raw"], tmp_path / "raw")
     added = paragraphs(40, 28)
-    write_json_lines(raw / "notes" / "added.jsonl", [{"text": t} for t in added])
+    write_json_lines(raw / "notes" / "added.jsonl", [{"text": t} for t in added], final_newline=False)
     splits = prepare_text(raw, tmp_path / "again", paragraphs_tokenizer, val_fraction=0.25, chunk_size=2000, num_workers=2)
     after = {tuple(d) for d in split_documents(read_tokens(tmp_path / "again" / "val"), tokenizer.eos_id)}
     added_tokens = {tuple(d) for d in expected_tokens(tokenizer, added)}

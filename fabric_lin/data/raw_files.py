@@ -42,8 +42,9 @@ def find_files(input_dir: Union[str, Path], suffix: str) -> List[Path]:
     return files
 
 
-def iter_zstd(path: Union[str, Path], read_size: int = READ_BLOCK_BYTES) -> Iterator[bytes]:
-    """The decompressed content of a (possibly multi-frame) .zst file, block by block; truncation is an error.
+def iter_zstd(path: Union[str, Path]) -> Iterator[bytes]:
+    """The decompressed content of a (possibly multi-frame) .zst file, read READ_BLOCK_BYTES at a time; a frame
+    may span reads, and a read may hold the end of one frame and the start of the next. Truncation is an error.
 
     zstandard's stream_reader ends a truncated stream silently, as if the file were complete, so the
     frames are decoded here and the last one must reach its end."""
@@ -55,7 +56,7 @@ def iter_zstd(path: Union[str, Path], read_size: int = READ_BLOCK_BYTES) -> Iter
     try:
         with open(path, "rb") as f:
             while True:
-                data = f.read(read_size)
+                data = f.read(READ_BLOCK_BYTES)
                 if not data:
                     break
                 size += len(data)

@@ -1,0 +1,60 @@
+"""fabric_lin/data/raw_files.py's readers on files shaped as real shards are, against the documents written: a last
+JSON line without a newline, lines and zstd frames across read blocks (the block made small), zstd frames cut
+mid-line, and more documents than one batch (JSON lines, and parquet row groups read in several batches). The
+preprocessors' end-to-end tests (test_data_prep.py, test_prepare_text.py) read small files whole, in one block
+and one batch."""
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import fabric_lin.data.raw_files as raw_files
+from fabric_lin.data.raw_files import iter_parquet_texts, iter_text_documents, read_slimpajama_file
+from helpers import paragraphs, write_json_lines
+
+COMPRESSION = {".jsonl": None, ".jsonl.zst": "zst", ".jsonl.gz": "gz", ".json.gz": "gz"}
+READ_BLOCK = 16  # bytes: each line, and each zstd frame, spans several blocks
+
+
+@pytest.fixture
+def small_read_blocks(monkeypatch):
+    monkeypatch.setattr(raw_files, "READ_BLOCK_BYTES", READ_BLOCK)
+
+
+def documents():
+    """Ten texts, the last one a line of several hundred bytes on its own."""
+    texts = paragraphs(9, 40) + ["the last document, " + "long " * 100]
+    assert len(texts[-1]) > 20 * READ_BLOCK
+    return texts
+
+
+@pytest.mark.parametrize("final_newline", [False, True], ids=["no final newline", "final newline"])
+@pytest.mark.parametrize("suffix", COMPRESSION)
+def test_every_json_line_is_read_in_order_whatever_the_blocks(tmp_path, small_read_blocks, suffix, final_newline):
+    texts = documents()
+    path = tmp_path / f"shard{suffix}"
+    write_json_lines(path, [{"id": i, "text": t} for i, t in enumerate(texts)], COMPRESSION[suffix], frames=3,
+                     final_newline=final_newline)
+    batches = list(iter_text_documents(path, batch_size=4))
+    assert [t for b in batches for t in b.texts] == texts
+    assert [i for b in batches for i in b.indices] == list(range(len(texts)))  # line numbers, from 0
+    assert [len(b.texts) for b in batches] == [4, 4, 2] and not any(b.bad for b in batches)
+
+
+@pytest.mark.parametrize("final_newline", [False, True], ids=["no final newline", "final newline"])
+def test_a_slimpajama_file_gives_every_row(tmp_path, small_read_blocks, final_newline):
+    texts = documents()
+    rows = [{"text": t, "meta": {"redpajama_set_name": "RedPajamaC4" if i % 2 else "RedPajamaBook"}} for i, t in enumerate(texts)]
+    path = tmp_path / "chunk_0.jsonl.zst"
+    write_json_lines(path, rows, "zst", frames=3, final_newline=final_newline)
+    assert read_slimpajama_file(path) == [(r["text"], r["meta"]["redpajama_set_name"]) for r in rows]
+
+
+def test_parquet_row_groups_read_in_several_batches(tmp_path):
+    texts = paragraphs(12, 41)
+    path = tmp_path / "part-0.parquet"
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=5)  # row groups of 5, 5 and 2 rows
+    batches = list(iter_text_documents(path, batch_size=2))
+    assert [t for b in batches for t in b.texts] == texts
+    assert [i for b in batches for i in b.indices] == list(range(12))  # row numbers of the file, from 0
+    assert [len(b.texts) for b in batches] == [2, 2, 1, 2, 2, 1, 2]
+    assert [t for batch in iter_parquet_texts(path, column="text", batch_size=2) for t in batch] == texts
