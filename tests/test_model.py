@@ -1,3 +1,7 @@
+"""The model against itself: decoding token by token and a prompt appended to a cache against the full forward,
+packed documents against separate ones, meta init against eager init, the chunked loss and activation
+checkpointing against the plain computation. Against float64 references written independently (every head layout,
+grouped key/value heads included): test_model_edge_cases.py."""
 import pytest
 import torch
 import torch.nn.functional as F

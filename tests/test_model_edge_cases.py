@@ -1,6 +1,7 @@
 """The model on configurations other than the shipped ones, against float64 references written here
-from the model's own weights (a per-token GLA recurrence, plain softmax attention), plus causality,
-the analytic FLOPs against a direct count, and the errors that bad config values get."""
+from the model's own weights (a per-token GLA recurrence, plain softmax attention, each query head reading its
+group's key/value head: every head layout of GLA, the transformer and the hybrids' attention layers), plus
+causality, the analytic FLOPs against a direct count, and the errors that bad config values get."""
 import math
 
 import pytest
@@ -19,13 +20,14 @@ GLA_CONFIGS = {
 }
 TRANSFORMER_CONFIGS = {
     "transformer-gqa": dict(hidden_size=64, num_heads=8, num_kv_heads=2),
+    "transformer-mqa": dict(hidden_size=64, num_heads=4, num_kv_heads=1),
     "transformer-tied": dict(hidden_size=48, num_heads=4, tie_embeddings=True),
 }
 VOCAB = 101  # prime: no multiple of any padding
 
 
 def build(name: str, **fields) -> GPT:
-    base = "gla-debug" if name.startswith("gla") else "transformer-debug"
+    base = name.split("-")[0] + "-debug"  # the family's debug model
     torch.manual_seed(0)
     model = GPT(Config.from_name(base, vocab_size=VOCAB, num_layers=2, **fields)).double().eval()
     with torch.no_grad():  # non-trivial norm weights and biases, so that a missing one shows
@@ -62,11 +64,12 @@ def reference_gla_attention(attn, x):
     return o.reshape(B, T, H * V) @ attn.o_proj.weight.T
 
 
-def reference_softmax_attention(attn, x):
-    """Causal softmax attention with Llama's rotary embedding (rotate_half), from scratch in float64."""
+def reference_softmax_attention(attn, x, heads: int, kv_heads: int):
+    """Causal softmax attention with Llama's rotary embedding (rotate_half), from scratch in float64; query head h
+    reads key/value head h // (heads // kv_heads)."""
     c = attn.config
     B, T, d = x.shape
-    H, D, groups = c.num_heads, d // c.num_heads, c.num_heads // c.num_kv_heads
+    H, D, groups = heads, d // heads, heads // kv_heads
     q = (x @ attn.q_proj.weight.T).view(B, T, H, D)
     k = (x @ attn.k_proj.weight.T).view(B, T, -1, D)
     v = (x @ attn.v_proj.weight.T).view(B, T, -1, D)
@@ -88,10 +91,12 @@ def reference_softmax_attention(attn, x):
 
 def reference_logits(model, ids):
     x = model.embeddings.weight[ids]
+    c = model.config
     for block in model.layers:
         a = block.attn
         normed = rms_norm(x, block.attn_norm)
-        x = x + (reference_gla_attention(a, normed) if model.config.block_type == "gla" else reference_softmax_attention(a, normed))
+        x = x + (reference_gla_attention(a, normed) if c.block_type == "gla" else
+                 reference_softmax_attention(a, normed, c.num_heads, c.num_kv_heads))
         m, normed = block.mlp, rms_norm(x, block.mlp_norm)
         x = x + F.silu(normed @ m.gate_proj.weight.T) * (normed @ m.up_proj.weight.T) @ m.down_proj.weight.T
     head = model.embeddings.weight if model.config.tie_embeddings else model.lm_head.weight
@@ -107,6 +112,20 @@ def test_forward_matches_float64_reference(name, T):
         logits, expected = model(ids), reference_logits(model, ids)
     # the norms, the rotary embedding and the GLA op compute in fp32 whatever the input dtype
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 2), (8, 4), (4, 1)])
+@pytest.mark.parametrize("family", ["gla", "gdn", "deltanet"])
+def test_a_hybrids_attention_layer_matches_float64_reference(family, heads, kv_heads):
+    """The softmax-attention layer of a hybrid, with its own heads and key/value heads (grouped, and one shared),
+    against the reference: the query heads of a group read their own key/value head."""
+    model = build(f"{family}-hybrid", attn_layers=[1], attn_num_heads=heads, attn_num_kv_heads=kv_heads)
+    block = model.layers[1]
+    x = torch.randn(2, 37, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(heads))
+    with torch.no_grad():
+        _, out = block.attn(block.attn_norm, x, torch.zeros_like(x))
+        expected = reference_softmax_attention(block.attn, rms_norm(x, block.attn_norm), heads, kv_heads)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", [*GLA_CONFIGS, *TRANSFORMER_CONFIGS])
