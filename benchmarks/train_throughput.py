@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Dict
 
 import torch
 
@@ -340,6 +341,49 @@ def worker(regime, key, args):
         print(json.dumps({"model": name, "skipped": f"out of memory: {str(e)[:300]}"}))
 
 
+# pairs of measurements of one regime, (what the ratio says, first, second)
+STEP_TIME_PAIRS = [  # the first's ms/step over the second's
+    ("shipped launch table vs searched (a)", "bf16-weights/fabric-lin", "bf16-weights/fabric-lin-tuned"),
+    ("dynamic shapes vs specialised (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-static"),
+    ("kernels launched one by one vs CUDA graphs (b)", "real-loop/fabric-lin-no-cudagraphs", "real-loop/fabric-lin-cudagraphs"),
+    ("kernels launched one by one vs compile.mode auto (b)", "real-loop/fabric-lin-no-cudagraphs", "real-loop/fabric-lin"),
+]
+FP8_PAIRS = [  # FP8 (second) against the same model and regime in bf16 (first): its tokens/s and peak memory over bf16's
+    ("FP8 tensorwise vs bf16 (a, compiled)", "bf16-weights/fabric-lin-compiled", "bf16-weights/fabric-lin-fp8"),
+    ("FP8 rowwise vs bf16 (a, compiled)", "bf16-weights/fabric-lin-compiled", "bf16-weights/fabric-lin-fp8-rowwise"),
+    ("FP8 tensorwise vs bf16 (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-fp8"),
+    ("FP8 rowwise vs bf16 (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-fp8-rowwise"),
+    ("gla-1.3B FP8 tensorwise vs bf16 (b)", "real-loop/gla-1B", "real-loop/gla-1B-fp8"),
+]
+
+
+def like_for_like_ratios(results: Dict[str, Dict]) -> Dict[str, float]:
+    """The report's ratios, each between two measurements of one regime: every regime (a) model of ours against
+    flash-linear-attention's in regime (a) - GDN's against GatedDeltaNetForCausalLM, the others against
+    GLAForCausalLM -, tokens/s and peak memory; then STEP_TIME_PAIRS and FP8_PAIRS. fla has no real loop, and
+    the data loader's tokens/s is what it can deliver, not a training step's speed: neither is set against fla.
+    `results`: {"<regime>/<model>": measurement}; a skipped measurement (no tokens/s) gives no ratio."""
+    measured = {label: r for label, r in results.items() if "tokens_per_s" in r}
+    ratios = {}
+    for label, result in measured.items():
+        regime, key = label.split("/", 1)
+        if regime != "bf16-weights" or key.startswith("fla"):
+            continue
+        peer = "fla-gdn" if "gdn" in key else "fla"
+        if f"bf16-weights/{peer}" in measured:
+            fla = measured[f"bf16-weights/{peer}"]
+            ratios[f"{label} tokens/s vs {peer} (a)"] = round(result["tokens_per_s"] / fla["tokens_per_s"], 3)
+            ratios[f"{label} peak memory vs {peer} (a)"] = round(result["peak_memory_gib"] / fla["peak_memory_gib"], 3)
+    for label, base, other in STEP_TIME_PAIRS:
+        if base in measured and other in measured:
+            ratios[f"{label}, ms/step"] = round(measured[base]["ms_per_step"] / measured[other]["ms_per_step"], 4)
+    for label, bf16, fp8 in FP8_PAIRS:
+        if bf16 in measured and fp8 in measured:
+            ratios[f"{label}, tokens/s"] = round(measured[fp8]["tokens_per_s"] / measured[bf16]["tokens_per_s"], 3)
+            ratios[f"{label}, peak memory"] = round(measured[fp8]["peak_memory_gib"] / measured[bf16]["peak_memory_gib"], 3)
+    return ratios
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch_size", type=int, default=16)
@@ -384,37 +428,11 @@ def main():
                 continue  # one loader serves every model
             results[f"{regime}/{key}"] = run_isolated(regime, key, args)
             print(json.dumps({f"{regime}/{key}": results[f"{regime}/{key}"]}), flush=True)
-    ratios = {}
-    # each family against fla's model of the same family, regime (a)
-    for peer_key, ours_keys in (("bf16-weights/fla", lambda k: "gdn" not in k), ("bf16-weights/fla-gdn", lambda k: "gdn" in k)):
-        peer = results.get(peer_key, {})
-        if "tokens_per_s" not in peer:
-            continue
-        for label, r in results.items():
-            key = label.split("/")[1]
-            if "tokens_per_s" in r and "fla" not in key and "1B" not in key and ours_keys(key):
-                ratios[f"{label} tokens/s vs {peer_key.split('/')[1]} (a)"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
-                ratios[f"{label} peak memory vs {peer_key.split('/')[1]} (a)"] = round(r["peak_memory_gib"] / peer["peak_memory_gib"], 3)
-    peer = results.get("bf16-weights/fla", results.get("bf16-weights/fla-gdn", {}))
-    # the shipped launch table against the searched one, and dynamic against specialised shapes (step time)
-    for label, base, other in [("shipped launch table vs searched (a)", "bf16-weights/fabric-lin", "bf16-weights/fabric-lin-tuned"),
-                               ("dynamic shapes vs specialised (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-static"),
-                               ("kernels launched one by one vs CUDA graphs (b)", "real-loop/fabric-lin-no-cudagraphs", "real-loop/fabric-lin-cudagraphs"),
-                               ("kernels launched one by one vs compile.mode auto (b)", "real-loop/fabric-lin-no-cudagraphs", "real-loop/fabric-lin")]:
-        if "ms_per_step" in results.get(base, {}) and "ms_per_step" in results.get(other, {}):
-            ratios[f"{label}, ms/step"] = round(results[base]["ms_per_step"] / results[other]["ms_per_step"], 4)
-    # FP8 against the same model and regime in bf16
-    for label, bf16, fp8 in [("FP8 tensorwise vs bf16 (a, compiled)", "bf16-weights/fabric-lin-compiled", "bf16-weights/fabric-lin-fp8"),
-                             ("FP8 rowwise vs bf16 (a, compiled)", "bf16-weights/fabric-lin-compiled", "bf16-weights/fabric-lin-fp8-rowwise"),
-                             ("FP8 tensorwise vs bf16 (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-fp8"),
-                             ("FP8 rowwise vs bf16 (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-fp8-rowwise"),
-                             ("gla-1.3B FP8 tensorwise vs bf16 (b)", "real-loop/gla-1B", "real-loop/gla-1B-fp8")]:
-        if "tokens_per_s" in results.get(bf16, {}) and "tokens_per_s" in results.get(fp8, {}):
-            ratios[f"{label}, tokens/s"] = round(results[fp8]["tokens_per_s"] / results[bf16]["tokens_per_s"], 3)
-            ratios[f"{label}, peak memory"] = round(results[fp8]["peak_memory_gib"] / results[bf16]["peak_memory_gib"], 3)
+    ratios = like_for_like_ratios(results)
+    fla_ran = any("tokens_per_s" in results.get(f"bf16-weights/{peer}", {}) for peer in ("fla", "fla-gdn"))
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "batch_size": args.batch_size, "seq_len": args.seq_len,
               "torch": torch.__version__, "results": results, "ratios": ratios}
-    write_result(report, args.out, fla_ran="tokens_per_s" in peer)
+    write_result(report, args.out, fla_ran=fla_ran)
 
 
 if __name__ == "__main__":
