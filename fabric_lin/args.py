@@ -93,8 +93,11 @@ class EvalArgs:
 
     interval: int = 1000
     """Optimizer steps between validations"""
-    max_iters: int = 100
-    """Validation batches per device per validation"""
+    max_iters: int = 8
+    """Validation batches per validation, each of train.global_batch_size sequences (the samples of one optimizer
+    step; every device reads its micro batches of them): the first max_iters x global_batch_size blocks of the
+    validation split (all of it where it holds fewer), the same blocks whatever micro_batch_size, devices, nodes
+    and data.num_workers, so that val_loss stays comparable across a resume that changes them"""
     initial_validation: bool = False
     """Validate before the first step"""
     final_validation: bool = True
@@ -104,7 +107,8 @@ class EvalArgs:
         if self.interval < 1:
             raise InvalidValue(f"eval.interval must be at least 1 (optimizer steps between validations), got {self.interval}")
         if self.max_iters < 1:
-            raise InvalidValue(f"eval.max_iters must be at least 1 (validation batches per device), got {self.max_iters}")
+            raise InvalidValue(f"eval.max_iters must be at least 1 (validation batches of train.global_batch_size sequences), "
+                               f"got {self.max_iters}")
 
 
 @dataclass

@@ -7,10 +7,10 @@ token of the validation batches, summed per position) -> `HarnessScorer` (what l
 model, answered by the model in memory) -> the pieces they use: reading the three kinds of checkpoint, the
 run's data module, the plot.
 
-The validation batches are read as `pretrain` reads them (the data module's validation loader, in its fixed
-order, batches of the run's micro batch size), and the loss of a batch is the model's mean cross-entropy, so
-`--max_batches N` on a one-device run's checkpoint gives the val_loss that `pretrain` logged after reading N
-batches with the same weights.
+The validation batches are read as `pretrain` reads them (the data module's validation loader: the split's
+blocks in their fixed order, batches of the run's micro batch size), and the loss is the mean cross-entropy over
+their tokens, so `--max_batches` = eval.max_iters x global_batch_size / micro_batch_size gives the val_loss that
+`pretrain` logged with the same weights: its validation read those first blocks, on any number of devices.
 """
 import difflib
 import json
@@ -77,8 +77,9 @@ def main(
         seq_len: One sequence length or a list of them, e.g. [2048, 4096, 8192]: the data is read in blocks of
             each length. Default: the training length (hyperparameters.yaml's train.max_seq_length, else the
             model config's max_seq_length).
-        max_batches: Read at most this many batches per length (default: the whole validation split). The
-            run's eval.max_iters gives the batches its validation read. 0: no data evaluation (tasks only).
+        max_batches: Read at most this many batches per length (default: the whole validation split). A run's
+            validation read eval.max_iters x global_batch_size / micro_batch_size batches of its micro batch size.
+            0: no data evaluation (tasks only).
         batch_size: Sequences per batch. Default: the run's train.micro_batch_size (the same batches as its
             validation), else 1. Also the batch size of the harness's requests.
         bucket_size: Positions per bucket of the loss by position. Default: 1/16 of the training length.
@@ -153,7 +154,7 @@ def main(
             results["lengths"] = []
             for length in seq_lens:
                 loader = validation_loader(data, checkpoint, batch_size, length)
-                result = evaluate_length(fabric, model, loader, length, max_batches, bucket_size)
+                result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, bucket_size)
                 results["lengths"].append(result)
                 print(f"seq_len {length}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
                       f"{result['tokens']:,} tokens in {result['batches']} batches of {batch_size} | "
@@ -223,12 +224,16 @@ def build_model(fabric, checkpoint: "Checkpoint"):
 
 def validation_loader(data: DataModule, checkpoint: "Checkpoint", batch_size: int, seq_len: int):
     """The data module's validation loader, its blocks `seq_len` + 1 tokens long."""
+    from fabric_lin.data.prepared import BlockTooLong
+
     data.connect(tokenizer=checkpoint.tokenizer, batch_size=batch_size, max_seq_length=seq_len,
                  vocab_size=checkpoint.config.vocab_size)
     data.setup()
     try:
         loader = data.val_dataloader()
-    except ValueError as e:  # e.g. blocks longer than the data's chunk files
+    except BlockTooLong as e:  # blocks longer than the data's chunk files, or than the whole split
+        raise e.for_setting("--seq_len") from None
+    except ValueError as e:
         raise InvalidValue(f"reading the validation data with --seq_len {seq_len}: {e}") from None
     if loader is None:
         raise InvalidValue(
@@ -239,7 +244,8 @@ def validation_loader(data: DataModule, checkpoint: "Checkpoint", batch_size: in
 
 
 @torch.no_grad()
-def evaluate_length(fabric, model, loader, seq_len: int, max_batches: Optional[int], bucket_size: int) -> Dict[str, Any]:
+def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_batches: Optional[int],
+                    bucket_size: int) -> Dict[str, Any]:
     """The loss of every token of the loader's batches ([B, seq_len + 1] blocks: inputs and shifted targets),
     in the loader's order, up to `max_batches` batches: summed per position (fp64), then the mean over all
     tokens (loss, perplexity) and over each bucket of `bucket_size` positions."""
@@ -259,7 +265,7 @@ def evaluate_length(fabric, model, loader, seq_len: int, max_batches: Optional[i
     if max_batches is not None and expected_batches is not None:
         expected_batches = min(expected_batches, max_batches)
     progress = tqdm(desc=f"seq_len {seq_len}", unit="tok", unit_scale=True, dynamic_ncols=True,
-                    total=expected_batches * loader.batch_size * seq_len if expected_batches else None)
+                    total=expected_batches * batch_size * seq_len if expected_batches else None)
     start = time.perf_counter()
     for batch in loader:
         batch = batch.to(fabric.device).long()
@@ -279,7 +285,7 @@ def evaluate_length(fabric, model, loader, seq_len: int, max_batches: Optional[i
     progress.close()
     if batches == 0:
         raise InvalidValue(
-            f"seq_len {seq_len}: the validation data gives no full batch of {loader.batch_size} blocks of {seq_len + 1} "
+            f"seq_len {seq_len}: the validation data gives no full batch of {batch_size} blocks of {seq_len + 1} "
             "tokens; lower --batch_size or --seq_len"
         )
     tokens = rows * seq_len
@@ -289,7 +295,7 @@ def evaluate_length(fabric, model, loader, seq_len: int, max_batches: Optional[i
     return {
         "seq_len": seq_len,
         "batches": batches,
-        "batch_size": loader.batch_size,
+        "batch_size": batch_size,
         "tokens": tokens,
         "loss": loss,
         "perplexity": math.exp(min(loss, 100.0)),

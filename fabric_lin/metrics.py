@@ -218,13 +218,15 @@ class MetricsWriter:
         self.fabric.print(progress_line(step, self.max_steps, metrics, eta))
         self.window_start, self.window_step = now, step
 
-    def log_validation(self, step: int, val_loss: Optional[float]) -> None:
-        if val_loss is None:  # no validation data
+    def log_validation(self, step: int, validation: Optional[Tuple[float, int]]) -> None:
+        """A validation's (loss, tokens it covered); None: no validation data."""
+        if validation is None:
             return
+        val_loss, val_tokens = validation
         val_ppl = math.exp(min(val_loss, 100.0))
         self.fabric.log_dict({"val_loss": val_loss, "val_ppl": val_ppl}, step=step)
         self.fabric.print(f"step {step}: val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}")
-        self.write({"step": step, "val_loss": val_loss, "val_ppl": val_ppl})
+        self.write({"step": step, "val_loss": val_loss, "val_ppl": val_ppl, "val_tokens": val_tokens})
 
     def log_summary(self, step_count: int, tokens: int, elapsed: float) -> None:
         """The end of the run: its tokens and time, and its speed in steady state: from the end of the first step

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, ContextManager, Dict, Iterator, List, Literal, Optional, Union
+from typing import Any, ContextManager, Dict, Iterator, List, Literal, Optional, Tuple, Union
 
 import lightning_fabric as L
 import torch
@@ -55,6 +55,7 @@ from fabric_lin.stopping import StepFlags, StopRequest
 from fabric_lin.weights import canonical_name
 
 COMPILE_CACHE_DIR = "compile_cache"
+IGNORED_TARGET = -100  # the cross-entropy's ignore_index: rows that pad a validation batch count no loss
 
 # Data modules are dataclasses, for which jsonargparse disables subclasses by default; `--data SampleCorpus`
 # and YAML `data: {class_path: ..., init_args: ...}` need them enabled.
@@ -409,7 +410,7 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
     end_step = schedule.end_step(start_step, state["tokens_seen"], tokens_per_step)
 
     if eval.initial_validation and start_step == 0:
-        run.metrics.log_validation(0, validate(fabric, model, run.val_dataloader, eval.max_iters, run.cuda_graphs))
+        run.metrics.log_validation(0, validate(fabric, model, run))
     if start_step >= end_step:
         fabric.print(f"Nothing to train: the checkpoint is at step {start_step}, {state['tokens_seen']:,} tokens, the end of "
                      f"the schedule ({schedule.steps} steps of {schedule.unit:,} tokens)")
@@ -449,7 +450,7 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
             return
         with run.metrics.paused():
             if step % eval.interval == 0 and step < end_step:
-                run.metrics.log_validation(step, validate(fabric, model, run.val_dataloader, eval.max_iters, run.cuda_graphs))
+                run.metrics.log_validation(step, validate(fabric, model, run))
             if save_step and step < end_step:
                 run.metrics.flush()
                 run.checkpointer.save(fabric, state)
@@ -514,33 +515,46 @@ def stop_after_nonfinite_steps(fabric: L.Fabric, state: Dict, run: Run, in_a_row
 def finish(fabric: L.Fabric, state: Dict, run: Run) -> None:
     """The end of a run: the final validation, then out_dir/final/."""
     if run.eval.final_validation:
-        loss = validate(fabric, state["model"], run.val_dataloader, run.eval.max_iters, run.cuda_graphs)
-        run.metrics.log_validation(state["step_count"], loss)
+        run.metrics.log_validation(state["step_count"], validate(fabric, state["model"], run))
     run.checkpointer.save(fabric, state, final=True)
 
 
 @torch.no_grad()
-def validate(fabric: L.Fabric, model, val_dataloader, max_iters: int, cuda_graphs: bool = False) -> Optional[float]:
-    """Mean loss over `max_iters` validation batches per rank, averaged over ranks (None without validation data)."""
-    if val_dataloader is None:
+def validate(fabric: L.Fabric, model, run: Run) -> Optional[Tuple[float, int]]:
+    """The mean loss over the tokens of the first `eval.max_iters` global batches of the validation split, all
+    processes together, and their number of tokens (None without validation data). Each process reads
+    `eval.max_iters` x gradient accumulation micro batches, so a validation covers the same blocks whatever the
+    micro batch size and the number of processes. A batch cut short at the end of a small split is padded to a
+    full micro batch whose padding counts no loss: compiled graphs keep one shape."""
+    if run.val_dataloader is None:
         return None
     model.eval()
-    losses = []
-    for i, batch in enumerate(val_dataloader):
-        if i >= max_iters:
+    loss_sum = torch.zeros((), dtype=torch.float64, device=fabric.device)
+    tokens = 0
+    for i, batch in enumerate(run.val_dataloader):
+        if i >= run.eval.max_iters * run.accumulation:
             break
         batch = batch.long()
-        if cuda_graphs:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        padding = run.train.micro_batch_size - len(batch)
+        if padding > 0:
+            inputs = torch.cat([inputs, inputs.new_zeros(padding, inputs.shape[1])])
+            targets = torch.cat([targets, targets.new_full((padding, targets.shape[1]), IGNORED_TARGET)])
+        if run.cuda_graphs:
             # one generation of graphs per forward pass, as in training. Without a step marked (a validation
             # before the first training step), each compiled Block's call would start a generation of its own
             # and free the outputs of the Block before it, which are this Block's inputs
             torch.compiler.cudagraph_mark_step_begin()
-        losses.append(model(batch[:, :-1].contiguous(), targets=batch[:, 1:].contiguous()))
+        # every process runs the forward pass, an empty batch too: under FSDP each one gathers the weights
+        loss = model(inputs.contiguous(), targets=targets.contiguous())
+        if len(batch):
+            loss_sum += loss.double() * batch[:, 1:].numel()
+            tokens += batch[:, 1:].numel()
     model.train()
-    if not losses:
+    total = fabric.all_reduce(torch.stack([loss_sum, loss_sum.new_tensor(tokens)]), reduce_op="sum")
+    if total[1] == 0:
         raise UserError("the validation dataloader yielded no batch: check the data module's validation split")
-    val_loss = torch.stack(losses).mean()
-    return float(fabric.all_reduce(val_loss, reduce_op="mean"))
+    return float(total[0] / total[1]), int(total[1])
 
 
 # ---------------------------------------------------------------- devices, model, kernels

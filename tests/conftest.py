@@ -451,11 +451,12 @@ def litdata_blocks(path, block_size: int) -> list:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """The uninterrupted debug run (helpers.DEBUG_ARGS), what the stopped and resumed ones must reproduce."""
+    """The uninterrupted debug run (helpers.DEBUG_ARGS), what the stopped and resumed ones must reproduce; with a
+    final validation (which changes no weight) to compare with other layouts'."""
     from helpers import debug_run
 
     out = tmp_path_factory.mktemp("reference") / "out"
-    debug_run(out)
+    debug_run(out, "--eval.final_validation", "true")
     return out
 
 

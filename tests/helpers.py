@@ -403,9 +403,10 @@ def small_config(**overrides):
     return Config.from_name("gla-debug", vocab_size=64, num_layers=2, **overrides)
 
 
-def write_prepared(path: Path, tokens, tokenizer, item: int = 1000, chunk_size: int = 1000) -> None:
-    """A prepared directory of `tokens` as the preprocessors write it (litdata's Cache, then prepared.json), written
-    directly: items of `item` tokens (the last one may be shorter) in chunk files of `chunk_size` tokens."""
+def write_prepared(path: Path, tokens, tokenizer, item: int = 1000, chunk_size: int = 1000, **fields) -> None:
+    """A prepared directory of `tokens` as the preprocessors write it (litdata's Cache, then the tokenizer's files and
+    prepared.json, with `fields`), written directly: items of `item` tokens (the last one may be shorter) in chunk
+    files of `chunk_size` tokens."""
     from litdata.streaming.cache import Cache
     from litdata.streaming.item_loader import TokensLoader
 
@@ -416,7 +417,7 @@ def write_prepared(path: Path, tokens, tokenizer, item: int = 1000, chunk_size: 
         cache[i] = tokens[start : start + item]
     cache.done()
     cache.merge()
-    write_prepared_info(path, tokenizer, recipe="test")
+    write_prepared_info(path, tokenizer, **{"recipe": "test", **fields})
 
 
 def paragraphs(n, seed):

@@ -36,7 +36,7 @@ def test_max_tokens_and_max_steps_exclusive():
 
 def test_eval_args_defaults_are_litgpt_like():
     e = EvalArgs()
-    assert (e.interval, e.max_iters, e.initial_validation, e.final_validation) == (1000, 100, False, True)
+    assert (e.interval, e.max_iters, e.initial_validation, e.final_validation) == (1000, 8, False, True)
     assert math.isclose(TrainArgs().max_norm, 1.0)
 
 

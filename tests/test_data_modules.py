@@ -326,6 +326,32 @@ def test_val_dataloader_is_in_order(mix):
     assert np.array_equal(tokens, mix["val"].astype(np.int64))
 
 
+@pytest.mark.parametrize("world_size,batch_size,num_workers", [(1, 64, 0), (3, 7, 2), (4, 1, 0)])
+def test_validation_reads_each_block_once_by_position_on_any_layout(mix, world_size, batch_size, num_workers):
+    """The validation loaders of all the processes together: position p (process `rank`'s micro batch t holds
+    positions (t * world_size + rank) * batch_size + [0, batch_size)) is block p of litdata's own reading of the split,
+    each of the 1,000 blocks once; every process gets as many batches, the last ones short or empty."""
+    import math
+
+    from fabric_lin.data.base import token_val_loader
+
+    path = mix["data"] / "slimpajama" / "val"
+    blocks = litdata_blocks(path, SEQ + 1)
+    read = {}
+    for rank in range(world_size):
+        loader = token_val_loader(path, SEQ + 1, batch_size, num_workers, mix["tokenizer"])
+        loader.rank_and_world = (rank, world_size)
+        batches = list(loader)
+        assert len(batches) == len(loader) == math.ceil(len(blocks) / (world_size * batch_size))
+        for t, batch in enumerate(batches):
+            assert batch.dtype == torch.int64 and batch.shape[1] == SEQ + 1 and len(batch) <= batch_size
+            for j, row in enumerate(batch):
+                position = (t * world_size + rank) * batch_size + j
+                assert position not in read
+                read[position] = bytes(row.numpy())
+    assert [read.get(p) for p in range(len(blocks))] == blocks and len(read) == len(blocks)
+
+
 def test_validation_false_needs_no_val_split(mix, tmp_path):
     # a copy of the data without slimpajama/val: setup refuses it unless validation is off
     import shutil

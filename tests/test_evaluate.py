@@ -261,8 +261,9 @@ def test_errors_are_one_line(run, tmp_path, capsys, monkeypatch):
                      "--data.num_workers", "0"], capsys)
     assert "TokenChunks gives no validation data" in err
     assert "--seq_len must be a positive number" in cli_error(["evaluate", str(final), "--seq_len", "[32, 0]"], capsys)
-    # blocks longer than the data's chunk files (1000 tokens)
-    assert "with --seq_len 1000: max_seq_length=1000 is too long" in cli_error(["evaluate", str(final), "--seq_len", "1000"], capsys)
+    # blocks longer than the data's chunk files (1000 tokens): the fix names evaluate's option, not pretrain's
+    err = cli_error(["evaluate", str(final), "--seq_len", "1000"], capsys)
+    assert "--seq_len=1000 is too long" in err and "lower --seq_len or prepare" in err and "train.max_seq_length" not in err
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)
     assert "--tasks needs lm-evaluation-harness: pip install -e '.[eval]'" in cli_error(

@@ -51,7 +51,7 @@ def test_error_train_and_eval_values_are_named(tmp_path, train, eval, message):
 
 
 def test_error_eval_max_iters_not_positive(tmp_path):
-    with pytest.raises(ValueError, match=r"eval.max_iters must be at least 1 \(validation batches per device\), got 0"):
+    with pytest.raises(ValueError, match=r"eval.max_iters must be at least 1 \(validation batches of train.global_batch_size sequences\), got 0"):
         setup_pretrain(tmp_path, eval=EvalArgs(max_iters=0))
     assert not (tmp_path / "out").exists()
 

@@ -137,3 +137,59 @@ def test_a_failed_run_removes_the_empty_output_directories_it_created(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):  # after the launch: the data is checked in main
         setup_pretrain(tmp_path, out_dir=tmp_path / "runs" / "a" / "b", data=TokenChunks(data_path=tmp_path / "nothing", num_workers=0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
+
+
+def test_a_validation_split_too_small_for_a_sample_says_raise_val_fraction(tmp_path, prepared):
+    """A validation split of prepare_text holding fewer tokens than one sample: raise --val_fraction, not the chunk size."""
+    import numpy as np
+
+    from fabric_lin.data import TextFiles, Tokenizer
+
+    write_prepared(tmp_path / "val", np.arange(100, dtype=np.uint16), Tokenizer(prepared / "tok300"), recipe="text",
+                   split="val", val_fraction=0.005)
+    data = TextFiles(train_dir=prepared / "tokens", val_dir=tmp_path / "val", num_workers=0)
+    data.connect(batch_size=2, max_seq_length=128)
+    data.setup()
+    with pytest.raises(ValueError, match=rf"train.max_seq_length=128 is too long for {tmp_path / 'val'}: .* it holds 100 "
+                       r"tokens in all; prepare it again with a larger --val_fraction \(this split held out 0.005 of the "
+                       r"documents\), or lower train.max_seq_length$"):
+        data.val_dataloader()
+
+
+def test_validation_covers_the_same_tokens_whatever_the_micro_batch_and_processes(prepared):
+    """pretrain's validate reads eval.max_iters global batches: the mean cross-entropy of the first max_iters x
+    global_batch_size blocks of the split whatever the micro batch size and the number of processes (each process's
+    share weighted by its tokens, as the all-reduce adds them up), and of the whole split, each block once, where it
+    holds fewer; against the cross-entropy of the model's logits over litdata's own reading of the blocks."""
+    from types import SimpleNamespace
+
+    import lightning_fabric as L
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from fabric_lin.data.base import token_val_loader
+    from fabric_lin.model import GPT
+    from fabric_lin.pretrain import validate
+
+    path, seq, global_batch = prepared / "tokens", 31, 12  # blocks of 32 tokens: 31 per chunk file, 124 in all
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("gla-debug", vocab_size=300, num_layers=1))
+    blocks = torch.from_numpy(np.stack([np.frombuffer(b, dtype=np.int64) for b in litdata_blocks(path, seq + 1)]))
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    for max_iters, covered in ((2, 24), (50, len(blocks))):
+        with torch.no_grad():
+            expected = F.cross_entropy(model(blocks[:covered, :-1]).flatten(0, 1), blocks[:covered, 1:].flatten()).item()
+        for micro_batch, world_size in ((12, 1), (4, 1), (3, 2), (2, 3)):
+            loss_sum = tokens = 0
+            for rank in range(world_size):  # each process's validate; the all-reduce of one process is the identity
+                loader = token_val_loader(path, seq + 1, micro_batch, 0, None)
+                loader.rank_and_world = (rank, world_size)
+                run = SimpleNamespace(val_dataloader=loader, eval=EvalArgs(max_iters=max_iters), cuda_graphs=False,
+                                      train=TrainArgs(micro_batch_size=micro_batch),
+                                      accumulation=global_batch // (micro_batch * world_size))
+                loss, n = validate(fabric, model, run)
+                loss_sum, tokens = loss_sum + loss * n, tokens + n
+            layout = f"max_iters {max_iters}, micro batch {micro_batch}, {world_size} process(es)"
+            assert tokens == covered * seq, layout
+            assert loss_sum / tokens == pytest.approx(expected, rel=1e-5), layout

@@ -41,7 +41,7 @@ def reference_ddp(tmp_path_factory) -> Path:
     """The uninterrupted debug run on two processes (DDP over gloo on the CPU). Module-scoped: this file's tests
     run on one pytest-xdist worker, which runs it once."""
     out = tmp_path_factory.mktemp("reference_ddp") / "out"
-    run(out, "--devices", "2", env=CPU_ONLY)
+    run(out, "--devices", "2", "--eval.final_validation", "true", env=CPU_ONLY)
     return out
 
 
@@ -133,9 +133,14 @@ def assert_same_samples_close_losses(out_dir: Path, reference: Path, steps) -> N
 
 
 def test_one_process_and_two_train_on_the_same_samples(reference, reference_ddp):
-    """Two processes with a micro batch each per step, or one with two: the same samples at every step."""
+    """Two processes with a micro batch each per step, or one with two: the same samples at every step, and a
+    validation of the same blocks (eval.max_iters global batches of 4 blocks of 64 tokens)."""
     assert_same_samples_close_losses(reference_ddp, reference, range(1, STEPS + 1))
     assert len(set(logged_data_fingerprints(reference).values())) == STEPS
+    one, two = ([r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+                for out in (reference, reference_ddp))
+    assert len(one) == len(two) == 1 and one[0]["val_tokens"] == two[0]["val_tokens"] == 4 * 64
+    assert two[0]["val_loss"] == pytest.approx(one[0]["val_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("processes", [(2, 1), (1, 2)], ids=["2->1", "1->2"])

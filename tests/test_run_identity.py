@@ -2,7 +2,7 @@
 batch size, the step or token budget, the data) and what it may not (the model, the sequence length), each refusal
 naming the values; other settings (the optimizer's, the micro batch size) pass with a note. A run resumed with a
 larger global batch counts its tokens on and keeps the schedule in tokens; one resumed with another micro batch
-size trains on the same samples."""
+size trains on the same samples and validates on the same blocks."""
 import json
 
 import pytest
@@ -102,8 +102,9 @@ def test_a_larger_global_batch_on_resume_keeps_tokens_and_the_schedule_in_tokens
 
 def test_resume_with_another_micro_batch_size_trains_on_the_same_samples(tmp_path):
     """The data position is one number of samples: resumed with micro batches of 1 (two per step), the
-    steps after the checkpoint train on the samples the uninterrupted run (micro batches of 2) took."""
-    common = dict(eval=EvalArgs(final_validation=False, interval=1000))
+    steps after the checkpoint train on the samples the uninterrupted run (micro batches of 2) took, and its
+    final validation reads the blocks the uninterrupted run's read (eval.max_iters global batches of 2)."""
+    common = dict(eval=EvalArgs(final_validation=True, interval=1000, max_iters=2))
     train = dict(global_batch_size=2, max_seq_length=32, save_interval=2)
     setup_pretrain(tmp_path, out_dir=tmp_path / "whole", train=TrainArgs(micro_batch_size=2, max_steps=4, **train), **common)
     setup_pretrain(tmp_path, out_dir=tmp_path / "split", train=TrainArgs(micro_batch_size=2, max_steps=2, **train), **common)
@@ -112,3 +113,8 @@ def test_resume_with_another_micro_batch_size_trains_on_the_same_samples(tmp_pat
     whole, split = logged_data_fingerprints(tmp_path / "whole"), logged_data_fingerprints(tmp_path / "split")
     assert sorted(whole) == [1, 2, 3, 4] and len(set(whole.values())) == 4
     assert split == whole
+    (whole_final,), split_validations = ([r for r in metrics_records(tmp_path / run) if "val_loss" in r]
+                                         for run in ("whole", "split"))
+    assert [r["step"] for r in split_validations] == [2, 4]
+    assert whole_final["val_tokens"] == split_validations[1]["val_tokens"] == 2 * 2 * 32
+    assert split_validations[1]["val_loss"] == pytest.approx(whole_final["val_loss"], rel=1e-4)

@@ -6,9 +6,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
-from litdata.streaming import StreamingDataLoader
 
-from fabric_lin.data.prepared import block_too_long, check_prepared_dir, chunk_tokens
+from fabric_lin.data.prepared import check_prepared_dir
 from fabric_lin.data.tokenizer import Tokenizer
 from fabric_lin.errors import InvalidValue
 from fabric_lin.stopping import STOP_SIGNALS
@@ -72,18 +71,6 @@ class DataModule:
         return self.max_seq_length + 1
 
 
-class FullBatchStreamingDataLoader(StreamingDataLoader):
-    """A StreamingDataLoader that yields only full batches (validation: compiled graphs keep one shape).
-
-    StreamingDataLoader takes `drop_last` for the dataset (equal sample counts per rank) and does not
-    pass it on to the DataLoader, so each worker hands over a short last batch; dropped here."""
-
-    def __iter__(self):
-        for batch in super().__iter__():
-            if len(batch) == self.batch_size:
-                yield batch
-
-
 def collate_tokens(samples: Sequence[Union[np.ndarray, torch.Tensor]]) -> torch.Tensor:
     """Stack token blocks (stored as uint16 or int32) into one int64 batch."""
     if isinstance(samples[0], torch.Tensor):
@@ -107,30 +94,12 @@ def token_train_loader(
 
 def token_val_loader(path: Union[str, Path], block_size: int, batch_size: int, num_workers: int,
                      tokenizer: Optional[Tokenizer]):
-    """The validation loader of one prepared directory (checked first): its `block_size`-token blocks in
-    order, split over the processes by litdata."""
-    from litdata.streaming import StreamingDataset, TokensLoader
+    """The validation loader of one prepared directory (checked first): its `block_size`-token blocks once, in
+    order, the processes taking micro batches in turn (`fabric_lin.data.sample_order.ValidationLoader`)."""
+    from fabric_lin.data.sample_order import ValidationLoader
 
     check_prepared_dir(path, tokenizer)
-    dataset = StreamingDataset(input_dir=str(path), item_loader=TokensLoader(block_size=block_size), shuffle=False, drop_last=True)
-    if len(dataset) == 0:
-        # TokensLoader cuts blocks inside each chunk file; drop_last gives every process the same number
-        dims = chunk_tokens(path)
-        blocks, processes = int((dims // block_size).sum()), dataset.distributed_env.world_size
-        why = (
-            f"its largest chunk file holds {dims.max(initial=0)} tokens" if blocks == 0
-            else f"it gives {blocks} such block(s), fewer than one for each of the {processes} processes"
-        )
-        raise block_too_long(path, block_size, why)
-    return FullBatchStreamingDataLoader(
-        dataset,
-        batch_size=batch_size,
-        num_workers=num_workers,
-        drop_last=True,
-        collate_fn=collate_tokens,
-        pin_memory=torch.cuda.is_available(),
-        worker_init_fn=leave_stop_signals_to_the_trainer,
-    )
+    return ValidationLoader(path, block_size, batch_size, num_workers, worker_init_fn=leave_stop_signals_to_the_trainer)
 
 
 def leave_stop_signals_to_the_trainer(worker_id: int) -> None:

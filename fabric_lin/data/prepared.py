@@ -44,12 +44,40 @@ def chunk_tokens(path: Union[str, Path]) -> np.ndarray:
         raise InvalidValue(f"{index_path}: expected litdata's index with a token count (dim) for every chunk ({err!r})") from None
 
 
-def block_too_long(path: Union[str, Path], block_size: int, why: str) -> ValueError:
-    return InvalidValue(
-        f"max_seq_length={block_size - 1} is too long for {path}: a sample is a block of max_seq_length + 1 ="
-        f" {block_size} tokens from one chunk file, and {why}; lower train.max_seq_length or prepare the data"
-        " with a larger chunk_size"
-    )
+class BlockTooLong(InvalidValue):
+    """A sequence length whose samples a prepared directory cannot give: a sample is a block of length + 1
+    tokens that litdata's TokensLoader cuts inside one chunk file. `setting` is the option that set the length
+    (train.max_seq_length in pretrain, --seq_len in evaluate), named in the fix."""
+
+    def __init__(self, path: Union[str, Path], block_size: int, setting: str = "train.max_seq_length") -> None:
+        self.path, self.block_size, self.setting = Path(path), block_size, setting
+        super().__init__(self.describe())
+
+    def for_setting(self, setting: str) -> "BlockTooLong":
+        return BlockTooLong(self.path, self.block_size, setting)
+
+    def describe(self) -> str:
+        dims = chunk_tokens(self.path)
+        length = f"{self.setting}={self.block_size - 1}"
+        if dims.sum() >= self.block_size:  # enough tokens, cut into chunk files that are too small
+            why = f"its largest chunk file holds {dims.max(initial=0)} tokens"
+            fix = f"lower {self.setting} or prepare the data with a larger chunk_size"
+        else:
+            why = f"it holds {dims.sum()} tokens in all"
+            val_fraction = held_out_share(self.path)
+            fix = (f"prepare it again with a larger --val_fraction (this split held out {val_fraction} of the documents), "
+                   f"or lower {self.setting}" if val_fraction is not None else f"lower {self.setting} or give it more data")
+        return (f"{length} is too long for {self.path}: a sample is a block of {self.setting} + 1 = {self.block_size}"
+                f" tokens from one chunk file, and {why}; {fix}")
+
+
+def held_out_share(path: Union[str, Path]) -> Optional[float]:
+    """The --val_fraction of a validation split written by prepare_text, else None."""
+    try:
+        info = json.loads((Path(path) / PREPARED_INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return info.get("val_fraction") if isinstance(info, dict) and info.get("split") == "val" else None
 
 
 def check_prepared_dir(

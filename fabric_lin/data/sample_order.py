@@ -15,6 +15,10 @@ litdata's StreamingDataLoader cannot do this: its state is a count per process a
 over the layout that wrote it, and a CombinedStreamingDataset resumes only on that same layout (it
 fails inside litdata otherwise). litdata still reads the chunks: a sample is `StreamingDataset[i]`.
 
+Validation reads a split the same way, unshuffled and once (`ValidationLoader`): position p is block p of
+the split, and the processes take micro batches in turn as above, so the first N positions are the same
+blocks on any layout and with any micro batch size.
+
 Which sample a position holds:
 - Mixing: positions come in groups (1,024 positions for the SlimPajama/Starcoder mix, `mix_group_size`);
   each group gives every source its share by the weights, exactly (the rounding carried from group to
@@ -33,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from fabric_lin.data.prepared import INDEX_FILE, block_too_long, chunk_tokens
+from fabric_lin.data.prepared import INDEX_FILE, BlockTooLong, chunk_tokens
 from fabric_lin.errors import InvalidValue
 
 # chunk files whose blocks are shuffled together: enough files to mix many documents' blocks in a batch,
@@ -166,7 +170,7 @@ class SampleStream(IterableDataset):
             tokens = chunk_tokens(path)
             blocks = tokens // block_size
             if blocks.sum() == 0:
-                raise block_too_long(path, block_size, f"its largest chunk file holds {tokens.max(initial=0)} tokens")
+                raise BlockTooLong(path, block_size)
             self.orders.append(SourceOrder(blocks, seed, source, shuffle))
         self.mix = MixOrder(weights, seed)
         self.sources = [source_key(p) for p in self.paths]
@@ -177,10 +181,13 @@ class SampleStream(IterableDataset):
         self.datasets = [StreamingDataset(str(p), item_loader=TokensLoader(block_size=block_size), shuffle=False)
                          for p in self.paths]
         self.start, self.rank, self.world_size, self.batch_size = 0, 0, 1, 1
+        self.end: Optional[int] = None
 
-    def place(self, start: int, rank: int, world_size: int, batch_size: int) -> None:
-        """Where the next iteration reads: micro batches of `batch_size` of process `rank` from `start`."""
-        self.start, self.rank, self.world_size, self.batch_size = start, rank, world_size, batch_size
+    def place(self, start: int, rank: int, world_size: int, batch_size: int, end: Optional[int] = None) -> None:
+        """Where the next iteration reads: micro batches of `batch_size` of process `rank` from `start`; with
+        `end`, only the positions before it (the last micro batches cut short, or empty for a process whose
+        positions all lie past `end`), else forever."""
+        self.start, self.rank, self.world_size, self.batch_size, self.end = start, rank, world_size, batch_size, end
 
     def sample(self, position: int) -> np.ndarray:
         source, k = self.mix.sample(position)
@@ -202,9 +209,14 @@ class SampleStream(IterableDataset):
         # DataLoader workers take the micro batches in turn, and the DataLoader returns them in that order
         worker = torch.utils.data.get_worker_info()
         t, step = (0, 1) if worker is None else (worker.id, worker.num_workers)
-        while True:
-            samples = [self.sample(p) for p in self.batch_positions(t)]
-            yield torch.from_numpy(np.stack(samples).astype(np.int64))
+        batches = None if self.end is None else micro_batches_per_process(self.end - self.start, self.world_size,
+                                                                          self.batch_size)
+        while batches is None or t < batches:
+            samples = [self.sample(p) for p in self.batch_positions(t) if self.end is None or p < self.end]
+            if samples:
+                yield torch.from_numpy(np.stack(samples).astype(np.int64))
+            else:
+                yield torch.empty((0, self.block_size), dtype=torch.int64)
             t += step
 
     def order_key(self) -> Dict:
@@ -225,6 +237,12 @@ def carried_after(order: Dict, carried: Sequence[Sequence[int]], position: int) 
     given = MixOrder(order["weights"], order["seed"]).given_before(position)
     return {key: (int(carried[i][0]), int(carried[i][1]), int(carried[i][2]) + int(given[i]))
             for i, key in enumerate(order["sources"])}
+
+
+def micro_batches_per_process(positions: int, world_size: int, batch_size: int) -> int:
+    """Micro batches of `batch_size` that each of `world_size` processes, taking them in turn, reads of
+    `positions` positions: the same number on every process."""
+    return -(-positions // (world_size * batch_size))
 
 
 def process_place() -> Tuple[int, int]:
@@ -287,3 +305,29 @@ class TrainLoader(DataLoader):
         old = carried_after(saved, state["carried"], int(state["next_position"]))
         self.dataset.carry_on([old.get(key, fresh) for key, fresh in zip(self.dataset.sources, self.dataset.carried)])
         self.next_position = 0
+
+
+class ValidationLoader(DataLoader):
+    """The validation DataLoader of one prepared directory, a `SampleStream` of it unshuffled: each of its blocks
+    once, in order, in micro batches of `batch_size` that the processes take in turn (`SampleStream.batch_positions`).
+    The blocks a validation reads, the first N positions, are so the same whatever the number of processes,
+    DataLoader workers or the micro batch size. Every process gets as many batches (`len()`): the last ones may be
+    short, or empty for a process with no block left, so that processes whose model gathers its weights in every
+    forward pass (FSDP) stay in step."""
+
+    def __init__(self, path: Path, block_size: int, batch_size: int, num_workers: int, worker_init_fn=None):
+        stream = SampleStream([path], block_size, seed=0, shuffle=False)  # unshuffled: the seed draws nothing
+        super().__init__(stream, batch_size=None, num_workers=num_workers, pin_memory=torch.cuda.is_available(),
+                         worker_init_fn=worker_init_fn)
+        self.micro_batch_size = batch_size
+        self.blocks = stream.orders[0].total  # in the split
+        self.rank_and_world: Optional[Tuple[int, int]] = None  # None: torch.distributed's
+
+    def __iter__(self):
+        rank, world_size = self.rank_and_world or process_place()
+        self.dataset.place(0, rank, world_size, self.micro_batch_size, end=self.blocks)
+        yield from super().__iter__()
+
+    def __len__(self) -> int:
+        _, world_size = self.rank_and_world or process_place()
+        return micro_batches_per_process(self.blocks, world_size, self.micro_batch_size)
