@@ -127,17 +127,23 @@ def test_text_files_one_directory_and_its_validation_in_order(mix, capsys):
     assert "no validation" not in capsys.readouterr().out
 
 
-def test_text_files_without_a_validation_directory_says_so_once(mix, tmp_path, capsys, monkeypatch):
+def test_text_files_without_a_validation_directory_says_so_once(mix, capsys, monkeypatch):
     from lightning_fabric.utilities.rank_zero import rank_zero_only
 
-    for val_dir, why in ((None, "data.val_dir is not set"), (tmp_path / "val", f"data.val_dir {tmp_path / 'val'} does not exist")):
-        data = text_files(mix, batch_size=2, val_dir=val_dir)
-        assert data.val_dataloader() is None
-        assert next(iter(data.train_dataloader())).shape == (2, SEQ + 1)
-        out = capsys.readouterr().out
-        assert out.count("TextFiles: no validation") == 1 and why in out, out
+    data = text_files(mix, batch_size=2, val_dir=None)
+    assert data.val_dataloader() is None
+    assert next(iter(data.train_dataloader())).shape == (2, SEQ + 1)
+    out = capsys.readouterr().out
+    assert out.count("TextFiles: no validation: data.val_dir is not set") == 1, out
     monkeypatch.setattr(rank_zero_only, "rank", 1)  # the other processes of a run say nothing
     text_files(mix, batch_size=2)
+    assert "no validation" not in capsys.readouterr().out
+
+
+def test_text_files_val_dir_that_does_not_exist_is_an_error(mix, tmp_path, capsys):
+    """A typo in data.val_dir names the path; it does not turn validation off."""
+    with pytest.raises(FileNotFoundError, match=rf"^data.val_dir {tmp_path / 'vall'} does not exist: .* leave data.val_dir out"):
+        text_files(mix, batch_size=2, val_dir=tmp_path / "vall")
     assert "no validation" not in capsys.readouterr().out
 
 

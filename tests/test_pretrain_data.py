@@ -32,8 +32,9 @@ def test_error_missing_tokenizer(tmp_path):
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """Two small tokenizers (300 and 320 pieces) and prepared directories made with the first: `tokens` of
-    4 chunk files of 1000 tokens, written as the preprocessors write them."""
+    """Two small tokenizers (300 and 320 pieces) and prepared directories of 4 chunk files of 1000 tokens, written
+    as the preprocessors write them: `tokens300` and `tokens320` by each tokenizer, with its files beside the tokens,
+    and `tokens` by the first, without them (a directory copied without its tokenizer)."""
     import numpy as np
 
     from fabric_lin.data import Tokenizer
@@ -44,7 +45,10 @@ def prepared(tmp_path_factory):
         (root / f"{name}-raw").mkdir()
         (root / f"{name}-raw" / "a.txt").write_text("\n".join(f"line {i} of {words}" for i in range(500)))
         train_tokenizer(root / f"{name}-raw", root / name, vocab_size=vocab_size, num_threads=1)
-    write_prepared(root / "tokens", (np.arange(4000) % 300).astype(np.uint16), Tokenizer(root / "tok300"))
+    for name, vocab_size in (("tokens", 300), ("tokens300", 300), ("tokens320", 320)):
+        write_prepared(root / name, (np.arange(4000) % vocab_size).astype(np.uint16), Tokenizer(root / f"tok{vocab_size}"))
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        (root / "tokens" / name).unlink(missing_ok=True)
     return root
 
 
@@ -137,6 +141,61 @@ def test_a_failed_run_removes_the_empty_output_directories_it_created(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):  # after the launch: the data is checked in main
         setup_pretrain(tmp_path, out_dir=tmp_path / "runs" / "a" / "b", data=TokenChunks(data_path=tmp_path / "nothing", num_workers=0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
+
+
+# ---- one tokenizer per run: the data's directories agree, the checkpoints carry it, evaluate checks it
+
+
+def test_directories_of_two_tokenizers_are_refused_naming_both(prepared):
+    """A mix of two tokenizers' training directories, or validation data of another tokenizer than the training data,
+    is refused in one line naming both directories and both hashes (no --tokenizer_dir: nothing else to compare to)."""
+    import json
+
+    from fabric_lin.data import TextFiles
+
+    sha = {n: json.loads((prepared / n / "prepared.json").read_text())["tokenizer"]["sha256"][:12] for n in ("tokens300", "tokens320")}
+    for data in (TextFiles(train_dir=[prepared / "tokens300", prepared / "tokens320"], num_workers=0),
+                 TextFiles(train_dir=prepared / "tokens300", val_dir=prepared / "tokens320", num_workers=0)):
+        data.connect(batch_size=1, max_seq_length=16, vocab_size=320)
+        with pytest.raises(ValueError) as info:
+            data.setup()
+        message = str(info.value)
+        assert "\n" not in message
+        assert message.startswith(f"{prepared / 'tokens300'} and {prepared / 'tokens320'} were tokenized with different tokenizers")
+        assert all(f"sha256={sha[n]}" in message for n in sha) and str(prepared / "tok320") in message
+
+
+def test_a_run_takes_the_data_s_tokenizer_and_evaluate_refuses_another_s_data(tmp_path, prepared, capsys):
+    """TextFiles without --tokenizer_dir: the checkpoints hold the tokenizer that prepared the data (no warning), so
+    `evaluate --data TextFiles` on data of another tokenizer is refused, naming the data and the checkpoint's tokenizer."""
+    from fabric_lin.data import TextFiles
+    from helpers import cli_error
+
+    config = Config.from_name("gla-debug", vocab_size=320)
+    setup_pretrain(tmp_path, model_name=None, model_config=config, eval=EvalArgs(final_validation=False),
+                   data=TextFiles(train_dir=prepared / "tokens300", num_workers=0))
+    assert "Warning: no tokenizer" not in capsys.readouterr().out
+    final = tmp_path / "out" / "final"
+    assert (final / "tokenizer.model").read_bytes() == (prepared / "tok300" / "tokenizer.model").read_bytes()
+    err = cli_error(["evaluate", str(final), "--data", "TextFiles", "--data.train_dir", str(prepared / "tokens320"),
+                     "--data.val_dir", str(prepared / "tokens320"), "--data.num_workers", "0"], capsys)
+    assert f"{prepared / 'tokens320'} was tokenized with a different tokenizer" in err
+    assert f"than {final / 'tokenizer.model'}" in err
+
+
+def test_prepare_text_output_given_as_train_dir_suggests_its_train(tmp_path, prepared):
+    """prepare_text's --output_dir holds train/ and val/: given as data.train_dir, the error names OUT/train."""
+    import shutil
+
+    from fabric_lin.data import TextFiles
+
+    for split in ("train", "val"):
+        shutil.copytree(prepared / "tokens300", tmp_path / "out" / split)
+    data = TextFiles(train_dir=tmp_path / "out", num_workers=0)
+    data.connect(batch_size=1, max_seq_length=16)
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path / 'out'} has no index.json; it holds prepared directories "
+                       rf"\(train, val\): did you mean {tmp_path / 'out' / 'train'}\?"):
+        data.setup()
 
 
 def test_a_validation_split_too_small_for_a_sample_says_raise_val_fraction(tmp_path, prepared):

@@ -2,12 +2,12 @@
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from fabric_lin.data.prepared import check_prepared_dir
+from fabric_lin.data.prepared import carried_tokenizer_dir, check_prepared_dir, check_prepared_dirs
 from fabric_lin.data.tokenizer import Tokenizer
 from fabric_lin.errors import InvalidValue
 from fabric_lin.stopping import STOP_SIGNALS
@@ -52,8 +52,20 @@ class DataModule:
     def prepare_data(self) -> None:
         pass
 
+    def prepared_dirs(self) -> List[Path]:
+        """The prepared directories a run reads, training and validation (none for a module of its own)."""
+        return []
+
     def setup(self) -> None:
-        pass
+        """Check the data before any of it is read: every directory complete, all made by one tokenizer, the
+        run's `tokenizer` (when connected) and made for the model's `vocab_size`, each wrong one named."""
+        check_prepared_dirs(self.prepared_dirs(), self.tokenizer, self.vocab_size)
+
+    @property
+    def tokenizer_dir(self) -> Optional[Path]:
+        """The tokenizer that made the prepared directories (the preprocessors copy its files beside the tokens),
+        which the run's checkpoints then hold; None where they carry none."""
+        return carried_tokenizer_dir(self.prepared_dirs())
 
     def train_dataloader(self):
         raise NotImplementedError
@@ -86,8 +98,7 @@ def token_train_loader(
     stream of samples that is the same on any number of processes (`fabric_lin.data.sample_order`)."""
     from fabric_lin.data.sample_order import SampleStream, TrainLoader
 
-    for path in paths:
-        check_prepared_dir(path, tokenizer)
+    check_prepared_dirs(paths, tokenizer)
     stream = SampleStream(paths, block_size, seed, weights, shuffle)
     return TrainLoader(stream, batch_size, num_workers, worker_init_fn=leave_stop_signals_to_the_trainer)
 

@@ -1,14 +1,16 @@
-"""Prepared (tokenized) data directories: litdata chunks + index.json + `prepared.json`.
+"""Prepared (tokenized) data directories: litdata chunks + index.json + the tokenizer's files + `prepared.json`.
 
 `prepared.json` is written last by the preprocessors, just before the directory gets its final
-name; it records which tokenizer made the tokens so that training with another one is refused."""
+name; it records which tokenizer made the tokens (the sha256 of its tokenizer.model), so that training or
+evaluating with another one, or mixing directories of two tokenizers, is refused. The tokenizer's own files
+travel with the tokens, so that a run on the directory can put them into its checkpoints."""
 import json
 from pathlib import Path
-from typing import Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-from fabric_lin.data.tokenizer import Tokenizer
+from fabric_lin.data.tokenizer import Tokenizer, copy_tokenizer_files
 from fabric_lin.errors import InvalidValue, MissingFile
 
 PREPARED_INFO_FILE = "prepared.json"
@@ -16,6 +18,8 @@ INDEX_FILE = "index.json"
 
 
 def write_prepared_info(out_dir: Union[str, Path], tokenizer: Tokenizer, **fields) -> Path:
+    """The tokenizer's files, then prepared.json (last: it marks the directory complete)."""
+    copy_tokenizer_files(tokenizer.checkpoint_dir, out_dir)
     info = {
         "complete": True,
         "tokenizer": {
@@ -23,6 +27,7 @@ def write_prepared_info(out_dir: Union[str, Path], tokenizer: Tokenizer, **field
             "sha256": tokenizer.model_hash,
             "bos_id": tokenizer.bos_id,
             "eos_id": tokenizer.eos_id,
+            "source": str(Path(tokenizer.checkpoint_dir).absolute()),  # where it was copied from, to name it
         },
         **fields,
     }
@@ -88,6 +93,60 @@ def check_prepared_dir(
 
     Returns the contents of its prepared.json. Raises FileNotFoundError for a missing directory or
     index, ValueError for an incomplete directory, a tokenizer mismatch or a too large vocabulary."""
+    info = read_prepared_dir(path)
+    check_made_for(path, info, tokenizer, vocab_size)
+    return info
+
+
+def check_prepared_dirs(
+    paths: Sequence[Union[str, Path]], tokenizer: Optional[Tokenizer] = None, vocab_size: Optional[int] = None
+) -> List[dict]:
+    """`check_prepared_dir` for each of the directories one run reads (training and validation), which must
+    also have been tokenized by one tokenizer: the same id is another piece in another tokenizer."""
+    paths = [Path(p) for p in paths]
+    infos = [read_prepared_dir(path) for path in paths]
+    for path, info in zip(paths, infos):
+        if tokenizer_identity(info) != tokenizer_identity(infos[0]):
+            raise InvalidValue(
+                f"{paths[0]} and {path} were tokenized with different tokenizers ({describe_tokenizer(infos[0])} and"
+                f" {describe_tokenizer(info)}, from their {PREPARED_INFO_FILE}): a run reads the ids of one tokenizer;"
+                " prepare them all with the same --tokenizer_path"
+            )
+    for path, info in zip(paths, infos):
+        check_made_for(path, info, tokenizer, vocab_size)
+    return infos
+
+
+def tokenizer_identity(info: dict) -> tuple:
+    made_by = info.get("tokenizer") or {}
+    return made_by.get("vocab_size"), made_by.get("sha256")
+
+
+def describe_tokenizer(info: dict) -> str:
+    """The tokenizer a prepared.json records: "vocab_size=..., sha256=...", and the directory it came from."""
+    made_by = info.get("tokenizer") or {}
+    source = f", from {made_by['source']}" if made_by.get("source") else ""
+    return f"vocab_size={made_by.get('vocab_size')}, sha256={str(made_by.get('sha256'))[:12]}...{source}"
+
+
+def carried_tokenizer_dir(paths: Sequence[Union[str, Path]]) -> Optional[Path]:
+    """The first of `paths` that holds the tokenizer.model all of them were tokenized with (the preprocessors copy
+    it beside the tokens), or None: directories that are missing, incomplete, without the files or of several
+    tokenizers give none here (`check_prepared_dirs` names what is wrong with them)."""
+    identities = set()
+    for path in paths:
+        try:
+            identities.add(tokenizer_identity(json.loads((Path(path) / PREPARED_INFO_FILE).read_text(encoding="utf-8"))))
+        except (OSError, ValueError, AttributeError):
+            return None
+    if len(identities) != 1:
+        return None
+    return next((Path(p) for p in paths if (Path(p) / "tokenizer.model").is_file()), None)
+
+
+def read_prepared_dir(path: Union[str, Path]) -> dict:
+    """The prepared.json of a complete prepared directory; the directory, its index, prepared.json and its chunk
+    files checked first, each missing one named."""
     path = Path(path)
     if not path.is_dir():
         raise MissingFile(
@@ -96,10 +155,11 @@ def check_prepared_dir(
         )
     index_path = path / INDEX_FILE
     if not index_path.is_file():
-        raise MissingFile(
-            f"{path} has no {INDEX_FILE}: it is not a prepared litdata directory, or its preprocessing run did not"
-            " finish; prepare it again"
-        )
+        # prepare_text's --output_dir holds train/ and val/, each a prepared directory
+        inside = sorted(p for p in path.iterdir() if (p / INDEX_FILE).is_file())
+        hint = f"; it holds prepared directories ({', '.join(p.name for p in inside)}): did you mean {inside[0]}?" if inside else (
+            ": it is not a prepared litdata directory, or its preprocessing run did not finish; prepare it again")
+        raise MissingFile(f"{path} has no {INDEX_FILE}{hint}")
     info_path = path / PREPARED_INFO_FILE
     if not info_path.is_file():
         raise InvalidValue(
@@ -116,20 +176,22 @@ def check_prepared_dir(
     missing = [c["filename"] for c in index.get("chunks", []) if not (path / c["filename"]).is_file()]
     if missing:
         raise InvalidValue(f"{path} is incomplete: {len(missing)} chunk file(s) listed in {INDEX_FILE} are missing, e.g. {missing[0]}")
-    if tokenizer is not None:
-        made_by = info.get("tokenizer", {})
-        if made_by.get("vocab_size") != tokenizer.vocab_size or made_by.get("sha256") != tokenizer.model_hash:
-            raise InvalidValue(
-                f"{path} was tokenized with a different tokenizer (vocab_size={made_by.get('vocab_size')},"
-                f" sha256={str(made_by.get('sha256'))[:12]}...) than {tokenizer.model_path}"
-                f" (vocab_size={tokenizer.vocab_size}, sha256={tokenizer.model_hash[:12]}...); prepare the data with"
-                " this tokenizer or train with the one that made it"
-            )
-    data_vocab = info.get("tokenizer", {}).get("vocab_size")
+    return info
+
+
+def check_made_for(path: Union[str, Path], info: dict, tokenizer: Optional[Tokenizer], vocab_size: Optional[int]) -> None:
+    """Refuse a prepared directory (its prepared.json `info`) made with another tokenizer than `tokenizer`, or
+    with a vocabulary larger than the model's `vocab_size` (either check skipped where None)."""
+    if tokenizer is not None and tokenizer_identity(info) != (tokenizer.vocab_size, tokenizer.model_hash):
+        raise InvalidValue(
+            f"{path} was tokenized with a different tokenizer ({describe_tokenizer(info)}) than {tokenizer.model_path}"
+            f" (vocab_size={tokenizer.vocab_size}, sha256={tokenizer.model_hash[:12]}...); prepare the data with this"
+            " tokenizer, or use the one that made it"
+        )
+    data_vocab = (info.get("tokenizer") or {}).get("vocab_size")
     if vocab_size is not None and isinstance(data_vocab, int) and data_vocab > vocab_size:
         raise InvalidValue(
             f"{path} was tokenized with a vocabulary of {data_vocab} tokens ({PREPARED_INFO_FILE}: tokenizer.vocab_size),"
             f" more than the model's vocab_size={vocab_size}: token ids would fall outside the embedding; use a model"
             f" config with vocab_size >= {data_vocab} or prepare the data with the model's tokenizer"
         )
-    return info

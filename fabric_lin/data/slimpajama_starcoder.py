@@ -2,7 +2,7 @@
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Tuple
+from typing import List, Tuple
 
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
 from fabric_lin.errors import InvalidValue
@@ -48,14 +48,13 @@ class SlimPajamaStarcoder(DataModule):
     def starcoder_train(self) -> Path:
         return Path(self.data_path) / "starcoder"
 
+    def prepared_dirs(self) -> List[Path]:
+        return ([self.slimpajama_train] + ([self.slimpajama_val] if self.validation else [])
+                + ([self.starcoder_train] if self.use_starcoder else []))
+
     def setup(self) -> None:
-        from fabric_lin.data.prepared import check_prepared_dir
-
         self.check_weights()  # again here: subclasses with their own __post_init__ reach this
-
-        paths = [self.slimpajama_train] + ([self.slimpajama_val] if self.validation else [])
-        for path in paths + ([self.starcoder_train] if self.use_starcoder else []):
-            check_prepared_dir(path, self.tokenizer, self.vocab_size)
+        super().setup()
 
     def train_dataloader(self):
         if not self.use_starcoder:

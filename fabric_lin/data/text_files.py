@@ -1,10 +1,10 @@
 """Your own corpus, prepared by `fabric-lin prepare_text`: one training directory or several mixed by weights."""
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Union
 
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
-from fabric_lin.errors import InvalidValue
+from fabric_lin.errors import InvalidValue, MissingFile
 
 
 @dataclass
@@ -17,14 +17,12 @@ class TextFiles(DataModule):
     train_dir: Union[Path, List[Path], None] = None
     """The prepared training directory (prepare_text's OUT/train), or a list of them to mix."""
     val_dir: Optional[Path] = None
-    """The prepared validation directory (OUT/val). Not given, or not there: no validation, said at start-up."""
+    """The prepared validation directory (OUT/val). Not given: no validation, said at start-up."""
     train_weights: Optional[List[float]] = None
     """Relative shares of training samples drawn from each train_dir, in order (normalised to sum to 1).
     Default: the directories' token counts, so each sample is read about as often as any other."""
     seed: int = 42
     num_workers: int = 8
-
-    validating: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.check_weights()
@@ -47,25 +45,25 @@ class TextFiles(DataModule):
                 f"{', '.join(map(str, self.train_dirs)) or 'none'}); got {weights}. Leave it out to mix by size"
             )
 
-    def setup(self) -> None:
-        from fabric_lin.data.prepared import check_prepared_dir
+    def prepared_dirs(self) -> List[Path]:
+        return self.train_dirs + ([Path(self.val_dir)] if self.val_dir is not None else [])
 
+    def setup(self) -> None:
         if not self.train_dirs:
             raise InvalidValue(
                 "TextFiles needs data.train_dir: a directory written by `fabric-lin prepare_text` (its OUT/train), or a list of them"
             )
         self.check_weights()
-        for path in self.train_dirs:
-            check_prepared_dir(path, self.tokenizer, self.vocab_size)
-        self.validating = self.val_dir is not None and Path(self.val_dir).exists()
-        if self.validating:
-            check_prepared_dir(self.val_dir, self.tokenizer, self.vocab_size)
-        else:
-            why = "data.val_dir is not set" if self.val_dir is None else (
-                f"data.val_dir {self.val_dir} does not exist (prepare_text writes OUT/val when --val_fraction holds out"
-                " any document)"
+        if self.val_dir is not None and not Path(self.val_dir).exists():
+            # a typo must not turn validation off; prepare_text writes no OUT/val where it held out no document
+            raise MissingFile(
+                f"data.val_dir {self.val_dir} does not exist: give a prepared validation directory (prepare_text's"
+                " OUT/val, written where --val_fraction held out any document), or leave data.val_dir out to train"
+                " without validation"
             )
-            say_once(f"TextFiles: no validation: {why}")
+        super().setup()
+        if self.val_dir is None:
+            say_once("TextFiles: no validation: data.val_dir is not set")
 
     def train_dataloader(self):
         weights = self.train_weights
@@ -77,7 +75,7 @@ class TextFiles(DataModule):
                                   self.tokenizer, weights=weights)
 
     def val_dataloader(self):
-        if not self.validating:
+        if self.val_dir is None:
             return None
         return token_val_loader(self.val_dir, self.block_size, self.batch_size, self.num_workers, self.tokenizer)
 

@@ -1,7 +1,7 @@
 """Any one prepared directory (and an optional validation directory)."""
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
 from fabric_lin.errors import InvalidValue
@@ -20,14 +20,13 @@ class TokenChunks(DataModule):
     seed: int = 42
     num_workers: int = 8
 
-    def setup(self) -> None:
-        from fabric_lin.data.prepared import check_prepared_dir
+    def prepared_dirs(self) -> List[Path]:
+        return [Path(p) for p in (self.data_path, self.val_path) if p is not None]
 
+    def setup(self) -> None:
         if self.data_path is None:
             raise InvalidValue("TokenChunks needs data_path: a directory written by fabric-lin's preprocessors")
-        check_prepared_dir(self.data_path, self.tokenizer, self.vocab_size)
-        if self.val_path is not None:
-            check_prepared_dir(self.val_path, self.tokenizer, self.vocab_size)
+        super().setup()
 
     def train_dataloader(self):
         return token_train_loader(
