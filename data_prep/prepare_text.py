@@ -48,6 +48,9 @@ from fabric_lin.files import created_dir
 # Documents read from a file at once (and so handed to the tokenizer together, in groups of
 # base.ENCODE_GROUP_CHARS characters).
 DOCUMENTS_PER_BATCH = 8192
+# A sample of config_hub's recipes: a 2048-token sequence and the token after it (the default chunk_size holds
+# 16384 of them). A validation split smaller than one is said to be at the end of a run.
+RECIPE_SAMPLE_TOKENS = 2049
 HELD_OUT_DIR = ".held-out"
 HELD_OUT_SUFFIX = ".tokens"  # <held-out dir>/<input file's relative path>.tokens: EOS-separated token ids
 
@@ -118,7 +121,7 @@ def prepare(
     text_key: str = "text",
     pattern: str = "**/*",
     val_fraction: float = 0.001,
-    chunk_size: int = 2049 * 16384,
+    chunk_size: int = RECIPE_SAMPLE_TOKENS * 16384,
     num_workers: Optional[int] = None,
     fast_dev_run: Union[bool, int] = False,
 ) -> dict:
@@ -167,6 +170,12 @@ def prepare(
     val = splits["val"]
     print(f"Wrote {output_dir}: train/ {splits['train']['tokens']} tokens of {splits['train']['documents']} documents"
           + (f", val/ {val['tokens']} tokens of {val['documents']} documents" if val else ", no val/"), flush=True)
+    if val and val["tokens"] < RECIPE_SAMPLE_TOKENS:
+        # a sample is max_seq_length + 1 tokens of one chunk file: fewer tokens hold no sample of that length
+        print(f"Note: {output_dir / 'val'} holds {val['tokens']} tokens, too few for validation at train.max_seq_length "
+              f"{val['tokens']} or more (config_hub's recipes train at {RECIPE_SAMPLE_TOKENS - 1}): raise --val_fraction "
+              f"({val_fraction} held out {val['documents']} of {val['documents'] + splits['train']['documents']} documents)",
+              flush=True)
     return splits
 
 

@@ -10,7 +10,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from fabric_lin.config import Config
+from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.model import GPT
 
@@ -134,11 +134,17 @@ def main(
         device: "cpu", "cuda", ...; default: cuda if available.
         precision: "32-true", "bf16-true" or "16-true"; default bf16-true on CUDA, 32-true on CPU.
     """
+    from fabric_lin.convert.hf import HF_CONFIG_FILE
     from fabric_lin.data.tokenizer import Tokenizer
 
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise MissingFile(f"checkpoint_dir {str(checkpoint_dir)!r} is not a directory")
+    if not (checkpoint_dir / CONFIG_FILE).is_file() and (checkpoint_dir / HF_CONFIG_FILE).is_file():
+        raise InvalidValue(
+            f"{checkpoint_dir} is a Hugging Face directory ({HF_CONFIG_FILE}, no {CONFIG_FILE}), e.g. an fla export:"
+            f" generate reads a model directory; make one with: fabric-lin convert_from_hf {checkpoint_dir} --output_dir <DIR>"
+        )
     device = resolve_device(device)
     precision = precision or ("bf16-true" if device.type == "cuda" else "32-true")
     dtypes = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}

@@ -317,3 +317,17 @@ def test_generate_error_device_is_one_line(tmp_path, capsys, monkeypatch, device
     make_model_dir(tmp_path / "model", small_config())
     err = cli_error(["generate", str(tmp_path / "model"), "--device", device], capsys)
     assert err == f"fabric-lin generate: error: {message}\n"
+
+
+def test_generate_on_a_hugging_face_directory_points_to_convert_from_hf(tmp_path, capsys):
+    """An fla export (config.json, model.safetensors, the tokenizer) is not a model directory: the error says how to
+    make one."""
+    make_model_dir(tmp_path / "model", small_config())
+    export = tmp_path / "fla-export"
+    export.mkdir()
+    (export / "config.json").write_text('{"model_type": "gla"}')
+    (export / "model.safetensors").write_bytes(b"")
+    (export / "tokenizer.model").write_bytes((tmp_path / "model" / "tokenizer.model").read_bytes())
+    err = cli_error(["generate", str(export), "--device", "cpu"], capsys)
+    assert f"{export} is a Hugging Face directory" in err
+    assert f"make one with: fabric-lin convert_from_hf {export} --output_dir <DIR>" in err

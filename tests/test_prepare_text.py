@@ -193,7 +193,12 @@ def test_prepare_text_names_and_skips_bad_input(paragraphs_tokenizer, tmp_path, 
     assert read_tokens(out / "train").tolist() == [t for doc in expected_tokens(tokenizer, texts) for t in doc]
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "no corpus file", "pattern", "absolute pattern"])
+# Python 3.13's glob matches files with a trailing **; earlier ones only folders
+TRAILING_GLOBSTAR_MATCHES_FOLDERS = sys.version_info < (3, 13)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "no corpus file", "pattern", "absolute pattern", pytest.param(
+    "trailing **", marks=pytest.mark.skipif(not TRAILING_GLOBSTAR_MATCHES_FOLDERS, reason="this Python's sub/** matches files"))])
 def test_prepare_text_without_input_files_is_one_line(paragraphs_tokenizer, tmp_path, capfd, case):
     raw = tmp_path / "raw"
     if case != "missing":
@@ -202,7 +207,11 @@ def test_prepare_text_without_input_files_is_one_line(paragraphs_tokenizer, tmp_
         (raw / "README.md").write_text("readme")
     if case in ("pattern", "absolute pattern"):
         (raw / "a.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
-    pattern = {"pattern": ["--pattern", "*.parquet"], "absolute pattern": ["--pattern", str(raw / "*.jsonl")]}.get(case, [])
+    if case == "trailing **":
+        (raw / "sub" / "2024").mkdir(parents=True)
+        (raw / "sub" / "2024" / "a.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    pattern = {"pattern": ["--pattern", "*.parquet"], "absolute pattern": ["--pattern", str(raw / "*.jsonl")],
+               "trailing **": ["--pattern", "sub/**"]}.get(case, [])
     with pytest.raises(SystemExit) as info:
         cli_main(["prepare_text", "--input_dir", str(raw), "--output_dir", str(tmp_path / "out" / "text"),
                   "--tokenizer_path", str(paragraphs_tokenizer), *pattern])
@@ -215,9 +224,38 @@ def test_prepare_text_without_input_files_is_one_line(paragraphs_tokenizer, tmp_
         "no corpus file": "it holds 1 other file(s), e.g. README.md",
         "pattern": f"No input files under {raw} with --pattern '*.parquet'",
         "absolute pattern": f"--pattern '{raw / '*.jsonl'}': expected a glob relative to --input_dir, e.g. '**/*.parquet'",
+        "trailing **": "no file matches it (a trailing ** matches folders: for every file below them, --pattern 'sub/**/*')",
     }[case]
     assert err.startswith("fabric-lin prepare_text: error: ") and expected in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_validation_split_smaller_than_a_sample_is_said_at_prepare_time_and_still_validates(paragraphs_tokenizer,
+                                                                                              tmp_path, capfd):
+    """prepare_data.md's TextFiles road on a small corpus: prepare_text says when its val/ holds fewer tokens than a
+    sample of config_hub's recipes, and a run at a length it does hold validates on it, on fewer blocks than a
+    micro batch."""
+    from fabric_lin.args import EvalArgs, TrainArgs
+    from fabric_lin.data import TextFiles
+    from fabric_lin.data.prepared import chunk_tokens
+    from helpers import metrics_records, setup_pretrain
+
+    raw, out = tmp_path / "raw", tmp_path / "text"
+    write_json_lines(raw / "a.jsonl", [{"text": t} for t in paragraphs(60, 31)])
+    splits = prepare_text(raw, out, paragraphs_tokenizer, val_fraction=0.05, chunk_size=4000, num_workers=1)
+    val = splits["val"]
+    assert 0 < val["tokens"] < 2049
+    printed = capfd.readouterr().out
+    assert (f"Note: {out / 'val'} holds {val['tokens']} tokens, too few for validation at train.max_seq_length "
+            f"{val['tokens']} or more (config_hub's recipes train at 2048): raise --val_fraction (0.05 held out "
+            f"{val['documents']} of {val['documents'] + splits['train']['documents']} documents)\n") in printed
+
+    seq = val["tokens"] // 3 - 1  # three samples in the split, fewer than the micro batch of 4
+    setup_pretrain(tmp_path, out_dir=tmp_path / "run", data=TextFiles(train_dir=out / "train", val_dir=out / "val", num_workers=0),
+                   train=TrainArgs(global_batch_size=4, micro_batch_size=4, max_steps=1, max_seq_length=seq),
+                   eval=EvalArgs(max_iters=1))
+    (validation,) = [r for r in metrics_records(tmp_path / "run") if "val_loss" in r]
+    assert validation["val_tokens"] == int((chunk_tokens(out / "val") // (seq + 1)).sum()) * seq == 3 * seq
 
 
 def test_prepare_text_refuses_a_finished_output_dir(paragraphs_tokenizer, text_corpus, text_prepared, capfd):

@@ -201,6 +201,8 @@ def find_text_files(input_dir: Union[str, Path], pattern: str = "**/*") -> Tuple
             f"it holds {len(others)} other file(s), e.g. {', '.join(str(p.relative_to(input_dir)) for p in others[:3])}"
             if others else "no file matches it"
         )
+        if pattern.endswith("**"):  # a glob's trailing ** matches folders, not the files in them
+            found += f" (a trailing ** matches folders: for every file below them, --pattern '{pattern}/*')"
         raise MissingFile(
             f"No input files under {input_dir} with --pattern {pattern!r}: expected files ending in "
             f"{', '.join(TEXT_SUFFIXES)}; {found}"
