@@ -408,26 +408,35 @@ def gdn_inputs(B, H, K, V, seed=0, gate="slow", T=None):
     return q, k, v, g, beta, state
 
 
+def export_model(model, config, out_dir, dtype: str = "float32"):
+    """`model`'s weights written as a model directory (out_dir/model) and exported into out_dir/hf as `fabric-lin
+    convert_to_hf` does; returns the export's directory."""
+    from pathlib import Path
+
+    from fabric_lin.convert.hf import convert_to_hf
+    from fabric_lin.weights import MODEL_FILE
+
+    model_dir, hf_dir = Path(out_dir) / "model", Path(out_dir) / "hf"
+    model_dir.mkdir(parents=True)
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, model_dir / MODEL_FILE)
+    config.save(model_dir / "model_config.yaml")
+    convert_to_hf(model_dir, hf_dir, dtype=dtype)
+    return hf_dir
+
+
 def export_to_fla(model, config, dtype: str = "float32", **fla_config):
     """fla's model (on the CPU, in `dtype`) loaded from `model`'s weights exported as `fabric-lin convert_to_hf`
     does, and the config.json the export wrote. `fla_config`: fields of fla's config set otherwise when it loads
     (attn_mode, e.g.: fla's chunked DeltaNet kernel refuses fp32)."""
     import json
     import tempfile
-    from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
     import fla  # noqa: F401  (registers fla's model types with transformers)
-    from fabric_lin.weights import MODEL_FILE
-    from fabric_lin.convert.hf import convert_to_hf
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, hf_dir = Path(tmp) / "model", Path(tmp) / "hf"
-        model_dir.mkdir()
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, model_dir / MODEL_FILE)
-        config.save(model_dir / "model_config.yaml")
-        convert_to_hf(model_dir, hf_dir, dtype=dtype)
+        hf_dir = export_model(model, config, tmp, dtype)
         exported = json.loads((hf_dir / "config.json").read_text())
         fla_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=getattr(torch, dtype), **fla_config).eval()
     return fla_model, exported
