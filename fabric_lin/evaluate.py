@@ -59,6 +59,7 @@ def main(
     max_batches: Optional[int] = None,
     batch_size: Optional[int] = None,
     bucket_size: Optional[int] = None,
+    bucket_edges: Optional[List[int]] = None,
     tasks: Union[str, List[str], None] = None,
     task_dir: Optional[Path] = None,
     num_fewshot: Optional[int] = None,
@@ -83,6 +84,9 @@ def main(
         batch_size: Sequences per batch. Default: the run's train.micro_batch_size (the same batches as its
             validation), else 1. Also the batch size of the harness's requests.
         bucket_size: Positions per bucket of the loss by position. Default: 1/16 of the training length.
+        bucket_edges: Buckets of their own in place of --bucket_size: the positions where one ends and the next
+            begins, e.g. [2048, 8192, 16384] for 0-2K, 2K-8K, 8K-16K and 16K to the end of each length (an edge at
+            or past a length is left out for it).
         tasks: lm-evaluation-harness tasks, groups or tags ("hellaswag,arc_easy" or a list), or YAML files of
             tasks of your own. Needs `pip install -e '.[eval]'`.
         task_dir: A directory of task YAML files of your own (lm-evaluation-harness's include_path).
@@ -100,7 +104,7 @@ def main(
     from fabric_lin.generate import resolve_device
 
     checkpoint_dir = Path(checkpoint_dir)
-    seq_lens = check_arguments(seq_len, max_batches, batch_size, bucket_size, num_fewshot, limit)
+    seq_lens = check_arguments(seq_len, max_batches, batch_size, bucket_size, bucket_edges, num_fewshot, limit)
     task_names = task_list(tasks)
     torch_device = resolve_device(device)
     cuda = torch_device.type == "cuda"
@@ -154,7 +158,8 @@ def main(
             results["lengths"] = []
             for length in seq_lens:
                 loader = validation_loader(data, checkpoint, batch_size, length)
-                result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, bucket_size)
+                starts = bucket_starts(length, bucket_size, bucket_edges)
+                result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts)
                 results["lengths"].append(result)
                 print(f"seq_len {length}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
                       f"{result['tokens']:,} tokens in {result['batches']} batches of {batch_size} | "
@@ -175,7 +180,7 @@ def main(
     return results
 
 
-def check_arguments(seq_len, max_batches, batch_size, bucket_size, num_fewshot, limit) -> List[int]:
+def check_arguments(seq_len, max_batches, batch_size, bucket_size, bucket_edges, num_fewshot, limit) -> List[int]:
     """The sequence lengths as a list, each value checked before any work (each wrong one named)."""
     lengths = [] if seq_len is None else [seq_len] if isinstance(seq_len, int) else list(seq_len)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths):
@@ -185,6 +190,15 @@ def check_arguments(seq_len, max_batches, batch_size, bucket_size, num_fewshot, 
     for name, value in (("batch_size", batch_size), ("bucket_size", bucket_size)):
         if value is not None and value < 1:
             raise InvalidValue(f"--{name} must be at least 1, got {value}")
+    if bucket_edges is not None:
+        edges = list(bucket_edges) if isinstance(bucket_edges, (list, tuple)) else []
+        positions = all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in edges)
+        if not edges or not positions or edges != sorted(set(edges)):
+            raise InvalidValue(
+                f"--bucket_edges must be a list of increasing positive positions, e.g. [2048, 8192, 16384]; got {bucket_edges!r}"
+            )
+        if bucket_size is not None:
+            raise InvalidValue("--bucket_size and --bucket_edges both set the buckets of the loss by position: give one")
     if num_fewshot is not None and num_fewshot < 0:
         raise InvalidValue(f"--num_fewshot must be 0 or more examples, got {num_fewshot}")
     if limit is not None and not limit > 0:
@@ -243,12 +257,20 @@ def validation_loader(data: DataModule, checkpoint: "Checkpoint", batch_size: in
     return loader
 
 
+def bucket_starts(seq_len: int, bucket_size: int, bucket_edges: Optional[List[int]]) -> List[int]:
+    """The first position of each bucket of the loss by position: at `bucket_edges` where given, else every
+    `bucket_size` positions."""
+    if bucket_edges is not None:
+        return [0] + [edge for edge in bucket_edges if edge < seq_len]
+    return list(range(0, seq_len, bucket_size))
+
+
 @torch.no_grad()
 def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_batches: Optional[int],
-                    bucket_size: int) -> Dict[str, Any]:
+                    bucket_starts: Sequence[int]) -> Dict[str, Any]:
     """The loss of every token of the loader's batches ([B, seq_len + 1] blocks: inputs and shifted targets),
     in the loader's order, up to `max_batches` batches: summed per position (fp64), then the mean over all
-    tokens (loss, perplexity) and over each bucket of `bucket_size` positions."""
+    tokens (loss, perplexity) and over each bucket of positions, from each of `bucket_starts` to the next."""
     from tqdm import tqdm
 
     from fabric_lin.batches import batch_fingerprint
@@ -290,8 +312,8 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
         )
     tokens = rows * seq_len
     loss = float(sums.sum() / tokens)
-    starts = list(range(0, seq_len, bucket_size))
-    ends = [min(s + bucket_size, seq_len) for s in starts]
+    starts = list(bucket_starts)
+    ends = starts[1:] + [seq_len]
     return {
         "seq_len": seq_len,
         "batches": batches,
@@ -305,7 +327,6 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
         # the sum of the blocks' checksums (fabric_lin.batches): two evaluations with equal values read the same tokens
         "data_fingerprint": int(fingerprint),
         "by_position": {
-            "bucket_size": bucket_size,
             "start": starts,
             "end": ends,
             "loss": [float(sums[s:e].sum() / (rows * (e - s))) for s, e in zip(starts, ends)],

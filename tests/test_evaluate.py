@@ -108,6 +108,25 @@ def test_loss_by_position_equals_a_direct_cross_entropy(run, tmp_path):
         assert by_position["tokens"] == [batches * 2 * bucket] * (seq_len // bucket)
 
 
+def test_loss_by_position_in_buckets_of_given_edges(run, tmp_path):
+    """Buckets 0-8, 8-20 and 20 to the end (an edge past a length left out), against a direct cross-entropy."""
+    batches, edges = 2, [8, 20, 40]
+    results = evaluate(run / "out" / "final", seq_len=[TRAIN_LEN, 2 * TRAIN_LEN], max_batches=batches, bucket_edges=edges,
+                       out_dir=tmp_path / "eval")
+    model = final_weights(run)
+    for length, seq_len, bounds in zip(results["lengths"], (TRAIN_LEN, 2 * TRAIN_LEN), ([0, 8, 20, 32], [0, 8, 20, 40, 64])):
+        blocks = [np.frombuffer(b, dtype=np.int64) for b in litdata_blocks(run / "val", seq_len + 1)[: batches * 2]]
+        ids = torch.from_numpy(np.stack(blocks))
+        with torch.no_grad():
+            logits = model(ids[:, :-1])
+        losses = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view(-1, seq_len).double()
+        by_position = length["by_position"]
+        assert (by_position["start"], by_position["end"]) == (bounds[:-1], bounds[1:])
+        expected = [losses[:, start:end].mean().item() for start, end in zip(bounds[:-1], bounds[1:])]
+        np.testing.assert_allclose(by_position["loss"], expected, atol=1e-5)
+        assert by_position["tokens"] == [batches * 2 * (end - start) for start, end in zip(bounds[:-1], bounds[1:])]
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
     """A model directory and an fla export of final/, and final/ with its weights sharded (a DCP directory)."""
@@ -261,6 +280,10 @@ def test_errors_are_one_line(run, tmp_path, capsys, monkeypatch):
                      "--data.num_workers", "0"], capsys)
     assert "TokenChunks gives no validation data" in err
     assert "--seq_len must be a positive number" in cli_error(["evaluate", str(final), "--seq_len", "[32, 0]"], capsys)
+    assert "--bucket_edges must be a list of increasing positive positions" in cli_error(
+        ["evaluate", str(final), "--bucket_edges", "[16, 8]"], capsys)
+    assert "--bucket_size and --bucket_edges both set the buckets" in cli_error(
+        ["evaluate", str(final), "--bucket_edges", "[8]", "--bucket_size", "4"], capsys)
     # blocks longer than the data's chunk files (1000 tokens): the fix names evaluate's option, not pretrain's
     err = cli_error(["evaluate", str(final), "--seq_len", "1000"], capsys)
     assert "--seq_len=1000 is too long" in err and "lower --seq_len or prepare" in err and "train.max_seq_length" not in err
