@@ -257,7 +257,7 @@ def validation_loader(data: DataModule, checkpoint: "Checkpoint", batch_size: in
     return loader
 
 
-def bucket_starts(seq_len: int, bucket_size: int, bucket_edges: Optional[List[int]]) -> List[int]:
+def bucket_starts(seq_len: int, bucket_size: Optional[int], bucket_edges: Optional[List[int]]) -> List[int]:
     """The first position of each bucket of the loss by position: at `bucket_edges` where given, else every
     `bucket_size` positions."""
     if bucket_edges is not None:
@@ -267,10 +267,10 @@ def bucket_starts(seq_len: int, bucket_size: int, bucket_edges: Optional[List[in
 
 @torch.no_grad()
 def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_batches: Optional[int],
-                    bucket_starts: Sequence[int]) -> Dict[str, Any]:
+                    starts: Sequence[int]) -> Dict[str, Any]:
     """The loss of every token of the loader's batches ([B, seq_len + 1] blocks: inputs and shifted targets),
     in the loader's order, up to `max_batches` batches: summed per position (fp64), then the mean over all
-    tokens (loss, perplexity) and over each bucket of positions, from each of `bucket_starts` to the next."""
+    tokens (loss, perplexity) and over each bucket of positions, from each of `starts` to the next."""
     from tqdm import tqdm
 
     from fabric_lin.batches import batch_fingerprint
@@ -312,7 +312,7 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
         )
     tokens = rows * seq_len
     loss = float(sums.sum() / tokens)
-    starts = list(bucket_starts)
+    starts = list(starts)
     ends = starts[1:] + [seq_len]
     return {
         "seq_len": seq_len,

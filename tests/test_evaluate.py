@@ -108,6 +108,7 @@ def test_loss_by_position_equals_a_direct_cross_entropy(run, tmp_path):
         assert by_position["tokens"] == [batches * 2 * bucket] * (seq_len // bucket)
 
 
+@pytest.mark.filterwarnings("error:Converting a tensor with requires_grad=True")  # the evaluation builds no graph
 def test_loss_by_position_in_buckets_of_given_edges(run, tmp_path):
     """Buckets 0-8, 8-20 and 20 to the end (an edge past a length left out), against a direct cross-entropy."""
     batches, edges = 2, [8, 20, 40]
