@@ -102,7 +102,7 @@ def one_line_parse_error(message: str, parser) -> str:
         if what.startswith("path but") and len(re.findall("Expected a ", rest)) > 1:
             continue  # jsonargparse also tried the value as a config file name
         if what.startswith("dot import path string"):
-            what = ("a data module (SampleCorpus, TokenChunks, SlimPajamaStarcoder, TextFiles or an import path)" if key == "data"
+            what = ("a data module (SampleCorpus, LongDocuments, TokenChunks, SlimPajamaStarcoder, TextFiles or an import path)" if key == "data"
                     else "a class name or import path")
         else:
             what = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", what).replace("NoneType", "null")

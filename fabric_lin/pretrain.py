@@ -140,7 +140,7 @@ def setup(
     data = SampleCorpus() if data is None else data
     if type(data) is DataModule:  # --data.<option> alone: jsonargparse builds the base class
         raise InvalidValue(
-            "--data.* options need a data module: give --data SampleCorpus, TokenChunks, SlimPajamaStarcoder or TextFiles "
+            "--data.* options need a data module: give --data SampleCorpus, LongDocuments, TokenChunks, SlimPajamaStarcoder or TextFiles "
             "(or a config file's data: class_path) before them"
         )
     data.validate()

@@ -23,9 +23,9 @@ FLOORS = [
     ["fabric_lin.data.tokenizer", "fabric_lin.data.raw_files", "fabric_lin.data.prepared", "fabric_lin.data.sample_order",
      "fabric_lin.data.train_tokenizer", "fabric_lin.data.base", "fabric_lin.data.slimpajama_starcoder",
      "fabric_lin.data.token_chunks", "fabric_lin.data.text_files"],
-    # the preprocessors, and the sample corpus that they build
+    # the preprocessors, the sample corpus that they build and the long-document corpus that takes its tokenizer
     ["data_prep"],
-    ["fabric_lin.data.sample_corpus", "fabric_lin.data"],
+    ["fabric_lin.data.sample_corpus", "fabric_lin.data.long_documents", "fabric_lin.data"],
     # a run's files: checkpoints (whole or sharded), metrics, model directories
     ["fabric_lin.sharded_checkpoint", "fabric_lin.metrics"],
     ["fabric_lin.checkpoint"],

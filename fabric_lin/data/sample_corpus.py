@@ -19,7 +19,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from fabric_lin.data.slimpajama_starcoder import SlimPajamaStarcoder
 from fabric_lin.errors import MissingFile
@@ -34,8 +34,9 @@ STARCODER_SHARDS = 2
 OTHER_SETS = ("RedPajamaCommonCrawl", "RedPajamaC4", "RedPajamaBook", "RedPajamaArXiv", "RedPajamaWikipedia", "RedPajamaStackExchange")
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fabric-lin" / "sample_corpus"
+def default_cache_dir(corpus: str = "sample_corpus") -> Path:
+    """Where fabric-lin's embedded corpora are built and kept: ~/.cache/fabric-lin/<corpus> (or under $XDG_CACHE_HOME)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fabric-lin" / corpus
 
 
 def stdlib_modules() -> List[Path]:
@@ -161,44 +162,52 @@ def output_to(path: Path) -> Iterator[None]:
             os.close(saved[1])
 
 
-def ensure_sample_corpus(cache_dir: Optional[Path] = None) -> Path:
-    """Directory of the sample corpus, built first if this installation has none yet.
+def build_once(target: Path, build: Callable[[Path], None], what: str, source: str) -> Path:
+    """`target`, built first by `build(directory)` if it holds no complete build (its corpus.json) yet.
 
-    Concurrent callers (DDP ranks, parallel tests) wait on a file lock; the corpus is built in a
-    temporary directory and renamed, so a killed build leaves nothing that looks complete."""
+    Concurrent callers (DDP ranks, parallel tests) wait on a file lock; the build runs in a temporary directory
+    beside `target`, its output going to build.log there, and is renamed to `target` last, so a killed build
+    leaves nothing that looks complete. `what` names the build in messages ("the sample corpus"), `source` says
+    what it is made of."""
     from filelock import FileLock
 
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    files = stdlib_modules()
-    target = cache_dir / corpus_fingerprint(files)
     if (target / "corpus.json").is_file():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if (target / "corpus.json").is_file():
             return target  # another process built it while this one waited
-        tmp = cache_dir / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
-        print(f"Building the sample corpus (first use): Python's standard library, tokenized into {target}", flush=True)
+        tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+        sentence_start = what[:1].upper() + what[1:]
+        print(f"Building {what} (first use): {source}, tokenized into {target}", flush=True)
         start = time.perf_counter()
         try:
             tmp.mkdir()
             try:
                 with output_to(tmp / BUILD_LOG):
-                    build_sample_corpus(tmp, files)
+                    build(tmp)
             except KeyboardInterrupt:
-                print("The sample corpus build was interrupted: nothing was kept; the next run builds it again", file=sys.stderr)
+                print(f"{sentence_start} build was interrupted: nothing was kept; the next run builds it again", file=sys.stderr)
                 raise
             except BaseException:
                 log = (tmp / BUILD_LOG).read_text(encoding="utf-8", errors="replace").splitlines()
-                print("The sample corpus build failed; the end of its log:\n" + "\n".join(log[-20:]), file=sys.stderr)
+                print(f"{sentence_start} build failed; the end of its log:\n" + "\n".join(log[-20:]), file=sys.stderr)
                 raise
             if target.exists():  # an interrupted build without corpus.json
                 shutil.rmtree(target)
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        print(f"Built the sample corpus in {target} in {time.perf_counter() - start:.1f}s (log: {target / BUILD_LOG})", flush=True)
+        print(f"Built {what} in {target} in {time.perf_counter() - start:.1f}s (log: {target / BUILD_LOG})", flush=True)
     return target
+
+
+def ensure_sample_corpus(cache_dir: Optional[Path] = None) -> Path:
+    """Directory of the sample corpus, built first if this installation has none yet (`build_once`)."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    files = stdlib_modules()
+    return build_once(cache_dir / corpus_fingerprint(files), lambda out_dir: build_sample_corpus(out_dir, files),
+                      "the sample corpus", "Python's standard library")
 
 
 @dataclass
