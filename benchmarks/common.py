@@ -137,15 +137,18 @@ def run_record(fla_ran: bool = False) -> Dict:
     }
 
 
-def write_result(report: Dict, out: Optional[str] = None, *, fla_ran: bool = False, indent: int = 1) -> Dict:
+def write_result(report: Dict, out: Optional[str] = None, *, fla_ran: bool = False, indent: int = 1,
+                 echo: bool = True) -> Dict:
     """Print `report` with the run record in front, as one JSON document, and write it to `out` if given.
 
     The file is written under a temporary name in the same folder and renamed over `out` last, so that
     an interrupted run never leaves a half-written result where a complete one is expected.
-    fla_ran: flash-linear-attention was measured in this run (its version is then recorded)."""
+    fla_ran: flash-linear-attention was measured in this run (its version is then recorded).
+    echo: False writes the file without printing (a document rewritten as each of its parts ends)."""
     document = {"run": run_record(fla_ran), **report}
     text = json.dumps(document, indent=indent) + "\n"
-    print(text, end="", flush=True)
+    if echo:
+        print(text, end="", flush=True)
     if out:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)

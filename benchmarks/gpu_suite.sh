@@ -83,5 +83,9 @@ for ctx in 2048:16 8192:4 16384:2 32768:1; do
         --models transformer,fabric-lin,gdn --seq_len "${ctx%%:*}" --batch_size "${ctx##*:}" --steps 10 --warmup 3 \
         --out "$out/context_${ctx%%:*}.json"
 done
-# the seed notes' long-document table: every family at 340M, 2K to 32K context, the same tokens per step and data
-step long_context 900 env TRITON_CACHE_DIR="$cache" python benchmarks/long_context.py --out "$out/long_context.json"
+# the seed notes' long-document table: every family at 2K to 32K context on the long-document corpus, a family a
+# step, each cell merged into the one JSON as it ends
+for family in transformer gla gdn deltanet; do
+    step "long_context_$family" 900 env TRITON_CACHE_DIR="$cache" python benchmarks/long_context.py --families "$family" \
+        --out "$out/long_context.json"
+done

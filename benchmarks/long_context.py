@@ -1,98 +1,193 @@
-"""Long-context comparison of the families on one GPU: the Transformer, GLA, Gated DeltaNet and DeltaNet at
-340M, each trained at contexts from 2K to 32K with the same tokens per step, on the same data. Per (model,
-context): steady-state tokens/s, peak memory and the validation perplexity after the same tokens - the seed
-notes' long-document table, measured. Prints one JSON document (and writes it to --out) and the table as
-Markdown.
+"""Long-context comparison of the families on one GPU, the seed notes' long-document table: the Transformer, GLA,
+Gated DeltaNet and DeltaNet at contexts 2K to 32K, at the same tokens per step, on the long-document corpus
+(`fabric_lin.data.LongDocuments`: the installed torch's Python sources, each package a document of 64K+ tokens,
+every block cut from within one document). A cell is one family at one context, a process of its own, and
+measures two things:
 
-    python benchmarks/long_context.py --out long_context.json
-    python benchmarks/long_context.py --models gla-340M gdn-340M --contexts 2048 32768 --steps 60
+- speed: the family's `--size` model (340M), `--speed_warmup` untimed steps, then `--speed_steps` timed ones:
+  the median step's tokens/s and the peak memory. A run out of GPU memory is repeated with activation
+  checkpointing (each Block's activations recomputed in the backward pass), and the table says so.
+- quality: the family's `--size` model with `--quality_layers` layers (its width and heads; the corpus's
+  4096-token vocabulary), trained from the same seed for `--quality_steps` steps, the same number of tokens at
+  every context, then `fabric_lin.evaluate`'s loss on the same held-out tokens: `--val_windows` windows of
+  `--eval_window` + 1 tokens from the held-out documents, each read at the cell's context as consecutive pieces
+  (every context predicts exactly the same tokens, each piece from its own tokens only): the perplexity, and
+  the loss by position in buckets 0-2K, 2K-8K, 8K-16K and 16K-32K, which shows whether a family uses the
+  context past 2K.
 
-Every run starts from the same seed, trains `--steps` optimizer steps of `--tokens_per_step` tokens (micro
-batch = tokens_per_step / context) from the sample corpus's training split (its 4096-piece tokenizer; the
-340M models keep their 32000-entry vocabulary), bf16 autocast over fp32 weights, fused AdamW, warm-up then
-cosine learning rate, no compile. Tokens/s is the median step after `--warmup` untimed steps. The perplexity
-is exp of the mean loss over the same `--val_tokens` tokens of the validation split, read in windows of the
-run's own context. Each run is a process of its own; a run out of GPU memory is repeated with activation
-checkpointing (each Block's activations recomputed in the backward pass), and the table says so; one that still
-does not fit is reported as out of memory.
+Both train in bf16 autocast over fp32 weights with fused AdamW, a warm-up then a cosine learning rate, no compile.
+Before any cell the whole plan is checked against the corpus (every context's training blocks, the quality runs'
+tokens read once, the held-out windows, every model at every context); what does not fit is listed and nothing
+runs. `--check_plan` stops there.
+
+Results go to `--out`, one JSON document into which each cell's row is merged as soon as the cell ends (the row
+of the same family and context replaced), so that calls of a few families or contexts each fill the same file;
+a file of another plan (other settings or corpus) is refused. The Markdown table is rebuilt from all its rows.
+
+    python benchmarks/long_context.py --families gla --out long_context.json    # one family, every context
+    python benchmarks/long_context.py --check_plan                              # the plan against the corpus
+    python benchmarks/long_context.py --device cpu --size debug --quality_layers 1 --tokens_per_step 2048 \\
+        --contexts 2048 --eval_window 2048 --speed_steps 1 --speed_warmup 0 --quality_steps 1 --val_windows 1
 """
 import argparse
+import gc
 import json
 import math
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from common import write_result
+from common import run_record, write_result
 from fabric_lin.config import Config
+from fabric_lin.errors import UserError
 from fabric_lin.lr_schedule import learning_rate
 
-MODELS = ("transformer-340M", "gla-340M", "gdn-340M", "deltanet-340M")
+FAMILIES = ("transformer", "gla", "gdn", "deltanet")
 CONTEXTS = (2048, 8192, 16384, 32768)
+POSITION_EDGES = [2048, 8192, 16384]  # the buckets of the loss by position: 0-2K, 2K-8K, 8K-16K, 16K to the end
+PARTS = ("speed", "quality")
+# the settings that make rows comparable: a --out file holds the rows of one plan
+PLAN_SETTINGS = ("size", "tokens_per_step", "speed_warmup", "speed_steps", "quality_layers", "quality_steps",
+                 "quality_warmup", "lr", "val_windows", "eval_window", "seed", "device")
 
 
-def corpus(split: str, windows: int, seq_len: int, vocab_size: int) -> torch.Tensor:
-    """`windows` sequences [windows, seq_len + 1] of the sample corpus's `split` ("train" or "val"), in the
-    loaders' fixed order, on the CPU."""
-    from fabric_lin.data import SampleCorpus
-    from fabric_lin.data.tokenizer import Tokenizer
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    parser.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
+    parser.add_argument("--size", default="340M", help="the models <family>-<size>: 340M, or debug for the CPU")
+    parser.add_argument("--tokens_per_step", type=int, default=32768, help="the micro batch is this / the context")
+    parser.add_argument("--speed_warmup", type=int, default=3, help="untimed first steps of the speed run")
+    parser.add_argument("--speed_steps", type=int, default=10, help="timed steps of the speed run")
+    parser.add_argument("--quality_layers", type=int, default=6, help="layers of the quality run's model")
+    parser.add_argument("--quality_steps", type=int, default=300, help="optimizer steps of the quality run")
+    parser.add_argument("--quality_warmup", type=int, default=30, help="the quality run's learning-rate warm-up steps")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (a tenth of it at the end)")
+    parser.add_argument("--val_windows", type=int, default=16, help="held-out windows every cell is evaluated on")
+    parser.add_argument("--eval_window", type=int, default=32768,
+                        help="tokens per held-out window (a multiple of every context), read in pieces of the context")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a try with tiny models (--size debug)")
+    parser.add_argument("--cache_dir", type=Path, help="where the corpus is built (default: LongDocuments')")
+    parser.add_argument("--timeout", type=float, default=420, help="seconds per cell process")
+    parser.add_argument("--out", help="the JSON document that the rows are merged into")
+    parser.add_argument("--check_plan", action="store_true", help="check the plan against the corpus, print it, stop")
+    parser.add_argument("--worker", nargs=2, metavar=("FAMILY", "CONTEXT"), help=argparse.SUPPRESS)
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help=argparse.SUPPRESS)
+    parser.add_argument("--activation_checkpointing", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name in ("tokens_per_step", "speed_steps", "quality_layers", "quality_steps", "val_windows", "eval_window"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if min(args.contexts) < 1:
+        parser.error(f"--contexts must be positive numbers of tokens, got {args.contexts}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.check_plan:
+        parser.error("long_context.py needs a CUDA GPU (--device cpu --size debug runs tiny models on the CPU)")
+    return args
 
-    data = SampleCorpus(num_workers=0)
+
+# ---------------------------------------------------------------- the data
+
+
+def corpus(args):
+    from fabric_lin.data import LongDocuments
+
+    return LongDocuments(cache_dir=args.cache_dir, seed=args.seed, num_workers=0)
+
+
+def connected(data, context: int, batch_size: int, vocab_size: int):
+    """`data` set up to give blocks of `context` + 1 tokens, `batch_size` at a time (built first if need be)."""
+    from fabric_lin.data import Tokenizer
+
     data.prepare_data()
-    data.connect(tokenizer=Tokenizer(data.tokenizer_dir), batch_size=1, max_seq_length=seq_len, vocab_size=vocab_size)
+    data.connect(tokenizer=Tokenizer(data.tokenizer_dir), batch_size=batch_size, max_seq_length=context,
+                 vocab_size=vocab_size)
     data.setup()
-    rows = []
-    while len(rows) < windows:
-        before = len(rows)
-        for batch in data.train_dataloader() if split == "train" else data.val_dataloader():
-            rows.append(batch[0].long())
-            if len(rows) == windows:
-                break
-        if split == "val" and len(rows) == before:
-            raise SystemExit(f"the sample corpus's validation split holds no window of {seq_len + 1} tokens")
-        if split == "val":
-            break
-    if len(rows) < windows:
-        raise SystemExit(f"--val_tokens: the validation split holds {len(rows)} windows of {seq_len + 1} tokens, "
-                         f"{windows} were asked for; give fewer tokens")
-    return torch.stack(rows)
+    return data
 
 
-def train_and_measure(model_name: str, context: int, args, activation_checkpointing: bool) -> dict:
+def training_batches(data, context: int, micro_batch: int, vocab_size: int) -> Iterator[torch.Tensor]:
+    """The corpus's training stream at `context`: micro batches [micro_batch, context + 1], without end."""
+    return iter(connected(data, context, micro_batch, vocab_size).train_dataloader())
+
+
+def held_out_windows(data, window: int, count: int, vocab_size: int) -> torch.Tensor:
+    """`count` windows [count, window + 1] of the held-out split, taken from its documents in turn (each one's first
+    window, then each one's second, ...), so that they come from as many documents as they can. A document is a
+    chunk file of the split, which the loader cuts into windows in order."""
+    from fabric_lin.data.prepared import chunk_tokens
+
+    windows = [batch[0] for batch in connected(data, window, 1, vocab_size).val_dataloader()]
+    places = [(k, document) for document, n in enumerate(chunk_tokens(data.val_path) // (window + 1)) for k in range(n)]
+    if len(places) != len(windows):  # the loader reads every window of every chunk file, in order
+        raise RuntimeError(f"{data.val_path}: its chunk files hold {len(places)} windows, the loader gave {len(windows)}")
+    if len(windows) < count:
+        raise UserError(f"the held-out split gives {len(windows)} windows of {window + 1} tokens, {count} were asked "
+                        f"(--val_windows)")
+    return torch.stack([windows[i] for i in sorted(range(len(places)), key=places.__getitem__)[:count]])
+
+
+class Pieces:
+    """Held-out windows [N, window + 1] read at `context`: each window's consecutive pieces of context + 1 tokens
+    (inputs and shifted targets; a piece's last token is the next one's first), `batch_size` pieces a batch. What
+    `fabric_lin.evaluate.evaluate_length` reads: every context predicts the same tokens of the windows."""
+
+    def __init__(self, windows: torch.Tensor, context: int, batch_size: int):
+        per_window = (windows.shape[1] - 1) // context
+        self.pieces = torch.stack([window[i * context : (i + 1) * context + 1]
+                                   for window in windows for i in range(per_window)])
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.pieces) // self.batch_size)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.pieces.split(self.batch_size))
+
+
+# ---------------------------------------------------------------- the models
+
+
+def speed_config(family: str, context: int, args) -> Config:
+    return Config.from_name(f"{family}-{args.size}", max_seq_length=context)
+
+
+def quality_config(family: str, context: int, args, vocab_size: int) -> Config:
+    return Config.from_name(f"{family}-{args.size}", num_layers=args.quality_layers, vocab_size=vocab_size,
+                            max_seq_length=context)
+
+
+def build_model(config: Config, device: torch.device, seed: int, activation_checkpointing: bool):
     from fabric_lin.model import GPT, Block
 
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    if args.tokens_per_step % context:
-        raise SystemExit(f"--tokens_per_step {args.tokens_per_step} is not a multiple of the context {context}")
-    micro_batch = args.tokens_per_step // context
-    config = Config.from_name(model_name, max_seq_length=context)
-    train = corpus("train", (args.warmup + args.steps) * micro_batch, context, config.vocab_size)
-    val = corpus("val", args.val_tokens // context, context, config.vocab_size)
-
-    torch.manual_seed(args.seed)
-    model = GPT(config, fused=cuda)
+    torch.manual_seed(seed)
+    model = GPT(config, fused=device.type == "cuda")
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
-    model = model.to(device).train()
+    return model.to(device).train()
+
+
+def train(model, batches: Iterator[torch.Tensor], steps: int, warmup: int, lr: float, device: torch.device):
+    """`steps` optimizer steps on the next batches, the learning rate warmed up over `warmup` steps then cosine
+    to a tenth: (seconds of each step, loss of each step)."""
+    cuda = device.type == "cuda"
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95), fused=cuda)
+                                  lr=lr, betas=(0.9, 0.95), fused=cuda)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    step_seconds, losses = [], []
-    total_steps = args.warmup + args.steps
-    for step in range(total_steps):
+    seconds, losses = [], []
+    for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args.lr, args.lr / 10, args.warmup, total_steps, "cosine")
-        batch = train[step * micro_batch:(step + 1) * micro_batch].to(device)
+            group["lr"] = learning_rate(step, lr, lr / 10, warmup, steps, "cosine")
+        batch = next(batches).to(device)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -103,103 +198,289 @@ def train_and_measure(model_name: str, context: int, args, activation_checkpoint
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # waits for the step
-        step_seconds.append(time.perf_counter() - start)
-    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        seconds.append(time.perf_counter() - start)
+    return seconds, losses
 
-    model.eval()
-    val_losses = []
-    with torch.no_grad(), autocast:
-        for window in val.split(1):
-            window = window.to(device)
-            val_losses.append(model(window[:, :-1], targets=window[:, 1:]).item())
-    val_loss = sum(val_losses) / len(val_losses)
+
+# ---------------------------------------------------------------- a cell
+
+
+def measure_speed(family: str, context: int, args, activation_checkpointing: bool) -> Dict:
+    device = torch.device(args.device)
+    config = speed_config(family, context, args)
+    micro_batch = args.tokens_per_step // context
+    batches = training_batches(corpus(args), context, micro_batch, config.vocab_size)
+    model = build_model(config, device, args.seed, activation_checkpointing)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds, losses = train(model, batches, args.speed_warmup + args.speed_steps, args.speed_warmup, args.lr, device)
+    timed = seconds[args.speed_warmup:]
     return {
-        "model": model_name, "context": context, "micro_batch": micro_batch,
+        "model": config.name, "parameters": sum(p.numel() for p in model.parameters()), "micro_batch": micro_batch,
         "activation_checkpointing": activation_checkpointing,
-        "tokens_per_s": round(args.tokens_per_step / statistics.median(step_seconds[args.warmup:])),
-        "peak_memory_gib": round(peak_gib, 2) if peak_gib is not None else None,
-        "first_step_s": round(step_seconds[0], 1), "train_loss_first": round(losses[0], 4),
-        "train_loss_last": round(losses[-1], 4), "train_tokens": total_steps * args.tokens_per_step,
-        "val_tokens": len(val_losses) * context, "val_loss": round(val_loss, 4),
-        "val_perplexity": round(math.exp(val_loss), 2),
+        "tokens_per_s": round(args.tokens_per_step / statistics.median(timed)),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "first_step_s": round(seconds[0], 2), "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
     }
 
 
-def run_isolated(model_name: str, context: int, args, activation_checkpointing: bool) -> dict:
-    """One run in a process of its own (a clean GPU and peak-memory count); its result, or why there is none."""
-    command = [sys.executable, __file__, "--worker", model_name, str(context), *sys.argv[1:]]
+def measure_quality(family: str, context: int, args, activation_checkpointing: bool) -> Dict:
+    import lightning_fabric as L
+
+    from fabric_lin.batches import batch_fingerprint
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.evaluate import bucket_starts, evaluate_length
+
+    device = torch.device(args.device)
+    data = corpus(args)
+    data.prepare_data()
+    vocab_size = Tokenizer(data.tokenizer_dir).vocab_size
+    config = quality_config(family, context, args, vocab_size)
+    micro_batch = args.tokens_per_step // context
+    model = build_model(config, device, args.seed, activation_checkpointing)
+    start = time.perf_counter()
+    _, losses = train(model, training_batches(data, context, micro_batch, vocab_size), args.quality_steps,
+                      args.quality_warmup, args.lr, device)
+    train_seconds = time.perf_counter() - start
+
+    windows = held_out_windows(data, args.eval_window, args.val_windows, vocab_size)
+    fabric = L.Fabric(accelerator=device.type, devices=[device.index or 0] if device.type == "cuda" else 1,
+                      precision="bf16-mixed" if device.type == "cuda" else "32-true")
+    model.eval()
+    result = evaluate_length(fabric, model, Pieces(windows, context, micro_batch), context, None,
+                             bucket_starts(context, None, POSITION_EDGES))
+    return {
+        "model": f"{config.name}, num_layers {config.num_layers}, vocab_size {config.vocab_size}",
+        "parameters": sum(p.numel() for p in model.parameters()), "micro_batch": micro_batch,
+        "activation_checkpointing": activation_checkpointing,
+        "train_tokens": args.quality_steps * args.tokens_per_step, "train_seconds": round(train_seconds, 1),
+        "train_loss_first": round(losses[0], 4), "train_loss_last": round(losses[-1], 4),
+        "val_tokens": result["tokens"], "val_loss": round(result["loss"], 4),
+        "val_perplexity": round(math.exp(result["loss"]), 3),
+        # the same at every context: the held-out windows themselves
+        "held_out_fingerprint": int(batch_fingerprint(windows)),
+        "by_position": {key: result["by_position"][key] for key in ("start", "end", "loss", "tokens")},
+    }
+
+
+def run_cell(family: str, context: int, args) -> Dict:
+    """The parts asked of one cell, in this process; a part out of GPU memory says so and the next one runs."""
+    row: Dict = {"family": family, "context": context}
+    for part, measure in (("speed", measure_speed), ("quality", measure_quality)):
+        if part not in args.parts:
+            continue
+        try:
+            row[part] = measure(family, context, args, args.activation_checkpointing)
+        except torch.cuda.OutOfMemoryError as e:
+            row[part] = {"out_of_memory": True, "activation_checkpointing": args.activation_checkpointing,
+                         "error": str(e).splitlines()[0]}
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return row
+
+
+def run_isolated(family: str, context: int, argv: List[str], args, parts: Sequence[str],
+                 activation_checkpointing: bool) -> Dict:
+    """One cell in a process of its own (a clean GPU and peak-memory count): its row, or why there is none."""
+    command = [sys.executable, __file__, *argv, "--worker", family, str(context), "--parts", *parts]
     if activation_checkpointing:
         command.append("--activation_checkpointing")
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        return {"model": model_name, "context": context, "error": f"no result within {args.timeout} s"}
+        return {"family": family, "context": context, "error": f"no result within {args.timeout:.0f} s (--timeout)"}
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    return {"model": model_name, "context": context, "error": done.stderr.strip()[-600:] or f"exit {done.returncode}"}
+    why = done.stderr.strip()[-800:] or f"exit code {done.returncode}"
+    return {"family": family, "context": context, "error": why}
 
 
-def markdown_table(rows: list) -> str:
-    lines = ["| model | context | tokens/s | peak memory (GiB) | val perplexity | note |", "| --- | --- | --- | --- | --- | --- |"]
-    for row in rows:
-        if "error" in row:
-            note = "out of memory" if row.get("out_of_memory") else row["error"].splitlines()[-1][:80]
-            lines.append(f"| {row['model']} | {row['context']} | - | - | - | {note} |")
+def measure_cell(family: str, context: int, argv: List[str], args) -> Dict:
+    """Both parts of a cell; a part out of memory again with activation checkpointing, in a process of its own."""
+    start = time.perf_counter()
+    row = run_isolated(family, context, argv, args, PARTS, activation_checkpointing=False)
+    for part in PARTS:
+        if row.get(part, {}).get("out_of_memory"):
+            retry = run_isolated(family, context, argv, args, [part], activation_checkpointing=True)
+            row[part] = retry.get(part, {"error": retry.get("error", "no result"), "activation_checkpointing": True})
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def check_plan(args) -> Dict:
+    """Every cell's data and models against the corpus, before any runs: what each context reads from the training
+    split (a step's micro batch, and the quality run's blocks, each read once), the held-out windows, every model's
+    configuration at every context. Raises SystemExit listing each part that does not fit; returns the plan."""
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.data.prepared import chunk_tokens
+
+    data = corpus(args)
+    data.prepare_data()
+    vocab_size = Tokenizer(data.tokenizer_dir).vocab_size
+    document_tokens = chunk_tokens(data.train_path)
+    problems, cells = [], []
+    for context in args.contexts:
+        if args.tokens_per_step % context or args.eval_window % context:
+            problems.append(f"context {context}: --tokens_per_step {args.tokens_per_step} and --eval_window "
+                            f"{args.eval_window} must be multiples of it (the same tokens per step and held-out tokens)")
             continue
-        note = "activation checkpointing" if row["activation_checkpointing"] else ""
-        memory = row["peak_memory_gib"] if row["peak_memory_gib"] is not None else "-"
-        lines.append(f"| {row['model']} | {row['context']} | {row['tokens_per_s']:,} | {memory} | "
-                     f"{row['val_perplexity']} | {note} |")
+        micro_batch = args.tokens_per_step // context
+        blocks = int((document_tokens // (context + 1)).sum())
+        if 0 < blocks < args.quality_steps * micro_batch:  # no block at all: the loader says why below
+            problems.append(f"context {context}: the quality runs read {args.quality_steps * micro_batch} blocks of "
+                            f"{context + 1} tokens (--quality_steps x micro batch {micro_batch}), the training split "
+                            f"holds {blocks}: lower --quality_steps")
+        try:
+            batch = next(training_batches(data, context, micro_batch, vocab_size))
+            if batch.shape != (micro_batch, context + 1):
+                problems.append(f"context {context}: the training loader gave a batch of shape {tuple(batch.shape)}, "
+                                f"expected ({micro_batch}, {context + 1})")
+        except UserError as e:
+            problems.append(f"context {context}: {e}")
+        cells += [{"family": family, "context": context, "micro_batch": micro_batch, "training_blocks": blocks}
+                  for family in args.families]
+    for family in args.families:  # a model is the same at every context: its configuration checks every value
+        try:
+            speed_config(family, max(args.contexts), args), quality_config(family, max(args.contexts), args, vocab_size)
+        except UserError as e:
+            problems.append(f"{family}: {e}")
+    try:
+        windows = held_out_windows(data, args.eval_window, args.val_windows, vocab_size)
+    except UserError as e:
+        problems.append(f"--eval_window {args.eval_window}: {e}")
+    if problems:
+        raise SystemExit("long_context.py: the plan does not fit the long-document corpus "
+                         f"({data.data_path}):\n  " + "\n  ".join(problems))
+    info = json.loads((Path(data.data_path) / "corpus.json").read_text(encoding="utf-8"))
+    return {
+        "corpus": {"path": str(data.data_path), "fingerprint": info["fingerprint"], "source": info["source"],
+                   "tokenizer_sha256": info["tokenizer_sha256"], "train": info["train"], "val": info["val"]},
+        "held_out_tokens": windows.shape[0] * args.eval_window,
+        "cells": cells,
+    }
+
+
+# ---------------------------------------------------------------- the results
+
+
+def settings(args, plan: Dict) -> Dict:
+    return {**{name: getattr(args, name) for name in PLAN_SETTINGS}, "corpus_fingerprint": plan["corpus"]["fingerprint"]}
+
+
+def earlier_rows(path: Optional[str], these_settings: Dict) -> List[Dict]:
+    """The rows already in --out, which must come from the same plan."""
+    if not path or not Path(path).is_file():
+        return []
+    document = json.loads(Path(path).read_text(encoding="utf-8"))
+    if document.get("settings") != these_settings:
+        theirs = document.get("settings") or {}
+        differ = [f"{key} {theirs.get(key)!r} there, {value!r} here" for key, value in these_settings.items()
+                  if theirs.get(key) != value]
+        raise SystemExit(f"long_context.py: --out {path} holds the rows of another plan ({'; '.join(differ)}): "
+                         f"give another --out, or the same settings")
+    return document["rows"]
+
+
+def merged(rows: List[Dict], row: Dict) -> List[Dict]:
+    kept = [r for r in rows if (r["family"], r["context"]) != (row["family"], row["context"])]
+    return sorted(kept + [row], key=lambda r: (FAMILIES.index(r["family"]), r["context"]))
+
+
+def position_label(start: int, end: int) -> str:
+    def short(n: int) -> str:
+        return f"{n // 1024}K" if n and n % 1024 == 0 else str(n)
+
+    return f"{short(start)}-{short(end)}"
+
+
+def markdown_table(rows: List[Dict], eval_window: int) -> str:
+    starts = [0] + [edge for edge in POSITION_EDGES if edge < eval_window]
+    buckets = list(zip(starts, starts[1:] + [eval_window]))
+    header = ["family", "context", "micro batch", "tokens/s", "peak memory (GiB)", "val perplexity",
+              *[f"loss {position_label(s, e)}" for s, e in buckets], "note"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for row in rows:
+        speed, quality = row.get("speed", {}), row.get("quality", {})
+        notes = []
+        for part, measured in (("speed", speed), ("quality", quality)):
+            if measured.get("out_of_memory"):
+                with_checkpointing = " with activation checkpointing" if measured.get("activation_checkpointing") else ""
+                notes.append(f"{part}: out of memory{with_checkpointing}")
+            elif "error" in measured:
+                notes.append(f"{part}: {measured['error'].splitlines()[-1][:80]}")
+            elif measured.get("activation_checkpointing"):
+                notes.append(f"{part}: activation checkpointing")
+        if "error" in row:
+            notes.append(row["error"].splitlines()[-1][:80])
+        loss_at = {}
+        if "by_position" in quality:
+            by_position = quality["by_position"]
+            loss_at = dict(zip(zip(by_position["start"], by_position["end"]), by_position["loss"]))
+        cells = [
+            row["family"], f"{row['context']:,}", str(speed.get("micro_batch", quality.get("micro_batch", "-"))),
+            f"{speed['tokens_per_s']:,}" if "tokens_per_s" in speed else "-",
+            str(speed["peak_memory_gib"]) if speed.get("peak_memory_gib") is not None else "-",
+            f"{quality['val_perplexity']:.2f}" if "val_perplexity" in quality else "-",
+            *[f"{loss_at[bucket]:.3f}" if bucket in loss_at else "-" for bucket in buckets],
+            "; ".join(notes),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=list(MODELS), help="fabric-lin model names")
-    parser.add_argument("--contexts", nargs="*", type=int, default=list(CONTEXTS))
-    parser.add_argument("--tokens_per_step", type=int, default=32768)
-    parser.add_argument("--steps", type=int, default=40, help="timed optimizer steps, after --warmup")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed first steps (also the learning rate's warm-up)")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--val_tokens", type=int, default=65536)
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a try with tiny models")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    parser.add_argument("--out", help="also write the JSON here")
-    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "CONTEXT"), help=argparse.SUPPRESS)
-    parser.add_argument("--activation_checkpointing", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    for context in args.contexts:
-        if args.val_tokens < context:
-            parser.error(f"--val_tokens {args.val_tokens} is less than one window of context {context}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("long_context.py needs a CUDA GPU (--device cpu runs tiny models on the CPU)")
+def write_rows(args, plan: Dict, rows: List[Dict]) -> None:
+    """--out written anew (atomically) with every row."""
+    write_result({"settings": settings(args, plan), "corpus": plan["corpus"], "rows": rows,
+                  "table": markdown_table(rows, args.eval_window)}, args.out, echo=False)
 
-    if args.worker:  # one run, in this process
-        model_name, context = args.worker[0], int(args.worker[1])
-        try:
-            result = train_and_measure(model_name, context, args, args.activation_checkpointing)
-        except torch.cuda.OutOfMemoryError as e:
-            result = {"model": model_name, "context": context, "out_of_memory": True,
-                      "activation_checkpointing": args.activation_checkpointing, "error": str(e).splitlines()[0]}
-        print(json.dumps(result), flush=True)
-        return
 
-    corpus("val", 1, 16, 4096)  # the sample corpus built (or found) once, before the runs read it
-    rows = []
-    for model_name in args.models:
+def summary_line(row: Dict) -> str:
+    speed, quality = row.get("speed", {}), row.get("quality", {})
+    parts = [f"{row['family']} at {row['context']}:"]
+    if "tokens_per_s" in speed:
+        memory = f", {speed['peak_memory_gib']} GiB" if speed.get("peak_memory_gib") is not None else ""
+        checkpointing = " (activation checkpointing)" if speed["activation_checkpointing"] else ""
+        parts.append(f"{speed['tokens_per_s']:,} tokens/s{memory}{checkpointing}")
+    if "val_perplexity" in quality:
+        parts.append(f"perplexity {quality['val_perplexity']:.2f} after {quality['train_tokens']:,} tokens")
+    for part, measured in (("speed", speed), ("quality", quality)):
+        if "error" in measured:
+            parts.append(f"{part}: {measured['error'].splitlines()[-1][:120]}")
+    if "error" in row:
+        parts.append(row["error"].splitlines()[-1][:200])
+    return " ".join(parts) + f" ({row.get('seconds', 0):.0f} s)"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[Dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.worker:  # one cell, in this process: its row as the last line
+        print(json.dumps(run_cell(args.worker[0], int(args.worker[1]), args)), flush=True)
+        return []
+
+    plan = check_plan(args)
+    corpus_info = plan["corpus"]
+    print(f"long-document corpus {corpus_info['fingerprint']} ({corpus_info['source']['package']} "
+          f"{corpus_info['source']['version']}): {corpus_info['train']['tokens']:,} training tokens, "
+          f"{plan['held_out_tokens']:,} held-out tokens read by every cell", flush=True)
+    if args.check_plan:
+        print(json.dumps(plan, indent=1))
+        return []
+    rows = earlier_rows(args.out, settings(args, plan))  # a file of another plan refused before the first cell
+    for family in args.families:
         for context in args.contexts:
-            row = run_isolated(model_name, context, args, activation_checkpointing=False)
-            if row.get("out_of_memory"):
-                row = run_isolated(model_name, context, args, activation_checkpointing=True)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    table = markdown_table(rows)
-    write_result({"tokens_per_step": args.tokens_per_step, "steps": args.steps, "warmup": args.warmup,
-                  "lr": args.lr, "val_tokens": args.val_tokens, "device": args.device, "results": rows,
-                  "table": table}, args.out)
-    print(table)
+            row = measure_cell(family, context, argv, args)
+            rows = merged(rows, {**row, "run": run_record()})
+            if args.out:
+                write_rows(args, plan, rows)
+            print(summary_line(row), flush=True)
+    print(markdown_table(rows, args.eval_window))
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,0 +1,191 @@
+"""The long-context table's plan and data, on the CPU: the long-document corpus (fabric_lin/data/long_documents.py)
+holds whole documents made of the files they name, each a chunk file of its own, none both held out and trained
+on; benchmarks/long_context.py's GPU plan (its defaults: every family at 2K to 32K) fits the corpus's real splits,
+and a plan that does not is refused before any cell runs, naming each part; the script runs its cells in processes
+of their own on the CPU with tiny models, every context predicting the same held-out tokens, and merges the rows
+into one JSON document. The corpus is built once per installed torch into its cache (~12 s of CPU, then read)."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import long_context  # noqa: E402
+from fabric_lin.data.long_documents import (  # noqa: E402
+    MIN_DOCUMENT_TOKENS,
+    VAL_WINDOWS_PER_DOCUMENT,
+    WINDOW,
+    group_documents,
+    python_files,
+    source_root,
+)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    """The long-document corpus in its usual cache (built there the first time) and its corpus.json."""
+    from fabric_lin.data import LongDocuments
+
+    data = LongDocuments()
+    data.prepare_data()
+    return data, json.loads((data.data_path / "corpus.json").read_text())
+
+
+def test_documents_are_directories_grown_until_long_enough():
+    """Directories deepest first; a short one goes up into its parent's document, the root's rest is left out."""
+    root = Path("/site/torch")
+    tokens = {
+        "a/x.py": MIN_DOCUMENT_TOKENS,  # a/ alone is long enough
+        "a/b/y.py": 10, "a/b/c/z.py": MIN_DOCUMENT_TOKENS - 10,  # c/ too short: it goes up, b/ then has enough
+        "d/w.py": 5, "d/e/v.py": 5,  # too short: d/ goes up to the root, which then has too few too
+        "u.py": 100,
+    }
+    files = sorted((root / name for name in tokens), key=lambda p: p.relative_to(root).as_posix())
+    counts = [tokens[p.relative_to(root).as_posix()] for p in files]
+    documents = [(name, [files[i].relative_to(root).as_posix() for i in members])
+                 for name, members in group_documents(root, files, counts)]
+    assert documents == [("torch/a", ["a/x.py"]), ("torch/a/b", ["a/b/c/z.py", "a/b/y.py"])]
+
+
+def test_the_corpus_holds_whole_documents_of_the_files_they_name(corpus):
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.data.prepared import chunk_tokens
+
+    data, info = corpus
+    train = [d for d in info["documents"] if d["split"] == "train"]
+    val = [d for d in info["documents"] if d["split"] == "val"]
+    assert len(val) >= 2 and len(train) > len(val)
+    assert all(d["tokens"] >= MIN_DOCUMENT_TOKENS for d in train)
+    assert all(2 * WINDOW <= d["tokens"] <= VAL_WINDOWS_PER_DOCUMENT * WINDOW for d in val)
+    # no file in two documents; every source file in one, but what the package's own directory was left with
+    named = [name for d in info["documents"] for name in d["files"]]
+    assert len(named) == len(set(named))
+    root = source_root()
+    assert len(set(named)) + info["left_out_files"] == len(python_files(root))
+    assert all(name.startswith(f"{root.name}/") and name.count("/") == 1 for name in set(
+        (Path(root.name) / p.relative_to(root)).as_posix() for p in python_files(root)) - set(named))
+    # each document a chunk file of its own, in order: a block never spans two documents
+    assert chunk_tokens(data.train_path).tolist() == [d["tokens"] for d in train]
+    assert chunk_tokens(data.val_path).tolist() == [d["tokens"] for d in val]
+    assert info["train"]["tokens"] == sum(d["tokens"] for d in train)
+    assert info["val"]["blocks"]["32768"] == sum(d["tokens"] // WINDOW for d in val)
+
+    # the first held-out document, as the validation loader reads it, against its files tokenized here
+    tokenizer = Tokenizer(data.tokenizer_dir)
+    first = val[0]
+    texts = [f"# {name}\n\n" + (root.parent / name).read_text(encoding="utf-8", errors="replace") for name in first["files"]]
+    expected = np.concatenate([tokenizer.encode(text).numpy() for text in texts] + [np.array([tokenizer.eos_id])])
+    data.connect(tokenizer, batch_size=1, max_seq_length=32768)
+    data.setup()
+    loader_windows = [batch[0].numpy() for batch in data.val_dataloader()]
+    first_windows = np.concatenate(loader_windows[: first["tokens"] // WINDOW])
+    np.testing.assert_array_equal(first_windows, expected[: len(first_windows)])
+
+    # the benchmark's held-out windows: each document's first, then each one's second
+    windows = long_context.held_out_windows(data, 32768, len(val) + 1, tokenizer.vocab_size)
+    starts = np.cumsum([0] + [d["tokens"] // WINDOW for d in val])
+    for got, index in zip(windows, [*starts[:-1], starts[0] + 1]):
+        np.testing.assert_array_equal(got.numpy(), loader_windows[index])
+
+
+def test_pretrain_and_evaluate_take_it_as_their_data(corpus, tmp_path):
+    """`--data LongDocuments` on both command lines; evaluate also rebuilds it from the run's hyperparameters.yaml."""
+    from fabric_lin.cli import main as cli_main
+
+    out = tmp_path / "out"
+    cli_main(["pretrain", "--model_name", "gla-debug", "--data", "LongDocuments", "--devices", "1", "--out_dir", str(out),
+              "--logger_name", "csv", "--train.max_seq_length", "64", "--train.micro_batch_size", "2",
+              "--train.global_batch_size", "2", "--train.max_steps", "1", "--eval.max_iters", "1"])
+    run = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_loss" in record for record in run)
+    for data in ([], ["--data", "LongDocuments"]):
+        cli_main(["evaluate", str(out / "final"), *data, "--seq_len", "[64, 128]", "--max_batches", "1",
+                  "--bucket_edges", "[16, 64]", "--out_dir", str(tmp_path / "evaluate")])
+        results = json.loads((tmp_path / "evaluate" / "evaluate.json").read_text())
+        assert results["data"]["class_path"] == "fabric_lin.data.long_documents.LongDocuments"
+        assert [length["by_position"]["start"] for length in results["lengths"]] == [[0, 16], [0, 16, 64]]
+        assert [length["tokens"] for length in results["lengths"]] == [2 * 64, 2 * 128]
+
+
+def test_the_gpu_plan_fits_the_corpus_and_a_plan_that_does_not_is_refused(corpus):
+    """The GPU's command is the script's defaults (with --families / --contexts picking cells)."""
+    plan = long_context.check_plan(long_context.parse_args(["--device", "cpu"]))
+    assert [(c["family"], c["context"]) for c in plan["cells"]] == [
+        (family, context) for context in (2048, 8192, 16384, 32768) for family in ("transformer", "gla", "gdn", "deltanet")]
+    assert [c["micro_batch"] for c in plan["cells"][::4]] == [16, 4, 2, 1]
+    assert plan["held_out_tokens"] == 16 * 32768
+    assert plan["corpus"]["fingerprint"] == corpus[0].data_path.name
+
+    held_out = plan["corpus"]["val"]["blocks"]["32768"]
+    with pytest.raises(SystemExit) as refused:
+        long_context.check_plan(long_context.parse_args(["--device", "cpu", "--val_windows", str(held_out + 1)]))
+    assert f"the held-out split gives {held_out} windows of 32769 tokens, {held_out + 1} were asked" in str(refused.value)
+    blocks_at_2k = plan["corpus"]["train"]["blocks"]["2048"]
+    with pytest.raises(SystemExit) as refused:
+        long_context.check_plan(long_context.parse_args(
+            ["--device", "cpu", "--contexts", "2048", "4194304", "--eval_window", "4194304", "--tokens_per_step", "4194304"]))
+    problems = str(refused.value).splitlines()[1:]
+    assert problems[0] == (f"  context 2048: the quality runs read 614400 blocks of 2049 tokens (--quality_steps x micro "
+                           f"batch 2048), the training split holds {blocks_at_2k}: lower --quality_steps")
+    longest = max(d["tokens"] for d in corpus[1]["documents"] if d["split"] == "train")
+    assert problems[1].startswith(f"  context 4194304: max_seq_length=4194304 is too long for {corpus[0].train_path}: ")
+    assert problems[2] == (
+        f"  --eval_window 4194304: max_seq_length=4194304 is too long for {corpus[0].val_path}: a sample is a block of "
+        f"max_seq_length + 1 = 4194305 tokens from one chunk file, and its largest chunk file holds {4 * WINDOW} tokens; "
+        "lower train.max_seq_length or prepare the data with a larger chunk_size")
+    assert len(problems) == 3 and str(longest) in problems[1]
+    with pytest.raises(SystemExit, match="context 3000: --tokens_per_step 32768 and --eval_window 32768 must be multiples"):
+        long_context.check_plan(long_context.parse_args(["--device", "cpu", "--contexts", "3000"]))
+
+
+def test_pieces_of_the_held_out_windows_predict_the_same_tokens_at_every_context():
+    windows = torch.randint(0, 100, (2, 8 + 1))
+    for context, batch_size in ((2, 3), (4, 2), (8, 1)):
+        pieces = long_context.Pieces(windows, context, batch_size)
+        batches = list(pieces)
+        assert len(batches) == len(pieces) == -(-2 * 8 // context // batch_size)
+        rows = torch.cat(batches)
+        assert rows.shape == (2 * 8 // context, context + 1)
+        for w, window in enumerate(windows):
+            own = rows[w * (8 // context) : (w + 1) * (8 // context)]
+            assert torch.equal(own[:, :-1].flatten(), window[:-1]) and torch.equal(own[:, 1:].flatten(), window[1:])
+
+
+@pytest.mark.slow
+def test_the_script_runs_cells_in_processes_and_merges_their_rows(corpus, tmp_path):
+    out = tmp_path / "long_context.json"
+    tiny = ["--device", "cpu", "--size", "debug", "--quality_layers", "1", "--tokens_per_step", "2048",
+            "--contexts", "2048", "--eval_window", "2048", "--speed_warmup", "0", "--speed_steps", "1",
+            "--quality_steps", "1", "--val_windows", "2"]
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_context.py"), *tiny,
+                           "--families", "gla", "transformer", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    document = json.loads(out.read_text())
+    assert document["settings"]["corpus_fingerprint"] == corpus[0].data_path.name
+    rows = document["rows"]
+    assert [(r["family"], r["context"]) for r in rows] == [("transformer", 2048), ("gla", 2048)]
+    for row in rows:
+        speed, quality = row["speed"], row["quality"]
+        assert speed["model"] == f"{row['family']}-debug" and speed["tokens_per_s"] > 0 and speed["micro_batch"] == 1
+        assert quality["val_tokens"] == 2 * 2048 == sum(quality["by_position"]["tokens"])
+        assert quality["val_perplexity"] == pytest.approx(math.exp(quality["val_loss"]), rel=1e-3)
+        assert row["run"]["command"].startswith("python ") and row["seconds"] > 0
+    assert rows[0]["quality"]["held_out_fingerprint"] == rows[1]["quality"]["held_out_fingerprint"]
+    table = document["table"].splitlines()
+    assert table[0].startswith("| family | context | micro batch | tokens/s |") and len(table) == 4
+    gla = rows[1]
+    assert f"| gla | 2,048 | 1 | {gla['speed']['tokens_per_s']:,} | - | {gla['quality']['val_perplexity']:.2f} |" in table[3]
+
+    # a later call's row of the same cell replaces the earlier one; a file of another plan is refused
+    again = dict(rows[1], seconds=1.0)
+    assert long_context.merged(rows, again) == [rows[0], again]
+    with pytest.raises(SystemExit, match="holds the rows of another plan \\(quality_steps 1 there, 2 here\\)"):
+        long_context.earlier_rows(str(out), dict(document["settings"], quality_steps=2))
