@@ -247,7 +247,7 @@ def measure_quality(family: str, context: int, args, activation_checkpointing: b
     fabric = L.Fabric(accelerator=device.type, devices=[device.index or 0] if device.type == "cuda" else 1,
                       precision="bf16-mixed" if device.type == "cuda" else "32-true")
     model.eval()
-    result = evaluate_length(fabric, model, Pieces(windows, context, micro_batch), context, None,
+    result = evaluate_length(fabric, model, Pieces(windows, context, micro_batch), context, micro_batch, None,
                              bucket_starts(context, None, POSITION_EDGES))
     return {
         "model": f"{config.name}, num_layers {config.num_layers}, vocab_size {config.vocab_size}",
