@@ -30,6 +30,7 @@ from fabric_lin.errors import InvalidValue, MissingPackage
 
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
+REWRITE_FILE = f".tmp-{METRICS_FILE}"  # metrics.jsonl's next version, renamed over it when complete
 
 
 def process_start_time() -> float:
@@ -116,13 +117,24 @@ class MetricsWriter:
                 f.flush()
                 os.fsync(f.fileno())
         if self.path.exists():
-            tmp = self.path.with_name(f".tmp-{self.path.name}")
+            tmp = self.path.with_name(REWRITE_FILE)
             with open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(record) + "\n" for record in kept)
             os.replace(tmp, self.path)  # moved records are in the superseded file first: none is lost
         for logger in self.fabric.loggers:
             if isinstance(logger, RunTensorBoardLogger):
                 logger.drop_records_after(step)
+
+    def delete_history(self) -> List[str]:
+        """Delete the history an earlier run left in out_dir (`--overwrite true`), so that this run's starts at
+        attempt 1 with nothing superseded: the names of the files deleted."""
+        deleted = []
+        for name in (METRICS_FILE, SUPERSEDED_FILE, REWRITE_FILE):
+            path = self.path.with_name(name)
+            if path.exists():
+                path.unlink()
+                deleted.append(name)
+        return deleted
 
     def log_hyperparams(self, hparams: Dict[str, Any]) -> None:
         if not isinstance(self.fabric.logger, CSVLogger):  # Fabric's CSVLogger cannot; hyperparameters.yaml has them

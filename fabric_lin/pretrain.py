@@ -47,7 +47,7 @@ from fabric_lin.files import environment_variables, missing_ancestors, remove_em
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import TokenSchedule, learning_rate
-from fabric_lin.metrics import METRICS_FILE, MetricsWriter, make_logger
+from fabric_lin.metrics import MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, Launches, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
@@ -105,7 +105,8 @@ def setup(
             train.max_steps, train.max_tokens, data (any data.* setting) and seed; a resume that changes one
             not named here is refused, naming it (tutorials/resume.md: what each change does).
         overwrite: true: start afresh where out_dir holds an earlier run, deleting its checkpoints (step-*,
-            final, .damaged-*) and its metrics.jsonl first; its logs/ stay (loggers add a version).
+            final, .damaged-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first; its logs/ stay (loggers
+            add a version), and so does compile_cache/.
         initial_checkpoint_dir: A model directory (convert_pretrained_checkpoint's output) whose weights
             initialise the model before training (continued pretraining).
         data: The data module. Default: SampleCorpus (a small corpus shipped with the package).
@@ -282,10 +283,9 @@ def main(
     with StopRequest(announce=fabric.global_rank == 0) as stop:
         if overwrite:
             if fabric.global_rank == 0:
-                deleted = delete_checkpoints(out_dir)
-                (out_dir / METRICS_FILE).unlink(missing_ok=True)
+                deleted = delete_checkpoints(out_dir) + metrics.delete_history()
                 if deleted:
-                    fabric.print(f"--overwrite true: deleted the earlier run's checkpoints in {out_dir}: {', '.join(deleted)}")
+                    fabric.print(f"--overwrite true: deleted the earlier run's checkpoints and metrics in {out_dir}: {', '.join(deleted)}")
             fabric.barrier()
         resume_dir = select_resume_dir(fabric, resume, out_dir)  # before any work, so a bad --resume fails fast
         run_changes: List[str] = []

@@ -183,12 +183,17 @@ def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path,
     with pytest.raises(ValueError, match="--overwrite true would delete the checkpoint --resume .*final names"):
         setup_pretrain(tmp_path, overwrite=True, resume=out / "final")
     # --overwrite true: the earlier run's checkpoints and metrics are gone, only this run's are there
-    (out / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0}\n')
+    (out / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0, "attempt": 2}\n')
+    (out / "metrics.superseded.jsonl").write_text('{"step": 98, "loss": 1.5, "attempt": 1}\n')  # it was resumed
+    (out / ".tmp-metrics.jsonl").write_text('{"step": 97, "loss": 2.0, "attempt": 1}\n')  # killed in a rewrite
     train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32, save_interval=1)
     setup_pretrain(tmp_path, overwrite=True, train=train, eval=EvalArgs(final_validation=False))
-    assert "--overwrite true: deleted the earlier run's checkpoints in" in capsys.readouterr().out
+    assert (f"--overwrite true: deleted the earlier run's checkpoints and metrics in {out}: final, step-00000005, "
+            "metrics.jsonl, metrics.superseded.jsonl, .tmp-metrics.jsonl") in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("step-", "final", "."))) == ["final", "step-00000001"]
-    assert {json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()} == {1, 2}
+    assert not (out / "metrics.superseded.jsonl").exists()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in records} == {1, 2} and {r["attempt"] for r in records} == {1}  # a history of its own
     # the checkpoints record no overwrite: `--config <their hyperparameters.yaml> --resume auto` is not refused
     assert "overwrite" not in (out / "final" / "hyperparameters.yaml").read_text()
 
