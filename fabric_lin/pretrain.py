@@ -40,6 +40,7 @@ from fabric_lin.checkpoint import (
     train_state,
 )
 from fabric_lin.config import CONFIG_FILE, Config
+from fabric_lin.cpu_cores import cores_busy_with_other_work, usable_cpu_cores
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
@@ -203,14 +204,6 @@ def compile_caches_in(out_dir: Path, enabled: bool) -> ContextManager[None]:
     return environment_variables({"TRITON_CACHE_DIR": str(cache / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")})
 
 
-def usable_cpu_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask: a scheduler's allocation, taskset)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def check_cpu_processes(devices: int) -> None:
     """On the CPU, each of `devices` processes computes with at least one core of its own: more processes than
     cores would only take turns on them, slower than fewer processes, with nothing gained."""
@@ -225,19 +218,20 @@ def check_cpu_processes(devices: int) -> None:
 def set_cpu_threads(devices: int) -> None:
     """On the CPU, each of this node's `devices` processes computes with its share of the cores (unless
     OMP_NUM_THREADS sets it): the same threads, so the same sums and losses, whatever else runs. Where other
-    work already keeps the cores busy, threads that wait for each other can make a step many times slower,
-    so that is said, with what to set."""
+    work keeps the cores busy as the run starts, threads that wait for each other can make a step many times
+    slower, so that is said, with what to set."""
     if os.environ.get("OMP_NUM_THREADS"):
         return  # torch took it at import
     cores = usable_cpu_cores()
     threads = max(1, cores // devices)
     torch.set_num_threads(threads)
-    try:
-        load = os.getloadavg()[0]  # processes running or waiting for a core, over the last minute
-    except OSError:
+    # rank 0 speaks for the node; where torchrun started the node's processes together, their own start-up
+    # would count as other work
+    if threads == 1 or os.environ.get("LOCAL_RANK", "0") != "0" or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
         return
-    if threads > 1 and load >= cores and os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"Note: this machine is busy (load average {load:.1f} on {cores} cores); training uses {threads} threads "
+    busy = cores_busy_with_other_work()
+    if busy is not None and busy >= 0.5:  # half a core: more than a machine's own daemons, enough to stall a thread
+        print(f"Note: other work keeps {busy:.1f} of this run's {cores} CPU cores busy; training uses {threads} threads "
               f"per process. If steps are slow, OMP_NUM_THREADS=1 fabric-lin pretrain ... keeps them from waiting "
               f"for each other", flush=True)
 

@@ -367,18 +367,27 @@ def test_cpu_threads_are_the_cores_shared_by_the_processes(monkeypatch, capsys):
     threads = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(pretrain, "usable_cpu_cores", lambda: 8)
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    busy = {"cores": 0.1}  # what the measurement at the start finds
+    monkeypatch.setattr(pretrain, "cores_busy_with_other_work", lambda: busy["cores"])
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # work that started a moment ago: not in it yet
     try:
         pretrain.set_cpu_threads(2)
         assert torch.get_num_threads() == 4 and capsys.readouterr().out == ""
-        monkeypatch.setattr(os, "getloadavg", lambda: (9.5, 9.0, 9.0))  # other work keeps every core busy
+        busy["cores"] = 1.04  # other work keeps a core busy
         pretrain.set_cpu_threads(1)
         assert torch.get_num_threads() == 8
-        assert ("Note: this machine is busy (load average 9.5 on 8 cores); training uses 8 threads per process. If steps "
+        assert ("Note: other work keeps 1.0 of this run's 8 CPU cores busy; training uses 8 threads per process. If steps "
                 "are slow, OMP_NUM_THREADS=1 fabric-lin pretrain ...") in capsys.readouterr().out
+        pretrain.set_cpu_threads(8)  # one thread per process waits for no other
+        assert torch.get_num_threads() == 1 and capsys.readouterr().out == ""
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's processes start together: each other's start-up is no other work
+        pretrain.set_cpu_threads(2)
+        assert torch.get_num_threads() == 4 and capsys.readouterr().out == ""
         monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
         pretrain.set_cpu_threads(1)
-        assert torch.get_num_threads() == 8
+        assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(threads)
+
