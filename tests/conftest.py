@@ -438,7 +438,7 @@ def export_to_fla(model, config, dtype: str = "float32", **fla_config):
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = export_model(model, config, tmp, dtype)
         exported = json.loads((hf_dir / "config.json").read_text())
-        fla_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=getattr(torch, dtype), **fla_config).eval()
+        fla_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype), **fla_config).eval()
     return fla_model, exported
 
 

@@ -1,7 +1,8 @@
 """CPU check of convert_to_hf against flash-linear-attention (fla) itself, for every family (GLA, Gated DeltaNet,
 the transformer baseline, and the hybrids with softmax-attention layers): fla builds each exported config with the
 model's parameter names, shapes and count (at the shipped sizes too), and an exported model, loaded by fla's
-`AutoModelForCausalLM.from_pretrained`, gives fabric-lin's logits in fp32.
+`AutoModelForCausalLM.from_pretrained`, gives fabric-lin's logits in fp32; tutorials/convert.md's lines that load an
+export in fla run as written.
 
 fla's layers are Triton kernels, so without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, fp32, on
 small models), with conftest.fla_in_interpreter's two adjustments. fla's softmax-attention layer refuses to be built
@@ -13,7 +14,7 @@ fla's kernels themselves run unchanged. fla picks its fused_recurrent mode for T
 64) above, so each linear-attention case is run at both. Skips when fla or transformers is not installed and when
 CUDA is present (test_convert_fla_gpu.py covers that). As a script it prints one JSON line per case and length:
 
-    TRITON_INTERPRET=1 python tests/test_convert_fla_cpu.py [CASE ... | gdn-generate | parameters]
+    TRITON_INTERPRET=1 python tests/test_convert_fla_cpu.py [CASE ... | gdn-generate | parameters | convert-md]
 """
 import os
 import sys
@@ -199,6 +200,38 @@ def generate_with_fla(config: Config, prompt_len: int = 8, new_tokens: int = 4, 
             "fla_argmax_on_ours": fla_logits[prompt_len - 1 : -1].argmax(-1).tolist()}
 
 
+def load_as_convert_md_says() -> dict:
+    """tutorials/convert.md's Python lines that load an export in fla, run as written on a small GLA's export (in
+    bf16, as convert.md exports) in place of hf/gla-340M: what they loaded, and what transformers warned of."""
+    import logging
+    import re
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from conftest import export_model
+    from fabric_lin.model import GPT
+
+    text = (Path(__file__).resolve().parents[1] / "tutorials" / "convert.md").read_text(encoding="utf-8")
+    (snippet,) = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "from_pretrained" in block]
+    config = base()
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)  # the logger of every transformers module
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = export_model(GPT(config), config, tmp, dtype="bfloat16")
+        namespace = {}
+        exec(snippet.replace('"hf/gla-340M"', repr(str(hf_dir))), namespace)
+        model, exported = namespace["model"], load_file(hf_dir / "model.safetensors")
+    logging.getLogger("transformers").removeHandler(handler)
+    state = model.state_dict()
+    return {"fla_class": type(model).__name__, "dtype": str(model.dtype), "device": str(model.device),
+            "weights_as_exported": sorted(state) == sorted(exported) and all(torch.equal(state[k], v) for k, v in exported.items()),
+            "warnings": warnings}
+
+
 def run_interpreted(*cases: str, timeout: float = 1200) -> list:
     """This file as a script in a subprocess; its JSON lines."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -217,7 +250,8 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def fla_results() -> list:
     """Every check of this file, run in one subprocess (fla's and transformers' import, ~6 s, paid once)."""
-    return run_interpreted(*(case for cases in FAMILIES.values() for case in cases), "parameters")
+    # convert-md first: transformers warns of a thing once per process
+    return run_interpreted("convert-md", *(case for cases in FAMILIES.values() for case in cases), "parameters")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -250,6 +284,14 @@ def test_fla_builds_the_exports_with_their_parameter_names_and_count(fla_results
         assert r["count"] == r["fla_count"] and r["parameters"] > 0, r
 
 
+def test_convert_md_loads_an_export_in_fla_as_written(fla_results):
+    """tutorials/convert.md's lines that load an export in fla run on the CPU as written: fla's model, in bf16,
+    holds the exported weights, and transformers warns of nothing (a deprecated argument, e.g.)."""
+    (result,) = [r for r in fla_results if r["case"] == "convert-md"]
+    assert result == {"case": "convert-md", "fla_class": "GLAForCausalLM", "dtype": "torch.bfloat16", "device": "cpu",
+                      "weights_as_exported": True, "warnings": []}
+
+
 if __name__ == "__main__":
     if not fla_installed():
         raise SystemExit("needs flash-linear-attention: pip install flash-linear-attention transformers")
@@ -258,7 +300,9 @@ if __name__ == "__main__":
     import_fla_with_flash_attn_stand_in()
     with fla_in_interpreter():
         for case in sys.argv[1:] or [*CASES, "gdn-generate", "parameters"]:
-            if case == "parameters":
+            if case == "convert-md":
+                print(json.dumps({"case": case, **load_as_convert_md_says()}), flush=True)
+            elif case == "parameters":
                 for name, make in PARAMETER_MODELS.items():
                     print(json.dumps({"case": case, **fla_parameters(name, make())}), flush=True)
             elif case == "gdn-generate":
