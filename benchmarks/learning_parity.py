@@ -17,6 +17,7 @@ last 10), and for GLA the share of chunks whose intra-chunk scores take the slow
 """
 import argparse
 import math
+import signal
 import statistics
 import tempfile
 import time
@@ -122,6 +123,32 @@ def gate_share_hooks(model: GPT, shares: list) -> list:
     return [block.attn.gk_proj[1].register_forward_hook(record) for block in model.layers if hasattr(block.attn, "gk_proj")]
 
 
+def train_side_by_side(batches, rows, ours, peer, opt_ours, opt_peer, args, min_lr, check_at, shares, share_at):
+    """Both models one step each on every batch, appending a row per step to `rows`."""
+    for step, batch in enumerate(batches):
+        lr = learning_rate(step, args.lr, min_lr, args.warmup, args.steps, "cosine")
+        batch = batch.cuda()
+        shares.clear()
+        losses = {}
+        for name, model, opt in (("ours", ours, opt_ours), ("peer", peer, opt_peer)):
+            for group in opt.param_groups:
+                group["lr"] = lr
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if isinstance(model, GPT):
+                    loss = model(batch[:, :-1], targets=batch[:, 1:])
+                else:  # fla predicts labels[t + 1] at t and ignores the last position: the same targets as ours
+                    loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[name] = loss.item()
+        if step in check_at and shares:
+            share_at[step] = sum(shares) / len(shares)
+        rows.append({"step": step, "lr": lr, "loss_ours": losses["ours"], "loss_peer": losses["peer"],
+                     "relative_difference": abs(losses["ours"] - losses["peer"]) / losses["peer"]})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gla-340M", help="a fabric-lin model name (GLA or GDN)")
@@ -163,28 +190,14 @@ def main():
 
     rows = []
     start = time.perf_counter()
-    for step, batch in enumerate(batches):
-        lr = learning_rate(step, args.lr, min_lr, args.warmup, args.steps, "cosine")
-        batch = batch.cuda()
-        shares.clear()
-        losses = {}
-        for name, model, opt in (("ours", ours, opt_ours), ("peer", peer, opt_peer)):
-            for group in opt.param_groups:
-                group["lr"] = lr
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                if isinstance(model, GPT):
-                    loss = model(batch[:, :-1], targets=batch[:, 1:])
-                else:  # fla predicts labels[t + 1] at t and ignores the last position: the same targets as ours
-                    loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses[name] = loss.item()
-        if step in check_at and shares:
-            share_at[step] = sum(shares) / len(shares)
-        rows.append({"step": step, "lr": lr, "loss_ours": losses["ours"], "loss_peer": losses["peer"],
-                     "relative_difference": abs(losses["ours"] - losses["peer"]) / losses["peer"]})
+    # a time limit's SIGTERM ends the loop, and the steps done so far are still reported (marked "stopped_at_step")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt, as SIGINT does
+    try:
+        train_side_by_side(batches, rows, ours, peer, opt_ours, opt_peer, args, min_lr, check_at, shares, share_at)
+    except KeyboardInterrupt:
+        print(f"stopped after {len(rows)} of {args.steps} steps", flush=True)
+    if not rows:
+        raise SystemExit("no step finished")
     for hook in hooks:
         hook.remove()
     last = rows[-10:]
@@ -201,6 +214,7 @@ def main():
         "last_10_relative_difference": abs(final_ours - final_peer) / final_peer,
         "levels_share_at_step": share_at,
         "fla_gdn_hopper_guard_lifted": guard_lifted,
+        "stopped_at_step": None if len(rows) == args.steps else len(rows),
         "diverged": any(not math.isfinite(r[key]) for r in rows for key in ("loss_ours", "loss_peer")),
         "per_step": rows,
     }
