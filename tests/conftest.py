@@ -347,8 +347,9 @@ def mixed_spread_gates(T, H, K, strong_rows, strong_cols, seed=0, strong_logit=-
     return F.logsigmoid(logits) / 16
 
 
-def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n_states=None, seed=0):
-    """fp32 q, k, v, g, beta, h0 on the CPU. Gates: slow, g ~ -0.01 per step (the state carries across many
+def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n_states=None, seed=0, device="cpu",
+                            dtype=torch.float32):
+    """q, k, v, beta in `dtype`, g and h0 in fp32, on `device` (drawn on the CPU, so the same values anywhere). Gates: slow, g ~ -0.01 per step (the state carries across many
     chunks); fast, ~ -5 per step (exp(g) ~ 0.007: the state forgets within a few tokens; in-chunk cumulative
     sums reach ~-320, where an exp(-b) anywhere would overflow fp32); forgetting, uniform over -40 to -10 per step
     (exp(g) < 5e-5: the state is gone after one token, and the true gradient of g is tiny, ~1e-7, beside the
@@ -372,7 +373,8 @@ def gated_delta_rule_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n
         g = -torch.exp(math.log(1e-3) + u * (math.log(8.0) - math.log(1e-3)))
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     h0 = torch.randn(n_states or B, H, K, V, generator=gen)
-    return q, k, v, g, beta, h0
+    q, k, v, beta = (x.to(device=device, dtype=dtype) for x in (q, k, v, beta))
+    return q, k, v, g.to(device), beta, h0.to(device)
 
 
 def gdn_step_reference(q, k, v, g, beta, state, scale, use_qk_l2norm):

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from conftest import compiled_graph_ops, delta_rule_fp64, fla_in_interpreter, gated_delta_rule_inputs  # noqa: E402
 from conftest import rel_rms  # noqa: E402
+from helpers import rel_err  # noqa: E402
 
 from fabric_lin.ops.gdn import (  # noqa: E402
     chunk_gated_delta_rule,
@@ -65,12 +66,6 @@ def outputs_and_grads(fn, inputs, h0, seed=1, **kwargs):
     if h0 is not None:
         named["dh0"] = h0.grad
     return named
-
-
-def rel_err(x, ref):
-    """max|x - ref| / max|ref|."""
-    x, ref = x.double(), ref.double()
-    return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def assert_matches_fp64(fn, inputs, h0, **kwargs):

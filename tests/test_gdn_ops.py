@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from conftest import gated_delta_rule_fp64 as reference_fp64, gated_delta_rule_inputs
+from helpers import leaves, rel_err
 
 from fabric_lin.ops.gdn import (
     chunk_gated_delta_rule,
@@ -21,21 +22,6 @@ GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # every op here is tiny (conftest.one_thread)
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|x - ref| / max|ref|; against an all-zero reference (dg with T = 1 and no initial state)
-    the absolute error, so x must be zero too."""
-    x, ref = x.double(), ref.double()
-    err = (x - ref).abs().max()
-    scale = ref.abs().max()
-    return (err / scale if scale > 0 else err).item()
-
-
-def make_inputs(B, T, H, K, V, gate="mixed", normalized_keys=True, n_states=None, seed=0):
-    """fp32 leaves q, k, v, g, beta, h0 (conftest.gated_delta_rule_inputs)."""
-    inputs = gated_delta_rule_inputs(B, T, H, K, V, gate, normalized_keys, n_states, seed)
-    return [x.requires_grad_(True) for x in inputs]
 
 
 def outputs_and_grads(fn, inputs, with_state, seed=1, **kwargs):
@@ -78,7 +64,7 @@ def assert_matches(fn, inputs, with_state, tol=TOL, fn_kwargs=None, ref_kwargs=N
 @pytest.mark.parametrize("use_qk_l2norm", [False, True])
 @pytest.mark.parametrize("gate", ["fast", "slow", "mixed", "forgetting"])
 def test_chunk_matches_fp64_recurrence(T, with_state, use_qk_l2norm, gate):
-    inputs = make_inputs(2, T, 2, 24, 40, gate=gate, normalized_keys=not use_qk_l2norm, seed=T)
+    inputs = leaves(*gated_delta_rule_inputs(2, T, 2, 24, 40, gate=gate, normalized_keys=not use_qk_l2norm, seed=T))
     kwargs = {"use_qk_l2norm": use_qk_l2norm}
     assert_matches(chunk_op, inputs, with_state, fn_kwargs=kwargs, ref_kwargs=kwargs)
 
@@ -93,14 +79,14 @@ VARLEN_OFFSETS = [0, 1, 2, 3, 40, 40, 41, 170, 171, 300]
 def test_varlen_matches_fp64_recurrence_per_document(with_state, use_qk_l2norm, gate):
     cu_seqlens = torch.tensor(VARLEN_OFFSETS, dtype=torch.int32)
     n_docs = len(VARLEN_OFFSETS) - 1
-    inputs = make_inputs(1, 300, 2, 24, 40, gate=gate, normalized_keys=not use_qk_l2norm, n_states=n_docs, seed=5)
+    inputs = leaves(*gated_delta_rule_inputs(1, 300, 2, 24, 40, gate=gate, normalized_keys=not use_qk_l2norm, n_states=n_docs, seed=5))
     kwargs = {"use_qk_l2norm": use_qk_l2norm, "cu_seqlens": cu_seqlens}
     assert_matches(chunk_op, inputs, with_state, fn_kwargs=kwargs, ref_kwargs=kwargs)
 
 
 def test_varlen_empty_document_keeps_its_initial_state():
     cu_seqlens = torch.tensor(VARLEN_OFFSETS, dtype=torch.int64)
-    q, k, v, g, beta, h0 = make_inputs(1, 300, 2, 24, 40, n_states=len(VARLEN_OFFSETS) - 1, seed=6)
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(1, 300, 2, 24, 40, n_states=len(VARLEN_OFFSETS) - 1, seed=6)
     _, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
     empty = VARLEN_OFFSETS.index(40)  # document 4 spans [40, 40)
     assert torch.equal(final[empty], h0[empty])
@@ -110,13 +96,13 @@ def test_varlen_empty_document_keeps_its_initial_state():
 @pytest.mark.parametrize("T", [1, 37, 129])
 @pytest.mark.parametrize("gate", ["fast", "mixed"])
 def test_naive_matches_fp64_recurrence(T, gate):
-    inputs = make_inputs(2, T, 2, 24, 40, gate=gate, seed=T + 1)
+    inputs = leaves(*gated_delta_rule_inputs(2, T, 2, 24, 40, gate=gate, seed=T + 1))
     assert_matches(naive_op, inputs, with_state=True)
 
 
 def test_naive_varlen_matches_fp64_recurrence():
     cu_seqlens = torch.tensor(VARLEN_OFFSETS)
-    inputs = make_inputs(1, 300, 2, 8, 12, n_states=len(VARLEN_OFFSETS) - 1, seed=8)
+    inputs = leaves(*gated_delta_rule_inputs(1, 300, 2, 8, 12, n_states=len(VARLEN_OFFSETS) - 1, seed=8))
     kwargs = {"cu_seqlens": cu_seqlens}
     assert_matches(naive_op, inputs, with_state=True, fn_kwargs=kwargs, ref_kwargs=kwargs)
 
@@ -124,7 +110,7 @@ def test_naive_varlen_matches_fp64_recurrence():
 @pytest.mark.parametrize("gate", ["slow", "mixed"])
 def test_long_sequence_is_accurate_to_fp32(gate):
     # 32 chunks: the state crosses 31 chunk boundaries in fp32; slow gates let errors accumulate
-    inputs = make_inputs(1, 2048, 2, 16, 16, gate=gate, normalized_keys=False, seed=9)
+    inputs = leaves(*gated_delta_rule_inputs(1, 2048, 2, 16, 16, gate=gate, normalized_keys=False, seed=9))
     kwargs = {"use_qk_l2norm": True}
     assert_matches(chunk_op, inputs, with_state=True, fn_kwargs=kwargs, ref_kwargs=kwargs)
 
@@ -132,7 +118,7 @@ def test_long_sequence_is_accurate_to_fp32(gate):
 @pytest.mark.parametrize("use_qk_l2norm", [False, True])
 def test_decoding_steps_continue_the_chunked_op(use_qk_l2norm):
     B, T, H, K, V = 2, 129, 3, 24, 40
-    q, k, v, g, beta, h0 = (x.detach() for x in make_inputs(B, T, H, K, V, normalized_keys=not use_qk_l2norm, seed=10))
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(B, T, H, K, V, normalized_keys=not use_qk_l2norm, seed=10)
     o, final = chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=use_qk_l2norm
     )
@@ -156,7 +142,7 @@ def test_decoding_steps_continue_the_chunked_op(use_qk_l2norm):
 
 
 def test_decoding_step_from_zero_state_matches_fp64():
-    q, k, v, g, beta, _ = (x.detach() for x in make_inputs(2, 1, 2, 24, 40, seed=11))
+    q, k, v, g, beta, _ = gated_delta_rule_inputs(2, 1, 2, 24, 40, seed=11)
     o, state = recurrent_gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], None)
     o_ref, state_ref = reference_fp64(q, k, v, g, beta)
     assert rel_err(o, o_ref[:, 0]) <= TOL and rel_err(state, state_ref) <= TOL
@@ -172,8 +158,7 @@ def test_l2norm_puts_eps_inside_the_square_root():
 
 
 def test_custom_scale_and_no_final_state():
-    inputs = make_inputs(1, 70, 2, 24, 40, seed=12)
-    q, k, v, g, beta, _ = (x.detach() for x in inputs)
+    q, k, v, g, beta, _ = gated_delta_rule_inputs(1, 70, 2, 24, 40, seed=12)
     o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=0.37)
     o_ref, _ = reference_fp64(q, k, v, g, beta, scale=0.37)
     assert final is None
@@ -181,7 +166,7 @@ def test_custom_scale_and_no_final_state():
 
 
 def test_bf16_inputs_give_bf16_output_and_fp32_state():
-    q, k, v, g, beta, h0 = (x.detach() for x in make_inputs(1, 100, 2, 24, 40, normalized_keys=False, seed=13))
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(1, 100, 2, 24, 40, normalized_keys=False, seed=13)
     q, k, v, beta = (x.bfloat16() for x in (q, k, v, beta))
     o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
     assert o.dtype == torch.bfloat16 and final.dtype == torch.float32

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from conftest import compiled_graph_ops, fla_in_interpreter, gated_delta_rule_inputs, rel_rms  # noqa: E402
 from conftest import gated_delta_rule_fp64 as reference_fp64  # noqa: E402
+from helpers import assert_close_scaled  # noqa: E402
 
 from fabric_lin.ops.gdn import chunk_gated_delta_rule  # noqa: E402
 from fabric_lin.ops.gdn.launch import SHIPPED, GDNLaunch  # noqa: E402
@@ -28,14 +29,6 @@ NAMES = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # every op here is tiny (conftest.one_thread)
-
-
-def make_inputs(B, T, H, K, V, gate="mixed", n_states=None, seed=0, device="cpu", dtype=torch.float32,
-                normalized_keys=True):
-    """q, k, v, g (fp32), beta, h0 (fp32) of conftest.gated_delta_rule_inputs, on `device`, q, k, v and beta in `dtype`."""
-    q, k, v, g, beta, h0 = gated_delta_rule_inputs(B, T, H, K, V, gate, normalized_keys, n_states, seed)
-    q, k, v, beta = (x.to(device=device, dtype=dtype) for x in (q, k, v, beta))
-    return q, k, v, g.to(device), beta, h0.to(device)
 
 
 def forward_backward(fn, inputs, h0, seed=1, with_final_state=True, **kwargs):
@@ -57,15 +50,6 @@ def forward_backward(fn, inputs, h0, seed=1, with_final_state=True, **kwargs):
 
 def triton_op(*args, **kwargs):
     return chunk_gated_delta_rule(*args, backend="triton", **kwargs)
-
-
-def assert_close_scaled(a, b, name):
-    """fp32 agreement: elementwise within 1e-4 relative, or 1e-4 of the tensor's largest magnitude (dg is a
-    cumulative sum whose small entries carry the rounding of the large ones)."""
-    assert torch.isfinite(a).all(), f"{name}: not finite"
-    b = b.to(a.dtype)
-    atol = 1e-4 * max(1.0, b.abs().max().item())
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 def check_against_fp64(inputs, h0, launch=None, with_final_state=True, **kwargs):
@@ -102,7 +86,7 @@ def test_kernels_run_in_the_interpreter():
     ],
 )
 def test_triton_matches_fp64_recurrence(B, T, H, K, V, gate, with_h0, use_qk_l2norm):
-    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, gate=gate, seed=T + K + V, normalized_keys=not use_qk_l2norm)
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(B, T, H, K, V, gate=gate, seed=T + K + V, normalized_keys=not use_qk_l2norm)
     check_against_fp64((q, k, v, g, beta), h0 if with_h0 else None, use_qk_l2norm=use_qk_l2norm)
 
 
@@ -111,7 +95,7 @@ def test_triton_matches_fp64_recurrence(B, T, H, K, V, gate, with_h0, use_qk_l2n
 def test_fast_gates_stay_finite_without_final_state(gate):
     # a training layer's call: no initial state, no final state; with g ~ -5 a step the chunk's cumulative gate
     # reaches ~-320, where exp(-b) overflows fp32 and exp(b) underflows to 0
-    q, k, v, g, beta, _ = make_inputs(1, 128, 2, 32, 48, gate=gate, seed=4, normalized_keys=False)
+    q, k, v, g, beta, _ = gated_delta_rule_inputs(1, 128, 2, 32, 48, gate=gate, seed=4, normalized_keys=False)
     if gate == "fast":
         assert g.cumsum(1)[:, :64].min() < -250
     check_against_fp64((q, k, v, g, beta), None, with_final_state=False, use_qk_l2norm=True)
@@ -120,7 +104,7 @@ def test_fast_gates_stay_finite_without_final_state(gate):
 def forgetting_gate_errors(fn):
     """Relative RMS errors against fp64 of fn's outputs and gradients, with log decays of -10 to -40 a token
     (conftest's "forgetting" gates), an initial state and a final state's gradient."""
-    q, k, v, g, beta, h0 = make_inputs(1, 128, 1, 64, 32, gate="forgetting", seed=12)
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(1, 128, 1, 64, 32, gate="forgetting", seed=12)
     ref = forward_backward(reference_fp64, (q, k, v, g, beta), h0)
     dg_ref, dbeta_ref = ref[NAMES.index("dg")], ref[NAMES.index("dbeta")]
     assert dg_ref.norm() < 1e-4 * dbeta_ref.norm()  # the regime meant: a true dg far below beta's gradient
@@ -164,8 +148,8 @@ def test_triton_varlen_matches_fp64_recurrence(with_h0, use_qk_l2norm):
     # second chunk, one of exactly a chunk; each from its own initial state, each with its own final state
     offsets = [0, 1, 2, 40, 40, 41, 106, 107, 171]
     cu = torch.tensor(offsets, dtype=torch.int32)
-    q, k, v, g, beta, h0 = make_inputs(1, 171, 2, 32, 48, n_states=len(offsets) - 1, seed=7,
-                                       normalized_keys=not use_qk_l2norm)
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(1, 171, 2, 32, 48, n_states=len(offsets) - 1, seed=7,
+                                                   normalized_keys=not use_qk_l2norm)
     check_against_fp64((q, k, v, g, beta), h0 if with_h0 else None, cu_seqlens=cu, use_qk_l2norm=use_qk_l2norm)
 
 
@@ -183,7 +167,7 @@ def test_head_dims_over_several_tiles_and_custom_scale(launch):
     # passes a 128-row key tile; the narrow launch loops every kernel over several 16- or 32-wide tiles, and
     # dq/dk's partial gate gradients over five key tiles; varlen with a document that starts mid-chunk
     cu = torch.tensor([0, 30, 100], dtype=torch.int32)
-    q, k, v, g, beta, h0 = make_inputs(1, 100, 1, 80, 72, n_states=2, seed=3, normalized_keys=False)
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(1, 100, 1, 80, 72, n_states=2, seed=3, normalized_keys=False)
     check_against_fp64((q, k, v, g, beta), h0, launch=launch, scale=0.3, cu_seqlens=cu, use_qk_l2norm=True)
 
 
@@ -213,7 +197,7 @@ def test_narrow_state_passes_match_fp64_recurrence(monkeypatch):
 
     monkeypatch.setattr(launch_helpers, "multiprocessors", lambda device: 132)
     launch = GDNLaunch(narrow_state=KernelLaunch(BV=16, stages=3), narrow_dstate=KernelLaunch(BV=16, stages=2))
-    q, k, v, g, beta, h0 = make_inputs(2, 100, 2, 32, 40, gate="mixed", seed=13)
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(2, 100, 2, 32, 40, gate="mixed", seed=13)
     check_against_fp64((q, k, v, g, beta), h0, launch=launch)
 
 
@@ -229,7 +213,7 @@ def test_backend_rule_and_launch_settings(monkeypatch):
             taken.append(_name)
             return _run(*args, **kwargs)
         monkeypatch.setattr(module, name, traced)
-    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 32, seed=5)
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(1, 70, 2, 16, 32, seed=5)
     auto = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     kernels = triton_op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     assert taken == ["chunk_gated_delta_rule_torch", "chunk_gated_delta_rule_triton"]
@@ -249,7 +233,7 @@ def test_backend_rule_and_launch_settings(monkeypatch):
 @pytest.mark.parametrize("use_qk_l2norm", [False, True])
 def test_torch_compile_captures_the_op_without_graph_breaks(use_qk_l2norm):
     # the Triton path is a pair of torch.library custom ops: dynamo keeps each as one opaque node
-    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 32, seed=11, normalized_keys=not use_qk_l2norm)
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(1, 70, 2, 16, 32, seed=11, normalized_keys=not use_qk_l2norm)
 
     def f(q, k, v, g, beta, h0):
         o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
@@ -287,8 +271,8 @@ def gpu_errors(B, T, H, K, V, gate, offsets=None, with_h0=True, beta_dtype=torch
     """Relative RMS errors of the bf16 Triton path against the fp32 PyTorch path, q and k L2-normalised inside
     as the model calls it."""
     N = B if offsets is None else len(offsets) - 1
-    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, gate=gate, n_states=N, seed=seed, device="cuda",
-                                       dtype=torch.bfloat16, normalized_keys=False)
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(B, T, H, K, V, gate=gate, n_states=N, seed=seed, device="cuda",
+                                                   dtype=torch.bfloat16, normalized_keys=False)
     beta = beta.to(beta_dtype)
     cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32, device="cuda")
     h0 = h0 if with_h0 else None
@@ -324,8 +308,8 @@ def test_gpu_bf16_varlen_matches_fp32(gate):
 @needs_cuda
 def test_gpu_bf16_training_call_without_states():
     # the model's call: no initial state, no final state, bf16 beta
-    q, k, v, g, beta, _ = make_inputs(4, 2048, 4, 128, 256, gate="mixed", seed=2, device="cuda", dtype=torch.bfloat16,
-                                      normalized_keys=False)
+    q, k, v, g, beta, _ = gated_delta_rule_inputs(4, 2048, 4, 128, 256, gate="mixed", seed=2, device="cuda", dtype=torch.bfloat16,
+                                                  normalized_keys=False)
     kwargs = {"use_qk_l2norm": True, "with_final_state": False}
     ref = forward_backward(reference_fp32, (q.float(), k.float(), v.float(), g, beta.float()), None, **kwargs)
     out = forward_backward(triton_op, (q, k, v, g, beta), None, **kwargs)
@@ -340,8 +324,8 @@ def test_gpu_bf16_error_within_fla(gate):
     # (the fp32 path's dg is itself within 1e-4 of fp64 with forgetting gates, test_gdn_ops.py)
     fla = pytest.importorskip("fla.ops.gated_delta_rule")
     B, T, H, K, V = 4, 2048, 4, 128, 256
-    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, gate=gate, seed=6, device="cuda", dtype=torch.bfloat16,
-                                       normalized_keys=False)
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(B, T, H, K, V, gate=gate, seed=6, device="cuda", dtype=torch.bfloat16,
+                                                   normalized_keys=False)
     kwargs = {"use_qk_l2norm": True}
     ref = forward_backward(reference_fp32, (q.float(), k.float(), v.float(), g, beta.float()), h0, **kwargs)
     ours = forward_backward(triton_op, (q, k, v, g, beta), h0, **kwargs)
@@ -363,7 +347,7 @@ def test_gpu_bf16_error_within_fla(gate):
 
 @needs_cuda
 def test_gpu_compiled_matches_eager():
-    q, k, v, g, beta, h0 = make_inputs(2, 512, 4, 128, 128, device="cuda", dtype=torch.bfloat16, normalized_keys=False)
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(2, 512, 4, 128, 128, device="cuda", dtype=torch.bfloat16, normalized_keys=False)
 
     def f(q, k, v, g, beta, h0):
         o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True)

@@ -20,6 +20,7 @@ from conftest import (  # noqa: E402
     GLA_NAMES, compiled_graph_ops, fla_in_interpreter, gated_linear_attention_fp64, gla_forward_backward, gla_inputs,
     gpu_of, mixed_spread_gates, naive_from_logits, rel_rms, triton_from_logits, triton_gla,
 )
+from helpers import assert_close_scaled  # noqa: E402
 
 from fabric_lin.ops.gla.state_pass import takes_decayed_keys  # noqa: E402
 from fabric_lin.ops.gla import (  # noqa: E402
@@ -30,13 +31,6 @@ from fabric_lin.ops.gla.tune import with_settings  # noqa: E402
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def assert_close_scaled(a, b, name):
-    """fp32 agreement: elementwise within 1e-4 relative, or 1e-4 of the tensor's largest magnitude
-    (dgk is a long cumulative sum whose small entries carry the rounding of the large ones)."""
-    atol = 1e-4 * max(1.0, b.abs().max().item())
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 @cpu_only
