@@ -34,9 +34,9 @@ from typing import Iterator, List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import write_result  # noqa: E402
-from data_prep.base import file_record, run_recipe  # noqa: E402
-from data_prep.prepare_slimpajama import SKIPPED_SET, SlimPajamaRecipe  # noqa: E402
 from data_prep.prepare_text import prepare as prepare_text  # noqa: E402
+from fabric_lin.data.recipe import file_record, run_recipe  # noqa: E402
+from fabric_lin.data.slimpajama_starcoder import SKIPPED_SET, SlimPajamaRecipe  # noqa: E402
 
 
 class OneDocumentAtATimeRecipe(SlimPajamaRecipe):

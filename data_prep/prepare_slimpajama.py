@@ -9,30 +9,13 @@ tokenized with bos=False, eos=True, many at once (SentencePiece's multi-threaded
 """
 import sys
 from pathlib import Path
-from typing import Iterator, List, Optional, Union
+from typing import Optional, Union
 
-if __name__ == "__main__":  # run as a script: make `data_prep` importable
+if __name__ == "__main__":  # run as a script: import this checkout's packages
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep.base import TokenizeRecipe, require_flags, run_recipe
-from fabric_lin.data.raw_files import find_files, read_slimpajama_file
-
-SKIPPED_SET = "RedPajamaGithub"
-# Documents handed to the tokenizer at once; a SlimPajama file holds a few thousand documents.
-DOCUMENTS_PER_BATCH = 8192
-
-
-class SlimPajamaRecipe(TokenizeRecipe):
-    def find_inputs(self, input_dir: str) -> List[str]:
-        return [str(p) for p in find_files(input_dir, ".jsonl.zst")]
-
-    def read_documents(self, path: str) -> Iterator[List[str]]:
-        # The whole file is read and validated first (read_slimpajama_file), so a bad file adds nothing.
-        rows = read_slimpajama_file(path)
-        texts = [text for text, set_name in rows if set_name != SKIPPED_SET]
-        self._skipped_rows += len(rows) - len(texts)
-        for start in range(0, len(texts), DOCUMENTS_PER_BATCH):
-            yield texts[start : start + DOCUMENTS_PER_BATCH]
+from fabric_lin.data.recipe import require_flags, run_recipe
+from fabric_lin.data.slimpajama_starcoder import SlimPajamaRecipe
 
 
 def prepare(
@@ -55,13 +38,10 @@ def prepare(
     """
     require_flags(input_dir=input_dir, output_dir=output_dir, tokenizer_path=tokenizer_path)
     recipe = SlimPajamaRecipe(tokenizer_path=tokenizer_path, chunk_size=chunk_size)
-    return run_recipe(recipe, input_dir, output_dir, num_workers, fast_dev_run, recipe_name="slimpajama")
+    return run_recipe(recipe, input_dir, output_dir, num_workers, fast_dev_run)
 
 
 if __name__ == "__main__":
     from jsonargparse import CLI
 
-    # call the imported module's function so the recipe pickles as data_prep.prepare_slimpajama.*, not __main__.*
-    from data_prep.prepare_slimpajama import prepare as prepare_from_module
-
-    CLI(prepare_from_module, as_positional=False)
+    CLI(prepare, as_positional=False)

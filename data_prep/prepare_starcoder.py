@@ -9,24 +9,13 @@ multi-threaded list encoding).
 """
 import sys
 from pathlib import Path
-from typing import Iterator, List, Optional, Union
+from typing import Optional, Union
 
-if __name__ == "__main__":  # run as a script: make `data_prep` importable
+if __name__ == "__main__":  # run as a script: import this checkout's packages
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep.base import TokenizeRecipe, require_flags, run_recipe
-from fabric_lin.data.raw_files import find_files, iter_parquet_texts
-
-COLUMN = "content"
-ROWS_PER_BATCH = 8192
-
-
-class StarcoderRecipe(TokenizeRecipe):
-    def find_inputs(self, input_dir: str) -> List[str]:
-        return [str(p) for p in find_files(input_dir, ".parquet")]
-
-    def read_documents(self, path: str) -> Iterator[List[str]]:
-        yield from iter_parquet_texts(path, column=COLUMN, batch_size=ROWS_PER_BATCH)
+from fabric_lin.data.recipe import require_flags, run_recipe
+from fabric_lin.data.slimpajama_starcoder import StarcoderRecipe
 
 
 def prepare(
@@ -49,13 +38,10 @@ def prepare(
     """
     require_flags(input_dir=input_dir, output_dir=output_dir, tokenizer_path=tokenizer_path)
     recipe = StarcoderRecipe(tokenizer_path=tokenizer_path, chunk_size=chunk_size)
-    return run_recipe(recipe, input_dir, output_dir, num_workers, fast_dev_run, recipe_name="starcoder")
+    return run_recipe(recipe, input_dir, output_dir, num_workers, fast_dev_run)
 
 
 if __name__ == "__main__":
     from jsonargparse import CLI
 
-    # call the imported module's function so the recipe pickles as data_prep.prepare_starcoder.*, not __main__.*
-    from data_prep.prepare_starcoder import prepare as prepare_from_module
-
-    CLI(prepare_from_module, as_positional=False)
+    CLI(prepare, as_positional=False)

@@ -31,7 +31,9 @@ from fabric_lin.errors import AlreadyExists, InvalidValue
 if __name__ == "__main__":  # run as a script: make `data_prep` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep.base import (
+from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
+from fabric_lin.data.raw_files import BadFileError, find_text_files, iter_text_documents
+from fabric_lin.data.recipe import (
     TokenizeRecipe,
     default_num_workers,
     file_record,
@@ -40,13 +42,11 @@ from data_prep.base import (
     run_recipe,
     summarize,
 )
-from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
-from fabric_lin.data.raw_files import BadFileError, find_text_files, iter_text_documents
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
 from fabric_lin.files import created_dir
 
 # Documents read from a file at once (and so handed to the tokenizer together, in groups of
-# base.ENCODE_GROUP_CHARS characters).
+# recipe.ENCODE_GROUP_CHARS characters).
 DOCUMENTS_PER_BATCH = 8192
 # A sample of config_hub's recipes: a 2048-token sequence and the token after it (the default chunk_size holds
 # 16384 of them). A validation split smaller than one is said to be at the end of a run.
@@ -69,6 +69,8 @@ class TextRecipe(TokenizeRecipe):
     `pattern`. The tokens of the documents `held_out` picks go to one token file per input file under
     `held_out_dir`, the others to the chunks. Empty documents are dropped (counted as skipped rows); bad
     rows are counted and named."""
+
+    name = "text"
 
     def __init__(self, tokenizer_path: Union[str, Path], chunk_size: int, input_dir: Union[str, Path],
                  text_key: str = "text", pattern: str = "**/*", val_fraction: float = 0.0,
@@ -185,9 +187,9 @@ def _prepare_into(stage: Path, input_dir: Path, output_dir: Path, tokenizer_path
     held_out_dir = stage / HELD_OUT_DIR
     recipe = TextRecipe(tokenizer_path, chunk_size, input_dir, text_key, pattern, val_fraction, held_out_dir)
     settings = {"text_key": text_key, "pattern": pattern, "val_fraction": val_fraction}
-    train = run_recipe(recipe, input_dir, stage / "train", num_workers, fast_dev_run, recipe_name="text",
-                       info={"split": "train", **settings}, shown_as=output_dir / "train")
-    info = {"split": "val", "recipe": "text", "input_dir": str(input_dir), "chunk_size": chunk_size,
+    train = run_recipe(recipe, input_dir, stage / "train", num_workers, fast_dev_run, info={"split": "train", **settings},
+                       shown_as=output_dir / "train")
+    info = {"split": "val", "recipe": TextRecipe.name, "input_dir": str(input_dir), "chunk_size": chunk_size,
             "fast_dev_run": 10 if fast_dev_run is True else int(fast_dev_run or 0), **settings}
     val = write_held_out_split(held_out_dir, stage / "val", input_dir, Tokenizer(tokenizer_path), chunk_size, info,
                                shown_as=output_dir / "val")

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from data_prep.base import REPORTS_DIR
+from fabric_lin.data.recipe import REPORTS_DIR
 from data_prep.prepare_slimpajama import prepare as prepare_slimpajama
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
@@ -257,10 +257,10 @@ def test_documents_are_tokenized_in_groups_and_arrays_without_loss(paragraphs_to
     wherever the groups and arrays end (the end-to-end corpora above fit one group)."""
     import numpy as np
 
-    from data_prep import base
+    from fabric_lin.data import recipe as recipe_module
 
-    monkeypatch.setattr(base, "ENCODE_GROUP_CHARS", 1000)
-    recipe = base.TokenizeRecipe(paragraphs_tokenizer, chunk_size=100)
+    monkeypatch.setattr(recipe_module, "ENCODE_GROUP_CHARS", 1000)
+    recipe = recipe_module.TokenizeRecipe(paragraphs_tokenizer, chunk_size=100)
     groups = []
     encode_batch = recipe.tokenizer.encode_batch
     monkeypatch.setattr(recipe.tokenizer, "encode_batch", lambda texts, **kw: groups.append(len(texts)) or encode_batch(texts, **kw))
@@ -272,7 +272,7 @@ def test_documents_are_tokenized_in_groups_and_arrays_without_loss(paragraphs_to
 
 
 def test_worker_reports_are_read_to_their_last_line(tmp_path):
-    from data_prep.base import _read_reports, file_record
+    from fabric_lin.data.recipe import _read_reports, file_record
 
     records = [file_record(f"/raw/{name}.jsonl.zst", documents=i) for i, name in enumerate("cab")]
     (tmp_path / "worker-1.jsonl").write_text(json.dumps(records[0]) + "\n" + json.dumps(records[1]) + "\n")

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from data_prep.base import REPORTS_DIR
+from fabric_lin.data.recipe import REPORTS_DIR
 from data_prep.prepare_text import prepare as prepare_text
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_prep.base import REPORTS_DIR
+from fabric_lin.data.recipe import REPORTS_DIR
 from fabric_lin.config import Config
 from fabric_lin.data import SampleCorpus, Tokenizer
 from fabric_lin.data.train_tokenizer import main as train_tokenizer

@@ -3,7 +3,7 @@
 The standard library's top-level `.py` modules become Starcoder-format parquet (`content`), their
 docstrings SlimPajama-format `.jsonl.zst` rows (`text`, `meta.redpajama_set_name`; every eighth row
 is labelled RedPajamaGithub, which the SlimPajama recipe drops). A 4096-piece tokenizer (the vocabulary
-of `gla-debug`) is trained on the training split and the two real preprocessors tokenize it. The
+of `gla-debug`) is trained on the training split and the SlimPajama and Starcoder recipes tokenize it. The
 result is cached under a name derived from the sources, so it is built once per Python installation.
 The preprocessors' output goes to `build.log` in the corpus directory.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-from fabric_lin.data.slimpajama_starcoder import SlimPajamaStarcoder
+from fabric_lin.data.slimpajama_starcoder import SlimPajamaRecipe, SlimPajamaStarcoder, StarcoderRecipe
 from fabric_lin.errors import MissingFile
 
 CORPUS_VERSION = 2
@@ -127,17 +127,17 @@ def write_raw_corpus(raw_dir: Path, files: List[Path]) -> Dict[str, int]:
 
 def build_sample_corpus(out_dir: Path, files: List[Path]) -> None:
     """Write the raw corpus, train the tokenizer and run both preprocessors into `out_dir`."""
-    from data_prep import prepare_slimpajama, prepare_starcoder
     from fabric_lin.data import train_tokenizer
+    from fabric_lin.data.recipe import run_recipe
 
     raw = out_dir / "raw"
     counts = write_raw_corpus(raw, files)
     tokenizer_dir = out_dir / "tokenizer"
     train_tokenizer.main(raw / "train", tokenizer_dir, vocab_size=VOCAB_SIZE, num_threads=1)
-    common = dict(tokenizer_path=tokenizer_dir, chunk_size=CHUNK_SIZE, num_workers=1)
-    prepare_slimpajama.prepare(raw / "train" / "slimpajama", out_dir / "slimpajama" / "train", **common)
-    prepare_slimpajama.prepare(raw / "val" / "slimpajama", out_dir / "slimpajama" / "val", **common)
-    prepare_starcoder.prepare(raw / "train" / "starcoder", out_dir / "starcoder", **common)
+    for recipe, source, prepared in ((SlimPajamaRecipe, raw / "train" / "slimpajama", out_dir / "slimpajama" / "train"),
+                                     (SlimPajamaRecipe, raw / "val" / "slimpajama", out_dir / "slimpajama" / "val"),
+                                     (StarcoderRecipe, raw / "train" / "starcoder", out_dir / "starcoder")):
+        run_recipe(recipe(tokenizer_dir, CHUNK_SIZE), source, prepared, num_workers=1)
     info = {"version": CORPUS_VERSION, "python": sys.version, "sources": [p.name for p in files], **counts}
     (out_dir / "corpus.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 

@@ -1,11 +1,50 @@
-"""SlimPajama mixed with Starcoder, as in TinyLlama's pretraining."""
+"""SlimPajama mixed with Starcoder, as in TinyLlama's pretraining: the recipes that tokenize their raw files
+(run by `fabric-lin prepare_slimpajama` / `prepare_starcoder` and by the sample corpus) and the data module that
+mixes what they write."""
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple
+from typing import Iterator, List, Tuple
 
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
+from fabric_lin.data.raw_files import find_files, iter_parquet_texts, read_slimpajama_file
+from fabric_lin.data.recipe import TokenizeRecipe
 from fabric_lin.errors import InvalidValue
+
+SKIPPED_SET = "RedPajamaGithub"  # SlimPajama's GitHub rows: Starcoder holds the code
+# Documents handed to the tokenizer at once; a SlimPajama file holds a few thousand documents.
+SLIMPAJAMA_DOCUMENTS_PER_BATCH = 8192
+STARCODER_COLUMN = "content"
+STARCODER_ROWS_PER_BATCH = 8192
+
+
+class SlimPajamaRecipe(TokenizeRecipe):
+    """Every `*.jsonl.zst` under the input directory: field `text` of each JSON line, less the RedPajamaGithub rows."""
+
+    name = "slimpajama"
+
+    def find_inputs(self, input_dir: str) -> List[str]:
+        return [str(p) for p in find_files(input_dir, ".jsonl.zst")]
+
+    def read_documents(self, path: str) -> Iterator[List[str]]:
+        # The whole file is read and validated first (read_slimpajama_file), so a bad file adds nothing.
+        rows = read_slimpajama_file(path)
+        texts = [text for text, set_name in rows if set_name != SKIPPED_SET]
+        self._skipped_rows += len(rows) - len(texts)
+        for start in range(0, len(texts), SLIMPAJAMA_DOCUMENTS_PER_BATCH):
+            yield texts[start : start + SLIMPAJAMA_DOCUMENTS_PER_BATCH]
+
+
+class StarcoderRecipe(TokenizeRecipe):
+    """Every `*.parquet` under the input directory: column `content`, 8192 rows at a time."""
+
+    name = "starcoder"
+
+    def find_inputs(self, input_dir: str) -> List[str]:
+        return [str(p) for p in find_files(input_dir, ".parquet")]
+
+    def read_documents(self, path: str) -> Iterator[List[str]]:
+        yield from iter_parquet_texts(path, column=STARCODER_COLUMN, batch_size=STARCODER_ROWS_PER_BATCH)
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""What the preprocessors (SlimPajama, Starcoder, any text corpus) share: batched tokenization into token
-arrays, the per-file report, and `run_recipe`, which runs a recipe with litdata's DataProcessor into a
-temporary directory and renames it to the output directory only once everything was written.
+"""What the preprocessors (SlimPajama, Starcoder, any text corpus) share: `TokenizeRecipe`, whose batched
+tokenization turns raw files into token arrays with a report per file, and `run_recipe`, which runs a recipe with
+litdata's DataProcessor into a temporary directory and renames it to the output directory only once everything
+was written. The commands that run them are in `data_prep/`; the sample corpus runs them too.
 """
 import itertools
 import json
@@ -40,6 +41,7 @@ class TokenizeRecipe(DataChunkRecipe):
     holds out for a validation split (`_held_out`); each file's report and the summary show them."""
 
     is_generator = True
+    name = ""  # recorded in prepared.json as the recipe that wrote the directory
 
     def __init__(self, tokenizer_path: Union[str, Path], chunk_size: int, num_threads: int = 1) -> None:
         super().__init__(chunk_size=chunk_size)
@@ -224,7 +226,6 @@ def run_recipe(
     output_dir: Union[str, Path],
     num_workers: Optional[int] = None,
     fast_dev_run: Union[bool, int] = False,
-    recipe_name: str = "",
     info: Optional[dict] = None,
     shown_as: Optional[Path] = None,
 ) -> dict:
@@ -250,7 +251,7 @@ def run_recipe(
         found = len(recipe.find_inputs(str(input_dir)))
         print(f"fast_dev_run: the first {min(fast_dev_run, found)} of the {found} input files (sorted by path)", flush=True)
 
-    info = {"recipe": recipe_name or type(recipe).__name__, "input_dir": str(input_dir), "fast_dev_run": fast_dev_run,
+    info = {"recipe": recipe.name or type(recipe).__name__, "input_dir": str(input_dir), "fast_dev_run": fast_dev_run,
             "chunk_size": recipe.chunk_size, **(info or {})}
     with created_dir(output_dir.parent):
         return _run_into(recipe, input_dir, output_dir, tokenizer, num_workers, fast_dev_run, info, shown_as or output_dir)
