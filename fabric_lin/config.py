@@ -9,6 +9,7 @@ from typing import Any, List, Literal, Optional, Union
 import yaml
 
 from fabric_lin.errors import InvalidValue, MissingFile
+from fabric_lin.files import read_yaml
 
 CONFIG_FILE = "model_config.yaml"  # the model's Config, in a checkpoint and in a model directory
 
@@ -189,8 +190,7 @@ class Config:
         path = Path(path)
         if not path.is_file():
             raise MissingFile(f"{path} does not exist: expected a model_config.yaml")
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        data = read_yaml(path)
         if not isinstance(data, dict):
             raise InvalidValue(f"{path}: expected a mapping of Config fields, got {type(data).__name__}")
         valid = {f.name for f in fields(cls)}

@@ -35,7 +35,7 @@ from fabric_lin.checkpoint import (
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule
 from fabric_lin.errors import InvalidValue, MissingFile, MissingPackage, UserError
-from fabric_lin.files import atomic_write, created_dir
+from fabric_lin.files import atomic_write, created_dir, read_yaml
 from fabric_lin.weights import MODEL_FILE, canonical_state_dict
 
 RESULTS_FILE = "evaluate.json"
@@ -622,12 +622,7 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
 
 
 def read_hparams(path: Path) -> Dict[str, Any]:
-    import yaml
-
-    try:
-        hparams = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise InvalidValue(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    hparams = read_yaml(path)
     if not isinstance(hparams, dict):
         raise InvalidValue(f"{path}: expected a mapping of pretrain's arguments, got {type(hparams).__name__}")
     return hparams

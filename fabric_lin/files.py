@@ -1,10 +1,53 @@
-"""Writing a command's outputs: whole files, renamed into place, with the mode any new file gets; and
-output directories that a failed command removes again when it wrote nothing into them."""
+"""Reading the files a user gives, where a file that cannot be parsed is one error naming it (`reading`,
+`read_yaml`, `read_json`); writing a command's outputs: whole files, renamed into place, with the mode any new
+file gets; and output directories that a failed command removes again when it wrote nothing into them."""
+import json
 import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Union
+from typing import Any, Callable, Dict, Iterator, List, Type, Union
+
+from fabric_lin.errors import InvalidValue
+
+DAMAGED_FILE_FIX = "it may be truncated or damaged (an interrupted copy or download): copy or write it again"
+
+
+@contextmanager
+def reading(path: Union[str, Path], what: str, *parse_errors: Type[BaseException], fix: str = DAMAGED_FILE_FIX
+            ) -> Iterator[None]:
+    """Within the block, a reader's failure to parse the user's file `path` (one of `parse_errors`) becomes one
+    InvalidValue line naming the file, what it should be and the reader's own first sentence, then `fix`: a file
+    cut short or garbled is a mistake in what was given, not a bug, wherever it is read. A file system error
+    that names its file (no permission, no space) stays what it is."""
+    try:
+        yield
+    except parse_errors as error:
+        if isinstance(error, OSError) and error.filename:
+            raise
+        mark = getattr(error, "problem_mark", None)  # a YAML parser's place in the file
+        if mark is not None and getattr(error, "problem", None):
+            detail = f"{error.problem} at line {mark.line + 1}, column {mark.column + 1}"
+        else:
+            detail = " ".join(str(error).split()).split(". ")[0][:300] or type(error).__name__
+        raise InvalidValue(f"{path} cannot be read as {what}: {detail}; {fix}") from None
+
+
+def read_yaml(path: Union[str, Path]) -> Any:
+    """The YAML document in the file `path` (None for an empty file)."""
+    import yaml
+
+    with reading(path, "YAML", yaml.YAMLError, UnicodeDecodeError, fix="correct the file, or write it again"):
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+
+
+def read_json(path: Union[str, Path]) -> dict:
+    """The JSON object in the file `path`."""
+    with reading(path, "JSON", json.JSONDecodeError, UnicodeDecodeError, fix="correct the file, or write it again"):
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise InvalidValue(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def default_file_mode() -> int:

@@ -15,6 +15,7 @@ import yaml
 from fabric_lin.checkpoint import HPARAMS_FILE
 from fabric_lin.config import CONFIG_FILE
 from fabric_lin.errors import InvalidValue
+from fabric_lin.files import read_yaml
 
 # settings a resume may change when --resume_changes names them ("data" stands for every data.* setting)
 CHANGEABLE = ("train.global_batch_size", "train.max_steps", "train.max_tokens", "data", "seed")
@@ -68,10 +69,8 @@ def compare_with_checkpoint(checkpoint_dir: Path, hparams: Dict[str, Any], model
     Raises, in one message naming each saved and given value, where the run itself changed."""
     check_changeable(allowed)
     checkpoint_dir = Path(checkpoint_dir)
-    with open(checkpoint_dir / HPARAMS_FILE, encoding="utf-8") as f:
-        saved_hparams = yaml.safe_load(f) or {}
-    with open(checkpoint_dir / CONFIG_FILE, encoding="utf-8") as f:
-        saved_model = yaml.safe_load(f) or {}
+    saved_hparams = read_yaml(checkpoint_dir / HPARAMS_FILE) or {}
+    saved_model = read_yaml(checkpoint_dir / CONFIG_FILE) or {}
     saved, given = settings(saved_hparams, saved_model), settings(hparams, model)
     changed = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
     fixed = [describe(k, saved.get(k), given.get(k)) for k in changed if k in FIXED]

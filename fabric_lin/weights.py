@@ -5,6 +5,7 @@ and the model directories of fabric_lin.convert alike."""
 import contextlib
 import os
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Dict
 
@@ -13,6 +14,7 @@ import torch.nn as nn
 
 from fabric_lin.config import Config
 from fabric_lin.errors import InvalidValue
+from fabric_lin.files import reading
 from fabric_lin.model import GPT
 
 MODEL_FILE = "lit_model.pth"  # a model directory's weights, or a training checkpoint's whole train state
@@ -48,7 +50,7 @@ def torch_load_tensors(path: Path, allow_numpy: bool = False):
     """`torch.load(weights_only=True)`, memory-mapped when the file allows it.
 
     `allow_numpy` admits plain numpy arrays (what a NumPy RNG state is made of, in a training
-    checkpoint's metadata); no other global is ever admitted.
+    checkpoint's metadata); no other global is ever admitted. A file cut short is one InvalidValue naming it.
     """
     safe = []
     if allow_numpy:
@@ -56,21 +58,43 @@ def torch_load_tensors(path: Path, allow_numpy: bool = False):
 
         reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct  # numpy 2 / numpy 1
         safe = [reconstruct, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in ("uint32", "int64", "float64"))]
-    try:
-        with torch.serialization.safe_globals(safe) if safe else contextlib.nullcontext():
-            try:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as e:
-                if "mmap" not in str(e):  # e.g. a file in the legacy (non-zip) format cannot be mapped
-                    raise
-                return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        if "Weights only load failed" in str(e) or isinstance(e, pickle.UnpicklingError):
+    # torch.load fails on a damaged file with any of these, by where the file breaks off
+    with reading(path, "tensors written by torch.save", RuntimeError, OSError, EOFError, pickle.UnpicklingError):
+        try:
+            with torch.serialization.safe_globals(safe) if safe else contextlib.nullcontext():
+                try:
+                    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError as e:
+                    if "mmap" not in str(e):  # e.g. a file in the legacy (non-zip) format cannot be mapped
+                        raise
+                    return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            # the refusal of a global; a whole torch.save archive is a zip file (one cut short has lost its end, so
+            # its unpickling error is the damage's, which `reading` reports)
+            if not zipfile.is_zipfile(path):
+                raise
             raise InvalidValue(
                 f"{path} holds objects other than tensors and plain containers, so it is not loaded "
                 f"(files are never unpickled beyond tensors). Details: {str(e).splitlines()[-1][:300]}"
             ) from None
-        raise
+
+
+def load_safetensors(path: Path) -> Dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file `path`; a file cut short is one InvalidValue naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    with reading(path, "safetensors", SafetensorError):
+        return load_file(path)
+
+
+def open_safetensors(path: Path):
+    """safetensors' `safe_open` of `path` (its tensors read one at a time); a file cut short is one InvalidValue
+    naming it (safetensors checks at opening that the file covers every tensor its header lists)."""
+    from safetensors import SafetensorError, safe_open
+
+    with reading(path, "safetensors", SafetensorError):
+        return safe_open(path, framework="pt")
 
 
 def tensor_dict(state, path: Path) -> Dict[str, torch.Tensor]:

@@ -1,10 +1,14 @@
 """fabric_lin/weights.py: parameter names without the wrappers' prefixes, a state dict made canonical (two tensors
-of one name refused), tensors loaded without unpickling anything else, and file names kept inside their directory."""
+of one name refused), tensors loaded without unpickling anything else, and file names kept inside their directory;
+a truncated weights file or a malformed model_config.yaml given to a command is one line naming it."""
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
 from fabric_lin.weights import canonical_name, canonical_state_dict, inside, tensor_dict, torch_load_tensors
-from helpers import TouchOnUnpickle
+from helpers import TouchOnUnpickle, cli_error, make_model_dir, small_config
 
 
 def test_canonical_name_removes_the_wrappers_prefixes():
@@ -45,3 +49,66 @@ def test_a_file_name_that_leaves_its_directory_is_refused(tmp_path, name, proble
     with pytest.raises(ValueError, match=rf"index: file name {name!r} {problem} {tmp_path}"):
         inside(tmp_path, name, "index")
     assert inside(tmp_path, "shards/./model-1.safetensors", "index") == tmp_path / "shards" / "model-1.safetensors"
+
+
+# ---- a damaged file given to a command: one line naming it, exit code 2, for every command that reads it
+
+# where a copy or download broke off: torch.load fails differently at each (OSError, RuntimeError, an unpickling
+# error, EOFError), safetensors with its own error
+CUTS = {"near-the-end": lambda n: n - 10, "half": lambda n: n // 2, "at-100-bytes": lambda n: 100,
+        "at-3-bytes": lambda n: 3, "empty": lambda n: 0}
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory):
+    """A model directory (lit_model.pth), the same with model.safetensors instead, and its fla export."""
+    from safetensors.torch import save_file
+
+    from fabric_lin.convert.hf import convert_to_hf
+
+    root = tmp_path_factory.mktemp("model_files")
+    state = make_model_dir(root / "model", small_config())
+    shutil.copytree(root / "model", root / "safetensors")
+    (root / "safetensors" / "lit_model.pth").unlink()
+    save_file(state, root / "safetensors" / "model.safetensors")
+    convert_to_hf(root / "model", root / "hf")
+    return root
+
+
+def cut_copy(source: Path, target: Path, name: str, keep) -> Path:
+    """A copy of the directory `source` whose file `name` keeps its first keep(size) bytes; returns that file."""
+    shutil.copytree(source, target)
+    data = (target / name).read_bytes()
+    (target / name).write_bytes(data[: keep(len(data))])
+    return target / name
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+def test_a_truncated_lit_model_pth_is_one_line(model_files, tmp_path, capsys, cut):
+    damaged = cut_copy(model_files / "model", tmp_path / "model", "lit_model.pth", CUTS[cut])
+    for argv in (["generate", str(damaged.parent), "--max_new_tokens", "1"], ["evaluate", str(damaged.parent)]):
+        err = cli_error(argv, capsys)
+        assert f"error: {damaged} cannot be read as tensors written by torch.save: " in err, err
+        assert err.endswith("it may be truncated or damaged (an interrupted copy or download): copy or write it again\n")
+
+
+@pytest.mark.parametrize("cut", ["half", "at-100-bytes", "at-3-bytes", "empty"])
+def test_a_truncated_model_safetensors_is_one_line(model_files, tmp_path, capsys, cut):
+    for source, command in ((model_files / "safetensors", ["evaluate"]),
+                            (model_files / "hf", ["convert_from_hf", "--output_dir", str(tmp_path / "back")])):
+        damaged = cut_copy(source, tmp_path / source.name, "model.safetensors", CUTS[cut])
+        err = cli_error([command[0], str(damaged.parent), *command[1:]], capsys)
+        assert f"error: {damaged} cannot be read as safetensors: " in err, err
+        assert "truncated or damaged" in err
+    assert not (tmp_path / "back").exists()
+
+
+def test_a_malformed_model_config_yaml_is_one_line(model_files, tmp_path, capsys):
+    shutil.copytree(model_files / "model", tmp_path / "model")
+    config = tmp_path / "model" / "model_config.yaml"
+    text = config.read_text()
+    config.write_text(text + "  num_layers: [2\n")  # an indented key after the last one: the YAML breaks there
+    for argv in (["generate", str(config.parent), "--max_new_tokens", "1"], ["evaluate", str(config.parent)]):
+        err = cli_error(argv, capsys)
+        assert f"error: {config} cannot be read as YAML: " in err, err
+        assert f" at line {len(text.splitlines()) + 1}, column " in err and err.endswith("correct the file, or write it again\n")

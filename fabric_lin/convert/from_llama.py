@@ -30,13 +30,12 @@ from fabric_lin.convert.model_dir import (
     SAFETENSORS_INDEX_FILE,
     parse_dtype,
     prepare_output_dir,
-    read_json,
     refuse_mixed_exports,
     save_model_dir,
 )
 from fabric_lin.errors import InvalidValue, MissingFile
-from fabric_lin.files import created_dir
-from fabric_lin.weights import inside, meta_model
+from fabric_lin.files import created_dir, read_json
+from fabric_lin.weights import inside, meta_model, open_safetensors
 
 LLAMA_MODEL_TYPES = ("llama", "mistral")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -202,8 +201,6 @@ class SafetensorsReader:
     """Tensors of model.safetensors or of the shards of model.safetensors.index.json, read one at a time."""
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
-
         self.directory = Path(directory)
         index_path = self.directory / SAFETENSORS_INDEX_FILE
         if index_path.is_file():
@@ -214,7 +211,7 @@ class SafetensorsReader:
             files = {f: inside(self.directory, f, str(index_path)) for f in set(weight_map.values())}
             self.file_of = {name: files[f] for name, f in weight_map.items()}
         elif (self.directory / SAFETENSORS_FILE).is_file():
-            with safe_open(self.directory / SAFETENSORS_FILE, framework="pt") as f:
+            with open_safetensors(self.directory / SAFETENSORS_FILE) as f:
                 self.file_of = {name: self.directory / SAFETENSORS_FILE for name in f.keys()}
         else:
             found = sorted(p.name for p in self.directory.iterdir())
@@ -226,18 +223,17 @@ class SafetensorsReader:
         if missing:
             raise MissingFile(f"{self.directory}: shard files {missing} are listed but missing")
         self.names = list(self.file_of)
-        self._open = safe_open
         if "model.embed_tokens.weight" not in self.file_of:
             raise InvalidValue(f"{self.directory} has no model.embed_tokens.weight: not a Hugging Face Llama checkpoint")
 
     def get(self, name: str) -> torch.Tensor:
-        with self._open(self.file_of[name], framework="pt") as f:
+        with open_safetensors(self.file_of[name]) as f:
             if name not in f.keys():
                 raise InvalidValue(f"{self.file_of[name]} lacks {name}, which the index places there")
             return f.get_tensor(name)
 
     def dtype(self, name: str) -> torch.dtype:
-        with self._open(self.file_of[name], framework="pt") as f:
+        with open_safetensors(self.file_of[name]) as f:
             code = f.get_slice(name).get_dtype()
         return _SAFETENSORS_DTYPES.get(code) or self.get(name).dtype
 

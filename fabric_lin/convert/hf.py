@@ -33,12 +33,11 @@ from fabric_lin.convert.model_dir import (
     load_safetensors_dir,
     parse_dtype,
     prepare_output_dir,
-    read_json,
     save_model_dir,
     save_safetensors_dir,
 )
 from fabric_lin.errors import InvalidValue, MissingFile
-from fabric_lin.files import created_dir
+from fabric_lin.files import created_dir, read_json
 
 HF_CONFIG_FILE = "config.json"
 # fla's model_type and architecture for each block_type

@@ -19,11 +19,12 @@ import torch.nn as nn
 
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import atomic_write
+from fabric_lin.files import atomic_write, read_json
 from fabric_lin.weights import (
     MODEL_FILE,
     canonical_state_dict,
     inside,
+    load_safetensors,
     meta_model,
     tensor_dict,
     torch_load_tensors,
@@ -110,8 +111,6 @@ def check_state_dict(
 
 def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """All tensors of `model.safetensors`, or of the shards listed by `model.safetensors.index.json`."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     index_path = directory / SAFETENSORS_INDEX_FILE
     if index_path.is_file():
@@ -128,7 +127,7 @@ def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[st
             shard_path = inside(directory, file_name, str(index_path))
             if not shard_path.is_file():
                 raise MissingFile(f"{index_path} lists {file_name!r}, which does not exist in {directory}")
-            shard = load_file(shard_path)
+            shard = load_safetensors(shard_path)
             absent = sorted(names - set(shard))
             if absent:
                 raise InvalidValue(f"{index_path} places {_short_list(absent)} in {file_name}, which lacks them")
@@ -142,7 +141,7 @@ def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[st
             f"{directory} holds neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX_FILE}"
             + (f" (found {found[:5]}; an index file is needed for shards)" if found else "")
         )
-    return load_file(path)
+    return load_safetensors(path)
 
 
 def refuse_mixed_exports(directory: Path, index_files: Iterable[str], index_path: Path) -> None:
@@ -205,17 +204,6 @@ def save_safetensors_dir(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     atomic_write(directory / SAFETENSORS_INDEX_FILE, lambda p: Path(p).write_text(json.dumps(index, indent=2) + "\n"))
     return names + [SAFETENSORS_INDEX_FILE]
-
-
-def read_json(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise InvalidValue(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise InvalidValue(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def parse_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:

@@ -4,13 +4,13 @@ The directory holds `tokenizer.model` (SentencePiece, e.g. Llama-2's) and option
 `tokenizer_config.json`, whose `bos_token` / `eos_token` override the model's own ids.
 """
 import hashlib
-import json
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
 from fabric_lin.errors import InvalidValue, MissingFile
+from fabric_lin.files import read_json, reading
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json")
 
@@ -66,20 +66,15 @@ class Tokenizer:
                 f" (found: {shown or 'nothing'})"
             )
         self.processor = SentencePieceProcessor()
-        try:
+        with reading(self.model_path, "a SentencePiece model", OSError, RuntimeError):
             self.processor.Load(str(self.model_path))
-        except (OSError, RuntimeError) as err:
-            raise InvalidValue(f"{self.model_path} is not a valid SentencePiece model: {err}") from err
 
         self.vocab_size = self.processor.GetPieceSize()
         self.bos_id = self.processor.bos_id()
         self.eos_id = self.processor.eos_id()
         config_path = checkpoint_dir / "tokenizer_config.json"
         if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as err:
-                raise InvalidValue(f"{config_path} is not valid JSON: {err}") from err
+            config = read_json(config_path)
             for key in ("bos_token", "eos_token"):
                 token = _token_content(config.get(key))
                 if token is None:
