@@ -35,6 +35,7 @@ from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
 from fabric_lin.data.raw_files import BadFileError, find_text_files, iter_text_documents
 from fabric_lin.data.recipe import (
     TokenizeRecipe,
+    check_chunk_size,
     default_num_workers,
     file_record,
     format_summary,
@@ -67,7 +68,7 @@ def held_out(relative_path: str, index: int, val_fraction: float) -> bool:
 class TextRecipe(TokenizeRecipe):
     """Tokenizes field or column `text_key` of every document of the files of `input_dir` that match
     `pattern`. The tokens of the documents `held_out` picks go to one token file per input file under
-    `held_out_dir`, the others to the chunks. Empty documents are dropped (counted as skipped rows); bad
+    `held_out_dir`, the others to the chunks. Empty and whitespace-only documents are left out and counted; bad
     rows are counted and named."""
 
     name = "text"
@@ -88,23 +89,26 @@ class TextRecipe(TokenizeRecipe):
 
     def read_documents(self, path: str) -> Iterator[List[str]]:
         relative = Path(path).relative_to(self.input_dir).as_posix()
-        read = 0  # documents read, empty ones included
+        read = 0  # documents read
         for batch in iter_text_documents(path, self.text_key, DOCUMENTS_PER_BATCH):
             for rows, reason in batch.bad:
                 self.skip_bad_rows(rows, reason)
+            self._empty_documents += len(batch.empty)
             read += len(batch.texts)
             texts, held = [], []
             for index, text in zip(batch.indices, batch.texts):
-                if not text:
-                    self._skipped_rows += 1
-                else:
-                    (held if held_out(relative, index, self.val_fraction) else texts).append(text)
+                (held if held_out(relative, index, self.val_fraction) else texts).append(text)
             if held:
                 self._hold_out(relative, held)
             if texts:
                 yield texts
         if read == 0:
-            raise BadFileError(path, f"no usable document: {self._bad_rows} bad row(s)" if self._bad_rows else "empty file: no documents")
+            left_out = []
+            if self._bad_rows:
+                left_out.append(f"{self._bad_rows} bad row(s)")
+            if self._empty_documents:
+                left_out.append(f"{self._empty_documents} empty or whitespace-only document(s)")
+            raise BadFileError(path, f"no usable document: {', '.join(left_out)}" if left_out else "empty file: no documents")
 
     def _hold_out(self, relative: str, texts: List[str]) -> None:
         """Append the tokens of `texts`, each followed by EOS, to the held-out token file of input file `relative`."""
@@ -145,6 +149,7 @@ def prepare(
     require_flags(input_dir=input_dir, output_dir=output_dir, tokenizer_path=tokenizer_path)
     if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise InvalidValue(f"--val_fraction {val_fraction}: expected a share of the documents, at least 0 and below 1")
+    check_chunk_size(chunk_size)
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
     if output_dir.exists() and any(output_dir.iterdir()):
         # never mixed with the chunks of an earlier run: the trainer would read both

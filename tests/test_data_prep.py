@@ -4,6 +4,7 @@ nothing the trainer accepts, check_prepared_dir refuses incomplete and mismatche
 skips bad files by name, documents tokenized in many groups lose nothing, every worker's report is read. (The
 text-corpus preprocessor: test_prepare_text.py; the raw-file readers alone: test_raw_files.py.)"""
 import json
+import os
 import re
 import shutil
 import sys
@@ -96,6 +97,10 @@ def test_slimpajama_round_trip_and_bad_files(corpus, capfd):
     assert "SKIPPED" in printed.err and "badjson.jsonl.zst" in printed.err
     assert "6 bad file(s)" in printed.out
     assert re.search(r"part-0.jsonl.zst: 18 documents, \d+ tokens", printed.out)  # progress, file by file
+    # the rows the recipe's filter drops: how many in each file, and in the summary which rows, why and where
+    assert re.search(r"part-0.jsonl.zst: 18 documents, \d+ tokens; 6 RedPajamaGithub rows left out \(Starcoder holds "
+                     r"the code\)\n", printed.out)
+    assert "\n18 RedPajamaGithub rows left out (Starcoder holds the code), in 3 of the 9 files\n" in printed.out
 
     # two workers take files in any order: compare the documents as a multiset
     texts = [t for rows in corpus["good_sp"].values() for t in kept_texts(rows)]
@@ -278,3 +283,25 @@ def test_worker_reports_are_read_to_their_last_line(tmp_path):
     (tmp_path / "worker-1.jsonl").write_text(json.dumps(records[0]) + "\n" + json.dumps(records[1]) + "\n")
     (tmp_path / "worker-2.jsonl").write_text(json.dumps(records[2]))  # a last line without its newline
     assert _read_reports(tmp_path) == sorted(records, key=lambda r: r["path"])
+
+
+def test_a_file_report_starts_a_line_of_its_own_beside_the_progress_bar(corpus, tmp_path, monkeypatch):
+    """A worker's line for a file never runs into litdata's progress bar, which is drawn on stderr without a newline."""
+    from fabric_lin.data.recipe import on_a_line_of_its_own
+    from fabric_lin.data.slimpajama_starcoder import SlimPajamaRecipe
+
+    path = corpus["sp"] / "b.jsonl.zst"
+    bar = "\rProgress:  50%|#####     | 1/2"
+    with open(tmp_path / "log", "w", encoding="utf-8") as log:  # stdout and stderr to one file: `> log 2>&1`
+        monkeypatch.setattr(sys, "stdout", log)
+        monkeypatch.setattr(sys, "stderr", log)
+        log.write(bar)
+        list(SlimPajamaRecipe(corpus["tokenizer"], 2000).prepare_item(str(path)))
+    assert (tmp_path / "log").read_bytes().decode().startswith(f"{bar}\n{path}: 18 documents, ")
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:  # `> out 2> err`: no bar in out
+        monkeypatch.setattr(sys, "stderr", err)
+        assert on_a_line_of_its_own(out) == "" and on_a_line_of_its_own(err) == "\n"
+    terminal, other_end = os.openpty()
+    with os.fdopen(other_end, "w") as stream:  # on a terminal the line erases the bar, which is drawn again below
+        assert on_a_line_of_its_own(stream) == "\r\033[K"
+    os.close(terminal)

@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -17,7 +18,7 @@ from fabric_lin.data.recipe import REPORTS_DIR
 from data_prep.prepare_text import prepare as prepare_text
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
-from helpers import (REPO, expected_tokens, interrupt_preparation, paragraphs, read_tokens, split_documents,
+from helpers import (REPO, cli_error, expected_tokens, interrupt_preparation, paragraphs, read_tokens, split_documents,
                      write_json_lines, write_parquet_with_a_damaged_row_group)
 
 
@@ -81,7 +82,11 @@ def test_prepare_text_every_format_with_a_validation_split(paragraphs_tokenizer,
     train, val = (check_prepared_dir(out / split, tokenizer) for split in ("train", "val"))
     assert (train["split"], val["split"], train["recipe"], val["val_fraction"]) == ("train", "val", "text", 0.25)
     assert train["summary"]["files"] == 7 and not train["summary"]["bad_files"] and not train["summary"]["bad_rows"]
-    assert train["summary"]["skipped_rows"] == 2  # the null and the empty text
+    assert train["summary"]["skipped_rows"] == 0  # prepare_text filters nothing
+    # the null and the empty text, counted where they are
+    assert train["summary"]["files_with_empty_documents"] == [
+        {"path": str(text_corpus["raw"] / "web" / "part-000.parquet"), "empty_documents": 2}]
+    assert train["summary"]["empty_documents"] == 2
     assert train["summary"]["documents"] == len(got_train) and train["summary"]["held_out"] == len(got_val)
     assert val["summary"]["documents"] == len(got_val) and splits["val"]["tokens"] == sum(map(len, got_val))
     assert all(c["dim"] <= 2000 for c in json.loads((out / "train" / "index.json").read_text())["chunks"])
@@ -185,6 +190,9 @@ def test_prepare_text_names_and_skips_bad_input(paragraphs_tokenizer, tmp_path, 
     assert re.search(r"lines\.jsonl: 10 documents, \d+ tokens; 6 bad row\(s\) left out: line 4: .*; and 3 more", printed.err)
     assert "SKIPPED " + str(raw / "latin1.txt") in printed.err and "PARTIAL " + str(raw / "truncated.jsonl.zst") in printed.err
     assert "7 bad file(s):" in printed.out and "16 bad row(s) left out, in 4 file(s):" in printed.out
+    # the partial files count as read (their documents before the damage are kept), the skipped ones do not
+    assert f"Prepared {out / 'train'}: 5/10 files (2 partial), {summary['documents']} documents" in printed.out
+    assert "rows left out by the recipe's filter" not in printed.out  # prepare_text filters nothing
     # --val_fraction 0: no validation split, and it says so
     assert f"No validation split: --val_fraction is 0, so {out / 'val'} is not written" in printed.out
     assert sorted(p.name for p in out.iterdir()) == ["train"]
@@ -317,3 +325,65 @@ def test_pretrain_on_prepare_text_output_and_resume(paragraphs_tokenizer, text_p
     assert {s: fingerprints[s] for s in (3, 4)} == {s: logged_data_fingerprints(tmp_path / "resumed")[s] for s in (3, 4)}
     a, b = (torch.load(tmp_path / run / "final" / "lit_model.pth", weights_only=True)["model"] for run in ("whole", "resumed"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- decoding: a byte order mark, Windows line ends, documents that hold nothing but whitespace
+
+BOM = b"\xef\xbb\xbf"
+
+
+def write_decoding_corpus(raw: Path) -> None:
+    """A .jsonl and a .jsonl.gz that start with a UTF-8 byte order mark (rows 1 and 2 empty or whitespace only), a
+    .txt with a BOM and CRLF line ends, and a .txt of whitespace only."""
+    import gzip
+
+    raw.mkdir(parents=True)
+    rows = BOM + b"".join(json.dumps(r).encode() + b"\n" for r in ({"text": "first row"}, {"text": " \r\n\t"},
+                                                                     {"text": None}, {"text": "last row"}))
+    (raw / "a.jsonl").write_bytes(rows)
+    (raw / "b.jsonl.gz").write_bytes(gzip.compress(rows))
+    (raw / "c.txt").write_bytes(BOM + b"line one\r\nline two\r\n")
+    (raw / "d.txt").write_bytes(b" \r\n\t \r\n")
+
+
+def test_decoding_drops_the_bom_and_crlf_and_leaves_out_blank_documents(tmp_path):
+    from fabric_lin.data.raw_files import iter_text_documents
+
+    write_decoding_corpus(tmp_path / "raw")
+    read = {}
+    for path in sorted((tmp_path / "raw").iterdir()):
+        batches = list(iter_text_documents(path))
+        assert not [bad for batch in batches for bad in batch.bad], path
+        read[path.name] = [(i, t) for batch in batches for i, t in zip(batch.indices, batch.texts)], \
+            [i for batch in batches for i in batch.empty]
+    rows = ([(0, "first row"), (3, "last row")], [1, 2])  # the BOM is not part of the first row, which is kept
+    assert read == {"a.jsonl": rows, "b.jsonl.gz": rows, "c.txt": ([(0, "line one\nline two\n")], []), "d.txt": ([], [0])}
+
+
+def test_blank_documents_are_counted_per_file_and_never_held_out(paragraphs_tokenizer, tmp_path, capsys):
+    """TextRecipe on each file, as a worker runs it: every usable document held out (--val_fraction close to 1),
+    the blank ones neither tokenized nor held out, and counted on the file's line."""
+    from data_prep.prepare_text import HELD_OUT_SUFFIX, TextRecipe
+
+    tokenizer = Tokenizer(paragraphs_tokenizer)
+    raw, held_out_dir = tmp_path / "raw", tmp_path / "held-out"
+    write_decoding_corpus(raw)
+    recipe = TextRecipe(paragraphs_tokenizer, 2000, raw, val_fraction=1 - 2**-60, held_out_dir=held_out_dir)
+    for name in ("a.jsonl", "c.txt", "d.txt"):
+        assert list(recipe.prepare_item(str(raw / name))) == []  # all held out: no training tokens
+    held = {p.name: split_documents(np.fromfile(p, dtype=np.uint16), tokenizer.eos_id) for p in held_out_dir.iterdir()}
+    assert held == {"a.jsonl" + HELD_OUT_SUFFIX: expected_tokens(tokenizer, ["first row", "last row"]),
+                    "c.txt" + HELD_OUT_SUFFIX: expected_tokens(tokenizer, ["line one\nline two\n"])}
+    printed = capsys.readouterr()
+    assert f"{raw / 'a.jsonl'}: 0 documents, 0 tokens, 2 held out for validation; 2 empty or whitespace-only " \
+           "document(s) left out\n" in printed.out
+    assert f"SKIPPED {raw / 'd.txt'}: no usable document: 1 empty or whitespace-only document(s)\n" in printed.err
+
+
+@pytest.mark.parametrize("chunk_size", ["0", "-2049"])
+def test_a_chunk_size_below_one_is_one_line(paragraphs_tokenizer, text_corpus, tmp_path, capsys, chunk_size):
+    for command in ("prepare_text", "prepare_slimpajama", "prepare_starcoder"):
+        err = cli_error([command, "--input_dir", str(text_corpus["raw"]), "--output_dir", str(tmp_path / "out"),
+                         "--tokenizer_path", str(paragraphs_tokenizer), "--chunk_size", chunk_size], capsys)
+        assert f"error: --chunk_size {chunk_size}: expected a positive number of tokens per chunk file\n" in err, err
+    assert not (tmp_path / "out").exists()

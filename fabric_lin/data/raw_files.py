@@ -4,6 +4,7 @@ text corpus of JSON lines, parquet or text files (`iter_text_documents`, for pre
 Every reader raises `BadFileError(path, reason)` for a file it cannot use, so a preprocessor can
 report the file and go on with the others.
 """
+import codecs
 import gzip
 import json
 import zlib
@@ -177,12 +178,22 @@ TEXT_SUFFIXES = JSON_LINES_SUFFIXES + (".parquet", ".txt")
 class DocumentBatch(NamedTuple):
     """Some documents of one file, as read. `texts[i]` is the file's document number `indices[i]`: its line
     (JSON lines) or row (parquet), counted from 0 with blank and bad ones included, so that a document keeps
-    its number when another line is fixed or removed. A null value (JSON or parquet) is an empty text.
-    `bad` holds (rows, reason) for each bad row, or group of rows, left out."""
+    its number when another line is fixed or removed. `bad` holds (rows, reason) for each bad row, or group of
+    rows, left out; `empty` the numbers of the documents left out because they hold nothing but whitespace (or
+    are null): a document of no text would be an end-of-text token alone."""
 
     indices: List[int]
     texts: List[str]
     bad: List[Tuple[int, str]]
+    empty: List[int]
+
+
+def _add_document(batch: DocumentBatch, index: int, text: Optional[str]) -> None:
+    if not text or text.isspace():
+        batch.empty.append(index)
+    else:
+        batch.indices.append(index)
+        batch.texts.append(text)
 
 
 def find_text_files(input_dir: Union[str, Path], pattern: str = "**/*") -> Tuple[List[Path], List[Path]]:
@@ -213,13 +224,17 @@ def find_text_files(input_dir: Union[str, Path], pattern: str = "**/*") -> Tuple
 def iter_text_documents(path: Union[str, Path], key: str = "text", batch_size: int = 8192) -> Iterator[DocumentBatch]:
     """The documents of one file of a text corpus, up to `batch_size` at a time: field `key` of each JSON line
     (.jsonl, .jsonl.zst, .jsonl.gz, .json.gz), column `key` of a parquet file (read row group by row group,
-    batch by batch), or the whole of a .txt file (one document). A bad row is reported in the batch and left
-    out; a file that cannot be read on raises BadFileError (after the batches read before the damage)."""
+    batch by batch), or the whole of a .txt file (one document, its line ends made "\n"). Text is UTF-8, a byte
+    order mark at the start of a file is not part of it. A bad row is reported in the batch and left out, and so
+    is a blank document; a file that cannot be read on raises BadFileError (after the batches read before the
+    damage)."""
     name = Path(path).name
     if name.endswith(".parquet"):
         yield from _iter_parquet_documents(path, key, batch_size)
     elif name.endswith(".txt"):
-        yield DocumentBatch([0], [_read_text_file(path)], [])
+        batch = DocumentBatch([], [], [], [])
+        _add_document(batch, 0, _read_text_file(path))
+        yield batch
     elif name.endswith(JSON_LINES_SUFFIXES):
         yield from _iter_json_lines_documents(path, key, batch_size)
     else:
@@ -234,9 +249,10 @@ def _read_text_file(path: Union[str, Path]) -> str:
     if not data:
         raise BadFileError(path, "empty file")
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         raise BadFileError(path, f"not UTF-8 text: {err.reason} at byte {err.start}") from None
+    return text.replace("\r\n", "\n")  # Windows line ends: the same document as on any other system
 
 
 def _iter_blocks(path: Union[str, Path]) -> Iterator[bytes]:
@@ -274,7 +290,7 @@ def _iter_lines(path: Union[str, Path]) -> Iterator[bytes]:
 
 
 def _json_line_text(line: bytes, key: str) -> Tuple[Optional[str], Optional[str]]:
-    """(the text of field `key`, None), or (None, what is wrong with the line)."""
+    """(the text of field `key`, None; None for a null), or (None, what is wrong with the line)."""
     try:
         row = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -288,7 +304,7 @@ def _json_line_text(line: bytes, key: str) -> Tuple[Optional[str], Optional[str]
         return None, f"no field {key!r} (fields: {keys or 'none'}; --text_key names the field to read)"
     text = row[key]
     if text is None:
-        return "", None
+        return None, None
     if not isinstance(text, str):
         return None, f"field {key!r} is a JSON {type(text).__name__}, expected a string"
     try:  # JSON escapes can spell half a surrogate pair ("\ud83d"), which no tokenizer can encode
@@ -299,27 +315,28 @@ def _json_line_text(line: bytes, key: str) -> Tuple[Optional[str], Optional[str]
 
 
 def _iter_json_lines_documents(path: Union[str, Path], key: str, batch_size: int) -> Iterator[DocumentBatch]:
-    batch = DocumentBatch([], [], [])
+    batch = DocumentBatch([], [], [], [])
     line_number = 0
     try:
         for line_number, line in enumerate(_iter_lines(path), start=1):
+            if line_number == 1:
+                line = line.removeprefix(codecs.BOM_UTF8)  # a byte order mark starts the file, not its first row
             if not line.strip():
                 continue
             text, problem = _json_line_text(line, key)
             if problem is None:
-                batch.indices.append(line_number - 1)
-                batch.texts.append(text)
+                _add_document(batch, line_number - 1, text)
             else:
                 batch.bad.append((1, f"line {line_number}: {problem}"))
             if len(batch.texts) >= batch_size:
                 yield batch
-                batch = DocumentBatch([], [], [])
+                batch = DocumentBatch([], [], [], [])
     except BadFileError as err:  # the file breaks off: what was read before it is good
-        if batch.texts or batch.bad:
+        if batch.texts or batch.bad or batch.empty:
             yield batch
         where = f" after line {line_number}" if line_number else ""
         raise BadFileError(path, f"{err.reason}{where}", rows_done=line_number) from None
-    if batch.texts or batch.bad:
+    if batch.texts or batch.bad or batch.empty:
         yield batch
 
 
@@ -341,7 +358,7 @@ def _iter_parquet_documents(path: Union[str, Path], column: str, batch_size: int
             # row groups are independent: a damaged one costs its own remaining rows only
             lost = first_row + group_rows - row
             yield DocumentBatch([], [], [(lost, f"row group {group} of {groups} (rows {row} to {row + lost - 1}): "
-                                                f"unreadable: {_one_line(err)}")])
+                                                f"unreadable: {_one_line(err)}")], [])
         first_row += group_rows
 
 
@@ -349,18 +366,19 @@ def _parquet_batch(values, first_row: int) -> DocumentBatch:
     """The texts of a batch of a string column whose first row is `first_row` of the file."""
     import pyarrow as pa
 
+    batch = DocumentBatch([], [], [], [])
     try:
         texts = values.to_pylist()
     except UnicodeDecodeError:  # Arrow does not check strings on read: find the rows that are not UTF-8
         binary = pa.large_binary() if pa.types.is_large_string(values.type) else pa.binary()
-        batch = DocumentBatch([], [], [])
         for row, raw in enumerate(values.view(binary).to_pylist(), start=first_row):
             try:
-                text = "" if raw is None else raw.decode("utf-8")
+                text = None if raw is None else raw.decode("utf-8")
             except UnicodeDecodeError as err:
                 batch.bad.append((1, f"row {row}: not UTF-8 ({err.reason} at byte {err.start})"))
                 continue
-            batch.indices.append(row)
-            batch.texts.append(text)
+            _add_document(batch, row, text)
         return batch
-    return DocumentBatch(list(range(first_row, first_row + len(texts))), [t or "" for t in texts], [])
+    for row, text in enumerate(texts, start=first_row):
+        _add_document(batch, row, text)
+    return batch

@@ -30,6 +30,8 @@ ENCODE_GROUP_CHARS = 4_000_000
 REPORTS_DIR = ".reports"
 # A file's bad rows are counted; this many of them are named in its report line and in prepared.json.
 BAD_ROWS_NAMED = 3
+# The summary names this many of the files that held empty documents.
+FILES_NAMED = 3
 
 
 class TokenizeRecipe(DataChunkRecipe):
@@ -37,19 +39,23 @@ class TokenizeRecipe(DataChunkRecipe):
 
     Subclasses implement `find_inputs(input_dir)` (the sorted file list) and `read_documents(path)`
     (lists of texts, raising BadFileError for a bad file). While reading, a subclass may count the rows
-    its filter drops (`_skipped_rows`), the bad rows it leaves out (`skip_bad_rows`) and the documents it
-    holds out for a validation split (`_held_out`); each file's report and the summary show them."""
+    its filter drops (`_skipped_rows`, described by `filtered_rows`), the bad rows it leaves out
+    (`skip_bad_rows`), the empty documents it leaves out (`_empty_documents`) and the documents it holds out for
+    a validation split (`_held_out`); each file's report and the summary show them."""
 
     is_generator = True
     name = ""  # recorded in prepared.json as the recipe that wrote the directory
+    filtered_rows = "rows left out by the recipe's filter"  # after their count: which rows, and why
 
     def __init__(self, tokenizer_path: Union[str, Path], chunk_size: int, num_threads: int = 1) -> None:
+        check_chunk_size(chunk_size)
         super().__init__(chunk_size=chunk_size)
         self.tokenizer_path = str(tokenizer_path)
         self.num_threads = num_threads
         self.report_dir: Optional[str] = None  # set by run_recipe
         self._tokenizer: Optional[Tokenizer] = None
         self._skipped_rows = 0  # rows of the current file that the recipe's filter dropped
+        self._empty_documents = 0  # documents of the current file left out for holding no text
         self._bad_rows = 0  # rows of the current file left out as bad (invalid JSON, not UTF-8, ...)
         self._bad_rows_named: List[str] = []  # where and why, for the first BAD_ROWS_NAMED reports
         self._bad_rows_more = 0  # reports of bad rows beyond those
@@ -106,7 +112,7 @@ class TokenizeRecipe(DataChunkRecipe):
         from fabric_lin.data.raw_files import BadFileError
 
         record = file_record(path)
-        self._skipped_rows = self._bad_rows = self._bad_rows_more = self._held_out = 0
+        self._skipped_rows = self._empty_documents = self._bad_rows = self._bad_rows_more = self._held_out = 0
         self._bad_rows_named = []
         try:
             for texts in self.read_documents(path):
@@ -117,8 +123,7 @@ class TokenizeRecipe(DataChunkRecipe):
         except BadFileError as err:
             record["status"] = "partial" if record["documents"] else "skipped"
             record["reason"] = err.reason
-        record["skipped_rows"] = self._skipped_rows
-        record.update(bad_rows=self._bad_rows, bad_rows_named=self._bad_rows_named, bad_rows_more=self._bad_rows_more,
+        record.update(skipped_rows=self._skipped_rows, empty_documents=self._empty_documents, bad_rows=self._bad_rows, bad_rows_named=self._bad_rows_named, bad_rows_more=self._bad_rows_more,
                       held_out=self._held_out)
         self._write_report(record)
 
@@ -130,19 +135,45 @@ class TokenizeRecipe(DataChunkRecipe):
             line = f"SKIPPED {record['path']}: {record['reason']}"
         else:
             line = f"PARTIAL {record['path']}: {record['reason']} ({record['documents']} documents kept{held_out})"
+        if record["skipped_rows"]:
+            line += f"; {record['skipped_rows']} {self.filtered_rows}"
+        if record["empty_documents"] and record["status"] != "skipped":  # a skipped file's reason says so
+            line += f"; {record['empty_documents']} {EMPTY_DOCUMENTS}"
         if record["bad_rows"]:
             line += f"; {bad_rows_text(record)}"
-        worrying = record["status"] != "ok" or record["bad_rows"]
-        print(line, file=sys.stderr if worrying else sys.stdout, flush=True)
+        stream = sys.stderr if record["status"] != "ok" or record["bad_rows"] else sys.stdout
+        print(on_a_line_of_its_own(stream) + line, file=stream, flush=True)
         if self.report_dir is not None:
             with open(os.path.join(self.report_dir, f"worker-{os.getpid()}.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
 
 
+EMPTY_DOCUMENTS = "empty or whitespace-only document(s) left out"
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise InvalidValue(f"--chunk_size {chunk_size}: expected a positive number of tokens per chunk file")
+
+
+def on_a_line_of_its_own(stream) -> str:
+    """What a worker's line to `stream` starts with, so that it does not run into litdata's progress bar. The bar
+    is drawn on stderr, each update over the last after a carriage return, with no newline until it ends: on a
+    terminal the line erases it (the next update draws it again below); where `stream` goes to the same file as the
+    bar, the line starts a new line."""
+    if stream.isatty():
+        return "\r\033[K"
+    try:
+        here, bar = os.fstat(stream.fileno()), os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):  # a stream of no file (captured in memory)
+        return "\n" if stream is sys.stderr else ""
+    return "\n" if (here.st_dev, here.st_ino) == (bar.st_dev, bar.st_ino) else ""
+
+
 def file_record(path: str, documents: int = 0, tokens: int = 0) -> dict:
     """What the report says of one input file (the counts the summary adds up); a recipe fills it in."""
-    return {"path": path, "status": "ok", "documents": documents, "skipped_rows": 0, "tokens": tokens, "bad_rows": 0,
-            "bad_rows_named": [], "bad_rows_more": 0, "held_out": 0}
+    return {"path": path, "status": "ok", "documents": documents, "skipped_rows": 0, "empty_documents": 0, "tokens": tokens,
+            "bad_rows": 0, "bad_rows_named": [], "bad_rows_more": 0, "held_out": 0}
 
 
 class InterruptibleDataProcessor(DataProcessor):
@@ -173,13 +204,21 @@ def bad_rows_text(record: dict) -> str:
     return f"{record['bad_rows']} bad row(s) left out: " + "; ".join(record["bad_rows_named"]) + more
 
 
-def summarize(records: List[dict]) -> dict:
+def summarize(records: List[dict], filtered_rows: str = "") -> dict:
+    """The counts of the file records, added up; `filtered_rows`: the recipe's description of its skipped rows."""
     bad = [r for r in records if r["status"] != "ok"]
     return {
         "files": len(records),
-        "files_ok": len(records) - len(bad),
+        # a partial file is read up to its damage: its documents before it are kept
+        "files_read": sum(r["status"] != "skipped" for r in records),
+        "files_partial": sum(r["status"] == "partial" for r in records),
         "documents": sum(r["documents"] for r in records),
         "skipped_rows": sum(r["skipped_rows"] for r in records),
+        "skipped_rows_are": filtered_rows,
+        "files_with_skipped_rows": sum(1 for r in records if r["skipped_rows"]),
+        "empty_documents": sum(r["empty_documents"] for r in records),
+        "files_with_empty_documents": [{"path": r["path"], "empty_documents": r["empty_documents"]}
+                                       for r in records if r["empty_documents"]],
         "tokens": sum(r["tokens"] for r in records),
         "held_out": sum(r["held_out"] for r in records),
         "bad_files": [{"path": r["path"], "status": r["status"], "reason": r["reason"]} for r in bad],
@@ -192,12 +231,20 @@ def summarize(records: List[dict]) -> dict:
 
 
 def format_summary(summary: dict, heading: str, seconds: float) -> str:
-    """`heading` (e.g. "Prepared <output_dir>"), then the counts and each bad file."""
+    """`heading` (e.g. "Prepared <output_dir>"), then the counts, the rows and documents left out and each bad file."""
+    partial = f" ({summary['files_partial']} partial)" if summary["files_partial"] else ""
     lines = [
-        f"{heading}: {summary['files_ok']}/{summary['files']} files, {summary['documents']} documents,"
-        f" {summary['tokens']} tokens in {seconds:.1f}s ({summary['tokens'] / max(seconds, 1e-9):,.0f} tokens/s);"
-        f" {summary['skipped_rows']} rows skipped by the recipe's filter"
+        f"{heading}: {summary['files_read']}/{summary['files']} files{partial}, {summary['documents']} documents,"
+        f" {summary['tokens']} tokens in {seconds:.1f}s ({summary['tokens'] / max(seconds, 1e-9):,.0f} tokens/s)"
     ]
+    if summary["skipped_rows"]:
+        lines.append(f"{summary['skipped_rows']} {summary['skipped_rows_are'] or TokenizeRecipe.filtered_rows}, in "
+                     f"{summary['files_with_skipped_rows']} of the {summary['files']} files")
+    if summary["empty_documents"]:
+        files = summary["files_with_empty_documents"]
+        named = ", ".join(f"{f['path']} ({f['empty_documents']})" for f in files[:FILES_NAMED])
+        lines.append(f"{summary['empty_documents']} {EMPTY_DOCUMENTS}, in {len(files)} file(s): {named}"
+                     + (f", and {len(files) - FILES_NAMED} more" if len(files) > FILES_NAMED else ""))
     if summary["held_out"]:
         lines.append(f"{summary['held_out']} documents held out for the validation split")
     if summary["bad_files"]:
@@ -299,7 +346,7 @@ def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokeniz
         shutil.rmtree(cache_dir, ignore_errors=True)
     seconds = time.perf_counter() - start
 
-    summary = summarize(_read_reports(report_dir))
+    summary = summarize(_read_reports(report_dir), recipe.filtered_rows)
     shutil.rmtree(report_dir)
     if summary["tokens"] == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)

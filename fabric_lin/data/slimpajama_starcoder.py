@@ -22,6 +22,7 @@ class SlimPajamaRecipe(TokenizeRecipe):
     """Every `*.jsonl.zst` under the input directory: field `text` of each JSON line, less the RedPajamaGithub rows."""
 
     name = "slimpajama"
+    filtered_rows = f"{SKIPPED_SET} rows left out (Starcoder holds the code)"
 
     def find_inputs(self, input_dir: str) -> List[str]:
         return [str(p) for p in find_files(input_dir, ".jsonl.zst")]
