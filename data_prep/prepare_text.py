@@ -32,7 +32,7 @@ if __name__ == "__main__":  # run as a script: make `data_prep` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
-from fabric_lin.data.raw_files import BadFileError, find_text_files, iter_text_documents
+from fabric_lin.data.raw_files import BadFileError, find_text_files, iter_text_documents, text_files_to_read
 from fabric_lin.data.recipe import (
     TokenizeRecipe,
     check_chunk_size,
@@ -154,10 +154,7 @@ def prepare(
     if output_dir.exists() and any(output_dir.iterdir()):
         # never mixed with the chunks of an earlier run: the trainer would read both
         raise AlreadyExists(f"Output directory {output_dir} exists and is not empty: delete it or pick another")
-    files, others = find_text_files(input_dir, pattern)  # a missing or empty input directory fails here
-    if others:
-        shown = ", ".join(str(p.relative_to(input_dir)) for p in others[:3]) + (", ..." if len(others) > 3 else "")
-        print(f"Not read: {len(others)} file(s) matching --pattern {pattern!r} with other suffixes ({shown})", flush=True)
+    text_files_to_read(input_dir, pattern)  # a missing or empty input directory fails here
     num_workers = num_workers or default_num_workers()
 
     with created_dir(output_dir.parent):

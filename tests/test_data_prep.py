@@ -245,15 +245,27 @@ def test_check_prepared_dir_rejects_incomplete_and_mismatched(corpus, fast_prepa
         check_prepared_dir(source, Tokenizer(other_dir))
 
 
-def test_train_tokenizer_skips_the_bad_files_by_name(corpus, tmp_path, capfd):
-    # the bad files of both corpora, lone surrogates and bytes that are not UTF-8 among them
-    for directory in (corpus["sp"], corpus["sc"]):
-        shutil.copytree(directory, tmp_path / "raw" / directory.name)
-    train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=400, num_threads=1)
-    skipped = capfd.readouterr().err
-    for name in ("surrogate.jsonl.zst", "badjson.jsonl.zst", "badutf8.parquet", "garbage.parquet"):
-        assert re.search(rf"SKIPPED \S*{re.escape(name)}: ", skipped), name
+def test_train_tokenizer_names_the_bad_files_and_rows(corpus, tmp_path, capfd):
+    """The bad files of both corpora, lone surrogates and bytes that are not UTF-8 among them, read as prepare_text
+    reads them: a file that cannot be read is skipped, one that breaks off is read up to the break, a bad row is
+    left out; each is named."""
+    train_tokenizer(corpus["sp"], tmp_path / "tok", vocab_size=400, num_threads=1)
+    printed = capfd.readouterr()
+    for name in ("corrupt.jsonl.zst", "empty.jsonl.zst", "truncated.jsonl.zst"):  # the last: cut inside its one frame
+        assert re.search(rf"SKIPPED \S*{re.escape(name)}: ", printed.err), name
+    for name, row in (("surrogate.jsonl.zst", "line 3: field 'text' is not valid Unicode"),
+                      ("badjson.jsonl.zst", "line 4: invalid JSON"), ("notext.jsonl.zst", "line 2: no field 'text'")):
+        assert f"{corpus['sp'] / name}: 1 bad row(s) left out: {row}" in printed.err, name
+    assert "from 6 file(s); 3 unreadable file(s) skipped; 3 bad row(s) left out\n" in printed.out
     assert Tokenizer(tmp_path / "tok").vocab_size == 400
+
+    train_tokenizer(corpus["sc"], tmp_path / "tok-code", text_key="content", vocab_size=400, num_threads=1)
+    printed = capfd.readouterr()
+    for name in ("garbage.parquet", "nocontent.parquet", "empty.parquet"):
+        assert re.search(rf"SKIPPED \S*{re.escape(name)}: ", printed.err), name
+    assert f"{corpus['sc'] / 'badutf8.parquet'}: 1 bad row(s) left out: row 7: not UTF-8" in printed.err
+    assert f"{corpus['sc'] / 'partial.parquet'}: 7 bad row(s) left out: row group 1 of 2 (rows 7 to 13)" in printed.err
+    assert Tokenizer(tmp_path / "tok-code").vocab_size == 400
 
 
 def test_documents_are_tokenized_in_groups_and_arrays_without_loss(paragraphs_tokenizer, monkeypatch):

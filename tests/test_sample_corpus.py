@@ -13,7 +13,7 @@ import torch
 from fabric_lin.data.recipe import REPORTS_DIR
 from fabric_lin.config import Config
 from fabric_lin.data import SampleCorpus, Tokenizer
-from fabric_lin.data.train_tokenizer import main as train_tokenizer
+from fabric_lin.data.train_tokenizer import sample_sentences, write_tokenizer
 from helpers import wait_for
 
 pytestmark = pytest.mark.slow  # subprocesses that build the corpus (about 4 s on 2 cores), or begin to
@@ -65,10 +65,10 @@ def test_sample_corpus_builds_once_under_concurrency(tmp_path):
     # deterministic: the raw corpus and the tokenizer come out byte for byte the same again
     from fabric_lin.data.sample_corpus import VOCAB_SIZE, stdlib_modules, write_raw_corpus
 
-    write_raw_corpus(tmp_path / "again", stdlib_modules())
+    _, documents = write_raw_corpus(tmp_path / "again", stdlib_modules())
     for path in (root / "raw").rglob("*.*"):
         assert (tmp_path / "again" / path.relative_to(root / "raw")).read_bytes() == path.read_bytes(), path
-    train_tokenizer(tmp_path / "again" / "train", tmp_path / "again-tok", vocab_size=VOCAB_SIZE, num_threads=1)
+    write_tokenizer(sample_sentences(documents)[0], tmp_path / "again-tok", VOCAB_SIZE, num_threads=1)
     assert (tmp_path / "again-tok" / "tokenizer.model").read_bytes() == (root / "tokenizer" / "tokenizer.model").read_bytes()
 
 

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -9,6 +10,7 @@ import zstandard
 from fabric_lin.data import Tokenizer
 from fabric_lin.data.tokenizer import copy_tokenizer_files, tokenizer_model_hash
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
+from helpers import cli_error
 
 # one word that only occurs in each input format: if the trainer read the format, BPE learns the word
 WORDS = {"txt": "qvtxtword", "jsonl": "qvjsonlword", "parquet": "qvparquetword"}
@@ -22,7 +24,7 @@ def make_raw_inputs(root):
     rows = "".join(json.dumps({"text": f"{WORDS['jsonl']} {prose} {i}", "meta": {}}) + "\n" for i in range(300))
     (root / "nested").mkdir(exist_ok=True)
     (root / "nested" / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(rows.encode()))
-    pq.write_table(pa.table({"content": [f"{WORDS['parquet']} = {i}\n{CODE}" for i in range(300)]}), root / "c.parquet")
+    pq.write_table(pa.table({"text": [f"{WORDS['parquet']} = {i}\n{CODE}" for i in range(300)]}), root / "c.parquet")
     (root / "broken.jsonl.zst").write_bytes(b"this is not zstd")
 
 
@@ -109,3 +111,52 @@ def test_train_tokenizer_without_inputs(tmp_path):
     (tmp_path / "raw" / "notes.md").write_text("not an input format")
     with pytest.raises(FileNotFoundError, match="raw"):
         train_tokenizer(tmp_path / "raw", tmp_path / "out", vocab_size=300)
+
+
+def test_train_tokenizer_reads_what_prepare_text_reads(tmp_path, capsys):
+    """The formats, --text_key and --pattern of prepare_text, by its reader: a word found only in each file is learnt
+    from the files the pattern matches and nowhere else; what it does not read is named in the first line."""
+    import gzip
+
+    raw = tmp_path / "raw"
+    prose = "the quick brown fox jumps over the lazy dog while the cat sleeps near the door"
+    words = {"a.jsonl": "qvplainword", "b.jsonl.gz": "qvgzipword", "c.json.gz": "qvjsongzword",
+             "d.parquet": "qvparquetword", "sub/e.txt": "qvtextword", "sub/f.jsonl.zst": "qvzstdword"}
+    for name, word in words.items():
+        path = raw / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        texts = [f"{word} {prose} {i}" for i in range(150)]
+        lines = "".join(json.dumps({"body": t, "id": i}) + "\n" for i, t in enumerate(texts)).encode()
+        if name.endswith(".parquet"):
+            pq.write_table(pa.table({"body": texts, "text": ["qvwrongcolumn"] * len(texts)}), path)
+        elif name.endswith(".txt"):
+            path.write_text("\n".join(texts))
+        else:
+            path.write_bytes(gzip.compress(lines) if name.endswith(".gz") else
+                             zstandard.ZstdCompressor().compress(lines) if name.endswith(".zst") else lines)
+    (raw / "notes.md").write_text("qvmarkdownword " * 50)
+    (raw / "sub" / "skip.jsonl").write_text(json.dumps({"body": "qvunmatchedword " * 50}) + "\n")
+    train_tokenizer(raw, tmp_path / "tok", text_key="body", pattern="*", vocab_size=400, num_threads=1)  # not sub/
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert first_line == "Not read: 1 file(s) matching --pattern '*' with other suffixes (notes.md)"
+    pieces = Tokenizer(tmp_path / "tok").processor
+    learnt = {word for word in [*words.values(), "qvwrongcolumn", "qvmarkdownword", "qvunmatchedword"]
+              if pieces.PieceToId("▁" + word) != pieces.unk_id()}
+    assert learnt == {"qvplainword", "qvgzipword", "qvjsongzword", "qvparquetword"}
+
+
+def test_a_vocab_size_the_input_cannot_fill_is_one_line(tmp_path, capsys):
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("\n".join(f"the cat sat on the mat number {i}" for i in range(200)))
+    argv = ["train_tokenizer", "--input_dir", str(tmp_path / "raw"), "--output_dir", str(tmp_path / "tok"), "--num_threads", "1"]
+    err = cli_error([*argv, "--vocab_size", "32000"], capsys)
+    largest = int(re.search(r"at most (\d+) pieces", err).group(1))
+    assert f"--vocab_size 32000: the 200 lines read from {tmp_path / 'raw'} make at most {largest} pieces; give " \
+           f"--vocab_size {largest} or less, or more text" in err, err
+    train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=largest, num_threads=1)  # the largest that works
+    assert Tokenizer(tmp_path / "tok").vocab_size == largest
+    err = cli_error([*argv, "--vocab_size", "100"], capsys)
+    smallest = int(re.search(r"give --vocab_size (\d+) or more", err).group(1))
+    assert f"--vocab_size 100: this input needs at least {smallest} pieces" in err, err
+    assert 259 < smallest < largest  # the byte pieces, <unk>, <s>, </s> and the input's characters
+    assert Tokenizer(tmp_path / "tok").vocab_size == largest  # the failed runs left the tokenizer written before

@@ -1,5 +1,5 @@
-"""Readers for the raw corpora: SlimPajama `*.jsonl.zst`, Starcoder `*.parquet`, plain `*.txt`, and any
-text corpus of JSON lines, parquet or text files (`iter_text_documents`, for prepare_text).
+"""Readers for the raw corpora: SlimPajama `*.jsonl.zst`, Starcoder `*.parquet`, and any text corpus of JSON
+lines, parquet or text files (`text_files_to_read` and `iter_text_documents`, for prepare_text and train_tokenizer).
 
 Every reader raises `BadFileError(path, reason)` for a file it cannot use, so a preprocessor can
 report the file and go on with the others.
@@ -164,12 +164,7 @@ def iter_parquet_texts(
         ) from None
 
 
-def iter_text_file_lines(path: Union[str, Path]) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        yield from f
-
-
-# ---- any text corpus (prepare_text): JSON lines, parquet, plain text
+# ---- any text corpus (prepare_text, train_tokenizer): JSON lines, parquet, plain text
 
 JSON_LINES_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz", ".json.gz")
 TEXT_SUFFIXES = JSON_LINES_SUFFIXES + (".parquet", ".txt")
@@ -219,6 +214,16 @@ def find_text_files(input_dir: Union[str, Path], pattern: str = "**/*") -> Tuple
             f"{', '.join(TEXT_SUFFIXES)}; {found}"
         )
     return files, others
+
+
+def text_files_to_read(input_dir: Union[str, Path], pattern: str = "**/*") -> List[Path]:
+    """`find_text_files`' files, after one line that names the matched files it does not read (a README.md,
+    .gitattributes, ...): what a command that reads a text corpus prints first."""
+    files, others = find_text_files(input_dir, pattern)
+    if others:
+        shown = ", ".join(str(p.relative_to(input_dir)) for p in others[:3]) + (", ..." if len(others) > 3 else "")
+        print(f"Not read: {len(others)} file(s) matching --pattern {pattern!r} with other suffixes ({shown})", flush=True)
+    return files
 
 
 def iter_text_documents(path: Union[str, Path], key: str = "text", batch_size: int = 8192) -> Iterator[DocumentBatch]:

@@ -87,18 +87,15 @@ def _write_jsonl_zst(path: Path, rows: List[dict]) -> None:
     path.write_bytes(zstandard.ZstdCompressor(level=3).compress(data))
 
 
-def _write_parquet(path: Path, files: List[Path]) -> None:
+def _write_parquet(path: Path, files: List[Path]) -> List[str]:
+    """A Starcoder-format parquet file of the modules `files`; returns their texts (its column `content`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.table(
-        {
-            "max_stars_repo_path": [f"Lib/{p.name}" for p in files],
-            "content": [p.read_text(encoding="utf-8", errors="replace") for p in files],
-        }
-    )
-    pq.write_table(table, path)
+    contents = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+    pq.write_table(pa.table({"max_stars_repo_path": [f"Lib/{p.name}" for p in files], "content": contents}), path)
+    return contents
 
 
 def _docstring_rows(files: List[Path], row_offset: int = 0) -> List[dict]:
@@ -111,18 +108,25 @@ def _docstring_rows(files: List[Path], row_offset: int = 0) -> List[dict]:
     return rows
 
 
-def write_raw_corpus(raw_dir: Path, files: List[Path]) -> Dict[str, int]:
-    """raw_dir/train/{slimpajama,starcoder} and raw_dir/val/slimpajama from the given modules."""
+def write_raw_corpus(raw_dir: Path, files: List[Path]) -> Tuple[Dict[str, int], List[str]]:
+    """raw_dir/train/{slimpajama,starcoder} and raw_dir/val/slimpajama from the given modules; returns their counts,
+    and the training split's documents in the order of its files (what the tokenizer learns from: the docstrings'
+    `text`, then the modules' `content`)."""
     val = [p for i, p in enumerate(files) if i % VAL_EVERY == VAL_EVERY - 1]
     train = [p for i, p in enumerate(files) if i % VAL_EVERY != VAL_EVERY - 1]
     train_rows = _docstring_rows(train)
+    documents = []
     for shard in range(SLIMPAJAMA_SHARDS):
-        _write_jsonl_zst(raw_dir / "train" / "slimpajama" / f"chunk_{shard}.jsonl.zst", train_rows[shard::SLIMPAJAMA_SHARDS])
+        rows = train_rows[shard::SLIMPAJAMA_SHARDS]
+        _write_jsonl_zst(raw_dir / "train" / "slimpajama" / f"chunk_{shard}.jsonl.zst", rows)
+        documents += [row["text"] for row in rows]
     val_rows = _docstring_rows(val)
     _write_jsonl_zst(raw_dir / "val" / "slimpajama" / "chunk_0.jsonl.zst", val_rows)
     for shard in range(STARCODER_SHARDS):
-        _write_parquet(raw_dir / "train" / "starcoder" / f"train-{shard:05d}-of-{STARCODER_SHARDS:05d}.parquet", train[shard::STARCODER_SHARDS])
-    return {"train_modules": len(train), "val_modules": len(val), "train_rows": len(train_rows), "val_rows": len(val_rows)}
+        documents += _write_parquet(raw_dir / "train" / "starcoder" / f"train-{shard:05d}-of-{STARCODER_SHARDS:05d}.parquet",
+                                    train[shard::STARCODER_SHARDS])
+    counts = {"train_modules": len(train), "val_modules": len(val), "train_rows": len(train_rows), "val_rows": len(val_rows)}
+    return counts, documents
 
 
 def build_sample_corpus(out_dir: Path, files: List[Path]) -> None:
@@ -131,9 +135,10 @@ def build_sample_corpus(out_dir: Path, files: List[Path]) -> None:
     from fabric_lin.data.recipe import run_recipe
 
     raw = out_dir / "raw"
-    counts = write_raw_corpus(raw, files)
+    counts, documents = write_raw_corpus(raw, files)
     tokenizer_dir = out_dir / "tokenizer"
-    train_tokenizer.main(raw / "train", tokenizer_dir, vocab_size=VOCAB_SIZE, num_threads=1)
+    sentences, _ = train_tokenizer.sample_sentences(documents)
+    train_tokenizer.write_tokenizer(sentences, tokenizer_dir, VOCAB_SIZE, source=str(raw / "train"), num_threads=1)
     for recipe, source, prepared in ((SlimPajamaRecipe, raw / "train" / "slimpajama", out_dir / "slimpajama" / "train"),
                                      (SlimPajamaRecipe, raw / "val" / "slimpajama", out_dir / "slimpajama" / "val"),
                                      (StarcoderRecipe, raw / "train" / "starcoder", out_dir / "starcoder")):

@@ -1,136 +1,134 @@
-"""`fabric-lin train_tokenizer`: train a SentencePiece BPE tokenizer on raw corpus files.
+"""`fabric-lin train_tokenizer`: train a SentencePiece BPE tokenizer on a raw text corpus.
 
-Inputs are `*.jsonl.zst` (SlimPajama rows, field `text`), `*.parquet` (column `content`) and `*.txt`
-files found recursively. The settings follow Llama's tokenizer so that code survives a round trip:
-no normalization, whitespace kept, digits split, byte fallback for unseen characters."""
+It reads what `fabric-lin prepare_text` reads, with the same reader (`fabric_lin.data.raw_files`): the files under
+`--input_dir` that match `--pattern` and end in .jsonl, .jsonl.zst, .jsonl.gz, .json.gz (field `--text_key` of each
+JSON line), .parquet (column `--text_key`) or .txt (a whole file). The settings follow Llama's tokenizer so that
+code survives a round trip: no normalization, whitespace kept, digits split, byte fallback for unseen characters.
+
+A BPE vocabulary is made of the merges its input allows: about 7,400 pieces from 100 KB of English prose, 14,500
+from 300 KB, 29,000 from 1 MB; 32,000 from about 1.5 MB (the Python standard library's docstrings). A
+`--vocab_size` the input cannot fill is refused with the largest that it can."""
 import io
 import json
+import os
 import random
+import re
 import sys
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Iterable, Iterator, List, Optional, Tuple
 
-from fabric_lin.data.raw_files import (
-    BadFileError,
-    iter_parquet_texts,
-    iter_text_file_lines,
-    read_slimpajama_file,
-)
-from fabric_lin.errors import InvalidValue, MissingFile
+from fabric_lin.data.raw_files import BadFileError, iter_text_documents, text_files_to_read
+from fabric_lin.errors import InvalidValue
 from fabric_lin.files import atomic_write
 
-SUFFIXES = (".jsonl.zst", ".parquet", ".txt")
+MAX_SENTENCES = 5_000_000
+MAX_SENTENCE_LENGTH = 4192
+CHARACTER_COVERAGE = 0.9995
+SEED = 42
 
 
-def find_training_files(input_dir: Path) -> List[Path]:
-    input_dir = Path(input_dir)
-    if not input_dir.is_dir():
-        raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
-    files = sorted(p for p in input_dir.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES))
-    if not files:
-        raise MissingFile(f"No {', '.join('*' + s for s in SUFFIXES)} files found under {input_dir}")
-    return files
+class ReadCounts:
+    """What reading the input files came to: the files used in full or in part, and what was left out."""
+
+    def __init__(self) -> None:
+        self.files = self.skipped = self.partial = self.bad_rows = self.empty_documents = 0
+
+    def __str__(self) -> str:
+        parts = [f"{self.files - self.skipped} file(s)"]
+        if self.skipped:
+            parts.append(f"{self.skipped} unreadable file(s) skipped")
+        if self.partial:
+            parts.append(f"{self.partial} read up to their damage")
+        if self.bad_rows:
+            parts.append(f"{self.bad_rows} bad row(s) left out")
+        if self.empty_documents:
+            parts.append(f"{self.empty_documents} empty or whitespace-only document(s) left out")
+        return "; ".join(parts)
 
 
-def iter_documents(files: List[Path], skipped: List[Path]) -> Iterator[str]:
-    """The documents of `files`; a file that cannot be read is reported, added to `skipped` and passed over."""
+def iter_documents(files: List[Path], text_key: str, counts: ReadCounts) -> Iterator[str]:
+    """The documents of `files`; a file or row that cannot be read is reported on stderr, counted in `counts` and
+    passed over (a file damaged part of the way gives its documents before the damage)."""
     for path in files:
+        counts.files += 1
+        documents, bad_rows, named = 0, 0, []  # named: where and why, for the first three bad rows
         try:
-            if path.name.endswith(".jsonl.zst"):
-                yield from (text for text, _ in read_slimpajama_file(path))
-            elif path.name.endswith(".parquet"):
-                for texts in iter_parquet_texts(path):
-                    yield from texts
-            else:
-                yield "".join(iter_text_file_lines(path))
+            for batch in iter_text_documents(path, text_key):
+                documents += len(batch.texts)
+                bad_rows += sum(rows for rows, _ in batch.bad)
+                named += [reason for _, reason in batch.bad][: 3 - len(named)]
+                counts.empty_documents += len(batch.empty)
+                yield from batch.texts
         except BadFileError as err:
-            print(f"SKIPPED {err.path}: {err.reason}", file=sys.stderr, flush=True)
-            skipped.append(path)
+            if documents:
+                counts.partial += 1
+                print(f"PARTIAL {err.path}: {err.reason} ({documents} documents kept)", file=sys.stderr, flush=True)
+            else:
+                counts.skipped += 1
+                print(f"SKIPPED {err.path}: {err.reason}", file=sys.stderr, flush=True)
+        if bad_rows:
+            counts.bad_rows += bad_rows
+            more = f"; and {bad_rows - len(named)} more" if bad_rows > len(named) else ""
+            print(f"{path}: {bad_rows} bad row(s) left out: {'; '.join(named)}{more}", file=sys.stderr, flush=True)
 
 
-def iter_sentences(files: List[Path], max_sentence_length: int, skipped: List[Path]) -> Iterator[str]:
-    # SentencePiece learns from "sentences"; lines of a document are natural ones (newlines themselves
-    # are then encoded through byte fallback, as in Llama's tokenizer)
-    for document in iter_documents(files, skipped):
-        for line in document.split("\n"):
-            if line.strip():
-                yield line[:max_sentence_length]
+def sample_sentences(documents: Iterable[str], max_sentences: int = MAX_SENTENCES,
+                     max_sentence_length: int = MAX_SENTENCE_LENGTH, seed: int = SEED) -> Tuple[List[str], int]:
+    """Up to `max_sentences` of the documents' lines (a uniform reservoir sample: a fixed memory bound whatever the
+    corpus size, and the same for a seed), each cut to `max_sentence_length` characters; and how many there were.
 
-
-def main(
-    input_dir: Optional[Path] = None,
-    output_dir: Optional[Path] = None,
-    vocab_size: int = 32000,
-    max_files: Optional[int] = None,
-    max_sentences: int = 5_000_000,
-    max_sentence_length: int = 4192,
-    character_coverage: float = 0.9995,
-    num_threads: Optional[int] = None,
-    seed: int = 42,
-) -> Path:
-    """Train a SentencePiece BPE tokenizer and write tokenizer.model + tokenizer_config.json.
-
-    Args:
-        input_dir: Directory searched recursively for *.jsonl.zst, *.parquet and *.txt files.
-        output_dir: Directory to write (usable as `tokenizer_dir` / `--tokenizer_path`).
-        vocab_size: Number of pieces, including <unk>, <s>, </s> and the 256 byte-fallback pieces.
-        max_files: Read at most this many input files, evenly spread over the sorted list (default: all).
-        max_sentences: Lines sampled (uniformly, reservoir) from the inputs for training.
-        max_sentence_length: Longer lines are cut to this many characters.
-        character_coverage: Share of characters covered by pieces; the rest use byte fallback.
-        num_threads: Trainer threads (default: all cores).
-        seed: Seed of the line sampling.
-    """
-    import os
-
-    import sentencepiece as spm
-
-    if input_dir is None or output_dir is None:
-        raise InvalidValue("--input_dir and --output_dir are required")
-    files = find_training_files(input_dir)
-    if max_files is not None and len(files) > max_files:
-        step = len(files) / max_files
-        files = [files[int(i * step)] for i in range(max_files)]
-    # reservoir sample: a fixed memory bound whatever the corpus size, and deterministic for a seed
+    SentencePiece learns from "sentences"; lines of a document are natural ones (newlines themselves are then
+    encoded through byte fallback, as in Llama's tokenizer)."""
     rng = random.Random(seed)
     sample: List[str] = []
     seen = 0
-    skipped: List[Path] = []
-    for sentence in iter_sentences(files, max_sentence_length, skipped):
-        seen += 1
-        if len(sample) < max_sentences:
-            sample.append(sentence)
-        else:
-            j = rng.randrange(seen)
-            if j < max_sentences:
-                sample[j] = sentence
-    read = len(files) - len(skipped)
-    unreadable = f" ({len(skipped)} of them unreadable, skipped: see the SKIPPED lines above)" if skipped else ""
-    if not sample:
-        raise InvalidValue(f"No text found in the {len(files)} input file(s) under {input_dir}{unreadable}")
-    print(f"Training a {vocab_size}-piece BPE tokenizer on {len(sample)} of {seen} lines from {read} file(s)"
-          + (f"; {len(skipped)} unreadable file(s) skipped" if skipped else ""), flush=True)
+    for document in documents:
+        for line in document.split("\n"):
+            if not line.strip():
+                continue
+            seen += 1
+            if len(sample) < max_sentences:
+                sample.append(line[:max_sentence_length])
+            else:
+                j = rng.randrange(seen)
+                if j < max_sentences:
+                    sample[j] = line[:max_sentence_length]
+    return sample, seen
+
+
+def write_tokenizer(sentences: List[str], output_dir: Path, vocab_size: int, source: str = "the input",
+                    max_sentence_length: int = MAX_SENTENCE_LENGTH, character_coverage: float = CHARACTER_COVERAGE,
+                    num_threads: Optional[int] = None) -> Path:
+    """Train the BPE tokenizer on `sentences` and write output_dir/tokenizer.model and tokenizer_config.json. A
+    vocabulary size that `sentences` (read from `source`) cannot give is refused in one line that says which can."""
+    import sentencepiece as spm
 
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sample),
-        model_writer=model,
-        model_type="bpe",
-        vocab_size=vocab_size,
-        character_coverage=character_coverage,
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        split_digits=True,
-        allow_whitespace_only_pieces=True,
-        max_sentence_length=max_sentence_length * 4,  # the trainer counts bytes
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=-1,
-        num_threads=num_threads or os.cpu_count() or 1,
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            character_coverage=character_coverage,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            max_sentence_length=max_sentence_length * 4,  # the trainer counts bytes
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
+            num_threads=num_threads or os.cpu_count() or 1,
+            minloglevel=2,
+        )
+    except RuntimeError as err:
+        refusal = vocab_size_error(err, vocab_size, f"the {len(sentences)} lines read from {source}")
+        if refusal is None:
+            raise
+        raise refusal from None
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": False}
@@ -139,3 +137,69 @@ def main(
     atomic_write(output_dir / "tokenizer.model", lambda tmp: Path(tmp).write_bytes(model.getvalue()))
     print(f"Wrote {output_dir / 'tokenizer.model'} and tokenizer_config.json", flush=True)
     return output_dir
+
+
+def vocab_size_error(err: RuntimeError, vocab_size: int, source: str) -> Optional[InvalidValue]:
+    """SentencePiece's refusal of a vocabulary size, as one line with the size that works; None for another error."""
+    too_high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", str(err))
+    if too_high:
+        largest = int(too_high.group(1))
+        return InvalidValue(
+            f"--vocab_size {vocab_size}: {source} make at most {largest} pieces; give --vocab_size {largest} or less, "
+            f"or more text (about 1.5 MB of prose for 32,000 pieces)"
+        )
+    too_low = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", str(err))
+    if too_low:
+        smallest = int(too_low.group(1))
+        return InvalidValue(
+            f"--vocab_size {vocab_size}: this input needs at least {smallest} pieces (the 256 byte-fallback pieces, "
+            f"<unk>, <s>, </s> and the characters that --character_coverage keeps); give --vocab_size {smallest} or "
+            "more, or a lower --character_coverage"
+        )
+    return None
+
+
+def main(
+    input_dir: Optional[Path] = None,
+    output_dir: Optional[Path] = None,
+    text_key: str = "text",
+    pattern: str = "**/*",
+    vocab_size: int = 32000,
+    max_files: Optional[int] = None,
+    max_sentences: int = MAX_SENTENCES,
+    max_sentence_length: int = MAX_SENTENCE_LENGTH,
+    character_coverage: float = CHARACTER_COVERAGE,
+    num_threads: Optional[int] = None,
+    seed: int = SEED,
+) -> Path:
+    """Train a SentencePiece BPE tokenizer and write tokenizer.model + tokenizer_config.json.
+
+    Args:
+        input_dir: Directory of the corpus (the files prepare_text reads).
+        output_dir: Directory to write (usable as `tokenizer_dir` / `--tokenizer_path`).
+        text_key: The JSON field or parquet column that holds each document's text.
+        pattern: Glob, relative to input_dir, of the files to read (default: all, recursively); of those, the
+            ones ending in .jsonl, .jsonl.zst, .jsonl.gz, .json.gz, .parquet or .txt are read.
+        vocab_size: Number of pieces, including <unk>, <s>, </s> and the 256 byte-fallback pieces. At most what
+            the input allows: about 1.5 MB of prose for 32,000.
+        max_files: Read at most this many input files, evenly spread over the sorted list (default: all).
+        max_sentences: Lines sampled (uniformly, reservoir) from the inputs for training.
+        max_sentence_length: Longer lines are cut to this many characters.
+        character_coverage: Share of characters covered by pieces; the rest use byte fallback.
+        num_threads: Trainer threads (default: all cores).
+        seed: Seed of the line sampling.
+    """
+    if input_dir is None or output_dir is None:
+        raise InvalidValue("--input_dir and --output_dir are required")
+    files = text_files_to_read(input_dir, pattern)
+    if max_files is not None and len(files) > max_files:
+        step = len(files) / max_files
+        files = [files[int(i * step)] for i in range(max_files)]
+    counts = ReadCounts()
+    sample, seen = sample_sentences(iter_documents(files, text_key, counts), max_sentences, max_sentence_length, seed)
+    if not sample:
+        raise InvalidValue(f"No text found in the {len(files)} input file(s) under {input_dir}: {counts}"
+                           + (" (see the lines above)" if counts.skipped or counts.bad_rows else ""))
+    print(f"Training a {vocab_size}-piece BPE tokenizer on {len(sample)} of {seen} lines from {counts}", flush=True)
+    return write_tokenizer(sample, output_dir, vocab_size, source=str(input_dir), max_sentence_length=max_sentence_length,
+                           character_coverage=character_coverage, num_threads=num_threads)
