@@ -33,6 +33,7 @@ from fabric_lin.checkpoint import (
     to_plain,
 )
 from fabric_lin.config import CONFIG_FILE, Config
+from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data import DataModule
 from fabric_lin.errors import InvalidValue, MissingFile, MissingPackage, UserError
 from fabric_lin.files import atomic_write, created_dir, read_yaml
@@ -78,9 +79,9 @@ def main(
         seq_len: One sequence length or a list of them, e.g. [2048, 4096, 8192]: the data is read in blocks of
             each length. Default: the training length (hyperparameters.yaml's train.max_seq_length, else the
             model config's max_seq_length).
-        max_batches: Read at most this many batches per length (default: the whole validation split). A run's
-            validation read eval.max_iters x global_batch_size / micro_batch_size batches of its micro batch size.
-            0: no data evaluation (tasks only).
+        max_batches: Read at most this many batches per length (default: every block of the validation split,
+            the last batch short where the blocks do not fill it). A run's validation read eval.max_iters x
+            global_batch_size / micro_batch_size batches of its micro batch size. 0: no data evaluation (tasks only).
         batch_size: Sequences per batch. Default: the run's train.micro_batch_size (the same batches as its
             validation), else 1. Also the batch size of the harness's requests.
         bucket_size: Positions per bucket of the loss by position. Default: 1/16 of the training length.
@@ -106,6 +107,11 @@ def main(
     checkpoint_dir = Path(checkpoint_dir)
     seq_lens = check_arguments(seq_len, max_batches, batch_size, bucket_size, bucket_edges, num_fewshot, limit)
     task_names = task_list(tasks)
+    harness_options = [name for name, value in (("--num_fewshot", num_fewshot), ("--limit", limit), ("--task_dir", task_dir))
+                       if value is not None]
+    if harness_options and not task_names:
+        raise InvalidValue(f"{' and '.join(harness_options)} set how lm-evaluation-harness runs its tasks, and no --tasks "
+                           f"is given: give --tasks, or leave {' and '.join(harness_options)} out")
     torch_device = resolve_device(device)
     cuda = torch_device.type == "cuda"
     precision = precision or ("bf16-mixed" if cuda else "32-true")
@@ -134,6 +140,7 @@ def main(
         raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text")
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)
     if evaluate_data:  # the data's errors (no validation split, blocks too long) before the model is set up
+        cap_loader_workers(data)
         data.prepare_data()
         validation_loader(data, checkpoint, batch_size, max(seq_lens))
 
@@ -161,8 +168,10 @@ def main(
                 starts = bucket_starts(length, bucket_size, bucket_edges)
                 result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts)
                 results["lengths"].append(result)
+                short = result["short_batches"]
+                short = f" ({short} of them shorter: the split's last blocks)" if short else ""
                 print(f"seq_len {length}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
-                      f"{result['tokens']:,} tokens in {result['batches']} batches of {batch_size} | "
+                      f"{result['tokens']:,} tokens in {result['batches']} batches of {batch_size}{short} | "
                       f"{result['tokens_per_sec']:,.0f} tokens/s", flush=True)
         if task_names:
             scorer = HarnessScorer(fabric, model, checkpoint.tokenizer, batch_size, block_size=train_seq_len)
@@ -212,6 +221,16 @@ def task_list(tasks: Union[str, List[str], None]) -> List[str]:
         return []
     items = tasks.split(",") if isinstance(tasks, str) else [t for item in tasks for t in str(item).split(",")]
     return [t.strip() for t in items if t.strip()]
+
+
+def cap_loader_workers(data: DataModule) -> None:
+    """At most one DataLoader worker per CPU core this process may use: a run's data.num_workers, read from its
+    hyperparameters.yaml, may come from a larger machine, and more workers than cores only take turns."""
+    cores = usable_cpu_cores()
+    if data.num_workers > cores:
+        print(f"data.num_workers {data.num_workers}: {cores} loader worker{'s' if cores > 1 else ''}, one per CPU core "
+              "this process may use", flush=True)
+        data.num_workers = cores
 
 
 def default_out_dir(checkpoint_dir: Path, kind: str) -> Path:
@@ -277,7 +296,7 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
 
     sums = torch.zeros(seq_len, dtype=torch.float64, device=fabric.device)
     fingerprint = torch.zeros((), dtype=torch.int64, device=fabric.device)
-    rows = batches = 0
+    rows = batches = short_batches = 0
     if fabric.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(fabric.device)
     try:
@@ -299,6 +318,7 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
         fingerprint += batch_fingerprint(batch)
         rows += batch.shape[0]
         batches += 1
+        short_batches += batch.shape[0] < batch_size
         progress.update(batch.shape[0] * seq_len)
         if batches == max_batches:
             break
@@ -318,6 +338,7 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
         "seq_len": seq_len,
         "batches": batches,
         "batch_size": batch_size,
+        "short_batches": short_batches,
         "tokens": tokens,
         "loss": loss,
         "perplexity": math.exp(min(loss, 100.0)),

@@ -404,3 +404,41 @@ def test_unknown_task_name_is_one_line(run, capsys):
     pytest.importorskip("lm_eval")
     err = cli_error(["evaluate", str(run / "out" / "final"), "--tasks", "hellaswagg"], capsys)
     assert "lm-evaluation-harness has no task, group or tag named 'hellaswagg' (did you mean hellaswag" in err
+
+
+def test_without_max_batches_every_block_of_the_split_is_read(run, tmp_path, monkeypatch):
+    """The validation split's blocks as litdata cuts them (120 of 33 tokens) in batches of 7: the last batch is short,
+    and read too; the fingerprint is the sum of every block's checksum."""
+    from fabric_lin.batches import batch_fingerprint
+
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot: a second of drawing that this test does not look at
+        monkeypatch.setitem(sys.modules, module, None)
+
+    blocks = torch.from_numpy(np.stack([np.frombuffer(b, dtype=np.int64) for b in litdata_blocks(run / "val", TRAIN_LEN + 1)]))
+    assert len(blocks) % 7 != 0
+    (length,) = evaluate(run / "out" / "final", batch_size=7, out_dir=tmp_path / "eval")["lengths"]
+    assert length["tokens"] == len(blocks) * TRAIN_LEN and length["batches"] == -(-len(blocks) // 7)
+    assert length["short_batches"] == 1
+    assert length["data_fingerprint"] == int(batch_fingerprint(blocks))
+
+
+def test_harness_options_without_tasks_are_one_line(run, capsys):
+    final = run / "out" / "final"
+    for option, value in (("--limit", "5"), ("--num_fewshot", "2"), ("--task_dir", str(run))):
+        err = cli_error(["evaluate", str(final), option, value], capsys)
+        assert f"error: {option} set how lm-evaluation-harness runs its tasks, and no --tasks is given: give --tasks, " \
+               f"or leave {option} out\n" in err, err
+
+
+def test_loader_workers_are_at_most_the_cores(run, tmp_path, capsys, monkeypatch):
+    """A run's data.num_workers from a larger machine: evaluate starts a worker per core of this one at most."""
+    import fabric_lin.evaluate
+    from fabric_lin.data import TokenChunks
+
+    monkeypatch.setattr(fabric_lin.evaluate, "usable_cpu_cores", lambda: 1)
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot
+        monkeypatch.setitem(sys.modules, module, None)
+    data = TokenChunks(data_path=run / "train", val_path=run / "val", num_workers=8)
+    results = evaluate(run / "out" / "final", data=data, max_batches=1, out_dir=tmp_path / "eval")
+    assert results["data"]["init_args"]["num_workers"] == 1
+    assert "data.num_workers 8: 1 loader worker, one per CPU core this process may use" in capsys.readouterr().out

@@ -32,6 +32,7 @@ REPORTS_DIR = ".reports"
 BAD_ROWS_NAMED = 3
 # The summary names this many of the files that held empty documents.
 FILES_NAMED = 3
+EMPTY_DOCUMENTS = "empty or whitespace-only document(s) left out"
 
 
 class TokenizeRecipe(DataChunkRecipe):
@@ -123,8 +124,8 @@ class TokenizeRecipe(DataChunkRecipe):
         except BadFileError as err:
             record["status"] = "partial" if record["documents"] else "skipped"
             record["reason"] = err.reason
-        record.update(skipped_rows=self._skipped_rows, empty_documents=self._empty_documents, bad_rows=self._bad_rows, bad_rows_named=self._bad_rows_named, bad_rows_more=self._bad_rows_more,
-                      held_out=self._held_out)
+        record.update(skipped_rows=self._skipped_rows, empty_documents=self._empty_documents, bad_rows=self._bad_rows,
+                      bad_rows_named=self._bad_rows_named, bad_rows_more=self._bad_rows_more, held_out=self._held_out)
         self._write_report(record)
 
     def _write_report(self, record: dict) -> None:
@@ -146,9 +147,6 @@ class TokenizeRecipe(DataChunkRecipe):
         if self.report_dir is not None:
             with open(os.path.join(self.report_dir, f"worker-{os.getpid()}.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
-
-
-EMPTY_DOCUMENTS = "empty or whitespace-only document(s) left out"
 
 
 def check_chunk_size(chunk_size: int) -> None:
