@@ -139,23 +139,24 @@ def write_tokenizer(sentences: List[str], output_dir: Path, vocab_size: int, sou
     return output_dir
 
 
+# SentencePiece's refusals of a vocabulary size (the size that works in the pattern's group), and what is said instead
+VOCAB_SIZE_REFUSALS = (
+    (r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)",
+     "--vocab_size {given}: {source} make at most {size} pieces; give --vocab_size {size} or less, or more text "
+     "(about 1.5 MB of prose for 32,000 pieces)"),
+    (r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)",
+     "--vocab_size {given}: this input needs at least {size} pieces (the 256 byte-fallback pieces, <unk>, <s>, </s> "
+     "and the characters that --character_coverage keeps); give --vocab_size {size} or more, or a lower "
+     "--character_coverage"),
+)
+
+
 def vocab_size_error(err: RuntimeError, vocab_size: int, source: str) -> Optional[InvalidValue]:
     """SentencePiece's refusal of a vocabulary size, as one line with the size that works; None for another error."""
-    too_high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", str(err))
-    if too_high:
-        largest = int(too_high.group(1))
-        return InvalidValue(
-            f"--vocab_size {vocab_size}: {source} make at most {largest} pieces; give --vocab_size {largest} or less, "
-            f"or more text (about 1.5 MB of prose for 32,000 pieces)"
-        )
-    too_low = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", str(err))
-    if too_low:
-        smallest = int(too_low.group(1))
-        return InvalidValue(
-            f"--vocab_size {vocab_size}: this input needs at least {smallest} pieces (the 256 byte-fallback pieces, "
-            f"<unk>, <s>, </s> and the characters that --character_coverage keeps); give --vocab_size {smallest} or "
-            "more, or a lower --character_coverage"
-        )
+    for pattern, message in VOCAB_SIZE_REFUSALS:
+        found = re.search(pattern, str(err))
+        if found:
+            return InvalidValue(message.format(given=vocab_size, source=source, size=int(found.group(1))))
     return None
 
 
