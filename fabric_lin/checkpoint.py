@@ -364,18 +364,28 @@ def set_aside(directory: Path) -> Path:
 
 
 def load_train_state(fabric, checkpoint_dir: Path, state: Dict[str, Any]) -> None:
-    """Restore `state` (see `train_state`) in place from a checkpoint directory, RNG states included."""
-    from lightning_fabric.strategies import FSDPStrategy
+    """Restore `state` (see `train_state`) in place from a checkpoint directory, RNG states included. A sharded
+    checkpoint resumes on any mesh, or in a run that does not shard; a one-file one in a sharded run too."""
+    from lightning_fabric.strategies import ModelParallelStrategy
 
-    from fabric_lin.sharded_checkpoint import load_sharded_train_state
+    from fabric_lin.sharded_checkpoint import load_one_file_train_state, load_sharded_train_state, restore_the_rest
 
     fabric.print(f"Resuming from {checkpoint_dir}")
     weights_path = Path(checkpoint_dir) / MODEL_FILE
+    sharded_run = isinstance(fabric.strategy, ModelParallelStrategy)
     try:
-        if weights_path.is_dir() and not isinstance(fabric.strategy, FSDPStrategy):
-            # written under FSDP, resumed without it (e.g. on one GPU): each process reads every shard
-            fabric.print(f"{weights_path} is sharded (FSDP) and this run is not: its tensors are reassembled whole")
+        if weights_path.is_dir() and sharded_run:
+            # on this run's mesh, whatever the mesh that wrote it (torch.distributed.checkpoint reshards). Fabric's
+            # sharded load puts the saved state dicts of the other objects in their place instead of handing them
+            # their state (the data loader would start over): it restores the model and the optimizer, and returns
+            # the rest, restored here
+            restore_the_rest(state, fabric.load(weights_path, {"model": state["model"], "optimizer": state["optimizer"]}))
+        elif weights_path.is_dir():
+            fabric.print(f"{weights_path} is sharded and this run is not: its tensors are reassembled whole")
             load_sharded_train_state(weights_path, state)
+        elif sharded_run:
+            fabric.print(f"{weights_path} is one file and this run is sharded: each process keeps its shards of it")
+            load_one_file_train_state(weights_path, state)
         else:
             fabric.load(weights_path, state)
     except KeyError as e:  # a model directory's lit_model.pth holds the weights alone

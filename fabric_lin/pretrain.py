@@ -11,14 +11,13 @@ import contextlib
 import inspect
 import os
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, ContextManager, Dict, Iterator, List, Literal, Optional, Tuple, Union
 
 import lightning_fabric as L
 import torch
-from lightning_fabric.strategies import DDPStrategy, FSDPStrategy
-from torch.distributed.fsdp import ShardingStrategy
+from lightning_fabric.strategies import ModelParallelStrategy
+from torch.distributed.tensor import DTensor
 
 from fabric_lin.args import (
     CompileArgs,
@@ -51,6 +50,7 @@ from fabric_lin.lr_schedule import TokenSchedule, learning_rate
 from fabric_lin.metrics import MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, Launches, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
+from fabric_lin.parallelism import make_strategy
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
 from fabric_lin.stopping import StepFlags, StopRequest
 from fabric_lin.weights import canonical_name
@@ -114,7 +114,7 @@ def setup(
         train: Training schedule, batch sizes and checkpointing.
         eval: Validation.
         optimizer: AdamW settings.
-        parallelism: How several devices share the work: FSDP or DDP, FSDP's unit and resharding,
+        parallelism: How several processes share the work: FSDP2 (sharded) or DDP, FSDP's unit and resharding,
             activation checkpointing.
         compile: torch.compile (on by default with CUDA), its caches and mode, the GLA kernels' launch search.
         fp8: FP8 products for the Linear layers (through torchao; compute capability 8.9+).
@@ -174,12 +174,12 @@ def setup(
         check_out_dir(out_dir, config)
         # Fabric's processes inherit the cache locations: set before it starts any process or compiles anything
         with compile_caches_in(out_dir, compile.cache):
-            strategy = make_strategy(cuda, devices, num_nodes, parallelism)
+            strategy = make_strategy(cuda, devices, num_nodes, parallelism, precision)
             fabric = L.Fabric(
                 accelerator="cuda" if cuda else "cpu", devices=devices, num_nodes=num_nodes, precision=precision,
                 strategy=strategy, loggers=[make_logger(logger_name, out_dir, hparams, continuing=resume is not False)],
                 # FSDP writes its shards itself (torch.distributed.checkpoint, in place) and takes no such plugin
-                plugins=[] if isinstance(strategy, FSDPStrategy) else [CheckpointFileIO()],
+                plugins=[] if isinstance(strategy, ModelParallelStrategy) else [CheckpointFileIO()],
             )
             fabric.launch()
             main(
@@ -483,6 +483,8 @@ def train_step(fabric: L.Fabric, state: Dict, run: Run, lr: float, step_flags: S
                     p.grad = p.grad.clone()
         loss_sum += loss.detach()
     grad_norm = fabric.clip_gradients(model, optimizer, max_norm=train.max_norm or float("inf"), error_if_nonfinite=False)
+    if isinstance(grad_norm, DTensor):  # sharded: the norm over the shards, already reduced, as a plain tensor
+        grad_norm = grad_norm.full_tensor()
     step_loss = loss_sum / run.accumulation
     # A non-finite loss or gradient norm skips the update (the data is consumed and the step counted,
     # as a loss-scaler skip), decided on the device: fused AdamW leaves weights, moments and step
@@ -554,33 +556,6 @@ def validate(fabric: L.Fabric, model, run: Run) -> Optional[Tuple[float, int]]:
 # ---------------------------------------------------------------- devices, model, kernels
 
 
-def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: ParallelismArgs = ParallelismArgs()):
-    """Fabric's strategy for this many processes: "auto" for one; with several GPUs FSDP HYBRID_SHARD or
-    DDP (`parallelism.data_parallel`); several CPU processes always use DDP over gloo (Fabric's FSDP
-    refuses the CPU)."""
-    if devices * num_nodes == 1:
-        return "auto"
-    if not cuda:
-        return DDPStrategy(process_group_backend="gloo", timeout=timedelta(minutes=30))
-    if parallelism.data_parallel == "ddp":
-        # gradients all-reduced in buckets as the backward pass produces them, into views of the buckets
-        # (no copy); activation checkpointing, when on, is applied to the Blocks by build_model
-        return DDPStrategy(process_group_backend="nccl", gradient_as_bucket_view=True, timeout=timedelta(minutes=30))
-    return FSDPStrategy(
-        auto_wrap_policy={Block} if parallelism.fsdp_unit == "block" else None,  # None: the whole model is one unit
-        activation_checkpointing_policy={Block} if parallelism.activation_checkpointing else None,
-        # replicated across nodes, sharded inside one; gathered weights freed after each
-        # Block's forward (HYBRID_SHARD) or kept until its backward (_HYBRID_SHARD_ZERO2)
-        sharding_strategy=(
-            ShardingStrategy.HYBRID_SHARD if parallelism.fsdp_reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
-        ),
-        # over this run's devices of a node (not every visible GPU)
-        device_mesh=(num_nodes, devices),
-        state_dict_type="sharded",
-        timeout=timedelta(minutes=30),
-    )
-
-
 def resolve_model_config(model_name: Optional[str], model_config: Optional[Config]) -> Config:
     if (model_name is None) == (model_config is None):
         raise InvalidValue("give exactly one of --model_name and --model_config (`fabric-lin pretrain list` shows the names)")
@@ -596,21 +571,21 @@ def build_model(
     the fused Triton kernels (GLA ones launched with `gla_launch`, None: the shipped settings), elsewhere
     their PyTorch references; with fp8, its Linear layers are swapped for FP8 ones once their weights are set.
 
-    Built empty (on the meta device under FSDP) and then initialised in place: on one device or DDP,
-    `reset_parameters()` after re-seeding gives the same weights as an eager `GPT(config)` with this
-    seed; under FSDP the wrapping materialises each Block with its modules' `reset_parameters()`."""
-    sharded = isinstance(fabric.strategy, FSDPStrategy)
+    Built empty and then initialised in place, `reset_parameters()` after re-seeding: the same weights as an
+    eager `GPT(config)` with this seed. Sharded (FSDP2), it is built on the meta device and Fabric's
+    `parallelize` materialises and initialises it shard by shard, to the same weights."""
+    sharded = isinstance(fabric.strategy, ModelParallelStrategy)
     with fabric.init_module(empty_init=True):
         model = GPT(config, fused=fabric.device.type == "cuda", float8=fp8.enabled,
                     launch=Launches() if gla_launch is None else Launches(gla=gla_launch))
+    fabric.seed_everything(seed, verbose=False)
     if not sharded:
-        fabric.seed_everything(seed, verbose=False)
         model.reset_parameters()
         if initial_checkpoint_dir is not None:
             model.load_state_dict(load_initial_weights(initial_checkpoint_dir, config, fabric.print))
     if fp8.enabled:  # the converted layers keep the parameters, and under FSDP materialise with the model's init
         fabric.print(f"FP8 ({fp8.recipe}): {len(convert_to_fp8(model, fp8))} Linear layers")
-    if activation_checkpointing and not sharded:  # under FSDP the strategy's activation_checkpointing_policy does it
+    if activation_checkpointing:  # before compiling and sharding, as torchtitan orders them: each wraps the last
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             apply_activation_checkpointing,
         )
@@ -621,7 +596,8 @@ def build_model(
     if compile.enabled:
         # Regional compilation: each Block is compiled in place. The blocks share one code object, so
         # Dynamo compiles once and reuses the graph for every layer (start-up of one block, not 24),
-        # and parameter names keep no `_orig_mod.` prefix.
+        # and parameter names keep no `_orig_mod.` prefix. Sharded, FSDP2's hooks around each Block run
+        # outside its graph (torch._dynamo.config.skip_fsdp_hooks).
         fabric.print(f"compiling each Block (mode {compile.mode}{': CUDA graphs' if compile.cuda_graphs else ''})")
         for block in model.layers:
             block.compile(mode=None if compile.mode == "default" else compile.mode)
@@ -633,10 +609,8 @@ def build_model(
             set_model_state_dict,
         )
 
-        wrapped = model._forward_module
-        wrapped = getattr(wrapped, "_orig_mod", wrapped)  # under torch.compile, the FSDP module inside
         set_model_state_dict(
-            wrapped, load_initial_weights(initial_checkpoint_dir, config, fabric.print),
+            model._forward_module, load_initial_weights(initial_checkpoint_dir, config, fabric.print),
             options=StateDictOptions(full_state_dict=True, strict=True),
         )
     return model, no_decay

@@ -1,11 +1,14 @@
-"""FSDP-sharded training checkpoints read in one process, without a process group.
+"""Training checkpoints read across layouts: a sharded one in a process that does not shard, and a one-file one
+in a sharded run.
 
-Under FSDP a checkpoint's lit_model.pth is a torch.distributed.checkpoint (DCP) directory: the model's and
+A sharded run's (FSDP2's) lit_model.pth is a torch.distributed.checkpoint (DCP) directory: the model's and
 the optimizer's tensors in shards (`__<rank>_0.distcp`, described by `.metadata`), and Fabric's `meta.pt`
 with the rest of the train state. DCP reassembles each tensor whole from its shards into a preallocated one
 (`no_dist=True`), so any process can read one: `convert_pretrained_checkpoint` takes the model's weights,
-and a run without FSDP (one GPU, or DDP) resumes the whole train state (`load_sharded_train_state`), e.g.
-a run of 2 GPUs continued on 1. Pickled entries are read as plain values only (`weights_only`).
+and a run that does not shard (one device, or DDP) resumes the whole train state (`load_sharded_train_state`),
+e.g. a run of 2 GPUs continued on 1. The other way, a sharded run resumes a one-file checkpoint (of one device
+or DDP) with `load_one_file_train_state`. A sharded run resuming a sharded checkpoint, on any mesh, is Fabric's
+own `fabric.load` (DCP reshards). Pickled entries are read as plain values only (`weights_only`).
 """
 import collections
 import io
@@ -21,9 +24,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fabric_lin.errors import InvalidValue
-from fabric_lin.weights import canonical_name, inside, torch_load_tensors
+from fabric_lin.weights import canonical_name, canonical_state_dict, inside, torch_load_tensors
 
-FABRIC_META_FILE = "meta.pt"  # Fabric's FSDPStrategy: what is neither a module nor an optimizer
+FABRIC_META_FILE = "meta.pt"  # Fabric's sharded save: what is neither a module nor an optimizer
 
 
 def load_sharded_train_state(path: Path, state: Dict[str, Any]) -> None:
@@ -33,12 +36,8 @@ def load_sharded_train_state(path: Path, state: Dict[str, Any]) -> None:
     path = Path(path)
     model, optimizer = state["model"], state["optimizer"]
     own = {canonical_name(name): name for name in model.state_dict()}
-    saved = {canonical_name(name): tensor for name, tensor in load_sharded_model_state(path).items()}
-    if set(own) != set(saved):
-        raise InvalidValue(
-            f"{path}: the checkpoint's model does not fit this run's: missing {sorted(set(own) - set(saved))[:8]}, "
-            f"unexpected {sorted(set(saved) - set(own))[:8]}"
-        )
+    saved = canonical_state_dict(load_sharded_model_state(path))
+    check_same_parameters(path, set(own), set(saved))
     model.load_state_dict({own[name]: tensor for name, tensor in saved.items()})
 
     names = {id(p): canonical_name(name) for name, p in model.named_parameters()}
@@ -55,10 +54,56 @@ def load_sharded_train_state(path: Path, state: Dict[str, Any]) -> None:
         "param_groups": [{**group, "params": [index(name) for name in group["params"]]}
                          for group in saved_optimizer["param_groups"]],
     })
-    rest = torch_load_tensors(path / FABRIC_META_FILE, allow_numpy=True)
-    for key, value in rest.items():  # as fabric.load does: objects restore their state, values are replaced
-        if hasattr(state.get(key), "load_state_dict"):
-            state[key].load_state_dict(value)
+    restore_the_rest(state, torch_load_tensors(path / FABRIC_META_FILE, allow_numpy=True))
+
+
+def load_one_file_train_state(path: Path, state: Dict[str, Any]) -> None:
+    """Restore `state` in place from the one-file lit_model.pth `path` (of one device, or DDP), in a sharded run:
+    every rank reads the file and keeps its shards. The optimizer's state, saved keyed by each parameter's
+    position in the optimizer's groups, is keyed by parameter names for torch.distributed: this run's groups
+    are built as every run builds them (pretrain's `main`), so a position names the same parameter."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = Path(path)
+    model, optimizer = state["model"].module, state["optimizer"].optimizer  # inside Fabric's wrappers
+    saved = torch_load_tensors(path, allow_numpy=True)
+    weights = canonical_state_dict(saved.pop("model"))
+    check_same_parameters(path, {canonical_name(name) for name in model.state_dict()}, set(weights))
+    options = StateDictOptions(full_state_dict=True, strict=True)
+    set_model_state_dict(model, weights, options=options)
+    names = {id(p): canonical_name(name) for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved_optimizer = saved.pop("optimizer")
+    if sum(len(group["params"]) for group in saved_optimizer["param_groups"]) != len(order):
+        raise InvalidValue(f"{path}: the checkpoint's optimizer holds other parameter groups than this run's")
+    set_optimizer_state_dict(model, optimizer, {
+        "state": {order[i]: value for i, value in saved_optimizer["state"].items()},
+        "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in saved_optimizer["param_groups"]],
+    }, options=options)
+    restore_the_rest(state, saved)
+
+
+def check_same_parameters(path: Path, own: set, saved: set) -> None:
+    if own != saved:
+        raise InvalidValue(
+            f"{path}: the checkpoint's model does not fit this run's: missing {sorted(own - saved)[:8]}, "
+            f"unexpected {sorted(saved - own)[:8]}"
+        )
+
+
+def restore_the_rest(state: Dict[str, Any], saved: Dict[str, Any]) -> None:
+    """As fabric.load does with what is neither the model nor the optimizer: objects restore their state (the data
+    loader, inside Fabric's wrapper, which does not pass `load_state_dict` on), values are replaced."""
+    from lightning_fabric.wrappers import _unwrap_objects
+
+    objects = _unwrap_objects(state)
+    for key, value in saved.items():
+        if hasattr(objects.get(key), "load_state_dict"):
+            objects[key].load_state_dict(value)
         else:
             state[key] = value
 

@@ -10,8 +10,14 @@ directory, environment, stdout and stderr, signal handlers, exit code (or -signa
 from it, as from any Python on Linux); the other ranks of a multi-process run are started by Fabric as new Pythons.
 A new Python starts for every other command, where CUDA is present (a CUDA context must not come through a fork),
 and where the environment differs from this one in a variable a library reads as it is imported (HF_HOME,
-TRITON_INTERPRET): any variable but OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES (read when used) and PYTEST_CURRENT_TEST
-(read by nothing; an environment copied at import, as helpers.CPU_ONLY, holds another test's).
+TRITON_INTERPRET): any variable but OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES (read when used), PYTEST_CURRENT_TEST
+(read by nothing; an environment copied at import, as helpers.CPU_ONLY, holds another test's) and torchrun's
+rendezvous variables (read when the process group starts; Lightning's rank_zero_only rank, read at import, is set
+again by Fabric's strategy as it starts).
+
+`start_ranks` starts the processes of a multi-process run as torchrun's agents would, one per rank with torchrun's
+variables set, forked as above: Fabric then launches nothing itself, as under torchrun. (Fabric's own launch of
+`--devices N` starts the other ranks as new Pythons: a second import of torch for each.)
 """
 import atexit
 import multiprocessing
@@ -37,7 +43,11 @@ def forkable(command: List[str], env: Optional[Dict[str, str]]) -> bool:
     env = os.environ if env is None else env
     changed = {key for key in set(os.environ) | set(env) if os.environ.get(key) != env.get(key)}
     # read when used (CUDA is not, on this machine); PYTEST_CURRENT_TEST, which pytest sets for each test, by nothing
-    return changed <= {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST"}
+    return changed <= {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST", *TORCHRUN_VARIABLES}
+
+
+TORCHRUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                      "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
 def _as_fabric_lin(argv: List[str], env: Dict[str, str], cwd: str, stdout: str, stderr: str, new_session: bool) -> None:
@@ -134,3 +144,17 @@ def _start(command, stdout: str, stderr: str, env, new_session: bool):
         command[3:], dict(os.environ if env is None else env), os.getcwd(), stdout, stderr, new_session))
     process.start()
     return ForkedRun(command, process)
+
+
+def start_ranks(command: List[str], log_dir: Union[str, Path], nodes: int, devices: int, port: int,
+                env: Optional[Dict[str, str]] = None) -> List[Union[subprocess.Popen, ForkedRun]]:
+    """The `nodes x devices` processes of a run of `command` on this machine, as torchrun's agents start them
+    (torchrun's variables, a rendezvous at 127.0.0.1:`port`), in rank order; rank r's output in log_dir/rank-r.log."""
+    env = dict(os.environ if env is None else env)
+    ranks = []
+    for rank in range(nodes * devices):
+        variables = dict(TORCHELASTIC_RUN_ID="fabric-lin-test", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                         WORLD_SIZE=str(nodes * devices), RANK=str(rank), LOCAL_RANK=str(rank % devices),
+                         LOCAL_WORLD_SIZE=str(devices), GROUP_RANK=str(rank // devices))
+        ranks.append(start(command, Path(log_dir) / f"rank-{rank}.log", {**env, **variables}))
+    return ranks

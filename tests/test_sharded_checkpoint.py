@@ -212,7 +212,7 @@ def test_fabric_fsdp_checkpoint_resumes_whole_in_one_process(tmp_path):
 
     state = train_state(model, optimizer, Loader())
     load_train_state(OneDeviceFabric(), ckpt_dir, state)
-    assert OneDeviceFabric.lines[-1] == f"{ckpt_dir / 'lit_model.pth'} is sharded (FSDP) and this run is not: its tensors are reassembled whole"
+    assert OneDeviceFabric.lines[-1] == f"{ckpt_dir / 'lit_model.pth'} is sharded and this run is not: its tensors are reassembled whole"
     saved_rng = torch.load(ckpt_dir / "lit_model.pth" / "meta.pt", weights_only=True)["rng_states"]
     assert torch.equal(torch.get_rng_state(), saved_rng["torch"])
 

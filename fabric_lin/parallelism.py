@@ -1,0 +1,133 @@
+"""How several processes share a run: Fabric's strategy, and the model sharded with FSDP2.
+
+One sharded path for every device type: `fully_shard` (FSDP2: DTensor parameters) on a device mesh of
+`num_nodes x devices` processes, NCCL between GPUs and gloo between CPU processes, through Fabric's
+`ModelParallelStrategy`, which calls `parallelize` with the model and its mesh. Across nodes the model is
+replicated, within a node sharded (the meaning of FSDP1's HYBRID_SHARD); on one node it is plainly sharded.
+Each `Block` is one unit (`fully_shard` on each, then on the root for the embedding, the final norm and the
+head), or the whole model is (`parallelism.fsdp_unit model`). DistributedDataParallel stays selectable
+(`parallelism.data_parallel ddp`).
+
+The model is built on the meta device, sharded, and then materialised and initialised shard by shard
+(`initialize_like_one_process`): its weights, gathered, are those of a one-process run with the same seed,
+bit for bit.
+"""
+from datetime import timedelta
+from functools import partial
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+from lightning_fabric.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+
+from fabric_lin.args import ParallelismArgs
+from fabric_lin.errors import InvalidValue
+from fabric_lin.fp8 import FP8Args
+
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for the others (e.g. rank 0 checksumming)
+
+
+def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: ParallelismArgs, precision: str,
+                  fp8: FP8Args = FP8Args()) -> Union[str, Strategy]:
+    """Fabric's strategy for `devices` processes on each of `num_nodes` nodes: "auto" for one process; else FSDP2
+    through ModelParallelStrategy, or DDP (`parallelism.data_parallel`), over NCCL (GPUs) or gloo (CPU processes)."""
+    if devices * num_nodes == 1:
+        return "auto"
+    backend = "nccl" if cuda else "gloo"
+    if parallelism.data_parallel == "ddp":
+        # gradients all-reduced in buckets as the backward pass produces them, into views of the buckets
+        # (no copy); activation checkpointing, when on, is applied to the Blocks by build_model
+        return DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True, timeout=PROCESS_GROUP_TIMEOUT)
+    check_sharded_precision(precision)
+    # Fabric builds its mesh as (data_parallel_size, tensor_parallel_size) and hands every rank of the first
+    # dimension its own samples (distributed_sampler_kwargs); there is no tensor parallelism here, so every rank
+    # is a data-parallel rank: (world size, 1). Replication across nodes and sharding within one are FSDP's own
+    # layout of that data parallelism, on a mesh of its own that `parallelize` makes (Fabric's mesh names its
+    # second dimension tensor_parallel and its first would give the ranks of a node the same samples).
+    return ModelParallelStrategy(
+        parallelize_fn=partial(parallelize, num_nodes=num_nodes, parallelism=parallelism, precision=precision, fp8=fp8),
+        data_parallel_size=devices * num_nodes, tensor_parallel_size=1,
+        save_distributed_checkpoint=True,  # every rank writes its shards: torch.distributed.checkpoint
+        process_group_backend=backend, timeout=PROCESS_GROUP_TIMEOUT,
+    )
+
+
+def check_sharded_precision(precision: str) -> None:
+    """FSDP2 has no loss scaler for fp16 gradients (Fabric's ModelParallelStrategy refuses 16-mixed)."""
+    if precision == "16-mixed":
+        raise InvalidValue(
+            "precision 16-mixed cannot be sharded (FSDP2 has no loss scaler for fp16): use --precision bf16-mixed, "
+            "or --parallelism.data_parallel ddp"
+        )
+
+
+def fsdp_mesh(device_type: str, world_size: int, num_nodes: int):
+    """The mesh FSDP shards over: (num_nodes, devices per node), replicated along the first dimension and
+    sharded along the second; one dimension (sharded) on one node. Ranks are numbered node by node, so the
+    second dimension's groups are the processes of one node."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if num_nodes == 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (num_nodes, world_size // num_nodes), mesh_dim_names=("replicate", "shard"))
+
+
+def mixed_precision_policy(precision: str):
+    """bf16-mixed: each unit's weights gathered and computed in bf16, gradients reduced in fp32 onto the fp32
+    shards (the all-gathers move half the bytes). Other precisions: the parameters' own dtype throughout."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def parallelize(model: nn.Module, device_mesh, *, num_nodes: int, parallelism: ParallelismArgs, precision: str,
+                fp8: FP8Args = FP8Args()) -> nn.Module:
+    """Shard `model` (built on the meta device, its Blocks already wrapped for activation checkpointing and
+    compiled where asked) with FSDP2 and materialise it on this rank's device, initialised as one process
+    would initialise it. Fabric's ModelParallelStrategy calls it with its mesh, which gives the device type
+    and the world size; FSDP's own mesh is `fsdp_mesh`'s."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = fsdp_mesh(device_mesh.device_type, device_mesh.size(), num_nodes)
+    shard = partial(fully_shard, mesh=mesh, reshard_after_forward=parallelism.fsdp_reshard_after_forward,
+                    mp_policy=mixed_precision_policy(precision))
+    if parallelism.fsdp_unit == "block":
+        for block in model.layers:  # a Block, or the activation-checkpointing wrapper around it
+            shard(block)
+    shard(model)  # the rest (embedding, final norm, head), or everything with fsdp_unit "model"
+    device = torch.device(device_mesh.device_type, torch.cuda.current_device()) if device_mesh.device_type == "cuda" \
+        else torch.device(device_mesh.device_type)
+    initialize_like_one_process(model, device)
+    return model
+
+
+@torch.no_grad()
+def initialize_like_one_process(model: nn.Module, device: torch.device) -> None:
+    """Materialise a model sharded on the meta device on `device`, and initialise it as `GPT.reset_parameters()`
+    does in one process, from the global generator's current state: module by module in registration order,
+    each module's own parameters drawn whole (at most one module's, e.g. the embedding, at a time) and this
+    rank's shard kept. Drawn on the shards themselves, the numbers would depend on the mesh."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device=device)
+    for module in model.modules():
+        own = dict(module.named_parameters(recurse=False))
+        if module is model or not hasattr(module, "reset_parameters"):
+            if own:
+                raise TypeError(f"{type(module).__name__} has parameters {sorted(own)} that no reset_parameters() of "
+                                "its own initialises")
+            continue
+        for name, param in own.items():
+            setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False))
+        module.reset_parameters()
+        for name, param in own.items():
+            whole = getattr(module, name)
+            setattr(module, name, param)
+            if isinstance(param, DTensor):
+                # this rank's part of the whole tensor, cut where its shard lies (src_data_rank None: every rank
+                # drew the whole tensor, so none sends anything)
+                whole = distribute_tensor(whole.detach(), param.device_mesh, param.placements, src_data_rank=None).to_local()
+                param = param.to_local()
+            param.copy_(whole)
