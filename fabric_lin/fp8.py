@@ -8,9 +8,10 @@ whose product the chunked cross-entropy makes itself, never holding the whole lo
 projections, GLA's low-rank forget gate and GDN's a/b (`gate_projections` converts those whose widths allow):
 their products are a sliver of the step and FP8 would cost them precision for little. A converted layer
 keeps its parameter names and plain tensors, so checkpoints and exports stay as they are, and a run can
-resume an FP8 checkpoint in bf16 and the reverse. Under FSDP the weights are all-gathered in their own precision:
-torchao's FP8 all-gather (`enable_fsdp_float8_all_gather`) works with FSDP2's `fully_shard` only, and Fabric's
-FSDPStrategy wraps with FSDP1.
+resume an FP8 checkpoint in bf16 and the reverse. Sharded (FSDP2), the converted layers' weights are all-gathered in
+the precision of the run (bf16 under bf16-mixed), or, with `all_gather` (tensorwise only), cast to FP8 on their
+shards and gathered in FP8 (torchao's `enable_fsdp_float8_all_gather`): half the bytes of a bf16 gather, and the
+cast that the product needs is already done.
 
 The model must be built with `GPT(config, fused=..., float8=True)`, which calls its Linear layers as modules
 (the fused kernels otherwise read their weights directly), and converted after its weights are set
@@ -37,16 +38,25 @@ class FP8Args:
     """none: bf16 products; tensorwise: FP8 with one dynamic scale per tensor; rowwise: one per row (more precise)"""
     gate_projections: bool = False
     """Also the small gate projections (GLA's low-rank forget gate, GDN's a and b) where their widths allow"""
+    all_gather: bool = False
+    """Sharded runs (several GPUs, parallelism.data_parallel fsdp) with recipe tensorwise: FSDP gathers the converted
+    layers' weights in FP8 instead of bf16"""
 
     @property
     def enabled(self) -> bool:
         return self.recipe != "none"
 
 
-def check_fp8(args: FP8Args, device: torch.device) -> None:
-    """Refuse an FP8 setup that cannot run, before anything is built: the recipe, the device, torchao."""
+def check_fp8(args: FP8Args, device: torch.device, sharded: bool = False) -> None:
+    """Refuse an FP8 setup that cannot run, before anything is built: the recipe, the device, torchao, and
+    `all_gather` where the run is not sharded (`sharded`: FSDP2 over several processes)."""
     if args.recipe not in RECIPES:
         raise InvalidValue(f"fp8.recipe must be one of {RECIPES}, got {args.recipe!r}")
+    if args.all_gather and args.recipe != "tensorwise":
+        raise InvalidValue(
+            f"fp8.all_gather gathers weights cast to FP8 with one scale per tensor: it needs fp8.recipe 'tensorwise', "
+            f"got {args.recipe!r}"
+        )
     if not args.enabled:
         return
     if device.type != "cuda":
@@ -59,6 +69,11 @@ def check_fp8(args: FP8Args, device: torch.device) -> None:
         raise InvalidValue(
             f"fp8.recipe {args.recipe!r} needs a GPU of compute capability 8.9 or newer; "
             f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: leave fp8.recipe at 'none'"
+        )
+    if args.all_gather and not sharded:
+        raise InvalidValue(
+            "fp8.all_gather changes how FSDP gathers the weights: it needs a sharded run (several GPUs with "
+            "parallelism.data_parallel fsdp); this run is on one GPU or DDP, leave fp8.all_gather false"
         )
     torchao_version()
 
@@ -115,7 +130,8 @@ def convert_to_fp8(model: nn.Module, args: FP8Args, emulate: bool = False) -> Li
     """Swap the Linear layers `fp8_layers` names for torchao's Float8Linear, in place, and return their names.
     The new layers keep their parameters (the same tensors) and the model's init (`reset_parameters`, which a
     model built on the meta device is materialised with). emulate: FP8 products emulated in higher precision
-    (torchao's emulate), e.g. on a CPU, for tests."""
+    (torchao's emulate), e.g. on a CPU, for tests. With `args.all_gather` the weights are torchao's tensors that
+    FSDP2 gathers in FP8; the model must then be sharded with `fully_shard` (fabric_lin.parallelism)."""
     torchao_version()
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
@@ -124,7 +140,8 @@ def convert_to_fp8(model: nn.Module, args: FP8Args, emulate: bool = False) -> Li
         raise InvalidValue("convert_to_fp8: build the model with GPT(config, fused=..., float8=True), whose Linear layers "
                          "are called as modules; the fused kernels read the weights themselves")
     check_fp8_shapes(model, args)
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(args.recipe), emulate=emulate)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(args.recipe), emulate=emulate,
+                                 enable_fsdp_float8_all_gather=args.all_gather)
 
     class Float8Projection(Float8Linear):
         """torchao's Float8Linear, initialised as the model's Linear layers are: N(0, std), zero bias."""

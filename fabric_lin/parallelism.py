@@ -14,7 +14,7 @@ bit for bit.
 """
 from datetime import timedelta
 from functools import partial
-from typing import Optional, Union
+from typing import Union
 
 import torch
 import torch.nn as nn
@@ -22,13 +22,12 @@ from lightning_fabric.strategies import DDPStrategy, ModelParallelStrategy, Stra
 
 from fabric_lin.args import ParallelismArgs
 from fabric_lin.errors import InvalidValue
-from fabric_lin.fp8 import FP8Args
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for the others (e.g. rank 0 checksumming)
 
 
-def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: ParallelismArgs, precision: str,
-                  fp8: FP8Args = FP8Args()) -> Union[str, Strategy]:
+def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: ParallelismArgs,
+                  precision: str) -> Union[str, Strategy]:
     """Fabric's strategy for `devices` processes on each of `num_nodes` nodes: "auto" for one process; else FSDP2
     through ModelParallelStrategy, or DDP (`parallelism.data_parallel`), over NCCL (GPUs) or gloo (CPU processes)."""
     if devices * num_nodes == 1:
@@ -45,7 +44,7 @@ def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: Paralle
     # layout of that data parallelism, on a mesh of its own that `parallelize` makes (Fabric's mesh names its
     # second dimension tensor_parallel and its first would give the ranks of a node the same samples).
     return ModelParallelStrategy(
-        parallelize_fn=partial(parallelize, num_nodes=num_nodes, parallelism=parallelism, precision=precision, fp8=fp8),
+        parallelize_fn=partial(parallelize, num_nodes=num_nodes, parallelism=parallelism, precision=precision),
         data_parallel_size=devices * num_nodes, tensor_parallel_size=1,
         save_distributed_checkpoint=True,  # every rank writes its shards: torch.distributed.checkpoint
         process_group_backend=backend, timeout=PROCESS_GROUP_TIMEOUT,
@@ -73,8 +72,9 @@ def fsdp_mesh(device_type: str, world_size: int, num_nodes: int):
 
 
 def mixed_precision_policy(precision: str):
-    """bf16-mixed: each unit's weights gathered and computed in bf16, gradients reduced in fp32 onto the fp32
-    shards (the all-gathers move half the bytes). Other precisions: the parameters' own dtype throughout."""
+    """bf16-mixed: each unit's weights gathered and computed in bf16 (half the bytes of each all-gather; the
+    residual stream is then bf16 too, where one device keeps it in fp32 under autocast), gradients reduced in
+    fp32 onto the fp32 shards. Other precisions: the parameters' own dtype throughout."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if precision == "bf16-mixed":
@@ -82,10 +82,10 @@ def mixed_precision_policy(precision: str):
     return MixedPrecisionPolicy()
 
 
-def parallelize(model: nn.Module, device_mesh, *, num_nodes: int, parallelism: ParallelismArgs, precision: str,
-                fp8: FP8Args = FP8Args()) -> nn.Module:
+def parallelize(model: nn.Module, device_mesh, *, num_nodes: int, parallelism: ParallelismArgs,
+                precision: str) -> nn.Module:
     """Shard `model` (built on the meta device, its Blocks already wrapped for activation checkpointing and
-    compiled where asked) with FSDP2 and materialise it on this rank's device, initialised as one process
+    compiled, its Linear layers converted to FP8, where asked) with FSDP2 and materialise it on this rank's device, initialised as one process
     would initialise it. Fabric's ModelParallelStrategy calls it with its mesh, which gives the device type
     and the world size; FSDP's own mesh is `fsdp_mesh`'s."""
     from torch.distributed.fsdp import fully_shard

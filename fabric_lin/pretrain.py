@@ -163,7 +163,8 @@ def setup(
     eval.validate()
     parallelism.validate()
     compile = compile.resolve(cuda, devices, num_nodes, reset_state_at_doc_boundaries)
-    check_fp8(fp8, torch.device("cuda" if cuda else "cpu"))
+    check_fp8(fp8, torch.device("cuda" if cuda else "cpu"),
+              sharded=devices * num_nodes > 1 and parallelism.data_parallel == "fsdp")
     if initial_checkpoint_dir is not None and not Path(initial_checkpoint_dir).is_dir():
         raise MissingFile(f"--initial_checkpoint_dir {initial_checkpoint_dir} is not a directory (expected a model directory)")
     out_dir = Path(out_dir)

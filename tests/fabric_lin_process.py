@@ -151,6 +151,7 @@ def start_ranks(command: List[str], log_dir: Union[str, Path], nodes: int, devic
     """The `nodes x devices` processes of a run of `command` on this machine, as torchrun's agents start them
     (torchrun's variables, a rendezvous at 127.0.0.1:`port`), in rank order; rank r's output in log_dir/rank-r.log."""
     env = dict(os.environ if env is None else env)
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
     ranks = []
     for rank in range(nodes * devices):
         variables = dict(TORCHELASTIC_RUN_ID="fabric-lin-test", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import time
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -117,8 +118,26 @@ def logged_losses(out_dir: Path) -> Dict[int, float]:
 
 
 def final_weights(out_dir: Path) -> Dict[str, torch.Tensor]:
-    """The model weights of the run's final checkpoint (out_dir/final)."""
-    return torch.load(out_dir / "final" / "lit_model.pth", map_location="cpu", weights_only=True)["model"]
+    """The model weights of the run's final checkpoint (out_dir/final), one file or sharded."""
+    path = out_dir / "final" / "lit_model.pth"
+    if path.is_dir():
+        return {key.removeprefix("model."): value for key, value in read_dcp(path).items() if key.startswith("model.")}
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def read_dcp(path: Path) -> Dict[str, object]:
+    """Every entry of a torch.distributed.checkpoint directory (a sharded lit_model.pth), whole, read in this process
+    by torch's own reader: {"model.<parameter>": tensor, "optimizer.state.<parameter>.<name>": tensor, ...}."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    entries = {key: torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+               for key, item in reader.read_metadata().state_dict_metadata.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(entries, storage_reader=reader, no_dist=True)
+    return entries
 
 
 # ---- end to end: the debug run (gla-debug on the sample corpus) as a subprocess, stopped and resumed

@@ -1,0 +1,319 @@
+"""End to end: `fabric-lin pretrain` on several CPU processes (gloo), sharded with FSDP2 (gla-debug, the sample
+corpus, a global batch of 4). One process, two (one node: plain sharding, Fabric's own launch) and four (two nodes of
+two: replicated across the nodes, sharded within each) train on the same samples with the same losses, to the order
+of the sums; a checkpoint taken on any of these meshes resumes on another one holding the same state bit for bit
+(4 -> 2 -> 1, 1 -> 4), and a DDP run continues a sharded one. Killed by SIGKILL of one rank in the middle of a save,
+a run leaves no checkpoint that is taken for complete and resumes as if never stopped; so does a run of two torchrun
+agents stopped by SIGTERM. A sharded checkpoint is converted and evaluated in one process. An error every rank meets
+is printed once.
+
+The four-process runs are started as torchrun's agents would start them (fabric_lin_process.start_ranks: forked, no
+second import of torch), two nodes of two processes on this machine; the torchrun test starts real agents."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+import fabric_lin_process
+from conftest import logged_data_fingerprints
+from helpers import (
+    CPU_ONLY,
+    DEBUG_ARGS,
+    DEBUG_STEPS as STEPS,
+    RUN_TIMEOUT as TIMEOUT,
+    assert_same_run,
+    free_port,
+    load_whole_checkpoint,
+    logged_losses,
+    metrics_records,
+    pretrain_command,
+    read_dcp,
+    run_ok,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+# A micro batch of one sequence, so that 1, 2 and 4 processes take the same global batch of 4 (4, 2 and 1 micro
+# batches each). AdamW's eps at 1e-4 instead of 1e-8: a gradient component near zero is a sum that nearly cancels,
+# whose last bits follow the order of the sums (which the number of processes changes); with eps far below it, AdamW
+# turns those bits into updates of +-lr, and the losses of 1, 2 and 4 processes part at the fourth digit within a few
+# steps. With 1e-4 they agree to 1e-6 over the whole run, so a difference of 1e-5 is a fault, not rounding.
+ARGS = [*DEBUG_ARGS, "--train.micro_batch_size", "1", "--optimizer.eps", "1e-4"]
+LOSS_RTOL = 1e-5
+
+
+def command(out_dir: Path, *extra: str) -> List[str]:
+    return [*pretrain_command(out_dir, *ARGS), *extra]
+
+
+def run_ranks(out_dir: Path, nodes: int, devices: int, *extra: str) -> str:
+    """The run on `nodes` x `devices` processes started as torchrun's agents would (rank 0's log returned)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    logs = out_dir.parent / f"{out_dir.name}-logs"
+    ranks = fabric_lin_process.start_ranks(command(out_dir, "--devices", str(devices), "--num_nodes", str(nodes), *extra),
+                                           logs, nodes, devices, free_port(), CPU_ONLY)
+    codes = [rank.wait(TIMEOUT) for rank in ranks]
+    assert codes == [0] * len(ranks), "".join((logs / f"rank-{r}.log").read_text()[-2000:] for r in range(len(ranks)))
+    return (logs / "rank-0.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("one") / "out"
+    run_ok(command(out), TIMEOUT, CPU_ONLY)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> Path:
+    """Two processes of one node, launched by Fabric itself (`--devices 2`): FSDP2 shards over both."""
+    out = tmp_path_factory.mktemp("two") / "out"
+    run_ok(command(out, "--devices", "2"), TIMEOUT, CPU_ONLY)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> Path:
+    """Two nodes of two processes: a (2, 2) mesh, replicated across the nodes and sharded within each."""
+    out = tmp_path_factory.mktemp("four") / "out"
+    run_ranks(out, 2, 2)
+    return out
+
+
+# ---------------------------------------------------------------- what a checkpoint holds
+
+
+def optimizer_order(config) -> List[str]:
+    """The parameters in the order of pretrain's two AdamW groups (with weight decay, then without): the order
+    a one-file checkpoint's optimizer state numbers them in."""
+    from fabric_lin.pretrain import no_decay_parameter_names
+    from fabric_lin.weights import meta_model
+
+    model = meta_model(config)
+    no_decay = no_decay_parameter_names(model)
+    names = [name for name, _ in model.named_parameters()]
+    return [n for n in names if n not in no_decay] + [n for n in names if n in no_decay]
+
+
+def train_state_contents(checkpoint_dir: Path) -> Dict[str, Any]:
+    """Everything a training checkpoint's lit_model.pth holds, keyed alike whether it is one file or sharded:
+    model.<parameter>, optimizer.state.<parameter>.<exp_avg|exp_avg_sq|step>, optimizer.param_groups.<i>.<setting>,
+    and the rest (counters, data position, RNG states) under their own names."""
+    from fabric_lin.config import Config
+
+    path = checkpoint_dir / "lit_model.pth"
+    if path.is_dir():
+        contents = {key: value for key, value in read_dcp(path).items() if not key.endswith(".params")}
+        contents.update(load_whole_checkpoint(path / "meta.pt"))
+        return contents
+    saved = load_whole_checkpoint(path)
+    order = optimizer_order(Config.from_checkpoint(checkpoint_dir))
+    contents = {f"model.{name}": tensor for name, tensor in saved.pop("model").items()}
+    optimizer = saved.pop("optimizer")
+    for index, moments in optimizer["state"].items():
+        contents.update({f"optimizer.state.{order[index]}.{key}": value for key, value in moments.items()})
+    for i, group in enumerate(optimizer["param_groups"]):
+        contents.update({f"optimizer.param_groups.{i}.{key}": value for key, value in group.items() if key != "params"})
+    contents.update(saved)
+    return contents
+
+
+def assert_same_contents(got: Any, expected: Any, where: str = "") -> None:
+    """Equal bit for bit: tensors of the same dtype and values, containers of equal items, equal plain values."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype and torch.equal(got, expected), where
+    elif isinstance(expected, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(expected), (where, sorted(set(got) ^ set(expected))[:6])
+        for key in expected:
+            assert_same_contents(got[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(expected), where
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert_same_contents(a, b, f"{where}[{i}]")
+    else:
+        assert got == expected, (where, got, expected)
+
+
+def sharded_files(checkpoint_dir: Path) -> List[str]:
+    return sorted(p.name for p in (checkpoint_dir / "lit_model.pth").iterdir())
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def test_one_two_and_four_processes_train_on_the_same_samples_with_the_same_losses(one, two, four):
+    """The same samples at every step (the sum of per-sample checksums); the losses equal to LOSS_RTOL, and the
+    first step's gradient norm (the same weights, gradients summed in another order) to a few ulps of its sums."""
+    from fabric_lin.checkpoint import verify_checkpoint
+
+    expected = logged_data_fingerprints(one)
+    assert sorted(expected) == list(range(1, STEPS + 1)) and len(set(expected.values())) == STEPS
+    reference, first = logged_losses(one), metrics_records(one)
+    for run in (two, four):
+        assert logged_data_fingerprints(run) == expected
+        losses = logged_losses(run)
+        for step in range(1, STEPS + 1):
+            assert losses[step] == pytest.approx(reference[step], rel=LOSS_RTOL), (run, step)
+        norm = next(r["grad_norm"] for r in metrics_records(run) if r.get("step") == 1 and "grad_norm" in r)
+        assert norm == pytest.approx(next(r["grad_norm"] for r in first if r.get("step") == 1 and "grad_norm" in r), rel=2e-6)
+    # every rank wrote its shard; the manifest, written last, lists every file of the checkpoint
+    assert sharded_files(two / "final") == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sharded_files(four / "final") == [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "meta.pt"]
+    for run in (two, four):
+        manifest = json.loads((run / "final" / "manifest.json").read_text())
+        assert set(manifest["files"]) == {p.relative_to(run / "final").as_posix() for p in (run / "final").rglob("*")
+                                          if p.is_file() and p.name != "manifest.json"}
+        assert verify_checkpoint(run / "final").ok
+
+
+@pytest.mark.parametrize("source, meshes", [("four", [(1, 2), (1, 1)]), ("one", [(2, 2)])], ids=["4->2->1", "1->4"])
+def test_a_checkpoint_resumed_on_another_mesh_holds_the_same_state(one, four, tmp_path, source, meshes):
+    """The final checkpoint of one mesh (nodes, devices) resumed on the next, with nothing left to train, so that the
+    run saves the state it loaded as its own final/: the weights, AdamW's moments and steps, the data position,
+    counters and random generators' states are the first run's, bit for bit, on every mesh of the chain."""
+    previous = {"one": one, "four": four}[source]
+    expected = train_state_contents(previous / "final")
+    for i, (nodes, devices) in enumerate(meshes):
+        out = tmp_path / f"mesh-{i}"
+        log = run_ranks(out, nodes, devices, "--resume", str(previous / "final"))
+        assert "Nothing to train: the checkpoint is at step 8" in log
+        assert (out / "final" / "lit_model.pth").is_dir() == (nodes * devices > 1)
+        assert_same_contents(train_state_contents(out / "final"), expected)
+        previous = out
+
+
+def test_ddp_continues_a_sharded_run_on_its_samples(four, tmp_path):
+    """DDP over two processes resumes the four-process sharded run at step 4 (its tensors reassembled whole): steps
+    5-8 train on the uninterrupted run's samples, and their losses follow its losses."""
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copytree(four / "step-00000004", out / "step-00000004")
+    log = run_ranks(out, 1, 2, "--parallelism.data_parallel", "ddp", "--resume", "auto")
+    assert "is sharded and this run is not: its tensors are reassembled whole" in log
+    assert sorted(logged_losses(out)) == [5, 6, 7, 8]
+    expected = logged_data_fingerprints(four)
+    assert logged_data_fingerprints(out) == {step: expected[step] for step in range(5, STEPS + 1)}
+    reference = logged_losses(four)
+    for step, loss in logged_losses(out).items():
+        assert loss == pytest.approx(reference[step], rel=LOSS_RTOL), step
+    assert (out / "final" / "lit_model.pth").is_file()  # DDP writes one file
+
+
+def test_sigkill_of_a_rank_in_the_middle_of_a_save_leaves_no_checkpoint_taken_for_complete(two, tmp_path):
+    """Rank 0 is frozen while it saves (its checkpoint directory still `.tmp-`: rank 0 renames it last), then
+    killed: rank 1 finds it gone and exits, the unfinished checkpoint is never resumed, and the run resumes from
+    the checkpoint before as if never stopped."""
+    from fabric_lin.checkpoint import explicit_resume_dir, verify_checkpoint
+
+    out = tmp_path / "out"
+    out.mkdir()
+    ranks = fabric_lin_process.start_ranks(command(out, "--devices", "2"), tmp_path / "logs", 1, 2, free_port(), CPU_ONLY)
+    caught = None
+    for step in (4, 6):  # a save caught in flight; where one ended before the test froze its rank 0, the next one
+        unfinished = out / f".tmp-step-{step:08d}"
+        wait_for(unfinished.exists, ranks[0], poll=0.001)
+        os.kill(ranks[0].pid, signal.SIGSTOP)
+        if not (out / f"step-{step:08d}").exists():
+            caught = step
+            break
+        os.kill(ranks[0].pid, signal.SIGCONT)
+    assert caught is not None, "no save was caught before its end"
+    os.kill(ranks[0].pid, signal.SIGKILL)
+    assert ranks[1].wait(60) != 0  # the other rank finds its peer gone at its next collective: no hang
+    assert ranks[0].wait(10) == -signal.SIGKILL
+    unfinished = out / f".tmp-step-{caught:08d}"
+    assert unfinished.is_dir() and not (out / f"step-{caught:08d}").exists()
+    assert not verify_checkpoint(unfinished).ok
+    with pytest.raises(ValueError, match="an unfinished checkpoint"):
+        explicit_resume_dir(unfinished)
+    log = run_ranks(out, 1, 2, "--resume", "auto")
+    assert f"Resuming from {out / f'step-{caught - 2:08d}'}" in log
+    assert_same_run(out, two)
+
+
+def test_two_torchrun_agents_of_two_processes_stop_on_sigterm_and_resume_exactly(four, tmp_path):
+    """The multi-node tutorial's launch, two nodes of two processes on this host: SIGTERM to both agents saves a
+    checkpoint; the same command with --resume auto ends with the uninterrupted (2, 2) run's losses, samples and
+    weights, bit for bit."""
+    fabric_lin = shutil.which("fabric-lin") or pytest.skip("the fabric-lin console script is not installed")
+    out = tmp_path / "out"
+
+    def agents(*extra: str) -> List[subprocess.Popen]:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                    "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+        return [subprocess.Popen([*torchrun, "--node-rank", str(node), fabric_lin, "pretrain", *ARGS, "--out_dir", str(out),
+                                  "--devices", "2", "--num_nodes", "2", *extra],
+                                 stdout=open(tmp_path / f"node-{node}-{len(extra)}.log", "w"), stderr=subprocess.STDOUT,
+                                 env=CPU_ONLY)
+                for node in (0, 1)]
+
+    nodes = agents()
+    wait_for(lambda: max(logged_losses(out), default=0) >= 3, nodes[0])
+    for node in nodes:
+        node.send_signal(signal.SIGTERM)
+    for node in nodes:
+        node.wait(TIMEOUT)  # torchrun exits 1 once signalled (multi_node.md); the workers' line says what happened
+    log = (tmp_path / "node-0-0.log").read_text()
+    assert "Stopped by SIGTERM at step" in log, log[-3000:]
+    assert not (out / "final").exists()
+    nodes = agents("--resume", "auto")
+    assert [node.wait(TIMEOUT) for node in nodes] == [0, 0], (tmp_path / "node-0-2.log").read_text()[-3000:]
+    assert_same_run(out, four)
+
+
+def test_a_sharded_checkpoint_is_converted_and_evaluated_in_one_process(four, tmp_path):
+    """convert_pretrained_checkpoint reassembles the four processes' shards into the weights they hold; evaluate
+    reads the sharded checkpoint and the converted model directory alike. A damaged shard is named, and a run
+    whose model has other parameters is told which."""
+    from fabric_lin.config import Config
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+    from fabric_lin.data import SampleCorpus
+    from fabric_lin.evaluate import main as evaluate
+    from fabric_lin.model import GPT
+    from fabric_lin.sharded_checkpoint import load_sharded_train_state
+
+    final = four / "final"
+    convert_pretrained_checkpoint(final, tmp_path / "model")
+    weights = torch.load(tmp_path / "model" / "lit_model.pth", weights_only=True)
+    assert_same_contents(weights, {k.removeprefix("model."): v for k, v in read_dcp(final / "lit_model.pth").items()
+                                   if k.startswith("model.")})
+    sharded = evaluate(final, max_batches=1, out_dir=tmp_path / "eval-sharded")["lengths"][0]
+    converted = evaluate(tmp_path / "model", data=SampleCorpus(), seq_len=64, batch_size=1, max_batches=1,
+                         out_dir=tmp_path / "eval-model")["lengths"][0]
+    assert sharded["data_fingerprint"] == converted["data_fingerprint"] and sharded["loss"] == converted["loss"]
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(final, damaged)
+    with open(damaged / "lit_model.pth" / "__3_0.distcp", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
+    with pytest.raises(ValueError, match=r"the checkpoint is damaged: lit_model.pth/__3_0.distcp's bytes changed"):
+        convert_pretrained_checkpoint(damaged, tmp_path / "model2")
+
+    class Loader:
+        def load_state_dict(self, state):
+            pass
+
+    other = GPT(Config.from_name("gla-debug", num_layers=1))
+    state = {"model": other, "optimizer": torch.optim.AdamW(other.parameters()), "train_dataloader": Loader()}
+    with pytest.raises(ValueError, match=r"the checkpoint's model does not fit this run's: missing \[\], unexpected \['layers.1"):
+        load_sharded_train_state(final / "lit_model.pth", state)
+
+
+def test_an_error_every_rank_meets_is_printed_once(tmp_path):
+    """Two processes both find the --resume directory missing (after the launch): rank 0 alone reports it;
+    the out_dir the run created is removed again."""
+    missing = tmp_path / "nothing"
+    result = fabric_lin_process.run(command(tmp_path / "out", "--devices", "2", "--resume", str(missing)), TIMEOUT, CPU_ONLY)
+    assert result.returncode == 2
+    line = f"fabric-lin pretrain: error: --resume {missing}: expected a checkpoint directory holding lit_model.pth\n"
+    assert (result.stdout + result.stderr).count(line) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
