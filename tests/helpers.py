@@ -151,7 +151,7 @@ DEBUG_ARGS = [
     "--optimizer.lr", "3e-3", "--logger_name", "csv",
 ]
 RUN_TIMEOUT = 300
-# the two-process runs are DDP over gloo on the CPU, also on a machine with one GPU (where NCCL over 2 GPUs
+# the runs of several processes are on the CPU (gloo), also on a machine with one GPU (where NCCL over 2 GPUs
 # could not start)
 CPU_ONLY = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 LOADER_WORKERS = ("--data", "SampleCorpus", "--data.num_workers", "2")

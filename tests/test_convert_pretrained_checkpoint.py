@@ -1,7 +1,7 @@
 """fabric_lin/convert/pretrained_checkpoint.py: a one-device training checkpoint -> model directory, verified against
 its manifest first (damaged or manifest-less checkpoints refused), its compile prefixes stripped, cast on request,
 pickled code refused; the converters' outputs: their file mode, and no directory left behind by a failed
-conversion. (FSDP-sharded checkpoints: test_sharded_checkpoint.py.)"""
+conversion. (Sharded checkpoints: test_pretrain_sharded.py.)"""
 import os
 import random
 import shutil

@@ -31,6 +31,27 @@ def test_recipe_and_device_checks_name_the_fix(monkeypatch):
         check_fp8(FP8Args("rowwise"), torch.device("cuda", 0))
 
 
+def test_fp8_all_gather_is_refused_where_it_cannot_run(monkeypatch, tmp_path, capsys):
+    """It gathers tensorwise FP8 weights: refused without a recipe, with rowwise, on the CPU, and where nothing is
+    gathered (one GPU, DDP); the command line gives the reason in one line. (Its construction: test_parallelism.py.)"""
+    with pytest.raises(ValueError, match="fp8.all_gather .* needs fp8.recipe 'tensorwise', got 'none'"):
+        check_fp8(FP8Args("none", all_gather=True), torch.device("cuda", 0), sharded=True)
+    with pytest.raises(ValueError, match="needs fp8.recipe 'tensorwise', got 'rowwise'"):
+        check_fp8(FP8Args("rowwise", all_gather=True), torch.device("cuda", 0), sharded=True)
+    with pytest.raises(ValueError, match="needs a CUDA GPU of compute capability 8.9"):
+        check_fp8(FP8Args("tensorwise", all_gather=True), torch.device("cpu"), sharded=True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(ValueError, match="fp8.all_gather .* needs a sharded run .* this run is on one GPU or DDP"):
+        check_fp8(FP8Args("tensorwise", all_gather=True), torch.device("cuda", 0), sharded=False)
+    if importlib.util.find_spec("torchao") is not None:
+        check_fp8(FP8Args("tensorwise", all_gather=True), torch.device("cuda", 0), sharded=True)
+    from helpers import cli_error
+
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--fp8.all_gather", "true", "--train.max_steps", "1",
+                     "--out_dir", str(tmp_path / "out")], capsys)
+    assert "fp8.all_gather gathers weights cast to FP8 with one scale per tensor" in err
+
+
 def test_torchao_missing_or_too_old_is_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     real_import = builtins.__import__

@@ -1,10 +1,10 @@
 """fabric_lin/pretrain.py: the loop's setup -> main, in this process. The errors given before any work (each naming
 the value, nothing written), a used out_dir refused or overwritten, hyperparameters.yaml as the next run's config, a
 training checkpoint or model directory to start from, the model built empty then initialised, which parameters take
-no weight decay (also under DDP), the data-parallel strategy, the GLA kernel search on rank 0, and the CPU threads.
+no weight decay (also under DDP), the GLA kernel search on rank 0, and the CPU threads.
 Elsewhere: the option groups (test_args.py), the command line (test_cli.py), its data (test_pretrain_data.py), what
 a resume may change (test_run_identity.py), end to end as a subprocess (test_pretrain_resume.py,
-test_pretrain_ddp.py, test_pretrain_gdn.py)."""
+test_pretrain_sharded.py, test_pretrain_gdn.py)."""
 import json
 import os
 
@@ -290,28 +290,6 @@ def test_no_decay_names_found_in_a_ddp_wrapped_model():
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved_environ)
-
-
-def test_strategy_for_each_data_parallel_choice():
-    from lightning_fabric.strategies import DDPStrategy, FSDPStrategy
-    from torch.distributed.fsdp import ShardingStrategy
-
-    from fabric_lin.pretrain import make_strategy
-
-    assert make_strategy(cuda=True, devices=1, num_nodes=1, parallelism=ParallelismArgs(data_parallel="ddp")) == "auto"
-    cpu = make_strategy(cuda=False, devices=2, num_nodes=1, parallelism=ParallelismArgs(data_parallel="fsdp"))
-    assert isinstance(cpu, DDPStrategy) and cpu._process_group_backend == "gloo"
-    ddp = make_strategy(cuda=True, devices=2, num_nodes=1, parallelism=ParallelismArgs(data_parallel="ddp"))
-    assert type(ddp) is DDPStrategy and ddp._process_group_backend == "nccl"
-    assert ddp._ddp_kwargs["gradient_as_bucket_view"] is True
-    fsdp = make_strategy(cuda=True, devices=2, num_nodes=2, parallelism=ParallelismArgs(fsdp_reshard_after_forward=False))
-    assert isinstance(fsdp, FSDPStrategy) and fsdp.sharding_strategy == ShardingStrategy._HYBRID_SHARD_ZERO2
-    assert make_strategy(cuda=True, devices=2, num_nodes=1).sharding_strategy == ShardingStrategy.HYBRID_SHARD
-    assert make_strategy(cuda=True, devices=2, num_nodes=1)._fsdp_kwargs["auto_wrap_policy"] is not None
-    whole = make_strategy(cuda=True, devices=2, num_nodes=1, parallelism=ParallelismArgs(fsdp_unit="model"))
-    assert "auto_wrap_policy" not in whole._fsdp_kwargs  # one unit: the root module
-    checkpointed = make_strategy(cuda=True, devices=2, num_nodes=1, parallelism=ParallelismArgs(activation_checkpointing=True))
-    assert checkpointed._activation_checkpointing_kwargs and not make_strategy(True, 2, 1)._activation_checkpointing_kwargs
 
 
 class RankFabric:

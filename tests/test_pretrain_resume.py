@@ -5,7 +5,7 @@ An uninterrupted run is the reference. Runs stopped by SIGKILL (also while a che
 SIGTERM and by Ctrl-C are resumed with `--resume auto` and must log the same loss and the same data checksum at
 every step and end with the same weights, bit for bit; so must a run resumed past a damaged checkpoint. A second
 Ctrl-C stops at once; a fresh run into a used out_dir is refused; the start-up time counts from Python's start,
-also behind a shell. Two processes: test_pretrain_ddp.py.
+also behind a shell. Several processes: test_pretrain_sharded.py.
 
 Run as a script for the long fault-injection tally (not in CI):
     python tests/test_pretrain_resume.py --kills 100

@@ -41,25 +41,28 @@ from helpers import (
 
 pytestmark = pytest.mark.slow
 
-# A micro batch of one sequence, so that 1, 2 and 4 processes take the same global batch of 4 (4, 2 and 1 micro
-# batches each). AdamW's eps at 1e-4 instead of 1e-8: a gradient component near zero is a sum that nearly cancels,
+# The global batch of 4 sequences is one micro batch per process: 1, 2 and 4 processes take the same samples at
+# every step (fewer, larger micro batches than DEBUG_ARGS' cost less). AdamW's eps at 1e-4 instead of 1e-8: a gradient component near zero is a sum that nearly cancels,
 # whose last bits follow the order of the sums (which the number of processes changes); with eps far below it, AdamW
 # turns those bits into updates of +-lr, and the losses of 1, 2 and 4 processes part at the fourth digit within a few
 # steps. With 1e-4 they agree to 1e-6 over the whole run, so a difference of 1e-5 is a fault, not rounding.
-ARGS = [*DEBUG_ARGS, "--train.micro_batch_size", "1", "--optimizer.eps", "1e-4"]
+GLOBAL_BATCH = 4
+ARGS = [*DEBUG_ARGS, "--train.global_batch_size", str(GLOBAL_BATCH), "--optimizer.eps", "1e-4"]
 LOSS_RTOL = 1e-5
 
 
-def command(out_dir: Path, *extra: str) -> List[str]:
-    return [*pretrain_command(out_dir, *ARGS), *extra]
+def command(out_dir: Path, nodes: int, devices: int, *extra: str) -> List[str]:
+    """The run on `nodes` x `devices` processes, each taking its share of the global batch in one micro batch."""
+    return [*pretrain_command(out_dir, *ARGS), "--train.micro_batch_size", str(GLOBAL_BATCH // (nodes * devices)),
+            "--devices", str(devices), "--num_nodes", str(nodes), *extra]
 
 
 def run_ranks(out_dir: Path, nodes: int, devices: int, *extra: str) -> str:
     """The run on `nodes` x `devices` processes started as torchrun's agents would (rank 0's log returned)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     logs = out_dir.parent / f"{out_dir.name}-logs"
-    ranks = fabric_lin_process.start_ranks(command(out_dir, "--devices", str(devices), "--num_nodes", str(nodes), *extra),
-                                           logs, nodes, devices, free_port(), CPU_ONLY)
+    ranks = fabric_lin_process.start_ranks(command(out_dir, nodes, devices, *extra), logs, nodes, devices, free_port(),
+                                           CPU_ONLY)
     codes = [rank.wait(TIMEOUT) for rank in ranks]
     assert codes == [0] * len(ranks), "".join((logs / f"rank-{r}.log").read_text()[-2000:] for r in range(len(ranks)))
     return (logs / "rank-0.log").read_text()
@@ -68,7 +71,7 @@ def run_ranks(out_dir: Path, nodes: int, devices: int, *extra: str) -> str:
 @pytest.fixture(scope="module")
 def one(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("one") / "out"
-    run_ok(command(out), TIMEOUT, CPU_ONLY)
+    run_ok(command(out, 1, 1), TIMEOUT, CPU_ONLY)
     return out
 
 
@@ -76,7 +79,7 @@ def one(tmp_path_factory) -> Path:
 def two(tmp_path_factory) -> Path:
     """Two processes of one node, launched by Fabric itself (`--devices 2`): FSDP2 shards over both."""
     out = tmp_path_factory.mktemp("two") / "out"
-    run_ok(command(out, "--devices", "2"), TIMEOUT, CPU_ONLY)
+    run_ok(command(out, 1, 2), TIMEOUT, CPU_ONLY)
     return out
 
 
@@ -215,7 +218,7 @@ def test_sigkill_of_a_rank_in_the_middle_of_a_save_leaves_no_checkpoint_taken_fo
 
     out = tmp_path / "out"
     out.mkdir()
-    ranks = fabric_lin_process.start_ranks(command(out, "--devices", "2"), tmp_path / "logs", 1, 2, free_port(), CPU_ONLY)
+    ranks = fabric_lin_process.start_ranks(command(out, 1, 2), tmp_path / "logs", 1, 2, free_port(), CPU_ONLY)
     caught = None
     for step in (4, 6):  # a save caught in flight; where one ended before the test froze its rank 0, the next one
         unfinished = out / f".tmp-step-{step:08d}"
@@ -241,31 +244,27 @@ def test_sigkill_of_a_rank_in_the_middle_of_a_save_leaves_no_checkpoint_taken_fo
 
 def test_two_torchrun_agents_of_two_processes_stop_on_sigterm_and_resume_exactly(four, tmp_path):
     """The multi-node tutorial's launch, two nodes of two processes on this host: SIGTERM to both agents saves a
-    checkpoint; the same command with --resume auto ends with the uninterrupted (2, 2) run's losses, samples and
-    weights, bit for bit."""
+    checkpoint. Resumed with --resume auto (its processes started as the agents start theirs), the run ends with
+    the uninterrupted (2, 2) run's losses, samples and weights, bit for bit."""
     fabric_lin = shutil.which("fabric-lin") or pytest.skip("the fabric-lin console script is not installed")
     out = tmp_path / "out"
-
-    def agents(*extra: str) -> List[subprocess.Popen]:
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                    "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-        return [subprocess.Popen([*torchrun, "--node-rank", str(node), fabric_lin, "pretrain", *ARGS, "--out_dir", str(out),
-                                  "--devices", "2", "--num_nodes", "2", *extra],
-                                 stdout=open(tmp_path / f"node-{node}-{len(extra)}.log", "w"), stderr=subprocess.STDOUT,
-                                 env=CPU_ONLY)
-                for node in (0, 1)]
-
-    nodes = agents()
-    wait_for(lambda: max(logged_losses(out), default=0) >= 3, nodes[0])
-    for node in nodes:
-        node.send_signal(signal.SIGTERM)
-    for node in nodes:
-        node.wait(TIMEOUT)  # torchrun exits 1 once signalled (multi_node.md); the workers' line says what happened
-    log = (tmp_path / "node-0-0.log").read_text()
-    assert "Stopped by SIGTERM at step" in log, log[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    logs = [tmp_path / f"node-{node}.log" for node in (0, 1)]
+    agents = []
+    for node, log in enumerate(logs):
+        with open(log, "w") as output:
+            agents.append(subprocess.Popen([*torchrun, "--node-rank", str(node), fabric_lin, *command(out, 2, 2)[len(fabric_lin_process.FABRIC_LIN):]],
+                                           stdout=output, stderr=subprocess.STDOUT, env=CPU_ONLY))
+    wait_for(lambda: max(logged_losses(out), default=0) >= 3, agents[0])
+    for agent in agents:
+        agent.send_signal(signal.SIGTERM)
+    for agent in agents:
+        agent.wait(TIMEOUT)  # torchrun exits 1 once signalled (multi_node.md); its workers' line says what happened
+    stopped = [line for line in logs[0].read_text().splitlines() if line.startswith("Stopped by SIGTERM at step")]
+    assert stopped, logs[0].read_text()[-3000:]
     assert not (out / "final").exists()
-    nodes = agents("--resume", "auto")
-    assert [node.wait(TIMEOUT) for node in nodes] == [0, 0], (tmp_path / "node-0-2.log").read_text()[-3000:]
+    run_ranks(out, 2, 2, "--resume", "auto")
     assert_same_run(out, four)
 
 
@@ -309,11 +308,13 @@ def test_a_sharded_checkpoint_is_converted_and_evaluated_in_one_process(four, tm
 
 
 def test_an_error_every_rank_meets_is_printed_once(tmp_path):
-    """Two processes both find the --resume directory missing (after the launch): rank 0 alone reports it;
-    the out_dir the run created is removed again."""
+    """Two processes both find the --resume directory missing (after the rendezvous): rank 0 alone reports it, in
+    one line; the out_dir the run created is removed again."""
     missing = tmp_path / "nothing"
-    result = fabric_lin_process.run(command(tmp_path / "out", "--devices", "2", "--resume", str(missing)), TIMEOUT, CPU_ONLY)
-    assert result.returncode == 2
+    ranks = fabric_lin_process.start_ranks(command(tmp_path / "out", 1, 2, "--resume", str(missing)), tmp_path / "logs",
+                                           1, 2, free_port(), CPU_ONLY)
+    assert [rank.wait(TIMEOUT) for rank in ranks] == [2, 2]
     line = f"fabric-lin pretrain: error: --resume {missing}: expected a checkpoint directory holding lit_model.pth\n"
-    assert (result.stdout + result.stderr).count(line) == 1, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+    logs = [(tmp_path / "logs" / f"rank-{rank}.log").read_text() for rank in (0, 1)]
+    assert [log.count(line) for log in logs] == [1, 0], logs
+    assert "Traceback" not in logs[0] + logs[1] and not (tmp_path / "out").exists()

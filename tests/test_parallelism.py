@@ -1,0 +1,230 @@
+"""fabric_lin/parallelism.py: the model sharded with FSDP2. Built on the meta device and sharded over 4 CPU processes
+(a (2, 2) mesh of two nodes, Blocks as units; one node of 4, the whole model one unit), it starts from the weights of
+one process with the same seed, bit for bit, each process holding its share. In one process (a mesh of one), Blocks
+wrapped for activation checkpointing and compiled run under FSDP2 as they do without it; bf16-mixed gathers bf16
+weights and reduces fp32 gradients; FP8-converted layers gather their weights in FP8 where asked. 16-mixed is
+refused in one line.
+
+Run as a script (`python tests/test_parallelism.py OUT_DIR`), this file is the 4-process job that shards the model and
+writes what each layout's processes hold."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fabric_lin.args import ParallelismArgs
+from fabric_lin.config import Config
+from fabric_lin.model import GPT, Block
+from fabric_lin.parallelism import parallelize
+from fabric_lin.weights import canonical_name
+from helpers import cli_error, free_port
+
+SEED = 42
+# (nodes, Fabric's world size, parallelism) of the job's layouts
+LAYOUTS = {
+    "2x2-block": (2, ParallelismArgs(fsdp_unit="block")),
+    "1x4-model": (1, ParallelismArgs(fsdp_unit="model", fsdp_reshard_after_forward=False)),
+}
+
+
+def config() -> Config:
+    return Config.from_name("gla-debug")
+
+
+# ---------------------------------------------------------------- the job: 4 CPU processes
+
+
+def _shard_worker(rank: int, world_size: int, out_dir: str, port: int) -> None:
+    """Each layout: the model built on the meta device, the generator seeded as pretrain seeds it, sharded by
+    `parallelize` (given a mesh as Fabric's ModelParallelStrategy makes it: every rank data-parallel); rank 0 writes
+    the gathered weights and how many of their elements it holds itself."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    fabric_mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    for name, (nodes, parallelism) in LAYOUTS.items():
+        with torch.device("meta"):
+            model = GPT(config())
+        torch.manual_seed(SEED)
+        model = parallelize(model, fabric_mesh, num_nodes=nodes, parallelism=parallelism, precision="32-true")
+        gathered = {n: p.full_tensor() for n, p in model.named_parameters()}
+        held = sum(p.to_local().numel() for p in model.parameters())
+        if rank == 0:
+            torch.save({"weights": gathered, "held": held}, Path(out_dir) / f"{name}.pth")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    import subprocess
+
+    out = tmp_path_factory.mktemp("sharded")
+    proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_sharded_model_starts_from_the_weights_of_one_process(sharded, layout):
+    saved = torch.load(sharded / f"{layout}.pth", weights_only=True)
+    torch.manual_seed(SEED)
+    expected = GPT(config()).state_dict()
+    assert sorted(map(canonical_name, saved["weights"])) == sorted(expected)
+    for name, tensor in saved["weights"].items():
+        assert torch.equal(tensor, expected[canonical_name(name)]), name
+    # sharded over the processes of a node: each holds a half (two per node) or a quarter (four), not all
+    total = sum(t.numel() for t in expected.values())
+    processes_per_node = 4 // LAYOUTS[layout][0]
+    assert total / processes_per_node <= saved["held"] < total / processes_per_node + 4 * len(expected)
+
+
+# ---------------------------------------------------------------- one process
+
+
+@pytest.fixture
+def process_group():
+    """A gloo process group of this process alone: a mesh of one, on which FSDP2 runs its whole machinery."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def one_process_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1,))
+
+
+def sharded_model(cfg: Config, precision: str = "32-true", prepare=lambda model: None, **parallelism):
+    """gla-debug built on the meta device, `prepare`d (wrapped, compiled, converted), sharded and initialised."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    prepare(model)
+    torch.manual_seed(SEED)
+    return parallelize(model, one_process_mesh(), num_nodes=1, parallelism=ParallelismArgs(**parallelism),
+                       precision=precision)
+
+
+@pytest.mark.slow
+def test_checkpointed_and_compiled_blocks_train_under_fsdp2_as_without_it(process_group, monkeypatch):
+    """pretrain's order: activation checkpointing around each Block, then each Block compiled, then sharded. The
+    loss and every gradient equal those of the plain model. (Compiled with the aot_eager backend: Dynamo and
+    AOTAutograd as on a GPU, without generating kernels, which on the CPU takes minutes.)"""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    cfg = Config.from_name("gla-debug", num_layers=1)
+    compile_block = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compile_block(self, backend="aot_eager"))
+
+    def checkpoint_and_compile(model):
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        for block in model.layers:
+            block.compile()
+
+    model = sharded_model(cfg, prepare=checkpoint_and_compile)
+    assert all(block._compiled_call_impl is not None for block in model.layers)
+    torch.manual_seed(SEED)
+    reference = GPT(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 33))
+    loss = model(ids[:, :-1], targets=ids[:, 1:])
+    loss.backward()
+    expected = reference(ids[:, :-1], targets=ids[:, 1:])
+    expected.backward()
+    assert torch.equal(loss.detach(), expected.detach())
+    gradients = {canonical_name(n): p.grad.full_tensor() for n, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(gradients[name], p.grad, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_bf16_mixed_gathers_bf16_weights_and_keeps_fp32_shards_and_gradients(process_group):
+    cfg = Config.from_name("gla-debug", num_layers=1)
+    model = sharded_model(cfg, precision="bf16-mixed")
+    gathered = []
+    model.layers[0].register_forward_pre_hook(lambda block, args: gathered.append(block.attn.q_proj.weight.dtype))
+    ids = torch.randint(0, cfg.vocab_size, (1, 17))
+    model(ids[:, :-1], targets=ids[:, 1:]).float().backward()
+    assert gathered == [torch.bfloat16]
+    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_fp8_all_gather_gathers_the_converted_weights_in_fp8(process_group):
+    """Construction only (FP8 products need a GPU): with fp8.all_gather each converted layer's shard is torchao's
+    tensor that FSDP2 casts to FP8 before gathering; the weights are still the one-process init."""
+    pytest.importorskip("torchao")
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from fabric_lin.fp8 import FP8Args, convert_to_fp8
+
+    cfg = Config.from_name("gla-debug", num_layers=2, vocab_size=256)
+    converted = []
+    model = sharded_model(cfg, prepare=lambda model: converted.extend(
+        convert_to_fp8(model, FP8Args("tensorwise", all_gather=True), emulate=True)))
+    assert len(converted) == 2 * 8  # q, k, v, g, o; gate, up, down
+    for name in converted:
+        assert isinstance(model.get_submodule(name).weight.to_local(), WeightWithDynamicFloat8CastTensor), name
+    assert not isinstance(model.layers[0].attn.gk_proj[0].weight.to_local(), WeightWithDynamicFloat8CastTensor)
+    torch.manual_seed(SEED)
+    expected = GPT(cfg).state_dict()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), expected[canonical_name(name)]), name
+
+
+@pytest.mark.parametrize("unit, reshard", [("block", True), ("block", False), ("model", True)])
+def test_the_units_gather_and_free_the_weights_as_asked(process_group, unit, reshard):
+    """fsdp_unit block: each Block is a unit of its own, gathered as it runs; model: the root alone. Resharding after
+    the forward pass frees a Block's gathered weights until its backward pass; without it they stay gathered."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    cfg = Config.from_name("gla-debug", num_layers=2)
+    model = sharded_model(cfg, fsdp_unit=unit, fsdp_reshard_after_forward=reshard)
+    assert [isinstance(block, FSDPModule) for block in model.layers] == [unit == "block"] * 2
+    assert isinstance(model, FSDPModule)
+    ids = torch.randint(0, cfg.vocab_size, (1, 17))
+    loss = model(ids[:, :-1], targets=ids[:, 1:])
+    sharded_between = isinstance(model.layers[0].attn.q_proj.weight, DTensor)
+    assert sharded_between == reshard
+    loss.backward()
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # sharded again after the backward pass
+
+
+def test_the_strategy_for_each_choice():
+    """One process: Fabric's default. Several: FSDP2 through ModelParallelStrategy, every rank data-parallel (Fabric
+    hands each its own samples) and `parallelize` told the nodes; or DDP. NCCL on GPUs, gloo on CPU processes."""
+    from lightning_fabric.strategies import DDPStrategy, ModelParallelStrategy
+
+    from fabric_lin.parallelism import make_strategy
+
+    assert make_strategy(cuda=True, devices=1, num_nodes=1, parallelism=ParallelismArgs(), precision="bf16-mixed") == "auto"
+    for cuda, backend in ((True, "nccl"), (False, "gloo")):
+        fsdp = make_strategy(cuda, devices=2, num_nodes=2, parallelism=ParallelismArgs(fsdp_unit="model"),
+                             precision="32-true")
+        assert type(fsdp) is ModelParallelStrategy and fsdp._process_group_backend == backend
+        assert (fsdp._data_parallel_size, fsdp._tensor_parallel_size) == (4, 1)
+        assert fsdp._parallelize_fn.keywords["num_nodes"] == 2
+        assert fsdp._parallelize_fn.keywords["parallelism"].fsdp_unit == "model"
+        ddp = make_strategy(cuda, devices=2, num_nodes=1, parallelism=ParallelismArgs(data_parallel="ddp"),
+                            precision="16-mixed")
+        assert type(ddp) is DDPStrategy and ddp._process_group_backend == backend
+        assert ddp._ddp_kwargs["gradient_as_bucket_view"] is True
+
+
+def test_16_mixed_is_refused_where_the_run_would_be_sharded(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("fabric_lin.pretrain.usable_cpu_cores", lambda: 2)
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--devices", "2", "--precision", "16-mixed",
+                     "--train.max_steps", "1", "--out_dir", str(tmp_path / "out")], capsys)
+    assert "precision 16-mixed cannot be sharded" in err and "--parallelism.data_parallel ddp" in err
+    assert not (tmp_path / "out").exists()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    # fork: the workers inherit the imports instead of repeating them
+    mp.start_processes(_shard_worker, args=(4, sys.argv[1], free_port()), nprocs=4, start_method="fork")
