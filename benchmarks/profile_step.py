@@ -1,4 +1,4 @@
-"""Where a training step's time goes: `fabric-lin pretrain` itself (the real loop, one GPU or HYBRID_SHARD
+"""Where a training step's time goes: `fabric-lin pretrain` itself (the real loop, one GPU or FSDP2
 over several, on bench_corpus.py's corpus) with torch.profiler around a few optimizer steps after warmup.
 Per rank: the step's wall time, GPU time by kind of kernel (matmul, GLA recurrence, fused norm/SwiGLU/cross-entropy, Inductor-compiled,
 communication, optimizer, other), how long no compute kernel ran (the GPU waiting for the host or for

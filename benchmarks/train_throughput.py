@@ -171,14 +171,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def real_loop(key, batch_size, seq_len, steps, warmup, timeout, devices=1, accumulation=1, num_workers=4):
     """Regime (b): `fabric-lin pretrain` for warmup + steps optimizer steps; the median logged tokens/s after
-    warmup. With devices > 1: HYBRID_SHARD over that many GPUs, micro batch batch_size on each; each
+    warmup. With devices > 1: FSDP2 (or DDP) over that many GPUs, micro batch batch_size on each; each
     optimizer step accumulates `accumulation` micro-batches on each device. The corpus (bench_corpus.py:
     random tokens, chunk files as large as a real corpus's) is read by `num_workers` loader processes per
     rank (the recipes use 8)."""
     recipe, extra = REAL_LOOP_CONFIGS[key]
     name = f"fabric-lin pretrain {Path(recipe).stem} {' '.join(extra)} (real loop: the config's precision, compile on with CUDA)"
     if devices > 1:
-        name += f", {'DDP' if 'ddp' in extra else 'HYBRID_SHARD'} over {devices} GPUs"
+        name += f", {'DDP' if 'ddp' in extra else 'FSDP2'} over {devices} GPUs"
     if accumulation > 1:
         name += f", {accumulation} micro-batches per step"
     work = Path(tempfile.mkdtemp(prefix="throughput-"))
@@ -406,7 +406,7 @@ def main():
                         help="data-loader regime: the real loop's corpus (bench_corpus.py) or the sample corpus")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per measurement")
     parser.add_argument("--devices", type=int, default=1,
-                        help="GPUs for the real loop (HYBRID_SHARD when > 1; micro batch --batch_size on each)")
+                        help="GPUs for the real loop (FSDP2 when > 1; micro batch --batch_size on each)")
     parser.add_argument("--accumulation", type=int, default=1, help="real loop: micro-batches per optimizer step")
     parser.add_argument("--profile", type=int, default=0,
                         help="regime (a): also profile this many steps after the timed ones (GPU time by kind of kernel)")

@@ -123,14 +123,14 @@ class OptimizerArgs:
 
 @dataclass
 class ParallelismArgs:
-    """How several devices share the work. One device, or several CPU processes (DDP over gloo),
-    ignore all but activation_checkpointing."""
+    """How several processes (GPUs, or CPU processes) share the work. One process ignores all but
+    activation_checkpointing."""
 
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
-    """With several GPUs: "fsdp" shards the weights, gradients and optimizer state over a node's GPUs
-    (FSDP HYBRID_SHARD; replicated across nodes); "ddp" keeps all of them on every GPU
-    (DistributedDataParallel, 16 bytes per parameter: 6.0 GB at gla-340M) and all-reduces the gradients
-    in buckets, with less host work per step than FSDP's hooks around every Block"""
+    """With several processes: "fsdp" shards the weights, gradients and optimizer state over a node's processes and
+    replicates them across nodes (FSDP2's fully_shard on a (nodes, devices) mesh, HYBRID_SHARD's layout); "ddp"
+    keeps all of them on every GPU (DistributedDataParallel, 16 bytes per parameter: 6.0 GB at gla-340M) and
+    all-reduces the gradients in buckets, with less host work per step than FSDP's hooks around every Block"""
     fsdp_unit: Literal["block", "model"] = "block"
     """With FSDP: what one all-gather gathers. "block": each Block's weights, just before the Block runs
     (least memory). "model": all weights at once, one all-gather and one reduce-scatter per pass instead of
@@ -138,9 +138,8 @@ class ParallelismArgs:
     gradients on every GPU during the step and of communication that no longer overlaps the Blocks' compute"""
     fsdp_reshard_after_forward: bool = True
     """With FSDP: free each Block's gathered weights after its forward pass and gather them again for its
-    backward pass (least memory). False keeps them until the backward pass and, while gradients accumulate
-    over micro-batches, until the optimizer step (ZeRO-2 inside a node: one all-gather of the weights per
-    optimizer step instead of two per micro-batch)"""
+    backward pass (least memory). False keeps them from the forward pass to the backward pass (ZeRO-2 inside a
+    node: one all-gather per micro-batch instead of two, for every Block's gathered weights held in between)"""
     activation_checkpointing: bool = False
     """Recompute each Block's activations in the backward pass (less memory, about a third more compute)"""
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = [
     # helpers that know nothing of models or data
     ["fabric_lin.files", "fabric_lin.errors", "fabric_lin.args", "fabric_lin.lr_schedule", "fabric_lin.stopping",
-     "fabric_lin.batches", "fabric_lin.fp8", "fabric_lin.cpu_cores"],
+     "fabric_lin.batches", "fabric_lin.fp8", "fabric_lin.cpu_cores", "fabric_lin.parallelism"],
     # the kernels and their references
     ["fabric_lin.ops"],
     # the model: its configuration, the network, its weights on disk, its FLOPs
