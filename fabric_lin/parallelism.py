@@ -103,6 +103,16 @@ def parallelize(model: nn.Module, device_mesh, *, num_nodes: int, parallelism: P
     return model
 
 
+def free_gathered_weights(model: nn.Module) -> None:
+    """Shard again the weights a forward pass without a backward pass (validation) left gathered: with
+    fsdp_reshard_after_forward false, FSDP2 frees them in the backward pass only. (A checkpoint saves the shards.)"""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @torch.no_grad()
 def initialize_like_one_process(model: nn.Module, device: torch.device) -> None:
     """Materialise a model sharded on the meta device on `device`, and initialise it as `GPT.reset_parameters()`

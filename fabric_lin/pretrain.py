@@ -50,7 +50,7 @@ from fabric_lin.lr_schedule import TokenSchedule, learning_rate
 from fabric_lin.metrics import MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, Launches, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.parallelism import make_strategy
+from fabric_lin.parallelism import free_gathered_weights, make_strategy
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
 from fabric_lin.stopping import StepFlags, StopRequest
 from fabric_lin.weights import canonical_name
@@ -548,6 +548,7 @@ def validate(fabric: L.Fabric, model, run: Run) -> Optional[Tuple[float, int]]:
             loss_sum += loss.double() * batch[:, 1:].numel()
             tokens += batch[:, 1:].numel()
     model.train()
+    free_gathered_weights(model)
     total = fabric.all_reduce(torch.stack([loss_sum, loss_sum.new_tensor(tokens)]), reduce_op="sum")
     if total[1] == 0:
         raise UserError("the validation dataloader yielded no batch: check the data module's validation split")

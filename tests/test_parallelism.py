@@ -194,6 +194,32 @@ def test_the_units_gather_and_free_the_weights_as_asked(process_group, unit, res
     assert all(isinstance(p, DTensor) for p in model.parameters())  # sharded again after the backward pass
 
 
+@pytest.mark.parametrize("unit", ["block", "model"])
+def test_validation_leaves_the_weights_sharded(process_group, unit):
+    """A forward pass without a backward pass keeps the weights gathered where they are not freed after the forward
+    pass; pretrain's validation shards them again, so the checkpoint after it saves shards."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import DTensor
+
+    from fabric_lin.args import EvalArgs, TrainArgs
+    from fabric_lin.pretrain import validate
+
+    class OneProcessFabric:
+        device = torch.device("cpu")
+
+        def all_reduce(self, tensor, reduce_op):
+            return tensor
+
+    cfg = Config.from_name("gla-debug", num_layers=2)
+    model = sharded_model(cfg, fsdp_unit=unit, fsdp_reshard_after_forward=False)
+    run = SimpleNamespace(val_dataloader=[torch.randint(0, cfg.vocab_size, (1, 17))], eval=EvalArgs(max_iters=1),
+                          train=TrainArgs(micro_batch_size=1), accumulation=1, cuda_graphs=False)
+    loss, tokens = validate(OneProcessFabric(), model, run)
+    assert loss > 0 and tokens == 16
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
 def test_the_strategy_for_each_choice():
     """One process: Fabric's default. Several: FSDP2 through ModelParallelStrategy, every rank data-parallel (Fabric
     hands each its own samples) and `parallelize` told the nodes; or DDP. NCCL on GPUs, gloo on CPU processes."""
