@@ -598,8 +598,8 @@ def build_model(
     if compile.enabled:
         # Regional compilation: each Block is compiled in place. The blocks share one code object, so
         # Dynamo compiles once and reuses the graph for every layer (start-up of one block, not 24),
-        # and parameter names keep no `_orig_mod.` prefix. Sharded, FSDP2's hooks around each Block run
-        # outside its graph (torch._dynamo.config.skip_fsdp_hooks).
+        # and parameter names keep no `_orig_mod.` prefix. Sharded, the compiled Blocks are then wrapped by
+        # fully_shard (in fabric.setup), whose hooks gather each Block's weights before it runs.
         fabric.print(f"compiling each Block (mode {compile.mode}{': CUDA graphs' if compile.cuda_graphs else ''})")
         for block in model.layers:
             block.compile(mode=None if compile.mode == "default" else compile.mode)
