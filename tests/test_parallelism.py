@@ -1,9 +1,10 @@
 """fabric_lin/parallelism.py: the model sharded with FSDP2. Built on the meta device and sharded over 4 CPU processes
 (a (2, 2) mesh of two nodes, Blocks as units; one node of 4, the whole model one unit), it starts from the weights of
-one process with the same seed, bit for bit, each process holding its share. In one process (a mesh of one), Blocks
-wrapped for activation checkpointing and compiled run under FSDP2 as they do without it; bf16-mixed gathers bf16
-weights and reduces fp32 gradients; FP8-converted layers gather their weights in FP8 where asked. 16-mixed is
-refused in one line.
+one process with the same seed, bit for bit, each process holding its share. In one process (a mesh of one): each
+unit gathers and frees its weights as asked, and validation leaves them sharded; Blocks wrapped for activation
+checkpointing and compiled train under FSDP2 as without it; fused AdamW skips an update on sharded weights as the
+loop asks; bf16-mixed gathers bf16 weights and keeps fp32 shards and gradients; FP8-converted layers gather their
+weights in FP8 where asked. The strategy for each choice; 16-mixed refused in one line.
 
 Run as a script (`python tests/test_parallelism.py OUT_DIR`), this file is the 4-process job that shards the model and
 writes what each layout's processes hold."""
@@ -140,6 +141,22 @@ def test_checkpointed_and_compiled_blocks_train_under_fsdp2_as_without_it(proces
     gradients = {canonical_name(n): p.grad.full_tensor() for n, p in model.named_parameters()}
     for name, p in reference.named_parameters():
         torch.testing.assert_close(gradients[name], p.grad, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_fused_adamw_found_inf_leaves_the_update_of_sharded_weights_out(process_group):
+    """What the loop relies on to skip a non-finite step (test_stopping.py: plain tensors), on DTensor shards."""
+    cfg = Config.from_name("gla-debug", num_layers=1)
+    model = sharded_model(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, cfg.vocab_size, (1, 17))
+    model(ids[:, :-1], targets=ids[:, 1:]).backward()
+    optimizer.found_inf = torch.tensor(1.0)
+    optimizer.step()
+    assert all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
+    optimizer.found_inf = torch.tensor(0.0)
+    optimizer.step()
+    assert not torch.equal(model.layers[0].attn.q_proj.weight.full_tensor(), before["layers.0.attn.q_proj.weight"])
 
 
 def test_bf16_mixed_gathers_bf16_weights_and_keeps_fp32_shards_and_gradients(process_group):
