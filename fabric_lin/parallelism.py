@@ -84,10 +84,10 @@ def mixed_precision_policy(precision: str):
 
 def parallelize(model: nn.Module, device_mesh, *, num_nodes: int, parallelism: ParallelismArgs,
                 precision: str) -> nn.Module:
-    """Shard `model` (built on the meta device, its Blocks already wrapped for activation checkpointing and
-    compiled, its Linear layers converted to FP8, where asked) with FSDP2 and materialise it on this rank's device, initialised as one process
-    would initialise it. Fabric's ModelParallelStrategy calls it with its mesh, which gives the device type
-    and the world size; FSDP's own mesh is `fsdp_mesh`'s."""
+    """Shard `model` with FSDP2 (built on the meta device; its Blocks already wrapped for activation checkpointing
+    and compiled, its Linear layers converted to FP8, where asked) and materialise it on this rank's device,
+    initialised as one process would initialise it. Fabric's ModelParallelStrategy calls it with its mesh, which
+    gives the device type and the world size; FSDP's own mesh is `fsdp_mesh`'s."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = fsdp_mesh(device_mesh.device_type, device_mesh.size(), num_nodes)
@@ -130,7 +130,8 @@ def initialize_like_one_process(model: nn.Module, device: torch.device) -> None:
                                 "its own initialises")
             continue
         for name, param in own.items():
-            setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False))
+            whole = torch.empty(param.shape, dtype=param.dtype, device=device)
+            setattr(module, name, nn.Parameter(whole, requires_grad=False))
         module.reset_parameters()
         for name, param in own.items():
             whole = getattr(module, name)

@@ -43,11 +43,12 @@ from helpers import (
 pytestmark = pytest.mark.slow
 
 # The global batch of 4 sequences is one micro batch per process: 1, 2 and 4 processes take the same samples at
-# every step (fewer, larger micro batches than DEBUG_ARGS' cost less). AdamW's eps at 1e-4 instead of 1e-8: a gradient component near zero is a sum that nearly cancels,
-# whose last bits follow the order of the sums (which the number of processes changes); with eps far below it, AdamW
-# turns those bits into updates of up to +-lr, and the losses of 1, 2 and 4 processes differ by up to 1e-4 (relative)
-# within 8 steps. With 1e-4 they agree to about 1e-6 over the whole run, so a difference of 1e-5 is a fault, not
-# rounding. The first step's gradient norm (the same weights on every mesh) agrees to 2e-6: its sums' rounding.
+# every step (fewer, larger micro batches than DEBUG_ARGS' cost less).
+# AdamW's eps at 1e-4 instead of 1e-8: a gradient component near zero is a sum that nearly cancels, whose last bits
+# follow the order of the sums (which the number of processes changes); with eps far below it, AdamW turns those bits
+# into updates of up to +-lr, and the losses of 1, 2 and 4 processes differ by up to 1e-4 (relative) within 8 steps.
+# With 1e-4 they agree to about 1e-6 over the whole run, so a difference of 1e-5 is a fault, not rounding. The first
+# step's gradient norm (the same weights on every mesh) agrees to 2e-6: its sums' rounding.
 GLOBAL_BATCH = 4
 ARGS = [*DEBUG_ARGS, "--train.global_batch_size", str(GLOBAL_BATCH), "--optimizer.eps", "1e-4"]
 LOSS_RTOL = 1e-5
