@@ -1,11 +1,11 @@
 """End to end: `fabric-lin pretrain` on several CPU processes (gloo), sharded with FSDP2 (gla-debug, the sample
 corpus, a global batch of 4). One process, two (one node: plain sharding, Fabric's own launch) and four (two nodes of
 two: replicated across the nodes, sharded within each) train on the same samples with the same losses, to the order
-of the sums; a checkpoint taken on any of these meshes resumes on another one holding the same state bit for bit
-(4 -> 2 -> 1, 1 -> 4), and a DDP run continues a sharded one. Killed by SIGKILL of one rank in the middle of a save,
-a run leaves no checkpoint that is taken for complete and resumes as if never stopped; so does a run of two torchrun
-agents stopped by SIGTERM. A sharded checkpoint is converted and evaluated in one process. An error every rank meets
-is printed once.
+of the sums, and validate on the same blocks to the same val_loss; a checkpoint taken on any of these meshes resumes
+on another one holding the same state bit for bit (4 -> 2 -> 1, 1 -> 4), and a DDP run continues a sharded one.
+Killed by SIGKILL of one rank in the middle of a save, a run leaves no checkpoint that is taken for complete and
+resumes as if never stopped; so does a run of two torchrun agents stopped by SIGTERM. A sharded checkpoint is
+converted and evaluated in one process. An error every rank meets is printed once.
 
 The four-process runs are started as torchrun's agents would start them (fabric_lin_process.start_ranks: forked, no
 second import of torch), two nodes of two processes on this machine; the torchrun test starts real agents."""
@@ -52,6 +52,10 @@ pytestmark = pytest.mark.slow
 GLOBAL_BATCH = 4
 ARGS = [*DEBUG_ARGS, "--train.global_batch_size", str(GLOBAL_BATCH), "--optimizer.eps", "1e-4"]
 LOSS_RTOL = 1e-5
+# The runs of 1, 2 and 4 processes end with a validation of one global batch (DEBUG_ARGS' eval.max_iters): the same
+# blocks on any mesh. The runs resumed from their checkpoints do not validate: they save the state they loaded, and a
+# validation draws from torch's random generator (as the start of any DataLoader's iteration does).
+FINAL_VALIDATION = ["--eval.final_validation", "true"]
 
 
 def command(out_dir: Path, nodes: int, devices: int, *extra: str) -> List[str]:
@@ -90,7 +94,7 @@ def run_ranks(out_dir: Path, nodes: int, devices: int, *extra: str) -> str:
 @pytest.fixture(scope="module")
 def one(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("one") / "out"
-    run_ok(command(out, 1, 1), TIMEOUT, CPU_ONLY)
+    run_ok(command(out, 1, 1, *FINAL_VALIDATION), TIMEOUT, CPU_ONLY)
     return out
 
 
@@ -98,7 +102,7 @@ def one(tmp_path_factory) -> Path:
 def two(tmp_path_factory) -> Path:
     """Two processes of one node, launched by Fabric itself (`--devices 2`): FSDP2 shards over both."""
     out = tmp_path_factory.mktemp("two") / "out"
-    run_ok(command(out, 1, 2), TIMEOUT, CPU_ONLY)
+    run_ok(command(out, 1, 2, *FINAL_VALIDATION), TIMEOUT, CPU_ONLY)
     return out
 
 
@@ -106,7 +110,7 @@ def two(tmp_path_factory) -> Path:
 def four(tmp_path_factory) -> Path:
     """Two nodes of two processes: a (2, 2) mesh, replicated across the nodes and sharded within each."""
     out = tmp_path_factory.mktemp("four") / "out"
-    run_ranks(out, 2, 2)
+    run_ranks(out, 2, 2, *FINAL_VALIDATION)
     return out
 
 
@@ -173,7 +177,8 @@ def sharded_files(checkpoint_dir: Path) -> List[str]:
 
 def test_one_two_and_four_processes_train_on_the_same_samples_with_the_same_losses(one, two, four):
     """The same samples at every step (the sum of per-sample checksums); the losses equal to LOSS_RTOL, and the
-    first step's gradient norm (the same weights, gradients summed in another order) to 2e-6."""
+    first step's gradient norm (the same weights, gradients summed in another order) to 2e-6. The final validation
+    reads the same blocks and gives the same val_loss."""
     from fabric_lin.checkpoint import verify_checkpoint
 
     expected = logged_data_fingerprints(one)
@@ -186,6 +191,11 @@ def test_one_two_and_four_processes_train_on_the_same_samples_with_the_same_loss
             assert losses[step] == pytest.approx(reference[step], rel=LOSS_RTOL), (run, step)
         norm = next(r["grad_norm"] for r in metrics_records(run) if r.get("step") == 1 and "grad_norm" in r)
         assert norm == pytest.approx(next(r["grad_norm"] for r in first if r.get("step") == 1 and "grad_norm" in r), rel=2e-6)
+    seq_len = int(ARGS[ARGS.index("--train.max_seq_length") + 1])
+    validations = {run: [r for r in metrics_records(run) if "val_loss" in r] for run in (one, two, four)}
+    for run, records in validations.items():
+        assert [(r["step"], r["val_tokens"]) for r in records] == [(STEPS, GLOBAL_BATCH * seq_len)], run
+        assert records[0]["val_loss"] == pytest.approx(validations[one][0]["val_loss"], rel=LOSS_RTOL), run
     # every rank wrote its shard; the manifest, written last, lists every file of the checkpoint
     assert sharded_files(two / "final") == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     assert sharded_files(four / "final") == [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "meta.pt"]
