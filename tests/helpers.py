@@ -425,7 +425,7 @@ def small_config(**overrides):
 def write_prepared(path: Path, tokens, tokenizer, item: int = 1000, chunk_size: int = 1000, **fields) -> None:
     """A prepared directory of `tokens` as the preprocessors write it (litdata's Cache, then the tokenizer's files and
     prepared.json, with `fields`), written directly: items of `item` tokens (the last one may be shorter) in chunk
-    files of `chunk_size` tokens."""
+    files of `chunk_size` tokens. Without a tokenizer, litdata's files alone: what the sample streams read."""
     from litdata.streaming.cache import Cache
     from litdata.streaming.item_loader import TokensLoader
 
@@ -436,7 +436,8 @@ def write_prepared(path: Path, tokens, tokenizer, item: int = 1000, chunk_size: 
         cache[i] = tokens[start : start + item]
     cache.done()
     cache.merge()
-    write_prepared_info(path, tokenizer, **{"recipe": "test", **fields})
+    if tokenizer is not None:
+        write_prepared_info(path, tokenizer, **{"recipe": "test", **fields})
 
 
 def paragraphs(n, seed):

@@ -1,10 +1,11 @@
 """fabric_lin/parallelism.py: the model sharded with FSDP2. Built on the meta device and sharded over 4 CPU processes
 (a (2, 2) mesh of two nodes, Blocks as units; one node of 4, the whole model one unit), it starts from the weights of
-one process with the same seed, bit for bit, each process holding its share. In one process (a mesh of one): each
-unit gathers and frees its weights as asked, and validation leaves them sharded; Blocks wrapped for activation
-checkpointing and compiled train under FSDP2 as without it; fused AdamW skips an update on sharded weights as the
-loop asks; bf16-mixed gathers bf16 weights and keeps fp32 shards and gradients; FP8-converted layers gather their
-weights in FP8 where asked. The strategy for each choice; 16-mixed refused in one line.
+one process with the same seed, bit for bit, each process holding its share, and validates a split whose last batch
+is short (padded, an empty one too) to one process's loss. In one process (a mesh of one): each unit gathers and
+frees its weights as asked, and validation leaves them sharded; Blocks wrapped for activation checkpointing and
+compiled train under FSDP2 as without it; fused AdamW skips an update on sharded weights as the loop asks; bf16-mixed
+gathers bf16 weights and keeps fp32 shards and gradients; FP8-converted layers gather their weights in FP8 where
+asked. The strategy for each choice; 16-mixed refused in one line.
 
 Run as a script (`python tests/test_parallelism.py OUT_DIR`), this file is the 4-process job that shards the model and
 writes what each layout's processes hold."""
@@ -24,6 +25,9 @@ from fabric_lin.weights import canonical_name
 from helpers import cli_error, free_port
 
 SEED = 42
+# The job validates each layout on a split of 116 blocks of 17 tokens (2 chunk files of 58) in micro batches of 3: the
+# last of its global batches of 12 holds 8 blocks, so process 2 validates a short micro batch and process 3 an empty one
+VAL_BLOCK, VAL_MICRO_BATCH, VAL_TOKENS = 17, 3, 2000
 # (nodes, Fabric's world size, parallelism) of the job's layouts
 LAYOUTS = {
     "2x2-block": (2, ParallelismArgs(fsdp_unit="block")),
@@ -35,14 +39,40 @@ def config() -> Config:
     return Config.from_name("gla-debug")
 
 
+class ProcessGroupFabric:
+    """What pretrain's validate asks of Fabric: the device, and a sum over torch.distributed's processes."""
+
+    device = torch.device("cpu")
+
+    def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        assert reduce_op == "sum"
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+
+def validation_run(loader, micro_batch_size: int, max_iters: int):
+    """What pretrain's validate reads of its run: the validation batches and their size, and how many optimizer
+    steps' worth to read, one micro batch per process each."""
+    from types import SimpleNamespace
+
+    from fabric_lin.args import EvalArgs, TrainArgs
+
+    return SimpleNamespace(val_dataloader=loader, eval=EvalArgs(max_iters=max_iters), accumulation=1,
+                           train=TrainArgs(micro_batch_size=micro_batch_size), cuda_graphs=False)
+
+
 # ---------------------------------------------------------------- the job: 4 CPU processes
 
 
 def _shard_worker(rank: int, world_size: int, out_dir: str, port: int) -> None:
     """Each layout: the model built on the meta device, the generator seeded as pretrain seeds it, sharded by
-    `parallelize` (given a mesh as Fabric's ModelParallelStrategy makes it: every rank data-parallel); rank 0 writes
-    the gathered weights and how many of their elements it holds itself."""
+    `parallelize` (given a mesh as Fabric's ModelParallelStrategy makes it: every rank data-parallel), then validated
+    on the whole split of out_dir/val; rank 0 writes the gathered weights, how many of their elements it holds itself
+    and the validation's (loss, tokens)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from fabric_lin.data.sample_order import ValidationLoader
+    from fabric_lin.pretrain import validate
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -54,8 +84,10 @@ def _shard_worker(rank: int, world_size: int, out_dir: str, port: int) -> None:
         model = parallelize(model, fabric_mesh, num_nodes=nodes, parallelism=parallelism, precision="32-true")
         gathered = {n: p.full_tensor() for n, p in model.named_parameters()}
         held = sum(p.to_local().numel() for p in model.parameters())
+        loader = ValidationLoader(Path(out_dir) / "val", VAL_BLOCK, VAL_MICRO_BATCH, num_workers=0)
+        validation = validate(ProcessGroupFabric(), model, validation_run(loader, VAL_MICRO_BATCH, max_iters=100))
         if rank == 0:
-            torch.save({"weights": gathered, "held": held}, Path(out_dir) / f"{name}.pth")
+            torch.save({"weights": gathered, "held": held, "validation": validation}, Path(out_dir) / f"{name}.pth")
     dist.destroy_process_group()
 
 
@@ -63,7 +95,13 @@ def _shard_worker(rank: int, world_size: int, out_dir: str, port: int) -> None:
 def sharded(tmp_path_factory) -> Path:
     import subprocess
 
+    import numpy as np
+
+    from helpers import write_prepared
+
     out = tmp_path_factory.mktemp("sharded")
+    tokens = np.random.default_rng(0).integers(0, config().vocab_size, VAL_TOKENS).astype(np.uint16)
+    write_prepared(out / "val", tokens, tokenizer=None)
     proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -83,6 +121,31 @@ def test_a_sharded_model_starts_from_the_weights_of_one_process(sharded, layout)
     total = sum(t.numel() for t in expected.values())
     processes_per_node = 4 // LAYOUTS[layout][0]
     assert total / processes_per_node <= saved["held"] < total / processes_per_node + 4 * len(expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sharded_processes_validate_a_short_last_batch_as_one_process(sharded, layout):
+    """Four processes validate the whole split, its last global batch short: one process's micro batch cut short and
+    another's empty, padded, every process running as many forward passes (whose all-gathers the others wait for).
+    The loss is the cross-entropy over every token of every block, as one process computes it on litdata's own
+    reading of the blocks."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from conftest import litdata_blocks
+
+    blocks = torch.from_numpy(np.stack([np.frombuffer(block, dtype=np.int64)
+                                        for block in litdata_blocks(sharded / "val", VAL_BLOCK)]))
+    in_last_global_batch = len(blocks) % (4 * VAL_MICRO_BATCH)
+    assert in_last_global_batch % VAL_MICRO_BATCH and in_last_global_batch < 3 * VAL_MICRO_BATCH, len(blocks)
+    torch.manual_seed(SEED)
+    model = GPT(config())
+    with torch.no_grad():
+        expected = F.cross_entropy(model(blocks[:, :-1]).flatten(0, 1), blocks[:, 1:].flatten()).item()
+    loss, tokens = torch.load(sharded / f"{layout}.pth", weights_only=True)["validation"]
+    assert tokens == blocks[:, 1:].numel()
+    assert loss == pytest.approx(expected, rel=1e-5)
 
 
 # ---------------------------------------------------------------- one process
@@ -215,24 +278,14 @@ def test_the_units_gather_and_free_the_weights_as_asked(process_group, unit, res
 def test_validation_leaves_the_weights_sharded(process_group, unit):
     """A forward pass without a backward pass keeps the weights gathered where they are not freed after the forward
     pass; pretrain's validation shards them again, so the checkpoint after it saves shards."""
-    from types import SimpleNamespace
-
     from torch.distributed.tensor import DTensor
 
-    from fabric_lin.args import EvalArgs, TrainArgs
     from fabric_lin.pretrain import validate
-
-    class OneProcessFabric:
-        device = torch.device("cpu")
-
-        def all_reduce(self, tensor, reduce_op):
-            return tensor
 
     cfg = Config.from_name("gla-debug", num_layers=2)
     model = sharded_model(cfg, fsdp_unit=unit, fsdp_reshard_after_forward=False)
-    run = SimpleNamespace(val_dataloader=[torch.randint(0, cfg.vocab_size, (1, 17))], eval=EvalArgs(max_iters=1),
-                          train=TrainArgs(micro_batch_size=1), accumulation=1, cuda_graphs=False)
-    loss, tokens = validate(OneProcessFabric(), model, run)
+    run = validation_run([torch.randint(0, cfg.vocab_size, (1, 17))], micro_batch_size=1, max_iters=1)
+    loss, tokens = validate(ProcessGroupFabric(), model, run)
     assert loss > 0 and tokens == 16
     assert all(isinstance(p, DTensor) for p in model.parameters())
 
