@@ -35,7 +35,9 @@ class FP8Args:
     """FP8 training of the Linear layers (Hopper or newer: compute capability 8.9+), through torchao."""
 
     recipe: str = "none"
-    """none: bf16 products; tensorwise: FP8 with one dynamic scale per tensor; rowwise: one per row (more precise)"""
+    """none: bf16 products; tensorwise: FP8 with one dynamic scale per tensor; rowwise: one per row (more precise).
+    Measured not to pay yet: its layers keep 1.47x bf16's activation memory at gla-340M and gla-1.3B, and gla-340M's
+    step ran at 0.87x bf16's tokens/s on an H100 (benchmarks/results/2026-12-06-fp8-*); measure your model first"""
     gate_projections: bool = False
     """Also the small gate projections (GLA's low-rank forget gate, GDN's a and b) where their widths allow"""
     all_gather: bool = False
@@ -45,6 +47,12 @@ class FP8Args:
     @property
     def enabled(self) -> bool:
         return self.recipe != "none"
+
+
+# what FP8 was measured to cost, told in one line to whoever turns it on (the records: benchmarks/results/2026-12-06-fp8-*)
+COST_NOTE = ("FP8 costs memory here and has not been measured faster: its layers keep their bf16 inputs for the backward "
+             "pass (1.47x bf16's activation memory at gla-340M and gla-1.3B), and gla-340M's step ran at 0.87x bf16's "
+             "tokens/s on an H100; compare on your model before a long run (tutorials/performance.md)")
 
 
 def check_fp8(args: FP8Args, device: torch.device, sharded: bool = False) -> None:

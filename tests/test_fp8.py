@@ -174,3 +174,26 @@ def test_the_recipes_option_parses_and_a_cpu_run_is_refused_in_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["fabric-lin pretrain: error: fp8.recipe 'rowwise' needs a CUDA GPU of compute capability 8.9 or newer "
                    "(Ada, Hopper); this run is on the CPU: leave fp8.recipe at 'none'"]
+
+
+def test_the_cost_a_user_is_told_is_the_measured_one(capsys):
+    """The one line an FP8 run prints, and `pretrain --help`, quote the activation memory the records measured (the
+    saved bytes per token of a Block, FP8 tensorwise against bf16, at gla-340M and gla-1.3B)."""
+    import json
+    from pathlib import Path
+
+    from fabric_lin.cli import main as cli_main
+    from fabric_lin.fp8 import COST_NOTE
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    for record in ("2026-12-05-fp8-activation-memory.json", "2026-12-06-fp8-activation-memory-1.3B.json"):
+        by_recipe = json.loads((results / record).read_text())["fp8"]
+        ratio = by_recipe["tensorwise"]["bytes_per_token_per_layer"] / by_recipe["none"]["bytes_per_token_per_layer"]
+        assert f"{ratio:.2f}x bf16's activation memory" in COST_NOTE, record
+    assert "0.87x bf16's tokens/s" in COST_NOTE
+    assert "| `fabric-lin pretrain` gla_340M `--fp8.recipe tensorwise` (b) | 154.9K (0.87x bf16)" in (
+        results / "2026-12-06-fp8-training-step-h100.md").read_text()
+    with pytest.raises(SystemExit):
+        cli_main(["pretrain", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Measured not to pay yet: its layers keep 1.47x bf16's activation memory" in help_text
