@@ -300,11 +300,6 @@ def main(
         fabric.barrier()
         tokenizer_dir = tokenizer_dir or getattr(data, "tokenizer_dir", None)
         tokenizer = load_tokenizer(tokenizer_dir)
-        if tokenizer is None:
-            fabric.print(
-                f"Warning: no tokenizer (--tokenizer_dir, or a data module that has one): the checkpoints will hold "
-                f"no tokenizer files, which generate and convert_to_hf need; {type(data).__name__} reads token ids only"
-            )
         if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
             raise InvalidValue(
                 f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -315,6 +310,11 @@ def main(
         data.connect(tokenizer=tokenizer, batch_size=train.micro_batch_size, max_seq_length=train.max_seq_length,
                      vocab_size=config.vocab_size)
         data.setup()
+        if tokenizer is None:  # said once the data is found good: a mistake in its paths is the error to show
+            fabric.print(
+                f"Warning: no tokenizer (--tokenizer_dir, or a data module that has one): the checkpoints will hold "
+                f"no tokenizer files, which generate and convert_to_hf need; {type(data).__name__} reads token ids only"
+            )
         train_dataloader = data.train_dataloader()
         if any(change.startswith("data") for change in run_changes):
             if not isinstance(train_dataloader, TrainLoader):

@@ -134,13 +134,15 @@ def test_hyperparameters_yaml_holds_absolute_paths(tmp_path, monkeypatch, prepar
     assert hparams["data"]["init_args"]["data_path"] == str(prepared / "tokens")
 
 
-def test_a_failed_run_removes_the_empty_output_directories_it_created(tmp_path):
+def test_a_failed_run_removes_the_empty_output_directories_it_created(tmp_path, capsys):
     from fabric_lin.data import TokenChunks
 
     (tmp_path / "runs").mkdir()
     with pytest.raises(FileNotFoundError, match="does not exist"):  # after the launch: the data is checked in main
         setup_pretrain(tmp_path, out_dir=tmp_path / "runs" / "a" / "b", data=TokenChunks(data_path=tmp_path / "nothing", num_workers=0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
+    # the missing path is the one thing said: no warning of a tokenizer the data could not be read for
+    assert "Warning: no tokenizer" not in capsys.readouterr().out
 
 
 # ---- one tokenizer per run: the data's directories agree, the checkpoints carry it, evaluate checks it
