@@ -155,6 +155,12 @@ def test_text_files_errors_name_the_setting(mix, tmp_path):
             TextFiles(train_dir=two, train_weights=weights)
     with pytest.raises(ValueError, match="TextFiles needs data.train_dir"):
         TextFiles().setup()
+    validation_only = TextFiles(val_dir=mix["data"] / "slimpajama" / "val", num_workers=0)  # what evaluate reads
+    validation_only.connect(mix["tokenizer"], batch_size=1, max_seq_length=SEQ)
+    validation_only.setup()
+    assert next(iter(validation_only.val_dataloader())).shape == (1, SEQ + 1)
+    with pytest.raises(ValueError, match="TextFiles needs data.train_dir"):  # what pretrain reads
+        validation_only.train_dataloader()
     data = TextFiles(train_dir=[two[0], tmp_path / "nowhere"])
     data.connect(mix["tokenizer"], batch_size=1, max_seq_length=SEQ)
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere")):

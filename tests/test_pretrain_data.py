@@ -179,8 +179,8 @@ def test_a_run_takes_the_data_s_tokenizer_and_evaluate_refuses_another_s_data(tm
     assert "Warning: no tokenizer" not in capsys.readouterr().out
     final = tmp_path / "out" / "final"
     assert (final / "tokenizer.model").read_bytes() == (prepared / "tok300" / "tokenizer.model").read_bytes()
-    err = cli_error(["evaluate", str(final), "--data", "TextFiles", "--data.train_dir", str(prepared / "tokens320"),
-                     "--data.val_dir", str(prepared / "tokens320"), "--data.num_workers", "0"], capsys)
+    err = cli_error(["evaluate", str(final), "--data", "TextFiles", "--data.val_dir", str(prepared / "tokens320"),
+                     "--data.num_workers", "0"], capsys)
     assert f"{prepared / 'tokens320'} was tokenized with a different tokenizer" in err
     assert f"than {final / 'tokenizer.model'}" in err
 

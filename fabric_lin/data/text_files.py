@@ -49,10 +49,8 @@ class TextFiles(DataModule):
         return self.train_dirs + ([Path(self.val_dir)] if self.val_dir is not None else [])
 
     def setup(self) -> None:
-        if not self.train_dirs:
-            raise InvalidValue(
-                "TextFiles needs data.train_dir: a directory written by `fabric-lin prepare_text` (its OUT/train), or a list of them"
-            )
+        if not self.train_dirs and self.val_dir is None:  # evaluate reads val_dir alone
+            raise self.no_train_dir()
         self.check_weights()
         if self.val_dir is not None and not Path(self.val_dir).exists():
             # a typo must not turn validation off; prepare_text writes no OUT/val where it held out no document
@@ -65,7 +63,14 @@ class TextFiles(DataModule):
         if self.val_dir is None:
             say_once("TextFiles: no validation: data.val_dir is not set")
 
+    def no_train_dir(self) -> InvalidValue:
+        return InvalidValue(
+            "TextFiles needs data.train_dir: a directory written by `fabric-lin prepare_text` (its OUT/train), or a list of them"
+        )
+
     def train_dataloader(self):
+        if not self.train_dirs:
+            raise self.no_train_dir()
         weights = self.train_weights
         if weights is None and len(self.train_dirs) > 1:
             from fabric_lin.data.prepared import chunk_tokens
