@@ -327,8 +327,7 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
     progress.close()
     if batches == 0:
         raise InvalidValue(
-            f"seq_len {seq_len}: the validation data gives no full batch of {batch_size} blocks of {seq_len + 1} "
-            "tokens; lower --batch_size or --seq_len"
+            f"seq_len {seq_len}: the validation data gives no block of {seq_len + 1} tokens; lower --seq_len"
         )
     tokens = rows * seq_len
     loss = float(sums.sum() / tokens)
