@@ -84,9 +84,11 @@ def fp8_copy(model: GPT, config: Config, recipe: str) -> GPT:
     """Our model with the same weights, its Linear layers converted to FP8 as `fabric-lin pretrain --fp8.recipe` does."""
     from fabric_lin.fp8 import FP8Args, convert_to_fp8
 
-    copy = GPT(config, fused=True, float8=True)
+    fp8 = FP8Args(recipe=recipe)
+    copy = GPT(config, fused=True, float8=fp8.torchao, fp8_products=recipe == "fused")
     copy.load_state_dict(model.state_dict())
-    convert_to_fp8(copy, FP8Args(recipe=recipe))
+    if fp8.torchao:
+        convert_to_fp8(copy, fp8)
     return copy
 
 
@@ -159,7 +161,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--weight_decay", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--peer", choices=["fla", "fp8-tensorwise", "fp8-rowwise"], default="fla")
+    parser.add_argument("--peer", choices=["fla", "fp8-tensorwise", "fp8-rowwise", "fp8-fused"], default="fla")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--plot", help="also draw both loss curves into this PNG (needs matplotlib)")
     args = parser.parse_args()

@@ -67,8 +67,8 @@ def ours(config: Config, gla_launch=None, compiled=False, fp8_recipe="none"):
 
     fp8 = FP8Args(recipe=fp8_recipe)
     model = GPT(config, fused=True, launch=Launches() if gla_launch is None else Launches(gla=gla_launch),
-                float8=fp8.enabled)
-    if fp8.enabled:
+                float8=fp8.torchao, fp8_products=fp8.recipe == "fused")
+    if fp8.torchao:
         convert_to_fp8(model, fp8)
     if compiled:
         for block in model.layers:
@@ -141,6 +141,7 @@ def measure(name, build, config, batch_size, seq_len, steps, warmup, extra=None,
 
 
 REGIME_A_MODELS = ("fabric-lin", "fabric-lin-tuned", "fabric-lin-compiled", "fabric-lin-fp8", "fabric-lin-fp8-rowwise",
+                   "fabric-lin-fp8-fused", "gla-1B-compiled", "gla-1B-fp8-fused",
                    "fla", "transformer", "gdn", "fla-gdn")
 REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     "fabric-lin": ("config_hub/gla_340M.yaml", []),
@@ -163,6 +164,9 @@ REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     "fabric-lin-fp8-rowwise": ("config_hub/gla_340M.yaml", ["--fp8.recipe", "rowwise"]),
     "gla-1B": ("config_hub/gla_1B.yaml", []),
     "gla-1B-fp8": ("config_hub/gla_1B.yaml", ["--fp8.recipe", "tensorwise"]),
+    # FP8 products made inside the fused ops (fabric_lin/ops/fp8_matmul.py), not by torchao's layers
+    "gla-1B-fp8-fused": ("config_hub/gla_1B.yaml", ["--fp8.recipe", "fused"]),
+    "fabric-lin-fp8-fused": ("config_hub/gla_340M.yaml", ["--fp8.recipe", "fused"]),
     "transformer": ("config_hub/transformer_340M.yaml", []),
     "gdn": ("config_hub/gdn_340M.yaml", []),
 }
@@ -318,6 +322,12 @@ def worker(regime, key, args):
                            functools.partial(ours, compiled=True, fp8_recipe="tensorwise"), gla),
         "fabric-lin-fp8-rowwise": ("fabric-lin gla-340M, FP8 rowwise, each Block compiled",
                                    functools.partial(ours, compiled=True, fp8_recipe="rowwise"), gla),
+        "fabric-lin-fp8-fused": ("fabric-lin gla-340M, FP8 products in the fused ops, each Block compiled",
+                                 functools.partial(ours, compiled=True, fp8_recipe="fused"), gla),
+        "gla-1B-compiled": ("fabric-lin gla-1.3B, each Block compiled", functools.partial(ours, compiled=True),
+                            Config.from_name("gla-1.3B")),
+        "gla-1B-fp8-fused": ("fabric-lin gla-1.3B, FP8 products in the fused ops, each Block compiled",
+                             functools.partial(ours, compiled=True, fp8_recipe="fused"), Config.from_name("gla-1.3B")),
         "fla": ("flash-linear-attention GLAForCausalLM 340M", fla_model, gla),
         "transformer": ("fabric-lin transformer-340M", ours, Config.from_name("transformer-340M")),
         "gdn": ("fabric-lin gdn-340M", ours, Config.from_name("gdn-340M")),
@@ -354,6 +364,10 @@ FP8_PAIRS = [  # FP8 (second) against the same model and regime in bf16 (first):
     ("FP8 tensorwise vs bf16 (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-fp8"),
     ("FP8 rowwise vs bf16 (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-fp8-rowwise"),
     ("gla-1.3B FP8 tensorwise vs bf16 (b)", "real-loop/gla-1B", "real-loop/gla-1B-fp8"),
+    ("FP8 fused vs bf16 (a, compiled)", "bf16-weights/fabric-lin-compiled", "bf16-weights/fabric-lin-fp8-fused"),
+    ("FP8 fused vs bf16 (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-fp8-fused"),
+    ("gla-1.3B FP8 fused vs bf16 (a, compiled)", "bf16-weights/gla-1B-compiled", "bf16-weights/gla-1B-fp8-fused"),
+    ("gla-1.3B FP8 fused vs bf16 (b)", "real-loop/gla-1B", "real-loop/gla-1B-fp8-fused"),
 ]
 
 
@@ -398,7 +412,8 @@ def main():
                         "forced on / off; fabric-lin: compile.mode auto, on), fla, transformer, gdn (gdn-340M, both regimes), "
                         "fla-gdn (fla's GatedDeltaNetForCausalLM, regime a), fabric-lin-compiled (regime a, each Block compiled), "
                         "fabric-lin-fp8 / fabric-lin-fp8-rowwise (both regimes; regime a compiles each Block), "
-                        "gla-1B / gla-1B-fp8 (regime b, gla-1.3B in bf16 / FP8)")
+                        "gla-1B / gla-1B-fp8 (regime b, gla-1.3B in bf16 / FP8), fabric-lin-fp8-fused / gla-1B-fp8-fused (both "
+                        "regimes: FP8 products inside the fused ops), gla-1B-compiled (regime a)")
     parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",
                         help="bf16-weights (a), real-loop (b), data-loader (the loader alone, no GPU needed)")
     parser.add_argument("--num_workers", type=int, default=4, help="data loader workers (per rank) of the real loop and the data-loader regime")

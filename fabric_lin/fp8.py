@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from fabric_lin.errors import InvalidValue, MissingPackage
 
-RECIPES = ("none", "tensorwise", "rowwise")
+RECIPES = ("none", "tensorwise", "rowwise", "fused")
 MIN_TORCHAO = (0, 10)  # Float8LinearConfig.from_recipe_name
 SMALL_GATE_PROJECTIONS = ("gk_proj", "a_proj", "b_proj")
 
@@ -47,6 +47,12 @@ class FP8Args:
     @property
     def enabled(self) -> bool:
         return self.recipe != "none"
+
+    @property
+    def torchao(self) -> bool:
+        """Whether the Linear layers are swapped for torchao's (every recipe but "fused", whose products the
+        fused ops make themselves: fabric_lin/ops/fp8_matmul.py)."""
+        return self.enabled and self.recipe != "fused"
 
 
 # what FP8 was measured to cost, told in one line to whoever turns it on (the records: benchmarks/results/2026-12-06-fp8-*)
@@ -83,7 +89,8 @@ def check_fp8(args: FP8Args, device: torch.device, sharded: bool = False) -> Non
             "fp8.all_gather changes how FSDP gathers the weights: it needs a sharded run (several GPUs with "
             "parallelism.data_parallel fsdp); this run is on one GPU or DDP, leave fp8.all_gather false"
         )
-    torchao_version()
+    if args.torchao:
+        torchao_version()
 
 
 def torchao_version() -> tuple:

@@ -100,36 +100,40 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def prenorm_projections(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor, linears: List[nn.Linear],
-                        fused_linears: bool):
+                        fused_linears: bool, fp8: bool = False):
     """(x + delta, [linear(norm(x + delta)) for linear in linears]) for bias-free linears. fused_linears: one
     kernel makes the norm and a matrix product makes the projections from the weights, the normed activation
-    recomputed in the backward pass instead of being kept for them (one [tokens, hidden] tensor less per call);
-    else the norm, then each Linear module."""
+    recomputed in the backward pass instead of being kept for them (one [tokens, hidden] tensor less per call),
+    with fp8 in FP8 (fabric_lin/ops/fp8_matmul.py); else the norm, then each Linear module."""
     if fused_linears:
         outs, h = rms_norm_linears(x, norm.weight, norm.eps, [lin.weight for lin in linears], residual=delta,
-                                   dtype=compute_dtype(x), backend="triton", launch=norm.launch)
+                                   dtype=compute_dtype(x), backend="triton", launch=norm.launch, fp8=fp8)
         return h, outs
     y, h = norm(x, residual=delta)
     return h, [lin(y) for lin in linears]
 
 
-def gated_output(o: torch.Tensor, g: torch.Tensor, norm: RMSNorm, o_proj: nn.Linear, fused_linears: bool) -> torch.Tensor:
+def gated_output(o: torch.Tensor, g: torch.Tensor, norm: RMSNorm, o_proj: nn.Linear, fused_linears: bool,
+                 fp8: bool = False) -> torch.Tensor:
     """o_proj(RMSNorm(o) * swish(g)) per head: o, g [B, T, H, V] -> [B, T, hidden]. fused_linears: one kernel and
     a product from o_proj's weight, the gated activation recomputed in the backward pass."""
     o = o.to(g.dtype)
     if fused_linears:
-        return rms_norm_gated_linear(o, g, norm.weight, norm.eps, o_proj.weight, backend="triton", launch=norm.launch)
+        return rms_norm_gated_linear(o, g, norm.weight, norm.eps, o_proj.weight, backend="triton", launch=norm.launch,
+                                     fp8=fp8)
     return o_proj(rms_norm_gated(o, g, norm.weight, norm.eps, backend=norm.backend, launch=norm.launch).flatten(-2))
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), x = the normed block stream."""
 
-    def __init__(self, config: Config, fused: bool = False, float8: bool = False, launch: SwiGLULaunch = SwiGLULaunch()):
+    def __init__(self, config: Config, fused: bool = False, float8: bool = False, launch: SwiGLULaunch = SwiGLULaunch(),
+                 fp8_products: bool = False):
         super().__init__()
         d, i, std = config.hidden_size, config.intermediate_size, config.initializer_range
         self.backend = backend_of(fused)
         self.fused_linears = fused and not float8
+        self.fp8_products = fp8_products
         self.launch = launch
         self.gate_proj = Linear(d, i, std=std)
         self.up_proj = Linear(d, i, std=std)
@@ -143,16 +147,19 @@ class MLP(nn.Module):
         # gate and up side by side in one tensor, whose gradient the SwiGLU kernel writes as one tensor (no
         # concatenation in the projections' backward); the activation is recomputed in the backward pass
         gate_up, h = rms_norm_linears(x, norm.weight, norm.eps, [self.gate_proj.weight, self.up_proj.weight], residual=delta,
-                                      dtype=compute_dtype(x), backend="triton", side_by_side=True, launch=norm.launch)
-        return h, swiglu_linear(gate_up, self.down_proj.weight, backend="triton", launch=self.launch)
+                                      dtype=compute_dtype(x), backend="triton", side_by_side=True, launch=norm.launch,
+                                      fp8=self.fp8_products)
+        return h, swiglu_linear(gate_up, self.down_proj.weight, backend="triton", launch=self.launch, fp8=self.fp8_products)
 
 
 class GatedLinearAttention(nn.Module):
-    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), float8: bool = False):
+    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), float8: bool = False,
+                 fp8_products: bool = False):
         super().__init__()
         self.config = config
         self.backend = backend_of(fused)
         self.fused_linears = fused and not float8
+        self.fp8_products = fp8_products
         self.launch = launch.gla
         d, std = config.hidden_size, config.initializer_range
         groups = config.num_heads // config.num_kv_heads
@@ -177,7 +184,8 @@ class GatedLinearAttention(nn.Module):
         B, T, _ = x.shape
         groups = c.num_heads // c.num_kv_heads
         x, (q, k, v, gate_low_rank, g) = prenorm_projections(
-            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.gk_proj[0], self.g_proj], self.fused_linears
+            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.gk_proj[0], self.g_proj], self.fused_linears,
+            self.fp8_products,
         )
         q = q.view(B, T, c.num_heads, c.head_k_dim)
         k = k.view(B, T, c.num_kv_heads, c.head_k_dim)
@@ -199,7 +207,7 @@ class GatedLinearAttention(nn.Module):
                 o, cache.layers[layer] = chunk_gla(q, k, v, gk, initial_state=cache.layers[layer], output_final_state=True,
                                                    backend=self.backend, launch=self.launch)
         g = g.view(B, T, c.num_heads, c.head_v_dim)
-        return x, gated_output(o, g, self.g_norm, self.o_proj, self.fused_linears)
+        return x, gated_output(o, g, self.g_norm, self.o_proj, self.fused_linears, self.fp8_products)
 
 
 class ShortConvolution(nn.Module):
@@ -263,11 +271,13 @@ class GatedDeltaNet(DeltaRuleLayer):
 
     no_weight_decay = ("A_log", "dt_bias")  # as flash-linear-attention keeps them
 
-    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), float8: bool = False):
+    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), float8: bool = False,
+                 fp8_products: bool = False):
         super().__init__()
         self.config = config
         self.backend = backend_of(fused)
         self.fused_linears = fused and not float8
+        self.fp8_products = fp8_products
         self.launch = launch.gdn
         d, std, H = config.hidden_size, config.initializer_range, config.num_heads
         self.q_proj = Linear(d, config.key_dim, std=std)
@@ -302,11 +312,11 @@ class GatedDeltaNet(DeltaRuleLayer):
         continue from it, and are left there."""
         x, (q, k, v, a, b, g) = prenorm_projections(
             norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj],
-            self.fused_linears,
+            self.fused_linears, self.fp8_products,
         )
         decay, beta = gdn_gate(a, b, self.A_log, self.dt_bias)  # [B, T, H] fp32
         o = self.delta_rule(q, k, v, decay, beta, cu_seqlens, cache, layer)
-        return x, gated_output(o, g.view(o.shape), self.o_norm, self.o_proj, self.fused_linears)
+        return x, gated_output(o, g.view(o.shape), self.o_norm, self.o_proj, self.fused_linears, self.fp8_products)
 
 
 class DeltaNet(DeltaRuleLayer):
@@ -315,11 +325,13 @@ class DeltaNet(DeltaRuleLayer):
     beta = sigmoid(b); q and k L2-normalised; the delta rule, which is the gated one without a decay
     (fabric_lin/ops/gdn/ with g=None); the output normed per head, then o_proj. No output gate."""
 
-    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), float8: bool = False):
+    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), float8: bool = False,
+                 fp8_products: bool = False):
         super().__init__()
         self.config = config
         self.backend = backend_of(fused)
         self.fused_linears = fused and not float8
+        self.fp8_products = fp8_products
         self.launch = launch.gdn
         d, std, H = config.hidden_size, config.initializer_range, config.num_heads
         self.q_proj = Linear(d, config.key_dim, std=std)
@@ -339,7 +351,7 @@ class DeltaNet(DeltaRuleLayer):
         """(x + delta, attention(norm(x + delta))). With a cache: the convolutions' last inputs and the state
         continue from it, and are left there."""
         x, (q, k, v, b) = prenorm_projections(
-            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.b_proj], self.fused_linears,
+            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.b_proj], self.fused_linears, self.fp8_products,
         )
         o = self.delta_rule(q, k, v, None, b.float().sigmoid(), cu_seqlens, cache, layer)
         return x, self.o_proj(self.o_norm(o).flatten(-2))  # o in q's dtype, the projections' compute dtype
@@ -416,7 +428,7 @@ class CausalSelfAttention(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), layer: int = 0,
-                 float8: bool = False):
+                 float8: bool = False, fp8_products: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused, launch=launch.norm)
         if config.block_type == "transformer":
@@ -424,13 +436,13 @@ class Block(nn.Module):
         elif layer in config.attn_layers:  # a hybrid's softmax-attention layer
             self.attn = CausalSelfAttention(config, config.attn_num_heads, config.attn_kv_heads, fused and not float8)
         elif config.block_type == "gla":
-            self.attn = GatedLinearAttention(config, fused, launch, float8)
+            self.attn = GatedLinearAttention(config, fused, launch, float8, fp8_products)
         elif config.block_type == "deltanet":
-            self.attn = DeltaNet(config, fused, launch, float8)
+            self.attn = DeltaNet(config, fused, launch, float8, fp8_products)
         else:
-            self.attn = GatedDeltaNet(config, fused, launch, float8)
+            self.attn = GatedDeltaNet(config, fused, launch, float8, fp8_products)
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused, launch=launch.norm)
-        self.mlp = MLP(config, fused, float8, launch.swiglu)
+        self.mlp = MLP(config, fused, float8, launch.swiglu, fp8_products)
 
     def forward(self, x, delta, cu_seqlens=None, cache=None, layer: int = 0):
         """The residual stream is x + delta (delta: the last sublayer's output, not yet added); returns the
@@ -450,21 +462,23 @@ class DecodeCache:
 
 
 class GPT(nn.Module):
-    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), float8: bool = False):
+    def __init__(self, config: Config, fused: bool = False, launch: Launches = Launches(), float8: bool = False,
+                 fp8_products: bool = False):
         """fused: the training step's fused Triton kernels (norms with their projections, SwiGLU, GLA, GDN and
         its convolutions, cross-entropy; CUDA, or Triton's interpreter on the CPU), else their PyTorch references
         (any device). launch: how those kernels are launched, per family (default: the shipped settings).
-        float8: the Linear layers called as modules, for fabric_lin/fp8.py to swap for FP8 ones."""
+        float8: the Linear layers called as modules, for fabric_lin/fp8.py to swap for FP8 ones. fp8_products (with
+        fused): the fused ops' projections in FP8, each row scaled (fabric_lin/ops/fp8_matmul.py)."""
         super().__init__()
         self.config = config
-        self.fused, self.float8 = fused, float8
+        self.fused, self.float8, self.fp8_products = fused, float8, fp8_products
         self.launch = launch
         # Draws made while the submodules are constructed must not shift the generator: the model's
         # init is `reset_parameters()` below, so an eager build and a meta build followed by
         # `reset_parameters()` give the same weights for the same seed.
         with _preserve_rng():
             self.embeddings = Embedding(config.vocab_size, config.hidden_size, std=config.initializer_range)
-            self.layers = nn.ModuleList(Block(config, fused, launch, i, float8) for i in range(config.num_layers))
+            self.layers = nn.ModuleList(Block(config, fused, launch, i, float8, fp8_products) for i in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused, launch=launch.norm)
             self.lm_head = None if config.tie_embeddings else Linear(
                 config.hidden_size, config.vocab_size, std=config.initializer_range

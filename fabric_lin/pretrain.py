@@ -578,15 +578,17 @@ def build_model(
     `parallelize` materialises and initialises it shard by shard, to the same weights."""
     sharded = isinstance(fabric.strategy, ModelParallelStrategy)
     with fabric.init_module(empty_init=True):
-        model = GPT(config, fused=fabric.device.type == "cuda", float8=fp8.enabled,
+        model = GPT(config, fused=fabric.device.type == "cuda", float8=fp8.torchao, fp8_products=fp8.recipe == "fused",
                     launch=Launches() if gla_launch is None else Launches(gla=gla_launch))
     fabric.seed_everything(seed, verbose=False)
     if not sharded:
         model.reset_parameters()
         if initial_checkpoint_dir is not None:
             model.load_state_dict(load_initial_weights(initial_checkpoint_dir, config, fabric.print))
-    if fp8.enabled:  # the converted layers keep the parameters, and under FSDP materialise with the model's init
+    if fp8.torchao:  # the converted layers keep the parameters, and under FSDP materialise with the model's init
         fabric.print(f"FP8 ({fp8.recipe}): {len(convert_to_fp8(model, fp8))} Linear layers. {FP8_COST_NOTE}")
+    elif fp8.enabled:
+        fabric.print("FP8 (fused): the fused ops' projections in FP8, each row scaled")
     if activation_checkpointing:  # before compiling and sharding, as torchtitan orders them: each wraps the last
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             apply_activation_checkpointing,

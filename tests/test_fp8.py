@@ -20,7 +20,7 @@ def small(name="gla-debug", **overrides) -> Config:
 
 def test_recipe_and_device_checks_name_the_fix(monkeypatch):
     check_fp8(FP8Args("none"), torch.device("cpu"))  # nothing to check
-    with pytest.raises(ValueError, match="fp8.recipe must be one of \\('none', 'tensorwise', 'rowwise'\\), got 'e4m3'"):
+    with pytest.raises(ValueError, match="fp8.recipe must be one of \\('none', 'tensorwise', 'rowwise', 'fused'\\), got 'e4m3'"):
         check_fp8(FP8Args("e4m3"), torch.device("cpu"))
     with pytest.raises(ValueError, match="needs a CUDA GPU of compute capability 8.9 .* on the CPU: leave fp8.recipe at 'none'"):
         check_fp8(FP8Args("tensorwise"), torch.device("cpu"))
@@ -64,6 +64,7 @@ def test_torchao_missing_or_too_old_is_named(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", without_torchao)
     with pytest.raises(ImportError, match="pip install 'fabric-lin\\[fp8\\]'"):
         check_fp8(FP8Args("tensorwise"), torch.device("cuda", 0))
+    check_fp8(FP8Args("fused"), torch.device("cuda", 0))  # the fused ops' FP8 products need no torchao
     monkeypatch.setattr(builtins, "__import__", real_import)
     if importlib.util.find_spec("torchao") is not None:
         import torchao

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fabric_lin.ops.backend import resolve_backend
+from fabric_lin.ops.fp8_matmul import matmul_nt, matmuls_nt
 from fabric_lin.ops.fused_launch import NormLaunch
 
 
@@ -69,11 +70,12 @@ def rms_norm_gated(
 
 def rms_norm_gated_linear(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, proj_weight: torch.Tensor,
-    backend: str = "auto", launch: Optional[NormLaunch] = None,
+    backend: str = "auto", launch: Optional[NormLaunch] = None, fp8: bool = False,
 ) -> torch.Tensor:
     """rms_norm_gated(x, gate, weight) on [..., heads, head_dim], heads flattened, times proj_weight^T;
     keeps x, gate and the weights for the backward pass, not the normed activation. proj_weight is cast
-    to x's dtype first (what autocast does for a linear layer under bf16-mixed)."""
+    to x's dtype first (what autocast does for a linear layer under bf16-mixed). fp8: the product and the
+    activation's gradient in FP8 (fabric_lin/ops/fp8_matmul.py)."""
     if proj_weight.shape[-1] != x.shape[-2] * x.shape[-1]:
         raise ValueError(
             f"rms_norm_gated_linear: proj_weight must be [out, {x.shape[-2] * x.shape[-1]}] (heads x head_dim of x "
@@ -86,23 +88,24 @@ def rms_norm_gated_linear(
         )
     if resolve_backend(backend, x.device) == "torch":
         y = rms_norm_gated_ref(x, gate, weight, eps)
-        return F.linear(y.reshape(*x.shape[:-2], -1), proj_weight.to(y.dtype))
+        return matmul_nt(y.reshape(*x.shape[:-2], -1), proj_weight.to(y.dtype), fp8)
     from fabric_lin.ops.norm_triton import rms_norm_gated_linear_triton
 
-    return rms_norm_gated_linear_triton(x, gate, weight, eps, proj_weight, launch)
+    return rms_norm_gated_linear_triton(x, gate, weight, eps, proj_weight, launch, fp8)
 
 
 def rms_norm_linears(
     x: torch.Tensor, weight: torch.Tensor, eps: float, proj_weights: Sequence[torch.Tensor],
     residual: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None, backend: str = "auto",
-    side_by_side: bool = False, launch: Optional[NormLaunch] = None,
+    side_by_side: bool = False, launch: Optional[NormLaunch] = None, fp8: bool = False,
 ) -> Union[List[torch.Tensor], Tuple[List[torch.Tensor], torch.Tensor], torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """[rms_norm(x) @ w.T for w in proj_weights] (a pre-norm block's input projections); with `residual`,
     h = x + residual is normalised and (projections, h) returned. The projections run in `dtype`
     (default x's; under bf16-mixed the autocast dtype, as a linear layer would), the weights cast to it
     (and stacked: one saved copy). Keeps x (or h) and 1/rms for the backward pass, not the normed
     activation. side_by_side: one output, the projections concatenated on the last dim (one product;
-    its gradient arrives as one tensor, where separate outputs' gradients are first concatenated)."""
+    its gradient arrives as one tensor, where separate outputs' gradients are first concatenated). fp8: the
+    products and the activation's gradient in FP8 (fabric_lin/ops/fp8_matmul.py)."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm_linears: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
@@ -114,11 +117,11 @@ def rms_norm_linears(
     if resolve_backend(backend, x.device) == "torch":
         normed = rms_norm_ref(x, weight, eps, residual)
         y, h = normed if residual is not None else (normed, None)
-        outs = [F.linear(y.to(dtype), w.to(dtype)) for w in proj_weights]
+        outs = matmuls_nt(y.to(dtype), [w.to(dtype) for w in proj_weights], fp8)
         if side_by_side:
             outs = torch.cat(outs, dim=-1)
         return (outs, h) if residual is not None else outs
     from fabric_lin.ops.norm_triton import rms_norm_linears_triton
 
-    outs, h = rms_norm_linears_triton(x, weight, eps, proj_weights, residual, dtype, side_by_side, launch)
+    outs, h = rms_norm_linears_triton(x, weight, eps, proj_weights, residual, dtype, side_by_side, launch, fp8)
     return (outs, h) if residual is not None else outs

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.fp8_matmul import matmul_nn, matmul_nt, matmuls_nt
 from fabric_lin.ops.launch import cdiv, launch_json, multiprocessors, next_power_of_2
 from fabric_lin.ops.fused_launch import SHIPPED_NORM as SHIPPED, NormLaunch
 
@@ -212,11 +213,11 @@ class _RMSNormGatedLinearFunction(torch.autograd.Function):
     recomputed in the backward pass instead of being kept for the projection's weight gradient."""
 
     @staticmethod
-    def forward(ctx, x, gate, weight, eps, proj_weight, launch):
+    def forward(ctx, x, gate, weight, eps, proj_weight, launch, fp8):
         y, _, rstd = norm_fwd(x, None, gate, weight, eps, None, launch)
         ctx.save_for_backward(x, gate, weight, rstd, proj_weight)
-        ctx.eps, ctx.launch = eps, launch
-        return torch.matmul(y.reshape(*x.shape[:-2], -1), proj_weight.t())
+        ctx.eps, ctx.launch, ctx.fp8 = eps, launch, fp8
+        return matmul_nt(y.reshape(*x.shape[:-2], -1), proj_weight, fp8)
 
     @staticmethod
     def backward(ctx, d_out):
@@ -224,9 +225,9 @@ class _RMSNormGatedLinearFunction(torch.autograd.Function):
         y, _, _ = norm_fwd(x, None, gate, weight, ctx.eps, None, ctx.launch)
         d_out = d_out.contiguous()
         d_proj = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, proj_weight.shape[1]))
-        dy = torch.matmul(d_out, proj_weight).view_as(x)
+        dy = matmul_nn(d_out, proj_weight, ctx.fp8).view_as(x)
         dx, dg, dw, _ = norm_bwd(x, gate, weight, rstd, dy, None, None, ctx.launch)
-        return dx, dg, dw, None, d_proj, None
+        return dx, dg, dw, None, d_proj, None, None
 
 
 class _RMSNormLinearsFunction(torch.autograd.Function):
@@ -238,15 +239,15 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
     its own) and, in the backward pass, the residual's gradient in the residual's dtype."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, stacked, sizes, launch):
+    def forward(ctx, x, residual, weight, eps, stacked, sizes, launch, fp8):
         y, h, rstd = norm_fwd(x, residual, None, weight, eps, stacked.dtype, launch)
         source = h if residual is not None else x
         ctx.save_for_backward(source, weight, rstd, stacked)
-        ctx.eps, ctx.sizes, ctx.launch = eps, sizes, launch
+        ctx.eps, ctx.sizes, ctx.launch, ctx.fp8 = eps, sizes, launch, fp8
         ctx.residual_dtype = residual.dtype if residual is not None else None  # None: no residual
         if sizes is None:
-            return h, torch.matmul(y, stacked.t())
-        return (h, *(torch.matmul(y, w.t()) for w in stacked.split(sizes)))
+            return h, matmul_nt(y, stacked, fp8)
+        return (h, *matmuls_nt(y, stacked.split(sizes), fp8))
 
     @staticmethod
     def backward(ctx, dh_out, *d_outs):
@@ -264,10 +265,10 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
                 d.reshape(y.shape[0], n) if d is not None else y.new_zeros(y.shape[0], n)
                 for d, n in zip(d_outs, ctx.sizes)
             ], dim=-1)
-        dy = torch.matmul(d_cat, stacked).view_as(source)
+        dy = matmul_nn(d_cat, stacked, ctx.fp8).view_as(source)
         d_stacked = torch.matmul(d_cat.t(), y)
         dx, _, dw, dres = norm_bwd(source, None, weight, rstd, dy, dh_extra, ctx.residual_dtype, ctx.launch)
-        return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None, None
+        return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None, None, None
 
 
 # the entry points of norm.py's ops; launch: a NormLaunch (None: SHIPPED)
@@ -284,17 +285,17 @@ def rms_norm_gated_triton(x, gate, weight, eps, launch: Optional[NormLaunch] = N
     return y
 
 
-def rms_norm_gated_linear_triton(x, gate, weight, eps, proj_weight, launch: Optional[NormLaunch] = None):
+def rms_norm_gated_linear_triton(x, gate, weight, eps, proj_weight, launch: Optional[NormLaunch] = None, fp8: bool = False):
     return _RMSNormGatedLinearFunction.apply(x.contiguous(), gate.contiguous(), weight, float(eps), proj_weight.to(x.dtype),
-                                             launch_json(launch, SHIPPED))
+                                             launch_json(launch, SHIPPED), fp8)
 
 
 def rms_norm_linears_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, proj_weights: Sequence[torch.Tensor],
                             residual: Optional[torch.Tensor], dtype: torch.dtype, side_by_side: bool,
-                            launch: Optional[NormLaunch] = None):
+                            launch: Optional[NormLaunch] = None, fp8: bool = False):
     """(projections: a list, or one tensor side by side; h = x + residual or None)."""
     stacked = torch.cat([w.to(dtype) for w in proj_weights]) if len(proj_weights) > 1 else proj_weights[0].to(dtype)
     sizes = None if side_by_side else [w.shape[0] for w in proj_weights]
     h, *outs = _RMSNormLinearsFunction.apply(x.contiguous(), residual.contiguous() if residual is not None else None,
-                                             weight, float(eps), stacked, sizes, launch_json(launch, SHIPPED))
+                                             weight, float(eps), stacked, sizes, launch_json(launch, SHIPPED), fp8)
     return (outs[0] if side_by_side else outs), (h if residual is not None else None)

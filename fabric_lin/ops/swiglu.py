@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fabric_lin.ops.backend import resolve_backend
+from fabric_lin.ops.fp8_matmul import matmul_nt
 from fabric_lin.ops.fused_launch import SwiGLULaunch
 
 
@@ -34,11 +35,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto",
 
 
 def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, backend: str = "auto",
-                  launch: Optional[SwiGLULaunch] = None) -> torch.Tensor:
+                  launch: Optional[SwiGLULaunch] = None, fp8: bool = False) -> torch.Tensor:
     """(silu(gate) * up) @ weight^T for gate_up = [..., 2 I], gate its first half and up its second (an
     MLP's two input projections computed side by side), keeping only gate_up and weight for the backward
     pass, whose gradient of gate_up is one tensor in the same layout. The weight is cast to gate_up's
-    dtype first (what autocast does for a linear layer under bf16-mixed)."""
+    dtype first (what autocast does for a linear layer under bf16-mixed). fp8: the product and the activation's
+    gradient in FP8 (fabric_lin/ops/fp8_matmul.py)."""
     I = gate_up.shape[-1] // 2
     if gate_up.shape[-1] % 2 or weight.dim() != 2 or weight.shape[-1] != I:
         raise ValueError(
@@ -47,7 +49,7 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, backend: str = "a
         )
     if resolve_backend(backend, gate_up.device) == "torch":
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.linear(swiglu_ref(gate, up), weight.to(gate_up.dtype))
+        return matmul_nt(swiglu_ref(gate, up), weight.to(gate_up.dtype), fp8)
     from fabric_lin.ops.swiglu_triton import swiglu_linear_triton
 
-    return swiglu_linear_triton(gate_up, weight, launch)
+    return swiglu_linear_triton(gate_up, weight, launch, fp8)

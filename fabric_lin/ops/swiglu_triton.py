@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.fp8_matmul import matmul_nn, matmul_nt
 from fabric_lin.ops.launch import cdiv, launch_json
 from fabric_lin.ops.fused_launch import SHIPPED_SWIGLU as SHIPPED, SwiGLULaunch
 
@@ -108,44 +109,45 @@ def _packed_bwd(gate_up: torch.Tensor, dy: torch.Tensor, launch: str) -> torch.T
 # then keeps gate_up and the weight for its backward, not also the [tokens, intermediate] activation
 # that a separate linear layer would save (a third of an MLP's saved activations).
 @kernel_op("swiglu_linear_fwd")
-def swiglu_linear_fwd(gate_up: torch.Tensor, weight: torch.Tensor, launch: str) -> torch.Tensor:
-    return torch.matmul(_packed_fwd(gate_up, launch), weight.t())
+def swiglu_linear_fwd(gate_up: torch.Tensor, weight: torch.Tensor, fp8: bool, launch: str) -> torch.Tensor:
+    return matmul_nt(_packed_fwd(gate_up, launch), weight, fp8)
 
 
 @kernel_op("swiglu_linear_bwd")
 def swiglu_linear_bwd(gate_up: torch.Tensor, weight: torch.Tensor, d_out: torch.Tensor,
-                      launch: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                      fp8: bool, launch: str) -> Tuple[torch.Tensor, torch.Tensor]:
     y = _packed_fwd(gate_up, launch)  # recomputed: one elementwise pass instead of keeping it
     d_weight = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, y.shape[-1]))
-    return _packed_bwd(gate_up, torch.matmul(d_out, weight), launch), d_weight
+    return _packed_bwd(gate_up, matmul_nn(d_out, weight, fp8), launch), d_weight
 
 
 @swiglu_linear_fwd.register_fake
-def _(gate_up, weight, launch):
+def _(gate_up, weight, fp8, launch):
     return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
 
 
 @swiglu_linear_bwd.register_fake
-def _(gate_up, weight, d_out, launch):
+def _(gate_up, weight, d_out, fp8, launch):
     return torch.empty_like(gate_up), weight.new_empty(weight.shape)
 
 
 class _SwiGLULinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate_up, weight, launch):
+    def forward(ctx, gate_up, weight, launch, fp8):
         ctx.save_for_backward(gate_up, weight)
-        ctx.launch = launch
-        return swiglu_linear_fwd(gate_up, weight, launch)
+        ctx.launch, ctx.fp8 = launch, fp8
+        return swiglu_linear_fwd(gate_up, weight, fp8, launch)
 
     @staticmethod
     def backward(ctx, d_out):
         gate_up, weight = ctx.saved_tensors
-        return (*swiglu_linear_bwd(gate_up, weight, d_out.contiguous(), ctx.launch), None)
+        return (*swiglu_linear_bwd(gate_up, weight, d_out.contiguous(), ctx.fp8, ctx.launch), None, None)
 
 
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, launch: Optional[SwiGLULaunch] = None) -> torch.Tensor:
     return _SwiGLUFunction.apply(gate.contiguous(), up.contiguous(), launch_json(launch, SHIPPED))
 
 
-def swiglu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, launch: Optional[SwiGLULaunch] = None) -> torch.Tensor:
-    return _SwiGLULinearFunction.apply(gate_up.contiguous(), weight.to(gate_up.dtype), launch_json(launch, SHIPPED))
+def swiglu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, launch: Optional[SwiGLULaunch] = None,
+                         fp8: bool = False) -> torch.Tensor:
+    return _SwiGLULinearFunction.apply(gate_up.contiguous(), weight.to(gate_up.dtype), launch_json(launch, SHIPPED), fp8)
