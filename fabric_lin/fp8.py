@@ -1,4 +1,5 @@
-"""FP8 training of the model's Linear layers through torchao (`pip install 'fabric-lin[fp8]'`).
+"""FP8 training of the model's Linear layers through torchao (`pip install 'fabric-lin[fp8]'`), or, with the recipe
+"fused", inside the fused ops that make the projections (fabric_lin/ops/fp8_matmul.py; no torchao, no conversion).
 
 The weights and the optimizer state stay in their usual precision; the products of the converted layers run
 in FP8 with dynamic scaling (torchao's Float8Linear: e4m3 inputs and weights, e5m2 gradients for "tensorwise",
@@ -35,7 +36,9 @@ class FP8Args:
     """FP8 training of the Linear layers (Hopper or newer: compute capability 8.9+), through torchao."""
 
     recipe: str = "none"
-    """none: bf16 products; tensorwise: FP8 with one dynamic scale per tensor; rowwise: one per row (more precise).
+    """none: bf16 products; tensorwise: FP8 with one dynamic scale per tensor; rowwise: one per row (more precise),
+    both through torchao's layers; fused: FP8 products with one scale per row made inside the fused ops themselves
+    (the forward and input-gradient products; the weight gradient in bf16), keeping what bf16 keeps.
     Measured not to pay yet: its layers keep 1.47x bf16's activation memory at gla-340M and gla-1.3B, and gla-340M's
     step ran at 0.87x bf16's tokens/s on an H100 (benchmarks/results/2026-12-06-fp8-*); measure your model first"""
     gate_projections: bool = False

@@ -25,7 +25,7 @@ def rowwise_fp8_ref(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(x cast to e4m3 row by row, each row's scale [rows, 1] in fp32) for x [rows, cols]: x ~= q * scale."""
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax))
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
