@@ -18,7 +18,9 @@ import argparse
 import functools
 import gc
 import json
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -295,13 +297,21 @@ def run_isolated(regime, key, args):
            "--timeout", str(args.timeout), "--num_workers", str(args.num_workers), "--devices", str(args.devices),
            "--loader_corpus", args.loader_corpus,
            "--accumulation", str(args.accumulation), "--profile", str(args.profile)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 60, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"model": key, "skipped": f"no result within {args.timeout + 60} s (start-up: compilation, autotuning)"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    # its own process group: at its time limit, or ours (SIGTERM), the worker goes with the trainer it started,
+    # which would otherwise hold the GPU's memory through the measurements after it
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=args.timeout + 60)
+        except BaseException as error:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            if not isinstance(error, subprocess.TimeoutExpired):
+                raise
+            return {"model": key, "skipped": f"no result within {args.timeout + 60} s (start-up: compilation, autotuning)"}
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"model": key, "skipped": f"exit code {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}"}
+        return {"model": key, "skipped": f"exit code {proc.returncode}: {(stdout + stderr)[-1500:]}"}
     return json.loads(lines[-1])
 
 
@@ -432,21 +442,31 @@ def main():
         worker(args.worker, args.models, args)
         return
 
-    results = {}
-    for regime in args.regimes.split(","):
-        for key in args.models.split(","):
-            if regime == "real-loop" and key not in REAL_LOOP_CONFIGS:
-                continue  # the peer has no fabric-lin loop
-            if regime == "bf16-weights" and key not in REGIME_A_MODELS:
-                continue  # a setting of the real loop only (compile, FSDP, CUDA graphs)
-            if regime == "data-loader" and key != "fabric-lin":
-                continue  # one loader serves every model
-            results[f"{regime}/{key}"] = run_isolated(regime, key, args)
-            print(json.dumps({f"{regime}/{key}": results[f"{regime}/{key}"]}), flush=True)
+    # a time limit's SIGTERM stops the measurement under way (subprocess.run kills its process on the way out) and
+    # what was measured before it is still written
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    results, stopped = {}, None
+    try:
+        for regime in args.regimes.split(","):
+            for key in args.models.split(","):
+                if regime == "real-loop" and key not in REAL_LOOP_CONFIGS:
+                    continue  # the peer has no fabric-lin loop
+                if regime == "bf16-weights" and key not in REGIME_A_MODELS:
+                    continue  # a setting of the real loop only (compile, FSDP, CUDA graphs)
+                if regime == "data-loader" and key != "fabric-lin":
+                    continue  # one loader serves every model
+                stopped = f"{regime}/{key}"
+                results[f"{regime}/{key}"] = run_isolated(regime, key, args)
+                print(json.dumps({f"{regime}/{key}": results[f"{regime}/{key}"]}), flush=True)
+        stopped = None
+    except KeyboardInterrupt:
+        print(f"stopped (SIGTERM or Ctrl-C) while measuring {stopped}", file=sys.stderr, flush=True)
     ratios = like_for_like_ratios(results)
     fla_ran = any("tokens_per_s" in results.get(f"bf16-weights/{peer}", {}) for peer in ("fla", "fla-gdn"))
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "batch_size": args.batch_size, "seq_len": args.seq_len,
               "torch": torch.__version__, "results": results, "ratios": ratios}
+    if stopped:
+        report["stopped_while_measuring"] = stopped
     write_result(report, args.out, fla_ran=fla_ran)
 
 
