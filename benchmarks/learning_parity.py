@@ -2,12 +2,12 @@
 batches with the same recipe: bf16 autocast over fp32 weights, AdamW (fused; no weight decay on 1-D parameters:
 norms, biases, A_log, dt_bias), the same warmup and cosine schedule, gradient clipping at 1.0. The peer is
 flash-linear-attention's model (`--peer fla`, loaded from ours exported with `convert_to_hf`) or our own model
-with its Linear layers in FP8 (`--peer fp8-tensorwise` / `fp8-rowwise`, converted as `--fp8.recipe` does; then
+with its products in FP8 (`--peer fp8-fused` / `fp8-tensorwise` / `fp8-rowwise`, as `--fp8.recipe` sets them; then
 "ours" is the bf16 run). One GPU, one process; prints one JSON document, and with --plot draws both loss curves.
 
     python benchmarks/learning_parity.py --model gla-340M --steps 200 --out gla_parity.json
     python benchmarks/learning_parity.py --model gdn-340M --steps 200 --out gdn_parity.json
-    python benchmarks/learning_parity.py --model gla-340M --steps 300 --peer fp8-tensorwise --out fp8.json --plot fp8.png
+    python benchmarks/learning_parity.py --model gla-340M --steps 300 --peer fp8-fused --out fp8.json --plot fp8.png
 
 The data is the sample corpus (the Python standard library as prose and code, `fabric_lin.data.SampleCorpus`):
 real text, built on the machine, the same batches for both models. Reported: both losses at every step, the
@@ -81,7 +81,7 @@ def fla_from_export(model: GPT, config: Config):
 
 
 def fp8_copy(model: GPT, config: Config, recipe: str) -> GPT:
-    """Our model with the same weights, its Linear layers converted to FP8 as `fabric-lin pretrain --fp8.recipe` does."""
+    """Our model with the same weights, its products in FP8 as `fabric-lin pretrain --fp8.recipe` sets them."""
     from fabric_lin.fp8 import FP8Args, convert_to_fp8
 
     fp8 = FP8Args(recipe=recipe)

@@ -39,10 +39,12 @@ class FP8Args:
     """none: bf16 products; tensorwise: FP8 with one dynamic scale per tensor; rowwise: one per row (more precise),
     both through torchao's layers; fused: FP8 products with one scale per row made inside the fused ops themselves
     (the forward and input-gradient products; the weight gradient in bf16), keeping what bf16 keeps.
-    Measured not to pay yet: its layers keep 1.47x bf16's activation memory at gla-340M and gla-1.3B, and gla-340M's
-    step ran at 0.87x bf16's tokens/s on an H100 (benchmarks/results/2026-12-06-fp8-*); measure your model first"""
+    Measured on an H100 (benchmarks/results/2026-12-06-fp8-*): fused pays from gla-1.3B on (1.10x bf16's tokens/s at
+    0.985x its memory), not at gla-340M (0.91x); torchao's layers keep 1.47x bf16's activation memory at any size, and
+    ran gla-340M at 0.87x bf16's tokens/s. Over 300 steps at gla-340M fused's loss ran 1.5% (median) above bf16's"""
     gate_projections: bool = False
-    """Also the small gate projections (GLA's low-rank forget gate, GDN's a and b) where their widths allow"""
+    """torchao's recipes: also the small gate projections (GLA's low-rank forget gate, GDN's a and b) where their
+    widths allow (fused keeps them in bf16)"""
     all_gather: bool = False
     """Sharded runs (several GPUs, parallelism.data_parallel fsdp) with recipe tensorwise: FSDP gathers the converted
     layers' weights in FP8 instead of bf16"""
@@ -59,6 +61,9 @@ class FP8Args:
 
 
 # what FP8 was measured to cost, told in one line to whoever turns it on (the records: benchmarks/results/2026-12-06-fp8-*)
+FUSED_NOTE = ("FP8 (fused): the fused ops' projections in FP8, each row scaled; measured on an H100 at 1.10x bf16's tokens/s "
+              "and 0.985x its memory for gla-1.3B, but 0.91x for gla-340M, whose products are too small to pay for the "
+              "casts, and its loss ran 1.5% (median) above bf16's over 300 steps at gla-340M (tutorials/performance.md)")
 COST_NOTE = ("FP8 costs memory here and has not been measured faster: its layers keep their bf16 inputs for the backward "
              "pass (1.47x bf16's activation memory at gla-340M and gla-1.3B), and gla-340M's step ran at 0.87x bf16's "
              "tokens/s on an H100; compare on your model before a long run (tutorials/performance.md)")

@@ -15,8 +15,9 @@ module keeps the backend its ops are called with, and each formula is written on
 how the kernels are launched: `GPT(config, launch=Launches(...))`, one launch-settings value per kernel family,
 each module keeping its family's and handing it to every op it calls.
 The fused kernels also make the matrix products around them (a norm and the projections after it, SwiGLU
-and the down projection) and read the Linear layers' weights directly; `float8=True` calls the Linear
-layers as modules instead, so that fabric_lin/fp8.py can swap them for FP8 ones.
+and the down projection) and read the Linear layers' weights directly; `fp8_products=True` makes those products in
+FP8 (fabric_lin/ops/fp8_matmul.py); `float8=True` calls the Linear layers as modules instead, so that
+fabric_lin/fp8.py can swap them for torchao's FP8 ones.
 """
 import math
 from dataclasses import dataclass, field

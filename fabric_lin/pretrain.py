@@ -45,7 +45,7 @@ from fabric_lin.data.sample_order import TrainLoader
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
 from fabric_lin.files import environment_variables, missing_ancestors, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
-from fabric_lin.fp8 import COST_NOTE as FP8_COST_NOTE, FP8Args, check_fp8, convert_to_fp8
+from fabric_lin.fp8 import COST_NOTE as FP8_COST_NOTE, FUSED_NOTE as FP8_FUSED_NOTE, FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import TokenSchedule, learning_rate
 from fabric_lin.metrics import MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, Launches, RMSNorm
@@ -588,7 +588,7 @@ def build_model(
     if fp8.torchao:  # the converted layers keep the parameters, and under FSDP materialise with the model's init
         fabric.print(f"FP8 ({fp8.recipe}): {len(convert_to_fp8(model, fp8))} Linear layers. {FP8_COST_NOTE}")
     elif fp8.enabled:
-        fabric.print("FP8 (fused): the fused ops' projections in FP8, each row scaled")
+        fabric.print(FP8_FUSED_NOTE)
     if activation_checkpointing:  # before compiling and sharding, as torchtitan orders them: each wraps the last
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             apply_activation_checkpointing,

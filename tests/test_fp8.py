@@ -184,7 +184,7 @@ def test_the_cost_a_user_is_told_is_the_measured_one(capsys):
     from pathlib import Path
 
     from fabric_lin.cli import main as cli_main
-    from fabric_lin.fp8 import COST_NOTE
+    from fabric_lin.fp8 import COST_NOTE, FUSED_NOTE
 
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     for record in ("2026-12-05-fp8-activation-memory.json", "2026-12-06-fp8-activation-memory-1.3B.json"):
@@ -194,7 +194,19 @@ def test_the_cost_a_user_is_told_is_the_measured_one(capsys):
     assert "0.87x bf16's tokens/s" in COST_NOTE
     assert "| `fabric-lin pretrain` gla_340M `--fp8.recipe tensorwise` (b) | 154.9K (0.87x bf16)" in (
         results / "2026-12-06-fp8-training-step-h100.md").read_text()
+    # the fused recipe's figures: the real loop at gla-1.3B, regime (a) at gla-340M, the 300-step loss comparison
+    real_loop = json.loads((results / "2026-12-06-fp8-fused-real-loop-1.3B-h100.json").read_text())["ratios"]
+    regime_a = json.loads((results / "2026-12-06-fp8-fused-regime-a-h100.json").read_text())["ratios"]
+    parity = json.loads((results / "2026-12-06-fp8-fused-parity-340M-h100.json").read_text())
+    quoted = [f"{real_loop['gla-1.3B FP8 fused vs bf16 (b), tokens/s']:.2f}x bf16's tokens/s",
+              f"{real_loop['gla-1.3B FP8 fused vs bf16 (b), peak memory']:.3f}x its memory",
+              f"{regime_a['FP8 fused vs bf16 (a, compiled), tokens/s']:.2f}x",
+              f"{100 * parity['median_relative_difference']:.1f}% (median) above bf16's over {parity['steps']} steps"]
+    for figure in quoted:
+        assert figure in FUSED_NOTE, figure
+    assert parity["last_10_mean_loss_peer"] > parity["last_10_mean_loss_ours"]  # "above": FP8 (the peer) the higher
     with pytest.raises(SystemExit):
         cli_main(["pretrain", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "Measured not to pay yet: its layers keep 1.47x bf16's activation memory" in help_text
+    for figure in quoted[:3] + ["torchao's layers keep 1.47x bf16's activation memory"]:
+        assert figure in help_text, figure
