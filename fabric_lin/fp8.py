@@ -79,6 +79,12 @@ def check_fp8(args: FP8Args, device: torch.device, sharded: bool = False) -> Non
             f"fp8.all_gather gathers weights cast to FP8 with one scale per tensor: it needs fp8.recipe 'tensorwise', "
             f"got {args.recipe!r}"
         )
+    if args.gate_projections and not args.torchao:
+        raise InvalidValue(
+            f"fp8.gate_projections converts the small gate projections with torchao's recipes (tensorwise, rowwise); "
+            f"with fp8.recipe {args.recipe!r} it would do nothing: leave it false"
+            + (" (fused keeps the small gates in bf16)" if args.recipe == "fused" else "")
+        )
     if not args.enabled:
         return
     if device.type != "cuda":

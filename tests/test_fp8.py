@@ -20,6 +20,12 @@ def small(name="gla-debug", **overrides) -> Config:
 
 def test_recipe_and_device_checks_name_the_fix(monkeypatch):
     check_fp8(FP8Args("none"), torch.device("cpu"))  # nothing to check
+    # an option that would do nothing is refused, not ignored
+    with pytest.raises(ValueError, match="fp8.gate_projections .* with fp8.recipe 'fused' it would do nothing: leave it "
+                                         "false \\(fused keeps the small gates in bf16\\)"):
+        check_fp8(FP8Args("fused", gate_projections=True), torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="with fp8.recipe 'none' it would do nothing"):
+        check_fp8(FP8Args("none", gate_projections=True), torch.device("cpu"))
     with pytest.raises(ValueError, match="fp8.recipe must be one of \\('none', 'tensorwise', 'rowwise', 'fused'\\), got 'e4m3'"):
         check_fp8(FP8Args("e4m3"), torch.device("cpu"))
     with pytest.raises(ValueError, match="needs a CUDA GPU of compute capability 8.9 .* on the CPU: leave fp8.recipe at 'none'"):
