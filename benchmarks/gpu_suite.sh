@@ -32,7 +32,7 @@ step gpu_tests 1800 python -m pytest -q -p no:cacheprovider tests/test_gla_trito
     tests/test_norm.py tests/test_swiglu.py tests/test_cross_entropy.py tests/test_launch.py tests/test_model_fused.py \
     tests/test_generate.py tests/test_pretrain_resume.py tests/test_convert_fla_gpu.py tests/test_gdn_triton.py \
     tests/test_short_conv.py tests/test_gdn_recurrent.py tests/test_fp8.py tests/test_gdn_delta_rule.py tests/test_gdn_model.py \
-    tests/test_deltanet.py tests/test_chunked.py tests/test_gla_tune.py
+    tests/test_deltanet.py tests/test_chunked.py tests/test_gla_tune.py tests/test_fp8_matmul.py tests/test_fp8_products.py
 step first_step 900 python benchmarks/first_step.py --fla_cache_dir "$cache" --out "$out/first_step.json"
 step fla_precompile 900 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_precompile.py --workers 6 \
     --out "$out/fla_precompile.json"
@@ -53,6 +53,16 @@ if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; th
     step train_2gpu 600 python benchmarks/train_throughput.py --regimes real-loop --models fabric-lin,fabric-lin-fsdp-block,fabric-lin-fsdp-block-reshard,fabric-lin-ddp \
         --devices 2 --accumulation 4 --steps 8 --warmup 3 --out "$out/train_2gpu.json"
     step profile_2gpu 300 python benchmarks/profile_step.py --devices 2 --out "$out/profile_2gpu.json"
+fi
+# FP8 (compute capability 8.9+): the fused ops' FP8 products against bf16 by kind of kernel, gla-1.3B's step in bf16,
+# torchao's FP8 and FP8 in the fused ops (both regimes), and 300 steps of FP8 against bf16 from the same weights
+if python -c 'import sys, torch; sys.exit(torch.cuda.get_device_capability() < (8, 9))'; then
+    step fp8_products 300 python benchmarks/fp8_products.py --model gla-1.3B --out "$out/fp8_products.json"
+    step train_fp8 1500 python benchmarks/train_throughput.py --regimes bf16-weights,real-loop --steps 8 --warmup 3 \
+        --models fabric-lin,fabric-lin-compiled,fabric-lin-fp8,fabric-lin-fp8-fused,gla-1B-compiled,gla-1B-fp8-fused,gla-1B,gla-1B-fp8 \
+        --out "$out/train_fp8.json"
+    step parity_fp8 600 python benchmarks/learning_parity.py --model gla-340M --peer fp8-fused --steps 300 \
+        --out "$out/parity_fp8.json" --plot "$out/parity_fp8.png"
 fi
 # the real loop's step on one GPU, GPU time by kind of kernel (beside regime (a)'s --profile above)
 step profile_1gpu 300 python benchmarks/profile_step.py --devices 1 --out "$out/profile_1gpu.json"

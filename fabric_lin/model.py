@@ -376,11 +376,12 @@ class CausalSelfAttention(nn.Module):
     """Softmax attention with RoPE through SDPA: the Llama-style baseline, and a hybrid's attention layers (as
     flash-linear-attention's Attention: no biases, no q/k norms, the whole context)."""
 
-    def __init__(self, config: Config, num_heads: int, num_kv_heads: int, fused_linears: bool = False):
+    def __init__(self, config: Config, num_heads: int, num_kv_heads: int, fused_linears: bool = False,
+                 fp8_products: bool = False):
         super().__init__()
         self.config = config
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.fused_linears = fused_linears
+        self.fused_linears, self.fp8_products = fused_linears, fp8_products
         d, std = config.hidden_size, config.initializer_range
         head_dim = d // num_heads
         self.q_proj = Linear(d, d, std=std)
@@ -399,7 +400,8 @@ class CausalSelfAttention(nn.Module):
         head_dim = d // heads
         start = cache.position if cache is not None else 0
         positions = torch.arange(start, start + T, device=x.device)
-        x, (q, k, v) = prenorm_projections(norm, x, delta, [self.q_proj, self.k_proj, self.v_proj], self.fused_linears)
+        x, (q, k, v) = prenorm_projections(norm, x, delta, [self.q_proj, self.k_proj, self.v_proj], self.fused_linears,
+                                           self.fp8_products)
         q = apply_rope(q.view(B, T, heads, head_dim), positions, c.rope_base)
         k = apply_rope(k.view(B, T, kv_heads, head_dim), positions, c.rope_base)
         v = v.view(B, T, kv_heads, head_dim)
@@ -435,9 +437,11 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused, launch=launch.norm)
         if config.block_type == "transformer":
-            self.attn = CausalSelfAttention(config, config.num_heads, config.num_kv_heads, fused and not float8)
+            self.attn = CausalSelfAttention(config, config.num_heads, config.num_kv_heads, fused and not float8,
+                                            fp8_products)
         elif layer in config.attn_layers:  # a hybrid's softmax-attention layer
-            self.attn = CausalSelfAttention(config, config.attn_num_heads, config.attn_kv_heads, fused and not float8)
+            self.attn = CausalSelfAttention(config, config.attn_num_heads, config.attn_kv_heads, fused and not float8,
+                                            fp8_products)
         elif config.block_type == "gla":
             self.attn = GatedLinearAttention(config, fused, launch, float8, fp8_products)
         elif config.block_type == "deltanet":
