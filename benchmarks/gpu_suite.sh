@@ -54,16 +54,6 @@ if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; th
         --devices 2 --accumulation 4 --steps 8 --warmup 3 --out "$out/train_2gpu.json"
     step profile_2gpu 300 python benchmarks/profile_step.py --devices 2 --out "$out/profile_2gpu.json"
 fi
-# FP8 (compute capability 8.9+): the fused ops' FP8 products against bf16 by kind of kernel, gla-1.3B's step in bf16,
-# torchao's FP8 and FP8 in the fused ops (both regimes), and 300 steps of FP8 against bf16 from the same weights
-if python -c 'import sys, torch; sys.exit(torch.cuda.get_device_capability() < (8, 9))'; then
-    step fp8_products 300 python benchmarks/fp8_products.py --model gla-1.3B --out "$out/fp8_products.json"
-    step train_fp8 1500 python benchmarks/train_throughput.py --regimes bf16-weights,real-loop --steps 8 --warmup 3 \
-        --models fabric-lin,fabric-lin-compiled,fabric-lin-fp8,fabric-lin-fp8-fused,gla-1B-compiled,gla-1B-fp8-fused,gla-1B,gla-1B-fp8 \
-        --out "$out/train_fp8.json"
-    step parity_fp8 600 python benchmarks/learning_parity.py --model gla-340M --peer fp8-fused --steps 300 \
-        --out "$out/parity_fp8.json" --plot "$out/parity_fp8.png"
-fi
 # the real loop's step on one GPU, GPU time by kind of kernel (beside regime (a)'s --profile above)
 step profile_1gpu 300 python benchmarks/profile_step.py --devices 1 --out "$out/profile_1gpu.json"
 # where the host's time per step goes (micro batch 1: the GPU's work is small, the host's is not)
@@ -72,13 +62,16 @@ step activation_memory 300 python benchmarks/activation_memory.py --out "$out/ac
 # learning parity with fla, from the same weights on the same batches (fla's kernels compiled by the steps above)
 step parity_gla 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gla-340M --out "$out/parity_gla.json"
 step parity_gdn 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gdn-340M --out "$out/parity_gdn.json"
-# FP8 (torchao; compute capability 8.9+): the step against fla's and our bf16 one, gla-1.3B's real loop, and
-# 300 steps of FP8 against bf16 from the same weights on the same batches (the plot needs matplotlib)
+# FP8 (compute capability 8.9+): the fused ops' FP8 products against bf16 by kind of kernel; the step in FP8 (in the
+# fused ops, and torchao's) against fla's and our bf16 one, at gla-340M and gla-1.3B; 300 steps of FP8 against bf16
+# from the same weights on the same batches (the plot needs matplotlib)
+step fp8_products 300 python benchmarks/fp8_products.py --model gla-1.3B --out "$out/fp8_products.json"
 step train_fp8 1500 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --regimes bf16-weights,real-loop \
-    --models fla,fabric-lin,fabric-lin-compiled,fabric-lin-fp8,fabric-lin-fp8-rowwise --out "$out/train_fp8.json"
-step train_fp8_1b 900 python benchmarks/train_throughput.py --regimes real-loop --models gla-1B,gla-1B-fp8 \
-    --batch_size 8 --timeout 400 --out "$out/train_fp8_1b.json"
-step parity_fp8 1200 python benchmarks/learning_parity.py --model gla-340M --steps 300 --peer fp8-tensorwise \
+    --models fla,fabric-lin,fabric-lin-compiled,fabric-lin-fp8,fabric-lin-fp8-rowwise,fabric-lin-fp8-fused \
+    --out "$out/train_fp8.json"
+step train_fp8_1b 1200 python benchmarks/train_throughput.py --regimes bf16-weights,real-loop \
+    --models gla-1B-compiled,gla-1B-fp8-fused,gla-1B,gla-1B-fp8,gla-1B-fp8-fused --timeout 400 --out "$out/train_fp8_1b.json"
+step parity_fp8 1200 python benchmarks/learning_parity.py --model gla-340M --steps 300 --peer fp8-fused \
     --out "$out/parity_fp8.json" --plot "$out/parity_fp8.png"
 # the gated delta rule at issue 48's shapes (the gdn-340M and gdn-1.3B layers, 16 heads at 8K, 32K), every gate
 # family; 32K tokens as 64 documents; DeltaNet's delta rule against fla's chunk_delta_rule
