@@ -1,7 +1,7 @@
-"""The training-checkpoint format (`fabric_lin.checkpoint`): atomic step directories (every file and directory fsynced before the rename) and their manifests (each
-file's CRC-32 against zlib's of the whole file, the file read in several blocks), verification (truncated, changed
-in any block, missing files, a missing manifest, checkpoints from before manifests),
-finding the one to resume from and falling back past damaged ones, pruning, deleting an earlier run, RNG
+"""The training-checkpoint format (`fabric_lin.checkpoint`): atomic step directories (every file and directory
+fsynced before the rename) and their manifests (each file's CRC-32 against zlib's of the whole file, the file read
+in several blocks), verification (truncated, changed in any block, missing files, a missing manifest, checkpoints
+from before manifests), finding the one to resume from and falling back past damaged ones, pruning, deleting an earlier run, RNG
 states, and the round trip of a train state through save and load. (Reading a checkpoint's model weights,
 single-file and FSDP-sharded: test_convert_pretrained_checkpoint.py.)"""
 import json
