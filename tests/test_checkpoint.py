@@ -1,7 +1,7 @@
-"""The training-checkpoint format (`fabric_lin.checkpoint`): atomic step directories and their manifests (each
-file's CRC-32 against zlib's of the whole file, the file read in several blocks), verification (truncated, changed
-in any block, missing files, a missing manifest, checkpoints from before manifests),
-finding the one to resume from and falling back past damaged ones, pruning, deleting an earlier run, RNG
+"""The training-checkpoint format (`fabric_lin.checkpoint`): atomic step directories (every file and directory
+fsynced before the rename) and their manifests (each file's CRC-32 against zlib's of the whole file, the file read
+in several blocks), verification (truncated, changed in any block, missing files, a missing manifest, checkpoints
+from before manifests), finding the one to resume from and falling back past damaged ones, pruning, deleting an earlier run, RNG
 states, and the round trip of a train state through save and load. (Reading a checkpoint's model weights,
 single-file and FSDP-sharded: test_convert_pretrained_checkpoint.py.)"""
 import json
@@ -213,6 +213,25 @@ def saved_checkpoint(out_dir: Path, step: int = 2, fabric=None) -> Path:
     state = train_state(model, optimizer, train_dataloader={"samples": 4})
     state["step_count"] = step
     return Checkpointer(out_dir, {"train": {"micro_batch_size": 2}}, Config.from_name("gla-debug")).save(fabric, state)
+
+
+def test_save_flushes_every_file_and_directory_before_the_rename_and_out_dir_after_it(tmp_path, monkeypatch):
+    """A checkpoint renamed into place must outlive a crash of the machine, not only of the run: every file and
+    directory of it is fsynced under its `.tmp-` name, then out_dir, which makes the rename itself last."""
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out_dir = tmp_path.resolve()  # as /proc names the files
+    saved = saved_checkpoint(out_dir)
+    tmp_dir = out_dir / f".tmp-{saved.name}"
+    written = {tmp_dir / path.relative_to(saved) for path in saved.rglob("*")} | {tmp_dir}
+    written = {path.with_name(f"{MANIFEST_FILE}.tmp") if path.name == MANIFEST_FILE else path for path in written}
+    assert written - set(synced[:-1]) == set() and synced[-1] == out_dir
 
 
 def test_a_truncated_file_is_found(tmp_path):

@@ -303,6 +303,28 @@ def test_resuming_in_another_sample_order_is_refused(mix):
         module(mix, batch_size=4, seed=7, weights=(0.5, 0.5)).train_dataloader().load_state_dict(state)
 
 
+def test_a_moved_data_directory_resumes_in_place_and_another_shuffle_is_refused(mix, tmp_path):
+    """A source is known by its index.json wherever it lies (data moved to another file system between two
+    attempts); the same directory read in another order (data.shuffle) is another sample order."""
+    import shutil
+
+    def loader(path, **kwargs):
+        data = TokenChunks(data_path=path, num_workers=0, **kwargs)
+        data.connect(mix["tokenizer"], batch_size=4, max_seq_length=SEQ)
+        data.setup()
+        return data.train_dataloader()
+
+    first = loader(mix["data"] / "starcoder")
+    batches = iter(first)
+    next(batches)
+    state = torch_round_trip(first.state_dict())
+    moved = loader(shutil.copytree(mix["data"] / "starcoder", tmp_path / "moved"))
+    moved.load_state_dict(state)
+    assert torch.equal(next(iter(moved)), next(batches))
+    with pytest.raises(ValueError, match="another sample order: shuffle is False here, True in the checkpoint"):
+        loader(mix["data"] / "starcoder", shuffle=False).load_state_dict(state)
+
+
 def test_a_new_mix_allowed_on_resume_reads_each_source_on_after_what_it_gave(mix):
     """--resume_changes data: the new stream (other weights and seed) starts at its position 0, and each
     source carries on after the samples it gave before, so no sample is read twice."""

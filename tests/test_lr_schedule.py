@@ -1,7 +1,8 @@
-"""fabric_lin/lr_schedule.py: the learning rate at a step, warmup then cosine or WSD, and an unknown schedule named."""
+"""fabric_lin/lr_schedule.py: the learning rate at a step, warmup then cosine or WSD, and an unknown schedule named;
+the schedule counted in tokens (its steps, where a run ends, where the learning rate is after the batch grew)."""
 import pytest
 
-from fabric_lin.lr_schedule import learning_rate
+from fabric_lin.lr_schedule import TokenSchedule, learning_rate
 
 
 def test_cosine_schedule_values():
@@ -26,6 +27,25 @@ def test_wsd_schedule_values():
     assert learning_rate(200, **kw) == pytest.approx(3e-5)
 
 
+def test_wsd_decay_starts_after_a_warmup_longer_than_the_stable_part():
+    # the decay would start at step 4 (the last 80% of 20 steps), inside the warmup: it waits for the warmup's end
+    kw = dict(base_lr=1e-3, min_lr=0.0, warmup_steps=10, max_steps=20, schedule="wsd", decay_fraction=0.8)
+    assert learning_rate(9, **kw) == pytest.approx(1e-3)
+    assert learning_rate(10, **kw) == pytest.approx(1e-3)  # the peak, not a drop after the warmup
+    assert learning_rate(15, **kw) == pytest.approx(0.5e-3)  # halfway from step 10 to step 20
+
+
 def test_unknown_schedule_is_named():
     with pytest.raises(ValueError, match="'linear'"):
         learning_rate(100, 1e-3, 1e-4, 10, 200, schedule="linear")
+
+
+def test_token_schedule_steps_end_and_position_after_the_batch_grew():
+    # a budget of 1000 tokens in steps of 64: 15 whole steps (train.max_tokens // tokens per step), not 16
+    schedule = TokenSchedule.of_run(max_steps=None, max_tokens=1000, unit=64)
+    assert schedule.steps == 15
+    assert TokenSchedule.of_run(max_steps=7, max_tokens=None, unit=64).steps == 7
+    # resumed at step 4 (256 tokens) with steps of 96 tokens: (960 - 256) // 96 = 7 more steps, and the learning
+    # rate at 352 tokens is the schedule's at 352 / 64 = 5.5 steps, between its steps 5 and 6
+    assert schedule.end_step(step=4, tokens_seen=256, tokens_per_step=96) == 11
+    assert schedule.position(352) == 5.5

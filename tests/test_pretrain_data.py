@@ -1,6 +1,6 @@
 """fabric_lin/pretrain.py against its data and tokenizer: a data directory or tokenizer that is missing, blocks longer
-than the data's chunk files, vocabularies larger than the model's, a tokenizer other than the one that made the data
-(each refused before the model is built, naming the value); data smaller than a micro batch read epoch after epoch,
+than the data's chunk files, vocabularies larger than the model's, a tokenizer other than the one that made the data,
+of the same size too (each refused before the model is built, naming the value); data smaller than a micro batch read epoch after epoch,
 a run without a tokenizer warned of, the paths in hyperparameters.yaml made absolute, and the directories of a
 failed run removed."""
 import os
@@ -32,21 +32,23 @@ def test_error_missing_tokenizer(tmp_path):
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """Two small tokenizers (300 and 320 pieces) and prepared directories of 4 chunk files of 1000 tokens, written
-    as the preprocessors write them: `tokens300` and `tokens320` by each tokenizer, with its files beside the tokens,
-    and `tokens` by the first, without them (a directory copied without its tokenizer)."""
+    """Three small tokenizers (300, 320 and another of 300 pieces) and prepared directories of 4 chunk files of 1000
+    tokens, written as the preprocessors write them: `tokens300`, `tokens320` and `tokens300b` by each tokenizer, with
+    its files beside the tokens, and `tokens` by the first, without them (a directory copied without its tokenizer)."""
     import numpy as np
 
     from fabric_lin.data import Tokenizer
     from fabric_lin.data.train_tokenizer import main as train_tokenizer
 
     root = tmp_path_factory.mktemp("prepared")
-    for name, vocab_size, words in (("tok300", 300, "some text for a tokenizer"), ("tok320", 320, "other words, other pieces")):
+    for name, vocab_size, words in (("tok300", 300, "some text for a tokenizer"), ("tok320", 320, "other words, other pieces"),
+                                    ("tok300b", 300, "a third text, pieces of its own")):
         (root / f"{name}-raw").mkdir()
         (root / f"{name}-raw" / "a.txt").write_text("\n".join(f"line {i} of {words}" for i in range(500)))
         train_tokenizer(root / f"{name}-raw", root / name, vocab_size=vocab_size, num_threads=1)
-    for name, vocab_size in (("tokens", 300), ("tokens300", 300), ("tokens320", 320)):
-        write_prepared(root / name, (np.arange(4000) % vocab_size).astype(np.uint16), Tokenizer(root / f"tok{vocab_size}"))
+    for name, tokenizer in (("tokens", "tok300"), ("tokens300", "tok300"), ("tokens320", "tok320"), ("tokens300b", "tok300b")):
+        vocab_size = Tokenizer(root / tokenizer).vocab_size
+        write_prepared(root / name, (np.arange(4000) % vocab_size).astype(np.uint16), Tokenizer(root / tokenizer))
     for name in ("tokenizer.model", "tokenizer_config.json"):
         (root / "tokens" / name).unlink(missing_ok=True)
     return root
@@ -165,6 +167,29 @@ def test_directories_of_two_tokenizers_are_refused_naming_both(prepared):
         assert "\n" not in message
         assert message.startswith(f"{prepared / 'tokens300'} and {prepared / 'tokens320'} were tokenized with different tokenizers")
         assert all(f"sha256={sha[n]}" in message for n in sha) and str(prepared / "tok320") in message
+
+
+def test_tokenizers_of_one_vocabulary_size_are_told_apart_by_their_hash(prepared):
+    """Another tokenizer of the same size makes other pieces of the same ids: prepared.json's sha256 of its
+    tokenizer.model refuses mixing its directories with the first one's, and training them with the first one."""
+    from fabric_lin.data import TextFiles, Tokenizer
+    from fabric_lin.data.prepared import check_prepared_dir
+
+    data = TextFiles(train_dir=[prepared / "tokens300", prepared / "tokens300b"], num_workers=0)
+    data.connect(batch_size=1, max_seq_length=16, vocab_size=320)
+    with pytest.raises(ValueError, match=rf"{prepared / 'tokens300'} and {prepared / 'tokens300b'} were tokenized with different"):
+        data.setup()
+    with pytest.raises(ValueError, match=rf"{prepared / 'tokens300b'} was tokenized with a different tokenizer \(vocab_size=300"):
+        check_prepared_dir(prepared / "tokens300b", Tokenizer(prepared / "tok300"))
+
+
+def test_data_of_a_vocabulary_one_token_larger_than_the_model_is_refused(prepared):
+    """Ids 0-299 fit an embedding of 300 rows, not of 299."""
+    from fabric_lin.data.prepared import check_prepared_dir
+
+    check_prepared_dir(prepared / "tokens300", vocab_size=300)
+    with pytest.raises(ValueError, match="a vocabulary of 300 tokens .* more than the model's vocab_size=299"):
+        check_prepared_dir(prepared / "tokens300", vocab_size=299)
 
 
 def test_a_run_takes_the_data_s_tokenizer_and_evaluate_refuses_another_s_data(tmp_path, prepared, capsys):

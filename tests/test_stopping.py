@@ -1,13 +1,15 @@
 """fabric_lin/stopping.py: each step's skip and stop flags, read by the host a step later unless waited for; fused
 AdamW's found_inf, on which skipping a non-finite step relies; and, end to end, a run whose every step is non-finite
-skipping its updates and stopping with a checkpoint. (Stopped by a signal and resumed: test_pretrain_resume.py.)"""
+skipping its updates and stopping with a checkpoint; the signals that ask for a checkpoint and a stop. (Stopped by a
+signal and resumed: test_pretrain_resume.py.)"""
+import signal
 
 import lightning_fabric as L
 import pytest
 import torch
 
 import fabric_lin_process
-from fabric_lin.stopping import StepFlags
+from fabric_lin.stopping import StepFlags, StopRequest
 from helpers import RUN_TIMEOUT as TIMEOUT, debug_command as command
 
 
@@ -21,6 +23,39 @@ def test_step_flags_reach_the_host_a_step_later_unless_waited_for():
     assert flags.pop(wait_all=False) == [(1, False, False), (2, True, False)]
     assert flags.pop(wait_all=True) == [(3, False, True)]
     assert flags.pop(wait_all=True) == []
+
+
+def test_settle_counts_skips_in_a_row_and_reads_the_newest_flags_while_skipping_or_stopping():
+    flags = StepFlags(L.Fabric(accelerator="cpu", devices=1))
+    flags.push(1, torch.tensor(True), stop_requested=False)
+    assert flags.settle(wait=True) == (1, False) and flags.nonfinite_in_a_row == 1
+    # while updates are skipped the newest step's flags are read at once: train.max_nonfinite_steps stops on time
+    flags.push(2, torch.tensor(True), stop_requested=False)
+    assert flags.settle(wait=False) == (1, False) and flags.nonfinite_in_a_row == 2
+    flags.push(3, torch.tensor(False), stop_requested=False)
+    assert flags.settle(wait=True) == (0, False) and flags.nonfinite_in_a_row == 0  # a finite step ends the row
+    # a stop read a step late takes the newest step's flags too: the checkpoint counts that step's skip
+    flags.push(4, torch.tensor(False), stop_requested=True)
+    flags.push(5, torch.tensor(True), stop_requested=False)
+    assert flags.settle(wait=False) == (1, True) and flags.nonfinite_in_a_row == 1
+
+
+def test_scheduler_signals_and_ctrl_c_ask_for_a_stop_and_the_handlers_are_given_back():
+    names = ("SIGTERM", "SIGUSR1", "SIGINT")  # SLURM's --signal=USR1@<seconds> warns before the time limit
+    before = {name: signal.getsignal(getattr(signal, name)) for name in names}
+    with StopRequest(announce=False) as stop:
+        # each taken over (a signal left to its default action would end this process: no checkpoint)
+        assert [name for name in names if signal.getsignal(getattr(signal, name)) == before[name]] == []
+        signal.raise_signal(signal.SIGUSR1)
+        assert stop.requested and stop.signal_name == "SIGUSR1"
+        signal.raise_signal(signal.SIGTERM)
+        try:
+            signal.raise_signal(signal.SIGINT)  # after a scheduler's signals, a first Ctrl-C: the checkpoint is still made
+        except KeyboardInterrupt:
+            pytest.fail("a first Ctrl-C after SIGUSR1 and SIGTERM stopped at once, without a checkpoint")
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert {name: signal.getsignal(getattr(signal, name)) for name in names} == before
 
 
 def test_fused_adamw_found_inf_leaves_the_update_out():
