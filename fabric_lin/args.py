@@ -83,6 +83,10 @@ class TrainArgs:
             raise InvalidValue(f"train.lr_schedule must be 'cosine' or 'wsd', got {self.lr_schedule!r}")
         if self.lr_schedule == "wsd" and not 0.0 < self.wsd_decay_fraction <= 1.0:
             raise InvalidValue(f"train.wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction}")
+        if not 0.0 <= self.min_lr < float("inf"):
+            raise InvalidValue(f"train.min_lr must be a finite number >= 0, got {self.min_lr}")
+        if self.max_norm is not None and not 0.0 < self.max_norm < float("inf"):
+            raise InvalidValue(f"train.max_norm must be a number > 0 (or null: no clipping), got {self.max_norm}")
         if self.keep_last_n is not None and self.keep_last_n < 1:
             raise InvalidValue(f"train.keep_last_n must be at least 1 (or null to keep all), got {self.keep_last_n}")
 
@@ -119,6 +123,23 @@ class OptimizerArgs:
     weight_decay: float = 0.1
     betas: Tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+
+    def validate(self, min_lr: float) -> None:
+        """The values AdamW takes, and the schedule's end (train.min_lr) at or below its peak."""
+        if not 0.0 <= self.lr < float("inf"):
+            raise InvalidValue(f"optimizer.lr must be a finite number >= 0, got {self.lr}")
+        if not 0.0 <= self.weight_decay < float("inf"):
+            raise InvalidValue(f"optimizer.weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise InvalidValue(f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if not 0.0 < self.eps < float("inf"):
+            raise InvalidValue(f"optimizer.eps must be a finite number > 0 (it keeps AdamW's division finite), got {self.eps}")
+        if min_lr > self.lr:
+            raise InvalidValue(
+                f"train.min_lr ({min_lr:g}) is above optimizer.lr ({self.lr:g}): the schedule decays from optimizer.lr to "
+                f"train.min_lr, so it would rise instead; give a train.min_lr at or below optimizer.lr (the recipes use "
+                f"10% of it: {0.1 * self.lr:g})"
+            )
 
 
 @dataclass

@@ -160,6 +160,7 @@ def setup(
     train.gradient_accumulation_iters(devices, num_nodes)
     train.total_steps()
     train.validate()
+    optimizer.validate(train.min_lr)
     eval.validate()
     parallelism.validate()
     compile = compile.resolve(cuda, devices, num_nodes, reset_state_at_doc_boundaries)

@@ -12,7 +12,7 @@ import lightning_fabric as L
 import pytest
 import torch
 
-from fabric_lin.args import CompileArgs, EvalArgs, ParallelismArgs, TrainArgs
+from fabric_lin.args import CompileArgs, EvalArgs, OptimizerArgs, ParallelismArgs, TrainArgs
 from fabric_lin.config import Config
 from fabric_lin.errors import UserError
 from fabric_lin.model import GPT
@@ -47,6 +47,24 @@ def test_error_train_and_eval_values_are_named(tmp_path, train, eval, message):
     train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=32, **train)
     with pytest.raises(ValueError, match=message):
         setup_pretrain(tmp_path, train=train, eval=EvalArgs(**eval))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("train,optimizer,message", [
+    (dict(max_norm=-1.0), {}, r"train.max_norm must be a number > 0 \(or null: no clipping\), got -1.0"),  # would flip the gradient
+    (dict(min_lr=-1e-5), {}, r"train.min_lr must be a finite number >= 0, got -1e-05"),
+    ({}, dict(lr=-1.0), r"optimizer.lr must be a finite number >= 0, got -1.0"),
+    ({}, dict(weight_decay=-0.1), r"optimizer.weight_decay must be a finite number >= 0, got -0.1"),
+    ({}, dict(betas=(0.9, 1.5)), r"optimizer.betas must be two numbers in \[0, 1\), got \[0.9, 1.5\]"),
+    ({}, dict(eps=0.0), r"optimizer.eps must be a finite number > 0 .*, got 0.0"),
+    # a lower peak than the recipe's end: the "decay" would rise to min_lr
+    (dict(min_lr=4e-5), dict(lr=1e-5), r"train.min_lr \(4e-05\) is above optimizer.lr \(1e-05\): .* \(the recipes use 10% "
+                                       r"of it: 1e-06\)"),
+])
+def test_error_optimizer_and_schedule_values_are_named(tmp_path, train, optimizer, message):
+    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=32, **train)
+    with pytest.raises(ValueError, match=message):
+        setup_pretrain(tmp_path, train=train, optimizer=OptimizerArgs(**optimizer))
     assert not (tmp_path / "out").exists()
 
 
