@@ -83,6 +83,11 @@ def one_line_parse_error(message: str, parser) -> str:
         import difflib
 
         given = unknown.group(1).split()
+        if given and not any(a.startswith("-") for a in given):  # words after the positional arguments
+            positionals = [a.dest for a in getattr(parser, "_actions", []) if not a.option_strings and a.dest != "help"]
+            takes = f"takes {len(positionals)}: {', '.join(positionals)}" if positionals else "takes none"
+            return (f"unexpected argument {' '.join(given)}: this command {takes}; the rest are options "
+                    f"(--name value)")
         option = next((a.split("=")[0] for a in given if a.startswith("--")), given[0] if given else "")
         options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
         close = difflib.get_close_matches(option, options, n=1, cutoff=0.75)

@@ -91,6 +91,21 @@ def test_unknown_command_line_keys_are_named_with_the_closest_one(tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("argv,message", [
+    # a second path where the command takes one (the output directory is an option)
+    (["convert_to_hf", "model", "out"], "unexpected argument out: this command takes 1: model_dir; the rest are options "
+                                        "(--name value)"),
+    (["pretrain", "gla-debug"], "unexpected argument gla-debug: this command takes none; the rest are options (--name value)"),
+])
+def test_a_stray_word_is_named_with_what_the_command_takes(capsys, argv, message):
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"fabric-lin {argv[0]}: error: {message}\n(fabric-lin {argv[0]} --help lists the options)\n"
+
+
 def test_unknown_config_file_keys_are_named(tmp_path, capsys):
     from fabric_lin.cli import main as cli_main
 
