@@ -160,3 +160,19 @@ def test_a_vocab_size_the_input_cannot_fill_is_one_line(tmp_path, capsys):
     assert f"--vocab_size 100: this input needs at least {smallest} pieces" in err, err
     assert 259 < smallest < largest  # the byte pieces, <unk>, <s>, </s> and the input's characters
     assert Tokenizer(tmp_path / "tok").vocab_size == largest  # the failed runs left the tokenizer written before
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--vocab_size", "0"], "--vocab_size must be at least 1, got 0"),
+    (["--max_files", "0"], "--max_files must be at least 1, got 0"),  # was a division by zero
+    (["--max_sentences", "0"], "--max_sentences must be at least 1, got 0"),  # was "no text found"
+    (["--max_sentence_length", "5"], "--max_sentence_length must be at least 10, got 5"),
+    (["--character_coverage", "1.5"], "--character_coverage must be in [0.98, 1]"),
+])
+def test_train_tokenizer_settings_are_checked_before_reading(tmp_path, capsys, flags, message):
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("some text\n")
+    err = cli_error(["train_tokenizer", "--input_dir", str(tmp_path / "raw"), "--output_dir", str(tmp_path / "tok"), *flags],
+                    capsys)
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "tok").exists()

@@ -160,6 +160,19 @@ def vocab_size_error(err: RuntimeError, vocab_size: int, source: str) -> Optiona
     return None
 
 
+def check_settings(vocab_size: int, max_files: Optional[int], max_sentences: int, max_sentence_length: int,
+                   character_coverage: float) -> None:
+    """Refuse, before any file is read, the values the sampling or SentencePiece's trainer cannot take (its own
+    checks end in a C++ assertion)."""
+    for name, value, least in (("vocab_size", vocab_size, 1), ("max_files", max_files, 1),
+                               ("max_sentences", max_sentences, 1), ("max_sentence_length", max_sentence_length, 10)):
+        if value is not None and value < least:
+            raise InvalidValue(f"--{name} must be at least {least}, got {value}")
+    if not 0.98 <= character_coverage <= 1.0:
+        raise InvalidValue(f"--character_coverage must be in [0.98, 1] (SentencePiece's range; the rest of the characters "
+                           f"use byte fallback), got {character_coverage}")
+
+
 def main(
     input_dir: Optional[Path] = None,
     output_dir: Optional[Path] = None,
@@ -192,6 +205,8 @@ def main(
     """
     if input_dir is None or output_dir is None:
         raise InvalidValue("--input_dir and --output_dir are required")
+    check_settings(vocab_size=vocab_size, max_files=max_files, max_sentences=max_sentences,
+                   max_sentence_length=max_sentence_length, character_coverage=character_coverage)
     files = text_files_to_read(input_dir, pattern)
     if max_files is not None and len(files) > max_files:
         step = len(files) / max_files
