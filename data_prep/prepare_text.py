@@ -36,6 +36,7 @@ from fabric_lin.data.raw_files import BadFileError, find_text_files, iter_text_d
 from fabric_lin.data.recipe import (
     TokenizeRecipe,
     check_chunk_size,
+    check_num_workers,
     default_num_workers,
     file_record,
     format_summary,
@@ -150,6 +151,7 @@ def prepare(
     if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise InvalidValue(f"--val_fraction {val_fraction}: expected a share of the documents, at least 0 and below 1")
     check_chunk_size(chunk_size)
+    check_num_workers(num_workers)
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
     if output_dir.exists() and any(output_dir.iterdir()):
         # never mixed with the chunks of an earlier run: the trainer would read both

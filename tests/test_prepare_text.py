@@ -387,3 +387,12 @@ def test_a_chunk_size_below_one_is_one_line(paragraphs_tokenizer, text_corpus, t
                          "--tokenizer_path", str(paragraphs_tokenizer), "--chunk_size", chunk_size], capsys)
         assert f"error: --chunk_size {chunk_size}: expected a positive number of tokens per chunk file\n" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_negative_worker_count_is_one_line(paragraphs_tokenizer, text_corpus, tmp_path, capsys):
+    # litdata took -1 workers and read nothing, which then read as "every file was bad or empty"
+    for command in ("prepare_text", "prepare_slimpajama", "prepare_starcoder"):
+        err = cli_error([command, "--input_dir", str(text_corpus["raw"]), "--output_dir", str(tmp_path / "out"),
+                         "--tokenizer_path", str(paragraphs_tokenizer), "--num_workers", "-1"], capsys)
+        assert "error: --num_workers -1: expected a number of worker processes (0 or none given: one per CPU core)\n" in err, err
+    assert not (tmp_path / "out").exists()

@@ -154,6 +154,12 @@ def check_chunk_size(chunk_size: int) -> None:
         raise InvalidValue(f"--chunk_size {chunk_size}: expected a positive number of tokens per chunk file")
 
 
+def check_num_workers(num_workers: Optional[int]) -> None:
+    if num_workers is not None and num_workers < 0:
+        raise InvalidValue(f"--num_workers {num_workers}: expected a number of worker processes (0 or none given: one "
+                           f"per CPU core)")
+
+
 def on_a_line_of_its_own(stream) -> str:
     """What a worker's line to `stream` starts with, so that it does not run into litdata's progress bar. The bar
     is drawn on stderr, each update over the last after a carriage return, with no newline until it ends: on a
@@ -285,6 +291,7 @@ def run_recipe(
         raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
     if output_dir.exists() and any(output_dir.iterdir()):
         raise AlreadyExists(f"Output directory {output_dir} exists and is not empty: delete it or pick another")
+    check_num_workers(num_workers)
     tokenizer = Tokenizer(recipe.tokenizer_path)
     num_workers = num_workers or default_num_workers()
     # the first files in sorted order, taken here: litdata's own fast_dev_run keeps that many files per
