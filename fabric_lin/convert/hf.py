@@ -64,6 +64,8 @@ def convert_to_hf(
     """
     if output_dir is None:
         raise InvalidValue("convert_to_hf: --output_dir is required")
+    if not 0 < max_shard_gb < float("inf"):
+        raise InvalidValue(f"convert_to_hf: --max_shard_gb must be a size above 0 (GiB per safetensors file), got {max_shard_gb}")
     model_dir = Path(model_dir)
     torch_dtype = parse_dtype(dtype)
     config = Config.from_checkpoint(model_dir)
