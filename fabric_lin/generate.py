@@ -10,6 +10,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from fabric_lin.checkpoint import checkpoint_dirs
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.model import GPT
@@ -140,6 +141,13 @@ def main(
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise MissingFile(f"checkpoint_dir {str(checkpoint_dir)!r} is not a directory")
+    run_checkpoints = [p.name for p in checkpoint_dirs(checkpoint_dir)]
+    if run_checkpoints and not (checkpoint_dir / CONFIG_FILE).is_file():
+        raise InvalidValue(
+            f"{checkpoint_dir} is a training run's directory (it holds {', '.join(run_checkpoints[:3])}): generate reads "
+            f"a model directory; make one from a checkpoint with: fabric-lin convert_pretrained_checkpoint "
+            f"{checkpoint_dir / run_checkpoints[0]} --output_dir <DIR>"
+        )
     if not (checkpoint_dir / CONFIG_FILE).is_file() and (checkpoint_dir / HF_CONFIG_FILE).is_file():
         raise InvalidValue(
             f"{checkpoint_dir} is a Hugging Face directory ({HF_CONFIG_FILE}, no {CONFIG_FILE}), e.g. an fla export:"

@@ -331,3 +331,16 @@ def test_generate_on_a_hugging_face_directory_points_to_convert_from_hf(tmp_path
     err = cli_error(["generate", str(export), "--device", "cpu"], capsys)
     assert f"{export} is a Hugging Face directory" in err
     assert f"make one with: fabric-lin convert_from_hf {export} --output_dir <DIR>" in err
+
+
+def test_generate_on_a_run_directory_points_to_its_checkpoint(tmp_path, capsys):
+    """A training run's out_dir (its final/ and step-* checkpoints) is named as such, with the conversion to run on its
+    newest checkpoint, rather than as a directory missing tokenizer.model."""
+    run = tmp_path / "run"
+    for name in ("step-00000002", "final"):
+        (run / name).mkdir(parents=True)
+        (run / name / "lit_model.pth").write_bytes(b"")
+    err = cli_error(["generate", str(run), "--device", "cpu"], capsys)
+    assert err == (f"fabric-lin generate: error: {run} is a training run's directory (it holds final, step-00000002): "
+                   f"generate reads a model directory; make one from a checkpoint with: fabric-lin "
+                   f"convert_pretrained_checkpoint {run / 'final'} --output_dir <DIR>\n")
