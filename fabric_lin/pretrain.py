@@ -246,7 +246,7 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
     if named is not None and named.name == "lit_model.pth":
         named = named.parent
     if named is not None and not named.exists():  # said before out_dir's earlier run, which it may have meant to name
-        raise MissingFile(f"--resume {resume}: no such checkpoint (expected a checkpoint directory holding lit_model.pth)")
+        raise MissingFile(f"--resume {resume}: expected a checkpoint directory holding lit_model.pth")
     inside = named is not None and Path(os.path.abspath(named)).parent == Path(os.path.abspath(out_dir))
     if overwrite and continuing:
         raise InvalidValue(

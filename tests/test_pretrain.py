@@ -201,8 +201,8 @@ def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path,
     with pytest.raises(ValueError, match="--overwrite true would delete the checkpoint --resume .*final names"):
         setup_pretrain(tmp_path, overwrite=True, resume=out / "final")
     # a mistyped --resume path is named as such, not taken for a fresh run into the used out_dir
-    with pytest.raises(FileNotFoundError, match=rf"--resume {out / 'fnal'}: no such checkpoint \(expected a checkpoint "
-                       r"directory holding lit_model.pth\)"):
+    with pytest.raises(FileNotFoundError, match=rf"--resume {out / 'fnal'}: expected a checkpoint directory holding "
+                       r"lit_model.pth"):
         setup_pretrain(tmp_path, resume=out / "fnal")
     # --overwrite true: the earlier run's checkpoints and metrics are gone, only this run's are there
     (out / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0, "attempt": 2}\n')
