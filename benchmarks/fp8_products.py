@@ -78,21 +78,22 @@ def block_ops(config: Config, rows: int, device: str = "cuda", dtype: torch.dtyp
     ]
 
 
+def output_tensors(result) -> List[torch.Tensor]:
+    """An op's outputs as one list: a tensor, or a tuple of tensors and lists of them (projections, h)."""
+    parts = result if isinstance(result, tuple) else (result,)
+    return [t for part in parts for t in (part if isinstance(part, (list, tuple)) else [part])]
+
+
 def forward_backward(fn: Callable, inputs: list, fp8: bool) -> Callable[[], None]:
     """A call of fn's forward and backward passes (fixed random output gradients; the inputs' gradients dropped first)."""
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     with torch.no_grad():
-        outs = fn(*leaves, fp8=fp8)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    flat = [t for out in outs for t in (out if isinstance(out, (list, tuple)) else [out])]
-    grads = [torch.randn_like(t) for t in flat]
+        grads = [torch.randn_like(t) for t in output_tensors(fn(*leaves, fp8=fp8))]
 
     def call():
         for leaf in leaves:
             leaf.grad = None
-        out = fn(*leaves, fp8=fp8)
-        out = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward([t for o in out for t in (o if isinstance(o, (list, tuple)) else [o])], grads)
+        torch.autograd.backward(output_tensors(fn(*leaves, fp8=fp8)), grads)
 
     return call
 

@@ -442,8 +442,8 @@ def main():
         worker(args.worker, args.models, args)
         return
 
-    # a time limit's SIGTERM stops the measurement under way (subprocess.run kills its process on the way out) and
-    # what was measured before it is still written
+    # a time limit's SIGTERM stops the measurement under way (run_isolated kills its process group on the way out)
+    # and what was measured before it is still written
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     results, stopped = {}, None
     try:

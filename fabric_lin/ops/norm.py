@@ -120,8 +120,8 @@ def rms_norm_linears(
     if resolve_backend(backend, x.device) == "torch":
         normed = rms_norm_ref(x, weight, eps, residual)
         y, h = normed if residual is not None else (normed, None)
-        weights, in_fp8 = [w.to(dtype) for w in proj_weights], len(proj_weights) - keep_last
-        outs = matmuls_nt(y.to(dtype), weights[:in_fp8], fp8) + matmuls_nt(y.to(dtype), weights[in_fp8:], False)
+        y, weights, in_fp8 = y.to(dtype), [w.to(dtype) for w in proj_weights], len(proj_weights) - keep_last
+        outs = matmuls_nt(y, weights[:in_fp8], fp8) + matmuls_nt(y, weights[in_fp8:], False)
         if side_by_side:
             outs = torch.cat(outs, dim=-1)
         return (outs, h) if residual is not None else outs
