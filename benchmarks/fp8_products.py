@@ -57,19 +57,19 @@ def block_ops(config: Config, rows: int, device: str = "cuda", dtype: torch.dtyp
 
     d, std = config.hidden_size, config.initializer_range
     heads, head_v = config.num_heads, config.head_v_dim
-    # the attention's input projections as the GLA/GDN layers stack them: q, k, v, g, then the small gates
-    widths = [config.key_dim, config.key_dim // (config.num_heads // config.num_kv_heads),
-              config.value_dim // (config.num_heads // config.num_kv_heads), config.value_dim]
+    # the attention's input projections as the GLA/GDN layers stack them: q, k, v, the small gates, g
+    groups = config.num_heads // config.num_kv_heads
     gates = [config.gate_low_rank_dim] if config.block_type == "gla" else [heads, heads]
+    widths = [config.key_dim, config.key_dim // groups, config.value_dim // groups, *gates, config.value_dim]
     x, residual, norm_w = randn(rows, d), randn(rows, d), randn(d, scale=0.1) + 1
-    projs = [randn(w, d, scale=std) for w in widths + gates]
+    projs = [randn(w, d, scale=std) for w in widths]
     o, g, head_w = randn(rows, heads, head_v), randn(rows, heads, head_v), randn(head_v, scale=0.1) + 1
     o_proj = randn(d, heads * head_v, scale=std)
     gate_up_ws = [randn(config.intermediate_size, d, scale=std) for _ in range(2)]
     gate_up, down = randn(rows, 2 * config.intermediate_size), randn(d, config.intermediate_size, scale=std)
     return [
         ("norm + projections", lambda x, r, w, *p, fp8: rms_norm_linears(
-            x, w, 1e-6, p, residual=r, backend="triton", fp8=fp8, keep_last=len(gates)), [x, residual, norm_w, *projs]),
+            x, w, 1e-6, p, residual=r, backend="triton", fp8=fp8), [x, residual, norm_w, *projs]),
         ("gated norm + o_proj", lambda o, g, w, p, fp8: rms_norm_gated_linear(
             o, g, w, 1e-5, p, backend="triton", fp8=fp8), [o, g, head_w, o_proj]),
         ("norm + gate/up", lambda x, r, w, *p, fp8: rms_norm_linears(

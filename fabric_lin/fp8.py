@@ -83,7 +83,8 @@ def check_fp8(args: FP8Args, device: torch.device, sharded: bool = False) -> Non
         raise InvalidValue(
             f"fp8.gate_projections converts the small gate projections with torchao's recipes (tensorwise, rowwise); "
             f"with fp8.recipe {args.recipe!r} it would do nothing: leave it false"
-            + (" (fused keeps the small gates in bf16)" if args.recipe == "fused" else "")
+            + (" (fused makes every product 16 or more wide in FP8, GLA's low-rank gate among them)"
+               if args.recipe == "fused" else "")
         )
     if not args.enabled:
         return

@@ -101,15 +101,14 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def prenorm_projections(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor, linears: List[nn.Linear],
-                        fused_linears: bool, fp8: bool = False, gates: int = 0):
+                        fused_linears: bool, fp8: bool = False):
     """(x + delta, [linear(norm(x + delta)) for linear in linears]) for bias-free linears. fused_linears: one
     kernel makes the norm and a matrix product makes the projections from the weights, the normed activation
     recomputed in the backward pass instead of being kept for them (one [tokens, hidden] tensor less per call),
-    with fp8 in FP8 (fabric_lin/ops/fp8_matmul.py) but for the last `gates` linears (small gate projections, kept
-    in the compute dtype as fabric_lin/fp8.py keeps them); else the norm, then each Linear module."""
+    with fp8 in FP8 (fabric_lin/ops/fp8_matmul.py); else the norm, then each Linear module."""
     if fused_linears:
         outs, h = rms_norm_linears(x, norm.weight, norm.eps, [lin.weight for lin in linears], residual=delta,
-                                   dtype=compute_dtype(x), backend="triton", launch=norm.launch, fp8=fp8, keep_last=gates)
+                                   dtype=compute_dtype(x), backend="triton", launch=norm.launch, fp8=fp8)
         return h, outs
     y, h = norm(x, residual=delta)
     return h, [lin(y) for lin in linears]
@@ -185,9 +184,9 @@ class GatedLinearAttention(nn.Module):
         c = self.config
         B, T, _ = x.shape
         groups = c.num_heads // c.num_kv_heads
-        x, (q, k, v, g, gate_low_rank) = prenorm_projections(
-            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.gk_proj[0]], self.fused_linears,
-            self.fp8_products, gates=1,
+        x, (q, k, v, gate_low_rank, g) = prenorm_projections(
+            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.gk_proj[0], self.g_proj], self.fused_linears,
+            self.fp8_products,
         )
         q = q.view(B, T, c.num_heads, c.head_k_dim)
         k = k.view(B, T, c.num_kv_heads, c.head_k_dim)
@@ -312,9 +311,9 @@ class GatedDeltaNet(DeltaRuleLayer):
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, attention(norm(x + delta))). With a cache: the convolutions' last inputs and the state
         continue from it, and are left there."""
-        x, (q, k, v, g, a, b) = prenorm_projections(
-            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.a_proj, self.b_proj],
-            self.fused_linears, self.fp8_products, gates=2,
+        x, (q, k, v, a, b, g) = prenorm_projections(
+            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj],
+            self.fused_linears, self.fp8_products,
         )
         decay, beta = gdn_gate(a, b, self.A_log, self.dt_bias)  # [B, T, H] fp32
         o = self.delta_rule(q, k, v, decay, beta, cu_seqlens, cache, layer)
@@ -354,7 +353,6 @@ class DeltaNet(DeltaRuleLayer):
         continue from it, and are left there."""
         x, (q, k, v, b) = prenorm_projections(
             norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.b_proj], self.fused_linears, self.fp8_products,
-            gates=1,
         )
         o = self.delta_rule(q, k, v, None, b.float().sigmoid(), cu_seqlens, cache, layer)
         return x, self.o_proj(self.o_norm(o).flatten(-2))  # o in q's dtype, the projections' compute dtype

@@ -22,7 +22,8 @@ def test_recipe_and_device_checks_name_the_fix(monkeypatch):
     check_fp8(FP8Args("none"), torch.device("cpu"))  # nothing to check
     # an option that would do nothing is refused, not ignored
     with pytest.raises(ValueError, match="fp8.gate_projections .* with fp8.recipe 'fused' it would do nothing: leave it "
-                                         "false \\(fused keeps the small gates in bf16\\)"):
+                                         "false \\(fused makes every product 16 or more wide in FP8, GLA's low-rank gate among "
+                                         "them\\)"):
         check_fp8(FP8Args("fused", gate_projections=True), torch.device("cuda", 0))
     with pytest.raises(ValueError, match="with fp8.recipe 'none' it would do nothing"):
         check_fp8(FP8Args("none", gate_projections=True), torch.device("cpu"))

@@ -22,11 +22,11 @@ def test_the_block_ops_run_in_both_precisions():
     for op, fn, inputs in ops:
         for fp8 in (False, True):
             fp8_products.forward_backward(fn, inputs, fp8)()
-    # GDN's projections: q, k, v, g and its two one-per-head gates (a, b), kept out of FP8 last
+    # GDN's projections as its layer stacks them: q, k, v, its two one-per-head gates (a, b), g
     gdn = Config.from_name("gdn-debug")
     _, _, inputs = fp8_products.block_ops(gdn, rows=32, device="cpu", dtype=torch.float32)[0]
-    assert [w.shape[0] for w in inputs[3:]] == [gdn.key_dim, gdn.key_dim, gdn.value_dim, gdn.value_dim, gdn.num_heads,
-                                                gdn.num_heads]
+    assert [w.shape[0] for w in inputs[3:]] == [gdn.key_dim, gdn.key_dim, gdn.value_dim, gdn.num_heads, gdn.num_heads,
+                                                gdn.value_dim]
 
 
 def test_kernel_names_are_sorted_by_kind():

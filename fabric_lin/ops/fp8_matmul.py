@@ -13,7 +13,7 @@ along the input features); the weight gradient stays in bf16, from the recompute
 more is kept for the backward pass than bf16 keeps. `rowwise_fp8_ref` is the cast written in PyTorch, beside
 the Triton kernel that makes it in one read of the row (`rowwise_fp8`).
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -59,12 +59,11 @@ def matmuls_nt(a: torch.Tensor, bs: Sequence[torch.Tensor], fp8: bool) -> List[t
     return outs
 
 
-def matmul_nn(a: torch.Tensor, b: torch.Tensor, fp8: bool, fp8_rows: Optional[int] = None) -> torch.Tensor:
+def matmul_nn(a: torch.Tensor, b: torch.Tensor, fp8: bool) -> torch.Tensor:
     """a @ b for a [..., N] and b [N, K] (an input gradient from a weight); with fp8 through matmul_nt on b
-    transposed, whose row scales then run along the product's output features. Of b's first fp8_rows rows
-    (default all), the largest multiple of 16 goes through FP8; the rest (projections kept out of FP8, stacked
-    last) is added in a's dtype."""
-    wide = (b.shape[0] if fp8_rows is None else fp8_rows) // 16 * 16
+    transposed, whose row scales then run along the product's output features. Of N, the largest multiple of
+    16 goes through FP8 and the remaining rows are added in a's dtype."""
+    wide = b.shape[0] // 16 * 16
     if not fp8 or b.shape[1] % 16 or wide == 0:
         return torch.matmul(a, b)
     out = matmul_nt(a[..., :wide], b[:wide].t().contiguous(), True)

@@ -97,7 +97,7 @@ def rms_norm_gated_linear(
 def rms_norm_linears(
     x: torch.Tensor, weight: torch.Tensor, eps: float, proj_weights: Sequence[torch.Tensor],
     residual: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None, backend: str = "auto",
-    side_by_side: bool = False, launch: Optional[NormLaunch] = None, fp8: bool = False, keep_last: int = 0,
+    side_by_side: bool = False, launch: Optional[NormLaunch] = None, fp8: bool = False,
 ) -> Union[List[torch.Tensor], Tuple[List[torch.Tensor], torch.Tensor], torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """[rms_norm(x) @ w.T for w in proj_weights] (a pre-norm block's input projections); with `residual`,
     h = x + residual is normalised and (projections, h) returned. The projections run in `dtype`
@@ -105,10 +105,7 @@ def rms_norm_linears(
     (and stacked: one saved copy). Keeps x (or h) and 1/rms for the backward pass, not the normed
     activation. side_by_side: one output, the projections concatenated on the last dim (one product;
     its gradient arrives as one tensor, where separate outputs' gradients are first concatenated). fp8: the
-    products and the activation's gradient in FP8 (fabric_lin/ops/fp8_matmul.py), but for the last keep_last
-    projections (small gate projections, whose precision FP8 would cost for little time; not side by side)."""
-    if keep_last and side_by_side:
-        raise ValueError("rms_norm_linears: keep_last needs separate projections, not side_by_side")
+    products and the activation's gradient in FP8 (fabric_lin/ops/fp8_matmul.py)."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm_linears: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
@@ -120,12 +117,11 @@ def rms_norm_linears(
     if resolve_backend(backend, x.device) == "torch":
         normed = rms_norm_ref(x, weight, eps, residual)
         y, h = normed if residual is not None else (normed, None)
-        y, weights, in_fp8 = y.to(dtype), [w.to(dtype) for w in proj_weights], len(proj_weights) - keep_last
-        outs = matmuls_nt(y, weights[:in_fp8], fp8) + matmuls_nt(y, weights[in_fp8:], False)
+        outs = matmuls_nt(y.to(dtype), [w.to(dtype) for w in proj_weights], fp8)
         if side_by_side:
             outs = torch.cat(outs, dim=-1)
         return (outs, h) if residual is not None else outs
     from fabric_lin.ops.norm_triton import rms_norm_linears_triton
 
-    outs, h = rms_norm_linears_triton(x, weight, eps, proj_weights, residual, dtype, side_by_side, launch, fp8, keep_last)
+    outs, h = rms_norm_linears_triton(x, weight, eps, proj_weights, residual, dtype, side_by_side, launch, fp8)
     return (outs, h) if residual is not None else outs

@@ -239,19 +239,15 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
     its own) and, in the backward pass, the residual's gradient in the residual's dtype."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, stacked, sizes, launch, fp8, keep_last):
+    def forward(ctx, x, residual, weight, eps, stacked, sizes, launch, fp8):
         y, h, rstd = norm_fwd(x, residual, None, weight, eps, stacked.dtype, launch)
         source = h if residual is not None else x
         ctx.save_for_backward(source, weight, rstd, stacked)
         ctx.eps, ctx.sizes, ctx.launch, ctx.fp8 = eps, sizes, launch, fp8
         ctx.residual_dtype = residual.dtype if residual is not None else None  # None: no residual
         if sizes is None:
-            ctx.fp8_rows = stacked.shape[0]
             return h, matmul_nt(y, stacked, fp8)
-        in_fp8 = len(sizes) - keep_last  # the projections kept out of FP8 are the last ones
-        ctx.fp8_rows = sum(sizes[:in_fp8])
-        weights = stacked.split(sizes)
-        return (h, *matmuls_nt(y, weights[:in_fp8], fp8), *matmuls_nt(y, weights[in_fp8:], False))
+        return (h, *matmuls_nt(y, stacked.split(sizes), fp8))
 
     @staticmethod
     def backward(ctx, dh_out, *d_outs):
@@ -269,10 +265,10 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
                 d.reshape(y.shape[0], n) if d is not None else y.new_zeros(y.shape[0], n)
                 for d, n in zip(d_outs, ctx.sizes)
             ], dim=-1)
-        dy = matmul_nn(d_cat, stacked, ctx.fp8, ctx.fp8_rows).view_as(source)
+        dy = matmul_nn(d_cat, stacked, ctx.fp8).view_as(source)
         d_stacked = torch.matmul(d_cat.t(), y)
         dx, _, dw, dres = norm_bwd(source, None, weight, rstd, dy, dh_extra, ctx.residual_dtype, ctx.launch)
-        return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None, None, None, None
+        return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None, None, None
 
 
 # the entry points of norm.py's ops; launch: a NormLaunch (None: SHIPPED)
@@ -296,11 +292,10 @@ def rms_norm_gated_linear_triton(x, gate, weight, eps, proj_weight, launch: Opti
 
 def rms_norm_linears_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, proj_weights: Sequence[torch.Tensor],
                             residual: Optional[torch.Tensor], dtype: torch.dtype, side_by_side: bool,
-                            launch: Optional[NormLaunch] = None, fp8: bool = False, keep_last: int = 0):
+                            launch: Optional[NormLaunch] = None, fp8: bool = False):
     """(projections: a list, or one tensor side by side; h = x + residual or None)."""
     stacked = torch.cat([w.to(dtype) for w in proj_weights]) if len(proj_weights) > 1 else proj_weights[0].to(dtype)
     sizes = None if side_by_side else [w.shape[0] for w in proj_weights]
     h, *outs = _RMSNormLinearsFunction.apply(x.contiguous(), residual.contiguous() if residual is not None else None,
-                                             weight, float(eps), stacked, sizes, launch_json(launch, SHIPPED), fp8,
-                                             keep_last)
+                                             weight, float(eps), stacked, sizes, launch_json(launch, SHIPPED), fp8)
     return (outs[0] if side_by_side else outs), (h if residual is not None else None)
