@@ -32,7 +32,7 @@ step gpu_tests 1800 python -m pytest -q -p no:cacheprovider tests/test_gla_trito
     tests/test_norm.py tests/test_swiglu.py tests/test_cross_entropy.py tests/test_launch.py tests/test_model_fused.py \
     tests/test_generate.py tests/test_pretrain_resume.py tests/test_convert_fla_gpu.py tests/test_gdn_triton.py \
     tests/test_short_conv.py tests/test_gdn_recurrent.py tests/test_fp8.py tests/test_gdn_delta_rule.py tests/test_gdn_model.py \
-    tests/test_deltanet.py tests/test_chunked.py tests/test_gla_tune.py tests/test_fp8_matmul.py tests/test_fp8_products.py
+    tests/test_deltanet.py tests/test_chunked.py tests/test_gla_tune.py tests/test_fp8_matmul.py tests/test_fp8_products.py tests/test_learning_parity.py
 step first_step 900 python benchmarks/first_step.py --fla_cache_dir "$cache" --out "$out/first_step.json"
 step fla_precompile 900 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_precompile.py --workers 6 \
     --out "$out/fla_precompile.json"
@@ -59,9 +59,12 @@ step profile_1gpu 300 python benchmarks/profile_step.py --devices 1 --out "$out/
 # where the host's time per step goes (micro batch 1: the GPU's work is small, the host's is not)
 step profile_host 300 python benchmarks/profile_step.py --batch_size 1 --host_ops --out "$out/profile_host.json"
 step activation_memory 300 python benchmarks/activation_memory.py --out "$out/activation_memory.json"
-# learning parity with fla, from the same weights on the same batches (fla's kernels compiled by the steps above)
-step parity_gla 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gla-340M --out "$out/parity_gla.json"
-step parity_gdn 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gdn-340M --out "$out/parity_gdn.json"
+# learning parity with fla, from the same weights on the same batches, beside our fp32 run as the yardstick (fla's
+# kernels compiled by the steps above)
+step parity_gla 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gla-340M --peers fla fp32 \
+    --out "$out/parity_gla.json" --plot "$out/parity_gla.png"
+step parity_gdn 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gdn-340M --peers fla fp32 \
+    --out "$out/parity_gdn.json" --plot "$out/parity_gdn.png"
 # FP8 (compute capability 8.9+): the fused ops' FP8 products against bf16 by kind of kernel; the step in FP8 (in the
 # fused ops, and torchao's) against fla's and our bf16 one, at gla-340M and gla-1.3B; 300 steps of FP8 against bf16
 # from the same weights on the same batches (the plot needs matplotlib)
@@ -71,7 +74,7 @@ step train_fp8 1500 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throug
     --out "$out/train_fp8.json"
 step train_fp8_1b 1200 python benchmarks/train_throughput.py --regimes bf16-weights,real-loop \
     --models gla-1B-compiled,gla-1B,gla-1B-fp8,gla-1B-fp8-fused --timeout 400 --out "$out/train_fp8_1b.json"
-step parity_fp8 1200 python benchmarks/learning_parity.py --model gla-340M --steps 300 --peer fp8-fused \
+step parity_fp8 1200 python benchmarks/learning_parity.py --model gla-340M --steps 300 --peers fp8-fused fp32 \
     --out "$out/parity_fp8.json" --plot "$out/parity_fp8.png"
 # the gated delta rule at issue 48's shapes (the gdn-340M and gdn-1.3B layers, 16 heads at 8K, 32K), every gate
 # family; 32K tokens as 64 documents; DeltaNet's delta rule against fla's chunk_delta_rule

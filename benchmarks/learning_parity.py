@@ -1,19 +1,25 @@
-"""Learning parity: fabric-lin's model against a peer trained side by side from identical weights on identical
+"""Learning parity: fabric-lin's model against peers trained side by side from identical weights on identical
 batches with the same recipe: bf16 autocast over fp32 weights, AdamW (fused; no weight decay on 1-D parameters:
-norms, biases, A_log, dt_bias), the same warmup and cosine schedule, gradient clipping at 1.0. The peer is
-flash-linear-attention's model (`--peer fla`, loaded from ours exported with `convert_to_hf`) or our own model
-with its products in FP8 (`--peer fp8-fused` / `fp8-tensorwise` / `fp8-rowwise`, as `--fp8.recipe` sets them; then
-"ours" is the bf16 run). One GPU, one process; prints one JSON document, and with --plot draws both loss curves.
+norms, biases, A_log, dt_bias), the same warmup and cosine schedule, gradient clipping at 1.0. A peer is
+flash-linear-attention's model (`fla`, loaded from ours exported with `convert_to_hf`), our own model with its
+products in FP8 (`fp8-fused` / `fp8-tensorwise` / `fp8-rowwise`, as `--fp8.recipe` sets them), or `fp32`: our
+model on its PyTorch reference ops (`fused=False`) in fp32 without autocast or TF32, a sequence at a time with the
+gradients summed over the batch. fp32 is the yardstick for the others: two bf16 models that differ from each other
+are told apart by which one stays nearer the fp32 run. Prints one JSON document, and with --plot draws the curves.
 
-    python benchmarks/learning_parity.py --model gla-340M --steps 200 --out gla_parity.json
-    python benchmarks/learning_parity.py --model gdn-340M --steps 200 --out gdn_parity.json
-    python benchmarks/learning_parity.py --model gla-340M --steps 300 --peer fp8-fused --out fp8.json --plot fp8.png
+    python benchmarks/learning_parity.py --model gla-340M --peers fla fp32 --steps 300 --out gla_parity.json
+    python benchmarks/learning_parity.py --model gdn-340M --peers fla --steps 200 --out gdn_parity.json
+    python benchmarks/learning_parity.py --model gla-340M --peers fp8-fused fp32 --out fp8.json --plot fp8.png
 
-The data is the sample corpus (the Python standard library as prose and code, `fabric_lin.data.SampleCorpus`):
-real text, built on the machine, the same batches for both models. Reported: both losses at every step, the
-relative difference |ours - peer| / peer per step, its mean, the final losses (last step and the mean of the
-last 10), and for GLA the share of chunks whose intra-chunk scores take the slower path of the Triton kernels
-(`fabric_lin.ops.gla.gate.levels_share`) at the first step, the middle one and the last.
+The data (`--data`) is the long-document corpus (`fabric_lin.data.LongDocuments`, 13.9M+ training tokens: 300
+steps of 8 x 2048 read each token at most once, as pretraining does) or the sample corpus (`sample`, about 1.5M
+tokens, read three times over in 300 steps: late in the run the models are fitting it, and small differences
+grow). Reported per peer: the relative difference |ours - peer| / peer of the per-step loss (median, mean, last
+step, mean of the last 10) and on which share of the steps ours is the lower (one-sided differences are not
+noise); with fp32 among the peers, every bf16 model's difference to the fp32 run; for GLA the share of chunks
+whose intra-chunk scores take the slower path of the Triton kernels (`fabric_lin.ops.gla.gate.levels_share`) at
+the first step, the middle one and the last. Runs on the CPU too, with the fp32 peer (ours then on its reference ops
+under the CPU's bf16 autocast), for the tests.
 """
 import argparse
 import math
@@ -21,7 +27,9 @@ import signal
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +39,15 @@ from fabric_lin.config import Config
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.model import GPT
 
+PEERS = ("fla", "fp8-tensorwise", "fp8-rowwise", "fp8-fused", "fp32")
 
-def sample_batches(steps: int, batch_size: int, seq_len: int, vocab_size: int) -> list:
-    """`steps` batches [batch_size, seq_len + 1] of the sample corpus's training split, on the CPU."""
-    from fabric_lin.data import SampleCorpus
+
+def corpus_batches(data_name: str, steps: int, batch_size: int, seq_len: int, vocab_size: int) -> list:
+    """`steps` batches [batch_size, seq_len + 1] of a corpus's training split, on the CPU."""
+    from fabric_lin.data import LongDocuments, SampleCorpus
     from fabric_lin.data.tokenizer import Tokenizer
 
-    data = SampleCorpus(num_workers=0)
+    data = LongDocuments(num_workers=0) if data_name == "long_documents" else SampleCorpus(num_workers=0)
     data.prepare_data()
     data.connect(tokenizer=Tokenizer(data.tokenizer_dir), batch_size=batch_size, max_seq_length=seq_len,
                  vocab_size=vocab_size)
@@ -92,7 +102,51 @@ def fp8_copy(model: GPT, config: Config, recipe: str) -> GPT:
     return copy
 
 
-def plot_losses(rows: list, peer_name: str, title: str, path: str) -> None:
+def fp32_copy(model: GPT, config: Config) -> GPT:
+    """Our model with the same weights on its PyTorch reference ops, to run in fp32 (the yardstick)."""
+    copy = GPT(config, fused=False)
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+@dataclass
+class Trainee:
+    """One model of the comparison and how it steps: in bf16 autocast over the whole batch, or (fp32) without
+    autocast a sequence at a time, the gradients summed over the batch (the same mean loss: every sequence has
+    as many targets)."""
+    name: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    fp32: bool = False
+    max_norm: float = 1.0  # gradient clipping
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.model, GPT):
+            return self.model(batch[:, :-1], targets=batch[:, 1:])
+        # fla predicts labels[t + 1] at t and ignores the last position: the same targets as ours
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def step(self, batch: torch.Tensor, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.fp32:
+            total = 0.0
+            for sequence in batch.split(1):
+                loss = self.loss(sequence) / len(batch)
+                loss.backward()
+                total += loss.item()
+        else:
+            with torch.autocast(batch.device.type, dtype=torch.bfloat16):
+                loss = self.loss(batch)
+            loss.backward()
+            total = loss.item()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+
+def plot_losses(rows: list, names: List[str], title: str, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,14 +154,17 @@ def plot_losses(rows: list, peer_name: str, title: str, path: str) -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=[3, 1])
     steps = [r["step"] for r in rows]
-    top.plot(steps, [r["loss_ours"] for r in rows], label="fabric-lin (bf16)" if peer_name.startswith("fp8") else "fabric-lin")
-    top.plot(steps, [r["loss_peer"] for r in rows], label=peer_name, alpha=0.8)
+    for name in names:
+        top.plot(steps, [r["loss"][name] for r in rows], label="fabric-lin (bf16)" if name == "ours" else name,
+                 alpha=1.0 if name == "ours" else 0.8)
     top.set_ylabel("training loss")
     top.set_title(title)
     top.legend()
-    bottom.plot(steps, [100 * r["relative_difference"] for r in rows], color="gray")
+    for peer in names[1:]:
+        bottom.plot(steps, [100 * relative(r["loss"]["ours"], r["loss"][peer]) for r in rows], label=f"ours vs {peer}")
     bottom.set_ylabel("|difference| (%)")
     bottom.set_xlabel("step")
+    bottom.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -125,35 +182,43 @@ def gate_share_hooks(model: GPT, shares: list) -> list:
     return [block.attn.gk_proj[1].register_forward_hook(record) for block in model.layers if hasattr(block.attn, "gk_proj")]
 
 
-def train_side_by_side(batches, rows, ours, peer, opt_ours, opt_peer, args, min_lr, check_at, shares, share_at):
-    """Both models one step each on every batch, appending a row per step to `rows`."""
+def relative(loss: float, yardstick: float) -> float:
+    return abs(loss - yardstick) / yardstick
+
+
+def train_side_by_side(batches, trainees: List[Trainee], args, device, rows, shares, share_at) -> None:
+    """Every trainee one step on every batch, appending a row of their losses per step to `rows`."""
+    check_at = {0, args.steps // 2, args.steps - 1}
     for step, batch in enumerate(batches):
-        lr = learning_rate(step, args.lr, min_lr, args.warmup, args.steps, "cosine")
-        batch = batch.cuda()
+        lr = learning_rate(step, args.lr, 0.1 * args.lr, args.warmup, args.steps, "cosine")
+        batch = batch.to(device)
         shares.clear()
-        losses = {}
-        for name, model, opt in (("ours", ours, opt_ours), ("peer", peer, opt_peer)):
-            for group in opt.param_groups:
-                group["lr"] = lr
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                if isinstance(model, GPT):
-                    loss = model(batch[:, :-1], targets=batch[:, 1:])
-                else:  # fla predicts labels[t + 1] at t and ignores the last position: the same targets as ours
-                    loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses[name] = loss.item()
+        losses = {t.name: t.step(batch, lr) for t in trainees}
         if step in check_at and shares:
             share_at[step] = sum(shares) / len(shares)
-        rows.append({"step": step, "lr": lr, "loss_ours": losses["ours"], "loss_peer": losses["peer"],
-                     "relative_difference": abs(losses["ours"] - losses["peer"]) / losses["peer"]})
+        rows.append({"step": step, "lr": lr, "loss": losses})
 
 
-def main():
+def difference(rows: List[Dict], name: str, yardstick: str) -> Dict:
+    """How far `name`'s per-step loss is from `yardstick`'s, relative to the yardstick's."""
+    diffs = [relative(r["loss"][name], r["loss"][yardstick]) for r in rows]
+    last = rows[-10:]
+    mean_last = {n: sum(r["loss"][n] for r in last) / len(last) for n in (name, yardstick)}
+    return {
+        "median_relative_difference": statistics.median(diffs),
+        "mean_relative_difference": sum(diffs) / len(diffs),
+        "final_relative_difference": diffs[-1],
+        f"last_10_mean_loss_{name}": mean_last[name], f"last_10_mean_loss_{yardstick}": mean_last[yardstick],
+        "last_10_relative_difference": relative(mean_last[name], mean_last[yardstick]),
+        f"share_of_steps_{name}_lower": sum(r["loss"][name] < r["loss"][yardstick] for r in rows) / len(rows),
+    }
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gla-340M", help="a fabric-lin model name (GLA or GDN)")
+    parser.add_argument("--model", default="gla-340M", help="a fabric-lin model name")
+    parser.add_argument("--peers", nargs="+", choices=PEERS, default=["fla"])
+    parser.add_argument("--data", choices=["long_documents", "sample"], default="long_documents")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=2048)
@@ -161,68 +226,63 @@ def main():
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--weight_decay", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--peer", choices=["fla", "fp8-tensorwise", "fp8-rowwise", "fp8-fused"], default="fla")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", help="also write the JSON here")
-    parser.add_argument("--plot", help="also draw both loss curves into this PNG (needs matplotlib)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("learning_parity.py needs a CUDA GPU (the fused kernels)")
+    parser.add_argument("--plot", help="also draw the loss curves into this PNG (needs matplotlib)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
     if args.plot:
         import matplotlib  # noqa: F401  (missing: fail now, not after the run)
     config = Config.from_name(args.model)
-    if args.peer == "fla" and config.block_type not in ("gla", "gdn"):
-        raise SystemExit(f"--model {args.model}: expected a GLA or Gated DeltaNet model (fla has its own class for each)")
-    batches = sample_batches(args.steps, args.batch_size, args.seq_len, config.vocab_size)
+    if "fla" in args.peers and config.block_type == "transformer":
+        raise SystemExit(f"--model {args.model}: fla's peer needs a linear-attention model (GLA, GDN, DeltaNet)")
+    if device.type != "cuda" and set(args.peers) - {"fp32"}:
+        raise SystemExit(f"--peers {' '.join(args.peers)}: on the CPU only fp32 runs (fla's and FP8's kernels need a GPU)")
+    peers = list(dict.fromkeys(args.peers))
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32's products in full fp32; bf16 products are not affected
+    batches = corpus_batches(args.data, args.steps, args.batch_size, args.seq_len, config.vocab_size)
 
     torch.manual_seed(args.seed)
-    ours = GPT(config, fused=True)
-    if args.peer == "fla":
-        peer = fla_from_export(ours, config)
-    else:
-        peer = fp8_copy(ours, config, args.peer.removeprefix("fp8-"))
-    guard_lifted = getattr(ours, "fla_guard_lifted", False)
-    peer = peer.cuda().train()
-    ours = ours.cuda().train()
-    opt_ours = adamw(ours.named_parameters(), args.lr, args.weight_decay)
-    opt_peer = adamw(peer.named_parameters(), args.lr, args.weight_decay)
-    min_lr = 0.1 * args.lr
-    check_at = {0, args.steps // 2, args.steps - 1}
+    ours = GPT(config, fused=device.type == "cuda")
+    models = {"ours": ours}
+    for peer in peers:
+        models[peer] = (fla_from_export(ours, config) if peer == "fla" else fp32_copy(ours, config) if peer == "fp32"
+                        else fp8_copy(ours, config, peer.removeprefix("fp8-")))
+    trainees = [Trainee(name, model.to(device).train(), adamw(model.named_parameters(), args.lr, args.weight_decay),
+                        fp32=name == "fp32") for name, model in models.items()]
     shares, share_at = [], {}
-    hooks = gate_share_hooks(ours, shares) if config.block_type == "gla" else []
+    hooks = gate_share_hooks(ours, shares) if config.block_type == "gla" and device.type == "cuda" else []
 
     rows = []
     start = time.perf_counter()
     # a time limit's SIGTERM ends the loop, and the steps done so far are still reported (marked "stopped_at_step")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt, as SIGINT does
     try:
-        train_side_by_side(batches, rows, ours, peer, opt_ours, opt_peer, args, min_lr, check_at, shares, share_at)
+        train_side_by_side(batches, trainees, args, device, rows, shares, share_at)
     except KeyboardInterrupt:
         print(f"stopped after {len(rows)} of {args.steps} steps", flush=True)
     if not rows:
         raise SystemExit("no step finished")
     for hook in hooks:
         hook.remove()
-    last = rows[-10:]
-    final_ours = sum(r["loss_ours"] for r in last) / len(last)
-    final_peer = sum(r["loss_peer"] for r in last) / len(last)
+    bf16_models = [name for name in models if name != "fp32"]
     report = {
-        "model": args.model, "peer": args.peer, "steps": args.steps, "batch_size": args.batch_size,
-        "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup, "seconds": round(time.perf_counter() - start, 1),
-        "mean_relative_difference": sum(r["relative_difference"] for r in rows) / len(rows),
-        "median_relative_difference": statistics.median(r["relative_difference"] for r in rows),
-        "final_loss_ours": rows[-1]["loss_ours"], "final_loss_peer": rows[-1]["loss_peer"],
-        "final_relative_difference": abs(rows[-1]["loss_ours"] - rows[-1]["loss_peer"]) / rows[-1]["loss_peer"],
-        "last_10_mean_loss_ours": final_ours, "last_10_mean_loss_peer": final_peer,
-        "last_10_relative_difference": abs(final_ours - final_peer) / final_peer,
+        "model": args.model, "peers": peers, "data": args.data, "steps": args.steps, "batch_size": args.batch_size,
+        "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup, "device": str(device),
+        "seconds": round(time.perf_counter() - start, 1),
+        "ours_against": {peer: difference(rows, "ours", peer) for peer in peers},
+        "against_fp32": {name: difference(rows, name, "fp32") for name in bf16_models} if "fp32" in peers else {},
         "levels_share_at_step": share_at,
-        "fla_gdn_hopper_guard_lifted": guard_lifted,
+        "fla_gdn_hopper_guard_lifted": getattr(ours, "fla_guard_lifted", False),
         "stopped_at_step": None if len(rows) == args.steps else len(rows),
-        "diverged": any(not math.isfinite(r[key]) for r in rows for key in ("loss_ours", "loss_peer")),
+        "diverged": any(not math.isfinite(loss) for r in rows for loss in r["loss"].values()),
         "per_step": rows,
     }
-    write_result(report, args.out, fla_ran=args.peer == "fla")
+    write_result(report, args.out, fla_ran="fla" in peers)
     if args.plot:
-        plot_losses(rows, args.peer, f"{args.model}: fabric-lin vs {args.peer}, {args.batch_size} x {args.seq_len}", args.plot)
+        plot_losses(rows, list(models), f"{args.model}: fabric-lin vs {', '.join(peers)}, "
+                    f"{args.batch_size} x {args.seq_len}, {args.data}", args.plot)
+    return report
 
 
 if __name__ == "__main__":
