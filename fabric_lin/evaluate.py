@@ -36,7 +36,7 @@ from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data import DataModule
 from fabric_lin.errors import InvalidValue, MissingFile, MissingPackage, UserError
-from fabric_lin.files import atomic_write, created_dir, read_yaml
+from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, read_yaml
 from fabric_lin.weights import MODEL_FILE, canonical_state_dict
 
 RESULTS_FILE = "evaluate.json"
@@ -116,6 +116,8 @@ def main(
     cuda = torch_device.type == "cuda"
     precision = precision or ("bf16-mixed" if cuda else "32-true")
     task_manager = find_tasks(task_names, task_dir) if task_names else None  # before the minutes of loading a model
+    if out_dir is not None:
+        check_dir_can_be_made(out_dir, "--out_dir")
 
     checkpoint = load_checkpoint(checkpoint_dir)
     hparams = checkpoint.hparams or {}

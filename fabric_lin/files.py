@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Type, Union
 
-from fabric_lin.errors import InvalidValue
+from fabric_lin.errors import AlreadyExists, InvalidValue
 
 DAMAGED_FILE_FIX = "it may be truncated or damaged (an interrupted copy or download): copy or write it again"
 
@@ -100,6 +100,14 @@ def check_dir_can_be_made(path: Union[str, Path], named: str = "directory") -> N
     blocking = file_in_the_way(path)
     if blocking is not None:
         raise InvalidValue(f"{named} {path}: {blocking} is a file, expected a directory or nothing there")
+
+
+def check_empty_output_dir(path: Union[str, Path]) -> None:
+    """Refuse an --output_dir that holds anything (what is there would be read with what is written) or that a file
+    is in the way of; one that is empty or not there yet is taken."""
+    check_dir_can_be_made(path, "--output_dir")
+    if Path(path).is_dir() and any(Path(path).iterdir()):
+        raise AlreadyExists(f"Output directory {path} exists and is not empty: delete it or pick another")
 
 
 def missing_ancestors(path: Union[str, Path]) -> List[Path]:

@@ -22,7 +22,7 @@ from litdata.streaming.item_loader import TokensLoader
 from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import created_dir, environment_variables
+from fabric_lin.files import check_empty_output_dir, created_dir, environment_variables
 
 # Documents are encoded in groups of about this many characters: large enough for SentencePiece's
 # threads to share, small enough that the Python lists of ids stay a few hundred MB at most.
@@ -289,8 +289,7 @@ def run_recipe(
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
     if not input_dir.is_dir():
         raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
-    if output_dir.exists() and any(output_dir.iterdir()):
-        raise AlreadyExists(f"Output directory {output_dir} exists and is not empty: delete it or pick another")
+    check_empty_output_dir(output_dir)
     check_num_workers(num_workers)
     tokenizer = Tokenizer(recipe.tokenizer_path)
     num_workers = num_workers or default_num_workers()
