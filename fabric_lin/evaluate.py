@@ -194,6 +194,9 @@ def main(
 def check_arguments(seq_len, max_batches, batch_size, bucket_size, bucket_edges, num_fewshot, limit) -> List[int]:
     """The sequence lengths as a list, each value checked before any work (each wrong one named)."""
     lengths = [] if seq_len is None else [seq_len] if isinstance(seq_len, int) else list(seq_len)
+    if seq_len is not None and not lengths:
+        raise InvalidValue("--seq_len [] holds no length: give one or more, e.g. [2048, 4096], or leave it out for the "
+                           "training length")
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths):
         raise InvalidValue(f"--seq_len must be a positive number of tokens or a list of them, e.g. [2048, 4096]; got {seq_len!r}")
     if max_batches is not None and max_batches < 0:

@@ -140,11 +140,6 @@ def setup(
     precision = precision or ("bf16-mixed" if cuda else "32-true")
     compile = replace(compile, enabled=cuda if compile.enabled is None else compile.enabled)
     data = SampleCorpus() if data is None else data
-    if type(data) is DataModule:  # --data.<option> alone: jsonargparse builds the base class
-        raise InvalidValue(
-            "--data.* options need a data module: give --data SampleCorpus, LongDocuments, TokenChunks, SlimPajamaStarcoder or TextFiles "
-            "(or a config file's data: class_path) before them"
-        )
     data.validate()
     check_changeable(resume_changes or [])
     if not cuda:

@@ -295,6 +295,16 @@ def test_errors_are_one_line(run, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "model" / "evaluate").exists()  # failed runs leave no output directory
 
 
+def test_data_options_without_a_data_module_and_an_empty_length_list_are_one_line(run, capsys):
+    """--data.num_workers without --data (jsonargparse builds the base class: a NotImplementedError traceback), and
+    --seq_len [] (evaluated at the training length, as if not given)."""
+    final = run / "out" / "final"
+    err = cli_error(["evaluate", str(final), "--data.num_workers", "0"], capsys)
+    assert "error: --data.* options need a data module: give --data SampleCorpus, LongDocuments" in err
+    err = cli_error(["evaluate", str(final), "--seq_len", "[]"], capsys)
+    assert "--seq_len [] holds no length: give one or more, e.g. [2048, 4096], or leave it out for the training length" in err
+
+
 def test_task_names_are_checked_before_the_model_is_loaded(tmp_path, capsys, monkeypatch):
     """Against a stand-in for the harness's TaskManager (its index of task names): an unknown name is one line with
     the close ones; names all in --task_dir (or YAML files) leave the built-in tasks unindexed."""
