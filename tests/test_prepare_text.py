@@ -205,11 +205,13 @@ def test_prepare_text_names_and_skips_bad_input(paragraphs_tokenizer, tmp_path, 
 TRAILING_GLOBSTAR_MATCHES_FOLDERS = sys.version_info < (3, 13)
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "no corpus file", "pattern", "absolute pattern", pytest.param(
+@pytest.mark.parametrize("case", ["missing", "a file", "empty", "no corpus file", "pattern", "absolute pattern", pytest.param(
     "trailing **", marks=pytest.mark.skipif(not TRAILING_GLOBSTAR_MATCHES_FOLDERS, reason="this Python's sub/** matches files"))])
 def test_prepare_text_without_input_files_is_one_line(paragraphs_tokenizer, tmp_path, capfd, case):
     raw = tmp_path / "raw"
-    if case != "missing":
+    if case == "a file":  # one file of the corpus given as --input_dir
+        raw.write_text("one document")
+    elif case != "missing":
         raw.mkdir()
     if case in ("no corpus file", "pattern"):
         (raw / "README.md").write_text("readme")
@@ -227,6 +229,8 @@ def test_prepare_text_without_input_files_is_one_line(paragraphs_tokenizer, tmp_
     err = capfd.readouterr().err
     expected = {
         "missing": f"Input directory {str(raw)!r} does not exist",
+        "a file": f"Input directory {str(raw)!r} is a file, expected the directory of the input files: give "
+                  f"--input_dir {raw.parent} --pattern {raw.name} to read it alone",
         "empty": f"No input files under {raw} with --pattern '**/*': expected files ending in .jsonl, .jsonl.zst, "
                  ".jsonl.gz, .json.gz, .parquet, .txt; no file matches it",
         "no corpus file": "it holds 1 other file(s), e.g. README.md",

@@ -20,8 +20,9 @@ from litdata.processing.data_processor import DataChunkRecipe, DataProcessor
 from litdata.streaming.item_loader import TokensLoader
 
 from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
+from fabric_lin.data.raw_files import BadFileError, check_input_dir
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
-from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
+from fabric_lin.errors import AlreadyExists, InvalidValue, UserError
 from fabric_lin.files import check_empty_output_dir, created_dir, environment_variables
 
 # Documents are encoded in groups of about this many characters: large enough for SentencePiece's
@@ -110,8 +111,6 @@ class TokenizeRecipe(DataChunkRecipe):
             start = end
 
     def prepare_item(self, path: str) -> Iterator[np.ndarray]:
-        from fabric_lin.data.raw_files import BadFileError
-
         record = file_record(path)
         self._skipped_rows = self._empty_documents = self._bad_rows = self._bad_rows_more = self._held_out = 0
         self._bad_rows_named = []
@@ -287,8 +286,7 @@ def run_recipe(
     `output_dir`, so an interrupted run leaves no directory that `check_prepared_dir` accepts. Messages
     name the output `shown_as` when given (where a caller moves `output_dir` to afterwards)."""
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
-    if not input_dir.is_dir():
-        raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
+    check_input_dir(input_dir)
     check_empty_output_dir(output_dir)
     check_num_workers(num_workers)
     tokenizer = Tokenizer(recipe.tokenizer_path)
