@@ -145,6 +145,12 @@ def main(
         cap_loader_workers(data)
         data.prepare_data()
         validation_loader(data, checkpoint, batch_size, max(seq_lens))
+        if checkpoint.tokenizer is None and data.prepared_dirs():
+            from fabric_lin.data.prepared import describe_tokenizer, read_prepared_dir
+
+            print(f"Note: {checkpoint_dir} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
+                  f"({describe_tokenizer(read_prepared_dir(data.prepared_dirs()[0]))}) is the one its model was trained "
+                  "with", flush=True)
 
     fabric = L.Fabric(accelerator="cuda" if cuda else "cpu", devices=[torch_device.index or 0] if cuda else 1,
                       precision=precision)

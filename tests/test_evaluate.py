@@ -169,6 +169,27 @@ def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
     assert (sharded.parent / "evaluate" / sharded.name / "evaluate.json").is_file()  # beside the checkpoint, not in it
 
 
+def test_a_model_without_a_tokenizer_says_that_the_data_s_cannot_be_checked(run, tmp_path, capsys):
+    """With its tokenizer.model, a model directory refuses data of another one; without it nothing can: the evaluation
+    runs and says so, naming the data's tokenizer."""
+    import json
+
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+    from fabric_lin.data import TokenChunks
+
+    convert_pretrained_checkpoint(run / "out" / "final", tmp_path / "model")
+    data = dict(data_path=run / "train", val_path=run / "val", num_workers=0)
+    evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1)
+    assert "Note:" not in capsys.readouterr().out
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        (tmp_path / "model" / name).unlink()
+    evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1)
+    sha256 = json.loads((run / "val" / "prepared.json").read_text())["tokenizer"]["sha256"]
+    assert (f"Note: {tmp_path / 'model'} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
+            f"(vocab_size=300, sha256={sha256[:12]}..., from {run / 'tok'}) is the one its model was trained with"
+            ) in capsys.readouterr().out
+
+
 def test_plot_of_the_loss_by_position(tmp_path):
     pytest.importorskip("matplotlib")
     results = {"model": "gla-debug", "checkpoint": "out/final", "step": 2, "train_seq_len": 4, "lengths": [
