@@ -400,3 +400,20 @@ def test_a_negative_worker_count_is_one_line(paragraphs_tokenizer, text_corpus, 
                          "--tokenizer_path", str(paragraphs_tokenizer), "--num_workers", "-1"], capsys)
         assert "error: --num_workers -1: expected a number of worker processes (0 or none given: one per CPU core)\n" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_without_an_end_of_text_token_is_one_line(text_corpus, tmp_path, capsys):
+    """Every document is written with EOS after it: a tokenizer that defines none is refused before any worker starts
+    (it was a traceback from within litdata's worker, for each of the three commands)."""
+    import sentencepiece as spm
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "text.txt").write_text("\n".join(f"a line of text number {i}" for i in range(100)))
+    spm.SentencePieceTrainer.Train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "tok" / "tokenizer"),
+                                   vocab_size=40, model_type="bpe", unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, minloglevel=2)
+    for command in ("prepare_text", "prepare_slimpajama", "prepare_starcoder"):
+        err = cli_error([command, "--input_dir", str(text_corpus["raw"]), "--output_dir", str(tmp_path / "out"),
+                         "--tokenizer_path", str(tmp_path / "tok"), "--num_workers", "1"], capsys)
+        assert f"error: --tokenizer_path {tmp_path / 'tok'}: {tmp_path / 'tok' / 'tokenizer.model'} defines no " \
+               f"end-of-text (EOS) token, which follows every document" in err, err
+    assert not (tmp_path / "out").exists()

@@ -290,6 +290,12 @@ def run_recipe(
     check_empty_output_dir(output_dir)
     check_num_workers(num_workers)
     tokenizer = Tokenizer(recipe.tokenizer_path)
+    if tokenizer.eos_id is None:  # found here, not in a worker, where it would end the job in litdata's traceback
+        raise InvalidValue(
+            f"--tokenizer_path {recipe.tokenizer_path}: {tokenizer.model_path} defines no end-of-text (EOS) token, which "
+            "follows every document (the trainer reads documents joined by it); give a tokenizer that has one, or name "
+            "one of its pieces as eos_token in a tokenizer_config.json beside it"
+        )
     num_workers = num_workers or default_num_workers()
     # the first files in sorted order, taken here: litdata's own fast_dev_run keeps that many files per
     # worker (not the first ones once there are several workers) and reads True as 1
