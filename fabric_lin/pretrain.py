@@ -310,7 +310,7 @@ def main(
         data.setup()
         if resume_dir is not None:
             check_trained_on_these_ids(resume_dir, "--resume", tokenizer, fix=(
-                f"resume on data tokenized by it (--tokenizer_path {resume_dir}), or train on this data in a new run"))
+                f"resume on data prepared with --tokenizer_path {resume_dir}, or train on this data in a new run"))
         elif initial_checkpoint_dir is not None:
             check_trained_on_these_ids(initial_checkpoint_dir, "--initial_checkpoint_dir", tokenizer, fix=(
                 f"prepare the data with --tokenizer_path {initial_checkpoint_dir}"))

@@ -230,6 +230,7 @@ def test_weights_trained_with_another_tokenizer_are_refused_on_resume_and_as_ini
     assert message.startswith(f"--resume {final}: its weights were trained on the ids of {final / 'tokenizer.model'} "
                               "(vocab_size=300, sha256=")
     assert f"this run reads those of {prepared / 'tokens300b' / 'tokenizer.model'} (vocab_size=300, sha256=" in message
+    assert message.endswith(f"resume on data prepared with --tokenizer_path {final}, or train on this data in a new run")
     assert "\n" not in message and not (final.parent / "step-00000002").exists()
 
     with pytest.raises(ValueError, match=rf"^--initial_checkpoint_dir {tmp_path / 'model'}: its weights were trained on "
