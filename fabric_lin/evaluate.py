@@ -126,7 +126,8 @@ def main(
     batch_size = batch_size or train_hparams.get("micro_batch_size") or 1
     seq_lens = seq_lens or [train_seq_len]
     bucket_size = bucket_size or max(1, train_seq_len // BUCKETS_PER_TRAINING_LENGTH)
-    if data is None and max_batches != 0 and checkpoint.hparams is not None:
+    data_of_run = data is None and max_batches != 0 and checkpoint.hparams is not None
+    if data_of_run:
         data = run_data_module(checkpoint.hparams, checkpoint_dir / HPARAMS_FILE)
     evaluate_data = data is not None and max_batches != 0
     if evaluate_data:
@@ -144,6 +145,8 @@ def main(
     if evaluate_data:  # the data's errors (no validation split, blocks too long) before the model is set up
         cap_loader_workers(data)
         data.prepare_data()
+        if data_of_run:
+            check_run_data_is_there(data, checkpoint_dir / HPARAMS_FILE)
         validation_loader(data, checkpoint, batch_size, max(seq_lens))
         if checkpoint.tokenizer is None and data.prepared_dirs():
             from fabric_lin.data.prepared import describe_tokenizer, read_prepared_dir
@@ -690,6 +693,16 @@ def run_data_module(hparams: Dict[str, Any], path: Path) -> DataModule:
         return instantiate(parsed).data
     except Exception as e:  # jsonargparse's own error types, or the data module's check of its values
         raise InvalidValue(f"{path}: its data entry does not load ({' '.join(str(e).split())}); give --data") from None
+
+
+def check_run_data_is_there(data: DataModule, path: Path) -> None:
+    """The directories of the run's data module (read from its hyperparameters.yaml, `path`) are still there: data
+    moved since is named with the file that names it, and --data is the way on."""
+    for directory in data.prepared_dirs():
+        if not Path(directory).exists():
+            name = type(data).__name__
+            raise MissingFile(f"{directory} does not exist: {path} names it as the run's data ({name}); give --data to "
+                              f"read the data where it is now, e.g. --data {name} --data.<option> DIR")
 
 
 def plain_value(value: Any) -> Any:

@@ -326,6 +326,20 @@ def test_data_options_without_a_data_module_and_an_empty_length_list_are_one_lin
     assert "--seq_len [] holds no length: give one or more, e.g. [2048, 4096], or leave it out for the training length" in err
 
 
+def test_the_run_s_data_moved_away_is_named_with_the_file_that_names_it(run, capsys):
+    """Without --data a training checkpoint reads the data its hyperparameters.yaml names; moved since, the error says
+    so and points to --data, not to what the run's own command should have given."""
+    final = run / "out" / "final"
+    (run / "val").rename(run / "val-moved")
+    try:
+        err = cli_error(["evaluate", str(final)], capsys)
+    finally:
+        (run / "val-moved").rename(run / "val")
+    assert err == (f"fabric-lin evaluate: error: {run / 'val'} does not exist: {final / 'hyperparameters.yaml'} names it "
+                   "as the run's data (TokenChunks); give --data to read the data where it is now, e.g. --data TokenChunks "
+                   "--data.<option> DIR\n"), err
+
+
 def test_task_names_are_checked_before_the_model_is_loaded(tmp_path, capsys, monkeypatch):
     """Against a stand-in for the harness's TaskManager (its index of task names): an unknown name is one line with
     the close ones; names all in --task_dir (or YAML files) leave the built-in tasks unindexed."""
