@@ -45,7 +45,7 @@ from fabric_lin.data.recipe import (
     summarize,
 )
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
-from fabric_lin.files import created_dir
+from fabric_lin.files import check_empty_output_dir, created_dir
 
 # Documents read from a file at once (and so handed to the tokenizer together, in groups of
 # recipe.ENCODE_GROUP_CHARS characters).
@@ -153,9 +153,8 @@ def prepare(
     check_chunk_size(chunk_size)
     check_num_workers(num_workers)
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
-    if output_dir.exists() and any(output_dir.iterdir()):
-        # never mixed with the chunks of an earlier run: the trainer would read both
-        raise AlreadyExists(f"Output directory {output_dir} exists and is not empty: delete it or pick another")
+    # never mixed with the chunks of an earlier run: the trainer would read both
+    check_empty_output_dir(output_dir)
     text_files_to_read(input_dir, pattern)  # a missing or empty input directory fails here
     num_workers = num_workers or default_num_workers()
 

@@ -36,7 +36,7 @@ from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data import DataModule
 from fabric_lin.errors import InvalidValue, MissingFile, MissingPackage, UserError
-from fabric_lin.files import atomic_write, created_dir, read_yaml
+from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, read_yaml
 from fabric_lin.weights import MODEL_FILE, canonical_state_dict
 
 RESULTS_FILE = "evaluate.json"
@@ -116,6 +116,8 @@ def main(
     cuda = torch_device.type == "cuda"
     precision = precision or ("bf16-mixed" if cuda else "32-true")
     task_manager = find_tasks(task_names, task_dir) if task_names else None  # before the minutes of loading a model
+    if out_dir is not None:
+        check_dir_can_be_made(out_dir, "--out_dir")
 
     checkpoint = load_checkpoint(checkpoint_dir)
     hparams = checkpoint.hparams or {}
@@ -124,7 +126,8 @@ def main(
     batch_size = batch_size or train_hparams.get("micro_batch_size") or 1
     seq_lens = seq_lens or [train_seq_len]
     bucket_size = bucket_size or max(1, train_seq_len // BUCKETS_PER_TRAINING_LENGTH)
-    if data is None and max_batches != 0 and checkpoint.hparams is not None:
+    data_of_run = data is None and max_batches != 0 and checkpoint.hparams is not None
+    if data_of_run:
         data = run_data_module(checkpoint.hparams, checkpoint_dir / HPARAMS_FILE)
     evaluate_data = data is not None and max_batches != 0
     if evaluate_data:
@@ -142,7 +145,15 @@ def main(
     if evaluate_data:  # the data's errors (no validation split, blocks too long) before the model is set up
         cap_loader_workers(data)
         data.prepare_data()
+        if data_of_run:
+            check_run_data_is_there(data, checkpoint_dir / HPARAMS_FILE)
         validation_loader(data, checkpoint, batch_size, max(seq_lens))
+        if checkpoint.tokenizer is None and data.prepared_dirs():
+            from fabric_lin.data.prepared import describe_tokenizer, read_prepared_dir
+
+            print(f"Note: {checkpoint_dir} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
+                  f"({describe_tokenizer(read_prepared_dir(data.prepared_dirs()[0]))}) is the one its model was trained "
+                  "with", flush=True)
 
     fabric = L.Fabric(accelerator="cuda" if cuda else "cpu", devices=[torch_device.index or 0] if cuda else 1,
                       precision=precision)
@@ -192,6 +203,9 @@ def main(
 def check_arguments(seq_len, max_batches, batch_size, bucket_size, bucket_edges, num_fewshot, limit) -> List[int]:
     """The sequence lengths as a list, each value checked before any work (each wrong one named)."""
     lengths = [] if seq_len is None else [seq_len] if isinstance(seq_len, int) else list(seq_len)
+    if seq_len is not None and not lengths:
+        raise InvalidValue("--seq_len [] holds no length: give one or more, e.g. [2048, 4096], or leave it out for the "
+                           "training length")
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths):
         raise InvalidValue(f"--seq_len must be a positive number of tokens or a list of them, e.g. [2048, 4096]; got {seq_len!r}")
     if max_batches is not None and max_batches < 0:
@@ -679,6 +693,16 @@ def run_data_module(hparams: Dict[str, Any], path: Path) -> DataModule:
         return instantiate(parsed).data
     except Exception as e:  # jsonargparse's own error types, or the data module's check of its values
         raise InvalidValue(f"{path}: its data entry does not load ({' '.join(str(e).split())}); give --data") from None
+
+
+def check_run_data_is_there(data: DataModule, path: Path) -> None:
+    """The directories of the run's data module (read from its hyperparameters.yaml, `path`) are still there: data
+    moved since is named with the file that names it, and --data is the way on."""
+    for directory in data.prepared_dirs():
+        if not Path(directory).exists():
+            name = type(data).__name__
+            raise MissingFile(f"{directory} does not exist: {path} names it as the run's data ({name}); give --data to "
+                              f"read the data where it is now, e.g. --data {name} --data.<option> DIR")
 
 
 def plain_value(value: Any) -> Any:

@@ -6,9 +6,9 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Type, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Type, Union
 
-from fabric_lin.errors import InvalidValue
+from fabric_lin.errors import AlreadyExists, InvalidValue
 
 DAMAGED_FILE_FIX = "it may be truncated or damaged (an interrupted copy or download): copy or write it again"
 
@@ -85,6 +85,31 @@ def copy_file(src: Union[str, Path], dst: Union[str, Path]) -> Path:
     return Path(dst)
 
 
+def file_in_the_way(path: Union[str, Path]) -> Optional[Path]:
+    """The file that keeps a directory from being made at `path`: `path` itself, or the nearest of its parents that
+    exists, where that is not a directory; None where nothing is in the way."""
+    for place in [Path(os.path.abspath(path)), *Path(os.path.abspath(path)).parents]:
+        if place.exists():
+            return None if place.is_dir() else place
+    return None
+
+
+def check_dir_can_be_made(path: Union[str, Path], named: str = "directory") -> None:
+    """Refuse, before any work, a directory to write (`named` as the user gave it: "--output_dir") that a file is in
+    the way of."""
+    blocking = file_in_the_way(path)
+    if blocking is not None:
+        raise InvalidValue(f"{named} {path}: {blocking} is a file, expected a directory or nothing there")
+
+
+def check_empty_output_dir(path: Union[str, Path]) -> None:
+    """Refuse an --output_dir that holds anything (what is there would be read with what is written) or that a file
+    is in the way of; one that is empty or not there yet is taken."""
+    check_dir_can_be_made(path, "--output_dir")
+    if Path(path).is_dir() and any(Path(path).iterdir()):
+        raise AlreadyExists(f"Output directory {path} exists and is not empty: delete it or pick another")
+
+
 def missing_ancestors(path: Union[str, Path]) -> List[Path]:
     """`path` and those of its parents that do not exist yet, deepest first: what `mkdir -p path` creates."""
     path = Path(os.path.abspath(path))
@@ -107,6 +132,7 @@ def remove_empty_dirs(created: List[Path]) -> None:
 def created_dir(path: Union[str, Path]) -> Iterator[Path]:
     """Create `path` (with its parents); if the block raises, remove what this created, unless a file was
     written there: a failed command leaves no empty output directories behind."""
+    check_dir_can_be_made(path)
     created = missing_ancestors(path)
     Path(path).mkdir(parents=True, exist_ok=True)
     try:

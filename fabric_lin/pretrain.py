@@ -109,7 +109,7 @@ def setup(
             final, .damaged-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first; its logs/ stay (loggers
             add a version), and so does compile_cache/.
         initial_checkpoint_dir: A model directory (convert_pretrained_checkpoint's output) whose weights
-            initialise the model before training (continued pretraining).
+            initialise the model before training (continued pretraining); the data must be tokenized by its tokenizer.
         data: The data module. Default: SampleCorpus (a small corpus shipped with the package).
         train: Training schedule, batch sizes and checkpointing.
         eval: Validation.
@@ -140,11 +140,6 @@ def setup(
     precision = precision or ("bf16-mixed" if cuda else "32-true")
     compile = replace(compile, enabled=cuda if compile.enabled is None else compile.enabled)
     data = SampleCorpus() if data is None else data
-    if type(data) is DataModule:  # --data.<option> alone: jsonargparse builds the base class
-        raise InvalidValue(
-            "--data.* options need a data module: give --data SampleCorpus, LongDocuments, TokenChunks, SlimPajamaStarcoder or TextFiles "
-            "(or a config file's data: class_path) before them"
-        )
     data.validate()
     check_changeable(resume_changes or [])
     if not cuda:
@@ -313,6 +308,12 @@ def main(
         data.connect(tokenizer=tokenizer, batch_size=train.micro_batch_size, max_seq_length=train.max_seq_length,
                      vocab_size=config.vocab_size)
         data.setup()
+        if resume_dir is not None:
+            check_trained_on_these_ids(resume_dir, "--resume", tokenizer, fix=(
+                f"resume on data prepared with --tokenizer_path {resume_dir}, or train on this data in a new run"))
+        elif initial_checkpoint_dir is not None:
+            check_trained_on_these_ids(initial_checkpoint_dir, "--initial_checkpoint_dir", tokenizer, fix=(
+                f"prepare the data with --tokenizer_path {initial_checkpoint_dir}"))
         if tokenizer is None:  # said once the data is found good: a mistake in its paths is the error to show
             fabric.print(
                 f"Warning: no tokenizer (--tokenizer_dir, or a data module that has one): the checkpoints will hold "
@@ -660,6 +661,22 @@ def load_tokenizer(tokenizer_dir: Optional[Path]):
     from fabric_lin.data.tokenizer import Tokenizer
 
     return Tokenizer(tokenizer_dir)
+
+
+def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, fix: str) -> None:
+    """Refuse to train on from weights (a checkpoint or a model directory; each holds the tokenizer its model was
+    trained with) with data of another tokenizer: an id stands for another piece in each, of the same vocabulary size
+    too, and the loss would only say so as a slow recovery. Nothing to compare where either has no tokenizer."""
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    if tokenizer is None or not (Path(weights_dir) / "tokenizer.model").is_file():
+        return
+    trained_with = Tokenizer(weights_dir)
+    if trained_with.model_hash != tokenizer.model_hash:
+        raise InvalidValue(
+            f"{option} {weights_dir}: its weights were trained on the ids of {trained_with.describe()}, and this run reads "
+            f"those of {tokenizer.describe()}: an id is another piece in each; {fix}"
+        )
 
 
 def tune_gla_kernels(fabric: L.Fabric, config: Config, train: TrainArgs, precision: str, out_dir: Path) -> GLALaunch:

@@ -221,3 +221,21 @@ def test_help_describes_every_command_in_whole_sentences(capsys):
     assert sorted(descriptions) == sorted(COMMANDS)
     for name, description in descriptions.items():
         assert description.strip().endswith("."), (name, description)
+
+
+def test_an_output_directory_that_a_file_is_in_the_way_of_is_one_line(tmp_path, capsys):
+    """An output path that is a file, or below one, is named with the file before any work (prepare_text read it as a
+    directory, evaluate and the converters made it: tracebacks of NotADirectoryError and FileExistsError)."""
+    from helpers import make_model_dir, small_config
+
+    make_model_dir(tmp_path / "model", small_config())
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("a document")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    prepare_text = ["prepare_text", "--input_dir", str(tmp_path / "raw"), "--tokenizer_path", str(tmp_path / "model")]
+    for command, option, path in ((prepare_text, "--output_dir", a_file), (prepare_text, "--output_dir", a_file / "out"),
+                                  (["evaluate", str(tmp_path / "model")], "--out_dir", a_file / "out"),
+                                  (["convert_to_hf", str(tmp_path / "model")], "--output_dir", a_file / "out")):
+        err = cli_error([*command, option, str(path)], capsys)
+        assert err.endswith(f": error: {option} {path}: {a_file} is a file, expected a directory or nothing there\n"), err

@@ -169,6 +169,27 @@ def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
     assert (sharded.parent / "evaluate" / sharded.name / "evaluate.json").is_file()  # beside the checkpoint, not in it
 
 
+def test_a_model_without_a_tokenizer_says_that_the_data_s_cannot_be_checked(run, tmp_path, capsys):
+    """With its tokenizer.model, a model directory refuses data of another one; without it nothing can: the evaluation
+    runs and says so, naming the data's tokenizer."""
+    import json
+
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+    from fabric_lin.data import TokenChunks
+
+    convert_pretrained_checkpoint(run / "out" / "final", tmp_path / "model")
+    data = dict(data_path=run / "train", val_path=run / "val", num_workers=0)
+    evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1)
+    assert "Note:" not in capsys.readouterr().out
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        (tmp_path / "model" / name).unlink()
+    evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1)
+    sha256 = json.loads((run / "val" / "prepared.json").read_text())["tokenizer"]["sha256"]
+    assert (f"Note: {tmp_path / 'model'} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
+            f"(vocab_size=300, sha256={sha256[:12]}..., from {run / 'tok'}) is the one its model was trained with"
+            ) in capsys.readouterr().out
+
+
 def test_plot_of_the_loss_by_position(tmp_path):
     pytest.importorskip("matplotlib")
     results = {"model": "gla-debug", "checkpoint": "out/final", "step": 2, "train_seq_len": 4, "lengths": [
@@ -293,6 +314,30 @@ def test_errors_are_one_line(run, tmp_path, capsys, monkeypatch):
     assert "--tasks needs lm-evaluation-harness: pip install -e '.[eval]'" in cli_error(
         ["evaluate", str(final), "--tasks", "hellaswag"], capsys)
     assert not (tmp_path / "model" / "evaluate").exists()  # failed runs leave no output directory
+
+
+def test_data_options_without_a_data_module_and_an_empty_length_list_are_one_line(run, capsys):
+    """--data.num_workers without --data (jsonargparse builds the base class: a NotImplementedError traceback), and
+    --seq_len [] (evaluated at the training length, as if not given)."""
+    final = run / "out" / "final"
+    err = cli_error(["evaluate", str(final), "--data.num_workers", "0"], capsys)
+    assert "error: --data.* options need a data module: give --data SampleCorpus, LongDocuments" in err
+    err = cli_error(["evaluate", str(final), "--seq_len", "[]"], capsys)
+    assert "--seq_len [] holds no length: give one or more, e.g. [2048, 4096], or leave it out for the training length" in err
+
+
+def test_the_run_s_data_moved_away_is_named_with_the_file_that_names_it(run, capsys):
+    """Without --data a training checkpoint reads the data its hyperparameters.yaml names; moved since, the error says
+    so and points to --data, not to what the run's own command should have given."""
+    final = run / "out" / "final"
+    (run / "val").rename(run / "val-moved")
+    try:
+        err = cli_error(["evaluate", str(final)], capsys)
+    finally:
+        (run / "val-moved").rename(run / "val")
+    assert err == (f"fabric-lin evaluate: error: {run / 'val'} does not exist: {final / 'hyperparameters.yaml'} names it "
+                   "as the run's data (TokenChunks); give --data to read the data where it is now, e.g. --data TokenChunks "
+                   "--data.<option> DIR\n"), err
 
 
 def test_task_names_are_checked_before_the_model_is_loaded(tmp_path, capsys, monkeypatch):

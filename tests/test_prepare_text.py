@@ -205,11 +205,13 @@ def test_prepare_text_names_and_skips_bad_input(paragraphs_tokenizer, tmp_path, 
 TRAILING_GLOBSTAR_MATCHES_FOLDERS = sys.version_info < (3, 13)
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "no corpus file", "pattern", "absolute pattern", pytest.param(
+@pytest.mark.parametrize("case", ["missing", "a file", "empty", "no corpus file", "pattern", "absolute pattern", pytest.param(
     "trailing **", marks=pytest.mark.skipif(not TRAILING_GLOBSTAR_MATCHES_FOLDERS, reason="this Python's sub/** matches files"))])
 def test_prepare_text_without_input_files_is_one_line(paragraphs_tokenizer, tmp_path, capfd, case):
     raw = tmp_path / "raw"
-    if case != "missing":
+    if case == "a file":  # one file of the corpus given as --input_dir
+        raw.write_text("one document")
+    elif case != "missing":
         raw.mkdir()
     if case in ("no corpus file", "pattern"):
         (raw / "README.md").write_text("readme")
@@ -227,6 +229,8 @@ def test_prepare_text_without_input_files_is_one_line(paragraphs_tokenizer, tmp_
     err = capfd.readouterr().err
     expected = {
         "missing": f"Input directory {str(raw)!r} does not exist",
+        "a file": f"Input directory {str(raw)!r} is a file, expected the directory of the input files: give "
+                  f"--input_dir {raw.parent} --pattern {raw.name} to read it alone",
         "empty": f"No input files under {raw} with --pattern '**/*': expected files ending in .jsonl, .jsonl.zst, "
                  ".jsonl.gz, .json.gz, .parquet, .txt; no file matches it",
         "no corpus file": "it holds 1 other file(s), e.g. README.md",
@@ -395,4 +399,21 @@ def test_a_negative_worker_count_is_one_line(paragraphs_tokenizer, text_corpus, 
         err = cli_error([command, "--input_dir", str(text_corpus["raw"]), "--output_dir", str(tmp_path / "out"),
                          "--tokenizer_path", str(paragraphs_tokenizer), "--num_workers", "-1"], capsys)
         assert "error: --num_workers -1: expected a number of worker processes (0 or none given: one per CPU core)\n" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_without_an_end_of_text_token_is_one_line(text_corpus, tmp_path, capsys):
+    """Every document is written with EOS after it: a tokenizer that defines none is refused before any worker starts
+    (it was a traceback from within litdata's worker, for each of the three commands)."""
+    import sentencepiece as spm
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "text.txt").write_text("\n".join(f"a line of text number {i}" for i in range(100)))
+    spm.SentencePieceTrainer.Train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "tok" / "tokenizer"),
+                                   vocab_size=40, model_type="bpe", unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, minloglevel=2)
+    for command in ("prepare_text", "prepare_slimpajama", "prepare_starcoder"):
+        err = cli_error([command, "--input_dir", str(text_corpus["raw"]), "--output_dir", str(tmp_path / "out"),
+                         "--tokenizer_path", str(tmp_path / "tok"), "--num_workers", "1"], capsys)
+        assert f"error: --tokenizer_path {tmp_path / 'tok'}: {tmp_path / 'tok' / 'tokenizer.model'} defines no " \
+               f"end-of-text (EOS) token, which follows every document" in err, err
     assert not (tmp_path / "out").exists()

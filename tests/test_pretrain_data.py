@@ -210,6 +210,39 @@ def test_a_run_takes_the_data_s_tokenizer_and_evaluate_refuses_another_s_data(tm
     assert f"than {final / 'tokenizer.model'}" in err
 
 
+def test_weights_trained_with_another_tokenizer_are_refused_on_resume_and_as_initial_weights(tmp_path, prepared):
+    """A run trained on tok300's ids, continued on data of tok300b (the same vocabulary size, other pieces): a resume
+    with --resume_changes data, or its model directory as --initial_checkpoint_dir, is refused before the model is
+    built, naming the weights' tokenizer and the data's; the same tokenizer's data starts from those weights."""
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+    from fabric_lin.data import TextFiles
+
+    config = Config.from_name("gla-debug", vocab_size=320)
+    run = dict(model_name=None, model_config=config, eval=EvalArgs(final_validation=False))
+    setup_pretrain(tmp_path, **run, data=TextFiles(train_dir=prepared / "tokens300", num_workers=0))
+    final = tmp_path / "out" / "final"
+    convert_pretrained_checkpoint(final, tmp_path / "model")
+    other_data = TextFiles(train_dir=prepared / "tokens300b", num_workers=0)
+    longer = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32)
+    with pytest.raises(ValueError) as info:
+        setup_pretrain(tmp_path, **run, data=other_data, train=longer, resume=True, resume_changes=["data", "train.max_steps"])
+    message = str(info.value)
+    assert message.startswith(f"--resume {final}: its weights were trained on the ids of {final / 'tokenizer.model'} "
+                              "(vocab_size=300, sha256=")
+    assert f"this run reads those of {prepared / 'tokens300b' / 'tokenizer.model'} (vocab_size=300, sha256=" in message
+    assert message.endswith(f"resume on data prepared with --tokenizer_path {final}, or train on this data in a new run")
+    assert "\n" not in message and not (final.parent / "step-00000002").exists()
+
+    with pytest.raises(ValueError, match=rf"^--initial_checkpoint_dir {tmp_path / 'model'}: its weights were trained on "
+                       rf"the ids of {tmp_path / 'model' / 'tokenizer.model'} \(vocab_size=300, .* this run reads those of "
+                       rf"{prepared / 'tokens300b' / 'tokenizer.model'} .*--tokenizer_path {tmp_path / 'model'}"):
+        setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_weights", data=other_data,
+                       initial_checkpoint_dir=tmp_path / "model")
+    setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_weights", initial_checkpoint_dir=tmp_path / "model",
+                   data=TextFiles(train_dir=prepared / "tokens300", num_workers=0))
+    assert (tmp_path / "from_weights" / "final").is_dir()
+
+
 def test_prepare_text_output_given_as_train_dir_suggests_its_train(tmp_path, prepared):
     """prepare_text's --output_dir holds train/ and val/: given as data.train_dir, the error names OUT/train."""
     import shutil

@@ -155,11 +155,12 @@ def test_a_vocab_size_the_input_cannot_fill_is_one_line(tmp_path, capsys):
            f"--vocab_size {largest} or less, or more text" in err, err
     train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=largest, num_threads=1)  # the largest that works
     assert Tokenizer(tmp_path / "tok").vocab_size == largest
+    argv[argv.index("--output_dir") + 1] = str(tmp_path / "tok-small")
     err = cli_error([*argv, "--vocab_size", "100"], capsys)
     smallest = int(re.search(r"give --vocab_size (\d+) or more", err).group(1))
     assert f"--vocab_size 100: this input needs at least {smallest} pieces" in err, err
     assert 259 < smallest < largest  # the byte pieces, <unk>, <s>, </s> and the input's characters
-    assert Tokenizer(tmp_path / "tok").vocab_size == largest  # the failed runs left the tokenizer written before
+    assert not (tmp_path / "tok-small").exists()  # the failed run wrote nothing
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -176,3 +177,23 @@ def test_train_tokenizer_settings_are_checked_before_reading(tmp_path, capsys, f
                     capsys)
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "tok").exists()
+
+
+def test_train_tokenizer_refuses_an_output_dir_that_holds_a_tokenizer_or_cannot_be_one(tokenizer_dir, tmp_path, capsys):
+    """A tokenizer directory, or a model directory, holds the tokenizer its data and models were made with: writing
+    another one there would make them read other pieces for their ids. Refused before any input is read, naming the
+    tokenizer there, which stays as it was; an output path through a file is one line too."""
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("\n".join(f"the cat sat on the mat number {i}" for i in range(200)))
+    before = {p.name: p.read_bytes() for p in tokenizer_dir.iterdir()}
+    argv = ["train_tokenizer", "--input_dir", str(tmp_path / "raw"), "--vocab_size", "300", "--num_threads", "1"]
+    err = cli_error([*argv, "--output_dir", str(tokenizer_dir)], capsys)
+    assert err.startswith(f"fabric-lin train_tokenizer: error: --output_dir {tokenizer_dir} holds a tokenizer already: "
+                          f"{tokenizer_dir / 'tokenizer.model'} (vocab_size=500, sha256="), err
+    assert "delete its tokenizer.model and tokenizer_config.json first" in err
+    assert {p.name: p.read_bytes() for p in tokenizer_dir.iterdir()} == before
+    (tmp_path / "a_file").write_text("")
+    for output_dir in (tmp_path / "a_file", tmp_path / "a_file" / "tok"):
+        err = cli_error([*argv, "--output_dir", str(output_dir)], capsys)
+        assert err == f"fabric-lin train_tokenizer: error: --output_dir {output_dir}: {tmp_path / 'a_file'} is a file, " \
+                      f"expected a directory or nothing there\n", err

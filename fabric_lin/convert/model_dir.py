@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from fabric_lin.config import CONFIG_FILE, Config
-from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import atomic_write, read_json
+from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile
+from fabric_lin.files import atomic_write, check_dir_can_be_made, read_json
 from fabric_lin.weights import (
     MODEL_FILE,
     canonical_state_dict,
@@ -231,8 +231,7 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
     for source in sources:
         if output_dir.resolve() == Path(source).resolve():
             raise InvalidValue(f"output_dir {output_dir} is the input directory; choose another one")
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UserError(f"output_dir {output_dir} exists and is not a directory")
+    check_dir_can_be_made(output_dir, "--output_dir")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         raise AlreadyExists(
             f"output_dir {output_dir} is not empty (holds {sorted(p.name for p in output_dir.iterdir())[:5]}); "

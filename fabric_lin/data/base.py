@@ -43,6 +43,11 @@ class DataModule:
 
     def validate(self) -> None:
         """Check the options before any work (the trainer calls it first): each wrong value named."""
+        if type(self) is DataModule:  # --data.<option> alone: jsonargparse builds the base class
+            raise InvalidValue(
+                "--data.* options need a data module: give --data SampleCorpus, LongDocuments, TokenChunks, "
+                "SlimPajamaStarcoder or TextFiles (or a config file's data: class_path) before them"
+            )
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise InvalidValue(f"data.num_workers must be 0 (load in the training process) or a positive number of "
                              f"DataLoader worker processes per rank, got {self.num_workers!r}")

@@ -184,9 +184,8 @@ def check_made_for(path: Union[str, Path], info: dict, tokenizer: Optional[Token
     with a vocabulary larger than the model's `vocab_size` (either check skipped where None)."""
     if tokenizer is not None and tokenizer_identity(info) != (tokenizer.vocab_size, tokenizer.model_hash):
         raise InvalidValue(
-            f"{path} was tokenized with a different tokenizer ({describe_tokenizer(info)}) than {tokenizer.model_path}"
-            f" (vocab_size={tokenizer.vocab_size}, sha256={tokenizer.model_hash[:12]}...); prepare the data with this"
-            " tokenizer, or use the one that made it"
+            f"{path} was tokenized with a different tokenizer ({describe_tokenizer(info)}) than {tokenizer.describe()};"
+            " prepare the data with this tokenizer, or use the one that made it"
         )
     data_vocab = (info.get("tokenizer") or {}).get("vocab_size")
     if vocab_size is not None and isinstance(data_vocab, int) and data_vocab > vocab_size:

@@ -32,11 +32,21 @@ def _one_line(err: Exception) -> str:
     return " ".join(str(err).split())
 
 
+def check_input_dir(input_dir: Path, has_pattern: bool = False) -> None:
+    """Refuse an --input_dir that is not a directory: a file of the corpus given for its folder is named as such, with
+    the --pattern that reads it alone where the command `has_pattern`."""
+    if input_dir.is_file():
+        alone = f" --pattern {input_dir.name} to read it alone" if has_pattern else ""
+        raise InvalidValue(f"Input directory {str(input_dir)!r} is a file, expected the directory of the input files: "
+                           f"give --input_dir {input_dir.parent}{alone}")
+    if not input_dir.is_dir():
+        raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
+
+
 def find_files(input_dir: Union[str, Path], suffix: str) -> List[Path]:
     """All files under `input_dir` (recursively) whose name ends with `suffix`, sorted."""
     input_dir = Path(input_dir)
-    if not input_dir.is_dir():
-        raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
+    check_input_dir(input_dir)
     files = sorted(p for p in input_dir.rglob(f"*{suffix}") if p.is_file())
     if not files:
         raise MissingFile(f"No *{suffix} files found under {input_dir} (searched recursively)")
@@ -195,8 +205,7 @@ def find_text_files(input_dir: Union[str, Path], pattern: str = "**/*") -> Tuple
     """The files under `input_dir` that match the glob `pattern` (relative to it) and end with one of
     TEXT_SUFFIXES, sorted; and the matched files of other suffixes, which are not read."""
     input_dir = Path(input_dir)
-    if not input_dir.is_dir():
-        raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
+    check_input_dir(input_dir, has_pattern=True)
     if not pattern or Path(pattern).is_absolute():
         raise InvalidValue(f"--pattern {pattern!r}: expected a glob relative to --input_dir, e.g. '**/*.parquet'")
     matched = sorted(p for p in input_dir.glob(pattern) if p.is_file())

@@ -20,9 +20,10 @@ from litdata.processing.data_processor import DataChunkRecipe, DataProcessor
 from litdata.streaming.item_loader import TokensLoader
 
 from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
+from fabric_lin.data.raw_files import BadFileError, check_input_dir
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
-from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import created_dir, environment_variables
+from fabric_lin.errors import AlreadyExists, InvalidValue, UserError
+from fabric_lin.files import check_empty_output_dir, created_dir, environment_variables
 
 # Documents are encoded in groups of about this many characters: large enough for SentencePiece's
 # threads to share, small enough that the Python lists of ids stay a few hundred MB at most.
@@ -110,8 +111,6 @@ class TokenizeRecipe(DataChunkRecipe):
             start = end
 
     def prepare_item(self, path: str) -> Iterator[np.ndarray]:
-        from fabric_lin.data.raw_files import BadFileError
-
         record = file_record(path)
         self._skipped_rows = self._empty_documents = self._bad_rows = self._bad_rows_more = self._held_out = 0
         self._bad_rows_named = []
@@ -287,12 +286,16 @@ def run_recipe(
     `output_dir`, so an interrupted run leaves no directory that `check_prepared_dir` accepts. Messages
     name the output `shown_as` when given (where a caller moves `output_dir` to afterwards)."""
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
-    if not input_dir.is_dir():
-        raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
-    if output_dir.exists() and any(output_dir.iterdir()):
-        raise AlreadyExists(f"Output directory {output_dir} exists and is not empty: delete it or pick another")
+    check_input_dir(input_dir)
+    check_empty_output_dir(output_dir)
     check_num_workers(num_workers)
     tokenizer = Tokenizer(recipe.tokenizer_path)
+    if tokenizer.eos_id is None:  # found here, not in a worker, where it would end the job in litdata's traceback
+        raise InvalidValue(
+            f"--tokenizer_path {recipe.tokenizer_path}: {tokenizer.model_path} defines no end-of-text (EOS) token, which "
+            "follows every document (the trainer reads documents joined by it); give a tokenizer that has one, or name "
+            "one of its pieces as eos_token in a tokenizer_config.json beside it"
+        )
     num_workers = num_workers or default_num_workers()
     # the first files in sorted order, taken here: litdata's own fast_dev_run keeps that many files per
     # worker (not the first ones once there are several workers) and reads True as 1

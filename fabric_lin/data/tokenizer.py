@@ -127,6 +127,10 @@ class Tokenizer:
             ids = ids.tolist()
         return self.processor.DecodeIds(list(ids))
 
+    def describe(self) -> str:
+        """Its file and what tells it from another: "DIR/tokenizer.model (vocab_size=N, sha256=0123456789ab...)"."""
+        return f"{self.model_path} (vocab_size={self.vocab_size}, sha256={self.model_hash[:12]}...)"
+
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.checkpoint_dir)!r}, vocab_size={self.vocab_size})"
 

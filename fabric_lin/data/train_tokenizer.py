@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Tuple
 
 from fabric_lin.data.raw_files import BadFileError, iter_text_documents, text_files_to_read
-from fabric_lin.errors import InvalidValue
-from fabric_lin.files import atomic_write
+from fabric_lin.data.tokenizer import TOKENIZER_FILES, Tokenizer
+from fabric_lin.errors import AlreadyExists, InvalidValue, UserError
+from fabric_lin.files import atomic_write, check_dir_can_be_made
 
 MAX_SENTENCES = 5_000_000
 MAX_SENTENCE_LENGTH = 4192
@@ -173,6 +174,23 @@ def check_settings(vocab_size: int, max_files: Optional[int], max_sentences: int
                            f"use byte fallback), got {character_coverage}")
 
 
+def check_output_dir(output_dir: Path) -> None:
+    """Refuse a directory that holds a tokenizer already (a tokenizer's, a model's, a prepared data directory's):
+    what was made with it reads its ids through it, and would read other pieces through a new one."""
+    check_dir_can_be_made(output_dir, "--output_dir")
+    held = [name for name in TOKENIZER_FILES if (output_dir / name).exists()]
+    if not held:
+        return
+    try:
+        there = Tokenizer(output_dir).describe()
+    except UserError:  # a damaged one, or a tokenizer_config.json alone
+        there = ", ".join(str(output_dir / name) for name in held)
+    raise AlreadyExists(
+        f"--output_dir {output_dir} holds a tokenizer already: {there}; the data and models made with it read their "
+        f"ids through it. Write the new one to another --output_dir, or delete its {' and '.join(held)} first"
+    )
+
+
 def main(
     input_dir: Optional[Path] = None,
     output_dir: Optional[Path] = None,
@@ -190,7 +208,8 @@ def main(
 
     Args:
         input_dir: Directory of the corpus (the files prepare_text reads).
-        output_dir: Directory to write (usable as `tokenizer_dir` / `--tokenizer_path`).
+        output_dir: Directory to write (usable as `tokenizer_dir` / `--tokenizer_path`); one that holds a tokenizer
+            already is refused.
         text_key: The JSON field or parquet column that holds each document's text.
         pattern: Glob, relative to input_dir, of the files to read (default: all, recursively); of those, the
             ones ending in .jsonl, .jsonl.zst, .jsonl.gz, .json.gz, .parquet or .txt are read.
@@ -207,6 +226,7 @@ def main(
         raise InvalidValue("--input_dir and --output_dir are required")
     check_settings(vocab_size=vocab_size, max_files=max_files, max_sentences=max_sentences,
                    max_sentence_length=max_sentence_length, character_coverage=character_coverage)
+    check_output_dir(Path(output_dir))
     files = text_files_to_read(input_dir, pattern)
     if max_files is not None and len(files) > max_files:
         step = len(files) / max_files
