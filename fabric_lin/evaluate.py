@@ -141,6 +141,8 @@ def main(
         )
     if task_names and checkpoint.tokenizer is None:
         raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text")
+    if task_names:
+        checkpoint.tokenizer.check_fits(checkpoint.config.vocab_size, checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)
     if evaluate_data:  # the data's errors (no validation split, blocks too long) before the model is set up
         cap_loader_workers(data)

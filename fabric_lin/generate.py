@@ -162,10 +162,7 @@ def main(
 
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, device, dtypes[precision])
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise InvalidValue(
-            f"{checkpoint_dir}: tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"
-        )
+    tokenizer.check_fits(model.config.vocab_size, checkpoint_dir)
     # Pretraining data is documents joined by end-of-text tokens (no BOS), so a prompt that starts a
     # document is one that follows an end-of-text token.
     prompt_tokens = tokenizer.encode(prompt).to(device=device, dtype=torch.long)

@@ -131,6 +131,15 @@ class Tokenizer:
         """Its file and what tells it from another: "DIR/tokenizer.model (vocab_size=N, sha256=0123456789ab...)"."""
         return f"{self.model_path} (vocab_size={self.vocab_size}, sha256={self.model_hash[:12]}...)"
 
+    def check_fits(self, embeddings: int, model_dir: Union[str, Path]) -> None:
+        """Refuse a tokenizer with more pieces than the model has embeddings: it is not the model's tokenizer (an id
+        past the last embedding would fail inside the model, or read another token's row)."""
+        if self.vocab_size > embeddings:
+            raise InvalidValue(
+                f"{model_dir}: its tokenizer has {self.vocab_size:,} pieces and its model {embeddings:,} embeddings, so "
+                f"the tokenizer is not the model's ({self.describe()}): put the tokenizer the model was trained with there"
+            )
+
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.checkpoint_dir)!r}, vocab_size={self.vocab_size})"
 
