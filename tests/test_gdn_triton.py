@@ -211,6 +211,13 @@ def test_segment_bounds_cut_every_sequence_into_runs_of_whole_chunks():
     assert segment_bounds([0, 300, 600], 1) == ([0, 300, 600], [1, 1])
     with pytest.raises(ValueError, match="state_segments must be a whole number >= 1 \\(1: uncut\\), got 0"):
         GDNLaunch(state_segments=0)
+    # the runs' device tensors are made once per shape and cut, and kept
+    from fabric_lin.ops.gdn.chunk_fwd import segment_plan
+
+    plan = segment_plan((0, 300, 600), 3, torch.device("cpu"))
+    assert segment_plan((0, 300, 600), 3, torch.device("cpu")) is plan
+    assert plan.runs.tolist() == [0, 64, 192, 300, 364, 492, 600] and plan.sequences == 2
+    assert [(s.tolist(), r.tolist()) for s, r in plan.steps] == [([0, 1], [0, 3]), ([0, 1], [1, 4]), ([0, 1], [2, 5])]
 
 
 SEGMENTED = GDNLaunch(state_segments=3)
@@ -362,6 +369,23 @@ def test_gpu_bf16_segmented_state_pass_matches_fp32(gate):
     assert_gpu_errors(gpu_errors(1, 32768, 4, 128, 128, gate, launch=GDNLaunch(state_segments=16)))
     offsets = [0, 1, 15, 100, 300, 1200, 1201, 4096]
     assert_gpu_errors(gpu_errors(1, 4096, 4, 128, 256, gate, offsets=offsets, launch=GDNLaunch(state_segments=4)))
+
+
+@needs_cuda
+def test_gpu_segmented_state_pass_replays_in_a_cuda_graph():
+    # the runs' layout is made once per shape (a graph's capture allows no copy from the host): after one call,
+    # the forward pass captures and its replay gives the same output
+    launch = GDNLaunch(state_segments=8)
+    q, k, v, g, beta, _ = gated_delta_rule_inputs(1, 8192, 4, 128, 128, seed=3, device="cuda", dtype=torch.bfloat16,
+                                                  normalized_keys=False)
+    with torch.no_grad():
+        expected, _ = triton_op(q, k, v, g, beta, use_qk_l2norm=True, launch=launch)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed, _ = triton_op(q, k, v, g, beta, use_qk_l2norm=True, launch=launch)
+        graph.replay()
+    torch.testing.assert_close(replayed, expected, rtol=0, atol=0)
 
 
 @needs_cuda

@@ -43,7 +43,7 @@ from fabric_lin.ops.chunked.chunk_index import (
     state_tile,
 )
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
-from fabric_lin.ops.gdn.chunk_fwd import _causal, _causal_decay, segment_bounds, state_key_tile, states, wy_factors
+from fabric_lin.ops.gdn.chunk_fwd import _causal, _causal_decay, plan_for, state_key_tile, states, wy_factors
 from fabric_lin.ops import launch as launch_helpers
 from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
 from fabric_lin.ops.gdn.wy import _wy_bwd_kernel
@@ -273,11 +273,8 @@ def segmented_state_gradients(q, k, w, b, do, dd_local, initial_state, dht, cu_s
     from there, writing dh and dd."""
     B, T, H, K = q.shape
     V = do.shape[-1]
-    bounds = cu_seqlens.tolist() if cu_seqlens is not None else [n * T for n in range(B + 1)]
-    cuts, counts = segment_bounds(bounds, launch.state_segments)
-    runs = torch.tensor(cuts, dtype=torch.int32, device=q.device)
-    run_layout = chunk_layout(runs, 1, B * T, CHUNK_SIZE)
-    R = len(cuts) - 1
+    plan = plan_for(cu_seqlens, B, T, launch.state_segments, q.device)
+    R = plan.runs.numel() - 1
 
     def reverse_pass(width, end, start_grads, with_do, dh=None, dd=None):
         """One launch over every run: from `end` ([R * H, K, width] or None: zero) back to start_grads; with dh and
@@ -285,7 +282,7 @@ def segmented_state_gradients(q, k, w, b, do, dd_local, initial_state, dht, cu_s
         BV = tile_width(launch.dstate.BV, width)
         _bwd_state_kernel[(cdiv(width, BV), R * H)](
             q, k, w, b, do, dd_local, dh if dh is not None else start_grads, dd if dd is not None else start_grads,
-            end, start_grads, runs, run_layout.chunk_offsets, scale, B * T, H, K, width, CHUNK_SIZE,
+            end, start_grads, plan.runs, plan.layout.chunk_offsets, scale, B * T, H, K, width, CHUNK_SIZE,
             state_key_tile(K), BV, USE_DHT=end is not None, USE_H0=True, IS_VARLEN=True,
             DOT_PREC=dot_precision(q.dtype), USE_GATE=b is not None, USE_DO=with_do, STORE_HD=dh is not None,
             **launch.dstate.options(),
@@ -299,19 +296,15 @@ def segmented_state_gradients(q, k, w, b, do, dd_local, initial_state, dht, cu_s
     reverse_pass(K, identity, transposed, False)
 
     # (2) backwards along each sequence: the gradient leaving each run, the j-th runs of all sequences at once
-    N = len(counts)
-    firsts = [sum(counts[:n]) for n in range(N)]
-    grad = dht.float().clone() if dht is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
+    grad = dht.float().clone() if dht is not None else q.new_zeros(plan.sequences, H, K, V, dtype=torch.float32)
     ends = torch.empty_like(from_zero)
-    for j in reversed(range(max(counts))):
-        seqs = [n for n in range(N) if j < counts[n]]
-        sequences, run_ids = (torch.tensor(x, device=q.device) for x in (seqs, [firsts[n] + j for n in seqs]))
+    for sequences, run_ids in reversed(plan.steps):
         leaving = grad[sequences]
         ends[run_ids] = leaving
         grad[sequences] = torch.matmul(transposed[run_ids], leaving) + from_zero[run_ids]
 
     # (3) every run from the gradient leaving it: dh and dd
-    dh = q.new_empty(run_layout.chunks, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))
+    dh = q.new_empty(plan.layout.chunks, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))
     dd = torch.empty_like(do)
     reverse_pass(V, ends, torch.empty_like(from_zero), True, dh, dd)
     return dh, dd, (grad if initial_state is not None else None)

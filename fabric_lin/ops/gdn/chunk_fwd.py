@@ -14,7 +14,8 @@ Launches, in order:
 Without a gate (g None, the delta rule of DeltaNet) every kernel is compiled with USE_GATE off (wy.py says what
 that leaves out): b is neither made nor read, and the forward keeps (I + A)^-1 alone.
 """
-from typing import List, Optional, Tuple
+import functools
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -28,7 +29,7 @@ from fabric_lin.ops.chunked.chunk_index import (
     seq_start,
     state_tile,
 )
-from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE, ChunkLayout, chunk_grid, chunk_layout, dot_precision, state_dtype
 from fabric_lin.ops import launch as launch_helpers
 from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
 from fabric_lin.ops.gdn.wy import BC, _solve_kernel, _wu_kernel
@@ -181,7 +182,7 @@ def states(k, w, u, b, initial_state, cu_seqlens, layout, launch: GDNLaunch):
     dtype; the final state [N, H, K, V] fp32); b None: no gate. With launch.state_segments > 1 every sequence's
     pass is cut into that many pieces (`segmented_states`)."""
     if launch.state_segments > 1:
-        return segmented_states(k, w, u, b, initial_state, cu_seqlens, launch.state_segments, launch)
+        return segmented_states(k, w, u, b, initial_state, cu_seqlens, launch)
     B, T, H, K = k.shape
     V = u.shape[-1]
     N, NC, _, chunk_offsets = layout
@@ -198,7 +199,7 @@ def states(k, w, u, b, initial_state, cu_seqlens, layout, launch: GDNLaunch):
     return h, d, ht
 
 
-def segment_bounds(bounds: List[int], pieces: int) -> Tuple[List[int], List[int]]:
+def segment_bounds(bounds: Sequence[int], pieces: int) -> Tuple[List[int], List[int]]:
     """Every sequence [start, end) of `bounds` cut into at most `pieces` runs of whole chunks, as even as the chunks
     allow: (the runs' bounds, in order; how many runs each sequence has)."""
     cuts, counts = [bounds[0]], []
@@ -210,24 +211,51 @@ def segment_bounds(bounds: List[int], pieces: int) -> Tuple[List[int], List[int]
     return cuts, counts
 
 
-def segmented_states(k, w, u, b, initial_state, cu_seqlens, pieces: int, launch: GDNLaunch):
-    """`states`, with every sequence's pass over its chunks cut into `pieces` runs of chunks that run side by side.
+class SegmentPlan(NamedTuple):
+    """The runs of chunks that cut state passes into pieces, as the kernels and the combination between them take
+    them (device tensors made once per shape: a CUDA graph replays them, and capture allows no copy from the host)."""
+
+    runs: torch.Tensor
+    """int32 [R + 1]: the runs' bounds in rows, the kernels' cu_seqlens."""
+    layout: ChunkLayout
+    """The runs' chunk layout: each run's first chunk is its index in the whole batch's per-chunk states."""
+    sequences: int
+    steps: List[Tuple[torch.Tensor, torch.Tensor]]
+    """Per position j along the sequences: (the sequences that have a j-th run, those runs' indices)."""
+
+
+@functools.lru_cache(maxsize=64)
+def segment_plan(bounds: Tuple[int, ...], pieces: int, device: torch.device) -> SegmentPlan:
+    cuts, counts = segment_bounds(bounds, pieces)
+    firsts = [sum(counts[:n]) for n in range(len(counts))]
+    steps = []
+    for j in range(max(counts)):
+        seqs = [n for n in range(len(counts)) if j < counts[n]]
+        steps.append((torch.tensor(seqs, device=device), torch.tensor([firsts[n] + j for n in seqs], device=device)))
+    runs = torch.tensor(cuts, dtype=torch.int32, device=device)
+    return SegmentPlan(runs, chunk_layout(runs, 1, bounds[-1], CHUNK_SIZE), len(counts), steps)
+
+
+def plan_for(cu_seqlens: Optional[torch.Tensor], B: int, T: int, pieces: int, device: torch.device) -> SegmentPlan:
+    bounds = tuple(cu_seqlens.tolist()) if cu_seqlens is not None else tuple(n * T for n in range(B + 1))
+    return segment_plan(bounds, pieces, device)
+
+
+def segmented_states(k, w, u, b, initial_state, cu_seqlens, launch: GDNLaunch):
+    """`states`, with every sequence's pass over its chunks cut into launch.state_segments runs of chunks that run
+    side by side.
 
     A chunk moves the state linearly, S -> M S + k_end^T U with M = exp(b_last) I - k_end^T W, so a run of chunks
     takes the state entering it, S, to P S + E: P the product of its chunks' M, E where the run ends from a zero
     state. The passes: (1) every run from zero (E) and from the identity with U taken as zero (P), side by side;
     (2) in order along each sequence, the state entering each run (small products in PyTorch, fp32); (3) every run
     again from its true start, side by side, writing h and D. Three passes over the tokens instead of one, with
-    `pieces` times the programs and a `pieces`-th of the serial length: for a few long sequences, whose one pass
+    that many times the programs and a fraction of the serial length: for a few long sequences, whose one pass
     leaves most of the GPU idle. The runs are whole chunks, so each chunk keeps its own b, W, U and index in h."""
     B, T, H, K = k.shape
     V = u.shape[-1]
-    bounds = cu_seqlens.tolist() if cu_seqlens is not None else [n * T for n in range(B + 1)]
-    cuts, counts = segment_bounds(bounds, pieces)
-    runs = torch.tensor(cuts, dtype=torch.int32, device=k.device)
-    run_layout = chunk_layout(runs, 1, B * T, CHUNK_SIZE)
-    R = len(cuts) - 1
-    BKS = state_key_tile(K)
+    plan = plan_for(cu_seqlens, B, T, launch.state_segments, k.device)
+    R = plan.runs.numel() - 1
 
     def state_pass(values, width, start, end_states, h=None, d=None):
         """One launch over every run: from `start` ([R * H, K, width] or None: zero), ending in end_states; with h
@@ -235,9 +263,10 @@ def segmented_states(k, w, u, b, initial_state, cu_seqlens, pieces: int, launch:
         BV = tile_width(launch.state.BV, width)
         _fwd_state_kernel[(cdiv(width, BV), R * H)](
             k, w, values if values is not None else w, b, h if h is not None else end_states,
-            d if d is not None else end_states, start, end_states, runs, run_layout.chunk_offsets, B * T, H, K, width,
-            CHUNK_SIZE, BKS, BV, USE_H0=start is not None, IS_VARLEN=True, DOT_PREC=dot_precision(k.dtype),
-            USE_GATE=b is not None, USE_U=values is not None, STORE_HD=h is not None, **launch.state.options(),
+            d if d is not None else end_states, start, end_states, plan.runs, plan.layout.chunk_offsets, B * T, H, K,
+            width, CHUNK_SIZE, state_key_tile(K), BV, USE_H0=start is not None, IS_VARLEN=True,
+            DOT_PREC=dot_precision(k.dtype), USE_GATE=b is not None, USE_U=values is not None,
+            STORE_HD=h is not None, **launch.state.options(),
         )
 
     # (1) where each run ends from zero, and the product of its chunks' transitions
@@ -248,21 +277,16 @@ def segmented_states(k, w, u, b, initial_state, cu_seqlens, pieces: int, launch:
     state_pass(None, K, identity, transitions)
 
     # (2) the state entering each run: the j-th runs of all sequences at once
-    N = len(counts)
-    firsts = [sum(counts[:n]) for n in range(N)]
     state = (initial_state.float().clone() if initial_state is not None
-             else k.new_zeros(N, H, K, V, dtype=torch.float32))
+             else k.new_zeros(plan.sequences, H, K, V, dtype=torch.float32))
     starts = torch.empty_like(ends)
-    for j in range(max(counts)):
-        seqs = [n for n in range(N) if j < counts[n]]
-        at = [firsts[n] + j for n in seqs]
-        sequences, run_ids = (torch.tensor(x, device=k.device) for x in (seqs, at))
+    for sequences, run_ids in plan.steps:
         entering = state[sequences]
         starts[run_ids] = entering
         state[sequences] = torch.matmul(transitions[run_ids], entering) + ends[run_ids]
 
     # (3) every run from its start: the states entering its chunks and the corrections
-    h = k.new_empty(run_layout.chunks, H, K, V, dtype=state_dtype(k, initial_state is not None))
+    h = k.new_empty(plan.layout.chunks, H, K, V, dtype=state_dtype(k, initial_state is not None))
     d = torch.empty_like(u)
     state_pass(u, V, starts, torch.empty_like(ends), h, d)
     return h, d, state
