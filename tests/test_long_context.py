@@ -1,9 +1,10 @@
 """The long-context table's plan and data, on the CPU: the long-document corpus (fabric_lin/data/long_documents.py)
-holds whole documents made of the files they name, each a chunk file of its own, none both held out and trained
-on; benchmarks/long_context.py's GPU plan (its defaults: every family at 2K to 32K) fits the corpus's real splits,
-and a plan that does not is refused before any cell runs, naming each part; the script runs its cells in processes
-of their own on the CPU with tiny models, every context predicting the same held-out tokens, and merges the rows
-into one JSON document. The corpus is built once per installed torch into its cache (~12 s of CPU, then read)."""
+holds whole documents made of the files they name and EOS, each a chunk file of its own, none both held out and
+trained on (the training loader reads no held-out token); benchmarks/long_context.py's GPU plan (its defaults: every
+family at 2K to 32K) fits the corpus's real splits, and a plan that does not is refused before any cell runs, naming
+each part; the script runs its cells in processes of their own on the CPU with tiny models, every context predicting
+the same held-out tokens, and merges the rows into one JSON document. The corpus is built once per installed torch
+into its cache (~12 s of CPU, then read)."""
 import json
 import math
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from litdata.streaming import StreamingDataset, TokensLoader
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -36,6 +38,15 @@ def corpus():
     data = LongDocuments()
     data.prepare_data()
     return data, json.loads((data.data_path / "corpus.json").read_text())
+
+
+def lies_in(tokens: bytes, piece: np.ndarray) -> bool:
+    """Whether `piece` occurs in `tokens` (uint16 bytes) at a token boundary."""
+    needle = piece.astype(np.uint16).tobytes()
+    at = tokens.find(needle)
+    while at >= 0 and at % 2:
+        at = tokens.find(needle, at + 1)
+    return at >= 0
 
 
 def test_documents_are_directories_grown_until_long_enough():
@@ -87,6 +98,25 @@ def test_the_corpus_holds_whole_documents_of_the_files_they_name(corpus):
     loader_windows = [batch[0].numpy() for batch in data.val_dataloader()]
     first_windows = np.concatenate(loader_windows[: first["tokens"] // WINDOW])
     np.testing.assert_array_equal(first_windows, expected[: len(first_windows)])
+
+    # the training loader reads the training documents only: none of its blocks lies in a held-out document, whose
+    # tokens the validation loader gave whole (each is VAL_WINDOWS_PER_DOCUMENT windows long)
+    held_out = np.concatenate(loader_windows).astype(np.uint16).tobytes()
+    assert lies_in(held_out, loader_windows[5][1000:3049])
+    data.connect(tokenizer, batch_size=64, max_seq_length=2048)
+    data.setup()
+    training = next(iter(data.train_dataloader()))
+    assert training.shape == (64, 2049) and not any(lies_in(held_out, block.numpy()) for block in training)
+
+    # a whole training document, as litdata reads it, is its files' tokens and EOS
+    shortest = min(range(len(train)), key=lambda i: train[i]["tokens"])
+    length = train[shortest]["tokens"]
+    dataset = StreamingDataset(str(data.train_path), item_loader=TokensLoader(block_size=length), shuffle=False)
+    document = np.asarray(dataset[sum(d["tokens"] // length for d in train[:shortest])])
+    texts = [f"# {name}\n\n" + (root.parent / name).read_text(encoding="utf-8", errors="replace")
+             for name in train[shortest]["files"]]
+    np.testing.assert_array_equal(document, np.concatenate([tokenizer.encode(text).numpy() for text in texts]
+                                                           + [np.array([tokenizer.eos_id])]))
 
     # the benchmark's held-out windows: each document's first, then each one's second
     windows = long_context.held_out_windows(data, 32768, len(val) + 1, tokenizer.vocab_size)
