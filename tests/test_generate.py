@@ -252,6 +252,8 @@ def test_generate_prints_the_text_as_it_is_sampled_and_ctrl_c_keeps_it(tmp_path)
         [sys.executable, "-m", "fabric_lin.cli", "generate", str(tmp_path / "model"), "--prompt", "the model",
          "--max_new_tokens", "1000000", "--device", "cpu", "--top_k", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        # as in a terminal's foreground job: a shell's background job (`pytest &`) passes SIGINT on ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         printed = b""
