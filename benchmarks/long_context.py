@@ -153,6 +153,12 @@ class Pieces:
 # ---------------------------------------------------------------- the models
 
 
+def micro_batch_size(args, context: int) -> int:
+    """Blocks per step at `context`: every context trains on --tokens_per_step tokens a step (check_plan refuses a
+    context that does not divide them)."""
+    return args.tokens_per_step // context
+
+
 def speed_config(family: str, context: int, args) -> Config:
     return Config.from_name(f"{family}-{args.size}", max_seq_length=context)
 
@@ -208,7 +214,7 @@ def train(model, batches: Iterator[torch.Tensor], steps: int, warmup: int, lr: f
 def measure_speed(family: str, context: int, args, activation_checkpointing: bool) -> Dict:
     device = torch.device(args.device)
     config = speed_config(family, context, args)
-    micro_batch = args.tokens_per_step // context
+    micro_batch = micro_batch_size(args, context)
     batches = training_batches(corpus(args), context, micro_batch, config.vocab_size)
     model = build_model(config, device, args.seed, activation_checkpointing)
     if device.type == "cuda":
@@ -236,7 +242,7 @@ def measure_quality(family: str, context: int, args, activation_checkpointing: b
     data.prepare_data()
     vocab_size = Tokenizer(data.tokenizer_dir).vocab_size
     config = quality_config(family, context, args, vocab_size)
-    micro_batch = args.tokens_per_step // context
+    micro_batch = micro_batch_size(args, context)
     model = build_model(config, device, args.seed, activation_checkpointing)
     start = time.perf_counter()
     _, losses = train(model, training_batches(data, context, micro_batch, vocab_size), args.quality_steps,
@@ -329,7 +335,7 @@ def check_plan(args) -> Dict:
             problems.append(f"context {context}: --tokens_per_step {args.tokens_per_step} and --eval_window "
                             f"{args.eval_window} must be multiples of it (the same tokens per step and held-out tokens)")
             continue
-        micro_batch = args.tokens_per_step // context
+        micro_batch = micro_batch_size(args, context)
         blocks = int((document_tokens // (context + 1)).sum())
         if 0 < blocks < args.quality_steps * micro_batch:  # no block at all: the loader says why below
             problems.append(f"context {context}: the quality runs read {args.quality_steps * micro_batch} blocks of "

@@ -75,6 +75,7 @@ PARAMETER_MODELS = {
     "gla-7B": lambda: Config.from_name("gla-7B"),
     "gdn-340M": lambda: Config.from_name("gdn-340M"),
     "gdn-1.3B": lambda: Config.from_name("gdn-1.3B"),
+    "gdn-340M-conv-2": lambda: Config.from_name("gdn-340M", conv_size=2),
     "transformer-340M": lambda: Config.from_name("transformer-340M"),
     "deltanet-340M": lambda: Config.from_name("deltanet-340M"),
     "deltanet-1.3B": lambda: Config.from_name("deltanet-1.3B"),

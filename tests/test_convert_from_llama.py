@@ -163,6 +163,24 @@ def test_tied_llama_fills_the_untied_lm_head_and_bf16_is_kept(tmp_path, mistral_
     state = load_model_dir_weights(tmp_path / "gla")
     assert {t.dtype for t in state.values()} == {torch.bfloat16}
     assert torch.equal(state["lm_head.weight"], llama["model.embed_tokens.weight"])
+    # a config.json without the flag: the file without lm_head.weight is what says the head is the embedding
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    del config["tie_word_embeddings"]
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(config))
+    report = convert_from_llama(tmp_path / "llama", mistral_shaped_gla, tmp_path / "gla", overwrite=True)
+    assert "lm_head.weight" in report["copied"]
+    assert torch.equal(load_model_dir_weights(tmp_path / "gla")["lm_head.weight"], llama["model.embed_tokens.weight"])
+
+
+def test_the_seed_decides_the_weights_kept_at_init(tmp_path, mistral_shaped_gla):
+    write_tiny_llama(tmp_path / "llama")
+    states = []
+    for seed, out in ((1, "a"), (1, "b"), (2, "c")):
+        report = convert_from_llama(tmp_path / "llama", mistral_shaped_gla, tmp_path / out, seed=seed)
+        states.append(load_model_dir_weights(tmp_path / out))
+    kept = [name for name in report["initialized"] if name.endswith("proj.weight")]  # drawn at random, not ones/zeros
+    assert kept and all(torch.equal(states[0][name], states[1][name]) for name in states[0])
+    assert not any(torch.equal(states[0][name], states[2][name]) for name in kept)
 
 
 def test_bad_inputs_get_clear_errors(tmp_path, mistral_shaped_gla):

@@ -20,8 +20,12 @@ from helpers import make_model_dir, small_config
     [{}, {"tie_embeddings": True}, {"num_heads": 4, "num_kv_heads": 2}, {"block_type": "transformer", "num_heads": 4},
      {"head_norm_eps": 1e-5}, {"attn_layers": [1], "attn_num_heads": 4, "attn_num_kv_heads": 2},
      {"block_type": "gdn", "head_dim": 48, "expand_v": 2.0},
-     {"block_type": "gdn", "head_dim": 32, "expand_v": 1.5, "attn_layers": [0], "attn_num_heads": 2, "rope_base": 500.0}],
-    ids=["gla", "gla-tied", "gla-gqa", "transformer", "gla-own-head-eps", "gla-hybrid", "gdn", "gdn-hybrid"],
+     {"block_type": "gdn", "head_dim": 32, "expand_v": 1.5, "attn_layers": [0], "attn_num_heads": 2, "rope_base": 500.0},
+     {"norm_eps": 1e-5, "max_seq_length": 4096, "initializer_range": 0.01},
+     {"block_type": "gdn", "head_dim": 48, "expand_v": 2.0, "conv_size": 3},
+     {"block_type": "deltanet", "expand_k": 1.0, "expand_v": 1.0, "conv_size": 2}],
+    ids=["gla", "gla-tied", "gla-gqa", "transformer", "gla-own-head-eps", "gla-hybrid", "gdn", "gdn-hybrid",
+         "gla-own-norm-eps-and-length", "gdn-conv-3", "deltanet-conv-2"],
 )
 def test_round_trip_is_exact(tmp_path, overrides):
     config = small_config(**overrides)
@@ -277,10 +281,12 @@ def test_exported_transformer_computes_fla_logits(tmp_path, overrides):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"num_heads": 4, "num_kv_heads": 2, "tie_embeddings": True}], ids=["mha", "gqa-tied"])
+@pytest.mark.parametrize("overrides", [{}, {"num_heads": 4, "num_kv_heads": 2, "tie_embeddings": True},
+                                       {"norm_eps": 1e-5, "head_norm_eps": 1e-5}],  # Mistral's eps (convert_from_llama)
+                         ids=["mha", "gqa-tied", "norm-eps-1e-5"])
 def test_exported_model_computes_fla_logits(tmp_path, overrides):
     # fla's head norm eps is norm_eps; with head_norm_eps equal to it the two models are the same function
-    config = small_config(head_norm_eps=1e-6, **overrides)
+    config = small_config(**{"head_norm_eps": 1e-6, **overrides})
     make_model_dir(tmp_path / "model", config)
     convert_to_hf(tmp_path / "model", tmp_path / "hf")
     model = GPT(config)

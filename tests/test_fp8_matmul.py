@@ -42,6 +42,11 @@ def test_rowwise_cast_scales_each_row_to_the_fp8_range():
     assert q.float().abs().amax(1)[nonzero].eq(FP8_MAX).all()
     normal = x.abs() >= amax * 2.0**-6  # above e4m3's subnormals
     assert ((q.float() * scale - x).abs() <= x.abs() * 2.0**-4 + 1e-30)[normal].all()
+    # a bf16 row is cast from its value, in fp32 (as the Triton kernel does): the same bytes and fp32 scales
+    q16, scale16 = rowwise_fp8_ref(x.bfloat16())
+    q32, scale32 = rowwise_fp8_ref(x.bfloat16().float())
+    assert scale16.dtype == torch.float32 and torch.equal(scale16, scale32)
+    assert torch.equal(q16.view(torch.uint8), q32.view(torch.uint8))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Triton's interpreter rounds float8 wrongly; the kernel is checked on a GPU")
@@ -61,6 +66,7 @@ def test_products_keep_each_rows_precision():
     bound = 0.08 * a.double().norm(dim=1, keepdim=True) * b.double().norm(dim=1)[None, :]
     assert ((out - exact).abs() <= bound).all()
     assert out[16].eq(0).all() and out[:, 24].eq(0).all()  # the zero rows give zeros, not NaN
+    assert matmul_nt(a.to(DEVICE, torch.bfloat16), b.to(DEVICE, torch.bfloat16), fp8=True).dtype == torch.bfloat16
     # the input gradient form: a @ w for w [N, K], the scales along its K columns
     d, w = spread_rows(32, 48, 4), spread_rows(64, 48, 5).t().contiguous()  # w [48, 64]
     exact = d.double() @ w.double()

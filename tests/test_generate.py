@@ -252,6 +252,8 @@ def test_generate_prints_the_text_as_it_is_sampled_and_ctrl_c_keeps_it(tmp_path)
         [sys.executable, "-m", "fabric_lin.cli", "generate", str(tmp_path / "model"), "--prompt", "the model",
          "--max_new_tokens", "1000000", "--device", "cpu", "--top_k", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        # as in a terminal's foreground job: a shell's background job (`pytest &`) passes SIGINT on ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         printed = b""
@@ -344,3 +346,66 @@ def test_generate_on_a_run_directory_points_to_its_checkpoint(tmp_path, capsys):
     assert err == (f"fabric-lin generate: error: {run} is a training run's directory (it holds final, step-00000002): "
                    f"generate reads a model directory; make one from a checkpoint with: fabric-lin "
                    f"convert_pretrained_checkpoint {run / 'final'} --output_dir <DIR>\n")
+
+
+def full_forward_continuation(model: GPT, ids: list, max_new_tokens: int, vocab_size: int, eos_id: int, pick) -> list:
+    """New tokens, each `pick`ed from the full forward's last logits over the tokenizer's ids (no cache), up to
+    and including eos_id."""
+    ids, new = list(ids), []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = pick(model(torch.tensor([ids]))[0, -1, :vocab_size].double())
+            new.append(token)
+            ids.append(token)
+            if token == eos_id:
+                break
+    return new
+
+
+def test_generate_command_continues_the_prompt_as_a_document_start(tmp_path, capsys):
+    """`fabric-lin generate`'s text is the prompt and the tokens the model picks after end-of-text and the prompt (a
+    document's start), decoded together; greedy at temperature 0, else drawn from the top_k tokens with the seed's
+    generator; it stops after end-of-text."""
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.generate import main as generate
+
+    config = small_config()
+    state = make_model_dir(tmp_path / "model", config)
+    model = GPT(config).eval()
+    model.load_state_dict(state)
+    tokenizer = Tokenizer(tmp_path / "model")
+    prompt = "the gated model"
+    prompt_ids = tokenizer.encode(prompt).tolist()
+    after_end_of_text = [tokenizer.eos_id] + prompt_ids
+
+    def continuation(pick, n=8):
+        return full_forward_continuation(model, after_end_of_text, n, tokenizer.vocab_size, tokenizer.eos_id, pick)
+
+    greedy = continuation(lambda logits: logits.argmax().item())
+    capsys.readouterr()
+    text = generate(tmp_path / "model", prompt=prompt, max_new_tokens=8, temperature=0.0, device="cpu")
+    assert text == tokenizer.decode(prompt_ids + greedy) and " " in text[len(prompt):]
+    assert capsys.readouterr().out == text + "\n"  # printed as it came
+
+    temperature, top_k, seed = 0.8, 3, 7
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(logits):
+        logits = logits / temperature
+        kth = logits.sort(descending=True).values[top_k - 1]
+        probs = F.softmax(logits.masked_fill(logits < kth, -math.inf), dim=-1)
+        return torch.multinomial(probs.float(), 1, generator=generator).item()
+
+    sampled = continuation(draw)
+    assert sampled != greedy
+    text = generate(tmp_path / "model", prompt=prompt, max_new_tokens=8, temperature=temperature, top_k=top_k, seed=seed,
+                    device="cpu")
+    assert text == tokenizer.decode(prompt_ids + sampled)
+
+    # the head's rows of the first greedy token and of end-of-text swapped: end-of-text comes first, and ends the text
+    head = state["lm_head.weight"]
+    head[[greedy[0], tokenizer.eos_id]] = head[[tokenizer.eos_id, greedy[0]]]
+    torch.save(state, tmp_path / "model" / "lit_model.pth")
+    capsys.readouterr()
+    assert generate(tmp_path / "model", prompt=prompt, max_new_tokens=8, temperature=0.0, device="cpu") == prompt
+    assert capsys.readouterr().err.startswith("1 tokens in ")

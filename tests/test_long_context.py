@@ -1,9 +1,11 @@
 """The long-context table's plan and data, on the CPU: the long-document corpus (fabric_lin/data/long_documents.py)
-holds whole documents made of the files they name, each a chunk file of its own, none both held out and trained
-on; benchmarks/long_context.py's GPU plan (its defaults: every family at 2K to 32K) fits the corpus's real splits,
-and a plan that does not is refused before any cell runs, naming each part; the script runs its cells in processes
-of their own on the CPU with tiny models, every context predicting the same held-out tokens, and merges the rows
-into one JSON document. The corpus is built once per installed torch into its cache (~12 s of CPU, then read)."""
+holds whole documents made of the files they name and EOS, each a chunk file of its own, none both held out and
+trained on (the training loader reads no held-out token); benchmarks/long_context.py's GPU plan (its defaults: every
+family at 2K to 32K) fits the corpus's real splits, and a plan that does not is refused before any cell runs, naming
+each part; the script runs its cells in processes of their own on the CPU with tiny models, every context predicting
+the same held-out tokens, and merges the rows into one JSON document; the tokens/s of a step, the retry of a part out
+of memory with activation checkpointing, the merge by cell and the table's columns and notes are checked on hand-made
+timings and rows. The corpus is built once per installed torch into its cache (~12 s of CPU, then read)."""
 import json
 import math
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from litdata.streaming import StreamingDataset, TokensLoader
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -36,6 +39,15 @@ def corpus():
     data = LongDocuments()
     data.prepare_data()
     return data, json.loads((data.data_path / "corpus.json").read_text())
+
+
+def lies_in(tokens: bytes, piece: np.ndarray) -> bool:
+    """Whether `piece` occurs in `tokens` (uint16 bytes) at a token boundary."""
+    needle = piece.astype(np.uint16).tobytes()
+    at = tokens.find(needle)
+    while at >= 0 and at % 2:
+        at = tokens.find(needle, at + 1)
+    return at >= 0
 
 
 def test_documents_are_directories_grown_until_long_enough():
@@ -87,6 +99,25 @@ def test_the_corpus_holds_whole_documents_of_the_files_they_name(corpus):
     loader_windows = [batch[0].numpy() for batch in data.val_dataloader()]
     first_windows = np.concatenate(loader_windows[: first["tokens"] // WINDOW])
     np.testing.assert_array_equal(first_windows, expected[: len(first_windows)])
+
+    # the training loader reads the training documents only: none of its blocks lies in a held-out document, whose
+    # tokens the validation loader gave whole (each is VAL_WINDOWS_PER_DOCUMENT windows long)
+    held_out = np.concatenate(loader_windows).astype(np.uint16).tobytes()
+    assert lies_in(held_out, loader_windows[5][1000:3049])
+    data.connect(tokenizer, batch_size=64, max_seq_length=2048)
+    data.setup()
+    training = next(iter(data.train_dataloader()))
+    assert training.shape == (64, 2049) and not any(lies_in(held_out, block.numpy()) for block in training)
+
+    # a whole training document, as litdata reads it, is its files' tokens and EOS
+    shortest = min(range(len(train)), key=lambda i: train[i]["tokens"])
+    length = train[shortest]["tokens"]
+    dataset = StreamingDataset(str(data.train_path), item_loader=TokensLoader(block_size=length), shuffle=False)
+    document = np.asarray(dataset[sum(d["tokens"] // length for d in train[:shortest])])
+    texts = [f"# {name}\n\n" + (root.parent / name).read_text(encoding="utf-8", errors="replace")
+             for name in train[shortest]["files"]]
+    np.testing.assert_array_equal(document, np.concatenate([tokenizer.encode(text).numpy() for text in texts]
+                                                           + [np.array([tokenizer.eos_id])]))
 
     # the benchmark's held-out windows: each document's first, then each one's second
     windows = long_context.held_out_windows(data, 32768, len(val) + 1, tokenizer.vocab_size)
@@ -143,6 +174,10 @@ def test_the_gpu_plan_fits_the_corpus_and_a_plan_that_does_not_is_refused(corpus
     assert len(problems) == 3 and str(longest) in problems[1]
     with pytest.raises(SystemExit, match="context 3000: --tokens_per_step 32768 and --eval_window 32768 must be multiples"):
         long_context.check_plan(long_context.parse_args(["--device", "cpu", "--contexts", "3000"]))
+    # the tokens per step fit, the held-out window does not: that context would predict fewer held-out tokens
+    with pytest.raises(SystemExit, match="context 3000: --tokens_per_step 30000 and --eval_window 32768 must be mult"):
+        long_context.check_plan(long_context.parse_args(["--device", "cpu", "--contexts", "3000",
+                                                         "--tokens_per_step", "30000"]))
 
 
 def test_pieces_of_the_held_out_windows_predict_the_same_tokens_at_every_context():
@@ -174,7 +209,8 @@ def test_the_script_runs_cells_in_processes_and_merges_their_rows(corpus, tmp_pa
     assert [(r["family"], r["context"]) for r in rows] == [("transformer", 2048), ("gla", 2048)]
     for row in rows:
         speed, quality = row["speed"], row["quality"]
-        assert speed["model"] == f"{row['family']}-debug" and speed["tokens_per_s"] > 0 and speed["micro_batch"] == 1
+        assert speed["model"] == f"{row['family']}-debug" and speed["tokens_per_s"] > 0
+        assert speed["micro_batch"] == quality["micro_batch"] == 1
         assert quality["val_tokens"] == 2 * 2048 == sum(quality["by_position"]["tokens"])
         assert quality["val_perplexity"] == pytest.approx(math.exp(quality["val_loss"]), rel=1e-3)
         assert row["run"]["command"].startswith("python ") and row["seconds"] > 0
@@ -189,3 +225,66 @@ def test_the_script_runs_cells_in_processes_and_merges_their_rows(corpus, tmp_pa
     assert long_context.merged(rows, again) == [rows[0], again]
     with pytest.raises(SystemExit, match="holds the rows of another plan \\(quality_steps 1 there, 2 here\\)"):
         long_context.earlier_rows(str(out), dict(document["settings"], quality_steps=2))
+
+
+def test_speed_is_the_tokens_of_a_step_over_the_median_timed_step(corpus, monkeypatch):
+    """The table's tokens/s: --tokens_per_step over the median of the steps after the warm-up, each step a micro batch
+    of tokens_per_step / context blocks."""
+    steps = []
+
+    def train(model, batches, steps_to_run, warmup, lr, device):
+        steps.append((steps_to_run, warmup, next(batches).shape))
+        return [50.0, 40.0, 1.0, 4.0, 2.0], [5.0] * 5  # two slow warm-up steps, then three timed ones
+
+    monkeypatch.setattr(long_context, "train", train)
+    args = long_context.parse_args(["--device", "cpu", "--size", "debug", "--contexts", "2048",
+                                    "--tokens_per_step", "4096", "--speed_warmup", "2", "--speed_steps", "3"])
+    speed = long_context.measure_speed("gla", 2048, args, activation_checkpointing=False)
+    assert steps == [(5, 2, (2, 2049))]
+    assert (speed["micro_batch"], speed["tokens_per_s"], speed["first_step_s"]) == (2, 4096 / 2, 50.0)
+
+
+def test_a_part_out_of_memory_is_measured_again_with_activation_checkpointing(monkeypatch):
+    calls = []
+
+    def run_isolated(family, context, argv, args, parts, activation_checkpointing):
+        calls.append((list(parts), activation_checkpointing))
+        if not activation_checkpointing:
+            return {"family": family, "context": context, **{part: {"out_of_memory": True} for part in parts}}
+        measured = {"measured": parts[0], "activation_checkpointing": True}
+        return {"family": family, "context": context, parts[0]: measured}
+
+    monkeypatch.setattr(long_context, "run_isolated", run_isolated)
+    row = long_context.measure_cell("gla", 32768, [], None)
+    assert calls == [(["speed", "quality"], False), (["speed"], True), (["quality"], True)]
+    assert row["speed"] == {"measured": "speed", "activation_checkpointing": True}
+    assert row["quality"] == {"measured": "quality", "activation_checkpointing": True}
+
+
+def test_rows_merge_by_cell_and_the_table_shows_each_measure_and_note():
+    gla_2k = {"family": "gla", "context": 2048,
+              "speed": {"micro_batch": 16, "tokens_per_s": 123456, "peak_memory_gib": 20.5,
+                        "activation_checkpointing": False},
+              "quality": {"micro_batch": 16, "activation_checkpointing": False, "val_perplexity": 30.0,
+                          "by_position": {"start": [0], "end": [2048], "loss": [3.5], "tokens": [100]}}}
+    transformer_32k = {"family": "transformer", "context": 32768,
+                       "speed": {"out_of_memory": True, "activation_checkpointing": True,
+                                 "error": "CUDA out of memory"},
+                       "quality": {"micro_batch": 1, "activation_checkpointing": True, "val_perplexity": 20.0,
+                                   "by_position": {"start": [0, 2048, 8192, 16384], "end": [2048, 8192, 16384, 32768],
+                                                   "loss": [3.1, 3.0, 2.9, 2.8], "tokens": [1, 2, 3, 4]}}}
+    rows = long_context.merged([], gla_2k)
+    rows = long_context.merged(rows, dict(gla_2k, context=8192))
+    rows = long_context.merged(rows, transformer_32k)
+    again = dict(gla_2k, seconds=2.0)
+    rows = long_context.merged(rows, again)  # the same cell again: replaced, the others kept
+    assert [(r["family"], r["context"]) for r in rows] == [("transformer", 32768), ("gla", 2048), ("gla", 8192)]
+    assert rows[1] is again
+    assert long_context.markdown_table(rows[:2], eval_window=32768).splitlines() == [
+        "| family | context | micro batch | tokens/s | peak memory (GiB) | val perplexity | loss 0-2K | loss 2K-8K "
+        "| loss 8K-16K | loss 16K-32K | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| transformer | 32,768 | 1 | - | - | 20.00 | 3.100 | 3.000 | 2.900 | 2.800 | speed: out of memory with "
+        "activation checkpointing; quality: activation checkpointing |",
+        "| gla | 2,048 | 16 | 123,456 | 20.5 | 30.00 | 3.500 | - | - | - |  |",
+    ]

@@ -5,7 +5,8 @@ is short (padded, an empty one too) to one process's loss. In one process (a mes
 frees its weights as asked, and validation leaves them sharded; Blocks wrapped for activation checkpointing and
 compiled train under FSDP2 as without it; fused AdamW skips an update on sharded weights as the loop asks; bf16-mixed
 gathers bf16 weights and keeps fp32 shards and gradients; FP8-converted layers gather their weights in FP8 where
-asked. The strategy for each choice; 16-mixed refused in one line.
+asked. The strategy for each choice (one process on each of several nodes too) and FSDP's mesh of nodes; 16-mixed
+refused in one line.
 
 Run as a script (`python tests/test_parallelism.py OUT_DIR`), this file is the 4-process job that shards the model and
 writes what each layout's processes hold."""
@@ -305,10 +306,27 @@ def test_the_strategy_for_each_choice():
         assert (fsdp._data_parallel_size, fsdp._tensor_parallel_size) == (4, 1)
         assert fsdp._parallelize_fn.keywords["num_nodes"] == 2
         assert fsdp._parallelize_fn.keywords["parallelism"].fsdp_unit == "model"
+        one_per_node = make_strategy(cuda, devices=1, num_nodes=2, parallelism=ParallelismArgs(), precision="32-true")
+        assert type(one_per_node) is ModelParallelStrategy and one_per_node._data_parallel_size == 2
         ddp = make_strategy(cuda, devices=2, num_nodes=1, parallelism=ParallelismArgs(data_parallel="ddp"),
                             precision="16-mixed")
         assert type(ddp) is DDPStrategy and ddp._process_group_backend == backend
         assert ddp._ddp_kwargs["gradient_as_bucket_view"] is True
+
+
+def test_fsdp_mesh_shards_over_a_nodes_processes_and_replicates_across_nodes(monkeypatch):
+    """fully_shard on a 2-D mesh replicates along its first dimension and shards along its second; ranks count node by
+    node, so the mesh (nodes, processes per node) shards each unit over one node's processes."""
+    import torch.distributed.device_mesh as device_mesh
+
+    from fabric_lin.parallelism import fsdp_mesh
+
+    meshes = []
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda device_type, shape, mesh_dim_names: meshes.append(
+        (shape, mesh_dim_names)))
+    fsdp_mesh("cuda", world_size=8, num_nodes=2)
+    fsdp_mesh("cuda", world_size=8, num_nodes=1)
+    assert meshes == [((2, 4), ("replicate", "shard")), ((8,), ("shard",))]
 
 
 def test_16_mixed_is_refused_where_the_run_would_be_sharded(tmp_path, capsys, monkeypatch):
