@@ -74,14 +74,13 @@ def fla_from_export(model: GPT, config: Config):
 
     import fla  # noqa: F401  (registers fla's model types with transformers)
     from common import lift_fla_gdn_hopper_guard
-    from fabric_lin.weights import MODEL_FILE
     from fabric_lin.convert.hf import convert_to_hf
+    from fabric_lin.convert.model_dir import save_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, hf_dir = Path(tmp) / "model", Path(tmp) / "hf"
         model_dir.mkdir()
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, model_dir / MODEL_FILE)
-        config.save(model_dir / "model_config.yaml")
+        save_model_dir({k: v.detach().cpu() for k, v in model.state_dict().items()}, config, model_dir)
         convert_to_hf(model_dir, hf_dir, dtype="float32")
         if config.block_type == "gdn":
             # a peer to train beside, not a reference: fla says its GDN backward is wrong on Hopper with Triton

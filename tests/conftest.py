@@ -416,12 +416,11 @@ def export_model(model, config, out_dir, dtype: str = "float32"):
     from pathlib import Path
 
     from fabric_lin.convert.hf import convert_to_hf
-    from fabric_lin.weights import MODEL_FILE
+    from fabric_lin.convert.model_dir import save_model_dir
 
     model_dir, hf_dir = Path(out_dir) / "model", Path(out_dir) / "hf"
     model_dir.mkdir(parents=True)
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, model_dir / MODEL_FILE)
-    config.save(model_dir / "model_config.yaml")
+    save_model_dir({k: v.detach().cpu() for k, v in model.state_dict().items()}, config, model_dir)
     convert_to_hf(model_dir, hf_dir, dtype=dtype)
     return hf_dir
 
