@@ -43,7 +43,15 @@ from fabric_lin.ops.chunked.chunk_index import (
     state_tile,
 )
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
-from fabric_lin.ops.gdn.chunk_fwd import _causal, _causal_decay, plan_for, state_key_tile, states, wy_factors
+from fabric_lin.ops.gdn.chunk_fwd import (
+    _causal,
+    _causal_decay,
+    carry_across_runs,
+    plan_for,
+    state_key_tile,
+    states,
+    wy_factors,
+)
 from fabric_lin.ops import launch as launch_helpers
 from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
 from fabric_lin.ops.gdn.wy import _wy_bwd_kernel
@@ -295,13 +303,9 @@ def segmented_state_gradients(q, k, w, b, do, dd_local, initial_state, dht, cu_s
     transposed = q.new_empty(R, H, K, K, dtype=torch.float32)
     reverse_pass(K, identity, transposed, False)
 
-    # (2) backwards along each sequence: the gradient leaving each run, the j-th runs of all sequences at once
+    # (2) backwards along each sequence: the gradient leaving each run
     grad = dht.float().clone() if dht is not None else q.new_zeros(plan.sequences, H, K, V, dtype=torch.float32)
-    ends = torch.empty_like(from_zero)
-    for sequences, run_ids in reversed(plan.steps):
-        leaving = grad[sequences]
-        ends[run_ids] = leaving
-        grad[sequences] = torch.matmul(transposed[run_ids], leaving) + from_zero[run_ids]
+    ends = carry_across_runs(reversed(plan.steps), grad, transposed, from_zero)
 
     # (3) every run from the gradient leaving it: dh and dd
     dh = q.new_empty(plan.layout.chunks, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))

@@ -241,6 +241,19 @@ def plan_for(cu_seqlens: Optional[torch.Tensor], B: int, T: int, pieces: int, de
     return segment_plan(bounds, pieces, device)
 
 
+def carry_across_runs(steps, state: torch.Tensor, transitions: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Carry `state` [sequences, H, K, V] along each sequence's runs in the order of `steps` (SegmentPlan.steps, or
+    reversed for a backward pass), the j-th runs of all sequences at once: each run takes it to
+    transitions @ state + offsets (its own rows of both). Returns what entered each run; `state` is left as it
+    leaves the last."""
+    entered = torch.empty_like(offsets)
+    for sequences, run_ids in steps:
+        entering = state[sequences]
+        entered[run_ids] = entering
+        state[sequences] = torch.matmul(transitions[run_ids], entering) + offsets[run_ids]
+    return entered
+
+
 def segmented_states(k, w, u, b, initial_state, cu_seqlens, launch: GDNLaunch):
     """`states`, with every sequence's pass over its chunks cut into launch.state_segments runs of chunks that run
     side by side.
@@ -276,14 +289,10 @@ def segmented_states(k, w, u, b, initial_state, cu_seqlens, launch: GDNLaunch):
     transitions = k.new_empty(R, H, K, K, dtype=torch.float32)
     state_pass(None, K, identity, transitions)
 
-    # (2) the state entering each run: the j-th runs of all sequences at once
+    # (2) the state entering each run, in order along each sequence
     state = (initial_state.float().clone() if initial_state is not None
              else k.new_zeros(plan.sequences, H, K, V, dtype=torch.float32))
-    starts = torch.empty_like(ends)
-    for sequences, run_ids in plan.steps:
-        entering = state[sequences]
-        starts[run_ids] = entering
-        state[sequences] = torch.matmul(transitions[run_ids], entering) + ends[run_ids]
+    starts = carry_across_runs(plan.steps, state, transitions, ends)
 
     # (3) every run from its start: the states entering its chunks and the corrections
     h = k.new_empty(plan.layout.chunks, H, K, V, dtype=state_dtype(k, initial_state is not None))
