@@ -76,17 +76,12 @@ step train_fp8_1b 1200 python benchmarks/train_throughput.py --regimes bf16-weig
     --models gla-1B-compiled,gla-1B,gla-1B-fp8,gla-1B-fp8-fused --timeout 400 --out "$out/train_fp8_1b.json"
 step parity_fp8 1200 python benchmarks/learning_parity.py --model gla-340M --steps 300 --peers fp8-fused fp32 \
     --out "$out/parity_fp8.json" --plot "$out/parity_fp8.png"
-# the gated delta rule at the gdn-340M and gdn-1.3B layers' shapes, 16 heads at 8K and one sequence of 32K, every gate
+# the gated delta rule at issue 48's shapes (the gdn-340M and gdn-1.3B layers, 16 heads at 8K, 32K), every gate
 # family; 32K tokens as 64 documents; DeltaNet's delta rule against fla's chunk_delta_rule
 step gdn_kernel 900 env TRITON_CACHE_DIR="$cache" python benchmarks/gdn_kernel.py --gates init slow fast \
     --shapes 16,2048,4,128,256 4,8192,16,128,128 1,32768,8,128,128 16,2048,6,256,512 --out "$out/gdn_kernel.json"
 step gdn_varlen 300 env TRITON_CACHE_DIR="$cache" python benchmarks/gdn_kernel.py --gates init slow fast \
     --shapes 1,32768,8,128,128 --varlen 64 --out "$out/gdn_varlen.json"
-# the state passes cut into runs of chunks (GDNLaunch.state_segments) against uncut, where one sequence leaves the
-# GPU short of programs: 32K tokens with 8 heads, and gdn-340M's 4 heads of V = 256
-step gdn_segments 600 env TRITON_CACHE_DIR="$cache" python benchmarks/gdn_kernel.py --gates slow \
-    --shapes 1,32768,8,128,128 1,32768,4,128,256 --variants cut4:state_segments=4 cut8:state_segments=8 \
-    cut16:state_segments=16 --out "$out/gdn_segments.json"
 step delta_rule_kernel 300 env TRITON_CACHE_DIR="$cache" python benchmarks/gdn_kernel.py --gates none --out "$out/delta_rule_kernel.json"
 # the context-length table: transformer-340M, gla-340M and gdn-340M at equal tokens per step (32K), regime (a)
 for ctx in 2048:16 8192:4 16384:2 32768:1; do

@@ -201,63 +201,6 @@ def test_narrow_state_passes_match_fp64_recurrence(monkeypatch):
     check_against_fp64((q, k, v, g, beta), h0, launch=launch)
 
 
-def test_segment_bounds_cut_every_sequence_into_runs_of_whole_chunks():
-    from fabric_lin.ops.gdn.chunk_fwd import segment_bounds
-
-    # 300 rows: 5 chunks (the last of 44 rows) into 3 runs of 1, 2 and 2 chunks; 1 row: a run of its own; an empty
-    # sequence keeps its empty run; 130 rows (3 chunks) into at most 3 runs however many are asked
-    assert segment_bounds([0, 300], 3) == ([0, 64, 192, 300], [3])
-    assert segment_bounds([0, 1, 1, 131], 8) == ([0, 1, 1, 65, 129, 131], [1, 1, 3])
-    assert segment_bounds([0, 300, 600], 1) == ([0, 300, 600], [1, 1])
-    with pytest.raises(ValueError, match="state_segments must be a whole number >= 1 \\(1: uncut\\), got 0"):
-        GDNLaunch(state_segments=0)
-    # the runs' device tensors are made once per shape and cut, and kept
-    from fabric_lin.ops.gdn.chunk_fwd import segment_plan
-
-    plan = segment_plan((0, 300, 600), 3, torch.device("cpu"))
-    assert segment_plan((0, 300, 600), 3, torch.device("cpu")) is plan
-    assert plan.runs.tolist() == [0, 64, 192, 300, 364, 492, 600] and plan.sequences == 2
-    assert [(s.tolist(), r.tolist()) for s, r in plan.steps] == [([0, 1], [0, 3]), ([0, 1], [1, 4]), ([0, 1], [2, 5])]
-
-
-SEGMENTED = GDNLaunch(state_segments=3)
-
-
-@cpu_only
-@pytest.mark.parametrize("gate,with_h0", [("mixed", True), ("slow", False)])
-def test_segmented_state_pass_matches_fp64_recurrence(gate, with_h0):
-    # two sequences of 300 rows, each pass cut into runs of 1, 2 and 2 chunks: forward and backward (whose recompute
-    # of the states takes the same cut)
-    q, k, v, g, beta, h0 = gated_delta_rule_inputs(2, 300, 2, 32, 48, gate=gate, seed=21)
-    check_against_fp64((q, k, v, g, beta), h0 if with_h0 else None, launch=SEGMENTED)
-
-
-@cpu_only
-def test_segmented_state_pass_varlen_matches_fp64_recurrence():
-    # documents of 1, 39, 0, 131 and 129 rows cut into at most 3 runs each, each from its own initial state
-    offsets = [0, 1, 40, 40, 171, 300]
-    cu = torch.tensor(offsets, dtype=torch.int32)
-    q, k, v, g, beta, h0 = gated_delta_rule_inputs(1, 300, 2, 32, 48, n_states=len(offsets) - 1, seed=22)
-    check_against_fp64((q, k, v, g, beta), h0, launch=SEGMENTED, cu_seqlens=cu)
-
-
-@cpu_only
-def test_segmented_state_pass_without_a_gate_matches_fp64_recurrence():
-    # the delta rule (g None: no decay, the runs' transitions I - k^T W alone) against the fp64 recurrence with a
-    # zero log gate, its same function
-    q, k, v, _, beta, h0 = gated_delta_rule_inputs(1, 260, 2, 32, 32, seed=23)
-    do = torch.randn(1, 260, 2, 32, generator=torch.Generator().manual_seed(1))
-    results = []
-    for fn, g in ((triton_op, None), (reference_fp64, torch.zeros(1, 260, 2))):
-        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, beta, h0)]
-        kwargs = {"launch": SEGMENTED} if fn is triton_op else {}
-        o, ht = fn(*leaves[:3], g, leaves[3], initial_state=leaves[4], output_final_state=True, **kwargs)
-        ((o.double() * do).sum() + ht.double().sum()).backward()
-        results.append([o, ht] + [x.grad for x in leaves])
-    for name, a, b in zip(["o", "ht", "dq", "dk", "dv", "dbeta", "dh0"], *results):
-        assert_close_scaled(a, b, name)
-
-
 @cpu_only
 def test_backend_rule_and_launch_settings(monkeypatch):
     # "auto" on the CPU is the PyTorch path, "triton" the kernels (in the interpreter)
@@ -324,7 +267,7 @@ def reference_fp32(q, k, v, g, beta, **kwargs):
     return chunk_gated_delta_rule(q, k, v, g, beta, backend="torch", **kwargs)
 
 
-def gpu_errors(B, T, H, K, V, gate, offsets=None, with_h0=True, beta_dtype=torch.float32, seed=0, launch=None):
+def gpu_errors(B, T, H, K, V, gate, offsets=None, with_h0=True, beta_dtype=torch.float32, seed=0):
     """Relative RMS errors of the bf16 Triton path against the fp32 PyTorch path, q and k L2-normalised inside
     as the model calls it."""
     N = B if offsets is None else len(offsets) - 1
@@ -335,7 +278,7 @@ def gpu_errors(B, T, H, K, V, gate, offsets=None, with_h0=True, beta_dtype=torch
     h0 = h0 if with_h0 else None
     kwargs = {"cu_seqlens": cu, "use_qk_l2norm": True}
     ref = forward_backward(reference_fp32, (q.float(), k.float(), v.float(), g, beta.float()), h0, **kwargs)
-    out = forward_backward(triton_op, (q, k, v, g, beta), h0, launch=launch, **kwargs)
+    out = forward_backward(triton_op, (q, k, v, g, beta), h0, **kwargs)
     assert out[0].dtype == torch.bfloat16 and out[2].dtype == torch.bfloat16 and out[1].dtype == torch.float32
     for name, x in zip(NAMES, out):
         assert torch.isfinite(x).all(), name
@@ -360,32 +303,6 @@ def test_gpu_bf16_matches_fp32(B, T, H, K, V, gate):
 def test_gpu_bf16_varlen_matches_fp32(gate):
     offsets = [0, 1, 15, 100, 300, 1200, 1201, 4096]
     assert_gpu_errors(gpu_errors(1, 4096, 4, 128, 256, gate, offsets=offsets, beta_dtype=torch.bfloat16))
-
-
-@needs_cuda
-@pytest.mark.parametrize("gate", ["slow", "fast"])
-def test_gpu_bf16_segmented_state_pass_matches_fp32(gate):
-    # one long sequence, its forward state pass cut into 16 runs; and documents cut into runs of their own
-    assert_gpu_errors(gpu_errors(1, 32768, 4, 128, 128, gate, launch=GDNLaunch(state_segments=16)))
-    offsets = [0, 1, 15, 100, 300, 1200, 1201, 4096]
-    assert_gpu_errors(gpu_errors(1, 4096, 4, 128, 256, gate, offsets=offsets, launch=GDNLaunch(state_segments=4)))
-
-
-@needs_cuda
-def test_gpu_segmented_state_pass_replays_in_a_cuda_graph():
-    # the runs' layout is made once per shape (a graph's capture allows no copy from the host): after one call,
-    # the forward pass captures and its replay gives the same output
-    launch = GDNLaunch(state_segments=8)
-    q, k, v, g, beta, _ = gated_delta_rule_inputs(1, 8192, 4, 128, 128, seed=3, device="cuda", dtype=torch.bfloat16,
-                                                  normalized_keys=False)
-    with torch.no_grad():
-        expected, _ = triton_op(q, k, v, g, beta, use_qk_l2norm=True, launch=launch)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed, _ = triton_op(q, k, v, g, beta, use_qk_l2norm=True, launch=launch)
-        graph.replay()
-    torch.testing.assert_close(replayed, expected, rtol=0, atol=0)
 
 
 @needs_cuda

@@ -19,8 +19,7 @@ of it.
 Launches: W and U recomputed (`wy._wu_kernel`), then
   * `_fwd_state_kernel` again for h_n and D (no final state),
   * `_bwd_dd_local_kernel`: per value tile, chunk and head, scale P^T do,
-  * `_bwd_state_kernel`: per value tile, sequence and head, the reverse pass: dh_n (= dS' of chunk n), dD, dh0
-    (with GDNLaunch.state_segments > 1 cut into runs of chunks: `segmented_state_gradients`),
+  * `_bwd_state_kernel`: per value tile, sequence and head, the reverse pass: dh_n (= dS' of chunk n), dD, dh0,
   * `_bwd_dqkw_kernel`: per key tile, chunk and head, dq, the output's and state's part of dk (fp32), dW, and
     their part of dg (one row of partial sums per key tile),
   * `wy._wy_bwd_kernel`: per chunk and head, the rest of dk, dv, dbeta and dg,
@@ -43,15 +42,7 @@ from fabric_lin.ops.chunked.chunk_index import (
     state_tile,
 )
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
-from fabric_lin.ops.gdn.chunk_fwd import (
-    _causal,
-    _causal_decay,
-    carry_across_runs,
-    plan_for,
-    state_key_tile,
-    states,
-    wy_factors,
-)
+from fabric_lin.ops.gdn.chunk_fwd import _causal, _causal_decay, state_key_tile, states, wy_factors
 from fabric_lin.ops import launch as launch_helpers
 from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
 from fabric_lin.ops.gdn.wy import _wy_bwd_kernel
@@ -94,14 +85,11 @@ def _bwd_dd_local_kernel(q, k, b, do, dd, cu_seqlens, chunk_indices, scale, T, H
 def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr,
                       BV: tl.constexpr, USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
-                      DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr, USE_DO: tl.constexpr = True,
-                      STORE_HD: tl.constexpr = True):
+                      DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr):
     """The reverse pass over one sequence's chunks for one value tile and head: dh[chunk n] = dS', the gradient
     of the state leaving chunk n (dh's dtype); dd = dd_local + k_end dS' (the corrections' whole gradient, dd's
     dtype); dh0 = the initial state's gradient (fp32). BKS >= K: the whole key dimension. Without USE_GATE (b None)
-    k_end = k, q enters undecayed and dS' passes back unscaled. Without USE_DO, do and dd_local are taken as zero:
-    started from the identity (V = K), the pass then makes the product of the chunks' transposed transitions
-    dS' -> exp(b_last) dS' - W^T k_end dS'. Without STORE_HD only dh0 is written."""
+    k_end = k, q enters undecayed and dS' passes back unscaled."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -123,8 +111,7 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
         row0 = bos + i_t * BT
         n_rows = T - i_t * BT
         m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
-        if STORE_HD:
-            tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
+        tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
         if USE_GATE:
             b_b = load_head_gate(b, row0, o_t, n_rows, H)
             b_last = load_head_gate(b, row0, BT - 1, n_rows, H)
@@ -132,30 +119,20 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
             k_end = (b_k * tl.exp(b_last - b_b)[:, None]).to(DT)
         else:
             k_end = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
-        if USE_DO:
-            b_dd = load_raw(dd_local, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
-            b_dd += tl.dot(k_end, dS.to(DT), input_precision=DOT_PREC)
+        b_dd = load_raw(dd_local, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
+        b_dd += tl.dot(k_end, dS.to(DT), input_precision=DOT_PREC)
+        tl.store(dd + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], b_dd.to(dd.dtype.element_ty), mask=m_tv)
+        b_q = load_raw(q, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
+        if USE_GATE:
+            q_start = (b_q * (tl.exp(b_b) * scale)[:, None]).to(DT)  # the queries as the chunk's start state sees them
         else:
-            b_dd = tl.dot(k_end, dS.to(DT), input_precision=DOT_PREC)
-        if STORE_HD:
-            tl.store(dd + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], b_dd.to(dd.dtype.element_ty), mask=m_tv)
-        if USE_DO:
-            b_q = load_raw(q, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
-            if USE_GATE:
-                q_start = (b_q * (tl.exp(b_b) * scale)[:, None]).to(DT)  # the queries as the chunk's start state sees them
-            else:
-                q_start = (b_q * scale).to(DT)
-            b_w = load_raw(w, row0, o_t, n_rows, H * K, o_k, m_k)
-            b_do = load_raw(do, row0, o_t, n_rows, H * V, o_v, m_v)
-            if USE_GATE:
-                dS = dS * tl.exp(b_last)
-            dS = (dS + tl.dot(tl.trans(q_start), b_do.to(DT), input_precision=DOT_PREC)
-                  - tl.dot(tl.trans(b_w), b_dd.to(DT), input_precision=DOT_PREC))
-        else:
-            b_w = load_raw(w, row0, o_t, n_rows, H * K, o_k, m_k)
-            if USE_GATE:
-                dS = dS * tl.exp(b_last)
-            dS = dS - tl.dot(tl.trans(b_w), b_dd.to(DT), input_precision=DOT_PREC)
+            q_start = (b_q * scale).to(DT)
+        b_w = load_raw(w, row0, o_t, n_rows, H * K, o_k, m_k)
+        b_do = load_raw(do, row0, o_t, n_rows, H * V, o_v, m_v)
+        if USE_GATE:
+            dS = dS * tl.exp(b_last)
+        dS = (dS + tl.dot(tl.trans(q_start), b_do.to(DT), input_precision=DOT_PREC)
+              - tl.dot(tl.trans(b_w), b_dd.to(DT), input_precision=DOT_PREC))
     if USE_H0:
         tl.store(dh0 + i_nh * K * V + state_offs, dS, mask=m_kv)
 
@@ -249,71 +226,6 @@ def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seq
 # ------------------------------------------------------------------------------------------ host side
 
 
-def state_gradients(q, k, w, b, do, dd_local, initial_state, dht, cu_seqlens, layout, scale: float, launch: GDNLaunch):
-    """The reverse pass: (dh [chunks, H, K, V], the gradient of the state leaving each chunk; dd [B, T, H, V]; dh0
-    [N, H, K, V] fp32, None without an initial state). With launch.state_segments > 1 every sequence's pass is cut
-    into that many runs of chunks (`segmented_state_gradients`)."""
-    if launch.state_segments > 1:
-        return segmented_state_gradients(q, k, w, b, do, dd_local, initial_state, dht, cu_seqlens, scale, launch)
-    B, T, H, K = q.shape
-    V = do.shape[-1]
-    N, NC, _, chunk_offsets = layout
-    dh = q.new_empty(NC, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))
-    dd = torch.empty_like(do)
-    dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
-    dstate = state_pass_launch(launch.dstate, launch.narrow_dstate, V, N, H, launch_helpers.multiprocessors(q.device))
-    BV = tile_width(dstate.BV, V)
-    _bwd_state_kernel[(cdiv(V, BV), N * H)](
-        q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, CHUNK_SIZE,
-        state_key_tile(K), BV, USE_DHT=dht is not None, USE_H0=initial_state is not None,
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype), USE_GATE=b is not None, **dstate.options(),
-    )
-    return dh, dd, dh0
-
-
-def segmented_state_gradients(q, k, w, b, do, dd_local, initial_state, dht, cu_seqlens, scale: float,
-                              launch: GDNLaunch):
-    """`state_gradients` with every sequence's reverse pass cut into launch.state_segments runs of chunks, as
-    chunk_fwd.segmented_states cuts the forward one. Backwards through a chunk the state's gradient moves linearly,
-    dS' -> M^T dS' + (scale (q exp(b))^T do - W^T dd_local), so a run takes the gradient leaving it, G, to
-    P^T G + E at its start: (1) every run from a zero gradient at its end (E) and from the identity without do
-    (P^T), side by side; (2) backwards along each sequence, the gradient leaving each run; (3) every run again
-    from there, writing dh and dd."""
-    B, T, H, K = q.shape
-    V = do.shape[-1]
-    plan = plan_for(cu_seqlens, B, T, launch.state_segments, q.device)
-    R = plan.runs.numel() - 1
-
-    def reverse_pass(width, end, start_grads, with_do, dh=None, dd=None):
-        """One launch over every run: from `end` ([R * H, K, width] or None: zero) back to start_grads; with dh and
-        dd, storing them; without with_do, do and dd_local taken as zero."""
-        BV = tile_width(launch.dstate.BV, width)
-        _bwd_state_kernel[(cdiv(width, BV), R * H)](
-            q, k, w, b, do, dd_local, dh if dh is not None else start_grads, dd if dd is not None else start_grads,
-            end, start_grads, plan.runs, plan.layout.chunk_offsets, scale, B * T, H, K, width, CHUNK_SIZE,
-            state_key_tile(K), BV, USE_DHT=end is not None, USE_H0=True, IS_VARLEN=True,
-            DOT_PREC=dot_precision(q.dtype), USE_GATE=b is not None, USE_DO=with_do, STORE_HD=dh is not None,
-            **launch.dstate.options(),
-        )
-
-    # (1) each run's start gradient from a zero one at its end, and the product of its chunks' transposed transitions
-    from_zero = q.new_empty(R, H, K, V, dtype=torch.float32)
-    reverse_pass(V, None, from_zero, True)
-    identity = torch.eye(K, device=q.device, dtype=torch.float32).expand(R * H, K, K).contiguous()
-    transposed = q.new_empty(R, H, K, K, dtype=torch.float32)
-    reverse_pass(K, identity, transposed, False)
-
-    # (2) backwards along each sequence: the gradient leaving each run
-    grad = dht.float().clone() if dht is not None else q.new_zeros(plan.sequences, H, K, V, dtype=torch.float32)
-    ends = carry_across_runs(reversed(plan.steps), grad, transposed, from_zero)
-
-    # (3) every run from the gradient leaving it: dh and dd
-    dh = q.new_empty(plan.layout.chunks, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))
-    dd = torch.empty_like(do)
-    reverse_pass(V, ends, torch.empty_like(from_zero), True, dh, dd)
-    return dh, dd, (grad if initial_state is not None else None)
-
-
 def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torch.Tensor],
              cu_seqlens: Optional[torch.Tensor], do, dht: Optional[torch.Tensor], launch: GDNLaunch,
              dqk_dtype: Optional[torch.dtype] = None):
@@ -338,7 +250,16 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
         BV, IS_VARLEN=is_varlen, DOT_PREC=prec, USE_GATE=gated, **launch.dd_local.options(),
     )
 
-    dh, dd, dh0 = state_gradients(q, k, w, b, do, dd_local, initial_state, dht, cu_seqlens, layout, scale, launch)
+    dh = q.new_empty(NC, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))
+    dd = torch.empty_like(v)
+    dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
+    dstate = state_pass_launch(launch.dstate, launch.narrow_dstate, V, N, H, launch_helpers.multiprocessors(q.device))
+    BV = tile_width(dstate.BV, V)
+    _bwd_state_kernel[(cdiv(V, BV), N * H)](
+        q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, CHUNK_SIZE,
+        state_key_tile(K), BV, USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen,
+        DOT_PREC=prec, USE_GATE=gated, **dstate.options(),
+    )
 
     dqk_dtype = dqk_dtype or q.dtype
     dq = torch.empty_like(q, dtype=dqk_dtype)

@@ -7,15 +7,12 @@ Launches, in order:
   * `_fwd_state_kernel`: per value tile, sequence and head, the pass over chunks; it stores the state entering
     each chunk, h_n, and the corrections D = U - W h_n, and carries h_{n+1} = exp(b_last) h_n + (K exp(b_last - b))^T D
     in fp32. The correction needs every key row of the state, so one program holds all of K for its value tile.
-    With GDNLaunch.state_segments > 1, each sequence's pass is cut into runs of chunks run side by side
-    (`segmented_states`: three launches of this kernel and a few small products between them).
   * `_fwd_output_kernel`: per value tile, chunk and head, o = scale (exp(b) q h_n + (q k^T * Gamma) D).
 (I + A)^-1 and b are kept for the backward pass, which recomputes W, U, h and D from them.
 Without a gate (g None, the delta rule of DeltaNet) every kernel is compiled with USE_GATE off (wy.py says what
 that leaves out): b is neither made nor read, and the forward keeps (I + A)^-1 alone.
 """
-import functools
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Optional
 
 import torch
 import triton
@@ -29,7 +26,7 @@ from fabric_lin.ops.chunked.chunk_index import (
     seq_start,
     state_tile,
 )
-from fabric_lin.ops.chunked.layout import CHUNK_SIZE, ChunkLayout, chunk_grid, chunk_layout, dot_precision, state_dtype
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
 from fabric_lin.ops import launch as launch_helpers
 from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
 from fabric_lin.ops.gdn.wy import BC, _solve_kernel, _wu_kernel
@@ -55,13 +52,10 @@ def _causal(x, BT: tl.constexpr):
 @triton.jit
 def _fwd_state_kernel(k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr,
-                      USE_U: tl.constexpr = True, STORE_HD: tl.constexpr = True):
+                      IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr):
     """h[chunk n] = the state entering chunk n (h's dtype), d = the corrections D = U - W h_n (the inputs' dtype),
     ht = the final state (fp32), for one value tile of one sequence and head. BKS >= K: the whole key
-    dimension. Without USE_GATE (b None) the state is carried undecayed: h_{n+1} = h_n + K^T D.
-    Without USE_U, U is taken as zero: started from the identity (V = K), the pass then makes the product of the
-    chunks' transitions S -> exp(b_last) S - k_end^T W S. Without STORE_HD only ht is written."""
+    dimension. Without USE_GATE (b None) the state is carried undecayed: h_{n+1} = h_n + K^T D."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -80,16 +74,11 @@ def _fwd_state_kernel(k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_offsets, T, H:
         row0 = bos + i_t * BT
         n_rows = T - i_t * BT
         m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
-        if STORE_HD:
-            tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
+        tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
         b_w = load_raw(w, row0, o_t, n_rows, H * K, o_k, m_k)
-        if USE_U:
-            b_u = load_raw(u, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
-            b_d = b_u - tl.dot(b_w, S.to(DT), input_precision=DOT_PREC)
-        else:
-            b_d = -tl.dot(b_w, S.to(DT), input_precision=DOT_PREC)
-        if STORE_HD:
-            tl.store(d + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], b_d.to(d.dtype.element_ty), mask=m_tv)
+        b_u = load_raw(u, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
+        b_d = b_u - tl.dot(b_w, S.to(DT), input_precision=DOT_PREC)
+        tl.store(d + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], b_d.to(d.dtype.element_ty), mask=m_tv)
         if USE_GATE:
             b_b = load_head_gate(b, row0, o_t, n_rows, H)
             b_last = load_head_gate(b, row0, BT - 1, n_rows, H)
@@ -179,10 +168,7 @@ def wy_factors(k, v, beta, b, A_inv, cu_seqlens, layout, launch: GDNLaunch):
 
 def states(k, w, u, b, initial_state, cu_seqlens, layout, launch: GDNLaunch):
     """(h [chunks, H, K, V], the state entering each chunk; D [B, T, H, V] the corrections, in the inputs'
-    dtype; the final state [N, H, K, V] fp32); b None: no gate. With launch.state_segments > 1 every sequence's
-    pass is cut into that many pieces (`segmented_states`)."""
-    if launch.state_segments > 1:
-        return segmented_states(k, w, u, b, initial_state, cu_seqlens, launch)
+    dtype; the final state [N, H, K, V] fp32); b None: no gate."""
     B, T, H, K = k.shape
     V = u.shape[-1]
     N, NC, _, chunk_offsets = layout
@@ -197,108 +183,6 @@ def states(k, w, u, b, initial_state, cu_seqlens, layout, launch: GDNLaunch):
         USE_GATE=b is not None, **state.options(),
     )
     return h, d, ht
-
-
-def segment_bounds(bounds: Sequence[int], pieces: int) -> Tuple[List[int], List[int]]:
-    """Every sequence [start, end) of `bounds` cut into at most `pieces` runs of whole chunks, as even as the chunks
-    allow: (the runs' bounds, in order; how many runs each sequence has)."""
-    cuts, counts = [bounds[0]], []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        chunks = cdiv(end - start, CHUNK_SIZE)
-        runs = max(1, min(pieces, chunks))
-        cuts += [min(end, start + chunks * j // runs * CHUNK_SIZE) for j in range(1, runs + 1)]
-        counts.append(runs)
-    return cuts, counts
-
-
-class SegmentPlan(NamedTuple):
-    """The runs of chunks that cut state passes into pieces, as the kernels and the combination between them take
-    them (device tensors made once per shape: a CUDA graph replays them, and capture allows no copy from the host)."""
-
-    runs: torch.Tensor
-    """int32 [R + 1]: the runs' bounds in rows, the kernels' cu_seqlens."""
-    layout: ChunkLayout
-    """The runs' chunk layout: each run's first chunk is its index in the whole batch's per-chunk states."""
-    sequences: int
-    steps: List[Tuple[torch.Tensor, torch.Tensor]]
-    """Per position j along the sequences: (the sequences that have a j-th run, those runs' indices)."""
-
-
-@functools.lru_cache(maxsize=64)
-def segment_plan(bounds: Tuple[int, ...], pieces: int, device: torch.device) -> SegmentPlan:
-    cuts, counts = segment_bounds(bounds, pieces)
-    firsts = [sum(counts[:n]) for n in range(len(counts))]
-    steps = []
-    for j in range(max(counts)):
-        seqs = [n for n in range(len(counts)) if j < counts[n]]
-        steps.append((torch.tensor(seqs, device=device), torch.tensor([firsts[n] + j for n in seqs], device=device)))
-    runs = torch.tensor(cuts, dtype=torch.int32, device=device)
-    return SegmentPlan(runs, chunk_layout(runs, 1, bounds[-1], CHUNK_SIZE), len(counts), steps)
-
-
-def plan_for(cu_seqlens: Optional[torch.Tensor], B: int, T: int, pieces: int, device: torch.device) -> SegmentPlan:
-    bounds = tuple(cu_seqlens.tolist()) if cu_seqlens is not None else tuple(n * T for n in range(B + 1))
-    return segment_plan(bounds, pieces, device)
-
-
-def carry_across_runs(steps, state: torch.Tensor, transitions: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Carry `state` [sequences, H, K, V] along each sequence's runs in the order of `steps` (SegmentPlan.steps, or
-    reversed for a backward pass), the j-th runs of all sequences at once: each run takes it to
-    transitions @ state + offsets (its own rows of both). Returns what entered each run; `state` is left as it
-    leaves the last."""
-    entered = torch.empty_like(offsets)
-    for sequences, run_ids in steps:
-        entering = state[sequences]
-        entered[run_ids] = entering
-        state[sequences] = torch.matmul(transitions[run_ids], entering) + offsets[run_ids]
-    return entered
-
-
-def segmented_states(k, w, u, b, initial_state, cu_seqlens, launch: GDNLaunch):
-    """`states`, with every sequence's pass over its chunks cut into launch.state_segments runs of chunks that run
-    side by side.
-
-    A chunk moves the state linearly, S -> M S + k_end^T U with M = exp(b_last) I - k_end^T W, so a run of chunks
-    takes the state entering it, S, to P S + E: P the product of its chunks' M, E where the run ends from a zero
-    state. The passes: (1) every run from zero (E) and from the identity with U taken as zero (P), side by side;
-    (2) in order along each sequence, the state entering each run (small products in PyTorch, fp32); (3) every run
-    again from its true start, side by side, writing h and D. Three passes over the tokens instead of one, with
-    that many times the programs and a fraction of the serial length: for a few long sequences, whose one pass
-    leaves most of the GPU idle. The runs are whole chunks, so each chunk keeps its own b, W, U and index in h."""
-    B, T, H, K = k.shape
-    V = u.shape[-1]
-    plan = plan_for(cu_seqlens, B, T, launch.state_segments, k.device)
-    R = plan.runs.numel() - 1
-
-    def state_pass(values, width, start, end_states, h=None, d=None):
-        """One launch over every run: from `start` ([R * H, K, width] or None: zero), ending in end_states; with h
-        and d, storing them; values None: U taken as zero."""
-        BV = tile_width(launch.state.BV, width)
-        _fwd_state_kernel[(cdiv(width, BV), R * H)](
-            k, w, values if values is not None else w, b, h if h is not None else end_states,
-            d if d is not None else end_states, start, end_states, plan.runs, plan.layout.chunk_offsets, B * T, H, K,
-            width, CHUNK_SIZE, state_key_tile(K), BV, USE_H0=start is not None, IS_VARLEN=True,
-            DOT_PREC=dot_precision(k.dtype), USE_GATE=b is not None, USE_U=values is not None,
-            STORE_HD=h is not None, **launch.state.options(),
-        )
-
-    # (1) where each run ends from zero, and the product of its chunks' transitions
-    ends = k.new_empty(R, H, K, V, dtype=torch.float32)
-    state_pass(u, V, None, ends)
-    identity = torch.eye(K, device=k.device, dtype=torch.float32).expand(R * H, K, K).contiguous()
-    transitions = k.new_empty(R, H, K, K, dtype=torch.float32)
-    state_pass(None, K, identity, transitions)
-
-    # (2) the state entering each run, in order along each sequence
-    state = (initial_state.float().clone() if initial_state is not None
-             else k.new_zeros(plan.sequences, H, K, V, dtype=torch.float32))
-    starts = carry_across_runs(plan.steps, state, transitions, ends)
-
-    # (3) every run from its start: the states entering its chunks and the corrections
-    h = k.new_empty(plan.layout.chunks, H, K, V, dtype=state_dtype(k, initial_state is not None))
-    d = torch.empty_like(u)
-    state_pass(u, V, starts, torch.empty_like(ends), h, d)
-    return h, d, state
 
 
 def forward(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],

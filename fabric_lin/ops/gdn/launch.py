@@ -52,18 +52,8 @@ class GDNLaunch(LaunchBundle):
     """Through W, U and (I + A)^-1 to dk, dv, dbeta; the gate's gradient summed and cumulated back. Keep BK at 64: at
     32 with K = 128, its bf16 dk, dg and dbeta on an H100 (Triton 3.6) were wrong (dk 12% off) or NaN, though the
     interpreter's match the reference at that shape (benchmarks/results/2026-12-05-gdn-stages-h100.md)."""
-    state_segments: int = 1
-    """Runs of chunks each sequence's state passes are cut into, run side by side (chunk_fwd.segmented_states, and
-    chunk_bwd.segmented_state_gradients for the reverse pass): three passes over the tokens instead of one, with that
-    many times the programs, for a few long sequences whose one pass leaves most multiprocessors idle. 1: uncut.
-    Checked against the fp64 recurrence in Triton's interpreter; not yet timed against the uncut passes on a GPU."""
     step_warps: int = 4
     """Warps of the decoding step (fused_recurrent.py; its tiles follow the head dims)."""
-
-    def __post_init__(self):
-        if not isinstance(self.state_segments, int) or self.state_segments < 1:
-            raise ValueError(f"GDNLaunch.state_segments must be a whole number >= 1 (1: uncut), got {self.state_segments!r}")
-        super().__post_init__()
 
 
 SHIPPED = GDNLaunch()
