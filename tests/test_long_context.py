@@ -288,3 +288,22 @@ def test_rows_merge_by_cell_and_the_table_shows_each_measure_and_note():
         "activation checkpointing; quality: activation checkpointing |",
         "| gla | 2,048 | 16 | 123,456 | 20.5 | 30.00 | 3.500 | - | - | - |  |",
     ]
+
+
+def test_readme_table_quotes_every_cell_of_its_record():
+    """The README's long-context table holds every family at every context of the benchmark's plan, each figure as
+    the H100 record has it (the table the script writes from that record, less its micro batch and note columns)."""
+    record = json.loads((ROOT / "benchmarks" / "results" / "2026-12-06-long-context-h100.json").read_text())
+    names = {"transformer": "Transformer", "gla": "GLA", "gdn": "Gated DeltaNet", "deltanet": "DeltaNet"}
+    expected = []
+    for line in long_context.markdown_table(record["rows"], record["settings"]["eval_window"]).splitlines()[2:]:
+        family, context, _micro_batch, *figures, _note = [cell.strip() for cell in line.strip("|").split("|")]
+        expected.append(" | ".join([names[family], f"{int(context.replace(',', '')) // 1024}K", *figures]))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    quoted = [line.strip("| ") for line in readme.splitlines()
+              if line.startswith("| ") and line.split("|")[1].strip() in names.values()]
+    assert quoted == expected
+    assert {(row["family"], row["context"]) for row in record["rows"]} == {
+        (family, context) for family in long_context.FAMILIES for context in long_context.CONTEXTS}
+    assert not any("error" in row or "error" in row.get("speed", {}) or "error" in row.get("quality", {})
+                   for row in record["rows"])
