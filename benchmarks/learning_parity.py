@@ -192,10 +192,14 @@ def train_side_by_side(batches, trainees: List[Trainee], args, device, rows, sha
         lr = learning_rate(step, args.lr, 0.1 * args.lr, args.warmup, args.steps, "cosine")
         batch = batch.to(device)
         shares.clear()
-        losses = {t.name: t.step(batch, lr) for t in trainees}
+        losses, seconds = {}, {}
+        for trainee in trainees:  # each step ends in loss.item(): the GPU's work is in the time
+            start = time.perf_counter()
+            losses[trainee.name] = trainee.step(batch, lr)
+            seconds[trainee.name] = round(time.perf_counter() - start, 4)
         if step in check_at and shares:
             share_at[step] = sum(shares) / len(shares)
-        rows.append({"step": step, "lr": lr, "loss": losses})
+        rows.append({"step": step, "lr": lr, "loss": losses, "seconds": seconds})
 
 
 def difference(rows: List[Dict], name: str, yardstick: str) -> Dict:
@@ -269,6 +273,9 @@ def main(argv=None):
         "model": args.model, "peers": peers, "data": args.data, "steps": args.steps, "batch_size": args.batch_size,
         "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup, "device": str(device),
         "seconds": round(time.perf_counter() - start, 1),
+        # the first step holds compilation and autotuning; the median of the others is the steady state
+        "first_step_seconds": rows[0]["seconds"],
+        "median_step_seconds": {name: statistics.median(r["seconds"][name] for r in rows[1:] or rows) for name in models},
         "ours_against": {peer: difference(rows, "ours", peer) for peer in peers},
         "against_fp32": {name: difference(rows, name, "fp32") for name in bf16_models} if "fp32" in peers else {},
         "levels_share_at_step": share_at,

@@ -59,6 +59,10 @@ def test_a_cpu_run_against_fp32_reports_the_differences_of_its_own_losses(tmp_pa
     assert summary["share_of_steps_ours_lower"] == sum(a < b for a, b in zip(ours, fp32)) / 3
     assert report["against_fp32"]["ours"] == summary
     assert (tmp_path / "parity.json").is_file()
+    # each model's time per step, the first (compiling) apart from the steady state
+    assert all(set(r["seconds"]) == {"ours", "fp32"} and min(r["seconds"].values()) > 0 for r in rows)
+    assert report["first_step_seconds"] == rows[0]["seconds"]
+    assert report["median_step_seconds"]["fp32"] == statistics.median([rows[1]["seconds"]["fp32"], rows[2]["seconds"]["fp32"]])
 
 
 def test_peers_that_need_a_gpu_are_refused_on_the_cpu():
