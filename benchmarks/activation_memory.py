@@ -11,7 +11,7 @@ imported), in bf16 for the bookkeeping only (no GPU numerics are involved). Prin
 
     python benchmarks/activation_memory.py                         # gla-340M
     python benchmarks/activation_memory.py --model transformer-340M --out activation_memory.json
-    python benchmarks/activation_memory.py --fp8 none tensorwise rowwise   # the Linear layers in FP8 (torchao)
+    python benchmarks/activation_memory.py --fp8 none tensorwise   # the Linear layers in FP8 (torchao)
 
 With --fp8 the Linear layers are converted as `--fp8.recipe` converts them (on the CPU with torchao's emulation,
 which keeps the same tensors for the backward pass): what FP8 adds to, or takes from, the activation memory.
@@ -66,8 +66,8 @@ def main():
     parser.add_argument("--model", default="gla-340M")
     parser.add_argument("--tokens", type=int, default=128, help="sequence length of the probe (a multiple of 64)")
     parser.add_argument("--micro_batch_tokens", type=int, default=16 * 2048, help="to scale to one micro batch")
-    parser.add_argument("--fp8", nargs="+", default=["none"], choices=["none", "tensorwise", "rowwise"],
-                        help="the Linear layers' products: bf16 (none) or FP8 by torchao's recipe; several: one entry each")
+    parser.add_argument("--fp8", nargs="+", default=["none"], choices=["none", "tensorwise"],
+                        help="the Linear layers' products: bf16 (none) or FP8 through torchao's layers (tensorwise); several: one entry each")
     parser.add_argument("--out", help="also write the JSON document here (with the command, date and machine)")
     args = parser.parse_args()
     config = Config.from_name(args.model)

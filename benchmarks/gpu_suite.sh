@@ -70,7 +70,7 @@ step parity_gdn 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_pa
 # from the same weights on the same batches (the plot needs matplotlib)
 step fp8_products 300 python benchmarks/fp8_products.py --model gla-1.3B --out "$out/fp8_products.json"
 step train_fp8 1500 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --regimes bf16-weights,real-loop \
-    --models fla,fabric-lin,fabric-lin-compiled,fabric-lin-fp8,fabric-lin-fp8-rowwise,fabric-lin-fp8-fused \
+    --models fla,fabric-lin,fabric-lin-compiled,fabric-lin-fp8,fabric-lin-fp8-fused \
     --out "$out/train_fp8.json"
 step train_fp8_1b 1200 python benchmarks/train_throughput.py --regimes bf16-weights,real-loop \
     --models gla-1B-compiled,gla-1B,gla-1B-fp8,gla-1B-fp8-fused --timeout 400 --out "$out/train_fp8_1b.json"

@@ -2,7 +2,7 @@
 batches with the same recipe: bf16 autocast over fp32 weights, AdamW (fused; no weight decay on 1-D parameters:
 norms, biases, A_log, dt_bias), the same warmup and cosine schedule, gradient clipping at 1.0. A peer is
 flash-linear-attention's model (`fla`, loaded from ours exported with `convert_to_hf`), our own model with its
-products in FP8 (`fp8-fused` / `fp8-tensorwise` / `fp8-rowwise`, as `--fp8.recipe` sets them), or `fp32`: our
+products in FP8 (`fp8-fused` / `fp8-tensorwise`, as `--fp8.recipe` sets them), or `fp32`: our
 model on its PyTorch reference ops (`fused=False`) in fp32 without autocast or TF32, a sequence at a time with the
 gradients summed over the batch. fp32 is the yardstick for the others: two bf16 models that differ from each other
 are told apart by which one stays nearer the fp32 run. Prints one JSON document, and with --plot draws the curves.
@@ -39,7 +39,7 @@ from fabric_lin.config import Config
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.model import GPT
 
-PEERS = ("fla", "fp8-tensorwise", "fp8-rowwise", "fp8-fused", "fp32")
+PEERS = ("fla", "fp8-tensorwise", "fp8-fused", "fp32")
 
 
 def corpus_batches(data_name: str, steps: int, batch_size: int, seq_len: int, vocab_size: int) -> list:

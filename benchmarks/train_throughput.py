@@ -10,9 +10,9 @@ is reported as such). Prints one JSON object; run on a GPU:
 
     python benchmarks/train_throughput.py --batch_size 16 --seq_len 2048 --steps 20
     python benchmarks/train_throughput.py --batch_size 2 --seq_len 16384 --models fabric-lin,transformer
-    python benchmarks/train_throughput.py --models fla,fabric-lin-compiled,fabric-lin-fp8,fabric-lin-fp8-rowwise \
+    python benchmarks/train_throughput.py --models fla,fabric-lin-compiled,fabric-lin-fp8,fabric-lin-fp8-fused \
         --regimes bf16-weights,real-loop      # FP8 (H100/H200): the models a regime does not run are skipped
-    python benchmarks/train_throughput.py --models gla-1B,gla-1B-fp8 --regimes real-loop
+    python benchmarks/train_throughput.py --models gla-1B,gla-1B-fp8,gla-1B-fp8-fused --regimes real-loop
 """
 import argparse
 import functools
@@ -142,9 +142,8 @@ def measure(name, build, config, batch_size, seq_len, steps, warmup, extra=None,
     return result
 
 
-REGIME_A_MODELS = ("fabric-lin", "fabric-lin-tuned", "fabric-lin-compiled", "fabric-lin-fp8", "fabric-lin-fp8-rowwise",
-                   "fabric-lin-fp8-fused", "gla-1B-compiled", "gla-1B-fp8-fused",
-                   "fla", "transformer", "gdn", "fla-gdn")
+REGIME_A_MODELS = ("fabric-lin", "fabric-lin-tuned", "fabric-lin-compiled", "fabric-lin-fp8", "fabric-lin-fp8-fused",
+                   "gla-1B-compiled", "gla-1B-fp8-fused", "fla", "transformer", "gdn", "fla-gdn")
 REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     "fabric-lin": ("config_hub/gla_340M.yaml", []),
     # the same with shapes specialised, to show what marking them dynamic costs in step time
@@ -161,9 +160,8 @@ REAL_LOOP_CONFIGS = {  # key: (recipe, extra arguments)
     # GPU by compile.mode auto) or launched kernel by kernel (what it runs on several)
     "fabric-lin-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile.mode", "reduce-overhead"]),
     "fabric-lin-no-cudagraphs": ("config_hub/gla_340M.yaml", ["--compile.mode", "default"]),
-    # the Linear layers' products in FP8 (torchao), one scale per tensor or per row
+    # the Linear layers' products in FP8 (torchao), one scale per tensor
     "fabric-lin-fp8": ("config_hub/gla_340M.yaml", ["--fp8.recipe", "tensorwise"]),
-    "fabric-lin-fp8-rowwise": ("config_hub/gla_340M.yaml", ["--fp8.recipe", "rowwise"]),
     "gla-1B": ("config_hub/gla_1B.yaml", []),
     "gla-1B-fp8": ("config_hub/gla_1B.yaml", ["--fp8.recipe", "tensorwise"]),
     # FP8 products made inside the fused ops (fabric_lin/ops/fp8_matmul.py), not by torchao's layers
@@ -330,8 +328,6 @@ def worker(regime, key, args):
         "fabric-lin-compiled": ("fabric-lin gla-340M, each Block compiled", functools.partial(ours, compiled=True), gla),
         "fabric-lin-fp8": ("fabric-lin gla-340M, FP8 tensorwise, each Block compiled",
                            functools.partial(ours, compiled=True, fp8_recipe="tensorwise"), gla),
-        "fabric-lin-fp8-rowwise": ("fabric-lin gla-340M, FP8 rowwise, each Block compiled",
-                                   functools.partial(ours, compiled=True, fp8_recipe="rowwise"), gla),
         "fabric-lin-fp8-fused": ("fabric-lin gla-340M, FP8 products in the fused ops, each Block compiled",
                                  functools.partial(ours, compiled=True, fp8_recipe="fused"), gla),
         "gla-1B-compiled": ("fabric-lin gla-1.3B, each Block compiled", functools.partial(ours, compiled=True),
@@ -370,9 +366,7 @@ STEP_TIME_PAIRS = [  # the first's ms/step over the second's
 ]
 FP8_PAIRS = [  # FP8 (second) against the same model and regime in bf16 (first): its tokens/s and peak memory over bf16's
     ("FP8 tensorwise vs bf16 (a, compiled)", "bf16-weights/fabric-lin-compiled", "bf16-weights/fabric-lin-fp8"),
-    ("FP8 rowwise vs bf16 (a, compiled)", "bf16-weights/fabric-lin-compiled", "bf16-weights/fabric-lin-fp8-rowwise"),
     ("FP8 tensorwise vs bf16 (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-fp8"),
-    ("FP8 rowwise vs bf16 (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-fp8-rowwise"),
     ("gla-1.3B FP8 tensorwise vs bf16 (b)", "real-loop/gla-1B", "real-loop/gla-1B-fp8"),
     ("FP8 fused vs bf16 (a, compiled)", "bf16-weights/fabric-lin-compiled", "bf16-weights/fabric-lin-fp8-fused"),
     ("FP8 fused vs bf16 (b)", "real-loop/fabric-lin", "real-loop/fabric-lin-fp8-fused"),
@@ -421,7 +415,7 @@ def main():
                         "over several GPUs), fabric-lin-cudagraphs / fabric-lin-no-cudagraphs (regime b, one GPU, CUDA graphs "
                         "forced on / off; fabric-lin: compile.mode auto, on), fla, transformer, gdn (gdn-340M, both regimes), "
                         "fla-gdn (fla's GatedDeltaNetForCausalLM, regime a), fabric-lin-compiled (regime a, each Block compiled), "
-                        "fabric-lin-fp8 / fabric-lin-fp8-rowwise (both regimes; regime a compiles each Block), "
+                        "fabric-lin-fp8 (FP8 tensorwise, both regimes; regime a compiles each Block), "
                         "gla-1B / gla-1B-fp8 (regime b, gla-1.3B in bf16 / FP8), fabric-lin-fp8-fused / gla-1B-fp8-fused (both "
                         "regimes: FP8 products inside the fused ops), gla-1B-compiled (regime a)")
     parser.add_argument("--regimes", default="bf16-weights,real-loop,data-loader",

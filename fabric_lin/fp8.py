@@ -1,18 +1,17 @@
 """FP8 training of the model's Linear layers through torchao (`pip install 'fabric-lin[fp8]'`), or, with the recipe
 "fused", inside the fused ops that make the projections (fabric_lin/ops/fp8_matmul.py; no torchao, no conversion).
 
-The weights and the optimizer state stay in their usual precision; the products of the converted layers run
-in FP8 with dynamic scaling (torchao's Float8Linear: e4m3 inputs and weights, e5m2 gradients for "tensorwise",
-one scale per tensor; "rowwise", one scale per row, e4m3 throughout). Converted: the projections of every
-attention and MLP (q, k, v, the output gate, o, gate, up, down). Kept in bf16: the embedding; the output head,
-whose product the chunked cross-entropy makes itself, never holding the whole logits; and the small gate
-projections, GLA's low-rank forget gate and GDN's a/b (`gate_projections` converts those whose widths allow):
-their products are a sliver of the step and FP8 would cost them precision for little. A converted layer
-keeps its parameter names and plain tensors, so checkpoints and exports stay as they are, and a run can
-resume an FP8 checkpoint in bf16 and the reverse. Sharded (FSDP2), the converted layers' weights are all-gathered in
-the precision of the run (bf16 under bf16-mixed), or, with `all_gather` (tensorwise only), cast to FP8 on their
-shards and gathered in FP8 (torchao's `enable_fsdp_float8_all_gather`): half the bytes of a bf16 gather, and the
-cast that the product needs is already done.
+The weights and the optimizer state stay in their usual precision; the products of the converted layers run in FP8
+with dynamic scaling (torchao's Float8Linear, recipe "tensorwise": e4m3 inputs and weights, e5m2 gradients, one
+scale per tensor). Converted: the projections of every attention and MLP (q, k, v, the output gate, o, gate, up,
+down). Kept in bf16: the embedding; the output head, whose product the chunked cross-entropy makes itself, never
+holding the whole logits; and the small gate projections, GLA's low-rank forget gate and GDN's a/b
+(`gate_projections` converts those whose widths allow): their products are a sliver of the step and FP8 would cost
+them precision for little. A converted layer keeps its parameter names and plain tensors, so checkpoints and exports
+stay as they are, and a run can resume an FP8 checkpoint in bf16 and the reverse. Sharded (FSDP2), the converted
+layers' weights are all-gathered in the precision of the run (bf16 under bf16-mixed), or, with `all_gather`
+(tensorwise only), cast to FP8 on their shards and gathered in FP8 (torchao's `enable_fsdp_float8_all_gather`): half
+the bytes of a bf16 gather, and the cast that the product needs is already done.
 
 The model must be built with `GPT(config, fused=..., float8=True)`, which calls its Linear layers as modules
 (the fused kernels otherwise read their weights directly), and converted after its weights are set
@@ -26,25 +25,27 @@ import torch.nn as nn
 
 from fabric_lin.errors import InvalidValue, MissingPackage
 
-RECIPES = ("none", "tensorwise", "rowwise", "fused")
+RECIPES = ("none", "tensorwise", "fused")
 MIN_TORCHAO = (0, 10)  # Float8LinearConfig.from_recipe_name
 SMALL_GATE_PROJECTIONS = ("gk_proj", "a_proj", "b_proj")
 
 
 @dataclasses.dataclass
 class FP8Args:
-    """FP8 training of the Linear layers (Hopper or newer: compute capability 8.9+), through torchao."""
+    """FP8 training of the projections (Hopper or newer: compute capability 8.9+), in the fused ops or through torchao."""
 
     recipe: str = "none"
-    """none: bf16 products; tensorwise: FP8 with one dynamic scale per tensor; rowwise: one per row (more precise),
-    both through torchao's layers; fused: FP8 products with one scale per row made inside the fused ops themselves
-    (the forward and input-gradient products; the weight gradient in bf16), keeping what bf16 keeps.
-    Measured on an H100 (benchmarks/results/2026-12-06-fp8-*): fused pays from gla-1.3B on (1.10x bf16's tokens/s at
-    0.985x its memory), not at gla-340M (0.91x); torchao's layers keep 1.47x bf16's activation memory at any size, and
-    ran gla-340M at 0.87x bf16's tokens/s. Over 300 steps at gla-340M fused's loss ran 1.5% (median) above bf16's"""
+    """none: bf16 products; tensorwise: FP8 with one dynamic scale per tensor, through torchao's layers; fused: FP8
+    products with one scale per row made inside the fused ops themselves (the forward and input-gradient products; the
+    weight gradient in bf16), keeping what bf16 keeps. Measured on an H100 (benchmarks/results/2026-12-06-fp8-*),
+    neither reaches 1.2x bf16's tokens/s.
+    tensorwise pays at gla-1.3B where memory is to spare: 1.10x bf16's tokens/s at 1.09x its peak memory there, 0.87x at
+    gla-340M; its layers keep 1.47x bf16's activation memory.
+    fused pays at gla-1.3B and stays within bf16's memory: 1.08x bf16's tokens/s at 0.985x its peak memory there, 0.91x
+    at gla-340M; its loss within 0.75% (median) of bf16's over 300 steps at gla-340M (the long-document corpus)"""
     gate_projections: bool = False
-    """torchao's recipes: also the small gate projections (GLA's low-rank forget gate, GDN's a and b) where their
-    widths allow (fused keeps them in bf16)"""
+    """tensorwise (torchao's layers): also the small gate projections (GLA's low-rank forget gate, GDN's a and b)
+    where their widths allow (fused keeps them in bf16)"""
     all_gather: bool = False
     """Sharded runs (several GPUs, parallelism.data_parallel fsdp) with recipe tensorwise: FSDP gathers the converted
     layers' weights in FP8 instead of bf16"""
@@ -60,13 +61,16 @@ class FP8Args:
         return self.enabled and self.recipe != "fused"
 
 
-# what FP8 was measured to cost, told in one line to whoever turns it on (the records: benchmarks/results/2026-12-06-fp8-*)
-FUSED_NOTE = ("FP8 (fused): the fused ops' projections in FP8, each row scaled; measured on an H100 at 1.10x bf16's tokens/s "
-              "and 0.985x its memory for gla-1.3B, but 0.91x for gla-340M, whose products are too small to pay for the "
-              "casts, and its loss ran 1.5% (median) above bf16's over 300 steps at gla-340M (tutorials/performance.md)")
-COST_NOTE = ("FP8 costs memory here and has not been measured faster: its layers keep their bf16 inputs for the backward "
-             "pass (1.47x bf16's activation memory at gla-340M and gla-1.3B), and gla-340M's step ran at 0.87x bf16's "
-             "tokens/s on an H100; compare on your model before a long run (tutorials/performance.md)")
+# what each recipe was measured to gain and cost, told in one line to whoever turns it on (the records:
+# benchmarks/results/2026-12-06-fp8-*; tests/test_fp8.py ties each figure to its record)
+FUSED_NOTE = ("FP8 (fused): the fused ops' projections in FP8, each row scaled, keeping what bf16 keeps; measured on an "
+              "H100: 1.08x bf16's tokens/s at 0.985x its peak memory for gla-1.3B's real loop, 0.91x at gla-340M, whose "
+              "products are too small to pay for the casts; at gla-340M its loss stayed within 0.75% (median) of bf16's "
+              "over 300 steps, lower on 86% of the steps (tutorials/performance.md)")
+TENSORWISE_NOTE = ("Measured on an H100: 1.10x bf16's tokens/s at 1.09x its peak memory for gla-1.3B's real loop, 0.87x at "
+                   "gla-340M, whose products are too small to pay for the casts; its layers keep their bf16 inputs for the "
+                   "backward pass (1.47x bf16's activation memory at gla-340M and gla-1.3B): where memory is short, fused "
+                   "stays within bf16's (tutorials/performance.md)")
 
 
 def check_fp8(args: FP8Args, device: torch.device, sharded: bool = False) -> None:
@@ -81,7 +85,7 @@ def check_fp8(args: FP8Args, device: torch.device, sharded: bool = False) -> Non
         )
     if args.gate_projections and not args.torchao:
         raise InvalidValue(
-            f"fp8.gate_projections converts the small gate projections with torchao's recipes (tensorwise, rowwise); "
+            f"fp8.gate_projections converts the small gate projections with torchao's layers (fp8.recipe tensorwise); "
             f"with fp8.recipe {args.recipe!r} it would do nothing: leave it false"
             + (" (fused makes every product 16 or more wide in FP8, GLA's low-rank gate among them)"
                if args.recipe == "fused" else "")

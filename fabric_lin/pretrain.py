@@ -45,7 +45,7 @@ from fabric_lin.data.sample_order import TrainLoader
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
 from fabric_lin.files import environment_variables, missing_ancestors, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
-from fabric_lin.fp8 import COST_NOTE as FP8_COST_NOTE, FUSED_NOTE as FP8_FUSED_NOTE, FP8Args, check_fp8, convert_to_fp8
+from fabric_lin.fp8 import FUSED_NOTE as FP8_FUSED_NOTE, TENSORWISE_NOTE as FP8_TENSORWISE_NOTE, FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import TokenSchedule, learning_rate
 from fabric_lin.metrics import MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, Launches, RMSNorm
@@ -117,7 +117,7 @@ def setup(
         parallelism: How several processes share the work: FSDP2 (sharded) or DDP, FSDP's unit and resharding,
             activation checkpointing.
         compile: torch.compile (on by default with CUDA), its caches and mode, the GLA kernels' launch search.
-        fp8: FP8 products for the Linear layers (through torchao; compute capability 8.9+).
+        fp8: FP8 products for the projections (in the fused ops or through torchao; compute capability 8.9+).
         devices: Devices per node ("auto": every GPU, or one CPU process).
         num_nodes: Number of nodes.
         seed: Random seed (weights; the data order follows the data module's own seed).
@@ -590,7 +590,7 @@ def build_model(
         if initial_checkpoint_dir is not None:
             model.load_state_dict(load_initial_weights(initial_checkpoint_dir, config, fabric.print))
     if fp8.torchao:  # the converted layers keep the parameters, and under FSDP materialise with the model's init
-        fabric.print(f"FP8 ({fp8.recipe}): {len(convert_to_fp8(model, fp8))} Linear layers. {FP8_COST_NOTE}")
+        fabric.print(f"FP8 ({fp8.recipe}): {len(convert_to_fp8(model, fp8))} Linear layers. {FP8_TENSORWISE_NOTE}")
     elif fp8.enabled:
         fabric.print(FP8_FUSED_NOTE)
     if activation_checkpointing:  # before compiling and sharding, as torchtitan orders them: each wraps the last
