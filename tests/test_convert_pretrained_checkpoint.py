@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
