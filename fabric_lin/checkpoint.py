@@ -16,6 +16,8 @@ A checkpoint directory holds:
     hyperparameters.yaml  the run's arguments, usable with `fabric-lin pretrain --config`
     model_config.yaml     the model's `Config`
     tokenizer files       `fabric_lin.data.tokenizer.TOKENIZER_FILES`, when the run has a tokenizer
+    trained_with.json     the tokenizer that prepared the training data (`fabric_lin.data.tokenizer.TRAINED_WITH_FILE`),
+                          which the tokenizer files must be, when the run knows it
     manifest.json         size and CRC-32 of every other file (under FSDP, each file of lit_model.pth/),
                           written last
 
@@ -82,15 +84,17 @@ def train_state(model, optimizer, train_dataloader) -> Dict[str, Any]:
 
 class Checkpointer:
     """Writes one run's checkpoints into `out_dir`: the train state, and beside it what makes the
-    directory self-contained (step.json, hyperparameters.yaml, model_config.yaml, the tokenizer)."""
+    directory self-contained (step.json, hyperparameters.yaml, model_config.yaml, the tokenizer and
+    `trained_with`, the record of the tokenizer that prepared the training data)."""
 
     def __init__(self, out_dir: Path, hparams: Dict[str, Any], config, tokenizer_dir: Optional[Path] = None,
-                 keep_last_n: Optional[int] = None):
+                 keep_last_n: Optional[int] = None, trained_with: Optional[Dict[str, Any]] = None):
         self.out_dir = Path(out_dir)
         self.hparams = hparams
         self.config = config
         self.tokenizer_dir = tokenizer_dir
         self.keep_last_n = keep_last_n
+        self.trained_with = trained_with
 
     def save(self, fabric, state: Dict[str, Any], final: bool = False) -> Path:
         """Write out_dir/step-<step_count>/ (or out_dir/final/) atomically: everything goes into a
@@ -113,10 +117,12 @@ class Checkpointer:
                 (tmp_dir / STEP_FILE).write_text(json.dumps(step_info) + "\n")
                 save_hparams(self.hparams, tmp_dir / HPARAMS_FILE)
                 self.config.save(tmp_dir / CONFIG_FILE)
-                if self.tokenizer_dir is not None:
-                    from fabric_lin.data.tokenizer import copy_tokenizer_files
+                from fabric_lin.data.tokenizer import copy_tokenizer_files, write_trained_with
 
+                if self.tokenizer_dir is not None:
                     copy_tokenizer_files(self.tokenizer_dir, tmp_dir)
+                if self.trained_with is not None:
+                    write_trained_with(tmp_dir, self.trained_with)
             fabric.barrier()  # all files written before any is checksummed
             write_manifest(fabric, tmp_dir)
         except BaseException:

@@ -151,7 +151,8 @@ def main(
             check_run_data_is_there(data, checkpoint_dir / HPARAMS_FILE)
         validation_loader(data, checkpoint, batch_size, max(seq_lens))
         if checkpoint.tokenizer is None and data.prepared_dirs():
-            from fabric_lin.data.prepared import describe_tokenizer, read_prepared_dir
+            from fabric_lin.data.prepared import read_prepared_dir
+            from fabric_lin.data.tokenizer import describe_tokenizer
 
             print(f"Note: {checkpoint_dir} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
                   f"({describe_tokenizer(read_prepared_dir(data.prepared_dirs()[0]))}) is the one its model was trained "

@@ -363,7 +363,8 @@ def main(
             f"{train.max_seq_length}) in any DataLoader worker of a process: lower train.max_seq_length,"
             " train.micro_batch_size or data.num_workers, or give it more data"
         ))
-        checkpointer = Checkpointer(out_dir, hparams, config, tokenizer_dir, keep_last_n=train.keep_last_n)
+        checkpointer = Checkpointer(out_dir, hparams, config, tokenizer_dir, keep_last_n=train.keep_last_n,
+                                    trained_with=training_data_tokenizer(data, tokenizer))
         metrics.log_hyperparams(hparams)  # here, so that a run failing before has written nothing into out_dir
         status = "failed"
         try:
@@ -663,6 +664,20 @@ def load_tokenizer(tokenizer_dir: Optional[Path]):
     return Tokenizer(tokenizer_dir)
 
 
+def training_data_tokenizer(data: DataModule, tokenizer) -> Optional[Dict[str, Any]]:
+    """What the checkpoints record as the tokenizer their weights are trained with (their trained_with.json): the one
+    that prepared the training data, as its prepared.json records it (data.setup() checked that the run's tokenizer and
+    every directory agree), else the run's tokenizer; None where neither is known."""
+    from fabric_lin.data.prepared import read_prepared_dir
+    from fabric_lin.data.tokenizer import tokenizer_identity
+
+    dirs = data.prepared_dirs()
+    info = read_prepared_dir(dirs[0]) if dirs else {}
+    if None not in tokenizer_identity(info):
+        return {"tokenizer": info["tokenizer"]}
+    return {"tokenizer": tokenizer.record()} if tokenizer is not None else None
+
+
 def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, fix: str) -> None:
     """Refuse to train on from weights (a checkpoint or a model directory; each holds the tokenizer its model was
     trained with) with data of another tokenizer: an id stands for another piece in each, of the same vocabulary size
@@ -671,7 +686,7 @@ def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, fix: s
 
     if tokenizer is None or not (Path(weights_dir) / "tokenizer.model").is_file():
         return
-    trained_with = Tokenizer(weights_dir)
+    trained_with = Tokenizer(weights_dir)  # refuses a tokenizer.model put in place of the one trained_with.json records
     if trained_with.model_hash != tokenizer.model_hash:
         raise InvalidValue(
             f"{option} {weights_dir}: its weights were trained on the ids of {trained_with.describe()}, and this run reads "

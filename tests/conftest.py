@@ -489,6 +489,20 @@ def reference_workers(tmp_path_factory):
     return out
 
 
+@pytest.fixture
+def harness_with_hellaswag(monkeypatch):
+    """A stand-in for lm-evaluation-harness whose TaskManager knows the task hellaswag: `evaluate --tasks hellaswag`
+    gets past its task names to the model, without the optional extra."""
+    import sys
+    import types
+
+    harness = types.ModuleType("lm_eval")
+    harness.tasks = types.ModuleType("lm_eval.tasks")
+    harness.tasks.TaskManager = lambda include_path=None, include_defaults=True: types.SimpleNamespace(all_tasks=["hellaswag"])
+    monkeypatch.setitem(sys.modules, "lm_eval", harness)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
+
+
 @pytest.fixture(scope="session")
 def paragraphs_tokenizer(tmp_path_factory):
     """A 500-piece tokenizer trained on 300 paragraphs of the standard library (helpers.paragraphs): the

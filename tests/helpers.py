@@ -231,11 +231,12 @@ def assert_same_run(out_dir: Path, reference: Path) -> None:
 
 
 def write_checkpoint_dir_files(ckpt_dir: Path, config) -> None:
-    """model_config.yaml, hyperparameters.yaml and tokenizer files, as pretrain writes beside lit_model.pth."""
+    """model_config.yaml, hyperparameters.yaml and tokenizer files (a 64-piece tokenizer), as pretrain writes beside
+    lit_model.pth."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     config.save(ckpt_dir / "model_config.yaml")
     (ckpt_dir / "hyperparameters.yaml").write_text("model_name: gla-debug\n")
-    (ckpt_dir / "tokenizer.model").write_bytes(b"sentencepiece model bytes for the copy test")
+    train_sentencepiece(ckpt_dir)
     (ckpt_dir / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
 
 
@@ -269,13 +270,15 @@ class TouchOnUnpickle:
 # ---- small inputs
 
 
-def train_sentencepiece(directory: Path, vocab_size: int = 64) -> None:
-    """A BPE tokenizer.model of `vocab_size` pieces (bos 1, eos 2, unk 0) in `directory`."""
+def train_sentencepiece(directory: Path, vocab_size: int = 64,
+                        sentence: str = "the gated linear attention model number {} reads tokens") -> None:
+    """A BPE tokenizer.model of `vocab_size` pieces (bos 1, eos 2, unk 0) in `directory`, trained on 200 lines of
+    `sentence` (numbered where it says {}): another sentence, another tokenizer of the same size."""
     import sentencepiece as spm
 
     directory.mkdir(parents=True, exist_ok=True)
     text = directory / "corpus.txt"
-    text.write_text("\n".join(f"the gated linear attention model number {i} reads tokens" for i in range(200)))
+    text.write_text("\n".join(sentence.format(i) for i in range(200)))
     spm.SentencePieceTrainer.Train(
         input=str(text), model_prefix=str(directory / "tokenizer"), vocab_size=vocab_size, model_type="bpe",
         bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,

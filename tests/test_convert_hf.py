@@ -46,7 +46,7 @@ def test_export_uses_fla_names_and_config_fields(tmp_path):
     state = make_model_dir(tmp_path / "model", config)
     convert_to_hf(tmp_path / "model", tmp_path / "hf")
     files = sorted(p.name for p in (tmp_path / "hf").iterdir())
-    assert files == ["config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
+    assert files == ["config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json", "trained_with.json"]
 
     hf = load_file(tmp_path / "hf" / "model.safetensors")
     assert len(hf) == len(state)

@@ -2,9 +2,10 @@
 its manifest first (damaged or manifest-less checkpoints refused), its compile prefixes stripped, cast on request,
 pickled code refused; the converters' outputs: their file mode, and no directory left behind by a failed
 conversion. (Sharded checkpoints: test_pretrain_sharded.py.)"""
+import hashlib
+import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -76,8 +77,13 @@ def test_single_device_checkpoint_converts_to_the_model_weights(tmp_path):
     out = tmp_path / "model"
     convert_pretrained_checkpoint(ckpt_dir, out)
 
-    assert sorted(p.name for p in out.iterdir()) == ["lit_model.pth", "model_config.yaml", "tokenizer.model", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["lit_model.pth", "model_config.yaml", "tokenizer.model",
+                                                     "tokenizer_config.json", "trained_with.json"]
     assert (out / "tokenizer.model").read_bytes() == (ckpt_dir / "tokenizer.model").read_bytes()
+    # a checkpoint that records no tokenizer: the model directory records the one it copies
+    recorded = json.loads((out / "trained_with.json").read_text())["tokenizer"]
+    assert recorded["sha256"] == hashlib.sha256((ckpt_dir / "tokenizer.model").read_bytes()).hexdigest()
+    assert recorded["vocab_size"] == 64
     assert Config.from_checkpoint(out) == config
     # a plain state dict, loadable with weights_only=True
     raw = torch.load(out / "lit_model.pth", weights_only=True)
@@ -211,14 +217,13 @@ def test_exported_files_get_the_usual_mode(tmp_path):
     try:
         convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
         modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "model").iterdir()}
-        for name in ("tokenizer.model", "tokenizer_config.json"):  # the test's stand-in bytes are no SentencePiece model
-            shutil.move(tmp_path / "model" / name, tmp_path / name)
         convert_to_hf(tmp_path / "model", tmp_path / "hf")
     finally:
         os.umask(previous)
     modes.update({p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()})
     assert modes == {name: oct(0o640) for name in ("lit_model.pth", "model_config.yaml", "tokenizer.model",
-                                                   "tokenizer_config.json", "model.safetensors", "config.json")}
+                                                   "tokenizer_config.json", "trained_with.json", "model.safetensors",
+                                                   "config.json")}
 
 
 def test_a_failed_conversion_removes_the_directories_it_created(tmp_path, monkeypatch):

@@ -372,21 +372,14 @@ def test_task_names_are_checked_before_the_model_is_loaded(tmp_path, capsys, mon
     assert find_tasks(["mine", "hellaswag"], tmp_path / "tasks").all_tasks[-1] == "mine" and built[-1] is True
 
 
-def test_a_tokenizer_with_more_pieces_than_the_model_has_embeddings_is_one_line(run, tmp_path, capsys, monkeypatch):
+def test_a_tokenizer_with_more_pieces_than_the_model_has_embeddings_is_one_line(run, tmp_path, capsys, harness_with_hellaswag):
     """A model directory whose tokenizer.model is not its model's (300 pieces beside 256 embeddings): evaluate's
     --tasks and generate refuse it in one line before any text is encoded (an id past 255 has no embedding)."""
-    import types
-
     from fabric_lin.convert.model_dir import save_model_dir
 
     config = Config.from_name("gla-debug", vocab_size=256)
     (tmp_path / "model").mkdir()
     save_model_dir(GPT(config).state_dict(), config, tmp_path / "model", tokenizer_dir=run / "tok")
-    harness = types.ModuleType("lm_eval")
-    harness.tasks = types.ModuleType("lm_eval.tasks")
-    harness.tasks.TaskManager = lambda include_path=None, include_defaults=True: types.SimpleNamespace(all_tasks=["hellaswag"])
-    monkeypatch.setitem(sys.modules, "lm_eval", harness)
-    monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
     expected = f"{tmp_path / 'model'}: its tokenizer has 300 pieces and its model 256 embeddings"
     assert expected in cli_error(["evaluate", str(tmp_path / "model"), "--tasks", "hellaswag"], capsys)
     assert expected in cli_error(["generate", str(tmp_path / "model"), "--prompt", "a"], capsys)

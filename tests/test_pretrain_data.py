@@ -3,7 +3,10 @@ than the data's chunk files, vocabularies larger than the model's, a tokenizer o
 of the same size too (each refused before the model is built, naming the value); data smaller than a micro batch read epoch after epoch,
 a run without a tokenizer warned of, the paths in hyperparameters.yaml made absolute, and the directories of a
 failed run removed."""
+import hashlib
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -118,6 +121,11 @@ def test_no_tokenizer_is_warned_of(tmp_path, prepared, capsys):
            data=TokenChunks(data_path=prepared / "tokens", num_workers=0))
     assert "Warning: no tokenizer (--tokenizer_dir, or a data module that has one)" in capsys.readouterr().out
     assert (tmp_path / "out" / "final" / "lit_model.pth").exists()
+    # no tokenizer files, but the record of the one that prepared the data: a tokenizer.model put there later is checked
+    final = tmp_path / "out" / "final"
+    assert not (final / "tokenizer.model").exists()
+    data_tokenizer = json.loads((prepared / "tokens" / "prepared.json").read_text())["tokenizer"]
+    assert json.loads((final / "trained_with.json").read_text()) == {"tokenizer": data_tokenizer}
 
 
 def test_hyperparameters_yaml_holds_absolute_paths(tmp_path, monkeypatch, prepared):
@@ -241,6 +249,40 @@ def test_weights_trained_with_another_tokenizer_are_refused_on_resume_and_as_ini
     setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_weights", initial_checkpoint_dir=tmp_path / "model",
                    data=TextFiles(train_dir=prepared / "tokens300", num_workers=0))
     assert (tmp_path / "from_weights" / "final").is_dir()
+
+
+def test_checkpoints_record_the_data_s_tokenizer_which_another_tokenizer_model_cannot_pass_for(tmp_path, prepared, capsys):
+    """The run's checkpoints record the tokenizer that prepared its data (prepared.json's), and a model directory
+    converted from one keeps the record. Its tokenizer.model replaced by tok300b's (the same size, other pieces), with
+    data prepared by tok300b too, --initial_checkpoint_dir is refused before the model is built, in one line naming the
+    directory, the file and both hashes; evaluate refuses the checkpoint so altered alike."""
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+    from fabric_lin.data import TextFiles
+    from helpers import cli_error
+
+    config = Config.from_name("gla-debug", vocab_size=320)
+    run = dict(model_name=None, model_config=config, eval=EvalArgs(final_validation=False))
+    setup_pretrain(tmp_path, **run, data=TextFiles(train_dir=prepared / "tokens300", num_workers=0))
+    final, model = tmp_path / "out" / "final", tmp_path / "model"
+    convert_pretrained_checkpoint(final, model)
+    data_tokenizer = json.loads((prepared / "tokens300" / "prepared.json").read_text())["tokenizer"]
+    for directory in (final, model):
+        assert json.loads((directory / "trained_with.json").read_text()) == {"tokenizer": data_tokenizer}
+
+    sha = {name: hashlib.sha256((prepared / name / "tokenizer.model").read_bytes()).hexdigest()[:12]
+           for name in ("tok300", "tok300b")}
+    for directory in (final, model):
+        shutil.copy(prepared / "tok300b" / "tokenizer.model", directory / "tokenizer.model")
+    refusal = ("{0}: {0}/tokenizer.model (vocab_size=300, sha256={1}...) is not the tokenizer its weights were trained "
+               "with (vocab_size=300, sha256={2}..., from {3}, recorded in trained_with.json): an id is another piece in "
+               "each; put back the tokenizer.model the model was trained with")
+    with pytest.raises(ValueError) as info:
+        setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_weights", initial_checkpoint_dir=model,
+                       data=TextFiles(train_dir=prepared / "tokens300b", num_workers=0))
+    assert str(info.value) == refusal.format(model, sha["tok300b"], sha["tok300"], prepared / "tok300")
+    assert not (tmp_path / "from_weights" / "final").exists()
+    err = cli_error(["evaluate", str(final), "--max_batches", "1"], capsys)
+    assert err == "fabric-lin evaluate: error: " + refusal.format(final, sha["tok300b"], sha["tok300"], prepared / "tok300") + "\n"
 
 
 def test_prepare_text_output_given_as_train_dir_suggests_its_train(tmp_path, prepared):

@@ -35,6 +35,7 @@ from fabric_lin.convert.model_dir import (
     prepare_output_dir,
     save_model_dir,
     save_safetensors_dir,
+    tokenizer_trained_with,
 )
 from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import created_dir, read_json
@@ -52,12 +53,14 @@ def convert_to_hf(
 ) -> None:
     """Export a model directory in flash-linear-attention's Hugging Face format.
 
-    The export (safetensors, config.json, tokenizer files) loads, with fla installed, through
+    The export (safetensors, config.json, tokenizer files and trained_with.json, the record of the tokenizer the
+    weights were trained with) loads, with fla installed, through
     `AutoModelForCausalLM.from_pretrained(output_dir)`.
 
     Args:
         model_dir: a model directory (what convert_pretrained_checkpoint writes).
-        output_dir: (required) where to write model.safetensors (or shards and an index), config.json and the tokenizer files.
+        output_dir: (required) where to write model.safetensors (or shards and an index), config.json, the tokenizer
+            files and trained_with.json.
         dtype: cast floating-point weights to float32, bfloat16 or float16 (default: keep).
         overwrite: write into a non-empty output_dir.
         max_shard_gb: largest safetensors file; more weights than this are split into shards with an index.
@@ -70,6 +73,8 @@ def convert_to_hf(
     torch_dtype = parse_dtype(dtype)
     config = Config.from_checkpoint(model_dir)
     hf_config = fla_config(config)
+    trained_with = tokenizer_trained_with(model_dir)  # before the weights: a tokenizer not the model's is refused at once
+    tokenizer_ids = special_token_ids(model_dir)
     state_dict = load_model_dir_weights(model_dir)
     check_state_dict(state_dict, config, source=str(model_dir))
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[model_dir])
@@ -78,13 +83,12 @@ def convert_to_hf(
     hf_state = {to_hf_name(name): tensor for name, tensor in state_dict.items()}
     floating = {t.dtype for t in hf_state.values() if t.is_floating_point()}
     hf_config["torch_dtype"] = str(floating.pop()).removeprefix("torch.") if len(floating) == 1 else "float32"
-    tokenizer_ids = special_token_ids(model_dir)
     hf_config.update(tokenizer_ids)
 
     with created_dir(output_dir):
         files = save_safetensors_dir(hf_state, output_dir, max_shard_bytes=int(max_shard_gb * 2**30))
         atomic_write(output_dir / HF_CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
-        tokenizer_files = copy_tokenizer(model_dir, output_dir)
+        tokenizer_files = copy_tokenizer(model_dir, output_dir, trained_with)
         if "tokenizer_config.json" in tokenizer_files:
             without_bos_token(output_dir / "tokenizer_config.json")
         elif tokenizer_files:

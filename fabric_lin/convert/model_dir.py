@@ -4,6 +4,9 @@
                          or, instead, model.safetensors / model.safetensors.index.json with shards
     model_config.yaml    `Config.save`
     tokenizer files      `fabric_lin.data.tokenizer.TOKENIZER_FILES`
+    trained_with.json    the tokenizer the weights were trained with (vocab_size, sha256 of its tokenizer.model):
+                         `fabric_lin.data.tokenizer.Tokenizer` refuses another tokenizer.model put there. A
+                         directory written before it was kept has none, and loads as before
 
 Everything read here comes from files that travel between people, so nothing is unpickled beyond
 tensors (`torch.load(weights_only=True)`, safetensors), and file names read from an index stay
@@ -243,22 +246,41 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
 def save_model_dir(
     state_dict: Dict[str, torch.Tensor], config: Config, output_dir: Path, tokenizer_dir: Optional[Path] = None
 ) -> List[str]:
-    """Write lit_model.pth, model_config.yaml and (from `tokenizer_dir`) the tokenizer files.
-    Returns the names of the tokenizer files copied."""
+    """Write lit_model.pth, model_config.yaml and (from `tokenizer_dir`) the tokenizer files with the record of the
+    tokenizer the weights were trained with. A tokenizer.model that is not the one `tokenizer_dir` records is refused
+    before anything is written. Returns the names of the tokenizer files copied."""
     output_dir = Path(output_dir)
+    trained_with = tokenizer_trained_with(tokenizer_dir) if tokenizer_dir is not None else None
     atomic_write(output_dir / MODEL_FILE, lambda p: torch.save(dict(state_dict), p))
     atomic_write(output_dir / CONFIG_FILE, config.save)
-    return copy_tokenizer(tokenizer_dir, output_dir) if tokenizer_dir is not None else []
+    return copy_tokenizer(tokenizer_dir, output_dir, trained_with) if tokenizer_dir is not None else []
 
 
-def copy_tokenizer(src_dir: Path, dst_dir: Path) -> List[str]:
-    """Copy the tokenizer files of `src_dir`; without a tokenizer.model, warn and copy nothing."""
-    from fabric_lin.data.tokenizer import TOKENIZER_FILES, copy_tokenizer_files
+def tokenizer_trained_with(src_dir: Path) -> Optional[dict]:
+    """The record of the tokenizer the weights in `src_dir` were trained with, for a directory written from them:
+    `src_dir`'s own trained_with.json, else its tokenizer.model's (a Hugging Face directory's, or one written before
+    the record was kept); None where it has neither. A tokenizer.model that is not the one recorded is refused."""
+    from fabric_lin.data.tokenizer import Tokenizer, read_trained_with
 
+    trained_with = read_trained_with(src_dir)
+    if (Path(src_dir) / "tokenizer.model").is_file():
+        tokenizer = Tokenizer(src_dir)  # refuses a tokenizer.model other than the one recorded
+        trained_with = trained_with or {"tokenizer": tokenizer.record()}
+    return trained_with
+
+
+def copy_tokenizer(src_dir: Path, dst_dir: Path, trained_with: Optional[dict]) -> List[str]:
+    """Copy the tokenizer files of `src_dir` and write `trained_with` (`tokenizer_trained_with(src_dir)`) as
+    `dst_dir`'s trained_with.json; without a tokenizer.model, warn and copy no tokenizer."""
+    from fabric_lin.data.tokenizer import TOKENIZER_FILES, copy_tokenizer_files, write_trained_with
+
+    if trained_with is not None:
+        write_trained_with(dst_dir, trained_with)
     if not (Path(src_dir) / "tokenizer.model").is_file():
         print(
             f"Warning: {src_dir} has no tokenizer.model, so {dst_dir} gets no tokenizer; copy a SentencePiece "
             f"tokenizer.model there before running generate"
+            + (" (the one its weights were trained with, as trained_with.json records)" if trained_with else "")
         )
         return []
     return [p.name for p in copy_tokenizer_files(src_dir, dst_dir) if p.name in TOKENIZER_FILES]

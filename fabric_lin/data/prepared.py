@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-from fabric_lin.data.tokenizer import Tokenizer, copy_tokenizer_files
+from fabric_lin.data.tokenizer import Tokenizer, copy_tokenizer_files, describe_tokenizer, tokenizer_identity
 from fabric_lin.errors import InvalidValue, MissingFile
 
 PREPARED_INFO_FILE = "prepared.json"
@@ -20,17 +20,7 @@ INDEX_FILE = "index.json"
 def write_prepared_info(out_dir: Union[str, Path], tokenizer: Tokenizer, **fields) -> Path:
     """The tokenizer's files, then prepared.json (last: it marks the directory complete)."""
     copy_tokenizer_files(tokenizer.checkpoint_dir, out_dir)
-    info = {
-        "complete": True,
-        "tokenizer": {
-            "vocab_size": tokenizer.vocab_size,
-            "sha256": tokenizer.model_hash,
-            "bos_id": tokenizer.bos_id,
-            "eos_id": tokenizer.eos_id,
-            "source": str(Path(tokenizer.checkpoint_dir).absolute()),  # where it was copied from, to name it
-        },
-        **fields,
-    }
+    info = {"complete": True, "tokenizer": tokenizer.record(), **fields}
     path = Path(out_dir) / PREPARED_INFO_FILE
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
@@ -117,18 +107,6 @@ def check_prepared_dirs(
     return infos
 
 
-def tokenizer_identity(info: dict) -> tuple:
-    made_by = info.get("tokenizer") or {}
-    return made_by.get("vocab_size"), made_by.get("sha256")
-
-
-def describe_tokenizer(info: dict) -> str:
-    """The tokenizer a prepared.json records: "vocab_size=..., sha256=...", and the directory it came from."""
-    made_by = info.get("tokenizer") or {}
-    source = f", from {made_by['source']}" if made_by.get("source") else ""
-    return f"vocab_size={made_by.get('vocab_size')}, sha256={str(made_by.get('sha256'))[:12]}...{source}"
-
-
 def carried_tokenizer_dir(paths: Sequence[Union[str, Path]]) -> Optional[Path]:
     """The first of `paths` that holds the tokenizer.model all of them were tokenized with (the preprocessors copy
     it beside the tokens), or None: directories that are missing, incomplete, without the files or of several
@@ -182,7 +160,7 @@ def read_prepared_dir(path: Union[str, Path]) -> dict:
 def check_made_for(path: Union[str, Path], info: dict, tokenizer: Optional[Tokenizer], vocab_size: Optional[int]) -> None:
     """Refuse a prepared directory (its prepared.json `info`) made with another tokenizer than `tokenizer`, or
     with a vocabulary larger than the model's `vocab_size` (either check skipped where None)."""
-    if tokenizer is not None and tokenizer_identity(info) != (tokenizer.vocab_size, tokenizer.model_hash):
+    if tokenizer is not None and tokenizer_identity(info) != tokenizer.identity:
         raise InvalidValue(
             f"{path} was tokenized with a different tokenizer ({describe_tokenizer(info)}) than {tokenizer.describe()};"
             " prepare the data with this tokenizer, or use the one that made it"

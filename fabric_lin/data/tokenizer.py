@@ -1,18 +1,23 @@
 """SentencePiece tokenizer of a checkpoint or tokenizer directory.
 
 The directory holds `tokenizer.model` (SentencePiece, e.g. Llama-2's) and optionally
-`tokenizer_config.json`, whose `bos_token` / `eos_token` override the model's own ids.
+`tokenizer_config.json`, whose `bos_token` / `eos_token` override the model's own ids. A directory of
+weights (a training checkpoint, a model directory, an fla export) also holds `trained_with.json`, the
+record of the tokenizer its weights were trained with, which its `tokenizer.model` must be: another one,
+of the same vocabulary size too, reads every id as another piece.
 """
 import hashlib
+import json
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
 from fabric_lin.errors import InvalidValue, MissingFile
-from fabric_lin.files import read_json, reading
+from fabric_lin.files import atomic_write, read_json, reading
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json")
+TRAINED_WITH_FILE = "trained_with.json"  # {"tokenizer": Tokenizer.record()} of the tokenizer the weights were trained with
 
 
 def tokenizer_model_hash(model_path: Union[str, Path]) -> str:
@@ -38,6 +43,42 @@ def copy_tokenizer_files(src_dir: Union[str, Path], dst_dir: Union[str, Path]) -
         if (src_dir / name).is_file():
             copied.append(copy_file(src_dir / name, dst_dir / name))
     return copied
+
+
+def tokenizer_identity(info: dict) -> tuple:
+    """(vocab_size, sha256) of the tokenizer that a prepared.json or a trained_with.json records."""
+    made_by = info.get("tokenizer") or {}
+    return made_by.get("vocab_size"), made_by.get("sha256")
+
+
+def describe_tokenizer(info: dict) -> str:
+    """The tokenizer a prepared.json or a trained_with.json records: "vocab_size=..., sha256=...", and the directory
+    it came from."""
+    made_by = info.get("tokenizer") or {}
+    source = f", from {made_by['source']}" if made_by.get("source") else ""
+    return f"vocab_size={made_by.get('vocab_size')}, sha256={str(made_by.get('sha256'))[:12]}...{source}"
+
+
+def read_trained_with(directory: Union[str, Path]) -> Optional[dict]:
+    """The trained_with.json of a directory of weights, or None where it has none (written before the record was
+    kept, or by a run that knew no tokenizer): then nothing tells which tokenizer its weights were trained with."""
+    path = Path(directory) / TRAINED_WITH_FILE
+    if not path.is_file():
+        return None
+    info = read_json(path)
+    vocab_size, sha256 = tokenizer_identity(info)
+    if not isinstance(vocab_size, int) or not isinstance(sha256, str):
+        raise InvalidValue(
+            f"{path}: expected {{\"tokenizer\": {{\"vocab_size\": N, \"sha256\": \"...\"}}}}, the tokenizer the weights "
+            f"beside it were trained with; got {info!r:.200}"
+        )
+    return info
+
+
+def write_trained_with(directory: Union[str, Path], info: dict) -> None:
+    """Write `info` ({"tokenizer": Tokenizer.record()}) as the directory's trained_with.json."""
+    text = json.dumps(info, indent=2) + "\n"
+    atomic_write(Path(directory) / TRAINED_WITH_FILE, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def _token_content(value) -> Optional[str]:
@@ -87,12 +128,41 @@ class Tokenizer:
             if getattr(self, name) < 0:
                 setattr(self, name, None)
         self._hash: Optional[str] = None
+        # here, where every command reads a directory's tokenizer: none reads a model's weights through another one
+        self.check_trained_with()
+
+    def check_trained_with(self) -> None:
+        """Refuse a tokenizer.model that is not the one its directory's trained_with.json records (where it has one):
+        the weights beside it learnt the ids of that one, and this one makes other pieces of the same ids."""
+        trained_with = read_trained_with(self.checkpoint_dir)
+        if trained_with is not None and tokenizer_identity(trained_with) != self.identity:
+            raise InvalidValue(
+                f"{self.checkpoint_dir}: {self.describe()} is not the tokenizer its weights were trained with "
+                f"({describe_tokenizer(trained_with)}, recorded in {TRAINED_WITH_FILE}): an id is another piece in each; "
+                f"put back the tokenizer.model the model was trained with"
+            )
 
     @property
     def model_hash(self) -> str:
         if self._hash is None:
             self._hash = tokenizer_model_hash(self.model_path)
         return self._hash
+
+    @property
+    def identity(self) -> tuple:
+        """(vocab_size, sha256): what tells it from another tokenizer, as `tokenizer_identity` reads it from a record."""
+        return self.vocab_size, self.model_hash
+
+    def record(self) -> dict:
+        """What a prepared directory (prepared.json) and a directory of weights (trained_with.json) record of the
+        tokenizer that made their ids."""
+        return {
+            "vocab_size": self.vocab_size,
+            "sha256": self.model_hash,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "source": str(Path(self.checkpoint_dir).absolute()),  # where it was copied from, to name it
+        }
 
     def _special(self, ids: List[int], bos: bool, eos: bool) -> List[int]:
         if bos:
