@@ -150,13 +150,8 @@ def main(
         if data_of_run:
             check_run_data_is_there(data, checkpoint_dir / HPARAMS_FILE)
         validation_loader(data, checkpoint, batch_size, max(seq_lens))
-        if checkpoint.tokenizer is None and data.prepared_dirs():
-            from fabric_lin.data.prepared import read_prepared_dir
-            from fabric_lin.data.tokenizer import describe_tokenizer
-
-            print(f"Note: {checkpoint_dir} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
-                  f"({describe_tokenizer(read_prepared_dir(data.prepared_dirs()[0]))}) is the one its model was trained "
-                  "with", flush=True)
+        if checkpoint.tokenizer is None and data.prepared_dirs():  # else data.setup() compared it with the data's
+            check_data_tokenizer(checkpoint_dir, data)
 
     fabric = L.Fabric(accelerator="cuda" if cuda else "cpu", devices=[torch_device.index or 0] if cuda else 1,
                       precision=precision)
@@ -248,6 +243,26 @@ def cap_loader_workers(data: DataModule) -> None:
         print(f"data.num_workers {data.num_workers}: {cores} loader worker{'s' if cores > 1 else ''}, one per CPU core "
               "this process may use", flush=True)
         data.num_workers = cores
+
+
+def check_data_tokenizer(checkpoint_dir: Path, data: DataModule) -> None:
+    """For weights without a tokenizer.model: refuse data tokenized with another tokenizer than the one their
+    trained_with.json records (the loss of other ids would read as a bad model); without the record, say that nothing
+    tells."""
+    from fabric_lin.data.prepared import read_prepared_dir
+    from fabric_lin.data.tokenizer import TRAINED_WITH_FILE, describe_tokenizer, read_trained_with, tokenizer_identity
+
+    data_dir = data.prepared_dirs()[0]
+    data_info, trained_with = read_prepared_dir(data_dir), read_trained_with(checkpoint_dir)
+    if trained_with is None:
+        print(f"Note: {checkpoint_dir} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
+              f"({describe_tokenizer(data_info)}) is the one its model was trained with", flush=True)
+    elif tokenizer_identity(trained_with) != tokenizer_identity(data_info):
+        raise InvalidValue(
+            f"--data: {data_dir} was tokenized with {describe_tokenizer(data_info)}, and the weights of {checkpoint_dir} "
+            f"were trained on the ids of {describe_tokenizer(trained_with)} ({TRAINED_WITH_FILE}): an id is another "
+            f"piece in each; evaluate on data prepared with the model's tokenizer"
+        )
 
 
 def default_out_dir(checkpoint_dir: Path, kind: str) -> Path:

@@ -681,15 +681,17 @@ def training_data_tokenizer(data: DataModule, tokenizer) -> Optional[Dict[str, A
 def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, fix: str) -> None:
     """Refuse to train on from weights (a checkpoint or a model directory; each holds the tokenizer its model was
     trained with) with data of another tokenizer: an id stands for another piece in each, of the same vocabulary size
-    too, and the loss would only say so as a slow recovery. Nothing to compare where either has no tokenizer."""
-    from fabric_lin.data.tokenizer import Tokenizer
+    too, and the loss would only say so as a slow recovery. The weights' tokenizer is their trained_with.json's, or
+    their tokenizer.model's; nothing to compare where the run or the weights tell none."""
+    from fabric_lin.data.tokenizer import (
+        TRAINED_WITH_FILE, Tokenizer, describe_tokenizer, tokenizer_identity, weights_trained_with)
 
-    if tokenizer is None or not (Path(weights_dir) / "tokenizer.model").is_file():
-        return
-    trained_with = Tokenizer(weights_dir)  # refuses a tokenizer.model put in place of the one trained_with.json records
-    if trained_with.model_hash != tokenizer.model_hash:
+    trained_with = weights_trained_with(weights_dir) if tokenizer is not None else None
+    if trained_with is not None and tokenizer_identity(trained_with) != tokenizer.identity:
+        weights_tokenizer = (Tokenizer(weights_dir).describe() if (Path(weights_dir) / "tokenizer.model").is_file()
+                             else f"the tokenizer its {TRAINED_WITH_FILE} records ({describe_tokenizer(trained_with)})")
         raise InvalidValue(
-            f"{option} {weights_dir}: its weights were trained on the ids of {trained_with.describe()}, and this run reads "
+            f"{option} {weights_dir}: its weights were trained on the ids of {weights_tokenizer}, and this run reads "
             f"those of {tokenizer.describe()}: an id is another piece in each; {fix}"
         )
 

@@ -169,9 +169,10 @@ def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
     assert (sharded.parent / "evaluate" / sharded.name / "evaluate.json").is_file()  # beside the checkpoint, not in it
 
 
-def test_a_model_without_a_tokenizer_says_that_the_data_s_cannot_be_checked(run, tmp_path, capsys):
-    """With its tokenizer.model, a model directory refuses data of another one; without it nothing can: the evaluation
-    runs and says so, naming the data's tokenizer."""
+def test_a_model_without_a_tokenizer_checks_the_data_against_its_record_or_says_it_cannot(run, tmp_path, capsys):
+    """With its tokenizer.model, a model directory refuses data of another one; without it, its trained_with.json does:
+    the data of the recorded tokenizer is evaluated, the data of another is refused naming both; without the record
+    too nothing can check: the evaluation runs and says so, naming the data's tokenizer."""
     import json
 
     from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
@@ -184,7 +185,22 @@ def test_a_model_without_a_tokenizer_says_that_the_data_s_cannot_be_checked(run,
     for name in ("tokenizer.model", "tokenizer_config.json"):
         (tmp_path / "model" / name).unlink()
     evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1)
+    assert "Note:" not in capsys.readouterr().out
     sha256 = json.loads((run / "val" / "prepared.json").read_text())["tokenizer"]["sha256"]
+    record = tmp_path / "model" / "trained_with.json"
+    trained_with = json.loads(record.read_text())
+    assert trained_with["tokenizer"]["sha256"] == sha256
+    trained_with["tokenizer"]["sha256"] = "f" * 64  # weights that learnt another tokenizer's ids
+    record.write_text(json.dumps(trained_with))
+    with pytest.raises(ValueError) as info:
+        evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1)
+    assert str(info.value) == (
+        f"--data: {run / 'train'} was tokenized with vocab_size=300, sha256={sha256[:12]}..., from {run / 'tok'}, and the "
+        f"weights of {tmp_path / 'model'} were trained on the ids of vocab_size=300, sha256=ffffffffffff..., from "
+        f"{trained_with['tokenizer']['source']} (trained_with.json): an id is another piece in each; evaluate on data "
+        "prepared with the model's tokenizer")
+    record.unlink()
+    evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1)
     assert (f"Note: {tmp_path / 'model'} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
             f"(vocab_size=300, sha256={sha256[:12]}..., from {run / 'tok'}) is the one its model was trained with"
             ) in capsys.readouterr().out

@@ -246,6 +246,17 @@ def test_weights_trained_with_another_tokenizer_are_refused_on_resume_and_as_ini
                        rf"{prepared / 'tokens300b' / 'tokenizer.model'} .*--tokenizer_path {tmp_path / 'model'}"):
         setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_weights", data=other_data,
                        initial_checkpoint_dir=tmp_path / "model")
+    # without its tokenizer.model, the model directory's trained_with.json still says which ids its weights learnt
+    bare = tmp_path / "bare"
+    shutil.copytree(tmp_path / "model", bare)
+    (bare / "tokenizer.model").unlink()
+    with pytest.raises(ValueError) as info:
+        setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_bare", data=other_data, initial_checkpoint_dir=bare)
+    sha256 = json.loads((prepared / "tokens300" / "prepared.json").read_text())["tokenizer"]["sha256"]
+    assert str(info.value).startswith(
+        f"--initial_checkpoint_dir {bare}: its weights were trained on the ids of the tokenizer its trained_with.json "
+        f"records (vocab_size=300, sha256={sha256[:12]}..., from {prepared / 'tok300'}), and this run reads those of "
+        f"{prepared / 'tokens300b' / 'tokenizer.model'} (vocab_size=300, sha256="), str(info.value)
     setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_weights", initial_checkpoint_dir=tmp_path / "model",
                    data=TextFiles(train_dir=prepared / "tokens300", num_workers=0))
     assert (tmp_path / "from_weights" / "final").is_dir()

@@ -75,6 +75,18 @@ def read_trained_with(directory: Union[str, Path]) -> Optional[dict]:
     return info
 
 
+def weights_trained_with(directory: Union[str, Path]) -> Optional[dict]:
+    """The tokenizer a directory of weights was trained with, as a record ({"tokenizer": {...}}): its
+    trained_with.json (its tokenizer.model, where it has one, checked against it), else its tokenizer.model's; None
+    where it tells neither."""
+    has_model = (Path(directory) / "tokenizer.model").is_file()
+    tokenizer = Tokenizer(directory) if has_model else None  # refuses a tokenizer.model that is not the recorded one
+    trained_with = read_trained_with(directory)
+    if trained_with is not None:
+        return trained_with
+    return {"tokenizer": tokenizer.record()} if tokenizer is not None else None
+
+
 def write_trained_with(directory: Union[str, Path], info: dict) -> None:
     """Write `info` ({"tokenizer": Tokenizer.record()}) as the directory's trained_with.json."""
     text = json.dumps(info, indent=2) + "\n"
