@@ -44,7 +44,6 @@ class CycleIterator:
     def __init__(self, iterable, empty_error: str = "the dataloader yields no batch"):
         self.iterable = iterable
         self.empty_error = empty_error
-        self.epoch = 0
         self._iterator: Optional[Iterator] = None
 
     def __next__(self):
@@ -53,7 +52,6 @@ class CycleIterator:
         try:
             return next(self._iterator)
         except StopIteration:
-            self.epoch += 1
             self._iterator = iter(self.iterable)
             try:
                 return next(self._iterator)

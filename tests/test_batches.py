@@ -1,8 +1,9 @@
-"""fabric_lin/batches.py: document boundaries from EOS, the packed loss (each document's loss as if alone), and a
-step's data fingerprint (the sum of per-sample checksums)."""
+"""fabric_lin/batches.py: document boundaries from EOS, the packed loss (each document's loss as if alone), a
+step's data fingerprint (the sum of per-sample checksums), and a data loader read epoch after epoch."""
+import pytest
 import torch
 
-from fabric_lin.batches import doc_boundaries
+from fabric_lin.batches import CycleIterator, doc_boundaries
 from fabric_lin.config import Config
 from fabric_lin.model import GPT
 
@@ -58,3 +59,12 @@ def test_batch_fingerprint_sums_per_sample_checksums():
     swapped[0, 5], swapped[1, 5] = batch[1, 5], batch[0, 5]  # a token moved from one sample to the other
     assert batch_fingerprint(swapped) != reference
     assert batch_fingerprint(batch.to(torch.int32)) == reference  # stored dtype does not matter
+    zeros = torch.zeros(1, 12, dtype=torch.int64)  # a sample of token 0 counts as any other
+    assert batch_fingerprint(torch.cat([batch, zeros])) != reference
+
+
+def test_cycle_iterator_reads_the_loader_again_and_again_and_names_an_empty_one():
+    batches = CycleIterator([1, 2, 3])
+    assert [next(batches) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
+    with pytest.raises(ValueError, match="^the data is too small$"):
+        next(CycleIterator([], empty_error="the data is too small"))

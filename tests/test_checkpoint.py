@@ -275,6 +275,17 @@ def test_a_missing_or_unreadable_manifest_is_found(tmp_path):
     assert verify_checkpoint(saved).problems[0].startswith(f"{MANIFEST_FILE} is unreadable (JSONDecodeError")
 
 
+def test_a_manifest_without_the_weights_or_naming_a_file_outside_the_checkpoint_is_found(tmp_path):
+    saved = saved_checkpoint(tmp_path)
+    manifest = json.loads((saved / MANIFEST_FILE).read_text())
+    weights = manifest["files"].pop(MODEL_FILE)
+    (saved / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert verify_checkpoint(saved).problems == [f"{MANIFEST_FILE} lists no {MODEL_FILE}"]
+    (tmp_path / "outside.txt").write_text("not the checkpoint's")
+    manifest["files"].update({MODEL_FILE: weights, "../outside.txt": whole_file_checksum(tmp_path / "outside.txt")})
+    (saved / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert verify_checkpoint(saved).problems == [f"{MANIFEST_FILE} lists '../outside.txt', which is not a path inside the checkpoint"]
+
 def test_a_checkpoint_without_its_manifest_is_damaged(tmp_path, capsys):
     """The manifest is written last: a directory without it was never completed, or lost it since. It is set
     aside like any damaged checkpoint, and named with the reason when given to --resume."""

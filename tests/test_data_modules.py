@@ -1,6 +1,8 @@
 """Data modules: mixing weights, dataloader resume, validation order, TextFiles; the
 training stream on any number of processes, workers and micro batch sizes, resumed from one layout on
-another (8 -> 4, 2 -> 1, 1 -> 2 processes) with no sample repeated or skipped, by a checksum per sample."""
+another (8 -> 4, 2 -> 1, 1 -> 2 processes) with no sample repeated or skipped, by a checksum per sample; the
+sample order itself (fabric_lin.data.sample_order): which sample of its source a position holds, the mixing groups,
+the windows of chunk files each epoch reads, what a second change of order carries on."""
 import io
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from fabric_lin.data import SlimPajamaStarcoder, TextFiles, TokenChunks, Tokenizer
+from fabric_lin.data.sample_order import WINDOW_CHUNKS, MixOrder, SourceOrder, carried_after
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
 from conftest import litdata_blocks
 from helpers import write_prepared
@@ -352,6 +355,47 @@ def test_a_new_mix_allowed_on_resume_reads_each_source_on_after_what_it_gave(mix
     assert again.dataset.carried == changed.dataset.carried != [(7, 0, 0), (7, 1, 0)]
     assert torch.equal(next(iter(again)), next(iter(changed)))
 
+
+def test_a_second_new_order_carries_each_source_on_from_where_the_first_left_it():
+    """Sources carried into a stream at their 100th and 50th samples (an earlier --resume_changes data) have given
+    that many more than the stream took from them: a mixing group of 1,024 positions at 3 : 1 takes 768 and 256."""
+    order = {"weights": [3.0, 1.0], "seed": 7, "sources": ["a", "b"]}
+    assert carried_after(order, [(42, 0, 100), (42, 1, 50)], 1024) == {"a": (42, 0, 868), "b": (42, 1, 306)}
+
+
+# ---- the order itself, position by position
+
+
+def test_a_position_holds_the_next_sample_of_its_source_across_mixing_groups():
+    """Position p holds source s's k-th sample, k the number of earlier positions of s, which given_before(p) counts
+    (what a new order carries each source on from); another seed places the sources otherwise."""
+    mix = MixOrder([0.7, 0.3], seed=5)
+    counted = [0, 0]
+    for position in range(2 * mix.group + 10):
+        assert mix.given_before(position).tolist() == counted
+        source, k = mix.sample(position)
+        assert k == counted[source]
+        counted[source] += 1
+    assert MixOrder([0.7, 0.3], seed=6).group_places(0)[0].tolist() != mix.group_places(0)[0].tolist()
+
+
+def test_a_source_of_tiny_weight_among_many_gets_samples_in_every_mixing_group():
+    """7 sources of weight 1 and one of 0.0072: in groups of 1,024 positions the others' rounding would take more
+    than its share (fewer than no samples); the groups are made large enough for it."""
+    mix = MixOrder([1] * 7 + [0.0072], seed=0)
+    for group in range(30):
+        assert (mix.given_before((group + 1) * mix.group) - mix.given_before(group * mix.group) >= 1).all(), group
+
+
+def test_each_epoch_reads_windows_of_other_chunk_files_their_blocks_shuffled():
+    """40 chunk files of 10 blocks: each epoch reads every block once; its first window of 16 files holds other files
+    in each epoch; and a window's blocks come shuffled, not file after file, so a micro batch mixes many files."""
+    order = SourceOrder(np.full(40, 10), seed=3, source=0, shuffle=True)
+    epochs = [[order.block(epoch * 400 + i) for i in range(400)] for epoch in range(2)]
+    assert all(sorted(blocks) == list(range(400)) for blocks in epochs)
+    first_windows = [{block // 10 for block in blocks[: WINDOW_CHUNKS * 10]} for blocks in epochs]
+    assert [len(files) for files in first_windows] == [WINDOW_CHUNKS] * 2 and first_windows[0] != first_windows[1]
+    assert all(len({block // 10 for block in blocks[:16]}) >= 8 for blocks in epochs)
 
 def test_val_dataloader_is_in_order(mix):
     loader = module(mix, batch_size=10).val_dataloader()

@@ -1,10 +1,13 @@
 """`fabric-lin evaluate` against independent references: the loss equals the val_loss that pretrain logged for
 the same weights and batches; the loss by position (at the training length and twice it) equals a direct
-cross-entropy of the model's logits over litdata's own reading of the blocks; every kind of checkpoint gives the
-same loss; the harness adapter's log-likelihoods equal log-softmax sums of a full forward pass (all three
-families, the rolling one across blocks of carried state); bad input is one line. The lm-evaluation-harness run
-itself needs the optional extra (`pip install -e '.[eval]'`) and is skipped without it."""
+cross-entropy of the model's logits over litdata's own reading of the blocks, and so do the loss, the perplexity
+and the buckets of batches whose last one is short, the logits computed in pieces; the buckets by default and at
+given edges; every kind of checkpoint gives the same loss; the harness adapter's log-likelihoods equal log-softmax
+sums of a full forward pass (all three families, the rolling one across blocks of carried state); bad input is one
+line. The lm-evaluation-harness run itself needs the optional extra (`pip install -e '.[eval]'`) and is skipped
+without it."""
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -127,6 +130,45 @@ def test_loss_by_position_in_buckets_of_given_edges(run, tmp_path):
         np.testing.assert_allclose(by_position["loss"], expected, atol=1e-5)
         assert by_position["tokens"] == [batches * 2 * (end - start) for start, end in zip(bounds[:-1], bounds[1:])]
 
+
+def test_loss_perplexity_and_buckets_of_batches_with_a_short_last_one(monkeypatch):
+    """evaluate_length against a direct cross-entropy of the model's logits: batches of 3, 3 and 1 blocks of 8 tokens
+    (the split's last batch short), buckets 0-3 and 3-8, the logits computed 5 tokens at a time (LOGIT_ROWS) so that
+    their pieces cut the rows. The loss is the mean over the 56 tokens, the perplexity e to it, a bucket's loss the
+    mean over its positions of the 7 blocks."""
+    import fabric_lin.evaluate as evaluate_module
+
+    monkeypatch.setattr(evaluate_module, "LOGIT_ROWS", 5)
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("gla-debug", num_layers=1, vocab_size=64)).eval()
+    blocks = torch.randint(0, 64, (7, 9))
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    result = evaluate_module.evaluate_length(fabric, model, [blocks[:3], blocks[3:6], blocks[6:]], seq_len=8, batch_size=3,
+                                             max_batches=None, starts=[0, 3])
+    with torch.no_grad():
+        logits = model(blocks[:, :-1])
+    losses = F.cross_entropy(logits.flatten(0, 1), blocks[:, 1:].flatten(), reduction="none").view(7, 8).double()
+    assert (result["tokens"], result["batches"], result["short_batches"]) == (56, 3, 1)
+    assert result["loss"] == pytest.approx(losses.mean().item(), abs=1e-6)
+    assert result["perplexity"] == pytest.approx(math.exp(losses.mean().item()), rel=1e-6)
+    by_position = result["by_position"]
+    assert (by_position["start"], by_position["end"], by_position["tokens"]) == ([0, 3], [3, 8], [21, 35])
+    assert by_position["loss"] == pytest.approx([losses[:, :3].mean().item(), losses[:, 3:].mean().item()], abs=1e-6)
+
+
+def test_bucket_edges_at_or_past_a_length_are_left_out_for_it():
+    from fabric_lin.evaluate import bucket_starts
+
+    assert bucket_starts(16, None, [4, 16, 32]) == [0, 4]
+    assert bucket_starts(32, None, [4, 16, 32]) == [0, 4, 16]
+    assert bucket_starts(10, 4, None) == [0, 4, 8]
+
+
+def test_the_default_buckets_are_a_16th_of_the_training_length_at_every_length(run, tmp_path, monkeypatch):
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot: this test does not look at it
+        monkeypatch.setitem(sys.modules, module, None)
+    (length,) = evaluate(run / "out" / "final", seq_len=2 * TRAIN_LEN, max_batches=1, out_dir=tmp_path / "eval")["lengths"]
+    assert length["by_position"]["start"] == list(range(0, 2 * TRAIN_LEN, TRAIN_LEN // 16))
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):

@@ -14,6 +14,9 @@ def test_cosine_schedule_values():
     assert learning_rate(60, **kw) == pytest.approx(0.5 * (1e-3 + 1e-4))
     assert learning_rate(110, **kw) == pytest.approx(1e-4)
     assert learning_rate(500, **kw) == pytest.approx(1e-4)  # clamped past the end
+    # all warmup (lr_warmup_steps >= max_steps): past the end min_lr too, with no decay steps to divide by
+    assert learning_rate(11, 1e-3, 1e-4, warmup_steps=10, max_steps=10) == pytest.approx(1e-4)
+    assert learning_rate(25, 1e-3, 1e-4, warmup_steps=20, max_steps=10) == pytest.approx(1e-4)
 
 
 def test_wsd_schedule_values():
@@ -25,6 +28,14 @@ def test_wsd_schedule_values():
     assert learning_rate(180, **kw) == pytest.approx(3e-4)  # decay starts at 180 = 0.9 * 200
     assert learning_rate(190, **kw) == pytest.approx(3e-4 - (3e-4 - 3e-5) * 0.5)
     assert learning_rate(200, **kw) == pytest.approx(3e-5)
+    assert learning_rate(300, **kw) == pytest.approx(3e-5)  # clamped past the end
+
+
+def test_wsd_decay_takes_the_nearest_whole_number_of_steps():
+    # 28% of 10 steps is 2.8: the decay takes 3 steps, from step 7 (not 2, from step 8)
+    kw = dict(base_lr=1e-3, min_lr=0.0, warmup_steps=0, max_steps=10, schedule="wsd", decay_fraction=0.28)
+    assert learning_rate(7, **kw) == pytest.approx(1e-3)
+    assert learning_rate(8, **kw) == pytest.approx(1e-3 * 2 / 3)
 
 
 def test_wsd_decay_starts_after_a_warmup_longer_than_the_stable_part():
@@ -49,3 +60,5 @@ def test_token_schedule_steps_end_and_position_after_the_batch_grew():
     # rate at 352 tokens is the schedule's at 352 / 64 = 5.5 steps, between its steps 5 and 6
     assert schedule.end_step(step=4, tokens_seen=256, tokens_per_step=96) == 11
     assert schedule.position(352) == 5.5
+    # a checkpoint already past the budget (960 tokens) ends where it is, not at an earlier step
+    assert schedule.end_step(step=20, tokens_seen=1280, tokens_per_step=64) == 20

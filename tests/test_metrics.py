@@ -1,12 +1,15 @@
 """fabric_lin/metrics.py: tokens/s over each log interval and, in the summary, after the first step, with the time
-paused for validation and saving left out (benchmarks/train_throughput.py reports these); a resumed attempt's
-history: the records after its step superseded, a line cut short by a kill left out, the attempt numbered after
-every recorded one. (End to end, across kills and resumes: test_pretrain_resume.py.)"""
+paused for validation and saving left out (benchmarks/train_throughput.py reports these); each step's record, the
+progress line's loss and MFU, and a validation's perplexity, of two processes; a resumed attempt's history: the
+records after its step superseded, a line cut short by a kill left out (also inside the superseded file), the attempt
+numbered after every recorded one. (End to end, across kills and resumes: test_pretrain_resume.py.)"""
 import json
+import math
 import time
 from types import SimpleNamespace
 
 import lightning_fabric as L
+import pytest
 import torch
 
 import fabric_lin.metrics as metrics_module
@@ -55,3 +58,60 @@ def test_a_resumed_attempt_supersedes_later_steps_past_a_line_cut_by_a_kill(tmp_
     fourth = MetricsWriter(fabric, tmp_path, max_steps=8, tokens_per_step=100)
     fourth.begin_attempt(2)
     assert fourth.attempt == 3
+
+
+class TwoProcessFabric:
+    """What MetricsWriter asks of Fabric, as rank 0 of two processes that hold the same values (their mean is the
+    value, their sum twice it); what it logs is kept."""
+
+    global_rank, world_size, device, loggers = 0, 2, torch.device("cpu"), []
+
+    def __init__(self):
+        self.logged = []
+
+    def all_reduce(self, tensor, reduce_op):
+        return tensor * {"mean": 1, "sum": 2}[reduce_op]
+
+    def log_dict(self, metrics, step):
+        self.logged.append((step, metrics))
+
+    def print(self, *args):
+        pass
+
+
+def test_two_processes_records_progress_line_and_validation(tmp_path, monkeypatch):
+    """Each step's record: the loss averaged over the processes, the data fingerprint summed, lr and grad_norm as
+    given. The progress line (steps of 100 tokens, 0.5 s each): the interval's last loss, 200 tokens/s, and MFU per
+    device: 6 FLOPs a token x 200 tokens/s over 2 devices of 1000 FLOP/s = 0.6. A validation's perplexity is e to
+    its loss."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(time=time.time, perf_counter=lambda: clock.now))
+    fabric = TwoProcessFabric()
+    writer = MetricsWriter(fabric, tmp_path, max_steps=2, tokens_per_step=100, flops_per_token=6.0, peak_flops=1000.0)
+    writer.start(0, max_steps=2)
+    for step, loss in ((1, 3.0), (2, 2.0)):
+        clock.now += 0.5
+        writer.add_step(step, torch.tensor(loss), 1e-3 * step, torch.tensor(0.5 * step), torch.tensor(7 * step))
+    writer.log_progress(2, 2e-3, torch.tensor(1.0), skipped_steps=0, tokens=200)
+    writer.log_validation(2, (2.0, 640))
+    records = read_records(tmp_path / METRICS_FILE)
+    assert [(r["step"], r["loss"], r["lr"], r["grad_norm"], r["data_fingerprint"]) for r in records if "loss" in r] == [
+        (1, 3.0, 1e-3, 0.5, 14), (2, 2.0, 2e-3, 1.0, 28)]
+    (step, progress), validation = fabric.logged[0], fabric.logged[1][1]
+    assert step == 2 and progress["loss"] == 2.0 and progress["tokens_per_sec"] == 200.0
+    assert progress["mfu"] == pytest.approx(0.6)
+    assert validation == {"val_loss": 2.0, "val_ppl": pytest.approx(math.exp(2.0))}
+    assert records[-1]["val_ppl"] == pytest.approx(math.exp(2.0)) and records[-1]["val_tokens"] == 640
+
+
+def test_a_line_cut_inside_the_superseded_file_hides_no_record_after_it(tmp_path):
+    """A kill cut a record being moved to metrics.superseded.jsonl; the next attempt's moves were appended after it
+    (the first one onto the cut line), then attempt 2's. The next attempt is numbered after attempt 2."""
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps({"step": s, "loss": 1.0, "attempt": 1}) + "\n" for s in (1, 2)))
+    (tmp_path / SUPERSEDED_FILE).write_text(
+        '{"step": 3, "loss": 1.0, "attempt": 1}\n{"step": 4, "lo{"step": 3, "loss": 1.0, "attempt": 1}\n'
+        '{"step": 4, "loss": 0.9, "attempt": 1}\n{"step": 3, "loss": 0.8, "attempt": 2}\n')
+    writer = MetricsWriter(fabric, tmp_path, max_steps=8, tokens_per_step=100)
+    writer.begin_attempt(2)
+    assert writer.attempt == 3

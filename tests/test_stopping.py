@@ -53,10 +53,19 @@ def test_scheduler_signals_and_ctrl_c_ask_for_a_stop_and_the_handlers_are_given_
             signal.raise_signal(signal.SIGINT)  # after a scheduler's signals, a first Ctrl-C: the checkpoint is still made
         except KeyboardInterrupt:
             pytest.fail("a first Ctrl-C after SIGUSR1 and SIGTERM stopped at once, without a checkpoint")
+        assert stop.signal_name == "SIGUSR1"  # the first signal names the stop, whatever came after it
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     assert {name: signal.getsignal(getattr(signal, name)) for name in names} == before
 
+
+
+def test_a_second_ctrl_c_stops_at_once_after_a_scheduler_s_signal_in_between():
+    with StopRequest(announce=False):
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
 
 def test_fused_adamw_found_inf_leaves_the_update_out():
     # what the loop relies on to skip a non-finite step without the host reading the flag first
