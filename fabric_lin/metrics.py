@@ -112,7 +112,10 @@ class MetricsWriter:
                 attempts.append(record.get("attempt", 0))
         self.attempt = max(attempts) + 1
         if superseded:
+            cut = superseded_path.exists() and ends_inside_a_line(superseded_path)
             with open(superseded_path, "a", encoding="utf-8") as f:
+                if cut:  # a kill cut the last record being moved: the first one moved now starts a line of its own
+                    f.write("\n")
                 f.writelines(json.dumps(record) + "\n" for record in superseded)
                 f.flush()
                 os.fsync(f.fileno())
@@ -282,6 +285,15 @@ def format_seconds(seconds: float) -> str:
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}:{m:02d}:{s:02d}"
+
+
+def ends_inside_a_line(path: Path) -> bool:
+    """Whether a file holds text after its last newline (a line cut short by a kill)."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def read_records(path: Path) -> List[Dict[str, Any]]:

@@ -104,6 +104,18 @@ def test_two_processes_records_progress_line_and_validation(tmp_path, monkeypatc
     assert records[-1]["val_ppl"] == pytest.approx(math.exp(2.0)) and records[-1]["val_tokens"] == 640
 
 
+def test_records_moved_after_a_line_cut_inside_the_superseded_file_are_all_kept(tmp_path):
+    """A kill cut a record being moved to metrics.superseded.jsonl; the next attempt's moves start on a line of their
+    own, so none of them is lost with the cut one."""
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    records = [{"step": s, "loss": 1.0, "attempt": 1} for s in (1, 2, 3, 4)]
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / SUPERSEDED_FILE).write_text('{"step": 5, "loss": 1.0, "attempt": 1}\n{"step": 6, "lo')
+    MetricsWriter(fabric, tmp_path, max_steps=8, tokens_per_step=100).begin_attempt(2)
+    assert read_records(tmp_path / SUPERSEDED_FILE) == [{"step": 5, "loss": 1.0, "attempt": 1}, *records[2:]]
+    assert read_records(tmp_path / METRICS_FILE) == records[:2]
+
+
 def test_a_line_cut_inside_the_superseded_file_hides_no_record_after_it(tmp_path):
     """A kill cut a record being moved to metrics.superseded.jsonl; the next attempt's moves were appended after it
     (the first one onto the cut line), then attempt 2's. The next attempt is numbered after attempt 2."""
