@@ -236,6 +236,7 @@ def test_an_output_directory_that_a_file_is_in_the_way_of_is_one_line(tmp_path, 
     prepare_text = ["prepare_text", "--input_dir", str(tmp_path / "raw"), "--tokenizer_path", str(tmp_path / "model")]
     for command, option, path in ((prepare_text, "--output_dir", a_file), (prepare_text, "--output_dir", a_file / "out"),
                                   (["evaluate", str(tmp_path / "model")], "--out_dir", a_file / "out"),
-                                  (["convert_to_hf", str(tmp_path / "model")], "--output_dir", a_file / "out")):
+                                  (["convert_to_hf", str(tmp_path / "model")], "--output_dir", a_file / "out"),
+                                  (["pretrain", "--model_name", "gla-debug", "--train.max_steps", "1"], "--out_dir", a_file)):
         err = cli_error([*command, option, str(path)], capsys)
         assert err.endswith(f": error: {option} {path}: {a_file} is a file, expected a directory or nothing there\n"), err
