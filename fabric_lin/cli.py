@@ -16,6 +16,7 @@ import importlib  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional  # noqa: E402
 
 DEBUG_ENV = "FABRIC_LIN_DEBUG"
@@ -171,6 +172,16 @@ def anticipated_cause(error: BaseException) -> Optional[BaseException]:
     return None
 
 
+def expand_home_in_paths() -> None:
+    """A path that an argument, a config file or a data module's option gives (each typed Path) begins with the home
+    directory where it begins with ~, as in a shell. A shell leaves `--out_dir=~/runs/a` and a config file's
+    `out_dir: ~/runs/a` as they are: taken literally, a run's checkpoints would go into a directory named ~ under the
+    current one, while its loggers (which expand ~ themselves) write into the home directory."""
+    from jsonargparse.typing import register_type
+
+    register_type(Path, str, lambda value: Path(os.path.expanduser(value)), type_check=isinstance)
+
+
 def run(argv: List[str]) -> None:
     from jsonargparse import CLI, ArgumentParser, set_parsing_settings
 
@@ -195,6 +206,7 @@ def run(argv: List[str]) -> None:
         print("\n".join(name_to_config))
         return
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    expand_home_in_paths()
     if argv and argv[0] in COMMANDS:
         components = {argv[0]: load_command(argv[0])}
     else:  # `fabric-lin --help` or an unknown subcommand: list every one that imports

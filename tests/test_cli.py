@@ -240,3 +240,21 @@ def test_an_output_directory_that_a_file_is_in_the_way_of_is_one_line(tmp_path, 
                                   (["pretrain", "--model_name", "gla-debug", "--train.max_steps", "1"], "--out_dir", a_file)):
         err = cli_error([*command, option, str(path)], capsys)
         assert err.endswith(f": error: {option} {path}: {a_file} is a file, expected a directory or nothing there\n"), err
+
+
+def test_a_path_that_begins_with_a_tilde_is_in_the_home_directory(tmp_path, capsys, monkeypatch):
+    """As a shell reads ~: `--out_dir=~/runs/a` (a shell expands no ~ after `=`) and a config file's paths went to a
+    directory named ~ under the current one, while the run's loggers wrote into the home directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "runs").write_text("")  # a file where the run's directory would go: the run stops there
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir=~/runs/a", "--train.max_steps", "1"], capsys)
+    assert err == f"fabric-lin pretrain: error: --out_dir {tmp_path / 'home' / 'runs' / 'a'}: {tmp_path / 'home' / 'runs'} is a file, expected a directory or nothing there\n"
+    config = tmp_path / "run.yaml"
+    config.write_text("model_name: gla-debug\nout_dir: ~/out\ntrain:\n  max_steps: 1\n"
+                      "data:\n  class_path: TokenChunks\n  init_args:\n    data_path: ~/data/train\n")
+    err = cli_error(["pretrain", "--config", str(config)], capsys)
+    assert f"Prepared data directory '{tmp_path / 'home' / 'data' / 'train'}' does not exist" in err
+    assert cli_error(["generate", "~/model"], capsys) == f"fabric-lin generate: error: checkpoint_dir '{tmp_path / 'home' / 'model'}' is not a directory\n"
+    assert not (tmp_path / "~").exists()
