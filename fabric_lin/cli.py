@@ -76,6 +76,13 @@ def report(prog: str, message: str) -> None:
         print(f"{prog}: {message}", file=sys.stderr, flush=True)
 
 
+# What the keys whose value is a class take, as the one-line errors say it (jsonargparse speaks of import paths)
+CLASS_VALUES = {
+    "data": "a data module (SampleCorpus, LongDocuments, TokenChunks, SlimPajamaStarcoder, TextFiles or an import path)",
+    "model_config": "a mapping of fabric_lin.config.Config's fields (hidden_size, num_layers, ...)",
+}
+
+
 def one_line_parse_error(message: str, parser) -> str:
     """jsonargparse's message for a bad command line or config value (up to a dozen lines) as one line:
     the key, the value given and what is expected."""
@@ -95,6 +102,9 @@ def one_line_parse_error(message: str, parser) -> str:
         return f"unknown option {option}" + (f" (did you mean {close[0]}?)" if close else "") + (
             "; options are not abbreviated" if close and close[0].startswith(option) else ""
         )
+    rejected = re.match(r"Subcommand '[^']+' does not accept option '([\w.]+)'", message)
+    if rejected:
+        return " ".join(message.split()) + unknown_key_hint(rejected.group(1), parser)
     keyed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.S)
     if not keyed:
         return " ".join(message.split())
@@ -104,12 +114,11 @@ def one_line_parse_error(message: str, parser) -> str:
         return f"{key}: " + "; ".join(unknown_options)
     given = re.search(r"(?:Given|Got) value: (.*)", rest)
     expected = []
-    for what in re.findall(r"Expected a (.+?)(?:\. Got value:.*)?$", rest, re.M):
+    for what in re.findall(r"(?:Expected a|Not a valid subclass of) (.+?)(?:\. Got value:.*)?$", rest, re.M):
         if what.startswith("path but") and len(re.findall("Expected a ", rest)) > 1:
             continue  # jsonargparse also tried the value as a config file name
-        if what.startswith("dot import path string"):
-            what = ("a data module (SampleCorpus, LongDocuments, TokenChunks, SlimPajamaStarcoder, TextFiles or an import path)" if key == "data"
-                    else "a class name or import path")
+        if what.startswith("dot import path string") or what.startswith(("DataModule", "Config")):
+            what = CLASS_VALUES.get(key, "a class name or import path")
         else:
             what = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", what).replace("NoneType", "null")
             what = re.sub(r"typing\.Literal\[(.*)\]", r"one of \1", what)
@@ -120,10 +129,32 @@ def one_line_parse_error(message: str, parser) -> str:
     return f"{key}: " + " ".join(rest.split())
 
 
+def unknown_key_hint(key: str, parser) -> str:
+    """For a key that a config file gives and the command does not take (`train.max_step`): the closest key it takes,
+    and the keys of the key's group (the command's own keys for one outside any group)."""
+    import difflib
+
+    keys = [option[2:] for option in getattr(parser, "_option_string_actions", {})
+            if option.startswith("--") and option not in ("--help", "--config", "--print_config")
+            and not option.endswith((".help", "+"))]
+    group = key.rpartition(".")[0]
+    members = [k[len(group) + 1:] for k in keys if group and k.startswith(group + ".")]
+    listed = (f"the keys of {group} are: {', '.join(members)}" if members
+              else f"the keys are: {', '.join(k for k in keys if '.' not in k)}")
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    return (f" (did you mean {close[0]}?)" if close else "") + "; " + listed
+
+
+def dataclass_fields(cls) -> List[str]:
+    """The names of the fields that the dataclass `cls` takes as arguments ([] for anything else)."""
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(cls) if f.init] if dataclasses.is_dataclass(cls) else []
+
+
 def valid_keys_hints(message: str) -> List[str]:
     """For each unknown key that jsonargparse names inside a nested class (`model_config:`, `data.init_args:`),
     the keys the class accepts."""
-    import dataclasses
     import inspect
 
     hints = []
@@ -134,10 +165,7 @@ def valid_keys_hints(message: str) -> List[str]:
         except (ImportError, AttributeError, ValueError):
             hints.append(f"{class_path} has no option {key!r}")
             continue
-        if dataclasses.is_dataclass(cls):
-            valid = [f.name for f in dataclasses.fields(cls) if f.init]
-        else:
-            valid = [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
+        valid = dataclass_fields(cls) or [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
         hints.append(f"{class_path} has no option {key!r}; valid options are: {', '.join(valid)}")
     return hints
 
@@ -182,8 +210,25 @@ def expand_home_in_paths() -> None:
     register_type(Path, str, lambda value: Path(os.path.expanduser(value)), type_check=isinstance)
 
 
+def check_config_files(argv: List[str]) -> None:
+    """Each `--config FILE` read before jsonargparse reads it: its own messages for a file that is not YAML, is empty or
+    holds a list name no file ("<unicode string>", "Unexpected config")."""
+    from fabric_lin.errors import InvalidValue
+    from fabric_lin.files import read_yaml
+
+    given = [value for option, value in zip(argv, argv[1:]) if option == "--config"]
+    given += [arg[len("--config="):] for arg in argv if arg.startswith("--config=")]
+    for value in given:
+        if not Path(value).expanduser().is_file():  # inline YAML, or a path that jsonargparse says is missing
+            continue
+        content = read_yaml(Path(value).expanduser())
+        if not isinstance(content, dict):
+            what = "nothing" if content is None else f"a {type(content).__name__}"
+            raise InvalidValue(f"--config {value} holds {what}: expected YAML keys and their values, as in config_hub/debug.yaml")
+
+
 def run(argv: List[str]) -> None:
-    from jsonargparse import CLI, ArgumentParser, set_parsing_settings
+    from jsonargparse import CLI, ArgumentParser, Namespace, set_parsing_settings
 
     class Parser(ArgumentParser):
         def __init__(self, *args, **kwargs):
@@ -200,6 +245,18 @@ def run(argv: List[str]) -> None:
             print(f"{prog}: error: {one_line_parse_error(str(message), parser)}\n({prog} --help lists the options)", file=sys.stderr)
             raise SystemExit(2)
 
+        def instantiate(self, cfg, *args, **kwargs):
+            # jsonargparse takes any value for an option group's key in a config file (`train: 5`, or `train:` whose
+            # keys are all commented out, a null) and fails on it with a TypeError of its own when it builds the group
+            for group in self._action_groups:
+                fields = dataclass_fields(getattr(group, "group_class", None))
+                value = cfg.get(group.dest) if fields else None
+                if fields and group.dest in cfg and not isinstance(value, Namespace):
+                    shown = "null" if value is None else repr(value)
+                    self.error(f"{group.dest}: got {shown}, expected a mapping of its keys ({', '.join(fields)})"
+                               + ("; to keep their defaults, leave the key out" if value is None else ""))
+            return super().instantiate(cfg, *args, **kwargs)
+
     if len(argv) >= 2 and argv[1] == "list" and argv[0] in ("pretrain", "generate"):
         from fabric_lin.config import name_to_config
 
@@ -207,6 +264,7 @@ def run(argv: List[str]) -> None:
         return
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     expand_home_in_paths()
+    check_config_files(argv)
     if argv and argv[0] in COMMANDS:
         components = {argv[0]: load_command(argv[0])}
     else:  # `fabric-lin --help` or an unknown subcommand: list every one that imports
