@@ -169,6 +169,9 @@ def test_a_vocab_size_the_input_cannot_fill_is_one_line(tmp_path, capsys):
     (["--max_sentences", "0"], "--max_sentences must be at least 1, got 0"),  # was "no text found"
     (["--max_sentence_length", "5"], "--max_sentence_length must be at least 10, got 5"),
     (["--character_coverage", "1.5"], "--character_coverage must be in [0.98, 1]"),
+    # SentencePiece's own check ended in a C++ assertion's traceback
+    (["--num_threads", "-2"], "--num_threads must be 0 (every core) or at most 1024 (SentencePiece's limit), got -2"),
+    (["--num_threads", "1025"], "--num_threads must be 0 (every core) or at most 1024 (SentencePiece's limit), got 1025"),
 ])
 def test_train_tokenizer_settings_are_checked_before_reading(tmp_path, capsys, flags, message):
     (tmp_path / "raw").mkdir()
