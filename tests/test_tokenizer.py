@@ -106,6 +106,21 @@ def test_tokenizer_errors_name_the_path(tmp_path):
         Tokenizer(tmp_path / "bad")
 
 
+def test_a_tokenizer_file_given_for_its_directory_and_a_special_token_that_is_no_string_are_named(tokenizer_dir, tmp_path):
+    """--tokenizer_path DIR/tokenizer.model was said not to exist; an eos_token of 5 (an id, not a piece) in
+    tokenizer_config.json was SentencePiece's TypeError traceback."""
+    from fabric_lin.errors import UserError
+
+    with pytest.raises(UserError, match=rf"^{tokenizer_dir / 'tokenizer.model'} is a file: expected the directory that "
+                                        rf"holds tokenizer.model \(and tokenizer_config.json\), here {tokenizer_dir}$"):
+        Tokenizer(tokenizer_dir / "tokenizer.model")
+    copy_tokenizer_files(tokenizer_dir, tmp_path / "copy")
+    for value in (5, {"content": 2, "lstrip": False}, ["</s>"]):
+        (tmp_path / "copy" / "tokenizer_config.json").write_text(json.dumps({"eos_token": value}))
+        with pytest.raises(UserError, match=rf"^{tmp_path / 'copy' / 'tokenizer_config.json'}: eos_token="):
+            Tokenizer(tmp_path / "copy")
+
+
 def test_train_tokenizer_without_inputs(tmp_path):
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "notes.md").write_text("not an input format")
