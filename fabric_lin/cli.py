@@ -17,7 +17,7 @@ import os  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Callable, Dict, List, Optional  # noqa: E402
+from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
 
 DEBUG_ENV = "FABRIC_LIN_DEBUG"
 FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
@@ -105,6 +105,19 @@ def one_line_parse_error(message: str, parser) -> str:
     rejected = re.match(r"Subcommand '[^']+' does not accept option '([\w.]+)'", message)
     if rejected:
         return " ".join(message.split()) + unknown_key_hint(rejected.group(1), parser)
+    groups = option_groups(parser)
+    # a group given as LitGPT gives its optimizer: `optimizer: {class_path: torch.optim.AdamW, init_args: ...}`
+    class_path = re.match(r"Subclasses are disabled for (\w+), thus '([^']+)' is not accepted as class_path", message)
+    if class_path:
+        key = next((k for k, (name, _) in groups.items() if name == class_path.group(1)), class_path.group(1))
+        keys = ", ".join(groups[key][1]) if key in groups else ""
+        return (f"{key}: class_path {class_path.group(2)} is not taken: give the keys of {key} ({keys}) themselves, "
+                f"without class_path and init_args")
+    # a group given a word that is no YAML file (`--optimizer AdamW`)
+    unloadable = re.match(r'Parser key "([\w.]+)":\s*Unable to load config \'([^\']*)\'', message)
+    if unloadable and unloadable.group(1) in groups:
+        key, given = unloadable.groups()
+        return group_value_error(key, given, groups[key][1]) + ", or the path of a YAML file of them"
     keyed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.S)
     if not keyed:
         return " ".join(message.split())
@@ -143,6 +156,20 @@ def unknown_key_hint(key: str, parser) -> str:
               else f"the keys are: {', '.join(k for k in keys if '.' not in k)}")
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
     return (f" (did you mean {close[0]}?)" if close else "") + "; " + listed
+
+
+def option_groups(parser) -> Dict[str, Tuple[str, List[str]]]:
+    """The command's option groups (`train`, `optimizer`, ...): the key of each -> (its class's name, its keys)."""
+    groups = {}
+    for group in getattr(parser, "_action_groups", []):
+        keys = dataclass_fields(getattr(group, "group_class", None))
+        if keys:
+            groups[group.dest] = (group.group_class.__name__, keys)
+    return groups
+
+
+def group_value_error(key: str, given: str, keys: List[str]) -> str:
+    return f"{key}: got {given}, expected a mapping of its keys ({', '.join(keys)})"
 
 
 def dataclass_fields(cls) -> List[str]:
@@ -248,12 +275,10 @@ def run(argv: List[str]) -> None:
         def instantiate(self, cfg, *args, **kwargs):
             # jsonargparse takes any value for an option group's key in a config file (`train: 5`, or `train:` whose
             # keys are all commented out, a null) and fails on it with a TypeError of its own when it builds the group
-            for group in self._action_groups:
-                fields = dataclass_fields(getattr(group, "group_class", None))
-                value = cfg.get(group.dest) if fields else None
-                if fields and group.dest in cfg and not isinstance(value, Namespace):
-                    shown = "null" if value is None else repr(value)
-                    self.error(f"{group.dest}: got {shown}, expected a mapping of its keys ({', '.join(fields)})"
+            for key, (_, keys) in option_groups(self).items():
+                value = cfg.get(key)
+                if key in cfg and not isinstance(value, Namespace):
+                    self.error(group_value_error(key, "null" if value is None else repr(value), keys)
                                + ("; to keep their defaults, leave the key out" if value is None else ""))
             return super().instantiate(cfg, *args, **kwargs)
 

@@ -330,3 +330,16 @@ def test_a_path_that_begins_with_a_tilde_is_in_the_home_directory(tmp_path, caps
     assert f"Prepared data directory '{tmp_path / 'home' / 'data' / 'train'}' does not exist" in err
     assert cli_error(["generate", "~/model"], capsys) == f"fabric-lin generate: error: checkpoint_dir '{tmp_path / 'home' / 'model'}' is not a directory\n"
     assert not (tmp_path / "~").exists()
+
+
+def test_the_optimizer_given_as_litgpt_gives_it_says_what_it_takes(tmp_path, capsys):
+    """LitGPT's `optimizer: {class_path: torch.optim.AdamW, init_args: ...}` was told to call set_parsing_settings, and
+    `--optimizer AdamW` "Unable to load config 'AdamW'"."""
+    config = tmp_path / "run.yaml"
+    config.write_text("model_name: gla-debug\noptimizer:\n  class_path: torch.optim.AdamW\n  init_args:\n    lr: 4.0e-4\n")
+    assert parse_error(["pretrain", "--config", str(config)], capsys) == (
+        "fabric-lin pretrain: error: optimizer: class_path torch.optim.AdamW is not taken: give the keys of optimizer "
+        "(lr, weight_decay, betas, eps) themselves, without class_path and init_args")
+    assert parse_error(["pretrain", "--model_name", "gla-debug", "--optimizer", "AdamW"], capsys) == (
+        "fabric-lin pretrain: error: optimizer: got AdamW, expected a mapping of its keys (lr, weight_decay, betas, eps), "
+        "or the path of a YAML file of them")
