@@ -185,7 +185,7 @@ def valid_keys_hints(message: str) -> List[str]:
     import inspect
 
     hints = []
-    for class_path, key in re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message):
+    for class_path, key in re.findall(r"class_path '([\w.]+)':\s*Option '([\w.]+)' is not accepted", message):
         module_name, _, class_name = class_path.rpartition(".")
         try:
             cls = getattr(importlib.import_module(module_name), class_name)

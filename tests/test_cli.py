@@ -343,3 +343,15 @@ def test_the_optimizer_given_as_litgpt_gives_it_says_what_it_takes(tmp_path, cap
     assert parse_error(["pretrain", "--model_name", "gla-debug", "--optimizer", "AdamW"], capsys) == (
         "fabric-lin pretrain: error: optimizer: got AdamW, expected a mapping of its keys (lr, weight_decay, betas, eps), "
         "or the path of a YAML file of them")
+
+
+def test_an_unknown_nested_mapping_in_model_config_is_named(tmp_path, capsys):
+    """An fla config.json given as --model_config (flame's configs are fla's) holds a mapping that Config does not take
+    (`fabric_lin: {name: ...}` in an export's): the error printed the whole file and said "expected null"."""
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 128, "fabric_lin": {"name": "gla-debug"}}))
+    assert parse_error(["pretrain", "--model_config", str(config)], capsys).startswith(
+        "fabric-lin pretrain: error: model_config: fabric_lin.config.Config has no option 'fabric_lin.name'; valid options "
+        "are: name, block_type, vocab_size, hidden_size,")
