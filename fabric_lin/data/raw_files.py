@@ -43,11 +43,17 @@ def check_input_dir(input_dir: Path, has_pattern: bool = False) -> None:
         raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
 
 
+def listed_file(path: Path) -> bool:
+    """A file, or a symbolic link to a file that is not there (a dataset whose files were never fetched, e.g. with
+    git-annex): the link is kept for its reader to name as unreadable, where leaving it out would go unsaid."""
+    return path.is_file() or (path.is_symlink() and not path.exists())
+
+
 def find_files(input_dir: Union[str, Path], suffix: str) -> List[Path]:
     """All files under `input_dir` (recursively) whose name ends with `suffix`, sorted."""
     input_dir = Path(input_dir)
     check_input_dir(input_dir)
-    files = sorted(p for p in input_dir.rglob(f"*{suffix}") if p.is_file())
+    files = sorted(p for p in input_dir.rglob(f"*{suffix}") if listed_file(p))
     if not files:
         raise MissingFile(f"No *{suffix} files found under {input_dir} (searched recursively)")
     return files
@@ -208,7 +214,7 @@ def find_text_files(input_dir: Union[str, Path], pattern: str = "**/*") -> Tuple
     check_input_dir(input_dir, has_pattern=True)
     if not pattern or Path(pattern).is_absolute():
         raise InvalidValue(f"--pattern {pattern!r}: expected a glob relative to --input_dir, e.g. '**/*.parquet'")
-    matched = sorted(p for p in input_dir.glob(pattern) if p.is_file())
+    matched = sorted(p for p in input_dir.glob(pattern) if listed_file(p))
     files = [p for p in matched if p.name.endswith(TEXT_SUFFIXES)]
     others = [p for p in matched if not p.name.endswith(TEXT_SUFFIXES)]
     if not files:
