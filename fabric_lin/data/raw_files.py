@@ -26,6 +26,23 @@ class BadFileError(UserError):
 
 # JSON-lines files (plain or compressed) are read this many bytes at a time.
 READ_BLOCK_BYTES = 1 << 20
+# What a Git LFS pointer file starts with; the pointer is less than this many bytes (the LFS specification)
+LFS_POINTER_START = b"version https://git-lfs.github.com/spec/v1\n"
+LFS_POINTER_MAX_BYTES = 1024
+
+
+def refuse_lfs_pointer(path: Union[str, Path]) -> None:
+    """A clone of a dataset made without Git LFS holds small pointer files where the data should be (the hub's
+    SlimPajama and Starcoder are such repositories): refused as what it is, where the readers would call it corrupt
+    zstd or parquet, or read a .txt pointer as a document."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(LFS_POINTER_MAX_BYTES)
+    except OSError:
+        return  # the reader names a file it cannot read
+    if start.startswith(LFS_POINTER_START) and len(start) < LFS_POINTER_MAX_BYTES:
+        raise BadFileError(path, "a Git LFS pointer, not the file's content: fetch the files with `git lfs pull` in the "
+                                 "clone (after `git lfs install`)")
 
 
 def _one_line(err: Exception) -> str:
@@ -106,6 +123,7 @@ def read_slimpajama_file(path: Union[str, Path]) -> List[Tuple[str, Optional[str
     """(text, meta.redpajama_set_name) for every JSON line of a SlimPajama `.jsonl.zst` file.
 
     The whole file is checked before anything is returned, so a bad file contributes nothing."""
+    refuse_lfs_pointer(path)
     data = decompress_zstd(path)
     try:
         content = data.decode("utf-8")
@@ -163,6 +181,7 @@ def iter_parquet_texts(
     """Lists of up to `batch_size` non-null strings of `column`, read batch by batch."""
     import pyarrow as pa
 
+    refuse_lfs_pointer(path)
     parquet_file = open_parquet(path, column)
     rows_done = 0
     try:
@@ -248,6 +267,7 @@ def iter_text_documents(path: Union[str, Path], key: str = "text", batch_size: i
     order mark at the start of a file is not part of it. A bad row is reported in the batch and left out, and so
     is a blank document; a file that cannot be read on raises BadFileError (after the batches read before the
     damage)."""
+    refuse_lfs_pointer(path)
     name = Path(path).name
     if name.endswith(".parquet"):
         yield from _iter_parquet_documents(path, key, batch_size)
