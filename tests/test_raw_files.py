@@ -87,8 +87,8 @@ def test_a_git_lfs_pointer_is_named_as_one_by_every_reader(tmp_path):
                                                                                        ".json.gz", ".parquet")}}
     for name, read in readers.items():
         (tmp_path / name).write_text(pointer)
-        with pytest.raises(BadFileError, match=r"a Git LFS pointer, not the file's content: fetch the files with "
-                                               r"`git lfs pull`"):
+        with pytest.raises(BadFileError, match=r"a Git LFS pointer, not the file's content: fetch it with "
+                                               r"`git lfs pull` in its clone"):
             read(tmp_path / name)
     (tmp_path / "notes.txt").write_text(pointer + "and a document that goes on " * 40)  # past a pointer's 1024 bytes
     assert list(iter_text_documents(tmp_path / "notes.txt"))[0].texts == [(tmp_path / "notes.txt").read_text()]

@@ -215,3 +215,21 @@ def test_train_tokenizer_refuses_an_output_dir_that_holds_a_tokenizer_or_cannot_
         err = cli_error([*argv, "--output_dir", str(output_dir)], capsys)
         assert err == f"fabric-lin train_tokenizer: error: --output_dir {output_dir}: {tmp_path / 'a_file'} is a file, " \
                       f"expected a directory or nothing there\n", err
+
+
+def test_a_tokenizer_or_weights_file_that_is_a_git_lfs_pointer_is_named_as_one(tmp_path):
+    """Llama-2's tokenizer.model and a model's weights cloned from the hub without Git LFS are pointer files: they were
+    said to be 'truncated or damaged (an interrupted copy or download)'."""
+    from fabric_lin.errors import UserError
+    from fabric_lin.weights import load_safetensors, torch_load_tensors
+
+    pointer = ("version https://git-lfs.github.com/spec/v1\n"
+               "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 499723\n")
+    for name in ("tokenizer.model", "model.safetensors", "lit_model.pth"):
+        (tmp_path / name).write_text(pointer)
+    fix = r"is a Git LFS pointer, not the file's content: fetch it with `git lfs pull` in its clone \(after `git lfs install`\)$"
+    for read, given, named in ((Tokenizer, tmp_path, "tokenizer.model"), (load_safetensors, tmp_path / "model.safetensors",
+                                                                          "model.safetensors"),
+                               (torch_load_tensors, tmp_path / "lit_model.pth", "lit_model.pth")):
+        with pytest.raises(UserError, match=rf"^{tmp_path / named} {fix}"):
+            read(given)

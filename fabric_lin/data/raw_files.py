@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator, List, NamedTuple, Optional, Tuple, Union
 
 from fabric_lin.errors import InvalidValue, MissingFile, UserError
+from fabric_lin.files import LFS_POINTER_FIX, is_lfs_pointer
 
 
 class BadFileError(UserError):
@@ -26,23 +27,14 @@ class BadFileError(UserError):
 
 # JSON-lines files (plain or compressed) are read this many bytes at a time.
 READ_BLOCK_BYTES = 1 << 20
-# What a Git LFS pointer file starts with; the pointer is less than this many bytes (the LFS specification)
-LFS_POINTER_START = b"version https://git-lfs.github.com/spec/v1\n"
-LFS_POINTER_MAX_BYTES = 1024
 
 
 def refuse_lfs_pointer(path: Union[str, Path]) -> None:
     """A clone of a dataset made without Git LFS holds small pointer files where the data should be (the hub's
     SlimPajama and Starcoder are such repositories): refused as what it is, where the readers would call it corrupt
     zstd or parquet, or read a .txt pointer as a document."""
-    try:
-        with open(path, "rb") as f:
-            start = f.read(LFS_POINTER_MAX_BYTES)
-    except OSError:
-        return  # the reader names a file it cannot read
-    if start.startswith(LFS_POINTER_START) and len(start) < LFS_POINTER_MAX_BYTES:
-        raise BadFileError(path, "a Git LFS pointer, not the file's content: fetch the files with `git lfs pull` in the "
-                                 "clone (after `git lfs install`)")
+    if is_lfs_pointer(path):
+        raise BadFileError(path, f"a Git LFS pointer, not the file's content: {LFS_POINTER_FIX}")
 
 
 def _one_line(err: Exception) -> str:
