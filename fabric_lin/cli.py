@@ -91,12 +91,16 @@ def one_line_parse_error(message: str, parser) -> str:
         import difflib
 
         given = unknown.group(1).split()
+        positionals = [a.dest for a in getattr(parser, "_actions", []) if not a.option_strings and a.dest != "help"]
         if given and not any(a.startswith("-") for a in given):  # words after the positional arguments
-            positionals = [a.dest for a in getattr(parser, "_actions", []) if not a.option_strings and a.dest != "help"]
             takes = f"takes {len(positionals)}: {', '.join(positionals)}" if positionals else "takes none"
             return (f"unexpected argument {' '.join(given)}: this command {takes}; the rest are options "
                     f"(--name value)")
         option = next((a.split("=")[0] for a in given if a.startswith("--")), given[0] if given else "")
+        if option[2:] in positionals:  # `generate --checkpoint_dir DIR`, as convert_from_llama takes it
+            prog = parser.prog.replace(" [options]", "")
+            return (f"unknown option {option}: {option[2:]} is this command's argument, given without a name: "
+                    f"{prog} {' '.join(name.upper() for name in positionals)} [options]")
         options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
         close = difflib.get_close_matches(option, options, n=1, cutoff=0.75)
         return f"unknown option {option}" + (f" (did you mean {close[0]}?)" if close else "") + (

@@ -355,3 +355,12 @@ def test_an_unknown_nested_mapping_in_model_config_is_named(tmp_path, capsys):
     assert parse_error(["pretrain", "--model_config", str(config)], capsys).startswith(
         "fabric-lin pretrain: error: model_config: fabric_lin.config.Config has no option 'fabric_lin.name'; valid options "
         "are: name, block_type, vocab_size, hidden_size,")
+
+
+@pytest.mark.parametrize("command,name", [("generate", "checkpoint_dir"), ("convert_to_hf", "model_dir")])
+def test_a_positional_argument_given_by_name_says_how_it_is_given(tmp_path, capsys, command, name):
+    """convert_from_llama takes --checkpoint_dir DIR, generate, evaluate and the other converters the directory alone:
+    `generate --checkpoint_dir DIR` was an "unknown option" and no more."""
+    assert parse_error([command, f"--{name}", str(tmp_path)], capsys) == (
+        f"fabric-lin {command}: error: unknown option --{name}: {name} is this command's argument, given without a "
+        f"name: fabric-lin {command} {name.upper()} [options]")
