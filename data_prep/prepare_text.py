@@ -36,6 +36,7 @@ from fabric_lin.data.raw_files import BadFileError, find_text_files, iter_text_d
 from fabric_lin.data.recipe import (
     TokenizeRecipe,
     check_chunk_size,
+    check_fast_dev_run,
     check_num_workers,
     default_num_workers,
     file_record,
@@ -152,6 +153,7 @@ def prepare(
         raise InvalidValue(f"--val_fraction {val_fraction}: expected a share of the documents, at least 0 and below 1")
     check_chunk_size(chunk_size)
     check_num_workers(num_workers)
+    check_fast_dev_run(fast_dev_run)
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
     # never mixed with the chunks of an earlier run: the trainer would read both
     check_empty_output_dir(output_dir)

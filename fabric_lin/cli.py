@@ -16,7 +16,8 @@ import importlib  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
-from typing import Callable, Dict, List, Optional  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
 
 DEBUG_ENV = "FABRIC_LIN_DEBUG"
 FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
@@ -75,6 +76,13 @@ def report(prog: str, message: str) -> None:
         print(f"{prog}: {message}", file=sys.stderr, flush=True)
 
 
+# What the keys whose value is a class take, as the one-line errors say it (jsonargparse speaks of import paths)
+CLASS_VALUES = {
+    "data": "a data module (SampleCorpus, LongDocuments, TokenChunks, SlimPajamaStarcoder, TextFiles or an import path)",
+    "model_config": "a mapping of fabric_lin.config.Config's fields (hidden_size, num_layers, ...)",
+}
+
+
 def one_line_parse_error(message: str, parser) -> str:
     """jsonargparse's message for a bad command line or config value (up to a dozen lines) as one line:
     the key, the value given and what is expected."""
@@ -83,17 +91,37 @@ def one_line_parse_error(message: str, parser) -> str:
         import difflib
 
         given = unknown.group(1).split()
+        positionals = [a.dest for a in getattr(parser, "_actions", []) if not a.option_strings and a.dest != "help"]
         if given and not any(a.startswith("-") for a in given):  # words after the positional arguments
-            positionals = [a.dest for a in getattr(parser, "_actions", []) if not a.option_strings and a.dest != "help"]
             takes = f"takes {len(positionals)}: {', '.join(positionals)}" if positionals else "takes none"
             return (f"unexpected argument {' '.join(given)}: this command {takes}; the rest are options "
                     f"(--name value)")
         option = next((a.split("=")[0] for a in given if a.startswith("--")), given[0] if given else "")
+        if option[2:] in positionals:  # `generate --checkpoint_dir DIR`, as convert_from_llama takes it
+            prog = parser.prog.replace(" [options]", "")
+            return (f"unknown option {option}: {option[2:]} is this command's argument, given without a name: "
+                    f"{prog} {' '.join(name.upper() for name in positionals)} [options]")
         options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
         close = difflib.get_close_matches(option, options, n=1, cutoff=0.75)
         return f"unknown option {option}" + (f" (did you mean {close[0]}?)" if close else "") + (
             "; options are not abbreviated" if close and close[0].startswith(option) else ""
         )
+    rejected = re.match(r"Subcommand '[^']+' does not accept option '([\w.]+)'", message)
+    if rejected:
+        return " ".join(message.split()) + unknown_key_hint(rejected.group(1), parser)
+    groups = option_groups(parser)
+    # a group given as LitGPT gives its optimizer: `optimizer: {class_path: torch.optim.AdamW, init_args: ...}`
+    class_path = re.match(r"Subclasses are disabled for (\w+), thus '([^']+)' is not accepted as class_path", message)
+    if class_path:
+        key = next((k for k, (name, _) in groups.items() if name == class_path.group(1)), class_path.group(1))
+        keys = ", ".join(groups[key][1]) if key in groups else ""
+        return (f"{key}: class_path {class_path.group(2)} is not taken: give the keys of {key} ({keys}) themselves, "
+                f"without class_path and init_args")
+    # a group given a word that is no YAML file (`--optimizer AdamW`)
+    unloadable = re.match(r'Parser key "([\w.]+)":\s*Unable to load config \'([^\']*)\'', message)
+    if unloadable and unloadable.group(1) in groups:
+        key, given = unloadable.groups()
+        return group_value_error(key, given, groups[key][1]) + ", or the path of a YAML file of them"
     keyed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.S)
     if not keyed:
         return " ".join(message.split())
@@ -103,12 +131,11 @@ def one_line_parse_error(message: str, parser) -> str:
         return f"{key}: " + "; ".join(unknown_options)
     given = re.search(r"(?:Given|Got) value: (.*)", rest)
     expected = []
-    for what in re.findall(r"Expected a (.+?)(?:\. Got value:.*)?$", rest, re.M):
+    for what in re.findall(r"(?:Expected a|Not a valid subclass of) (.+?)(?:\. Got value:.*)?$", rest, re.M):
         if what.startswith("path but") and len(re.findall("Expected a ", rest)) > 1:
             continue  # jsonargparse also tried the value as a config file name
-        if what.startswith("dot import path string"):
-            what = ("a data module (SampleCorpus, LongDocuments, TokenChunks, SlimPajamaStarcoder, TextFiles or an import path)" if key == "data"
-                    else "a class name or import path")
+        if what.startswith("dot import path string") or what.startswith(("DataModule", "Config")):
+            what = CLASS_VALUES.get(key, "a class name or import path")
         else:
             what = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", what).replace("NoneType", "null")
             what = re.sub(r"typing\.Literal\[(.*)\]", r"one of \1", what)
@@ -119,24 +146,57 @@ def one_line_parse_error(message: str, parser) -> str:
     return f"{key}: " + " ".join(rest.split())
 
 
+def unknown_key_hint(key: str, parser) -> str:
+    """For a key that a config file gives and the command does not take (`train.max_step`): the closest key it takes,
+    and the keys of the key's group (the command's own keys for one outside any group)."""
+    import difflib
+
+    keys = [option[2:] for option in getattr(parser, "_option_string_actions", {})
+            if option.startswith("--") and option not in ("--help", "--config", "--print_config")
+            and not option.endswith((".help", "+"))]
+    group = key.rpartition(".")[0]
+    members = [k[len(group) + 1:] for k in keys if group and k.startswith(group + ".")]
+    listed = (f"the keys of {group} are: {', '.join(members)}" if members
+              else f"the keys are: {', '.join(k for k in keys if '.' not in k)}")
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    return (f" (did you mean {close[0]}?)" if close else "") + "; " + listed
+
+
+def option_groups(parser) -> Dict[str, Tuple[str, List[str]]]:
+    """The command's option groups (`train`, `optimizer`, ...): the key of each -> (its class's name, its keys)."""
+    groups = {}
+    for group in getattr(parser, "_action_groups", []):
+        keys = dataclass_fields(getattr(group, "group_class", None))
+        if keys:
+            groups[group.dest] = (group.group_class.__name__, keys)
+    return groups
+
+
+def group_value_error(key: str, given: str, keys: List[str]) -> str:
+    return f"{key}: got {given}, expected a mapping of its keys ({', '.join(keys)})"
+
+
+def dataclass_fields(cls) -> List[str]:
+    """The names of the fields that the dataclass `cls` takes as arguments ([] for anything else)."""
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(cls) if f.init] if dataclasses.is_dataclass(cls) else []
+
+
 def valid_keys_hints(message: str) -> List[str]:
     """For each unknown key that jsonargparse names inside a nested class (`model_config:`, `data.init_args:`),
     the keys the class accepts."""
-    import dataclasses
     import inspect
 
     hints = []
-    for class_path, key in re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message):
+    for class_path, key in re.findall(r"class_path '([\w.]+)':\s*Option '([\w.]+)' is not accepted", message):
         module_name, _, class_name = class_path.rpartition(".")
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError, ValueError):
             hints.append(f"{class_path} has no option {key!r}")
             continue
-        if dataclasses.is_dataclass(cls):
-            valid = [f.name for f in dataclasses.fields(cls) if f.init]
-        else:
-            valid = [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
+        valid = dataclass_fields(cls) or [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
         hints.append(f"{class_path} has no option {key!r}; valid options are: {', '.join(valid)}")
     return hints
 
@@ -171,8 +231,35 @@ def anticipated_cause(error: BaseException) -> Optional[BaseException]:
     return None
 
 
+def expand_home_in_paths() -> None:
+    """A path that an argument, a config file or a data module's option gives (each typed Path) begins with the home
+    directory where it begins with ~, as in a shell. A shell leaves `--out_dir=~/runs/a` and a config file's
+    `out_dir: ~/runs/a` as they are: taken literally, a run's checkpoints would go into a directory named ~ under the
+    current one, while its loggers (which expand ~ themselves) write into the home directory."""
+    from jsonargparse.typing import register_type
+
+    register_type(Path, str, lambda value: Path(os.path.expanduser(value)), type_check=isinstance)
+
+
+def check_config_files(argv: List[str]) -> None:
+    """Each `--config FILE` read before jsonargparse reads it: its own messages for a file that is not YAML, is empty or
+    holds a list name no file ("<unicode string>", "Unexpected config")."""
+    from fabric_lin.errors import InvalidValue
+    from fabric_lin.files import read_yaml
+
+    given = [value for option, value in zip(argv, argv[1:]) if option == "--config"]
+    given += [arg[len("--config="):] for arg in argv if arg.startswith("--config=")]
+    for value in given:
+        if not Path(value).expanduser().is_file():  # inline YAML, or a path that jsonargparse says is missing
+            continue
+        content = read_yaml(Path(value).expanduser())
+        if not isinstance(content, dict):
+            what = "nothing" if content is None else f"a {type(content).__name__}"
+            raise InvalidValue(f"--config {value} holds {what}: expected YAML keys and their values, as in config_hub/debug.yaml")
+
+
 def run(argv: List[str]) -> None:
-    from jsonargparse import CLI, ArgumentParser, set_parsing_settings
+    from jsonargparse import CLI, ArgumentParser, Namespace, set_parsing_settings
 
     class Parser(ArgumentParser):
         def __init__(self, *args, **kwargs):
@@ -189,12 +276,24 @@ def run(argv: List[str]) -> None:
             print(f"{prog}: error: {one_line_parse_error(str(message), parser)}\n({prog} --help lists the options)", file=sys.stderr)
             raise SystemExit(2)
 
+        def instantiate(self, cfg, *args, **kwargs):
+            # jsonargparse takes any value for an option group's key in a config file (`train: 5`, or `train:` whose
+            # keys are all commented out, a null) and fails on it with a TypeError of its own when it builds the group
+            for key, (_, keys) in option_groups(self).items():
+                value = cfg.get(key)
+                if key in cfg and not isinstance(value, Namespace):
+                    self.error(group_value_error(key, "null" if value is None else repr(value), keys)
+                               + ("; to keep their defaults, leave the key out" if value is None else ""))
+            return super().instantiate(cfg, *args, **kwargs)
+
     if len(argv) >= 2 and argv[1] == "list" and argv[0] in ("pretrain", "generate"):
         from fabric_lin.config import name_to_config
 
         print("\n".join(name_to_config))
         return
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    expand_home_in_paths()
+    check_config_files(argv)
     if argv and argv[0] in COMMANDS:
         components = {argv[0]: load_command(argv[0])}
     else:  # `fabric-lin --help` or an unknown subcommand: list every one that imports

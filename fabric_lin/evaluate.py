@@ -137,7 +137,7 @@ def main(
             raise InvalidValue("--max_batches 0 leaves nothing to evaluate: give --tasks, or more batches")
         raise InvalidValue(
             f"{checkpoint_dir} is a {checkpoint.kind}, which names no validation data (a training checkpoint's "
-            f"{HPARAMS_FILE} does): give --data (e.g. --data TextFiles --data.train_dir DIR --data.val_dir DIR) or --tasks"
+            f"{HPARAMS_FILE} does): give --data (e.g. --data TextFiles --data.val_dir DIR) or --tasks"
         )
     if task_names and checkpoint.tokenizer is None:
         raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text")

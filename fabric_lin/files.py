@@ -1,5 +1,5 @@
 """Reading the files a user gives, where a file that cannot be parsed is one error naming it (`reading`,
-`read_yaml`, `read_json`); writing a command's outputs: whole files, renamed into place, with the mode any new
+`read_yaml`, `read_json`; a Git LFS pointer in its place is named as one); writing a command's outputs: whole files, renamed into place, with the mode any new
 file gets; and output directories that a failed command removes again when it wrote nothing into them."""
 import json
 import os
@@ -11,6 +11,21 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Type, Union
 from fabric_lin.errors import AlreadyExists, InvalidValue
 
 DAMAGED_FILE_FIX = "it may be truncated or damaged (an interrupted copy or download): copy or write it again"
+# What a Git LFS pointer file starts with; a pointer is less than this many bytes (the LFS specification)
+LFS_POINTER_START = b"version https://git-lfs.github.com/spec/v1\n"
+LFS_POINTER_MAX_BYTES = 1024
+LFS_POINTER_FIX = "fetch it with `git lfs pull` in its clone (after `git lfs install`)"
+
+
+def is_lfs_pointer(path: Union[str, Path]) -> bool:
+    """Whether the file `path` is a Git LFS pointer: what a clone made without Git LFS holds in place of each large
+    file (a dataset's shards, a model's weights or tokenizer.model on the Hugging Face hub)."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(LFS_POINTER_MAX_BYTES)
+    except OSError:
+        return False
+    return start.startswith(LFS_POINTER_START) and len(start) < LFS_POINTER_MAX_BYTES
 
 
 @contextmanager
@@ -25,6 +40,8 @@ def reading(path: Union[str, Path], what: str, *parse_errors: Type[BaseException
     except parse_errors as error:
         if isinstance(error, OSError) and error.filename:
             raise
+        if is_lfs_pointer(path):
+            raise InvalidValue(f"{path} is a Git LFS pointer, not the file's content: {LFS_POINTER_FIX}") from None
         mark = getattr(error, "problem_mark", None)  # a YAML parser's place in the file
         if mark is not None and getattr(error, "problem", None):
             detail = f"{error.problem} at line {mark.line + 1}, column {mark.column + 1}"

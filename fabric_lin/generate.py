@@ -86,7 +86,9 @@ def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], gener
     logits = logits.float()
     if temperature <= 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # the largest logit made 0 first: a temperature near 0 then sends the others to -inf, where dividing the logits
+    # themselves would overflow to inf (and the softmax of two infinities is NaN); the distribution is the same
+    logits = (logits - logits.max()) / temperature
     if top_k and top_k < logits.shape[-1]:
         threshold = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < threshold, float("-inf"))

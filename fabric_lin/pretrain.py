@@ -43,7 +43,7 @@ from fabric_lin.cpu_cores import cores_busy_with_other_work, usable_cpu_cores
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import environment_variables, missing_ancestors, remove_empty_dirs
+from fabric_lin.files import check_dir_can_be_made, environment_variables, missing_ancestors, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FUSED_NOTE as FP8_FUSED_NOTE, TENSORWISE_NOTE as FP8_TENSORWISE_NOTE, FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import TokenSchedule, learning_rate
@@ -164,6 +164,7 @@ def setup(
     if initial_checkpoint_dir is not None and not Path(initial_checkpoint_dir).is_dir():
         raise MissingFile(f"--initial_checkpoint_dir {initial_checkpoint_dir} is not a directory (expected a model directory)")
     out_dir = Path(out_dir)
+    check_dir_can_be_made(out_dir, "--out_dir")
     check_earlier_run(out_dir, resume, overwrite)
     created = missing_ancestors(out_dir)
     fabric = None

@@ -236,6 +236,131 @@ def test_an_output_directory_that_a_file_is_in_the_way_of_is_one_line(tmp_path, 
     prepare_text = ["prepare_text", "--input_dir", str(tmp_path / "raw"), "--tokenizer_path", str(tmp_path / "model")]
     for command, option, path in ((prepare_text, "--output_dir", a_file), (prepare_text, "--output_dir", a_file / "out"),
                                   (["evaluate", str(tmp_path / "model")], "--out_dir", a_file / "out"),
-                                  (["convert_to_hf", str(tmp_path / "model")], "--output_dir", a_file / "out")):
+                                  (["convert_to_hf", str(tmp_path / "model")], "--output_dir", a_file / "out"),
+                                  (["pretrain", "--model_name", "gla-debug", "--train.max_steps", "1"], "--out_dir", a_file)):
         err = cli_error([*command, option, str(path)], capsys)
         assert err.endswith(f": error: {option} {path}: {a_file} is a file, expected a directory or nothing there\n"), err
+
+
+def parse_error(argv, capsys) -> str:
+    """The one-line error of a command line or config file that jsonargparse refuses, followed by the --help hint."""
+    from fabric_lin.cli import main as cli_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == 2
+    line, hint = capsys.readouterr().err.splitlines()
+    assert hint == f"(fabric-lin {argv[0]} --help lists the options)"
+    return line
+
+
+@pytest.mark.parametrize("content,key,closest,listed", [
+    ("model_name: gla-debug\ntrain:\n  max_step: 3\n", "train.max_step", "train.max_steps",
+     "the keys of train are: save_interval, log_interval, global_batch_size, micro_batch_size, lr_warmup_steps, "
+     "max_tokens, max_steps, max_seq_length, max_norm, min_lr, lr_schedule, wsd_decay_fraction, keep_last_n, "
+     "max_nonfinite_steps"),
+    ("model_name: gla-debug\ntrian:\n  max_steps: 3\n", "trian.max_steps", "train.max_steps", "the keys are: model_name, "),
+    ("model_name: gla-debug\nbogus_key: 1\n", "bogus_key", None, "the keys are: model_name, model_config, out_dir, "),
+])
+def test_a_config_files_unknown_key_is_named_with_the_closest_and_the_keys_of_its_group(tmp_path, capsys, content, key,
+                                                                                      closest, listed):
+    config = tmp_path / "run.yaml"
+    config.write_text(content)
+    err = parse_error(["pretrain", "--config", str(config), "--out_dir", str(tmp_path / "out")], capsys)
+    assert err.startswith(f"fabric-lin pretrain: error: Subcommand 'pretrain' does not accept option '{key}'"
+                          + (f" (did you mean {closest}?)" if closest else ";"))
+    assert listed in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value,shown", [("", "null"), (" 5", "5"), (" [1, 2]", "[1, 2]")])
+def test_an_option_group_given_no_mapping_in_a_config_file_is_one_line(tmp_path, capsys, value, shown):
+    """`train:` with its keys all commented out (a null), or a value that is no mapping: jsonargparse took it and
+    failed building the group (a TypeError's traceback)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model_name: gla-debug\ntrain:{value}\neval:\n  interval: 5\n")
+    err = parse_error(["pretrain", "--config", str(config), "--out_dir", str(tmp_path / "out")], capsys)
+    assert err.startswith(f"fabric-lin pretrain: error: train: got {shown}, expected a mapping of its keys "
+                          "(save_interval, log_interval, global_batch_size, ")
+    assert ("leave the key out" in err) == (shown == "null")
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "{path} holds nothing: expected YAML keys and their values, as in config_hub/debug.yaml"),
+    ("- model_name\n- gla-debug\n", "{path} holds a list: expected YAML keys and their values, as in config_hub/debug.yaml"),
+    ("model_name: gla-debug\ntrain:\n\tmax_steps: 3\n", "{path} cannot be read as YAML: found character '\\t' that cannot "
+                                                         "start any token at line 3, column 1; correct the file, or write it again"),
+])
+def test_a_config_file_that_is_empty_or_no_mapping_or_not_yaml_is_named(tmp_path, capsys, content, message):
+    """jsonargparse's own messages named no file: "Unexpected config:", and a YAML error "in <unicode string>"."""
+    config = tmp_path / "run.yaml"
+    config.write_text(content)
+    err = cli_error(["pretrain", f"--config={config}", "--out_dir", str(tmp_path / "out")], capsys)
+    assert err == "fabric-lin pretrain: error: " + ("--config " if "holds" in message else "") + message.format(path=config) + "\n"
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("data", "5", "a data module (SampleCorpus, LongDocuments, TokenChunks, SlimPajamaStarcoder, TextFiles or an import path)"),
+    ("model_config", "5", "a mapping of fabric_lin.config.Config's fields (hidden_size, num_layers, ...)"),
+])
+def test_a_class_key_given_a_number_says_what_it_takes(tmp_path, capsys, key, value, expected):
+    """In a config file jsonargparse words the refusal otherwise than on the command line ("Not a valid subclass"),
+    and the one-line error said only "expected null"."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"{key}: {value}\n" + ("model_name: gla-debug\n" if key == "data" else ""))
+    for argv in (["--config", str(config)], [f"--{key}", value]):
+        err = parse_error(["pretrain", *argv, "--out_dir", str(tmp_path / "out")], capsys)
+        assert err == f"fabric-lin pretrain: error: {key}: got {value}, expected {expected} or null"
+
+
+def test_a_path_that_begins_with_a_tilde_is_in_the_home_directory(tmp_path, capsys, monkeypatch):
+    """As a shell reads ~: `--out_dir=~/runs/a` (a shell expands no ~ after `=`) and a config file's paths went to a
+    directory named ~ under the current one, while the run's loggers wrote into the home directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "runs").write_text("")  # a file where the run's directory would go: the run stops there
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir=~/runs/a", "--train.max_steps", "1"], capsys)
+    assert err == f"fabric-lin pretrain: error: --out_dir {tmp_path / 'home' / 'runs' / 'a'}: {tmp_path / 'home' / 'runs'} is a file, expected a directory or nothing there\n"
+    config = tmp_path / "run.yaml"
+    config.write_text("model_name: gla-debug\nout_dir: ~/out\ntrain:\n  max_steps: 1\n"
+                      "data:\n  class_path: TokenChunks\n  init_args:\n    data_path: ~/data/train\n")
+    err = cli_error(["pretrain", "--config", str(config)], capsys)
+    assert f"Prepared data directory '{tmp_path / 'home' / 'data' / 'train'}' does not exist" in err
+    assert cli_error(["generate", "~/model"], capsys) == f"fabric-lin generate: error: checkpoint_dir '{tmp_path / 'home' / 'model'}' is not a directory\n"
+    assert not (tmp_path / "~").exists()
+
+
+def test_the_optimizer_given_as_litgpt_gives_it_says_what_it_takes(tmp_path, capsys):
+    """LitGPT's `optimizer: {class_path: torch.optim.AdamW, init_args: ...}` was told to call set_parsing_settings, and
+    `--optimizer AdamW` "Unable to load config 'AdamW'"."""
+    config = tmp_path / "run.yaml"
+    config.write_text("model_name: gla-debug\noptimizer:\n  class_path: torch.optim.AdamW\n  init_args:\n    lr: 4.0e-4\n")
+    assert parse_error(["pretrain", "--config", str(config)], capsys) == (
+        "fabric-lin pretrain: error: optimizer: class_path torch.optim.AdamW is not taken: give the keys of optimizer "
+        "(lr, weight_decay, betas, eps) themselves, without class_path and init_args")
+    assert parse_error(["pretrain", "--model_name", "gla-debug", "--optimizer", "AdamW"], capsys) == (
+        "fabric-lin pretrain: error: optimizer: got AdamW, expected a mapping of its keys (lr, weight_decay, betas, eps), "
+        "or the path of a YAML file of them")
+
+
+def test_an_unknown_nested_mapping_in_model_config_is_named(tmp_path, capsys):
+    """An fla config.json given as --model_config (flame's configs are fla's) holds a mapping that Config does not take
+    (`fabric_lin: {name: ...}` in an export's): the error printed the whole file and said "expected null"."""
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 128, "fabric_lin": {"name": "gla-debug"}}))
+    assert parse_error(["pretrain", "--model_config", str(config)], capsys).startswith(
+        "fabric-lin pretrain: error: model_config: fabric_lin.config.Config has no option 'fabric_lin.name'; valid options "
+        "are: name, block_type, vocab_size, hidden_size,")
+
+
+@pytest.mark.parametrize("command,name", [("generate", "checkpoint_dir"), ("convert_to_hf", "model_dir")])
+def test_a_positional_argument_given_by_name_says_how_it_is_given(tmp_path, capsys, command, name):
+    """convert_from_llama takes --checkpoint_dir DIR, generate, evaluate and the other converters the directory alone:
+    `generate --checkpoint_dir DIR` was an "unknown option" and no more."""
+    assert parse_error([command, f"--{name}", str(tmp_path)], capsys) == (
+        f"fabric-lin {command}: error: unknown option --{name}: {name} is this command's argument, given without a "
+        f"name: fabric-lin {command} {name.upper()} [options]")

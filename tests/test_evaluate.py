@@ -211,6 +211,21 @@ def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
     assert (sharded.parent / "evaluate" / sharded.name / "evaluate.json").is_file()  # beside the checkpoint, not in it
 
 
+def test_token_chunks_with_its_val_path_alone_is_evaluated(run, tmp_path):
+    """evaluate reads the validation split alone, and its error for data without one says to give `TokenChunks
+    --data.val_path DIR`: done so, it was refused for want of a data_path (training data)."""
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+    from fabric_lin.data import TokenChunks
+
+    convert_pretrained_checkpoint(run / "out" / "final", tmp_path / "model")
+    options = dict(seq_len=TRAIN_LEN, batch_size=2, max_batches=2)
+    alone = evaluate(tmp_path / "model", data=TokenChunks(val_path=run / "val", num_workers=0), **options)
+    both = evaluate(tmp_path / "model", data=TokenChunks(data_path=run / "train", val_path=run / "val", num_workers=0),
+                    out_dir=tmp_path / "both", **options)
+    assert alone["lengths"][0]["data_fingerprint"] == both["lengths"][0]["data_fingerprint"]
+    assert alone["lengths"][0]["loss"] == both["lengths"][0]["loss"]
+
+
 def test_a_model_without_a_tokenizer_checks_the_data_against_its_record_or_says_it_cannot(run, tmp_path, capsys):
     """With its tokenizer.model, a model directory refuses data of another one; without it, its trained_with.json does:
     the data of the recorded tokenizer is evaluated, the data of another is refused naming both; without the record

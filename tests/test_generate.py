@@ -103,6 +103,15 @@ def test_sample_follows_softmax_of_logits_over_temperature_within_top_k():
     assert sample(logits, 0.0, None).item() == 3
 
 
+def test_a_temperature_near_zero_samples_the_most_likely_token():
+    """Logits over a temperature of 1e-40 overflow fp32 (30 / 1e-40 is inf, and the softmax of two infinities NaN):
+    torch.multinomial's RuntimeError, where the most likely token is what such a temperature means."""
+    logits = torch.tensor([1.0, 30.0, -5.0, 29.9])
+    for temperature in (1e-30, 1e-40, 1e-45):
+        for top_k in (None, 2):
+            assert sample(logits, temperature, top_k, torch.Generator().manual_seed(0)).item() == 1
+
+
 def test_generation_stops_after_eos_and_keeps_it():
     model = debug_model("gla-debug")
     ids = torch.tensor([5, 6, 7])

@@ -402,6 +402,16 @@ def test_a_negative_worker_count_is_one_line(paragraphs_tokenizer, text_corpus, 
     assert not (tmp_path / "out").exists()
 
 
+def test_a_negative_fast_dev_run_is_one_line(paragraphs_tokenizer, text_corpus, tmp_path, capsys):
+    # files[:-1]: a run on every file but the last, its first line saying "the first -1 of the N input files"
+    for command in ("prepare_text", "prepare_slimpajama", "prepare_starcoder"):
+        err = cli_error([command, "--input_dir", str(text_corpus["raw"]), "--output_dir", str(tmp_path / "out"),
+                         "--tokenizer_path", str(paragraphs_tokenizer), "--fast_dev_run", "-1"], capsys)
+        assert err.endswith("error: --fast_dev_run -1: expected true (the first 10 files), a number of files to read "
+                            "(the first ones, sorted by path) or false (0: every file)\n"), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tokenizer_without_an_end_of_text_token_is_one_line(text_corpus, tmp_path, capsys):
     """Every document is written with EOS after it: a tokenizer that defines none is refused before any worker starts
     (it was a traceback from within litdata's worker, for each of the three commands)."""

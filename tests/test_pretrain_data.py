@@ -69,6 +69,31 @@ def test_error_max_seq_length_beyond_the_data(tmp_path, prepared):
     assert not (tmp_path / "out" / "final").exists()
 
 
+@pytest.mark.parametrize("damage,message", [
+    # litdata waits for a chunk file to reach its size in index.json (a download in progress): a run on a cut one hung
+    (lambda d: os.truncate(d / "chunk-0-1.bin", 100),
+     r"{d} is damaged: chunk-0-1.bin has 100 bytes, 2,012 in index.json \(truncated\); copy the directory again"),
+    (lambda d: (d / "chunk-0-2.bin").open("ab").write(b"more"), r"chunk-0-2.bin has 2,016 bytes, 2,012 in index.json \(grown\)"),
+    (lambda d: (d / "index.json").write_bytes(b"\xff\xfe{"), r"{d}/index.json cannot be read as JSON: 'utf-8' codec can't decode"),
+    (lambda d: (d / "prepared.json").write_text("[]"), r"{d}/prepared.json: expected a JSON object, got list"),
+    (lambda d: (d / "index.json").write_text('{"chunks": [{"dim": 1000}]}'),
+     r"{d}/index.json: expected litdata's index: a list of chunks, each with its filename"),
+])
+def test_a_damaged_prepared_directory_is_named_not_read(tmp_path, prepared, damage, message):
+    """A chunk file of another size than its index gives, an index or prepared.json that is no JSON object or
+    lists a chunk without its file: one error naming the file (a traceback of UnicodeDecodeError, AttributeError or
+    KeyError, or for the chunk a run that waited for ever)."""
+    import shutil
+
+    from fabric_lin.data import check_prepared_dir
+    from fabric_lin.errors import UserError
+
+    directory = shutil.copytree(prepared / "tokens300", tmp_path / "tokens")
+    damage(directory)
+    with pytest.raises(UserError, match=message.format(d=directory)):
+        check_prepared_dir(directory)
+
+
 def test_error_data_vocab_larger_than_the_model_without_tokenizer(tmp_path, prepared):
     """No tokenizer_dir: prepared.json's vocab_size (300) is checked against the model's (256)."""
     from fabric_lin.data import TokenChunks

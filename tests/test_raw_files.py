@@ -58,3 +58,37 @@ def test_parquet_row_groups_read_in_several_batches(tmp_path):
     assert [i for b in batches for i in b.indices] == list(range(12))  # row numbers of the file, from 0
     assert [len(b.texts) for b in batches] == [2, 2, 1, 2, 2, 1, 2]
     assert [t for batch in iter_parquet_texts(path, column="text", batch_size=2) for t in batch] == texts
+
+
+def test_a_link_to_a_file_that_is_not_there_is_found_and_named_by_its_reader(tmp_path):
+    """A dataset whose files were never fetched (git-annex's links into its object store) was read as if those files
+    did not exist: left out of the run and of its summary, unsaid."""
+    from fabric_lin.data.raw_files import BadFileError, find_files, find_text_files
+
+    (tmp_path / "a.txt").write_text("a document")
+    for name in ("b.txt", "c.jsonl.zst", "d.parquet"):
+        (tmp_path / name).symlink_to(tmp_path / "not-fetched" / name)
+    assert find_text_files(tmp_path) == ([tmp_path / name for name in ("a.txt", "b.txt", "c.jsonl.zst", "d.parquet")], [])
+    assert find_files(tmp_path, ".jsonl.zst") == [tmp_path / "c.jsonl.zst"]
+    for name in ("b.txt", "c.jsonl.zst", "d.parquet"):
+        with pytest.raises(BadFileError, match="No such file or directory"):
+            list(iter_text_documents(tmp_path / name))
+
+
+def test_a_git_lfs_pointer_is_named_as_one_by_every_reader(tmp_path):
+    """A dataset cloned without Git LFS holds pointer files: the readers called them corrupt zstd or parquet, and a
+    .txt pointer became a training document."""
+    from fabric_lin.data.raw_files import BadFileError
+
+    pointer = ("version https://git-lfs.github.com/spec/v1\n"
+               "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 12345678\n")
+    readers = {"a.jsonl.zst": read_slimpajama_file, "b.parquet": lambda p: list(iter_parquet_texts(p)),
+               **{f"c{suffix}": lambda p: list(iter_text_documents(p)) for suffix in (".txt", ".jsonl", ".jsonl.zst",
+                                                                                       ".json.gz", ".parquet")}}
+    for name, read in readers.items():
+        (tmp_path / name).write_text(pointer)
+        with pytest.raises(BadFileError, match=r"a Git LFS pointer, not the file's content: fetch it with "
+                                               r"`git lfs pull` in its clone"):
+            read(tmp_path / name)
+    (tmp_path / "notes.txt").write_text(pointer + "and a document that goes on " * 40)  # past a pointer's 1024 bytes
+    assert list(iter_text_documents(tmp_path / "notes.txt"))[0].texts == [(tmp_path / "notes.txt").read_text()]

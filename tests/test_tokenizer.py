@@ -106,6 +106,21 @@ def test_tokenizer_errors_name_the_path(tmp_path):
         Tokenizer(tmp_path / "bad")
 
 
+def test_a_tokenizer_file_given_for_its_directory_and_a_special_token_that_is_no_string_are_named(tokenizer_dir, tmp_path):
+    """--tokenizer_path DIR/tokenizer.model was said not to exist; an eos_token of 5 (an id, not a piece) in
+    tokenizer_config.json was SentencePiece's TypeError traceback."""
+    from fabric_lin.errors import UserError
+
+    with pytest.raises(UserError, match=rf"^{tokenizer_dir / 'tokenizer.model'} is a file: expected the directory that "
+                                        rf"holds tokenizer.model \(and tokenizer_config.json\), here {tokenizer_dir}$"):
+        Tokenizer(tokenizer_dir / "tokenizer.model")
+    copy_tokenizer_files(tokenizer_dir, tmp_path / "copy")
+    for value in (5, {"content": 2, "lstrip": False}, ["</s>"]):
+        (tmp_path / "copy" / "tokenizer_config.json").write_text(json.dumps({"eos_token": value}))
+        with pytest.raises(UserError, match=rf"^{tmp_path / 'copy' / 'tokenizer_config.json'}: eos_token="):
+            Tokenizer(tmp_path / "copy")
+
+
 def test_train_tokenizer_without_inputs(tmp_path):
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "notes.md").write_text("not an input format")
@@ -169,6 +184,9 @@ def test_a_vocab_size_the_input_cannot_fill_is_one_line(tmp_path, capsys):
     (["--max_sentences", "0"], "--max_sentences must be at least 1, got 0"),  # was "no text found"
     (["--max_sentence_length", "5"], "--max_sentence_length must be at least 10, got 5"),
     (["--character_coverage", "1.5"], "--character_coverage must be in [0.98, 1]"),
+    # SentencePiece's own check ended in a C++ assertion's traceback
+    (["--num_threads", "-2"], "--num_threads must be 0 (every core) or at most 1024 (SentencePiece's limit), got -2"),
+    (["--num_threads", "1025"], "--num_threads must be 0 (every core) or at most 1024 (SentencePiece's limit), got 1025"),
 ])
 def test_train_tokenizer_settings_are_checked_before_reading(tmp_path, capsys, flags, message):
     (tmp_path / "raw").mkdir()
@@ -197,3 +215,21 @@ def test_train_tokenizer_refuses_an_output_dir_that_holds_a_tokenizer_or_cannot_
         err = cli_error([*argv, "--output_dir", str(output_dir)], capsys)
         assert err == f"fabric-lin train_tokenizer: error: --output_dir {output_dir}: {tmp_path / 'a_file'} is a file, " \
                       f"expected a directory or nothing there\n", err
+
+
+def test_a_tokenizer_or_weights_file_that_is_a_git_lfs_pointer_is_named_as_one(tmp_path):
+    """Llama-2's tokenizer.model and a model's weights cloned from the hub without Git LFS are pointer files: they were
+    said to be 'truncated or damaged (an interrupted copy or download)'."""
+    from fabric_lin.errors import UserError
+    from fabric_lin.weights import load_safetensors, torch_load_tensors
+
+    pointer = ("version https://git-lfs.github.com/spec/v1\n"
+               "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 499723\n")
+    for name in ("tokenizer.model", "model.safetensors", "lit_model.pth"):
+        (tmp_path / name).write_text(pointer)
+    fix = r"is a Git LFS pointer, not the file's content: fetch it with `git lfs pull` in its clone \(after `git lfs install`\)$"
+    for read, given, named in ((Tokenizer, tmp_path, "tokenizer.model"), (load_safetensors, tmp_path / "model.safetensors",
+                                                                          "model.safetensors"),
+                               (torch_load_tensors, tmp_path / "lit_model.pth", "lit_model.pth")):
+        with pytest.raises(UserError, match=rf"^{tmp_path / named} {fix}"):
+            read(given)

@@ -12,6 +12,7 @@ import numpy as np
 
 from fabric_lin.data.tokenizer import Tokenizer, copy_tokenizer_files, describe_tokenizer, tokenizer_identity
 from fabric_lin.errors import InvalidValue, MissingFile
+from fabric_lin.files import read_json
 
 PREPARED_INFO_FILE = "prepared.json"
 INDEX_FILE = "index.json"
@@ -144,17 +145,29 @@ def read_prepared_dir(path: Union[str, Path]) -> dict:
             f"{path} is incomplete: {PREPARED_INFO_FILE} is missing (written last by fabric-lin's preprocessors,"
             " so the run was interrupted or another tool wrote this directory); prepare it again"
         )
-    try:
-        info = json.loads(info_path.read_text(encoding="utf-8"))
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise InvalidValue(f"{path}: unreadable JSON in {info_path.name} or {INDEX_FILE}: {err}") from err
+    info = read_json(info_path)
     if info.get("complete") is not True:
         raise InvalidValue(f"{info_path} does not mark the directory complete; prepare it again")
-    missing = [c["filename"] for c in index.get("chunks", []) if not (path / c["filename"]).is_file()]
+    chunks = read_json(index_path).get("chunks", [])
+    if not isinstance(chunks, list) or not all(isinstance(c, dict) and isinstance(c.get("filename"), str) for c in chunks):
+        raise InvalidValue(f"{index_path}: expected litdata's index: a list of chunks, each with its filename; prepare it again")
+    missing = [c["filename"] for c in chunks if not (path / c["filename"]).is_file()]
     if missing:
         raise InvalidValue(f"{path} is incomplete: {len(missing)} chunk file(s) listed in {INDEX_FILE} are missing, e.g. {missing[0]}")
+    check_chunk_sizes(path, chunks)
     return info
+
+
+def check_chunk_sizes(path: Path, chunks: List[dict]) -> None:
+    """Refuse chunk files of another size than the index gives (an interrupted copy cuts them short). litdata takes
+    a file shorter than that for a download in progress and waits for the rest: a run on it would wait for ever."""
+    for chunk in chunks:
+        expected = chunk.get("chunk_bytes")
+        size = (path / chunk["filename"]).stat().st_size
+        if isinstance(expected, int) and size != expected:
+            how = "truncated" if size < expected else "grown"
+            raise InvalidValue(f"{path} is damaged: {chunk['filename']} has {size:,} bytes, {expected:,} in {INDEX_FILE} "
+                               f"({how}); copy the directory again, or prepare it again")
 
 
 def check_made_for(path: Union[str, Path], info: dict, tokenizer: Optional[Tokenizer], vocab_size: Optional[int]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator, List, NamedTuple, Optional, Tuple, Union
 
 from fabric_lin.errors import InvalidValue, MissingFile, UserError
+from fabric_lin.files import LFS_POINTER_FIX, is_lfs_pointer
 
 
 class BadFileError(UserError):
@@ -26,6 +27,14 @@ class BadFileError(UserError):
 
 # JSON-lines files (plain or compressed) are read this many bytes at a time.
 READ_BLOCK_BYTES = 1 << 20
+
+
+def refuse_lfs_pointer(path: Union[str, Path]) -> None:
+    """A clone of a dataset made without Git LFS holds small pointer files where the data should be (the hub's
+    SlimPajama and Starcoder are such repositories): refused as what it is, where the readers would call it corrupt
+    zstd or parquet, or read a .txt pointer as a document."""
+    if is_lfs_pointer(path):
+        raise BadFileError(path, f"a Git LFS pointer, not the file's content: {LFS_POINTER_FIX}")
 
 
 def _one_line(err: Exception) -> str:
@@ -43,11 +52,17 @@ def check_input_dir(input_dir: Path, has_pattern: bool = False) -> None:
         raise MissingFile(f"Input directory {str(input_dir)!r} does not exist")
 
 
+def listed_file(path: Path) -> bool:
+    """A file, or a symbolic link to a file that is not there (a dataset whose files were never fetched, e.g. with
+    git-annex): the link is kept for its reader to name as unreadable, where leaving it out would go unsaid."""
+    return path.is_file() or (path.is_symlink() and not path.exists())
+
+
 def find_files(input_dir: Union[str, Path], suffix: str) -> List[Path]:
     """All files under `input_dir` (recursively) whose name ends with `suffix`, sorted."""
     input_dir = Path(input_dir)
     check_input_dir(input_dir)
-    files = sorted(p for p in input_dir.rglob(f"*{suffix}") if p.is_file())
+    files = sorted(p for p in input_dir.rglob(f"*{suffix}") if listed_file(p))
     if not files:
         raise MissingFile(f"No *{suffix} files found under {input_dir} (searched recursively)")
     return files
@@ -100,6 +115,7 @@ def read_slimpajama_file(path: Union[str, Path]) -> List[Tuple[str, Optional[str
     """(text, meta.redpajama_set_name) for every JSON line of a SlimPajama `.jsonl.zst` file.
 
     The whole file is checked before anything is returned, so a bad file contributes nothing."""
+    refuse_lfs_pointer(path)
     data = decompress_zstd(path)
     try:
         content = data.decode("utf-8")
@@ -157,6 +173,7 @@ def iter_parquet_texts(
     """Lists of up to `batch_size` non-null strings of `column`, read batch by batch."""
     import pyarrow as pa
 
+    refuse_lfs_pointer(path)
     parquet_file = open_parquet(path, column)
     rows_done = 0
     try:
@@ -208,7 +225,7 @@ def find_text_files(input_dir: Union[str, Path], pattern: str = "**/*") -> Tuple
     check_input_dir(input_dir, has_pattern=True)
     if not pattern or Path(pattern).is_absolute():
         raise InvalidValue(f"--pattern {pattern!r}: expected a glob relative to --input_dir, e.g. '**/*.parquet'")
-    matched = sorted(p for p in input_dir.glob(pattern) if p.is_file())
+    matched = sorted(p for p in input_dir.glob(pattern) if listed_file(p))
     files = [p for p in matched if p.name.endswith(TEXT_SUFFIXES)]
     others = [p for p in matched if not p.name.endswith(TEXT_SUFFIXES)]
     if not files:
@@ -242,6 +259,7 @@ def iter_text_documents(path: Union[str, Path], key: str = "text", batch_size: i
     order mark at the start of a file is not part of it. A bad row is reported in the batch and left out, and so
     is a blank document; a file that cannot be read on raises BadFileError (after the batches read before the
     damage)."""
+    refuse_lfs_pointer(path)
     name = Path(path).name
     if name.endswith(".parquet"):
         yield from _iter_parquet_documents(path, key, batch_size)

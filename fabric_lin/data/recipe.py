@@ -159,6 +159,12 @@ def check_num_workers(num_workers: Optional[int]) -> None:
                            f"per CPU core)")
 
 
+def check_fast_dev_run(fast_dev_run: Union[bool, int]) -> None:
+    if not isinstance(fast_dev_run, bool) and fast_dev_run < 0:
+        raise InvalidValue(f"--fast_dev_run {fast_dev_run}: expected true (the first 10 files), a number of files to read "
+                           f"(the first ones, sorted by path) or false (0: every file)")
+
+
 def on_a_line_of_its_own(stream) -> str:
     """What a worker's line to `stream` starts with, so that it does not run into litdata's progress bar. The bar
     is drawn on stderr, each update over the last after a carriage return, with no newline until it ends: on a
@@ -289,6 +295,7 @@ def run_recipe(
     check_input_dir(input_dir)
     check_empty_output_dir(output_dir)
     check_num_workers(num_workers)
+    check_fast_dev_run(fast_dev_run)
     tokenizer = Tokenizer(recipe.tokenizer_path)
     if tokenizer.eos_id is None:  # found here, not in a worker, where it would end the job in litdata's traceback
         raise InvalidValue(

@@ -24,11 +24,16 @@ class TokenChunks(DataModule):
         return [Path(p) for p in (self.data_path, self.val_path) if p is not None]
 
     def setup(self) -> None:
-        if self.data_path is None:
-            raise InvalidValue("TokenChunks needs data_path: a directory written by fabric-lin's preprocessors")
+        if self.data_path is None and self.val_path is None:  # evaluate reads val_path alone
+            raise self.no_data_path()
         super().setup()
 
+    def no_data_path(self) -> InvalidValue:
+        return InvalidValue("TokenChunks needs data_path: a directory written by fabric-lin's preprocessors")
+
     def train_dataloader(self):
+        if self.data_path is None:
+            raise self.no_data_path()
         return token_train_loader(
             [self.data_path], self.block_size, self.batch_size, self.num_workers, self.seed, self.tokenizer, shuffle=self.shuffle
         )

@@ -105,6 +105,9 @@ class Tokenizer:
         from sentencepiece import SentencePieceProcessor
 
         checkpoint_dir = Path(checkpoint_dir)
+        if checkpoint_dir.is_file():
+            raise InvalidValue(f"{checkpoint_dir} is a file: expected the directory that holds tokenizer.model (and "
+                               f"tokenizer_config.json), here {checkpoint_dir.parent}")
         if not checkpoint_dir.is_dir():
             raise MissingFile(
                 f"Tokenizer directory {str(checkpoint_dir)!r} does not exist: expected a directory holding tokenizer.model"
@@ -132,6 +135,8 @@ class Tokenizer:
                 token = _token_content(config.get(key))
                 if token is None:
                     continue
+                if not isinstance(token, str):
+                    raise InvalidValue(f"{config_path}: {key}={token!r}: expected the token's piece, a string such as '</s>'")
                 token_id = self.processor.PieceToId(token)
                 if token_id == self.processor.unk_id() and token != self.processor.IdToPiece(token_id):
                     raise InvalidValue(f"{config_path}: {key}={token!r} is not a piece of {self.model_path}")

@@ -26,6 +26,7 @@ MAX_SENTENCES = 5_000_000
 MAX_SENTENCE_LENGTH = 4192
 CHARACTER_COVERAGE = 0.9995
 SEED = 42
+MAX_THREADS = 1024  # the most threads SentencePiece's trainer takes
 
 
 class ReadCounts:
@@ -122,7 +123,7 @@ def write_tokenizer(sentences: List[str], output_dir: Path, vocab_size: int, sou
             bos_id=1,
             eos_id=2,
             pad_id=-1,
-            num_threads=num_threads or os.cpu_count() or 1,
+            num_threads=num_threads or min(os.cpu_count() or 1, MAX_THREADS),
             minloglevel=2,
         )
     except RuntimeError as err:
@@ -162,7 +163,7 @@ def vocab_size_error(err: RuntimeError, vocab_size: int, source: str) -> Optiona
 
 
 def check_settings(vocab_size: int, max_files: Optional[int], max_sentences: int, max_sentence_length: int,
-                   character_coverage: float) -> None:
+                   character_coverage: float, num_threads: Optional[int] = None) -> None:
     """Refuse, before any file is read, the values the sampling or SentencePiece's trainer cannot take (its own
     checks end in a C++ assertion)."""
     for name, value, least in (("vocab_size", vocab_size, 1), ("max_files", max_files, 1),
@@ -172,6 +173,8 @@ def check_settings(vocab_size: int, max_files: Optional[int], max_sentences: int
     if not 0.98 <= character_coverage <= 1.0:
         raise InvalidValue(f"--character_coverage must be in [0.98, 1] (SentencePiece's range; the rest of the characters "
                            f"use byte fallback), got {character_coverage}")
+    if num_threads is not None and not 0 <= num_threads <= MAX_THREADS:
+        raise InvalidValue(f"--num_threads must be 0 (every core) or at most {MAX_THREADS} (SentencePiece's limit), got {num_threads}")
 
 
 def check_output_dir(output_dir: Path) -> None:
@@ -219,13 +222,13 @@ def main(
         max_sentences: Lines sampled (uniformly, reservoir) from the inputs for training.
         max_sentence_length: Longer lines are cut to this many characters.
         character_coverage: Share of characters covered by pieces; the rest use byte fallback.
-        num_threads: Trainer threads (default: all cores).
+        num_threads: Trainer threads, at most 1024 (default or 0: all cores).
         seed: Seed of the line sampling.
     """
     if input_dir is None or output_dir is None:
         raise InvalidValue("--input_dir and --output_dir are required")
     check_settings(vocab_size=vocab_size, max_files=max_files, max_sentences=max_sentences,
-                   max_sentence_length=max_sentence_length, character_coverage=character_coverage)
+                   max_sentence_length=max_sentence_length, character_coverage=character_coverage, num_threads=num_threads)
     check_output_dir(Path(output_dir))
     files = text_files_to_read(input_dir, pattern)
     if max_files is not None and len(files) > max_files:
