@@ -123,11 +123,13 @@ def test_error_data_parallel_choice(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_error_out_dir_not_writable(tmp_path):
+def test_error_out_dir_under_a_file(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    with pytest.raises(UserError, match=f"out_dir {blocker / 'out'} is not writable"):
+    with pytest.raises(UserError) as info:
         setup_pretrain(tmp_path, out_dir=blocker / "out")
+    assert str(info.value) == f"--out_dir {blocker / 'out'}: {blocker} is a file, expected a directory or nothing there"
+    assert blocker.read_text() == "not a directory"
 
 
 def test_error_out_dir_full(tmp_path, monkeypatch):
