@@ -106,3 +106,20 @@ def test_a_record_that_names_no_tokenizer_is_one_line(dirs, capsys):
     (dirs / "model" / "trained_with.json").write_text('{"tokenizer": {"vocab_size": 64}}\n')
     err = cli_error(["generate", str(dirs / "model"), "--prompt", "a"], capsys)
     assert err.startswith(f"fabric-lin generate: error: {dirs / 'model' / 'trained_with.json'}: expected "), err
+
+
+def test_a_model_directory_cut_short_while_its_tokenizer_is_copied_holds_no_weights(dirs, monkeypatch):
+    """The weights are written last: a conversion stopped while it copies the tokenizer leaves no lit_model.pth,
+    so no command takes the directory for a model without a tokenizer; the files it had added are taken back."""
+    import fabric_lin.data.tokenizer as tokenizer_module
+    from fabric_lin.convert.model_dir import load_model_dir_weights
+
+    def stopped(src_dir, dst_dir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tokenizer_module, "copy_tokenizer_files", stopped)
+    state = load_model_dir_weights(dirs / "model")
+    (dirs / "cut").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        save_model_dir(state, small_config(), dirs / "cut", tokenizer_dir=dirs / "old")
+    assert list((dirs / "cut").iterdir()) == []

@@ -35,7 +35,6 @@ from fabric_lin.convert.model_dir import (
     prepare_output_dir,
     save_model_dir,
     save_safetensors_dir,
-    tokenizer_trained_with,
 )
 from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import created_dir, read_json
@@ -67,13 +66,15 @@ def convert_to_hf(
     """
     if output_dir is None:
         raise InvalidValue("convert_to_hf: --output_dir is required")
+    from fabric_lin.data.tokenizer import weights_trained_with
+
     if not 0 < max_shard_gb < float("inf"):
         raise InvalidValue(f"convert_to_hf: --max_shard_gb must be a size above 0 (GiB per safetensors file), got {max_shard_gb}")
     model_dir = Path(model_dir)
     torch_dtype = parse_dtype(dtype)
     config = Config.from_checkpoint(model_dir)
     hf_config = fla_config(config)
-    trained_with = tokenizer_trained_with(model_dir)  # before the weights: a tokenizer not the model's is refused at once
+    trained_with = weights_trained_with(model_dir)  # before the weights: a tokenizer not the model's is refused at once
     tokenizer_ids = special_token_ids(model_dir)
     state_dict = load_model_dir_weights(model_dir)
     check_state_dict(state_dict, config, source=str(model_dir))

@@ -246,31 +246,28 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
 def save_model_dir(
     state_dict: Dict[str, torch.Tensor], config: Config, output_dir: Path, tokenizer_dir: Optional[Path] = None
 ) -> List[str]:
-    """Write lit_model.pth, model_config.yaml and (from `tokenizer_dir`) the tokenizer files with the record of the
-    tokenizer the weights were trained with. A tokenizer.model that is not the one `tokenizer_dir` records is refused
-    before anything is written. Returns the names of the tokenizer files copied."""
+    """Write (from `tokenizer_dir`) the tokenizer files with the record of the tokenizer the weights were trained with,
+    model_config.yaml and lit_model.pth into the existing `output_dir`. A tokenizer.model that is not the one
+    `tokenizer_dir` records is refused before anything is written. Returns the names of the tokenizer files copied."""
+    from fabric_lin.data.tokenizer import weights_trained_with
+
     output_dir = Path(output_dir)
-    trained_with = tokenizer_trained_with(tokenizer_dir) if tokenizer_dir is not None else None
-    atomic_write(output_dir / MODEL_FILE, lambda p: torch.save(dict(state_dict), p))
-    atomic_write(output_dir / CONFIG_FILE, config.save)
-    return copy_tokenizer(tokenizer_dir, output_dir, trained_with) if tokenizer_dir is not None else []
-
-
-def tokenizer_trained_with(src_dir: Path) -> Optional[dict]:
-    """The record of the tokenizer the weights in `src_dir` were trained with, for a directory written from them:
-    `src_dir`'s own trained_with.json, else its tokenizer.model's (a Hugging Face directory's, or one written before
-    the record was kept); None where it has neither. A tokenizer.model that is not the one recorded is refused."""
-    from fabric_lin.data.tokenizer import Tokenizer, read_trained_with
-
-    trained_with = read_trained_with(src_dir)
-    if (Path(src_dir) / "tokenizer.model").is_file():
-        tokenizer = Tokenizer(src_dir)  # refuses a tokenizer.model other than the one recorded
-        trained_with = trained_with or {"tokenizer": tokenizer.record()}
-    return trained_with
+    trained_with = weights_trained_with(tokenizer_dir) if tokenizer_dir is not None else None
+    there_before = set(output_dir.iterdir())
+    try:
+        copied = copy_tokenizer(tokenizer_dir, output_dir, trained_with) if tokenizer_dir is not None else []
+        atomic_write(output_dir / CONFIG_FILE, config.save)
+        # the weights last: a directory left by a kill has none, and no command takes it for a model
+        atomic_write(output_dir / MODEL_FILE, lambda p: torch.save(dict(state_dict), p))
+    except BaseException:  # a failed write (a full disk, Ctrl-C) takes back the files it added
+        for path in set(output_dir.iterdir()) - there_before:
+            path.unlink()
+        raise
+    return copied
 
 
 def copy_tokenizer(src_dir: Path, dst_dir: Path, trained_with: Optional[dict]) -> List[str]:
-    """Copy the tokenizer files of `src_dir` and write `trained_with` (`tokenizer_trained_with(src_dir)`) as
+    """Copy the tokenizer files of `src_dir` and write `trained_with` (`weights_trained_with(src_dir)`) as
     `dst_dir`'s trained_with.json; without a tokenizer.model, warn and copy no tokenizer."""
     from fabric_lin.data.tokenizer import TOKENIZER_FILES, copy_tokenizer_files, write_trained_with
 
