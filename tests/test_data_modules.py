@@ -127,7 +127,18 @@ def test_text_files_one_directory_and_its_validation_in_order(mix, capsys):
     assert all(torch.all(b % 2 == 1) for _, b in zip(range(20), data.train_dataloader()))
     tokens = torch.cat([b.flatten() for b in data.val_dataloader()]).numpy()
     assert np.array_equal(tokens, mix["val"].astype(np.int64))
-    assert "no validation" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no validation" not in out and "Warning" not in out
+
+
+def test_text_files_validating_on_a_training_directory_says_so(mix, capsys):
+    train = mix["data"] / "starcoder"
+    for val_dir in (train, train / ".." / "starcoder"):  # the same directory, however written
+        data = TextFiles(train_dir=[mix["data"] / "slimpajama" / "train", train], val_dir=val_dir, num_workers=0)
+        data.connect(mix["tokenizer"], batch_size=10, max_seq_length=SEQ)
+        data.setup()
+        assert (f"Warning: data.val_dir {val_dir} is also a data.train_dir: the validation loss is measured on training "
+                "data") in capsys.readouterr().out
 
 
 def test_text_files_without_a_validation_directory_says_so_once(mix, capsys, monkeypatch):

@@ -62,6 +62,9 @@ class TextFiles(DataModule):
         super().setup()
         if self.val_dir is None:
             say_once("TextFiles: no validation: data.val_dir is not set")
+        elif self.train_dirs and any(Path(self.val_dir).resolve() == Path(d).resolve() for d in self.train_dirs):
+            say_once(f"Warning: data.val_dir {self.val_dir} is also a data.train_dir: the validation loss is measured "
+                     "on training data (prepare_text's --val_fraction holds documents out into OUT/val)")
 
     def no_train_dir(self) -> InvalidValue:
         return InvalidValue(
