@@ -253,6 +253,9 @@ def save_model_dir(
 
     output_dir = Path(output_dir)
     trained_with = weights_trained_with(tokenizer_dir) if tokenizer_dir is not None else None
+    # an earlier model's weights (--overwrite) go first: with the new tokenizer and config written and the new
+    # weights not (a kill), the directory would hold another model
+    (output_dir / MODEL_FILE).unlink(missing_ok=True)
     there_before = set(output_dir.iterdir())
     try:
         copied = copy_tokenizer(tokenizer_dir, output_dir, trained_with) if tokenizer_dir is not None else []
