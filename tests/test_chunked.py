@@ -25,6 +25,26 @@ def test_chunk_layout_of_documents():
     assert chunk_layout(None, 3, 130) == (3, 9, None, None)  # 3 sequences of 3 chunks, no index tensors
 
 
+def test_chunk_layout_of_a_tensor_met_again_is_read_once_and_again_after_it_is_written(monkeypatch):
+    """Every layer passes the same cu_seqlens: its offsets are read from the device once; a tensor written in place
+    since (its version moved) or another tensor of other offsets is read anew."""
+    from fabric_lin.ops.chunked import layout as layout_module
+
+    reads = []
+    read = layout_module.documents_layout
+    monkeypatch.setattr(layout_module, "documents_layout", lambda cu, T, BT: reads.append(cu.tolist()) or read(cu, T, BT))
+    cu = torch.tensor([0, 1, 65, 130], dtype=torch.int32)
+    first = chunk_layout(cu, 1, 130)
+    assert all(chunk_layout(cu, 1, 130) is first for _ in range(3)) and reads == [[0, 1, 65, 130]]
+    cu[1:3] = torch.tensor([64, 128])  # written in place: documents of 64, 64 and 2 rows
+    again = chunk_layout(cu, 1, 130)
+    assert again.chunk_indices.tolist() == [0, 0, 1, 0, 2, 0] and again.chunk_offsets.tolist() == [0, 1, 2, 3]
+    other = torch.tensor([0, 130], dtype=torch.int32)
+    assert chunk_layout(other, 1, 130).chunk_offsets.tolist() == [0, 3]
+    assert chunk_layout(cu, 1, 130) is again  # still among the recent ones
+    assert reads == [[0, 1, 65, 130], [0, 64, 128, 130], [0, 130]]
+
+
 @pytest.mark.parametrize("bounds", [[0, 4, 9], [1, 10], [0, 6, 4, 10]])
 def test_chunk_layout_refuses_offsets_that_do_not_rise_from_0_to_T(bounds):
     with pytest.raises(ValueError, match=rf"cu_seqlens must rise from 0 to T = 10 without falling, got \[{bounds[0]}, "):

@@ -6,7 +6,7 @@ Tensors are [B, T, H, D]. With `cu_seqlens` (varlen: B = 1, N documents laid end
 never crosses a document boundary: chunks are numbered over all documents, and each chunk's (document, chunk
 within it) and each document's first chunk are what the kernels read.
 """
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -37,10 +37,29 @@ def check_offsets(bounds: List[int], T: int) -> None:
         raise ValueError(f"cu_seqlens must rise from 0 to T = {T} without falling, got {bounds}")
 
 
+# the layouts of the last few cu_seqlens tensors: a model passes one tensor to every layer's forward and backward op,
+# and reading it on the host waits for the GPU, so each layer's op after the first finds its layout here
+_RECENT_LAYOUTS: List[Tuple[torch.Tensor, tuple, ChunkLayout]] = []
+_RECENT_KEPT = 4
+
+
 def chunk_layout(cu_seqlens: Optional[torch.Tensor], B: int, T: int, BT: int = CHUNK_SIZE) -> ChunkLayout:
-    """The chunks of B sequences of T rows, or of the documents of cu_seqlens (B = 1), in chunks of BT rows."""
+    """The chunks of B sequences of T rows, or of the documents of cu_seqlens (B = 1), in chunks of BT rows; for a
+    cu_seqlens tensor met recently and not written since (the same object and version), the layout made then."""
     if cu_seqlens is None:
         return ChunkLayout(B, B * cdiv(T, BT), None, None)
+    key = (cu_seqlens._version, B, T, BT)
+    for tensor, tensor_key, layout in _RECENT_LAYOUTS:
+        if tensor is cu_seqlens and tensor_key == key:
+            return layout
+    layout = documents_layout(cu_seqlens, T, BT)
+    _RECENT_LAYOUTS.insert(0, (cu_seqlens, key, layout))
+    del _RECENT_LAYOUTS[_RECENT_KEPT:]
+    return layout
+
+
+def documents_layout(cu_seqlens: torch.Tensor, T: int, BT: int) -> ChunkLayout:
+    """The chunks of the documents of cu_seqlens, read from it (on the host)."""
     bounds = cu_seqlens.tolist()
     check_offsets(bounds, T)
     counts = [cdiv(e - s, BT) for s, e in zip(bounds[:-1], bounds[1:])]

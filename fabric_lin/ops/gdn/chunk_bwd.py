@@ -112,26 +112,25 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
         n_rows = T - i_t * BT
         m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
         tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
+        # the decays k_end = diag(exp(b_last - b)) K and q_start = diag(exp(b) scale) Q are taken on the BV columns
+        # of the products they enter (k dS', and dO) rather than on K's K columns: fewer products per row
+        b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
+        k_dS = tl.dot(b_k, dS.to(DT), input_precision=DOT_PREC)
+        b_do = load_raw(do, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
         if USE_GATE:
             b_b = load_head_gate(b, row0, o_t, n_rows, H)
             b_last = load_head_gate(b, row0, BT - 1, n_rows, H)
-            b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
-            k_end = (b_k * tl.exp(b_last - b_b)[:, None]).to(DT)
+            k_dS = k_dS * tl.exp(b_last - b_b)[:, None]
+            do_start = (b_do * (tl.exp(b_b) * scale)[:, None]).to(DT)
         else:
-            k_end = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
-        b_dd = load_raw(dd_local, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
-        b_dd += tl.dot(k_end, dS.to(DT), input_precision=DOT_PREC)
+            do_start = (b_do * scale).to(DT)
+        b_dd = load_raw(dd_local, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32) + k_dS
         tl.store(dd + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], b_dd.to(dd.dtype.element_ty), mask=m_tv)
-        b_q = load_raw(q, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
-        if USE_GATE:
-            q_start = (b_q * (tl.exp(b_b) * scale)[:, None]).to(DT)  # the queries as the chunk's start state sees them
-        else:
-            q_start = (b_q * scale).to(DT)
+        b_q = load_raw(q, row0, o_t, n_rows, H * K, o_k, m_k)
         b_w = load_raw(w, row0, o_t, n_rows, H * K, o_k, m_k)
-        b_do = load_raw(do, row0, o_t, n_rows, H * V, o_v, m_v)
         if USE_GATE:
             dS = dS * tl.exp(b_last)
-        dS = (dS + tl.dot(tl.trans(q_start), b_do.to(DT), input_precision=DOT_PREC)
+        dS = (dS + tl.dot(tl.trans(b_q), do_start, input_precision=DOT_PREC)
               - tl.dot(tl.trans(b_w), b_dd.to(DT), input_precision=DOT_PREC))
     if USE_H0:
         tl.store(dh0 + i_nh * K * V + state_offs, dS, mask=m_kv)

@@ -5,7 +5,7 @@ Launches, in order:
   * `wy._solve_kernel`: per chunk and head, b = cumsum(g) and (I + A)^-1
   * `wy._wu_kernel`: per chunk and head, W = (I + A)^-1 diag(beta exp(b)) K and U = (I + A)^-1 diag(beta) V
   * `_fwd_state_kernel`: per value tile, sequence and head, the pass over chunks; it stores the state entering
-    each chunk, h_n, and the corrections D = U - W h_n, and carries h_{n+1} = exp(b_last) h_n + (K exp(b_last - b))^T D
+    each chunk, h_n, and the corrections D = U - W h_n, and carries h_{n+1} = exp(b_last) h_n + K^T (exp(b_last - b) D)
     in fp32. The correction needs every key row of the state, so one program holds all of K for its value tile.
   * `_fwd_output_kernel`: per value tile, chunk and head, o = scale (exp(b) q h_n + (q k^T * Gamma) D).
 (I + A)^-1 and b are kept for the backward pass, which recomputes W, U, h and D from them.
@@ -79,14 +79,14 @@ def _fwd_state_kernel(k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_offsets, T, H:
         b_u = load_raw(u, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
         b_d = b_u - tl.dot(b_w, S.to(DT), input_precision=DOT_PREC)
         tl.store(d + (row0 + o_t[:, None]) * (H * V) + o_v[None, :], b_d.to(d.dtype.element_ty), mask=m_tv)
+        b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
         if USE_GATE:
             b_b = load_head_gate(b, row0, o_t, n_rows, H)
             b_last = load_head_gate(b, row0, BT - 1, n_rows, H)
-            b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k).to(tl.float32)
-            k_end = (b_k * tl.exp(b_last - b_b)[:, None]).to(DT)  # the keys as the chunk's end sees them
-            S = S * tl.exp(b_last) + tl.dot(tl.trans(k_end), b_d.to(DT), input_precision=DOT_PREC)
+            # K^T diag(exp(b_last - b)) D, the decay on D's BV columns rather than K's K: fewer products per row
+            d_end = (b_d * tl.exp(b_last - b_b)[:, None]).to(DT)
+            S = S * tl.exp(b_last) + tl.dot(tl.trans(b_k), d_end, input_precision=DOT_PREC)
         else:
-            b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
             S += tl.dot(tl.trans(b_k), b_d.to(DT), input_precision=DOT_PREC)
     tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
 
