@@ -76,8 +76,8 @@ def main():
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--worker_gib", type=float, default=None,
-                        help="GPU memory one worker needs (default: 36, its training step at --batch_size x "
-                             "--seq_len; 8 with --kernels_only)")
+                        help="GPU memory one worker needs (default: its training step's, 36 at 16 x 2048 and in "
+                             "proportion to --batch_size x --seq_len, at least 8; 8 with --kernels_only)")
     parser.add_argument("--kernels_only", action="store_true",
                         help="only chunk_gla at the kernel benchmark's shapes (for gla_kernel.py), not the training step")
     parser.add_argument("--out", help="also write a JSON record of the run here (with the command, date and machine)")
@@ -94,10 +94,11 @@ def main():
     if gpus == 0:
         raise SystemExit("needs a CUDA GPU")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in range(gpus))).split(",")
-    # each worker runs a whole training step of the fla model (28.4 GiB at 16 x 2048) unless --kernels_only:
-    # more workers than fit side by side on the GPUs run out of memory and leave their share uncompiled
+    # each worker runs a whole training step of the fla model (28.4 GiB at 16 x 2048, 15-17 GiB at 8 x 2048) unless
+    # --kernels_only: more workers than fit side by side on the GPUs run out of memory and leave their share uncompiled
     if args.worker_gib is None:
-        args.worker_gib = 8.0 if args.kernels_only else 36.0
+        tokens = args.batch_size * args.seq_len
+        args.worker_gib = 8.0 if args.kernels_only else max(8.0, 36.0 * tokens / (16 * 2048))
     per_worker = args.worker_gib * 2**30
     fits = [int(torch.cuda.mem_get_info(g)[0] // per_worker) for g in range(gpus)]
     # one slot per worker that fits, taken GPU by GPU in turn
