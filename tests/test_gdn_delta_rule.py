@@ -31,8 +31,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # every op here is tiny (con
 
 TOL = 1e-4
 # every chunked launch of a forward and backward pass without the L2 norm (test_gdn_kernel_registers.py lists them)
-LAUNCHES = ["_solve_kernel", "_wu_kernel", "_fwd_state_kernel", "_fwd_output_kernel", "_wu_kernel", "_fwd_state_kernel",
-            "_bwd_dd_local_kernel", "_bwd_state_kernel", "_bwd_dqkw_kernel", "_wy_bwd_kernel"]
+LAUNCHES = ["_solve_kernel", "_wu_kernel", "_fwd_state_kernel", "_fwd_output_kernel", "_wu_kernel",
+            "_bwd_dd_local_kernel", "_state_passes_kernel", "_bwd_dqkw_kernel", "_wy_bwd_kernel"]
 GATE_ARGUMENTS = ("g", "b", "dg", "dg_part")  # the kernels' parameters that hold the gate or something made from it
 
 

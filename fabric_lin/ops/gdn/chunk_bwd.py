@@ -17,9 +17,10 @@ away at another: with fast-forgetting gates the true dg is tiny, and the roundin
 of it.
 
 Launches: W and U recomputed (`wy._wu_kernel`), then
-  * `_fwd_state_kernel` again for h_n and D (no final state),
   * `_bwd_dd_local_kernel`: per value tile, chunk and head, scale P^T do,
-  * `_bwd_state_kernel`: per value tile, sequence and head, the reverse pass: dh_n (= dS' of chunk n), dD, dh0,
+  * `_state_passes_kernel`: per value tile, sequence and head, two programs side by side: the forward state pass
+    again for h_n and D (`chunk_fwd.forward_state_pass`, no final state), and the reverse pass: dh_n (= dS' of
+    chunk n), dD, dh0,
   * `_bwd_dqkw_kernel`: per key tile, chunk and head, dq, the output's and state's part of dk (fp32), dW, and
     their part of dg (one row of partial sums per key tile),
   * `wy._wy_bwd_kernel`: per chunk and head, the rest of dk, dv, dbeta and dg,
@@ -42,7 +43,7 @@ from fabric_lin.ops.chunked.chunk_index import (
     state_tile,
 )
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
-from fabric_lin.ops.gdn.chunk_fwd import _causal, _causal_decay, state_key_tile, states, wy_factors
+from fabric_lin.ops.gdn.chunk_fwd import _causal, _causal_decay, forward_state_pass, state_key_tile, wy_factors
 from fabric_lin.ops import launch as launch_helpers
 from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
 from fabric_lin.ops.gdn.wy import _wy_bwd_kernel
@@ -82,15 +83,14 @@ def _bwd_dd_local_kernel(q, k, b, do, dd, cu_seqlens, chunk_indices, scale, T, H
 
 
 @triton.jit
-def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr,
-                      BV: tl.constexpr, USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
-                      DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr):
-    """The reverse pass over one sequence's chunks for one value tile and head: dh[chunk n] = dS', the gradient
-    of the state leaving chunk n (dh's dtype); dd = dd_local + k_end dS' (the corrections' whole gradient, dd's
-    dtype); dh0 = the initial state's gradient (fp32). BKS >= K: the whole key dimension. Without USE_GATE (b None)
-    k_end = k, q enters undecayed and dS' passes back unscaled."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+def reverse_state_pass(i_v, i_nh, q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr,
+                       BV: tl.constexpr, USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr):
+    """The reverse pass over one sequence's chunks for value tile i_v and sequence and head i_nh: dh[chunk n] = dS',
+    the gradient of the state leaving chunk n (dh's dtype); dd = dd_local + k_end dS' (the corrections' whole
+    gradient, dd's dtype); dh0 = the initial state's gradient (fp32). BKS >= K: the whole key dimension. Without
+    USE_GATE (b None) k_end = k, q enters undecayed and dS' passes back unscaled."""
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     DT = q.dtype.element_ty
@@ -134,6 +134,21 @@ def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, ch
               - tl.dot(tl.trans(b_w), b_dd.to(DT), input_precision=DOT_PREC))
     if USE_H0:
         tl.store(dh0 + i_nh * K * V + state_offs, dS, mask=m_kv)
+
+
+@triton.jit
+def _state_passes_kernel(q, k, w, u, b, do, dd_local, h, d, dh, dd, h0, dht, dh0, cu_seqlens, chunk_offsets, scale, T,
+                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr,
+                         BV: tl.constexpr, USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                         DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr):
+    """Both passes over the chunks of one value tile (program 0) of one sequence and head (program 1): program 2 = 0
+    runs the forward pass again for h and D (no final state), 1 the reverse pass."""
+    if tl.program_id(2) == 0:
+        forward_state_pass(tl.program_id(0), tl.program_id(1), k, w, u, b, h, d, h0, None, cu_seqlens, chunk_offsets, T,
+                           H, K, V, BT, BKS, BV, USE_H0, False, IS_VARLEN, DOT_PREC, USE_GATE)
+    else:
+        reverse_state_pass(tl.program_id(0), tl.program_id(1), q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens,
+                           chunk_offsets, scale, T, H, K, V, BT, BKS, BV, USE_DHT, USE_H0, IS_VARLEN, DOT_PREC, USE_GATE)
 
 
 @triton.jit
@@ -240,7 +255,6 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
     grid = chunk_grid(cu_seqlens, layout, T, B, H, CHUNK_SIZE)
 
     w, u = wy_factors(k, v, beta, b, A_inv, cu_seqlens, layout, launch)
-    h, d, _ = states(k, w, u, b, initial_state, cu_seqlens, layout, launch)
 
     dd_local = torch.empty_like(v)
     BV = tile_width(launch.dd_local.BV, V)
@@ -249,15 +263,20 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
         BV, IS_VARLEN=is_varlen, DOT_PREC=prec, USE_GATE=gated, **launch.dd_local.options(),
     )
 
+    # the forward pass's states and corrections again, and the reverse pass, in one launch: neither reads what the
+    # other writes, and each program is a chain of steps waiting on one another, so side by side on a multiprocessor
+    # one program multiplies while the other waits for its loads
+    h = q.new_empty(NC, H, K, V, dtype=state_dtype(q, initial_state is not None))
+    d = torch.empty_like(v)
     dh = q.new_empty(NC, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))
     dd = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
     dstate = state_pass_launch(launch.dstate, launch.narrow_dstate, V, N, H, launch_helpers.multiprocessors(q.device))
     BV = tile_width(dstate.BV, V)
-    _bwd_state_kernel[(cdiv(V, BV), N * H)](
-        q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, CHUNK_SIZE,
-        state_key_tile(K), BV, USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen,
-        DOT_PREC=prec, USE_GATE=gated, **dstate.options(),
+    _state_passes_kernel[(cdiv(V, BV), N * H, 2)](
+        q, k, w, u, b, do, dd_local, h, d, dh, dd, initial_state, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V,
+        CHUNK_SIZE, state_key_tile(K), BV, USE_H0=initial_state is not None, USE_DHT=dht is not None,
+        IS_VARLEN=is_varlen, DOT_PREC=prec, USE_GATE=gated, **dstate.options(),
     )
 
     dqk_dtype = dqk_dtype or q.dtype

@@ -50,13 +50,13 @@ def _causal(x, BT: tl.constexpr):
 
 
 @triton.jit
-def _fwd_state_kernel(k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr):
+def forward_state_pass(i_v, i_nh, k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+                       USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr):
     """h[chunk n] = the state entering chunk n (h's dtype), d = the corrections D = U - W h_n (the inputs' dtype),
-    ht = the final state (fp32), for one value tile of one sequence and head. BKS >= K: the whole key
-    dimension. Without USE_GATE (b None) the state is carried undecayed: h_{n+1} = h_n + K^T D."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    and with STORE_FINAL ht = the final state (fp32), for value tile i_v of sequence and head i_nh. BKS >= K: the
+    whole key dimension. Without USE_GATE (b None) the state is carried undecayed: h_{n+1} = h_n + K^T D."""
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = seq_start(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     DT = k.dtype.element_ty
@@ -88,7 +88,18 @@ def _fwd_state_kernel(k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_offsets, T, H:
             S = S * tl.exp(b_last) + tl.dot(tl.trans(b_k), d_end, input_precision=DOT_PREC)
         else:
             S += tl.dot(tl.trans(b_k), b_d.to(DT), input_precision=DOT_PREC)
-    tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
+    if STORE_FINAL:
+        tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
+
+
+@triton.jit
+def _fwd_state_kernel(k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
+                      IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr):
+    """`forward_state_pass` for one value tile (program 0) of one sequence and head (program 1), the final state
+    stored."""
+    forward_state_pass(tl.program_id(0), tl.program_id(1), k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_offsets, T, H,
+                       K, V, BT, BKS, BV, USE_H0, True, IS_VARLEN, DOT_PREC, USE_GATE)
 
 
 @triton.jit
