@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # every op here is tiny (con
 TOL = 1e-4
 # every chunked launch of a forward and backward pass without the L2 norm (test_gdn_kernel_registers.py lists them)
 LAUNCHES = ["_solve_kernel", "_wu_kernel", "_fwd_state_kernel", "_fwd_output_kernel", "_wu_kernel",
-            "_bwd_dd_local_kernel", "_state_passes_kernel", "_bwd_dqkw_kernel", "_wy_bwd_kernel"]
+            "_bwd_dd_local_kernel", "_fwd_state_kernel", "_bwd_state_kernel", "_bwd_dqkw_kernel", "_wy_bwd_kernel"]
 GATE_ARGUMENTS = ("g", "b", "dg", "dg_part")  # the kernels' parameters that hold the gate or something made from it
 
 
@@ -219,6 +219,13 @@ def test_triton_path_without_a_gate_hands_no_kernel_a_gate(launches):
     inputs, h0 = delta_inputs(1, 70, 2, 16, 32, seed=7)
     outputs_and_grads(chunk_op("triton"), inputs, h0)
     assert [name for name, _ in launches] == LAUNCHES
+    assert_no_gate(launches)
+    # one head: a state pass of one program (the interpreter's device counts one multiprocessor), so the backward
+    # pass runs the state pass again beside the reverse pass, in one launch
+    launches.clear()
+    inputs, h0 = delta_inputs(1, 70, 1, 16, 32, seed=7)
+    outputs_and_grads(chunk_op("triton"), inputs, h0)
+    assert [name for name, _ in launches] == LAUNCHES[:6] + ["_state_passes_kernel"] + LAUNCHES[8:]
     assert_no_gate(launches)
     # the same spy sees the gate where there is one: the gated forward pass hands its kernels g and its cumsum
     launches.clear()

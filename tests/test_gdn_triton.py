@@ -189,6 +189,37 @@ def test_state_passes_narrow_where_the_gpu_is_short_of_programs():
     assert state_pass_launch(SHIPPED.dstate, SHIPPED.narrow_dstate, 128, 4, 16, 132) == SHIPPED.narrow_dstate
 
 
+def test_state_passes_side_by_side_where_one_leaves_the_gpu_idle():
+    # the backward pass runs the state pass again beside the reverse pass where one pass's programs fit on the
+    # multiprocessors: the long single sequence, not 4 x 16 heads (narrowed to 256 programs) nor the gdn-340M layer
+    from fabric_lin.ops.gdn.launch import pair_state_passes
+
+    assert pair_state_passes(4 * 8, 132)  # 1 x 32768 x 8 heads of V = 128 in 32-wide tiles
+    assert not pair_state_passes(4 * 64, 132)  # 4 x 8192 x 16 heads, narrowed
+    assert not pair_state_passes(4 * 16 * 4, 132)  # 16 x 2048 x 4 heads of V = 256 in 64-wide tiles
+    assert pair_state_passes(132, 132) and not pair_state_passes(133, 132)
+
+
+@cpu_only
+@pytest.mark.parametrize("use_qk_l2norm", [False, True])
+def test_state_passes_side_by_side_match_fp64_recurrence(monkeypatch, use_qk_l2norm):
+    # documents from their own initial states (and final states' gradients), with 132 multiprocessors: 2 value tiles
+    # of 3 documents of 2 heads = 12 programs, so the two passes share one launch
+    from fabric_lin.ops import launch as launch_helpers
+    from fabric_lin.ops.gdn import chunk_bwd
+
+    monkeypatch.setattr(launch_helpers, "multiprocessors", lambda device: 132)
+    decisions = []
+    monkeypatch.setattr(chunk_bwd, "pair_state_passes",
+                        lambda *args, _decide=chunk_bwd.pair_state_passes: decisions.append(_decide(*args)) or decisions[-1])
+    cu = torch.tensor([0, 1, 70, 150], dtype=torch.int32)
+    q, k, v, g, beta, h0 = gated_delta_rule_inputs(1, 150, 2, 32, 40, gate="mixed", n_states=3, seed=17,
+                                                   normalized_keys=not use_qk_l2norm)
+    launch = GDNLaunch(dstate=KernelLaunch(BV=32))
+    check_against_fp64((q, k, v, g, beta), h0, launch=launch, cu_seqlens=cu, use_qk_l2norm=use_qk_l2norm)
+    assert decisions == [True]
+
+
 @cpu_only
 def test_narrow_state_passes_match_fp64_recurrence(monkeypatch):
     # the narrow launches as an H200 takes them at 4 x 16 heads (the forward pass 3 stages, the reverse 2), forced

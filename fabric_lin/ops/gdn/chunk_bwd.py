@@ -18,9 +18,11 @@ of it.
 
 Launches: W and U recomputed (`wy._wu_kernel`), then
   * `_bwd_dd_local_kernel`: per value tile, chunk and head, scale P^T do,
-  * `_state_passes_kernel`: per value tile, sequence and head, two programs side by side: the forward state pass
-    again for h_n and D (`chunk_fwd.forward_state_pass`, no final state), and the reverse pass: dh_n (= dS' of
-    chunk n), dD, dh0,
+  * the forward state pass again for h_n and D (`chunk_fwd.forward_state_pass`, no final state), and the reverse
+    pass, per value tile, sequence and head: dh_n (= dS' of chunk n), dD, dh0. Neither reads what the other
+    writes: where a pass has no more programs than the GPU has multiprocessors, the two run side by side in one
+    launch (`_state_passes_kernel`, `launch.pair_state_passes`), else one after the other (`_fwd_state_kernel`,
+    `_bwd_state_kernel`),
   * `_bwd_dqkw_kernel`: per key tile, chunk and head, dq, the output's and state's part of dk (fp32), dW, and
     their part of dg (one row of partial sums per key tile),
   * `wy._wy_bwd_kernel`: per chunk and head, the rest of dk, dv, dbeta and dg,
@@ -43,9 +45,9 @@ from fabric_lin.ops.chunked.chunk_index import (
     state_tile,
 )
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
-from fabric_lin.ops.gdn.chunk_fwd import _causal, _causal_decay, forward_state_pass, state_key_tile, wy_factors
+from fabric_lin.ops.gdn.chunk_fwd import _causal, _causal_decay, forward_state_pass, state_key_tile, states, wy_factors
 from fabric_lin.ops import launch as launch_helpers
-from fabric_lin.ops.gdn.launch import GDNLaunch, state_pass_launch
+from fabric_lin.ops.gdn.launch import GDNLaunch, pair_state_passes, state_pass_launch
 from fabric_lin.ops.gdn.wy import _wy_bwd_kernel
 from fabric_lin.ops.launch import cdiv, tile_width
 
@@ -134,6 +136,16 @@ def reverse_state_pass(i_v, i_nh, q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu
               - tl.dot(tl.trans(b_w), b_dd.to(DT), input_precision=DOT_PREC))
     if USE_H0:
         tl.store(dh0 + i_nh * K * V + state_offs, dS, mask=m_kv)
+
+
+@triton.jit
+def _bwd_state_kernel(q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr,
+                      BV: tl.constexpr, USE_DHT: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
+                      DOT_PREC: tl.constexpr, USE_GATE: tl.constexpr):
+    """`reverse_state_pass` for one value tile (program 0) of one sequence and head (program 1)."""
+    reverse_state_pass(tl.program_id(0), tl.program_id(1), q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens,
+                       chunk_offsets, scale, T, H, K, V, BT, BKS, BV, USE_DHT, USE_H0, IS_VARLEN, DOT_PREC, USE_GATE)
 
 
 @triton.jit
@@ -263,21 +275,28 @@ def backward(q, k, v, b, beta, A_inv, scale: float, initial_state: Optional[torc
         BV, IS_VARLEN=is_varlen, DOT_PREC=prec, USE_GATE=gated, **launch.dd_local.options(),
     )
 
-    # the forward pass's states and corrections again, and the reverse pass, in one launch: neither reads what the
-    # other writes, and each program is a chain of steps waiting on one another, so side by side on a multiprocessor
-    # one program multiplies while the other waits for its loads
-    h = q.new_empty(NC, H, K, V, dtype=state_dtype(q, initial_state is not None))
-    d = torch.empty_like(v)
     dh = q.new_empty(NC, H, K, V, dtype=state_dtype(q, initial_state is not None or dht is not None))
     dd = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
-    dstate = state_pass_launch(launch.dstate, launch.narrow_dstate, V, N, H, launch_helpers.multiprocessors(q.device))
+    multiprocessors = launch_helpers.multiprocessors(q.device)
+    dstate = state_pass_launch(launch.dstate, launch.narrow_dstate, V, N, H, multiprocessors)
     BV = tile_width(dstate.BV, V)
-    _state_passes_kernel[(cdiv(V, BV), N * H, 2)](
-        q, k, w, u, b, do, dd_local, h, d, dh, dd, initial_state, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V,
-        CHUNK_SIZE, state_key_tile(K), BV, USE_H0=initial_state is not None, USE_DHT=dht is not None,
-        IS_VARLEN=is_varlen, DOT_PREC=prec, USE_GATE=gated, **dstate.options(),
-    )
+    pass_grid = (cdiv(V, BV), N * H)
+    if pair_state_passes(pass_grid[0] * pass_grid[1], multiprocessors):
+        h = q.new_empty(NC, H, K, V, dtype=state_dtype(q, initial_state is not None))
+        d = torch.empty_like(v)
+        _state_passes_kernel[pass_grid + (2,)](
+            q, k, w, u, b, do, dd_local, h, d, dh, dd, initial_state, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H,
+            K, V, CHUNK_SIZE, state_key_tile(K), BV, USE_H0=initial_state is not None, USE_DHT=dht is not None,
+            IS_VARLEN=is_varlen, DOT_PREC=prec, USE_GATE=gated, **dstate.options(),
+        )
+    else:
+        h, d, _ = states(k, w, u, b, initial_state, cu_seqlens, layout, launch)
+        _bwd_state_kernel[pass_grid](
+            q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu_seqlens, chunk_offsets, scale, T, H, K, V, CHUNK_SIZE,
+            state_key_tile(K), BV, USE_DHT=dht is not None, USE_H0=initial_state is not None, IS_VARLEN=is_varlen,
+            DOT_PREC=prec, USE_GATE=gated, **dstate.options(),
+        )
 
     dqk_dtype = dqk_dtype or q.dtype
     dq = torch.empty_like(q, dtype=dqk_dtype)

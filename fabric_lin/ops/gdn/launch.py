@@ -68,3 +68,13 @@ def state_pass_launch(own: KernelLaunch, narrow: KernelLaunch, V: int, N: int, H
     programs = cdiv(V, tile_width(own.BV, V)) * N * H
     return narrow if programs <= multiprocessors else own
 
+
+
+def pair_state_passes(programs: int, multiprocessors: int) -> bool:
+    """Whether the backward pass runs the forward state pass again beside the reverse pass, in one launch (of twice
+    the programs), rather than after it: where one pass's `programs` are no more than the GPU's multiprocessors, each
+    program is a chain of steps waiting on one another and most of the GPU idles, so the two passes take little more
+    than the longer one. On an H100, the long single sequence (1 x 32768 x 8 heads, 32 programs a pass) took 0.65x the
+    time of the two launches; 4 x 8192 x 16 heads (256 programs a pass) 1.18x, where the two filled the GPU already
+    (benchmarks/results/2026-12-06-session5-h100.md)."""
+    return programs <= multiprocessors
