@@ -15,6 +15,7 @@ their tokens, so `--max_batches` = eval.max_iters x global_batch_size / micro_ba
 import difflib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,6 +284,8 @@ def check_data_tokenizer(checkpoint_dir: Path, data: DataModule) -> None:
 def default_out_dir(checkpoint_dir: Path, kind: str) -> Path:
     """Beside a training checkpoint, never inside it: its files are the ones its manifest lists."""
     if kind == TRAINING_CHECKPOINT:
+        if checkpoint_dir.name in ("", ".."):  # `.` and `..` have no name of their own (and `.` no parent): its path has
+            checkpoint_dir = Path(os.path.abspath(checkpoint_dir))
         return checkpoint_dir.parent / "evaluate" / checkpoint_dir.name
     return checkpoint_dir / "evaluate"
 

@@ -211,6 +211,19 @@ def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
     assert (sharded.parent / "evaluate" / sharded.name / "evaluate.json").is_file()  # beside the checkpoint, not in it
 
 
+def test_the_default_out_dir_is_beside_a_training_checkpoint_given_as_a_relative_path(tmp_path, monkeypatch):
+    """`fabric-lin evaluate .` inside a checkpoint, or `..` below it: the results go beside it, never into it (its files
+    are the ones its manifest lists); a model directory or an export keeps them in its evaluate/."""
+    from fabric_lin.evaluate import FLA_EXPORT, TRAINING_CHECKPOINT, default_out_dir
+
+    (tmp_path / "run" / "final" / "below").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "run" / "final")
+    assert default_out_dir(Path("."), TRAINING_CHECKPOINT) == tmp_path / "run" / "evaluate" / "final"
+    monkeypatch.chdir(tmp_path / "run" / "final" / "below")
+    assert default_out_dir(Path(".."), TRAINING_CHECKPOINT) == tmp_path / "run" / "evaluate" / "final"
+    assert default_out_dir(Path("."), FLA_EXPORT).resolve() == tmp_path / "run" / "final" / "below" / "evaluate"
+
+
 def test_token_chunks_with_its_val_path_alone_is_evaluated(run, tmp_path):
     """evaluate reads the validation split alone, and its error for data without one says to give `TokenChunks
     --data.val_path DIR`: done so, it was refused for want of a data_path (training data)."""
