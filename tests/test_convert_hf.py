@@ -383,7 +383,7 @@ def test_pickle_weights_are_not_read(tmp_path):
         convert_from_hf(tmp_path / "hf", tmp_path / "back")
 
 
-def test_fla_trained_checkpoint_without_fabric_lin_key(tmp_path):
+def test_fla_trained_checkpoint_without_fabric_lin_key(tmp_path, monkeypatch):
     # as fla's own save_pretrained writes it: no "fabric_lin" entry, fuse_norm false -> attn.g_norm
     state = make_model_dir(tmp_path / "model", small_config())
     convert_to_hf(tmp_path / "model", tmp_path / "flame-gla")
@@ -402,6 +402,9 @@ def test_fla_trained_checkpoint_without_fabric_lin_key(tmp_path):
     assert (config.name, config.head_norm_eps, config.num_kv_heads, config.intermediate_size) == ("flame-gla", 1e-6, 2, 512)
     back = load_model_dir_weights(tmp_path / "back")
     assert all(torch.equal(back[k], state[k]) for k in state)
+    monkeypatch.chdir(tmp_path / "flame-gla")  # given as `.`: still named after its directory, not ''
+    convert_from_hf(Path("."), tmp_path / "back-from-inside")
+    assert Config.from_checkpoint(tmp_path / "back-from-inside").name == "flame-gla"
 
 
 @pytest.mark.parametrize("first_sharded", [True, False], ids=["sharded-then-single", "single-then-sharded"])

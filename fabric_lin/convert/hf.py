@@ -18,6 +18,7 @@ loaded in fla, the head norm then runs with norm_eps. fla also fixes GLA's forge
 logit normalizer at 16; other values are refused.
 """
 import json
+import os
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -140,7 +141,7 @@ def read_fla_checkpoint(checkpoint_dir: Path, name: Optional[str] = None) -> Tup
     config_path = checkpoint_dir / HF_CONFIG_FILE
     if not config_path.is_file():
         raise MissingFile(f"{config_path} does not exist: expected a Hugging Face checkpoint directory with config.json")
-    config = config_from_fla(read_json(config_path), config_path, name=name or checkpoint_dir.name)
+    config = config_from_fla(read_json(config_path), config_path, name=name or Path(os.path.abspath(checkpoint_dir)).name)  # `.` too
     if not any(checkpoint_dir.glob("*.safetensors")) and any(checkpoint_dir.glob("*.bin")):
         raise InvalidValue(
             f"{checkpoint_dir} holds PyTorch .bin weights; only safetensors are read (a .bin file is a pickle that "
