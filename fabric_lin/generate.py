@@ -105,6 +105,18 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_k: Option
         raise InvalidValue(f"top_k must be a positive number of tokens, or 0 or None for no top-k filter; got top_k={top_k}")
 
 
+def check_prompt(prompt: str) -> None:
+    """Refuse a prompt that is not text: a byte of another encoding than the terminal's reaches Python as a surrogate
+    (0xDC80 + the byte), which the tokenizer cannot encode."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(prompt[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"character U+{code:04X}"
+        raise InvalidValue(f"--prompt is not UTF-8 text: {what} at character {e.start} (a terminal or script in another "
+                           "encoding, e.g. Latin-1?); give the prompt as UTF-8") from None
+
+
 def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -> GPT:
     from fabric_lin.convert.model_dir import load_model_dir_weights
 
@@ -161,6 +173,7 @@ def main(
     if precision not in dtypes:
         raise InvalidValue(f"precision must be one of {sorted(dtypes)}, got {precision!r}")
     check_generation_args(max_new_tokens, temperature, top_k)  # before loading the model, minutes for a large one
+    check_prompt(prompt)
 
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, device, dtypes[precision])
