@@ -28,6 +28,8 @@ from fabric_lin.config import Config
 from fabric_lin.convert.model_dir import (
     atomic_write,
     cast_floating,
+    HF_CONFIG_FILE,
+    check_model_dir_given,
     check_state_dict,
     copy_tokenizer,
     load_model_dir_weights,
@@ -40,7 +42,6 @@ from fabric_lin.convert.model_dir import (
 from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import created_dir, read_json
 
-HF_CONFIG_FILE = "config.json"
 # fla's model_type and architecture for each block_type
 MODEL_TYPES = {"gla": "gla", "gdn": "gated_deltanet", "deltanet": "delta_net", "transformer": "transformer"}
 ARCHITECTURES = {"gla": "GLAForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM", "delta_net": "DeltaNetForCausalLM",
@@ -72,6 +73,7 @@ def convert_to_hf(
     if not 0 < max_shard_gb < float("inf"):
         raise InvalidValue(f"convert_to_hf: --max_shard_gb must be a size above 0 (GiB per safetensors file), got {max_shard_gb}")
     model_dir = Path(model_dir)
+    check_model_dir_given(model_dir, "model_dir", "convert_to_hf")
     torch_dtype = parse_dtype(dtype)
     config = Config.from_checkpoint(model_dir)
     hf_config = fla_config(config)
