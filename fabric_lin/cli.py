@@ -238,7 +238,9 @@ def expand_home_in_paths() -> None:
     current one, while its loggers (which expand ~ themselves) write into the home directory."""
     from jsonargparse.typing import register_type
 
-    register_type(Path, str, lambda value: Path(os.path.expanduser(value)), type_check=isinstance)
+    from fabric_lin.files import expand_home
+
+    register_type(Path, str, expand_home, type_check=isinstance)
 
 
 def check_config_files(argv: List[str]) -> None:

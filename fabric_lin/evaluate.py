@@ -15,6 +15,7 @@ their tokens, so `--max_batches` = eval.max_iters x global_batch_size / micro_ba
 import difflib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +36,8 @@ from fabric_lin.checkpoint import (
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data import DataModule
-from fabric_lin.errors import InvalidValue, MissingFile, MissingPackage, UserError
-from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, read_yaml
+from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, MissingPackage, UserError
+from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, expand_home, read_yaml
 from fabric_lin.weights import MODEL_FILE, canonical_state_dict
 
 RESULTS_FILE = "evaluate.json"
@@ -68,6 +69,7 @@ def main(
     out_dir: Optional[Path] = None,
     precision: Optional[Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]] = None,
     device: Optional[str] = None,
+    overwrite: bool = False,
 ) -> Dict[str, Any]:
     """Evaluate a model: loss, perplexity and loss by position on validation data; lm-evaluation-harness tasks.
 
@@ -99,6 +101,8 @@ def main(
             pretrain validates with), 32-true on the CPU.
         device: "cpu", "cuda", "cuda:1", ... Default: cuda if there is a GPU. The fused kernels run on a GPU,
             their PyTorch references on the CPU.
+        overwrite: Replace the results of an earlier evaluation in out_dir (without it, they are kept and this
+            evaluation is refused before it starts).
     """
     import lightning_fabric as L
 
@@ -152,6 +156,11 @@ def main(
         validation_loader(data, checkpoint, batch_size, max(seq_lens))
         if checkpoint.tokenizer is None and data.prepared_dirs():  # else data.setup() compared it with the data's
             check_data_tokenizer(checkpoint_dir, data)
+
+    # after every check of the input, so that a mistake there is told first; before the minutes of evaluating
+    if (out_dir / RESULTS_FILE).exists() and not overwrite:
+        raise AlreadyExists(f"{out_dir / RESULTS_FILE} holds the results of an earlier evaluation: write this one to "
+                            "another --out_dir, or replace them with --overwrite true")
 
     fabric = L.Fabric(accelerator="cuda" if cuda else "cpu", devices=[torch_device.index or 0] if cuda else 1,
                       precision=precision)
@@ -228,11 +237,18 @@ def check_arguments(seq_len, max_batches, batch_size, bucket_size, bucket_edges,
 
 
 def task_list(tasks: Union[str, List[str], None]) -> List[str]:
-    """--tasks as a list of names: "a,b" (lm-evaluation-harness's own form), a list, or None."""
+    """--tasks as a list of names: "a,b" (lm-evaluation-harness's own form), a list, or None. A task file's path
+    starting with ~ starts in the home directory, as a path option's does (the option is text, not a path)."""
     if tasks is None:
         return []
     items = tasks.split(",") if isinstance(tasks, str) else [t for item in tasks for t in str(item).split(",")]
-    return [t.strip() for t in items if t.strip()]
+    names = [t.strip() for t in items if t.strip()]
+    return [str(expand_home(name)) if is_task_file(name) else name for name in names]
+
+
+def is_task_file(name: str) -> bool:
+    """Whether a --tasks entry names a task YAML file rather than a task, group or tag of the harness."""
+    return name.endswith((".yaml", ".yml"))
 
 
 def cap_loader_workers(data: DataModule) -> None:
@@ -268,6 +284,8 @@ def check_data_tokenizer(checkpoint_dir: Path, data: DataModule) -> None:
 def default_out_dir(checkpoint_dir: Path, kind: str) -> Path:
     """Beside a training checkpoint, never inside it: its files are the ones its manifest lists."""
     if kind == TRAINING_CHECKPOINT:
+        if checkpoint_dir.name in ("", ".."):  # `.` and `..` have no name of their own (and `.` no parent): its path has
+            checkpoint_dir = Path(os.path.abspath(checkpoint_dir))
         return checkpoint_dir.parent / "evaluate" / checkpoint_dir.name
     return checkpoint_dir / "evaluate"
 
@@ -579,13 +597,13 @@ def find_tasks(names: List[str], task_dir: Optional[Path]):
         raise MissingFile(f"--task_dir {task_dir} is not a directory (expected task YAML files)")
 
     def unknown(manager) -> List[str]:
-        return [n for n in names if n not in manager.all_tasks and not (n.endswith((".yaml", ".yml")) and Path(n).is_file())]
+        return [n for n in names if n not in manager.all_tasks and not (is_task_file(n) and Path(n).is_file())]
 
     if task_dir is not None:
         manager = TaskManager(include_path=str(task_dir), include_defaults=False)
         if not unknown(manager):
             return manager
-    elif all(n.endswith((".yaml", ".yml")) and Path(n).is_file() for n in names):
+    elif all(is_task_file(n) and Path(n).is_file() for n in names):
         return TaskManager(include_defaults=False)
     manager = TaskManager(include_path=str(task_dir) if task_dir is not None else None)
     missing = unknown(manager)

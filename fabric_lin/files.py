@@ -1,6 +1,7 @@
-"""Reading the files a user gives, where a file that cannot be parsed is one error naming it (`reading`,
-`read_yaml`, `read_json`; a Git LFS pointer in its place is named as one); writing a command's outputs: whole files, renamed into place, with the mode any new
-file gets; and output directories that a failed command removes again when it wrote nothing into them."""
+"""Reading the files a user gives (a path's leading ~ is the home directory, `expand_home`), where a file that cannot
+be parsed is one error naming it (`reading`, `read_yaml`, `read_json`; a Git LFS pointer in its place is named as
+one); writing a command's outputs: whole files, renamed into place, with the mode any new file gets; and output
+directories that a failed command removes again when it wrote nothing into them."""
 import json
 import os
 import shutil
@@ -65,6 +66,12 @@ def read_json(path: Union[str, Path]) -> dict:
     if not isinstance(data, dict):
         raise InvalidValue(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def expand_home(path: Union[str, Path]) -> Path:
+    """`path` with a leading ~ (or ~user) replaced by that home directory, as a shell does for a word it expands: a
+    shell leaves `--out_dir=~/runs/a`, a quoted path and a config file's value as they are."""
+    return Path(os.path.expanduser(path))
 
 
 def default_file_mode() -> int:

@@ -10,9 +10,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from fabric_lin.checkpoint import checkpoint_dirs
-from fabric_lin.config import CONFIG_FILE, Config
-from fabric_lin.errors import InvalidValue, MissingFile
+from fabric_lin.config import Config
+from fabric_lin.errors import InvalidValue
 from fabric_lin.model import GPT
 
 
@@ -105,6 +104,18 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_k: Option
         raise InvalidValue(f"top_k must be a positive number of tokens, or 0 or None for no top-k filter; got top_k={top_k}")
 
 
+def check_prompt(prompt: str) -> None:
+    """Refuse a prompt that is not text: a byte of another encoding than the terminal's reaches Python as a surrogate
+    (0xDC80 + the byte), which the tokenizer cannot encode."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(prompt[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"character U+{code:04X}"
+        raise InvalidValue(f"--prompt is not UTF-8 text: {what} at character {e.start} (a terminal or script in another "
+                           "encoding, e.g. Latin-1?); give the prompt as UTF-8") from None
+
+
 def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -> GPT:
     from fabric_lin.convert.model_dir import load_model_dir_weights
 
@@ -137,30 +148,18 @@ def main(
         device: "cpu", "cuda", ...; default: cuda if available.
         precision: "32-true", "bf16-true" or "16-true"; default bf16-true on CUDA, 32-true on CPU.
     """
-    from fabric_lin.convert.hf import HF_CONFIG_FILE
+    from fabric_lin.convert.model_dir import check_model_dir_given
     from fabric_lin.data.tokenizer import Tokenizer
 
     checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        raise MissingFile(f"checkpoint_dir {str(checkpoint_dir)!r} is not a directory")
-    run_checkpoints = [p.name for p in checkpoint_dirs(checkpoint_dir)]
-    if run_checkpoints and not (checkpoint_dir / CONFIG_FILE).is_file():
-        raise InvalidValue(
-            f"{checkpoint_dir} is a training run's directory (it holds {', '.join(run_checkpoints[:3])}): generate reads "
-            f"a model directory; make one from a checkpoint with: fabric-lin convert_pretrained_checkpoint "
-            f"{checkpoint_dir / run_checkpoints[0]} --output_dir <DIR>"
-        )
-    if not (checkpoint_dir / CONFIG_FILE).is_file() and (checkpoint_dir / HF_CONFIG_FILE).is_file():
-        raise InvalidValue(
-            f"{checkpoint_dir} is a Hugging Face directory ({HF_CONFIG_FILE}, no {CONFIG_FILE}), e.g. an fla export:"
-            f" generate reads a model directory; make one with: fabric-lin convert_from_hf {checkpoint_dir} --output_dir <DIR>"
-        )
+    check_model_dir_given(checkpoint_dir, "checkpoint_dir", "generate")
     device = resolve_device(device)
     precision = precision or ("bf16-true" if device.type == "cuda" else "32-true")
     dtypes = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
     if precision not in dtypes:
         raise InvalidValue(f"precision must be one of {sorted(dtypes)}, got {precision!r}")
     check_generation_args(max_new_tokens, temperature, top_k)  # before loading the model, minutes for a large one
+    check_prompt(prompt)
 
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, device, dtypes[precision])

@@ -78,8 +78,16 @@ def load_one_file_train_state(path: Path, state: Dict[str, Any]) -> None:
     names = {id(p): canonical_name(name) for name, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     saved_optimizer = saved.pop("optimizer")
-    if sum(len(group["params"]) for group in saved_optimizer["param_groups"]) != len(order):
-        raise InvalidValue(f"{path}: the checkpoint's optimizer holds other parameter groups than this run's")
+    # a position names the same parameter only in groups of the same sizes: the same total is not enough (one group of
+    # every parameter would give a norm's moments to a projection)
+    saved_sizes = [len(group["params"]) for group in saved_optimizer["param_groups"]]
+    own_sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if saved_sizes != own_sizes:
+        raise InvalidValue(
+            f"{path}: the checkpoint's optimizer holds parameter groups of {saved_sizes} parameters, this run's of "
+            f"{own_sizes}, so its state cannot be matched to this run's parameters; start from its weights alone: "
+            f"fabric-lin convert_pretrained_checkpoint {path.parent} --output_dir DIR, then --initial_checkpoint_dir DIR"
+        )
     set_optimizer_state_dict(model, optimizer, {
         "state": {order[i]: value for i, value in saved_optimizer["state"].items()},
         "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in saved_optimizer["param_groups"]],

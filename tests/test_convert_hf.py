@@ -298,6 +298,31 @@ def test_exported_model_computes_fla_logits(tmp_path, overrides):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_export_of_what_is_not_a_model_directory_names_what_it_is(tmp_path, capsys):
+    """convert_to_hf given an fla export, a training run's out_dir, a file or nothing: each named as what it is, with
+    the command that makes a model directory of it (as generate, which reads model directories too), where it was
+    "model_config.yaml does not exist" for all four."""
+    from helpers import cli_error
+
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "export")
+    (tmp_path / "run" / "step-00000002").mkdir(parents=True)
+    (tmp_path / "text.txt").write_text("a file")
+    out = ["--output_dir", str(tmp_path / "out")]
+    prefix = "fabric-lin convert_to_hf: error: "
+    assert cli_error(["convert_to_hf", str(tmp_path / "export"), *out], capsys) == (
+        f"{prefix}{tmp_path / 'export'} is a Hugging Face directory (config.json, no model_config.yaml), e.g. an fla "
+        f"export: convert_to_hf reads a model directory; make one with: fabric-lin convert_from_hf {tmp_path / 'export'} "
+        "--output_dir <DIR>\n")
+    assert cli_error(["convert_to_hf", str(tmp_path / "run"), *out], capsys) == (
+        f"{prefix}{tmp_path / 'run'} is a training run's directory (it holds step-00000002): convert_to_hf reads a model "
+        f"directory; make one from a checkpoint with: fabric-lin convert_pretrained_checkpoint "
+        f"{tmp_path / 'run' / 'step-00000002'} --output_dir <DIR>\n")
+    for given in (tmp_path / "text.txt", tmp_path / "nothing"):
+        assert cli_error(["convert_to_hf", str(given), *out], capsys) == f"{prefix}model_dir {str(given)!r} is not a directory\n"
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_refuses_what_fla_cannot_express(tmp_path):
     make_model_dir(tmp_path / "model", small_config(gate_low_rank_dim=32))
     with pytest.raises(ValueError, match="fla's GLA fixes .*gate_low_rank_dim': 32"):
@@ -383,7 +408,7 @@ def test_pickle_weights_are_not_read(tmp_path):
         convert_from_hf(tmp_path / "hf", tmp_path / "back")
 
 
-def test_fla_trained_checkpoint_without_fabric_lin_key(tmp_path):
+def test_fla_trained_checkpoint_without_fabric_lin_key(tmp_path, monkeypatch):
     # as fla's own save_pretrained writes it: no "fabric_lin" entry, fuse_norm false -> attn.g_norm
     state = make_model_dir(tmp_path / "model", small_config())
     convert_to_hf(tmp_path / "model", tmp_path / "flame-gla")
@@ -402,6 +427,9 @@ def test_fla_trained_checkpoint_without_fabric_lin_key(tmp_path):
     assert (config.name, config.head_norm_eps, config.num_kv_heads, config.intermediate_size) == ("flame-gla", 1e-6, 2, 512)
     back = load_model_dir_weights(tmp_path / "back")
     assert all(torch.equal(back[k], state[k]) for k in state)
+    monkeypatch.chdir(tmp_path / "flame-gla")  # given as `.`: still named after its directory, not ''
+    convert_from_hf(Path("."), tmp_path / "back-from-inside")
+    assert Config.from_checkpoint(tmp_path / "back-from-inside").name == "flame-gla"
 
 
 @pytest.mark.parametrize("first_sharded", [True, False], ids=["sharded-then-single", "single-then-sharded"])

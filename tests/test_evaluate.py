@@ -211,6 +211,19 @@ def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
     assert (sharded.parent / "evaluate" / sharded.name / "evaluate.json").is_file()  # beside the checkpoint, not in it
 
 
+def test_the_default_out_dir_is_beside_a_training_checkpoint_given_as_a_relative_path(tmp_path, monkeypatch):
+    """`fabric-lin evaluate .` inside a checkpoint, or `..` below it: the results go beside it, never into it (its files
+    are the ones its manifest lists); a model directory or an export keeps them in its evaluate/."""
+    from fabric_lin.evaluate import FLA_EXPORT, TRAINING_CHECKPOINT, default_out_dir
+
+    (tmp_path / "run" / "final" / "below").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "run" / "final")
+    assert default_out_dir(Path("."), TRAINING_CHECKPOINT) == tmp_path / "run" / "evaluate" / "final"
+    monkeypatch.chdir(tmp_path / "run" / "final" / "below")
+    assert default_out_dir(Path(".."), TRAINING_CHECKPOINT) == tmp_path / "run" / "evaluate" / "final"
+    assert default_out_dir(Path("."), FLA_EXPORT).resolve() == tmp_path / "run" / "final" / "below" / "evaluate"
+
+
 def test_token_chunks_with_its_val_path_alone_is_evaluated(run, tmp_path):
     """evaluate reads the validation split alone, and its error for data without one says to give `TokenChunks
     --data.val_path DIR`: done so, it was refused for want of a data_path (training data)."""
@@ -241,7 +254,7 @@ def test_a_model_without_a_tokenizer_checks_the_data_against_its_record_or_says_
     assert "Note:" not in capsys.readouterr().out
     for name in ("tokenizer.model", "tokenizer_config.json"):
         (tmp_path / "model" / name).unlink()
-    evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1)
+    evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1, overwrite=True)
     assert "Note:" not in capsys.readouterr().out
     sha256 = json.loads((run / "val" / "prepared.json").read_text())["tokenizer"]["sha256"]
     record = tmp_path / "model" / "trained_with.json"
@@ -250,14 +263,14 @@ def test_a_model_without_a_tokenizer_checks_the_data_against_its_record_or_says_
     trained_with["tokenizer"]["sha256"] = "f" * 64  # weights that learnt another tokenizer's ids
     record.write_text(json.dumps(trained_with))
     with pytest.raises(ValueError) as info:
-        evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1)
+        evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1, overwrite=True)
     assert str(info.value) == (
         f"--data: {run / 'train'} was tokenized with vocab_size=300, sha256={sha256[:12]}..., from {run / 'tok'}, and the "
         f"weights of {tmp_path / 'model'} were trained on the ids of vocab_size=300, sha256=ffffffffffff..., from "
         f"{trained_with['tokenizer']['source']} (trained_with.json): an id is another piece in each; evaluate on data "
         "prepared with the model's tokenizer")
     record.unlink()
-    evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1)
+    evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1, overwrite=True)
     assert (f"Note: {tmp_path / 'model'} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
             f"(vocab_size=300, sha256={sha256[:12]}..., from {run / 'tok'}) is the one its model was trained with"
             ) in capsys.readouterr().out
@@ -443,6 +456,53 @@ def test_task_names_are_checked_before_the_model_is_loaded(tmp_path, capsys, mon
     assert find_tasks(["mine"], tmp_path / "tasks").all_tasks == ["mine"] and built == [False]
     assert find_tasks([str(tmp_path / "tasks" / "mine.yaml")], None).all_tasks == [] and built == [False, False]
     assert find_tasks(["mine", "hellaswag"], tmp_path / "tasks").all_tasks[-1] == "mine" and built[-1] is True
+
+
+def test_a_task_file_s_path_starting_with_a_tilde_is_in_the_home_directory(tmp_path, capsys, monkeypatch,
+                                                                           harness_with_hellaswag):
+    """--tasks=~/mine.yaml (which no shell expands), alone or in a list, names the file in the home directory, as a
+    path option's ~ does: the names pass, and the command goes on to the checkpoint (here none: its one-line error)."""
+    from fabric_lin.evaluate import task_list
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "mine.yaml").write_text("task: mine\n")
+    missing = tmp_path / "no checkpoint"
+    for tasks in ("--tasks=~/mine.yaml", "--tasks=[~/mine.yaml, hellaswag]", "--tasks=hellaswag,~/mine.yaml"):
+        err = cli_error(["evaluate", str(missing), tasks], capsys)
+        assert f"error: {missing} is not a directory" in err, (tasks, err)
+    assert task_list("hellaswag, ~/mine.yaml") == ["hellaswag", str(tmp_path / "mine.yaml")]
+
+
+def test_an_earlier_evaluation_in_out_dir_is_kept_unless_overwrite(run, tmp_path, capsys, monkeypatch):
+    """A second evaluation into the out_dir of a first is refused before the model is built, naming the file and the
+    two ways on; the first's results stay. With --overwrite true it replaces them, whole: a write cut short (Ctrl-C)
+    leaves the earlier file as it was and no partial one beside it."""
+    import fabric_lin.evaluate
+
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot: this test does not look at it
+        monkeypatch.setitem(sys.modules, module, None)
+    final, out = run / "out" / "final", tmp_path / "eval"
+    evaluate(final, max_batches=1, out_dir=out)
+    first = (out / "evaluate.json").read_bytes()
+    with monkeypatch.context() as patch:
+        patch.setattr(fabric_lin.evaluate, "build_model", lambda *args: pytest.fail("the model was built"))
+        err = cli_error(["evaluate", str(final), "--max_batches", "2", "--out_dir", str(out)], capsys)
+    assert err == (f"fabric-lin evaluate: error: {out / 'evaluate.json'} holds the results of an earlier evaluation: "
+                   "write this one to another --out_dir, or replace them with --overwrite true\n"), err
+    assert (out / "evaluate.json").read_bytes() == first
+
+    def interrupted(written, path):  # Ctrl-C with the new results written, before they take the place of the first
+        assert Path(written).stat().st_size > 0
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            evaluate(final, max_batches=2, out_dir=out, overwrite=True)
+    assert (out / "evaluate.json").read_bytes() == first and sorted(p.name for p in out.iterdir()) == ["evaluate.json"]
+    second = evaluate(final, max_batches=2, out_dir=out, overwrite=True)
+    assert second["lengths"][0]["batches"] == 2
+    assert json.loads((out / "evaluate.json").read_text()) == json.loads(json.dumps(second))
 
 
 def test_a_tokenizer_with_more_pieces_than_the_model_has_embeddings_is_one_line(run, tmp_path, capsys, harness_with_hellaswag):

@@ -357,6 +357,15 @@ def test_generate_on_a_run_directory_points_to_its_checkpoint(tmp_path, capsys):
                    f"convert_pretrained_checkpoint {run / 'final'} --output_dir <DIR>\n")
 
 
+def test_generate_a_prompt_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    """A prompt typed in a terminal of another encoding (Latin-1's "café"): Python hands its undecodable byte over as
+    a surrogate, which SentencePiece's binding cannot take (a traceback); refused naming the byte, before the model."""
+    make_model_dir(tmp_path / "model", small_config())
+    err = cli_error(["generate", str(tmp_path / "model"), "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")], capsys)
+    assert err == ("fabric-lin generate: error: --prompt is not UTF-8 text: byte 0xe9 at character 3 (a terminal or "
+                   "script in another encoding, e.g. Latin-1?); give the prompt as UTF-8\n"), err
+
+
 def full_forward_continuation(model: GPT, ids: list, max_new_tokens: int, vocab_size: int, eos_id: int, pick) -> list:
     """New tokens, each `pick`ed from the full forward's last logits over the tokenizer's ids (no cache), up to
     and including eos_id."""

@@ -137,9 +137,10 @@ def test_pretrain_and_evaluate_take_it_as_their_data(corpus, tmp_path):
     run = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("val_loss" in record for record in run)
     for data in ([], ["--data", "LongDocuments"]):
+        evaluated = tmp_path / ("evaluate-given-data" if data else "evaluate-run-data")
         cli_main(["evaluate", str(out / "final"), *data, "--seq_len", "[64, 128]", "--max_batches", "1",
-                  "--bucket_edges", "[16, 64]", "--out_dir", str(tmp_path / "evaluate")])
-        results = json.loads((tmp_path / "evaluate" / "evaluate.json").read_text())
+                  "--bucket_edges", "[16, 64]", "--out_dir", str(evaluated)])
+        results = json.loads((evaluated / "evaluate.json").read_text())
         assert results["data"]["class_path"] == "fabric_lin.data.long_documents.LongDocuments"
         assert [length["by_position"]["start"] for length in results["lengths"]] == [[0, 16], [0, 16, 64]]
         assert [length["tokens"] for length in results["lengths"]] == [2 * 64, 2 * 128]

@@ -336,6 +336,26 @@ def test_prepare_text_output_given_as_train_dir_suggests_its_train(tmp_path, pre
         data.setup()
 
 
+def test_raw_text_given_as_prepared_data_says_to_prepare_it(tmp_path):
+    """A folder of raw text, or one file of it, where a prepared directory is expected (--data.val_dir, train_dir,
+    data_path): the error says it is raw text and names prepare_text, not that a file there does not exist or that a
+    preparation of it did not finish."""
+    from fabric_lin.data.prepared import read_prepared_dir
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("some text\n")
+    with pytest.raises(ValueError) as info:
+        read_prepared_dir(tmp_path / "raw" / "a.txt")
+    assert str(info.value) == (f"{tmp_path / 'raw' / 'a.txt'} is a file, expected a prepared data directory (index.json, "
+                               f"prepared.json and token chunks): raw text is tokenized first, e.g. fabric-lin prepare_text "
+                               f"--input_dir {tmp_path / 'raw'} --output_dir DIR --tokenizer_path TOKENIZER_DIR")
+    with pytest.raises(FileNotFoundError) as info:
+        read_prepared_dir(tmp_path / "raw")
+    assert str(info.value) == (f"{tmp_path / 'raw'} has no index.json: it holds raw text (a.txt), which is tokenized first, "
+                               f"e.g. fabric-lin prepare_text --input_dir {tmp_path / 'raw'} --output_dir DIR "
+                               f"--tokenizer_path TOKENIZER_DIR")
+
+
 def test_a_validation_split_too_small_for_a_sample_says_raise_val_fraction(tmp_path, prepared):
     """A validation split of prepare_text holding fewer tokens than one sample: raise --val_fraction, not the chunk size."""
     import numpy as np

@@ -18,6 +18,7 @@ loaded in fla, the head norm then runs with norm_eps. fla also fixes GLA's forge
 logit normalizer at 16; other values are refused.
 """
 import json
+import os
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -27,6 +28,8 @@ from fabric_lin.config import Config
 from fabric_lin.convert.model_dir import (
     atomic_write,
     cast_floating,
+    HF_CONFIG_FILE,
+    check_model_dir_given,
     check_state_dict,
     copy_tokenizer,
     load_model_dir_weights,
@@ -39,7 +42,6 @@ from fabric_lin.convert.model_dir import (
 from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import created_dir, read_json
 
-HF_CONFIG_FILE = "config.json"
 # fla's model_type and architecture for each block_type
 MODEL_TYPES = {"gla": "gla", "gdn": "gated_deltanet", "deltanet": "delta_net", "transformer": "transformer"}
 ARCHITECTURES = {"gla": "GLAForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM", "delta_net": "DeltaNetForCausalLM",
@@ -71,6 +73,7 @@ def convert_to_hf(
     if not 0 < max_shard_gb < float("inf"):
         raise InvalidValue(f"convert_to_hf: --max_shard_gb must be a size above 0 (GiB per safetensors file), got {max_shard_gb}")
     model_dir = Path(model_dir)
+    check_model_dir_given(model_dir, "model_dir", "convert_to_hf")
     torch_dtype = parse_dtype(dtype)
     config = Config.from_checkpoint(model_dir)
     hf_config = fla_config(config)
@@ -140,7 +143,7 @@ def read_fla_checkpoint(checkpoint_dir: Path, name: Optional[str] = None) -> Tup
     config_path = checkpoint_dir / HF_CONFIG_FILE
     if not config_path.is_file():
         raise MissingFile(f"{config_path} does not exist: expected a Hugging Face checkpoint directory with config.json")
-    config = config_from_fla(read_json(config_path), config_path, name=name or checkpoint_dir.name)
+    config = config_from_fla(read_json(config_path), config_path, name=name or Path(os.path.abspath(checkpoint_dir)).name)  # `.` too
     if not any(checkpoint_dir.glob("*.safetensors")) and any(checkpoint_dir.glob("*.bin")):
         raise InvalidValue(
             f"{checkpoint_dir} holds PyTorch .bin weights; only safetensors are read (a .bin file is a pickle that "

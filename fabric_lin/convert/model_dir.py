@@ -33,10 +33,36 @@ from fabric_lin.weights import (
     torch_load_tensors,
 )
 
+HF_CONFIG_FILE = "config.json"  # a Hugging Face directory's (e.g. an fla export's) configuration
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_model_dir_given(model_dir: Path, argument: str, command: str) -> None:
+    """Refuse what the `argument` of `command` names where a model directory is expected, naming what it is and the
+    command that makes a model directory of it: no directory at all, a training run's out_dir, a Hugging Face
+    directory (an fla export)."""
+    from fabric_lin.checkpoint import checkpoint_dirs
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise MissingFile(f"{argument} {str(model_dir)!r} is not a directory")
+    if (model_dir / CONFIG_FILE).is_file():
+        return
+    run_checkpoints = [p.name for p in checkpoint_dirs(model_dir)]
+    if run_checkpoints:
+        raise InvalidValue(
+            f"{model_dir} is a training run's directory (it holds {', '.join(run_checkpoints[:3])}): {command} reads "
+            f"a model directory; make one from a checkpoint with: fabric-lin convert_pretrained_checkpoint "
+            f"{model_dir / run_checkpoints[0]} --output_dir <DIR>"
+        )
+    if (model_dir / HF_CONFIG_FILE).is_file():
+        raise InvalidValue(
+            f"{model_dir} is a Hugging Face directory ({HF_CONFIG_FILE}, no {CONFIG_FILE}), e.g. an fla export: {command} "
+            f"reads a model directory; make one with: fabric-lin convert_from_hf {model_dir} --output_dir <DIR>"
+        )
 
 
 def load_model_dir_weights(

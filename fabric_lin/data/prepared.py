@@ -10,12 +10,14 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
+from fabric_lin.data.raw_files import TEXT_SUFFIXES
 from fabric_lin.data.tokenizer import Tokenizer, copy_tokenizer_files, describe_tokenizer, tokenizer_identity
 from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import read_json
 
 PREPARED_INFO_FILE = "prepared.json"
 INDEX_FILE = "index.json"
+PREPARE_RAW_TEXT = "e.g. fabric-lin prepare_text --input_dir {} --output_dir DIR --tokenizer_path TOKENIZER_DIR"
 
 
 def write_prepared_info(out_dir: Union[str, Path], tokenizer: Tokenizer, **fields) -> Path:
@@ -127,6 +129,11 @@ def read_prepared_dir(path: Union[str, Path]) -> dict:
     """The prepared.json of a complete prepared directory; the directory, its index, prepared.json and its chunk
     files checked first, each missing one named."""
     path = Path(path)
+    if path.is_file():
+        fix = (f"did you mean {path.parent}?" if (path.parent / INDEX_FILE).is_file()
+               else "raw text is tokenized first, " + PREPARE_RAW_TEXT.format(path.parent))
+        raise InvalidValue(f"{path} is a file, expected a prepared data directory ({INDEX_FILE}, {PREPARED_INFO_FILE} and "
+                           f"token chunks): {fix}")
     if not path.is_dir():
         raise MissingFile(
             f"Prepared data directory {str(path)!r} does not exist: run `fabric-lin prepare_text`,"
@@ -136,8 +143,14 @@ def read_prepared_dir(path: Union[str, Path]) -> dict:
     if not index_path.is_file():
         # prepare_text's --output_dir holds train/ and val/, each a prepared directory
         inside = sorted(p for p in path.iterdir() if (p / INDEX_FILE).is_file())
-        hint = f"; it holds prepared directories ({', '.join(p.name for p in inside)}): did you mean {inside[0]}?" if inside else (
-            ": it is not a prepared litdata directory, or its preprocessing run did not finish; prepare it again")
+        raw_text = sorted(p.name for p in path.iterdir() if p.is_file() and p.name.endswith(TEXT_SUFFIXES))
+        if inside:
+            hint = f"; it holds prepared directories ({', '.join(p.name for p in inside)}): did you mean {inside[0]}?"
+        elif raw_text:
+            hint = (f": it holds raw text ({', '.join(raw_text[:3])}{', ...' if len(raw_text) > 3 else ''}), which is "
+                    f"tokenized first, {PREPARE_RAW_TEXT.format(path)}")
+        else:
+            hint = ": it is not a prepared litdata directory, or its preprocessing run did not finish; prepare it again"
         raise MissingFile(f"{path} has no {INDEX_FILE}{hint}")
     info_path = path / PREPARED_INFO_FILE
     if not info_path.is_file():
