@@ -12,6 +12,7 @@ The model is built on the meta device, sharded, and then materialised and initia
 (`initialize_like_one_process`): its weights, gathered, are those of a one-process run with the same seed,
 bit for bit.
 """
+import os
 from datetime import timedelta
 from functools import partial
 from typing import Union
@@ -24,6 +25,23 @@ from fabric_lin.args import ParallelismArgs
 from fabric_lin.errors import InvalidValue
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for the others (e.g. rank 0 checksumming)
+
+
+def check_torchrun_processes(devices: int, num_nodes: int) -> None:
+    """Under torchrun, refuse --devices and --num_nodes other than the processes torchrun started: Fabric takes
+    torchrun's processes as they are, so with fewer devices each process trains as a run of its own (the same
+    steps in each, checkpoints written over each other) or waits for ranks that never come. Under SLURM, Fabric
+    checks the same itself."""
+    if not all(name in os.environ for name in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")):
+        return  # not launched by torchrun (Fabric's TorchElasticEnvironment looks for the same variables)
+    per_node, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+    nodes = world // per_node
+    if (devices, num_nodes) != (per_node, nodes):
+        raise InvalidValue(
+            f"torchrun started {world} processes, {per_node} on each of {nodes} node(s) (its --nproc-per-node and "
+            f"--nnodes), and this run has --devices {devices} --num_nodes {num_nodes}: give --devices {per_node} "
+            f"--num_nodes {nodes}"
+        )
 
 
 def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: ParallelismArgs,

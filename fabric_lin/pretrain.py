@@ -50,7 +50,7 @@ from fabric_lin.lr_schedule import TokenSchedule, learning_rate
 from fabric_lin.metrics import MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, Launches, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.parallelism import free_gathered_weights, make_strategy
+from fabric_lin.parallelism import check_torchrun_processes, free_gathered_weights, make_strategy
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
 from fabric_lin.stopping import StepFlags, StopRequest
 from fabric_lin.weights import canonical_name
@@ -137,6 +137,7 @@ def setup(
             f"--devices {devices}: this machine has {torch.cuda.device_count()} CUDA GPU(s) (CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give --devices {torch.cuda.device_count()} or fewer"
         )
+    check_torchrun_processes(devices, num_nodes)
     precision = precision or ("bf16-mixed" if cuda else "32-true")
     compile = replace(compile, enabled=cuda if compile.enabled is None else compile.enabled)
     data = SampleCorpus() if data is None else data

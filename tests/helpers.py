@@ -485,11 +485,27 @@ def split_documents(tokens, eos_id):
     return docs
 
 
+def running_processes_of_group(group: int) -> List[int]:
+    """The ids of the processes of process group `group` that still run, read from Linux's /proc; a zombie (a process
+    that has ended, whose parent has not collected it: here the orphans of a script that ended) does not count."""
+    running = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, pgrp, ...
+        except (OSError, IndexError):  # a process that ended while listed
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            running.append(int(stat.parent.name))
+    return running
+
+
 def interrupt_preparation(command: List[str], directory: Path, started: str, how: str) -> int:
     """Run a data preparation script (`command`) in a session of its own, wait until the glob pattern `started`
     under `directory` names what it writes while it runs (a worker's report of its first file: with many files
-    the run is mid-way), then stop it: SIGKILL to the whole session (a killed job: nothing runs after it) or
-    SIGINT to the script (Ctrl-C). Returns its exit code."""
+    the run is mid-way), then stop it: SIGKILL to the whole session (a killed job: nothing runs after it), SIGINT
+    to the script (Ctrl-C), SIGTERM to the script (`kill PID`, `timeout`) or "SIGTERM to the job" (every process
+    of the session, as SLURM's scancel sends it). Returns its exit code; unless killed, no process of the run
+    (a worker) may outlive the script."""
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 60
@@ -498,13 +514,21 @@ def interrupt_preparation(command: List[str], directory: Path, started: str, how
         assert process.poll() is None, "the run ended before it could be interrupted"
         if how == "SIGKILL":
             os.killpg(process.pid, signal.SIGKILL)
+        elif how == "SIGTERM to the job":
+            os.killpg(process.pid, signal.SIGTERM)
         else:
-            process.send_signal(signal.SIGINT)
-        return process.wait(timeout=60)
+            process.send_signal(getattr(signal, how))
+        returncode = process.wait(timeout=60)
+        if how != "SIGKILL":
+            left = running_processes_of_group(process.pid)
+            assert not left, f"after {how}, processes {left} of the run are still running"
+        return returncode
     finally:
-        if process.poll() is None:
+        try:  # the script, and any worker left behind
             os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        except ProcessLookupError:
+            pass
+        process.wait()
 
 
 # ---- the kernel tests: values and gradients against a reference

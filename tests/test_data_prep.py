@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -16,11 +17,13 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from fabric_lin.data.recipe import REPORTS_DIR
+from fabric_lin.data.recipe import REPORTS_DIR, run_recipe
 from data_prep.prepare_slimpajama import prepare as prepare_slimpajama
+from data_prep.prepare_text import TextRecipe
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
+from fabric_lin.errors import UserError
 from helpers import (REPO, expected_tokens, interrupt_preparation, paragraphs, read_tokens, split_documents,
                      write_json_lines, write_parquet_with_a_damaged_row_group)
 
@@ -220,6 +223,42 @@ def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path, ho
         (partial,) = runs.glob(".tmp-interrupted-*")
         with pytest.raises(FileNotFoundError, match="no index.json"):
             check_prepared_dir(partial)
+
+
+class RecipeOfAWorkerKilled(TextRecipe):
+    """prepare_text's recipe, whose worker is killed (as the out-of-memory killer does) when it starts reading the
+    file named `killed_before`, or once it has reported the file named `killed_after` (its last chunk unwritten)."""
+
+    def __init__(self, *args, killed_before: str = "", killed_after: str = "", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.killed_before, self.killed_after = killed_before, killed_after
+
+    def read_documents(self, path):
+        if Path(path).name == self.killed_before:
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield from super().read_documents(path)
+
+    def _write_report(self, record):
+        super()._write_report(record)
+        if Path(record["path"]).name == self.killed_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("killed", [{"killed_before": "doc-2.txt"}, {"killed_after": "doc-3.txt"}])
+def test_a_worker_killed_mid_run_fails_the_run_and_leaves_no_output(paragraphs_tokenizer, tmp_path, capfd, killed):
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    raw.mkdir()
+    for i in range(4):
+        (raw / f"doc-{i}.txt").write_text(paragraphs(1, 200 + i)[0], encoding="utf-8")
+    recipe = RecipeOfAWorkerKilled(paragraphs_tokenizer, 4096, raw, **killed)
+    with pytest.raises(UserError) as info:
+        run_recipe(recipe, raw, out, num_workers=1)
+    assert str(info.value) == (
+        f"1 of the 1 worker processes ended before finishing their files (killed by SIGKILL; the out-of-memory killer "
+        f"sends SIGKILL): their files' tokens would be missing, so {out} was not written; run again, with fewer "
+        f"--num_workers if memory is short")
+    assert "Prepared" not in capfd.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
 
 
 def test_check_prepared_dir_rejects_incomplete_and_mismatched(corpus, fast_prepared, tmp_path):

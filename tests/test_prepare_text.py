@@ -281,7 +281,7 @@ def test_prepare_text_refuses_a_finished_output_dir(paragraphs_tokenizer, text_c
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT", "SIGTERM", "SIGTERM to the job"])
 def test_prepare_text_interrupted_leaves_nothing_the_trainer_accepts(paragraphs_tokenizer, tmp_path, how):
     raw, runs = tmp_path / "raw", tmp_path / "runs"
     raw.mkdir()
@@ -298,7 +298,7 @@ def test_prepare_text_interrupted_leaves_nothing_the_trainer_accepts(paragraphs_
     for split in ("train", "val"):
         with pytest.raises(FileNotFoundError, match="does not exist"):
             check_prepared_dir(out / split)
-    if how == "SIGINT":  # Ctrl-C removes what the run wrote
+    if how != "SIGKILL":  # Ctrl-C and SIGTERM stop the workers and remove what the run wrote
         assert list(runs.iterdir()) == []
 
 

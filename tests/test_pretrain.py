@@ -115,6 +115,25 @@ def test_error_more_cpu_processes_than_cores(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.timeout(60)  # unchecked, the run waits for the other processes torchrun would have started
+@pytest.mark.parametrize("flags", [[], ["--devices", "2"]])
+def test_error_devices_other_than_torchrun_started(tmp_path, capsys, monkeypatch, flags):
+    """Under torchrun, --devices and --num_nodes left at their defaults (or one of them) would make each of torchrun's
+    processes a run of its own, or wait for ranks that never come."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # what torchrun --nnodes 2 --nproc-per-node 2 sets in the process of rank 0 (the one that prints errors)
+    for name, value in dict(RANK=0, LOCAL_RANK=0, GROUP_RANK=0, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2,
+                            MASTER_ADDR="localhost", MASTER_PORT=free_port()).items():
+        monkeypatch.setenv(name, str(value))
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--train.global_batch_size", "4", "--train.micro_batch_size", "1", "--data", "TokenChunks",
+                     "--data.data_path", str(tmp_path / "data"), *flags], capsys)
+    devices = flags[1] if flags else "1"
+    assert err == (f"fabric-lin pretrain: error: torchrun started 4 processes, 2 on each of 2 node(s) (its --nproc-per-node "
+                   f"and --nnodes), and this run has --devices {devices} --num_nodes 1: give --devices 2 --num_nodes 2\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_error_data_parallel_choice(tmp_path):
     with pytest.raises(ValueError, match=r"parallelism.data_parallel must be 'fsdp' or 'ddp', got 'zero3'"):
         setup_pretrain(tmp_path, parallelism=ParallelismArgs(data_parallel="zero3"))

@@ -336,6 +336,22 @@ def test_prepare_text_output_given_as_train_dir_suggests_its_train(tmp_path, pre
         data.setup()
 
 
+def test_prepare_text_output_given_as_val_dir_suggests_its_val(tmp_path, prepared):
+    """Given as data.val_dir (pretrain's, or evaluate's held-out text), prepare_text's --output_dir is named with its
+    val/, not its train/: validating on training data is what the split exists to avoid."""
+    import shutil
+
+    from fabric_lin.data import TextFiles
+
+    for split in ("train", "val"):
+        shutil.copytree(prepared / "tokens300", tmp_path / "out" / split)
+    data = TextFiles(val_dir=tmp_path / "out", num_workers=0)
+    data.connect(batch_size=1, max_seq_length=16)
+    with pytest.raises(FileNotFoundError, match=rf"^data.val_dir {tmp_path / 'out'} has no index.json; it holds prepared "
+                       rf"directories \(train, val\): did you mean {tmp_path / 'out' / 'val'}\?$"):
+        data.setup()
+
+
 def test_raw_text_given_as_prepared_data_says_to_prepare_it(tmp_path):
     """A folder of raw text, or one file of it, where a prepared directory is expected (--data.val_dir, train_dir,
     data_path): the error says it is raw text and names prepare_text, not that a file there does not exist or that a

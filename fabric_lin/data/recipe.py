@@ -187,17 +187,39 @@ def file_record(path: str, documents: int = 0, tokens: int = 0) -> dict:
 
 class InterruptibleDataProcessor(DataProcessor):
     """litdata's DataProcessor answers Ctrl-C (SIGINT) with `os._exit(0)`: the job ends with status 0,
-    as if it had succeeded, and nothing after it runs. Here the workers are stopped and
-    KeyboardInterrupt raised, so the caller cleans up and the process exits with an error."""
+    as if it had succeeded, and nothing after it runs; SIGTERM (`kill`, `timeout`, a scheduler) it leaves to the
+    default action, which ends this process alone and leaves the workers running. Here both stop the workers and
+    raise KeyboardInterrupt, so the caller cleans up and the process exits with an error."""
+
+    def run(self, data_recipe: DataChunkRecipe) -> None:
+        self._main_pid = os.getpid()
+        signal.signal(signal.SIGTERM, self._signal_handler)  # litdata's run sets this handler for SIGINT
+        super().run(data_recipe)
 
     def _signal_handler(self, signum, frame) -> None:
+        if os.getpid() != self._main_pid:
+            # a worker, forked with this handler, reached by a signal to the whole job: the main process stops it
+            os._exit(128 + signum)
         for stop_queue in self.stop_queues:
             stop_queue.put(None)
         for worker in self.workers:
             worker.terminate()
         for worker in self.workers:
             worker.join(5)
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt("" if signum == signal.SIGINT else signal.Signals(signum).name)
+
+    def check_workers_finished(self, output_dir: Path) -> None:
+        """A worker that ended early (killed: the out-of-memory killer sends SIGKILL) leaves its remaining files
+        unread and the chunk it was filling unwritten, while litdata's run ends as if all went well."""
+        failed = [worker.exitcode for worker in self.workers if worker.exitcode != 0]
+        if failed:
+            how = ", ".join(f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                            for code in failed)
+            raise UserError(
+                f"{len(failed)} of the {len(self.workers)} worker processes ended before finishing their files ({how}; "
+                f"the out-of-memory killer sends SIGKILL): their files' tokens would be missing, so {output_dir} was not "
+                f"written; run again, with fewer --num_workers if memory is short"
+            )
 
 
 def _read_reports(report_dir: Path) -> List[dict]:
@@ -333,7 +355,7 @@ def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokeniz
     cache_folders = {"DATA_OPTIMIZER_CACHE_FOLDER": str(cache_dir / "chunks"),
                      "DATA_OPTIMIZER_DATA_CACHE_FOLDER": str(cache_dir / "data")}
     saved_start_method = multiprocessing.get_start_method(allow_none=True)
-    saved_sigint = signal.getsignal(signal.SIGINT)
+    saved_signals = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     start = time.perf_counter()
     try:
         with environment_variables(cache_folders):
@@ -352,12 +374,14 @@ def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokeniz
                 start_method="fork" if sys.platform == "linux" else None,
             )
             processor.run(recipe)
+        processor.check_workers_finished(shown_as)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     finally:
         multiprocessing.set_start_method(saved_start_method, force=True)
-        signal.signal(signal.SIGINT, saved_sigint)
+        for signum, handler in saved_signals.items():
+            signal.signal(signum, handler)
         shutil.rmtree(cache_dir, ignore_errors=True)
     seconds = time.perf_counter() - start
 

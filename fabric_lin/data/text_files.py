@@ -4,6 +4,7 @@ from pathlib import Path
 from typing import List, Optional, Union
 
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
+from fabric_lin.data.prepared import INDEX_FILE
 from fabric_lin.errors import InvalidValue, MissingFile
 
 
@@ -59,12 +60,23 @@ class TextFiles(DataModule):
                 " OUT/val, written where --val_fraction held out any document), or leave data.val_dir out to train"
                 " without validation"
             )
+        if self.val_dir is not None:
+            self.check_not_prepare_text_output(Path(self.val_dir))
         super().setup()
         if self.val_dir is None:
             say_once("TextFiles: no validation: data.val_dir is not set")
         elif self.train_dirs and any(Path(self.val_dir).resolve() == Path(d).resolve() for d in self.train_dirs):
             say_once(f"Warning: data.val_dir {self.val_dir} is also a data.train_dir: the validation loss is measured "
                      "on training data (prepare_text's --val_fraction holds documents out into OUT/val)")
+
+    @staticmethod
+    def check_not_prepare_text_output(val_dir: Path) -> None:
+        """prepare_text's --output_dir given as val_dir is refused naming its val/: the check of every prepared
+        directory would suggest its train/, and validating on training data is what the split exists to avoid."""
+        if not (val_dir / INDEX_FILE).is_file() and (val_dir / "val" / INDEX_FILE).is_file():
+            inside = ", ".join(sorted(p.parent.name for p in val_dir.glob(f"*/{INDEX_FILE}")))
+            raise MissingFile(f"data.val_dir {val_dir} has no {INDEX_FILE}; it holds prepared directories ({inside}): "
+                              f"did you mean {val_dir / 'val'}?")
 
     def no_train_dir(self) -> InvalidValue:
         return InvalidValue(
