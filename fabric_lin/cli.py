@@ -243,6 +243,22 @@ def expand_home_in_paths() -> None:
     register_type(Path, str, expand_home, type_check=isinstance)
 
 
+def print_model_names_or_config(names: List[str]) -> None:
+    """`fabric-lin pretrain list`: the model names; `fabric-lin pretrain list NAME`: that model's whole config as YAML,
+    to edit and give as `--model_config FILE` (a model_config given field by field starts from Config's defaults)."""
+    import yaml
+
+    from fabric_lin.config import Config, name_to_config
+    from fabric_lin.errors import InvalidValue
+
+    if not names:
+        print("\n".join(name_to_config))
+        return
+    if len(names) > 1:
+        raise InvalidValue(f"list takes one model name at the most, got {' '.join(names)}")
+    print(yaml.safe_dump(Config.from_name(names[0]).to_dict(), sort_keys=False), end="")
+
+
 def check_config_files(argv: List[str]) -> None:
     """Each `--config FILE` read before jsonargparse reads it: its own messages for a file that is not YAML, is empty or
     holds a list name no file ("<unicode string>", "Unexpected config")."""
@@ -289,9 +305,7 @@ def run(argv: List[str]) -> None:
             return super().instantiate(cfg, *args, **kwargs)
 
     if len(argv) >= 2 and argv[1] == "list" and argv[0] in ("pretrain", "generate"):
-        from fabric_lin.config import name_to_config
-
-        print("\n".join(name_to_config))
+        print_model_names_or_config(argv[2:])
         return
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     expand_home_in_paths()

@@ -12,6 +12,9 @@ from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import read_yaml
 
 CONFIG_FILE = "model_config.yaml"  # the model's Config, in a checkpoint and in a model directory
+# how a user changes one field of a named model's config, for messages that ask for another vocab_size
+OTHER_VOCAB_SIZE = ("`fabric-lin pretrain list NAME > model.yaml` writes the model's config: set vocab_size there and "
+                    "give --model_config model.yaml in place of --model_name")
 
 
 @dataclass

@@ -38,7 +38,7 @@ from fabric_lin.checkpoint import (
     to_plain,
     train_state,
 )
-from fabric_lin.config import CONFIG_FILE, Config
+from fabric_lin.config import CONFIG_FILE, OTHER_VOCAB_SIZE, Config, name_to_config
 from fabric_lin.cpu_cores import cores_busy_with_other_work, usable_cpu_cores
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader
@@ -303,7 +303,7 @@ def main(
         if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
             raise InvalidValue(
                 f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                f"{config.vocab_size}; use a model config with vocab_size >= {tokenizer.vocab_size}"
+                f"{config.vocab_size}; use a model config with vocab_size >= {tokenizer.vocab_size} ({OTHER_VOCAB_SIZE})"
             )
         if reset_state_at_doc_boundaries and tokenizer is None:
             raise InvalidValue("reset_state_at_doc_boundaries needs the EOS id: give --tokenizer_dir")
@@ -568,7 +568,20 @@ def validate(fabric: L.Fabric, model, run: Run) -> Optional[Tuple[float, int]]:
 def resolve_model_config(model_name: Optional[str], model_config: Optional[Config]) -> Config:
     if (model_name is None) == (model_config is None):
         raise InvalidValue("give exactly one of --model_name and --model_config (`fabric-lin pretrain list` shows the names)")
-    return Config.from_name(model_name) if model_name is not None else model_config
+    if model_name is not None:
+        return Config.from_name(model_name)
+    named = name_to_config.get(model_config.name)
+    if named is not None:
+        # `--model_config.name gla-debug --model_config.vocab_size 512` builds Config's defaults under gla-debug's name
+        differs = [f"{key} {getattr(model_config, key)!r} ({model_config.name}: {value!r})"
+                   for key, value in Config.from_name(model_config.name).to_dict().items()
+                   if getattr(model_config, key) != value]
+        if differs:
+            print(f"Note: the model_config named {model_config.name} differs from that model in {'; '.join(differs)} "
+                  f"(a model_config given field by field starts from Config's defaults, not from the model it names; "
+                  f"`fabric-lin pretrain list {model_config.name} > model.yaml` writes that model's whole config, to "
+                  f"edit and give as --model_config model.yaml)", flush=True)
+    return model_config
 
 
 def build_model(

@@ -364,3 +364,34 @@ def test_a_positional_argument_given_by_name_says_how_it_is_given(tmp_path, caps
     assert parse_error([command, f"--{name}", str(tmp_path)], capsys) == (
         f"fabric-lin {command}: error: unknown option --{name}: {name} is this command's argument, given without a "
         f"name: fabric-lin {command} {name.upper()} [options]")
+
+
+def test_list_with_a_name_writes_that_models_config_for_model_config(tmp_path, capsys):
+    # `pretrain list NAME > model.yaml`, one field edited, read back as --model_config reads a file: that model's every
+    # field but the edited one (a model_config given field by field would start from Config's defaults instead)
+    import yaml
+
+    from fabric_lin.cli import main as cli_main
+
+    capsys.readouterr()
+    cli_main(["pretrain", "list", "gdn-debug"])
+    written = yaml.safe_load(capsys.readouterr().out)
+    assert written == Config.from_name("gdn-debug").to_dict()
+    written["vocab_size"] = 512
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(written))
+    assert Config.from_file(tmp_path / "model.yaml") == Config.from_name("gdn-debug", vocab_size=512)
+    assert "Unknown model name 'gdn-dbg'. Did you mean 'gdn-debug'" in cli_error(["pretrain", "list", "gdn-dbg"], capsys)
+    assert "list takes one model name at the most" in cli_error(["pretrain", "list", "gla-debug", "gdn-debug"], capsys)
+
+
+def test_a_model_config_named_after_a_model_but_unlike_it_is_noted(capsys):
+    from fabric_lin.pretrain import resolve_model_config
+
+    capsys.readouterr()
+    assert resolve_model_config(None, Config.from_name("gla-debug")) == Config.from_name("gla-debug")
+    assert capsys.readouterr().out == ""  # the named model itself: nothing to say
+    given_field_by_field = Config(name="gla-debug", vocab_size=512)
+    assert resolve_model_config(None, given_field_by_field) is given_field_by_field
+    note = capsys.readouterr().out
+    assert "differs from that model in vocab_size 512 (gla-debug: 4096); hidden_size 1024 (gla-debug: 128)" in note
+    assert "pretrain list gla-debug > model.yaml" in note and note.count("\n") == 1

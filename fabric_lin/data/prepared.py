@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
+from fabric_lin.config import OTHER_VOCAB_SIZE
 from fabric_lin.data.raw_files import TEXT_SUFFIXES
 from fabric_lin.data.tokenizer import Tokenizer, copy_tokenizer_files, describe_tokenizer, tokenizer_identity
 from fabric_lin.errors import InvalidValue, MissingFile
@@ -196,5 +197,5 @@ def check_made_for(path: Union[str, Path], info: dict, tokenizer: Optional[Token
         raise InvalidValue(
             f"{path} was tokenized with a vocabulary of {data_vocab} tokens ({PREPARED_INFO_FILE}: tokenizer.vocab_size),"
             f" more than the model's vocab_size={vocab_size}: token ids would fall outside the embedding; use a model"
-            f" config with vocab_size >= {data_vocab} or prepare the data with the model's tokenizer"
+            f" config with vocab_size >= {data_vocab} ({OTHER_VOCAB_SIZE}) or prepare the data with the model's tokenizer"
         )
