@@ -45,6 +45,37 @@ def test_chunk_layout_of_a_tensor_met_again_is_read_once_and_again_after_it_is_w
     assert reads == [[0, 1, 65, 130], [0, 64, 128, 130], [0, 130]]
 
 
+def test_chunk_layout_of_a_tensor_met_again_with_another_length_or_chunk_size_is_made_anew():
+    # documents of 1, 64 and 65 rows: in chunks of 32 rows one, two and three chunks; the same offsets are no
+    # sequence of 100 rows (the length they end at is checked again)
+    cu = torch.tensor([0, 1, 65, 130], dtype=torch.int32)
+    assert chunk_layout(cu, 1, 130).chunk_offsets.tolist() == [0, 1, 2, 4]
+    assert chunk_layout(cu, 1, 130, BT=32).chunk_offsets.tolist() == [0, 1, 3, 6]
+    with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to T = 100"):
+        chunk_layout(cu, 1, 100)
+
+
+def test_chunk_layout_keeps_the_layouts_of_the_last_few_tensors_met(monkeypatch):
+    """The most recent tensors' layouts are kept, a newly met one among them; the oldest is dropped for a new one
+    (the cache holds each tensor, so it must not grow with every batch's cu_seqlens)."""
+    from fabric_lin.ops.chunked import layout as layout_module
+
+    monkeypatch.setattr(layout_module, "_RECENT_LAYOUTS", [])
+    reads = []
+    read = layout_module.documents_layout
+    monkeypatch.setattr(layout_module, "documents_layout", lambda cu, T, BT: reads.append(cu.tolist()) or read(cu, T, BT))
+    kept = layout_module._RECENT_KEPT
+    tensors = [torch.tensor([0, n + 1, 130], dtype=torch.int32) for n in range(kept + 1)]
+    for cu in tensors[:kept] * 2:
+        chunk_layout(cu, 1, 130)
+    assert len(reads) == kept  # as many as are kept: each read once
+    chunk_layout(tensors[kept], 1, 130)
+    chunk_layout(tensors[kept], 1, 130)
+    assert len(reads) == kept + 1  # the newest is kept
+    chunk_layout(tensors[0], 1, 130)
+    assert reads[-1] == [0, 1, 130] and len(reads) == kept + 2  # the oldest was dropped for it
+
+
 @pytest.mark.parametrize("bounds", [[0, 4, 9], [1, 10], [0, 6, 4, 10]])
 def test_chunk_layout_refuses_offsets_that_do_not_rise_from_0_to_T(bounds):
     with pytest.raises(ValueError, match=rf"cu_seqlens must rise from 0 to T = 10 without falling, got \[{bounds[0]}, "):
