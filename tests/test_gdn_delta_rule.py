@@ -236,6 +236,35 @@ def test_triton_path_without_a_gate_hands_no_kernel_a_gate(launches):
 
 
 @cpu_only
+@pytest.mark.parametrize("multiprocessors,paired", [(2, False), (4, True)])
+def test_state_passes_pair_by_the_programs_of_the_launch_taken(monkeypatch, launches, multiprocessors, paired):
+    # 2 heads of V = 32: the reverse pass's own 32-wide tile makes 2 programs, no more than the multiprocessors, so
+    # it takes the 16-wide narrow tile: 4 programs, which pair the two passes on 4 multiprocessors but not on 2.
+    # fp16 inputs from an initial state, no final state asked for: the recomputed states are fp32 on either path,
+    # and the paired launch reads the initial state but no final state's gradient
+    from fabric_lin.ops import launch as launch_helpers
+    from fabric_lin.ops.gdn.launch import GDNLaunch
+    from fabric_lin.ops.launch import KernelLaunch
+
+    monkeypatch.setattr(launch_helpers, "multiprocessors", lambda device: multiprocessors)
+    (q, k, v, beta), h0 = delta_inputs(1, 70, 2, 16, 32, seed=7)
+    q, k, v, beta = (x.half().requires_grad_(True) for x in (q, k, v, beta))
+    launch = GDNLaunch(dstate=KernelLaunch(BV=32), narrow_dstate=KernelLaunch(BV=16))
+    o, _ = chunk_gated_delta_rule(q, k, v, None, beta, initial_state=h0, backend="triton", launch=launch)
+    launches.clear()
+    o.float().sum().backward()
+    state_passes = [(name, args) for name, args in launches if "state" in name]
+    if paired:
+        assert [name for name, _ in state_passes] == ["_state_passes_kernel"]
+        assert state_passes[0][1]["USE_H0"] is True and state_passes[0][1]["USE_DHT"] is False
+    else:
+        assert [name for name, _ in state_passes] == ["_fwd_state_kernel", "_bwd_state_kernel"]
+    assert state_passes[-1][1]["BV"] == 16
+    assert state_passes[0][1]["h"].dtype == torch.float32
+    assert all(x.grad.isfinite().all() for x in (q, k, v, beta))
+
+
+@cpu_only
 def test_triton_step_without_a_gate_is_handed_none(launches):
     (q, k, v, beta), h0 = delta_inputs(2, 1, 3, 16, 32, seed=8)
     fused_recurrent_gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], None, beta[:, 0], h0, backend="triton")
