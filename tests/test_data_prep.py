@@ -215,7 +215,7 @@ def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path, ho
     command = [sys.executable, str(REPO / "data_prep" / "prepare_slimpajama.py"), "--input_dir", str(raw),
                "--output_dir", str(out), "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "1"]
     returncode = interrupt_preparation(command, runs, f".tmp-interrupted-*/{REPORTS_DIR}/*.jsonl", how)
-    assert returncode != 0
+    assert returncode == -getattr(signal, how)  # Ctrl-C: ended as interrupted (by SIGINT), not as failed
     assert not out.exists()
     with pytest.raises(FileNotFoundError, match="does not exist"):
         check_prepared_dir(out)
@@ -227,15 +227,18 @@ def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path, ho
 
 class RecipeOfAWorkerKilled(TextRecipe):
     """prepare_text's recipe, whose worker is killed (as the out-of-memory killer does) when it starts reading the
-    file named `killed_before`, or once it has reported the file named `killed_after` (its last chunk unwritten)."""
+    file named `killed_before`, or once it has reported the file named `killed_after` (its last chunk unwritten), or
+    exits with status 3 (as a library's exit() would) when it starts reading the file named `exits_before`."""
 
-    def __init__(self, *args, killed_before: str = "", killed_after: str = "", **kwargs) -> None:
+    def __init__(self, *args, killed_before: str = "", killed_after: str = "", exits_before: str = "", **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.killed_before, self.killed_after = killed_before, killed_after
+        self.killed_before, self.killed_after, self.exits_before = killed_before, killed_after, exits_before
 
     def read_documents(self, path):
         if Path(path).name == self.killed_before:
             os.kill(os.getpid(), signal.SIGKILL)
+        if Path(path).name == self.exits_before:
+            os._exit(3)
         yield from super().read_documents(path)
 
     def _write_report(self, record):
@@ -244,17 +247,22 @@ class RecipeOfAWorkerKilled(TextRecipe):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-@pytest.mark.parametrize("killed", [{"killed_before": "doc-2.txt"}, {"killed_after": "doc-3.txt"}])
-def test_a_worker_killed_mid_run_fails_the_run_and_leaves_no_output(paragraphs_tokenizer, tmp_path, capfd, killed):
+@pytest.mark.parametrize("killed,how", [({"killed_before": "doc-2.txt"}, "killed by SIGKILL"),
+                                        ({"killed_after": "doc-3.txt"}, "killed by SIGKILL"),
+                                        ({"exits_before": "doc-2.txt"}, "exit code 3")])
+def test_a_worker_killed_mid_run_fails_the_run_and_leaves_no_output(paragraphs_tokenizer, tmp_path, capfd, killed, how):
     raw, out = tmp_path / "raw", tmp_path / "out"
     raw.mkdir()
     for i in range(4):
         (raw / f"doc-{i}.txt").write_text(paragraphs(1, 200 + i)[0], encoding="utf-8")
     recipe = RecipeOfAWorkerKilled(paragraphs_tokenizer, 4096, raw, **killed)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(UserError) as info:
         run_recipe(recipe, raw, out, num_workers=1)
+    # the run's own handlers (which stop its workers) are gone with it
+    assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
     assert str(info.value) == (
-        f"1 of the 1 worker processes ended before finishing their files (killed by SIGKILL; the out-of-memory killer "
+        f"1 of the 1 worker processes ended before finishing their files ({how}; the out-of-memory killer "
         f"sends SIGKILL): their files' tokens would be missing, so {out} was not written; run again, with fewer "
         f"--num_workers if memory is short")
     assert "Prepared" not in capfd.readouterr().out
