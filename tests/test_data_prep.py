@@ -225,6 +225,32 @@ def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path, ho
             check_prepared_dir(partial)
 
 
+def test_a_signal_stops_the_workers_before_the_run_ends(tmp_path):
+    """SIGINT/SIGTERM in the main process: every worker is told to stop and ended before KeyboardInterrupt is raised,
+    so the caller's removal of the unfinished output is not raced by a worker still writing into it; in a worker
+    (a signal to the whole job) the worker ends at once with 128 + the signal's number."""
+    import multiprocessing
+    import time
+
+    from fabric_lin.data.recipe import InterruptibleDataProcessor
+
+    (tmp_path / "raw").mkdir()
+    processor = InterruptibleDataProcessor(input_dir=str(tmp_path / "raw"), output_dir=str(tmp_path / "out"), num_workers=1)
+    processor._main_pid = os.getpid()  # as its run() records it
+    fork = multiprocessing.get_context("fork")
+    worker_in_the_job = fork.Process(target=processor._signal_handler, args=(signal.SIGTERM, None))
+    worker_in_the_job.start()
+    worker_in_the_job.join(10)
+    assert worker_in_the_job.exitcode == 128 + signal.SIGTERM
+    processor.workers = [fork.Process(target=time.sleep, args=(60,))]
+    processor.stop_queues = [fork.Queue()]
+    processor.workers[0].start()
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        processor._signal_handler(signal.SIGTERM, None)
+    assert processor.workers[0].exitcode == -signal.SIGTERM
+    assert processor.stop_queues[0].get(timeout=5) is None
+
+
 class RecipeOfAWorkerKilled(TextRecipe):
     """prepare_text's recipe, whose worker is killed (as the out-of-memory killer does) when it starts reading the
     file named `killed_before`, or once it has reported the file named `killed_after` (its last chunk unwritten), or
