@@ -134,6 +134,26 @@ def test_error_devices_other_than_torchrun_started(tmp_path, capsys, monkeypatch
     assert not (tmp_path / "out").exists()
 
 
+def test_torchrun_processes_checked_only_under_torchrun(monkeypatch):
+    # torchrun --nnodes 2 --nproc-per-node 2: only --devices 2 --num_nodes 2 is taken (4 processes on one node, or
+    # 2 on one, are not what torchrun started); without all of torchrun's variables (a RANK set by something
+    # else) there is nothing to check
+    from fabric_lin.errors import InvalidValue
+    from fabric_lin.parallelism import check_torchrun_processes
+
+    torchrun = dict(RANK=0, LOCAL_RANK=0, GROUP_RANK=0, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2)
+    for name in torchrun:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    check_torchrun_processes(1, 1)
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, str(value))
+    check_torchrun_processes(2, 2)
+    for devices, num_nodes in ((4, 1), (2, 1), (1, 2)):
+        with pytest.raises(InvalidValue, match=f"--devices {devices} --num_nodes {num_nodes}: give --devices 2 --num_nodes 2"):
+            check_torchrun_processes(devices, num_nodes)
+
+
 def test_error_data_parallel_choice(tmp_path):
     with pytest.raises(ValueError, match=r"parallelism.data_parallel must be 'fsdp' or 'ddp', got 'zero3'"):
         setup_pretrain(tmp_path, parallelism=ParallelismArgs(data_parallel="zero3"))
