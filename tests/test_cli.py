@@ -382,6 +382,11 @@ def test_list_with_a_name_writes_that_models_config_for_model_config(tmp_path, c
     assert Config.from_file(tmp_path / "model.yaml") == Config.from_name("gdn-debug", vocab_size=512)
     assert "Unknown model name 'gdn-dbg'. Did you mean 'gdn-debug'" in cli_error(["pretrain", "list", "gdn-dbg"], capsys)
     assert "list takes one model name at the most" in cli_error(["pretrain", "list", "gla-debug", "gdn-debug"], capsys)
+    from fabric_lin.config import name_to_config
+
+    cli_main(["pretrain", "list"])  # without a name: every model's name, one a line
+    names = capsys.readouterr().out.splitlines()
+    assert names == list(name_to_config) and {"gla-debug", "gdn-debug"} <= set(names)
 
 
 def test_a_model_config_named_after_a_model_but_unlike_it_is_noted(capsys):
@@ -395,3 +400,6 @@ def test_a_model_config_named_after_a_model_but_unlike_it_is_noted(capsys):
     note = capsys.readouterr().out
     assert "differs from that model in vocab_size 512 (gla-debug: 4096); hidden_size 1024 (gla-debug: 128)" in note
     assert "pretrain list gla-debug > model.yaml" in note and note.count("\n") == 1
+    for name, config in (("gla-debug", given_field_by_field), (None, None)):
+        with pytest.raises(ValueError, match="give exactly one of --model_name and --model_config"):
+            resolve_model_config(name, config)
