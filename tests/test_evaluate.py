@@ -471,6 +471,7 @@ def test_a_task_file_s_path_starting_with_a_tilde_is_in_the_home_directory(tmp_p
         err = cli_error(["evaluate", str(missing), tasks], capsys)
         assert f"error: {missing} is not a directory" in err, (tasks, err)
     assert task_list("hellaswag, ~/mine.yaml") == ["hellaswag", str(tmp_path / "mine.yaml")]
+    assert task_list(["~/mine.yml"]) == [str(tmp_path / "mine.yml")]  # the other YAML suffix: a file too
 
 
 def test_an_earlier_evaluation_in_out_dir_is_kept_unless_overwrite(run, tmp_path, capsys, monkeypatch):
