@@ -235,7 +235,8 @@ def test_a_signal_stops_the_workers_before_the_run_ends(tmp_path):
     from fabric_lin.data.recipe import InterruptibleDataProcessor
 
     (tmp_path / "raw").mkdir()
-    processor = InterruptibleDataProcessor(input_dir=str(tmp_path / "raw"), output_dir=str(tmp_path / "out"), num_workers=1)
+    processor = InterruptibleDataProcessor(input_dir=str(tmp_path / "raw"), output_dir=str(tmp_path / "out"),
+                                           num_workers=1)
     processor._main_pid = os.getpid()  # as its run() records it
     fork = multiprocessing.get_context("fork")
     worker_in_the_job = fork.Process(target=processor._signal_handler, args=(signal.SIGTERM, None))

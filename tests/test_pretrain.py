@@ -150,7 +150,8 @@ def test_torchrun_processes_checked_only_under_torchrun(monkeypatch):
         monkeypatch.setenv(name, str(value))
     check_torchrun_processes(2, 2)
     for devices, num_nodes in ((4, 1), (2, 1), (1, 2)):
-        with pytest.raises(InvalidValue, match=f"--devices {devices} --num_nodes {num_nodes}: give --devices 2 --num_nodes 2"):
+        expected = f"--devices {devices} --num_nodes {num_nodes}: give --devices 2 --num_nodes 2"
+        with pytest.raises(InvalidValue, match=expected):
             check_torchrun_processes(devices, num_nodes)
 
 
