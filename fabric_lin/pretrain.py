@@ -570,8 +570,8 @@ def resolve_model_config(model_name: Optional[str], model_config: Optional[Confi
         raise InvalidValue("give exactly one of --model_name and --model_config (`fabric-lin pretrain list` shows the names)")
     if model_name is not None:
         return Config.from_name(model_name)
-    named = name_to_config.get(model_config.name)
-    if named is not None:
+    # before Fabric: under torchrun every process gets here, and the first speaks for them
+    if model_config.name in name_to_config and os.environ.get("RANK", "0") == "0":
         # `--model_config.name gla-debug --model_config.vocab_size 512` builds Config's defaults under gla-debug's name
         differs = [f"{key} {getattr(model_config, key)!r} ({model_config.name}: {value!r})"
                    for key, value in Config.from_name(model_config.name).to_dict().items()

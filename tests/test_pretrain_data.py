@@ -322,34 +322,22 @@ def test_checkpoints_record_the_data_s_tokenizer_which_another_tokenizer_model_c
     assert err == "fabric-lin evaluate: error: " + refusal.format(final, sha["tok300b"], sha["tok300"], prepared / "tok300") + "\n"
 
 
-def test_prepare_text_output_given_as_train_dir_suggests_its_train(tmp_path, prepared):
-    """prepare_text's --output_dir holds train/ and val/: given as data.train_dir, the error names OUT/train."""
+@pytest.mark.parametrize("option,suggested,anchored", [("train_dir", "train", False), ("val_dir", "val", True)])
+def test_prepare_text_output_given_as_a_data_dir_suggests_its_split(tmp_path, prepared, option, suggested, anchored):
+    """prepare_text's --output_dir holds train/ and val/: given as data.train_dir, the error names OUT/train; given as
+    data.val_dir (pretrain's, or evaluate's held-out text), OUT/val, not OUT/train: validating on training data is what
+    the split exists to avoid."""
     import shutil
 
     from fabric_lin.data import TextFiles
 
     for split in ("train", "val"):
         shutil.copytree(prepared / "tokens300", tmp_path / "out" / split)
-    data = TextFiles(train_dir=tmp_path / "out", num_workers=0)
+    data = TextFiles(**{option: tmp_path / "out"}, num_workers=0)
     data.connect(batch_size=1, max_seq_length=16)
-    with pytest.raises(FileNotFoundError, match=rf"{tmp_path / 'out'} has no index.json; it holds prepared directories "
-                       rf"\(train, val\): did you mean {tmp_path / 'out' / 'train'}\?"):
-        data.setup()
-
-
-def test_prepare_text_output_given_as_val_dir_suggests_its_val(tmp_path, prepared):
-    """Given as data.val_dir (pretrain's, or evaluate's held-out text), prepare_text's --output_dir is named with its
-    val/, not its train/: validating on training data is what the split exists to avoid."""
-    import shutil
-
-    from fabric_lin.data import TextFiles
-
-    for split in ("train", "val"):
-        shutil.copytree(prepared / "tokens300", tmp_path / "out" / split)
-    data = TextFiles(val_dir=tmp_path / "out", num_workers=0)
-    data.connect(batch_size=1, max_seq_length=16)
-    with pytest.raises(FileNotFoundError, match=rf"^data.val_dir {tmp_path / 'out'} has no index.json; it holds prepared "
-                       rf"directories \(train, val\): did you mean {tmp_path / 'out' / 'val'}\?$"):
+    message = (rf"{tmp_path / 'out'} has no index.json; it holds prepared directories \(train, val\): did you mean "
+               rf"{tmp_path / 'out' / suggested}\?")
+    with pytest.raises(FileNotFoundError, match=rf"^data.{option} {message}$" if anchored else message):
         data.setup()
 
 
