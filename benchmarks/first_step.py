@@ -83,7 +83,8 @@ def fabric_lin_runs(seq_len, work, timeout, steps, config):
     ]
     results = []
     for caches, extra in (("empty", ["--train.max_steps", str(steps)]),
-                          ("warm (resumed run, same out_dir)", ["--train.max_steps", str(2 * steps), "--resume", "auto"])):
+                          ("warm (resumed run, same out_dir)", ["--train.max_steps", str(2 * steps), "--resume", "auto",
+                                                                               "--resume_changes", "[train.max_steps]"])):
         if metrics.exists():
             metrics.rename(out_dir / "metrics-previous.jsonl")  # so that the next first step is this run's
         log_file = work / f"fabric-lin-{seq_len}-{len(results)}.log"

@@ -16,15 +16,19 @@ import fp8_products  # noqa: E402
 from fabric_lin.config import Config  # noqa: E402
 
 
+# the kernels run where Triton can reach the tensors: the GPU where there is one, else the interpreter on the CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def test_the_block_ops_run_in_both_precisions():
-    ops = fp8_products.block_ops(Config.from_name("gla-debug"), rows=32, device="cpu", dtype=torch.float32)
+    ops = fp8_products.block_ops(Config.from_name("gla-debug"), rows=32, device=DEVICE, dtype=torch.float32)
     assert [op for op, _, _ in ops] == ["norm + projections", "gated norm + o_proj", "norm + gate/up", "swiglu + down"]
     for op, fn, inputs in ops:
         for fp8 in (False, True):
             fp8_products.forward_backward(fn, inputs, fp8)()
     # GDN's projections as its layer stacks them: q, k, v, its two one-per-head gates (a, b), g
     gdn = Config.from_name("gdn-debug")
-    _, _, inputs = fp8_products.block_ops(gdn, rows=32, device="cpu", dtype=torch.float32)[0]
+    _, _, inputs = fp8_products.block_ops(gdn, rows=32, device=DEVICE, dtype=torch.float32)[0]
     assert [w.shape[0] for w in inputs[3:]] == [gdn.key_dim, gdn.key_dim, gdn.value_dim, gdn.num_heads, gdn.num_heads,
                                                 gdn.value_dim]
 
