@@ -27,9 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 KINDS: List[Tuple[str, re.Pattern]] = [  # first match wins
     ("communication", re.compile(r"nccl", re.I)),
-    ("gla recurrence", re.compile(
-        r"^_(gate_cumsum|fwd_state|chunk_update|state_scan|fwd_scores|fwd_output|bwd_state|bwd_both_states|bwd_dv|bwd_dqk)_kernel"
-        r"|chunk_gla|chunk_fwd_kernel_h|chunk_bwd_kernel_dh|chunk_local_cumsum")),  # ours, then fla's
+    # GLA's, Gated DeltaNet's and DeltaNet's kernels (some names are shared), then fla's
+    ("linear-attention recurrence", re.compile(
+        r"^_(gate_cumsum|fwd_state|chunk_update|state_scan|fwd_scores|fwd_output|bwd_state|bwd_both_states|bwd_dv|bwd_dqk"
+        r"|solve|wu|state_passes|bwd_dd_local|bwd_dqkw|wy_bwd|l2norm_fwd|l2norm_bwd)_kernel"
+        r"|chunk_gla|chunk_fwd_kernel_h|chunk_bwd_kernel_dh|chunk_local_cumsum"
+        r"|chunk_gated_delta_rule|recompute_w_u|prepare_wy_repr|chunk_bwd_kernel_dqkwg|chunk_bwd_kernel_dv|chunk_fwd_kernel_o"
+        r"|chunk_scaled_dot_kkt|solve_tril|merge_16x16|l2norm_(fwd|bwd)_kernel")),
+    ("short convolution", re.compile(r"^_conv_(fwd|bwd)_kernel|causal_conv1d")),
     ("fused norm/swiglu/cross-entropy", re.compile(r"^_(norm|swiglu|ce_rows)_|layer_norm|swiglu|cross_entropy|logsumexp", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_|wgmma", re.I)),
     ("optimizer", re.compile(r"multi_tensor|adam", re.I)),

@@ -15,8 +15,12 @@ def test_union_counts_overlaps_once():
 
 def test_kernel_kinds():
     assert kind_of("ncclDevKernel_AllGather_RING_LL(x)") == "communication"
-    assert kind_of("_bwd_dqk_kernel") == "gla recurrence"
-    assert kind_of("chunk_gla_bwd_kernel_intra") == "gla recurrence"
+    assert kind_of("_bwd_dqk_kernel") == "linear-attention recurrence"
+    assert kind_of("chunk_gla_bwd_kernel_intra") == "linear-attention recurrence"
+    assert kind_of("_wy_bwd_kernel") == kind_of("prepare_wy_repr_bwd_kernel") == "linear-attention recurrence"
+    assert kind_of("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "linear-attention recurrence"
+    assert kind_of("_l2norm_bwd_kernel") == kind_of("l2norm_fwd_kernel_row") == "linear-attention recurrence"
+    assert kind_of("_conv_bwd_kernel") == kind_of("causal_conv1d_fwd_kernel") == "short convolution"
     assert kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
     assert kind_of("_norm_bwd_kernel") == "fused norm/swiglu/cross-entropy"
     assert kind_of("triton_poi_fused_add_11") == "inductor-compiled"
@@ -38,7 +42,7 @@ def test_summary_of_two_steps(tmp_path):
     assert summary["compute_busy_ms"] == 1.5  # 3000 us of compute over 2 steps
     assert summary["compute_idle_ms"] == 0.5
     assert summary["any_kernel_busy_ms"] == 1.65  # compute plus the 300 us the all-gather ran alone
-    assert summary["ms_by_kind"] == {"matmul": 1.0, "communication": 0.5, "gla recurrence": 0.5}
+    assert summary["ms_by_kind"] == {"matmul": 1.0, "communication": 0.5, "linear-attention recurrence": 0.5}
     assert list(summary["top_kernels_ms"])[0] == "nvjet_gemm"
     # one idle gap between compute kernels: 1500..2000 us (the all-gather is not compute), over 2 steps
     gaps = summary["idle_gaps"]
