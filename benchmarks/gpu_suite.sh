@@ -59,9 +59,10 @@ step profile_1gpu 300 python benchmarks/profile_step.py --devices 1 --out "$out/
 # where the host's time per step goes (micro batch 1: the GPU's work is small, the host's is not)
 step profile_host 300 python benchmarks/profile_step.py --batch_size 1 --host_ops --out "$out/profile_host.json"
 step activation_memory 300 python benchmarks/activation_memory.py --out "$out/activation_memory.json"
-# learning parity with fla, from the same weights on the same batches, beside our fp32 run as the yardstick (fla's
-# kernels compiled by the steps above)
-step parity_gla 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gla-340M --peers fla fp32 \
+# learning parity with fla, from the same weights on the same batches, beside our model on its reference ops in bf16
+# (the drift of rounding alone) and our fp32 run as the yardstick (fla's kernels compiled by the steps above)
+step parity_gla 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gla-340M \
+    --peers fla reference-bf16 fp32 \
     --out "$out/parity_gla.json" --plot "$out/parity_gla.png"
 step parity_gdn 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/learning_parity.py --model gdn-340M --peers fla fp32 \
     --out "$out/parity_gdn.json" --plot "$out/parity_gdn.png"

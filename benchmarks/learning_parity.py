@@ -2,12 +2,17 @@
 batches with the same recipe: bf16 autocast over fp32 weights, AdamW (fused; no weight decay on 1-D parameters:
 norms, biases, A_log, dt_bias), the same warmup and cosine schedule, gradient clipping at 1.0. A peer is
 flash-linear-attention's model (`fla`, loaded from ours exported with `convert_to_hf`), our own model with its
-products in FP8 (`fp8-fused` / `fp8-tensorwise`, as `--fp8.recipe` sets them), or `fp32`: our
+products in FP8 (`fp8-fused` / `fp8-tensorwise`, as `--fp8.recipe` sets them), `fp32`: our
 model on its PyTorch reference ops (`fused=False`) in fp32 without autocast or TF32, a sequence at a time with the
-gradients summed over the batch. fp32 is the yardstick for the others: two bf16 models that differ from each other
-are told apart by which one stays nearer the fp32 run. Prints one JSON document, and with --plot draws the curves.
+gradients summed over the batch, or `reference-bf16`: the same reference ops trained as ours is, in bf16 autocast
+over the whole batch. fp32 is the yardstick for the others: two bf16 models that differ from each other are told
+apart by which one stays nearer the fp32 run. reference-bf16 is the noise floor of bf16 training: it computes what
+ours computes, rounded elsewhere (its products where autocast makes them, the rest as the PyTorch code does: the
+GLA and delta-rule references in fp32), so ours against it is how far two bf16 runs of one model drift apart by
+their rounding alone; fla's distance to ours is one of rounding too (tests/test_fla_gradients.py), and beyond that
+floor it is more than rounding noise. Prints one JSON document, and with --plot draws the curves.
 
-    python benchmarks/learning_parity.py --model gla-340M --peers fla fp32 --steps 300 --out gla_parity.json
+    python benchmarks/learning_parity.py --model gla-340M --peers fla reference-bf16 --steps 300 --out gla_parity.json
     python benchmarks/learning_parity.py --model gdn-340M --peers fla --steps 200 --out gdn_parity.json
     python benchmarks/learning_parity.py --model gla-340M --peers fp8-fused fp32 --out fp8.json --plot fp8.png
 
@@ -18,8 +23,8 @@ grow). Reported per peer: the relative difference |ours - peer| / peer of the pe
 step, mean of the last 10) and on which share of the steps ours is the lower (one-sided differences are not
 noise); with fp32 among the peers, every bf16 model's difference to the fp32 run; for GLA the share of chunks
 whose intra-chunk scores take the slower path of the Triton kernels (`fabric_lin.ops.gla.gate.levels_share`) at
-the first step, the middle one and the last. Runs on the CPU too, with the fp32 peer (ours then on its reference ops
-under the CPU's bf16 autocast), for the tests.
+the first step, the middle one and the last. Runs on the CPU too, with the fp32 and reference-bf16 peers (ours then
+on its reference ops under the CPU's bf16 autocast, as reference-bf16 is), for the tests.
 """
 import argparse
 import math
@@ -39,7 +44,8 @@ from fabric_lin.config import Config
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.model import GPT
 
-PEERS = ("fla", "fp8-tensorwise", "fp8-fused", "fp32")
+PEERS = ("fla", "fp8-tensorwise", "fp8-fused", "fp32", "reference-bf16")
+REFERENCE_PEERS = ("fp32", "reference-bf16")  # our model on its PyTorch reference ops: they run on the CPU too
 
 
 def corpus_batches(data_name: str, steps: int, batch_size: int, seq_len: int, vocab_size: int) -> list:
@@ -101,8 +107,9 @@ def fp8_copy(model: GPT, config: Config, recipe: str) -> GPT:
     return copy
 
 
-def fp32_copy(model: GPT, config: Config) -> GPT:
-    """Our model with the same weights on its PyTorch reference ops, to run in fp32 (the yardstick)."""
+def reference_copy(model: GPT, config: Config) -> GPT:
+    """Our model with the same weights on its PyTorch reference ops: run in fp32, the yardstick; in bf16 autocast,
+    the noise floor."""
     copy = GPT(config, fused=False)
     copy.load_state_dict(model.state_dict())
     return copy
@@ -239,8 +246,9 @@ def main(argv=None):
     config = Config.from_name(args.model)
     if "fla" in args.peers and config.block_type == "transformer":
         raise SystemExit(f"--model {args.model}: fla's peer needs a linear-attention model (GLA, GDN, DeltaNet)")
-    if device.type != "cuda" and set(args.peers) - {"fp32"}:
-        raise SystemExit(f"--peers {' '.join(args.peers)}: on the CPU only fp32 runs (fla's and FP8's kernels need a GPU)")
+    if device.type != "cuda" and set(args.peers) - set(REFERENCE_PEERS):
+        raise SystemExit(f"--peers {' '.join(args.peers)}: on the CPU only {' and '.join(REFERENCE_PEERS)} run "
+                         "(fla's and FP8's kernels need a GPU)")
     peers = list(dict.fromkeys(args.peers))
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32's products in full fp32; bf16 products are not affected
     batches = corpus_batches(args.data, args.steps, args.batch_size, args.seq_len, config.vocab_size)
@@ -249,8 +257,8 @@ def main(argv=None):
     ours = GPT(config, fused=device.type == "cuda")
     models = {"ours": ours}
     for peer in peers:
-        models[peer] = (fla_from_export(ours, config) if peer == "fla" else fp32_copy(ours, config) if peer == "fp32"
-                        else fp8_copy(ours, config, peer.removeprefix("fp8-")))
+        models[peer] = (fla_from_export(ours, config) if peer == "fla" else reference_copy(ours, config)
+                        if peer in REFERENCE_PEERS else fp8_copy(ours, config, peer.removeprefix("fp8-")))
     trainees = [Trainee(name, model.to(device).train(), adamw(model.named_parameters(), args.lr, args.weight_decay),
                         fp32=name == "fp32") for name, model in models.items()]
     shares, share_at = [], {}

@@ -1,6 +1,7 @@
 """benchmarks/learning_parity.py on the CPU with a debug model (its comparisons with fla and FP8 need a GPU): the
 fp32 yardstick's sequence-at-a-time step is the whole batch's step, the report's differences are those of its own
-per-step losses, and a peer that cannot run on the CPU is refused before anything is built."""
+per-step losses, the reference-bf16 peer trains as ours does, and a peer that cannot run on the CPU is refused
+before anything is built."""
 import statistics
 import sys
 from pathlib import Path
@@ -42,11 +43,11 @@ def test_the_fp32_step_a_sequence_at_a_time_is_the_whole_batch_step():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_cpu_run_against_fp32_reports_the_differences_of_its_own_losses(tmp_path, monkeypatch):
+def test_a_cpu_run_against_the_reference_peers_reports_the_differences_of_its_own_losses(tmp_path, monkeypatch):
     monkeypatch.setattr(learning_parity, "Config", SimpleNamespace(from_name=one_layer))
-    report = learning_parity.main(["--model", "gla-debug", "--peers", "fp32", "--data", "sample", "--steps", "3",
-                                   "--batch_size", "2", "--seq_len", "32", "--warmup", "1", "--lr", "1e-2",
-                                   "--out", str(tmp_path / "parity.json")])
+    report = learning_parity.main(["--model", "gla-debug", "--peers", "fp32", "reference-bf16", "--data", "sample",
+                                   "--steps", "3", "--batch_size", "2", "--seq_len", "32", "--warmup", "1",
+                                   "--lr", "1e-2", "--out", str(tmp_path / "parity.json")])
     rows = report["per_step"]
     assert [r["step"] for r in rows] == [0, 1, 2] and report["stopped_at_step"] is None
     ours, fp32 = [r["loss"]["ours"] for r in rows], [r["loss"]["fp32"] for r in rows]
@@ -58,13 +59,18 @@ def test_a_cpu_run_against_fp32_reports_the_differences_of_its_own_losses(tmp_pa
     assert summary["median_relative_difference"] == pytest.approx(statistics.median(diffs))
     assert summary["share_of_steps_ours_lower"] == sum(a < b for a, b in zip(ours, fp32)) / 3
     assert report["against_fp32"]["ours"] == summary
+    # on the CPU ours runs on the reference ops too, in the same bf16 autocast: reference-bf16 computes exactly what
+    # ours does (a peer from other weights, stepped otherwise or in fp32 would not)
+    assert [r["loss"]["reference-bf16"] for r in rows] == ours
+    assert report["ours_against"]["reference-bf16"]["median_relative_difference"] == 0.0
+    assert report["against_fp32"]["reference-bf16"]["median_relative_difference"] == summary["median_relative_difference"]
     assert (tmp_path / "parity.json").is_file()
     # each model's time per step, the first (compiling) apart from the steady state
-    assert all(set(r["seconds"]) == {"ours", "fp32"} and min(r["seconds"].values()) > 0 for r in rows)
+    assert all(set(r["seconds"]) == {"ours", "fp32", "reference-bf16"} and min(r["seconds"].values()) > 0 for r in rows)
     assert report["first_step_seconds"] == rows[0]["seconds"]
     assert report["median_step_seconds"]["fp32"] == statistics.median([rows[1]["seconds"]["fp32"], rows[2]["seconds"]["fp32"]])
 
 
 def test_peers_that_need_a_gpu_are_refused_on_the_cpu():
-    with pytest.raises(SystemExit, match="--peers fla fp32: on the CPU only fp32 runs"):
+    with pytest.raises(SystemExit, match="--peers fla fp32: on the CPU only fp32 and reference-bf16 run"):
         learning_parity.main(["--model", "gla-debug", "--peers", "fla", "fp32", "--device", "cpu"])
