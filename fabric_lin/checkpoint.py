@@ -490,6 +490,12 @@ def checkpoint_dirs(out_dir: Path) -> List[Path]:
     return [path for *_, path in sorted(found, reverse=True)]
 
 
+def is_training_checkpoint(directory: Path) -> bool:
+    """Whether `directory` holds what pretrain writes beside a checkpoint's weights (step.json, manifest.json): a training
+    checkpoint, whole or not, and not a model directory."""
+    return (Path(directory) / STEP_FILE).is_file() or (Path(directory) / MANIFEST_FILE).is_file()
+
+
 def explicit_resume_dir(resume: Union[str, Path]) -> Path:
     """The directory `--resume <path>` names (the path of its lit_model.pth is taken too)."""
     path = Path(resume)
@@ -499,7 +505,7 @@ def explicit_resume_dir(resume: Union[str, Path]) -> Path:
         raise InvalidValue(f"--resume {resume}: an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
     if not ((path / MODEL_FILE).exists() or (path / MANIFEST_FILE).is_file()):
         raise MissingFile(f"--resume {resume}: expected a checkpoint directory holding {MODEL_FILE}")
-    if not (path / STEP_FILE).is_file() and not (path / MANIFEST_FILE).is_file():
+    if not is_training_checkpoint(path):
         raise InvalidValue(
             f"--resume {resume}: it is not a training checkpoint (it has no {STEP_FILE} or {MANIFEST_FILE}); to start "
             f"from a model directory's weights, use --initial_checkpoint_dir {path}"
@@ -628,6 +634,8 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
     """(Config, path of lit_model.pth) of a training checkpoint directory whose checksums hold, or a clear error.
     use: what the caller does with it ("evaluate", "convert"), for the error of a damaged checkpoint."""
     checkpoint_dir = Path(checkpoint_dir)
+    if checkpoint_dir.name == MODEL_FILE and is_training_checkpoint(checkpoint_dir.parent):
+        raise InvalidValue(f"{checkpoint_dir} is the weights of the training checkpoint {checkpoint_dir.parent}: pass that directory")
     if not checkpoint_dir.is_dir():
         raise MissingFile(f"{checkpoint_dir} is not a directory: expected a training checkpoint directory")
     if checkpoint_dir.name.startswith(TMP_PREFIX):
@@ -638,7 +646,7 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
         finals = [FINAL_DIR] if (checkpoint_dir / FINAL_DIR / MODEL_FILE).exists() else []
         hint = f"; it holds checkpoints {(steps[-3:] + finals)}, pass one of those" if steps or finals else ""
         raise MissingFile(f"{checkpoint_dir} is not a training checkpoint: it has no {MODEL_FILE}{hint}")
-    if not (checkpoint_dir / STEP_FILE).is_file() and not (checkpoint_dir / MANIFEST_FILE).is_file():
+    if not is_training_checkpoint(checkpoint_dir):
         raise InvalidValue(
             f"{checkpoint_dir} holds {MODEL_FILE} but no {STEP_FILE} or {MANIFEST_FILE}: it is already a model directory "
             f"(convert_pretrained_checkpoint's output), not a training checkpoint"
