@@ -28,11 +28,13 @@ from fabric_lin.args import (
 )
 from fabric_lin.batches import CycleIterator, batch_fingerprint, compute_loss
 from fabric_lin.checkpoint import (
+    HPARAMS_FILE,
     Checkpointer,
     CheckpointFileIO,
     check_out_dir,
     delete_checkpoints,
     earlier_run_checkpoints,
+    is_training_checkpoint,
     load_train_state,
     select_resume_dir,
     to_plain,
@@ -260,6 +262,29 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
         f"Continue that run with --resume auto, write this one to another --out_dir, or start afresh with "
         f"--overwrite true (deletes those checkpoints)"
     )
+
+
+def check_config_of_a_moved_run(config_files: List[Path]) -> None:
+    """A checkpoint's hyperparameters.yaml given as --config, and no --out_dir: the run goes on in the out_dir the file
+    records. Where the checkpoint now lies in another directory (the run was moved or copied), that is the old place,
+    where `--resume auto` would find no checkpoint and start again from step 0: refused, naming both places."""
+    from fabric_lin.files import read_yaml
+
+    recorded = None
+    for path in config_files:
+        content = read_yaml(path) if path.is_file() else None
+        if isinstance(content, dict) and "out_dir" in content:
+            recorded = (path, content["out_dir"])  # the last file that sets out_dir is the one that counts
+    if recorded is None or recorded[0].name != HPARAMS_FILE or not is_training_checkpoint(recorded[0].parent):
+        return
+    path, out_dir = recorded
+    lies_in = path.parent.parent
+    if out_dir is not None and Path(out_dir).expanduser().resolve() != lies_in.resolve():
+        raise InvalidValue(
+            f"--config {path}: it records out_dir {out_dir}, but its checkpoint now lies in {lies_in} (the run was moved "
+            f"or copied). Give --out_dir {lies_in} to go on where it lies (with --resume auto), or --out_dir {out_dir} to "
+            f"write to the recorded place"
+        )
 
 
 def main(

@@ -282,6 +282,23 @@ def test_hyperparameters_yaml_is_a_config_for_the_next_run(tmp_path):
     assert json.loads((tmp_path / "out" / "final" / "step.json").read_text())["step_count"] == 2
 
 
+def test_the_hyperparameters_yaml_of_a_moved_run_names_both_places(tmp_path, capsys):
+    """A run directory moved elsewhere: `--config <its checkpoint>/hyperparameters.yaml --resume auto` would go on in the
+    out_dir the file records, the old place, and start again from step 0 there. Refused, unless --out_dir says where."""
+    from fabric_lin.cli import main as cli_main
+
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    moved = (tmp_path / "out").rename(tmp_path / "moved")
+    hparams = moved / "final" / "hyperparameters.yaml"
+    err = cli_error(["pretrain", "--config", str(hparams), "--resume", "auto"], capsys)
+    assert err == (f"fabric-lin pretrain: error: --config {hparams}: it records out_dir {tmp_path / 'out'}, but its "
+                   f"checkpoint now lies in {moved} (the run was moved or copied). Give --out_dir {moved} to go on where "
+                   f"it lies (with --resume auto), or --out_dir {tmp_path / 'out'} to write to the recorded place\n")
+    assert not (tmp_path / "out").exists()
+    cli_main(["pretrain", "--config", str(hparams), "--resume", "auto", "--out_dir", str(moved)])
+    assert "Nothing to train: the checkpoint is at step 1" in capsys.readouterr().out
+
+
 def test_compile_caches_are_the_runs_while_it_lasts_and_the_callers_again_after(tmp_path, monkeypatch):
     """A run started from Python keeps Triton's and torch.compile's caches in out_dir/compile_cache while it lasts
     (where Fabric's processes inherit them) and leaves the caller's environment as it was, also when it fails."""
