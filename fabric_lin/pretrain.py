@@ -49,7 +49,7 @@ from fabric_lin.files import check_dir_can_be_made, environment_variables, missi
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FUSED_NOTE as FP8_FUSED_NOTE, TENSORWISE_NOTE as FP8_TENSORWISE_NOTE, FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import TokenSchedule, learning_rate
-from fabric_lin.metrics import MetricsWriter, make_logger
+from fabric_lin.metrics import METRICS_FILE, MetricsWriter, make_logger, recorded_checkpoints
 from fabric_lin.model import GPT, Block, Launches, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.parallelism import check_torchrun_processes, free_gathered_weights, make_strategy
@@ -287,6 +287,19 @@ def check_config_of_a_moved_run(config_files: List[Path]) -> None:
         )
 
 
+def check_no_checkpoint_went_missing(out_dir: Path) -> None:
+    """--resume auto found no checkpoint in out_dir: a fresh start, unless metrics.jsonl records checkpoints that the
+    run saved there, moved or deleted since. Starting again from step 0 would then train its steps over again."""
+    recorded = recorded_checkpoints(out_dir)
+    if recorded:
+        shown = ", ".join(recorded[-3:])
+        raise MissingFile(
+            f"--resume auto: out_dir {out_dir} holds no checkpoint, but its {METRICS_FILE} records the ones the run saved "
+            f"there ({shown}): they were moved or deleted. Put them back, or resume from one with --resume <dir>; to "
+            f"start again from step 0 here: --resume false --overwrite true"
+        )
+
+
 def main(
     fabric: L.Fabric, config: Config, *, out_dir: Path, resume: Union[bool, str, Path], resume_changes: List[str],
     overwrite: bool = False, initial_checkpoint_dir: Optional[Path],
@@ -308,6 +321,8 @@ def main(
                     fabric.print(f"--overwrite true: deleted the earlier run's checkpoints and metrics in {out_dir}: {', '.join(deleted)}")
             fabric.barrier()
         resume_dir = select_resume_dir(fabric, resume, out_dir)  # before any work, so a bad --resume fails fast
+        if resume_dir is None and resume == "auto":
+            check_no_checkpoint_went_missing(out_dir)
         run_changes: List[str] = []
         if resume_dir is not None:
             run_changes, other_changes = compare_with_checkpoint(resume_dir, hparams, config.to_dict(), resume_changes)
@@ -470,7 +485,7 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
         if log_step or stop_now:
             run.metrics.log_progress(step, lr, grad_norm, state["skipped_steps"], state["tokens_seen"])
         if stop_now:
-            saved = run.checkpointer.save(fabric, state)
+            saved = save_checkpoint(fabric, state, run)
             fabric.print(f"Stopped by {run.stop.signal_name or 'a signal'} at step {step}: checkpoint saved in {saved}; "
                          f"to continue, {run.resume_hint}")
             run.metrics.flush()
@@ -480,7 +495,7 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
                 run.metrics.log_validation(step, validate(fabric, model, run))
             if save_step and step < end_step:
                 run.metrics.flush()
-                run.checkpointer.save(fabric, state)
+                save_checkpoint(fabric, state, run)
 
     elapsed = run.metrics.stop_clock()
     run.metrics.flush()
@@ -534,7 +549,7 @@ def train_step(fabric: L.Fabric, state: Dict, run: Run, lr: float, step_flags: S
 def stop_after_nonfinite_steps(fabric: L.Fabric, state: Dict, run: Run, in_a_row: int) -> None:
     """Save the last good weights (no bad update was applied) and stop: the run is diverging or its data is bad."""
     run.metrics.flush()
-    saved = run.checkpointer.save(fabric, state)
+    saved = save_checkpoint(fabric, state, run)
     raise UserError(
         f"{in_a_row} consecutive steps with a non-finite loss or gradient norm (train.max_nonfinite_steps="
         f"{run.train.max_nonfinite_steps}); the last good weights are saved in {saved}. Lower optimizer.lr or check the data."
@@ -545,7 +560,15 @@ def finish(fabric: L.Fabric, state: Dict, run: Run) -> None:
     """The end of a run: the final validation, then out_dir/final/."""
     if run.eval.final_validation:
         run.metrics.log_validation(state["step_count"], validate(fabric, state["model"], run))
-    run.checkpointer.save(fabric, state, final=True)
+    save_checkpoint(fabric, state, run, final=True)
+
+
+def save_checkpoint(fabric: L.Fabric, state: Dict, run: Run, final: bool = False) -> Path:
+    """Save out_dir/step-<step>/ (or final/), and record it in metrics.jsonl: a later --resume auto that finds none of
+    the checkpoints recorded there knows they were moved or deleted, rather than never written."""
+    saved = run.checkpointer.save(fabric, state, final=final)
+    run.metrics.log_checkpoint(state["step_count"], saved.name)
+    return saved
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from fabric_lin.errors import UserError
 from fabric_lin.model import GPT
 from fabric_lin.pretrain import build_model, no_decay_parameter_names
 from fabric_lin.weights import canonical_name
-from helpers import cli_error, free_port, parse_run_config, setup_pretrain
+from helpers import cli_error, free_port, metrics_records, parse_run_config, setup_pretrain
 
 
 # ---- errors before any training step: each names the offending value
@@ -260,6 +260,25 @@ def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path,
     assert {r["step"] for r in records} == {1, 2} and {r["attempt"] for r in records} == {1}  # a history of its own
     # the checkpoints record no overwrite: `--config <their hyperparameters.yaml> --resume auto` is not refused
     assert "overwrite" not in (out / "final" / "hyperparameters.yaml").read_text()
+
+
+def test_resume_auto_refuses_to_start_again_where_the_runs_checkpoints_went_missing(tmp_path):
+    """metrics.jsonl records each checkpoint saved: --resume auto in an out_dir whose checkpoints were moved away does
+    not take it for a run that never saved one (which starts from step 0), and names them."""
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    out = tmp_path / "out"
+    assert [r["checkpoint"] for r in metrics_records(out) if "checkpoint" in r] == ["final"]
+    moved = (out / "final").rename(tmp_path / "final")
+    with pytest.raises(FileNotFoundError, match=rf"--resume auto: out_dir {out} holds no checkpoint, but its metrics.jsonl "
+                       r"records the ones the run saved there \(final\): they were moved or deleted. Put them back, or "
+                       r"resume from one with --resume <dir>; to start again from step 0 here: --resume false --overwrite true"):
+        setup_pretrain(tmp_path, resume="auto")
+    assert not (out / "final").exists()
+    # a run stopped before its first checkpoint recorded none: --resume auto starts it again
+    moved.rename(tmp_path / "elsewhere")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 8.3, "attempt": 1}\n')
+    setup_pretrain(tmp_path, resume="auto", eval=EvalArgs(final_validation=False))
+    assert (out / "final").is_dir()
 
 
 def test_hyperparameters_yaml_is_a_config_for_the_next_run(tmp_path):
