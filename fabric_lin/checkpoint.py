@@ -132,6 +132,12 @@ class Checkpointer:
         if fabric.global_rank == 0:
             # a signal between the two renames would leave neither the old nor the new directory in place
             with signals_deferred(signal.SIGINT, signal.SIGTERM):
+                earlier_end = final_checkpoint_step(self.out_dir) if final else None
+                kept_as = self.out_dir / step_dir_name(earlier_end) if earlier_end is not None else None
+                if kept_as is not None and earlier_end < state["step_count"] and not kept_as.exists():
+                    # a finished run continued to a later end: its end stays, as the checkpoint of that step
+                    os.replace(final_dir, kept_as)
+                    fabric.print(f"Kept the earlier end of the run, {final_dir} at step {earlier_end}, as {kept_as}")
                 if final_dir.exists():  # e.g. a resumed run passing a step it had saved before
                     old = self.out_dir / f"{TMP_PREFIX}old-{name}"
                     if old.exists():

@@ -7,6 +7,7 @@ a resume may change (test_run_identity.py), end to end as a subprocess (test_pre
 test_pretrain_sharded.py, test_pretrain_gdn.py)."""
 import json
 import os
+from dataclasses import replace
 
 import lightning_fabric as L
 import pytest
@@ -279,6 +280,24 @@ def test_resume_auto_refuses_to_start_again_where_the_runs_checkpoints_went_miss
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 8.3, "attempt": 1}\n')
     setup_pretrain(tmp_path, resume="auto", eval=EvalArgs(final_validation=False))
     assert (out / "final").is_dir()
+
+
+def test_a_finished_run_continued_to_a_later_end_keeps_its_earlier_end(tmp_path, capsys):
+    """A finished run continued with a larger max_steps writes its new final/ over the old one: the old one, the model
+    at the end of the first schedule (often no step-* holds it), stays as the step-* checkpoint of its step."""
+    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=32, save_interval=None)
+    setup_pretrain(tmp_path, train=train, eval=EvalArgs(final_validation=False))
+    out = tmp_path / "out"
+    first_end = {p.name: p.read_bytes() for p in (out / "final").iterdir()}
+    setup_pretrain(tmp_path, train=replace(train, max_steps=2), eval=EvalArgs(final_validation=False), resume="auto",
+                   resume_changes=["train.max_steps"])
+    assert f"Kept the earlier end of the run, {out / 'final'} at step 1, as {out / 'step-00000001'}" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in (out / "step-00000001").iterdir()} == first_end
+    assert json.loads((out / "final" / "step.json").read_text())["step_count"] == 2
+    # run again to the same end (from an earlier checkpoint), final/ is replaced: the step holds nothing new
+    setup_pretrain(tmp_path, train=replace(train, max_steps=2), eval=EvalArgs(final_validation=False),
+                   resume=out / "step-00000001", resume_changes=["train.max_steps"])
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("step-", "final"))) == ["final", "step-00000001"]
 
 
 def test_hyperparameters_yaml_is_a_config_for_the_next_run(tmp_path):
