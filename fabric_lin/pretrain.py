@@ -9,6 +9,7 @@ schedule in `fabric_lin.lr_schedule`, what is logged in `fabric_lin.metrics`, th
 """
 import contextlib
 import inspect
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,7 +46,7 @@ from fabric_lin.cpu_cores import cores_busy_with_other_work, usable_cpu_cores
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import check_dir_can_be_made, environment_variables, missing_ancestors, remove_empty_dirs
+from fabric_lin.files import check_dir_can_be_made, environment_variables, missing_ancestors, read_yaml, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FUSED_NOTE as FP8_FUSED_NOTE, TENSORWISE_NOTE as FP8_TENSORWISE_NOTE, FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import TokenSchedule, learning_rate
@@ -268,8 +269,6 @@ def check_config_of_a_moved_run(config_files: List[Path]) -> None:
     """A checkpoint's hyperparameters.yaml given as --config, and no --out_dir: the run goes on in the out_dir the file
     records. Where the checkpoint now lies in another directory (the run was moved or copied), that is the old place,
     where `--resume auto` would find no checkpoint and start again from step 0: refused, naming both places."""
-    from fabric_lin.files import read_yaml
-
     recorded = None
     for path in config_files:
         content = read_yaml(path) if path.is_file() else None
@@ -393,6 +392,9 @@ def main(
         if resume_dir is not None:
             load_train_state(fabric, resume_dir, state)
             metrics.startup_phase("checkpoint loaded")
+            jump = learning_rate_jump(resume_dir, train, optimizer.lr, state)
+            if jump:
+                fabric.print(jump)
         metrics.begin_attempt(state["step_count"])
         if run_changes:
             metrics.write({"step": state["step_count"], "resume_changes": run_changes})
@@ -468,8 +470,7 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
     step_flags = StepFlags(fabric)
 
     while state["step_count"] < end_step:
-        lr = learning_rate(schedule.position(state["tokens_seen"]), base_lr, train.min_lr, train.lr_warmup_steps,
-                           schedule.steps, train.lr_schedule, train.wsd_decay_fraction)
+        lr = scheduled_learning_rate(train, base_lr, schedule, state["tokens_seen"])
         loss, grad_norm, fingerprint = train_step(fabric, state, run, lr, step_flags)
         state["tokens_seen"] += tokens_per_step
         step = state["step_count"]
@@ -501,6 +502,32 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
     run.metrics.flush()
     finish(fabric, state, run)
     run.metrics.log_summary(state["step_count"], state["tokens_seen"], elapsed)
+
+
+def scheduled_learning_rate(train: TrainArgs, base_lr: float, schedule: TokenSchedule, tokens_seen: int) -> float:
+    """The learning rate of the step that follows `tokens_seen` tokens trained, on the schedule `train` sets from base_lr."""
+    return learning_rate(schedule.position(tokens_seen), base_lr, train.min_lr, train.lr_warmup_steps, schedule.steps,
+                         train.lr_schedule, train.wsd_decay_fraction)
+
+
+def learning_rate_jump(checkpoint_dir: Path, train: TrainArgs, base_lr: float, state: Dict) -> Optional[str]:
+    """A resume whose settings give its first step another learning rate than the checkpoint's run would (a longer or
+    shorter schedule, another optimizer.lr, warmup or min_lr): one line with both values. The schedule is a function of
+    the tokens trained, so the learning rate jumps there, with no new warmup: raising max_steps on a run that has decayed
+    to min_lr takes it back up to the longer cosine's value at that point."""
+    saved = read_yaml(Path(checkpoint_dir) / HPARAMS_FILE) or {}
+    saved_train = TrainArgs(**saved.get("train", {}))
+    saved_lr = saved.get("optimizer", {}).get("lr", base_lr)
+    unit, tokens = state["schedule_tokens_per_step"] or train.global_batch_size * train.max_seq_length, state["tokens_seen"]
+
+    def next_lr(args: TrainArgs, lr: float) -> float:
+        return scheduled_learning_rate(args, lr, TokenSchedule.of_run(args.max_steps, args.max_tokens, unit), tokens)
+
+    before, now = next_lr(saved_train, saved_lr), next_lr(train, base_lr)
+    if math.isclose(before, now, rel_tol=1e-6):
+        return None
+    return (f"Note: step {state['step_count'] + 1} trains at learning rate {now:.2e}, where the checkpoint's settings give "
+            f"{before:.2e}: the schedule is a function of the tokens trained, so the learning rate jumps here (no new warmup)")
 
 
 def train_step(fabric: L.Fabric, state: Dict, run: Run, lr: float, step_flags: StepFlags):

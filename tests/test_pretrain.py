@@ -284,14 +284,25 @@ def test_resume_auto_refuses_to_start_again_where_the_runs_checkpoints_went_miss
 
 def test_a_finished_run_continued_to_a_later_end_keeps_its_earlier_end(tmp_path, capsys):
     """A finished run continued with a larger max_steps writes its new final/ over the old one: the old one, the model
-    at the end of the first schedule (often no step-* holds it), stays as the step-* checkpoint of its step."""
-    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=32, save_interval=None)
-    setup_pretrain(tmp_path, train=train, eval=EvalArgs(final_validation=False))
+    at the end of the first schedule (often no step-* holds it), stays as the step-* checkpoint of its step. The
+    learning rate, decayed to min_lr, jumps to the longer cosine's value at that step, and the resume says so."""
+    from fabric_lin.pretrain import learning_rate_jump
+
+    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=32, save_interval=None,
+                      lr_warmup_steps=0, min_lr=4e-5)
+    setup_pretrain(tmp_path, train=train, eval=EvalArgs(final_validation=False), optimizer=OptimizerArgs(lr=4e-4))
     out = tmp_path / "out"
     first_end = {p.name: p.read_bytes() for p in (out / "final").iterdir()}
+    state = {"step_count": 1, "tokens_seen": 64, "schedule_tokens_per_step": 64}
+    assert learning_rate_jump(out / "final", train, 4e-4, state) is None  # the same settings: the same curve
     setup_pretrain(tmp_path, train=replace(train, max_steps=2), eval=EvalArgs(final_validation=False), resume="auto",
-                   resume_changes=["train.max_steps"])
-    assert f"Kept the earlier end of the run, {out / 'final'} at step 1, as {out / 'step-00000001'}" in capsys.readouterr().out
+                   resume_changes=["train.max_steps"], optimizer=OptimizerArgs(lr=4e-4))
+    printed = capsys.readouterr().out
+    assert f"Kept the earlier end of the run, {out / 'final'} at step 1, as {out / 'step-00000001'}" in printed
+    # step 2 of a 2-step cosine without warmup is half-way down: 4e-5 + (4e-4 - 4e-5) / 2; the 1-step run ended at min_lr
+    assert ("Note: step 2 trains at learning rate 2.20e-04, where the checkpoint's settings give 4.00e-05: the schedule "
+            "is a function of the tokens trained, so the learning rate jumps here (no new warmup)") in printed
+    assert [r["lr"] for r in metrics_records(out) if r.get("step") == 2 and "lr" in r] == [pytest.approx(2.2e-4)]
     assert {p.name: p.read_bytes() for p in (out / "step-00000001").iterdir()} == first_end
     assert json.loads((out / "final" / "step.json").read_text())["step_count"] == 2
     # run again to the same end (from an earlier checkpoint), final/ is replaced: the step holds nothing new
