@@ -126,6 +126,7 @@ def one_line_parse_error(message: str, parser) -> str:
     if not keyed:
         return " ".join(message.split())
     key, rest = keyed.groups()
+    nested = re.findall(r'Parser key "([^"]+)"', rest)  # a data module's or model_config's own key: data.train_weights
     unknown_options = valid_keys_hints(rest)
     if unknown_options:
         return f"{key}: " + "; ".join(unknown_options)
@@ -142,7 +143,11 @@ def one_line_parse_error(message: str, parser) -> str:
         if what not in expected:
             expected.append(what)
     if given and expected:
-        return f"{key}: got {given.group(1).strip()}, expected {' or '.join(expected)}"
+        key, value = f"{key}.{nested[-1]}" if nested else key, given.group(1).strip()
+        # `--resume_changes train.max_steps`: a list is one argument in brackets, which a shell needs quoted
+        example = f"[{value}]" if "list" in expected else "[a, b]" if "tuple" in expected else None
+        how = f"; in brackets, quoted for the shell: --{key} '{example}'" if example and not value.startswith("[") else ""
+        return f"{key}: got {value}, expected {' or '.join(expected)}{how}"
     return f"{key}: " + " ".join(rest.split())
 
 
