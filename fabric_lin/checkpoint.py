@@ -510,6 +510,12 @@ def explicit_resume_dir(resume: Union[str, Path]) -> Path:
     if path.name.startswith(TMP_PREFIX):
         raise InvalidValue(f"--resume {resume}: an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
     if not ((path / MODEL_FILE).exists() or (path / MANIFEST_FILE).is_file()):
+        held = [p.name for p in checkpoint_dirs(path)]
+        if held:
+            raise InvalidValue(
+                f"--resume {resume} is a run's out_dir, not one of its checkpoints ({', '.join(held[:3])}): to continue from "
+                f"its newest, give --out_dir {path} --resume auto; or name one, e.g. --resume {path / held[0]}"
+            )
         raise MissingFile(f"--resume {resume}: expected a checkpoint directory holding {MODEL_FILE}")
     if not is_training_checkpoint(path):
         raise InvalidValue(

@@ -35,6 +35,7 @@ from fabric_lin.checkpoint import (
     check_out_dir,
     delete_checkpoints,
     earlier_run_checkpoints,
+    explicit_resume_dir,
     is_training_checkpoint,
     load_train_state,
     select_resume_dir,
@@ -242,11 +243,8 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
     """Refuse a fresh run into an out_dir that holds an earlier run's checkpoints: the two runs' step
     directories would lie side by side, and a later --resume auto would take the earlier run's newest."""
     continuing = resume is True or resume == "auto"
-    named = None if continuing or resume is False or resume is None else Path(resume)
-    if named is not None and named.name == "lit_model.pth":
-        named = named.parent
-    if named is not None and not named.exists():  # said before out_dir's earlier run, which it may have meant to name
-        raise MissingFile(f"--resume {resume}: expected a checkpoint directory holding lit_model.pth")
+    # a --resume path that names no checkpoint is said before out_dir's earlier run, which it may have meant to name
+    named = None if continuing or resume is False or resume is None else explicit_resume_dir(resume)
     inside = named is not None and Path(os.path.abspath(named)).parent == Path(os.path.abspath(out_dir))
     if overwrite and continuing:
         raise InvalidValue(

@@ -247,6 +247,11 @@ def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path,
     with pytest.raises(FileNotFoundError, match=rf"--resume {out / 'fnal'}: expected a checkpoint directory holding "
                        r"lit_model.pth"):
         setup_pretrain(tmp_path, resume=out / "fnal")
+    # so is the run's out_dir given one level too high, where its checkpoints are
+    with pytest.raises(ValueError, match=rf"--resume {out} is a run's out_dir, not one of its checkpoints \(step-00000005, "
+                       rf"final\): to continue from its newest, give --out_dir {out} --resume auto; or name one, "
+                       rf"e.g. --resume {out / 'step-00000005'}"):
+        setup_pretrain(tmp_path, resume=out)
     # --overwrite true: the earlier run's checkpoints and metrics are gone, only this run's are there
     (out / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0, "attempt": 2}\n')
     (out / "metrics.superseded.jsonl").write_text('{"step": 98, "loss": 1.5, "attempt": 1}\n')  # it was resumed
