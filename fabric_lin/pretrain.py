@@ -104,11 +104,12 @@ def setup(
         precision: bf16-mixed, bf16-true, 16-mixed or 32-true. Default: bf16-mixed on GPU, 32-true on CPU.
         resume: false: start fresh (refused where out_dir holds an earlier run's checkpoints, see overwrite).
             true: resume from the newest checkpoint in out_dir that verifies against its manifest (error if none).
-            auto: the same, or a fresh start if out_dir holds no checkpoint. A path: resume from that checkpoint
-            directory. A damaged checkpoint is reported, set aside as .damaged-<name> and not loaded.
+            auto: the same, or a fresh start if out_dir holds no checkpoint (and its metrics.jsonl records none saved
+            there). A path: resume from that checkpoint directory. A damaged checkpoint is reported, set aside as .damaged-<name> and not loaded.
         resume_changes: The run's settings that a resume may change on purpose, among train.global_batch_size,
             train.max_steps, train.max_tokens, data (any data.* setting) and seed; a resume that changes one
-            not named here is refused, naming it (tutorials/resume.md: what each change does).
+            not named here is refused, naming it (tutorials/resume.md: what each change does). A list: e.g.
+            --resume_changes '[train.max_steps]'.
         overwrite: true: start afresh where out_dir holds an earlier run, deleting its checkpoints (step-*,
             final, .damaged-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first; its logs/ stay (loggers
             add a version), and so does compile_cache/.
