@@ -5,6 +5,8 @@ A run's out_dir holds:
     step-XXXXXXXX/    a checkpoint at optimizer step XXXXXXXX (every train.save_interval steps, and at a stop)
     final/            the checkpoint at the end of the run
     .tmp-*/           a checkpoint being written, or left by a killed run: never read
+    .damaged-*/       a checkpoint that failed verification; .superseded-*/: one saved after the earlier checkpoint
+                      that a resume went back to. Both set aside, never read by --resume auto
 
 A checkpoint directory holds:
 
@@ -54,6 +56,7 @@ MANIFEST_FILE = "manifest.json"
 FINAL_DIR = "final"
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = ".damaged-"
+SUPERSEDED_PREFIX = ".superseded-"
 MANIFEST_FORMAT = 1
 READ_BLOCK = 16 << 20  # bytes read at a time while checksumming: a 90 GB checkpoint is never held in memory
 STEP_DIR_PATTERN = re.compile(r"^step-(\d{8})$")
@@ -361,14 +364,14 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def set_aside(directory: Path) -> Path:
-    """Rename a damaged checkpoint directory to `.damaged-<name>` (`-2`, `-3`, ... if taken): out of the
-    way of --resume and pruning, kept for inspection."""
+def set_aside(directory: Path, prefix: str = DAMAGED_PREFIX) -> Path:
+    """Rename a checkpoint directory to `<prefix><name>` (`-2`, `-3`, ... if taken; a damaged one `.damaged-<name>`): out
+    of the way of --resume and pruning, kept for inspection."""
     directory = Path(directory)
-    target = directory.with_name(f"{DAMAGED_PREFIX}{directory.name}")
+    target = directory.with_name(f"{prefix}{directory.name}")
     n = 2
     while target.exists():
-        target = directory.with_name(f"{DAMAGED_PREFIX}{directory.name}-{n}")
+        target = directory.with_name(f"{prefix}{directory.name}-{n}")
         n += 1
     os.replace(directory, target)
     return target
@@ -490,9 +493,8 @@ def checkpoint_dirs(out_dir: Path) -> List[Path]:
             found.append((int(match.group(1)), 0, path))
     final = out_dir / FINAL_DIR
     if final.is_dir():
-        step = _read_json(final / STEP_FILE)
-        step = step.get("step_count") if isinstance(step, dict) else None
-        found.append((step if isinstance(step, int) else float("inf"), 1, final))
+        step = checkpoint_step(final)
+        found.append((step if step is not None else float("inf"), 1, final))
     return [path for *_, path in sorted(found, reverse=True)]
 
 
@@ -575,18 +577,36 @@ def damaged_checkpoints(out_dir: Path) -> List[str]:
 
 
 def earlier_run_checkpoints(out_dir: Path) -> List[str]:
-    """Names of the step-* directories and final/ that a run wrote into out_dir, and of those set aside as damaged."""
-    return sorted(p.name for p in checkpoint_dirs(out_dir)) + damaged_checkpoints(out_dir)
+    """Names of the step-* directories and final/ that a run wrote into out_dir, and of those set aside (damaged, or
+    superseded by a resume from an earlier checkpoint)."""
+    out_dir = Path(out_dir)
+    superseded = sorted(p.name for p in out_dir.iterdir() if p.is_dir() and p.name.startswith(SUPERSEDED_PREFIX)) \
+        if out_dir.is_dir() else []
+    return sorted(p.name for p in checkpoint_dirs(out_dir)) + damaged_checkpoints(out_dir) + superseded
+
+
+def set_aside_later_checkpoints(out_dir: Path, resume_dir: Path) -> List[Path]:
+    """A resume from a checkpoint of out_dir older than others there (back before a loss spike, say) trains their steps
+    again: they are renamed `.superseded-<name>`, so that the next --resume auto takes this attempt's newest, not the
+    replaced attempt's (as metrics.jsonl moves the replaced steps' records to metrics.superseded.jsonl). Kept, not
+    deleted; --overwrite true deletes them. Returns their new paths."""
+    out_dir = Path(out_dir)
+    step = checkpoint_step(resume_dir)
+    if step is None or Path(resume_dir).resolve().parent != out_dir.resolve():
+        return []
+    later = [p for p in checkpoint_dirs(out_dir) if (checkpoint_step(p) or 0) > step]
+    return [set_aside(p, SUPERSEDED_PREFIX) for p in later]
 
 
 def delete_checkpoints(out_dir: Path) -> List[str]:
-    """Delete out_dir's step-* directories, final/, set-aside `.damaged-*` and leftover `.tmp-*` directories.
+    """Delete out_dir's step-* directories, final/, set-aside `.damaged-*` and `.superseded-*`, and leftover `.tmp-*`
+    directories.
     Each is renamed to a `.tmp-` name first, so a kill during the deletion leaves nothing that looks complete."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
     doomed = [p for p in out_dir.iterdir() if p.is_dir() and (
-        STEP_DIR_PATTERN.match(p.name) or p.name == FINAL_DIR or p.name.startswith((DAMAGED_PREFIX, TMP_PREFIX))
+        STEP_DIR_PATTERN.match(p.name) or p.name == FINAL_DIR or p.name.startswith((DAMAGED_PREFIX, SUPERSEDED_PREFIX, TMP_PREFIX))
     )]
     for path in sorted(doomed):
         trash = path if path.name.startswith(TMP_PREFIX) else out_dir / f"{TMP_PREFIX}deleted-{path.name}"
@@ -596,11 +616,16 @@ def delete_checkpoints(out_dir: Path) -> List[str]:
     return sorted(p.name for p in doomed)
 
 
-def final_checkpoint_step(out_dir: Path) -> Optional[int]:
-    """The step of out_dir/final/, or None where there is none (or its step.json cannot be read)."""
-    step = _read_json(Path(out_dir) / FINAL_DIR / STEP_FILE)
+def checkpoint_step(directory: Path) -> Optional[int]:
+    """The optimizer step of a checkpoint directory, from its step.json; None where it cannot be read."""
+    step = _read_json(Path(directory) / STEP_FILE)
     step = step.get("step_count") if isinstance(step, dict) else None
     return step if isinstance(step, int) else None
+
+
+def final_checkpoint_step(out_dir: Path) -> Optional[int]:
+    """The step of out_dir/final/, or None where there is none (or its step.json cannot be read)."""
+    return checkpoint_step(Path(out_dir) / FINAL_DIR)
 
 
 def prune_checkpoints(out_dir: Path, keep_last_n: int) -> None:

@@ -39,6 +39,7 @@ from fabric_lin.checkpoint import (
     is_training_checkpoint,
     load_train_state,
     select_resume_dir,
+    set_aside_later_checkpoints,
     to_plain,
     train_state,
 )
@@ -111,7 +112,7 @@ def setup(
             not named here is refused, naming it (tutorials/resume.md: what each change does). A list: e.g.
             --resume_changes '[train.max_steps]'.
         overwrite: true: start afresh where out_dir holds an earlier run, deleting its checkpoints (step-*,
-            final, .damaged-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first; its logs/ stay (loggers
+            final, .damaged-*, .superseded-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first; its logs/ stay (loggers
             add a version), and so does compile_cache/.
         initial_checkpoint_dir: A model directory (convert_pretrained_checkpoint's output) whose weights
             initialise the model before training (continued pretraining); the data must be tokenized by its tokenizer.
@@ -394,7 +395,14 @@ def main(
             jump = learning_rate_jump(resume_dir, train, optimizer.lr, state)
             if jump:
                 fabric.print(jump)
+        # the steps after the checkpoint are trained again: their records leave metrics.jsonl, and where the resume
+        # comes from an earlier checkpoint of out_dir, their checkpoints are set aside
         metrics.begin_attempt(state["step_count"])
+        superseded = set_aside_later_checkpoints(out_dir, resume_dir) if resume_dir and fabric.global_rank == 0 else []
+        if superseded:
+            fabric.print(f"Resuming from an earlier checkpoint: the later ones are set aside, out of --resume auto's way: "
+                         f"{', '.join(p.name for p in superseded)}")
+        fabric.barrier()
         if run_changes:
             metrics.write({"step": state["step_count"], "resume_changes": run_changes})
 

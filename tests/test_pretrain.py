@@ -316,6 +316,42 @@ def test_a_finished_run_continued_to_a_later_end_keeps_its_earlier_end(tmp_path,
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("step-", "final"))) == ["final", "step-00000001"]
 
 
+def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path, capsys, monkeypatch):
+    """Back to step 1 of a finished 4-step run (before a loss spike, say), and preempted after a step: the replaced
+    attempt's later checkpoints (step-2, step-3, final at step 4) would be the newest for the next --resume auto, which
+    would go on from the abandoned attempt. They are kept aside, out of its way; --overwrite true deletes them."""
+    import signal
+
+    from fabric_lin.checkpoint import checkpoint_dirs, delete_checkpoints, earlier_run_checkpoints
+    from fabric_lin.metrics import MetricsWriter
+
+    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=4, max_seq_length=32, save_interval=1)
+    setup_pretrain(tmp_path, train=train, eval=EvalArgs(final_validation=False))
+    out = tmp_path / "out"
+    replaced = {p.name: (p / "lit_model.pth").read_bytes() for p in checkpoint_dirs(out) if p.name != "step-00000001"}
+    assert sorted(replaced) == ["final", "step-00000002", "step-00000003"]
+    first_step = MetricsWriter.log_first_step
+
+    def preempted_after_the_first_step(self, step):  # a scheduler's SIGTERM: the run saves where it stops
+        first_step(self, step)
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(MetricsWriter, "log_first_step", preempted_after_the_first_step)
+    capsys.readouterr()
+    setup_pretrain(tmp_path, train=train, eval=EvalArgs(final_validation=False), optimizer=OptimizerArgs(lr=1e-4),
+                   resume=out / "step-00000001")
+    printed = capsys.readouterr().out
+    assert ("Resuming from an earlier checkpoint: the later ones are set aside, out of --resume auto's way: "
+            ".superseded-final, .superseded-step-00000003, .superseded-step-00000002") in printed
+    assert {name: (out / f".superseded-{name}" / "lit_model.pth").read_bytes() for name in replaced} == replaced
+    # what --resume auto tries first is where this attempt stopped, and no checkpoint of the replaced attempt is left
+    assert f"checkpoint saved in {checkpoint_dirs(out)[0]}" in printed
+    assert all((p / "lit_model.pth").read_bytes() != replaced.get(p.name) for p in checkpoint_dirs(out))
+    assert ".superseded-final" in earlier_run_checkpoints(out)  # a fresh run into this out_dir is refused
+    delete_checkpoints(out)
+    assert not [p for p in out.iterdir() if p.name.startswith((".superseded-", "step-", "final"))]
+
+
 def test_hyperparameters_yaml_is_a_config_for_the_next_run(tmp_path):
     """The hyperparameters.yaml in a checkpoint records this run's resolved arguments, and `--config` reads
     it back: the same groups, and a run continued from it."""
