@@ -57,9 +57,13 @@ class TrainArgs:
         return iters
 
     def total_steps(self) -> int:
-        if (self.max_tokens is None) == (self.max_steps is None):
+        if self.max_tokens is None and self.max_steps is None:
+            raise InvalidValue("give one of train.max_steps and train.max_tokens: where the run ends (both are null)")
+        if self.max_tokens is not None and self.max_steps is not None:
+            # a config file sets one of them, and a flag that gives the other does not unset it
             raise InvalidValue(
-                f"give exactly one of train.max_tokens ({self.max_tokens}) and train.max_steps ({self.max_steps})"
+                f"give exactly one of train.max_tokens ({self.max_tokens}) and train.max_steps ({self.max_steps}): "
+                f"set the other to null, e.g. --train.max_steps null --train.max_tokens {self.max_tokens}"
             )
         if self.max_steps is not None:
             if self.max_steps <= 0:

@@ -5,6 +5,8 @@ A run's out_dir holds:
     step-XXXXXXXX/    a checkpoint at optimizer step XXXXXXXX (every train.save_interval steps, and at a stop)
     final/            the checkpoint at the end of the run
     .tmp-*/           a checkpoint being written, or left by a killed run: never read
+    .damaged-*/       a checkpoint that failed verification; .superseded-*/: one saved after the earlier checkpoint
+                      that a resume went back to. Both set aside, never read by --resume auto
 
 A checkpoint directory holds:
 
@@ -54,6 +56,7 @@ MANIFEST_FILE = "manifest.json"
 FINAL_DIR = "final"
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = ".damaged-"
+SUPERSEDED_PREFIX = ".superseded-"
 MANIFEST_FORMAT = 1
 READ_BLOCK = 16 << 20  # bytes read at a time while checksumming: a 90 GB checkpoint is never held in memory
 STEP_DIR_PATTERN = re.compile(r"^step-(\d{8})$")
@@ -132,6 +135,12 @@ class Checkpointer:
         if fabric.global_rank == 0:
             # a signal between the two renames would leave neither the old nor the new directory in place
             with signals_deferred(signal.SIGINT, signal.SIGTERM):
+                earlier_end = final_checkpoint_step(self.out_dir) if final else None
+                kept_as = self.out_dir / step_dir_name(earlier_end) if earlier_end is not None else None
+                if kept_as is not None and earlier_end < state["step_count"] and not kept_as.exists():
+                    # a finished run continued to a later end: its end stays, as the checkpoint of that step
+                    os.replace(final_dir, kept_as)
+                    fabric.print(f"Kept the earlier end of the run, {final_dir} at step {earlier_end}, as {kept_as}")
                 if final_dir.exists():  # e.g. a resumed run passing a step it had saved before
                     old = self.out_dir / f"{TMP_PREFIX}old-{name}"
                     if old.exists():
@@ -355,14 +364,14 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def set_aside(directory: Path) -> Path:
-    """Rename a damaged checkpoint directory to `.damaged-<name>` (`-2`, `-3`, ... if taken): out of the
-    way of --resume and pruning, kept for inspection."""
+def set_aside(directory: Path, prefix: str = DAMAGED_PREFIX) -> Path:
+    """Rename a checkpoint directory to `<prefix><name>` (`-2`, `-3`, ... if taken; a damaged one `.damaged-<name>`): out
+    of the way of --resume and pruning, kept for inspection."""
     directory = Path(directory)
-    target = directory.with_name(f"{DAMAGED_PREFIX}{directory.name}")
+    target = directory.with_name(f"{prefix}{directory.name}")
     n = 2
     while target.exists():
-        target = directory.with_name(f"{DAMAGED_PREFIX}{directory.name}-{n}")
+        target = directory.with_name(f"{prefix}{directory.name}-{n}")
         n += 1
     os.replace(directory, target)
     return target
@@ -484,10 +493,15 @@ def checkpoint_dirs(out_dir: Path) -> List[Path]:
             found.append((int(match.group(1)), 0, path))
     final = out_dir / FINAL_DIR
     if final.is_dir():
-        step = _read_json(final / STEP_FILE)
-        step = step.get("step_count") if isinstance(step, dict) else None
-        found.append((step if isinstance(step, int) else float("inf"), 1, final))
+        step = checkpoint_step(final)
+        found.append((step if step is not None else float("inf"), 1, final))
     return [path for *_, path in sorted(found, reverse=True)]
+
+
+def is_training_checkpoint(directory: Path) -> bool:
+    """Whether `directory` holds what pretrain writes beside a checkpoint's weights (step.json, manifest.json): a training
+    checkpoint, whole or not, and not a model directory."""
+    return (Path(directory) / STEP_FILE).is_file() or (Path(directory) / MANIFEST_FILE).is_file()
 
 
 def explicit_resume_dir(resume: Union[str, Path]) -> Path:
@@ -498,8 +512,14 @@ def explicit_resume_dir(resume: Union[str, Path]) -> Path:
     if path.name.startswith(TMP_PREFIX):
         raise InvalidValue(f"--resume {resume}: an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
     if not ((path / MODEL_FILE).exists() or (path / MANIFEST_FILE).is_file()):
+        held = [p.name for p in checkpoint_dirs(path)]
+        if held:
+            raise InvalidValue(
+                f"--resume {resume} is a run's out_dir, not one of its checkpoints ({', '.join(held[:3])}): to continue from "
+                f"its newest, give --out_dir {path} --resume auto; or name one, e.g. --resume {path / held[0]}"
+            )
         raise MissingFile(f"--resume {resume}: expected a checkpoint directory holding {MODEL_FILE}")
-    if not (path / STEP_FILE).is_file() and not (path / MANIFEST_FILE).is_file():
+    if not is_training_checkpoint(path):
         raise InvalidValue(
             f"--resume {resume}: it is not a training checkpoint (it has no {STEP_FILE} or {MANIFEST_FILE}); to start "
             f"from a model directory's weights, use --initial_checkpoint_dir {path}"
@@ -557,18 +577,36 @@ def damaged_checkpoints(out_dir: Path) -> List[str]:
 
 
 def earlier_run_checkpoints(out_dir: Path) -> List[str]:
-    """Names of the step-* directories and final/ that a run wrote into out_dir, and of those set aside as damaged."""
-    return sorted(p.name for p in checkpoint_dirs(out_dir)) + damaged_checkpoints(out_dir)
+    """Names of the step-* directories and final/ that a run wrote into out_dir, and of those set aside (damaged, or
+    superseded by a resume from an earlier checkpoint)."""
+    out_dir = Path(out_dir)
+    superseded = sorted(p.name for p in out_dir.iterdir() if p.is_dir() and p.name.startswith(SUPERSEDED_PREFIX)) \
+        if out_dir.is_dir() else []
+    return sorted(p.name for p in checkpoint_dirs(out_dir)) + damaged_checkpoints(out_dir) + superseded
+
+
+def set_aside_later_checkpoints(out_dir: Path, resume_dir: Path) -> List[Path]:
+    """A resume from a checkpoint of out_dir older than others there (back before a loss spike, say) trains their steps
+    again: they are renamed `.superseded-<name>`, so that the next --resume auto takes this attempt's newest, not the
+    replaced attempt's (as metrics.jsonl moves the replaced steps' records to metrics.superseded.jsonl). Kept, not
+    deleted; --overwrite true deletes them. Returns their new paths."""
+    out_dir = Path(out_dir)
+    step = checkpoint_step(resume_dir)
+    if step is None or Path(resume_dir).resolve().parent != out_dir.resolve():
+        return []
+    later = [p for p in checkpoint_dirs(out_dir) if (checkpoint_step(p) or 0) > step]
+    return [set_aside(p, SUPERSEDED_PREFIX) for p in later]
 
 
 def delete_checkpoints(out_dir: Path) -> List[str]:
-    """Delete out_dir's step-* directories, final/, set-aside `.damaged-*` and leftover `.tmp-*` directories.
+    """Delete out_dir's step-* directories, final/, set-aside `.damaged-*` and `.superseded-*`, and leftover `.tmp-*`
+    directories.
     Each is renamed to a `.tmp-` name first, so a kill during the deletion leaves nothing that looks complete."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
     doomed = [p for p in out_dir.iterdir() if p.is_dir() and (
-        STEP_DIR_PATTERN.match(p.name) or p.name == FINAL_DIR or p.name.startswith((DAMAGED_PREFIX, TMP_PREFIX))
+        STEP_DIR_PATTERN.match(p.name) or p.name == FINAL_DIR or p.name.startswith((DAMAGED_PREFIX, SUPERSEDED_PREFIX, TMP_PREFIX))
     )]
     for path in sorted(doomed):
         trash = path if path.name.startswith(TMP_PREFIX) else out_dir / f"{TMP_PREFIX}deleted-{path.name}"
@@ -578,11 +616,16 @@ def delete_checkpoints(out_dir: Path) -> List[str]:
     return sorted(p.name for p in doomed)
 
 
-def final_checkpoint_step(out_dir: Path) -> Optional[int]:
-    """The step of out_dir/final/, or None where there is none (or its step.json cannot be read)."""
-    step = _read_json(Path(out_dir) / FINAL_DIR / STEP_FILE)
+def checkpoint_step(directory: Path) -> Optional[int]:
+    """The optimizer step of a checkpoint directory, from its step.json; None where it cannot be read."""
+    step = _read_json(Path(directory) / STEP_FILE)
     step = step.get("step_count") if isinstance(step, dict) else None
     return step if isinstance(step, int) else None
+
+
+def final_checkpoint_step(out_dir: Path) -> Optional[int]:
+    """The step of out_dir/final/, or None where there is none (or its step.json cannot be read)."""
+    return checkpoint_step(Path(out_dir) / FINAL_DIR)
 
 
 def prune_checkpoints(out_dir: Path, keep_last_n: int) -> None:
@@ -628,6 +671,8 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
     """(Config, path of lit_model.pth) of a training checkpoint directory whose checksums hold, or a clear error.
     use: what the caller does with it ("evaluate", "convert"), for the error of a damaged checkpoint."""
     checkpoint_dir = Path(checkpoint_dir)
+    if checkpoint_dir.name == MODEL_FILE and is_training_checkpoint(checkpoint_dir.parent):
+        raise InvalidValue(f"{checkpoint_dir} is the weights of the training checkpoint {checkpoint_dir.parent}: pass that directory")
     if not checkpoint_dir.is_dir():
         raise MissingFile(f"{checkpoint_dir} is not a directory: expected a training checkpoint directory")
     if checkpoint_dir.name.startswith(TMP_PREFIX):
@@ -638,7 +683,7 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
         finals = [FINAL_DIR] if (checkpoint_dir / FINAL_DIR / MODEL_FILE).exists() else []
         hint = f"; it holds checkpoints {(steps[-3:] + finals)}, pass one of those" if steps or finals else ""
         raise MissingFile(f"{checkpoint_dir} is not a training checkpoint: it has no {MODEL_FILE}{hint}")
-    if not (checkpoint_dir / STEP_FILE).is_file() and not (checkpoint_dir / MANIFEST_FILE).is_file():
+    if not is_training_checkpoint(checkpoint_dir):
         raise InvalidValue(
             f"{checkpoint_dir} holds {MODEL_FILE} but no {STEP_FILE} or {MANIFEST_FILE}: it is already a model directory "
             f"(convert_pretrained_checkpoint's output), not a training checkpoint"

@@ -126,6 +126,7 @@ def one_line_parse_error(message: str, parser) -> str:
     if not keyed:
         return " ".join(message.split())
     key, rest = keyed.groups()
+    nested = re.findall(r'Parser key "([^"]+)"', rest)  # a data module's or model_config's own key: data.train_weights
     unknown_options = valid_keys_hints(rest)
     if unknown_options:
         return f"{key}: " + "; ".join(unknown_options)
@@ -142,7 +143,11 @@ def one_line_parse_error(message: str, parser) -> str:
         if what not in expected:
             expected.append(what)
     if given and expected:
-        return f"{key}: got {given.group(1).strip()}, expected {' or '.join(expected)}"
+        key, value = f"{key}.{nested[-1]}" if nested else key, given.group(1).strip()
+        # `--resume_changes train.max_steps`: a list is one argument in brackets, which a shell needs quoted
+        example = f"[{value}]" if "list" in expected else "[a, b]" if "tuple" in expected else None
+        how = f"; in brackets, quoted for the shell: --{key} '{example}'" if example and not value.startswith("[") else ""
+        return f"{key}: got {value}, expected {' or '.join(expected)}{how}"
     return f"{key}: " + " ".join(rest.split())
 
 
@@ -259,15 +264,19 @@ def print_model_names_or_config(names: List[str]) -> None:
     print(yaml.safe_dump(Config.from_name(names[0]).to_dict(), sort_keys=False), end="")
 
 
+def option_values(argv: List[str], option: str) -> List[str]:
+    """The values given to `option` on the command line (`--option VALUE` or `--option=VALUE`), in order."""
+    return [value if arg == option else arg[len(option) + 1:]
+            for arg, value in zip(argv, argv[1:] + [""]) if arg == option or arg.startswith(option + "=")]
+
+
 def check_config_files(argv: List[str]) -> None:
     """Each `--config FILE` read before jsonargparse reads it: its own messages for a file that is not YAML, is empty or
     holds a list name no file ("<unicode string>", "Unexpected config")."""
     from fabric_lin.errors import InvalidValue
     from fabric_lin.files import read_yaml
 
-    given = [value for option, value in zip(argv, argv[1:]) if option == "--config"]
-    given += [arg[len("--config="):] for arg in argv if arg.startswith("--config=")]
-    for value in given:
+    for value in option_values(argv, "--config"):
         if not Path(value).expanduser().is_file():  # inline YAML, or a path that jsonargparse says is missing
             continue
         content = read_yaml(Path(value).expanduser())
@@ -310,6 +319,10 @@ def run(argv: List[str]) -> None:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     expand_home_in_paths()
     check_config_files(argv)
+    if argv and argv[0] == "pretrain" and not option_values(argv, "--out_dir"):
+        from fabric_lin.pretrain import check_config_of_a_moved_run
+
+        check_config_of_a_moved_run([Path(value).expanduser() for value in option_values(argv, "--config")])
     if argv and argv[0] in COMMANDS:
         components = {argv[0]: load_command(argv[0])}
     else:  # `fabric-lin --help` or an unknown subcommand: list every one that imports

@@ -8,6 +8,7 @@ metrics.jsonl holds these kinds of record, each with its "step" and "attempt":
                              max_memory_gb, recompilations
     every validation         val_loss, val_ppl
     a resume with changes    resume_changes (`--resume_changes`: what changed, each value before and after)
+    a checkpoint saved       checkpoint (its directory's name in out_dir: step-XXXXXXXX or final)
 
 It reads as one history of the run, each step once. "attempt" numbers the runs of the command that made the
 history (1, then one more for each resume). A resumed attempt starts from its checkpoint's step: the records
@@ -127,6 +128,9 @@ class MetricsWriter:
         for logger in self.fabric.loggers:
             if isinstance(logger, RunTensorBoardLogger):
                 logger.drop_records_after(step)
+
+    def log_checkpoint(self, step: int, name: str) -> None:
+        self.write({"step": step, "checkpoint": name})
 
     def delete_history(self) -> List[str]:
         """Delete the history an earlier run left in out_dir (`--overwrite true`), so that this run's starts at
@@ -294,6 +298,12 @@ def ends_inside_a_line(path: Path) -> bool:
             return False
         f.seek(-1, os.SEEK_END)
         return f.read(1) != b"\n"
+
+
+def recorded_checkpoints(out_dir: Path) -> List[str]:
+    """The checkpoints that out_dir/metrics.jsonl records as saved, in the order they were saved."""
+    path = Path(out_dir) / METRICS_FILE
+    return [r["checkpoint"] for r in read_records(path) if "checkpoint" in r] if path.is_file() else []
 
 
 def read_records(path: Path) -> List[Dict[str, Any]]:

@@ -9,6 +9,7 @@ schedule in `fabric_lin.lr_schedule`, what is logged in `fabric_lin.metrics`, th
 """
 import contextlib
 import inspect
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,13 +29,17 @@ from fabric_lin.args import (
 )
 from fabric_lin.batches import CycleIterator, batch_fingerprint, compute_loss
 from fabric_lin.checkpoint import (
+    HPARAMS_FILE,
     Checkpointer,
     CheckpointFileIO,
     check_out_dir,
     delete_checkpoints,
     earlier_run_checkpoints,
+    explicit_resume_dir,
+    is_training_checkpoint,
     load_train_state,
     select_resume_dir,
+    set_aside_later_checkpoints,
     to_plain,
     train_state,
 )
@@ -43,11 +48,11 @@ from fabric_lin.cpu_cores import cores_busy_with_other_work, usable_cpu_cores
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import check_dir_can_be_made, environment_variables, missing_ancestors, remove_empty_dirs
+from fabric_lin.files import check_dir_can_be_made, environment_variables, missing_ancestors, read_yaml, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FUSED_NOTE as FP8_FUSED_NOTE, TENSORWISE_NOTE as FP8_TENSORWISE_NOTE, FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import TokenSchedule, learning_rate
-from fabric_lin.metrics import MetricsWriter, make_logger
+from fabric_lin.metrics import METRICS_FILE, MetricsWriter, make_logger, recorded_checkpoints
 from fabric_lin.model import GPT, Block, Launches, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.parallelism import check_torchrun_processes, free_gathered_weights, make_strategy
@@ -100,13 +105,14 @@ def setup(
         precision: bf16-mixed, bf16-true, 16-mixed or 32-true. Default: bf16-mixed on GPU, 32-true on CPU.
         resume: false: start fresh (refused where out_dir holds an earlier run's checkpoints, see overwrite).
             true: resume from the newest checkpoint in out_dir that verifies against its manifest (error if none).
-            auto: the same, or a fresh start if out_dir holds no checkpoint. A path: resume from that checkpoint
-            directory. A damaged checkpoint is reported, set aside as .damaged-<name> and not loaded.
+            auto: the same, or a fresh start if out_dir holds no checkpoint (and its metrics.jsonl records none saved
+            there). A path: resume from that checkpoint directory. A damaged checkpoint is reported, set aside as .damaged-<name> and not loaded.
         resume_changes: The run's settings that a resume may change on purpose, among train.global_batch_size,
             train.max_steps, train.max_tokens, data (any data.* setting) and seed; a resume that changes one
-            not named here is refused, naming it (tutorials/resume.md: what each change does).
+            not named here is refused, naming it (tutorials/resume.md: what each change does). A list: e.g.
+            --resume_changes '[train.max_steps]'.
         overwrite: true: start afresh where out_dir holds an earlier run, deleting its checkpoints (step-*,
-            final, .damaged-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first; its logs/ stay (loggers
+            final, .damaged-*, .superseded-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first; its logs/ stay (loggers
             add a version), and so does compile_cache/.
         initial_checkpoint_dir: A model directory (convert_pretrained_checkpoint's output) whose weights
             initialise the model before training (continued pretraining); the data must be tokenized by its tokenizer.
@@ -239,11 +245,8 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
     """Refuse a fresh run into an out_dir that holds an earlier run's checkpoints: the two runs' step
     directories would lie side by side, and a later --resume auto would take the earlier run's newest."""
     continuing = resume is True or resume == "auto"
-    named = None if continuing or resume is False or resume is None else Path(resume)
-    if named is not None and named.name == "lit_model.pth":
-        named = named.parent
-    if named is not None and not named.exists():  # said before out_dir's earlier run, which it may have meant to name
-        raise MissingFile(f"--resume {resume}: expected a checkpoint directory holding lit_model.pth")
+    # a --resume path that names no checkpoint is said before out_dir's earlier run, which it may have meant to name
+    named = None if continuing or resume is False or resume is None else explicit_resume_dir(resume)
     inside = named is not None and Path(os.path.abspath(named)).parent == Path(os.path.abspath(out_dir))
     if overwrite and continuing:
         raise InvalidValue(
@@ -260,6 +263,40 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
         f"Continue that run with --resume auto, write this one to another --out_dir, or start afresh with "
         f"--overwrite true (deletes those checkpoints)"
     )
+
+
+def check_config_of_a_moved_run(config_files: List[Path]) -> None:
+    """A checkpoint's hyperparameters.yaml given as --config, and no --out_dir: the run goes on in the out_dir the file
+    records. Where the checkpoint now lies in another directory (the run was moved or copied), that is the old place,
+    where `--resume auto` would find no checkpoint and start again from step 0: refused, naming both places."""
+    recorded = None
+    for path in config_files:
+        content = read_yaml(path) if path.is_file() else None
+        if isinstance(content, dict) and "out_dir" in content:
+            recorded = (path, content["out_dir"])  # the last file that sets out_dir is the one that counts
+    if recorded is None or recorded[0].name != HPARAMS_FILE or not is_training_checkpoint(recorded[0].parent):
+        return
+    path, out_dir = recorded
+    lies_in = path.parent.parent
+    if out_dir is not None and Path(out_dir).expanduser().resolve() != lies_in.resolve():
+        raise InvalidValue(
+            f"--config {path}: it records out_dir {out_dir}, but its checkpoint now lies in {lies_in} (the run was moved "
+            f"or copied). Give --out_dir {lies_in} to go on where it lies (with --resume auto), or --out_dir {out_dir} to "
+            f"write to the recorded place"
+        )
+
+
+def check_no_checkpoint_went_missing(out_dir: Path) -> None:
+    """--resume auto found no checkpoint in out_dir: a fresh start, unless metrics.jsonl records checkpoints that the
+    run saved there, moved or deleted since. Starting again from step 0 would then train its steps over again."""
+    recorded = recorded_checkpoints(out_dir)
+    if recorded:
+        shown = ", ".join(recorded[-3:])
+        raise MissingFile(
+            f"--resume auto: out_dir {out_dir} holds no checkpoint, but its {METRICS_FILE} records the ones the run saved "
+            f"there ({shown}): they were moved or deleted. Put them back, or resume from one with --resume <dir>; to "
+            f"start again from step 0 here: --resume false --overwrite true"
+        )
 
 
 def main(
@@ -283,6 +320,8 @@ def main(
                     fabric.print(f"--overwrite true: deleted the earlier run's checkpoints and metrics in {out_dir}: {', '.join(deleted)}")
             fabric.barrier()
         resume_dir = select_resume_dir(fabric, resume, out_dir)  # before any work, so a bad --resume fails fast
+        if resume_dir is None and resume == "auto":
+            check_no_checkpoint_went_missing(out_dir)
         run_changes: List[str] = []
         if resume_dir is not None:
             run_changes, other_changes = compare_with_checkpoint(resume_dir, hparams, config.to_dict(), resume_changes)
@@ -353,7 +392,17 @@ def main(
         if resume_dir is not None:
             load_train_state(fabric, resume_dir, state)
             metrics.startup_phase("checkpoint loaded")
+            jump = learning_rate_jump(resume_dir, train, optimizer.lr, state)
+            if jump:
+                fabric.print(jump)
+        # the steps after the checkpoint are trained again: their records leave metrics.jsonl, and where the resume
+        # comes from an earlier checkpoint of out_dir, their checkpoints are set aside
         metrics.begin_attempt(state["step_count"])
+        superseded = set_aside_later_checkpoints(out_dir, resume_dir) if resume_dir and fabric.global_rank == 0 else []
+        if superseded:
+            fabric.print(f"Resuming from an earlier checkpoint: the later ones are set aside, out of --resume auto's way: "
+                         f"{', '.join(p.name for p in superseded)}")
+        fabric.barrier()
         if run_changes:
             metrics.write({"step": state["step_count"], "resume_changes": run_changes})
 
@@ -428,8 +477,7 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
     step_flags = StepFlags(fabric)
 
     while state["step_count"] < end_step:
-        lr = learning_rate(schedule.position(state["tokens_seen"]), base_lr, train.min_lr, train.lr_warmup_steps,
-                           schedule.steps, train.lr_schedule, train.wsd_decay_fraction)
+        lr = scheduled_learning_rate(train, base_lr, schedule, state["tokens_seen"])
         loss, grad_norm, fingerprint = train_step(fabric, state, run, lr, step_flags)
         state["tokens_seen"] += tokens_per_step
         step = state["step_count"]
@@ -445,7 +493,7 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
         if log_step or stop_now:
             run.metrics.log_progress(step, lr, grad_norm, state["skipped_steps"], state["tokens_seen"])
         if stop_now:
-            saved = run.checkpointer.save(fabric, state)
+            saved = save_checkpoint(fabric, state, run)
             fabric.print(f"Stopped by {run.stop.signal_name or 'a signal'} at step {step}: checkpoint saved in {saved}; "
                          f"to continue, {run.resume_hint}")
             run.metrics.flush()
@@ -455,12 +503,38 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
                 run.metrics.log_validation(step, validate(fabric, model, run))
             if save_step and step < end_step:
                 run.metrics.flush()
-                run.checkpointer.save(fabric, state)
+                save_checkpoint(fabric, state, run)
 
     elapsed = run.metrics.stop_clock()
     run.metrics.flush()
     finish(fabric, state, run)
     run.metrics.log_summary(state["step_count"], state["tokens_seen"], elapsed)
+
+
+def scheduled_learning_rate(train: TrainArgs, base_lr: float, schedule: TokenSchedule, tokens_seen: int) -> float:
+    """The learning rate of the step that follows `tokens_seen` tokens trained, on the schedule `train` sets from base_lr."""
+    return learning_rate(schedule.position(tokens_seen), base_lr, train.min_lr, train.lr_warmup_steps, schedule.steps,
+                         train.lr_schedule, train.wsd_decay_fraction)
+
+
+def learning_rate_jump(checkpoint_dir: Path, train: TrainArgs, base_lr: float, state: Dict) -> Optional[str]:
+    """A resume whose settings give its first step another learning rate than the checkpoint's run would (a longer or
+    shorter schedule, another optimizer.lr, warmup or min_lr): one line with both values. The schedule is a function of
+    the tokens trained, so the learning rate jumps there, with no new warmup: raising max_steps on a run that has decayed
+    to min_lr takes it back up to the longer cosine's value at that point."""
+    saved = read_yaml(Path(checkpoint_dir) / HPARAMS_FILE) or {}
+    saved_train = TrainArgs(**saved.get("train", {}))
+    saved_lr = saved.get("optimizer", {}).get("lr", base_lr)
+    unit, tokens = state["schedule_tokens_per_step"] or train.global_batch_size * train.max_seq_length, state["tokens_seen"]
+
+    def next_lr(args: TrainArgs, lr: float) -> float:
+        return scheduled_learning_rate(args, lr, TokenSchedule.of_run(args.max_steps, args.max_tokens, unit), tokens)
+
+    before, now = next_lr(saved_train, saved_lr), next_lr(train, base_lr)
+    if math.isclose(before, now, rel_tol=1e-6):
+        return None
+    return (f"Note: step {state['step_count'] + 1} trains at learning rate {now:.2e}, where the checkpoint's settings give "
+            f"{before:.2e}: the schedule is a function of the tokens trained, so the learning rate jumps here (no new warmup)")
 
 
 def train_step(fabric: L.Fabric, state: Dict, run: Run, lr: float, step_flags: StepFlags):
@@ -509,7 +583,7 @@ def train_step(fabric: L.Fabric, state: Dict, run: Run, lr: float, step_flags: S
 def stop_after_nonfinite_steps(fabric: L.Fabric, state: Dict, run: Run, in_a_row: int) -> None:
     """Save the last good weights (no bad update was applied) and stop: the run is diverging or its data is bad."""
     run.metrics.flush()
-    saved = run.checkpointer.save(fabric, state)
+    saved = save_checkpoint(fabric, state, run)
     raise UserError(
         f"{in_a_row} consecutive steps with a non-finite loss or gradient norm (train.max_nonfinite_steps="
         f"{run.train.max_nonfinite_steps}); the last good weights are saved in {saved}. Lower optimizer.lr or check the data."
@@ -520,7 +594,15 @@ def finish(fabric: L.Fabric, state: Dict, run: Run) -> None:
     """The end of a run: the final validation, then out_dir/final/."""
     if run.eval.final_validation:
         run.metrics.log_validation(state["step_count"], validate(fabric, state["model"], run))
-    run.checkpointer.save(fabric, state, final=True)
+    save_checkpoint(fabric, state, run, final=True)
+
+
+def save_checkpoint(fabric: L.Fabric, state: Dict, run: Run, final: bool = False) -> Path:
+    """Save out_dir/step-<step>/ (or final/), and record it in metrics.jsonl: a later --resume auto that finds none of
+    the checkpoints recorded there knows they were moved or deleted, rather than never written."""
+    saved = run.checkpointer.save(fabric, state, final=final)
+    run.metrics.log_checkpoint(state["step_count"], saved.name)
+    return saved
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import yaml
 
 from fabric_lin.checkpoint import HPARAMS_FILE
-from fabric_lin.config import CONFIG_FILE
+from fabric_lin.config import CONFIG_FILE, Config, name_to_config
 from fabric_lin.errors import InvalidValue
 from fabric_lin.files import read_yaml
 
@@ -57,6 +57,26 @@ def describe(key: str, saved: Any, given: Any) -> str:
     return f"{key}: {saved!r} in the checkpoint, {given!r} here"
 
 
+def ways_on_from(checkpoint_dir: Path, model: Dict[str, Any], saved_seq_length: Any) -> str:
+    """After a refusal to resume another model or sequence length: the flags that resume the checkpoint's run, and
+    where its weights fit this run's model, how to start this run from them."""
+    from fabric_lin.weights import meta_model
+
+    saved_config, config = Config.from_checkpoint(checkpoint_dir), Config(**model)
+    flags = []
+    if {**saved_config.to_dict(), "name": None} != {**config.to_dict(), "name": None}:
+        named = saved_config.name in name_to_config and Config.from_name(saved_config.name) == saved_config
+        flags.append(f"--model_name {saved_config.name}" if named else f"--model_config {checkpoint_dir / CONFIG_FILE}")
+    if saved_seq_length is not None:
+        flags.append(f"--train.max_seq_length {saved_seq_length}")
+    resume = f"Resume it with the checkpoint's {' '.join(flags)}, or write this run to another --out_dir"
+    shapes = [{name: tuple(t.shape) for name, t in meta_model(c).state_dict().items()} for c in (saved_config, config)]
+    if shapes[0] != shapes[1]:
+        return resume + " (the checkpoint's weights do not fit this model's shapes, so they cannot start it either)"
+    return (resume + f"; or start this run from its weights: fabric-lin convert_pretrained_checkpoint {checkpoint_dir} "
+            f"--output_dir <DIR>, then --initial_checkpoint_dir <DIR>")
+
+
 def check_changeable(names: Sequence[str]) -> None:
     unknown = [name for name in names if name not in CHANGEABLE]
     if unknown:
@@ -73,12 +93,12 @@ def compare_with_checkpoint(checkpoint_dir: Path, hparams: Dict[str, Any], model
     saved_model = read_yaml(checkpoint_dir / CONFIG_FILE) or {}
     saved, given = settings(saved_hparams, saved_model), settings(hparams, model)
     changed = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
-    fixed = [describe(k, saved.get(k), given.get(k)) for k in changed if k in FIXED]
+    fixed = [k for k in changed if k in FIXED]
     if fixed:
         raise InvalidValue(
             f"--resume {checkpoint_dir}: a resumed run trains the checkpoint's run, and this one differs in "
-            + "; ".join(fixed) + ". To start another run from its weights: fabric-lin convert_pretrained_checkpoint "
-            f"{checkpoint_dir} --output_dir <DIR>, then --initial_checkpoint_dir <DIR>"
+            + "; ".join(describe(k, saved.get(k), given.get(k)) for k in fixed) + ". "
+            + ways_on_from(checkpoint_dir, model, saved.get("train.max_seq_length") if "train.max_seq_length" in fixed else None)
         )
     refused = [k for k in changed if group_of(k) in CHANGEABLE and group_of(k) not in allowed]
     if refused:

@@ -34,6 +34,21 @@ def test_max_tokens_and_max_steps_exclusive():
         TrainArgs(max_tokens=100, global_batch_size=2, max_seq_length=64).total_steps()
 
 
+def test_a_token_budget_over_a_config_that_counts_steps_is_told_how_to_unset_them(tmp_path, capsys):
+    """config_hub's YAMLs set max_steps: a flag that gives max_tokens does not unset it, and the error gives the flags that
+    do, which the command line takes (the next error is the budget's own)."""
+    from helpers import CONFIG_HUB, cli_error
+
+    command = ["pretrain", "--config", str(CONFIG_HUB / "debug.yaml"), "--out_dir", str(tmp_path / "out")]
+    err = cli_error([*command, "--train.max_tokens", "1000"], capsys)
+    assert err == ("fabric-lin pretrain: error: give exactly one of train.max_tokens (1000) and train.max_steps (150): "
+                   "set the other to null, e.g. --train.max_steps null --train.max_tokens 1000\n")
+    err = cli_error([*command, "--train.max_steps", "null", "--train.max_tokens", "1000"], capsys)
+    assert "train.max_tokens=1000 is less than one optimizer step" in err
+    with pytest.raises(ValueError, match=r"give one of train.max_steps and train.max_tokens: where the run ends \(both are null\)"):
+        TrainArgs().total_steps()
+
+
 def test_eval_args_defaults_are_litgpt_like():
     e = EvalArgs()
     assert (e.interval, e.max_iters, e.initial_validation, e.final_validation) == (1000, 8, False, True)

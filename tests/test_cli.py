@@ -60,6 +60,26 @@ def test_a_bad_value_is_one_line_and_a_hint_not_the_usage(tmp_path, capsys):
     )
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--resume_changes", "train.max_steps"], "resume_changes: got train.max_steps, expected list or null; in brackets, "
+                                              "quoted for the shell: --resume_changes '[train.max_steps]'"),
+    (["--data", "TextFiles", "--data.train_weights", "1,2"],
+     "data.train_weights: got 1,2, expected list or null; in brackets, quoted for the shell: --data.train_weights '[1,2]'"),
+    (["--optimizer.betas", "0.9"], "optimizer.betas: got 0.9, expected tuple; in brackets, quoted for the shell: "
+                                   "--optimizer.betas '[a, b]'"),
+])
+def test_a_list_given_without_brackets_is_shown_as_it_is_written(capsys, flags, message):
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["pretrain", "--model_name", "gla-debug", *flags])
+    assert capsys.readouterr().err.splitlines()[0] == f"fabric-lin pretrain: error: {message}"
+    # as the message writes it, the command line takes it (the next error is a later one's)
+    with pytest.raises(SystemExit):
+        cli_main(["pretrain", "--model_name", "nope", "--resume_changes", "[train.max_steps]"])
+    assert "Unknown model name 'nope'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags", [["--train.max_step", "10"], ["--train.max_step=10"], ["--eval.max_iter", "2"]])
 def test_an_abbreviated_flag_is_refused(tmp_path, capsys, flags):
     from fabric_lin.cli import main as cli_main

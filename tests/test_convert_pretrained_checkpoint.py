@@ -136,6 +136,35 @@ def test_refuses_non_empty_output_unless_overwrite(tmp_path):
         convert_pretrained_checkpoint(ckpt_dir, ckpt_dir, overwrite=True)
 
 
+def test_a_training_checkpoint_or_run_is_never_an_output_dir(tmp_path):
+    """--overwrite true lets a converter write into a non-empty directory, but never among a run's checkpoints: a model
+    directory's lit_model.pth would replace a checkpoint's train state."""
+    import shutil
+
+    from fabric_lin.convert.hf import convert_to_hf
+
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)
+    other_step = shutil.copytree(ckpt_dir, ckpt_dir.parent / "step-00000004")
+    saved = (other_step / "lit_model.pth").read_bytes()
+    with pytest.raises(FileExistsError, match=rf"output_dir {other_step} is a training checkpoint, which a conversion "
+                       r"does not write into \(its lit_model.pth would replace the checkpoint's\): choose another directory"):
+        convert_pretrained_checkpoint(ckpt_dir, other_step, overwrite=True)
+    assert (other_step / "lit_model.pth").read_bytes() == saved
+    with pytest.raises(FileExistsError, match=rf"output_dir {ckpt_dir.parent} is a training run's directory \(it holds "
+                       r"step-00000004, step-00000002\), which a conversion does not write into"):
+        convert_pretrained_checkpoint(ckpt_dir, ckpt_dir.parent, overwrite=True)
+    assert not (ckpt_dir.parent / "lit_model.pth").exists()
+    convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
+    with pytest.raises(FileExistsError, match="is a training checkpoint"):
+        convert_to_hf(tmp_path / "model", other_step, overwrite=True)
+    assert sorted(p.name for p in other_step.iterdir()) == sorted(p.name for p in ckpt_dir.iterdir())
+    # the weights file named in place of its checkpoint directory
+    with pytest.raises(ValueError, match=rf"{ckpt_dir / 'lit_model.pth'} is the weights of the training checkpoint "
+                       rf"{ckpt_dir}: pass that directory"):
+        convert_pretrained_checkpoint(ckpt_dir / "lit_model.pth", tmp_path / "model2")
+
+
 def test_not_a_checkpoint_gets_a_clear_error(tmp_path):
     config = Config.from_name("gla-debug", num_layers=1)
     ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)

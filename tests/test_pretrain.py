@@ -7,6 +7,7 @@ a resume may change (test_run_identity.py), end to end as a subprocess (test_pre
 test_pretrain_sharded.py, test_pretrain_gdn.py)."""
 import json
 import os
+from dataclasses import replace
 
 import lightning_fabric as L
 import pytest
@@ -18,7 +19,7 @@ from fabric_lin.errors import UserError
 from fabric_lin.model import GPT
 from fabric_lin.pretrain import build_model, no_decay_parameter_names
 from fabric_lin.weights import canonical_name
-from helpers import cli_error, free_port, parse_run_config, setup_pretrain
+from helpers import cli_error, free_port, metrics_records, parse_run_config, setup_pretrain
 
 
 # ---- errors before any training step: each names the offending value
@@ -246,6 +247,11 @@ def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path,
     with pytest.raises(FileNotFoundError, match=rf"--resume {out / 'fnal'}: expected a checkpoint directory holding "
                        r"lit_model.pth"):
         setup_pretrain(tmp_path, resume=out / "fnal")
+    # so is the run's out_dir given one level too high, where its checkpoints are
+    with pytest.raises(ValueError, match=rf"--resume {out} is a run's out_dir, not one of its checkpoints \(step-00000005, "
+                       rf"final\): to continue from its newest, give --out_dir {out} --resume auto; or name one, "
+                       rf"e.g. --resume {out / 'step-00000005'}"):
+        setup_pretrain(tmp_path, resume=out)
     # --overwrite true: the earlier run's checkpoints and metrics are gone, only this run's are there
     (out / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0, "attempt": 2}\n')
     (out / "metrics.superseded.jsonl").write_text('{"step": 98, "loss": 1.5, "attempt": 1}\n')  # it was resumed
@@ -260,6 +266,90 @@ def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path,
     assert {r["step"] for r in records} == {1, 2} and {r["attempt"] for r in records} == {1}  # a history of its own
     # the checkpoints record no overwrite: `--config <their hyperparameters.yaml> --resume auto` is not refused
     assert "overwrite" not in (out / "final" / "hyperparameters.yaml").read_text()
+
+
+def test_resume_auto_refuses_to_start_again_where_the_runs_checkpoints_went_missing(tmp_path):
+    """metrics.jsonl records each checkpoint saved: --resume auto in an out_dir whose checkpoints were moved away does
+    not take it for a run that never saved one (which starts from step 0), and names them."""
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    out = tmp_path / "out"
+    assert [r["checkpoint"] for r in metrics_records(out) if "checkpoint" in r] == ["final"]
+    moved = (out / "final").rename(tmp_path / "final")
+    with pytest.raises(FileNotFoundError, match=rf"--resume auto: out_dir {out} holds no checkpoint, but its metrics.jsonl "
+                       r"records the ones the run saved there \(final\): they were moved or deleted. Put them back, or "
+                       r"resume from one with --resume <dir>; to start again from step 0 here: --resume false --overwrite true"):
+        setup_pretrain(tmp_path, resume="auto")
+    assert not (out / "final").exists()
+    # a run stopped before its first checkpoint recorded none: --resume auto starts it again
+    moved.rename(tmp_path / "elsewhere")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 8.3, "attempt": 1}\n')
+    setup_pretrain(tmp_path, resume="auto", eval=EvalArgs(final_validation=False))
+    assert (out / "final").is_dir()
+
+
+def test_a_finished_run_continued_to_a_later_end_keeps_its_earlier_end(tmp_path, capsys):
+    """A finished run continued with a larger max_steps writes its new final/ over the old one: the old one, the model
+    at the end of the first schedule (often no step-* holds it), stays as the step-* checkpoint of its step. The
+    learning rate, decayed to min_lr, jumps to the longer cosine's value at that step, and the resume says so."""
+    from fabric_lin.pretrain import learning_rate_jump
+
+    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=32, save_interval=None,
+                      lr_warmup_steps=0, min_lr=4e-5)
+    setup_pretrain(tmp_path, train=train, eval=EvalArgs(final_validation=False), optimizer=OptimizerArgs(lr=4e-4))
+    out = tmp_path / "out"
+    first_end = {p.name: p.read_bytes() for p in (out / "final").iterdir()}
+    state = {"step_count": 1, "tokens_seen": 64, "schedule_tokens_per_step": 64}
+    assert learning_rate_jump(out / "final", train, 4e-4, state) is None  # the same settings: the same curve
+    setup_pretrain(tmp_path, train=replace(train, max_steps=2), eval=EvalArgs(final_validation=False), resume="auto",
+                   resume_changes=["train.max_steps"], optimizer=OptimizerArgs(lr=4e-4))
+    printed = capsys.readouterr().out
+    assert f"Kept the earlier end of the run, {out / 'final'} at step 1, as {out / 'step-00000001'}" in printed
+    # step 2 of a 2-step cosine without warmup is half-way down: 4e-5 + (4e-4 - 4e-5) / 2; the 1-step run ended at min_lr
+    assert ("Note: step 2 trains at learning rate 2.20e-04, where the checkpoint's settings give 4.00e-05: the schedule "
+            "is a function of the tokens trained, so the learning rate jumps here (no new warmup)") in printed
+    assert [r["lr"] for r in metrics_records(out) if r.get("step") == 2 and "lr" in r] == [pytest.approx(2.2e-4)]
+    assert {p.name: p.read_bytes() for p in (out / "step-00000001").iterdir()} == first_end
+    assert json.loads((out / "final" / "step.json").read_text())["step_count"] == 2
+    # run again to the same end (from an earlier checkpoint), final/ is replaced: the step holds nothing new
+    setup_pretrain(tmp_path, train=replace(train, max_steps=2), eval=EvalArgs(final_validation=False),
+                   resume=out / "step-00000001", resume_changes=["train.max_steps"])
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("step-", "final"))) == ["final", "step-00000001"]
+
+
+def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path, capsys, monkeypatch):
+    """Back to step 1 of a finished 4-step run (before a loss spike, say), and preempted after a step: the replaced
+    attempt's later checkpoints (step-2, step-3, final at step 4) would be the newest for the next --resume auto, which
+    would go on from the abandoned attempt. They are kept aside, out of its way; --overwrite true deletes them."""
+    import signal
+
+    from fabric_lin.checkpoint import checkpoint_dirs, delete_checkpoints, earlier_run_checkpoints
+    from fabric_lin.metrics import MetricsWriter
+
+    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=4, max_seq_length=32, save_interval=1)
+    setup_pretrain(tmp_path, train=train, eval=EvalArgs(final_validation=False))
+    out = tmp_path / "out"
+    replaced = {p.name: (p / "lit_model.pth").read_bytes() for p in checkpoint_dirs(out) if p.name != "step-00000001"}
+    assert sorted(replaced) == ["final", "step-00000002", "step-00000003"]
+    first_step = MetricsWriter.log_first_step
+
+    def preempted_after_the_first_step(self, step):  # a scheduler's SIGTERM: the run saves where it stops
+        first_step(self, step)
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(MetricsWriter, "log_first_step", preempted_after_the_first_step)
+    capsys.readouterr()
+    setup_pretrain(tmp_path, train=train, eval=EvalArgs(final_validation=False), optimizer=OptimizerArgs(lr=1e-4),
+                   resume=out / "step-00000001")
+    printed = capsys.readouterr().out
+    assert ("Resuming from an earlier checkpoint: the later ones are set aside, out of --resume auto's way: "
+            ".superseded-final, .superseded-step-00000003, .superseded-step-00000002") in printed
+    assert {name: (out / f".superseded-{name}" / "lit_model.pth").read_bytes() for name in replaced} == replaced
+    # what --resume auto tries first is where this attempt stopped, and no checkpoint of the replaced attempt is left
+    assert f"checkpoint saved in {checkpoint_dirs(out)[0]}" in printed
+    assert all((p / "lit_model.pth").read_bytes() != replaced.get(p.name) for p in checkpoint_dirs(out))
+    assert ".superseded-final" in earlier_run_checkpoints(out)  # a fresh run into this out_dir is refused
+    delete_checkpoints(out)
+    assert not [p for p in out.iterdir() if p.name.startswith((".superseded-", "step-", "final"))]
 
 
 def test_hyperparameters_yaml_is_a_config_for_the_next_run(tmp_path):
@@ -280,6 +370,23 @@ def test_hyperparameters_yaml_is_a_config_for_the_next_run(tmp_path):
     cli_main(["pretrain", "--config", str(hparams), "--resume", "auto", "--train.max_steps", "2",
               "--resume_changes", "[train.max_steps]"])
     assert json.loads((tmp_path / "out" / "final" / "step.json").read_text())["step_count"] == 2
+
+
+def test_the_hyperparameters_yaml_of_a_moved_run_names_both_places(tmp_path, capsys):
+    """A run directory moved elsewhere: `--config <its checkpoint>/hyperparameters.yaml --resume auto` would go on in the
+    out_dir the file records, the old place, and start again from step 0 there. Refused, unless --out_dir says where."""
+    from fabric_lin.cli import main as cli_main
+
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    moved = (tmp_path / "out").rename(tmp_path / "moved")
+    hparams = moved / "final" / "hyperparameters.yaml"
+    err = cli_error(["pretrain", "--config", str(hparams), "--resume", "auto"], capsys)
+    assert err == (f"fabric-lin pretrain: error: --config {hparams}: it records out_dir {tmp_path / 'out'}, but its "
+                   f"checkpoint now lies in {moved} (the run was moved or copied). Give --out_dir {moved} to go on where "
+                   f"it lies (with --resume auto), or --out_dir {tmp_path / 'out'} to write to the recorded place\n")
+    assert not (tmp_path / "out").exists()
+    cli_main(["pretrain", "--config", str(hparams), "--resume", "auto", "--out_dir", str(moved)])
+    assert "Nothing to train: the checkpoint is at step 1" in capsys.readouterr().out
 
 
 def test_compile_caches_are_the_runs_while_it_lasts_and_the_callers_again_after(tmp_path, monkeypatch):

@@ -254,13 +254,23 @@ def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: Optional[torch.dty
 
 def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path] = ()) -> Path:
     """Check `output_dir` before anything is written: refuse a non-empty one unless `overwrite`, and one
-    that is a source. Create it with `fabric_lin.files.created_dir(output_dir)`, which removes it again (when still
-    empty) if the conversion fails."""
+    that is a source, and a training checkpoint or run directory even with `overwrite` (a model directory's weights
+    would replace the checkpoint's). Create it with `fabric_lin.files.created_dir(output_dir)`, which removes it again
+    (when still empty) if the conversion fails."""
+    from fabric_lin.checkpoint import checkpoint_dirs, is_training_checkpoint
+
     output_dir = Path(output_dir)
     for source in sources:
         if output_dir.resolve() == Path(source).resolve():
             raise InvalidValue(f"output_dir {output_dir} is the input directory; choose another one")
     check_dir_can_be_made(output_dir, "--output_dir")
+    if output_dir.is_dir() and is_training_checkpoint(output_dir):
+        raise AlreadyExists(f"output_dir {output_dir} is a training checkpoint, which a conversion does not write into "
+                            f"(its {MODEL_FILE} would replace the checkpoint's): choose another directory")
+    run_checkpoints = [p.name for p in checkpoint_dirs(output_dir)]
+    if run_checkpoints:
+        raise AlreadyExists(f"output_dir {output_dir} is a training run's directory (it holds {', '.join(run_checkpoints[:3])}), "
+                            f"which a conversion does not write into: choose another directory")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         raise AlreadyExists(
             f"output_dir {output_dir} is not empty (holds {sorted(p.name for p in output_dir.iterdir())[:5]}); "
