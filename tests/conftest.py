@@ -2,10 +2,13 @@ import contextlib
 import json
 import math
 import os
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+import fabric_lin_process
 
 # Without a GPU the Triton kernels run in Triton's interpreter. The variable must be set before any
 # kernel is defined, and fabric_lin.model imports the fused kernels, so it is set here, before any
@@ -85,6 +88,17 @@ def pytest_xdist_make_scheduler(config, log):
             return module if module in whole else nodeid
 
     return ModuleFixturesTogether(config, log)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left():
+    """Whatever a test's outcome, no process it started through fabric_lin_process (nor any those started) outlives
+    it: a rank left waiting for a peer that hung would hold a core until its process group's timeout, and keep pytest
+    from exiting. One whose main process was still running is named in a warning: the test neither waited for it
+    nor stopped it."""
+    yield
+    for job in fabric_lin_process.stop_all():
+        warnings.warn(f"still running at the end of the test, killed: {fabric_lin_process.describe([job])}")
 
 
 @pytest.fixture(scope="module")

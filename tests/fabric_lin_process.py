@@ -1,6 +1,10 @@
 """`fabric-lin` as a process of its own, started the way the tests need: `run` to its end (its output captured),
-`start` in the background (its output in a file, in a session of its own where a test sends signals to the whole
-job as a terminal or a scheduler does).
+`start` in the background (its output in a file). Each process starts a session of its own, so that a test sends a
+signal to the whole job (the run, its DataLoader workers, the ranks Fabric launched) as a terminal or a scheduler
+does, and so that nothing of it outlives the test: every wait here has a bound, and whatever ends a wait (the bound,
+pytest-timeout's failure, Ctrl-C) or the test (conftest.py's teardown calls `stop_all`) kills every process the job
+started. A rank left waiting for a peer that hung would hold a core, and keep pytest from exiting: at exit,
+multiprocessing joins the forked runs below.
 
 On a machine without CUDA (CI's), `python -m fabric_lin.cli ...` is forked from an interpreter that has imported
 the libraries it spends ~4 of a debug run's ~6 s importing (torch, torch._dynamo through lightning_fabric, litdata,
@@ -21,20 +25,26 @@ variables set, forked as above: Fabric then launches nothing itself, as under to
 """
 import atexit
 import multiprocessing
+import multiprocessing.util
 import os
 import runpy
+import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
+from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
 FABRIC_LIN = [sys.executable, "-m", "fabric_lin.cli"]
 PRELOADED = ["fabric_lin_process", "torch", "torch._dynamo", "lightning_fabric", "litdata", "jsonargparse", "triton"]
 _forkserver = None
+STOP_TIMEOUT = 30  # seconds for processes sent SIGKILL to be gone (they go at once, unless stuck in the kernel)
 
 
 def forkable(command: List[str], env: Optional[Dict[str, str]]) -> bool:
@@ -50,11 +60,10 @@ TORCHRUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "WORL
                       "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
-def _as_fabric_lin(argv: List[str], env: Dict[str, str], cwd: str, stdout: str, stderr: str, new_session: bool) -> None:
-    """In the forked process: become `python -m fabric_lin.cli <argv>`, to its exit as Python's: the exit code
-    SystemExit's (1 after an uncaught exception's traceback), the atexit functions run."""
-    if new_session:
-        os.setsid()
+def _as_fabric_lin(argv: List[str], env: Dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
+    """In the forked process: become `python -m fabric_lin.cli <argv>` in a session of its own, to its exit as
+    Python's: the exit code SystemExit's (1 after an uncaught exception's traceback), the atexit functions run."""
+    os.setsid()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -79,10 +88,11 @@ def _as_fabric_lin(argv: List[str], env: Dict[str, str], cwd: str, stdout: str, 
 
 
 class ForkedRun:
-    """A forked run, answering as subprocess.Popen does (pid, poll, wait, returncode, send_signal, kill)."""
+    """A forked run, answering as subprocess.Popen does (args, pid, poll, wait, returncode, send_signal, kill), with
+    the files its output goes to (`logs`: stdout's, and stderr's where it is another)."""
 
-    def __init__(self, command: List[str], process: multiprocessing.Process):
-        self.args, self._process, self.pid = command, process, process.pid
+    def __init__(self, command: List[str], process: multiprocessing.Process, logs: List[str]):
+        self.args, self._process, self.pid, self.logs = command, process, process.pid, logs
 
     @property
     def returncode(self) -> Optional[int]:
@@ -105,49 +115,181 @@ class ForkedRun:
         self.send_signal(9)
 
 
-def start(command: List[str], log: Union[str, Path], env: Optional[Dict[str, str]] = None,
-          new_session: bool = False) -> Union[subprocess.Popen, ForkedRun]:
-    """`command` in the background, stdout and stderr appended to `log`."""
-    return _start(command, str(log), str(log), env, new_session)
+class LoggedPopen(subprocess.Popen):
+    """subprocess.Popen with the files its output goes to (`logs`), as ForkedRun."""
+
+    def __init__(self, command: List[str], logs: List[str], **kwargs):
+        super().__init__(command, **kwargs)
+        self.logs = logs
+
+
+Job = Union[LoggedPopen, ForkedRun]
+_unstopped: List[Job] = []  # every job started here that `stop` has not yet seen to
+
+
+def start(command: List[str], log: Union[str, Path], env: Optional[Dict[str, str]] = None) -> Job:
+    """`command` in the background, in a session of its own, stdout and stderr appended to `log`."""
+    return _start(command, str(log), str(log), env)
 
 
 def run(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
-    """`command` to its end (killed past `timeout`, raising subprocess.TimeoutExpired), its output captured."""
-    if not forkable(command, env):
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    """`command` to its end, its output captured. Past `timeout` seconds it is killed and TimeoutError names it;
+    however the wait ends, even at the command's own end, no process it started is left running."""
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        proc = _start(command, str(out), str(err), env, False)
+        job = _start(command, str(out), str(err), env)
         try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-        return subprocess.CompletedProcess(command, proc.returncode, out.read_text(), err.read_text())
+            [returncode] = wait_all([job], timeout)
+        finally:
+            stop(job)  # what outlived it: the ranks Fabric launched, DataLoader workers
+        return subprocess.CompletedProcess(command, returncode, out.read_text(), err.read_text())
 
 
-def _start(command, stdout: str, stderr: str, env, new_session: bool):
+def _start(command, stdout: str, stderr: str, env) -> Job:
     global _forkserver
-    for path in (stdout, stderr):  # there before start returns, as a subprocess's output file is
+    logs = list(dict.fromkeys((stdout, stderr)))
+    for path in logs:  # there before start returns, as a subprocess's output file is
         Path(path).touch()
     if not forkable(command, env):
-        log = open(stdout, "ab")
+        with open(stdout, "ab") as out, open(stderr, "ab") as err:
+            job = LoggedPopen(command, logs, stdout=out, stderr=err, env=env, start_new_session=True)
+    else:
+        if _forkserver is None:
+            _forkserver = multiprocessing.get_context("forkserver")
+            _forkserver.set_forkserver_preload(PRELOADED)
+        process = _forkserver.Process(target=_as_fabric_lin, daemon=False, args=(
+            command[3:], dict(os.environ if env is None else env), os.getcwd(), stdout, stderr))
+        process.start()
+        job = ForkedRun(command, process, logs)
+    _unstopped.append(job)
+    return job
+
+
+def wait_all(jobs: List[Job], timeout: float) -> List[int]:
+    """The exit codes of `jobs` (the ranks of a run, say) once each has ended, within one bound of `timeout`
+    seconds for all. Past it, each job is stopped and TimeoutError names those that had not ended; a wait ended
+    otherwise (pytest-timeout's failure, Ctrl-C) stops them too and names them on stderr."""
+    deadline = time.monotonic() + timeout
+    try:
+        for job in jobs:
+            job.wait(max(0.0, deadline - time.monotonic()))
+    except BaseException as ended:
+        hung = [job for job in jobs if job.poll() is None]
+        for job in jobs:
+            stop(job)
+        hung_of_all = f"{len(hung)} of {len(jobs)} processes"
+        killed = f"each killed with every process it started:\n{describe(hung)}"
+        if isinstance(ended, subprocess.TimeoutExpired):
+            raise TimeoutError(f"{hung_of_all} did not end within {timeout:g} s, {killed}") from None
+        print(f"{hung_of_all} had not ended when the wait for them was interrupted, {killed}", file=sys.stderr)
+        raise
+    return [job.returncode for job in jobs]
+
+
+def command_line(command: List[Union[str, Path]]) -> str:
+    """`command` as a shell would take it."""
+    return shlex.join(str(part) for part in command)
+
+
+def describe(jobs: List[Job]) -> str:
+    """Each job's pid, command and the last lines of its output."""
+    lines = []
+    for job in jobs:
+        lines.append(f"pid {job.pid}: {command_line(job.args)}")
+        for path in job.logs:
+            lines.append(f"  the end of {path}:")
+            lines.extend(f"    {line}" for line in Path(path).read_text(errors="replace").splitlines()[-10:])
+    return "\n".join(lines)
+
+
+def stop(job: Union[subprocess.Popen, ForkedRun]) -> None:
+    """SIGKILL to every process of `job` still running: those of its session, and their descendants wherever they
+    went (torchrun's workers start sessions of their own); returns once they are gone. They are stopped (SIGSTOP)
+    first, listing again until no new one appears: a stopped process starts no other, and a process killed before
+    its children were listed would leave them to init, out of reach."""
+    stopped: Set[int] = set()
+    while True:
+        new = _running_processes_of(job) - stopped
+        if not new:
+            break
+        for pid in new:
+            _send(pid, signal.SIGSTOP)
+        stopped |= new
+    for pid in stopped:
+        _send(pid, signal.SIGKILL)
+    if job in _unstopped:
+        _unstopped.remove(job)
+    job.wait(STOP_TIMEOUT)
+    deadline = time.monotonic() + STOP_TIMEOUT
+    while stopped:
+        stopped &= _running_pids()
+        if not stopped:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"processes {sorted(stopped)} of {command_line(job.args)} did not end {STOP_TIMEOUT} s "
+                               "after SIGKILL")
+        time.sleep(0.01)
+
+
+def stop_all() -> List[Job]:
+    """`stop` every job started here that it has not yet seen to; returns those whose main process was still
+    running (a test that neither waited for nor stopped them)."""
+    left = [job for job in _unstopped if job.poll() is None]
+    for job in list(_unstopped):
+        stop(job)
+    return left
+
+
+# multiprocessing's exit function joins the forked runs still running, forever for one that hangs: this one, added
+# later, runs before it (atexit runs the last added first)
+atexit.register(stop_all)
+
+
+def process_table() -> Dict[int, Tuple[str, int, int]]:
+    """Every process of this machine, read from Linux's /proc: pid -> (state, parent's pid, process group). A
+    process that ends while listed is left out; one that ended and whose parent has not collected it (a zombie)
+    is there, in state "Z"."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
-        finally:
-            log.close()
-    if _forkserver is None:
-        _forkserver = multiprocessing.get_context("forkserver")
-        _forkserver.set_forkserver_preload(PRELOADED)
-    process = _forkserver.Process(target=_as_fabric_lin, daemon=False, args=(
-        command[3:], dict(os.environ if env is None else env), os.getcwd(), stdout, stderr, new_session))
-    process.start()
-    return ForkedRun(command, process)
+            state, parent, group = stat.read_text().rsplit(")", 1)[1].split()[:3]  # after "pid (command)"
+        except (OSError, IndexError, ValueError):
+            continue
+        table[int(stat.parent.name)] = (state, int(parent), int(group))
+    return table
+
+
+def _running_pids() -> Set[int]:
+    return {pid for pid, (state, _, _) in process_table().items() if state != "Z"}
+
+
+def _running_processes_of(job) -> Set[int]:
+    """The processes of `job`'s session (its process group) and their descendants that have not ended."""
+    table = process_table()
+    pending = [pid for pid, (_, _, group) in table.items() if group == job.pid]
+    if job.poll() is None:  # once collected, its pid may be another process's
+        pending.append(job.pid)
+    children = defaultdict(list)
+    for pid, (_, parent, _) in table.items():
+        children[parent].append(pid)
+    found = set()
+    while pending:
+        pid = pending.pop()
+        if pid not in found:
+            found.add(pid)
+            pending.extend(children[pid])
+    return {pid for pid in found if pid in table and table[pid][0] != "Z"}
+
+
+def _send(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # ended meanwhile
+        pass
 
 
 def start_ranks(command: List[str], log_dir: Union[str, Path], nodes: int, devices: int, port: int,
-                env: Optional[Dict[str, str]] = None) -> List[Union[subprocess.Popen, ForkedRun]]:
+                env: Optional[Dict[str, str]] = None) -> List[Job]:
     """The `nodes x devices` processes of a run of `command` on this machine, as torchrun's agents start them
     (torchrun's variables, a rendezvous at 127.0.0.1:`port`), in rank order; rank r's output in log_dir/rank-r.log."""
     env = dict(os.environ if env is None else env)

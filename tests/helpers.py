@@ -165,12 +165,11 @@ def debug_run(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = None) 
     return run_ok(debug_command(out_dir, *extra), RUN_TIMEOUT, env)
 
 
-def start_debug_run(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = None, terminal: bool = False):
-    """The run in the background (a subprocess.Popen or its forked equivalent), its output in <out_dir>.log.
-    `terminal`: in a process group of its own, as a terminal's foreground job, for `ctrl_c`."""
+def start_debug_run(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = None):
+    """The run in the background (a subprocess.Popen or its forked equivalent), its output in <out_dir>.log; in a
+    session of its own, as a terminal's foreground job (for `ctrl_c` and `signal_job`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    return fabric_lin_process.start(debug_command(out_dir, *extra), out_dir.parent / f"{out_dir.name}.log", env,
-                                    new_session=terminal)
+    return fabric_lin_process.start(debug_command(out_dir, *extra), out_dir.parent / f"{out_dir.name}.log", env)
 
 
 def ctrl_c(proc: subprocess.Popen) -> None:
@@ -180,8 +179,8 @@ def ctrl_c(proc: subprocess.Popen) -> None:
 
 
 def signal_job(proc: subprocess.Popen, signum: int) -> None:
-    """`signum` to every process of the job (started with terminal=True), as schedulers send SIGTERM: SLURM's
-    preemption and scancel, Kubernetes, systemd, `timeout`."""
+    """`signum` to every process of the job (its session), as schedulers send SIGTERM: SLURM's preemption and
+    scancel, Kubernetes, systemd, `timeout`."""
     try:
         os.killpg(proc.pid, signum)
     except ProcessLookupError:
@@ -189,7 +188,8 @@ def signal_job(proc: subprocess.Popen, signum: int) -> None:
 
 
 def wait_for(condition, proc: subprocess.Popen, timeout: float = RUN_TIMEOUT, poll: float = 0.02) -> bool:
-    """Poll `condition()` until true; False if the process ended first."""
+    """Poll `condition()` until true; False if the process ended first. Past `timeout` seconds the process is
+    killed with every process it started, and TimeoutError names it."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if condition():
@@ -197,8 +197,9 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = RUN_TIMEOUT, po
         if proc.poll() is not None:
             return condition()
         time.sleep(poll)
-    proc.kill()
-    raise TimeoutError("the training run did not reach the expected point")
+    fabric_lin_process.stop(proc)
+    raise TimeoutError(f"pid {proc.pid}, {fabric_lin_process.command_line(proc.args)}, did not reach the expected "
+                       f"point within {timeout:g} s: killed with every process it started")
 
 
 def assert_one_history(out_dir: Path, steps: int = DEBUG_STEPS) -> None:
@@ -486,17 +487,9 @@ def split_documents(tokens, eos_id):
 
 
 def running_processes_of_group(group: int) -> List[int]:
-    """The ids of the processes of process group `group` that still run, read from Linux's /proc; a zombie (a process
-    that has ended, whose parent has not collected it: here the orphans of a script that ended) does not count."""
-    running = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, pgrp, ...
-        except (OSError, IndexError):  # a process that ended while listed
-            continue
-        if int(fields[2]) == group and fields[0] != "Z":
-            running.append(int(stat.parent.name))
-    return running
+    """The ids of the processes of process group `group` that still run; a zombie (a process that has ended, whose
+    parent has not collected it: here the orphans of a script that ended) does not count."""
+    return [pid for pid, (state, _, pgrp) in fabric_lin_process.process_table().items() if pgrp == group and state != "Z"]
 
 
 def interrupt_preparation(command: List[str], directory: Path, started: str, how: str) -> int:
@@ -524,11 +517,7 @@ def interrupt_preparation(command: List[str], directory: Path, started: str, how
             assert not left, f"after {how}, processes {left} of the run are still running"
         return returncode
     finally:
-        try:  # the script, and any worker left behind
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
+        fabric_lin_process.stop(process)  # the script, and any worker left behind
 
 
 # ---- the kernel tests: values and gradients against a reference

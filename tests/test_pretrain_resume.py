@@ -153,7 +153,7 @@ def test_sigterm_to_the_whole_job_with_loader_workers_saves_and_resume_is_exact(
     from fabric_lin.checkpoint import verify_checkpoint
 
     out = tmp_path / "out"
-    proc = start(out, *LOADER_WORKERS, terminal=True)
+    proc = start(out, *LOADER_WORKERS)
     wait_for(lambda: max(logged_losses(out), default=0) >= 3, proc)
     signal_job(proc, signal.SIGTERM)
     assert proc.wait(timeout=TIMEOUT) == 0
@@ -173,7 +173,7 @@ def test_sigterm_to_the_whole_job_while_saving_leaves_only_whole_checkpoints(ref
     from fabric_lin.checkpoint import verify_checkpoint
 
     out = tmp_path / "out"
-    proc = start(out, *LOADER_WORKERS, "--train.save_interval", "1", terminal=True)
+    proc = start(out, *LOADER_WORKERS, "--train.save_interval", "1")
     assert wait_for(lambda: any(out.glob(".tmp-step-*")), proc, poll=0.001)
     saving = {p.name for p in out.glob(".tmp-step-*")}
     signal_job(proc, signal.SIGTERM)
@@ -194,7 +194,7 @@ def test_ctrl_c_saves_at_the_step_boundary_exits_130_then_resume_is_exact(refere
     from fabric_lin.checkpoint import verify_checkpoint
 
     out = tmp_path / "out"
-    proc = start(out, *LOADER_WORKERS, terminal=True)
+    proc = start(out, *LOADER_WORKERS)
     wait_for(lambda: max(logged_losses(out), default=0) >= 3, proc)
     ctrl_c(proc)
     assert proc.wait(timeout=TIMEOUT) == 130
@@ -214,7 +214,7 @@ def test_ctrl_c_during_the_start_up_stops_before_the_first_step(tmp_path):
     """Nothing was trained yet (the start-up can take minutes where blocks are compiled): the run stops
     before its first step, with nothing to save, and exits 130."""
     out = tmp_path / "out"
-    proc = start(out, terminal=True)
+    proc = start(out)
     log = tmp_path / "out.log"
     wait_for(lambda: "Seed set to" in log.read_text(), proc, poll=0.005)  # inside the handler's reach, before the loop
     ctrl_c(proc)
@@ -250,7 +250,7 @@ def test_a_second_ctrl_c_stops_at_once_leaving_only_whole_checkpoints(reference,
         # a second SIGINT sent before the first is taken would merge with it (signals do not queue)
         return "Ctrl-C: stopping with a checkpoint" in (tmp_path / "out.log").read_text()[log_from:]
 
-    proc = start(out, terminal=True)
+    proc = start(out)
     wait_for(lambda: max(logged_losses(out), default=0) >= 3, proc)
     ctrl_c(proc)
     assert wait_for(lambda: first_ctrl_c_taken(0), proc, poll=0.001)
@@ -261,7 +261,7 @@ def test_a_second_ctrl_c_stops_at_once_leaving_only_whole_checkpoints(reference,
 
     log_from = len((tmp_path / "out.log").read_text())
     logged = max(logged_losses(out))
-    proc = start(out, "--resume", "auto", terminal=True)
+    proc = start(out, "--resume", "auto")
     wait_for(lambda: max(logged_losses(out), default=0) > logged, proc)  # a step of this run
     ctrl_c(proc)
     assert wait_for(lambda: first_ctrl_c_taken(log_from), proc, poll=0.001)

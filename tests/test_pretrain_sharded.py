@@ -9,12 +9,10 @@ converted and evaluated in one process. An error every rank meets is printed onc
 
 The four-process runs are started as torchrun's agents would start them (fabric_lin_process.start_ranks: forked, no
 second import of torch), two nodes of two processes on this machine; the torchrun test starts real agents."""
-import contextlib
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -64,29 +62,13 @@ def command(out_dir: Path, nodes: int, devices: int, *extra: str) -> List[str]:
             "--devices", str(devices), "--num_nodes", str(nodes), *extra]
 
 
-@contextlib.contextmanager
-def none_left(processes: list):
-    """Whatever the test's outcome, none of `processes` (nor what a process group of theirs holds) outlives it:
-    a stopped or waiting rank would hold the machine."""
-    try:
-        yield processes
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)  # a torchrun agent with its workers
-                except (ProcessLookupError, PermissionError):
-                    process.kill()
-                process.wait()
-
-
 def run_ranks(out_dir: Path, nodes: int, devices: int, *extra: str) -> str:
     """The run on `nodes` x `devices` processes started as torchrun's agents would (rank 0's log returned)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     logs = out_dir.parent / f"{out_dir.name}-logs"
-    with none_left(fabric_lin_process.start_ranks(command(out_dir, nodes, devices, *extra), logs, nodes, devices,
-                                                  free_port(), CPU_ONLY)) as ranks:
-        codes = [rank.wait(TIMEOUT) for rank in ranks]
+    ranks = fabric_lin_process.start_ranks(command(out_dir, nodes, devices, *extra), logs, nodes, devices, free_port(),
+                                           CPU_ONLY)
+    codes = fabric_lin_process.wait_all(ranks, TIMEOUT)
     assert codes == [0] * len(ranks), "".join((logs / f"rank-{r}.log").read_text()[-2000:] for r in range(len(ranks)))
     return (logs / "rank-0.log").read_text()
 
@@ -247,21 +229,20 @@ def test_sigkill_of_a_rank_in_the_middle_of_a_save_leaves_no_checkpoint_taken_fo
 
     out = tmp_path / "out"
     out.mkdir()
-    with none_left(fabric_lin_process.start_ranks(command(out, 1, 2), tmp_path / "logs", 1, 2, free_port(),
-                                                  CPU_ONLY)) as ranks:
-        caught = None
-        for step in (4, 6):  # a save caught in flight; where one ended before the test froze rank 0, the next one
-            unfinished = out / f".tmp-step-{step:08d}"
-            wait_for(unfinished.exists, ranks[0], poll=0.001)
-            os.kill(ranks[0].pid, signal.SIGSTOP)
-            if not (out / f"step-{step:08d}").exists():
-                caught = step
-                break
-            os.kill(ranks[0].pid, signal.SIGCONT)
-        assert caught is not None, "no save was caught before its end"
-        os.kill(ranks[0].pid, signal.SIGKILL)
-        assert ranks[1].wait(60) != 0  # the other rank finds its peer gone at its next collective: no hang
-        assert ranks[0].wait(10) == -signal.SIGKILL
+    ranks = fabric_lin_process.start_ranks(command(out, 1, 2), tmp_path / "logs", 1, 2, free_port(), CPU_ONLY)
+    caught = None
+    for step in (4, 6):  # a save caught in flight; where one ended before the test froze rank 0, the next one
+        unfinished = out / f".tmp-step-{step:08d}"
+        wait_for(unfinished.exists, ranks[0], poll=0.001)
+        os.kill(ranks[0].pid, signal.SIGSTOP)
+        if not (out / f"step-{step:08d}").exists():
+            caught = step
+            break
+        os.kill(ranks[0].pid, signal.SIGCONT)
+    assert caught is not None, "no save was caught before its end"
+    os.kill(ranks[0].pid, signal.SIGKILL)
+    assert ranks[1].wait(60) != 0  # the other rank finds its peer gone at its next collective: no hang
+    assert ranks[0].wait(10) == -signal.SIGKILL
     unfinished = out / f".tmp-step-{caught:08d}"
     assert unfinished.is_dir() and not (out / f"step-{caught:08d}").exists()
     assert not verify_checkpoint(unfinished).ok
@@ -281,18 +262,14 @@ def test_two_torchrun_agents_of_two_processes_stop_on_sigterm_and_resume_exactly
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     logs = [tmp_path / f"node-{node}.log" for node in (0, 1)]
-    agents = []
-    with none_left(agents):
-        for node, log in enumerate(logs):
-            with open(log, "w") as output:
-                agents.append(subprocess.Popen(
-                    [*torchrun, "--node-rank", str(node), fabric_lin, *command(out, 2, 2)[len(fabric_lin_process.FABRIC_LIN):]],
-                    stdout=output, stderr=subprocess.STDOUT, env=CPU_ONLY, start_new_session=True))
-        wait_for(lambda: max(logged_losses(out), default=0) >= 3, agents[0])
-        for agent in agents:
-            agent.send_signal(signal.SIGTERM)
-        for agent in agents:
-            agent.wait(TIMEOUT)  # torchrun exits 1 once signalled (multi_node.md); its workers' line says what happened
+    agents = [fabric_lin_process.start(
+        [*torchrun, "--node-rank", str(node), fabric_lin, *command(out, 2, 2)[len(fabric_lin_process.FABRIC_LIN):]],
+        log, CPU_ONLY) for node, log in enumerate(logs)]
+    wait_for(lambda: max(logged_losses(out), default=0) >= 3, agents[0])
+    for agent in agents:
+        agent.send_signal(signal.SIGTERM)
+    # torchrun exits 1 once signalled (multi_node.md); its workers' line says what happened
+    fabric_lin_process.wait_all(agents, TIMEOUT)
     stopped = [line for line in logs[0].read_text().splitlines() if line.startswith("Stopped by SIGTERM at step")]
     assert stopped, logs[0].read_text()[-3000:]
     assert not (out / "final").exists()
