@@ -270,6 +270,22 @@ def option_values(argv: List[str], option: str) -> List[str]:
             for arg, value in zip(argv, argv[1:] + [""]) if arg == option or arg.startswith(option + "=")]
 
 
+def command_line_model_replaces_the_config_files(argv: List[str]) -> List[str]:
+    """`argv` with the command line's choice of model replacing a --config file's: a recipe names its model by
+    model_name (or model_config), and the other key given on the command line (`--config config_hub/gla_340M.yaml
+    --model_config model.yaml`) would otherwise leave both set, which setup refuses. The file's key is set to null
+    just before the command line's, so a --config given after it still names the model."""
+
+    def first_given(option: str) -> Optional[int]:
+        return next((i for i, arg in enumerate(argv) if arg == option or arg.startswith((option + "=", option + "."))), None)
+
+    name_at, config_at = first_given("--model_name"), first_given("--model_config")
+    if (name_at is None) == (config_at is None):  # neither (the file's stands) or both (setup names the conflict)
+        return argv
+    at, replaced = (config_at, "--model_name") if name_at is None else (name_at, "--model_config")
+    return argv[:at] + [f"{replaced}=null"] + argv[at:]
+
+
 def check_config_files(argv: List[str]) -> None:
     """Each `--config FILE` read before jsonargparse reads it: its own messages for a file that is not YAML, is empty or
     holds a list name no file ("<unicode string>", "Unexpected config")."""
@@ -319,6 +335,8 @@ def run(argv: List[str]) -> None:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     expand_home_in_paths()
     check_config_files(argv)
+    if argv and argv[0] == "pretrain":
+        argv = command_line_model_replaces_the_config_files(argv)
     if argv and argv[0] == "pretrain" and not option_values(argv, "--out_dir"):
         from fabric_lin.pretrain import check_config_of_a_moved_run
 

@@ -99,7 +99,8 @@ def setup(
     """Pretrain a model.
 
     Arguments:
-        model_name: A name from `fabric-lin pretrain list` (mutually exclusive with model_config).
+        model_name: A name from `fabric-lin pretrain list` (mutually exclusive with model_config; either one given
+            on the command line replaces the other of a --config file).
         model_config: A full model configuration (the fields of `fabric_lin.config.Config`).
         out_dir: Directory for checkpoints (step-XXXXXXXX/, final/), logs and metrics.jsonl.
         precision: bf16-mixed, bf16-true, 16-mixed or 32-true. Default: bf16-mixed on GPU, 32-true on CPU.

@@ -8,7 +8,7 @@ import torch
 from fabric_lin.args import TrainArgs
 from fabric_lin.config import Config
 from fabric_lin.lr_schedule import learning_rate
-from helpers import cli_error
+from helpers import CONFIG_HUB, cli_error
 
 
 def test_cli_accepts_data_module_subclass_and_rejects_unknown_keys(capsys):
@@ -407,6 +407,38 @@ def test_list_with_a_name_writes_that_models_config_for_model_config(tmp_path, c
     cli_main(["pretrain", "list"])  # without a name: every model's name, one a line
     names = capsys.readouterr().out.splitlines()
     assert names == list(name_to_config) and {"gla-debug", "gdn-debug"} <= set(names)
+
+
+def test_a_model_on_the_command_line_replaces_the_config_files(tmp_path, capsys, monkeypatch):
+    # README: `pretrain list NAME > model.yaml`, edited, is given as --model_config in place of --model_name; with a
+    # recipe (`--config`, which names a model) the command line's model wins, as any option's value does, and a file's
+    # model_config gives way to --model_name the same way. Both on the command line stay an error.
+    import yaml
+
+    from fabric_lin import pretrain
+    from fabric_lin.errors import InvalidValue
+
+    chosen = []
+
+    def record_and_stop(model_name, model_config):
+        chosen.append((model_name, model_config))
+        raise InvalidValue("stopped once the model was chosen")
+
+    monkeypatch.setattr(pretrain, "resolve_model_config", record_and_stop)
+    edited = Config.from_name("gla-debug", num_layers=2)
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(edited.to_dict()))
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({"model_config": edited.to_dict(), "out_dir": str(tmp_path)}))
+    for argv, expected in (
+        (["--config", str(CONFIG_HUB / "debug.yaml"), "--model_config", str(tmp_path / "model.yaml")], (None, edited)),
+        (["--config", str(tmp_path / "recipe.yaml"), "--model_name", "gdn-debug"], ("gdn-debug", None)),
+        (["--config", str(CONFIG_HUB / "debug.yaml")], ("gla-debug", None)),
+    ):
+        assert "stopped once the model was chosen" in cli_error(["pretrain", *argv, "--out_dir", str(tmp_path / "out")],
+                                                                 capsys)
+        assert chosen.pop() == expected, argv
+    monkeypatch.undo()
+    both = ["pretrain", "--model_name", "gla-debug", "--model_config", str(tmp_path / "model.yaml")]
+    assert "give exactly one of --model_name and --model_config" in cli_error(both, capsys)
 
 
 def test_a_model_config_named_after_a_model_but_unlike_it_is_noted(capsys):

@@ -167,7 +167,7 @@ def test_text_files_errors_name_the_setting(mix, tmp_path):
         with pytest.raises(ValueError, match=r"data.train_weights must be one positive number per data.train_dir \(2: "
                            rf".*slimpajama/train, .*starcoder\); got \[{', '.join(map(str, weights))}\]"):
             TextFiles(train_dir=two, train_weights=weights)
-    with pytest.raises(ValueError, match="TextFiles needs data.train_dir"):
+    with pytest.raises(ValueError, match="TextFiles was given no directory: data.train_dir"):
         TextFiles().setup()
     validation_only = TextFiles(val_dir=mix["data"] / "slimpajama" / "val", num_workers=0)  # what evaluate reads
     validation_only.connect(mix["tokenizer"], batch_size=1, max_seq_length=SEQ)
@@ -459,12 +459,24 @@ def test_validation_false_needs_no_val_split(mix, tmp_path):
     assert next(iter(data.train_dataloader())).shape == (2, SEQ + 1)
 
 
+def test_a_data_module_given_no_directory_names_its_training_and_its_validation_key():
+    """Given no directory at all, the error names both keys: pretrain needs the training one, evaluate (which reads the
+    validation split alone, tutorials/evaluate.md) the validation one, so naming the training key alone sends the
+    user of `evaluate --data TokenChunks` to the wrong one."""
+    with pytest.raises(ValueError, match=r"^TokenChunks was given no directory: data\.data_path \(to train on\) or "
+                                         r"data\.val_path \(to validate on; all that evaluate reads\)"):
+        TokenChunks().setup()
+    with pytest.raises(ValueError, match=r"^TextFiles was given no directory: data\.train_dir \(to train on\) or "
+                                         r"data\.val_dir \(to validate on; all that evaluate reads\)"):
+        TextFiles().setup()
+
+
 def test_setup_errors_name_the_directory(mix, tmp_path):
     data = SlimPajamaStarcoder(data_path=tmp_path / "nowhere")
     data.connect(mix["tokenizer"], batch_size=1, max_seq_length=SEQ)
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere" / "slimpajama" / "train")):
         data.setup()
-    with pytest.raises(ValueError, match="TokenChunks needs data_path"):
+    with pytest.raises(ValueError, match="TokenChunks was given no directory: data.data_path"):
         TokenChunks().setup()
     unconnected = SlimPajamaStarcoder(data_path=mix["data"], num_workers=0)
     with pytest.raises(ValueError, match="max_seq_length"):

@@ -51,7 +51,9 @@ class TextFiles(DataModule):
 
     def setup(self) -> None:
         if not self.train_dirs and self.val_dir is None:  # evaluate reads val_dir alone
-            raise self.no_train_dir()
+            raise InvalidValue("TextFiles was given no directory: data.train_dir (to train on) or data.val_dir (to "
+                               "validate on; all that evaluate reads), each written by `fabric-lin prepare_text` (its "
+                               "OUT/train and OUT/val)")
         self.check_weights()
         if self.val_dir is not None and not Path(self.val_dir).exists():
             # a typo must not turn validation off; prepare_text writes no OUT/val where it held out no document

@@ -25,11 +25,12 @@ class TokenChunks(DataModule):
 
     def setup(self) -> None:
         if self.data_path is None and self.val_path is None:  # evaluate reads val_path alone
-            raise self.no_data_path()
+            raise InvalidValue("TokenChunks was given no directory: data.data_path (to train on) or data.val_path (to "
+                               "validate on; all that evaluate reads), each written by fabric-lin's preprocessors")
         super().setup()
 
     def no_data_path(self) -> InvalidValue:
-        return InvalidValue("TokenChunks needs data_path: a directory written by fabric-lin's preprocessors")
+        return InvalidValue("TokenChunks needs data.data_path: a directory written by fabric-lin's preprocessors")
 
     def train_dataloader(self):
         if self.data_path is None:
