@@ -350,11 +350,12 @@ def main(
         data.connect(tokenizer=tokenizer, batch_size=train.micro_batch_size, max_seq_length=train.max_seq_length,
                      vocab_size=config.vocab_size)
         data.setup()
+        trained_with = training_data_tokenizer(data, tokenizer)
         if resume_dir is not None:
-            check_trained_on_these_ids(resume_dir, "--resume", tokenizer, fix=(
+            check_trained_on_these_ids(resume_dir, "--resume", tokenizer, trained_with, fix=(
                 f"resume on data prepared with --tokenizer_path {resume_dir}, or train on this data in a new run"))
         elif initial_checkpoint_dir is not None:
-            check_trained_on_these_ids(initial_checkpoint_dir, "--initial_checkpoint_dir", tokenizer, fix=(
+            check_trained_on_these_ids(initial_checkpoint_dir, "--initial_checkpoint_dir", tokenizer, trained_with, fix=(
                 f"prepare the data with --tokenizer_path {initial_checkpoint_dir}"))
         if tokenizer is None:  # said once the data is found good: a mistake in its paths is the error to show
             fabric.print(
@@ -416,7 +417,7 @@ def main(
             " train.micro_batch_size or data.num_workers, or give it more data"
         ))
         checkpointer = Checkpointer(out_dir, hparams, config, tokenizer_dir, keep_last_n=train.keep_last_n,
-                                    trained_with=training_data_tokenizer(data, tokenizer))
+                                    trained_with=trained_with)
         metrics.log_hyperparams(hparams)  # here, so that a run failing before has written nothing into out_dir
         status = "failed"
         try:
@@ -776,21 +777,27 @@ def training_data_tokenizer(data: DataModule, tokenizer) -> Optional[Dict[str, A
     return {"tokenizer": tokenizer.record()} if tokenizer is not None else None
 
 
-def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, fix: str) -> None:
+def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, data_trained_with: Optional[Dict[str, Any]],
+                               fix: str) -> None:
     """Refuse to train on from weights (a checkpoint or a model directory; each holds the tokenizer its model was
     trained with) with data of another tokenizer: an id stands for another piece in each, of the same vocabulary size
     too, and the loss would only say so as a slow recovery. The weights' tokenizer is their trained_with.json's, or
-    their tokenizer.model's; nothing to compare where the run or the weights tell none."""
+    their tokenizer.model's; the data's is `data_trained_with` (`training_data_tokenizer`: its prepared.json's, which
+    tells it also where the data carries no tokenizer files, else the run's `tokenizer`). Nothing to compare where
+    either tells none."""
+    from fabric_lin.data.prepared import PREPARED_INFO_FILE
     from fabric_lin.data.tokenizer import (
         TRAINED_WITH_FILE, Tokenizer, describe_tokenizer, tokenizer_identity, weights_trained_with)
 
-    trained_with = weights_trained_with(weights_dir) if tokenizer is not None else None
-    if trained_with is not None and tokenizer_identity(trained_with) != tokenizer.identity:
-        weights_tokenizer = (Tokenizer(weights_dir).describe() if (Path(weights_dir) / "tokenizer.model").is_file()
-                             else f"the tokenizer its {TRAINED_WITH_FILE} records ({describe_tokenizer(trained_with)})")
+    weights_tokenizer = weights_trained_with(weights_dir) if data_trained_with is not None else None
+    if weights_tokenizer is not None and tokenizer_identity(weights_tokenizer) != tokenizer_identity(data_trained_with):
+        weights_named = (Tokenizer(weights_dir).describe() if (Path(weights_dir) / "tokenizer.model").is_file()
+                         else f"the tokenizer its {TRAINED_WITH_FILE} records ({describe_tokenizer(weights_tokenizer)})")
+        data_named = (tokenizer.describe() if tokenizer is not None
+                      else f"the tokenizer its data's {PREPARED_INFO_FILE} records ({describe_tokenizer(data_trained_with)})")
         raise InvalidValue(
-            f"{option} {weights_dir}: its weights were trained on the ids of {weights_tokenizer}, and this run reads "
-            f"those of {tokenizer.describe()}: an id is another piece in each; {fix}"
+            f"{option} {weights_dir}: its weights were trained on the ids of {weights_named}, and this run reads "
+            f"those of {data_named}: an id is another piece in each; {fix}"
         )
 
 
