@@ -4,6 +4,7 @@ another (8 -> 4, 2 -> 1, 1 -> 2 processes) with no sample repeated or skipped, b
 sample order itself (fabric_lin.data.sample_order): which sample of its source a position holds, the mixing groups,
 the windows of chunk files each epoch reads, what a second change of order carries on."""
 import io
+import re
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +180,43 @@ def test_text_files_errors_name_the_setting(mix, tmp_path):
     data.connect(mix["tokenizer"], batch_size=1, max_seq_length=SEQ)
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere")):
         data.setup()
+
+
+def test_a_training_directory_listed_twice_is_refused_naming_it(mix, tmp_path):
+    """The same directory twice, under a second path (a link) or copied: each entry would be a source read in an order of
+    its own, its samples repeating within an epoch; the error names both entries and data.train_weights. evaluate,
+    which reads the run's val_dir alone, still sets such a module up."""
+    import shutil
+
+    train = mix["data"] / "starcoder"
+    (tmp_path / "link").symlink_to(train)
+    copy = shutil.copytree(train, tmp_path / "copy")
+    other = mix["data"] / "slimpajama" / "train"
+    for second, said in ((train, f"{train} twice"), (tmp_path / "link", f"{train} and {tmp_path / 'link'}, one directory"),
+                         (copy, f"{train} and {copy}, one data set (their index.json is the same)")):
+        data = TextFiles(train_dir=[train, other, second], val_dir=mix["data"] / "slimpajama" / "val", num_workers=0)
+        data.connect(mix["tokenizer"], batch_size=2, max_seq_length=SEQ)
+        data.setup()
+        assert next(iter(data.val_dataloader())).shape == (2, SEQ + 1)
+        with pytest.raises(ValueError, match=rf"^data.train_dir lists {re.escape(said)}: each listed directory is read as a "
+                           r"source of its own, .* give it a larger share with data.train_weights$"):
+            data.train_dataloader()
+
+
+def test_an_empty_directory_in_a_mix_by_size_is_named(mix, tmp_path):
+    """A prepared directory whose index lists no chunk file, mixed by size (no train_weights): the error names it, not
+    the zero weight its size would make."""
+    import json
+    import shutil
+
+    empty = shutil.copytree(mix["data"] / "starcoder", tmp_path / "empty", ignore=shutil.ignore_patterns("chunk-*"))
+    index = json.loads((empty / "index.json").read_text())
+    (empty / "index.json").write_text(json.dumps({**index, "chunks": []}))
+    data = TextFiles(train_dir=[mix["data"] / "slimpajama" / "train", empty], num_workers=0)
+    data.connect(mix["tokenizer"], batch_size=2, max_seq_length=SEQ)
+    data.setup()
+    with pytest.raises(ValueError, match=rf"^{empty} holds no tokens \(0 chunk files in its index.json\): prepare it again"):
+        data.train_dataloader()
 
 
 def test_text_files_from_the_command_line_and_a_recipe(tmp_path):

@@ -160,11 +160,8 @@ class SampleStream(IterableDataset):
 
         if not isinstance(seed, int) or seed < 0:
             raise InvalidValue(f"data.seed must be a non-negative integer (it seeds the data order); got {seed!r}")
-        weights = [1.0] * len(paths) if weights is None else [float(w) for w in weights]
-        if len(weights) != len(paths) or not all(math.isfinite(w) and w > 0 for w in weights):
-            raise InvalidValue(f"one positive, finite weight per data directory ({len(paths)}) expected; got {weights}")
         self.paths = [Path(p) for p in paths]
-        self.block_size, self.seed, self.weights, self.shuffle = block_size, seed, weights, shuffle
+        # each source's samples first: a directory that gives none is named, not the zero weight its size would make
         self.orders = []
         for source, path in enumerate(self.paths):
             tokens = chunk_tokens(path)
@@ -172,6 +169,10 @@ class SampleStream(IterableDataset):
             if blocks.sum() == 0:
                 raise BlockTooLong(path, block_size)
             self.orders.append(SourceOrder(blocks, seed, source, shuffle))
+        weights = [1.0] * len(paths) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(paths) or not all(math.isfinite(w) and w > 0 for w in weights):
+            raise InvalidValue(f"one positive, finite weight per data directory ({len(paths)}) expected; got {weights}")
+        self.block_size, self.seed, self.weights, self.shuffle = block_size, seed, weights, shuffle
         self.mix = MixOrder(weights, seed)
         self.sources = [source_key(p) for p in self.paths]
         # per source: the seed and source number its order is drawn with, and the samples it gave before this
