@@ -169,8 +169,8 @@ def setup(
     compile = compile.resolve(cuda, devices, num_nodes, reset_state_at_doc_boundaries)
     check_fp8(fp8, torch.device("cuda" if cuda else "cpu"),
               sharded=devices * num_nodes > 1 and parallelism.data_parallel == "fsdp")
-    if initial_checkpoint_dir is not None and not Path(initial_checkpoint_dir).is_dir():
-        raise MissingFile(f"--initial_checkpoint_dir {initial_checkpoint_dir} is not a directory (expected a model directory)")
+    if initial_checkpoint_dir is not None:
+        check_initial_checkpoint_dir(Path(initial_checkpoint_dir))
     out_dir = Path(out_dir)
     check_dir_can_be_made(out_dir, "--out_dir")
     check_earlier_run(out_dir, resume, overwrite)
@@ -199,6 +199,20 @@ def setup(
         if fabric is None or fabric.global_rank == 0:
             remove_empty_dirs(created)  # a failed run leaves no empty out_dir behind
         raise
+
+
+def check_initial_checkpoint_dir(model_dir: Path) -> None:
+    """--initial_checkpoint_dir reads a model directory: what else it is given (a training checkpoint, a run's out_dir, a
+    Hugging Face Llama or fla directory) is refused before any work, naming what it is and how to go on from it."""
+    from fabric_lin.convert.model_dir import check_model_dir_given
+
+    if is_training_checkpoint(model_dir):
+        raise InvalidValue(
+            f"--initial_checkpoint_dir {model_dir} is a training checkpoint, and it reads a model directory: to go on with "
+            f"that run, --resume {model_dir}; to start a new run from its weights, fabric-lin convert_pretrained_checkpoint "
+            f"{model_dir} --output_dir <DIR>, then --initial_checkpoint_dir <DIR>"
+        )
+    check_model_dir_given(model_dir, "--initial_checkpoint_dir", "--initial_checkpoint_dir")
 
 
 def compile_caches_in(out_dir: Path, enabled: bool) -> ContextManager[None]:

@@ -199,6 +199,21 @@ def test_error_resume_from_a_model_directory_points_to_initial_checkpoint_dir(tm
         setup_pretrain(tmp_path, resume=model_dir, eval=EvalArgs(final_validation=False))
 
 
+def test_initial_checkpoint_dir_given_a_training_checkpoint_or_its_run_names_the_ways_on(tmp_path):
+    """A run's checkpoint as --initial_checkpoint_dir names --resume and the conversion; the run's out_dir names the
+    conversion of its checkpoint; both before any work (it was a message about lit_model.pth once the data was read)."""
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    final = tmp_path / "out" / "final"
+    with pytest.raises(ValueError, match=rf"^--initial_checkpoint_dir {final} is a training checkpoint, and it reads a model "
+                       rf"directory: to go on with that run, --resume {final}; to start a new run from its weights, "
+                       rf"fabric-lin convert_pretrained_checkpoint {final} --output_dir <DIR>, then"):
+        setup_pretrain(tmp_path, out_dir=tmp_path / "new", initial_checkpoint_dir=final)
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'out'} is a training run's directory \(it holds final\): "
+                       rf"--initial_checkpoint_dir reads a model directory; .* convert_pretrained_checkpoint {final} "):
+        setup_pretrain(tmp_path, out_dir=tmp_path / "new", initial_checkpoint_dir=tmp_path / "out")
+    assert not (tmp_path / "new").exists()
+
+
 def test_resume_from_a_damaged_directory_refuses_in_one_line(tmp_path, capsys):
     setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
     final = tmp_path / "out" / "final"
