@@ -751,22 +751,43 @@ def no_decay_parameter_names(model: torch.nn.Module) -> set:
 
 def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str, torch.Tensor]:
     """The weights of a model directory, checked against `config` (names, shapes, dtypes: each mismatch
-    listed); a model_config.yaml there that differs from `config` in fields that keep the shapes (eps,
-    context length, ...) is reported, not refused: continued pretraining may change them on purpose."""
+    listed, and where they are the model of the directory's model_config.yaml, the flag that builds that one); a
+    model_config.yaml there that differs from `config` in fields that keep the shapes (eps, context length, ...) is
+    reported, not refused: continued pretraining may change them on purpose."""
     from fabric_lin.convert.model_dir import (
-        load_model_dir_weights,  # weights_only, names the mismatches
+        check_state_dict,
+        load_model_dir_weights,  # weights_only
     )
 
     saved_config = Path(model_dir) / CONFIG_FILE
-    if saved_config.is_file():
-        saved = Config.from_file(saved_config)
+    saved = Config.from_file(saved_config) if saved_config.is_file() else None
+    if saved is not None:
         differ = {k: (v, getattr(config, k)) for k, v in vars(saved).items() if k != "name" and getattr(config, k, v) != v}
         if differ:
             log(
                 f"Warning: --initial_checkpoint_dir {model_dir}: its {CONFIG_FILE} differs from this run's model in "
                 + ", ".join(f"{k} ({a!r} there, {b!r} here)" for k, (a, b) in sorted(differ.items()))
             )
-    return load_model_dir_weights(model_dir, config)
+    state = load_model_dir_weights(model_dir)
+    try:
+        check_state_dict(state, config, source=str(model_dir))
+    except InvalidValue as mismatch:
+        if saved is not None and fits(state, saved):
+            raise InvalidValue(f"{mismatch}\n  they are the model of its {CONFIG_FILE}: start this run with "
+                               f"{saved.flag(saved_config)}") from None
+        raise
+    return state
+
+
+def fits(state: Dict[str, torch.Tensor], config: Config) -> bool:
+    """Whether the weights `state` are those of the model `config` (names, shapes, kinds of dtype)."""
+    from fabric_lin.convert.model_dir import check_state_dict
+
+    try:
+        check_state_dict(state, config)
+    except InvalidValue:
+        return False
+    return True
 
 
 def load_tokenizer(tokenizer_dir: Optional[Path]):
