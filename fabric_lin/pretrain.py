@@ -46,7 +46,7 @@ from fabric_lin.checkpoint import (
 from fabric_lin.config import CONFIG_FILE, OTHER_VOCAB_SIZE, Config, name_to_config
 from fabric_lin.cpu_cores import cores_busy_with_other_work, usable_cpu_cores
 from fabric_lin.data import DataModule, SampleCorpus
-from fabric_lin.data.sample_order import TrainLoader
+from fabric_lin.data.sample_order import TrainLoader, repeated_samples_note
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
 from fabric_lin.files import check_dir_can_be_made, environment_variables, missing_ancestors, read_yaml, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
@@ -376,13 +376,17 @@ def main(
                 f"Warning: no tokenizer (--tokenizer_dir, or a data module that has one): the checkpoints will hold "
                 f"no tokenizer files, which generate and convert_to_hf need; {type(data).__name__} reads token ids only"
             )
-        train_dataloader = data.train_dataloader()
+        train_loader = data.train_dataloader()
         if any(change.startswith("data") for change in run_changes):
-            if not isinstance(train_dataloader, TrainLoader):
+            if not isinstance(train_loader, TrainLoader):
                 raise InvalidValue(f"--resume_changes data: {type(data).__name__}'s training loader cannot go on in a new order")
-            train_dataloader.new_order_allowed = True
+            train_loader.new_order_allowed = True
+        if resume_dir is None and isinstance(train_loader, TrainLoader):
+            repeats = repeated_samples_note(train_loader.dataset, train.total_steps(), train.global_batch_size)
+            if repeats:
+                fabric.print(repeats)
         val_dataloader = data.val_dataloader()
-        train_dataloader = fabric.setup_dataloaders(train_dataloader)
+        train_dataloader = fabric.setup_dataloaders(train_loader)
         if val_dataloader is not None:  # a data module without a validation split returns None
             val_dataloader = fabric.setup_dataloaders(val_dataloader)
         metrics.startup_phase("data ready")
@@ -408,6 +412,8 @@ def main(
         if resume_dir is not None:
             load_train_state(fabric, resume_dir, state)
             metrics.startup_phase("checkpoint loaded")
+            if getattr(train_loader, "new_order_note", None):
+                fabric.print(train_loader.new_order_note)
             jump = learning_rate_jump(resume_dir, train, optimizer.lr, state)
             if jump:
                 fabric.print(jump)

@@ -405,6 +405,48 @@ def test_a_new_mix_allowed_on_resume_reads_each_source_on_after_what_it_gave(mix
     assert torch.equal(next(iter(again)), next(iter(changed)))
 
 
+def test_a_new_order_says_where_each_directory_goes_on(mix):
+    """--resume_changes data from SlimPajama alone to SlimPajama and Starcoder: the loader says that SlimPajama goes on
+    after the 240 samples it gave (of its 20,000 blocks of 8 tokens) and that Starcoder, new, starts at its beginning.
+    A resume in the same order says nothing."""
+    slimpajama, starcoder = mix["data"] / "slimpajama" / "train", mix["data"] / "starcoder"
+
+    def loader(train_dir):
+        data = TextFiles(train_dir=train_dir, num_workers=0)
+        data.connect(mix["tokenizer"], batch_size=16, max_seq_length=SEQ)
+        data.setup()
+        return data.train_dataloader()
+
+    first = loader([slimpajama])
+    batches = iter(first)
+    for _ in range(15):
+        next(batches)
+    state = torch_round_trip(first.state_dict())
+    same = loader([slimpajama])
+    same.load_state_dict(state)
+    assert same.new_order_note is None
+    mixed = loader([slimpajama, starcoder])
+    mixed.new_order_allowed = True
+    mixed.load_state_dict(state)
+    assert mixed.new_order_note == (
+        "The training data goes on in a new sample order (--resume_changes data); each directory the checkpoint's run "
+        "read goes on in its own order, none of its samples read again before its epoch ends: "
+        f"{slimpajama} after the 240 samples it gave (20,000 in an epoch); {starcoder} (new) at its beginning")
+
+
+def test_a_run_that_reads_a_source_more_than_once_says_so(mix):
+    """64,000 samples at 3 : 1 draw 48,000 from SlimPajama's 20,000 blocks (2.4 times over) and 16,000 from
+    Starcoder's 12,500 (1.3 times); 10,240 samples read each less than once over: nothing to say."""
+    from fabric_lin.data.sample_order import repeated_samples_note
+
+    stream = text_files(mix, batch_size=4).train_dataloader().dataset
+    assert repeated_samples_note(stream, 1000, 64) == (
+        f"Note: over its 1,000 steps of 64 samples this run reads {mix['data'] / 'slimpajama' / 'train'} (75% of the mix) "
+        f"2.4 times over its 20,000 samples; {mix['data'] / 'starcoder'} (25% of the mix) 1.3 times over its 12,500 "
+        "samples: their samples repeat, epoch after epoch, each in a new order")
+    assert repeated_samples_note(stream, 160, 64) is None
+
+
 def test_a_second_new_order_carries_each_source_on_from_where_the_first_left_it():
     """Sources carried into a stream at their 100th and 50th samples (an earlier --resume_changes data) have given
     that many more than the stream took from them: a mixing group of 1,024 positions at 3 : 1 takes 768 and 256."""

@@ -123,9 +123,9 @@ def test_error_tokenizer_dir_differs_from_the_one_that_made_the_data(tmp_path, p
         setup_pretrain(tmp_path, tokenizer_dir=prepared / "tok320", data=TokenChunks(data_path=prepared / "tokens", num_workers=0))
 
 
-def test_data_smaller_than_a_micro_batch_is_read_epoch_after_epoch(tmp_path, prepared):
+def test_data_smaller_than_a_micro_batch_is_read_epoch_after_epoch(tmp_path, prepared, capsys):
     """4 chunk files give 4 blocks of 501 tokens, half a micro batch of 8: the stream reads them again
-    in the next epoch (in another order), so the micro batch holds each block twice."""
+    in the next epoch (in another order), so the micro batch holds each block twice, and the run says so."""
     from fabric_lin.data import TokenChunks
 
     data = TokenChunks(data_path=prepared / "tokens", num_workers=0)
@@ -136,8 +136,11 @@ def test_data_smaller_than_a_micro_batch_is_read_epoch_after_epoch(tmp_path, pre
     assert batch.shape == (8, 501) and len(blocks) == 4
     assert sorted(bytes(row.numpy()) for row in batch) == sorted(blocks * 2)
     train = TrainArgs(global_batch_size=8, micro_batch_size=8, max_steps=1, max_seq_length=500, save_interval=None)
+    capsys.readouterr()
     setup_pretrain(tmp_path, data=data, train=train, eval=EvalArgs(final_validation=False))
     assert (tmp_path / "out" / "final").is_dir()
+    assert (f"Note: over its 1 step of 8 samples this run reads {prepared / 'tokens'} 2.0 times over its 4 samples: their "
+            "samples repeat, epoch after epoch, each in a new order") in capsys.readouterr().out
 
 
 def test_no_tokenizer_is_warned_of(tmp_path, prepared, capsys):
