@@ -115,8 +115,9 @@ def setup(
         overwrite: true: start afresh where out_dir holds an earlier run, deleting its checkpoints (step-*,
             final, .damaged-*, .superseded-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first; its logs/ stay (loggers
             add a version), and so does compile_cache/.
-        initial_checkpoint_dir: A model directory (convert_pretrained_checkpoint's output) whose weights
-            initialise the model before training (continued pretraining); the data must be tokenized by its tokenizer.
+        initial_checkpoint_dir: A model directory (the output of convert_pretrained_checkpoint, convert_from_llama or
+            convert_from_hf) whose weights initialise the model before training (continued pretraining; the optimizer
+            and the data order start afresh); the model must be the directory's, the data tokenized by its tokenizer.
         data: The data module. Default: SampleCorpus (a small corpus shipped with the package).
         train: Training schedule, batch sizes and checkpointing.
         eval: Validation.
