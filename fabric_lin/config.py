@@ -212,6 +212,12 @@ class Config:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def flag(self, config_file: Union[str, Path]) -> str:
+        """The pretrain flag that builds this model, read from `config_file`: --model_name where it is a named model
+        as it stands, else --model_config <config_file>."""
+        named = self.name in name_to_config and Config.from_name(self.name) == self
+        return f"--model_name {self.name}" if named else f"--model_config {config_file}"
+
     def save(self, path: Union[str, Path]) -> None:
         with open(path, "w", encoding="utf-8") as f:
             yaml.safe_dump(self.to_dict(), f, sort_keys=False)

@@ -36,6 +36,7 @@ from fabric_lin.checkpoint import (
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data import DataModule
+from fabric_lin.data.tokenizer import the_recorded_tokenizer
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, MissingPackage, UserError
 from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, expand_home, read_yaml
 from fabric_lin.weights import MODEL_FILE, canonical_state_dict
@@ -144,7 +145,8 @@ def main(
             f"{HPARAMS_FILE} does): give --data (e.g. --data TextFiles --data.val_dir DIR) or --tasks"
         )
     if task_names and checkpoint.tokenizer is None:
-        raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text")
+        raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text"
+                           f"{the_recorded_tokenizer(checkpoint_dir)}")
     if task_names:
         checkpoint.tokenizer.check_fits(checkpoint.config.vocab_size, checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)

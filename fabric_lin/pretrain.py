@@ -46,7 +46,7 @@ from fabric_lin.checkpoint import (
 from fabric_lin.config import CONFIG_FILE, OTHER_VOCAB_SIZE, Config, name_to_config
 from fabric_lin.cpu_cores import cores_busy_with_other_work, usable_cpu_cores
 from fabric_lin.data import DataModule, SampleCorpus
-from fabric_lin.data.sample_order import TrainLoader
+from fabric_lin.data.sample_order import TrainLoader, repeated_samples_note
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
 from fabric_lin.files import check_dir_can_be_made, environment_variables, missing_ancestors, read_yaml, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
@@ -115,8 +115,9 @@ def setup(
         overwrite: true: start afresh where out_dir holds an earlier run, deleting its checkpoints (step-*,
             final, .damaged-*, .superseded-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first; its logs/ stay (loggers
             add a version), and so does compile_cache/.
-        initial_checkpoint_dir: A model directory (convert_pretrained_checkpoint's output) whose weights
-            initialise the model before training (continued pretraining); the data must be tokenized by its tokenizer.
+        initial_checkpoint_dir: A model directory (the output of convert_pretrained_checkpoint, convert_from_llama or
+            convert_from_hf) whose weights initialise the model before training (continued pretraining; the optimizer
+            and the data order start afresh); the model must be the directory's, the data tokenized by its tokenizer.
         data: The data module. Default: SampleCorpus (a small corpus shipped with the package).
         train: Training schedule, batch sizes and checkpointing.
         eval: Validation.
@@ -169,8 +170,8 @@ def setup(
     compile = compile.resolve(cuda, devices, num_nodes, reset_state_at_doc_boundaries)
     check_fp8(fp8, torch.device("cuda" if cuda else "cpu"),
               sharded=devices * num_nodes > 1 and parallelism.data_parallel == "fsdp")
-    if initial_checkpoint_dir is not None and not Path(initial_checkpoint_dir).is_dir():
-        raise MissingFile(f"--initial_checkpoint_dir {initial_checkpoint_dir} is not a directory (expected a model directory)")
+    if initial_checkpoint_dir is not None:
+        check_initial_checkpoint_dir(Path(initial_checkpoint_dir))
     out_dir = Path(out_dir)
     check_dir_can_be_made(out_dir, "--out_dir")
     check_earlier_run(out_dir, resume, overwrite)
@@ -199,6 +200,20 @@ def setup(
         if fabric is None or fabric.global_rank == 0:
             remove_empty_dirs(created)  # a failed run leaves no empty out_dir behind
         raise
+
+
+def check_initial_checkpoint_dir(model_dir: Path) -> None:
+    """--initial_checkpoint_dir reads a model directory: what else it is given (a training checkpoint, a run's out_dir, a
+    Hugging Face Llama or fla directory) is refused before any work, naming what it is and how to go on from it."""
+    from fabric_lin.convert.model_dir import check_model_dir_given
+
+    if is_training_checkpoint(model_dir):
+        raise InvalidValue(
+            f"--initial_checkpoint_dir {model_dir} is a training checkpoint, and it reads a model directory: to go on with "
+            f"that run, --resume {model_dir}; to start a new run from its weights, fabric-lin convert_pretrained_checkpoint "
+            f"{model_dir} --output_dir <DIR>, then --initial_checkpoint_dir <DIR>"
+        )
+    check_model_dir_given(model_dir, "--initial_checkpoint_dir", "--initial_checkpoint_dir")
 
 
 def compile_caches_in(out_dir: Path, enabled: bool) -> ContextManager[None]:
@@ -350,24 +365,29 @@ def main(
         data.connect(tokenizer=tokenizer, batch_size=train.micro_batch_size, max_seq_length=train.max_seq_length,
                      vocab_size=config.vocab_size)
         data.setup()
+        trained_with = training_data_tokenizer(data, tokenizer)
         if resume_dir is not None:
-            check_trained_on_these_ids(resume_dir, "--resume", tokenizer, fix=(
+            check_trained_on_these_ids(resume_dir, "--resume", tokenizer, trained_with, fix=(
                 f"resume on data prepared with --tokenizer_path {resume_dir}, or train on this data in a new run"))
         elif initial_checkpoint_dir is not None:
-            check_trained_on_these_ids(initial_checkpoint_dir, "--initial_checkpoint_dir", tokenizer, fix=(
+            check_trained_on_these_ids(initial_checkpoint_dir, "--initial_checkpoint_dir", tokenizer, trained_with, fix=(
                 f"prepare the data with --tokenizer_path {initial_checkpoint_dir}"))
         if tokenizer is None:  # said once the data is found good: a mistake in its paths is the error to show
             fabric.print(
                 f"Warning: no tokenizer (--tokenizer_dir, or a data module that has one): the checkpoints will hold "
                 f"no tokenizer files, which generate and convert_to_hf need; {type(data).__name__} reads token ids only"
             )
-        train_dataloader = data.train_dataloader()
+        train_loader = data.train_dataloader()
         if any(change.startswith("data") for change in run_changes):
-            if not isinstance(train_dataloader, TrainLoader):
+            if not isinstance(train_loader, TrainLoader):
                 raise InvalidValue(f"--resume_changes data: {type(data).__name__}'s training loader cannot go on in a new order")
-            train_dataloader.new_order_allowed = True
+            train_loader.new_order_allowed = True
+        if resume_dir is None and isinstance(train_loader, TrainLoader):
+            repeats = repeated_samples_note(train_loader.dataset, train.total_steps(), train.global_batch_size)
+            if repeats:
+                fabric.print(repeats)
         val_dataloader = data.val_dataloader()
-        train_dataloader = fabric.setup_dataloaders(train_dataloader)
+        train_dataloader = fabric.setup_dataloaders(train_loader)
         if val_dataloader is not None:  # a data module without a validation split returns None
             val_dataloader = fabric.setup_dataloaders(val_dataloader)
         metrics.startup_phase("data ready")
@@ -393,6 +413,8 @@ def main(
         if resume_dir is not None:
             load_train_state(fabric, resume_dir, state)
             metrics.startup_phase("checkpoint loaded")
+            if getattr(train_loader, "new_order_note", None):
+                fabric.print(train_loader.new_order_note)
             jump = learning_rate_jump(resume_dir, train, optimizer.lr, state)
             if jump:
                 fabric.print(jump)
@@ -416,7 +438,7 @@ def main(
             " train.micro_batch_size or data.num_workers, or give it more data"
         ))
         checkpointer = Checkpointer(out_dir, hparams, config, tokenizer_dir, keep_last_n=train.keep_last_n,
-                                    trained_with=training_data_tokenizer(data, tokenizer))
+                                    trained_with=trained_with)
         metrics.log_hyperparams(hparams)  # here, so that a run failing before has written nothing into out_dir
         status = "failed"
         try:
@@ -736,22 +758,43 @@ def no_decay_parameter_names(model: torch.nn.Module) -> set:
 
 def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str, torch.Tensor]:
     """The weights of a model directory, checked against `config` (names, shapes, dtypes: each mismatch
-    listed); a model_config.yaml there that differs from `config` in fields that keep the shapes (eps,
-    context length, ...) is reported, not refused: continued pretraining may change them on purpose."""
+    listed, and where they are the model of the directory's model_config.yaml, the flag that builds that one); a
+    model_config.yaml there that differs from `config` in fields that keep the shapes (eps, context length, ...) is
+    reported, not refused: continued pretraining may change them on purpose."""
     from fabric_lin.convert.model_dir import (
-        load_model_dir_weights,  # weights_only, names the mismatches
+        check_state_dict,
+        load_model_dir_weights,  # weights_only
     )
 
     saved_config = Path(model_dir) / CONFIG_FILE
-    if saved_config.is_file():
-        saved = Config.from_file(saved_config)
+    saved = Config.from_file(saved_config) if saved_config.is_file() else None
+    if saved is not None:
         differ = {k: (v, getattr(config, k)) for k, v in vars(saved).items() if k != "name" and getattr(config, k, v) != v}
         if differ:
             log(
                 f"Warning: --initial_checkpoint_dir {model_dir}: its {CONFIG_FILE} differs from this run's model in "
                 + ", ".join(f"{k} ({a!r} there, {b!r} here)" for k, (a, b) in sorted(differ.items()))
             )
-    return load_model_dir_weights(model_dir, config)
+    state = load_model_dir_weights(model_dir)
+    try:
+        check_state_dict(state, config, source=str(model_dir))
+    except InvalidValue as mismatch:
+        if saved is not None and fits(state, saved):
+            raise InvalidValue(f"{mismatch}\n  they are the model of its {CONFIG_FILE}: start this run with "
+                               f"{saved.flag(saved_config)}") from None
+        raise
+    return state
+
+
+def fits(state: Dict[str, torch.Tensor], config: Config) -> bool:
+    """Whether the weights `state` are those of the model `config` (names, shapes, kinds of dtype)."""
+    from fabric_lin.convert.model_dir import check_state_dict
+
+    try:
+        check_state_dict(state, config)
+    except InvalidValue:
+        return False
+    return True
 
 
 def load_tokenizer(tokenizer_dir: Optional[Path]):
@@ -776,21 +819,27 @@ def training_data_tokenizer(data: DataModule, tokenizer) -> Optional[Dict[str, A
     return {"tokenizer": tokenizer.record()} if tokenizer is not None else None
 
 
-def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, fix: str) -> None:
+def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, data_trained_with: Optional[Dict[str, Any]],
+                               fix: str) -> None:
     """Refuse to train on from weights (a checkpoint or a model directory; each holds the tokenizer its model was
     trained with) with data of another tokenizer: an id stands for another piece in each, of the same vocabulary size
     too, and the loss would only say so as a slow recovery. The weights' tokenizer is their trained_with.json's, or
-    their tokenizer.model's; nothing to compare where the run or the weights tell none."""
+    their tokenizer.model's; the data's is `data_trained_with` (`training_data_tokenizer`: its prepared.json's, which
+    tells it also where the data carries no tokenizer files, else the run's `tokenizer`). Nothing to compare where
+    either tells none."""
+    from fabric_lin.data.prepared import PREPARED_INFO_FILE
     from fabric_lin.data.tokenizer import (
         TRAINED_WITH_FILE, Tokenizer, describe_tokenizer, tokenizer_identity, weights_trained_with)
 
-    trained_with = weights_trained_with(weights_dir) if tokenizer is not None else None
-    if trained_with is not None and tokenizer_identity(trained_with) != tokenizer.identity:
-        weights_tokenizer = (Tokenizer(weights_dir).describe() if (Path(weights_dir) / "tokenizer.model").is_file()
-                             else f"the tokenizer its {TRAINED_WITH_FILE} records ({describe_tokenizer(trained_with)})")
+    weights_tokenizer = weights_trained_with(weights_dir) if data_trained_with is not None else None
+    if weights_tokenizer is not None and tokenizer_identity(weights_tokenizer) != tokenizer_identity(data_trained_with):
+        weights_named = (Tokenizer(weights_dir).describe() if (Path(weights_dir) / "tokenizer.model").is_file()
+                         else f"the tokenizer its {TRAINED_WITH_FILE} records ({describe_tokenizer(weights_tokenizer)})")
+        data_named = (tokenizer.describe() if tokenizer is not None
+                      else f"the tokenizer its data's {PREPARED_INFO_FILE} records ({describe_tokenizer(data_trained_with)})")
         raise InvalidValue(
-            f"{option} {weights_dir}: its weights were trained on the ids of {weights_tokenizer}, and this run reads "
-            f"those of {tokenizer.describe()}: an id is another piece in each; {fix}"
+            f"{option} {weights_dir}: its weights were trained on the ids of {weights_named}, and this run reads "
+            f"those of {data_named}: an id is another piece in each; {fix}"
         )
 
 

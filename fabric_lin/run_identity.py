@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import yaml
 
 from fabric_lin.checkpoint import HPARAMS_FILE
-from fabric_lin.config import CONFIG_FILE, Config, name_to_config
+from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import InvalidValue
 from fabric_lin.files import read_yaml
 
@@ -65,8 +65,7 @@ def ways_on_from(checkpoint_dir: Path, model: Dict[str, Any], saved_seq_length: 
     saved_config, config = Config.from_checkpoint(checkpoint_dir), Config(**model)
     flags = []
     if {**saved_config.to_dict(), "name": None} != {**config.to_dict(), "name": None}:
-        named = saved_config.name in name_to_config and Config.from_name(saved_config.name) == saved_config
-        flags.append(f"--model_name {saved_config.name}" if named else f"--model_config {checkpoint_dir / CONFIG_FILE}")
+        flags.append(saved_config.flag(checkpoint_dir / CONFIG_FILE))
     if saved_seq_length is not None:
         flags.append(f"--train.max_seq_length {saved_seq_length}")
     resume = f"Resume it with the checkpoint's {' '.join(flags)}, or write this run to another --out_dir"

@@ -206,6 +206,35 @@ def test_bad_inputs_get_clear_errors(tmp_path, mistral_shaped_gla):
         convert_from_llama(tmp_path / "fine", mistral_shaped_gla, tmp_path / "gla")
 
 
+def test_a_llama_directory_given_where_a_model_directory_belongs_names_convert_from_llama(tmp_path, capsys):
+    """The Llama itself given to pretrain --initial_checkpoint_dir, generate, evaluate or convert_from_hf: each names
+    convert_from_llama, the one command that reads it (pretrain listed a hundred mismatched tensors; the others sent
+    the user to convert_from_hf, which refuses model_type llama)."""
+    from helpers import cli_error
+
+    llama = tmp_path / "llama"
+    write_tiny_llama(llama, model_type="llama")
+    fix = (f"make a GLA {{}} from it with: fabric-lin convert_from_llama --checkpoint_dir {llama} --model_name <a GLA "
+           f"model of its width and depth: fabric-lin pretrain list> --output_dir <DIR>\n")
+    cases = {
+        "pretrain": ["--model_name", "gla-debug", "--train.max_steps", "1", "--out_dir", str(tmp_path / "out"),
+                     "--initial_checkpoint_dir", str(llama)],
+        "generate": [str(llama)],
+        "evaluate": [str(llama), "--max_batches", "0"],
+        "convert_from_hf": [str(llama), "--output_dir", str(tmp_path / "converted")],
+    }
+    for command, args in cases.items():
+        err = cli_error([command, *args], capsys)
+        if command in ("pretrain", "generate"):
+            argument = "--initial_checkpoint_dir" if command == "pretrain" else "generate"
+            assert err == (f"fabric-lin {command}: error: {llama} is a Hugging Face Llama/Mistral directory: {argument} reads "
+                           f"a model directory; " + fix.format("one")), err
+        else:
+            assert err == (f"fabric-lin {command}: error: {llama / 'config.json'}: model_type 'llama' is a Llama/Mistral "
+                           f"model, not one of fla's; " + fix.format("model directory")), err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "converted").exists()
+
+
 def test_gla_7B_from_mistral_recipe_matches_the_conversion():
     import yaml
 

@@ -4,6 +4,7 @@ another (8 -> 4, 2 -> 1, 1 -> 2 processes) with no sample repeated or skipped, b
 sample order itself (fabric_lin.data.sample_order): which sample of its source a position holds, the mixing groups,
 the windows of chunk files each epoch reads, what a second change of order carries on."""
 import io
+import re
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +180,43 @@ def test_text_files_errors_name_the_setting(mix, tmp_path):
     data.connect(mix["tokenizer"], batch_size=1, max_seq_length=SEQ)
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere")):
         data.setup()
+
+
+def test_a_training_directory_listed_twice_is_refused_naming_it(mix, tmp_path):
+    """The same directory twice, under a second path (a link) or copied: each entry would be a source read in an order of
+    its own, its samples repeating within an epoch; the error names both entries and data.train_weights. evaluate,
+    which reads the run's val_dir alone, still sets such a module up."""
+    import shutil
+
+    train = mix["data"] / "starcoder"
+    (tmp_path / "link").symlink_to(train)
+    copy = shutil.copytree(train, tmp_path / "copy")
+    other = mix["data"] / "slimpajama" / "train"
+    for second, said in ((train, f"{train} twice"), (tmp_path / "link", f"{train} and {tmp_path / 'link'}, one directory"),
+                         (copy, f"{train} and {copy}, one data set (their index.json is the same)")):
+        data = TextFiles(train_dir=[train, other, second], val_dir=mix["data"] / "slimpajama" / "val", num_workers=0)
+        data.connect(mix["tokenizer"], batch_size=2, max_seq_length=SEQ)
+        data.setup()
+        assert next(iter(data.val_dataloader())).shape == (2, SEQ + 1)
+        with pytest.raises(ValueError, match=rf"^data.train_dir lists {re.escape(said)}: each listed directory is read as a "
+                           r"source of its own, .* give it a larger share with data.train_weights$"):
+            data.train_dataloader()
+
+
+def test_an_empty_directory_in_a_mix_by_size_is_named(mix, tmp_path):
+    """A prepared directory whose index lists no chunk file, mixed by size (no train_weights): the error names it, not
+    the zero weight its size would make."""
+    import json
+    import shutil
+
+    empty = shutil.copytree(mix["data"] / "starcoder", tmp_path / "empty", ignore=shutil.ignore_patterns("chunk-*"))
+    index = json.loads((empty / "index.json").read_text())
+    (empty / "index.json").write_text(json.dumps({**index, "chunks": []}))
+    data = TextFiles(train_dir=[mix["data"] / "slimpajama" / "train", empty], num_workers=0)
+    data.connect(mix["tokenizer"], batch_size=2, max_seq_length=SEQ)
+    data.setup()
+    with pytest.raises(ValueError, match=rf"^{empty} holds no tokens \(0 chunk files in its index.json\): prepare it again"):
+        data.train_dataloader()
 
 
 def test_text_files_from_the_command_line_and_a_recipe(tmp_path):
@@ -365,6 +403,48 @@ def test_a_new_mix_allowed_on_resume_reads_each_source_on_after_what_it_gave(mix
     again.load_state_dict(torch_round_trip(changed.state_dict()))
     assert again.dataset.carried == changed.dataset.carried != [(7, 0, 0), (7, 1, 0)]
     assert torch.equal(next(iter(again)), next(iter(changed)))
+
+
+def test_a_new_order_says_where_each_directory_goes_on(mix):
+    """--resume_changes data from SlimPajama alone to SlimPajama and Starcoder: the loader says that SlimPajama goes on
+    after the 240 samples it gave (of its 20,000 blocks of 8 tokens) and that Starcoder, new, starts at its beginning.
+    A resume in the same order says nothing."""
+    slimpajama, starcoder = mix["data"] / "slimpajama" / "train", mix["data"] / "starcoder"
+
+    def loader(train_dir):
+        data = TextFiles(train_dir=train_dir, num_workers=0)
+        data.connect(mix["tokenizer"], batch_size=16, max_seq_length=SEQ)
+        data.setup()
+        return data.train_dataloader()
+
+    first = loader([slimpajama])
+    batches = iter(first)
+    for _ in range(15):
+        next(batches)
+    state = torch_round_trip(first.state_dict())
+    same = loader([slimpajama])
+    same.load_state_dict(state)
+    assert same.new_order_note is None
+    mixed = loader([slimpajama, starcoder])
+    mixed.new_order_allowed = True
+    mixed.load_state_dict(state)
+    assert mixed.new_order_note == (
+        "The training data goes on in a new sample order (--resume_changes data); each directory the checkpoint's run "
+        "read goes on in its own order, none of its samples read again before its epoch ends: "
+        f"{slimpajama} after the 240 samples it gave (20,000 in an epoch); {starcoder} (new) at its beginning")
+
+
+def test_a_run_that_reads_a_source_more_than_once_says_so(mix):
+    """64,000 samples at 3 : 1 draw 48,000 from SlimPajama's 20,000 blocks (2.4 times over) and 16,000 from
+    Starcoder's 12,500 (1.3 times); 10,240 samples read each less than once over: nothing to say."""
+    from fabric_lin.data.sample_order import repeated_samples_note
+
+    stream = text_files(mix, batch_size=4).train_dataloader().dataset
+    assert repeated_samples_note(stream, 1000, 64) == (
+        f"Note: over its 1,000 steps of 64 samples this run reads {mix['data'] / 'slimpajama' / 'train'} (75% of the mix) "
+        f"2.4 times over its 20,000 samples; {mix['data'] / 'starcoder'} (25% of the mix) 1.3 times over its 12,500 "
+        "samples: their samples repeat, epoch after epoch, each in a new order")
+    assert repeated_samples_note(stream, 160, 64) is None
 
 
 def test_a_second_new_order_carries_each_source_on_from_where_the_first_left_it():

@@ -7,6 +7,7 @@ a resume may change (test_run_identity.py), end to end as a subprocess (test_pre
 test_pretrain_sharded.py, test_pretrain_gdn.py)."""
 import json
 import os
+import shutil
 from dataclasses import replace
 
 import lightning_fabric as L
@@ -199,6 +200,21 @@ def test_error_resume_from_a_model_directory_points_to_initial_checkpoint_dir(tm
         setup_pretrain(tmp_path, resume=model_dir, eval=EvalArgs(final_validation=False))
 
 
+def test_initial_checkpoint_dir_given_a_training_checkpoint_or_its_run_names_the_ways_on(tmp_path):
+    """A run's checkpoint as --initial_checkpoint_dir names --resume and the conversion; the run's out_dir names the
+    conversion of its checkpoint; both before any work (it was a message about lit_model.pth once the data was read)."""
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    final = tmp_path / "out" / "final"
+    with pytest.raises(ValueError, match=rf"^--initial_checkpoint_dir {final} is a training checkpoint, and it reads a model "
+                       rf"directory: to go on with that run, --resume {final}; to start a new run from its weights, "
+                       rf"fabric-lin convert_pretrained_checkpoint {final} --output_dir <DIR>, then"):
+        setup_pretrain(tmp_path, out_dir=tmp_path / "new", initial_checkpoint_dir=final)
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'out'} is a training run's directory \(it holds final\): "
+                       rf"--initial_checkpoint_dir reads a model directory; .* convert_pretrained_checkpoint {final} "):
+        setup_pretrain(tmp_path, out_dir=tmp_path / "new", initial_checkpoint_dir=tmp_path / "out")
+    assert not (tmp_path / "new").exists()
+
+
 def test_resume_from_a_damaged_directory_refuses_in_one_line(tmp_path, capsys):
     setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
     final = tmp_path / "out" / "final"
@@ -223,6 +239,26 @@ def test_initial_checkpoint_dir_is_checked_against_the_model(tmp_path, capsys):
     # the model_config.yaml there differs in a field that keeps the shapes: reported before the weights
     out = capsys.readouterr().out
     assert "its model_config.yaml differs from this run's model in " in out and " norm_eps (1e-05 there, 1e-06 here)" in out
+
+
+def test_initial_weights_of_another_model_name_the_flag_of_their_own(tmp_path):
+    """A model directory's weights given to a run of another model (two layers where they have four): the mismatch is
+    listed, then the flag that builds the directory's model: --model_name where its model_config.yaml is a named model,
+    else --model_config of that file."""
+    from fabric_lin.convert.model_dir import save_model_dir
+
+    for saved, flag in ((Config.from_name("gla-debug"), "--model_name gla-debug"),
+                        (Config.from_name("gla-debug", norm_eps=1e-5), f"--model_config {tmp_path / 'model' / 'model_config.yaml'}")):
+        (tmp_path / "model").mkdir()
+        save_model_dir(GPT(saved).state_dict(), saved, tmp_path / "model")
+        with pytest.raises(ValueError) as info:
+            setup_pretrain(tmp_path, model_name=None, model_config=Config.from_name("gla-debug", num_layers=2),
+                           initial_checkpoint_dir=tmp_path / "model")
+        lines = str(info.value).splitlines()
+        assert lines[0] == f"{tmp_path / 'model'} does not match the model:" and lines[1].startswith("  unexpected (28): layers.2.")
+        assert lines[-1] == f"  they are the model of its model_config.yaml: start this run with {flag}"
+        shutil.rmtree(tmp_path / "model")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path, capsys):

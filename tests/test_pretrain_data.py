@@ -6,6 +6,7 @@ failed run removed."""
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -122,9 +123,9 @@ def test_error_tokenizer_dir_differs_from_the_one_that_made_the_data(tmp_path, p
         setup_pretrain(tmp_path, tokenizer_dir=prepared / "tok320", data=TokenChunks(data_path=prepared / "tokens", num_workers=0))
 
 
-def test_data_smaller_than_a_micro_batch_is_read_epoch_after_epoch(tmp_path, prepared):
+def test_data_smaller_than_a_micro_batch_is_read_epoch_after_epoch(tmp_path, prepared, capsys):
     """4 chunk files give 4 blocks of 501 tokens, half a micro batch of 8: the stream reads them again
-    in the next epoch (in another order), so the micro batch holds each block twice."""
+    in the next epoch (in another order), so the micro batch holds each block twice, and the run says so."""
     from fabric_lin.data import TokenChunks
 
     data = TokenChunks(data_path=prepared / "tokens", num_workers=0)
@@ -135,8 +136,11 @@ def test_data_smaller_than_a_micro_batch_is_read_epoch_after_epoch(tmp_path, pre
     assert batch.shape == (8, 501) and len(blocks) == 4
     assert sorted(bytes(row.numpy()) for row in batch) == sorted(blocks * 2)
     train = TrainArgs(global_batch_size=8, micro_batch_size=8, max_steps=1, max_seq_length=500, save_interval=None)
+    capsys.readouterr()
     setup_pretrain(tmp_path, data=data, train=train, eval=EvalArgs(final_validation=False))
     assert (tmp_path / "out" / "final").is_dir()
+    assert (f"Note: over its 1 step of 8 samples this run reads {prepared / 'tokens'} 2.0 times over its 4 samples: their "
+            "samples repeat, epoch after epoch, each in a new order") in capsys.readouterr().out
 
 
 def test_no_tokenizer_is_warned_of(tmp_path, prepared, capsys):
@@ -285,6 +289,42 @@ def test_weights_trained_with_another_tokenizer_are_refused_on_resume_and_as_ini
         f"{prepared / 'tokens300b' / 'tokenizer.model'} (vocab_size=300, sha256="), str(info.value)
     setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_weights", initial_checkpoint_dir=tmp_path / "model",
                    data=TextFiles(train_dir=prepared / "tokens300", num_workers=0))
+    assert (tmp_path / "from_weights" / "final").is_dir()
+
+
+def test_data_without_its_tokenizer_files_is_still_checked_against_the_weights_tokenizer(tmp_path, prepared):
+    """Data copied without its tokenizer.model (the run then has no tokenizer) still records its tokenizer in
+    prepared.json: tok300b's data on weights trained on tok300's ids is refused as --initial_checkpoint_dir and on
+    --resume, naming both tokenizers; tok300's data so copied trains on from them."""
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+    from fabric_lin.data import TextFiles
+
+    config = Config.from_name("gla-debug", vocab_size=320)
+    run = dict(model_name=None, model_config=config, eval=EvalArgs(final_validation=False))
+    setup_pretrain(tmp_path, **run, data=TextFiles(train_dir=prepared / "tokens300", num_workers=0))
+    final, model = tmp_path / "out" / "final", tmp_path / "model"
+    convert_pretrained_checkpoint(final, model)
+    bare_other = shutil.copytree(prepared / "tokens300b", tmp_path / "tokens300b-bare")
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        (bare_other / name).unlink(missing_ok=True)
+    data_sha = json.loads((bare_other / "prepared.json").read_text())["tokenizer"]["sha256"]
+    data_named = (f"this run reads those of the tokenizer its data's prepared.json records (vocab_size=300, "
+                  f"sha256={data_sha[:12]}..., from {prepared / 'tok300b'})")
+
+    with pytest.raises(ValueError) as info:
+        setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_weights", initial_checkpoint_dir=model,
+                       data=TextFiles(train_dir=bare_other, num_workers=0))
+    assert str(info.value).startswith(f"--initial_checkpoint_dir {model}: its weights were trained on the ids of "
+                                      f"{model / 'tokenizer.model'} (vocab_size=300, sha256="), str(info.value)
+    assert data_named in str(info.value)
+    longer = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32)
+    with pytest.raises(ValueError, match=rf"^--resume {final}: its weights were trained on the ids of .*"
+                       + re.escape(data_named)):
+        setup_pretrain(tmp_path, **run, data=TextFiles(train_dir=bare_other, num_workers=0), train=longer, resume=True,
+                       resume_changes=["data", "train.max_steps"])
+    assert not (tmp_path / "from_weights" / "final").exists() and not (tmp_path / "out" / "step-00000002").exists()
+    setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_weights", initial_checkpoint_dir=model,
+                   data=TextFiles(train_dir=prepared / "tokens", num_workers=0))
     assert (tmp_path / "from_weights" / "final").is_dir()
 
 

@@ -127,3 +127,20 @@ def test_a_model_directory_cut_short_while_its_tokenizer_is_copied_holds_no_weig
     with pytest.raises(KeyboardInterrupt):
         save_model_dir(state, small_config(), dirs / "model", tokenizer_dir=dirs / "old")
     assert not (dirs / "model" / "lit_model.pth").exists()
+
+
+def test_a_model_directory_without_its_tokenizer_names_the_recorded_one(dirs, capsys, harness_with_hellaswag):
+    """Its tokenizer.model gone, the record stays: generate and evaluate --tasks, which need the tokenizer, name the one
+    the record holds (hash and where it came from) and where to copy it; without the record, only what is missing."""
+    model = dirs / "model"
+    (model / "tokenizer.model").unlink()
+    recorded = (f"its weights were trained with the tokenizer its trained_with.json records (vocab_size=64, "
+                f"sha256={sha256(dirs / 'old' / 'tokenizer.model')[:12]}..., from {dirs / 'old'}): copy that tokenizer.model "
+                f"(and its tokenizer_config.json) into {model}\n")
+    err = cli_error(["generate", str(model), "--prompt", "the model"], capsys)
+    assert err.startswith(f"fabric-lin generate: error: {model / 'tokenizer.model'} does not exist") and err.endswith(recorded)
+    err = cli_error(["evaluate", str(model), "--tasks", "hellaswag"], capsys)
+    assert err == (f"fabric-lin evaluate: error: --tasks: {model} has no tokenizer.model, and the harness's tasks are "
+                   f"text; {recorded}")
+    (model / "trained_with.json").unlink()
+    assert cli_error(["generate", str(model)], capsys).endswith("(found: lit_model.pth, model_config.yaml)\n")

@@ -26,6 +26,7 @@ import torch
 
 from fabric_lin.config import Config
 from fabric_lin.convert.model_dir import (
+    LLAMA_MODEL_TYPES,
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX_FILE,
     parse_dtype,
@@ -37,7 +38,6 @@ from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import created_dir, read_json
 from fabric_lin.weights import inside, meta_model, open_safetensors
 
-LLAMA_MODEL_TYPES = ("llama", "mistral")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",

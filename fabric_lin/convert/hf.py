@@ -29,9 +29,11 @@ from fabric_lin.convert.model_dir import (
     atomic_write,
     cast_floating,
     HF_CONFIG_FILE,
+    LLAMA_MODEL_TYPES,
     check_model_dir_given,
     check_state_dict,
     copy_tokenizer,
+    from_llama_command,
     load_model_dir_weights,
     load_safetensors_dir,
     parse_dtype,
@@ -262,6 +264,9 @@ def fla_config(config: Config) -> dict:
 def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     """Our Config for an fla config.json; features fabric-lin's model does not have are refused."""
     model_type = hf.get("model_type")
+    if model_type in LLAMA_MODEL_TYPES:
+        raise InvalidValue(f"{path}: model_type {model_type!r} is a Llama/Mistral model, not one of fla's; make a GLA model "
+                           f"directory from it with: {from_llama_command(path.parent)}")
     if model_type not in ARCHITECTURES:
         raise InvalidValue(
             f"{path}: model_type {model_type!r} is not supported; expected one of {list(ARCHITECTURES)} (fla's GLA, "

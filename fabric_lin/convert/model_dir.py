@@ -34,6 +34,7 @@ from fabric_lin.weights import (
 )
 
 HF_CONFIG_FILE = "config.json"  # a Hugging Face directory's (e.g. an fla export's) configuration
+LLAMA_MODEL_TYPES = ("llama", "mistral")  # the Hugging Face models convert_from_llama reads
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -59,10 +60,27 @@ def check_model_dir_given(model_dir: Path, argument: str, command: str) -> None:
             f"{model_dir / run_checkpoints[0]} --output_dir <DIR>"
         )
     if (model_dir / HF_CONFIG_FILE).is_file():
+        if is_llama_dir(model_dir):
+            raise InvalidValue(f"{model_dir} is a Hugging Face Llama/Mistral directory: {command} reads a model directory; "
+                               f"make a GLA one from it with: {from_llama_command(model_dir)}")
         raise InvalidValue(
             f"{model_dir} is a Hugging Face directory ({HF_CONFIG_FILE}, no {CONFIG_FILE}), e.g. an fla export: {command} "
             f"reads a model directory; make one with: fabric-lin convert_from_hf {model_dir} --output_dir <DIR>"
         )
+
+
+def is_llama_dir(directory: Path) -> bool:
+    """Whether `directory`'s config.json is a Hugging Face Llama's or Mistral's (which convert_from_llama reads, and
+    convert_from_hf does not)."""
+    try:
+        return json.loads((Path(directory) / HF_CONFIG_FILE).read_text(encoding="utf-8")).get("model_type") in LLAMA_MODEL_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def from_llama_command(llama_dir: Path) -> str:
+    return (f"fabric-lin convert_from_llama --checkpoint_dir {llama_dir} --model_name <a GLA model of its width and depth: "
+            f"fabric-lin pretrain list> --output_dir <DIR>")
 
 
 def load_model_dir_weights(

@@ -57,6 +57,9 @@ class BlockTooLong(InvalidValue):
 
     def describe(self) -> str:
         dims = chunk_tokens(self.path)
+        if dims.sum() == 0:  # no length would do
+            return (f"{self.path} holds no tokens ({len(dims)} chunk files in its {INDEX_FILE}): prepare it again from "
+                    f"its raw text, or leave it out of the data")
         length = f"{self.setting}={self.block_size - 1}"
         if dims.sum() >= self.block_size:  # enough tokens, cut into chunk files that are too small
             why = f"its largest chunk file holds {dims.max(initial=0)} tokens"

@@ -160,11 +160,8 @@ class SampleStream(IterableDataset):
 
         if not isinstance(seed, int) or seed < 0:
             raise InvalidValue(f"data.seed must be a non-negative integer (it seeds the data order); got {seed!r}")
-        weights = [1.0] * len(paths) if weights is None else [float(w) for w in weights]
-        if len(weights) != len(paths) or not all(math.isfinite(w) and w > 0 for w in weights):
-            raise InvalidValue(f"one positive, finite weight per data directory ({len(paths)}) expected; got {weights}")
         self.paths = [Path(p) for p in paths]
-        self.block_size, self.seed, self.weights, self.shuffle = block_size, seed, weights, shuffle
+        # each source's samples first: a directory that gives none is named, not the zero weight its size would make
         self.orders = []
         for source, path in enumerate(self.paths):
             tokens = chunk_tokens(path)
@@ -172,6 +169,10 @@ class SampleStream(IterableDataset):
             if blocks.sum() == 0:
                 raise BlockTooLong(path, block_size)
             self.orders.append(SourceOrder(blocks, seed, source, shuffle))
+        weights = [1.0] * len(paths) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(paths) or not all(math.isfinite(w) and w > 0 for w in weights):
+            raise InvalidValue(f"one positive, finite weight per data directory ({len(paths)}) expected; got {weights}")
+        self.block_size, self.seed, self.weights, self.shuffle = block_size, seed, weights, shuffle
         self.mix = MixOrder(weights, seed)
         self.sources = [source_key(p) for p in self.paths]
         # per source: the seed and source number its order is drawn with, and the samples it gave before this
@@ -199,6 +200,21 @@ class SampleStream(IterableDataset):
         for source, (seed, number, _) in enumerate(self.carried):
             if (seed, number) != (self.orders[source].seed, self.orders[source].source):
                 self.orders[source] = SourceOrder(self.orders[source].blocks, seed, number, self.shuffle)
+
+    def passes(self, positions: int) -> List[float]:
+        """How many times over its samples each source is read by the end of the stream's first `positions` positions,
+        counting the samples it gave before this stream began: above 1, its samples repeat."""
+        given = self.mix.given_before(positions)
+        return [(carried + int(n)) / order.total for (_, _, carried), n, order in zip(self.carried, given, self.orders)]
+
+    def describe_carried(self, known_sources) -> str:
+        """Where each source starts: after the samples it gave, for the sources among `known_sources` (keys), else at
+        its beginning."""
+        return "; ".join(
+            f"{path} after the {given:,} samples it gave ({order.total:,} in an epoch)" if key in known_sources
+            else f"{path} (new) at its beginning"
+            for path, key, (_, _, given), order in zip(self.paths, self.sources, self.carried, self.orders)
+        )
 
     def batch_positions(self, t: int) -> range:
         """The positions of this process's t-th micro batch."""
@@ -239,6 +255,21 @@ def carried_after(order: Dict, carried: Sequence[Sequence[int]], position: int) 
             for i, key in enumerate(order["sources"])}
 
 
+def repeated_samples_note(stream: SampleStream, steps: int, global_batch_size: int) -> Optional[str]:
+    """A line on the sources that a run of `steps` steps of `global_batch_size` samples reads more than once over
+    (a small directory in a mix, or a long run), or None: nothing else says that their samples repeat."""
+    shares = stream.mix.shares
+    repeated = [
+        f"{path}{f' ({share:.0%} of the mix)' if len(shares) > 1 else ''} {passes:.1f} times over its {order.total:,} samples"
+        for path, share, passes, order in zip(stream.paths, shares, stream.passes(steps * global_batch_size), stream.orders)
+        if passes > 1
+    ]
+    if not repeated:
+        return None
+    return (f"Note: over its {steps:,} step{'s' * (steps != 1)} of {global_batch_size:,} samples this run reads {'; '.join(repeated)}: "
+            f"their samples repeat, epoch after epoch{', each in a new order' if stream.shuffle else ''}")
+
+
 def micro_batches_per_process(positions: int, world_size: int, batch_size: int) -> int:
     """Micro batches of `batch_size` that each of `world_size` processes, taking them in turn, reads of
     `positions` positions: the same number on every process."""
@@ -260,8 +291,10 @@ class TrainLoader(DataLoader):
                          worker_init_fn=worker_init_fn)
         self.micro_batch_size = batch_size
         self.next_position = 0
-        # whether load_state_dict may go on from a checkpoint of another sample order (--resume_changes data)
+        # whether load_state_dict may go on from a checkpoint of another sample order (--resume_changes data), and
+        # where it then says each source goes on
         self.new_order_allowed = False
+        self.new_order_note: Optional[str] = None
         self.rank_and_world: Optional[Tuple[int, int]] = None  # None: torch.distributed's
 
     def __iter__(self):
@@ -305,6 +338,9 @@ class TrainLoader(DataLoader):
         old = carried_after(saved, state["carried"], int(state["next_position"]))
         self.dataset.carry_on([old.get(key, fresh) for key, fresh in zip(self.dataset.sources, self.dataset.carried)])
         self.next_position = 0
+        self.new_order_note = (f"The training data goes on in a new sample order (--resume_changes data); each directory "
+                               f"the checkpoint's run read goes on in its own order, none of its samples read again before "
+                               f"its epoch ends: {self.dataset.describe_carried(old)}")
 
 
 class ValidationLoader(DataLoader):

@@ -71,6 +71,23 @@ class TextFiles(DataModule):
             say_once(f"Warning: data.val_dir {self.val_dir} is also a data.train_dir: the validation loss is measured "
                      "on training data (prepare_text's --val_fraction holds documents out into OUT/val)")
 
+    def check_each_train_dir_once(self) -> None:
+        """Refuse a training directory listed twice, under one path or two (a link, a copy: one index.json). Each entry
+        is a source of its own, read in an order of its own, so its samples would repeat within an epoch of the mix,
+        where a larger train_weights share reads each of them once per epoch."""
+        from fabric_lin.data.sample_order import source_key
+
+        first_of = {}
+        for path in self.train_dirs:
+            first = first_of.setdefault(source_key(path), path)
+            if first is not path:
+                same = (f"{first} twice" if first == path
+                        else f"{first} and {path}, one directory" if first.resolve() == path.resolve()
+                        else f"{first} and {path}, one data set (their {INDEX_FILE} is the same)")
+                raise InvalidValue(f"data.train_dir lists {same}: each listed directory is read as a source of its own, so "
+                                   f"its samples would repeat within an epoch; list it once and give it a larger share "
+                                   f"with data.train_weights")
+
     @staticmethod
     def check_not_prepare_text_output(val_dir: Path) -> None:
         """prepare_text's --output_dir given as val_dir is refused naming its val/: the check of every prepared
@@ -88,6 +105,7 @@ class TextFiles(DataModule):
     def train_dataloader(self):
         if not self.train_dirs:
             raise self.no_train_dir()
+        self.check_each_train_dir_once()  # here, not in setup(): evaluate reads the run's val_dir alone
         weights = self.train_weights
         if weights is None and len(self.train_dirs) > 1:
             from fabric_lin.data.prepared import chunk_tokens

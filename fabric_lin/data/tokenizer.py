@@ -87,6 +87,19 @@ def weights_trained_with(directory: Union[str, Path]) -> Optional[dict]:
     return {"tokenizer": tokenizer.record()} if tokenizer is not None else None
 
 
+def the_recorded_tokenizer(directory: Union[str, Path]) -> str:
+    """For a directory of weights without its tokenizer.model: which one to put there, as its trained_with.json records
+    it ("; ..."), or "" where it has no readable record."""
+    try:
+        trained_with = read_trained_with(directory)
+    except InvalidValue:
+        return ""
+    if trained_with is None:
+        return ""
+    return (f"; its weights were trained with the tokenizer its {TRAINED_WITH_FILE} records ({describe_tokenizer(trained_with)}):"
+            f" copy that tokenizer.model (and its tokenizer_config.json) into {directory}")
+
+
 def write_trained_with(directory: Union[str, Path], info: dict) -> None:
     """Write `info` ({"tokenizer": Tokenizer.record()}) as the directory's trained_with.json."""
     text = json.dumps(info, indent=2) + "\n"
@@ -119,7 +132,7 @@ class Tokenizer:
             shown = ", ".join(present[:10]) + (f", ... ({len(present) - 10} more)" if len(present) > 10 else "")
             raise MissingFile(
                 f"{self.model_path} does not exist: expected a SentencePiece tokenizer.model in {checkpoint_dir}"
-                f" (found: {shown or 'nothing'})"
+                f" (found: {shown or 'nothing'}){the_recorded_tokenizer(checkpoint_dir)}"
             )
         self.processor = SentencePieceProcessor()
         with reading(self.model_path, "a SentencePiece model", OSError, RuntimeError):
