@@ -103,7 +103,7 @@ def setup(
             on the command line replaces the other of a --config file).
         model_config: A full model configuration (the fields of `fabric_lin.config.Config`).
         out_dir: Directory for checkpoints (step-XXXXXXXX/, final/), logs and metrics.jsonl.
-        precision: bf16-mixed, bf16-true, 16-mixed or 32-true. Default: bf16-mixed on GPU, 32-true on CPU.
+        precision: bf16-mixed, bf16-true, 16-mixed (CUDA only) or 32-true. Default: bf16-mixed on GPU, 32-true on CPU.
         resume: false: start fresh (refused where out_dir holds an earlier run's checkpoints, see overwrite).
             true: resume from the newest checkpoint in out_dir that verifies against its manifest (error if none).
             auto: the same, or a fresh start if out_dir holds no checkpoint (and its metrics.jsonl records none saved
@@ -147,6 +147,10 @@ def setup(
         )
     check_torchrun_processes(devices, num_nodes)
     precision = precision or ("bf16-mixed" if cuda else "32-true")
+    if precision == "16-mixed" and not cuda:
+        # Fabric would run bf16-mixed instead, with a warning, while hyperparameters.yaml records 16-mixed
+        raise InvalidValue("--precision 16-mixed needs a CUDA GPU (the CPU has no fp16 autocast): give --precision "
+                           "bf16-mixed or 32-true (exact, and the fastest on the CPU)")
     compile = replace(compile, enabled=cuda if compile.enabled is None else compile.enabled)
     data = SampleCorpus() if data is None else data
     data.validate()

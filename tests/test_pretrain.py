@@ -117,6 +117,16 @@ def test_error_more_cpu_processes_than_cores(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_error_16_mixed_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """Fabric would train in bf16-mixed instead, while the checkpoints recorded 16-mixed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--precision", "16-mixed"], capsys)
+    assert err == ("fabric-lin pretrain: error: --precision 16-mixed needs a CUDA GPU (the CPU has no fp16 autocast): give "
+                   "--precision bf16-mixed or 32-true (exact, and the fastest on the CPU)\n")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.timeout(60)  # unchecked, the run waits for the other processes torchrun would have started
 @pytest.mark.parametrize("flags", [[], ["--devices", "2"]])
 def test_error_devices_other_than_torchrun_started(tmp_path, capsys, monkeypatch, flags):
