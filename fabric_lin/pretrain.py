@@ -390,6 +390,8 @@ def main(
             repeats = repeated_samples_note(train_loader.dataset, train.total_steps(), train.global_batch_size)
             if repeats:
                 fabric.print(repeats)
+        if resume_dir is None and train.lr_warmup_steps >= train.total_steps():
+            fabric.print(warmup_past_the_end_note(train, optimizer.lr))
         val_dataloader = data.val_dataloader()
         train_dataloader = fabric.setup_dataloaders(train_loader)
         if val_dataloader is not None:  # a data module without a validation split returns None
@@ -542,6 +544,16 @@ def scheduled_learning_rate(train: TrainArgs, base_lr: float, schedule: TokenSch
     """The learning rate of the step that follows `tokens_seen` tokens trained, on the schedule `train` sets from base_lr."""
     return learning_rate(schedule.position(tokens_seen), base_lr, train.min_lr, train.lr_warmup_steps, schedule.steps,
                          train.lr_schedule, train.wsd_decay_fraction)
+
+
+def warmup_past_the_end_note(train: TrainArgs, base_lr: float) -> str:
+    """A warmup as long as the run or longer (a recipe's warmup kept for a short run): its learning rate only rises."""
+    steps = train.total_steps()
+    last_lr = learning_rate(steps - 1, base_lr, train.min_lr, train.lr_warmup_steps, steps, train.lr_schedule,
+                            train.wsd_decay_fraction)
+    return (f"Note: train.lr_warmup_steps ({train.lr_warmup_steps}) is not below the run's {steps} steps: the learning rate "
+            f"rises for the whole run, to {last_lr:.2e} at its last step (optimizer.lr {base_lr:g}), and never decays to "
+            f"train.min_lr (config_hub/debug.yaml warms up for 15 of its 150 steps)")
 
 
 def learning_rate_jump(checkpoint_dir: Path, train: TrainArgs, base_lr: float, state: Dict) -> Optional[str]:
