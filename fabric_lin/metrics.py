@@ -267,7 +267,13 @@ class MetricsWriter:
     def close(self, status: str) -> None:
         # Fabric's CSV logger writes its file only every 100 logged steps, and at finalize
         for logger in self.fabric.loggers:
-            logger.finalize(status)
+            try:
+                logger.finalize(status)
+            except OSError as error:
+                if status != "failed":
+                    raise
+                # the run failed already (e.g. the disk is full): that failure is the one to report
+                self.fabric.print(f"Warning: the {type(logger).__name__} could not write its last records: {error}")
 
 
 def progress_line(step: int, max_steps: int, m: Dict[str, float], eta: float) -> str:

@@ -103,7 +103,7 @@ def setup(
             on the command line replaces the other of a --config file).
         model_config: A full model configuration (the fields of `fabric_lin.config.Config`).
         out_dir: Directory for checkpoints (step-XXXXXXXX/, final/), logs and metrics.jsonl.
-        precision: bf16-mixed, bf16-true, 16-mixed or 32-true. Default: bf16-mixed on GPU, 32-true on CPU.
+        precision: bf16-mixed, bf16-true, 16-mixed (CUDA only) or 32-true. Default: bf16-mixed on GPU, 32-true on CPU.
         resume: false: start fresh (refused where out_dir holds an earlier run's checkpoints, see overwrite).
             true: resume from the newest checkpoint in out_dir that verifies against its manifest (error if none).
             auto: the same, or a fresh start if out_dir holds no checkpoint (and its metrics.jsonl records none saved
@@ -147,6 +147,10 @@ def setup(
         )
     check_torchrun_processes(devices, num_nodes)
     precision = precision or ("bf16-mixed" if cuda else "32-true")
+    if precision == "16-mixed" and not cuda:
+        # Fabric would run bf16-mixed instead, with a warning, while hyperparameters.yaml records 16-mixed
+        raise InvalidValue("--precision 16-mixed needs a CUDA GPU (the CPU has no fp16 autocast): give --precision "
+                           "bf16-mixed or 32-true (exact, and the fastest on the CPU)")
     compile = replace(compile, enabled=cuda if compile.enabled is None else compile.enabled)
     data = SampleCorpus() if data is None else data
     data.validate()
@@ -386,6 +390,8 @@ def main(
             repeats = repeated_samples_note(train_loader.dataset, train.total_steps(), train.global_batch_size)
             if repeats:
                 fabric.print(repeats)
+        if resume_dir is None and train.lr_warmup_steps >= train.total_steps():
+            fabric.print(warmup_past_the_end_note(train, optimizer.lr))
         val_dataloader = data.val_dataloader()
         train_dataloader = fabric.setup_dataloaders(train_loader)
         if val_dataloader is not None:  # a data module without a validation split returns None
@@ -538,6 +544,16 @@ def scheduled_learning_rate(train: TrainArgs, base_lr: float, schedule: TokenSch
     """The learning rate of the step that follows `tokens_seen` tokens trained, on the schedule `train` sets from base_lr."""
     return learning_rate(schedule.position(tokens_seen), base_lr, train.min_lr, train.lr_warmup_steps, schedule.steps,
                          train.lr_schedule, train.wsd_decay_fraction)
+
+
+def warmup_past_the_end_note(train: TrainArgs, base_lr: float) -> str:
+    """A warmup as long as the run or longer (a recipe's warmup kept for a short run): its learning rate only rises."""
+    steps = train.total_steps()
+    last_lr = learning_rate(steps - 1, base_lr, train.min_lr, train.lr_warmup_steps, steps, train.lr_schedule,
+                            train.wsd_decay_fraction)
+    return (f"Note: train.lr_warmup_steps ({train.lr_warmup_steps}) is not below the run's {steps} steps: the learning rate "
+            f"rises for the whole run, to {last_lr:.2e} at its last step (optimizer.lr {base_lr:g}), and never decays to "
+            f"train.min_lr (config_hub/debug.yaml warms up for 15 of its 150 steps)")
 
 
 def learning_rate_jump(checkpoint_dir: Path, train: TrainArgs, base_lr: float, state: Dict) -> Optional[str]:

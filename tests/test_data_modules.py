@@ -304,10 +304,11 @@ class Layout:
         return [sample_ids(next(it) for _ in range(accumulation) for it in self.iterators) for _ in range(steps)]
 
 
-def test_an_epoch_of_a_source_reads_each_of_its_blocks_once(mix):
+def test_an_epoch_of_a_source_reads_each_of_its_blocks_once(mix, capsys):
     data = TokenChunks(data_path=mix["data"] / "starcoder", num_workers=0)
     data.connect(mix["tokenizer"], batch_size=100, max_seq_length=SEQ)
     data.setup()
+    assert "TokenChunks: no validation: data.val_path is not set" in capsys.readouterr().out  # eval.* would do nothing
     blocks = litdata_blocks(mix["data"] / "starcoder", SEQ + 1)
     assert len(blocks) == 12_500 and len(set(blocks)) == len(blocks)
     iterator = iter(data.train_dataloader())

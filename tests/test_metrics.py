@@ -2,9 +2,10 @@
 paused for validation and saving left out (benchmarks/train_throughput.py reports these); each step's record, the
 progress line's loss and MFU, and a validation's perplexity, of two processes; a resumed attempt's history: the
 records after its step superseded, a line cut short by a kill left out (also inside the superseded file), the attempt
-numbered after every recorded one. (End to end, across kills and resumes: test_pretrain_resume.py.)"""
+numbered after every recorded one; a logger that cannot write at the end of a failed run. (End to end, across kills and resumes: test_pretrain_resume.py.)"""
 import json
 import math
+import shutil
 import time
 from types import SimpleNamespace
 
@@ -127,3 +128,21 @@ def test_a_line_cut_inside_the_superseded_file_hides_no_record_after_it(tmp_path
     writer = MetricsWriter(fabric, tmp_path, max_steps=8, tokens_per_step=100)
     writer.begin_attempt(2)
     assert writer.attempt == 3
+
+
+def test_a_logger_that_cannot_write_at_the_end_of_a_failed_run_hides_not_why_it_failed(tmp_path, capsys):
+    """A run that failed (a full disk) closes its logger, whose last write may fail too: that failure is told as
+    a warning, and the run's own error is the one raised. After a run that succeeded, it is the error."""
+    from lightning_fabric.loggers import CSVLogger
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[CSVLogger(tmp_path / "logs", name="csv")])
+    writer = MetricsWriter(fabric, tmp_path, max_steps=8, tokens_per_step=100)
+    fabric.log_dict({"loss": 1.0}, step=1)  # kept in memory until the logger is closed
+    version_dir = tmp_path / "logs" / "csv" / "version_0"
+    shutil.rmtree(version_dir)
+    version_dir.write_text("")  # where the logger writes its metrics.csv: it cannot
+    writer.close("failed")
+    assert (f"Warning: the CSVLogger could not write its last records: [Errno 20] Not a directory: "
+            f"'{version_dir / 'metrics.csv'}'") in capsys.readouterr().out
+    with pytest.raises(NotADirectoryError):
+        writer.close("success")

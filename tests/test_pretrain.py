@@ -117,6 +117,24 @@ def test_error_more_cpu_processes_than_cores(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_warmup_as_long_as_the_run_is_said(tmp_path, capsys):
+    """TrainArgs' default warmup (2000 steps) kept for a one-step run: it trains at 1/2000 of optimizer.lr."""
+    setup_pretrain(tmp_path, optimizer=OptimizerArgs(lr=4e-4))
+    assert ("Note: train.lr_warmup_steps (2000) is not below the run's 1 steps: the learning rate rises for the whole run, "
+            "to 2.00e-07 at its last step (optimizer.lr 0.0004), and never decays to train.min_lr") in capsys.readouterr().out
+    assert [r["lr"] for r in metrics_records(tmp_path / "out") if "lr" in r] == [pytest.approx(4e-4 / 2000)]
+
+
+def test_error_16_mixed_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """Fabric would train in bf16-mixed instead, while the checkpoints recorded 16-mixed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--precision", "16-mixed"], capsys)
+    assert err == ("fabric-lin pretrain: error: --precision 16-mixed needs a CUDA GPU (the CPU has no fp16 autocast): give "
+                   "--precision bf16-mixed or 32-true (exact, and the fastest on the CPU)\n")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.timeout(60)  # unchecked, the run waits for the other processes torchrun would have started
 @pytest.mark.parametrize("flags", [[], ["--devices", "2"]])
 def test_error_devices_other_than_torchrun_started(tmp_path, capsys, monkeypatch, flags):

@@ -272,26 +272,53 @@ def test_a_second_ctrl_c_stops_at_once_leaving_only_whole_checkpoints(reference,
     assert_same_run(out, reference)
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's unshare")
+def run_with_a_small_tmpfs(small: Path, size: str, argv, *, env: str = "", copy_to: Path = None):
+    """`argv` run where `small` is a tmpfs of `size` (a mount namespace of its own, with a user namespace where the
+    user may not mount), after `env` (NAME=value words); what it wrote there is copied to `copy_to`, as the tmpfs
+    goes with the namespace. Skips the test where no tmpfs can be mounted."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare")
+    small.mkdir()
+    mount = f"mount -t tmpfs -o size={size} tmpfs {small}"
+    unshare = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
+    probe = subprocess.run([*unshare, mount], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {probe.stderr.decode().strip()}")
+    copy = f"cp -a {small}/. {copy_to}" if copy_to is not None else "true"
+    script = f'{mount} && {{ env {env} "$@"; status=$?; {copy}; exit $status; }}'
+    return subprocess.run([*unshare, script, "sh", *argv], capture_output=True, text=True, timeout=TIMEOUT)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's compiler keeps its temporaries (ptxas's output, the "
                     "launcher it builds) in TMPDIR: 256 KiB breaks compiling for the GPU, before any save")
 def test_saves_take_no_room_in_the_temporary_directory(reference, tmp_path):
     """TMPDIR on a file system of 256 KiB, smaller than one checkpoint of this run (25 MB): every save
     succeeds, so no checkpoint byte passes through it."""
     small = tmp_path / "small_tmp"
-    small.mkdir()
-    mount = f"mount -t tmpfs -o size=256k tmpfs {small}"
-    # a mount namespace of its own (with a user namespace, where the user may not mount)
-    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {probe.stderr.decode().strip()}")
     out = tmp_path / "out"
-    script = f'{mount} && exec env TMPDIR={small} "$@"'
-    result = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh", *command(out)],
-                            capture_output=True, text=True, timeout=TIMEOUT)
+    result = run_with_a_small_tmpfs(small, "256k", command(out), env=f"TMPDIR={small}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_same_run(out, reference)
     assert (out / "step-00000002" / "lit_model.pth").stat().st_size > 256 * 1024
+
+
+def test_a_full_disk_at_a_save_is_one_line_and_keeps_the_earlier_checkpoint(tmp_path):
+    """out_dir on a file system with room for one checkpoint (25 MB) of two: the second save fails with the file
+    system's error in one line, naming the file; its .tmp- directory goes, the first checkpoint stays whole."""
+    from fabric_lin.checkpoint import verify_checkpoint
+
+    small, kept = tmp_path / "small", tmp_path / "kept"
+    kept.mkdir()
+    out = small / "out"
+    result = run_with_a_small_tmpfs(small, "40m", command(out, "--train.max_steps", "2", "--train.save_interval", "1"),
+                                    copy_to=kept)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stderr.endswith(
+        f"fabric-lin pretrain: error: [Errno 28] No space left on device: '{out / '.tmp-final' / 'lit_model.pth'}'\n"
+    ), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in (kept / "out").iterdir() if "step-" in p.name or "final" in p.name) == ["step-00000001"]
+    assert verify_checkpoint(kept / "out" / "step-00000001").ok
 
 
 def test_resume_past_a_damaged_checkpoint_is_exact(reference, tmp_path):

@@ -128,3 +128,11 @@ def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
     when it stops, and a worker whose trainer has died notices within seconds and exits."""
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+def say_once(message: str) -> None:
+    """Print `message` in the first process only (every process of a run sets its data module up)."""
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        print(message, flush=True)

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Union
 
-from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
+from fabric_lin.data.base import DataModule, say_once, token_train_loader, token_val_loader
 from fabric_lin.data.prepared import INDEX_FILE
 from fabric_lin.errors import InvalidValue, MissingFile
 
@@ -118,11 +118,3 @@ class TextFiles(DataModule):
         if self.val_dir is None:
             return None
         return token_val_loader(self.val_dir, self.block_size, self.batch_size, self.num_workers, self.tokenizer)
-
-
-def say_once(message: str) -> None:
-    """Print `message` in the first process only (every process of a run sets its data module up)."""
-    from lightning_fabric.utilities.rank_zero import rank_zero_only
-
-    if getattr(rank_zero_only, "rank", 0) == 0:
-        print(message, flush=True)

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
+from fabric_lin.data.base import DataModule, say_once, token_train_loader, token_val_loader
 from fabric_lin.errors import InvalidValue
 
 
@@ -14,7 +14,7 @@ class TokenChunks(DataModule):
     data_path: Optional[Path] = None
     """Prepared directory to train on."""
     val_path: Optional[Path] = None
-    """Prepared directory to validate on; without it `val_dataloader()` returns None (no validation)."""
+    """Prepared directory to validate on. Not given: no validation, said at start-up."""
     shuffle: bool = True
     """Shuffle the training blocks."""
     seed: int = 42
@@ -28,6 +28,8 @@ class TokenChunks(DataModule):
             raise InvalidValue("TokenChunks was given no directory: data.data_path (to train on) or data.val_path (to "
                                "validate on; all that evaluate reads), each written by fabric-lin's preprocessors")
         super().setup()
+        if self.val_path is None:
+            say_once("TokenChunks: no validation: data.val_path is not set")
 
     def no_data_path(self) -> InvalidValue:
         return InvalidValue("TokenChunks needs data.data_path: a directory written by fabric-lin's preprocessors")
