@@ -330,7 +330,10 @@ def test_fsdp_mesh_shards_over_a_nodes_processes_and_replicates_across_nodes(mon
 
 
 def test_16_mixed_is_refused_where_the_run_would_be_sharded(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("fabric_lin.pretrain.usable_cpu_cores", lambda: 2)
+    # 16-mixed runs on CUDA alone (on the CPU it is refused before this): two GPUs, as setup sees them; the refusal
+    # comes before Fabric starts or anything touches a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     err = cli_error(["pretrain", "--model_name", "gla-debug", "--devices", "2", "--precision", "16-mixed",
                      "--train.max_steps", "1", "--out_dir", str(tmp_path / "out")], capsys)
     assert "precision 16-mixed cannot be sharded" in err and "--parallelism.data_parallel ddp" in err
