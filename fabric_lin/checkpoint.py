@@ -173,46 +173,31 @@ class CheckpointFileIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: Dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
-        writer = FileWriter(path)
         try:
-            with writer:
-                torch.save(checkpoint, writer)  # fsynced with the rest when the manifest is written
+            torch.save(checkpoint, path)  # fsynced with the rest when the manifest is written
         except RuntimeError as error:
             # torch's zip writer reports a failed write (a full disk, a quota) as a RuntimeError about file
             # positions: the file system's own error is the one to report, naming the file
-            if writer.error is None:
+            reason = write_error(path)
+            if reason is None:
                 raise
-            raise OSError(writer.error.errno, writer.error.strerror, str(path)) from error
+            raise OSError(reason.errno, reason.strerror, str(path)) from error
 
 
-class FileWriter:
-    """A file opened for writing that keeps the file system's error of a failed write (`error`), which the
-    writer calling it may replace with an error of its own."""
-
-    def __init__(self, path):
-        self.path = path
-        self.error: Optional[OSError] = None
-
-    def __enter__(self) -> "FileWriter":
-        self.file = open(self.path, "wb")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            self.file.close()  # the last buffered bytes are written here
-        except OSError as error:
-            if exc[0] is None:
-                raise OSError(error.errno, error.strerror, str(self.path)) from error
-
-    def write(self, data) -> int:
-        try:
-            return self.file.write(data)
-        except OSError as error:
-            self.error = error
-            raise
-
-    def flush(self) -> None:
-        self.file.flush()
+def write_error(path, probe_bytes: int = 1 << 20) -> Optional[OSError]:
+    """The error the file system gives a further write to `path` (a checkpoint file a failed save left, about to be
+    discarded), or None where the write succeeds. torch.save writes through C++ straight to the path and its
+    RuntimeError carries no OSError: writing again is how to learn it. (Saving into a Python file object would keep
+    the OSError, but a Ctrl-C inside that object's write would then surface as torch's RuntimeError, not as the
+    KeyboardInterrupt that a second Ctrl-C must be.)"""
+    try:
+        with open(path, "ab") as file:
+            file.write(bytes(probe_bytes))
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as error:
+        return error
+    return None
 
 
 class signals_deferred:
