@@ -341,15 +341,19 @@ class RunTensorBoardLogger(TensorBoardLogger):
 
 
 def make_logger(name: str, out_dir: Path, hparams: Dict[str, Any], continuing: bool = False):
-    """`continuing`: the run resumes one in out_dir (TensorBoard then writes on into its directory)."""
+    """`continuing`: the run resumes one in out_dir (TensorBoard then writes on into its directory). The loggers
+    write under out_dir/logs/."""
+    logs = out_dir / "logs"
+    if logs.exists() and not logs.is_dir():
+        raise InvalidValue(f"{logs} is a file, where the {name} logger writes its directory: move or remove it")
     if name == "tensorboard":
-        return RunTensorBoardLogger(out_dir / "logs", continuing)
+        return RunTensorBoardLogger(logs, continuing)
     if name == "csv":
-        return CSVLogger(root_dir=out_dir / "logs", name="csv")
+        return CSVLogger(root_dir=logs, name="csv")
     if name == "wandb":
         try:  # Weights & Biases' own logger for Lightning Fabric
             from wandb.integration.lightning.fabric import WandbLogger
         except ImportError as e:
             raise MissingPackage(f"logger_name=wandb needs the wandb package: pip install wandb ({e})") from e
-        return WandbLogger(project="fabric-lin", name=out_dir.name, save_dir=str(out_dir / "logs"), resume="allow", config=hparams)
+        return WandbLogger(project="fabric-lin", name=out_dir.name, save_dir=str(logs), resume="allow", config=hparams)
     raise InvalidValue(f"logger_name must be tensorboard, csv or wandb, got {name!r}")

@@ -125,6 +125,19 @@ def test_a_warmup_as_long_as_the_run_is_said(tmp_path, capsys):
     assert [r["lr"] for r in metrics_records(tmp_path / "out") if "lr" in r] == [pytest.approx(4e-4 / 2000)]
 
 
+@pytest.mark.parametrize("logger", ["csv", "tensorboard"])
+def test_error_a_file_where_the_loggers_directory_goes(tmp_path, capsys, logger):
+    """out_dir/logs a file (a stray copy, say): one line naming it before any work, not the logger's traceback."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "logs").write_text("not a directory")
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(out), "--train.max_steps", "1",
+                     "--logger_name", logger], capsys)
+    assert err == (f"fabric-lin pretrain: error: {out / 'logs'} is a file, where the {logger} logger writes its "
+                   "directory: move or remove it\n")
+    assert (out / "logs").read_text() == "not a directory" and sorted(p.name for p in out.iterdir()) == ["logs"]
+
+
 def test_error_16_mixed_on_the_cpu(tmp_path, capsys, monkeypatch):
     """Fabric would train in bf16-mixed instead, while the checkpoints recorded 16-mixed."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
