@@ -338,7 +338,7 @@ def run(argv: List[str]) -> None:
     if argv and argv[0] == "pretrain":
         argv = command_line_model_replaces_the_config_files(argv)
     if argv and argv[0] == "pretrain" and not option_values(argv, "--out_dir"):
-        from fabric_lin.pretrain import check_config_of_a_moved_run
+        from fabric_lin.run_start import check_config_of_a_moved_run
 
         check_config_of_a_moved_run([Path(value).expanduser() for value in option_values(argv, "--config")])
     if argv and argv[0] in COMMANDS:

@@ -5,7 +5,8 @@ Reads top to bottom: `setup()` (the command line: check arguments, build Fabric,
 pieces they use. Elsewhere: the checkpoint format in `fabric_lin.checkpoint`, the learning-rate
 schedule in `fabric_lin.lr_schedule`, what is logged in `fabric_lin.metrics`, the option groups in
 `fabric_lin.args`, a batch's loss and checksum in `fabric_lin.batches`, signals and skipped steps in
-`fabric_lin.stopping`.
+`fabric_lin.stopping`, what a run checks of earlier work (out_dir, --resume, --initial_checkpoint_dir, tokenizers) in
+`fabric_lin.run_start`.
 """
 import contextlib
 import inspect
@@ -34,29 +35,35 @@ from fabric_lin.checkpoint import (
     CheckpointFileIO,
     check_out_dir,
     delete_checkpoints,
-    earlier_run_checkpoints,
-    explicit_resume_dir,
-    is_training_checkpoint,
     load_train_state,
     select_resume_dir,
     set_aside_later_checkpoints,
     to_plain,
     train_state,
 )
-from fabric_lin.config import CONFIG_FILE, OTHER_VOCAB_SIZE, Config, name_to_config
+from fabric_lin.config import OTHER_VOCAB_SIZE, Config, name_to_config
 from fabric_lin.cpu_cores import cores_busy_with_other_work, usable_cpu_cores
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader, repeated_samples_note
-from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
+from fabric_lin.errors import InvalidValue, UserError
 from fabric_lin.files import check_dir_can_be_made, environment_variables, missing_ancestors, read_yaml, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FUSED_NOTE as FP8_FUSED_NOTE, TENSORWISE_NOTE as FP8_TENSORWISE_NOTE, FP8Args, check_fp8, convert_to_fp8
 from fabric_lin.lr_schedule import TokenSchedule, learning_rate
-from fabric_lin.metrics import METRICS_FILE, MetricsWriter, make_logger, recorded_checkpoints
+from fabric_lin.metrics import MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, Launches, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.parallelism import check_torchrun_processes, free_gathered_weights, make_strategy
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
+from fabric_lin.run_start import (
+    check_earlier_run,
+    check_initial_checkpoint_dir,
+    check_no_checkpoint_went_missing,
+    check_trained_on_these_ids,
+    load_initial_weights,
+    load_tokenizer,
+    training_data_tokenizer,
+)
 from fabric_lin.stopping import StepFlags, StopRequest
 from fabric_lin.weights import canonical_name
 
@@ -206,20 +213,6 @@ def setup(
         raise
 
 
-def check_initial_checkpoint_dir(model_dir: Path) -> None:
-    """--initial_checkpoint_dir reads a model directory: what else it is given (a training checkpoint, a run's out_dir, a
-    Hugging Face Llama or fla directory) is refused before any work, naming what it is and how to go on from it."""
-    from fabric_lin.convert.model_dir import check_model_dir_given
-
-    if is_training_checkpoint(model_dir):
-        raise InvalidValue(
-            f"--initial_checkpoint_dir {model_dir} is a training checkpoint, and it reads a model directory: to go on with "
-            f"that run, --resume {model_dir}; to start a new run from its weights, fabric-lin convert_pretrained_checkpoint "
-            f"{model_dir} --output_dir <DIR>, then --initial_checkpoint_dir <DIR>"
-        )
-    check_model_dir_given(model_dir, "--initial_checkpoint_dir", "--initial_checkpoint_dir")
-
-
 def compile_caches_in(out_dir: Path, enabled: bool) -> ContextManager[None]:
     """Triton's and torch.compile's caches in out_dir/compile_cache (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR) while
     the run lasts, where `enabled`; afterwards the caller's own settings again, for a run started from Python."""
@@ -259,64 +252,6 @@ def set_cpu_threads(devices: int) -> None:
         print(f"Note: other work keeps {busy:.1f} of this run's {cores} CPU cores busy; training uses {threads} threads "
               f"per process. If steps are slow, OMP_NUM_THREADS=1 fabric-lin pretrain ... keeps them from waiting "
               f"for each other", flush=True)
-
-
-def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:
-    """Refuse a fresh run into an out_dir that holds an earlier run's checkpoints: the two runs' step
-    directories would lie side by side, and a later --resume auto would take the earlier run's newest."""
-    continuing = resume is True or resume == "auto"
-    # a --resume path that names no checkpoint is said before out_dir's earlier run, which it may have meant to name
-    named = None if continuing or resume is False or resume is None else explicit_resume_dir(resume)
-    inside = named is not None and Path(os.path.abspath(named)).parent == Path(os.path.abspath(out_dir))
-    if overwrite and continuing:
-        raise InvalidValue(
-            f"--overwrite true deletes the checkpoints in {out_dir} that --resume {resume} would continue from: give one of the two"
-        )
-    if overwrite and inside:
-        raise InvalidValue(f"--overwrite true would delete the checkpoint --resume {resume} names, in out_dir {out_dir}")
-    earlier = earlier_run_checkpoints(out_dir)
-    if not earlier or continuing or overwrite or inside:
-        return
-    shown = ", ".join(earlier[:3] + ([f"... ({len(earlier) - 3} more)"] if len(earlier) > 3 else []))
-    raise AlreadyExists(
-        f"out_dir {out_dir} holds the checkpoints of an earlier run ({shown}); a new run would put its own beside them. "
-        f"Continue that run with --resume auto, write this one to another --out_dir, or start afresh with "
-        f"--overwrite true (deletes those checkpoints)"
-    )
-
-
-def check_config_of_a_moved_run(config_files: List[Path]) -> None:
-    """A checkpoint's hyperparameters.yaml given as --config, and no --out_dir: the run goes on in the out_dir the file
-    records. Where the checkpoint now lies in another directory (the run was moved or copied), that is the old place,
-    where `--resume auto` would find no checkpoint and start again from step 0: refused, naming both places."""
-    recorded = None
-    for path in config_files:
-        content = read_yaml(path) if path.is_file() else None
-        if isinstance(content, dict) and "out_dir" in content:
-            recorded = (path, content["out_dir"])  # the last file that sets out_dir is the one that counts
-    if recorded is None or recorded[0].name != HPARAMS_FILE or not is_training_checkpoint(recorded[0].parent):
-        return
-    path, out_dir = recorded
-    lies_in = path.parent.parent
-    if out_dir is not None and Path(out_dir).expanduser().resolve() != lies_in.resolve():
-        raise InvalidValue(
-            f"--config {path}: it records out_dir {out_dir}, but its checkpoint now lies in {lies_in} (the run was moved "
-            f"or copied). Give --out_dir {lies_in} to go on where it lies (with --resume auto), or --out_dir {out_dir} to "
-            f"write to the recorded place"
-        )
-
-
-def check_no_checkpoint_went_missing(out_dir: Path) -> None:
-    """--resume auto found no checkpoint in out_dir: a fresh start, unless metrics.jsonl records checkpoints that the
-    run saved there, moved or deleted since. Starting again from step 0 would then train its steps over again."""
-    recorded = recorded_checkpoints(out_dir)
-    if recorded:
-        shown = ", ".join(recorded[-3:])
-        raise MissingFile(
-            f"--resume auto: out_dir {out_dir} holds no checkpoint, but its {METRICS_FILE} records the ones the run saved "
-            f"there ({shown}): they were moved or deleted. Put them back, or resume from one with --resume <dir>; to "
-            f"start again from step 0 here: --resume false --overwrite true"
-        )
 
 
 def main(
@@ -770,93 +705,6 @@ def no_decay_parameter_names(model: torch.nn.Module) -> set:
             if isinstance(module, RMSNorm) or param_name == "bias" or param_name in getattr(module, "no_weight_decay", ()):
                 names.add(canonical_name(f"{module_name}.{param_name}" if module_name else param_name))
     return names
-
-
-def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str, torch.Tensor]:
-    """The weights of a model directory, checked against `config` (names, shapes, dtypes: each mismatch
-    listed, and where they are the model of the directory's model_config.yaml, the flag that builds that one); a
-    model_config.yaml there that differs from `config` in fields that keep the shapes (eps, context length, ...) is
-    reported, not refused: continued pretraining may change them on purpose."""
-    from fabric_lin.convert.model_dir import (
-        check_state_dict,
-        load_model_dir_weights,  # weights_only
-    )
-
-    saved_config = Path(model_dir) / CONFIG_FILE
-    saved = Config.from_file(saved_config) if saved_config.is_file() else None
-    if saved is not None:
-        differ = {k: (v, getattr(config, k)) for k, v in vars(saved).items() if k != "name" and getattr(config, k, v) != v}
-        if differ:
-            log(
-                f"Warning: --initial_checkpoint_dir {model_dir}: its {CONFIG_FILE} differs from this run's model in "
-                + ", ".join(f"{k} ({a!r} there, {b!r} here)" for k, (a, b) in sorted(differ.items()))
-            )
-    state = load_model_dir_weights(model_dir)
-    try:
-        check_state_dict(state, config, source=str(model_dir))
-    except InvalidValue as mismatch:
-        if saved is not None and fits(state, saved):
-            raise InvalidValue(f"{mismatch}\n  they are the model of its {CONFIG_FILE}: start this run with "
-                               f"{saved.flag(saved_config)}") from None
-        raise
-    return state
-
-
-def fits(state: Dict[str, torch.Tensor], config: Config) -> bool:
-    """Whether the weights `state` are those of the model `config` (names, shapes, kinds of dtype)."""
-    from fabric_lin.convert.model_dir import check_state_dict
-
-    try:
-        check_state_dict(state, config)
-    except InvalidValue:
-        return False
-    return True
-
-
-def load_tokenizer(tokenizer_dir: Optional[Path]):
-    if tokenizer_dir is None:
-        return None
-    from fabric_lin.data.tokenizer import Tokenizer
-
-    return Tokenizer(tokenizer_dir)
-
-
-def training_data_tokenizer(data: DataModule, tokenizer) -> Optional[Dict[str, Any]]:
-    """What the checkpoints record as the tokenizer their weights are trained with (their trained_with.json): the one
-    that prepared the training data, as its prepared.json records it (data.setup() checked that the run's tokenizer and
-    every directory agree), else the run's tokenizer; None where neither is known."""
-    from fabric_lin.data.prepared import read_prepared_dir
-    from fabric_lin.data.tokenizer import tokenizer_identity
-
-    dirs = data.prepared_dirs()
-    info = read_prepared_dir(dirs[0]) if dirs else {}
-    if None not in tokenizer_identity(info):
-        return {"tokenizer": info["tokenizer"]}
-    return {"tokenizer": tokenizer.record()} if tokenizer is not None else None
-
-
-def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, data_trained_with: Optional[Dict[str, Any]],
-                               fix: str) -> None:
-    """Refuse to train on from weights (a checkpoint or a model directory; each holds the tokenizer its model was
-    trained with) with data of another tokenizer: an id stands for another piece in each, of the same vocabulary size
-    too, and the loss would only say so as a slow recovery. The weights' tokenizer is their trained_with.json's, or
-    their tokenizer.model's; the data's is `data_trained_with` (`training_data_tokenizer`: its prepared.json's, which
-    tells it also where the data carries no tokenizer files, else the run's `tokenizer`). Nothing to compare where
-    either tells none."""
-    from fabric_lin.data.prepared import PREPARED_INFO_FILE
-    from fabric_lin.data.tokenizer import (
-        TRAINED_WITH_FILE, Tokenizer, describe_tokenizer, tokenizer_identity, weights_trained_with)
-
-    weights_tokenizer = weights_trained_with(weights_dir) if data_trained_with is not None else None
-    if weights_tokenizer is not None and tokenizer_identity(weights_tokenizer) != tokenizer_identity(data_trained_with):
-        weights_named = (Tokenizer(weights_dir).describe() if (Path(weights_dir) / "tokenizer.model").is_file()
-                         else f"the tokenizer its {TRAINED_WITH_FILE} records ({describe_tokenizer(weights_tokenizer)})")
-        data_named = (tokenizer.describe() if tokenizer is not None
-                      else f"the tokenizer its data's {PREPARED_INFO_FILE} records ({describe_tokenizer(data_trained_with)})")
-        raise InvalidValue(
-            f"{option} {weights_dir}: its weights were trained on the ids of {weights_named}, and this run reads "
-            f"those of {data_named}: an id is another piece in each; {fix}"
-        )
 
 
 def tune_gla_kernels(fabric: L.Fabric, config: Config, train: TrainArgs, precision: str, out_dir: Path) -> GLALaunch:
