@@ -175,10 +175,11 @@ def wait_all(jobs: List[Job], timeout: float) -> List[int]:
             job.wait(max(0.0, deadline - time.monotonic()))
     except BaseException as ended:
         hung = [job for job in jobs if job.poll() is None]
+        described = describe(hung)  # before the kill: what each was doing
         for job in jobs:
             stop(job)
         hung_of_all = f"{len(hung)} of {len(jobs)} processes"
-        killed = f"each killed with every process it started:\n{describe(hung)}"
+        killed = f"each killed with every process it started:\n{described}"
         if isinstance(ended, subprocess.TimeoutExpired):
             raise TimeoutError(f"{hung_of_all} did not end within {timeout:g} s, {killed}") from None
         print(f"{hung_of_all} had not ended when the wait for them was interrupted, {killed}", file=sys.stderr)
@@ -192,14 +193,36 @@ def command_line(command: List[Union[str, Path]]) -> str:
 
 
 def describe(jobs: List[Job]) -> str:
-    """Each job's pid, command and the last lines of its output."""
+    """Each job's pid, command, what Linux says its main process is doing, and the last lines of its output."""
     lines = []
     for job in jobs:
         lines.append(f"pid {job.pid}: {command_line(job.args)}")
+        lines.append(f"  {process_state(job.pid)}")
         for path in job.logs:
             lines.append(f"  the end of {path}:")
             lines.extend(f"    {line}" for line in Path(path).read_text(errors="replace").splitlines()[-10:])
     return "\n".join(lines)
+
+
+# /proc/<pid>/stat's states: a process that waits for a peer over a socket sleeps (S), one that waits for the disk or
+# a page fault waits uninterruptibly (D), and a stopped one (T) waits for SIGCONT
+PROCESS_STATES = {"R": "running", "S": "sleeping", "D": "waiting uninterruptibly (disk I/O, a page fault)",
+                  "T": "stopped by a signal", "t": "stopped by a debugger", "Z": "ended, not yet collected"}
+
+
+def process_state(pid: int) -> str:
+    """What process `pid`'s main thread is doing, as Linux tells it: its state and, waiting, the kernel function it
+    waits in (e.g. do_epoll_wait, for a peer's message). A process that will not end is told apart: waiting for a peer
+    that is gone, held in the kernel, or stopped."""
+    entry = process_table().get(pid)
+    if entry is None:
+        return "no longer there"
+    try:
+        waiting_in = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:  # ended meanwhile
+        waiting_in = ""
+    described = PROCESS_STATES.get(entry[0], entry[0])
+    return f"{described}, in {waiting_in}" if waiting_in not in ("", "0") else described
 
 
 def stop(job: Union[subprocess.Popen, ForkedRun]) -> None:

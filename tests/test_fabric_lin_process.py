@@ -78,6 +78,21 @@ def test_ranks_are_waited_for_with_one_bound_and_the_one_that_hung_is_named(tmp_
     assert not [pid for pid in processes if running(pid)]
 
 
+def test_a_process_that_did_not_end_is_said_to_be_stopped_or_waiting(tmp_path):
+    """What each process that did not end was doing when its wait's bound came, read before it is killed: one stopped
+    by SIGSTOP is said to be, one waiting (here in a sleep) is said to be sleeping in the kernel's wait."""
+    ranks = [fabric_lin_process.start(hanging(tmp_path / f"pids-{rank}"), tmp_path / f"rank-{rank}.log") for rank in (0, 1)]
+    stopped = started(tmp_path / "pids-0")[0]
+    started(tmp_path / "pids-1")
+    ranks[0].send_signal(signal.SIGSTOP)
+    with pytest.raises(TimeoutError) as info:
+        fabric_lin_process.wait_all(ranks, timeout=0.5)
+    message = str(info.value)
+    # each process's state is the line under its command (the command, a script, spans lines), before its output's
+    assert message.index(f"pid {stopped}: ") < message.index("\n  stopped by a signal") < message.index("rank-0.log")
+    assert message.index("rank-0.log") < message.index("\n  sleeping, in ") < message.index("rank-1.log")
+
+
 class Interrupted(BaseException):
     """What pytest-timeout raises from its SIGALRM handler: a BaseException, no Exception."""
 
