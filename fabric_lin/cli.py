@@ -287,11 +287,15 @@ def command_line_model_replaces_the_config_files(argv: List[str]) -> List[str]:
 
 
 def check_config_files(argv: List[str]) -> None:
-    """Each `--config FILE` read before jsonargparse reads it: its own messages for a file that is not YAML, is empty or
-    holds a list name no file ("<unicode string>", "Unexpected config")."""
+    """Each `--config FILE` and `--model_config FILE` read before jsonargparse reads it: its own messages for a file
+    that is not YAML, is empty or holds a list name no file ("<unicode string>", "Unexpected config"), and it keeps
+    the last of a key given twice without a word."""
     from fabric_lin.errors import InvalidValue
     from fabric_lin.files import read_yaml
 
+    for value in option_values(argv, "--model_config"):
+        if Path(value).expanduser().is_file():
+            read_yaml(Path(value).expanduser())
     for value in option_values(argv, "--config"):
         if not Path(value).expanduser().is_file():  # inline YAML, or a path that jsonargparse says is missing
             continue
