@@ -355,6 +355,35 @@ def test_a_class_key_given_a_number_says_what_it_takes(tmp_path, capsys, key, va
         assert err == f"fabric-lin pretrain: error: {key}: got {value}, expected {expected} or null"
 
 
+def test_a_model_config_file_that_is_not_there_is_named(tmp_path, capsys):
+    """It was refused as "got model.yaml, expected a mapping of Config's fields"; a model directory given for its
+    model_config.yaml is pointed to it."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model_config.yaml").write_text("name: gla-debug\n")
+    for given, message in ((tmp_path / "model.yaml", "does not exist"),
+                           (tmp_path / "model", f"is a directory: give its model_config.yaml, {tmp_path / 'model' / 'model_config.yaml'}")):
+        err = cli_error(["pretrain", "--model_config", str(given), "--data", "SampleCorpus", "--out_dir", str(tmp_path / "out")], capsys)
+        assert err.startswith(f"fabric-lin pretrain: error: --model_config {given} {message}"), err
+
+
+@pytest.mark.parametrize("given,shown,hint", [
+    (["--data", "fabric_lin.data.SampleCorpos"], "fabric_lin.data.SampleCorpos", " (did you mean SampleCorpus?)"),
+    (["--data", "fabric_lin.SampleCorpus"], "fabric_lin.SampleCorpus", " (did you mean SampleCorpus?)"),
+    (["--data", "torch.nn.Linear"], "torch.nn.Linear", ""),
+    ("data:\n  class_path: fabric_lin.data.TextFile\n  init_args:\n    val_dir: val\n", "fabric_lin.data.TextFile",
+     " (did you mean TextFiles?)"),
+])
+def test_an_import_path_that_is_no_data_module_says_what_data_takes(tmp_path, capsys, given, shown, hint):
+    """An import path to no class, or to a class that is no data module, was refused as "expected null"; a config
+    file's class_path was shown as the whole mapping."""
+    if isinstance(given, str):
+        (tmp_path / "run.yaml").write_text(given)
+        given = ["--config", str(tmp_path / "run.yaml")]
+    err = parse_error(["pretrain", "--model_name", "gla-debug", *given, "--out_dir", str(tmp_path / "out")], capsys)
+    assert err == (f"fabric-lin pretrain: error: data: got {shown}, expected a data module (SampleCorpus, LongDocuments, "
+                   f"TokenChunks, SlimPajamaStarcoder, TextFiles or an import path) or null{hint}")
+
+
 def test_a_path_that_begins_with_a_tilde_is_in_the_home_directory(tmp_path, capsys, monkeypatch):
     """As a shell reads ~: `--out_dir=~/runs/a` (a shell expands no ~ after `=`) and a config file's paths went to a
     directory named ~ under the current one, while the run's loggers wrote into the home directory."""
