@@ -505,3 +505,24 @@ def test_copied_tokenizer_config_gets_add_bos_token_false(tmp_path, capsys):
     assert exported == {**llama2, "add_bos_token": False}
     assert list(exported) == list(llama2)
     assert "add_bos_token true -> false" in capsys.readouterr().out
+
+
+def test_an_interrupted_export_leaves_no_file_of_it(tmp_path, monkeypatch):
+    """Ctrl-C (or a full disk) while the tokenizer is copied left model.safetensors and config.json, an export that
+    transformers loads, without its tokenizer; a directory that was there before keeps its own files."""
+    from fabric_lin.convert import hf
+
+    make_model_dir(tmp_path / "model", small_config())
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf, "copy_tokenizer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("the user's own file stays")
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_hf(tmp_path / "model", tmp_path / "kept", overwrite=True)
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["notes.txt"]

@@ -33,6 +33,7 @@ from fabric_lin.convert.model_dir import (
     check_model_dir_given,
     check_state_dict,
     copy_tokenizer,
+    files_taken_back_on_failure,
     from_llama_command,
     load_model_dir_weights,
     load_safetensors_dir,
@@ -95,14 +96,16 @@ def convert_to_hf(
 
     with created_dir(output_dir):
         remove_earlier_model(output_dir)
-        files = save_safetensors_dir(hf_state, output_dir, max_shard_bytes=int(max_shard_gb * 2**30))
-        atomic_write(output_dir / HF_CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
-        tokenizer_files = copy_tokenizer(model_dir, output_dir, trained_with)
-        if "tokenizer_config.json" in tokenizer_files:
-            without_bos_token(output_dir / "tokenizer_config.json")
-        elif tokenizer_files:
-            write_hf_tokenizer_config(output_dir, model_dir)
-            tokenizer_files.append("tokenizer_config.json")
+        with files_taken_back_on_failure(output_dir):
+            files = save_safetensors_dir(hf_state, output_dir, max_shard_bytes=int(max_shard_gb * 2**30))
+            tokenizer_files = copy_tokenizer(model_dir, output_dir, trained_with)
+            if "tokenizer_config.json" in tokenizer_files:
+                without_bos_token(output_dir / "tokenizer_config.json")
+            elif tokenizer_files:
+                write_hf_tokenizer_config(output_dir, model_dir)
+                tokenizer_files.append("tokenizer_config.json")
+            # config.json last: what transformers and convert_from_hf take for an export, so a kill leaves none
+            atomic_write(output_dir / HF_CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
     print(f"Exported {model_dir} as fla {hf_config['architectures'][0]} ({len(hf_state)} tensors) -> {output_dir}: {files}")
     if config.block_type != "transformer" and config.head_norm_eps != config.norm_eps:
         print(

@@ -14,8 +14,9 @@ inside their directory.
 """
 import json
 import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -313,17 +314,25 @@ def save_model_dir(
     output_dir = Path(output_dir)
     trained_with = weights_trained_with(tokenizer_dir) if tokenizer_dir is not None else None
     remove_earlier_model(output_dir)
-    there_before = set(output_dir.iterdir())
-    try:
+    with files_taken_back_on_failure(output_dir):
         copied = copy_tokenizer(tokenizer_dir, output_dir, trained_with) if tokenizer_dir is not None else []
         atomic_write(output_dir / CONFIG_FILE, config.save)
         # the weights last: a directory left by a kill has none, and no command takes it for a model
         atomic_write(output_dir / MODEL_FILE, lambda p: torch.save(dict(state_dict), p))
-    except BaseException:  # a failed write (a full disk, Ctrl-C) takes back the files it added
-        for path in set(output_dir.iterdir()) - there_before:
+    return copied
+
+
+@contextmanager
+def files_taken_back_on_failure(directory: Path) -> Iterator[None]:
+    """Within the block, a model's files are written into `directory`; if it fails (a full disk, Ctrl-C), the files
+    it added are removed again, so that no part of a model is left to be taken for the whole."""
+    there_before = set(Path(directory).iterdir())
+    try:
+        yield
+    except BaseException:
+        for path in set(Path(directory).iterdir()) - there_before:
             path.unlink()
         raise
-    return copied
 
 
 def copy_tokenizer(src_dir: Path, dst_dir: Path, trained_with: Optional[dict]) -> List[str]:
