@@ -20,7 +20,6 @@ import os
 import shutil
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Iterator, List, Optional, Union
 
@@ -41,8 +40,10 @@ from fabric_lin.data.recipe import (
     default_num_workers,
     file_record,
     format_summary,
+    note_killed_preparations,
     require_flags,
     run_recipe,
+    stage_id,
     summarize,
 )
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
@@ -157,11 +158,12 @@ def prepare(
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
     # never mixed with the chunks of an earlier run: the trainer would read both
     check_empty_output_dir(output_dir)
+    note_killed_preparations(output_dir)
     text_files_to_read(input_dir, pattern)  # a missing or empty input directory fails here
     num_workers = num_workers or default_num_workers()
 
     with created_dir(output_dir.parent):
-        stage = output_dir.parent / f".tmp-{output_dir.name}-{uuid.uuid4().hex[:8]}"
+        stage = output_dir.parent / f".tmp-{stage_id(output_dir)}"
         stage.mkdir()
         try:
             splits = _prepare_into(stage, input_dir, output_dir, tokenizer_path, text_key, pattern, val_fraction,

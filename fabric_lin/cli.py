@@ -76,11 +76,17 @@ def report(prog: str, message: str) -> None:
         print(f"{prog}: {message}", file=sys.stderr, flush=True)
 
 
+DATA_MODULES = ("SampleCorpus", "LongDocuments", "TokenChunks", "SlimPajamaStarcoder", "TextFiles")
 # What the keys whose value is a class take, as the one-line errors say it (jsonargparse speaks of import paths)
 CLASS_VALUES = {
-    "data": "a data module (SampleCorpus, LongDocuments, TokenChunks, SlimPajamaStarcoder, TextFiles or an import path)",
+    "data": f"a data module ({', '.join(DATA_MODULES)} or an import path)",
     "model_config": "a mapping of fabric_lin.config.Config's fields (hidden_size, num_layers, ...)",
 }
+# jsonargparse's words for a class key's value that names no class of the key's kind: an import path to nothing
+# ("Problem with given class_path"), to another kind of class, a word that is no import path
+NO_CLASS_OF_ITS_KIND = re.compile(r"Problem with given class_path|Import path does not correspond to a subclass"
+                                  r"|Expected a dot import path string|Not a valid subclass of|^Expected a (?:DataModule|Config)",
+                                  re.M)
 
 
 def one_line_parse_error(message: str, parser) -> str:
@@ -131,24 +137,37 @@ def one_line_parse_error(message: str, parser) -> str:
     if unknown_options:
         return f"{key}: " + "; ".join(unknown_options)
     given = re.search(r"(?:Given|Got) value: (.*)", rest)
-    expected = []
+    # the class's own key refused (data.train_weights) is not the class refused
+    no_class = not nested and NO_CLASS_OF_ITS_KIND.search(rest) is not None
+    expected = [CLASS_VALUES.get(key, "a class name or import path")] if no_class else []
     for what in re.findall(r"(?:Expected a|Not a valid subclass of) (.+?)(?:\. Got value:.*)?$", rest, re.M):
         if what.startswith("path but") and len(re.findall("Expected a ", rest)) > 1:
             continue  # jsonargparse also tried the value as a config file name
         if what.startswith("dot import path string") or what.startswith(("DataModule", "Config")):
-            what = CLASS_VALUES.get(key, "a class name or import path")
-        else:
-            what = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", what).replace("NoneType", "null")
-            what = re.sub(r"typing\.Literal\[(.*)\]", r"one of \1", what)
+            continue  # NO_CLASS_OF_ITS_KIND's
+        what = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", what).replace("NoneType", "null")
+        what = re.sub(r"typing\.Literal\[(.*)\]", r"one of \1", what)
         if what not in expected:
             expected.append(what)
     if given and expected:
         key, value = f"{key}.{nested[-1]}" if nested else key, given.group(1).strip()
+        class_path = re.fullmatch(r"\{'class_path': '([^']+)'.*\}", value)  # a config file's `data: {class_path: ...}`
+        value = class_path.group(1) if class_path else value
         # `--resume_changes train.max_steps`: a list is one argument in brackets, which a shell needs quoted
         example = f"[{value}]" if "list" in expected else "[a, b]" if "tuple" in expected else None
         how = f"; in brackets, quoted for the shell: --{key} '{example}'" if example and not value.startswith("[") else ""
+        if key == "data" and no_class:
+            how += closest_data_module(value)
         return f"{key}: got {value}, expected {' or '.join(expected)}{how}"
     return f"{key}: " + " ".join(rest.split())
+
+
+def closest_data_module(given: str) -> str:
+    """' (did you mean NAME?)' for a --data value whose last part is close to a data module's name ('' if none is)."""
+    import difflib
+
+    close = difflib.get_close_matches(given.rpartition(".")[2], DATA_MODULES, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def unknown_key_hint(key: str, parser) -> str:
@@ -287,11 +306,24 @@ def command_line_model_replaces_the_config_files(argv: List[str]) -> List[str]:
 
 
 def check_config_files(argv: List[str]) -> None:
-    """Each `--config FILE` read before jsonargparse reads it: its own messages for a file that is not YAML, is empty or
-    holds a list name no file ("<unicode string>", "Unexpected config")."""
-    from fabric_lin.errors import InvalidValue
+    """Each `--config FILE` and `--model_config FILE` read before jsonargparse reads it: its own messages for a file
+    that is not YAML, is empty or holds a list name no file ("<unicode string>", "Unexpected config"), and it keeps
+    the last of a key given twice without a word."""
+    from fabric_lin.config import CONFIG_FILE
+    from fabric_lin.errors import InvalidValue, MissingFile
     from fabric_lin.files import read_yaml
 
+    for value in option_values(argv, "--model_config"):
+        path = Path(value).expanduser()
+        if path.is_file():
+            read_yaml(path)
+        elif path.is_dir():
+            has_config = (path / CONFIG_FILE).is_file()
+            raise InvalidValue(f"--model_config {value} is a directory: "
+                               + (f"give its {CONFIG_FILE}, {path / CONFIG_FILE}" if has_config else "expected a YAML file"))
+        elif value.endswith((".yaml", ".yml")) or (os.sep in value and not value.lstrip().startswith("{")):  # a path
+            raise MissingFile(f"--model_config {value} does not exist: expected a YAML file of the model's fields "
+                              f"(`fabric-lin pretrain list NAME > model.yaml` writes one to edit)")
     for value in option_values(argv, "--config"):
         if not Path(value).expanduser().is_file():  # inline YAML, or a path that jsonargparse says is missing
             continue

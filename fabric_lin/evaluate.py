@@ -95,7 +95,7 @@ def main(
             tasks of your own. Needs `pip install -e '.[eval]'`.
         task_dir: A directory of task YAML files of your own (lm-evaluation-harness's include_path).
         num_fewshot: Few-shot examples per task (default: each task's own, else 0).
-        limit: Examples per task: a count, or a fraction below 1 (for a quick look; not a full result).
+        limit: Examples per task: a whole count, or a fraction below 1 (for a quick look; not a full result).
         out_dir: Where evaluate.json and loss_by_position.png go. Default: a training checkpoint's
             <run out_dir>/evaluate/<checkpoint name>/, else <checkpoint_dir>/evaluate/.
         precision: 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true. Default: bf16-mixed on a GPU (what
@@ -233,8 +233,10 @@ def check_arguments(seq_len, max_batches, batch_size, bucket_size, bucket_edges,
             raise InvalidValue("--bucket_size and --bucket_edges both set the buckets of the loss by position: give one")
     if num_fewshot is not None and num_fewshot < 0:
         raise InvalidValue(f"--num_fewshot must be 0 or more examples, got {num_fewshot}")
-    if limit is not None and not limit > 0:
-        raise InvalidValue(f"--limit must be a positive count of examples per task, or a fraction below 1; got {limit}")
+    # the harness reads a limit of 1 or more as a count and cuts it to a whole one (1.5 runs 1 example)
+    if limit is not None and not (0 < limit < 1 or (limit >= 1 and float(limit).is_integer())):
+        raise InvalidValue(f"--limit must be a fraction below 1 or a whole count of examples per task (e.g. 0.1 or 100); "
+                           f"got {limit}")
     return list(dict.fromkeys(lengths))
 
 

@@ -52,11 +52,29 @@ def reading(path: Union[str, Path], what: str, *parse_errors: Type[BaseException
 
 
 def read_yaml(path: Union[str, Path]) -> Any:
-    """The YAML document in the file `path` (None for an empty file)."""
+    """The YAML document in the file `path` (None for an empty file). A mapping that gives a key twice is refused:
+    PyYAML keeps the last one without a word, so the edit of a recipe's `max_steps:` would be overridden by another
+    `max_steps:` further down."""
     import yaml
 
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            first_line = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`, whose keys the mapping's own replace
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, (str, int, float, bool, type(None))):
+                    continue  # an unhashable key: the SafeLoader's own error names it
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"a second {key!r} key (the first is at line {first_line[key] + 1}; keep one)",
+                        problem_mark=key_node.start_mark)
+                first_line[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep)
+
     with reading(path, "YAML", yaml.YAMLError, UnicodeDecodeError, fix="correct the file, or write it again"):
-        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
 
 
 def read_json(path: Union[str, Path]) -> dict:

@@ -320,6 +320,27 @@ def test_a_config_file_that_is_empty_or_no_mapping_or_not_yaml_is_named(tmp_path
     assert err == "fabric-lin pretrain: error: " + ("--config " if "holds" in message else "") + message.format(path=config) + "\n"
 
 
+@pytest.mark.parametrize("option", ["--config", "--model_config"])
+def test_a_key_given_twice_in_a_yaml_file_is_named_with_both_lines(tmp_path, capsys, option):
+    """PyYAML keeps the last of two equal keys without a word: an edit of a recipe's first `max_steps:` (or of the
+    num_layers of `pretrain list NAME`'s output) was silently overridden by the other one."""
+    if option == "--config":
+        content = "model_name: gla-debug\ntrain:\n  max_steps: 3\n  log_interval: 1\n  max_steps: 150\n"
+        key, first, second = "max_steps", 3, 5
+        argv = ["pretrain", "--config", str(tmp_path / "run.yaml")]
+    else:
+        content = "name: gla-debug\nnum_layers: 1\nhidden_size: 128\nnum_layers: 4\n"
+        key, first, second = "num_layers", 2, 4
+        argv = ["pretrain", "--model_config", str(tmp_path / "run.yaml"), "--data", "SampleCorpus"]
+    (tmp_path / "run.yaml").write_text(content)
+    # 16-mixed, which the CPU refuses at start-up, ends at once a run that the duplicate does not stop
+    err = cli_error([*argv, "--out_dir", str(tmp_path / "out"), "--precision", "16-mixed"], capsys)
+    assert err == (f"fabric-lin pretrain: error: {tmp_path / 'run.yaml'} cannot be read as YAML: a second {key!r} key "
+                   f"(the first is at line {first}; keep one) at line {second}, column 3; correct the file, or write it again\n"
+                   ).replace("column 3", "column 3" if option == "--config" else "column 1")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("key,value,expected", [
     ("data", "5", "a data module (SampleCorpus, LongDocuments, TokenChunks, SlimPajamaStarcoder, TextFiles or an import path)"),
     ("model_config", "5", "a mapping of fabric_lin.config.Config's fields (hidden_size, num_layers, ...)"),
@@ -332,6 +353,35 @@ def test_a_class_key_given_a_number_says_what_it_takes(tmp_path, capsys, key, va
     for argv in (["--config", str(config)], [f"--{key}", value]):
         err = parse_error(["pretrain", *argv, "--out_dir", str(tmp_path / "out")], capsys)
         assert err == f"fabric-lin pretrain: error: {key}: got {value}, expected {expected} or null"
+
+
+def test_a_model_config_file_that_is_not_there_is_named(tmp_path, capsys):
+    """It was refused as "got model.yaml, expected a mapping of Config's fields"; a model directory given for its
+    model_config.yaml is pointed to it."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model_config.yaml").write_text("name: gla-debug\n")
+    for given, message in ((tmp_path / "model.yaml", "does not exist"),
+                           (tmp_path / "model", f"is a directory: give its model_config.yaml, {tmp_path / 'model' / 'model_config.yaml'}")):
+        err = cli_error(["pretrain", "--model_config", str(given), "--data", "SampleCorpus", "--out_dir", str(tmp_path / "out")], capsys)
+        assert err.startswith(f"fabric-lin pretrain: error: --model_config {given} {message}"), err
+
+
+@pytest.mark.parametrize("given,shown,hint", [
+    (["--data", "fabric_lin.data.SampleCorpos"], "fabric_lin.data.SampleCorpos", " (did you mean SampleCorpus?)"),
+    (["--data", "fabric_lin.SampleCorpus"], "fabric_lin.SampleCorpus", " (did you mean SampleCorpus?)"),
+    (["--data", "torch.nn.Linear"], "torch.nn.Linear", ""),
+    ("data:\n  class_path: fabric_lin.data.TextFile\n  init_args:\n    val_dir: val\n", "fabric_lin.data.TextFile",
+     " (did you mean TextFiles?)"),
+])
+def test_an_import_path_that_is_no_data_module_says_what_data_takes(tmp_path, capsys, given, shown, hint):
+    """An import path to no class, or to a class that is no data module, was refused as "expected null"; a config
+    file's class_path was shown as the whole mapping."""
+    if isinstance(given, str):
+        (tmp_path / "run.yaml").write_text(given)
+        given = ["--config", str(tmp_path / "run.yaml")]
+    err = parse_error(["pretrain", "--model_name", "gla-debug", *given, "--out_dir", str(tmp_path / "out")], capsys)
+    assert err == (f"fabric-lin pretrain: error: data: got {shown}, expected a data module (SampleCorpus, LongDocuments, "
+                   f"TokenChunks, SlimPajamaStarcoder, TextFiles or an import path) or null{hint}")
 
 
 def test_a_path_that_begins_with_a_tilde_is_in_the_home_directory(tmp_path, capsys, monkeypatch):

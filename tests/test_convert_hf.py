@@ -454,6 +454,27 @@ def test_overwrite_leaves_only_the_latest_exports_weights(tmp_path, first_sharde
         assert weights == sorted(set(index["weight_map"].values()) | {"model.safetensors.index.json"})
 
 
+def test_overwrite_replaces_a_model_of_the_other_format(tmp_path):
+    """An export written over a model directory, and a model directory over an export, leave one model: the readers
+    of each format (generate reads lit_model.pth and model_config.yaml, convert_from_hf config.json and the
+    safetensors) would otherwise each find a model, a different one."""
+    old = make_model_dir(tmp_path / "old", small_config(), seed=0)
+    new = make_model_dir(tmp_path / "new", small_config(), seed=1)
+    convert_to_hf(tmp_path / "old", tmp_path / "old_hf")
+    convert_to_hf(tmp_path / "new", tmp_path / "new_hf")
+    tokenizer_files = ["tokenizer.model", "tokenizer_config.json", "trained_with.json"]
+    (tmp_path / "old" / "notes.txt").write_text("the user's own file stays")
+
+    convert_to_hf(tmp_path / "new", tmp_path / "old", overwrite=True)  # an export over the old model directory
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted(
+        ["config.json", "model.safetensors", "notes.txt", *tokenizer_files])
+    convert_from_hf(tmp_path / "new_hf", tmp_path / "old_hf", overwrite=True)  # a model directory over the old export
+    assert sorted(p.name for p in (tmp_path / "old_hf").iterdir()) == sorted(["lit_model.pth", "model_config.yaml", *tokenizer_files])
+    back = load_model_dir_weights(tmp_path / "old_hf")
+    assert not torch.equal(old["embeddings.weight"], new["embeddings.weight"])
+    assert all(torch.equal(back[name], new[name]) for name in new)
+
+
 def test_directory_mixing_two_exports_is_refused(tmp_path):
     make_model_dir(tmp_path / "model", small_config())
     convert_to_hf(tmp_path / "model", tmp_path / "single")
@@ -484,3 +505,24 @@ def test_copied_tokenizer_config_gets_add_bos_token_false(tmp_path, capsys):
     assert exported == {**llama2, "add_bos_token": False}
     assert list(exported) == list(llama2)
     assert "add_bos_token true -> false" in capsys.readouterr().out
+
+
+def test_an_interrupted_export_leaves_no_file_of_it(tmp_path, monkeypatch):
+    """Ctrl-C (or a full disk) while the tokenizer is copied left model.safetensors and config.json, an export that
+    transformers loads, without its tokenizer; a directory that was there before keeps its own files."""
+    from fabric_lin.convert import hf
+
+    make_model_dir(tmp_path / "model", small_config())
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf, "copy_tokenizer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("the user's own file stays")
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_hf(tmp_path / "model", tmp_path / "kept", overwrite=True)
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["notes.txt"]

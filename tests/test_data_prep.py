@@ -159,6 +159,25 @@ def test_fast_dev_run_true_is_the_first_ten_files_whatever_the_workers(corpus, t
     assert Counter(map(tuple, got)) == Counter(map(tuple, expected_tokens(tokenizer, texts[:10])))
 
 
+@pytest.mark.parametrize("command", ["prepare_slimpajama", "prepare_text"])
+def test_the_working_directories_of_a_killed_preparation_are_named(corpus, tmp_path, capfd, command):
+    """A run killed outright (SIGKILL: no handler runs) leaves its hidden working directories beside the output, up to
+    a whole output's size each; the next run into that output said nothing of them."""
+    write_json_lines(tmp_path / "raw" / "part-0.jsonl.zst", slimpajama_rows(1, 4), "zst")
+    left = [tmp_path / ".tmp-out-0123abcd", tmp_path / ".tmp-cache-out-0123abcd"]
+    others = [tmp_path / ".tmp-outer-0123abcd", tmp_path / ".tmp-out-x"]  # another output's; not a run's name
+    for directory in left + others:
+        (directory / "chunks").mkdir(parents=True)
+    cli_main([command, "--input_dir", str(tmp_path / "raw"), "--output_dir", str(tmp_path / "out"),
+              "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "1"])
+    printed = capfd.readouterr().out
+    notes = [line for line in printed.splitlines() if line.startswith("Note: ") and ".tmp-" in line]
+    assert notes == [f"Note: {d} was left by a preparation of {tmp_path / 'out'} that was killed (or is running now): "
+                     "delete it to free its space once none is running" for d in left]
+    assert all(d.is_dir() for d in left + others)  # named, not deleted: a run into the same output may be writing it
+    check_prepared_dir(tmp_path / "out" / ("train" if command == "prepare_text" else ""), Tokenizer(corpus["tokenizer"]))
+
+
 def test_starcoder_round_trip_and_bad_files_through_cli(corpus, capfd):
     tokenizer = Tokenizer(corpus["tokenizer"])
     out = corpus["root"] / "starcoder"

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from conftest import litdata_blocks
 from fabric_lin.args import EvalArgs, TrainArgs
 from fabric_lin.config import Config
+from fabric_lin.errors import InvalidValue
 from fabric_lin.evaluate import HarnessScorer, main as evaluate, plot_loss_by_position
 from fabric_lin.model import GPT
 from helpers import cli_error, write_prepared
@@ -400,6 +401,20 @@ def test_errors_are_one_line(run, tmp_path, capsys, monkeypatch):
     assert "--tasks needs lm-evaluation-harness: pip install -e '.[eval]'" in cli_error(
         ["evaluate", str(final), "--tasks", "hellaswag"], capsys)
     assert not (tmp_path / "model" / "evaluate").exists()  # failed runs leave no output directory
+
+
+@pytest.mark.parametrize("limit,refused", [(0.5, False), (1.0, False), (20, False), (1.5, True), (0.0, True), (-2, True)])
+def test_limit_is_a_fraction_below_one_or_a_whole_count(limit, refused):
+    """lm-evaluation-harness reads a --limit of 1 or more as a count and cuts it to a whole one: 1.5 (one and a half
+    percent?) ran 1 example per task."""
+    from fabric_lin.evaluate import check_arguments
+
+    if refused:
+        with pytest.raises(InvalidValue, match=rf"^--limit must be a fraction below 1 or a whole count of examples per "
+                                               rf"task \(e\.g\. 0\.1 or 100\); got {limit}$"):
+            check_arguments(None, None, None, None, None, None, limit)
+    else:
+        check_arguments(None, None, None, None, None, None, limit)
 
 
 def test_data_options_without_a_data_module_and_an_empty_length_list_are_one_line(run, capsys):

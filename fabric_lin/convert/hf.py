@@ -33,11 +33,13 @@ from fabric_lin.convert.model_dir import (
     check_model_dir_given,
     check_state_dict,
     copy_tokenizer,
+    files_taken_back_on_failure,
     from_llama_command,
     load_model_dir_weights,
     load_safetensors_dir,
     parse_dtype,
     prepare_output_dir,
+    remove_earlier_model,
     save_model_dir,
     save_safetensors_dir,
 )
@@ -65,7 +67,8 @@ def convert_to_hf(
         output_dir: (required) where to write model.safetensors (or shards and an index), config.json, the tokenizer
             files and trained_with.json.
         dtype: cast floating-point weights to float32, bfloat16 or float16 (default: keep).
-        overwrite: write into a non-empty output_dir.
+        overwrite: write into a non-empty output_dir, in place of the model written there before (its other
+            files stay).
         max_shard_gb: largest safetensors file; more weights than this are split into shards with an index.
     """
     if output_dir is None:
@@ -92,14 +95,17 @@ def convert_to_hf(
     hf_config.update(tokenizer_ids)
 
     with created_dir(output_dir):
-        files = save_safetensors_dir(hf_state, output_dir, max_shard_bytes=int(max_shard_gb * 2**30))
-        atomic_write(output_dir / HF_CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
-        tokenizer_files = copy_tokenizer(model_dir, output_dir, trained_with)
-        if "tokenizer_config.json" in tokenizer_files:
-            without_bos_token(output_dir / "tokenizer_config.json")
-        elif tokenizer_files:
-            write_hf_tokenizer_config(output_dir, model_dir)
-            tokenizer_files.append("tokenizer_config.json")
+        remove_earlier_model(output_dir)
+        with files_taken_back_on_failure(output_dir):
+            files = save_safetensors_dir(hf_state, output_dir, max_shard_bytes=int(max_shard_gb * 2**30))
+            tokenizer_files = copy_tokenizer(model_dir, output_dir, trained_with)
+            if "tokenizer_config.json" in tokenizer_files:
+                without_bos_token(output_dir / "tokenizer_config.json")
+            elif tokenizer_files:
+                write_hf_tokenizer_config(output_dir, model_dir)
+                tokenizer_files.append("tokenizer_config.json")
+            # config.json last: what transformers and convert_from_hf take for an export, so a kill leaves none
+            atomic_write(output_dir / HF_CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
     print(f"Exported {model_dir} as fla {hf_config['architectures'][0]} ({len(hf_state)} tensors) -> {output_dir}: {files}")
     if config.block_type != "transformer" and config.head_norm_eps != config.norm_eps:
         print(
@@ -122,7 +128,8 @@ def convert_from_hf(
         checkpoint_dir: a directory with config.json and model.safetensors (or shards and model.safetensors.index.json).
         output_dir: where to write the model directory (required).
         dtype: cast floating-point weights to float32, bfloat16 or float16 (default: keep).
-        overwrite: write into a non-empty output_dir.
+        overwrite: write into a non-empty output_dir, in place of the model written there before (its other
+            files stay).
         name: the model's name in model_config.yaml (default: the one recorded at export, else the directory name).
     """
     if output_dir is None:

@@ -14,8 +14,9 @@ inside their directory.
 """
 import json
 import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -203,31 +204,35 @@ def refuse_mixed_exports(directory: Path, index_files: Iterable[str], index_path
         )
 
 
-def remove_safetensors_weights(directory: Path) -> List[str]:
-    """Delete model.safetensors, model.safetensors.index.json and model-NNNNN-of-NNNNN.safetensors in
-    `directory`. Returns the names removed."""
+def remove_earlier_model(directory: Path) -> None:
+    """Delete what a conversion wrote into `directory` before (`--overwrite true`), in either format: a model
+    directory's lit_model.pth and model_config.yaml, an export's config.json and safetensors (one file, or shards and
+    their index), the tokenizer files and trained_with.json; other files stay. Left beside the new model, the earlier
+    one is what some reader would load: generate reads lit_model.pth, convert_from_hf and transformers config.json and
+    the safetensors, a stale index or model.safetensors wins over new shards or the reverse; and its tokenizer and
+    trained_with.json would be taken for the new weights'. Removed before writing, an interrupted conversion leaves no
+    weights rather than a mix of two models."""
+    from fabric_lin.data.tokenizer import TOKENIZER_FILES, TRAINED_WITH_FILE
+
+    written_by_a_conversion = {MODEL_FILE, CONFIG_FILE, HF_CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE,
+                               TRAINED_WITH_FILE, *TOKENIZER_FILES}
     removed = []
     for path in sorted(Path(directory).iterdir()):
-        if path.name in (SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE) or _SHARD_NAME.fullmatch(path.name):
+        if path.is_file() and (path.name in written_by_a_conversion or _SHARD_NAME.fullmatch(path.name)):
             path.unlink()
             removed.append(path.name)
-    return removed
+    if removed:
+        print(f"Removed the files of an earlier model in {directory}: {_short_list(removed, 6)}")
 
 
 def save_safetensors_dir(
     state_dict: Dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = 5 * 2**30, metadata: Optional[dict] = None
 ) -> List[str]:
     """Write `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` plus the index when the
-    tensors exceed `max_shard_bytes`. Returns the file names written.
-
-    The weight files of an earlier export in `directory` go first: left beside the new ones, a
-    stale index or model.safetensors is what some reader would load. Removed before writing, an
-    interrupted export leaves no weights rather than a mix of two."""
+    tensors exceed `max_shard_bytes`, into `directory` (cleared of an earlier model by `remove_earlier_model`).
+    Returns the file names written."""
     from safetensors.torch import save_file
 
-    removed = remove_safetensors_weights(directory)
-    if removed:
-        print(f"Removed the weight files of an earlier export in {directory}: {_short_list(removed, 6)}")
     shards: List[Dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state_dict.items():
@@ -301,26 +306,33 @@ def save_model_dir(
     state_dict: Dict[str, torch.Tensor], config: Config, output_dir: Path, tokenizer_dir: Optional[Path] = None
 ) -> List[str]:
     """Write (from `tokenizer_dir`) the tokenizer files with the record of the tokenizer the weights were trained with,
-    model_config.yaml and lit_model.pth into the existing `output_dir`. A tokenizer.model that is not the one
-    `tokenizer_dir` records is refused before anything is written. Returns the names of the tokenizer files copied."""
+    model_config.yaml and lit_model.pth into the existing `output_dir`, in place of any model written there before
+    (`remove_earlier_model`). A tokenizer.model that is not the one `tokenizer_dir` records is refused before anything
+    is written. Returns the names of the tokenizer files copied."""
     from fabric_lin.data.tokenizer import weights_trained_with
 
     output_dir = Path(output_dir)
     trained_with = weights_trained_with(tokenizer_dir) if tokenizer_dir is not None else None
-    # an earlier model's weights (--overwrite) go first: with the new tokenizer and config written and the new
-    # weights not (a kill), the directory would hold another model
-    (output_dir / MODEL_FILE).unlink(missing_ok=True)
-    there_before = set(output_dir.iterdir())
-    try:
+    remove_earlier_model(output_dir)
+    with files_taken_back_on_failure(output_dir):
         copied = copy_tokenizer(tokenizer_dir, output_dir, trained_with) if tokenizer_dir is not None else []
         atomic_write(output_dir / CONFIG_FILE, config.save)
         # the weights last: a directory left by a kill has none, and no command takes it for a model
         atomic_write(output_dir / MODEL_FILE, lambda p: torch.save(dict(state_dict), p))
-    except BaseException:  # a failed write (a full disk, Ctrl-C) takes back the files it added
-        for path in set(output_dir.iterdir()) - there_before:
+    return copied
+
+
+@contextmanager
+def files_taken_back_on_failure(directory: Path) -> Iterator[None]:
+    """Within the block, a model's files are written into `directory`; if it fails (a full disk, Ctrl-C), the files
+    it added are removed again, so that no part of a model is left to be taken for the whole."""
+    there_before = set(Path(directory).iterdir())
+    try:
+        yield
+    except BaseException:
+        for path in set(Path(directory).iterdir()) - there_before:
             path.unlink()
         raise
-    return copied
 
 
 def copy_tokenizer(src_dir: Path, dst_dir: Path, trained_with: Optional[dict]) -> List[str]:

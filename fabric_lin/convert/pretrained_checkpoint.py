@@ -39,7 +39,8 @@ def convert_pretrained_checkpoint(
             or .../final; from one device or FSDP-sharded from many.
         output_dir: where to write the model directory (required).
         dtype: cast floating-point weights to float32, bfloat16 or float16 (default: keep).
-        overwrite: write into a non-empty output_dir.
+        overwrite: write into a non-empty output_dir, in place of the model written there before (its other
+            files stay).
     """
     if output_dir is None:
         raise InvalidValue("convert_pretrained_checkpoint: --output_dir is required")

@@ -3,6 +3,7 @@ tokenization turns raw files into token arrays with a report per file, and `run_
 litdata's DataProcessor into a temporary directory and renames it to the output directory only once everything
 was written. The commands that run them are in `data_prep/`; the sample corpus runs them too.
 """
+import glob
 import itertools
 import json
 import multiprocessing
@@ -316,6 +317,7 @@ def run_recipe(
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
     check_input_dir(input_dir)
     check_empty_output_dir(output_dir)
+    note_killed_preparations(output_dir)
     check_num_workers(num_workers)
     check_fast_dev_run(fast_dev_run)
     tokenizer = Tokenizer(recipe.tokenizer_path)
@@ -341,9 +343,26 @@ def run_recipe(
         return _run_into(recipe, input_dir, output_dir, tokenizer, num_workers, fast_dev_run, info, shown_as or output_dir)
 
 
+def stage_id(output_dir: Path) -> str:
+    """`<output_dir's name>-<8 hex digits>`: what names the hidden working directories of one run beside output_dir,
+    `.tmp-<id>` (its output) and `.tmp-cache-<id>` (litdata's cache), so that no two runs share one."""
+    return f"{output_dir.name}-{uuid.uuid4().hex[:8]}"
+
+
+def note_killed_preparations(output_dir: Path) -> None:
+    """Name the working directories that earlier runs into `output_dir` left beside it: a run killed outright (SIGKILL,
+    the OOM killer, a lost node) removes none. Nothing reads them, but each keeps up to a whole output's disk space,
+    hidden, and every run killed so adds one."""
+    hex_digits = "[0-9a-f]" * 8
+    for prefix in (".tmp-", ".tmp-cache-"):
+        for path in sorted(output_dir.parent.glob(f"{prefix}{glob.escape(output_dir.name)}-{hex_digits}")):
+            print(f"Note: {path} was left by a preparation of {output_dir} that was killed (or is running now): "
+                  "delete it to free its space once none is running", flush=True)
+
+
 def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokenizer: Tokenizer, num_workers: int,
               fast_dev_run: int, info: dict, shown_as: Path) -> dict:
-    run_id = f"{output_dir.name}-{uuid.uuid4().hex[:8]}"
+    run_id = stage_id(output_dir)
     tmp_dir = output_dir.parent / f".tmp-{run_id}"
     cache_dir = output_dir.parent / f".tmp-cache-{run_id}"
     report_dir = tmp_dir / REPORTS_DIR
