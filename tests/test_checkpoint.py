@@ -25,6 +25,7 @@ from fabric_lin.checkpoint import (
     MANIFEST_FILE,
     MODEL_FILE,
     STEP_FILE,
+    CheckpointFileIO,
     Checkpointer,
     checkpoint_dirs,
     delete_checkpoints,
@@ -470,6 +471,18 @@ def test_an_interrupted_save_leaves_the_complete_checkpoints_and_no_temporary_di
     with pytest.raises(KeyboardInterrupt):
         Checkpointer(tmp_path, {}, Config.from_name("gla-debug")).save(InterruptedSaveFabric(), state)
     assert sorted(p.name for p in tmp_path.iterdir()) == [saved.name] and verify_checkpoint(saved).ok
+
+
+def test_a_failed_write_of_the_weights_that_is_not_the_file_system_s_is_raised(tmp_path, monkeypatch):
+    """torch.save's RuntimeError where the file system takes further writes (no full disk): raised as it is, so the save
+    fails and no manifest calls the half-written file complete."""
+    def half_written(obj, path):
+        Path(path).write_bytes(b"half")
+        raise RuntimeError("serialization failed")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", half_written)
+    with pytest.raises(RuntimeError, match="^serialization failed$"):
+        CheckpointFileIO().save_checkpoint({"step_count": 1}, tmp_path / MODEL_FILE)
 
 
 def test_an_earlier_run_is_found_and_deleted_whole(tmp_path):
