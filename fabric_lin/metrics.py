@@ -124,6 +124,9 @@ class MetricsWriter:
             tmp = self.path.with_name(REWRITE_FILE)
             with open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(record) + "\n" for record in kept)
+                f.flush()
+                # on disk before the rename: a crash of the machine could otherwise leave an empty metrics.jsonl
+                os.fsync(f.fileno())
             os.replace(tmp, self.path)  # moved records are in the superseded file first: none is lost
         for logger in self.fabric.loggers:
             if isinstance(logger, RunTensorBoardLogger):

@@ -1,9 +1,11 @@
 """The training-checkpoint format (`fabric_lin.checkpoint`): atomic step directories (every file and directory
 fsynced before the rename) and their manifests (each file's CRC-32 against zlib's of the whole file, the file read
 in several blocks), verification (truncated, changed in any block, missing files, a missing manifest, checkpoints
-from before manifests), finding the one to resume from and falling back past damaged ones, pruning, deleting an earlier run, RNG
-states, and the round trip of a train state through save and load. (Reading a checkpoint's model weights,
-single-file and FSDP-sharded: test_convert_pretrained_checkpoint.py.)"""
+from before manifests), finding the one to resume from and falling back past damaged ones, setting aside the later ones
+that a resume from an earlier one trains again, pruning (complete ones counted, a kill leaving none half-deleted under
+a step-* name), a final/ saved again at its step, deleting an earlier run, RNG states, and the round trip of a train
+state through save and load. (Reading a checkpoint's model weights, single-file and FSDP-sharded:
+test_convert_pretrained_checkpoint.py.)"""
 import json
 import os
 import random
@@ -23,6 +25,7 @@ from fabric_lin.checkpoint import (
     MANIFEST_FILE,
     MODEL_FILE,
     STEP_FILE,
+    CheckpointFileIO,
     Checkpointer,
     checkpoint_dirs,
     delete_checkpoints,
@@ -35,6 +38,7 @@ from fabric_lin.checkpoint import (
     get_rng_states,
     load_train_state,
     prune_checkpoints,
+    set_aside_later_checkpoints,
     set_rng_states,
     step_checkpoints,
     train_state,
@@ -90,6 +94,50 @@ def test_prune_keeps_newest(tmp_path):
     prune_checkpoints(tmp_path, keep_last_n=2)
     assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000006", "step-00000008"]
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_prune_counts_only_complete_checkpoints(tmp_path):
+    """A step directory without its weights (emptied by hand, say) is not one of the newest kept: pruning to 1 keeps
+    the newest complete checkpoint, and leaves the incomplete one to --resume's verification."""
+    for step in (2, 4):
+        _make_ckpt(tmp_path, f"step-{step:08d}")
+    (tmp_path / "step-00000006").mkdir()
+    prune_checkpoints(tmp_path, keep_last_n=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000006"]
+    assert (tmp_path / "step-00000004" / "lit_model.pth").is_file()
+
+
+def test_a_kill_while_pruning_leaves_no_step_directory_half_deleted(tmp_path, monkeypatch):
+    """Killed while deleting the oldest checkpoint (its weights gone, the rest not yet): what is left under a step-*
+    name is whole, the half-deleted one lies under a .tmp- name that nothing reads."""
+    for step in (2, 4):
+        _make_ckpt(tmp_path, f"step-{step:08d}")
+
+    def killed_while_deleting(path, *args, **kwargs):
+        (Path(path) / "lit_model.pth").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(KeyboardInterrupt):
+        prune_checkpoints(tmp_path, keep_last_n=1)
+    steps = [p for p in tmp_path.iterdir() if p.name.startswith("step-")]
+    assert [p.name for p in steps] == ["step-00000004"] and (steps[0] / "lit_model.pth").is_file()
+
+
+def test_a_resume_from_an_earlier_checkpoint_of_out_dir_sets_only_the_later_ones_aside(tmp_path):
+    """Resumed from step 2 of out_dir: step 3 and final/ (at step 3) are renamed .superseded-*, step 1 and step 2 stay.
+    A checkpoint of another directory sets nothing of out_dir aside: out_dir's checkpoints are not of its run."""
+    out = tmp_path / "out"
+    for step in (1, 2, 3):
+        _make_ckpt(out, f"step-{step:08d}")
+    (_make_ckpt(out, "final") / "step.json").write_text('{"step_count": 3}')
+    elsewhere = _make_ckpt(tmp_path / "other", "step-00000001")
+    assert set_aside_later_checkpoints(out, elsewhere) == []
+    assert sorted(p.name for p in out.iterdir()) == ["final", "step-00000001", "step-00000002", "step-00000003"]
+    moved = set_aside_later_checkpoints(out, out / "step-00000002")
+    assert sorted(p.name for p in moved) == [".superseded-final", ".superseded-step-00000003"]
+    assert sorted(p.name for p in out.iterdir()) == [".superseded-final", ".superseded-step-00000003", "step-00000001",
+                                                     "step-00000002"]
 
 
 def test_rng_states_round_trip():
@@ -194,6 +242,21 @@ def test_save_replaces_a_directory_of_the_same_step_and_a_leftover_temporary_one
     checkpointer.save(fabric, state)
     assert not (tmp_path / "step-00000002" / "stale.txt").exists()
     assert (tmp_path / "step-00000002" / MODEL_FILE).is_file() and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_final_saved_again_at_its_own_step_replaces_it(tmp_path):
+    """final/ kept as a step-* checkpoint is the end of a run continued to a later step; saved again at the same step,
+    final/ is replaced and no second copy of it is left."""
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    checkpointer = Checkpointer(tmp_path, {}, Config.from_name("gla-debug"))
+    for seed in (0, 1):
+        model, optimizer = small_state(seed)
+        state = train_state(model, optimizer, train_dataloader={})
+        state["step_count"] = 3
+        checkpointer.save(fabric, state, final=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    saved = torch.load(tmp_path / "final" / MODEL_FILE, weights_only=True)["model"]
+    assert torch.equal(saved["weight"], model.weight)  # the second save's
 
 
 def test_load_of_a_model_directory_points_to_initial_checkpoint_dir(tmp_path):
@@ -408,6 +471,18 @@ def test_an_interrupted_save_leaves_the_complete_checkpoints_and_no_temporary_di
     with pytest.raises(KeyboardInterrupt):
         Checkpointer(tmp_path, {}, Config.from_name("gla-debug")).save(InterruptedSaveFabric(), state)
     assert sorted(p.name for p in tmp_path.iterdir()) == [saved.name] and verify_checkpoint(saved).ok
+
+
+def test_a_failed_write_of_the_weights_that_is_not_the_file_system_s_is_raised(tmp_path, monkeypatch):
+    """torch.save's RuntimeError where the file system takes further writes (no full disk): raised as it is, so the save
+    fails and no manifest calls the half-written file complete."""
+    def half_written(obj, path):
+        Path(path).write_bytes(b"half")
+        raise RuntimeError("serialization failed")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", half_written)
+    with pytest.raises(RuntimeError, match="^serialization failed$"):
+        CheckpointFileIO().save_checkpoint({"step_count": 1}, tmp_path / MODEL_FILE)
 
 
 def test_an_earlier_run_is_found_and_deleted_whole(tmp_path):

@@ -2,7 +2,8 @@
 training stream on any number of processes, workers and micro batch sizes, resumed from one layout on
 another (8 -> 4, 2 -> 1, 1 -> 2 processes) with no sample repeated or skipped, by a checksum per sample; the
 sample order itself (fabric_lin.data.sample_order): which sample of its source a position holds, the mixing groups,
-the windows of chunk files each epoch reads, what a second change of order carries on."""
+the windows of chunk files each epoch reads, what a change of order carries on (and refuses across another sequence
+length), weights that cannot mix."""
 import io
 import re
 from pathlib import Path
@@ -433,6 +434,29 @@ def test_a_new_order_says_where_each_directory_goes_on(mix):
         "The training data goes on in a new sample order (--resume_changes data); each directory the checkpoint's run "
         "read goes on in its own order, none of its samples read again before its epoch ends: "
         f"{slimpajama} after the 240 samples it gave (20,000 in an epoch); {starcoder} (new) at its beginning")
+    assert mixed.dataset.carried == [(42, 0, 240), (42, 1, 0)]  # (seed, source number, samples given) of each
+
+
+def test_a_new_order_of_another_sequence_length_is_refused(mix):
+    """Positions of 8-token samples say nothing of which 16-token samples were read: --resume_changes data does not
+    carry the sources on across another train.max_seq_length."""
+    state = torch_round_trip(module(mix, batch_size=4).train_dataloader().state_dict())
+    data = SlimPajamaStarcoder(data_path=mix["data"], num_workers=0)
+    data.connect(mix["tokenizer"], batch_size=4, max_seq_length=2 * SEQ + 1)
+    data.setup()
+    longer = data.train_dataloader()
+    longer.new_order_allowed = True
+    with pytest.raises(ValueError, match=r"the checkpoint's data position counts samples of 8 tokens, this run's are 16"):
+        longer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("weights", [[1.0, 0.0], [1.0], [1.0, float("inf")]])
+def test_the_sample_stream_refuses_weights_that_cannot_mix(mix, weights):
+    """Named in one line (a zero weight let through would double the mixing group until an OverflowError)."""
+    from fabric_lin.data.sample_order import SampleStream
+
+    with pytest.raises(ValueError, match=r"one positive, finite weight per data directory \(2\) expected"):
+        SampleStream([mix["data"] / "slimpajama" / "train", mix["data"] / "starcoder"], SEQ + 1, 42, weights)
 
 
 def test_a_run_that_reads_a_source_more_than_once_says_so(mix):

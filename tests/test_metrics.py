@@ -2,7 +2,8 @@
 paused for validation and saving left out (benchmarks/train_throughput.py reports these); each step's record, the
 progress line's loss and MFU, and a validation's perplexity, of two processes; a resumed attempt's history: the
 records after its step superseded, a line cut short by a kill left out (also inside the superseded file), the attempt
-numbered after every recorded one; a logger that cannot write at the end of a failed run. (End to end, across kills and resumes: test_pretrain_resume.py.)"""
+numbered after every recorded one, its moves on disk before the rename; every record at its step, each step's once; a
+logger that cannot write at the end of a failed run. (End to end, across kills and resumes: test_pretrain_resume.py.)"""
 import json
 import math
 import shutil
@@ -146,3 +147,55 @@ def test_a_logger_that_cannot_write_at_the_end_of_a_failed_run_hides_not_why_it_
             f"'{version_dir / 'metrics.csv'}'") in capsys.readouterr().out
     with pytest.raises(NotADirectoryError):
         writer.close("success")
+
+
+def test_every_record_is_at_its_step_and_each_step_s_record_written_once(tmp_path):
+    """Two progress lines (steps 1-2, then 3-4), a validation and a checkpoint at step 4: metrics.jsonl holds the loss
+    of each step once, and every record and every logged value carries the step it was measured at."""
+    fabric = TwoProcessFabric()
+    writer = MetricsWriter(fabric, tmp_path, max_steps=4, tokens_per_step=100)
+    writer.start(0, max_steps=4)
+    for step in range(1, 5):
+        writer.add_step(step, torch.tensor(float(step)), 1e-3, torch.tensor(1.0), torch.tensor(step))
+        if step == 1:
+            writer.log_first_step(step)
+        if step % 2 == 0:
+            writer.log_progress(step, 1e-3, torch.tensor(1.0), skipped_steps=0, tokens=step * 100)
+    writer.log_validation(4, (2.0, 640))
+    writer.log_checkpoint(4, "step-00000004")
+    records = read_records(tmp_path / METRICS_FILE)
+    assert [(r["step"], r["loss"]) for r in records if "loss" in r] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
+    assert [r["step"] for r in records if "time_to_first_step_s" in r] == [1]
+    assert [r["step"] for r in records if "tokens_per_sec" in r] == [2, 4]
+    assert [r["step"] for r in records if "val_loss" in r] == [4]
+    assert [(r["step"], r["checkpoint"]) for r in records if "checkpoint" in r] == [(4, "step-00000004")]
+    assert [(step, sorted(logged)) for step, logged in fabric.logged if "loss" not in logged] == [
+        (1, ["time_to_first_step_s"]), (4, ["val_loss", "val_ppl"])]
+    assert [step for step, logged in fabric.logged if "loss" in logged] == [2, 4]
+
+
+def test_a_resumed_attempt_makes_its_moves_durable_before_the_rename(tmp_path, monkeypatch):
+    """A crash of the machine while a resumed attempt rewrites metrics.jsonl loses no record: the superseded records
+    are on disk first, then the rewritten history, and only then is it renamed over metrics.jsonl."""
+    import os
+
+    from fabric_lin.metrics import REWRITE_FILE
+
+    records = [{"step": s, "loss": 1.0, "attempt": 1} for s in (1, 2, 3)]
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", os.path.basename(src), os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(metrics_module.os, "fsync", fsync)
+    monkeypatch.setattr(metrics_module.os, "replace", replace)
+    MetricsWriter(L.Fabric(accelerator="cpu", devices=1), tmp_path, max_steps=8, tokens_per_step=100).begin_attempt(1)
+    assert events == [("fsync", SUPERSEDED_FILE), ("fsync", REWRITE_FILE), ("rename", REWRITE_FILE, METRICS_FILE)]
+    assert read_records(tmp_path / METRICS_FILE) == records[:1] and read_records(tmp_path / SUPERSEDED_FILE) == records[1:]

@@ -77,6 +77,8 @@ def test_error_max_seq_length_beyond_the_data(tmp_path, prepared):
     (lambda d: (d / "chunk-0-2.bin").open("ab").write(b"more"), r"chunk-0-2.bin has 2,016 bytes, 2,012 in index.json \(grown\)"),
     (lambda d: (d / "index.json").write_bytes(b"\xff\xfe{"), r"{d}/index.json cannot be read as JSON: 'utf-8' codec can't decode"),
     (lambda d: (d / "prepared.json").write_text("[]"), r"{d}/prepared.json: expected a JSON object, got list"),
+    (lambda d: (d / "prepared.json").write_text('{"complete": false}'),
+     r"{d}/prepared.json does not mark the directory complete; prepare it again"),
     (lambda d: (d / "index.json").write_text('{"chunks": [{"dim": 1000}]}'),
      r"{d}/index.json: expected litdata's index: a list of chunks, each with its filename"),
 ])
@@ -228,6 +230,26 @@ def test_data_of_a_vocabulary_one_token_larger_than_the_model_is_refused(prepare
     check_prepared_dir(prepared / "tokens300", vocab_size=300)
     with pytest.raises(ValueError, match="a vocabulary of 300 tokens .* more than the model's vocab_size=299.*pretrain list"):
         check_prepared_dir(prepared / "tokens300", vocab_size=299)
+
+
+def test_a_tokenizer_of_one_piece_more_than_the_model_s_embeddings_is_refused(prepared):
+    from fabric_lin.data import Tokenizer
+
+    tokenizer = Tokenizer(prepared / "tok300")
+    tokenizer.check_fits(300, "model")
+    with pytest.raises(ValueError, match=r"model: its tokenizer has 300 pieces and its model 299 embeddings"):
+        tokenizer.check_fits(299, "model")
+
+
+def test_the_tokenizer_carried_with_the_data_is_the_one_all_its_directories_were_tokenized_with(prepared):
+    """The first directory holding the tokenizer files (`tokens` was copied without them); none where the directories
+    were tokenized by two tokenizers (setup names them) or none holds the files."""
+    from fabric_lin.data.prepared import carried_tokenizer_dir
+
+    assert carried_tokenizer_dir([prepared / "tokens", prepared / "tokens300"]) == prepared / "tokens300"
+    assert carried_tokenizer_dir([prepared / "tokens300", prepared / "tokens300b"]) is None
+    assert carried_tokenizer_dir([prepared / "tokens320", prepared / "tokens300"]) is None
+    assert carried_tokenizer_dir([prepared / "tokens"]) is None
 
 
 def test_a_run_takes_the_data_s_tokenizer_and_evaluate_refuses_another_s_data(tmp_path, prepared, capsys):

@@ -2,7 +2,8 @@
 batch size, the step or token budget, the data) and what it may not (the model, the sequence length), each refusal
 naming the values; other settings (the optimizer's, the micro batch size) pass with a note. A run resumed with a
 larger global batch counts its tokens on and keeps the schedule in tokens; one resumed with another micro batch
-size trains on the same samples and validates on the same blocks."""
+size trains on the same samples and validates on the same blocks. The comparison on the files alone: what is no
+change (a tuple read back as a list, the model's name, the loader workers) and what is (another data module)."""
 import json
 
 import pytest
@@ -126,3 +127,27 @@ def test_resume_with_another_micro_batch_size_trains_on_the_same_samples(tmp_pat
     assert [r["step"] for r in split_validations] == [2, 4]
     assert whole_final["val_tokens"] == split_validations[1]["val_tokens"] == 2 * 2 * 32
     assert split_validations[1]["val_loss"] == pytest.approx(whole_final["val_loss"], rel=1e-4)
+
+
+def test_the_comparison_reads_the_checkpoint_s_files_as_yaml_holds_them(tmp_path):
+    """compare_with_checkpoint on the files alone: a tuple given equals the list read back, the model's name, the number
+    of loader workers and other settings' values are no change of the run; another data module of the same arguments
+    is; --resume_changes data lets every data.* setting pass."""
+    import yaml
+
+    from fabric_lin.run_identity import compare_with_checkpoint
+
+    def data(module="fabric_lin.data.TextFiles", **init_args):
+        return {"class_path": module, "init_args": {"train_dir": "/data/train", "num_workers": 8, "seed": 42, **init_args}}
+
+    saved = {"seed": 42, "train": {"max_seq_length": 32}, "optimizer": {"betas": [0.9, 0.95]}, "data": data()}
+    (tmp_path / "hyperparameters.yaml").write_text(yaml.safe_dump(saved))
+    (tmp_path / "model_config.yaml").write_text(yaml.safe_dump({"name": "gla-debug", "n_embd": 64}))
+    model = {"name": "", "n_embd": 64}  # the same model, given by --model_config
+    same = {**saved, "optimizer": {"betas": (0.9, 0.95)}, "data": data(num_workers=2)}
+    assert compare_with_checkpoint(tmp_path, same, model, allowed=[]) == ([], [])
+    with pytest.raises(ValueError, match=r"differs from the checkpoint's in data: 'fabric_lin.data.TextFiles' in the "
+                       r"checkpoint, 'fabric_lin.data.TokenChunks' here\. "):
+        compare_with_checkpoint(tmp_path, {**saved, "data": data("fabric_lin.data.TokenChunks")}, model, allowed=[])
+    assert compare_with_checkpoint(tmp_path, {**saved, "data": data(seed=7)}, model, allowed=["data"]) == (
+        ["data.seed: 42 in the checkpoint, 7 here"], [])

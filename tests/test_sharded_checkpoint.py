@@ -1,8 +1,9 @@
 """fabric_lin/sharded_checkpoint.py: a sharded checkpoint's metadata is unpickled with DCP's own classes only; a foreign
-pickle there is refused without running it, a shard file named outside the checkpoint is not read, and model entries that
-are not tensors are named, not dropped; a one-file checkpoint's optimizer state is resumed in a sharded run only into
-parameter groups of the sizes it was saved with, each parameter getting its own state. (Sharded checkpoints written by pretrain, converted and resumed on other meshes
-in one process or several: test_pretrain_sharded.py.)"""
+pickle there (os.system, builtins.exec, torch.save) is refused without running it, a shard file named outside the
+checkpoint is not read, and model entries that are not tensors are named, not dropped; a one-file checkpoint's
+optimizer state is resumed in a sharded run only into parameter groups of the sizes it was saved with, each parameter
+getting its own state, and only into a model of its parameters. (Sharded checkpoints written by pretrain, converted
+and resumed on other meshes in one process or several: test_pretrain_sharded.py.)"""
 import types
 
 import pytest
@@ -19,6 +20,31 @@ def test_sharded_metadata_with_foreign_pickle_is_refused(tmp_path):
     weights.mkdir()
     (weights / ".metadata").write_bytes(pickle.dumps(TouchOnUnpickle(tmp_path / "pwned")))
     with pytest.raises(ValueError, match="refers to posix.system|refers to os.system"):
+        load_sharded_model_state(weights)
+    assert not (tmp_path / "pwned").exists()
+
+
+class CallOnUnpickle:
+    """Unpickled, it calls `function(*args)`: a global of Python or torch that is no part of DCP's metadata."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return (self.function, self.args)
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda pwned: CallOnUnpickle(exec, f"open({str(pwned)!r}, 'w').close()"), "builtins.exec"),
+    (lambda pwned: CallOnUnpickle(torch.save, {}, str(pwned)), "torch.serialization.save"),
+], ids=["builtins", "torch"])
+def test_sharded_metadata_calling_python_or_torch_is_refused(tmp_path, call, named):
+    import pickle
+
+    weights = tmp_path / "lit_model.pth"
+    weights.mkdir()
+    (weights / ".metadata").write_bytes(pickle.dumps(call(tmp_path / "pwned")))
+    with pytest.raises(ValueError, match=rf"refers to {named}, which is not part of a torch.distributed.checkpoint"):
         load_sharded_model_state(weights)
     assert not (tmp_path / "pwned").exists()
 
@@ -107,3 +133,13 @@ def test_a_one_file_optimizer_state_of_other_parameter_groups_is_refused(tmp_pat
     for name, p in state["model"].module.named_parameters():
         torch.testing.assert_close(state["optimizer"].optimizer.state[p]["exp_avg"], expected[name], rtol=0, atol=0)
     assert state["step_count"] == 1
+
+
+def test_a_one_file_checkpoint_of_another_model_is_refused_naming_the_parameters(tmp_path):
+    save_one_file_checkpoint(tmp_path / "other.pth", "pretrain's")
+    saved = torch.load(tmp_path / "other.pth", weights_only=True)
+    saved["model"]["ln.weight"] = saved["model"].pop("norm.weight")
+    torch.save(saved, tmp_path / "other.pth")
+    with pytest.raises(ValueError, match=r"other.pth: the checkpoint's model does not fit this run's: missing "
+                       r"\['norm.weight'\], unexpected \['ln.weight'\]"):
+        load_one_file_train_state(tmp_path / "other.pth", resuming_state())

@@ -34,6 +34,16 @@ def test_tensors_are_loaded_and_nothing_else_is_unpickled(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+def test_numpy_arrays_are_loaded_only_where_asked_for(tmp_path):
+    """A training checkpoint holds NumPy's RNG state (an array): its reader admits arrays; a reader of weights does not."""
+    import numpy as np
+
+    torch.save({"w": torch.zeros(1), "rng": np.arange(3, dtype=np.uint32)}, tmp_path / "state.pth")
+    assert torch_load_tensors(tmp_path / "state.pth", allow_numpy=True)["rng"].tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"state.pth holds objects other than tensors and plain containers"):
+        torch_load_tensors(tmp_path / "state.pth")
+
+
 def test_tensor_dict_names_the_entries_that_are_not_tensors(tmp_path):
     with pytest.raises(ValueError, match=r"x.pth: expected a dict of tensors, got list"):
         tensor_dict([torch.zeros(1)], tmp_path / "x.pth")
