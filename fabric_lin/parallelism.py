@@ -24,8 +24,6 @@ from lightning_fabric.strategies import DDPStrategy, ModelParallelStrategy, Stra
 from fabric_lin.args import ParallelismArgs
 from fabric_lin.errors import InvalidValue
 
-PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for the others (e.g. rank 0 checksumming)
-
 
 def check_torchrun_processes(devices: int, num_nodes: int) -> None:
     """Under torchrun, refuse --devices and --num_nodes other than the processes torchrun started: Fabric takes
@@ -51,10 +49,12 @@ def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: Paralle
     if devices * num_nodes == 1:
         return "auto"
     backend = "nccl" if cuda else "gloo"
+    # the rendezvous's and every collective's: init_process_group takes one for both
+    timeout = timedelta(minutes=parallelism.timeout_minutes)
     if parallelism.data_parallel == "ddp":
         # gradients all-reduced in buckets as the backward pass produces them, into views of the buckets
         # (no copy); activation checkpointing, when on, is applied to the Blocks by build_model
-        return DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True, timeout=PROCESS_GROUP_TIMEOUT)
+        return DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True, timeout=timeout)
     check_sharded_precision(precision)
     # Fabric builds its mesh as (data_parallel_size, tensor_parallel_size) and hands every rank of the first
     # dimension its own samples (distributed_sampler_kwargs); there is no tensor parallelism here, so every rank
@@ -65,7 +65,7 @@ def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: Paralle
         parallelize_fn=partial(parallelize, num_nodes=num_nodes, parallelism=parallelism, precision=precision),
         data_parallel_size=devices * num_nodes, tensor_parallel_size=1,
         save_distributed_checkpoint=True,  # every rank writes its shards: torch.distributed.checkpoint
-        process_group_backend=backend, timeout=PROCESS_GROUP_TIMEOUT,
+        process_group_backend=backend, timeout=timeout,
     )
 
 

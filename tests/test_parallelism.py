@@ -5,7 +5,7 @@ is short (padded, an empty one too) to one process's loss. In one process (a mes
 frees its weights as asked, and validation leaves them sharded; Blocks wrapped for activation checkpointing and
 compiled train under FSDP2 as without it; fused AdamW skips an update on sharded weights as the loop asks; bf16-mixed
 gathers bf16 weights and keeps fp32 shards and gradients; FP8-converted layers gather their weights in FP8 where
-asked. The strategy for each choice (one process on each of several nodes too) and FSDP's mesh of nodes; 16-mixed
+asked. The strategy for each choice (one process on each of several nodes too), its timeout, and FSDP's mesh of nodes; 16-mixed
 refused in one line.
 
 Run as a script (`python tests/test_parallelism.py OUT_DIR`), this file is the 4-process job that shards the model and
@@ -312,6 +312,21 @@ def test_the_strategy_for_each_choice():
                             precision="16-mixed")
         assert type(ddp) is DDPStrategy and ddp._process_group_backend == backend
         assert ddp._ddp_kwargs["gradient_as_bucket_view"] is True
+
+
+def test_the_processes_wait_for_each_other_as_long_as_parallelism_timeout_minutes_says():
+    """The rendezvous's and every collective's timeout, for FSDP and DDP alike: the setting (30 minutes by default)."""
+    from datetime import timedelta
+
+    from fabric_lin.parallelism import make_strategy
+
+    for data_parallel in ("fsdp", "ddp"):
+        default = make_strategy(False, 2, 1, ParallelismArgs(data_parallel=data_parallel), "32-true")
+        assert default._timeout == timedelta(minutes=30)
+        shorter = make_strategy(False, 2, 1, ParallelismArgs(data_parallel=data_parallel, timeout_minutes=2.5), "32-true")
+        assert shorter._timeout == timedelta(seconds=150)
+    with pytest.raises(ValueError, match="parallelism.timeout_minutes must be positive, got 0"):
+        ParallelismArgs(timeout_minutes=0).validate()
 
 
 def test_fsdp_mesh_shards_over_a_nodes_processes_and_replicates_across_nodes(monkeypatch):
