@@ -12,17 +12,51 @@ The model is built on the meta device, sharded, and then materialised and initia
 (`initialize_like_one_process`): its weights, gathered, are those of a one-process run with the same seed,
 bit for bit.
 """
+import contextlib
 import os
+import re
 from datetime import timedelta
 from functools import partial
-from typing import Union
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
 from lightning_fabric.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from fabric_lin.args import ParallelismArgs
-from fabric_lin.errors import InvalidValue
+from fabric_lin.errors import InvalidValue, PeerLost
+
+
+# What torch.distributed raises in a process whose peer process is gone (ended, or its node lost): gloo a RuntimeError
+# from its TCP transport, the connection to the peer closed or reset, or a write into it refused; NCCL a
+# DistBackendError for ncclRemoteError. A timeout is none of them: a peer that hangs times out too, and so do ranks
+# that called different collectives (a bug).
+GLOO_LOST_PEER = re.compile(r"gloo/transport/tcp/.*?(Connection closed by peer|Connection reset by peer|Broken pipe)")
+NCCL_LOST_PEER = "remote process exited or there was a network error"
+
+
+def lost_peer_cause(error: BaseException) -> Optional[str]:
+    """The words of a torch.distributed error that say a peer process is gone ("gloo: Connection reset by peer"), or
+    None for any other error."""
+    gloo = GLOO_LOST_PEER.search(str(error)) if isinstance(error, RuntimeError) else None
+    if gloo:
+        return f"gloo: {gloo.group(1)}"
+    if isinstance(error, torch.distributed.DistBackendError) and NCCL_LOST_PEER in str(error):
+        return f"NCCL: {NCCL_LOST_PEER}"
+    return None
+
+
+@contextlib.contextmanager
+def peer_lost_during(activity: str) -> Iterator[None]:
+    """Within (or, as a decorator, within a function): an error of torch.distributed that says a peer process is gone
+    becomes `PeerLost`, naming `activity` (the innermost one names it); any other error passes unchanged."""
+    try:
+        yield
+    except RuntimeError as error:
+        cause = lost_peer_cause(error)
+        if cause is None:
+            raise
+        raise PeerLost(activity, cause) from error
 
 
 def check_torchrun_processes(devices: int, num_nodes: int) -> None:
