@@ -167,12 +167,20 @@ class ParallelismArgs:
     node: one all-gather per micro-batch instead of two, for every Block's gathered weights held in between)"""
     activation_checkpointing: bool = False
     """Recompute each Block's activations in the backward pass (less memory, about a third more compute)"""
+    timeout_minutes: float = 30.0
+    """With several processes: how long a process waits for the others before it fails, at the start (until every
+    process has joined) and in every exchange of data. A process that ended before the others joined leaves them
+    waiting this long (one that ends later is found at once). Rank 0 alone writes a one-file (DDP) checkpoint, searches
+    the GLA kernels' launch settings (compile.kernel_autotune) and builds a data module's cached corpus while the
+    others wait: keep it above the longest of these"""
 
     def validate(self) -> None:
         if self.data_parallel not in ("fsdp", "ddp"):
             raise InvalidValue(f"parallelism.data_parallel must be 'fsdp' or 'ddp', got {self.data_parallel!r}")
         if self.fsdp_unit not in ("block", "model"):
             raise InvalidValue(f"parallelism.fsdp_unit must be 'block' or 'model', got {self.fsdp_unit!r}")
+        if not self.timeout_minutes > 0:
+            raise InvalidValue(f"parallelism.timeout_minutes must be positive, got {self.timeout_minutes!r}")
 
 
 @dataclass

@@ -3,7 +3,9 @@ command line (jsonargparse turns typed arguments into flags and YAML keys).
 
 A failure that fabric-lin anticipates (a bad value, a missing or damaged file, ...: `fabric_lin.errors.UserError`)
 is reported in one line naming the key, value or file and the fix, by rank 0 only, with exit code 2; an unexpected one
-(a bug) keeps its traceback, as does every failure with FABRIC_LIN_DEBUG=1. Ctrl-C exits with 130.
+(a bug) keeps its traceback, as does every failure with FABRIC_LIN_DEBUG=1. Ctrl-C exits with 130. A run of several
+processes that lost one of them (`fabric_lin.errors.PeerLost`) says so in one line on every rank that is left, with
+exit code 75.
 """
 import time
 
@@ -21,6 +23,9 @@ from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
 
 DEBUG_ENV = "FABRIC_LIN_DEBUG"
 FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+# sysexits.h's EX_TEMPFAIL: nothing the user gave is wrong (not 2), the same command may succeed, and a job script can
+# tell it from a bug's 1
+PEER_LOST_EXIT_CODE = 75
 
 # subcommand -> "module:function". A module is imported only when its subcommand runs (or for --help).
 COMMANDS: Dict[str, str] = {
@@ -236,6 +241,12 @@ def main(argv=None) -> None:
         report(prog, f"interrupted ({e})" if str(e) else "interrupted")
         raise SystemExit(130) from None
     except Exception as e:
+        from fabric_lin.errors import PeerLost
+
+        if isinstance(e, PeerLost) and not debug_enabled():
+            # from every rank that is left: rank 0, which speaks for the others, may be the one that is gone
+            print(f"{prog}: error on rank {process_rank()}: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(PEER_LOST_EXIT_CODE) from None
         failure = anticipated_cause(e)
         if debug_enabled() or failure is None:
             raise

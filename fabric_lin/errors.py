@@ -3,7 +3,10 @@
 Raised where the mistake is found, with a message that names what was given and what was expected (and the
 fix, where there is one). `fabric_lin.cli` prints such an error as one line with exit code 2; any other
 error is a bug and keeps its traceback. The subclasses are also the built-in error a Python caller would
-catch for the same mistake (`except ValueError`, `except FileNotFoundError`, ...)."""
+catch for the same mistake (`except ValueError`, `except FileNotFoundError`, ...).
+
+Beside them, `PeerLost`: no mistake of the user's, and no bug either, but a run of several processes that cannot go on
+because one of them is gone; the CLI prints it as one line too, on every rank that is left."""
 
 
 class UserError(Exception):
@@ -24,3 +27,17 @@ class AlreadyExists(UserError, FileExistsError):
 
 class MissingPackage(UserError, ImportError):
     """An optional package that this use needs is not installed."""
+
+
+class PeerLost(Exception):
+    """Another process of a multi-process run ended (killed, out of memory, its node lost) or became unreachable while
+    this one exchanged data with it: the run cannot go on. `during` says what the run was doing; `advice`, where the
+    run knows it, its newest complete checkpoint and how to continue."""
+
+    def __init__(self, during: str, cause: str):
+        super().__init__(during, cause)
+        self.during, self.cause, self.advice = during, cause, ""
+
+    def __str__(self) -> str:
+        return (f"a peer process of the run ended or became unreachable during {self.during} ({self.cause})"
+                + (f"; {self.advice}" if self.advice else ""))

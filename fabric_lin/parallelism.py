@@ -12,19 +12,51 @@ The model is built on the meta device, sharded, and then materialised and initia
 (`initialize_like_one_process`): its weights, gathered, are those of a one-process run with the same seed,
 bit for bit.
 """
+import contextlib
 import os
+import re
 from datetime import timedelta
 from functools import partial
-from typing import Union
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
 from lightning_fabric.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from fabric_lin.args import ParallelismArgs
-from fabric_lin.errors import InvalidValue
+from fabric_lin.errors import InvalidValue, PeerLost
 
-PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for the others (e.g. rank 0 checksumming)
+
+# What torch.distributed raises in a process whose peer process is gone (ended, or its node lost): gloo a RuntimeError
+# from its TCP transport, the connection to the peer closed or reset, or a write into it refused; NCCL a
+# DistBackendError for ncclRemoteError. A timeout is none of them: a peer that hangs times out too, and so do ranks
+# that called different collectives (a bug).
+GLOO_LOST_PEER = re.compile(r"gloo/transport/tcp/.*?(Connection closed by peer|Connection reset by peer|Broken pipe)")
+NCCL_LOST_PEER = "remote process exited or there was a network error"
+
+
+def lost_peer_cause(error: BaseException) -> Optional[str]:
+    """The words of a torch.distributed error that say a peer process is gone ("gloo: Connection reset by peer"), or
+    None for any other error."""
+    gloo = GLOO_LOST_PEER.search(str(error)) if isinstance(error, RuntimeError) else None
+    if gloo:
+        return f"gloo: {gloo.group(1)}"
+    if isinstance(error, torch.distributed.DistBackendError) and NCCL_LOST_PEER in str(error):
+        return f"NCCL: {NCCL_LOST_PEER}"
+    return None
+
+
+@contextlib.contextmanager
+def peer_lost_during(activity: str) -> Iterator[None]:
+    """Within (or, as a decorator, within a function): an error of torch.distributed that says a peer process is gone
+    becomes `PeerLost`, naming `activity` (the innermost one names it); any other error passes unchanged."""
+    try:
+        yield
+    except RuntimeError as error:
+        cause = lost_peer_cause(error)
+        if cause is None:
+            raise
+        raise PeerLost(activity, cause) from error
 
 
 def check_torchrun_processes(devices: int, num_nodes: int) -> None:
@@ -51,10 +83,12 @@ def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: Paralle
     if devices * num_nodes == 1:
         return "auto"
     backend = "nccl" if cuda else "gloo"
+    # the rendezvous's and every collective's: init_process_group takes one for both
+    timeout = timedelta(minutes=parallelism.timeout_minutes)
     if parallelism.data_parallel == "ddp":
         # gradients all-reduced in buckets as the backward pass produces them, into views of the buckets
         # (no copy); activation checkpointing, when on, is applied to the Blocks by build_model
-        return DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True, timeout=PROCESS_GROUP_TIMEOUT)
+        return DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True, timeout=timeout)
     check_sharded_precision(precision)
     # Fabric builds its mesh as (data_parallel_size, tensor_parallel_size) and hands every rank of the first
     # dimension its own samples (distributed_sampler_kwargs); there is no tensor parallelism here, so every rank
@@ -65,7 +99,7 @@ def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: Paralle
         parallelize_fn=partial(parallelize, num_nodes=num_nodes, parallelism=parallelism, precision=precision),
         data_parallel_size=devices * num_nodes, tensor_parallel_size=1,
         save_distributed_checkpoint=True,  # every rank writes its shards: torch.distributed.checkpoint
-        process_group_backend=backend, timeout=PROCESS_GROUP_TIMEOUT,
+        process_group_backend=backend, timeout=timeout,
     )
 
 

@@ -34,6 +34,7 @@ from fabric_lin.checkpoint import (
     Checkpointer,
     CheckpointFileIO,
     check_out_dir,
+    checkpoint_dirs,
     delete_checkpoints,
     load_train_state,
     select_resume_dir,
@@ -45,7 +46,7 @@ from fabric_lin.config import OTHER_VOCAB_SIZE, Config, name_to_config
 from fabric_lin.cpu_cores import cores_busy_with_other_work, usable_cpu_cores
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader, repeated_samples_note
-from fabric_lin.errors import InvalidValue, UserError
+from fabric_lin.errors import InvalidValue, PeerLost, UserError
 from fabric_lin.files import check_dir_can_be_made, environment_variables, missing_ancestors, read_yaml, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FUSED_NOTE as FP8_FUSED_NOTE, TENSORWISE_NOTE as FP8_TENSORWISE_NOTE, FP8Args, check_fp8, convert_to_fp8
@@ -53,7 +54,7 @@ from fabric_lin.lr_schedule import TokenSchedule, learning_rate
 from fabric_lin.metrics import MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, Launches, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.parallelism import check_torchrun_processes, free_gathered_weights, make_strategy
+from fabric_lin.parallelism import check_torchrun_processes, free_gathered_weights, make_strategy, peer_lost_during
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
 from fabric_lin.run_start import (
     check_earlier_run,
@@ -199,18 +200,38 @@ def setup(
                 # FSDP writes its shards itself (torch.distributed.checkpoint, in place) and takes no such plugin
                 plugins=[] if isinstance(strategy, ModelParallelStrategy) else [CheckpointFileIO()],
             )
-            fabric.launch()
-            main(
-                fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,
-                initial_checkpoint_dir=initial_checkpoint_dir,
-                data=data, train=train, eval=eval, optimizer=optimizer, parallelism=parallelism, compile=compile, fp8=fp8, seed=seed,
-                tokenizer_dir=tokenizer_dir, reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
-                precision=precision, hparams=hparams,
-            )
-    except BaseException:
+            with peer_lost_during("the start-up"):  # training, validations and saves name themselves
+                fabric.launch()
+                main(
+                    fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,
+                    initial_checkpoint_dir=initial_checkpoint_dir,
+                    data=data, train=train, eval=eval, optimizer=optimizer, parallelism=parallelism, compile=compile, fp8=fp8, seed=seed,
+                    tokenizer_dir=tokenizer_dir, reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
+                    precision=precision, hparams=hparams,
+                )
+    except BaseException as error:
+        if isinstance(error, PeerLost):
+            error.advice = how_to_continue_without_the_peer(out_dir, resume, overwrite)
         if fabric is None or fabric.global_rank == 0:
             remove_empty_dirs(created)  # a failed run leaves no empty out_dir behind
         raise
+
+
+def resume_hint(overwrite: bool) -> str:
+    """How to continue a run that stopped, as the console says it."""
+    return "run the same command with --resume auto" + (" instead of --overwrite true" if overwrite else "")
+
+
+def how_to_continue_without_the_peer(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> str:
+    """What a rank whose peer process is gone says of the run's checkpoints: the newest complete one (renamed from
+    .tmp- once every rank had written it: what --resume auto verifies and loads) and how to continue. Not verified
+    here: on every rank that is left, that would read a whole checkpoint before the process exits."""
+    saved = checkpoint_dirs(out_dir)
+    if saved:
+        return f"the newest complete checkpoint is {saved[0]}: to continue from it, {resume_hint(overwrite)}"
+    if resume in (False, True, "auto"):
+        return f"no checkpoint in {out_dir} is complete: to start again, {resume_hint(overwrite)}"
+    return f"no checkpoint in {out_dir} is complete: to start again from --resume {resume}, run the same command"
 
 
 def compile_caches_in(out_dir: Path, enabled: bool) -> ContextManager[None]:
@@ -387,7 +408,7 @@ def main(
                 train=train, eval=eval, accumulation=train.gradient_accumulation_iters(fabric.world_size, 1),
                 cuda_graphs=compile.cuda_graphs, eos_id=tokenizer.eos_id if reset_state_at_doc_boundaries else None,
                 train_batches=train_batches, val_dataloader=val_dataloader, checkpointer=checkpointer, metrics=metrics,
-                stop=stop, resume_hint="run the same command with --resume auto" + (" instead of --overwrite true" if overwrite else ""),
+                stop=stop, resume_hint=resume_hint(overwrite),
             ))
             status = "success"
         finally:
@@ -415,6 +436,7 @@ class Run:
     resume_hint: str  # how to continue after a stop, as the console says it
 
 
+@peer_lost_during("training")
 def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
     model, optimizer, train, eval = state["model"], state["optimizer"], run.train, run.eval
     base_lr = optimizer.defaults["lr"]  # as built for this run (a loaded checkpoint sets the groups' lr only)
@@ -571,6 +593,7 @@ def finish(fabric: L.Fabric, state: Dict, run: Run) -> None:
     save_checkpoint(fabric, state, run, final=True)
 
 
+@peer_lost_during("a checkpoint save")
 def save_checkpoint(fabric: L.Fabric, state: Dict, run: Run, final: bool = False) -> Path:
     """Save out_dir/step-<step>/ (or final/), and record it in metrics.jsonl: a later --resume auto that finds none of
     the checkpoints recorded there knows they were moved or deleted, rather than never written."""
@@ -580,6 +603,7 @@ def save_checkpoint(fabric: L.Fabric, state: Dict, run: Run, final: bool = False
 
 
 @torch.no_grad()
+@peer_lost_during("a validation")
 def validate(fabric: L.Fabric, model, run: Run) -> Optional[Tuple[float, int]]:
     """The mean loss over the tokens of the first `eval.max_iters` global batches of the validation split, all
     processes together, and their number of tokens (None without validation data). Each process reads

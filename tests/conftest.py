@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 import fabric_lin_process
 
+pytest_plugins = ["pytester"]  # test_fabric_lin_process runs two tests with this conftest
+
 # Without a GPU the Triton kernels run in Triton's interpreter. The variable must be set before any
 # kernel is defined, and fabric_lin.model imports the fused kernels, so it is set here, before any
 # test module is imported.
@@ -99,6 +101,22 @@ def no_process_left():
     yield
     for job in fabric_lin_process.stop_all():
         warnings.warn(f"still running at the end of the test, killed: {fabric_lin_process.describe([job])}")
+
+
+@pytest.fixture(autouse=True)
+def environment_kept():
+    """What a test changes in os.environ is undone after it. Lightning's seed_everything (pretrain's main,
+    build_model) sets PL_GLOBAL_SEED and PL_SEED_WORKERS, Fabric's launch WORLD_SIZE, LOCAL_RANK and more: left
+    set, a later `--devices 2` run takes itself for a launched rank, and every run a later test of this worker starts
+    differs from an environment copied before (helpers.CPU_ONLY), so that it starts as a new Python instead of a fork
+    (fabric_lin_process.forkable): ~4 s of imports each. (PYTEST_CURRENT_TEST is pytest's own.)"""
+    before = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value and key != "PYTEST_CURRENT_TEST":
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """fabric_lin/cli.py: the `fabric-lin` command line. Its parsing (data module classes, keys of nested classes, the
 option groups as files), its errors in one line with a hint and exit code 2 (bad values, abbreviated or unknown
 flags, keys a config file may not hold, a data module's own check), bugs told from anticipated failures, errors
-printed by rank 0 alone, and `--help` in whole sentences."""
+printed by rank 0 alone, a lost peer process in one line with exit code 75, and `--help` in whole sentences."""
 import pytest
 import torch
 
@@ -188,6 +188,36 @@ def test_an_unexpected_error_keeps_its_traceback_and_the_debug_flag_shows_every_
     monkeypatch.setattr(pretrain, "check_out_dir", bug)
     with pytest.raises(KeyError):  # not an anticipated failure: not turned into one line
         cli_main(argv)
+
+
+def test_a_lost_peer_is_one_line_with_its_own_exit_code_and_the_debug_flag_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    """gloo's error for a peer gone while the run starts (here from main, after the launch): one line naming this rank,
+    what the run was doing, that no checkpoint is complete and how to start again; exit code 75, not 2."""
+    from fabric_lin import pretrain
+    from fabric_lin.cli import PEER_LOST_EXIT_CODE, main as cli_main
+    from fabric_lin.errors import PeerLost
+
+    gone = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:10895"
+
+    def peer_gone(*args, **kwargs):
+        raise RuntimeError(gone)
+
+    monkeypatch.setattr(pretrain, "main", peer_gone)
+    out = tmp_path / "out"
+    argv = ["pretrain", "--model_name", "gla-debug", "--out_dir", str(out), "--train.max_steps", "1", "--logger_name", "csv",
+            "--overwrite", "true"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == PEER_LOST_EXIT_CODE != 2
+    assert capsys.readouterr().err == (
+        "fabric-lin pretrain: error on rank 0: a peer process of the run ended or became unreachable during the start-up "
+        f"(gloo: Connection closed by peer); no checkpoint in {out} is complete: to start again, run the same command "
+        "with --resume auto instead of --overwrite true\n")
+    monkeypatch.setenv("FABRIC_LIN_DEBUG", "1")
+    with pytest.raises(PeerLost) as lost:
+        cli_main(argv)
+    assert str(lost.value.__cause__) == gone
 
 
 def test_anticipated_failures_are_told_from_bugs():

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import fabric_lin_process
 from helpers import wait_for
@@ -139,3 +140,36 @@ def test_a_run_that_never_reaches_the_awaited_point_is_killed_with_every_process
     with pytest.raises(TimeoutError, match=expected):
         wait_for(lambda: False, job, timeout=0.3)
     assert not [pid for pid in processes if running(pid)]
+
+
+ENVIRONMENT_OF_TWO_TESTS = """
+import os
+
+from lightning_fabric.utilities.seed import seed_everything
+
+import fabric_lin_process
+
+BEFORE = dict(os.environ)
+
+
+def test_that_seeds():
+    seed_everything(7, verbose=False)  # as pretrain's main and build_model do
+    assert os.environ["PL_GLOBAL_SEED"] == "7" and "PL_SEED_WORKERS" in os.environ
+
+
+def test_after_it():
+    changed = {key for key in set(BEFORE) | set(os.environ) if BEFORE.get(key) != os.environ.get(key)}
+    assert changed <= {"PYTEST_CURRENT_TEST"}, changed
+    assert fabric_lin_process.forkable(fabric_lin_process.FABRIC_LIN + ["pretrain"], BEFORE)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA every run starts a new Python")
+def test_a_tests_changes_to_the_environment_are_undone_so_the_next_run_is_forked(pytester):
+    """Lightning's seed_everything sets PL_GLOBAL_SEED and PL_SEED_WORKERS; left set after the test that called it,
+    every later run of the pytest worker differs from an environment copied before (helpers.CPU_ONLY) and starts
+    as a new Python instead of a fork. Two tests run with this suite's conftest: the second finds the environment
+    the first found, and a run it starts with that environment is forked."""
+    pytester.makepyfile(test_two=ENVIRONMENT_OF_TWO_TESTS)
+    result = pytester.runpytest_inprocess("-p", "conftest", "-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=2)

@@ -5,8 +5,8 @@ is short (padded, an empty one too) to one process's loss. In one process (a mes
 frees its weights as asked, and validation leaves them sharded; Blocks wrapped for activation checkpointing and
 compiled train under FSDP2 as without it; fused AdamW skips an update on sharded weights as the loop asks; bf16-mixed
 gathers bf16 weights and keeps fp32 shards and gradients; FP8-converted layers gather their weights in FP8 where
-asked. The strategy for each choice (one process on each of several nodes too) and FSDP's mesh of nodes; 16-mixed
-refused in one line.
+asked. The strategy for each choice (one process on each of several nodes too), its timeout, and FSDP's mesh of nodes; 16-mixed
+refused in one line; the errors of a lost peer told from others.
 
 Run as a script (`python tests/test_parallelism.py OUT_DIR`), this file is the 4-process job that shards the model and
 writes what each layout's processes hold."""
@@ -312,6 +312,68 @@ def test_the_strategy_for_each_choice():
                             precision="16-mixed")
         assert type(ddp) is DDPStrategy and ddp._process_group_backend == backend
         assert ddp._ddp_kwargs["gradient_as_bucket_view"] is True
+
+
+def test_the_processes_wait_for_each_other_as_long_as_parallelism_timeout_minutes_says():
+    """The rendezvous's and every collective's timeout, for FSDP and DDP alike: the setting (30 minutes by default)."""
+    from datetime import timedelta
+
+    from fabric_lin.parallelism import make_strategy
+
+    for data_parallel in ("fsdp", "ddp"):
+        default = make_strategy(False, 2, 1, ParallelismArgs(data_parallel=data_parallel), "32-true")
+        assert default._timeout == timedelta(minutes=30)
+        shorter = make_strategy(False, 2, 1, ParallelismArgs(data_parallel=data_parallel, timeout_minutes=2.5), "32-true")
+        assert shorter._timeout == timedelta(seconds=150)
+    with pytest.raises(ValueError, match="parallelism.timeout_minutes must be positive, got 0"):
+        ParallelismArgs(timeout_minutes=0).validate()
+
+
+# What a process whose peer is gone gets from torch.distributed: gloo's errors as torch 2.14 raised them in the sharded
+# tests (rank 0 killed), gloo's write error as its transport words it, NCCL's as reported by users
+# (NVIDIA/nccl#2076); and errors that say something else
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:58781: "
+              "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application. "
+              "Check the logs of the remote worker before reporting an error. GLHF!")
+GLOO_CLOSED = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:10895"
+GLOO_WRITE = "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] writev [10.0.0.2]:4021: Broken pipe"
+NCCL_REMOTE = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.hpp:268, remote process exited or there "
+               "was a network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error or "
+               "a remote process exiting prematurely.")
+GLOO_TIMEOUT = ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv "
+                "operation to complete")
+NCCL_TIMEOUT = "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 1800000 ms"
+
+
+@pytest.mark.parametrize("error, cause", [
+    (RuntimeError(GLOO_RESET), "gloo: Connection reset by peer"),
+    (RuntimeError(GLOO_CLOSED), "gloo: Connection closed by peer"),
+    (RuntimeError(GLOO_WRITE), "gloo: Broken pipe"),
+    (dist.DistBackendError(NCCL_REMOTE), "NCCL: remote process exited or there was a network error"),
+])
+def test_the_errors_of_a_lost_peer_name_what_the_run_was_doing(error, cause):
+    from fabric_lin.errors import PeerLost
+    from fabric_lin.parallelism import peer_lost_during
+
+    with pytest.raises(PeerLost) as lost:
+        with peer_lost_during("training"):
+            with peer_lost_during("a checkpoint save"):  # the innermost names it
+                raise error
+    assert str(lost.value) == f"a peer process of the run ended or became unreachable during a checkpoint save ({cause})"
+    assert lost.value.__cause__ is error
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError(GLOO_TIMEOUT), dist.DistBackendError(NCCL_TIMEOUT), RuntimeError("Connection reset by peer"),
+    RuntimeError(NCCL_REMOTE), ValueError(GLOO_RESET),
+], ids=["gloo-timeout", "nccl-timeout", "not-gloo", "not-a-dist-error", "not-a-runtime-error"])
+def test_other_errors_pass_unchanged(error):
+    from fabric_lin.parallelism import peer_lost_during
+
+    with pytest.raises(type(error)) as raised:
+        with peer_lost_during("training"):
+            raise error
+    assert raised.value is error
 
 
 def test_fsdp_mesh_shards_over_a_nodes_processes_and_replicates_across_nodes(monkeypatch):

@@ -511,9 +511,7 @@ def test_no_decay_names_found_in_a_ddp_wrapped_model():
     norm weights and biases must still be found, or weight decay reaches them under DDP."""
     from lightning_fabric.strategies import DDPStrategy
 
-    # Fabric sets WORLD_SIZE, LOCAL_RANK, ... in os.environ; left there, a later `--devices 2` subprocess
-    # takes itself for an already launched rank and waits for a second one that never starts
-    saved_environ = dict(os.environ)
+    # what Fabric sets in os.environ (WORLD_SIZE, LOCAL_RANK, ...) conftest.environment_kept undoes after the test
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     try:
         fabric = L.Fabric(accelerator="cpu", devices=1, strategy=DDPStrategy(process_group_backend="gloo"))
@@ -526,8 +524,6 @@ def test_no_decay_names_found_in_a_ddp_wrapped_model():
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved_environ)
 
 
 class RankFabric:

@@ -3,14 +3,15 @@ corpus, a global batch of 4). One process, two (one node: plain sharding, Fabric
 two: replicated across the nodes, sharded within each) train on the same samples with the same losses, to the order
 of the sums, and validate on the same blocks to the same val_loss; a checkpoint taken on any of these meshes resumes
 on another one holding the same state bit for bit (4 -> 2 -> 1, 1 -> 4), and a DDP run continues a sharded one.
-Killed by SIGKILL of one rank in the middle of a save, a run leaves no checkpoint that is taken for complete and
-resumes as if never stopped; so does a run of two torchrun agents stopped by SIGTERM. A sharded checkpoint is
-converted and evaluated in one process. An error every rank meets is printed once.
+Killed by SIGKILL of one rank in the middle of a save, a run leaves no checkpoint that is taken for complete (the
+other rank says so in one line) and resumes as if never stopped; so does a run of two torchrun agents stopped by
+SIGTERM. A sharded checkpoint is converted and evaluated in one process. An error every rank meets is printed once.
 
 The four-process runs are started as torchrun's agents would start them (fabric_lin_process.start_ranks: forked, no
 second import of torch), two nodes of two processes on this machine; the torchrun test starts real agents."""
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -223,9 +224,10 @@ def test_ddp_continues_a_sharded_run_on_its_samples(four, tmp_path):
 
 def test_sigkill_of_a_rank_in_the_middle_of_a_save_leaves_no_checkpoint_taken_for_complete(two, tmp_path):
     """Rank 0 is frozen while it saves (its checkpoint directory still `.tmp-`: rank 0 renames it last), then
-    killed: rank 1 finds it gone and exits, the unfinished checkpoint is never resumed, and the run resumes from
-    the checkpoint before as if never stopped."""
+    killed: rank 1 finds it gone and exits with one line saying so, naming the checkpoint before and how to continue;
+    the unfinished checkpoint is never resumed, and the run resumes from the checkpoint before as if never stopped."""
     from fabric_lin.checkpoint import explicit_resume_dir, verify_checkpoint
+    from fabric_lin.cli import PEER_LOST_EXIT_CODE
 
     out = tmp_path / "out"
     out.mkdir()
@@ -244,8 +246,16 @@ def test_sigkill_of_a_rank_in_the_middle_of_a_save_leaves_no_checkpoint_taken_fo
     os.kill(ranks[0].pid, signal.SIGKILL)
     # the other rank finds its peer gone at its next collective (gloo reads the closed connection) and exits: within
     # 3 s on a machine of 2 cores with load 8; past the bound, the failure says what it was doing
-    assert fabric_lin_process.wait_all([ranks[1]], 60) != [0]
+    assert fabric_lin_process.wait_all([ranks[1]], 60) == [PEER_LOST_EXIT_CODE]
     assert ranks[0].wait(10) == -signal.SIGKILL
+    survivor = (tmp_path / "logs" / "rank-1.log").read_text()
+    said = [line for line in survivor.splitlines() if "error" in line]
+    # the connection closed, or reset where rank 0 had not read all that rank 1 sent
+    assert len(said) == 1 and re.fullmatch(
+        r"fabric-lin pretrain: error on rank 1: a peer process of the run ended or became unreachable during a "
+        r"checkpoint save \(gloo: Connection (closed|reset) by peer\); the newest complete checkpoint is "
+        + re.escape(str(out / f"step-{caught - 2:08d}")) + ": to continue from it, run the same command with --resume auto",
+        said[0]) and "Traceback" not in survivor, survivor[-3000:]
     unfinished = out / f".tmp-step-{caught:08d}"
     assert unfinished.is_dir() and not (out / f"step-{caught:08d}").exists()
     assert not verify_checkpoint(unfinished).ok
