@@ -2,7 +2,8 @@
 paused for validation and saving left out (benchmarks/train_throughput.py reports these); each step's record, the
 progress line's loss and MFU, and a validation's perplexity, of two processes; a resumed attempt's history: the
 records after its step superseded, a line cut short by a kill left out (also inside the superseded file), the attempt
-numbered after every recorded one; a logger that cannot write at the end of a failed run. (End to end, across kills and resumes: test_pretrain_resume.py.)"""
+numbered after every recorded one; the CSV log written row by row and continued by a resume; a logger that cannot
+write at the end of a failed run. (End to end, across kills and resumes: test_pretrain_resume.py.)"""
 import json
 import math
 import shutil
@@ -146,3 +147,36 @@ def test_a_logger_that_cannot_write_at_the_end_of_a_failed_run_hides_not_why_it_
             f"'{version_dir / 'metrics.csv'}'") in capsys.readouterr().out
     with pytest.raises(NotADirectoryError):
         writer.close("success")
+
+
+def test_the_csv_log_is_on_disk_as_it_goes_and_a_resume_writes_on_in_it_from_its_step(tmp_path):
+    """Attempt 1 validates at steps 2, 4 and 6 and is killed (its logger never closed) while writing a row; attempt 2
+    resumes at step 4 and validates at 6 and 8. Each row was in metrics.csv as soon as it was logged, and the run's one
+    metrics.csv holds each step once, with the values metrics.jsonl keeps: attempt 1's through step 4, then attempt 2's."""
+    import csv
+
+    from fabric_lin.metrics import make_logger
+
+    def attempt(continuing: bool):
+        fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[make_logger("csv", tmp_path, {}, continuing)])
+        return MetricsWriter(fabric, tmp_path, max_steps=8, tokens_per_step=100)
+
+    def csv_rows():
+        with open(tmp_path / "logs" / "csv" / "version_0" / "metrics.csv", newline="") as f:
+            return [(int(row["step"]), float(row["val_loss"])) for row in csv.DictReader(f)]
+
+    first = attempt(continuing=False)
+    first.begin_attempt(0)
+    for step in (2, 4, 6):
+        first.log_validation(step, (10.0 - step, 64))
+        assert csv_rows()[-1] == (step, 10.0 - step)
+    with open(tmp_path / "logs" / "csv" / "version_0" / "metrics.csv", "a") as f:
+        f.write("8,")  # the row a kill cut short
+    second = attempt(continuing=True)
+    second.begin_attempt(4)
+    for step in (6, 8):
+        second.log_validation(step, (5.0 - step / 2, 64))
+    second.close("success")
+    assert [p.name for p in (tmp_path / "logs" / "csv").iterdir()] == ["version_0"]
+    kept = [(r["step"], r["val_loss"]) for r in read_records(tmp_path / METRICS_FILE)]
+    assert csv_rows() == kept == [(2, 8.0), (4, 6.0), (6, 2.0), (8, 1.0)]
