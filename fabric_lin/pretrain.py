@@ -53,7 +53,12 @@ from fabric_lin.lr_schedule import TokenSchedule, learning_rate
 from fabric_lin.metrics import MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, Launches, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.parallelism import check_torchrun_processes, free_gathered_weights, make_strategy
+from fabric_lin.parallelism import (
+    check_other_nodes_launched,
+    check_torchrun_processes,
+    free_gathered_weights,
+    make_strategy,
+)
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
 from fabric_lin.run_start import (
     check_earlier_run,
@@ -153,6 +158,7 @@ def setup(
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give --devices {torch.cuda.device_count()} or fewer"
         )
     check_torchrun_processes(devices, num_nodes)
+    check_other_nodes_launched(num_nodes)
     precision = precision or ("bf16-mixed" if cuda else "32-true")
     if precision == "16-mixed" and not cuda:
         # Fabric would run bf16-mixed instead, with a warning, while hyperparameters.yaml records 16-mixed

@@ -188,6 +188,31 @@ def test_torchrun_processes_checked_only_under_torchrun(monkeypatch):
             check_torchrun_processes(devices, num_nodes)
 
 
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                      "SLURM_NTASKS", "LSB_JOBID", "NODE_RANK")
+
+
+def test_error_num_nodes_without_a_launcher(tmp_path, capsys, monkeypatch):
+    """--num_nodes 2 typed on one machine, with nothing that starts the command on another node: Fabric started this
+    node's processes, which waited for the other node's for ever. With a launcher's variables (torchrun's, SLURM's) or
+    NODE_RANK (set by hand on each node, Fabric's own way), the other nodes are someone else's to start."""
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--train.global_batch_size", "2", "--train.micro_batch_size", "1", "--devices", "1",
+                     "--num_nodes", "2"], capsys)
+    assert err.startswith("fabric-lin pretrain: error: --num_nodes 2: nothing starts this command on the other node(s)")
+    assert "torchrun" in err and "srun" in err and "NODE_RANK" in err and "--num_nodes 1" in err
+    assert not (tmp_path / "out").exists()
+    from fabric_lin.parallelism import check_other_nodes_launched
+
+    check_other_nodes_launched(1)
+    for name, value in (("NODE_RANK", "1"), ("SLURM_NTASKS", "16")):
+        with monkeypatch.context() as launched:
+            launched.setenv(name, value)
+            check_other_nodes_launched(2)
+
+
 def test_error_data_parallel_choice(tmp_path):
     with pytest.raises(ValueError, match=r"parallelism.data_parallel must be 'fsdp' or 'ddp', got 'zero3'"):
         setup_pretrain(tmp_path, parallelism=ParallelismArgs(data_parallel="zero3"))
