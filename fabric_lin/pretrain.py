@@ -469,7 +469,8 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
             run.metrics.flush()
             return
         with run.metrics.paused():
-            if step % eval.interval == 0 and step < end_step:
+            # the last step's validation is finish()'s where eval.final_validation asks for one
+            if step % eval.interval == 0 and (step < end_step or not eval.final_validation):
                 run.metrics.log_validation(step, validate(fabric, model, run))
             if save_step and step < end_step:
                 run.metrics.flush()

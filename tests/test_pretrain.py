@@ -76,6 +76,15 @@ def test_error_eval_max_iters_not_positive(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("final_validation", [False, True])
+def test_eval_interval_validates_the_last_step_it_divides_once(tmp_path, final_validation):
+    """eval.interval 2 over 4 steps: validations after steps 2 and 4, whether or not eval.final_validation asks for one
+    after the last step (without it, step 4 went unvalidated); with it, step 4 is validated once, not twice."""
+    setup_pretrain(tmp_path, train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=4, max_seq_length=32),
+                   eval=EvalArgs(interval=2, max_iters=1, final_validation=final_validation))
+    assert [r["step"] for r in metrics_records(tmp_path / "out") if "val_loss" in r] == [2, 4]
+
+
 def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):
     graphs = CompileArgs(mode="reduce-overhead")
     with pytest.raises(ValueError, match=r"compile.mode 'reduce-overhead' \(CUDA graphs\) needs one CUDA GPU and "
