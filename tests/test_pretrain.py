@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import lightning_fabric as L
 import pytest
@@ -83,6 +84,33 @@ def test_eval_interval_validates_the_last_step_it_divides_once(tmp_path, final_v
     setup_pretrain(tmp_path, train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=4, max_seq_length=32),
                    eval=EvalArgs(interval=2, max_iters=1, final_validation=final_validation))
     assert [r["step"] for r in metrics_records(tmp_path / "out") if "val_loss" in r] == [2, 4]
+
+
+def test_a_run_says_that_its_steps_are_optimizer_steps_and_what_one_holds(tmp_path, capsys):
+    """Global batch 4 of micro batches of 2 on one process: 2 micro-batches accumulated per optimizer step, each step
+    4 x 32 = 128 tokens; steps 1 to 3, the warmup and the schedule said in the same unit as every step count."""
+    setup_pretrain(tmp_path, train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=3, max_seq_length=32,
+                                             lr_warmup_steps=1, min_lr=1e-5), eval=EvalArgs(final_validation=False))
+    assert ("Training optimizer steps 1 to 3, each of 4 sequences x 32 tokens = 128 tokens (gradient accumulation 2: "
+            "2 micro-batches of 2 sequences x 1 process); learning rate: 1 warmup step, then cosine to 1.00e-05. Every "
+            "count of steps here and in the logs is of optimizer steps\n") in capsys.readouterr().out
+
+
+def test_a_finished_run_names_its_model_and_the_commands_that_read_it(tmp_path, capsys, monkeypatch):
+    """The end of a run names final/ and the commands to take it on; the one that makes a model directory, run as
+    printed, gives generate what it reads."""
+    import shlex
+
+    from fabric_lin.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    setup_pretrain(tmp_path, out_dir=Path("out"), eval=EvalArgs(final_validation=False))
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == ("The model: out/final. Evaluate it with fabric-lin evaluate out/final; for generate, convert_to_hf and "
+                    "--initial_checkpoint_dir, make a model directory of it: fabric-lin convert_pretrained_checkpoint "
+                    "out/final --output_dir checkpoints/gla-debug")
+    cli_main(shlex.split(last.split(": fabric-lin ")[-1]))
+    cli_main(["generate", "checkpoints/gla-debug", "--max_new_tokens", "2"])
 
 
 def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):
