@@ -1,9 +1,10 @@
 """fabric_lin/metrics.py: tokens/s over each log interval and, in the summary, after the first step, with the time
-paused for validation and saving left out (benchmarks/train_throughput.py reports these); each step's record, the
-progress line's loss and MFU, and a validation's perplexity, of two processes; a resumed attempt's history: the
-records after its step superseded, a line cut short by a kill left out (also inside the superseded file), the attempt
-numbered after every recorded one; the CSV log written row by row and continued by a resume; a logger that cannot
-write at the end of a failed run. (End to end, across kills and resumes: test_pretrain_resume.py.)"""
+paused for validation and saving left out (benchmarks/train_throughput.py reports these), and an ETA without the first
+step's compilation; each step's record, the progress line's loss and MFU, and a validation's perplexity, of two
+processes; a resumed attempt's history: the records after its step superseded, a line cut short by a kill left out
+(also inside the superseded file), the attempt numbered after every recorded one; the CSV log written row by row and
+continued by a resume; a logger that cannot write at the end of a failed run. (End to end, across kills and resumes:
+test_pretrain_resume.py.)"""
 import json
 import math
 import shutil
@@ -180,3 +181,24 @@ def test_the_csv_log_is_on_disk_as_it_goes_and_a_resume_writes_on_in_it_from_its
     assert [p.name for p in (tmp_path / "logs" / "csv").iterdir()] == ["version_0"]
     kept = [(r["step"], r["val_loss"]) for r in read_records(tmp_path / METRICS_FILE)]
     assert csv_rows() == kept == [(2, 8.0), (4, 6.0), (6, 2.0), (8, 1.0)]
+
+
+def test_the_eta_leaves_out_the_first_steps_compilation(tmp_path, monkeypatch, capsys):
+    """A first step of 100 s (compilation, warm-up), then steps of 1 s and a validation of 2 s after step 5: at step 10
+    of 100 the 90 steps left take 90 s, and a validation of 2 s every 9 steps 20 s more (the time after the first step
+    per step, 11 s over 9 steps), not the first step's 100 s spread over every step left (16 minutes)."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(time=time.time, perf_counter=lambda: clock.now))
+    writer = MetricsWriter(L.Fabric(accelerator="cpu", devices=1), tmp_path, max_steps=100, tokens_per_step=100)
+    writer.start(0, max_steps=100)
+    zero = torch.zeros(())
+    for step in range(1, 11):
+        clock.now += 100 if step == 1 else 1
+        writer.add_step(step, zero, 1e-3, zero, zero.long())
+        if step == 1:
+            writer.log_first_step(step)
+        with writer.paused():
+            clock.now += 2 if step == 5 else 0
+    capsys.readouterr()
+    writer.log_progress(10, 1e-3, zero, skipped_steps=0, tokens=1000)
+    assert capsys.readouterr().out.rstrip().endswith(f"| ETA {metrics_module.format_seconds(90 * 11 / 9)}")
