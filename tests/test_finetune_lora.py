@@ -1,9 +1,10 @@
 """LoRA through peft on fabric-lin's fla-format export, as tutorials/finetune_lora.md does it, for GLA, Gated DeltaNet
 and DeltaNet: the adapted model trains (its loss falls, the exported weights stay as they are and every adapter
 moves), merge_and_unload folds the adapters into exactly the targeted weights, and the merged model, saved and
-brought back by convert_from_hf, gives fabric-lin's model the merged fla model's logits. And the two places where
-the road is blocked, each as the tutorial describes it: fla's fused SwiGLU (the export's default) reads
-mlp.down_proj's weight itself, so an adapter there gets no gradient, and peft cannot wrap fla's short convolutions.
+brought back by convert_from_hf, gives fabric-lin's model the merged fla model's logits; the tutorial script's targets
+name every family convert_to_hf exports. And the two places where the road is blocked, each as the tutorial describes
+it: fla's fused SwiGLU (the export's default) reads mlp.down_proj's weight itself, so an adapter there gets no
+gradient, and peft cannot wrap fla's short convolutions.
 
 fla's layers are Triton kernels, run here in Triton's interpreter (conftest.fla_in_interpreter), in fp32, on the
 families' debug models cut to one layer and a vocabulary of 512: the kernels' backward passes into every adapted
