@@ -661,7 +661,12 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
     """The model of a training checkpoint (verified against its manifest first, as a resume does), a model
     directory or an fla export; which one is told by the files it holds."""
     from fabric_lin.convert.hf import HF_CONFIG_FILE, read_fla_checkpoint
-    from fabric_lin.convert.model_dir import SAFETENSORS_FILE, check_state_dict, load_model_dir_weights
+    from fabric_lin.convert.model_dir import (
+        SAFETENSORS_FILE,
+        check_not_lora_adapters,
+        check_state_dict,
+        load_model_dir_weights,
+    )
     from fabric_lin.data.tokenizer import Tokenizer
 
     checkpoint_dir = Path(checkpoint_dir)
@@ -687,6 +692,7 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
     if has(HF_CONFIG_FILE):
         config, state_dict = read_fla_checkpoint(checkpoint_dir)
         return Checkpoint(FLA_EXPORT, config, state_dict, tokenizer)
+    check_not_lora_adapters(checkpoint_dir, "evaluate", reads_exports=True)
     inside = [p.name for p in checkpoint_dirs(checkpoint_dir)]
     hint = f"; it holds a run's checkpoints ({', '.join(inside[:3])}): pass one of them" if inside else ""
     raise MissingFile(

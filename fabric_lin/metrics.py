@@ -12,9 +12,10 @@ metrics.jsonl holds these kinds of record, each with its "step" and "attempt":
 
 It reads as one history of the run, each step once. "attempt" numbers the runs of the command that made the
 history (1, then one more for each resume). A resumed attempt starts from its checkpoint's step: the records
-that earlier attempts wrote after that step (steps trained again now) move to metrics.superseded.jsonl, and
-TensorBoard is told to drop them too (`purge_step`), so that a plot of either is one curve.
+that earlier attempts wrote after that step (steps trained again now) move to metrics.superseded.jsonl, and the
+loggers drop them too (TensorBoard's `purge_step`, the CSV file's later rows), so that a plot of either is one curve.
 """
+import csv
 import json
 import math
 import os
@@ -26,6 +27,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
+from lightning_fabric.loggers.csv_logs import _ExperimentWriter
+from lightning_fabric.loggers.logger import rank_zero_experiment
 
 from fabric_lin.errors import InvalidValue, MissingPackage
 
@@ -129,7 +132,7 @@ class MetricsWriter:
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)  # moved records are in the superseded file first: none is lost
         for logger in self.fabric.loggers:
-            if isinstance(logger, RunTensorBoardLogger):
+            if isinstance(logger, (RunTensorBoardLogger, RunCSVLogger)):
                 logger.drop_records_after(step)
 
     def log_checkpoint(self, step: int, name: str) -> None:
@@ -236,9 +239,18 @@ class MetricsWriter:
         self.fabric.log_dict(metrics, step=step)
         # the losses are in metrics.jsonl per step already; the speed figures are added
         self.write({"step": step, **{k: v for k, v in metrics.items() if k not in ("loss", "lr", "grad_norm")}})
-        eta = (now - self.run_start) / max(step - self.start_step, 1) * (self.max_steps - step)
+        eta = self.seconds_per_step(step, now) * (self.max_steps - step)
         self.fabric.print(progress_line(step, self.max_steps, metrics, eta))
         self.window_start, self.window_step = now, step
+
+    def seconds_per_step(self, step: int, now: float) -> float:
+        """Wall-clock seconds per step up to `step`, validation and saving included (the steps left pause for them
+        too), from the end of the first step on where a step followed it: the first step's compilation and warm-up
+        happen once, and spread over every step left they lengthened the ETA by their time x steps left / steps done
+        (a minute's compilation: 34 hours at step 10 of 20,480)."""
+        if self.steady_start is not None and step > self.start_step + 1:
+            return (now - self.steady_start[0]) / (step - self.start_step - 1)
+        return (now - self.run_start) / max(step - self.start_step, 1)
 
     def log_validation(self, step: int, validation: Optional[Tuple[float, int]]) -> None:
         """A validation's (loss, tokens it covered); None: no validation data."""
@@ -343,8 +355,65 @@ class RunTensorBoardLogger(TensorBoardLogger):
         self._kwargs["purge_step"] = step + 1
 
 
+class RunCSVLogger(CSVLogger):
+    """The CSV log of one run across its attempts, as `RunTensorBoardLogger` keeps TensorBoard's: a resumed run writes
+    on into the metrics.csv of the run it continues (a fresh one into a new version), from which the rows after the
+    step it resumes at are dropped: each step once. Each row is written as it is logged: Fabric's CSVLogger writes
+    every 100th step's, which the recipes' log intervals never log, so a killed run's CSV file held nothing."""
+
+    def __init__(self, root_dir: Path, continuing: bool):
+        super().__init__(root_dir=root_dir, name="csv", flush_logs_every_n_steps=1)
+        if continuing:
+            self._version = max(self._get_next_version() - 1, 0)
+        self.keep_through_step: Optional[int] = None  # None: keep every earlier row
+
+    def drop_records_after(self, step: int) -> None:
+        self.keep_through_step = step
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> "_ExperimentWriter":
+        if self._experiment is None:
+            os.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = ContinuedCSVWriter(self.log_dir, self.keep_through_step)
+        return self._experiment
+
+
+class ContinuedCSVWriter(_ExperimentWriter):
+    """Fabric's writer of metrics.csv, which deletes the file it finds; this one keeps its rows through
+    `keep_through_step` (and its columns), and leaves out a row cut short by a kill."""
+
+    def __init__(self, log_dir: str, keep_through_step: Optional[int]):
+        self.keep_through_step = keep_through_step
+        super().__init__(log_dir)
+
+    def _check_log_dir_exists(self) -> None:
+        path = Path(self.metrics_file_path)
+        if not path.is_file():
+            return
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = [row for row in reader if self._kept(row)]
+            self.metrics_keys = list(reader.fieldnames or [])
+        tmp = path.with_name(f".tmp-{path.name}")
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, path)
+
+    def _kept(self, row: Dict[str, Optional[str]]) -> bool:
+        if None in row.values():  # fewer fields than the header: the line a kill cut short
+            return False
+        try:
+            step = int(float(row["step"]))
+        except (KeyError, ValueError):
+            return False
+        return self.keep_through_step is None or step <= self.keep_through_step
+
+
 def make_logger(name: str, out_dir: Path, hparams: Dict[str, Any], continuing: bool = False):
-    """`continuing`: the run resumes one in out_dir (TensorBoard then writes on into its directory). The loggers
+    """`continuing`: the run resumes one in out_dir (TensorBoard and CSV then write on into its version). The loggers
     write under out_dir/logs/."""
     logs = out_dir / "logs"
     if logs.exists() and not logs.is_dir():
@@ -352,7 +421,7 @@ def make_logger(name: str, out_dir: Path, hparams: Dict[str, Any], continuing: b
     if name == "tensorboard":
         return RunTensorBoardLogger(logs, continuing)
     if name == "csv":
-        return CSVLogger(root_dir=logs, name="csv")
+        return RunCSVLogger(logs, continuing)
     if name == "wandb":
         try:  # Weights & Biases' own logger for Lightning Fabric
             from wandb.integration.lightning.fabric import WandbLogger

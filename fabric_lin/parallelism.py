@@ -76,6 +76,30 @@ def check_torchrun_processes(devices: int, num_nodes: int) -> None:
         )
 
 
+def check_other_nodes_launched(num_nodes: int) -> None:
+    """Refuse --num_nodes above 1 where nothing starts the command on the other nodes: without a launcher's variables
+    Fabric starts this node's processes itself, as node 0, and they wait for the other nodes' processes, which never
+    come. torchrun, SLURM's srun, LSF's jsrun and MPI are found as Fabric finds them; NODE_RANK (or torchrun's
+    GROUP_RANK) is Fabric's own multi-node launch, the command started by hand on every node."""
+    from lightning_fabric.plugins.environments import (
+        LSFEnvironment,
+        MPIEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    if num_nodes == 1 or "NODE_RANK" in os.environ or "GROUP_RANK" in os.environ:
+        return
+    if any(environment.detect() for environment in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment)):
+        return
+    raise InvalidValue(
+        f"--num_nodes {num_nodes}: nothing starts this command on the other node(s) (no torchrun, SLURM, LSF or MPI "
+        f"variables, no NODE_RANK), so this node's processes would wait for theirs for ever; start it on every node "
+        f"with torchrun or srun (tutorials/multi_node.md) or with NODE_RANK, MASTER_ADDR and MASTER_PORT set on each, "
+        f"or give --num_nodes 1"
+    )
+
+
 def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: ParallelismArgs,
                   precision: str) -> Union[str, Strategy]:
     """Fabric's strategy for `devices` processes on each of `num_nodes` nodes: "auto" for one process; else FSDP2

@@ -54,7 +54,13 @@ from fabric_lin.lr_schedule import TokenSchedule, learning_rate
 from fabric_lin.metrics import MetricsWriter, make_logger
 from fabric_lin.model import GPT, Block, Launches, RMSNorm
 from fabric_lin.ops.gla.launch import GLALaunch
-from fabric_lin.parallelism import check_torchrun_processes, free_gathered_weights, make_strategy, peer_lost_during
+from fabric_lin.parallelism import (
+    check_other_nodes_launched,
+    check_torchrun_processes,
+    free_gathered_weights,
+    make_strategy,
+    peer_lost_during,
+)
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
 from fabric_lin.run_start import (
     check_earlier_run,
@@ -154,6 +160,7 @@ def setup(
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give --devices {torch.cuda.device_count()} or fewer"
         )
     check_torchrun_processes(devices, num_nodes)
+    check_other_nodes_launched(num_nodes)
     precision = precision or ("bf16-mixed" if cuda else "32-true")
     if precision == "16-mixed" and not cuda:
         # Fabric would run bf16-mixed instead, with a warning, while hyperparameters.yaml records 16-mixed
@@ -452,13 +459,14 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
         fabric.print(f"Nothing to train: the checkpoint is at step {start_step}, {state['tokens_seen']:,} tokens, the end of "
                      f"the schedule ({schedule.steps} steps of {schedule.unit:,} tokens)")
         if (run.checkpointer.final_step() or -1) < start_step:  # e.g. stopped by a signal at the last step
-            finish(fabric, state, run)
+            fabric.print(next_steps_note(finish(fabric, state, run), run.checkpointer.config.name))
         return
     if run.stop.requested_on_any_rank(fabric):  # during the start-up: no step taken, nothing new to save
         fabric.print(f"Stopped by {run.stop.signal_name or 'a signal'} before the first step: nothing new to save; "
                      f"to continue, {run.resume_hint}")
         return
     fabric.barrier()
+    fabric.print(steps_note(train, start_step, end_step, run.accumulation, fabric.world_size))
     run.metrics.start(start_step, end_step)
     step_flags = StepFlags(fabric)
 
@@ -485,7 +493,8 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
             run.metrics.flush()
             return
         with run.metrics.paused():
-            if step % eval.interval == 0 and step < end_step:
+            # the last step's validation is finish()'s where eval.final_validation asks for one
+            if step % eval.interval == 0 and (step < end_step or not eval.final_validation):
                 run.metrics.log_validation(step, validate(fabric, model, run))
             if save_step and step < end_step:
                 run.metrics.flush()
@@ -493,8 +502,9 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
 
     elapsed = run.metrics.stop_clock()
     run.metrics.flush()
-    finish(fabric, state, run)
+    final_dir = finish(fabric, state, run)
     run.metrics.log_summary(state["step_count"], state["tokens_seen"], elapsed)
+    fabric.print(next_steps_note(final_dir, run.checkpointer.config.name))
 
 
 def scheduled_learning_rate(train: TrainArgs, base_lr: float, schedule: TokenSchedule, tokens_seen: int) -> float:
@@ -586,11 +596,30 @@ def stop_after_nonfinite_steps(fabric: L.Fabric, state: Dict, run: Run, in_a_row
     )
 
 
-def finish(fabric: L.Fabric, state: Dict, run: Run) -> None:
-    """The end of a run: the final validation, then out_dir/final/."""
+def finish(fabric: L.Fabric, state: Dict, run: Run) -> Path:
+    """The end of a run: the final validation, then out_dir/final/ (returned)."""
     if run.eval.final_validation:
         run.metrics.log_validation(state["step_count"], validate(fabric, state["model"], run))
-    save_checkpoint(fabric, state, run, final=True)
+    return save_checkpoint(fabric, state, run, final=True)
+
+
+def steps_note(train: TrainArgs, start_step: int, end_step: int, accumulation: int, processes: int) -> str:
+    """What the run trains, in the unit of every step count it is given and logs: optimizer steps, each of
+    `accumulation` micro-batches on each of `processes` processes."""
+    warmup = train.lr_warmup_steps
+    return (f"Training optimizer steps {start_step + 1} to {end_step}, each of {train.global_batch_size} sequences x "
+            f"{train.max_seq_length} tokens = {train.global_batch_size * train.max_seq_length:,} tokens (gradient accumulation "
+            f"{accumulation}: {accumulation} micro-batch{'es' * (accumulation != 1)} of {train.micro_batch_size} sequences x "
+            f"{processes} process{'es' * (processes != 1)}); learning rate: {warmup} warmup step{'s' * (warmup != 1)}, then "
+            f"{train.lr_schedule} to {train.min_lr:.2e}. Every count of steps here and in the logs is of optimizer steps")
+
+
+def next_steps_note(final_dir: Path, model_name: str) -> str:
+    """Where a finished run's model is and the commands that take it on: evaluate reads a training checkpoint as it is,
+    generate, convert_to_hf and --initial_checkpoint_dir a model directory made of it."""
+    return (f"The model: {final_dir}. Evaluate it with fabric-lin evaluate {final_dir}; for generate, convert_to_hf and "
+            f"--initial_checkpoint_dir, make a model directory of it: fabric-lin convert_pretrained_checkpoint {final_dir} "
+            f"--output_dir checkpoints/{model_name or 'model'}")
 
 
 @peer_lost_during("a checkpoint save")

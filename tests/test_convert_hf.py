@@ -323,6 +323,37 @@ def test_export_of_what_is_not_a_model_directory_names_what_it_is(tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+def test_lora_adapters_alone_given_for_a_model_name_the_merged_export(tmp_path, capsys):
+    """The adapter/ directory of tutorials/finetune_lora.md (peft's save_pretrained of the adapters alone) given where a
+    model goes: each command says what it is and which directory to give instead (generate said tokenizer.model
+    does not exist, convert_from_hf that config.json does not)."""
+    from helpers import cli_error
+
+    adapters = tmp_path / "lora" / "adapter"  # as peft 0.21 writes it
+    adapters.mkdir(parents=True)
+    (adapters / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": "hf/gla-debug", "r": 8, "lora_alpha": 16,
+         "target_modules": ["q_proj", "k_proj", "v_proj", "g_proj", "o_proj"], "task_type": None}))
+    save_file({"base_model.model.model.layers.0.attn.q_proj.lora_A.weight": torch.zeros(8, 64)},
+              str(adapters / "adapter_model.safetensors"))
+    (adapters / "README.md").write_text("---\nlibrary_name: peft\n---\n")
+    what = (f"{adapters} holds LoRA adapters alone (peft's adapter_config.json), not a model: merge them into the "
+            f"export they were trained on (merge_and_unload, tutorials/finetune_lora.md) and give ")
+    model_dir = "the model directory that fabric-lin convert_from_hf makes of the merged export\n"
+    out = ["--output_dir", str(tmp_path / "out")]
+    cases = {
+        "generate": ([str(adapters)], "generate " + model_dir),
+        "convert_to_hf": ([str(adapters), *out], "convert_to_hf " + model_dir),
+        "pretrain": (["--model_name", "gla-debug", "--train.max_steps", "1", "--out_dir", str(tmp_path / "out"),
+                      "--initial_checkpoint_dir", str(adapters)], "--initial_checkpoint_dir " + model_dir),
+        "convert_from_hf": ([str(adapters), *out], "convert_from_hf the merged export\n"),
+        "evaluate": ([str(adapters), "--max_batches", "0"], "evaluate the merged export\n"),
+    }
+    for command, (args, fix) in cases.items():
+        assert cli_error([command, *args], capsys) == f"fabric-lin {command}: error: {what}{fix}", command
+    assert not (tmp_path / "out").exists() and not (adapters / "evaluate").exists()
+
+
 def test_export_refuses_what_fla_cannot_express(tmp_path):
     make_model_dir(tmp_path / "model", small_config(gate_low_rank_dim=32))
     with pytest.raises(ValueError, match="fla's GLA fixes .*gate_low_rank_dim': 32"):

@@ -212,6 +212,35 @@ def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
     assert (sharded.parent / "evaluate" / sharded.name / "evaluate.json").is_file()  # beside the checkpoint, not in it
 
 
+def test_finetune_lora_md_measures_every_held_out_document(run, tmp_path, monkeypatch):
+    """tutorials/finetune_lora.md's commands that measure the fine-tune, as written (the model directories and the
+    held-out text ours; --seq_len 16 for 512): every held-out document is evaluated, before and after, in the blocks
+    of seq_len + 1 tokens their tokens make. (Held out at --val_fraction 0.5 into val/, about half of them were, or
+    none: evaluate then found no val/.)"""
+    import re
+    import shlex
+
+    from fabric_lin.cli import main as cli_main
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+    from fabric_lin.data import Tokenizer
+
+    tutorial = (Path(__file__).parents[1] / "tutorials" / "finetune_lora.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", tutorial, re.S) if "data/my-text-heldout" in b)
+    commands = [shlex.split(line) for line in block.replace("\\\n", " ").splitlines()]
+    monkeypatch.chdir(tmp_path)
+    convert_pretrained_checkpoint(run / "out" / "final", Path("checkpoints/gla-340M"))
+    shutil.copytree("checkpoints/gla-340M", "checkpoints/gla-340M-lora")
+    documents = text_lines(6, seed=3)
+    Path("data/my-text-heldout").mkdir(parents=True)
+    Path("data/my-text-heldout/heldout.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    for command in commands:
+        assert command[0] == "fabric-lin"
+        cli_main([{"512": "16"}.get(arg, arg) for arg in command[1:]])
+    tokens = sum(len(ids) for ids in Tokenizer(run / "tok").encode_batch(documents, eos=True, num_threads=1))
+    results = [json.loads(path.read_text())["lengths"][0] for path in sorted(Path("checkpoints").glob("**/evaluate.json"))]
+    assert len(results) == 2 and [r["tokens"] for r in results] == [tokens // 17 * 16] * 2
+
+
 def test_the_default_out_dir_is_beside_a_training_checkpoint_given_as_a_relative_path(tmp_path, monkeypatch):
     """`fabric-lin evaluate .` inside a checkpoint, or `..` below it: the results go beside it, never into it (its files
     are the ones its manifest lists); a model directory or an export keeps them in its evaluate/."""

@@ -1,9 +1,10 @@
 """LoRA through peft on fabric-lin's fla-format export, as tutorials/finetune_lora.md does it, for GLA, Gated DeltaNet
 and DeltaNet: the adapted model trains (its loss falls, the exported weights stay as they are and every adapter
 moves), merge_and_unload folds the adapters into exactly the targeted weights, and the merged model, saved and
-brought back by convert_from_hf, gives fabric-lin's model the merged fla model's logits. And the two places where
-the road is blocked, each as the tutorial describes it: fla's fused SwiGLU (the export's default) reads
-mlp.down_proj's weight itself, so an adapter there gets no gradient, and peft cannot wrap fla's short convolutions.
+brought back by convert_from_hf, gives fabric-lin's model the merged fla model's logits; the tutorial script's targets
+name every family convert_to_hf exports. And the two places where the road is blocked, each as the tutorial describes
+it: fla's fused SwiGLU (the export's default) reads mlp.down_proj's weight itself, so an adapter there gets no
+gradient, and peft cannot wrap fla's short convolutions.
 
 fla's layers are Triton kernels, run here in Triton's interpreter (conftest.fla_in_interpreter), in fp32, on the
 families' debug models cut to one layer and a vocabulary of 512: the kernels' backward passes into every adapted
@@ -158,3 +159,38 @@ def test_peft_cannot_wrap_the_short_convolutions(exports, rank, error):
 
     with pytest.raises((ValueError, TypeError), match=error):
         get_peft_model(load_fla(exports["gdn"]), LoraConfig(r=rank, target_modules=["q_conv1d"]))
+
+
+def tutorial_targets() -> dict:
+    """The TARGETS of tutorials/finetune_lora.md's script, as the script reads them: model_type -> module names."""
+    import ast
+    import re
+    from pathlib import Path
+
+    tutorial = (Path(__file__).parents[1] / "tutorials" / "finetune_lora.md").read_text()
+    script = re.search(r"```python\n(.*?)```", tutorial, re.S).group(1)
+    assignment = next(node for node in ast.parse(script).body
+                      if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "TARGETS")
+    return ast.literal_eval(assignment.value)
+
+
+def test_the_tutorial_script_adapts_every_family_that_convert_to_hf_exports(monkeypatch, tmp_path):
+    """The tutorial's script picks its targets by the export's model_type: it holds every model_type convert_to_hf
+    writes (the Transformer baseline's was missing, a KeyError 'transformer'), the three tested above with the targets
+    they are tested with, and the Transformer's each a Linear of fla's model that peft wraps. (fla's attention layer
+    needs flash-attn, which has no CPU build, to be built at all: a stand-in for it here, never called.)"""
+    import fla.layers.attn
+    from peft import LoraConfig, get_peft_model
+
+    from fabric_lin.convert.hf import MODEL_TYPES
+
+    targets = tutorial_targets()
+    assert sorted(targets) == sorted(MODEL_TYPES.values())
+    assert {family: targets[MODEL_TYPES[family]] for family in TARGETS} == TARGETS
+    monkeypatch.setattr(fla.layers.attn, "flash_attn_func", lambda *args, **kwargs: None)
+    config = Config.from_name("transformer-debug", num_layers=NUM_LAYERS, vocab_size=VOCAB)
+    adapted = get_peft_model(load_fla(export_model(GPT(config), config, tmp_path)),
+                             LoraConfig(r=4, target_modules=targets["transformer"]))
+    wrapped = {name.removeprefix("base_model.model.") for name, module in adapted.named_modules() if hasattr(module, "lora_A")}
+    assert wrapped == {f"model.layers.{i}.{'mlp' if name in MLP else 'attn'}.{name}"
+                       for i in range(NUM_LAYERS) for name in targets["transformer"]}

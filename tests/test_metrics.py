@@ -1,8 +1,9 @@
 """fabric_lin/metrics.py: tokens/s over each log interval and, in the summary, after the first step, with the time
-paused for validation and saving left out (benchmarks/train_throughput.py reports these); each step's record, the
-progress line's loss and MFU, and a validation's perplexity, of two processes; a resumed attempt's history: the
-records after its step superseded, a line cut short by a kill left out (also inside the superseded file), the attempt
-numbered after every recorded one, its moves on disk before the rename; every record at its step, each step's once; a
+paused for validation and saving left out (benchmarks/train_throughput.py reports these), and an ETA without the first
+step's compilation; each step's record, the progress line's loss and MFU, and a validation's perplexity, of two
+processes; a resumed attempt's history: the records after its step superseded, a line cut short by a kill left out
+(also inside the superseded file), the attempt numbered after every recorded one, its moves on disk before the
+rename; every record at its step, each step's once; the CSV log written row by row and continued by a resume; a
 logger that cannot write at the end of a failed run. (End to end, across kills and resumes: test_pretrain_resume.py.)"""
 import json
 import math
@@ -199,3 +200,57 @@ def test_a_resumed_attempt_makes_its_moves_durable_before_the_rename(tmp_path, m
     MetricsWriter(L.Fabric(accelerator="cpu", devices=1), tmp_path, max_steps=8, tokens_per_step=100).begin_attempt(1)
     assert events == [("fsync", SUPERSEDED_FILE), ("fsync", REWRITE_FILE), ("rename", REWRITE_FILE, METRICS_FILE)]
     assert read_records(tmp_path / METRICS_FILE) == records[:1] and read_records(tmp_path / SUPERSEDED_FILE) == records[1:]
+
+
+def test_the_csv_log_is_on_disk_as_it_goes_and_a_resume_writes_on_in_it_from_its_step(tmp_path):
+    """Attempt 1 validates at steps 2, 4 and 6 and is killed (its logger never closed) while writing a row; attempt 2
+    resumes at step 4 and validates at 6 and 8. Each row was in metrics.csv as soon as it was logged, and the run's one
+    metrics.csv holds each step once, with the values metrics.jsonl keeps: attempt 1's through step 4, then attempt 2's."""
+    import csv
+
+    from fabric_lin.metrics import make_logger
+
+    def attempt(continuing: bool):
+        fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[make_logger("csv", tmp_path, {}, continuing)])
+        return MetricsWriter(fabric, tmp_path, max_steps=8, tokens_per_step=100)
+
+    def csv_rows():
+        with open(tmp_path / "logs" / "csv" / "version_0" / "metrics.csv", newline="") as f:
+            return [(int(row["step"]), float(row["val_loss"])) for row in csv.DictReader(f)]
+
+    first = attempt(continuing=False)
+    first.begin_attempt(0)
+    for step in (2, 4, 6):
+        first.log_validation(step, (10.0 - step, 64))
+        assert csv_rows()[-1] == (step, 10.0 - step)
+    with open(tmp_path / "logs" / "csv" / "version_0" / "metrics.csv", "a") as f:
+        f.write("8,")  # the row a kill cut short
+    second = attempt(continuing=True)
+    second.begin_attempt(4)
+    for step in (6, 8):
+        second.log_validation(step, (5.0 - step / 2, 64))
+    second.close("success")
+    assert [p.name for p in (tmp_path / "logs" / "csv").iterdir()] == ["version_0"]
+    kept = [(r["step"], r["val_loss"]) for r in read_records(tmp_path / METRICS_FILE)]
+    assert csv_rows() == kept == [(2, 8.0), (4, 6.0), (6, 2.0), (8, 1.0)]
+
+
+def test_the_eta_leaves_out_the_first_steps_compilation(tmp_path, monkeypatch, capsys):
+    """A first step of 100 s (compilation, warm-up), then steps of 1 s and a validation of 2 s after step 5: at step 10
+    of 100 the 90 steps left take 90 s, and a validation of 2 s every 9 steps 20 s more (the time after the first step
+    per step, 11 s over 9 steps), not the first step's 100 s spread over every step left (16 minutes)."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(time=time.time, perf_counter=lambda: clock.now))
+    writer = MetricsWriter(L.Fabric(accelerator="cpu", devices=1), tmp_path, max_steps=100, tokens_per_step=100)
+    writer.start(0, max_steps=100)
+    zero = torch.zeros(())
+    for step in range(1, 11):
+        clock.now += 100 if step == 1 else 1
+        writer.add_step(step, zero, 1e-3, zero, zero.long())
+        if step == 1:
+            writer.log_first_step(step)
+        with writer.paused():
+            clock.now += 2 if step == 5 else 0
+    capsys.readouterr()
+    writer.log_progress(10, 1e-3, zero, skipped_steps=0, tokens=1000)
+    assert capsys.readouterr().out.rstrip().endswith(f"| ETA {metrics_module.format_seconds(90 * 11 / 9)}")

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import lightning_fabric as L
 import pytest
@@ -74,6 +75,42 @@ def test_error_eval_max_iters_not_positive(tmp_path):
     with pytest.raises(ValueError, match=r"eval.max_iters must be at least 1 \(validation batches of train.global_batch_size sequences\), got 0"):
         setup_pretrain(tmp_path, eval=EvalArgs(max_iters=0))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("final_validation", [False, True])
+def test_eval_interval_validates_the_last_step_it_divides_once(tmp_path, final_validation):
+    """eval.interval 2 over 4 steps: validations after steps 2 and 4, whether or not eval.final_validation asks for one
+    after the last step (without it, step 4 went unvalidated); with it, step 4 is validated once, not twice."""
+    setup_pretrain(tmp_path, train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=4, max_seq_length=32),
+                   eval=EvalArgs(interval=2, max_iters=1, final_validation=final_validation))
+    assert [r["step"] for r in metrics_records(tmp_path / "out") if "val_loss" in r] == [2, 4]
+
+
+def test_a_run_says_that_its_steps_are_optimizer_steps_and_what_one_holds(tmp_path, capsys):
+    """Global batch 4 of micro batches of 2 on one process: 2 micro-batches accumulated per optimizer step, each step
+    4 x 32 = 128 tokens; steps 1 to 3, the warmup and the schedule said in the same unit as every step count."""
+    setup_pretrain(tmp_path, train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=3, max_seq_length=32,
+                                             lr_warmup_steps=1, min_lr=1e-5), eval=EvalArgs(final_validation=False))
+    assert ("Training optimizer steps 1 to 3, each of 4 sequences x 32 tokens = 128 tokens (gradient accumulation 2: "
+            "2 micro-batches of 2 sequences x 1 process); learning rate: 1 warmup step, then cosine to 1.00e-05. Every "
+            "count of steps here and in the logs is of optimizer steps\n") in capsys.readouterr().out
+
+
+def test_a_finished_run_names_its_model_and_the_commands_that_read_it(tmp_path, capsys, monkeypatch):
+    """The end of a run names final/ and the commands to take it on; the one that makes a model directory, run as
+    printed, gives generate what it reads."""
+    import shlex
+
+    from fabric_lin.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    setup_pretrain(tmp_path, out_dir=Path("out"), eval=EvalArgs(final_validation=False))
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == ("The model: out/final. Evaluate it with fabric-lin evaluate out/final; for generate, convert_to_hf and "
+                    "--initial_checkpoint_dir, make a model directory of it: fabric-lin convert_pretrained_checkpoint "
+                    "out/final --output_dir checkpoints/gla-debug")
+    cli_main(shlex.split(last.split(": fabric-lin ")[-1]))
+    cli_main(["generate", "checkpoints/gla-debug", "--max_new_tokens", "2"])
 
 
 def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):
@@ -186,6 +223,31 @@ def test_torchrun_processes_checked_only_under_torchrun(monkeypatch):
         expected = f"--devices {devices} --num_nodes {num_nodes}: give --devices 2 --num_nodes 2"
         with pytest.raises(InvalidValue, match=expected):
             check_torchrun_processes(devices, num_nodes)
+
+
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                      "SLURM_NTASKS", "LSB_JOBID", "NODE_RANK")
+
+
+def test_error_num_nodes_without_a_launcher(tmp_path, capsys, monkeypatch):
+    """--num_nodes 2 typed on one machine, with nothing that starts the command on another node: Fabric started this
+    node's processes, which waited for the other node's for ever. With a launcher's variables (torchrun's, SLURM's) or
+    NODE_RANK (set by hand on each node, Fabric's own way), the other nodes are someone else's to start."""
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--train.global_batch_size", "2", "--train.micro_batch_size", "1", "--devices", "1",
+                     "--num_nodes", "2"], capsys)
+    assert err.startswith("fabric-lin pretrain: error: --num_nodes 2: nothing starts this command on the other node(s)")
+    assert "torchrun" in err and "srun" in err and "NODE_RANK" in err and "--num_nodes 1" in err
+    assert not (tmp_path / "out").exists()
+    from fabric_lin.parallelism import check_other_nodes_launched
+
+    check_other_nodes_launched(1)
+    for name, value in (("NODE_RANK", "1"), ("SLURM_NTASKS", "16")):
+        with monkeypatch.context() as launched:
+            launched.setenv(name, value)
+            check_other_nodes_launched(2)
 
 
 def test_error_data_parallel_choice(tmp_path):

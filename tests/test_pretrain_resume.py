@@ -74,7 +74,7 @@ def test_reference_run_writes_the_checkpoint_format(reference):
         manifest = json.loads((checkpoint / "manifest.json").read_text())
         assert set(manifest["files"]) == {p.name for p in checkpoint.iterdir()} - {"manifest.json"}
         assert verify_checkpoint(checkpoint).ok
-    # the CSV logger's file holds every logged step (Fabric's writes it only every 100 steps, and at the end)
+    # the CSV logger's file holds every logged step
     import csv
 
     with open(reference / "logs" / "csv" / "version_0" / "metrics.csv", newline="") as f:

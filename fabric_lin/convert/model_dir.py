@@ -35,6 +35,7 @@ from fabric_lin.weights import (
 )
 
 HF_CONFIG_FILE = "config.json"  # a Hugging Face directory's (e.g. an fla export's) configuration
+PEFT_ADAPTER_CONFIG = "adapter_config.json"  # peft's save_pretrained of a model's adapters alone
 LLAMA_MODEL_TYPES = ("llama", "mistral")  # the Hugging Face models convert_from_llama reads
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
@@ -53,6 +54,7 @@ def check_model_dir_given(model_dir: Path, argument: str, command: str) -> None:
         raise MissingFile(f"{argument} {str(model_dir)!r} is not a directory")
     if (model_dir / CONFIG_FILE).is_file():
         return
+    check_not_lora_adapters(model_dir, command, reads_exports=False)
     run_checkpoints = [p.name for p in checkpoint_dirs(model_dir)]
     if run_checkpoints:
         raise InvalidValue(
@@ -68,6 +70,20 @@ def check_model_dir_given(model_dir: Path, argument: str, command: str) -> None:
             f"{model_dir} is a Hugging Face directory ({HF_CONFIG_FILE}, no {CONFIG_FILE}), e.g. an fla export: {command} "
             f"reads a model directory; make one with: fabric-lin convert_from_hf {model_dir} --output_dir <DIR>"
         )
+
+
+def check_not_lora_adapters(directory: Path, command: str, reads_exports: bool) -> None:
+    """Refuse a LoRA fine-tune's adapters alone (peft's save_pretrained of a PeftModel, tutorials/finetune_lora.md's
+    adapter/): low-rank changes to the weights of an export, not a model. `command` reads fla exports
+    (`reads_exports`) or model directories only; the directory to give it instead is named."""
+    if not (Path(directory) / PEFT_ADAPTER_CONFIG).is_file():
+        return
+    instead = ("the merged export" if reads_exports
+               else "the model directory that fabric-lin convert_from_hf makes of the merged export")
+    raise InvalidValue(
+        f"{directory} holds LoRA adapters alone (peft's {PEFT_ADAPTER_CONFIG}), not a model: merge them into the export "
+        f"they were trained on (merge_and_unload, tutorials/finetune_lora.md) and give {command} {instead}"
+    )
 
 
 def is_llama_dir(directory: Path) -> bool:
