@@ -76,7 +76,7 @@ def test_chunk_layout_keeps_the_layouts_of_the_last_few_tensors_met(monkeypatch)
     assert reads[-1] == [0, 1, 130] and len(reads) == kept + 2  # the oldest was dropped for it
 
 
-@pytest.mark.parametrize("bounds", [[0, 4, 9], [1, 10], [0, 6, 4, 10]])
+@pytest.mark.parametrize("bounds", [[0, 4, 9], [1, 10], [0, 6, 4, 10], [0, 5, 4, 10]])  # the last falls by one row
 def test_chunk_layout_refuses_offsets_that_do_not_rise_from_0_to_T(bounds):
     with pytest.raises(ValueError, match=rf"cu_seqlens must rise from 0 to T = 10 without falling, got \[{bounds[0]}, "):
         chunk_layout(torch.tensor(bounds), 1, 10)
@@ -156,3 +156,43 @@ def test_decoding_steps_name_their_mistakes_alike(backend):
         fused_recurrent_gla_step(q, k, v, -torch.rand(B, H), state, backend=backend)
     with pytest.raises(ValueError, match=r"^fused_recurrent_gla_step: state must be \[B, H, K, V\] = \(2, 3, 16, 32\), got shape \(2, 3, 32, 16\)$"):
         fused_recurrent_gla_step(q, k, v, -torch.rand(B, H, K), state.transpose(-1, -2), backend=backend)
+
+
+# ------------------------------------------------------------------------------------ the kernel ops' fake functions
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels run in the interpreter on CPU tensors")
+def test_kernel_ops_fake_functions_give_the_real_outputs_shapes_and_dtypes():
+    """torch.compile shapes the ops' outputs by their fake functions alone: each must give what the kernels return.
+    float16 inputs (the states stay fp32, the outputs follow the inputs), documents packed with initial states and a
+    final state's gradient, so that every output is there and N comes from cu_seqlens."""
+    import torch.nn.functional as F
+
+    from fabric_lin.ops.gdn.chunk import chunk_gdn_bwd, chunk_gdn_fwd
+    from fabric_lin.ops.gdn.launch import SHIPPED as GDN_SHIPPED
+    from fabric_lin.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd
+    from fabric_lin.ops.gla.launch import SHIPPED as GLA_SHIPPED
+    from fabric_lin.ops.launch import launch_json
+
+    def check(kernel_op, *args):
+        torch.library.opcheck(kernel_op.op, args, test_utils="test_faketensor")
+
+    T, H, K, V = 40, 1, 16, 32
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, T, H, K, generator=g).half() for _ in range(2))
+    v, do = (torch.randn(1, T, H, V, generator=g).half() for _ in range(2))
+    cu = torch.tensor([0, 15, T], dtype=torch.int32)
+    h0, dht = (torch.randn(2, H, K, V, generator=g) for _ in range(2))
+    scale = K**-0.5
+
+    gk = F.logsigmoid(torch.randn(1, T, H, K, generator=g)) / 16
+    launch = launch_json(None, GLA_SHIPPED)
+    check(chunk_gla_fwd, q, k, v, gk, h0, cu, scale, None, launch)
+    _, _, gc, A = chunk_gla_fwd.fn(q, k, v, gk, h0, cu, scale, None, launch)
+    check(chunk_gla_bwd, q, k, v, gc, A, h0, cu, do, dht, scale, None, launch)
+
+    gate, beta = -torch.rand(1, T, H, generator=g), torch.rand(1, T, H, generator=g).half()
+    launch = launch_json(None, GDN_SHIPPED)
+    check(chunk_gdn_fwd, q, k, v, gate, beta, h0, cu, scale, True, launch)
+    _, _, b, A_inv, q_n, k_n, q_rstd, k_rstd = chunk_gdn_fwd.fn(q, k, v, gate, beta, h0, cu, scale, True, launch)
+    check(chunk_gdn_bwd, q_n, k_n, v, b, beta, A_inv, q_rstd, k_rstd, h0, cu, do, dht, scale, True, launch)

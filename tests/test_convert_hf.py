@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from fabric_lin.config import Config
-from fabric_lin.convert.hf import convert_from_hf, convert_to_hf
+from fabric_lin.convert.hf import convert_from_hf, convert_to_hf, to_hf_name
 from fabric_lin.convert.model_dir import load_model_dir_weights
 from fabric_lin.model import GPT
 from helpers import make_model_dir, small_config
@@ -87,6 +87,15 @@ def test_sharded_export_with_index(tmp_path):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 3 and not (tmp_path / "hf" / "model.safetensors").exists()
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in state.values())
+    # filled in order: every shard within 100 kB but for a tensor larger than that alone (the MLP's 256 kB), and
+    # none could have taken the first tensor of the next one without passing it
+    contents = {f: load_file(tmp_path / "hf" / f) for f in shards}
+    sizes = {f: sum(t.numel() * 4 for t in tensors.values()) for f, tensors in contents.items()}
+    first_of = {}
+    for name in state:
+        first_of.setdefault(index["weight_map"][to_hf_name(name)], state[name].numel() * 4)
+    assert all(sizes[f] <= 100_000 or len(contents[f]) == 1 for f in shards)
+    assert all(sizes[a] + first_of[b] > 100_000 for a, b in zip(shards[:-1], shards[1:]))
     convert_from_hf(tmp_path / "hf", tmp_path / "back")
     back = load_model_dir_weights(tmp_path / "back")
     assert all(torch.equal(back[k], state[k]) for k in state)
@@ -557,3 +566,24 @@ def test_an_interrupted_export_leaves_no_file_of_it(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         convert_to_hf(tmp_path / "model", tmp_path / "kept", overwrite=True)
     assert [p.name for p in (tmp_path / "kept").iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"block_type": "gdn", "head_dim": 48, "expand_v": 2.0}], ids=["gla", "gdn"])
+def test_keys_absent_from_config_json_take_flas_defaults(tmp_path, overrides):
+    # a config.json written by hand may leave out what fla's config classes default (GLAConfig, GatedDeltaNetConfig:
+    # untied embeddings, norm_eps 1e-6, 2048 positions, initializer_range 0.02; GLA's expand_k 0.5 and expand_v 1,
+    # GDN's expand_v 2 and conv_size 4); the model here has those values, so its round trip stays exact
+    config = small_config(**overrides)
+    state = make_model_dir(tmp_path / "model", config)
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    defaulted = ["tie_word_embeddings", "norm_eps", "max_position_embeddings", "initializer_range", "expand_v"]
+    defaulted += ["expand_k"] if config.block_type == "gla" else ["conv_size"]
+    for key in defaulted:
+        del cfg[key]
+    cfg_path.write_text(json.dumps(cfg))
+    convert_from_hf(tmp_path / "hf", tmp_path / "back")
+    assert Config.from_checkpoint(tmp_path / "back") == config
+    back = load_model_dir_weights(tmp_path / "back")
+    assert sorted(back) == sorted(state) and all(torch.equal(back[k], state[k]) for k in state)

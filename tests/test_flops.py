@@ -1,5 +1,6 @@
 """fabric_lin/flops.py: the multiply-adds per token (the models' matrices) and the FLOPs per token against
 independent arithmetic."""
+import pytest
 import torch
 
 from fabric_lin.config import Config
@@ -8,13 +9,19 @@ from fabric_lin.model import GPT
 
 
 def test_matmul_params_equal_the_models_matrices():
-    for name in ("gla-debug", "transformer-debug", "gla-340M"):
-        config = Config.from_name(name)
+    # every family, GLA with grouped key/value heads (its forget gate's low-rank output is per key/value head), and
+    # hybrids, whose attention layers have heads of their own
+    configs = [("gla-debug", {}), ("transformer-debug", {}), ("gla-340M", {}), ("gdn-debug", {}), ("deltanet-debug", {}),
+               ("gla-debug", dict(num_heads=4, num_kv_heads=2)),
+               ("gla-debug", dict(attn_layers=[1], attn_num_heads=4, attn_num_kv_heads=2)),
+               ("gdn-debug", dict(attn_layers=[0], attn_num_heads=2))]
+    for name, overrides in configs:
+        config = Config.from_name(name, **overrides)
         with torch.device("meta"):
             model = GPT(config)
         # every Linear weight is one multiply-add per token; the embedding is a lookup
         expected = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-        assert matmul_params(config) == expected, name
+        assert matmul_params(config) == expected, (name, overrides)
 
 
 def test_flops_per_token_gla_340m():
@@ -26,6 +33,20 @@ def test_flops_per_token_gla_340m():
     assert flops_per_token(config, 2048) == 3 * (2 * n + attention)
     t = Config.from_name("transformer-340M")
     assert flops_per_token(t, 2048) == 3 * (2 * matmul_params(t) + 24 * 4 * 2048 * 1024)
+
+
+def test_flops_per_token_gdn_deltanet_and_a_hybrid():
+    # independent arithmetic, per layer and head at chunk 64: the delta rule's 6*C*K + 4*C*V + 6*K*V + (2/3)*C*C;
+    # GLA's 2*C*(K + V) + 4*K*V; a softmax-attention layer 4*T*d
+    gdn = Config.from_name("gdn-debug")  # d = 128, 4 layers, 2 heads of K = 48, V = 96
+    recurrence = 4 * 2 * (6 * 64 * 48 + 4 * 64 * 96 + 6 * 48 * 96 + 2 * 64 * 64 / 3)
+    assert flops_per_token(gdn, 2048) == pytest.approx(3 * (2 * matmul_params(gdn) + recurrence), rel=1e-12)
+    deltanet = Config.from_name("deltanet-debug")  # 2 heads of K = V = 64
+    recurrence = 4 * 2 * (6 * 64 * 64 + 4 * 64 * 64 + 6 * 64 * 64 + 2 * 64 * 64 / 3)
+    assert flops_per_token(deltanet, 2048) == pytest.approx(3 * (2 * matmul_params(deltanet) + recurrence), rel=1e-12)
+    hybrid = Config.from_name("gla-debug", attn_layers=[1], attn_num_heads=4)  # GLA: 2 heads of K = 32, V = 64
+    mixing = 3 * 2 * (2 * 64 * (32 + 64) + 4 * 32 * 64) + 4 * 2048 * 128
+    assert flops_per_token(hybrid, 2048) == 3 * (2 * matmul_params(hybrid) + mixing)
 
 
 def test_peak_flops_by_device_name_and_precision(monkeypatch):

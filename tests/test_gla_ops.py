@@ -44,6 +44,13 @@ def test_strongest_gates_over_2048_steps_stay_finite_and_exact():
     logits = torch.where(torch.rand(1, 300, 2, 16) < 0.5, torch.tensor(-20.0), torch.tensor(8.0))
     gk = F.logsigmoid(logits) / 16
     torch.testing.assert_close(chunk_gla_torch(q, k, v, gk)[0], naive_recurrent_gla(q, k, v, gk)[0], rtol=1e-4, atol=1e-4)
+    # saturated: logsigmoid(-3000)/16 = -187.5 a step, exp(187.5) past fp32 within one step; every factor the
+    # chunked form makes must still be exp of a difference <= 0 (a state then reaches only its own token)
+    q, k, v, gk, h0 = gla_inputs(1, 64, 1, 16, 16, seed=4, gate_logit=-3000.0)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+    o, s = chunk_gla_torch(q, k, v, gk, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s, s_ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("T", [1, 63, 130])
@@ -166,3 +173,8 @@ def test_levels_share_against_a_loop_over_chunks():
     assert levels_share(middling, dtype=torch.float16) == 1.0
     fp16_limit = math.log(65504 / 256)
     assert levels_share(mixed, dtype=torch.float16) == pytest.approx(by_loop(mixed, [0, 300], limit=fp16_limit))
+    # the reference is row 31, the last of the first half (as the kernels take it): steps of -30 at rows 1 and 32
+    # put b at 0, -30 (rows 1..31) and -60 (rows 32..63), 30 from row 31's either way but 60 from row 32's
+    steps = torch.zeros(1, 64, 1, 1)
+    steps[0, [1, 32]] = -30.0
+    assert levels_share(steps, dtype=torch.float32) == 0.0

@@ -109,6 +109,26 @@ def test_triton_from_logits_matches_naive_fp32(monkeypatch, T, offsets, logit_sc
 
 
 @cpu_only
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_from_logits_divides_by_the_normalizer_given(backend):
+    # a normalizer other than fla's 16: the log gate is logsigmoid(logits) / 4, on both paths and in the logits'
+    # gradient (the other tests' gates are all / 16)
+    q, k, v, _, h0 = gla_inputs(1, 70, 2, 16, 16, seed=21)
+    logits = 2 * torch.randn(1, 70, 2, 16, generator=torch.Generator().manual_seed(22))
+
+    def naive(q, k, v, logits, **kwargs):
+        return naive_recurrent_gla(q, k, v, F.logsigmoid(logits.float()) / 4, **kwargs)
+
+    def op(q, k, v, logits, **kwargs):
+        return chunk_gla_from_logits(q, k, v, logits, 4.0, backend=backend, **kwargs)
+
+    ref = gla_forward_backward(naive, q, k, v, logits, h0, None)
+    out = gla_forward_backward(op, q, k, v, logits, h0, None)
+    for name, a, b in zip(["o", "ht", "dq", "dk", "dv", "dlogits", "dh0"], out, ref):
+        assert_close_scaled(a, b, name)
+
+
+@cpu_only
 @pytest.mark.parametrize("V", [32, 48])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("from_logits", [False, True])

@@ -126,7 +126,8 @@ def test_rms_norm_linears_matches_reference_and_keeps_no_normed_activation(dtype
         rms_norm_linears(x, w, 1e-6, [torch.randn(8, 40)], backend="triton")
 
 
-def test_rms_norm_linears_runs_the_projections_in_the_compute_dtype():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rms_norm_linears_runs_the_projections_in_the_compute_dtype(backend):
     # bf16-mixed: an fp32 residual stream and fp32 weights, projections in bf16 as autocast runs a linear
     # layer; the weights' gradients reach them in fp32
     g = torch.Generator().manual_seed(10)
@@ -137,13 +138,40 @@ def test_rms_norm_linears_runs_the_projections_in_the_compute_dtype():
     ref_y, ref_h = rms_norm_ref(ref_in[0], ref_in[2], 1e-6, ref_in[1])
     ref_outs = [F.linear(ref_y.to(torch.bfloat16), p.to(torch.bfloat16)) for p in ref_in[3:]]
     outs, h = rms_norm_linears(out_in[0], out_in[2], 1e-6, out_in[3:], residual=out_in[1], dtype=torch.bfloat16,
-                               backend="triton")
+                               backend=backend)
     assert [o.dtype for o in outs] == [torch.bfloat16] * 2 and h.dtype == torch.float32
     for a, b in zip(outs, ref_outs):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     for a, b in zip(grads_of(tuple(outs) + (h,), out_in), grads_of(tuple(ref_outs) + (ref_h,), ref_in)):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+
+
+def test_rms_norm_gated_linear_casts_the_projection_to_the_activations_dtype():
+    # as autocast runs the linear layer: float64 activations and an fp32 projection weight give a float64 output,
+    # and the weight's gradient reaches it in fp32 (on the PyTorch path; the kernels take no float64)
+    g = torch.Generator().manual_seed(13)
+    x, gate = (torch.randn(2, 5, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    w = 1 + 0.1 * torch.randn(8, generator=g)
+    proj = (0.2 * torch.randn(6, 24, generator=g)).requires_grad_(True)
+    out = rms_norm_gated_linear(x, gate, w, 1e-5, proj, backend="torch")
+    assert out.dtype == torch.float64
+    reference = F.linear(rms_norm_64(x, w, 1e-5).mul(F.silu(gate)).reshape(2, 5, 24), proj.double())
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)  # the norm itself runs in fp32
+    out.sum().backward()
+    assert proj.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_norms_add_eps_to_the_mean_square_inside_the_root(backend):
+    # rows of 1e-3: the mean square is 1e-6, so with eps 1e-6 every entry is 1e-3 / sqrt(2e-6) = 1 / sqrt(2) (times
+    # the weight), where eps added outside the root would leave it near 1
+    x = torch.full((3, 64), 1e-3, device=DEVICE)
+    w = torch.linspace(0.5, 1.5, 64, device=DEVICE)
+    gate = torch.full((3, 64), 3.0, device=DEVICE)
+    expected = (w / 2**0.5).expand(3, 64)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6, backend=backend), expected)
+    torch.testing.assert_close(rms_norm_gated(x, gate, w, 1e-6, backend=backend), expected * 3 * torch.sigmoid(gate))
 
 
 def same_when_rounded(low, full):

@@ -396,6 +396,27 @@ def test_a_chunk_size_below_one_is_one_line(paragraphs_tokenizer, text_corpus, t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("fraction", ["1", "-0.1"])
+def test_a_val_fraction_outside_0_to_1_is_one_line(paragraphs_tokenizer, text_corpus, tmp_path, capsys, fraction):
+    # 1 would hold out every document, leaving nothing to train on
+    err = cli_error(["prepare_text", "--input_dir", str(text_corpus["raw"]), "--output_dir", str(tmp_path / "out"),
+                     "--tokenizer_path", str(paragraphs_tokenizer), "--val_fraction", fraction], capsys)
+    assert f"error: --val_fraction {float(fraction)}: expected a share of the documents, at least 0 and below 1\n" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_held_out_documents_are_the_share_asked_for_and_differ_by_file():
+    from data_prep.prepare_text import held_out
+
+    lines = range(20_000)
+    for fraction in (0.001, 0.05, 0.5):
+        share = sum(held_out("web/part-000.parquet", i, fraction) for i in lines) / len(lines)
+        assert share == pytest.approx(fraction, rel=0.25), fraction
+    # the file's path takes part: two files hold out other line numbers, about 5% of 5% in common
+    a, b = ({i for i in lines if held_out(path, i, 0.05)} for path in ("notes/a.jsonl", "notes/b.jsonl"))
+    assert len(a & b) < 0.2 * len(a)
+
+
 def test_a_negative_worker_count_is_one_line(paragraphs_tokenizer, text_corpus, tmp_path, capsys):
     # litdata took -1 workers and read nothing, which then read as "every file was bad or empty"
     for command in ("prepare_text", "prepare_slimpajama", "prepare_starcoder"):

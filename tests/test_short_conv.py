@@ -131,6 +131,20 @@ def test_conv_continues_from_a_cache_and_gives_its_gradient(W, T):
         assert_close(a, b, name)
 
 
+def test_conv_with_a_cache_of_another_dtype_stays_in_the_inputs_dtype():
+    # the PyTorch path given an fp32 cache and bf16 inputs: the cache is read as bf16, and the new cache (the
+    # last W - 1 inputs) comes back in x's dtype, as decoding keeps it
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    x, weight, cache = conv_inputs(2, 5, 8, 4, seed=3, cache=True)
+    x = x.bfloat16()
+    y, new_cache = causal_conv1d(x, weight, cache, backend="torch")
+    assert y.dtype == new_cache.dtype == torch.bfloat16
+    y_ref, cache_ref = conv_reference(x, weight, cache.bfloat16())
+    torch.testing.assert_close(new_cache, cache_ref.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-2, atol=1e-2)
+
+
 @cpu_only
 @pytest.mark.parametrize("T,W", [(0, 4), (5, 1), (1, 1)])
 def test_conv_empty_sequences_and_width_one(T, W):
