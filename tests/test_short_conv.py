@@ -23,9 +23,20 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from helpers import GDN_STEP_SHAPE, assert_close, leaves  # noqa: E402
 
+from fabric_lin.ops.fused_launch import BWD_DESIGNS, ShortConvLaunch  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# each design of the backward pass, the new ones on 64-channel tiles (D = 100 leaves a partial second tile);
+# "two_pass" keeps dz in x's dtype, the same as fp32 in the fp32 tests (the half-precision test compares both)
+BWD_LAUNCHES = {
+    "gather": ShortConvLaunch(),
+    "shifted": ShortConvLaunch(bwd_design="shifted", bwd_channels=64),
+    "two_pass": ShortConvLaunch(bwd_design="two_pass", bwd_channels=64, two_pass_dz="input"),
+}
+each_bwd_design = pytest.mark.parametrize("launch", list(BWD_LAUNCHES.values()), ids=list(BWD_LAUNCHES))
 
 
 # ---------------------------------------------------------------- references (fp64, independent of the code under test)
@@ -68,15 +79,16 @@ def conv_inputs(B, T, D, W, seed=0, cache=False):
 
 
 @cpu_only
+@each_bwd_design
 @pytest.mark.parametrize("W", [2, 3, 4])
 @pytest.mark.parametrize("T", [1, 3, 37, 130, 300])  # 300: two backward row blocks per sequence
-def test_conv_matches_grouped_conv1d(W, T):
+def test_conv_matches_grouped_conv1d(W, T, launch):
     from fabric_lin.ops.short_conv import causal_conv1d
 
-    D = 100  # two channel tiles, the second partial
+    D = 100  # channel tiles, the last partial
     x, weight, _ = conv_inputs(2, T, D, W, seed=T * 10 + W)
     xk, wk = leaves(x, weight)
-    y, new_cache = causal_conv1d(xk, wk, backend="triton")
+    y, new_cache = causal_conv1d(xk, wk, backend="triton", launch=launch)
     xr, wr = leaves(x, weight)
     y_ref, cache_ref = conv_reference(xr, wr)
     assert y.dtype == torch.float32 and new_cache.shape == (2, W - 1, D)
@@ -89,12 +101,13 @@ def test_conv_matches_grouped_conv1d(W, T):
 
 
 @cpu_only
-def test_conv_without_activation():
+@each_bwd_design
+def test_conv_without_activation(launch):
     from fabric_lin.ops.short_conv import causal_conv1d
 
     x, weight, cache = conv_inputs(2, 37, 70, 4, seed=3, cache=True)
     ins = leaves(x, weight, cache)
-    y, _ = causal_conv1d(*ins, activation=False, backend="triton")
+    y, _ = causal_conv1d(*ins, activation=False, backend="triton", launch=launch)
     refs = leaves(x, weight, cache)
     y_ref, _ = conv_reference(*refs, activation=False)
     assert_close(y, y_ref, "y")
@@ -104,15 +117,16 @@ def test_conv_without_activation():
 
 
 @cpu_only
+@each_bwd_design
 @pytest.mark.parametrize("W", [2, 3, 4])
 @pytest.mark.parametrize("T", [1, 2, 37])  # T = 1, 2 < W - 1 for W = 4: the new cache keeps cached inputs
-def test_conv_continues_from_a_cache_and_gives_its_gradient(W, T):
+def test_conv_continues_from_a_cache_and_gives_its_gradient(W, T, launch):
     from fabric_lin.ops.short_conv import causal_conv1d
 
     x, weight, cache = conv_inputs(3, T, 40, W, seed=T + W, cache=True)
     ins = leaves(x, weight, cache)
     with torch.enable_grad():  # a gradient wanted: the full kernels, not the decoding step
-        y, new_cache = causal_conv1d(*ins, backend="triton")
+        y, new_cache = causal_conv1d(*ins, backend="triton", launch=launch)
     refs = leaves(x, weight, cache)
     y_ref, cache_ref = conv_reference(*refs)
     assert_close(y, y_ref, "y")
@@ -123,7 +137,7 @@ def test_conv_continues_from_a_cache_and_gives_its_gradient(W, T):
         assert_close(a, b, name)
     # a cache that needs no gradient (x and weight do): none is computed, the others unchanged
     xk, wk = leaves(x, weight)
-    y2, _ = causal_conv1d(xk, wk, cache, backend="triton")
+    y2, _ = causal_conv1d(xk, wk, cache, backend="triton", launch=launch)
     y2.backward(up[0])
     xr, wr = leaves(x, weight)
     want = grads_of(conv_reference(xr, wr, cache)[:1], (xr, wr), up)
@@ -146,13 +160,14 @@ def test_conv_with_a_cache_of_another_dtype_stays_in_the_inputs_dtype():
 
 
 @cpu_only
+@each_bwd_design
 @pytest.mark.parametrize("T,W", [(0, 4), (5, 1), (1, 1)])
-def test_conv_empty_sequences_and_width_one(T, W):
+def test_conv_empty_sequences_and_width_one(T, W, launch):
     from fabric_lin.ops.short_conv import causal_conv1d
 
     x, weight, cache = conv_inputs(2, T, 20, W, seed=T + W, cache=True)
     ins = leaves(x, weight, cache)
-    y, new_cache = causal_conv1d(*ins, backend="triton")
+    y, new_cache = causal_conv1d(*ins, backend="triton", launch=launch)
     refs = leaves(x, weight, cache)
     y_ref, cache_ref = conv_reference(*refs) if T else (refs[0].double(), torch.cat([refs[2], refs[0]], 1).double())
     assert y.shape == (2, T, 20) and new_cache.shape == (2, W - 1, 20)
@@ -165,19 +180,20 @@ def test_conv_empty_sequences_and_width_one(T, W):
 
 
 @cpu_only
+@each_bwd_design
 @pytest.mark.parametrize("W", [2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_conv_varlen_restarts_at_every_document(W, dtype):
+def test_conv_varlen_restarts_at_every_document(W, dtype, launch):
     from fabric_lin.ops.short_conv import causal_conv1d
 
-    # empty documents (first, middle and last), length-1 documents, one across the forward's row tiles (64
-    # rows) and the backward's row blocks (8 tiles of 32 - (W - 1) rows: 232 to 248)
+    # empty documents (first, middle and last), documents shorter than W, one across the forward's row tiles
+    # (64 rows) and the backward's row blocks (8 tiles of 32 - (W - 1) rows, 232 to 248, or of 32 rows, 256)
     bounds = [0, 0, 1, 1, 3, 4, 250, 251, 253, 253, 300]
     T = bounds[-1]
     x, weight, _ = conv_inputs(1, T, 72, W, seed=W)
     cu = torch.tensor(bounds, dtype=dtype)
     ins = leaves(x, weight)
-    y, _ = causal_conv1d(*ins, cu_seqlens=cu, backend="triton")
+    y, _ = causal_conv1d(*ins, cu_seqlens=cu, backend="triton", launch=launch)
     refs = leaves(x, weight)
     y_ref = conv_reference_varlen(refs[0], refs[1], bounds)
     assert_close(y, y_ref, "y")
@@ -186,6 +202,66 @@ def test_conv_varlen_restarts_at_every_document(W, dtype):
         assert_close(a, b, name)
     # and the document bounds do matter: the whole row convolved as one sequence differs
     assert (conv_reference(x, weight)[0] - y_ref).abs().max() > 0.1
+
+
+class LaunchLog:
+    """A kernel standing in for one of short_conv_triton's: records its name at each launch, then launches it."""
+
+    def __init__(self, kernel, name, launched):
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
+
+
+@cpu_only
+def test_each_backward_design_launches_its_own_kernels(monkeypatch):
+    from fabric_lin.ops import short_conv_triton
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    launched = []
+    for name in ("_conv_bwd_kernel", "_conv_bwd_shifted_kernel", "_conv_dz_kernel", "_conv_dx_kernel"):
+        monkeypatch.setattr(short_conv_triton, name, LaunchLog(getattr(short_conv_triton, name), name, launched))
+    x, weight, _ = conv_inputs(1, 5, 8, 4, seed=1)
+    kernels = {}
+    for design in BWD_DESIGNS:
+        launched.clear()
+        y, _ = causal_conv1d(*leaves(x, weight), backend="triton", launch=ShortConvLaunch(bwd_design=design))
+        y.sum().backward()
+        kernels[design] = list(launched)
+    assert kernels == {"gather": ["_conv_bwd_kernel"], "shifted": ["_conv_bwd_shifted_kernel"],
+                       "two_pass": ["_conv_dz_kernel", "_conv_dx_kernel"]}
+
+
+def test_short_conv_launch_names_the_setting_it_refuses():
+    with pytest.raises(ValueError, match=r"ShortConvLaunch.bwd_design: expected one of .*'gather'.*got 'gathered'"):
+        ShortConvLaunch(bwd_design="gathered")
+    with pytest.raises(ValueError, match=r"ShortConvLaunch.two_pass_dz: expected 'float32' or 'input', got 'bf16'"):
+        ShortConvLaunch(two_pass_dz="bf16")
+
+
+@cpu_only
+def test_two_pass_dz_in_half_precision_keeps_dx_within_the_gpu_tolerance():
+    # dz rounded to the inputs' 16-bit dtype between the two kernels: dx and dweight as close to the fp64
+    # reference as the GPU tests ask of bf16 (1% relative RMS), and dz's rounding visible in dx
+    from conftest import rel_rms
+
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    x, weight, _ = conv_inputs(2, 70, 40, 4, seed=11)
+    refs = leaves(x.half().double(), weight)
+    y_ref, _ = conv_reference(*refs)
+    up = [torch.randn_like(y_ref)]
+    want = grads_of((y_ref,), refs, up)
+    got = {}
+    for dz in ("float32", "input"):
+        ins = leaves(x.half(), weight)
+        y, _ = causal_conv1d(*ins, backend="triton", launch=ShortConvLaunch(bwd_design="two_pass", two_pass_dz=dz))
+        got[dz] = grads_of((y,), ins, up)
+        for name, a, b in zip(["dx", "dweight"], got[dz], want):
+            assert rel_rms(a, b) < 0.01, (dz, name, rel_rms(a, b))
+    assert got["input"][0].dtype == torch.float16 and (got["input"][0] != got["float32"][0]).any()
 
 
 @cpu_only
@@ -210,14 +286,15 @@ def test_conv_decoding_steps_equal_the_full_convolution(W):
 
 
 @cpu_only
-def test_conv_reads_a_view_of_projections_side_by_side():
+@each_bwd_design
+def test_conv_reads_a_view_of_projections_side_by_side(launch):
     from fabric_lin.ops.short_conv import causal_conv1d
 
     qkv, weight, _ = conv_inputs(2, 37, 120, 4, seed=5)
     q = qkv[..., 20:70]  # rows 120 apart, channels contiguous
     w = weight[20:70]
     ins = leaves(qkv, w)
-    y, _ = causal_conv1d(ins[0][..., 20:70], ins[1], backend="triton")
+    y, _ = causal_conv1d(ins[0][..., 20:70], ins[1], backend="triton", launch=launch)
     refs = leaves(qkv, w)
     y_ref, _ = conv_reference(refs[0][..., 20:70], refs[1])
     assert_close(y, y_ref, "y")
@@ -228,7 +305,8 @@ def test_conv_reads_a_view_of_projections_side_by_side():
 
 
 @cpu_only
-def test_conv_compiles_to_one_node_each_way_without_graph_breaks():
+@each_bwd_design
+def test_conv_compiles_to_one_node_each_way_without_graph_breaks(launch):
     from conftest import compiled_graph_ops
 
     from fabric_lin.ops.short_conv import causal_conv1d
@@ -237,7 +315,7 @@ def test_conv_compiles_to_one_node_each_way_without_graph_breaks():
     cu = torch.tensor([0, 5, 6, 37], dtype=torch.int32)
 
     def f(x, weight):
-        y, cache = causal_conv1d(x, weight, cu_seqlens=cu, backend="triton")
+        y, cache = causal_conv1d(x, weight, cu_seqlens=cu, backend="triton", launch=launch)
         return y.square().mean() + cache.mean()
 
     torch._dynamo.reset()
@@ -317,36 +395,62 @@ def test_conv_errors_name_the_argument():
     assert causal_conv1d(x, torch.randn(16, 9), backend="torch")[0].shape == x.shape
 
 
+@cpu_only
+def test_benchmark_times_each_design_against_the_shipped_one_in_the_interpreter(tmp_path, monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import short_conv as bench
+
+    out = tmp_path / "short_conv.json"
+    monkeypatch.setattr(sys, "argv", ["short_conv.py", "--batch", "1", "--seq", "13", "--channels", "24", "40",
+                                      "--documents", "3", "--no-candidates", "--out", str(out),
+                                      "--variants", "shifted:bwd_design=shifted,bwd_channels=16",
+                                      "two_pass:bwd_design=two_pass,bwd_rows=8"])
+    bench.main()
+    report = json.loads(out.read_text())
+    assert report["launches"]["shifted"]["bwd_design"] == "shifted" and report["documents"] == 3
+    assert [row["channels"] for row in report["results"]] == [24, 40]
+    for row in report["results"]:
+        assert set(row) == {"channels", "shipped", "shifted", "two_pass"}
+        for name in ("shifted", "two_pass"):
+            assert row[name]["fwd_bwd_ms"] > 0 and max(row[name]["rel_rms_vs_shipped"].values()) < 1e-5, row
+    monkeypatch.setattr(sys, "argv", ["short_conv.py", "--variants", "bad:bwd_design=scatter"])
+    with pytest.raises(SystemExit, match="--variants bad: ShortConvLaunch.bwd_design: expected one of"):
+        bench.main()
+
+
 # ---------------------------------------------------------------- compiled for sm_90 (bf16, gdn-340M's shapes)
 
 CONV_SHAPES = [(16, 2048, 512), (16, 2048, 1024)]  # B, T, D: gdn-340M's key and value convolutions
 
 
-def sm90_report() -> dict:
+def sm90_report(candidates: bool = False) -> dict:
     """Every launch of the convolution (forward and backward, batched and varlen), its decoding step and the
     GDN decoding step (gated, and without a gate), compiled for sm_90 with bf16 inputs and not run; registers and
-    spills as the compiled cubins record them."""
+    spills as the compiled cubins record them. candidates: also the backward designs benchmarks/short_conv.py
+    times (its CANDIDATES), under "candidates" (`python tests/test_short_conv.py --candidates`)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import kernel_registers  # noqa: E402  (compile, do not interpret: it clears TRITON_INTERPRET)
 
     from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
     from fabric_lin.ops.short_conv_triton import causal_conv1d_step_triton, causal_conv1d_triton
 
-    report = {"triton": kernel_registers.triton.__version__, "target": f"sm_{kernel_registers.TARGET.arch}",
-              "launches": []}
+    from short_conv import CANDIDATES
 
-    def compiled(label, run):
+    report = {"triton": kernel_registers.triton.__version__, "target": f"sm_{kernel_registers.TARGET.arch}",
+              "launches": [], "candidates": []}
+
+    def compiled(label, run, part="launches"):
         records = []
         with kernel_registers.compile_only(records, set()):
             run()
-        report["launches"] += [{"case": label, **row} for row in records]
+        report[part] += [{"case": label, **row} for row in records]
 
     bf16 = torch.bfloat16
     for B, T, D in CONV_SHAPES:
         weight = torch.randn(D, 4, requires_grad=True)  # an fp32 parameter, bf16 activations (bf16-mixed)
 
-        def conv(x, cu_seqlens=None):
-            y, _ = causal_conv1d_triton(x, weight, cu_seqlens=cu_seqlens)
+        def conv(x, cu_seqlens=None, launch=None):
+            y, _ = causal_conv1d_triton(x, weight, cu_seqlens=cu_seqlens, launch=launch)
             y.backward(torch.ones_like(y))
 
         compiled(f"conv B={B} T={T} D={D}", lambda: conv(torch.randn(B, T, D, dtype=bf16, requires_grad=True)))
@@ -356,6 +460,10 @@ def sm90_report() -> dict:
         compiled(f"conv varlen T={B * T} D={D}", lambda: conv(packed, cu))
         compiled(f"conv step B={B} D={D}", lambda: causal_conv1d_step_triton(
             torch.randn(B, D, dtype=bf16), weight.detach(), torch.randn(B, 3, D, dtype=bf16)))
+        for name, launch in CANDIDATES.items() if candidates else ():
+            compiled(f"conv {name} D={D}", lambda: conv(torch.randn(B, T, D, dtype=bf16, requires_grad=True),
+                                                        launch=launch), "candidates")
+            compiled(f"conv {name} varlen D={D}", lambda: conv(packed, cu, launch), "candidates")
     B, H, K, V = GDN_STEP_SHAPE
     q, k, v = (torch.randn(B, H, n, dtype=bf16) for n in (K, K, V))
     g, beta = -torch.rand(B, H), torch.rand(B, H)
@@ -433,4 +541,4 @@ def test_gpu_conv_step_bf16_matches_the_full_convolution():
 
 
 if __name__ == "__main__":
-    print(json.dumps(sm90_report()))
+    print(json.dumps(sm90_report(candidates="--candidates" in sys.argv[1:])))
