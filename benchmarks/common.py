@@ -1,11 +1,13 @@
-"""What the benchmark scripts share: how a GPU time is taken, and how a result document is written.
+"""What the benchmark scripts share: how a GPU time is taken, how a result document is written, and how
+--variants (other launch settings to time) are read.
 
-    from common import kernel_ms, time_ms, write_result
+    from common import kernel_ms, parse_variants, time_ms, write_result
 
     fwd_ms = time_ms(lambda: op(*inputs))                        # triton.testing.do_bench: L2 flushed per call
     us = 1e3 * time_ms(lambda: op(*inputs), back_to_back=100)    # 100 calls between two CUDA events
     by_kernel = kernel_ms(fwd_bwd, calls=5)                      # torch.profiler, ms per call by kernel
     write_result(report, args.out, fla_ran=True)                 # print it, write --out atomically
+    variants = parse_variants(["wide:dqkw.BV=128"], SHIPPED)      # --variants NAME:KEY=VALUE,... -> launches
 
 A result document is the script's own JSON object with a "run" record in front (the command line, the
 date, the fabric-lin commit, the machine and its package versions), so that a file copied into
@@ -178,3 +180,34 @@ def lift_fla_gdn_hopper_guard() -> bool:
         fla_chunk_o.TRITON_ABOVE_3_7_1 = True
         return True
     return False
+
+
+def parse_variants(texts: Sequence[str], shipped):
+    """{name: launch bundle} from --variants "NAME:KEY=VALUE[,KEY=VALUE...]" strings, each a change to the
+    `shipped` bundle (fabric_lin.ops.launch.with_settings: "kernel.field" for a KernelLaunch's field). A value
+    is read as the setting's type: a string where the shipped value is one, else an integer ("None": None)."""
+    from fabric_lin.ops.launch import with_settings
+
+    variants = {}
+    for text in texts:
+        name, sep, body = text.partition(":")
+        if not sep or not body:
+            raise SystemExit(f"--variants {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+        settings = {}
+        for item in body.split(","):
+            key, _, value = item.partition("=")
+            current = shipped
+            for part in key.split("."):
+                current = getattr(current, part, None)
+            if value == "None" or isinstance(current, str):
+                settings[key] = None if value == "None" else value
+                continue
+            try:
+                settings[key] = int(value)
+            except ValueError:
+                raise SystemExit(f"--variants {name}: {key}={value!r} is not an integer") from None
+        try:
+            variants[name] = with_settings(shipped, settings)
+        except ValueError as e:
+            raise SystemExit(f"--variants {name}: {e}") from None
+    return variants

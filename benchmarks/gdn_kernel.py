@@ -29,11 +29,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import lift_fla_gdn_hopper_guard, write_result
+from common import lift_fla_gdn_hopper_guard, parse_variants, write_result
 from fabric_lin.ops.gdn import chunk_gated_delta_rule
 from fabric_lin.ops.gdn.launch import SHIPPED
 from fabric_lin.ops.gla.tune import rel_rms
-from fabric_lin.ops.launch import with_settings
 from gla_kernel import kernel_breakdown, saved_mib, time_fn
 
 SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128), (1, 32768, 8, 128, 128)]
@@ -74,24 +73,6 @@ def ours_with(launch, gated=True, cu_seqlens=None):
                                                             cu_seqlens=cu_seqlens, backend="triton", launch=launch)[0]
     return lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, backend="triton",
                                                            cu_seqlens=cu_seqlens, launch=launch)[0]
-
-
-def parse_variants(texts):
-    """{"name": GDNLaunch} from "name:kernel.field=value,..." strings (changes to the shipped settings)."""
-    variants = {}
-    for text in texts:
-        name, sep, body = text.partition(":")
-        if not sep or not body:
-            raise SystemExit(f"--variants {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
-        settings = {}
-        for item in body.split(","):
-            key, _, value = item.partition("=")
-            settings[key] = None if value == "None" else int(value)
-        try:
-            variants[name] = with_settings(SHIPPED, settings)
-        except ValueError as e:
-            raise SystemExit(f"--variants {name}: {e}") from None
-    return variants
 
 
 def time_variants(variants, inputs, do, fla_fwd_ms, fla_fwd_bwd_ms, gated=True, cu_seqlens=None):
@@ -148,7 +129,7 @@ def main():
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else None
     if args.varlen and any(shape[0] != 1 for shape in shapes or SHAPES):
         raise SystemExit("--varlen: every shape needs B = 1 (the documents lie in one row); give --shapes 1,T,H,K,V")
-    variants = parse_variants(args.variants)
+    variants = parse_variants(args.variants, SHIPPED)
     fla_ops, fla_error = (None, "left out (--no-fla)") if args.no_fla else load_fla()
     report = {"dtype": "bfloat16", "documents": args.varlen,
               "fla": fla_error or "flash-linear-attention chunk_gated_delta_rule (gates none: chunk_delta_rule)",

@@ -26,8 +26,7 @@ import torch
 from kernel_registers import NVIDIA_BIN, TARGET, compile_only  # noqa: E402 (compile-only mode, this checkout's fabric_lin)
 import triton  # noqa: E402
 
-from common import write_result  # noqa: E402
-from gdn_kernel import parse_variants  # noqa: E402
+from common import parse_variants, write_result  # noqa: E402
 
 SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128)]
 
@@ -94,7 +93,7 @@ def build_report(args: argparse.Namespace) -> dict:
     from fabric_lin.ops.gdn.launch import SHIPPED
 
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
-    variants = {"shipped": SHIPPED, **parse_variants(args.variants)}
+    variants = {"shipped": SHIPPED, **parse_variants(args.variants, SHIPPED)}
     report = {"triton": triton.__version__, "target": f"sm_{TARGET.arch}", "sms": args.sms, "dtype": "bfloat16",
               "varlen": args.varlen, "initial_state": args.initial_state, "gate": not args.no_gate,
               "fabric_lin": str(Path(fabric_lin.__file__).parent), "shapes": []}
