@@ -39,6 +39,7 @@ step fla_precompile 900 env TRITON_CACHE_DIR="$cache" python benchmarks/fla_prec
 step gla_kernel 900 env TRITON_CACHE_DIR="$cache" python benchmarks/gla_kernel.py --sweep --out "$out/gla_kernel.json"
 step gate_cumsum 120 env TRITON_CACHE_DIR="$cache" python benchmarks/gate_cumsum.py --out "$out/gate_cumsum.json"
 step fused_ops 300 env TRITON_CACHE_DIR="$cache" python benchmarks/fused_ops.py --out "$out/fused_ops.json"
+step short_conv 300 env TRITON_CACHE_DIR="$cache" python benchmarks/short_conv.py --out "$out/short_conv.json"
 step train_2048 1200 env TRITON_CACHE_DIR="$cache" python benchmarks/train_throughput.py --profile 2 \
     --models fabric-lin,fabric-lin-tuned,fla,transformer,fabric-lin-static,fabric-lin-no-cudagraphs --out "$out/train_2048.json"
 # the peer's candidates at 16K too (half the micro batch of the 2048 step, so 8 workers fit on one GPU)

@@ -501,8 +501,9 @@ def test_kernels_compile_for_sm90_in_bf16_without_spills():
 
 
 @needs_cuda
+@each_bwd_design  # two_pass with dz in bf16 between its kernels
 @pytest.mark.parametrize("varlen", [False, True])
-def test_gpu_conv_bf16_matches_fp32(varlen):
+def test_gpu_conv_bf16_matches_fp32(varlen, launch):
     from conftest import rel_rms
 
     from fabric_lin.ops.short_conv import causal_conv1d, causal_conv1d_ref
@@ -512,7 +513,7 @@ def test_gpu_conv_bf16_matches_fp32(varlen):
     weight = torch.randn(D, W, device="cuda") * 0.5
     cu = torch.tensor([0, 1, 1, 700, 701, 4000, 8192], device="cuda", dtype=torch.int32) if varlen else None
     xb, wk = x.bfloat16().requires_grad_(True), weight.clone().requires_grad_(True)
-    y, _ = causal_conv1d(xb, wk, cu_seqlens=cu)  # auto: the kernels on CUDA
+    y, _ = causal_conv1d(xb, wk, cu_seqlens=cu, launch=launch)  # auto: the kernels on CUDA
     dy = torch.randn_like(y)
     y.backward(dy)
     xr, wr = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
