@@ -204,6 +204,62 @@ def test_conv_varlen_restarts_at_every_document(W, dtype, launch):
     assert (conv_reference(x, weight)[0] - y_ref).abs().max() > 0.1
 
 
+@cpu_only
+@each_bwd_design
+@pytest.mark.parametrize("sizes", [(20, 50, 30), (70, 30)])  # partial channel tiles in every output
+def test_split_outputs_are_the_convolution_of_all_channels_in_parts(sizes, launch):
+    from fabric_lin.ops.short_conv import causal_conv1d_split
+
+    x, weight, cache = conv_inputs(2, 37, sum(sizes), 4, seed=len(sizes), cache=True)
+    ins = leaves(x, weight, cache)
+    ys, new_cache = causal_conv1d_split(*ins[:2], sizes, ins[2], backend="triton", launch=launch)
+    refs = leaves(x, weight, cache)
+    y_ref, cache_ref = conv_reference(*refs)
+    assert [tuple(y.shape) for y in ys] == [(2, 37, n) for n in sizes] and all(y.is_contiguous() for y in ys)
+    assert_close(torch.cat(ys, dim=2), y_ref, "y")
+    assert_close(new_cache, cache_ref, "new cache")
+    # the first output unused: its gradient is zeros
+    up = [torch.randn_like(y) for y in ys[1:]] + [torch.randn_like(new_cache)]
+    want_up = [torch.cat([torch.zeros_like(ys[0]), *up[:-1]], dim=2), up[-1]]
+    got, want = grads_of((*ys[1:], new_cache), ins, up), grads_of((y_ref, cache_ref), refs, want_up)
+    for name, a, b in zip(["dx", "dweight", "dcache"], got, want):
+        assert_close(a, b, name)
+
+
+@cpu_only
+def test_split_outputs_restart_at_documents_and_step_from_a_cache():
+    from fabric_lin.ops.short_conv import causal_conv1d_split
+
+    bounds = [0, 2, 3, 40]
+    x, weight, cache = conv_inputs(1, 40, 60, 4, seed=4, cache=True)
+    ins = leaves(x, weight)
+    ys, _ = causal_conv1d_split(*ins, [10, 20, 30], cu_seqlens=torch.tensor(bounds), backend="triton")
+    refs = leaves(x, weight)
+    y_ref = conv_reference_varlen(*refs, bounds)
+    assert_close(torch.cat(ys, dim=2), y_ref, "y")
+    up = [torch.randn_like(y) for y in ys]
+    for name, a, b in zip(["dx", "dweight"], grads_of(ys, ins, up), grads_of((y_ref,), refs, [torch.cat(up, 2)])):
+        assert_close(a, b, name)
+    with torch.no_grad():  # one decoding step
+        ys, new_cache = causal_conv1d_split(x[:, :1], weight, [10, 50], cache, backend="triton")
+    y_ref, cache_ref = conv_reference(x[:, :1], weight, cache)
+    assert [tuple(y.shape) for y in ys] == [(1, 1, 10), (1, 1, 50)]
+    assert_close(torch.cat(ys, dim=2), y_ref, "stepped y")
+    torch.testing.assert_close(new_cache, cache_ref.float(), rtol=0, atol=0)
+
+
+@cpu_only
+def test_split_sizes_are_checked():
+    from fabric_lin.ops.short_conv import causal_conv1d_split
+
+    x, weight, _ = conv_inputs(1, 5, 12, 4)
+    for sizes, message in [([5, 5], "add up to x's 12 channels, got \\[5, 5\\]"), ([12, 0], "must be positive"),
+                           ([3, 3, 3, 3], "at most 3 outputs")]:
+        with pytest.raises(ValueError, match=message):
+            causal_conv1d_split(x, weight, sizes, backend="triton")
+    assert len(causal_conv1d_split(x, weight, [3] * 4, backend="torch")[0]) == 4  # any number on the PyTorch path
+
+
 class LaunchLog:
     """A kernel standing in for one of short_conv_triton's: records its name at each launch, then launches it."""
 

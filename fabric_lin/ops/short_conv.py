@@ -9,8 +9,10 @@ with `cu_seqlens` (documents packed along T) each document starts from zeros, as
 `causal_conv1d_ref` is the PyTorch path (differentiable through autograd); `backend` picks it or the
 kernels of short_conv_triton.py (imported only when they run) by the rule of fabric_lin/ops/backend.py;
 `launch` (a ShortConvLaunch, by default the shipped settings: fabric_lin/ops/fused_launch.py) says how the kernels are launched.
+`causal_conv1d_split` convolves channels of several tensors side by side (q, k and v) at once and gives each
+its own output: on the kernels, one launch each way instead of one per tensor.
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +21,7 @@ from fabric_lin.ops.backend import resolve_backend
 from fabric_lin.ops.fused_launch import ShortConvLaunch
 
 MAX_WIDTH = 8  # the kernels unroll the W x W shifted tiles of the backward; GDN uses W = 4
-
-
+MAX_SPLITS = 3  # outputs of one causal_conv1d_split on the kernels
 
 
 def causal_conv1d(
@@ -32,15 +33,35 @@ def causal_conv1d(
     or None. Returns (y [B, T, D] in x's dtype, computed in fp32; the new cache [B, W - 1, D] in x's dtype:
     the last W - 1 inputs, the cache's included). On the kernels, one token continuing a cache with no
     gradient wanted is one launch (y and the shifted cache)."""
+    ys, new_cache = causal_conv1d_split(x, weight, [x.shape[-1]] if x.dim() == 3 else [], cache, cu_seqlens,
+                                        activation, backend, launch)
+    return ys[0], new_cache
+
+
+def causal_conv1d_split(
+    x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int], cache: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True, backend: str = "auto",
+    launch: Optional[ShortConvLaunch] = None,
+) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """causal_conv1d with its output split along the channels into tensors of `sizes` channels each, [B, T, size]
+    (at most MAX_SPLITS on the kernels, each its own contiguous tensor; on the PyTorch path views of one).
+    Returns (the outputs, the new cache [B, W - 1, D] of all the channels)."""
     _check_inputs(x, weight, cache, cu_seqlens)
+    if sum(sizes) != x.shape[2] or not sizes or min(sizes) < 1:
+        raise ValueError(f"causal_conv1d_split: sizes must be positive and add up to x's {x.shape[2]} channels, "
+                         f"got {list(sizes)}")
     if resolve_backend(backend, x.device) == "torch":
-        return causal_conv1d_ref(x, weight, cache, cu_seqlens, activation)
+        y, new_cache = causal_conv1d_ref(x, weight, cache, cu_seqlens, activation)
+        return list(y.split(list(sizes), dim=2)), new_cache
     if weight.shape[1] > MAX_WIDTH:
         raise ValueError(f"causal_conv1d: the Triton kernels take weight [D, W] with W <= {MAX_WIDTH}, got W = "
                          f"{weight.shape[1]}; use backend='torch'")
-    from fabric_lin.ops.short_conv_triton import causal_conv1d_triton
+    if len(sizes) > MAX_SPLITS:
+        raise ValueError(f"causal_conv1d_split: the Triton kernels split into at most {MAX_SPLITS} outputs, got "
+                         f"sizes {list(sizes)}")
+    from fabric_lin.ops.short_conv_triton import causal_conv1d_split_triton
 
-    return causal_conv1d_triton(x, weight, cache, cu_seqlens, activation, launch)
+    return causal_conv1d_split_triton(x, weight, sizes, cache, cu_seqlens, activation, launch)
 
 
 def _check_inputs(x, weight, cache, cu_seqlens) -> None:

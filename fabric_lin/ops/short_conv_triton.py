@@ -25,7 +25,7 @@ Varlen (`cu_seqlens`, B = 1): a program finds each row's document by binary sear
 host synchronisation, no per-token index tensor); a tap that would read before the document's first row
 reads zero, and a row's dz never reaches dx across a document end.
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -98,12 +98,33 @@ def _preactivation(x_seq, x_stride_t, c_seq, weight, rows, first, T, o_d, m_d, D
 
 
 @triton.jit
-def _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows, first, end, T, o_d, m_d, D: tl.constexpr,
-                        W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr,
+def _output_tile(i_d, i_b, T, D0, D1, out0, out1, out2, D: tl.constexpr, BD: tl.constexpr,
+                 SEGMENTS: tl.constexpr):
+    """Where channel tile i_d lies: (its D channels' indices o_d [BD] and mask m_d, the pointers to its columns of
+    sequence i_b of the output (or output gradient) tensor it belongs to [BD], that tensor's row stride).
+    SEGMENTS = 1: one output [B, T, D]; 3: the channels split into D0, D1 and D - D0 - D1, each its own
+    output [B, T, width] (q, k and v convolved in one launch, each output the tensor the next op takes)."""
+    zero = tl.zeros_like(i_d)  # start and width as tensors in every branch (a width of 1 is a constant)
+    out, start, width, tile = out0, zero, zero + D, i_d
+    if SEGMENTS > 1:
+        n0, n1 = tl.cdiv(D0, BD), tl.cdiv(D1, BD)
+        width = zero + D0
+        if i_d >= n0 + n1:
+            out, start, width, tile = out2, zero + D0 + D1, zero + (D - D0 - D1), i_d - n0 - n1
+        elif i_d >= n0:
+            out, start, width, tile = out1, zero + D0, zero + D1, i_d - n0
+    o_l = tile * BD + tl.arange(0, BD)
+    return start + o_l, o_l < width, out + i_b * T * width + o_l, width
+
+
+@triton.jit
+def _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d, m_d,
+                        D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr,
                         ACTIVATION: tl.constexpr):
-    """dz at `rows` (zero outside [0, end)), z recomputed from the input."""
+    """dz at `rows` (zero outside [0, end)), z recomputed from the input; dy_cols: the tile's columns of the
+    sequence's dy (row stride dy_stride)."""
     m = ((rows >= 0) & (rows < end) & (rows < T))[:, None] & m_d[None, :]
-    b_dy = tl.load(dy_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_dy = tl.load(dy_cols[None, :] + rows.to(tl.int64)[:, None] * dy_stride, mask=m, other=0.0).to(tl.float32)
     if ACTIVATION:
         z = _preactivation(x_seq, x_stride_t, c_seq, weight, rows, first, T, o_d, m_d, D, W, BT, BD, HAS_CACHE)
         sig = tl.sigmoid(z)
@@ -112,20 +133,19 @@ def _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows, first, e
 
 
 @triton.jit
-def _conv_fwd_kernel(x, weight, cache, cu_seqlens, y, T, x_stride_b, x_stride_t, N, STEPS, D: tl.constexpr,
-                     W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr,
-                     IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr):
+def _conv_fwd_kernel(x, weight, cache, cu_seqlens, y0, y1, y2, T, x_stride_b, x_stride_t, N, STEPS, D0, D1,
+                     D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SEGMENTS: tl.constexpr,
+                     HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr):
     i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
+    o_d, m_d, y_cols, y_stride = _output_tile(i_d, i_b, T, D0, D1, y0, y1, y2, D, BD, SEGMENTS)
     rows = i_t * BT + tl.arange(0, BT)
     first, _ = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
     x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
     z = _preactivation(x_seq, x_stride_t, c_seq, weight, rows, first, T, o_d, m_d, D, W, BT, BD, HAS_CACHE)
     if ACTIVATION:
         z = z * tl.sigmoid(z)
-    p_y = y + i_b * T * D + rows.to(tl.int64)[:, None] * D + o_d[None, :]
-    tl.store(p_y, z.to(y.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
+    p_y = y_cols[None, :] + rows.to(tl.int64)[:, None] * y_stride
+    tl.store(p_y, z.to(y0.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
 
 
 @triton.jit
@@ -141,7 +161,7 @@ def _weight_grad(x_seq, x_stride_t, c_seq, dz, rows, first, T, o_d, m_d, D: tl.c
 
 
 @triton.jit
-def _input_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows, first, end, T, o_d, m_d, D: tl.constexpr,
+def _input_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d, m_d, D: tl.constexpr,
                 W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr, ACTIVATION: tl.constexpr):
     """(the input's gradient at `rows`, dz at `rows`), dz recomputed at each of the W row sets rows + back:
     the input at row s reaches z[s + back] through tap W - 1 - back. dz is zero from each row's `end` on, so
@@ -149,8 +169,8 @@ def _input_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows, first, end, T, o
     grad = tl.zeros([BT, BD], dtype=tl.float32)
     dz_here = tl.zeros([BT, BD], dtype=tl.float32)
     for back in tl.static_range(W):
-        dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows + back, first, end, T, o_d, m_d, D,
-                                 W, BT, BD, HAS_CACHE, ACTIVATION)
+        dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows + back, first, end, T,
+                                 o_d, m_d, D, W, BT, BD, HAS_CACHE, ACTIVATION)
         b_w = tl.load(weight + o_d * W + (W - 1 - back), mask=m_d, other=0.0).to(tl.float32)
         grad += b_w[None, :] * dz
         if back == 0:
@@ -159,7 +179,7 @@ def _input_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows, first, end, T, o
 
 
 @triton.jit
-def _store_cache_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, dcache_seq, T, o_d, m_d, D: tl.constexpr,
+def _store_cache_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, dcache_seq, T, o_d, m_d, D: tl.constexpr,
                       W: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr,
                       ACTIVATION: tl.constexpr):
     """The cache's gradient, dz recomputed: cache slot i is row i - (W - 1), whose taps reach rows 0..i."""
@@ -167,8 +187,8 @@ def _store_cache_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, dcache_seq, T, o
     rows = slots - (W - 1)
     first = tl.zeros_like(rows) - (W - 1)
     end = tl.zeros_like(rows) + T
-    b_dc, _ = _input_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows, first, end, T, o_d, m_d, D, W, BC, BD,
-                          HAS_CACHE, ACTIVATION)
+    b_dc, _ = _input_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d, m_d, D, W,
+                          BC, BD, HAS_CACHE, ACTIVATION)
     p_dc = dcache_seq + slots[:, None] * D + o_d[None, :]
     tl.store(p_dc, b_dc.to(dcache_seq.dtype.element_ty), mask=(slots < W - 1)[:, None] & m_d[None, :])
 
@@ -182,28 +202,27 @@ def _store_weight_grad(dw_part, slot, b_dw, o_d, m_d, D: tl.constexpr, W: tl.con
 
 
 @triton.jit
-def _conv_bwd_kernel(x, weight, cache, cu_seqlens, dy, dx, dw_part, dcache, T, x_stride_b, x_stride_t, N, STEPS,
-                     TILES, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-                     BD: tl.constexpr, HAS_CACHE: tl.constexpr, WANT_DCACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     ACTIVATION: tl.constexpr):
+def _conv_bwd_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dx, dw_part, dcache, T, x_stride_b, x_stride_t, N,
+                     STEPS, TILES, D0, D1, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
+                     BT: tl.constexpr, BD: tl.constexpr, SEGMENTS: tl.constexpr, HAS_CACHE: tl.constexpr,
+                     WANT_DCACHE: tl.constexpr, IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr):
     """"gather": dx for TILES tiles of BT - (W - 1) rows, this block's share of dweight ([D, W] at slot (sequence,
     block) of dw_part), and the cache's gradient from a sequence's first block.
 
     A tile computes dz on BT rows and keeps dx for its first BT - (W - 1): dx[s] takes dz from rows s..s + W - 1,
     moved up by tl.gather within the tile, so each input is loaded W times (once per tap), not W x W."""
     i_d, i_blk, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
+    o_d, m_d, dy_cols, dy_stride = _output_tile(i_d, i_b, T, D0, D1, dy0, dy1, dy2, D, BD, SEGMENTS)
     r = tl.arange(0, BT)
     kept = r < BT - (W - 1)
     x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
-    dy_seq, dx_seq = dy + i_b * T * D, dx + i_b * T * D
+    dx_seq = dx + i_b * T * D
     b_dw = tl.zeros([BW, BD], dtype=tl.float32)
     for i_s in range(TILES):
         rows = (i_blk * TILES + i_s) * (BT - (W - 1)) + r
         first, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
-        dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows, first, end, T, o_d, m_d, D, W, BT, BD,
-                                 HAS_CACHE, ACTIVATION)
+        dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d, m_d,
+                                 D, W, BT, BD, HAS_CACHE, ACTIVATION)
         dz_kept = tl.where(kept[:, None], dz, 0.0)  # rows past the kept ones belong to the next tile
         b_dw += _weight_grad(x_seq, x_stride_t, c_seq, dz_kept, rows, first, T, o_d, m_d, D, W, BW, HAS_CACHE)
         b_w = tl.load(weight + o_d * W + (W - 1), mask=m_d, other=0.0).to(tl.float32)
@@ -218,56 +237,56 @@ def _conv_bwd_kernel(x, weight, cache, cu_seqlens, dy, dx, dw_part, dcache, T, x
     _store_weight_grad(dw_part, i_b * tl.num_programs(1) + i_blk, b_dw, o_d, m_d, D, W, BW)
     if WANT_DCACHE:
         if i_blk == 0:
-            _store_cache_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, dcache + i_b * (W - 1) * D, T, o_d, m_d, D, W,
-                              BC, BD, HAS_CACHE, ACTIVATION)
+            _store_cache_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, dcache + i_b * (W - 1) * D, T,
+                              o_d, m_d, D, W, BC, BD, HAS_CACHE, ACTIVATION)
 
 
 @triton.jit
-def _conv_bwd_shifted_kernel(x, weight, cache, cu_seqlens, dy, dx, dw_part, dcache, T, x_stride_b, x_stride_t, N,
-                             STEPS, TILES, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
-                             BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr, WANT_DCACHE: tl.constexpr,
-                             IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr):
+def _conv_bwd_shifted_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dx, dw_part, dcache, T, x_stride_b,
+                             x_stride_t, N, STEPS, TILES, D0, D1, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
+                             BC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SEGMENTS: tl.constexpr,
+                             HAS_CACHE: tl.constexpr, WANT_DCACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                             ACTIVATION: tl.constexpr):
     """"shifted": dx for TILES tiles of BT rows, every row of a tile kept: dz recomputed at the W row sets
     rows + back, each from loads of x shifted by back rows (the same lines, from L1/L2, after the first);
     dweight from the back = 0 set. Slots of dw_part and the cache's gradient as _conv_bwd_kernel's."""
     i_d, i_blk, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
+    o_d, m_d, dy_cols, dy_stride = _output_tile(i_d, i_b, T, D0, D1, dy0, dy1, dy2, D, BD, SEGMENTS)
     x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
-    dy_seq, dx_seq = dy + i_b * T * D, dx + i_b * T * D
+    dx_seq = dx + i_b * T * D
     b_dw = tl.zeros([BW, BD], dtype=tl.float32)
     for i_s in range(TILES):
         rows = (i_blk * TILES + i_s) * BT + tl.arange(0, BT)
         first, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
-        b_dx, dz = _input_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows, first, end, T, o_d, m_d, D, W, BT, BD,
-                               HAS_CACHE, ACTIVATION)
+        b_dx, dz = _input_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d, m_d, D,
+                               W, BT, BD, HAS_CACHE, ACTIVATION)
         b_dw += _weight_grad(x_seq, x_stride_t, c_seq, dz, rows, first, T, o_d, m_d, D, W, BW, HAS_CACHE)
         p_dx = dx_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :]
         tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
     _store_weight_grad(dw_part, i_b * tl.num_programs(1) + i_blk, b_dw, o_d, m_d, D, W, BW)
     if WANT_DCACHE:
         if i_blk == 0:
-            _store_cache_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, dcache + i_b * (W - 1) * D, T, o_d, m_d, D, W,
-                              BC, BD, HAS_CACHE, ACTIVATION)
+            _store_cache_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, dcache + i_b * (W - 1) * D, T,
+                              o_d, m_d, D, W, BC, BD, HAS_CACHE, ACTIVATION)
 
 
 @triton.jit
-def _conv_dz_kernel(x, weight, cache, cu_seqlens, dy, dz, dw_part, T, x_stride_b, x_stride_t, N, STEPS, TILES,
-                    D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                    HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr):
+def _conv_dz_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dz, dw_part, T, x_stride_b, x_stride_t, N, STEPS,
+                    TILES, D0, D1, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
+                    BD: tl.constexpr, SEGMENTS: tl.constexpr, HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                    ACTIVATION: tl.constexpr):
     """"two_pass", first kernel: dz for TILES tiles of BT rows, written to dz [B, T, D], and this block's share
     of dweight (slots as _conv_bwd_kernel's)."""
     i_d, i_blk, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
+    o_d, m_d, dy_cols, dy_stride = _output_tile(i_d, i_b, T, D0, D1, dy0, dy1, dy2, D, BD, SEGMENTS)
     x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
-    dy_seq, dz_seq = dy + i_b * T * D, dz + i_b * T * D
+    dz_seq = dz + i_b * T * D
     b_dw = tl.zeros([BW, BD], dtype=tl.float32)
     for i_s in range(TILES):
         rows = (i_blk * TILES + i_s) * BT + tl.arange(0, BT)
         first, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
-        b_dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_seq, rows, first, end, T, o_d, m_d, D, W, BT,
-                                   BD, HAS_CACHE, ACTIVATION)
+        b_dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d,
+                                   m_d, D, W, BT, BD, HAS_CACHE, ACTIVATION)
         b_dw += _weight_grad(x_seq, x_stride_t, c_seq, b_dz, rows, first, T, o_d, m_d, D, W, BW, HAS_CACHE)
         p_dz = dz_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :]
         tl.store(p_dz, b_dz.to(dz.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
@@ -342,30 +361,40 @@ def _varlen_args(cu_seqlens: Optional[torch.Tensor]) -> Tuple[int, int]:
     return N, N.bit_length()
 
 
+def _segments(outs: List[torch.Tensor]) -> Tuple[int, int, int, List[torch.Tensor]]:
+    """The kernels' (SEGMENTS, D0, D1, out0, out1, out2) for one output [B, T, D], or two or three side by side
+    (of two, the third is empty: D - D0 - D1 = 0)."""
+    if len(outs) == 1:
+        return 1, outs[0].shape[2], 0, outs * 3
+    return 3, outs[0].shape[2], outs[1].shape[2], outs + outs[-1:] * (3 - len(outs))
+
+
 @kernel_op("causal_conv1d_fwd")
 def conv_fwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-             activation: bool, launch: str) -> torch.Tensor:
+             activation: bool, launch: str, sizes: List[int]) -> List[torch.Tensor]:
+    """The outputs, x's channels split into `sizes` (each its own tensor [B, T, size])."""
     B, T, D = x.shape
     W = weight.shape[1]
-    y = x.new_empty(B, T, D)
-    if y.numel():
+    ys = [x.new_empty(B, T, size) for size in sizes]
+    if B * T * D:
         settings = ShortConvLaunch.from_json(launch)
         BD, BT = settings.fwd_channels, settings.fwd_rows
         N, steps = _varlen_args(cu_seqlens)
+        segments, D0, D1, outs = _segments(ys)
         # without a cache the kernel is given x as its (never read) cache pointer
-        _conv_fwd_kernel[(cdiv(D, BD), cdiv(T, BT), B)](
-            x, weight, x if cache is None else cache, cu_seqlens, y, T, x.stride(0), x.stride(1), N, steps, D, W,
-            BT, BD, HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation,
-            num_warps=settings.warps,
+        _conv_fwd_kernel[(sum(cdiv(size, BD) for size in sizes), cdiv(T, BT), B)](
+            x, weight, x if cache is None else cache, cu_seqlens, *outs, T, x.stride(0), x.stride(1), N, steps, D0, D1,
+            D, W, BT, BD, segments, HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None,
+            ACTIVATION=activation, num_warps=settings.warps,
         )
-    return y
+    return ys
 
 
 @kernel_op("causal_conv1d_bwd")
 def conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-             dy: torch.Tensor, activation: bool, want_dcache: bool,
+             dys: List[torch.Tensor], activation: bool, want_dcache: bool,
              launch: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dweight, dcache; dcache is empty unless want_dcache)."""
+    """(dx, dweight, dcache; dcache is empty unless want_dcache) from the gradients of conv_fwd's outputs."""
     B, T, D = x.shape
     W = weight.shape[1]
     dx = x.new_empty(B, T, D)
@@ -388,19 +417,20 @@ def conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor
     cache_arg = x if cache is None else cache  # without a cache the kernels are given x (never read)
     flags = dict(HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation,
                  num_warps=settings.warps)
-    grid = (cdiv(D, BD), blocks, B)
+    segments, D0, D1, dy = _segments(dys)
+    grid = (sum(cdiv(g.shape[2], BD) for g in dys), blocks, B)
     if design == "two_pass":
         dz = x.new_empty(B, T, D, dtype=torch.float32 if settings.two_pass_dz == "float32" else x.dtype)
-        _conv_dz_kernel[grid](x, weight, cache_arg, cu_seqlens, dy, dz, dw_part, T, x.stride(0), x.stride(1), N, steps,
-                              tiles, D, W, BW, BT, BD, **flags)
+        _conv_dz_kernel[grid](x, weight, cache_arg, cu_seqlens, *dy, dz, dw_part, T, x.stride(0), x.stride(1), N,
+                              steps, tiles, D0, D1, D, W, BW, BT, BD, segments, **flags)
         _conv_dx_kernel[(cdiv(D, BD), cdiv(T, BT), B)](
             dz, weight, cu_seqlens, dx, dcache, T, N, steps, D, W, BC, BT, BD, WANT_DCACHE=want_dcache and W > 1,
             IS_VARLEN=cu_seqlens is not None, num_warps=settings.warps,
         )
     else:
         kernel = _conv_bwd_kernel if design == "gather" else _conv_bwd_shifted_kernel
-        kernel[grid](x, weight, cache_arg, cu_seqlens, dy, dx, dw_part, dcache, T, x.stride(0), x.stride(1), N, steps,
-                     tiles, D, W, BW, BC, BT, BD, WANT_DCACHE=want_dcache and W > 1, **flags)
+        kernel[grid](x, weight, cache_arg, cu_seqlens, *dy, dx, dw_part, dcache, T, x.stride(0), x.stride(1), N, steps,
+                     tiles, D0, D1, D, W, BW, BC, BT, BD, segments, WANT_DCACHE=want_dcache and W > 1, **flags)
     return dx, dw_part.sum(0).to(weight.dtype), dcache
 
 
@@ -419,12 +449,12 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, activa
 
 
 @conv_fwd.register_fake
-def _(x, weight, cache, cu_seqlens, activation, launch):
-    return x.new_empty(x.shape)
+def _(x, weight, cache, cu_seqlens, activation, launch, sizes):
+    return [x.new_empty(x.shape[0], x.shape[1], size) for size in sizes]
 
 
 @conv_bwd.register_fake
-def _(x, weight, cache, cu_seqlens, dy, activation, want_dcache, launch):
+def _(x, weight, cache, cu_seqlens, dys, activation, want_dcache, launch):
     want_dcache = want_dcache and cache is not None
     dcache = cache.new_empty(cache.shape) if want_dcache else x.new_empty(0)
     return x.new_empty(x.shape), weight.new_empty(weight.shape), dcache
@@ -436,19 +466,22 @@ def _(x, weight, cache, activation, launch):
 
 
 class _CausalConv1dFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, cache, cu_seqlens, activation, launch):
-        ctx.save_for_backward(x, weight, cache, cu_seqlens)
-        ctx.activation, ctx.launch = activation, launch
-        return conv_fwd(x, weight, cache, cu_seqlens, activation, launch)
+    """The convolution of x's channels, split into outputs of `sizes` channels each (one output: [D])."""
 
     @staticmethod
-    def backward(ctx, dy):
+    def forward(ctx, x, weight, cache, cu_seqlens, activation, launch, sizes):
+        ctx.save_for_backward(x, weight, cache, cu_seqlens)
+        ctx.activation, ctx.launch, ctx.sizes = activation, launch, sizes
+        return tuple(conv_fwd(x, weight, cache, cu_seqlens, activation, launch, sizes))
+
+    @staticmethod
+    def backward(ctx, *dys):
         x, weight, cache, cu_seqlens = ctx.saved_tensors
         want_dcache = cache is not None and ctx.needs_input_grad[2]
-        dx, dweight, dcache = conv_bwd(x, weight, cache, cu_seqlens, dy.contiguous(), ctx.activation, want_dcache,
-                                       ctx.launch)
-        return dx, dweight, dcache if want_dcache else None, None, None, None
+        B, T, _ = x.shape
+        dys = [x.new_zeros(B, T, size) if dy is None else dy.contiguous() for dy, size in zip(dys, ctx.sizes)]
+        dx, dweight, dcache = conv_bwd(x, weight, cache, cu_seqlens, dys, ctx.activation, want_dcache, ctx.launch)
+        return dx, dweight, dcache if want_dcache else None, None, None, None, None
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -467,9 +500,19 @@ def causal_conv1d_triton(
     x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True, launch: Optional[ShortConvLaunch] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """short_conv.causal_conv1d on the kernels; the shapes checked by the caller. A single token continuing a
-    cache with no gradient wanted takes the decoding step (one launch for y and the new cache). launch: None for
-    the shipped settings."""
+    """short_conv.causal_conv1d on the kernels; the shapes checked by the caller. launch: None for the shipped
+    settings."""
+    ys, new_cache = causal_conv1d_split_triton(x, weight, [x.shape[2]], cache, cu_seqlens, activation, launch)
+    return ys[0], new_cache
+
+
+def causal_conv1d_split_triton(
+    x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int], cache: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True, launch: Optional[ShortConvLaunch] = None,
+) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """short_conv.causal_conv1d_split on the kernels (one to three outputs, the shapes checked by the caller): one
+    launch each way for every output. A single token continuing a cache with no gradient wanted takes the
+    decoding step (one launch for y and the new cache)."""
     B, T, D = x.shape
     W = weight.shape[1]
     weight = weight.contiguous()
@@ -478,17 +521,17 @@ def causal_conv1d_triton(
     )
     if T == 1 and cache is not None and W > 1 and not wants_grad:
         y, new_cache = causal_conv1d_step_triton(x[:, 0], weight, cache, activation, launch)
-        return y.unsqueeze(1), new_cache
+        return list(y.unsqueeze(1).split(list(sizes), dim=2)), new_cache
     x = _rows_contiguous(x)
     if cache is not None:
         cache = cache.contiguous()
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.contiguous()
-    y = _CausalConv1dFunction.apply(x, weight, cache, cu_seqlens, activation, launch_json(launch, SHIPPED))
+    ys = _CausalConv1dFunction.apply(x, weight, cache, cu_seqlens, activation, launch_json(launch, SHIPPED), list(sizes))
     # the last W - 1 inputs, outside the Function: autograd differentiates the slice itself
     if cache is None and T >= W - 1:
         new_cache = x[:, T - (W - 1):]
     else:
         history = cache.to(x.dtype) if cache is not None else x.new_zeros(B, W - 1, D)
         new_cache = torch.cat([history, x], dim=1)[:, T:]
-    return y, new_cache
+    return list(ys), new_cache
