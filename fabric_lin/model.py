@@ -35,7 +35,7 @@ from fabric_lin.ops.gdn.launch import GDNLaunch
 from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, fused_recurrent_gla_step, log_decay
 from fabric_lin.ops.gla.launch import GLALaunch
 from fabric_lin.ops.norm import rms_norm, rms_norm_gated, rms_norm_gated_linear, rms_norm_linears
-from fabric_lin.ops.short_conv import causal_conv1d
+from fabric_lin.ops.short_conv import causal_conv1d, causal_conv1d_split
 from fabric_lin.ops.swiglu import swiglu, swiglu_linear
 
 
@@ -101,14 +101,15 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def prenorm_projections(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor, linears: List[nn.Linear],
-                        fused_linears: bool, fp8: bool = False):
+                        fused_linears: bool, fp8: bool = False, groups: Optional[List[int]] = None):
     """(x + delta, [linear(norm(x + delta)) for linear in linears]) for bias-free linears. fused_linears: one
     kernel makes the norm and a matrix product makes the projections from the weights, the normed activation
     recomputed in the backward pass instead of being kept for them (one [tokens, hidden] tensor less per call),
-    with fp8 in FP8 (fabric_lin/ops/fp8_matmul.py); else the norm, then each Linear module."""
+    with fp8 in FP8 (fabric_lin/ops/fp8_matmul.py), and `groups` of consecutive projections come out side by side
+    (rms_norm_linears); else the norm, then each Linear module."""
     if fused_linears:
         outs, h = rms_norm_linears(x, norm.weight, norm.eps, [lin.weight for lin in linears], residual=delta,
-                                   dtype=compute_dtype(x), backend="triton", launch=norm.launch, fp8=fp8)
+                                   dtype=compute_dtype(x), backend="triton", launch=norm.launch, fp8=fp8, groups=groups)
         return h, outs
     y, h = norm(x, residual=delta)
     return h, [lin(y) for lin in linears]
@@ -237,18 +238,42 @@ class DeltaRuleLayer(nn.Module):
     flash-linear-attention's order): q, k, v through their short convolutions, then the delta rule with q and k
     L2-normalised - one decoding step or the chunked op - continuing from and leaving a decoding cache."""
 
-    def delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: Optional[torch.Tensor],
-                   beta: torch.Tensor, cu_seqlens: Optional[torch.Tensor], cache: Optional["DecodeCache"],
-                   layer: int) -> torch.Tensor:
-        """o [B, T, H, V] from q, k [B, T, H*K] and v [B, T, H*V] (before their convolutions), decay [B, T, H]
-        fp32 or None (no decay) and beta [B, T, H]."""
+    def projections(self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor, others: List[nn.Linear]):
+        """(x + delta, qkv, [linear(norm(x + delta)) for linear in others]). qkv: with the fused product, q, k and
+        v side by side in one tensor [B, T, 2 H*K + H*V], which the three convolutions then take in one call
+        (no copy, one launch each way); else the three tensors."""
+        linears = [self.q_proj, self.k_proj, self.v_proj] + others
+        if self.fused_linears:
+            x, (qkv, *rest) = prenorm_projections(norm, x, delta, linears, True, self.fp8_products,
+                                                  groups=[3] + [1] * len(others))
+            return x, qkv, rest
+        x, (q, k, v, *rest) = prenorm_projections(norm, x, delta, linears, False, self.fp8_products)
+        return x, (q, k, v), rest
+
+    def short_convolutions(self, qkv, conv_q, conv_k, conv_v, cu_seqlens):
+        """(q, k, v, and their new caches) through q_conv1d, k_conv1d and v_conv1d; qkv one tensor side by side:
+        one convolution over its channels, the weights (and caches) concatenated for the call."""
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        if not isinstance(qkv, torch.Tensor):
+            (q, conv_q), (k, conv_k), (v, conv_v) = (conv(t, c, cu_seqlens) for conv, t, c in
+                                                     zip(convs, qkv, (conv_q, conv_k, conv_v)))
+            return q, k, v, conv_q, conv_k, conv_v
+        sizes = [conv.weight.shape[0] for conv in convs]
+        weight = torch.cat([conv.weight[:, 0] for conv in convs])
+        cache = None if conv_q is None else torch.cat([conv_q, conv_k, conv_v], dim=2)
+        (q, k, v), cache = causal_conv1d_split(qkv, weight, sizes, cache, cu_seqlens, backend=self.q_conv1d.backend,
+                                               launch=self.q_conv1d.launch)
+        return (q, k, v, *cache.split(sizes, dim=2))
+
+    def delta_rule(self, qkv, decay: Optional[torch.Tensor], beta: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+                   cache: Optional["DecodeCache"], layer: int) -> torch.Tensor:
+        """o [B, T, H, V] from `projections`' qkv (before the convolutions): q, k [B, T, H*K] and v [B, T, H*V]
+        side by side or three tensors; decay [B, T, H] fp32 or None (no decay) and beta [B, T, H]."""
         c = self.config
-        B, T, _ = q.shape
+        B, T = beta.shape[:2]
         H, K, V = c.num_heads, c.head_k_dim, c.head_v_dim
         conv_q, conv_k, conv_v, state = cache.layers[layer] if cache is not None and cache.layers[layer] else (None,) * 4
-        q, conv_q = self.q_conv1d(q, conv_q, cu_seqlens)
-        k, conv_k = self.k_conv1d(k, conv_k, cu_seqlens)
-        v, conv_v = self.v_conv1d(v, conv_v, cu_seqlens)
+        q, k, v, conv_q, conv_k, conv_v = self.short_convolutions(qkv, conv_q, conv_k, conv_v, cu_seqlens)
         q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
         if cache is not None and T == 1:  # one decoding step
             o, state = fused_recurrent_gated_delta_rule_step(
@@ -311,12 +336,9 @@ class GatedDeltaNet(DeltaRuleLayer):
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, attention(norm(x + delta))). With a cache: the convolutions' last inputs and the state
         continue from it, and are left there."""
-        x, (q, k, v, a, b, g) = prenorm_projections(
-            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj],
-            self.fused_linears, self.fp8_products,
-        )
+        x, qkv, (a, b, g) = self.projections(norm, x, delta, [self.a_proj, self.b_proj, self.g_proj])
         decay, beta = gdn_gate(a, b, self.A_log, self.dt_bias)  # [B, T, H] fp32
-        o = self.delta_rule(q, k, v, decay, beta, cu_seqlens, cache, layer)
+        o = self.delta_rule(qkv, decay, beta, cu_seqlens, cache, layer)
         return x, gated_output(o, g.view(o.shape), self.o_norm, self.o_proj, self.fused_linears, self.fp8_products)
 
 
@@ -351,10 +373,8 @@ class DeltaNet(DeltaRuleLayer):
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, attention(norm(x + delta))). With a cache: the convolutions' last inputs and the state
         continue from it, and are left there."""
-        x, (q, k, v, b) = prenorm_projections(
-            norm, x, delta, [self.q_proj, self.k_proj, self.v_proj, self.b_proj], self.fused_linears, self.fp8_products,
-        )
-        o = self.delta_rule(q, k, v, None, b.float().sigmoid(), cu_seqlens, cache, layer)
+        x, qkv, (b,) = self.projections(norm, x, delta, [self.b_proj])
+        o = self.delta_rule(qkv, None, b.float().sigmoid(), cu_seqlens, cache, layer)
         return x, self.o_proj(self.o_norm(o).flatten(-2))  # o in q's dtype, the projections' compute dtype
 
 

@@ -174,6 +174,28 @@ def test_a_log_and_dt_bias_take_no_weight_decay():
     assert {"layers.0.attn.A_log", "layers.0.attn.dt_bias"} <= names and "layers.0.attn.q_conv1d.weight" not in names
 
 
+@pytest.mark.parametrize("name", ["gdn-debug", "deltanet-debug"])
+def test_fused_layer_convolves_q_k_and_v_in_one_launch_each_way(monkeypatch, name):
+    # the fused projection writes q, k and v side by side in one tensor; one convolution over its channels
+    # gives q, k and v as three tensors, and its backward one gradient for the projection
+    from fabric_lin.ops import short_conv_triton
+
+    calls = []
+    for op in (short_conv_triton.conv_fwd, short_conv_triton.conv_bwd):
+        def spy(*args, _fn=op.fn, _name=op.name):
+            calls.append((_name, tuple(args[0].shape)))
+            return _fn(*args)
+        monkeypatch.setattr(op, "fn", spy)
+    config = Config.from_name(name, vocab_size=97, num_layers=1)
+    model = GPT(config, fused=True)
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
+    model(ids, targets=torch.roll(ids, -1, dims=1)).backward()
+    qkv = (1, 20, 2 * config.key_dim + config.value_dim)
+    assert calls == [("causal_conv1d_fwd", qkv), ("causal_conv1d_bwd", qkv)]
+    attn = model.layers[0].attn
+    assert attn.q_conv1d.weight.grad.abs().sum() > 0 and attn.v_conv1d.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("prompt", [1, 65])
 def test_fused_decoding_path_matches_full_forward(prompt):
     # the CUDA path (the Triton chunked prefill, convolution and decoding-step kernels; the interpreter on a CPU)

@@ -277,6 +277,31 @@ def test_rms_norm_linears_side_by_side(dtype):
     check_against_fp32(torch_out, ref_out, dtype, "torch path")
 
 
+def test_rms_norm_linears_in_groups():
+    # q, k and v as one output beside two outputs of their own: the values and gradients of five separate ones
+    g = torch.Generator().manual_seed(12)
+    x, residual = (torch.randn(2, 7, 48, generator=g).to(DEVICE) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(48, generator=g)).to(DEVICE)
+    projs = [(0.2 * torch.randn(n, 48, generator=g)).to(DEVICE) for n in (24, 24, 40, 8, 16)]
+    ref_in = leaves(x, residual, w, *projs)
+    ref_y, ref_h = rms_norm_ref(ref_in[0], ref_in[2], 1e-6, ref_in[1])
+    ref_outs = [F.linear(ref_y, p) for p in ref_in[3:]]
+    ref_outs = [torch.cat(ref_outs[:3], dim=-1), *ref_outs[3:]]
+    names = ["dx", "dresidual", "dweight", "dq", "dk", "dv", "da", "db"]
+    ref_grads = grads_of((*ref_outs, ref_h), ref_in)
+    for backend in ("triton", "torch"):
+        out_in = leaves(x, residual, w, *projs)
+        outs, h = rms_norm_linears(out_in[0], out_in[2], 1e-6, out_in[3:], residual=out_in[1], backend=backend,
+                                   groups=[3, 1, 1])
+        assert [tuple(o.shape) for o in outs] == [(2, 7, 88), (2, 7, 8), (2, 7, 16)], backend
+        for a, b, name in zip(outs, ref_outs, ["qkv", "a", "b"]):
+            check_against_fp32(a, b, torch.float32, f"{backend} {name}")
+        for a, b, name in zip(grads_of((*outs, h), out_in), ref_grads, names):
+            check_against_fp32(a, b, torch.float32, f"{backend} {name}")
+    with pytest.raises(ValueError, match=r"groups must be positive and add up to the 5 projections, got \[3, 1\]"):
+        rms_norm_linears(x, w, 1e-6, projs, groups=[3, 1], backend="triton")
+
+
 def test_bad_shapes_are_reported():
     with pytest.raises(ValueError, match="weight must have shape"):
         rms_norm(torch.randn(2, 8), torch.ones(7), backend="triton")

@@ -11,6 +11,7 @@ in one program, and their backward recomputes from the saved input and 1/rms. `b
 rule of fabric_lin/ops/backend.py (norm_triton.py is imported only when the kernels run: Triton does not
 import on every platform); `launch` (a NormLaunch, by default the shipped settings: fabric_lin/ops/fused_launch.py) says how the kernels are launched.
 """
+import itertools
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -98,14 +99,17 @@ def rms_norm_linears(
     x: torch.Tensor, weight: torch.Tensor, eps: float, proj_weights: Sequence[torch.Tensor],
     residual: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None, backend: str = "auto",
     side_by_side: bool = False, launch: Optional[NormLaunch] = None, fp8: bool = False,
+    groups: Optional[Sequence[int]] = None,
 ) -> Union[List[torch.Tensor], Tuple[List[torch.Tensor], torch.Tensor], torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """[rms_norm(x) @ w.T for w in proj_weights] (a pre-norm block's input projections); with `residual`,
     h = x + residual is normalised and (projections, h) returned. The projections run in `dtype`
     (default x's; under bf16-mixed the autocast dtype, as a linear layer would), the weights cast to it
     (and stacked: one saved copy). Keeps x (or h) and 1/rms for the backward pass, not the normed
     activation. side_by_side: one output, the projections concatenated on the last dim (one product;
-    its gradient arrives as one tensor, where separate outputs' gradients are first concatenated). fp8: the
-    products and the activation's gradient in FP8 (fabric_lin/ops/fp8_matmul.py)."""
+    its gradient arrives as one tensor, where separate outputs' gradients are first concatenated). groups: how
+    many consecutive projections each output holds side by side (one product each; q, k and v for one short
+    convolution), by default one each. fp8: the products and the activation's gradient in FP8
+    (fabric_lin/ops/fp8_matmul.py)."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm_linears: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
@@ -113,6 +117,9 @@ def rms_norm_linears(
     bad = [tuple(w.shape) for w in proj_weights if w.dim() != 2 or w.shape[1] != x.shape[-1]]
     if not proj_weights or bad:
         raise ValueError(f"rms_norm_linears: expected projection weights [out, {x.shape[-1]}], got {bad or 'none'}")
+    if groups is not None and (sum(groups) != len(proj_weights) or min(groups) < 1):
+        raise ValueError(f"rms_norm_linears: groups must be positive and add up to the {len(proj_weights)} "
+                         f"projections, got {list(groups)}")
     dtype = dtype or x.dtype
     if resolve_backend(backend, x.device) == "torch":
         normed = rms_norm_ref(x, weight, eps, residual)
@@ -120,8 +127,11 @@ def rms_norm_linears(
         outs = matmuls_nt(y.to(dtype), [w.to(dtype) for w in proj_weights], fp8)
         if side_by_side:
             outs = torch.cat(outs, dim=-1)
+        elif groups is not None:
+            ends = list(itertools.accumulate(groups))
+            outs = [torch.cat(outs[end - n : end], dim=-1) for n, end in zip(groups, ends)]
         return (outs, h) if residual is not None else outs
     from fabric_lin.ops.norm_triton import rms_norm_linears_triton
 
-    outs, h = rms_norm_linears_triton(x, weight, eps, proj_weights, residual, dtype, side_by_side, launch, fp8)
+    outs, h = rms_norm_linears_triton(x, weight, eps, proj_weights, residual, dtype, side_by_side, launch, fp8, groups)
     return (outs, h) if residual is not None else outs

@@ -292,10 +292,13 @@ def rms_norm_gated_linear_triton(x, gate, weight, eps, proj_weight, launch: Opti
 
 def rms_norm_linears_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, proj_weights: Sequence[torch.Tensor],
                             residual: Optional[torch.Tensor], dtype: torch.dtype, side_by_side: bool,
-                            launch: Optional[NormLaunch] = None, fp8: bool = False):
-    """(projections: a list, or one tensor side by side; h = x + residual or None)."""
+                            launch: Optional[NormLaunch] = None, fp8: bool = False,
+                            groups: Optional[Sequence[int]] = None):
+    """(projections: a list, one per group of projections side by side (default one each), or one tensor side by
+    side; h = x + residual or None)."""
     stacked = torch.cat([w.to(dtype) for w in proj_weights]) if len(proj_weights) > 1 else proj_weights[0].to(dtype)
-    sizes = None if side_by_side else [w.shape[0] for w in proj_weights]
+    widths = iter(w.shape[0] for w in proj_weights)
+    sizes = None if side_by_side else [sum(next(widths) for _ in range(n)) for n in groups or [1] * len(proj_weights)]
     h, *outs = _RMSNormLinearsFunction.apply(x.contiguous(), residual.contiguous() if residual is not None else None,
                                              weight, float(eps), stacked, sizes, launch_json(launch, SHIPPED), fp8)
     return (outs[0] if side_by_side else outs), (h if residual is not None else None)

@@ -371,7 +371,7 @@ def _segments(outs: List[torch.Tensor]) -> Tuple[int, int, int, List[torch.Tenso
 
 @kernel_op("causal_conv1d_fwd")
 def conv_fwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-             activation: bool, launch: str, sizes: List[int]) -> List[torch.Tensor]:
+             activation: bool, sizes: List[int], launch: str) -> List[torch.Tensor]:
     """The outputs, x's channels split into `sizes` (each its own tensor [B, T, size])."""
     B, T, D = x.shape
     W = weight.shape[1]
@@ -449,7 +449,7 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, activa
 
 
 @conv_fwd.register_fake
-def _(x, weight, cache, cu_seqlens, activation, launch, sizes):
+def _(x, weight, cache, cu_seqlens, activation, sizes, launch):
     return [x.new_empty(x.shape[0], x.shape[1], size) for size in sizes]
 
 
@@ -469,10 +469,10 @@ class _CausalConv1dFunction(torch.autograd.Function):
     """The convolution of x's channels, split into outputs of `sizes` channels each (one output: [D])."""
 
     @staticmethod
-    def forward(ctx, x, weight, cache, cu_seqlens, activation, launch, sizes):
+    def forward(ctx, x, weight, cache, cu_seqlens, activation, sizes, launch):
         ctx.save_for_backward(x, weight, cache, cu_seqlens)
-        ctx.activation, ctx.launch, ctx.sizes = activation, launch, sizes
-        return tuple(conv_fwd(x, weight, cache, cu_seqlens, activation, launch, sizes))
+        ctx.activation, ctx.sizes, ctx.launch = activation, sizes, launch
+        return tuple(conv_fwd(x, weight, cache, cu_seqlens, activation, sizes, launch))
 
     @staticmethod
     def backward(ctx, *dys):
@@ -527,7 +527,7 @@ def causal_conv1d_split_triton(
         cache = cache.contiguous()
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.contiguous()
-    ys = _CausalConv1dFunction.apply(x, weight, cache, cu_seqlens, activation, launch_json(launch, SHIPPED), list(sizes))
+    ys = _CausalConv1dFunction.apply(x, weight, cache, cu_seqlens, activation, list(sizes), launch_json(launch, SHIPPED))
     # the last W - 1 inputs, outside the Function: autograd differentiates the slice itself
     if cache is None and T >= W - 1:
         new_cache = x[:, T - (W - 1):]
