@@ -10,8 +10,18 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_layout  # noqa: E402
-from fabric_lin.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step  # noqa: E402
-from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, fused_recurrent_gla_step  # noqa: E402
+from fabric_lin.ops.gdn import (  # noqa: E402
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule_step,
+    naive_recurrent_gated_delta_rule,
+)
+from fabric_lin.ops.gla import (  # noqa: E402
+    chunk_gla,
+    chunk_gla_from_logits,
+    fused_recurrent_gla_step,
+    log_decay,
+    naive_recurrent_gla,
+)
 
 
 def test_chunk_layout_of_documents():
@@ -89,16 +99,17 @@ def inputs(B=2, T=10, H=2, K=8, V=6):
     return dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, H, V))
 
 
-def call(family, backend, q, k, v, gate=None, initial_state=None, cu_seqlens=None):
+def call(family, backend, q, k, v, gate=None, initial_state=None, cu_seqlens=None, output_final_state=False, beta=None):
     B, T, H, K = q.shape if q.dim() == 4 else (2, 10, 2, 8)
-    kwargs = dict(initial_state=initial_state, cu_seqlens=cu_seqlens, backend=backend)
+    kwargs = dict(initial_state=initial_state, cu_seqlens=cu_seqlens, output_final_state=output_final_state,
+                  backend=backend)
     if family == "gla":
         gk = -torch.rand(B, T, H, K) if gate is None else gate
         return chunk_gla(q, k, v, gk, **kwargs)
     if family == "gla_from_logits":
         return chunk_gla_from_logits(q, k, v, torch.randn(B, T, H, K) if gate is None else gate, **kwargs)
     g = -torch.rand(B, T, H) if gate is None else gate
-    return chunk_gated_delta_rule(q, k, v, g, torch.rand(B, T, H), **kwargs)
+    return chunk_gated_delta_rule(q, k, v, g, torch.rand(B, T, H) if beta is None else beta, **kwargs)
 
 
 OPS = {"gla": "chunk_gla", "gla_from_logits": "chunk_gla_from_logits", "gdn": "chunk_gated_delta_rule"}
@@ -156,3 +167,37 @@ def test_decoding_steps_name_their_mistakes_alike(backend):
         fused_recurrent_gla_step(q, k, v, -torch.rand(B, H), state, backend=backend)
     with pytest.raises(ValueError, match=r"^fused_recurrent_gla_step: state must be \[B, H, K, V\] = \(2, 3, 16, 32\), got shape \(2, 3, 32, 16\)$"):
         fused_recurrent_gla_step(q, k, v, -torch.rand(B, H, K), state.transpose(-1, -2), backend=backend)
+
+
+# ------------------------------------------------------------------------------------ edge cases of a library caller
+
+
+def naive(family, q, k, v, gate, beta=None, **kwargs):
+    """The family's naive recurrence (the oracle) on call()'s inputs."""
+    if family == "gla":
+        return naive_recurrent_gla(q, k, v, gate, **kwargs)
+    if family == "gla_from_logits":
+        return naive_recurrent_gla(q, k, v, log_decay(gate), **kwargs)
+    return naive_recurrent_gated_delta_rule(q, k, v, gate, beta, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["gla", "gla_from_logits", "gdn"])
+def test_a_second_derivative_through_the_kernels_is_refused(family):
+    """A gradient asked to be differentiable (create_graph=True: a gradient penalty, a Hessian-vector product) is the
+    naive recurrence's on the PyTorch path, and refused on the kernels, whose backward pass is no autograd graph (the
+    second derivative lacked the op's own part, silently)."""
+    x = inputs(B=1, T=10)
+    gate, beta = -torch.rand(1, 10, 2, 8) if family != "gdn" else -torch.rand(1, 10, 2), torch.rand(1, 10, 2)
+    for backend in ("torch", "triton"):
+        q = x["q"].clone().requires_grad_()
+        o, _ = call(family, backend, **dict(x, q=q), gate=gate, beta=beta)
+        if backend == "triton":
+            with pytest.raises(RuntimeError, match=r"^Chunk\w*Function: the Triton kernels have no second derivative"):
+                torch.autograd.grad(o.pow(2).sum(), q, create_graph=True)
+        else:
+            (dq,) = torch.autograd.grad(o.pow(2).sum(), q, create_graph=True)
+            q_ref = x["q"].clone().requires_grad_()
+            (dq_ref,) = torch.autograd.grad(naive(family, **dict(x, q=q_ref), gate=gate, beta=beta)[0].pow(2).sum(), q_ref,
+                                            create_graph=True)
+            (d2,), (d2_ref,) = torch.autograd.grad(dq.pow(2).sum(), q), torch.autograd.grad(dq_ref.pow(2).sum(), q_ref)
+            torch.testing.assert_close(d2, d2_ref, rtol=1e-4, atol=1e-4)

@@ -20,6 +20,8 @@ from typing import Callable, Optional, Sequence, Tuple, Type
 
 import torch
 
+from fabric_lin.ops.custom_op import refuse_second_derivative
+
 
 def chunked_function(name: str, forward_op: Callable, backward_op: Callable, keep: Callable) -> Type[torch.autograd.Function]:
     """The autograd.Function of a family's chunked path, named `name`; see the module for the ops' contract."""
@@ -35,6 +37,7 @@ def chunked_function(name: str, forward_op: Callable, backward_op: Callable, kee
 
         @staticmethod
         def backward(ctx, do, dht):
+            refuse_second_derivative(name)
             initial_state, cu_seqlens, *kept = ctx.saved_tensors
             dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
             *grads, dh0 = backward_op(*kept, initial_state, cu_seqlens, do.contiguous(), dht, *ctx.settings)
