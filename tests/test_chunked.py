@@ -181,6 +181,23 @@ def naive(family, q, k, v, gate, beta=None, **kwargs):
     return naive_recurrent_gated_delta_rule(q, k, v, gate, beta, **kwargs)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("family", ["gla", "gla_from_logits", "gdn"])
+def test_no_tokens_give_no_output_and_the_initial_state(family, backend):
+    """T = 0: no output rows, and the final state is the initial one, as the naive recurrence gives, with its gradient
+    passed through. GLA's PyTorch path raised on stacking no chunks, and its kernels read a row before the first (a
+    segmentation fault on the CPU)."""
+    x = inputs(B=2, T=0)
+    gate, beta = torch.empty(2, 0, 2, 8) if family != "gdn" else torch.empty(2, 0, 2), torch.empty(2, 0, 2)
+    h0 = torch.randn(2, 2, 8, 6, requires_grad=True)
+    o, ht = call(family, backend, **x, gate=gate, beta=beta, initial_state=h0, output_final_state=True)
+    o_ref, ht_ref = naive(family, **x, gate=gate, beta=beta, initial_state=h0.detach(), output_final_state=True)
+    assert o.shape == o_ref.shape == (2, 0, 2, 6) and o.dtype == o_ref.dtype
+    assert torch.equal(ht, ht_ref)
+    ht.pow(2).sum().backward()
+    assert torch.equal(h0.grad, 2 * h0.detach())
+
+
 @pytest.mark.parametrize("family", ["gla", "gla_from_logits", "gdn"])
 def test_a_second_derivative_through_the_kernels_is_refused(family):
     """A gradient asked to be differentiable (create_graph=True: a gradient penalty, a Hessian-vector product) is the

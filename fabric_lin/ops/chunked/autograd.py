@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence, Tuple, Type
 
 import torch
 
+from fabric_lin.ops.chunked.layout import chunk_layout
 from fabric_lin.ops.custom_op import refuse_second_derivative
 
 
@@ -53,8 +54,16 @@ def apply_chunked(function: Type[torch.autograd.Function], inputs: Sequence[torc
                   *settings) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(o, final state or None) of `function` (a chunked_function) on inputs checked by the caller
     (`checks.check_inputs`), taken as the kernels take them: contiguous, scale a float (K^-0.5 by default) put
-    first among the settings, cu_seqlens int32."""
-    scale = inputs[0].shape[-1] ** -0.5 if scale is None else float(scale)
+    first among the settings, cu_seqlens int32. No tokens (T = 0) launch nothing: no output rows, and the final state
+    is the initial one."""
+    q, v = inputs[0], inputs[2]
+    B, T, H, K = q.shape
+    if T == 0:  # no token: nothing for the kernels to read (a state pass would load a row before the first)
+        N = chunk_layout(cu_seqlens, B, T).sequences
+        final_state = initial_state.float().clone() if initial_state is not None else \
+            q.new_zeros(N, H, K, v.shape[-1], dtype=torch.float32)
+        return q.new_empty(B, 0, H, v.shape[-1]), (final_state if output_final_state else None)
+    scale = K ** -0.5 if scale is None else float(scale)
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     if cu_seqlens is not None:
