@@ -132,6 +132,8 @@ def test_both_families_name_the_same_mistakes_alike(family, backend):
         (dict(x, initial_state=torch.zeros(2, 2, 8, 6).bfloat16()), r"initial_state must be float32 \(the state is carried in fp32\), got torch.bfloat16"),
         (dict(x, cu_seqlens=torch.tensor([0, 4, 10])), r"cu_seqlens needs batch size 1 \(documents packed along T\), got B = 2"),
         (dict(inputs(B=1), cu_seqlens=torch.tensor([0.0, 10.0])), r"cu_seqlens must be a 1-D integer tensor of N\+1 >= 2 document offsets, got torch.float32 of shape \(2,\)"),
+        (dict(inputs(B=1), cu_seqlens=torch.tensor([0, 1, 1], dtype=torch.bool)), r"cu_seqlens must be a 1-D integer tensor of N\+1 >= 2 document offsets, got torch.bool of shape \(3,\)"),
+        (dict(inputs(B=1), cu_seqlens=[0, 4, 10]), r"cu_seqlens must be a 1-D integer tensor of N\+1 >= 2 document offsets, got a list"),
         (dict(inputs(B=1), cu_seqlens=torch.tensor([0, 2, 5, 10]), initial_state=torch.zeros(1, 2, 8, 6)),
          r"initial_state must be \[N, H, K, V\] = \(3, 2, 8, 6\) \(N = documents in cu_seqlens\), got shape \(1, 2, 8, 6\)"),
     ]
