@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.custom_op import kernel_op, refuse_second_derivative
 from fabric_lin.ops.fp8_matmul import matmul_nn, matmul_nt, matmuls_nt
 from fabric_lin.ops.launch import cdiv, launch_json, multiprocessors, next_power_of_2
 from fabric_lin.ops.fused_launch import SHIPPED_NORM as SHIPPED, NormLaunch
@@ -196,6 +196,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh_out):
         h, gate, weight, rstd = ctx.saved_tensors
+        refuse_second_derivative("rms_norm" if gate is None else "rms_norm_gated")
         dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
         dx, dg, dw, dres = norm_bwd(h, gate, weight, rstd, dy.contiguous(), dh_extra, ctx.residual_dtype, ctx.launch)
         return dx, _residual_grad(ctx, h, dx, dres), (dg if gate is not None else None), dw, None, None
@@ -221,6 +222,7 @@ class _RMSNormGatedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):
+        refuse_second_derivative("rms_norm_gated_linear")
         x, gate, weight, rstd, proj_weight = ctx.saved_tensors
         y, _, _ = norm_fwd(x, None, gate, weight, ctx.eps, None, ctx.launch)
         d_out = d_out.contiguous()
@@ -251,6 +253,7 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh_out, *d_outs):
+        refuse_second_derivative("rms_norm_linears")
         source, weight, rstd, stacked = ctx.saved_tensors
         dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
         y, _, _ = norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype, ctx.launch)
