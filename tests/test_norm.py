@@ -236,6 +236,9 @@ def test_mixed_dtype_residual_stream_needs_no_casts(monkeypatch):
     compiled_in, eager_in = leaves(x, pending, w, *projs), leaves(x, pending, w, *projs)
     out, forward_ops, backward_ops = compiled_graph_ops(loss, *compiled_in)
     assert "fabric_lin.rms_norm_fwd.default" in forward_ops and "fabric_lin.rms_norm_bwd.default" in backward_ops
+    # the projections' gradients are put side by side by an op of their own: a concatenation left in the graph is
+    # fused by Inductor with whatever elementwise backward made its pieces, into one slow kernel
+    assert "fabric_lin.columns_side_by_side.default" in backward_ops and "aten.cat.default" not in backward_ops
     eager = loss(*eager_in)
     eager.backward()
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)

@@ -1,7 +1,7 @@
 """The Triton kernels behind norm.py's ops: RMSNorm with the residual add folded in, and per-head RMSNorm x
 swish(gate), forward and backward, their torch.library ops and autograd Functions, and the fused forms that
 recompute the normed activation in the backward pass instead of keeping it for the projections after it."""
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -209,6 +209,20 @@ def _residual_grad(ctx, h, dx, dres):
     return dres if _casts_residual_grad(h, ctx.residual_dtype) else dx
 
 
+@kernel_op("columns_side_by_side")
+def columns_side_by_side(pieces: List[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(pieces, dim=-1) of [rows, n_i] tensors of one dtype, as one opaque op: the projections' gradients put
+    side by side for their one product. Compiled as a node of its own, it is a copy at the memory's speed; left to
+    Inductor, the copy is fused with the elementwise backward of whatever made the pieces (the Gated DeltaNet gates'),
+    into one kernel several times slower than the copy (profile_step.py on gdn-340M)."""
+    return torch.cat(pieces, dim=-1)
+
+
+@columns_side_by_side.register_fake
+def _(pieces):
+    return pieces[0].new_empty(pieces[0].shape[0], sum(piece.shape[-1] for piece in pieces))
+
+
 class _RMSNormGatedLinearFunction(torch.autograd.Function):
     """rms_norm_gated over the heads, then the output projection; the normed, gated activation is
     recomputed in the backward pass instead of being kept for the projection's weight gradient."""
@@ -264,10 +278,10 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
         if ctx.sizes is None:
             d_cat = d_outs[0].reshape(y.shape[0], -1) if d_outs[0] is not None else y.new_zeros(y.shape[0], stacked.shape[0])
         else:
-            d_cat = torch.cat([
+            d_cat = columns_side_by_side([
                 d.reshape(y.shape[0], n) if d is not None else y.new_zeros(y.shape[0], n)
                 for d, n in zip(d_outs, ctx.sizes)
-            ], dim=-1)
+            ])
         dy = matmul_nn(d_cat, stacked, ctx.fp8).view_as(source)
         d_stacked = torch.matmul(d_cat.t(), y)
         dx, _, dw, dres = norm_bwd(source, None, weight, rstd, dy, dh_extra, ctx.residual_dtype, ctx.launch)
