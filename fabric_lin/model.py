@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fabric_lin.config import Config
+from fabric_lin.errors import InvalidValue
 from fabric_lin.ops.cross_entropy import linear_cross_entropy
 from fabric_lin.ops.fused_launch import CrossEntropyLaunch, NormLaunch, ShortConvLaunch, SwiGLULaunch
 from fabric_lin.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step, gdn_gate
@@ -96,8 +97,11 @@ class RMSNorm(nn.Module):
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a linear layer computes in for input x: autocast's, where it is on, else x's."""
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    """The dtype a linear layer computes in for input x: autocast's, where it is on, else x's. Meta tensors (a model
+    built on the meta device, run for its shapes) have no autocast, and torch refuses to be asked of it."""
+    if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def prenorm_projections(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor, linears: List[nn.Linear],
@@ -538,6 +542,10 @@ class GPT(nn.Module):
         """input_ids [B, T] -> logits [B, T, vocab]; with `targets` [B, T], the mean cross-entropy
         (computed in chunks, the full fp32 logits are never held); with `return_hidden`, the final
         normed hidden states [B, T, d]."""
+        if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+            hint = "; one sequence is input_ids[None]" if input_ids.dim() == 1 else ""
+            raise InvalidValue(f"input_ids must be [B, T] integer token ids, got {input_ids.dtype} of shape "
+                               f"{tuple(input_ids.shape)}{hint}")
         x = self.embeddings(input_ids)
         # the first block's delta: zeros in the dtype the sublayers' outputs have, so that every block is
         # called alike (a compiled Block reuses one graph; x + 0 is exactly x)

@@ -10,8 +10,18 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_layout  # noqa: E402
-from fabric_lin.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step  # noqa: E402
-from fabric_lin.ops.gla import chunk_gla, chunk_gla_from_logits, fused_recurrent_gla_step  # noqa: E402
+from fabric_lin.ops.gdn import (  # noqa: E402
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule_step,
+    naive_recurrent_gated_delta_rule,
+)
+from fabric_lin.ops.gla import (  # noqa: E402
+    chunk_gla,
+    chunk_gla_from_logits,
+    fused_recurrent_gla_step,
+    log_decay,
+    naive_recurrent_gla,
+)
 
 
 def test_chunk_layout_of_documents():
@@ -89,16 +99,17 @@ def inputs(B=2, T=10, H=2, K=8, V=6):
     return dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, H, V))
 
 
-def call(family, backend, q, k, v, gate=None, initial_state=None, cu_seqlens=None):
+def call(family, backend, q, k, v, gate=None, initial_state=None, cu_seqlens=None, output_final_state=False, beta=None):
     B, T, H, K = q.shape if q.dim() == 4 else (2, 10, 2, 8)
-    kwargs = dict(initial_state=initial_state, cu_seqlens=cu_seqlens, backend=backend)
+    kwargs = dict(initial_state=initial_state, cu_seqlens=cu_seqlens, output_final_state=output_final_state,
+                  backend=backend)
     if family == "gla":
         gk = -torch.rand(B, T, H, K) if gate is None else gate
         return chunk_gla(q, k, v, gk, **kwargs)
     if family == "gla_from_logits":
         return chunk_gla_from_logits(q, k, v, torch.randn(B, T, H, K) if gate is None else gate, **kwargs)
     g = -torch.rand(B, T, H) if gate is None else gate
-    return chunk_gated_delta_rule(q, k, v, g, torch.rand(B, T, H), **kwargs)
+    return chunk_gated_delta_rule(q, k, v, g, torch.rand(B, T, H) if beta is None else beta, **kwargs)
 
 
 OPS = {"gla": "chunk_gla", "gla_from_logits": "chunk_gla_from_logits", "gdn": "chunk_gated_delta_rule"}
@@ -121,6 +132,8 @@ def test_both_families_name_the_same_mistakes_alike(family, backend):
         (dict(x, initial_state=torch.zeros(2, 2, 8, 6).bfloat16()), r"initial_state must be float32 \(the state is carried in fp32\), got torch.bfloat16"),
         (dict(x, cu_seqlens=torch.tensor([0, 4, 10])), r"cu_seqlens needs batch size 1 \(documents packed along T\), got B = 2"),
         (dict(inputs(B=1), cu_seqlens=torch.tensor([0.0, 10.0])), r"cu_seqlens must be a 1-D integer tensor of N\+1 >= 2 document offsets, got torch.float32 of shape \(2,\)"),
+        (dict(inputs(B=1), cu_seqlens=torch.tensor([0, 1, 1], dtype=torch.bool)), r"cu_seqlens must be a 1-D integer tensor of N\+1 >= 2 document offsets, got torch.bool of shape \(3,\)"),
+        (dict(inputs(B=1), cu_seqlens=[0, 4, 10]), r"cu_seqlens must be a 1-D integer tensor of N\+1 >= 2 document offsets, got a list"),
         (dict(inputs(B=1), cu_seqlens=torch.tensor([0, 2, 5, 10]), initial_state=torch.zeros(1, 2, 8, 6)),
          r"initial_state must be \[N, H, K, V\] = \(3, 2, 8, 6\) \(N = documents in cu_seqlens\), got shape \(1, 2, 8, 6\)"),
     ]
@@ -196,3 +209,54 @@ def test_kernel_ops_fake_functions_give_the_real_outputs_shapes_and_dtypes():
     check(chunk_gdn_fwd, q, k, v, gate, beta, h0, cu, scale, True, launch)
     _, _, b, A_inv, q_n, k_n, q_rstd, k_rstd = chunk_gdn_fwd.fn(q, k, v, gate, beta, h0, cu, scale, True, launch)
     check(chunk_gdn_bwd, q_n, k_n, v, b, beta, A_inv, q_rstd, k_rstd, h0, cu, do, dht, scale, True, launch)
+
+
+# ------------------------------------------------------------------------------------ edge cases of a library caller
+
+
+def naive(family, q, k, v, gate, beta=None, **kwargs):
+    """The family's naive recurrence (the oracle) on call()'s inputs."""
+    if family == "gla":
+        return naive_recurrent_gla(q, k, v, gate, **kwargs)
+    if family == "gla_from_logits":
+        return naive_recurrent_gla(q, k, v, log_decay(gate), **kwargs)
+    return naive_recurrent_gated_delta_rule(q, k, v, gate, beta, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("family", ["gla", "gla_from_logits", "gdn"])
+def test_no_tokens_give_no_output_and_the_initial_state(family, backend):
+    """T = 0: no output rows, and the final state is the initial one, as the naive recurrence gives, with its gradient
+    passed through. GLA's PyTorch path raised on stacking no chunks, and its kernels read a row before the first (a
+    segmentation fault on the CPU)."""
+    x = inputs(B=2, T=0)
+    gate, beta = torch.empty(2, 0, 2, 8) if family != "gdn" else torch.empty(2, 0, 2), torch.empty(2, 0, 2)
+    h0 = torch.randn(2, 2, 8, 6, requires_grad=True)
+    o, ht = call(family, backend, **x, gate=gate, beta=beta, initial_state=h0, output_final_state=True)
+    o_ref, ht_ref = naive(family, **x, gate=gate, beta=beta, initial_state=h0.detach(), output_final_state=True)
+    assert o.shape == o_ref.shape == (2, 0, 2, 6) and o.dtype == o_ref.dtype
+    assert torch.equal(ht, ht_ref)
+    ht.pow(2).sum().backward()
+    assert torch.equal(h0.grad, 2 * h0.detach())
+
+
+@pytest.mark.parametrize("family", ["gla", "gla_from_logits", "gdn"])
+def test_a_second_derivative_through_the_kernels_is_refused(family):
+    """A gradient asked to be differentiable (create_graph=True: a gradient penalty, a Hessian-vector product) is the
+    naive recurrence's on the PyTorch path, and refused on the kernels, whose backward pass is no autograd graph (the
+    second derivative lacked the op's own part, silently)."""
+    x = inputs(B=1, T=10)
+    gate, beta = -torch.rand(1, 10, 2, 8) if family != "gdn" else -torch.rand(1, 10, 2), torch.rand(1, 10, 2)
+    for backend in ("torch", "triton"):
+        q = x["q"].clone().requires_grad_()
+        o, _ = call(family, backend, **dict(x, q=q), gate=gate, beta=beta)
+        if backend == "triton":
+            with pytest.raises(RuntimeError, match=r"^Chunk\w*Function: the Triton kernels have no second derivative"):
+                torch.autograd.grad(o.pow(2).sum(), q, create_graph=True)
+        else:
+            (dq,) = torch.autograd.grad(o.pow(2).sum(), q, create_graph=True)
+            q_ref = x["q"].clone().requires_grad_()
+            (dq_ref,) = torch.autograd.grad(naive(family, **dict(x, q=q_ref), gate=gate, beta=beta)[0].pow(2).sum(), q_ref,
+                                            create_graph=True)
+            (d2,), (d2_ref,) = torch.autograd.grad(dq.pow(2).sum(), q), torch.autograd.grad(dq_ref.pow(2).sum(), q_ref)
+            torch.testing.assert_close(d2, d2_ref, rtol=1e-4, atol=1e-4)

@@ -110,6 +110,20 @@ def test_linear_cross_entropy_rejects_a_bad_chunk_size_and_float_targets():
         linear_cross_entropy(hidden, weight, targets.float(), backend="triton")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_linear_cross_entropy_takes_targets_of_any_integer_dtype(backend):
+    # int32 token ids (as a data pipeline may hold them) give the int64 targets' loss on both backends; the PyTorch
+    # path raised 'expected target dtype to be Long or Byte' where the kernel took them
+    g = torch.Generator().manual_seed(15)
+    hidden, weight = torch.randn(5, 8, generator=g, dtype=torch.float64), torch.randn(20, 8, generator=g, dtype=torch.float64)
+    targets = torch.tensor([1, 19, 0, -100, 7])
+    expected = F.cross_entropy(hidden @ weight.t(), targets)
+    for dtype in (torch.int32, torch.int16):
+        loss = linear_cross_entropy(hidden.float().to(DEVICE), weight.float().to(DEVICE), targets.to(DEVICE, dtype),
+                                    backend=backend)
+        torch.testing.assert_close(loss.double().cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_linear_cross_entropy_over_several_vocabulary_blocks():
     # V above the kernel's 4096-wide block: the running max and sum are merged across blocks, the last
     # one partial; rows whose largest logit lies in the first block, and in the second

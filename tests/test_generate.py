@@ -427,3 +427,38 @@ def test_generate_command_continues_the_prompt_as_a_document_start(tmp_path, cap
     capsys.readouterr()
     assert generate(tmp_path / "model", prompt=prompt, max_new_tokens=8, temperature=0.0, device="cpu") == prompt
     assert capsys.readouterr().err.startswith("1 tokens in ")
+
+
+def test_readmes_python_lines_run_as_written(tmp_path, capsys):
+    """README's "From Python" lines, on a small GLA's model directory in place of checkpoints/gla-340M and its export
+    in place of hf/gla-340M: a named model's logits, the directory's greedy decoding (each token the argmax of the
+    full forward at the position before it, printed as text) and the export read back into the directory's weights."""
+    import re
+    from pathlib import Path
+
+    from fabric_lin.convert.hf import convert_to_hf
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    (snippet,) = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "read_fla_checkpoint" in block]
+    config = small_config()
+    state = make_model_dir(tmp_path / "model", config)
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    capsys.readouterr()  # the export's lines
+    snippet = snippet.replace('"checkpoints/gla-340M"', repr(str(tmp_path / "model")))
+    namespace = {}
+    exec(snippet.replace('"hf/gla-340M"', repr(str(tmp_path / "hf"))), namespace)
+
+    assert namespace["logits"].shape == (2, 16, Config.from_name("gla-debug").vocab_size)
+    tokenizer, reference = Tokenizer(tmp_path / "model"), GPT(config)
+    reference.load_state_dict(state)
+    ids = [tokenizer.eos_id] + tokenizer.encode("The capital of France").tolist()
+    expected = []
+    with torch.no_grad():
+        for _ in range(20):
+            expected.append(int(reference(torch.tensor([ids + expected]))[0, -1, :tokenizer.vocab_size].argmax()))
+            if expected[-1] == tokenizer.eos_id:
+                break
+    assert capsys.readouterr().out == tokenizer.decode(expected) + "\n"
+    loaded = namespace["model"].state_dict()
+    assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[name], state[name]) for name in state)

@@ -109,6 +109,24 @@ def test_unknown_backend_is_rejected():
         chunk_gla(q, k, v, gk, backend="cuda")
 
 
+def test_the_kernels_on_cpu_tensors_outside_the_interpreter_are_refused_naming_both_ways(monkeypatch):
+    """backend='triton', or a model built with fused=True, on CPU tensors without Triton's interpreter: one error that
+    says what runs the kernels and what to use instead, where Triton stopped at the launch with '0 active drivers'."""
+    from fabric_lin.config import Config
+    from fabric_lin.model import GPT
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    message = (r"^backend='triton' runs the kernels on CUDA tensors, or on the CPU in Triton's interpreter "
+               r"\(TRITON_INTERPRET=1 set before fabric_lin is imported\); these are on cpu: use backend='torch' "
+               r"\(a model: GPT\(config, fused=False\)\)$")
+    q, k, v, gk, _ = gla_inputs(1, 4, 1, 16, 16)
+    with pytest.raises(ValueError, match=message):
+        chunk_gla(q, k, v, gk, backend="triton")
+    model = GPT(Config.from_name("gla-debug", num_layers=1), fused=True)
+    with pytest.raises(ValueError, match=message):
+        model(torch.zeros(1, 4, dtype=torch.long))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("normalizer", [0, -16.0, float("nan")])
 def test_from_logits_rejects_a_normalizer_that_is_not_positive(backend, normalizer):

@@ -1,5 +1,6 @@
 """The model against itself: decoding token by token and a prompt appended to a cache against the full forward,
-packed documents against separate ones, meta init against eager init, the chunked loss and activation
+packed documents against separate ones, meta init against eager init (and a forward on the meta device), the
+inputs named where they are no batch of token ids, the chunked loss and activation
 checkpointing against the plain computation. Against float64 references written independently (every head layout,
 grouped key/value heads included): test_model_edge_cases.py."""
 import pytest
@@ -36,6 +37,28 @@ def test_transformer_prompt_appended_to_cache():
         first = model(ids[:, :12], cache=cache)
         second = model(ids[:, 12:], cache=cache)
     torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gla-debug", "gdn-debug", "deltanet-debug", "transformer-debug"])
+def test_a_model_on_the_meta_device_runs_for_its_shapes(name):
+    """Built on the meta device, the model's forward gives its outputs' shapes without allocating (a check of a large
+    model's shapes, or of a batch's, before any weights are read); it stopped on asking autocast about 'meta'."""
+    with torch.device("meta"):
+        model = GPT(tiny(name))
+    ids = torch.zeros(2, 70, dtype=torch.long, device="meta")
+    logits, loss = model(ids), model(ids, targets=ids)
+    assert logits.device.type == loss.device.type == "meta"
+    assert logits.shape == (2, 70, 97) and loss.shape == ()
+
+
+def test_input_ids_other_than_a_batch_of_token_ids_are_named():
+    model = GPT(tiny("gla-debug"))
+    with pytest.raises(ValueError, match=r"^input_ids must be \[B, T\] integer token ids, got torch.int64 of shape "
+                                         r"\(70,\); one sequence is input_ids\[None\]$"):
+        model(torch.zeros(70, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^input_ids must be \[B, T\] integer token ids, got torch.float32 of shape "
+                                         r"\(2, 70\)$"):
+        model(torch.zeros(2, 70))
 
 
 @pytest.mark.parametrize("name", ["gla-debug", "transformer-debug"])

@@ -2,7 +2,7 @@
 that follow it) against their PyTorch references, values and gradients, and against float64 at the edges (no rows,
 a strided weight, many rows and programs). Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1,
 set before Triton is imported), in fp32. The checks over every fused op at once (compiled without graph breaks, the
-PyTorch paths against float64, bad shapes reported) are here too."""
+PyTorch paths against float64, bad shapes reported, a second derivative refused) are here too."""
 import os
 
 import torch
@@ -24,6 +24,7 @@ from fabric_lin.ops.norm import (  # noqa: E402
     rms_norm_linears,
     rms_norm_ref,
 )
+from fabric_lin.ops.short_conv import causal_conv1d  # noqa: E402
 from fabric_lin.ops.swiglu import swiglu, swiglu_linear, swiglu_ref  # noqa: E402
 
 
@@ -235,6 +236,9 @@ def test_mixed_dtype_residual_stream_needs_no_casts(monkeypatch):
     compiled_in, eager_in = leaves(x, pending, w, *projs), leaves(x, pending, w, *projs)
     out, forward_ops, backward_ops = compiled_graph_ops(loss, *compiled_in)
     assert "fabric_lin.rms_norm_fwd.default" in forward_ops and "fabric_lin.rms_norm_bwd.default" in backward_ops
+    # the projections' gradients are put side by side by an op of their own: a concatenation left in the graph is
+    # fused by Inductor with whatever elementwise backward made its pieces, into one slow kernel
+    assert "fabric_lin.columns_side_by_side.default" in backward_ops and "aten.cat.default" not in backward_ops
     eager = loss(*eager_in)
     eager.backward()
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
@@ -350,6 +354,32 @@ def test_ops_compile_without_graph_breaks():
     ref.backward()
     for a, b, name in zip(ins, ins_ref, ["dx", "dres", "dgate", "dw", "dweight"]):
         check(a.grad, b.grad, torch.float32, name)
+
+
+SECOND_DERIVATIVE_CASES = {  # each fused op's Triton path as a function of one input x [4, 32]
+    "rms_norm": lambda x, w: rms_norm(x, w, residual=x.flip(0), backend="triton")[0],
+    "rms_norm_gated": lambda x, w: rms_norm_gated(x, x.flip(0), w, backend="triton"),
+    "rms_norm_gated_linear": lambda x, w: rms_norm_gated_linear(x.view(4, 2, 16), x.view(4, 2, 16), w[:16], 1e-5,
+                                                                x[:8], backend="triton"),
+    "rms_norm_linears": lambda x, w: rms_norm_linears(x, w, 1e-6, [x[:8]], backend="triton")[0],
+    "swiglu": lambda x, w: swiglu(x, x.flip(0), backend="triton"),
+    "swiglu_linear": lambda x, w: swiglu_linear(x, x[:8, :16], backend="triton"),
+    "linear_cross_entropy": lambda x, w: linear_cross_entropy(x, x[:8], torch.arange(4, device=x.device), backend="triton"),
+    "causal_conv1d": lambda x, w: causal_conv1d(x[None], x.t(), backend="triton")[0],
+}
+
+
+@pytest.mark.parametrize("op", SECOND_DERIVATIVE_CASES)
+def test_a_second_derivative_through_a_kernel_is_refused(op):
+    """The kernels' backward passes are no autograd graph: a gradient asked to be differentiable (create_graph=True: a
+    gradient penalty, a Hessian-vector product) is refused naming the op, where its second derivative lacked the op's
+    own part, silently."""
+    x = torch.randn(4, 32, device=DEVICE, requires_grad=True)
+    out = SECOND_DERIVATIVE_CASES[op](x, torch.ones(32, device=DEVICE))
+    with pytest.raises(RuntimeError, match=f"^{op}: the Triton kernels have no second derivative .* backend='torch'"):
+        torch.autograd.grad(out.float().sin().sum(), x, create_graph=True)
+    (grad,) = torch.autograd.grad(out.float().sin().sum(), x)  # a first derivative as before
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
 def rms_norm_64(x, weight, eps):

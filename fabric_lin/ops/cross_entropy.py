@@ -39,7 +39,8 @@ def linear_cross_entropy_ref(hidden, weight, targets, ignore_index: int = -100, 
 
 
 def _chunk_loss_sum(h, weight, t, ignore_index):
-    return F.cross_entropy(F.linear(h, weight).float(), t, ignore_index=ignore_index, reduction="sum")
+    # F.cross_entropy takes int64 (or uint8) targets only; the kernel any integer dtype
+    return F.cross_entropy(F.linear(h, weight).float(), t.long(), ignore_index=ignore_index, reduction="sum")
 
 
 def linear_cross_entropy(

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.custom_op import kernel_op, refuse_second_derivative
 from fabric_lin.ops.fused_launch import SHIPPED_CROSS_ENTROPY as SHIPPED, CrossEntropyLaunch
 from fabric_lin.ops.launch import launch_json, next_power_of_2
 
@@ -97,6 +97,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss):
+        refuse_second_derivative("linear_cross_entropy")
         dh, dw, count = ctx.saved_tensors
         # an fp32 scalar, which the products take in fp32 (GradScaler's first factor, 2**16, is past float16's range)
         scale = dloss / count

@@ -37,3 +37,16 @@ class KernelOp:
 def kernel_op(name: str) -> Callable[[Callable], KernelOp]:
     """Decorator: the function as the KernelOp fabric_lin::<name>."""
     return lambda fn: KernelOp(name, fn)
+
+
+def refuse_second_derivative(op: str) -> None:
+    """Called first in the backward pass of an autograd Function around kernels. Autograd runs a backward pass with
+    gradients on only where it is asked to make it differentiable (create_graph=True: a gradient penalty, a
+    Hessian-vector product); the kernels' backward is no autograd graph, so the second derivative would lack this op's
+    part, silently. torch.compile traces the backward apart and refuses double backward itself."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"{op}: the Triton kernels have no second derivative (this backward pass was asked for one, "
+            "create_graph=True); run the op with backend='torch' (a model: GPT(config, fused=False)), whose "
+            "gradients autograd differentiates"
+        )

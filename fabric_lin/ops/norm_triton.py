@@ -1,13 +1,13 @@
 """The Triton kernels behind norm.py's ops: RMSNorm with the residual add folded in, and per-head RMSNorm x
 swish(gate), forward and backward, their torch.library ops and autograd Functions, and the fused forms that
 recompute the normed activation in the backward pass instead of keeping it for the projections after it."""
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.custom_op import kernel_op, refuse_second_derivative
 from fabric_lin.ops.fp8_matmul import matmul_nn, matmul_nt, matmuls_nt
 from fabric_lin.ops.launch import cdiv, launch_json, multiprocessors, next_power_of_2
 from fabric_lin.ops.fused_launch import SHIPPED_NORM as SHIPPED, NormLaunch
@@ -196,6 +196,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh_out):
         h, gate, weight, rstd = ctx.saved_tensors
+        refuse_second_derivative("rms_norm" if gate is None else "rms_norm_gated")
         dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
         dx, dg, dw, dres = norm_bwd(h, gate, weight, rstd, dy.contiguous(), dh_extra, ctx.residual_dtype, ctx.launch)
         return dx, _residual_grad(ctx, h, dx, dres), (dg if gate is not None else None), dw, None, None
@@ -206,6 +207,20 @@ def _residual_grad(ctx, h, dx, dres):
     if ctx.residual_dtype is None:  # no residual
         return None
     return dres if _casts_residual_grad(h, ctx.residual_dtype) else dx
+
+
+@kernel_op("columns_side_by_side")
+def columns_side_by_side(pieces: List[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(pieces, dim=-1) of [rows, n_i] tensors of one dtype, as one opaque op: the projections' gradients put
+    side by side for their one product. Compiled as a node of its own, it is a copy at the memory's speed; left to
+    Inductor, the copy is fused with the elementwise backward of whatever made the pieces (the Gated DeltaNet gates'),
+    into one kernel several times slower than the copy (profile_step.py on gdn-340M)."""
+    return torch.cat(pieces, dim=-1)
+
+
+@columns_side_by_side.register_fake
+def _(pieces):
+    return pieces[0].new_empty(pieces[0].shape[0], sum(piece.shape[-1] for piece in pieces))
 
 
 class _RMSNormGatedLinearFunction(torch.autograd.Function):
@@ -221,6 +236,7 @@ class _RMSNormGatedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):
+        refuse_second_derivative("rms_norm_gated_linear")
         x, gate, weight, rstd, proj_weight = ctx.saved_tensors
         y, _, _ = norm_fwd(x, None, gate, weight, ctx.eps, None, ctx.launch)
         d_out = d_out.contiguous()
@@ -251,6 +267,7 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh_out, *d_outs):
+        refuse_second_derivative("rms_norm_linears")
         source, weight, rstd, stacked = ctx.saved_tensors
         dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
         y, _, _ = norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype, ctx.launch)
@@ -261,10 +278,10 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
         if ctx.sizes is None:
             d_cat = d_outs[0].reshape(y.shape[0], -1) if d_outs[0] is not None else y.new_zeros(y.shape[0], stacked.shape[0])
         else:
-            d_cat = torch.cat([
+            d_cat = columns_side_by_side([
                 d.reshape(y.shape[0], n) if d is not None else y.new_zeros(y.shape[0], n)
                 for d, n in zip(d_outs, ctx.sizes)
-            ], dim=-1)
+            ])
         dy = matmul_nn(d_cat, stacked, ctx.fp8).view_as(source)
         d_stacked = torch.matmul(d_cat.t(), y)
         dx, _, dw, dres = norm_bwd(source, None, weight, rstd, dy, dh_extra, ctx.residual_dtype, ctx.launch)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.custom_op import kernel_op, refuse_second_derivative
 from fabric_lin.ops.launch import cdiv, launch_json, next_power_of_2
 from fabric_lin.ops.fused_launch import SHIPPED_SHORT_CONV as SHIPPED, ShortConvLaunch
 
@@ -476,6 +476,7 @@ class _CausalConv1dFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *dys):
+        refuse_second_derivative("causal_conv1d")
         x, weight, cache, cu_seqlens = ctx.saved_tensors
         want_dcache = cache is not None and ctx.needs_input_grad[2]
         B, T, _ = x.shape

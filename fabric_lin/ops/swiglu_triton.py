@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.custom_op import kernel_op
+from fabric_lin.ops.custom_op import kernel_op, refuse_second_derivative
 from fabric_lin.ops.fp8_matmul import matmul_nn, matmul_nt
 from fabric_lin.ops.launch import cdiv, launch_json
 from fabric_lin.ops.fused_launch import SHIPPED_SWIGLU as SHIPPED, SwiGLULaunch
@@ -81,6 +81,7 @@ class _SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_second_derivative("swiglu")
         gate, up = ctx.saved_tensors
         return (*swiglu_bwd(gate, up, dy.contiguous(), ctx.launch), None)
 
@@ -140,6 +141,7 @@ class _SwiGLULinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):
+        refuse_second_derivative("swiglu_linear")
         gate_up, weight = ctx.saved_tensors
         return (*swiglu_linear_bwd(gate_up, weight, d_out.contiguous(), ctx.fp8, ctx.launch), None, None)
 

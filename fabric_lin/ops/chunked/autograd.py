@@ -20,6 +20,9 @@ from typing import Callable, Optional, Sequence, Tuple, Type
 
 import torch
 
+from fabric_lin.ops.chunked.layout import chunk_layout
+from fabric_lin.ops.custom_op import refuse_second_derivative
+
 
 def chunked_function(name: str, forward_op: Callable, backward_op: Callable, keep: Callable) -> Type[torch.autograd.Function]:
     """The autograd.Function of a family's chunked path, named `name`; see the module for the ops' contract."""
@@ -35,6 +38,7 @@ def chunked_function(name: str, forward_op: Callable, backward_op: Callable, kee
 
         @staticmethod
         def backward(ctx, do, dht):
+            refuse_second_derivative(name)
             initial_state, cu_seqlens, *kept = ctx.saved_tensors
             dht = dht.contiguous() if ctx.output_final_state and dht is not None else None
             *grads, dh0 = backward_op(*kept, initial_state, cu_seqlens, do.contiguous(), dht, *ctx.settings)
@@ -50,8 +54,16 @@ def apply_chunked(function: Type[torch.autograd.Function], inputs: Sequence[torc
                   *settings) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(o, final state or None) of `function` (a chunked_function) on inputs checked by the caller
     (`checks.check_inputs`), taken as the kernels take them: contiguous, scale a float (K^-0.5 by default) put
-    first among the settings, cu_seqlens int32."""
-    scale = inputs[0].shape[-1] ** -0.5 if scale is None else float(scale)
+    first among the settings, cu_seqlens int32. No tokens (T = 0) launch nothing: no output rows, and the final state
+    is the initial one."""
+    q, v = inputs[0], inputs[2]
+    B, T, H, K = q.shape
+    if T == 0:  # no token: nothing for the kernels to read (a state pass would load a row before the first)
+        N = chunk_layout(cu_seqlens, B, T).sequences
+        final_state = initial_state.float().clone() if initial_state is not None else \
+            q.new_zeros(N, H, K, v.shape[-1], dtype=torch.float32)
+        return q.new_empty(B, 0, H, v.shape[-1]), (final_state if output_final_state else None)
+    scale = K ** -0.5 if scale is None else float(scale)
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     if cu_seqlens is not None:

@@ -46,9 +46,12 @@ def check_inputs(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"{op}: cu_seqlens needs batch size 1 (documents packed along T), got B = {B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-            raise ValueError(f"{op}: cu_seqlens must be a 1-D integer tensor of N+1 >= 2 document offsets, got "
-                             f"{cu_seqlens.dtype} of shape {_shape(cu_seqlens)}")
+        expected = f"{op}: cu_seqlens must be a 1-D integer tensor of N+1 >= 2 document offsets, got"
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise ValueError(f"{expected} a {type(cu_seqlens).__name__}")
+        if (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point()
+                or cu_seqlens.dtype == torch.bool):
+            raise ValueError(f"{expected} {cu_seqlens.dtype} of shape {_shape(cu_seqlens)}")
         N = cu_seqlens.numel() - 1
     if initial_state is not None:
         if _shape(initial_state) != (N, H, K, V):

@@ -66,7 +66,7 @@ def chunk_gla_torch(
     for n in range(N):
         o_inter.append(q_decayed[:, :, n] @ state)
         state = chunk_decay[:, :, n, :, None] * state + chunk_state_update[:, :, n]
-    o = o_intra + torch.stack(o_inter, dim=2)
+    o = o_intra + torch.stack(o_inter, dim=2) if o_inter else o_intra  # no chunks (T = 0): nothing to add
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * CHUNK_SIZE, H, V)[:, :T]
     return o.to(dtype), (state if output_final_state else None)
 
