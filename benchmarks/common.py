@@ -185,7 +185,7 @@ def lift_fla_gdn_hopper_guard() -> bool:
 def parse_variants(texts: Sequence[str], shipped):
     """{name: launch bundle} from --variants "NAME:KEY=VALUE[,KEY=VALUE...]" strings, each a change to the
     `shipped` bundle (fabric_lin.ops.launch.with_settings: "kernel.field" for a KernelLaunch's field). A value
-    is read as the setting's type: a string where the shipped value is one, else an integer ("None": None)."""
+    is an integer, or "None"."""
     from fabric_lin.ops.launch import with_settings
 
     variants = {}
@@ -196,14 +196,8 @@ def parse_variants(texts: Sequence[str], shipped):
         settings = {}
         for item in body.split(","):
             key, _, value = item.partition("=")
-            current = shipped
-            for part in key.split("."):
-                current = getattr(current, part, None)
-            if value == "None" or isinstance(current, str):
-                settings[key] = None if value == "None" else value
-                continue
             try:
-                settings[key] = int(value)
+                settings[key] = None if value == "None" else int(value)
             except ValueError:
                 raise SystemExit(f"--variants {name}: {key}={value!r} is not an integer") from None
         try:

@@ -1,16 +1,16 @@
 """The short convolution (causal, depthwise, W = 4 taps, then SiLU) at gdn-340M's shapes: forward and
-forward+backward milliseconds of each backward design (fabric_lin.ops.fused_launch.ShortConvLaunch) against
+forward+backward milliseconds of the shipped launch (fabric_lin.ops.fused_launch.ShortConvLaunch) against
 flash-linear-attention's causal_conv1d (when importable) in the same process, and the GPU time of forward+backward
 by kernel (torch.profiler), with its fraction of the copy bandwidth that the ideal traffic needs.
 
     python benchmarks/short_conv.py --out short_conv.json
-    python benchmarks/short_conv.py --variants wide:bwd_design=shifted,bwd_channels=128,warps=8
+    python benchmarks/short_conv.py --variants wide:bwd_channels=128,warps=8
     python benchmarks/short_conv.py --documents 64            # each batch as 64 packed documents (cu_seqlens)
     TRITON_INTERPRET=1 python benchmarks/short_conv.py --batch 1 --seq 40 --channels 24 --no-fla   # CPU smoke run
 
 x is [batch, seq, C] bf16 on a GPU (fp32 in Triton's interpreter) for C = 512 (q and k), 1024 (v) and 2048 (the
-three side by side, as one call over the concatenated channels makes them). Every launch in CANDIDATES, then each
---variants NAME:KEY=VALUE,... (changes to the shipped settings), is timed, with its outputs' distance from the
+three side by side, as one call over the concatenated channels makes them). The shipped launch, then each
+--variants NAME:KEY=VALUE,... (changes to its tiles and warps), is timed, with its outputs' distance from the
 shipped launch's. Ideal traffic: forward reads x and writes y, backward reads x and dy and writes dx (bf16: 2 + 2
 and 6 bytes per element).
 
@@ -25,23 +25,10 @@ import torch
 
 from common import kernel_ms, parse_variants, time_ms, write_result
 from fabric_lin.ops.fused_launch import SHIPPED_SHORT_CONV as SHIPPED
-from fabric_lin.ops.fused_launch import ShortConvLaunch
 from fabric_lin.ops.gla.tune import rel_rms
 from fabric_lin.ops.short_conv import causal_conv1d
 
 W = 4
-# the backward designs worth timing against the shipped one, tiles chosen from their registers on sm_90 (run
-# `python tests/test_short_conv.py --candidates`): "shifted" keeps W x W tiles of x in flight, so its tiles are
-# half the gather design's rows ([16, 64] at 128 registers, 4 programs of 4 warps per SM; [32, 64] takes 255 and
-# spills); "two_pass" writes dz in fp32 or bf16
-CANDIDATES = {
-    "shifted_16x64": ShortConvLaunch(bwd_design="shifted", bwd_channels=64, bwd_rows=16),
-    "shifted_16x128_8warps": ShortConvLaunch(bwd_design="shifted", bwd_channels=128, bwd_rows=16, warps=8),
-    "two_pass_32x64": ShortConvLaunch(bwd_design="two_pass", bwd_channels=64),
-    "two_pass_32x64_dz_bf16": ShortConvLaunch(bwd_design="two_pass", bwd_channels=64, two_pass_dz="input"),
-    "two_pass_16x128_dz_bf16": ShortConvLaunch(bwd_design="two_pass", bwd_channels=128, bwd_rows=16,
-                                               two_pass_dz="input"),
-}
 
 
 def time_pair(fn, inputs, dy, cuda):
@@ -104,14 +91,12 @@ def main():
     parser.add_argument("--documents", type=int, help="each run as one row of this many packed documents")
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
                         help="other launch settings (changes to the shipped ShortConvLaunch), each timed beside it")
-    parser.add_argument("--no-candidates", action="store_true", help="time the shipped launch and --variants only")
     parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    launches = {"shipped": SHIPPED, **({} if args.no_candidates else CANDIDATES),
-                **parse_variants(args.variants, SHIPPED)}
+    launches = {"shipped": SHIPPED, **parse_variants(args.variants, SHIPPED)}
     B, T = (1, args.batch * args.seq) if args.documents else (args.batch, args.seq)
     cu_seqlens = document_offsets(T, args.documents, device) if args.documents else None
     fla, fla_error = (None, "left out (--no-fla)") if args.no_fla or not cuda else load_fla(cu_seqlens)

@@ -38,42 +38,25 @@ class SwiGLULaunch(LaunchBundle):
 SHIPPED_SWIGLU = SwiGLULaunch()
 
 
-BWD_DESIGNS = ("gather", "shifted", "two_pass")
-
-
 @dataclass(frozen=True)
 class ShortConvLaunch(LaunchBundle):
     """How the convolution's kernels are launched: tiles of rows and channels, from ptxas's report for sm_90 at
     gdn-340M's shapes (bf16, W = 4, D = 512 and 1024; tests/test_short_conv.py prints it): the
-    forward's [64 rows, 64 channels] takes 85 registers a thread (6 programs of 4 warps per SM); the backward's
-    [32, 32] takes 126 (4 programs per SM), where [32, 64] takes 168 and spills. The backward has three designs
-    (short_conv_triton.py describes them), to be timed side by side by benchmarks/short_conv.py."""
+    forward's [64 rows, 64 channels] takes 84 registers a thread (6 programs of 4 warps per SM); on [32, 64] the
+    backward's dz kernel takes 128 (4 programs per SM) and its dx kernel 68 (76 with cu_seqlens)."""
 
     fwd_channels: int = 64
     """Channels per forward tile: 128 contiguous bytes of a bf16 row."""
     fwd_rows: int = 64
-    bwd_design: str = "gather"
-    """How the backward makes dx from dz: "gather" moves dz up within a tile (keeping dx for bwd_rows - (W - 1)
-    of its rows), "shifted" recomputes dz at the W shifted row sets of a tile, "two_pass" writes dz and makes dx
-    from it in a second kernel."""
-    bwd_channels: int = 32
+    bwd_channels: int = 64
+    """Channels per tile of both backward kernels."""
     bwd_rows: int = 32
-    """Rows a backward tile recomputes ("gather" keeps dx for the first bwd_rows - (W - 1) of them)."""
     bwd_row_tiles: int = 8
-    """Row tiles per backward program: fewer dweight partial sums to write and add up."""
-    two_pass_dz: str = "float32"
-    """The dtype "two_pass" keeps dz in between its kernels: "float32", or "input" (x's: half the bytes)."""
+    """Row tiles per program of the backward's dz kernel: fewer dweight partial sums to write and add up."""
     step_channels: int = 128
     """Channels per program of the decoding step."""
     warps: int = 4
     """Warps of every kernel."""
-
-    def __post_init__(self):
-        if self.bwd_design not in BWD_DESIGNS:
-            raise ValueError(f"ShortConvLaunch.bwd_design: expected one of {BWD_DESIGNS}, got {self.bwd_design!r}")
-        if self.two_pass_dz not in ("float32", "input"):
-            raise ValueError(f"ShortConvLaunch.two_pass_dz: expected 'float32' or 'input', got {self.two_pass_dz!r}")
-        super().__post_init__()
 
 
 SHIPPED_SHORT_CONV = ShortConvLaunch()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fabric_lin.ops.backend import resolve_backend
 from fabric_lin.ops.fused_launch import ShortConvLaunch
 
-MAX_WIDTH = 8  # the kernels unroll the W x W shifted tiles of the backward; GDN uses W = 4
+MAX_WIDTH = 8  # the kernels unroll their W taps; GDN uses W = 4
 MAX_SPLITS = 3  # outputs of one causal_conv1d_split on the kernels
 
 

@@ -2,23 +2,19 @@
 
     z[t, d] = sum_{j < W} weight[d, j] * x[t - (W - 1) + j, d],   y = silu(z)   (or z without the activation)
 
-The forward, a backward of three designs (ShortConvLaunch.bwd_design, timed side by side by
-benchmarks/short_conv.py) and the decoding step; the backward pass keeps nothing but x (and the cache), neither
-z nor y:
+Four kernels; the backward pass keeps nothing but x (and the cache), neither z nor y:
 * forward: one program per (tile of BD channels, tile of BT rows, sequence) sums the W shifted tiles of x.
-* backward: dz = dy silu'(z), z recomputed from x, and dx[s] = sum_j weight[d, j] dz[s + W - 1 - j]. One
-  program per (channel tile, block of TILES row tiles, sequence):
-  - "gather": a row tile computes dz on its BT rows and keeps dx for its first BT - (W - 1), the later rows'
-    dz moved up within the tile by tl.gather (so the next tile starts W - 1 rows before this one ends, and
-    each input is loaded W times, not W x W).
-  - "shifted": a row tile keeps dx for all its rows, recomputing dz at each of the W row sets rows + back
-    from loads of x shifted by back rows (W x W loads, all but the first W from L1/L2); no data moves
-    between threads.
-  - "two_pass": a first kernel writes dz (fp32, or x's dtype), a second makes dx from W shifted loads of it.
-  Each program's share of dweight goes to its own slot of an fp32 buffer that the host sums (a fixed
-  order: the same gradient every run, which atomics would not give). The gradient of a given cache is
-  written by the first row block of each sequence, only when the cache needs one (the training path
-  passes no cache: the model takes one only when decoding).
+* backward, two kernels:
+  - dz: one program per (channel tile, block of TILES row tiles, sequence) recomputes z from x, writes
+    dz = dy silu'(z) in fp32 and sums its share of dweight. Each program's share goes to its own slot of an
+    fp32 buffer that the host sums (a fixed order: the same gradient every run, which atomics would not give).
+  - dx: one program per (channel tile, row tile, sequence), dx[s] = sum_j weight[d, j] dz[s + W - 1 - j] from
+    W shifted loads of dz. Writing dz and reading it back costs its bytes, but each row's dz is computed once;
+    recomputing dz at the W shifted row sets, or moving it up within a tile (tl.gather), timed slower on an
+    H100 (benchmarks/short_conv.py). dz stays fp32: in bf16 it would halve those bytes but double dx's error,
+    past that of fla's kernel.
+  The gradient of a given cache is written by the first row tile of each sequence, only when the cache needs
+  one (the training path passes no cache: the model takes one only when decoding).
 * decoding step: one token per sequence from the cache, which it also shifts (one launch per token).
 
 Varlen (`cu_seqlens`, B = 1): a program finds each row's document by binary search over the offsets (no
@@ -149,136 +145,15 @@ def _conv_fwd_kernel(x, weight, cache, cu_seqlens, y0, y1, y2, T, x_stride_b, x_
 
 
 @triton.jit
-def _weight_grad(x_seq, x_stride_t, c_seq, dz, rows, first, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr,
-                 BW: tl.constexpr, HAS_CACHE: tl.constexpr):
-    """The rows' share of dweight, [BW, BD] (tap j in row j): sum over rows of dz * the input tap j read."""
-    o_w = tl.arange(0, BW)
-    b_dw = tl.zeros([BW, dz.shape[1]], dtype=tl.float32)
-    for j in tl.static_range(W):
-        b_in = _load_input(x_seq, x_stride_t, c_seq, rows - (W - 1 - j), first, T, o_d, m_d, D, W, HAS_CACHE)
-        b_dw += tl.where(o_w[:, None] == j, tl.sum(dz * b_in, 0)[None, :], 0.0)
-    return b_dw
-
-
-@triton.jit
-def _input_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d, m_d, D: tl.constexpr,
-                W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr, ACTIVATION: tl.constexpr):
-    """(the input's gradient at `rows`, dz at `rows`), dz recomputed at each of the W row sets rows + back:
-    the input at row s reaches z[s + back] through tap W - 1 - back. dz is zero from each row's `end` on, so
-    no gradient crosses a document end; rows below 0 are the cache's slots."""
-    grad = tl.zeros([BT, BD], dtype=tl.float32)
-    dz_here = tl.zeros([BT, BD], dtype=tl.float32)
-    for back in tl.static_range(W):
-        dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows + back, first, end, T,
-                                 o_d, m_d, D, W, BT, BD, HAS_CACHE, ACTIVATION)
-        b_w = tl.load(weight + o_d * W + (W - 1 - back), mask=m_d, other=0.0).to(tl.float32)
-        grad += b_w[None, :] * dz
-        if back == 0:
-            dz_here = dz
-    return grad, dz_here
-
-
-@triton.jit
-def _store_cache_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, dcache_seq, T, o_d, m_d, D: tl.constexpr,
-                      W: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr,
-                      ACTIVATION: tl.constexpr):
-    """The cache's gradient, dz recomputed: cache slot i is row i - (W - 1), whose taps reach rows 0..i."""
-    slots = tl.arange(0, BC)
-    rows = slots - (W - 1)
-    first = tl.zeros_like(rows) - (W - 1)
-    end = tl.zeros_like(rows) + T
-    b_dc, _ = _input_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d, m_d, D, W,
-                          BC, BD, HAS_CACHE, ACTIVATION)
-    p_dc = dcache_seq + slots[:, None] * D + o_d[None, :]
-    tl.store(p_dc, b_dc.to(dcache_seq.dtype.element_ty), mask=(slots < W - 1)[:, None] & m_d[None, :])
-
-
-@triton.jit
-def _store_weight_grad(dw_part, slot, b_dw, o_d, m_d, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr):
-    """A program's share of dweight into its own slot of dw_part [slots, D, W]."""
-    o_w = tl.arange(0, BW)
-    p_dw = dw_part + slot * D * W + o_d[None, :] * W + o_w[:, None]
-    tl.store(p_dw, b_dw, mask=(o_w < W)[:, None] & m_d[None, :])
-
-
-@triton.jit
-def _conv_bwd_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dx, dw_part, dcache, T, x_stride_b, x_stride_t, N,
-                     STEPS, TILES, D0, D1, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
-                     BT: tl.constexpr, BD: tl.constexpr, SEGMENTS: tl.constexpr, HAS_CACHE: tl.constexpr,
-                     WANT_DCACHE: tl.constexpr, IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr):
-    """"gather": dx for TILES tiles of BT - (W - 1) rows, this block's share of dweight ([D, W] at slot (sequence,
-    block) of dw_part), and the cache's gradient from a sequence's first block.
-
-    A tile computes dz on BT rows and keeps dx for its first BT - (W - 1): dx[s] takes dz from rows s..s + W - 1,
-    moved up by tl.gather within the tile, so each input is loaded W times (once per tap), not W x W."""
-    i_d, i_blk, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d, m_d, dy_cols, dy_stride = _output_tile(i_d, i_b, T, D0, D1, dy0, dy1, dy2, D, BD, SEGMENTS)
-    r = tl.arange(0, BT)
-    kept = r < BT - (W - 1)
-    x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
-    dx_seq = dx + i_b * T * D
-    b_dw = tl.zeros([BW, BD], dtype=tl.float32)
-    for i_s in range(TILES):
-        rows = (i_blk * TILES + i_s) * (BT - (W - 1)) + r
-        first, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
-        dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d, m_d,
-                                 D, W, BT, BD, HAS_CACHE, ACTIVATION)
-        dz_kept = tl.where(kept[:, None], dz, 0.0)  # rows past the kept ones belong to the next tile
-        b_dw += _weight_grad(x_seq, x_stride_t, c_seq, dz_kept, rows, first, T, o_d, m_d, D, W, BW, HAS_CACHE)
-        b_w = tl.load(weight + o_d * W + (W - 1), mask=m_d, other=0.0).to(tl.float32)
-        b_dx = b_w[None, :] * dz
-        for back in tl.static_range(1, W):
-            # dz `back` rows later reaches this row through tap W - 1 - back, when inside its document
-            later = tl.gather(dz, tl.broadcast_to(tl.minimum(r + back, BT - 1)[:, None], [BT, BD]), axis=0)
-            b_w = tl.load(weight + o_d * W + (W - 1 - back), mask=m_d, other=0.0).to(tl.float32)
-            b_dx += tl.where((rows + back < end)[:, None], b_w[None, :] * later, 0.0)
-        p_dx = dx_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :]
-        tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=(kept & (rows < T))[:, None] & m_d[None, :])
-    _store_weight_grad(dw_part, i_b * tl.num_programs(1) + i_blk, b_dw, o_d, m_d, D, W, BW)
-    if WANT_DCACHE:
-        if i_blk == 0:
-            _store_cache_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, dcache + i_b * (W - 1) * D, T,
-                              o_d, m_d, D, W, BC, BD, HAS_CACHE, ACTIVATION)
-
-
-@triton.jit
-def _conv_bwd_shifted_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dx, dw_part, dcache, T, x_stride_b,
-                             x_stride_t, N, STEPS, TILES, D0, D1, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
-                             BC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SEGMENTS: tl.constexpr,
-                             HAS_CACHE: tl.constexpr, WANT_DCACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                             ACTIVATION: tl.constexpr):
-    """"shifted": dx for TILES tiles of BT rows, every row of a tile kept: dz recomputed at the W row sets
-    rows + back, each from loads of x shifted by back rows (the same lines, from L1/L2, after the first);
-    dweight from the back = 0 set. Slots of dw_part and the cache's gradient as _conv_bwd_kernel's."""
-    i_d, i_blk, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d, m_d, dy_cols, dy_stride = _output_tile(i_d, i_b, T, D0, D1, dy0, dy1, dy2, D, BD, SEGMENTS)
-    x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
-    dx_seq = dx + i_b * T * D
-    b_dw = tl.zeros([BW, BD], dtype=tl.float32)
-    for i_s in range(TILES):
-        rows = (i_blk * TILES + i_s) * BT + tl.arange(0, BT)
-        first, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
-        b_dx, dz = _input_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d, m_d, D,
-                               W, BT, BD, HAS_CACHE, ACTIVATION)
-        b_dw += _weight_grad(x_seq, x_stride_t, c_seq, dz, rows, first, T, o_d, m_d, D, W, BW, HAS_CACHE)
-        p_dx = dx_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :]
-        tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
-    _store_weight_grad(dw_part, i_b * tl.num_programs(1) + i_blk, b_dw, o_d, m_d, D, W, BW)
-    if WANT_DCACHE:
-        if i_blk == 0:
-            _store_cache_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, dcache + i_b * (W - 1) * D, T,
-                              o_d, m_d, D, W, BC, BD, HAS_CACHE, ACTIVATION)
-
-
-@triton.jit
 def _conv_dz_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dz, dw_part, T, x_stride_b, x_stride_t, N, STEPS,
                     TILES, D0, D1, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
                     BD: tl.constexpr, SEGMENTS: tl.constexpr, HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
                     ACTIVATION: tl.constexpr):
-    """"two_pass", first kernel: dz for TILES tiles of BT rows, written to dz [B, T, D], and this block's share
-    of dweight (slots as _conv_bwd_kernel's)."""
+    """The backward's first kernel: dz for TILES tiles of BT rows, written to dz [B, T, D] in fp32, and this
+    block's share of dweight ([D, W] at slot (sequence, block) of dw_part)."""
     i_d, i_blk, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_d, m_d, dy_cols, dy_stride = _output_tile(i_d, i_b, T, D0, D1, dy0, dy1, dy2, D, BD, SEGMENTS)
+    o_w = tl.arange(0, BW)
     x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
     dz_seq = dz + i_b * T * D
     b_dw = tl.zeros([BW, BD], dtype=tl.float32)
@@ -287,22 +162,26 @@ def _conv_dz_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dz, dw_part, T,
         first, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
         b_dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d,
                                    m_d, D, W, BT, BD, HAS_CACHE, ACTIVATION)
-        b_dw += _weight_grad(x_seq, x_stride_t, c_seq, b_dz, rows, first, T, o_d, m_d, D, W, BW, HAS_CACHE)
+        for j in tl.static_range(W):
+            b_in = _load_input(x_seq, x_stride_t, c_seq, rows - (W - 1 - j), first, T, o_d, m_d, D, W, HAS_CACHE)
+            b_dw += tl.where(o_w[:, None] == j, tl.sum(b_dz * b_in, 0)[None, :], 0.0)
         p_dz = dz_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :]
-        tl.store(p_dz, b_dz.to(dz.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
-    _store_weight_grad(dw_part, i_b * tl.num_programs(1) + i_blk, b_dw, o_d, m_d, D, W, BW)
+        tl.store(p_dz, b_dz, mask=(rows < T)[:, None] & m_d[None, :])
+    p_dw = dw_part + (i_b * tl.num_programs(1) + i_blk) * D * W + o_d[None, :] * W + o_w[:, None]
+    tl.store(p_dw, b_dw, mask=(o_w < W)[:, None] & m_d[None, :])
 
 
 @triton.jit
-def _shifted_dz_sum(dz_seq, weight, rows, end, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-                    BD: tl.constexpr):
-    """The input's gradient at `rows` from a written dz: sum over back of weight tap W - 1 - back times dz at
-    rows + back, read only below each row's `end` (rows below 0 are the cache's slots)."""
+def _input_grad(dz_seq, weight, rows, end, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
+                BD: tl.constexpr):
+    """The input's gradient at `rows` from the written dz: the input at row s reaches z[s + back] through tap
+    W - 1 - back; dz is read only below each row's `end`, so no gradient crosses a document end (rows below 0
+    are the cache's slots)."""
     grad = tl.zeros([BT, BD], dtype=tl.float32)
     for back in tl.static_range(W):
         later = rows + back
         m = ((later >= 0) & (later < end) & (later < T))[:, None] & m_d[None, :]
-        b_dz = tl.load(dz_seq + later.to(tl.int64)[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        b_dz = tl.load(dz_seq + later.to(tl.int64)[:, None] * D + o_d[None, :], mask=m, other=0.0)
         b_w = tl.load(weight + o_d * W + (W - 1 - back), mask=m_d, other=0.0).to(tl.float32)
         grad += b_w[None, :] * b_dz
     return grad
@@ -312,7 +191,7 @@ def _shifted_dz_sum(dz_seq, weight, rows, end, T, o_d, m_d, D: tl.constexpr, W: 
 def _conv_dx_kernel(dz, weight, cu_seqlens, dx, dcache, T, N, STEPS, D: tl.constexpr, W: tl.constexpr,
                     BC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, WANT_DCACHE: tl.constexpr,
                     IS_VARLEN: tl.constexpr):
-    """"two_pass", second kernel: dx on a tile of BT rows from W shifted loads of dz; the cache's gradient
+    """The backward's second kernel: dx on a tile of BT rows from W shifted loads of dz; the cache's gradient
     from a sequence's first tile."""
     i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -320,13 +199,13 @@ def _conv_dx_kernel(dz, weight, cu_seqlens, dx, dcache, T, N, STEPS, D: tl.const
     dz_seq, dx_seq = dz + i_b * T * D, dx + i_b * T * D
     rows = i_t * BT + tl.arange(0, BT)
     _, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, False, IS_VARLEN)
-    b_dx = _shifted_dz_sum(dz_seq, weight, rows, end, T, o_d, m_d, D, W, BT, BD)
+    b_dx = _input_grad(dz_seq, weight, rows, end, T, o_d, m_d, D, W, BT, BD)
     p_dx = dx_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :]
     tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
     if WANT_DCACHE:
         if i_t == 0:
             slots = tl.arange(0, BC)
-            b_dc = _shifted_dz_sum(dz_seq, weight, slots - (W - 1), tl.zeros_like(slots) + T, T, o_d, m_d, D, W, BC, BD)
+            b_dc = _input_grad(dz_seq, weight, slots - (W - 1), tl.zeros_like(slots) + T, T, o_d, m_d, D, W, BC, BD)
             p_dc = dcache + i_b * (W - 1) * D + slots[:, None] * D + o_d[None, :]
             tl.store(p_dc, b_dc.to(dcache.dtype.element_ty), mask=(slots < W - 1)[:, None] & m_d[None, :])
 
@@ -407,30 +286,24 @@ def conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor
     if T == 0:
         return dx, weight.new_zeros(weight.shape), dcache
     settings = ShortConvLaunch.from_json(launch)
-    BD, BT, design = settings.bwd_channels, settings.bwd_rows, settings.bwd_design
-    kept = BT - (W - 1) if design == "gather" else BT  # rows of dx per tile
-    tiles = min(settings.bwd_row_tiles, cdiv(T, kept))
-    blocks = cdiv(T, kept * tiles)
+    BD, BT = settings.bwd_channels, settings.bwd_rows
+    tiles = min(settings.bwd_row_tiles, cdiv(T, BT))
+    blocks = cdiv(T, BT * tiles)
     dw_part = x.new_empty(B * blocks, D, W, dtype=torch.float32)
     N, steps = _varlen_args(cu_seqlens)
     BW, BC = next_power_of_2(W), max(2, next_power_of_2(W - 1))
-    cache_arg = x if cache is None else cache  # without a cache the kernels are given x (never read)
-    flags = dict(HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation,
-                 num_warps=settings.warps)
     segments, D0, D1, dy = _segments(dys)
-    grid = (sum(cdiv(g.shape[2], BD) for g in dys), blocks, B)
-    if design == "two_pass":
-        dz = x.new_empty(B, T, D, dtype=torch.float32 if settings.two_pass_dz == "float32" else x.dtype)
-        _conv_dz_kernel[grid](x, weight, cache_arg, cu_seqlens, *dy, dz, dw_part, T, x.stride(0), x.stride(1), N,
-                              steps, tiles, D0, D1, D, W, BW, BT, BD, segments, **flags)
-        _conv_dx_kernel[(cdiv(D, BD), cdiv(T, BT), B)](
-            dz, weight, cu_seqlens, dx, dcache, T, N, steps, D, W, BC, BT, BD, WANT_DCACHE=want_dcache and W > 1,
-            IS_VARLEN=cu_seqlens is not None, num_warps=settings.warps,
-        )
-    else:
-        kernel = _conv_bwd_kernel if design == "gather" else _conv_bwd_shifted_kernel
-        kernel[grid](x, weight, cache_arg, cu_seqlens, *dy, dx, dw_part, dcache, T, x.stride(0), x.stride(1), N, steps,
-                     tiles, D0, D1, D, W, BW, BC, BT, BD, segments, WANT_DCACHE=want_dcache and W > 1, **flags)
+    dz = x.new_empty(B, T, D, dtype=torch.float32)
+    # without a cache the kernel is given x as its (never read) cache pointer
+    _conv_dz_kernel[(sum(cdiv(g.shape[2], BD) for g in dys), blocks, B)](
+        x, weight, x if cache is None else cache, cu_seqlens, *dy, dz, dw_part, T, x.stride(0), x.stride(1), N, steps,
+        tiles, D0, D1, D, W, BW, BT, BD, segments, HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None,
+        ACTIVATION=activation, num_warps=settings.warps,
+    )
+    _conv_dx_kernel[(cdiv(D, BD), cdiv(T, BT), B)](
+        dz, weight, cu_seqlens, dx, dcache, T, N, steps, D, W, BC, BT, BD, WANT_DCACHE=want_dcache and W > 1,
+        IS_VARLEN=cu_seqlens is not None, num_warps=settings.warps,
+    )
     return dx, dw_part.sum(0).to(weight.dtype), dcache
 
 
