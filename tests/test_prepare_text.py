@@ -305,6 +305,35 @@ def test_prepare_text_interrupted_leaves_nothing_the_trainer_accepts(paragraphs_
         assert list(runs.iterdir()) == []
 
 
+def test_the_same_input_prepared_twice_is_refused_in_one_mix(paragraphs_tokenizer, text_corpus, text_prepared, tmp_path):
+    """The corpus prepared again into another directory (its first file here: --fast_dev_run 1) holds documents of the
+    first preparation in other chunk files, under another index.json: mixed with it, they would be read twice in an
+    epoch. The error names both directories and the input; the same preparation's train/ and val/ (other documents)
+    still mix."""
+    from fabric_lin.data import TextFiles
+
+    out, _ = text_prepared
+    again = tmp_path / "again"
+    prepare_text(text_corpus["raw"], again, paragraphs_tokenizer, val_fraction=0.25, chunk_size=2000, num_workers=1,
+                 fast_dev_run=1)
+    tokenizer = Tokenizer(paragraphs_tokenizer)
+    first = {tuple(d) for d in split_documents(read_tokens(out / "train"), tokenizer.eos_id)}
+    second = {tuple(d) for d in split_documents(read_tokens(again / "train"), tokenizer.eos_id)}
+    assert second and second <= first
+    data = TextFiles(train_dir=[out / "train", out / "val", again / "train"], num_workers=0)
+    data.connect(tokenizer, batch_size=1, max_seq_length=8)
+    data.setup()
+    source = f"text of {text_corpus['raw']}, --pattern '**/*', --text_key 'text', split train"
+    with pytest.raises(ValueError, match=rf"^data.train_dir lists {re.escape(str(out / 'train'))} and "
+                                         rf"{re.escape(str(again / 'train'))}, two preparations of one input "
+                                         rf"\({re.escape(source)}: their prepared.json\): .* would be read twice in an "
+                                         r"epoch; list one of them and give it a larger share with data.train_weights$"):
+        data.train_dataloader()
+    data = TextFiles(train_dir=[out / "train", out / "val"], num_workers=0)
+    data.connect(tokenizer, batch_size=1, max_seq_length=8)
+    data.setup()
+    assert next(iter(data.train_dataloader())).shape == (1, 9)
+
 def test_pretrain_on_prepare_text_output_and_resume(paragraphs_tokenizer, text_prepared, tmp_path):
     """`pretrain --data TextFiles` on prepare_text's train/ and val/ validates on val/; resumed from its
     step-2 checkpoint, a run logs the same losses and data at steps 3 and 4 and ends with the same weights."""
