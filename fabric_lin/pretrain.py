@@ -69,6 +69,7 @@ from fabric_lin.run_start import (
     check_trained_on_these_ids,
     load_initial_weights,
     load_tokenizer,
+    run_tokenizer_dir,
     training_data_tokenizer,
 )
 from fabric_lin.stopping import StepFlags, StopRequest
@@ -320,7 +321,7 @@ def main(
         if fabric.global_rank == 0:
             data.prepare_data()
         fabric.barrier()
-        tokenizer_dir = tokenizer_dir or getattr(data, "tokenizer_dir", None)
+        tokenizer_dir = run_tokenizer_dir(tokenizer_dir, data)
         tokenizer = load_tokenizer(tokenizer_dir)
         if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
             raise InvalidValue(

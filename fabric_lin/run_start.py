@@ -129,6 +129,20 @@ def fits(state: Dict[str, torch.Tensor], config: Config) -> bool:
     return True
 
 
+def run_tokenizer_dir(tokenizer_dir: Optional[Path], data: DataModule) -> Optional[Path]:
+    """The run's tokenizer: --tokenizer_dir, else the one that prepared the data (its files lie beside the tokens),
+    else None. A --tokenizer_dir that is not there while the data carries a tokenizer is named with the data's: a
+    --config recipe's tokenizer_dir (Llama-2's, which prepared its SlimPajama) stays set under a --data of one's own."""
+    carried = getattr(data, "tokenizer_dir", None)
+    if tokenizer_dir is None:
+        return carried
+    if carried is not None and not Path(tokenizer_dir).exists():
+        raise MissingFile(f"--tokenizer_dir {tokenizer_dir} does not exist; the data carries the tokenizer that prepared "
+                          f"it, in {carried}: give --tokenizer_dir null to train with that one (a --config file's "
+                          f"tokenizer_dir is the tokenizer of that recipe's data), or the directory of the tokenizer meant")
+    return tokenizer_dir
+
+
 def load_tokenizer(tokenizer_dir: Optional[Path]):
     if tokenizer_dir is None:
         return None

@@ -34,6 +34,21 @@ def test_error_missing_tokenizer(tmp_path):
         setup_pretrain(tmp_path, data=TokenChunks(data_path=tmp_path, num_workers=0), tokenizer_dir=tmp_path / "no_tokenizer")
 
 
+
+def test_a_tokenizer_dir_that_is_not_there_names_the_data_s_own(tmp_path, prepared):
+    """A --config recipe's tokenizer_dir (Llama-2's, that prepared its SlimPajama) stays set under --data TextFiles of a
+    corpus prepared with another tokenizer: where it is not there, the error names the data's own tokenizer and how to
+    take it."""
+    from fabric_lin.data import TextFiles
+    from fabric_lin.errors import MissingFile
+
+    missing = tmp_path / "checkpoints" / "meta-llama" / "Llama-2-7b-hf"
+    with pytest.raises(MissingFile, match=rf"^--tokenizer_dir {re.escape(str(missing))} does not exist; the data carries the "
+                                          rf"tokenizer that prepared it, in {re.escape(str(prepared / 'tokens300'))}: give "
+                                          r"--tokenizer_dir null to train with that one \(a --config file's tokenizer_dir"):
+        setup_pretrain(tmp_path, tokenizer_dir=missing, data=TextFiles(train_dir=prepared / "tokens300", num_workers=0))
+    assert not (tmp_path / "out").exists()
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """Three small tokenizers (300, 320 and another of 300 pieces) and prepared directories of 4 chunk files of 1000
