@@ -84,14 +84,13 @@ def held_out_share(path: Union[str, Path]) -> Optional[float]:
 
 def prepared_from(info: dict) -> Optional[str]:
     """The raw input of a prepared directory as its prepared.json `info` records it: the preprocessor, its input
-    directory and, for prepare_text, the files and field it read and the split. Two directories of one input hold the
-    same documents, whatever their chunk files, workers or --fast_dev_run (a share of the same files). None where
+    directory and, for prepare_text, the files and field it read. The same split of two directories of one input holds
+    the same documents, whatever their chunk files, workers or --fast_dev_run (a share of the same files). None where
     prepared.json names no input directory."""
     if not isinstance(info.get("input_dir"), str):
         return None
     read = [f"--{key} {info[key]!r}" for key in ("pattern", "text_key") if key in info]
-    split = [f"split {info['split']}"] if "split" in info else []
-    return ", ".join([f"{info.get('recipe')} of {info['input_dir']}"] + read + split)
+    return ", ".join([f"{info.get('recipe')} of {info['input_dir']}"] + read)
 
 
 def check_prepared_dir(
