@@ -188,6 +188,9 @@ def setup(
     eval.validate()
     parallelism.validate()
     compile = compile.resolve(cuda, devices, num_nodes, reset_state_at_doc_boundaries)
+    if compile.kernel_autotune and config.block_type != "gla":
+        raise InvalidValue(f"--compile.kernel_autotune searches the GLA kernels' launch settings; {config.name} is block_type "
+                           f"{config.block_type!r}, which has no GLA layers: leave it false")
     check_fp8(fp8, torch.device("cuda" if cuda else "cpu"),
               sharded=devices * num_nodes > 1 and parallelism.data_parallel == "fsdp")
     if initial_checkpoint_dir is not None:

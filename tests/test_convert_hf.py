@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from fabric_lin.config import Config
-from fabric_lin.convert.hf import convert_from_hf, convert_to_hf, to_hf_name
+from fabric_lin.convert.hf import config_from_fla, convert_from_hf, convert_to_hf, fla_config, to_hf_name
 from fabric_lin.convert.model_dir import load_model_dir_weights
 from fabric_lin.model import GPT
 from helpers import make_model_dir, small_config
@@ -587,3 +587,13 @@ def test_keys_absent_from_config_json_take_flas_defaults(tmp_path, overrides):
     assert Config.from_checkpoint(tmp_path / "back") == config
     back = load_model_dir_weights(tmp_path / "back")
     assert sorted(back) == sorted(state) and all(torch.equal(back[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("name", ["gla-debug", "transformer-debug", "gdn-debug", "deltanet-debug"])
+def test_attention_residuals_of_every_family_are_refused(tmp_path, name):
+    """fla's attnres_block_size replaces the residual sums with learned mixes of earlier layers; fabric-lin's blocks
+    have plain residuals, so no family may read such a config.json as one of its models."""
+    hf = fla_config(Config.from_name(name, num_layers=2))
+    path = tmp_path / "config.json"
+    with pytest.raises(ValueError, match=rf"{path}: .*no equivalent of attnres_block_size=2 \(supported: None\)"):
+        config_from_fla({**hf, "attnres_block_size": 2}, path, "x")

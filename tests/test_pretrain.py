@@ -185,6 +185,16 @@ def test_error_16_mixed_on_the_cpu(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("model_name, block_type", [("deltanet-debug", "deltanet"), ("transformer-debug", "transformer")])
+def test_error_kernel_autotune_on_a_model_without_gla_layers(tmp_path, capsys, model_name, block_type):
+    """The search is of the GLA kernels' launch settings: another family's run went on without it, unsaid."""
+    err = cli_error(["pretrain", "--model_name", model_name, "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--compile.kernel_autotune", "true"], capsys)
+    assert err == (f"fabric-lin pretrain: error: --compile.kernel_autotune searches the GLA kernels' launch settings; "
+                   f"{model_name} is block_type '{block_type}', which has no GLA layers: leave it false\n")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.timeout(60)  # unchecked, the run waits for the other processes torchrun would have started
 @pytest.mark.parametrize("flags", [[], ["--devices", "2"]])
 def test_error_devices_other_than_torchrun_started(tmp_path, capsys, monkeypatch, flags):

@@ -288,6 +288,8 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     unsupported = {
         "hidden_act": (get("hidden_act", "swish"), ("swish", "silu")),
         "elementwise_affine": (get("elementwise_affine", True), (True,)),
+        # every fla family: learned mixes of earlier layers' outputs in place of the residual sums
+        "attnres_block_size": (hf.get("attnres_block_size"), (None,)),
     }
     if model_type == "gla":
         unsupported.update(
@@ -305,7 +307,6 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
             allow_neg_eigval=(get("allow_neg_eigval", False), (False,)),
             num_v_heads=(get("num_v_heads", hf.get("num_heads")), (hf.get("num_heads"),)),
             output_gate_activation=(get("output_gate_activation", "swish"), ("swish", "silu")),
-            attnres_block_size=(hf.get("attnres_block_size"), (None,)),
         )
     elif model_type == "delta_net":
         unsupported.update(
@@ -316,7 +317,6 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
             allow_neg_eigval=(get("allow_neg_eigval", False), (False,)),
             qk_norm=(get("qk_norm", "l2"), ("l2",)),
             qk_activation=(get("qk_activation", "silu"), ("silu",)),
-            attnres_block_size=(hf.get("attnres_block_size"), (None,)),
         )
     else:
         unsupported.update(
