@@ -6,6 +6,7 @@
     us = 1e3 * time_ms(lambda: op(*inputs), back_to_back=100)    # 100 calls between two CUDA events
     by_kernel = kernel_ms(fwd_bwd, calls=5)                      # torch.profiler, ms per call by kernel
     write_result(report, args.out, fla_ran=True)                 # print it, write --out atomically
+    exit_on_user_error(main)                                     # a mistake in what was given: one line, exit 2
 
 A result document is the script's own JSON object with a "run" record in front (the command line, the
 date, the fabric-lin commit, the machine and its package versions), so that a file copied into
@@ -166,6 +167,23 @@ def write_result(report: Dict, out: Optional[str] = None, *, fla_ran: bool = Fal
             Path(tmp).unlink(missing_ok=True)
             raise
     return document
+
+
+def exit_on_user_error(main: Callable[[], object]) -> None:
+    """Run `main`; a mistake in what it was given (a missing directory, a value out of range: fabric-lin's
+    `UserError`, or a file system error naming its file) ends the script with one line on stderr and exit
+    code 2, as the `fabric-lin` command does. Any other error is a bug and keeps its traceback, as does every
+    error with FABRIC_LIN_DEBUG=1."""
+    try:
+        main()
+    except Exception as e:
+        from fabric_lin.cli import anticipated_cause, debug_enabled
+
+        failure = anticipated_cause(e)
+        if failure is None or debug_enabled():
+            raise
+        print(f"{Path(sys.argv[0]).name}: error: {failure}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def lift_fla_gdn_hopper_guard() -> bool:
