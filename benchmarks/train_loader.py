@@ -55,6 +55,11 @@ def main() -> None:
     parser.add_argument("--num_workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    for name in ("seq_len", "batch_size", "batches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if min(args.num_workers) < 0:
+        parser.error(f"--num_workers must be 0 (no worker processes) or more, got {args.num_workers}")
 
     from litdata.streaming import CombinedStreamingDataset, StreamingDataLoader, StreamingDataset, TokensLoader
 
