@@ -24,7 +24,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from common import write_result  # noqa: E402
+from common import exit_on_user_error, write_result  # noqa: E402
 from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT  # noqa: E402
 
@@ -92,4 +92,4 @@ def main():
     write_result(document, args.out)
 
 if __name__ == "__main__":
-    main()
+    exit_on_user_error(main)
