@@ -169,6 +169,17 @@ def write_result(report: Dict, out: Optional[str] = None, *, fla_ran: bool = Fal
     return document
 
 
+def shape_arg(text: str) -> tuple:
+    """argparse type of a --shapes value, "B,T,H,K,V": five positive integers. A value of another form is refused by
+    argparse in one line naming it (exit code 2)."""
+    import argparse
+
+    parts = text.split(",")
+    if len(parts) != 5 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not B,T,H,K,V (five positive integers, e.g. 16,2048,4,128,256)")
+    return tuple(int(part) for part in parts)
+
+
 def exit_on_user_error(main: Callable[[], object]) -> None:
     """Run `main`; a mistake in what it was given (a missing directory, a value out of range: fabric-lin's
     `UserError`, or a file system error naming its file) ends the script with one line on stderr and exit

@@ -39,3 +39,24 @@ def test_no_file_without_out(tmp_path, capsys, monkeypatch):
     write_result({"x": 1})
     assert json.loads(capsys.readouterr().out)["x"] == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_shape_that_is_not_five_positive_integers_is_one_line(capsys):
+    """--shapes of the kernel benchmarks: B,T,H,K,V parsed to a tuple; a value with too few numbers, a word or a zero is
+    refused by argparse in one line naming it (it was a traceback from the unpacking, after the imports)."""
+    import argparse
+
+    import pytest
+
+    from common import shape_arg
+
+    parser = argparse.ArgumentParser(prog="gdn_kernel_registers.py")
+    parser.add_argument("--shapes", nargs="*", type=shape_arg)
+    assert parser.parse_args(["--shapes", "16,2048,4,128,256", "1,64,1,32,32"]).shapes == [(16, 2048, 4, 128, 256),
+                                                                                          (1, 64, 1, 32, 32)]
+    for bad in ["1,64", "1,64,1,32,x", "1,64,0,32,32", "1,64,1,32,32,8"]:
+        with pytest.raises(SystemExit) as ended:
+            parser.parse_args(["--shapes", bad])
+        assert ended.value.code == 2
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message.startswith("gdn_kernel_registers.py: error: argument --shapes:") and repr(bad) in message
