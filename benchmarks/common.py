@@ -5,6 +5,7 @@
     fwd_ms = time_ms(lambda: op(*inputs))                        # triton.testing.do_bench: L2 flushed per call
     us = 1e3 * time_ms(lambda: op(*inputs), back_to_back=100)    # 100 calls between two CUDA events
     by_kernel = kernel_ms(fwd_bwd, calls=5)                      # torch.profiler, ms per call by kernel
+    parser.add_argument("--out", type=out_arg, type=out_arg)                   # a file that cannot be written: refused up front
     write_result(report, args.out, fla_ran=True)                 # print it, write --out atomically
     exit_on_user_error(main)                                     # a mistake in what was given: one line, exit 2
 
@@ -178,6 +179,30 @@ def shape_arg(text: str) -> tuple:
     if len(parts) != 5 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
         raise argparse.ArgumentTypeError(f"{text!r} is not B,T,H,K,V (five positive integers, e.g. 16,2048,4,128,256)")
     return tuple(int(part) for part in parts)
+
+
+def out_path_problem(path: str) -> Optional[str]:
+    """Why a result file cannot be written at `path` (a directory there, a file where one of its folders would be
+    made), or None. Asked before a benchmark's work, which may take hours, rather than when its result is written."""
+    from fabric_lin.files import file_in_the_way
+
+    if Path(path).is_dir():
+        return f"{path} is a directory, expected a file name"
+    blocking = file_in_the_way(Path(path).parent)
+    if blocking is not None:
+        return f"{path} cannot be written: {blocking} is a file, expected a directory or nothing there"
+    return None
+
+
+def out_arg(text: str) -> str:
+    """argparse type of a --out value: a path where a result file can be written. Another is refused by argparse in
+    one line naming it (exit code 2)."""
+    import argparse
+
+    problem = out_path_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def exit_on_user_error(main: Callable[[], object]) -> None:

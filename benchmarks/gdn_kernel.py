@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import lift_fla_gdn_hopper_guard, shape_arg, write_result
+from common import lift_fla_gdn_hopper_guard, out_arg, shape_arg, write_result
 from fabric_lin.ops.gdn import chunk_gated_delta_rule
 from fabric_lin.ops.gdn.launch import SHIPPED
 from fabric_lin.ops.gla.tune import rel_rms
@@ -137,7 +137,7 @@ def main():
     parser.add_argument("--gates", nargs="*", default=["slow"], choices=GATES)
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
                         help="other launch settings (changes to the shipped GDNLaunch), each timed beside it")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
     parser.add_argument("--varlen", type=int, metavar="DOCUMENTS",

@@ -26,7 +26,7 @@ import torch
 from kernel_registers import NVIDIA_BIN, TARGET, compile_only  # noqa: E402 (compile-only mode, this checkout's fabric_lin)
 import triton  # noqa: E402
 
-from common import shape_arg, write_result  # noqa: E402
+from common import out_arg, shape_arg, write_result  # noqa: E402
 from gdn_kernel import parse_variants  # noqa: E402
 
 SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128)]
@@ -83,7 +83,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--spill-lines", nargs="*", default=[], metavar="KERNEL",
                         help="kernels whose spill instructions to count by source line")
     parser.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU compiled for (H200: 132)")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     return parser
 
 

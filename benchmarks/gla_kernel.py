@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import kernel_ms, shape_arg, time_ms, write_result
+from common import kernel_ms, out_arg, shape_arg, time_ms, write_result
 from fabric_lin.ops.gla.chunk import chunk_gla_triton
 from fabric_lin.ops.gla.launch import SHIPPED
 from fabric_lin.ops.gla.tune import rel_rms, tune_launch, with_settings
@@ -217,7 +217,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", type=shape_arg, help="B,T,H,K,V (default: the three reference shapes)")
     parser.add_argument("--gates", nargs="*", default=["slow"], choices=GATES, help="gate families to time on")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
     parser.add_argument("--fla-only", action="store_true",

@@ -36,7 +36,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from common import shape_arg, write_result  # noqa: E402
+from common import out_arg, shape_arg, write_result  # noqa: E402
 from gla_kernel import SHAPES, parse_variants  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -154,7 +154,7 @@ def arguments() -> argparse.ArgumentParser:
                         help="other launch settings (changes to the shipped GLALaunch), each compiled beside it")
     parser.add_argument("--spill-lines", nargs="*", default=[], metavar="KERNEL",
                         help="kernels whose spill instructions to count by source line")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     parser.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU compiled for (H200: 132)")
     return parser
 

@@ -60,3 +60,42 @@ def test_a_shape_that_is_not_five_positive_integers_is_one_line(capsys):
         assert ended.value.code == 2
         message = capsys.readouterr().err.strip().splitlines()[-1]
         assert message.startswith("gdn_kernel_registers.py: error: argument --shapes:") and repr(bad) in message
+
+
+def test_an_out_that_cannot_be_written_is_refused_by_the_argument_parser(tmp_path, capsys):
+    """--out of every benchmark: a path under a regular file, or a directory, is refused by argparse in one line naming
+    it, before the benchmark's work (it was a traceback from write_result once the work was done)."""
+    import argparse
+
+    import pytest
+
+    from common import out_arg
+
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    parser = argparse.ArgumentParser(prog="activation_memory.py")
+    parser.add_argument("--out", type=out_arg)
+    new_place = tmp_path / "new" / "deeper" / "result.json"
+    assert parser.parse_args(["--out", str(new_place)]).out == str(new_place)
+    assert not (tmp_path / "new").exists()  # the folders are made when the result is written, not here
+    for bad, expected in [(in_the_way / "sub" / "result.json", f"{in_the_way} is a file"),
+                          (tmp_path, f"{tmp_path} is a directory")]:
+        with pytest.raises(SystemExit) as ended:
+            parser.parse_args(["--out", str(bad)])
+        assert ended.value.code == 2
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message.startswith("activation_memory.py: error: argument --out:") and str(bad) in message
+        assert expected in message
+
+
+def test_every_benchmark_checks_its_out_with_the_shared_type():
+    """Each script's --out goes through common.out_arg, so that none of them finds out only after hours of work that it
+    cannot write its result (each script's parser is built inside its main, after heavy imports: read, not run)."""
+    import re
+
+    scripts = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
+    declared = {p.name: re.findall(r'add_argument\("--out",[^\n]*', p.read_text()) for p in scripts}
+    declared = {name: calls for name, calls in declared.items() if calls}
+    assert {"activation_memory.py", "gla_kernel.py", "train_loader.py", "long_context.py"} <= set(declared)
+    assert {name: calls for name, calls in declared.items() if not all("type=out_arg" in c for c in calls)} == {}
+

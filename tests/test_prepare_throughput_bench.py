@@ -11,12 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("arguments, named", [
     (["--input_dir", "{tmp}/no-such-dir"], "no-such-dir"),
     (["--num_workers", "0"], "--num_workers"),
+    (["--out", "{tmp}"], "--out"),  # a directory: was a traceback once every recipe had run
 ])
 def test_a_mistake_is_one_line_with_exit_code_2(tmp_path, arguments, named):
     arguments = [a.format(tmp=tmp_path) for a in arguments]
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "prepare_throughput.py"), *arguments, "--megabytes", "0.05",
-         "--work_dir", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / "prepare_throughput.py"), "--megabytes", "0.05", "--work_dir",
+         str(tmp_path), *arguments],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
     assert out.returncode == 2, out.stderr[-3000:]
