@@ -181,6 +181,16 @@ def shape_arg(text: str) -> tuple:
     return tuple(int(part) for part in parts)
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (tokens, layers, steps): a whole number of at least 1. Another value is refused by
+    argparse in one line naming it (exit code 2), before the model is built."""
+    import argparse
+
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
+
+
 def out_path_problem(path: str) -> Optional[str]:
     """Why a result file cannot be written at `path` (a directory there, a file where one of its folders would be
     made), or None. Asked before a benchmark's work, which may take hours, rather than when its result is written."""

@@ -1,4 +1,4 @@
-"""benchmarks/activation_memory.py: a value it cannot use (an unknown model name, an --out it cannot write)
+"""benchmarks/activation_memory.py: a value it cannot use (an unknown model name, an --out it cannot write, no tokens)
 is one line naming it, not a traceback."""
 import subprocess
 import sys
@@ -17,9 +17,9 @@ def test_an_unknown_model_is_one_line_with_exit_code_2():
     assert "'gla-34OM'" in out.stderr and out.stdout == ""
 
 
-@pytest.mark.parametrize("arguments, named", [(["--out", "{in_the_way}/result.json"], "--out")])
+@pytest.mark.parametrize("arguments, named", [(["--out", "{in_the_way}/result.json"], "--out"), (["--tokens", "0"], "--tokens")])
 def test_a_value_it_cannot_use_is_refused_before_the_model_is_built(tmp_path, arguments, named):
-    """An --out under a regular file was a traceback once the measurement had run."""
+    """An --out under a regular file was a traceback once the measurement had run; --tokens 0 one from the model."""
     in_the_way = tmp_path / "a-file"
     in_the_way.write_text("")
     arguments = [a.format(in_the_way=in_the_way) for a in arguments]

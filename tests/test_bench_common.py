@@ -99,3 +99,22 @@ def test_every_benchmark_checks_its_out_with_the_shared_type():
     assert {"activation_memory.py", "gla_kernel.py", "train_loader.py", "long_context.py"} <= set(declared)
     assert {name: calls for name, calls in declared.items() if not all("type=out_arg" in c for c in calls)} == {}
 
+
+def test_a_count_below_one_is_refused_by_the_argument_parser(capsys):
+    """--tokens, --layers, --steps of the benchmarks that build a model: 0 or less is refused in one line naming it (it
+    was a traceback from the model's first reshape, or from torch.randint)."""
+    import argparse
+
+    import pytest
+
+    from common import positive_int
+
+    parser = argparse.ArgumentParser(prog="host_overhead.py")
+    parser.add_argument("--tokens", type=positive_int)
+    assert parser.parse_args(["--tokens", "100"]).tokens == 100  # not a multiple of the chunk size: measured as it is
+    for bad in ["0", "-3", "1.5", "many"]:
+        with pytest.raises(SystemExit) as ended:
+            parser.parse_args(["--tokens", bad])
+        assert ended.value.code == 2
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message.startswith("host_overhead.py: error: argument --tokens:") and repr(bad) in message
