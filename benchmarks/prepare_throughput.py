@@ -185,6 +185,8 @@ def main(
     """
     if num_workers < 1 or repeats < 1:
         raise InvalidValue(f"--num_workers and --repeats must be at least 1, got {num_workers} and {repeats}")
+    if megabytes <= 0:  # no corpus: the recipes would fail on a temporary folder the user never named
+        raise InvalidValue(f"--megabytes must be a positive number (the generated corpus's size), got {megabytes}")
     out_problem = None if out is None else out_path_problem(str(out))
     if out_problem is not None:  # refused before the work, not when its result is written
         raise InvalidValue(f"--out {out_problem}")

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("arguments, named", [
     (["--input_dir", "{tmp}/no-such-dir"], "no-such-dir"),
     (["--num_workers", "0"], "--num_workers"),
+    (["--megabytes", "0"], "--megabytes"),  # no corpus: was a line about a temporary folder the user never named
     (["--out", "{tmp}"], "--out"),  # a directory: was a traceback once every recipe had run
 ])
 def test_a_mistake_is_one_line_with_exit_code_2(tmp_path, arguments, named):
