@@ -205,7 +205,8 @@ class CompileArgs:
     kernel_autotune: bool = False
     """Search the GLA kernels' launch settings (tiles, warps) at this run's layer shape before training, about
     a minute on a GPU, instead of using the shipped settings. Kept in out_dir/compile_cache/gla_launch.json,
-    keyed by GPU, dtype and head dims, so a resumed run or a new context length does not search again"""
+    keyed by GPU, dtype and head dims, so a resumed run or a new context length does not search again. On the CPU,
+    whose GLA layers run PyTorch ops, nothing is searched and the run says so"""
 
     def resolve(self, cuda: bool, devices: int, num_nodes: int, reset_state_at_doc_boundaries: bool) -> "CompileArgs":
         """This run's settings: `enabled` null -> on with CUDA; mode "auto" -> "reduce-overhead" where CUDA

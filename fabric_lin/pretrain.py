@@ -370,6 +370,9 @@ def main(
         if compile.kernel_autotune and fabric.device.type == "cuda" and config.block_type == "gla":
             gla_launch = tune_gla_kernels(fabric, config, train, precision, out_dir)
             metrics.startup_phase("kernels tuned")
+        elif compile.kernel_autotune:  # a recipe written for GPUs, tried on the CPU: said, not refused
+            fabric.print("Note: compile.kernel_autotune does nothing on the CPU: it searches the launch settings of the GLA "
+                         "Triton kernels, and the CPU runs the GLA layers' PyTorch ops instead")
         model, no_decay = build_model(
             fabric, config, seed, initial_checkpoint_dir, parallelism.activation_checkpointing, compile, gla_launch, fp8
         )

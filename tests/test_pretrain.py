@@ -195,6 +195,18 @@ def test_error_kernel_autotune_on_a_model_without_gla_layers(tmp_path, capsys, m
     assert not (tmp_path / "out").exists()
 
 
+def test_kernel_autotune_on_the_cpu_is_a_note_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    """The same recipe runs on GPUs and on the CPU, where the GLA layers run PyTorch ops and no kernel is searched:
+    the run says so once, instead of leaving the search it was asked for silently undone."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    setup_pretrain(tmp_path, compile=CompileArgs(kernel_autotune=True))
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "compile.kernel_autotune" in line] == [
+        "Note: compile.kernel_autotune does nothing on the CPU: it searches the launch settings of the GLA Triton kernels, "
+        "and the CPU runs the GLA layers' PyTorch ops instead"]
+    assert (tmp_path / "out" / "final").is_dir()
+
+
 @pytest.mark.timeout(60)  # unchecked, the run waits for the other processes torchrun would have started
 @pytest.mark.parametrize("flags", [[], ["--devices", "2"]])
 def test_error_devices_other_than_torchrun_started(tmp_path, capsys, monkeypatch, flags):
