@@ -597,3 +597,20 @@ def test_attention_residuals_of_every_family_are_refused(tmp_path, name):
     path = tmp_path / "config.json"
     with pytest.raises(ValueError, match=rf"{path}: .*no equivalent of attnres_block_size=2 \(supported: None\)"):
         config_from_fla({**hf, "attnres_block_size": 2}, path, "x")
+
+
+def test_a_null_rope_theta_is_refused_and_a_missing_one_is_flas_default(tmp_path):
+    """fla builds its rotary embedding with float(rope_theta): a config.json whose rope_theta is null is no model fla can
+    build, and was read as base 10000 (a transformer) or failed with a TypeError (a hybrid's attn). Left out, it is
+    fla's default, 10000."""
+    path = tmp_path / "config.json"
+    transformer = fla_config(Config.from_name("transformer-debug", num_layers=2, rope_base=500.0))
+    hybrid = fla_config(Config.from_name("gla-debug", num_layers=2, attn_layers=[1], attn_num_heads=2, rope_base=500.0))
+    assert config_from_fla(transformer, path, "x").rope_base == config_from_fla(hybrid, path, "x").rope_base == 500.0
+    with pytest.raises(ValueError, match=rf"^{path}: rope_theta must be a number, .*\(left out: fla's 10000\), got None$"):
+        config_from_fla({**transformer, "rope_theta": None}, path, "x")
+    with pytest.raises(ValueError, match=rf"^{path}: attn.rope_theta must be a number, .*got None$"):
+        config_from_fla({**hybrid, "attn": {**hybrid["attn"], "rope_theta": None}}, path, "x")
+    left_out = {k: v for k, v in transformer.items() if k != "rope_theta"}
+    hybrid_left_out = {**hybrid, "attn": {k: v for k, v in hybrid["attn"].items() if k != "rope_theta"}}
+    assert config_from_fla(left_out, path, "x").rope_base == config_from_fla(hybrid_left_out, path, "x").rope_base == 10000.0

@@ -52,6 +52,7 @@ MODEL_TYPES = {"gla": "gla", "gdn": "gated_deltanet", "deltanet": "delta_net", "
 ARCHITECTURES = {"gla": "GLAForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM", "delta_net": "DeltaNetForCausalLM",
                  "transformer": "TransformerForCausalLM"}
 FLA_FIXED_GATE = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}
+FLA_ROPE_THETA = 10000.0  # the rotary base of fla's attention layers where a config.json leaves rope_theta out
 
 
 def convert_to_hf(
@@ -357,7 +358,7 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     elif block_type == "deltanet":
         fields.update(expand_k=get("expand_k", 1.0), expand_v=get("expand_v", 1.0), conv_size=int(get("conv_size", 4)))
     else:
-        fields.update(rope_base=float(get("rope_theta", 10000.0)))
+        fields.update(rope_base=rope_theta(hf, "rope_theta", path))
     if block_type != "transformer":
         fields.update(head_norm_eps=float(ours.get("head_norm_eps", norm_eps)),  # fla: the head norm uses norm_eps
                       **attn_fields(hf.get("attn"), path))
@@ -376,15 +377,26 @@ def attn_fields(attn, path: Path) -> dict:
         raise InvalidValue(f"{path}: attn must be a mapping (or list of mappings) with layers and num_heads, got {attn!r}")
     heads = {(s["num_heads"], s.get("num_kv_heads") or s["num_heads"]) for s in specs}
     unsupported = [f"{k}={s[k]!r}" for s in specs for k in ("qkv_bias", "window_size", "qk_norm") if s.get(k)]
-    if len(heads) > 1 or unsupported or len({s.get("rope_theta", 10000.0) for s in specs}) > 1:
+    bases = {rope_theta(s, "attn.rope_theta", path) for s in specs}
+    if len(heads) > 1 or unsupported or len(bases) > 1:
         raise InvalidValue(
             f"{path}: fabric-lin's hybrids have one set of attention heads over the whole context, no biases or q/k "
             f"norms; attn has {sorted(heads)} heads{', ' + ', '.join(unsupported) if unsupported else ''}"
         )
     (num_heads, num_kv_heads), = heads
     layers = sorted(i for s in specs for i in s["layers"])
-    return dict(attn_layers=layers, attn_num_heads=num_heads, attn_num_kv_heads=num_kv_heads,
-                rope_base=float(specs[0].get("rope_theta", 10000.0)))
+    return dict(attn_layers=layers, attn_num_heads=num_heads, attn_num_kv_heads=num_kv_heads, rope_base=bases.pop())
+
+
+def rope_theta(spec: dict, key: str, path: Path) -> float:
+    """The rotary base of the attention that fla builds from `spec` (config.json, or one of its `attn` entries; `key`
+    names it in an error): fla's default where rope_theta is left out. A null is refused, not read as the default:
+    fla itself cannot build that attention (its rotary embedding takes float(rope_theta))."""
+    value = spec.get("rope_theta", FLA_ROPE_THETA)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidValue(f"{path}: {key} must be a number, the rotary embedding's base (left out: fla's "
+                           f"{FLA_ROPE_THETA:g}), got {value!r}")
+    return float(value)
 
 
 def special_token_ids(model_dir: Path) -> Dict[str, Optional[int]]:
