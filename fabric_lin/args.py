@@ -170,7 +170,8 @@ class ParallelismArgs:
     timeout_minutes: float = 30.0
     """With several processes: how long a process waits for the others before it fails, at the start (until every
     process has joined) and in every exchange of data. A process that ended before the others joined leaves them
-    waiting this long (one that ends later is found at once). Rank 0 alone writes a one-file (DDP) checkpoint, searches
+    waiting this long, unless they know it (rank 0 that started them with Fabric's launcher; one that ends later is
+    found at once). Rank 0 alone writes a one-file (DDP) checkpoint, searches
     the GLA kernels' launch settings (compile.kernel_autotune) and builds a data module's cached corpus while the
     others wait: keep it above the longest of these"""
 

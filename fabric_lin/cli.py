@@ -21,11 +21,10 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
 
+from fabric_lin.errors import PEER_LOST_EXIT_CODE  # noqa: E402
+
 DEBUG_ENV = "FABRIC_LIN_DEBUG"
 FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
-# sysexits.h's EX_TEMPFAIL: nothing the user gave is wrong (not 2), the same command may succeed, and a job script can
-# tell it from a bug's 1
-PEER_LOST_EXIT_CODE = 75
 
 # subcommand -> "module:function". A module is imported only when its subcommand runs (or for --help).
 COMMANDS: Dict[str, str] = {
@@ -245,7 +244,7 @@ def main(argv=None) -> None:
 
         if isinstance(e, PeerLost) and not debug_enabled():
             # from every rank that is left: rank 0, which speaks for the others, may be the one that is gone
-            print(f"{prog}: error on rank {process_rank()}: {e}", file=sys.stderr, flush=True)
+            print(e.line(prog, process_rank()), file=sys.stderr, flush=True)
             raise SystemExit(PEER_LOST_EXIT_CODE) from None
         failure = anticipated_cause(e)
         if debug_enabled() or failure is None:

@@ -12,7 +12,9 @@ import contextlib
 import inspect
 import math
 import os
+import sys
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, ContextManager, Dict, Iterator, List, Literal, Optional, Tuple, Union
 
@@ -46,7 +48,7 @@ from fabric_lin.config import OTHER_VOCAB_SIZE, Config, name_to_config
 from fabric_lin.cpu_cores import cores_busy_with_other_work, usable_cpu_cores
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader, repeated_samples_note
-from fabric_lin.errors import InvalidValue, PeerLost, UserError
+from fabric_lin.errors import PEER_LOST_EXIT_CODE, InvalidValue, PeerLost, UserError
 from fabric_lin.files import check_dir_can_be_made, environment_variables, missing_ancestors, read_yaml, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FUSED_NOTE as FP8_FUSED_NOTE, TENSORWISE_NOTE as FP8_TENSORWISE_NOTE, FP8Args, check_fp8, convert_to_fp8
@@ -58,6 +60,7 @@ from fabric_lin.parallelism import (
     check_other_nodes_launched,
     check_torchrun_processes,
     free_gathered_weights,
+    launching_rank_watched,
     make_strategy,
     peer_lost_during,
 )
@@ -212,7 +215,9 @@ def setup(
                 plugins=[] if isinstance(strategy, ModelParallelStrategy) else [CheckpointFileIO()],
             )
             with peer_lost_during("the start-up"):  # training, validations and saves name themselves
-                fabric.launch()
+                with launching_rank_watched(partial(exit_at_once, devices=devices, out_dir=out_dir, resume=resume,
+                                                    overwrite=overwrite)):
+                    fabric.launch()
                 main(
                     fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,
                     initial_checkpoint_dir=initial_checkpoint_dir,
@@ -226,6 +231,16 @@ def setup(
         if fabric is None or fabric.global_rank == 0:
             remove_empty_dirs(created)  # a failed run leaves no empty out_dir behind
         raise
+
+
+def exit_at_once(lost: PeerLost, devices: int, out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:
+    """End a rank that Fabric's launcher started as the CLI ends one whose peer is gone (one line, PEER_LOST_EXIT_CODE),
+    from a thread other than the main one, which waits where no exception reaches it: the process group's rendezvous."""
+    lost.advice = how_to_continue_without_the_peer(out_dir, resume, overwrite)
+    rank = int(os.environ.get("NODE_RANK", "0")) * devices + int(os.environ["LOCAL_RANK"])  # Fabric's numbering
+    sys.stdout.flush()
+    print(lost.line("fabric-lin pretrain", rank), file=sys.stderr, flush=True)
+    os._exit(PEER_LOST_EXIT_CODE)
 
 
 def resume_hint(overwrite: bool) -> str:
