@@ -535,3 +535,27 @@ def test_a_model_config_named_after_a_model_but_unlike_it_is_noted(capsys):
     for name, config in (("gla-debug", given_field_by_field), (None, None)):
         with pytest.raises(ValueError, match="give exactly one of --model_name and --model_config"):
             resolve_model_config(name, config)
+
+
+def test_help_describes_every_option(capsys):
+    """Each option in each command's --help says what it does, not only its type and default (the optimizer's four
+    options once showed `(type: float, default: 0.0004)` and nothing else)."""
+    import re
+
+    from fabric_lin.cli import COMMANDS, main as cli_main
+
+    undescribed = []
+    for command in COMMANDS:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            cli_main([command, "--help"])
+        assert info.value.code == 0
+        options = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+        # an option's entry: its invocation, then (on its line after two spaces, or on the lines below) its description
+        for entry in re.split(r"\n(?=  -)", options):
+            first_line, *more = entry.splitlines()
+            invocation, _, rest = first_line.strip().partition("  ")
+            description = " ".join([rest, *more]).split()
+            if not description or description[0].startswith("(type:"):
+                undescribed.append(f"{command} {invocation}")
+    assert not undescribed, undescribed
