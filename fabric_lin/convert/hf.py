@@ -30,8 +30,8 @@ from fabric_lin.convert.model_dir import (
     cast_floating,
     HF_CONFIG_FILE,
     LLAMA_MODEL_TYPES,
+    check_export_given,
     check_model_dir_given,
-    check_not_lora_adapters,
     check_state_dict,
     copy_tokenizer,
     files_taken_back_on_failure,
@@ -137,7 +137,7 @@ def convert_from_hf(
         raise InvalidValue("convert_from_hf: --output_dir is required")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
-    check_not_lora_adapters(checkpoint_dir, "convert_from_hf", reads_exports=True)
+    check_export_given(checkpoint_dir, "convert_from_hf")
     config, state_dict = read_fla_checkpoint(checkpoint_dir, name)
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
     state_dict = cast_floating(state_dict, torch_dtype)
