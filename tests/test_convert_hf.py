@@ -367,6 +367,27 @@ def test_import_of_what_is_not_an_fla_export_names_what_it_is(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_tokenizer_with_more_pieces_than_the_model_has_embeddings_is_not_converted(tmp_path, capsys):
+    """A model directory or an export that holds no record of its tokenizer and a tokenizer.model of 80 pieces beside
+    its model's 64 embeddings: neither converter writes anything. Both copied the tokenizer and recorded it in the
+    output's trained_with.json as the one the weights were trained with; generate refused the result only later."""
+    import shutil
+
+    from helpers import cli_error, train_sentencepiece
+
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "export")
+    train_sentencepiece(tmp_path / "larger", vocab_size=80)
+    for directory, command in ((tmp_path / "model", "convert_to_hf"), (tmp_path / "export", "convert_from_hf")):
+        (directory / "trained_with.json").unlink(missing_ok=True)  # the export's, which convert_to_hf wrote
+        shutil.copy(tmp_path / "larger" / "tokenizer.model", directory / "tokenizer.model")
+        err = cli_error([command, str(directory), "--output_dir", str(tmp_path / "out")], capsys)
+        assert err.startswith(f"fabric-lin {command}: error: {directory}: its tokenizer has 80 pieces and its model 64 "
+                              f"embeddings, so the tokenizer is not the model's ({directory / 'tokenizer.model'} "
+                              "(vocab_size=80, "), err
+        assert not (tmp_path / "out").exists()
+
+
 def test_lora_adapters_alone_given_for_a_model_name_the_merged_export(tmp_path, capsys):
     """The adapter/ directory of tutorials/finetune_lora.md (peft's save_pretrained of the adapters alone) given where a
     model goes: each command says what it is and which directory to give instead (generate said tokenizer.model

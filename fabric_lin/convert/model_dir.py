@@ -118,6 +118,16 @@ def check_not_lora_adapters(directory: Path, command: str, reads_exports: bool) 
     )
 
 
+def check_tokenizer_fits_model(directory: Path, config: Config) -> None:
+    """Refuse a directory whose tokenizer.model has more pieces than its model has embeddings: it is not the model's
+    tokenizer (an id past the last embedding cannot be read), and a converter would copy it and record it as the one
+    the weights were trained with, where it holds no such record yet."""
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    if (Path(directory) / "tokenizer.model").is_file():
+        Tokenizer(directory).check_fits(config.vocab_size, directory)
+
+
 def is_llama_dir(directory: Path) -> bool:
     """Whether `directory`'s config.json is a Hugging Face Llama's or Mistral's (which convert_from_llama reads, and
     convert_from_hf does not)."""
