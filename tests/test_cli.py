@@ -80,6 +80,23 @@ def test_a_list_given_without_brackets_is_shown_as_it_is_written(capsys, flags, 
     assert "Unknown model name 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["evaluate", "ckpt", "--seq_len", "[256,", "512]"],
+     "seq_len: got [256,, expected int or list or null; the shell cut the list at its spaces: quote it whole, "
+     "--seq_len '[256, ...]'"),
+    (["pretrain", "--resume_changes", "[data,", "train.max_steps]"],
+     "resume_changes: got [data,, expected list or null; the shell cut the list at its spaces: quote it whole, "
+     "--resume_changes '[data, ...]'"),
+    (["pretrain", "--data", "TextFiles", "--data.train_dir", "[data/a/train,", "data/b/train]"],
+     "unexpected argument data/b/train]: the end of a list that the shell cut at its spaces; quote the whole list, "
+     "e.g. '[a, b]'"),
+])
+def test_a_list_the_shell_cut_at_its_spaces_is_said_to_be_quoted(capsys, argv, message):
+    """`--seq_len [256, 512]` unquoted reaches the command as two words: the first was refused as `got [256,`, or taken
+    for a path and the second called an argument the command does not take, neither saying what to do."""
+    assert parse_error(argv, capsys) == f"fabric-lin {argv[0]}: error: {message}"
+
+
 @pytest.mark.parametrize("flags", [["--train.max_step", "10"], ["--train.max_step=10"], ["--eval.max_iter", "2"]])
 def test_an_abbreviated_flag_is_refused(tmp_path, capsys, flags):
     from fabric_lin.cli import main as cli_main
