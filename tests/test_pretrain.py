@@ -291,7 +291,8 @@ def test_error_out_dir_full(tmp_path, monkeypatch):
 
 
 def test_error_resume_path_without_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"--resume {tmp_path / 'nothing'}: expected a checkpoint directory"):
+    with pytest.raises(FileNotFoundError, match=f"--resume {tmp_path / 'nothing'} does not exist: expected a training "
+                                                "checkpoint"):
         setup_pretrain(tmp_path, resume=tmp_path / "nothing")
 
 
