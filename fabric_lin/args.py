@@ -124,9 +124,13 @@ class OptimizerArgs:
     """AdamW (fused on CUDA). Weight decay applies to matrices and embeddings, not to norms or biases."""
 
     lr: float = 4e-4
+    """Peak learning rate, reached at the end of the warmup (train.lr_warmup_steps) and decayed to train.min_lr"""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay, on matrices and embeddings only"""
     betas: Tuple[float, float] = (0.9, 0.95)
+    """AdamW's decay rates of the gradient's running mean and of its square, each in [0, 1)"""
     eps: float = 1e-8
+    """Added to the root of AdamW's second moment before it divides"""
 
     def validate(self, min_lr: float) -> None:
         """The values AdamW takes, and the schedule's end (train.min_lr) at or below its peak."""

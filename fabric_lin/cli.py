@@ -103,6 +103,9 @@ def one_line_parse_error(message: str, parser) -> str:
         given = unknown.group(1).split()
         positionals = [a.dest for a in getattr(parser, "_actions", []) if not a.option_strings and a.dest != "help"]
         if given and not any(a.startswith("-") for a in given):  # words after the positional arguments
+            if given[-1].endswith("]"):  # `--data.train_dir [a, b]`: the shell gave the option `[a,` alone
+                return (f"unexpected argument {' '.join(given)}: the end of a list that the shell cut at its spaces; "
+                        f"quote the whole list, e.g. '[a, b]'")
             takes = f"takes {len(positionals)}: {', '.join(positionals)}" if positionals else "takes none"
             return (f"unexpected argument {' '.join(given)}: this command {takes}; the rest are options "
                     f"(--name value)")
@@ -160,6 +163,8 @@ def one_line_parse_error(message: str, parser) -> str:
         # `--resume_changes train.max_steps`: a list is one argument in brackets, which a shell needs quoted
         example = f"[{value}]" if "list" in expected else "[a, b]" if "tuple" in expected else None
         how = f"; in brackets, quoted for the shell: --{key} '{example}'" if example and not value.startswith("[") else ""
+        if value.startswith("[") and not value.endswith("]"):  # `--seq_len [256, 512]`: the shell cut it at its spaces
+            how = f"; the shell cut the list at its spaces: quote it whole, --{key} '{value} ...]'"
         if key == "data" and no_class:
             how += closest_data_module(value)
         return f"{key}: got {value}, expected {' or '.join(expected)}{how}"

@@ -354,10 +354,11 @@ def main(
         trained_with = training_data_tokenizer(data, tokenizer)
         if resume_dir is not None:
             check_trained_on_these_ids(resume_dir, "--resume", tokenizer, trained_with, fix=(
-                f"resume on data prepared with --tokenizer_path {resume_dir}, or train on this data in a new run"))
+                f"resume on data prepared with --tokenizer_path {resume_dir}, or train on this data in a new run"),
+                log=fabric.print)
         elif initial_checkpoint_dir is not None:
             check_trained_on_these_ids(initial_checkpoint_dir, "--initial_checkpoint_dir", tokenizer, trained_with, fix=(
-                f"prepare the data with --tokenizer_path {initial_checkpoint_dir}"))
+                f"prepare the data with --tokenizer_path {initial_checkpoint_dir}"), log=fabric.print)
         if tokenizer is None:  # said once the data is found good: a mistake in its paths is the error to show
             fabric.print(
                 f"Warning: no tokenizer (--tokenizer_dir, or a data module that has one): the checkpoints will hold "

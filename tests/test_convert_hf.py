@@ -332,6 +332,62 @@ def test_export_of_what_is_not_a_model_directory_names_what_it_is(tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+def test_import_of_what_is_not_an_fla_export_names_what_it_is(tmp_path, capsys):
+    """convert_from_hf given a model directory (the wrong way round), a training checkpoint, a run's out_dir, a file of
+    an export, or nothing: each named as what it is, with the command that reads it, where each was "<path>/config.json
+    does not exist" (for the file, a path below it)."""
+    from helpers import cli_error
+
+    config = small_config()
+    make_model_dir(tmp_path / "model", config)
+    convert_to_hf(tmp_path / "model", tmp_path / "export")
+    checkpoint = tmp_path / "run" / "final"  # what tells a training checkpoint: step.json beside lit_model.pth
+    checkpoint.mkdir(parents=True)
+    config.save(checkpoint / "model_config.yaml")
+    (checkpoint / "lit_model.pth").write_bytes(b"")
+    (checkpoint / "step.json").write_text('{"step_count": 2}')
+    out = ["--output_dir", str(tmp_path / "out")]
+    prefix = "fabric-lin convert_from_hf: error: "
+    to_model_dir = "--output_dir <DIR> makes a model directory of it\n"
+    cases = {
+        tmp_path / "model": (f"{tmp_path / 'model'} is a model directory (model_config.yaml) already, not an fla export; to "
+                             f"export it in fla's format (the other way): fabric-lin convert_to_hf {tmp_path / 'model'} "
+                             "--output_dir <DIR>\n"),
+        checkpoint: (f"{checkpoint} is a training checkpoint, not an fla export: fabric-lin convert_pretrained_checkpoint "
+                     f"{checkpoint} {to_model_dir}"),
+        tmp_path / "run": (f"{tmp_path / 'run'} is a training run's directory (it holds final), not an fla export: "
+                           f"fabric-lin convert_pretrained_checkpoint {checkpoint} {to_model_dir}"),
+        tmp_path / "export" / "model.safetensors": (f"{tmp_path / 'export' / 'model.safetensors'} is a file: give "
+                                                    f"convert_from_hf the export that holds it, {tmp_path / 'export'}\n"),
+        tmp_path / "nothing": (f"{tmp_path / 'nothing'} does not exist: expected an fla export (config.json and "
+                               "safetensors, as convert_to_hf writes them)\n"),
+    }
+    for given, message in cases.items():
+        assert cli_error(["convert_from_hf", str(given), *out], capsys) == prefix + message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_with_more_pieces_than_the_model_has_embeddings_is_not_converted(tmp_path, capsys):
+    """A model directory or an export that holds no record of its tokenizer and a tokenizer.model of 80 pieces beside
+    its model's 64 embeddings: neither converter writes anything. Both copied the tokenizer and recorded it in the
+    output's trained_with.json as the one the weights were trained with; generate refused the result only later."""
+    import shutil
+
+    from helpers import cli_error, train_sentencepiece
+
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "export")
+    train_sentencepiece(tmp_path / "larger", vocab_size=80)
+    for directory, command in ((tmp_path / "model", "convert_to_hf"), (tmp_path / "export", "convert_from_hf")):
+        (directory / "trained_with.json").unlink(missing_ok=True)  # the export's, which convert_to_hf wrote
+        shutil.copy(tmp_path / "larger" / "tokenizer.model", directory / "tokenizer.model")
+        err = cli_error([command, str(directory), "--output_dir", str(tmp_path / "out")], capsys)
+        assert err.startswith(f"fabric-lin {command}: error: {directory}: its tokenizer has 80 pieces and its model 64 "
+                              f"embeddings, so the tokenizer is not the model's ({directory / 'tokenizer.model'} "
+                              "(vocab_size=80, "), err
+        assert not (tmp_path / "out").exists()
+
+
 def test_lora_adapters_alone_given_for_a_model_name_the_merged_export(tmp_path, capsys):
     """The adapter/ directory of tutorials/finetune_lora.md (peft's save_pretrained of the adapters alone) given where a
     model goes: each command says what it is and which directory to give instead (generate said tokenizer.model

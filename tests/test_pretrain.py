@@ -303,7 +303,8 @@ def test_error_out_dir_full(tmp_path, monkeypatch):
 
 
 def test_error_resume_path_without_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"--resume {tmp_path / 'nothing'}: expected a checkpoint directory"):
+    with pytest.raises(FileNotFoundError, match=f"--resume {tmp_path / 'nothing'} does not exist: expected a training "
+                                                "checkpoint"):
         setup_pretrain(tmp_path, resume=tmp_path / "nothing")
 
 
@@ -395,8 +396,8 @@ def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path,
     with pytest.raises(ValueError, match="--overwrite true would delete the checkpoint --resume .*final names"):
         setup_pretrain(tmp_path, overwrite=True, resume=out / "final")
     # a mistyped --resume path is named as such, not taken for a fresh run into the used out_dir
-    with pytest.raises(FileNotFoundError, match=rf"--resume {out / 'fnal'}: expected a checkpoint directory holding "
-                       r"lit_model.pth"):
+    with pytest.raises(FileNotFoundError, match=rf"--resume {out / 'fnal'} does not exist: expected a training checkpoint "
+                       rf"\(a run's step-XXXXXXXX/ or final/\); {out} holds step-00000005, final"):
         setup_pretrain(tmp_path, resume=out / "fnal")
     # so is the run's out_dir given one level too high, where its checkpoints are
     with pytest.raises(ValueError, match=rf"--resume {out} is a run's out_dir, not one of its checkpoints \(step-00000005, "

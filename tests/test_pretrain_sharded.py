@@ -382,6 +382,7 @@ def test_an_error_every_rank_meets_is_printed_once(tmp_path):
     missing = tmp_path / "nothing"
     result = fabric_lin_process.run(command(tmp_path / "out", 1, 2, "--resume", str(missing)), TIMEOUT, CPU_ONLY)
     assert result.returncode == 2
-    line = f"fabric-lin pretrain: error: --resume {missing}: expected a checkpoint directory holding lit_model.pth\n"
+    line = (f"fabric-lin pretrain: error: --resume {missing} does not exist: expected a training checkpoint (a run's "
+            f"step-XXXXXXXX/ or final/)\n")
     assert (result.stdout + result.stderr).count(line) == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()

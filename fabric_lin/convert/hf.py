@@ -30,9 +30,10 @@ from fabric_lin.convert.model_dir import (
     cast_floating,
     HF_CONFIG_FILE,
     LLAMA_MODEL_TYPES,
+    check_export_given,
     check_model_dir_given,
-    check_not_lora_adapters,
     check_state_dict,
+    check_tokenizer_fits_model,
     copy_tokenizer,
     files_taken_back_on_failure,
     from_llama_command,
@@ -85,6 +86,7 @@ def convert_to_hf(
     config = Config.from_checkpoint(model_dir)
     hf_config = fla_config(config)
     trained_with = weights_trained_with(model_dir)  # before the weights: a tokenizer not the model's is refused at once
+    check_tokenizer_fits_model(model_dir, config)
     tokenizer_ids = special_token_ids(model_dir)
     state_dict = load_model_dir_weights(model_dir)
     check_state_dict(state_dict, config, source=str(model_dir))
@@ -138,8 +140,9 @@ def convert_from_hf(
         raise InvalidValue("convert_from_hf: --output_dir is required")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
-    check_not_lora_adapters(checkpoint_dir, "convert_from_hf", reads_exports=True)
+    check_export_given(checkpoint_dir, "convert_from_hf")
     config, state_dict = read_fla_checkpoint(checkpoint_dir, name)
+    check_tokenizer_fits_model(checkpoint_dir, config)
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
     state_dict = cast_floating(state_dict, torch_dtype)
     with created_dir(output_dir):

@@ -208,8 +208,18 @@ def check_made_for(path: Union[str, Path], info: dict, tokenizer: Optional[Token
         )
     data_vocab = (info.get("tokenizer") or {}).get("vocab_size")
     if vocab_size is not None and isinstance(data_vocab, int) and data_vocab > vocab_size:
-        raise InvalidValue(
+        raise VocabularyTooLarge(path, data_vocab, vocab_size)
+
+
+class VocabularyTooLarge(InvalidValue):
+    """A prepared directory tokenized with a vocabulary larger than the model's: its ids past the model's last embedding
+    cannot be read. The fix it names is pretrain's (a model config of a larger vocab_size); evaluate, which reads a
+    model as it is, words its own from `path`, `data_vocab` and `model_vocab`."""
+
+    def __init__(self, path: Union[str, Path], data_vocab: int, model_vocab: int) -> None:
+        self.path, self.data_vocab, self.model_vocab = Path(path), data_vocab, model_vocab
+        super().__init__(
             f"{path} was tokenized with a vocabulary of {data_vocab} tokens ({PREPARED_INFO_FILE}: tokenizer.vocab_size),"
-            f" more than the model's vocab_size={vocab_size}: token ids would fall outside the embedding; use a model"
+            f" more than the model's vocab_size={model_vocab}: token ids would fall outside the embedding; use a model"
             f" config with vocab_size >= {data_vocab} ({OTHER_VOCAB_SIZE}) or prepare the data with the model's tokenizer"
         )
