@@ -265,8 +265,10 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
                 d.reshape(y.shape[0], n) if d is not None else y.new_zeros(y.shape[0], n)
                 for d, n in zip(d_outs, ctx.sizes)
             ], dim=-1)
-        dy = matmul_nn(d_cat, stacked, ctx.fp8).view_as(source)
+        # the weight gradient first: the recomputed activation is last used there, and freed (compiled: Inductor frees a
+        # buffer after its last use) before the input gradient is made
         d_stacked = torch.matmul(d_cat.t(), y)
+        dy = matmul_nn(d_cat, stacked, ctx.fp8).view_as(source)
         dx, _, dw, dres = norm_bwd(source, None, weight, rstd, dy, dh_extra, ctx.residual_dtype, ctx.launch)
         return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None, None, None
 
