@@ -24,7 +24,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from common import write_result  # noqa: E402
+from common import exit_on_user_error, out_arg, positive_int, write_result  # noqa: E402
 from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT  # noqa: E402
 
@@ -64,11 +64,12 @@ def saved_bytes_per_token(model_name: str, tokens: int, device: str, fp8_recipe:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gla-340M")
-    parser.add_argument("--tokens", type=int, default=128, help="sequence length of the probe (a multiple of 64)")
-    parser.add_argument("--micro_batch_tokens", type=int, default=16 * 2048, help="to scale to one micro batch")
+    parser.add_argument("--tokens", type=positive_int, default=128,
+                        help="sequence length of the probe; any length (nothing kept is padded to the chunk size, 64)")
+    parser.add_argument("--micro_batch_tokens", type=positive_int, default=16 * 2048, help="to scale to one micro batch")
     parser.add_argument("--fp8", nargs="+", default=["none"], choices=["none", "tensorwise"],
                         help="the Linear layers' products: bf16 (none) or FP8 through torchao's layers (tensorwise); several: one entry each")
-    parser.add_argument("--out", help="also write the JSON document here (with the command, date and machine)")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON document here (with the command, date and machine)")
     args = parser.parse_args()
     config = Config.from_name(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,4 +93,4 @@ def main():
     write_result(document, args.out)
 
 if __name__ == "__main__":
-    main()
+    exit_on_user_error(main)

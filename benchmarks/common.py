@@ -6,7 +6,9 @@
     fwd_ms = time_ms(lambda: op(*inputs))                        # triton.testing.do_bench: L2 flushed per call
     us = 1e3 * time_ms(lambda: op(*inputs), back_to_back=100)    # 100 calls between two CUDA events
     by_kernel = kernel_ms(fwd_bwd, calls=5)                      # torch.profiler, ms per call by kernel
+    parser.add_argument("--out", type=out_arg, type=out_arg)                   # a file that cannot be written: refused up front
     write_result(report, args.out, fla_ran=True)                 # print it, write --out atomically
+    exit_on_user_error(main)                                     # a mistake in what was given: one line, exit 2
     variants = parse_variants(["wide:dqkw.BV=128"], SHIPPED)      # --variants NAME:KEY=VALUE,... -> launches
 
 A result document is the script's own JSON object with a "run" record in front (the command line, the
@@ -168,6 +170,68 @@ def write_result(report: Dict, out: Optional[str] = None, *, fla_ran: bool = Fal
             Path(tmp).unlink(missing_ok=True)
             raise
     return document
+
+
+def shape_arg(text: str) -> tuple:
+    """argparse type of a --shapes value, "B,T,H,K,V": five positive integers. A value of another form is refused by
+    argparse in one line naming it (exit code 2)."""
+    import argparse
+
+    parts = text.split(",")
+    if len(parts) != 5 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not B,T,H,K,V (five positive integers, e.g. 16,2048,4,128,256)")
+    return tuple(int(part) for part in parts)
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count (tokens, layers, steps): a whole number of at least 1. Another value is refused by
+    argparse in one line naming it (exit code 2), before the model is built."""
+    import argparse
+
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
+
+
+def out_path_problem(path: str) -> Optional[str]:
+    """Why a result file cannot be written at `path` (a directory there, a file where one of its folders would be
+    made), or None. Asked before a benchmark's work, which may take hours, rather than when its result is written."""
+    from fabric_lin.files import file_in_the_way
+
+    if Path(path).is_dir():
+        return f"{path} is a directory, expected a file name"
+    blocking = file_in_the_way(Path(path).parent)
+    if blocking is not None:
+        return f"{path} cannot be written: {blocking} is a file, expected a directory or nothing there"
+    return None
+
+
+def out_arg(text: str) -> str:
+    """argparse type of a --out value: a path where a result file can be written. Another is refused by argparse in
+    one line naming it (exit code 2)."""
+    import argparse
+
+    problem = out_path_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def exit_on_user_error(main: Callable[[], object]) -> None:
+    """Run `main`; a mistake in what it was given (a missing directory, a value out of range: fabric-lin's
+    `UserError`, or a file system error naming its file) ends the script with one line on stderr and exit
+    code 2, as the `fabric-lin` command does. Any other error is a bug and keeps its traceback, as does every
+    error with FABRIC_LIN_DEBUG=1."""
+    try:
+        main()
+    except Exception as e:
+        from fabric_lin.cli import anticipated_cause, debug_enabled
+
+        failure = anticipated_cause(e)
+        if failure is None or debug_enabled():
+            raise
+        print(f"{Path(sys.argv[0]).name}: error: {failure}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def lift_fla_gdn_hopper_guard() -> bool:

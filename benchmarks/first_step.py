@@ -151,6 +151,8 @@ def fla_run(seq_len, work, timeout, steps, cache_dir):
 
 
 def main():
+    from common import out_arg
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq_lens", nargs="*", type=int, default=[2048, 16384], choices=sorted(MICRO_BATCH))
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
@@ -162,7 +164,7 @@ def main():
     parser.add_argument("--fla_cache_dir", help="the peer's Triton cache (default: a new one per run); "
                         "naming one lets later benchmarks reuse its autotuning")
     parser.add_argument("--work_dir", help="where the runs write (default: a new temporary directory)")
-    parser.add_argument("--out", help="also write the JSON document here (with the command, date and machine)")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON document here (with the command, date and machine)")
     parser.add_argument("--fla-worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -69,6 +69,8 @@ def worker(i: int, n: int, model_name: str, batch_size: int, seq_len: int, kerne
 
 
 def main():
+    from common import out_arg
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=6, help="processes, spread over the visible GPUs")
     parser.add_argument("--model", default="gla-340M",
@@ -80,7 +82,7 @@ def main():
                              "proportion to --batch_size x --seq_len, at least 8; 8 with --kernels_only)")
     parser.add_argument("--kernels_only", action="store_true",
                         help="only chunk_gla at the kernel benchmark's shapes (for gla_kernel.py), not the training step")
-    parser.add_argument("--out", help="also write a JSON record of the run here (with the command, date and machine)")
+    parser.add_argument("--out", type=out_arg, help="also write a JSON record of the run here (with the command, date and machine)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:

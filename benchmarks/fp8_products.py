@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from common import kernel_ms, write_result
+from common import kernel_ms, out_arg, write_result
 from fabric_lin.config import Config
 
 KINDS = ("fp8 products", "bf16 products", "row casts", "fused norm / swiglu", "other")
@@ -102,7 +102,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="gla-1.3B", help="a fabric-lin model name (its layer shapes)")
     parser.add_argument("--rows", type=int, default=16 * 2048, help="tokens (micro batch x sequence length)")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     args = parser.parse_args()
     config = Config.from_name(args.model)
     ops = []

@@ -22,7 +22,7 @@ import json
 
 import torch
 
-from common import kernel_ms, time_ms, write_result
+from common import kernel_ms, out_arg, time_ms, write_result
 from fabric_lin.ops.norm import rms_norm, rms_norm_gated
 from fabric_lin.ops.fused_launch import SHIPPED_NORM as NORM_LAUNCH
 from fabric_lin.ops.swiglu import swiglu
@@ -86,7 +86,7 @@ def time_op(fn, inputs, profiled_calls=10):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=16 * 2048, help="tokens (micro batch x sequence length)")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     args = parser.parse_args()
     peers = fla_ops()
     # the copy bandwidth this GPU reaches, for the fraction below

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from common import time_ms, write_result
+from common import out_arg, time_ms, write_result
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE as BT, chunk_layout
 from fabric_lin.ops.gla.cumsum import gate_cumsum
 from fabric_lin.ops.gla.launch import SHIPPED
@@ -29,7 +29,7 @@ def main():
     shipped = f"{SHIPPED.cumsum.BK}:{SHIPPED.cumsum.warps}"
     parser.add_argument("--launches", default=f"{shipped},128:4,32:4,32:2",
                         help=f"key tile:warps, comma separated (shipped: {shipped})")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gate_cumsum.py needs a CUDA GPU")

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import lift_fla_gdn_hopper_guard, parse_variants, write_result
+from common import lift_fla_gdn_hopper_guard, out_arg, parse_variants, shape_arg, write_result
 from fabric_lin.ops.gdn import chunk_gated_delta_rule
 from fabric_lin.ops.gdn.launch import SHIPPED
 from fabric_lin.ops.gla.tune import rel_rms
@@ -113,12 +113,12 @@ def load_fla():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="*",
+    parser.add_argument("--shapes", nargs="*", type=shape_arg,
                         help="B,T,H,K,V (default: the three reference shapes; with gates none, DeltaNet's two)")
     parser.add_argument("--gates", nargs="*", default=["slow"], choices=GATES)
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
                         help="other launch settings (changes to the shipped GDNLaunch), each timed beside it")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
     parser.add_argument("--varlen", type=int, metavar="DOCUMENTS",
@@ -126,7 +126,7 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gdn_kernel.py needs a CUDA GPU")
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else None
+    shapes = args.shapes
     if args.varlen and any(shape[0] != 1 for shape in shapes or SHAPES):
         raise SystemExit("--varlen: every shape needs B = 1 (the documents lie in one row); give --shapes 1,T,H,K,V")
     variants = parse_variants(args.variants, SHIPPED)

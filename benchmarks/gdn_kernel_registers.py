@@ -26,7 +26,7 @@ import torch
 from kernel_registers import NVIDIA_BIN, TARGET, compile_only  # noqa: E402 (compile-only mode, this checkout's fabric_lin)
 import triton  # noqa: E402
 
-from common import parse_variants, write_result  # noqa: E402
+from common import out_arg, parse_variants, shape_arg, write_result  # noqa: E402
 
 SHAPES = [(16, 2048, 4, 128, 256), (4, 8192, 16, 128, 128)]
 
@@ -72,7 +72,8 @@ def kernel_resources(shape, launch, varlen: bool, initial_state: bool, sms: int 
 
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the gdn-340M layer and 4,8192,16,128,128)")
+    parser.add_argument("--shapes", nargs="*", type=shape_arg,
+                        help="B,T,H,K,V (default: the gdn-340M layer and 4,8192,16,128,128)")
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
                         help="other launch settings (changes to the shipped GDNLaunch), each compiled beside it")
     parser.add_argument("--varlen", action="store_true", help="the sequences packed along T with cu_seqlens")
@@ -81,7 +82,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--spill-lines", nargs="*", default=[], metavar="KERNEL",
                         help="kernels whose spill instructions to count by source line")
     parser.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU compiled for (H200: 132)")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     return parser
 
 
@@ -92,7 +93,7 @@ def build_report(args: argparse.Namespace) -> dict:
     import fabric_lin
     from fabric_lin.ops.gdn.launch import SHIPPED
 
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = args.shapes or SHAPES
     variants = {"shipped": SHIPPED, **parse_variants(args.variants, SHIPPED)}
     report = {"triton": triton.__version__, "target": f"sm_{TARGET.arch}", "sms": args.sms, "dtype": "bfloat16",
               "varlen": args.varlen, "initial_state": args.initial_state, "gate": not args.no_gate,

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import kernel_ms, time_ms, write_result
+from common import kernel_ms, out_arg, shape_arg, time_ms, write_result
 from fabric_lin.ops.gla.chunk import chunk_gla_triton
 from fabric_lin.ops.gla.launch import SHIPPED
 from fabric_lin.ops.gla.tune import rel_rms, tune_launch, with_settings
@@ -215,9 +215,9 @@ def time_variants(variants, launch, inputs, do, fla_fwd_bwd_ms):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the three reference shapes)")
+    parser.add_argument("--shapes", nargs="*", type=shape_arg, help="B,T,H,K,V (default: the three reference shapes)")
     parser.add_argument("--gates", nargs="*", default=["slow"], choices=GATES, help="gate families to time on")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
     parser.add_argument("--fla-only", action="store_true",
@@ -232,7 +232,7 @@ def main():
     parser.add_argument("--sweep", action="store_true",
                         help="first run the launch search (tiles, warps) at the first shape and report it")
     args = parser.parse_args()
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = args.shapes or SHAPES
     launch = with_settings(SHIPPED, parse_settings(args.launch, "--launch"))
     variants = parse_variants(args.variants)
     ours = ours_with(launch)

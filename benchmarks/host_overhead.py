@@ -14,16 +14,21 @@ launches never reach Triton's runtime. `launches_per_step` counts them by kernel
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import time
 from collections import Counter
 
-import torch
-import triton.runtime.jit as triton_jit
+# The fused ops accept CPU tensors only where Triton's interpreter would run them; it never does here (the
+# launches are counters), but it must be on before Triton is imported for the model to build its fused path.
+os.environ["TRITON_INTERPRET"] = "1"
 
-from common import write_result
-from fabric_lin.config import Config
-from fabric_lin.model import GPT
+import torch  # noqa: E402
+import triton.runtime.jit as triton_jit  # noqa: E402
+
+from common import out_arg, positive_int, write_result  # noqa: E402
+from fabric_lin.config import Config  # noqa: E402
+from fabric_lin.model import GPT  # noqa: E402
 
 
 def take_the_gpu_out(launches: Counter) -> None:
@@ -46,12 +51,12 @@ def take_the_gpu_out(launches: Counter) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--tokens", type=int, default=16, help="sequence length (batch 1)")
-    parser.add_argument("--steps", type=int, default=10, help="forward+backward passes per repeat")
-    parser.add_argument("--repeats", type=int, default=7, help="the fastest repeat is reported")
+    parser.add_argument("--layers", type=positive_int, default=24)
+    parser.add_argument("--tokens", type=positive_int, default=16, help="sequence length (batch 1)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="forward+backward passes per repeat")
+    parser.add_argument("--repeats", type=positive_int, default=7, help="the fastest repeat is reported")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="also cProfile's top N functions")
-    parser.add_argument("--out", help="also write the JSON document here (with the command, date and machine)")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON document here (with the command, date and machine)")
     args = parser.parse_args()
 
     launches: Counter = Counter()

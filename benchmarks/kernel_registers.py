@@ -36,7 +36,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from common import write_result  # noqa: E402
+from common import out_arg, shape_arg, write_result  # noqa: E402
 from gla_kernel import SHAPES, parse_variants  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -149,12 +149,12 @@ def kernel_resources(shape, sms: int, launch, lines_of=()) -> list:
 
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="*", help="B,T,H,K,V (default: the three reference shapes)")
+    parser.add_argument("--shapes", nargs="*", type=shape_arg, help="B,T,H,K,V (default: the three reference shapes)")
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
                         help="other launch settings (changes to the shipped GLALaunch), each compiled beside it")
     parser.add_argument("--spill-lines", nargs="*", default=[], metavar="KERNEL",
                         help="kernels whose spill instructions to count by source line")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     parser.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU compiled for (H200: 132)")
     return parser
 
@@ -165,7 +165,7 @@ def build_report(args: argparse.Namespace) -> dict:
         raise SystemExit(f"no ptxas in {NVIDIA_BIN}: this Triton wheel cannot compile for NVIDIA GPUs")
     from fabric_lin.ops.gla.launch import SHIPPED
 
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = args.shapes or SHAPES
     variants = {"shipped": SHIPPED, **parse_variants(args.variants)}
     report = {"triton": triton.__version__, "target": f"sm_{TARGET.arch}", "sms": args.sms, "shapes": []}
     for shape in shapes:

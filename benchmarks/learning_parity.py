@@ -39,7 +39,7 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 
-from common import write_result
+from common import out_arg, write_result
 from fabric_lin.config import Config
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.model import GPT
@@ -237,7 +237,7 @@ def main(argv=None):
     parser.add_argument("--weight_decay", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     parser.add_argument("--plot", help="also draw the loss curves into this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)

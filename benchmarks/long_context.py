@@ -42,7 +42,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from common import run_record, write_result
+from common import out_arg, run_record, write_result
 from fabric_lin.config import Config
 from fabric_lin.errors import UserError
 from fabric_lin.lr_schedule import learning_rate
@@ -75,7 +75,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a try with tiny models (--size debug)")
     parser.add_argument("--cache_dir", type=Path, help="where the corpus is built (default: LongDocuments')")
     parser.add_argument("--timeout", type=float, default=420, help="seconds per cell process")
-    parser.add_argument("--out", help="the JSON document that the rows are merged into")
+    parser.add_argument("--out", type=out_arg, help="the JSON document that the rows are merged into")
     parser.add_argument("--check_plan", action="store_true", help="check the plan against the corpus, print it, stop")
     parser.add_argument("--worker", nargs=2, metavar=("FAMILY", "CONTEXT"), help=argparse.SUPPRESS)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help=argparse.SUPPRESS)

@@ -33,10 +33,11 @@ from typing import Iterator, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import write_result  # noqa: E402
+from common import exit_on_user_error, out_path_problem, write_result  # noqa: E402
 from data_prep.prepare_text import prepare as prepare_text  # noqa: E402
 from fabric_lin.data.recipe import file_record, run_recipe  # noqa: E402
 from fabric_lin.data.slimpajama_starcoder import SKIPPED_SET, SlimPajamaRecipe  # noqa: E402
+from fabric_lin.errors import InvalidValue  # noqa: E402
 
 
 class OneDocumentAtATimeRecipe(SlimPajamaRecipe):
@@ -182,6 +183,13 @@ def main(
     repeats: run the recipes in turn this many times; the figures are the medians.
     out: also write the JSON document here (with the command, date and machine).
     """
+    if num_workers < 1 or repeats < 1:
+        raise InvalidValue(f"--num_workers and --repeats must be at least 1, got {num_workers} and {repeats}")
+    if megabytes <= 0:  # no corpus: the recipes would fail on a temporary folder the user never named
+        raise InvalidValue(f"--megabytes must be a positive number (the generated corpus's size), got {megabytes}")
+    out_problem = None if out is None else out_path_problem(str(out))
+    if out_problem is not None:  # refused before the work, not when its result is written
+        raise InvalidValue(f"--out {out_problem}")
     work = Path(tempfile.mkdtemp(prefix="prepare-throughput-", dir=work_dir))
     try:
         if tokenizer_path is None:
@@ -256,4 +264,4 @@ def main(
 if __name__ == "__main__":
     from jsonargparse import CLI
 
-    CLI(main, as_positional=False)
+    exit_on_user_error(lambda: CLI(main, as_positional=False))

@@ -170,6 +170,8 @@ def install_profiler(first_micro: int, micros: int, steps: int, report_dir: Path
 
 
 def main():
+    from common import out_arg
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="config_hub/gla_340M.yaml")
     parser.add_argument("--devices", type=int, default=1)
@@ -182,7 +184,7 @@ def main():
     parser.add_argument("--host_ops", action="store_true",
                         help="also record host-side ops (where the host's time per step goes; slows the step)")
     parser.add_argument("--report_dir", help="where each rank writes its summary (default: a new temporary folder)")
-    parser.add_argument("--out", help="also write the JSON document here (with the command, date and machine)")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON document here (with the command, date and machine)")
     args, extra = parser.parse_known_args()  # anything else goes to `fabric-lin pretrain`
 
     # Fabric starts ranks 1.. by running this same command again; they must use rank 0's folders

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from common import kernel_ms, parse_variants, time_ms, write_result
+from common import kernel_ms, out_arg, parse_variants, positive_int, time_ms, write_result
 from fabric_lin.ops.fused_launch import SHIPPED_SHORT_CONV as SHIPPED
 from fabric_lin.ops.gla.tune import rel_rms
 from fabric_lin.ops.short_conv import causal_conv1d
@@ -85,14 +85,14 @@ def document_offsets(tokens, documents, device):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--channels", type=int, nargs="*", default=[512, 1024, 2048])
-    parser.add_argument("--documents", type=int, help="each run as one row of this many packed documents")
+    parser.add_argument("--batch", type=positive_int, default=16)
+    parser.add_argument("--seq", type=positive_int, default=2048)
+    parser.add_argument("--channels", type=positive_int, nargs="*", default=[512, 1024, 2048])
+    parser.add_argument("--documents", type=positive_int, help="each run as one row of this many packed documents")
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
                         help="other launch settings (changes to the shipped ShortConvLaunch), each timed beside it")
     parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)

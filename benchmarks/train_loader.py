@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import write_result  # noqa: E402
+from common import out_arg, write_result  # noqa: E402
 
 WEIGHTS = (0.693584, 0.306416)
 
@@ -53,8 +53,13 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--num_workers", type=int, nargs="+", default=[0, 2])
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=out_arg, default=None)
     args = parser.parse_args()
+    for name in ("seq_len", "batch_size", "batches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if min(args.num_workers) < 0:
+        parser.error(f"--num_workers must be 0 (no worker processes) or more, got {args.num_workers}")
 
     from litdata.streaming import CombinedStreamingDataset, StreamingDataLoader, StreamingDataset, TokensLoader
 

@@ -32,7 +32,7 @@ from typing import Dict
 import torch
 
 from bench_corpus import benchmark_corpus, pretrain_data_args
-from common import write_result
+from common import out_arg, write_result
 from fabric_lin.config import Config
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.model import GPT, Launches
@@ -429,7 +429,7 @@ def main():
     parser.add_argument("--accumulation", type=int, default=1, help="real loop: micro-batches per optimizer step")
     parser.add_argument("--profile", type=int, default=0,
                         help="regime (a): also profile this many steps after the timed ones (GPU time by kind of kernel)")
-    parser.add_argument("--out", help="also write the JSON document here (with the command, date and machine)")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON document here (with the command, date and machine)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

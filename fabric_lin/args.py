@@ -124,9 +124,13 @@ class OptimizerArgs:
     """AdamW (fused on CUDA). Weight decay applies to matrices and embeddings, not to norms or biases."""
 
     lr: float = 4e-4
+    """Peak learning rate, reached at the end of the warmup (train.lr_warmup_steps) and decayed to train.min_lr"""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay, on matrices and embeddings only"""
     betas: Tuple[float, float] = (0.9, 0.95)
+    """AdamW's decay rates of the gradient's running mean and of its square, each in [0, 1)"""
     eps: float = 1e-8
+    """Added to the root of AdamW's second moment before it divides"""
 
     def validate(self, min_lr: float) -> None:
         """The values AdamW takes, and the schedule's end (train.min_lr) at or below its peak."""
@@ -170,7 +174,8 @@ class ParallelismArgs:
     timeout_minutes: float = 30.0
     """With several processes: how long a process waits for the others before it fails, at the start (until every
     process has joined) and in every exchange of data. A process that ended before the others joined leaves them
-    waiting this long (one that ends later is found at once). Rank 0 alone writes a one-file (DDP) checkpoint, searches
+    waiting this long, unless they know it (rank 0 that started them with Fabric's launcher; one that ends later is
+    found at once). Rank 0 alone writes a one-file (DDP) checkpoint, searches
     the GLA kernels' launch settings (compile.kernel_autotune) and builds a data module's cached corpus while the
     others wait: keep it above the longest of these"""
 
@@ -205,7 +210,8 @@ class CompileArgs:
     kernel_autotune: bool = False
     """Search the GLA kernels' launch settings (tiles, warps) at this run's layer shape before training, about
     a minute on a GPU, instead of using the shipped settings. Kept in out_dir/compile_cache/gla_launch.json,
-    keyed by GPU, dtype and head dims, so a resumed run or a new context length does not search again"""
+    keyed by GPU, dtype and head dims, so a resumed run or a new context length does not search again. On the CPU,
+    whose GLA layers run PyTorch ops, nothing is searched and the run says so"""
 
     def resolve(self, cuda: bool, devices: int, num_nodes: int, reset_state_at_doc_boundaries: bool) -> "CompileArgs":
         """This run's settings: `enabled` null -> on with CUDA; mode "auto" -> "reduce-overhead" where CUDA

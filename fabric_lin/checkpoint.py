@@ -542,13 +542,30 @@ def explicit_resume_dir(resume: Union[str, Path]) -> Path:
                 f"--resume {resume} is a run's out_dir, not one of its checkpoints ({', '.join(held[:3])}): to continue from "
                 f"its newest, give --out_dir {path} --resume auto; or name one, e.g. --resume {path / held[0]}"
             )
-        raise MissingFile(f"--resume {resume}: expected a checkpoint directory holding {MODEL_FILE}")
+        raise not_a_checkpoint_to_resume(resume, path)
     if not is_training_checkpoint(path):
         raise InvalidValue(
             f"--resume {resume}: it is not a training checkpoint (it has no {STEP_FILE} or {MANIFEST_FILE}); to start "
             f"from a model directory's weights, use --initial_checkpoint_dir {path}"
         )
     return path
+
+
+def not_a_checkpoint_to_resume(resume: Union[str, Path], path: Path) -> MissingFile:
+    """The error for a --resume path that holds no checkpoint: one that is not there names the checkpoints of the run
+    directory it points into (a mistyped step), one that is there says what it holds (an export, adapters, ...) and
+    what takes a model's weights."""
+    if not path.exists():
+        beside = [p.name for p in checkpoint_dirs(path.parent)]
+        return MissingFile(f"--resume {resume} does not exist: expected a training checkpoint (a run's "
+                           f"step-XXXXXXXX/ or {FINAL_DIR}/)"
+                           + (f"; {path.parent} holds {', '.join(beside[:4])}" if beside else ""))
+    held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    holds = ("it is a file" if not path.is_dir() else "it is empty" if not held
+             else f"it holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''}")
+    return MissingFile(f"--resume {resume} is not a training checkpoint: it has no {MODEL_FILE} ({holds}); --resume "
+                       f"continues a run from its step-XXXXXXXX/ or {FINAL_DIR}/, and a new run starts from a model "
+                       f"directory's weights with --initial_checkpoint_dir")
 
 
 def select_resume_dir(fabric, resume: Union[bool, str, Path, None], out_dir: Path) -> Optional[Path]:

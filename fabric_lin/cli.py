@@ -21,11 +21,10 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
 
+from fabric_lin.errors import PEER_LOST_EXIT_CODE  # noqa: E402
+
 DEBUG_ENV = "FABRIC_LIN_DEBUG"
 FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
-# sysexits.h's EX_TEMPFAIL: nothing the user gave is wrong (not 2), the same command may succeed, and a job script can
-# tell it from a bug's 1
-PEER_LOST_EXIT_CODE = 75
 
 # subcommand -> "module:function". A module is imported only when its subcommand runs (or for --help).
 COMMANDS: Dict[str, str] = {
@@ -104,6 +103,9 @@ def one_line_parse_error(message: str, parser) -> str:
         given = unknown.group(1).split()
         positionals = [a.dest for a in getattr(parser, "_actions", []) if not a.option_strings and a.dest != "help"]
         if given and not any(a.startswith("-") for a in given):  # words after the positional arguments
+            if given[-1].endswith("]"):  # `--data.train_dir [a, b]`: the shell gave the option `[a,` alone
+                return (f"unexpected argument {' '.join(given)}: the end of a list that the shell cut at its spaces; "
+                        f"quote the whole list, e.g. '[a, b]'")
             takes = f"takes {len(positionals)}: {', '.join(positionals)}" if positionals else "takes none"
             return (f"unexpected argument {' '.join(given)}: this command {takes}; the rest are options "
                     f"(--name value)")
@@ -161,6 +163,8 @@ def one_line_parse_error(message: str, parser) -> str:
         # `--resume_changes train.max_steps`: a list is one argument in brackets, which a shell needs quoted
         example = f"[{value}]" if "list" in expected else "[a, b]" if "tuple" in expected else None
         how = f"; in brackets, quoted for the shell: --{key} '{example}'" if example and not value.startswith("[") else ""
+        if value.startswith("[") and not value.endswith("]"):  # `--seq_len [256, 512]`: the shell cut it at its spaces
+            how = f"; the shell cut the list at its spaces: quote it whole, --{key} '{value} ...]'"
         if key == "data" and no_class:
             how += closest_data_module(value)
         return f"{key}: got {value}, expected {' or '.join(expected)}{how}"
@@ -245,7 +249,7 @@ def main(argv=None) -> None:
 
         if isinstance(e, PeerLost) and not debug_enabled():
             # from every rank that is left: rank 0, which speaks for the others, may be the one that is gone
-            print(f"{prog}: error on rank {process_rank()}: {e}", file=sys.stderr, flush=True)
+            print(e.line(prog, process_rank()), file=sys.stderr, flush=True)
             raise SystemExit(PEER_LOST_EXIT_CODE) from None
         failure = anticipated_cause(e)
         if debug_enabled() or failure is None:

@@ -66,7 +66,11 @@ class Config:
                 raise InvalidValue(f"model config {name} must be {kind}, got {value!r}")
         if not isinstance(self.attn_layers, (list, tuple)) or not all(_is_kind(i, "an integer") for i in self.attn_layers):
             raise InvalidValue(f"model config attn_layers must be a list of layer indices, got {self.attn_layers!r}")
-        self.attn_layers = sorted(set(self.attn_layers))
+        twice = sorted({i for i in self.attn_layers if list(self.attn_layers).count(i) > 1})
+        if twice:  # most likely a typo for another layer, which would stay a linear-attention one
+            raise InvalidValue(f"model config attn_layers {list(self.attn_layers)} lists layer {twice[0]} twice; "
+                               "give each softmax-attention layer once")
+        self.attn_layers = sorted(self.attn_layers)
         if self.block_type not in ("gla", "gdn", "deltanet", "transformer"):
             raise InvalidValue(f"block_type must be 'gla', 'gdn', 'deltanet' or 'transformer', got {self.block_type!r}")
         if self.num_kv_heads is None:
@@ -90,6 +94,7 @@ class Config:
                 raise InvalidValue(f"model config {name} must not be negative, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise InvalidValue(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self._check_settings_read()
         if self.block_type == "gdn":
             self._check_gdn()
         if self.block_type == "deltanet" and self.num_kv_heads != self.num_heads:
@@ -114,6 +119,23 @@ class Config:
                 " embedding needs an even head dim"
             )
         self._check_attn_layers()
+
+    def _check_settings_read(self) -> None:
+        """Refuse a setting, other than its default, that this block_type's layers never read (GLA's gate widths on
+        a DeltaNet model, a short convolution on a transformer): the model built would not be the one asked for."""
+        readers = dict(_FAMILY_SETTINGS)
+        if self.attn_layers:  # a hybrid's softmax-attention layers take their rotary embedding's base
+            readers["rope_base"] = (self.block_type,)
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, families in readers.items():
+            value = getattr(self, name)
+            if self.block_type not in families and value != defaults[name]:
+                read_by = ", ".join(repr(f) for f in families) + (" (and a hybrid's attn_layers)" if name == "rope_base" else "")
+                hint = " (its key width per head is head_dim)" if name == "expand_k" and self.block_type == "gdn" else ""
+                raise InvalidValue(
+                    f"model config {name} = {value!r} is read by block_type {read_by} only; this model is block_type "
+                    f"{self.block_type!r}{hint}: leave {name} out or at its default {defaults[name]!r}"
+                )
 
     def _check_gdn(self) -> None:
         if self.head_dim is None or self.head_dim < 1:
@@ -222,6 +244,17 @@ class Config:
         with open(path, "w", encoding="utf-8") as f:
             yaml.safe_dump(self.to_dict(), f, sort_keys=False)
 
+
+# settings that only some families' layers read, and the block types that read them (rope_base: also a hybrid)
+_FAMILY_SETTINGS = {
+    "expand_k": ("gla", "deltanet"),
+    "expand_v": ("gla", "gdn", "deltanet"),
+    "head_dim": ("gdn",),
+    "gate_low_rank_dim": ("gla",),
+    "gate_logit_normalizer": ("gla",),
+    "conv_size": ("gdn", "deltanet"),
+    "rope_base": ("transformer",),
+}
 
 _FIELD_KINDS = {
     **dict.fromkeys(["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "gate_low_rank_dim",

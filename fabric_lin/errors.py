@@ -29,6 +29,11 @@ class MissingPackage(UserError, ImportError):
     """An optional package that this use needs is not installed."""
 
 
+# sysexits.h's EX_TEMPFAIL: nothing the user gave is wrong (not 2), the same command may succeed, and a job script can
+# tell it from a bug's 1
+PEER_LOST_EXIT_CODE = 75
+
+
 class PeerLost(Exception):
     """Another process of a multi-process run ended (killed, out of memory, its node lost) or became unreachable while
     this one exchanged data with it: the run cannot go on. `during` says what the run was doing; `advice`, where the
@@ -41,3 +46,7 @@ class PeerLost(Exception):
     def __str__(self) -> str:
         return (f"a peer process of the run ended or became unreachable during {self.during} ({self.cause})"
                 + (f"; {self.advice}" if self.advice else ""))
+
+    def line(self, prog: str, rank: int) -> str:
+        """The one line a command prints for it, on every rank that is left, before it exits with PEER_LOST_EXIT_CODE."""
+        return f"{prog}: error on rank {rank}: {self}"

@@ -147,7 +147,7 @@ def main(
     if task_names and checkpoint.tokenizer is None:
         raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text"
                            f"{the_recorded_tokenizer(checkpoint_dir)}")
-    if task_names:
+    if checkpoint.tokenizer is not None:  # before the data is compared with it
         checkpoint.tokenizer.check_fits(checkpoint.config.vocab_size, checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)
     if evaluate_data:  # the data's errors (no validation split, blocks too long) before the model is set up
@@ -155,7 +155,7 @@ def main(
         data.prepare_data()
         if data_of_run:
             check_run_data_is_there(data, checkpoint_dir / HPARAMS_FILE)
-        validation_loader(data, checkpoint, batch_size, max(seq_lens))
+        validation_loader(data, checkpoint, checkpoint_dir, batch_size, max(seq_lens))
         if checkpoint.tokenizer is None and data.prepared_dirs():  # else data.setup() compared it with the data's
             check_data_tokenizer(checkpoint_dir, data)
 
@@ -184,7 +184,7 @@ def main(
             results["data"] = to_plain(data)
             results["lengths"] = []
             for length in seq_lens:
-                loader = validation_loader(data, checkpoint, batch_size, length)
+                loader = validation_loader(data, checkpoint, checkpoint_dir, batch_size, length)
                 starts = bucket_starts(length, bucket_size, bucket_edges)
                 result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts)
                 results["lengths"].append(result)
@@ -309,13 +309,20 @@ def build_model(fabric, checkpoint: "Checkpoint"):
 # ---------------------------------------------------------------- the data: loss and loss by position
 
 
-def validation_loader(data: DataModule, checkpoint: "Checkpoint", batch_size: int, seq_len: int):
+def validation_loader(data: DataModule, checkpoint: "Checkpoint", checkpoint_dir: Path, batch_size: int, seq_len: int):
     """The data module's validation loader, its blocks `seq_len` + 1 tokens long."""
-    from fabric_lin.data.prepared import BlockTooLong
+    from fabric_lin.data.prepared import PREPARED_INFO_FILE, BlockTooLong, VocabularyTooLarge
 
     data.connect(tokenizer=checkpoint.tokenizer, batch_size=batch_size, max_seq_length=seq_len,
                  vocab_size=checkpoint.config.vocab_size)
-    data.setup()
+    try:
+        data.setup()
+    except VocabularyTooLarge as e:  # its fix, a model config of a larger vocabulary, is for pretrain
+        raise InvalidValue(
+            f"{e.path} was tokenized with a vocabulary of {e.data_vocab} tokens ({PREPARED_INFO_FILE}), more than the "
+            f"{e.model_vocab} embeddings of the model of {checkpoint_dir}: its ids are not those of the tokenizer the model "
+            f"was trained with; evaluate on data prepared with that tokenizer"
+        ) from None
     try:
         loader = data.val_dataloader()
     except BlockTooLong as e:  # blocks longer than the data's chunk files, or than the whole split

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from fabric_lin.config import Config
 from fabric_lin.errors import InvalidValue
+from fabric_lin.ops.chunked.layout import private_offsets
 from fabric_lin.ops.cross_entropy import linear_cross_entropy
 from fabric_lin.ops.fused_launch import CrossEntropyLaunch, NormLaunch, ShortConvLaunch, SwiGLULaunch
 from fabric_lin.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step, gdn_gate
@@ -546,6 +547,8 @@ class GPT(nn.Module):
             hint = "; one sequence is input_ids[None]" if input_ids.dim() == 1 else ""
             raise InvalidValue(f"input_ids must be [B, T] integer token ids, got {input_ids.dtype} of shape "
                                f"{tuple(input_ids.shape)}{hint}")
+        if isinstance(cu_seqlens, torch.Tensor):  # a copy the caller cannot write: every layer's op reads it once
+            cu_seqlens = private_offsets(cu_seqlens)
         x = self.embeddings(input_ids)
         # the first block's delta: zeros in the dtype the sublayers' outputs have, so that every block is
         # called alike (a compiled Block reuses one graph; x + 0 is exactly x)

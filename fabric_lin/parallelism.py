@@ -15,9 +15,10 @@ bit for bit.
 import contextlib
 import os
 import re
+import threading
 from datetime import timedelta
 from functools import partial
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -25,6 +26,7 @@ from lightning_fabric.strategies import DDPStrategy, ModelParallelStrategy, Stra
 
 from fabric_lin.args import ParallelismArgs
 from fabric_lin.errors import InvalidValue, PeerLost
+from fabric_lin.files import environment_variables
 
 
 # What torch.distributed raises in a process whose peer process is gone (ended, or its node lost): gloo a RuntimeError
@@ -33,6 +35,9 @@ from fabric_lin.errors import InvalidValue, PeerLost
 # that called different collectives (a bug).
 GLOO_LOST_PEER = re.compile(r"gloo/transport/tcp/.*?(Connection closed by peer|Connection reset by peer|Broken pipe)")
 NCCL_LOST_PEER = "remote process exited or there was a network error"
+# The process id of the rank that Fabric's launcher starts the others from (`--devices N` without torchrun or SLURM),
+# in the environment of the ranks it starts: their parent, which they watch while they join the process group
+LAUNCHING_RANK_PID = "FABRIC_LIN_LAUNCHING_RANK_PID"
 
 
 def lost_peer_cause(error: BaseException) -> Optional[str]:
@@ -57,6 +62,36 @@ def peer_lost_during(activity: str) -> Iterator[None]:
         if cause is None:
             raise
         raise PeerLost(activity, cause) from error
+
+
+@contextlib.contextmanager
+def launching_rank_watched(on_lost: Callable[[PeerLost], None], poll_seconds: float = 0.2) -> Iterator[None]:
+    """Within: the process group's rendezvous (Fabric's launch). In a rank that Fabric's launcher started, `on_lost` is
+    called, from a thread of its own, as soon as the rank that started it is gone: torch.distributed would keep this
+    one waiting for that rank's store for parallelism.timeout_minutes and longer (it tries again), in a call that
+    neither an exception nor a signal interrupts, so `on_lost` must end the process itself. The launching rank passes
+    its process id to the ranks it starts. Ranks started otherwise are not watched: torchrun ends the processes of a
+    node when one of them fails, Fabric's launcher ends every rank when one it started fails, and a process on another
+    node cannot be seen from here."""
+    launcher = os.environ.get(LAUNCHING_RANK_PID)
+    if launcher is None or os.environ.get("LOCAL_RANK", "0") == "0":  # not a rank that Fabric's launcher started
+        with environment_variables({LAUNCHING_RANK_PID: str(os.getpid())}):
+            yield
+        return
+    joined = threading.Event()
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):  # once its parent is gone, a process is another's child
+            if joined.wait(poll_seconds):
+                return
+        on_lost(PeerLost("the start-up", f"process {launcher}, the rank that started this one, ended before every "
+                                         "process had joined"))
+
+    threading.Thread(target=watch, name="launching-rank-watch", daemon=True).start()
+    try:
+        yield
+    finally:
+        joined.set()
 
 
 def check_torchrun_processes(devices: int, num_nodes: int) -> None:

@@ -12,7 +12,9 @@ import contextlib
 import inspect
 import math
 import os
+import sys
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, ContextManager, Dict, Iterator, List, Literal, Optional, Tuple, Union
 
@@ -46,7 +48,7 @@ from fabric_lin.config import OTHER_VOCAB_SIZE, Config, name_to_config
 from fabric_lin.cpu_cores import cores_busy_with_other_work, usable_cpu_cores
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader, repeated_samples_note
-from fabric_lin.errors import InvalidValue, PeerLost, UserError
+from fabric_lin.errors import PEER_LOST_EXIT_CODE, InvalidValue, PeerLost, UserError
 from fabric_lin.files import check_dir_can_be_made, environment_variables, missing_ancestors, read_yaml, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FUSED_NOTE as FP8_FUSED_NOTE, TENSORWISE_NOTE as FP8_TENSORWISE_NOTE, FP8Args, check_fp8, convert_to_fp8
@@ -58,6 +60,7 @@ from fabric_lin.parallelism import (
     check_other_nodes_launched,
     check_torchrun_processes,
     free_gathered_weights,
+    launching_rank_watched,
     make_strategy,
     peer_lost_during,
 )
@@ -69,6 +72,7 @@ from fabric_lin.run_start import (
     check_trained_on_these_ids,
     load_initial_weights,
     load_tokenizer,
+    run_tokenizer_dir,
     training_data_tokenizer,
 )
 from fabric_lin.stopping import StepFlags, StopRequest
@@ -187,6 +191,9 @@ def setup(
     eval.validate()
     parallelism.validate()
     compile = compile.resolve(cuda, devices, num_nodes, reset_state_at_doc_boundaries)
+    if compile.kernel_autotune and config.block_type != "gla":
+        raise InvalidValue(f"--compile.kernel_autotune searches the GLA kernels' launch settings; {config.name} is block_type "
+                           f"{config.block_type!r}, which has no GLA layers: leave it false")
     check_fp8(fp8, torch.device("cuda" if cuda else "cpu"),
               sharded=devices * num_nodes > 1 and parallelism.data_parallel == "fsdp")
     if initial_checkpoint_dir is not None:
@@ -208,7 +215,9 @@ def setup(
                 plugins=[] if isinstance(strategy, ModelParallelStrategy) else [CheckpointFileIO()],
             )
             with peer_lost_during("the start-up"):  # training, validations and saves name themselves
-                fabric.launch()
+                with launching_rank_watched(partial(exit_at_once, devices=devices, out_dir=out_dir, resume=resume,
+                                                    overwrite=overwrite)):
+                    fabric.launch()
                 main(
                     fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,
                     initial_checkpoint_dir=initial_checkpoint_dir,
@@ -222,6 +231,16 @@ def setup(
         if fabric is None or fabric.global_rank == 0:
             remove_empty_dirs(created)  # a failed run leaves no empty out_dir behind
         raise
+
+
+def exit_at_once(lost: PeerLost, devices: int, out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:
+    """End a rank that Fabric's launcher started as the CLI ends one whose peer is gone (one line, PEER_LOST_EXIT_CODE),
+    from a thread other than the main one, which waits where no exception reaches it: the process group's rendezvous."""
+    lost.advice = how_to_continue_without_the_peer(out_dir, resume, overwrite)
+    rank = int(os.environ.get("NODE_RANK", "0")) * devices + int(os.environ["LOCAL_RANK"])  # Fabric's numbering
+    sys.stdout.flush()
+    print(lost.line("fabric-lin pretrain", rank), file=sys.stderr, flush=True)
+    os._exit(PEER_LOST_EXIT_CODE)
 
 
 def resume_hint(overwrite: bool) -> str:
@@ -320,7 +339,7 @@ def main(
         if fabric.global_rank == 0:
             data.prepare_data()
         fabric.barrier()
-        tokenizer_dir = tokenizer_dir or getattr(data, "tokenizer_dir", None)
+        tokenizer_dir = run_tokenizer_dir(tokenizer_dir, data)
         tokenizer = load_tokenizer(tokenizer_dir)
         if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
             raise InvalidValue(
@@ -335,10 +354,11 @@ def main(
         trained_with = training_data_tokenizer(data, tokenizer)
         if resume_dir is not None:
             check_trained_on_these_ids(resume_dir, "--resume", tokenizer, trained_with, fix=(
-                f"resume on data prepared with --tokenizer_path {resume_dir}, or train on this data in a new run"))
+                f"resume on data prepared with --tokenizer_path {resume_dir}, or train on this data in a new run"),
+                log=fabric.print)
         elif initial_checkpoint_dir is not None:
             check_trained_on_these_ids(initial_checkpoint_dir, "--initial_checkpoint_dir", tokenizer, trained_with, fix=(
-                f"prepare the data with --tokenizer_path {initial_checkpoint_dir}"))
+                f"prepare the data with --tokenizer_path {initial_checkpoint_dir}"), log=fabric.print)
         if tokenizer is None:  # said once the data is found good: a mistake in its paths is the error to show
             fabric.print(
                 f"Warning: no tokenizer (--tokenizer_dir, or a data module that has one): the checkpoints will hold "
@@ -366,6 +386,9 @@ def main(
         if compile.kernel_autotune and fabric.device.type == "cuda" and config.block_type == "gla":
             gla_launch = tune_gla_kernels(fabric, config, train, precision, out_dir)
             metrics.startup_phase("kernels tuned")
+        elif compile.kernel_autotune:  # a recipe written for GPUs, tried on the CPU: said, not refused
+            fabric.print("Note: compile.kernel_autotune does nothing on the CPU: it searches the launch settings of the GLA "
+                         "Triton kernels, and the CPU runs the GLA layers' PyTorch ops instead")
         model, no_decay = build_model(
             fabric, config, seed, initial_checkpoint_dir, parallelism.activation_checkpointing, compile, gla_launch, fp8
         )

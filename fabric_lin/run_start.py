@@ -129,6 +129,20 @@ def fits(state: Dict[str, torch.Tensor], config: Config) -> bool:
     return True
 
 
+def run_tokenizer_dir(tokenizer_dir: Optional[Path], data: DataModule) -> Optional[Path]:
+    """The run's tokenizer: --tokenizer_dir, else the one that prepared the data (its files lie beside the tokens),
+    else None. A --tokenizer_dir that is not there while the data carries a tokenizer is named with the data's: a
+    --config recipe's tokenizer_dir (Llama-2's, which prepared its SlimPajama) stays set under a --data of one's own."""
+    carried = getattr(data, "tokenizer_dir", None)
+    if tokenizer_dir is None:
+        return carried
+    if carried is not None and not Path(tokenizer_dir).exists():
+        raise MissingFile(f"--tokenizer_dir {tokenizer_dir} does not exist; the data carries the tokenizer that prepared "
+                          f"it, in {carried}: give --tokenizer_dir null to train with that one (a --config file's "
+                          f"tokenizer_dir is the tokenizer of that recipe's data), or the directory of the tokenizer meant")
+    return tokenizer_dir
+
+
 def load_tokenizer(tokenizer_dir: Optional[Path]):
     if tokenizer_dir is None:
         return None
@@ -152,18 +166,22 @@ def training_data_tokenizer(data: DataModule, tokenizer) -> Optional[Dict[str, A
 
 
 def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, data_trained_with: Optional[Dict[str, Any]],
-                               fix: str) -> None:
+                               fix: str, log=print) -> None:
     """Refuse to train on from weights (a checkpoint or a model directory; each holds the tokenizer its model was
     trained with) with data of another tokenizer: an id stands for another piece in each, of the same vocabulary size
     too, and the loss would only say so as a slow recovery. The weights' tokenizer is their trained_with.json's, or
     their tokenizer.model's; the data's is `data_trained_with` (`training_data_tokenizer`: its prepared.json's, which
     tells it also where the data carries no tokenizer files, else the run's `tokenizer`). Nothing to compare where
-    either tells none."""
+    either tells none; where the weights tell none (a directory with neither file), `log` says so."""
     from fabric_lin.data.prepared import PREPARED_INFO_FILE
     from fabric_lin.data.tokenizer import (
         TRAINED_WITH_FILE, Tokenizer, describe_tokenizer, tokenizer_identity, weights_trained_with)
 
     weights_tokenizer = weights_trained_with(weights_dir) if data_trained_with is not None else None
+    if data_trained_with is not None and weights_tokenizer is None:
+        log(f"Note: {option} {weights_dir} holds no tokenizer.model and no {TRAINED_WITH_FILE}, so nothing tells whether "
+            f"this run's data tokenizer ({describe_tokenizer(data_trained_with)}) is the one its weights were trained "
+            f"with; under another one each id is another piece")
     if weights_tokenizer is not None and tokenizer_identity(weights_tokenizer) != tokenizer_identity(data_trained_with):
         weights_named = (Tokenizer(weights_dir).describe() if (Path(weights_dir) / "tokenizer.model").is_file()
                          else f"the tokenizer its {TRAINED_WITH_FILE} records ({describe_tokenizer(weights_tokenizer)})")

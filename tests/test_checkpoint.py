@@ -56,6 +56,31 @@ def _make_ckpt(root: Path, name: str) -> Path:
     return d
 
 
+def test_a_resume_path_without_a_checkpoint_says_what_is_there(tmp_path):
+    """--resume PATH that holds no checkpoint: one not there (a mistyped step) names the checkpoints of the run directory
+    it points into, one that is there what it holds (an fla export here) and what takes a model's weights. Both said
+    only 'expected a checkpoint directory holding lit_model.pth'."""
+    _make_ckpt(tmp_path, "step-00000002")
+    _make_ckpt(tmp_path, "step-00000004")
+    with pytest.raises(FileNotFoundError) as missing:
+        explicit_resume_dir(tmp_path / "step-4")
+    assert str(missing.value) == (f"--resume {tmp_path / 'step-4'} does not exist: expected a training checkpoint (a "
+                                  f"run's step-XXXXXXXX/ or final/); {tmp_path} holds step-00000004, step-00000002")
+    with pytest.raises(FileNotFoundError, match=r"does not exist: expected a training checkpoint \(a run's step-XXXXXXXX/ "
+                                                r"or final/\)$"):
+        explicit_resume_dir(tmp_path / "elsewhere" / "final")
+    export = tmp_path / "hf"
+    export.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.model"):
+        (export / name).write_text("")
+    with pytest.raises(FileNotFoundError) as not_a_checkpoint:
+        explicit_resume_dir(export)
+    assert str(not_a_checkpoint.value) == (
+        f"--resume {export} is not a training checkpoint: it has no lit_model.pth (it holds config.json, "
+        f"model.safetensors, tokenizer.model); --resume continues a run from its step-XXXXXXXX/ or final/, and a new "
+        f"run starts from a model directory's weights with --initial_checkpoint_dir")
+
+
 def test_checkpoints_are_found_newest_first(tmp_path):
     fabric = L.Fabric(accelerator="cpu", devices=1)
     assert select_resume_dir(fabric, "auto", tmp_path) is None and select_resume_dir(fabric, False, tmp_path) is None
@@ -70,7 +95,8 @@ def test_checkpoints_are_found_newest_first(tmp_path):
     assert explicit_resume_dir(tmp_path / "step-00000002") == tmp_path / "step-00000002"
     assert explicit_resume_dir(tmp_path / "step-00000002" / "lit_model.pth") == tmp_path / "step-00000002"
     (tmp_path / "step-00000011").mkdir()  # nothing in it
-    with pytest.raises(FileNotFoundError, match="step-00000011: expected a checkpoint directory holding lit_model.pth"):
+    with pytest.raises(FileNotFoundError, match="step-00000011 is not a training checkpoint: it has no lit_model.pth "
+                                                r"\(it is empty\)"):
         explicit_resume_dir(tmp_path / "step-00000011")
     with pytest.raises(ValueError, match="an unfinished checkpoint"):
         explicit_resume_dir(tmp_path / ".tmp-step-00000012")

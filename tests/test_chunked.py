@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_layout  # noqa: E402
+from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_layout, private_offsets  # noqa: E402
 from fabric_lin.ops.gdn import (  # noqa: E402
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule_step,
@@ -35,24 +35,52 @@ def test_chunk_layout_of_documents():
     assert chunk_layout(None, 3, 130) == (3, 9, None, None)  # 3 sequences of 3 chunks, no index tensors
 
 
-def test_chunk_layout_of_a_tensor_met_again_is_read_once_and_again_after_it_is_written(monkeypatch):
-    """Every layer passes the same cu_seqlens: its offsets are read from the device once; a tensor written in place
-    since (its version moved) or another tensor of other offsets is read anew."""
+def test_chunk_layout_of_private_offsets_met_again_is_read_once_and_again_after_they_are_written(monkeypatch):
+    """Every layer passes the same offsets, the model's private copy: they are read from the device once; offsets
+    written in place since (their version moved) or other offsets are read anew."""
     from fabric_lin.ops.chunked import layout as layout_module
 
     reads = []
     read = layout_module.documents_layout
     monkeypatch.setattr(layout_module, "documents_layout", lambda cu, T, BT: reads.append(cu.tolist()) or read(cu, T, BT))
-    cu = torch.tensor([0, 1, 65, 130], dtype=torch.int32)
+    cu = private_offsets(torch.tensor([0, 1, 65, 130]))
+    assert cu.dtype == torch.int32
     first = chunk_layout(cu, 1, 130)
     assert all(chunk_layout(cu, 1, 130) is first for _ in range(3)) and reads == [[0, 1, 65, 130]]
     cu[1:3] = torch.tensor([64, 128])  # written in place: documents of 64, 64 and 2 rows
     again = chunk_layout(cu, 1, 130)
     assert again.chunk_indices.tolist() == [0, 0, 1, 0, 2, 0] and again.chunk_offsets.tolist() == [0, 1, 2, 3]
-    other = torch.tensor([0, 130], dtype=torch.int32)
+    other = private_offsets(torch.tensor([0, 130], dtype=torch.int32))
     assert chunk_layout(other, 1, 130).chunk_offsets.tolist() == [0, 3]
     assert chunk_layout(cu, 1, 130) is again  # still among the recent ones
     assert reads == [[0, 1, 65, 130], [0, 64, 128, 130], [0, 130]]
+
+
+def test_offsets_the_caller_holds_are_read_at_every_call(monkeypatch):
+    """A caller's offsets may be written between two calls without moving their version (through .data, or a NumPy
+    view): a layout made of them before would send the kernels past the documents' ends. (Kept by identity and
+    version, the layout of the first offsets was used for the second.)"""
+    cu = torch.tensor([0, 65, 130], dtype=torch.int32)  # documents of 65 and 65 rows: chunks (0, 0), (0, 1), (1, 0), (1, 1)
+    assert chunk_layout(cu, 1, 130).chunk_indices.tolist() == [0, 0, 0, 1, 1, 0, 1, 1]
+    cu.data.copy_(torch.tensor([0, 1, 130]))  # 1 and 129 rows: (0, 0), (1, 0), (1, 1), (1, 2)
+    assert chunk_layout(cu, 1, 130).chunk_indices.tolist() == [0, 0, 1, 0, 1, 1, 1, 2]
+    cu.numpy()[1] = 129  # 129 and 1 rows
+    assert chunk_layout(cu, 1, 130).chunk_indices.tolist() == [0, 0, 0, 1, 0, 2, 1, 0]
+
+
+def test_chunk_gla_follows_offsets_rewritten_through_data():
+    """The op on a caller's cu_seqlens buffer, filled anew through .data between two calls, against the fp64
+    recurrence on the new offsets (with the first call's layout the kernels wrote outside the output: a corrupted heap)."""
+    from conftest import gated_linear_attention_fp64, gla_inputs
+
+    q, k, v, gk, _ = gla_inputs(1, 130, 1, 16, 16)
+    cu = torch.tensor([0, 65, 130], dtype=torch.int32)
+    first, _ = chunk_gla(q, k, v, gk, cu_seqlens=cu, backend="triton")
+    cu.data.copy_(torch.tensor([0, 1, 130]))
+    second, _ = chunk_gla(q, k, v, gk, cu_seqlens=cu, backend="triton")
+    reference, _ = gated_linear_attention_fp64(q, k, v, gk, cu_seqlens=cu)
+    torch.testing.assert_close(second.double(), reference, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(first, second)
 
 
 def test_chunk_layout_of_a_tensor_met_again_with_another_length_or_chunk_size_is_made_anew():
@@ -65,9 +93,9 @@ def test_chunk_layout_of_a_tensor_met_again_with_another_length_or_chunk_size_is
         chunk_layout(cu, 1, 100)
 
 
-def test_chunk_layout_keeps_the_layouts_of_the_last_few_tensors_met(monkeypatch):
-    """The most recent tensors' layouts are kept, a newly met one among them; the oldest is dropped for a new one
-    (the cache holds each tensor, so it must not grow with every batch's cu_seqlens)."""
+def test_chunk_layout_keeps_the_layouts_of_the_last_few_private_offsets(monkeypatch):
+    """The layouts of the most recent private offsets are kept; the oldest are dropped for new ones (the cache holds
+    each tensor, so it must not grow with every batch's cu_seqlens)."""
     from fabric_lin.ops.chunked import layout as layout_module
 
     monkeypatch.setattr(layout_module, "_RECENT_LAYOUTS", [])
@@ -75,12 +103,13 @@ def test_chunk_layout_keeps_the_layouts_of_the_last_few_tensors_met(monkeypatch)
     read = layout_module.documents_layout
     monkeypatch.setattr(layout_module, "documents_layout", lambda cu, T, BT: reads.append(cu.tolist()) or read(cu, T, BT))
     kept = layout_module._RECENT_KEPT
-    tensors = [torch.tensor([0, n + 1, 130], dtype=torch.int32) for n in range(kept + 1)]
-    for cu in tensors[:kept] * 2:
+    tensors = [private_offsets(torch.tensor([0, n + 1, 130])) for n in range(kept)]
+    for cu in tensors * 2:
         chunk_layout(cu, 1, 130)
     assert len(reads) == kept  # as many as are kept: each read once
-    chunk_layout(tensors[kept], 1, 130)
-    chunk_layout(tensors[kept], 1, 130)
+    newest = private_offsets(torch.tensor([0, kept + 1, 130]))
+    chunk_layout(newest, 1, 130)
+    chunk_layout(newest, 1, 130)
     assert len(reads) == kept + 1  # the newest is kept
     chunk_layout(tensors[0], 1, 130)
     assert reads[-1] == [0, 1, 130] and len(reads) == kept + 2  # the oldest was dropped for it

@@ -80,6 +80,23 @@ def test_a_list_given_without_brackets_is_shown_as_it_is_written(capsys, flags, 
     assert "Unknown model name 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["evaluate", "ckpt", "--seq_len", "[256,", "512]"],
+     "seq_len: got [256,, expected int or list or null; the shell cut the list at its spaces: quote it whole, "
+     "--seq_len '[256, ...]'"),
+    (["pretrain", "--resume_changes", "[data,", "train.max_steps]"],
+     "resume_changes: got [data,, expected list or null; the shell cut the list at its spaces: quote it whole, "
+     "--resume_changes '[data, ...]'"),
+    (["pretrain", "--data", "TextFiles", "--data.train_dir", "[data/a/train,", "data/b/train]"],
+     "unexpected argument data/b/train]: the end of a list that the shell cut at its spaces; quote the whole list, "
+     "e.g. '[a, b]'"),
+])
+def test_a_list_the_shell_cut_at_its_spaces_is_said_to_be_quoted(capsys, argv, message):
+    """`--seq_len [256, 512]` unquoted reaches the command as two words: the first was refused as `got [256,`, or taken
+    for a path and the second called an argument the command does not take, neither saying what to do."""
+    assert parse_error(argv, capsys) == f"fabric-lin {argv[0]}: error: {message}"
+
+
 @pytest.mark.parametrize("flags", [["--train.max_step", "10"], ["--train.max_step=10"], ["--eval.max_iter", "2"]])
 def test_an_abbreviated_flag_is_refused(tmp_path, capsys, flags):
     from fabric_lin.cli import main as cli_main
@@ -535,3 +552,27 @@ def test_a_model_config_named_after_a_model_but_unlike_it_is_noted(capsys):
     for name, config in (("gla-debug", given_field_by_field), (None, None)):
         with pytest.raises(ValueError, match="give exactly one of --model_name and --model_config"):
             resolve_model_config(name, config)
+
+
+def test_help_describes_every_option(capsys):
+    """Each option in each command's --help says what it does, not only its type and default (the optimizer's four
+    options once showed `(type: float, default: 0.0004)` and nothing else)."""
+    import re
+
+    from fabric_lin.cli import COMMANDS, main as cli_main
+
+    undescribed = []
+    for command in COMMANDS:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            cli_main([command, "--help"])
+        assert info.value.code == 0
+        options = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+        # an option's entry: its invocation, then (on its line after two spaces, or on the lines below) its description
+        for entry in re.split(r"\n(?=  -)", options):
+            first_line, *more = entry.splitlines()
+            invocation, _, rest = first_line.strip().partition("  ")
+            description = " ".join([rest, *more]).split()
+            if not description or description[0].startswith("(type:"):
+                undescribed.append(f"{command} {invocation}")
+    assert not undescribed, undescribed

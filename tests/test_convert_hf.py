@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from fabric_lin.config import Config
-from fabric_lin.convert.hf import convert_from_hf, convert_to_hf, to_hf_name
+from fabric_lin.convert.hf import config_from_fla, convert_from_hf, convert_to_hf, fla_config, to_hf_name
 from fabric_lin.convert.model_dir import load_model_dir_weights
 from fabric_lin.model import GPT
 from helpers import make_model_dir, small_config
@@ -332,6 +332,62 @@ def test_export_of_what_is_not_a_model_directory_names_what_it_is(tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+def test_import_of_what_is_not_an_fla_export_names_what_it_is(tmp_path, capsys):
+    """convert_from_hf given a model directory (the wrong way round), a training checkpoint, a run's out_dir, a file of
+    an export, or nothing: each named as what it is, with the command that reads it, where each was "<path>/config.json
+    does not exist" (for the file, a path below it)."""
+    from helpers import cli_error
+
+    config = small_config()
+    make_model_dir(tmp_path / "model", config)
+    convert_to_hf(tmp_path / "model", tmp_path / "export")
+    checkpoint = tmp_path / "run" / "final"  # what tells a training checkpoint: step.json beside lit_model.pth
+    checkpoint.mkdir(parents=True)
+    config.save(checkpoint / "model_config.yaml")
+    (checkpoint / "lit_model.pth").write_bytes(b"")
+    (checkpoint / "step.json").write_text('{"step_count": 2}')
+    out = ["--output_dir", str(tmp_path / "out")]
+    prefix = "fabric-lin convert_from_hf: error: "
+    to_model_dir = "--output_dir <DIR> makes a model directory of it\n"
+    cases = {
+        tmp_path / "model": (f"{tmp_path / 'model'} is a model directory (model_config.yaml) already, not an fla export; to "
+                             f"export it in fla's format (the other way): fabric-lin convert_to_hf {tmp_path / 'model'} "
+                             "--output_dir <DIR>\n"),
+        checkpoint: (f"{checkpoint} is a training checkpoint, not an fla export: fabric-lin convert_pretrained_checkpoint "
+                     f"{checkpoint} {to_model_dir}"),
+        tmp_path / "run": (f"{tmp_path / 'run'} is a training run's directory (it holds final), not an fla export: "
+                           f"fabric-lin convert_pretrained_checkpoint {checkpoint} {to_model_dir}"),
+        tmp_path / "export" / "model.safetensors": (f"{tmp_path / 'export' / 'model.safetensors'} is a file: give "
+                                                    f"convert_from_hf the export that holds it, {tmp_path / 'export'}\n"),
+        tmp_path / "nothing": (f"{tmp_path / 'nothing'} does not exist: expected an fla export (config.json and "
+                               "safetensors, as convert_to_hf writes them)\n"),
+    }
+    for given, message in cases.items():
+        assert cli_error(["convert_from_hf", str(given), *out], capsys) == prefix + message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_with_more_pieces_than_the_model_has_embeddings_is_not_converted(tmp_path, capsys):
+    """A model directory or an export that holds no record of its tokenizer and a tokenizer.model of 80 pieces beside
+    its model's 64 embeddings: neither converter writes anything. Both copied the tokenizer and recorded it in the
+    output's trained_with.json as the one the weights were trained with; generate refused the result only later."""
+    import shutil
+
+    from helpers import cli_error, train_sentencepiece
+
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "export")
+    train_sentencepiece(tmp_path / "larger", vocab_size=80)
+    for directory, command in ((tmp_path / "model", "convert_to_hf"), (tmp_path / "export", "convert_from_hf")):
+        (directory / "trained_with.json").unlink(missing_ok=True)  # the export's, which convert_to_hf wrote
+        shutil.copy(tmp_path / "larger" / "tokenizer.model", directory / "tokenizer.model")
+        err = cli_error([command, str(directory), "--output_dir", str(tmp_path / "out")], capsys)
+        assert err.startswith(f"fabric-lin {command}: error: {directory}: its tokenizer has 80 pieces and its model 64 "
+                              f"embeddings, so the tokenizer is not the model's ({directory / 'tokenizer.model'} "
+                              "(vocab_size=80, "), err
+        assert not (tmp_path / "out").exists()
+
+
 def test_lora_adapters_alone_given_for_a_model_name_the_merged_export(tmp_path, capsys):
     """The adapter/ directory of tutorials/finetune_lora.md (peft's save_pretrained of the adapters alone) given where a
     model goes: each command says what it is and which directory to give instead (generate said tokenizer.model
@@ -587,3 +643,30 @@ def test_keys_absent_from_config_json_take_flas_defaults(tmp_path, overrides):
     assert Config.from_checkpoint(tmp_path / "back") == config
     back = load_model_dir_weights(tmp_path / "back")
     assert sorted(back) == sorted(state) and all(torch.equal(back[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("name", ["gla-debug", "transformer-debug", "gdn-debug", "deltanet-debug"])
+def test_attention_residuals_of_every_family_are_refused(tmp_path, name):
+    """fla's attnres_block_size replaces the residual sums with learned mixes of earlier layers; fabric-lin's blocks
+    have plain residuals, so no family may read such a config.json as one of its models."""
+    hf = fla_config(Config.from_name(name, num_layers=2))
+    path = tmp_path / "config.json"
+    with pytest.raises(ValueError, match=rf"{path}: .*no equivalent of attnres_block_size=2 \(supported: None\)"):
+        config_from_fla({**hf, "attnres_block_size": 2}, path, "x")
+
+
+def test_a_null_rope_theta_is_refused_and_a_missing_one_is_flas_default(tmp_path):
+    """fla builds its rotary embedding with float(rope_theta): a config.json whose rope_theta is null is no model fla can
+    build, and was read as base 10000 (a transformer) or failed with a TypeError (a hybrid's attn). Left out, it is
+    fla's default, 10000."""
+    path = tmp_path / "config.json"
+    transformer = fla_config(Config.from_name("transformer-debug", num_layers=2, rope_base=500.0))
+    hybrid = fla_config(Config.from_name("gla-debug", num_layers=2, attn_layers=[1], attn_num_heads=2, rope_base=500.0))
+    assert config_from_fla(transformer, path, "x").rope_base == config_from_fla(hybrid, path, "x").rope_base == 500.0
+    with pytest.raises(ValueError, match=rf"^{path}: rope_theta must be a number, .*\(left out: fla's 10000\), got None$"):
+        config_from_fla({**transformer, "rope_theta": None}, path, "x")
+    with pytest.raises(ValueError, match=rf"^{path}: attn.rope_theta must be a number, .*got None$"):
+        config_from_fla({**hybrid, "attn": {**hybrid["attn"], "rope_theta": None}}, path, "x")
+    left_out = {k: v for k, v in transformer.items() if k != "rope_theta"}
+    hybrid_left_out = {**hybrid, "attn": {k: v for k, v in hybrid["attn"].items() if k != "rope_theta"}}
+    assert config_from_fla(left_out, path, "x").rope_base == config_from_fla(hybrid_left_out, path, "x").rope_base == 10000.0

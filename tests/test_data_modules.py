@@ -576,6 +576,28 @@ def test_a_data_module_given_no_directory_names_its_training_and_its_validation_
         TextFiles().setup()
 
 
+def test_a_slimpajama_starcoder_directory_not_there_names_data_path_and_its_layout(mix, tmp_path):
+    """The directories SlimPajamaStarcoder reads lie at fixed places under data.data_path: one missing is named with that
+    key and the layout expected, and a data_path given as one of the directories inside it (data/slimpajama, as
+    prepare_slimpajama's --output_dir was given) is answered with the one meant. Both said only that the directory
+    does not exist and to run a preprocessor."""
+    layout = "expected slimpajama/train, slimpajama/val, starcoder under it"
+    for given in (mix["data"] / "slimpajama", mix["data"] / "slimpajama" / "train"):
+        data = SlimPajamaStarcoder(data_path=given)
+        with pytest.raises(FileNotFoundError) as info:
+            data.setup()
+        assert str(info.value) == (f"data.data_path {given} holds no slimpajama/train ({given / 'slimpajama' / 'train'} "
+                                   f"does not exist): {layout}: did you mean --data.data_path {mix['data']}?")
+    data = SlimPajamaStarcoder(data_path=tmp_path / "nowhere", use_starcoder=False)
+    with pytest.raises(FileNotFoundError) as info:
+        data.setup()
+    assert str(info.value) == (
+        f"data.data_path {tmp_path / 'nowhere'} holds no slimpajama/train ({tmp_path / 'nowhere' / 'slimpajama' / 'train'} "
+        "does not exist): expected slimpajama/train, slimpajama/val under it; each is the --output_dir of "
+        "prepare_slimpajama or prepare_starcoder (data.use_starcoder false: no starcoder, data.validation false: no "
+        "slimpajama/val)")
+
+
 def test_setup_errors_name_the_directory(mix, tmp_path):
     data = SlimPajamaStarcoder(data_path=tmp_path / "nowhere")
     data.connect(mix["tokenizer"], batch_size=1, max_seq_length=SEQ)

@@ -551,8 +551,10 @@ def test_an_earlier_evaluation_in_out_dir_is_kept_unless_overwrite(run, tmp_path
 
 
 def test_a_tokenizer_with_more_pieces_than_the_model_has_embeddings_is_one_line(run, tmp_path, capsys, harness_with_hellaswag):
-    """A model directory whose tokenizer.model is not its model's (300 pieces beside 256 embeddings): evaluate's
-    --tasks and generate refuse it in one line before any text is encoded (an id past 255 has no embedding)."""
+    """A model directory whose tokenizer.model is not its model's (300 pieces beside 256 embeddings): evaluate (with
+    --tasks, or with data of that tokenizer) and generate refuse it in one line before any text is encoded or data read
+    (an id past 255 has no embedding). Without a tokenizer.model, data of the larger vocabulary is refused naming the
+    model directory. Evaluated on data, both were refused with pretrain's fix: a model config of a larger vocab_size."""
     from fabric_lin.convert.model_dir import save_model_dir
 
     config = Config.from_name("gla-debug", vocab_size=256)
@@ -561,6 +563,15 @@ def test_a_tokenizer_with_more_pieces_than_the_model_has_embeddings_is_one_line(
     expected = f"{tmp_path / 'model'}: its tokenizer has 300 pieces and its model 256 embeddings"
     assert expected in cli_error(["evaluate", str(tmp_path / "model"), "--tasks", "hellaswag"], capsys)
     assert expected in cli_error(["generate", str(tmp_path / "model"), "--prompt", "a"], capsys)
+    data = ["--data", "TokenChunks", "--data.val_path", str(run / "val"), "--max_batches", "1"]
+    assert expected in cli_error(["evaluate", str(tmp_path / "model"), *data], capsys)
+    for name in ("tokenizer.model", "tokenizer_config.json", "trained_with.json"):
+        (tmp_path / "model" / name).unlink()
+    assert cli_error(["evaluate", str(tmp_path / "model"), *data], capsys) == (
+        f"fabric-lin evaluate: error: {run / 'val'} was tokenized with a vocabulary of 300 tokens (prepared.json), more "
+        f"than the 256 embeddings of the model of {tmp_path / 'model'}: its ids are not those of the tokenizer the model "
+        "was trained with; evaluate on data prepared with that tokenizer\n")
+    assert not (tmp_path / "model" / "evaluate").exists()
 
 
 # ---------------------------------------------------------------- lm-evaluation-harness itself (optional extra)

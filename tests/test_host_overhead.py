@@ -1,5 +1,6 @@
 """benchmarks/host_overhead.py: the fused path's launches per step, counted with the GPU taken out."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -7,15 +8,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_launches_per_step_follow_the_layer_structure():
+def test_launches_per_step_follow_the_layer_structure(tmp_path):
     layers = 3
+    # run as documented: without TRITON_INTERPRET, which the test session sets
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "host_overhead.py"), "--layers", str(layers), "--steps", "1",
-         "--repeats", "1"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+         "--repeats", "1", "--out", str(tmp_path / "host.json")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
+    assert json.loads((tmp_path / "host.json").read_text()) == result
+    assert "host_overhead.py --layers 3" in result["run"]["command"]
     launches = result["launches_per_step"]
     # per layer, forward: the attention's pre-norm, the gate cumsum, the state pass, the output, the gated
     # norm, the MLP's pre-norm, SwiGLU; backward: the three norms and SwiGLU recomputed, the gate cumsum

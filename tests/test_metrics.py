@@ -19,13 +19,19 @@ import fabric_lin.metrics as metrics_module
 from fabric_lin.metrics import METRICS_FILE, SUPERSEDED_FILE, MetricsWriter, read_records
 
 
+def writer_on_a_clock(tmp_path, monkeypatch, start_step: int, max_steps: int):
+    """(a MetricsWriter of 100 tokens a step, started at `start_step`, the clock it reads: advance clock.now)."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(time=time.time, perf_counter=lambda: clock.now))
+    writer = MetricsWriter(L.Fabric(accelerator="cpu", devices=1), tmp_path, max_steps=max_steps, tokens_per_step=100)
+    writer.start(start_step, max_steps=max_steps)
+    return writer, clock
+
+
 def test_tokens_per_sec_counts_each_interval_and_leaves_validation_and_saving_out(tmp_path, monkeypatch):
     """Resumed at step 4, steps of 100 tokens and 1 s each, logged every 2 steps, with pauses of 3 s after step 5 and
     5 s after step 7: 100 tokens/s in each interval, and after the first step."""
-    clock = SimpleNamespace(now=100.0)
-    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(time=time.time, perf_counter=lambda: clock.now))
-    writer = MetricsWriter(L.Fabric(accelerator="cpu", devices=1), tmp_path, max_steps=8, tokens_per_step=100)
-    writer.start(4, max_steps=8)
+    writer, clock = writer_on_a_clock(tmp_path, monkeypatch, start_step=4, max_steps=8)
     zero = torch.zeros(())
     for step in range(5, 9):
         clock.now += 1
@@ -239,10 +245,7 @@ def test_the_eta_leaves_out_the_first_steps_compilation(tmp_path, monkeypatch, c
     """A first step of 100 s (compilation, warm-up), then steps of 1 s and a validation of 2 s after step 5: at step 10
     of 100 the 90 steps left take 90 s, and a validation of 2 s every 9 steps 20 s more (the time after the first step
     per step, 11 s over 9 steps), not the first step's 100 s spread over every step left (16 minutes)."""
-    clock = SimpleNamespace(now=100.0)
-    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(time=time.time, perf_counter=lambda: clock.now))
-    writer = MetricsWriter(L.Fabric(accelerator="cpu", devices=1), tmp_path, max_steps=100, tokens_per_step=100)
-    writer.start(0, max_steps=100)
+    writer, clock = writer_on_a_clock(tmp_path, monkeypatch, start_step=0, max_steps=100)
     zero = torch.zeros(())
     for step in range(1, 11):
         clock.now += 100 if step == 1 else 1

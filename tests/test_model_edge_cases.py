@@ -214,6 +214,18 @@ def test_attention_flops_equal_a_direct_count(name, T):
         # the widths that must divide by num_heads name the config keys they come from
         ("gla-debug", dict(hidden_size=66, num_heads=4), ["hidden_size", "expand_k", "num_heads"]),
         ("transformer-debug", dict(hidden_size=130, num_heads=4), ["hidden_size", "num_heads"]),
+        # a setting of another family, which this model's layers never read, would build another model than the
+        # one asked for without a word
+        ("deltanet-debug", dict(gate_low_rank_dim=32), ["gate_low_rank_dim", "32", "'deltanet'"]),
+        ("gdn-debug", dict(gate_logit_normalizer=8), ["gate_logit_normalizer", "'gdn'"]),
+        ("gdn-debug", dict(expand_k=1.0), ["expand_k", "'gdn'", "head_dim"]),
+        ("transformer-debug", dict(conv_size=2), ["conv_size", "'transformer'"]),
+        ("transformer-debug", dict(expand_v=2.0), ["expand_v", "'transformer'"]),
+        ("gla-debug", dict(head_dim=64), ["head_dim", "'gla'"]),
+        ("gla-debug", dict(conv_size=2), ["conv_size", "'gla'"]),
+        ("deltanet-debug", dict(rope_base=500.0), ["rope_base", "attn_layers"]),
+        # a layer listed twice is most likely a typo for another layer
+        ("gla-debug", dict(attn_layers=[1, 1], attn_num_heads=2), ["attn_layers", "[1, 1]", "twice"]),
     ],
 )
 def test_bad_config_values_are_named(base, fields, names):

@@ -156,3 +156,25 @@ def test_every_kernel_op_is_launched_with_the_models_launch_settings(monkeypatch
     assert all(getattr(launch, family) != getattr(shipped, family) for family in families)
     step = "recurrent_gla_step" if name == "gla-debug" else "recurrent_gated_delta_rule_step"
     assert step in {op for op, _, _ in seen}
+
+
+def test_offsets_rewritten_through_data_between_two_forwards_are_read_anew(monkeypatch):
+    """A caller's cu_seqlens buffer, filled anew through .data (which leaves its version as it was) between two
+    forward passes: the fused model follows the new documents as the PyTorch path does, the layers of each pass
+    reading the offsets once. (The layout of the first offsets, kept by identity and version, was used for the second
+    pass: the kernels wrote past the documents' ends.)"""
+    from fabric_lin.ops.chunked import layout as layout_module
+
+    reads = []
+    read = layout_module.documents_layout
+    monkeypatch.setattr(layout_module, "documents_layout", lambda cu, T, BT: reads.append(cu.tolist()) or read(cu, T, BT))
+    fused, reference = fused_and_reference(Config.from_name("gla-debug", num_layers=2))
+    ids = torch.randint(0, fused.config.vocab_size, (1, 130), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    cu = torch.tensor([0, 65, 130], dtype=torch.int32, device=DEVICE)  # documents of 65 and 65 rows
+    with torch.no_grad():
+        first = fused(ids, cu_seqlens=cu)
+        cu.data.copy_(torch.tensor([0, 1, 130]))  # 1 and 129 rows: other chunks
+        second = fused(ids, cu_seqlens=cu)
+        expected = reference(ids, cu_seqlens=cu)
+    assert reads == [[0, 65, 130], [0, 1, 130]]
+    assert rel_rms(second, expected) < 1e-5 and rel_rms(first, second) > 1e-3

@@ -305,6 +305,61 @@ def test_prepare_text_interrupted_leaves_nothing_the_trainer_accepts(paragraphs_
         assert list(runs.iterdir()) == []
 
 
+@pytest.fixture(scope="module")
+def prepared_again(paragraphs_tokenizer, text_corpus, text_prepared):
+    """The corpus of text_prepared prepared again into another directory, with --val_fraction 0: its train/ holds every
+    document of text_prepared's train/ and val/, in other chunk files under another index.json."""
+    again = text_corpus["raw"].parent / "again"
+    prepare_text(text_corpus["raw"], again, paragraphs_tokenizer, val_fraction=0, chunk_size=2000, num_workers=1)
+    tokenizer = Tokenizer(paragraphs_tokenizer)
+    out, _ = text_prepared
+    documents = {split: {tuple(d) for d in split_documents(read_tokens(path), tokenizer.eos_id)}
+                 for split, path in (("train", out / "train"), ("val", out / "val"), ("again", again / "train"))}
+    assert documents["val"] and documents["again"] == documents["train"] | documents["val"]
+    return again
+
+
+def text_files(tokenizer_dir, **dirs):
+    from fabric_lin.data import TextFiles
+
+    data = TextFiles(**dirs, num_workers=0)
+    data.connect(Tokenizer(tokenizer_dir), batch_size=1, max_seq_length=8)
+    data.setup()
+    return data
+
+
+def test_the_same_input_prepared_twice_is_refused_in_one_mix(paragraphs_tokenizer, text_corpus, text_prepared,
+                                                             prepared_again):
+    """Two preparations of one corpus mixed would read each document twice in an epoch. The error names both
+    directories and the input; one preparation's train/ and val/ (other documents) still mix."""
+    out, _ = text_prepared
+    data = text_files(paragraphs_tokenizer, train_dir=[out / "train", out / "val", prepared_again / "train"])
+    source = f"text of {text_corpus['raw']}, --pattern '**/*', --text_key 'text'"
+    with pytest.raises(ValueError, match=rf"^data.train_dir lists {re.escape(str(out / 'train'))} and "
+                                         rf"{re.escape(str(prepared_again / 'train'))}, two preparations of one input "
+                                         rf"\({re.escape(source)}: their prepared.json\): .* would be read twice in an "
+                                         r"epoch; list one of them and give it a larger share with data.train_weights$"):
+        data.train_dataloader()
+    data = text_files(paragraphs_tokenizer, train_dir=[out / "train", out / "val"])
+    assert next(iter(data.train_dataloader())).shape == (1, 9)
+
+
+def test_validating_on_documents_another_preparation_trains_on_is_warned_of(paragraphs_tokenizer, text_corpus,
+                                                                           text_prepared, prepared_again, capsys):
+    """A val/ of one preparation (--val_fraction 0.25) with the train/ of another of the same corpus that held out a
+    smaller share (0 here) measures the loss on training documents: said once, naming both. With its own train/ it
+    is not."""
+    out, _ = text_prepared
+    capsys.readouterr()
+    text_files(paragraphs_tokenizer, train_dir=out / "train", val_dir=out / "val")
+    assert "Warning" not in capsys.readouterr().out
+    text_files(paragraphs_tokenizer, train_dir=[prepared_again / "train"], val_dir=out / "val")
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"Warning: data.val_dir {out / 'val'} holds documents that data.train_dir "
+                              f"{prepared_again / 'train'} trains on: both were prepared from text of {text_corpus['raw']}")
+    assert "(--val_fraction 0.25 and 0)" in printed and printed.count("\n") == 1
+
+
 def test_pretrain_on_prepare_text_output_and_resume(paragraphs_tokenizer, text_prepared, tmp_path):
     """`pretrain --data TextFiles` on prepare_text's train/ and val/ validates on val/; resumed from its
     step-2 checkpoint, a run logs the same losses and data at steps 3 and 4 and ends with the same weights."""

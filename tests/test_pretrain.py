@@ -185,6 +185,28 @@ def test_error_16_mixed_on_the_cpu(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("model_name, block_type", [("deltanet-debug", "deltanet"), ("transformer-debug", "transformer")])
+def test_error_kernel_autotune_on_a_model_without_gla_layers(tmp_path, capsys, model_name, block_type):
+    """The search is of the GLA kernels' launch settings: another family's run went on without it, unsaid."""
+    err = cli_error(["pretrain", "--model_name", model_name, "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--compile.kernel_autotune", "true"], capsys)
+    assert err == (f"fabric-lin pretrain: error: --compile.kernel_autotune searches the GLA kernels' launch settings; "
+                   f"{model_name} is block_type '{block_type}', which has no GLA layers: leave it false\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_kernel_autotune_on_the_cpu_is_a_note_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    """The same recipe runs on GPUs and on the CPU, where the GLA layers run PyTorch ops and no kernel is searched:
+    the run says so once, instead of leaving the search it was asked for silently undone."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    setup_pretrain(tmp_path, compile=CompileArgs(kernel_autotune=True))
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "compile.kernel_autotune" in line] == [
+        "Note: compile.kernel_autotune does nothing on the CPU: it searches the launch settings of the GLA Triton kernels, "
+        "and the CPU runs the GLA layers' PyTorch ops instead"]
+    assert (tmp_path / "out" / "final").is_dir()
+
+
 @pytest.mark.timeout(60)  # unchecked, the run waits for the other processes torchrun would have started
 @pytest.mark.parametrize("flags", [[], ["--devices", "2"]])
 def test_error_devices_other_than_torchrun_started(tmp_path, capsys, monkeypatch, flags):
@@ -281,7 +303,8 @@ def test_error_out_dir_full(tmp_path, monkeypatch):
 
 
 def test_error_resume_path_without_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"--resume {tmp_path / 'nothing'}: expected a checkpoint directory"):
+    with pytest.raises(FileNotFoundError, match=f"--resume {tmp_path / 'nothing'} does not exist: expected a training "
+                                                "checkpoint"):
         setup_pretrain(tmp_path, resume=tmp_path / "nothing")
 
 
@@ -373,8 +396,8 @@ def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path,
     with pytest.raises(ValueError, match="--overwrite true would delete the checkpoint --resume .*final names"):
         setup_pretrain(tmp_path, overwrite=True, resume=out / "final")
     # a mistyped --resume path is named as such, not taken for a fresh run into the used out_dir
-    with pytest.raises(FileNotFoundError, match=rf"--resume {out / 'fnal'}: expected a checkpoint directory holding "
-                       r"lit_model.pth"):
+    with pytest.raises(FileNotFoundError, match=rf"--resume {out / 'fnal'} does not exist: expected a training checkpoint "
+                       rf"\(a run's step-XXXXXXXX/ or final/\); {out} holds step-00000005, final"):
         setup_pretrain(tmp_path, resume=out / "fnal")
     # so is the run's out_dir given one level too high, where its checkpoints are
     with pytest.raises(ValueError, match=rf"--resume {out} is a run's out_dir, not one of its checkpoints \(step-00000005, "

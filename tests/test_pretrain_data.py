@@ -34,6 +34,21 @@ def test_error_missing_tokenizer(tmp_path):
         setup_pretrain(tmp_path, data=TokenChunks(data_path=tmp_path, num_workers=0), tokenizer_dir=tmp_path / "no_tokenizer")
 
 
+
+def test_a_tokenizer_dir_that_is_not_there_names_the_data_s_own(tmp_path, prepared):
+    """A --config recipe's tokenizer_dir (Llama-2's, that prepared its SlimPajama) stays set under --data TextFiles of a
+    corpus prepared with another tokenizer: where it is not there, the error names the data's own tokenizer and how to
+    take it."""
+    from fabric_lin.data import TextFiles
+    from fabric_lin.errors import MissingFile
+
+    missing = tmp_path / "checkpoints" / "meta-llama" / "Llama-2-7b-hf"
+    with pytest.raises(MissingFile, match=rf"^--tokenizer_dir {re.escape(str(missing))} does not exist; the data carries the "
+                                          rf"tokenizer that prepared it, in {re.escape(str(prepared / 'tokens300'))}: give "
+                                          r"--tokenizer_dir null to train with that one \(a --config file's tokenizer_dir"):
+        setup_pretrain(tmp_path, tokenizer_dir=missing, data=TextFiles(train_dir=prepared / "tokens300", num_workers=0))
+    assert not (tmp_path / "out").exists()
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """Three small tokenizers (300, 320 and another of 300 pieces) and prepared directories of 4 chunk files of 1000
@@ -270,10 +285,11 @@ def test_a_run_takes_the_data_s_tokenizer_and_evaluate_refuses_another_s_data(tm
     assert f"than {final / 'tokenizer.model'}" in err
 
 
-def test_weights_trained_with_another_tokenizer_are_refused_on_resume_and_as_initial_weights(tmp_path, prepared):
+def test_weights_trained_with_another_tokenizer_are_refused_on_resume_and_as_initial_weights(tmp_path, prepared, capsys):
     """A run trained on tok300's ids, continued on data of tok300b (the same vocabulary size, other pieces): a resume
     with --resume_changes data, or its model directory as --initial_checkpoint_dir, is refused before the model is
-    built, naming the weights' tokenizer and the data's; the same tokenizer's data starts from those weights."""
+    built, naming the weights' tokenizer and the data's; the same tokenizer's data starts from those weights. A model
+    directory that records no tokenizer at all cannot be checked: the run says so (it went on without a word)."""
     from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
     from fabric_lin.data import TextFiles
 
@@ -309,9 +325,18 @@ def test_weights_trained_with_another_tokenizer_are_refused_on_resume_and_as_ini
         f"--initial_checkpoint_dir {bare}: its weights were trained on the ids of the tokenizer its trained_with.json "
         f"records (vocab_size=300, sha256={sha256[:12]}..., from {prepared / 'tok300'}), and this run reads those of "
         f"{prepared / 'tokens300b' / 'tokenizer.model'} (vocab_size=300, sha256="), str(info.value)
+    # without the record too, nothing tells which ids the weights learnt: the run says so
+    (bare / "trained_with.json").unlink()
+    capsys.readouterr()
+    setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_unrecorded", data=other_data, initial_checkpoint_dir=bare)
+    other_sha = json.loads((prepared / "tokens300b" / "prepared.json").read_text())["tokenizer"]["sha256"]
+    assert (f"Note: --initial_checkpoint_dir {bare} holds no tokenizer.model and no trained_with.json, so nothing tells "
+            f"whether this run's data tokenizer (vocab_size=300, sha256={other_sha[:12]}..., from {prepared / 'tok300b'}) "
+            "is the one its weights were trained with; under another one each id is another piece\n") in capsys.readouterr().out
     setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_weights", initial_checkpoint_dir=tmp_path / "model",
                    data=TextFiles(train_dir=prepared / "tokens300", num_workers=0))
     assert (tmp_path / "from_weights" / "final").is_dir()
+    assert "Note: --initial_checkpoint_dir" not in capsys.readouterr().out
 
 
 def test_data_without_its_tokenizer_files_is_still_checked_against_the_weights_tokenizer(tmp_path, prepared):

@@ -5,7 +5,7 @@ of the sums, and validate on the same blocks to the same val_loss; a checkpoint 
 on another one holding the same state bit for bit (4 -> 2 -> 1, 1 -> 4), and a DDP run continues a sharded one.
 Killed by SIGKILL of one rank in the middle of a save, a run leaves no checkpoint that is taken for complete (the
 other rank says so in one line) and resumes as if never stopped; so does a run of two torchrun agents stopped by
-SIGTERM. A sharded checkpoint is converted and evaluated in one process. An error every rank meets is printed once.
+SIGTERM. Rank 0 killed before the rank it started has joined ends that rank within seconds, in one line. A sharded checkpoint is converted and evaluated in one process. An error every rank meets is printed once.
 
 The four-process runs are started as torchrun's agents would start them (fabric_lin_process.start_ranks: forked, no
 second import of torch), two nodes of two processes on this machine; the torchrun test starts real agents."""
@@ -222,6 +222,53 @@ def test_ddp_continues_a_sharded_run_on_its_samples(four, tmp_path):
     assert (out / "final" / "lit_model.pth").is_file()  # DDP writes one file
 
 
+def test_rank_0_gone_before_the_other_joined_ends_it_within_seconds(tmp_path):
+    """Fabric's own launch of two processes: rank 0 is stopped before rank 1 has joined the process group, so that
+    rank 1 waits in the rendezvous, then killed. Rank 1, which torch.distributed would keep waiting for rank 0's store
+    for parallelism.timeout_minutes and longer, ends within seconds with the one line of a lost peer and exit code 75.
+    (This process adopts the orphaned rank 1, as Linux's subreaper, to read its exit code.)"""
+    import ctypes
+    import time
+
+    from fabric_lin.cli import PEER_LOST_EXIT_CODE
+
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    libc = ctypes.CDLL(None, use_errno=True)
+    subreaper = 36  # prctl's PR_SET_CHILD_SUBREAPER
+    assert libc.prctl(subreaper, 1, 0, 0, 0) == 0
+    rank_0 = fabric_lin_process.start(command(out, 1, 2, "--parallelism.timeout_minutes", "5"), log, CPU_ONLY)
+    rank_1, status, waited = None, None, None
+    try:
+        def started_by_rank_0():
+            return [pid for pid, (_, parent, _) in fabric_lin_process.process_table().items() if parent == rank_0.pid]
+
+        assert wait_for(started_by_rank_0, rank_0, poll=0.01), fabric_lin_process.describe([rank_0])
+        os.kill(rank_0.pid, signal.SIGSTOP)
+        [rank_1] = started_by_rank_0()
+        # Fabric's line just before torch.distributed's rendezvous, where rank 1 then waits for the stopped rank 0
+        assert wait_for(lambda: "GLOBAL_RANK: 1," in log.read_text(), rank_0), log.read_text()[-3000:]
+        time.sleep(0.5)
+        rank_0.kill()
+        assert rank_0.wait(10) == -signal.SIGKILL
+        killed = time.monotonic()
+        while status is None and time.monotonic() - killed < 30:
+            time.sleep(0.05)
+            ended, wait_status = os.waitpid(rank_1, os.WNOHANG)
+            status = os.waitstatus_to_exitcode(wait_status) if ended else None
+        waited = time.monotonic() - killed
+    finally:
+        libc.prctl(subreaper, 0, 0, 0, 0)
+        fabric_lin_process.stop(rank_0)  # and rank 1, in its session, where it still waits
+        if rank_1 is not None and status is None:
+            os.waitpid(rank_1, 0)  # this process's child now: collected
+    assert status == PEER_LOST_EXIT_CODE and waited < 10, f"rank 1: {status} after {waited:.1f} s\n{log.read_text()[-3000:]}"
+    said = [line for line in log.read_text().splitlines() if line.startswith("fabric-lin")]
+    assert said == [
+        f"fabric-lin pretrain: error on rank 1: a peer process of the run ended or became unreachable during the start-up "
+        f"(process {rank_0.pid}, the rank that started this one, ended before every process had joined); no checkpoint "
+        f"in {out} is complete: to start again, run the same command with --resume auto"], log.read_text()[-3000:]
+
+
 def test_sigkill_of_a_rank_in_the_middle_of_a_save_leaves_no_checkpoint_taken_for_complete(two, tmp_path):
     """Rank 0 is frozen while it saves (its checkpoint directory still `.tmp-`: rank 0 renames it last), then
     killed: rank 1 finds it gone and exits with one line saying so, naming the checkpoint before and how to continue;
@@ -335,6 +382,7 @@ def test_an_error_every_rank_meets_is_printed_once(tmp_path):
     missing = tmp_path / "nothing"
     result = fabric_lin_process.run(command(tmp_path / "out", 1, 2, "--resume", str(missing)), TIMEOUT, CPU_ONLY)
     assert result.returncode == 2
-    line = f"fabric-lin pretrain: error: --resume {missing}: expected a checkpoint directory holding lit_model.pth\n"
+    line = (f"fabric-lin pretrain: error: --resume {missing} does not exist: expected a training checkpoint (a run's "
+            f"step-XXXXXXXX/ or final/)\n")
     assert (result.stdout + result.stderr).count(line) == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()

@@ -60,6 +60,45 @@ def test_parquet_row_groups_read_in_several_batches(tmp_path):
     assert [t for batch in iter_parquet_texts(path, column="text", batch_size=2) for t in batch] == texts
 
 
+
+# How other tools store a text column: polars (1.38 on) writes string_view, a pandas categorical a dictionary of
+# strings, polars before 1.38 large_string. Each is text, read as such.
+STRING_COLUMN_TYPES = {
+    "string_view": lambda texts: pa.array(texts, type=pa.string_view()),
+    "dictionary": lambda texts: pa.array(texts).dictionary_encode(),
+    "large_string": lambda texts: pa.array(texts, type=pa.large_string()),
+}
+
+
+@pytest.mark.parametrize("column_type", STRING_COLUMN_TYPES)
+def test_every_kind_of_string_column_is_read_as_text(tmp_path, column_type):
+    texts = paragraphs(5, 43) + [paragraphs(1, 43)[0]]  # a repeated text: a dictionary holds it once
+    path = tmp_path / "part-0.parquet"
+    pq.write_table(pa.table({"text": STRING_COLUMN_TYPES[column_type](texts)}), path, row_group_size=4)
+    batches = list(iter_text_documents(path, batch_size=3))
+    assert [t for b in batches for t in b.texts] == texts and not any(b.bad for b in batches)
+    assert [t for batch in iter_parquet_texts(path, column="text", batch_size=3) for t in batch] == texts
+
+
+@pytest.mark.parametrize("column_type", ["string_view", "dictionary"])
+def test_a_row_that_is_not_utf8_in_any_kind_of_string_column_is_named(tmp_path, column_type):
+    # Arrow writes bytes that are not UTF-8 in a string column unchecked
+    strings = pa.array([b"first row", b"\xff second row", b"third row"], pa.binary()).view(pa.string())
+    column = strings.cast(pa.string_view()) if column_type == "string_view" else strings.dictionary_encode()
+    path = tmp_path / "part-0.parquet"
+    pq.write_table(pa.table({"text": column}), path)
+    (batch,) = iter_text_documents(path)
+    assert batch.texts == ["first row", "third row"] and batch.indices == [0, 2]
+    assert batch.bad == [(1, "row 1: not UTF-8 (invalid start byte at byte 0)")]
+
+
+def test_a_column_of_another_type_names_the_types_read(tmp_path):
+    path = tmp_path / "part-0.parquet"
+    pq.write_table(pa.table({"text": pa.array([b"bytes"], pa.binary())}), path)
+    with pytest.raises(raw_files.BadFileError, match=r"column 'text' has type binary, expected a string column "
+                                                      r"\(string, large_string, string_view or a dictionary of strings\)"):
+        list(iter_text_documents(path))
+
 def test_a_link_to_a_file_that_is_not_there_is_found_and_named_by_its_reader(tmp_path):
     """A dataset whose files were never fetched (git-annex's links into its object store) was read as if those files
     did not exist: left out of the run and of its summary, unsaid."""

@@ -30,9 +30,10 @@ from fabric_lin.convert.model_dir import (
     cast_floating,
     HF_CONFIG_FILE,
     LLAMA_MODEL_TYPES,
+    check_export_given,
     check_model_dir_given,
-    check_not_lora_adapters,
     check_state_dict,
+    check_tokenizer_fits_model,
     copy_tokenizer,
     files_taken_back_on_failure,
     from_llama_command,
@@ -52,6 +53,7 @@ MODEL_TYPES = {"gla": "gla", "gdn": "gated_deltanet", "deltanet": "delta_net", "
 ARCHITECTURES = {"gla": "GLAForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM", "delta_net": "DeltaNetForCausalLM",
                  "transformer": "TransformerForCausalLM"}
 FLA_FIXED_GATE = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}
+FLA_ROPE_THETA = 10000.0  # the rotary base of fla's attention layers where a config.json leaves rope_theta out
 
 
 def convert_to_hf(
@@ -84,6 +86,7 @@ def convert_to_hf(
     config = Config.from_checkpoint(model_dir)
     hf_config = fla_config(config)
     trained_with = weights_trained_with(model_dir)  # before the weights: a tokenizer not the model's is refused at once
+    check_tokenizer_fits_model(model_dir, config)
     tokenizer_ids = special_token_ids(model_dir)
     state_dict = load_model_dir_weights(model_dir)
     check_state_dict(state_dict, config, source=str(model_dir))
@@ -137,8 +140,9 @@ def convert_from_hf(
         raise InvalidValue("convert_from_hf: --output_dir is required")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
-    check_not_lora_adapters(checkpoint_dir, "convert_from_hf", reads_exports=True)
+    check_export_given(checkpoint_dir, "convert_from_hf")
     config, state_dict = read_fla_checkpoint(checkpoint_dir, name)
+    check_tokenizer_fits_model(checkpoint_dir, config)
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
     state_dict = cast_floating(state_dict, torch_dtype)
     with created_dir(output_dir):
@@ -288,6 +292,8 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     unsupported = {
         "hidden_act": (get("hidden_act", "swish"), ("swish", "silu")),
         "elementwise_affine": (get("elementwise_affine", True), (True,)),
+        # every fla family: learned mixes of earlier layers' outputs in place of the residual sums
+        "attnres_block_size": (hf.get("attnres_block_size"), (None,)),
     }
     if model_type == "gla":
         unsupported.update(
@@ -305,7 +311,6 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
             allow_neg_eigval=(get("allow_neg_eigval", False), (False,)),
             num_v_heads=(get("num_v_heads", hf.get("num_heads")), (hf.get("num_heads"),)),
             output_gate_activation=(get("output_gate_activation", "swish"), ("swish", "silu")),
-            attnres_block_size=(hf.get("attnres_block_size"), (None,)),
         )
     elif model_type == "delta_net":
         unsupported.update(
@@ -316,7 +321,6 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
             allow_neg_eigval=(get("allow_neg_eigval", False), (False,)),
             qk_norm=(get("qk_norm", "l2"), ("l2",)),
             qk_activation=(get("qk_activation", "silu"), ("silu",)),
-            attnres_block_size=(hf.get("attnres_block_size"), (None,)),
         )
     else:
         unsupported.update(
@@ -357,7 +361,7 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     elif block_type == "deltanet":
         fields.update(expand_k=get("expand_k", 1.0), expand_v=get("expand_v", 1.0), conv_size=int(get("conv_size", 4)))
     else:
-        fields.update(rope_base=float(get("rope_theta", 10000.0)))
+        fields.update(rope_base=rope_theta(hf, "rope_theta", path))
     if block_type != "transformer":
         fields.update(head_norm_eps=float(ours.get("head_norm_eps", norm_eps)),  # fla: the head norm uses norm_eps
                       **attn_fields(hf.get("attn"), path))
@@ -376,15 +380,26 @@ def attn_fields(attn, path: Path) -> dict:
         raise InvalidValue(f"{path}: attn must be a mapping (or list of mappings) with layers and num_heads, got {attn!r}")
     heads = {(s["num_heads"], s.get("num_kv_heads") or s["num_heads"]) for s in specs}
     unsupported = [f"{k}={s[k]!r}" for s in specs for k in ("qkv_bias", "window_size", "qk_norm") if s.get(k)]
-    if len(heads) > 1 or unsupported or len({s.get("rope_theta", 10000.0) for s in specs}) > 1:
+    bases = {rope_theta(s, "attn.rope_theta", path) for s in specs}
+    if len(heads) > 1 or unsupported or len(bases) > 1:
         raise InvalidValue(
             f"{path}: fabric-lin's hybrids have one set of attention heads over the whole context, no biases or q/k "
             f"norms; attn has {sorted(heads)} heads{', ' + ', '.join(unsupported) if unsupported else ''}"
         )
     (num_heads, num_kv_heads), = heads
     layers = sorted(i for s in specs for i in s["layers"])
-    return dict(attn_layers=layers, attn_num_heads=num_heads, attn_num_kv_heads=num_kv_heads,
-                rope_base=float(specs[0].get("rope_theta", 10000.0)))
+    return dict(attn_layers=layers, attn_num_heads=num_heads, attn_num_kv_heads=num_kv_heads, rope_base=bases.pop())
+
+
+def rope_theta(spec: dict, key: str, path: Path) -> float:
+    """The rotary base of the attention that fla builds from `spec` (config.json, or one of its `attn` entries; `key`
+    names it in an error): fla's default where rope_theta is left out. A null is refused, not read as the default:
+    fla itself cannot build that attention (its rotary embedding takes float(rope_theta))."""
+    value = spec.get("rope_theta", FLA_ROPE_THETA)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidValue(f"{path}: {key} must be a number, the rotary embedding's base (left out: fla's "
+                           f"{FLA_ROPE_THETA:g}), got {value!r}")
+    return float(value)
 
 
 def special_token_ids(model_dir: Path) -> Dict[str, Optional[int]]:

@@ -72,6 +72,38 @@ def check_model_dir_given(model_dir: Path, argument: str, command: str) -> None:
         )
 
 
+def check_export_given(export_dir: Path, command: str) -> None:
+    """Refuse what `command` is given where an fla export is expected, naming what it is and, where there is one, the
+    command that reads it: nothing there, a file (of an export: its directory), LoRA adapters, a model directory (the
+    other way: convert_to_hf), a training checkpoint or a run's out_dir (convert_pretrained_checkpoint)."""
+    from fabric_lin.checkpoint import checkpoint_dirs, is_training_checkpoint
+
+    export_dir = Path(export_dir)
+    expected = f"expected an fla export ({HF_CONFIG_FILE} and safetensors, as convert_to_hf writes them)"
+    if not export_dir.exists():
+        raise MissingFile(f"{export_dir} does not exist: {expected}")
+    if not export_dir.is_dir():
+        of_export = (export_dir.parent / HF_CONFIG_FILE).is_file()
+        raise InvalidValue(f"{export_dir} is a file: " + (f"give {command} the export that holds it, {export_dir.parent}"
+                                                          if of_export else expected))
+    check_not_lora_adapters(export_dir, command, reads_exports=True)
+    if (export_dir / HF_CONFIG_FILE).is_file():
+        return
+    to_model_dir = f"fabric-lin convert_pretrained_checkpoint {{}} --output_dir <DIR> makes a model directory of it"
+    if is_training_checkpoint(export_dir):
+        raise InvalidValue(f"{export_dir} is a training checkpoint, not an fla export: {to_model_dir.format(export_dir)}")
+    run_checkpoints = [p.name for p in checkpoint_dirs(export_dir)]
+    if run_checkpoints:
+        raise InvalidValue(f"{export_dir} is a training run's directory (it holds {', '.join(run_checkpoints[:3])}), not an "
+                           f"fla export: {to_model_dir.format(export_dir / run_checkpoints[0])}")
+    if (export_dir / CONFIG_FILE).is_file():
+        raise InvalidValue(f"{export_dir} is a model directory ({CONFIG_FILE}) already, not an fla export; to export it "
+                           f"in fla's format (the other way): fabric-lin convert_to_hf {export_dir} --output_dir <DIR>")
+    held = sorted(p.name for p in export_dir.iterdir())
+    raise MissingFile(f"{export_dir} holds no {HF_CONFIG_FILE}: {expected}; it holds "
+                      + (", ".join(held[:5]) + (", ..." if len(held) > 5 else "") if held else "nothing"))
+
+
 def check_not_lora_adapters(directory: Path, command: str, reads_exports: bool) -> None:
     """Refuse a LoRA fine-tune's adapters alone (peft's save_pretrained of a PeftModel, tutorials/finetune_lora.md's
     adapter/): low-rank changes to the weights of an export, not a model. `command` reads fla exports
@@ -84,6 +116,16 @@ def check_not_lora_adapters(directory: Path, command: str, reads_exports: bool) 
         f"{directory} holds LoRA adapters alone (peft's {PEFT_ADAPTER_CONFIG}), not a model: merge them into the export "
         f"they were trained on (merge_and_unload, tutorials/finetune_lora.md) and give {command} {instead}"
     )
+
+
+def check_tokenizer_fits_model(directory: Path, config: Config) -> None:
+    """Refuse a directory whose tokenizer.model has more pieces than its model has embeddings: it is not the model's
+    tokenizer (an id past the last embedding cannot be read), and a converter would copy it and record it as the one
+    the weights were trained with, where it holds no such record yet."""
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    if (Path(directory) / "tokenizer.model").is_file():
+        Tokenizer(directory).check_fits(config.vocab_size, directory)
 
 
 def is_llama_dir(directory: Path) -> bool:

@@ -82,6 +82,17 @@ def held_out_share(path: Union[str, Path]) -> Optional[float]:
     return info.get("val_fraction") if isinstance(info, dict) and info.get("split") == "val" else None
 
 
+def prepared_from(info: dict) -> Optional[str]:
+    """The raw input of a prepared directory as its prepared.json `info` records it: the preprocessor, its input
+    directory and, for prepare_text, the files and field it read. The same split of two directories of one input holds
+    the same documents, whatever their chunk files, workers or --fast_dev_run (a share of the same files). None where
+    prepared.json names no input directory."""
+    if not isinstance(info.get("input_dir"), str):
+        return None
+    read = [f"--{key} {info[key]!r}" for key in ("pattern", "text_key") if key in info]
+    return ", ".join([f"{info.get('recipe')} of {info['input_dir']}"] + read)
+
+
 def check_prepared_dir(
     path: Union[str, Path], tokenizer: Optional[Tokenizer] = None, vocab_size: Optional[int] = None
 ) -> dict:
@@ -197,8 +208,18 @@ def check_made_for(path: Union[str, Path], info: dict, tokenizer: Optional[Token
         )
     data_vocab = (info.get("tokenizer") or {}).get("vocab_size")
     if vocab_size is not None and isinstance(data_vocab, int) and data_vocab > vocab_size:
-        raise InvalidValue(
+        raise VocabularyTooLarge(path, data_vocab, vocab_size)
+
+
+class VocabularyTooLarge(InvalidValue):
+    """A prepared directory tokenized with a vocabulary larger than the model's: its ids past the model's last embedding
+    cannot be read. The fix it names is pretrain's (a model config of a larger vocab_size); evaluate, which reads a
+    model as it is, words its own from `path`, `data_vocab` and `model_vocab`."""
+
+    def __init__(self, path: Union[str, Path], data_vocab: int, model_vocab: int) -> None:
+        self.path, self.data_vocab, self.model_vocab = Path(path), data_vocab, model_vocab
+        super().__init__(
             f"{path} was tokenized with a vocabulary of {data_vocab} tokens ({PREPARED_INFO_FILE}: tokenizer.vocab_size),"
-            f" more than the model's vocab_size={vocab_size}: token ids would fall outside the embedding; use a model"
+            f" more than the model's vocab_size={model_vocab}: token ids would fall outside the embedding; use a model"
             f" config with vocab_size >= {data_vocab} ({OTHER_VOCAB_SIZE}) or prepare the data with the model's tokenizer"
         )

@@ -160,11 +160,25 @@ def open_parquet(path: Union[str, Path], column: str = "content"):
     if column not in schema.names:
         raise BadFileError(path, f"missing column {column!r} (columns: {', '.join(schema.names)})")
     column_type = schema.field(column).type
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise BadFileError(path, f"column {column!r} has type {column_type}, expected string")
+    stored_type = column_type.value_type if pa.types.is_dictionary(column_type) else column_type
+    if not (pa.types.is_string(stored_type) or pa.types.is_large_string(stored_type)
+            or pa.types.is_string_view(stored_type)):
+        raise BadFileError(path, f"column {column!r} has type {column_type}, expected a string column (string, "
+                                 f"large_string, string_view or a dictionary of strings)")
     if parquet_file.metadata.num_rows == 0:
         raise BadFileError(path, "empty file: 0 rows")
     return parquet_file
+
+
+def plain_strings(values):
+    """A batch of a string column as string or large_string, whose bytes can be viewed as binary: polars (1.38 on)
+    writes string_view columns, and a pandas categorical a dictionary of strings. The cast checks no UTF-8, so
+    bytes that are not UTF-8 are found row by row as in any string column."""
+    import pyarrow as pa
+
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        return values
+    return values.cast(pa.large_string())
 
 
 def iter_parquet_texts(
@@ -180,7 +194,7 @@ def iter_parquet_texts(
         # row group by row group, so that a damaged row group costs only itself and the ones after it
         for row_group in range(parquet_file.num_row_groups):
             for batch in parquet_file.iter_batches(batch_size=batch_size, row_groups=[row_group], columns=[column]):
-                texts = [text for text in batch.column(0).to_pylist() if text is not None]
+                texts = [text for text in plain_strings(batch.column(0)).to_pylist() if text is not None]
                 rows_done += batch.num_rows
                 yield texts
     except (pa.ArrowException, OSError) as err:
@@ -399,6 +413,7 @@ def _parquet_batch(values, first_row: int) -> DocumentBatch:
     import pyarrow as pa
 
     batch = DocumentBatch([], [], [], [])
+    values = plain_strings(values)
     try:
         texts = values.to_pylist()
     except UnicodeDecodeError:  # Arrow does not check strings on read: find the rows that are not UTF-8

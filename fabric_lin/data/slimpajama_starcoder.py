@@ -9,7 +9,7 @@ from typing import Iterator, List, Tuple
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
 from fabric_lin.data.raw_files import find_files, iter_parquet_texts, read_slimpajama_file
 from fabric_lin.data.recipe import TokenizeRecipe
-from fabric_lin.errors import InvalidValue
+from fabric_lin.errors import InvalidValue, MissingFile
 
 SKIPPED_SET = "RedPajamaGithub"  # SlimPajama's GitHub rows: Starcoder holds the code
 # Documents handed to the tokenizer at once; a SlimPajama file holds a few thousand documents.
@@ -94,7 +94,25 @@ class SlimPajamaStarcoder(DataModule):
 
     def setup(self) -> None:
         self.check_weights()  # again here: subclasses with their own __post_init__ reach this
+        self.check_layout()
         super().setup()
+
+    def check_layout(self) -> None:
+        """Each directory read is there under data_path: the one key that places them all is named, with the layout
+        (the preprocessors write each where their --output_dir says, so data_path is where the user put them)."""
+        data_path = Path(self.data_path)
+        layout = [path.relative_to(data_path) for path in self.prepared_dirs()]
+        missing = [relative for relative in layout if not (data_path / relative).exists()]
+        if not missing:
+            return
+        # data_path given as one of the directories inside it (data/slimpajama, data/slimpajama/train)
+        meant = next((above for above in (data_path.parent, data_path.parent.parent)
+                      if all((above / relative).exists() for relative in layout)), None)
+        hint = (f": did you mean --data.data_path {meant}?" if meant is not None else
+                "; each is the --output_dir of prepare_slimpajama or prepare_starcoder (data.use_starcoder false: no "
+                "starcoder, data.validation false: no slimpajama/val)")
+        raise MissingFile(f"data.data_path {data_path} holds no {missing[0]} ({data_path / missing[0]} does not exist): "
+                          f"expected {', '.join(map(str, layout))} under it{hint}")
 
     def train_dataloader(self):
         if not self.use_starcoder:

@@ -4,8 +4,9 @@ from pathlib import Path
 from typing import List, Optional, Union
 
 from fabric_lin.data.base import DataModule, say_once, token_train_loader, token_val_loader
-from fabric_lin.data.prepared import INDEX_FILE
+from fabric_lin.data.prepared import INDEX_FILE, PREPARED_INFO_FILE, prepared_from
 from fabric_lin.errors import InvalidValue, MissingFile
+from fabric_lin.files import read_json
 
 
 @dataclass
@@ -70,14 +71,34 @@ class TextFiles(DataModule):
         elif self.train_dirs and any(Path(self.val_dir).resolve() == Path(d).resolve() for d in self.train_dirs):
             say_once(f"Warning: data.val_dir {self.val_dir} is also a data.train_dir: the validation loss is measured "
                      "on training data (prepare_text's --val_fraction holds documents out into OUT/val)")
+        else:
+            self.warn_of_validation_documents_trained_on()
+
+    def warn_of_validation_documents_trained_on(self) -> None:
+        """prepare_text holds a document out where a hash of its place falls below --val_fraction, so the val/ of one
+        preparation holds documents that the train/ of another of the same input, with a smaller share, trains on."""
+        val = read_json(Path(self.val_dir) / PREPARED_INFO_FILE)
+        source = prepared_from(val)
+        if source is None or val.get("split") != "val":
+            return
+        for path in self.train_dirs:
+            train = read_json(path / PREPARED_INFO_FILE)
+            if prepared_from(train) == source and train.get("split") == "train" and (
+                    train.get("val_fraction", 0) < val.get("val_fraction", 0)):
+                say_once(f"Warning: data.val_dir {self.val_dir} holds documents that data.train_dir {path} trains on: "
+                         f"both were prepared from {source}, with other shares held out (--val_fraction "
+                         f"{val.get('val_fraction')} and {train.get('val_fraction')}): validate on the val/ prepared "
+                         f"with the training directory")
+                return
 
     def check_each_train_dir_once(self) -> None:
-        """Refuse a training directory listed twice, under one path or two (a link, a copy: one index.json). Each entry
-        is a source of its own, read in an order of its own, so its samples would repeat within an epoch of the mix,
-        where a larger train_weights share reads each of them once per epoch."""
+        """Refuse a training directory listed twice, under one path or two (a link, a copy: one index.json), and two
+        preparations of one input (their prepared.json). Each entry is a source of its own, read in an order of its
+        own, so its samples would repeat within an epoch of the mix, where a larger train_weights share reads each of
+        them once per epoch."""
         from fabric_lin.data.sample_order import source_key
 
-        first_of = {}
+        first_of, first_of_input = {}, {}
         for path in self.train_dirs:
             first = first_of.setdefault(source_key(path), path)
             if first is not path:
@@ -87,6 +108,13 @@ class TextFiles(DataModule):
                 raise InvalidValue(f"data.train_dir lists {same}: each listed directory is read as a source of its own, so "
                                    f"its samples would repeat within an epoch; list it once and give it a larger share "
                                    f"with data.train_weights")
+            info = read_json(path / PREPARED_INFO_FILE)
+            source = prepared_from(info)
+            first = first_of_input.setdefault((source, info.get("split")), path) if source is not None else path
+            if first is not path:
+                raise InvalidValue(f"data.train_dir lists {first} and {path}, two preparations of one input ({source}: "
+                                   f"their {PREPARED_INFO_FILE}): the documents they share would be read twice in an "
+                                   f"epoch; list one of them and give it a larger share with data.train_weights")
 
     @staticmethod
     def check_not_prepare_text_output(val_dir: Path) -> None:

@@ -270,20 +270,24 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
         refuse_second_derivative("rms_norm_linears")
         source, weight, rstd, stacked = ctx.saved_tensors
         dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
-        y, _, _ = norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype, ctx.launch)
-        y = y.reshape(-1, y.shape[-1])
+        tokens = source.numel() // source.shape[-1]
         # the outputs' gradients side by side: one product for the input gradient (summed over the
         # projections inside the product, rounded once) and one for the stacked weight's; one output
         # (sizes None) hands them over side by side already
         if ctx.sizes is None:
-            d_cat = d_outs[0].reshape(y.shape[0], -1) if d_outs[0] is not None else y.new_zeros(y.shape[0], stacked.shape[0])
+            d_cat = (d_outs[0].reshape(tokens, stacked.shape[0]) if d_outs[0] is not None
+                     else source.new_zeros(tokens, stacked.shape[0], dtype=stacked.dtype))
         else:
             d_cat = columns_side_by_side([
-                d.reshape(y.shape[0], n) if d is not None else y.new_zeros(y.shape[0], n)
+                d.reshape(tokens, n) if d is not None else source.new_zeros(tokens, n, dtype=stacked.dtype)
                 for d, n in zip(d_outs, ctx.sizes)
             ])
+        # the normed activation recomputed where it is needed, and the weight gradient (its last use) before the input
+        # gradient: it is held only while that one product runs, not across the concatenation and the input gradient
+        # (compiled, Inductor frees a buffer after its last use)
+        y, _, _ = norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype, ctx.launch)
+        d_stacked = torch.matmul(d_cat.t(), y.reshape(tokens, source.shape[-1]))
         dy = matmul_nn(d_cat, stacked, ctx.fp8).view_as(source)
-        d_stacked = torch.matmul(d_cat.t(), y)
         dx, _, dw, dres = norm_bwd(source, None, weight, rstd, dy, dh_extra, ctx.residual_dtype, ctx.launch)
         return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None, None, None
 

@@ -119,6 +119,7 @@ def swiglu_linear_bwd(gate_up: torch.Tensor, weight: torch.Tensor, d_out: torch.
                       fp8: bool, launch: str) -> Tuple[torch.Tensor, torch.Tensor]:
     y = _packed_fwd(gate_up, launch)  # recomputed: one elementwise pass instead of keeping it
     d_weight = torch.matmul(d_out.reshape(-1, d_out.shape[-1]).t(), y.reshape(-1, y.shape[-1]))
+    del y  # freed before the input gradient is made
     return _packed_bwd(gate_up, matmul_nn(d_out, weight, fp8), launch), d_weight
 
 

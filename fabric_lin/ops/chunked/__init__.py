@@ -1,7 +1,8 @@
 """The chunked-recurrence core: what every linear-attention family's chunked form runs on, whatever its math.
 
     layout.py       CHUNK_SIZE (64 rows, every family and path); where the chunks of a batch or of packed
-                    documents lie (`chunk_layout`), the grid of a chunk-parallel launch, dtypes of dots and states
+                    documents lie (`chunk_layout`; read once for all layers from a model's `private_offsets`), the
+                    grid of a chunk-parallel launch, dtypes of dots and states
     chunk_index.py  inside the kernels: where a chunk's or a sequence's rows are (varlen included), and the tile,
                     gate and per-head loads that mask the rows past a sequence's end
     varlen.py       documents packed along T for the PyTorch paths and the oracles

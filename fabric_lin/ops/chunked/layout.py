@@ -6,7 +6,7 @@ Tensors are [B, T, H, D]. With `cu_seqlens` (varlen: B = 1, N documents laid end
 never crosses a document boundary: chunks are numbered over all documents, and each chunk's (document, chunk
 within it) and each document's first chunk are what the kernels read.
 """
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -37,25 +37,39 @@ def check_offsets(bounds: List[int], T: int) -> None:
         raise ValueError(f"cu_seqlens must rise from 0 to T = {T} without falling, got {bounds}")
 
 
-# the layouts of the last few cu_seqlens tensors: a model passes one tensor to every layer's forward and backward op,
-# and reading it on the host waits for the GPU, so each layer's op after the first finds its layout here
-_RECENT_LAYOUTS: List[Tuple[torch.Tensor, tuple, ChunkLayout]] = []
+# The layouts made of the last few offsets tensors that `private_offsets` made. A model passes one such tensor to every
+# layer's forward and backward op, and reading it on the host waits for the GPU, so each op after the first finds its
+# layout here. A tensor the caller holds is read at every call instead: the caller may write it between two calls in a
+# way that leaves its version as it was (through .data, or a NumPy view), and a layout of other offsets would send the
+# kernels outside the documents, or outside the tensors.
+_RECENT_LAYOUTS: List[Tuple[torch.Tensor, Dict[tuple, ChunkLayout]]] = []
 _RECENT_KEPT = 4
 
 
+def private_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """A copy of cu_seqlens (int32, contiguous) that only fabric-lin holds, for a model to pass to all its layers: the
+    chunked ops read its offsets on the host once, for every layer's forward and backward pass."""
+    integer = not (cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool)
+    # offsets of another dtype are copied as they are, for the ops' input checks to refuse by name
+    offsets = cu_seqlens.to(dtype=torch.int32 if integer else cu_seqlens.dtype, memory_format=torch.contiguous_format,
+                            copy=True)
+    _RECENT_LAYOUTS.insert(0, (offsets, {}))
+    del _RECENT_LAYOUTS[_RECENT_KEPT:]
+    return offsets
+
+
 def chunk_layout(cu_seqlens: Optional[torch.Tensor], B: int, T: int, BT: int = CHUNK_SIZE) -> ChunkLayout:
-    """The chunks of B sequences of T rows, or of the documents of cu_seqlens (B = 1), in chunks of BT rows; for a
-    cu_seqlens tensor met recently and not written since (the same object and version), the layout made then."""
+    """The chunks of B sequences of T rows, or of the documents of cu_seqlens (B = 1), in chunks of BT rows; for
+    offsets made by `private_offsets` recently and not written since, the layout made at their first use."""
     if cu_seqlens is None:
         return ChunkLayout(B, B * cdiv(T, BT), None, None)
+    made = next((layouts for offsets, layouts in _RECENT_LAYOUTS if offsets is cu_seqlens), None)
+    if made is None:
+        return documents_layout(cu_seqlens, T, BT)
     key = (cu_seqlens._version, B, T, BT)
-    for tensor, tensor_key, layout in _RECENT_LAYOUTS:
-        if tensor is cu_seqlens and tensor_key == key:
-            return layout
-    layout = documents_layout(cu_seqlens, T, BT)
-    _RECENT_LAYOUTS.insert(0, (cu_seqlens, key, layout))
-    del _RECENT_LAYOUTS[_RECENT_KEPT:]
-    return layout
+    if key not in made:
+        made[key] = documents_layout(cu_seqlens, T, BT)
+    return made[key]
 
 
 def documents_layout(cu_seqlens: torch.Tensor, T: int, BT: int) -> ChunkLayout:
