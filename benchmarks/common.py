@@ -1,15 +1,15 @@
 """What the benchmark scripts share: how a GPU time is taken, how a result document is written, and how
 --variants (other launch settings to time) are read.
 
-    from common import kernel_ms, parse_variants, time_ms, write_result
+    from common import exit_on_user_error, kernel_ms, out_arg, parse_variants, time_ms, write_result
 
     fwd_ms = time_ms(lambda: op(*inputs))                        # triton.testing.do_bench: L2 flushed per call
     us = 1e3 * time_ms(lambda: op(*inputs), back_to_back=100)    # 100 calls between two CUDA events
     by_kernel = kernel_ms(fwd_bwd, calls=5)                      # torch.profiler, ms per call by kernel
-    parser.add_argument("--out", type=out_arg, type=out_arg)                   # a file that cannot be written: refused up front
+    parser.add_argument("--out", type=out_arg)                   # a file that cannot be written: refused up front
     write_result(report, args.out, fla_ran=True)                 # print it, write --out atomically
     exit_on_user_error(main)                                     # a mistake in what was given: one line, exit 2
-    variants = parse_variants(["wide:dqkw.BV=128"], SHIPPED)      # --variants NAME:KEY=VALUE,... -> launches
+    variants = parse_variants(["wide:dqkw.BV=128"], SHIPPED)     # --variants NAME:KEY=VALUE,... -> launches
 
 A result document is the script's own JSON object with a "run" record in front (the command line, the
 date, the fabric-lin commit, the machine and its package versions), so that a file copied into
