@@ -395,12 +395,13 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.T
     return (x.float() * cos + rotated * sin).to(x.dtype)
 
 
-def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Softmax attention [1, H, N, D] of documents packed in one row (cu_seqlens: their offsets): each token attends
     to its document's tokens up to itself. The row is cut into blocks of W positions, W the longest document, so that
     a token's document lies within its own block and the one before: each block's queries are scored against those
-    2W keys, about 2NW scores in all. One mask over the whole row would take N^2 (a packed micro batch of 16 rows of 2048
-    tokens: 16 times a row's attention, and a mask of 32768^2 kept for the backward pass of every layer)."""
+    2W keys, about 2NW scores in all. One mask over the whole row would take N^2 (a packed micro batch of 16 rows
+    of 2048 tokens: 16 times a row's attention, and a mask of 32768^2 kept for the backward pass of every layer)."""
     _, H, N, D = q.shape
     offsets = cu_seqlens.to(q.device)
     W = int((offsets[1:] - offsets[:-1]).max())

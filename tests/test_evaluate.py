@@ -174,14 +174,16 @@ def test_the_default_buckets_are_a_16th_of_the_training_length_at_every_length(r
 def test_a_run_that_resets_at_document_boundaries_is_validated_and_evaluated_document_by_document(run, tmp_path):
     """reset_state_at_doc_boundaries trains each document as if alone; the run's val_loss and evaluate's loss of its
     checkpoint (which follows the run's setting) measure the same: each document of the validation blocks run through
-    the model on its own. `reset_state_at_doc_boundaries=False` reads the blocks whole, the documents seeing each other."""
+    the model on its own. `reset_state_at_doc_boundaries=False` reads the blocks whole, the documents seeing each
+    other."""
     from fabric_lin.data import TokenChunks, Tokenizer
     from fabric_lin.pretrain import setup
 
     setup(
         model_name="gla-debug", out_dir=tmp_path / "out", logger_name="csv", devices=1, tokenizer_dir=run / "tok",
         data=TokenChunks(data_path=run / "train", val_path=run / "val", num_workers=0),
-        train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=TRAIN_LEN, save_interval=None),
+        train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=TRAIN_LEN,
+                        save_interval=None),
         eval=EvalArgs(max_iters=VAL_ITERS, interval=1000, final_validation=True), reset_state_at_doc_boundaries=True,
     )
     model, eos = final_weights(tmp_path), Tokenizer(run / "tok").eos_id
@@ -192,7 +194,8 @@ def test_a_run_that_resets_at_document_boundaries_is_validated_and_evaluated_doc
             inputs, targets = block[:-1], block[1:]
             starts = [0] + [i + 1 for i in range(TRAIN_LEN - 1) if inputs[i] == eos]  # a document starts after an EOS
             for start, end in zip(starts, starts[1:] + [TRAIN_LEN]):
-                per_document += F.cross_entropy(model(inputs[None, start:end])[0], targets[start:end], reduction="sum").item()
+                logits = model(inputs[None, start:end])[0]
+                per_document += F.cross_entropy(logits, targets[start:end], reduction="sum").item()
             whole += F.cross_entropy(model(inputs[None])[0], targets, reduction="sum").item()
     tokens = VAL_ITERS * 2 * TRAIN_LEN
     per_document, whole = per_document / tokens, whole / tokens

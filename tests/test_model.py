@@ -146,7 +146,8 @@ def test_packed_attention_scores_each_document_near_itself_only(monkeypatch):
     packed = model(torch.cat(docs, dim=1), cu_seqlens=offsets)
     packed_grads = torch.autograd.grad((packed * weights).sum(), list(model.parameters()))
     # blocks of the longest document's length, each against itself and the block before; the last block padded
-    assert len(scored) == 2 and all(n <= 2 * longest * (packed_length + longest) < packed_length ** 2 for n in scored), scored
+    bound = 2 * longest * (packed_length + longest)
+    assert len(scored) == 2 and all(n <= bound < packed_length ** 2 for n in scored), scored
     separate = torch.cat([model(d) for d in docs], dim=1)
     separate_grads = torch.autograd.grad((separate * weights).sum(), list(model.parameters()))
     torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-4)
