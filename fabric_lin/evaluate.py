@@ -71,6 +71,7 @@ def main(
     precision: Optional[Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]] = None,
     device: Optional[str] = None,
     overwrite: bool = False,
+    reset_state_at_doc_boundaries: Optional[bool] = None,
 ) -> Dict[str, Any]:
     """Evaluate a model: loss, perplexity and loss by position on validation data; lm-evaluation-harness tasks.
 
@@ -104,6 +105,9 @@ def main(
             their PyTorch references on the CPU.
         overwrite: Replace the results of an earlier evaluation in out_dir (without it, they are kept and this
             evaluation is refused before it starts).
+        reset_state_at_doc_boundaries: Read each document of a block on its own, the state reset after each EOS
+            token, as pretrain's option of that name trains and validates. Default: the training run's setting
+            (a training checkpoint's hyperparameters.yaml), else false (the documents of a block see each other).
     """
     import lightning_fabric as L
 
@@ -131,6 +135,8 @@ def main(
     batch_size = batch_size or train_hparams.get("micro_batch_size") or 1
     seq_lens = seq_lens or [train_seq_len]
     bucket_size = bucket_size or max(1, train_seq_len // BUCKETS_PER_TRAINING_LENGTH)
+    if reset_state_at_doc_boundaries is None:
+        reset_state_at_doc_boundaries = bool(hparams.get("reset_state_at_doc_boundaries", False))
     data_of_run = data is None and max_batches != 0 and checkpoint.hparams is not None
     if data_of_run:
         data = run_data_module(checkpoint.hparams, checkpoint_dir / HPARAMS_FILE)
@@ -147,6 +153,9 @@ def main(
     if task_names and checkpoint.tokenizer is None:
         raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text"
                            f"{the_recorded_tokenizer(checkpoint_dir)}")
+    if reset_state_at_doc_boundaries and evaluate_data and checkpoint.tokenizer is None:
+        raise InvalidValue(f"--reset_state_at_doc_boundaries true needs the end-of-text token's id, and {checkpoint_dir} "
+                           f"has no tokenizer.model{the_recorded_tokenizer(checkpoint_dir)}")
     if checkpoint.tokenizer is not None:  # before the data is compared with it
         checkpoint.tokenizer.check_fits(checkpoint.config.vocab_size, checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)
@@ -176,9 +185,12 @@ def main(
         "precision": precision,
         "device": str(fabric.device),
         "train_seq_len": train_seq_len,
+        "reset_state_at_doc_boundaries": reset_state_at_doc_boundaries,
     }
     print(f"{checkpoint.kind} {checkpoint_dir}: {checkpoint.config.name or 'model'}, {results['parameters']:,} parameters, "
-          f"{precision} on {fabric.device}" + ("" if cuda else " (the PyTorch path)"), flush=True)
+          f"{precision} on {fabric.device}" + ("" if cuda else " (the PyTorch path)")
+          + ("; each document read on its own (reset_state_at_doc_boundaries)" if reset_state_at_doc_boundaries else ""),
+          flush=True)
     with created_dir(out_dir):
         if evaluate_data:
             results["data"] = to_plain(data)
@@ -186,7 +198,8 @@ def main(
             for length in seq_lens:
                 loader = validation_loader(data, checkpoint, checkpoint_dir, batch_size, length)
                 starts = bucket_starts(length, bucket_size, bucket_edges)
-                result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts)
+                result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts,
+                                         checkpoint.tokenizer.eos_id if reset_state_at_doc_boundaries else None)
                 results["lengths"].append(result)
                 short = result["short_batches"]
                 short = f" ({short} of them shorter: the split's last blocks)" if short else ""
@@ -347,10 +360,11 @@ def bucket_starts(seq_len: int, bucket_size: Optional[int], bucket_edges: Option
 
 @torch.no_grad()
 def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_batches: Optional[int],
-                    starts: Sequence[int]) -> Dict[str, Any]:
+                    starts: Sequence[int], eos_id: Optional[int] = None) -> Dict[str, Any]:
     """The loss of every token of the loader's batches ([B, seq_len + 1] blocks: inputs and shifted targets),
     in the loader's order, up to `max_batches` batches: summed per position (fp64), then the mean over all
-    tokens (loss, perplexity) and over each bucket of positions, from each of `starts` to the next."""
+    tokens (loss, perplexity) and over each bucket of positions, from each of `starts` to the next. With `eos_id`,
+    the state resets after each of its tokens."""
     from tqdm import tqdm
 
     from fabric_lin.batches import batch_fingerprint
@@ -374,7 +388,7 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
         if batch.shape[1] != seq_len + 1:
             raise UserError(f"the validation loader gave blocks of {batch.shape[1]} tokens, expected seq_len + 1 = {seq_len + 1}")
         with fabric.autocast():
-            losses = token_losses(model, batch[:, :-1], batch[:, 1:])
+            losses = token_losses(model, batch[:, :-1], batch[:, 1:], eos_id)
         sums += losses.sum(0, dtype=torch.float64)
         fingerprint += batch_fingerprint(batch)
         rows += batch.shape[0]
@@ -416,10 +430,17 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
     }
 
 
-def token_losses(model, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_losses(model, input_ids: torch.Tensor, targets: torch.Tensor, eos_id: Optional[int] = None) -> torch.Tensor:
     """The cross-entropy of each target token [B, T] (fp32): the model's final hidden states, then the logits of
-    LOGIT_ROWS tokens at a time, in the compute dtype, their log-softmax in fp32 (as the training loss)."""
-    hidden = model(input_ids, return_hidden=True).flatten(0, 1)
+    LOGIT_ROWS tokens at a time, in the compute dtype, their log-softmax in fp32 (as the training loss). With
+    `eos_id`, each document (a row's start, or the token after an EOS) is read on its own, as the training loss
+    reads it (`fabric_lin.batches.compute_loss`)."""
+    from fabric_lin.batches import doc_boundaries
+
+    if eos_id is None:
+        hidden = model(input_ids, return_hidden=True).flatten(0, 1)
+    else:
+        hidden = model(input_ids.reshape(1, -1), cu_seqlens=doc_boundaries(input_ids, eos_id), return_hidden=True)[0]
     flat_targets = targets.flatten()
     losses = torch.empty(flat_targets.shape, dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], LOGIT_ROWS):

@@ -171,6 +171,45 @@ def test_the_default_buckets_are_a_16th_of_the_training_length_at_every_length(r
     (length,) = evaluate(run / "out" / "final", seq_len=2 * TRAIN_LEN, max_batches=1, out_dir=tmp_path / "eval")["lengths"]
     assert length["by_position"]["start"] == list(range(0, 2 * TRAIN_LEN, TRAIN_LEN // 16))
 
+def test_a_run_that_resets_at_document_boundaries_is_validated_and_evaluated_document_by_document(run, tmp_path):
+    """reset_state_at_doc_boundaries trains each document as if alone; the run's val_loss and evaluate's loss of its
+    checkpoint (which follows the run's setting) measure the same: each document of the validation blocks run through
+    the model on its own. `reset_state_at_doc_boundaries=False` reads the blocks whole, the documents seeing each
+    other."""
+    from fabric_lin.data import TokenChunks, Tokenizer
+    from fabric_lin.pretrain import setup
+
+    setup(
+        model_name="gla-debug", out_dir=tmp_path / "out", logger_name="csv", devices=1, tokenizer_dir=run / "tok",
+        data=TokenChunks(data_path=run / "train", val_path=run / "val", num_workers=0),
+        train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=TRAIN_LEN,
+                        save_interval=None),
+        eval=EvalArgs(max_iters=VAL_ITERS, interval=1000, final_validation=True), reset_state_at_doc_boundaries=True,
+    )
+    model, eos = final_weights(tmp_path), Tokenizer(run / "tok").eos_id
+    per_document = whole = 0.0
+    blocks = [torch.tensor(np.frombuffer(b, dtype=np.int64)) for b in litdata_blocks(run / "val", TRAIN_LEN + 1)]
+    with torch.no_grad():
+        for block in blocks[: VAL_ITERS * 2]:  # eval.max_iters global batches of 2
+            inputs, targets = block[:-1], block[1:]
+            starts = [0] + [i + 1 for i in range(TRAIN_LEN - 1) if inputs[i] == eos]  # a document starts after an EOS
+            for start, end in zip(starts, starts[1:] + [TRAIN_LEN]):
+                logits = model(inputs[None, start:end])[0]
+                per_document += F.cross_entropy(logits, targets[start:end], reduction="sum").item()
+            whole += F.cross_entropy(model(inputs[None])[0], targets, reduction="sum").item()
+    tokens = VAL_ITERS * 2 * TRAIN_LEN
+    per_document, whole = per_document / tokens, whole / tokens
+    assert abs(per_document - whole) > 1e-3  # the blocks hold several documents each
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val_loss"] for r in records if "val_loss" in r] == [pytest.approx(per_document, abs=1e-5)]
+    results = evaluate(tmp_path / "out" / "final", max_batches=VAL_ITERS, out_dir=tmp_path / "per_document")
+    assert results["reset_state_at_doc_boundaries"] is True
+    assert results["lengths"][0]["loss"] == pytest.approx(per_document, abs=1e-5)
+    results = evaluate(tmp_path / "out" / "final", max_batches=VAL_ITERS, out_dir=tmp_path / "whole",
+                       reset_state_at_doc_boundaries=False)
+    assert results["lengths"][0]["loss"] == pytest.approx(whole, abs=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
     """A model directory and an fla export of final/, and final/ with its weights sharded (a DCP directory)."""
@@ -286,6 +325,10 @@ def test_a_model_without_a_tokenizer_checks_the_data_against_its_record_or_says_
         (tmp_path / "model" / name).unlink()
     evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1, overwrite=True)
     assert "Note:" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match=f"^--reset_state_at_doc_boundaries true needs the end-of-text token's id, and "
+                                         f"{tmp_path / 'model'} has no tokenizer.model; its weights were trained with"):
+        evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1, overwrite=True,
+                 reset_state_at_doc_boundaries=True)
     sha256 = json.loads((run / "val" / "prepared.json").read_text())["tokenizer"]["sha256"]
     record = tmp_path / "model" / "trained_with.json"
     trained_with = json.loads(record.read_text())

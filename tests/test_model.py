@@ -123,6 +123,38 @@ def test_packed_documents_equal_separate_documents(name):
     torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-4)
 
 
+def test_packed_attention_scores_each_document_near_itself_only(monkeypatch):
+    """Packed documents (reset_state_at_doc_boundaries packs a micro batch's rows into one): softmax attention scores
+    each query against at most twice the longest document's keys, not against the whole packed row (the work of one
+    row times the number of rows, and a mask of the row's length squared); its output and gradients are those of each
+    document run on its own (grouped key/value heads, a document of one token, a packed length that no block fills)."""
+    torch.manual_seed(0)
+    model = GPT(tiny("transformer-debug", num_kv_heads=2))
+    lengths = [16, 3, 1, 16, 9, 12, 16, 5] * 3
+    docs = [torch.randint(0, 97, (1, n)) for n in lengths]
+    packed_length, longest = sum(lengths), max(lengths)
+    weights = torch.randn(1, packed_length, 97)
+    scored = []
+    attention = F.scaled_dot_product_attention
+
+    def counted_attention(q, k, v, **kwargs):
+        scored.append(q.shape[0] * q.shape[-2] * k.shape[-2])  # query-key pairs per head
+        return attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted_attention)
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    packed = model(torch.cat(docs, dim=1), cu_seqlens=offsets)
+    packed_grads = torch.autograd.grad((packed * weights).sum(), list(model.parameters()))
+    # blocks of the longest document's length, each against itself and the block before; the last block padded
+    bound = 2 * longest * (packed_length + longest)
+    assert len(scored) == 2 and all(n <= bound < packed_length ** 2 for n in scored), scored
+    separate = torch.cat([model(d) for d in docs], dim=1)
+    separate_grads = torch.autograd.grad((separate * weights).sum(), list(model.parameters()))
+    torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-4)
+    for got, expected in zip(packed_grads, separate_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_gla_attention_layout_matches_design():
     model = GPT(Config.from_name("gla-debug"))
     attn = model.layers[0].attn

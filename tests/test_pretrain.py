@@ -43,6 +43,10 @@ def test_error_batch_not_divisible(tmp_path):
     (dict(log_interval=0), {}, r"train.log_interval must be at least 1, got 0"),
     (dict(keep_last_n=0), {}, r"train.keep_last_n must be at least 1 \(or null to keep all\), got 0"),
     (dict(lr_schedule="wsd", wsd_decay_fraction=1.5), {}, r"train.wsd_decay_fraction must be in \(0, 1\], got 1.5"),
+    # a setting of the wsd schedule given to a cosine one, which would train as if it were not there
+    (dict(wsd_decay_fraction=0.2), {}, r"^train.wsd_decay_fraction 0.2 sets where lr_schedule 'wsd' decays, and this run's "
+                                       r"lr_schedule is 'cosine', which it leaves unchanged: give --train.lr_schedule wsd, or "
+                                       r"leave train.wsd_decay_fraction at 0.1$"),
     (dict(lr_schedule="linear"), {}, r"train.lr_schedule must be 'cosine' or 'wsd', got 'linear'"),
     ({}, dict(interval=0), r"eval.interval must be at least 1 \(optimizer steps between validations\), got 0"),
 ])
