@@ -165,7 +165,7 @@ def main(
         if data_of_run:
             check_run_data_is_there(data, checkpoint_dir / HPARAMS_FILE)
         validation_loader(data, checkpoint, checkpoint_dir, batch_size, max(seq_lens))
-        if checkpoint.tokenizer is None and data.prepared_dirs():  # else data.setup() compared it with the data's
+        if checkpoint.tokenizer is None and data.validation_dirs():  # else setup_validation() checked the data with it
             check_data_tokenizer(checkpoint_dir, data)
 
     # after every check of the input, so that a mistake there is told first; before the minutes of evaluating
@@ -285,7 +285,7 @@ def check_data_tokenizer(checkpoint_dir: Path, data: DataModule) -> None:
     from fabric_lin.data.prepared import read_prepared_dir
     from fabric_lin.data.tokenizer import TRAINED_WITH_FILE, describe_tokenizer, read_trained_with, tokenizer_identity
 
-    data_dir = data.prepared_dirs()[0]
+    data_dir = data.validation_dirs()[0]
     data_info, trained_with = read_prepared_dir(data_dir), read_trained_with(checkpoint_dir)
     if trained_with is None:
         print(f"Note: {checkpoint_dir} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
@@ -329,7 +329,7 @@ def validation_loader(data: DataModule, checkpoint: "Checkpoint", checkpoint_dir
     data.connect(tokenizer=checkpoint.tokenizer, batch_size=batch_size, max_seq_length=seq_len,
                  vocab_size=checkpoint.config.vocab_size)
     try:
-        data.setup()
+        data.setup_validation()
     except VocabularyTooLarge as e:  # its fix, a model config of a larger vocabulary, is for pretrain
         raise InvalidValue(
             f"{e.path} was tokenized with a vocabulary of {e.data_vocab} tokens ({PREPARED_INFO_FILE}), more than the "
@@ -770,9 +770,9 @@ def run_data_module(hparams: Dict[str, Any], path: Path) -> DataModule:
 
 
 def check_run_data_is_there(data: DataModule, path: Path) -> None:
-    """The directories of the run's data module (read from its hyperparameters.yaml, `path`) are still there: data
-    moved since is named with the file that names it, and --data is the way on."""
-    for directory in data.prepared_dirs():
+    """The validation directories of the run's data module (read from its hyperparameters.yaml, `path`) are still
+    there: data moved since is named with the file that names it, and --data is the way on."""
+    for directory in data.validation_dirs():
         if not Path(directory).exists():
             name = type(data).__name__
             raise MissingFile(f"{directory} does not exist: {path} names it as the run's data ({name}); give --data to "

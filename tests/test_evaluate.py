@@ -308,6 +308,25 @@ def test_token_chunks_with_its_val_path_alone_is_evaluated(run, tmp_path):
     assert alone["lengths"][0]["loss"] == both["lengths"][0]["loss"]
 
 
+def test_slimpajama_starcoder_is_evaluated_from_its_validation_split_alone(run, tmp_path):
+    """`--data SlimPajamaStarcoder` reads data_path/slimpajama/val alone; a data_path without slimpajama/train and
+    starcoder was refused for want of them. The loss is the one of the same directory read by TokenChunks."""
+    (tmp_path / "data" / "slimpajama").mkdir(parents=True)
+    shutil.copytree(run / "val", tmp_path / "data" / "slimpajama" / "val")
+    final = run / "out" / "final"
+    options = ["--seq_len", str(TRAIN_LEN), "--batch_size", "2", "--max_batches", "2"]
+    from fabric_lin.cli import main as cli
+
+    cli(["evaluate", str(final), "--data", "SlimPajamaStarcoder", "--data.data_path", str(tmp_path / "data"),
+         "--data.num_workers", "0", "--out_dir", str(tmp_path / "slimpajama"), *options])
+    cli(["evaluate", str(final), "--data", "TokenChunks", "--data.val_path", str(run / "val"), "--data.num_workers", "0",
+         "--out_dir", str(tmp_path / "token_chunks"), *options])
+    slimpajama, token_chunks = (json.loads((tmp_path / name / "evaluate.json").read_text())["lengths"][0]
+                                for name in ("slimpajama", "token_chunks"))
+    assert slimpajama["tokens"] == token_chunks["tokens"] == 2 * 2 * TRAIN_LEN
+    assert slimpajama["loss"] == token_chunks["loss"]
+
+
 def test_a_model_without_a_tokenizer_checks_the_data_against_its_record_or_says_it_cannot(run, tmp_path, capsys):
     """With its tokenizer.model, a model directory refuses data of another one; without it, its trained_with.json does:
     the data of the recorded tokenizer is evaluated, the data of another is refused naming both; without the record
