@@ -8,7 +8,7 @@ from typing import Iterator, List, Tuple
 
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
 from fabric_lin.data.prepared import check_prepared_dirs
-from fabric_lin.data.raw_files import find_files, iter_parquet_texts, read_slimpajama_file
+from fabric_lin.data.raw_files import find_files, holds_no_text, iter_parquet_texts, read_slimpajama_file
 from fabric_lin.data.recipe import TokenizeRecipe
 from fabric_lin.errors import InvalidValue, MissingFile
 
@@ -20,7 +20,8 @@ STARCODER_ROWS_PER_BATCH = 8192
 
 
 class SlimPajamaRecipe(TokenizeRecipe):
-    """Every `*.jsonl.zst` under the input directory: field `text` of each JSON line, less the RedPajamaGithub rows."""
+    """Every `*.jsonl.zst` under the input directory: field `text` of each JSON line, less the RedPajamaGithub rows
+    and, as prepare_text leaves them out, the documents of nothing but whitespace (counted)."""
 
     name = "slimpajama"
     filtered_rows = f"{SKIPPED_SET} rows left out (Starcoder holds the code)"
@@ -31,8 +32,10 @@ class SlimPajamaRecipe(TokenizeRecipe):
     def read_documents(self, path: str) -> Iterator[List[str]]:
         # The whole file is read and validated first (read_slimpajama_file), so a bad file adds nothing.
         rows = read_slimpajama_file(path)
-        texts = [text for text, set_name in rows if set_name != SKIPPED_SET]
-        self._skipped_rows += len(rows) - len(texts)
+        kept = [text for text, set_name in rows if set_name != SKIPPED_SET]
+        self._skipped_rows += len(rows) - len(kept)
+        texts = [text for text in kept if not holds_no_text(text)]
+        self._empty_documents += len(kept) - len(texts)
         for start in range(0, len(texts), SLIMPAJAMA_DOCUMENTS_PER_BATCH):
             yield texts[start : start + SLIMPAJAMA_DOCUMENTS_PER_BATCH]
 
