@@ -116,6 +116,10 @@ def test_an_abbreviated_flag_is_refused(tmp_path, capsys, flags):
     (["--compile_mode=default"], "unknown option --compile_mode (did you mean --compile.mode?)"),
     (["--fsdp_unit", "model"], "unknown option --fsdp_unit"),
     (["--train.max_step", "3"], "unknown option --train.max_step (did you mean --train.max_steps?); options are not abbreviated"),
+    # Lightning's and LitGPT's name for it, which no spelling of fabric-lin's resembles
+    (["--strategy", "fsdp"], "unknown option --strategy (did you mean --parallelism.data_parallel fsdp or ddp?)"),
+    (["--strategy=ddp"], "unknown option --strategy (did you mean --parallelism.data_parallel fsdp or ddp?)"),
+    (["--fsdp", "true"], "unknown option --fsdp (did you mean --parallelism.data_parallel fsdp?)"),
 ])
 def test_unknown_command_line_keys_are_named_with_the_closest_one(tmp_path, capsys, flags, message):
     from fabric_lin.cli import main as cli_main
@@ -320,6 +324,12 @@ def parse_error(argv, capsys) -> str:
     line, hint = capsys.readouterr().err.splitlines()
     assert hint == f"(fabric-lin {argv[0]} --help lists the options)"
     return line
+
+
+def test_a_lightning_flag_is_pointed_to_fabric_lin_s_only_where_the_command_has_it(capsys):
+    """evaluate runs on one device and has no --parallelism.data_parallel to point --strategy to."""
+    assert parse_error(["evaluate", "ckpt", "--strategy", "fsdp"], capsys) == (
+        "fabric-lin evaluate: error: unknown option --strategy")
 
 
 @pytest.mark.parametrize("content,key,closest,listed", [
