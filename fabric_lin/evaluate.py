@@ -4,8 +4,8 @@
 Reads top to bottom: `main()` (the command line: load the checkpoint, the data, each sequence length, the
 tasks, then the results file and the plot) -> `evaluate_length()` (one sequence length: the loss of every
 token of the validation batches, summed per position) -> `HarnessScorer` (what lm-evaluation-harness asks of a
-model, answered by the model in memory) -> the pieces they use: reading the three kinds of checkpoint, the
-run's data module, the plot.
+model, answered by the model in memory) -> the pieces they use: the plot. Reading the three kinds of checkpoint
+and a run's data module: checkpoint_kinds.py.
 
 The validation batches are read as `pretrain` reads them (the data module's validation loader: the split's
 blocks in their fixed order, batches of the run's micro batch size), and the loss is the mean cross-entropy over
@@ -17,29 +17,26 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-from fabric_lin.checkpoint import (
-    HPARAMS_FILE,
-    MANIFEST_FILE,
-    STEP_FILE,
-    checkpoint_dirs,
-    find_training_checkpoint,
-    load_model_weights,
-    to_plain,
+from fabric_lin.checkpoint import HPARAMS_FILE, to_plain
+from fabric_lin.checkpoint_kinds import (
+    TRAINING_CHECKPOINT,
+    Checkpoint,
+    check_run_data_is_there,
+    load_checkpoint,
+    plain_value,
+    run_data_module,
 )
-from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data import DataModule
 from fabric_lin.data.tokenizer import the_recorded_tokenizer
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, MissingPackage, UserError
-from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, expand_home, read_yaml
-from fabric_lin.weights import MODEL_FILE, canonical_state_dict
+from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, expand_home
 
 RESULTS_FILE = "evaluate.json"
 PLOT_FILE = "loss_by_position.png"
@@ -665,128 +662,6 @@ def run_tasks(scorer: HarnessScorer, names: List[str], task_manager, num_fewshot
     kept = ("results", "groups", "group_subtasks", "versions", "n-shot", "n-samples", "higher_is_better")
     return {"lm_eval_version": version("lm_eval"), **{key: output[key] for key in kept if key in output},
             **({"limit": limit} if limit is not None else {})}
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-TRAINING_CHECKPOINT, MODEL_DIRECTORY, FLA_EXPORT = "training checkpoint", "model directory", "fla export"
-
-
-@dataclass
-class Checkpoint:
-    """A model read from one of the three kinds of directory (tutorials/convert.md)."""
-
-    kind: str
-    config: Config
-    state_dict: Dict[str, torch.Tensor]
-    tokenizer: Any  # fabric_lin.data.Tokenizer, or None where the directory holds no tokenizer.model
-    hparams: Optional[Dict[str, Any]] = None  # a training checkpoint's hyperparameters.yaml
-    step: Optional[int] = None  # a training checkpoint's optimizer step
-
-
-def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
-    """The model of a training checkpoint (verified against its manifest first, as a resume does), a model
-    directory or an fla export; which one is told by the files it holds."""
-    from fabric_lin.convert.hf import HF_CONFIG_FILE, read_fla_checkpoint
-    from fabric_lin.convert.model_dir import (
-        SAFETENSORS_FILE,
-        check_not_lora_adapters,
-        check_state_dict,
-        load_model_dir_weights,
-    )
-    from fabric_lin.data.tokenizer import Tokenizer
-
-    checkpoint_dir = Path(checkpoint_dir)
-    expected = ("expected a training checkpoint (a run's step-XXXXXXXX/ or final/), a model directory "
-                "(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output)")
-    if not checkpoint_dir.is_dir():
-        raise MissingFile(f"{checkpoint_dir} is not a directory: {expected}")
-
-    def has(name: str) -> bool:
-        return (checkpoint_dir / name).exists()
-
-    tokenizer = Tokenizer(checkpoint_dir) if has("tokenizer.model") else None
-    if has(STEP_FILE) or has(MANIFEST_FILE) or has(HPARAMS_FILE) or (checkpoint_dir / MODEL_FILE).is_dir():
-        config, weights_path = find_training_checkpoint(checkpoint_dir, use="evaluate")
-        state_dict = canonical_state_dict(load_model_weights(weights_path))
-        check_state_dict(state_dict, config, source=str(weights_path))
-        hparams = read_hparams(checkpoint_dir / HPARAMS_FILE) if has(HPARAMS_FILE) else None
-        step = read_step(checkpoint_dir / STEP_FILE)
-        return Checkpoint(TRAINING_CHECKPOINT, config, state_dict, tokenizer, hparams, step)
-    if has(CONFIG_FILE) and (has(MODEL_FILE) or has(SAFETENSORS_FILE) or has("model.safetensors.index.json")):
-        config = Config.from_checkpoint(checkpoint_dir)
-        return Checkpoint(MODEL_DIRECTORY, config, load_model_dir_weights(checkpoint_dir, config), tokenizer)
-    if has(HF_CONFIG_FILE):
-        config, state_dict = read_fla_checkpoint(checkpoint_dir)
-        return Checkpoint(FLA_EXPORT, config, state_dict, tokenizer)
-    check_not_lora_adapters(checkpoint_dir, "evaluate", reads_exports=True)
-    inside = [p.name for p in checkpoint_dirs(checkpoint_dir)]
-    hint = f"; it holds a run's checkpoints ({', '.join(inside[:3])}): pass one of them" if inside else ""
-    raise MissingFile(
-        f"{checkpoint_dir} is not a checkpoint: it holds none of {MODEL_FILE}, {SAFETENSORS_FILE} or {HF_CONFIG_FILE}; "
-        f"{expected}{hint}"
-    )
-
-
-def read_hparams(path: Path) -> Dict[str, Any]:
-    hparams = read_yaml(path)
-    if not isinstance(hparams, dict):
-        raise InvalidValue(f"{path}: expected a mapping of pretrain's arguments, got {type(hparams).__name__}")
-    return hparams
-
-
-def read_step(path: Path) -> Optional[int]:
-    try:
-        step = json.loads(path.read_text(encoding="utf-8")).get("step_count")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) else None
-
-
-def run_data_module(hparams: Dict[str, Any], path: Path) -> DataModule:
-    """The data module a run trained with, from its hyperparameters.yaml (`data`: class_path and init_args).
-    Only fabric-lin's own data modules are built from a checkpoint: a class_path elsewhere would import a module
-    named by a file that may come from anyone."""
-    from jsonargparse import ArgumentParser
-
-    entry = hparams.get("data")
-    class_path = entry.get("class_path") if isinstance(entry, dict) else None
-    if not isinstance(class_path, str):
-        raise InvalidValue(f"{path}: its data entry is not a data module (class_path and init_args); give --data")
-    if not class_path.startswith("fabric_lin.data."):
-        raise InvalidValue(
-            f"{path}: data.class_path {class_path} is not one of fabric-lin's data modules, and evaluate imports no "
-            f"other module that a checkpoint names: give it on the command line, --data {class_path} --data.<option> ..."
-        )
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_argument("--data", type=DataModule)
-    try:
-        parsed = parser.parse_object({"data": entry})
-        instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # the second before jsonargparse 4.49
-        return instantiate(parsed).data
-    except Exception as e:  # jsonargparse's own error types, or the data module's check of its values
-        raise InvalidValue(f"{path}: its data entry does not load ({' '.join(str(e).split())}); give --data") from None
-
-
-def check_run_data_is_there(data: DataModule, path: Path) -> None:
-    """The validation directories of the run's data module (read from its hyperparameters.yaml, `path`) are still
-    there: data moved since is named with the file that names it, and --data is the way on."""
-    for directory in data.validation_dirs():
-        if not Path(directory).exists():
-            name = type(data).__name__
-            raise MissingFile(f"{directory} does not exist: {path} names it as the run's data ({name}); give --data to "
-                              f"read the data where it is now, e.g. --data {name} --data.<option> DIR")
-
-
-def plain_value(value: Any) -> Any:
-    """JSON for what json does not write itself (numbers of NumPy, paths)."""
-    if hasattr(value, "item"):
-        return value.item()
-    return str(value)
-
-
-# ---------------------------------------------------------------- the plot
 
 
 def plot_loss_by_position(results: Dict[str, Any], path: Path) -> bool:

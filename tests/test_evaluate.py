@@ -283,7 +283,8 @@ def test_finetune_lora_md_measures_every_held_out_document(run, tmp_path, monkey
 def test_the_default_out_dir_is_beside_a_training_checkpoint_given_as_a_relative_path(tmp_path, monkeypatch):
     """`fabric-lin evaluate .` inside a checkpoint, or `..` below it: the results go beside it, never into it (its files
     are the ones its manifest lists); a model directory or an export keeps them in its evaluate/."""
-    from fabric_lin.evaluate import FLA_EXPORT, TRAINING_CHECKPOINT, default_out_dir
+    from fabric_lin.checkpoint_kinds import FLA_EXPORT, TRAINING_CHECKPOINT
+    from fabric_lin.evaluate import default_out_dir
 
     (tmp_path / "run" / "final" / "below").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "run" / "final")
