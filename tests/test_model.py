@@ -177,7 +177,7 @@ def test_transformer_has_no_length_limit_from_its_config():
 
 
 @pytest.mark.parametrize("shape,dtype", [((2, 70, 1), torch.int64), ((2, 70), torch.bool), ((2, 70), torch.uint8),
-                                         ((2, 70), torch.int16)])
+                                         ((2, 70), torch.int16), ((2, 70), torch.uint16)])
 def test_input_ids_of_three_dimensions_or_of_a_dtype_the_embedding_refuses_are_named(shape, dtype):
     """nn.Embedding takes int64 and int32 indices only: ids of a smaller integer dtype (as a uint16 chunk holds them)
     were torch's traceback from inside the model."""
