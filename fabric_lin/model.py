@@ -41,6 +41,11 @@ from fabric_lin.ops.short_conv import causal_conv1d, causal_conv1d_split
 from fabric_lin.ops.swiglu import swiglu, swiglu_linear
 
 
+# the indices nn.Embedding takes; ids stored smaller (a prepared directory's uint16) the caller converts, as
+# pretrain does
+TOKEN_ID_DTYPES = (torch.int64, torch.int32)
+
+
 def backend_of(fused: bool) -> str:
     return "triton" if fused else "torch"
 
@@ -565,10 +570,10 @@ class GPT(nn.Module):
         """input_ids [B, T] -> logits [B, T, vocab]; with `targets` [B, T], the mean cross-entropy
         (computed in chunks, the full fp32 logits are never held); with `return_hidden`, the final
         normed hidden states [B, T, d]."""
-        if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+        if input_ids.dim() != 2 or input_ids.dtype not in TOKEN_ID_DTYPES:
             hint = "; one sequence is input_ids[None]" if input_ids.dim() == 1 else ""
-            raise InvalidValue(f"input_ids must be [B, T] integer token ids, got {input_ids.dtype} of shape "
-                               f"{tuple(input_ids.shape)}{hint}")
+            raise InvalidValue(f"input_ids must be [B, T] token ids of dtype int64 or int32, got {input_ids.dtype} of "
+                               f"shape {tuple(input_ids.shape)}{hint}")
         if isinstance(cu_seqlens, torch.Tensor):  # a copy the caller cannot write: every layer's op reads it once
             cu_seqlens = private_offsets(cu_seqlens)
         x = self.embeddings(input_ids)

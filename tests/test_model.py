@@ -3,6 +3,8 @@ packed documents against separate ones, meta init against eager init (and a forw
 inputs named where they are no batch of token ids, the chunked loss and activation
 checkpointing against the plain computation. Against float64 references written independently (every head layout,
 grouped key/value heads included): test_model_edge_cases.py."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,11 +55,11 @@ def test_a_model_on_the_meta_device_runs_for_its_shapes(name):
 
 def test_input_ids_other_than_a_batch_of_token_ids_are_named():
     model = GPT(tiny("gla-debug"))
-    with pytest.raises(ValueError, match=r"^input_ids must be \[B, T\] integer token ids, got torch.int64 of shape "
-                                         r"\(70,\); one sequence is input_ids\[None\]$"):
+    with pytest.raises(ValueError, match=r"^input_ids must be \[B, T\] token ids of dtype int64 or int32, got torch.int64 "
+                                         r"of shape \(70,\); one sequence is input_ids\[None\]$"):
         model(torch.zeros(70, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"^input_ids must be \[B, T\] integer token ids, got torch.float32 of shape "
-                                         r"\(2, 70\)$"):
+    with pytest.raises(ValueError, match=r"^input_ids must be \[B, T\] token ids of dtype int64 or int32, got "
+                                         r"torch.float32 of shape \(2, 70\)$"):
         model(torch.zeros(2, 70))
 
 
@@ -204,3 +206,15 @@ def test_transformer_has_no_length_limit_from_its_config():
         long, short = model(ids), model(ids[:, :16])
     assert torch.isfinite(long).all()
     torch.testing.assert_close(long[:, :16], short)  # causal: the first 16 positions do not see the rest
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 70, 1), torch.int64), ((2, 70), torch.bool), ((2, 70), torch.uint8),
+                                         ((2, 70), torch.int16), ((2, 70), torch.uint16)])
+def test_input_ids_of_three_dimensions_or_of_a_dtype_the_embedding_refuses_are_named(shape, dtype):
+    """nn.Embedding takes int64 and int32 indices only: ids of a smaller integer dtype (as a uint16 chunk holds them)
+    were torch's traceback from inside the model."""
+    model = GPT(tiny("gla-debug"))
+    shown = re.escape(f"got {dtype} of shape {shape}")
+    with pytest.raises(ValueError, match=rf"^input_ids must be \[B, T\] token ids of dtype int64 or int32, {shown}$"):
+        model(torch.zeros(shape, dtype=dtype))
+    model(torch.zeros(2, 70, dtype=torch.int32))  # the other dtype it takes
