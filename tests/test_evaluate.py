@@ -530,7 +530,7 @@ def test_limit_is_a_fraction_below_one_or_a_whole_count(limit, refused):
 
 
 def test_arguments_are_checked_and_the_lengths_and_tasks_listed_once(tmp_path):
-    from fabric_lin.evaluate import check_arguments, read_hparams, run_data_module, task_list
+    from fabric_lin.evaluate import check_arguments, run_data_module, task_list
 
     assert check_arguments([64, 32, 64], None, None, None, None, None, None) == [64, 32]
     for arguments, refused in (((True,) + (None,) * 6, "--seq_len must be a positive number"),
@@ -542,9 +542,6 @@ def test_arguments_are_checked_and_the_lengths_and_tasks_listed_once(tmp_path):
     # a checkpoint's hyperparameters.yaml names a module: only fabric-lin's data modules are imported
     with pytest.raises(InvalidValue, match=r"data.class_path mypackage.Data is not one of fabric-lin's data modules"):
         run_data_module({"data": {"class_path": "mypackage.Data", "init_args": {}}}, tmp_path / "hyperparameters.yaml")
-    (tmp_path / "hyperparameters.yaml").write_text("- train\n")
-    with pytest.raises(InvalidValue, match=r"hyperparameters.yaml: expected a mapping of pretrain's arguments, got list"):
-        read_hparams(tmp_path / "hyperparameters.yaml")
 
 
 def test_data_options_without_a_data_module_and_an_empty_length_list_are_one_line(run, capsys):
