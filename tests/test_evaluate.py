@@ -2,9 +2,10 @@
 the same weights and batches; the loss by position (at the training length and twice it) equals a direct
 cross-entropy of the model's logits over litdata's own reading of the blocks, and so do the loss, the perplexity
 and the buckets of batches whose last one is short, the logits computed in pieces; the buckets by default and at
-given edges; every kind of checkpoint gives the same loss; the harness adapter's log-likelihoods equal log-softmax
-sums of a full forward pass (all three families, the rolling one across blocks of carried state); bad input is one
-line. The lm-evaluation-harness run itself needs the optional extra (`pip install -e '.[eval]'`) and is skipped
+given edges; a bf16 model's loss is the fp32 cross-entropy of its logits; every kind of checkpoint gives the same loss;
+the harness adapter's log-likelihoods equal log-softmax sums of a full forward pass (all three families, the rolling
+one across blocks of carried state), greedy only where every continuation token is the most likely, and its
+generation stops at the first stop string and samples where asked; bad input is one line. The lm-evaluation-harness run itself needs the optional extra (`pip install -e '.[eval]'`) and is skipped
 without it."""
 import json
 import math
@@ -157,6 +158,40 @@ def test_loss_perplexity_and_buckets_of_batches_with_a_short_last_one(monkeypatc
     assert by_position["loss"] == pytest.approx([losses[:, :3].mean().item(), losses[:, 3:].mean().item()], abs=1e-6)
 
 
+def test_blocks_of_another_length_no_block_and_a_diverged_model_are_told():
+    """A data module's loader that gives blocks of another length, or none; a model whose loss overflows e to it (the
+    perplexity is capped at e^100, not an OverflowError after the evaluation)."""
+    from fabric_lin.errors import UserError
+    from fabric_lin.evaluate import evaluate_length
+
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("gla-debug", num_layers=1, vocab_size=64)).eval()
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    blocks = torch.randint(0, 64, (2, 9))
+    with pytest.raises(UserError, match=r"the validation loader gave blocks of 9 tokens, expected seq_len \+ 1 = 5"):
+        evaluate_length(fabric, model, [blocks], seq_len=4, batch_size=2, max_batches=None, starts=[0])
+    with pytest.raises(InvalidValue, match=r"seq_len 8: the validation data gives no block of 9 tokens; lower --seq_len"):
+        evaluate_length(fabric, model, [], seq_len=8, batch_size=2, max_batches=None, starts=[0])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e5)
+    result = evaluate_length(fabric, model, [blocks], seq_len=8, batch_size=2, max_batches=None, starts=[0])
+    assert result["loss"] > 1000 and result["perplexity"] == math.exp(100)
+
+
+def test_the_loss_of_a_bf16_model_is_the_fp32_cross_entropy_of_its_logits():
+    from fabric_lin.evaluate import token_losses
+
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("gla-debug", num_layers=1, vocab_size=64)).to(torch.bfloat16).eval()
+    blocks = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        logits = F.linear(model(blocks[:, :-1], return_hidden=True), model.output_weight)
+        expected = F.cross_entropy(logits.float().flatten(0, 1), blocks[:, 1:].flatten(), reduction="none")
+        got = token_losses(model, blocks[:, :-1], blocks[:, 1:])
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.flatten(), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_bucket_edges_at_or_past_a_length_are_left_out_for_it():
     from fabric_lin.evaluate import bucket_starts
 
@@ -294,6 +329,13 @@ def test_the_default_out_dir_is_beside_a_training_checkpoint_given_as_a_relative
     assert default_out_dir(Path("."), FLA_EXPORT).resolve() == tmp_path / "run" / "final" / "below" / "evaluate"
 
 
+def test_the_model_runs_pytorch_s_ops_on_the_cpu(run):
+    """The fused Triton kernels need a GPU: on the CPU the model takes their PyTorch references."""
+    from fabric_lin.evaluate import build_model, load_checkpoint
+
+    assert not build_model(L.Fabric(accelerator="cpu", devices=1), load_checkpoint(run / "out" / "final")).fused
+
+
 def test_token_chunks_with_its_val_path_alone_is_evaluated(run, tmp_path):
     """evaluate reads the validation split alone, and its error for data without one says to give `TokenChunks
     --data.val_path DIR`: done so, it was refused for want of a data_path (training data)."""
@@ -423,6 +465,23 @@ def test_harness_loglikelihood_equals_a_full_forward_log_softmax(run, family_mod
         assert greedy == bool((logits.argmax(-1) == torch.tensor(whole[-n:])).all())
 
 
+def test_harness_greedy_means_every_continuation_token_is_the_most_likely(run, family_model):
+    """A continuation of the model's most likely token and then a token that is not (the tokens given as such): not
+    greedy; its first token alone is."""
+    from fabric_lin.data import Tokenizer
+
+    tokenizer = Tokenizer(run / "tok")
+    context = tokenizer.encode("the model").tolist()
+    with torch.no_grad():
+        likely = int(family_model(torch.tensor([tokenizer.eos_id] + context)[None])[0, -1].argmax())
+        after = int(family_model(torch.tensor([tokenizer.eos_id] + context + [likely])[None])[0, -1].argmax())
+    unlikely = (after + 1) % tokenizer.vocab_size
+    scorer = scorer_for(family_model, tokenizer, batch_size=2, block_size=TRAIN_LEN)
+    continuations = {"both": [likely, unlikely], "first": [likely]}
+    scorer.split = lambda context_text, continuation_text: (context, continuations[continuation_text])
+    assert [greedy for _, greedy in scorer.loglikelihood([("the model", "both"), ("the model", "first")])] == [False, True]
+
+
 def test_harness_rolling_loglikelihood_carries_the_state_across_blocks(run, family_model):
     """Blocks of 8 tokens through the decoding cache against one forward pass over the whole document."""
     from fabric_lin.data import Tokenizer
@@ -452,6 +511,30 @@ def test_harness_generate_until_stops_at_the_first_stop_string(run):
     got = scorer.generate_until([(context, {"until": [stop, "never there"], "max_gen_toks": 12}),
                                  (context, {"until": "never there", "max_gen_toks": 12})])
     assert got == [full[: full.index(stop)], full]
+    # two stop strings that the same token completes: the text ends before the one that begins first
+    ending = next(full[i: i + 3] for i in range(2, len(full) - 2) if full.find(full[i + 1: i + 3]) == i + 1)
+    assert scorer.generate_until([(context, {"until": [ending[1:], ending], "max_gen_toks": 12})]) == [
+        full[: full.index(ending)]]
+
+
+def test_harness_generate_until_samples_where_asked(run):
+    """do_sample with a temperature: the tokens sampled from the model's logits with the harness's seeded generator."""
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.generate import generate_tokens
+
+    tokenizer = Tokenizer(run / "tok")
+    model = final_weights(run)
+    context = "the model reads a line"
+    prompt = torch.tensor([tokenizer.eos_id] + tokenizer.encode(context).tolist())
+    text = {}
+    for temperature in (0.0, 1.5):
+        tokens = generate_tokens(model, prompt, 12, temperature=temperature, eos_id=tokenizer.eos_id,
+                                 generator=torch.Generator().manual_seed(1234), vocab_size=tokenizer.vocab_size)
+        text[temperature] = tokenizer.decode(prompt[1:].tolist() + tokens.tolist())[len(context):]
+    assert text[1.5] != text[0.0]
+    scorer = scorer_for(model, tokenizer, batch_size=1, block_size=TRAIN_LEN)
+    options = {"until": "never there", "max_gen_toks": 12, "do_sample": True, "temperature": 1.5}
+    assert scorer.generate_until([(context, options)]) == [text[1.5]]
 
 
 # ---------------------------------------------------------------- bad input: one line, exit code 2
@@ -507,6 +590,21 @@ def test_limit_is_a_fraction_below_one_or_a_whole_count(limit, refused):
             check_arguments(None, None, None, None, None, None, limit)
     else:
         check_arguments(None, None, None, None, None, None, limit)
+
+
+def test_arguments_are_checked_and_the_lengths_and_tasks_listed_once(tmp_path):
+    from fabric_lin.evaluate import check_arguments, run_data_module, task_list
+
+    assert check_arguments([64, 32, 64], None, None, None, None, None, None) == [64, 32]
+    for arguments, refused in (((True,) + (None,) * 6, "--seq_len must be a positive number"),
+                               ((None, -1) + (None,) * 5, "--max_batches must be 0"),
+                               ((None,) * 5 + (-1, None), "--num_fewshot must be 0 or more")):
+        with pytest.raises(InvalidValue, match=refused):
+            check_arguments(*arguments)
+    assert task_list("hellaswag, ,arc_easy,") == ["hellaswag", "arc_easy"]
+    # a checkpoint's hyperparameters.yaml names a module: only fabric-lin's data modules are imported
+    with pytest.raises(InvalidValue, match=r"data.class_path mypackage.Data is not one of fabric-lin's data modules"):
+        run_data_module({"data": {"class_path": "mypackage.Data", "init_args": {}}}, tmp_path / "hyperparameters.yaml")
 
 
 def test_data_options_without_a_data_module_and_an_empty_length_list_are_one_line(run, capsys):
@@ -608,7 +706,9 @@ def test_an_earlier_evaluation_in_out_dir_is_kept_unless_overwrite(run, tmp_path
         with pytest.raises(KeyboardInterrupt):
             evaluate(final, max_batches=2, out_dir=out, overwrite=True)
     assert (out / "evaluate.json").read_bytes() == first and sorted(p.name for p in out.iterdir()) == ["evaluate.json"]
+    (out / "loss_by_position.png").write_bytes(b"an earlier evaluation's plot")  # not these results': removed
     second = evaluate(final, max_batches=2, out_dir=out, overwrite=True)
+    assert not (out / "loss_by_position.png").exists()
     assert second["lengths"][0]["batches"] == 2
     assert json.loads((out / "evaluate.json").read_text()) == json.loads(json.dumps(second))
 
