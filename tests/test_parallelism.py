@@ -60,7 +60,8 @@ def validation_run(loader, micro_batch_size: int, max_iters: int):
     from fabric_lin.args import EvalArgs, TrainArgs
 
     return SimpleNamespace(val_dataloader=loader, eval=EvalArgs(max_iters=max_iters), accumulation=1,
-                           train=TrainArgs(micro_batch_size=micro_batch_size), cuda_graphs=False)
+                           train=TrainArgs(micro_batch_size=micro_batch_size), cuda_graphs=False,
+                           eos_id=None)
 
 
 # ---------------------------------------------------------------- the job: 4 CPU processes
