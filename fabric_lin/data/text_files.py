@@ -4,7 +4,7 @@ from pathlib import Path
 from typing import List, Optional, Union
 
 from fabric_lin.data.base import DataModule, say_once, token_train_loader, token_val_loader
-from fabric_lin.data.prepared import INDEX_FILE, PREPARED_INFO_FILE, prepared_from
+from fabric_lin.data.prepared import INDEX_FILE, PREPARED_INFO_FILE, check_prepared_dirs, prepared_from
 from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import read_json
 
@@ -48,7 +48,10 @@ class TextFiles(DataModule):
             )
 
     def prepared_dirs(self) -> List[Path]:
-        return self.train_dirs + ([Path(self.val_dir)] if self.val_dir is not None else [])
+        return self.train_dirs + self.validation_dirs()
+
+    def validation_dirs(self) -> List[Path]:
+        return [Path(self.val_dir)] if self.val_dir is not None else []
 
     def setup(self) -> None:
         if not self.train_dirs and self.val_dir is None:  # evaluate reads val_dir alone
@@ -56,15 +59,8 @@ class TextFiles(DataModule):
                                "validate on; all that evaluate reads), each written by `fabric-lin prepare_text` (its "
                                "OUT/train and OUT/val)")
         self.check_weights()
-        if self.val_dir is not None and not Path(self.val_dir).exists():
-            # a typo must not turn validation off; prepare_text writes no OUT/val where it held out no document
-            raise MissingFile(
-                f"data.val_dir {self.val_dir} does not exist: give a prepared validation directory (prepare_text's"
-                " OUT/val, written where --val_fraction held out any document), or leave data.val_dir out to train"
-                " without validation"
-            )
-        if self.val_dir is not None:
-            self.check_not_prepare_text_output(Path(self.val_dir))
+        if self.val_dir is not None:  # a typo must not turn validation off
+            self.check_val_dir(", or leave data.val_dir out to train without validation")
         super().setup()
         if self.val_dir is None:
             say_once("TextFiles: no validation: data.val_dir is not set")
@@ -73,6 +69,21 @@ class TextFiles(DataModule):
                      "on training data (prepare_text's --val_fraction holds documents out into OUT/val)")
         else:
             self.warn_of_validation_documents_trained_on()
+
+    def setup_validation(self) -> None:
+        # evaluate reads val_dir alone: the training directories need not be on this machine
+        if self.val_dir is not None:
+            self.check_val_dir()
+        check_prepared_dirs(self.validation_dirs(), self.tokenizer, self.vocab_size)
+
+    def check_val_dir(self, other_fix: str = "") -> None:
+        """data.val_dir is there, and is no prepare_text --output_dir (whose val/ is meant); `other_fix` ends the
+        error for a missing one."""
+        if not Path(self.val_dir).exists():
+            # prepare_text writes no OUT/val where it held out no document
+            raise MissingFile(f"data.val_dir {self.val_dir} does not exist: give a prepared validation directory "
+                              f"(prepare_text's OUT/val, written where --val_fraction held out any document){other_fix}")
+        self.check_not_prepare_text_output(Path(self.val_dir))
 
     def warn_of_validation_documents_trained_on(self) -> None:
         """prepare_text holds a document out where a hash of its place falls below --val_fraction, so the val/ of one
