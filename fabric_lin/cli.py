@@ -21,7 +21,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
 
-from fabric_lin.errors import PEER_LOST_EXIT_CODE  # noqa: E402
+from fabric_lin.errors import PEER_LOST_EXIT_CODE, process_rank  # noqa: E402
 
 DEBUG_ENV = "FABRIC_LIN_DEBUG"
 FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
@@ -49,17 +49,6 @@ def load_command(name: str) -> Callable:
 
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0", "false", "False")
-
-
-def process_rank() -> int:
-    """This process's global rank: Fabric's, once it has launched, else the launchers' environment (0 alone)."""
-    rank_zero = sys.modules.get("lightning_fabric.utilities.rank_zero")
-    if rank_zero is not None and getattr(rank_zero.rank_zero_only, "rank", None) is not None:
-        return int(rank_zero.rank_zero_only.rank)
-    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
 
 
 def expected_failure(error: BaseException) -> bool:

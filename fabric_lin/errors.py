@@ -6,7 +6,10 @@ error is a bug and keeps its traceback. The subclasses are also the built-in err
 catch for the same mistake (`except ValueError`, `except FileNotFoundError`, ...).
 
 Beside them, `PeerLost`: no mistake of the user's, and no bug either, but a run of several processes that cannot go on
-because one of them is gone; the CLI prints it as one line too, on every rank that is left."""
+because one of them is gone; the CLI prints it as one line too, on every rank that is left, naming the rank
+(`process_rank`)."""
+import os
+import sys
 
 
 class UserError(Exception):
@@ -50,3 +53,15 @@ class PeerLost(Exception):
     def line(self, prog: str, rank: int) -> str:
         """The one line a command prints for it, on every rank that is left, before it exits with PEER_LOST_EXIT_CODE."""
         return f"{prog}: error on rank {rank}: {self}"
+
+
+def process_rank() -> int:
+    """This process's global rank: Fabric's, once it has launched, else the launchers' environment (0 alone). Read
+    where torch and Lightning may not be imported yet: a command's first error comes before them."""
+    rank_zero = sys.modules.get("lightning_fabric.utilities.rank_zero")
+    if rank_zero is not None and getattr(rank_zero.rank_zero_only, "rank", None) is not None:
+        return int(rank_zero.rank_zero_only.rank)
+    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0

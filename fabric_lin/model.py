@@ -400,16 +400,22 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.T
     return (x.float() * cos + rotated * sin).to(x.dtype)
 
 
-def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Softmax attention [1, H, N, D] of documents packed in one row (cu_seqlens: their offsets): each token attends
-    to its document's tokens up to itself. The row is cut into blocks of W positions, W the longest document, so that
+def longest_document(cu_seqlens: torch.Tensor) -> int:
+    """The length of the longest document of the offsets cu_seqlens, read on the host (from a GPU: a wait for it)."""
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                              longest: int) -> torch.Tensor:
+    """Softmax attention [1, H, N, D] of documents packed in one row (cu_seqlens: their offsets, longest: the longest
+    document's length, `longest_document(cu_seqlens)` read once for all layers): each token attends to its
+    document's tokens up to itself. The row is cut into blocks of W positions, W the longest document, so that
     a token's document lies within its own block and the one before: each block's queries are scored against those
     2W keys, about 2NW scores in all. One mask over the whole row would take N^2 (a packed micro batch of 16 rows
     of 2048 tokens: 16 times a row's attention, and a mask of 32768^2 kept for the backward pass of every layer)."""
     _, H, N, D = q.shape
     offsets = cu_seqlens.to(q.device)
-    W = int((offsets[1:] - offsets[:-1]).max())
+    W = longest
     blocks = -(-N // W)
     # each position's document; the padding that fills the last block is one more document
     doc = torch.searchsorted(offsets[1:], torch.arange(blocks * W, device=q.device), right=True).view(blocks, W)
@@ -444,9 +450,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(
         self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-        cache: Optional["DecodeCache"] = None, layer: int = 0,
+        cache: Optional["DecodeCache"] = None, layer: int = 0, longest_document: Optional[int] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, attention(norm(x + delta)))."""
+        """(x + delta, attention(norm(x + delta))). With cu_seqlens, longest_document: its longest document's length
+        (GPT.forward reads it once for all layers)."""
+        if cu_seqlens is not None and longest_document is None:
+            raise ValueError("softmax attention of packed documents (cu_seqlens) needs longest_document, their longest "
+                             "document's length")
         c = self.config
         B, T, d = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
@@ -468,7 +478,7 @@ class CausalSelfAttention(nn.Module):
             k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D] for SDPA
         if cu_seqlens is not None:  # documents packed in one row (B = 1)
-            o = document_causal_attention(q, k, v, cu_seqlens)
+            o = document_causal_attention(q, k, v, cu_seqlens, longest_document)
         elif cache is not None and T == 1:
             o = F.scaled_dot_product_attention(q, k, v)  # one new token sees every cached one
         elif cache is not None and start > 0:
@@ -501,10 +511,13 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, fused=fused, launch=launch.norm)
         self.mlp = MLP(config, fused, float8, launch.swiglu, fp8_products)
 
-    def forward(self, x, delta, cu_seqlens=None, cache=None, layer: int = 0):
+    def forward(self, x, delta, cu_seqlens=None, cache=None, layer: int = 0, longest_document: Optional[int] = None):
         """The residual stream is x + delta (delta: the last sublayer's output, not yet added); returns the
-        same pair after this block. The stream stays in x's dtype (fp32 under bf16-mixed)."""
-        x, delta = self.attn(self.attn_norm, x, delta, cu_seqlens=cu_seqlens, cache=cache, layer=layer)  # x += delta; delta = attn(attn_norm(x))
+        same pair after this block. The stream stays in x's dtype (fp32 under bf16-mixed). longest_document: the
+        longest of cu_seqlens' documents, which softmax attention cuts its packed row by."""
+        # only softmax attention takes the longest document; the linear attentions' ops lay out the documents themselves
+        packed = dict(longest_document=longest_document) if isinstance(self.attn, CausalSelfAttention) else {}
+        x, delta = self.attn(self.attn_norm, x, delta, cu_seqlens=cu_seqlens, cache=cache, layer=layer, **packed)  # x += delta; delta = attn(attn_norm(x))
         x, delta = self.mlp(self.mlp_norm, x, delta)  # x += delta; delta = mlp(mlp_norm(x))
         return x, delta
 
@@ -530,6 +543,7 @@ class GPT(nn.Module):
         self.config = config
         self.fused, self.float8, self.fp8_products = fused, float8, fp8_products
         self.launch = launch
+        self.softmax_attention = config.block_type == "transformer" or bool(config.attn_layers)
         # Draws made while the submodules are constructed must not shift the generator: the model's
         # init is `reset_parameters()` below, so an eager build and a meta build followed by
         # `reset_parameters()` give the same weights for the same seed.
@@ -574,8 +588,12 @@ class GPT(nn.Module):
             hint = "; one sequence is input_ids[None]" if input_ids.dim() == 1 else ""
             raise InvalidValue(f"input_ids must be [B, T] token ids of dtype int64 or int32, got {input_ids.dtype} of "
                                f"shape {tuple(input_ids.shape)}{hint}")
+        longest = None
         if isinstance(cu_seqlens, torch.Tensor):  # a copy the caller cannot write: every layer's op reads it once
             cu_seqlens = private_offsets(cu_seqlens)
+            if self.softmax_attention:  # read on the host here, once, not in every attention layer (each read waits);
+                # an int that changes with the batch, which a compiled Block makes dynamic at its first change
+                longest = longest_document(cu_seqlens)
         x = self.embeddings(input_ids)
         # the first block's delta: zeros in the dtype the sublayers' outputs have, so that every block is
         # called alike (a compiled Block reuses one graph; x + 0 is exactly x)
@@ -586,9 +604,9 @@ class GPT(nn.Module):
                 torch._dynamo.maybe_mark_dynamic(t, 1)
         for i, block in enumerate(self.layers):
             if cache is None:  # no per-layer int argument in training: a compiled Block would specialise on it
-                x, delta = block(x, delta, cu_seqlens=cu_seqlens)
+                x, delta = block(x, delta, cu_seqlens=cu_seqlens, longest_document=longest)
             else:
-                x, delta = block(x, delta, cu_seqlens=cu_seqlens, cache=cache, layer=i)
+                x, delta = block(x, delta, cu_seqlens=cu_seqlens, cache=cache, layer=i, longest_document=longest)
         x, _ = self.norm(x, residual=delta)
         if cache is not None:
             cache.position += input_ids.shape[1]

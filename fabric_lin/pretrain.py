@@ -48,7 +48,7 @@ from fabric_lin.config import OTHER_VOCAB_SIZE, Config, name_to_config
 from fabric_lin.cpu_cores import cores_busy_with_other_work, usable_cpu_cores
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader, repeated_samples_note
-from fabric_lin.errors import PEER_LOST_EXIT_CODE, InvalidValue, PeerLost, UserError
+from fabric_lin.errors import PEER_LOST_EXIT_CODE, InvalidValue, PeerLost, UserError, process_rank
 from fabric_lin.files import check_dir_can_be_made, environment_variables, missing_ancestors, read_yaml, remove_empty_dirs
 from fabric_lin.flops import flops_per_token, peak_flops
 from fabric_lin.fp8 import FUSED_NOTE as FP8_FUSED_NOTE, TENSORWISE_NOTE as FP8_TENSORWISE_NOTE, FP8Args, check_fp8, convert_to_fp8
@@ -215,8 +215,7 @@ def setup(
                 plugins=[] if isinstance(strategy, ModelParallelStrategy) else [CheckpointFileIO()],
             )
             with peer_lost_during("the start-up"):  # training, validations and saves name themselves
-                with launching_rank_watched(partial(exit_at_once, devices=devices, out_dir=out_dir, resume=resume,
-                                                    overwrite=overwrite)):
+                with launching_rank_watched(partial(exit_at_once, out_dir=out_dir, resume=resume, overwrite=overwrite)):
                     fabric.launch()
                 main(
                     fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,
@@ -233,13 +232,12 @@ def setup(
         raise
 
 
-def exit_at_once(lost: PeerLost, devices: int, out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:
+def exit_at_once(lost: PeerLost, out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:
     """End a rank that Fabric's launcher started as the CLI ends one whose peer is gone (one line, PEER_LOST_EXIT_CODE),
     from a thread other than the main one, which waits where no exception reaches it: the process group's rendezvous."""
     lost.advice = how_to_continue_without_the_peer(out_dir, resume, overwrite)
-    rank = int(os.environ.get("NODE_RANK", "0")) * devices + int(os.environ["LOCAL_RANK"])  # Fabric's numbering
     sys.stdout.flush()
-    print(lost.line("fabric-lin pretrain", rank), file=sys.stderr, flush=True)
+    print(lost.line("fabric-lin pretrain", process_rank()), file=sys.stderr, flush=True)
     os._exit(PEER_LOST_EXIT_CODE)
 
 
@@ -704,7 +702,7 @@ def resolve_model_config(model_name: Optional[str], model_config: Optional[Confi
     if model_name is not None:
         return Config.from_name(model_name)
     # before Fabric: under torchrun every process gets here, and the first speaks for them
-    if model_config.name in name_to_config and os.environ.get("RANK", "0") == "0":
+    if model_config.name in name_to_config and process_rank() == 0:
         # `--model_config.name gla-debug --model_config.vocab_size 512` builds Config's defaults under gla-debug's name
         differs = [f"{key} {getattr(model_config, key)!r} ({model_config.name}: {value!r})"
                    for key, value in Config.from_name(model_config.name).to_dict().items()

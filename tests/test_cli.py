@@ -619,7 +619,7 @@ def test_the_debug_flag_is_off_for_0_and_false(monkeypatch, value, enabled):
 def test_before_fabric_launches_the_rank_is_the_launchers(monkeypatch, env, rank):
     from lightning_fabric.utilities.rank_zero import rank_zero_only
 
-    from fabric_lin.cli import process_rank
+    from fabric_lin.errors import process_rank
 
     monkeypatch.setattr(rank_zero_only, "rank", None, raising=False)
     for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
@@ -627,6 +627,31 @@ def test_before_fabric_launches_the_rank_is_the_launchers(monkeypatch, env, rank
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert process_rank() == rank
+
+
+def test_a_rank_whose_launching_rank_is_gone_names_itself_as_the_cli_names_a_rank(monkeypatch, capsys, tmp_path):
+    """The watch of the start-up ends a rank whose launching rank is gone from a thread of its own, printing the one
+    line of a lost peer itself: the rank it names is the one the CLI's lines name (Fabric's global rank, once set)."""
+    import os
+
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+    from fabric_lin.errors import PEER_LOST_EXIT_CODE, PeerLost
+    from fabric_lin.pretrain import exit_at_once
+
+    monkeypatch.setattr(rank_zero_only, "rank", 3, raising=False)  # node 1's second process of a run of 2 x 2
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("NODE_RANK", raising=False)
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", exit_now)
+    with pytest.raises(SystemExit) as info:
+        exit_at_once(PeerLost("the start-up", "process 1, the rank that started this one, ended"), out_dir=tmp_path,
+                     resume=False, overwrite=False)
+    assert info.value.code == PEER_LOST_EXIT_CODE
+    assert capsys.readouterr().err.startswith("fabric-lin pretrain: error on rank 3: a peer process of the run ended")
 
 
 def test_only_file_system_errors_that_name_their_file_are_anticipated():

@@ -186,7 +186,7 @@ def test_text_files_errors_name_the_setting(mix, tmp_path):
 def test_a_training_directory_listed_twice_is_refused_naming_it(mix, tmp_path):
     """The same directory twice, under a second path (a link) or copied: each entry would be a source read in an order of
     its own, its samples repeating within an epoch; the error names both entries and data.train_weights. evaluate,
-    which reads the run's val_dir alone, still sets such a module up."""
+    which reads the run's val_dir alone (setup_validation), still sets such a module up."""
     import shutil
 
     train = mix["data"] / "starcoder"
@@ -197,11 +197,11 @@ def test_a_training_directory_listed_twice_is_refused_naming_it(mix, tmp_path):
                          (copy, f"{train} and {copy}, one data set (their index.json is the same)")):
         data = TextFiles(train_dir=[train, other, second], val_dir=mix["data"] / "slimpajama" / "val", num_workers=0)
         data.connect(mix["tokenizer"], batch_size=2, max_seq_length=SEQ)
-        data.setup()
+        data.setup_validation()
         assert next(iter(data.val_dataloader())).shape == (2, SEQ + 1)
         with pytest.raises(ValueError, match=rf"^data.train_dir lists {re.escape(said)}: each listed directory is read as a "
                            r"source of its own, .* give it a larger share with data.train_weights$"):
-            data.train_dataloader()
+            data.setup()
 
 
 def test_an_empty_directory_in_a_mix_by_size_is_named(mix, tmp_path):

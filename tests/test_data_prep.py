@@ -124,26 +124,33 @@ def test_slimpajama_round_trip_and_bad_files(corpus, capfd):
         prepare_slimpajama(corpus["sp"], out, corpus["tokenizer"])
 
 
-def test_slimpajama_leaves_out_and_counts_the_documents_of_nothing_but_whitespace(paragraphs_tokenizer, tmp_path, capfd):
-    """As prepare_text does: a document of whitespace alone (or of nothing) is no document, where it was an
-    end-of-text token alone; each is counted on its file's line and in its report."""
+@pytest.mark.parametrize("recipe_name", ["slimpajama", "starcoder"])
+def test_a_recipe_leaves_out_and_counts_the_documents_of_nothing_but_whitespace(paragraphs_tokenizer, tmp_path, capfd,
+                                                                                recipe_name):
+    """As prepare_text does: a document of whitespace alone (or of nothing: empty, or a null parquet row) is no
+    document, where it was an end-of-text token alone; each is counted on its file's line and in its report (and
+    SlimPajama's GitHub rows among the rows its filter drops, whatever they hold)."""
     from fabric_lin.data.recipe import EMPTY_DOCUMENTS, _read_reports
-    from fabric_lin.data.slimpajama_starcoder import SlimPajamaRecipe
+    from fabric_lin.data.slimpajama_starcoder import SlimPajamaRecipe, StarcoderRecipe
 
     texts = paragraphs(2, 12)
-    c4 = {"redpajama_set_name": "RedPajamaC4"}
-    rows = [{"text": texts[0], "meta": c4}, {"text": " \n\t ", "meta": c4}, {"text": "", "meta": c4},
-            {"text": "  ", "meta": {"redpajama_set_name": "RedPajamaGithub"}}, {"text": texts[1], "meta": c4}]
-    path = tmp_path / "part.jsonl.zst"
-    write_json_lines(path, rows, "zst")
-    recipe = SlimPajamaRecipe(paragraphs_tokenizer, chunk_size=100_000)
+    if recipe_name == "slimpajama":
+        c4 = {"redpajama_set_name": "RedPajamaC4"}
+        rows = [{"text": texts[0], "meta": c4}, {"text": " \n\t ", "meta": c4}, {"text": "", "meta": c4},
+                {"text": "  ", "meta": {"redpajama_set_name": "RedPajamaGithub"}}, {"text": texts[1], "meta": c4}]
+        path, recipe_class, empty, skipped = tmp_path / "part.jsonl.zst", SlimPajamaRecipe, 2, 1
+        write_json_lines(path, rows, "zst")
+    else:
+        path, recipe_class, empty, skipped = tmp_path / "part.parquet", StarcoderRecipe, 3, 0
+        pq.write_table(pa.table({"content": [texts[0], " \n\t ", "", None, texts[1]]}), path)
+    recipe = recipe_class(paragraphs_tokenizer, chunk_size=100_000)
     recipe.report_dir = str(tmp_path)
     tokens = [t for array in recipe.prepare_item(str(path)) for t in array.tolist()]
     expected = expected_tokens(Tokenizer(paragraphs_tokenizer), texts)
     assert tokens == [t for document in expected for t in document]
     [record] = _read_reports(tmp_path)
-    assert (record["documents"], record["empty_documents"], record["skipped_rows"]) == (2, 2, 1)
-    assert f"; 2 {EMPTY_DOCUMENTS}" in capfd.readouterr().out
+    assert (record["documents"], record["empty_documents"], record["skipped_rows"]) == (2, empty, skipped)
+    assert f"; {empty} {EMPTY_DOCUMENTS}" in capfd.readouterr().out
 
 
 @pytest.fixture(scope="module")

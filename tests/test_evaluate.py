@@ -351,6 +351,34 @@ def test_token_chunks_with_its_val_path_alone_is_evaluated(run, tmp_path):
     assert alone["lengths"][0]["loss"] == both["lengths"][0]["loss"]
 
 
+def test_the_validation_split_is_evaluated_without_the_training_directory(run, tmp_path, capsys):
+    """evaluate reads the validation split alone: the run's own TokenChunks and a TextFiles given a train_dir are
+    evaluated with the training directory gone (a machine that holds only the validation split), reading the blocks
+    read with it there; a validation directory that is not there is named with its key."""
+    from fabric_lin.data import TextFiles
+
+    final = run / "out" / "final"
+    options = dict(seq_len=TRAIN_LEN, batch_size=2, max_batches=2)
+    with_train = evaluate(final, out_dir=tmp_path / "with_train", **options)["lengths"][0]
+    (run / "train").rename(run / "train-moved")
+    try:
+        run_s_own = evaluate(final, out_dir=tmp_path / "run_s_own", **options)["lengths"][0]
+        text_files = evaluate(final, data=TextFiles(train_dir=run / "train", val_dir=run / "val", num_workers=0),
+                              out_dir=tmp_path / "text_files", **options)["lengths"][0]
+        missing = {"TextFiles": ("train_dir", "val_dir"), "TokenChunks": ("data_path", "val_path")}
+        errors = {name: cli_error(["evaluate", str(final), "--data", name, f"--data.{train}", str(run / "train"),
+                                   f"--data.{val}", str(run / "vall"), "--out_dir", str(tmp_path / name)], capsys)
+                  for name, (train, val) in missing.items()}
+    finally:
+        (run / "train-moved").rename(run / "train")
+    for got in (run_s_own, text_files):
+        assert (got["data_fingerprint"], got["loss"], got["tokens"]) == (
+            with_train["data_fingerprint"], with_train["loss"], with_train["tokens"])
+    for name, (_, val) in missing.items():
+        assert errors[name].startswith(f"fabric-lin evaluate: error: data.{val} {run / 'vall'} does not exist: give a "
+                                       f"prepared validation directory"), errors[name]
+
+
 def test_slimpajama_starcoder_is_evaluated_from_its_validation_split_alone(run, tmp_path):
     """`--data SlimPajamaStarcoder` reads data_path/slimpajama/val alone; a data_path without slimpajama/train and
     starcoder was refused for want of them. The loss is the one of the same directory read by TokenChunks."""
@@ -400,7 +428,7 @@ def test_a_model_without_a_tokenizer_checks_the_data_against_its_record_or_says_
     with pytest.raises(ValueError) as info:
         evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1, overwrite=True)
     assert str(info.value) == (
-        f"--data: {run / 'train'} was tokenized with vocab_size=300, sha256={sha256[:12]}..., from {run / 'tok'}, and the "
+        f"--data: {run / 'val'} was tokenized with vocab_size=300, sha256={sha256[:12]}..., from {run / 'tok'}, and the "
         f"weights of {tmp_path / 'model'} were trained on the ids of vocab_size=300, sha256=ffffffffffff..., from "
         f"{trained_with['tokenizer']['source']} (trained_with.json): an id is another piece in each; evaluate on data "
         "prepared with the model's tokenizer")

@@ -157,6 +157,29 @@ def test_packed_attention_scores_each_document_near_itself_only(monkeypatch):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_packed_attention_reads_the_longest_document_on_the_host_once_per_forward(monkeypatch):
+    """Reading a tensor on the host waits for the GPU: the longest document of the packed offsets is read once per
+    forward for all softmax attention layers, not once in each; the output stays that of each document on its own."""
+    torch.manual_seed(0)
+    model = GPT(tiny("transformer-debug")).eval()  # two attention layers
+    lengths = [5, 1, 12, 7]
+    docs = [torch.randint(0, 97, (1, n)) for n in lengths]
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    with torch.no_grad():
+        separate = torch.cat([model(d) for d in docs], dim=1)
+    host_reads = []
+    for method in ("item", "tolist", "__int__", "__index__", "__float__", "__bool__"):
+        def counted(tensor, *args, _read=getattr(torch.Tensor, method), _name=method):
+            host_reads.append(_name)
+            return _read(tensor, *args)
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    with torch.no_grad():
+        packed = model(torch.cat(docs, dim=1), cu_seqlens=offsets)
+    monkeypatch.undo()
+    assert len(host_reads) <= 1, host_reads
+    torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-4)
+
+
 def test_gla_attention_layout_matches_design():
     model = GPT(Config.from_name("gla-debug"))
     attn = model.layers[0].attn

@@ -337,13 +337,12 @@ def test_the_same_input_prepared_twice_is_refused_in_one_mix(paragraphs_tokenize
     """Two preparations of one corpus mixed would read each document twice in an epoch. The error names both
     directories and the input; one preparation's train/ and val/ (other documents) still mix."""
     out, _ = text_prepared
-    data = text_files(paragraphs_tokenizer, train_dir=[out / "train", out / "val", prepared_again / "train"])
     source = f"text of {text_corpus['raw']}, --pattern '**/*', --text_key 'text'"
     with pytest.raises(ValueError, match=rf"^data.train_dir lists {re.escape(str(out / 'train'))} and "
                                          rf"{re.escape(str(prepared_again / 'train'))}, two preparations of one input "
                                          rf"\({re.escape(source)}: their prepared.json\): .* would be read twice in an "
                                          r"epoch; list one of them and give it a larger share with data.train_weights$"):
-        data.train_dataloader()
+        text_files(paragraphs_tokenizer, train_dir=[out / "train", out / "val", prepared_again / "train"])
     data = text_files(paragraphs_tokenizer, train_dir=[out / "train", out / "val"])
     assert next(iter(data.train_dataloader())).shape == (1, 9)
 
@@ -362,6 +361,24 @@ def test_validating_on_documents_another_preparation_trains_on_is_warned_of(para
     assert printed.startswith(f"Warning: data.val_dir {out / 'val'} holds documents that data.train_dir "
                               f"{prepared_again / 'train'} trains on: both were prepared from text of {text_corpus['raw']}")
     assert "(--val_fraction 0.25 and 0)" in printed and printed.count("\n") == 1
+
+
+def test_each_training_directory_s_prepared_json_is_read_once_in_setup(paragraphs_tokenizer, text_prepared,
+                                                                       monkeypatch):
+    """Every check of the directories' prepared.json (complete, one tokenizer, one preparation per input, validation
+    documents trained on) reads it from the one read of setup()."""
+    out, _ = text_prepared
+    reads = []
+    read_text = Path.read_text
+
+    def counted_read_text(path, *args, **kwargs):
+        if path.name == "prepared.json":
+            reads.append(path.parent)
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counted_read_text)
+    text_files(paragraphs_tokenizer, train_dir=[out / "train"], val_dir=out / "val")
+    assert sorted(reads) == sorted([out / "train", out / "val"]), reads
 
 
 def test_pretrain_on_prepare_text_output_and_resume(paragraphs_tokenizer, text_prepared, tmp_path):

@@ -183,8 +183,8 @@ def plain_strings(values):
 
 def iter_parquet_texts(
     path: Union[str, Path], column: str = "content", batch_size: int = 8192
-) -> Iterator[List[str]]:
-    """Lists of up to `batch_size` non-null strings of `column`, read batch by batch."""
+) -> Iterator[List[Optional[str]]]:
+    """Lists of up to `batch_size` strings of `column` (None for a null), read batch by batch."""
     import pyarrow as pa
 
     refuse_lfs_pointer(path)
@@ -194,7 +194,7 @@ def iter_parquet_texts(
         # row group by row group, so that a damaged row group costs only itself and the ones after it
         for row_group in range(parquet_file.num_row_groups):
             for batch in parquet_file.iter_batches(batch_size=batch_size, row_groups=[row_group], columns=[column]):
-                texts = [text for text in plain_strings(batch.column(0)).to_pylist() if text is not None]
+                texts = plain_strings(batch.column(0)).to_pylist()  # decoding fails here for bytes not UTF-8
                 rows_done += batch.num_rows
                 yield texts
     except (pa.ArrowException, OSError) as err:

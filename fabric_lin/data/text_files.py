@@ -4,9 +4,8 @@ from pathlib import Path
 from typing import List, Optional, Union
 
 from fabric_lin.data.base import DataModule, say_once, token_train_loader, token_val_loader
-from fabric_lin.data.prepared import INDEX_FILE, PREPARED_INFO_FILE, prepared_from
+from fabric_lin.data.prepared import INDEX_FILE, PREPARED_INFO_FILE, check_prepared_dirs, prepared_from
 from fabric_lin.errors import InvalidValue, MissingFile
-from fabric_lin.files import read_json
 
 
 @dataclass
@@ -48,7 +47,10 @@ class TextFiles(DataModule):
             )
 
     def prepared_dirs(self) -> List[Path]:
-        return self.train_dirs + ([Path(self.val_dir)] if self.val_dir is not None else [])
+        return self.train_dirs + self.validation_dirs()
+
+    def validation_dirs(self) -> List[Path]:
+        return [Path(self.val_dir)] if self.val_dir is not None else []
 
     def setup(self) -> None:
         if not self.train_dirs and self.val_dir is None:  # evaluate reads val_dir alone
@@ -56,33 +58,43 @@ class TextFiles(DataModule):
                                "validate on; all that evaluate reads), each written by `fabric-lin prepare_text` (its "
                                "OUT/train and OUT/val)")
         self.check_weights()
-        if self.val_dir is not None and not Path(self.val_dir).exists():
-            # a typo must not turn validation off; prepare_text writes no OUT/val where it held out no document
-            raise MissingFile(
-                f"data.val_dir {self.val_dir} does not exist: give a prepared validation directory (prepare_text's"
-                " OUT/val, written where --val_fraction held out any document), or leave data.val_dir out to train"
-                " without validation"
-            )
-        if self.val_dir is not None:
-            self.check_not_prepare_text_output(Path(self.val_dir))
-        super().setup()
+        if self.val_dir is not None:  # a typo must not turn validation off
+            self.check_val_dir(", or leave data.val_dir out to train without validation")
+        # DataModule.setup's check, keeping each directory's prepared.json for the checks after it
+        infos = check_prepared_dirs(self.prepared_dirs(), self.tokenizer, self.vocab_size)
+        train_infos = infos[:len(self.train_dirs)]
+        self.check_each_train_dir_once(train_infos)
         if self.val_dir is None:
             say_once("TextFiles: no validation: data.val_dir is not set")
         elif self.train_dirs and any(Path(self.val_dir).resolve() == Path(d).resolve() for d in self.train_dirs):
             say_once(f"Warning: data.val_dir {self.val_dir} is also a data.train_dir: the validation loss is measured "
                      "on training data (prepare_text's --val_fraction holds documents out into OUT/val)")
         else:
-            self.warn_of_validation_documents_trained_on()
+            self.warn_of_validation_documents_trained_on(train_infos, val=infos[-1])
 
-    def warn_of_validation_documents_trained_on(self) -> None:
+    def setup_validation(self) -> None:
+        # evaluate reads val_dir alone: the training directories need not be on this machine
+        if self.val_dir is not None:
+            self.check_val_dir()
+        check_prepared_dirs(self.validation_dirs(), self.tokenizer, self.vocab_size)
+
+    def check_val_dir(self, other_fix: str = "") -> None:
+        """data.val_dir is there, and is no prepare_text --output_dir (whose val/ is meant); `other_fix` ends the
+        error for a missing one."""
+        if not Path(self.val_dir).exists():
+            # prepare_text writes no OUT/val where it held out no document
+            raise MissingFile(f"data.val_dir {self.val_dir} does not exist: give a prepared validation directory "
+                              f"(prepare_text's OUT/val, written where --val_fraction held out any document){other_fix}")
+        self.check_not_prepare_text_output(Path(self.val_dir))
+
+    def warn_of_validation_documents_trained_on(self, train_infos: List[dict], val: dict) -> None:
         """prepare_text holds a document out where a hash of its place falls below --val_fraction, so the val/ of one
-        preparation holds documents that the train/ of another of the same input, with a smaller share, trains on."""
-        val = read_json(Path(self.val_dir) / PREPARED_INFO_FILE)
+        preparation holds documents that the train/ of another of the same input, with a smaller share, trains on.
+        `train_infos`, `val`: the directories' prepared.json."""
         source = prepared_from(val)
         if source is None or val.get("split") != "val":
             return
-        for path in self.train_dirs:
-            train = read_json(path / PREPARED_INFO_FILE)
+        for path, train in zip(self.train_dirs, train_infos):
             if prepared_from(train) == source and train.get("split") == "train" and (
                     train.get("val_fraction", 0) < val.get("val_fraction", 0)):
                 say_once(f"Warning: data.val_dir {self.val_dir} holds documents that data.train_dir {path} trains on: "
@@ -91,15 +103,15 @@ class TextFiles(DataModule):
                          f"with the training directory")
                 return
 
-    def check_each_train_dir_once(self) -> None:
+    def check_each_train_dir_once(self, train_infos: List[dict]) -> None:
         """Refuse a training directory listed twice, under one path or two (a link, a copy: one index.json), and two
-        preparations of one input (their prepared.json). Each entry is a source of its own, read in an order of its
-        own, so its samples would repeat within an epoch of the mix, where a larger train_weights share reads each of
-        them once per epoch."""
+        preparations of one input (their prepared.json, `train_infos`). Each entry is a source of its own, read in an
+        order of its own, so its samples would repeat within an epoch of the mix, where a larger train_weights share
+        reads each of them once per epoch."""
         from fabric_lin.data.sample_order import source_key
 
         first_of, first_of_input = {}, {}
-        for path in self.train_dirs:
+        for path, info in zip(self.train_dirs, train_infos):
             first = first_of.setdefault(source_key(path), path)
             if first is not path:
                 same = (f"{first} twice" if first == path
@@ -108,7 +120,6 @@ class TextFiles(DataModule):
                 raise InvalidValue(f"data.train_dir lists {same}: each listed directory is read as a source of its own, so "
                                    f"its samples would repeat within an epoch; list it once and give it a larger share "
                                    f"with data.train_weights")
-            info = read_json(path / PREPARED_INFO_FILE)
             source = prepared_from(info)
             first = first_of_input.setdefault((source, info.get("split")), path) if source is not None else path
             if first is not path:
@@ -133,7 +144,6 @@ class TextFiles(DataModule):
     def train_dataloader(self):
         if not self.train_dirs:
             raise self.no_train_dir()
-        self.check_each_train_dir_once()  # here, not in setup(): evaluate reads the run's val_dir alone
         weights = self.train_weights
         if weights is None and len(self.train_dirs) > 1:
             from fabric_lin.data.prepared import chunk_tokens

@@ -4,7 +4,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from fabric_lin.data.base import DataModule, say_once, token_train_loader, token_val_loader
-from fabric_lin.errors import InvalidValue
+from fabric_lin.data.prepared import check_prepared_dirs
+from fabric_lin.errors import InvalidValue, MissingFile
 
 
 @dataclass
@@ -21,7 +22,10 @@ class TokenChunks(DataModule):
     num_workers: int = 8
 
     def prepared_dirs(self) -> List[Path]:
-        return [Path(p) for p in (self.data_path, self.val_path) if p is not None]
+        return ([Path(self.data_path)] if self.data_path is not None else []) + self.validation_dirs()
+
+    def validation_dirs(self) -> List[Path]:
+        return [Path(self.val_path)] if self.val_path is not None else []
 
     def setup(self) -> None:
         if self.data_path is None and self.val_path is None:  # evaluate reads val_path alone
@@ -30,6 +34,13 @@ class TokenChunks(DataModule):
         super().setup()
         if self.val_path is None:
             say_once("TokenChunks: no validation: data.val_path is not set")
+
+    def setup_validation(self) -> None:
+        # evaluate reads val_path alone: the training directory need not be on this machine
+        if self.val_path is not None and not Path(self.val_path).exists():
+            raise MissingFile(f"data.val_path {self.val_path} does not exist: give a prepared validation directory "
+                              "(written by fabric-lin's preprocessors)")
+        check_prepared_dirs(self.validation_dirs(), self.tokenizer, self.vocab_size)
 
     def no_data_path(self) -> InvalidValue:
         return InvalidValue("TokenChunks needs data.data_path: a directory written by fabric-lin's preprocessors")
