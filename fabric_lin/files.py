@@ -152,6 +152,23 @@ def check_empty_output_dir(path: Union[str, Path]) -> None:
         raise AlreadyExists(f"Output directory {path} exists and is not empty: delete it or pick another")
 
 
+def directories_below(directory: Union[str, Path], holds: Callable[[Path], bool], depth: int = 2) -> List[Path]:
+    """The directories at most `depth` levels below `directory` for which `holds` is true, in name order (hidden ones
+    and those below a match left out): where the user who named the directory above a model or a tokenizer (a LoRA
+    fine-tune's output with its adapter/ and merged/, a Hugging Face cache's snapshots/<revision>/) finds the one meant."""
+    found = []
+    try:
+        children = sorted(p for p in Path(directory).iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:  # not a directory, or not readable: nothing to point at
+        return []
+    for child in children:
+        if holds(child):
+            found.append(child)
+        elif depth > 1:
+            found += directories_below(child, holds, depth - 1)
+    return found
+
+
 def missing_ancestors(path: Union[str, Path]) -> List[Path]:
     """`path` and those of its parents that do not exist yet, deepest first: what `mkdir -p path` creates."""
     path = Path(os.path.abspath(path))

@@ -672,3 +672,41 @@ def test_a_null_rope_theta_is_refused_and_a_missing_one_is_flas_default(tmp_path
     left_out = {k: v for k, v in transformer.items() if k != "rope_theta"}
     hybrid_left_out = {**hybrid, "attn": {k: v for k, v in hybrid["attn"].items() if k != "rope_theta"}}
     assert config_from_fla(left_out, path, "x").rope_base == config_from_fla(hybrid_left_out, path, "x").rope_base == 10000.0
+
+
+def test_the_directory_above_a_model_names_the_models_below_it(tmp_path, capsys):
+    """The output directory of tutorials/finetune_lora.md's script (adapter/ and merged/ in it) given where a model or a
+    tokenizer goes: each command names what lies below it, where generate said tokenizer.model does not exist,
+    convert_to_hf model_config.yaml does not exist and pretrain noted a missing tokenizer before refusing the weights."""
+    from helpers import cli_error
+
+    make_model_dir(tmp_path / "model", small_config())
+    lora = tmp_path / "lora"
+    convert_to_hf(tmp_path / "model", lora / "merged")
+    (lora / "adapter").mkdir()
+    (lora / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("A document of one's own.")
+    below = f"below it: {lora / 'adapter'} (LoRA adapters alone), {lora / 'merged'} (an fla export)\n"
+    out = ["--output_dir", str(tmp_path / "out")]
+    not_a_model_dir = f"{lora} holds no model_config.yaml and no weights: {{}} reads a model directory; {below}"
+    cases = {
+        "generate": ([str(lora)], not_a_model_dir.format("generate")),
+        "convert_to_hf": ([str(lora), *out], not_a_model_dir.format("convert_to_hf")),
+        "pretrain": (["--model_name", "gla-debug", "--train.max_steps", "1", "--out_dir", str(tmp_path / "out"),
+                      "--initial_checkpoint_dir", str(lora)], not_a_model_dir.format("--initial_checkpoint_dir")),
+        "convert_from_hf": ([str(lora), *out], f"{lora} holds no config.json: expected an fla export (config.json and "
+                                               f"safetensors, as convert_to_hf writes them); {below}"),
+        "evaluate": ([str(lora), "--max_batches", "0"],
+                     f"{lora} is not a checkpoint: it holds none of lit_model.pth, model.safetensors or config.json; "
+                     f"expected a training checkpoint (a run's step-XXXXXXXX/ or final/), a model directory "
+                     f"(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output); {below}"),
+        "convert_pretrained_checkpoint": ([str(lora), *out], f"{lora} is not a training checkpoint: it has no "
+                                                             f"lit_model.pth; {below}"),
+        "prepare_text": (["--input_dir", str(tmp_path / "text"), "--tokenizer_path", str(lora), *out],
+                         f"{lora / 'tokenizer.model'} does not exist: expected a SentencePiece tokenizer.model in {lora} "
+                         f"(found: adapter, merged); {lora / 'merged'} holds one: give that directory\n"),
+    }
+    for command, (args, message) in cases.items():
+        assert cli_error([command, *args], capsys) == f"fabric-lin {command}: error: {message}", command
+    assert not (tmp_path / "out").exists() and not (lora / "evaluate").exists()

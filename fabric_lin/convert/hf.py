@@ -30,6 +30,7 @@ from fabric_lin.convert.model_dir import (
     cast_floating,
     HF_CONFIG_FILE,
     LLAMA_MODEL_TYPES,
+    MODEL_TYPES,
     check_export_given,
     check_model_dir_given,
     check_state_dict,
@@ -48,8 +49,7 @@ from fabric_lin.convert.model_dir import (
 from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import created_dir, read_json
 
-# fla's model_type and architecture for each block_type
-MODEL_TYPES = {"gla": "gla", "gdn": "gated_deltanet", "deltanet": "delta_net", "transformer": "transformer"}
+# fla's architecture for each model_type
 ARCHITECTURES = {"gla": "GLAForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM", "delta_net": "DeltaNetForCausalLM",
                  "transformer": "TransformerForCausalLM"}
 FLA_FIXED_GATE = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}
