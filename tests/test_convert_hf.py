@@ -710,3 +710,28 @@ def test_the_directory_above_a_model_names_the_models_below_it(tmp_path, capsys)
     for command, (args, message) in cases.items():
         assert cli_error([command, *args], capsys) == f"fabric-lin {command}: error: {message}", command
     assert not (tmp_path / "out").exists() and not (lora / "evaluate").exists()
+
+
+def test_an_adapted_model_saved_before_merging_is_named_so(tmp_path, capsys):
+    """The peft model saved as it is adapted (its wrapped layers: q_proj.base_layer.weight, q_proj.lora_A.default.weight,
+    ...) in place of what merge_and_unload returns: convert_from_hf and evaluate say to save the merged one, where they
+    listed dozens of missing and unexpected tensors over several lines."""
+    from helpers import cli_error
+
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "adapted")
+    weights = load_file(tmp_path / "adapted" / "model.safetensors")
+    for i in range(2):
+        name = f"model.layers.{i}.attn.q_proj"
+        weight = weights.pop(f"{name}.weight")
+        weights.update({f"{name}.base_layer.weight": weight, f"{name}.lora_A.default.weight": torch.zeros(8, weight.shape[1]),
+                        f"{name}.lora_B.default.weight": torch.zeros(weight.shape[0], 8)})
+    save_file(weights, str(tmp_path / "adapted" / "model.safetensors"))
+    message = (f"{tmp_path / 'adapted'} holds peft's adapted layers, not merged (model.layers.0.attn.q_proj.base_layer.weight, "
+               "model.layers.0.attn.q_proj.lora_A.default.weight, ... 6 in all): save the model that merge_and_unload() "
+               "returns (tutorials/finetune_lora.md, section 3)\n")
+    assert cli_error(["convert_from_hf", str(tmp_path / "adapted"), "--output_dir", str(tmp_path / "out")], capsys) == (
+        f"fabric-lin convert_from_hf: error: {message}")
+    assert cli_error(["evaluate", str(tmp_path / "adapted"), "--max_batches", "0"], capsys) == (
+        f"fabric-lin evaluate: error: {message}")
+    assert not (tmp_path / "out").exists()

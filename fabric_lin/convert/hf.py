@@ -19,6 +19,7 @@ logit normalizer at 16; other values are refused.
 """
 import json
 import os
+import re
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -165,11 +166,28 @@ def read_fla_checkpoint(checkpoint_dir: Path, name: Optional[str] = None) -> Tup
             "can run code). Save it with `model.save_pretrained(dir, safe_serialization=True)`"
         )
     hf_state = load_safetensors_dir(checkpoint_dir)
+    refuse_unmerged_lora(checkpoint_dir, hf_state)
     if config.tie_embeddings:
         hf_state.pop("lm_head.weight", None)  # tied: the same tensor as the embeddings
     state_dict = {from_hf_name(name): tensor for name, tensor in hf_state.items()}
     check_state_dict(state_dict, config, source=str(checkpoint_dir))
     return config, state_dict
+
+
+# the names peft gives a layer it adapts: its own weight moves to `base_layer`, beside the adapters' `lora_A`, `lora_B`, ...
+PEFT_LAYER_NAME = re.compile(r"\.(base_layer|lora_\w+?)\.")
+
+
+def refuse_unmerged_lora(checkpoint_dir: Path, hf_state: Dict[str, torch.Tensor]) -> None:
+    """Refuse the weights of a model saved while peft's LoRA layers were in it (merge_and_unload not called, or its
+    result not the model saved): the adapted weights are not where fla's model has them, and what they compute is
+    W + (lora_alpha / r) B A, which only the merge writes into W."""
+    adapted = sorted(name for name in hf_state if PEFT_LAYER_NAME.search(name))
+    if adapted:
+        raise InvalidValue(
+            f"{checkpoint_dir} holds peft's adapted layers, not merged ({', '.join(adapted[:2])}, ... {len(adapted)} in all): "
+            f"save the model that merge_and_unload() returns (tutorials/finetune_lora.md, section 3)"
+        )
 
 
 def to_hf_name(name: str) -> str:
