@@ -735,3 +735,17 @@ def test_an_adapted_model_saved_before_merging_is_named_so(tmp_path, capsys):
     assert cli_error(["evaluate", str(tmp_path / "adapted"), "--max_batches", "0"], capsys) == (
         f"fabric-lin evaluate: error: {message}")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_file_of_a_model_directory_names_the_directory(tmp_path, capsys):
+    """The model's lit_model.pth given where its directory goes (as LitGPT's users give a checkpoint file): generate
+    and convert_to_hf name the directory to give, where they said the file "is not a directory"."""
+    from helpers import cli_error
+
+    make_model_dir(tmp_path / "model", small_config())
+    weights = tmp_path / "model" / "lit_model.pth"
+    fix = f"{weights} is a file: give the model directory that holds it, {tmp_path / 'model'}\n"
+    assert cli_error(["generate", str(weights)], capsys) == f"fabric-lin generate: error: checkpoint_dir {fix}"
+    assert cli_error(["convert_to_hf", str(weights), "--output_dir", str(tmp_path / "out")], capsys) == (
+        f"fabric-lin convert_to_hf: error: model_dir {fix}")
+    assert not (tmp_path / "out").exists()

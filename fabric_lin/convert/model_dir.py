@@ -79,6 +79,8 @@ def check_model_dir_given(model_dir: Path, argument: str, command: str) -> None:
     from fabric_lin.checkpoint import checkpoint_dirs
 
     model_dir = Path(model_dir)
+    if model_dir.is_file() and (model_dir.parent / CONFIG_FILE).is_file():
+        raise InvalidValue(f"{argument} {model_dir} is a file: give the model directory that holds it, {model_dir.parent}")
     if not model_dir.is_dir():
         raise MissingFile(f"{argument} {str(model_dir)!r} is not a directory")
     if (model_dir / CONFIG_FILE).is_file():
