@@ -301,3 +301,20 @@ def test_a_model_of_another_kind_names_the_command_that_reads_it(tmp_path, capsy
         err = cli_error(["convert_pretrained_checkpoint", str(given), "--output_dir", str(tmp_path / "out")], capsys)
         assert err == f"fabric-lin convert_pretrained_checkpoint: error: {given} is not a training checkpoint but {what}\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_dir_that_holds_a_model_says_overwrite_replaces_it(tmp_path, capsys):
+    """The end of a run continued from checkpoints/gla-debug names checkpoints/gla-debug for its model directory too:
+    converting into it is refused saying that --overwrite true would replace the model there, where the refusal only
+    said to pass --overwrite true."""
+    from helpers import cli_error
+
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)
+    convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
+    before = (tmp_path / "model" / "lit_model.pth").read_bytes()
+    err = cli_error(["convert_pretrained_checkpoint", str(ckpt_dir), "--output_dir", str(tmp_path / "model")], capsys)
+    assert err == (f"fabric-lin convert_pretrained_checkpoint: error: output_dir {tmp_path / 'model'} holds a model "
+                   "directory already: --overwrite true would replace its model with this one; to keep it, give another "
+                   "--output_dir\n")
+    assert (tmp_path / "model" / "lit_model.pth").read_bytes() == before

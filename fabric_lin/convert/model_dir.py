@@ -419,6 +419,10 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
         raise AlreadyExists(f"output_dir {output_dir} is a training run's directory (it holds {', '.join(run_checkpoints[:3])}), "
                             f"which a conversion does not write into: choose another directory")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        kind = what_it_holds(output_dir)
+        if kind is not None:  # a model that a printed suggestion's --output_dir (checkpoints/<model name>) may name
+            raise AlreadyExists(f"output_dir {output_dir} holds {kind} already: --overwrite true would replace its model "
+                                f"with this one; to keep it, give another --output_dir")
         raise AlreadyExists(
             f"output_dir {output_dir} is not empty (holds {sorted(p.name for p in output_dir.iterdir())[:5]}); "
             "pass --overwrite true to write into it"
