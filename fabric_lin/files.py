@@ -138,10 +138,16 @@ def file_in_the_way(path: Union[str, Path]) -> Optional[Path]:
 
 def check_dir_can_be_made(path: Union[str, Path], named: str = "directory") -> None:
     """Refuse, before any work, a directory to write (`named` as the user gave it: "--output_dir") that a file is in
-    the way of."""
+    the way of, or that cannot be made or written in (its nearest existing directory is not writable): found at the
+    end, it would cost the work done (a tokenizer trained, a model's weights read)."""
     blocking = file_in_the_way(path)
     if blocking is not None:
         raise InvalidValue(f"{named} {path}: {blocking} is a file, expected a directory or nothing there")
+    nearest = next(place for place in [Path(os.path.abspath(path)), *Path(os.path.abspath(path)).parents] if place.exists())
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        shown = Path(path) if nearest == Path(os.path.abspath(path)) else nearest
+        raise InvalidValue(f"{named} {path}: {shown} is not writable (no permission to write in it, or a read-only file "
+                           f"system); give a directory that can be written")
 
 
 def check_empty_output_dir(path: Union[str, Path]) -> None:

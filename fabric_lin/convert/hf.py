@@ -89,9 +89,9 @@ def convert_to_hf(
     trained_with = weights_trained_with(model_dir)  # before the weights: a tokenizer not the model's is refused at once
     check_tokenizer_fits_model(model_dir, config)
     tokenizer_ids = special_token_ids(model_dir)
+    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[model_dir])  # before the minutes of reading
     state_dict = load_model_dir_weights(model_dir)
     check_state_dict(state_dict, config, source=str(model_dir))
-    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[model_dir])
 
     state_dict = cast_floating(state_dict, torch_dtype)
     hf_state = {to_hf_name(name): tensor for name, tensor in state_dict.items()}
@@ -142,9 +142,9 @@ def convert_from_hf(
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
     check_export_given(checkpoint_dir, "convert_from_hf")
+    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])  # before the weights are read
     config, state_dict = read_fla_checkpoint(checkpoint_dir, name)
     check_tokenizer_fits_model(checkpoint_dir, config)
-    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
     state_dict = cast_floating(state_dict, torch_dtype)
     with created_dir(output_dir):
         tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir)
