@@ -48,8 +48,8 @@ def convert_pretrained_checkpoint(
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
     check_training_checkpoint_given(checkpoint_dir)
+    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])  # before the checksums are read
     config, weights_path = find_training_checkpoint(checkpoint_dir, use="convert")
-    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
 
     state_dict = canonical_state_dict(load_model_weights(weights_path))
     form = f"sharded ({len(list(weights_path.glob('*.distcp')))} shard files)" if weights_path.is_dir() else "single file"
