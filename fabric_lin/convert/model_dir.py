@@ -420,7 +420,8 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
                             f"which a conversion does not write into: choose another directory")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         kind = what_it_holds(output_dir)
-        if kind is not None:  # a model that a printed suggestion's --output_dir (checkpoints/<model name>) may name
+        # a model that a printed suggestion's --output_dir (checkpoints/<model name>) may name; adapters stay beside one
+        if kind is not None and kind != "LoRA adapters alone":
             raise AlreadyExists(f"output_dir {output_dir} holds {kind} already: --overwrite true would replace its model "
                                 f"with this one; to keep it, give another --output_dir")
         raise AlreadyExists(
