@@ -47,6 +47,7 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
         check_not_lora_adapters,
         check_state_dict,
         load_model_dir_weights,
+        models_below,
     )
     from fabric_lin.data.tokenizer import Tokenizer
 
@@ -75,7 +76,9 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
         return Checkpoint(FLA_EXPORT, config, state_dict, tokenizer)
     check_not_lora_adapters(checkpoint_dir, "evaluate", reads_exports=True)
     inside = [p.name for p in checkpoint_dirs(checkpoint_dir)]
-    hint = f"; it holds a run's checkpoints ({', '.join(inside[:3])}): pass one of them" if inside else ""
+    below = models_below(checkpoint_dir)
+    hint = (f"; it holds a run's checkpoints ({', '.join(inside[:3])}): pass one of them" if inside
+            else f"; {below}" if below else "")
     raise MissingFile(
         f"{checkpoint_dir} is not a checkpoint: it holds none of {MODEL_FILE}, {SAFETENSORS_FILE} or {HF_CONFIG_FILE}; "
         f"{expected}{hint}"

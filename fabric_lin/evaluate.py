@@ -288,11 +288,22 @@ def check_data_tokenizer(checkpoint_dir: Path, data: DataModule) -> None:
         print(f"Note: {checkpoint_dir} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
               f"({describe_tokenizer(data_info)}) is the one its model was trained with", flush=True)
     elif tokenizer_identity(trained_with) != tokenizer_identity(data_info):
-        raise InvalidValue(
-            f"--data: {data_dir} was tokenized with {describe_tokenizer(data_info)}, and the weights of {checkpoint_dir} "
-            f"were trained on the ids of {describe_tokenizer(trained_with)} ({TRAINED_WITH_FILE}): an id is another "
-            f"piece in each; evaluate on data prepared with the model's tokenizer"
-        )
+        raise other_tokenizers_data(data_dir, data_info, checkpoint_dir,
+                                    f"{describe_tokenizer(trained_with)} ({TRAINED_WITH_FILE})")
+
+
+def other_tokenizers_data(data_dir: Path, data_info: dict, checkpoint_dir: Path, model_tokenizer: str,
+                          prepare_with: str = "") -> InvalidValue:
+    """The error for data (`data_dir`, its prepared.json `data_info`) tokenized with another tokenizer than the one the
+    weights of `checkpoint_dir` were trained with (`model_tokenizer`, as named), `prepare_with` the option that
+    prepares it with that one, where the model has its tokenizer.model."""
+    from fabric_lin.data.tokenizer import describe_tokenizer
+
+    return InvalidValue(
+        f"--data: {data_dir} was tokenized with {describe_tokenizer(data_info)}, and the weights of {checkpoint_dir} "
+        f"were trained on the ids of {model_tokenizer}: an id is another piece in each; evaluate on data prepared with "
+        f"the model's tokenizer{prepare_with}"
+    )
 
 
 def default_out_dir(checkpoint_dir: Path, kind: str) -> Path:
@@ -321,12 +332,15 @@ def build_model(fabric, checkpoint: "Checkpoint"):
 
 def validation_loader(data: DataModule, checkpoint: "Checkpoint", checkpoint_dir: Path, batch_size: int, seq_len: int):
     """The data module's validation loader, its blocks `seq_len` + 1 tokens long."""
-    from fabric_lin.data.prepared import PREPARED_INFO_FILE, BlockTooLong, VocabularyTooLarge
+    from fabric_lin.data.prepared import PREPARED_INFO_FILE, BlockTooLong, MadeWithAnotherTokenizer, VocabularyTooLarge
 
     data.connect(tokenizer=checkpoint.tokenizer, batch_size=batch_size, max_seq_length=seq_len,
                  vocab_size=checkpoint.config.vocab_size)
     try:
         data.setup_validation()
+    except MadeWithAnotherTokenizer as e:  # its fix, the data's own tokenizer, is for pretrain: here the model's is read
+        raise other_tokenizers_data(e.path, e.info, checkpoint_dir, e.tokenizer.describe(),
+                                    f" (--tokenizer_path {checkpoint_dir})") from None
     except VocabularyTooLarge as e:  # its fix, a model config of a larger vocabulary, is for pretrain
         raise InvalidValue(
             f"{e.path} was tokenized with a vocabulary of {e.data_vocab} tokens ({PREPARED_INFO_FILE}), more than the "

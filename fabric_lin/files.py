@@ -138,10 +138,16 @@ def file_in_the_way(path: Union[str, Path]) -> Optional[Path]:
 
 def check_dir_can_be_made(path: Union[str, Path], named: str = "directory") -> None:
     """Refuse, before any work, a directory to write (`named` as the user gave it: "--output_dir") that a file is in
-    the way of."""
+    the way of, or that cannot be made or written in (its nearest existing directory is not writable): found at the
+    end, it would cost the work done (a tokenizer trained, a model's weights read)."""
     blocking = file_in_the_way(path)
     if blocking is not None:
         raise InvalidValue(f"{named} {path}: {blocking} is a file, expected a directory or nothing there")
+    nearest = next(place for place in [Path(os.path.abspath(path)), *Path(os.path.abspath(path)).parents] if place.exists())
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        shown = Path(path) if nearest == Path(os.path.abspath(path)) else nearest
+        raise InvalidValue(f"{named} {path}: {shown} is not writable (no permission to write in it, or a read-only file "
+                           f"system); give a directory that can be written")
 
 
 def check_empty_output_dir(path: Union[str, Path]) -> None:
@@ -150,6 +156,23 @@ def check_empty_output_dir(path: Union[str, Path]) -> None:
     check_dir_can_be_made(path, "--output_dir")
     if Path(path).is_dir() and any(Path(path).iterdir()):
         raise AlreadyExists(f"Output directory {path} exists and is not empty: delete it or pick another")
+
+
+def directories_below(directory: Union[str, Path], holds: Callable[[Path], bool], depth: int = 2) -> List[Path]:
+    """The directories at most `depth` levels below `directory` for which `holds` is true, in name order (hidden ones
+    and those below a match left out): where the user who named the directory above a model or a tokenizer (a LoRA
+    fine-tune's output with its adapter/ and merged/, a Hugging Face cache's snapshots/<revision>/) finds the one meant."""
+    found = []
+    try:
+        children = sorted(p for p in Path(directory).iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:  # not a directory, or not readable: nothing to point at
+        return []
+    for child in children:
+        if holds(child):
+            found.append(child)
+        elif depth > 1:
+            found += directories_below(child, holds, depth - 1)
+    return found
 
 
 def missing_ancestors(path: Union[str, Path]) -> List[Path]:

@@ -89,8 +89,9 @@ def check_no_checkpoint_went_missing(out_dir: Path) -> None:
 
 
 def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str, torch.Tensor]:
-    """The weights of a model directory, checked against `config` (names, shapes, dtypes: each mismatch
-    listed, and where they are the model of the directory's model_config.yaml, the flag that builds that one); a
+    """The weights of a model directory, checked against `config` (a model of another family refused in one line;
+    names, shapes, dtypes: each mismatch listed, and where they are the model of the directory's model_config.yaml,
+    the flag that builds that one); a
     model_config.yaml there that differs from `config` in fields that keep the shapes (eps, context length, ...) is
     reported, not refused: continued pretraining may change them on purpose."""
     from fabric_lin.convert.model_dir import (
@@ -100,6 +101,12 @@ def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str
 
     saved_config = Path(model_dir) / CONFIG_FILE
     saved = Config.from_file(saved_config) if saved_config.is_file() else None
+    if saved is not None and saved.block_type != config.block_type:
+        raise InvalidValue(
+            f"--initial_checkpoint_dir {model_dir} holds a {saved.block_type} model ({saved.name}, its {CONFIG_FILE}) and "
+            f"this run builds a {config.block_type} one ({config.name}): the weights of one family are not those of the "
+            f"other's layers; start this run with {saved.flag(saved_config)}"
+        )
     if saved is not None:
         differ = {k: (v, getattr(config, k)) for k, v in vars(saved).items() if k != "name" and getattr(config, k, v) != v}
         if differ:

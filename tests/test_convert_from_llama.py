@@ -309,3 +309,24 @@ def test_copy_that_is_not_the_source_is_refused(tmp_path, mistral_shaped_gla, na
     save_file(llama, tmp_path / "llama" / "model.safetensors")
     with pytest.raises(ValueError, match=re.escape(name)):
         convert_from_llama(tmp_path / "llama", mistral_shaped_gla, tmp_path / "gla", dtype="float16")
+
+
+def test_a_checkpoint_dir_that_is_not_the_llamas_names_what_to_give(tmp_path, capsys):
+    """--checkpoint_dir given the Llama's config.json, or a Hugging Face cache's repository directory (the Llama two
+    levels down, in snapshots/<revision>/): the first was "<file>/config.json does not exist", the second
+    "<dir>/config.json does not exist" without a word of the snapshot."""
+    from helpers import cli_error
+
+    snapshot = tmp_path / "models--mistralai--Tiny" / "snapshots" / "abc123"
+    write_tiny_llama(snapshot)
+    args = ["--model_name", "gla-debug", "--output_dir", str(tmp_path / "gla")]
+    prefix = "fabric-lin convert_from_llama: error: --checkpoint_dir "
+    assert cli_error(["convert_from_llama", "--checkpoint_dir", str(snapshot / "config.json"), *args], capsys) == (
+        f"{prefix}{snapshot / 'config.json'} is a file: give the directory that holds it, {snapshot}\n")
+    repo = tmp_path / "models--mistralai--Tiny"
+    assert cli_error(["convert_from_llama", "--checkpoint_dir", str(repo), *args], capsys) == (
+        f"{prefix}{repo} holds no config.json: expected a Hugging Face Llama/Mistral directory; below it: {snapshot} "
+        "(a Hugging Face Llama/Mistral directory)\n")
+    assert cli_error(["convert_from_llama", "--checkpoint_dir", str(tmp_path / "nothing"), *args], capsys) == (
+        f"{prefix}{tmp_path / 'nothing'} does not exist: expected a Hugging Face Llama/Mistral directory\n")
+    assert not (tmp_path / "gla").exists()

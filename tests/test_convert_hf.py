@@ -672,3 +672,80 @@ def test_a_null_rope_theta_is_refused_and_a_missing_one_is_flas_default(tmp_path
     left_out = {k: v for k, v in transformer.items() if k != "rope_theta"}
     hybrid_left_out = {**hybrid, "attn": {k: v for k, v in hybrid["attn"].items() if k != "rope_theta"}}
     assert config_from_fla(left_out, path, "x").rope_base == config_from_fla(hybrid_left_out, path, "x").rope_base == 10000.0
+
+
+def test_the_directory_above_a_model_names_the_models_below_it(tmp_path, capsys):
+    """The output directory of tutorials/finetune_lora.md's script (adapter/ and merged/ in it) given where a model or a
+    tokenizer goes: each command names what lies below it, where generate said tokenizer.model does not exist,
+    convert_to_hf model_config.yaml does not exist and pretrain noted a missing tokenizer before refusing the weights."""
+    from helpers import cli_error
+
+    make_model_dir(tmp_path / "model", small_config())
+    lora = tmp_path / "lora"
+    convert_to_hf(tmp_path / "model", lora / "merged")
+    (lora / "adapter").mkdir()
+    (lora / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("A document of one's own.")
+    below = f"below it: {lora / 'adapter'} (LoRA adapters alone), {lora / 'merged'} (an fla export)\n"
+    out = ["--output_dir", str(tmp_path / "out")]
+    not_a_model_dir = f"{lora} holds no model_config.yaml and no weights: {{}} reads a model directory; {below}"
+    cases = {
+        "generate": ([str(lora)], not_a_model_dir.format("generate")),
+        "convert_to_hf": ([str(lora), *out], not_a_model_dir.format("convert_to_hf")),
+        "pretrain": (["--model_name", "gla-debug", "--train.max_steps", "1", "--out_dir", str(tmp_path / "out"),
+                      "--initial_checkpoint_dir", str(lora)], not_a_model_dir.format("--initial_checkpoint_dir")),
+        "convert_from_hf": ([str(lora), *out], f"{lora} holds no config.json: expected an fla export (config.json and "
+                                               f"safetensors, as convert_to_hf writes them); {below}"),
+        "evaluate": ([str(lora), "--max_batches", "0"],
+                     f"{lora} is not a checkpoint: it holds none of lit_model.pth, model.safetensors or config.json; "
+                     f"expected a training checkpoint (a run's step-XXXXXXXX/ or final/), a model directory "
+                     f"(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output); {below}"),
+        "convert_pretrained_checkpoint": ([str(lora), *out], f"{lora} is not a training checkpoint: it has no "
+                                                             f"lit_model.pth; {below}"),
+        "prepare_text": (["--input_dir", str(tmp_path / "text"), "--tokenizer_path", str(lora), *out],
+                         f"{lora / 'tokenizer.model'} does not exist: expected a SentencePiece tokenizer.model in {lora} "
+                         f"(found: adapter, merged); {lora / 'merged'} holds one: give that directory\n"),
+    }
+    for command, (args, message) in cases.items():
+        assert cli_error([command, *args], capsys) == f"fabric-lin {command}: error: {message}", command
+    assert not (tmp_path / "out").exists() and not (lora / "evaluate").exists()
+
+
+def test_an_adapted_model_saved_before_merging_is_named_so(tmp_path, capsys):
+    """The peft model saved as it is adapted (its wrapped layers: q_proj.base_layer.weight, q_proj.lora_A.default.weight,
+    ...) in place of what merge_and_unload returns: convert_from_hf and evaluate say to save the merged one, where they
+    listed dozens of missing and unexpected tensors over several lines."""
+    from helpers import cli_error
+
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "adapted")
+    weights = load_file(tmp_path / "adapted" / "model.safetensors")
+    for i in range(2):
+        name = f"model.layers.{i}.attn.q_proj"
+        weight = weights.pop(f"{name}.weight")
+        weights.update({f"{name}.base_layer.weight": weight, f"{name}.lora_A.default.weight": torch.zeros(8, weight.shape[1]),
+                        f"{name}.lora_B.default.weight": torch.zeros(weight.shape[0], 8)})
+    save_file(weights, str(tmp_path / "adapted" / "model.safetensors"))
+    message = (f"{tmp_path / 'adapted'} holds peft's adapted layers, not merged (model.layers.0.attn.q_proj.base_layer.weight, "
+               "model.layers.0.attn.q_proj.lora_A.default.weight, ... 6 in all): save the model that merge_and_unload() "
+               "returns (tutorials/finetune_lora.md, section 3)\n")
+    assert cli_error(["convert_from_hf", str(tmp_path / "adapted"), "--output_dir", str(tmp_path / "out")], capsys) == (
+        f"fabric-lin convert_from_hf: error: {message}")
+    assert cli_error(["evaluate", str(tmp_path / "adapted"), "--max_batches", "0"], capsys) == (
+        f"fabric-lin evaluate: error: {message}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_of_a_model_directory_names_the_directory(tmp_path, capsys):
+    """The model's lit_model.pth given where its directory goes (as LitGPT's users give a checkpoint file): generate
+    and convert_to_hf name the directory to give, where they said the file "is not a directory"."""
+    from helpers import cli_error
+
+    make_model_dir(tmp_path / "model", small_config())
+    weights = tmp_path / "model" / "lit_model.pth"
+    fix = f"{weights} is a file: give the model directory that holds it, {tmp_path / 'model'}\n"
+    assert cli_error(["generate", str(weights)], capsys) == f"fabric-lin generate: error: checkpoint_dir {fix}"
+    assert cli_error(["convert_to_hf", str(weights), "--output_dir", str(tmp_path / "out")], capsys) == (
+        f"fabric-lin convert_to_hf: error: model_dir {fix}")
+    assert not (tmp_path / "out").exists()

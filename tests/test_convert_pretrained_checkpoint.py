@@ -274,3 +274,47 @@ def test_a_failed_conversion_removes_the_directories_it_created(tmp_path, monkey
     with pytest.raises(OSError):
         convert_pretrained_checkpoint(ckpt_dir, tmp_path / "kept")
     assert (tmp_path / "kept").is_dir()
+
+
+def test_a_model_of_another_kind_names_the_command_that_reads_it(tmp_path, capsys):
+    """An fla export, LoRA adapters alone or a Hugging Face Llama given for a training checkpoint: each named as what it
+    is with the command that reads it, where each was "not a training checkpoint: it has no lit_model.pth"."""
+    from fabric_lin.convert.hf import convert_to_hf
+    from helpers import cli_error, make_model_dir, small_config
+
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "export")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (tmp_path / "llama").mkdir()  # what tells a Llama: its config.json's model_type
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 128}))
+    cases = {
+        tmp_path / "export": f"an fla export: fabric-lin convert_from_hf {tmp_path / 'export'} --output_dir <DIR> makes a "
+                             "model directory of it",
+        tmp_path / "adapter": "LoRA adapters alone: merge them into the export they were trained on (merge_and_unload, "
+                              "tutorials/finetune_lora.md) and convert the merged export with fabric-lin convert_from_hf",
+        tmp_path / "llama": f"a Hugging Face Llama/Mistral directory: make a GLA model directory of it with: fabric-lin "
+                            f"convert_from_llama --checkpoint_dir {tmp_path / 'llama'} --model_name <a GLA model of its "
+                            "width and depth: fabric-lin pretrain list> --output_dir <DIR>",
+    }
+    for given, what in cases.items():
+        err = cli_error(["convert_pretrained_checkpoint", str(given), "--output_dir", str(tmp_path / "out")], capsys)
+        assert err == f"fabric-lin convert_pretrained_checkpoint: error: {given} is not a training checkpoint but {what}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_dir_that_holds_a_model_says_overwrite_replaces_it(tmp_path, capsys):
+    """The end of a run continued from checkpoints/gla-debug names checkpoints/gla-debug for its model directory too:
+    converting into it is refused saying that --overwrite true would replace the model there, where the refusal only
+    said to pass --overwrite true."""
+    from helpers import cli_error
+
+    config = Config.from_name("gla-debug", num_layers=1)
+    ckpt_dir, _ = fabric_single_device_checkpoint(tmp_path, config)
+    convert_pretrained_checkpoint(ckpt_dir, tmp_path / "model")
+    before = (tmp_path / "model" / "lit_model.pth").read_bytes()
+    err = cli_error(["convert_pretrained_checkpoint", str(ckpt_dir), "--output_dir", str(tmp_path / "model")], capsys)
+    assert err == (f"fabric-lin convert_pretrained_checkpoint: error: output_dir {tmp_path / 'model'} holds a model "
+                   "directory already: --overwrite true would replace its model with this one; to keep it, give another "
+                   "--output_dir\n")
+    assert (tmp_path / "model" / "lit_model.pth").read_bytes() == before

@@ -741,6 +741,28 @@ def test_an_earlier_evaluation_in_out_dir_is_kept_unless_overwrite(run, tmp_path
     assert json.loads((out / "evaluate.json").read_text()) == json.loads(json.dumps(second))
 
 
+def test_data_of_another_tokenizer_names_the_models_tokenizer_to_prepare_it_with(run, tmp_path, capsys):
+    """A model directory evaluated on data prepared with another tokenizer: one line naming both and the --tokenizer_path
+    to prepare it with, as without its tokenizer.model, where it gave pretrain's fix ("or use the one that made it"),
+    which evaluate, reading the model's tokenizer, has no way to take."""
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+    from fabric_lin.data import Tokenizer
+    from helpers import train_sentencepiece
+
+    convert_pretrained_checkpoint(run / "out" / "final", tmp_path / "model")
+    train_sentencepiece(tmp_path / "other", vocab_size=100)
+    other = Tokenizer(tmp_path / "other")
+    write_prepared(tmp_path / "val", np.arange(2000, dtype=np.uint16) % 100, other)
+    err = cli_error(["evaluate", str(tmp_path / "model"), "--data", "TokenChunks", "--data.val_path", str(tmp_path / "val"),
+                     "--seq_len", str(TRAIN_LEN)], capsys)
+    assert err == (
+        f"fabric-lin evaluate: error: --data: {tmp_path / 'val'} was tokenized with vocab_size=100, "
+        f"sha256={other.model_hash[:12]}..., from {tmp_path / 'other'}, and the weights of {tmp_path / 'model'} were "
+        f"trained on the ids of {Tokenizer(tmp_path / 'model').describe()}: an id is another piece in each; evaluate on "
+        f"data prepared with the model's tokenizer (--tokenizer_path {tmp_path / 'model'})\n")
+    assert not (tmp_path / "model" / "evaluate").exists()
+
+
 def test_a_tokenizer_with_more_pieces_than_the_model_has_embeddings_is_one_line(run, tmp_path, capsys, harness_with_hellaswag):
     """A model directory whose tokenizer.model is not its model's (300 pieces beside 256 embeddings): evaluate (with
     --tasks, or with data of that tokenizer) and generate refuse it in one line before any text is encoded or data read

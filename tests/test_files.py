@@ -86,3 +86,41 @@ def test_a_file_system_error_while_reading_stays_what_it_is(tmp_path):
                                            f"end; "):
         with reading(path, "a SentencePiece model", OSError):
             raise OSError("unexpected end")  # names no file: the parser's complaint about the content
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path):
+    """A directory no file can be made in: mode 0o555, or for root (whom modes do not stop) immutable, where the file
+    system allows it."""
+    import os
+    import subprocess
+
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    directory.chmod(0o555)
+    immutable = os.access(directory, os.W_OK) and subprocess.run(["chattr", "+i", str(directory)],
+                                                                 capture_output=True).returncode == 0
+    if os.access(directory, os.W_OK):
+        directory.chmod(0o755)
+        pytest.skip("no way here to make a directory unwritable")
+    yield directory
+    if immutable:
+        subprocess.run(["chattr", "-i", str(directory)], check=True)
+    directory.chmod(0o755)
+
+
+def test_an_output_directory_that_cannot_be_written_is_refused_before_the_work(unwritable_dir, tmp_path, capsys):
+    """An output directory in a directory that cannot be written: refused in one line naming it before any work, where
+    train_tokenizer trained the whole tokenizer and then failed with "[Errno 13] Permission denied: '...'"."""
+    from fabric_lin.files import check_dir_can_be_made
+    from helpers import cli_error
+
+    refusal = (f"--output_dir {unwritable_dir / 'tok'}: {unwritable_dir} is not writable (no permission to write in it, "
+               "or a read-only file system); give a directory that can be written")
+    with pytest.raises(InvalidValue, match=f"^{re.escape(refusal)}$"):
+        check_dir_can_be_made(unwritable_dir / "tok", "--output_dir")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("a few words of text\n" * 50)
+    assert cli_error(["train_tokenizer", "--input_dir", str(tmp_path / "text"), "--output_dir", str(unwritable_dir / "tok"),
+                      "--vocab_size", "300"], capsys) == f"fabric-lin train_tokenizer: error: {refusal}\n"
+    assert "Training" not in capsys.readouterr().out

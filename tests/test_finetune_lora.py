@@ -161,14 +161,20 @@ def test_peft_cannot_wrap_the_short_convolutions(exports, rank, error):
         get_peft_model(load_fla(exports["gdn"]), LoraConfig(r=rank, target_modules=["q_conv1d"]))
 
 
-def tutorial_targets() -> dict:
-    """The TARGETS of tutorials/finetune_lora.md's script, as the script reads them: model_type -> module names."""
-    import ast
+def tutorial_script() -> str:
+    """The fine-tuning script of tutorials/finetune_lora.md, as a user saves it."""
     import re
     from pathlib import Path
 
     tutorial = (Path(__file__).parents[1] / "tutorials" / "finetune_lora.md").read_text()
-    script = re.search(r"```python\n(.*?)```", tutorial, re.S).group(1)
+    return re.search(r"```python\n(.*?)```", tutorial, re.S).group(1)
+
+
+def tutorial_targets() -> dict:
+    """The TARGETS of tutorials/finetune_lora.md's script, as the script reads them: model_type -> module names."""
+    import ast
+
+    script = tutorial_script()
     assignment = next(node for node in ast.parse(script).body
                       if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "TARGETS")
     return ast.literal_eval(assignment.value)
@@ -194,3 +200,22 @@ def test_the_tutorial_script_adapts_every_family_that_convert_to_hf_exports(monk
     wrapped = {name.removeprefix("base_model.model.") for name, module in adapted.named_modules() if hasattr(module, "lora_A")}
     assert wrapped == {f"model.layers.{i}.{'mlp' if name in MLP else 'attn'}.{name}"
                        for i in range(NUM_LAYERS) for name in targets["transformer"]}
+
+
+def test_the_tutorial_script_stops_at_a_target_that_names_no_module(exports, tmp_path, monkeypatch):
+    """peft passes over a target that names no module of the model where another one does: the tutorial's script with
+    a misspelt target stops before training, naming it, where it trained the other adapters without a word. (The
+    script as a user saves it, on the CPU: its .cuda() leaves the model where it is.)"""
+    import runpy
+    import sys
+
+    script = tmp_path / "finetune_lora.py"
+    script.write_text(tutorial_script().replace('"o_proj"', '"o_prj"'))
+    (tmp_path / "train.jsonl").write_text('{"text": "A document of ones own."}\n')
+    monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *args, **kwargs: self)
+    monkeypatch.setattr(sys, "argv", [str(script), str(exports["gla"]), str(tmp_path / "train.jsonl"), str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_path(str(script), run_name="__main__")
+    assert info.value.code == ("targets that name no module of the model: ['o_prj'] (its Linear layers: down_proj, "
+                               "g_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj)")
+    assert not (tmp_path / "out").exists()

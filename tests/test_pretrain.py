@@ -389,6 +389,25 @@ def test_initial_weights_of_another_model_name_the_flag_of_their_own(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_initial_weights_of_another_family_are_refused_in_one_line(tmp_path, capsys):
+    """A GLA model directory given to a run of Gated DeltaNet: one line naming both families and the flag that builds
+    the directory's model, before any weights are read, where a warning listed the fields that differ and the error
+    then listed some 80 tensors over several lines."""
+    from fabric_lin.convert.model_dir import save_model_dir
+
+    saved = Config.from_name("gla-debug")
+    (tmp_path / "model").mkdir()
+    save_model_dir(GPT(saved).state_dict(), saved, tmp_path / "model")
+    capsys.readouterr()
+    with pytest.raises(ValueError) as info:
+        setup_pretrain(tmp_path, model_name="gdn-debug", initial_checkpoint_dir=tmp_path / "model")
+    assert str(info.value) == (
+        f"--initial_checkpoint_dir {tmp_path / 'model'} holds a gla model (gla-debug, its model_config.yaml) and this run "
+        "builds a gdn one (gdn-debug): the weights of one family are not those of the other's layers; start this run "
+        "with --model_name gla-debug")
+    assert "Warning" not in capsys.readouterr().out and not (tmp_path / "out" / "final").exists()
+
+
 def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path, capsys):
     setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
     out = tmp_path / "out"

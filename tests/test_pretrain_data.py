@@ -281,8 +281,8 @@ def test_a_run_takes_the_data_s_tokenizer_and_evaluate_refuses_another_s_data(tm
     assert (final / "tokenizer.model").read_bytes() == (prepared / "tok300" / "tokenizer.model").read_bytes()
     err = cli_error(["evaluate", str(final), "--data", "TextFiles", "--data.val_dir", str(prepared / "tokens320"),
                      "--data.num_workers", "0"], capsys)
-    assert f"{prepared / 'tokens320'} was tokenized with a different tokenizer" in err
-    assert f"than {final / 'tokenizer.model'}" in err
+    assert f"--data: {prepared / 'tokens320'} was tokenized with vocab_size=320" in err
+    assert f"were trained on the ids of {final / 'tokenizer.model'} (vocab_size=300" in err
 
 
 def test_weights_trained_with_another_tokenizer_are_refused_on_resume_and_as_initial_weights(tmp_path, prepared, capsys):

@@ -218,6 +218,20 @@ def test_train_tokenizer_refuses_an_output_dir_that_holds_a_tokenizer_or_cannot_
                       f"expected a directory or nothing there\n", err
 
 
+def test_train_tokenizer_names_what_an_interrupted_run_left(tmp_path, capsys):
+    """An --output_dir holding a tokenizer_config.json without tokenizer.model (what train_tokenizer leaves when stopped
+    between its two files, or another library's tokenizer): said so, where the refusal said that data and models were
+    made with a tokenizer that is not there."""
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("some text\n")
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    err = cli_error(["train_tokenizer", "--input_dir", str(tmp_path / "raw"), "--output_dir", str(tmp_path / "tok")], capsys)
+    assert err == (f"fabric-lin train_tokenizer: error: --output_dir {tmp_path / 'tok'} holds a tokenizer_config.json "
+                   "without a tokenizer.model (what an interrupted train_tokenizer leaves, or another library's "
+                   "tokenizer): write the new one to another --output_dir, or delete that tokenizer_config.json first\n")
+
+
 def test_a_tokenizer_or_weights_file_that_is_a_git_lfs_pointer_is_named_as_one(tmp_path):
     """Llama-2's tokenizer.model and a model's weights cloned from the hub without Git LFS are pointer files: they were
     said to be 'truncated or damaged (an interrupted copy or download)'."""

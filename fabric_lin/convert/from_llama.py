@@ -26,9 +26,11 @@ import torch
 
 from fabric_lin.config import Config
 from fabric_lin.convert.model_dir import (
+    HF_CONFIG_FILE,
     LLAMA_MODEL_TYPES,
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX_FILE,
+    models_below,
     parse_dtype,
     prepare_output_dir,
     refuse_mixed_exports,
@@ -80,9 +82,15 @@ def convert_from_llama(
     if output_dir is None:
         raise InvalidValue("convert_from_llama: --output_dir is required")
     checkpoint_dir = Path(checkpoint_dir)
-    config_path = checkpoint_dir / "config.json"
+    config_path = checkpoint_dir / HF_CONFIG_FILE
+    expected = "expected a Hugging Face Llama/Mistral directory"
+    if checkpoint_dir.is_file():
+        raise InvalidValue(f"--checkpoint_dir {checkpoint_dir} is a file: give the directory that holds it, {checkpoint_dir.parent}")
+    if not checkpoint_dir.is_dir():
+        raise MissingFile(f"--checkpoint_dir {checkpoint_dir} does not exist: {expected}")
     if not config_path.is_file():
-        raise MissingFile(f"{config_path} does not exist: expected a Hugging Face Llama/Mistral directory")
+        below = models_below(checkpoint_dir)  # a Hugging Face cache's repository holds the Llama in snapshots/<revision>/
+        raise MissingFile(f"--checkpoint_dir {checkpoint_dir} holds no {HF_CONFIG_FILE}: {expected}" + (f"; {below}" if below else ""))
     llama = read_json(config_path)
     if llama.get("model_type") not in LLAMA_MODEL_TYPES:
         raise InvalidValue(f"{config_path}: model_type {llama.get('model_type')!r}; expected one of {LLAMA_MODEL_TYPES}")

@@ -19,6 +19,7 @@ logit normalizer at 16; other values are refused.
 """
 import json
 import os
+import re
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -30,6 +31,7 @@ from fabric_lin.convert.model_dir import (
     cast_floating,
     HF_CONFIG_FILE,
     LLAMA_MODEL_TYPES,
+    MODEL_TYPES,
     check_export_given,
     check_model_dir_given,
     check_state_dict,
@@ -48,8 +50,7 @@ from fabric_lin.convert.model_dir import (
 from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import created_dir, read_json
 
-# fla's model_type and architecture for each block_type
-MODEL_TYPES = {"gla": "gla", "gdn": "gated_deltanet", "deltanet": "delta_net", "transformer": "transformer"}
+# fla's architecture for each model_type
 ARCHITECTURES = {"gla": "GLAForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM", "delta_net": "DeltaNetForCausalLM",
                  "transformer": "TransformerForCausalLM"}
 FLA_FIXED_GATE = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}
@@ -88,9 +89,9 @@ def convert_to_hf(
     trained_with = weights_trained_with(model_dir)  # before the weights: a tokenizer not the model's is refused at once
     check_tokenizer_fits_model(model_dir, config)
     tokenizer_ids = special_token_ids(model_dir)
+    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[model_dir])  # before the minutes of reading
     state_dict = load_model_dir_weights(model_dir)
     check_state_dict(state_dict, config, source=str(model_dir))
-    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[model_dir])
 
     state_dict = cast_floating(state_dict, torch_dtype)
     hf_state = {to_hf_name(name): tensor for name, tensor in state_dict.items()}
@@ -141,9 +142,9 @@ def convert_from_hf(
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
     check_export_given(checkpoint_dir, "convert_from_hf")
+    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])  # before the weights are read
     config, state_dict = read_fla_checkpoint(checkpoint_dir, name)
     check_tokenizer_fits_model(checkpoint_dir, config)
-    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
     state_dict = cast_floating(state_dict, torch_dtype)
     with created_dir(output_dir):
         tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir)
@@ -165,11 +166,28 @@ def read_fla_checkpoint(checkpoint_dir: Path, name: Optional[str] = None) -> Tup
             "can run code). Save it with `model.save_pretrained(dir, safe_serialization=True)`"
         )
     hf_state = load_safetensors_dir(checkpoint_dir)
+    refuse_unmerged_lora(checkpoint_dir, hf_state)
     if config.tie_embeddings:
         hf_state.pop("lm_head.weight", None)  # tied: the same tensor as the embeddings
     state_dict = {from_hf_name(name): tensor for name, tensor in hf_state.items()}
     check_state_dict(state_dict, config, source=str(checkpoint_dir))
     return config, state_dict
+
+
+# the names peft gives a layer it adapts: its own weight moves to `base_layer`, beside the adapters' `lora_A`, `lora_B`, ...
+PEFT_LAYER_NAME = re.compile(r"\.(base_layer|lora_\w+?)\.")
+
+
+def refuse_unmerged_lora(checkpoint_dir: Path, hf_state: Dict[str, torch.Tensor]) -> None:
+    """Refuse the weights of a model saved while peft's LoRA layers were in it (merge_and_unload not called, or its
+    result not the model saved): the adapted weights are not where fla's model has them, and what they compute is
+    W + (lora_alpha / r) B A, which only the merge writes into W."""
+    adapted = sorted(name for name in hf_state if PEFT_LAYER_NAME.search(name))
+    if adapted:
+        raise InvalidValue(
+            f"{checkpoint_dir} holds peft's adapted layers, not merged ({', '.join(adapted[:2])}, ... {len(adapted)} in all): "
+            f"save the model that merge_and_unload() returns (tutorials/finetune_lora.md, section 3)"
+        )
 
 
 def to_hf_name(name: str) -> str:

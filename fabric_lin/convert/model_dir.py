@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile
-from fabric_lin.files import atomic_write, check_dir_can_be_made, read_json
+from fabric_lin.files import atomic_write, check_dir_can_be_made, directories_below, read_json
 from fabric_lin.weights import (
     MODEL_FILE,
     canonical_state_dict,
@@ -37,19 +37,50 @@ from fabric_lin.weights import (
 HF_CONFIG_FILE = "config.json"  # a Hugging Face directory's (e.g. an fla export's) configuration
 PEFT_ADAPTER_CONFIG = "adapter_config.json"  # peft's save_pretrained of a model's adapters alone
 LLAMA_MODEL_TYPES = ("llama", "mistral")  # the Hugging Face models convert_from_llama reads
+# fla's model_type of each block_type: the fla models convert_from_hf reads
+MODEL_TYPES = {"gla": "gla", "gdn": "gated_deltanet", "deltanet": "delta_net", "transformer": "transformer"}
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def what_it_holds(directory: Path) -> Optional[str]:
+    """What kind of model `directory` holds, as the errors name it ("a model directory", "an fla export", ...); None
+    where it holds none."""
+    from fabric_lin.checkpoint import is_training_checkpoint
+
+    directory = Path(directory)
+    if (directory / PEFT_ADAPTER_CONFIG).is_file():
+        return "LoRA adapters alone"
+    if is_training_checkpoint(directory):
+        return "a training checkpoint"
+    if (directory / CONFIG_FILE).is_file():
+        return "a model directory"
+    if (directory / HF_CONFIG_FILE).is_file():
+        if is_llama_dir(directory):
+            return "a Hugging Face Llama/Mistral directory"
+        return "an fla export" if hf_model_type(directory) in MODEL_TYPES.values() else "a Hugging Face directory"
+    return None
+
+
+def models_below(directory: Path) -> str:
+    """For a directory that holds no model: "below it: DIR (what it holds), ..." where a model lies one or two levels
+    down (the output of tutorials/finetune_lora.md's script holds adapter/ and merged/), else ""."""
+    found = directories_below(directory, lambda d: what_it_holds(d) is not None)
+    return ("below it: " + ", ".join(f"{d} ({what_it_holds(d)})" for d in found[:4])
+            + (f", ... ({len(found) - 4} more)" if len(found) > 4 else "")) if found else ""
+
+
 def check_model_dir_given(model_dir: Path, argument: str, command: str) -> None:
     """Refuse what the `argument` of `command` names where a model directory is expected, naming what it is and the
     command that makes a model directory of it: no directory at all, a training run's out_dir, a Hugging Face
-    directory (an fla export)."""
+    directory (an fla export), a directory with nothing of a model in it (naming the models below it)."""
     from fabric_lin.checkpoint import checkpoint_dirs
 
     model_dir = Path(model_dir)
+    if model_dir.is_file() and (model_dir.parent / CONFIG_FILE).is_file():
+        raise InvalidValue(f"{argument} {model_dir} is a file: give the model directory that holds it, {model_dir.parent}")
     if not model_dir.is_dir():
         raise MissingFile(f"{argument} {str(model_dir)!r} is not a directory")
     if (model_dir / CONFIG_FILE).is_file():
@@ -70,6 +101,11 @@ def check_model_dir_given(model_dir: Path, argument: str, command: str) -> None:
             f"{model_dir} is a Hugging Face directory ({HF_CONFIG_FILE}, no {CONFIG_FILE}), e.g. an fla export: {command} "
             f"reads a model directory; make one with: fabric-lin convert_from_hf {model_dir} --output_dir <DIR>"
         )
+    weights = (MODEL_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE)
+    if not any((model_dir / name).exists() for name in weights):
+        below = models_below(model_dir)
+        raise MissingFile(f"{model_dir} holds no {CONFIG_FILE} and no weights: {command} reads a model directory"
+                          + (f"; {below}" if below else ""))
 
 
 def check_export_given(export_dir: Path, command: str) -> None:
@@ -99,9 +135,34 @@ def check_export_given(export_dir: Path, command: str) -> None:
     if (export_dir / CONFIG_FILE).is_file():
         raise InvalidValue(f"{export_dir} is a model directory ({CONFIG_FILE}) already, not an fla export; to export it "
                            f"in fla's format (the other way): fabric-lin convert_to_hf {export_dir} --output_dir <DIR>")
+    below = models_below(export_dir)
     held = sorted(p.name for p in export_dir.iterdir())
-    raise MissingFile(f"{export_dir} holds no {HF_CONFIG_FILE}: {expected}; it holds "
-                      + (", ".join(held[:5]) + (", ..." if len(held) > 5 else "") if held else "nothing"))
+    raise MissingFile(f"{export_dir} holds no {HF_CONFIG_FILE}: {expected}; " + (below or "it holds " + (
+        ", ".join(held[:5]) + (", ..." if len(held) > 5 else "") if held else "nothing")))
+
+
+def check_training_checkpoint_given(checkpoint_dir: Path) -> None:
+    """Refuse, where a training checkpoint is expected, a directory without weights of its own that holds a model of a
+    kind another command reads (an fla export, a Llama, LoRA adapters), or nothing of a model with models below it;
+    what has weights or a run's checkpoints is `fabric_lin.checkpoint.find_training_checkpoint`'s to name."""
+    from fabric_lin.checkpoint import checkpoint_dirs
+
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir() or (checkpoint_dir / MODEL_FILE).exists() or checkpoint_dirs(checkpoint_dir):
+        return
+    kind = what_it_holds(checkpoint_dir)
+    fixes = {
+        "an fla export": f"fabric-lin convert_from_hf {checkpoint_dir} --output_dir <DIR> makes a model directory of it",
+        "a Hugging Face Llama/Mistral directory": f"make a GLA model directory of it with: {from_llama_command(checkpoint_dir)}",
+        "LoRA adapters alone": "merge them into the export they were trained on (merge_and_unload, "
+                               "tutorials/finetune_lora.md) and convert the merged export with fabric-lin convert_from_hf",
+    }
+    if kind is not None:
+        raise InvalidValue(f"{checkpoint_dir} is not a training checkpoint but {kind}"
+                           + (f": {fixes[kind]}" if kind in fixes else ""))
+    below = models_below(checkpoint_dir)
+    if below:
+        raise MissingFile(f"{checkpoint_dir} is not a training checkpoint: it has no {MODEL_FILE}; {below}")
 
 
 def check_not_lora_adapters(directory: Path, command: str, reads_exports: bool) -> None:
@@ -128,13 +189,18 @@ def check_tokenizer_fits_model(directory: Path, config: Config) -> None:
         Tokenizer(directory).check_fits(config.vocab_size, directory)
 
 
+def hf_model_type(directory: Path) -> Optional[str]:
+    """The model_type of `directory`'s config.json; None where it has none or cannot be read."""
+    try:
+        return json.loads((Path(directory) / HF_CONFIG_FILE).read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def is_llama_dir(directory: Path) -> bool:
     """Whether `directory`'s config.json is a Hugging Face Llama's or Mistral's (which convert_from_llama reads, and
     convert_from_hf does not)."""
-    try:
-        return json.loads((Path(directory) / HF_CONFIG_FILE).read_text(encoding="utf-8")).get("model_type") in LLAMA_MODEL_TYPES
-    except (OSError, ValueError, AttributeError):
-        return False
+    return hf_model_type(directory) in LLAMA_MODEL_TYPES
 
 
 def from_llama_command(llama_dir: Path) -> str:
@@ -353,6 +419,11 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
         raise AlreadyExists(f"output_dir {output_dir} is a training run's directory (it holds {', '.join(run_checkpoints[:3])}), "
                             f"which a conversion does not write into: choose another directory")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        kind = what_it_holds(output_dir)
+        # a model that a printed suggestion's --output_dir (checkpoints/<model name>) may name; adapters stay beside one
+        if kind is not None and kind != "LoRA adapters alone":
+            raise AlreadyExists(f"output_dir {output_dir} holds {kind} already: --overwrite true would replace its model "
+                                f"with this one; to keep it, give another --output_dir")
         raise AlreadyExists(
             f"output_dir {output_dir} is not empty (holds {sorted(p.name for p in output_dir.iterdir())[:5]}); "
             "pass --overwrite true to write into it"

@@ -16,6 +16,7 @@ from fabric_lin.config import CONFIG_FILE
 from fabric_lin.convert.model_dir import (
     cast_floating,
     check_state_dict,
+    check_training_checkpoint_given,
     parse_dtype,
     prepare_output_dir,
     save_model_dir,
@@ -46,8 +47,9 @@ def convert_pretrained_checkpoint(
         raise InvalidValue("convert_pretrained_checkpoint: --output_dir is required")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
+    check_training_checkpoint_given(checkpoint_dir)
+    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])  # before the checksums are read
     config, weights_path = find_training_checkpoint(checkpoint_dir, use="convert")
-    output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
 
     state_dict = canonical_state_dict(load_model_weights(weights_path))
     form = f"sharded ({len(list(weights_path.glob('*.distcp')))} shard files)" if weights_path.is_dir() else "single file"

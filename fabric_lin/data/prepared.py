@@ -202,13 +202,22 @@ def check_made_for(path: Union[str, Path], info: dict, tokenizer: Optional[Token
     """Refuse a prepared directory (its prepared.json `info`) made with another tokenizer than `tokenizer`, or
     with a vocabulary larger than the model's `vocab_size` (either check skipped where None)."""
     if tokenizer is not None and tokenizer_identity(info) != tokenizer.identity:
-        raise InvalidValue(
-            f"{path} was tokenized with a different tokenizer ({describe_tokenizer(info)}) than {tokenizer.describe()};"
-            " prepare the data with this tokenizer, or use the one that made it"
-        )
+        raise MadeWithAnotherTokenizer(path, info, tokenizer)
     data_vocab = (info.get("tokenizer") or {}).get("vocab_size")
     if vocab_size is not None and isinstance(data_vocab, int) and data_vocab > vocab_size:
         raise VocabularyTooLarge(path, data_vocab, vocab_size)
+
+
+class MadeWithAnotherTokenizer(InvalidValue):
+    """A prepared directory (its prepared.json `info`) tokenized with another tokenizer than the run's. The fix it names
+    is pretrain's (the run's tokenizer is its choice); evaluate, whose tokenizer is the model's, words its own."""
+
+    def __init__(self, path: Union[str, Path], info: dict, tokenizer: Tokenizer) -> None:
+        self.path, self.info, self.tokenizer = Path(path), info, tokenizer
+        super().__init__(
+            f"{path} was tokenized with a different tokenizer ({describe_tokenizer(info)}) than {tokenizer.describe()};"
+            " prepare the data with this tokenizer, or use the one that made it"
+        )
 
 
 class VocabularyTooLarge(InvalidValue):

@@ -14,7 +14,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 import torch
 
 from fabric_lin.errors import InvalidValue, MissingFile
-from fabric_lin.files import atomic_write, read_json, reading
+from fabric_lin.files import atomic_write, directories_below, read_json, reading
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json")
 TRAINED_WITH_FILE = "trained_with.json"  # {"tokenizer": Tokenizer.record()} of the tokenizer the weights were trained with
@@ -100,6 +100,16 @@ def the_recorded_tokenizer(directory: Union[str, Path]) -> str:
             f" copy that tokenizer.model (and its tokenizer_config.json) into {directory}")
 
 
+def tokenizers_below(directory: Union[str, Path]) -> str:
+    """For a directory without a tokenizer.model: "; DIR holds one: give that directory" where one lies a level or two
+    below it (in a LoRA fine-tune's merged/, a run's final/), else ""."""
+    found = directories_below(directory, lambda d: (d / "tokenizer.model").is_file())
+    if not found:
+        return ""
+    named = ", ".join(str(d) for d in found[:3]) + (f", ... ({len(found) - 3} more)" if len(found) > 3 else "")
+    return f"; {named} holds one: give that directory" if len(found) == 1 else f"; {named} hold one each: give one of them"
+
+
 def write_trained_with(directory: Union[str, Path], info: dict) -> None:
     """Write `info` ({"tokenizer": Tokenizer.record()}) as the directory's trained_with.json."""
     text = json.dumps(info, indent=2) + "\n"
@@ -132,7 +142,7 @@ class Tokenizer:
             shown = ", ".join(present[:10]) + (f", ... ({len(present) - 10} more)" if len(present) > 10 else "")
             raise MissingFile(
                 f"{self.model_path} does not exist: expected a SentencePiece tokenizer.model in {checkpoint_dir}"
-                f" (found: {shown or 'nothing'}){the_recorded_tokenizer(checkpoint_dir)}"
+                f" (found: {shown or 'nothing'}){the_recorded_tokenizer(checkpoint_dir) or tokenizers_below(checkpoint_dir)}"
             )
         self.processor = SentencePieceProcessor()
         with reading(self.model_path, "a SentencePiece model", OSError, RuntimeError):

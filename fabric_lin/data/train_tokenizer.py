@@ -184,9 +184,15 @@ def check_output_dir(output_dir: Path) -> None:
     held = [name for name in TOKENIZER_FILES if (output_dir / name).exists()]
     if not held:
         return
+    if held == ["tokenizer_config.json"]:  # written first, so a run stopped before tokenizer.model leaves it alone
+        raise AlreadyExists(
+            f"--output_dir {output_dir} holds a tokenizer_config.json without a tokenizer.model (what an interrupted "
+            f"train_tokenizer leaves, or another library's tokenizer): write the new one to another --output_dir, or "
+            f"delete that tokenizer_config.json first"
+        )
     try:
         there = Tokenizer(output_dir).describe()
-    except UserError:  # a damaged one, or a tokenizer_config.json alone
+    except UserError:  # a damaged one
         there = ", ".join(str(output_dir / name) for name in held)
     raise AlreadyExists(
         f"--output_dir {output_dir} holds a tokenizer already: {there}; the data and models made with it read their "
