@@ -10,7 +10,8 @@ largest magnitude maps to e4m3's largest, 448), and the product runs on the GPU'
 A fused op calls it for its forward product (the normed activation times the weight) and for its input
 gradient (the output gradient times the weight: b is then the weight transposed, so that its scales run
 along the input features); the weight gradient stays in bf16, from the recomputed activation, so nothing
-more is kept for the backward pass than bf16 keeps. `rowwise_fp8_ref` is the cast written in PyTorch, beside
+more is kept for the backward pass than bf16 keeps (in FP8 its operands would need scales along the tokens: a cast
+of each column over all of them, written transposed, which costs more than the faster product saves). `rowwise_fp8_ref` is the cast written in PyTorch, beside
 the Triton kernel that makes it in one read of the row (`rowwise_fp8`).
 """
 from typing import List, Sequence, Tuple
