@@ -1,17 +1,19 @@
 """The short convolution (causal, depthwise, W = 4 taps, then SiLU) at gdn-340M's shapes: forward and
-forward+backward milliseconds of the shipped launch (fabric_lin.ops.fused_launch.ShortConvLaunch) against
-flash-linear-attention's causal_conv1d (when importable) in the same process, and the GPU time of forward+backward
-by kernel (torch.profiler), with its fraction of the copy bandwidth that the ideal traffic needs.
+forward+backward milliseconds of the shipped launch (fabric_lin.ops.fused_launch.ShortConvLaunch) and of the
+one-pass kernels (fwd_design and bwd_design "one_pass") against flash-linear-attention's causal_conv1d (when
+importable) in the same process, and the GPU time of forward+backward by kernel (torch.profiler), with its fraction
+of the copy bandwidth that the ideal traffic needs.
 
     python benchmarks/short_conv.py --out short_conv.json
     python benchmarks/short_conv.py --variants wide:bwd_channels=128,warps=8
+    python benchmarks/short_conv.py --variants op512:fwd_design=one_pass,bwd_design=one_pass,one_pass_channels=512
     python benchmarks/short_conv.py --documents 64            # each batch as 64 packed documents (cu_seqlens)
     TRITON_INTERPRET=1 python benchmarks/short_conv.py --batch 1 --seq 40 --channels 24 --no-fla   # CPU smoke run
 
 x is [batch, seq, C] bf16 on a GPU (fp32 in Triton's interpreter) for C = 512 (q and k), 1024 (v) and 2048 (the
-three side by side, as one call over the concatenated channels makes them). The shipped launch, then each
---variants NAME:KEY=VALUE,... (changes to its tiles and warps), is timed, with its outputs' distance from the
-shipped launch's. Ideal traffic: forward reads x and writes y, backward reads x and dy and writes dx (bf16: 2 + 2
+three side by side, as one call over the concatenated channels makes them). The shipped launch, the one-pass one,
+then each --variants NAME:KEY=VALUE,... (changes to the shipped launch: designs, tiles and warps), is timed, with
+its outputs' distance from the shipped launch's. Ideal traffic: forward reads x and writes y, backward reads x and dy and writes dx (bf16: 2 + 2
 and 6 bytes per element).
 
 Prints one JSON document.
@@ -29,6 +31,7 @@ from fabric_lin.ops.gla.tune import rel_rms
 from fabric_lin.ops.short_conv import causal_conv1d
 
 W = 4
+ONE_PASS = dataclasses.replace(SHIPPED, fwd_design="one_pass", bwd_design="one_pass")
 
 
 def time_pair(fn, inputs, dy, cuda):
@@ -96,7 +99,7 @@ def main():
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    launches = {"shipped": SHIPPED, **parse_variants(args.variants, SHIPPED)}
+    launches = {"shipped": SHIPPED, "one_pass": ONE_PASS, **parse_variants(args.variants, SHIPPED)}
     B, T = (1, args.batch * args.seq) if args.documents else (args.batch, args.seq)
     cu_seqlens = document_offsets(T, args.documents, device) if args.documents else None
     fla, fla_error = (None, "left out (--no-fla)") if args.no_fla or not cuda else load_fla(cu_seqlens)

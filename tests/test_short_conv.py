@@ -8,6 +8,7 @@ driver): run as a script, this file prints that report as JSON (so conftest.py, 
 imported only inside tests). With CUDA the GPU tests compare bf16 inputs with fp32 references. The GDN decoding
 step's own tests are in test_gdn_recurrent.py.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -23,9 +24,17 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from helpers import GDN_STEP_SHAPE, assert_close, leaves  # noqa: E402
 
+from fabric_lin.ops.fused_launch import SHIPPED_SHORT_CONV  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# both one-pass kernels, on blocks of 16 rows walked 4 at a time: these tests' short sequences
+# cross blocks and steps
+ONE_PASS = dataclasses.replace(SHIPPED_SHORT_CONV, fwd_design="one_pass", bwd_design="one_pass", one_pass_channels=128,
+                               one_pass_rows=16, one_pass_step=4)
+both_designs = pytest.mark.parametrize("launch", [None, ONE_PASS], ids=["shipped", "one_pass"])
 
 
 # ---------------------------------------------------------------- references (fp64, independent of the code under test)
@@ -68,15 +77,17 @@ def conv_inputs(B, T, D, W, seed=0, cache=False):
 
 
 @cpu_only
-@pytest.mark.parametrize("W", [2, 3, 4])
-@pytest.mark.parametrize("T", [1, 3, 37, 130, 300])  # 300: two backward row blocks per sequence
-def test_conv_matches_grouped_conv1d(W, T):
+@pytest.mark.parametrize("W,T,launch", [(W, T, None) for W in (2, 3, 4) for T in (1, 3, 37, 130, 300)]  # 300: two
+                         # backward row blocks per sequence
+                         + [(W, T, ONE_PASS) for W, T in ((1, 5), (2, 1), (4, 2), (4, 37))],
+                         ids=lambda v: "one_pass" if v is ONE_PASS else "shipped" if v is None else str(v))
+def test_conv_matches_grouped_conv1d(W, T, launch):
     from fabric_lin.ops.short_conv import causal_conv1d
 
     D = 100  # two channel tiles, the second partial
     x, weight, _ = conv_inputs(2, T, D, W, seed=T * 10 + W)
     xk, wk = leaves(x, weight)
-    y, new_cache = causal_conv1d(xk, wk, backend="triton")
+    y, new_cache = causal_conv1d(xk, wk, backend="triton", launch=launch)
     xr, wr = leaves(x, weight)
     y_ref, cache_ref = conv_reference(xr, wr)
     assert y.dtype == torch.float32 and new_cache.shape == (2, W - 1, D)
@@ -89,12 +100,13 @@ def test_conv_matches_grouped_conv1d(W, T):
 
 
 @cpu_only
-def test_conv_without_activation():
+@both_designs
+def test_conv_without_activation(launch):
     from fabric_lin.ops.short_conv import causal_conv1d
 
     x, weight, cache = conv_inputs(2, 37, 70, 4, seed=3, cache=True)
     ins = leaves(x, weight, cache)
-    y, _ = causal_conv1d(*ins, activation=False, backend="triton")
+    y, _ = causal_conv1d(*ins, activation=False, backend="triton", launch=launch)
     refs = leaves(x, weight, cache)
     y_ref, _ = conv_reference(*refs, activation=False)
     assert_close(y, y_ref, "y")
@@ -104,15 +116,17 @@ def test_conv_without_activation():
 
 
 @cpu_only
-@pytest.mark.parametrize("W", [2, 3, 4])
-@pytest.mark.parametrize("T", [1, 2, 37])  # T = 1, 2 < W - 1 for W = 4: the new cache keeps cached inputs
-def test_conv_continues_from_a_cache_and_gives_its_gradient(W, T):
+@pytest.mark.parametrize("W,T,launch", [(W, T, None) for W in (2, 3, 4) for T in (1, 2, 37)]  # T = 1, 2 < W - 1
+                         # for W = 4: the new cache keeps cached inputs
+                         + [(W, T, ONE_PASS) for W, T in ((2, 1), (4, 2), (3, 21))],
+                         ids=lambda v: "one_pass" if v is ONE_PASS else "shipped" if v is None else str(v))
+def test_conv_continues_from_a_cache_and_gives_its_gradient(W, T, launch):
     from fabric_lin.ops.short_conv import causal_conv1d
 
     x, weight, cache = conv_inputs(3, T, 40, W, seed=T + W, cache=True)
     ins = leaves(x, weight, cache)
     with torch.enable_grad():  # a gradient wanted: the full kernels, not the decoding step
-        y, new_cache = causal_conv1d(*ins, backend="triton")
+        y, new_cache = causal_conv1d(*ins, backend="triton", launch=launch)
     refs = leaves(x, weight, cache)
     y_ref, cache_ref = conv_reference(*refs)
     assert_close(y, y_ref, "y")
@@ -123,12 +137,33 @@ def test_conv_continues_from_a_cache_and_gives_its_gradient(W, T):
         assert_close(a, b, name)
     # a cache that needs no gradient (x and weight do): none is computed, the others unchanged
     xk, wk = leaves(x, weight)
-    y2, _ = causal_conv1d(xk, wk, cache, backend="triton")
+    y2, _ = causal_conv1d(xk, wk, cache, backend="triton", launch=launch)
     y2.backward(up[0])
     xr, wr = leaves(x, weight)
     want = grads_of(conv_reference(xr, wr, cache)[:1], (xr, wr), up)
     for name, a, b in zip(["dx", "dweight"], (xk.grad, wk.grad), want):
         assert_close(a, b, name)
+
+
+@cpu_only
+@both_designs
+def test_conv_in_fp16_rounds_only_its_outputs(launch):
+    # fp16 inputs, fp32 weight: y, dx and the cache's gradient within fp16's rounding of the fp64 result (2^-11
+    # of each value), dweight (fp32) within fp32's
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    x, weight, cache = conv_inputs(2, 37, 40, 4, seed=11, cache=True)
+    ins = leaves(x.half(), weight, cache.half())
+    y, _ = causal_conv1d(*ins, backend="triton", launch=launch)
+    refs = leaves(x.half().double(), weight.double(), cache.half().double())
+    y_ref, _ = conv_reference(*refs)
+    assert y.dtype == torch.float16
+    assert_close(y, y_ref, "y", tol=1e-3)
+    up = [torch.randn_like(y)]
+    got, want = grads_of((y,), ins, up), grads_of((y_ref,), refs, up)
+    assert got[0].dtype == got[2].dtype == torch.float16 and got[1].dtype == torch.float32
+    for name, a, b, tol in zip(["dx", "dweight", "dcache"], got, want, [1e-3, 2e-5, 1e-3]):
+        assert_close(a, b, name, tol=tol)
 
 
 def test_conv_with_a_cache_of_another_dtype_stays_in_the_inputs_dtype():
@@ -146,13 +181,14 @@ def test_conv_with_a_cache_of_another_dtype_stays_in_the_inputs_dtype():
 
 
 @cpu_only
+@both_designs
 @pytest.mark.parametrize("T,W", [(0, 4), (5, 1), (1, 1)])
-def test_conv_empty_sequences_and_width_one(T, W):
+def test_conv_empty_sequences_and_width_one(T, W, launch):
     from fabric_lin.ops.short_conv import causal_conv1d
 
     x, weight, cache = conv_inputs(2, T, 20, W, seed=T + W, cache=True)
     ins = leaves(x, weight, cache)
-    y, new_cache = causal_conv1d(*ins, backend="triton")
+    y, new_cache = causal_conv1d(*ins, backend="triton", launch=launch)
     refs = leaves(x, weight, cache)
     y_ref, cache_ref = conv_reference(*refs) if T else (refs[0].double(), torch.cat([refs[2], refs[0]], 1).double())
     assert y.shape == (2, T, 20) and new_cache.shape == (2, W - 1, 20)
@@ -189,13 +225,33 @@ def test_conv_varlen_restarts_at_every_document(W, dtype):
 
 
 @cpu_only
-@pytest.mark.parametrize("sizes", [(20, 50, 30), (70, 30)])  # partial channel tiles in every output
-def test_split_outputs_are_the_convolution_of_all_channels_in_parts(sizes):
+@pytest.mark.parametrize("W", [2, 4])
+def test_one_pass_varlen_restarts_at_every_document(W):
+    from fabric_lin.ops.short_conv import causal_conv1d
+
+    # empty documents (first, middle and last), documents shorter than W, documents across the 16-row blocks and
+    # their 4-row steps, a block starting a document (row 48)
+    bounds = [0, 0, 1, 1, 3, 4, 37, 38, 40, 40, 48, 70, 70]
+    x, weight, _ = conv_inputs(1, bounds[-1], 72, W, seed=W)
+    ins = leaves(x, weight)
+    y, _ = causal_conv1d(*ins, cu_seqlens=torch.tensor(bounds), backend="triton", launch=ONE_PASS)
+    refs = leaves(x, weight)
+    y_ref = conv_reference_varlen(refs[0], refs[1], bounds)
+    assert_close(y, y_ref, "y")
+    up = [torch.randn_like(y)]
+    for name, a, b in zip(["dx", "dweight"], grads_of((y,), ins, up), grads_of((y_ref,), refs, up)):
+        assert_close(a, b, name)
+
+
+@cpu_only
+@pytest.mark.parametrize("sizes,launch", [((20, 50, 30), None), ((70, 30), None), ((20, 50, 30), ONE_PASS)],
+                         ids=["3-shipped", "2-shipped", "3-one_pass"])  # partial channel tiles in every output
+def test_split_outputs_are_the_convolution_of_all_channels_in_parts(sizes, launch):
     from fabric_lin.ops.short_conv import causal_conv1d_split
 
     x, weight, cache = conv_inputs(2, 37, sum(sizes), 4, seed=len(sizes), cache=True)
     ins = leaves(x, weight, cache)
-    ys, new_cache = causal_conv1d_split(*ins[:2], sizes, ins[2], backend="triton")
+    ys, new_cache = causal_conv1d_split(*ins[:2], sizes, ins[2], backend="triton", launch=launch)
     refs = leaves(x, weight, cache)
     y_ref, cache_ref = conv_reference(*refs)
     assert [tuple(y.shape) for y in ys] == [(2, 37, n) for n in sizes] and all(y.is_contiguous() for y in ys)
@@ -210,13 +266,14 @@ def test_split_outputs_are_the_convolution_of_all_channels_in_parts(sizes):
 
 
 @cpu_only
-def test_split_outputs_restart_at_documents_and_step_from_a_cache():
+@both_designs
+def test_split_outputs_restart_at_documents_and_step_from_a_cache(launch):
     from fabric_lin.ops.short_conv import causal_conv1d_split
 
     bounds = [0, 2, 3, 40]
     x, weight, cache = conv_inputs(1, 40, 60, 4, seed=4, cache=True)
     ins = leaves(x, weight)
-    ys, _ = causal_conv1d_split(*ins, [10, 20, 30], cu_seqlens=torch.tensor(bounds), backend="triton")
+    ys, _ = causal_conv1d_split(*ins, [10, 20, 30], cu_seqlens=torch.tensor(bounds), backend="triton", launch=launch)
     refs = leaves(x, weight)
     y_ref = conv_reference_varlen(*refs, bounds)
     assert_close(torch.cat(ys, dim=2), y_ref, "y")
@@ -265,14 +322,15 @@ def test_conv_decoding_steps_equal_the_full_convolution(W):
 
 
 @cpu_only
-def test_conv_reads_a_view_of_projections_side_by_side():
+@both_designs
+def test_conv_reads_a_view_of_projections_side_by_side(launch):
     from fabric_lin.ops.short_conv import causal_conv1d
 
     qkv, weight, _ = conv_inputs(2, 37, 120, 4, seed=5)
     q = qkv[..., 20:70]  # rows 120 apart, channels contiguous
     w = weight[20:70]
     ins = leaves(qkv, w)
-    y, _ = causal_conv1d(ins[0][..., 20:70], ins[1], backend="triton")
+    y, _ = causal_conv1d(ins[0][..., 20:70], ins[1], backend="triton", launch=launch)
     refs = leaves(qkv, w)
     y_ref, _ = conv_reference(refs[0][..., 20:70], refs[1])
     assert_close(y, y_ref, "y")
@@ -384,13 +442,19 @@ def test_benchmark_times_the_shipped_launch_and_variants_in_the_interpreter(tmp_
     bench.main()
     report = json.loads(out.read_text())
     assert report["launches"]["narrow"]["bwd_rows"] == 8 and report["documents"] == 3
+    assert report["launches"]["one_pass"]["bwd_design"] == "one_pass"
     assert [row["channels"] for row in report["results"]] == [24, 40]
     for row in report["results"]:
-        assert set(row) == {"channels", "shipped", "narrow"}
-        assert row["narrow"]["fwd_bwd_ms"] > 0 and max(row["narrow"]["rel_rms_vs_shipped"].values()) < 1e-5, row
-    monkeypatch.setattr(sys, "argv", ["short_conv.py", "--variants", "bad:bwd_tiles=4"])
-    with pytest.raises(SystemExit, match="--variants bad: unknown ShortConvLaunch setting 'bwd_tiles'"):
-        bench.main()
+        assert set(row) == {"channels", "shipped", "one_pass", "narrow"}
+        for name in ("one_pass", "narrow"):
+            assert row[name]["fwd_bwd_ms"] > 0 and max(row[name]["rel_rms_vs_shipped"].values()) < 1e-5, row
+    for variant, message in [("bad:bwd_tiles=4", "unknown ShortConvLaunch setting 'bwd_tiles'"),
+                             ("bad:bwd_design=three_pass", "bwd_design must be 'two_pass' or 'one_pass', got 'three_pass'"),
+                             ("bad:one_pass_rows=20,one_pass_step=8", "one_pass_rows must be a multiple of one_pass_step"),
+                             ("bad:one_pass_channels=96", "one_pass_channels must be a power of two, got 96")]:
+        monkeypatch.setattr(sys, "argv", ["short_conv.py", "--variants", variant])
+        with pytest.raises(SystemExit, match=f"--variants bad: .*{message}"):
+            bench.main()
 
 
 # ---------------------------------------------------------------- compiled for sm_90 (bf16, gdn-340M's shapes)
@@ -399,9 +463,9 @@ CONV_SHAPES = [(16, 2048, 512), (16, 2048, 1024)]  # B, T, D: gdn-340M's key and
 
 
 def sm90_report() -> dict:
-    """Every launch of the convolution (forward and backward, batched and varlen), its decoding step and the
-    GDN decoding step (gated, and without a gate), compiled for sm_90 with bf16 inputs and not run; registers and
-    spills as the compiled cubins record them."""
+    """Every launch of the convolution (forward and backward, batched and varlen, the shipped kernels and the
+    one-pass ones), its decoding step and the GDN decoding step (gated, and without a gate), compiled for sm_90 with
+    bf16 inputs and not run; registers and spills as the compiled cubins record them."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import kernel_registers  # noqa: E402  (compile, do not interpret: it clears TRITON_INTERPRET)
 
@@ -418,18 +482,22 @@ def sm90_report() -> dict:
         report["launches"] += [{"case": label, **row} for row in records]
 
     bf16 = torch.bfloat16
+    one_pass = dataclasses.replace(SHIPPED_SHORT_CONV, fwd_design="one_pass", bwd_design="one_pass")
     for B, T, D in CONV_SHAPES:
         weight = torch.randn(D, 4, requires_grad=True)  # an fp32 parameter, bf16 activations (bf16-mixed)
 
-        def conv(x, cu_seqlens=None):
-            y, _ = causal_conv1d_triton(x, weight, cu_seqlens=cu_seqlens)
+        def conv(x, cu_seqlens=None, launch=None):
+            y, _ = causal_conv1d_triton(x, weight, cu_seqlens=cu_seqlens, launch=launch)
             y.backward(torch.ones_like(y))
 
-        compiled(f"conv B={B} T={T} D={D}", lambda: conv(torch.randn(B, T, D, dtype=bf16, requires_grad=True)))
         cu = torch.arange(0, B * T + 1, 1000, dtype=torch.int32)
         cu = torch.cat([cu, torch.tensor([B * T], dtype=torch.int32)]) if cu[-1] != B * T else cu
         packed = torch.randn(1, B * T, D, dtype=bf16, requires_grad=True)
-        compiled(f"conv varlen T={B * T} D={D}", lambda: conv(packed, cu))
+        # the one-pass kernels at the first shape only: their registers do not depend on D
+        for design, launch in (("", None), ("one_pass ", one_pass))[: 2 if D == CONV_SHAPES[0][2] else 1]:
+            compiled(f"conv {design}B={B} T={T} D={D}",
+                     lambda: conv(torch.randn(B, T, D, dtype=bf16, requires_grad=True), launch=launch))
+            compiled(f"conv {design}varlen T={B * T} D={D}", lambda: conv(packed, cu, launch))
         compiled(f"conv step B={B} D={D}", lambda: causal_conv1d_step_triton(
             torch.randn(B, D, dtype=bf16), weight.detach(), torch.randn(B, 3, D, dtype=bf16)))
     B, H, K, V = GDN_STEP_SHAPE
@@ -462,6 +530,10 @@ def test_kernels_compile_for_sm90_in_bf16_without_spills():
         assert by_case[f"conv B={B} T={T} D={D}"] == ["_conv_fwd_kernel", *backward]
         assert by_case[f"conv varlen T={B * T} D={D}"] == ["_conv_fwd_kernel", *backward]
         assert by_case[f"conv step B={B} D={D}"] == ["_conv_step_kernel"]
+    B, T, D = CONV_SHAPES[0]
+    one_pass = ["_conv_fwd_one_pass_kernel", "_conv_bwd_one_pass_kernel"]
+    assert by_case[f"conv one_pass B={B} T={T} D={D}"] == one_pass
+    assert by_case[f"conv one_pass varlen T={B * T} D={D}"] == one_pass
     assert by_case["gdn step B=16 H=4 K=128 V=256"] == ["_gdn_step_kernel"]
     assert by_case["delta rule step B=16 H=4 K=128 V=256"] == ["_gdn_step_kernel"]
 
