@@ -13,8 +13,8 @@ of the copy bandwidth that the ideal traffic needs.
 x is [batch, seq, C] bf16 on a GPU (fp32 in Triton's interpreter) for C = 512 (q and k), 1024 (v) and 2048 (the
 three side by side, as one call over the concatenated channels makes them). The shipped launch, the one-pass one,
 then each --variants NAME:KEY=VALUE,... (changes to the shipped launch: designs, tiles and warps), is timed, with
-its outputs' distance from the shipped launch's. Ideal traffic: forward reads x and writes y, backward reads x and dy and writes dx (bf16: 2 + 2
-and 6 bytes per element).
+its outputs' distance from the shipped launch's. Ideal traffic: forward reads x and writes y, backward reads x and
+dy and writes dx (bf16: 2 + 2 and 6 bytes per element).
 
 Prints one JSON document.
 """

@@ -200,20 +200,28 @@ def test_conv_empty_sequences_and_width_one(T, W, launch):
         assert_close(a, b, name)
 
 
+# empty documents (first, middle and last), documents shorter than W, one across the forward's row tiles (64 rows)
+# and the backward's row tiles (32 rows) and blocks (8 tiles: 256 rows)
+TILED_DOCUMENTS = [0, 0, 1, 1, 3, 4, 250, 251, 253, 253, 300]
+# the same kinds for ONE_PASS's 16-row blocks and 4-row steps, with two empty documents at once before a one-row
+# document, and a block starting a document (row 48)
+WALKED_DOCUMENTS = [0, 0, 1, 1, 3, 4, 37, 38, 40, 40, 40, 41, 48, 70, 70]
+
+
 @cpu_only
-@pytest.mark.parametrize("W", [2, 3, 4])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_conv_varlen_restarts_at_every_document(W, dtype):
+@pytest.mark.parametrize("W,dtype,bounds,launch", [
+    *(pytest.param(W, dtype, TILED_DOCUMENTS, None, id=f"shipped-W{W}-{dtype}")
+      for W in (2, 3, 4) for dtype in (torch.int32, torch.int64)),
+    *(pytest.param(W, torch.int32, WALKED_DOCUMENTS, ONE_PASS, id=f"one_pass-W{W}") for W in (2, 4)),
+])
+def test_conv_varlen_restarts_at_every_document(W, dtype, bounds, launch):
     from fabric_lin.ops.short_conv import causal_conv1d
 
-    # empty documents (first, middle and last), documents shorter than W, one across the forward's row tiles
-    # (64 rows) and the backward's row tiles (32 rows) and blocks (8 tiles: 256 rows)
-    bounds = [0, 0, 1, 1, 3, 4, 250, 251, 253, 253, 300]
     T = bounds[-1]
     x, weight, _ = conv_inputs(1, T, 72, W, seed=W)
     cu = torch.tensor(bounds, dtype=dtype)
     ins = leaves(x, weight)
-    y, _ = causal_conv1d(*ins, cu_seqlens=cu, backend="triton")
+    y, _ = causal_conv1d(*ins, cu_seqlens=cu, backend="triton", launch=launch)
     refs = leaves(x, weight)
     y_ref = conv_reference_varlen(refs[0], refs[1], bounds)
     assert_close(y, y_ref, "y")
@@ -222,25 +230,6 @@ def test_conv_varlen_restarts_at_every_document(W, dtype):
         assert_close(a, b, name)
     # and the document bounds do matter: the whole row convolved as one sequence differs
     assert (conv_reference(x, weight)[0] - y_ref).abs().max() > 0.1
-
-
-@cpu_only
-@pytest.mark.parametrize("W", [2, 4])
-def test_one_pass_varlen_restarts_at_every_document(W):
-    from fabric_lin.ops.short_conv import causal_conv1d
-
-    # empty documents (first, middle and last), documents shorter than W, documents across the 16-row blocks and
-    # their 4-row steps, a block starting a document (row 48)
-    bounds = [0, 0, 1, 1, 3, 4, 37, 38, 40, 40, 48, 70, 70]
-    x, weight, _ = conv_inputs(1, bounds[-1], 72, W, seed=W)
-    ins = leaves(x, weight)
-    y, _ = causal_conv1d(*ins, cu_seqlens=torch.tensor(bounds), backend="triton", launch=ONE_PASS)
-    refs = leaves(x, weight)
-    y_ref = conv_reference_varlen(refs[0], refs[1], bounds)
-    assert_close(y, y_ref, "y")
-    up = [torch.randn_like(y)]
-    for name, a, b in zip(["dx", "dweight"], grads_of((y,), ins, up), grads_of((y_ref,), refs, up)):
-        assert_close(a, b, name)
 
 
 @cpu_only
@@ -448,10 +437,12 @@ def test_benchmark_times_the_shipped_launch_and_variants_in_the_interpreter(tmp_
         assert set(row) == {"channels", "shipped", "one_pass", "narrow"}
         for name in ("one_pass", "narrow"):
             assert row[name]["fwd_bwd_ms"] > 0 and max(row[name]["rel_rms_vs_shipped"].values()) < 1e-5, row
-    for variant, message in [("bad:bwd_tiles=4", "unknown ShortConvLaunch setting 'bwd_tiles'"),
-                             ("bad:bwd_design=three_pass", "bwd_design must be 'two_pass' or 'one_pass', got 'three_pass'"),
-                             ("bad:one_pass_rows=20,one_pass_step=8", "one_pass_rows must be a multiple of one_pass_step"),
-                             ("bad:one_pass_channels=96", "one_pass_channels must be a power of two, got 96")]:
+    for variant, message in [
+        ("bad:bwd_tiles=4", "unknown ShortConvLaunch setting 'bwd_tiles'"),
+        ("bad:bwd_design=three_pass", "bwd_design must be 'two_pass' or 'one_pass', got 'three_pass'"),
+        ("bad:one_pass_rows=20,one_pass_step=8", "one_pass_rows must be a multiple of one_pass_step"),
+        ("bad:one_pass_channels=96", "one_pass_channels must be a power of two, got 96"),
+    ]:
         monkeypatch.setattr(sys, "argv", ["short_conv.py", "--variants", variant])
         with pytest.raises(SystemExit, match=f"--variants bad: .*{message}"):
             bench.main()
