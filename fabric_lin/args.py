@@ -87,6 +87,14 @@ class TrainArgs:
             raise InvalidValue(f"train.lr_schedule must be 'cosine' or 'wsd', got {self.lr_schedule!r}")
         if self.lr_schedule == "wsd" and not 0.0 < self.wsd_decay_fraction <= 1.0:
             raise InvalidValue(f"train.wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction}")
+        default_fraction = TrainArgs.wsd_decay_fraction
+        if self.lr_schedule != "wsd" and self.wsd_decay_fraction != default_fraction:
+            # a run given it without --train.lr_schedule wsd would train on the cosine schedule without a word
+            raise InvalidValue(
+                f"train.wsd_decay_fraction {self.wsd_decay_fraction} sets where lr_schedule 'wsd' decays, and this run's "
+                f"lr_schedule is {self.lr_schedule!r}, which it leaves unchanged: give --train.lr_schedule wsd, or leave "
+                f"train.wsd_decay_fraction at {default_fraction}"
+            )
         if not 0.0 <= self.min_lr < float("inf"):
             raise InvalidValue(f"train.min_lr must be a finite number >= 0, got {self.min_lr}")
         if self.max_norm is not None and not 0.0 < self.max_norm < float("inf"):

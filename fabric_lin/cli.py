@@ -92,6 +92,14 @@ NO_CLASS_OF_ITS_KIND = re.compile(r"Problem with given class_path|Import path do
                                   r"|Expected a dot import path string|Not a valid subclass of|^Expected a (?:DataModule|Config)",
                                   re.M)
 
+# Flags that Lightning's and LitGPT's users type for what fabric-lin names otherwise, too unlike its flag for the
+# closest spelling to find it: the flag -> fabric-lin's, as the "did you mean" hint gives it (where the command has it)
+LIGHTNING_FLAGS = {
+    "--strategy": "--parallelism.data_parallel fsdp or ddp",
+    "--fsdp": "--parallelism.data_parallel fsdp",
+    "--ddp": "--parallelism.data_parallel ddp",
+}
+
 
 def one_line_parse_error(message: str, parser) -> str:
     """jsonargparse's message for a bad command line or config value (up to a dozen lines) as one line:
@@ -115,6 +123,8 @@ def one_line_parse_error(message: str, parser) -> str:
             return (f"unknown option {option}: {option[2:]} is this command's argument, given without a name: "
                     f"{prog} {' '.join(name.upper() for name in positionals)} [options]")
         options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
+        if option in LIGHTNING_FLAGS and LIGHTNING_FLAGS[option].split()[0] in options:
+            return f"unknown option {option} (did you mean {LIGHTNING_FLAGS[option]}?)"
         close = difflib.get_close_matches(option, options, n=1, cutoff=0.75)
         return f"unknown option {option}" + (f" (did you mean {close[0]}?)" if close else "") + (
             "; options are not abbreviated" if close and close[0].startswith(option) else ""

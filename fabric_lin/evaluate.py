@@ -4,8 +4,8 @@
 Reads top to bottom: `main()` (the command line: load the checkpoint, the data, each sequence length, the
 tasks, then the results file and the plot) -> `evaluate_length()` (one sequence length: the loss of every
 token of the validation batches, summed per position) -> `HarnessScorer` (what lm-evaluation-harness asks of a
-model, answered by the model in memory) -> the pieces they use: reading the three kinds of checkpoint, the
-run's data module, the plot.
+model, answered by the model in memory) -> the pieces they use: the plot. Reading the three kinds of checkpoint
+and a run's data module: checkpoint_kinds.py.
 
 The validation batches are read as `pretrain` reads them (the data module's validation loader: the split's
 blocks in their fixed order, batches of the run's micro batch size), and the loss is the mean cross-entropy over
@@ -17,29 +17,26 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-from fabric_lin.checkpoint import (
-    HPARAMS_FILE,
-    MANIFEST_FILE,
-    STEP_FILE,
-    checkpoint_dirs,
-    find_training_checkpoint,
-    load_model_weights,
-    to_plain,
+from fabric_lin.checkpoint import HPARAMS_FILE, to_plain
+from fabric_lin.checkpoint_kinds import (
+    TRAINING_CHECKPOINT,
+    Checkpoint,
+    check_run_data_is_there,
+    load_checkpoint,
+    plain_value,
+    run_data_module,
 )
-from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data import DataModule
 from fabric_lin.data.tokenizer import the_recorded_tokenizer
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, MissingPackage, UserError
-from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, expand_home, read_yaml
-from fabric_lin.weights import MODEL_FILE, canonical_state_dict
+from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, expand_home
 
 RESULTS_FILE = "evaluate.json"
 PLOT_FILE = "loss_by_position.png"
@@ -71,6 +68,7 @@ def main(
     precision: Optional[Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]] = None,
     device: Optional[str] = None,
     overwrite: bool = False,
+    reset_state_at_doc_boundaries: Optional[bool] = None,
 ) -> Dict[str, Any]:
     """Evaluate a model: loss, perplexity and loss by position on validation data; lm-evaluation-harness tasks.
 
@@ -104,6 +102,9 @@ def main(
             their PyTorch references on the CPU.
         overwrite: Replace the results of an earlier evaluation in out_dir (without it, they are kept and this
             evaluation is refused before it starts).
+        reset_state_at_doc_boundaries: Read each document of a block on its own, the state reset after each EOS
+            token, as pretrain's option of that name trains and validates. Default: the training run's setting
+            (a training checkpoint's hyperparameters.yaml), else false (the documents of a block see each other).
     """
     import lightning_fabric as L
 
@@ -131,6 +132,8 @@ def main(
     batch_size = batch_size or train_hparams.get("micro_batch_size") or 1
     seq_lens = seq_lens or [train_seq_len]
     bucket_size = bucket_size or max(1, train_seq_len // BUCKETS_PER_TRAINING_LENGTH)
+    if reset_state_at_doc_boundaries is None:
+        reset_state_at_doc_boundaries = bool(hparams.get("reset_state_at_doc_boundaries", False))
     data_of_run = data is None and max_batches != 0 and checkpoint.hparams is not None
     if data_of_run:
         data = run_data_module(checkpoint.hparams, checkpoint_dir / HPARAMS_FILE)
@@ -147,6 +150,9 @@ def main(
     if task_names and checkpoint.tokenizer is None:
         raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text"
                            f"{the_recorded_tokenizer(checkpoint_dir)}")
+    if reset_state_at_doc_boundaries and evaluate_data and checkpoint.tokenizer is None:
+        raise InvalidValue(f"--reset_state_at_doc_boundaries true needs the end-of-text token's id, and {checkpoint_dir} "
+                           f"has no tokenizer.model{the_recorded_tokenizer(checkpoint_dir)}")
     if checkpoint.tokenizer is not None:  # before the data is compared with it
         checkpoint.tokenizer.check_fits(checkpoint.config.vocab_size, checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)
@@ -156,7 +162,7 @@ def main(
         if data_of_run:
             check_run_data_is_there(data, checkpoint_dir / HPARAMS_FILE)
         validation_loader(data, checkpoint, checkpoint_dir, batch_size, max(seq_lens))
-        if checkpoint.tokenizer is None and data.prepared_dirs():  # else data.setup() compared it with the data's
+        if checkpoint.tokenizer is None and data.validation_dirs():  # else setup_validation() checked the data with it
             check_data_tokenizer(checkpoint_dir, data)
 
     # after every check of the input, so that a mistake there is told first; before the minutes of evaluating
@@ -176,9 +182,12 @@ def main(
         "precision": precision,
         "device": str(fabric.device),
         "train_seq_len": train_seq_len,
+        "reset_state_at_doc_boundaries": reset_state_at_doc_boundaries,
     }
     print(f"{checkpoint.kind} {checkpoint_dir}: {checkpoint.config.name or 'model'}, {results['parameters']:,} parameters, "
-          f"{precision} on {fabric.device}" + ("" if cuda else " (the PyTorch path)"), flush=True)
+          f"{precision} on {fabric.device}" + ("" if cuda else " (the PyTorch path)")
+          + ("; each document read on its own (reset_state_at_doc_boundaries)" if reset_state_at_doc_boundaries else ""),
+          flush=True)
     with created_dir(out_dir):
         if evaluate_data:
             results["data"] = to_plain(data)
@@ -186,7 +195,8 @@ def main(
             for length in seq_lens:
                 loader = validation_loader(data, checkpoint, checkpoint_dir, batch_size, length)
                 starts = bucket_starts(length, bucket_size, bucket_edges)
-                result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts)
+                result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts,
+                                         checkpoint.tokenizer.eos_id if reset_state_at_doc_boundaries else None)
                 results["lengths"].append(result)
                 short = result["short_batches"]
                 short = f" ({short} of them shorter: the split's last blocks)" if short else ""
@@ -272,7 +282,7 @@ def check_data_tokenizer(checkpoint_dir: Path, data: DataModule) -> None:
     from fabric_lin.data.prepared import read_prepared_dir
     from fabric_lin.data.tokenizer import TRAINED_WITH_FILE, describe_tokenizer, read_trained_with, tokenizer_identity
 
-    data_dir = data.prepared_dirs()[0]
+    data_dir = data.validation_dirs()[0]
     data_info, trained_with = read_prepared_dir(data_dir), read_trained_with(checkpoint_dir)
     if trained_with is None:
         print(f"Note: {checkpoint_dir} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
@@ -316,7 +326,7 @@ def validation_loader(data: DataModule, checkpoint: "Checkpoint", checkpoint_dir
     data.connect(tokenizer=checkpoint.tokenizer, batch_size=batch_size, max_seq_length=seq_len,
                  vocab_size=checkpoint.config.vocab_size)
     try:
-        data.setup()
+        data.setup_validation()
     except VocabularyTooLarge as e:  # its fix, a model config of a larger vocabulary, is for pretrain
         raise InvalidValue(
             f"{e.path} was tokenized with a vocabulary of {e.data_vocab} tokens ({PREPARED_INFO_FILE}), more than the "
@@ -347,10 +357,11 @@ def bucket_starts(seq_len: int, bucket_size: Optional[int], bucket_edges: Option
 
 @torch.no_grad()
 def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_batches: Optional[int],
-                    starts: Sequence[int]) -> Dict[str, Any]:
+                    starts: Sequence[int], eos_id: Optional[int] = None) -> Dict[str, Any]:
     """The loss of every token of the loader's batches ([B, seq_len + 1] blocks: inputs and shifted targets),
     in the loader's order, up to `max_batches` batches: summed per position (fp64), then the mean over all
-    tokens (loss, perplexity) and over each bucket of positions, from each of `starts` to the next."""
+    tokens (loss, perplexity) and over each bucket of positions, from each of `starts` to the next. With `eos_id`,
+    the state resets after each of its tokens."""
     from tqdm import tqdm
 
     from fabric_lin.batches import batch_fingerprint
@@ -374,7 +385,7 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
         if batch.shape[1] != seq_len + 1:
             raise UserError(f"the validation loader gave blocks of {batch.shape[1]} tokens, expected seq_len + 1 = {seq_len + 1}")
         with fabric.autocast():
-            losses = token_losses(model, batch[:, :-1], batch[:, 1:])
+            losses = token_losses(model, batch[:, :-1], batch[:, 1:], eos_id)
         sums += losses.sum(0, dtype=torch.float64)
         fingerprint += batch_fingerprint(batch)
         rows += batch.shape[0]
@@ -416,10 +427,17 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
     }
 
 
-def token_losses(model, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_losses(model, input_ids: torch.Tensor, targets: torch.Tensor, eos_id: Optional[int] = None) -> torch.Tensor:
     """The cross-entropy of each target token [B, T] (fp32): the model's final hidden states, then the logits of
-    LOGIT_ROWS tokens at a time, in the compute dtype, their log-softmax in fp32 (as the training loss)."""
-    hidden = model(input_ids, return_hidden=True).flatten(0, 1)
+    LOGIT_ROWS tokens at a time, in the compute dtype, their log-softmax in fp32 (as the training loss). With
+    `eos_id`, each document (a row's start, or the token after an EOS) is read on its own, as the training loss
+    reads it (`fabric_lin.batches.compute_loss`)."""
+    from fabric_lin.batches import doc_boundaries
+
+    if eos_id is None:
+        hidden = model(input_ids, return_hidden=True).flatten(0, 1)
+    else:
+        hidden = model(input_ids.reshape(1, -1), cu_seqlens=doc_boundaries(input_ids, eos_id), return_hidden=True)[0]
     flat_targets = targets.flatten()
     losses = torch.empty(flat_targets.shape, dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], LOGIT_ROWS):
@@ -644,128 +662,6 @@ def run_tasks(scorer: HarnessScorer, names: List[str], task_manager, num_fewshot
     kept = ("results", "groups", "group_subtasks", "versions", "n-shot", "n-samples", "higher_is_better")
     return {"lm_eval_version": version("lm_eval"), **{key: output[key] for key in kept if key in output},
             **({"limit": limit} if limit is not None else {})}
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-TRAINING_CHECKPOINT, MODEL_DIRECTORY, FLA_EXPORT = "training checkpoint", "model directory", "fla export"
-
-
-@dataclass
-class Checkpoint:
-    """A model read from one of the three kinds of directory (tutorials/convert.md)."""
-
-    kind: str
-    config: Config
-    state_dict: Dict[str, torch.Tensor]
-    tokenizer: Any  # fabric_lin.data.Tokenizer, or None where the directory holds no tokenizer.model
-    hparams: Optional[Dict[str, Any]] = None  # a training checkpoint's hyperparameters.yaml
-    step: Optional[int] = None  # a training checkpoint's optimizer step
-
-
-def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
-    """The model of a training checkpoint (verified against its manifest first, as a resume does), a model
-    directory or an fla export; which one is told by the files it holds."""
-    from fabric_lin.convert.hf import HF_CONFIG_FILE, read_fla_checkpoint
-    from fabric_lin.convert.model_dir import (
-        SAFETENSORS_FILE,
-        check_not_lora_adapters,
-        check_state_dict,
-        load_model_dir_weights,
-    )
-    from fabric_lin.data.tokenizer import Tokenizer
-
-    checkpoint_dir = Path(checkpoint_dir)
-    expected = ("expected a training checkpoint (a run's step-XXXXXXXX/ or final/), a model directory "
-                "(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output)")
-    if not checkpoint_dir.is_dir():
-        raise MissingFile(f"{checkpoint_dir} is not a directory: {expected}")
-
-    def has(name: str) -> bool:
-        return (checkpoint_dir / name).exists()
-
-    tokenizer = Tokenizer(checkpoint_dir) if has("tokenizer.model") else None
-    if has(STEP_FILE) or has(MANIFEST_FILE) or has(HPARAMS_FILE) or (checkpoint_dir / MODEL_FILE).is_dir():
-        config, weights_path = find_training_checkpoint(checkpoint_dir, use="evaluate")
-        state_dict = canonical_state_dict(load_model_weights(weights_path))
-        check_state_dict(state_dict, config, source=str(weights_path))
-        hparams = read_hparams(checkpoint_dir / HPARAMS_FILE) if has(HPARAMS_FILE) else None
-        step = read_step(checkpoint_dir / STEP_FILE)
-        return Checkpoint(TRAINING_CHECKPOINT, config, state_dict, tokenizer, hparams, step)
-    if has(CONFIG_FILE) and (has(MODEL_FILE) or has(SAFETENSORS_FILE) or has("model.safetensors.index.json")):
-        config = Config.from_checkpoint(checkpoint_dir)
-        return Checkpoint(MODEL_DIRECTORY, config, load_model_dir_weights(checkpoint_dir, config), tokenizer)
-    if has(HF_CONFIG_FILE):
-        config, state_dict = read_fla_checkpoint(checkpoint_dir)
-        return Checkpoint(FLA_EXPORT, config, state_dict, tokenizer)
-    check_not_lora_adapters(checkpoint_dir, "evaluate", reads_exports=True)
-    inside = [p.name for p in checkpoint_dirs(checkpoint_dir)]
-    hint = f"; it holds a run's checkpoints ({', '.join(inside[:3])}): pass one of them" if inside else ""
-    raise MissingFile(
-        f"{checkpoint_dir} is not a checkpoint: it holds none of {MODEL_FILE}, {SAFETENSORS_FILE} or {HF_CONFIG_FILE}; "
-        f"{expected}{hint}"
-    )
-
-
-def read_hparams(path: Path) -> Dict[str, Any]:
-    hparams = read_yaml(path)
-    if not isinstance(hparams, dict):
-        raise InvalidValue(f"{path}: expected a mapping of pretrain's arguments, got {type(hparams).__name__}")
-    return hparams
-
-
-def read_step(path: Path) -> Optional[int]:
-    try:
-        step = json.loads(path.read_text(encoding="utf-8")).get("step_count")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) else None
-
-
-def run_data_module(hparams: Dict[str, Any], path: Path) -> DataModule:
-    """The data module a run trained with, from its hyperparameters.yaml (`data`: class_path and init_args).
-    Only fabric-lin's own data modules are built from a checkpoint: a class_path elsewhere would import a module
-    named by a file that may come from anyone."""
-    from jsonargparse import ArgumentParser
-
-    entry = hparams.get("data")
-    class_path = entry.get("class_path") if isinstance(entry, dict) else None
-    if not isinstance(class_path, str):
-        raise InvalidValue(f"{path}: its data entry is not a data module (class_path and init_args); give --data")
-    if not class_path.startswith("fabric_lin.data."):
-        raise InvalidValue(
-            f"{path}: data.class_path {class_path} is not one of fabric-lin's data modules, and evaluate imports no "
-            f"other module that a checkpoint names: give it on the command line, --data {class_path} --data.<option> ..."
-        )
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_argument("--data", type=DataModule)
-    try:
-        parsed = parser.parse_object({"data": entry})
-        instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # the second before jsonargparse 4.49
-        return instantiate(parsed).data
-    except Exception as e:  # jsonargparse's own error types, or the data module's check of its values
-        raise InvalidValue(f"{path}: its data entry does not load ({' '.join(str(e).split())}); give --data") from None
-
-
-def check_run_data_is_there(data: DataModule, path: Path) -> None:
-    """The directories of the run's data module (read from its hyperparameters.yaml, `path`) are still there: data
-    moved since is named with the file that names it, and --data is the way on."""
-    for directory in data.prepared_dirs():
-        if not Path(directory).exists():
-            name = type(data).__name__
-            raise MissingFile(f"{directory} does not exist: {path} names it as the run's data ({name}); give --data to "
-                              f"read the data where it is now, e.g. --data {name} --data.<option> DIR")
-
-
-def plain_value(value: Any) -> Any:
-    """JSON for what json does not write itself (numbers of NumPy, paths)."""
-    if hasattr(value, "item"):
-        return value.item()
-    return str(value)
-
-
-# ---------------------------------------------------------------- the plot
 
 
 def plot_loss_by_position(results: Dict[str, Any], path: Path) -> bool:

@@ -13,7 +13,8 @@ def learning_rate(step: int, base_lr: float, min_lr: float, warmup_steps: int, m
 
     cosine: linear warmup 0 -> base_lr over `warmup_steps`, then cosine to min_lr at `max_steps`.
     wsd:    linear warmup, constant base_lr until (1 - decay_fraction) * max_steps (the stable part
-            includes the warmup, as flame's warmup_stable_decay), then linear decay to min_lr.
+            includes the warmup, as flame's warmup_stable_decay), then linear decay to min_lr (flame's decays
+            along a cosine, to 0: transformers' get_wsd_schedule).
     """
     if step < warmup_steps:
         return base_lr * (step + 1) / warmup_steps

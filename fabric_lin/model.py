@@ -41,6 +41,11 @@ from fabric_lin.ops.short_conv import causal_conv1d, causal_conv1d_split
 from fabric_lin.ops.swiglu import swiglu, swiglu_linear
 
 
+# the indices nn.Embedding takes; ids stored smaller (a prepared directory's uint16) the caller converts, as
+# pretrain does
+TOKEN_ID_DTYPES = (torch.int64, torch.int32)
+
+
 def backend_of(fused: bool) -> str:
     return "triton" if fused else "torch"
 
@@ -395,6 +400,31 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.T
     return (x.float() * cos + rotated * sin).to(x.dtype)
 
 
+def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Softmax attention [1, H, N, D] of documents packed in one row (cu_seqlens: their offsets): each token attends
+    to its document's tokens up to itself. The row is cut into blocks of W positions, W the longest document, so that
+    a token's document lies within its own block and the one before: each block's queries are scored against those
+    2W keys, about 2NW scores in all. One mask over the whole row would take N^2 (a packed micro batch of 16 rows
+    of 2048 tokens: 16 times a row's attention, and a mask of 32768^2 kept for the backward pass of every layer)."""
+    _, H, N, D = q.shape
+    offsets = cu_seqlens.to(q.device)
+    W = int((offsets[1:] - offsets[:-1]).max())
+    blocks = -(-N // W)
+    # each position's document; the padding that fills the last block is one more document
+    doc = torch.searchsorted(offsets[1:], torch.arange(blocks * W, device=q.device), right=True).view(blocks, W)
+    q, k, v = (F.pad(t, (0, 0, 0, blocks * W - N)).reshape(H, blocks, W, D).transpose(0, 1) for t in (q, k, v))
+    # block j's keys: blocks j - 1 and j (for block 0, a block of zeros before it, left out by position)
+    k, v = (torch.cat([torch.cat([torch.zeros_like(t[:1]), t[:-1]]), t], dim=2) for t in (k, v))  # [blocks, H, 2W, D]
+    key_doc = torch.cat([torch.cat([doc[:1], doc[:-1]]), doc], dim=1)  # [blocks, 2W]
+    query_position = torch.arange(blocks * W, device=q.device).view(blocks, W)
+    key_position = (torch.arange(blocks, device=q.device)[:, None] - 1) * W + torch.arange(2 * W, device=q.device)
+    mask = ((key_doc[:, None, :] == doc[:, :, None]) & (key_position[:, None, :] <= query_position[:, :, None])
+            & (key_position[:, None, :] >= 0))  # [blocks, W, 2W]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+    return o.transpose(0, 1).reshape(1, H, blocks * W, D)[:, :, :N]
+
+
 class CausalSelfAttention(nn.Module):
     """Softmax attention with RoPE through SDPA: the Llama-style baseline, and a hybrid's attention layers (as
     flash-linear-attention's Attention: no biases, no q/k norms, the whole context)."""
@@ -437,11 +467,8 @@ class CausalSelfAttention(nn.Module):
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D] for SDPA
-        if cu_seqlens is not None:
-            # documents packed in one row (B=1): attend only within the same document
-            doc = torch.searchsorted(cu_seqlens[1:].to(x.device), torch.arange(T, device=x.device), right=True)
-            mask = (doc[:, None] == doc[None, :]) & torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if cu_seqlens is not None:  # documents packed in one row (B = 1)
+            o = document_causal_attention(q, k, v, cu_seqlens)
         elif cache is not None and T == 1:
             o = F.scaled_dot_product_attention(q, k, v)  # one new token sees every cached one
         elif cache is not None and start > 0:
@@ -543,10 +570,10 @@ class GPT(nn.Module):
         """input_ids [B, T] -> logits [B, T, vocab]; with `targets` [B, T], the mean cross-entropy
         (computed in chunks, the full fp32 logits are never held); with `return_hidden`, the final
         normed hidden states [B, T, d]."""
-        if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+        if input_ids.dim() != 2 or input_ids.dtype not in TOKEN_ID_DTYPES:
             hint = "; one sequence is input_ids[None]" if input_ids.dim() == 1 else ""
-            raise InvalidValue(f"input_ids must be [B, T] integer token ids, got {input_ids.dtype} of shape "
-                               f"{tuple(input_ids.shape)}{hint}")
+            raise InvalidValue(f"input_ids must be [B, T] token ids of dtype int64 or int32, got {input_ids.dtype} of "
+                               f"shape {tuple(input_ids.shape)}{hint}")
         if isinstance(cu_seqlens, torch.Tensor):  # a copy the caller cannot write: every layer's op reads it once
             cu_seqlens = private_offsets(cu_seqlens)
         x = self.embeddings(input_ids)

@@ -149,8 +149,8 @@ def setup(
         seed: Random seed (weights; the data order follows the data module's own seed).
         tokenizer_dir: Directory of tokenizer.model. Default: the data module's tokenizer, if it has one.
         logger_name: tensorboard, csv or wandb (needs `pip install wandb`).
-        reset_state_at_doc_boundaries: Reset the recurrent state (and attention) at each EOS token,
-            so packed documents do not see each other.
+        reset_state_at_doc_boundaries: Reset the recurrent state (and attention) at each EOS token, in training and
+            validation, so packed documents do not see each other.
     """
     config = resolve_model_config(model_name, model_config)
     cuda = torch.cuda.is_available()
@@ -681,8 +681,9 @@ def validate(fabric: L.Fabric, model, run: Run) -> Optional[Tuple[float, int]]:
             # before the first training step), each compiled Block's call would start a generation of its own
             # and free the outputs of the Block before it, which are this Block's inputs
             torch.compiler.cudagraph_mark_step_begin()
-        # every process runs the forward pass, an empty batch too: under FSDP each one gathers the weights
-        loss = model(inputs.contiguous(), targets=targets.contiguous())
+        # every process runs the forward pass, an empty batch too: under FSDP each one gathers the weights. Where
+        # training resets the state at documents' starts, so does validation: val_loss measures the model trained
+        loss = compute_loss(model, inputs.contiguous(), targets.contiguous(), run.eos_id)
         if len(batch):
             loss_sum += loss.double() * batch[:, 1:].numel()
             tokens += batch[:, 1:].numel()

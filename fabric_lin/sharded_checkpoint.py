@@ -12,11 +12,12 @@ own `fabric.load` (DCP reshards). Pickled entries are read as plain values only 
 """
 import collections
 import io
+import itertools
 import pathlib
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, List, Tuple, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fabric_lin.errors import InvalidValue
-from fabric_lin.weights import canonical_name, canonical_state_dict, inside, torch_load_tensors
+from fabric_lin.weights import canonical_name, canonical_state_dict, inside, not_plain_values, torch_load_tensors
 
 FABRIC_META_FILE = "meta.pt"  # Fabric's sharded save: what is neither a module nor an optimizer
 
@@ -32,7 +33,8 @@ FABRIC_META_FILE = "meta.pt"  # Fabric's sharded save: what is neither a module 
 def load_sharded_train_state(path: Path, state: Dict[str, Any]) -> None:
     """Restore `state` (`checkpoint.train_state`: model, optimizer, the data loader, counters, RNG states)
     in place from the sharded lit_model.pth/ `path`, in a process that does not run FSDP. The optimizer's
-    state, saved keyed by parameter names, is keyed here by this optimizer's parameter order."""
+    state, saved keyed by parameter names, is keyed here by this optimizer's parameter order: each parameter gets
+    the state saved under its name, in groups of the same parameters as the saved ones (else refused)."""
     path = Path(path)
     model, optimizer = state["model"], state["optimizer"]
     own = {canonical_name(name): name for name in model.state_dict()}
@@ -41,18 +43,27 @@ def load_sharded_train_state(path: Path, state: Dict[str, Any]) -> None:
     model.load_state_dict({own[name]: tensor for name, tensor in saved.items()})
 
     names = {id(p): canonical_name(name) for name, p in model.named_parameters()}
-    position = {names[id(p)]: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    own_groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    position = {name: i for i, name in enumerate(name for group in own_groups for name in group)}
     saved_optimizer = read_sharded_entry(path, "optimizer")
+    saved_groups = [[canonical_name(name) for name in group["params"]] for group in saved_optimizer["param_groups"]]
+    for i, (saved_group, own_group) in enumerate(itertools.zip_longest(saved_groups, own_groups, fillvalue=[])):
+        if sorted(saved_group) != sorted(own_group):
+            raise unmatched_optimizer_state(path, f"groups the parameters otherwise than this run's: its group {i} holds "
+                                                  f"{sorted(saved_group)[:8]}, this run's {sorted(own_group)[:8]}")
 
     def index(name: str) -> int:
         if canonical_name(name) not in position:
             raise InvalidValue(f"{path}: the optimizer state names parameter {name!r}, which this run's model does not have")
         return position[canonical_name(name)]
 
+    # torch's load_state_dict pairs the saved groups' parameters with this optimizer's by their places in the groups, so
+    # each group lists its parameters in this run's order: every parameter gets the state saved under its name, in
+    # whatever order the run that saved it registered them
     optimizer.load_state_dict({
         "state": {index(name): value for name, value in saved_optimizer.get("state", {}).items()},
-        "param_groups": [{**group, "params": [index(name) for name in group["params"]]}
-                         for group in saved_optimizer["param_groups"]],
+        "param_groups": [{**group, "params": [position[name] for name in own_group]}
+                         for group, own_group in zip(saved_optimizer["param_groups"], own_groups)],
     })
     restore_the_rest(state, torch_load_tensors(path / FABRIC_META_FILE, allow_numpy=True))
 
@@ -83,16 +94,21 @@ def load_one_file_train_state(path: Path, state: Dict[str, Any]) -> None:
     saved_sizes = [len(group["params"]) for group in saved_optimizer["param_groups"]]
     own_sizes = [len(group["params"]) for group in optimizer.param_groups]
     if saved_sizes != own_sizes:
-        raise InvalidValue(
-            f"{path}: the checkpoint's optimizer holds parameter groups of {saved_sizes} parameters, this run's of "
-            f"{own_sizes}, so its state cannot be matched to this run's parameters; start from its weights alone: "
-            f"fabric-lin convert_pretrained_checkpoint {path.parent} --output_dir DIR, then --initial_checkpoint_dir DIR"
-        )
+        raise unmatched_optimizer_state(path, f"holds parameter groups of {saved_sizes} parameters, this run's of "
+                                              f"{own_sizes}")
     set_optimizer_state_dict(model, optimizer, {
         "state": {order[i]: value for i, value in saved_optimizer["state"].items()},
         "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in saved_optimizer["param_groups"]],
     }, options=options)
     restore_the_rest(state, saved)
+
+
+def unmatched_optimizer_state(path: Path, difference: str) -> InvalidValue:
+    return InvalidValue(
+        f"{path}: the checkpoint's optimizer {difference}, so its state cannot be matched to this run's parameters; start "
+        f"from its weights alone: fabric-lin convert_pretrained_checkpoint {path.parent} --output_dir DIR, then "
+        f"--initial_checkpoint_dir DIR"
+    )
 
 
 def check_same_parameters(path: Path, own: set, saved: set) -> None:
@@ -129,9 +145,13 @@ def read_sharded_entry(path: Path, top: str) -> Any:
         _set_nested(root, location, leaf)
     if top not in root:
         raise InvalidValue(f"{path}: no entry {top!r} in the checkpoint")
+    planner = _PlainValuesLoadPlanner()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(root, storage_reader=_SafeDCPReader(str(path)), planner=_PlainValuesLoadPlanner(), no_dist=True)
+        dcp.load(root, storage_reader=_SafeDCPReader(str(path)), planner=planner, no_dist=True)
+    if planner.refused:
+        entry, error = planner.refused[0]
+        raise not_plain_values(f"{path}: its entry {entry!r}", error)
     return root[top]
 
 
@@ -154,10 +174,19 @@ def _set_nested(root: Dict[str, Any], location: tuple, leaf: Any) -> None:
 class _PlainValuesLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, reading the pickled (non-tensor) entries with `weights_only=True`: plain
     values (numbers, strings, lists, dicts) only. The value read is handed on re-serialised, since the
-    parent class unpickles with weights_only=False."""
+    parent class unpickles with weights_only=False. An entry that holds anything else is left out and named in
+    `refused` (raised here, the error would reach the caller inside DCP's own exception, a traceback long)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refused: List[Tuple[str, pickle.UnpicklingError]] = []  # (entry, torch.load's refusal)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        plain = torch.load(value, weights_only=True)
+        try:
+            plain = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            self.refused.append((read_item.dest_index.fqn, error))
+            return
         buffer = io.BytesIO()
         torch.save(plain, buffer)
         buffer.seek(0)

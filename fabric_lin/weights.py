@@ -73,10 +73,16 @@ def torch_load_tensors(path: Path, allow_numpy: bool = False):
             # its unpickling error is the damage's, which `reading` reports)
             if not zipfile.is_zipfile(path):
                 raise
-            raise InvalidValue(
-                f"{path} holds objects other than tensors and plain containers, so it is not loaded "
-                f"(files are never unpickled beyond tensors). Details: {str(e).splitlines()[-1][:300]}"
-            ) from None
+            raise not_plain_values(str(path), e) from None
+
+
+def not_plain_values(what: str, error: pickle.UnpicklingError) -> InvalidValue:
+    """The refusal of what `torch.load(weights_only=True)` refused to unpickle (`error`), in the file or entry `what`,
+    with torch's line that names the refused global."""
+    lines = str(error).splitlines()
+    detail = next((line for line in lines if "GLOBAL" in line), lines[-1] if lines else type(error).__name__)
+    return InvalidValue(f"{what} holds objects other than tensors and plain containers, so it is not loaded (files are "
+                        f"never unpickled beyond tensors). Details: {detail.strip()[:300]}")
 
 
 def load_safetensors(path: Path) -> Dict[str, torch.Tensor]:

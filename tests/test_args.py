@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from fabric_lin.args import CompileArgs, EvalArgs, ParallelismArgs, TrainArgs
+from fabric_lin.args import CompileArgs, EvalArgs, OptimizerArgs, ParallelismArgs, TrainArgs
 
 
 @pytest.mark.parametrize("key,value", [("micro_batch_size", 0), ("global_batch_size", -4), ("max_seq_length", 0),
@@ -87,3 +87,42 @@ def test_new_group_keys_parse_from_the_command_line_and_yaml(tmp_path):
     ]))
     assert cfg.compile == CompileArgs(enabled=True, cache=False, dynamic=True, mode="default", kernel_autotune=False)
     assert cfg.parallelism == ParallelismArgs(data_parallel="fsdp", fsdp_unit="model", activation_checkpointing=True)
+
+
+@pytest.mark.parametrize("fields", [dict(lr_schedule="wsd", wsd_decay_fraction=1.0), dict(min_lr=0.0),
+                                    dict(max_norm=None), dict(max_norm=1e-3), dict(save_interval=None, keep_last_n=None)])
+def test_train_values_at_the_edge_of_their_range_are_taken(fields):
+    """A WSD schedule that decays over the whole run, a schedule that ends at 0, no clipping (or very tight): each a
+    value the range in the option's description includes."""
+    TrainArgs(**fields).validate()
+
+
+@pytest.mark.parametrize("fields,message", [
+    # no decay at all: the run would end at the peak learning rate, never reaching train.min_lr
+    (dict(lr_schedule="wsd", wsd_decay_fraction=0.0), r"train.wsd_decay_fraction must be in \(0, 1\], got 0.0"),
+    # clipping to a norm of 0 scales every gradient to nothing: no step would change the weights
+    (dict(max_norm=0.0), r"train.max_norm must be a number > 0 \(or null: no clipping\), got 0.0"),
+    (dict(max_norm=math.inf), r"train.max_norm must be a number > 0 \(or null: no clipping\), got inf"),
+    (dict(min_lr=math.inf), r"train.min_lr must be a finite number >= 0, got inf"),
+])
+def test_train_values_just_outside_their_range_are_named(fields, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        TrainArgs(**fields).validate()
+
+
+def test_optimizer_values_at_the_edge_of_their_range_are_taken():
+    OptimizerArgs(lr=0.0, weight_decay=0.0, betas=(0.0, 0.0)).validate(min_lr=0.0)  # a run that does not move
+    OptimizerArgs(lr=1e-3).validate(min_lr=1e-3)  # a constant learning rate: the schedule's end at its peak
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(lr=math.inf), r"optimizer.lr must be a finite number >= 0, got inf"),
+    (dict(weight_decay=math.inf), r"optimizer.weight_decay must be a finite number >= 0, got inf"),
+    # AdamW refuses a beta of 1 (its bias correction would divide by 0) with a traceback of its own
+    (dict(betas=(1.0, 0.95)), r"optimizer.betas must be two numbers in \[0, 1\), got \[1.0, 0.95\]"),
+    (dict(betas=(0.9, 0.95, 0.99)), r"optimizer.betas must be two numbers in \[0, 1\), got \[0.9, 0.95, 0.99\]"),
+    (dict(eps=math.inf), r"optimizer.eps must be a finite number > 0 .*, got inf"),
+])
+def test_optimizer_values_just_outside_their_range_are_named(fields, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        OptimizerArgs(**fields).validate(min_lr=0.0)

@@ -68,3 +68,25 @@ def test_cycle_iterator_reads_the_loader_again_and_again_and_names_an_empty_one(
     assert [next(batches) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
     with pytest.raises(ValueError, match="^the data is too small$"):
         next(CycleIterator([], empty_error="the data is too small"))
+
+
+def test_a_tokenizer_whose_eos_is_id_0_still_resets_the_state_at_each_document():
+    """eos_id 0 is an EOS like any other (only None means no reset): the rows are laid end to end as one row, with a
+    document starting after each 0."""
+    from fabric_lin.batches import compute_loss
+
+    calls = []
+
+    def model(input_ids, targets, cu_seqlens=None):
+        calls.append((input_ids, targets, cu_seqlens))
+        return torch.tensor(0.0)
+
+    ids = torch.tensor([[5, 0, 7, 8], [9, 9, 0, 4]])
+    targets = ids + 1
+    compute_loss(model, ids, targets, eos_id=0)
+    input_ids, got_targets, cu_seqlens = calls.pop()
+    assert input_ids.tolist() == [[5, 0, 7, 8, 9, 9, 0, 4]] and got_targets.tolist() == [[6, 1, 8, 9, 10, 10, 1, 5]]
+    assert cu_seqlens.tolist() == [0, 2, 4, 7, 8]
+    compute_loss(model, ids, targets, eos_id=None)  # no reset: the rows as they are, no boundaries
+    input_ids, _, cu_seqlens = calls.pop()
+    assert input_ids.shape == (2, 4) and cu_seqlens is None

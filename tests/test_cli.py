@@ -101,8 +101,11 @@ def test_a_list_the_shell_cut_at_its_spaces_is_said_to_be_quoted(capsys, argv, m
 def test_an_abbreviated_flag_is_refused(tmp_path, capsys, flags):
     from fabric_lin.cli import main as cli_main
 
+    # a micro batch of 0, refused before any work: were the flag taken for --train.max_steps, the test would not train
+    # for minutes before it fails
     with pytest.raises(SystemExit) as info:
-        cli_main(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), *flags])
+        cli_main(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), *flags,
+                  "--train.micro_batch_size", "0"])
     assert info.value.code == 2
     option = flags[0].split("=")[0]
     assert capsys.readouterr().err.startswith(
@@ -116,6 +119,10 @@ def test_an_abbreviated_flag_is_refused(tmp_path, capsys, flags):
     (["--compile_mode=default"], "unknown option --compile_mode (did you mean --compile.mode?)"),
     (["--fsdp_unit", "model"], "unknown option --fsdp_unit"),
     (["--train.max_step", "3"], "unknown option --train.max_step (did you mean --train.max_steps?); options are not abbreviated"),
+    # Lightning's and LitGPT's name for it, which no spelling of fabric-lin's resembles
+    (["--strategy", "fsdp"], "unknown option --strategy (did you mean --parallelism.data_parallel fsdp or ddp?)"),
+    (["--strategy=ddp"], "unknown option --strategy (did you mean --parallelism.data_parallel fsdp or ddp?)"),
+    (["--fsdp", "true"], "unknown option --fsdp (did you mean --parallelism.data_parallel fsdp?)"),
 ])
 def test_unknown_command_line_keys_are_named_with_the_closest_one(tmp_path, capsys, flags, message):
     from fabric_lin.cli import main as cli_main
@@ -322,6 +329,12 @@ def parse_error(argv, capsys) -> str:
     return line
 
 
+def test_a_lightning_flag_is_pointed_to_fabric_lin_s_only_where_the_command_has_it(capsys):
+    """evaluate runs on one device and has no --parallelism.data_parallel to point --strategy to."""
+    assert parse_error(["evaluate", "ckpt", "--strategy", "fsdp"], capsys) == (
+        "fabric-lin evaluate: error: unknown option --strategy")
+
+
 @pytest.mark.parametrize("content,key,closest,listed", [
     ("model_name: gla-debug\ntrain:\n  max_step: 3\n", "train.max_step", "train.max_steps",
      "the keys of train are: save_interval, log_interval, global_batch_size, micro_batch_size, lr_warmup_steps, "
@@ -509,7 +522,9 @@ def test_list_with_a_name_writes_that_models_config_for_model_config(tmp_path, c
 def test_a_model_on_the_command_line_replaces_the_config_files(tmp_path, capsys, monkeypatch):
     # README: `pretrain list NAME > model.yaml`, edited, is given as --model_config in place of --model_name; with a
     # recipe (`--config`, which names a model) the command line's model wins, as any option's value does, and a file's
-    # model_config gives way to --model_name the same way. Both on the command line stay an error.
+    # model_config gives way to --model_name the same way; so does a model_config given key by key. A --config after
+    # the command line's model still names its own, which is then one model too many. Both on the command line stay an
+    # error, in either order.
     import yaml
 
     from fabric_lin import pretrain
@@ -525,17 +540,23 @@ def test_a_model_on_the_command_line_replaces_the_config_files(tmp_path, capsys,
     edited = Config.from_name("gla-debug", num_layers=2)
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(edited.to_dict()))
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({"model_config": edited.to_dict(), "out_dir": str(tmp_path)}))
+    (tmp_path / "gdn.yaml").write_text("model_name: gdn-debug\n")
+    debug = ["--config", str(CONFIG_HUB / "debug.yaml")]
     for argv, expected in (
-        (["--config", str(CONFIG_HUB / "debug.yaml"), "--model_config", str(tmp_path / "model.yaml")], (None, edited)),
+        ([*debug, "--model_config", str(tmp_path / "model.yaml")], (None, edited)),
         (["--config", str(tmp_path / "recipe.yaml"), "--model_name", "gdn-debug"], ("gdn-debug", None)),
-        (["--config", str(CONFIG_HUB / "debug.yaml")], ("gla-debug", None)),
+        (debug, ("gla-debug", None)),
+        ([*debug, "--model_config.num_layers", "2"], (None, Config(num_layers=2))),
+        ([*debug, "--model_config", str(tmp_path / "model.yaml"), "--config", str(tmp_path / "gdn.yaml")],
+         ("gdn-debug", edited)),
     ):
         assert "stopped once the model was chosen" in cli_error(["pretrain", *argv, "--out_dir", str(tmp_path / "out")],
                                                                  capsys)
         assert chosen.pop() == expected, argv
     monkeypatch.undo()
-    both = ["pretrain", "--model_name", "gla-debug", "--model_config", str(tmp_path / "model.yaml")]
-    assert "give exactly one of --model_name and --model_config" in cli_error(both, capsys)
+    both = ["--model_name", "gla-debug", "--model_config", str(tmp_path / "model.yaml")]
+    for argv in (both, both[2:] + both[:2]):
+        assert "give exactly one of --model_name and --model_config" in cli_error(["pretrain", *argv], capsys)
 
 
 def test_a_model_config_named_after_a_model_but_unlike_it_is_noted(capsys):
@@ -576,3 +597,95 @@ def test_help_describes_every_option(capsys):
             if not description or description[0].startswith("(type:"):
                 undescribed.append(f"{command} {invocation}")
     assert not undescribed, undescribed
+
+
+@pytest.mark.parametrize("value,enabled", [("", False), ("0", False), ("false", False), ("False", False), ("1", True),
+                                           ("true", True)])
+def test_the_debug_flag_is_off_for_0_and_false(monkeypatch, value, enabled):
+    from fabric_lin.cli import debug_enabled
+
+    monkeypatch.setenv("FABRIC_LIN_DEBUG", value)
+    assert debug_enabled() is enabled
+
+
+@pytest.mark.parametrize("env,rank", [
+    ({}, 0),
+    ({"LOCAL_RANK": "1"}, 1),
+    ({"SLURM_PROCID": "5", "LOCAL_RANK": "1"}, 5),
+    # the global rank first: a process of a second node has LOCAL_RANK 0 and is no rank 0
+    ({"RANK": "4", "SLURM_PROCID": "5", "LOCAL_RANK": "0"}, 4),
+    ({"RANK": "", "LOCAL_RANK": "2"}, 2),
+])
+def test_before_fabric_launches_the_rank_is_the_launchers(monkeypatch, env, rank):
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+    from fabric_lin.cli import process_rank
+
+    monkeypatch.setattr(rank_zero_only, "rank", None, raising=False)
+    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert process_rank() == rank
+
+
+def test_only_file_system_errors_that_name_their_file_are_anticipated():
+    """No space or no permission at a path is the user's to fix; the same error without its path (a socket, a pipe),
+    or a file that fabric-lin did not check for and so did not explain, is a bug and keeps its traceback."""
+    import errno
+
+    from fabric_lin.cli import expected_failure
+
+    assert expected_failure(PermissionError(errno.EACCES, "Permission denied", "/data/out"))
+    assert not expected_failure(OSError(errno.ENOSPC, "No space left on device"))
+    assert not expected_failure(FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/out/index.json"))
+    assert not expected_failure(IsADirectoryError(errno.EISDIR, "Is a directory", "/data/out"))
+
+
+def test_a_missing_model_config_file_named_yml_is_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = cli_error(["pretrain", "--model_config", "model.yml", "--out_dir", str(tmp_path / "out")], capsys)
+    assert err.startswith("fabric-lin pretrain: error: --model_config model.yml does not exist: expected a YAML file"), \
+        err
+
+
+def test_generate_list_prints_the_model_names(capsys):
+    from fabric_lin.cli import main as cli_main
+    from fabric_lin.config import name_to_config
+
+    capsys.readouterr()
+    cli_main(["generate", "list"])
+    assert capsys.readouterr().out.splitlines() == list(name_to_config)
+
+
+def test_a_bug_met_while_handling_a_users_mistake_keeps_its_traceback(monkeypatch, capsys):
+    """Only an error raised from a user error (`raise ... from`, as jsonargparse wraps a data module's check) is that
+    mistake; a bug in the code that handles one (its __context__) is a bug, not the mistake it met."""
+    from fabric_lin import cli
+    from fabric_lin.errors import InvalidValue
+
+    def command():
+        try:
+            raise InvalidValue("a mistake of the user's")
+        except InvalidValue:
+            return {}["a bug in its handling"]
+
+    monkeypatch.setattr(cli, "run", lambda argv: command())
+    with pytest.raises(KeyError, match="a bug in its handling"):
+        cli.main(["pretrain"])
+
+
+def test_ctrl_c_is_one_line_with_exit_code_130_and_the_debug_flag_shows_its_traceback(monkeypatch, capsys):
+    from fabric_lin import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run", interrupted)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.main(["evaluate"])
+    assert info.value.code == 130 and capsys.readouterr().err == "fabric-lin evaluate: interrupted\n"
+    monkeypatch.setenv("FABRIC_LIN_DEBUG", "1")
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["evaluate"])

@@ -47,6 +47,33 @@ def test_yaml_round_trip(tmp_path):
     c.save(tmp_path / "model_config.yaml")
     assert Config.from_checkpoint(tmp_path) == c
     assert c.num_kv_heads == 8
+    assert Config.from_checkpoint(tmp_path, vocab_size=512) == Config.from_name("gla-7B", tie_embeddings=True,
+                                                                                vocab_size=512)
+
+
+def test_a_hybrid_s_layers_in_any_order_are_the_same_model():
+    # the order a user lists them in is no difference: a resume compares the configs
+    assert Config.from_name("gla-debug", attn_layers=[3, 0], attn_num_heads=2).attn_layers == [0, 3]
+    assert Config.from_name("gla-debug", attn_layers=[3, 0], attn_num_heads=2) == Config.from_name(
+        "gla-debug", attn_layers=[0, 3], attn_num_heads=2)
+
+
+def test_the_flag_that_builds_a_config():
+    assert Config.from_name("gla-debug").flag("run/model_config.yaml") == "--model_name gla-debug"
+    # a named model with a field changed is built from its file
+    changed = Config.from_name("gla-debug", norm_eps=1e-5)
+    assert changed.flag("run/model_config.yaml") == "--model_config run/model_config.yaml"
+
+
+def test_a_model_config_file_that_is_missing_empty_or_not_a_mapping_is_named(tmp_path):
+    from fabric_lin.errors import MissingFile, UserError
+
+    with pytest.raises(MissingFile, match=rf"{tmp_path / 'model_config.yaml'} does not exist: expected a model_config.yaml"):
+        Config.from_checkpoint(tmp_path)
+    for text, kind in (("", "NoneType"), ("- hidden_size\n", "list")):
+        (tmp_path / "model_config.yaml").write_text(text)
+        with pytest.raises(UserError, match=rf"model_config.yaml: expected a mapping of Config fields, got {kind}$"):
+            Config.from_checkpoint(tmp_path)
 
 
 def test_unknown_name_suggests_close_ones():

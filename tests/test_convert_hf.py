@@ -86,6 +86,8 @@ def test_sharded_export_with_index(tmp_path):
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 3 and not (tmp_path / "hf" / "model.safetensors").exists()
+    # named as transformers names them, counting from 1
+    assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in state.values())
     # filled in order: every shard within 100 kB but for a tensor larger than that alone (the MLP's 256 kB), and
     # none could have taken the first tensor of the next one without passing it

@@ -1,10 +1,12 @@
-"""load_model_dir_weights and check_state_dict: what generate and --initial_checkpoint_dir rely on."""
+"""load_model_dir_weights and check_state_dict: what generate and --initial_checkpoint_dir rely on; a shard that lacks
+what its index places there, the order in which a model directory is written, a cast that keeps integer tensors."""
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from fabric_lin.config import Config
-from fabric_lin.convert.model_dir import check_state_dict, load_model_dir_weights
+from fabric_lin.convert import model_dir
+from fabric_lin.convert.model_dir import cast_floating, check_state_dict, load_model_dir_weights, load_safetensors_dir
 from fabric_lin.model import GPT
 
 
@@ -65,3 +67,31 @@ def test_check_state_dict_lists_every_mismatch(config):
     assert "  unexpected (1): layers.0.attn.rotary.inv_freq" in lines
     assert "  layers.0.mlp.up_proj.weight: shape (128, 512), expected (512, 128)" in lines
     assert "  norm.weight: dtype torch.int64, expected torch.float32" in lines
+
+
+def test_a_shard_that_lacks_a_tensor_its_index_places_there_is_named(tmp_path):
+    import json
+
+    save_file({"a": torch.zeros(2)}, tmp_path / "model-00001-of-00001.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00001.safetensors", "b": "model-00001-of-00001.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json places b in model-00001-of-00001.safetensors, "
+                                         r"which lacks them$"):
+        load_safetensors_dir(tmp_path)
+
+
+def test_a_model_directory_gets_its_weights_last(tmp_path, config, monkeypatch):
+    """A directory left by a kill during the write holds no lit_model.pth, so no command takes it for a model."""
+    written = []
+    atomic_write = model_dir.atomic_write
+    monkeypatch.setattr(model_dir, "atomic_write",
+                        lambda path, write: written.append(path.name) or atomic_write(path, write))
+    (tmp_path / "out").mkdir()
+    model_dir.save_model_dir(GPT(config).state_dict(), config, tmp_path / "out")
+    assert written[-1] == "lit_model.pth" and "model_config.yaml" in written
+
+
+def test_a_cast_to_another_precision_keeps_integer_tensors():
+    state = {"w": torch.ones(2), "step": torch.tensor([7], dtype=torch.int64)}
+    cast = cast_floating(state, torch.bfloat16)
+    assert cast["w"].dtype == torch.bfloat16 and cast["step"].dtype == torch.int64 and cast["step"].item() == 7

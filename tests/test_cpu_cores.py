@@ -31,3 +31,54 @@ def test_cores_busy_with_other_work_counts_the_run_s_cores_less_its_own_time(mon
     assert cpu_cores.cores_busy_with_other_work() == pytest.approx(2 * (30 - own_ticks) / 50)
     monkeypatch.setattr(cpu_cores, "PROC_STAT", tmp_path / "missing")  # no /proc (not Linux): nothing to say
     assert cpu_cores.cores_busy_with_other_work() is None
+
+
+def test_usable_cores_are_the_affinity_mask_not_the_machine(monkeypatch):
+    """A scheduler's allocation (or taskset) of 3 cores of a larger machine: the run divides those 3."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert cpu_cores.usable_cpu_cores() == 3
+    monkeypatch.delattr(os, "sched_getaffinity")  # not Linux: the machine's count, at least 1
+    assert cpu_cores.usable_cpu_cores() == 64
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert cpu_cores.usable_cpu_cores() == 1
+
+
+def test_cpu_ticks_count_idle_and_iowait_as_not_busy():
+    """Per core: user 1, nice 2, system 4, idle 8, iowait 16, irq 32, softirq 64, steal 128, then guest 256 and
+    guest_nice 512 (inside user and nice: not counted again). Busy is every field but idle and iowait; the
+    machine's summary line and the cores not asked for count nothing."""
+    proc_stat = ("cpu  9 9 9 9 9 9 9 9 9 9\n"
+                 "cpu0 1 2 4 8 16 32 64 128 256 512\n"
+                 "cpu1 1 2 4 8 16 32 64 128 256 512\n"
+                 "cpu10 1000 0 0 0 0 0 0 0 0 0\n"
+                 "intr 5 6\n")
+    busy_one, total_one = 1 + 2 + 4 + 32 + 64 + 128, 1 + 2 + 4 + 8 + 16 + 32 + 64 + 128
+    assert cpu_cores.cpu_ticks(proc_stat, [0]) == (busy_one, total_one)
+    assert cpu_cores.cpu_ticks(proc_stat, [0, 1]) == (2 * busy_one, 2 * total_one)
+    assert cpu_cores.cpu_ticks(proc_stat, [2]) == (0, 0)
+
+
+def readings_of(monkeypatch, tmp_path, stats, own_seconds):
+    """cores_busy_with_other_work on the run's cores {0}, reading `stats` (two /proc/stat texts) and this process
+    using `own_seconds` of CPU time between them."""
+    readings, slept = iter(stats), []
+    times = iter([os.times_result((1.0, 0.0, 0, 0, 0)), os.times_result((1.0 + own_seconds, 0.0, 0, 0, 0))])
+    proc_stat = tmp_path / "stat"
+    proc_stat.write_text(next(readings))
+    monkeypatch.setattr(cpu_cores, "PROC_STAT", proc_stat)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(os, "times", lambda: next(times))
+    monkeypatch.setattr(cpu_cores.time, "sleep",
+                        lambda seconds: slept.append(seconds) or proc_stat.write_text(next(readings)))
+    busy = cpu_cores.cores_busy_with_other_work()
+    assert slept == [0.25]  # the readings a quarter second apart, as the default asks
+    return busy
+
+
+def test_no_ticks_between_the_readings_say_nothing_and_the_run_s_own_time_is_never_others(monkeypatch, tmp_path):
+    same = "cpu0 100 0 100 100 0 0 0 0 0 0\n"
+    assert readings_of(monkeypatch, tmp_path, [same, same], own_seconds=0.0) is None
+    # 25 ticks, 5 busy, while this process counted more than that (its own time is sampled at another moment)
+    later = "cpu0 105 0 100 120 0 0 0 0 0 0\n"
+    assert readings_of(monkeypatch, tmp_path, [same, later], own_seconds=0.2) == 0.0

@@ -564,6 +564,29 @@ def test_validation_false_needs_no_val_split(mix, tmp_path):
     assert next(iter(data.train_dataloader())).shape == (2, SEQ + 1)
 
 
+def test_the_validation_split_alone_is_set_up_without_the_training_directories(mix, tmp_path):
+    """evaluate reads slimpajama/val alone (setup_validation): a data_path holding only it is read, its blocks those of
+    the prepared tokens; one without it names it. pretrain's setup still needs the training directories."""
+    import shutil
+
+    data_path = tmp_path / "data"
+    shutil.copytree(mix["data"] / "slimpajama" / "val", data_path / "slimpajama" / "val")
+    data = SlimPajamaStarcoder(data_path=data_path, num_workers=0)
+    data.connect(mix["tokenizer"], batch_size=2, max_seq_length=SEQ)
+    data.setup_validation()
+    first = next(iter(data.val_dataloader()))
+    assert first.tolist() == mix["val"][: 2 * (SEQ + 1)].reshape(2, SEQ + 1).tolist()
+    with pytest.raises(FileNotFoundError, match="holds no slimpajama/train"):
+        data.setup()
+    nowhere = SlimPajamaStarcoder(data_path=tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError) as info:
+        nowhere.setup_validation()
+    assert str(info.value) == (
+        f"data.data_path {tmp_path / 'nowhere'} holds no slimpajama/val ({tmp_path / 'nowhere' / 'slimpajama' / 'val'} "
+        "does not exist): expected slimpajama/val under it; it is the --output_dir of prepare_slimpajama run on "
+        "SlimPajama's validation files")
+
+
 def test_a_data_module_given_no_directory_names_its_training_and_its_validation_key():
     """Given no directory at all, the error names both keys: pretrain needs the training one, evaluate (which reads the
     validation split alone, tutorials/evaluate.md) the validation one, so naming the training key alone sends the

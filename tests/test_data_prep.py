@@ -124,6 +124,28 @@ def test_slimpajama_round_trip_and_bad_files(corpus, capfd):
         prepare_slimpajama(corpus["sp"], out, corpus["tokenizer"])
 
 
+def test_slimpajama_leaves_out_and_counts_the_documents_of_nothing_but_whitespace(paragraphs_tokenizer, tmp_path, capfd):
+    """As prepare_text does: a document of whitespace alone (or of nothing) is no document, where it was an
+    end-of-text token alone; each is counted on its file's line and in its report."""
+    from fabric_lin.data.recipe import EMPTY_DOCUMENTS, _read_reports
+    from fabric_lin.data.slimpajama_starcoder import SlimPajamaRecipe
+
+    texts = paragraphs(2, 12)
+    c4 = {"redpajama_set_name": "RedPajamaC4"}
+    rows = [{"text": texts[0], "meta": c4}, {"text": " \n\t ", "meta": c4}, {"text": "", "meta": c4},
+            {"text": "  ", "meta": {"redpajama_set_name": "RedPajamaGithub"}}, {"text": texts[1], "meta": c4}]
+    path = tmp_path / "part.jsonl.zst"
+    write_json_lines(path, rows, "zst")
+    recipe = SlimPajamaRecipe(paragraphs_tokenizer, chunk_size=100_000)
+    recipe.report_dir = str(tmp_path)
+    tokens = [t for array in recipe.prepare_item(str(path)) for t in array.tolist()]
+    expected = expected_tokens(Tokenizer(paragraphs_tokenizer), texts)
+    assert tokens == [t for document in expected for t in document]
+    [record] = _read_reports(tmp_path)
+    assert (record["documents"], record["empty_documents"], record["skipped_rows"]) == (2, 2, 1)
+    assert f"; 2 {EMPTY_DOCUMENTS}" in capfd.readouterr().out
+
+
 @pytest.fixture(scope="module")
 def fast_prepared(corpus):
     """(directory, summary) of the SlimPajama corpus prepared with fast_dev_run=2 and one worker."""
@@ -242,6 +264,8 @@ def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path, ho
         (partial,) = runs.glob(".tmp-interrupted-*")
         with pytest.raises(FileNotFoundError, match="no index.json"):
             check_prepared_dir(partial)
+    else:  # Ctrl-C stops the workers and removes what the run wrote
+        assert list(runs.iterdir()) == []
 
 
 def test_a_signal_stops_the_workers_before_the_run_ends(tmp_path):
@@ -410,3 +434,36 @@ def test_a_file_report_starts_a_line_of_its_own_beside_the_progress_bar(corpus, 
     with os.fdopen(other_end, "w") as stream:  # on a terminal the line erases the bar, which is drawn again below
         assert on_a_line_of_its_own(stream) == "\r\033[K"
     os.close(terminal)
+
+
+def test_another_run_that_finished_first_keeps_its_output(paragraphs_tokenizer, tmp_path, monkeypatch):
+    """Two runs into one output_dir: the one that finishes second refuses to rename its output over the first one's (the
+    rename onto a non-empty directory failed with the OS's traceback, its whole output left in a hidden directory)."""
+    from fabric_lin.data import recipe as recipe_module
+    from fabric_lin.errors import AlreadyExists
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("\n\n".join(paragraphs(4, 1)), encoding="utf-8")
+    out = tmp_path / "runs" / "out"
+    write_prepared_info = recipe_module.write_prepared_info
+
+    def the_other_run_finishes_first(directory, **fields):
+        out.mkdir()
+        (out / "index.json").write_text("the other run's")
+        return write_prepared_info(directory, **fields)
+
+    monkeypatch.setattr(recipe_module, "write_prepared_info", the_other_run_finishes_first)
+    with pytest.raises(AlreadyExists, match=f"^Output directory {re.escape(str(out))} was written by another run while this "
+                                            f"one ran$"):
+        run_recipe(TextRecipe(paragraphs_tokenizer, 2000, tmp_path / "raw"), tmp_path / "raw", out, num_workers=1)
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["out"]  # this run's hidden output removed
+    assert [p.read_text() for p in out.iterdir()] == ["the other run's"]
+
+
+def test_zero_workers_or_none_is_one_per_core():
+    from fabric_lin.data.recipe import check_num_workers
+
+    check_num_workers(0)
+    check_num_workers(None)
+    with pytest.raises(ValueError, match="--num_workers -1: expected a number of worker processes"):
+        check_num_workers(-1)

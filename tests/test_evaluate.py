@@ -2,9 +2,10 @@
 the same weights and batches; the loss by position (at the training length and twice it) equals a direct
 cross-entropy of the model's logits over litdata's own reading of the blocks, and so do the loss, the perplexity
 and the buckets of batches whose last one is short, the logits computed in pieces; the buckets by default and at
-given edges; every kind of checkpoint gives the same loss; the harness adapter's log-likelihoods equal log-softmax
-sums of a full forward pass (all three families, the rolling one across blocks of carried state); bad input is one
-line. The lm-evaluation-harness run itself needs the optional extra (`pip install -e '.[eval]'`) and is skipped
+given edges; a bf16 model's loss is the fp32 cross-entropy of its logits; every kind of checkpoint gives the same loss;
+the harness adapter's log-likelihoods equal log-softmax sums of a full forward pass (all three families, the rolling
+one across blocks of carried state), greedy only where every continuation token is the most likely, and its
+generation stops at the first stop string and samples where asked; bad input is one line. The lm-evaluation-harness run itself needs the optional extra (`pip install -e '.[eval]'`) and is skipped
 without it."""
 import json
 import math
@@ -157,6 +158,40 @@ def test_loss_perplexity_and_buckets_of_batches_with_a_short_last_one(monkeypatc
     assert by_position["loss"] == pytest.approx([losses[:, :3].mean().item(), losses[:, 3:].mean().item()], abs=1e-6)
 
 
+def test_blocks_of_another_length_no_block_and_a_diverged_model_are_told():
+    """A data module's loader that gives blocks of another length, or none; a model whose loss overflows e to it (the
+    perplexity is capped at e^100, not an OverflowError after the evaluation)."""
+    from fabric_lin.errors import UserError
+    from fabric_lin.evaluate import evaluate_length
+
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("gla-debug", num_layers=1, vocab_size=64)).eval()
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    blocks = torch.randint(0, 64, (2, 9))
+    with pytest.raises(UserError, match=r"the validation loader gave blocks of 9 tokens, expected seq_len \+ 1 = 5"):
+        evaluate_length(fabric, model, [blocks], seq_len=4, batch_size=2, max_batches=None, starts=[0])
+    with pytest.raises(InvalidValue, match=r"seq_len 8: the validation data gives no block of 9 tokens; lower --seq_len"):
+        evaluate_length(fabric, model, [], seq_len=8, batch_size=2, max_batches=None, starts=[0])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e5)
+    result = evaluate_length(fabric, model, [blocks], seq_len=8, batch_size=2, max_batches=None, starts=[0])
+    assert result["loss"] > 1000 and result["perplexity"] == math.exp(100)
+
+
+def test_the_loss_of_a_bf16_model_is_the_fp32_cross_entropy_of_its_logits():
+    from fabric_lin.evaluate import token_losses
+
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("gla-debug", num_layers=1, vocab_size=64)).to(torch.bfloat16).eval()
+    blocks = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        logits = F.linear(model(blocks[:, :-1], return_hidden=True), model.output_weight)
+        expected = F.cross_entropy(logits.float().flatten(0, 1), blocks[:, 1:].flatten(), reduction="none")
+        got = token_losses(model, blocks[:, :-1], blocks[:, 1:])
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.flatten(), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_bucket_edges_at_or_past_a_length_are_left_out_for_it():
     from fabric_lin.evaluate import bucket_starts
 
@@ -170,6 +205,45 @@ def test_the_default_buckets_are_a_16th_of_the_training_length_at_every_length(r
         monkeypatch.setitem(sys.modules, module, None)
     (length,) = evaluate(run / "out" / "final", seq_len=2 * TRAIN_LEN, max_batches=1, out_dir=tmp_path / "eval")["lengths"]
     assert length["by_position"]["start"] == list(range(0, 2 * TRAIN_LEN, TRAIN_LEN // 16))
+
+def test_a_run_that_resets_at_document_boundaries_is_validated_and_evaluated_document_by_document(run, tmp_path):
+    """reset_state_at_doc_boundaries trains each document as if alone; the run's val_loss and evaluate's loss of its
+    checkpoint (which follows the run's setting) measure the same: each document of the validation blocks run through
+    the model on its own. `reset_state_at_doc_boundaries=False` reads the blocks whole, the documents seeing each
+    other."""
+    from fabric_lin.data import TokenChunks, Tokenizer
+    from fabric_lin.pretrain import setup
+
+    setup(
+        model_name="gla-debug", out_dir=tmp_path / "out", logger_name="csv", devices=1, tokenizer_dir=run / "tok",
+        data=TokenChunks(data_path=run / "train", val_path=run / "val", num_workers=0),
+        train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=TRAIN_LEN,
+                        save_interval=None),
+        eval=EvalArgs(max_iters=VAL_ITERS, interval=1000, final_validation=True), reset_state_at_doc_boundaries=True,
+    )
+    model, eos = final_weights(tmp_path), Tokenizer(run / "tok").eos_id
+    per_document = whole = 0.0
+    blocks = [torch.tensor(np.frombuffer(b, dtype=np.int64)) for b in litdata_blocks(run / "val", TRAIN_LEN + 1)]
+    with torch.no_grad():
+        for block in blocks[: VAL_ITERS * 2]:  # eval.max_iters global batches of 2
+            inputs, targets = block[:-1], block[1:]
+            starts = [0] + [i + 1 for i in range(TRAIN_LEN - 1) if inputs[i] == eos]  # a document starts after an EOS
+            for start, end in zip(starts, starts[1:] + [TRAIN_LEN]):
+                logits = model(inputs[None, start:end])[0]
+                per_document += F.cross_entropy(logits, targets[start:end], reduction="sum").item()
+            whole += F.cross_entropy(model(inputs[None])[0], targets, reduction="sum").item()
+    tokens = VAL_ITERS * 2 * TRAIN_LEN
+    per_document, whole = per_document / tokens, whole / tokens
+    assert abs(per_document - whole) > 1e-3  # the blocks hold several documents each
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val_loss"] for r in records if "val_loss" in r] == [pytest.approx(per_document, abs=1e-5)]
+    results = evaluate(tmp_path / "out" / "final", max_batches=VAL_ITERS, out_dir=tmp_path / "per_document")
+    assert results["reset_state_at_doc_boundaries"] is True
+    assert results["lengths"][0]["loss"] == pytest.approx(per_document, abs=1e-5)
+    results = evaluate(tmp_path / "out" / "final", max_batches=VAL_ITERS, out_dir=tmp_path / "whole",
+                       reset_state_at_doc_boundaries=False)
+    assert results["lengths"][0]["loss"] == pytest.approx(whole, abs=1e-5)
+
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
@@ -244,7 +318,8 @@ def test_finetune_lora_md_measures_every_held_out_document(run, tmp_path, monkey
 def test_the_default_out_dir_is_beside_a_training_checkpoint_given_as_a_relative_path(tmp_path, monkeypatch):
     """`fabric-lin evaluate .` inside a checkpoint, or `..` below it: the results go beside it, never into it (its files
     are the ones its manifest lists); a model directory or an export keeps them in its evaluate/."""
-    from fabric_lin.evaluate import FLA_EXPORT, TRAINING_CHECKPOINT, default_out_dir
+    from fabric_lin.checkpoint_kinds import FLA_EXPORT, TRAINING_CHECKPOINT
+    from fabric_lin.evaluate import default_out_dir
 
     (tmp_path / "run" / "final" / "below").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "run" / "final")
@@ -252,6 +327,13 @@ def test_the_default_out_dir_is_beside_a_training_checkpoint_given_as_a_relative
     monkeypatch.chdir(tmp_path / "run" / "final" / "below")
     assert default_out_dir(Path(".."), TRAINING_CHECKPOINT) == tmp_path / "run" / "evaluate" / "final"
     assert default_out_dir(Path("."), FLA_EXPORT).resolve() == tmp_path / "run" / "final" / "below" / "evaluate"
+
+
+def test_the_model_runs_pytorch_s_ops_on_the_cpu(run):
+    """The fused Triton kernels need a GPU: on the CPU the model takes their PyTorch references."""
+    from fabric_lin.evaluate import build_model, load_checkpoint
+
+    assert not build_model(L.Fabric(accelerator="cpu", devices=1), load_checkpoint(run / "out" / "final")).fused
 
 
 def test_token_chunks_with_its_val_path_alone_is_evaluated(run, tmp_path):
@@ -267,6 +349,25 @@ def test_token_chunks_with_its_val_path_alone_is_evaluated(run, tmp_path):
                     out_dir=tmp_path / "both", **options)
     assert alone["lengths"][0]["data_fingerprint"] == both["lengths"][0]["data_fingerprint"]
     assert alone["lengths"][0]["loss"] == both["lengths"][0]["loss"]
+
+
+def test_slimpajama_starcoder_is_evaluated_from_its_validation_split_alone(run, tmp_path):
+    """`--data SlimPajamaStarcoder` reads data_path/slimpajama/val alone; a data_path without slimpajama/train and
+    starcoder was refused for want of them. The loss is the one of the same directory read by TokenChunks."""
+    (tmp_path / "data" / "slimpajama").mkdir(parents=True)
+    shutil.copytree(run / "val", tmp_path / "data" / "slimpajama" / "val")
+    final = run / "out" / "final"
+    options = ["--seq_len", str(TRAIN_LEN), "--batch_size", "2", "--max_batches", "2"]
+    from fabric_lin.cli import main as cli
+
+    cli(["evaluate", str(final), "--data", "SlimPajamaStarcoder", "--data.data_path", str(tmp_path / "data"),
+         "--data.num_workers", "0", "--out_dir", str(tmp_path / "slimpajama"), *options])
+    cli(["evaluate", str(final), "--data", "TokenChunks", "--data.val_path", str(run / "val"), "--data.num_workers", "0",
+         "--out_dir", str(tmp_path / "token_chunks"), *options])
+    slimpajama, token_chunks = (json.loads((tmp_path / name / "evaluate.json").read_text())["lengths"][0]
+                                for name in ("slimpajama", "token_chunks"))
+    assert slimpajama["tokens"] == token_chunks["tokens"] == 2 * 2 * TRAIN_LEN
+    assert slimpajama["loss"] == token_chunks["loss"]
 
 
 def test_a_model_without_a_tokenizer_checks_the_data_against_its_record_or_says_it_cannot(run, tmp_path, capsys):
@@ -286,6 +387,10 @@ def test_a_model_without_a_tokenizer_checks_the_data_against_its_record_or_says_
         (tmp_path / "model" / name).unlink()
     evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1, overwrite=True)
     assert "Note:" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match=f"^--reset_state_at_doc_boundaries true needs the end-of-text token's id, and "
+                                         f"{tmp_path / 'model'} has no tokenizer.model; its weights were trained with"):
+        evaluate(tmp_path / "model", data=TokenChunks(**data), seq_len=TRAIN_LEN, max_batches=1, overwrite=True,
+                 reset_state_at_doc_boundaries=True)
     sha256 = json.loads((run / "val" / "prepared.json").read_text())["tokenizer"]["sha256"]
     record = tmp_path / "model" / "trained_with.json"
     trained_with = json.loads(record.read_text())
@@ -360,6 +465,23 @@ def test_harness_loglikelihood_equals_a_full_forward_log_softmax(run, family_mod
         assert greedy == bool((logits.argmax(-1) == torch.tensor(whole[-n:])).all())
 
 
+def test_harness_greedy_means_every_continuation_token_is_the_most_likely(run, family_model):
+    """A continuation of the model's most likely token and then a token that is not (the tokens given as such): not
+    greedy; its first token alone is."""
+    from fabric_lin.data import Tokenizer
+
+    tokenizer = Tokenizer(run / "tok")
+    context = tokenizer.encode("the model").tolist()
+    with torch.no_grad():
+        likely = int(family_model(torch.tensor([tokenizer.eos_id] + context)[None])[0, -1].argmax())
+        after = int(family_model(torch.tensor([tokenizer.eos_id] + context + [likely])[None])[0, -1].argmax())
+    unlikely = (after + 1) % tokenizer.vocab_size
+    scorer = scorer_for(family_model, tokenizer, batch_size=2, block_size=TRAIN_LEN)
+    continuations = {"both": [likely, unlikely], "first": [likely]}
+    scorer.split = lambda context_text, continuation_text: (context, continuations[continuation_text])
+    assert [greedy for _, greedy in scorer.loglikelihood([("the model", "both"), ("the model", "first")])] == [False, True]
+
+
 def test_harness_rolling_loglikelihood_carries_the_state_across_blocks(run, family_model):
     """Blocks of 8 tokens through the decoding cache against one forward pass over the whole document."""
     from fabric_lin.data import Tokenizer
@@ -389,6 +511,30 @@ def test_harness_generate_until_stops_at_the_first_stop_string(run):
     got = scorer.generate_until([(context, {"until": [stop, "never there"], "max_gen_toks": 12}),
                                  (context, {"until": "never there", "max_gen_toks": 12})])
     assert got == [full[: full.index(stop)], full]
+    # two stop strings that the same token completes: the text ends before the one that begins first
+    ending = next(full[i: i + 3] for i in range(2, len(full) - 2) if full.find(full[i + 1: i + 3]) == i + 1)
+    assert scorer.generate_until([(context, {"until": [ending[1:], ending], "max_gen_toks": 12})]) == [
+        full[: full.index(ending)]]
+
+
+def test_harness_generate_until_samples_where_asked(run):
+    """do_sample with a temperature: the tokens sampled from the model's logits with the harness's seeded generator."""
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.generate import generate_tokens
+
+    tokenizer = Tokenizer(run / "tok")
+    model = final_weights(run)
+    context = "the model reads a line"
+    prompt = torch.tensor([tokenizer.eos_id] + tokenizer.encode(context).tolist())
+    text = {}
+    for temperature in (0.0, 1.5):
+        tokens = generate_tokens(model, prompt, 12, temperature=temperature, eos_id=tokenizer.eos_id,
+                                 generator=torch.Generator().manual_seed(1234), vocab_size=tokenizer.vocab_size)
+        text[temperature] = tokenizer.decode(prompt[1:].tolist() + tokens.tolist())[len(context):]
+    assert text[1.5] != text[0.0]
+    scorer = scorer_for(model, tokenizer, batch_size=1, block_size=TRAIN_LEN)
+    options = {"until": "never there", "max_gen_toks": 12, "do_sample": True, "temperature": 1.5}
+    assert scorer.generate_until([(context, options)]) == [text[1.5]]
 
 
 # ---------------------------------------------------------------- bad input: one line, exit code 2
@@ -444,6 +590,21 @@ def test_limit_is_a_fraction_below_one_or_a_whole_count(limit, refused):
             check_arguments(None, None, None, None, None, None, limit)
     else:
         check_arguments(None, None, None, None, None, None, limit)
+
+
+def test_arguments_are_checked_and_the_lengths_and_tasks_listed_once(tmp_path):
+    from fabric_lin.evaluate import check_arguments, run_data_module, task_list
+
+    assert check_arguments([64, 32, 64], None, None, None, None, None, None) == [64, 32]
+    for arguments, refused in (((True,) + (None,) * 6, "--seq_len must be a positive number"),
+                               ((None, -1) + (None,) * 5, "--max_batches must be 0"),
+                               ((None,) * 5 + (-1, None), "--num_fewshot must be 0 or more")):
+        with pytest.raises(InvalidValue, match=refused):
+            check_arguments(*arguments)
+    assert task_list("hellaswag, ,arc_easy,") == ["hellaswag", "arc_easy"]
+    # a checkpoint's hyperparameters.yaml names a module: only fabric-lin's data modules are imported
+    with pytest.raises(InvalidValue, match=r"data.class_path mypackage.Data is not one of fabric-lin's data modules"):
+        run_data_module({"data": {"class_path": "mypackage.Data", "init_args": {}}}, tmp_path / "hyperparameters.yaml")
 
 
 def test_data_options_without_a_data_module_and_an_empty_length_list_are_one_line(run, capsys):
@@ -545,7 +706,9 @@ def test_an_earlier_evaluation_in_out_dir_is_kept_unless_overwrite(run, tmp_path
         with pytest.raises(KeyboardInterrupt):
             evaluate(final, max_batches=2, out_dir=out, overwrite=True)
     assert (out / "evaluate.json").read_bytes() == first and sorted(p.name for p in out.iterdir()) == ["evaluate.json"]
+    (out / "loss_by_position.png").write_bytes(b"an earlier evaluation's plot")  # not these results': removed
     second = evaluate(final, max_batches=2, out_dir=out, overwrite=True)
+    assert not (out / "loss_by_position.png").exists()
     assert second["lengths"][0]["batches"] == 2
     assert json.loads((out / "evaluate.json").read_text()) == json.loads(json.dumps(second))
 

@@ -36,6 +36,9 @@ def test_recipe_and_device_checks_name_the_fix(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ValueError, match="NVIDIA A100-SXM4-80GB has 8.0"):
         check_fp8(FP8Args("tensorwise"), torch.device("cuda", 0))
+    # an Ada GPU (8.9: L4, RTX 4090) has them
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    check_fp8(FP8Args("fused"), torch.device("cuda", 0))
 
 
 def test_fp8_all_gather_is_refused_where_it_cannot_run(monkeypatch, tmp_path, capsys):
@@ -79,6 +82,13 @@ def test_torchao_missing_or_too_old_is_named(monkeypatch):
         monkeypatch.setattr(torchao, "__version__", "0.7.0")
         with pytest.raises(ImportError, match="needs torchao 0.10 or newer, found 0.7.0"):
             check_fp8(FP8Args("tensorwise"), torch.device("cuda", 0))
+        # the oldest taken, and a wheel of PyTorch's index, whose version carries the CUDA it was built for
+        for version in ("0.10.0", "0.10.0+cu126"):
+            monkeypatch.setattr(torchao, "__version__", version)
+            check_fp8(FP8Args("tensorwise"), torch.device("cuda", 0))
+        monkeypatch.setattr(torchao, "__version__", "0.9.1+cu126")
+        with pytest.raises(ImportError, match=r"found 0.9.1\+cu126"):
+            check_fp8(FP8Args("tensorwise"), torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("name", ["gla-debug", "gdn-debug", "transformer-debug"])
@@ -101,6 +111,14 @@ def test_widths_fp8_cannot_take_are_named():
     model = GPT(small(hidden_size=72, num_heads=2, expand_k=0.5, intermediate_size=200), float8=True)
     with pytest.raises(ValueError, match="multiples of 16; these are not: layers.0.attn.q_proj \\(36 x 72\\)"):
         check_fp8_shapes(model, FP8Args("tensorwise"))
+    # multiples of 8 are not enough; each layer is named, and the conversion itself refuses them
+    model = GPT(small(hidden_size=48, num_heads=2, expand_k=0.5, intermediate_size=128), float8=True)
+    with pytest.raises(ValueError, match="these are not: layers.0.attn.q_proj \\(24 x 48\\), layers.0.attn.k_proj \\(24 x 48\\), "
+                       "layers.1.attn.q_proj"):
+        check_fp8_shapes(model, FP8Args("tensorwise"))
+    if importlib.util.find_spec("torchao") is not None:
+        with pytest.raises(ValueError, match="these are not: layers.0.attn.q_proj \\(24 x 48\\)"):
+            convert_to_fp8(model, FP8Args("tensorwise"), emulate=True)
 
 
 @needs_torchao
@@ -120,7 +138,8 @@ def test_emulated_fp8_trains_close_to_full_precision_with_plain_checkpoints(name
     model = GPT(config, float8=True)
     model.load_state_dict(reference.state_dict())
     converted = convert_to_fp8(model, FP8Args("tensorwise"), emulate=True)
-    assert all(isinstance(model.get_submodule(n), Float8Linear) for n in converted)
+    # emulated: FP8's rounding in higher precision, which runs on a GPU without FP8 products as on the CPU
+    assert all(isinstance(model.get_submodule(n), Float8Linear) and model.get_submodule(n).config.emulate for n in converted)
     # plain checkpoints both ways: the same names and tensors
     assert model.state_dict().keys() == reference.state_dict().keys()
     for key, value in reference.state_dict().items():
@@ -143,15 +162,20 @@ def test_emulated_fp8_trains_close_to_full_precision_with_plain_checkpoints(name
 @needs_torchao
 def test_conversion_keeps_the_models_init_on_the_meta_device():
     # under FSDP the model is built on the meta device and materialised module by module with reset_parameters
-    config = small()
+    # (the model's initializer_range, not torch's or the default's; the gate projections' biases zero)
+    config = small(initializer_range=0.05)
     with torch.device("meta"):
         model = GPT(config, float8=True)
-    convert_to_fp8(model, FP8Args("tensorwise"), emulate=True)
+    convert_to_fp8(model, FP8Args("tensorwise", gate_projections=True), emulate=True)
     model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))  # what the materialised memory holds is anything's guess
     torch.manual_seed(0)
     model.reset_parameters()
-    q = model.layers[0].attn.q_proj
-    assert type(q).__name__ == "Float8Projection" and abs(q.weight.std().item() - 0.02) < 0.003
+    q, gate = model.layers[0].attn.q_proj, model.layers[0].attn.gk_proj[1]
+    assert type(q).__name__ == type(gate).__name__ == "Float8Projection" and abs(q.weight.std().item() - 0.05) < 0.0075
+    assert torch.equal(gate.bias, torch.zeros_like(gate.bias))
 
 
 @needs_torchao

@@ -1,6 +1,7 @@
 """Decoding against independent references: incremental decoding (GLA state, GDN state and convolution cache,
 transformer KV cache) against a full forward pass, `generate_tokens` against argmax / sampling of full-forward
-logits, the decoding step against a float64 loop, and the errors for bad arguments."""
+logits, the decoding step against a float64 loop, the text printed once a character's bytes are all there, and the
+errors for bad arguments (before the model is loaded) and for a tokenizer that is not the model's."""
 import math
 
 import pytest
@@ -101,6 +102,26 @@ def test_sample_follows_softmax_of_logits_over_temperature_within_top_k():
     # softmax([4, 6]) over the two kept tokens: 0.1192, 0.8808
     torch.testing.assert_close(frequencies, torch.tensor([0.0, 0.0, 0.1192, 0.8808]), rtol=0, atol=0.02)
     assert sample(logits, 0.0, None).item() == 3
+
+
+def test_a_top_k_above_the_vocabulary_keeps_every_token():
+    # the generate command's default of 50 with a smaller vocabulary: no filter, the same draws as without one
+    logits = torch.tensor([0.0, 1.0, 2.0])
+    for seed in range(20):
+        assert sample(logits, 1.0, 50, torch.Generator().manual_seed(seed)) == sample(
+            logits, 1.0, None, torch.Generator().manual_seed(seed))
+
+
+def test_growing_text_prints_a_character_once_all_its_bytes_came():
+    from fabric_lin.generate import GrowingText
+
+    class ByteTokenizer:  # a token per byte of UTF-8: a character of two or three bytes takes as many tokens
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    text = GrowingText(ByteTokenizer(), list(b"caf"))
+    assert [text.add(torch.tensor(byte)) for byte in "é €!".encode()] == ["", "é", " ", "", "", "€", "!"]
+    assert text.text == "café €!"
 
 
 def test_a_temperature_near_zero_samples_the_most_likely_token():
@@ -328,6 +349,34 @@ def test_generate_error_device_is_one_line(tmp_path, capsys, monkeypatch, device
     make_model_dir(tmp_path / "model", small_config())
     err = cli_error(["generate", str(tmp_path / "model"), "--device", device], capsys)
     assert err == f"fabric-lin generate: error: {message}\n"
+
+
+def test_generate_error_cuda_index_past_the_gpus_is_one_line(monkeypatch):
+    from fabric_lin.generate import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"^--device cuda:2: this machine has 2 CUDA GPU\(s\), cuda:0 to cuda:1$"):
+        resolve_device("cuda:2")
+
+
+def test_generate_checks_its_arguments_before_the_model_and_the_tokenizer_against_it(tmp_path, capsys):
+    """A model of 32 embeddings with a tokenizer of 64 pieces: not its tokenizer, one line; a bad precision or
+    temperature is named before that (and before the model is loaded, which takes minutes for a large one)."""
+    from fabric_lin.generate import load_model
+
+    make_model_dir(tmp_path / "model", Config.from_name("gla-debug", vocab_size=32, num_layers=2))
+    model = str(tmp_path / "model")
+    err = cli_error(["generate", model, "--precision", "bf16-mixed"], capsys)
+    assert err == ("fabric-lin generate: error: precision must be one of ['16-true', '32-true', 'bf16-true'], got "
+                   "'bf16-mixed'\n")
+    err = cli_error(["generate", model, "--temperature", "-1"], capsys)
+    assert err == "fabric-lin generate: error: temperature must be 0 (greedy) or positive, got temperature=-1.0\n"
+    err = cli_error(["generate", model, "--device", "cpu"], capsys)
+    assert err.startswith(f"fabric-lin generate: error: {model}: its tokenizer has 64 pieces and its model 32 embeddings")
+    # on the CPU the model decodes with PyTorch's ops, not the Triton kernels, which need a GPU
+    assert not load_model(tmp_path / "model", torch.device("cpu"), torch.float32).fused
 
 
 def test_generate_on_a_hugging_face_directory_points_to_convert_from_hf(tmp_path, capsys):

@@ -46,6 +46,14 @@ def test_wsd_decay_starts_after_a_warmup_longer_than_the_stable_part():
     assert learning_rate(15, **kw) == pytest.approx(0.5e-3)  # halfway from step 10 to step 20
 
 
+def test_wsd_decay_of_less_than_half_a_step_still_ends_at_min_lr():
+    # 0.4% of 100 steps rounds to no step at all: the decay takes one, so the schedule ends at min_lr all the same (a
+    # resume compares the finished run's learning rate at step 100 with the new schedule's)
+    kw = dict(base_lr=1e-3, min_lr=1e-4, warmup_steps=0, max_steps=100, schedule="wsd", decay_fraction=0.004)
+    assert learning_rate(99, **kw) == pytest.approx(1e-3)
+    assert learning_rate(100, **kw) == pytest.approx(1e-4)
+
+
 def test_unknown_schedule_is_named():
     with pytest.raises(ValueError, match="'linear'"):
         learning_rate(100, 1e-3, 1e-4, 10, 200, schedule="linear")

@@ -3,6 +3,8 @@ packed documents against separate ones, meta init against eager init (and a forw
 inputs named where they are no batch of token ids, the chunked loss and activation
 checkpointing against the plain computation. Against float64 references written independently (every head layout,
 grouped key/value heads included): test_model_edge_cases.py."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,11 +55,11 @@ def test_a_model_on_the_meta_device_runs_for_its_shapes(name):
 
 def test_input_ids_other_than_a_batch_of_token_ids_are_named():
     model = GPT(tiny("gla-debug"))
-    with pytest.raises(ValueError, match=r"^input_ids must be \[B, T\] integer token ids, got torch.int64 of shape "
-                                         r"\(70,\); one sequence is input_ids\[None\]$"):
+    with pytest.raises(ValueError, match=r"^input_ids must be \[B, T\] token ids of dtype int64 or int32, got torch.int64 "
+                                         r"of shape \(70,\); one sequence is input_ids\[None\]$"):
         model(torch.zeros(70, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"^input_ids must be \[B, T\] integer token ids, got torch.float32 of shape "
-                                         r"\(2, 70\)$"):
+    with pytest.raises(ValueError, match=r"^input_ids must be \[B, T\] token ids of dtype int64 or int32, got "
+                                         r"torch.float32 of shape \(2, 70\)$"):
         model(torch.zeros(2, 70))
 
 
@@ -123,6 +125,38 @@ def test_packed_documents_equal_separate_documents(name):
     torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-4)
 
 
+def test_packed_attention_scores_each_document_near_itself_only(monkeypatch):
+    """Packed documents (reset_state_at_doc_boundaries packs a micro batch's rows into one): softmax attention scores
+    each query against at most twice the longest document's keys, not against the whole packed row (the work of one
+    row times the number of rows, and a mask of the row's length squared); its output and gradients are those of each
+    document run on its own (grouped key/value heads, a document of one token, a packed length that no block fills)."""
+    torch.manual_seed(0)
+    model = GPT(tiny("transformer-debug", num_kv_heads=2))
+    lengths = [16, 3, 1, 16, 9, 12, 16, 5] * 3
+    docs = [torch.randint(0, 97, (1, n)) for n in lengths]
+    packed_length, longest = sum(lengths), max(lengths)
+    weights = torch.randn(1, packed_length, 97)
+    scored = []
+    attention = F.scaled_dot_product_attention
+
+    def counted_attention(q, k, v, **kwargs):
+        scored.append(q.shape[0] * q.shape[-2] * k.shape[-2])  # query-key pairs per head
+        return attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted_attention)
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    packed = model(torch.cat(docs, dim=1), cu_seqlens=offsets)
+    packed_grads = torch.autograd.grad((packed * weights).sum(), list(model.parameters()))
+    # blocks of the longest document's length, each against itself and the block before; the last block padded
+    bound = 2 * longest * (packed_length + longest)
+    assert len(scored) == 2 and all(n <= bound < packed_length ** 2 for n in scored), scored
+    separate = torch.cat([model(d) for d in docs], dim=1)
+    separate_grads = torch.autograd.grad((separate * weights).sum(), list(model.parameters()))
+    torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-4)
+    for got, expected in zip(packed_grads, separate_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_gla_attention_layout_matches_design():
     model = GPT(Config.from_name("gla-debug"))
     attn = model.layers[0].attn
@@ -172,3 +206,15 @@ def test_transformer_has_no_length_limit_from_its_config():
         long, short = model(ids), model(ids[:, :16])
     assert torch.isfinite(long).all()
     torch.testing.assert_close(long[:, :16], short)  # causal: the first 16 positions do not see the rest
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 70, 1), torch.int64), ((2, 70), torch.bool), ((2, 70), torch.uint8),
+                                         ((2, 70), torch.int16), ((2, 70), torch.uint16)])
+def test_input_ids_of_three_dimensions_or_of_a_dtype_the_embedding_refuses_are_named(shape, dtype):
+    """nn.Embedding takes int64 and int32 indices only: ids of a smaller integer dtype (as a uint16 chunk holds them)
+    were torch's traceback from inside the model."""
+    model = GPT(tiny("gla-debug"))
+    shown = re.escape(f"got {dtype} of shape {shape}")
+    with pytest.raises(ValueError, match=rf"^input_ids must be \[B, T\] token ids of dtype int64 or int32, {shown}$"):
+        model(torch.zeros(shape, dtype=dtype))
+    model(torch.zeros(2, 70, dtype=torch.int32))  # the other dtype it takes

@@ -226,6 +226,21 @@ def test_attention_flops_equal_a_direct_count(name, T):
         ("deltanet-debug", dict(rope_base=500.0), ["rope_base", "attn_layers"]),
         # a layer listed twice is most likely a typo for another layer
         ("gla-debug", dict(attn_layers=[1, 1], attn_num_heads=2), ["attn_layers", "[1, 1]", "twice"]),
+        # a count or width of zero, which would fail later with a division by zero or build an empty layer
+        ("gla-debug", dict(num_kv_heads=0), ["num_kv_heads", "at least 1"]),
+        ("deltanet-debug", dict(conv_size=0), ["conv_size", "at least 1"]),
+        ("gdn-debug", dict(head_dim=0), ["head_dim", "got 0"]),
+        ("gla-debug", dict(hidden_ratio=0), ["hidden_ratio", "positive"]),
+        ("gla-debug", dict(hidden_ratio=None), ["hidden_ratio", "None"]),  # null in YAML, with no intermediate_size
+        ("gla-debug", dict(expand_k=0.001), ["hidden_size * expand_k = 128 * 0.001 = 0", "num_heads=2"]),
+        ("transformer-debug", dict(num_kv_heads=3), ["num_heads (4) must be a multiple of num_kv_heads (3)"]),
+        # a hybrid's layers: each one of the model's, and softmax-attention heads that fit
+        ("gla-debug", dict(attn_layers=[4], attn_num_heads=2), ["attn_layers [4] out of range", "0 .. 3"]),
+        ("gla-debug", dict(attn_layers=[-1], attn_num_heads=2), ["attn_layers [-1] out of range"]),
+        ("gla-debug", dict(attn_layers=[1], attn_num_heads=4, attn_num_kv_heads=3),
+         ["attn_num_heads (4)", "attn_num_kv_heads (3)"]),
+        ("gla-debug", dict(attn_layers=[1], attn_num_heads=128), ["hidden_size / attn_num_heads = 128 / 128", "even"]),
+        ("gla-debug", dict(attn_num_heads=2), ["attn_num_heads", "attn_layers is empty"]),
     ],
 )
 def test_bad_config_values_are_named(base, fields, names):

@@ -4,13 +4,14 @@ one process with the same seed, bit for bit, each process holding its share, and
 is short (padded, an empty one too) to one process's loss. In one process (a mesh of one): each unit gathers and
 frees its weights as asked, and validation leaves them sharded; Blocks wrapped for activation checkpointing and
 compiled train under FSDP2 as without it; fused AdamW skips an update on sharded weights as the loop asks; bf16-mixed
-gathers bf16 weights and keeps fp32 shards and gradients; FP8-converted layers gather their weights in FP8 where
-asked. The strategy for each choice (one process on each of several nodes too), its timeout, and FSDP's mesh of nodes; 16-mixed
+gathers bf16 weights, keeps fp32 shards and gradients and reduces in fp32; FP8-converted layers gather their weights
+in FP8 where asked; a parameter that no reset_parameters() initialises is refused. The strategy for each choice (one process on each of several nodes too), its timeout, and FSDP's mesh of nodes; 16-mixed
 refused in one line; the errors of a lost peer told from others.
 
 Run as a script (`python tests/test_parallelism.py OUT_DIR`), this file is the 4-process job that shards the model and
 writes what each layout's processes hold."""
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -59,7 +60,8 @@ def validation_run(loader, micro_batch_size: int, max_iters: int):
     from fabric_lin.args import EvalArgs, TrainArgs
 
     return SimpleNamespace(val_dataloader=loader, eval=EvalArgs(max_iters=max_iters), accumulation=1,
-                           train=TrainArgs(micro_batch_size=micro_batch_size), cuda_graphs=False)
+                           train=TrainArgs(micro_batch_size=micro_batch_size), cuda_graphs=False,
+                           eos_id=None)
 
 
 # ---------------------------------------------------------------- the job: 4 CPU processes
@@ -232,6 +234,12 @@ def test_bf16_mixed_gathers_bf16_weights_and_keeps_fp32_shards_and_gradients(pro
     model(ids[:, :-1], targets=ids[:, 1:]).float().backward()
     assert gathered == [torch.bfloat16]
     assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    # and the gradients reduced over the processes in fp32 (in one process there is nothing to sum: the policy says it)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fabric_lin.parallelism import mixed_precision_policy
+
+    assert mixed_precision_policy("bf16-mixed") == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def test_fp8_all_gather_gathers_the_converted_weights_in_fp8(process_group):
@@ -289,6 +297,35 @@ def test_validation_leaves_the_weights_sharded(process_group, unit):
     loss, tokens = validate(ProcessGroupFabric(), model, run)
     assert loss > 0 and tokens == 16
     assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_a_parameter_that_no_reset_parameters_initialises_is_refused():
+    """Materialised from the meta device, a parameter is initialised by its own module's reset_parameters(): one of a
+    module without it (or of the root) would keep whatever the memory held."""
+    from fabric_lin.parallelism import initialize_like_one_process
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+
+    class Holder(torch.nn.Module):
+        def __init__(self, root_parameter: bool):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            if root_parameter:
+                self.bias = torch.nn.Parameter(torch.zeros(4))
+            else:
+                self.scale = Scale()
+
+        def reset_parameters(self):
+            pass
+
+    for root_parameter, refused in ((False, "Scale has parameters ['weight']"), (True, "Holder has parameters ['bias']")):
+        with torch.device("meta"):
+            model = Holder(root_parameter)
+        with pytest.raises(TypeError, match=rf"{re.escape(refused)} that no reset_parameters\(\) of its own initialises"):
+            initialize_like_one_process(model, torch.device("cpu"))
 
 
 def test_the_strategy_for_each_choice():

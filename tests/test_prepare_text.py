@@ -92,6 +92,10 @@ def test_prepare_text_every_format_with_a_validation_split(paragraphs_tokenizer,
     assert val["summary"]["documents"] == len(got_val) and splits["val"]["tokens"] == sum(map(len, got_val))
     assert all(c["dim"] <= 2000 for c in json.loads((out / "train" / "index.json").read_text())["chunks"])
     assert not list(out.parent.glob(".tmp-*"))
+    for split in ("train", "val"):  # the chunks, their index, prepared.json and the tokenizer: no working files
+        chunks = [c["filename"] for c in json.loads((out / split / "index.json").read_text())["chunks"]]
+        assert sorted(p.name for p in (out / split).iterdir()) == sorted(
+            [*chunks, "index.json", "prepared.json", "tokenizer.model", "tokenizer_config.json"])
 
 
 def test_prepare_text_split_is_the_same_on_every_run(paragraphs_tokenizer, text_corpus, text_prepared, tmp_path, capfd):
@@ -506,3 +510,30 @@ def test_a_tokenizer_without_an_end_of_text_token_is_one_line(text_corpus, tmp_p
         assert f"error: --tokenizer_path {tmp_path / 'tok'}: {tmp_path / 'tok' / 'tokenizer.model'} defines no " \
                f"end-of-text (EOS) token, which follows every document" in err, err
     assert not (tmp_path / "out").exists()
+    tokenizer = Tokenizer(tmp_path / "tok")  # a caller of its own that asks for EOS
+    for encode in (lambda: tokenizer.encode("a line", eos=True), lambda: tokenizer.encode_batch(["a line"], eos=True)):
+        with pytest.raises(ValueError, match=f"^{tmp_path / 'tok' / 'tokenizer.model'} defines no EOS token; call "
+                                             f"encode with eos=False$"):
+            encode()
+
+
+def test_another_run_that_finished_first_keeps_its_output(paragraphs_tokenizer, tmp_path, monkeypatch):
+    """Two runs into one --output_dir: the one that finishes second refuses to rename its output over the first one's
+    (the rename onto a non-empty directory would fail with the OS's traceback)."""
+    import data_prep.prepare_text as prepare_text_module
+    from fabric_lin.errors import AlreadyExists
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("a document", encoding="utf-8")
+    out = tmp_path / "out"
+
+    def the_other_run_finishes_first(stage, *args):
+        (out / "train").mkdir(parents=True)
+        (stage / "train").mkdir()
+        return {"train": {}, "val": None}
+
+    monkeypatch.setattr(prepare_text_module, "_prepare_into", the_other_run_finishes_first)
+    with pytest.raises(AlreadyExists, match=f"^Output directory {re.escape(str(out))} was written by another run while this "
+                                            f"one ran$"):
+        prepare_text(tmp_path / "raw", out, paragraphs_tokenizer, num_workers=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "raw"] and [p.name for p in out.iterdir()] == ["train"]

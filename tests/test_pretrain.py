@@ -43,6 +43,10 @@ def test_error_batch_not_divisible(tmp_path):
     (dict(log_interval=0), {}, r"train.log_interval must be at least 1, got 0"),
     (dict(keep_last_n=0), {}, r"train.keep_last_n must be at least 1 \(or null to keep all\), got 0"),
     (dict(lr_schedule="wsd", wsd_decay_fraction=1.5), {}, r"train.wsd_decay_fraction must be in \(0, 1\], got 1.5"),
+    # a setting of the wsd schedule given to a cosine one, which would train as if it were not there
+    (dict(wsd_decay_fraction=0.2), {}, r"^train.wsd_decay_fraction 0.2 sets where lr_schedule 'wsd' decays, and this run's "
+                                       r"lr_schedule is 'cosine', which it leaves unchanged: give --train.lr_schedule wsd, or "
+                                       r"leave train.wsd_decay_fraction at 0.1$"),
     (dict(lr_schedule="linear"), {}, r"train.lr_schedule must be 'cosine' or 'wsd', got 'linear'"),
     ({}, dict(interval=0), r"eval.interval must be at least 1 \(optimizer steps between validations\), got 0"),
 ])
@@ -212,15 +216,20 @@ def test_kernel_autotune_on_the_cpu_is_a_note_and_the_run_goes_on(tmp_path, caps
 def test_error_devices_other_than_torchrun_started(tmp_path, capsys, monkeypatch, flags):
     """Under torchrun, --devices and --num_nodes left at their defaults (or one of them) would make each of torchrun's
     processes a run of its own, or wait for ranks that never come."""
+    from fabric_lin.errors import InvalidValue
+    from fabric_lin.parallelism import check_torchrun_processes
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     # what torchrun --nnodes 2 --nproc-per-node 2 sets in the process of rank 0 (the one that prints errors)
     for name, value in dict(RANK=0, LOCAL_RANK=0, GROUP_RANK=0, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2,
                             MASTER_ADDR="localhost", MASTER_PORT=free_port()).items():
         monkeypatch.setenv(name, str(value))
+    devices = flags[1] if flags else "1"
+    with pytest.raises(InvalidValue):  # first: were the check missing, the command below would wait for ever
+        check_torchrun_processes(int(devices), 1)
     err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
                      "--train.global_batch_size", "4", "--train.micro_batch_size", "1", "--data", "TokenChunks",
                      "--data.data_path", str(tmp_path / "data"), *flags], capsys)
-    devices = flags[1] if flags else "1"
     assert err == (f"fabric-lin pretrain: error: torchrun started 4 processes, 2 on each of 2 node(s) (its --nproc-per-node "
                    f"and --nnodes), and this run has --devices {devices} --num_nodes 1: give --devices 2 --num_nodes 2\n")
     assert not (tmp_path / "out").exists()
@@ -255,16 +264,19 @@ def test_error_num_nodes_without_a_launcher(tmp_path, capsys, monkeypatch):
     """--num_nodes 2 typed on one machine, with nothing that starts the command on another node: Fabric started this
     node's processes, which waited for the other node's for ever. With a launcher's variables (torchrun's, SLURM's) or
     NODE_RANK (set by hand on each node, Fabric's own way), the other nodes are someone else's to start."""
+    from fabric_lin.errors import InvalidValue
+    from fabric_lin.parallelism import check_other_nodes_launched
+
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
+    with pytest.raises(InvalidValue):  # first: were the check missing, the command below would wait for ever
+        check_other_nodes_launched(2)
     err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
                      "--train.global_batch_size", "2", "--train.micro_batch_size", "1", "--devices", "1",
                      "--num_nodes", "2"], capsys)
     assert err.startswith("fabric-lin pretrain: error: --num_nodes 2: nothing starts this command on the other node(s)")
     assert "torchrun" in err and "srun" in err and "NODE_RANK" in err and "--num_nodes 1" in err
     assert not (tmp_path / "out").exists()
-    from fabric_lin.parallelism import check_other_nodes_launched
-
     check_other_nodes_launched(1)
     for name, value in (("NODE_RANK", "1"), ("SLURM_NTASKS", "16")):
         with monkeypatch.context() as launched:

@@ -496,7 +496,7 @@ def test_validation_covers_the_same_tokens_whatever_the_micro_batch_and_processe
                 loader.rank_and_world = (rank, world_size)
                 run = SimpleNamespace(val_dataloader=loader, eval=EvalArgs(max_iters=max_iters), cuda_graphs=False,
                                       train=TrainArgs(micro_batch_size=micro_batch),
-                                      accumulation=global_batch // (micro_batch * world_size))
+                                      accumulation=global_batch // (micro_batch * world_size), eos_id=None)
                 loss, n = validate(fabric, model, run)
                 loss_sum, tokens = loss_sum + loss * n, tokens + n
             layout = f"max_iters {max_iters}, micro batch {micro_batch}, {world_size} process(es)"

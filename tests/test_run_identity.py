@@ -3,7 +3,9 @@ batch size, the step or token budget, the data) and what it may not (the model, 
 naming the values; other settings (the optimizer's, the micro batch size) pass with a note. A run resumed with a
 larger global batch counts its tokens on and keeps the schedule in tokens; one resumed with another micro batch
 size trains on the same samples and validates on the same blocks. The comparison on the files alone: what is no
-change (a tuple read back as a list, the model's name, the loader workers) and what is (another data module)."""
+change (a tuple read back as a list, the model's name, the loader workers, where the attempt writes and what it
+resumes) and what is (another data module, a setting the checkpoint's file lacks); another sequence length refused
+naming that flag alone."""
 import json
 
 import pytest
@@ -151,3 +153,27 @@ def test_the_comparison_reads_the_checkpoint_s_files_as_yaml_holds_them(tmp_path
         compare_with_checkpoint(tmp_path, {**saved, "data": data("fabric_lin.data.TokenChunks")}, model, allowed=[])
     assert compare_with_checkpoint(tmp_path, {**saved, "data": data(seed=7)}, model, allowed=["data"]) == (
         ["data.seed: 42 in the checkpoint, 7 here"], [])
+    # how this attempt was started is no setting of the run
+    started = {"out_dir": "/runs/b", "resume": "/runs/a/final", "model_name": None,
+               "model_config": "/runs/a/final/model_config.yaml"}
+    assert compare_with_checkpoint(tmp_path, {**saved, **started}, model, allowed=[]) == ([], [])
+    # a setting the checkpoint's file does not hold is a change too
+    with pytest.raises(ValueError, match=r"differs from the checkpoint's in data.val_dir: None in the checkpoint, "
+                       r"'/data/val' here\. "):
+        compare_with_checkpoint(tmp_path, {**saved, "data": data(val_dir="/data/val")}, model, allowed=[])
+
+
+def test_a_resume_of_another_sequence_length_names_that_flag_alone(tmp_path):
+    import yaml
+
+    from fabric_lin.run_identity import compare_with_checkpoint
+
+    Config.from_name("gla-debug").save(tmp_path / "model_config.yaml")
+    (tmp_path / "hyperparameters.yaml").write_text(yaml.safe_dump({"train": {"max_seq_length": 32}}))
+    with pytest.raises(ValueError) as refused:
+        compare_with_checkpoint(tmp_path, {"train": {"max_seq_length": 16}}, Config.from_name("gla-debug").to_dict(), [])
+    assert str(refused.value) == (
+        f"--resume {tmp_path}: a resumed run trains the checkpoint's run, and this one differs in train.max_seq_length: "
+        f"32 in the checkpoint, 16 here. Resume it with the checkpoint's --train.max_seq_length 32, or write this run to "
+        f"another --out_dir; or start this run from its weights: fabric-lin convert_pretrained_checkpoint {tmp_path} "
+        f"--output_dir <DIR>, then --initial_checkpoint_dir <DIR>")

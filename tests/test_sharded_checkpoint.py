@@ -1,9 +1,14 @@
 """fabric_lin/sharded_checkpoint.py: a sharded checkpoint's metadata is unpickled with DCP's own classes only; a foreign
-pickle there (os.system, builtins.exec, torch.save) is refused without running it, a shard file named outside the
-checkpoint is not read, and model entries that are not tensors are named, not dropped; a one-file checkpoint's
-optimizer state is resumed in a sharded run only into parameter groups of the sizes it was saved with, each parameter
-getting its own state, and only into a model of its parameters. (Sharded checkpoints written by pretrain, converted
-and resumed on other meshes in one process or several: test_pretrain_sharded.py.)"""
+pickle there (os.system, builtins.exec, torch.save, torch's and DCP's other globals) or in an entry is refused without
+running it, metadata of another kind is named, a shard file named outside the checkpoint is not read, model entries
+that are not tensors are named, not dropped, and a DCP directory without the entries read is named; a one-file
+checkpoint's optimizer state is resumed in a sharded run only into parameter groups of the sizes it was saved with,
+each parameter getting its own state, and only into a model of its parameters; a sharded checkpoint resumed in a run
+that does not shard gives each parameter the state saved under its name (whatever order its model registered them in),
+the counters and the data loader's position, and is refused where its model or its groups hold other parameters.
+(Sharded checkpoints written by pretrain, converted and resumed on other meshes in one process or several:
+test_pretrain_sharded.py.)"""
+import collections
 import types
 
 import pytest
@@ -49,6 +54,59 @@ def test_sharded_metadata_calling_python_or_torch_is_refused(tmp_path, call, nam
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.parametrize("module, name", [
+    ("torch", "set_default_dtype"),  # a function of torch's own namespace, which changes this process's state
+    ("torch.distributed.checkpoint.metadata", "os"),  # a module that DCP's metadata module imports
+])
+def test_sharded_metadata_naming_other_globals_of_torch_or_dcp_is_refused(tmp_path, module, name):
+    weights = tmp_path / "lit_model.pth"
+    weights.mkdir()
+    (weights / ".metadata").write_bytes(f"c{module}\n{name}\n.".encode())  # pickle's GLOBAL opcode, and stop
+    with pytest.raises(ValueError, match=rf"refers to {module}.{name}, which is not part of a torch.distributed.checkpoint"):
+        load_sharded_model_state(weights)
+
+
+def test_sharded_metadata_of_another_kind_is_named(tmp_path):
+    import pickle
+
+    weights = tmp_path / "lit_model.pth"
+    weights.mkdir()
+    (weights / ".metadata").write_bytes(pickle.dumps(collections.OrderedDict(model={})))
+    with pytest.raises(ValueError, match=r"\.metadata: expected a torch.distributed.checkpoint Metadata, got OrderedDict"):
+        load_sharded_model_state(weights)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_entry_holding_objects_other_than_plain_values_is_refused_without_running_them(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from fabric_lin.sharded_checkpoint import read_sharded_entry
+
+    weights = tmp_path / "lit_model.pth"
+    dcp.save({"model": {"w": torch.ones(3)}, "optimizer": {"param_groups": [{"lr": TouchOnUnpickle(tmp_path / "pwned")}]}},
+             checkpoint_id=weights, no_dist=True)
+    with pytest.raises(ValueError, match=rf"{weights}: its entry 'optimizer.param_groups.0.lr' holds objects other than "
+                       r"tensors and plain containers, so it is not loaded \(files are never unpickled beyond tensors\)\. "
+                       r"Details: .*GLOBAL (posix|os)\.system"):
+        read_sharded_entry(weights, "optimizer")
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dcp_checkpoint_without_the_entries_read_is_named(tmp_path):
+    """A torch.distributed.checkpoint directory of another trainer (e.g. keyed by parameter names at the top level)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fabric_lin.sharded_checkpoint import read_sharded_entry
+
+    dcp.save({"layers.0.weight": torch.ones(3), "step": 5}, checkpoint_id=tmp_path / "lit_model.pth", no_dist=True)
+    with pytest.raises(ValueError, match=r"no tensors under 'model'; the checkpoint's top-level entries are "
+                       r"\['layers.0.weight', 'step'\]"):
+        load_sharded_model_state(tmp_path / "lit_model.pth")
+    with pytest.raises(ValueError, match=r"lit_model.pth: no entry 'optimizer' in the checkpoint"):
+        read_sharded_entry(tmp_path / "lit_model.pth", "optimizer")
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_shard_file_named_outside_the_checkpoint_is_refused(tmp_path):
     import dataclasses
@@ -78,22 +136,32 @@ def test_model_entries_that_are_not_tensors_are_named(tmp_path):
 
 
 class Tiny(torch.nn.Module):
-    def __init__(self):
+    """A projection and a norm, registered norm first (the parameters' order is not the optimizer groups'), or, with
+    `projection_first`, the same parameters registered in the other order."""
+
+    def __init__(self, projection_first: bool = False):
         super().__init__()
-        self.proj = torch.nn.Linear(4, 3)
-        self.norm = torch.nn.LayerNorm(3)
+        modules = [("proj", torch.nn.Linear(4, 3)), ("norm", torch.nn.LayerNorm(3))]
+        for name, module in modules if projection_first else modules[::-1]:
+            self.add_module(name, module)
 
     def forward(self, x):
         return self.norm(self.proj(x))
 
 
 GROUPINGS = {  # an optimizer's parameter groups
-    "pretrain's": lambda m: [{"params": [m.proj.weight], "weight_decay": 0.1},  # none on biases and norms
-                             {"params": [m.proj.bias, m.norm.weight, m.norm.bias], "weight_decay": 0.0}],
+    # pretrain's: weight decay on the projection's weight, none on biases and norms, each group in the model's order
+    "pretrain's": lambda m: [{"params": [m.proj.weight], "weight_decay": 0.1},
+                             {"params": [p for n, p in m.named_parameters() if n != "proj.weight"], "weight_decay": 0.0}],
     "one group": lambda m: [{"params": list(m.parameters()), "weight_decay": 0.1}],
     "without norm.bias": lambda m: [{"params": [m.proj.weight], "weight_decay": 0.1},
                                     {"params": [m.proj.bias, m.norm.weight], "weight_decay": 0.0}],
 }
+
+
+def moments(model, optimizer) -> dict:
+    """Each parameter's AdamW exp_avg, by name."""
+    return {name: optimizer.state[p]["exp_avg"] for name, p in model.named_parameters() if p in optimizer.state}
 
 
 def save_one_file_checkpoint(path, grouping: str) -> dict:
@@ -103,7 +171,7 @@ def save_one_file_checkpoint(path, grouping: str) -> dict:
     model(torch.randn(2, 4)).square().sum().backward()
     optimizer.step()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step_count": 1}, path)
-    return {name: optimizer.state[p]["exp_avg"] for name, p in model.named_parameters() if p in optimizer.state}
+    return moments(model, optimizer)
 
 
 def resuming_state() -> dict:
@@ -130,8 +198,7 @@ def test_a_one_file_optimizer_state_of_other_parameter_groups_is_refused(tmp_pat
     expected = save_one_file_checkpoint(tmp_path / "same.pth", "pretrain's")
     state = resuming_state()
     load_one_file_train_state(tmp_path / "same.pth", state)
-    for name, p in state["model"].module.named_parameters():
-        torch.testing.assert_close(state["optimizer"].optimizer.state[p]["exp_avg"], expected[name], rtol=0, atol=0)
+    torch.testing.assert_close(moments(state["model"].module, state["optimizer"].optimizer), expected, rtol=0, atol=0)
     assert state["step_count"] == 1
 
 
@@ -143,3 +210,106 @@ def test_a_one_file_checkpoint_of_another_model_is_refused_naming_the_parameters
     with pytest.raises(ValueError, match=r"other.pth: the checkpoint's model does not fit this run's: missing "
                        r"\['norm.weight'\], unexpected \['ln.weight'\]"):
         load_one_file_train_state(tmp_path / "other.pth", resuming_state())
+    saved["model"]["norm.weight"] = saved["model"].pop("ln.weight")
+    saved["model"]["extra.weight"] = torch.zeros(3)  # a parameter this run's model does not have, and none missing
+    torch.save(saved, tmp_path / "other.pth")
+    with pytest.raises(ValueError, match=r"missing \[\], unexpected \['extra.weight'\]"):
+        load_one_file_train_state(tmp_path / "other.pth", resuming_state())
+
+
+# ---------------------------------------------------------------- a sharded checkpoint, in a run that does not shard
+
+
+class ResumableLoader(torch.utils.data.DataLoader):
+    """A data loader whose position a checkpoint holds, as litdata's does."""
+
+    def __init__(self):
+        super().__init__(range(4))
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def save_sharded_checkpoint(path, model: Tiny, optimizer_state=None) -> dict:
+    """A sharded lit_model.pth of `model` after one AdamW step with pretrain's groups, as Fabric writes one
+    (torch.distributed.checkpoint's files of the model's and the optimizer's state dicts, keyed by parameter names, and
+    meta.pt with the rest), in this process alone: each tensor in one piece. Returns each parameter's exp_avg by name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    optimizer = torch.optim.AdamW(GROUPINGS["pretrain's"](model))
+    model(torch.randn(2, 4)).square().sum().backward()
+    optimizer.step()
+    saved_optimizer = get_optimizer_state_dict(model, optimizer) if optimizer_state is None else optimizer_state
+    dcp.save({"model": get_model_state_dict(model), "optimizer": saved_optimizer}, checkpoint_id=path, no_dist=True)
+    torch.save({"step_count": 1, "train_dataloader": {"position": 3}}, path / "meta.pt")
+    return moments(model, optimizer)
+
+
+def resuming_unsharded_state() -> dict:
+    """What load_sharded_train_state restores in place: a fresh Tiny (registered norm first), pretrain's groups and a
+    data loader in Fabric's wrapper."""
+    from lightning_fabric.wrappers import _FabricDataLoader
+
+    model = Tiny()
+    return {"model": model, "optimizer": torch.optim.AdamW(GROUPINGS["pretrain's"](model)), "step_count": 0,
+            "train_dataloader": _FabricDataLoader(ResumableLoader())}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("projection_first", [False, True], ids=["same-order", "registered-in-another-order"])
+def test_a_sharded_checkpoint_resumes_in_a_run_that_does_not_shard(tmp_path, projection_first):
+    """The weights, each parameter's moments (saved under its name: whatever order the saving run's model registered its
+    parameters in, and so its groups listed them), the counters and the data loader's position."""
+    from fabric_lin.sharded_checkpoint import load_sharded_train_state
+
+    torch.manual_seed(0)
+    saved_model = Tiny(projection_first)
+    expected = save_sharded_checkpoint(tmp_path / "lit_model.pth", saved_model)
+    state = resuming_unsharded_state()
+    load_sharded_train_state(tmp_path / "lit_model.pth", state)
+    model, optimizer = state["model"], state["optimizer"]
+    torch.testing.assert_close(dict(model.named_parameters()), dict(saved_model.named_parameters()), rtol=0, atol=0)
+    torch.testing.assert_close(moments(model, optimizer), expected, rtol=0, atol=0)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    assert state["step_count"] == 1 and state["train_dataloader"]._dataloader.position == 3
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sharded_checkpoint_of_other_parameters_or_groups_is_refused_naming_them(tmp_path):
+    from fabric_lin.sharded_checkpoint import load_sharded_train_state
+
+    class Renamed(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.ln = self.norm
+            del self.norm
+
+        def forward(self, x):
+            return self.ln(self.proj(x))
+
+    save_sharded_checkpoint(tmp_path / "renamed", Renamed())
+    with pytest.raises(ValueError, match=r"renamed: the checkpoint's model does not fit this run's: missing \['norm.bias', "
+                       r"'norm.weight'\], unexpected \['ln.bias', 'ln.weight'\]"):
+        load_sharded_train_state(tmp_path / "renamed", resuming_unsharded_state())
+    # the same parameters, grouped otherwise (norm.bias with weight decay)
+    model = Tiny()
+    optimizer = torch.optim.AdamW([{"params": [model.proj.weight, model.norm.bias], "weight_decay": 0.1},
+                                   {"params": [model.norm.weight, model.proj.bias], "weight_decay": 0.0}])
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    save_sharded_checkpoint(tmp_path / "regrouped", model, get_optimizer_state_dict(model, optimizer))
+    with pytest.raises(ValueError, match=r"regrouped: the checkpoint's optimizer groups the parameters otherwise than "
+                       r"this run's: its group 0 holds \['norm.bias', 'proj.weight'\], this run's \['proj.weight'\]"):
+        load_sharded_train_state(tmp_path / "regrouped", resuming_unsharded_state())
+    # the state of a parameter that no group holds
+    saved_optimizer = get_optimizer_state_dict(model, torch.optim.AdamW(GROUPINGS["pretrain's"](model)))
+    saved_optimizer["state"]["ghost.weight"] = {"step": torch.tensor(1.0)}
+    save_sharded_checkpoint(tmp_path / "ghost", model, saved_optimizer)
+    with pytest.raises(ValueError, match=r"ghost: the optimizer state names parameter 'ghost.weight', which this run's "
+                       r"model does not have"):
+        load_sharded_train_state(tmp_path / "ghost", resuming_unsharded_state())

@@ -461,7 +461,7 @@ def sm90_report() -> dict:
     import kernel_registers  # noqa: E402  (compile, do not interpret: it clears TRITON_INTERPRET)
 
     from fabric_lin.ops.gdn.fused_recurrent import fused_recurrent_gated_delta_rule_step_triton
-    from fabric_lin.ops.short_conv_triton import causal_conv1d_step_triton, causal_conv1d_triton
+    from fabric_lin.ops.short_conv_triton import causal_conv1d_split_triton, causal_conv1d_step_triton
 
     report = {"triton": kernel_registers.triton.__version__, "target": f"sm_{kernel_registers.TARGET.arch}",
               "launches": []}
@@ -478,7 +478,7 @@ def sm90_report() -> dict:
         weight = torch.randn(D, 4, requires_grad=True)  # an fp32 parameter, bf16 activations (bf16-mixed)
 
         def conv(x, cu_seqlens=None, launch=None):
-            y, _ = causal_conv1d_triton(x, weight, cu_seqlens=cu_seqlens, launch=launch)
+            (y,), _ = causal_conv1d_split_triton(x, weight, [D], cu_seqlens=cu_seqlens, launch=launch)
             y.backward(torch.ones_like(y))
 
         cu = torch.arange(0, B * T + 1, 1000, dtype=torch.int32)

@@ -1,7 +1,9 @@
-"""fabric_lin/stopping.py: each step's skip and stop flags, read by the host a step later unless waited for; fused
-AdamW's found_inf, on which skipping a non-finite step relies; and, end to end, a run whose every step is non-finite
-skipping its updates and stopping with a checkpoint; the signals that ask for a checkpoint and a stop. (Stopped by a
-signal and resumed: test_pretrain_resume.py.)"""
+"""fabric_lin/stopping.py: each step's skip and stop flags, read by the host a step later unless waited for, and one
+process's flags (and a signal during the start-up) reaching the other of two; fused AdamW's found_inf, on which
+skipping a non-finite step relies; and, end to end, a run whose every step is non-finite skipping its updates and
+stopping with a checkpoint; the signals that ask for a checkpoint and a stop. (Stopped by a signal and resumed:
+test_pretrain_resume.py.)"""
+import os
 import signal
 
 import lightning_fabric as L
@@ -38,6 +40,62 @@ def test_settle_counts_skips_in_a_row_and_reads_the_newest_flags_while_skipping_
     flags.push(4, torch.tensor(False), stop_requested=True)
     flags.push(5, torch.tensor(True), stop_requested=False)
     assert flags.settle(wait=False) == (1, True) and flags.nonfinite_in_a_row == 1
+    # a stop asked for at the newest of several steps read together stops the run there
+    flags.push(6, torch.tensor(False), stop_requested=False)
+    flags.push(7, torch.tensor(False), stop_requested=True)
+    assert flags.settle(wait=True) == (0, True)
+
+
+# The other process of test_the_flags_of_one_rank_reach_every_rank: its step 1 is non-finite, a signal reached it
+# alone before step 2 (and during the start-up)
+PEER_RANK = """
+import sys
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from fabric_lin.stopping import StepFlags, StopRequest
+
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), world_size=2, is_master=False, timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=timedelta(seconds=60))
+flags = StepFlags(SimpleNamespace(world_size=2))
+flags.push(1, torch.tensor(True), stop_requested=False)
+flags.push(2, torch.tensor(False), stop_requested=True)
+stop = StopRequest()
+stop.requested = True
+stop.requested_on_any_rank(SimpleNamespace(world_size=2, device=torch.device("cpu")))
+dist.destroy_process_group()
+"""
+
+
+def test_the_flags_of_one_rank_reach_every_rank():
+    """Two processes, this one and a peer (PEER_RANK): the peer's skipped update and its stop are this process's
+    too, as is the signal it received during the start-up."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=2, is_master=True, timeout=timedelta(seconds=60),
+                          wait_for_workers=False)
+    repository = str(Path(__file__).resolve().parents[1])
+    peer = subprocess.Popen([sys.executable, "-c", PEER_RANK, str(store.port)], cwd=repository,
+                            env={**os.environ, "PYTHONPATH": repository, "CUDA_VISIBLE_DEVICES": ""})
+    dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        flags = StepFlags(SimpleNamespace(world_size=2))
+        flags.push(1, torch.tensor(False), stop_requested=False)
+        flags.push(2, torch.tensor(False), stop_requested=False)
+        assert flags.pop(wait_all=True) == [(1, True, False), (2, False, True)]
+        assert StopRequest().requested_on_any_rank(SimpleNamespace(world_size=2, device=torch.device("cpu")))
+    finally:
+        dist.destroy_process_group()
+        assert peer.wait(timeout=90) == 0
 
 
 def test_scheduler_signals_and_ctrl_c_ask_for_a_stop_and_the_handlers_are_given_back():
@@ -61,8 +119,12 @@ def test_scheduler_signals_and_ctrl_c_ask_for_a_stop_and_the_handlers_are_given_
 
 
 def test_a_second_ctrl_c_stops_at_once_after_a_scheduler_s_signal_in_between():
-    with StopRequest(announce=False):
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    with StopRequest(announce=False) as stop:
+        assert not stop.requested_on_any_rank(fabric)
         signal.raise_signal(signal.SIGINT)
+        assert stop.requested and stop.signal_name == "SIGINT"  # the first Ctrl-C asks for a stop with a checkpoint
+        assert stop.requested_on_any_rank(fabric)
         signal.raise_signal(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)

@@ -1,6 +1,7 @@
 import json
 import re
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -8,7 +9,7 @@ import torch
 import zstandard
 
 from fabric_lin.data import Tokenizer
-from fabric_lin.data.tokenizer import copy_tokenizer_files, tokenizer_model_hash
+from fabric_lin.data.tokenizer import copy_tokenizer_files, token_dtype, tokenizer_model_hash
 from fabric_lin.data.train_tokenizer import main as train_tokenizer
 from helpers import cli_error
 
@@ -233,3 +234,14 @@ def test_a_tokenizer_or_weights_file_that_is_a_git_lfs_pointer_is_named_as_one(t
                                (torch_load_tensors, tmp_path / "lit_model.pth", "lit_model.pth")):
         with pytest.raises(UserError, match=rf"^{tmp_path / named} {fix}"):
             read(given)
+
+
+def test_token_ids_are_kept_in_the_smallest_dtype_that_holds_every_id():
+    """uint16 holds ids 0 ... 65535: a vocabulary of 65536 pieces, not one more (id 65536 would be stored as 0)."""
+    import numpy as np
+
+    from fabric_lin.data.tokenizer import token_dtype
+
+    for vocab_size, dtype in ((500, np.uint16), (65536, np.uint16), (65537, np.int32), (128256, np.int32)):
+        assert token_dtype(vocab_size) == dtype
+        assert np.array([vocab_size - 1]).astype(token_dtype(vocab_size))[0] == vocab_size - 1

@@ -1,6 +1,8 @@
-"""fabric_lin/weights.py: parameter names without the wrappers' prefixes, a state dict made canonical (two tensors
-of one name refused), tensors loaded without unpickling anything else, and file names kept inside their directory;
-a truncated weights file or a malformed model_config.yaml given to a command is one line naming it."""
+"""fabric_lin/weights.py: parameter names without the wrappers' prefixes (activation checkpointing's too), a model of
+the right shapes that holds no memory, a state dict made canonical (two tensors of one name refused), tensors loaded
+without unpickling anything else and mapped from their file (one in the legacy format read too), and file names kept
+inside their directory; a truncated weights file or a malformed model_config.yaml given to a command is one line
+naming it."""
 import shutil
 from pathlib import Path
 
@@ -13,6 +15,24 @@ from helpers import TouchOnUnpickle, cli_error, make_model_dir, small_config
 
 def test_canonical_name_removes_the_wrappers_prefixes():
     assert canonical_name("_forward_module._orig_mod.layers.0._fsdp_wrapped_module.mlp_norm.weight") == "layers.0.mlp_norm.weight"
+
+
+def test_the_parameters_of_an_activation_checkpointed_model_have_the_bare_model_s_names():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from fabric_lin.model import Block
+    from fabric_lin.weights import meta_model
+
+    bare, wrapped = meta_model(small_config()), meta_model(small_config())
+    apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, Block))  # as pretrain wraps the Blocks
+    assert any("_checkpoint_wrapped_module." in name for name, _ in wrapped.named_parameters())
+    assert [canonical_name(name) for name, _ in wrapped.named_parameters()] == [name for name, _ in bare.named_parameters()]
+
+
+def test_the_model_of_the_right_shapes_holds_no_memory():
+    from fabric_lin.weights import meta_model
+
+    assert all(p.is_meta for p in meta_model(small_config()).parameters())  # a 7B model's would take 28 GB
 
 
 def test_canonical_state_dict_refuses_two_tensors_of_one_name():
@@ -29,9 +49,31 @@ def test_tensors_are_loaded_and_nothing_else_is_unpickled(tmp_path):
     assert torch.equal(loaded["a"], torch.arange(3)) and torch.equal(loaded["b"]["c"], torch.ones(2))
     torch.save({"a": torch.zeros(1), "hook": TouchOnUnpickle(tmp_path / "pwned")}, tmp_path / "code.pth")
     with pytest.raises(ValueError, match=rf"{tmp_path / 'code.pth'} holds objects other than tensors and plain containers, "
-                       r"so it is not loaded \(files are never unpickled beyond tensors\)"):
+                       r"so it is not loaded \(files are never unpickled beyond tensors\)\. "
+                       r"Details: .*GLOBAL (posix|os)\.system"):
         torch_load_tensors(tmp_path / "code.pth")
     assert not (tmp_path / "pwned").exists()
+
+
+def test_tensors_are_mapped_from_the_file_not_read_into_memory(tmp_path):
+    """A large model is read page by page as the weights are copied (no second copy of the file in memory); a file in
+    torch's legacy format, which cannot be mapped, is read all the same."""
+    maps = Path("/proc/self/maps")
+    if not maps.is_file():
+        pytest.skip("reads where the tensor's memory is from Linux's /proc/self/maps")
+
+    def mapped_from(tensor: torch.Tensor) -> str:
+        address = tensor.untyped_storage().data_ptr()
+        for line in maps.read_text().splitlines():
+            start, end = (int(bound, 16) for bound in line.split()[0].split("-"))
+            if start <= address < end:
+                return line.split(maxsplit=5)[-1]
+        return ""
+
+    torch.save({"w": torch.arange(4096.0)}, tmp_path / "weights.pth")
+    assert mapped_from(torch_load_tensors(tmp_path / "weights.pth")["w"]) == str(tmp_path / "weights.pth")
+    torch.save({"w": torch.arange(3)}, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    assert torch.equal(torch_load_tensors(tmp_path / "legacy.pth")["w"], torch.arange(3))
 
 
 def test_numpy_arrays_are_loaded_only_where_asked_for(tmp_path):
@@ -59,6 +101,10 @@ def test_a_file_name_that_leaves_its_directory_is_refused(tmp_path, name, proble
     with pytest.raises(ValueError, match=rf"index: file name {name!r} {problem} {tmp_path}"):
         inside(tmp_path, name, "index")
     assert inside(tmp_path, "shards/./model-1.safetensors", "index") == tmp_path / "shards" / "model-1.safetensors"
+    # the path as checked, `..` resolved by name (not through a link the directory holds); a name that merely begins
+    # with two dots is inside
+    assert inside(tmp_path, "shards/../model-1.safetensors", "index") == tmp_path / "model-1.safetensors"
+    assert inside(tmp_path, "..model-1.safetensors", "index") == tmp_path / "..model-1.safetensors"
 
 
 # ---- a damaged file given to a command: one line naming it, exit code 2, for every command that reads it
@@ -111,6 +157,14 @@ def test_a_truncated_model_safetensors_is_one_line(model_files, tmp_path, capsys
         assert f"error: {damaged} cannot be read as safetensors: " in err, err
         assert "truncated or damaged" in err
     assert not (tmp_path / "back").exists()
+
+
+def test_a_truncated_safetensors_file_opened_for_reading_one_tensor_at_a_time_is_named(model_files, tmp_path):
+    from fabric_lin.weights import open_safetensors
+
+    damaged = cut_copy(model_files / "safetensors", tmp_path / "safetensors", "model.safetensors", CUTS["half"])
+    with pytest.raises(ValueError, match=rf"{damaged} cannot be read as safetensors: .*truncated or damaged"):
+        open_safetensors(damaged)
 
 
 def test_a_malformed_model_config_yaml_is_one_line(model_files, tmp_path, capsys):

@@ -61,10 +61,19 @@ class DataModule:
         """The prepared directories a run reads, training and validation (none for a module of its own)."""
         return []
 
+    def validation_dirs(self) -> List[Path]:
+        """The prepared directories the validation loader reads. A module that does not tell: all of them."""
+        return self.prepared_dirs()
+
     def setup(self) -> None:
         """Check the data before any of it is read: every directory complete, all made by one tokenizer, the
         run's `tokenizer` (when connected) and made for the model's `vocab_size`, each wrong one named."""
         check_prepared_dirs(self.prepared_dirs(), self.tokenizer, self.vocab_size)
+
+    def setup_validation(self) -> None:
+        """`setup()` for a reader of the validation split alone (evaluate): a module whose validation directories
+        stand apart from its training ones checks only those, so data without the training split is read."""
+        self.setup()
 
     @property
     def tokenizer_dir(self) -> Optional[Path]:

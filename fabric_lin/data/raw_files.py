@@ -224,8 +224,13 @@ class DocumentBatch(NamedTuple):
     empty: List[int]
 
 
+def holds_no_text(text: Optional[str]) -> bool:
+    """A document of nothing but whitespace, or none at all: tokenized, it would be an end-of-text token alone."""
+    return not text or text.isspace()
+
+
 def _add_document(batch: DocumentBatch, index: int, text: Optional[str]) -> None:
-    if not text or text.isspace():
+    if holds_no_text(text):
         batch.empty.append(index)
     else:
         batch.indices.append(index)

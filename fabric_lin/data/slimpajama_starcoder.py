@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Iterator, List, Tuple
 
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
-from fabric_lin.data.raw_files import find_files, iter_parquet_texts, read_slimpajama_file
+from fabric_lin.data.prepared import check_prepared_dirs
+from fabric_lin.data.raw_files import find_files, holds_no_text, iter_parquet_texts, read_slimpajama_file
 from fabric_lin.data.recipe import TokenizeRecipe
 from fabric_lin.errors import InvalidValue, MissingFile
 
@@ -19,7 +20,8 @@ STARCODER_ROWS_PER_BATCH = 8192
 
 
 class SlimPajamaRecipe(TokenizeRecipe):
-    """Every `*.jsonl.zst` under the input directory: field `text` of each JSON line, less the RedPajamaGithub rows."""
+    """Every `*.jsonl.zst` under the input directory: field `text` of each JSON line, less the RedPajamaGithub rows
+    and, as prepare_text leaves them out, the documents of nothing but whitespace (counted)."""
 
     name = "slimpajama"
     filtered_rows = f"{SKIPPED_SET} rows left out (Starcoder holds the code)"
@@ -30,8 +32,10 @@ class SlimPajamaRecipe(TokenizeRecipe):
     def read_documents(self, path: str) -> Iterator[List[str]]:
         # The whole file is read and validated first (read_slimpajama_file), so a bad file adds nothing.
         rows = read_slimpajama_file(path)
-        texts = [text for text, set_name in rows if set_name != SKIPPED_SET]
-        self._skipped_rows += len(rows) - len(texts)
+        kept = [text for text, set_name in rows if set_name != SKIPPED_SET]
+        self._skipped_rows += len(rows) - len(kept)
+        texts = [text for text in kept if not holds_no_text(text)]
+        self._empty_documents += len(kept) - len(texts)
         for start in range(0, len(texts), SLIMPAJAMA_DOCUMENTS_PER_BATCH):
             yield texts[start : start + SLIMPAJAMA_DOCUMENTS_PER_BATCH]
 
@@ -89,28 +93,37 @@ class SlimPajamaStarcoder(DataModule):
         return Path(self.data_path) / "starcoder"
 
     def prepared_dirs(self) -> List[Path]:
-        return ([self.slimpajama_train] + ([self.slimpajama_val] if self.validation else [])
+        return ([self.slimpajama_train] + self.validation_dirs()
                 + ([self.starcoder_train] if self.use_starcoder else []))
+
+    def validation_dirs(self) -> List[Path]:
+        return [self.slimpajama_val] if self.validation else []
 
     def setup(self) -> None:
         self.check_weights()  # again here: subclasses with their own __post_init__ reach this
-        self.check_layout()
+        self.check_layout(self.prepared_dirs())
         super().setup()
 
-    def check_layout(self) -> None:
-        """Each directory read is there under data_path: the one key that places them all is named, with the layout
+    def setup_validation(self) -> None:
+        # evaluate reads slimpajama/val alone: the training directories need not be on this machine
+        self.check_layout(self.validation_dirs())
+        check_prepared_dirs(self.validation_dirs(), self.tokenizer, self.vocab_size)
+
+    def check_layout(self, dirs: List[Path]) -> None:
+        """Each of `dirs` is there under data_path: the one key that places them all is named, with the layout
         (the preprocessors write each where their --output_dir says, so data_path is where the user put them)."""
         data_path = Path(self.data_path)
-        layout = [path.relative_to(data_path) for path in self.prepared_dirs()]
+        layout = [path.relative_to(data_path) for path in dirs]
         missing = [relative for relative in layout if not (data_path / relative).exists()]
         if not missing:
             return
         # data_path given as one of the directories inside it (data/slimpajama, data/slimpajama/train)
         meant = next((above for above in (data_path.parent, data_path.parent.parent)
                       if all((above / relative).exists() for relative in layout)), None)
-        hint = (f": did you mean --data.data_path {meant}?" if meant is not None else
-                "; each is the --output_dir of prepare_slimpajama or prepare_starcoder (data.use_starcoder false: no "
-                "starcoder, data.validation false: no slimpajama/val)")
+        written_by = ("each is the --output_dir of prepare_slimpajama or prepare_starcoder (data.use_starcoder false: "
+                      "no starcoder, data.validation false: no slimpajama/val)" if self.slimpajama_train in dirs else
+                      "it is the --output_dir of prepare_slimpajama run on SlimPajama's validation files")
+        hint = f": did you mean --data.data_path {meant}?" if meant is not None else f"; {written_by}"
         raise MissingFile(f"data.data_path {data_path} holds no {missing[0]} ({data_path / missing[0]} does not exist): "
                           f"expected {', '.join(map(str, layout))} under it{hint}")
 

@@ -622,22 +622,12 @@ def causal_conv1d_step_triton(x: torch.Tensor, weight: torch.Tensor, cache: torc
     return conv_step(x.contiguous(), weight.contiguous(), cache.contiguous(), activation, launch_json(launch, SHIPPED))
 
 
-def causal_conv1d_triton(
-    x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor] = None,
-    cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True, launch: Optional[ShortConvLaunch] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """short_conv.causal_conv1d on the kernels; the shapes checked by the caller. launch: None for the shipped
-    settings."""
-    ys, new_cache = causal_conv1d_split_triton(x, weight, [x.shape[2]], cache, cu_seqlens, activation, launch)
-    return ys[0], new_cache
-
-
 def causal_conv1d_split_triton(
     x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int], cache: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, activation: bool = True, launch: Optional[ShortConvLaunch] = None,
 ) -> Tuple[List[torch.Tensor], torch.Tensor]:
     """short_conv.causal_conv1d_split on the kernels (one to three outputs, the shapes checked by the caller): one
-    launch each way for every output. A single token continuing a cache with no gradient wanted takes the
+    launch each way for all the outputs. A single token continuing a cache with no gradient wanted takes the
     decoding step (one launch for y and the new cache)."""
     B, T, D = x.shape
     W = weight.shape[1]

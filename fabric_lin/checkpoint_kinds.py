@@ -1,0 +1,142 @@
+"""The three kinds of directory a model is read from for `fabric-lin evaluate` (tutorials/convert.md): a training
+checkpoint (verified against its manifest, as a resume does), a model directory, an fla export; and, for a
+training checkpoint, its run's hyperparameters, step and data module."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from fabric_lin.checkpoint import (
+    HPARAMS_FILE,
+    MANIFEST_FILE,
+    STEP_FILE,
+    checkpoint_dirs,
+    find_training_checkpoint,
+    load_model_weights,
+)
+from fabric_lin.config import CONFIG_FILE, Config
+from fabric_lin.data import DataModule
+from fabric_lin.errors import InvalidValue, MissingFile
+from fabric_lin.files import read_yaml
+from fabric_lin.weights import MODEL_FILE, canonical_state_dict
+
+
+TRAINING_CHECKPOINT, MODEL_DIRECTORY, FLA_EXPORT = "training checkpoint", "model directory", "fla export"
+
+
+@dataclass
+class Checkpoint:
+    """A model read from one of the three kinds of directory (tutorials/convert.md)."""
+
+    kind: str
+    config: Config
+    state_dict: Dict[str, torch.Tensor]
+    tokenizer: Any  # fabric_lin.data.Tokenizer, or None where the directory holds no tokenizer.model
+    hparams: Optional[Dict[str, Any]] = None  # a training checkpoint's hyperparameters.yaml
+    step: Optional[int] = None  # a training checkpoint's optimizer step
+
+
+def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
+    """The model of a training checkpoint (verified against its manifest first, as a resume does), a model
+    directory or an fla export; which one is told by the files it holds."""
+    from fabric_lin.convert.hf import HF_CONFIG_FILE, read_fla_checkpoint
+    from fabric_lin.convert.model_dir import (
+        SAFETENSORS_FILE,
+        check_not_lora_adapters,
+        check_state_dict,
+        load_model_dir_weights,
+    )
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    checkpoint_dir = Path(checkpoint_dir)
+    expected = ("expected a training checkpoint (a run's step-XXXXXXXX/ or final/), a model directory "
+                "(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output)")
+    if not checkpoint_dir.is_dir():
+        raise MissingFile(f"{checkpoint_dir} is not a directory: {expected}")
+
+    def has(name: str) -> bool:
+        return (checkpoint_dir / name).exists()
+
+    tokenizer = Tokenizer(checkpoint_dir) if has("tokenizer.model") else None
+    if has(STEP_FILE) or has(MANIFEST_FILE) or has(HPARAMS_FILE) or (checkpoint_dir / MODEL_FILE).is_dir():
+        config, weights_path = find_training_checkpoint(checkpoint_dir, use="evaluate")
+        state_dict = canonical_state_dict(load_model_weights(weights_path))
+        check_state_dict(state_dict, config, source=str(weights_path))
+        hparams = read_hparams(checkpoint_dir / HPARAMS_FILE) if has(HPARAMS_FILE) else None
+        step = read_step(checkpoint_dir / STEP_FILE)
+        return Checkpoint(TRAINING_CHECKPOINT, config, state_dict, tokenizer, hparams, step)
+    if has(CONFIG_FILE) and (has(MODEL_FILE) or has(SAFETENSORS_FILE) or has("model.safetensors.index.json")):
+        config = Config.from_checkpoint(checkpoint_dir)
+        return Checkpoint(MODEL_DIRECTORY, config, load_model_dir_weights(checkpoint_dir, config), tokenizer)
+    if has(HF_CONFIG_FILE):
+        config, state_dict = read_fla_checkpoint(checkpoint_dir)
+        return Checkpoint(FLA_EXPORT, config, state_dict, tokenizer)
+    check_not_lora_adapters(checkpoint_dir, "evaluate", reads_exports=True)
+    inside = [p.name for p in checkpoint_dirs(checkpoint_dir)]
+    hint = f"; it holds a run's checkpoints ({', '.join(inside[:3])}): pass one of them" if inside else ""
+    raise MissingFile(
+        f"{checkpoint_dir} is not a checkpoint: it holds none of {MODEL_FILE}, {SAFETENSORS_FILE} or {HF_CONFIG_FILE}; "
+        f"{expected}{hint}"
+    )
+
+
+def read_hparams(path: Path) -> Dict[str, Any]:
+    hparams = read_yaml(path)
+    if not isinstance(hparams, dict):
+        raise InvalidValue(f"{path}: expected a mapping of pretrain's arguments, got {type(hparams).__name__}")
+    return hparams
+
+
+def read_step(path: Path) -> Optional[int]:
+    try:
+        step = json.loads(path.read_text(encoding="utf-8")).get("step_count")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def run_data_module(hparams: Dict[str, Any], path: Path) -> DataModule:
+    """The data module a run trained with, from its hyperparameters.yaml (`data`: class_path and init_args).
+    Only fabric-lin's own data modules are built from a checkpoint: a class_path elsewhere would import a module
+    named by a file that may come from anyone."""
+    from jsonargparse import ArgumentParser
+
+    entry = hparams.get("data")
+    class_path = entry.get("class_path") if isinstance(entry, dict) else None
+    if not isinstance(class_path, str):
+        raise InvalidValue(f"{path}: its data entry is not a data module (class_path and init_args); give --data")
+    if not class_path.startswith("fabric_lin.data."):
+        raise InvalidValue(
+            f"{path}: data.class_path {class_path} is not one of fabric-lin's data modules, and evaluate imports no "
+            f"other module that a checkpoint names: give it on the command line, --data {class_path} --data.<option> ..."
+        )
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--data", type=DataModule)
+    try:
+        parsed = parser.parse_object({"data": entry})
+        instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # the second before jsonargparse 4.49
+        return instantiate(parsed).data
+    except Exception as e:  # jsonargparse's own error types, or the data module's check of its values
+        raise InvalidValue(f"{path}: its data entry does not load ({' '.join(str(e).split())}); give --data") from None
+
+
+def check_run_data_is_there(data: DataModule, path: Path) -> None:
+    """The validation directories of the run's data module (read from its hyperparameters.yaml, `path`) are still
+    there: data moved since is named with the file that names it, and --data is the way on."""
+    for directory in data.validation_dirs():
+        if not Path(directory).exists():
+            name = type(data).__name__
+            raise MissingFile(f"{directory} does not exist: {path} names it as the run's data ({name}); give --data to "
+                              f"read the data where it is now, e.g. --data {name} --data.<option> DIR")
+
+
+def plain_value(value: Any) -> Any:
+    """JSON for what json does not write itself (numbers of NumPy, paths)."""
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+# ---------------------------------------------------------------- the plot
