@@ -249,7 +249,7 @@ def lift_fla_gdn_hopper_guard() -> bool:
 def parse_variants(texts: Sequence[str], shipped):
     """{name: launch bundle} from --variants "NAME:KEY=VALUE[,KEY=VALUE...]" strings, each a change to the
     `shipped` bundle (fabric_lin.ops.launch.with_settings: "kernel.field" for a KernelLaunch's field). A value
-    is a string where the shipped setting is one (a design's name), else an integer, or "None"."""
+    is an integer, or "None"."""
     from fabric_lin.ops.launch import with_settings
 
     variants = {}
@@ -260,9 +260,6 @@ def parse_variants(texts: Sequence[str], shipped):
         settings = {}
         for item in body.split(","):
             key, _, value = item.partition("=")
-            if isinstance(getattr(shipped, key, None), str):
-                settings[key] = value
-                continue
             try:
                 settings[key] = None if value == "None" else int(value)
             except ValueError:

@@ -40,38 +40,20 @@ SHIPPED_SWIGLU = SwiGLULaunch()
 
 @dataclass(frozen=True)
 class ShortConvLaunch(LaunchBundle):
-    """How the convolution's kernels are launched: which design (fabric_lin/ops/short_conv_triton.py) and its tiles
-    of rows and channels, from ptxas's report for sm_90 at gdn-340M's shapes (bf16, W = 4, D = 512 and 1024;
-    tests/test_short_conv.py prints it): the forward's [64 rows, 64 channels] takes 84 registers a thread (6
-    programs of 4 warps per SM); on [32, 64] the backward's dz kernel takes 128 (4 programs per SM) and its dx
-    kernel 68 (76 with cu_seqlens). The one-pass kernels on 256 channels, 8 rows a step: 37 (forward) and 72
-    (backward; 64 and 96 with cu_seqlens) with Triton 3.6."""
+    """How the convolution's kernels (fabric_lin/ops/short_conv_triton.py) are launched: each program of the forward
+    and backward walks `rows` rows of `channels` channels of one sequence, `rows_per_load` rows loaded at a time.
+    ptxas's registers a thread for sm_90 with Triton 3.8 at gdn-340M's shapes (tests/test_short_conv.py prints them):
+    forward 37 (53 with cu_seqlens), backward 76 (108 with cu_seqlens)."""
 
-    fwd_design: str = "tiles"
-    """The forward's kernel: "tiles" (W shifted loads of each [fwd_rows, fwd_channels] tile of x) or "one_pass" (each
-    block of rows walked in order, every input loaded once; on the one_pass_ settings)."""
-    fwd_channels: int = 64
-    """Channels per forward tile: 128 contiguous bytes of a bf16 row."""
-    fwd_rows: int = 64
-    bwd_channels: int = 64
-    """Channels per tile of both backward kernels."""
-    bwd_rows: int = 32
-    bwd_row_tiles: int = 8
-    """Row tiles per program of the backward's dz kernel: fewer dweight partial sums to write and add up."""
-    bwd_design: str = "two_pass"
-    """The backward's kernels: "two_pass" (the dz kernel, then the dx kernel, on the bwd_ tiles) or "one_pass" (one
-    kernel walking each block of rows in order: x and dy read once, dx written once, nothing else in memory but
-    the dweight partial sums; on the one_pass_ settings)."""
-    one_pass_channels: int = 256
-    """Channels per program of the one-pass kernels (a power of two): a row of them is one load per thread, 2
-    channels (4 bytes of bf16) each at 256 channels and 4 warps. The backward took 168 registers at 512 channels
-    (4 each, 8 rows a step)."""
-    one_pass_rows: int = 128
-    """Rows per program of the one-pass kernels, a multiple of one_pass_step: each block also reads the W - 1 rows
-    before it (and, backward, after it) and writes one dweight partial sum."""
-    one_pass_step: int = 8
-    """Rows loaded at once by the one-pass kernels, all in flight before their arithmetic (the backward's registers:
-    4 rows took 64 a thread at 256 channels, 16 rows 195 at 512)."""
+    channels: int = 256
+    """Channels per program (a power of two): a row of them is one load per thread, 2 channels (4 bytes of bf16)
+    each at 4 warps."""
+    rows: int = 128
+    """Rows per program, a multiple of rows_per_load: each block also reads the W - 1 rows before it (and, backward,
+    after it) and writes one dweight partial sum."""
+    rows_per_load: int = 8
+    """Rows loaded at once, all in flight before their arithmetic (they cost the backward's registers: 4 rows took 56
+    a thread at 256 channels, 16 rows 190 at 512)."""
     step_channels: int = 128
     """Channels per program of the decoding step."""
     warps: int = 4
@@ -79,15 +61,11 @@ class ShortConvLaunch(LaunchBundle):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.fwd_design not in ("tiles", "one_pass"):
-            raise ValueError(f"ShortConvLaunch.fwd_design must be 'tiles' or 'one_pass', got {self.fwd_design!r}")
-        if self.bwd_design not in ("two_pass", "one_pass"):
-            raise ValueError(f"ShortConvLaunch.bwd_design must be 'two_pass' or 'one_pass', got {self.bwd_design!r}")
-        if self.one_pass_channels < 1 or self.one_pass_channels & (self.one_pass_channels - 1):
-            raise ValueError(f"ShortConvLaunch.one_pass_channels must be a power of two, got {self.one_pass_channels}")
-        if self.one_pass_step < 1 or self.one_pass_rows % self.one_pass_step:
-            raise ValueError(f"ShortConvLaunch.one_pass_rows must be a multiple of one_pass_step (at least 1), got "
-                             f"{self.one_pass_rows} and {self.one_pass_step}")
+        if self.channels < 1 or self.channels & (self.channels - 1):
+            raise ValueError(f"ShortConvLaunch.channels must be a power of two, got {self.channels}")
+        if self.rows_per_load < 1 or self.rows % self.rows_per_load:
+            raise ValueError(f"ShortConvLaunch.rows must be a multiple of rows_per_load (at least 1), got {self.rows} "
+                             f"and {self.rows_per_load}")
 
 
 SHIPPED_SHORT_CONV = ShortConvLaunch()

@@ -2,42 +2,29 @@
 
     z[t, d] = sum_{j < W} weight[d, j] * x[t - (W - 1) + j, d],   y = silu(z)   (or z without the activation)
 
-Two designs, chosen by ShortConvLaunch.fwd_design and bwd_design; the backward pass keeps nothing but x (and the
-cache), neither z nor y.
+One design, a walk down the rows: each row is read once (x forward, x and dy backward) and dz is made in registers
+where it is used, never written in fp32 and read back. The backward pass keeps nothing but x (and the cache),
+neither z nor y.
 
-Shifted tiles (the shipped design):
-* forward ("tiles"): one program per (tile of BD channels, tile of BT rows, sequence) sums the W shifted tiles of x.
-* backward ("two_pass"), two kernels:
-  - dz: one program per (channel tile, block of TILES row tiles, sequence) recomputes z from x, writes
-    dz = dy silu'(z) in fp32 and sums its share of dweight. Each program's share goes to its own slot of an
-    fp32 buffer that the host sums (a fixed order: the same gradient every run, which atomics would not give).
-  - dx: one program per (channel tile, row tile, sequence), dx[s] = sum_j weight[d, j] dz[s + W - 1 - j] from
-    W shifted loads of dz. Writing dz and reading it back costs its bytes, but each row's dz is computed once;
-    recomputing dz at the W shifted row sets, or moving it up within a tile (tl.gather), timed slower on an
-    H100 (benchmarks/short_conv.py). dz stays fp32: in bf16 it would halve those bytes but double dx's error,
-    past that of fla's kernel.
-  The gradient of a given cache is written by the first row tile of each sequence, only when the cache needs
-  one (the training path passes no cache: the model takes one only when decoding).
-  Per element the backward reads x, dy and dz, writes dz and dx: 14 bytes in bf16 with dz in fp32, where x, dy
-  and dx alone are 6; and its dz kernel loads each x tile 2W times (z's taps, then dweight's).
-
-One pass (a row walk): one program per (channel tile, block of ROWS rows, sequence) walks its rows in order, each
-row a [1, BD] vector, STEP rows loaded at a time; the W - 1 inputs before the current row (and, backward, the
-partial sums of the W - 1 rows of dx still open) ride along in registers from row to row, so no row is shifted
-across threads and nothing is written but the outputs:
+One program per (tile of BD channels, block of ROWS rows, sequence) walks its rows in order, each row a [1, BD]
+vector, STEP rows loaded at a time (ShortConvLaunch's channels, rows and rows_per_load); the W - 1 inputs before the
+current row (and, backward, the partial sums of the W - 1 rows of dx still open) ride along in registers from row to
+row, so no row is shifted across threads and nothing is written but the outputs:
 * forward: each input loaded once (the block's W - 1 rows before it, twice), y stored once.
 * backward: z recomputed and dz = dy silu'(z) made once per row; dz[t] adds its W parts to the open dx sums of
   rows t - (W - 1) .. t, and row t - (W - 1) is then complete and stored. A block also walks the W - 1 rows after
   it (their dz completes its last rows' dx; their dweight share is the next block's). Per element it reads x and
-  dy and writes dx: 6 bytes in bf16, and one sigmoid. dweight as above, one partial sum per program.
-  The cache's gradient is the open sums of rows -(W - 1) .. -1, completed by the first block of a sequence.
-
+  dy and writes dx: 6 bytes in bf16, and one sigmoid. Each program's share of dweight goes to its own slot of an
+  fp32 buffer that the host sums (a fixed order: the same gradient every run, which atomics would not give).
+  The cache's gradient is the open sums of rows -(W - 1) .. -1, completed by the first block of a sequence, and
+  written only when the cache needs one (the training path passes no cache: the model takes one only when
+  decoding).
 * decoding step: one token per sequence from the cache, which it also shifts (one launch per token).
 
-Varlen (`cu_seqlens`, B = 1): a program finds each row's document by binary search over the offsets (no
-host synchronisation, no per-token index tensor); a row walk searches once, then steps from document to document
-as its rows pass their offsets. A tap that would read before the document's first row reads zero, and a row's dz
-never reaches dx across a document end.
+Varlen (`cu_seqlens`, B = 1): a walk finds its first row's document by binary search over the offsets (no host
+synchronisation, no per-token index tensor), then steps from document to document as its rows pass their offsets.
+A tap that would read before the document's first row reads zero, and a row's dz never reaches dx across a
+document end.
 """
 from typing import List, Optional, Sequence, Tuple
 
@@ -46,55 +33,31 @@ import triton
 import triton.language as tl
 
 from fabric_lin.ops.custom_op import kernel_op, refuse_second_derivative
-from fabric_lin.ops.launch import cdiv, launch_json, next_power_of_2
+from fabric_lin.ops.launch import cdiv, launch_json
 from fabric_lin.ops.fused_launch import SHIPPED_SHORT_CONV as SHIPPED, ShortConvLaunch
 
 
 @triton.jit
-def _document_index(cu_seqlens, rows, N, STEPS):
-    """The document holding each row (a vector of rows, or one row): the largest i with cu_seqlens[i] <= row, by
-    binary search over the N + 1 offsets in STEPS = bit_length(N) halvings. An empty document shares its offset
-    with the next one; the search lands on the last of equal offsets, the document that holds the row."""
-    lo = rows * 0
+def _document_index(cu_seqlens, row, N, STEPS):
+    """The document holding `row`: the largest i with cu_seqlens[i] <= row, by binary search over the N + 1 offsets
+    in STEPS = bit_length(N) halvings. An empty document shares its offset with the next one; the search lands on
+    the last of equal offsets, the document that holds the row."""
+    lo = row * 0
     hi = lo + N
     for _ in range(STEPS):
         mid = (lo + hi + 1) // 2
-        inside = tl.load(cu_seqlens + mid).to(tl.int32) <= rows
+        inside = tl.load(cu_seqlens + mid).to(tl.int32) <= row
         lo = tl.where(inside, mid, lo)
         hi = tl.where(inside, hi, mid - 1)
     return lo
 
 
 @triton.jit
-def _document_bounds(cu_seqlens, rows, N, STEPS):
-    """(start, end) of the document holding each row."""
-    i_n = _document_index(cu_seqlens, rows, N, STEPS)
-    start = tl.load(cu_seqlens + i_n).to(tl.int32)
-    end = tl.load(cu_seqlens + tl.minimum(i_n + 1, N)).to(tl.int32)
-    return start, end
-
-
-@triton.jit
-def _row_bounds(cu_seqlens, rows, T, N, STEPS, W: tl.constexpr, HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(first row a tap of each row may read, the row after its sequence's last). Rows -(W - 1)..-1 are
-    the cache's slots; without a cache they read as zeros."""
-    if IS_VARLEN:
-        first, end = _document_bounds(cu_seqlens, rows, N, STEPS)
-    else:
-        end = tl.zeros_like(rows) + T
-        if HAS_CACHE:
-            first = tl.zeros_like(rows) - (W - 1)
-        else:
-            first = tl.zeros_like(rows)
-    return first, end
-
-
-@triton.jit
-def _load_input(x_seq, x_stride_t, c_seq, rows, first, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr,
+def _load_input(x_seq, x_stride_t, c_seq, rows, lowest, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr,
                 HAS_CACHE: tl.constexpr):
-    """The convolution's input at `rows` (a [BT] vector) of one sequence as fp32 [BT, BD]: x at rows in
-    [0, T), the cache's slot row + W - 1 at negative rows, zero before each row's `first`."""
-    readable = (rows >= first) & (rows < T)
+    """The convolution's input at `rows` (a [1] vector: one row) of one sequence as fp32 [1, BD]: x at rows in
+    [0, T), the cache's slot row + W - 1 at negative rows, zero below `lowest` (the first row a load may read)."""
+    readable = (rows >= lowest) & (rows < T)
     m_x = (readable & (rows >= 0))[:, None] & m_d[None, :]
     b_x = tl.load(x_seq + rows.to(tl.int64)[:, None] * x_stride_t + o_d[None, :], mask=m_x, other=0.0)
     b_x = b_x.to(tl.float32)
@@ -104,18 +67,6 @@ def _load_input(x_seq, x_stride_t, c_seq, rows, first, T, o_d, m_d, D: tl.conste
         # the cache is rounded to x's dtype first, as the reference concatenates it with x
         b_x += b_c.to(x_seq.dtype.element_ty).to(tl.float32)
     return b_x
-
-
-@triton.jit
-def _preactivation(x_seq, x_stride_t, c_seq, weight, rows, first, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr,
-                   BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr):
-    """z at `rows`, fp32 [BT, BD]: tap j reads row - (W - 1 - j)."""
-    z = tl.zeros([BT, BD], dtype=tl.float32)
-    for j in tl.static_range(W):
-        b_w = tl.load(weight + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)
-        z += b_w[None, :] * _load_input(x_seq, x_stride_t, c_seq, rows - (W - 1 - j), first, T, o_d, m_d, D, W,
-                                        HAS_CACHE)
-    return z
 
 
 @triton.jit
@@ -139,22 +90,10 @@ def _output_tile(i_d, i_b, T, D0, D1, out0, out1, out2, D: tl.constexpr, BD: tl.
 
 
 @triton.jit
-def _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d, m_d,
-                        D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr,
-                        ACTIVATION: tl.constexpr):
-    """dz at `rows` (zero outside [0, end)), z recomputed from the input; dy_cols: the tile's columns of the
-    sequence's dy (row stride dy_stride)."""
-    b_dy = _output_grad(dy_cols, dy_stride, rows, tl.minimum(end, T), m_d)
-    if ACTIVATION:
-        z = _preactivation(x_seq, x_stride_t, c_seq, weight, rows, first, T, o_d, m_d, D, W, BT, BD, HAS_CACHE)
-        b_dy = _silu_grad(b_dy, z)
-    return b_dy
-
-
-@triton.jit
-def _output_grad(dy_cols, dy_stride, rows, end, m_d):
-    """dy at `rows` as fp32 [BT, BD], zero outside [0, end); dy_cols: the tile's columns of the sequence's dy."""
-    m = ((rows >= 0) & (rows < end))[:, None] & m_d[None, :]
+def _output_grad(dy_cols, dy_stride, rows, T, m_d):
+    """dy at `rows` (one row, never negative) as fp32 [1, BD], zero from row T; dy_cols: the tile's columns of the
+    sequence's dy."""
+    m = (rows < T)[:, None] & m_d[None, :]
     return tl.load(dy_cols[None, :] + rows.to(tl.int64)[:, None] * dy_stride, mask=m, other=0.0).to(tl.float32)
 
 
@@ -163,88 +102,6 @@ def _silu_grad(dy, z):
     """dz from dy = d silu(z): silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z)))."""
     sig = tl.sigmoid(z)
     return dy * sig * (1.0 + z * (1.0 - sig))
-
-
-@triton.jit
-def _conv_fwd_kernel(x, weight, cache, cu_seqlens, y0, y1, y2, T, x_stride_b, x_stride_t, N, STEPS, D0, D1,
-                     D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SEGMENTS: tl.constexpr,
-                     HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr):
-    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d, m_d, y_cols, y_stride = _output_tile(i_d, i_b, T, D0, D1, y0, y1, y2, D, BD, SEGMENTS)
-    rows = i_t * BT + tl.arange(0, BT)
-    first, _ = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
-    x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
-    z = _preactivation(x_seq, x_stride_t, c_seq, weight, rows, first, T, o_d, m_d, D, W, BT, BD, HAS_CACHE)
-    if ACTIVATION:
-        z = z * tl.sigmoid(z)
-    p_y = y_cols[None, :] + rows.to(tl.int64)[:, None] * y_stride
-    tl.store(p_y, z.to(y0.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
-
-
-@triton.jit
-def _conv_dz_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dz, dw_part, T, x_stride_b, x_stride_t, N, STEPS,
-                    TILES, D0, D1, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
-                    BD: tl.constexpr, SEGMENTS: tl.constexpr, HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                    ACTIVATION: tl.constexpr):
-    """The backward's first kernel: dz for TILES tiles of BT rows, written to dz [B, T, D] in fp32, and this
-    block's share of dweight ([D, W] at slot (sequence, block) of dw_part)."""
-    i_d, i_blk, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d, m_d, dy_cols, dy_stride = _output_tile(i_d, i_b, T, D0, D1, dy0, dy1, dy2, D, BD, SEGMENTS)
-    o_w = tl.arange(0, BW)
-    x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
-    dz_seq = dz + i_b * T * D
-    b_dw = tl.zeros([BW, BD], dtype=tl.float32)
-    for i_s in range(TILES):
-        rows = (i_blk * TILES + i_s) * BT + tl.arange(0, BT)
-        first, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
-        b_dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d,
-                                   m_d, D, W, BT, BD, HAS_CACHE, ACTIVATION)
-        for j in tl.static_range(W):
-            b_in = _load_input(x_seq, x_stride_t, c_seq, rows - (W - 1 - j), first, T, o_d, m_d, D, W, HAS_CACHE)
-            b_dw += tl.where(o_w[:, None] == j, tl.sum(b_dz * b_in, 0)[None, :], 0.0)
-        p_dz = dz_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :]
-        tl.store(p_dz, b_dz, mask=(rows < T)[:, None] & m_d[None, :])
-    p_dw = dw_part + (i_b * tl.num_programs(1) + i_blk) * D * W + o_d[None, :] * W + o_w[:, None]
-    tl.store(p_dw, b_dw, mask=(o_w < W)[:, None] & m_d[None, :])
-
-
-@triton.jit
-def _input_grad(dz_seq, weight, rows, end, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-                BD: tl.constexpr):
-    """The input's gradient at `rows` from the written dz: the input at row s reaches z[s + back] through tap
-    W - 1 - back; dz is read only below each row's `end`, so no gradient crosses a document end (rows below 0
-    are the cache's slots)."""
-    grad = tl.zeros([BT, BD], dtype=tl.float32)
-    for back in tl.static_range(W):
-        later = rows + back
-        m = ((later >= 0) & (later < end) & (later < T))[:, None] & m_d[None, :]
-        b_dz = tl.load(dz_seq + later.to(tl.int64)[:, None] * D + o_d[None, :], mask=m, other=0.0)
-        b_w = tl.load(weight + o_d * W + (W - 1 - back), mask=m_d, other=0.0).to(tl.float32)
-        grad += b_w[None, :] * b_dz
-    return grad
-
-
-@triton.jit
-def _conv_dx_kernel(dz, weight, cu_seqlens, dx, dcache, T, N, STEPS, D: tl.constexpr, W: tl.constexpr,
-                    BC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, WANT_DCACHE: tl.constexpr,
-                    IS_VARLEN: tl.constexpr):
-    """The backward's second kernel: dx on a tile of BT rows from W shifted loads of dz; the cache's gradient
-    from a sequence's first tile."""
-    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    dz_seq, dx_seq = dz + i_b * T * D, dx + i_b * T * D
-    rows = i_t * BT + tl.arange(0, BT)
-    _, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, False, IS_VARLEN)
-    b_dx = _input_grad(dz_seq, weight, rows, end, T, o_d, m_d, D, W, BT, BD)
-    p_dx = dx_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :]
-    tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
-    if WANT_DCACHE:
-        if i_t == 0:
-            slots = tl.arange(0, BC)
-            b_dc = _input_grad(dz_seq, weight, slots - (W - 1), tl.zeros_like(slots) + T, T, o_d, m_d, D, W, BC, BD)
-            p_dc = dcache + i_b * (W - 1) * D + slots[:, None] * D + o_d[None, :]
-            tl.store(p_dc, b_dc.to(dcache.dtype.element_ty), mask=(slots < W - 1)[:, None] & m_d[None, :])
 
 
 @triton.jit
@@ -313,11 +170,11 @@ def _next_history(window, W: tl.constexpr):
 
 
 @triton.jit
-def _conv_fwd_one_pass_kernel(x, weight, cache, cu_seqlens, y0, y1, y2, T, x_stride_b, x_stride_t, N, STEPS, D0, D1,
-                              D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr,
-                              STEP: tl.constexpr, SEGMENTS: tl.constexpr, HAS_CACHE: tl.constexpr,
-                              IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr):
-    """The one-pass forward of ROWS rows of one sequence (its i_s-th such block) and a tile of BD channels: the rows
+def _conv_fwd_kernel(x, weight, cache, cu_seqlens, y0, y1, y2, T, x_stride_b, x_stride_t, N, STEPS, D0, D1,
+                     D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
+                     SEGMENTS: tl.constexpr, HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     ACTIVATION: tl.constexpr):
+    """The forward of ROWS rows of one sequence (its i_s-th such block) and a tile of BD channels: the rows
     walked in order, STEP rows of x loaded at a time, each input read once."""
     i_d, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_d, m_d, y_cols, y_stride = _output_tile(i_d, i_b, T, D0, D1, y0, y1, y2, D, BD, SEGMENTS)
@@ -347,7 +204,7 @@ def _conv_fwd_one_pass_kernel(x, weight, cache, cu_seqlens, y0, y1, y2, T, x_str
 @triton.jit
 def _walk_row(x_row, dy_row, t, start, history, pending, dw, taps, W: tl.constexpr, OWNED: tl.constexpr,
               IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr):
-    """Row t of the one-pass backward, each value one row [1, BD] in fp32: z[t] from x_row (the input at row t)
+    """Row t of the backward walk, each value one row [1, BD] in fp32: z[t] from x_row (the input at row t)
     and `history` (the W - 1 inputs before it, nearest first); dz[t] from dy_row; dz[t]'s part of dx at rows
     t - (W - 1) .. t, added to `pending` (rows t - (W - 1) .. t - 1's sums so far). Row t - (W - 1) then has every
     part: returns (the history and pending sums for row t + 1, dw with dz[t]'s part if this program OWNED row t,
@@ -390,12 +247,11 @@ def _store_walked_grad(dx_cols, dc_cols, grad, row, r0, T, m_d, D: tl.constexpr,
 
 
 @triton.jit
-def _conv_bwd_one_pass_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dx, dcache, dw_part, T, x_stride_b,
-                              x_stride_t, N, STEPS, D0, D1, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
-                              ROWS: tl.constexpr, STEP: tl.constexpr, SEGMENTS: tl.constexpr,
-                              HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr,
-                              WANT_DCACHE: tl.constexpr):
-    """The one-pass backward of ROWS rows of one sequence (its i_s-th such block) and a tile of BD channels: the
+def _conv_bwd_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dx, dcache, dw_part, T, x_stride_b, x_stride_t, N,
+                     STEPS, D0, D1, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr,
+                     STEP: tl.constexpr, SEGMENTS: tl.constexpr, HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     ACTIVATION: tl.constexpr, WANT_DCACHE: tl.constexpr):
+    """The backward of ROWS rows of one sequence (its i_s-th such block) and a tile of BD channels: the
     rows walked in order, STEP rows' x and dy loaded at a time, then the W - 1 rows after the block (whose dz
     the block's last rows' dx needs; their dz is not this program's share of dweight)."""
     i_d, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -491,20 +347,12 @@ def conv_fwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor
         settings = ShortConvLaunch.from_json(launch)
         N, steps = _varlen_args(cu_seqlens)
         segments, D0, D1, outs = _segments(ys)
-        # without a cache the kernels are given x as their (never read) cache pointer
-        if settings.fwd_design == "one_pass":
-            BD, rows = settings.one_pass_channels, settings.one_pass_rows
-            _conv_fwd_one_pass_kernel[(sum(cdiv(size, BD) for size in sizes), cdiv(T, rows), B)](
-                x, weight, x if cache is None else cache, cu_seqlens, *outs, T, x.stride(0), x.stride(1), N, steps, D0,
-                D1, D, W, BD, rows, settings.one_pass_step, segments, HAS_CACHE=cache is not None,
-                IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation, num_warps=settings.warps,
-            )
-            return ys
-        BD, BT = settings.fwd_channels, settings.fwd_rows
-        _conv_fwd_kernel[(sum(cdiv(size, BD) for size in sizes), cdiv(T, BT), B)](
+        BD = settings.channels
+        # without a cache the kernel is given x as its (never read) cache pointer
+        _conv_fwd_kernel[(sum(cdiv(size, BD) for size in sizes), cdiv(T, settings.rows), B)](
             x, weight, x if cache is None else cache, cu_seqlens, *outs, T, x.stride(0), x.stride(1), N, steps, D0, D1,
-            D, W, BT, BD, segments, HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None,
-            ACTIVATION=activation, num_warps=settings.warps,
+            D, W, BD, settings.rows, settings.rows_per_load, segments, HAS_CACHE=cache is not None,
+            IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation, num_warps=settings.warps,
         )
     return ys
 
@@ -528,33 +376,15 @@ def conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor
     settings = ShortConvLaunch.from_json(launch)
     N, steps = _varlen_args(cu_seqlens)
     segments, D0, D1, dy = _segments(dys)
-    if settings.bwd_design == "one_pass":
-        BD, rows = settings.one_pass_channels, settings.one_pass_rows
-        blocks = cdiv(T, rows)
-        dw_part = x.new_empty(B * blocks, D, W, dtype=torch.float32)
-        # without a cache the kernel is given x as its (never read) cache pointer
-        _conv_bwd_one_pass_kernel[(sum(cdiv(g.shape[2], BD) for g in dys), blocks, B)](
-            x, weight, x if cache is None else cache, cu_seqlens, *dy, dx, dcache, dw_part, T, x.stride(0),
-            x.stride(1), N, steps, D0, D1, D, W, BD, rows, settings.one_pass_step, segments,
-            HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation,
-            WANT_DCACHE=want_dcache and W > 1, num_warps=settings.warps,
-        )
-        return dx, dw_part.sum(0).to(weight.dtype), dcache
-    BD, BT = settings.bwd_channels, settings.bwd_rows
-    tiles = min(settings.bwd_row_tiles, cdiv(T, BT))
-    blocks = cdiv(T, BT * tiles)
+    BD = settings.channels
+    blocks = cdiv(T, settings.rows)
     dw_part = x.new_empty(B * blocks, D, W, dtype=torch.float32)
-    BW, BC = next_power_of_2(W), max(2, next_power_of_2(W - 1))
-    dz = x.new_empty(B, T, D, dtype=torch.float32)
     # without a cache the kernel is given x as its (never read) cache pointer
-    _conv_dz_kernel[(sum(cdiv(g.shape[2], BD) for g in dys), blocks, B)](
-        x, weight, x if cache is None else cache, cu_seqlens, *dy, dz, dw_part, T, x.stride(0), x.stride(1), N, steps,
-        tiles, D0, D1, D, W, BW, BT, BD, segments, HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None,
-        ACTIVATION=activation, num_warps=settings.warps,
-    )
-    _conv_dx_kernel[(cdiv(D, BD), cdiv(T, BT), B)](
-        dz, weight, cu_seqlens, dx, dcache, T, N, steps, D, W, BC, BT, BD, WANT_DCACHE=want_dcache and W > 1,
-        IS_VARLEN=cu_seqlens is not None, num_warps=settings.warps,
+    _conv_bwd_kernel[(sum(cdiv(g.shape[2], BD) for g in dys), blocks, B)](
+        x, weight, x if cache is None else cache, cu_seqlens, *dy, dx, dcache, dw_part, T, x.stride(0), x.stride(1), N,
+        steps, D0, D1, D, W, BD, settings.rows, settings.rows_per_load, segments, HAS_CACHE=cache is not None,
+        IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation, WANT_DCACHE=want_dcache and W > 1,
+        num_warps=settings.warps,
     )
     return dx, dw_part.sum(0).to(weight.dtype), dcache
 
