@@ -42,12 +42,14 @@ SHIPPED_SWIGLU = SwiGLULaunch()
 class ShortConvLaunch(LaunchBundle):
     """How the convolution's kernels (fabric_lin/ops/short_conv_triton.py) are launched: each program of the forward
     and backward walks `rows` rows of `channels` channels of one sequence, `rows_per_load` rows loaded at a time.
-    ptxas's registers a thread for sm_90 with Triton 3.8 at gdn-340M's shapes (tests/test_short_conv.py prints them):
-    forward 37 (53 with cu_seqlens), backward 76 (108 with cu_seqlens)."""
+    Timed on an H100 (benchmarks/short_conv.py: bf16, 16 x 2048 rows, W = 4). ptxas's registers a thread for sm_90
+    with Triton 3.8 at gdn-340M's shapes (tests/test_short_conv.py prints them): forward 64 (80 with cu_seqlens),
+    backward 128, with or without cu_seqlens (134 and 150 with q, k and v side by side)."""
 
-    channels: int = 256
-    """Channels per program (a power of two): a row of them is one load per thread, 2 channels (4 bytes of bf16)
-    each at 4 warps."""
+    channels: int = 512
+    """Channels per program (a power of two): a row of them is one load per thread, 4 channels (8 bytes of bf16)
+    each at 4 warps. gdn-340M convolves q, k and v side by side, 2048 channels: forward+backward 0.269 ms on 512
+    channels a program against 0.316 on 256 (256 is faster at 512 channels alone: 0.095 against 0.105 ms)."""
     rows: int = 128
     """Rows per program, a multiple of rows_per_load: each block also reads the W - 1 rows before it (and, backward,
     after it) and writes one dweight partial sum."""

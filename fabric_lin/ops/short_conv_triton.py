@@ -293,9 +293,12 @@ def _conv_bwd_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dx, dcache, dw
             _output_grad(dy_cols, dy_stride, rows, T, m_d), t, start, history, pending, dw, taps, W, False, IS_VARLEN,
             ACTIVATION)
         _store_walked_grad(dx_cols, dc_cols, done, t - (W - 1), r0, T, m_d, D, W, WANT_DCACHE, i_s == 0)
-    p_dw = dw_part + (i_b * tl.num_programs(1) + i_s) * D * W + o_d[None, :] * W
+    # the block's share of dweight in its slot of dw_part [slots, W, D]: each tap's channels contiguous, one vector
+    # store per tap under the loads' channel mask (W-strided, each channel's store kept its own mask through the
+    # walk, which ptxas spilled at 512 channels on sm_90)
+    p_dw = dw_part + (i_b * tl.num_programs(1) + i_s) * W * D + o_d[None, :]
     for j in tl.static_range(W):
-        tl.store(p_dw + j, dw[j], mask=m_d[None, :])
+        tl.store(p_dw + j * D, dw[j], mask=m_d[None, :])
 
 
 @triton.jit
@@ -378,7 +381,7 @@ def conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor
     segments, D0, D1, dy = _segments(dys)
     BD = settings.channels
     blocks = cdiv(T, settings.rows)
-    dw_part = x.new_empty(B * blocks, D, W, dtype=torch.float32)
+    dw_part = x.new_empty(B * blocks, W, D, dtype=torch.float32)  # each program's share of dweight, transposed
     # without a cache the kernel is given x as its (never read) cache pointer
     _conv_bwd_kernel[(sum(cdiv(g.shape[2], BD) for g in dys), blocks, B)](
         x, weight, x if cache is None else cache, cu_seqlens, *dy, dx, dcache, dw_part, T, x.stride(0), x.stride(1), N,
@@ -386,7 +389,7 @@ def conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor
         IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation, WANT_DCACHE=want_dcache and W > 1,
         num_warps=settings.warps,
     )
-    return dx, dw_part.sum(0).to(weight.dtype), dcache
+    return dx, dw_part.sum(0).t().contiguous().to(weight.dtype), dcache
 
 
 @kernel_op("causal_conv1d_step")
