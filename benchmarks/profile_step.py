@@ -34,7 +34,7 @@ KINDS: List[Tuple[str, re.Pattern]] = [  # first match wins
         r"|chunk_gla|chunk_fwd_kernel_h|chunk_bwd_kernel_dh|chunk_local_cumsum"
         r"|chunk_gated_delta_rule|recompute_w_u|prepare_wy_repr|chunk_bwd_kernel_dqkwg|chunk_bwd_kernel_dv|chunk_fwd_kernel_o"
         r"|chunk_scaled_dot_kkt|solve_tril|merge_16x16|l2norm_(fwd|bwd)_kernel")),
-    ("short convolution", re.compile(r"^_conv_(fwd|dz|dx)_kernel|causal_conv1d")),
+    ("short convolution", re.compile(r"^_conv_(fwd|bwd)_kernel|causal_conv1d")),
     ("fused norm/swiglu/cross-entropy", re.compile(r"^_(norm|swiglu|ce_rows)_|layer_norm|swiglu|cross_entropy|logsumexp", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_|wgmma", re.I)),
     ("optimizer", re.compile(r"multi_tensor|adam", re.I)),

@@ -4,15 +4,15 @@ flash-linear-attention's causal_conv1d (when importable) in the same process, an
 by kernel (torch.profiler), with its fraction of the copy bandwidth that the ideal traffic needs.
 
     python benchmarks/short_conv.py --out short_conv.json
-    python benchmarks/short_conv.py --variants wide:bwd_channels=128,warps=8
+    python benchmarks/short_conv.py --variants c256:channels=256 w8:warps=8 r64:rows=64,rows_per_load=4
     python benchmarks/short_conv.py --documents 64            # each batch as 64 packed documents (cu_seqlens)
     TRITON_INTERPRET=1 python benchmarks/short_conv.py --batch 1 --seq 40 --channels 24 --no-fla   # CPU smoke run
 
 x is [batch, seq, C] bf16 on a GPU (fp32 in Triton's interpreter) for C = 512 (q and k), 1024 (v) and 2048 (the
 three side by side, as one call over the concatenated channels makes them). The shipped launch, then each
---variants NAME:KEY=VALUE,... (changes to its tiles and warps), is timed, with its outputs' distance from the
-shipped launch's. Ideal traffic: forward reads x and writes y, backward reads x and dy and writes dx (bf16: 2 + 2
-and 6 bytes per element).
+--variants NAME:KEY=VALUE,... (changes to it: channels, rows, rows_per_load, warps), is timed, with its outputs'
+distance from the shipped launch's. Ideal traffic: forward reads x and writes y, backward reads x and dy and writes
+dx (bf16: 2 + 2 and 6 bytes per element).
 
 Prints one JSON document.
 """
@@ -33,7 +33,8 @@ W = 4
 
 def time_pair(fn, inputs, dy, cuda):
     """(forward ms, forward+backward ms, forward+backward GPU ms by kernel or None) of fn(*inputs) -> y; on
-    the CPU (the interpreter) the mean wall time of three calls, no kernel breakdown."""
+    the CPU (the interpreter, nothing compiled: a smoke run, whose times say nothing of a GPU's) the wall time of
+    one call, no kernel breakdown."""
     def fwd():
         with torch.no_grad():
             fn(*inputs)
@@ -47,11 +48,9 @@ def time_pair(fn, inputs, dy, cuda):
         return time_ms(fwd), time_ms(fwd_bwd), kernel_ms(fwd_bwd, calls=5)
     timings = []
     for step in (fwd, fwd_bwd):
-        step()  # compiled (interpreted) once first
         start = time.perf_counter()
-        for _ in range(3):
-            step()
-        timings.append((time.perf_counter() - start) / 3 * 1e3)
+        step()
+        timings.append((time.perf_counter() - start) * 1e3)
     return timings[0], timings[1], None
 
 

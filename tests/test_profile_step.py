@@ -21,7 +21,7 @@ def test_kernel_kinds():
     assert kind_of("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "linear-attention recurrence"
     assert kind_of("_l2norm_bwd_kernel") == kind_of("l2norm_fwd_kernel_row") == "linear-attention recurrence"
     assert kind_of("_conv_fwd_kernel") == kind_of("causal_conv1d_fwd_kernel") == "short convolution"
-    assert kind_of("_conv_dz_kernel") == kind_of("_conv_dx_kernel") == "short convolution"
+    assert kind_of("_conv_bwd_kernel") == kind_of("causal_conv1d_bwd_kernel") == "short convolution"
     assert kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
     assert kind_of("_norm_bwd_kernel") == "fused norm/swiglu/cross-entropy"
     assert kind_of("triton_poi_fused_add_11") == "inductor-compiled"

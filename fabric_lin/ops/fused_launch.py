@@ -40,23 +40,34 @@ SHIPPED_SWIGLU = SwiGLULaunch()
 
 @dataclass(frozen=True)
 class ShortConvLaunch(LaunchBundle):
-    """How the convolution's kernels are launched: tiles of rows and channels, from ptxas's report for sm_90 at
-    gdn-340M's shapes (bf16, W = 4, D = 512 and 1024; tests/test_short_conv.py prints it): the
-    forward's [64 rows, 64 channels] takes 84 registers a thread (6 programs of 4 warps per SM); on [32, 64] the
-    backward's dz kernel takes 128 (4 programs per SM) and its dx kernel 68 (76 with cu_seqlens)."""
+    """How the convolution's kernels (fabric_lin/ops/short_conv_triton.py) are launched: each program of the forward
+    and backward walks `rows` rows of `channels` channels of one sequence, `rows_per_load` rows loaded at a time.
+    Timed on an H100 (benchmarks/short_conv.py: bf16, 16 x 2048 rows, W = 4). ptxas's registers a thread for sm_90
+    with Triton 3.8 at gdn-340M's shapes (tests/test_short_conv.py prints them): forward 64 (80 with cu_seqlens),
+    backward 128, with or without cu_seqlens (134 and 150 with q, k and v side by side)."""
 
-    fwd_channels: int = 64
-    """Channels per forward tile: 128 contiguous bytes of a bf16 row."""
-    fwd_rows: int = 64
-    bwd_channels: int = 64
-    """Channels per tile of both backward kernels."""
-    bwd_rows: int = 32
-    bwd_row_tiles: int = 8
-    """Row tiles per program of the backward's dz kernel: fewer dweight partial sums to write and add up."""
+    channels: int = 512
+    """Channels per program (a power of two): a row of them is one load per thread, 4 channels (8 bytes of bf16)
+    each at 4 warps. gdn-340M convolves q, k and v side by side, 2048 channels: forward+backward 0.269 ms on 512
+    channels a program against 0.316 on 256 (256 is faster at 512 channels alone: 0.095 against 0.105 ms)."""
+    rows: int = 128
+    """Rows per program, a multiple of rows_per_load: each block also reads the W - 1 rows before it (and, backward,
+    after it) and writes one dweight partial sum."""
+    rows_per_load: int = 8
+    """Rows loaded at once, all in flight before their arithmetic (they cost the backward's registers: 4 rows took 56
+    a thread at 256 channels, 16 rows 190 at 512)."""
     step_channels: int = 128
     """Channels per program of the decoding step."""
     warps: int = 4
     """Warps of every kernel."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.channels < 1 or self.channels & (self.channels - 1):
+            raise ValueError(f"ShortConvLaunch.channels must be a power of two, got {self.channels}")
+        if self.rows_per_load < 1 or self.rows % self.rows_per_load:
+            raise ValueError(f"ShortConvLaunch.rows must be a multiple of rows_per_load (at least 1), got {self.rows} "
+                             f"and {self.rows_per_load}")
 
 
 SHIPPED_SHORT_CONV = ShortConvLaunch()

@@ -2,24 +2,29 @@
 
     z[t, d] = sum_{j < W} weight[d, j] * x[t - (W - 1) + j, d],   y = silu(z)   (or z without the activation)
 
-Four kernels; the backward pass keeps nothing but x (and the cache), neither z nor y:
-* forward: one program per (tile of BD channels, tile of BT rows, sequence) sums the W shifted tiles of x.
-* backward, two kernels:
-  - dz: one program per (channel tile, block of TILES row tiles, sequence) recomputes z from x, writes
-    dz = dy silu'(z) in fp32 and sums its share of dweight. Each program's share goes to its own slot of an
-    fp32 buffer that the host sums (a fixed order: the same gradient every run, which atomics would not give).
-  - dx: one program per (channel tile, row tile, sequence), dx[s] = sum_j weight[d, j] dz[s + W - 1 - j] from
-    W shifted loads of dz. Writing dz and reading it back costs its bytes, but each row's dz is computed once;
-    recomputing dz at the W shifted row sets, or moving it up within a tile (tl.gather), timed slower on an
-    H100 (benchmarks/short_conv.py). dz stays fp32: in bf16 it would halve those bytes but double dx's error,
-    past that of fla's kernel.
-  The gradient of a given cache is written by the first row tile of each sequence, only when the cache needs
-  one (the training path passes no cache: the model takes one only when decoding).
+One design, a walk down the rows: each row is read once (x forward, x and dy backward) and dz is made in registers
+where it is used, never written in fp32 and read back. The backward pass keeps nothing but x (and the cache),
+neither z nor y.
+
+One program per (tile of BD channels, block of ROWS rows, sequence) walks its rows in order, each row a [1, BD]
+vector, STEP rows loaded at a time (ShortConvLaunch's channels, rows and rows_per_load); the W - 1 inputs before the
+current row (and, backward, the partial sums of the W - 1 rows of dx still open) ride along in registers from row to
+row, so no row is shifted across threads and nothing is written but the outputs:
+* forward: each input loaded once (the block's W - 1 rows before it, twice), y stored once.
+* backward: z recomputed and dz = dy silu'(z) made once per row; dz[t] adds its W parts to the open dx sums of
+  rows t - (W - 1) .. t, and row t - (W - 1) is then complete and stored. A block also walks the W - 1 rows after
+  it (their dz completes its last rows' dx; their dweight share is the next block's). Per element it reads x and
+  dy and writes dx: 6 bytes in bf16, and one sigmoid. Each program's share of dweight goes to its own slot of an
+  fp32 buffer that the host sums (a fixed order: the same gradient every run, which atomics would not give).
+  The cache's gradient is the open sums of rows -(W - 1) .. -1, completed by the first block of a sequence, and
+  written only when the cache needs one (the training path passes no cache: the model takes one only when
+  decoding).
 * decoding step: one token per sequence from the cache, which it also shifts (one launch per token).
 
-Varlen (`cu_seqlens`, B = 1): a program finds each row's document by binary search over the offsets (no
-host synchronisation, no per-token index tensor); a tap that would read before the document's first row
-reads zero, and a row's dz never reaches dx across a document end.
+Varlen (`cu_seqlens`, B = 1): a walk finds its first row's document by binary search over the offsets (no host
+synchronisation, no per-token index tensor), then steps from document to document as its rows pass their offsets.
+A tap that would read before the document's first row reads zero, and a row's dz never reaches dx across a
+document end.
 """
 from typing import List, Optional, Sequence, Tuple
 
@@ -28,48 +33,31 @@ import triton
 import triton.language as tl
 
 from fabric_lin.ops.custom_op import kernel_op, refuse_second_derivative
-from fabric_lin.ops.launch import cdiv, launch_json, next_power_of_2
+from fabric_lin.ops.launch import cdiv, launch_json
 from fabric_lin.ops.fused_launch import SHIPPED_SHORT_CONV as SHIPPED, ShortConvLaunch
 
 
 @triton.jit
-def _document_bounds(cu_seqlens, rows, N, STEPS):
-    """(start, end) of the document holding each row: the largest i with cu_seqlens[i] <= row, by binary
-    search over the N + 1 offsets in STEPS = bit_length(N) halvings. An empty document shares its offset
-    with the next one; the search lands on the last of equal offsets, the document that holds the row."""
-    lo = tl.zeros_like(rows)
+def _document_index(cu_seqlens, row, N, STEPS):
+    """The document holding `row`: the largest i with cu_seqlens[i] <= row, by binary search over the N + 1 offsets
+    in STEPS = bit_length(N) halvings. An empty document shares its offset with the next one; the search lands on
+    the last of equal offsets, the document that holds the row."""
+    lo = row * 0
     hi = lo + N
     for _ in range(STEPS):
         mid = (lo + hi + 1) // 2
-        inside = tl.load(cu_seqlens + mid).to(tl.int32) <= rows
+        inside = tl.load(cu_seqlens + mid).to(tl.int32) <= row
         lo = tl.where(inside, mid, lo)
         hi = tl.where(inside, hi, mid - 1)
-    start = tl.load(cu_seqlens + lo).to(tl.int32)
-    end = tl.load(cu_seqlens + tl.minimum(lo + 1, N)).to(tl.int32)
-    return start, end
+    return lo
 
 
 @triton.jit
-def _row_bounds(cu_seqlens, rows, T, N, STEPS, W: tl.constexpr, HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(first row a tap of each row may read, the row after its sequence's last). Rows -(W - 1)..-1 are
-    the cache's slots; without a cache they read as zeros."""
-    if IS_VARLEN:
-        first, end = _document_bounds(cu_seqlens, rows, N, STEPS)
-    else:
-        end = tl.zeros_like(rows) + T
-        if HAS_CACHE:
-            first = tl.zeros_like(rows) - (W - 1)
-        else:
-            first = tl.zeros_like(rows)
-    return first, end
-
-
-@triton.jit
-def _load_input(x_seq, x_stride_t, c_seq, rows, first, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr,
+def _load_input(x_seq, x_stride_t, c_seq, rows, lowest, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr,
                 HAS_CACHE: tl.constexpr):
-    """The convolution's input at `rows` (a [BT] vector) of one sequence as fp32 [BT, BD]: x at rows in
-    [0, T), the cache's slot row + W - 1 at negative rows, zero before each row's `first`."""
-    readable = (rows >= first) & (rows < T)
+    """The convolution's input at `rows` (a [1] vector: one row) of one sequence as fp32 [1, BD]: x at rows in
+    [0, T), the cache's slot row + W - 1 at negative rows, zero below `lowest` (the first row a load may read)."""
+    readable = (rows >= lowest) & (rows < T)
     m_x = (readable & (rows >= 0))[:, None] & m_d[None, :]
     b_x = tl.load(x_seq + rows.to(tl.int64)[:, None] * x_stride_t + o_d[None, :], mask=m_x, other=0.0)
     b_x = b_x.to(tl.float32)
@@ -79,18 +67,6 @@ def _load_input(x_seq, x_stride_t, c_seq, rows, first, T, o_d, m_d, D: tl.conste
         # the cache is rounded to x's dtype first, as the reference concatenates it with x
         b_x += b_c.to(x_seq.dtype.element_ty).to(tl.float32)
     return b_x
-
-
-@triton.jit
-def _preactivation(x_seq, x_stride_t, c_seq, weight, rows, first, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr,
-                   BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr):
-    """z at `rows`, fp32 [BT, BD]: tap j reads row - (W - 1 - j)."""
-    z = tl.zeros([BT, BD], dtype=tl.float32)
-    for j in tl.static_range(W):
-        b_w = tl.load(weight + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)
-        z += b_w[None, :] * _load_input(x_seq, x_stride_t, c_seq, rows - (W - 1 - j), first, T, o_d, m_d, D, W,
-                                        HAS_CACHE)
-    return z
 
 
 @triton.jit
@@ -114,100 +90,215 @@ def _output_tile(i_d, i_b, T, D0, D1, out0, out1, out2, D: tl.constexpr, BD: tl.
 
 
 @triton.jit
-def _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d, m_d,
-                        D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_CACHE: tl.constexpr,
-                        ACTIVATION: tl.constexpr):
-    """dz at `rows` (zero outside [0, end)), z recomputed from the input; dy_cols: the tile's columns of the
-    sequence's dy (row stride dy_stride)."""
-    m = ((rows >= 0) & (rows < end) & (rows < T))[:, None] & m_d[None, :]
-    b_dy = tl.load(dy_cols[None, :] + rows.to(tl.int64)[:, None] * dy_stride, mask=m, other=0.0).to(tl.float32)
-    if ACTIVATION:
-        z = _preactivation(x_seq, x_stride_t, c_seq, weight, rows, first, T, o_d, m_d, D, W, BT, BD, HAS_CACHE)
-        sig = tl.sigmoid(z)
-        b_dy = b_dy * sig * (1.0 + z * (1.0 - sig))
-    return b_dy
+def _output_grad(dy_cols, dy_stride, rows, T, m_d):
+    """dy at `rows` (one row, never negative) as fp32 [1, BD], zero from row T; dy_cols: the tile's columns of the
+    sequence's dy."""
+    m = (rows < T)[:, None] & m_d[None, :]
+    return tl.load(dy_cols[None, :] + rows.to(tl.int64)[:, None] * dy_stride, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _silu_grad(dy, z):
+    """dz from dy = d silu(z): silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z)))."""
+    sig = tl.sigmoid(z)
+    return dy * sig * (1.0 + z * (1.0 - sig))
+
+
+@triton.jit
+def _walk_start(x_seq, x_stride_t, c_seq, weight, cu_seqlens, r0, T, N, STEPS, o_d, m_d, D: tl.constexpr,
+                W: tl.constexpr, HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """What a walk down rows r0, r0 + 1, ... starts from: (the taps, W rows [1, BD] in fp32; the W - 1 inputs
+    before row r0, nearest first; the lowest row a load may read; the document state of _advance_document, at row
+    r0's document with cu_seqlens, else (0, that lowest row, T))."""
+    taps = ()
+    for j in tl.static_range(W):
+        taps = taps + (tl.load(weight + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)[None, :],)
+    if HAS_CACHE:
+        lowest = 1 - W  # the cache's slots are rows -(W - 1) .. -1
+    else:
+        lowest = 0
+    history = ()
+    for k in tl.static_range(1, W):
+        history = history + (_load_input(x_seq, x_stride_t, c_seq, r0 - k + tl.arange(0, 1), lowest, T, o_d, m_d, D,
+                                         W, HAS_CACHE),)
+    i_n, start, after = r0 * 0, r0 * 0 + lowest, r0 * 0 + T
+    if IS_VARLEN:
+        i_n = _document_index(cu_seqlens, r0, N, STEPS)
+        start = tl.load(cu_seqlens + i_n).to(tl.int32)
+        after = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+    return taps, history, lowest, i_n, start, after
+
+
+@triton.jit
+def _advance_document(cu_seqlens, t, i_n, start, after, N):
+    """(the document holding row t, its first row, the row after its last) from those of an earlier row: rows are
+    visited in order, so the offsets passed are few (several at once only over empty documents)."""
+    while (after <= t) & (i_n + 1 < N):
+        i_n += 1
+        start = after
+        after = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+    return i_n, start, after
+
+
+@triton.jit
+def _walked_preactivation(window, t, start, taps, W: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """z at row t, [1, BD] fp32, from `window` (the inputs at rows t, t - 1, .., t - (W - 1)). Returns (z, the
+    inputs as the taps read them, whether each window row is in row t's document): with IS_VARLEN a row before
+    `start` (the first row of row t's document) reads zero."""
+    same_document = ()
+    if IS_VARLEN:
+        for k in tl.static_range(W):
+            same_document = same_document + (t - k >= start,)
+        read = ()
+        for k in tl.static_range(W):
+            read = read + (tl.where(same_document[k], window[k], 0.0),)
+    else:
+        read = window
+    z = taps[W - 1] * read[0]
+    for k in tl.static_range(1, W):
+        z += taps[W - 1 - k] * read[k]
+    return z, read, same_document
+
+
+@triton.jit
+def _next_history(window, W: tl.constexpr):
+    """The W - 1 inputs before the next row, nearest first: the window less its oldest row."""
+    history = ()
+    for k in tl.static_range(W - 1):
+        history = history + (window[k],)
+    return history
 
 
 @triton.jit
 def _conv_fwd_kernel(x, weight, cache, cu_seqlens, y0, y1, y2, T, x_stride_b, x_stride_t, N, STEPS, D0, D1,
-                     D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SEGMENTS: tl.constexpr,
-                     HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr):
-    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+                     D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
+                     SEGMENTS: tl.constexpr, HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     ACTIVATION: tl.constexpr):
+    """The forward of ROWS rows of one sequence (its i_s-th such block) and a tile of BD channels: the rows
+    walked in order, STEP rows of x loaded at a time, each input read once."""
+    i_d, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_d, m_d, y_cols, y_stride = _output_tile(i_d, i_b, T, D0, D1, y0, y1, y2, D, BD, SEGMENTS)
-    rows = i_t * BT + tl.arange(0, BT)
-    first, _ = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
     x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
-    z = _preactivation(x_seq, x_stride_t, c_seq, weight, rows, first, T, o_d, m_d, D, W, BT, BD, HAS_CACHE)
+    r0 = i_s * ROWS
+    taps, history, lowest, i_n, start, after = _walk_start(x_seq, x_stride_t, c_seq, weight, cu_seqlens, r0, T, N,
+                                                           STEPS, o_d, m_d, D, W, HAS_CACHE, IS_VARLEN)
+    for t0 in range(r0, tl.minimum(r0 + ROWS, T), STEP):
+        inputs = ()  # the step's loads first, all in flight before its rows' arithmetic
+        for i in tl.static_range(STEP):
+            inputs = inputs + (_load_input(x_seq, x_stride_t, c_seq, t0 + i + tl.arange(0, 1), lowest, T, o_d, m_d,
+                                           D, W, HAS_CACHE),)
+        for i in tl.static_range(STEP):
+            t = t0 + i
+            if IS_VARLEN:
+                i_n, start, after = _advance_document(cu_seqlens, t, i_n, start, after, N)
+            window = (inputs[i],) + history
+            z, _, _ = _walked_preactivation(window, t, start, taps, W, IS_VARLEN)
+            if ACTIVATION:
+                z = z * tl.sigmoid(z)
+            rows = t + tl.arange(0, 1)
+            tl.store(y_cols[None, :] + rows.to(tl.int64)[:, None] * y_stride, z.to(y0.dtype.element_ty),
+                     mask=(rows < T)[:, None] & m_d[None, :])
+            history = _next_history(window, W)
+
+
+@triton.jit
+def _walk_row(x_row, dy_row, t, start, history, pending, dw, taps, W: tl.constexpr, OWNED: tl.constexpr,
+              IS_VARLEN: tl.constexpr, ACTIVATION: tl.constexpr):
+    """Row t of the backward walk, each value one row [1, BD] in fp32: z[t] from x_row (the input at row t)
+    and `history` (the W - 1 inputs before it, nearest first); dz[t] from dy_row; dz[t]'s part of dx at rows
+    t - (W - 1) .. t, added to `pending` (rows t - (W - 1) .. t - 1's sums so far). Row t - (W - 1) then has every
+    part: returns (the history and pending sums for row t + 1, dw with dz[t]'s part if this program OWNED row t,
+    dx at row t - (W - 1)). With IS_VARLEN dz[t] reaches no row before `start`, the first row of its document."""
+    window = (x_row,) + history
+    z, read, same_document = _walked_preactivation(window, t, start, taps, W, IS_VARLEN)
     if ACTIVATION:
-        z = z * tl.sigmoid(z)
-    p_y = y_cols[None, :] + rows.to(tl.int64)[:, None] * y_stride
-    tl.store(p_y, z.to(y0.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
-
-
-@triton.jit
-def _conv_dz_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dz, dw_part, T, x_stride_b, x_stride_t, N, STEPS,
-                    TILES, D0, D1, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
-                    BD: tl.constexpr, SEGMENTS: tl.constexpr, HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                    ACTIVATION: tl.constexpr):
-    """The backward's first kernel: dz for TILES tiles of BT rows, written to dz [B, T, D] in fp32, and this
-    block's share of dweight ([D, W] at slot (sequence, block) of dw_part)."""
-    i_d, i_blk, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d, m_d, dy_cols, dy_stride = _output_tile(i_d, i_b, T, D0, D1, dy0, dy1, dy2, D, BD, SEGMENTS)
-    o_w = tl.arange(0, BW)
-    x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
-    dz_seq = dz + i_b * T * D
-    b_dw = tl.zeros([BW, BD], dtype=tl.float32)
-    for i_s in range(TILES):
-        rows = (i_blk * TILES + i_s) * BT + tl.arange(0, BT)
-        first, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, HAS_CACHE, IS_VARLEN)
-        b_dz = _preactivation_grad(x_seq, x_stride_t, c_seq, weight, dy_cols, dy_stride, rows, first, end, T, o_d,
-                                   m_d, D, W, BT, BD, HAS_CACHE, ACTIVATION)
+        grad = _silu_grad(dy_row, z)
+    else:
+        grad = dy_row
+    if OWNED:
+        owned_dw = ()
         for j in tl.static_range(W):
-            b_in = _load_input(x_seq, x_stride_t, c_seq, rows - (W - 1 - j), first, T, o_d, m_d, D, W, HAS_CACHE)
-            b_dw += tl.where(o_w[:, None] == j, tl.sum(b_dz * b_in, 0)[None, :], 0.0)
-        p_dz = dz_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :]
-        tl.store(p_dz, b_dz, mask=(rows < T)[:, None] & m_d[None, :])
-    p_dw = dw_part + (i_b * tl.num_programs(1) + i_blk) * D * W + o_d[None, :] * W + o_w[:, None]
-    tl.store(p_dw, b_dw, mask=(o_w < W)[:, None] & m_d[None, :])
+            owned_dw = owned_dw + (dw[j] + grad * read[W - 1 - j],)
+        dw = owned_dw
+    before = pending + (tl.zeros_like(grad),)  # rows t - (W - 1) .. t; row t - (W - 1) + i takes tap i's part
+    sums = ()
+    for i in tl.static_range(W):
+        part = taps[i] * grad
+        if IS_VARLEN:
+            part = tl.where(same_document[W - 1 - i], part, 0.0)
+        sums = sums + (before[i] + part,)
+    next_pending = ()
+    for i in tl.static_range(1, W):
+        next_pending = next_pending + (sums[i],)
+    return _next_history(window, W), next_pending, dw, sums[0]
 
 
 @triton.jit
-def _input_grad(dz_seq, weight, rows, end, T, o_d, m_d, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-                BD: tl.constexpr):
-    """The input's gradient at `rows` from the written dz: the input at row s reaches z[s + back] through tap
-    W - 1 - back; dz is read only below each row's `end`, so no gradient crosses a document end (rows below 0
-    are the cache's slots)."""
-    grad = tl.zeros([BT, BD], dtype=tl.float32)
-    for back in tl.static_range(W):
-        later = rows + back
-        m = ((later >= 0) & (later < end) & (later < T))[:, None] & m_d[None, :]
-        b_dz = tl.load(dz_seq + later.to(tl.int64)[:, None] * D + o_d[None, :], mask=m, other=0.0)
-        b_w = tl.load(weight + o_d * W + (W - 1 - back), mask=m_d, other=0.0).to(tl.float32)
-        grad += b_w[None, :] * b_dz
-    return grad
-
-
-@triton.jit
-def _conv_dx_kernel(dz, weight, cu_seqlens, dx, dcache, T, N, STEPS, D: tl.constexpr, W: tl.constexpr,
-                    BC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, WANT_DCACHE: tl.constexpr,
-                    IS_VARLEN: tl.constexpr):
-    """The backward's second kernel: dx on a tile of BT rows from W shifted loads of dz; the cache's gradient
-    from a sequence's first tile."""
-    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    dz_seq, dx_seq = dz + i_b * T * D, dx + i_b * T * D
-    rows = i_t * BT + tl.arange(0, BT)
-    _, end = _row_bounds(cu_seqlens, rows, T, N, STEPS, W, False, IS_VARLEN)
-    b_dx = _input_grad(dz_seq, weight, rows, end, T, o_d, m_d, D, W, BT, BD)
-    p_dx = dx_seq + rows.to(tl.int64)[:, None] * D + o_d[None, :]
-    tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=(rows < T)[:, None] & m_d[None, :])
+def _store_walked_grad(dx_cols, dc_cols, grad, row, r0, T, m_d, D: tl.constexpr, W: tl.constexpr,
+                       WANT_DCACHE: tl.constexpr, FIRST_ROWS):
+    """A row's complete input gradient: to dx if the walk owns the row (r0 <= row < T), to the cache's slot
+    row + W - 1 if the row is before the sequence and the walk starts it (FIRST_ROWS) and the cache needs one."""
+    rows = row + tl.arange(0, 1)
+    m = ((rows >= r0) & (rows < T))[:, None] & m_d[None, :]
+    tl.store(dx_cols[None, :] + rows.to(tl.int64)[:, None] * D, grad.to(dx_cols.dtype.element_ty), mask=m)
     if WANT_DCACHE:
-        if i_t == 0:
-            slots = tl.arange(0, BC)
-            b_dc = _input_grad(dz_seq, weight, slots - (W - 1), tl.zeros_like(slots) + T, T, o_d, m_d, D, W, BC, BD)
-            p_dc = dcache + i_b * (W - 1) * D + slots[:, None] * D + o_d[None, :]
-            tl.store(p_dc, b_dc.to(dcache.dtype.element_ty), mask=(slots < W - 1)[:, None] & m_d[None, :])
+        m_c = ((rows < 0) & FIRST_ROWS)[:, None] & m_d[None, :]
+        tl.store(dc_cols[None, :] + (rows + W - 1)[:, None] * D, grad.to(dc_cols.dtype.element_ty), mask=m_c)
+
+
+@triton.jit
+def _conv_bwd_kernel(x, weight, cache, cu_seqlens, dy0, dy1, dy2, dx, dcache, dw_part, T, x_stride_b, x_stride_t, N,
+                     STEPS, D0, D1, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr,
+                     STEP: tl.constexpr, SEGMENTS: tl.constexpr, HAS_CACHE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     ACTIVATION: tl.constexpr, WANT_DCACHE: tl.constexpr):
+    """The backward of ROWS rows of one sequence (its i_s-th such block) and a tile of BD channels: the
+    rows walked in order, STEP rows' x and dy loaded at a time, then the W - 1 rows after the block (whose dz
+    the block's last rows' dx needs; their dz is not this program's share of dweight)."""
+    i_d, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d, m_d, dy_cols, dy_stride = _output_tile(i_d, i_b, T, D0, D1, dy0, dy1, dy2, D, BD, SEGMENTS)
+    x_seq, c_seq = x + i_b * x_stride_b, cache + i_b * (W - 1) * D
+    dx_cols, dc_cols = dx + i_b * T * D + o_d, dcache + i_b * (W - 1) * D + o_d
+    r0 = i_s * ROWS
+    taps, history, lowest, i_n, start, after = _walk_start(x_seq, x_stride_t, c_seq, weight, cu_seqlens, r0, T, N,
+                                                           STEPS, o_d, m_d, D, W, HAS_CACHE, IS_VARLEN)
+    zero = tl.zeros([1, BD], dtype=tl.float32)
+    pending = ()
+    for _ in tl.static_range(1, W):
+        pending = pending + (zero,)
+    dw = ()
+    for _ in tl.static_range(W):
+        dw = dw + (zero,)
+    end = r0 + tl.cdiv(tl.minimum(ROWS, T - r0), STEP) * STEP  # past T only in a sequence's last block
+    for t0 in range(r0, end, STEP):
+        inputs = ()  # the step's loads first, all in flight before its rows' arithmetic
+        grads = ()
+        for i in tl.static_range(STEP):
+            rows = t0 + i + tl.arange(0, 1)
+            inputs = inputs + (_load_input(x_seq, x_stride_t, c_seq, rows, lowest, T, o_d, m_d, D, W, HAS_CACHE),)
+            grads = grads + (_output_grad(dy_cols, dy_stride, rows, T, m_d),)
+        for i in tl.static_range(STEP):
+            t = t0 + i
+            if IS_VARLEN:
+                i_n, start, after = _advance_document(cu_seqlens, t, i_n, start, after, N)
+            history, pending, dw, done = _walk_row(inputs[i], grads[i], t, start, history, pending, dw, taps, W,
+                                                   True, IS_VARLEN, ACTIVATION)
+            _store_walked_grad(dx_cols, dc_cols, done, t - (W - 1), r0, T, m_d, D, W, WANT_DCACHE, i_s == 0)
+    for k in tl.static_range(W - 1):
+        t = end + k
+        rows = t + tl.arange(0, 1)
+        if IS_VARLEN:
+            i_n, start, after = _advance_document(cu_seqlens, t, i_n, start, after, N)
+        history, pending, dw, done = _walk_row(
+            _load_input(x_seq, x_stride_t, c_seq, rows, lowest, T, o_d, m_d, D, W, HAS_CACHE),
+            _output_grad(dy_cols, dy_stride, rows, T, m_d), t, start, history, pending, dw, taps, W, False, IS_VARLEN,
+            ACTIVATION)
+        _store_walked_grad(dx_cols, dc_cols, done, t - (W - 1), r0, T, m_d, D, W, WANT_DCACHE, i_s == 0)
+    # the block's share of dweight in its slot of dw_part [slots, W, D]: each tap's channels contiguous, one vector
+    # store per tap under the loads' channel mask (W-strided, each channel's store kept its own mask through the
+    # walk, which ptxas spilled at 512 channels on sm_90)
+    p_dw = dw_part + (i_b * tl.num_programs(1) + i_s) * W * D + o_d[None, :]
+    for j in tl.static_range(W):
+        tl.store(p_dw + j * D, dw[j], mask=m_d[None, :])
 
 
 @triton.jit
@@ -257,14 +348,14 @@ def conv_fwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor
     ys = [x.new_empty(B, T, size) for size in sizes]
     if B * T * D:
         settings = ShortConvLaunch.from_json(launch)
-        BD, BT = settings.fwd_channels, settings.fwd_rows
         N, steps = _varlen_args(cu_seqlens)
         segments, D0, D1, outs = _segments(ys)
+        BD = settings.channels
         # without a cache the kernel is given x as its (never read) cache pointer
-        _conv_fwd_kernel[(sum(cdiv(size, BD) for size in sizes), cdiv(T, BT), B)](
+        _conv_fwd_kernel[(sum(cdiv(size, BD) for size in sizes), cdiv(T, settings.rows), B)](
             x, weight, x if cache is None else cache, cu_seqlens, *outs, T, x.stride(0), x.stride(1), N, steps, D0, D1,
-            D, W, BT, BD, segments, HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None,
-            ACTIVATION=activation, num_warps=settings.warps,
+            D, W, BD, settings.rows, settings.rows_per_load, segments, HAS_CACHE=cache is not None,
+            IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation, num_warps=settings.warps,
         )
     return ys
 
@@ -286,25 +377,19 @@ def conv_bwd(x: torch.Tensor, weight: torch.Tensor, cache: Optional[torch.Tensor
     if T == 0:
         return dx, weight.new_zeros(weight.shape), dcache
     settings = ShortConvLaunch.from_json(launch)
-    BD, BT = settings.bwd_channels, settings.bwd_rows
-    tiles = min(settings.bwd_row_tiles, cdiv(T, BT))
-    blocks = cdiv(T, BT * tiles)
-    dw_part = x.new_empty(B * blocks, D, W, dtype=torch.float32)
     N, steps = _varlen_args(cu_seqlens)
-    BW, BC = next_power_of_2(W), max(2, next_power_of_2(W - 1))
     segments, D0, D1, dy = _segments(dys)
-    dz = x.new_empty(B, T, D, dtype=torch.float32)
+    BD = settings.channels
+    blocks = cdiv(T, settings.rows)
+    dw_part = x.new_empty(B * blocks, W, D, dtype=torch.float32)  # each program's share of dweight, transposed
     # without a cache the kernel is given x as its (never read) cache pointer
-    _conv_dz_kernel[(sum(cdiv(g.shape[2], BD) for g in dys), blocks, B)](
-        x, weight, x if cache is None else cache, cu_seqlens, *dy, dz, dw_part, T, x.stride(0), x.stride(1), N, steps,
-        tiles, D0, D1, D, W, BW, BT, BD, segments, HAS_CACHE=cache is not None, IS_VARLEN=cu_seqlens is not None,
-        ACTIVATION=activation, num_warps=settings.warps,
+    _conv_bwd_kernel[(sum(cdiv(g.shape[2], BD) for g in dys), blocks, B)](
+        x, weight, x if cache is None else cache, cu_seqlens, *dy, dx, dcache, dw_part, T, x.stride(0), x.stride(1), N,
+        steps, D0, D1, D, W, BD, settings.rows, settings.rows_per_load, segments, HAS_CACHE=cache is not None,
+        IS_VARLEN=cu_seqlens is not None, ACTIVATION=activation, WANT_DCACHE=want_dcache and W > 1,
+        num_warps=settings.warps,
     )
-    _conv_dx_kernel[(cdiv(D, BD), cdiv(T, BT), B)](
-        dz, weight, cu_seqlens, dx, dcache, T, N, steps, D, W, BC, BT, BD, WANT_DCACHE=want_dcache and W > 1,
-        IS_VARLEN=cu_seqlens is not None, num_warps=settings.warps,
-    )
-    return dx, dw_part.sum(0).to(weight.dtype), dcache
+    return dx, dw_part.sum(0).t().contiguous().to(weight.dtype), dcache
 
 
 @kernel_op("causal_conv1d_step")
