@@ -104,8 +104,9 @@ def one_line_parse_error(message: str, parser) -> str:
                 return (f"unexpected argument {' '.join(given)}: the end of a list that the shell cut at its spaces; "
                         f"quote the whole list, e.g. '[a, b]'")
             takes = f"takes {len(positionals)}: {', '.join(positionals)}" if positionals else "takes none"
+            meant = option_meant(given, parser.prog.replace(" [options]", "").split()[-1])
             return (f"unexpected argument {' '.join(given)}: this command {takes}; the rest are options "
-                    f"(--name value)")
+                    f"(--name value)" + (f": did you mean {meant}?" if meant else ""))
         option = next((a.split("=")[0] for a in given if a.startswith("--")), given[0] if given else "")
         if option[2:] in positionals:  # `generate --checkpoint_dir DIR`, as convert_from_llama takes it
             prog = parser.prog.replace(" [options]", "")
@@ -168,6 +169,32 @@ def one_line_parse_error(message: str, parser) -> str:
             how += closest_data_module(value)
         return f"{key}: got {value}, expected {' or '.join(expected)}{how}"
     return f"{key}: " + " ".join(rest.split())
+
+
+def option_meant(words: List[str], command: str) -> Optional[str]:
+    """The option that `words`, given where the command takes no more arguments, were most likely meant for, with its
+    value, or None: a YAML file's --config, else the command's first option (the parameter after its arguments:
+    convert_from_llama's --checkpoint_dir, prepare_text's --input_dir, convert_to_hf's --output_dir, generate's
+    --prompt, pretrain's --model_name, as `litgpt pretrain <model>` takes it) where its type takes the first word: a
+    path, or text that is no path (several words of it, as an unquoted prompt reaches the command, quoted)."""
+    import inspect
+    import typing
+
+    word = words[0]
+    if word.endswith((".yaml", ".yml")):
+        return f"--config {word}"
+    if command not in COMMANDS:
+        return None
+    parameters = inspect.signature(load_command(command)).parameters.values()
+    first_option = next((p for p in parameters if p.default is not inspect.Parameter.empty), None)
+    if first_option is None:
+        return None
+    kinds = typing.get_args(first_option.annotation) or (first_option.annotation,)
+    if Path in kinds:
+        return f"--{first_option.name} {word}"
+    if str in kinds and not (os.sep in word or Path(word).expanduser().exists()):
+        return f"--{first_option.name} " + (f"'{' '.join(words)}'" if len(words) > 1 else word)
+    return None
 
 
 def closest_data_module(given: str) -> str:

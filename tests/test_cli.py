@@ -138,8 +138,28 @@ def test_unknown_command_line_keys_are_named_with_the_closest_one(tmp_path, caps
 @pytest.mark.parametrize("argv,message", [
     # a second path where the command takes one (the output directory is an option)
     (["convert_to_hf", "model", "out"], "unexpected argument out: this command takes 1: model_dir; the rest are options "
-                                        "(--name value)"),
-    (["pretrain", "gla-debug"], "unexpected argument gla-debug: this command takes none; the rest are options (--name value)"),
+                                        "(--name value): did you mean --output_dir out?"),
+    (["generate", "model", "Hello"], "unexpected argument Hello: this command takes 1: checkpoint_dir; the rest are options "
+                                     "(--name value): did you mean --prompt Hello?"),
+    (["generate", "model", "The", "capital"], "unexpected argument The capital: this command takes 1: checkpoint_dir; the "
+                                              "rest are options (--name value): did you mean --prompt 'The capital'?"),
+    # LitGPT's `litgpt pretrain <model>`, `litgpt convert_... <dir>`: a command that takes no argument
+    (["pretrain", "gla-debug"], "unexpected argument gla-debug: this command takes none; the rest are options (--name value): "
+                                "did you mean --model_name gla-debug?"),
+    (["convert_from_llama", "checkpoints/mistral"], "unexpected argument checkpoints/mistral: this command takes none; the "
+                                                    "rest are options (--name value): did you mean --checkpoint_dir "
+                                                    "checkpoints/mistral?"),
+    (["prepare_text", "data/raw"], "unexpected argument data/raw: this command takes none; the rest are options "
+                                   "(--name value): did you mean --input_dir data/raw?"),
+    (["train_tokenizer", "data/raw"], "unexpected argument data/raw: this command takes none; the rest are options "
+                                      "(--name value): did you mean --input_dir data/raw?"),
+    (["pretrain", "config_hub/debug.yaml"], "unexpected argument config_hub/debug.yaml: this command takes none; the rest "
+                                            "are options (--name value): did you mean --config config_hub/debug.yaml?"),
+    # no option of the command takes such a word first: nothing guessed
+    (["pretrain", "out/pretrain/debug"], "unexpected argument out/pretrain/debug: this command takes none; the rest are "
+                                         "options (--name value)"),
+    (["evaluate", "model", "results"], "unexpected argument results: this command takes 1: checkpoint_dir; the rest are "
+                                       "options (--name value)"),
 ])
 def test_a_stray_word_is_named_with_what_the_command_takes(capsys, argv, message):
     from fabric_lin.cli import main as cli_main
