@@ -170,6 +170,19 @@ def test_a_stray_word_is_named_with_what_the_command_takes(capsys, argv, message
     assert capsys.readouterr().err == f"fabric-lin {argv[0]}: error: {message}\n(fabric-lin {argv[0]} --help lists the options)\n"
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["convert_from_llama"], "--checkpoint_dir is required: the Hugging Face Llama or Mistral directory to convert"),
+    (["convert_from_llama", "--checkpoint_dir", "llama"], "--output_dir is required: where to write the model directory"),
+    (["convert_pretrained_checkpoint", "ckpt"], "--output_dir is required: where to write the model directory"),
+    (["convert_to_hf", "model"], "--output_dir is required: where to write the fla-format export"),
+    (["convert_from_hf", "hf"], "--output_dir is required: where to write the model directory"),
+])
+def test_a_missing_required_option_is_named_once_with_what_it_takes(capsys, argv, message):
+    """The converters' own check: its message began with the command's name, which the CLI puts before every error
+    (`fabric-lin convert_to_hf: error: convert_to_hf: --output_dir is required`)."""
+    assert cli_error(argv, capsys) == f"fabric-lin {argv[0]}: error: {message}\n"
+
+
 def test_unknown_config_file_keys_are_named(tmp_path, capsys):
     from fabric_lin.cli import main as cli_main
 

@@ -44,7 +44,7 @@ def convert_pretrained_checkpoint(
             files stay).
     """
     if output_dir is None:
-        raise InvalidValue("convert_pretrained_checkpoint: --output_dir is required")
+        raise InvalidValue("--output_dir is required: where to write the model directory")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
     check_training_checkpoint_given(checkpoint_dir)
