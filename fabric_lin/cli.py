@@ -17,6 +17,7 @@ import errno  # noqa: E402
 import importlib  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
@@ -270,6 +271,13 @@ def main(argv=None) -> None:
             raise
         report(prog, f"interrupted ({e})" if str(e) else "interrupted")
         raise SystemExit(130) from None
+    except BrokenPipeError:
+        if debug_enabled() or not stdout_reader_gone():
+            raise
+        # `fabric-lin pretrain list | head -1`: what is left goes nowhere, as for a program ended by SIGPIPE (whose
+        # exit code this is); the interpreter's last flush of stdout would otherwise fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(128 + signal.SIGPIPE) from None
     except Exception as e:
         from fabric_lin.errors import PeerLost
 
@@ -282,6 +290,19 @@ def main(argv=None) -> None:
             raise
         report(prog, f"error: {failure}")
         raise SystemExit(2) from None
+
+
+def stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe that its reader has closed (a BrokenPipeError from anywhere else is a bug):
+    the pipe then polls as an error."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() on this system, or stdout no file
+        return False
 
 
 def anticipated_cause(error: BaseException) -> Optional[BaseException]:

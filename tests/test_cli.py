@@ -2,6 +2,8 @@
 option groups as files), its errors in one line with a hint and exit code 2 (bad values, abbreviated or unknown
 flags, keys a config file may not hold, a data module's own check), bugs told from anticipated failures, errors
 printed by rank 0 alone, a lost peer process in one line with exit code 75, and `--help` in whole sentences."""
+import os
+
 import pytest
 import torch
 
@@ -181,6 +183,22 @@ def test_a_missing_required_option_is_named_once_with_what_it_takes(capsys, argv
     """The converters' own check: its message began with the command's name, which the CLI puts before every error
     (`fabric-lin convert_to_hf: error: convert_to_hf: --output_dir is required`)."""
     assert cli_error(argv, capsys) == f"fabric-lin {argv[0]}: error: {message}\n"
+
+
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
+    """`fabric-lin pretrain list | head -1`: the reader closes the pipe before the names are written. The command ends as
+    a program ended by SIGPIPE does (exit 141, nothing on stderr), where it printed BrokenPipeError's traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    command = subprocess.Popen([sys.executable, "-m", "fabric_lin.cli", "pretrain", "list"], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    command.stdout.close()  # the reader gone before the command writes
+    assert (command.wait(timeout=60), command.stderr.read().decode()) == (128 + signal.SIGPIPE, "")
+    command.stderr.close()
 
 
 def test_unknown_config_file_keys_are_named(tmp_path, capsys):
