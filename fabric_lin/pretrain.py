@@ -200,7 +200,7 @@ def setup(
         check_initial_checkpoint_dir(Path(initial_checkpoint_dir))
     out_dir = Path(out_dir)
     check_dir_can_be_made(out_dir, "--out_dir")
-    check_earlier_run(out_dir, resume, overwrite)
+    check_earlier_run(out_dir, resume, overwrite, config)
     created = missing_ancestors(out_dir)
     fabric = None
     try:

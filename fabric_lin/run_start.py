@@ -8,10 +8,16 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from fabric_lin.checkpoint import HPARAMS_FILE, earlier_run_checkpoints, explicit_resume_dir, is_training_checkpoint
+from fabric_lin.checkpoint import (
+    HPARAMS_FILE,
+    checkpoint_dirs,
+    earlier_run_checkpoints,
+    explicit_resume_dir,
+    is_training_checkpoint,
+)
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule
-from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile
+from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
 from fabric_lin.files import read_yaml
 from fabric_lin.metrics import METRICS_FILE, recorded_checkpoints
 
@@ -30,9 +36,10 @@ def check_initial_checkpoint_dir(model_dir: Path) -> None:
     check_model_dir_given(model_dir, "--initial_checkpoint_dir", "--initial_checkpoint_dir")
 
 
-def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:
+def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool, config: Config) -> None:
     """Refuse a fresh run into an out_dir that holds an earlier run's checkpoints: the two runs' step
-    directories would lie side by side, and a later --resume auto would take the earlier run's newest."""
+    directories would lie side by side, and a later --resume auto would take the earlier run's newest. Where the
+    earlier run trained another model than this run's `config`, continuing it is no way on for this run."""
     continuing = resume is True or resume == "auto"
     # a --resume path that names no checkpoint is said before out_dir's earlier run, which it may have meant to name
     named = None if continuing or resume is False or resume is None else explicit_resume_dir(resume)
@@ -47,11 +54,30 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
     if not earlier or continuing or overwrite or inside:
         return
     shown = ", ".join(earlier[:3] + ([f"... ({len(earlier) - 3} more)"] if len(earlier) > 3 else []))
+    earlier_model = model_of_earlier_run(out_dir)
+    if earlier_model is not None and {**earlier_model.to_dict(), "name": None} != {**config.to_dict(), "name": None}:
+        named = (earlier_model.name if earlier_model.name and earlier_model.name != config.name
+                 else f"another model (its checkpoints' {CONFIG_FILE})")
+        raise AlreadyExists(
+            f"out_dir {out_dir} holds the checkpoints of an earlier run of {named} ({shown}), and this run trains "
+            f"{config.name or 'another model'}, which cannot continue it: write this one to another --out_dir, or start "
+            f"afresh with --overwrite true (deletes those checkpoints)"
+        )
     raise AlreadyExists(
         f"out_dir {out_dir} holds the checkpoints of an earlier run ({shown}); a new run would put its own beside them. "
         f"Continue that run with --resume auto, write this one to another --out_dir, or start afresh with "
         f"--overwrite true (deletes those checkpoints)"
     )
+
+
+def model_of_earlier_run(out_dir: Path) -> Optional[Config]:
+    """The model of the newest checkpoint in out_dir whose model_config.yaml reads, or None."""
+    for checkpoint in checkpoint_dirs(out_dir):
+        try:
+            return Config.from_checkpoint(checkpoint)
+        except UserError:  # missing or damaged: an older checkpoint may tell
+            continue
+    return None
 
 
 def check_config_of_a_moved_run(config_files: List[Path]) -> None:

@@ -421,6 +421,14 @@ def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path,
     # the same from the command line: one line
     err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(out), "--train.max_steps", "1"], capsys)
     assert err.startswith(f"fabric-lin pretrain: error: out_dir {out} holds the checkpoints of an earlier run")
+    # an earlier run of another model (its newest checkpoint with a model_config.yaml says which): continuing it is no
+    # way on for this run, whose resume would be refused
+    with pytest.raises(FileExistsError) as info:
+        setup_pretrain(tmp_path, model_name="gdn-debug", eval=EvalArgs(final_validation=False))
+    assert str(info.value) == (
+        f"out_dir {out} holds the checkpoints of an earlier run of gla-debug (final, step-00000005), and this run trains "
+        f"gdn-debug, which cannot continue it: write this one to another --out_dir, or start afresh with --overwrite true "
+        f"(deletes those checkpoints)")
     # contradictions are refused before any work
     with pytest.raises(ValueError, match="--overwrite true deletes the checkpoints .* that --resume auto would continue from"):
         setup_pretrain(tmp_path, overwrite=True, resume="auto")
