@@ -52,9 +52,23 @@ class TrainArgs:
             raise InvalidValue(
                 f"train.global_batch_size={self.global_batch_size} must be a positive multiple of "
                 f"train.micro_batch_size ({self.micro_batch_size}) x devices ({devices}) x num_nodes ({num_nodes}) "
-                f"= {per_pass}"
+                f"= {per_pass}: {self.batch_sizes_that_share_out(devices * num_nodes)}"
             )
         return iters
+
+    def batch_sizes_that_share_out(self, processes: int) -> str:
+        """What to give where the global batch does not share out into micro batches over `processes`: the nearest
+        global batches that do, and the largest micro batch up to the one given (which fits in memory) that
+        accumulates to the global batch given, where its sequences share out over the processes at all."""
+        per_pass = self.micro_batch_size * processes
+        below = self.global_batch_size // per_pass * per_pass
+        nearest = " or ".join(str(size) for size in (below, below + per_pass) if size > 0)
+        fix = f"give a train.global_batch_size that is a multiple of {per_pass} (the nearest: {nearest}), or "
+        per_process, spread = divmod(self.global_batch_size, processes)
+        if spread:
+            return fix + "a number of devices x num_nodes that divides it"
+        micro = max(size for size in range(1, min(self.micro_batch_size, per_process) + 1) if per_process % size == 0)
+        return fix + f"a train.micro_batch_size that divides the {per_process} sequences of each process (e.g. {micro})"
 
     def total_steps(self) -> int:
         if self.max_tokens is None and self.max_steps is None:
