@@ -118,7 +118,7 @@ def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str
     """The weights of a model directory, checked against `config` (a model of another family refused in one line;
     names, shapes, dtypes: each mismatch listed, and where they are the model of the directory's model_config.yaml,
     the flag that builds that one); a
-    model_config.yaml there that differs from `config` in fields that keep the shapes (eps, context length, ...) is
+    model_config.yaml there that differs from `config` in fields that keep the shapes (eps, RoPE base, ...) is
     reported, not refused: continued pretraining may change them on purpose."""
     from fabric_lin.convert.model_dir import (
         check_state_dict,
@@ -134,7 +134,10 @@ def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str
             f"other's layers; start this run with {saved.flag(saved_config)}"
         )
     if saved is not None:
-        differ = {k: (v, getattr(config, k)) for k, v in vars(saved).items() if k != "name" and getattr(config, k, v) != v}
+        # not max_seq_length: a run trains at train.max_seq_length, whatever its model config says, and a model directory
+        # records the length its run trained at
+        differ = {k: (v, getattr(config, k)) for k, v in vars(saved).items()
+                  if k not in ("name", "max_seq_length") and getattr(config, k, v) != v}
         if differ:
             log(
                 f"Warning: --initial_checkpoint_dir {model_dir}: its {CONFIG_FILE} differs from this run's model in "

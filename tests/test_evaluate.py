@@ -286,6 +286,37 @@ def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
     assert (sharded.parent / "evaluate" / sharded.name / "evaluate.json").is_file()  # beside the checkpoint, not in it
 
 
+def test_a_model_directory_records_the_length_its_run_trained_at(run, tmp_path, capsys):
+    """The run trained at train.max_seq_length 32, past which gla-debug's model config says nothing (its max_seq_length
+    2048): its model directory and export record 32, so that evaluate's training length (the default length, its
+    buckets and the plot's mark) and fla's max_position_embeddings are the run's, where they were 2048."""
+    from fabric_lin.convert.hf import HF_CONFIG_FILE, convert_to_hf
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+    from fabric_lin.data import TokenChunks
+    from fabric_lin.pretrain import setup
+
+    final = run / "out" / "final"
+    assert Config.from_checkpoint(final).max_seq_length == 2048  # the run's model config leaves it at the default
+    convert_pretrained_checkpoint(final, tmp_path / "model")
+    assert Config.from_checkpoint(tmp_path / "model").max_seq_length == TRAIN_LEN
+    results = evaluate(tmp_path / "model", data=TokenChunks(val_path=run / "val", num_workers=0), max_batches=1)
+    assert (results["train_seq_len"], results["lengths"][0]["seq_len"]) == (TRAIN_LEN, TRAIN_LEN)
+    assert results["lengths"][0]["by_position"]["end"][0] == TRAIN_LEN // 16
+    convert_to_hf(tmp_path / "model", tmp_path / "fla")
+    assert json.loads((tmp_path / "fla" / HF_CONFIG_FILE).read_text())["max_position_embeddings"] == TRAIN_LEN
+    # the directory starts a run of the model it was trained as, at its length, without a note of another model config
+    capsys.readouterr()
+    setup(model_name="gla-debug", out_dir=tmp_path / "continued", logger_name="csv", devices=1,
+          initial_checkpoint_dir=tmp_path / "model", data=TokenChunks(data_path=run / "train", num_workers=0),
+          train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=TRAIN_LEN, lr_warmup_steps=0),
+          eval=EvalArgs(final_validation=False))
+    assert "differs from this run's model" not in capsys.readouterr().out
+    # and is named as that model where another is built
+    with pytest.raises(InvalidValue, match=r"start this run with --model_name gla-debug$"):
+        setup(model_name="gdn-debug", out_dir=tmp_path / "other", initial_checkpoint_dir=tmp_path / "model",
+              data=TokenChunks(data_path=run / "train", num_workers=0), train=TrainArgs(max_steps=1, max_seq_length=TRAIN_LEN))
+
+
 def test_finetune_lora_md_measures_every_held_out_document(run, tmp_path, monkeypatch):
     """tutorials/finetune_lora.md's commands that measure the fine-tune, as written (the model directories and the
     held-out text ours; --seq_len 16 for 512): every held-out document is evaluated, before and after, in the blocks
