@@ -257,8 +257,20 @@ def valid_keys_hints(message: str) -> List[str]:
             hints.append(f"{class_path} has no option {key!r}")
             continue
         valid = dataclass_fields(cls) or [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
+        takers = modules_taking(key) if cls.__name__ == "DataModule" else []
+        if takers:  # an option read before its module, as jsonargparse reads the flags in order
+            give = f"--data {takers[0]}" if len(takers) == 1 else "--data with one of them"
+            hints.append(f"--data.{key} is an option of {' and '.join(takers)}: give {give} before it")
+            continue
         hints.append(f"{class_path} has no option {key!r}; valid options are: {', '.join(valid)}")
     return hints
+
+
+def modules_taking(key: str) -> List[str]:
+    """The data modules that take the option `key`."""
+    import fabric_lin.data
+
+    return [name for name in DATA_MODULES if key in dataclass_fields(getattr(fabric_lin.data, name))]
 
 
 def main(argv=None) -> None:

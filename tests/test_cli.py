@@ -223,6 +223,24 @@ def test_a_compile_group_file_is_not_taken_for_the_old_compile_flag(tmp_path, ca
         assert err == "fabric-lin pretrain: error: train.max_steps must be positive, got 0\n"
 
 
+@pytest.mark.parametrize("command,flags,message", [
+    ("pretrain", ["--data.train_dir", "data/train"],
+     "data: --data.train_dir is an option of TextFiles: give --data TextFiles before it"),
+    # the module given after its option: jsonargparse reads the flags in order
+    ("pretrain", ["--data.val_dir", "data/val", "--data", "TextFiles"],
+     "data: --data.val_dir is an option of TextFiles: give --data TextFiles before it"),
+    ("evaluate", ["--data.data_path", "data"],
+     "data: --data.data_path is an option of TokenChunks and SlimPajamaStarcoder: give --data with one of them before it"),
+    ("evaluate", ["--data.valdir", "data/val"],
+     "data: fabric_lin.data.DataModule has no option 'valdir'; valid options are: seed, num_workers"),
+])
+def test_a_data_module_s_option_before_the_module_names_the_modules_that_take_it(capsys, command, flags, message):
+    """`--data.val_dir DIR` without --data, or before it: jsonargparse read the option for the base class, and the error
+    listed the base class's options (seed, num_workers), where the module that takes it is the way on."""
+    positional = ["checkpoint"] if command == "evaluate" else ["--model_name", "gla-debug"]
+    assert parse_error([command, *positional, *flags], capsys) == f"fabric-lin {command}: error: {message}"
+
+
 def test_error_data_options_without_a_data_module(tmp_path, capsys):
     err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
                      "--train.max_steps", "1", "--data.num_workers", "2"], capsys)
