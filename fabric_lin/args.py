@@ -77,7 +77,8 @@ class TrainArgs:
             # a config file sets one of them, and a flag that gives the other does not unset it
             raise InvalidValue(
                 f"give exactly one of train.max_tokens ({self.max_tokens}) and train.max_steps ({self.max_steps}): "
-                f"set the other to null, e.g. --train.max_steps null --train.max_tokens {self.max_tokens}"
+                f"set the other to null: --train.max_steps null to train {self.max_tokens} tokens, or "
+                f"--train.max_tokens null to train {self.max_steps} steps"
             )
         if self.max_steps is not None:
             if self.max_steps <= 0:

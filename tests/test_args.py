@@ -74,9 +74,19 @@ def test_a_token_budget_over_a_config_that_counts_steps_is_told_how_to_unset_the
     command = ["pretrain", "--config", str(CONFIG_HUB / "debug.yaml"), "--out_dir", str(tmp_path / "out")]
     err = cli_error([*command, "--train.max_tokens", "1000"], capsys)
     assert err == ("fabric-lin pretrain: error: give exactly one of train.max_tokens (1000) and train.max_steps (150): "
-                   "set the other to null, e.g. --train.max_steps null --train.max_tokens 1000\n")
+                   "set the other to null: --train.max_steps null to train 1000 tokens, or --train.max_tokens null to "
+                   "train 150 steps\n")
     err = cli_error([*command, "--train.max_steps", "null", "--train.max_tokens", "1000"], capsys)
     assert "train.max_tokens=1000 is less than one optimizer step" in err
+    # the other way round: a recipe's token budget, and a few steps given to try it (the error named only the flags
+    # that keep the budget and drop the steps given)
+    recipe = ["pretrain", "--config", str(CONFIG_HUB / "gla_340M.yaml"), "--out_dir", str(tmp_path / "out")]
+    err = cli_error([*recipe, "--train.max_steps", "2"], capsys)
+    assert err == ("fabric-lin pretrain: error: give exactly one of train.max_tokens (10737418240) and train.max_steps "
+                   "(2): set the other to null: --train.max_steps null to train 10737418240 tokens, or "
+                   "--train.max_tokens null to train 2 steps\n")
+    err = cli_error([*recipe, "--train.max_steps", "2", "--train.max_tokens", "null", "--train.max_seq_length", "0"], capsys)
+    assert "train.max_seq_length must be at least 1" in err  # taken: the next error is a later check's
     with pytest.raises(ValueError, match=r"give one of train.max_steps and train.max_tokens: where the run ends \(both are null\)"):
         TrainArgs().total_steps()
 
