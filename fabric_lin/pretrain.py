@@ -69,6 +69,7 @@ from fabric_lin.run_start import (
     check_earlier_run,
     check_initial_checkpoint_dir,
     check_no_checkpoint_went_missing,
+    check_out_dir_is_no_model_or_data,
     check_trained_on_these_ids,
     load_initial_weights,
     load_tokenizer,
@@ -200,6 +201,7 @@ def setup(
         check_initial_checkpoint_dir(Path(initial_checkpoint_dir))
     out_dir = Path(out_dir)
     check_dir_can_be_made(out_dir, "--out_dir")
+    check_out_dir_is_no_model_or_data(out_dir)
     check_earlier_run(out_dir, resume, overwrite, config)
     created = missing_ancestors(out_dir)
     fabric = None

@@ -36,6 +36,28 @@ def check_initial_checkpoint_dir(model_dir: Path) -> None:
     check_model_dir_given(model_dir, "--initial_checkpoint_dir", "--initial_checkpoint_dir")
 
 
+def check_out_dir_is_no_model_or_data(out_dir: Path) -> None:
+    """Refuse an out_dir that is a model (a training checkpoint, a model directory, an export) or a prepared data
+    directory, most likely a path typed for another flag: the run would write its checkpoints, logs and metrics into
+    it, mixing a run with the model or the data. Named with the flag that reads such a directory."""
+    from fabric_lin.convert.model_dir import what_it_holds
+    from fabric_lin.data.prepared import INDEX_FILE
+
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return
+    kind = what_it_holds(out_dir) or ("a prepared data directory" if (out_dir / INDEX_FILE).is_file() else None)
+    if kind is None:
+        return
+    meant = {
+        "a model directory": f"to start from this model's weights: --initial_checkpoint_dir {out_dir}",
+        "a training checkpoint": f"to continue this checkpoint's run: --out_dir {out_dir.parent} --resume auto",
+        "a prepared data directory": f"to train on this data: --data TextFiles --data.train_dir {out_dir}",
+    }.get(kind)
+    raise AlreadyExists(f"--out_dir {out_dir} is {kind}: a run writes its checkpoints, logs and metrics.jsonl into its "
+                        f"out_dir; give it a directory of its own" + (f" ({meant})" if meant else ""))
+
+
 def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool, config: Config) -> None:
     """Refuse a fresh run into an out_dir that holds an earlier run's checkpoints: the two runs' step
     directories would lie side by side, and a later --resume auto would take the earlier run's newest. Where the

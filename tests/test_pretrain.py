@@ -355,6 +355,37 @@ def test_resume_from_a_damaged_directory_refuses_in_one_line(tmp_path, capsys):
     assert "(truncated). It is not loaded" in err and final.is_dir()
 
 
+def test_an_out_dir_that_is_a_model_or_data_is_refused_naming_the_flag_it_may_have_been_meant_for(tmp_path):
+    """--out_dir given a model directory, a training checkpoint or a prepared data directory (a path typed for another
+    flag): the run wrote final/, logs/ and metrics.jsonl into it, mixing a run with the model or the data."""
+    from fabric_lin.convert.model_dir import save_model_dir
+    from helpers import write_prepared
+
+    config = Config.from_name("gla-debug")
+    (tmp_path / "model").mkdir()
+    save_model_dir(GPT(config).state_dict(), config, tmp_path / "model")
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    (tmp_path / "run" / "final" / "step.json").write_text('{"step_count": 1}')
+    write_prepared(tmp_path / "data", torch.arange(3000) % 100, None)
+    cases = {
+        tmp_path / "model": "a model directory: a run writes its checkpoints, logs and metrics.jsonl into its out_dir; give "
+                            "it a directory of its own (to start from this model's weights: --initial_checkpoint_dir "
+                            f"{tmp_path / 'model'})",
+        tmp_path / "run" / "final": "a training checkpoint: a run writes its checkpoints, logs and metrics.jsonl into its "
+                                    "out_dir; give it a directory of its own (to continue this checkpoint's run: --out_dir "
+                                    f"{tmp_path / 'run'} --resume auto)",
+        tmp_path / "data": "a prepared data directory: a run writes its checkpoints, logs and metrics.jsonl into its out_dir; "
+                           "give it a directory of its own (to train on this data: --data TextFiles --data.train_dir "
+                           f"{tmp_path / 'data'})",
+    }
+    for out_dir, message in cases.items():
+        before = sorted(p.name for p in out_dir.iterdir())
+        with pytest.raises(FileExistsError) as info:
+            setup_pretrain(tmp_path, out_dir=out_dir, overwrite=True)
+        assert str(info.value) == f"--out_dir {out_dir} is {message}"
+        assert sorted(p.name for p in out_dir.iterdir()) == before
+
+
 def test_initial_checkpoint_dir_is_checked_against_the_model(tmp_path, capsys):
     from fabric_lin.convert.model_dir import save_model_dir
 
