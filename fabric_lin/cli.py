@@ -116,7 +116,11 @@ def one_line_parse_error(message: str, parser) -> str:
         options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
         if option in LIGHTNING_FLAGS and LIGHTNING_FLAGS[option].split()[0] in options:
             return f"unknown option {option} (did you mean {LIGHTNING_FLAGS[option]}?)"
-        close = difflib.get_close_matches(option, options, n=1, cutoff=0.75)
+        close = ([option.replace(".init_args.", ".")] if option.replace(".init_args.", ".") in options  # LitGPT's form
+                 else difflib.get_close_matches(option, options, n=1, cutoff=0.75))
+        if not close:  # a key's name without its group: --lr for --optimizer.lr
+            close = [o for o in options if o.rpartition(".")[2] == option.lstrip("-")][:2]
+            close = close if len(close) == 1 else []
         return f"unknown option {option}" + (f" (did you mean {close[0]}?)" if close else "") + (
             "; options are not abbreviated" if close and close[0].startswith(option) else ""
         )
@@ -135,7 +139,8 @@ def one_line_parse_error(message: str, parser) -> str:
     unloadable = re.match(r'Parser key "([\w.]+)":\s*Unable to load config \'([^\']*)\'', message)
     if unloadable and unloadable.group(1) in groups:
         key, given = unloadable.groups()
-        return group_value_error(key, given, groups[key][1]) + ", or the path of a YAML file of them"
+        switch = f" (did you mean --{key}.enabled {given}?)" if "enabled" in groups[key][1] and given in ("true", "false") else ""
+        return group_value_error(key, given, groups[key][1]) + ", or the path of a YAML file of them" + switch
     keyed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.S)
     if not keyed:
         return " ".join(message.split())

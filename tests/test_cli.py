@@ -119,12 +119,19 @@ def test_an_abbreviated_flag_is_refused(tmp_path, capsys, flags):
 @pytest.mark.parametrize("flags,message", [
     (["--compile_cache", "false"], "unknown option --compile_cache (did you mean --compile.cache?)"),
     (["--compile_mode=default"], "unknown option --compile_mode (did you mean --compile.mode?)"),
-    (["--fsdp_unit", "model"], "unknown option --fsdp_unit"),
+    (["--fsdp_unit", "model"], "unknown option --fsdp_unit (did you mean --parallelism.fsdp_unit?)"),
+    (["--learning_rate", "1e-3"], "unknown option --learning_rate"),
     (["--train.max_step", "3"], "unknown option --train.max_step (did you mean --train.max_steps?); options are not abbreviated"),
     # Lightning's and LitGPT's name for it, which no spelling of fabric-lin's resembles
     (["--strategy", "fsdp"], "unknown option --strategy (did you mean --parallelism.data_parallel fsdp or ddp?)"),
     (["--strategy=ddp"], "unknown option --strategy (did you mean --parallelism.data_parallel fsdp or ddp?)"),
     (["--fsdp", "true"], "unknown option --fsdp (did you mean --parallelism.data_parallel fsdp?)"),
+    # LitGPT's form of an optimizer's keys, and a key's name given without its group (or in another group)
+    (["--optimizer.init_args.lr", "1e-3"], "unknown option --optimizer.init_args.lr (did you mean --optimizer.lr?)"),
+    (["--lr", "1e-3"], "unknown option --lr (did you mean --optimizer.lr?)"),
+    (["--train.weight_decay", "0.1"], "unknown option --train.weight_decay (did you mean --optimizer.weight_decay?)"),
+    (["--activation_checkpointing", "true"],
+     "unknown option --activation_checkpointing (did you mean --parallelism.activation_checkpointing?)"),
 ])
 def test_unknown_command_line_keys_are_named_with_the_closest_one(tmp_path, capsys, flags, message):
     from fabric_lin.cli import main as cli_main
@@ -210,6 +217,16 @@ def test_unknown_config_file_keys_are_named(tmp_path, capsys):
         cli_main(["pretrain", "--config", str(config), "--out_dir", str(tmp_path / "out")])
     assert capsys.readouterr().err.startswith("fabric-lin pretrain: error: Subcommand 'pretrain' does not accept option 'compile_cache'")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_compile_given_a_boolean_names_compile_enabled(tmp_path, capsys, value):
+    """`--compile true` (a flag of flame's and of earlier fabric-lin) is the group given a word: the error named the
+    group's keys, not the one that switches compilation."""
+    err = parse_error(["pretrain", "--model_name", "gla-debug", "--compile", value], capsys)
+    assert err == (f"fabric-lin pretrain: error: compile: got {value}, expected a mapping of its keys (enabled, cache, "
+                   f"dynamic, mode, kernel_autotune), or the path of a YAML file of them (did you mean --compile.enabled "
+                   f"{value}?)")
 
 
 def test_a_compile_group_file_is_not_taken_for_the_old_compile_flag(tmp_path, capsys):
