@@ -216,7 +216,8 @@ class CompileArgs:
     """torch.compile of the model (each Block compiled in place) and the kernels' launch settings."""
 
     enabled: Optional[bool] = None
-    """Compile the model. null: on with CUDA, off on the CPU"""
+    """Compile the model. null: on with CUDA, off on the CPU (where Inductor's build of C++ code for the Blocks takes
+    minutes before the first step)"""
     cache: bool = True
     """Keep Triton's and torch.compile's caches in out_dir/compile_cache (TRITON_CACHE_DIR and
     TORCHINDUCTOR_CACHE_DIR), so that a resumed run, or any later run into the same out_dir, loads compiled
