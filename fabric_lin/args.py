@@ -211,6 +211,9 @@ class ParallelismArgs:
             raise InvalidValue(f"parallelism.timeout_minutes must be positive, got {self.timeout_minutes!r}")
 
 
+AUTO_MODE_FIX = "leave compile.mode at auto (CUDA graphs where they can run, else default)"
+
+
 @dataclass
 class CompileArgs:
     """torch.compile of the model (each Block compiled in place) and the kernels' launch settings."""
@@ -251,11 +254,12 @@ class CompileArgs:
         if mode == "reduce-overhead" and not graphs_can_run:
             raise InvalidValue(
                 "compile.mode 'reduce-overhead' (CUDA graphs) needs one CUDA GPU and compile.enabled true; got "
-                f"cuda={cuda}, compile.enabled={enabled}, devices={devices}, num_nodes={num_nodes}"
+                f"cuda={cuda}, compile.enabled={enabled}, devices={devices}, num_nodes={num_nodes}: {AUTO_MODE_FIX}"
             )
         if mode == "reduce-overhead" and reset_state_at_doc_boundaries:
             # each batch's document count changes a tensor shape, and each new shape records another graph
-            raise InvalidValue("compile.mode 'reduce-overhead' (CUDA graphs) cannot be used with reset_state_at_doc_boundaries")
+            raise InvalidValue(f"compile.mode 'reduce-overhead' (CUDA graphs) cannot be used with reset_state_at_doc_boundaries: "
+                               f"{AUTO_MODE_FIX}")
         return replace(self, enabled=enabled, mode=mode)
 
     @property
