@@ -20,7 +20,7 @@ import re  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
+from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 from fabric_lin.errors import PEER_LOST_EXIT_CODE, process_rank  # noqa: E402
 
@@ -91,9 +91,9 @@ LIGHTNING_FLAGS = {
 }
 
 
-def one_line_parse_error(message: str, parser) -> str:
+def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
     """jsonargparse's message for a bad command line or config value (up to a dozen lines) as one line:
-    the key, the value given and what is expected."""
+    the key, the value given and what is expected. `argv`: the command line, whose options a hint leaves out."""
     unknown = re.match(r"unrecognized arguments: (.*)", message)
     if unknown:
         import difflib
@@ -105,7 +105,7 @@ def one_line_parse_error(message: str, parser) -> str:
                 return (f"unexpected argument {' '.join(given)}: the end of a list that the shell cut at its spaces; "
                         f"quote the whole list, e.g. '[a, b]'")
             takes = f"takes {len(positionals)}: {', '.join(positionals)}" if positionals else "takes none"
-            meant = option_meant(given, parser.prog.replace(" [options]", "").split()[-1])
+            meant = option_meant(given, parser.prog.replace(" [options]", "").split()[-1], argv)
             return (f"unexpected argument {' '.join(given)}: this command {takes}; the rest are options "
                     f"(--name value)" + (f": did you mean {meant}?" if meant else ""))
         option = next((a.split("=")[0] for a in given if a.startswith("--")), given[0] if given else "")
@@ -177,12 +177,13 @@ def one_line_parse_error(message: str, parser) -> str:
     return f"{key}: " + " ".join(rest.split())
 
 
-def option_meant(words: List[str], command: str) -> Optional[str]:
+def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optional[str]:
     """The option that `words`, given where the command takes no more arguments, were most likely meant for, with its
-    value, or None: a YAML file's --config, else the command's first option (the parameter after its arguments:
-    convert_from_llama's --checkpoint_dir, prepare_text's --input_dir, convert_to_hf's --output_dir, generate's
-    --prompt, pretrain's --model_name, as `litgpt pretrain <model>` takes it) where its type takes the first word: a
-    path, or text that is no path (several words of it, as an unquoted prompt reaches the command, quoted)."""
+    value, or None: a YAML file's --config, else the command's first option that the command line `argv` does not give
+    (the parameter after its arguments: convert_from_llama's --checkpoint_dir, prepare_text's --input_dir, then
+    --output_dir, convert_to_hf's --output_dir, generate's --prompt, pretrain's --model_name, as `litgpt pretrain
+    <model>` takes it) where its type takes the first word: a path, or text that is no path (several words of it, as an
+    unquoted prompt reaches the command, quoted)."""
     import inspect
     import typing
 
@@ -192,7 +193,8 @@ def option_meant(words: List[str], command: str) -> Optional[str]:
     if command not in COMMANDS:
         return None
     parameters = inspect.signature(load_command(command)).parameters.values()
-    first_option = next((p for p in parameters if p.default is not inspect.Parameter.empty), None)
+    first_option = next((p for p in parameters if p.default is not inspect.Parameter.empty
+                         and not option_values(list(argv), f"--{p.name}")), None)
     if first_option is None:
         return None
     kinds = typing.get_args(first_option.annotation) or (first_option.annotation,)
@@ -427,7 +429,8 @@ def run(argv: List[str]) -> None:
                 return super().error(message, ex)
             parser = getattr(ex, "subcommand_parser", None) or self
             prog = parser.prog.replace(" [options]", "")
-            print(f"{prog}: error: {one_line_parse_error(str(message), parser)}\n({prog} --help lists the options)", file=sys.stderr)
+            print(f"{prog}: error: {one_line_parse_error(str(message), parser, argv)}\n({prog} --help lists the options)",
+                  file=sys.stderr)
             raise SystemExit(2)
 
         def instantiate(self, cfg, *args, **kwargs):

@@ -164,6 +164,12 @@ def test_unknown_command_line_keys_are_named_with_the_closest_one(tmp_path, caps
                                       "(--name value): did you mean --input_dir data/raw?"),
     (["pretrain", "config_hub/debug.yaml"], "unexpected argument config_hub/debug.yaml: this command takes none; the rest "
                                             "are options (--name value): did you mean --config config_hub/debug.yaml?"),
+    # the options given already are not guessed again: the first of the others
+    (["prepare_text", "--input_dir", "data/raw", "data/out"], "unexpected argument data/out: this command takes none; the "
+                                                             "rest are options (--name value): did you mean --output_dir "
+                                                             "data/out?"),
+    (["convert_from_llama", "--checkpoint_dir", "llama", "out/gla"], "unexpected argument out/gla: this command takes "
+                                                                     "none; the rest are options (--name value)"),
     # no option of the command takes such a word first: nothing guessed
     (["pretrain", "out/pretrain/debug"], "unexpected argument out/pretrain/debug: this command takes none; the rest are "
                                          "options (--name value)"),
