@@ -116,7 +116,8 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
         options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
         if option in LIGHTNING_FLAGS and LIGHTNING_FLAGS[option].split()[0] in options:
             return f"unknown option {option} (did you mean {LIGHTNING_FLAGS[option]}?)"
-        close = ([option.replace(".init_args.", ".")] if option.replace(".init_args.", ".") in options  # LitGPT's form
+        without_init_args = option.replace(".init_args.", ".")  # LitGPT's form of a class's keys
+        close = ([without_init_args] if without_init_args in options
                  else difflib.get_close_matches(option, options, n=1, cutoff=0.75))
         if not close:  # a key's name without its group: --lr for --optimizer.lr
             close = [o for o in options if o.rpartition(".")[2] == option.lstrip("-")][:2]
