@@ -258,8 +258,8 @@ class CompileArgs:
             )
         if mode == "reduce-overhead" and reset_state_at_doc_boundaries:
             # each batch's document count changes a tensor shape, and each new shape records another graph
-            raise InvalidValue(f"compile.mode 'reduce-overhead' (CUDA graphs) cannot be used with reset_state_at_doc_boundaries: "
-                               f"{AUTO_MODE_FIX}")
+            raise InvalidValue(f"compile.mode 'reduce-overhead' (CUDA graphs) cannot be used with "
+                               f"reset_state_at_doc_boundaries: {AUTO_MODE_FIX}")
         return replace(self, enabled=enabled, mode=mode)
 
     @property

@@ -140,7 +140,8 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
     unloadable = re.match(r'Parser key "([\w.]+)":\s*Unable to load config \'([^\']*)\'', message)
     if unloadable and unloadable.group(1) in groups:
         key, given = unloadable.groups()
-        switch = f" (did you mean --{key}.enabled {given}?)" if "enabled" in groups[key][1] and given in ("true", "false") else ""
+        switched = "enabled" in groups[key][1] and given in ("true", "false")  # `--compile true`
+        switch = f" (did you mean --{key}.enabled {given}?)" if switched else ""
         return group_value_error(key, given, groups[key][1]) + ", or the path of a YAML file of them" + switch
     keyed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.S)
     if not keyed:

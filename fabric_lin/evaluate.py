@@ -359,7 +359,8 @@ def validation_loader(data: DataModule, data_origin: str, checkpoint: "Checkpoin
     except ValueError as e:
         raise InvalidValue(f"reading the validation data with --seq_len {seq_len}: {e}") from None
     if loader is None:
-        with_validation = "TextFiles --data.val_dir DIR, TokenChunks --data.val_path DIR, SlimPajamaStarcoder --data.validation true"
+        with_validation = ("TextFiles --data.val_dir DIR, TokenChunks --data.val_path DIR, "
+                           "SlimPajamaStarcoder --data.validation true")
         if data_origin == "--data":
             raise InvalidValue(f"{type(data).__name__} gives no validation data, which evaluate reads: give a data module "
                                f"with a validation split ({with_validation})")

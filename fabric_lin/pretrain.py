@@ -757,7 +757,8 @@ def build_model(
         # fully_shard (in fabric.setup), whose hooks gather each Block's weights before it runs.
         on_the_cpu = ("; on the CPU Inductor first builds C++ code for it: minutes before the first step (compile.enabled "
                       "null or false runs eagerly, the CPU's default)" if fabric.device.type == "cpu" else "")
-        fabric.print(f"compiling each Block (mode {compile.mode}{': CUDA graphs' if compile.cuda_graphs else ''}){on_the_cpu}")
+        graphs = ": CUDA graphs" if compile.cuda_graphs else ""
+        fabric.print(f"compiling each Block (mode {compile.mode}{graphs}){on_the_cpu}")
         for block in model.layers:
             block.compile(mode=None if compile.mode == "default" else compile.mode)
         model.dynamic_shapes = compile.dynamic
