@@ -52,9 +52,23 @@ class TrainArgs:
             raise InvalidValue(
                 f"train.global_batch_size={self.global_batch_size} must be a positive multiple of "
                 f"train.micro_batch_size ({self.micro_batch_size}) x devices ({devices}) x num_nodes ({num_nodes}) "
-                f"= {per_pass}"
+                f"= {per_pass}: {self.batch_sizes_that_share_out(devices * num_nodes)}"
             )
         return iters
+
+    def batch_sizes_that_share_out(self, processes: int) -> str:
+        """What to give where the global batch does not share out into micro batches over `processes`: the nearest
+        global batches that do, and the largest micro batch up to the one given (which fits in memory) that
+        accumulates to the global batch given, where its sequences share out over the processes at all."""
+        per_pass = self.micro_batch_size * processes
+        below = self.global_batch_size // per_pass * per_pass
+        nearest = " or ".join(str(size) for size in (below, below + per_pass) if size > 0)
+        fix = f"give a train.global_batch_size that is a multiple of {per_pass} (the nearest: {nearest}), or "
+        per_process, spread = divmod(self.global_batch_size, processes)
+        if spread:
+            return fix + "a number of devices x num_nodes that divides it"
+        micro = max(size for size in range(1, min(self.micro_batch_size, per_process) + 1) if per_process % size == 0)
+        return fix + f"a train.micro_batch_size that divides the {per_process} sequences of each process (e.g. {micro})"
 
     def total_steps(self) -> int:
         if self.max_tokens is None and self.max_steps is None:
@@ -63,7 +77,8 @@ class TrainArgs:
             # a config file sets one of them, and a flag that gives the other does not unset it
             raise InvalidValue(
                 f"give exactly one of train.max_tokens ({self.max_tokens}) and train.max_steps ({self.max_steps}): "
-                f"set the other to null, e.g. --train.max_steps null --train.max_tokens {self.max_tokens}"
+                f"set the other to null: --train.max_steps null to train {self.max_tokens} tokens, or "
+                f"--train.max_tokens null to train {self.max_steps} steps"
             )
         if self.max_steps is not None:
             if self.max_steps <= 0:
@@ -196,12 +211,16 @@ class ParallelismArgs:
             raise InvalidValue(f"parallelism.timeout_minutes must be positive, got {self.timeout_minutes!r}")
 
 
+AUTO_MODE_FIX = "leave compile.mode at auto (CUDA graphs where they can run, else default)"
+
+
 @dataclass
 class CompileArgs:
     """torch.compile of the model (each Block compiled in place) and the kernels' launch settings."""
 
     enabled: Optional[bool] = None
-    """Compile the model. null: on with CUDA, off on the CPU"""
+    """Compile the model. null: on with CUDA, off on the CPU (where Inductor's build of C++ code for the Blocks takes
+    minutes before the first step)"""
     cache: bool = True
     """Keep Triton's and torch.compile's caches in out_dir/compile_cache (TRITON_CACHE_DIR and
     TORCHINDUCTOR_CACHE_DIR), so that a resumed run, or any later run into the same out_dir, loads compiled
@@ -235,11 +254,12 @@ class CompileArgs:
         if mode == "reduce-overhead" and not graphs_can_run:
             raise InvalidValue(
                 "compile.mode 'reduce-overhead' (CUDA graphs) needs one CUDA GPU and compile.enabled true; got "
-                f"cuda={cuda}, compile.enabled={enabled}, devices={devices}, num_nodes={num_nodes}"
+                f"cuda={cuda}, compile.enabled={enabled}, devices={devices}, num_nodes={num_nodes}: {AUTO_MODE_FIX}"
             )
         if mode == "reduce-overhead" and reset_state_at_doc_boundaries:
             # each batch's document count changes a tensor shape, and each new shape records another graph
-            raise InvalidValue("compile.mode 'reduce-overhead' (CUDA graphs) cannot be used with reset_state_at_doc_boundaries")
+            raise InvalidValue(f"compile.mode 'reduce-overhead' (CUDA graphs) cannot be used with "
+                               f"reset_state_at_doc_boundaries: {AUTO_MODE_FIX}")
         return replace(self, enabled=enabled, mode=mode)
 
     @property

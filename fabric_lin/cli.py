@@ -17,9 +17,10 @@ import errno  # noqa: E402
 import importlib  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
+from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 from fabric_lin.errors import PEER_LOST_EXIT_CODE, process_rank  # noqa: E402
 
@@ -90,9 +91,9 @@ LIGHTNING_FLAGS = {
 }
 
 
-def one_line_parse_error(message: str, parser) -> str:
+def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
     """jsonargparse's message for a bad command line or config value (up to a dozen lines) as one line:
-    the key, the value given and what is expected."""
+    the key, the value given and what is expected. `argv`: the command line, whose options a hint leaves out."""
     unknown = re.match(r"unrecognized arguments: (.*)", message)
     if unknown:
         import difflib
@@ -104,8 +105,9 @@ def one_line_parse_error(message: str, parser) -> str:
                 return (f"unexpected argument {' '.join(given)}: the end of a list that the shell cut at its spaces; "
                         f"quote the whole list, e.g. '[a, b]'")
             takes = f"takes {len(positionals)}: {', '.join(positionals)}" if positionals else "takes none"
+            meant = option_meant(given, parser.prog.replace(" [options]", "").split()[-1], argv)
             return (f"unexpected argument {' '.join(given)}: this command {takes}; the rest are options "
-                    f"(--name value)")
+                    f"(--name value)" + (f": did you mean {meant}?" if meant else ""))
         option = next((a.split("=")[0] for a in given if a.startswith("--")), given[0] if given else "")
         if option[2:] in positionals:  # `generate --checkpoint_dir DIR`, as convert_from_llama takes it
             prog = parser.prog.replace(" [options]", "")
@@ -114,7 +116,12 @@ def one_line_parse_error(message: str, parser) -> str:
         options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
         if option in LIGHTNING_FLAGS and LIGHTNING_FLAGS[option].split()[0] in options:
             return f"unknown option {option} (did you mean {LIGHTNING_FLAGS[option]}?)"
-        close = difflib.get_close_matches(option, options, n=1, cutoff=0.75)
+        without_init_args = option.replace(".init_args.", ".")  # LitGPT's form of a class's keys
+        close = ([without_init_args] if without_init_args in options
+                 else difflib.get_close_matches(option, options, n=1, cutoff=0.75))
+        if not close:  # a key's name without its group: --lr for --optimizer.lr
+            close = [o for o in options if o.rpartition(".")[2] == option.lstrip("-")][:2]
+            close = close if len(close) == 1 else []
         return f"unknown option {option}" + (f" (did you mean {close[0]}?)" if close else "") + (
             "; options are not abbreviated" if close and close[0].startswith(option) else ""
         )
@@ -133,7 +140,9 @@ def one_line_parse_error(message: str, parser) -> str:
     unloadable = re.match(r'Parser key "([\w.]+)":\s*Unable to load config \'([^\']*)\'', message)
     if unloadable and unloadable.group(1) in groups:
         key, given = unloadable.groups()
-        return group_value_error(key, given, groups[key][1]) + ", or the path of a YAML file of them"
+        switched = "enabled" in groups[key][1] and given in ("true", "false")  # `--compile true`
+        switch = f" (did you mean --{key}.enabled {given}?)" if switched else ""
+        return group_value_error(key, given, groups[key][1]) + ", or the path of a YAML file of them" + switch
     keyed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.S)
     if not keyed:
         return " ".join(message.split())
@@ -168,6 +177,34 @@ def one_line_parse_error(message: str, parser) -> str:
             how += closest_data_module(value)
         return f"{key}: got {value}, expected {' or '.join(expected)}{how}"
     return f"{key}: " + " ".join(rest.split())
+
+
+def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optional[str]:
+    """The option that `words`, given where the command takes no more arguments, were most likely meant for, with its
+    value, or None: a YAML file's --config, else the command's first option that the command line `argv` does not give
+    (the parameter after its arguments: convert_from_llama's --checkpoint_dir, prepare_text's --input_dir, then
+    --output_dir, convert_to_hf's --output_dir, generate's --prompt, pretrain's --model_name, as `litgpt pretrain
+    <model>` takes it) where its type takes the first word: a path, or text that is no path (several words of it, as an
+    unquoted prompt reaches the command, quoted)."""
+    import inspect
+    import typing
+
+    word = words[0]
+    if word.endswith((".yaml", ".yml")):
+        return f"--config {word}"
+    if command not in COMMANDS:
+        return None
+    parameters = inspect.signature(load_command(command)).parameters.values()
+    first_option = next((p for p in parameters if p.default is not inspect.Parameter.empty
+                         and not option_values(list(argv), f"--{p.name}")), None)
+    if first_option is None:
+        return None
+    kinds = typing.get_args(first_option.annotation) or (first_option.annotation,)
+    if Path in kinds:
+        return f"--{first_option.name} {word}"
+    if str in kinds and not (os.sep in word or Path(word).expanduser().exists()):
+        return f"--{first_option.name} " + (f"'{' '.join(words)}'" if len(words) > 1 else word)
+    return None
 
 
 def closest_data_module(given: str) -> str:
@@ -229,8 +266,20 @@ def valid_keys_hints(message: str) -> List[str]:
             hints.append(f"{class_path} has no option {key!r}")
             continue
         valid = dataclass_fields(cls) or [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
+        takers = modules_taking(key) if cls.__name__ == "DataModule" else []
+        if takers:  # an option read before its module, as jsonargparse reads the flags in order
+            give = f"--data {takers[0]}" if len(takers) == 1 else "--data with one of them"
+            hints.append(f"--data.{key} is an option of {' and '.join(takers)}: give {give} before it")
+            continue
         hints.append(f"{class_path} has no option {key!r}; valid options are: {', '.join(valid)}")
     return hints
+
+
+def modules_taking(key: str) -> List[str]:
+    """The data modules that take the option `key`."""
+    import fabric_lin.data
+
+    return [name for name in DATA_MODULES if key in dataclass_fields(getattr(fabric_lin.data, name))]
 
 
 def main(argv=None) -> None:
@@ -243,6 +292,13 @@ def main(argv=None) -> None:
             raise
         report(prog, f"interrupted ({e})" if str(e) else "interrupted")
         raise SystemExit(130) from None
+    except BrokenPipeError:
+        if debug_enabled() or not stdout_reader_gone():
+            raise
+        # `fabric-lin pretrain list | head -1`: what is left goes nowhere, as for a program ended by SIGPIPE (whose
+        # exit code this is); the interpreter's last flush of stdout would otherwise fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(128 + signal.SIGPIPE) from None
     except Exception as e:
         from fabric_lin.errors import PeerLost
 
@@ -255,6 +311,19 @@ def main(argv=None) -> None:
             raise
         report(prog, f"error: {failure}")
         raise SystemExit(2) from None
+
+
+def stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe that its reader has closed (a BrokenPipeError from anywhere else is a bug):
+    the pipe then polls as an error."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() on this system, or stdout no file
+        return False
 
 
 def anticipated_cause(error: BaseException) -> Optional[BaseException]:
@@ -362,7 +431,8 @@ def run(argv: List[str]) -> None:
                 return super().error(message, ex)
             parser = getattr(ex, "subcommand_parser", None) or self
             prog = parser.prog.replace(" [options]", "")
-            print(f"{prog}: error: {one_line_parse_error(str(message), parser)}\n({prog} --help lists the options)", file=sys.stderr)
+            print(f"{prog}: error: {one_line_parse_error(str(message), parser, argv)}\n({prog} --help lists the options)",
+                  file=sys.stderr)
             raise SystemExit(2)
 
         def instantiate(self, cfg, *args, **kwargs):

@@ -236,8 +236,9 @@ class Config:
 
     def flag(self, config_file: Union[str, Path]) -> str:
         """The pretrain flag that builds this model, read from `config_file`: --model_name where it is a named model
-        as it stands, else --model_config <config_file>."""
-        named = self.name in name_to_config and Config.from_name(self.name) == self
+        as it stands (but for max_seq_length, which a model directory sets to the length its run trained at, and a run
+        trains at its train.max_seq_length), else --model_config <config_file>."""
+        named = self.name in name_to_config and Config.from_name(self.name, max_seq_length=self.max_seq_length) == self
         return f"--model_name {self.name}" if named else f"--model_config {config_file}"
 
     def save(self, path: Union[str, Path]) -> None:

@@ -135,8 +135,10 @@ def main(
     if reset_state_at_doc_boundaries is None:
         reset_state_at_doc_boundaries = bool(hparams.get("reset_state_at_doc_boundaries", False))
     data_of_run = data is None and max_batches != 0 and checkpoint.hparams is not None
+    data_origin = "--data"  # where the data module comes from, as its errors name it
     if data_of_run:
         data = run_data_module(checkpoint.hparams, checkpoint_dir / HPARAMS_FILE)
+        data_origin = f"the run's data ({type(data).__name__}, from {checkpoint_dir / HPARAMS_FILE})"
     evaluate_data = data is not None and max_batches != 0
     if evaluate_data:
         data.validate()
@@ -161,9 +163,9 @@ def main(
         data.prepare_data()
         if data_of_run:
             check_run_data_is_there(data, checkpoint_dir / HPARAMS_FILE)
-        validation_loader(data, checkpoint, checkpoint_dir, batch_size, max(seq_lens))
+        validation_loader(data, data_origin, checkpoint, checkpoint_dir, batch_size, max(seq_lens))
         if checkpoint.tokenizer is None and data.validation_dirs():  # else setup_validation() checked the data with it
-            check_data_tokenizer(checkpoint_dir, data)
+            check_data_tokenizer(checkpoint_dir, data, data_origin)
 
     # after every check of the input, so that a mistake there is told first; before the minutes of evaluating
     if (out_dir / RESULTS_FILE).exists() and not overwrite:
@@ -193,7 +195,7 @@ def main(
             results["data"] = to_plain(data)
             results["lengths"] = []
             for length in seq_lens:
-                loader = validation_loader(data, checkpoint, checkpoint_dir, batch_size, length)
+                loader = validation_loader(data, data_origin, checkpoint, checkpoint_dir, batch_size, length)
                 starts = bucket_starts(length, bucket_size, bucket_edges)
                 result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts,
                                          checkpoint.tokenizer.eos_id if reset_state_at_doc_boundaries else None)
@@ -275,10 +277,10 @@ def cap_loader_workers(data: DataModule) -> None:
         data.num_workers = cores
 
 
-def check_data_tokenizer(checkpoint_dir: Path, data: DataModule) -> None:
+def check_data_tokenizer(checkpoint_dir: Path, data: DataModule, data_origin: str) -> None:
     """For weights without a tokenizer.model: refuse data tokenized with another tokenizer than the one their
     trained_with.json records (the loss of other ids would read as a bad model); without the record, say that nothing
-    tells."""
+    tells. `data_origin`: where `data` comes from, as the error names it."""
     from fabric_lin.data.prepared import read_prepared_dir
     from fabric_lin.data.tokenizer import TRAINED_WITH_FILE, describe_tokenizer, read_trained_with, tokenizer_identity
 
@@ -288,21 +290,22 @@ def check_data_tokenizer(checkpoint_dir: Path, data: DataModule) -> None:
         print(f"Note: {checkpoint_dir} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
               f"({describe_tokenizer(data_info)}) is the one its model was trained with", flush=True)
     elif tokenizer_identity(trained_with) != tokenizer_identity(data_info):
-        raise other_tokenizers_data(data_dir, data_info, checkpoint_dir,
+        raise other_tokenizers_data(data_origin, data_dir, data_info, checkpoint_dir,
                                     f"{describe_tokenizer(trained_with)} ({TRAINED_WITH_FILE})")
 
 
-def other_tokenizers_data(data_dir: Path, data_info: dict, checkpoint_dir: Path, model_tokenizer: str,
+def other_tokenizers_data(data_origin: str, data_dir: Path, data_info: dict, checkpoint_dir: Path, model_tokenizer: str,
                           prepare_with: str = "") -> InvalidValue:
     """The error for data (`data_dir`, its prepared.json `data_info`) tokenized with another tokenizer than the one the
     weights of `checkpoint_dir` were trained with (`model_tokenizer`, as named), `prepare_with` the option that
-    prepares it with that one, where the model has its tokenizer.model."""
+    prepares it with that one, where the model has its tokenizer.model. `data_origin`: --data, or the run's data (which
+    only --data replaces)."""
     from fabric_lin.data.tokenizer import describe_tokenizer
 
     return InvalidValue(
-        f"--data: {data_dir} was tokenized with {describe_tokenizer(data_info)}, and the weights of {checkpoint_dir} "
+        f"{data_origin}: {data_dir} was tokenized with {describe_tokenizer(data_info)}, and the weights of {checkpoint_dir} "
         f"were trained on the ids of {model_tokenizer}: an id is another piece in each; evaluate on data prepared with "
-        f"the model's tokenizer{prepare_with}"
+        f"the model's tokenizer{prepare_with}" + ("" if data_origin == "--data" else ", given with --data")
     )
 
 
@@ -330,8 +333,10 @@ def build_model(fabric, checkpoint: "Checkpoint"):
 # ---------------------------------------------------------------- the data: loss and loss by position
 
 
-def validation_loader(data: DataModule, checkpoint: "Checkpoint", checkpoint_dir: Path, batch_size: int, seq_len: int):
-    """The data module's validation loader, its blocks `seq_len` + 1 tokens long."""
+def validation_loader(data: DataModule, data_origin: str, checkpoint: "Checkpoint", checkpoint_dir: Path, batch_size: int,
+                      seq_len: int):
+    """The data module's validation loader, its blocks `seq_len` + 1 tokens long. `data_origin`: where `data` comes
+    from (--data, or the run's hyperparameters.yaml), as its errors name it."""
     from fabric_lin.data.prepared import PREPARED_INFO_FILE, BlockTooLong, MadeWithAnotherTokenizer, VocabularyTooLarge
 
     data.connect(tokenizer=checkpoint.tokenizer, batch_size=batch_size, max_seq_length=seq_len,
@@ -339,7 +344,7 @@ def validation_loader(data: DataModule, checkpoint: "Checkpoint", checkpoint_dir
     try:
         data.setup_validation()
     except MadeWithAnotherTokenizer as e:  # its fix, the data's own tokenizer, is for pretrain: here the model's is read
-        raise other_tokenizers_data(e.path, e.info, checkpoint_dir, e.tokenizer.describe(),
+        raise other_tokenizers_data(data_origin, e.path, e.info, checkpoint_dir, e.tokenizer.describe(),
                                     f" (--tokenizer_path {checkpoint_dir})") from None
     except VocabularyTooLarge as e:  # its fix, a model config of a larger vocabulary, is for pretrain
         raise InvalidValue(
@@ -354,10 +359,13 @@ def validation_loader(data: DataModule, checkpoint: "Checkpoint", checkpoint_dir
     except ValueError as e:
         raise InvalidValue(f"reading the validation data with --seq_len {seq_len}: {e}") from None
     if loader is None:
-        raise InvalidValue(
-            f"{type(data).__name__} gives no validation data, which evaluate reads: give a data module with a validation "
-            "split (TextFiles --data.val_dir DIR, TokenChunks --data.val_path DIR, SlimPajamaStarcoder --data.validation true)"
-        )
+        with_validation = ("TextFiles --data.val_dir DIR, TokenChunks --data.val_path DIR, "
+                           "SlimPajamaStarcoder --data.validation true")
+        if data_origin == "--data":
+            raise InvalidValue(f"{type(data).__name__} gives no validation data, which evaluate reads: give a data module "
+                               f"with a validation split ({with_validation})")
+        raise InvalidValue(f"{data_origin} has no validation split, which evaluate reads: give --data with one "
+                           f"({with_validation})")
     return loader
 
 

@@ -419,6 +419,14 @@ def make_logger(name: str, out_dir: Path, hparams: Dict[str, Any], continuing: b
     if logs.exists() and not logs.is_dir():
         raise InvalidValue(f"{logs} is a file, where the {name} logger writes its directory: move or remove it")
     if name == "tensorboard":
+        try:  # what Lightning's TensorBoardLogger writes with, found only at its first record
+            import torch.utils.tensorboard  # noqa: F401  (needs the tensorboard package)
+        except ImportError as e:
+            try:
+                import tensorboardX  # noqa: F401  (Lightning's other writer)
+            except ImportError:
+                raise MissingPackage(f"logger_name=tensorboard needs the tensorboard package: pip install tensorboard, "
+                                     f"or --logger_name csv ({e})") from e
         return RunTensorBoardLogger(logs, continuing)
     if name == "csv":
         return RunCSVLogger(logs, continuing)
@@ -426,6 +434,6 @@ def make_logger(name: str, out_dir: Path, hparams: Dict[str, Any], continuing: b
         try:  # Weights & Biases' own logger for Lightning Fabric
             from wandb.integration.lightning.fabric import WandbLogger
         except ImportError as e:
-            raise MissingPackage(f"logger_name=wandb needs the wandb package: pip install wandb ({e})") from e
+            raise MissingPackage(f"logger_name=wandb needs the wandb package: pip install wandb, or --logger_name csv ({e})") from e
         return WandbLogger(project="fabric-lin", name=out_dir.name, save_dir=str(logs), resume="allow", config=hparams)
     raise InvalidValue(f"logger_name must be tensorboard, csv or wandb, got {name!r}")

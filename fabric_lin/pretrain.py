@@ -69,6 +69,7 @@ from fabric_lin.run_start import (
     check_earlier_run,
     check_initial_checkpoint_dir,
     check_no_checkpoint_went_missing,
+    check_out_dir_is_no_model_or_data,
     check_trained_on_these_ids,
     load_initial_weights,
     load_tokenizer,
@@ -200,7 +201,8 @@ def setup(
         check_initial_checkpoint_dir(Path(initial_checkpoint_dir))
     out_dir = Path(out_dir)
     check_dir_can_be_made(out_dir, "--out_dir")
-    check_earlier_run(out_dir, resume, overwrite)
+    check_out_dir_is_no_model_or_data(out_dir)
+    check_earlier_run(out_dir, resume, overwrite, config)
     created = missing_ancestors(out_dir)
     fabric = None
     try:
@@ -753,7 +755,10 @@ def build_model(
         # Dynamo compiles once and reuses the graph for every layer (start-up of one block, not 24),
         # and parameter names keep no `_orig_mod.` prefix. Sharded, the compiled Blocks are then wrapped by
         # fully_shard (in fabric.setup), whose hooks gather each Block's weights before it runs.
-        fabric.print(f"compiling each Block (mode {compile.mode}{': CUDA graphs' if compile.cuda_graphs else ''})")
+        on_the_cpu = ("; on the CPU Inductor first builds C++ code for it: minutes before the first step (compile.enabled "
+                      "null or false runs eagerly, the CPU's default)" if fabric.device.type == "cpu" else "")
+        graphs = ": CUDA graphs" if compile.cuda_graphs else ""
+        fabric.print(f"compiling each Block (mode {compile.mode}{graphs}){on_the_cpu}")
         for block in model.layers:
             block.compile(mode=None if compile.mode == "default" else compile.mode)
         model.dynamic_shapes = compile.dynamic

@@ -8,10 +8,16 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from fabric_lin.checkpoint import HPARAMS_FILE, earlier_run_checkpoints, explicit_resume_dir, is_training_checkpoint
+from fabric_lin.checkpoint import (
+    HPARAMS_FILE,
+    checkpoint_dirs,
+    earlier_run_checkpoints,
+    explicit_resume_dir,
+    is_training_checkpoint,
+)
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule
-from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile
+from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
 from fabric_lin.files import read_yaml
 from fabric_lin.metrics import METRICS_FILE, recorded_checkpoints
 
@@ -30,9 +36,32 @@ def check_initial_checkpoint_dir(model_dir: Path) -> None:
     check_model_dir_given(model_dir, "--initial_checkpoint_dir", "--initial_checkpoint_dir")
 
 
-def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:
+def check_out_dir_is_no_model_or_data(out_dir: Path) -> None:
+    """Refuse an out_dir that is a model (a training checkpoint, a model directory, an export) or a prepared data
+    directory, most likely a path typed for another flag: the run would write its checkpoints, logs and metrics into
+    it, mixing a run with the model or the data. Named with the flag that reads such a directory."""
+    from fabric_lin.convert.model_dir import what_it_holds
+    from fabric_lin.data.prepared import INDEX_FILE
+
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return
+    kind = what_it_holds(out_dir) or ("a prepared data directory" if (out_dir / INDEX_FILE).is_file() else None)
+    if kind is None:
+        return
+    meant = {
+        "a model directory": f"to start from this model's weights: --initial_checkpoint_dir {out_dir}",
+        "a training checkpoint": f"to continue this checkpoint's run: --out_dir {out_dir.parent} --resume auto",
+        "a prepared data directory": f"to train on this data: --data TextFiles --data.train_dir {out_dir}",
+    }.get(kind)
+    raise AlreadyExists(f"--out_dir {out_dir} is {kind}: a run writes its checkpoints, logs and metrics.jsonl into its "
+                        f"out_dir; give it a directory of its own" + (f" ({meant})" if meant else ""))
+
+
+def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool, config: Config) -> None:
     """Refuse a fresh run into an out_dir that holds an earlier run's checkpoints: the two runs' step
-    directories would lie side by side, and a later --resume auto would take the earlier run's newest."""
+    directories would lie side by side, and a later --resume auto would take the earlier run's newest. Where the
+    earlier run trained another model than this run's `config`, continuing it is no way on for this run."""
     continuing = resume is True or resume == "auto"
     # a --resume path that names no checkpoint is said before out_dir's earlier run, which it may have meant to name
     named = None if continuing or resume is False or resume is None else explicit_resume_dir(resume)
@@ -47,11 +76,30 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
     if not earlier or continuing or overwrite or inside:
         return
     shown = ", ".join(earlier[:3] + ([f"... ({len(earlier) - 3} more)"] if len(earlier) > 3 else []))
+    earlier_model = model_of_earlier_run(out_dir)
+    if earlier_model is not None and {**earlier_model.to_dict(), "name": None} != {**config.to_dict(), "name": None}:
+        named = (earlier_model.name if earlier_model.name and earlier_model.name != config.name
+                 else f"another model (its checkpoints' {CONFIG_FILE})")
+        raise AlreadyExists(
+            f"out_dir {out_dir} holds the checkpoints of an earlier run of {named} ({shown}), and this run trains "
+            f"{config.name or 'another model'}, which cannot continue it: write this one to another --out_dir, or start "
+            f"afresh with --overwrite true (deletes those checkpoints)"
+        )
     raise AlreadyExists(
         f"out_dir {out_dir} holds the checkpoints of an earlier run ({shown}); a new run would put its own beside them. "
         f"Continue that run with --resume auto, write this one to another --out_dir, or start afresh with "
         f"--overwrite true (deletes those checkpoints)"
     )
+
+
+def model_of_earlier_run(out_dir: Path) -> Optional[Config]:
+    """The model of the newest checkpoint in out_dir whose model_config.yaml reads, or None."""
+    for checkpoint in checkpoint_dirs(out_dir):
+        try:
+            return Config.from_checkpoint(checkpoint)
+        except UserError:  # missing or damaged: an older checkpoint may tell
+            continue
+    return None
 
 
 def check_config_of_a_moved_run(config_files: List[Path]) -> None:
@@ -92,7 +140,7 @@ def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str
     """The weights of a model directory, checked against `config` (a model of another family refused in one line;
     names, shapes, dtypes: each mismatch listed, and where they are the model of the directory's model_config.yaml,
     the flag that builds that one); a
-    model_config.yaml there that differs from `config` in fields that keep the shapes (eps, context length, ...) is
+    model_config.yaml there that differs from `config` in fields that keep the shapes (eps, RoPE base, ...) is
     reported, not refused: continued pretraining may change them on purpose."""
     from fabric_lin.convert.model_dir import (
         check_state_dict,
@@ -108,7 +156,10 @@ def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str
             f"other's layers; start this run with {saved.flag(saved_config)}"
         )
     if saved is not None:
-        differ = {k: (v, getattr(config, k)) for k, v in vars(saved).items() if k != "name" and getattr(config, k, v) != v}
+        # not max_seq_length: a run trains at train.max_seq_length, whatever its model config says, and a model directory
+        # records the length its run trained at
+        differ = {k: (v, getattr(config, k)) for k, v in vars(saved).items()
+                  if k not in ("name", "max_seq_length") and getattr(config, k, v) != v}
         if differ:
             log(
                 f"Warning: --initial_checkpoint_dir {model_dir}: its {CONFIG_FILE} differs from this run's model in "

@@ -27,6 +27,38 @@ def test_gradient_accumulation_arithmetic():
         train.gradient_accumulation_iters(devices=6, num_nodes=1)
 
 
+@pytest.mark.parametrize("global_batch,micro_batch,devices,num_nodes,fix", [
+    # 6 sequences on 2 processes: 3 each, in micro batches of 3 (or 1)
+    (6, 4, 2, 1, "give a train.global_batch_size that is a multiple of 8 (the nearest: 8), or a train.micro_batch_size "
+                 "that divides the 3 sequences of each process (e.g. 3)"),
+    (6, 4, 1, 1, "give a train.global_batch_size that is a multiple of 4 (the nearest: 4 or 8), or a "
+                 "train.micro_batch_size that divides the 6 sequences of each process (e.g. 3)"),
+    # a micro batch larger than the global batch
+    (8, 16, 1, 1, "give a train.global_batch_size that is a multiple of 16 (the nearest: 16), or a train.micro_batch_size "
+                  "that divides the 8 sequences of each process (e.g. 8)"),
+    # 256 sequences do not share out over 6 processes: no micro batch helps
+    (256, 8, 6, 1, "give a train.global_batch_size that is a multiple of 48 (the nearest: 240 or 288), or a number of "
+                   "devices x num_nodes that divides it"),
+])
+def test_a_global_batch_that_does_not_share_out_names_the_values_that_do(global_batch, micro_batch, devices, num_nodes, fix):
+    """The refusal said what the global batch must be a multiple of, not which values would do: the nearest multiples,
+    and the micro batch (at most the one given, which fits in memory) that accumulates to the global batch given, checked
+    here by the arithmetic they are refused by."""
+    train = TrainArgs(global_batch_size=global_batch, micro_batch_size=micro_batch, max_steps=1)
+    with pytest.raises(ValueError) as info:
+        train.gradient_accumulation_iters(devices, num_nodes)
+    assert str(info.value) == (
+        f"train.global_batch_size={global_batch} must be a positive multiple of train.micro_batch_size ({micro_batch}) x "
+        f"devices ({devices}) x num_nodes ({num_nodes}) = {micro_batch * devices * num_nodes}: {fix}")
+    for value in [int(v) for v in fix.split("(the nearest: ")[1].split(")")[0].split(" or ")]:
+        assert TrainArgs(global_batch_size=value, micro_batch_size=micro_batch, max_steps=1).gradient_accumulation_iters(
+            devices, num_nodes) >= 1
+    if "(e.g. " in fix:
+        micro = int(fix.split("(e.g. ")[1].rstrip(")"))
+        assert micro <= micro_batch and TrainArgs(global_batch_size=global_batch, micro_batch_size=micro, max_steps=1
+                                                  ).gradient_accumulation_iters(devices, num_nodes) >= 1
+
+
 def test_max_tokens_and_max_steps_exclusive():
     with pytest.raises(ValueError, match="exactly one of train.max_tokens"):
         TrainArgs(max_tokens=10, max_steps=10).total_steps()
@@ -42,9 +74,19 @@ def test_a_token_budget_over_a_config_that_counts_steps_is_told_how_to_unset_the
     command = ["pretrain", "--config", str(CONFIG_HUB / "debug.yaml"), "--out_dir", str(tmp_path / "out")]
     err = cli_error([*command, "--train.max_tokens", "1000"], capsys)
     assert err == ("fabric-lin pretrain: error: give exactly one of train.max_tokens (1000) and train.max_steps (150): "
-                   "set the other to null, e.g. --train.max_steps null --train.max_tokens 1000\n")
+                   "set the other to null: --train.max_steps null to train 1000 tokens, or --train.max_tokens null to "
+                   "train 150 steps\n")
     err = cli_error([*command, "--train.max_steps", "null", "--train.max_tokens", "1000"], capsys)
     assert "train.max_tokens=1000 is less than one optimizer step" in err
+    # the other way round: a recipe's token budget, and a few steps given to try it (the error named only the flags
+    # that keep the budget and drop the steps given)
+    recipe = ["pretrain", "--config", str(CONFIG_HUB / "gla_340M.yaml"), "--out_dir", str(tmp_path / "out")]
+    err = cli_error([*recipe, "--train.max_steps", "2"], capsys)
+    assert err == ("fabric-lin pretrain: error: give exactly one of train.max_tokens (10737418240) and train.max_steps "
+                   "(2): set the other to null: --train.max_steps null to train 10737418240 tokens, or "
+                   "--train.max_tokens null to train 2 steps\n")
+    err = cli_error([*recipe, "--train.max_steps", "2", "--train.max_tokens", "null", "--train.max_seq_length", "0"], capsys)
+    assert "train.max_seq_length must be at least 1" in err  # taken: the next error is a later check's
     with pytest.raises(ValueError, match=r"give one of train.max_steps and train.max_tokens: where the run ends \(both are null\)"):
         TrainArgs().total_steps()
 

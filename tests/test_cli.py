@@ -2,6 +2,8 @@
 option groups as files), its errors in one line with a hint and exit code 2 (bad values, abbreviated or unknown
 flags, keys a config file may not hold, a data module's own check), bugs told from anticipated failures, errors
 printed by rank 0 alone, a lost peer process in one line with exit code 75, and `--help` in whole sentences."""
+import os
+
 import pytest
 import torch
 
@@ -117,12 +119,19 @@ def test_an_abbreviated_flag_is_refused(tmp_path, capsys, flags):
 @pytest.mark.parametrize("flags,message", [
     (["--compile_cache", "false"], "unknown option --compile_cache (did you mean --compile.cache?)"),
     (["--compile_mode=default"], "unknown option --compile_mode (did you mean --compile.mode?)"),
-    (["--fsdp_unit", "model"], "unknown option --fsdp_unit"),
+    (["--fsdp_unit", "model"], "unknown option --fsdp_unit (did you mean --parallelism.fsdp_unit?)"),
+    (["--learning_rate", "1e-3"], "unknown option --learning_rate"),
     (["--train.max_step", "3"], "unknown option --train.max_step (did you mean --train.max_steps?); options are not abbreviated"),
     # Lightning's and LitGPT's name for it, which no spelling of fabric-lin's resembles
     (["--strategy", "fsdp"], "unknown option --strategy (did you mean --parallelism.data_parallel fsdp or ddp?)"),
     (["--strategy=ddp"], "unknown option --strategy (did you mean --parallelism.data_parallel fsdp or ddp?)"),
     (["--fsdp", "true"], "unknown option --fsdp (did you mean --parallelism.data_parallel fsdp?)"),
+    # LitGPT's form of an optimizer's keys, and a key's name given without its group (or in another group)
+    (["--optimizer.init_args.lr", "1e-3"], "unknown option --optimizer.init_args.lr (did you mean --optimizer.lr?)"),
+    (["--lr", "1e-3"], "unknown option --lr (did you mean --optimizer.lr?)"),
+    (["--train.weight_decay", "0.1"], "unknown option --train.weight_decay (did you mean --optimizer.weight_decay?)"),
+    (["--activation_checkpointing", "true"],
+     "unknown option --activation_checkpointing (did you mean --parallelism.activation_checkpointing?)"),
 ])
 def test_unknown_command_line_keys_are_named_with_the_closest_one(tmp_path, capsys, flags, message):
     from fabric_lin.cli import main as cli_main
@@ -138,8 +147,34 @@ def test_unknown_command_line_keys_are_named_with_the_closest_one(tmp_path, caps
 @pytest.mark.parametrize("argv,message", [
     # a second path where the command takes one (the output directory is an option)
     (["convert_to_hf", "model", "out"], "unexpected argument out: this command takes 1: model_dir; the rest are options "
-                                        "(--name value)"),
-    (["pretrain", "gla-debug"], "unexpected argument gla-debug: this command takes none; the rest are options (--name value)"),
+                                        "(--name value): did you mean --output_dir out?"),
+    (["generate", "model", "Hello"], "unexpected argument Hello: this command takes 1: checkpoint_dir; the rest are options "
+                                     "(--name value): did you mean --prompt Hello?"),
+    (["generate", "model", "The", "capital"], "unexpected argument The capital: this command takes 1: checkpoint_dir; the "
+                                              "rest are options (--name value): did you mean --prompt 'The capital'?"),
+    # LitGPT's `litgpt pretrain <model>`, `litgpt convert_... <dir>`: a command that takes no argument
+    (["pretrain", "gla-debug"], "unexpected argument gla-debug: this command takes none; the rest are options (--name value): "
+                                "did you mean --model_name gla-debug?"),
+    (["convert_from_llama", "checkpoints/mistral"], "unexpected argument checkpoints/mistral: this command takes none; the "
+                                                    "rest are options (--name value): did you mean --checkpoint_dir "
+                                                    "checkpoints/mistral?"),
+    (["prepare_text", "data/raw"], "unexpected argument data/raw: this command takes none; the rest are options "
+                                   "(--name value): did you mean --input_dir data/raw?"),
+    (["train_tokenizer", "data/raw"], "unexpected argument data/raw: this command takes none; the rest are options "
+                                      "(--name value): did you mean --input_dir data/raw?"),
+    (["pretrain", "config_hub/debug.yaml"], "unexpected argument config_hub/debug.yaml: this command takes none; the rest "
+                                            "are options (--name value): did you mean --config config_hub/debug.yaml?"),
+    # the options given already are not guessed again: the first of the others
+    (["prepare_text", "--input_dir", "data/raw", "data/out"], "unexpected argument data/out: this command takes none; the "
+                                                             "rest are options (--name value): did you mean --output_dir "
+                                                             "data/out?"),
+    (["convert_from_llama", "--checkpoint_dir", "llama", "out/gla"], "unexpected argument out/gla: this command takes "
+                                                                     "none; the rest are options (--name value)"),
+    # no option of the command takes such a word first: nothing guessed
+    (["pretrain", "out/pretrain/debug"], "unexpected argument out/pretrain/debug: this command takes none; the rest are "
+                                         "options (--name value)"),
+    (["evaluate", "model", "results"], "unexpected argument results: this command takes 1: checkpoint_dir; the rest are "
+                                       "options (--name value)"),
 ])
 def test_a_stray_word_is_named_with_what_the_command_takes(capsys, argv, message):
     from fabric_lin.cli import main as cli_main
@@ -148,6 +183,35 @@ def test_a_stray_word_is_named_with_what_the_command_takes(capsys, argv, message
         cli_main(argv)
     assert info.value.code == 2
     assert capsys.readouterr().err == f"fabric-lin {argv[0]}: error: {message}\n(fabric-lin {argv[0]} --help lists the options)\n"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["convert_from_llama"], "--checkpoint_dir is required: the Hugging Face Llama or Mistral directory to convert"),
+    (["convert_from_llama", "--checkpoint_dir", "llama"], "--output_dir is required: where to write the model directory"),
+    (["convert_pretrained_checkpoint", "ckpt"], "--output_dir is required: where to write the model directory"),
+    (["convert_to_hf", "model"], "--output_dir is required: where to write the fla-format export"),
+    (["convert_from_hf", "hf"], "--output_dir is required: where to write the model directory"),
+])
+def test_a_missing_required_option_is_named_once_with_what_it_takes(capsys, argv, message):
+    """The converters' own check: its message began with the command's name, which the CLI puts before every error
+    (`fabric-lin convert_to_hf: error: convert_to_hf: --output_dir is required`)."""
+    assert cli_error(argv, capsys) == f"fabric-lin {argv[0]}: error: {message}\n"
+
+
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
+    """`fabric-lin pretrain list | head -1`: the reader closes the pipe before the names are written. The command ends as
+    a program ended by SIGPIPE does (exit 141, nothing on stderr), where it printed BrokenPipeError's traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    command = subprocess.Popen([sys.executable, "-m", "fabric_lin.cli", "pretrain", "list"], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    command.stdout.close()  # the reader gone before the command writes
+    assert (command.wait(timeout=60), command.stderr.read().decode()) == (128 + signal.SIGPIPE, "")
+    command.stderr.close()
 
 
 def test_unknown_config_file_keys_are_named(tmp_path, capsys):
@@ -161,6 +225,16 @@ def test_unknown_config_file_keys_are_named(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_compile_given_a_boolean_names_compile_enabled(tmp_path, capsys, value):
+    """`--compile true` (a flag of flame's and of earlier fabric-lin) is the group given a word: the error named the
+    group's keys, not the one that switches compilation."""
+    err = parse_error(["pretrain", "--model_name", "gla-debug", "--compile", value], capsys)
+    assert err == (f"fabric-lin pretrain: error: compile: got {value}, expected a mapping of its keys (enabled, cache, "
+                   f"dynamic, mode, kernel_autotune), or the path of a YAML file of them (did you mean --compile.enabled "
+                   f"{value}?)")
+
+
 def test_a_compile_group_file_is_not_taken_for_the_old_compile_flag(tmp_path, capsys):
     """`--compile FILE` (a YAML file of the group) and `--compile '{...}'` are the new form: parsed, then
     refused here for another reason (max_steps 0), which shows that parsing went through."""
@@ -170,6 +244,24 @@ def test_a_compile_group_file_is_not_taken_for_the_old_compile_flag(tmp_path, ca
         err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
                          "--compile", value, "--train.max_steps", "0"], capsys)
         assert err == "fabric-lin pretrain: error: train.max_steps must be positive, got 0\n"
+
+
+@pytest.mark.parametrize("command,flags,message", [
+    ("pretrain", ["--data.train_dir", "data/train"],
+     "data: --data.train_dir is an option of TextFiles: give --data TextFiles before it"),
+    # the module given after its option: jsonargparse reads the flags in order
+    ("pretrain", ["--data.val_dir", "data/val", "--data", "TextFiles"],
+     "data: --data.val_dir is an option of TextFiles: give --data TextFiles before it"),
+    ("evaluate", ["--data.data_path", "data"],
+     "data: --data.data_path is an option of TokenChunks and SlimPajamaStarcoder: give --data with one of them before it"),
+    ("evaluate", ["--data.valdir", "data/val"],
+     "data: fabric_lin.data.DataModule has no option 'valdir'; valid options are: seed, num_workers"),
+])
+def test_a_data_module_s_option_before_the_module_names_the_modules_that_take_it(capsys, command, flags, message):
+    """`--data.val_dir DIR` without --data, or before it: jsonargparse read the option for the base class, and the error
+    listed the base class's options (seed, num_workers), where the module that takes it is the way on."""
+    positional = ["checkpoint"] if command == "evaluate" else ["--model_name", "gla-debug"]
+    assert parse_error([command, *positional, *flags], capsys) == f"fabric-lin {command}: error: {message}"
 
 
 def test_error_data_options_without_a_data_module(tmp_path, capsys):

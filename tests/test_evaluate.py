@@ -286,6 +286,37 @@ def test_every_kind_of_checkpoint_gives_the_same_loss(run, tmp_path):
     assert (sharded.parent / "evaluate" / sharded.name / "evaluate.json").is_file()  # beside the checkpoint, not in it
 
 
+def test_a_model_directory_records_the_length_its_run_trained_at(run, tmp_path, capsys):
+    """The run trained at train.max_seq_length 32, past which gla-debug's model config says nothing (its max_seq_length
+    2048): its model directory and export record 32, so that evaluate's training length (the default length, its
+    buckets and the plot's mark) and fla's max_position_embeddings are the run's, where they were 2048."""
+    from fabric_lin.convert.hf import HF_CONFIG_FILE, convert_to_hf
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+    from fabric_lin.data import TokenChunks
+    from fabric_lin.pretrain import setup
+
+    final = run / "out" / "final"
+    assert Config.from_checkpoint(final).max_seq_length == 2048  # the run's model config leaves it at the default
+    convert_pretrained_checkpoint(final, tmp_path / "model")
+    assert Config.from_checkpoint(tmp_path / "model").max_seq_length == TRAIN_LEN
+    results = evaluate(tmp_path / "model", data=TokenChunks(val_path=run / "val", num_workers=0), max_batches=1)
+    assert (results["train_seq_len"], results["lengths"][0]["seq_len"]) == (TRAIN_LEN, TRAIN_LEN)
+    assert results["lengths"][0]["by_position"]["end"][0] == TRAIN_LEN // 16
+    convert_to_hf(tmp_path / "model", tmp_path / "fla")
+    assert json.loads((tmp_path / "fla" / HF_CONFIG_FILE).read_text())["max_position_embeddings"] == TRAIN_LEN
+    # the directory starts a run of the model it was trained as, at its length, without a note of another model config
+    capsys.readouterr()
+    setup(model_name="gla-debug", out_dir=tmp_path / "continued", logger_name="csv", devices=1,
+          initial_checkpoint_dir=tmp_path / "model", data=TokenChunks(data_path=run / "train", num_workers=0),
+          train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=TRAIN_LEN, lr_warmup_steps=0),
+          eval=EvalArgs(final_validation=False))
+    assert "differs from this run's model" not in capsys.readouterr().out
+    # and is named as that model where another is built
+    with pytest.raises(InvalidValue, match=r"start this run with --model_name gla-debug$"):
+        setup(model_name="gdn-debug", out_dir=tmp_path / "other", initial_checkpoint_dir=tmp_path / "model",
+              data=TokenChunks(data_path=run / "train", num_workers=0), train=TrainArgs(max_steps=1, max_seq_length=TRAIN_LEN))
+
+
 def test_finetune_lora_md_measures_every_held_out_document(run, tmp_path, monkeypatch):
     """tutorials/finetune_lora.md's commands that measure the fine-tune, as written (the model directories and the
     held-out text ours; --seq_len 16 for 512): every held-out document is evaluated, before and after, in the blocks
@@ -377,6 +408,7 @@ def test_the_validation_split_is_evaluated_without_the_training_directory(run, t
     for name, (_, val) in missing.items():
         assert errors[name].startswith(f"fabric-lin evaluate: error: data.{val} {run / 'vall'} does not exist: give a "
                                        f"prepared validation directory"), errors[name]
+        assert "to train" not in errors[name], errors[name]  # pretrain's way on (train without validation) is not evaluate's
 
 
 def test_slimpajama_starcoder_is_evaluated_from_its_validation_split_alone(run, tmp_path):
@@ -657,6 +689,48 @@ def test_the_run_s_data_moved_away_is_named_with_the_file_that_names_it(run, cap
     assert err == (f"fabric-lin evaluate: error: {run / 'val'} does not exist: {final / 'hyperparameters.yaml'} names it "
                    "as the run's data (TokenChunks); give --data to read the data where it is now, e.g. --data TokenChunks "
                    "--data.<option> DIR\n"), err
+
+
+def test_the_run_s_own_data_is_named_with_its_hyperparameters_yaml_not_as_data_given(run, tmp_path, capsys):
+    """Without --data, a fault of the run's data module (its validation directory prepared again with another
+    tokenizer; no validation split at all) is told as the run's, with the hyperparameters.yaml that names it: the
+    errors began "--data:" or named no origin, as if the user had given --data."""
+    import yaml
+
+    from fabric_lin.checkpoint import HPARAMS_FILE, MANIFEST_FILE, file_checksum
+    from fabric_lin.data import Tokenizer
+    from helpers import train_sentencepiece
+
+    final = run / "out" / "final"
+    train_sentencepiece(tmp_path / "other", vocab_size=100)
+    other = Tokenizer(tmp_path / "other")
+    (run / "val").rename(run / "val-kept")
+    try:
+        write_prepared(run / "val", np.arange(2000, dtype=np.uint16) % 100, other)
+        err = cli_error(["evaluate", str(final), "--out_dir", str(tmp_path / "results")], capsys)
+    finally:
+        shutil.rmtree(run / "val", ignore_errors=True)
+        (run / "val-kept").rename(run / "val")
+    assert err == (
+        f"fabric-lin evaluate: error: the run's data (TokenChunks, from {final / HPARAMS_FILE}): {run / 'val'} was "
+        f"tokenized with vocab_size=100, sha256={other.model_hash[:12]}..., from {tmp_path / 'other'}, and the weights "
+        f"of {final} were trained on the ids of {Tokenizer(final).describe()}: an id is another piece in each; evaluate "
+        f"on data prepared with the model's tokenizer (--tokenizer_path {final}), given with --data\n"), err
+
+    # the same checkpoint, its run's data without a validation split (its manifest rewritten to match)
+    no_validation = tmp_path / "no_validation" / "final"
+    shutil.copytree(final, no_validation)
+    hparams = yaml.safe_load((no_validation / HPARAMS_FILE).read_text())
+    hparams["data"]["init_args"]["val_path"] = None
+    (no_validation / HPARAMS_FILE).write_text(yaml.safe_dump(hparams))
+    manifest = json.loads((no_validation / MANIFEST_FILE).read_text())
+    manifest["files"][HPARAMS_FILE] = file_checksum(no_validation / HPARAMS_FILE)
+    (no_validation / MANIFEST_FILE).write_text(json.dumps(manifest))
+    err = cli_error(["evaluate", str(no_validation)], capsys)
+    assert err == (
+        f"fabric-lin evaluate: error: the run's data (TokenChunks, from {no_validation / HPARAMS_FILE}) has no validation "
+        f"split, which evaluate reads: give --data with one (TextFiles --data.val_dir DIR, TokenChunks --data.val_path "
+        f"DIR, SlimPajamaStarcoder --data.validation true)\n"), err
 
 
 def test_task_names_are_checked_before_the_model_is_loaded(tmp_path, capsys, monkeypatch):

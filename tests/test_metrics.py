@@ -8,6 +8,7 @@ logger that cannot write at the end of a failed run. (End to end, across kills a
 import json
 import math
 import shutil
+import sys
 import time
 from types import SimpleNamespace
 
@@ -257,3 +258,23 @@ def test_the_eta_leaves_out_the_first_steps_compilation(tmp_path, monkeypatch, c
     capsys.readouterr()
     writer.log_progress(10, 1e-3, zero, skipped_steps=0, tokens=1000)
     assert capsys.readouterr().out.rstrip().endswith(f"| ETA {metrics_module.format_seconds(90 * 11 / 9)}")
+
+
+@pytest.mark.parametrize("logger,modules,package", [
+    ("tensorboard", ["tensorboard", "tensorboardX", "torch.utils.tensorboard"], "tensorboard"),
+    ("wandb", ["wandb", "wandb.integration.lightning.fabric"], "wandb"),
+])
+def test_a_logger_whose_package_is_missing_is_named_before_the_run_starts(tmp_path, capsys, monkeypatch, logger, modules,
+                                                                           package):
+    """Without tensorboard (nor tensorboardX) the run built its data and model, then failed at its first record with
+    Lightning's traceback ("you tried to log -1 which is currently not supported"); wandb's was named already. Both are
+    one line before any work, and leave no out_dir."""
+    from helpers import cli_error
+
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--logger_name", logger], capsys)
+    assert err.startswith(f"fabric-lin pretrain: error: logger_name={logger} needs the {package} package: pip install "
+                          f"{package}, or --logger_name csv ("), err
+    assert not (tmp_path / "out").exists()

@@ -120,7 +120,8 @@ def test_a_finished_run_names_its_model_and_the_commands_that_read_it(tmp_path, 
 def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):
     graphs = CompileArgs(mode="reduce-overhead")
     with pytest.raises(ValueError, match=r"compile.mode 'reduce-overhead' \(CUDA graphs\) needs one CUDA GPU and "
-                       r"compile.enabled true; got cuda=False, compile.enabled=False, devices=1, num_nodes=1"):
+                       r"compile.enabled true; got cuda=False, compile.enabled=False, devices=1, num_nodes=1: leave "
+                       r"compile.mode at auto \(CUDA graphs where they can run, else default\)$"):
         setup_pretrain(tmp_path, compile=graphs)
     with pytest.raises(ValueError, match=r"compile.mode must be 'auto', 'default' or 'reduce-overhead', got 'max-autotune'"):
         setup_pretrain(tmp_path, compile=CompileArgs(mode="max-autotune"))
@@ -131,7 +132,7 @@ def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):
                train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=1, max_seq_length=32))
     with pytest.raises(ValueError, match=r"needs one CUDA GPU and compile.enabled true; got cuda=True, compile.enabled=False, devices=1"):
         setup_pretrain(tmp_path, compile=CompileArgs(enabled=False, mode="reduce-overhead"))
-    with pytest.raises(ValueError, match="cannot be used with reset_state_at_doc_boundaries"):
+    with pytest.raises(ValueError, match="cannot be used with reset_state_at_doc_boundaries: leave compile.mode at auto"):
         setup_pretrain(tmp_path, compile=graphs, reset_state_at_doc_boundaries=True)
     assert not (tmp_path / "out").exists()
 
@@ -355,6 +356,37 @@ def test_resume_from_a_damaged_directory_refuses_in_one_line(tmp_path, capsys):
     assert "(truncated). It is not loaded" in err and final.is_dir()
 
 
+def test_an_out_dir_that_is_a_model_or_data_is_refused_naming_the_flag_it_may_have_been_meant_for(tmp_path):
+    """--out_dir given a model directory, a training checkpoint or a prepared data directory (a path typed for another
+    flag): the run wrote final/, logs/ and metrics.jsonl into it, mixing a run with the model or the data."""
+    from fabric_lin.convert.model_dir import save_model_dir
+    from helpers import write_prepared
+
+    config = Config.from_name("gla-debug")
+    (tmp_path / "model").mkdir()
+    save_model_dir(GPT(config).state_dict(), config, tmp_path / "model")
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    (tmp_path / "run" / "final" / "step.json").write_text('{"step_count": 1}')
+    write_prepared(tmp_path / "data", torch.arange(3000) % 100, None)
+    cases = {
+        tmp_path / "model": "a model directory: a run writes its checkpoints, logs and metrics.jsonl into its out_dir; give "
+                            "it a directory of its own (to start from this model's weights: --initial_checkpoint_dir "
+                            f"{tmp_path / 'model'})",
+        tmp_path / "run" / "final": "a training checkpoint: a run writes its checkpoints, logs and metrics.jsonl into its "
+                                    "out_dir; give it a directory of its own (to continue this checkpoint's run: --out_dir "
+                                    f"{tmp_path / 'run'} --resume auto)",
+        tmp_path / "data": "a prepared data directory: a run writes its checkpoints, logs and metrics.jsonl into its out_dir; "
+                           "give it a directory of its own (to train on this data: --data TextFiles --data.train_dir "
+                           f"{tmp_path / 'data'})",
+    }
+    for out_dir, message in cases.items():
+        before = sorted(p.name for p in out_dir.iterdir())
+        with pytest.raises(FileExistsError) as info:
+            setup_pretrain(tmp_path, out_dir=out_dir, overwrite=True)
+        assert str(info.value) == f"--out_dir {out_dir} is {message}"
+        assert sorted(p.name for p in out_dir.iterdir()) == before
+
+
 def test_initial_checkpoint_dir_is_checked_against_the_model(tmp_path, capsys):
     from fabric_lin.convert.model_dir import save_model_dir
 
@@ -421,6 +453,14 @@ def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path,
     # the same from the command line: one line
     err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(out), "--train.max_steps", "1"], capsys)
     assert err.startswith(f"fabric-lin pretrain: error: out_dir {out} holds the checkpoints of an earlier run")
+    # an earlier run of another model (its newest checkpoint with a model_config.yaml says which): continuing it is no
+    # way on for this run, whose resume would be refused
+    with pytest.raises(FileExistsError) as info:
+        setup_pretrain(tmp_path, model_name="gdn-debug", eval=EvalArgs(final_validation=False))
+    assert str(info.value) == (
+        f"out_dir {out} holds the checkpoints of an earlier run of gla-debug (final, step-00000005), and this run trains "
+        f"gdn-debug, which cannot continue it: write this one to another --out_dir, or start afresh with --overwrite true "
+        f"(deletes those checkpoints)")
     # contradictions are refused before any work
     with pytest.raises(ValueError, match="--overwrite true deletes the checkpoints .* that --resume auto would continue from"):
         setup_pretrain(tmp_path, overwrite=True, resume="auto")
@@ -614,6 +654,15 @@ def test_empty_init_then_reset_equals_eager_build():
         assert torch.equal(got[key], value), key
     assert "layers.0.attn_norm.weight" in no_decay and "layers.0.attn.gk_proj.1.bias" in no_decay
     assert "layers.0.attn.q_proj.weight" not in no_decay and "embeddings.weight" not in no_decay
+
+
+def test_compiling_on_the_cpu_says_that_the_first_step_is_minutes_away(capsys):
+    """compile.enabled true on the CPU: Inductor builds C++ code for the Blocks before the first step (about 4 CPU-minutes
+    for gla-debug, measured), which the run began without a word beyond "compiling each Block"."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    build_model(fabric, Config.from_name("gla-debug", num_layers=1), seed=0, compile=CompileArgs(enabled=True, mode="default"))
+    assert ("compiling each Block (mode default); on the CPU Inductor first builds C++ code for it: minutes before the "
+            "first step (compile.enabled null or false runs eagerly, the CPU's default)") in capsys.readouterr().out
 
 
 def test_no_decay_names_are_the_models_vectors():

@@ -78,9 +78,9 @@ def convert_from_llama(
     Returns the report: names `copied`, `initialized` (kept at init), `ignored` (Llama tensors not used).
     """
     if checkpoint_dir is None:
-        raise InvalidValue("convert_from_llama: --checkpoint_dir is required")
+        raise InvalidValue("--checkpoint_dir is required: the Hugging Face Llama or Mistral directory to convert")
     if output_dir is None:
-        raise InvalidValue("convert_from_llama: --output_dir is required")
+        raise InvalidValue("--output_dir is required: where to write the model directory")
     checkpoint_dir = Path(checkpoint_dir)
     config_path = checkpoint_dir / HF_CONFIG_FILE
     expected = "expected a Hugging Face Llama/Mistral directory"

@@ -76,7 +76,7 @@ def convert_to_hf(
         max_shard_gb: largest safetensors file; more weights than this are split into shards with an index.
     """
     if output_dir is None:
-        raise InvalidValue("convert_to_hf: --output_dir is required")
+        raise InvalidValue("--output_dir is required: where to write the fla-format export")
     from fabric_lin.data.tokenizer import weights_trained_with
 
     if not 0 < max_shard_gb < float("inf"):
@@ -138,7 +138,7 @@ def convert_from_hf(
         name: the model's name in model_config.yaml (default: the one recorded at export, else the directory name).
     """
     if output_dir is None:
-        raise InvalidValue("convert_from_hf: --output_dir is required")
+        raise InvalidValue("--output_dir is required: where to write the model directory")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
     check_export_given(checkpoint_dir, "convert_from_hf")

@@ -5,14 +5,16 @@ The training checkpoint's format (one file, or FSDP-sharded in torch.distributed
 consolidated in this process, on the CPU, without a process group. The checkpoint is verified against
 its manifest first: a damaged one is not converted.
 """
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 from fabric_lin.checkpoint import (
+    HPARAMS_FILE,
     find_training_checkpoint,
     load_model_weights,
 )
-from fabric_lin.config import CONFIG_FILE
+from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.convert.model_dir import (
     cast_floating,
     check_state_dict,
@@ -22,7 +24,7 @@ from fabric_lin.convert.model_dir import (
     save_model_dir,
 )
 from fabric_lin.errors import InvalidValue
-from fabric_lin.files import created_dir
+from fabric_lin.files import created_dir, read_yaml
 from fabric_lin.weights import MODEL_FILE, canonical_state_dict
 
 
@@ -44,12 +46,13 @@ def convert_pretrained_checkpoint(
             files stay).
     """
     if output_dir is None:
-        raise InvalidValue("convert_pretrained_checkpoint: --output_dir is required")
+        raise InvalidValue("--output_dir is required: where to write the model directory")
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
     check_training_checkpoint_given(checkpoint_dir)
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])  # before the checksums are read
     config, weights_path = find_training_checkpoint(checkpoint_dir, use="convert")
+    config = at_the_trained_length(config, checkpoint_dir)
 
     state_dict = canonical_state_dict(load_model_weights(weights_path))
     form = f"sharded ({len(list(weights_path.glob('*.distcp')))} shard files)" if weights_path.is_dir() else "single file"
@@ -63,4 +66,17 @@ def convert_pretrained_checkpoint(
         f"Converted {checkpoint_dir} ({form}): {len(state_dict)} tensors, {n_params:,} parameters, "
         f"dtype {dtype or 'as saved'} -> {output_dir / MODEL_FILE}"
     )
-    print(f"Copied {CONFIG_FILE} and tokenizer files {tokenizer_files}")
+    print(f"Copied {CONFIG_FILE} (max_seq_length {config.max_seq_length}) and tokenizer files {tokenizer_files}")
+
+
+def at_the_trained_length(config: Config, checkpoint_dir: Path) -> Config:
+    """`config` with the length the run trained at, its hyperparameters.yaml's train.max_seq_length: a run may train past
+    (or short of) its model config's max_seq_length, which nothing else sets, and a model directory's is what evaluate
+    takes for the training length and convert_to_hf exports as max_position_embeddings."""
+    hparams_path = checkpoint_dir / HPARAMS_FILE
+    hparams = read_yaml(hparams_path) if hparams_path.is_file() else None
+    train = hparams.get("train") if isinstance(hparams, dict) else None
+    length = train.get("max_seq_length") if isinstance(train, dict) else None
+    if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+        return replace(config, max_seq_length=length)
+    return config
