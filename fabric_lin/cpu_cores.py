@@ -5,6 +5,10 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional, Tuple
 
+import torch
+
+from fabric_lin.errors import InvalidValue
+
 PROC_STAT = Path("/proc/stat")
 
 
@@ -47,3 +51,35 @@ def cpu_ticks(proc_stat: str, cpus: Iterable[int]) -> Tuple[int, int]:
             busy += sum(ticks) - idle - iowait
             total += sum(ticks)
     return busy, total
+
+
+def check_cpu_processes(devices: int) -> None:
+    """On the CPU, each of `devices` processes computes with at least one core of its own: more processes than
+    cores would only take turns on them, slower than fewer processes, with nothing gained."""
+    cores = usable_cpu_cores()
+    if devices > cores:
+        raise InvalidValue(
+            f"--devices {devices}: without a CUDA GPU each device is a CPU process, and this machine gives this run "
+            f"{cores} CPU core(s); give --devices {cores} or fewer"
+        )
+
+
+def set_cpu_threads(devices: int) -> None:
+    """On the CPU, each of this node's `devices` processes computes with its share of the cores (unless
+    OMP_NUM_THREADS sets it): the same threads, so the same sums and losses, whatever else runs. Where other
+    work keeps the cores busy as the run starts, threads that wait for each other can make a step many times
+    slower, so that is said, with what to set."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return  # torch took it at import
+    cores = usable_cpu_cores()
+    threads = max(1, cores // devices)
+    torch.set_num_threads(threads)
+    # rank 0 speaks for the node; where torchrun started the node's processes together, their own start-up
+    # would count as other work
+    if threads == 1 or os.environ.get("LOCAL_RANK", "0") != "0" or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        return
+    busy = cores_busy_with_other_work()
+    if busy is not None and busy >= 0.5:  # half a core: more than a machine's own daemons, enough to stall a thread
+        print(f"Note: other work keeps {busy:.1f} of this run's {cores} CPU cores busy; training uses {threads} threads "
+              f"per process. If steps are slow, OMP_NUM_THREADS=1 fabric-lin pretrain ... keeps them from waiting "
+              f"for each other", flush=True)

@@ -3,6 +3,7 @@ counters (given here as /proc/stat texts, so the figures are known)."""
 import os
 
 import pytest
+import torch
 
 from fabric_lin import cpu_cores
 
@@ -82,3 +83,32 @@ def test_no_ticks_between_the_readings_say_nothing_and_the_run_s_own_time_is_nev
     # 25 ticks, 5 busy, while this process counted more than that (its own time is sampled at another moment)
     later = "cpu0 105 0 100 120 0 0 0 0 0 0\n"
     assert readings_of(monkeypatch, tmp_path, [same, later], own_seconds=0.2) == 0.0
+
+
+def test_cpu_threads_are_the_cores_shared_by_the_processes(monkeypatch, capsys):
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(cpu_cores, "usable_cpu_cores", lambda: 8)
+    busy = {"cores": 0.1}  # what the measurement at the start finds
+    monkeypatch.setattr(cpu_cores, "cores_busy_with_other_work", lambda: busy["cores"])
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # work that started a moment ago: not in it yet
+    try:
+        cpu_cores.set_cpu_threads(2)
+        assert torch.get_num_threads() == 4 and capsys.readouterr().out == ""
+        busy["cores"] = 1.04  # other work keeps a core busy
+        cpu_cores.set_cpu_threads(1)
+        assert torch.get_num_threads() == 8
+        assert ("Note: other work keeps 1.0 of this run's 8 CPU cores busy; training uses 8 threads per process. If steps "
+                "are slow, OMP_NUM_THREADS=1 fabric-lin pretrain ...") in capsys.readouterr().out
+        cpu_cores.set_cpu_threads(8)  # one thread per process waits for no other
+        assert torch.get_num_threads() == 1 and capsys.readouterr().out == ""
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's processes start together: each other's start-up is no other work
+        cpu_cores.set_cpu_threads(2)
+        assert torch.get_num_threads() == 4 and capsys.readouterr().out == ""
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
+        cpu_cores.set_cpu_threads(1)
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(threads)

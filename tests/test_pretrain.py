@@ -148,7 +148,7 @@ def test_error_more_devices_than_gpus(tmp_path, monkeypatch):
 
 
 def test_error_more_cpu_processes_than_cores(tmp_path, capsys, monkeypatch):
-    from fabric_lin.pretrain import usable_cpu_cores
+    from fabric_lin.cpu_cores import usable_cpu_cores
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cores = usable_cpu_cores()
@@ -736,35 +736,3 @@ def test_kernel_autotune_searches_on_rank_0_and_every_rank_builds_with_its_resul
     # every GLA layer of the model is built with the settings
     model, _ = build_model(L.Fabric(accelerator="cpu", devices=1), config, seed=0, gla_launch=searched)
     assert [block.attn.launch for block in model.module.layers] == [searched] * config.num_layers
-
-
-def test_cpu_threads_are_the_cores_shared_by_the_processes(monkeypatch, capsys):
-    from fabric_lin import pretrain
-
-    threads = torch.get_num_threads()
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(pretrain, "usable_cpu_cores", lambda: 8)
-    busy = {"cores": 0.1}  # what the measurement at the start finds
-    monkeypatch.setattr(pretrain, "cores_busy_with_other_work", lambda: busy["cores"])
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # work that started a moment ago: not in it yet
-    try:
-        pretrain.set_cpu_threads(2)
-        assert torch.get_num_threads() == 4 and capsys.readouterr().out == ""
-        busy["cores"] = 1.04  # other work keeps a core busy
-        pretrain.set_cpu_threads(1)
-        assert torch.get_num_threads() == 8
-        assert ("Note: other work keeps 1.0 of this run's 8 CPU cores busy; training uses 8 threads per process. If steps "
-                "are slow, OMP_NUM_THREADS=1 fabric-lin pretrain ...") in capsys.readouterr().out
-        pretrain.set_cpu_threads(8)  # one thread per process waits for no other
-        assert torch.get_num_threads() == 1 and capsys.readouterr().out == ""
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's processes start together: each other's start-up is no other work
-        pretrain.set_cpu_threads(2)
-        assert torch.get_num_threads() == 4 and capsys.readouterr().out == ""
-        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
-        pretrain.set_cpu_threads(1)
-        assert torch.get_num_threads() == 4
-    finally:
-        torch.set_num_threads(threads)
-
