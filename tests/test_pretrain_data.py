@@ -96,11 +96,17 @@ def test_error_max_seq_length_beyond_the_data(tmp_path, prepared):
      r"{d}/prepared.json does not mark the directory complete; prepare it again"),
     (lambda d: (d / "index.json").write_text('{"chunks": [{"dim": 1000}]}'),
      r"{d}/index.json: expected litdata's index: a list of chunks, each with its filename"),
+    # a preprocessing run killed before its last write: prepared.json, or its mark, is not there
+    (lambda d: (d / "prepared.json").unlink(), r"{d} is incomplete: prepared.json is missing \(written last"),
+    (lambda d: (d / "prepared.json").write_text('{"tokenizer": {}}'), r"{d}/prepared.json does not mark the directory complete"),
+    (lambda d: (d / "chunk-0-3.bin").unlink(),
+     r"{d} is incomplete: 1 chunk file\(s\) listed in index.json are missing, e.g. chunk-0-3.bin"),
 ])
 def test_a_damaged_prepared_directory_is_named_not_read(tmp_path, prepared, damage, message):
     """A chunk file of another size than its index gives, an index or prepared.json that is no JSON object or
-    lists a chunk without its file: one error naming the file (a traceback of UnicodeDecodeError, AttributeError or
-    KeyError, or for the chunk a run that waited for ever)."""
+    lists a chunk without its file, a prepared.json (or its mark of a complete directory) or a chunk file that is not
+    there: one error naming the file (a traceback of UnicodeDecodeError, AttributeError, KeyError or FileNotFoundError,
+    or for the chunk a run that waited for ever)."""
     import shutil
 
     from fabric_lin.data import check_prepared_dir
