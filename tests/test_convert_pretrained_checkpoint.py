@@ -274,3 +274,8 @@ def test_a_failed_conversion_removes_the_directories_it_created(tmp_path, monkey
     with pytest.raises(OSError):
         convert_pretrained_checkpoint(ckpt_dir, tmp_path / "kept")
     assert (tmp_path / "kept").is_dir()
+
+
+def test_an_output_dir_is_required(tmp_path):
+    with pytest.raises(ValueError, match=r"^convert_pretrained_checkpoint: --output_dir is required$"):
+        convert_pretrained_checkpoint(tmp_path)
