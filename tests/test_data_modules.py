@@ -122,6 +122,11 @@ def test_text_files_mix_by_train_weights_or_by_size(mix, weights, share):
     assert abs(even - 10 * 1024 * share) <= 1, even
 
 
+def test_text_files_draw_their_order_from_data_seed(mix):
+    first = [next(iter(text_files(mix, batch_size=16, seed=seed).train_dataloader())) for seed in (1, 1, 2)]
+    assert torch.equal(first[0], first[1]) and not torch.equal(first[0], first[2])
+
+
 def test_text_files_one_directory_and_its_validation_in_order(mix, capsys):
     data = TextFiles(train_dir=mix["data"] / "starcoder", val_dir=mix["data"] / "slimpajama" / "val", num_workers=0)
     data.connect(mix["tokenizer"], batch_size=10, max_seq_length=SEQ)
@@ -667,3 +672,33 @@ def test_setup_errors_name_the_directory(mix, tmp_path):
     unconnected = SlimPajamaStarcoder(data_path=mix["data"], num_workers=0)
     with pytest.raises(ValueError, match="max_seq_length"):
         unconnected.train_dataloader()
+
+
+def test_a_negative_worker_count_or_seed_is_named():
+    with pytest.raises(ValueError, match=r"^data.num_workers must be 0 \(load in the training process\) or a positive "
+                                         r"number of DataLoader worker processes per rank, got -1$"):
+        TokenChunks(num_workers=-1).validate()
+    with pytest.raises(ValueError, match=r"^data.seed must be a non-negative integer \(it seeds the data order\), got -1$"):
+        TokenChunks(seed=-1).validate()
+
+
+def test_dataloader_workers_leave_the_stop_signals_to_the_trainer(mix):
+    """Ctrl-C and a scheduler's SIGTERM reach the DataLoader workers too; a worker that ended on one would fail the batch
+    the trainer needs for the step it stops at with a checkpoint. Each worker starts by ignoring them."""
+    import signal
+
+    from fabric_lin.data.base import leave_stop_signals_to_the_trainer
+    from fabric_lin.stopping import STOP_SIGNALS
+
+    before = {name: signal.getsignal(getattr(signal, name)) for name in STOP_SIGNALS}
+    try:
+        leave_stop_signals_to_the_trainer(worker_id=0)
+        assert {name: signal.getsignal(getattr(signal, name)) for name in STOP_SIGNALS} == dict.fromkeys(STOP_SIGNALS,
+                                                                                                          signal.SIG_IGN)
+    finally:
+        for name, handler in before.items():
+            signal.signal(getattr(signal, name), handler)
+    data = TokenChunks(data_path=mix["data"] / "starcoder", val_path=mix["data"] / "slimpajama" / "val", num_workers=2)
+    data.connect(mix["tokenizer"], batch_size=4, max_seq_length=SEQ)
+    data.setup()
+    assert data.train_dataloader().worker_init_fn is data.val_dataloader().worker_init_fn is leave_stop_signals_to_the_trainer

@@ -216,11 +216,12 @@ def test_directories_of_two_tokenizers_are_refused_naming_both(prepared):
     is refused in one line naming both directories and both hashes (no --tokenizer_dir: nothing else to compare to)."""
     import json
 
-    from fabric_lin.data import TextFiles
+    from fabric_lin.data import TextFiles, TokenChunks
 
     sha = {n: json.loads((prepared / n / "prepared.json").read_text())["tokenizer"]["sha256"][:12] for n in ("tokens300", "tokens320")}
     for data in (TextFiles(train_dir=[prepared / "tokens300", prepared / "tokens320"], num_workers=0),
-                 TextFiles(train_dir=prepared / "tokens300", val_dir=prepared / "tokens320", num_workers=0)):
+                 TextFiles(train_dir=prepared / "tokens300", val_dir=prepared / "tokens320", num_workers=0),
+                 TokenChunks(data_path=prepared / "tokens300", val_path=prepared / "tokens320", num_workers=0)):
         data.connect(batch_size=1, max_seq_length=16, vocab_size=320)
         with pytest.raises(ValueError) as info:
             data.setup()
