@@ -61,6 +61,14 @@ def test_a_model_directory_whose_config_differs_in_its_name_alone_is_loaded_with
     assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
 
 
+def training_checkpoint(directory):
+    """What --resume takes for a training checkpoint: its weights and step.json."""
+    directory.mkdir(parents=True)
+    (directory / "lit_model.pth").write_bytes(b"x")
+    (directory / "step.json").write_text(json.dumps({"step_count": 2}))
+    return directory
+
+
 def test_a_resume_from_another_out_dir_into_a_used_one_is_refused(tmp_path):
     """--resume naming a checkpoint of another run, into an out_dir that holds an earlier run's checkpoints, would put the
     two runs' checkpoints side by side, as a fresh run would: refused; --overwrite true (which deletes out_dir's) lets it
@@ -69,14 +77,25 @@ def test_a_resume_from_another_out_dir_into_a_used_one_is_refused(tmp_path):
 
     out, other = tmp_path / "out", tmp_path / "other"
     for run in (out, other):
-        checkpoint = run / "step-00000002"
-        checkpoint.mkdir(parents=True)
-        (checkpoint / "lit_model.pth").write_bytes(b"x")
-        (checkpoint / "step.json").write_text(json.dumps({"step_count": 2}))
+        training_checkpoint(run / "step-00000002")
     with pytest.raises(FileExistsError, match=rf"^out_dir {out} holds the checkpoints of an earlier run \(step-00000002\)"):
         check_earlier_run(out, other / "step-00000002", overwrite=False)
     check_earlier_run(out, other / "step-00000002", overwrite=True)
     check_earlier_run(out, out / "step-00000002", overwrite=False)
+
+
+def test_a_checkpoint_of_out_dir_named_through_a_link_is_out_dir_s(tmp_path):
+    """out_dir given through a symbolic link and --resume naming its checkpoint by the real path, or the reverse: it is
+    out_dir's own checkpoint, which --resume continues there and which --overwrite true would delete before the resume."""
+    from fabric_lin.run_start import check_earlier_run
+
+    checkpoint = training_checkpoint(tmp_path / "scratch" / "out" / "step-00000002")
+    (tmp_path / "runs").symlink_to(tmp_path / "scratch", target_is_directory=True)
+    for out_dir, named in ((tmp_path / "runs" / "out", checkpoint),
+                           (tmp_path / "scratch" / "out", tmp_path / "runs" / "out" / "step-00000002")):
+        check_earlier_run(out_dir, named, overwrite=False)
+        with pytest.raises(ValueError, match=rf"^--overwrite true would delete the checkpoint --resume {named} names"):
+            check_earlier_run(out_dir, named, overwrite=True)
 
 
 def test_a_run_reached_through_a_link_has_not_moved(tmp_path):
