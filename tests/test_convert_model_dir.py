@@ -72,25 +72,19 @@ def test_check_state_dict_lists_every_mismatch(config):
     assert "  norm.weight: dtype torch.int64, expected torch.float32" in lines
 
 
-def test_a_shard_that_lacks_a_tensor_its_index_places_there_is_named(tmp_path):
-    import json
-
-    save_file({"a": torch.zeros(2)}, tmp_path / "model-00001-of-00001.safetensors")
-    index = {"weight_map": {"a": "model-00001-of-00001.safetensors", "b": "model-00001-of-00001.safetensors"}}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"model.safetensors.index.json places b in model-00001-of-00001.safetensors, "
-                                         r"which lacks them$"):
-        load_safetensors_dir(tmp_path)
-
-
-def test_a_shard_that_its_index_lists_and_that_is_not_there_is_named(tmp_path):
+@pytest.mark.parametrize("shard_of_b,error,message", [
+    ("model-00001-of-00002.safetensors", ValueError,
+     r"model.safetensors.index.json places b in model-00001-of-00002.safetensors, which lacks them$"),
+    ("model-00002-of-00002.safetensors", FileNotFoundError,
+     r"model.safetensors.index.json lists 'model-00002-of-00002.safetensors', which does not exist in "),
+], ids=["lacks-a-tensor", "not-there"])
+def test_a_shard_that_lacks_a_tensor_its_index_places_there_or_is_not_there_is_named(tmp_path, shard_of_b, error, message):
     import json
 
     save_file({"a": torch.zeros(2)}, tmp_path / "model-00001-of-00002.safetensors")
-    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": shard_of_b}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(FileNotFoundError, match=r"model.safetensors.index.json lists 'model-00002-of-00002.safetensors', "
-                                                rf"which does not exist in {tmp_path}$"):
+    with pytest.raises(error, match=message):
         load_safetensors_dir(tmp_path)
 
 
