@@ -2,7 +2,6 @@
 its out_dir (and checkpoints recorded there but gone), the checkpoint `--resume` names, the model directory
 `--initial_checkpoint_dir` names and its weights, and the tokenizer that the data and those weights were made with
 (an id means another piece under another tokenizer, of the same vocabulary size too)."""
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
@@ -65,7 +64,9 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
     continuing = resume is True or resume == "auto"
     # a --resume path that names no checkpoint is said before out_dir's earlier run, which it may have meant to name
     named = None if continuing or resume is False or resume is None else explicit_resume_dir(resume)
-    inside = named is not None and Path(os.path.abspath(named)).parent == Path(os.path.abspath(out_dir))
+    # resolved: a checkpoint named through a symbolic link to out_dir (or out_dir through one) is out_dir's, which
+    # --overwrite true would delete before the resume
+    inside = named is not None and Path(named).resolve().parent == Path(out_dir).resolve()
     if overwrite and continuing:
         raise InvalidValue(
             f"--overwrite true deletes the checkpoints in {out_dir} that --resume {resume} would continue from: give one of the two"

@@ -3,8 +3,9 @@ fsynced before the rename) and their manifests (each file's CRC-32 against zlib'
 in several blocks), verification (truncated, changed in any block, missing files, a missing manifest, checkpoints
 from before manifests), finding the one to resume from and falling back past damaged ones, setting aside the later ones
 that a resume from an earlier one trains again, pruning (complete ones counted, a kill leaving none half-deleted under
-a step-* name), a final/ saved again at its step, deleting an earlier run, RNG states, and the round trip of a train
-state through save and load. (Reading a checkpoint's model weights, single-file and FSDP-sharded:
+a step-* name), a final/ saved again at its step, a checkpoint replaced or an earlier run deleted with a kill in the
+middle, the tokenizer and trained_with.json saved with the weights, RNG states, and the round trip of a train state
+through save and load. (Reading a checkpoint's model weights, single-file and FSDP-sharded:
 test_convert_pretrained_checkpoint.py.)"""
 import json
 import os
@@ -133,21 +134,34 @@ def test_prune_counts_only_complete_checkpoints(tmp_path):
     assert (tmp_path / "step-00000004" / "lit_model.pth").is_file()
 
 
+def killed_while_deleting(path, *args, **kwargs):
+    """shutil.rmtree killed (a second Ctrl-C, SIGKILL) after it deleted the weights of `path` and before the rest."""
+    (Path(path) / "lit_model.pth").unlink()
+    raise KeyboardInterrupt
+
+
 def test_a_kill_while_pruning_leaves_no_step_directory_half_deleted(tmp_path, monkeypatch):
     """Killed while deleting the oldest checkpoint (its weights gone, the rest not yet): what is left under a step-*
     name is whole, the half-deleted one lies under a .tmp- name that nothing reads."""
     for step in (2, 4):
         _make_ckpt(tmp_path, f"step-{step:08d}")
-
-    def killed_while_deleting(path, *args, **kwargs):
-        (Path(path) / "lit_model.pth").unlink()
-        raise KeyboardInterrupt
-
     monkeypatch.setattr(checkpoint_module.shutil, "rmtree", killed_while_deleting)
     with pytest.raises(KeyboardInterrupt):
         prune_checkpoints(tmp_path, keep_last_n=1)
     steps = [p for p in tmp_path.iterdir() if p.name.startswith("step-")]
     assert [p.name for p in steps] == ["step-00000004"] and (steps[0] / "lit_model.pth").is_file()
+
+
+def test_a_kill_while_deleting_an_earlier_run_leaves_no_checkpoint_half_deleted(tmp_path, monkeypatch):
+    """--overwrite true deletes an earlier run's checkpoints; killed while deleting one, what is left under a step-* or
+    final name is whole."""
+    for name in ("step-00000002", "final"):
+        _make_ckpt(tmp_path, name)
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(KeyboardInterrupt):
+        delete_checkpoints(tmp_path)
+    left = [p for p in tmp_path.iterdir() if not p.name.startswith(".tmp-")]
+    assert left and all((p / "lit_model.pth").is_file() for p in left)
 
 
 def test_a_resume_from_an_earlier_checkpoint_of_out_dir_sets_only_the_later_ones_aside(tmp_path):
@@ -285,6 +299,50 @@ def test_a_final_saved_again_at_its_own_step_replaces_it(tmp_path):
     assert torch.equal(saved["weight"], model.weight)  # the second save's
 
 
+def test_a_checkpoint_holds_its_tokenizer_and_what_its_weights_were_trained_with(tmp_path):
+    """The tokenizer's files and trained_with.json (which tokenizer the weights' ids are) are saved, and in the manifest."""
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    (tokenizer_dir / "tokenizer.model").write_bytes(b"sentencepiece bytes")
+    (tokenizer_dir / "tokenizer_config.json").write_text("{}")
+    trained_with = {"tokenizer": {"vocab_size": 300, "sha256": "ab" * 32}}
+    model, optimizer = small_state(0)
+    state = train_state(model, optimizer, train_dataloader={})
+    checkpointer = Checkpointer(tmp_path / "out", {}, Config.from_name("gla-debug"), tokenizer_dir=tokenizer_dir,
+                                trained_with=trained_with)
+    saved = checkpointer.save(L.Fabric(accelerator="cpu", devices=1), state)
+    assert (saved / "tokenizer.model").read_bytes() == b"sentencepiece bytes"
+    assert json.loads((saved / "trained_with.json").read_text()) == trained_with
+    listed = json.loads((saved / MANIFEST_FILE).read_text())["files"]
+    assert {"tokenizer.model", "tokenizer_config.json", "trained_with.json"} <= set(listed) and verify_checkpoint(saved).ok
+
+
+def test_a_kill_while_replacing_a_checkpoint_leaves_a_whole_one_under_its_name(tmp_path, monkeypatch):
+    """A resumed run saving a step it had saved before replaces that directory. Killed while the old one is being
+    deleted, the step's name holds a whole checkpoint (the new one); the old one lies under a .tmp- name."""
+    saved_checkpoint(tmp_path, 2)
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(KeyboardInterrupt):
+        saved_checkpoint(tmp_path, 2)
+    assert verify_checkpoint(tmp_path / "step-00000002").ok
+
+
+def test_a_finished_run_continued_past_a_step_it_also_saved_keeps_that_checkpoint(tmp_path):
+    """final/ at step 3 beside step-00000003 (a run stopped by a signal at its last step, then finished by a resume):
+    continued to step 5, the new final/ replaces the old one, and step-00000003 stays as it was."""
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    checkpointer = Checkpointer(tmp_path, {}, Config.from_name("gla-debug"))
+    model, optimizer = small_state(0)
+    state = train_state(model, optimizer, train_dataloader={})
+    state["step_count"] = 3
+    step_3 = checkpointer.save(fabric, state)
+    checkpointer.save(fabric, state, final=True)
+    state["step_count"] = 5
+    checkpointer.save(fabric, state, final=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "step-00000003"]
+    assert final_checkpoint_step(tmp_path) == 5 and verify_checkpoint(step_3).ok
+
+
 def test_load_of_a_model_directory_points_to_initial_checkpoint_dir(tmp_path):
     fabric = L.Fabric(accelerator="cpu", devices=1)
     model, optimizer = small_state(0)
@@ -304,9 +362,11 @@ def saved_checkpoint(out_dir: Path, step: int = 2, fabric=None) -> Path:
     return Checkpointer(out_dir, {"train": {"micro_batch_size": 2}}, Config.from_name("gla-debug")).save(fabric, state)
 
 
-def test_save_flushes_every_file_and_directory_before_the_rename_and_out_dir_after_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_save_flushes_every_file_and_directory_before_the_rename_and_out_dir_after_it(tmp_path, monkeypatch, sharded):
     """A checkpoint renamed into place must outlive a crash of the machine, not only of the run: every file and
-    directory of it is fsynced under its `.tmp-` name, then out_dir, which makes the rename itself last."""
+    directory of it (under FSDP lit_model.pth/ and its shards too) is fsynced under its `.tmp-` name, then out_dir,
+    which makes the rename itself last."""
     synced = []
     real_fsync = os.fsync
 
@@ -316,7 +376,8 @@ def test_save_flushes_every_file_and_directory_before_the_rename_and_out_dir_aft
 
     monkeypatch.setattr(os, "fsync", fsync)
     out_dir = tmp_path.resolve()  # as /proc names the files
-    saved = saved_checkpoint(out_dir)
+    saved = saved_checkpoint(out_dir, fabric=ShardedSaveFabric() if sharded else None)
+    assert (saved / MODEL_FILE).is_dir() == sharded
     tmp_dir = out_dir / f".tmp-{saved.name}"
     written = {tmp_dir / path.relative_to(saved) for path in saved.rglob("*")} | {tmp_dir}
     written = {path.with_name(f"{MANIFEST_FILE}.tmp") if path.name == MANIFEST_FILE else path for path in written}
@@ -362,6 +423,8 @@ def test_a_missing_or_unreadable_manifest_is_found(tmp_path):
     assert verify_checkpoint(saved).problems[0].startswith(f"{MANIFEST_FILE} is missing")
     (saved / MANIFEST_FILE).write_text("{not json")
     assert verify_checkpoint(saved).problems[0].startswith(f"{MANIFEST_FILE} is unreadable (JSONDecodeError")
+    (saved / MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": [MODEL_FILE]}))
+    assert verify_checkpoint(saved).problems[0].startswith(f"{MANIFEST_FILE} is unreadable (InvalidValue")
 
 
 def test_a_manifest_without_the_weights_or_naming_a_file_outside_the_checkpoint_is_found(tmp_path):

@@ -145,6 +145,8 @@ def test_vocabulary_mismatch_truncates_or_extends(tmp_path, mistral_shaped_gla, 
     llama = write_tiny_llama(tmp_path / "mistral", vocab=llama_vocab)
     report = convert_from_llama(tmp_path / "mistral", mistral_shaped_gla, tmp_path / "gla")
     assert sorted(report["partial"]) == ["embeddings.weight", "lm_head.weight"]
+    # the vocabulary rows copied in part are used, not ignored
+    assert sorted(report["ignored"]) == [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(2)]
     assert "vocabulary sizes differ" in capsys.readouterr().out
     state = check_model_dir_loads(tmp_path / "gla")
     rows = min(llama_vocab, 64)
@@ -192,6 +194,8 @@ def test_bad_inputs_get_clear_errors(tmp_path, mistral_shaped_gla):
         convert_from_llama(tmp_path / "qwen", mistral_shaped_gla, tmp_path / "gla")
     with pytest.raises(ValueError, match="Unknown model name 'gla-8B'"):
         convert_from_llama(tmp_path / "wide", "gla-8B", tmp_path / "gla")
+    with pytest.raises(ValueError, match=r"model_name 'gdn-debug' is a gdn model; expected a GLA model"):
+        convert_from_llama(tmp_path / "wide", "gdn-debug", tmp_path / "gla")
     ok = tmp_path / "ok"
     write_tiny_llama(ok, shards=2)
     index = json.loads((ok / "model.safetensors.index.json").read_text())
@@ -204,6 +208,30 @@ def test_bad_inputs_get_clear_errors(tmp_path, mistral_shaped_gla):
     write_tiny_llama(tmp_path / "fine")
     with pytest.raises(FileExistsError, match="not empty"):
         convert_from_llama(tmp_path / "fine", mistral_shaped_gla, tmp_path / "gla")
+
+
+def test_shards_that_are_missing_lack_a_tensor_or_lie_beside_another_export_are_named(tmp_path, mistral_shaped_gla):
+    """The index lists a shard that is not there, places a tensor in a shard that lacks it, or the directory also holds a
+    model.safetensors that the index does not list (two exports in one place): each refused, naming the file."""
+    def sharded(name):
+        write_tiny_llama(tmp_path / name, shards=2)
+        return tmp_path / name, json.loads((tmp_path / name / "model.safetensors.index.json").read_text())
+
+    missing, _ = sharded("missing")
+    (missing / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"shard files \['model-00002-of-00002.safetensors'\] are listed but missing"):
+        convert_from_llama(missing, mistral_shaped_gla, tmp_path / "gla")
+    lacking, index = sharded("lacking")
+    norm_file = index["weight_map"]["model.norm.weight"]
+    index["weight_map"]["model.norm.weight"] = next(f for f in index["weight_map"].values() if f != norm_file)
+    (lacking / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"lacks model.norm.weight, which the index places there"):
+        convert_from_llama(lacking, mistral_shaped_gla, tmp_path / "gla")
+    mixed, _ = sharded("mixed")
+    save_file({"model.embed_tokens.weight": torch.zeros(64, 128)}, mixed / "model.safetensors")
+    with pytest.raises(ValueError, match=r"holds both model.safetensors and model.safetensors.index.json"):
+        convert_from_llama(mixed, mistral_shaped_gla, tmp_path / "gla")
+    assert not (tmp_path / "gla").exists()
 
 
 def test_a_llama_directory_given_where_a_model_directory_belongs_names_convert_from_llama(tmp_path, capsys):

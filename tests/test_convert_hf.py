@@ -23,9 +23,10 @@ from helpers import make_model_dir, small_config
      {"block_type": "gdn", "head_dim": 32, "expand_v": 1.5, "attn_layers": [0], "attn_num_heads": 2, "rope_base": 500.0},
      {"norm_eps": 1e-5, "max_seq_length": 4096, "initializer_range": 0.01},
      {"block_type": "gdn", "head_dim": 48, "expand_v": 2.0, "conv_size": 3},
-     {"block_type": "deltanet", "expand_k": 1.0, "expand_v": 1.0, "conv_size": 2}],
+     {"block_type": "deltanet", "expand_k": 1.0, "expand_v": 1.0, "conv_size": 2},
+     {"expand_k": 1.0, "intermediate_size": 384}],
     ids=["gla", "gla-tied", "gla-gqa", "transformer", "gla-own-head-eps", "gla-hybrid", "gdn", "gdn-hybrid",
-         "gla-own-norm-eps-and-length", "gdn-conv-3", "deltanet-conv-2"],
+         "gla-own-norm-eps-and-length", "gdn-conv-3", "deltanet-conv-2", "gla-wide-keys-own-mlp"],
 )
 def test_round_trip_is_exact(tmp_path, overrides):
     config = small_config(**overrides)
@@ -78,6 +79,26 @@ def test_tied_export_has_no_lm_head_and_bf16_cast(tmp_path):
     assert "lm_head.weight" not in hf and {t.dtype for t in hf.values()} == {torch.bfloat16}
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True and cfg["torch_dtype"] == "bfloat16"
+
+
+def test_a_tied_export_that_keeps_its_lm_head_imports(tmp_path):
+    """A writer may keep a tied model's lm_head.weight (a copy of the embeddings) in the safetensors: imported, the model
+    directory holds the embeddings alone, as the tied model has them."""
+    state = make_model_dir(tmp_path / "model", small_config(tie_embeddings=True))
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    save_file({**hf, "lm_head.weight": hf["model.embeddings.weight"].clone()}, tmp_path / "hf" / "model.safetensors")
+    convert_from_hf(tmp_path / "hf", tmp_path / "back")
+    back = load_model_dir_weights(tmp_path / "back")
+    assert sorted(back) == sorted(state) and torch.equal(back["embeddings.weight"], state["embeddings.weight"])
+
+
+def test_a_llama_directory_given_to_convert_from_hf_names_convert_from_llama(tmp_path):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 128}))
+    with pytest.raises(ValueError, match=r"model_type 'llama' is a Llama/Mistral model, not one of fla's; make a GLA model "
+                                         rf"directory from it with: fabric-lin convert_from_llama --checkpoint_dir {tmp_path / 'llama'} "):
+        convert_from_hf(tmp_path / "llama", tmp_path / "out")
 
 
 def test_sharded_export_with_index(tmp_path):
@@ -603,6 +624,10 @@ def test_copied_tokenizer_config_gets_add_bos_token_false(tmp_path, capsys):
     assert exported == {**llama2, "add_bos_token": False}
     assert list(exported) == list(llama2)
     assert "add_bos_token true -> false" in capsys.readouterr().out
+    del llama2["add_bos_token"]  # absent: LlamaTokenizer adds a BOS all the same
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps(llama2))
+    convert_to_hf(tmp_path / "model", tmp_path / "hf-without-the-key")
+    assert json.loads((tmp_path / "hf-without-the-key" / "tokenizer_config.json").read_text())["add_bos_token"] is False
 
 
 def test_an_interrupted_export_leaves_no_file_of_it(tmp_path, monkeypatch):

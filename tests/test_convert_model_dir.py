@@ -1,5 +1,6 @@
 """load_model_dir_weights and check_state_dict: what generate and --initial_checkpoint_dir rely on; a shard that lacks
-what its index places there, the order in which a model directory is written, a cast that keeps integer tensors."""
+what its index places there or is not there, the order in which a model directory is written and that it replaces every
+file of an earlier model, the input directory refused as output_dir however named, a cast that keeps integer tensors."""
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -25,6 +26,8 @@ def test_reads_lit_model_pth_and_safetensors_alike(tmp_path, config):
     for directory in ("pth", "st"):
         got = load_model_dir_weights(tmp_path / directory, config)
         assert sorted(got) == sorted(state) and all(torch.equal(got[k], state[k]) for k in state)
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'st'} does not match the model:\n  missing \(14\): layers.1."):
+        load_model_dir_weights(tmp_path / "st", Config.from_name("gla-debug", num_layers=2, vocab_size=64))
 
 
 def test_training_checkpoints_and_empty_directories_are_refused(tmp_path, config):
@@ -69,15 +72,43 @@ def test_check_state_dict_lists_every_mismatch(config):
     assert "  norm.weight: dtype torch.int64, expected torch.float32" in lines
 
 
-def test_a_shard_that_lacks_a_tensor_its_index_places_there_is_named(tmp_path):
+@pytest.mark.parametrize("shard_of_b,error,message", [
+    ("model-00001-of-00002.safetensors", ValueError,
+     r"model.safetensors.index.json places b in model-00001-of-00002.safetensors, which lacks them$"),
+    ("model-00002-of-00002.safetensors", FileNotFoundError,
+     r"model.safetensors.index.json lists 'model-00002-of-00002.safetensors', which does not exist in "),
+], ids=["lacks-a-tensor", "not-there"])
+def test_a_shard_that_lacks_a_tensor_its_index_places_there_or_is_not_there_is_named(tmp_path, shard_of_b, error, message):
     import json
 
-    save_file({"a": torch.zeros(2)}, tmp_path / "model-00001-of-00001.safetensors")
-    index = {"weight_map": {"a": "model-00001-of-00001.safetensors", "b": "model-00001-of-00001.safetensors"}}
+    save_file({"a": torch.zeros(2)}, tmp_path / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": shard_of_b}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"model.safetensors.index.json places b in model-00001-of-00001.safetensors, "
-                                         r"which lacks them$"):
+    with pytest.raises(error, match=message):
         load_safetensors_dir(tmp_path)
+
+
+def test_a_model_written_over_another_leaves_none_of_its_files(tmp_path, config):
+    """--overwrite true: the earlier model's record of its tokenizer (trained_with.json) goes with its weights; left
+    there, it would be taken for the record of the new weights, which come without one."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("trained_with.json", "tokenizer.model", "config.json", "notes.txt"):
+        (out / name).write_text("of the earlier model")
+    model_dir.save_model_dir(GPT(config).state_dict(), config, out)
+    assert sorted(p.name for p in out.iterdir()) == ["lit_model.pth", "model_config.yaml", "notes.txt"]
+
+
+def test_the_input_directory_named_another_way_is_no_output_dir(tmp_path, monkeypatch):
+    """The model directory given as a relative output_dir and an absolute input (or through a link): writing there with
+    --overwrite true would first delete the input's weights."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "lit_model.pth").write_bytes(b"x")
+    (tmp_path / "link").symlink_to(tmp_path / "model", target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    for output_dir in (model_dir.Path("model"), tmp_path / "link"):
+        with pytest.raises(ValueError, match=rf"^output_dir {output_dir} is the input directory"):
+            model_dir.prepare_output_dir(output_dir, overwrite=True, sources=[tmp_path / "model"])
 
 
 def test_a_model_directory_gets_its_weights_last(tmp_path, config, monkeypatch):

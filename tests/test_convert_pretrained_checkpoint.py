@@ -318,3 +318,8 @@ def test_an_output_dir_that_holds_a_model_says_overwrite_replaces_it(tmp_path, c
                    "directory already: --overwrite true would replace its model with this one; to keep it, give another "
                    "--output_dir\n")
     assert (tmp_path / "model" / "lit_model.pth").read_bytes() == before
+
+
+def test_an_output_dir_is_required(tmp_path):
+    with pytest.raises(ValueError, match=r"^--output_dir is required: where to write the model directory$"):
+        convert_pretrained_checkpoint(tmp_path)

@@ -122,6 +122,11 @@ def test_text_files_mix_by_train_weights_or_by_size(mix, weights, share):
     assert abs(even - 10 * 1024 * share) <= 1, even
 
 
+def test_text_files_draw_their_order_from_data_seed(mix):
+    first = [next(iter(text_files(mix, batch_size=16, seed=seed).train_dataloader())) for seed in (1, 1, 2)]
+    assert torch.equal(first[0], first[1]) and not torch.equal(first[0], first[2])
+
+
 def test_text_files_one_directory_and_its_validation_in_order(mix, capsys):
     data = TextFiles(train_dir=mix["data"] / "starcoder", val_dir=mix["data"] / "slimpajama" / "val", num_workers=0)
     data.connect(mix["tokenizer"], batch_size=10, max_seq_length=SEQ)
@@ -355,6 +360,9 @@ def test_resuming_in_another_sample_order_is_refused(mix):
     with pytest.raises(ValueError, match=r"another sample order: seed is 7 here, 42 in the checkpoint; weights is \[0.5, 0.5\] "
                        r"here, \[0.693584, 0.306416\] in the checkpoint.* or go on in a new order with --resume_changes data"):
         module(mix, batch_size=4, seed=7, weights=(0.5, 0.5)).train_dataloader().load_state_dict(state)
+    litdata_state = {"dataset": {}, "current_epoch": 1, "num_samples_yielded": [8], "latest_worker_idx": 0}
+    with pytest.raises(ValueError, match=r"^the checkpoint's data position is not a fabric-lin sample stream's"):
+        module(mix, batch_size=4).train_dataloader().load_state_dict(litdata_state)
 
 
 def test_a_moved_data_directory_resumes_in_place_and_another_shuffle_is_refused(mix, tmp_path):
@@ -493,6 +501,9 @@ def test_a_position_holds_the_next_sample_of_its_source_across_mixing_groups():
         assert k == counted[source]
         counted[source] += 1
     assert MixOrder([0.7, 0.3], seed=6).group_places(0)[0].tolist() != mix.group_places(0)[0].tolist()
+    # each group otherwise, also where two groups give each source as many places (not one pattern over and over)
+    halves = MixOrder([1.0, 1.0], seed=5)
+    assert halves.group_places(1)[0].tolist() != halves.group_places(0)[0].tolist()
 
 
 def test_a_source_of_tiny_weight_among_many_gets_samples_in_every_mixing_group():
@@ -512,6 +523,36 @@ def test_each_epoch_reads_windows_of_other_chunk_files_their_blocks_shuffled():
     first_windows = [{block // 10 for block in blocks[: WINDOW_CHUNKS * 10]} for blocks in epochs]
     assert [len(files) for files in first_windows] == [WINDOW_CHUNKS] * 2 and first_windows[0] != first_windows[1]
     assert all(len({block // 10 for block in blocks[:16]}) >= 8 for blocks in epochs)
+
+def test_every_epoch_of_chunk_files_of_unequal_sizes_reads_each_block_once_in_a_new_order():
+    """Chunk files of unequal numbers of blocks (as real data's are, its last one cut short) in three windows: every
+    epoch reads each block once, though each epoch's windows start at other places; a source of one window (16 files
+    or fewer) is read in a new order each epoch too; unshuffled, in the index's order every epoch."""
+    sizes = np.array([3, 1, 4, 1, 5, 9, 2, 6] * 5)  # 40 files, 155 blocks
+    order = SourceOrder(sizes, seed=3, source=0, shuffle=True)
+    for epoch in range(3):
+        assert sorted(order.block(epoch * 155 + i) for i in range(155)) == list(range(155)), epoch
+    small = SourceOrder(np.array([5, 3, 7]), seed=3, source=0, shuffle=True)
+    epochs = [[small.block(epoch * 15 + i) for i in range(15)] for epoch in range(2)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(15)) and epochs[0] != epochs[1]
+    in_order = SourceOrder(sizes, seed=3, source=0, shuffle=False)
+    assert [in_order.block(k) for k in range(2 * 155)] == list(range(155)) * 2
+
+
+def test_an_unshuffled_stream_of_blocks_that_do_not_divide_its_chunk_files_is_litdata_s(mix):
+    """Blocks of 7 tokens in chunk files of 4,000: each file's last 3 tokens are in no block (litdata's TokensLoader cuts
+    a block inside one file). Unshuffled, the stream is litdata's blocks in order, across files, and an epoch has as many;
+    a source carried in after 100 samples is read that much further."""
+    from fabric_lin.data.sample_order import SampleStream
+
+    path = mix["data"] / "starcoder"
+    blocks = litdata_blocks(path, 7)
+    stream = SampleStream([path], 7, seed=0, shuffle=False)
+    assert stream.orders[0].total == len(blocks)
+    assert [bytes(np.asarray(stream.sample(p)).astype(np.int64)) for p in range(1200)] == blocks[:1200]
+    stream.carry_on([(0, 0, 100)])
+    assert stream.passes(len(blocks)) == [pytest.approx((len(blocks) + 100) / len(blocks))]
+
 
 def test_val_dataloader_is_in_order(mix):
     loader = module(mix, batch_size=10).val_dataloader()
@@ -631,3 +672,33 @@ def test_setup_errors_name_the_directory(mix, tmp_path):
     unconnected = SlimPajamaStarcoder(data_path=mix["data"], num_workers=0)
     with pytest.raises(ValueError, match="max_seq_length"):
         unconnected.train_dataloader()
+
+
+def test_a_negative_worker_count_or_seed_is_named():
+    with pytest.raises(ValueError, match=r"^data.num_workers must be 0 \(load in the training process\) or a positive "
+                                         r"number of DataLoader worker processes per rank, got -1$"):
+        TokenChunks(num_workers=-1).validate()
+    with pytest.raises(ValueError, match=r"^data.seed must be a non-negative integer \(it seeds the data order\), got -1$"):
+        TokenChunks(seed=-1).validate()
+
+
+def test_dataloader_workers_leave_the_stop_signals_to_the_trainer(mix):
+    """Ctrl-C and a scheduler's SIGTERM reach the DataLoader workers too; a worker that ended on one would fail the batch
+    the trainer needs for the step it stops at with a checkpoint. Each worker starts by ignoring them."""
+    import signal
+
+    from fabric_lin.data.base import leave_stop_signals_to_the_trainer
+    from fabric_lin.stopping import STOP_SIGNALS
+
+    before = {name: signal.getsignal(getattr(signal, name)) for name in STOP_SIGNALS}
+    try:
+        leave_stop_signals_to_the_trainer(worker_id=0)
+        assert {name: signal.getsignal(getattr(signal, name)) for name in STOP_SIGNALS} == dict.fromkeys(STOP_SIGNALS,
+                                                                                                          signal.SIG_IGN)
+    finally:
+        for name, handler in before.items():
+            signal.signal(getattr(signal, name), handler)
+    data = TokenChunks(data_path=mix["data"] / "starcoder", val_path=mix["data"] / "slimpajama" / "val", num_workers=2)
+    data.connect(mix["tokenizer"], batch_size=4, max_seq_length=SEQ)
+    data.setup()
+    assert data.train_dataloader().worker_init_fn is data.val_dataloader().worker_init_fn is leave_stop_signals_to_the_trainer

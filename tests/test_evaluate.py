@@ -841,7 +841,8 @@ def test_a_tokenizer_with_more_pieces_than_the_model_has_embeddings_is_one_line(
     """A model directory whose tokenizer.model is not its model's (300 pieces beside 256 embeddings): evaluate (with
     --tasks, or with data of that tokenizer) and generate refuse it in one line before any text is encoded or data read
     (an id past 255 has no embedding). Without a tokenizer.model, data of the larger vocabulary is refused naming the
-    model directory. Evaluated on data, both were refused with pretrain's fix: a model config of a larger vocab_size."""
+    model directory, whichever data module reads it. Evaluated on data, both were refused with pretrain's fix: a model
+    config of a larger vocab_size."""
     from fabric_lin.convert.model_dir import save_model_dir
 
     config = Config.from_name("gla-debug", vocab_size=256)
@@ -854,10 +855,11 @@ def test_a_tokenizer_with_more_pieces_than_the_model_has_embeddings_is_one_line(
     assert expected in cli_error(["evaluate", str(tmp_path / "model"), *data], capsys)
     for name in ("tokenizer.model", "tokenizer_config.json", "trained_with.json"):
         (tmp_path / "model" / name).unlink()
-    assert cli_error(["evaluate", str(tmp_path / "model"), *data], capsys) == (
-        f"fabric-lin evaluate: error: {run / 'val'} was tokenized with a vocabulary of 300 tokens (prepared.json), more "
-        f"than the 256 embeddings of the model of {tmp_path / 'model'}: its ids are not those of the tokenizer the model "
-        "was trained with; evaluate on data prepared with that tokenizer\n")
+    for data in (data, ["--data", "TextFiles", "--data.val_dir", str(run / "val"), "--max_batches", "1"]):
+        assert cli_error(["evaluate", str(tmp_path / "model"), *data], capsys) == (
+            f"fabric-lin evaluate: error: {run / 'val'} was tokenized with a vocabulary of 300 tokens (prepared.json), more "
+            f"than the 256 embeddings of the model of {tmp_path / 'model'}: its ids are not those of the tokenizer the "
+            "model was trained with; evaluate on data prepared with that tokenizer\n")
     assert not (tmp_path / "model" / "evaluate").exists()
 
 

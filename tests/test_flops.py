@@ -12,7 +12,7 @@ def test_matmul_params_equal_the_models_matrices():
     # every family, GLA with grouped key/value heads (its forget gate's low-rank output is per key/value head), and
     # hybrids, whose attention layers have heads of their own
     configs = [("gla-debug", {}), ("transformer-debug", {}), ("gla-340M", {}), ("gdn-debug", {}), ("deltanet-debug", {}),
-               ("gla-debug", dict(num_heads=4, num_kv_heads=2)),
+               ("gla-debug", dict(num_heads=4, num_kv_heads=2)), ("transformer-debug", dict(num_kv_heads=2)),
                ("gla-debug", dict(attn_layers=[1], attn_num_heads=4, attn_num_kv_heads=2)),
                ("gdn-debug", dict(attn_layers=[0], attn_num_heads=2))]
     for name, overrides in configs:
@@ -49,12 +49,21 @@ def test_flops_per_token_gdn_deltanet_and_a_hybrid():
     assert flops_per_token(hybrid, 2048) == 3 * (2 * matmul_params(hybrid) + mixing)
 
 
+def test_a_sequence_shorter_than_a_chunk_is_one_chunk_of_its_length():
+    # 16 tokens at chunk size 64: the kernels' one chunk holds 16 positions, so C = 16 (gla-debug: 4 layers of 2 heads,
+    # K = 32, V = 64)
+    config = Config.from_name("gla-debug")
+    recurrence = 4 * 2 * (2 * 16 * (32 + 64) + 4 * 32 * 64)
+    assert flops_per_token(config, 16) == 3 * (2 * matmul_params(config) + recurrence)
+
+
 def test_peak_flops_by_device_name_and_precision(monkeypatch):
     # dense (no sparsity) peaks of NVIDIA's data sheets, TFLOP/s: H100 SXM 989 bf16/fp16 and 67 fp32, H100 PCIe 756 and
-    # 51; as torch.cuda.get_device_name names them
+    # 51, H200 as H100 SXM (the same compute); as torch.cuda.get_device_name names them
     from fabric_lin.flops import peak_flops
 
-    devices = {"NVIDIA H100 80GB HBM3": (989, 67), "NVIDIA H100 PCIe": (756, 51), "NVIDIA A100-SXM4-80GB": (312, 19.5)}
+    devices = {"NVIDIA H100 80GB HBM3": (989, 67), "NVIDIA H100 PCIe": (756, 51), "NVIDIA A100-SXM4-80GB": (312, 19.5),
+               "NVIDIA H200": (989, 67)}
     for name, (half, single) in devices.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         for precision in ("bf16-mixed", "bf16-true", "16-mixed", "16-true"):
@@ -63,3 +72,5 @@ def test_peak_flops_by_device_name_and_precision(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce GTX 1080")
     assert peak_flops(torch.device("cuda", 0), "bf16-mixed") is None  # unknown: no MFU rather than a wrong one
     assert peak_flops(torch.device("cpu"), "32-true") is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(torch.device("cpu"), "bf16-mixed") is None  # a CPU run beside a GPU: no GPU's peak

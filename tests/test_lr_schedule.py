@@ -54,6 +54,16 @@ def test_wsd_decay_of_less_than_half_a_step_still_ends_at_min_lr():
     assert learning_rate(100, **kw) == pytest.approx(1e-4)
 
 
+def test_a_position_between_two_steps_takes_the_curve_between_them():
+    # a run resumed with a larger global batch reads the schedule at fractional steps (TokenSchedule.position)
+    kw = dict(base_lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110, schedule="cosine")
+    assert learning_rate(4.5, **kw) == pytest.approx(5.5e-4)  # warmup: (4.5 + 1) / 10 of the peak
+    # 50.5 of the 100 decay steps: 1e-4 + 0.5 * 9e-4 * (1 + cos(0.505 pi)), cos(0.505 pi) = -0.0157073...
+    assert learning_rate(60.5, **kw) == pytest.approx(5.429317072e-4, rel=1e-9)
+    wsd = dict(base_lr=3e-4, min_lr=3e-5, warmup_steps=10, max_steps=200, schedule="wsd", decay_fraction=0.1)
+    assert learning_rate(185.5, **wsd) == pytest.approx(3e-4 - 2.7e-4 * 5.5 / 20)  # 5.5 of the 20 decay steps
+
+
 def test_unknown_schedule_is_named():
     with pytest.raises(ValueError, match="'linear'"):
         learning_rate(100, 1e-3, 1e-4, 10, 200, schedule="linear")

@@ -278,3 +278,60 @@ def test_a_logger_whose_package_is_missing_is_named_before_the_run_starts(tmp_pa
     assert err.startswith(f"fabric-lin pretrain: error: logger_name={logger} needs the {package} package: pip install "
                           f"{package}, or --logger_name csv ("), err
     assert not (tmp_path / "out").exists()
+
+
+def test_only_the_first_process_writes_and_rewrites_the_history(tmp_path):
+    """Every process reports through a MetricsWriter; metrics.jsonl is rank 0's alone: another rank neither appends its
+    records (each would be there once per process) nor rewrites the history on a resume (two processes moving the same
+    records would write them twice into metrics.superseded.jsonl)."""
+    history = "".join(json.dumps({"step": s, "loss": 1.0, "attempt": 1}) + "\n" for s in (1, 2, 3))
+    (tmp_path / METRICS_FILE).write_text(history)
+    fabric = TwoProcessFabric()
+    fabric.global_rank = 1
+    writer = MetricsWriter(fabric, tmp_path, max_steps=4, tokens_per_step=100)
+    writer.begin_attempt(1)
+    writer.log_checkpoint(2, "step-00000002")
+    writer.log_validation(2, (2.0, 640))
+    assert (tmp_path / METRICS_FILE).read_text() == history and not (tmp_path / SUPERSEDED_FILE).exists()
+
+
+def test_a_run_without_validation_data_or_with_a_diverged_validation_loss_goes_on(tmp_path):
+    """No validation data (None) logs nothing; a validation loss of 1000 (a diverged run) is logged with a finite, huge
+    perplexity: e^1000 overflows a float, and the run must not end on its log line."""
+    writer = MetricsWriter(TwoProcessFabric(), tmp_path, max_steps=4, tokens_per_step=100)
+    writer.log_validation(3, None)
+    writer.log_validation(4, (1000.0, 640))
+    (record,) = read_records(tmp_path / METRICS_FILE)
+    assert record["step"] == 4 and record["val_loss"] == 1000.0
+    assert math.isfinite(record["val_ppl"]) and record["val_ppl"] > 1e40
+
+
+def test_a_csv_row_cut_inside_its_step_is_left_out(tmp_path):
+    """A kill cut the CSV row of step 12 after its first digit: read back on resume, "1" is no row of step 1."""
+    import csv
+
+    from fabric_lin.metrics import make_logger
+
+    def attempt(continuing: bool):
+        fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[make_logger("csv", tmp_path, {}, continuing)])
+        return MetricsWriter(fabric, tmp_path, max_steps=12, tokens_per_step=100)
+
+    first = attempt(continuing=False)
+    first.begin_attempt(0)
+    for step in (2, 4):
+        first.log_validation(step, (10.0 - step, 64))
+    metrics_csv = tmp_path / "logs" / "csv" / "version_0" / "metrics.csv"
+    with open(metrics_csv, "a") as f:
+        f.write("1")
+    second = attempt(continuing=True)
+    second.begin_attempt(4)
+    second.log_validation(6, (1.0, 64))
+    second.close("success")
+    with open(metrics_csv, newline="") as f:
+        assert [(row["step"], row["val_loss"]) for row in csv.DictReader(f)] == [("2", "8.0"), ("4", "6.0"), ("6", "1.0")]
+
+
+def test_seconds_are_shown_as_hours_minutes_and_seconds():
+    assert metrics_module.format_seconds(3725.4) == "1:02:05"
+    assert metrics_module.format_seconds(59.6) == "0:01:00"
+    assert metrics_module.format_seconds(90061) == "25:01:01"

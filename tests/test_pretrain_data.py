@@ -96,11 +96,17 @@ def test_error_max_seq_length_beyond_the_data(tmp_path, prepared):
      r"{d}/prepared.json does not mark the directory complete; prepare it again"),
     (lambda d: (d / "index.json").write_text('{"chunks": [{"dim": 1000}]}'),
      r"{d}/index.json: expected litdata's index: a list of chunks, each with its filename"),
+    # a preprocessing run killed before its last write: prepared.json, or its mark, is not there
+    (lambda d: (d / "prepared.json").unlink(), r"{d} is incomplete: prepared.json is missing \(written last"),
+    (lambda d: (d / "prepared.json").write_text('{"tokenizer": {}}'), r"{d}/prepared.json does not mark the directory complete"),
+    (lambda d: (d / "chunk-0-3.bin").unlink(),
+     r"{d} is incomplete: 1 chunk file\(s\) listed in index.json are missing, e.g. chunk-0-3.bin"),
 ])
 def test_a_damaged_prepared_directory_is_named_not_read(tmp_path, prepared, damage, message):
     """A chunk file of another size than its index gives, an index or prepared.json that is no JSON object or
-    lists a chunk without its file: one error naming the file (a traceback of UnicodeDecodeError, AttributeError or
-    KeyError, or for the chunk a run that waited for ever)."""
+    lists a chunk without its file, a prepared.json (or its mark of a complete directory) or a chunk file that is not
+    there: one error naming the file (a traceback of UnicodeDecodeError, AttributeError, KeyError or FileNotFoundError,
+    or for the chunk a run that waited for ever)."""
     import shutil
 
     from fabric_lin.data import check_prepared_dir
@@ -210,11 +216,12 @@ def test_directories_of_two_tokenizers_are_refused_naming_both(prepared):
     is refused in one line naming both directories and both hashes (no --tokenizer_dir: nothing else to compare to)."""
     import json
 
-    from fabric_lin.data import TextFiles
+    from fabric_lin.data import TextFiles, TokenChunks
 
     sha = {n: json.loads((prepared / n / "prepared.json").read_text())["tokenizer"]["sha256"][:12] for n in ("tokens300", "tokens320")}
     for data in (TextFiles(train_dir=[prepared / "tokens300", prepared / "tokens320"], num_workers=0),
-                 TextFiles(train_dir=prepared / "tokens300", val_dir=prepared / "tokens320", num_workers=0)):
+                 TextFiles(train_dir=prepared / "tokens300", val_dir=prepared / "tokens320", num_workers=0),
+                 TokenChunks(data_path=prepared / "tokens300", val_path=prepared / "tokens320", num_workers=0)):
         data.connect(batch_size=1, max_seq_length=16, vocab_size=320)
         with pytest.raises(ValueError) as info:
             data.setup()

@@ -177,3 +177,31 @@ def test_a_resume_of_another_sequence_length_names_that_flag_alone(tmp_path):
         f"32 in the checkpoint, 16 here. Resume it with the checkpoint's --train.max_seq_length 32, or write this run to "
         f"another --out_dir; or start this run from its weights: fabric-lin convert_pretrained_checkpoint {tmp_path} "
         f"--output_dir <DIR>, then --initial_checkpoint_dir <DIR>")
+
+
+def test_naming_one_change_of_the_run_lets_that_one_pass_and_no_other(tmp_path):
+    """The seed of the weights is part of the run: another one is refused unless --resume_changes names it, and naming
+    another change (the step budget) does not let it pass. The micro batch size and the schedule's shape are no change
+    of the run: they pass, reported."""
+    import yaml
+
+    from fabric_lin.run_identity import compare_with_checkpoint
+
+    train = {"max_seq_length": 32, "max_steps": 10, "micro_batch_size": 2, "lr_schedule": "cosine"}
+    saved = {"seed": 42, "train": train}
+    (tmp_path / "hyperparameters.yaml").write_text(yaml.safe_dump(saved))
+    (tmp_path / "model_config.yaml").write_text(yaml.safe_dump({"name": "gla-debug", "n_embd": 64}))
+    model = {"name": "gla-debug", "n_embd": 64}
+    seed_refused = (r"differs from the checkpoint's in seed: 42 in the checkpoint, 7 here\. Resume with the checkpoint's "
+                    r"values \(its hyperparameters.yaml\), or change them on purpose with --resume_changes '\[seed\]'")
+    with pytest.raises(ValueError, match=seed_refused):
+        compare_with_checkpoint(tmp_path, {**saved, "seed": 7}, model, allowed=[])
+    with pytest.raises(ValueError, match=seed_refused):
+        compare_with_checkpoint(tmp_path, {"seed": 7, "train": {**train, "max_steps": 20}}, model,
+                                allowed=["train.max_steps"])
+    assert compare_with_checkpoint(tmp_path, {"seed": 7, "train": {**train, "max_steps": 20}}, model,
+                                   allowed=["train.max_steps", "seed"]) == (
+        ["seed: 42 in the checkpoint, 7 here", "train.max_steps: 10 in the checkpoint, 20 here"], [])
+    assert compare_with_checkpoint(tmp_path, {**saved, "train": {**train, "micro_batch_size": 1, "lr_schedule": "wsd"}},
+                                   model, allowed=[]) == (
+        [], ["train.lr_schedule: 'cosine' in the checkpoint, 'wsd' here", "train.micro_batch_size: 2 in the checkpoint, 1 here"])

@@ -59,3 +59,65 @@ def test_a_model_directory_whose_config_differs_in_its_name_alone_is_loaded_with
     loaded = load_initial_weights(tmp_path / "model", replace(config, name="my-gla"), log=logged.append)
     assert logged == [] and loaded.keys() == state.keys()
     assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+
+
+CONFIG = Config.from_name("gla-debug")  # the fresh run's model (the checkpoints here record none)
+
+
+def training_checkpoint(directory):
+    """What --resume takes for a training checkpoint: its weights and step.json."""
+    directory.mkdir(parents=True)
+    (directory / "lit_model.pth").write_bytes(b"x")
+    (directory / "step.json").write_text(json.dumps({"step_count": 2}))
+    return directory
+
+
+def test_a_resume_from_another_out_dir_into_a_used_one_is_refused(tmp_path):
+    """--resume naming a checkpoint of another run, into an out_dir that holds an earlier run's checkpoints, would put the
+    two runs' checkpoints side by side, as a fresh run would: refused; --overwrite true (which deletes out_dir's) lets it
+    go on. A checkpoint of out_dir itself continues that run there."""
+    from fabric_lin.run_start import check_earlier_run
+
+    out, other = tmp_path / "out", tmp_path / "other"
+    for run in (out, other):
+        training_checkpoint(run / "step-00000002")
+    with pytest.raises(FileExistsError, match=rf"^out_dir {out} holds the checkpoints of an earlier run \(step-00000002\)"):
+        check_earlier_run(out, other / "step-00000002", overwrite=False, config=CONFIG)
+    check_earlier_run(out, other / "step-00000002", overwrite=True, config=CONFIG)
+    check_earlier_run(out, out / "step-00000002", overwrite=False, config=CONFIG)
+
+
+def test_a_checkpoint_of_out_dir_named_through_a_link_is_out_dir_s(tmp_path):
+    """out_dir given through a symbolic link and --resume naming its checkpoint by the real path, or the reverse: it is
+    out_dir's own checkpoint, which --resume continues there and which --overwrite true would delete before the resume."""
+    from fabric_lin.run_start import check_earlier_run
+
+    checkpoint = training_checkpoint(tmp_path / "scratch" / "out" / "step-00000002")
+    (tmp_path / "runs").symlink_to(tmp_path / "scratch", target_is_directory=True)
+    for out_dir, named in ((tmp_path / "runs" / "out", checkpoint),
+                           (tmp_path / "scratch" / "out", tmp_path / "runs" / "out" / "step-00000002")):
+        check_earlier_run(out_dir, named, overwrite=False, config=CONFIG)
+        with pytest.raises(ValueError, match=rf"^--overwrite true would delete the checkpoint --resume {named} names"):
+            check_earlier_run(out_dir, named, overwrite=True, config=CONFIG)
+
+
+def test_a_run_reached_through_a_link_has_not_moved(tmp_path):
+    """out_dir recorded through a symbolic link (/runs -> /scratch, say) is where the checkpoint lies, by either path."""
+    real, link = tmp_path / "scratch", tmp_path / "runs"
+    checkpoint = real / "out" / "step-00000002"
+    hparams = write_yaml(checkpoint / "hyperparameters.yaml", {"out_dir": str(link / "out")})
+    (checkpoint / "step.json").write_text(json.dumps({"step_count": 2}))
+    link.symlink_to(real, target_is_directory=True)
+    check_config_of_a_moved_run([hparams])
+    check_config_of_a_moved_run([link / "out" / "step-00000002" / "hyperparameters.yaml"])
+
+
+def test_weights_that_are_not_their_directory_s_model_either_get_no_hint_of_it(tmp_path):
+    """A model directory whose weights fit neither this run's model nor its own model_config.yaml: the mismatch is listed,
+    and no flag is suggested that would build a model the weights do not fit either."""
+    (tmp_path / "model").mkdir()
+    torch.save(GPT(Config.from_name("gla-debug", num_layers=1)).state_dict(), tmp_path / "model" / "lit_model.pth")
+    Config.from_name("gla-debug", num_layers=2).save(tmp_path / "model" / "model_config.yaml")
+    with pytest.raises(ValueError) as mismatch:
+        load_initial_weights(tmp_path / "model", Config.from_name("gla-debug"), log=lambda line: None)
+    assert "missing (42): layers.1." in str(mismatch.value) and "they are the model of its" not in str(mismatch.value)

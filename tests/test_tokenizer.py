@@ -259,3 +259,29 @@ def test_token_ids_are_kept_in_the_smallest_dtype_that_holds_every_id():
     for vocab_size, dtype in ((500, np.uint16), (65536, np.uint16), (65537, np.int32), (128256, np.int32)):
         assert token_dtype(vocab_size) == dtype
         assert np.array([vocab_size - 1]).astype(token_dtype(vocab_size))[0] == vocab_size - 1
+
+
+def test_the_tokenizer_hash_is_the_sha256_of_the_whole_file(tmp_path):
+    """The hash tells tokenizers apart wherever their files differ, past the first block read too (a tokenizer.model of
+    a large vocabulary holds megabytes)."""
+    import hashlib
+
+    data = bytes(range(256)) * (1 << 12) + b"the end of a larger tokenizer.model"  # 1 MiB and more
+    (tmp_path / "tokenizer.model").write_bytes(data)
+    assert tokenizer_model_hash(tmp_path / "tokenizer.model") == hashlib.sha256(data).hexdigest()
+
+
+def test_a_tokenizer_without_bos_or_eos_says_so_when_asked_for_them(tmp_path):
+    import sentencepiece as spm
+
+    (tmp_path / "corpus.txt").write_text("\n".join(f"line {i} of some text" for i in range(200)))
+    spm.SentencePieceTrainer.Train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "tokenizer"),
+                                   vocab_size=40, model_type="bpe", bos_id=-1, eos_id=-1, unk_id=0, pad_id=-1,
+                                   minloglevel=2)
+    tokenizer = Tokenizer(tmp_path)
+    assert tokenizer.bos_id is None and tokenizer.eos_id is None
+    assert tokenizer.encode("line 7").tolist() == tokenizer.processor.EncodeAsIds("line 7")
+    with pytest.raises(ValueError, match=r"tokenizer.model defines no EOS token; call encode with eos=False$"):
+        tokenizer.encode_batch(["line 7"])
+    with pytest.raises(ValueError, match=r"tokenizer.model defines no BOS token; call encode with bos=False$"):
+        tokenizer.encode("line 7", bos=True)
