@@ -7,7 +7,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Type, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Type, Union
 
 from fabric_lin.errors import AlreadyExists, InvalidValue
 
@@ -156,6 +156,12 @@ def check_empty_output_dir(path: Union[str, Path]) -> None:
     check_dir_can_be_made(path, "--output_dir")
     if Path(path).is_dir() and any(Path(path).iterdir()):
         raise AlreadyExists(f"Output directory {path} exists and is not empty: delete it or pick another")
+
+
+def short_list(items: Iterable, limit: int = 12) -> str:
+    """The first `limit` of `items` joined by commas, and how many more there are: what a one-line error shows of a list."""
+    items = list(items)
+    return ", ".join(str(i) for i in items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
 def directories_below(directory: Union[str, Path], holds: Callable[[Path], bool], depth: int = 2) -> List[Path]:

@@ -17,7 +17,7 @@ from fabric_lin.checkpoint import (
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import read_yaml
+from fabric_lin.files import read_yaml, short_list
 from fabric_lin.metrics import METRICS_FILE, recorded_checkpoints
 
 
@@ -76,7 +76,7 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
     earlier = earlier_run_checkpoints(out_dir)
     if not earlier or continuing or overwrite or inside:
         return
-    shown = ", ".join(earlier[:3] + ([f"... ({len(earlier) - 3} more)"] if len(earlier) > 3 else []))
+    shown = short_list(earlier, 3)
     earlier_model = model_of_earlier_run(out_dir)
     if earlier_model is not None and {**earlier_model.to_dict(), "name": None} != {**config.to_dict(), "name": None}:
         named = (earlier_model.name if earlier_model.name and earlier_model.name != config.name

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile
-from fabric_lin.files import atomic_write, check_dir_can_be_made, directories_below, read_json
+from fabric_lin.files import atomic_write, check_dir_can_be_made, directories_below, read_json, short_list
 from fabric_lin.weights import (
     MODEL_FILE,
     canonical_state_dict,
@@ -68,8 +68,7 @@ def models_below(directory: Path) -> str:
     """For a directory that holds no model: "below it: DIR (what it holds), ..." where a model lies one or two levels
     down (the output of tutorials/finetune_lora.md's script holds adapter/ and merged/), else ""."""
     found = directories_below(directory, lambda d: what_it_holds(d) is not None)
-    return ("below it: " + ", ".join(f"{d} ({what_it_holds(d)})" for d in found[:4])
-            + (f", ... ({len(found) - 4} more)" if len(found) > 4 else "")) if found else ""
+    return "below it: " + short_list([f"{d} ({what_it_holds(d)})" for d in found], 4) if found else ""
 
 
 def check_model_dir_given(model_dir: Path, argument: str, command: str) -> None:
@@ -274,9 +273,9 @@ def check_state_dict(
     if missing or unexpected or problems:
         lines = [f"{source} does not match the model:"]
         if missing:
-            lines.append(f"  missing ({len(missing)}): {_short_list(missing)}")
+            lines.append(f"  missing ({len(missing)}): {short_list(missing)}")
         if unexpected:
-            lines.append(f"  unexpected ({len(unexpected)}): {_short_list(unexpected)}")
+            lines.append(f"  unexpected ({len(unexpected)}): {short_list(unexpected)}")
         lines += [f"  {p}" for p in problems]
         raise InvalidValue("\n".join(lines))
 
@@ -302,7 +301,7 @@ def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[st
             shard = load_safetensors(shard_path)
             absent = sorted(names - set(shard))
             if absent:
-                raise InvalidValue(f"{index_path} places {_short_list(absent)} in {file_name}, which lacks them")
+                raise InvalidValue(f"{index_path} places {short_list(absent)} in {file_name}, which lacks them")
             for name in names:
                 state[name] = shard[name]
         return state
@@ -346,7 +345,7 @@ def remove_earlier_model(directory: Path) -> None:
             path.unlink()
             removed.append(path.name)
     if removed:
-        print(f"Removed the files of an earlier model in {directory}: {_short_list(removed, 6)}")
+        print(f"Removed the files of an earlier model in {directory}: {short_list(removed, 6)}")
 
 
 def save_safetensors_dir(
@@ -481,7 +480,3 @@ def copy_tokenizer(src_dir: Path, dst_dir: Path, trained_with: Optional[dict]) -
     return [p.name for p in copy_tokenizer_files(src_dir, dst_dir) if p.name in TOKENIZER_FILES]
 
 
-def _short_list(items, limit: int = 12) -> str:
-    items = list(items)
-    shown = ", ".join(str(i) for i in items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")

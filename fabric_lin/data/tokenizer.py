@@ -14,7 +14,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 import torch
 
 from fabric_lin.errors import InvalidValue, MissingFile
-from fabric_lin.files import atomic_write, directories_below, read_json, reading
+from fabric_lin.files import atomic_write, directories_below, read_json, reading, short_list
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json")
 TRAINED_WITH_FILE = "trained_with.json"  # {"tokenizer": Tokenizer.record()} of the tokenizer the weights were trained with
@@ -106,7 +106,7 @@ def tokenizers_below(directory: Union[str, Path]) -> str:
     found = directories_below(directory, lambda d: (d / "tokenizer.model").is_file())
     if not found:
         return ""
-    named = ", ".join(str(d) for d in found[:3]) + (f", ... ({len(found) - 3} more)" if len(found) > 3 else "")
+    named = short_list(found, 3)
     return f"; {named} holds one: give that directory" if len(found) == 1 else f"; {named} hold one each: give one of them"
 
 
@@ -139,7 +139,7 @@ class Tokenizer:
         self.model_path = checkpoint_dir / "tokenizer.model"
         if not self.model_path.is_file():
             present = sorted(p.name for p in checkpoint_dir.iterdir())
-            shown = ", ".join(present[:10]) + (f", ... ({len(present) - 10} more)" if len(present) > 10 else "")
+            shown = short_list(present, 10)
             raise MissingFile(
                 f"{self.model_path} does not exist: expected a SentencePiece tokenizer.model in {checkpoint_dir}"
                 f" (found: {shown or 'nothing'}){the_recorded_tokenizer(checkpoint_dir) or tokenizers_below(checkpoint_dir)}"
