@@ -24,7 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.chunked.chunk_index import chunk_start, load_gate, load_gate_row, load_tile, state_pass_start
+from fabric_lin.ops.chunked.chunk_index import (
+    chunk_start,
+    chunk_state_offset,
+    load_gate,
+    load_gate_row,
+    load_tile,
+    sequence_state_offset,
+    state_pass_start,
+)
 from fabric_lin.ops.chunked.layout import chunk_grid, dot_precision, state_dtype
 from fabric_lin.ops.gla.cumsum import gate_cumsum
 from fabric_lin.ops.gla.launch import GLALaunch
@@ -79,7 +87,7 @@ def _state_pass(i_k, i_v, i_nh, k, v, gc, kd, h, h0, ht, cu_seqlens, chunk_offse
         b_k, b_g, b_last, b_v = n_k, n_gate, n_last, n_v
         n_k, n_gate, n_last, n_v = _step_inputs(keys, gc, v, tl.minimum(i_t + 1, NT - 1), bos, T, o_t, o_k, m_k,
                                                 o_v, m_v, H, K, V, BT, LAST_ONLY)
-        tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
+        tl.store(h + chunk_state_offset(boh + i_t, i_h, H, K, V) + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
         if KD_MODE == 2:
             k_end = b_k.to(b_v.dtype)
         else:
@@ -90,7 +98,7 @@ def _state_pass(i_k, i_v, i_nh, k, v, gc, kd, h, h0, ht, cu_seqlens, chunk_offse
                     tl.store(kd + kd_offs, k_end.to(kd.dtype.element_ty), mask=(o_t < T - i_t * BT)[:, None] & m_k[None, :])
         S = S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(k_end), b_v, input_precision=DOT_PREC)
     if STORE_HT:
-        tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
+        tl.store(ht + sequence_state_offset(i_nh, K, V) + state_offs, S, mask=m_kv)
 
 
 @triton.jit
@@ -119,11 +127,11 @@ def _dstate_pass(i_k, i_v, i_nh, q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offs
         b_q, b_g, b_last, b_do = n_q, n_g, n_last, n_do
         n_q, n_g, n_last, n_do = _step_inputs(q, gc, do, tl.maximum(i_t - 1, 0), bos, T, o_t, o_k, m_k, o_v, m_v,
                                               H, K, V, BT, False)
-        tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
+        tl.store(dh + chunk_state_offset(boh + i_t, i_h, H, K, V) + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
         q_dec = (b_q.to(tl.float32) * (tl.exp(b_g) * scale)).to(b_do.dtype)
         dS = dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(q_dec), b_do, input_precision=DOT_PREC)
     if USE_H0:
-        tl.store(dh0 + i_nh * K * V + state_offs, dS, mask=m_kv)
+        tl.store(dh0 + sequence_state_offset(i_nh, K, V) + state_offs, dS, mask=m_kv)
 
 
 @triton.jit
@@ -180,12 +188,12 @@ def _chunk_update_kernel(x, y, g, gc, u, cu_seqlens, chunk_indices, scale, T, H:
     else:
         b_x = b_x * tl.exp(tl.minimum(b_last[None, :] - b_g, 0.0))
     b_u = tl.dot(tl.trans(b_x.to(b_y.dtype)), b_y, input_precision=DOT_PREC)
-    tl.store(u + (i_tg * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty),
-             mask=m_k[:, None] & m_v[None, :])
+    tl.store(u + chunk_state_offset(i_tg, i_h, H, K, V) + o_k[:, None] * V + o_v[None, :],
+             b_u.to(u.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
 
 
 @triton.jit
-def _scan_load(hu, gc, idx, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+def _scan_load(hu, gc, idx, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
                V: tl.constexpr, BT: tl.constexpr, REVERSE: tl.constexpr):
     """Step idx of the scan: (u of its chunk, b_last of its chunk, offsets into hu, whether idx < NT)."""
     ok = idx < NT
@@ -193,7 +201,7 @@ def _scan_load(hu, gc, idx, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H: tl.c
         i_t = NT - 1 - idx
     else:
         i_t = idx
-    offs = ((boh + i_t) * H) * K * V + state_offs
+    offs = chunk_state_offset(boh + i_t, i_h, H, K, V) + state_offs
     b_u = tl.load(hu + offs, mask=m_kv & ok, other=0.0).to(tl.float32)
     last_row = bos + i_t * BT + tl.minimum(BT, T - i_t * BT) - 1
     b_last = tl.load(gc + last_row * (H * K) + o_k, mask=m_k & ok, other=0.0)
@@ -201,13 +209,17 @@ def _scan_load(hu, gc, idx, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H: tl.c
 
 
 @triton.jit
-def _scan_load4(hu, gc, i0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+def _scan_load4(hu, gc, i0, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
                 V: tl.constexpr, BT: tl.constexpr, REVERSE: tl.constexpr):
     """_scan_load of steps i0 .. i0 + 3, their loads issued together."""
-    u0, d0, offs0, ok0 = _scan_load(hu, gc, i0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-    u1, d1, offs1, ok1 = _scan_load(hu, gc, i0 + 1, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-    u2, d2, offs2, ok2 = _scan_load(hu, gc, i0 + 2, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
-    u3, d3, offs3, ok3 = _scan_load(hu, gc, i0 + 3, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+    u0, d0, offs0, ok0 = _scan_load(hu, gc, i0, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H, K, V, BT,
+                                    REVERSE)
+    u1, d1, offs1, ok1 = _scan_load(hu, gc, i0 + 1, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H, K, V, BT,
+                                    REVERSE)
+    u2, d2, offs2, ok2 = _scan_load(hu, gc, i0 + 2, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H, K, V, BT,
+                                    REVERSE)
+    u3, d3, offs3, ok3 = _scan_load(hu, gc, i0 + 3, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H, K, V, BT,
+                                    REVERSE)
     return u0, d0, offs0, ok0, u1, d1, offs1, ok1, u2, d2, offs2, ok2, u3, d3, offs3, ok3
 
 
@@ -225,20 +237,20 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
         i_k, i_v, i_nh, s0, cu_seqlens, chunk_offsets, T, H, K, V, BT, SK, SV,
         USE_S0, IS_VARLEN)
     gc += i_h * K
-    hu += i_h * K * V
     # four chunks per step, whose loads are issued together and one step ahead: before the stores of the
     # step in hand, which write the same buffer and would otherwise keep each load waiting for them (eight
     # loads in flight); past the end they read as zero
     (n_u0, n_d0, n_offs0, n_ok0, n_u1, n_d1, n_offs1, n_ok1, n_u2, n_d2, n_offs2, n_ok2,
-     n_u3, n_d3, n_offs3, n_ok3) = _scan_load4(hu, gc, 0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+     n_u3, n_d3, n_offs3, n_ok3) = _scan_load4(hu, gc, 0, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H, K, V, BT,
+                                               REVERSE)
     for i0 in range(0, NT, 4):
         u0, d0, offs0, ok0 = n_u0, n_d0, n_offs0, n_ok0
         u1, d1, offs1, ok1 = n_u1, n_d1, n_offs1, n_ok1
         u2, d2, offs2, ok2 = n_u2, n_d2, n_offs2, n_ok2
         u3, d3, offs3, ok3 = n_u3, n_d3, n_offs3, n_ok3
         (n_u0, n_d0, n_offs0, n_ok0, n_u1, n_d1, n_offs1, n_ok1, n_u2, n_d2, n_offs2, n_ok2,
-         n_u3, n_d3, n_offs3, n_ok3) = _scan_load4(hu, gc, i0 + 4, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V,
-                                                   BT, REVERSE)
+         n_u3, n_d3, n_offs3, n_ok3) = _scan_load4(hu, gc, i0 + 4, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H,
+                                                   K, V, BT, REVERSE)
         tl.store(hu + offs0, S.to(hu.dtype.element_ty), mask=m_kv & ok0)
         S = S * tl.exp(d0)[:, None] + u0
         tl.store(hu + offs1, S.to(hu.dtype.element_ty), mask=m_kv & ok1)
@@ -248,7 +260,7 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
         tl.store(hu + offs3, S.to(hu.dtype.element_ty), mask=m_kv & ok3)
         S = S * tl.exp(d3)[:, None] + u3
     if STORE_FINAL:
-        tl.store(s_final + i_nh * K * V + state_offs, S, mask=m_kv)
+        tl.store(s_final + sequence_state_offset(i_nh, K, V) + state_offs, S, mask=m_kv)
 
 
 # ------------------------------------------------------------------------------------------ host side
