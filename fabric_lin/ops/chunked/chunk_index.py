@@ -69,7 +69,7 @@ def state_tile(i_k, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV:
 def chunk_state_offset(i_chunk, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
     """Where head i_h's state of chunk i_chunk (numbered over the batch) starts in per-chunk states [chunks, H, K, V],
     in int64: past 2048 chunks (131,072 tokens) of 32 heads of 128 x 256 states the product passes 2^31."""
-    return (i_chunk.to(tl.int64) * H + i_h) * (K * V)
+    return (i_chunk.to(tl.int64) * H + i_h) * K * V
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def sequence_state_offset(i_nh, K: tl.constexpr, V: tl.constexpr):
     """Where the state of (sequence, head) i_nh starts in states [N, H, K, V] (initial and final states, their
     gradients, a decoding step's), in int64: past 2048 packed documents of 32 heads of 128 x 256 states (or a decoding
     batch as large) the product passes 2^31."""
-    return i_nh.to(tl.int64) * (K * V)
+    return i_nh.to(tl.int64) * K * V
 
 
 @triton.jit

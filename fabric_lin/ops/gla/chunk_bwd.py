@@ -307,8 +307,10 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, flags, cu_se
     v += i_h * V
     do += i_h * V
     dA += i_h * BT
-    h += chunk_state_offset(i_tg, i_h, H, K, V)
-    dh += chunk_state_offset(i_tg, i_h, H, K, V)
+    # chunk_state_offset's int64 product written out (i_tg is int64, from chunk_start): through the call, ptxas
+    # spills more in the levels' launch of this kernel (sm_90, Triton 3.8: 48 words of local memory against 42)
+    h += (i_tg * H + i_h) * K * V
+    dh += (i_tg * H + i_h) * K * V
     flag = flags + (i_k * tl.num_programs(1) + i_c) * tl.num_programs(2) + i_bh
     if FIRST:
         o_k = i_k * BK + tl.arange(0, BK)

@@ -193,7 +193,7 @@ def _chunk_update_kernel(x, y, g, gc, u, cu_seqlens, chunk_indices, scale, T, H:
 
 
 @triton.jit
-def _scan_load(hu, gc, idx, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+def _scan_load(hu, gc, idx, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
                V: tl.constexpr, BT: tl.constexpr, REVERSE: tl.constexpr):
     """Step idx of the scan: (u of its chunk, b_last of its chunk, offsets into hu, whether idx < NT)."""
     ok = idx < NT
@@ -201,7 +201,7 @@ def _scan_load(hu, gc, idx, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H:
         i_t = NT - 1 - idx
     else:
         i_t = idx
-    offs = chunk_state_offset(boh + i_t, i_h, H, K, V) + state_offs
+    offs = chunk_state_offset(boh + i_t, 0, H, K, V) + state_offs  # hu is at the program's head
     b_u = tl.load(hu + offs, mask=m_kv & ok, other=0.0).to(tl.float32)
     last_row = bos + i_t * BT + tl.minimum(BT, T - i_t * BT) - 1
     b_last = tl.load(gc + last_row * (H * K) + o_k, mask=m_k & ok, other=0.0)
@@ -209,17 +209,13 @@ def _scan_load(hu, gc, idx, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H:
 
 
 @triton.jit
-def _scan_load4(hu, gc, i0, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+def _scan_load4(hu, gc, i0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
                 V: tl.constexpr, BT: tl.constexpr, REVERSE: tl.constexpr):
     """_scan_load of steps i0 .. i0 + 3, their loads issued together."""
-    u0, d0, offs0, ok0 = _scan_load(hu, gc, i0, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H, K, V, BT,
-                                    REVERSE)
-    u1, d1, offs1, ok1 = _scan_load(hu, gc, i0 + 1, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H, K, V, BT,
-                                    REVERSE)
-    u2, d2, offs2, ok2 = _scan_load(hu, gc, i0 + 2, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H, K, V, BT,
-                                    REVERSE)
-    u3, d3, offs3, ok3 = _scan_load(hu, gc, i0 + 3, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H, K, V, BT,
-                                    REVERSE)
+    u0, d0, offs0, ok0 = _scan_load(hu, gc, i0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+    u1, d1, offs1, ok1 = _scan_load(hu, gc, i0 + 1, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+    u2, d2, offs2, ok2 = _scan_load(hu, gc, i0 + 2, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
+    u3, d3, offs3, ok3 = _scan_load(hu, gc, i0 + 3, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
     return u0, d0, offs0, ok0, u1, d1, offs1, ok1, u2, d2, offs2, ok2, u3, d3, offs3, ok3
 
 
@@ -237,20 +233,20 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
         i_k, i_v, i_nh, s0, cu_seqlens, chunk_offsets, T, H, K, V, BT, SK, SV,
         USE_S0, IS_VARLEN)
     gc += i_h * K
+    hu += i_h * K * V  # int32 fits: one chunk's states, H * K * V <= 2^24
     # four chunks per step, whose loads are issued together and one step ahead: before the stores of the
     # step in hand, which write the same buffer and would otherwise keep each load waiting for them (eight
     # loads in flight); past the end they read as zero
     (n_u0, n_d0, n_offs0, n_ok0, n_u1, n_d1, n_offs1, n_ok1, n_u2, n_d2, n_offs2, n_ok2,
-     n_u3, n_d3, n_offs3, n_ok3) = _scan_load4(hu, gc, 0, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H, K, V, BT,
-                                               REVERSE)
+     n_u3, n_d3, n_offs3, n_ok3) = _scan_load4(hu, gc, 0, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V, BT, REVERSE)
     for i0 in range(0, NT, 4):
         u0, d0, offs0, ok0 = n_u0, n_d0, n_offs0, n_ok0
         u1, d1, offs1, ok1 = n_u1, n_d1, n_offs1, n_ok1
         u2, d2, offs2, ok2 = n_u2, n_d2, n_offs2, n_ok2
         u3, d3, offs3, ok3 = n_u3, n_d3, n_offs3, n_ok3
         (n_u0, n_d0, n_offs0, n_ok0, n_u1, n_d1, n_offs1, n_ok1, n_u2, n_d2, n_offs2, n_ok2,
-         n_u3, n_d3, n_offs3, n_ok3) = _scan_load4(hu, gc, i0 + 4, NT, boh, bos, T, i_h, state_offs, m_kv, o_k, m_k, H,
-                                                   K, V, BT, REVERSE)
+         n_u3, n_d3, n_offs3, n_ok3) = _scan_load4(hu, gc, i0 + 4, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H, K, V,
+                                                   BT, REVERSE)
         tl.store(hu + offs0, S.to(hu.dtype.element_ty), mask=m_kv & ok0)
         S = S * tl.exp(d0)[:, None] + u0
         tl.store(hu + offs1, S.to(hu.dtype.element_ty), mask=m_kv & ok1)
