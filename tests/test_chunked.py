@@ -8,7 +8,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # as the kernel tests set it, before any kernel is defined
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
+from fabric_lin.ops.chunked.chunk_index import chunk_state_offset, sequence_state_offset  # noqa: E402
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_layout, private_offsets  # noqa: E402
 from fabric_lin.ops.gdn import (  # noqa: E402
     chunk_gated_delta_rule,
@@ -22,6 +25,8 @@ from fabric_lin.ops.gla import (  # noqa: E402
     log_decay,
     naive_recurrent_gla,
 )
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs kernels on CPU tensors
 
 
 def test_chunk_layout_of_documents():
@@ -119,6 +124,33 @@ def test_chunk_layout_keeps_the_layouts_of_the_last_few_private_offsets(monkeypa
 def test_chunk_layout_refuses_offsets_that_do_not_rise_from_0_to_T(bounds):
     with pytest.raises(ValueError, match=rf"cu_seqlens must rise from 0 to T = 10 without falling, got \[{bounds[0]}, "):
         chunk_layout(torch.tensor(bounds), 1, 10)
+
+
+# ------------------------------------------------------------------------------------ the kernels' state offsets
+
+
+@triton.jit
+def _state_offsets_kernel(indices, offsets, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """offsets[2 i], offsets[2 i + 1] <- the chunk and sequence state offsets of (chunk or sequence, head)
+    indices[2 i], indices[2 i + 1], loaded as the kernels have them: int32."""
+    i = tl.program_id(0)
+    index, i_h = tl.load(indices + 2 * i), tl.load(indices + 2 * i + 1)
+    tl.store(offsets + 2 * i, chunk_state_offset(index, i_h, H, K, V))
+    tl.store(offsets + 2 * i + 1, sequence_state_offset(index * H + i_h, K, V))
+
+
+@pytest.mark.parametrize("H, K, V, pairs", [
+    (32, 128, 256, [(3, 1), (2047, 31), (2048, 0), (2100, 5)]),  # chunk 2048 (past 131,072 tokens) starts at 2^31
+    (64, 512, 512, [(16383, 63), (8192, 17)]),  # the last chunk and head of 1M tokens (or of 16,384 documents)
+])
+def test_state_offsets_past_2_to_the_31_are_exact(H, K, V, pairs):
+    """Per-chunk states [chunks, H, K, V] and initial or final states [N, H, K, V] pass 2^31 elements at sizes trained
+    at; their offsets, from int32 indices, are exact (as int32 products they wrap and address other memory)."""
+    indices = torch.tensor(pairs, dtype=torch.int32, device=DEVICE).view(-1)
+    offsets = torch.zeros(2 * len(pairs), dtype=torch.int64, device=DEVICE)
+    _state_offsets_kernel[(len(pairs),)](indices, offsets, H, K, V)
+    expected = [(c * H + h) * K * V for c, h in pairs for _ in ("chunk", "sequence")]
+    assert offsets.tolist() == expected
 
 
 # ------------------------------------------------------------------------------------ input checks

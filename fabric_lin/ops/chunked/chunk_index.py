@@ -9,6 +9,13 @@ Tensors are [B, T, H, D], read as [B*T] rows of H*D. Two kinds of program find t
   own: ptxas schedules by the source's order, so the order a pass sets up in is part of its compiled code.
 Rows past a sequence's end are masked on load; a cumulative gate read there takes the sequence's last row (no
 decay past the end). Gates come per key column ([B*T, H, K], GLA's) or per head ([B*T, H], the delta rule's).
+
+Offsets into whole tensors are int64, those inside one tile int32. A batch's elements pass 2^31 at sizes trained at
+(131,072 tokens x 32 heads x 128 x 256 per-chunk states; 1M tokens x 4096 channels of q), while program ids, loaded
+indices and row counts are int32 (B*T < 2^31 rows). So the first rows that `chunk_start` and `seq_start` give are
+int64, and every row offset made from them (row * stride) with them; states are reached by `chunk_state_offset` and
+`sequence_state_offset`, int64; a position inside one [K, V] state (`state_tile`, K * V <= 2^18) or one row stays
+int32, the cheaper arithmetic in the kernels' loops.
 """
 import triton
 import triton.language as tl
@@ -16,7 +23,8 @@ import triton.language as tl
 
 @triton.jit
 def chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(first row of the chunk in the flattened [B*T] rows, rows left in its sequence, global chunk index)."""
+    """(first row of the chunk in the flattened [B*T] rows, rows left in its sequence, global chunk index); the first
+    row and the chunk index int64."""
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + i_c * 2)
         i_t = tl.load(chunk_indices + i_c * 2 + 1)
@@ -34,7 +42,7 @@ def chunk_start(i_c, i_bh, cu_seqlens, chunk_indices, T, H: tl.constexpr, BT: tl
 
 @triton.jit
 def seq_start(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(first row of sequence i_n, its length, index of its first chunk)."""
+    """(first row of sequence i_n, its length, index of its first chunk); the first row and the chunk index int64."""
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
@@ -58,13 +66,28 @@ def state_tile(i_k, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV:
 
 
 @triton.jit
+def chunk_state_offset(i_chunk, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Where head i_h's state of chunk i_chunk (numbered over the batch) starts in per-chunk states [chunks, H, K, V],
+    in int64: past 2048 chunks (131,072 tokens) of 32 heads of 128 x 256 states the product passes 2^31."""
+    return (i_chunk.to(tl.int64) * H + i_h) * K * V
+
+
+@triton.jit
+def sequence_state_offset(i_nh, K: tl.constexpr, V: tl.constexpr):
+    """Where the state of (sequence, head) i_nh starts in states [N, H, K, V] (initial and final states, their
+    gradients, a decoding step's), in int64: past 2048 packed documents of 32 heads of 128 x 256 states (or a decoding
+    batch as large) the product passes 2^31."""
+    return i_nh.to(tl.int64) * K * V
+
+
+@triton.jit
 def initial_state_tile(s0, i_nh, state_offs, m_kv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, USE_S0: tl.constexpr):
     """The state a pass starts from, one tile of it, fp32: s0's ([N * H, K, V], i_nh its sequence and head) where
     USE_S0, else zeros."""
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_S0:
-        S += tl.load(s0 + i_nh * K * V + state_offs, mask=m_kv, other=0.0).to(tl.float32)
+        S += tl.load(s0 + sequence_state_offset(i_nh, K, V) + state_offs, mask=m_kv, other=0.0).to(tl.float32)
     return S
 
 

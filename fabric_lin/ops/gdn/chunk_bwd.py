@@ -38,10 +38,12 @@ import triton.language as tl
 
 from fabric_lin.ops.chunked.chunk_index import (
     chunk_start,
+    chunk_state_offset,
     initial_state_tile,
     load_head_gate,
     load_raw,
     seq_start,
+    sequence_state_offset,
     state_tile,
 )
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
@@ -113,7 +115,7 @@ def reverse_state_pass(i_v, i_nh, q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu
         row0 = bos + i_t * BT
         n_rows = T - i_t * BT
         m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
-        tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
+        tl.store(dh + chunk_state_offset(boh + i_t, i_h, H, K, V) + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
         # the decays k_end = diag(exp(b_last - b)) K and q_start = diag(exp(b) scale) Q are taken on the BV columns
         # of the products they enter (k dS', and dO) rather than on K's K columns: fewer products per row
         b_k = load_raw(k, row0, o_t, n_rows, H * K, o_k, m_k)
@@ -135,7 +137,7 @@ def reverse_state_pass(i_v, i_nh, q, k, w, b, do, dd_local, dh, dd, dht, dh0, cu
         dS = (dS + tl.dot(tl.trans(b_q), do_start, input_precision=DOT_PREC)
               - tl.dot(tl.trans(b_w), b_dd.to(DT), input_precision=DOT_PREC))
     if USE_H0:
-        tl.store(dh0 + i_nh * K * V + state_offs, dS, mask=m_kv)
+        tl.store(dh0 + sequence_state_offset(i_nh, K, V) + state_offs, dS, mask=m_kv)
 
 
 @triton.jit
@@ -182,8 +184,8 @@ def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seq
     d += i_h * V
     do += i_h * V
     dd += i_h * V
-    h += (i_tg * H + i_h) * K * V
-    dh += (i_tg * H + i_h) * K * V
+    h += chunk_state_offset(i_tg, i_h, H, K, V)
+    dh += chunk_state_offset(i_tg, i_h, H, K, V)
     dq_state = tl.zeros([BT, BK], dtype=tl.float32)  # do S^T
     dk_state = tl.zeros([BT, BK], dtype=tl.float32)  # D dS'^T
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # dD S^T
@@ -237,6 +239,8 @@ def _bwd_dqkw_kernel(q, k, d, b, h, dh, do, dd, dq, dk_part, dw, dg_part, cu_seq
         b_db += tl.where(o_t == tl.minimum(n_rows, BT) - 1, tl.sum(b_hdh, axis=0) * tl.exp(b_last), 0.0)
         dg_keys = tl.sum(tl.where(o_t[:, None] > o_t[None, :], c[None, :], 0.0), axis=1)
         b_dg = tl.cumsum(tl.where(m_t, b_db, 0.0), axis=0, reverse=True) + dg_keys
+        # i_k * part_stride fits int32: dg_part's cdiv(K, BK) * B*T*H elements, at most (K*H / 16) x 1M tokens, pass
+        # 2^31 only past K*H = 32K (64 heads of K = 512 in 16-wide key tiles fill it exactly)
         tl.store(dg_part + i_k * part_stride + (row0 + o_t) * H + i_h, b_dg, mask=m_t)
     else:
         b_q = load_raw(q + i_h * K, row0, o_t, n_rows, H * K, o_k, m_k)

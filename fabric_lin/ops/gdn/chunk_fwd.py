@@ -20,10 +20,12 @@ import triton.language as tl
 
 from fabric_lin.ops.chunked.chunk_index import (
     chunk_start,
+    chunk_state_offset,
     initial_state_tile,
     load_head_gate,
     load_raw,
     seq_start,
+    sequence_state_offset,
     state_tile,
 )
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision, state_dtype
@@ -74,7 +76,7 @@ def forward_state_pass(i_v, i_nh, k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_of
         row0 = bos + i_t * BT
         n_rows = T - i_t * BT
         m_tv = (o_t < n_rows)[:, None] & m_v[None, :]
-        tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
+        tl.store(h + chunk_state_offset(boh + i_t, i_h, H, K, V) + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
         b_w = load_raw(w, row0, o_t, n_rows, H * K, o_k, m_k)
         b_u = load_raw(u, row0, o_t, n_rows, H * V, o_v, m_v).to(tl.float32)
         b_d = b_u - tl.dot(b_w, S.to(DT), input_precision=DOT_PREC)
@@ -89,7 +91,7 @@ def forward_state_pass(i_v, i_nh, k, w, u, b, h, d, h0, ht, cu_seqlens, chunk_of
         else:
             S += tl.dot(tl.trans(b_k), b_d.to(DT), input_precision=DOT_PREC)
     if STORE_FINAL:
-        tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
+        tl.store(ht + sequence_state_offset(i_nh, K, V) + state_offs, S, mask=m_kv)
 
 
 @triton.jit
@@ -114,7 +116,7 @@ def _fwd_output_kernel(q, k, d, b, h, o, cu_seqlens, chunk_indices, scale, T, H:
     DT = q.dtype.element_ty
     q += i_h * K
     k += i_h * K
-    h += (i_tg * H + i_h) * K * V
+    h += chunk_state_offset(i_tg, i_h, H, K, V)
     o_t = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V

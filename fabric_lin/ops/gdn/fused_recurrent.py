@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fabric_lin.ops.chunked.chunk_index import sequence_state_offset
 from fabric_lin.ops.custom_op import kernel_op
 from fabric_lin.ops.gdn.launch import SHIPPED, GDNLaunch
 from fabric_lin.ops.launch import cdiv, launch_json, next_power_of_2
@@ -40,7 +41,7 @@ def _gdn_step_kernel(q, k, v, g, beta, s_in, s_out, o, scale, K: tl.constexpr, V
     if USE_QK_L2NORM:
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + EPS)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + EPS)
-    state_offs = i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+    state_offs = sequence_state_offset(i_bh, K, V) + o_k[:, None] * V + o_v[None, :]
     if USE_STATE:
         S = tl.load(s_in + state_offs, mask=m_kv, other=0.0)
         if USE_GATE:

@@ -314,7 +314,7 @@ def _wy_bwd_kernel(k, v, beta, b, A_inv, dw, dd, dk_part, dg_part, dk, dv, dbeta
         tl.store(dk + offs, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     if USE_GATE:
         b_dg = tl.cumsum(tl.where(m_t, b_db, 0.0), axis=0, reverse=True)
-        for i_p in range(NK_PART):
+        for i_p in range(NK_PART):  # i_p * part_stride fits int32 (`chunk_bwd._bwd_dqkw_kernel` says why)
             b_dg += tl.load(dg_part + i_p * part_stride + (row0 + o_t) * H + i_h, mask=m_t, other=0.0)
         tl.store(dg + (row0 + o_t) * H + i_h, b_dg, mask=m_t)
     tl.store(dbeta + (row0 + o_t) * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)

@@ -21,7 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.chunked.chunk_index import chunk_start, load_gate, load_gate_row, load_raw, load_tile
+from fabric_lin.ops.chunked.chunk_index import (
+    chunk_start,
+    chunk_state_offset,
+    load_gate,
+    load_gate_row,
+    load_raw,
+    load_tile,
+)
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision
 from fabric_lin.ops.gla.cumsum import gate_cumsum
 from fabric_lin.ops.gla.state_pass import (
@@ -71,7 +78,7 @@ def _bwd_dv_kernel(k, v, gc, kd, A, do, dh, dv, dA, cu_seqlens, chunk_indices, T
     v += i_h * V
     do += i_h * V
     dv += i_h * V
-    dh += (i_tg * H + i_h) * K * V
+    dh += chunk_state_offset(i_tg, i_h, H, K, V)
     DT = v.dtype.element_ty
     o_t = tl.arange(0, BT)
     m_t = o_t < n_rows
@@ -300,6 +307,8 @@ def _bwd_dqk_kernel(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, flags, cu_se
     v += i_h * V
     do += i_h * V
     dA += i_h * BT
+    # chunk_state_offset's int64 product written out (i_tg is int64, from chunk_start): through the call, ptxas
+    # spills more in the levels' launch of this kernel (sm_90, Triton 3.8: 48 words of local memory against 42)
     h += (i_tg * H + i_h) * K * V
     dh += (i_tg * H + i_h) * K * V
     flag = flags + (i_k * tl.num_programs(1) + i_c) * tl.num_programs(2) + i_bh

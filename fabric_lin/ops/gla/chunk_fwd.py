@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.chunked.chunk_index import chunk_start, load_gate, load_tile
+from fabric_lin.ops.chunked.chunk_index import chunk_start, chunk_state_offset, load_gate, load_tile
 from fabric_lin.ops.chunked.layout import CHUNK_SIZE, chunk_grid, chunk_layout, dot_precision
 from fabric_lin.ops.gla.cumsum import gate_cumsum
 from fabric_lin.ops.gla.state_pass import states
@@ -70,7 +70,7 @@ def _fwd_output_kernel(q, k, v, gc, h, o, A_out, flags, cu_seqlens, chunk_indice
     gc += i_h * K
     v += i_h * V
     o += i_h * V
-    h += (i_tg * H + i_h) * K * V
+    h += chunk_state_offset(i_tg, i_h, H, K, V)
     o_t = tl.arange(0, BT)
     A_ptrs = A_out + (row0 + o_t[:, None]) * (H * BT) + i_h * BT + o_t[None, :]
     flag = flags + i_c * tl.num_programs(1) + i_bh

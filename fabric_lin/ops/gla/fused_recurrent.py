@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fabric_lin.ops.chunked.chunk_index import sequence_state_offset
 from fabric_lin.ops.custom_op import kernel_op
 from fabric_lin.ops.gla.launch import SHIPPED, GLALaunch
 from fabric_lin.ops.launch import cdiv, launch_json, next_power_of_2
@@ -24,11 +25,13 @@ def _recurrent_step_kernel(q, k, v, g, s_in, s_out, o, scale, K: tl.constexpr, V
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
+    # q, k, g [B, H, K] and v [B, H, V] are V (or K) times smaller than the states [B, H, K, V]: int32 offsets fit
+    # them where the states' need int64
     b_q = tl.load(q + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_g = tl.load(g + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + i_bh * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    state_offs = i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+    state_offs = sequence_state_offset(i_bh, K, V) + o_k[:, None] * V + o_v[None, :]
     S = b_k[:, None] * b_v[None, :]
     if USE_STATE:
         S += tl.load(s_in + state_offs, mask=m_kv, other=0.0) * tl.exp(b_g)[:, None]

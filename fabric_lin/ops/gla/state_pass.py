@@ -24,7 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fabric_lin.ops.chunked.chunk_index import chunk_start, load_gate, load_gate_row, load_tile, state_pass_start
+from fabric_lin.ops.chunked.chunk_index import (
+    chunk_start,
+    chunk_state_offset,
+    load_gate,
+    load_gate_row,
+    load_tile,
+    sequence_state_offset,
+    state_pass_start,
+)
 from fabric_lin.ops.chunked.layout import chunk_grid, dot_precision, state_dtype
 from fabric_lin.ops.gla.cumsum import gate_cumsum
 from fabric_lin.ops.gla.launch import GLALaunch
@@ -79,7 +87,7 @@ def _state_pass(i_k, i_v, i_nh, k, v, gc, kd, h, h0, ht, cu_seqlens, chunk_offse
         b_k, b_g, b_last, b_v = n_k, n_gate, n_last, n_v
         n_k, n_gate, n_last, n_v = _step_inputs(keys, gc, v, tl.minimum(i_t + 1, NT - 1), bos, T, o_t, o_k, m_k,
                                                 o_v, m_v, H, K, V, BT, LAST_ONLY)
-        tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
+        tl.store(h + chunk_state_offset(boh + i_t, i_h, H, K, V) + state_offs, S.to(h.dtype.element_ty), mask=m_kv)
         if KD_MODE == 2:
             k_end = b_k.to(b_v.dtype)
         else:
@@ -90,7 +98,7 @@ def _state_pass(i_k, i_v, i_nh, k, v, gc, kd, h, h0, ht, cu_seqlens, chunk_offse
                     tl.store(kd + kd_offs, k_end.to(kd.dtype.element_ty), mask=(o_t < T - i_t * BT)[:, None] & m_k[None, :])
         S = S * tl.exp(b_last)[:, None] + tl.dot(tl.trans(k_end), b_v, input_precision=DOT_PREC)
     if STORE_HT:
-        tl.store(ht + i_nh * K * V + state_offs, S, mask=m_kv)
+        tl.store(ht + sequence_state_offset(i_nh, K, V) + state_offs, S, mask=m_kv)
 
 
 @triton.jit
@@ -119,11 +127,11 @@ def _dstate_pass(i_k, i_v, i_nh, q, gc, do, dh, dht, dh0, cu_seqlens, chunk_offs
         b_q, b_g, b_last, b_do = n_q, n_g, n_last, n_do
         n_q, n_g, n_last, n_do = _step_inputs(q, gc, do, tl.maximum(i_t - 1, 0), bos, T, o_t, o_k, m_k, o_v, m_v,
                                               H, K, V, BT, False)
-        tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
+        tl.store(dh + chunk_state_offset(boh + i_t, i_h, H, K, V) + state_offs, dS.to(dh.dtype.element_ty), mask=m_kv)
         q_dec = (b_q.to(tl.float32) * (tl.exp(b_g) * scale)).to(b_do.dtype)
         dS = dS * tl.exp(b_last)[:, None] + tl.dot(tl.trans(q_dec), b_do, input_precision=DOT_PREC)
     if USE_H0:
-        tl.store(dh0 + i_nh * K * V + state_offs, dS, mask=m_kv)
+        tl.store(dh0 + sequence_state_offset(i_nh, K, V) + state_offs, dS, mask=m_kv)
 
 
 @triton.jit
@@ -180,8 +188,8 @@ def _chunk_update_kernel(x, y, g, gc, u, cu_seqlens, chunk_indices, scale, T, H:
     else:
         b_x = b_x * tl.exp(tl.minimum(b_last[None, :] - b_g, 0.0))
     b_u = tl.dot(tl.trans(b_x.to(b_y.dtype)), b_y, input_precision=DOT_PREC)
-    tl.store(u + (i_tg * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty),
-             mask=m_k[:, None] & m_v[None, :])
+    tl.store(u + chunk_state_offset(i_tg, i_h, H, K, V) + o_k[:, None] * V + o_v[None, :],
+             b_u.to(u.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -193,7 +201,7 @@ def _scan_load(hu, gc, idx, NT, boh, bos, T, state_offs, m_kv, o_k, m_k, H: tl.c
         i_t = NT - 1 - idx
     else:
         i_t = idx
-    offs = ((boh + i_t) * H) * K * V + state_offs
+    offs = chunk_state_offset(boh + i_t, 0, H, K, V) + state_offs  # hu is at the program's head
     b_u = tl.load(hu + offs, mask=m_kv & ok, other=0.0).to(tl.float32)
     last_row = bos + i_t * BT + tl.minimum(BT, T - i_t * BT) - 1
     b_last = tl.load(gc + last_row * (H * K) + o_k, mask=m_k & ok, other=0.0)
@@ -225,7 +233,7 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
         i_k, i_v, i_nh, s0, cu_seqlens, chunk_offsets, T, H, K, V, BT, SK, SV,
         USE_S0, IS_VARLEN)
     gc += i_h * K
-    hu += i_h * K * V
+    hu += i_h * K * V  # int32 fits: one chunk's states, H * K * V <= 2^24
     # four chunks per step, whose loads are issued together and one step ahead: before the stores of the
     # step in hand, which write the same buffer and would otherwise keep each load waiting for them (eight
     # loads in flight); past the end they read as zero
@@ -248,7 +256,7 @@ def _state_scan_kernel(hu, gc, s0, s_final, cu_seqlens, chunk_offsets, T, H: tl.
         tl.store(hu + offs3, S.to(hu.dtype.element_ty), mask=m_kv & ok3)
         S = S * tl.exp(d3)[:, None] + u3
     if STORE_FINAL:
-        tl.store(s_final + i_nh * K * V + state_offs, S, mask=m_kv)
+        tl.store(s_final + sequence_state_offset(i_nh, K, V) + state_offs, S, mask=m_kv)
 
 
 # ------------------------------------------------------------------------------------------ host side
