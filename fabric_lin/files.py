@@ -164,20 +164,22 @@ def short_list(items: Iterable, limit: int = 12) -> str:
     return ", ".join(str(i) for i in items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
-def directories_below(directory: Union[str, Path], holds: Callable[[Path], bool], depth: int = 2) -> List[Path]:
-    """The directories at most `depth` levels below `directory` for which `holds` is true, in name order (hidden ones
-    and those below a match left out): where the user who named the directory above a model or a tokenizer (a LoRA
-    fine-tune's output with its adapter/ and merged/, a Hugging Face cache's snapshots/<revision>/) finds the one meant."""
-    found = []
+def directories_below(directory: Union[str, Path], what: Callable[[Path], Any], depth: int = 2) -> Dict[Path, Any]:
+    """The directories at most `depth` levels below `directory` of which `what` tells something (neither None nor
+    False), each with what it told, in name order (hidden ones and those below a match left out; `what` asked once
+    of each directory): where the user who named the directory above a model or a tokenizer (a LoRA fine-tune's
+    output with its adapter/ and merged/, a Hugging Face cache's snapshots/<revision>/) finds the one meant."""
+    found: Dict[Path, Any] = {}
     try:
         children = sorted(p for p in Path(directory).iterdir() if p.is_dir() and not p.name.startswith("."))
     except OSError:  # not a directory, or not readable: nothing to point at
-        return []
+        return {}
     for child in children:
-        if holds(child):
-            found.append(child)
+        told = what(child)
+        if told is not None and told is not False:
+            found[child] = told
         elif depth > 1:
-            found += directories_below(child, holds, depth - 1)
+            found.update(directories_below(child, what, depth - 1))
     return found
 
 
