@@ -163,7 +163,8 @@ def main(
         data.prepare_data()
         if data_of_run:
             check_run_data_is_there(data, checkpoint_dir / HPARAMS_FILE)
-        validation_loader(data, data_origin, checkpoint, checkpoint_dir, batch_size, max(seq_lens))
+        setup_validation_data(data, data_origin, checkpoint, checkpoint_dir, batch_size)
+        validation_loader(data, data_origin, max(seq_lens))
         if checkpoint.tokenizer is None and data.validation_dirs():  # else setup_validation() checked the data with it
             check_data_tokenizer(checkpoint_dir, data, data_origin)
 
@@ -195,7 +196,7 @@ def main(
             results["data"] = to_plain(data)
             results["lengths"] = []
             for length in seq_lens:
-                loader = validation_loader(data, data_origin, checkpoint, checkpoint_dir, batch_size, length)
+                loader = validation_loader(data, data_origin, length)
                 starts = bucket_starts(length, bucket_size, bucket_edges)
                 result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts,
                                          checkpoint.tokenizer.eos_id if reset_state_at_doc_boundaries else None)
@@ -281,11 +282,10 @@ def check_data_tokenizer(checkpoint_dir: Path, data: DataModule, data_origin: st
     """For weights without a tokenizer.model: refuse data tokenized with another tokenizer than the one their
     trained_with.json records (the loss of other ids would read as a bad model); without the record, say that nothing
     tells. `data_origin`: where `data` comes from, as the error names it."""
-    from fabric_lin.data.prepared import read_prepared_dir
     from fabric_lin.data.tokenizer import TRAINED_WITH_FILE, describe_tokenizer, read_trained_with, tokenizer_identity
 
     data_dir = data.validation_dirs()[0]
-    data_info, trained_with = read_prepared_dir(data_dir), read_trained_with(checkpoint_dir)
+    data_info, trained_with = data.prepared[data_dir], read_trained_with(checkpoint_dir)
     if trained_with is None:
         print(f"Note: {checkpoint_dir} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
               f"({describe_tokenizer(data_info)}) is the one its model was trained with", flush=True)
@@ -333,14 +333,14 @@ def build_model(fabric, checkpoint: "Checkpoint"):
 # ---------------------------------------------------------------- the data: loss and loss by position
 
 
-def validation_loader(data: DataModule, data_origin: str, checkpoint: "Checkpoint", checkpoint_dir: Path, batch_size: int,
-                      seq_len: int):
-    """The data module's validation loader, its blocks `seq_len` + 1 tokens long. `data_origin`: where `data` comes
-    from (--data, or the run's hyperparameters.yaml), as its errors name it."""
-    from fabric_lin.data.prepared import PREPARED_INFO_FILE, BlockTooLong, MadeWithAnotherTokenizer, VocabularyTooLarge
+def setup_validation_data(data: DataModule, data_origin: str, checkpoint: "Checkpoint", checkpoint_dir: Path,
+                          batch_size: int) -> None:
+    """Connect the data module to the model of `checkpoint` (its tokenizer and vocabulary, batches of `batch_size`)
+    and check its validation split with them: once, for every length read after. `data_origin`: where `data` comes from
+    (--data, or the run's hyperparameters.yaml), as its errors name it."""
+    from fabric_lin.data.prepared import PREPARED_INFO_FILE, MadeWithAnotherTokenizer, VocabularyTooLarge
 
-    data.connect(tokenizer=checkpoint.tokenizer, batch_size=batch_size, max_seq_length=seq_len,
-                 vocab_size=checkpoint.config.vocab_size)
+    data.connect(tokenizer=checkpoint.tokenizer, batch_size=batch_size, vocab_size=checkpoint.config.vocab_size)
     try:
         data.setup_validation()
     except MadeWithAnotherTokenizer as e:  # its fix, the data's own tokenizer, is for pretrain: here the model's is read
@@ -352,6 +352,14 @@ def validation_loader(data: DataModule, data_origin: str, checkpoint: "Checkpoin
             f"{e.model_vocab} embeddings of the model of {checkpoint_dir}: its ids are not those of the tokenizer the model "
             f"was trained with; evaluate on data prepared with that tokenizer"
         ) from None
+
+
+def validation_loader(data: DataModule, data_origin: str, seq_len: int):
+    """The validation loader of the data module that `setup_validation_data` set up, its blocks `seq_len` + 1 tokens
+    long. `data_origin`: where `data` comes from, as its errors name it."""
+    from fabric_lin.data.prepared import BlockTooLong
+
+    data.connect(tokenizer=data.tokenizer, batch_size=data.batch_size, max_seq_length=seq_len, vocab_size=data.vocab_size)
     try:
         loader = data.val_dataloader()
     except BlockTooLong as e:  # blocks longer than the data's chunk files, or than the whole split

@@ -978,3 +978,13 @@ def test_loader_workers_are_at_most_the_cores(run, tmp_path, capsys, monkeypatch
     results = evaluate(run / "out" / "final", data=data, max_batches=1, out_dir=tmp_path / "eval")
     assert results["data"]["init_args"]["num_workers"] == 1
     assert "data.num_workers 8: 1 loader worker, one per CPU core this process may use" in capsys.readouterr().out
+
+
+def test_the_validation_split_s_prepared_json_is_read_once_for_every_length(run, tmp_path, monkeypatch, prepared_json_reads):
+    """Evaluated at two lengths, with the run's own data: the validation directory is checked once, its prepared.json
+    read there alone (the data module was set up again for each length, and its loader checked it again)."""
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot
+        monkeypatch.setitem(sys.modules, module, None)
+    results = evaluate(run / "out" / "final", seq_len=[TRAIN_LEN, TRAIN_LEN // 2], max_batches=1, out_dir=tmp_path)
+    assert [length["seq_len"] for length in results["lengths"]] == [TRAIN_LEN, TRAIN_LEN // 2]
+    assert dict(prepared_json_reads) == {run / "val": 1}

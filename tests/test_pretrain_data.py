@@ -499,7 +499,7 @@ def test_validation_covers_the_same_tokens_whatever_the_micro_batch_and_processe
         for micro_batch, world_size in ((12, 1), (4, 1), (3, 2), (2, 3)):
             loss_sum = tokens = 0
             for rank in range(world_size):  # each process's validate; the all-reduce of one process is the identity
-                loader = token_val_loader(path, seq + 1, micro_batch, 0, None)
+                loader = token_val_loader(path, seq + 1, micro_batch, 0)
                 loader.rank_and_world = (rank, world_size)
                 run = SimpleNamespace(val_dataloader=loader, eval=EvalArgs(max_iters=max_iters), cuda_graphs=False,
                                       train=TrainArgs(micro_batch_size=micro_batch),

@@ -239,15 +239,11 @@ class LongDocuments(DataModule):
         self.data_path = ensure_long_documents(self.cache_dir)
 
     def setup(self) -> None:
-        from fabric_lin.data.prepared import check_prepared_dir
-
         self.prepare_data()  # a no-op once built; lets a rank that skipped prepare_data wait on the lock
-        for path in (self.train_path, self.val_path):
-            check_prepared_dir(path, self.tokenizer, self.vocab_size)
+        self.check_prepared([self.train_path, self.val_path])
 
     def train_dataloader(self):
-        return token_train_loader([self.train_path], self.block_size, self.batch_size, self.num_workers, self.seed,
-                                  self.tokenizer)
+        return token_train_loader([self.train_path], self.block_size, self.batch_size, self.num_workers, self.seed)
 
     def val_dataloader(self):
-        return token_val_loader(self.val_path, self.block_size, self.batch_size, self.num_workers, self.tokenizer)
+        return token_val_loader(self.val_path, self.block_size, self.batch_size, self.num_workers)
