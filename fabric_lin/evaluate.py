@@ -32,7 +32,7 @@ from fabric_lin.checkpoint_kinds import (
     plain_value,
     run_data_module,
 )
-from fabric_lin.cpu_cores import usable_cpu_cores
+from fabric_lin.cpu_cores import loader_workers
 from fabric_lin.data import DataModule
 from fabric_lin.data.tokenizer import the_recorded_tokenizer
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, MissingPackage, UserError
@@ -159,7 +159,7 @@ def main(
         checkpoint.tokenizer.check_fits(checkpoint.config.vocab_size, checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)
     if evaluate_data:  # the data's errors (no validation split, blocks too long) before the model is set up
-        cap_loader_workers(data)
+        data.num_workers = loader_workers(data.num_workers)  # a run's setting may come from a larger machine
         data.prepare_data()
         if data_of_run:
             check_run_data_is_there(data, checkpoint_dir / HPARAMS_FILE)
@@ -266,16 +266,6 @@ def task_list(tasks: Union[str, List[str], None]) -> List[str]:
 def is_task_file(name: str) -> bool:
     """Whether a --tasks entry names a task YAML file rather than a task, group or tag of the harness."""
     return name.endswith((".yaml", ".yml"))
-
-
-def cap_loader_workers(data: DataModule) -> None:
-    """At most one DataLoader worker per CPU core this process may use: a run's data.num_workers, read from its
-    hyperparameters.yaml, may come from a larger machine, and more workers than cores only take turns."""
-    cores = usable_cpu_cores()
-    if data.num_workers > cores:
-        print(f"data.num_workers {data.num_workers}: {cores} loader worker{'s' if cores > 1 else ''}, one per CPU core "
-              "this process may use", flush=True)
-        data.num_workers = cores
 
 
 def check_data_tokenizer(checkpoint_dir: Path, data: DataModule, data_origin: str) -> None:

@@ -968,10 +968,10 @@ def test_harness_options_without_tasks_are_one_line(run, capsys):
 
 def test_loader_workers_are_at_most_the_cores(run, tmp_path, capsys, monkeypatch):
     """A run's data.num_workers from a larger machine: evaluate starts a worker per core of this one at most."""
-    import fabric_lin.evaluate
+    import fabric_lin.cpu_cores
     from fabric_lin.data import TokenChunks
 
-    monkeypatch.setattr(fabric_lin.evaluate, "usable_cpu_cores", lambda: 1)
+    monkeypatch.setattr(fabric_lin.cpu_cores, "usable_cpu_cores", lambda: 1)
     for module in ("matplotlib", "matplotlib.figure"):  # no plot
         monkeypatch.setitem(sys.modules, module, None)
     data = TokenChunks(data_path=run / "train", val_path=run / "val", num_workers=8)
