@@ -19,7 +19,6 @@ import functools
 import hashlib
 import importlib.util
 import json
-import os
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
 from fabric_lin.data.sample_corpus import (
     build_once,
@@ -92,7 +92,7 @@ def file_text(root: Path, path: Path) -> str:
 def tokenize_files(tokenizer: Tokenizer, root: Path, files: List[Path]) -> List[np.ndarray]:
     """Each file's tokens (after the line that names it), without EOS."""
     dtype = token_dtype(tokenizer.vocab_size)
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = usable_cpu_cores()
     tokens: List[np.ndarray] = []
     start = 0
     while start < len(files):
