@@ -28,6 +28,7 @@ from fabric_lin.checkpoint_kinds import (
     TRAINING_CHECKPOINT,
     Checkpoint,
     check_run_data_is_there,
+    is_run_data,
     load_checkpoint,
     plain_value,
     run_data_module,
@@ -76,7 +77,8 @@ def main(
         checkpoint_dir: A training checkpoint (out_dir/step-XXXXXXXX or out_dir/final, sharded or not), a model
             directory (convert_pretrained_checkpoint's output) or an fla-format export (convert_to_hf's output).
         data: The data module whose validation split is read. Default: the run's own, from the checkpoint's
-            hyperparameters.yaml (a model directory or an export has none: give --data, or only --tasks).
+            hyperparameters.yaml (a model directory or an export has none: give --data, or only --tasks);
+            --data.<option> without --data changes that one setting of the run's own (--data.num_workers 0).
         seq_len: One sequence length or a list of them, e.g. [2048, 4096, 8192]: the data is read in blocks of
             each length. Default: the training length (hyperparameters.yaml's train.max_seq_length, else the
             model config's max_seq_length).
@@ -134,10 +136,13 @@ def main(
     bucket_size = bucket_size or max(1, train_seq_len // BUCKETS_PER_TRAINING_LENGTH)
     if reset_state_at_doc_boundaries is None:
         reset_state_at_doc_boundaries = bool(hparams.get("reset_state_at_doc_boundaries", False))
-    data_of_run = data is None and max_batches != 0 and checkpoint.hparams is not None
+    # the run's own data: without --data, or with --data.* options that change only how it is loaded (the command line
+    # puts the run's data module before them)
+    data_of_run = max_batches != 0 and checkpoint.hparams is not None and (
+        data is None or is_run_data(data, checkpoint.hparams))
     data_origin = "--data"  # where the data module comes from, as its errors name it
     if data_of_run:
-        data = run_data_module(checkpoint.hparams, checkpoint_dir / HPARAMS_FILE)
+        data = data or run_data_module(checkpoint.hparams, checkpoint_dir / HPARAMS_FILE)
         data_origin = f"the run's data ({type(data).__name__}, from {checkpoint_dir / HPARAMS_FILE})"
     evaluate_data = data is not None and max_batches != 0
     if evaluate_data:
