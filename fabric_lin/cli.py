@@ -13,7 +13,6 @@ import time
 # derives the start of Python from the two). Taken before anything else is imported.
 ENTERED_AT = (time.time(), time.process_time())
 
-import errno  # noqa: E402
 import importlib  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
@@ -22,10 +21,9 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
-from fabric_lin.errors import PEER_LOST_EXIT_CODE, process_rank  # noqa: E402
+from fabric_lin.errors import FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, process_rank  # noqa: E402
 
 DEBUG_ENV = "FABRIC_LIN_DEBUG"
-FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 
 # subcommand -> "module:function". A module is imported only when its subcommand runs (or for --help).
 COMMANDS: Dict[str, str] = {
