@@ -107,13 +107,26 @@ def default_file_mode() -> int:
     return 0o666 & ~mask
 
 
+@contextmanager
+def naming_the_file(path: Union[str, Path]) -> Iterator[None]:
+    """Within: an OSError that names no file names `path`, the file being written. Python reports a write that finds
+    the disk full (or a quota reached) naming no file, and a file system's error is one line where it names its file."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is not None:
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from error
+
+
 def atomic_write(path: Union[str, Path], write: Callable[[str], object]) -> None:
     """Call `write(tmp_path)` and rename the result to `path`, so a reader never sees half a file. The
     file gets the usual mode (safetensors, like mkstemp, creates its files readable by the owner alone)."""
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}")
     try:
-        write(str(tmp))
+        with naming_the_file(path):
+            write(str(tmp))
         os.chmod(tmp, default_file_mode())
         os.replace(tmp, path)
     finally:
