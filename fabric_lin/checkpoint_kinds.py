@@ -15,6 +15,7 @@ from fabric_lin.checkpoint import (
     checkpoint_dirs,
     find_training_checkpoint,
     load_model_weights,
+    to_plain,
 )
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule
@@ -134,8 +135,6 @@ def run_data_module(hparams: Dict[str, Any], path: Path) -> DataModule:
 def is_run_data(data: DataModule, hparams: Dict[str, Any]) -> bool:
     """Whether `data` is the data module that a run's hyperparameters (`hparams`) record but for its loader's worker
     count: the run's own data, read with other loader settings (`evaluate CHECKPOINT --data.num_workers 0`)."""
-    from fabric_lin.checkpoint import to_plain
-
     def but_workers(entry: Dict[str, Any]):
         init_args = entry.get("init_args") if isinstance(entry.get("init_args"), dict) else {}
         return entry.get("class_path"), {key: value for key, value in init_args.items() if key != "num_workers"}

@@ -142,7 +142,7 @@ def main(
         data is None or is_run_data(data, checkpoint.hparams))
     data_origin = "--data"  # where the data module comes from, as its errors name it
     if data_of_run:
-        data = data or run_data_module(checkpoint.hparams, checkpoint_dir / HPARAMS_FILE)
+        data = data if data is not None else run_data_module(checkpoint.hparams, checkpoint_dir / HPARAMS_FILE)
         data_origin = f"the run's data ({type(data).__name__}, from {checkpoint_dir / HPARAMS_FILE})"
     evaluate_data = data is not None and max_batches != 0
     if evaluate_data:
