@@ -72,7 +72,7 @@ def main() -> None:
         write_dir(paths[0], 8192, block, seed=0)
         write_dir(paths[1], 4096, block, seed=1)
         for workers in args.num_workers:
-            ours = token_train_loader(paths, block, args.batch_size, workers, seed=42, tokenizer=None, weights=WEIGHTS)
+            ours = token_train_loader(paths, block, args.batch_size, workers, seed=42, weights=WEIGHTS)
             mixed = CombinedStreamingDataset(
                 [StreamingDataset(str(p), item_loader=TokensLoader(block_size=block), shuffle=True, seed=42) for p in paths],
                 seed=42, weights=WEIGHTS, iterate_over_all=False,

@@ -29,6 +29,7 @@ written (`verify_checkpoint`). `--resume` verifies before loading: a damaged dir
 `.damaged-<name>` (never deleted) and the newest verified checkpoint is used. A model directory
 (`fabric_lin.convert.model_dir`) uses the same names for its weights and config.
 """
+import contextlib
 import json
 import os
 import random
@@ -47,7 +48,7 @@ import yaml
 from lightning_fabric.plugins import TorchCheckpointIO
 
 from fabric_lin.config import CONFIG_FILE, Config
-from fabric_lin.errors import InvalidValue, MissingFile, UserError
+from fabric_lin.errors import FILE_SYSTEM_ERRNOS, InvalidValue, MissingFile, UserError
 from fabric_lin.weights import MODEL_FILE, meta_model, tensor_dict, torch_load_tensors
 
 HPARAMS_FILE = "hyperparameters.yaml"
@@ -128,10 +129,18 @@ class Checkpointer:
                     write_trained_with(tmp_dir, self.trained_with)
             fabric.barrier()  # all files written before any is checksummed
             write_manifest(fabric, tmp_dir)
-        except BaseException:
+        except BaseException as error:
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            # asked before the directory goes: removing it frees what it held, and a full disk would take a write again
+            reason = file_system_error(error, tmp_dir)
+            if isinstance(error, CheckpointException):
+                fabric.barrier()  # torch.distributed.checkpoint gave every rank this failure: all have asked
             if fabric.global_rank == 0:
                 shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise
+            if reason is None or reason is error:
+                raise
+            raise reason from error
         if fabric.global_rank == 0:
             # a signal between the two renames would leave neither the old nor the new directory in place
             with signals_deferred(signal.SIGINT, signal.SIGTERM):
@@ -178,26 +187,47 @@ class CheckpointFileIO(TorchCheckpointIO):
         except RuntimeError as error:
             # torch's zip writer reports a failed write (a full disk, a quota) as a RuntimeError about file
             # positions: the file system's own error is the one to report, naming the file
-            reason = write_error(path)
+            reason = write_error(Path(path).parent)
             if reason is None:
                 raise
             raise OSError(reason.errno, reason.strerror, str(path)) from error
 
 
-def write_error(path, probe_bytes: int = 1 << 20) -> Optional[OSError]:
-    """The error the file system gives a further write to `path` (a checkpoint file a failed save left, about to be
-    discarded), or None where the write succeeds. torch.save writes through C++ straight to the path and its
-    RuntimeError carries no OSError: writing again is how to learn it. (Saving into a Python file object would keep
-    the OSError, but a Ctrl-C inside that object's write would then surface as torch's RuntimeError, not as the
-    KeyboardInterrupt that a second Ctrl-C must be.)"""
+def write_error(directory: Path, probe_bytes: int = 1 << 20) -> Optional[OSError]:
+    """The error the file system gives a write of `probe_bytes` into `directory` (a file written and removed), or None
+    where it takes them. torch.save writes through C++ and its RuntimeError for a failed write carries no OSError:
+    writing again is how to learn it. (Saving into a Python file object would keep the OSError, but a Ctrl-C inside
+    that object's write would then surface as torch's RuntimeError, not as the KeyboardInterrupt that a second Ctrl-C
+    must be.)"""
+    probe = Path(directory) / f"{TMP_PREFIX}write-test-{os.getpid()}"
     try:
-        with open(path, "ab") as file:
+        with open(probe, "ab") as file:
             file.write(bytes(probe_bytes))
             file.flush()
             os.fsync(file.fileno())
     except OSError as error:
         return error
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
     return None
+
+
+def file_system_error(error: BaseException, checkpoint_dir: Path) -> Optional[OSError]:
+    """The file system's error behind a failed save into `checkpoint_dir` (no space left, a quota reached, no
+    permission), naming the file it names, else the checkpoint: the error the CLI reports in one line. Python's writes
+    report a full disk naming no file; torch.save reports one as a RuntimeError of its zip writer, in Fabric's meta.pt
+    and in the shards that torch.distributed.checkpoint writes, which gives every rank a CheckpointException holding
+    each rank's failure (a BaseException, which no `except Exception` catches): a further write into out_dir tells
+    what the file system said. None for any other error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, (RuntimeError, CheckpointException)):
+        refused = write_error(checkpoint_dir.parent)
+        error = OSError(refused.errno, refused.strerror) if refused is not None else error
+    if not isinstance(error, OSError) or error.errno not in FILE_SYSTEM_ERRNOS:
+        return None
+    return error if error.filename else OSError(error.errno, error.strerror, str(checkpoint_dir))
 
 
 class signals_deferred:
@@ -472,11 +502,11 @@ def check_out_dir(out_dir: Path, config) -> None:
     """Before any work: out_dir is writable and has room for one checkpoint of `config`'s model."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f"{TMP_PREFIX}write-test-{os.getpid()}"
-        probe.write_bytes(b"0" * 4096)
-        probe.unlink()
     except OSError as e:
         raise UserError(f"out_dir {out_dir} is not writable: {e}") from e
+    refused = write_error(out_dir, probe_bytes=4096)
+    if refused is not None:
+        raise UserError(f"out_dir {out_dir} is not writable: {refused}") from refused
     needed = checkpoint_bytes(config)
     free = shutil.disk_usage(out_dir).free
     if free < needed:

@@ -15,6 +15,7 @@ from fabric_lin.checkpoint import (
     checkpoint_dirs,
     find_training_checkpoint,
     load_model_weights,
+    to_plain,
 )
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule
@@ -100,12 +101,10 @@ def read_step(path: Path) -> Optional[int]:
     return step if isinstance(step, int) else None
 
 
-def run_data_module(hparams: Dict[str, Any], path: Path) -> DataModule:
-    """The data module a run trained with, from its hyperparameters.yaml (`data`: class_path and init_args).
-    Only fabric-lin's own data modules are built from a checkpoint: a class_path elsewhere would import a module
-    named by a file that may come from anyone."""
-    from jsonargparse import ArgumentParser
-
+def run_data_entry(hparams: Dict[str, Any], path: Path) -> Dict[str, Any]:
+    """The data module a run trained with, as its hyperparameters.yaml (`path`) records it: `data`'s class_path and
+    init_args. Only fabric-lin's own data modules are taken from a checkpoint: a class_path elsewhere would import a
+    module named by a file that may come from anyone."""
     entry = hparams.get("data")
     class_path = entry.get("class_path") if isinstance(entry, dict) else None
     if not isinstance(class_path, str):
@@ -115,6 +114,14 @@ def run_data_module(hparams: Dict[str, Any], path: Path) -> DataModule:
             f"{path}: data.class_path {class_path} is not one of fabric-lin's data modules, and evaluate imports no "
             f"other module that a checkpoint names: give it on the command line, --data {class_path} --data.<option> ..."
         )
+    return entry
+
+
+def run_data_module(hparams: Dict[str, Any], path: Path) -> DataModule:
+    """The data module a run trained with, built from its hyperparameters.yaml (`path`, `run_data_entry`)."""
+    from jsonargparse import ArgumentParser
+
+    entry = run_data_entry(hparams, path)
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--data", type=DataModule)
     try:
@@ -123,6 +130,17 @@ def run_data_module(hparams: Dict[str, Any], path: Path) -> DataModule:
         return instantiate(parsed).data
     except Exception as e:  # jsonargparse's own error types, or the data module's check of its values
         raise InvalidValue(f"{path}: its data entry does not load ({' '.join(str(e).split())}); give --data") from None
+
+
+def is_run_data(data: DataModule, hparams: Dict[str, Any]) -> bool:
+    """Whether `data` is the data module that a run's hyperparameters (`hparams`) record but for its loader's worker
+    count: the run's own data, read with other loader settings (`evaluate CHECKPOINT --data.num_workers 0`)."""
+    def but_workers(entry: Dict[str, Any]):
+        init_args = entry.get("init_args") if isinstance(entry.get("init_args"), dict) else {}
+        return entry.get("class_path"), {key: value for key, value in init_args.items() if key != "num_workers"}
+
+    recorded = hparams.get("data")
+    return isinstance(recorded, dict) and but_workers(to_plain(data)) == but_workers(recorded)
 
 
 def check_run_data_is_there(data: DataModule, path: Path) -> None:

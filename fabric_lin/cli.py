@@ -13,7 +13,6 @@ import time
 # derives the start of Python from the two). Taken before anything else is imported.
 ENTERED_AT = (time.time(), time.process_time())
 
-import errno  # noqa: E402
 import importlib  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
@@ -22,10 +21,9 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
-from fabric_lin.errors import PEER_LOST_EXIT_CODE, process_rank  # noqa: E402
+from fabric_lin.errors import FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, process_rank  # noqa: E402
 
 DEBUG_ENV = "FABRIC_LIN_DEBUG"
-FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 
 # subcommand -> "module:function". A module is imported only when its subcommand runs (or for --help).
 COMMANDS: Dict[str, str] = {
@@ -388,6 +386,44 @@ def command_line_model_replaces_the_config_files(argv: List[str]) -> List[str]:
     return argv[:at] + [f"{replaced}=null"] + argv[at:]
 
 
+def positional_arguments(argv: List[str]) -> List[str]:
+    """The words of a subcommand's command line `argv` (its name first) that are its arguments: every option of a
+    fabric-lin command takes one value (`--name value` or `--name=value`), but --help."""
+    words, rest = [], argv[1:]
+    while rest:
+        word, rest = rest[0], rest[1:]
+        if not word.startswith("-"):
+            words.append(word)
+        elif "=" not in word and word not in ("--help", "-h"):
+            rest = rest[1:]  # the option's value
+    return words
+
+
+def data_options_change_the_run_s_data(argv: List[str]) -> List[str]:
+    """`evaluate CHECKPOINT --data.num_workers 0`: --data.* options given without --data change the data module that
+    the training checkpoint's hyperparameters.yaml records, each the one setting it names, as they change a --config
+    file's data: the recorded module is put before them as --data's value. Alone, they would make a data module of
+    their own, of those settings only."""
+    import json
+
+    from fabric_lin.checkpoint import HPARAMS_FILE
+    from fabric_lin.checkpoint_kinds import read_hparams, run_data_entry
+    from fabric_lin.errors import UserError
+
+    first = next((i for i, arg in enumerate(argv) if arg.startswith("--data.") and not arg.startswith("--data.help")), None)
+    if first is None or option_values(argv, "--data") or option_values(argv, "--config"):
+        return argv
+    checkpoint = positional_arguments(argv)[:1]
+    hparams_path = Path(checkpoint[0]).expanduser() / HPARAMS_FILE if checkpoint else None
+    if hparams_path is None or not hparams_path.is_file():
+        return argv  # no run's data: the options need a data module, as evaluate says
+    try:
+        hparams = read_hparams(hparams_path)
+    except UserError:
+        return argv  # evaluate names what is wrong with the checkpoint
+    return argv[:first] + [f"--data={json.dumps(run_data_entry(hparams, hparams_path))}"] + argv[first:]
+
+
 def check_config_files(argv: List[str]) -> None:
     """Each `--config FILE` and `--model_config FILE` read before jsonargparse reads it: its own messages for a file
     that is not YAML, is empty or holds a list name no file ("<unicode string>", "Unexpected config"), and it keeps
@@ -453,6 +489,8 @@ def run(argv: List[str]) -> None:
     check_config_files(argv)
     if argv and argv[0] == "pretrain":
         argv = command_line_model_replaces_the_config_files(argv)
+    if argv and argv[0] == "evaluate":
+        argv = data_options_change_the_run_s_data(argv)
     if argv and argv[0] == "pretrain" and not option_values(argv, "--out_dir"):
         from fabric_lin.run_start import check_config_of_a_moved_run
 

@@ -1,11 +1,10 @@
 """The CPU cores a process may run on, and how busy other work keeps them: what a run on the CPU divides
-among its processes' threads, and what it says about a machine that others use too."""
+among its processes' threads, how many data loader workers a process starts, and what it says about a machine that
+others use too."""
 import os
 import time
 from pathlib import Path
 from typing import Iterable, Optional, Tuple
-
-import torch
 
 from fabric_lin.errors import InvalidValue
 
@@ -69,6 +68,8 @@ def set_cpu_threads(devices: int) -> None:
     OMP_NUM_THREADS sets it): the same threads, so the same sums and losses, whatever else runs. Where other
     work keeps the cores busy as the run starts, threads that wait for each other can make a step many times
     slower, so that is said, with what to set."""
+    import torch
+
     if os.environ.get("OMP_NUM_THREADS"):
         return  # torch took it at import
     cores = usable_cpu_cores()
@@ -83,3 +84,21 @@ def set_cpu_threads(devices: int) -> None:
         print(f"Note: other work keeps {busy:.1f} of this run's {cores} CPU cores busy; training uses {threads} threads "
               f"per process. If steps are slow, OMP_NUM_THREADS=1 fabric-lin pretrain ... keeps them from waiting "
               f"for each other", flush=True)
+
+
+def loader_workers(asked: int, processes: int = 1) -> int:
+    """The DataLoader worker processes that each of this node's `processes` processes starts where `asked` for
+    (data.num_workers): at most one per CPU core of its share of the cores this process may use, as set_cpu_threads
+    shares them out, for more would only take turns on those cores with each other and with the process's own
+    threads. A recipe's count, written for a large machine, is lowered with a note (the node's rank 0 speaks for it)."""
+    cores = usable_cpu_cores()
+    share = max(1, cores // processes)
+    if asked <= share:
+        return asked
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        workers = f"{share} loader worker{'s' if share > 1 else ''}"
+        why = ("one per CPU core this process may use (more would only take turns on them)" if processes == 1 else
+               f"one per CPU core of each of this node's {processes} processes ({cores} cores in all; more would only "
+               f"take turns on them)")
+        print(f"Note: data.num_workers {asked}: {workers}{'' if processes == 1 else ' per process'}, {why}", flush=True)
+    return share

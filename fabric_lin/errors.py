@@ -8,8 +8,13 @@ catch for the same mistake (`except ValueError`, `except FileNotFoundError`, ...
 Beside them, `PeerLost`: no mistake of the user's, and no bug either, but a run of several processes that cannot go on
 because one of them is gone; the CLI prints it as one line too, on every rank that is left, naming the rank
 (`process_rank`)."""
+import errno
 import os
 import sys
+
+# The errors of a file system that a command reports in one line where they name their file: no space left, a quota
+# reached, no permission, a read-only file system (nothing the command could have done otherwise)
+FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 class UserError(Exception):

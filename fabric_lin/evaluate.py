@@ -28,11 +28,12 @@ from fabric_lin.checkpoint_kinds import (
     TRAINING_CHECKPOINT,
     Checkpoint,
     check_run_data_is_there,
+    is_run_data,
     load_checkpoint,
     plain_value,
     run_data_module,
 )
-from fabric_lin.cpu_cores import usable_cpu_cores
+from fabric_lin.cpu_cores import loader_workers
 from fabric_lin.data import DataModule
 from fabric_lin.data.tokenizer import the_recorded_tokenizer
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, MissingPackage, UserError
@@ -76,7 +77,8 @@ def main(
         checkpoint_dir: A training checkpoint (out_dir/step-XXXXXXXX or out_dir/final, sharded or not), a model
             directory (convert_pretrained_checkpoint's output) or an fla-format export (convert_to_hf's output).
         data: The data module whose validation split is read. Default: the run's own, from the checkpoint's
-            hyperparameters.yaml (a model directory or an export has none: give --data, or only --tasks).
+            hyperparameters.yaml (a model directory or an export has none: give --data, or only --tasks);
+            --data.<option> without --data changes that one setting of the run's own (--data.num_workers 0).
         seq_len: One sequence length or a list of them, e.g. [2048, 4096, 8192]: the data is read in blocks of
             each length. Default: the training length (hyperparameters.yaml's train.max_seq_length, else the
             model config's max_seq_length).
@@ -134,10 +136,13 @@ def main(
     bucket_size = bucket_size or max(1, train_seq_len // BUCKETS_PER_TRAINING_LENGTH)
     if reset_state_at_doc_boundaries is None:
         reset_state_at_doc_boundaries = bool(hparams.get("reset_state_at_doc_boundaries", False))
-    data_of_run = data is None and max_batches != 0 and checkpoint.hparams is not None
+    # the run's own data: without --data, or with --data.* options that change only how it is loaded (the command line
+    # puts the run's data module before them)
+    data_of_run = max_batches != 0 and checkpoint.hparams is not None and (
+        data is None or is_run_data(data, checkpoint.hparams))
     data_origin = "--data"  # where the data module comes from, as its errors name it
     if data_of_run:
-        data = run_data_module(checkpoint.hparams, checkpoint_dir / HPARAMS_FILE)
+        data = data if data is not None else run_data_module(checkpoint.hparams, checkpoint_dir / HPARAMS_FILE)
         data_origin = f"the run's data ({type(data).__name__}, from {checkpoint_dir / HPARAMS_FILE})"
     evaluate_data = data is not None and max_batches != 0
     if evaluate_data:
@@ -159,11 +164,12 @@ def main(
         checkpoint.tokenizer.check_fits(checkpoint.config.vocab_size, checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)
     if evaluate_data:  # the data's errors (no validation split, blocks too long) before the model is set up
-        cap_loader_workers(data)
+        data.num_workers = loader_workers(data.num_workers)  # a run's setting may come from a larger machine
         data.prepare_data()
         if data_of_run:
             check_run_data_is_there(data, checkpoint_dir / HPARAMS_FILE)
-        validation_loader(data, data_origin, checkpoint, checkpoint_dir, batch_size, max(seq_lens))
+        setup_validation_data(data, data_origin, checkpoint, checkpoint_dir, batch_size)
+        validation_loader(data, data_origin, max(seq_lens))
         if checkpoint.tokenizer is None and data.validation_dirs():  # else setup_validation() checked the data with it
             check_data_tokenizer(checkpoint_dir, data, data_origin)
 
@@ -195,7 +201,7 @@ def main(
             results["data"] = to_plain(data)
             results["lengths"] = []
             for length in seq_lens:
-                loader = validation_loader(data, data_origin, checkpoint, checkpoint_dir, batch_size, length)
+                loader = validation_loader(data, data_origin, length)
                 starts = bucket_starts(length, bucket_size, bucket_edges)
                 result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts,
                                          checkpoint.tokenizer.eos_id if reset_state_at_doc_boundaries else None)
@@ -267,25 +273,14 @@ def is_task_file(name: str) -> bool:
     return name.endswith((".yaml", ".yml"))
 
 
-def cap_loader_workers(data: DataModule) -> None:
-    """At most one DataLoader worker per CPU core this process may use: a run's data.num_workers, read from its
-    hyperparameters.yaml, may come from a larger machine, and more workers than cores only take turns."""
-    cores = usable_cpu_cores()
-    if data.num_workers > cores:
-        print(f"data.num_workers {data.num_workers}: {cores} loader worker{'s' if cores > 1 else ''}, one per CPU core "
-              "this process may use", flush=True)
-        data.num_workers = cores
-
-
 def check_data_tokenizer(checkpoint_dir: Path, data: DataModule, data_origin: str) -> None:
     """For weights without a tokenizer.model: refuse data tokenized with another tokenizer than the one their
     trained_with.json records (the loss of other ids would read as a bad model); without the record, say that nothing
     tells. `data_origin`: where `data` comes from, as the error names it."""
-    from fabric_lin.data.prepared import read_prepared_dir
     from fabric_lin.data.tokenizer import TRAINED_WITH_FILE, describe_tokenizer, read_trained_with, tokenizer_identity
 
     data_dir = data.validation_dirs()[0]
-    data_info, trained_with = read_prepared_dir(data_dir), read_trained_with(checkpoint_dir)
+    data_info, trained_with = data.prepared[data_dir], read_trained_with(checkpoint_dir)
     if trained_with is None:
         print(f"Note: {checkpoint_dir} holds no tokenizer.model, so nothing tells whether the data's tokenizer "
               f"({describe_tokenizer(data_info)}) is the one its model was trained with", flush=True)
@@ -333,14 +328,14 @@ def build_model(fabric, checkpoint: "Checkpoint"):
 # ---------------------------------------------------------------- the data: loss and loss by position
 
 
-def validation_loader(data: DataModule, data_origin: str, checkpoint: "Checkpoint", checkpoint_dir: Path, batch_size: int,
-                      seq_len: int):
-    """The data module's validation loader, its blocks `seq_len` + 1 tokens long. `data_origin`: where `data` comes
-    from (--data, or the run's hyperparameters.yaml), as its errors name it."""
-    from fabric_lin.data.prepared import PREPARED_INFO_FILE, BlockTooLong, MadeWithAnotherTokenizer, VocabularyTooLarge
+def setup_validation_data(data: DataModule, data_origin: str, checkpoint: "Checkpoint", checkpoint_dir: Path,
+                          batch_size: int) -> None:
+    """Connect the data module to the model of `checkpoint` (its tokenizer and vocabulary, batches of `batch_size`)
+    and check its validation split with them: once, for every length read after. `data_origin`: where `data` comes from
+    (--data, or the run's hyperparameters.yaml), as its errors name it."""
+    from fabric_lin.data.prepared import PREPARED_INFO_FILE, MadeWithAnotherTokenizer, VocabularyTooLarge
 
-    data.connect(tokenizer=checkpoint.tokenizer, batch_size=batch_size, max_seq_length=seq_len,
-                 vocab_size=checkpoint.config.vocab_size)
+    data.connect(tokenizer=checkpoint.tokenizer, batch_size=batch_size, vocab_size=checkpoint.config.vocab_size)
     try:
         data.setup_validation()
     except MadeWithAnotherTokenizer as e:  # its fix, the data's own tokenizer, is for pretrain: here the model's is read
@@ -352,6 +347,14 @@ def validation_loader(data: DataModule, data_origin: str, checkpoint: "Checkpoin
             f"{e.model_vocab} embeddings of the model of {checkpoint_dir}: its ids are not those of the tokenizer the model "
             f"was trained with; evaluate on data prepared with that tokenizer"
         ) from None
+
+
+def validation_loader(data: DataModule, data_origin: str, seq_len: int):
+    """The validation loader of the data module that `setup_validation_data` set up, its blocks `seq_len` + 1 tokens
+    long. `data_origin`: where `data` comes from, as its errors name it."""
+    from fabric_lin.data.prepared import BlockTooLong
+
+    data.connect(tokenizer=data.tokenizer, batch_size=data.batch_size, max_seq_length=seq_len, vocab_size=data.vocab_size)
     try:
         loader = data.val_dataloader()
     except BlockTooLong as e:  # blocks longer than the data's chunk files, or than the whole split

@@ -107,13 +107,26 @@ def default_file_mode() -> int:
     return 0o666 & ~mask
 
 
+@contextmanager
+def naming_the_file(path: Union[str, Path]) -> Iterator[None]:
+    """Within: an OSError that names no file names `path`, the file being written. Python reports a write that finds
+    the disk full (or a quota reached) naming no file, and a file system's error is one line where it names its file."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is not None:
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from error
+
+
 def atomic_write(path: Union[str, Path], write: Callable[[str], object]) -> None:
     """Call `write(tmp_path)` and rename the result to `path`, so a reader never sees half a file. The
     file gets the usual mode (safetensors, like mkstemp, creates its files readable by the owner alone)."""
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}")
     try:
-        write(str(tmp))
+        with naming_the_file(path):
+            write(str(tmp))
         os.chmod(tmp, default_file_mode())
         os.replace(tmp, path)
     finally:
@@ -164,20 +177,22 @@ def short_list(items: Iterable, limit: int = 12) -> str:
     return ", ".join(str(i) for i in items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
-def directories_below(directory: Union[str, Path], holds: Callable[[Path], bool], depth: int = 2) -> List[Path]:
-    """The directories at most `depth` levels below `directory` for which `holds` is true, in name order (hidden ones
-    and those below a match left out): where the user who named the directory above a model or a tokenizer (a LoRA
-    fine-tune's output with its adapter/ and merged/, a Hugging Face cache's snapshots/<revision>/) finds the one meant."""
-    found = []
+def directories_below(directory: Union[str, Path], what: Callable[[Path], Any], depth: int = 2) -> Dict[Path, Any]:
+    """The directories at most `depth` levels below `directory` of which `what` tells something (neither None nor
+    False), each with what it told, in name order (hidden ones and those below a match left out; `what` asked once
+    of each directory): where the user who named the directory above a model or a tokenizer (a LoRA fine-tune's
+    output with its adapter/ and merged/, a Hugging Face cache's snapshots/<revision>/) finds the one meant."""
+    found: Dict[Path, Any] = {}
     try:
         children = sorted(p for p in Path(directory).iterdir() if p.is_dir() and not p.name.startswith("."))
     except OSError:  # not a directory, or not readable: nothing to point at
-        return []
+        return {}
     for child in children:
-        if holds(child):
-            found.append(child)
+        told = what(child)
+        if told is not None and told is not False:
+            found[child] = told
         elif depth > 1:
-            found += directories_below(child, holds, depth - 1)
+            found.update(directories_below(child, what, depth - 1))
     return found
 
 

@@ -31,6 +31,7 @@ from lightning_fabric.loggers.csv_logs import _ExperimentWriter
 from lightning_fabric.loggers.logger import rank_zero_experiment
 
 from fabric_lin.errors import InvalidValue, MissingPackage
+from fabric_lin.files import naming_the_file
 
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
@@ -98,7 +99,7 @@ class MetricsWriter:
 
     def write(self, *records: Dict[str, Any]) -> None:
         if self.fabric.global_rank == 0:
-            with open(self.path, "a", encoding="utf-8") as f:
+            with naming_the_file(self.path), open(self.path, "a", encoding="utf-8") as f:
                 f.writelines(json.dumps({**record, "attempt": self.attempt}) + "\n" for record in records)
 
     def begin_attempt(self, step: int) -> None:

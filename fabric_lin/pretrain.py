@@ -45,7 +45,7 @@ from fabric_lin.checkpoint import (
     train_state,
 )
 from fabric_lin.config import OTHER_VOCAB_SIZE, Config, name_to_config
-from fabric_lin.cpu_cores import check_cpu_processes, set_cpu_threads
+from fabric_lin.cpu_cores import check_cpu_processes, loader_workers, set_cpu_threads
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader, repeated_samples_note
 from fabric_lin.errors import PEER_LOST_EXIT_CODE, InvalidValue, PeerLost, UserError, process_rank
@@ -183,6 +183,10 @@ def setup(
     arguments = locals()
     hparams = to_plain({name: arguments[name] for name in inspect.signature(setup).parameters
                         if name not in ("overwrite", "resume_changes")})
+    # after hparams, which keep the count asked for, as a larger machine runs it. A CPU run's processes share this
+    # process's cores; a GPU's process may have cores of its own (a scheduler binds each rank to some), so it is
+    # held to the cores it may use, not to a share of them
+    data.num_workers = loader_workers(data.num_workers, processes=devices if not cuda else 1)
 
     # errors that would otherwise appear only after the model and the data are loaded
     train.gradient_accumulation_iters(devices, num_nodes)

@@ -213,12 +213,11 @@ def load_tokenizer(tokenizer_dir: Optional[Path]):
 def training_data_tokenizer(data: DataModule, tokenizer) -> Optional[Dict[str, Any]]:
     """What the checkpoints record as the tokenizer their weights are trained with (their trained_with.json): the one
     that prepared the training data, as its prepared.json records it (data.setup() checked that the run's tokenizer and
-    every directory agree), else the run's tokenizer; None where neither is known."""
-    from fabric_lin.data.prepared import read_prepared_dir
+    every directory agree, and kept what it read), else the run's tokenizer; None where neither is known."""
     from fabric_lin.data.tokenizer import tokenizer_identity
 
     dirs = data.prepared_dirs()
-    info = read_prepared_dir(dirs[0]) if dirs else {}
+    info = data.prepared[dirs[0]] if dirs else {}
     if None not in tokenizer_identity(info):
         return {"tokenizer": info["tokenizer"]}
     return {"tokenizer": tokenizer.record()} if tokenizer is not None else None

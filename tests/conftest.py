@@ -548,3 +548,23 @@ def paragraphs_tokenizer(tmp_path_factory):
     train_tokenizer(root / "raw", root / "tokenizer", vocab_size=500, num_threads=1)
     return root / "tokenizer"
 
+
+@pytest.fixture
+def prepared_json_reads(monkeypatch):
+    """The prepared directories whose prepared.json this test opens, once per opening (open() and pathlib alike)."""
+    import builtins
+    import io
+    from collections import Counter
+    from pathlib import Path
+
+    opened = Counter()
+    real_open = io.open
+
+    def counted_open(file, *args, **kwargs):
+        if isinstance(file, (str, Path)) and Path(file).name == "prepared.json":
+            opened[Path(file).parent] += 1
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counted_open)
+    monkeypatch.setattr(io, "open", counted_open)
+    return opened

@@ -1,6 +1,7 @@
 """load_model_dir_weights and check_state_dict: what generate and --initial_checkpoint_dir rely on; a shard that lacks
 what its index places there or is not there, the order in which a model directory is written and that it replaces every
-file of an earlier model, the input directory refused as output_dir however named, a cast that keeps integer tensors."""
+file of an earlier model, the input directory refused as output_dir however named, a cast that keeps integer tensors,
+the models below a directory that holds none, each directory asked once what it holds."""
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -126,3 +127,28 @@ def test_a_cast_to_another_precision_keeps_integer_tensors():
     state = {"w": torch.ones(2), "step": torch.tensor([7], dtype=torch.int64)}
     cast = cast_floating(state, torch.bfloat16)
     assert cast["w"].dtype == torch.bfloat16 and cast["step"].dtype == torch.int64 and cast["step"].item() == 7
+
+
+def test_models_below_asks_what_each_directory_holds_once(tmp_path, monkeypatch):
+    """The directories below one that holds no model, each asked once what it holds: the list names the kind it found,
+    without asking the models it found a second time (a training checkpoint's is a look into its files)."""
+    from collections import Counter
+
+    for name in ("a", "b", "c", "d", "e"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "model_config.yaml").write_text("name: gla-debug\n")
+    (tmp_path / "runs" / "notes").mkdir()
+    asked = Counter()
+    what_it_holds = model_dir.what_it_holds
+
+    def counted(directory):
+        asked[directory] += 1
+        return what_it_holds(directory)
+
+    monkeypatch.setattr(model_dir, "what_it_holds", counted)
+    runs = tmp_path / "runs"
+    assert model_dir.models_below(tmp_path) == (
+        f"below it: {runs / 'a'} (a model directory), {runs / 'b'} (a model directory), {runs / 'c'} (a model directory), "
+        f"{runs / 'd'} (a model directory), ... (1 more)")
+    # the six directories below tmp_path/runs and runs itself, each once
+    assert sorted(asked.values()) == [1] * 7 and set(asked) == {runs, *runs.iterdir()}

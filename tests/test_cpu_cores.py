@@ -112,3 +112,23 @@ def test_cpu_threads_are_the_cores_shared_by_the_processes(monkeypatch, capsys):
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(threads)
+
+
+def test_loader_workers_are_at_most_one_per_core_of_each_process_s_share(monkeypatch, capsys):
+    """A recipe's data.num_workers on a machine of 4 cores: one process starts at most 4 loader workers, each of 2
+    processes at most 2 and each of 8 one (every process loads its own batches); fewer asked, or none, stand. Lowered,
+    it says what was asked, what is used and why, from the node's rank 0 alone."""
+    monkeypatch.setattr(cpu_cores, "usable_cpu_cores", lambda: 4)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert [cpu_cores.loader_workers(asked, processes) for asked, processes in ((8, 1), (8, 2), (8, 8), (3, 1), (0, 2))] \
+        == [4, 2, 1, 3, 0]
+    assert capsys.readouterr().out.splitlines() == [
+        "Note: data.num_workers 8: 4 loader workers, one per CPU core this process may use (more would only take turns "
+        "on them)",
+        "Note: data.num_workers 8: 2 loader workers per process, one per CPU core of each of this node's 2 processes "
+        "(4 cores in all; more would only take turns on them)",
+        "Note: data.num_workers 8: 1 loader worker per process, one per CPU core of each of this node's 8 processes "
+        "(4 cores in all; more would only take turns on them)",
+    ]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert cpu_cores.loader_workers(8, 2) == 2 and capsys.readouterr().out == ""

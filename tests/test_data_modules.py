@@ -574,7 +574,7 @@ def test_validation_reads_each_block_once_by_position_on_any_layout(mix, world_s
     blocks = litdata_blocks(path, SEQ + 1)
     read = {}
     for rank in range(world_size):
-        loader = token_val_loader(path, SEQ + 1, batch_size, num_workers, mix["tokenizer"])
+        loader = token_val_loader(path, SEQ + 1, batch_size, num_workers)
         loader.rank_and_world = (rank, world_size)
         batches = list(loader)
         assert len(batches) == len(loader) == math.ceil(len(blocks) / (world_size * batch_size))
@@ -702,3 +702,25 @@ def test_dataloader_workers_leave_the_stop_signals_to_the_trainer(mix):
     data.connect(mix["tokenizer"], batch_size=4, max_seq_length=SEQ)
     data.setup()
     assert data.train_dataloader().worker_init_fn is data.val_dataloader().worker_init_fn is leave_stop_signals_to_the_trainer
+
+
+@pytest.mark.parametrize("kind", ["SlimPajamaStarcoder", "TextFiles", "TokenChunks"])
+def test_from_setup_on_each_prepared_json_is_read_once(mix, kind, prepared_json_reads):
+    """pretrain's use of a data module once its tokenizer is chosen: setup() checks every directory, then the run
+    records the tokenizer its checkpoints are trained with and builds its loaders. Only setup() reads each directory's
+    prepared.json; what comes after takes what it read."""
+    from fabric_lin.run_start import training_data_tokenizer
+
+    data_dir = mix["data"]
+    data = {"SlimPajamaStarcoder": SlimPajamaStarcoder(data_path=data_dir, num_workers=0),
+            "TextFiles": TextFiles(train_dir=[data_dir / "slimpajama" / "train", data_dir / "starcoder"],
+                                   val_dir=data_dir / "slimpajama" / "val", num_workers=0),
+            "TokenChunks": TokenChunks(data_path=data_dir / "starcoder", val_path=data_dir / "slimpajama" / "val",
+                                       num_workers=0)}[kind]
+    data.connect(mix["tokenizer"], batch_size=2, max_seq_length=SEQ)
+    data.setup()
+    trained_with = training_data_tokenizer(data, mix["tokenizer"])
+    next(iter(data.train_dataloader()))
+    next(iter(data.val_dataloader()))
+    assert trained_with == {"tokenizer": mix["tokenizer"].record()}
+    assert dict(prepared_json_reads) == {path: 1 for path in data.prepared_dirs()}

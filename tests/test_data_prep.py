@@ -474,3 +474,39 @@ def test_zero_workers_or_none_is_one_per_core():
     check_num_workers(None)
     with pytest.raises(ValueError, match="--num_workers -1: expected a number of worker processes"):
         check_num_workers(-1)
+
+
+def test_the_cores_a_preparation_divides_are_those_it_may_use_not_the_machine_s(paragraphs_tokenizer, tmp_path,
+                                                                                  monkeypatch):
+    """A scheduler's allocation (or taskset) of 3 cores of a 64-core machine: prepare's default is 3 workers of one
+    thread each, 1 worker gets the 3 threads, and the tokenizer trainer 3 threads: 64 workers or threads would take
+    turns on those 3."""
+    import sentencepiece as spm
+
+    import fabric_lin.data.recipe as recipe_module
+    from data_prep.prepare_text import TextRecipe
+    from fabric_lin.data.train_tokenizer import write_tokenizer
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    started = []
+    monkeypatch.setattr(recipe_module, "_run_into",
+                        lambda recipe, input_dir, output_dir, tokenizer, num_workers, *rest: started.append(
+                            (num_workers, recipe.num_threads)))
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("a document\n")
+    for num_workers in (None, 1):
+        run_recipe(TextRecipe(paragraphs_tokenizer, 2000, tmp_path / "raw"), tmp_path / "raw", tmp_path / "out",
+                   num_workers=num_workers)
+    assert started == [(3, 1), (1, 3)]
+
+    trained_with = {}
+
+    def trainer(**options):
+        trained_with.update(options)
+        raise RuntimeError("stopped once its options are known")
+
+    monkeypatch.setattr(spm.SentencePieceTrainer, "train", trainer)
+    with pytest.raises(RuntimeError, match="stopped once its options are known"):
+        write_tokenizer(["a line"], tmp_path / "tok", vocab_size=300)
+    assert trained_with["num_threads"] == 3

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from conftest import litdata_blocks
 from fabric_lin.args import EvalArgs, TrainArgs
@@ -667,12 +668,10 @@ def test_arguments_are_checked_and_the_lengths_and_tasks_listed_once(tmp_path):
         run_data_module({"data": {"class_path": "mypackage.Data", "init_args": {}}}, tmp_path / "hyperparameters.yaml")
 
 
-def test_data_options_without_a_data_module_and_an_empty_length_list_are_one_line(run, capsys):
-    """--data.num_workers without --data (jsonargparse builds the base class: a NotImplementedError traceback), and
-    --seq_len [] (evaluated at the training length, as if not given)."""
+def test_an_empty_length_list_is_one_line(run, capsys):
+    """--seq_len [] (evaluated at the training length, as if not given). (--data.num_workers without --data and without
+    a run's data: test_data_options_alone_change_the_run_s_own_data.)"""
     final = run / "out" / "final"
-    err = cli_error(["evaluate", str(final), "--data.num_workers", "0"], capsys)
-    assert "error: --data.* options need a data module: give --data SampleCorpus, LongDocuments" in err
     err = cli_error(["evaluate", str(final), "--seq_len", "[]"], capsys)
     assert "--seq_len [] holds no length: give one or more, e.g. [2048, 4096], or leave it out for the training length" in err
 
@@ -684,6 +683,8 @@ def test_the_run_s_data_moved_away_is_named_with_the_file_that_names_it(run, cap
     (run / "val").rename(run / "val-moved")
     try:
         err = cli_error(["evaluate", str(final)], capsys)
+        # the run's data read with another worker count is the run's data still
+        assert cli_error(["evaluate", str(final), "--data.num_workers", "0"], capsys) == err
     finally:
         (run / "val-moved").rename(run / "val")
     assert err == (f"fabric-lin evaluate: error: {run / 'val'} does not exist: {final / 'hyperparameters.yaml'} names it "
@@ -968,13 +969,52 @@ def test_harness_options_without_tasks_are_one_line(run, capsys):
 
 def test_loader_workers_are_at_most_the_cores(run, tmp_path, capsys, monkeypatch):
     """A run's data.num_workers from a larger machine: evaluate starts a worker per core of this one at most."""
-    import fabric_lin.evaluate
+    import fabric_lin.cpu_cores
     from fabric_lin.data import TokenChunks
 
-    monkeypatch.setattr(fabric_lin.evaluate, "usable_cpu_cores", lambda: 1)
+    monkeypatch.setattr(fabric_lin.cpu_cores, "usable_cpu_cores", lambda: 1)
     for module in ("matplotlib", "matplotlib.figure"):  # no plot
         monkeypatch.setitem(sys.modules, module, None)
     data = TokenChunks(data_path=run / "train", val_path=run / "val", num_workers=8)
     results = evaluate(run / "out" / "final", data=data, max_batches=1, out_dir=tmp_path / "eval")
     assert results["data"]["init_args"]["num_workers"] == 1
     assert "data.num_workers 8: 1 loader worker, one per CPU core this process may use" in capsys.readouterr().out
+
+
+def test_the_validation_split_s_prepared_json_is_read_once_for_every_length(run, tmp_path, monkeypatch, prepared_json_reads):
+    """Evaluated at two lengths, with the run's own data: the validation directory is checked once, its prepared.json
+    read there alone (the data module was set up again for each length, and its loader checked it again)."""
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot
+        monkeypatch.setitem(sys.modules, module, None)
+    results = evaluate(run / "out" / "final", seq_len=[TRAIN_LEN, TRAIN_LEN // 2], max_batches=1, out_dir=tmp_path)
+    assert [length["seq_len"] for length in results["lengths"]] == [TRAIN_LEN, TRAIN_LEN // 2]
+    assert dict(prepared_json_reads) == {run / "val": 1}
+
+
+def test_data_options_alone_change_the_run_s_own_data(run, tmp_path, capsys, monkeypatch):
+    """`evaluate CHECKPOINT --data.num_workers 0` reads the run's own data (its hyperparameters.yaml's) with that one
+    setting changed, as a --config file's data is changed by such options; so does an option of the run's data module
+    (--data.val_path: the run's data_path kept, the new split read, and named as given). Without a run's data (a model
+    directory) they need a data module."""
+    from fabric_lin.cli import main as cli_main
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot
+        monkeypatch.setitem(sys.modules, module, None)
+    final = run / "out" / "final"
+    recorded = yaml.safe_load((final / "hyperparameters.yaml").read_text())["data"]
+    cli_main(["evaluate", str(final), "--max_batches", "1", "--data.num_workers", "0", "--out_dir", str(tmp_path / "a")])
+    results = json.loads((tmp_path / "a" / "evaluate.json").read_text())
+    assert results["data"] == {**recorded, "init_args": {**recorded["init_args"], "num_workers": 0}}
+
+    shutil.copytree(run / "val", tmp_path / "val")
+    cli_main(["evaluate", "--max_batches", "1", "--data.val_path", str(tmp_path / "val"), str(final),
+              "--out_dir", str(tmp_path / "b")])
+    results = json.loads((tmp_path / "b" / "evaluate.json").read_text())
+    assert results["data"] == {**recorded, "init_args": {**recorded["init_args"], "val_path": str(tmp_path / "val")}}
+    err = cli_error(["evaluate", str(final), "--data.val_path", str(tmp_path / "missing")], capsys)
+    assert f"data.val_path {tmp_path / 'missing'} does not exist" in err and "hyperparameters.yaml" not in err, err
+
+    convert_pretrained_checkpoint(final, tmp_path / "model")
+    err = cli_error(["evaluate", str(tmp_path / "model"), "--data.num_workers", "0"], capsys)
+    assert "error: --data.* options need a data module: give --data SampleCorpus, LongDocuments" in err

@@ -124,3 +124,26 @@ def test_an_output_directory_that_cannot_be_written_is_refused_before_the_work(u
     assert cli_error(["train_tokenizer", "--input_dir", str(tmp_path / "text"), "--output_dir", str(unwritable_dir / "tok"),
                       "--vocab_size", "300"], capsys) == f"fabric-lin train_tokenizer: error: {refusal}\n"
     assert "Training" not in capsys.readouterr().out
+
+
+def test_a_full_disk_while_writing_names_the_file(tmp_path, monkeypatch):
+    """Python reports a write that finds the disk full naming no file, which the CLI took for a bug (a traceback): a
+    command's output written whole (atomic_write) and a run's metrics.jsonl name theirs."""
+    import lightning_fabric as L
+
+    import fabric_lin.metrics as metrics_module
+    from fabric_lin.cli import expected_failure
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as written_whole:
+        atomic_write(tmp_path / "evaluate.json", full_disk)
+    writer = metrics_module.MetricsWriter(L.Fabric(accelerator="cpu", devices=1), tmp_path, max_steps=2,
+                                          tokens_per_step=100)
+    monkeypatch.setattr(metrics_module, "open", lambda path, *args, **kwargs: full_disk(), raising=False)
+    with pytest.raises(OSError) as appended:
+        writer.log_checkpoint(2, "step-00000002")
+    for raised, path in ((written_whole.value, tmp_path / "evaluate.json"), (appended.value, tmp_path / "metrics.jsonl")):
+        assert (raised.errno, raised.filename) == (errno.ENOSPC, str(path)) and expected_failure(raised)
+    assert list(tmp_path.iterdir()) == []

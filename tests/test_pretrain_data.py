@@ -499,7 +499,7 @@ def test_validation_covers_the_same_tokens_whatever_the_micro_batch_and_processe
         for micro_batch, world_size in ((12, 1), (4, 1), (3, 2), (2, 3)):
             loss_sum = tokens = 0
             for rank in range(world_size):  # each process's validate; the all-reduce of one process is the identity
-                loader = token_val_loader(path, seq + 1, micro_batch, 0, None)
+                loader = token_val_loader(path, seq + 1, micro_batch, 0)
                 loader.rank_and_world = (rank, world_size)
                 run = SimpleNamespace(val_dataloader=loader, eval=EvalArgs(max_iters=max_iters), cuda_graphs=False,
                                       train=TrainArgs(micro_batch_size=micro_batch),
@@ -509,3 +509,29 @@ def test_validation_covers_the_same_tokens_whatever_the_micro_batch_and_processe
             layout = f"max_iters {max_iters}, micro batch {micro_batch}, {world_size} process(es)"
             assert tokens == covered * seq, layout
             assert loss_sum / tokens == pytest.approx(expected, rel=1e-5), layout
+
+
+def test_a_recipe_s_loader_workers_on_fewer_cores_start_one_per_core(tmp_path, prepared, monkeypatch, capsys):
+    """data.num_workers 4 (a recipe's 8, say) on a CPU run that may use one core: the training loader starts one
+    worker, in one line that says so, and hyperparameters.yaml keeps the 4 asked, which a larger machine runs."""
+    import torch.utils.data
+    import yaml
+
+    import fabric_lin.cpu_cores
+    from fabric_lin.data import TokenChunks
+
+    started = []
+    data_loader_init = torch.utils.data.DataLoader.__init__
+
+    def recorded(self, *args, **kwargs):
+        started.append(kwargs["num_workers"])
+        data_loader_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__init__", recorded)
+    monkeypatch.setattr(fabric_lin.cpu_cores, "usable_cpu_cores", lambda: 1)
+    setup_pretrain(tmp_path, data=TokenChunks(data_path=prepared / "tokens300", num_workers=4),
+                   model_config=Config.from_name("gla-debug", vocab_size=320), model_name=None)
+    assert started == [1]
+    assert "Note: data.num_workers 4: 1 loader worker, one per CPU core this process may use" in capsys.readouterr().out
+    hparams = yaml.safe_load((tmp_path / "out" / "final" / "hyperparameters.yaml").read_text())
+    assert hparams["data"]["init_args"]["num_workers"] == 4

@@ -67,8 +67,8 @@ def what_it_holds(directory: Path) -> Optional[str]:
 def models_below(directory: Path) -> str:
     """For a directory that holds no model: "below it: DIR (what it holds), ..." where a model lies one or two levels
     down (the output of tutorials/finetune_lora.md's script holds adapter/ and merged/), else ""."""
-    found = directories_below(directory, lambda d: what_it_holds(d) is not None)
-    return "below it: " + short_list([f"{d} ({what_it_holds(d)})" for d in found], 4) if found else ""
+    found = directories_below(directory, what_it_holds)
+    return "below it: " + short_list([f"{d} ({kind})" for d, kind in found.items()], 4) if found else ""
 
 
 def check_model_dir_given(model_dir: Path, argument: str, command: str) -> None:

@@ -2,12 +2,12 @@
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from fabric_lin.data.prepared import carried_tokenizer_dir, check_prepared_dir, check_prepared_dirs
+from fabric_lin.data.prepared import carried_tokenizer_dir, check_prepared_dirs
 from fabric_lin.data.tokenizer import Tokenizer
 from fabric_lin.errors import InvalidValue
 from fabric_lin.stopping import STOP_SIGNALS
@@ -31,6 +31,9 @@ class DataModule:
     max_seq_length: int = field(default=-1, init=False, repr=False)
     vocab_size: Optional[int] = field(default=None, init=False, repr=False)
     """The model's vocabulary: prepared directories made with a larger one are refused in `setup()`."""
+    prepared: Dict[Path, dict] = field(default_factory=dict, init=False, repr=False)
+    """The prepared.json of each directory that `setup()` (or `setup_validation()`) checked, read there once: the
+    loaders read directories checked there, and what the run records of the data (its tokenizer) comes from here."""
 
     def connect(
         self, tokenizer: Optional[Tokenizer] = None, batch_size: int = 1, max_seq_length: int = -1,
@@ -68,7 +71,14 @@ class DataModule:
     def setup(self) -> None:
         """Check the data before any of it is read: every directory complete, all made by one tokenizer, the
         run's `tokenizer` (when connected) and made for the model's `vocab_size`, each wrong one named."""
-        check_prepared_dirs(self.prepared_dirs(), self.tokenizer, self.vocab_size)
+        self.check_prepared(self.prepared_dirs())
+
+    def check_prepared(self, dirs: Sequence[Path]) -> List[dict]:
+        """`check_prepared_dirs` of `dirs` with the connected tokenizer and vocabulary; their prepared.json, which it
+        returns, kept in `prepared`."""
+        infos = check_prepared_dirs(dirs, self.tokenizer, self.vocab_size)
+        self.prepared = {Path(path): info for path, info in zip(dirs, infos)}
+        return infos
 
     def setup_validation(self) -> None:
         """`setup()` for a reader of the validation split alone (evaluate): a module whose validation directories
@@ -106,24 +116,23 @@ def collate_tokens(samples: Sequence[Union[np.ndarray, torch.Tensor]]) -> torch.
 
 def token_train_loader(
     paths: Sequence[Union[str, Path]], block_size: int, batch_size: int, num_workers: int, seed: int,
-    tokenizer: Optional[Tokenizer], weights: Optional[Sequence[float]] = None, shuffle: bool = True,
+    weights: Optional[Sequence[float]] = None, shuffle: bool = True,
 ):
-    """The training loader of prepared directories (mixed by `weights`): batches of this process from a
-    stream of samples that is the same on any number of processes (`fabric_lin.data.sample_order`)."""
+    """The training loader of prepared directories that the data module's `setup()` checked (mixed by `weights`):
+    batches of this process from a stream of samples that is the same on any number of processes
+    (`fabric_lin.data.sample_order`)."""
     from fabric_lin.data.sample_order import SampleStream, TrainLoader
 
-    check_prepared_dirs(paths, tokenizer)
     stream = SampleStream(paths, block_size, seed, weights, shuffle)
     return TrainLoader(stream, batch_size, num_workers, worker_init_fn=leave_stop_signals_to_the_trainer)
 
 
-def token_val_loader(path: Union[str, Path], block_size: int, batch_size: int, num_workers: int,
-                     tokenizer: Optional[Tokenizer]):
-    """The validation loader of one prepared directory (checked first): its `block_size`-token blocks once, in
-    order, the processes taking micro batches in turn (`fabric_lin.data.sample_order.ValidationLoader`)."""
+def token_val_loader(path: Union[str, Path], block_size: int, batch_size: int, num_workers: int):
+    """The validation loader of one prepared directory that the data module's `setup()` (or `setup_validation()`)
+    checked: its `block_size`-token blocks once, in order, the processes taking micro batches in turn
+    (`fabric_lin.data.sample_order.ValidationLoader`)."""
     from fabric_lin.data.sample_order import ValidationLoader
 
-    check_prepared_dir(path, tokenizer)
     return ValidationLoader(path, block_size, batch_size, num_workers, worker_init_fn=leave_stop_signals_to_the_trainer)
 
 

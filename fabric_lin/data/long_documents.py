@@ -19,7 +19,6 @@ import functools
 import hashlib
 import importlib.util
 import json
-import os
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
 from fabric_lin.data.sample_corpus import (
     build_once,
@@ -92,7 +92,7 @@ def file_text(root: Path, path: Path) -> str:
 def tokenize_files(tokenizer: Tokenizer, root: Path, files: List[Path]) -> List[np.ndarray]:
     """Each file's tokens (after the line that names it), without EOS."""
     dtype = token_dtype(tokenizer.vocab_size)
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = usable_cpu_cores()
     tokens: List[np.ndarray] = []
     start = 0
     while start < len(files):
@@ -239,15 +239,11 @@ class LongDocuments(DataModule):
         self.data_path = ensure_long_documents(self.cache_dir)
 
     def setup(self) -> None:
-        from fabric_lin.data.prepared import check_prepared_dir
-
         self.prepare_data()  # a no-op once built; lets a rank that skipped prepare_data wait on the lock
-        for path in (self.train_path, self.val_path):
-            check_prepared_dir(path, self.tokenizer, self.vocab_size)
+        self.check_prepared([self.train_path, self.val_path])
 
     def train_dataloader(self):
-        return token_train_loader([self.train_path], self.block_size, self.batch_size, self.num_workers, self.seed,
-                                  self.tokenizer)
+        return token_train_loader([self.train_path], self.block_size, self.batch_size, self.num_workers, self.seed)
 
     def val_dataloader(self):
-        return token_val_loader(self.val_path, self.block_size, self.batch_size, self.num_workers, self.tokenizer)
+        return token_val_loader(self.val_path, self.block_size, self.batch_size, self.num_workers)

@@ -20,6 +20,7 @@ import numpy as np
 from litdata.processing.data_processor import DataChunkRecipe, DataProcessor
 from litdata.streaming.item_loader import TokensLoader
 
+from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
 from fabric_lin.data.raw_files import BadFileError, check_input_dir
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
@@ -296,7 +297,8 @@ def require_flags(**values) -> None:
 
 
 def default_num_workers() -> int:
-    return os.cpu_count() or 1
+    """One worker per CPU core this process may use (a scheduler's allocation or taskset: not the whole machine's)."""
+    return usable_cpu_cores()
 
 
 def run_recipe(
@@ -332,7 +334,7 @@ def run_recipe(
     # worker (not the first ones once there are several workers) and reads True as 1
     fast_dev_run = 10 if fast_dev_run is True else int(fast_dev_run or 0)
     recipe.first_files = fast_dev_run or None
-    recipe.num_threads = max(1, (os.cpu_count() or 1) // num_workers)
+    recipe.num_threads = max(1, usable_cpu_cores() // num_workers)
     if fast_dev_run:
         found = len(recipe.find_inputs(str(input_dir)))
         print(f"fast_dev_run: the first {min(fast_dev_run, found)} of the {found} input files (sorted by path)", flush=True)

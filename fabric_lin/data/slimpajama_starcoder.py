@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Iterator, List, Tuple
 
 from fabric_lin.data.base import DataModule, token_train_loader, token_val_loader
-from fabric_lin.data.prepared import check_prepared_dirs
 from fabric_lin.data.raw_files import find_files, holds_no_text, iter_parquet_texts, read_slimpajama_file
 from fabric_lin.data.recipe import TokenizeRecipe
 from fabric_lin.errors import InvalidValue, MissingFile
@@ -111,7 +110,7 @@ class SlimPajamaStarcoder(DataModule):
     def setup_validation(self) -> None:
         # evaluate reads slimpajama/val alone: the training directories need not be on this machine
         self.check_layout(self.validation_dirs())
-        check_prepared_dirs(self.validation_dirs(), self.tokenizer, self.vocab_size)
+        self.check_prepared(self.validation_dirs())
 
     def check_layout(self, dirs: List[Path]) -> None:
         """Each of `dirs` is there under data_path: the one key that places them all is named, with the layout
@@ -134,12 +133,12 @@ class SlimPajamaStarcoder(DataModule):
     def train_dataloader(self):
         if not self.use_starcoder:
             return token_train_loader([self.slimpajama_train], self.block_size, self.batch_size, self.num_workers,
-                                      self.seed, self.tokenizer)
+                                      self.seed)
         # each dataset is read epoch after epoch: the shares hold for the whole run
         return token_train_loader([self.slimpajama_train, self.starcoder_train], self.block_size, self.batch_size,
-                                  self.num_workers, self.seed, self.tokenizer, weights=self.weights)
+                                  self.num_workers, self.seed, weights=self.weights)
 
     def val_dataloader(self):
         if not self.validation:
             return None
-        return token_val_loader(self.slimpajama_val, self.block_size, self.batch_size, self.num_workers, self.tokenizer)
+        return token_val_loader(self.slimpajama_val, self.block_size, self.batch_size, self.num_workers)

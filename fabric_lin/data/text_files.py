@@ -4,7 +4,7 @@ from pathlib import Path
 from typing import List, Optional, Union
 
 from fabric_lin.data.base import DataModule, say_once, token_train_loader, token_val_loader
-from fabric_lin.data.prepared import INDEX_FILE, PREPARED_INFO_FILE, check_prepared_dirs, prepared_from
+from fabric_lin.data.prepared import INDEX_FILE, PREPARED_INFO_FILE, prepared_from
 from fabric_lin.errors import InvalidValue, MissingFile
 
 
@@ -61,7 +61,7 @@ class TextFiles(DataModule):
         if self.val_dir is not None:  # a typo must not turn validation off
             self.check_val_dir(", or leave data.val_dir out to train without validation")
         # DataModule.setup's check, keeping each directory's prepared.json for the checks after it
-        infos = check_prepared_dirs(self.prepared_dirs(), self.tokenizer, self.vocab_size)
+        infos = self.check_prepared(self.prepared_dirs())
         train_infos = infos[:len(self.train_dirs)]
         self.check_each_train_dir_once(train_infos)
         if self.val_dir is None:
@@ -76,7 +76,7 @@ class TextFiles(DataModule):
         # evaluate reads val_dir alone: the training directories need not be on this machine
         if self.val_dir is not None:
             self.check_val_dir()
-        check_prepared_dirs(self.validation_dirs(), self.tokenizer, self.vocab_size)
+        self.check_prepared(self.validation_dirs())
 
     def check_val_dir(self, other_fix: str = "") -> None:
         """data.val_dir is there, and is no prepare_text --output_dir (whose val/ is meant); `other_fix` ends the
@@ -150,9 +150,9 @@ class TextFiles(DataModule):
 
             weights = [float(chunk_tokens(path).sum()) for path in self.train_dirs]
         return token_train_loader(self.train_dirs, self.block_size, self.batch_size, self.num_workers, self.seed,
-                                  self.tokenizer, weights=weights)
+                                  weights=weights)
 
     def val_dataloader(self):
         if self.val_dir is None:
             return None
-        return token_val_loader(self.val_dir, self.block_size, self.batch_size, self.num_workers, self.tokenizer)
+        return token_val_loader(self.val_dir, self.block_size, self.batch_size, self.num_workers)

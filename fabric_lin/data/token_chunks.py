@@ -4,7 +4,6 @@ from pathlib import Path
 from typing import List, Optional
 
 from fabric_lin.data.base import DataModule, say_once, token_train_loader, token_val_loader
-from fabric_lin.data.prepared import check_prepared_dirs
 from fabric_lin.errors import InvalidValue, MissingFile
 
 
@@ -40,7 +39,7 @@ class TokenChunks(DataModule):
         if self.val_path is not None and not Path(self.val_path).exists():
             raise MissingFile(f"data.val_path {self.val_path} does not exist: give a prepared validation directory "
                               "(written by fabric-lin's preprocessors)")
-        check_prepared_dirs(self.validation_dirs(), self.tokenizer, self.vocab_size)
+        self.check_prepared(self.validation_dirs())
 
     def no_data_path(self) -> InvalidValue:
         return InvalidValue("TokenChunks needs data.data_path: a directory written by fabric-lin's preprocessors")
@@ -49,10 +48,10 @@ class TokenChunks(DataModule):
         if self.data_path is None:
             raise self.no_data_path()
         return token_train_loader(
-            [self.data_path], self.block_size, self.batch_size, self.num_workers, self.seed, self.tokenizer, shuffle=self.shuffle
+            [self.data_path], self.block_size, self.batch_size, self.num_workers, self.seed, shuffle=self.shuffle
         )
 
     def val_dataloader(self):
         if self.val_path is None:
             return None
-        return token_val_loader(self.val_path, self.block_size, self.batch_size, self.num_workers, self.tokenizer)
+        return token_val_loader(self.val_path, self.block_size, self.batch_size, self.num_workers)

@@ -103,7 +103,7 @@ def the_recorded_tokenizer(directory: Union[str, Path]) -> str:
 def tokenizers_below(directory: Union[str, Path]) -> str:
     """For a directory without a tokenizer.model: "; DIR holds one: give that directory" where one lies a level or two
     below it (in a LoRA fine-tune's merged/, a run's final/), else ""."""
-    found = directories_below(directory, lambda d: (d / "tokenizer.model").is_file())
+    found = list(directories_below(directory, lambda d: (d / "tokenizer.model").is_file()))
     if not found:
         return ""
     named = short_list(found, 3)

@@ -10,13 +10,13 @@ from 300 KB, 29,000 from 1 MB; 32,000 from about 1.5 MB (the Python standard lib
 `--vocab_size` the input cannot fill is refused with the largest that it can."""
 import io
 import json
-import os
 import random
 import re
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Tuple
 
+from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data.raw_files import BadFileError, iter_text_documents, text_files_to_read
 from fabric_lin.data.tokenizer import TOKENIZER_FILES, Tokenizer
 from fabric_lin.errors import AlreadyExists, InvalidValue, UserError
@@ -123,7 +123,7 @@ def write_tokenizer(sentences: List[str], output_dir: Path, vocab_size: int, sou
             bos_id=1,
             eos_id=2,
             pad_id=-1,
-            num_threads=num_threads or min(os.cpu_count() or 1, MAX_THREADS),
+            num_threads=num_threads or min(usable_cpu_cores(), MAX_THREADS),
             minloglevel=2,
         )
     except RuntimeError as err:
