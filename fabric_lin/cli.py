@@ -147,6 +147,9 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
     if not keyed:
         return " ".join(message.split())
     key, rest = keyed.groups()
+    misspelt = misspelt_class_key(key, rest)
+    if misspelt:
+        return misspelt
     nested = re.findall(r'Parser key "([^"]+)"', rest)  # a data module's or model_config's own key: data.train_weights
     unknown_options = valid_keys_hints(rest)
     if unknown_options:
@@ -207,6 +210,29 @@ def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optiona
     return None
 
 
+def misspelt_class_key(key: str, message: str) -> Optional[str]:
+    """For the data module's mapping in a config file with its class_path or init_args misspelt (`init_arg:`), that
+    key named with the one meant, or None. jsonargparse takes `init_arg.num_workers` for an option of the base class,
+    and a mapping without class_path for no data module at all."""
+    import ast
+    import difflib
+
+    given = re.search(r"Given value: (\{.*\})\s*$", message, re.S)
+    if key != "data" or given is None:
+        return None
+    try:
+        mapping = ast.literal_eval(given.group(1))
+    except (ValueError, SyntaxError):
+        return None
+    class_keys = ("class_path", "init_args")
+    for name in mapping:
+        close = difflib.get_close_matches(str(name), class_keys, n=1, cutoff=0.75)
+        if name not in class_keys and close:
+            return (f"{key}: got the key {name} (did you mean {close[0]}?), expected class_path (the data module) and "
+                    f"init_args (its options)")
+    return None
+
+
 def closest_data_module(given: str) -> str:
     """' (did you mean NAME?)' for a --data value whose last part is close to a data module's name ('' if none is)."""
     import difflib
@@ -228,6 +254,10 @@ def unknown_key_hint(key: str, parser) -> str:
     listed = (f"the keys of {group} are: {', '.join(members)}" if members
               else f"the keys are: {', '.join(k for k in keys if '.' not in k)}")
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    first, _, others = key.partition(".")
+    if not close and others:  # a misspelt class key, whose own keys the parser does not list: dta.init_args.num_workers
+        close = [f"{top}.{others}" for top in difflib.get_close_matches(first, [k for k in keys if "." not in k],
+                                                                       n=1, cutoff=0.75)]
     return (f" (did you mean {close[0]}?)" if close else "") + "; " + listed
 
 

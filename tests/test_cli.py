@@ -434,6 +434,8 @@ def test_a_lightning_flag_is_pointed_to_fabric_lin_s_only_where_the_command_has_
      "max_nonfinite_steps"),
     ("model_name: gla-debug\ntrian:\n  max_steps: 3\n", "trian.max_steps", "train.max_steps", "the keys are: model_name, "),
     ("model_name: gla-debug\nbogus_key: 1\n", "bogus_key", None, "the keys are: model_name, model_config, out_dir, "),
+    ("model_name: gla-debug\ndta:\n  class_path: fabric_lin.data.SampleCorpus\n  init_args:\n    num_workers: 0\n",
+     "dta.init_args.num_workers", "data.init_args.num_workers", "the keys are: model_name, "),
 ])
 def test_a_config_files_unknown_key_is_named_with_the_closest_and_the_keys_of_its_group(tmp_path, capsys, content, key,
                                                                                       closest, listed):
@@ -534,6 +536,18 @@ def test_an_import_path_that_is_no_data_module_says_what_data_takes(tmp_path, ca
     err = parse_error(["pretrain", "--model_name", "gla-debug", *given, "--out_dir", str(tmp_path / "out")], capsys)
     assert err == (f"fabric-lin pretrain: error: data: got {shown}, expected a data module (SampleCorpus, LongDocuments, "
                    f"TokenChunks, SlimPajamaStarcoder, TextFiles or an import path) or null{hint}")
+
+
+@pytest.mark.parametrize("misspelt,meant", [("init_arg", "init_args"), ("class_pth", "class_path")])
+def test_a_misspelt_key_of_the_data_mapping_is_named_with_the_one_meant(tmp_path, capsys, misspelt, meant):
+    """`data: {class_path: ..., init_arg: ...}` was refused as "fabric_lin.data.DataModule has no option
+    'init_arg.num_workers'; valid options are: seed, num_workers", and `class_pth` as the whole mapping given."""
+    keys = {"class_path": "fabric_lin.data.SampleCorpus", "init_args": "\n    num_workers: 0"}
+    (tmp_path / "run.yaml").write_text("model_name: gla-debug\ndata:\n" + "".join(
+        f"  {misspelt if key == meant else key}: {value}\n" for key, value in keys.items()))
+    err = parse_error(["pretrain", "--config", str(tmp_path / "run.yaml"), "--out_dir", str(tmp_path / "out")], capsys)
+    assert err == (f"fabric-lin pretrain: error: data: got the key {misspelt} (did you mean {meant}?), expected class_path "
+                   f"(the data module) and init_args (its options)")
 
 
 def test_a_path_that_begins_with_a_tilde_is_in_the_home_directory(tmp_path, capsys, monkeypatch):
