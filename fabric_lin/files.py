@@ -82,8 +82,17 @@ def read_json(path: Union[str, Path]) -> dict:
     with reading(path, "JSON", json.JSONDecodeError, UnicodeDecodeError, fix="correct the file, or write it again"):
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(data, dict):
-        raise InvalidValue(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise InvalidValue(f"{path}: expected a JSON object, got {json_type(data)}")
     return data
+
+
+def json_type(value) -> str:
+    """The JSON name of the type of `value`, as json.loads returns it (the file holds JSON, not Python)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):  # before the numbers: a bool is an int
+        return "boolean"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "number")
 
 
 def expand_home(path: Union[str, Path]) -> Path:

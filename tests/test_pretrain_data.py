@@ -91,7 +91,7 @@ def test_error_max_seq_length_beyond_the_data(tmp_path, prepared):
      r"{d} is damaged: chunk-0-1.bin has 100 bytes, 2,012 in index.json \(truncated\); copy the directory again"),
     (lambda d: (d / "chunk-0-2.bin").open("ab").write(b"more"), r"chunk-0-2.bin has 2,016 bytes, 2,012 in index.json \(grown\)"),
     (lambda d: (d / "index.json").write_bytes(b"\xff\xfe{"), r"{d}/index.json cannot be read as JSON: 'utf-8' codec can't decode"),
-    (lambda d: (d / "prepared.json").write_text("[]"), r"{d}/prepared.json: expected a JSON object, got list"),
+    (lambda d: (d / "prepared.json").write_text("[]"), r"{d}/prepared.json: expected a JSON object, got array"),
     (lambda d: (d / "prepared.json").write_text('{"complete": false}'),
      r"{d}/prepared.json does not mark the directory complete; prepare it again"),
     (lambda d: (d / "index.json").write_text('{"chunks": [{"dim": 1000}]}'),

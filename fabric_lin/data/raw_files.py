@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator, List, NamedTuple, Optional, Tuple, Union
 
 from fabric_lin.errors import InvalidValue, MissingFile, UserError
-from fabric_lin.files import LFS_POINTER_FIX, is_lfs_pointer
+from fabric_lin.files import LFS_POINTER_FIX, is_lfs_pointer, json_type
 
 
 class BadFileError(UserError):
@@ -349,7 +349,7 @@ def _json_line_text(line: bytes, key: str) -> Tuple[Optional[str], Optional[str]
     except json.JSONDecodeError as err:
         return None, f"invalid JSON: {err.msg} (column {err.colno})"
     if not isinstance(row, dict):
-        return None, f"a JSON {type(row).__name__}, expected an object with a string field {key!r}"
+        return None, f"a JSON {json_type(row)}, expected an object with a string field {key!r}"
     if key not in row:
         keys = ", ".join(list(row)[:8]) + (", ..." if len(row) > 8 else "")
         return None, f"no field {key!r} (fields: {keys or 'none'}; --text_key names the field to read)"
@@ -357,7 +357,7 @@ def _json_line_text(line: bytes, key: str) -> Tuple[Optional[str], Optional[str]
     if text is None:
         return None, None
     if not isinstance(text, str):
-        return None, f"field {key!r} is a JSON {type(text).__name__}, expected a string"
+        return None, f"field {key!r} is a JSON {json_type(text)}, expected a string"
     try:  # JSON escapes can spell half a surrogate pair ("\ud83d"), which no tokenizer can encode
         text.encode("utf-8")
     except UnicodeEncodeError as err:
