@@ -320,7 +320,13 @@ def main(argv=None) -> None:
     except KeyboardInterrupt as e:
         if debug_enabled():
             raise
-        report(prog, f"interrupted ({e})" if str(e) else "interrupted")
+        said = str(e)
+        # a KeyboardInterrupt that names a signal at most (a first Ctrl-C, the preprocessors' SIGTERM) says no more:
+        # every command that writes leaves nothing half-written (pretrain's own stops say what they saved)
+        writes = bool(argv) and argv[0] in COMMANDS and argv[0] != "generate"
+        what_now = (": nothing half-written is left; run the same command again"
+                    if writes and (not said or said.startswith("SIG")) else "")
+        report(prog, "interrupted" + (f" ({said})" if said else "") + what_now)
         raise SystemExit(130) from None
     except BrokenPipeError:
         if debug_enabled() or not stdout_reader_gone():

@@ -77,6 +77,19 @@ def read_yaml(path: Union[str, Path]) -> Any:
         return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
 
 
+@contextmanager
+def files_taken_back_on_failure(directory: Path) -> Iterator[None]:
+    """Within the block, the files of one whole (a model, a tokenizer) are written into `directory`; if it fails (a full
+    disk, Ctrl-C), the files it added are removed again, so that no part of it is left to be taken for the whole."""
+    there_before = set(Path(directory).iterdir())
+    try:
+        yield
+    except BaseException:
+        for path in set(Path(directory).iterdir()) - there_before:
+            path.unlink()
+        raise
+
+
 def read_json(path: Union[str, Path]) -> dict:
     """The JSON object in the file `path`."""
     with reading(path, "JSON", json.JSONDecodeError, UnicodeDecodeError, fix="correct the file, or write it again"):

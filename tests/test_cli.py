@@ -810,13 +810,21 @@ def test_ctrl_c_is_one_line_with_exit_code_130_and_the_debug_flag_shows_its_trac
     from fabric_lin import cli
 
     def interrupted(argv):
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt(reason)
 
     monkeypatch.setattr(cli, "run", interrupted)
     capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        cli.main(["evaluate"])
-    assert info.value.code == 130 and capsys.readouterr().err == "fabric-lin evaluate: interrupted\n"
+    # a Ctrl-C, the SIGTERM that the preprocessors turn into one, pretrain's second Ctrl-C, which says what to do, and
+    # generate's Ctrl-C, which writes nothing
+    for command, reason, said in (
+            ("evaluate", "", "interrupted: nothing half-written is left; run the same command again"),
+            ("prepare_text", "SIGTERM", "interrupted (SIGTERM): nothing half-written is left; run the same command again"),
+            ("pretrain", "a second Ctrl-C: stopped at once", "interrupted (a second Ctrl-C: stopped at once)"),
+            ("generate", "", "interrupted")):
+        with pytest.raises(SystemExit) as info:
+            cli.main([command])
+        assert info.value.code == 130 and capsys.readouterr().err == f"fabric-lin {command}: {said}\n"
+    reason = ""
     monkeypatch.setenv("FABRIC_LIN_DEBUG", "1")
     with pytest.raises(KeyboardInterrupt):
         cli.main(["evaluate"])

@@ -14,16 +14,22 @@ inside their directory.
 """
 import json
 import re
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 import torch.nn as nn
 
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile
-from fabric_lin.files import atomic_write, check_dir_can_be_made, directories_below, read_json, short_list
+from fabric_lin.files import (
+    atomic_write,
+    check_dir_can_be_made,
+    directories_below,
+    files_taken_back_on_failure,
+    read_json,
+    short_list,
+)
 from fabric_lin.weights import (
     MODEL_FILE,
     canonical_state_dict,
@@ -448,19 +454,6 @@ def save_model_dir(
         # the weights last: a directory left by a kill has none, and no command takes it for a model
         atomic_write(output_dir / MODEL_FILE, lambda p: torch.save(dict(state_dict), p))
     return copied
-
-
-@contextmanager
-def files_taken_back_on_failure(directory: Path) -> Iterator[None]:
-    """Within the block, a model's files are written into `directory`; if it fails (a full disk, Ctrl-C), the files
-    it added are removed again, so that no part of a model is left to be taken for the whole."""
-    there_before = set(Path(directory).iterdir())
-    try:
-        yield
-    except BaseException:
-        for path in set(Path(directory).iterdir()) - there_before:
-            path.unlink()
-        raise
 
 
 def copy_tokenizer(src_dir: Path, dst_dir: Path, trained_with: Optional[dict]) -> List[str]:
