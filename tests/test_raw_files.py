@@ -1,11 +1,16 @@
 """fabric_lin/data/raw_files.py's readers on files shaped as real shards are, against the documents written: a last
 JSON line without a newline, lines and zstd frames across read blocks (the block made small), zstd frames cut
-mid-line, and more documents than one batch (JSON lines, and parquet row groups read in several batches). The
+mid-line, and more documents than one batch (JSON lines, and parquet row groups read in several batches); a line or
+field of another JSON type named by it; UTF-16 and UTF-32 text named with its conversion. The
 preprocessors' end-to-end tests (test_data_prep.py, test_prepare_text.py) read small files whole, in one block
 and one batch."""
+import gzip
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 import fabric_lin.data.raw_files as raw_files
 from fabric_lin.data.raw_files import iter_parquet_texts, iter_text_documents, read_slimpajama_file
@@ -146,3 +151,20 @@ def test_a_json_line_of_another_type_is_named_by_its_json_type(tmp_path):
         f"line 5: a JSON boolean, {expected_an_object}", "line 6: field 'text' is a JSON object, expected a string",
         "line 7: field 'text' is a JSON array, expected a string", "line 8: field 'text' is a JSON number, expected a string",
     ]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+@pytest.mark.parametrize("name", ["a.txt", "a.jsonl", "a.jsonl.gz", "slimpajama.jsonl.zst"])
+def test_utf16_or_utf32_text_is_named_with_its_conversion(tmp_path, name, encoding):
+    """Text saved as Windows Notepad's "Unicode" (UTF-16, with its byte order mark) was refused as "not UTF-8: invalid
+    start byte at byte 0", and a JSON-lines file line by line as bad rows."""
+    text = "\n".join(json.dumps({"text": f"document {i}"}) for i in range(3)) + "\n"
+    data = text.encode(encoding)  # Python's utf-16 and utf-32 write the byte order mark first
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else
+                     zstandard.ZstdCompressor().compress(data) if name.endswith(".zst") else data)
+    upper = encoding.upper()
+    with pytest.raises(raw_files.BadFileError) as info:
+        list(read_slimpajama_file(path) if name.endswith(".zst") else iter_text_documents(path))
+    assert info.value.reason == (f"{upper} text (it starts with {upper}'s byte order mark), expected UTF-8: convert it "
+                                 f"first, e.g. iconv -f {upper} -t UTF-8")

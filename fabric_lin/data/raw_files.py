@@ -117,6 +117,7 @@ def read_slimpajama_file(path: Union[str, Path]) -> List[Tuple[str, Optional[str
     The whole file is checked before anything is returned, so a bad file contributes nothing."""
     refuse_lfs_pointer(path)
     data = decompress_zstd(path)
+    refuse_other_unicode(path, data)
     try:
         content = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -292,6 +293,22 @@ def iter_text_documents(path: Union[str, Path], key: str = "text", batch_size: i
         raise BadFileError(path, f"not a file prepare_text reads: expected a name ending in {', '.join(TEXT_SUFFIXES)}")
 
 
+# The byte order marks of the encodings that editors save "Unicode" text in besides UTF-8 (Windows Notepad's "Unicode"
+# is UTF-16), UTF-32's first: each of its marks starts with one of UTF-16's
+OTHER_UNICODE_MARKS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+                       (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+
+
+def refuse_other_unicode(path: Union[str, Path], start: bytes) -> None:
+    """A file whose (decompressed) bytes begin with `start` and so with UTF-16's or UTF-32's byte order mark is text,
+    but not in UTF-8: named as such, with the conversion, where its bytes would be refused as "not UTF-8", line by
+    line in a JSON-lines file."""
+    for mark, encoding in OTHER_UNICODE_MARKS:
+        if start.startswith(mark):
+            raise BadFileError(path, f"{encoding} text (it starts with {encoding}'s byte order mark), expected UTF-8: "
+                                     f"convert it first, e.g. iconv -f {encoding} -t UTF-8")
+
+
 def _read_text_file(path: Union[str, Path]) -> str:
     try:
         data = Path(path).read_bytes()
@@ -299,6 +316,7 @@ def _read_text_file(path: Union[str, Path]) -> str:
         raise BadFileError(path, f"cannot read: {err.strerror or err}") from None
     if not data:
         raise BadFileError(path, "empty file")
+    refuse_other_unicode(path, data)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
@@ -366,6 +384,7 @@ def _json_line_text(line: bytes, key: str) -> Tuple[Optional[str], Optional[str]
 
 
 def _iter_json_lines_documents(path: Union[str, Path], key: str, batch_size: int) -> Iterator[DocumentBatch]:
+    refuse_other_unicode(path, next(_iter_blocks(path), b""))
     batch = DocumentBatch([], [], [], [])
     line_number = 0
     try:
