@@ -487,6 +487,7 @@ def test_validation_covers_the_same_tokens_whatever_the_micro_batch_and_processe
     from fabric_lin.data.base import token_val_loader
     from fabric_lin.model import GPT
     from fabric_lin.pretrain import validate
+    from fabric_lin.stopping import StopRequest
 
     path, seq, global_batch = prepared / "tokens", 31, 12  # blocks of 32 tokens: 31 per chunk file, 124 in all
     torch.manual_seed(0)
@@ -503,7 +504,8 @@ def test_validation_covers_the_same_tokens_whatever_the_micro_batch_and_processe
                 loader.rank_and_world = (rank, world_size)
                 run = SimpleNamespace(val_dataloader=loader, eval=EvalArgs(max_iters=max_iters), cuda_graphs=False,
                                       train=TrainArgs(micro_batch_size=micro_batch),
-                                      accumulation=global_batch // (micro_batch * world_size), eos_id=None)
+                                      accumulation=global_batch // (micro_batch * world_size), eos_id=None,
+                                      stop=StopRequest())
                 loss, n = validate(fabric, model, run)
                 loss_sum, tokens = loss_sum + loss * n, tokens + n
             layout = f"max_iters {max_iters}, micro batch {micro_batch}, {world_size} process(es)"
