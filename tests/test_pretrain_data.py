@@ -416,23 +416,28 @@ def test_checkpoints_record_the_data_s_tokenizer_which_another_tokenizer_model_c
     assert err == "fabric-lin evaluate: error: " + refusal.format(final, sha["tok300b"], sha["tok300"], prepared / "tok300") + "\n"
 
 
-@pytest.mark.parametrize("option,suggested,anchored", [("train_dir", "train", False), ("val_dir", "val", True)])
-def test_prepare_text_output_given_as_a_data_dir_suggests_its_split(tmp_path, prepared, option, suggested, anchored):
-    """prepare_text's --output_dir holds train/ and val/: given as data.train_dir, the error names OUT/train; given as
-    data.val_dir (pretrain's, or evaluate's held-out text), OUT/val, not OUT/train: validating on training data is what
-    the split exists to avoid."""
+@pytest.mark.parametrize("module,option,suggested,anchored", [
+    ("TextFiles", "train_dir", "train", False), ("TextFiles", "val_dir", "val", True),
+    ("TokenChunks", "data_path", "train", False), ("TokenChunks", "val_path", "val", True),
+])
+def test_prepare_text_output_given_as_a_data_dir_suggests_its_split(tmp_path, prepared, module, option, suggested,
+                                                                    anchored):
+    """prepare_text's --output_dir holds train/ and val/: given as data.train_dir (data_path), the error names
+    OUT/train; given as data.val_dir or val_path (pretrain's, or evaluate's held-out text), OUT/val, not OUT/train:
+    validating on training data is what the split exists to avoid."""
     import shutil
 
-    from fabric_lin.data import TextFiles
+    import fabric_lin.data
 
     for split in ("train", "val"):
         shutil.copytree(prepared / "tokens300", tmp_path / "out" / split)
-    data = TextFiles(**{option: tmp_path / "out"}, num_workers=0)
+    data = getattr(fabric_lin.data, module)(**{option: tmp_path / "out"}, num_workers=0)
     data.connect(batch_size=1, max_seq_length=16)
     message = (rf"{tmp_path / 'out'} has no index.json; it holds prepared directories \(train, val\): did you mean "
                rf"{tmp_path / 'out' / suggested}\?")
-    with pytest.raises(FileNotFoundError, match=rf"^data.{option} {message}$" if anchored else message):
-        data.setup()
+    for check in (data.setup, data.setup_validation) if anchored else (data.setup,):
+        with pytest.raises(FileNotFoundError, match=rf"^data.{option} {message}$" if anchored else message):
+            check()
 
 
 def test_raw_text_given_as_prepared_data_says_to_prepare_it(tmp_path):
