@@ -151,7 +151,7 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
     if misspelt:
         return misspelt
     nested = re.findall(r'Parser key "([^"]+)"', rest)  # a data module's or model_config's own key: data.train_weights
-    unknown_options = valid_keys_hints(rest)
+    unknown_options = valid_keys_hints(rest, argv)
     if unknown_options:
         return f"{key}: " + "; ".join(unknown_options)
     given = re.search(r"(?:Given|Got) value: (.*)", rest)
@@ -282,9 +282,10 @@ def dataclass_fields(cls) -> List[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init] if dataclasses.is_dataclass(cls) else []
 
 
-def valid_keys_hints(message: str) -> List[str]:
+def valid_keys_hints(message: str, argv: Sequence[str] = ()) -> List[str]:
     """For each unknown key that jsonargparse names inside a nested class (`model_config:`, `data.init_args:`),
-    the keys the class accepts."""
+    the keys the class accepts; for a data module's option given without its module, where the module goes (on the
+    command line `argv`, or in a config file)."""
     import inspect
 
     hints = []
@@ -297,6 +298,12 @@ def valid_keys_hints(message: str) -> List[str]:
             continue
         valid = dataclass_fields(cls) or [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
         takers = modules_taking(key) if cls.__name__ == "DataModule" else []
+        on_the_command_line = option_values(list(argv), f"--data.{key}") + option_values(list(argv), f"--data.init_args.{key}")
+        if takers and not on_the_command_line:  # a config file's `data:` without class_path
+            beside = f"class_path: {takers[0]}" if len(takers) == 1 else "the class_path of one of them"
+            hints.append(f"{key} is an option of {' and '.join(takers)}: in a config file, give it under data's "
+                         f"init_args, beside {beside}")
+            continue
         if takers:  # an option read before its module, as jsonargparse reads the flags in order
             give = f"--data {takers[0]}" if len(takers) == 1 else "--data with one of them"
             hints.append(f"--data.{key} is an option of {' and '.join(takers)}: give {give} before it")

@@ -264,6 +264,23 @@ def test_a_data_module_s_option_before_the_module_names_the_modules_that_take_it
     assert parse_error([command, *positional, *flags], capsys) == f"fabric-lin {command}: error: {message}"
 
 
+@pytest.mark.parametrize("content,message", [
+    ("data:\n  train_dir: data/train\n",
+     "data: train_dir is an option of TextFiles: in a config file, give it under data's init_args, beside "
+     "class_path: TextFiles"),
+    ("data:\n  data_path: data\n",
+     "data: data_path is an option of TokenChunks and SlimPajamaStarcoder: in a config file, give it under data's "
+     "init_args, beside the class_path of one of them"),
+])
+def test_a_data_module_s_option_in_a_config_file_without_the_module_says_where_it_goes(tmp_path, capsys, content,
+                                                                                    message):
+    """`data: {train_dir: ...}` in a config file was answered as the command line's `--data.train_dir` is: "give
+    --data TextFiles before it", which a config file has no place for."""
+    (tmp_path / "run.yaml").write_text("model_name: gla-debug\n" + content)
+    err = parse_error(["pretrain", "--config", str(tmp_path / "run.yaml"), "--out_dir", str(tmp_path / "out")], capsys)
+    assert err == f"fabric-lin pretrain: error: {message}"
+
+
 def test_error_data_options_without_a_data_module(tmp_path, capsys):
     err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
                      "--train.max_steps", "1", "--data.num_workers", "2"], capsys)
