@@ -298,7 +298,8 @@ def valid_keys_hints(message: str, argv: Sequence[str] = ()) -> List[str]:
             continue
         valid = dataclass_fields(cls) or [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
         takers = modules_taking(key) if cls.__name__ == "DataModule" else []
-        on_the_command_line = option_values(list(argv), f"--data.{key}") + option_values(list(argv), f"--data.init_args.{key}")
+        on_the_command_line = [*option_values(list(argv), f"--data.{key}"),
+                               *option_values(list(argv), f"--data.init_args.{key}")]
         if takers and not on_the_command_line:  # a config file's `data:` without class_path
             beside = f"class_path: {takers[0]}" if len(takers) == 1 else "the class_path of one of them"
             hints.append(f"{key} is an option of {' and '.join(takers)}: in a config file, give it under data's "

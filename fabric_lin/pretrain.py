@@ -498,8 +498,8 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
 def stop_with_checkpoint(fabric: L.Fabric, state: Dict, run: Run, during: str = "") -> None:
     """The stop a signal asked for: the checkpoint of the step the run is at, and how to go on."""
     saved = save_checkpoint(fabric, state, run)
-    fabric.print(f"Stopped by {run.stop.signal_name or 'a signal'} at step {state['step_count']}{during}: checkpoint saved "
-                 f"in {saved}; to continue, {run.resume_hint}")
+    fabric.print(f"Stopped by {run.stop.signal_name or 'a signal'} at step {state['step_count']}{during}: checkpoint "
+                 f"saved in {saved}; to continue, {run.resume_hint}")
     run.metrics.flush()
 
 

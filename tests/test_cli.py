@@ -563,8 +563,8 @@ def test_a_misspelt_key_of_the_data_mapping_is_named_with_the_one_meant(tmp_path
     (tmp_path / "run.yaml").write_text("model_name: gla-debug\ndata:\n" + "".join(
         f"  {misspelt if key == meant else key}: {value}\n" for key, value in keys.items()))
     err = parse_error(["pretrain", "--config", str(tmp_path / "run.yaml"), "--out_dir", str(tmp_path / "out")], capsys)
-    assert err == (f"fabric-lin pretrain: error: data: got the key {misspelt} (did you mean {meant}?), expected class_path "
-                   f"(the data module) and init_args (its options)")
+    assert err == (f"fabric-lin pretrain: error: data: got the key {misspelt} (did you mean {meant}?), expected "
+                   f"class_path (the data module) and init_args (its options)")
 
 
 def test_a_path_that_begins_with_a_tilde_is_in_the_home_directory(tmp_path, capsys, monkeypatch):
@@ -835,7 +835,8 @@ def test_ctrl_c_is_one_line_with_exit_code_130_and_the_debug_flag_shows_its_trac
     # generate's Ctrl-C, which writes nothing
     for command, reason, said in (
             ("evaluate", "", "interrupted: nothing half-written is left; run the same command again"),
-            ("prepare_text", "SIGTERM", "interrupted (SIGTERM): nothing half-written is left; run the same command again"),
+            ("prepare_text", "SIGTERM",
+             "interrupted (SIGTERM): nothing half-written is left; run the same command again"),
             ("pretrain", "a second Ctrl-C: stopped at once", "interrupted (a second Ctrl-C: stopped at once)"),
             ("generate", "", "interrupted")):
         with pytest.raises(SystemExit) as info:

@@ -334,7 +334,8 @@ def test_a_csv_row_cut_inside_its_step_is_left_out(tmp_path):
 def test_a_start_from_step_0_after_an_attempt_that_saved_no_checkpoint_supersedes_all_its_records(tmp_path):
     """Attempt 1 validated at step 0 and trained steps 1 and 2, then was killed before its first checkpoint; `--resume
     auto` finds none and starts again from step 0 (in the same CSV version), validating step 0 again. The history holds
-    step 0 once, attempt 2's, in metrics.jsonl and in metrics.csv; attempt 1's records are all in the superseded file."""
+    step 0 once, attempt 2's, in metrics.jsonl and in metrics.csv; attempt 1's records are all in the superseded
+    file."""
     import csv
 
     from fabric_lin.metrics import make_logger

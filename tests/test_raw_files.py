@@ -141,7 +141,8 @@ def test_a_git_lfs_pointer_is_named_as_one_by_every_reader(tmp_path):
 def test_a_json_line_of_another_type_is_named_by_its_json_type(tmp_path):
     """A line or a field of the wrong type was named by its Python type: "a JSON NoneType", "a JSON str"."""
     path = tmp_path / "rows.jsonl"
-    path.write_text('[1, 2]\n"a string"\nnull\n7\ntrue\n{"text": {"a": 1}}\n{"text": [1]}\n{"text": 2.5}\n{"text": "kept"}\n')
+    path.write_text('[1, 2]\n"a string"\nnull\n7\ntrue\n'
+                    '{"text": {"a": 1}}\n{"text": [1]}\n{"text": 2.5}\n{"text": "kept"}\n')
     (batch,) = iter_text_documents(path, batch_size=16)
     assert batch.texts == ["kept"]
     expected_an_object = "expected an object with a string field 'text'"
@@ -149,7 +150,8 @@ def test_a_json_line_of_another_type_is_named_by_its_json_type(tmp_path):
         f"line 1: a JSON array, {expected_an_object}", f"line 2: a JSON string, {expected_an_object}",
         f"line 3: a JSON null, {expected_an_object}", f"line 4: a JSON number, {expected_an_object}",
         f"line 5: a JSON boolean, {expected_an_object}", "line 6: field 'text' is a JSON object, expected a string",
-        "line 7: field 'text' is a JSON array, expected a string", "line 8: field 'text' is a JSON number, expected a string",
+        "line 7: field 'text' is a JSON array, expected a string",
+        "line 8: field 'text' is a JSON number, expected a string",
     ]
 
 

@@ -137,7 +137,8 @@ def write_tokenizer(sentences: List[str], output_dir: Path, vocab_size: int, sou
     # each file whole or not there (a directory with a cut tokenizer.model would load and encode wrongly), and both
     # or neither: a tokenizer_config.json alone would stop the same command run again
     with files_taken_back_on_failure(output_dir):
-        atomic_write(output_dir / "tokenizer_config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+        atomic_write(output_dir / "tokenizer_config.json",
+                     lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
         atomic_write(output_dir / "tokenizer.model", lambda tmp: Path(tmp).write_bytes(model.getvalue()))
     print(f"Wrote {output_dir / 'tokenizer.model'} and tokenizer_config.json", flush=True)
     return output_dir
@@ -186,7 +187,7 @@ def check_output_dir(output_dir: Path) -> None:
     held = [name for name in TOKENIZER_FILES if (output_dir / name).exists()]
     if not held:
         return
-    if held == ["tokenizer_config.json"]:  # written first: a run killed (SIGKILL) before tokenizer.model leaves it alone
+    if held == ["tokenizer_config.json"]:  # written first: a run killed (SIGKILL) before tokenizer.model leaves it
         raise AlreadyExists(
             f"--output_dir {output_dir} holds a tokenizer_config.json without a tokenizer.model (what an interrupted "
             f"train_tokenizer leaves, or another library's tokenizer): write the new one to another --output_dir, or "
