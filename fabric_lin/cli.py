@@ -438,13 +438,13 @@ def check_config_files(argv: List[str]) -> None:
     the last of a key given twice without a word."""
     from fabric_lin.config import CONFIG_FILE
     from fabric_lin.errors import InvalidValue, MissingFile
-    from fabric_lin.files import read_yaml
+    from fabric_lin.files import is_a, read_yaml
 
     for value in option_values(argv, "--model_config"):
         path = Path(value).expanduser()
-        if path.is_file():
+        if is_a(path, "file"):
             read_yaml(path)
-        elif path.is_dir():
+        elif is_a(path, "dir"):
             has_config = (path / CONFIG_FILE).is_file()
             raise InvalidValue(f"--model_config {value} is a directory: "
                                + (f"give its {CONFIG_FILE}, {path / CONFIG_FILE}" if has_config else "expected a YAML file"))
@@ -452,7 +452,7 @@ def check_config_files(argv: List[str]) -> None:
             raise MissingFile(f"--model_config {value} does not exist: expected a YAML file of the model's fields "
                               f"(`fabric-lin pretrain list NAME > model.yaml` writes one to edit)")
     for value in option_values(argv, "--config"):
-        if not Path(value).expanduser().is_file():  # inline YAML, or a path that jsonargparse says is missing
+        if not is_a(Path(value).expanduser(), "file"):  # inline YAML, or a path that jsonargparse says is missing
             continue
         content = read_yaml(Path(value).expanduser())
         if not isinstance(content, dict):

@@ -90,6 +90,15 @@ def files_taken_back_on_failure(directory: Path) -> Iterator[None]:
         raise
 
 
+def is_a(path: Path, kind: str) -> bool:
+    """Whether `path` is a "file" or a "dir"; False for a value no file system takes as a name, as inline YAML or JSON
+    longer than a file name may be (where pathlib's checks fail with "File name too long")."""
+    try:
+        return path.is_file() if kind == "file" else path.is_dir()
+    except OSError:
+        return False
+
+
 def read_json(path: Union[str, Path]) -> dict:
     """The JSON object in the file `path`."""
     with reading(path, "JSON", json.JSONDecodeError, UnicodeDecodeError, fix="correct the file, or write it again"):

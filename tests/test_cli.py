@@ -682,6 +682,28 @@ def test_a_model_on_the_command_line_replaces_the_config_files(tmp_path, capsys,
         assert "give exactly one of --model_name and --model_config" in cli_error(["pretrain", *argv], capsys)
 
 
+def test_a_model_config_or_config_given_inline_longer_than_a_file_name_is_read(capsys):
+    """`--model_config '<a model's whole config as JSON>'` (and a --config of inline YAML) longer than a file name may
+    be: the check of the files given ended in "OSError: File name too long" and its traceback."""
+    import json
+
+    import yaml
+
+    from fabric_lin.cli import main as cli_main
+
+    whole = json.dumps(Config.from_name("gla-debug").to_dict())
+    inline_recipe = (CONFIG_HUB / "debug.yaml").read_text()
+    assert len(whole) > 255 and len(inline_recipe) > 255
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(["pretrain", "--config", inline_recipe, "--model_config", whole, "--model_config.num_layers", "2",
+                  "--print_config"])
+    assert info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model_name"] is None and printed["out_dir"] == "out/pretrain/debug"
+    assert printed["model_config"] == Config.from_name("gla-debug", num_layers=2).to_dict()
+
+
 def test_a_model_config_named_after_a_model_but_unlike_it_is_noted(capsys):
     from fabric_lin.pretrain import resolve_model_config
 
