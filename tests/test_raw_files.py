@@ -54,6 +54,17 @@ def test_a_slimpajama_file_gives_every_row(tmp_path, small_read_blocks, final_ne
     assert read_slimpajama_file(path) == [(r["text"], r["meta"]["redpajama_set_name"]) for r in rows]
 
 
+def test_a_byte_order_mark_and_windows_line_ends_are_read_alike_by_every_json_lines_reader(tmp_path):
+    """A JSON-lines file saved by a Windows editor (a UTF-8 byte order mark, CRLF line ends): prepare_text read it,
+    and prepare_slimpajama skipped it whole, 'invalid JSON on line 1: Unexpected UTF-8 BOM'."""
+    rows = [{"text": "first document", "meta": {"redpajama_set_name": "RedPajamaC4"}}, {"text": "second", "meta": {}}]
+    data = b"\xef\xbb\xbf" + b"".join(json.dumps(r).encode() + b"\r\n" for r in rows)
+    (tmp_path / "chunk_0.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+    assert read_slimpajama_file(tmp_path / "chunk_0.jsonl.zst") == [("first document", "RedPajamaC4"), ("second", None)]
+    (batch,) = iter_text_documents(tmp_path / "chunk_0.jsonl.zst")
+    assert batch.texts == ["first document", "second"] and not batch.bad
+
+
 def test_parquet_row_groups_read_in_several_batches(tmp_path):
     texts = paragraphs(12, 41)
     path = tmp_path / "part-0.parquet"

@@ -119,7 +119,7 @@ def read_slimpajama_file(path: Union[str, Path]) -> List[Tuple[str, Optional[str
     data = decompress_zstd(path)
     refuse_other_unicode(path, data)
     try:
-        content = data.decode("utf-8")
+        content = data.decode("utf-8-sig")  # a byte order mark starts the file, not its first row
     except UnicodeDecodeError as err:
         raise BadFileError(path, f"not UTF-8 text after decompression: {err}") from None
     rows = []
