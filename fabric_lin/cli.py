@@ -286,6 +286,7 @@ def valid_keys_hints(message: str, argv: Sequence[str] = ()) -> List[str]:
     """For each unknown key that jsonargparse names inside a nested class (`model_config:`, `data.init_args:`),
     the keys the class accepts; for a data module's option given without its module, where the module goes (on the
     command line `argv`, or in a config file)."""
+    import difflib
     import inspect
 
     hints = []
@@ -309,7 +310,9 @@ def valid_keys_hints(message: str, argv: Sequence[str] = ()) -> List[str]:
             give = f"--data {takers[0]}" if len(takers) == 1 else "--data with one of them"
             hints.append(f"--data.{key} is an option of {' and '.join(takers)}: give {give} before it")
             continue
-        hints.append(f"{class_path} has no option {key!r}; valid options are: {', '.join(valid)}")
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
+        meant = f" (did you mean {close[0]}?)" if close else ""
+        hints.append(f"{class_path} has no option {key!r}{meant}; valid options are: {', '.join(valid)}")
     return hints
 
 

@@ -31,7 +31,8 @@ def test_cli_accepts_data_module_subclass_and_rejects_unknown_keys(capsys):
 
 
 def test_cli_lists_the_valid_keys_of_a_nested_class(tmp_path, capsys):
-    """An unknown key inside model_config: or a data module is named with the keys the class accepts."""
+    """An unknown key inside model_config: or a data module is named with the closest key and the keys the class
+    accepts."""
     from fabric_lin.cli import main as cli_main
 
     config = tmp_path / "run.yaml"
@@ -39,10 +40,12 @@ def test_cli_lists_the_valid_keys_of_a_nested_class(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["pretrain", "--config", str(config), "--out_dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert "fabric_lin.config.Config has no option 'hiden_size'; valid options are: name, block_type, vocab_size, hidden_size," in err
+    assert ("fabric_lin.config.Config has no option 'hiden_size' (did you mean hidden_size?); valid options are: name, "
+            "block_type, vocab_size, hidden_size,") in err
     with pytest.raises(SystemExit):
         cli_main(["pretrain", "--model_name", "gla-debug", "--data", "SampleCorpus", "--data.sede", "3"])
-    assert "fabric_lin.data.SampleCorpus has no option 'sede'; valid options are: seed, num_workers," in capsys.readouterr().err
+    assert ("fabric_lin.data.SampleCorpus has no option 'sede' (did you mean seed?); valid options are: seed, "
+            "num_workers,") in capsys.readouterr().err
 
 
 def test_a_bad_value_is_one_line_and_a_hint_not_the_usage(tmp_path, capsys):
