@@ -125,9 +125,10 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
         return f"unknown option {option}" + (f" (did you mean {close[0]}?)" if close else "") + (
             "; options are not abbreviated" if close and close[0].startswith(option) else ""
         )
-    rejected = re.match(r"Subcommand '[^']+' does not accept option '([\w.]+)'", message)
+    rejected = re.match(r"Subcommand '([^']+)' does not accept option '([\w.]+)'", message)
     if rejected:
-        return " ".join(message.split()) + unknown_key_hint(rejected.group(1), parser)
+        command, key = rejected.groups()
+        return " ".join(message.split()) + unknown_key_hint(key, parser) + config_of_another_command(command, argv)
     groups = option_groups(parser)
     # a group given as LitGPT gives its optimizer: `optimizer: {class_path: torch.optim.AdamW, init_args: ...}`
     class_path = re.match(r"Subclasses are disabled for (\w+), thus '([^']+)' is not accepted as class_path", message)
@@ -259,6 +260,26 @@ def unknown_key_hint(key: str, parser) -> str:
         close = [f"{top}.{others}" for top in difflib.get_close_matches(first, [k for k in keys if "." not in k],
                                                                        n=1, cutoff=0.75)]
     return (f" (did you mean {close[0]}?)" if close else "") + "; " + listed
+
+
+def config_of_another_command(command: str, argv: Sequence[str]) -> str:
+    """For a --config file that `command` refuses a key of: '; FILE holds the options of fabric-lin OTHER' where another
+    command takes every key of the file (a run's hyperparameters.yaml given to evaluate, an evaluate config given to
+    pretrain), else ''."""
+    import inspect
+
+    from fabric_lin.files import is_a, read_yaml
+
+    for value in option_values(list(argv), "--config"):
+        path = Path(value).expanduser()
+        keys = set(read_yaml(path)) if is_a(path, "file") else set()
+        others = [other for other in COMMANDS if other != command and keys
+                  and keys <= set(inspect.signature(load_command(other)).parameters)]
+        if others:
+            how = (": evaluate reads a training checkpoint's own hyperparameters.yaml, given the checkpoint directory"
+                   if command == "evaluate" and path.name == "hyperparameters.yaml" else "")
+            return f"; --config {value} holds the options of fabric-lin {others[0]}{how}"
+    return ""
 
 
 def option_groups(parser) -> Dict[str, Tuple[str, List[str]]]:

@@ -468,6 +468,27 @@ def test_a_config_files_unknown_key_is_named_with_the_closest_and_the_keys_of_it
     assert not (tmp_path / "out").exists()
 
 
+def test_a_config_file_of_another_command_is_named_as_such(tmp_path, capsys):
+    """A run's hyperparameters.yaml given to evaluate as --config (where evaluate takes the checkpoint directory and
+    reads that file itself), and evaluate's --print_config given to pretrain: each was refused for its first key alone,
+    with the keys of the command, as a file with a typo is."""
+    import yaml
+
+    from fabric_lin.cli import main as cli_main
+
+    hparams = tmp_path / "final" / "hyperparameters.yaml"
+    hparams.parent.mkdir()
+    hparams.write_text(yaml.safe_dump({"model_name": "gla-debug", "out_dir": str(tmp_path), "train": {"max_steps": 3}}))
+    err = parse_error(["evaluate", "--config", str(hparams)], capsys)
+    assert err.endswith(f"; --config {hparams} holds the options of fabric-lin pretrain: evaluate reads a training "
+                        f"checkpoint's own hyperparameters.yaml, given the checkpoint directory"), err
+    with pytest.raises(SystemExit):
+        cli_main(["evaluate", str(tmp_path / "final"), "--print_config"])
+    (tmp_path / "evaluate.yaml").write_text(capsys.readouterr().out)
+    err = parse_error(["pretrain", "--config", str(tmp_path / "evaluate.yaml")], capsys)
+    assert err.endswith(f"; --config {tmp_path / 'evaluate.yaml'} holds the options of fabric-lin evaluate"), err
+
+
 @pytest.mark.parametrize("value,shown", [("", "null"), (" 5", "5"), (" [1, 2]", "[1, 2]")])
 def test_an_option_group_given_no_mapping_in_a_config_file_is_one_line(tmp_path, capsys, value, shown):
     """`train:` with its keys all commented out (a null), or a value that is no mapping: jsonargparse took it and
