@@ -589,7 +589,9 @@ def not_a_checkpoint_to_resume(resume: Union[str, Path], path: Path) -> MissingF
         beside = [p.name for p in checkpoint_dirs(path.parent)]
         return MissingFile(f"--resume {resume} does not exist: expected a training checkpoint (a run's "
                            f"step-XXXXXXXX/ or {FINAL_DIR}/)"
-                           + (f"; {path.parent} holds {', '.join(beside[:4])}" if beside else ""))
+                           + (f"; {path.parent} holds {', '.join(beside[:4])}" if beside else "")
+                           # a word that is no path may have been meant for one of the words --resume takes
+                           + (", or false, true or auto" if len(Path(resume).parts) == 1 else ""))
     held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
     holds = ("it is a file" if not path.is_dir() else "it is empty" if not held
              else f"it holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''}")

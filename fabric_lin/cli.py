@@ -123,9 +123,10 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
         return f"unknown option {option}" + (f" (did you mean {close[0]}?)" if close else "") + (
             "; options are not abbreviated" if close and close[0].startswith(option) else ""
         )
-    rejected = re.match(r"Subcommand '[^']+' does not accept option '([\w.]+)'", message)
+    rejected = re.match(r"Subcommand '([^']+)' does not accept option '([\w.]+)'", message)
     if rejected:
-        return " ".join(message.split()) + unknown_key_hint(rejected.group(1), parser)
+        command, key = rejected.groups()
+        return " ".join(message.split()) + unknown_key_hint(key, parser) + config_of_another_command(command, argv)
     groups = option_groups(parser)
     # a group given as LitGPT gives its optimizer: `optimizer: {class_path: torch.optim.AdamW, init_args: ...}`
     class_path = re.match(r"Subclasses are disabled for (\w+), thus '([^']+)' is not accepted as class_path", message)
@@ -145,8 +146,11 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
     if not keyed:
         return " ".join(message.split())
     key, rest = keyed.groups()
+    misspelt = misspelt_class_key(key, rest)
+    if misspelt:
+        return misspelt
     nested = re.findall(r'Parser key "([^"]+)"', rest)  # a data module's or model_config's own key: data.train_weights
-    unknown_options = valid_keys_hints(rest)
+    unknown_options = valid_keys_hints(rest, argv)
     if unknown_options:
         return f"{key}: " + "; ".join(unknown_options)
     given = re.search(r"(?:Given|Got) value: (.*)", rest)
@@ -205,6 +209,29 @@ def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optiona
     return None
 
 
+def misspelt_class_key(key: str, message: str) -> Optional[str]:
+    """For the data module's mapping in a config file with its class_path or init_args misspelt (`init_arg:`), that
+    key named with the one meant, or None. jsonargparse takes `init_arg.num_workers` for an option of the base class,
+    and a mapping without class_path for no data module at all."""
+    import ast
+    import difflib
+
+    given = re.search(r"Given value: (\{.*\})\s*$", message, re.S)
+    if key != "data" or given is None:
+        return None
+    try:
+        mapping = ast.literal_eval(given.group(1))
+    except (ValueError, SyntaxError):
+        return None
+    class_keys = ("class_path", "init_args")
+    for name in mapping:
+        close = difflib.get_close_matches(str(name), class_keys, n=1, cutoff=0.75)
+        if name not in class_keys and close:
+            return (f"{key}: got the key {name} (did you mean {close[0]}?), expected class_path (the data module) and "
+                    f"init_args (its options)")
+    return None
+
+
 def closest_data_module(given: str) -> str:
     """' (did you mean NAME?)' for a --data value whose last part is close to a data module's name ('' if none is)."""
     import difflib
@@ -226,7 +253,31 @@ def unknown_key_hint(key: str, parser) -> str:
     listed = (f"the keys of {group} are: {', '.join(members)}" if members
               else f"the keys are: {', '.join(k for k in keys if '.' not in k)}")
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    first, _, others = key.partition(".")
+    if not close and others:  # a misspelt class key, whose own keys the parser does not list: dta.init_args.num_workers
+        close = [f"{top}.{others}" for top in difflib.get_close_matches(first, [k for k in keys if "." not in k],
+                                                                       n=1, cutoff=0.75)]
     return (f" (did you mean {close[0]}?)" if close else "") + "; " + listed
+
+
+def config_of_another_command(command: str, argv: Sequence[str]) -> str:
+    """For a --config file that `command` refuses a key of: '; FILE holds the options of fabric-lin OTHER' where another
+    command takes every key of the file (a run's hyperparameters.yaml given to evaluate, an evaluate config given to
+    pretrain), else ''."""
+    import inspect
+
+    from fabric_lin.files import is_a, read_yaml
+
+    for value in option_values(list(argv), "--config"):
+        path = Path(value).expanduser()
+        keys = set(read_yaml(path)) if is_a(path, "file") else set()
+        others = [other for other in COMMANDS if other != command and keys
+                  and keys <= set(inspect.signature(load_command(other)).parameters)]
+        if others:
+            how = (": evaluate reads a training checkpoint's own hyperparameters.yaml, given the checkpoint directory"
+                   if command == "evaluate" and path.name == "hyperparameters.yaml" else "")
+            return f"; --config {value} holds the options of fabric-lin {others[0]}{how}"
+    return ""
 
 
 def option_groups(parser) -> Dict[str, Tuple[str, List[str]]]:
@@ -250,9 +301,11 @@ def dataclass_fields(cls) -> List[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init] if dataclasses.is_dataclass(cls) else []
 
 
-def valid_keys_hints(message: str) -> List[str]:
+def valid_keys_hints(message: str, argv: Sequence[str] = ()) -> List[str]:
     """For each unknown key that jsonargparse names inside a nested class (`model_config:`, `data.init_args:`),
-    the keys the class accepts."""
+    the keys the class accepts; for a data module's option given without its module, where the module goes (on the
+    command line `argv`, or in a config file)."""
+    import difflib
     import inspect
 
     hints = []
@@ -265,11 +318,20 @@ def valid_keys_hints(message: str) -> List[str]:
             continue
         valid = dataclass_fields(cls) or [n for n in inspect.signature(cls).parameters if n not in ("self", "args", "kwargs")]
         takers = modules_taking(key) if cls.__name__ == "DataModule" else []
+        on_the_command_line = [*option_values(list(argv), f"--data.{key}"),
+                               *option_values(list(argv), f"--data.init_args.{key}")]
+        if takers and not on_the_command_line:  # a config file's `data:` without class_path
+            beside = f"class_path: {takers[0]}" if len(takers) == 1 else "the class_path of one of them"
+            hints.append(f"{key} is an option of {' and '.join(takers)}: in a config file, give it under data's "
+                         f"init_args, beside {beside}")
+            continue
         if takers:  # an option read before its module, as jsonargparse reads the flags in order
             give = f"--data {takers[0]}" if len(takers) == 1 else "--data with one of them"
             hints.append(f"--data.{key} is an option of {' and '.join(takers)}: give {give} before it")
             continue
-        hints.append(f"{class_path} has no option {key!r}; valid options are: {', '.join(valid)}")
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
+        meant = f" (did you mean {close[0]}?)" if close else ""
+        hints.append(f"{class_path} has no option {key!r}{meant}; valid options are: {', '.join(valid)}")
     return hints
 
 
@@ -288,7 +350,13 @@ def main(argv=None) -> None:
     except KeyboardInterrupt as e:
         if debug_enabled():
             raise
-        report(prog, f"interrupted ({e})" if str(e) else "interrupted")
+        said = str(e)
+        # a KeyboardInterrupt that names a signal at most (a first Ctrl-C, the preprocessors' SIGTERM) says no more:
+        # every command that writes leaves nothing half-written (pretrain's own stops say what they saved)
+        writes = bool(argv) and argv[0] in COMMANDS and argv[0] != "generate"
+        what_now = (": nothing half-written is left; run the same command again"
+                    if writes and (not said or said.startswith("SIG")) else "")
+        report(prog, "interrupted" + (f" ({said})" if said else "") + what_now)
         raise SystemExit(130) from None
     except BrokenPipeError:
         if debug_enabled() or not stdout_reader_gone():
@@ -430,13 +498,13 @@ def check_config_files(argv: List[str]) -> None:
     the last of a key given twice without a word."""
     from fabric_lin.config import CONFIG_FILE
     from fabric_lin.errors import InvalidValue, MissingFile
-    from fabric_lin.files import read_yaml
+    from fabric_lin.files import is_a, read_yaml
 
     for value in option_values(argv, "--model_config"):
         path = Path(value).expanduser()
-        if path.is_file():
+        if is_a(path, "file"):
             read_yaml(path)
-        elif path.is_dir():
+        elif is_a(path, "dir"):
             has_config = (path / CONFIG_FILE).is_file()
             raise InvalidValue(f"--model_config {value} is a directory: "
                                + (f"give its {CONFIG_FILE}, {path / CONFIG_FILE}" if has_config else "expected a YAML file"))
@@ -444,7 +512,7 @@ def check_config_files(argv: List[str]) -> None:
             raise MissingFile(f"--model_config {value} does not exist: expected a YAML file of the model's fields "
                               f"(`fabric-lin pretrain list NAME > model.yaml` writes one to edit)")
     for value in option_values(argv, "--config"):
-        if not Path(value).expanduser().is_file():  # inline YAML, or a path that jsonargparse says is missing
+        if not is_a(Path(value).expanduser(), "file"):  # inline YAML, or a path that jsonargparse says is missing
             continue
         content = read_yaml(Path(value).expanduser())
         if not isinstance(content, dict):

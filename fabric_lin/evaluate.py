@@ -33,14 +33,13 @@ from fabric_lin.checkpoint_kinds import (
     plain_value,
     run_data_module,
 )
+from fabric_lin.convert.model_dir import EVALUATION_DIR, PLOT_FILE, RESULTS_FILE
 from fabric_lin.cpu_cores import loader_workers
 from fabric_lin.data import DataModule
 from fabric_lin.data.tokenizer import the_recorded_tokenizer
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, MissingPackage, UserError
 from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, expand_home
 
-RESULTS_FILE = "evaluate.json"
-PLOT_FILE = "loss_by_position.png"
 BUCKETS_PER_TRAINING_LENGTH = 16  # the default bucket: 1/16 of the training length
 LOGIT_ROWS = 4096  # logits computed this many tokens at a time: [rows, vocab] in fp32 at most, never [B, T, vocab]
 
@@ -309,8 +308,8 @@ def default_out_dir(checkpoint_dir: Path, kind: str) -> Path:
     if kind == TRAINING_CHECKPOINT:
         if checkpoint_dir.name in ("", ".."):  # `.` and `..` have no name of their own (and `.` no parent): its path has
             checkpoint_dir = Path(os.path.abspath(checkpoint_dir))
-        return checkpoint_dir.parent / "evaluate" / checkpoint_dir.name
-    return checkpoint_dir / "evaluate"
+        return checkpoint_dir.parent / EVALUATION_DIR / checkpoint_dir.name
+    return checkpoint_dir / EVALUATION_DIR
 
 
 def build_model(fabric, checkpoint: "Checkpoint"):

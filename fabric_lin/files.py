@@ -77,13 +77,44 @@ def read_yaml(path: Union[str, Path]) -> Any:
         return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
 
 
+@contextmanager
+def files_taken_back_on_failure(directory: Path) -> Iterator[None]:
+    """Within the block, the files of one whole (a model, a tokenizer) are written into `directory`; if it fails (a full
+    disk, Ctrl-C), the files it added are removed again, so that no part of it is left to be taken for the whole."""
+    there_before = set(Path(directory).iterdir())
+    try:
+        yield
+    except BaseException:
+        for path in set(Path(directory).iterdir()) - there_before:
+            path.unlink()
+        raise
+
+
+def is_a(path: Path, kind: str) -> bool:
+    """Whether `path` is a "file" or a "dir"; False for a value no file system takes as a name, as inline YAML or JSON
+    longer than a file name may be (where pathlib's checks fail with "File name too long")."""
+    try:
+        return path.is_file() if kind == "file" else path.is_dir()
+    except OSError:
+        return False
+
+
 def read_json(path: Union[str, Path]) -> dict:
     """The JSON object in the file `path`."""
     with reading(path, "JSON", json.JSONDecodeError, UnicodeDecodeError, fix="correct the file, or write it again"):
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(data, dict):
-        raise InvalidValue(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise InvalidValue(f"{path}: expected a JSON object, got {json_type(data)}")
     return data
+
+
+def json_type(value) -> str:
+    """The JSON name of the type of `value`, as json.loads returns it (the file holds JSON, not Python)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):  # before the numbers: a bool is an int
+        return "boolean"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "number")
 
 
 def expand_home(path: Union[str, Path]) -> Path:

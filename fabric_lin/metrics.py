@@ -103,17 +103,19 @@ class MetricsWriter:
                 f.writelines(json.dumps({**record, "attempt": self.attempt}) + "\n" for record in records)
 
     def begin_attempt(self, step: int) -> None:
-        """This attempt trains on from optimizer step `step` (0: from the start): the records of later steps
-        leave metrics.jsonl for metrics.superseded.jsonl, and the logger drops them (rank 0 does it)."""
+        """This attempt trains on from optimizer step `step`: the records of later steps leave metrics.jsonl for
+        metrics.superseded.jsonl, and the logger drops them (rank 0 does it). Step 0 is a start without a checkpoint
+        (no checkpoint is saved before step 1), which validates step 0 again: every earlier record goes."""
         if self.fabric.global_rank != 0:
             return
+        last_kept = step if step > 0 else -1
         kept, superseded, attempts = [], [], [0]
         superseded_path = self.path.with_name(SUPERSEDED_FILE)
         if superseded_path.exists():
             attempts += [r.get("attempt", 0) for r in read_records(superseded_path)]
         if self.path.exists():
             for record in read_records(self.path):
-                (kept if record.get("step", 0) <= step else superseded).append(record)
+                (kept if record.get("step", 0) <= last_kept else superseded).append(record)
                 attempts.append(record.get("attempt", 0))
         self.attempt = max(attempts) + 1
         if superseded:
@@ -134,7 +136,7 @@ class MetricsWriter:
             os.replace(tmp, self.path)  # moved records are in the superseded file first: none is lost
         for logger in self.fabric.loggers:
             if isinstance(logger, (RunTensorBoardLogger, RunCSVLogger)):
-                logger.drop_records_after(step)
+                logger.drop_records_after(last_kept)
 
     def log_checkpoint(self, step: int, name: str) -> None:
         self.write({"step": step, "checkpoint": name})

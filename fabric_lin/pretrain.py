@@ -23,13 +23,7 @@ import torch
 from lightning_fabric.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
-from fabric_lin.args import (
-    CompileArgs,
-    EvalArgs,
-    OptimizerArgs,
-    ParallelismArgs,
-    TrainArgs,
-)
+from fabric_lin.args import CompileArgs, EvalArgs, OptimizerArgs, ParallelismArgs, TrainArgs
 from fabric_lin.batches import CycleIterator, batch_fingerprint, compute_loss
 from fabric_lin.checkpoint import (
     HPARAMS_FILE,
@@ -449,12 +443,13 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
     end_step = schedule.end_step(start_step, state["tokens_seen"], tokens_per_step)
 
     if eval.initial_validation and start_step == 0:
-        run.metrics.log_validation(0, validate(fabric, model, run))
+        validated(fabric, model, run, 0)  # a stop during it is said below: before the first step
     if start_step >= end_step:
         fabric.print(f"Nothing to train: the checkpoint is at step {start_step}, {state['tokens_seen']:,} tokens, the end of "
                      f"the schedule ({schedule.steps} steps of {schedule.unit:,} tokens)")
         if (run.checkpointer.final_step() or -1) < start_step:  # e.g. stopped by a signal at the last step
-            fabric.print(next_steps_note(finish(fabric, state, run), run.checkpointer.config.name))
+            if (final_dir := finish(fabric, state, run)) is not None:  # None: stopped during the final validation
+                fabric.print(next_steps_note(final_dir, run.checkpointer.config.name))
         return
     if run.stop.requested_on_any_rank(fabric):  # during the start-up: no step taken, nothing new to save
         fabric.print(f"Stopped by {run.stop.signal_name or 'a signal'} before the first step: nothing new to save; "
@@ -482,15 +477,14 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
         if log_step or stop_now:
             run.metrics.log_progress(step, lr, grad_norm, state["skipped_steps"], state["tokens_seen"])
         if stop_now:
-            saved = save_checkpoint(fabric, state, run)
-            fabric.print(f"Stopped by {run.stop.signal_name or 'a signal'} at step {step}: checkpoint saved in {saved}; "
-                         f"to continue, {run.resume_hint}")
-            run.metrics.flush()
+            stop_with_checkpoint(fabric, state, run)
             return
         with run.metrics.paused():
             # the last step's validation is finish()'s where eval.final_validation asks for one
             if step % eval.interval == 0 and (step < end_step or not eval.final_validation):
-                run.metrics.log_validation(step, validate(fabric, model, run))
+                if not validated(fabric, model, run, step):
+                    stop_with_checkpoint(fabric, state, run, " during its validation")
+                    return
             if save_step and step < end_step:
                 run.metrics.flush()
                 save_checkpoint(fabric, state, run)
@@ -498,8 +492,18 @@ def fit(fabric: L.Fabric, state: Dict, run: Run) -> None:
     elapsed = run.metrics.stop_clock()
     run.metrics.flush()
     final_dir = finish(fabric, state, run)
+    if final_dir is None:  # stopped during the final validation
+        return
     run.metrics.log_summary(state["step_count"], state["tokens_seen"], elapsed)
     fabric.print(next_steps_note(final_dir, run.checkpointer.config.name))
+
+
+def stop_with_checkpoint(fabric: L.Fabric, state: Dict, run: Run, during: str = "") -> None:
+    """The stop a signal asked for: the checkpoint of the step the run is at, and how to go on."""
+    saved = save_checkpoint(fabric, state, run)
+    fabric.print(f"Stopped by {run.stop.signal_name or 'a signal'} at step {state['step_count']}{during}: checkpoint "
+                 f"saved in {saved}; to continue, {run.resume_hint}")
+    run.metrics.flush()
 
 
 def scheduled_learning_rate(train: TrainArgs, base_lr: float, schedule: TokenSchedule, tokens_seen: int) -> float:
@@ -591,10 +595,13 @@ def stop_after_nonfinite_steps(fabric: L.Fabric, state: Dict, run: Run, in_a_row
     )
 
 
-def finish(fabric: L.Fabric, state: Dict, run: Run) -> Path:
-    """The end of a run: the final validation, then out_dir/final/ (returned)."""
-    if run.eval.final_validation:
-        run.metrics.log_validation(state["step_count"], validate(fabric, state["model"], run))
+def finish(fabric: L.Fabric, state: Dict, run: Run) -> Optional[Path]:
+    """The end of a run: the final validation, then out_dir/final/ (returned). A signal during the validation stops
+    the run (None) with the checkpoint of its last step, as a signal during that step does: a resume then validates
+    and writes final/."""
+    if run.eval.final_validation and not validated(fabric, state["model"], run, state["step_count"]):
+        stop_with_checkpoint(fabric, state, run, " during the final validation")
+        return None
     return save_checkpoint(fabric, state, run, final=True)
 
 
@@ -626,6 +633,20 @@ def save_checkpoint(fabric: L.Fabric, state: Dict, run: Run, final: bool = False
     return saved
 
 
+class ValidationStopped(Exception):
+    """A signal (on any process) during a validation, which ends it at its next batch: a validation may take
+    minutes, longer than a scheduler waits after its signal before it kills the run."""
+
+
+def validated(fabric: L.Fabric, model, run: Run, step: int) -> bool:
+    """Validate at `step` and log the result; False where a signal stopped the validation."""
+    try:
+        run.metrics.log_validation(step, validate(fabric, model, run))
+    except ValidationStopped:
+        return False
+    return True
+
+
 @torch.no_grad()
 @peer_lost_during("a validation")
 def validate(fabric: L.Fabric, model, run: Run) -> Optional[Tuple[float, int]]:
@@ -633,7 +654,8 @@ def validate(fabric: L.Fabric, model, run: Run) -> Optional[Tuple[float, int]]:
     processes together, and their number of tokens (None without validation data). Each process reads
     `eval.max_iters` x gradient accumulation micro batches, so a validation covers the same blocks whatever the
     micro batch size and the number of processes. A batch cut short at the end of a small split is padded to a
-    full micro batch whose padding counts no loss: compiled graphs keep one shape."""
+    full micro batch whose padding counts no loss: compiled graphs keep one shape. A stop asked for by a signal ends
+    it before its next batch (ValidationStopped)."""
     if run.val_dataloader is None:
         return None
     model.eval()
@@ -642,6 +664,10 @@ def validate(fabric: L.Fabric, model, run: Run) -> Optional[Tuple[float, int]]:
     for i, batch in enumerate(run.val_dataloader):
         if i >= run.eval.max_iters * run.accumulation:
             break
+        if run.stop.requested_on_any_rank(fabric):
+            model.train()
+            free_gathered_weights(model)
+            raise ValidationStopped
         batch = batch.long()
         inputs, targets = batch[:, :-1], batch[:, 1:]
         padding = run.train.micro_batch_size - len(batch)

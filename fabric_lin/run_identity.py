@@ -57,9 +57,10 @@ def describe(key: str, saved: Any, given: Any) -> str:
     return f"{key}: {saved!r} in the checkpoint, {given!r} here"
 
 
-def ways_on_from(checkpoint_dir: Path, model: Dict[str, Any], saved_seq_length: Any) -> str:
-    """After a refusal to resume another model or sequence length: the flags that resume the checkpoint's run, and
-    where its weights fit this run's model, how to start this run from them."""
+def ways_on_from(checkpoint_dir: Path, model: Dict[str, Any], saved_seq_length: Any, out_dir: Any) -> str:
+    """After a refusal to resume another model or sequence length: the flags that resume the checkpoint's run, the
+    way to run this one instead (elsewhere than the checkpoint's run, whose out_dir `out_dir` may be, or without
+    --resume where it is not), and where its weights fit this run's model, how to start this run from them."""
     from fabric_lin.weights import meta_model
 
     saved_config, config = Config.from_checkpoint(checkpoint_dir), Config(**model)
@@ -68,7 +69,9 @@ def ways_on_from(checkpoint_dir: Path, model: Dict[str, Any], saved_seq_length: 
         flags.append(saved_config.flag(checkpoint_dir / CONFIG_FILE))
     if saved_seq_length is not None:
         flags.append(f"--train.max_seq_length {saved_seq_length}")
-    resume = f"Resume it with the checkpoint's {' '.join(flags)}, or write this run to another --out_dir"
+    in_its_run = out_dir is not None and Path(checkpoint_dir).resolve().parent == Path(out_dir).resolve()
+    instead = "write this run to another --out_dir" if in_its_run else "start this run without --resume"
+    resume = f"Resume it with the checkpoint's {' '.join(flags)}, or {instead}"
     shapes = [{name: tuple(t.shape) for name, t in meta_model(c).state_dict().items()} for c in (saved_config, config)]
     if shapes[0] != shapes[1]:
         return resume + " (the checkpoint's weights do not fit this model's shapes, so they cannot start it either)"
@@ -97,7 +100,8 @@ def compare_with_checkpoint(checkpoint_dir: Path, hparams: Dict[str, Any], model
         raise InvalidValue(
             f"--resume {checkpoint_dir}: a resumed run trains the checkpoint's run, and this one differs in "
             + "; ".join(describe(k, saved.get(k), given.get(k)) for k in fixed) + ". "
-            + ways_on_from(checkpoint_dir, model, saved.get("train.max_seq_length") if "train.max_seq_length" in fixed else None)
+            + ways_on_from(checkpoint_dir, model, saved.get("train.max_seq_length") if "train.max_seq_length" in fixed
+                           else None, hparams.get("out_dir"))
         )
     refused = [k for k in changed if group_of(k) in CHANGEABLE and group_of(k) not in allowed]
     if refused:

@@ -17,7 +17,7 @@ from fabric_lin.checkpoint import (
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import read_yaml, short_list
+from fabric_lin.files import is_a, read_yaml, short_list
 from fabric_lin.metrics import METRICS_FILE, recorded_checkpoints
 
 
@@ -109,7 +109,7 @@ def check_config_of_a_moved_run(config_files: List[Path]) -> None:
     where `--resume auto` would find no checkpoint and start again from step 0: refused, naming both places."""
     recorded = None
     for path in config_files:
-        content = read_yaml(path) if path.is_file() else None
+        content = read_yaml(path) if is_a(path, "file") else None  # else inline YAML, or a file jsonargparse names
         if isinstance(content, dict) and "out_dir" in content:
             recorded = (path, content["out_dir"])  # the last file that sets out_dir is the one that counts
     if recorded is None or recorded[0].name != HPARAMS_FILE or not is_training_checkpoint(recorded[0].parent):

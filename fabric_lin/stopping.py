@@ -95,8 +95,11 @@ class StopRequest:
             signal.signal(getattr(signal, name), handler)
 
     def requested_on_any_rank(self, fabric: "L.Fabric") -> bool:
-        """Whether any rank received a signal (it may reach one of them only). Waits for the GPU: for the start
-        of a run, not for every step (StepFlags carries the flag with each step's others)."""
+        """Whether any rank received a signal (it may reach one of them only). With several processes it waits for
+        the GPU: for the start of a run and between validation batches, not for every step (StepFlags carries the
+        flag with each step's others)."""
+        if fabric.world_size == 1:
+            return self.requested
         flag = torch.tensor(float(self.requested), device=fabric.device)
         if fabric.world_size > 1:
             torch.distributed.all_reduce(flag)

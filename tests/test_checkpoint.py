@@ -73,6 +73,11 @@ def test_a_resume_path_without_a_checkpoint_says_what_is_there(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"does not exist: expected a training checkpoint \(a run's step-XXXXXXXX/ "
                                                 r"or final/\)$"):
         explicit_resume_dir(tmp_path / "elsewhere" / "final")
+    # a word that is no path, meant for one of the words --resume takes (`resume: maybe` in a config file)
+    with pytest.raises(FileNotFoundError) as word:
+        explicit_resume_dir("maybe")
+    assert str(word.value) == ("--resume maybe does not exist: expected a training checkpoint (a run's "
+                               "step-XXXXXXXX/ or final/), or false, true or auto")
     export = tmp_path / "hf"
     export.mkdir()
     for name in ("config.json", "model.safetensors", "tokenizer.model"):

@@ -31,7 +31,8 @@ def test_cli_accepts_data_module_subclass_and_rejects_unknown_keys(capsys):
 
 
 def test_cli_lists_the_valid_keys_of_a_nested_class(tmp_path, capsys):
-    """An unknown key inside model_config: or a data module is named with the keys the class accepts."""
+    """An unknown key inside model_config: or a data module is named with the closest key and the keys the class
+    accepts."""
     from fabric_lin.cli import main as cli_main
 
     config = tmp_path / "run.yaml"
@@ -39,10 +40,12 @@ def test_cli_lists_the_valid_keys_of_a_nested_class(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["pretrain", "--config", str(config), "--out_dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert "fabric_lin.config.Config has no option 'hiden_size'; valid options are: name, block_type, vocab_size, hidden_size," in err
+    assert ("fabric_lin.config.Config has no option 'hiden_size' (did you mean hidden_size?); valid options are: name, "
+            "block_type, vocab_size, hidden_size,") in err
     with pytest.raises(SystemExit):
         cli_main(["pretrain", "--model_name", "gla-debug", "--data", "SampleCorpus", "--data.sede", "3"])
-    assert "fabric_lin.data.SampleCorpus has no option 'sede'; valid options are: seed, num_workers," in capsys.readouterr().err
+    assert ("fabric_lin.data.SampleCorpus has no option 'sede' (did you mean seed?); valid options are: seed, "
+            "num_workers,") in capsys.readouterr().err
 
 
 def test_a_bad_value_is_one_line_and_a_hint_not_the_usage(tmp_path, capsys):
@@ -264,6 +267,23 @@ def test_a_data_module_s_option_before_the_module_names_the_modules_that_take_it
     assert parse_error([command, *positional, *flags], capsys) == f"fabric-lin {command}: error: {message}"
 
 
+@pytest.mark.parametrize("content,message", [
+    ("data:\n  train_dir: data/train\n",
+     "data: train_dir is an option of TextFiles: in a config file, give it under data's init_args, beside "
+     "class_path: TextFiles"),
+    ("data:\n  data_path: data\n",
+     "data: data_path is an option of TokenChunks and SlimPajamaStarcoder: in a config file, give it under data's "
+     "init_args, beside the class_path of one of them"),
+])
+def test_a_data_module_s_option_in_a_config_file_without_the_module_says_where_it_goes(tmp_path, capsys, content,
+                                                                                    message):
+    """`data: {train_dir: ...}` in a config file was answered as the command line's `--data.train_dir` is: "give
+    --data TextFiles before it", which a config file has no place for."""
+    (tmp_path / "run.yaml").write_text("model_name: gla-debug\n" + content)
+    err = parse_error(["pretrain", "--config", str(tmp_path / "run.yaml"), "--out_dir", str(tmp_path / "out")], capsys)
+    assert err == f"fabric-lin pretrain: error: {message}"
+
+
 def test_error_data_options_without_a_data_module(tmp_path, capsys):
     err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"),
                      "--train.max_steps", "1", "--data.num_workers", "2"], capsys)
@@ -434,6 +454,8 @@ def test_a_lightning_flag_is_pointed_to_fabric_lin_s_only_where_the_command_has_
      "max_nonfinite_steps"),
     ("model_name: gla-debug\ntrian:\n  max_steps: 3\n", "trian.max_steps", "train.max_steps", "the keys are: model_name, "),
     ("model_name: gla-debug\nbogus_key: 1\n", "bogus_key", None, "the keys are: model_name, model_config, out_dir, "),
+    ("model_name: gla-debug\ndta:\n  class_path: fabric_lin.data.SampleCorpus\n  init_args:\n    num_workers: 0\n",
+     "dta.init_args.num_workers", "data.init_args.num_workers", "the keys are: model_name, "),
 ])
 def test_a_config_files_unknown_key_is_named_with_the_closest_and_the_keys_of_its_group(tmp_path, capsys, content, key,
                                                                                       closest, listed):
@@ -444,6 +466,27 @@ def test_a_config_files_unknown_key_is_named_with_the_closest_and_the_keys_of_it
                           + (f" (did you mean {closest}?)" if closest else ";"))
     assert listed in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_file_of_another_command_is_named_as_such(tmp_path, capsys):
+    """A run's hyperparameters.yaml given to evaluate as --config (where evaluate takes the checkpoint directory and
+    reads that file itself), and evaluate's --print_config given to pretrain: each was refused for its first key alone,
+    with the keys of the command, as a file with a typo is."""
+    import yaml
+
+    from fabric_lin.cli import main as cli_main
+
+    hparams = tmp_path / "final" / "hyperparameters.yaml"
+    hparams.parent.mkdir()
+    hparams.write_text(yaml.safe_dump({"model_name": "gla-debug", "out_dir": str(tmp_path), "train": {"max_steps": 3}}))
+    err = parse_error(["evaluate", "--config", str(hparams)], capsys)
+    assert err.endswith(f"; --config {hparams} holds the options of fabric-lin pretrain: evaluate reads a training "
+                        f"checkpoint's own hyperparameters.yaml, given the checkpoint directory"), err
+    with pytest.raises(SystemExit):
+        cli_main(["evaluate", str(tmp_path / "final"), "--print_config"])
+    (tmp_path / "evaluate.yaml").write_text(capsys.readouterr().out)
+    err = parse_error(["pretrain", "--config", str(tmp_path / "evaluate.yaml")], capsys)
+    assert err.endswith(f"; --config {tmp_path / 'evaluate.yaml'} holds the options of fabric-lin evaluate"), err
 
 
 @pytest.mark.parametrize("value,shown", [("", "null"), (" 5", "5"), (" [1, 2]", "[1, 2]")])
@@ -534,6 +577,18 @@ def test_an_import_path_that_is_no_data_module_says_what_data_takes(tmp_path, ca
     err = parse_error(["pretrain", "--model_name", "gla-debug", *given, "--out_dir", str(tmp_path / "out")], capsys)
     assert err == (f"fabric-lin pretrain: error: data: got {shown}, expected a data module (SampleCorpus, LongDocuments, "
                    f"TokenChunks, SlimPajamaStarcoder, TextFiles or an import path) or null{hint}")
+
+
+@pytest.mark.parametrize("misspelt,meant", [("init_arg", "init_args"), ("class_pth", "class_path")])
+def test_a_misspelt_key_of_the_data_mapping_is_named_with_the_one_meant(tmp_path, capsys, misspelt, meant):
+    """`data: {class_path: ..., init_arg: ...}` was refused as "fabric_lin.data.DataModule has no option
+    'init_arg.num_workers'; valid options are: seed, num_workers", and `class_pth` as the whole mapping given."""
+    keys = {"class_path": "fabric_lin.data.SampleCorpus", "init_args": "\n    num_workers: 0"}
+    (tmp_path / "run.yaml").write_text("model_name: gla-debug\ndata:\n" + "".join(
+        f"  {misspelt if key == meant else key}: {value}\n" for key, value in keys.items()))
+    err = parse_error(["pretrain", "--config", str(tmp_path / "run.yaml"), "--out_dir", str(tmp_path / "out")], capsys)
+    assert err == (f"fabric-lin pretrain: error: data: got the key {misspelt} (did you mean {meant}?), expected "
+                   f"class_path (the data module) and init_args (its options)")
 
 
 def test_a_path_that_begins_with_a_tilde_is_in_the_home_directory(tmp_path, capsys, monkeypatch):
@@ -649,6 +704,28 @@ def test_a_model_on_the_command_line_replaces_the_config_files(tmp_path, capsys,
     both = ["--model_name", "gla-debug", "--model_config", str(tmp_path / "model.yaml")]
     for argv in (both, both[2:] + both[:2]):
         assert "give exactly one of --model_name and --model_config" in cli_error(["pretrain", *argv], capsys)
+
+
+def test_a_model_config_or_config_given_inline_longer_than_a_file_name_is_read(capsys):
+    """`--model_config '<a model's whole config as JSON>'` (and a --config of inline YAML) longer than a file name may
+    be: the check of the files given ended in "OSError: File name too long" and its traceback."""
+    import json
+
+    import yaml
+
+    from fabric_lin.cli import main as cli_main
+
+    whole = json.dumps(Config.from_name("gla-debug").to_dict())
+    inline_recipe = (CONFIG_HUB / "debug.yaml").read_text()
+    assert len(whole) > 255 and len(inline_recipe) > 255
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(["pretrain", "--config", inline_recipe, "--model_config", whole, "--model_config.num_layers", "2",
+                  "--print_config"])
+    assert info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model_name"] is None and printed["out_dir"] == "out/pretrain/debug"
+    assert printed["model_config"] == Config.from_name("gla-debug", num_layers=2).to_dict()
 
 
 def test_a_model_config_named_after_a_model_but_unlike_it_is_noted(capsys):
@@ -796,13 +873,22 @@ def test_ctrl_c_is_one_line_with_exit_code_130_and_the_debug_flag_shows_its_trac
     from fabric_lin import cli
 
     def interrupted(argv):
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt(reason)
 
     monkeypatch.setattr(cli, "run", interrupted)
     capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        cli.main(["evaluate"])
-    assert info.value.code == 130 and capsys.readouterr().err == "fabric-lin evaluate: interrupted\n"
+    # a Ctrl-C, the SIGTERM that the preprocessors turn into one, pretrain's second Ctrl-C, which says what to do, and
+    # generate's Ctrl-C, which writes nothing
+    for command, reason, said in (
+            ("evaluate", "", "interrupted: nothing half-written is left; run the same command again"),
+            ("prepare_text", "SIGTERM",
+             "interrupted (SIGTERM): nothing half-written is left; run the same command again"),
+            ("pretrain", "a second Ctrl-C: stopped at once", "interrupted (a second Ctrl-C: stopped at once)"),
+            ("generate", "", "interrupted")):
+        with pytest.raises(SystemExit) as info:
+            cli.main([command])
+        assert info.value.code == 130 and capsys.readouterr().err == f"fabric-lin {command}: {said}\n"
+    reason = ""
     monkeypatch.setenv("FABRIC_LIN_DEBUG", "1")
     with pytest.raises(KeyboardInterrupt):
         cli.main(["evaluate"])

@@ -594,6 +594,24 @@ def test_overwrite_replaces_a_model_of_the_other_format(tmp_path):
     assert all(torch.equal(back[name], new[name]) for name in new)
 
 
+def test_overwrite_removes_the_earlier_models_evaluation(tmp_path):
+    """evaluate writes a model directory's or an export's results into its evaluate/ (naming the directory, not the
+    weights): left there by an overwrite, they were taken for the new model's, and a new evaluation was refused as
+    one of an earlier evaluation. They go with the earlier model; other files of evaluate/ stay."""
+    make_model_dir(tmp_path / "old", small_config(), seed=0)
+    make_model_dir(tmp_path / "new", small_config(), seed=1)
+    convert_to_hf(tmp_path / "old", tmp_path / "hf")
+    for directory in (tmp_path / "old", tmp_path / "hf"):
+        (directory / "evaluate").mkdir()
+        for name in ("evaluate.json", "loss_by_position.png"):
+            (directory / "evaluate" / name).write_text("the earlier model's")
+    (tmp_path / "hf" / "evaluate" / "notes.txt").write_text("the user's own file stays")
+    convert_to_hf(tmp_path / "new", tmp_path / "hf", overwrite=True)
+    assert [p.name for p in (tmp_path / "hf" / "evaluate").iterdir()] == ["notes.txt"]
+    convert_from_hf(tmp_path / "hf", tmp_path / "old", overwrite=True)
+    assert not (tmp_path / "old" / "evaluate").exists()
+
+
 def test_directory_mixing_two_exports_is_refused(tmp_path):
     make_model_dir(tmp_path / "model", small_config())
     convert_to_hf(tmp_path / "model", tmp_path / "single")

@@ -367,7 +367,8 @@ def test_resuming_in_another_sample_order_is_refused(mix):
 
 def test_a_moved_data_directory_resumes_in_place_and_another_shuffle_is_refused(mix, tmp_path):
     """A source is known by its index.json wherever it lies (data moved to another file system between two
-    attempts); the same directory read in another order (data.shuffle) is another sample order."""
+    attempts); the same directory read in another order (data.shuffle) is another sample order, and a directory of
+    other data is named (the sample order's keys of the sources are hashes)."""
     import shutil
 
     def loader(path, **kwargs):
@@ -385,6 +386,11 @@ def test_a_moved_data_directory_resumes_in_place_and_another_shuffle_is_refused(
     assert torch.equal(next(iter(moved)), next(batches))
     with pytest.raises(ValueError, match="another sample order: shuffle is False here, True in the checkpoint"):
         loader(mix["data"] / "starcoder", shuffle=False).load_state_dict(state)
+    # data prepared again in its place (here: other data), whose index.json is all that the checkpoint knows it by
+    other = mix["data"] / "slimpajama" / "train"
+    with pytest.raises(ValueError, match=f"another sample order: {other} is not data the checkpoint's run read "
+                                         r"\(another index.json: prepared again since, or another directory\); "):
+        loader(other).load_state_dict(state)
 
 
 def test_a_new_mix_allowed_on_resume_reads_each_source_on_after_what_it_gave(mix):

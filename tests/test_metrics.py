@@ -331,6 +331,33 @@ def test_a_csv_row_cut_inside_its_step_is_left_out(tmp_path):
         assert [(row["step"], row["val_loss"]) for row in csv.DictReader(f)] == [("2", "8.0"), ("4", "6.0"), ("6", "1.0")]
 
 
+def test_a_start_from_step_0_after_an_attempt_that_saved_no_checkpoint_supersedes_all_its_records(tmp_path):
+    """Attempt 1 validated at step 0 and trained steps 1 and 2, then was killed before its first checkpoint; `--resume
+    auto` finds none and starts again from step 0 (in the same CSV version), validating step 0 again. The history holds
+    step 0 once, attempt 2's, in metrics.jsonl and in metrics.csv; attempt 1's records are all in the superseded
+    file."""
+    import csv
+
+    from fabric_lin.metrics import make_logger
+
+    def attempt(continuing: bool):
+        fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[make_logger("csv", tmp_path, {}, continuing)])
+        return MetricsWriter(fabric, tmp_path, max_steps=4, tokens_per_step=100)
+
+    first = attempt(continuing=False)
+    first.begin_attempt(0)
+    first.log_validation(0, (8.0, 64))
+    first.write({"step": 1, "loss": 7.0}, {"step": 2, "loss": 6.5})
+    second = attempt(continuing=True)
+    second.begin_attempt(0)
+    second.log_validation(0, (8.5, 64))
+    second.close("success")
+    assert [(r["step"], r["attempt"]) for r in read_records(tmp_path / METRICS_FILE)] == [(0, 2)]
+    assert [(r["step"], r["attempt"]) for r in read_records(tmp_path / SUPERSEDED_FILE)] == [(0, 1), (1, 1), (2, 1)]
+    with open(tmp_path / "logs" / "csv" / "version_0" / "metrics.csv", newline="") as f:
+        assert [(row["step"], row["val_loss"]) for row in csv.DictReader(f)] == [("0", "8.5")]
+
+
 def test_seconds_are_shown_as_hours_minutes_and_seconds():
     assert metrics_module.format_seconds(3725.4) == "1:02:05"
     assert metrics_module.format_seconds(59.6) == "0:01:00"

@@ -42,9 +42,14 @@ def config() -> Config:
 
 
 class ProcessGroupFabric:
-    """What pretrain's validate asks of Fabric: the device, and a sum over torch.distributed's processes."""
+    """What pretrain's validate asks of Fabric: the device, the number of processes, and a sum over them
+    (torch.distributed's processes)."""
 
     device = torch.device("cpu")
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
 
     def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
         assert reduce_op == "sum"
@@ -54,14 +59,15 @@ class ProcessGroupFabric:
 
 def validation_run(loader, micro_batch_size: int, max_iters: int):
     """What pretrain's validate reads of its run: the validation batches and their size, and how many optimizer
-    steps' worth to read, one micro batch per process each."""
+    steps' worth to read, one micro batch per process each; no stop asked for."""
     from types import SimpleNamespace
 
     from fabric_lin.args import EvalArgs, TrainArgs
+    from fabric_lin.stopping import StopRequest
 
     return SimpleNamespace(val_dataloader=loader, eval=EvalArgs(max_iters=max_iters), accumulation=1,
                            train=TrainArgs(micro_batch_size=micro_batch_size), cuda_graphs=False,
-                           eos_id=None)
+                           eos_id=None, stop=StopRequest())
 
 
 # ---------------------------------------------------------------- the job: 4 CPU processes

@@ -91,7 +91,7 @@ def test_error_max_seq_length_beyond_the_data(tmp_path, prepared):
      r"{d} is damaged: chunk-0-1.bin has 100 bytes, 2,012 in index.json \(truncated\); copy the directory again"),
     (lambda d: (d / "chunk-0-2.bin").open("ab").write(b"more"), r"chunk-0-2.bin has 2,016 bytes, 2,012 in index.json \(grown\)"),
     (lambda d: (d / "index.json").write_bytes(b"\xff\xfe{"), r"{d}/index.json cannot be read as JSON: 'utf-8' codec can't decode"),
-    (lambda d: (d / "prepared.json").write_text("[]"), r"{d}/prepared.json: expected a JSON object, got list"),
+    (lambda d: (d / "prepared.json").write_text("[]"), r"{d}/prepared.json: expected a JSON object, got array"),
     (lambda d: (d / "prepared.json").write_text('{"complete": false}'),
      r"{d}/prepared.json does not mark the directory complete; prepare it again"),
     (lambda d: (d / "index.json").write_text('{"chunks": [{"dim": 1000}]}'),
@@ -416,23 +416,28 @@ def test_checkpoints_record_the_data_s_tokenizer_which_another_tokenizer_model_c
     assert err == "fabric-lin evaluate: error: " + refusal.format(final, sha["tok300b"], sha["tok300"], prepared / "tok300") + "\n"
 
 
-@pytest.mark.parametrize("option,suggested,anchored", [("train_dir", "train", False), ("val_dir", "val", True)])
-def test_prepare_text_output_given_as_a_data_dir_suggests_its_split(tmp_path, prepared, option, suggested, anchored):
-    """prepare_text's --output_dir holds train/ and val/: given as data.train_dir, the error names OUT/train; given as
-    data.val_dir (pretrain's, or evaluate's held-out text), OUT/val, not OUT/train: validating on training data is what
-    the split exists to avoid."""
+@pytest.mark.parametrize("module,option,suggested,anchored", [
+    ("TextFiles", "train_dir", "train", False), ("TextFiles", "val_dir", "val", True),
+    ("TokenChunks", "data_path", "train", False), ("TokenChunks", "val_path", "val", True),
+])
+def test_prepare_text_output_given_as_a_data_dir_suggests_its_split(tmp_path, prepared, module, option, suggested,
+                                                                    anchored):
+    """prepare_text's --output_dir holds train/ and val/: given as data.train_dir (data_path), the error names
+    OUT/train; given as data.val_dir or val_path (pretrain's, or evaluate's held-out text), OUT/val, not OUT/train:
+    validating on training data is what the split exists to avoid."""
     import shutil
 
-    from fabric_lin.data import TextFiles
+    import fabric_lin.data
 
     for split in ("train", "val"):
         shutil.copytree(prepared / "tokens300", tmp_path / "out" / split)
-    data = TextFiles(**{option: tmp_path / "out"}, num_workers=0)
+    data = getattr(fabric_lin.data, module)(**{option: tmp_path / "out"}, num_workers=0)
     data.connect(batch_size=1, max_seq_length=16)
     message = (rf"{tmp_path / 'out'} has no index.json; it holds prepared directories \(train, val\): did you mean "
                rf"{tmp_path / 'out' / suggested}\?")
-    with pytest.raises(FileNotFoundError, match=rf"^data.{option} {message}$" if anchored else message):
-        data.setup()
+    for check in (data.setup, data.setup_validation) if anchored else (data.setup,):
+        with pytest.raises(FileNotFoundError, match=rf"^data.{option} {message}$" if anchored else message):
+            check()
 
 
 def test_raw_text_given_as_prepared_data_says_to_prepare_it(tmp_path):
@@ -487,6 +492,7 @@ def test_validation_covers_the_same_tokens_whatever_the_micro_batch_and_processe
     from fabric_lin.data.base import token_val_loader
     from fabric_lin.model import GPT
     from fabric_lin.pretrain import validate
+    from fabric_lin.stopping import StopRequest
 
     path, seq, global_batch = prepared / "tokens", 31, 12  # blocks of 32 tokens: 31 per chunk file, 124 in all
     torch.manual_seed(0)
@@ -503,7 +509,8 @@ def test_validation_covers_the_same_tokens_whatever_the_micro_batch_and_processe
                 loader.rank_and_world = (rank, world_size)
                 run = SimpleNamespace(val_dataloader=loader, eval=EvalArgs(max_iters=max_iters), cuda_graphs=False,
                                       train=TrainArgs(micro_batch_size=micro_batch),
-                                      accumulation=global_batch // (micro_batch * world_size), eos_id=None)
+                                      accumulation=global_batch // (micro_batch * world_size), eos_id=None,
+                                      stop=StopRequest())
                 loss, n = validate(fabric, model, run)
                 loss_sum, tokens = loss_sum + loss * n, tokens + n
             layout = f"max_iters {max_iters}, micro batch {micro_batch}, {world_size} process(es)"

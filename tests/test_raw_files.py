@@ -1,11 +1,16 @@
 """fabric_lin/data/raw_files.py's readers on files shaped as real shards are, against the documents written: a last
 JSON line without a newline, lines and zstd frames across read blocks (the block made small), zstd frames cut
-mid-line, and more documents than one batch (JSON lines, and parquet row groups read in several batches). The
+mid-line, and more documents than one batch (JSON lines, and parquet row groups read in several batches); a line or
+field of another JSON type named by it; UTF-16 and UTF-32 text named with its conversion. The
 preprocessors' end-to-end tests (test_data_prep.py, test_prepare_text.py) read small files whole, in one block
 and one batch."""
+import gzip
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 import fabric_lin.data.raw_files as raw_files
 from fabric_lin.data.raw_files import iter_parquet_texts, iter_text_documents, read_slimpajama_file
@@ -47,6 +52,17 @@ def test_a_slimpajama_file_gives_every_row(tmp_path, small_read_blocks, final_ne
     path = tmp_path / "chunk_0.jsonl.zst"
     write_json_lines(path, rows, "zst", frames=3, final_newline=final_newline)
     assert read_slimpajama_file(path) == [(r["text"], r["meta"]["redpajama_set_name"]) for r in rows]
+
+
+def test_a_byte_order_mark_and_windows_line_ends_are_read_alike_by_every_json_lines_reader(tmp_path):
+    """A JSON-lines file saved by a Windows editor (a UTF-8 byte order mark, CRLF line ends): prepare_text read it,
+    and prepare_slimpajama skipped it whole, 'invalid JSON on line 1: Unexpected UTF-8 BOM'."""
+    rows = [{"text": "first document", "meta": {"redpajama_set_name": "RedPajamaC4"}}, {"text": "second", "meta": {}}]
+    data = b"\xef\xbb\xbf" + b"".join(json.dumps(r).encode() + b"\r\n" for r in rows)
+    (tmp_path / "chunk_0.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+    assert read_slimpajama_file(tmp_path / "chunk_0.jsonl.zst") == [("first document", "RedPajamaC4"), ("second", None)]
+    (batch,) = iter_text_documents(tmp_path / "chunk_0.jsonl.zst")
+    assert batch.texts == ["first document", "second"] and not batch.bad
 
 
 def test_parquet_row_groups_read_in_several_batches(tmp_path):
@@ -131,3 +147,37 @@ def test_a_git_lfs_pointer_is_named_as_one_by_every_reader(tmp_path):
             read(tmp_path / name)
     (tmp_path / "notes.txt").write_text(pointer + "and a document that goes on " * 40)  # past a pointer's 1024 bytes
     assert list(iter_text_documents(tmp_path / "notes.txt"))[0].texts == [(tmp_path / "notes.txt").read_text()]
+
+
+def test_a_json_line_of_another_type_is_named_by_its_json_type(tmp_path):
+    """A line or a field of the wrong type was named by its Python type: "a JSON NoneType", "a JSON str"."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('[1, 2]\n"a string"\nnull\n7\ntrue\n'
+                    '{"text": {"a": 1}}\n{"text": [1]}\n{"text": 2.5}\n{"text": "kept"}\n')
+    (batch,) = iter_text_documents(path, batch_size=16)
+    assert batch.texts == ["kept"]
+    expected_an_object = "expected an object with a string field 'text'"
+    assert [reason for _, reason in batch.bad] == [
+        f"line 1: a JSON array, {expected_an_object}", f"line 2: a JSON string, {expected_an_object}",
+        f"line 3: a JSON null, {expected_an_object}", f"line 4: a JSON number, {expected_an_object}",
+        f"line 5: a JSON boolean, {expected_an_object}", "line 6: field 'text' is a JSON object, expected a string",
+        "line 7: field 'text' is a JSON array, expected a string",
+        "line 8: field 'text' is a JSON number, expected a string",
+    ]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+@pytest.mark.parametrize("name", ["a.txt", "a.jsonl", "a.jsonl.gz", "slimpajama.jsonl.zst"])
+def test_utf16_or_utf32_text_is_named_with_its_conversion(tmp_path, name, encoding):
+    """Text saved as Windows Notepad's "Unicode" (UTF-16, with its byte order mark) was refused as "not UTF-8: invalid
+    start byte at byte 0", and a JSON-lines file line by line as bad rows."""
+    text = "\n".join(json.dumps({"text": f"document {i}"}) for i in range(3)) + "\n"
+    data = text.encode(encoding)  # Python's utf-16 and utf-32 write the byte order mark first
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else
+                     zstandard.ZstdCompressor().compress(data) if name.endswith(".zst") else data)
+    upper = encoding.upper()
+    with pytest.raises(raw_files.BadFileError) as info:
+        list(read_slimpajama_file(path) if name.endswith(".zst") else iter_text_documents(path))
+    assert info.value.reason == (f"{upper} text (it starts with {upper}'s byte order mark), expected UTF-8: convert it "
+                                 f"first, e.g. iconv -f {upper} -t UTF-8")

@@ -37,18 +37,24 @@ def test_resume_with_another_model_refuses_naming_the_fields(tmp_path):
     final = tmp_path / "out" / "final"
     with pytest.raises(ValueError, match=rf"--resume {final}: a resumed run trains the checkpoint's run, and this one differs in "
                        r"model: num_layers 4 in the checkpoint, 1 here; train.max_seq_length: 32 in the checkpoint, 16 here\. "
-                       r"Resume it with the checkpoint's --model_name gla-debug --train.max_seq_length 32, or write this run to "
-                       r"another --out_dir \(the checkpoint's weights do not fit this model's shapes, so they cannot start it either\)"):
+                       r"Resume it with the checkpoint's --model_name gla-debug --train.max_seq_length 32, or start this run "
+                       r"without --resume \(the checkpoint's weights do not fit this model's shapes, so they cannot start it "
+                       r"either\)"):
         setup_pretrain(tmp_path, out_dir=tmp_path / "again", resume=final, model_name=None,
                model_config=Config.from_name("gla-debug", num_layers=1),
                train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=16))
     # weights of the same shapes can start a new run of the other model (continued pretraining)
     with pytest.raises(ValueError, match=r"model: head_norm_eps 1e-06 in the checkpoint, 1e-05 here, norm_eps 1e-06 in the checkpoint, "
                        r"1e-05 here\. Resume it with the checkpoint's "
-                       r"--model_name gla-debug, or write this run to another --out_dir; or start this run from its weights: "
+                       r"--model_name gla-debug, or start this run without --resume; or start this run from its weights: "
                        rf"fabric-lin convert_pretrained_checkpoint {final} --output_dir <DIR>, then --initial_checkpoint_dir <DIR>$"):
         setup_pretrain(tmp_path, out_dir=tmp_path / "again", resume=final, model_name=None,
                        model_config=Config.from_name("gla-debug", norm_eps=1e-5))
+    # from another out_dir, a new run goes without --resume (above); in the checkpoint's own, to another out_dir
+    with pytest.raises(ValueError, match=r"Resume it with the checkpoint's --train.max_seq_length 32, or write this run to "
+                                         r"another --out_dir; or start this run from its weights"):
+        setup_pretrain(tmp_path, resume="auto",
+                       train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=16))
 
 
 def test_resume_in_another_data_order_is_refused_naming_the_value(tmp_path):
@@ -171,7 +177,8 @@ def test_a_resume_of_another_sequence_length_names_that_flag_alone(tmp_path):
     Config.from_name("gla-debug").save(tmp_path / "model_config.yaml")
     (tmp_path / "hyperparameters.yaml").write_text(yaml.safe_dump({"train": {"max_seq_length": 32}}))
     with pytest.raises(ValueError) as refused:
-        compare_with_checkpoint(tmp_path, {"train": {"max_seq_length": 16}}, Config.from_name("gla-debug").to_dict(), [])
+        compare_with_checkpoint(tmp_path, {"out_dir": str(tmp_path.parent), "train": {"max_seq_length": 16}},
+                                Config.from_name("gla-debug").to_dict(), [])
     assert str(refused.value) == (
         f"--resume {tmp_path}: a resumed run trains the checkpoint's run, and this one differs in train.max_seq_length: "
         f"32 in the checkpoint, 16 here. Resume it with the checkpoint's --train.max_seq_length 32, or write this run to "

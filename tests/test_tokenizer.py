@@ -219,7 +219,7 @@ def test_train_tokenizer_refuses_an_output_dir_that_holds_a_tokenizer_or_cannot_
 
 
 def test_train_tokenizer_names_what_an_interrupted_run_left(tmp_path, capsys):
-    """An --output_dir holding a tokenizer_config.json without tokenizer.model (what train_tokenizer leaves when stopped
+    """An --output_dir holding a tokenizer_config.json without tokenizer.model (what train_tokenizer leaves when killed
     between its two files, or another library's tokenizer): said so, where the refusal said that data and models were
     made with a tokenizer that is not there."""
     (tmp_path / "raw").mkdir()
@@ -230,6 +230,29 @@ def test_train_tokenizer_names_what_an_interrupted_run_left(tmp_path, capsys):
     assert err == (f"fabric-lin train_tokenizer: error: --output_dir {tmp_path / 'tok'} holds a tokenizer_config.json "
                    "without a tokenizer.model (what an interrupted train_tokenizer leaves, or another library's "
                    "tokenizer): write the new one to another --output_dir, or delete that tokenizer_config.json first\n")
+
+
+def test_train_tokenizer_stopped_between_its_two_files_leaves_neither(tmp_path, monkeypatch):
+    """Ctrl-C after tokenizer_config.json was written and before tokenizer.model: the config was left alone, and the
+    same command run again was refused for it (as the test above refuses one). Neither is left, and it runs again."""
+    import fabric_lin.data.train_tokenizer as train_tokenizer_module
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("\n".join(f"the quick brown fox {i} jumps" for i in range(200)))
+    written = train_tokenizer_module.atomic_write
+
+    def interrupted_at_the_model(path, write):
+        if path.name == "tokenizer.model":
+            raise KeyboardInterrupt
+        written(path, write)
+
+    monkeypatch.setattr(train_tokenizer_module, "atomic_write", interrupted_at_the_model)
+    with pytest.raises(KeyboardInterrupt):
+        train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=300, num_threads=1)
+    assert list((tmp_path / "tok").iterdir()) == []
+    monkeypatch.setattr(train_tokenizer_module, "atomic_write", written)
+    train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=300, num_threads=1)
+    assert Tokenizer(tmp_path / "tok").vocab_size == 300
 
 
 def test_a_tokenizer_or_weights_file_that_is_a_git_lfs_pointer_is_named_as_one(tmp_path):

@@ -4,7 +4,8 @@ one warmup step, clipping that takes effect. The reference reads the data module
 the micro batches' losses, clips the gradients' norm, sets each step's learning rate (computed by hand) before
 AdamW's update; the run must log the same loss, learning rate, gradient norm (before clipping) and data checksum at
 every step, validate on the validation split, and end with the same weights. A stop asked for in the middle of a
-step's micro batches saves that step whole, at the step boundary."""
+step's micro batches saves that step whole, at the step boundary; one asked for during a validation ends it and saves
+the step it followed."""
 import os
 import signal
 
@@ -124,3 +125,44 @@ def test_a_stop_asked_for_between_micro_batches_saves_the_whole_step(tmp_path, m
     assert [r["data_fingerprint"] for r in metrics_records(out) if "data_fingerprint" in r] == fingerprints[:2]
     for name, value in weights[1].items():
         torch.testing.assert_close(state["model"][name], value, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.parametrize("validation", ["final", "periodic"])
+def test_a_stop_asked_for_during_a_validation_ends_it_and_saves_the_step(tmp_path, monkeypatch, capsys, reference,
+                                                                      validation):
+    """SIGUSR1 during the first of a validation's two batches, the final one (after step 3) or the one after step 2
+    (eval.interval 2): the validation read no further batch and logged nothing, step-0000000N/ holds the reference's
+    weights after that step and there is no final/. The final validation went on to its end and saved final/ (minutes
+    on a large model, past a scheduler's wait after its signal) and printed no stop. Resumed at the last step, the run
+    validates, as the reference does, and writes final/."""
+    import fabric_lin.pretrain as pretrain
+
+    calls = []
+    step = 3 if validation == "final" else 2
+    signal_at = 2 * step + 1  # the training steps' two micro batches each, then the validation's first batch
+
+    def loss_then_signal(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == signal_at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return compute_loss(*args, **kwargs)
+
+    compute_loss = pretrain.compute_loss
+    monkeypatch.setattr(pretrain, "compute_loss", loss_then_signal)
+    eval_args = EvalArgs(interval=2 if validation == "periodic" else 1000, max_iters=1, final_validation=True)
+    setup_pretrain(tmp_path, train=TRAIN, optimizer=OPTIMIZER, seed=SEED, eval=eval_args)
+    out = tmp_path / "out"
+    during = "the final validation" if validation == "final" else "its validation"
+    assert f"Stopped by SIGUSR1 at step {step} during {during}: checkpoint saved in {out / f'step-{step:08d}'}" in (
+        capsys.readouterr().out)
+    assert len(calls) == signal_at and not (out / "final").exists()
+    assert not [r for r in metrics_records(out) if "val_loss" in r]
+    state = load_whole_checkpoint(out / f"step-{step:08d}" / "lit_model.pth")
+    _, _, _, weights, val_loss = reference
+    for name, value in weights[step - 1].items():
+        torch.testing.assert_close(state["model"][name], value, rtol=0, atol=WEIGHT_ATOL, msg=name)
+    if validation == "final":
+        monkeypatch.setattr(pretrain, "compute_loss", compute_loss)
+        setup_pretrain(tmp_path, train=TRAIN, optimizer=OPTIMIZER, seed=SEED, eval=eval_args, resume="auto")
+        assert [r["val_loss"] for r in metrics_records(out) if "val_loss" in r] == [pytest.approx(val_loss, rel=1e-6)]
+        assert (out / "final").is_dir()

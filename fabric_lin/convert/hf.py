@@ -37,7 +37,6 @@ from fabric_lin.convert.model_dir import (
     check_state_dict,
     check_tokenizer_fits_model,
     copy_tokenizer,
-    files_taken_back_on_failure,
     from_llama_command,
     load_model_dir_weights,
     load_safetensors_dir,
@@ -48,7 +47,7 @@ from fabric_lin.convert.model_dir import (
     save_safetensors_dir,
 )
 from fabric_lin.errors import InvalidValue, MissingFile
-from fabric_lin.files import created_dir, read_json
+from fabric_lin.files import created_dir, files_taken_back_on_failure, read_json
 
 # fla's architecture for each model_type
 ARCHITECTURES = {"gla": "GLAForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM", "delta_net": "DeltaNetForCausalLM",

@@ -14,16 +14,22 @@ inside their directory.
 """
 import json
 import re
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 import torch.nn as nn
 
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile
-from fabric_lin.files import atomic_write, check_dir_can_be_made, directories_below, read_json, short_list
+from fabric_lin.files import (
+    atomic_write,
+    check_dir_can_be_made,
+    directories_below,
+    files_taken_back_on_failure,
+    read_json,
+    short_list,
+)
 from fabric_lin.weights import (
     MODEL_FILE,
     canonical_state_dict,
@@ -43,6 +49,12 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# evaluate's results, written by default into the model directory or export it evaluates (their evaluate/)
+EVALUATION_DIR = "evaluate"
+RESULTS_FILE = "evaluate.json"
+PLOT_FILE = "loss_by_position.png"
 
 
 def what_it_holds(directory: Path) -> Optional[str]:
@@ -330,11 +342,12 @@ def refuse_mixed_exports(directory: Path, index_files: Iterable[str], index_path
 def remove_earlier_model(directory: Path) -> None:
     """Delete what a conversion wrote into `directory` before (`--overwrite true`), in either format: a model
     directory's lit_model.pth and model_config.yaml, an export's config.json and safetensors (one file, or shards and
-    their index), the tokenizer files and trained_with.json; other files stay. Left beside the new model, the earlier
-    one is what some reader would load: generate reads lit_model.pth, convert_from_hf and transformers config.json and
-    the safetensors, a stale index or model.safetensors wins over new shards or the reverse; and its tokenizer and
-    trained_with.json would be taken for the new weights'. Removed before writing, an interrupted conversion leaves no
-    weights rather than a mix of two models."""
+    their index), the tokenizer files and trained_with.json, and evaluate's results of that model in its evaluate/;
+    other files stay. Left beside the new model, the earlier one is what some reader would load: generate reads
+    lit_model.pth, convert_from_hf and transformers config.json and the safetensors, a stale index or model.safetensors
+    wins over new shards or the reverse; its tokenizer and trained_with.json would be taken for the new weights', and
+    its results (which name the directory, not the weights) for theirs. Removed before writing, an interrupted
+    conversion leaves no weights rather than a mix of two models."""
     from fabric_lin.data.tokenizer import TOKENIZER_FILES, TRAINED_WITH_FILE
 
     written_by_a_conversion = {MODEL_FILE, CONFIG_FILE, HF_CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE,
@@ -344,6 +357,13 @@ def remove_earlier_model(directory: Path) -> None:
         if path.is_file() and (path.name in written_by_a_conversion or _SHARD_NAME.fullmatch(path.name)):
             path.unlink()
             removed.append(path.name)
+    evaluation = Path(directory) / EVALUATION_DIR
+    for name in (RESULTS_FILE, PLOT_FILE):
+        if (evaluation / name).is_file():
+            (evaluation / name).unlink()
+            removed.append(f"{EVALUATION_DIR}/{name}")
+    if evaluation.is_dir() and not any(evaluation.iterdir()):
+        evaluation.rmdir()
     if removed:
         print(f"Removed the files of an earlier model in {directory}: {short_list(removed, 6)}")
 
@@ -448,19 +468,6 @@ def save_model_dir(
         # the weights last: a directory left by a kill has none, and no command takes it for a model
         atomic_write(output_dir / MODEL_FILE, lambda p: torch.save(dict(state_dict), p))
     return copied
-
-
-@contextmanager
-def files_taken_back_on_failure(directory: Path) -> Iterator[None]:
-    """Within the block, a model's files are written into `directory`; if it fails (a full disk, Ctrl-C), the files
-    it added are removed again, so that no part of a model is left to be taken for the whole."""
-    there_before = set(Path(directory).iterdir())
-    try:
-        yield
-    except BaseException:
-        for path in set(Path(directory).iterdir()) - there_before:
-            path.unlink()
-        raise
 
 
 def copy_tokenizer(src_dir: Path, dst_dir: Path, trained_with: Optional[dict]) -> List[str]:

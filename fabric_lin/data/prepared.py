@@ -186,6 +186,16 @@ def read_prepared_dir(path: Union[str, Path]) -> dict:
     return info
 
 
+def check_not_prepare_text_output(val_dir: Path, key: str) -> None:
+    """prepare_text's --output_dir given as a validation directory (`key`: data.val_dir, data.val_path) is refused
+    naming its val/: the check of every prepared directory would suggest its train/, and validating on training data
+    is what the split exists to avoid."""
+    if not (val_dir / INDEX_FILE).is_file() and (val_dir / "val" / INDEX_FILE).is_file():
+        inside = ", ".join(sorted(p.parent.name for p in val_dir.glob(f"*/{INDEX_FILE}")))
+        raise MissingFile(f"{key} {val_dir} has no {INDEX_FILE}; it holds prepared directories ({inside}): "
+                          f"did you mean {val_dir / 'val'}?")
+
+
 def check_chunk_sizes(path: Path, chunks: List[dict]) -> None:
     """Refuse chunk files of another size than the index gives (an interrupted copy cuts them short). litdata takes
     a file shorter than that for a download in progress and waits for the rest: a run on it would wait for ever."""

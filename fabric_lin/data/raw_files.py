@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator, List, NamedTuple, Optional, Tuple, Union
 
 from fabric_lin.errors import InvalidValue, MissingFile, UserError
-from fabric_lin.files import LFS_POINTER_FIX, is_lfs_pointer
+from fabric_lin.files import LFS_POINTER_FIX, is_lfs_pointer, json_type
 
 
 class BadFileError(UserError):
@@ -117,8 +117,9 @@ def read_slimpajama_file(path: Union[str, Path]) -> List[Tuple[str, Optional[str
     The whole file is checked before anything is returned, so a bad file contributes nothing."""
     refuse_lfs_pointer(path)
     data = decompress_zstd(path)
+    refuse_other_unicode(path, data)
     try:
-        content = data.decode("utf-8")
+        content = data.decode("utf-8-sig")  # a byte order mark starts the file, not its first row
     except UnicodeDecodeError as err:
         raise BadFileError(path, f"not UTF-8 text after decompression: {err}") from None
     rows = []
@@ -292,6 +293,22 @@ def iter_text_documents(path: Union[str, Path], key: str = "text", batch_size: i
         raise BadFileError(path, f"not a file prepare_text reads: expected a name ending in {', '.join(TEXT_SUFFIXES)}")
 
 
+# The byte order marks of the encodings that editors save "Unicode" text in besides UTF-8 (Windows Notepad's "Unicode"
+# is UTF-16), UTF-32's first: each of its marks starts with one of UTF-16's
+OTHER_UNICODE_MARKS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+                       (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+
+
+def refuse_other_unicode(path: Union[str, Path], start: bytes) -> None:
+    """A file whose (decompressed) bytes begin with `start` and so with UTF-16's or UTF-32's byte order mark is text,
+    but not in UTF-8: named as such, with the conversion, where its bytes would be refused as "not UTF-8", line by
+    line in a JSON-lines file."""
+    for mark, encoding in OTHER_UNICODE_MARKS:
+        if start.startswith(mark):
+            raise BadFileError(path, f"{encoding} text (it starts with {encoding}'s byte order mark), expected UTF-8: "
+                                     f"convert it first, e.g. iconv -f {encoding} -t UTF-8")
+
+
 def _read_text_file(path: Union[str, Path]) -> str:
     try:
         data = Path(path).read_bytes()
@@ -299,6 +316,7 @@ def _read_text_file(path: Union[str, Path]) -> str:
         raise BadFileError(path, f"cannot read: {err.strerror or err}") from None
     if not data:
         raise BadFileError(path, "empty file")
+    refuse_other_unicode(path, data)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
@@ -349,7 +367,7 @@ def _json_line_text(line: bytes, key: str) -> Tuple[Optional[str], Optional[str]
     except json.JSONDecodeError as err:
         return None, f"invalid JSON: {err.msg} (column {err.colno})"
     if not isinstance(row, dict):
-        return None, f"a JSON {type(row).__name__}, expected an object with a string field {key!r}"
+        return None, f"a JSON {json_type(row)}, expected an object with a string field {key!r}"
     if key not in row:
         keys = ", ".join(list(row)[:8]) + (", ..." if len(row) > 8 else "")
         return None, f"no field {key!r} (fields: {keys or 'none'}; --text_key names the field to read)"
@@ -357,7 +375,7 @@ def _json_line_text(line: bytes, key: str) -> Tuple[Optional[str], Optional[str]
     if text is None:
         return None, None
     if not isinstance(text, str):
-        return None, f"field {key!r} is a JSON {type(text).__name__}, expected a string"
+        return None, f"field {key!r} is a JSON {json_type(text)}, expected a string"
     try:  # JSON escapes can spell half a surrogate pair ("\ud83d"), which no tokenizer can encode
         text.encode("utf-8")
     except UnicodeEncodeError as err:
@@ -366,6 +384,7 @@ def _json_line_text(line: bytes, key: str) -> Tuple[Optional[str], Optional[str]
 
 
 def _iter_json_lines_documents(path: Union[str, Path], key: str, batch_size: int) -> Iterator[DocumentBatch]:
+    refuse_other_unicode(path, next(_iter_blocks(path), b""))
     batch = DocumentBatch([], [], [], [])
     line_number = 0
     try:

@@ -323,6 +323,12 @@ class TrainLoader(DataLoader):
             return
         if not self.new_order_allowed:
             changed = [f"{key} is {here[key]} here, {saved.get(key)} in the checkpoint" for key in here if saved.get(key) != here[key]]
+            unread = [str(path) for path, key in zip(self.dataset.paths, here["sources"])
+                      if key not in saved.get("sources", [])]
+            if unread:  # the keys are hashes: name the directories they stand for
+                are = "is" if len(unread) == 1 else "are"
+                changed.insert(0, f"{', '.join(unread)} {are} not data the checkpoint's run read (another index.json: "
+                                  f"prepared again since, or another directory)")
             raise InvalidValue(
                 f"the checkpoint's data position is a place in another sample order: {'; '.join(changed)} (blocks_per_source: "
                 f"the data directories' sizes in samples of block_size tokens; sources: their index.json). Resume with "

@@ -4,7 +4,7 @@ from pathlib import Path
 from typing import List, Optional, Union
 
 from fabric_lin.data.base import DataModule, say_once, token_train_loader, token_val_loader
-from fabric_lin.data.prepared import INDEX_FILE, PREPARED_INFO_FILE, prepared_from
+from fabric_lin.data.prepared import INDEX_FILE, PREPARED_INFO_FILE, check_not_prepare_text_output, prepared_from
 from fabric_lin.errors import InvalidValue, MissingFile
 
 
@@ -85,7 +85,7 @@ class TextFiles(DataModule):
             # prepare_text writes no OUT/val where it held out no document
             raise MissingFile(f"data.val_dir {self.val_dir} does not exist: give a prepared validation directory "
                               f"(prepare_text's OUT/val, written where --val_fraction held out any document){other_fix}")
-        self.check_not_prepare_text_output(Path(self.val_dir))
+        check_not_prepare_text_output(Path(self.val_dir), "data.val_dir")
 
     def warn_of_validation_documents_trained_on(self, train_infos: List[dict], val: dict) -> None:
         """prepare_text holds a document out where a hash of its place falls below --val_fraction, so the val/ of one
@@ -126,15 +126,6 @@ class TextFiles(DataModule):
                 raise InvalidValue(f"data.train_dir lists {first} and {path}, two preparations of one input ({source}: "
                                    f"their {PREPARED_INFO_FILE}): the documents they share would be read twice in an "
                                    f"epoch; list one of them and give it a larger share with data.train_weights")
-
-    @staticmethod
-    def check_not_prepare_text_output(val_dir: Path) -> None:
-        """prepare_text's --output_dir given as val_dir is refused naming its val/: the check of every prepared
-        directory would suggest its train/, and validating on training data is what the split exists to avoid."""
-        if not (val_dir / INDEX_FILE).is_file() and (val_dir / "val" / INDEX_FILE).is_file():
-            inside = ", ".join(sorted(p.parent.name for p in val_dir.glob(f"*/{INDEX_FILE}")))
-            raise MissingFile(f"data.val_dir {val_dir} has no {INDEX_FILE}; it holds prepared directories ({inside}): "
-                              f"did you mean {val_dir / 'val'}?")
 
     def no_train_dir(self) -> InvalidValue:
         return InvalidValue(

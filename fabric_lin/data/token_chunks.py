@@ -4,6 +4,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from fabric_lin.data.base import DataModule, say_once, token_train_loader, token_val_loader
+from fabric_lin.data.prepared import check_not_prepare_text_output
 from fabric_lin.errors import InvalidValue, MissingFile
 
 
@@ -30,6 +31,8 @@ class TokenChunks(DataModule):
         if self.data_path is None and self.val_path is None:  # evaluate reads val_path alone
             raise InvalidValue("TokenChunks was given no directory: data.data_path (to train on) or data.val_path (to "
                                "validate on; all that evaluate reads), each written by fabric-lin's preprocessors")
+        if self.val_path is not None:
+            check_not_prepare_text_output(Path(self.val_path), "data.val_path")
         super().setup()
         if self.val_path is None:
             say_once("TokenChunks: no validation: data.val_path is not set")
@@ -39,6 +42,8 @@ class TokenChunks(DataModule):
         if self.val_path is not None and not Path(self.val_path).exists():
             raise MissingFile(f"data.val_path {self.val_path} does not exist: give a prepared validation directory "
                               "(written by fabric-lin's preprocessors)")
+        if self.val_path is not None:
+            check_not_prepare_text_output(Path(self.val_path), "data.val_path")
         self.check_prepared(self.validation_dirs())
 
     def no_data_path(self) -> InvalidValue:
