@@ -703,11 +703,14 @@ def resolve_model_config(model_name: Optional[str], model_config: Optional[Confi
         return Config.from_name(model_name)
     # before Fabric: under torchrun every process gets here, and the first speaks for them
     if model_config.name in name_to_config and process_rank() == 0:
-        # `--model_config.name gla-debug --model_config.vocab_size 512` builds Config's defaults under gla-debug's name
-        differs = [f"{key} {getattr(model_config, key)!r} ({model_config.name}: {value!r})"
-                   for key, value in Config.from_name(model_config.name).to_dict().items()
-                   if getattr(model_config, key) != value]
-        if differs:
+        # `--model_config.name gla-debug --model_config.vocab_size 512` builds Config's defaults under gla-debug's name;
+        # a field that differs from the named model but holds Config's default is one such config likely never gave,
+        # while a recipe's model changed field by field (`--model_config.hidden_size 256`) differs in its changes alone
+        defaults = Config().to_dict()
+        named = Config.from_name(model_config.name).to_dict()
+        differing = [key for key, value in named.items() if getattr(model_config, key) != value]
+        differs = [f"{key} {getattr(model_config, key)!r} ({model_config.name}: {named[key]!r})" for key in differing]
+        if any(getattr(model_config, key) == defaults[key] for key in differing):
             print(f"Note: the model_config named {model_config.name} differs from that model in {'; '.join(differs)} "
                   f"(a model_config given field by field starts from Config's defaults, not from the model it names; "
                   f"`fabric-lin pretrain list {model_config.name} > model.yaml` writes that model's whole config, to "
