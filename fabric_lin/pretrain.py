@@ -126,8 +126,9 @@ def setup(
             not named here is refused, naming it (tutorials/resume.md: what each change does). A list: e.g.
             --resume_changes '[train.max_steps]'.
         overwrite: true: start afresh where out_dir holds an earlier run, deleting its checkpoints (step-*,
-            final, .damaged-*, .superseded-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first; its logs/ stay (loggers
-            add a version), and so does compile_cache/.
+            final, .damaged-*, .superseded-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first, and evaluate's
+            results of its checkpoints (evaluate/step-*/, evaluate/final/); its logs/ stay (loggers add a version),
+            and so does compile_cache/.
         initial_checkpoint_dir: A model directory (the output of convert_pretrained_checkpoint, convert_from_llama or
             convert_from_hf) whose weights initialise the model before training (continued pretraining; the optimizer
             and the data order start afresh); the model must be the directory's, the data tokenized by its tokenizer.
