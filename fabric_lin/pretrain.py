@@ -306,8 +306,9 @@ def main(
         if fabric.global_rank == 0:
             data.prepare_data()
         fabric.barrier()
+        given_by = "--tokenizer_dir" if tokenizer_dir is not None else "the data's recorded tokenizer"
         tokenizer_dir = run_tokenizer_dir(tokenizer_dir, data)
-        tokenizer = load_tokenizer(tokenizer_dir)
+        tokenizer = load_tokenizer(tokenizer_dir, given_by)
         if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
             raise InvalidValue(
                 f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
