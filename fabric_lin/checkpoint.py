@@ -105,6 +105,8 @@ class Checkpointer:
         `.tmp-` directory, the manifest last, renamed at the end; then prune to `keep_last_n` step
         directories. Every rank calls it. Interrupted (a second Ctrl-C, an error), it removes its
         `.tmp-` directory and leaves the checkpoints that were there."""
+        from fabric_lin.convert.model_dir import remove_evaluation_results, training_checkpoint_evaluation_dir
+
         name = FINAL_DIR if final else step_dir_name(state["step_count"])
         final_dir = self.out_dir / name
         tmp_dir = self.out_dir / f"{TMP_PREFIX}{name}"
@@ -149,7 +151,10 @@ class Checkpointer:
                 if kept_as is not None and earlier_end < state["step_count"] and not kept_as.exists():
                     # a finished run continued to a later end: its end stays, as the checkpoint of that step
                     os.replace(final_dir, kept_as)
+                    keep_evaluation_as(final_dir, kept_as)
                     fabric.print(f"Kept the earlier end of the run, {final_dir} at step {earlier_end}, as {kept_as}")
+                # evaluate's results of the checkpoint this one replaces would be taken for this one's
+                remove_evaluation_results(training_checkpoint_evaluation_dir(final_dir))
                 if final_dir.exists():  # e.g. a resumed run passing a step it had saved before
                     old = self.out_dir / f"{TMP_PREFIX}old-{name}"
                     if old.exists():
@@ -168,6 +173,16 @@ class Checkpointer:
 
     def final_step(self) -> Optional[float]:
         return final_checkpoint_step(self.out_dir)
+
+
+def keep_evaluation_as(checkpoint_dir: Path, kept_as: Path) -> None:
+    """Move evaluate's results of `checkpoint_dir` to those of `kept_as`, the same weights under another name, where
+    `kept_as` has none of its own."""
+    from fabric_lin.convert.model_dir import training_checkpoint_evaluation_dir
+
+    evaluation, kept_evaluation = map(training_checkpoint_evaluation_dir, (checkpoint_dir, kept_as))
+    if evaluation.is_dir() and not kept_evaluation.exists():
+        os.replace(evaluation, kept_evaluation)
 
 
 class CheckpointFileIO(TorchCheckpointIO):
@@ -686,7 +701,23 @@ def delete_checkpoints(out_dir: Path) -> List[str]:
         if trash != path:
             os.replace(path, trash)
         shutil.rmtree(trash)
-    return sorted(p.name for p in doomed)
+    return sorted(p.name for p in doomed) + delete_checkpoint_evaluations(out_dir)
+
+
+def delete_checkpoint_evaluations(out_dir: Path) -> List[str]:
+    """Delete evaluate's results of out_dir's checkpoints (out_dir/evaluate/step-*/ and final/), which the run that
+    replaces them would otherwise seem to have; other files there stay. Returns what was deleted, as evaluate/<name>."""
+    from fabric_lin.convert.model_dir import EVALUATION_DIR, remove_evaluation_results
+
+    evaluations = Path(out_dir) / EVALUATION_DIR
+    if not evaluations.is_dir():
+        return []
+    deleted = [f"{EVALUATION_DIR}/{path.name}" for path in sorted(evaluations.iterdir())
+               if path.is_dir() and (STEP_DIR_PATTERN.match(path.name) or path.name == FINAL_DIR)
+               and remove_evaluation_results(path)]
+    if not any(evaluations.iterdir()):
+        evaluations.rmdir()
+    return deleted
 
 
 def checkpoint_step(directory: Path) -> Optional[int]:

@@ -418,7 +418,8 @@ def expand_home_in_paths() -> None:
 
 def print_model_names_or_config(names: List[str]) -> None:
     """`fabric-lin pretrain list`: the model names; `fabric-lin pretrain list NAME`: that model's whole config as YAML,
-    to edit and give as `--model_config FILE` (a model_config given field by field starts from Config's defaults)."""
+    to edit and give as `--model_config FILE` (a model_config given field by field, with no model named before it,
+    starts from Config's defaults)."""
     import yaml
 
     from fabric_lin.config import Config, name_to_config
@@ -447,11 +448,59 @@ def command_line_model_replaces_the_config_files(argv: List[str]) -> List[str]:
     def first_given(option: str) -> Optional[int]:
         return next((i for i, arg in enumerate(argv) if arg == option or arg.startswith((option + "=", option + "."))), None)
 
+    argv = model_config_fields_change_the_named_model(argv)
     name_at, config_at = first_given("--model_name"), first_given("--model_config")
     if (name_at is None) == (config_at is None):  # neither (the file's stands) or both (setup names the conflict)
         return argv
     at, replaced = (config_at, "--model_name") if name_at is None else (name_at, "--model_config")
     return argv[:at] + [f"{replaced}=null"] + argv[at:]
+
+
+def model_config_fields_change_the_named_model(argv: List[str]) -> List[str]:
+    """`--config config_hub/debug.yaml --model_config.hidden_size 256`: --model_config.* options change the model that
+    the recipe names by model_name (or that --model_name names before them), each the one field it gives, as they
+    change a model_config that a file gives: the named model's whole config is put before them as --model_config's
+    value, and model_name is set to null. Alone, they would build Config's defaults (another model, another
+    vocabulary) with those fields changed."""
+    import json
+
+    from fabric_lin.config import Config
+
+    first = next((i for i, arg in enumerate(argv) if arg.startswith("--model_config.")), None)
+    if first is None or option_values(argv[:first], "--model_config"):
+        return argv  # no fields given, or they change a whole model_config given before them
+    name = model_named_before(argv, first)
+    if name is None:
+        return argv
+    named_model = json.dumps(Config.from_name(name).to_dict())
+    return argv[:first] + ["--model_name=null", f"--model_config={named_model}"] + argv[first:]
+
+
+def model_named_before(argv: List[str], at: int) -> Optional[str]:
+    """The model_name in effect before `argv[at]`: that of the last --config file (or inline YAML) or --model_name that
+    names the run's model; None where none does, or the last of them gives a whole model_config."""
+    import yaml
+
+    from fabric_lin.errors import UserError
+    from fabric_lin.files import is_a, read_yaml
+
+    named = None
+    given = argv[:at]
+    for i, arg in enumerate(given):
+        option, equals, value = arg.partition("=")
+        if not equals:
+            value = given[i + 1] if i + 1 < len(given) else ""
+        if option == "--model_name":
+            named = None if value == "null" else value
+        elif option == "--config":
+            path = Path(value).expanduser()
+            try:
+                content = read_yaml(path) if is_a(path, "file") else yaml.safe_load(value)
+            except (UserError, yaml.YAMLError):
+                continue  # jsonargparse names what is wrong with it
+            if isinstance(content, dict) and ("model_name" in content or "model_config" in content):
+                named = None if content.get("model_config") is not None else content.get("model_name")
+    return named
 
 
 def positional_arguments(argv: List[str]) -> List[str]:

@@ -33,7 +33,7 @@ from fabric_lin.checkpoint_kinds import (
     plain_value,
     run_data_module,
 )
-from fabric_lin.convert.model_dir import EVALUATION_DIR, PLOT_FILE, RESULTS_FILE
+from fabric_lin.convert.model_dir import EVALUATION_DIR, PLOT_FILE, RESULTS_FILE, training_checkpoint_evaluation_dir
 from fabric_lin.cpu_cores import loader_workers
 from fabric_lin.data import DataModule
 from fabric_lin.data.tokenizer import the_recorded_tokenizer
@@ -308,7 +308,7 @@ def default_out_dir(checkpoint_dir: Path, kind: str) -> Path:
     if kind == TRAINING_CHECKPOINT:
         if checkpoint_dir.name in ("", ".."):  # `.` and `..` have no name of their own (and `.` no parent): its path has
             checkpoint_dir = Path(os.path.abspath(checkpoint_dir))
-        return checkpoint_dir.parent / EVALUATION_DIR / checkpoint_dir.name
+        return training_checkpoint_evaluation_dir(checkpoint_dir)
     return checkpoint_dir / EVALUATION_DIR
 
 

@@ -126,8 +126,9 @@ def setup(
             not named here is refused, naming it (tutorials/resume.md: what each change does). A list: e.g.
             --resume_changes '[train.max_steps]'.
         overwrite: true: start afresh where out_dir holds an earlier run, deleting its checkpoints (step-*,
-            final, .damaged-*, .superseded-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first; its logs/ stay (loggers
-            add a version), and so does compile_cache/.
+            final, .damaged-*, .superseded-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first, and evaluate's
+            results of its checkpoints (evaluate/step-*/, evaluate/final/); its logs/ stay (loggers add a version),
+            and so does compile_cache/.
         initial_checkpoint_dir: A model directory (the output of convert_pretrained_checkpoint, convert_from_llama or
             convert_from_hf) whose weights initialise the model before training (continued pretraining; the optimizer
             and the data order start afresh); the model must be the directory's, the data tokenized by its tokenizer.
@@ -305,8 +306,9 @@ def main(
         if fabric.global_rank == 0:
             data.prepare_data()
         fabric.barrier()
+        given_by = "--tokenizer_dir" if tokenizer_dir is not None else "the data's recorded tokenizer"
         tokenizer_dir = run_tokenizer_dir(tokenizer_dir, data)
-        tokenizer = load_tokenizer(tokenizer_dir)
+        tokenizer = load_tokenizer(tokenizer_dir, given_by)
         if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
             raise InvalidValue(
                 f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -703,11 +705,14 @@ def resolve_model_config(model_name: Optional[str], model_config: Optional[Confi
         return Config.from_name(model_name)
     # before Fabric: under torchrun every process gets here, and the first speaks for them
     if model_config.name in name_to_config and process_rank() == 0:
-        # `--model_config.name gla-debug --model_config.vocab_size 512` builds Config's defaults under gla-debug's name
-        differs = [f"{key} {getattr(model_config, key)!r} ({model_config.name}: {value!r})"
-                   for key, value in Config.from_name(model_config.name).to_dict().items()
-                   if getattr(model_config, key) != value]
-        if differs:
+        # `--model_config.name gla-debug --model_config.vocab_size 512` builds Config's defaults under gla-debug's name;
+        # a field that differs from the named model but holds Config's default is one such config likely never gave,
+        # while a recipe's model changed field by field (`--model_config.hidden_size 256`) differs in its changes alone
+        defaults = Config().to_dict()
+        named = Config.from_name(model_config.name).to_dict()
+        differing = [key for key, value in named.items() if getattr(model_config, key) != value]
+        differs = [f"{key} {getattr(model_config, key)!r} ({model_config.name}: {named[key]!r})" for key in differing]
+        if any(getattr(model_config, key) == defaults[key] for key in differing):
             print(f"Note: the model_config named {model_config.name} differs from that model in {'; '.join(differs)} "
                   f"(a model_config given field by field starts from Config's defaults, not from the model it names; "
                   f"`fabric-lin pretrain list {model_config.name} > model.yaml` writes that model's whole config, to "

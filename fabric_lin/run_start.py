@@ -202,12 +202,12 @@ def run_tokenizer_dir(tokenizer_dir: Optional[Path], data: DataModule) -> Option
     return tokenizer_dir
 
 
-def load_tokenizer(tokenizer_dir: Optional[Path]):
+def load_tokenizer(tokenizer_dir: Optional[Path], given_by: str = "--tokenizer_dir"):
     if tokenizer_dir is None:
         return None
     from fabric_lin.data.tokenizer import Tokenizer
 
-    return Tokenizer(tokenizer_dir)
+    return Tokenizer(tokenizer_dir, given_by)
 
 
 def training_data_tokenizer(data: DataModule, tokenizer) -> Optional[Dict[str, Any]]:

@@ -612,6 +612,41 @@ def test_an_earlier_run_is_found_and_deleted_whole(tmp_path):
     assert earlier_run_checkpoints(tmp_path) == [] and delete_checkpoints(tmp_path / "none") == []
 
 
+def evaluated(out_dir: Path, *names: str) -> None:
+    """evaluate's results (and plot) of out_dir's checkpoints `names`, where it writes them by default."""
+    for name in names:
+        (out_dir / "evaluate" / name).mkdir(parents=True, exist_ok=True)
+        (out_dir / "evaluate" / name / "evaluate.json").write_text(json.dumps({"checkpoint": str(out_dir / name)}))
+        (out_dir / "evaluate" / name / "loss_by_position.png").write_bytes(b"png")
+
+
+def test_an_earlier_run_s_evaluations_are_deleted_with_its_checkpoints(tmp_path):
+    """--overwrite true deletes the earlier run's checkpoints: evaluate's results of them in out_dir/evaluate/ go too,
+    or the new run would seem to have them. What else the user keeps there stays."""
+    _make_ckpt(tmp_path, "final")
+    evaluated(tmp_path, "final", "step-00000002")
+    (tmp_path / "evaluate" / "final" / "notes.txt").write_text("mine\n")
+    (tmp_path / "evaluate" / "summary.csv").write_text("mine\n")
+    assert delete_checkpoints(tmp_path) == ["final", "evaluate/final", "evaluate/step-00000002"]
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "evaluate", "evaluate/final", "evaluate/final/notes.txt", "evaluate/summary.csv"]
+    (tmp_path / "evaluate" / "final" / "notes.txt").unlink()
+    (tmp_path / "evaluate" / "summary.csv").unlink()
+    evaluated(tmp_path, "step-00000004")
+    assert delete_checkpoints(tmp_path) == ["evaluate/step-00000004"] and list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_saved_over_another_takes_the_others_evaluation_with_it(tmp_path):
+    """A resumed run that saves a step it had saved before replaces that checkpoint: evaluate's results of the one
+    replaced would be taken for the new one's. Those of other checkpoints stay."""
+    saved_checkpoint(tmp_path, 2)
+    evaluated(tmp_path, "step-00000002", "step-00000004")
+    saved_checkpoint(tmp_path, 2)
+    assert not (tmp_path / "evaluate" / "step-00000002").exists()
+    assert sorted(p.name for p in (tmp_path / "evaluate" / "step-00000004").iterdir()) == [
+        "evaluate.json", "loss_by_position.png"]
+
+
 def test_checksum_cost_on_a_debug_checkpoint(tmp_path):
     """The manifest's cost, measured: a gla-debug checkpoint's files are read once more at the save and at
     a resume. Printed for the record; the bound only catches a pathological slowdown."""

@@ -669,9 +669,11 @@ def test_list_with_a_name_writes_that_models_config_for_model_config(tmp_path, c
 def test_a_model_on_the_command_line_replaces_the_config_files(tmp_path, capsys, monkeypatch):
     # README: `pretrain list NAME > model.yaml`, edited, is given as --model_config in place of --model_name; with a
     # recipe (`--config`, which names a model) the command line's model wins, as any option's value does, and a file's
-    # model_config gives way to --model_name the same way; so does a model_config given key by key. A --config after
-    # the command line's model still names its own, which is then one model too many. Both on the command line stay an
-    # error, in either order.
+    # model_config gives way to --model_name the same way. --model_config.* options change the fields they give of the
+    # model named before them (the recipe's model_name or model_config, or --model_name), as --data.* options change a
+    # file's data: not Config's defaults (another model, a 32,000-token vocabulary). A --config after the command
+    # line's model still names its own, which is then one model too many. Both on the command line stay an error, in
+    # either order.
     import yaml
 
     from fabric_lin import pretrain
@@ -693,7 +695,11 @@ def test_a_model_on_the_command_line_replaces_the_config_files(tmp_path, capsys,
         ([*debug, "--model_config", str(tmp_path / "model.yaml")], (None, edited)),
         (["--config", str(tmp_path / "recipe.yaml"), "--model_name", "gdn-debug"], ("gdn-debug", None)),
         (debug, ("gla-debug", None)),
-        ([*debug, "--model_config.num_layers", "2"], (None, Config(num_layers=2))),
+        ([*debug, "--model_config.num_layers", "2"], (None, Config.from_name("gla-debug", num_layers=2))),
+        (["--model_name", "gdn-debug", "--model_config.num_layers", "2"],
+         (None, Config.from_name("gdn-debug", num_layers=2))),
+        (["--config", str(tmp_path / "recipe.yaml"), "--model_config.vocab_size", "512"],
+         (None, Config.from_name("gla-debug", num_layers=2, vocab_size=512))),
         ([*debug, "--model_config", str(tmp_path / "model.yaml"), "--config", str(tmp_path / "gdn.yaml")],
          ("gdn-debug", edited)),
     ):
@@ -739,6 +745,10 @@ def test_a_model_config_named_after_a_model_but_unlike_it_is_noted(capsys):
     note = capsys.readouterr().out
     assert "differs from that model in vocab_size 512 (gla-debug: 4096); hidden_size 1024 (gla-debug: 128)" in note
     assert "pretrain list gla-debug > model.yaml" in note and note.count("\n") == 1
+    # a named model changed field by field, none of its changes at Config's defaults: the changes asked for
+    changed = Config.from_name("gla-debug", hidden_size=256)
+    assert resolve_model_config(None, changed) is changed
+    assert capsys.readouterr().out == ""
     for name, config in (("gla-debug", given_field_by_field), (None, None)):
         with pytest.raises(ValueError, match="give exactly one of --model_name and --model_config"):
             resolve_model_config(name, config)

@@ -521,6 +521,8 @@ def test_a_finished_run_continued_to_a_later_end_keeps_its_earlier_end(tmp_path,
     setup_pretrain(tmp_path, train=train, eval=EvalArgs(final_validation=False), optimizer=OptimizerArgs(lr=4e-4))
     out = tmp_path / "out"
     first_end = {p.name: p.read_bytes() for p in (out / "final").iterdir()}
+    (out / "evaluate" / "final").mkdir(parents=True)  # `fabric-lin evaluate out/final` wrote its results
+    (out / "evaluate" / "final" / "evaluate.json").write_text('{"step": 1}\n')
     state = {"step_count": 1, "tokens_seen": 64, "schedule_tokens_per_step": 64}
     assert learning_rate_jump(out / "final", train, 4e-4, state) is None  # the same settings: the same curve
     setup_pretrain(tmp_path, train=replace(train, max_steps=2), eval=EvalArgs(final_validation=False), resume="auto",
@@ -533,10 +535,17 @@ def test_a_finished_run_continued_to_a_later_end_keeps_its_earlier_end(tmp_path,
     assert [r["lr"] for r in metrics_records(out) if r.get("step") == 2 and "lr" in r] == [pytest.approx(2.2e-4)]
     assert {p.name: p.read_bytes() for p in (out / "step-00000001").iterdir()} == first_end
     assert json.loads((out / "final" / "step.json").read_text())["step_count"] == 2
+    # the results of the earlier end go with it, and the new final/ has none yet
+    assert (out / "evaluate" / "step-00000001" / "evaluate.json").read_text() == '{"step": 1}\n'
+    assert not (out / "evaluate" / "final").exists()
     # run again to the same end (from an earlier checkpoint), final/ is replaced: the step holds nothing new
+    (out / "evaluate" / "final").mkdir()
+    (out / "evaluate" / "final" / "evaluate.json").write_text('{"step": 2}\n')
     setup_pretrain(tmp_path, train=replace(train, max_steps=2), eval=EvalArgs(final_validation=False),
                    resume=out / "step-00000001", resume_changes=["train.max_steps"])
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("step-", "final"))) == ["final", "step-00000001"]
+    # the replaced final's results went
+    assert sorted(p.name for p in (out / "evaluate").iterdir()) == ["step-00000001"]
 
 
 def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path, capsys, monkeypatch):

@@ -308,3 +308,14 @@ def test_a_tokenizer_without_bos_or_eos_says_so_when_asked_for_them(tmp_path):
         tokenizer.encode_batch(["line 7"])
     with pytest.raises(ValueError, match=r"tokenizer.model defines no BOS token; call encode with bos=False$"):
         tokenizer.encode("line 7", bos=True)
+
+
+def test_a_tokenizer_not_found_is_named_with_the_option_that_gave_it(tmp_path):
+    """A missing tokenizer is named by the option or key that gave its path, not by the path alone."""
+    from fabric_lin.errors import MissingFile
+    from fabric_lin.run_start import load_tokenizer
+
+    with pytest.raises(MissingFile, match=rf"^--tokenizer_dir: Tokenizer directory '{tmp_path / 'none'}' does not exist"):
+        load_tokenizer(tmp_path / "none")
+    with pytest.raises(MissingFile, match=rf"^the data's recorded tokenizer: {tmp_path / 'tokenizer.model'} does not exist"):
+        load_tokenizer(tmp_path, "the data's recorded tokenizer")

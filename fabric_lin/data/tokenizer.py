@@ -124,16 +124,19 @@ def _token_content(value) -> Optional[str]:
 
 
 class Tokenizer:
-    def __init__(self, checkpoint_dir: Union[str, Path]) -> None:
+    def __init__(self, checkpoint_dir: Union[str, Path], given_by: str = "") -> None:
+        """`given_by`: the option or key that named `checkpoint_dir` (--tokenizer_dir), which an error names first."""
         from sentencepiece import SentencePieceProcessor
 
         checkpoint_dir = Path(checkpoint_dir)
+        named = f"{given_by}: " if given_by else ""
         if checkpoint_dir.is_file():
-            raise InvalidValue(f"{checkpoint_dir} is a file: expected the directory that holds tokenizer.model (and "
-                               f"tokenizer_config.json), here {checkpoint_dir.parent}")
+            raise InvalidValue(f"{named}{checkpoint_dir} is a file: expected the directory that holds tokenizer.model "
+                               f"(and tokenizer_config.json), here {checkpoint_dir.parent}")
         if not checkpoint_dir.is_dir():
             raise MissingFile(
-                f"Tokenizer directory {str(checkpoint_dir)!r} does not exist: expected a directory holding tokenizer.model"
+                f"{named}Tokenizer directory {str(checkpoint_dir)!r} does not exist: expected a directory holding "
+                f"tokenizer.model"
             )
         self.checkpoint_dir = checkpoint_dir
         self.model_path = checkpoint_dir / "tokenizer.model"
@@ -141,7 +144,7 @@ class Tokenizer:
             present = sorted(p.name for p in checkpoint_dir.iterdir())
             shown = short_list(present, 10)
             raise MissingFile(
-                f"{self.model_path} does not exist: expected a SentencePiece tokenizer.model in {checkpoint_dir}"
+                f"{named}{self.model_path} does not exist: expected a SentencePiece tokenizer.model in {checkpoint_dir}"
                 f" (found: {shown or 'nothing'}){the_recorded_tokenizer(checkpoint_dir) or tokenizers_below(checkpoint_dir)}"
             )
         self.processor = SentencePieceProcessor()
