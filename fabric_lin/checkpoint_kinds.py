@@ -4,24 +4,27 @@ training checkpoint, its run's hyperparameters, step and data module."""
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from fabric_lin.checkpoint import (
+    FINAL_DIR,
     HPARAMS_FILE,
     MANIFEST_FILE,
     STEP_FILE,
+    TMP_PREFIX,
     checkpoint_dirs,
-    find_training_checkpoint,
-    load_model_weights,
+    is_training_checkpoint,
+    step_checkpoints,
     to_plain,
+    verify_checkpoint,
 )
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule
 from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import read_yaml
-from fabric_lin.weights import MODEL_FILE, canonical_state_dict
+from fabric_lin.weights import MODEL_FILE, canonical_state_dict, tensor_dict, torch_load_tensors
 
 
 TRAINING_CHECKPOINT, MODEL_DIRECTORY, FLA_EXPORT = "training checkpoint", "model directory", "fla export"
@@ -161,3 +164,65 @@ def plain_value(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------- the plot
+
+
+# ---------------------------------------------------------------- reading the model's weights
+
+
+def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]:
+    """(Config, path of lit_model.pth) of a training checkpoint directory whose checksums hold, or a clear error.
+    use: what the caller does with it ("evaluate", "convert"), for the error of a damaged checkpoint."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if checkpoint_dir.name == MODEL_FILE and is_training_checkpoint(checkpoint_dir.parent):
+        raise InvalidValue(f"{checkpoint_dir} is the weights of the training checkpoint {checkpoint_dir.parent}: pass that directory")
+    if not checkpoint_dir.is_dir():
+        raise MissingFile(f"{checkpoint_dir} is not a directory: expected a training checkpoint directory")
+    if checkpoint_dir.name.startswith(TMP_PREFIX):
+        raise InvalidValue(f"{checkpoint_dir} is an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
+    weights_path = checkpoint_dir / MODEL_FILE
+    if not weights_path.exists():
+        steps = [p.name for p in step_checkpoints(checkpoint_dir)]
+        finals = [FINAL_DIR] if (checkpoint_dir / FINAL_DIR / MODEL_FILE).exists() else []
+        hint = f"; it holds checkpoints {(steps[-3:] + finals)}, pass one of those" if steps or finals else ""
+        raise MissingFile(f"{checkpoint_dir} is not a training checkpoint: it has no {MODEL_FILE}{hint}")
+    if not is_training_checkpoint(checkpoint_dir):
+        raise InvalidValue(
+            f"{checkpoint_dir} holds {MODEL_FILE} but no {STEP_FILE} or {MANIFEST_FILE}: it is already a model directory "
+            f"(convert_pretrained_checkpoint's output), not a training checkpoint"
+        )
+    if weights_path.is_dir() and not (weights_path / ".metadata").is_file():
+        raise InvalidValue(
+            f"{weights_path} is a directory without the torch.distributed.checkpoint `.metadata` file; "
+            "expected Fabric's sharded FSDP checkpoint"
+        )
+    check = verify_checkpoint(checkpoint_dir)
+    if not check.ok:
+        raise InvalidValue(
+            f"{checkpoint_dir}: the checkpoint is damaged: {check.describe()}. It is not "
+            f"{use}{'d' if use.endswith('e') else 'ed'}; {use} an older checkpoint of the run"
+        )
+    return Config.from_checkpoint(checkpoint_dir), weights_path
+
+
+def load_model_weights(weights_path: Path) -> Dict[str, torch.Tensor]:
+    """The model's tensors of a checkpoint's lit_model.pth, single file or FSDP-sharded, as saved
+    (names may carry torch.compile's `_orig_mod.` prefix)."""
+    from fabric_lin.sharded_checkpoint import load_sharded_model_state
+
+    weights_path = Path(weights_path)
+    if weights_path.is_dir():
+        return load_sharded_model_state(weights_path)
+    return load_single_file_model_state(weights_path)
+
+
+def load_single_file_model_state(path: Path) -> Dict[str, torch.Tensor]:
+    """The `model` entry of a checkpoint saved by `fabric.save` on one device (or DDP)."""
+    # the checkpoint also holds the RNG states, which include NumPy's (an array)
+    checkpoint = torch_load_tensors(path, allow_numpy=True)
+    if not isinstance(checkpoint, dict):
+        raise InvalidValue(f"{path}: expected the dict saved by fabric.save, got {type(checkpoint).__name__}")
+    if "model" not in checkpoint:
+        if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+            raise InvalidValue(f"{path} holds a bare state dict: {path.parent} is already a model directory, not a training checkpoint")
+        raise InvalidValue(f"{path}: no 'model' entry; found keys {sorted(map(str, checkpoint))}")
+    return tensor_dict(checkpoint["model"], path)

@@ -8,7 +8,7 @@ from typing import Any, List, Literal, Optional, Union
 
 import yaml
 
-from fabric_lin.errors import InvalidValue, MissingFile
+from fabric_lin.errors import InvalidValue, MissingFile, process_rank
 from fabric_lin.files import read_yaml
 
 CONFIG_FILE = "model_config.yaml"  # the model's Config, in a checkpoint and in a model directory
@@ -303,3 +303,26 @@ configs = [
     dict(name="transformer-debug", block_type="transformer", vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4),
 ]
 name_to_config = {c["name"]: c for c in configs}
+
+
+def resolve_model_config(model_name: Optional[str], model_config: Optional[Config]) -> Config:
+    """The model a run builds: the one `model_name` names, or `model_config` as given (exactly one of them)."""
+    if (model_name is None) == (model_config is None):
+        raise InvalidValue("give exactly one of --model_name and --model_config (`fabric-lin pretrain list` shows the names)")
+    if model_name is not None:
+        return Config.from_name(model_name)
+    # before Fabric: under torchrun every process gets here, and the first speaks for them
+    if model_config.name in name_to_config and process_rank() == 0:
+        # `--model_config.name gla-debug --model_config.vocab_size 512` builds Config's defaults under gla-debug's name;
+        # a field that differs from the named model but holds Config's default is one such config likely never gave,
+        # while a recipe's model changed field by field (`--model_config.hidden_size 256`) differs in its changes alone
+        defaults = Config().to_dict()
+        named = Config.from_name(model_config.name).to_dict()
+        differing = [key for key, value in named.items() if getattr(model_config, key) != value]
+        differs = [f"{key} {getattr(model_config, key)!r} ({model_config.name}: {named[key]!r})" for key in differing]
+        if any(getattr(model_config, key) == defaults[key] for key in differing):
+            print(f"Note: the model_config named {model_config.name} differs from that model in {'; '.join(differs)} "
+                  f"(a model_config given field by field starts from Config's defaults, not from the model it names; "
+                  f"`fabric-lin pretrain list {model_config.name} > model.yaml` writes that model's whole config, to "
+                  f"edit and give as --model_config model.yaml)", flush=True)
+    return model_config

@@ -38,7 +38,7 @@ from fabric_lin.checkpoint import (
     to_plain,
     train_state,
 )
-from fabric_lin.config import OTHER_VOCAB_SIZE, Config, name_to_config
+from fabric_lin.config import OTHER_VOCAB_SIZE, Config, resolve_model_config
 from fabric_lin.cpu_cores import check_cpu_processes, loader_workers, set_cpu_threads
 from fabric_lin.data import DataModule, SampleCorpus
 from fabric_lin.data.sample_order import TrainLoader, repeated_samples_note
@@ -696,28 +696,6 @@ def validate(fabric: L.Fabric, model, run: Run) -> Optional[Tuple[float, int]]:
 
 
 # ---------------------------------------------------------------- devices, model, kernels
-
-
-def resolve_model_config(model_name: Optional[str], model_config: Optional[Config]) -> Config:
-    if (model_name is None) == (model_config is None):
-        raise InvalidValue("give exactly one of --model_name and --model_config (`fabric-lin pretrain list` shows the names)")
-    if model_name is not None:
-        return Config.from_name(model_name)
-    # before Fabric: under torchrun every process gets here, and the first speaks for them
-    if model_config.name in name_to_config and process_rank() == 0:
-        # `--model_config.name gla-debug --model_config.vocab_size 512` builds Config's defaults under gla-debug's name;
-        # a field that differs from the named model but holds Config's default is one such config likely never gave,
-        # while a recipe's model changed field by field (`--model_config.hidden_size 256`) differs in its changes alone
-        defaults = Config().to_dict()
-        named = Config.from_name(model_config.name).to_dict()
-        differing = [key for key, value in named.items() if getattr(model_config, key) != value]
-        differs = [f"{key} {getattr(model_config, key)!r} ({model_config.name}: {named[key]!r})" for key in differing]
-        if any(getattr(model_config, key) == defaults[key] for key in differing):
-            print(f"Note: the model_config named {model_config.name} differs from that model in {'; '.join(differs)} "
-                  f"(a model_config given field by field starts from Config's defaults, not from the model it names; "
-                  f"`fabric-lin pretrain list {model_config.name} > model.yaml` writes that model's whole config, to "
-                  f"edit and give as --model_config model.yaml)", flush=True)
-    return model_config
 
 
 def build_model(

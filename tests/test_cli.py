@@ -735,7 +735,7 @@ def test_a_model_config_or_config_given_inline_longer_than_a_file_name_is_read(c
 
 
 def test_a_model_config_named_after_a_model_but_unlike_it_is_noted(capsys):
-    from fabric_lin.pretrain import resolve_model_config
+    from fabric_lin.config import resolve_model_config
 
     capsys.readouterr()
     assert resolve_model_config(None, Config.from_name("gla-debug")) == Config.from_name("gla-debug")

@@ -177,7 +177,7 @@ def check_export_given(export_dir: Path, command: str) -> None:
 def check_training_checkpoint_given(checkpoint_dir: Path) -> None:
     """Refuse, where a training checkpoint is expected, a directory without weights of its own that holds a model of a
     kind another command reads (an fla export, a Llama, LoRA adapters), or nothing of a model with models below it;
-    what has weights or a run's checkpoints is `fabric_lin.checkpoint.find_training_checkpoint`'s to name."""
+    what has weights or a run's checkpoints is `fabric_lin.checkpoint_kinds.find_training_checkpoint`'s to name."""
     from fabric_lin.checkpoint import checkpoint_dirs
 
     checkpoint_dir = Path(checkpoint_dir)

@@ -9,11 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from fabric_lin.checkpoint import (
-    HPARAMS_FILE,
-    find_training_checkpoint,
-    load_model_weights,
-)
+from fabric_lin.checkpoint import HPARAMS_FILE
+from fabric_lin.checkpoint_kinds import find_training_checkpoint, load_model_weights
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.convert.model_dir import (
     cast_floating,
