@@ -198,7 +198,7 @@ def _prepare_into(stage: Path, input_dir: Path, output_dir: Path, tokenizer_path
                        shown_as=output_dir / "train")
     info = {"split": "val", "recipe": TextRecipe.name, "input_dir": str(input_dir), "chunk_size": chunk_size,
             "fast_dev_run": 10 if fast_dev_run is True else int(fast_dev_run or 0), **settings}
-    val = write_held_out_split(held_out_dir, stage / "val", input_dir, Tokenizer(tokenizer_path), chunk_size, info,
+    val = write_held_out_split(held_out_dir, stage / "val", input_dir, Tokenizer(tokenizer_path, "--tokenizer_path"), chunk_size, info,
                                shown_as=output_dir / "val")
     if val is None:
         why = "--val_fraction is 0" if val_fraction == 0 else (

@@ -64,7 +64,7 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
     def has(name: str) -> bool:
         return (checkpoint_dir / name).exists()
 
-    tokenizer = Tokenizer(checkpoint_dir) if has("tokenizer.model") else None
+    tokenizer = Tokenizer(checkpoint_dir, "checkpoint_dir") if has("tokenizer.model") else None
     if has(STEP_FILE) or has(MANIFEST_FILE) or has(HPARAMS_FILE) or (checkpoint_dir / MODEL_FILE).is_dir():
         config, weights_path = find_training_checkpoint(checkpoint_dir, use="evaluate")
         state_dict = canonical_state_dict(load_model_weights(weights_path))

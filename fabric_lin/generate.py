@@ -161,7 +161,7 @@ def main(
     check_generation_args(max_new_tokens, temperature, top_k)  # before loading the model, minutes for a large one
     check_prompt(prompt)
 
-    tokenizer = Tokenizer(checkpoint_dir)
+    tokenizer = Tokenizer(checkpoint_dir, "checkpoint_dir")
     model = load_model(checkpoint_dir, device, dtypes[precision])
     tokenizer.check_fits(model.config.vocab_size, checkpoint_dir)
     # Pretraining data is documents joined by end-of-text tokens (no BOS), so a prompt that starts a

@@ -235,7 +235,7 @@ def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, data_t
     from fabric_lin.data.tokenizer import (
         TRAINED_WITH_FILE, Tokenizer, describe_tokenizer, tokenizer_identity, weights_trained_with)
 
-    weights_tokenizer = weights_trained_with(weights_dir) if data_trained_with is not None else None
+    weights_tokenizer = weights_trained_with(weights_dir, option) if data_trained_with is not None else None
     if data_trained_with is not None and weights_tokenizer is None:
         log(f"Note: {option} {weights_dir} holds no tokenizer.model and no {TRAINED_WITH_FILE}, so nothing tells whether "
             f"this run's data tokenizer ({describe_tokenizer(data_trained_with)}) is the one its weights were trained "

@@ -747,7 +747,8 @@ def test_the_directory_above_a_model_names_the_models_below_it(tmp_path, capsys)
         "convert_pretrained_checkpoint": ([str(lora), *out], f"{lora} is not a training checkpoint: it has no "
                                                              f"lit_model.pth; {below}"),
         "prepare_text": (["--input_dir", str(tmp_path / "text"), "--tokenizer_path", str(lora), *out],
-                         f"{lora / 'tokenizer.model'} does not exist: expected a SentencePiece tokenizer.model in {lora} "
+                         f"--tokenizer_path: {lora / 'tokenizer.model'} does not exist: expected a SentencePiece "
+                         f"tokenizer.model in {lora} "
                          f"(found: adapter, merged); {lora / 'merged'} holds one: give that directory\n"),
     }
     for command, (args, message) in cases.items():

@@ -410,10 +410,10 @@ def test_checkpoints_record_the_data_s_tokenizer_which_another_tokenizer_model_c
     with pytest.raises(ValueError) as info:
         setup_pretrain(tmp_path, **run, out_dir=tmp_path / "from_weights", initial_checkpoint_dir=model,
                        data=TextFiles(train_dir=prepared / "tokens300b", num_workers=0))
-    assert str(info.value) == refusal.format(model, sha["tok300b"], sha["tok300"], prepared / "tok300")
+    assert str(info.value) == "--initial_checkpoint_dir: " + refusal.format(model, sha["tok300b"], sha["tok300"], prepared / "tok300")
     assert not (tmp_path / "from_weights" / "final").exists()
     err = cli_error(["evaluate", str(final), "--max_batches", "1"], capsys)
-    assert err == "fabric-lin evaluate: error: " + refusal.format(final, sha["tok300b"], sha["tok300"], prepared / "tok300") + "\n"
+    assert err == "fabric-lin evaluate: error: checkpoint_dir: " + refusal.format(final, sha["tok300b"], sha["tok300"], prepared / "tok300") + "\n"
 
 
 @pytest.mark.parametrize("module,option,suggested,anchored", [

@@ -319,3 +319,57 @@ def test_a_tokenizer_not_found_is_named_with_the_option_that_gave_it(tmp_path):
         load_tokenizer(tmp_path / "none")
     with pytest.raises(MissingFile, match=rf"^the data's recorded tokenizer: {tmp_path / 'tokenizer.model'} does not exist"):
         load_tokenizer(tmp_path, "the data's recorded tokenizer")
+
+
+def not_a_tokenizer(directory):
+    """`directory` with a tokenizer.model that SentencePiece cannot read."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.model").write_bytes(b"not a SentencePiece model")
+    return directory
+
+
+def a_model_dir_with_a_damaged_tokenizer(tmp_path):
+    from helpers import make_model_dir, small_config
+
+    make_model_dir(tmp_path / "model", small_config())
+    return not_a_tokenizer(tmp_path / "model")
+
+
+def an_export_with_a_damaged_tokenizer(tmp_path):
+    from fabric_lin.convert.hf import convert_to_hf
+    from helpers import make_model_dir, small_config
+
+    make_model_dir(tmp_path / "good", small_config())
+    convert_to_hf(tmp_path / "good", tmp_path / "export")
+    return not_a_tokenizer(tmp_path / "export")
+
+
+def a_corpus(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.jsonl").write_text('{"text": "one document"}\n')
+    return tmp_path / "corpus"
+
+
+@pytest.mark.parametrize("command", [
+    "prepare_text", "prepare_slimpajama", "prepare_starcoder", "generate", "evaluate", "convert_to_hf", "convert_from_hf",
+])
+def test_a_tokenizer_that_is_not_one_is_named_by_the_argument_that_gave_it(tmp_path, capsys, command):
+    """Every command that reads a tokenizer names the option or argument that gave its directory before the path, as
+    the user typed it, where the tokenizer.model there cannot be read."""
+    out = str(tmp_path / "out")
+    if command.startswith("prepare_"):
+        given = not_a_tokenizer(tmp_path / "tok")
+        argv = [command, "--input_dir", str(a_corpus(tmp_path)), "--output_dir", out, "--tokenizer_path", str(given),
+                "--num_workers", "1"]
+        option = "--tokenizer_path"
+    elif command == "convert_from_hf":
+        given = an_export_with_a_damaged_tokenizer(tmp_path)
+        argv, option = [command, str(given), "--output_dir", out], "checkpoint_dir"
+    else:
+        given = a_model_dir_with_a_damaged_tokenizer(tmp_path)
+        extra = {"generate": ["--device", "cpu"], "evaluate": ["--out_dir", out], "convert_to_hf": ["--output_dir", out]}
+        argv = [command, str(given), *extra[command]]
+        option = "model_dir" if command == "convert_to_hf" else "checkpoint_dir"
+    err = cli_error(argv, capsys)
+    assert err.startswith(f"fabric-lin {command}: error: {option}: {given / 'tokenizer.model'} cannot be read as a "
+                          "SentencePiece model"), err

@@ -34,8 +34,10 @@ def dirs(tmp_path):
 
 def assert_refused(err: str, command: str, directory: Path, trained: Path, swapped: Path) -> None:
     """`err` is the one line that refuses `directory`, whose weights were trained with the tokenizer.model `trained`
-    and which holds `swapped` instead: both hashes, the file and the fix."""
-    assert err.startswith(f"fabric-lin {command}: error: {directory}: {directory / 'tokenizer.model'} (vocab_size=64, "
+    and which holds `swapped` instead: the argument that named it, both hashes, the file and the fix."""
+    argument = "model_dir" if command == "convert_to_hf" else "checkpoint_dir"
+    assert err.startswith(f"fabric-lin {command}: error: {argument}: {directory}: {directory / 'tokenizer.model'} "
+                          f"(vocab_size=64, "
                           f"sha256={sha256(swapped)[:12]}...) is not the tokenizer its weights were trained with "
                           f"(vocab_size=64, sha256={sha256(trained)[:12]}..."), err
     assert err.endswith("put back the tokenizer.model the model was trained with\n"), err
@@ -105,7 +107,8 @@ def test_a_model_directory_without_the_record_reads_as_before(dirs, capsys):
 def test_a_record_that_names_no_tokenizer_is_one_line(dirs, capsys):
     (dirs / "model" / "trained_with.json").write_text('{"tokenizer": {"vocab_size": 64}}\n')
     err = cli_error(["generate", str(dirs / "model"), "--prompt", "a"], capsys)
-    assert err.startswith(f"fabric-lin generate: error: {dirs / 'model' / 'trained_with.json'}: expected "), err
+    assert err.startswith(f"fabric-lin generate: error: checkpoint_dir: {dirs / 'model' / 'trained_with.json'}: "
+                          "expected "), err
 
 
 def test_a_model_directory_cut_short_while_its_tokenizer_is_copied_holds_no_weights(dirs, monkeypatch):
@@ -138,7 +141,8 @@ def test_a_model_directory_without_its_tokenizer_names_the_recorded_one(dirs, ca
                 f"sha256={sha256(dirs / 'old' / 'tokenizer.model')[:12]}..., from {dirs / 'old'}): copy that tokenizer.model "
                 f"(and its tokenizer_config.json) into {model}\n")
     err = cli_error(["generate", str(model), "--prompt", "the model"], capsys)
-    assert err.startswith(f"fabric-lin generate: error: {model / 'tokenizer.model'} does not exist") and err.endswith(recorded)
+    assert err.startswith(f"fabric-lin generate: error: checkpoint_dir: {model / 'tokenizer.model'} does not exist")
+    assert err.endswith(recorded)
     err = cli_error(["evaluate", str(model), "--tasks", "hellaswag"], capsys)
     assert err == (f"fabric-lin evaluate: error: --tasks: {model} has no tokenizer.model, and the harness's tasks are "
                    f"text; {recorded}")

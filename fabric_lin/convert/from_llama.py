@@ -154,7 +154,8 @@ def convert_from_llama(
     ignored = [n for n in reader.names if n not in used]
 
     with created_dir(output_dir):
-        tokenizer_files = save_model_dir(state, config, output_dir, tokenizer_dir=checkpoint_dir)
+        tokenizer_files = save_model_dir(state, config, output_dir, tokenizer_dir=checkpoint_dir,
+                                         tokenizer_given_by="--checkpoint_dir")
     warn_tokenizer_vocab(output_dir, config)
     print(f"Built {model_name} from {checkpoint_dir} -> {output_dir} ({torch_dtype}), tokenizer files {tokenizer_files}")
     print(f"  copied from the Llama ({len(copied)}): {summarize(copied)}")

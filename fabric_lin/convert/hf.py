@@ -85,8 +85,8 @@ def convert_to_hf(
     torch_dtype = parse_dtype(dtype)
     config = Config.from_checkpoint(model_dir)
     hf_config = fla_config(config)
-    trained_with = weights_trained_with(model_dir)  # before the weights: a tokenizer not the model's is refused at once
-    check_tokenizer_fits_model(model_dir, config)
+    trained_with = weights_trained_with(model_dir, "model_dir")  # before the weights: a tokenizer not the model's is refused at once
+    check_tokenizer_fits_model(model_dir, config, "model_dir")
     tokenizer_ids = special_token_ids(model_dir)
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[model_dir])  # before the minutes of reading
     state_dict = load_model_dir_weights(model_dir)
@@ -143,10 +143,11 @@ def convert_from_hf(
     check_export_given(checkpoint_dir, "convert_from_hf")
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])  # before the weights are read
     config, state_dict = read_fla_checkpoint(checkpoint_dir, name)
-    check_tokenizer_fits_model(checkpoint_dir, config)
+    check_tokenizer_fits_model(checkpoint_dir, config, "checkpoint_dir")
     state_dict = cast_floating(state_dict, torch_dtype)
     with created_dir(output_dir):
-        tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir)
+        tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir,
+                                         tokenizer_given_by="checkpoint_dir")
     print(f"Converted {checkpoint_dir} ({len(state_dict)} tensors) -> {output_dir}; tokenizer files {tokenizer_files}")
 
 

@@ -212,14 +212,14 @@ def check_not_lora_adapters(directory: Path, command: str, reads_exports: bool) 
     )
 
 
-def check_tokenizer_fits_model(directory: Path, config: Config) -> None:
+def check_tokenizer_fits_model(directory: Path, config: Config, given_by: str) -> None:
     """Refuse a directory whose tokenizer.model has more pieces than its model has embeddings: it is not the model's
     tokenizer (an id past the last embedding cannot be read), and a converter would copy it and record it as the one
-    the weights were trained with, where it holds no such record yet."""
+    the weights were trained with, where it holds no such record yet. `given_by`: the argument that named `directory`."""
     from fabric_lin.data.tokenizer import Tokenizer
 
     if (Path(directory) / "tokenizer.model").is_file():
-        Tokenizer(directory).check_fits(config.vocab_size, directory)
+        Tokenizer(directory, given_by).check_fits(config.vocab_size, directory)
 
 
 def hf_model_type(directory: Path) -> Optional[str]:
@@ -467,16 +467,17 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
 
 
 def save_model_dir(
-    state_dict: Dict[str, torch.Tensor], config: Config, output_dir: Path, tokenizer_dir: Optional[Path] = None
+    state_dict: Dict[str, torch.Tensor], config: Config, output_dir: Path, tokenizer_dir: Optional[Path] = None,
+    tokenizer_given_by: str = "",
 ) -> List[str]:
-    """Write (from `tokenizer_dir`) the tokenizer files with the record of the tokenizer the weights were trained with,
+    """Write (from `tokenizer_dir`, named by the argument `tokenizer_given_by` where it is wrong) the tokenizer files with the record of the tokenizer the weights were trained with,
     model_config.yaml and lit_model.pth into the existing `output_dir`, in place of any model written there before
     (`remove_earlier_model`). A tokenizer.model that is not the one `tokenizer_dir` records is refused before anything
     is written. Returns the names of the tokenizer files copied."""
     from fabric_lin.data.tokenizer import weights_trained_with
 
     output_dir = Path(output_dir)
-    trained_with = weights_trained_with(tokenizer_dir) if tokenizer_dir is not None else None
+    trained_with = weights_trained_with(tokenizer_dir, tokenizer_given_by) if tokenizer_dir is not None else None
     remove_earlier_model(output_dir)
     with files_taken_back_on_failure(output_dir):
         copied = copy_tokenizer(tokenizer_dir, output_dir, trained_with) if tokenizer_dir is not None else []

@@ -57,7 +57,8 @@ def convert_pretrained_checkpoint(
     state_dict = cast_floating(state_dict, torch_dtype)
 
     with created_dir(output_dir):
-        tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir)
+        tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir,
+                                         tokenizer_given_by="checkpoint_dir")
     n_params = sum(t.numel() for t in state_dict.values())
     print(
         f"Converted {checkpoint_dir} ({form}): {len(state_dict)} tensors, {n_params:,} parameters, "

@@ -157,7 +157,7 @@ def build_long_documents(out_dir: Path, root: Path, files: List[Path], sample_co
     tokenizer/ and corpus.json (what the corpus is made of, its documents and the size of each split)."""
     tokenizer_dir = out_dir / "tokenizer"
     copy_tokenizer_files(sample_corpus / "tokenizer", tokenizer_dir)
-    tokenizer = Tokenizer(tokenizer_dir)
+    tokenizer = Tokenizer(tokenizer_dir, f"the sample corpus's tokenizer ({sample_corpus / 'tokenizer'})")
     file_tokens = tokenize_files(tokenizer, root, files)
     documents = group_documents(root, files, [len(tokens) for tokens in file_tokens])
     splits: Dict[str, List[np.ndarray]] = {"train": [], "val": []}

@@ -70,7 +70,7 @@ class TokenizeRecipe(DataChunkRecipe):
     def tokenizer(self) -> Tokenizer:
         # loaded in the worker process: the recipe travels to spawned workers by pickling
         if self._tokenizer is None:
-            self._tokenizer = Tokenizer(self.tokenizer_path)
+            self._tokenizer = Tokenizer(self.tokenizer_path, "--tokenizer_path")
         return self._tokenizer
 
     def __getstate__(self):
@@ -322,7 +322,7 @@ def run_recipe(
     note_killed_preparations(output_dir)
     check_num_workers(num_workers)
     check_fast_dev_run(fast_dev_run)
-    tokenizer = Tokenizer(recipe.tokenizer_path)
+    tokenizer = Tokenizer(recipe.tokenizer_path, "--tokenizer_path")
     if tokenizer.eos_id is None:  # found here, not in a worker, where it would end the job in litdata's traceback
         raise InvalidValue(
             f"--tokenizer_path {recipe.tokenizer_path}: {tokenizer.model_path} defines no end-of-text (EOS) token, which "

@@ -13,7 +13,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from fabric_lin.errors import InvalidValue, MissingFile
+from fabric_lin.errors import InvalidValue, MissingFile, UserError
 from fabric_lin.files import atomic_write, directories_below, read_json, reading, short_list
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json")
@@ -75,12 +75,12 @@ def read_trained_with(directory: Union[str, Path]) -> Optional[dict]:
     return info
 
 
-def weights_trained_with(directory: Union[str, Path]) -> Optional[dict]:
+def weights_trained_with(directory: Union[str, Path], given_by: str = "") -> Optional[dict]:
     """The tokenizer a directory of weights was trained with, as a record ({"tokenizer": {...}}): its
     trained_with.json (its tokenizer.model, where it has one, checked against it), else its tokenizer.model's; None
-    where it tells neither."""
+    where it tells neither. `given_by`: the option that named `directory`, as `Tokenizer` takes it."""
     has_model = (Path(directory) / "tokenizer.model").is_file()
-    tokenizer = Tokenizer(directory) if has_model else None  # refuses a tokenizer.model that is not the recorded one
+    tokenizer = Tokenizer(directory, given_by) if has_model else None  # refuses a tokenizer.model that is not the recorded one
     trained_with = read_trained_with(directory)
     if trained_with is not None:
         return trained_with
@@ -125,18 +125,24 @@ def _token_content(value) -> Optional[str]:
 
 class Tokenizer:
     def __init__(self, checkpoint_dir: Union[str, Path], given_by: str = "") -> None:
-        """`given_by`: the option or key that named `checkpoint_dir` (--tokenizer_dir), which an error names first."""
+        """`given_by`: the option or key that named `checkpoint_dir` (--tokenizer_path, checkpoint_dir), which an error
+        about the tokenizer (not there, not a tokenizer, not the one its weights were trained with) names first."""
+        try:
+            self._load(Path(checkpoint_dir))
+        except UserError as error:
+            if not given_by:
+                raise
+            raise type(error)(f"{given_by}: {error}") from None
+
+    def _load(self, checkpoint_dir: Path) -> None:
         from sentencepiece import SentencePieceProcessor
 
-        checkpoint_dir = Path(checkpoint_dir)
-        named = f"{given_by}: " if given_by else ""
         if checkpoint_dir.is_file():
-            raise InvalidValue(f"{named}{checkpoint_dir} is a file: expected the directory that holds tokenizer.model "
-                               f"(and tokenizer_config.json), here {checkpoint_dir.parent}")
+            raise InvalidValue(f"{checkpoint_dir} is a file: expected the directory that holds tokenizer.model (and "
+                               f"tokenizer_config.json), here {checkpoint_dir.parent}")
         if not checkpoint_dir.is_dir():
             raise MissingFile(
-                f"{named}Tokenizer directory {str(checkpoint_dir)!r} does not exist: expected a directory holding "
-                f"tokenizer.model"
+                f"Tokenizer directory {str(checkpoint_dir)!r} does not exist: expected a directory holding tokenizer.model"
             )
         self.checkpoint_dir = checkpoint_dir
         self.model_path = checkpoint_dir / "tokenizer.model"
@@ -144,7 +150,7 @@ class Tokenizer:
             present = sorted(p.name for p in checkpoint_dir.iterdir())
             shown = short_list(present, 10)
             raise MissingFile(
-                f"{named}{self.model_path} does not exist: expected a SentencePiece tokenizer.model in {checkpoint_dir}"
+                f"{self.model_path} does not exist: expected a SentencePiece tokenizer.model in {checkpoint_dir}"
                 f" (found: {shown or 'nothing'}){the_recorded_tokenizer(checkpoint_dir) or tokenizers_below(checkpoint_dir)}"
             )
         self.processor = SentencePieceProcessor()
