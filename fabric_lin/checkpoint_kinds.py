@@ -177,7 +177,7 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
         raise InvalidValue(f"{checkpoint_dir} is the weights of the training checkpoint {checkpoint_dir.parent}: pass that directory")
     if not checkpoint_dir.is_dir():
         raise MissingFile(f"{checkpoint_dir} is not a directory: expected a training checkpoint directory")
-    if checkpoint_dir.name.startswith(TMP_PREFIX):
+    if checkpoint_dir.resolve().name.startswith(TMP_PREFIX):  # resolved: `.` given inside one has no name of its own
         raise InvalidValue(f"{checkpoint_dir} is an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
     weights_path = checkpoint_dir / MODEL_FILE
     if not weights_path.exists():

@@ -96,7 +96,8 @@ def main(
         num_fewshot: Few-shot examples per task (default: each task's own, else 0).
         limit: Examples per task: a whole count, or a fraction below 1 (for a quick look; not a full result).
         out_dir: Where evaluate.json and loss_by_position.png go. Default: a training checkpoint's
-            <run out_dir>/evaluate/<checkpoint name>/, else <checkpoint_dir>/evaluate/.
+            <run out_dir>/evaluate/<checkpoint name>/, else <checkpoint_dir>/evaluate/. Not inside a training
+            checkpoint, whose files are the ones its manifest lists.
         precision: 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true. Default: bf16-mixed on a GPU (what
             pretrain validates with), 32-true on the CPU.
         device: "cpu", "cuda", "cuda:1", ... Default: cuda if there is a GPU. The fused kernels run on a GPU,
@@ -161,6 +162,8 @@ def main(
                            f"has no tokenizer.model{the_recorded_tokenizer(checkpoint_dir)}")
     if checkpoint.tokenizer is not None:  # before the data is compared with it
         checkpoint.tokenizer.check_fits(checkpoint.config.vocab_size, checkpoint_dir)
+    if out_dir is not None:
+        check_out_dir_outside_training_checkpoint(Path(out_dir), checkpoint_dir, checkpoint.kind)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)
     if evaluate_data:  # the data's errors (no validation split, blocks too long) before the model is set up
         data.num_workers = loader_workers(data.num_workers)  # a run's setting may come from a larger machine
@@ -264,6 +267,9 @@ def task_list(tasks: Union[str, List[str], None]) -> List[str]:
         return []
     items = tasks.split(",") if isinstance(tasks, str) else [t for item in tasks for t in str(item).split(",")]
     names = [t.strip() for t in items if t.strip()]
+    if not names:  # asked for tasks and given none: the data alone would be evaluated, as if --tasks were left out
+        raise InvalidValue(f"--tasks {tasks!r} names no task: give task, group or tag names separated by commas "
+                           "(e.g. hellaswag,arc_easy), or leave --tasks out")
     return [str(expand_home(name)) if is_task_file(name) else name for name in names]
 
 
@@ -310,6 +316,15 @@ def default_out_dir(checkpoint_dir: Path, kind: str) -> Path:
             checkpoint_dir = Path(os.path.abspath(checkpoint_dir))
         return training_checkpoint_evaluation_dir(checkpoint_dir)
     return checkpoint_dir / EVALUATION_DIR
+
+
+def check_out_dir_outside_training_checkpoint(out_dir: Path, checkpoint_dir: Path, kind: str) -> None:
+    """Refuse an --out_dir in a training checkpoint: its files are the ones its manifest lists, and results among them
+    would go with it when the run prunes or replaces it (a model directory or an export holds its evaluate/ itself)."""
+    if kind == TRAINING_CHECKPOINT and out_dir.resolve().is_relative_to(checkpoint_dir.resolve()):
+        raise InvalidValue(f"--out_dir {out_dir} is inside the training checkpoint {checkpoint_dir}, whose files are the "
+                           f"ones its manifest lists: give a directory outside it, or leave --out_dir out for "
+                           f"{default_out_dir(checkpoint_dir, kind)}")
 
 
 def build_model(fabric, checkpoint: "Checkpoint"):

@@ -95,13 +95,17 @@ def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], gener
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
-def check_generation_args(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:
+def check_generation_args(max_new_tokens: int, temperature: float, top_k: Optional[int], option_prefix: str = "") -> None:
+    """Refuse a value that cannot be sampled with, named as the caller gave it: `option_prefix` "--" for the command
+    line's options, "" for the Python arguments."""
     if max_new_tokens < 0:
-        raise InvalidValue(f"max_new_tokens must be 0 or a positive number, got max_new_tokens={max_new_tokens}")
+        raise InvalidValue(f"{option_prefix}max_new_tokens {max_new_tokens}: expected 0 or a positive number of tokens")
     if not temperature >= 0:  # also refuses NaN
-        raise InvalidValue(f"temperature must be 0 (greedy) or positive, got temperature={temperature}")
+        raise InvalidValue(f"{option_prefix}temperature {temperature:g}: expected 0 (greedy) or a positive number")
     if top_k is not None and top_k < 0:
-        raise InvalidValue(f"top_k must be a positive number of tokens, or 0 or None for no top-k filter; got top_k={top_k}")
+        no_value = "null" if option_prefix else "None"
+        raise InvalidValue(f"{option_prefix}top_k {top_k}: expected a positive number of tokens, or 0 or {no_value} for "
+                           "no top-k filter")
 
 
 def check_prompt(prompt: str) -> None:
@@ -157,8 +161,8 @@ def main(
     precision = precision or ("bf16-true" if device.type == "cuda" else "32-true")
     dtypes = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
     if precision not in dtypes:
-        raise InvalidValue(f"precision must be one of {sorted(dtypes)}, got {precision!r}")
-    check_generation_args(max_new_tokens, temperature, top_k)  # before loading the model, minutes for a large one
+        raise InvalidValue(f"--precision {precision}: expected one of {', '.join(sorted(dtypes))}")
+    check_generation_args(max_new_tokens, temperature, top_k, option_prefix="--")  # before loading the model, minutes for a large one
     check_prompt(prompt)
 
     tokenizer = Tokenizer(checkpoint_dir, "checkpoint_dir")

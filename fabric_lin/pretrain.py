@@ -152,8 +152,10 @@ def setup(
     cuda = torch.cuda.is_available()
     if devices == "auto":
         devices = torch.cuda.device_count() if cuda else 1
-    if not isinstance(devices, int) or devices < 1 or num_nodes < 1:
-        raise InvalidValue(f"devices must be a positive integer or 'auto' and num_nodes positive, got devices={devices!r}, num_nodes={num_nodes!r}")
+    if not isinstance(devices, int) or devices < 1:
+        raise InvalidValue(f"--devices {devices}: expected a positive number of devices per node, or auto")
+    if num_nodes < 1:
+        raise InvalidValue(f"--num_nodes {num_nodes}: expected a positive number of nodes")
     if cuda and devices > torch.cuda.device_count():
         raise InvalidValue(
             f"--devices {devices}: this machine has {torch.cuda.device_count()} CUDA GPU(s) (CUDA_VISIBLE_DEVICES="

@@ -668,6 +668,41 @@ def test_arguments_are_checked_and_the_lengths_and_tasks_listed_once(tmp_path):
         run_data_module({"data": {"class_path": "mypackage.Data", "init_args": {}}}, tmp_path / "hyperparameters.yaml")
 
 
+@pytest.mark.parametrize("tasks", ["", ",", " , "])
+def test_tasks_that_name_no_task_are_one_line(run, tmp_path, capsys, tasks):
+    """--tasks given with no name in it (an empty shell variable, say) evaluated the data alone, as if no task was
+    asked for."""
+    err = cli_error(["evaluate", str(run / "out" / "final"), "--max_batches", "1", "--out_dir", str(tmp_path / "eval"),
+                     "--tasks", tasks], capsys)
+    assert err == (f"fabric-lin evaluate: error: --tasks {tasks!r} names no task: give task, group or tag names "
+                   "separated by commas (e.g. hellaswag,arc_easy), or leave --tasks out\n")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_out_dir_inside_the_training_checkpoint_is_one_line(run, tmp_path, capsys):
+    """A training checkpoint's files are the ones its manifest lists: results written among them would go with it when
+    the run prunes or replaces it, and a copy of the checkpoint would carry them."""
+    final = run / "out" / "final"
+    files_before = sorted(p.name for p in final.iterdir())
+    for out_dir in (final, final / "evaluate", final / ".." / "final"):
+        err = cli_error(["evaluate", str(final), "--max_batches", "1", "--out_dir", str(out_dir)], capsys)
+        assert err == (f"fabric-lin evaluate: error: --out_dir {out_dir} is inside the training checkpoint {final}, whose "
+                       f"files are the ones its manifest lists: give a directory outside it, or leave --out_dir out for "
+                       f"{run / 'out' / 'evaluate' / 'final'}\n")
+    assert sorted(p.name for p in final.iterdir()) == files_before
+
+
+def test_an_unfinished_checkpoint_given_as_the_current_directory_is_one_line(run, tmp_path, capsys, monkeypatch):
+    """`.` inside a `.tmp-` directory (a checkpoint still being written, its manifest already there) is as unfinished
+    as the directory named by its path."""
+    unfinished = tmp_path / ".tmp-step-00000004"
+    shutil.copytree(run / "out" / "final", unfinished)
+    monkeypatch.chdir(unfinished)
+    err = cli_error(["evaluate", ".", "--max_batches", "1"], capsys)
+    assert err == "fabric-lin evaluate: error: . is an unfinished checkpoint (a `.tmp-` directory is renamed when complete)\n"
+    assert not (tmp_path / "evaluate").exists()
+
+
 def test_an_empty_length_list_is_one_line(run, capsys):
     """--seq_len [] (evaluated at the training length, as if not given). (--data.num_workers without --data and without
     a run's data: test_data_options_alone_change_the_run_s_own_data.)"""

@@ -159,6 +159,17 @@ def test_error_more_cpu_processes_than_cores(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("option, value, expected", [
+    ("--devices", "0", "a positive number of devices per node, or auto"),
+    ("--num_nodes", "0", "a positive number of nodes"),
+])
+def test_error_no_devices_or_nodes_names_the_option(tmp_path, capsys, option, value, expected):
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     option, value], capsys)
+    assert err == f"fabric-lin pretrain: error: {option} {value}: expected {expected}\n"
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_warmup_as_long_as_the_run_is_said(tmp_path, capsys):
     """TrainArgs' default warmup (2000 steps) kept for a one-step run: it trains at 1/2000 of optimizer.lr."""
     setup_pretrain(tmp_path, optimizer=OptimizerArgs(lr=4e-4))
