@@ -48,6 +48,7 @@ from fabric_lin.data.recipe import (
 )
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
 from fabric_lin.files import check_empty_output_dir, created_dir
+from fabric_lin.stopping import sigterm_interrupts
 
 # Documents read from a file at once (and so handed to the tokenizer together, in groups of
 # recipe.ENCODE_GROUP_CHARS characters).
@@ -162,7 +163,7 @@ def prepare(
     text_files_to_read(input_dir, pattern)  # a missing or empty input directory fails here
     num_workers = num_workers or default_num_workers()
 
-    with created_dir(output_dir.parent):
+    with created_dir(output_dir.parent), sigterm_interrupts():
         stage = output_dir.parent / f".tmp-{stage_id(output_dir)}"
         stage.mkdir()
         try:

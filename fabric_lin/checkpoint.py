@@ -105,8 +105,6 @@ class Checkpointer:
         `.tmp-` directory, the manifest last, renamed at the end; then prune to `keep_last_n` step
         directories. Every rank calls it. Interrupted (a second Ctrl-C, an error), it removes its
         `.tmp-` directory and leaves the checkpoints that were there."""
-        from fabric_lin.convert.model_dir import remove_evaluation_results, training_checkpoint_evaluation_dir
-
         name = FINAL_DIR if final else step_dir_name(state["step_count"])
         final_dir = self.out_dir / name
         tmp_dir = self.out_dir / f"{TMP_PREFIX}{name}"
@@ -178,8 +176,6 @@ class Checkpointer:
 def keep_evaluation_as(checkpoint_dir: Path, kept_as: Path) -> None:
     """Move evaluate's results of `checkpoint_dir` to those of `kept_as`, the same weights under another name, where
     `kept_as` has none of its own."""
-    from fabric_lin.convert.model_dir import training_checkpoint_evaluation_dir
-
     evaluation, kept_evaluation = map(training_checkpoint_evaluation_dir, (checkpoint_dir, kept_as))
     if evaluation.is_dir() and not kept_evaluation.exists():
         os.replace(evaluation, kept_evaluation)
@@ -704,11 +700,37 @@ def delete_checkpoints(out_dir: Path) -> List[str]:
     return sorted(p.name for p in doomed) + delete_checkpoint_evaluations(out_dir)
 
 
+# evaluate's results, written by default into the model directory or export it evaluates (their evaluate/), and
+# beside a training checkpoint (out_dir/evaluate/step-XXXXXXXX/ or out_dir/evaluate/final/)
+EVALUATION_DIR = "evaluate"
+RESULTS_FILE = "evaluate.json"
+PLOT_FILE = "loss_by_position.png"
+
+
+def training_checkpoint_evaluation_dir(checkpoint_dir: Path) -> Path:
+    """Where evaluate writes its results of a training checkpoint by default: beside it, never inside it (its files are
+    the ones its manifest lists)."""
+    return Path(checkpoint_dir).parent / EVALUATION_DIR / Path(checkpoint_dir).name
+
+
+def remove_evaluation_results(directory: Path) -> List[str]:
+    """Delete evaluate's results (and plot) in `directory`, and the directory where nothing else is left in it: the
+    results of weights that are replaced, which name the directory and would be taken for the new weights'. Returns
+    the names of the files deleted."""
+    directory = Path(directory)
+    removed = []
+    for name in (RESULTS_FILE, PLOT_FILE):
+        if (directory / name).is_file():
+            (directory / name).unlink()
+            removed.append(name)
+    if directory.is_dir() and not any(directory.iterdir()):
+        directory.rmdir()
+    return removed
+
+
 def delete_checkpoint_evaluations(out_dir: Path) -> List[str]:
     """Delete evaluate's results of out_dir's checkpoints (out_dir/evaluate/step-*/ and final/), which the run that
     replaces them would otherwise seem to have; other files there stay. Returns what was deleted, as evaluate/<name>."""
-    from fabric_lin.convert.model_dir import EVALUATION_DIR, remove_evaluation_results
-
     evaluations = Path(out_dir) / EVALUATION_DIR
     if not evaluations.is_dir():
         return []

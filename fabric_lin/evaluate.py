@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from fabric_lin.checkpoint import HPARAMS_FILE, to_plain
+from fabric_lin.checkpoint import EVALUATION_DIR, HPARAMS_FILE, PLOT_FILE, RESULTS_FILE, to_plain, training_checkpoint_evaluation_dir
 from fabric_lin.checkpoint_kinds import (
     TRAINING_CHECKPOINT,
     Checkpoint,
@@ -33,7 +33,6 @@ from fabric_lin.checkpoint_kinds import (
     plain_value,
     run_data_module,
 )
-from fabric_lin.convert.model_dir import EVALUATION_DIR, PLOT_FILE, RESULTS_FILE, training_checkpoint_evaluation_dir
 from fabric_lin.cpu_cores import loader_workers
 from fabric_lin.data import DataModule
 from fabric_lin.data.tokenizer import the_recorded_tokenizer

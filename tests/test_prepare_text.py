@@ -286,6 +286,37 @@ def test_prepare_text_refuses_a_finished_output_dir(paragraphs_tokenizer, text_c
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_a_sigterm_between_the_two_splits_removes_the_working_directory(paragraphs_tokenizer, tmp_path, monkeypatch):
+    """SIGTERM after the training split, before the validation split (litdata's processor, which answers it during its
+    run, has ended): the run stops as interrupted and removes its working directory, not by SIGTERM's default action,
+    which would end the process and leave the working directory behind."""
+    import os
+
+    import data_prep.prepare_text as module
+
+    raw, runs = tmp_path / "raw", tmp_path / "runs"
+    raw.mkdir()
+    runs.mkdir()
+    for i in range(4):
+        (raw / f"doc-{i}.txt").write_text("\n\n".join(paragraphs(6, 300 + i)), encoding="utf-8")
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def default_action(signum, frame):  # where SIGTERM's default action would have ended the process
+        raise AssertionError("SIGTERM reached the handler outside the run")
+
+    monkeypatch.setattr(module, "write_held_out_split", terminated)
+    previous = signal.signal(signal.SIGTERM, default_action)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            prepare_text(raw, runs / "out", paragraphs_tokenizer, val_fraction=0.5, num_workers=1)
+        assert signal.getsignal(signal.SIGTERM) is default_action
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert list(runs.iterdir()) == []
+
+
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT", "SIGTERM", "SIGTERM to the job"])
 def test_prepare_text_interrupted_leaves_nothing_the_trainer_accepts(paragraphs_tokenizer, tmp_path, how):
     raw, runs = tmp_path / "raw", tmp_path / "runs"

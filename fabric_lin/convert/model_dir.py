@@ -20,6 +20,7 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 import torch.nn as nn
 
+from fabric_lin.checkpoint import EVALUATION_DIR, remove_evaluation_results
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile
 from fabric_lin.files import (
@@ -49,34 +50,6 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# evaluate's results, written by default into the model directory or export it evaluates (their evaluate/), and
-# beside a training checkpoint (out_dir/evaluate/step-XXXXXXXX/ or out_dir/evaluate/final/)
-EVALUATION_DIR = "evaluate"
-RESULTS_FILE = "evaluate.json"
-PLOT_FILE = "loss_by_position.png"
-
-
-def training_checkpoint_evaluation_dir(checkpoint_dir: Path) -> Path:
-    """Where evaluate writes its results of a training checkpoint by default: beside it, never inside it (its files are
-    the ones its manifest lists)."""
-    return Path(checkpoint_dir).parent / EVALUATION_DIR / Path(checkpoint_dir).name
-
-
-def remove_evaluation_results(directory: Path) -> List[str]:
-    """Delete evaluate's results (and plot) in `directory`, and the directory where nothing else is left in it: the
-    results of weights that are replaced, which name the directory and would be taken for the new weights'. Returns
-    the names of the files deleted."""
-    directory = Path(directory)
-    removed = []
-    for name in (RESULTS_FILE, PLOT_FILE):
-        if (directory / name).is_file():
-            (directory / name).unlink()
-            removed.append(name)
-    if directory.is_dir() and not any(directory.iterdir()):
-        directory.rmdir()
-    return removed
 
 
 def what_it_holds(directory: Path) -> Optional[str]:

@@ -26,6 +26,7 @@ from fabric_lin.data.raw_files import BadFileError, check_input_dir
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
 from fabric_lin.errors import AlreadyExists, InvalidValue, UserError
 from fabric_lin.files import check_empty_output_dir, created_dir, environment_variables
+from fabric_lin.stopping import sigterm_interrupts
 
 # Documents are encoded in groups of about this many characters: large enough for SentencePiece's
 # threads to share, small enough that the Python lists of ids stay a few hundred MB at most.
@@ -341,7 +342,7 @@ def run_recipe(
 
     info = {"recipe": recipe.name or type(recipe).__name__, "input_dir": str(input_dir), "fast_dev_run": fast_dev_run,
             "chunk_size": recipe.chunk_size, **(info or {})}
-    with created_dir(output_dir.parent):
+    with created_dir(output_dir.parent), sigterm_interrupts():
         return _run_into(recipe, input_dir, output_dir, tokenizer, num_workers, fast_dev_run, info, shown_as or output_dir)
 
 
