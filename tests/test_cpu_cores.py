@@ -104,6 +104,14 @@ def test_cpu_threads_are_the_cores_shared_by_the_processes(monkeypatch, capsys):
                 "are slow, OMP_NUM_THREADS=1 fabric-lin pretrain ...") in capsys.readouterr().out
         cpu_cores.set_cpu_threads(8)  # one thread per process waits for no other
         assert torch.get_num_threads() == 1 and capsys.readouterr().out == ""
+        monkeypatch.setenv("LOCAL_RANK", "1")  # Fabric's launcher starts rank 1 with LOCAL_RANK alone: rank 0 speaks
+        cpu_cores.set_cpu_threads(2)
+        assert torch.get_num_threads() == 4 and capsys.readouterr().out == ""
+        monkeypatch.delenv("LOCAL_RANK")
+        busy["cores"] = None  # the counters cannot be read (not Linux): nothing to say
+        cpu_cores.set_cpu_threads(2)
+        assert torch.get_num_threads() == 4 and capsys.readouterr().out == ""
+        busy["cores"] = 1.04
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's processes start together: each other's start-up is no other work
         cpu_cores.set_cpu_threads(2)
         assert torch.get_num_threads() == 4 and capsys.readouterr().out == ""
@@ -116,12 +124,12 @@ def test_cpu_threads_are_the_cores_shared_by_the_processes(monkeypatch, capsys):
 
 def test_loader_workers_are_at_most_one_per_core_of_each_process_s_share(monkeypatch, capsys):
     """A recipe's data.num_workers on a machine of 4 cores: one process starts at most 4 loader workers, each of 2
-    processes at most 2 and each of 8 one (every process loads its own batches); fewer asked, or none, stand. Lowered,
-    it says what was asked, what is used and why, from the node's rank 0 alone."""
+    processes at most 2 and each of 8 one (every process loads its own batches); fewer asked, as many, or none, stand
+    without a word. Lowered, it says what was asked, what is used and why, from the node's rank 0 alone."""
     monkeypatch.setattr(cpu_cores, "usable_cpu_cores", lambda: 4)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert [cpu_cores.loader_workers(asked, processes) for asked, processes in ((8, 1), (8, 2), (8, 8), (3, 1), (0, 2))] \
-        == [4, 2, 1, 3, 0]
+    assert [cpu_cores.loader_workers(asked, processes) for asked, processes in ((8, 1), (8, 2), (8, 8), (3, 1), (0, 2),
+                                                                                (4, 1), (2, 2))] == [4, 2, 1, 3, 0, 4, 2]
     assert capsys.readouterr().out.splitlines() == [
         "Note: data.num_workers 8: 4 loader workers, one per CPU core this process may use (more would only take turns "
         "on them)",

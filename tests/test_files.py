@@ -2,13 +2,17 @@
 written into them, the directory checks before a command's work, and the readers' one-line errors (a merge key of
 YAML, a file system error that stays one). Elsewhere, as commands meet them: the modes of written files
 (test_convert_pretrained_checkpoint.py), a YAML key given twice and ~ (test_cli.py), Git LFS pointers
-(test_raw_files.py, test_tokenizer.py)."""
+(test_raw_files.py, test_tokenizer.py). Here too, the helpers' own cases that no command meets in the tests: the mode
+of a new file under another umask, where the directory above a model looks, a list cut short, and environment
+variables set for a block."""
 import errno
+import os
 import re
 
 import pytest
 
 from fabric_lin.errors import AlreadyExists, InvalidValue
+from fabric_lin import files
 from fabric_lin.files import atomic_write, check_empty_output_dir, created_dir, read_yaml, reading
 
 
@@ -57,6 +61,8 @@ def test_an_output_directory_is_checked_before_it_is_made(tmp_path):
     with pytest.raises(InvalidValue, match=f"^{re.escape(refusal)}$"):
         with created_dir(tmp_path / "a file" / "out"):
             pass
+    with pytest.raises(InvalidValue, match=f"^--output_dir {re.escape(str(tmp_path / 'a file'))}: .* is a file"):
+        check_empty_output_dir(tmp_path / "a file")  # not empty, not a directory: refused before the work too
     (tmp_path / "empty").mkdir()
     check_empty_output_dir(tmp_path / "empty")  # empty, or not there yet: taken
     check_empty_output_dir(tmp_path / "not there")
@@ -88,6 +94,85 @@ def test_a_file_system_error_while_reading_stays_what_it_is(tmp_path):
             raise OSError("unexpected end")  # names no file: the parser's complaint about the content
 
 
+def test_a_reader_s_complaint_is_its_first_sentence_on_one_line_or_its_kind(tmp_path):
+    path = tmp_path / "lit_model.pth"
+    with pytest.raises(InvalidValue, match=f"^{re.escape(str(path))} cannot be read as weights: invalid load key, 'x'; "
+                                           f"it may be truncated"):
+        with reading(path, "weights", ValueError):
+            raise ValueError("invalid load key,\n 'x'. The file was written by something else.")
+    with pytest.raises(InvalidValue, match=f"^{re.escape(str(path))} cannot be read as weights: EOFError; "):
+        with reading(path, "weights", EOFError):
+            raise EOFError()  # a message of its own it has not
+
+
+def test_a_yaml_key_that_is_a_list_is_the_parser_s_one_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model_name: gla-debug\n? [train, max_steps]\n: 10\n")
+    with pytest.raises(InvalidValue, match=f"^{re.escape(str(path))} cannot be read as YAML: found unhashable key at line "
+                                           f"2, column 3; "):
+        read_yaml(path)
+
+
+@pytest.mark.parametrize("proc", ["/proc", "no /proc"])
+def test_the_usual_mode_is_the_one_a_new_file_gets_under_any_umask(tmp_path, monkeypatch, proc):
+    """Under umask 002 (group-writable files, as on many shared machines) and 077; without /proc (macOS) the umask is
+    read by setting it, and left as it was."""
+    if proc == "no /proc":
+        def no_proc(path, *args, **kwargs):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+        monkeypatch.setattr(files, "open", no_proc, raising=False)
+    previous = os.umask(0o002)
+    try:
+        for umask in (0o002, 0o077):
+            os.umask(umask)
+            new_file = tmp_path / f"new-{umask:o}"
+            new_file.write_text("")
+            assert (files.default_file_mode(), os.umask(umask)) == (new_file.stat().st_mode & 0o777, umask)
+    finally:
+        os.umask(previous)
+
+
+def test_a_copy_whose_source_is_missing_names_the_source(tmp_path):
+    """An error naming its own file keeps it: the copy's destination is not the file that is missing."""
+    with pytest.raises(FileNotFoundError) as raised:
+        files.copy_file(tmp_path / "tokenizer.model", tmp_path / "out" / "tokenizer.model")
+    assert raised.value.filename == str(tmp_path / "tokenizer.model")
+
+
+def test_the_directories_below_are_those_that_tell_within_the_depth_in_name_order(tmp_path):
+    """A model two levels below is found, not one three levels below, nor one in a hidden directory or below another
+    model; a file or a directory not there has nothing below it."""
+    for place in ("b-model", "b-model/inner", "a-run/merged", "a-run/adapter/x", ".cache/model", "c/d/e/model"):
+        (tmp_path / place).mkdir(parents=True)
+        (tmp_path / place / "config.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("")
+
+    def model(directory):
+        return "model" if (directory / "config.json").is_file() else None
+
+    assert list(files.directories_below(tmp_path, model).items()) == [(tmp_path / "a-run" / "merged", "model"),
+                                                                        (tmp_path / "b-model", "model")]
+    assert list(files.directories_below(tmp_path, model, depth=3)) == [
+        tmp_path / "a-run" / "adapter" / "x", tmp_path / "a-run" / "merged", tmp_path / "b-model"]
+    assert files.directories_below(tmp_path / "notes.txt", model) == {}
+    assert files.directories_below(tmp_path / "not there", model) == {}
+
+
+def test_a_short_list_says_how_many_more_only_past_its_limit():
+    assert files.short_list(range(3), limit=3) == "0, 1, 2"
+    assert files.short_list(range(5), limit=3) == "0, 1, 2, ... (2 more)"
+
+
+def test_environment_variables_are_as_before_after_the_block(monkeypatch):
+    monkeypatch.setenv("FABRIC_LIN_TEST_SET", "before")
+    monkeypatch.delenv("FABRIC_LIN_TEST_UNSET", raising=False)
+    with pytest.raises(KeyError):
+        with files.environment_variables({"FABRIC_LIN_TEST_SET": "within", "FABRIC_LIN_TEST_UNSET": "within"}):
+            assert os.environ["FABRIC_LIN_TEST_SET"] == os.environ["FABRIC_LIN_TEST_UNSET"] == "within"
+            raise KeyError("a failure within the block")
+    assert os.environ["FABRIC_LIN_TEST_SET"] == "before" and "FABRIC_LIN_TEST_UNSET" not in os.environ
+
+
 @pytest.fixture
 def unwritable_dir(tmp_path):
     """A directory no file can be made in: mode 0o555, or for root (whom modes do not stop) immutable, where the file
@@ -109,7 +194,8 @@ def unwritable_dir(tmp_path):
     directory.chmod(0o755)
 
 
-def test_an_output_directory_that_cannot_be_written_is_refused_before_the_work(unwritable_dir, tmp_path, capsys):
+def test_an_output_directory_that_cannot_be_written_is_refused_before_the_work(unwritable_dir, tmp_path, capsys,
+                                                                                      monkeypatch):
     """An output directory in a directory that cannot be written: refused in one line naming it before any work, where
     train_tokenizer trained the whole tokenizer and then failed with "[Errno 13] Permission denied: '...'"."""
     from fabric_lin.files import check_dir_can_be_made
@@ -119,6 +205,9 @@ def test_an_output_directory_that_cannot_be_written_is_refused_before_the_work(u
                "or a read-only file system); give a directory that can be written")
     with pytest.raises(InvalidValue, match=f"^{re.escape(refusal)}$"):
         check_dir_can_be_made(unwritable_dir / "tok", "--output_dir")
+    monkeypatch.chdir(unwritable_dir.parent)  # the directory itself, as the user gave it, is named so
+    with pytest.raises(InvalidValue, match=f"^--output_dir {unwritable_dir.name}: {unwritable_dir.name} is not writable"):
+        check_dir_can_be_made(unwritable_dir.name, "--output_dir")
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text("a few words of text\n" * 50)
     assert cli_error(["train_tokenizer", "--input_dir", str(tmp_path / "text"), "--output_dir", str(unwritable_dir / "tok"),
