@@ -29,7 +29,6 @@ written (`verify_checkpoint`). `--resume` verifies before loading: a damaged dir
 `.damaged-<name>` (never deleted) and the newest verified checkpoint is used. A model directory
 (`fabric_lin.convert.model_dir`) uses the same names for its weights and config.
 """
-import contextlib
 import json
 import os
 import random
@@ -45,10 +44,10 @@ from typing import Any, Dict, List, Optional, Union
 import numpy as np
 import torch
 import yaml
-from lightning_fabric.plugins import TorchCheckpointIO
 
 from fabric_lin.config import CONFIG_FILE
-from fabric_lin.errors import FILE_SYSTEM_ERRNOS, InvalidValue, MissingFile, UserError
+from fabric_lin.errors import InvalidValue, MissingFile, UserError
+from fabric_lin.save_failures import all_gather_objects, failure_shared, write_error
 from fabric_lin.weights import MODEL_FILE, meta_model
 
 HPARAMS_FILE = "hyperparameters.yaml"
@@ -108,66 +107,74 @@ class Checkpointer:
         name = FINAL_DIR if final else step_dir_name(state["step_count"])
         final_dir = self.out_dir / name
         tmp_dir = self.out_dir / f"{TMP_PREFIX}{name}"
-        if fabric.global_rank == 0:
-            if tmp_dir.exists():  # left by a run killed while saving
-                shutil.rmtree(tmp_dir)
-            tmp_dir.mkdir(parents=True)
-        fabric.barrier()
+        # each part ends with an exchange of its failures, a barrier: a rank that fails alone must not leave the
+        # others waiting for it in the next collective (fabric_lin.save_failures)
+        with failure_shared(fabric, tmp_dir):
+            if fabric.global_rank == 0:
+                if tmp_dir.exists():  # left by a run killed while saving
+                    shutil.rmtree(tmp_dir)
+                tmp_dir.mkdir(parents=True)
         try:
             state["rng_states"] = get_rng_states()
-            fabric.save(tmp_dir / MODEL_FILE, state)  # every rank takes part; it ends with a barrier
-            if fabric.global_rank == 0:
-                step_info = {"step_count": state["step_count"]}
-                (tmp_dir / STEP_FILE).write_text(json.dumps(step_info) + "\n")
-                save_hparams(self.hparams, tmp_dir / HPARAMS_FILE)
-                self.config.save(tmp_dir / CONFIG_FILE)
-                from fabric_lin.data.tokenizer import copy_tokenizer_files, write_trained_with
+            with failure_shared(fabric, tmp_dir):
+                # fabric.save without its closing barrier, which a rank failing in its part would skip: every rank
+                # writes its shards under FSDP, rank 0 the one file otherwise
+                from lightning_fabric.wrappers import _unwrap_objects
 
-                if self.tokenizer_dir is not None:
-                    copy_tokenizer_files(self.tokenizer_dir, tmp_dir)
-                if self.trained_with is not None:
-                    write_trained_with(tmp_dir, self.trained_with)
-            fabric.barrier()  # all files written before any is checksummed
+                fabric.strategy.save_checkpoint(path=tmp_dir / MODEL_FILE, state=_unwrap_objects(state))
+            with failure_shared(fabric, tmp_dir):  # all files written before any is checksummed
+                if fabric.global_rank == 0:
+                    self.write_beside_the_weights(tmp_dir, state["step_count"])
             write_manifest(fabric, tmp_dir)
-        except BaseException as error:
-            from torch.distributed.checkpoint.api import CheckpointException
-
-            # asked before the directory goes: removing it frees what it held, and a full disk would take a write again
-            reason = file_system_error(error, tmp_dir)
-            if isinstance(error, CheckpointException):
-                fabric.barrier()  # torch.distributed.checkpoint gave every rank this failure: all have asked
+        except BaseException:
+            # every rank has asked the file system what it said (failure_shared): removing the directory frees what
+            # it held, and a full disk would take a write again
             if fabric.global_rank == 0:
                 shutil.rmtree(tmp_dir, ignore_errors=True)
-            if reason is None or reason is error:
-                raise
-            raise reason from error
-        if fabric.global_rank == 0:
-            # a signal between the two renames would leave neither the old nor the new directory in place
-            with signals_deferred(signal.SIGINT, signal.SIGTERM):
-                earlier_end = final_checkpoint_step(self.out_dir) if final else None
-                kept_as = self.out_dir / step_dir_name(earlier_end) if earlier_end is not None else None
-                if kept_as is not None and earlier_end < state["step_count"] and not kept_as.exists():
-                    # a finished run continued to a later end: its end stays, as the checkpoint of that step
-                    os.replace(final_dir, kept_as)
-                    keep_evaluation_as(final_dir, kept_as)
-                    fabric.print(f"Kept the earlier end of the run, {final_dir} at step {earlier_end}, as {kept_as}")
-                # evaluate's results of the checkpoint this one replaces would be taken for this one's
-                remove_evaluation_results(training_checkpoint_evaluation_dir(final_dir))
-                if final_dir.exists():  # e.g. a resumed run passing a step it had saved before
-                    old = self.out_dir / f"{TMP_PREFIX}old-{name}"
-                    if old.exists():
-                        shutil.rmtree(old)
-                    os.replace(final_dir, old)
-                    os.replace(tmp_dir, final_dir)
-                    shutil.rmtree(old)
-                else:
-                    os.replace(tmp_dir, final_dir)
-                _fsync_dir(self.out_dir)
-            if not final and self.keep_last_n is not None:
-                prune_checkpoints(self.out_dir, self.keep_last_n)
-            fabric.print(f"Saved checkpoint {final_dir}")
-        fabric.barrier()
+            raise
+        with failure_shared(fabric, tmp_dir):
+            if fabric.global_rank == 0:
+                self.put_in_place(fabric, tmp_dir, final_dir, state["step_count"], final)
         return final_dir
+
+    def put_in_place(self, fabric, tmp_dir: Path, final_dir: Path, step_count: int, final: bool) -> None:
+        """Rename the complete `tmp_dir` to `final_dir` (rank 0), replacing a checkpoint of that name; prune."""
+        # a signal between the two renames would leave neither the old nor the new directory in place
+        with signals_deferred(signal.SIGINT, signal.SIGTERM):
+            earlier_end = final_checkpoint_step(self.out_dir) if final else None
+            kept_as = self.out_dir / step_dir_name(earlier_end) if earlier_end is not None else None
+            if kept_as is not None and earlier_end < step_count and not kept_as.exists():
+                # a finished run continued to a later end: its end stays, as the checkpoint of that step
+                os.replace(final_dir, kept_as)
+                keep_evaluation_as(final_dir, kept_as)
+                fabric.print(f"Kept the earlier end of the run, {final_dir} at step {earlier_end}, as {kept_as}")
+            # evaluate's results of the checkpoint this one replaces would be taken for this one's
+            remove_evaluation_results(training_checkpoint_evaluation_dir(final_dir))
+            if final_dir.exists():  # e.g. a resumed run passing a step it had saved before
+                old = self.out_dir / f"{TMP_PREFIX}old-{final_dir.name}"
+                if old.exists():
+                    shutil.rmtree(old)
+                os.replace(final_dir, old)
+                os.replace(tmp_dir, final_dir)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp_dir, final_dir)
+            _fsync_dir(self.out_dir)
+        if not final and self.keep_last_n is not None:
+            prune_checkpoints(self.out_dir, self.keep_last_n)
+        fabric.print(f"Saved checkpoint {final_dir}")
+
+    def write_beside_the_weights(self, directory: Path, step_count: int) -> None:
+        """step.json, hyperparameters.yaml, model_config.yaml, the tokenizer's files and `trained_with` (rank 0)."""
+        from fabric_lin.data.tokenizer import copy_tokenizer_files, write_trained_with
+
+        (directory / STEP_FILE).write_text(json.dumps({"step_count": step_count}) + "\n")
+        save_hparams(self.hparams, directory / HPARAMS_FILE)
+        self.config.save(directory / CONFIG_FILE)
+        if self.tokenizer_dir is not None:
+            copy_tokenizer_files(self.tokenizer_dir, directory)
+        if self.trained_with is not None:
+            write_trained_with(directory, self.trained_with)
 
     def final_step(self) -> Optional[float]:
         return final_checkpoint_step(self.out_dir)
@@ -179,66 +186,6 @@ def keep_evaluation_as(checkpoint_dir: Path, kept_as: Path) -> None:
     evaluation, kept_evaluation = map(training_checkpoint_evaluation_dir, (checkpoint_dir, kept_as))
     if evaluation.is_dir() and not kept_evaluation.exists():
         os.replace(evaluation, kept_evaluation)
-
-
-class CheckpointFileIO(TorchCheckpointIO):
-    """Fabric's writer of lit_model.pth (one device and DDP): `torch.save` straight into the file.
-
-    Lightning's own writer first serialises the whole checkpoint into memory, then writes it through an
-    fsspec transaction, which puts the bytes in a temporary file of the default temporary directory
-    ($TMPDIR) and moves them: a second copy of every checkpoint in memory and on a file system the run
-    never chose, so a node with a small /tmp fails every save. The file lies in the checkpoint's `.tmp-`
-    directory, renamed only when everything is written, so writing it in place is just as safe."""
-
-    def save_checkpoint(self, checkpoint: Dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} takes no storage_options")
-        try:
-            torch.save(checkpoint, path)  # fsynced with the rest when the manifest is written
-        except RuntimeError as error:
-            # torch's zip writer reports a failed write (a full disk, a quota) as a RuntimeError about file
-            # positions: the file system's own error is the one to report, naming the file
-            reason = write_error(Path(path).parent)
-            if reason is None:
-                raise
-            raise OSError(reason.errno, reason.strerror, str(path)) from error
-
-
-def write_error(directory: Path, probe_bytes: int = 1 << 20) -> Optional[OSError]:
-    """The error the file system gives a write of `probe_bytes` into `directory` (a file written and removed), or None
-    where it takes them. torch.save writes through C++ and its RuntimeError for a failed write carries no OSError:
-    writing again is how to learn it. (Saving into a Python file object would keep the OSError, but a Ctrl-C inside
-    that object's write would then surface as torch's RuntimeError, not as the KeyboardInterrupt that a second Ctrl-C
-    must be.)"""
-    probe = Path(directory) / f"{TMP_PREFIX}write-test-{os.getpid()}"
-    try:
-        with open(probe, "ab") as file:
-            file.write(bytes(probe_bytes))
-            file.flush()
-            os.fsync(file.fileno())
-    except OSError as error:
-        return error
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
-    return None
-
-
-def file_system_error(error: BaseException, checkpoint_dir: Path) -> Optional[OSError]:
-    """The file system's error behind a failed save into `checkpoint_dir` (no space left, a quota reached, no
-    permission), naming the file it names, else the checkpoint: the error the CLI reports in one line. Python's writes
-    report a full disk naming no file; torch.save reports one as a RuntimeError of its zip writer, in Fabric's meta.pt
-    and in the shards that torch.distributed.checkpoint writes, which gives every rank a CheckpointException holding
-    each rank's failure (a BaseException, which no `except Exception` catches): a further write into out_dir tells
-    what the file system said. None for any other error."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if isinstance(error, (RuntimeError, CheckpointException)):
-        refused = write_error(checkpoint_dir.parent)
-        error = OSError(refused.errno, refused.strerror) if refused is not None else error
-    if not isinstance(error, OSError) or error.errno not in FILE_SYSTEM_ERRNOS:
-        return None
-    return error if error.filename else OSError(error.errno, error.strerror, str(checkpoint_dir))
 
 
 class signals_deferred:
@@ -323,32 +270,24 @@ def write_manifest(fabric, directory: Path) -> Dict[str, Any]:
     directory = Path(directory)
     rank, world = fabric.global_rank, fabric.world_size
     files = fabric.broadcast(checkpoint_files(directory) if rank == 0 else None, src=0)
-    mine = {name: file_checksum(directory / name, fsync=True) for name in share(files, rank, world)}
+    with failure_shared(fabric, directory):  # an fsync may be where a file system reports a full disk
+        mine = {name: file_checksum(directory / name, fsync=True) for name in share(files, rank, world)}
     entries: Dict[str, Any] = {}
     for part in all_gather_objects(fabric, mine):
         entries.update(part)
     manifest = {"format": MANIFEST_FORMAT, "checksum": "crc32", "files": {name: entries[name] for name in files}}
-    if rank == 0:
-        tmp = directory / f"{MANIFEST_FILE}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / MANIFEST_FILE)
-        for dirpath, _, _ in os.walk(directory):
-            _fsync_dir(Path(dirpath))
-    fabric.barrier()
+    with failure_shared(fabric, directory):
+        if rank == 0:
+            tmp = directory / f"{MANIFEST_FILE}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, directory / MANIFEST_FILE)
+            for dirpath, _, _ in os.walk(directory):
+                _fsync_dir(Path(dirpath))
     return manifest
-
-
-def all_gather_objects(fabric, obj: Any) -> List[Any]:
-    """`obj` of every rank, in rank order (Fabric's all_gather takes tensors only)."""
-    if fabric.world_size == 1:
-        return [obj]
-    gathered: List[Any] = [None] * fabric.world_size
-    torch.distributed.all_gather_object(gathered, obj)
-    return gathered
 
 
 @dataclass

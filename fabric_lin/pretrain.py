@@ -28,7 +28,6 @@ from fabric_lin.batches import CycleIterator, batch_fingerprint, compute_loss
 from fabric_lin.checkpoint import (
     HPARAMS_FILE,
     Checkpointer,
-    CheckpointFileIO,
     check_out_dir,
     checkpoint_dirs,
     delete_checkpoints,
@@ -70,6 +69,7 @@ from fabric_lin.run_start import (
     run_tokenizer_dir,
     training_data_tokenizer,
 )
+from fabric_lin.save_failures import CheckpointFileIO
 from fabric_lin.stopping import StepFlags, StopRequest
 from fabric_lin.weights import canonical_name
 
