@@ -387,7 +387,15 @@ def load_train_state(fabric, checkpoint_dir: Path, state: Dict[str, Any]) -> Non
     checkpoint resumes on any mesh, or in a run that does not shard; a one-file one in a sharded run too."""
     from lightning_fabric.strategies import ModelParallelStrategy
 
-    from fabric_lin.sharded_checkpoint import load_one_file_train_state, load_sharded_train_state, restore_the_rest
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fabric_lin.sharded_checkpoint import (
+        load_one_file_train_state,
+        load_sharded_train_state,
+        read_checked_metadata,
+        read_failure,
+        restore_the_rest,
+    )
 
     fabric.print(f"Resuming from {checkpoint_dir}")
     weights_path = Path(checkpoint_dir) / MODEL_FILE
@@ -398,7 +406,11 @@ def load_train_state(fabric, checkpoint_dir: Path, state: Dict[str, Any]) -> Non
             # sharded load puts the saved state dicts of the other objects in their place instead of handing them
             # their state (the data loader would start over): it restores the model and the optimizer, and returns
             # the rest, restored here
-            restore_the_rest(state, fabric.load(weights_path, {"model": state["model"], "optimizer": state["optimizer"]}))
+            read_checked_metadata(weights_path, fabric_meta=True)
+            try:
+                restore_the_rest(state, fabric.load(weights_path, {"model": state["model"], "optimizer": state["optimizer"]}))
+            except CheckpointException as error:  # every rank's, a BaseException whose message is a traceback
+                raise read_failure(weights_path, error) from error
         elif weights_path.is_dir():
             fabric.print(f"{weights_path} is sharded and this run is not: its tensors are reassembled whole")
             load_sharded_train_state(weights_path, state)

@@ -8,7 +8,9 @@ with the rest of the train state. DCP reassembles each tensor whole from its sha
 and a run that does not shard (one device, or DDP) resumes the whole train state (`load_sharded_train_state`),
 e.g. a run of 2 GPUs continued on 1. The other way, a sharded run resumes a one-file checkpoint (of one device
 or DDP) with `load_one_file_train_state`. A sharded run resuming a sharded checkpoint, on any mesh, is Fabric's
-own `fabric.load` (DCP reshards). Pickled entries are read as plain values only (`weights_only`).
+own `fabric.load` (DCP reshards). Pickled entries are read as plain values only (`weights_only`). Every load first
+checks that the files `.metadata` names are there and hold its bytes (`read_checked_metadata`), and a failure of DCP's
+read is one error naming the directory (`read_failure`): the manifest was verified before, but files may go since.
 """
 import collections
 import io
@@ -17,14 +19,15 @@ import pathlib
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from fabric_lin.errors import InvalidValue
+from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.weights import canonical_name, canonical_state_dict, inside, not_plain_values, torch_load_tensors
 
 FABRIC_META_FILE = "meta.pt"  # Fabric's sharded save: what is neither a module nor an optimizer
@@ -36,6 +39,7 @@ def load_sharded_train_state(path: Path, state: Dict[str, Any]) -> None:
     state, saved keyed by parameter names, is keyed here by this optimizer's parameter order: each parameter gets
     the state saved under its name, in groups of the same parameters as the saved ones (else refused)."""
     path = Path(path)
+    read_checked_metadata(path, fabric_meta=True)
     model, optimizer = state["model"], state["optimizer"]
     own = {canonical_name(name): name for name in model.state_dict()}
     saved = canonical_state_dict(load_sharded_model_state(path))
@@ -135,7 +139,7 @@ def restore_the_rest(state: Dict[str, Any], saved: Dict[str, Any]) -> None:
 def read_sharded_entry(path: Path, top: str) -> Any:
     """The top-level entry `top` of a DCP directory (e.g. "optimizer"), nested as it was saved, every tensor
     whole on the CPU."""
-    metadata = _SafeDCPReader(str(path)).read_metadata()
+    metadata = read_checked_metadata(path)
     root: Dict[str, Any] = {}
     for key, item in metadata.state_dict_metadata.items():
         location = (metadata.planner_data or {}).get(key, tuple(key.split(".")))
@@ -146,9 +150,7 @@ def read_sharded_entry(path: Path, top: str) -> Any:
     if top not in root:
         raise InvalidValue(f"{path}: no entry {top!r} in the checkpoint")
     planner = _PlainValuesLoadPlanner()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(root, storage_reader=_SafeDCPReader(str(path)), planner=planner, no_dist=True)
+    load_in_this_process(path, root, planner)
     if planner.refused:
         entry, error = planner.refused[0]
         raise not_plain_values(f"{path}: its entry {entry!r}", error)
@@ -197,8 +199,7 @@ def load_sharded_model_state(path: Path) -> Dict[str, torch.Tensor]:
     """Consolidate the `model` entry of a DCP checkpoint directory into full CPU tensors, in this
     process and without a process group: DCP reassembles every tensor from its shards into a
     preallocated full one. The optimizer's entries are not read."""
-    reader = _SafeDCPReader(str(path))
-    metadata = reader.read_metadata()
+    metadata = read_checked_metadata(path)
     planner_data = metadata.planner_data or {}
     full: Dict[str, torch.Tensor] = {}
     not_tensors = []
@@ -217,10 +218,63 @@ def load_sharded_model_state(path: Path) -> Dict[str, torch.Tensor]:
         top = sorted({str(planner_data.get(k, (k,))[0]) for k in metadata.state_dict_metadata})
         raise InvalidValue(f"{path}: no tensors under 'model'; the checkpoint's top-level entries are {top}")
     state = {"model": full}
+    load_in_this_process(path, state)
+    return state["model"]
+
+
+def load_in_this_process(path: Path, state: Dict[str, Any], planner: Optional[DefaultLoadPlanner] = None) -> None:
+    """DCP's load of `state` (tensors preallocated whole) from the DCP directory `path`, in this process alone."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=_SafeDCPReader(str(path)), no_dist=True)
-    return state["model"]
+        try:
+            dcp.load(state, storage_reader=_SafeDCPReader(str(path)), planner=planner, no_dist=True)
+        except CheckpointException as error:
+            raise read_failure(path, error) from error
+
+
+def read_checked_metadata(path: Path, fabric_meta: bool = False) -> Metadata:
+    """The `.metadata` of the DCP directory `path`, read as `_SafeDCPReader` reads it, once every shard file it
+    places tensors in is there and holds the bytes it places there (and, with `fabric_meta`, Fabric's meta.pt is
+    there): a checkpoint copied in part, or changed since its manifest was verified (pruned by the run that wrote it,
+    while it is read), is named file by file, not by torch.distributed.checkpoint's traceback of every rank."""
+    metadata = _SafeDCPReader(str(path)).read_metadata()
+    ends: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        ends[name] = max(ends.get(name, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        shard = Path(path) / name
+        if not shard.is_file():
+            raise MissingFile(f"{path}: the sharded checkpoint is incomplete: its shard {name} is missing (its .metadata "
+                              f"places tensors in it)")
+        size = shard.stat().st_size
+        if size < end:
+            raise InvalidValue(f"{shard} is truncated: {size:,} bytes, where the checkpoint's .metadata places data up "
+                               f"to byte {end:,}")
+    if fabric_meta and not (Path(path) / FABRIC_META_FILE).is_file():
+        raise MissingFile(f"{path}: the sharded checkpoint is incomplete: {FABRIC_META_FILE} is missing (Fabric's file of "
+                          f"the train state that is neither the model nor the optimizer)")
+    return metadata
+
+
+def read_failure(path: Path, error: CheckpointException) -> BaseException:
+    """What a load from the DCP directory `path` raises for torch.distributed.checkpoint's CheckpointException (a
+    BaseException, whose message is each failing rank's traceback): a Ctrl-C during the load stays a
+    KeyboardInterrupt; a file missing or cut short since the load began is named; any other failure to read is named
+    with the directory, in one line."""
+    failures = [failed[0] for _, failed in sorted(error.failures.items())]
+    if any(isinstance(failure, KeyboardInterrupt) for failure in failures):
+        return KeyboardInterrupt()
+    read_checked_metadata(path)  # raises for a file that went missing or was cut short
+    first = failures[0] if failures else error
+    return InvalidValue(f"{path}: the sharded checkpoint cannot be read ({first_sentence(first)}): it is damaged; "
+                        f"load an older checkpoint of the run")
+
+
+def first_sentence(error: BaseException) -> str:
+    """A reader's complaint in one line: its type and the first sentence of its message (torch's go on for lines)."""
+    said = " ".join(str(error).split()).split(". ")[0][:300]
+    return f"{type(error).__name__}: {said}" if said else type(error).__name__
 
 
 class _SafeDCPReader(torch.distributed.checkpoint.FileSystemReader):
@@ -230,7 +284,16 @@ class _SafeDCPReader(torch.distributed.checkpoint.FileSystemReader):
 
     def read_metadata(self, *args, **kwargs):
         path = Path(self.path) / ".metadata"
-        metadata = _RestrictedUnpickler(io.BytesIO(path.read_bytes()), path).load()
+        if not path.is_file():
+            raise MissingFile(f"{self.path}: the sharded checkpoint has no .metadata (torch.distributed.checkpoint's index "
+                              f"of its shards, written last): it is incomplete")
+        try:
+            metadata = _RestrictedUnpickler(io.BytesIO(path.read_bytes()), path).load()
+        except InvalidValue:
+            raise
+        except (EOFError, pickle.UnpicklingError, AttributeError, IndexError, TypeError, ValueError) as error:
+            raise InvalidValue(f"{path} is damaged: it does not read as torch.distributed.checkpoint's metadata "
+                               f"({first_sentence(error)})") from error
         if not isinstance(metadata, torch.distributed.checkpoint.metadata.Metadata):
             raise InvalidValue(f"{path}: expected a torch.distributed.checkpoint Metadata, got {type(metadata).__name__}")
         for info in (metadata.storage_data or {}).values():

@@ -5,10 +5,14 @@ that are not tensors are named, not dropped, and a DCP directory without the ent
 checkpoint's optimizer state is resumed in a sharded run only into parameter groups of the sizes it was saved with,
 each parameter getting its own state, and only into a model of its parameters; a sharded checkpoint resumed in a run
 that does not shard gives each parameter the state saved under its name (whatever order its model registered them in),
-the counters and the data loader's position, and is refused where its model or its groups hold other parameters.
+the counters and the data loader's position, and is refused where its model or its groups hold other parameters. A
+shard, .metadata or meta.pt missing, cut short or garbled is named in one line by every reader, in one process or in a
+sharded run (and by evaluate and convert where a shard goes after the manifest verified); a Ctrl-C during a read stays
+a Ctrl-C.
 (Sharded checkpoints written by pretrain, converted and resumed on other meshes in one process or several:
 test_pretrain_sharded.py.)"""
 import collections
+import re
 import types
 
 import pytest
@@ -313,3 +317,206 @@ def test_a_sharded_checkpoint_of_other_parameters_or_groups_is_refused_naming_th
     with pytest.raises(ValueError, match=r"ghost: the optimizer state names parameter 'ghost.weight', which this run's "
                        r"model does not have"):
         load_sharded_train_state(tmp_path / "ghost", resuming_unsharded_state())
+
+
+# ---------------------------------------------------------------- a damaged or incomplete sharded checkpoint
+
+
+def _shard_missing(weights):
+    (weights / "__0_0.distcp").unlink()
+
+
+def _shard_truncated(weights):
+    with open(weights / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+
+
+def _shard_garbled(weights):  # its size kept: what only the manifest's CRC-32 would tell
+    shard = weights / "__0_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))
+
+
+def _metadata_missing(weights):
+    (weights / ".metadata").unlink()
+
+
+def _metadata_truncated(weights):
+    metadata = (weights / ".metadata").read_bytes()
+    (weights / ".metadata").write_bytes(metadata[:len(metadata) // 2])
+
+
+def _fabric_meta_missing(weights):
+    (weights / "meta.pt").unlink()
+
+
+DAMAGES = {  # what is done to a sharded lit_model.pth -> the error that names it (its message as a pattern)
+    "shard missing": (_shard_missing, FileNotFoundError,
+                      r"{weights}: the sharded checkpoint is incomplete: its shard __0_0\.distcp is missing"),
+    "shard truncated": (_shard_truncated, ValueError,
+                        r"{weights}/__0_0\.distcp is truncated: 100 bytes, where the checkpoint's \.metadata places data "
+                        r"up to byte [\d,]+$"),
+    "shard garbled": (_shard_garbled, ValueError,
+                      r"{weights}: the sharded checkpoint cannot be read \(UnpicklingError: Weights only load failed\): "
+                      r"it is damaged; load an older checkpoint of the run$"),
+    ".metadata missing": (_metadata_missing, FileNotFoundError,
+                          r"{weights}: the sharded checkpoint has no \.metadata \(.*\): it is incomplete$"),
+    ".metadata truncated": (_metadata_truncated, ValueError,
+                            r"{weights}/\.metadata is damaged: it does not read as torch\.distributed\.checkpoint's "
+                            r"metadata \(UnpicklingError: pickle data was truncated\)$"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("damage", [*DAMAGES, "meta.pt missing"])
+def test_a_damaged_or_incomplete_sharded_checkpoint_is_named_in_one_line(tmp_path, damage):
+    """Each reader of a sharded lit_model.pth in one process (a model's weights, an entry, the whole train state) names
+    the file that is missing, cut short or garbled: torch.distributed.checkpoint raised its CheckpointException, a
+    BaseException whose message is the traceback of each rank's failure (no --resume, evaluate or convert caught it),
+    and the missing .metadata or meta.pt, or a .metadata cut short, came as Python's own error, a traceback too."""
+    from fabric_lin.cli import expected_failure
+    from fabric_lin.sharded_checkpoint import load_sharded_train_state, read_sharded_entry
+
+    weights = tmp_path / "lit_model.pth"
+    save_sharded_checkpoint(weights, Tiny())
+    if damage == "meta.pt missing":  # read by a resume alone: the train state beside the model and the optimizer
+        _fabric_meta_missing(weights)
+        with pytest.raises(FileNotFoundError, match=rf"{weights}: the sharded checkpoint is incomplete: meta\.pt is "
+                           r"missing \(Fabric's file of the train state"):
+            load_sharded_train_state(weights, resuming_unsharded_state())
+        return
+    do, error, message = DAMAGES[damage]
+    do(weights)
+    readers = [load_sharded_model_state, lambda path: read_sharded_entry(path, "optimizer"),
+               lambda path: load_sharded_train_state(path, resuming_unsharded_state())]
+    for read in readers[:1] if damage == "shard garbled" else readers:  # zeros read as tensors, as pickles not
+        with pytest.raises(error, match=message.format(weights=re.escape(str(weights)))) as info:
+            read(weights)
+        assert expected_failure(info.value)  # the CLI's one line
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_ctrl_c_while_a_sharded_checkpoint_is_read_stays_a_ctrl_c(tmp_path, monkeypatch):
+    """torch.distributed.checkpoint catches every failure of a read, a KeyboardInterrupt too, into its
+    CheckpointException: the CLI printed its traceback instead of `interrupted`."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    weights = tmp_path / "lit_model.pth"
+    save_sharded_checkpoint(weights, Tiny())
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DefaultLoadPlanner, "resolve_tensor", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_sharded_model_state(weights)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("command", ["evaluate", "convert_pretrained_checkpoint"])
+def test_a_shard_gone_after_the_checkpoint_verified_is_named_by_the_command(tmp_path, monkeypatch, capsys, command):
+    """A training checkpoint verifies against its manifest, then loses a shard before it is read (the run still writing
+    checkpoints prunes it, keep_last_n): the command says which file went, in one line, instead of a traceback."""
+    import torch.distributed.checkpoint as dcp
+
+    import fabric_lin.checkpoint_kinds as checkpoint_kinds
+    from fabric_lin.checkpoint import verify_checkpoint, write_manifest
+    from fabric_lin.config import Config
+    from fabric_lin.model import GPT
+    from helpers import cli_error, write_checkpoint_dir_files
+
+    class OneProcess:
+        global_rank, world_size = 0, 1
+
+        def broadcast(self, obj, src=0):
+            return obj
+
+    config = Config.from_name("gla-debug", num_layers=1)
+    checkpoint = tmp_path / "out" / "step-00000002"
+    write_checkpoint_dir_files(checkpoint, config)
+    dcp.save({"model": GPT(config).state_dict()}, checkpoint_id=checkpoint / "lit_model.pth", no_dist=True)
+    torch.save({"step_count": 2}, checkpoint / "lit_model.pth" / "meta.pt")
+    (checkpoint / "step.json").write_text('{"step_count": 2}\n')
+    write_manifest(OneProcess(), checkpoint)
+
+    def verified_then_pruned(directory, fabric=None):
+        check = verify_checkpoint(directory, fabric)
+        (checkpoint / "lit_model.pth" / "__0_0.distcp").unlink()
+        return check
+
+    monkeypatch.setattr(checkpoint_kinds, "verify_checkpoint", verified_then_pruned)
+    argv = [command, str(checkpoint)] + (["--output_dir", str(tmp_path / "model")] if command.startswith("convert") else [])
+    line = cli_error(argv, capsys)
+    assert line == (f"fabric-lin {command}: error: {checkpoint / 'lit_model.pth'}: the sharded checkpoint is incomplete: "
+                    f"its shard __0_0.distcp is missing (its .metadata places tensors in it)\n")
+
+
+def _sharded_run_resumes_damaged_copies(rank: int, out_dir, port: int) -> None:
+    """One of the 2 CPU processes of a sharded (FSDP2) run, started as torchrun starts them: it saves a checkpoint,
+    rank 0 makes a damaged copy of it for each of DAMAGES and one without meta.pt, and every rank resumes each copy
+    (Fabric's own sharded load); what each raised is left in out_dir/../rank-<rank>.pt."""
+    import os
+    import shutil
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0", TORCHELASTIC_RUN_ID="damaged-resume")
+    import lightning_fabric as L
+
+    from fabric_lin.args import ParallelismArgs
+    from fabric_lin.checkpoint import Checkpointer, load_train_state, train_state
+    from fabric_lin.config import Config
+    from fabric_lin.model import GPT
+    from fabric_lin.parallelism import make_strategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=make_strategy(False, 2, 1, ParallelismArgs(), "32-true"))
+    fabric.launch()
+    config = Config.from_name("gla-debug", num_layers=1)
+    with fabric.init_module(empty_init=True):
+        model = GPT(config)
+    model = fabric.setup(model)
+    state = train_state(model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters())), {"samples": 4})
+    saved = Checkpointer(out_dir, {}, config).save(fabric, state)
+    damages = {**{name: do for name, (do, _, _) in DAMAGES.items()}, "meta.pt missing": _fabric_meta_missing}
+    if rank == 0:
+        for name, do in damages.items():
+            shutil.copytree(saved, out_dir / name)
+            do(out_dir / name / "lit_model.pth")
+    fabric.barrier()
+    raised = {}
+    for name in damages:
+        try:
+            load_train_state(fabric, out_dir / name, state)
+        except BaseException as error:  # what the load raised is the result
+            raised[name] = (type(error).__name__, str(error))
+    torch.save(raised, out_dir.parent / f"rank-{rank}.pt")
+
+
+@pytest.mark.slow
+def test_a_sharded_run_resuming_a_damaged_sharded_checkpoint_names_what_is_wrong(tmp_path):
+    """Fabric's sharded load, on each rank of a run of 2 processes: a missing or truncated shard, a garbled one, a
+    missing or truncated .metadata (torch's CheckpointException, or Python's EOFError, on every rank), and a missing
+    meta.pt (Lightning's ValueError that the path is no checkpoint) are named as a run of one process names them."""
+    import multiprocessing
+
+    from helpers import free_port
+
+    out_dir = tmp_path / "out"
+    fork = multiprocessing.get_context("fork")
+    port = free_port()
+    ranks = [fork.Process(target=_sharded_run_resumes_damaged_copies, args=(rank, out_dir, port)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(120)
+        if process.exitcode is None:
+            process.kill()
+    assert [process.exitcode for process in ranks] == [0, 0]
+    for rank in (0, 1):
+        raised = torch.load(tmp_path / f"rank-{rank}.pt", weights_only=True)
+        for name, (_, error, message) in DAMAGES.items():
+            expected = "MissingFile" if error is FileNotFoundError else "InvalidValue"
+            weights = out_dir / name / "lit_model.pth"
+            assert raised[name][0] == expected and re.match(message.format(weights=re.escape(str(weights))),
+                                                            raised[name][1]), (rank, name, raised[name])
+        assert raised["meta.pt missing"] == ("MissingFile", f"{out_dir / 'meta.pt missing' / 'lit_model.pth'}: the "
+                                             f"sharded checkpoint is incomplete: meta.pt is missing (Fabric's file of the "
+                                             f"train state that is neither the model nor the optimizer)")
