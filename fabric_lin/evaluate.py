@@ -269,6 +269,13 @@ def task_list(tasks: Union[str, List[str], None]) -> List[str]:
     if not names:  # asked for tasks and given none: the data alone would be evaluated, as if --tasks were left out
         raise InvalidValue(f"--tasks {tasks!r} names no task: give task, group or tag names separated by commas "
                            "(e.g. hellaswag,arc_easy), or leave --tasks out")
+    empty = [position for position, item in enumerate(items, 1) if not item.strip()]
+    if empty:
+        # lm-eval itself refuses the empty name (no task is named ''); dropping it would evaluate fewer tasks than
+        # were meant where it is a shell variable left unset (--tasks "hellaswag,$MORE,arc_easy")
+        raise InvalidValue(f"--tasks {tasks!r}: entry {empty[0]} of {len(items)} is empty (a shell variable left unset, "
+                           f"or a comma too many?): every entry between commas names a task, group or tag, e.g. "
+                           f"--tasks {','.join(names)}")
     return [str(expand_home(name)) if is_task_file(name) else name for name in names]
 
 

@@ -662,7 +662,7 @@ def test_arguments_are_checked_and_the_lengths_and_tasks_listed_once(tmp_path):
                                ((None,) * 5 + (-1, None), "--num_fewshot must be 0 or more")):
         with pytest.raises(InvalidValue, match=refused):
             check_arguments(*arguments)
-    assert task_list("hellaswag, ,arc_easy,") == ["hellaswag", "arc_easy"]
+    assert task_list(" hellaswag , arc_easy") == task_list(["hellaswag", "arc_easy"]) == ["hellaswag", "arc_easy"]
     # a checkpoint's hyperparameters.yaml names a module: only fabric-lin's data modules are imported
     with pytest.raises(InvalidValue, match=r"data.class_path mypackage.Data is not one of fabric-lin's data modules"):
         run_data_module({"data": {"class_path": "mypackage.Data", "init_args": {}}}, tmp_path / "hyperparameters.yaml")
@@ -677,6 +677,19 @@ def test_tasks_that_name_no_task_are_one_line(run, tmp_path, capsys, tasks):
     assert err == (f"fabric-lin evaluate: error: --tasks {tasks!r} names no task: give task, group or tag names "
                    "separated by commas (e.g. hellaswag,arc_easy), or leave --tasks out\n")
     assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.parametrize("tasks, entry", [("hellaswag,,arc_easy", "entry 2 of 3"), ("hellaswag, ,arc_easy", "entry 2 of 3"),
+                                          ("hellaswag,", "entry 2 of 2"), (",hellaswag,arc_easy", "entry 1 of 3"),
+                                          ("[hellaswag, '', arc_easy]", "entry 2 of 3")])
+def test_tasks_with_an_empty_entry_are_refused(tmp_path, capsys, tasks, entry):
+    """An empty entry among the names (a shell variable left unset: --tasks "hellaswag,$MORE,arc_easy") was dropped, and
+    fewer tasks than meant were evaluated; lm-eval refuses it (no task is named ''). Refused before a model is read."""
+    err = cli_error(["evaluate", str(tmp_path / "no checkpoint"), "--tasks", tasks], capsys)
+    given = repr(tasks) if not tasks.startswith("[") else "['hellaswag', '', 'arc_easy']"
+    assert err == (f"fabric-lin evaluate: error: --tasks {given}: {entry} is empty (a shell variable left unset, or a "
+                   f"comma too many?): every entry between commas names a task, group or tag, e.g. --tasks "
+                   f"{'hellaswag' if tasks == 'hellaswag,' else 'hellaswag,arc_easy'}\n")
 
 
 def test_out_dir_inside_the_training_checkpoint_is_one_line(run, tmp_path, capsys):
