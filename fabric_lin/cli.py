@@ -608,6 +608,10 @@ def run(argv: List[str]) -> None:
         argv = command_line_model_replaces_the_config_files(argv)
     if argv and argv[0] == "evaluate":
         argv = data_options_change_the_run_s_data(argv)
+    if argv and argv[0] == "generate" and option_values(argv, "--prompt") and option_values(argv, "--prompt_file"):
+        from fabric_lin.errors import InvalidValue  # generate itself cannot tell --prompt given as its default
+
+        raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
     if argv and argv[0] == "pretrain" and not option_values(argv, "--out_dir"):
         from fabric_lin.run_start import check_config_of_a_moved_run
 

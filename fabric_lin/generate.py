@@ -108,6 +108,63 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_k: Option
                            "no top-k filter")
 
 
+class StopString:
+    """Generated text as it may be printed, up to the first occurrence of `stop`, which is left out: text that may
+    begin it is held back until the next text tells (or the generation ends, `rest`)."""
+
+    def __init__(self, stop: str):
+        self.stop, self.held, self.found = stop, "", False
+
+    def add(self, new: str) -> str:
+        """What of the generated text so far can be printed now, besides what was; "" once `found`."""
+        if self.found:
+            return ""
+        text = self.held + new
+        at = text.find(self.stop)
+        if at >= 0:
+            self.found, self.held = True, ""
+            return text[:at]
+        # the longest end of the text that the stop string begins with waits
+        held = next((k for k in range(min(len(text), len(self.stop) - 1), 0, -1) if self.stop.startswith(text[-k:])), 0)
+        self.held = text[len(text) - held:] if held else ""
+        return text[:len(text) - held]
+
+    def rest(self) -> str:
+        """The text held back, once nothing follows it."""
+        rest, self.held = self.held, ""
+        return rest
+
+
+def read_prompt_file(path: Path) -> str:
+    """The prompt in the file `path` (`-`: standard input): UTF-8 text (a byte order mark at its start left out), less
+    the one line end at its end that an editor adds to a file it saves."""
+    from fabric_lin.data.raw_files import OTHER_UNICODE_MARKS
+    from fabric_lin.errors import MissingFile
+
+    if str(path) == "-":
+        data, named = sys.stdin.buffer.read(), "- (standard input)"
+    else:
+        named = str(path)
+        if not path.exists():
+            raise MissingFile(f"--prompt_file {path} does not exist: expected a text file holding the prompt")
+        if not path.is_file():
+            raise InvalidValue(f"--prompt_file {path} is a directory: expected a text file holding the prompt")
+        data = path.read_bytes()
+    for mark, encoding in OTHER_UNICODE_MARKS:
+        if data.startswith(mark):
+            raise InvalidValue(f"--prompt_file {named} is {encoding} text (it starts with {encoding}'s byte order mark), "
+                               f"expected UTF-8: convert it first, e.g. iconv -f {encoding} -t UTF-8")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise InvalidValue(f"--prompt_file {named} is not UTF-8 text: byte 0x{data[e.start]:02x} at byte {e.start} (a "
+                           f"file in another encoding, e.g. Latin-1?); save it as UTF-8") from None
+    text = text.removesuffix("\n").removesuffix("\r")
+    if not text:
+        raise InvalidValue(f"--prompt_file {named} is empty: expected the text of the prompt")
+    return text
+
+
 def check_prompt(prompt: str) -> None:
     """Refuse a prompt that is not text: a byte of another encoding than the terminal's reaches Python as a surrogate
     (0xDC80 + the byte), which the tokenizer cannot encode."""
@@ -130,10 +187,15 @@ def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -
     return model.to(device=device, dtype=dtype).eval()
 
 
+DEFAULT_PROMPT = "The capital of France"
+
+
 def main(
     checkpoint_dir: Path,
-    prompt: str = "The capital of France",
+    prompt: str = DEFAULT_PROMPT,
+    prompt_file: Optional[Path] = None,
     max_new_tokens: int = 50,
+    stop: str = "",
     temperature: float = 0.8,
     top_k: Optional[int] = 50,
     seed: int = 1234,
@@ -145,7 +207,11 @@ def main(
     Args:
         checkpoint_dir: a model directory, e.g. the output of `fabric-lin convert_pretrained_checkpoint`.
         prompt: the text to continue.
+        prompt_file: a UTF-8 text file whose text is the prompt, in place of --prompt (for long or many-line prompts);
+            one line end at its end, which editors add, is left out. `-` reads standard input.
         max_new_tokens: how many tokens to sample at most (stops early at the end-of-text token).
+        stop: stop once the generated text (not the prompt) contains this string; the text printed ends before it,
+            as OpenAI-style APIs and vLLM leave their stop sequences out. A new line in bash: --stop $'\\n'.
         temperature: 0 for greedy decoding; higher is more random.
         top_k: sample only among the k most likely tokens; 0 or null: no top-k filter (all tokens).
         seed: random seed for sampling.
@@ -163,6 +229,10 @@ def main(
     if precision not in dtypes:
         raise InvalidValue(f"--precision {precision}: expected one of {', '.join(sorted(dtypes))}")
     check_generation_args(max_new_tokens, temperature, top_k, option_prefix="--")  # before loading the model, minutes for a large one
+    if prompt_file is not None:
+        if prompt != DEFAULT_PROMPT:
+            raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
+        prompt = read_prompt_file(Path(prompt_file))
     check_prompt(prompt)
 
     tokenizer = Tokenizer(checkpoint_dir, "checkpoint_dir")
@@ -180,17 +250,28 @@ def main(
     )
     # printed as it is sampled; after a Ctrl-C what was printed stays (fabric_lin.cli then exits with 130)
     text = GrowingText(tokenizer, prompt_tokens.tolist())
-    print(text.text, end="", flush=True)
+    printed = text.text
+    print(printed, end="", flush=True)
+    until = StopString(stop) if stop else None
     count, start = 0, time.perf_counter()
     try:
         for token in tokens:
             count += 1
-            print(text.add(token), end="", flush=True)
+            new = text.add(token)
+            new = until.add(new) if until is not None else new
+            printed += new
+            print(new, end="", flush=True)
+            if until is not None and until.found:
+                break
     finally:
+        if until is not None:  # held back as the start of the stop string, which did not follow
+            rest = until.rest()
+            printed += rest
+            print(rest, end="")
         elapsed = time.perf_counter() - start
         print(flush=True)
         print(f"{count} tokens in {elapsed:.2f} s ({count / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr, flush=True)
-    return text.text
+    return printed
 
 
 def resolve_device(device: Optional[str]) -> torch.device:

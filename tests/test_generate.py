@@ -510,3 +510,76 @@ def test_readmes_python_lines_run_as_written(tmp_path, capsys):
     assert capsys.readouterr().out == tokenizer.decode(expected) + "\n"
     loaded = namespace["model"].state_dict()
     assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[name], state[name]) for name in state)
+
+
+def test_generate_stops_before_the_stop_string(tmp_path, capsys):
+    """--stop: the text printed and returned is the prompt and the generated text up to the stop string's first
+    occurrence in it (a piece of the text that the model makes when not stopped, spanning tokens), left out, and the
+    model samples no token past it; a stop string that never comes holds nothing back."""
+    from fabric_lin.generate import main as generate
+
+    make_model_dir(tmp_path / "model", small_config())
+    prompt = "the model"
+    full = generate(tmp_path / "model", prompt=prompt, max_new_tokens=30, temperature=0.0, device="cpu")
+    generated = full[len(prompt):]
+    assert full.startswith(prompt) and len(generated) > 12
+    stop = generated[8:12]  # three characters before it and after it would be held back, were they its start
+    expected = prompt + generated[:generated.find(stop)]
+    capsys.readouterr()
+    text = generate(tmp_path / "model", prompt=prompt, max_new_tokens=30, temperature=0.0, device="cpu", stop=stop)
+    out, err = capsys.readouterr()
+    assert text == expected and out == expected + "\n"
+    assert int(err.split(" tokens in ")[0]) < 30
+    assert generate(tmp_path / "model", prompt=prompt, max_new_tokens=30, temperature=0.0, device="cpu",
+                    stop=generated[-3:] + "\x00") == full  # its start, the text's last characters, printed at the end
+    # a stop string in the prompt alone stops nothing
+    assert generate(tmp_path / "model", prompt=prompt, max_new_tokens=30, temperature=0.0, device="cpu",
+                    stop=prompt) == full
+
+
+def test_generate_reads_the_prompt_from_a_file(tmp_path, capsys):
+    """--prompt_file: the file's UTF-8 text is the prompt (less the line end an editor adds; a byte order mark left
+    out), `-` standard input; a file that is missing, a directory, empty, in another encoding, or given with --prompt
+    too is refused in one line before the model is read."""
+    import io
+    import sys
+
+    from fabric_lin.generate import main as generate, read_prompt_file
+
+    make_model_dir(tmp_path / "model", small_config())
+    expected = generate(tmp_path / "model", prompt="the model", max_new_tokens=6, temperature=0.0, device="cpu")
+    for name, content in (("plain.txt", b"the model\n"), ("windows.txt", b"\xef\xbb\xbfthe model\r\n"),
+                          ("bare.txt", b"the model")):
+        (tmp_path / name).write_bytes(content)
+        assert generate(tmp_path / "model", prompt_file=tmp_path / name, max_new_tokens=6, temperature=0.0,
+                        device="cpu") == expected, name
+    (tmp_path / "two lines.txt").write_bytes(b"the model\n\n")  # one line end left out, not the blank line
+    assert read_prompt_file(tmp_path / "two lines.txt") == "the model\n"
+    stdin = sys.stdin
+    sys.stdin = io.TextIOWrapper(io.BytesIO(b"the model\n"))
+    try:
+        assert generate(tmp_path / "model", prompt_file="-", max_new_tokens=6, temperature=0.0, device="cpu") == expected
+    finally:
+        sys.stdin = stdin
+
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    (tmp_path / "utf16.txt").write_bytes("the model".encode("utf-16"))
+    (tmp_path / "empty.txt").write_bytes(b"\n")
+    model, given = str(tmp_path / "model"), str(tmp_path / "plain.txt")
+    for argv, message in (
+        (["--prompt", "the model", "--prompt_file", given], "--prompt and --prompt_file both give the prompt: give one "
+                                                            "of them"),
+        (["--prompt_file", str(tmp_path / "none.txt")], f"--prompt_file {tmp_path / 'none.txt'} does not exist: "
+                                                       "expected a text file holding the prompt"),
+        (["--prompt_file", str(tmp_path)], f"--prompt_file {tmp_path} is a directory: expected a text file holding the "
+                                           "prompt"),
+        (["--prompt_file", str(tmp_path / "latin1.txt")], f"--prompt_file {tmp_path / 'latin1.txt'} is not UTF-8 text: "
+                                                          "byte 0xe9 at byte 3 (a file in another encoding, e.g. "
+                                                          "Latin-1?); save it as UTF-8"),
+        (["--prompt_file", str(tmp_path / "utf16.txt")], f"--prompt_file {tmp_path / 'utf16.txt'} is UTF-16 text (it "
+                                                         "starts with UTF-16's byte order mark), expected UTF-8: convert "
+                                                         "it first, e.g. iconv -f UTF-16 -t UTF-8"),
+        (["--prompt_file", str(tmp_path / "empty.txt")], f"--prompt_file {tmp_path / 'empty.txt'} is empty: expected "
+                                                         "the text of the prompt"),
+    ):
+        assert cli_error(["generate", model, *argv], capsys) == f"fabric-lin generate: error: {message}\n", argv
