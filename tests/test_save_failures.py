@@ -4,7 +4,8 @@ every rank, or of rank 1 alone (its node's disk), and a file system that refuses
 checksums are taken: every rank raises the file system's error, naming the checkpoint (and, where another rank's disk
 was the full one, that rank) instead of torch's CheckpointException on each rank or, on rank 0, a lost peer: the
 one line the CLI prints. The unfinished checkpoint is gone and the one before stays whole, the one a resume takes.
-(One process, the disk full while the small files are written: test_checkpoint.py.)"""
+A second Ctrl-C during the shards is a KeyboardInterrupt on every rank, not torch's CheckpointException. (One
+process, the disk full while the small files are written: test_checkpoint.py.)"""
 import errno
 import io
 import os
@@ -69,18 +70,11 @@ def what_was_raised(error: Optional[BaseException]) -> Optional[Dict[str, object
                                        "filename": getattr(error, "filename", None), "message": str(error)}
 
 
-def _sharded_saves_on_a_failing_disk(rank: int, out_dir: Path, port: int, room: int, filling: List[int],
-                                     fsync_refused: List[int]) -> None:
-    """One of the 2 CPU processes of a sharded (FSDP2) run, started as torchrun starts them: a complete checkpoint at
-    step 2, then one at step 4 during which the disks of the ranks `filling` fill up after `room` more bytes written
-    from Python (where torch.distributed.checkpoint writes the shards), then, where `fsync_refused` names ranks, one at
-    step 6 whose fsyncs of the manifest's checksums on those ranks the file system refuses for want of room (as NFS
-    reports a full disk). What the saves at steps 4 and 6 raised is left in out_dir/../rank-<rank>.pt."""
+def sharded_run(rank: int, out_dir: Path, port: int):
+    """(Fabric, the train state, a Checkpointer into out_dir) of one of the 2 CPU processes of a sharded (FSDP2) run of
+    a one-layer gla-debug, started as torchrun starts them."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0", TORCHELASTIC_RUN_ID="full-disk")
-    import builtins
-
-    import fabric_lin.checkpoint as checkpoint_module
     from fabric_lin.args import ParallelismArgs
     from fabric_lin.model import GPT
     from fabric_lin.parallelism import make_strategy
@@ -92,7 +86,21 @@ def _sharded_saves_on_a_failing_disk(rank: int, out_dir: Path, port: int, room: 
         model = GPT(config)
     model = fabric.setup(model)
     state = train_state(model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters())), {"samples": 4})
-    checkpointer = Checkpointer(out_dir, {"train": {"micro_batch_size": 2}}, config)
+    return fabric, state, Checkpointer(out_dir, {"train": {"micro_batch_size": 2}}, config)
+
+
+def _sharded_saves_on_a_failing_disk(rank: int, out_dir: Path, port: int, room: int, filling: List[int],
+                                     fsync_refused: List[int]) -> None:
+    """One rank of `sharded_run`: a complete checkpoint at step 2, then one at step 4 during which the disks of the ranks
+    `filling` fill up after `room` more bytes written from Python (where torch.distributed.checkpoint writes the
+    shards), then, where `fsync_refused` names ranks, one at step 6 whose fsyncs of the manifest's checksums on those
+    ranks the file system refuses for want of room (as NFS reports a full disk). What the saves at steps 4 and 6
+    raised is left in out_dir/../rank-<rank>.pt."""
+    import builtins
+
+    import fabric_lin.checkpoint as checkpoint_module
+
+    fabric, state, checkpointer = sharded_run(rank, out_dir, port)
     state["step_count"] = 2
     checkpointer.save(fabric, state)
 
@@ -130,17 +138,16 @@ def _sharded_saves_on_a_failing_disk(rank: int, out_dir: Path, port: int, room: 
     torch.save(raised, out_dir.parent / f"rank-{rank}.pt")
 
 
-def saves_on_a_failing_disk(tmp_path: Path, filling: List[int], fsync_refused: List[int]) -> List[list]:
-    """What each rank's saves raised (`_sharded_saves_on_a_failing_disk`), in rank order; both processes must end."""
+def run_two_ranks(tmp_path: Path, target, *args) -> List:
+    """What each of the 2 ranks of `target(rank, out_dir, port, *args)` left in tmp_path/rank-<rank>.pt, in rank order;
+    both processes must end."""
     import multiprocessing
 
     from helpers import free_port
 
-    out_dir = tmp_path / "out"
     fork = multiprocessing.get_context("fork")
     port = free_port()
-    ranks = [fork.Process(target=_sharded_saves_on_a_failing_disk,
-                          args=(rank, out_dir, port, 64 << 10, filling, fsync_refused)) for rank in (0, 1)]
+    ranks = [fork.Process(target=target, args=(rank, tmp_path / "out", port, *args)) for rank in (0, 1)]
     for process in ranks:
         process.start()
     for process in ranks:
@@ -149,6 +156,11 @@ def saves_on_a_failing_disk(tmp_path: Path, filling: List[int], fsync_refused: L
             process.kill()
     assert [process.exitcode for process in ranks] == [0, 0]
     return [torch.load(tmp_path / f"rank-{rank}.pt", weights_only=True) for rank in (0, 1)]
+
+
+def saves_on_a_failing_disk(tmp_path: Path, filling: List[int], fsync_refused: List[int]) -> List[list]:
+    """What each rank's saves raised (`_sharded_saves_on_a_failing_disk`), in rank order."""
+    return run_two_ranks(tmp_path, _sharded_saves_on_a_failing_disk, 64 << 10, filling, fsync_refused)
 
 
 def no_space(checkpoint: Path, on_rank: Optional[int] = None) -> Dict[str, object]:
@@ -188,4 +200,37 @@ def test_a_full_disk_of_rank_1_alone_is_what_every_rank_raises(tmp_path):
     unfinished = [tmp_path / "out" / f".tmp-step-0000000{step}" for step in (4, 6)]
     assert rank_0 == [no_space(checkpoint, on_rank=1) for checkpoint in unfinished]
     assert rank_1 == [no_space(checkpoint) for checkpoint in unfinished]
+    assert_only_the_checkpoint_before_stays(tmp_path / "out")
+
+
+def _a_ctrl_c_during_the_shards(rank: int, out_dir: Path, port: int, interrupted: int) -> None:
+    """One rank of `sharded_run`: a complete checkpoint at step 2, then one at step 4 during whose shards a second
+    Ctrl-C reaches rank `interrupted`. What the second save raised is left in out_dir/../rank-<rank>.pt."""
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    fabric, state, checkpointer = sharded_run(rank, out_dir, port)
+    state["step_count"] = 2
+    checkpointer.save(fabric, state)
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if rank == interrupted:
+        dcp_filesystem._write_item = ctrl_c
+    state["step_count"] = 4
+    try:
+        checkpointer.save(fabric, state)
+        raised = None
+    except BaseException as error:  # what the save raised is the result
+        raised = what_was_raised(error)
+    torch.save(raised, out_dir.parent / f"rank-{rank}.pt")
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_during_the_shards_of_a_sharded_save_is_a_ctrl_c_on_every_rank(tmp_path):
+    """torch.distributed.checkpoint catches a KeyboardInterrupt in its write as any failure, into the CheckpointException
+    it gives every rank: the CLI printed its traceback, not `interrupted`. Every rank raises the KeyboardInterrupt, and
+    the checkpoint before stays."""
+    for raised in run_two_ranks(tmp_path, _a_ctrl_c_during_the_shards, 1):
+        assert raised == {"type": "KeyboardInterrupt", "errno": None, "filename": None, "message": ""}
     assert_only_the_checkpoint_before_stays(tmp_path / "out")
