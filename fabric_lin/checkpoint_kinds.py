@@ -65,7 +65,10 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
         return (checkpoint_dir / name).exists()
 
     tokenizer = Tokenizer(checkpoint_dir, "checkpoint_dir") if has("tokenizer.model") else None
-    if has(STEP_FILE) or has(MANIFEST_FILE) or has(HPARAMS_FILE) or (checkpoint_dir / MODEL_FILE).is_dir():
+    # a sharded lit_model.pth is a directory: given in place of its checkpoint, find_training_checkpoint names it
+    weights_of_a_run = checkpoint_dir.name == MODEL_FILE and is_training_checkpoint(checkpoint_dir.parent)
+    if has(STEP_FILE) or has(MANIFEST_FILE) or has(HPARAMS_FILE) or (checkpoint_dir / MODEL_FILE).is_dir() \
+            or weights_of_a_run:
         config, weights_path = find_training_checkpoint(checkpoint_dir, use="evaluate")
         state_dict = canonical_state_dict(load_model_weights(weights_path))
         check_state_dict(state_dict, config, source=str(weights_path))

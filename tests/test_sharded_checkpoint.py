@@ -411,18 +411,15 @@ def test_a_ctrl_c_while_a_sharded_checkpoint_is_read_stays_a_ctrl_c(tmp_path, mo
         load_sharded_model_state(weights)
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.parametrize("command", ["evaluate", "convert_pretrained_checkpoint"])
-def test_a_shard_gone_after_the_checkpoint_verified_is_named_by_the_command(tmp_path, monkeypatch, capsys, command):
-    """A training checkpoint verifies against its manifest, then loses a shard before it is read (the run still writing
-    checkpoints prunes it, keep_last_n): the command says which file went, in one line, instead of a traceback."""
+def sharded_training_checkpoint(checkpoint):
+    """A training checkpoint of a one-layer gla-debug at `checkpoint` whose lit_model.pth is sharded (one shard, written
+    in this process) and whose manifest verifies; the model's entry alone, as evaluate and convert read it."""
     import torch.distributed.checkpoint as dcp
 
-    import fabric_lin.checkpoint_kinds as checkpoint_kinds
-    from fabric_lin.checkpoint import verify_checkpoint, write_manifest
+    from fabric_lin.checkpoint import write_manifest
     from fabric_lin.config import Config
     from fabric_lin.model import GPT
-    from helpers import cli_error, write_checkpoint_dir_files
+    from helpers import write_checkpoint_dir_files
 
     class OneProcess:
         global_rank, world_size = 0, 1
@@ -431,12 +428,38 @@ def test_a_shard_gone_after_the_checkpoint_verified_is_named_by_the_command(tmp_
             return obj
 
     config = Config.from_name("gla-debug", num_layers=1)
-    checkpoint = tmp_path / "out" / "step-00000002"
     write_checkpoint_dir_files(checkpoint, config)
     dcp.save({"model": GPT(config).state_dict()}, checkpoint_id=checkpoint / "lit_model.pth", no_dist=True)
     torch.save({"step_count": 2}, checkpoint / "lit_model.pth" / "meta.pt")
     (checkpoint / "step.json").write_text('{"step_count": 2}\n')
     write_manifest(OneProcess(), checkpoint)
+    return checkpoint
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("command", ["evaluate", "convert_pretrained_checkpoint"])
+def test_the_weights_of_a_sharded_checkpoint_given_for_it_are_named(tmp_path, capsys, command):
+    """A sharded checkpoint's lit_model.pth/ (a directory, as a checkpoint is) given in place of the checkpoint: evaluate
+    said it holds none of a model's files; both commands say which directory to give."""
+    from helpers import cli_error
+
+    checkpoint = sharded_training_checkpoint(tmp_path / "out" / "step-00000002")
+    argv = [command, str(checkpoint / "lit_model.pth")] + (
+        ["--output_dir", str(tmp_path / "model")] if command.startswith("convert") else [])
+    assert cli_error(argv, capsys) == (f"fabric-lin {command}: error: {checkpoint / 'lit_model.pth'} is the weights of "
+                                       f"the training checkpoint {checkpoint}: pass that directory\n")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("command", ["evaluate", "convert_pretrained_checkpoint"])
+def test_a_shard_gone_after_the_checkpoint_verified_is_named_by_the_command(tmp_path, monkeypatch, capsys, command):
+    """A training checkpoint verifies against its manifest, then loses a shard before it is read (the run still writing
+    checkpoints prunes it, keep_last_n): the command says which file went, in one line, instead of a traceback."""
+    import fabric_lin.checkpoint_kinds as checkpoint_kinds
+    from fabric_lin.checkpoint import verify_checkpoint
+    from helpers import cli_error
+
+    checkpoint = sharded_training_checkpoint(tmp_path / "out" / "step-00000002")
 
     def verified_then_pruned(directory, fabric=None):
         check = verify_checkpoint(directory, fabric)
