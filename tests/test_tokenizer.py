@@ -108,13 +108,19 @@ def test_tokenizer_errors_name_the_path(tmp_path):
 
 
 def test_a_tokenizer_file_given_for_its_directory_and_a_special_token_that_is_no_string_are_named(tokenizer_dir, tmp_path):
-    """--tokenizer_path DIR/tokenizer.model was said not to exist; an eos_token of 5 (an id, not a piece) in
+    """--tokenizer_path DIR/tokenizer.model was said not to exist (another file is not sent to its directory, which holds
+    no tokenizer); an eos_token of 5 (an id, not a piece) in
     tokenizer_config.json was SentencePiece's TypeError traceback."""
     from fabric_lin.errors import UserError
 
     with pytest.raises(UserError, match=rf"^{tokenizer_dir / 'tokenizer.model'} is a file: expected the directory that "
                                         rf"holds tokenizer.model \(and tokenizer_config.json\), here {tokenizer_dir}$"):
         Tokenizer(tokenizer_dir / "tokenizer.model")
+    (tmp_path / "notes.txt").write_text("a file where no tokenizer is\n")  # its directory is no tokenizer's either
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'notes.txt'} is a file: expected the directory that holds "
+                                        rf"tokenizer.model \(and tokenizer_config.json\), and {tmp_path} holds no "
+                                        r"tokenizer.model$"):
+        Tokenizer(tmp_path / "notes.txt")
     copy_tokenizer_files(tokenizer_dir, tmp_path / "copy")
     for value in (5, {"content": 2, "lstrip": False}, ["</s>"]):
         (tmp_path / "copy" / "tokenizer_config.json").write_text(json.dumps({"eos_token": value}))

@@ -138,8 +138,12 @@ class Tokenizer:
         from sentencepiece import SentencePieceProcessor
 
         if checkpoint_dir.is_file():
+            beside = checkpoint_dir.parent
+            # the directory of a tokenizer.model given for it; another file (a prompt, the weights) names none
+            where = (f"here {beside}" if (beside / "tokenizer.model").is_file()
+                     else f"and {beside} holds no tokenizer.model")
             raise InvalidValue(f"{checkpoint_dir} is a file: expected the directory that holds tokenizer.model (and "
-                               f"tokenizer_config.json), here {checkpoint_dir.parent}")
+                               f"tokenizer_config.json), {where}")
         if not checkpoint_dir.is_dir():
             raise MissingFile(
                 f"Tokenizer directory {str(checkpoint_dir)!r} does not exist: expected a directory holding tokenizer.model"
