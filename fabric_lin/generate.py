@@ -154,6 +154,9 @@ def read_prompt_file(path: Path) -> str:
         if data.startswith(mark):
             raise InvalidValue(f"--prompt_file {named} is {encoding} text (it starts with {encoding}'s byte order mark), "
                                f"expected UTF-8: convert it first, e.g. iconv -f {encoding} -t UTF-8")
+    if b"\0" in data:  # no text file holds one: weights, a tokenizer, a compressed file given by mistake
+        raise InvalidValue(f"--prompt_file {named} is not a text file (it holds a NUL byte at byte {data.index(0)}): "
+                           f"expected a UTF-8 text file holding the prompt")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:

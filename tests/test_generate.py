@@ -581,5 +581,8 @@ def test_generate_reads_the_prompt_from_a_file(tmp_path, capsys):
                                                          "it first, e.g. iconv -f UTF-16 -t UTF-8"),
         (["--prompt_file", str(tmp_path / "empty.txt")], f"--prompt_file {tmp_path / 'empty.txt'} is empty: expected "
                                                          "the text of the prompt"),
+        (["--prompt_file", model + "/lit_model.pth"], f"--prompt_file {model}/lit_model.pth is not a text file (it "
+                                                       "holds a NUL byte at byte 4): expected a UTF-8 text file holding "
+                                                       "the prompt"),
     ):
         assert cli_error(["generate", model, *argv], capsys) == f"fabric-lin generate: error: {message}\n", argv
