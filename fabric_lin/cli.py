@@ -366,13 +366,24 @@ def main(argv=None) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(128 + signal.SIGPIPE) from None
     except Exception as e:
-        from fabric_lin.errors import PeerLost
+        from fabric_lin.errors import PeerLost, error_left_by_another_rank, leave_error_for_rank_0
 
         if isinstance(e, PeerLost) and not debug_enabled():
+            left = error_left_by_another_rank() if process_rank() == 0 else None
+            if left is not None:  # the peer ended on an error of its own, which no one else prints
+                rank, line, exit_code = left
+                print(f"{prog}: error on rank {rank}: {line}", file=sys.stderr, flush=True)
+                raise SystemExit(exit_code) from None
             # from every rank that is left: rank 0, which speaks for the others, may be the one that is gone
             print(e.line(prog, process_rank()), file=sys.stderr, flush=True)
             raise SystemExit(PEER_LOST_EXIT_CODE) from None
         failure = anticipated_cause(e)
+        if failure is not None:
+            leave_error_for_rank_0(str(failure), 2)
+        elif not isinstance(e, PeerLost):
+            said = " ".join(str(e).split())[:300]
+            leave_error_for_rank_0(f"{type(e).__name__}: {said} (a bug: its traceback is in rank {process_rank()}'s "
+                                   f"output)", 1)
         if debug_enabled() or failure is None:
             raise
         report(prog, f"error: {failure}")

@@ -7,10 +7,13 @@ catch for the same mistake (`except ValueError`, `except FileNotFoundError`, ...
 
 Beside them, `PeerLost`: no mistake of the user's, and no bug either, but a run of several processes that cannot go on
 because one of them is gone; the CLI prints it as one line too, on every rank that is left, naming the rank
-(`process_rank`)."""
+(`process_rank`). Where the rank that is gone ended on an error of its own, rank 0 prints that error instead, which the
+rank left in the run's store (`leave_error_for_rank_0`)."""
 import errno
+import json
 import os
 import sys
+from typing import Optional, Tuple
 
 # The errors of a file system that a command reports in one line where they name their file: no space left, a quota
 # reached, no permission, a read-only file system (nothing the command could have done otherwise)
@@ -58,6 +61,51 @@ class PeerLost(Exception):
     def line(self, prog: str, rank: int) -> str:
         """The one line a command prints for it, on every rank that is left, before it exits with PEER_LOST_EXIT_CODE."""
         return f"{prog}: error on rank {rank}: {self}"
+
+
+# Where a rank other than 0 leaves the line of the error it ends on, in the run's store (torch.distributed's key-value
+# store, which every process reaches while the process group lives, whatever its collectives are waiting for): an error
+# that rank alone meets (a path missing on its node, a file only it reads) is printed by rank 0, which would otherwise
+# see only its peer gone (`PeerLost`), and by no one else, since the CLI prints an error from rank 0 only
+RANK_ERROR_KEY = "fabric_lin/error-of-rank-{}"
+
+
+def _run_store():
+    """The process group's store, or None where there is no process group (one process, or not launched yet)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def leave_error_for_rank_0(line: str, exit_code: int) -> None:
+    """On a rank other than 0 of a run of several processes: leave `line`, what this rank fails with, and the exit code
+    it ends with for rank 0 (`error_left_by_another_rank`). Nothing where the store cannot be reached: the rank is
+    ending all the same."""
+    try:
+        store = _run_store()
+        if store is not None and process_rank() != 0:
+            store.set(RANK_ERROR_KEY.format(process_rank()), json.dumps({"line": line, "exit_code": exit_code}))
+    except Exception:  # noqa: BLE001 - a store gone with its host (rank 0): nothing is left to tell
+        pass
+
+
+def error_left_by_another_rank() -> Optional[Tuple[int, str, int]]:
+    """(rank, line, exit code) of the first other rank that left the error it ended on (`leave_error_for_rank_0`), else
+    None."""
+    try:
+        store = _run_store()
+        if store is None:
+            return None
+        world = sys.modules["torch.distributed"].get_world_size()
+        for rank in range(world):
+            key = RANK_ERROR_KEY.format(rank)
+            if rank != process_rank() and store.check([key]):
+                left = json.loads(store.get(key).decode("utf-8", "replace"))
+                return rank, str(left["line"]), int(left["exit_code"])
+    except Exception:  # noqa: BLE001 - no store to ask: the peer's loss is all that is known
+        return None
+    return None
 
 
 def process_rank() -> int:
