@@ -2,10 +2,11 @@
 command line (jsonargparse turns typed arguments into flags and YAML keys).
 
 A failure that fabric-lin anticipates (a bad value, a missing or damaged file, ...: `fabric_lin.errors.UserError`)
-is reported in one line naming the key, value or file and the fix, by rank 0 only, with exit code 2; an unexpected one
-(a bug) keeps its traceback, as does every failure with FABRIC_LIN_DEBUG=1. Ctrl-C exits with 130. A run of several
-processes that lost one of them (`fabric_lin.errors.PeerLost`) says so in one line on every rank that is left, with
-exit code 75.
+is reported in one line naming the key, value or file and the fix, by rank 0 (and the first process of each other
+node, naming its rank), with exit code 2; an unexpected one (a bug) keeps its traceback, as does every failure with
+FABRIC_LIN_DEBUG=1. Ctrl-C exits with 130. A run of several processes that lost one of them
+(`fabric_lin.errors.PeerLost`) says so in one line on every rank that is left, with exit code 75, unless the rank that
+is gone left the error it ended on: rank 0 then prints that, naming the rank.
 """
 import time
 
@@ -62,10 +63,17 @@ def expected_failure(error: BaseException) -> bool:
 
 
 def report(prog: str, message: str) -> None:
-    """One message on stderr, from rank 0 only: a terminal's Ctrl-C or an error every rank meets
-    would otherwise print once per process."""
-    if process_rank() == 0 or debug_enabled():
+    """One message on stderr, from rank 0, and from the first process of each other node naming its rank: a terminal's
+    Ctrl-C or an error every rank meets would otherwise print once per process, while another node's own files may
+    fail there alone (a path missing on that node) before any process group carries the error to rank 0, and that
+    node's log would say nothing of why its processes ended."""
+    rank = process_rank()
+    if rank == 0 or debug_enabled():
         print(f"{prog}: {message}", file=sys.stderr, flush=True)
+    elif os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID")) == "0":
+        named = (message.replace("error: ", f"error on rank {rank}: ", 1) if message.startswith("error: ")
+                 else f"{message} (rank {rank})")
+        print(f"{prog}: {named}", file=sys.stderr, flush=True)
 
 
 DATA_MODULES = ("SampleCorpus", "LongDocuments", "TokenChunks", "SlimPajamaStarcoder", "TextFiles")

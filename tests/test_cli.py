@@ -808,6 +808,33 @@ def test_before_fabric_launches_the_rank_is_the_launchers(monkeypatch, env, rank
     assert process_rank() == rank
 
 
+@pytest.mark.parametrize("local_rank, printed", [("0", True), ("1", False)])
+def test_an_error_of_another_node_before_the_launch_is_printed_by_its_first_process(monkeypatch, capsys, tmp_path,
+                                                                                     local_rank, printed):
+    """Rank 2 of a run of two nodes of two processes (torchrun's variables) finds the --resume directory missing on its
+    node before the process group starts (where no error reaches rank 0): its node's first process says so naming its
+    rank, where it said nothing; the node's other processes, which meet the same error, stay silent."""
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+    from fabric_lin.cli import main as cli_main
+
+    monkeypatch.setattr(rank_zero_only, "rank", None, raising=False)  # before Fabric sets it: the launcher's rank
+    env = dict(RANK="2", LOCAL_RANK=local_rank, WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", GROUP_RANK="1",
+               TORCHELASTIC_RUN_ID="node-1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    missing = tmp_path / "step-00000100"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(["pretrain", "--model_name", "gla-debug", "--train.max_steps", "1", "--devices", "2", "--num_nodes", "2",
+                  "--out_dir", str(tmp_path / "out"), "--resume", str(missing)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    expected = (f"fabric-lin pretrain: error on rank 2: --resume {missing} does not exist: expected a training checkpoint "
+                f"(a run's step-XXXXXXXX/ or final/)\n")
+    assert err == (expected if printed else ""), err
+
+
 def test_a_rank_whose_launching_rank_is_gone_names_itself_as_the_cli_names_a_rank(monkeypatch, capsys, tmp_path):
     """The watch of the start-up ends a rank whose launching rank is gone from a thread of its own, printing the one
     line of a lost peer itself: the rank it names is the one the CLI's lines name (Fabric's global rank, once set)."""
