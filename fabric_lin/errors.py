@@ -66,7 +66,7 @@ class PeerLost(Exception):
 # Where a rank other than 0 leaves the line of the error it ends on, in the run's store (torch.distributed's key-value
 # store, which every process reaches while the process group lives, whatever its collectives are waiting for): an error
 # that rank alone meets (a path missing on its node, a file only it reads) is printed by rank 0, which would otherwise
-# see only its peer gone (`PeerLost`), and by no one else, since the CLI prints an error from rank 0 only
+# see only its peer gone (`PeerLost`), where the CLI prints the errors of rank 0 and of each node's first process only
 RANK_ERROR_KEY = "fabric_lin/error-of-rank-{}"
 
 
