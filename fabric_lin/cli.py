@@ -195,7 +195,8 @@ def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optiona
     (the parameter after its arguments: convert_from_llama's --checkpoint_dir, prepare_text's --input_dir, then
     --output_dir, convert_to_hf's --output_dir, generate's --prompt, pretrain's --model_name, as `litgpt pretrain
     <model>` takes it) where its type takes the first word: a path, or text that is no path (several words of it, as an
-    unquoted prompt reaches the command, quoted)."""
+    unquoted prompt reaches the command, quoted), or, for text, the file of its `<option>_file` (generate's
+    --prompt_file) where the word names a file."""
     import inspect
     import typing
 
@@ -212,6 +213,10 @@ def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optiona
     kinds = typing.get_args(first_option.annotation) or (first_option.annotation,)
     if Path in kinds:
         return f"--{first_option.name} {word}"
+    from_a_file = f"{first_option.name}_file"  # generate's --prompt_file: the text of a file given by its name
+    if str in kinds and len(words) == 1 and Path(word).expanduser().is_file() and any(
+            p.name == from_a_file for p in parameters):
+        return f"--{from_a_file} {word}"
     if str in kinds and not (os.sep in word or Path(word).expanduser().exists()):
         return f"--{first_option.name} " + (f"'{' '.join(words)}'" if len(words) > 1 else word)
     return None

@@ -188,6 +188,21 @@ def test_a_stray_word_is_named_with_what_the_command_takes(capsys, argv, message
     assert capsys.readouterr().err == f"fabric-lin {argv[0]}: error: {message}\n(fabric-lin {argv[0]} --help lists the options)\n"
 
 
+def test_a_file_given_for_the_prompt_is_named_with_prompt_file(tmp_path, monkeypatch, capsys):
+    """`fabric-lin generate MODEL prompt.txt`: the word names a file, whose text --prompt_file reads; it was named with
+    no option at all (a path is no prompt)."""
+    from fabric_lin.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompt.txt").write_text("The capital of France\n")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["generate", "model", "prompt.txt"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == ("fabric-lin generate: error: unexpected argument prompt.txt: this command takes 1: "
+                                       "checkpoint_dir; the rest are options (--name value): did you mean --prompt_file "
+                                       "prompt.txt?\n(fabric-lin generate --help lists the options)\n")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["convert_from_llama"], "--checkpoint_dir is required: the Hugging Face Llama or Mistral directory to convert"),
     (["convert_from_llama", "--checkpoint_dir", "llama"], "--output_dir is required: where to write the model directory"),
