@@ -124,7 +124,8 @@ class TokenizeRecipe(DataChunkRecipe):
                     record["tokens"] += len(tokens)
                     yield tokens
         except BadFileError as err:
-            record["status"] = "partial" if record["documents"] else "skipped"
+            # partial: the documents read before the damage are kept, in the training split or held out
+            record["status"] = "partial" if record["documents"] or self._held_out else "skipped"
             record["reason"] = err.reason
         record.update(skipped_rows=self._skipped_rows, empty_documents=self._empty_documents, bad_rows=self._bad_rows,
                       bad_rows_named=self._bad_rows_named, bad_rows_more=self._bad_rows_more, held_out=self._held_out)
