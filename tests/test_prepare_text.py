@@ -521,6 +521,24 @@ def test_a_file_broken_off_after_documents_all_held_out_is_partial(paragraphs_to
     assert (record["status"], record["reason"], record["held_out"]) == ("partial", reason, len(kept))
 
 
+def test_a_file_broken_off_after_blank_documents_alone_counts_them_on_its_line(paragraphs_tokenizer, tmp_path, capsys):
+    """A skipped file's line left its blank documents out, as if its reason counted them: that of a file with no usable
+    document does, that of a file broken off after blank documents alone ("after line 3") does not."""
+    from data_prep.prepare_text import TextRecipe
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    compress = zstandard.ZstdCompressor().compress
+    blank_frame = compress(b"".join(json.dumps({"text": " \n "}).encode() + b"\n" for _ in range(3)))
+    cut_frame = compress("".join(json.dumps({"text": t}) + "\n" for t in paragraphs(20, 33)).encode())
+    (raw / "cut.jsonl.zst").write_bytes(blank_frame + cut_frame[: len(cut_frame) // 2])  # the second frame never ends
+    recipe = TextRecipe(paragraphs_tokenizer, 2000, raw)
+    assert list(recipe.prepare_item(str(raw / "cut.jsonl.zst"))) == []
+    assert capsys.readouterr().err.split("\n") == [
+        "", f"SKIPPED {raw / 'cut.jsonl.zst'}: corrupt zstd: stream is truncated (the last frame never ends) after line 3; "
+            "3 empty or whitespace-only document(s) left out", ""]
+
+
 @pytest.mark.parametrize("chunk_size", ["0", "-2049"])
 def test_a_chunk_size_below_one_is_one_line(paragraphs_tokenizer, text_corpus, tmp_path, capsys, chunk_size):
     for command in ("prepare_text", "prepare_slimpajama", "prepare_starcoder"):

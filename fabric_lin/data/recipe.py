@@ -36,7 +36,8 @@ REPORTS_DIR = ".reports"
 BAD_ROWS_NAMED = 3
 # The summary names this many of the files that held empty documents.
 FILES_NAMED = 3
-EMPTY_DOCUMENTS = "empty or whitespace-only document(s) left out"
+EMPTY_DOCUMENTS_ARE = "empty or whitespace-only document(s)"
+EMPTY_DOCUMENTS = f"{EMPTY_DOCUMENTS_ARE} left out"
 
 
 class TokenizeRecipe(DataChunkRecipe):
@@ -141,8 +142,11 @@ class TokenizeRecipe(DataChunkRecipe):
             line = f"PARTIAL {record['path']}: {record['reason']} ({record['documents']} documents kept{held_out})"
         if record["skipped_rows"]:
             line += f"; {record['skipped_rows']} {self.filtered_rows}"
-        if record["empty_documents"] and record["status"] != "skipped":  # a skipped file's reason says so
-            line += f"; {record['empty_documents']} {EMPTY_DOCUMENTS}"
+        # unless the reason counts them: that of a file with no usable document does (TextRecipe's), not that of one
+        # broken off after blank documents alone
+        empty = record["empty_documents"]
+        if empty and f"{empty} {EMPTY_DOCUMENTS_ARE}" not in record.get("reason", ""):
+            line += f"; {empty} {EMPTY_DOCUMENTS}"
         if record["bad_rows"]:
             line += f"; {bad_rows_text(record)}"
         stream = sys.stderr if record["status"] != "ok" or record["bad_rows"] else sys.stdout
