@@ -181,3 +181,41 @@ def test_utf16_or_utf32_text_is_named_with_its_conversion(tmp_path, name, encodi
         list(read_slimpajama_file(path) if name.endswith(".zst") else iter_text_documents(path))
     assert info.value.reason == (f"{upper} text (it starts with {upper}'s byte order mark), expected UTF-8: convert it "
                                  f"first, e.g. iconv -f {upper} -t UTF-8")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.zst", ".jsonl.gz"])
+def test_a_truncated_json_lines_file_gives_its_whole_lines_and_says_after_which(tmp_path, small_read_blocks, suffix):
+    """The reason of a file that breaks off names the last line read whole: the documents before it are kept."""
+    import zlib
+
+    texts = documents()
+    path = tmp_path / f"shard{suffix}"
+    write_json_lines(path, [{"text": t} for t in texts], COMPRESSION[suffix], frames=3)
+    cut = path.read_bytes()[: int(path.stat().st_size * 0.6)]
+    path.write_bytes(cut)
+    if suffix.endswith(".gz"):
+        data = zlib.decompressobj(wbits=31).decompress(cut)
+    else:
+        data = zstandard.ZstdDecompressor().stream_reader(cut, read_across_frames=True).read()
+    whole = [json.loads(line)["text"] for line in data.split(b"\n")[:-1]]
+    assert 0 < len(whole) < len(texts)
+    batches = []
+    with pytest.raises(raw_files.BadFileError) as info:
+        for batch in iter_text_documents(path, batch_size=4):
+            batches.append(batch)
+    assert [t for b in batches for t in b.texts] == whole
+    assert info.value.reason.endswith(f" after line {len(whole)}")
+
+
+def test_a_parquet_file_damaged_part_of_the_way_gives_its_rows_before_and_says_how_many(tmp_path):
+    from helpers import write_parquet_with_a_damaged_row_group
+
+    texts = paragraphs(21, 44)
+    path = tmp_path / "part-0.parquet"
+    write_parquet_with_a_damaged_row_group(path, "content", texts, row_group=2)  # row groups of 7 rows
+    read = []
+    with pytest.raises(raw_files.BadFileError) as info:
+        for batch in iter_parquet_texts(path, batch_size=3):
+            read += batch
+    assert read == texts[:14]
+    assert info.value.reason.startswith("unreadable parquet after 14 rows: ")
