@@ -33,6 +33,7 @@ if __name__ == "__main__":  # run as a script: make `data_prep` importable
 from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
 from fabric_lin.data.raw_files import BadFileError, find_text_files, iter_text_documents, text_files_to_read
 from fabric_lin.data.recipe import (
+    EMPTY_DOCUMENTS_ARE,
     TokenizeRecipe,
     check_chunk_size,
     check_fast_dev_run,
@@ -111,7 +112,7 @@ class TextRecipe(TokenizeRecipe):
             if self._bad_rows:
                 left_out.append(f"{self._bad_rows} bad row(s)")
             if self._empty_documents:
-                left_out.append(f"{self._empty_documents} empty or whitespace-only document(s)")
+                left_out.append(f"{self._empty_documents} {EMPTY_DOCUMENTS_ARE}")
             raise BadFileError(path, f"no usable document: {', '.join(left_out)}" if left_out else "empty file: no documents")
 
     def _hold_out(self, relative: str, texts: List[str]) -> None:

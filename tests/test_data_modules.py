@@ -451,6 +451,43 @@ def test_a_new_order_says_where_each_directory_goes_on(mix):
     assert mixed.dataset.carried == [(42, 0, 240), (42, 1, 0)]  # (seed, source number, samples given) of each
 
 
+def test_a_new_order_that_lists_the_directories_otherwise_reads_each_on_in_its_own_order(mix):
+    """--resume_changes data with the two directories swapped: each is known by its index.json, not by its place in
+    the list, and reads on after the samples it gave in the order it was read in, so none is read twice."""
+    slimpajama, starcoder = mix["data"] / "slimpajama" / "train", mix["data"] / "starcoder"
+
+    def loader(train_dir, weights):
+        data = TextFiles(train_dir=train_dir, train_weights=weights, num_workers=0)
+        data.connect(mix["tokenizer"], batch_size=16, max_seq_length=SEQ)
+        data.setup()
+        return data.train_dataloader()
+
+    first = loader([slimpajama, starcoder], [1.0, 1.0])
+    batches = iter(first)
+    before = sample_ids(next(batches) for _ in range(15))
+    swapped = loader([starcoder, slimpajama], [3.0, 1.0])
+    swapped.new_order_allowed = True
+    swapped.load_state_dict(torch_round_trip(first.state_dict()))
+    given = first.dataset.mix.given_before(240).tolist()  # slimpajama's and starcoder's samples before position 240
+    assert swapped.dataset.carried == [(42, 1, given[1]), (42, 0, given[0])]
+    for new, old in ((0, 1), (1, 0)):  # each source's order goes on as the first run would have read it
+        ks = range(given[old], given[old] + 1000)
+        assert [swapped.dataset.orders[new].block(k) for k in ks] == [first.dataset.orders[old].block(k) for k in ks]
+    after = sample_ids(b for _, b in zip(range(64), swapped))
+    assert len(set(before + after)) == len(before + after) == 240 + 1024
+
+
+def test_a_resume_on_directories_the_checkpoint_never_read_names_them_all(mix):
+    slimpajama, starcoder = mix["data"] / "slimpajama" / "train", mix["data"] / "starcoder"
+    data = TokenChunks(data_path=mix["data"] / "slimpajama" / "val", num_workers=0)
+    data.connect(mix["tokenizer"], batch_size=4, max_seq_length=SEQ)
+    data.setup()
+    state = torch_round_trip(data.train_dataloader().state_dict())
+    with pytest.raises(ValueError, match=f"another sample order: {slimpajama}, {starcoder} are not data the checkpoint's "
+                                         r"run read \(another index.json"):
+        text_files(mix, batch_size=4).train_dataloader().load_state_dict(state)
+
+
 def test_a_new_order_of_another_sequence_length_is_refused(mix):
     """Positions of 8-token samples say nothing of which 16-token samples were read: --resume_changes data does not
     carry the sources on across another train.max_seq_length."""
@@ -484,6 +521,20 @@ def test_a_run_that_reads_a_source_more_than_once_says_so(mix):
         f"2.4 times over its 20,000 samples; {mix['data'] / 'starcoder'} (25% of the mix) 1.3 times over its 12,500 "
         "samples: their samples repeat, epoch after epoch, each in a new order")
     assert repeated_samples_note(stream, 160, 64) is None
+
+
+def test_a_source_read_exactly_once_over_is_not_said_to_repeat(mix):
+    """One unshuffled directory of 12,500 samples: read once over, nothing to say; read twice over in one step, the
+    note says so without a share of a mix or a new order each epoch."""
+    from fabric_lin.data.sample_order import SampleStream, repeated_samples_note
+
+    path = mix["data"] / "starcoder"
+    stream = SampleStream([path], SEQ + 1, seed=0, shuffle=False)
+    assert stream.orders[0].total == 12_500
+    assert repeated_samples_note(stream, 125, 100) is None
+    assert repeated_samples_note(stream, 1, 25_000) == (
+        f"Note: over its 1 step of 25,000 samples this run reads {path} 2.0 times over its 12,500 samples: their samples "
+        "repeat, epoch after epoch")
 
 
 def test_a_second_new_order_carries_each_source_on_from_where_the_first_left_it():
@@ -529,6 +580,31 @@ def test_each_epoch_reads_windows_of_other_chunk_files_their_blocks_shuffled():
     first_windows = [{block // 10 for block in blocks[: WINDOW_CHUNKS * 10]} for blocks in epochs]
     assert [len(files) for files in first_windows] == [WINDOW_CHUNKS] * 2 and first_windows[0] != first_windows[1]
     assert all(len({block // 10 for block in blocks[:16]}) >= 8 for blocks in epochs)
+
+def test_each_source_and_each_window_draws_an_order_of_its_own():
+    """Two sources of the same shape (as two directories prepared alike are) read their files and blocks in other
+    orders, not in step; and no two windows of as many blocks, of one source or two, are shuffled in one pattern."""
+    sizes = np.full(40, 10)
+    a, b = (SourceOrder(sizes, seed=3, source=source, shuffle=True) for source in (0, 1))
+    assert a.chunk_order(0).tolist() != b.chunk_order(0).tolist()
+    assert [a.block(k) for k in range(400)] != [b.block(k) for k in range(400)]
+    slots = []  # of each block of a window, the place of its file among the window's 16 files
+    for order, window in ((a, 0), (a, 1), (b, 0)):
+        files = order.chunk_order(0)[window * WINDOW_CHUNKS : (window + 1) * WINDOW_CHUNKS].tolist()
+        slots.append(tuple(files.index(block // 10) for block in order.window_blocks(0, window)))
+    assert len(set(slots)) == 3
+
+
+def test_a_mixing_group_gives_each_source_its_share_rounded_down_and_the_last_the_rest():
+    """The sample order is part of what a checkpoint's position means: how many samples each source gave before a
+    group (shares rounded down, carried from group to group) cannot change without moving every position."""
+    import math
+
+    mix = MixOrder([0.693584, 0.306416], seed=0)
+    for group in range(8):
+        n = group * 1024
+        assert mix.given_before_group(group).tolist() == [math.floor(n * 0.693584), n - math.floor(n * 0.693584)], group
+
 
 def test_every_epoch_of_chunk_files_of_unequal_sizes_reads_each_block_once_in_a_new_order():
     """Chunk files of unequal numbers of blocks (as real data's are, its last one cut short) in three windows: every

@@ -510,3 +510,75 @@ def test_the_cores_a_preparation_divides_are_those_it_may_use_not_the_machine_s(
     with pytest.raises(RuntimeError, match="stopped once its options are known"):
         write_tokenizer(["a line"], tmp_path / "tok", vocab_size=300)
     assert trained_with["num_threads"] == 3
+
+
+def test_bad_rows_are_counted_by_row_their_reports_past_three_by_report_and_each_file_on_its_own(paragraphs_tokenizer,
+                                                                                                 tmp_path):
+    """A file's report names its first three reports of bad rows and counts the others ("and 2 more"), a damaged row
+    group being one report of many rows; a worker's next file starts from no bad rows."""
+    from fabric_lin.data.recipe import TokenizeRecipe
+
+    recipe = TokenizeRecipe(paragraphs_tokenizer, chunk_size=100)
+    for rows, reason in ((1, "line 1"), (1, "line 2"), (1, "line 3"), (7, "row group 1"), (1, "line 20")):
+        recipe.skip_bad_rows(rows, reason)
+    assert (recipe._bad_rows, recipe._bad_rows_named, recipe._bad_rows_more) == (11, ["line 1", "line 2", "line 3"], 2)
+
+    raw = tmp_path / "raw"
+    write_json_lines(raw / "a.jsonl", ["{"] * 5)
+    write_json_lines(raw / "b.jsonl", ["{"])
+    text_recipe = TextRecipe(paragraphs_tokenizer, 2000, raw)
+    text_recipe.report_dir = str(tmp_path)
+    for name in ("a.jsonl", "b.jsonl"):  # one worker, both files
+        assert list(text_recipe.prepare_item(str(raw / name))) == []
+    ((report,),) = [list(tmp_path.glob("worker-*.jsonl"))]
+    records = [json.loads(line) for line in report.read_text().splitlines()]
+    assert [(r["bad_rows"], len(r["bad_rows_named"]), r["bad_rows_more"]) for r in records] == [(5, 3, 2), (1, 1, 0)]
+
+
+def test_the_summary_names_three_files_of_empty_documents_and_counts_the_held_out(tmp_path):
+    from fabric_lin.data.recipe import file_record, format_summary, summarize
+
+    records = [file_record(f"/raw/{name}.jsonl", documents=10, tokens=100) for name in "abcde"]
+    for record, empty in zip(records, (1, 2, 0, 3, 4)):
+        record["empty_documents"] = empty
+    records[0]["held_out"] = 5
+    assert format_summary(summarize(records), "Prepared out", 2.0).split("\n") == [
+        "Prepared out: 5/5 files, 50 documents, 500 tokens in 2.0s (250 tokens/s)",
+        "10 empty or whitespace-only document(s) left out, in 4 file(s): /raw/a.jsonl (1), /raw/b.jsonl (2), "
+        "/raw/d.jsonl (3), and 1 more",
+        "5 documents held out for the validation split",
+    ]
+
+
+def test_options_checked_before_a_preparation_are_named_in_one_line():
+    from fabric_lin.data.recipe import check_chunk_size, require_flags
+    from fabric_lin.errors import InvalidValue
+
+    with pytest.raises(InvalidValue, match=r"^--chunk_size True: expected a positive number of tokens per chunk file$"):
+        check_chunk_size(True)  # a bool is an int to Python
+    with pytest.raises(InvalidValue, match=r"^--input_dir, --output_dir are required$"):
+        require_flags(input_dir=None, output_dir=None, tokenizer_path="tokenizer")
+    with pytest.raises(InvalidValue, match=r"^--output_dir is required$"):
+        require_flags(input_dir="raw", output_dir=None)
+
+
+def test_a_fast_dev_run_of_more_files_than_there_are_reads_them_all_and_leaves_the_start_method(paragraphs_tokenizer,
+                                                                                                  tmp_path, capfd):
+    """fast_dev_run 5 of 2 files says the 2 it reads; litdata forces the multiprocessing start method for its workers,
+    which this process gets back (a trainer that prepares its sample corpus starts its DataLoader workers after)."""
+    import multiprocessing
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for name, seed in (("a.txt", 1), ("b.txt", 2)):
+        (raw / name).write_text("\n\n".join(paragraphs(3, seed)), encoding="utf-8")
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        summary = run_recipe(TextRecipe(paragraphs_tokenizer, 2000, raw), raw, tmp_path / "out", num_workers=1,
+                             fast_dev_run=5)
+        assert multiprocessing.get_start_method(allow_none=True) == "spawn"
+    finally:
+        multiprocessing.set_start_method(before, force=True)
+    assert summary["files"] == 2
+    assert "fast_dev_run: the first 2 of the 2 input files (sorted by path)\n" in capfd.readouterr().out

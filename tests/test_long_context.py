@@ -5,7 +5,8 @@ family at 2K to 32K) fits the corpus's real splits, and a plan that does not is 
 each part; the script runs its cells in processes of their own on the CPU with tiny models, every context predicting
 the same held-out tokens, and merges the rows into one JSON document; the tokens/s of a step, the retry of a part out
 of memory with activation checkpointing, the merge by cell and the table's columns and notes are checked on hand-made
-timings and rows. The corpus is built once per installed torch into its cache (~12 s of CPU, then read)."""
+timings and rows. The corpus is built once per installed torch into its cache (~12 s of CPU, then read); its build
+is also checked on a few files with its lengths made small, and its name, documents and summary on their own."""
 import json
 import math
 import subprocess
@@ -308,3 +309,111 @@ def test_readme_table_quotes_every_cell_of_its_record():
         (family, context) for family in long_context.FAMILIES for context in long_context.CONTEXTS}
     assert not any("error" in row or "error" in row.get("speed", {}) or "error" in row.get("quality", {})
                    for row in record["rows"])
+
+
+# ---- the corpus's build on a package of a few files, its lengths made small: the cached corpus above is built once
+# per installed torch, so what its tests check of the build holds of whichever build made the cache
+
+
+def write_package(root: Path, files: dict) -> None:
+    """Each file of `files` (its path under `root`: its number of paragraphs of the standard library's sources)."""
+    from helpers import paragraphs
+
+    for i, (name, count) in enumerate(files.items()):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("\n\n".join(paragraphs(count, 60 + i)), encoding="utf-8")
+
+
+def test_the_build_holds_out_every_few_documents_cut_to_their_first_windows(paragraphs_tokenizer, tmp_path, monkeypatch):
+    """Windows of 50 tokens, documents of 200 or more, every third held out and cut to its first two windows: the
+    splits' chunk files are the documents, each its files' tokens (after the line naming each) and EOS."""
+    import shutil
+
+    from fabric_lin.data import Tokenizer, long_documents
+    from fabric_lin.data.prepared import chunk_tokens
+
+    for name, value in (("WINDOW", 50), ("MIN_DOCUMENT_TOKENS", 200), ("VAL_EVERY", 3), ("VAL_WINDOWS_PER_DOCUMENT", 2),
+                        ("MIN_VAL_WINDOWS", 4), ("ENCODE_GROUP_CHARS", 3000)):
+        monkeypatch.setattr(long_documents, name, value)
+    root = tmp_path / "pkg"
+    # six directories of a document each; pkg/t's file and pkg's own too short, and the two together still
+    write_package(root, {**{f"d{i}/m.py": 4 for i in range(6)}, "d0/n.py": 3})
+    (root / "t").mkdir()
+    (root / "t" / "x.py").write_text("x = 1\n")
+    (root / "u.py").write_text("y = 2\n")
+    shutil.copytree(paragraphs_tokenizer, tmp_path / "sample" / "tokenizer")
+    files = python_files(root)
+    out = tmp_path / "built"
+    out.mkdir()
+    long_documents.build_long_documents(out, root, files, tmp_path / "sample", "fingerprint")
+
+    tokenizer = Tokenizer(out / "tokenizer")
+
+    def tokens_of(*names):
+        texts = [f"# pkg/{name}\n\n" + (root / name).read_text() for name in names]
+        return np.concatenate([tokenizer.encode(text).numpy() for text in texts] + [np.array([tokenizer.eos_id])])
+
+    expected = [tokens_of("d0/m.py", "d0/n.py")] + [tokens_of(f"d{i}/m.py") for i in range(1, 6)]
+    assert all(len(tokens) >= 200 for tokens in expected)
+    info = json.loads((out / "corpus.json").read_text())
+    assert [(d["name"], d["split"], d["tokens"], d["files"]) for d in info["documents"]] == [
+        (f"pkg/d{i}", "val" if i in (2, 5) else "train", 100 if i in (2, 5) else len(expected[i]),
+         [f"pkg/d{i}/m.py"] + (["pkg/d0/n.py"] if i == 0 else [])) for i in range(6)]
+    assert info["left_out_files"] == 2 and info["source"]["files"] == 9
+    assert chunk_tokens(out / "train").tolist() == [len(expected[i]) for i in (0, 1, 3, 4)]
+    assert chunk_tokens(out / "val").tolist() == [100, 100]
+    for split, documents in (("train", [expected[i] for i in (0, 1, 3, 4)]), ("val", [expected[2][:100], expected[5][:100]])):
+        read = StreamingDataset(str(out / split), item_loader=TokensLoader(block_size=1), shuffle=False)
+        np.testing.assert_array_equal(np.concatenate([np.asarray(read[i]) for i in range(len(read))]),
+                                      np.concatenate(documents))
+
+    monkeypatch.setattr(long_documents, "MIN_VAL_WINDOWS", 5)
+    again = tmp_path / "again"
+    again.mkdir()
+    with pytest.raises(ValueError, match=rf"^the Python sources of torch \S+ in {root} make 6 documents of 200\+ tokens, "
+                                         r"whose held-out ones give 4 windows of 50 tokens, fewer than the 5 a long-context "
+                                         r"evaluation needs$"):
+        long_documents.build_long_documents(again, root, files, tmp_path / "sample", "fingerprint")
+
+
+def test_the_root_s_own_files_and_what_came_up_to_it_are_a_document_when_long_enough():
+    root = Path("/site/torch")
+    tokens = {"a/x.py": MIN_DOCUMENT_TOKENS, "b/y.py": 10, "u.py": MIN_DOCUMENT_TOKENS - 10}
+    files = sorted((root / name for name in tokens), key=lambda p: p.relative_to(root).as_posix())
+    documents = group_documents(root, files, [tokens[p.relative_to(root).as_posix()] for p in files])
+    assert [(name, [files[i].name for i in members]) for name, members in documents] == [
+        ("torch", ["y.py", "u.py"]), ("torch/a", ["x.py"])]
+
+
+def test_each_context_s_blocks_stay_within_a_document():
+    from fabric_lin.data.long_documents import split_summary
+
+    lengths = [3 * 2049 + 5, 2049, 2048, 8193 + 10]
+    summary = split_summary([np.zeros(n, dtype=np.uint16) for n in lengths])
+    assert summary == {"documents": 4, "tokens": sum(lengths),
+                       "blocks": {"2048": 3 + 1 + 0 + 4, "8192": 1, "16384": 0, "32768": 0}}
+
+
+def test_the_corpus_is_named_by_every_source_file_s_path_and_bytes(tmp_path):
+    from fabric_lin.data.long_documents import long_documents_fingerprint
+
+    def fingerprint(name, files):
+        for path, text in files.items():
+            (tmp_path / name / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / path).write_text(text)
+        return long_documents_fingerprint(tmp_path / name / "torch")
+
+    one = fingerprint("one", {"torch/a.py": "x = 1\n", "torch/nn/b.py": "y = 2\n"})
+    assert fingerprint("same", {"torch/a.py": "x = 1\n", "torch/nn/b.py": "y = 2\n"}) == one  # wherever it lies
+    assert fingerprint("edited", {"torch/a.py": "x = 3\n", "torch/nn/b.py": "y = 2\n"}) != one
+    assert fingerprint("moved", {"torch/a.py": "x = 1\n", "torch/b.py": "y = 2\n"}) != one
+    assert fingerprint("added", {"torch/a.py": "x = 1\n", "torch/nn/b.py": "y = 2\n", "torch/c.py": ""}) != one
+
+
+def test_the_source_files_are_in_the_order_of_their_paths_as_written(tmp_path):
+    """'a.b/c.py' before 'a/b.py' ('.' before '/'), whatever order the file system lists them in: the order of a
+    document's files and of the corpus's name."""
+    for name in ("a_z.py", "a/b.py", "a.b/c.py", "a/a.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert [p.relative_to(tmp_path).as_posix() for p in python_files(tmp_path)] == ["a.b/c.py", "a/b.py", "a_z.py"]

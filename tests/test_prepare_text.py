@@ -494,6 +494,51 @@ def test_blank_documents_are_counted_per_file_and_never_held_out(paragraphs_toke
     assert f"SKIPPED {raw / 'd.txt'}: no usable document: 1 empty or whitespace-only document(s)\n" in printed.err
 
 
+def test_a_file_broken_off_after_documents_all_held_out_is_partial(paragraphs_tokenizer, tmp_path, capsys):
+    """A truncated file whose documents before the break all went to the validation split was reported SKIPPED (as if
+    it gave nothing), without the count of those documents, and left out of the files read."""
+    import gzip
+    import zlib
+
+    from data_prep.prepare_text import HELD_OUT_SUFFIX, TextRecipe
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    gz = gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in paragraphs(20, 33)).encode())
+    (raw / "cut.jsonl.gz").write_bytes(gz[: len(gz) // 2])
+    kept = complete_lines(zlib.decompressobj(wbits=31).decompress(gz[: len(gz) // 2]))
+    assert 0 < len(kept) < 20
+    recipe = TextRecipe(paragraphs_tokenizer, 2000, raw, val_fraction=1 - 2**-60, held_out_dir=tmp_path / "held-out")
+    recipe.report_dir = str(tmp_path)
+    assert list(recipe.prepare_item(str(raw / "cut.jsonl.gz"))) == []  # every document held out
+    held = np.fromfile(tmp_path / "held-out" / ("cut.jsonl.gz" + HELD_OUT_SUFFIX), dtype=np.uint16)
+    assert split_documents(held, Tokenizer(paragraphs_tokenizer).eos_id) == expected_tokens(Tokenizer(paragraphs_tokenizer), kept)
+    reason = f"corrupt gzip: Compressed file ended before the end-of-stream marker was reached after line {len(kept)}"
+    assert capsys.readouterr().err.split("\n") == ["", f"PARTIAL {raw / 'cut.jsonl.gz'}: {reason} (0 documents kept, "
+                                                      f"{len(kept)} held out for validation)", ""]
+    ((report,),) = [list(tmp_path.glob("worker-*.jsonl"))]
+    record = json.loads(report.read_text())
+    assert (record["status"], record["reason"], record["held_out"]) == ("partial", reason, len(kept))
+
+
+def test_a_file_broken_off_after_blank_documents_alone_counts_them_on_its_line(paragraphs_tokenizer, tmp_path, capsys):
+    """A skipped file's line left its blank documents out, as if its reason counted them: that of a file with no usable
+    document does, that of a file broken off after blank documents alone ("after line 3") does not."""
+    from data_prep.prepare_text import TextRecipe
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    compress = zstandard.ZstdCompressor().compress
+    blank_frame = compress(b"".join(json.dumps({"text": " \n "}).encode() + b"\n" for _ in range(3)))
+    cut_frame = compress("".join(json.dumps({"text": t}) + "\n" for t in paragraphs(20, 33)).encode())
+    (raw / "cut.jsonl.zst").write_bytes(blank_frame + cut_frame[: len(cut_frame) // 2])  # the second frame never ends
+    recipe = TextRecipe(paragraphs_tokenizer, 2000, raw)
+    assert list(recipe.prepare_item(str(raw / "cut.jsonl.zst"))) == []
+    assert capsys.readouterr().err.split("\n") == [
+        "", f"SKIPPED {raw / 'cut.jsonl.zst'}: corrupt zstd: stream is truncated (the last frame never ends) after line 3; "
+            "3 empty or whitespace-only document(s) left out", ""]
+
+
 @pytest.mark.parametrize("chunk_size", ["0", "-2049"])
 def test_a_chunk_size_below_one_is_one_line(paragraphs_tokenizer, text_corpus, tmp_path, capsys, chunk_size):
     for command in ("prepare_text", "prepare_slimpajama", "prepare_starcoder"):

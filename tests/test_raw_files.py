@@ -1,7 +1,8 @@
 """fabric_lin/data/raw_files.py's readers on files shaped as real shards are, against the documents written: a last
 JSON line without a newline, lines and zstd frames across read blocks (the block made small), zstd frames cut
 mid-line, and more documents than one batch (JSON lines, and parquet row groups read in several batches); a line or
-field of another JSON type named by it; UTF-16 and UTF-32 text named with its conversion. The
+field of another JSON type named by it; UTF-16 and UTF-32 text named with its conversion; what a file broken off
+or damaged part of the way gives and says, with the readers' other cases no command's test meets. The
 preprocessors' end-to-end tests (test_data_prep.py, test_prepare_text.py) read small files whole, in one block
 and one batch."""
 import gzip
@@ -181,3 +182,133 @@ def test_utf16_or_utf32_text_is_named_with_its_conversion(tmp_path, name, encodi
         list(read_slimpajama_file(path) if name.endswith(".zst") else iter_text_documents(path))
     assert info.value.reason == (f"{upper} text (it starts with {upper}'s byte order mark), expected UTF-8: convert it "
                                  f"first, e.g. iconv -f {upper} -t UTF-8")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.zst", ".jsonl.gz"])
+def test_a_truncated_json_lines_file_gives_its_whole_lines_and_says_after_which(tmp_path, small_read_blocks, suffix):
+    """The reason of a file that breaks off names the last line read whole: the documents before it are kept."""
+    import zlib
+
+    texts = documents()
+    path = tmp_path / f"shard{suffix}"
+    write_json_lines(path, [{"text": t} for t in texts], COMPRESSION[suffix], frames=3)
+    cut = path.read_bytes()[: int(path.stat().st_size * 0.6)]
+    path.write_bytes(cut)
+    if suffix.endswith(".gz"):
+        data = zlib.decompressobj(wbits=31).decompress(cut)
+    else:
+        data = zstandard.ZstdDecompressor().stream_reader(cut, read_across_frames=True).read()
+    whole = [json.loads(line)["text"] for line in data.split(b"\n")[:-1]]
+    assert 0 < len(whole) < len(texts)
+    batches = []
+    with pytest.raises(raw_files.BadFileError) as info:
+        for batch in iter_text_documents(path, batch_size=4):
+            batches.append(batch)
+    assert [t for b in batches for t in b.texts] == whole
+    assert info.value.reason.endswith(f" after line {len(whole)}")
+
+
+def test_a_parquet_file_damaged_part_of_the_way_gives_its_rows_before_and_says_how_many(tmp_path):
+    from helpers import write_parquet_with_a_damaged_row_group
+
+    texts = paragraphs(21, 44)
+    path = tmp_path / "part-0.parquet"
+    write_parquet_with_a_damaged_row_group(path, "content", texts, row_group=2)  # row groups of 7 rows
+    read = []
+    with pytest.raises(raw_files.BadFileError) as info:
+        for batch in iter_parquet_texts(path, batch_size=3):
+            read += batch
+    assert read == texts[:14]
+    assert info.value.reason.startswith("unreadable parquet after 14 rows: ")
+
+
+def test_a_row_group_damaged_after_its_first_pages_loses_the_rows_after_those_read(tmp_path):
+    """A row group of 7 rows in pages of one row each, its later pages scrambled: the batch read before the damage is
+    kept, and the rows lost are the group's rest, not all of its rows."""
+    texts = paragraphs(21, 44)
+    path = tmp_path / "part-0.parquet"
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=7, compression="none", use_dictionary=False,
+                   data_page_size=1, write_batch_size=1)
+    chunk = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    for i in range(chunk.data_page_offset + chunk.total_compressed_size // 2,
+                   chunk.data_page_offset + chunk.total_compressed_size - 4):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    batches = list(iter_text_documents(path, batch_size=3))
+    assert [i for b in batches for i in b.indices] == [*range(10), *range(14, 21)]
+    ((lost, reason),) = [bad for b in batches for bad in b.bad]
+    assert lost == 4 and reason.startswith("row group 1 of 3 (rows 10 to 13): unreadable: ")
+
+
+def test_a_null_among_rows_that_are_not_utf8_is_an_empty_document(tmp_path):
+    strings = pa.array([b"first row", None, b"\xff third row", b"fourth row"], pa.binary()).view(pa.string())
+    path = tmp_path / "part-0.parquet"
+    pq.write_table(pa.table({"text": strings}), path)
+    (batch,) = iter_text_documents(path)
+    assert (batch.indices, batch.texts, batch.empty) == ([0, 3], ["first row", "fourth row"], [1])
+    assert batch.bad == [(1, "row 2: not UTF-8 (invalid start byte at byte 0)")]
+
+
+def test_files_that_hold_nothing_are_named_as_empty(tmp_path):
+    """A directory without the files a recipe reads, a SlimPajama file of blank lines, a parquet file of no rows and an
+    empty .txt file: each said in its words, not as a bad row or an empty document."""
+    from fabric_lin.data.raw_files import BadFileError, find_files
+
+    with pytest.raises(FileNotFoundError, match=rf"^No \*\.jsonl\.zst files found under {tmp_path} \(searched "
+                                                r"recursively\)$"):
+        find_files(tmp_path, ".jsonl.zst")
+    (tmp_path / "blank.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b"\n  \n\n"))
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "norows.parquet")
+    (tmp_path / "nothing.txt").write_bytes(b"")
+    reads = {"blank.jsonl.zst": read_slimpajama_file, "norows.parquet": lambda p: list(iter_text_documents(p)),
+             "nothing.txt": lambda p: list(iter_text_documents(p))}
+    reasons = {}
+    for name, read in reads.items():
+        with pytest.raises(BadFileError) as info:
+            read(tmp_path / name)
+        reasons[name] = info.value.reason
+    assert reasons == {"blank.jsonl.zst": "empty file: no JSON lines", "norows.parquet": "empty file: 0 rows",
+                       "nothing.txt": "empty file"}
+
+
+def test_a_slimpajama_row_without_a_meta_object_has_no_set_name(tmp_path):
+    rows = [{"text": "no meta"}, {"text": "meta null", "meta": None}, {"text": "meta a string", "meta": "RedPajamaC4"},
+            {"text": "named", "meta": {"redpajama_set_name": "RedPajamaBook"}}]
+    write_json_lines(tmp_path / "chunk_0.jsonl.zst", rows, "zst")
+    assert read_slimpajama_file(tmp_path / "chunk_0.jsonl.zst") == [
+        ("no meta", None), ("meta null", None), ("meta a string", None), ("named", "RedPajamaBook")]
+
+
+def test_a_json_line_without_the_field_lists_its_first_eight_fields(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    write_json_lines(path, [{name: 1 for name in "abcdefghi"}, {}, {"text": "kept"}])
+    (batch,) = iter_text_documents(path)
+    assert batch.texts == ["kept"] and [reason for _, reason in batch.bad] == [
+        "line 1: no field 'text' (fields: a, b, c, d, e, f, g, h, ...; --text_key names the field to read)",
+        "line 2: no field 'text' (fields: none; --text_key names the field to read)"]
+
+
+def test_the_files_not_read_are_counted_and_three_named(tmp_path, capsys):
+    from fabric_lin.data.raw_files import text_files_to_read
+
+    for name in ("a.txt", "b.md", "c.md", "d.md", "e.md", "f.md"):
+        (tmp_path / name).write_text("x")
+    assert text_files_to_read(tmp_path) == [tmp_path / "a.txt"]
+    assert capsys.readouterr().out == "Not read: 5 file(s) matching --pattern '**/*' with other suffixes (b.md, c.md, d.md, " \
+                                      "...)\n"
+
+
+def test_an_arrow_error_of_several_lines_is_named_in_one(tmp_path, monkeypatch):
+    import pyarrow.parquet
+
+    def unreadable(path):
+        raise pa.ArrowInvalid("Parquet magic bytes not found in footer.\nEither the file is corrupted or this is not "
+                              "a parquet file.")
+
+    (tmp_path / "a.parquet").write_bytes(b"not parquet")
+    monkeypatch.setattr(pyarrow.parquet, "ParquetFile", unreadable)
+    with pytest.raises(raw_files.BadFileError) as info:
+        list(iter_text_documents(tmp_path / "a.parquet"))
+    assert info.value.reason == ("unreadable parquet: Parquet magic bytes not found in footer. Either the file is "
+                                 "corrupted or this is not a parquet file.")

@@ -16,13 +16,13 @@ from fabric_lin.files import LFS_POINTER_FIX, is_lfs_pointer, json_type
 
 
 class BadFileError(UserError):
-    def __init__(self, path: Union[str, Path], reason: str, rows_done: int = 0) -> None:
+    """A file a reader cannot use, or cannot read to its end, and why. The reason of one that breaks off says how far it
+    was read ("after 7 rows", "after line 12"): the documents before the damage were handed out already."""
+
+    def __init__(self, path: Union[str, Path], reason: str) -> None:
         super().__init__(f"{path}: {reason}")
         self.path = str(path)
         self.reason = reason
-        # rows already handed out before the error (a parquet file is streamed, so a late error is
-        # found after earlier batches were used)
-        self.rows_done = rows_done
 
 
 # JSON-lines files (plain or compressed) are read this many bytes at a time.
@@ -199,10 +199,10 @@ def iter_parquet_texts(
                 rows_done += batch.num_rows
                 yield texts
     except (pa.ArrowException, OSError) as err:
-        raise BadFileError(path, f"unreadable parquet after {rows_done} rows: {_one_line(err)}", rows_done) from None
+        raise BadFileError(path, f"unreadable parquet after {rows_done} rows: {_one_line(err)}") from None
     except UnicodeDecodeError as err:  # a string column whose bytes are not UTF-8 (Arrow does not check on read)
         raise BadFileError(
-            path, f"unreadable parquet after {rows_done} rows: column {column!r} is not UTF-8 ({err.reason})", rows_done
+            path, f"unreadable parquet after {rows_done} rows: column {column!r} is not UTF-8 ({err.reason})"
         ) from None
 
 
@@ -405,7 +405,7 @@ def _iter_json_lines_documents(path: Union[str, Path], key: str, batch_size: int
         if batch.texts or batch.bad or batch.empty:
             yield batch
         where = f" after line {line_number}" if line_number else ""
-        raise BadFileError(path, f"{err.reason}{where}", rows_done=line_number) from None
+        raise BadFileError(path, f"{err.reason}{where}") from None
     if batch.texts or batch.bad or batch.empty:
         yield batch
 

@@ -36,7 +36,8 @@ REPORTS_DIR = ".reports"
 BAD_ROWS_NAMED = 3
 # The summary names this many of the files that held empty documents.
 FILES_NAMED = 3
-EMPTY_DOCUMENTS = "empty or whitespace-only document(s) left out"
+EMPTY_DOCUMENTS_ARE = "empty or whitespace-only document(s)"
+EMPTY_DOCUMENTS = f"{EMPTY_DOCUMENTS_ARE} left out"
 
 
 class TokenizeRecipe(DataChunkRecipe):
@@ -124,7 +125,8 @@ class TokenizeRecipe(DataChunkRecipe):
                     record["tokens"] += len(tokens)
                     yield tokens
         except BadFileError as err:
-            record["status"] = "partial" if record["documents"] else "skipped"
+            # partial: the documents read before the damage are kept, in the training split or held out
+            record["status"] = "partial" if record["documents"] or self._held_out else "skipped"
             record["reason"] = err.reason
         record.update(skipped_rows=self._skipped_rows, empty_documents=self._empty_documents, bad_rows=self._bad_rows,
                       bad_rows_named=self._bad_rows_named, bad_rows_more=self._bad_rows_more, held_out=self._held_out)
@@ -140,8 +142,11 @@ class TokenizeRecipe(DataChunkRecipe):
             line = f"PARTIAL {record['path']}: {record['reason']} ({record['documents']} documents kept{held_out})"
         if record["skipped_rows"]:
             line += f"; {record['skipped_rows']} {self.filtered_rows}"
-        if record["empty_documents"] and record["status"] != "skipped":  # a skipped file's reason says so
-            line += f"; {record['empty_documents']} {EMPTY_DOCUMENTS}"
+        # unless the reason counts them: that of a file with no usable document does (TextRecipe's), not that of one
+        # broken off after blank documents alone
+        empty = record["empty_documents"]
+        if empty and f"{empty} {EMPTY_DOCUMENTS_ARE}" not in record.get("reason", ""):
+            line += f"; {empty} {EMPTY_DOCUMENTS}"
         if record["bad_rows"]:
             line += f"; {bad_rows_text(record)}"
         stream = sys.stderr if record["status"] != "ok" or record["bad_rows"] else sys.stdout

@@ -152,14 +152,13 @@ def source_key(path: Path) -> str:
 
 class SampleStream(IterableDataset):
     """The stream of `block_size`-token samples of one or more prepared directories, mixed by `weights`;
-    iterated, the micro batches of one process (`place`) from a start position, forever."""
+    iterated, the micro batches of one process (`place`) from a start position, forever. `seed` is the data module's,
+    which its `validate()` checked."""
 
     def __init__(self, paths: Sequence[Path], block_size: int, seed: int, weights: Optional[Sequence[float]] = None,
                  shuffle: bool = True):
         from litdata.streaming import StreamingDataset, TokensLoader
 
-        if not isinstance(seed, int) or seed < 0:
-            raise InvalidValue(f"data.seed must be a non-negative integer (it seeds the data order); got {seed!r}")
         self.paths = [Path(p) for p in paths]
         # each source's samples first: a directory that gives none is named, not the zero weight its size would make
         self.orders = []
