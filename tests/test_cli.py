@@ -320,13 +320,6 @@ def test_error_negative_num_workers_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_error_negative_data_seed_is_one_line(tmp_path, capsys):
-    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
-                     "--data", "SampleCorpus", "--data.seed", "-1"], capsys)
-    assert err == "fabric-lin pretrain: error: data.seed must be a non-negative integer (it seeds the data order), got -1\n"
-    assert not (tmp_path / "out").exists()
-
-
 def test_an_unexpected_error_keeps_its_traceback_and_the_debug_flag_shows_every_one(tmp_path, capsys, monkeypatch):
     from fabric_lin import pretrain
     from fabric_lin.cli import main as cli_main
