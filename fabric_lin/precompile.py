@@ -329,5 +329,5 @@ def precompile_first_step(fabric, config: Config, model_options: Dict[str, Any],
         return None
     workers = precompile_workers(len(kernels), processes)
     log(f"Compiling the first step's {len(kernels)} Triton kernels in {workers} background process"
-        f"{'es' * (workers != 1)} (compile.precompile false: at their first launch)")
+        f"{'es' * (workers != 1)} (--compile.precompile false: each at its first launch instead)")
     return Precompile(kernels, workers, log)

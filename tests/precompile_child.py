@@ -4,10 +4,10 @@ Triton functions, as on a GPU, and a stand-in driver answers Triton's questions 
 fabric_lin.precompile lets one go; the compiles themselves run for real (Triton's CUDA backend and its ptxas need
 no GPU). The fused ops run their Triton path on the CPU tensors as they do in the interpreter.
 
-    python tests/precompile_child.py find '{"model": "gla-debug", "batch": 2, "seq": 128}'
+    python tests/precompile_child.py find '[{"model": "gla-debug", "batch": 2, "seq": 128}, {"model": "gdn-debug"}]'
     python tests/precompile_child.py compile '{"model": "gla-debug", "kernels": ["_norm_fwd_kernel"], "workers": 2}'
 
-`find` returns the kernels found with the model cut to one Block of each kind, and with the whole model; `compile`
+`find` returns, for each model, the kernels found with it cut to one Block of each kind and as a whole; `compile`
 has the kernels named compiled by workers, then by this process. With a GPU, `gpu` takes the real driver and
 checks that a training step after `precompile_first_step` compiles none of fabric-lin's kernels (eager, then with
 compiled Blocks). Each prints one JSON document on its last line.
@@ -111,11 +111,12 @@ def main():
         return gpu(spec)
     driver.set_active(H100Driver())
     fabric_lin.ops.backend._interpreting = lambda: True  # the ops' Triton path takes CPU tensors
-    kernels = kernels_of(spec)
     if mode == "find":
-        print(json.dumps({"kernels": [[k.name, k.specialization] for k in kernels],
-                          "whole_model": [[k.name, k.specialization] for k in kernels_of(spec, full=True)]}))
+        print(json.dumps([{"kernels": [[k.name, k.specialization] for k in kernels_of(one)],
+                           "whole_model": [[k.name, k.specialization] for k in kernels_of(one, full=True)]}
+                          for one in spec]))
         return
+    kernels = kernels_of(spec)
     kernels = [k for k in kernels if k.name.rsplit(".", 1)[1] in spec["kernels"]]
     logged = []
     start = time.time()
