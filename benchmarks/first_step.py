@@ -3,6 +3,7 @@ compile caches, and flash-linear-attention's GLAForCausalLM where it is importab
 
     python benchmarks/first_step.py --out first_step.json
     python benchmarks/first_step.py --seq_lens 2048 --no-fla
+    python benchmarks/first_step.py --seq_lens 2048 --no-fla --compare_precompile
 
 fabric-lin: `fabric-lin pretrain` (config_hub/gla_340M.yaml, bf16-mixed, compile on, the sample corpus,
 prepared before the clock starts as any real run's data is) into a new out_dir, so its compile caches
@@ -12,6 +13,11 @@ which is what a restart after preemption does, with the caches warm. The figure 
 time seen from here. The peer: the same config, bf16-mixed (autocast), fused AdamW, no compile (how it
 is usually trained), a new empty Triton cache directory. A run that does not reach its first step
 within --timeout seconds is recorded as such.
+
+--compare_precompile: instead of the empty-then-warm pair, two runs with empty caches, each into a new out_dir: with
+`--compile.precompile true` (the first step's Triton kernels compiled by background processes) and then with false
+(each compiled at its first launch). The first run of a call also pays for reading the libraries from disk, so the
+precompiled run goes first: any such cost counts against it.
 """
 import argparse
 import json
@@ -70,10 +76,8 @@ def why_no_first_step(rc, timeout, log_file):
     return f"exited with code {rc} before its first step (see {log_file})"
 
 
-def fabric_lin_runs(seq_len, work, timeout, steps, config):
-    out_dir = work / f"fabric-lin-{seq_len}"
-    metrics = out_dir / "metrics.jsonl"
-    base = [
+def pretrain_command(config, out_dir, seq_len):
+    return [
         sys.executable, "-m", "fabric_lin.cli", "pretrain", "--config", str(config),
         "--data", "SampleCorpus", "--data.validation", "false", "--tokenizer_dir", "null", "--out_dir", str(out_dir), "--logger_name", "csv",
         "--train.max_seq_length", str(seq_len), "--train.micro_batch_size", str(MICRO_BATCH[seq_len]),
@@ -81,23 +85,56 @@ def fabric_lin_runs(seq_len, work, timeout, steps, config):
         "--train.lr_warmup_steps", "1", "--train.log_interval", "1", "--train.save_interval", "null",
         "--eval.initial_validation", "false", "--eval.final_validation", "false",
     ]
+
+
+def fabric_lin_run(command, out_dir, log_file, timeout, seq_len, config, caches, **extra):
+    """Run `command` (a pretrain into out_dir) until its first step; its record."""
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.exists():
+        metrics.rename(out_dir / "metrics-previous.jsonl")  # so that the next first step is this run's
+    wall, record, rc = run_until_first_step(command, dict(os.environ), metrics, timeout, log_file)
+    result = {
+        "model": f"fabric-lin {Path(config).name}", "seq_len": seq_len, "micro_batch": MICRO_BATCH[seq_len],
+        "compile": "the config's (on with CUDA by default)", "caches": caches, **extra, "exit_code": rc,
+        "time_to_first_step_s": round(record["time_to_first_step_s"], 1) if record else None,
+        "wall_s_seen_here": wall, "compiled_graphs_at_first_step": (record or {}).get("compiled_graphs"),
+        "startup_phases_s": {k: round(v, 1) for k, v in (record or {}).get("startup_phases_s", {}).items()},
+        "note": None if record else why_no_first_step(rc, timeout, log_file),
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def fabric_lin_runs(seq_len, work, timeout, steps, config):
+    """A new run (empty caches), then the same out_dir resumed (warm caches)."""
+    out_dir = work / f"fabric-lin-{seq_len}"
+    base = pretrain_command(config, out_dir, seq_len)
     results = []
     for caches, extra in (("empty", ["--train.max_steps", str(steps)]),
                           ("warm (resumed run, same out_dir)", ["--train.max_steps", str(2 * steps), "--resume", "auto",
                                                                                "--resume_changes", "[train.max_steps]"])):
-        if metrics.exists():
-            metrics.rename(out_dir / "metrics-previous.jsonl")  # so that the next first step is this run's
         log_file = work / f"fabric-lin-{seq_len}-{len(results)}.log"
-        wall, record, rc = run_until_first_step(base + extra, dict(os.environ), metrics, timeout, log_file)
-        results.append({
-            "model": f"fabric-lin {Path(config).name}", "seq_len": seq_len, "micro_batch": MICRO_BATCH[seq_len],
-            "compile": "the config's (on with CUDA by default)", "caches": caches, "exit_code": rc,
-            "time_to_first_step_s": round(record["time_to_first_step_s"], 1) if record else None,
-            "wall_s_seen_here": wall, "compiled_graphs_at_first_step": (record or {}).get("compiled_graphs"),
-            "startup_phases_s": {k: round(v, 1) for k, v in (record or {}).get("startup_phases_s", {}).items()},
-            "note": None if record else why_no_first_step(rc, timeout, log_file),
-        })
-        print(json.dumps(results[-1]), flush=True)
+        results.append(fabric_lin_run(base + extra, out_dir, log_file, timeout, seq_len, config, caches))
+    return results
+
+
+def precompile_runs(seq_len, work, timeout, steps, config):
+    """Two new runs (empty caches, each its own out_dir): the first step's kernels precompiled, then not. Each
+    record has the lines the run printed about the precompile."""
+    results = []
+    for precompile in ("true", "false"):
+        out_dir = work / f"fabric-lin-{seq_len}-precompile-{precompile}"
+        log_file = work / f"fabric-lin-{seq_len}-precompile-{precompile}.log"
+        command = pretrain_command(config, out_dir, seq_len) + ["--train.max_steps", str(steps),
+                                                                "--compile.precompile", precompile]
+        result = fabric_lin_run(command, out_dir, log_file, timeout, seq_len, config, "empty",
+                                precompile=precompile == "true")
+        result["precompile_lines"] = [line for line in log_file.read_text(errors="replace").splitlines()
+                                      if "Triton kernels" in line]
+        results.append(result)
+    if all(r["time_to_first_step_s"] for r in results):
+        print(json.dumps({"seq_len": seq_len, "first_step_s_precompiled": results[0]["time_to_first_step_s"],
+                          "first_step_s_not": results[1]["time_to_first_step_s"]}), flush=True)
     return results
 
 
@@ -160,6 +197,8 @@ def main():
     parser.add_argument("--config", default=str(ROOT / "config_hub/gla_340M.yaml"),
                         help="fabric-lin's model and run settings (the peer always builds gla-340M)")
     parser.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out")
+    parser.add_argument("--compare_precompile", action="store_true",
+                        help="two runs with empty caches, --compile.precompile true then false, instead of empty then warm")
     parser.add_argument("--fla_seq_lens", nargs="*", type=int, default=[2048], help="context lengths run for the peer")
     parser.add_argument("--fla_cache_dir", help="the peer's Triton cache (default: a new one per run); "
                         "naming one lets later benchmarks reuse its autotuning")
@@ -179,7 +218,8 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     results = []
     for seq_len in args.seq_lens:
-        results += fabric_lin_runs(seq_len, work, args.timeout, args.steps, args.config)
+        runs = precompile_runs if args.compare_precompile else fabric_lin_runs
+        results += runs(seq_len, work, args.timeout, args.steps, args.config)
         if not args.no_fla and seq_len in args.fla_seq_lens:
             results.append(fla_run(seq_len, work, args.timeout, args.steps, args.fla_cache_dir))
     import torch

@@ -239,6 +239,11 @@ class CompileArgs:
     a minute on a GPU, instead of using the shipped settings. Kept in out_dir/compile_cache/gla_launch.json,
     keyed by GPU, dtype and head dims, so a resumed run or a new context length does not search again. On the CPU,
     whose GLA layers run PyTorch ops, nothing is searched and the run says so"""
+    precompile: bool = True
+    """Before the model is built, find the Triton kernels the first step launches (a pass of a one-Block copy of
+    the model whose launches are recorded, not run) and compile them in background processes, at most 8, while the
+    model is built and traced; each kernel's first launch waits for its compile, then loads it from Triton's cache.
+    False: each kernel compiles at its first launch, one after another, inside the first step. CUDA only"""
 
     def resolve(self, cuda: bool, devices: int, num_nodes: int, reset_state_at_doc_boundaries: bool) -> "CompileArgs":
         """This run's settings: `enabled` null -> on with CUDA; mode "auto" -> "reduce-overhead" where CUDA

@@ -57,6 +57,7 @@ from fabric_lin.parallelism import (
     make_strategy,
     peer_lost_during,
 )
+from fabric_lin.precompile import precompile_first_step
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
 from fabric_lin.run_start import (
     check_earlier_run,
@@ -359,6 +360,10 @@ def main(
         elif compile.kernel_autotune:  # a recipe written for GPUs, tried on the CPU: said, not refused
             fabric.print("Note: compile.kernel_autotune does nothing on the CPU: it searches the launch settings of the GLA "
                          "Triton kernels, and the CPU runs the GLA layers' PyTorch ops instead")
+        if compile.precompile and precompile_first_step(  # compiles in the background until each kernel's first launch
+                fabric, config, gpt_options(fabric.device, fp8, gla_launch), train.micro_batch_size, train.max_seq_length,
+                tokenizer.eos_id if reset_state_at_doc_boundaries else None, fabric.print):
+            metrics.startup_phase("kernels found")
         model, no_decay = build_model(
             fabric, config, seed, initial_checkpoint_dir, parallelism.activation_checkpointing, compile, gla_launch, fp8
         )
@@ -714,8 +719,7 @@ def build_model(
     `parallelize` materialises and initialises it shard by shard, to the same weights."""
     sharded = isinstance(fabric.strategy, ModelParallelStrategy)
     with fabric.init_module(empty_init=True):
-        model = GPT(config, fused=fabric.device.type == "cuda", float8=fp8.torchao, fp8_products=fp8.recipe == "fused",
-                    launch=Launches() if gla_launch is None else Launches(gla=gla_launch))
+        model = GPT(config, **gpt_options(fabric.device, fp8, gla_launch))
     fabric.seed_everything(seed, verbose=False)
     if not sharded:
         model.reset_parameters()
@@ -757,6 +761,12 @@ def build_model(
             options=StateDictOptions(full_state_dict=True, strict=True),
         )
     return model, no_decay
+
+
+def gpt_options(device: torch.device, fp8: FP8Args, gla_launch: Optional[GLALaunch]) -> Dict[str, Any]:
+    """GPT's arguments other than the config for a run on `device` (build_model's model and the precompile's copy)."""
+    return dict(fused=device.type == "cuda", float8=fp8.torchao, fp8_products=fp8.recipe == "fused",
+                launch=Launches() if gla_launch is None else Launches(gla=gla_launch))
 
 
 def no_decay_parameter_names(model: torch.nn.Module) -> set:

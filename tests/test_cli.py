@@ -249,7 +249,7 @@ def test_compile_given_a_boolean_names_compile_enabled(tmp_path, capsys, value):
     group's keys, not the one that switches compilation."""
     err = parse_error(["pretrain", "--model_name", "gla-debug", "--compile", value], capsys)
     assert err == (f"fabric-lin pretrain: error: compile: got {value}, expected a mapping of its keys (enabled, cache, "
-                   f"dynamic, mode, kernel_autotune), or the path of a YAML file of them (did you mean --compile.enabled "
+                   f"dynamic, mode, kernel_autotune, precompile), or the path of a YAML file of them (did you mean --compile.enabled "
                    f"{value}?)")
 
 

@@ -22,3 +22,17 @@ def test_both_runs_reach_their_first_step(tmp_path, monkeypatch):
     # the resumed run went on from the first run's checkpoint: its first step is the run's second
     record = first_step.first_step_record(tmp_path / "fabric-lin-64" / "metrics.jsonl")
     assert record["step"] == 2, record
+
+
+def test_compare_precompile_runs_both_settings_from_empty_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setitem(first_step.MICRO_BATCH, 64, 2)
+    results = first_step.precompile_runs(64, tmp_path, timeout=120, steps=1, config=ROOT / "config_hub/debug.yaml")
+    assert [(r["precompile"], r["caches"]) for r in results] == [(True, "empty"), (False, "empty")]
+    for r in results:
+        assert r["exit_code"] == 0 and r["note"] is None, r
+        assert 0 < r["time_to_first_step_s"] < 120
+        assert r["precompile_lines"] == []  # the CPU runs PyTorch ops: no Triton kernel to compile
+    for setting in ("true", "false"):
+        hparams = (tmp_path / f"fabric-lin-64-precompile-{setting}" / "final" / "hyperparameters.yaml").read_text()
+        assert f"precompile: {setting}" in hparams

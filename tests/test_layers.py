@@ -15,10 +15,10 @@ FLOORS = [
      "fabric_lin.batches", "fabric_lin.fp8", "fabric_lin.cpu_cores", "fabric_lin.parallelism"],
     # the kernels and their references
     ["fabric_lin.ops"],
-    # the model: its configuration, the network, its weights on disk, its FLOPs
+    # the model: its configuration, the network, its weights on disk, its FLOPs, its first step's kernels compiled
     ["fabric_lin.config"],
     ["fabric_lin.model", "fabric_lin.flops"],
-    ["fabric_lin.weights"],
+    ["fabric_lin.weights", "fabric_lin.precompile"],
     # data: tokenizer, raw files, the recipes that tokenize them, prepared directories, the training stream, the data
     # modules, the sample corpus and the long-document corpus
     ["fabric_lin.data"],
