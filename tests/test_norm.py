@@ -579,3 +579,13 @@ def test_torch_paths_match_float64(dtype):
     for a, b, name in pairs:
         assert a.dtype == (torch.float32 if name == "linear_cross_entropy" else dtype), name
         check_against_fp32(a, b, dtype, name)
+
+
+def test_projection_gradients_are_put_side_by_side_only_past_two_wide_outputs():
+    # gdn-340M's attention inputs (q|k|v, a, b, g): two wide outputs, their gradients apart; gla-340M's (q, k, v, the
+    # low-rank gate, g): four, side by side (apart, that step was slower on an H100)
+    from fabric_lin.ops import norm_triton
+
+    gdn, gla = norm_triton._pieces([2048, 4, 4, 1024]), norm_triton._pieces([512, 512, 1024, 16, 1024])
+    assert (gdn.wide, gdn.narrow, gdn.side_by_side) == ((0, 3), (1, 2), False)
+    assert (gla.wide, gla.narrow, gla.side_by_side) == ((0, 1, 2, 4), (3,), True)

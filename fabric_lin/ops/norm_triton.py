@@ -242,6 +242,26 @@ input gradient inside the norm's backward kernel, not by a product of its own, w
 [tokens, hidden] part for a few columns."""
 NARROW_COLUMNS = 32
 """At most this many such columns in all (the kernel's multiply-adds per row grow with them); the rest are wide."""
+MOST_WIDE_APART = 2
+"""With more wide outputs than this, their gradients are put side by side for one product each way instead. Apart,
+each wide output adds an input-gradient part of [tokens, hidden] that is written and read once more; side by side,
+every gradient is copied once. On an H100 (torch 2.11) the gdn-340M step, two wide outputs (q|k|v and the output
+gate, 3072 columns at hidden 1024), was 1-2% faster apart; the gla-340M step, four (q, k, v, the output gate: about
+as many bytes either way, and products of narrower outputs), 1.7% slower
+(benchmarks/results/2026-12-07-session11-h100.md)."""
+
+
+@kernel_op("columns_side_by_side")
+def columns_side_by_side(pieces: List[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(pieces, dim=-1) of [rows, n_i] tensors of one dtype, as one opaque op. Compiled as a node of its own,
+    it is a copy at the memory's speed; left to Inductor, the copy is fused with the elementwise backward of whatever
+    made the pieces, into one kernel several times slower than the copy (profile_step.py on gdn-340M)."""
+    return torch.cat(pieces, dim=-1)
+
+
+@columns_side_by_side.register_fake
+def _(pieces):
+    return pieces[0].new_empty(pieces[0].shape[0], sum(piece.shape[-1] for piece in pieces))
 
 
 class _Pieces(NamedTuple):
@@ -255,6 +275,8 @@ class _Pieces(NamedTuple):
     """The outputs whose share of the input gradient the norm kernel adds."""
     narrow_rows: Optional[Tuple[int, int]]
     """The narrow outputs' rows where they are one slice of the stacked weight, else None."""
+    side_by_side: bool
+    """Whether all gradients are put side by side instead (more than MOST_WIDE_APART wide outputs)."""
 
 
 def _pieces(sizes: Sequence[int]) -> _Pieces:
@@ -270,7 +292,7 @@ def _pieces(sizes: Sequence[int]) -> _Pieces:
             wide.append(i)
     adjacent = all(rows[i][1] == rows[j][0] for i, j in zip(narrow, narrow[1:]))
     narrow_rows = (rows[narrow[0]][0], rows[narrow[-1]][1]) if narrow and adjacent else None
-    return _Pieces(tuple(rows), tuple(wide), tuple(narrow), narrow_rows)
+    return _Pieces(tuple(rows), tuple(wide), tuple(narrow), narrow_rows, len(wide) > MOST_WIDE_APART)
 
 
 class _RMSNormGatedLinearFunction(torch.autograd.Function):
@@ -324,8 +346,18 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
         source, weight, rstd, stacked = ctx.saved_tensors
         dh_extra = dh_out.contiguous() if ctx.residual_dtype is not None and dh_out is not None else None
         tokens, D = source.numel() // source.shape[-1], source.shape[-1]
-        rows, wide, narrow, narrow_rows = ctx.pieces
+        rows, wide, narrow, narrow_rows, side_by_side = ctx.pieces
         grads = [d.reshape(tokens, e - s) if d is not None else None for d, (s, e) in zip(d_outs, rows)]
+        if side_by_side:  # one product for each gradient, the input's summed over the outputs inside it, rounded once
+            d_cat = columns_side_by_side([d if d is not None else stacked.new_zeros(tokens, e - s)
+                                          for d, (s, e) in zip(grads, rows)])
+            y = norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype, ctx.launch)[0].reshape(tokens, D)
+            d_stacked = torch.matmul(d_cat.t(), y)
+            del y
+            dy = matmul_nn(d_cat, stacked, ctx.fp8)
+            dx, _, dw, dres = norm_bwd(source, None, weight, rstd, [dy], None, None, dh_extra, ctx.residual_dtype,
+                                       ctx.launch)
+            return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None, None, None
         # the narrow outputs' gradients side by side (a few columns: a small copy) and their weights' rows, for one
         # weight-gradient product and the norm kernel's share of the input gradient
         d_narrow = w_narrow = None
