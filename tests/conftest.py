@@ -197,14 +197,16 @@ def check_against_fp32(a, b, dtype, name):
     assert error <= 1e-2, f"{name}: relative RMS error {error:.4f} against the fp32 reference (at most 0.01)"
 
 
-def compiled_graph_ops(f, *inputs):
+def compiled_graph_ops(f, *inputs, graphs=None):
     """Compile f with AOT autograd, run it forward and backward on `inputs` (leaves that need grad; the
     output a scalar) and return (the compiled output, the op names called in the forward graph, those
-    in the backward graph): what torch.compile kept as whole ops."""
+    in the backward graph): what torch.compile kept as whole ops. graphs: a dict that is given the graph
+    modules themselves, {"forward": [...], "backward": [...]}."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
-    graphs = {"forward": [], "backward": []}
+    graphs = graphs if graphs is not None else {}
+    graphs.update(forward=[], backward=[])
 
     def capture(kind):
         def compiler(gm, example_inputs):

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from conftest import check_against_fp32, compiled_graph_ops  # noqa: E402
+from conftest import check_against_fp32, compiled_graph_ops, rel_rms  # noqa: E402
 from helpers import DEVICE, DTYPES, check, grads_of, leaves  # noqa: E402
 
 from fabric_lin.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref  # noqa: E402
@@ -236,9 +236,6 @@ def test_mixed_dtype_residual_stream_needs_no_casts(monkeypatch):
     compiled_in, eager_in = leaves(x, pending, w, *projs), leaves(x, pending, w, *projs)
     out, forward_ops, backward_ops = compiled_graph_ops(loss, *compiled_in)
     assert "fabric_lin.rms_norm_fwd.default" in forward_ops and "fabric_lin.rms_norm_bwd.default" in backward_ops
-    # the projections' gradients are put side by side by an op of their own: a concatenation left in the graph is
-    # fused by Inductor with whatever elementwise backward made its pieces, into one slow kernel
-    assert "fabric_lin.columns_side_by_side.default" in backward_ops and "aten.cat.default" not in backward_ops
     eager = loss(*eager_in)
     eager.backward()
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
@@ -304,6 +301,103 @@ def test_rms_norm_linears_in_groups():
             check_against_fp32(a, b, torch.float32, f"{backend} {name}")
     with pytest.raises(ValueError, match=r"groups must be positive and add up to the 5 projections, got \[3, 1\]"):
         rms_norm_linears(x, w, 1e-6, projs, groups=[3, 1], backend="triton")
+
+
+# the layers' input projections at hidden 48 as rms_norm_linears takes them: (widths, groups, side_by_side, the
+# outputs' names). Gated DeltaNet: q, k and v side by side, a and b (a column per head: narrow), g; GLA: q, k, v, the
+# low-rank gate's first projection (16 wide: narrow), g; one projection alone; the MLP's gate and up as one output;
+# narrow outputs apart in the stacked weight, and more narrow columns than the norm kernel takes (the last one wide)
+LINEARS = {
+    "gdn": ([24, 24, 40, 4, 4, 40], [3, 1, 1, 1], False, ["qkv", "a", "b", "g"]),
+    "gla": ([16, 16, 32, 16, 32], None, False, ["q", "k", "v", "low-rank gate", "g"]),
+    "one": ([40], None, False, ["out"]),
+    "side by side": ([40, 40], None, True, ["gate_up"]),
+    "narrow apart": ([4, 40, 16, 16], None, False, ["narrow 4", "wide", "narrow 16", "last 16"]),
+}
+
+
+def linears_inputs(widths, dtype, seed=21):
+    """x, residual, the norm weight and the projections' weights: 2 x 37 rows (several tiles and programs of the
+    backward kernel at hidden 48, the last one partial)."""
+    g = torch.Generator().manual_seed(seed)
+    x, residual = (torch.randn(2, 37, 48, generator=g) for _ in range(2))
+    w = 1 + 0.1 * torch.randn(48, generator=g)
+    return [t.to(DEVICE, dtype) for t in (x, residual, w, *(0.2 * torch.randn(n, 48, generator=g) for n in widths))]
+
+
+def call_linears(case, inputs, backend):
+    """The case's projections (a list) and h."""
+    _, groups, side_by_side, _ = LINEARS[case]
+    outs, h = rms_norm_linears(inputs[0], inputs[2], 1e-6, inputs[3:], residual=inputs[1], backend=backend,
+                               groups=groups, side_by_side=side_by_side)
+    return ([outs] if side_by_side else outs), h
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case, unused", [("gdn", None), ("gdn", "g"), ("gdn", "b"), ("gla", None), ("gla", "q"),
+                                          ("gla", "low-rank gate"), ("one", None), ("side by side", None),
+                                          ("narrow apart", None), ("narrow apart", "narrow 4")])
+def test_rms_norm_linears_gradients_match_the_torch_path_in_float64(case, unused, dtype):
+    # every gradient (x, the residual, the norm weight, each projection's weight) against the PyTorch path in float64
+    # from the same inputs; `unused`: an output left out of the loss (its gradient None), wide or narrow, whose
+    # weights' gradients are zeros (None on the PyTorch path)
+    inputs = linears_inputs(LINEARS[case][0], dtype)
+    out_in, ref_in = leaves(*inputs), leaves(*(t.double() for t in inputs))
+    outs, h = call_linears(case, out_in, "triton")
+    ref_outs, ref_h = call_linears(case, ref_in, "torch")
+    keep = [i for i, name in enumerate(LINEARS[case][3]) if name != unused]
+    out_grads = grads_of((*(outs[i] for i in keep), h), out_in, allow_unused=True)
+    ref_grads = grads_of((*(ref_outs[i] for i in keep), ref_h), ref_in, allow_unused=True)
+    grad_names = ["dx", "dresidual", "dweight"] + [f"dproj{i}" for i in range(len(inputs) - 3)]
+    for a, b, name in zip(out_grads, ref_grads, grad_names):
+        if b is None:  # the unused output's weights
+            assert unused is not None and a is not None and not a.any(), name
+            continue
+        assert a.dtype == dtype, name
+        if dtype == torch.float32:
+            check(a, b, dtype, name)
+        else:
+            assert rel_rms(a, b) < 2e-3, f"{name}: relative RMS error {rel_rms(a, b):.2e} against float64"
+    assert sum(b is None for b in ref_grads) == (unused is not None)
+
+
+def test_rms_norm_linears_backward_puts_no_wide_gradient_side_by_side(monkeypatch):
+    # Gated DeltaNet's outputs (qkv, a, b, g): the input gradient's products are one per wide output (qkv, g), the
+    # norm kernel summing them with a's and b's share (d [rows, 8] @ their weights' rows), and only those 8
+    # columns are put side by side; compiled too (as the Blocks are in training), with eager's gradients
+    from fabric_lin.ops import norm_triton
+
+    inputs = linears_inputs(LINEARS["gdn"][0], torch.float32)
+    eager_in = leaves(*inputs)
+    outs, h = call_linears("gdn", eager_in, "triton")
+    kernel_calls, concatenated = [], []
+    norm_bwd, cat = norm_triton.norm_bwd.fn, torch.cat
+    monkeypatch.setattr(norm_triton.norm_bwd, "fn", lambda *args: kernel_calls.append(args) or norm_bwd(*args))
+    monkeypatch.setattr(torch, "cat", lambda *args, **kw: concatenated.append(tuple(cat(*args, **kw).shape))
+                        or cat(*args, **kw))
+    eager_grads = grads_of((*outs, h), eager_in)
+    monkeypatch.undo()
+    assert concatenated == [(74, 8)]
+    ((_, _, _, _, dys, d_narrow, w_narrow, *_),) = kernel_calls
+    assert [tuple(dy.shape) for dy in dys] == [(74, 48), (74, 48)]
+    assert tuple(d_narrow.shape) == (74, 8)
+    assert torch.equal(w_narrow, torch.cat(inputs[6:8]))  # a's and b's weights
+
+    g = torch.Generator().manual_seed(1)  # the output gradients grads_of gave
+    d_outs = [torch.randn(o.shape, generator=g).to(DEVICE) for o in (*outs, h)]
+
+    def loss(*ins):
+        outs, h = call_linears("gdn", ins, "triton")
+        return sum((o.float() * d).sum() for o, d in zip((*outs, h), d_outs))
+
+    compiled_in, graphs = leaves(*inputs), {}
+    compiled_graph_ops(loss, *compiled_in, graphs=graphs)
+    widths = [node.meta["val"].shape[-1] for gm in graphs["backward"] for node in gm.graph.nodes
+              if node.target is torch.ops.aten.cat.default]
+    assert widths == [8], widths
+    for a, b, name in zip((t.grad for t in compiled_in), eager_grads,
+                          ["dx", "dresidual", "dweight", "dq", "dk", "dv", "da", "db", "dg"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"compiled {name}: {m}")
 
 
 def test_bad_shapes_are_reported():
@@ -485,3 +579,13 @@ def test_torch_paths_match_float64(dtype):
     for a, b, name in pairs:
         assert a.dtype == (torch.float32 if name == "linear_cross_entropy" else dtype), name
         check_against_fp32(a, b, dtype, name)
+
+
+def test_projection_gradients_are_put_side_by_side_only_past_two_wide_outputs():
+    # gdn-340M's attention inputs (q|k|v, a, b, g): two wide outputs, their gradients apart; gla-340M's (q, k, v, the
+    # low-rank gate, g): four, side by side (apart, that step was slower on an H100)
+    from fabric_lin.ops import norm_triton
+
+    gdn, gla = norm_triton._pieces([2048, 4, 4, 1024]), norm_triton._pieces([512, 512, 1024, 16, 1024])
+    assert (gdn.wide, gdn.narrow, gdn.side_by_side) == ((0, 3), (1, 2), False)
+    assert (gla.wide, gla.narrow, gla.side_by_side) == ((0, 1, 2, 4), (3,), True)

@@ -105,11 +105,11 @@ def rms_norm_linears(
     h = x + residual is normalised and (projections, h) returned. The projections run in `dtype`
     (default x's; under bf16-mixed the autocast dtype, as a linear layer would), the weights cast to it
     (and stacked: one saved copy). Keeps x (or h) and 1/rms for the backward pass, not the normed
-    activation. side_by_side: one output, the projections concatenated on the last dim (one product;
-    its gradient arrives as one tensor, where separate outputs' gradients are first concatenated). groups: how
-    many consecutive projections each output holds side by side (one product each; q, k and v for one short
-    convolution), by default one each. fp8: the products and the activation's gradient in FP8
-    (fabric_lin/ops/fp8_matmul.py)."""
+    activation. side_by_side: one output, the projections concatenated on the last dim (one product each
+    way). groups: how many consecutive projections each output holds side by side (one product each; q, k
+    and v for one short convolution), by default one each; in the backward pass each output's gradient
+    takes products of its own (the narrowest, a few columns, are added to the input gradient by the norm
+    kernel). fp8: the products and the activation's gradient in FP8 (fabric_lin/ops/fp8_matmul.py)."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm_linears: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
