@@ -93,6 +93,44 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def run_forked_ranks(target, ranks: int = 2, timeout: float = 120) -> List[Optional[int]]:
+    """The exit codes of target(rank, port) run in `ranks` forked processes, the CPU ranks of one run meeting at
+    `port` (None for one still running after `timeout` s, then killed)."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    port = free_port()
+    processes = [fork.Process(target=target, args=(rank, port)) for rank in range(ranks)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+    return [process.exitcode for process in processes]
+
+
+def sharded_gla_rank(rank: int, port: int, run_id: str):
+    """(Fabric, its train state, the config) of one of the 2 CPU processes of a sharded (FSDP2) run of a one-layer
+    gla-debug, started as torchrun starts them."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0", TORCHELASTIC_RUN_ID=run_id)
+    from fabric_lin.args import ParallelismArgs
+    from fabric_lin.checkpoint import train_state
+    from fabric_lin.config import Config
+    from fabric_lin.model import GPT
+    from fabric_lin.parallelism import make_strategy
+
+    fabric = lightning_fabric.Fabric(accelerator="cpu", devices=2,
+                                     strategy=make_strategy(False, 2, 1, ParallelismArgs(), "32-true"))
+    fabric.launch()
+    config = Config.from_name("gla-debug", num_layers=1)
+    with fabric.init_module(empty_init=True):
+        model = GPT(config)
+    model = fabric.setup(model)
+    return fabric, train_state(model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters())), {"samples": 4}), config
+
+
 # ---- what a run writes
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DEBUG_ARGS, free_port
+from helpers import DEBUG_ARGS, run_forked_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -52,17 +52,7 @@ def _rank_of_a_run(rank: int, tmp_path: Path, port: int, failing: int, failure: 
 
 def run_with_a_failing_rank(tmp_path: Path, failure: str):
     """[(exit code, output)] of ranks 0 and 1, rank 1 meeting `failure` alone."""
-    import multiprocessing
-
-    fork = multiprocessing.get_context("fork")
-    port = free_port()
-    ranks = [fork.Process(target=_rank_of_a_run, args=(rank, tmp_path, port, 1, failure)) for rank in (0, 1)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(120)
-        if process.exitcode is None:
-            process.kill()
+    run_forked_ranks(lambda rank, port: _rank_of_a_run(rank, tmp_path, port, 1, failure))
     return [(int((tmp_path / f"rank-{rank}.code").read_text()), (tmp_path / f"rank-{rank}.log").read_text())
             for rank in (0, 1)]
 

@@ -16,8 +16,7 @@ import lightning_fabric as L
 import pytest
 import torch
 
-from fabric_lin.checkpoint import Checkpointer, select_resume_dir, train_state, verify_checkpoint
-from fabric_lin.config import Config
+from fabric_lin.checkpoint import Checkpointer, select_resume_dir, verify_checkpoint
 from fabric_lin.save_failures import CheckpointFileIO
 from fabric_lin.weights import MODEL_FILE
 
@@ -73,19 +72,9 @@ def what_was_raised(error: Optional[BaseException]) -> Optional[Dict[str, object
 def sharded_run(rank: int, out_dir: Path, port: int):
     """(Fabric, the train state, a Checkpointer into out_dir) of one of the 2 CPU processes of a sharded (FSDP2) run of
     a one-layer gla-debug, started as torchrun starts them."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0", TORCHELASTIC_RUN_ID="full-disk")
-    from fabric_lin.args import ParallelismArgs
-    from fabric_lin.model import GPT
-    from fabric_lin.parallelism import make_strategy
+    from helpers import sharded_gla_rank
 
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=make_strategy(False, 2, 1, ParallelismArgs(), "32-true"))
-    fabric.launch()
-    config = Config.from_name("gla-debug", num_layers=1)
-    with fabric.init_module(empty_init=True):
-        model = GPT(config)
-    model = fabric.setup(model)
-    state = train_state(model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters())), {"samples": 4})
+    fabric, state, config = sharded_gla_rank(rank, port, "full-disk")
     return fabric, state, Checkpointer(out_dir, {"train": {"micro_batch_size": 2}}, config)
 
 
@@ -141,20 +130,10 @@ def _sharded_saves_on_a_failing_disk(rank: int, out_dir: Path, port: int, room: 
 def run_two_ranks(tmp_path: Path, target, *args) -> List:
     """What each of the 2 ranks of `target(rank, out_dir, port, *args)` left in tmp_path/rank-<rank>.pt, in rank order;
     both processes must end."""
-    import multiprocessing
+    from helpers import run_forked_ranks
 
-    from helpers import free_port
-
-    fork = multiprocessing.get_context("fork")
-    port = free_port()
-    ranks = [fork.Process(target=target, args=(rank, tmp_path / "out", port, *args)) for rank in (0, 1)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(120)
-        if process.exitcode is None:
-            process.kill()
-    assert [process.exitcode for process in ranks] == [0, 0]
+    codes = run_forked_ranks(lambda rank, port: target(rank, tmp_path / "out", port, *args))
+    assert codes == [0, 0]
     return [torch.load(tmp_path / f"rank-{rank}.pt", weights_only=True) for rank in (0, 1)]
 
 

@@ -477,26 +477,12 @@ def _sharded_run_resumes_damaged_copies(rank: int, out_dir, port: int) -> None:
     """One of the 2 CPU processes of a sharded (FSDP2) run, started as torchrun starts them: it saves a checkpoint,
     rank 0 makes a damaged copy of it for each of DAMAGES and one without meta.pt, and every rank resumes each copy
     (Fabric's own sharded load); what each raised is left in out_dir/../rank-<rank>.pt."""
-    import os
     import shutil
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0", TORCHELASTIC_RUN_ID="damaged-resume")
-    import lightning_fabric as L
+    from fabric_lin.checkpoint import Checkpointer, load_train_state
+    from helpers import sharded_gla_rank
 
-    from fabric_lin.args import ParallelismArgs
-    from fabric_lin.checkpoint import Checkpointer, load_train_state, train_state
-    from fabric_lin.config import Config
-    from fabric_lin.model import GPT
-    from fabric_lin.parallelism import make_strategy
-
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=make_strategy(False, 2, 1, ParallelismArgs(), "32-true"))
-    fabric.launch()
-    config = Config.from_name("gla-debug", num_layers=1)
-    with fabric.init_module(empty_init=True):
-        model = GPT(config)
-    model = fabric.setup(model)
-    state = train_state(model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters())), {"samples": 4})
+    fabric, state, config = sharded_gla_rank(rank, port, "damaged-resume")
     saved = Checkpointer(out_dir, {}, config).save(fabric, state)
     damages = {**{name: do for name, (do, _, _) in DAMAGES.items()}, "meta.pt missing": _fabric_meta_missing}
     if rank == 0:
@@ -518,21 +504,10 @@ def test_a_sharded_run_resuming_a_damaged_sharded_checkpoint_names_what_is_wrong
     """Fabric's sharded load, on each rank of a run of 2 processes: a missing or truncated shard, a garbled one, a
     missing or truncated .metadata (torch's CheckpointException, or Python's EOFError, on every rank), and a missing
     meta.pt (Lightning's ValueError that the path is no checkpoint) are named as a run of one process names them."""
-    import multiprocessing
-
-    from helpers import free_port
+    from helpers import run_forked_ranks
 
     out_dir = tmp_path / "out"
-    fork = multiprocessing.get_context("fork")
-    port = free_port()
-    ranks = [fork.Process(target=_sharded_run_resumes_damaged_copies, args=(rank, out_dir, port)) for rank in (0, 1)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(120)
-        if process.exitcode is None:
-            process.kill()
-    assert [process.exitcode for process in ranks] == [0, 0]
+    assert run_forked_ranks(lambda rank, port: _sharded_run_resumes_damaged_copies(rank, out_dir, port)) == [0, 0]
     for rank in (0, 1):
         raised = torch.load(tmp_path / f"rank-{rank}.pt", weights_only=True)
         for name, (_, error, message) in DAMAGES.items():
