@@ -348,16 +348,10 @@ class _RMSNormLinearsFunction(torch.autograd.Function):
         tokens, D = source.numel() // source.shape[-1], source.shape[-1]
         rows, wide, narrow, narrow_rows, side_by_side = ctx.pieces
         grads = [d.reshape(tokens, e - s) if d is not None else None for d, (s, e) in zip(d_outs, rows)]
-        if side_by_side:  # one product for each gradient, the input's summed over the outputs inside it, rounded once
-            d_cat = columns_side_by_side([d if d is not None else stacked.new_zeros(tokens, e - s)
-                                          for d, (s, e) in zip(grads, rows)])
-            y = norm_fwd(source, None, None, weight, ctx.eps, stacked.dtype, ctx.launch)[0].reshape(tokens, D)
-            d_stacked = torch.matmul(d_cat.t(), y)
-            del y
-            dy = matmul_nn(d_cat, stacked, ctx.fp8)
-            dx, _, dw, dres = norm_bwd(source, None, weight, rstd, [dy], None, None, dh_extra, ctx.residual_dtype,
-                                       ctx.launch)
-            return dx, _residual_grad(ctx, source, dx, dres), dw, None, d_stacked, None, None, None
+        if side_by_side:  # taken as one wide output: one product each way, the input's summed inside it, rounded once
+            grads = [columns_side_by_side([d if d is not None else stacked.new_zeros(tokens, e - s)
+                                           for d, (s, e) in zip(grads, rows)])]
+            rows, wide, narrow, narrow_rows = ((0, stacked.shape[0]),), (0,), (), None
         # the narrow outputs' gradients side by side (a few columns: a small copy) and their weights' rows, for one
         # weight-gradient product and the norm kernel's share of the input gradient
         d_narrow = w_narrow = None
