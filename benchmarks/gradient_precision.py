@@ -1,0 +1,129 @@
+"""Where bf16 gradients part from fp32's, parameter kind by parameter kind: fabric-lin's model (its Triton kernels in
+bf16 autocast, as it trains), its PyTorch reference ops in bf16 autocast (`reference-bf16`) and fla's model (`fla`),
+each against our model's gradient in fp32 (reference ops, no autocast, no TF32; learning_parity.py's yardstick),
+from the same weights on the same batch. learning_parity.py shows that two bf16 runs drift apart; this shows which
+parameters' gradients carry the difference, and whether ours or the peer is nearer fp32.
+
+    python benchmarks/gradient_precision.py --model gla-340M --peers fla reference-bf16 --after 12
+
+--after N first trains our model N steps (learning_parity.py's recipe and batches), then every model starts from
+its weights: the first steps of a run, where the loss falls fastest, are where bf16 runs part. For each model and
+parameter kind (the name with its layer index as `*`): the relative error |g - g32| / |g32| over all layers' tensors
+of that kind, and the cosine of the two; also each model's loss and total gradient norm (clipping scales every
+gradient by it). Runs on the CPU too (reference-bf16 alone, and ours then on its reference ops), for the tests.
+"""
+import argparse
+import re
+from typing import Dict
+
+import torch
+
+from common import out_arg, write_result
+from fabric_lin.config import Config
+from fabric_lin.convert.hf import to_hf_name
+from fabric_lin.model import GPT
+from learning_parity import Trainee, adamw, corpus_batches, fla_from_export, reference_copy, train_side_by_side
+
+PEERS = ("fla", "reference-bf16")
+
+
+def parameter_kind(name: str) -> str:
+    """`blocks.3.attn.q_proj.weight` -> `blocks.*.attn.q_proj.weight`: one row for a kind's tensors in every layer."""
+    return re.sub(r"\.\d+\.", ".*.", name)
+
+
+def gradients(model: torch.nn.Module, batch: torch.Tensor, fp32: bool) -> tuple:
+    """(loss, {name: gradient}) of the mean next-token loss on `batch`, as learning_parity.py's Trainee computes it:
+    fp32 a sequence at a time with the gradients summed, bf16 in autocast over the whole batch."""
+    trainee = Trainee("probe", model, optimizer=None, fp32=fp32)
+    model.zero_grad(set_to_none=True)
+    if fp32:
+        loss = 0.0
+        for sequence in batch.split(1):
+            part = trainee.loss(sequence) / len(batch)
+            part.backward()
+            loss += part.item()
+    else:
+        with torch.autocast(batch.device.type, dtype=torch.bfloat16):
+            loss = trainee.loss(batch)
+        loss.backward()
+        loss = loss.item()
+    return loss, {name: p.grad.detach().float() for name, p in model.named_parameters()}
+
+
+def compare(grads: Dict[str, torch.Tensor], yardstick: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, float]]:
+    """Per parameter kind: the relative error and cosine of `grads` against `yardstick` over all its tensors."""
+    sums: Dict[str, list] = {}
+    for name, reference in yardstick.items():
+        g, r = grads[name].double(), reference.double()
+        s = sums.setdefault(parameter_kind(name), [0.0, 0.0, 0.0, 0.0])  # |g - r|^2, |r|^2, |g|^2, g . r
+        s[0] += (g - r).square().sum().item()
+        s[1] += r.square().sum().item()
+        s[2] += g.square().sum().item()
+        s[3] += (g * r).sum().item()
+    return {kind: {"relative_error": (d / max(rr, 1e-300)) ** 0.5, "cosine": gr / max((gg * rr) ** 0.5, 1e-300)}
+            for kind, (d, rr, gg, gr) in sums.items()}
+
+
+def total_norm(grads: Dict[str, torch.Tensor]) -> float:
+    return sum(g.double().square().sum().item() for g in grads.values()) ** 0.5
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gla-340M", help="a fabric-lin model name")
+    parser.add_argument("--peers", nargs="*", choices=PEERS, default=["reference-bf16"])
+    parser.add_argument("--after", type=int, default=0, help="steps our model trains before the gradients are taken")
+    parser.add_argument("--data", choices=["long_documents", "sample"], default="long_documents")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=out_arg, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type != "cuda" and "fla" in args.peers:
+        raise SystemExit("--peers fla: fla's kernels need a GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = Config.from_name(args.model)
+    batches = corpus_batches(args.data, args.after + 1, args.batch_size, args.seq_len, config.vocab_size)
+
+    torch.manual_seed(args.seed)
+    ours = GPT(config, fused=device.type == "cuda").to(device).train()
+    if args.after:
+        # learning_parity.py's schedule over a run of 300 steps, so that step N's weights are that run's
+        args.steps = 300
+        trainee = Trainee("ours", ours, adamw(ours.named_parameters(), args.lr, 0.01))
+        train_side_by_side(batches[:args.after], [trainee], args, device, rows=[], shares=[], share_at={})
+    batch = batches[args.after].to(device)
+
+    fp32_model = reference_copy(ours, config).to(device).train()
+    loss32, grads32 = gradients(fp32_model, batch, fp32=True)
+    del fp32_model
+    report = {"model": args.model, "after_steps": args.after, "batch_size": args.batch_size, "seq_len": args.seq_len,
+              "device": str(device), "fp32": {"loss": loss32, "gradient_norm": total_norm(grads32)}, "models": {}}
+    models = {"ours": lambda: ours}
+    for peer in args.peers:
+        models[peer] = ((lambda: fla_from_export(ours, config)) if peer == "fla"
+                        else (lambda: reference_copy(ours, config)))
+    for name, make in models.items():
+        model = make().to(device).train()
+        loss, grads = gradients(model, batch, fp32=False)
+        if name == "fla":  # fla's names for our parameters
+            grads = {ours_name: grads[to_hf_name(ours_name)] for ours_name in grads32}
+        kinds = compare(grads, grads32)
+        worst = sorted(kinds, key=lambda k: kinds[k]["relative_error"], reverse=True)
+        report["models"][name] = {"loss": loss, "gradient_norm": total_norm(grads), "worst_kinds": worst[:5],
+                                  "kinds": kinds}
+        print(f"{name}: loss {loss:.5f} (fp32 {loss32:.5f}); worst: " +
+              ", ".join(f"{k} {kinds[k]['relative_error']:.2e}" for k in worst[:5]), flush=True)
+        if model is not ours:
+            del model
+    write_result(report, args.out, fla_ran="fla" in args.peers)
+    return report
+
+
+if __name__ == "__main__":
+    main()

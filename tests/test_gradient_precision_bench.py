@@ -1,0 +1,50 @@
+"""benchmarks/gradient_precision.py on the CPU with a one-layer debug model (fla's peer needs a GPU): the per-kind
+error and cosine are those of the tensors' own gradients, the kinds cover every parameter, and bf16's rounding shows
+as an error that is small but not zero."""
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gradient_precision  # noqa: E402
+
+from fabric_lin.config import Config  # noqa: E402
+from fabric_lin.model import GPT  # noqa: E402
+
+
+def test_a_kind_gathers_every_layer_and_its_error_is_over_all_of_them():
+    reference = {"blocks.0.w": torch.tensor([3.0, 0.0]), "blocks.1.w": torch.tensor([0.0, 4.0]),
+                 "head": torch.tensor([1.0, 1.0])}
+    grads = {"blocks.0.w": torch.tensor([3.0, 0.0]), "blocks.1.w": torch.tensor([0.0, 5.0]),
+             "head": torch.tensor([-1.0, -1.0])}
+    kinds = gradient_precision.compare(grads, reference)
+    assert set(kinds) == {"blocks.*.w", "head"}
+    # |(0, 0, 0, 1)| / |(3, 0, 0, 4)| = 1 / 5; cosine (3 * 3 + 5 * 4) / (sqrt(34) * 5)
+    assert kinds["blocks.*.w"]["relative_error"] == pytest.approx(0.2)
+    assert kinds["blocks.*.w"]["cosine"] == pytest.approx(29 / (5 * 34 ** 0.5))
+    assert kinds["head"] == pytest.approx({"relative_error": 2.0, "cosine": -1.0})
+
+
+def test_a_cpu_run_reports_every_parameter_kind_with_bf16_rounding_errors(tmp_path, monkeypatch):
+    one_layer = lambda name: Config.from_name(name, num_layers=1)  # noqa: E731
+    monkeypatch.setattr(gradient_precision, "Config", SimpleNamespace(from_name=one_layer))
+    report = gradient_precision.main(["--model", "gla-debug", "--after", "1", "--data", "sample", "--batch_size", "2",
+                                      "--seq_len", "32", "--out", str(tmp_path / "g.json")])
+    expected_kinds = {gradient_precision.parameter_kind(n) for n, _ in GPT(one_layer("gla-debug")).named_parameters()}
+    for name in ("ours", "reference-bf16"):
+        kinds = report["models"][name]["kinds"]
+        assert set(kinds) == expected_kinds
+        errors = [k["relative_error"] for k in kinds.values()]
+        assert all(0 < e < 0.1 for e in errors), kinds
+        assert all(k["cosine"] > 0.99 for k in kinds.values())
+        assert report["models"][name]["loss"] == pytest.approx(report["fp32"]["loss"], rel=1e-2)
+    assert (tmp_path / "g.json").exists()
+
+
+def test_fla_is_refused_on_the_cpu():
+    with pytest.raises(SystemExit, match="fla"):
+        gradient_precision.main(["--peers", "fla", "--device", "cpu"])
