@@ -62,9 +62,9 @@ class Config:
                     "attn_num_kv_heads"} | ({"hidden_ratio"} if self.intermediate_size is not None else set())
         for name, kind in _FIELD_KINDS.items():
             value = getattr(self, name)
-            if not (value is None and name in optional or _is_kind(value, kind)):
+            if not (value is None and name in optional or is_kind(value, kind)):
                 raise InvalidValue(f"model config {name} must be {kind}, got {value!r}")
-        if not isinstance(self.attn_layers, (list, tuple)) or not all(_is_kind(i, "an integer") for i in self.attn_layers):
+        if not isinstance(self.attn_layers, (list, tuple)) or not all(is_kind(i, "an integer") for i in self.attn_layers):
             raise InvalidValue(f"model config attn_layers must be a list of layer indices, got {self.attn_layers!r}")
         twice = sorted({i for i in self.attn_layers if list(self.attn_layers).count(i) > 1})
         if twice:  # most likely a typo for another layer, which would stay a linear-attention one
@@ -267,7 +267,7 @@ _FIELD_KINDS = {
 }
 
 
-def _is_kind(value: Any, kind: str) -> bool:
+def is_kind(value: Any, kind: str) -> bool:
     if kind == "true or false":
         return isinstance(value, bool)
     number = numbers.Integral if kind == "an integer" else numbers.Real

@@ -669,6 +669,10 @@ def find_tasks(names: List[str], task_dir: Optional[Path]):
         raise MissingPackage("--tasks needs lm-evaluation-harness: pip install -e '.[eval]' (or pip install lm-eval)") from None
     if task_dir is not None and not Path(task_dir).is_dir():
         raise MissingFile(f"--task_dir {task_dir} is not a directory (expected task YAML files)")
+    for name in names:  # no harness task is named so: the path of a file meant, before the harness indexes its tasks
+        if is_task_file(name) and not Path(name).exists():
+            raise MissingFile(f"--tasks {name}: no such task file (a task of your own: the path of its YAML file, or its "
+                              f"name with --task_dir DIR)")
 
     def unknown(manager) -> List[str]:
         return [n for n in names if n not in manager.all_tasks and not (is_task_file(n) and Path(n).is_file())]
@@ -681,6 +685,10 @@ def find_tasks(names: List[str], task_dir: Optional[Path]):
         return TaskManager(include_defaults=False)
     manager = TaskManager(include_path=str(task_dir) if task_dir is not None else None)
     missing = unknown(manager)
+    folders = [name for name in missing if Path(name).is_dir()]  # a harness task of the same name was taken above
+    if folders:
+        raise InvalidValue(f"--tasks {folders[0]} is a directory, not a task: give it as --task_dir {folders[0]} and name "
+                           f"the tasks of its YAML files in --tasks")
     if missing:
         close = difflib.get_close_matches(missing[0], manager.all_tasks, n=3, cutoff=0.6)
         raise InvalidValue(

@@ -210,6 +210,20 @@ def test_bad_inputs_get_clear_errors(tmp_path, mistral_shaped_gla):
         convert_from_llama(tmp_path / "fine", mistral_shaped_gla, tmp_path / "gla")
 
 
+@pytest.mark.parametrize("key, value, kind", [("tie_word_embeddings", "false", "true or false"),
+                                             ("rms_norm_eps", "1e-5x", "a number"), ("rms_norm_eps", [1e-5], "a number")])
+def test_a_config_json_value_of_the_wrong_type_is_named(tmp_path, mistral_shaped_gla, key, value, kind):
+    """A quoted or mistyped value in the Llama's config.json is refused naming its key, before anything is written:
+    bool("false") is True (the lm_head was then copied from the embeddings, not from the Llama's own lm_head), and
+    float() of "1e-5x" was a ValueError's traceback."""
+    write_tiny_llama(tmp_path / "llama")
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'llama' / 'config.json'}: {key} must be {kind}, got {value!r}")):
+        convert_from_llama(tmp_path / "llama", mistral_shaped_gla, tmp_path / "gla")
+    assert not (tmp_path / "gla").exists()
+
+
 def test_shards_that_are_missing_lack_a_tensor_or_lie_beside_another_export_are_named(tmp_path, mistral_shaped_gla):
     """The index lists a shard that is not there, places a tensor in a shard that lacks it, or the directory also holds a
     model.safetensors that the index does not list (two exports in one place): each refused, naming the file."""

@@ -717,6 +717,25 @@ def test_a_null_rope_theta_is_refused_and_a_missing_one_is_flas_default(tmp_path
     assert config_from_fla(left_out, path, "x").rope_base == config_from_fla(hybrid_left_out, path, "x").rope_base == 10000.0
 
 
+@pytest.mark.parametrize("key, value, kind", [
+    ("tie_word_embeddings", "false", "true or false"),  # bool("false") is True: the lm_head would have been dropped
+    ("tie_word_embeddings", 0, "true or false"),
+    ("norm_eps", "abc", "a number"),
+    ("initializer_range", "0.02x", "a number"),
+    ("max_position_embeddings", "2k", "an integer"),
+    ("conv_size", "four", "an integer"),
+])
+def test_a_config_json_value_of_the_wrong_type_is_named_not_converted(tmp_path, key, value, kind):
+    """A hand-edited config.json's quoted or mistyped value is refused naming its key: converted with bool() or float()
+    it was a ValueError's traceback, or, for "false", a tied model that silently left out the export's lm_head."""
+    path = tmp_path / "config.json"
+    block_type = "gdn" if key == "conv_size" else "gla"
+    hf = fla_config(Config.from_name(f"{block_type}-debug", num_layers=2))
+    with pytest.raises(ValueError, match=rf"^{path}: {key} must be {kind}, got {value!r}$"):
+        config_from_fla({**hf, key: value}, path, "x")
+    assert config_from_fla({**hf, "norm_eps": 1e-5, "tie_word_embeddings": None}, path, "x").norm_eps == 1e-5
+
+
 def test_the_directory_above_a_model_names_the_models_below_it(tmp_path, capsys):
     """The output directory of tutorials/finetune_lora.md's script (adapter/ and merged/ in it) given where a model or a
     tokenizer goes: each command names what lies below it, where generate said tokenizer.model does not exist,

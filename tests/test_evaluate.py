@@ -814,6 +814,44 @@ def test_task_names_are_checked_before_the_model_is_loaded(tmp_path, capsys, mon
     assert find_tasks(["mine", "hellaswag"], tmp_path / "tasks").all_tasks[-1] == "mine" and built[-1] is True
 
 
+def test_a_task_file_that_is_not_there_or_a_directory_of_tasks_in_tasks_is_named(tmp_path, capsys, monkeypatch):
+    """--tasks given a task file's path that does not exist, or a directory of task files (where --task_dir belongs),
+    is one line about that path, not an unknown task name with the harness's unrelated close names; a file's before the
+    harness indexes its tasks. A harness task that shares its name with a directory here is still the task."""
+    import types
+
+    built = []
+
+    class TaskManager:
+        def __init__(self, include_path=None, include_defaults=True):
+            built.append(include_defaults)
+            self.all_tasks = ["hellaswag", "openai_mmlu", "sib_tasks"] if include_defaults else []
+
+    harness = types.ModuleType("lm_eval")
+    harness.tasks = types.ModuleType("lm_eval.tasks")
+    harness.tasks.TaskManager = TaskManager
+    monkeypatch.setitem(sys.modules, "lm_eval", harness)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "mine.yaml").write_text("task: mine\n")
+    (tmp_path / "hellaswag").mkdir()
+    missing = tmp_path / "no checkpoint"
+    assert cli_error(["evaluate", str(missing), "--tasks", "hellaswag,tasks/mine.yml"], capsys) == (
+        "fabric-lin evaluate: error: --tasks tasks/mine.yml: no such task file (a task of your own: the path of its "
+        "YAML file, or its name with --task_dir DIR)\n")
+    assert built == []
+    assert cli_error(["evaluate", str(missing), "--tasks", "tasks/"], capsys) == (
+        "fabric-lin evaluate: error: --tasks tasks/ is a directory, not a task: give it as --task_dir tasks/ and name "
+        "the tasks of its YAML files in --tasks\n")
+    assert cli_error(["evaluate", str(missing), "--tasks", "tasks.yaml"], capsys) == (
+        "fabric-lin evaluate: error: --tasks tasks.yaml: no such task file (a task of your own: the path of its YAML "
+        "file, or its name with --task_dir DIR)\n")
+    (tmp_path / "dir.yaml").mkdir()
+    assert "--tasks dir.yaml is a directory, not a task" in cli_error(["evaluate", str(missing), "--tasks", "dir.yaml"], capsys)
+    assert f"error: {missing} is not a directory" in cli_error(["evaluate", str(missing), "--tasks", "hellaswag"], capsys)
+
+
 def test_a_task_file_s_path_starting_with_a_tilde_is_in_the_home_directory(tmp_path, capsys, monkeypatch,
                                                                            harness_with_hellaswag):
     """--tasks=~/mine.yaml (which no shell expands), alone or in a list, names the file in the home directory, as a

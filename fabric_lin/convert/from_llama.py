@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from fabric_lin.config import Config
+from fabric_lin.config import Config, is_kind
 from fabric_lin.convert.model_dir import (
     HF_CONFIG_FILE,
     LLAMA_MODEL_TYPES,
@@ -101,7 +101,12 @@ def convert_from_llama(
             f"{config_path} has a 'quantization_config' key (quant_method {method!r}): a quantized checkpoint cannot "
             "be copied into a GLA model; convert the unquantized (float) checkpoint"
         )
-    config = Config.from_name(model_name, norm_eps=float(llama.get("rms_norm_eps", 1e-6)))
+    # read as written: float() fails on a quoted "abc" with a traceback, and bool() takes "false" for true
+    for key, kind in (("rms_norm_eps", "a number"), ("tie_word_embeddings", "true or false")):
+        if llama.get(key) is not None and not is_kind(llama[key], kind):
+            raise InvalidValue(f"{config_path}: {key} must be {kind}, got {llama[key]!r}")
+    eps = llama.get("rms_norm_eps")
+    config = Config.from_name(model_name, norm_eps=float(1e-6 if eps is None else eps))
     if config.block_type != "gla":
         raise InvalidValue(f"model_name {model_name!r} is a {config.block_type} model; expected a GLA model")
     for ours, theirs in (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers")):

@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from fabric_lin.config import Config
+from fabric_lin.config import Config, is_kind
 from fabric_lin.convert.model_dir import (
     atomic_write,
     cast_floating,
@@ -307,6 +307,14 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     def get(key, default=None):
         return hf.get(key, default) if hf.get(key) is not None else default
 
+    def typed(key, default, kind):
+        """`get(key, default)`, refused naming the key unless of `kind` (as Config names it): bool() or float() would
+        take a quoted "false" for true, and fail on "abc" with a traceback."""
+        value = get(key, default)
+        if not is_kind(value, kind):
+            raise InvalidValue(f"{path}: {key} must be {kind}, got {value!r}")
+        return value
+
     unsupported = {
         "hidden_act": (get("hidden_act", "swish"), ("swish", "silu")),
         "elementwise_affine": (get("elementwise_affine", True), (True,)),
@@ -354,7 +362,7 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     if missing:
         raise InvalidValue(f"{path}: missing or non-integer fields {missing}")
     ours = hf.get("fabric_lin") if isinstance(hf.get("fabric_lin"), dict) else {}
-    norm_eps = float(get("norm_eps", 1e-6))
+    norm_eps = typed("norm_eps", 1e-6, "a number")
     block_type = {v: k for k, v in MODEL_TYPES.items()}[model_type]
     fields = dict(
         name=ours.get("name") or name,
@@ -366,18 +374,18 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
         hidden_ratio=get("hidden_ratio", 4),
         intermediate_size=hf.get("intermediate_size"),
         norm_eps=norm_eps,
-        tie_embeddings=bool(get("tie_word_embeddings", False)),
-        initializer_range=float(get("initializer_range", 0.02)),
-        max_seq_length=int(get("max_position_embeddings", 2048)),
+        tie_embeddings=typed("tie_word_embeddings", False, "true or false"),
+        initializer_range=typed("initializer_range", 0.02, "a number"),
+        max_seq_length=typed("max_position_embeddings", 2048, "an integer"),
     )
     if block_type in ("gla", "transformer"):
         fields.update(num_kv_heads=hf.get("num_kv_heads"))
     if block_type == "gla":
         fields.update(expand_k=get("expand_k", 0.5), expand_v=get("expand_v", 1.0), **FLA_FIXED_GATE)
     elif block_type == "gdn":
-        fields.update(head_dim=hf["head_dim"], expand_v=get("expand_v", 2.0), conv_size=int(get("conv_size", 4)))
+        fields.update(head_dim=hf["head_dim"], expand_v=get("expand_v", 2.0), conv_size=typed("conv_size", 4, "an integer"))
     elif block_type == "deltanet":
-        fields.update(expand_k=get("expand_k", 1.0), expand_v=get("expand_v", 1.0), conv_size=int(get("conv_size", 4)))
+        fields.update(expand_k=get("expand_k", 1.0), expand_v=get("expand_v", 1.0), conv_size=typed("conv_size", 4, "an integer"))
     else:
         fields.update(rope_base=rope_theta(hf, "rope_theta", path))
     if block_type != "transformer":
