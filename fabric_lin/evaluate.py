@@ -214,18 +214,33 @@ def main(
                       f"{result['tokens_per_sec']:,.0f} tokens/s", flush=True)
         if task_names:
             scorer = HarnessScorer(fabric, model, checkpoint.tokenizer, batch_size, block_size=train_seq_len)
-            results["tasks"] = run_tasks(scorer, task_names, task_manager, num_fewshot, limit)
-        results_path = out_dir / RESULTS_FILE
-        (out_dir / PLOT_FILE).unlink(missing_ok=True)  # an earlier evaluation's, which these results may not match
-        atomic_write(results_path, lambda p: Path(p).write_text(json.dumps(results, indent=1, default=plain_value) + "\n"))
-        print(f"Results: {results_path}")
-        if evaluate_data:
-            if plot_loss_by_position(results, out_dir / PLOT_FILE):
-                print(f"Loss by position: {out_dir / PLOT_FILE}")
-            else:
-                print(f"Loss by position: in {results_path} (lengths[].by_position); for the plot, pip install matplotlib "
-                      f"(or pip install -e '.[eval]')")
+            try:
+                results["tasks"] = run_tasks(scorer, task_names, task_manager, num_fewshot, limit)
+            except Exception as error:  # the data's results, minutes or hours of evaluation, are kept whatever it was
+                shortfall = few_shot_shortfall(error, num_fewshot)
+                if evaluate_data:
+                    results["tasks"] = {"failed": shortfall or f"{type(error).__name__}: {error}"}
+                    write_results(results, out_dir, evaluate_data)
+                if shortfall is None:
+                    raise
+                kept = f"; the data's results are in {out_dir / RESULTS_FILE}" if evaluate_data else ""
+                raise InvalidValue(shortfall + kept) from None
+        write_results(results, out_dir, evaluate_data)
     return results
+
+
+def write_results(results: Dict[str, Any], out_dir: Path, evaluate_data: bool) -> None:
+    """evaluate.json, whole or not at all, and the plot of the loss by position where the data was evaluated."""
+    results_path = out_dir / RESULTS_FILE
+    (out_dir / PLOT_FILE).unlink(missing_ok=True)  # an earlier evaluation's, which these results may not match
+    atomic_write(results_path, lambda p: Path(p).write_text(json.dumps(results, indent=1, default=plain_value) + "\n"))
+    print(f"Results: {results_path}")
+    if evaluate_data:
+        if plot_loss_by_position(results, out_dir / PLOT_FILE):
+            print(f"Loss by position: {out_dir / PLOT_FILE}")
+        else:
+            print(f"Loss by position: in {results_path} (lengths[].by_position); for the plot, pip install matplotlib "
+                  f"(or pip install -e '.[eval]')")
 
 
 def check_arguments(seq_len, max_batches, batch_size, bucket_size, bucket_edges, num_fewshot, limit) -> List[int]:
@@ -715,6 +730,32 @@ def run_tasks(scorer: HarnessScorer, names: List[str], task_manager, num_fewshot
     kept = ("results", "groups", "group_subtasks", "versions", "n-shot", "n-samples", "higher_is_better")
     return {"lm_eval_version": version("lm_eval"), **{key: output[key] for key in kept if key in output},
             **({"limit": limit} if limit is not None else {})}
+
+
+def few_shot_shortfall(error: Exception, num_fewshot: Optional[int]) -> Optional[str]:
+    """Where `error` came from a task of the harness asked for more few-shot examples than it has (mmlu keeps 5 per
+    subject), a line naming the task, the number asked for and the number it has; else None. The harness's own error
+    (random.sample's, or an assertion) names neither: the task is the one whose method raised it."""
+    from lm_eval.api.task import Task
+
+    task, frame = None, error.__traceback__
+    while frame is not None:  # to the innermost task's method
+        if isinstance(frame.tb_frame.f_locals.get("self"), Task):
+            task = frame.tb_frame.f_locals["self"]
+        frame = frame.tb_next
+    sampler, fewshot_config = getattr(task, "sampler", None), getattr(task, "fewshot_cfg", None)
+    if sampler is None or fewshot_config is None:
+        return None
+    examples = len(sampler.fewshot_docs())
+    # where the examples come from the split asked about, the harness leaves the document asked about out of them
+    if fewshot_config.split == task.config.test_split:
+        examples -= 1
+    asked, name = task.config.num_fewshot, task.config.task
+    if asked is None or asked <= examples:
+        return None
+    shortfall = (f"--num_fewshot {num_fewshot}: task {name} has {examples} few-shot examples" if num_fewshot is not None
+                 else f"task {name} asks for {asked} few-shot examples (its num_fewshot) and has {examples}")
+    return f"{shortfall}: give --num_fewshot {examples} or fewer"
 
 
 def plot_loss_by_position(results: Dict[str, Any], path: Path) -> bool:

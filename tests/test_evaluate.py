@@ -977,15 +977,11 @@ metric_list: [{metric: exact_match}]
 }
 
 
-@pytest.mark.slow
-def test_harness_tasks_on_the_model_in_memory(run, tmp_path):
-    """Three local tasks (multiple choice, rolling log-likelihood, generation) through `fabric-lin evaluate --tasks`,
-    the results against the model's own log-probabilities."""
-    pytest.importorskip("lm_eval")
-    from fabric_lin.data import Tokenizer
-
-    lines = text_lines(8, 9)
-    docs = [{"context": lines[i], "choices": [lines[i + 1], lines[i + 2]], "label": i % 2} for i in range(4)]
+def write_tasks(tmp_path: Path, n_docs: int = 4) -> list:
+    """TASKS as YAML files in tmp_path/tasks, over `n_docs` documents of tmp_path/docs.jsonl (a test split alone,
+    which is also where the harness takes few-shot examples from); returns the documents."""
+    lines = text_lines(n_docs + 4, 9)
+    docs = [{"context": lines[i], "choices": [lines[i + 1], lines[i + 2]], "label": i % 2} for i in range(n_docs)]
     with open(tmp_path / "docs.jsonl", "w") as f:
         f.writelines(json.dumps(doc) + "\n" for doc in docs)
     (tmp_path / "tasks").mkdir()
@@ -994,13 +990,29 @@ def test_harness_tasks_on_the_model_in_memory(run, tmp_path):
             f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n"
             f"test_split: test\nmetadata: {{version: 1.0}}\n{body}"
         )
+    return docs
+
+
+def evaluate_in_subprocess(run: Path, tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
+    """`fabric-lin evaluate` of the run's final checkpoint with the tasks of `write_tasks`, into tmp_path/out, offline."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1])] + sys.path)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "fabric_lin.cli", "evaluate", str(run / "out" / "final"), "--max_batches", "0",
-         "--tasks", ",".join(TASKS), "--task_dir", str(tmp_path / "tasks"), "--out_dir", str(tmp_path / "out")],
+    return subprocess.run(
+        [sys.executable, "-m", "fabric_lin.cli", "evaluate", str(run / "out" / "final"), *options,
+         "--task_dir", str(tmp_path / "tasks"), "--out_dir", str(tmp_path / "out")],
         capture_output=True, text=True, env=env, timeout=600,
     )
+
+
+@pytest.mark.slow
+def test_harness_tasks_on_the_model_in_memory(run, tmp_path):
+    """Three local tasks (multiple choice, rolling log-likelihood, generation) through `fabric-lin evaluate --tasks`,
+    the results against the model's own log-probabilities."""
+    pytest.importorskip("lm_eval")
+    from fabric_lin.data import Tokenizer
+
+    docs = write_tasks(tmp_path)
+    proc = evaluate_in_subprocess(run, tmp_path, "--max_batches", "0", "--tasks", ",".join(TASKS))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "evaluate.json").read_text())["tasks"]["results"]
 
@@ -1104,3 +1116,23 @@ def test_data_options_alone_change_the_run_s_own_data(run, tmp_path, capsys, mon
     convert_pretrained_checkpoint(final, tmp_path / "model")
     err = cli_error(["evaluate", str(tmp_path / "model"), "--data.num_workers", "0"], capsys)
     assert "error: --data.* options need a data module: give --data SampleCorpus, LongDocuments" in err
+
+
+@pytest.mark.slow
+def test_too_few_few_shot_examples_keep_the_data_s_results_and_are_one_line(run, tmp_path):
+    """--num_fewshot 5 of a task of 4 documents (its few-shot examples from them): the harness fails after the data
+    evaluation. The data's results are kept in evaluate.json, equal to those of the data alone, the task marked
+    failed, and the error is one line naming the task, --num_fewshot and how many examples the task has."""
+    pytest.importorskip("lm_eval")
+    write_tasks(tmp_path)
+    proc = evaluate_in_subprocess(run, tmp_path, "--max_batches", "1", "--tasks", "tiny_choice", "--num_fewshot", "5")
+    failed = "--num_fewshot 5: task tiny_choice has 4 few-shot examples: give --num_fewshot 4 or fewer"
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.endswith(f"fabric-lin evaluate: error: {failed}; the data's results are in "
+                                f"{tmp_path / 'out' / 'evaluate.json'}\n"), proc.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "evaluate.json").read_text())
+    assert results["tasks"] == {"failed": failed}
+    alone = evaluate(run / "out" / "final", max_batches=1, out_dir=tmp_path / "alone")
+    assert results["lengths"][0]["loss"] == alone["lengths"][0]["loss"]
+    assert evaluate_in_subprocess(run, tmp_path, "--max_batches", "1", "--tasks", "tiny_choice", "--num_fewshot", "4",
+                                  "--overwrite", "true").returncode == 0
