@@ -6,6 +6,8 @@ from typing import Literal, Optional, Tuple
 
 from fabric_lin.errors import InvalidValue
 
+SHORTEST_SEQ_LENGTH = 1  # train.max_seq_length's least value
+
 
 @dataclass
 class TrainArgs:
@@ -41,7 +43,7 @@ class TrainArgs:
     """Stop with an error after this many consecutive steps with a non-finite loss or gradient norm"""
 
     def gradient_accumulation_iters(self, devices: int, num_nodes: int) -> int:
-        minimums = {"micro_batch_size": 1, "global_batch_size": 1, "max_seq_length": 1, "lr_warmup_steps": 0,
+        minimums = {"micro_batch_size": 1, "global_batch_size": 1, "max_seq_length": SHORTEST_SEQ_LENGTH, "lr_warmup_steps": 0,
                     "max_nonfinite_steps": 1}
         for key, minimum in minimums.items():
             if getattr(self, key) < minimum:

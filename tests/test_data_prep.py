@@ -554,7 +554,7 @@ def test_options_checked_before_a_preparation_are_named_in_one_line():
     from fabric_lin.data.recipe import check_chunk_size, require_flags
     from fabric_lin.errors import InvalidValue
 
-    with pytest.raises(InvalidValue, match=r"^--chunk_size True: expected a positive number of tokens per chunk file$"):
+    with pytest.raises(InvalidValue, match=r"^--chunk_size True: expected at least 2 tokens per chunk file "):
         check_chunk_size(True)  # a bool is an int to Python
     with pytest.raises(InvalidValue, match=r"^--input_dir, --output_dir are required$"):
         require_flags(input_dir=None, output_dir=None, tokenizer_path="tokenizer")

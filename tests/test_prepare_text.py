@@ -539,12 +539,15 @@ def test_a_file_broken_off_after_blank_documents_alone_counts_them_on_its_line(p
             "3 empty or whitespace-only document(s) left out", ""]
 
 
-@pytest.mark.parametrize("chunk_size", ["0", "-2049"])
-def test_a_chunk_size_below_one_is_one_line(paragraphs_tokenizer, text_corpus, tmp_path, capsys, chunk_size):
+@pytest.mark.parametrize("chunk_size", ["0", "-2049", "1"])
+def test_a_chunk_size_that_holds_no_sample_is_one_line(paragraphs_tokenizer, text_corpus, tmp_path, capsys, chunk_size):
+    """Below 2 tokens, a chunk file holds no sample at any train.max_seq_length (1 or more): 1 wrote a file per token,
+    which pretrain then refused."""
     for command in ("prepare_text", "prepare_slimpajama", "prepare_starcoder"):
         err = cli_error([command, "--input_dir", str(text_corpus["raw"]), "--output_dir", str(tmp_path / "out"),
                          "--tokenizer_path", str(paragraphs_tokenizer), "--chunk_size", chunk_size], capsys)
-        assert f"error: --chunk_size {chunk_size}: expected a positive number of tokens per chunk file\n" in err, err
+        assert err.endswith(f"error: --chunk_size {chunk_size}: expected at least 2 tokens per chunk file (pretrain reads "
+                            "each sample, train.max_seq_length + 1 tokens, from within one chunk file)\n"), err
     assert not (tmp_path / "out").exists()
 
 

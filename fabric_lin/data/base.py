@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from fabric_lin.data.prepared import carried_tokenizer_dir, check_prepared_dirs
+from fabric_lin.data.prepared import carried_tokenizer_dir, check_prepared_dirs, sample_tokens
 from fabric_lin.data.tokenizer import Tokenizer
 from fabric_lin.errors import InvalidValue
 from fabric_lin.stopping import STOP_SIGNALS
@@ -104,7 +104,7 @@ class DataModule:
                 f"{type(self).__name__}: max_seq_length={self.max_seq_length}; call"
                 " connect(tokenizer, batch_size, max_seq_length) with max_seq_length >= 1 first"
             )
-        return self.max_seq_length + 1
+        return sample_tokens(self.max_seq_length)
 
 
 def collate_tokens(samples: Sequence[Union[np.ndarray, torch.Tensor]]) -> torch.Tensor:

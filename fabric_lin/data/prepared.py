@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
+from fabric_lin.args import SHORTEST_SEQ_LENGTH
 from fabric_lin.config import OTHER_VOCAB_SIZE
 from fabric_lin.data.raw_files import TEXT_SUFFIXES
 from fabric_lin.data.tokenizer import Tokenizer, copy_tokenizer_files, describe_tokenizer, tokenizer_identity
@@ -19,6 +20,15 @@ from fabric_lin.files import read_json
 PREPARED_INFO_FILE = "prepared.json"
 INDEX_FILE = "index.json"
 PREPARE_RAW_TEXT = "e.g. fabric-lin prepare_text --input_dir {} --output_dir DIR --tokenizer_path TOKENIZER_DIR"
+
+
+def sample_tokens(max_seq_length: int) -> int:
+    """The tokens of one sample, which litdata's TokensLoader cuts from within one chunk file: max_seq_length inputs
+    and the target of the last of them."""
+    return max_seq_length + 1
+
+
+SMALLEST_CHUNK = sample_tokens(SHORTEST_SEQ_LENGTH)  # fewer tokens per chunk file hold no sample at any length
 
 
 def write_prepared_info(out_dir: Union[str, Path], tokenizer: Tokenizer, **fields) -> Path:

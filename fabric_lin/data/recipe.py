@@ -21,7 +21,7 @@ from litdata.processing.data_processor import DataChunkRecipe, DataProcessor
 from litdata.streaming.item_loader import TokensLoader
 
 from fabric_lin.cpu_cores import usable_cpu_cores
-from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
+from fabric_lin.data.prepared import SMALLEST_CHUNK, check_prepared_dir, write_prepared_info
 from fabric_lin.data.raw_files import BadFileError, check_input_dir
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
 from fabric_lin.errors import AlreadyExists, InvalidValue, UserError
@@ -157,8 +157,9 @@ class TokenizeRecipe(DataChunkRecipe):
 
 
 def check_chunk_size(chunk_size: int) -> None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise InvalidValue(f"--chunk_size {chunk_size}: expected a positive number of tokens per chunk file")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < SMALLEST_CHUNK:
+        raise InvalidValue(f"--chunk_size {chunk_size}: expected at least {SMALLEST_CHUNK} tokens per chunk file (pretrain "
+                           f"reads each sample, train.max_seq_length + 1 tokens, from within one chunk file)")
 
 
 def check_num_workers(num_workers: Optional[int]) -> None:
