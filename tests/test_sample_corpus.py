@@ -14,6 +14,7 @@ from fabric_lin.data.recipe import REPORTS_DIR
 from fabric_lin.config import Config
 from fabric_lin.data import SampleCorpus, Tokenizer
 from fabric_lin.data.train_tokenizer import sample_sentences, write_tokenizer
+from fabric_lin.errors import InvalidValue
 from helpers import wait_for
 
 pytestmark = pytest.mark.slow  # subprocesses that build the corpus (about 4 s on 2 cores), or begin to
@@ -70,6 +71,13 @@ def test_sample_corpus_builds_once_under_concurrency(tmp_path):
         assert (tmp_path / "again" / path.relative_to(root / "raw")).read_bytes() == path.read_bytes(), path
     write_tokenizer(sample_sentences(documents)[0], tmp_path / "again-tok", VOCAB_SIZE, num_threads=1)
     assert (tmp_path / "again-tok" / "tokenizer.model").read_bytes() == (root / "tokenizer" / "tokenizer.model").read_bytes()
+
+    # data of another tokenizer is refused naming the corpus's tokenizer where it is, not the build's temporary folder
+    write_tokenizer(sample_sentences(documents)[0], tmp_path / "other-tok", 400, num_threads=1)
+    data.connect(Tokenizer(tmp_path / "other-tok"), batch_size=4, max_seq_length=64)
+    with pytest.raises(InvalidValue, match="was tokenized with a different tokenizer") as refused:
+        data.setup()
+    assert f", from {root / 'tokenizer'})" in str(refused.value) and ".tmp-" not in str(refused.value), refused.value
 
 
 def test_ctrl_c_while_the_sample_corpus_builds_says_interrupted_and_keeps_nothing(tmp_path):

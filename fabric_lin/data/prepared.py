@@ -31,10 +31,12 @@ def sample_tokens(max_seq_length: int) -> int:
 SMALLEST_CHUNK = sample_tokens(SHORTEST_SEQ_LENGTH)  # fewer tokens per chunk file hold no sample at any length
 
 
-def write_prepared_info(out_dir: Union[str, Path], tokenizer: Tokenizer, **fields) -> Path:
-    """The tokenizer's files, then prepared.json (last: it marks the directory complete)."""
+def write_prepared_info(out_dir: Union[str, Path], tokenizer: Tokenizer, tokenizer_shown_as: Optional[Path] = None,
+                        **fields) -> Path:
+    """The tokenizer's files, then prepared.json (last: it marks the directory complete). It names the tokenizer
+    `tokenizer_shown_as` where given (where a caller moves it afterwards)."""
     copy_tokenizer_files(tokenizer.checkpoint_dir, out_dir)
-    info = {"complete": True, "tokenizer": tokenizer.record(), **fields}
+    info = {"complete": True, "tokenizer": tokenizer.record(tokenizer_shown_as), **fields}
     path = Path(out_dir) / PREPARED_INFO_FILE
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")

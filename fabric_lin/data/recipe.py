@@ -316,13 +316,15 @@ def run_recipe(
     fast_dev_run: Union[bool, int] = False,
     info: Optional[dict] = None,
     shown_as: Optional[Path] = None,
+    tokenizer_shown_as: Optional[Path] = None,
 ) -> dict:
     """Run `recipe` over `input_dir` with litdata's DataProcessor; return the summary.
 
     Chunks are written into a hidden sibling `.tmp-<name>-<id>` of `output_dir`; `prepared.json`
     (tokenizer identity, summary, and the fields of `info`) is written last and the directory renamed to
     `output_dir`, so an interrupted run leaves no directory that `check_prepared_dir` accepts. Messages
-    name the output `shown_as` when given (where a caller moves `output_dir` to afterwards)."""
+    name the output `shown_as` when given (where a caller moves `output_dir` to afterwards), and prepared.json the
+    tokenizer `tokenizer_shown_as` (where a caller moves it to afterwards)."""
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
     check_input_dir(input_dir)
     check_empty_output_dir(output_dir)
@@ -349,7 +351,8 @@ def run_recipe(
     info = {"recipe": recipe.name or type(recipe).__name__, "input_dir": str(input_dir), "fast_dev_run": fast_dev_run,
             "chunk_size": recipe.chunk_size, **(info or {})}
     with created_dir(output_dir.parent), sigterm_interrupts():
-        return _run_into(recipe, input_dir, output_dir, tokenizer, num_workers, fast_dev_run, info, shown_as or output_dir)
+        return _run_into(recipe, input_dir, output_dir, tokenizer, num_workers, fast_dev_run, info, shown_as or output_dir,
+                         tokenizer_shown_as)
 
 
 def stage_id(output_dir: Path) -> str:
@@ -370,7 +373,7 @@ def note_killed_preparations(output_dir: Path) -> None:
 
 
 def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokenizer: Tokenizer, num_workers: int,
-              fast_dev_run: int, info: dict, shown_as: Path) -> dict:
+              fast_dev_run: int, info: dict, shown_as: Path, tokenizer_shown_as: Optional[Path]) -> dict:
     run_id = stage_id(output_dir)
     tmp_dir = output_dir.parent / f".tmp-{run_id}"
     cache_dir = output_dir.parent / f".tmp-cache-{run_id}"
@@ -421,7 +424,7 @@ def _run_into(recipe: TokenizeRecipe, input_dir: Path, output_dir: Path, tokeniz
             f"No tokens were produced from {input_dir}: every file was bad or empty, so {shown_as} was not written\n"
             + format_summary(summary, f"Read {input_dir}", seconds)
         )
-    write_prepared_info(tmp_dir, tokenizer=tokenizer, **info, summary=summary)
+    write_prepared_info(tmp_dir, tokenizer=tokenizer, tokenizer_shown_as=tokenizer_shown_as, **info, summary=summary)
     check_prepared_dir(tmp_dir, tokenizer)
     if output_dir.exists() and any(output_dir.iterdir()):  # another run finished first
         shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -129,8 +129,9 @@ def write_raw_corpus(raw_dir: Path, files: List[Path]) -> Tuple[Dict[str, int], 
     return counts, documents
 
 
-def build_sample_corpus(out_dir: Path, files: List[Path]) -> None:
-    """Write the raw corpus, train the tokenizer and run both preprocessors into `out_dir`."""
+def build_sample_corpus(out_dir: Path, files: List[Path], moved_to: Optional[Path] = None) -> None:
+    """Write the raw corpus, train the tokenizer and run both preprocessors into `out_dir`, which the caller renames
+    `moved_to` where given: the data's prepared.json names the tokenizer there."""
     from fabric_lin.data import train_tokenizer
     from fabric_lin.data.recipe import run_recipe
 
@@ -142,7 +143,8 @@ def build_sample_corpus(out_dir: Path, files: List[Path]) -> None:
     for recipe, source, prepared in ((SlimPajamaRecipe, raw / "train" / "slimpajama", out_dir / "slimpajama" / "train"),
                                      (SlimPajamaRecipe, raw / "val" / "slimpajama", out_dir / "slimpajama" / "val"),
                                      (StarcoderRecipe, raw / "train" / "starcoder", out_dir / "starcoder")):
-        run_recipe(recipe(tokenizer_dir, CHUNK_SIZE), source, prepared, num_workers=1)
+        run_recipe(recipe(tokenizer_dir, CHUNK_SIZE), source, prepared, num_workers=1,
+                   tokenizer_shown_as=(moved_to or out_dir) / tokenizer_dir.name)
     info = {"version": CORPUS_VERSION, "python": sys.version, "sources": [p.name for p in files], **counts}
     (out_dir / "corpus.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
@@ -211,8 +213,9 @@ def ensure_sample_corpus(cache_dir: Optional[Path] = None) -> Path:
     """Directory of the sample corpus, built first if this installation has none yet (`build_once`)."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     files = stdlib_modules()
-    return build_once(cache_dir / corpus_fingerprint(files), lambda out_dir: build_sample_corpus(out_dir, files),
-                      "the sample corpus", "Python's standard library")
+    target = cache_dir / corpus_fingerprint(files)
+    return build_once(target, lambda out_dir: build_sample_corpus(out_dir, files, moved_to=target), "the sample corpus",
+                      "Python's standard library")
 
 
 @dataclass

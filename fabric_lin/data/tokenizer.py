@@ -206,15 +206,15 @@ class Tokenizer:
         """(vocab_size, sha256): what tells it from another tokenizer, as `tokenizer_identity` reads it from a record."""
         return self.vocab_size, self.model_hash
 
-    def record(self) -> dict:
+    def record(self, shown_as: Optional[Path] = None) -> dict:
         """What a prepared directory (prepared.json) and a directory of weights (trained_with.json) record of the
-        tokenizer that made their ids."""
+        tokenizer that made their ids. `shown_as`: where it is named, where a caller moves it afterwards."""
         return {
             "vocab_size": self.vocab_size,
             "sha256": self.model_hash,
             "bos_id": self.bos_id,
             "eos_id": self.eos_id,
-            "source": str(Path(self.checkpoint_dir).absolute()),  # where it was copied from, to name it
+            "source": str(Path(shown_as or self.checkpoint_dir).absolute()),  # where it was copied from, to name it
         }
 
     def _special(self, ids: List[int], bos: bool, eos: bool) -> List[int]:
