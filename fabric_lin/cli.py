@@ -360,6 +360,7 @@ def main(argv=None) -> None:
     prog = f"fabric-lin {argv[0]}" if argv and argv[0] in COMMANDS else "fabric-lin"
     try:
         run(argv)
+        end_process_of_several()
     except KeyboardInterrupt as e:
         if debug_enabled():
             raise
@@ -401,6 +402,29 @@ def main(argv=None) -> None:
             raise
         report(prog, f"error: {failure}")
         raise SystemExit(2) from None
+
+
+def end_process_of_several() -> None:
+    """The end of a command that ran as one process of several (a torch.distributed process group in this process):
+    the process group destroyed, the atexit functions run, stdout and stderr flushed, and the process ended with exit
+    code 0 without the interpreter's finalization. Nothing where there is no process group.
+
+    The process group cannot be freed here: torch's DTensor caches keep FSDP2's device mesh, and with it the group, for
+    as long as the interpreter lives. Its gloo worker threads then run into the finalization, and one that drops a
+    finished collective's tensors there must take the GIL to free their Python objects, which a finalizing interpreter
+    answers by ending the thread (pthread_exit) inside a C++ destructor: "terminate called without an active
+    exception", a SIGABRT after the run had saved everything. Ending the process as multiprocessing ends its children
+    leaves those threads to the kernel. Lightning Fabric destroys the group at exit for NCCL only."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    import atexit
+
+    dist.destroy_process_group()  # where each process's own part ends: gloo's is local, NCCL's is Fabric's atexit one
+    atexit._run_exitfuncs()  # Fabric's, logging's, multiprocessing's (DataLoader workers), temporary files'
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def stdout_reader_gone() -> bool:
