@@ -356,11 +356,21 @@ def modules_taking(key: str) -> List[str]:
 
 
 def main(argv=None) -> None:
+    try:
+        run_and_report(argv)
+    except SystemExit as ending:  # a reported error's exit code (2, 130, a lost peer's...): the same ending as success
+        if ending.code is None or isinstance(ending.code, int):
+            end_process_of_several(ending.code or 0)
+        raise
+    end_process_of_several(0)
+
+
+def run_and_report(argv=None) -> None:
+    """The command, its anticipated errors reported in one line each and turned into exit codes."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = f"fabric-lin {argv[0]}" if argv and argv[0] in COMMANDS else "fabric-lin"
     try:
         run(argv)
-        end_process_of_several()
     except KeyboardInterrupt as e:
         if debug_enabled():
             raise
@@ -404,10 +414,10 @@ def main(argv=None) -> None:
         raise SystemExit(2) from None
 
 
-def end_process_of_several() -> None:
+def end_process_of_several(exit_code: int) -> None:
     """The end of a command that ran as one process of several (a torch.distributed process group in this process):
-    the process group destroyed, the atexit functions run, stdout and stderr flushed, and the process ended with exit
-    code 0 without the interpreter's finalization. Nothing where there is no process group.
+    the process group destroyed (after success), the atexit functions run, stdout and stderr flushed, and the process
+    ended with `exit_code` without the interpreter's finalization. Nothing where there is no process group.
 
     The process group cannot be freed here: torch's DTensor caches keep FSDP2's device mesh, and with it the group, for
     as long as the interpreter lives. Its gloo worker threads then run into the finalization, and one that drops a
@@ -420,11 +430,12 @@ def end_process_of_several() -> None:
         return
     import atexit
 
-    dist.destroy_process_group()  # where each process's own part ends: gloo's is local, NCCL's is Fabric's atexit one
+    if exit_code == 0:  # after an error a peer may be gone, and NCCL's teardown wait for it: Fabric's atexit one stays
+        dist.destroy_process_group()  # where each process's own part ends: gloo's is local, NCCL's is Fabric's atexit one
     atexit._run_exitfuncs()  # Fabric's, logging's, multiprocessing's (DataLoader workers), temporary files'
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(0)
+    os._exit(exit_code)
 
 
 def stdout_reader_gone() -> bool:
