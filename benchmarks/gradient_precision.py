@@ -35,19 +35,8 @@ def parameter_kind(name: str) -> str:
 def gradients(model: torch.nn.Module, batch: torch.Tensor, fp32: bool) -> tuple:
     """(loss, {name: gradient}) of the mean next-token loss on `batch`, as learning_parity.py's Trainee computes it:
     fp32 a sequence at a time with the gradients summed, bf16 in autocast over the whole batch."""
-    trainee = Trainee("probe", model, optimizer=None, fp32=fp32)
     model.zero_grad(set_to_none=True)
-    if fp32:
-        loss = 0.0
-        for sequence in batch.split(1):
-            part = trainee.loss(sequence) / len(batch)
-            part.backward()
-            loss += part.item()
-    else:
-        with torch.autocast(batch.device.type, dtype=torch.bfloat16):
-            loss = trainee.loss(batch)
-        loss.backward()
-        loss = loss.item()
+    loss = Trainee("probe", model, optimizer=None, fp32=fp32).backward(batch)
     return loss, {name: p.grad.detach().float() for name, p in model.named_parameters()}
 
 

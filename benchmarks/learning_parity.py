@@ -132,20 +132,24 @@ class Trainee:
         # fla predicts labels[t + 1] at t and ignores the last position: the same targets as ours
         return self.model(input_ids=batch, labels=batch).loss
 
-    def step(self, batch: torch.Tensor, lr: float) -> float:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def backward(self, batch: torch.Tensor) -> float:
+        """The batch's mean loss, its gradients added to the parameters'."""
         if self.fp32:
             total = 0.0
             for sequence in batch.split(1):
                 loss = self.loss(sequence) / len(batch)
                 loss.backward()
                 total += loss.item()
-        else:
-            with torch.autocast(batch.device.type, dtype=torch.bfloat16):
-                loss = self.loss(batch)
-            loss.backward()
-            total = loss.item()
+            return total
+        with torch.autocast(batch.device.type, dtype=torch.bfloat16):
+            loss = self.loss(batch)
+        loss.backward()
+        return loss.item()
+
+    def step(self, batch: torch.Tensor, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = self.backward(batch)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
