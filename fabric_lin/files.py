@@ -251,7 +251,11 @@ def created_dir(path: Union[str, Path]) -> Iterator[Path]:
     written there: a failed command leaves no empty output directories behind."""
     check_dir_can_be_made(path)
     created = missing_ancestors(path)
-    Path(path).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # what the checks cannot see: a file system that takes no new directory (/proc), a full disk
+        remove_empty_dirs(created)
+        raise InvalidValue(f"directory {path} could not be made: {error.strerror or error}") from None
     try:
         yield Path(path)
     except BaseException:

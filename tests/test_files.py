@@ -236,3 +236,22 @@ def test_a_full_disk_while_writing_names_the_file(tmp_path, monkeypatch):
     for raised, path in ((written_whole.value, tmp_path / "evaluate.json"), (appended.value, tmp_path / "metrics.jsonl")):
         assert (raised.errno, raised.filename) == (errno.ENOSPC, str(path)) and expected_failure(raised)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_the_file_system_will_not_make_is_named_in_one_line_and_nothing_is_left(tmp_path, monkeypatch):
+    # what the checks before cannot see (root may write anywhere, yet /proc takes no new directory; a full disk):
+    # the second of two new directories refused by the file system
+    real_mkdir = os.mkdir
+
+    def refusing_mkdir(path, mode=0o777):
+        if os.path.basename(path) == "b":
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real_mkdir(path, mode)
+
+    monkeypatch.setattr(os, "mkdir", refusing_mkdir)
+    target = tmp_path / "a" / "b"
+    with pytest.raises(InvalidValue, match=f"^directory {re.escape(str(target))} could not be made: No space left on "
+                                           f"device$"):
+        with created_dir(target):
+            pass
+    assert list(tmp_path.iterdir()) == []  # the "a" it made on the way is taken back
