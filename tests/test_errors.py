@@ -121,3 +121,30 @@ def test_a_broken_pipe_that_is_not_standard_output_s_keeps_its_traceback(monkeyp
     monkeypatch.setattr(cli, "run", pipe_gone)
     with pytest.raises(BrokenPipeError):
         cli.main(["pretrain"])
+
+
+def test_a_bug_of_another_rank_is_left_for_rank_0_as_one_line_of_its_start(monkeypatch):
+    """Rank 1 meets a bug whose message runs over several lines (as torch's do): what it leaves for rank 0 to print is
+    one line, the message's words joined by single spaces and cut after 300 characters, naming where the traceback is."""
+    import json
+
+    import torch.distributed as dist
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+    from fabric_lin import cli, errors
+
+    store = dist.HashStore()
+    monkeypatch.setattr(errors, "_run_store", lambda: store)
+    monkeypatch.setattr(rank_zero_only, "rank", 1, raising=False)
+    words = [f"word{i}" for i in range(100)]
+    message = "shapes differ:\n  " + "\n\t".join(words)
+
+    def bug(argv):
+        raise ValueError(message)
+
+    monkeypatch.setattr(cli, "run", bug)
+    with pytest.raises(ValueError):
+        cli.main(["pretrain"])
+    left = json.loads(store.get(errors.RANK_ERROR_KEY.format(1)))
+    said = ("shapes differ: " + " ".join(words))[:300]
+    assert left == {"line": f"ValueError: {said} (a bug: its traceback is in rank 1's output)", "exit_code": 1}
