@@ -50,6 +50,31 @@ def test_one_block_of_each_kind(layers, attn_layers, kept, kept_attn):
     assert (transformer.num_layers, transformer.attn_layers) == (1, [])
 
 
+def test_launches_are_recorded_inside_only_and_the_hook_before_is_put_back():
+    """Triton's jit_cache_hook answering True skips a launch: left set after the pass, every kernel of the run would
+    be skipped (its outputs garbage). Whatever ends the pass, the hook set before it is back."""
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    from fabric_lin.precompile import launches_recorded
+
+    def earlier(**kwargs):  # another user's hook, set before the pass
+        return False
+
+    before = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = earlier
+    try:
+        with launches_recorded([]):
+            assert knobs.runtime.jit_cache_hook is not earlier
+        assert knobs.runtime.jit_cache_hook is earlier
+        with pytest.raises(ValueError):
+            with launches_recorded([]):
+                raise ValueError("a check downstream of a skipped launch")
+        assert knobs.runtime.jit_cache_hook is earlier
+    finally:
+        knobs.runtime.jit_cache_hook = before
+
+
 @pytest.mark.slow
 def test_one_block_of_each_kind_launches_every_kernel_of_the_whole_model(tmp_path):
     specs = [{"model": "gla-debug"},
