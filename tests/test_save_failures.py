@@ -103,6 +103,17 @@ def test_a_rank_that_did_its_part_raises_the_error_of_the_first_rank_that_failed
     assert str(raised.value) == f"rank 2 failed while saving {checkpoint}: ValueError: a shard of no tensor"
 
 
+def test_a_ctrl_c_in_a_rank_s_part_of_a_save_passes_at_once(tmp_path, monkeypatch):
+    """A second Ctrl-C in a rank's part of a save stops it at once: no exchange with the other ranks, which may be
+    anywhere else in the save (and get the same Ctrl-C there)."""
+    import fabric_lin.save_failures as save_failures
+
+    monkeypatch.setattr(save_failures, "all_gather_objects", lambda fabric, own: pytest.fail("exchanged with the others"))
+    with pytest.raises(KeyboardInterrupt):
+        with save_failures.failure_shared(RankOfFour(1), tmp_path / ".tmp-step-00000004"):
+            raise KeyboardInterrupt
+
+
 class FillingFile(io.RawIOBase):
     """A file written on a disk that `room` (a one-element list, shared by the files of the disk) bytes fill: a write
     past them raises Python's OSError for a full disk, which names no file."""
