@@ -1,7 +1,10 @@
 """What a run of several processes says of an error that one rank other than 0 meets alone (`fabric_lin.errors`:
 a path missing on its node, a file only it reads): that rank prints nothing (the CLI prints an error from rank 0
 only), and rank 0, which then finds its peer gone, printed only that, a lost peer (exit code 75). The rank leaves its
-error in the run's store, and rank 0 prints it, naming the rank, with the rank's exit code."""
+error in the run's store, and rank 0 prints it, naming the rank, with the rank's exit code; where several ranks left
+one, the first of them. Beside it, the errors of a file system that the CLI prints in one line (no space left, a quota
+reached, no permission, a read-only file system), and a broken pipe that is not standard output's, which is a bug."""
+import errno
 import os
 import sys
 from pathlib import Path
@@ -9,8 +12,6 @@ from pathlib import Path
 import pytest
 
 from helpers import DEBUG_ARGS, run_forked_ranks
-
-pytestmark = pytest.mark.slow
 
 
 def _rank_of_a_run(rank: int, tmp_path: Path, port: int, failing: int, failure: str) -> None:
@@ -57,6 +58,7 @@ def run_with_a_failing_rank(tmp_path: Path, failure: str):
     return [(codes[rank], (tmp_path / f"rank-{rank}.log").read_text()) for rank in (0, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", ["missing file", "bug"])
 def test_an_error_of_rank_1_alone_is_printed_by_rank_0(tmp_path, failure):
     (code_0, out_0), (code_1, out_1) = run_with_a_failing_rank(tmp_path, failure)
@@ -70,3 +72,79 @@ def test_an_error_of_rank_1_alone_is_printed_by_rank_0(tmp_path, failure):
         assert (code_0, code_1) == (1, 1) and "ZeroDivisionError: division by zero" in out_1  # its traceback
     assert out_0.endswith(line) and out_0.count(line) == 1, out_0[-2000:]
     assert "peer process" not in out_0 and "Traceback" not in out_0
+
+
+def test_rank_0_prints_the_error_of_the_first_rank_that_left_one(monkeypatch):
+    """Ranks 3 and 1 of a run of 4 end on errors of their own, rank 3 first; rank 0 meets a lost peer and finds rank 1's
+    error, the lowest rank's, whichever came first. What rank 0 itself ends on is its own to print: it leaves none."""
+    import torch.distributed as dist
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+    from fabric_lin import errors
+
+    store = dist.HashStore()  # the run's store, as every rank reaches it
+    monkeypatch.setattr(errors, "_run_store", lambda: store)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    for rank, line, code in ((3, "a bug of rank 3", 1), (1, "a file missing on rank 1's node", 2),
+                             (0, "a peer process of the run ended", 75)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank, raising=False)
+        errors.leave_error_for_rank_0(line, code)
+    assert not store.check([errors.RANK_ERROR_KEY.format(0)])
+    assert errors.error_left_by_another_rank() == (1, "a file missing on rank 1's node", 2)
+
+
+@pytest.mark.parametrize("number", [errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS])
+def test_a_file_system_error_that_names_its_file_is_one_line(monkeypatch, capsys, number):
+    from fabric_lin import cli
+
+    path = "/data/out/.tmp-step-00000100/lit_model.pth"
+
+    def refused(argv):
+        raise OSError(number, os.strerror(number), path)
+
+    monkeypatch.setattr(cli, "run", refused)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.main(["pretrain"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"fabric-lin pretrain: error: [Errno {number}] {os.strerror(number)}: '{path}'\n"
+
+
+def test_a_broken_pipe_that_is_not_standard_output_s_keeps_its_traceback(monkeypatch, capfd):
+    """Standard output is a file that takes writes (no reader gone): a BrokenPipeError comes from elsewhere (a socket, a
+    child process's pipe), a bug, not a command cut short by `| head`, which ends quietly with exit code 141."""
+    from fabric_lin import cli
+
+    def pipe_gone(argv):
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    monkeypatch.setattr(cli, "run", pipe_gone)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["pretrain"])
+
+
+def test_a_bug_of_another_rank_is_left_for_rank_0_as_one_line_of_its_start(monkeypatch):
+    """Rank 1 meets a bug whose message runs over several lines (as torch's do): what it leaves for rank 0 to print is
+    one line, the message's words joined by single spaces and cut after 300 characters, naming where the traceback is."""
+    import json
+
+    import torch.distributed as dist
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+    from fabric_lin import cli, errors
+
+    store = dist.HashStore()
+    monkeypatch.setattr(errors, "_run_store", lambda: store)
+    monkeypatch.setattr(rank_zero_only, "rank", 1, raising=False)
+    words = [f"word{i}" for i in range(100)]
+    message = "shapes differ:\n  " + "\n\t".join(words)
+
+    def bug(argv):
+        raise ValueError(message)
+
+    monkeypatch.setattr(cli, "run", bug)
+    with pytest.raises(ValueError):
+        cli.main(["pretrain"])
+    left = json.loads(store.get(errors.RANK_ERROR_KEY.format(1)))
+    said = ("shapes differ: " + " ".join(words))[:300]
+    assert left == {"line": f"ValueError: {said} (a bug: its traceback is in rank 1's output)", "exit_code": 1}

@@ -50,6 +50,31 @@ def test_one_block_of_each_kind(layers, attn_layers, kept, kept_attn):
     assert (transformer.num_layers, transformer.attn_layers) == (1, [])
 
 
+def test_launches_are_recorded_inside_only_and_the_hook_before_is_put_back():
+    """Triton's jit_cache_hook answering True skips a launch: left set after the pass, every kernel of the run would
+    be skipped (its outputs garbage). Whatever ends the pass, the hook set before it is back."""
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    from fabric_lin.precompile import launches_recorded
+
+    def earlier(**kwargs):  # another user's hook, set before the pass
+        return False
+
+    before = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = earlier
+    try:
+        with launches_recorded([]):
+            assert knobs.runtime.jit_cache_hook is not earlier
+        assert knobs.runtime.jit_cache_hook is earlier
+        with pytest.raises(ValueError):
+            with launches_recorded([]):
+                raise ValueError("a check downstream of a skipped launch")
+        assert knobs.runtime.jit_cache_hook is earlier
+    finally:
+        knobs.runtime.jit_cache_hook = before
+
+
 @pytest.mark.slow
 def test_one_block_of_each_kind_launches_every_kernel_of_the_whole_model(tmp_path):
     specs = [{"model": "gla-debug"},
@@ -174,6 +199,57 @@ def test_a_stalled_worker_is_ended_and_the_launch_goes_on(tmp_path):
     assert logged == ["Warning: the processes precompiling Triton kernels reported nothing for 1 s; 1 kernel(s) left "
                       "to compile at their first launch"]
     assert fn.pre_run_hooks == [] and precompile.workers == []
+
+
+def test_a_launch_whose_worker_died_goes_on_at_once_and_the_other_kernels_still_wait(tmp_path):
+    """Two kernels of their own: the worker compiling the first dies. Its launch goes on once the worker is gone (it
+    compiles the kernel itself), not after the other worker's compile; the other kernel's launch still waits for it."""
+    dying, slow = StandIn(tmp_path), StandIn(tmp_path)
+    kernels = [FoundKernel(dying, 0, "exit:3", "stand_in.dying"), FoundKernel(slow, 0, "sleep:20", "stand_in.slow")]
+    logged = []
+    precompile = Precompile(kernels, 2, log=logged.append)
+    try:
+        start = time.time()
+        dying.pre_run_hooks[0]("launch")
+        assert time.time() - start < 10
+        assert dying.pre_run_hooks == [] and len(slow.pre_run_hooks) == 1
+        assert logged == ["Warning: a process precompiling Triton kernels ended with exit code 3 (kernels it left: "
+                          "stand_in.dying); they compile at their first launch"]
+    finally:
+        precompile._end_workers()
+
+
+def test_a_worker_that_ends_before_taking_every_kernel_names_the_one_it_left_and_the_summary_comes(tmp_path):
+    """The one worker ends (exit code 0) inside the first kernel's compile: that kernel is named, whatever the exit
+    code, and the second, which no worker is left to take, is its launch's to compile; every kernel is done with."""
+    fn, kernels = stand_in_kernels(tmp_path, "exit:0", "sleep:0")
+    logged = []
+    precompile = Precompile(kernels, 1, log=logged.append)
+    fn.pre_run_hooks[0]("launch")
+    assert logged == ["Warning: a process precompiling Triton kernels ended with exit code 0 (kernels it left: "
+                      "stand_in.kernel_0); they compile at their first launch",
+                      "Precompiled 0 of the first step's 2 Triton kernels in 1 process"]
+    assert precompile.workers == [] and not (tmp_path / "sleep-0").exists()
+
+
+def test_the_summary_comes_at_a_launch_of_a_kernel_already_compiled(tmp_path):
+    """Kernels y (two specializations), x and z, compiled in the order y, x, y, z. y's launch waits for both of y's, x's
+    report with them. Once z is compiled too, x's launch comes: every kernel is done, and the summary is said then,
+    not at z's launch, which may never come (a specialization the run's step does not launch)."""
+    y, x, z = StandIn(tmp_path), StandIn(tmp_path), StandIn(tmp_path)
+    kernels = [FoundKernel(y, 0, "sleep:0", "stand_in.y"), FoundKernel(x, 0, "sleep:0.0", "stand_in.x"),
+               FoundKernel(y, 0, "sleep:0.3", "stand_in.y"), FoundKernel(z, 0, "sleep:1", "stand_in.z")]
+    logged = []
+    precompile = Precompile(kernels, 1, log=logged.append)
+    y.pre_run_hooks[0]("launch")
+    assert logged == [] and len(z.pre_run_hooks) == 1
+    deadline = time.time() + 30
+    while not (tmp_path / "sleep-1").exists() and time.time() < deadline:  # z compiled
+        time.sleep(0.1)
+    time.sleep(0.5)  # its report sent
+    x.pre_run_hooks[0]("launch")
+    assert len(logged) == 1 and logged[0].startswith("Precompiled 4 of the first step's 4 Triton kernels in 1 process, ")
+    assert precompile.workers == []
 
 
 def test_workers_one_per_spare_core_at_most_eight(monkeypatch):

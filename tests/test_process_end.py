@@ -30,6 +30,7 @@ def _rank_that_ends(rank: int, port: int, out_dir, error: bool) -> None:
         atexit.register(lambda: (out_dir / f"rank-{rank}.json").write_text(
             json.dumps({"initialized": dist.is_initialized(), "held": str(held)})))
         print("end of the run", end="")
+        sys.stderr.write("\rsteps 2/2")  # a progress bar's last state: no newline flushes it
         if error:
             raise InvalidValue("--data.seed -1: expected a seed of 0 or more")
 
@@ -52,7 +53,8 @@ def test_a_process_of_several_ends_with_its_exit_code_after_the_atexit_functions
         # after success the group is gone before the atexit functions; after an error it stays (a peer may be gone)
         assert state["initialized"] is error
         assert (tmp_path / f"stdout-{rank}").read_text() == "end of the run"
-        said = (tmp_path / f"stderr-{rank}").read_text()
+        said = (tmp_path / f"stderr-{rank}").read_bytes().decode()  # the \r as written
+        assert said.startswith("\rsteps 2/2"), said
         assert ("--data.seed -1: expected a seed of 0 or more" in said) is error, said
 
 

@@ -1,5 +1,6 @@
 """A checkpoint save that fails (`fabric_lin.save_failures`): torch.save's own failure raised as it is where the file
-system takes further writes; in a sharded run of 2 CPU processes (FSDP2), a disk that fills up during the shards of
+system takes further writes, and the file system's error naming lit_model.pth where it refuses them (one process); a
+rank that did its part of a save raising the error of the first rank that failed in its own; in a sharded run of 2 CPU processes (FSDP2), a disk that fills up during the shards of
 every rank, or of rank 1 alone (its node's disk), and a file system that refuses rank 1's fsync while the manifest's
 checksums are taken: every rank raises the file system's error, naming the checkpoint (and, where another rank's disk
 was the full one, that rank) instead of torch's CheckpointException on each rank or, on rank 0, a lost peer: the
@@ -31,6 +32,86 @@ def test_a_failed_write_of_the_weights_that_is_not_the_file_system_s_is_raised(t
     monkeypatch.setattr(torch, "save", half_written)
     with pytest.raises(RuntimeError, match="^serialization failed$"):
         CheckpointFileIO().save_checkpoint({"step_count": 1}, tmp_path / MODEL_FILE)
+
+
+def test_a_full_disk_while_the_weights_are_written_names_their_file(tmp_path, monkeypatch):
+    """One process: torch.save's zip writer fails on a full disk with a RuntimeError about file positions, and the file
+    system refuses further writes at their fsync (as NFS reports a full disk). The save raises the file system's error
+    naming lit_model.pth of the unfinished checkpoint: the one line the CLI prints. The checkpoint before stays."""
+    from fabric_lin.checkpoint import train_state
+    from fabric_lin.cli import expected_failure
+    from fabric_lin.config import Config
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[CheckpointFileIO()])
+    model = torch.nn.Linear(4, 3)
+    state = train_state(model, torch.optim.AdamW(model.parameters()), train_dataloader={"samples": 4})
+    out_dir = tmp_path / "out"
+    checkpointer = Checkpointer(out_dir, {"train": {"micro_batch_size": 2}}, Config.from_name("gla-debug"))
+    state["step_count"] = 2
+    checkpointer.save(fabric, state)
+
+    def zip_writer_on_a_full_disk(obj, path, *args, **kwargs):
+        Path(path).write_bytes(b"PK")  # the part written before the disk filled up
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 2")
+
+    def fsync_refused(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", zip_writer_on_a_full_disk)
+        patch.setattr(os, "fsync", fsync_refused)
+        state["step_count"] = 4
+        with pytest.raises(OSError) as raised:
+            checkpointer.save(fabric, state)
+    weights = out_dir / ".tmp-step-00000004" / MODEL_FILE
+    assert (raised.value.errno, raised.value.filename) == (errno.ENOSPC, str(weights))
+    assert expected_failure(raised.value)
+    assert_only_the_checkpoint_before_stays(out_dir)
+
+
+class RankOfFour:
+    """What `failure_shared` asks of Fabric, on rank `global_rank` of a run of 4 processes."""
+
+    world_size = 4
+
+    def __init__(self, global_rank: int):
+        self.global_rank = global_rank
+
+
+def test_a_rank_that_did_its_part_raises_the_error_of_the_first_rank_that_failed(tmp_path, monkeypatch):
+    """Ranks 2 and 3 of a run of 4 fail in their part of a save with errors that are not the file system's (bugs); each
+    raises its own. Rank 0 did its part, and must raise all the same, or it would go on to the save's next collective
+    and wait there for ranks that have left the save: a RuntimeError naming the first failing rank and its error."""
+    import fabric_lin.save_failures as save_failures
+
+    checkpoint = tmp_path / ".tmp-step-00000004"
+    told: Dict[int, object] = {}  # what each failing rank gave the exchange
+
+    def exchange(fabric, own):
+        told[fabric.global_rank] = own
+        return [own if rank == fabric.global_rank else told.get(rank) for rank in range(fabric.world_size)]
+
+    monkeypatch.setattr(save_failures, "all_gather_objects", exchange)
+    for rank, error in ((2, ValueError("a shard of no tensor\nsecond line")), (3, KeyError("optimizer"))):
+        with pytest.raises(type(error)) as raised:
+            with save_failures.failure_shared(RankOfFour(rank), checkpoint):
+                raise error
+        assert raised.value is error
+    with pytest.raises(RuntimeError) as raised:
+        with save_failures.failure_shared(RankOfFour(0), checkpoint):
+            pass
+    assert str(raised.value) == f"rank 2 failed while saving {checkpoint}: ValueError: a shard of no tensor"
+
+
+def test_a_ctrl_c_in_a_rank_s_part_of_a_save_passes_at_once(tmp_path, monkeypatch):
+    """A second Ctrl-C in a rank's part of a save stops it at once: no exchange with the other ranks, which may be
+    anywhere else in the save (and get the same Ctrl-C there)."""
+    import fabric_lin.save_failures as save_failures
+
+    monkeypatch.setattr(save_failures, "all_gather_objects", lambda fabric, own: pytest.fail("exchanged with the others"))
+    with pytest.raises(KeyboardInterrupt):
+        with save_failures.failure_shared(RankOfFour(1), tmp_path / ".tmp-step-00000004"):
+            raise KeyboardInterrupt
 
 
 class FillingFile(io.RawIOBase):
