@@ -430,8 +430,10 @@ def end_process_of_several(exit_code: int) -> None:
         return
     import atexit
 
-    if exit_code == 0:  # after an error a peer may be gone, and NCCL's teardown wait for it: Fabric's atexit one stays
-        dist.destroy_process_group()  # where each process's own part ends: gloo's is local, NCCL's is Fabric's atexit one
+    # after success each process's own part of the group ends here (gloo's teardown is local); after an error a peer
+    # may be gone, and NCCL's teardown could wait for it: the group is left to Fabric's atexit function
+    if exit_code == 0:
+        dist.destroy_process_group()
     atexit._run_exitfuncs()  # Fabric's, logging's, multiprocessing's (DataLoader workers), temporary files'
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
