@@ -10,7 +10,8 @@ parameters' gradients carry the difference, and whether ours or the peer is near
 its weights: the first steps of a run, where the loss falls fastest, are where bf16 runs part. For each model and
 parameter kind (the name with its layer index as `*`): the relative error |g - g32| / |g32| over all layers' tensors
 of that kind, and the cosine of the two; also each model's loss and total gradient norm (clipping scales every
-gradient by it). Runs on the CPU too (reference-bf16 alone, and ours then on its reference ops), for the tests.
+gradient by it). `ours-reference-attention` and `ours-unfused-projections` are ours with one fused part back on its
+PyTorch reference: which part carries ours' extra error. Runs on the CPU too (reference-bf16 alone, and ours then on its reference ops), for the tests.
 """
 import argparse
 import re
@@ -24,7 +25,21 @@ from fabric_lin.convert.hf import to_hf_name
 from fabric_lin.model import GPT
 from learning_parity import Trainee, adamw, corpus_batches, fla_from_export, reference_copy, train_side_by_side
 
-PEERS = ("fla", "reference-bf16")
+PEERS = ("fla", "reference-bf16", "ours-reference-attention", "ours-unfused-projections")
+
+
+def ours_with_references(model: GPT, config: Config, part: str) -> GPT:
+    """Our fused model with one part back on its PyTorch reference, the rest fused: `attention` (the GLA / delta-rule
+    op between the projections) or `projections` (each norm, its projections and the output gate as separate ops).
+    Which of our fused parts carries our gradient's extra error is then the one whose reference brings it down."""
+    copy = GPT(config, fused=model.fused)
+    copy.load_state_dict(model.state_dict())
+    for block in copy.layers:
+        if part == "attention":
+            block.attn.backend = "torch"
+        else:
+            block.attn.fused_linears = block.mlp.fused_linears = False
+    return copy
 
 
 def parameter_kind(name: str) -> str:
@@ -95,8 +110,12 @@ def main(argv=None):
               "device": str(device), "fp32": {"loss": loss32, "gradient_norm": total_norm(grads32)}, "models": {}}
     models = {"ours": lambda: ours}
     for peer in args.peers:
-        models[peer] = ((lambda: fla_from_export(ours, config)) if peer == "fla"
-                        else (lambda: reference_copy(ours, config)))
+        if peer == "fla":
+            models[peer] = lambda: fla_from_export(ours, config)
+        elif peer == "reference-bf16":
+            models[peer] = lambda: reference_copy(ours, config)
+        else:
+            models[peer] = lambda part=peer.rsplit("-", 1)[1]: ours_with_references(ours, config, part)
     for name, make in models.items():
         model = make().to(device).train()
         loss, grads = gradients(model, batch, fp32=False)

@@ -33,9 +33,11 @@ def test_a_cpu_run_reports_every_parameter_kind_with_bf16_rounding_errors(tmp_pa
     one_layer = lambda name: Config.from_name(name, num_layers=1)  # noqa: E731
     monkeypatch.setattr(gradient_precision, "Config", SimpleNamespace(from_name=one_layer))
     report = gradient_precision.main(["--model", "gla-debug", "--after", "1", "--data", "sample", "--batch_size", "2",
-                                      "--seq_len", "32", "--out", str(tmp_path / "g.json")])
+                                      "--seq_len", "32", "--out", str(tmp_path / "g.json"),
+                                      "--peers", "reference-bf16", "ours-reference-attention", "ours-unfused-projections"])
     expected_kinds = {gradient_precision.parameter_kind(n) for n, _ in GPT(one_layer("gla-debug")).named_parameters()}
-    for name in ("ours", "reference-bf16"):
+    assert set(report["models"]) == {"ours", "reference-bf16", "ours-reference-attention", "ours-unfused-projections"}
+    for name in report["models"]:
         kinds = report["models"][name]["kinds"]
         assert set(kinds) == expected_kinds
         errors = [k["relative_error"] for k in kinds.values()]
@@ -48,3 +50,19 @@ def test_a_cpu_run_reports_every_parameter_kind_with_bf16_rounding_errors(tmp_pa
 def test_fla_is_refused_on_the_cpu():
     with pytest.raises(SystemExit, match="fla"):
         gradient_precision.main(["--peers", "fla", "--device", "cpu"])
+
+
+def test_the_bisecting_peers_put_one_part_back_on_its_reference_and_keep_the_weights():
+    config = Config.from_name("gla-debug", num_layers=2)
+    fused = GPT(config, fused=True)
+    attention = gradient_precision.ours_with_references(fused, config, "attention")
+    projections = gradient_precision.ours_with_references(fused, config, "projections")
+    for block in attention.layers:
+        assert block.attn.backend == "torch" and block.attn.fused_linears and block.mlp.fused_linears
+        assert block.mlp.backend == "triton" and block.attn_norm.backend == "triton"
+    for block in projections.layers:
+        assert block.attn.backend == "triton"
+        assert not block.attn.fused_linears and not block.mlp.fused_linears
+    for copy in (attention, projections):
+        for (name, p), (_, q) in zip(fused.state_dict().items(), copy.state_dict().items()):
+            assert torch.equal(p, q), name
