@@ -15,14 +15,18 @@ PyTorch reference: which part carries ours' extra error. Runs on the CPU too (re
 """
 import argparse
 import re
-from typing import Dict
+from contextlib import contextmanager
+from typing import Dict, List
 
 import torch
 
 from common import out_arg, write_result
+import fabric_lin.model
 from fabric_lin.config import Config
 from fabric_lin.convert.hf import to_hf_name
 from fabric_lin.model import GPT
+from fabric_lin.ops.gla import chunk_gla_from_logits
+from fabric_lin.ops.gla.tune import rel_rms
 from learning_parity import Trainee, adamw, corpus_batches, fla_from_export, reference_copy, train_side_by_side
 
 PEERS = ("fla", "reference-bf16", "ours-reference-attention", "ours-unfused-projections")
@@ -73,6 +77,54 @@ def total_norm(grads: Dict[str, torch.Tensor]) -> float:
     return sum(g.double().square().sum().item() for g in grads.values()) ** 0.5
 
 
+@contextmanager
+def gla_calls_recorded(calls: List[dict]):
+    """Each call of the GLA op in our model appends its inputs (q, k, v, gate logits, as the model passed them) and,
+    once the backward pass has run, the gradient that reached its output (`do`)."""
+    original = fabric_lin.model.chunk_gla_from_logits
+
+    def recording(q, k, v, gate_logits, normalizer, **kwargs):
+        o, state = original(q, k, v, gate_logits, normalizer, **kwargs)
+        call = {"inputs": [t.detach().clone() for t in (q, k, v, gate_logits)], "normalizer": normalizer}
+        o.register_hook(lambda grad: call.__setitem__("do", grad.detach().clone()))
+        calls.append(call)
+        return o, state
+
+    fabric_lin.model.chunk_gla_from_logits = recording
+    try:
+        yield calls
+    finally:
+        fabric_lin.model.chunk_gla_from_logits = original
+
+
+def op_gradients(call: dict, backend: str, autocast: bool, fp32: bool) -> Dict[str, torch.Tensor]:
+    """The GLA op's output and its inputs' gradients for a recorded call: on `backend`, in bf16 autocast as the model
+    runs it, or with its inputs made fp32 (no autocast), the yardstick."""
+    inputs = [t.float() if fp32 else t for t in call["inputs"]]
+    inputs = [t.requires_grad_() for t in inputs]
+    with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16, enabled=autocast):
+        o, _ = chunk_gla_from_logits(*inputs, call["normalizer"], backend=backend)
+    o.backward(call["do"].to(o.dtype))
+    return dict(zip(("o", "dq", "dk", "dv", "dgate_logits"), [o.detach()] + [t.grad for t in inputs]))
+
+
+def op_precision(model: GPT, batch: torch.Tensor, layers: List[int], device: torch.device) -> Dict[str, dict]:
+    """At each of `layers`: the GLA op's own bf16 output and gradients against fp32's, for the inputs and output
+    gradient it met in our model's bf16 step: our Triton kernels (on CUDA) and the PyTorch reference in autocast."""
+    calls: List[dict] = []
+    with gla_calls_recorded(calls):
+        gradients(model, batch, fp32=False)
+    report = {}
+    backends = {"triton": "triton", "reference-bf16": "torch"} if device.type == "cuda" else {"reference-bf16": "torch"}
+    for layer in layers:
+        call = calls[layer]
+        yardstick = op_gradients(call, "torch", autocast=False, fp32=True)
+        report[f"layer {layer}"] = {
+            name: {key: rel_rms(value, yardstick[key]) for key, value in op_gradients(call, backend, True, False).items()}
+            for name, backend in backends.items()}
+    return report
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gla-340M", help="a fabric-lin model name")
@@ -85,6 +137,8 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--op_layers", nargs="*", type=int, default=[],
+                        help="also the GLA op's own gradient errors at these layers, from the inputs it met")
     parser.add_argument("--out", type=out_arg, help="also write the JSON here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -129,6 +183,10 @@ def main(argv=None):
               ", ".join(f"{k} {kinds[k]['relative_error']:.2e}" for k in worst[:5]), flush=True)
         if model is not ours:
             del model
+    if args.op_layers:
+        report["gla_op"] = op_precision(ours, batch, args.op_layers, device)
+        for layer, row in report["gla_op"].items():
+            print(layer, {name: {k: f"{e:.1e}" for k, e in errors.items()} for name, errors in row.items()}, flush=True)
     write_result(report, args.out, fla_ran="fla" in args.peers)
     return report
 

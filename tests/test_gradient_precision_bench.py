@@ -66,3 +66,16 @@ def test_the_bisecting_peers_put_one_part_back_on_its_reference_and_keep_the_wei
     for copy in (attention, projections):
         for (name, p), (_, q) in zip(fused.state_dict().items(), copy.state_dict().items()):
             assert torch.equal(p, q), name
+
+
+def test_the_gla_op_is_compared_at_the_layers_asked_from_the_inputs_it_met(tmp_path, monkeypatch):
+    two_layers = lambda name: Config.from_name(name, num_layers=2)  # noqa: E731
+    monkeypatch.setattr(gradient_precision, "Config", SimpleNamespace(from_name=two_layers))
+    report = gradient_precision.main(["--model", "gla-debug", "--data", "sample", "--batch_size", "2", "--seq_len", "64",
+                                      "--op_layers", "1"])
+    assert list(report["gla_op"]) == ["layer 1"]
+    errors = report["gla_op"]["layer 1"]["reference-bf16"]
+    assert set(errors) == {"o", "dq", "dk", "dv", "dgate_logits"}
+    assert all(0 < e < 0.05 for e in errors.values()), errors
+    # the recording wrapper is gone after the run
+    assert gradient_precision.fabric_lin.model.chunk_gla_from_logits is gradient_precision.chunk_gla_from_logits
