@@ -73,6 +73,18 @@ def compare(grads: Dict[str, torch.Tensor], yardstick: Dict[str, torch.Tensor]) 
             for kind, (d, rr, gg, gr) in sums.items()}
 
 
+def layer_errors(grads: Dict[str, torch.Tensor], yardstick: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """The relative error of each layer's gradients (all its tensors together) against `yardstick`'s: where in
+    depth an error enters (the backward pass carries it down to every layer below)."""
+    sums: Dict[str, list] = {}
+    for name, reference in yardstick.items():
+        layer = re.search(r"\.(\d+)\.", name)
+        s = sums.setdefault(layer.group(1) if layer else "outside the layers", [0.0, 0.0])
+        s[0] += (grads[name].double() - reference.double()).square().sum().item()
+        s[1] += reference.double().square().sum().item()
+    return {layer: (d / max(r, 1e-300)) ** 0.5 for layer, (d, r) in sums.items()}
+
+
 def total_norm(grads: Dict[str, torch.Tensor]) -> float:
     return sum(g.double().square().sum().item() for g in grads.values()) ** 0.5
 
@@ -100,12 +112,17 @@ def gla_calls_recorded(calls: List[dict]):
 def op_gradients(call: dict, backend: str, autocast: bool, fp32: bool) -> Dict[str, torch.Tensor]:
     """The GLA op's output and its inputs' gradients for a recorded call: on `backend`, in bf16 autocast as the model
     runs it, or with its inputs made fp32 (no autocast), the yardstick."""
-    inputs = [t.float() if fp32 else t for t in call["inputs"]]
-    inputs = [t.requires_grad_() for t in inputs]
+    inputs = [(t.float() if fp32 else t.clone()).requires_grad_() for t in call["inputs"]]
     with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16, enabled=autocast):
         o, _ = chunk_gla_from_logits(*inputs, call["normalizer"], backend=backend)
     o.backward(call["do"].to(o.dtype))
     return dict(zip(("o", "dq", "dk", "dv", "dgate_logits"), [o.detach()] + [t.grad for t in inputs]))
+
+
+def token_sum_error(x: torch.Tensor, yardstick: torch.Tensor) -> float:
+    """rel_rms of the sums over the batch and the sequence ([B, T, H, D] -> [H, D]): an error that leans the same
+    way at every token grows with their number in a weight's gradient, where one of random sign averages out."""
+    return rel_rms(x.float().sum((0, 1)), yardstick.float().sum((0, 1)))
 
 
 def op_precision(model: GPT, batch: torch.Tensor, layers: List[int], device: torch.device) -> Dict[str, dict]:
@@ -119,9 +136,11 @@ def op_precision(model: GPT, batch: torch.Tensor, layers: List[int], device: tor
     for layer in layers:
         call = calls[layer]
         yardstick = op_gradients(call, "torch", autocast=False, fp32=True)
-        report[f"layer {layer}"] = {
-            name: {key: rel_rms(value, yardstick[key]) for key, value in op_gradients(call, backend, True, False).items()}
-            for name, backend in backends.items()}
+        row = report[f"layer {layer}"] = {}
+        for name, backend in backends.items():
+            ours = op_gradients(call, backend, autocast=True, fp32=False)
+            row[name] = {key: rel_rms(value, yardstick[key]) for key, value in ours.items()}
+            row[name + " token sums"] = {key: token_sum_error(value, yardstick[key]) for key, value in ours.items()}
     return report
 
 
@@ -178,7 +197,7 @@ def main(argv=None):
         kinds = compare(grads, grads32)
         worst = sorted(kinds, key=lambda k: kinds[k]["relative_error"], reverse=True)
         report["models"][name] = {"loss": loss, "gradient_norm": total_norm(grads), "worst_kinds": worst[:5],
-                                  "kinds": kinds}
+                                  "kinds": kinds, "layers": layer_errors(grads, grads32)}
         print(f"{name}: loss {loss:.5f} (fp32 {loss32:.5f}); worst: " +
               ", ".join(f"{k} {kinds[k]['relative_error']:.2e}" for k in worst[:5]), flush=True)
         if model is not ours:

@@ -74,8 +74,20 @@ def test_the_gla_op_is_compared_at_the_layers_asked_from_the_inputs_it_met(tmp_p
     report = gradient_precision.main(["--model", "gla-debug", "--data", "sample", "--batch_size", "2", "--seq_len", "64",
                                       "--op_layers", "1"])
     assert list(report["gla_op"]) == ["layer 1"]
+    assert set(report["models"]["ours"]["layers"]) == {"0", "1", "outside the layers"}
     errors = report["gla_op"]["layer 1"]["reference-bf16"]
     assert set(errors) == {"o", "dq", "dk", "dv", "dgate_logits"}
     assert all(0 < e < 0.05 for e in errors.values()), errors
     # the recording wrapper is gone after the run
     assert gradient_precision.fabric_lin.model.chunk_gla_from_logits is gradient_precision.chunk_gla_from_logits
+
+
+def test_an_op_run_starts_from_fresh_gradients_each_time():
+    torch.manual_seed(0)
+    q, k, gate = (torch.randn(1, 64, 2, 16) for _ in range(3))
+    call = {"inputs": [q, k, torch.randn(1, 64, 2, 32), gate], "normalizer": 16.0, "do": torch.randn(1, 64, 2, 32)}
+    first = gradient_precision.op_gradients(call, "torch", autocast=False, fp32=False)
+    second = gradient_precision.op_gradients(call, "torch", autocast=False, fp32=False)
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+    assert all(t.grad is None for t in call["inputs"])
