@@ -176,13 +176,19 @@ def single_reference_scores(q, k, gc, row0, n_rows, stride, K, scale, BT: tl.con
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
     A = tl.zeros([BT, BT], dtype=tl.float32)
+    diagonal = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         e = load_gate(gc, row0, o_t, n_rows, stride, o_k, m_k) - \
             load_gate_row(gc, row0, BT // 2 - 1, n_rows, stride, o_k, m_k)[None, :]
-        q_f = (load_tile(q, row0, o_t, n_rows, stride, o_k, m_k) * tl.exp(e)).to(DT)
-        k_f = (load_tile(k, row0, o_t, n_rows, stride, o_k, m_k) * tl.exp(-e)).to(DT)
-        A += tl.dot(q_f, tl.trans(k_f), input_precision=DOT_PREC)
-    # the pairs j > i, masked here, may reach exp(2 spread) or overflow; a select leaves no trace of them
-    return tl.where(o_t[:, None] >= o_t[None, :], A, 0.0) * scale
+        b_q = load_tile(q, row0, o_t, n_rows, stride, o_k, m_k)
+        b_k = load_tile(k, row0, o_t, n_rows, stride, o_k, m_k)
+        A += tl.dot((b_q * tl.exp(e)).to(DT), tl.trans((b_k * tl.exp(-e)).to(DT)), input_precision=DOT_PREC)
+        diagonal += tl.sum(b_q * b_k, axis=1)
+    # the diagonal sum_k q_ik k_ik from the inputs in fp32, as the levels make it: through the rounded factors,
+    # a token whose q and k nearly cancel got a score several percent off, and its dv that much off wherever
+    # its own output gradient dominates (a sequence's first token). The pairs j > i, masked here, may reach
+    # exp(2 spread) or overflow; a select leaves no trace of them.
+    A = tl.where(o_t[:, None] > o_t[None, :], A, 0.0)
+    return tl.where(o_t[:, None] == o_t[None, :], diagonal[:, None], A) * scale
