@@ -422,9 +422,14 @@ def test_triton_float16_error_against_fla():
     assert not over, f"float16 error against fp64 above {FLA_RATIO} times fla's: {over}"
 
 
+NEAR_CANCEL_CASES = [  # (device, dtype, bound): the interpreter's float16, the compiled kernels' bf16 (8x coarser)
+    pytest.param("cpu", torch.float16, 2e-3, marks=cpu_only),
+    pytest.param("cuda", torch.bfloat16, 1.2e-2, marks=needs_cuda),
+]
 
-@cpu_only
-def test_a_token_whose_query_and_key_nearly_cancel_gets_its_own_score_and_dv_to_float16_precision():
+
+@pytest.mark.parametrize("device,dtype,bound", NEAR_CANCEL_CASES)
+def test_a_token_whose_query_and_key_nearly_cancel_gets_its_own_score_and_dv_to_input_precision(device, dtype, bound):
     # the single-reference scores take q and k through rounded factors exp(+-(b - b_r)); where q_0 . k_0 is small
     # against |q_0| |k_0|, a diagonal score made from them is several percent off, and so is dv_0 wherever token
     # 0's own output gradient dominates (in a model: a sequence's first token). The diagonal is made from q and k.
@@ -433,9 +438,9 @@ def test_a_token_whose_query_and_key_nearly_cancel_gets_its_own_score_and_dv_to_
     q, k = torch.randn(1, 64, 1, K), torch.randn(1, 64, 1, K)
     q0, k0 = q[0, 0, 0], k[0, 0, 0]
     k[0, 0, 0] = k0 - (k0 @ q0) / (q0 @ q0) * q0 + 0.0005 * q0  # q_0 . k_0 = 0.0005 |q_0|^2, 0.05% of |q_0| |k_0|
-    q, k, v = q.half(), k.half(), torch.randn(1, 64, 1, V).half()
-    gk = torch.full((1, 64, 1, K), -0.05)  # a slow gate: one reference row for the whole chunk
-    do = torch.zeros(1, 64, 1, V)
+    q, k, v = (x.to(device, dtype) for x in (q, k, torch.randn(1, 64, 1, V)))
+    gk = torch.full((1, 64, 1, K), -0.05, device=device)  # a slow gate: one reference row for the whole chunk
+    do = torch.zeros(1, 64, 1, V, device=device)
     do[0, 0] = 1.0  # only token 0's output is asked for: dv_0 = A_00 do_0
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     o, _ = chunk_gla(*leaves, gk, backend="triton")
@@ -443,5 +448,5 @@ def test_a_token_whose_query_and_key_nearly_cancel_gets_its_own_score_and_dv_to_
     reference = [x.float().clone().requires_grad_() for x in (q, k, v)]
     o32, _ = naive_recurrent_gla(*reference, gk)
     (o32 * do).sum().backward()
-    assert rel_rms(o[0, 0], o32[0, 0]) < 2e-3
-    assert rel_rms(leaves[2].grad[0, 0], reference[2].grad[0, 0]) < 2e-3
+    assert rel_rms(o[0, 0], o32[0, 0]) < bound
+    assert rel_rms(leaves[2].grad[0, 0], reference[2].grad[0, 0]) < bound
