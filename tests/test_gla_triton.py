@@ -450,3 +450,19 @@ def test_a_token_whose_query_and_key_nearly_cancel_gets_its_own_score_and_dv_to_
     (o32 * do).sum().backward()
     assert rel_rms(o[0, 0], o32[0, 0]) < bound
     assert rel_rms(leaves[2].grad[0, 0], reference[2].grad[0, 0]) < bound
+
+
+@cpu_only
+def test_a_tokens_own_score_gives_its_gate_no_gradient():
+    # o_0 = (q_0 . k_0) v_0 does not depend on the gate (the first token's own score has no decay): with only o_0
+    # asked for, the gate's gradient is zero. Through rounded factors exp(+-(b - b_r)), q dq - k dk left float16
+    # rounding of q_0 k_0 dA_00 in it, one part in a few thousand of each term.
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 64, 1, 64).half() for _ in range(3))
+    gk = torch.full((1, 64, 1, 64), -0.05, requires_grad=True)  # slow: one reference row, exp(+-1.55) at row 0
+    do = torch.zeros(1, 64, 1, 64)
+    do[0, 0] = 1.0
+    o, _ = chunk_gla(q, k, v, gk, backend="triton")
+    (o.float() * do).sum().backward()
+    scale = (q[0, 0, 0].float() * k[0, 0, 0].float() * (v[0, 0, 0].float() @ do[0, 0, 0])).abs().max() / 8
+    assert gk.grad.abs().max() <= 1e-6 * scale, gk.grad.abs().max() / scale

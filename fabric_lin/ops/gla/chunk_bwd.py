@@ -249,15 +249,14 @@ def _dqk_chunk(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, row0, n_rows, i_k
     b_dk = dk_s * tl.exp(b_last[None, :] - b_g)
     db_last = hdh * tl.exp(b_last) + tl.sum(b_k.to(tl.float32) * b_dk, axis=0)
     if SINGLE_REFERENCE:
-        # dA is lower-triangular with its diagonal (the dv kernel's mask), so one product per side gives every
-        # pair j <= i: dq_i = exp(b_i - b_r) sum_j dA_ij k_j exp(b_r - b_j), dk alike
+        # one product per side gives every pair j < i: dq_i = exp(b_i - b_r) sum_j dA_ij k_j exp(b_r - b_j), dk
+        # alike; the diagonal, made from q and k in the forward pass, is differentiated from them below
         e = b_g - load_gate_row(gc, row0, BT // 2 - 1, n_rows, H * K, o_k, m_k)[None, :]
         f_q = tl.exp(e)
         f_k = tl.exp(-e)
-        b_dq += f_q * tl.dot(dA_c, (b_k.to(tl.float32) * f_k).to(DT), input_precision=DOT_PREC)
-        b_dk += f_k * tl.dot(tl.trans(dA_c), (b_q.to(tl.float32) * (f_q * scale)).to(DT), input_precision=DOT_PREC)
-        b_q = b_q.to(tl.float32) * scale
-        b_k = b_k.to(tl.float32)
+        dA_below = tl.where(o_t[:, None] > o_t[None, :], dA_c, 0.0).to(dA_c.dtype)
+        b_dq += f_q * tl.dot(dA_below, (b_k.to(tl.float32) * f_k).to(DT), input_precision=DOT_PREC)
+        b_dk += f_k * tl.dot(tl.trans(dA_below), (b_q.to(tl.float32) * (f_q * scale)).to(DT), input_precision=DOT_PREC)
     else:
         b_dq += fine_dq
         b_dk += fine_dk
@@ -267,11 +266,13 @@ def _dqk_chunk(q, k, v, gc, h, do, dh, dA, dq, dk, dg, logits, row0, n_rows, i_k
             if (BT >> level) > FINE_ROWS:
                 b_dq, b_dk = _dqk_level(b_dq, b_dk, dA_c, b_q, b_k, b_g, gc, row0, n_rows, H * K, o_k, m_k, scale,
                                         BT >> level, BT, DOT_PREC)
-        dA_diag = tl.load(dA + (row0 + o_t) * (H * BT) + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
-        b_q = b_q.to(tl.float32) * scale
-        b_k = b_k.to(tl.float32)
-        b_dq += dA_diag * b_k
-        b_dk += dA_diag * b_q
+    # the diagonal, dA[i, i] (q_i . k_i): in fp32, so that its parts of q dq and k dk below cancel in the gate's
+    # gradient as they do exactly
+    dA_diag = tl.load(dA + (row0 + o_t) * (H * BT) + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
+    b_q = b_q.to(tl.float32) * scale
+    b_k = b_k.to(tl.float32)
+    b_dq += dA_diag * b_k
+    b_dk += dA_diag * b_q
     # the gate: db_i = (q_i scale) dq_i - k_i dk_i, summed from the chunk's end, plus the last row's term, in one
     # reverse scan (a sum and a forward scan, or the sums as a product with triangular ones, spill more)
     db = b_q * b_dq - b_k * b_dk
