@@ -532,6 +532,9 @@ def learning_rate_jump(checkpoint_dir: Path, train: TrainArgs, base_lr: float, s
     def next_lr(args: TrainArgs, lr: float) -> float:
         return scheduled_learning_rate(args, lr, TokenSchedule.of_run(args.max_steps, args.max_tokens, unit), tokens)
 
+    schedule = TokenSchedule.of_run(train.max_steps, train.max_tokens, unit)
+    if schedule.end_step(state["step_count"], tokens, train.global_batch_size * train.max_seq_length) <= state["step_count"]:
+        return None  # at its end: the resume trains no step ("Nothing to train")
     before, now = next_lr(saved_train, saved_lr), next_lr(train, base_lr)
     if math.isclose(before, now, rel_tol=1e-6):
         return None

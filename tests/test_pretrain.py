@@ -553,6 +553,8 @@ def test_a_finished_run_continued_to_a_later_end_keeps_its_earlier_end(tmp_path,
     (out / "evaluate" / "final" / "evaluate.json").write_text('{"step": 1}\n')
     state = {"step_count": 1, "tokens_seen": 64, "schedule_tokens_per_step": 64}
     assert learning_rate_jump(out / "final", train, 4e-4, state) is None  # the same settings: the same curve
+    # at the end of its schedule a resume trains no step: no learning rate to tell of, though min_lr changed
+    assert learning_rate_jump(out / "final", replace(train, min_lr=0.0), 4e-4, state) is None
     setup_pretrain(tmp_path, train=replace(train, max_steps=2), eval=EvalArgs(final_validation=False), resume="auto",
                    resume_changes=["train.max_steps"], optimizer=OptimizerArgs(lr=4e-4))
     printed = capsys.readouterr().out
