@@ -41,7 +41,8 @@ def settings(hparams: Dict[str, Any], model: Dict[str, Any]) -> Dict[str, Any]:
     """The run's settings as dotted keys, the model's config (less its name) as one entry; as the YAML files
     hold them, so that a tuple given and the list read back compare equal."""
     hparams, model = yaml.safe_load(yaml.safe_dump(hparams)), yaml.safe_load(yaml.safe_dump(model))
-    values = {k: v for k, v in flat(hparams).items() if k not in NOT_COMPARED}
+    # a key's own keys too: a model_config given as a mapping flattens to model_config.hidden_size, ...
+    values = {k: v for k, v in flat(hparams).items() if not any(k == n or k.startswith(n + ".") for n in NOT_COMPARED)}
     values["model"] = {k: v for k, v in model.items() if k != "name"}
     return values
 

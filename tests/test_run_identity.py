@@ -163,6 +163,11 @@ def test_the_comparison_reads_the_checkpoint_s_files_as_yaml_holds_them(tmp_path
     started = {"out_dir": "/runs/b", "resume": "/runs/a/final", "model_name": None,
                "model_config": "/runs/a/final/model_config.yaml"}
     assert compare_with_checkpoint(tmp_path, {**saved, **started}, model, allowed=[]) == ([], [])
+    # nor is the model given field by field (--model_config FILE, as hyperparameters.yaml then holds it) where the
+    # checkpoint's run named it: the model itself is compared as one
+    given_as_fields = {"model_name": None, "model_config": {"name": "", "n_embd": 64}}
+    assert compare_with_checkpoint(tmp_path, {**saved, "model_name": "gla-debug"}, model, allowed=[]) == ([], [])
+    assert compare_with_checkpoint(tmp_path, {**saved, **given_as_fields}, model, allowed=[]) == ([], [])
     # a setting the checkpoint's file does not hold is a change too
     with pytest.raises(ValueError, match=r"differs from the checkpoint's in data.val_dir: None in the checkpoint, "
                        r"'/data/val' here\. "):
