@@ -9,6 +9,7 @@ naming that flag alone."""
 import json
 
 import pytest
+import torch
 
 from conftest import logged_data_fingerprints
 from fabric_lin.args import EvalArgs, OptimizerArgs, TrainArgs
@@ -69,17 +70,24 @@ def test_resume_in_another_data_order_is_refused_naming_the_value(tmp_path):
 
 
 def test_resume_with_other_optimizer_settings_passes_with_a_note(tmp_path, capsys):
-    """The optimizer's settings are not the run's identity: a resume may change them, and says so in one note."""
+    """The optimizer's settings are not the run's identity: a resume may change them, says so in one note, and trains
+    with them (the optimizer state loaded from the checkpoint holds the checkpoint's weight decay, betas and eps)."""
     setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
     capsys.readouterr()
     setup_pretrain(tmp_path, resume=tmp_path / "out" / "final", out_dir=tmp_path / "again", resume_changes=["train.max_steps"],
-           optimizer=OptimizerArgs(lr=1e-4), eval=EvalArgs(final_validation=False, interval=5),
+           optimizer=OptimizerArgs(lr=1e-4, weight_decay=0.5, betas=(0.8, 0.9), eps=1e-6),
+           eval=EvalArgs(final_validation=False, interval=5),
            train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32))
     out = capsys.readouterr().out
     assert ("Note: resuming with other settings than the checkpoint's: eval.interval: 1000 in the checkpoint, 5 here; "
-            "optimizer.lr: 0.0004 in the checkpoint, 0.0001 here") in out
+            "optimizer.betas: [0.9, 0.95] in the checkpoint, [0.8, 0.9] here; optimizer.eps: 1e-08 in the checkpoint, "
+            "1e-06 here; optimizer.lr: 0.0004 in the checkpoint, 0.0001 here; optimizer.weight_decay: 0.1 in the "
+            "checkpoint, 0.5 here") in out
     assert "Resuming with a change of the run (--resume_changes): train.max_steps: 1 in the checkpoint, 2 here" in out
     assert json.loads((tmp_path / "again" / "final" / "step.json").read_text())["step_count"] == 2
+    groups = torch.load(tmp_path / "again" / "final" / "lit_model.pth", weights_only=True)["optimizer"]["param_groups"]
+    assert [(g["weight_decay"], tuple(g["betas"]), g["eps"]) for g in groups] == [(0.5, (0.8, 0.9), 1e-6),
+                                                                                  (0.0, (0.8, 0.9), 1e-6)]
 
 
 def test_a_larger_global_batch_on_resume_keeps_tokens_and_the_schedule_in_tokens(tmp_path, capsys):
