@@ -345,8 +345,9 @@ def main(
                 fabric, config, gpt_options(fabric.device, fp8, gla_launch), train.micro_batch_size, train.max_seq_length,
                 tokenizer.eos_id if reset_state_at_doc_boundaries else None, fabric.print):
             metrics.startup_phase("kernels found")
-        model, no_decay = build_model(
-            fabric, config, seed, initial_checkpoint_dir, parallelism.activation_checkpointing, compile, gla_launch, fp8
+        model, no_decay = build_model(  # a resume's weights are its checkpoint's: no initial weights to read
+            fabric, config, seed, initial_checkpoint_dir if resume_dir is None else None, parallelism.activation_checkpointing,
+            compile, gla_launch, fp8,
         )
         metrics.startup_phase("model built")
         groups = [

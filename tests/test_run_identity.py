@@ -15,6 +15,7 @@ from conftest import logged_data_fingerprints
 from fabric_lin.args import EvalArgs, OptimizerArgs, TrainArgs
 from fabric_lin.config import Config
 from fabric_lin.lr_schedule import learning_rate
+from fabric_lin.model import GPT
 from helpers import cli_error, metrics_records, setup_pretrain
 
 
@@ -88,6 +89,28 @@ def test_resume_with_other_optimizer_settings_passes_with_a_note(tmp_path, capsy
     groups = torch.load(tmp_path / "again" / "final" / "lit_model.pth", weights_only=True)["optimizer"]["param_groups"]
     assert [(g["weight_decay"], tuple(g["betas"]), g["eps"]) for g in groups] == [(0.5, (0.8, 0.9), 1e-6),
                                                                                   (0.0, (0.8, 0.9), 1e-6)]
+
+
+def test_initial_checkpoint_dir_given_to_a_resume_is_said_to_be_left_unread(tmp_path, capsys, monkeypatch):
+    """--initial_checkpoint_dir starts a new run's weights; a resume takes them from its checkpoint. Given to a resume
+    where the checkpoint's run had none, it is not read, and the note says so rather than list it as a setting in use."""
+    from fabric_lin import pretrain
+    from fabric_lin.convert.model_dir import save_model_dir
+
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    (tmp_path / "model").mkdir()
+    save_model_dir(GPT(Config.from_name("gla-debug")).state_dict(), Config.from_name("gla-debug"), tmp_path / "model")
+
+    def read(*args, **kwargs):
+        raise AssertionError("the initial weights were read")
+
+    monkeypatch.setattr(pretrain, "load_initial_weights", read)
+    capsys.readouterr()
+    setup_pretrain(tmp_path, resume="auto", initial_checkpoint_dir=tmp_path / "model", resume_changes=["train.max_steps"],
+                   train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32),
+                   eval=EvalArgs(final_validation=False))
+    assert (f"Note: resuming with other settings than the checkpoint's: initial_checkpoint_dir: None in the checkpoint, "
+            f"'{tmp_path / 'model'}' here (not read: a resume's weights are its checkpoint's)") in capsys.readouterr().out
 
 
 def test_a_larger_global_batch_on_resume_keeps_tokens_and_the_schedule_in_tokens(tmp_path, capsys):
