@@ -398,6 +398,11 @@ def load_train_state(fabric, checkpoint_dir: Path, state: Dict[str, Any]) -> Non
     )
 
     fabric.print(f"Resuming from {checkpoint_dir}")
+    # loading the optimizer puts the checkpoint's param_groups in place of its own settings: a resume may change
+    # optimizer.* (weight decay, betas, eps), so this run's are put back; the learning rate, set at every step, stays
+    # the checkpoint's until then (a resume with nothing left to train saves the state it loaded)
+    own_settings = [{k: v for k, v in group.items() if k not in ("params", "lr")}
+                    for group in state["optimizer"].param_groups]
     weights_path = Path(checkpoint_dir) / MODEL_FILE
     sharded_run = isinstance(fabric.strategy, ModelParallelStrategy)
     try:
@@ -424,6 +429,8 @@ def load_train_state(fabric, checkpoint_dir: Path, state: Dict[str, Any]) -> Non
             f"--resume {checkpoint_dir}: {MODEL_FILE} there is not a training checkpoint ({e}); to start "
             f"from a model directory's weights, use --initial_checkpoint_dir {checkpoint_dir}"
         ) from None
+    for group, own in zip(state["optimizer"].param_groups, own_settings):
+        group.update(own)
     set_rng_states(state["rng_states"])
 
 

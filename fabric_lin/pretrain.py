@@ -13,6 +13,7 @@ import inspect
 import math
 import os
 import sys
+import threading
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -29,7 +30,6 @@ from fabric_lin.checkpoint import (
     HPARAMS_FILE,
     Checkpointer,
     check_out_dir,
-    checkpoint_dirs,
     delete_checkpoints,
     load_train_state,
     select_resume_dir,
@@ -65,8 +65,10 @@ from fabric_lin.run_start import (
     check_no_checkpoint_went_missing,
     check_out_dir_is_no_model_or_data,
     check_trained_on_these_ids,
+    how_to_continue_without_the_peer,
     load_initial_weights,
     load_tokenizer,
+    resume_hint,
     run_tokenizer_dir,
     training_data_tokenizer,
 )
@@ -127,7 +129,8 @@ def setup(
             not named here is refused, naming it (tutorials/resume.md: what each change does). A list: e.g.
             --resume_changes '[train.max_steps]'.
         overwrite: true: start afresh where out_dir holds an earlier run, deleting its checkpoints (step-*,
-            final, .damaged-*, .superseded-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl first, and evaluate's
+            final, .damaged-*, .superseded-*, .tmp-*), metrics.jsonl and metrics.superseded.jsonl before the first step
+            (a command that the start-up refuses leaves them), and evaluate's
             results of its checkpoints (evaluate/step-*/, evaluate/final/); its logs/ stay (loggers add a version),
             and so does compile_cache/.
         initial_checkpoint_dir: A model directory (the output of convert_pretrained_checkpoint, convert_from_llama or
@@ -206,6 +209,7 @@ def setup(
     check_out_dir_is_no_model_or_data(out_dir)
     check_earlier_run(out_dir, resume, overwrite, config)
     created = missing_ancestors(out_dir)
+    earlier_run_deleted = threading.Event()  # by main, where --overwrite true, once the start-up has passed its checks
     fabric = None
     try:
         check_out_dir(out_dir, config)
@@ -223,14 +227,14 @@ def setup(
                     fabric.launch()
                 main(
                     fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,
-                    initial_checkpoint_dir=initial_checkpoint_dir,
+                    earlier_run_deleted=earlier_run_deleted, initial_checkpoint_dir=initial_checkpoint_dir,
                     data=data, train=train, eval=eval, optimizer=optimizer, parallelism=parallelism, compile=compile, fp8=fp8, seed=seed,
                     tokenizer_dir=tokenizer_dir, reset_state_at_doc_boundaries=reset_state_at_doc_boundaries,
                     precision=precision, hparams=hparams,
                 )
     except BaseException as error:
         if isinstance(error, PeerLost):
-            error.advice = how_to_continue_without_the_peer(out_dir, resume, overwrite)
+            error.advice = how_to_continue_without_the_peer(out_dir, resume, overwrite, earlier_run_deleted.is_set())
         if fabric is None or fabric.global_rank == 0:
             remove_empty_dirs(created)  # a failed run leaves no empty out_dir behind
         raise
@@ -239,27 +243,10 @@ def setup(
 def exit_at_once(lost: PeerLost, out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:
     """End a rank that Fabric's launcher started as the CLI ends one whose peer is gone (one line, PEER_LOST_EXIT_CODE),
     from a thread other than the main one, which waits where no exception reaches it: the process group's rendezvous."""
-    lost.advice = how_to_continue_without_the_peer(out_dir, resume, overwrite)
+    lost.advice = how_to_continue_without_the_peer(out_dir, resume, overwrite, earlier_run_deleted=False)  # main has not begun
     sys.stdout.flush()
     print(lost.line("fabric-lin pretrain", process_rank()), file=sys.stderr, flush=True)
     os._exit(PEER_LOST_EXIT_CODE)
-
-
-def resume_hint(overwrite: bool) -> str:
-    """How to continue a run that stopped, as the console says it."""
-    return "run the same command with --resume auto" + (" instead of --overwrite true" if overwrite else "")
-
-
-def how_to_continue_without_the_peer(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> str:
-    """What a rank whose peer process is gone says of the run's checkpoints: the newest complete one (renamed from
-    .tmp- once every rank had written it: what --resume auto verifies and loads) and how to continue. Not verified
-    here: on every rank that is left, that would read a whole checkpoint before the process exits."""
-    saved = checkpoint_dirs(out_dir)
-    if saved:
-        return f"the newest complete checkpoint is {saved[0]}: to continue from it, {resume_hint(overwrite)}"
-    if resume in (False, True, "auto"):
-        return f"no checkpoint in {out_dir} is complete: to start again, {resume_hint(overwrite)}"
-    return f"no checkpoint in {out_dir} is complete: to start again from --resume {resume}, run the same command"
 
 
 def compile_caches_in(out_dir: Path, enabled: bool) -> ContextManager[None]:
@@ -273,7 +260,7 @@ def compile_caches_in(out_dir: Path, enabled: bool) -> ContextManager[None]:
 
 def main(
     fabric: L.Fabric, config: Config, *, out_dir: Path, resume: Union[bool, str, Path], resume_changes: List[str],
-    overwrite: bool = False, initial_checkpoint_dir: Optional[Path],
+    overwrite: bool = False, earlier_run_deleted: threading.Event, initial_checkpoint_dir: Optional[Path],
     data: DataModule, train: TrainArgs, eval: EvalArgs, optimizer: OptimizerArgs, parallelism: ParallelismArgs,
     compile: CompileArgs, seed: int, tokenizer_dir: Optional[Path], reset_state_at_doc_boundaries: bool,
     precision: str, hparams: Dict, fp8: FP8Args = FP8Args(),
@@ -285,12 +272,6 @@ def main(
     )
     # SIGTERM, SIGUSR1 and Ctrl-C from here on: checkpoint at the next step boundary
     with StopRequest(announce=fabric.global_rank == 0) as stop:
-        if overwrite:
-            if fabric.global_rank == 0:
-                deleted = delete_checkpoints(out_dir) + metrics.delete_history()
-                if deleted:
-                    fabric.print(f"--overwrite true: deleted the earlier run's checkpoints and metrics in {out_dir}: {', '.join(deleted)}")
-            fabric.barrier()
         resume_dir = select_resume_dir(fabric, resume, out_dir)  # before any work, so a bad --resume fails fast
         if resume_dir is None and resume == "auto":
             check_no_checkpoint_went_missing(out_dir)
@@ -364,8 +345,9 @@ def main(
                 fabric, config, gpt_options(fabric.device, fp8, gla_launch), train.micro_batch_size, train.max_seq_length,
                 tokenizer.eos_id if reset_state_at_doc_boundaries else None, fabric.print):
             metrics.startup_phase("kernels found")
-        model, no_decay = build_model(
-            fabric, config, seed, initial_checkpoint_dir, parallelism.activation_checkpointing, compile, gla_launch, fp8
+        model, no_decay = build_model(  # a resume's weights are its checkpoint's: no initial weights to read
+            fabric, config, seed, initial_checkpoint_dir if resume_dir is None else None, parallelism.activation_checkpointing,
+            compile, gla_launch, fp8,
         )
         metrics.startup_phase("model built")
         groups = [
@@ -385,6 +367,13 @@ def main(
             jump = learning_rate_jump(resume_dir, train, optimizer.lr, state)
             if jump:
                 fabric.print(jump)
+        if overwrite:  # here, after every check of the start-up: a command refused before leaves the earlier run as it was
+            if fabric.global_rank == 0:
+                deleted = delete_checkpoints(out_dir) + metrics.delete_history()
+                if deleted:
+                    fabric.print(f"--overwrite true: deleted the earlier run's checkpoints and metrics in {out_dir}: {', '.join(deleted)}")
+            fabric.barrier()
+            earlier_run_deleted.set()
         # the steps after the checkpoint are trained again: their records leave metrics.jsonl, and where the resume
         # comes from an earlier checkpoint of out_dir, their checkpoints are set aside
         metrics.begin_attempt(state["step_count"])
@@ -544,6 +533,9 @@ def learning_rate_jump(checkpoint_dir: Path, train: TrainArgs, base_lr: float, s
     def next_lr(args: TrainArgs, lr: float) -> float:
         return scheduled_learning_rate(args, lr, TokenSchedule.of_run(args.max_steps, args.max_tokens, unit), tokens)
 
+    schedule = TokenSchedule.of_run(train.max_steps, train.max_tokens, unit)
+    if schedule.end_step(state["step_count"], tokens, train.global_batch_size * train.max_seq_length) <= state["step_count"]:
+        return None  # at its end: the resume trains no step ("Nothing to train")
     before, now = next_lr(saved_train, saved_lr), next_lr(train, base_lr)
     if math.isclose(before, now, rel_tol=1e-6):
         return None

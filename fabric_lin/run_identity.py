@@ -23,6 +23,8 @@ CHANGEABLE = ("train.global_batch_size", "train.max_steps", "train.max_tokens", 
 FIXED = ("model", "train.max_seq_length")
 # not settings of the run: how this attempt was started, or where its process layout puts the work
 NOT_COMPARED = ("resume", "resume_changes", "out_dir", "model_name", "model_config", "data.num_workers")
+# settings of a fresh run's start, which a resume leaves aside: a change says so
+NOT_READ_ON_RESUME = {"initial_checkpoint_dir": "not read: a resume's weights are its checkpoint's"}
 
 
 def flat(value: Any, prefix: str = "") -> Dict[str, Any]:
@@ -41,7 +43,8 @@ def settings(hparams: Dict[str, Any], model: Dict[str, Any]) -> Dict[str, Any]:
     """The run's settings as dotted keys, the model's config (less its name) as one entry; as the YAML files
     hold them, so that a tuple given and the list read back compare equal."""
     hparams, model = yaml.safe_load(yaml.safe_dump(hparams)), yaml.safe_load(yaml.safe_dump(model))
-    values = {k: v for k, v in flat(hparams).items() if k not in NOT_COMPARED}
+    # a key's own keys too: a model_config given as a mapping flattens to model_config.hidden_size, ...
+    values = {k: v for k, v in flat(hparams).items() if not any(k == n or k.startswith(n + ".") for n in NOT_COMPARED)}
     values["model"] = {k: v for k, v in model.items() if k != "name"}
     return values
 
@@ -54,7 +57,8 @@ def describe(key: str, saved: Any, given: Any) -> str:
     if key == "model":
         fields = sorted(k for k in set(saved) | set(given) if saved.get(k) != given.get(k))
         return "model: " + ", ".join(f"{k} {saved.get(k)!r} in the checkpoint, {given.get(k)!r} here" for k in fields)
-    return f"{key}: {saved!r} in the checkpoint, {given!r} here"
+    unread = f" ({NOT_READ_ON_RESUME[key]})" if key in NOT_READ_ON_RESUME and given is not None else ""
+    return f"{key}: {saved!r} in the checkpoint, {given!r} here{unread}"
 
 
 def ways_on_from(checkpoint_dir: Path, model: Dict[str, Any], saved_seq_length: Any, out_dir: Any) -> str:

@@ -1,7 +1,8 @@
 """What a pretraining run checks and loads, before its first step, of the work that came before it: an earlier run in
 its out_dir (and checkpoints recorded there but gone), the checkpoint `--resume` names, the model directory
 `--initial_checkpoint_dir` names and its weights, and the tokenizer that the data and those weights were made with
-(an id means another piece under another tokenizer, of the same vocabulary size too)."""
+(an id means another piece under another tokenizer, of the same vocabulary size too); and how to continue from out_dir's
+checkpoints, as a stopped run or one that lost a peer process says it."""
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
@@ -135,6 +136,29 @@ def check_no_checkpoint_went_missing(out_dir: Path) -> None:
             f"there ({shown}): they were moved or deleted. Put them back, or resume from one with --resume <dir>; to "
             f"start again from step 0 here: --resume false --overwrite true"
         )
+
+
+def resume_hint(overwrite: bool) -> str:
+    """How to continue a run that stopped, as the console says it."""
+    return "run the same command with --resume auto" + (" instead of --overwrite true" if overwrite else "")
+
+
+def how_to_continue_without_the_peer(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool,
+                                     earlier_run_deleted: bool) -> str:
+    """What a rank whose peer process is gone says of the run's checkpoints: the newest complete one (renamed from
+    .tmp- once every rank had written it: what --resume auto verifies and loads) and how to continue. Not verified
+    here: on every rank that is left, that would read a whole checkpoint before the process exits. --overwrite true
+    deletes out_dir's earlier run once the start-up has found nothing to refuse (`earlier_run_deleted`): the
+    checkpoints there before that are the earlier run's, which a resume would continue."""
+    saved = checkpoint_dirs(out_dir)
+    if saved and overwrite and not earlier_run_deleted:
+        return (f"the checkpoints in {out_dir} are still the earlier run's, which --overwrite true deletes once the "
+                f"start-up has passed its checks: to start afresh, run the same command")
+    if saved:
+        return f"the newest complete checkpoint is {saved[0]}: to continue from it, {resume_hint(overwrite)}"
+    if resume in (False, True, "auto"):
+        return f"no checkpoint in {out_dir} is complete: to start again, {resume_hint(overwrite)}"
+    return f"no checkpoint in {out_dir} is complete: to start again from --resume {resume}, run the same command"
 
 
 def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str, torch.Tensor]:

@@ -369,6 +369,12 @@ def test_a_lost_peer_is_one_line_with_its_own_exit_code_and_the_debug_flag_shows
     with pytest.raises(PeerLost) as lost:
         cli_main(argv)
     assert str(lost.value.__cause__) == gone
+    # out_dir's checkpoints are an earlier run's, which --overwrite true had not deleted yet: resuming would continue it
+    (out / "step-00000004").mkdir(parents=True)
+    with pytest.raises(PeerLost) as lost:
+        cli_main(argv)
+    assert lost.value.advice == (f"the checkpoints in {out} are still the earlier run's, which --overwrite true deletes "
+                                 "once the start-up has passed its checks: to start afresh, run the same command")
 
 
 def test_anticipated_failures_are_told_from_bugs():

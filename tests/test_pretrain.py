@@ -502,6 +502,23 @@ def test_a_fresh_run_into_a_used_out_dir_refuses_and_names_the_ways_on(tmp_path,
     assert "overwrite" not in (out / "final" / "hyperparameters.yaml").read_text()
 
 
+def test_overwrite_keeps_the_earlier_run_when_the_start_up_refuses_the_command(tmp_path):
+    """--overwrite true with a mistake that the start-up finds (a tokenizer directory without its tokenizer.model, a
+    --resume checkpoint of another run that this command differs from) is refused, and the earlier run in out_dir is
+    left as it was: the command that deletes it is one that goes on to train."""
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    setup_pretrain(tmp_path, out_dir=tmp_path / "other", eval=EvalArgs(final_validation=False),
+                   train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32))
+    out = tmp_path / "out"
+    kept = {path: path.read_bytes() for path in (out / "final" / "lit_model.pth", out / "metrics.jsonl")}
+    (tmp_path / "no_tokenizer").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.model does not exist"):
+        setup_pretrain(tmp_path, overwrite=True, tokenizer_dir=tmp_path / "no_tokenizer")
+    with pytest.raises(ValueError, match=r"differs from the checkpoint's in train\.max_steps: 2 in the checkpoint, 1 here"):
+        setup_pretrain(tmp_path, overwrite=True, resume=tmp_path / "other" / "final")
+    assert {path: path.read_bytes() for path in kept} == kept
+
+
 def test_resume_auto_refuses_to_start_again_where_the_runs_checkpoints_went_missing(tmp_path):
     """metrics.jsonl records each checkpoint saved: --resume auto in an out_dir whose checkpoints were moved away does
     not take it for a run that never saved one (which starts from step 0), and names them."""
@@ -536,6 +553,8 @@ def test_a_finished_run_continued_to_a_later_end_keeps_its_earlier_end(tmp_path,
     (out / "evaluate" / "final" / "evaluate.json").write_text('{"step": 1}\n')
     state = {"step_count": 1, "tokens_seen": 64, "schedule_tokens_per_step": 64}
     assert learning_rate_jump(out / "final", train, 4e-4, state) is None  # the same settings: the same curve
+    # at the end of its schedule a resume trains no step: no learning rate to tell of, though min_lr changed
+    assert learning_rate_jump(out / "final", replace(train, min_lr=0.0), 4e-4, state) is None
     setup_pretrain(tmp_path, train=replace(train, max_steps=2), eval=EvalArgs(final_validation=False), resume="auto",
                    resume_changes=["train.max_steps"], optimizer=OptimizerArgs(lr=4e-4))
     printed = capsys.readouterr().out

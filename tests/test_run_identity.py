@@ -9,11 +9,13 @@ naming that flag alone."""
 import json
 
 import pytest
+import torch
 
 from conftest import logged_data_fingerprints
 from fabric_lin.args import EvalArgs, OptimizerArgs, TrainArgs
 from fabric_lin.config import Config
 from fabric_lin.lr_schedule import learning_rate
+from fabric_lin.model import GPT
 from helpers import cli_error, metrics_records, setup_pretrain
 
 
@@ -69,17 +71,46 @@ def test_resume_in_another_data_order_is_refused_naming_the_value(tmp_path):
 
 
 def test_resume_with_other_optimizer_settings_passes_with_a_note(tmp_path, capsys):
-    """The optimizer's settings are not the run's identity: a resume may change them, and says so in one note."""
+    """The optimizer's settings are not the run's identity: a resume may change them, says so in one note, and trains
+    with them (the optimizer state loaded from the checkpoint holds the checkpoint's weight decay, betas and eps)."""
     setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
     capsys.readouterr()
     setup_pretrain(tmp_path, resume=tmp_path / "out" / "final", out_dir=tmp_path / "again", resume_changes=["train.max_steps"],
-           optimizer=OptimizerArgs(lr=1e-4), eval=EvalArgs(final_validation=False, interval=5),
+           optimizer=OptimizerArgs(lr=1e-4, weight_decay=0.5, betas=(0.8, 0.9), eps=1e-6),
+           eval=EvalArgs(final_validation=False, interval=5),
            train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32))
     out = capsys.readouterr().out
     assert ("Note: resuming with other settings than the checkpoint's: eval.interval: 1000 in the checkpoint, 5 here; "
-            "optimizer.lr: 0.0004 in the checkpoint, 0.0001 here") in out
+            "optimizer.betas: [0.9, 0.95] in the checkpoint, [0.8, 0.9] here; optimizer.eps: 1e-08 in the checkpoint, "
+            "1e-06 here; optimizer.lr: 0.0004 in the checkpoint, 0.0001 here; optimizer.weight_decay: 0.1 in the "
+            "checkpoint, 0.5 here") in out
     assert "Resuming with a change of the run (--resume_changes): train.max_steps: 1 in the checkpoint, 2 here" in out
     assert json.loads((tmp_path / "again" / "final" / "step.json").read_text())["step_count"] == 2
+    groups = torch.load(tmp_path / "again" / "final" / "lit_model.pth", weights_only=True)["optimizer"]["param_groups"]
+    assert [(g["weight_decay"], tuple(g["betas"]), g["eps"]) for g in groups] == [(0.5, (0.8, 0.9), 1e-6),
+                                                                                  (0.0, (0.8, 0.9), 1e-6)]
+
+
+def test_initial_checkpoint_dir_given_to_a_resume_is_said_to_be_left_unread(tmp_path, capsys, monkeypatch):
+    """--initial_checkpoint_dir starts a new run's weights; a resume takes them from its checkpoint. Given to a resume
+    where the checkpoint's run had none, it is not read, and the note says so rather than list it as a setting in use."""
+    from fabric_lin import pretrain
+    from fabric_lin.convert.model_dir import save_model_dir
+
+    setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
+    (tmp_path / "model").mkdir()
+    save_model_dir(GPT(Config.from_name("gla-debug")).state_dict(), Config.from_name("gla-debug"), tmp_path / "model")
+
+    def read(*args, **kwargs):
+        raise AssertionError("the initial weights were read")
+
+    monkeypatch.setattr(pretrain, "load_initial_weights", read)
+    capsys.readouterr()
+    setup_pretrain(tmp_path, resume="auto", initial_checkpoint_dir=tmp_path / "model", resume_changes=["train.max_steps"],
+                   train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32),
+                   eval=EvalArgs(final_validation=False))
+    assert (f"Note: resuming with other settings than the checkpoint's: initial_checkpoint_dir: None in the checkpoint, "
+            f"'{tmp_path / 'model'}' here (not read: a resume's weights are its checkpoint's)") in capsys.readouterr().out
 
 
 def test_a_larger_global_batch_on_resume_keeps_tokens_and_the_schedule_in_tokens(tmp_path, capsys):
@@ -163,6 +194,11 @@ def test_the_comparison_reads_the_checkpoint_s_files_as_yaml_holds_them(tmp_path
     started = {"out_dir": "/runs/b", "resume": "/runs/a/final", "model_name": None,
                "model_config": "/runs/a/final/model_config.yaml"}
     assert compare_with_checkpoint(tmp_path, {**saved, **started}, model, allowed=[]) == ([], [])
+    # nor is the model given field by field (--model_config FILE, as hyperparameters.yaml then holds it) where the
+    # checkpoint's run named it: the model itself is compared as one
+    given_as_fields = {"model_name": None, "model_config": {"name": "", "n_embd": 64}}
+    assert compare_with_checkpoint(tmp_path, {**saved, "model_name": "gla-debug"}, model, allowed=[]) == ([], [])
+    assert compare_with_checkpoint(tmp_path, {**saved, **given_as_fields}, model, allowed=[]) == ([], [])
     # a setting the checkpoint's file does not hold is a change too
     with pytest.raises(ValueError, match=r"differs from the checkpoint's in data.val_dir: None in the checkpoint, "
                        r"'/data/val' here\. "):
