@@ -178,15 +178,20 @@ def test_a_vocab_size_the_input_cannot_fill_is_one_line(tmp_path, capsys):
     train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=largest, num_threads=1)  # the largest that works
     assert Tokenizer(tmp_path / "tok").vocab_size == largest
     argv[argv.index("--output_dir") + 1] = str(tmp_path / "tok-small")
-    err = cli_error([*argv, "--vocab_size", "100"], capsys)
+    err = cli_error([*argv, "--vocab_size", "260"], capsys)
     smallest = int(re.search(r"give --vocab_size (\d+) or more", err).group(1))
-    assert f"--vocab_size 100: this input needs at least {smallest} pieces" in err, err
+    assert f"--vocab_size 260: this input needs at least {smallest} pieces" in err, err
     assert 259 < smallest < largest  # the byte pieces, <unk>, <s>, </s> and the input's characters
     assert not (tmp_path / "tok-small").exists()  # the failed run wrote nothing
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--vocab_size", "0"], "--vocab_size must be at least 1, got 0"),
+    (["--vocab_size", "0"], "--vocab_size must be at least 259 (the 256 byte-fallback pieces, <unk>, <s> and </s>), got 0"),
+    # SentencePiece's trainer failed on these with a traceback (an assertion, an int it cannot parse)
+    (["--vocab_size", "2"], "--vocab_size must be at least 259 (the 256 byte-fallback pieces, <unk>, <s> and </s>), got 2"),
+    (["--vocab_size", str(2**31)], f"--vocab_size must be at most {2**31 - 1} (SentencePiece's limit), got {2**31}"),
+    (["--max_sentence_length", str(10**9)], f"--max_sentence_length must be at most {(2**31 - 1) // 4} (SentencePiece's "
+                                            f"limit of 2**31 - 1 bytes, 4 per character), got {10**9}"),
     (["--max_files", "0"], "--max_files must be at least 1, got 0"),  # was a division by zero
     (["--max_sentences", "0"], "--max_sentences must be at least 1, got 0"),  # was "no text found"
     (["--max_sentence_length", "5"], "--max_sentence_length must be at least 10, got 5"),
