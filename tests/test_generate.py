@@ -343,12 +343,23 @@ def test_generate_samples_only_ids_the_tokenizer_has(tmp_path):
 @pytest.mark.parametrize("device,message", [
     ("cuda", "--device cuda: this machine has no CUDA GPU that PyTorch can use; give --device cpu"),
     ("gpu0", "--device 'gpu0': expected cpu, cuda or cuda:<index>"),
+    # device types torch parses, which failed inside torch with a traceback once the model was loaded
+    ("mps", "--device mps: this PyTorch has no mps device to run on here; expected cpu, cuda or cuda:<index>"),
+    ("meta", "--device meta: this PyTorch has no meta device to run on here; expected cpu, cuda or cuda:<index>"),
 ])
 def test_generate_error_device_is_one_line(tmp_path, capsys, monkeypatch, device, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     make_model_dir(tmp_path / "model", small_config())
     err = cli_error(["generate", str(tmp_path / "model"), "--device", device], capsys)
     assert err == f"fabric-lin generate: error: {message}\n"
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_generate_a_seed_past_64_bits_is_one_line(tmp_path, capsys, seed):
+    """torch's generator takes 64-bit seeds; a larger one failed with a traceback once the model was loaded."""
+    make_model_dir(tmp_path / "model", small_config())
+    err = cli_error(["generate", str(tmp_path / "model"), "--device", "cpu", "--seed", str(seed)], capsys)
+    assert err == f"fabric-lin generate: error: --seed {seed}: expected a 64-bit seed, 0 to {2**64 - 1}\n"
 
 
 def test_generate_error_cuda_index_past_the_gpus_is_one_line(monkeypatch):
