@@ -416,6 +416,32 @@ def test_generate_on_a_run_directory_points_to_its_checkpoint(tmp_path, capsys):
                    f"convert_pretrained_checkpoint {run / 'final'} --output_dir <DIR>\n")
 
 
+@pytest.mark.parametrize("command", ["generate", "convert_to_hf"])
+def test_a_training_checkpoint_is_refused_before_its_weights_are_read(tmp_path, capsys, monkeypatch, command):
+    """A run's final/ (its lit_model.pth holds the optimizer's state too, twice the weights and more) is named as a
+    training checkpoint from its step.json and manifest.json, with the conversion that makes a model directory of it:
+    it was read whole first, minutes and memory for a large model, to be refused by the keys it held."""
+    import fabric_lin.convert.model_dir as model_dir
+
+    checkpoint = tmp_path / "run" / "final"
+    state = make_model_dir(checkpoint, small_config())
+    torch.save({"model": state, "iter_num": 4}, checkpoint / "lit_model.pth")
+    for name in ("step.json", "manifest.json"):
+        (checkpoint / name).write_text("{}")
+
+    def not_read(path, *args, **kwargs):
+        raise AssertionError(f"{path} was read")
+
+    monkeypatch.setattr(model_dir, "torch_load_tensors", not_read)
+    argument, option = ("checkpoint_dir", ["--device", "cpu"]) if command == "generate" else (
+        "model_dir", ["--output_dir", str(tmp_path / "out")])
+    err = cli_error([command, str(checkpoint), *option], capsys)
+    assert err == (f"fabric-lin {command}: error: {argument} {checkpoint} is a training checkpoint: {command} reads a "
+                   f"model directory; make one of it with: fabric-lin convert_pretrained_checkpoint {checkpoint} "
+                   f"--output_dir <DIR>\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_generate_a_prompt_that_is_not_utf8_is_one_line(tmp_path, capsys):
     """A prompt typed in a terminal of another encoding (Latin-1's "café"): Python hands its undecodable byte over as
     a surrogate, which SentencePiece's binding cannot take (a traceback); refused naming the byte, before the model."""
