@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -209,6 +210,28 @@ def test_train_tokenizer_settings_are_checked_before_reading(tmp_path, capsys, f
     assert not (tmp_path / "tok").exists()
 
 
+def test_a_tokenizer_that_cannot_be_written_leaves_no_directory(tmp_path, capsys, monkeypatch):
+    """A full disk at tokenizer.model: one line naming it, and the directories made for the output go again (an empty
+    one was left)."""
+    import errno
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("\n".join(f"the cat sat on the mat number {i}" for i in range(200)))
+    real_write_bytes = Path.write_bytes
+
+    def full_disk(path, data):
+        if path.name.endswith("tokenizer.model"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write_bytes(path, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full_disk)
+    out = tmp_path / "new" / "tok"
+    err = cli_error(["train_tokenizer", "--input_dir", str(tmp_path / "raw"), "--output_dir", str(out), "--vocab_size",
+                     "300", "--num_threads", "1"], capsys)
+    assert err == f"fabric-lin train_tokenizer: error: [Errno 28] No space left on device: '{out / 'tokenizer.model'}'\n"
+    assert not (tmp_path / "new").exists()
+
+
 def test_train_tokenizer_refuses_an_output_dir_that_holds_a_tokenizer_or_cannot_be_one(tokenizer_dir, tmp_path, capsys):
     """A tokenizer directory, or a model directory, holds the tokenizer its data and models were made with: writing
     another one there would make them read other pieces for their ids. Refused before any input is read, naming the
@@ -260,7 +283,7 @@ def test_train_tokenizer_stopped_between_its_two_files_leaves_neither(tmp_path, 
     monkeypatch.setattr(train_tokenizer_module, "atomic_write", interrupted_at_the_model)
     with pytest.raises(KeyboardInterrupt):
         train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=300, num_threads=1)
-    assert list((tmp_path / "tok").iterdir()) == []
+    assert not (tmp_path / "tok").exists()  # nor the directory made for them
     monkeypatch.setattr(train_tokenizer_module, "atomic_write", written)
     train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=300, num_threads=1)
     assert Tokenizer(tmp_path / "tok").vocab_size == 300

@@ -20,7 +20,7 @@ from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data.raw_files import BadFileError, iter_text_documents, text_files_to_read
 from fabric_lin.data.tokenizer import TOKENIZER_FILES, Tokenizer
 from fabric_lin.errors import AlreadyExists, InvalidValue, UserError
-from fabric_lin.files import atomic_write, check_dir_can_be_made, files_taken_back_on_failure
+from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, files_taken_back_on_failure
 
 MAX_SENTENCES = 5_000_000
 MAX_SENTENCE_LENGTH = 4192
@@ -135,11 +135,11 @@ def write_tokenizer(sentences: List[str], output_dir: Path, vocab_size: int, sou
             raise
         raise refusal from None
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": False}
     # each file whole or not there (a directory with a cut tokenizer.model would load and encode wrongly), and both
-    # or neither: a tokenizer_config.json alone would stop the same command run again
-    with files_taken_back_on_failure(output_dir):
+    # or neither: a tokenizer_config.json alone would stop the same command run again; the directories made for
+    # them go too
+    with created_dir(output_dir), files_taken_back_on_failure(output_dir):
         atomic_write(output_dir / "tokenizer_config.json",
                      lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
         atomic_write(output_dir / "tokenizer.model", lambda tmp: Path(tmp).write_bytes(model.getvalue()))
