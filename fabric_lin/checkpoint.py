@@ -47,7 +47,8 @@ import yaml
 
 from fabric_lin.config import CONFIG_FILE
 from fabric_lin.errors import InvalidValue, MissingFile, UserError
-from fabric_lin.save_failures import all_gather_objects, failure_shared, write_error
+from fabric_lin.files import write_error
+from fabric_lin.save_failures import all_gather_objects, failure_shared
 from fabric_lin.weights import MODEL_FILE, meta_model
 
 HPARAMS_FILE = "hyperparameters.yaml"

@@ -206,6 +206,9 @@ def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optiona
     if command not in COMMANDS:
         return None
     parameters = inspect.signature(load_command(command)).parameters.values()
+    cut = text_cut_at_its_spaces(words, [p.name for p in parameters if p.annotation is str], list(argv))
+    if cut is not None:
+        return cut
     first_option = next((p for p in parameters if p.default is not inspect.Parameter.empty
                          and not option_values(list(argv), f"--{p.name}")), None)
     if first_option is None:
@@ -219,6 +222,21 @@ def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optiona
         return f"--{from_a_file} {word}"
     if str in kinds and not (os.sep in word or Path(word).expanduser().exists()):
         return f"--{first_option.name} " + (f"'{' '.join(words)}'" if len(words) > 1 else word)
+    return None
+
+
+def text_cut_at_its_spaces(words: List[str], text_options: List[str], argv: List[str]) -> Optional[str]:
+    """`--prompt The capital of`: where `words` follow the value of an option of text (one of `text_options`) on the
+    command line `argv`, the shell cut that value at its spaces; the option with the whole value quoted, else None."""
+    for at in range(len(argv) - len(words), 0, -1):
+        if argv[at:at + len(words)] != words:
+            continue
+        before = argv[at - 1]
+        option, value = (before.split("=", 1) if before.startswith("--") and "=" in before
+                         else (argv[at - 2], before) if at >= 2 else ("", ""))
+        if option.startswith("--") and option[2:] in text_options:
+            return f"{option} '{value} {' '.join(words)}'"
+        return None
     return None
 
 

@@ -4,8 +4,9 @@ one); writing a command's outputs: whole files, renamed into place, with the mod
 directories that a failed command removes again when it wrote nothing into them."""
 import json
 import os
+import re
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Type, Union
 
@@ -150,14 +151,55 @@ def naming_the_file(path: Union[str, Path]) -> Iterator[None]:
         raise OSError(error.errno, error.strerror, str(path)) from error
 
 
+def write_error(directory: Path, probe_bytes: int = 1 << 20) -> Optional[OSError]:
+    """The error the file system gives a write of `probe_bytes` into `directory` (a file written and removed), or None
+    where it takes them. torch.save writes through C++ and its RuntimeError for a failed write carries no OSError:
+    writing again is how to learn it. (Saving into a Python file object would keep the OSError, but a Ctrl-C inside
+    that object's write would then surface as torch's RuntimeError, not as the KeyboardInterrupt that a second Ctrl-C
+    must be.)"""
+    probe = Path(directory) / f".tmp-write-test-{os.getpid()}"  # .tmp-: a name that nothing reads as a checkpoint
+    try:
+        with open(probe, "ab") as file:
+            file.write(bytes(probe_bytes))
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as error:
+        return error
+    finally:
+        with suppress(OSError):
+            probe.unlink()
+    return None
+
+
+def refused_write(error: Exception, directory: Path) -> Optional[OSError]:
+    """The file system's error behind a writer's failure to write into `directory`, where the writer reports it as an
+    error of its own that carries no OSError; None where it was no refusal of the file system. safetensors (Rust) names
+    the OS error's number in its message (its failed write leaves no room taken that a second write would meet);
+    torch.save's zip writer (C++) raises a RuntimeError about file positions, and leaves the part written taking its
+    room, so a second write tells the file system's."""
+    number = re.search(r"\(os error (\d+)\)", str(error))
+    if number is not None:
+        return OSError(int(number.group(1)), os.strerror(int(number.group(1))))
+    return write_error(directory) if isinstance(error, RuntimeError) else None
+
+
 def atomic_write(path: Union[str, Path], write: Callable[[str], object]) -> None:
     """Call `write(tmp_path)` and rename the result to `path`, so a reader never sees half a file. The
-    file gets the usual mode (safetensors, like mkstemp, creates its files readable by the owner alone)."""
+    file gets the usual mode (safetensors, like mkstemp, creates its files readable by the owner alone). A write
+    that the file system refuses (no space left, a quota reached) fails with its OSError, naming `path`."""
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}")
     try:
         with naming_the_file(path):
-            write(str(tmp))
+            try:
+                write(str(tmp))
+            except OSError:
+                raise
+            except Exception as error:
+                refused = refused_write(error, path.parent)
+                if refused is None:
+                    raise
+                raise OSError(refused.errno, refused.strerror, str(path)) from error
         os.chmod(tmp, default_file_mode())
         os.replace(tmp, path)
     finally:

@@ -232,6 +232,8 @@ def main(
     if precision not in dtypes:
         raise InvalidValue(f"--precision {precision}: expected one of {', '.join(sorted(dtypes))}")
     check_generation_args(max_new_tokens, temperature, top_k, option_prefix="--")  # before loading the model, minutes for a large one
+    if not -(2**63) <= seed < 2**64:  # torch.Generator's seeds are 64-bit (a negative one is taken as its two's complement)
+        raise InvalidValue(f"--seed {seed}: expected a 64-bit seed, 0 to {2**64 - 1}")
     if prompt_file is not None:
         if prompt != DEFAULT_PROMPT:
             raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
@@ -285,6 +287,13 @@ def resolve_device(device: Optional[str]) -> torch.device:
         resolved = torch.device(device)
     except RuntimeError:
         raise InvalidValue(f"--device {device!r}: expected cpu, cuda or cuda:<index>") from None
+    if resolved.type not in ("cpu", "cuda"):
+        # an accelerator this PyTorch can use (mps on a Mac) runs the PyTorch path; any other device type that torch
+        # parses (meta, or mps where there is none) would fail inside torch once the model is loaded
+        accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+        if accelerator is None or not accelerator.is_available() or accelerator.current_accelerator().type != resolved.type:
+            raise InvalidValue(f"--device {device}: this PyTorch has no {resolved.type} device to run on here; expected cpu, "
+                               f"cuda or cuda:<index>")
     if resolved.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

@@ -9,7 +9,6 @@ disk that is full; rank 0, which reports a run's errors, would say nothing else.
 (`failure_shared`) that tells every rank whether any failed, and every rank raises the failure: its own, or the first
 failing rank's, naming that rank."""
 import contextlib
-import os
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -17,6 +16,7 @@ import torch
 from lightning_fabric.plugins import TorchCheckpointIO
 
 from fabric_lin.errors import FILE_SYSTEM_ERRNOS
+from fabric_lin.files import write_error
 
 class CheckpointFileIO(TorchCheckpointIO):
     """Fabric's writer of lit_model.pth (one device and DDP): `torch.save` straight into the file.
@@ -39,26 +39,6 @@ class CheckpointFileIO(TorchCheckpointIO):
             if reason is None:
                 raise
             raise OSError(reason.errno, reason.strerror, str(path)) from error
-
-
-def write_error(directory: Path, probe_bytes: int = 1 << 20) -> Optional[OSError]:
-    """The error the file system gives a write of `probe_bytes` into `directory` (a file written and removed), or None
-    where it takes them. torch.save writes through C++ and its RuntimeError for a failed write carries no OSError:
-    writing again is how to learn it. (Saving into a Python file object would keep the OSError, but a Ctrl-C inside
-    that object's write would then surface as torch's RuntimeError, not as the KeyboardInterrupt that a second Ctrl-C
-    must be.)"""
-    probe = Path(directory) / f".tmp-write-test-{os.getpid()}"  # .tmp-: a name that nothing reads as a checkpoint
-    try:
-        with open(probe, "ab") as file:
-            file.write(bytes(probe_bytes))
-            file.flush()
-            os.fsync(file.fileno())
-    except OSError as error:
-        return error
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
-    return None
 
 
 def file_system_error(error: BaseException, checkpoint_dir: Path, rank: int = 0) -> Optional[OSError]:

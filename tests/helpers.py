@@ -6,6 +6,7 @@ sys.path: `from helpers import ...`. The kernel tests' references and inputs (fp
 interpreter's fla adjustments) stay in conftest.py."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -208,6 +209,23 @@ def start_debug_run(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = 
     session of its own, as a terminal's foreground job (for `ctrl_c` and `signal_job`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     return fabric_lin_process.start(debug_command(out_dir, *extra), out_dir.parent / f"{out_dir.name}.log", env)
+
+
+def run_with_a_small_tmpfs(small: Path, size: str, argv, *, env: str = "", copy_to: Path = None):
+    """`argv` run where `small` is a tmpfs of `size` (a mount namespace of its own, with a user namespace where the
+    user may not mount), after `env` (NAME=value words); what it wrote there is copied to `copy_to`, as the tmpfs
+    goes with the namespace. Skips the test where no tmpfs can be mounted."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare")
+    small.mkdir()
+    mount = f"mount -t tmpfs -o size={size} tmpfs {small}"
+    unshare = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
+    probe = subprocess.run([*unshare, mount], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {probe.stderr.decode().strip()}")
+    copy = f"cp -a {small}/. {copy_to}" if copy_to is not None else "true"
+    script = f'{mount} && {{ env {env} "$@"; status=$?; {copy}; exit $status; }}'
+    return subprocess.run([*unshare, script, "sh", *argv], capture_output=True, text=True, timeout=RUN_TIMEOUT)
 
 
 def ctrl_c(proc: subprocess.Popen) -> None:

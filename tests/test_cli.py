@@ -155,6 +155,13 @@ def test_unknown_command_line_keys_are_named_with_the_closest_one(tmp_path, caps
                                      "(--name value): did you mean --prompt Hello?"),
     (["generate", "model", "The", "capital"], "unexpected argument The capital: this command takes 1: checkpoint_dir; the "
                                               "rest are options (--name value): did you mean --prompt 'The capital'?"),
+    # an unquoted prompt after --prompt: the shell cut it at its spaces (was "did you mean --prompt_file capital?")
+    (["generate", "model", "--prompt", "The", "capital", "of"], "unexpected argument capital of: this command takes 1: "
+                                                                "checkpoint_dir; the rest are options (--name value): did "
+                                                                "you mean --prompt 'The capital of'?"),
+    (["generate", "model", "--stop=end", "of", "--top_k", "5"], "unexpected argument of: this command takes 1: "
+                                                                "checkpoint_dir; the rest are options (--name value): did "
+                                                                "you mean --stop 'end of'?"),
     # LitGPT's `litgpt pretrain <model>`, `litgpt convert_... <dir>`: a command that takes no argument
     (["pretrain", "gla-debug"], "unexpected argument gla-debug: this command takes none; the rest are options (--name value): "
                                 "did you mean --model_name gla-debug?"),

@@ -276,6 +276,32 @@ def test_a_failed_conversion_removes_the_directories_it_created(tmp_path, monkey
     assert (tmp_path / "kept").is_dir()
 
 
+@pytest.mark.parametrize("command", ["convert_pretrained_checkpoint", "convert_to_hf"])
+def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_model(tmp_path, command):
+    """The output on a file system of 1.5 MiB, smaller than the model's weights (2 MB and more): torch.save's zip writer and
+    safetensors report the failed write as errors of their own (a RuntimeError about file positions, a SafetensorError),
+    which were tracebacks. The file system's error is the line, naming the file; the directory made for the output goes."""
+    import fabric_lin_process
+    from helpers import make_model_dir, run_with_a_small_tmpfs, small_config
+
+    if command == "convert_pretrained_checkpoint":
+        source, _ = fabric_single_device_checkpoint(tmp_path, Config.from_name("gla-debug", num_layers=1))
+        written = "lit_model.pth"
+    else:
+        source = tmp_path / "model"
+        make_model_dir(source, small_config())
+        written = "model.safetensors"
+    small, kept = tmp_path / "small", tmp_path / "kept"
+    kept.mkdir()
+    out = small / "model-out"
+    result = run_with_a_small_tmpfs(small, "1536k", [*fabric_lin_process.FABRIC_LIN, command, str(source), "--output_dir",
+                                                    str(out)], copy_to=kept)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.endswith(f"fabric-lin {command}: error: [Errno 28] No space left on device: '{out / written}'\n"), \
+        result.stderr[-3000:]
+    assert list(kept.iterdir()) == []
+
+
 def test_a_model_of_another_kind_names_the_command_that_reads_it(tmp_path, capsys):
     """An fla export, LoRA adapters alone or a Hugging Face Llama given for a training checkpoint: each named as what it
     is with the command that reads it, where each was "not a training checkpoint: it has no lit_model.pth"."""

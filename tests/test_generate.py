@@ -343,12 +343,23 @@ def test_generate_samples_only_ids_the_tokenizer_has(tmp_path):
 @pytest.mark.parametrize("device,message", [
     ("cuda", "--device cuda: this machine has no CUDA GPU that PyTorch can use; give --device cpu"),
     ("gpu0", "--device 'gpu0': expected cpu, cuda or cuda:<index>"),
+    # device types torch parses, which failed inside torch with a traceback once the model was loaded
+    ("mps", "--device mps: this PyTorch has no mps device to run on here; expected cpu, cuda or cuda:<index>"),
+    ("meta", "--device meta: this PyTorch has no meta device to run on here; expected cpu, cuda or cuda:<index>"),
 ])
 def test_generate_error_device_is_one_line(tmp_path, capsys, monkeypatch, device, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     make_model_dir(tmp_path / "model", small_config())
     err = cli_error(["generate", str(tmp_path / "model"), "--device", device], capsys)
     assert err == f"fabric-lin generate: error: {message}\n"
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_generate_a_seed_past_64_bits_is_one_line(tmp_path, capsys, seed):
+    """torch's generator takes 64-bit seeds; a larger one failed with a traceback once the model was loaded."""
+    make_model_dir(tmp_path / "model", small_config())
+    err = cli_error(["generate", str(tmp_path / "model"), "--device", "cpu", "--seed", str(seed)], capsys)
+    assert err == f"fabric-lin generate: error: --seed {seed}: expected a 64-bit seed, 0 to {2**64 - 1}\n"
 
 
 def test_generate_error_cuda_index_past_the_gpus_is_one_line(monkeypatch):
@@ -403,6 +414,32 @@ def test_generate_on_a_run_directory_points_to_its_checkpoint(tmp_path, capsys):
     assert err == (f"fabric-lin generate: error: {run} is a training run's directory (it holds final, step-00000002): "
                    f"generate reads a model directory; make one from a checkpoint with: fabric-lin "
                    f"convert_pretrained_checkpoint {run / 'final'} --output_dir <DIR>\n")
+
+
+@pytest.mark.parametrize("command", ["generate", "convert_to_hf"])
+def test_a_training_checkpoint_is_refused_before_its_weights_are_read(tmp_path, capsys, monkeypatch, command):
+    """A run's final/ (its lit_model.pth holds the optimizer's state too, twice the weights and more) is named as a
+    training checkpoint from its step.json and manifest.json, with the conversion that makes a model directory of it:
+    it was read whole first, minutes and memory for a large model, to be refused by the keys it held."""
+    import fabric_lin.convert.model_dir as model_dir
+
+    checkpoint = tmp_path / "run" / "final"
+    state = make_model_dir(checkpoint, small_config())
+    torch.save({"model": state, "iter_num": 4}, checkpoint / "lit_model.pth")
+    for name in ("step.json", "manifest.json"):
+        (checkpoint / name).write_text("{}")
+
+    def not_read(path, *args, **kwargs):
+        raise AssertionError(f"{path} was read")
+
+    monkeypatch.setattr(model_dir, "torch_load_tensors", not_read)
+    argument, option = ("checkpoint_dir", ["--device", "cpu"]) if command == "generate" else (
+        "model_dir", ["--output_dir", str(tmp_path / "out")])
+    err = cli_error([command, str(checkpoint), *option], capsys)
+    assert err == (f"fabric-lin {command}: error: {argument} {checkpoint} is a training checkpoint: {command} reads a "
+                   f"model directory; make one of it with: fabric-lin convert_pretrained_checkpoint {checkpoint} "
+                   f"--output_dir <DIR>\n")
+    assert not (tmp_path / "out").exists()
 
 
 def test_generate_a_prompt_that_is_not_utf8_is_one_line(tmp_path, capsys):

@@ -35,6 +35,7 @@ from helpers import (
     debug_run as run,
     final_weights,
     logged_losses,
+    run_with_a_small_tmpfs,
     signal_job,
     start_debug_run as start,
     wait_for,
@@ -270,23 +271,6 @@ def test_a_second_ctrl_c_stops_at_once_leaving_only_whole_checkpoints(reference,
     assert_only_whole_checkpoints(proc.wait(timeout=TIMEOUT), log_from)
     run(out, "--resume", "auto")
     assert_same_run(out, reference)
-
-
-def run_with_a_small_tmpfs(small: Path, size: str, argv, *, env: str = "", copy_to: Path = None):
-    """`argv` run where `small` is a tmpfs of `size` (a mount namespace of its own, with a user namespace where the
-    user may not mount), after `env` (NAME=value words); what it wrote there is copied to `copy_to`, as the tmpfs
-    goes with the namespace. Skips the test where no tmpfs can be mounted."""
-    if shutil.which("unshare") is None:
-        pytest.skip("needs util-linux's unshare")
-    small.mkdir()
-    mount = f"mount -t tmpfs -o size={size} tmpfs {small}"
-    unshare = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
-    probe = subprocess.run([*unshare, mount], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {probe.stderr.decode().strip()}")
-    copy = f"cp -a {small}/. {copy_to}" if copy_to is not None else "true"
-    script = f'{mount} && {{ env {env} "$@"; status=$?; {copy}; exit $status; }}'
-    return subprocess.run([*unshare, script, "sh", *argv], capture_output=True, text=True, timeout=TIMEOUT)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's compiler keeps its temporaries (ptxas's output, the "

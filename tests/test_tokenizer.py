@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -178,15 +179,20 @@ def test_a_vocab_size_the_input_cannot_fill_is_one_line(tmp_path, capsys):
     train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=largest, num_threads=1)  # the largest that works
     assert Tokenizer(tmp_path / "tok").vocab_size == largest
     argv[argv.index("--output_dir") + 1] = str(tmp_path / "tok-small")
-    err = cli_error([*argv, "--vocab_size", "100"], capsys)
+    err = cli_error([*argv, "--vocab_size", "260"], capsys)
     smallest = int(re.search(r"give --vocab_size (\d+) or more", err).group(1))
-    assert f"--vocab_size 100: this input needs at least {smallest} pieces" in err, err
+    assert f"--vocab_size 260: this input needs at least {smallest} pieces" in err, err
     assert 259 < smallest < largest  # the byte pieces, <unk>, <s>, </s> and the input's characters
     assert not (tmp_path / "tok-small").exists()  # the failed run wrote nothing
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--vocab_size", "0"], "--vocab_size must be at least 1, got 0"),
+    (["--vocab_size", "0"], "--vocab_size must be at least 259 (the 256 byte-fallback pieces, <unk>, <s> and </s>), got 0"),
+    # SentencePiece's trainer failed on these with a traceback (an assertion, an int it cannot parse)
+    (["--vocab_size", "2"], "--vocab_size must be at least 259 (the 256 byte-fallback pieces, <unk>, <s> and </s>), got 2"),
+    (["--vocab_size", str(2**31)], f"--vocab_size must be at most {2**31 - 1} (SentencePiece's limit), got {2**31}"),
+    (["--max_sentence_length", str(10**9)], f"--max_sentence_length must be at most {(2**31 - 1) // 4} (SentencePiece's "
+                                            f"limit of 2**31 - 1 bytes, 4 per character), got {10**9}"),
     (["--max_files", "0"], "--max_files must be at least 1, got 0"),  # was a division by zero
     (["--max_sentences", "0"], "--max_sentences must be at least 1, got 0"),  # was "no text found"
     (["--max_sentence_length", "5"], "--max_sentence_length must be at least 10, got 5"),
@@ -202,6 +208,28 @@ def test_train_tokenizer_settings_are_checked_before_reading(tmp_path, capsys, f
                     capsys)
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "tok").exists()
+
+
+def test_a_tokenizer_that_cannot_be_written_leaves_no_directory(tmp_path, capsys, monkeypatch):
+    """A full disk at tokenizer.model: one line naming it, and the directories made for the output go again (an empty
+    one was left)."""
+    import errno
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("\n".join(f"the cat sat on the mat number {i}" for i in range(200)))
+    real_write_bytes = Path.write_bytes
+
+    def full_disk(path, data):
+        if path.name.endswith("tokenizer.model"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write_bytes(path, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full_disk)
+    out = tmp_path / "new" / "tok"
+    err = cli_error(["train_tokenizer", "--input_dir", str(tmp_path / "raw"), "--output_dir", str(out), "--vocab_size",
+                     "300", "--num_threads", "1"], capsys)
+    assert err == f"fabric-lin train_tokenizer: error: [Errno 28] No space left on device: '{out / 'tokenizer.model'}'\n"
+    assert not (tmp_path / "new").exists()
 
 
 def test_train_tokenizer_refuses_an_output_dir_that_holds_a_tokenizer_or_cannot_be_one(tokenizer_dir, tmp_path, capsys):
@@ -255,7 +283,7 @@ def test_train_tokenizer_stopped_between_its_two_files_leaves_neither(tmp_path, 
     monkeypatch.setattr(train_tokenizer_module, "atomic_write", interrupted_at_the_model)
     with pytest.raises(KeyboardInterrupt):
         train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=300, num_threads=1)
-    assert list((tmp_path / "tok").iterdir()) == []
+    assert not (tmp_path / "tok").exists()  # nor the directory made for them
     monkeypatch.setattr(train_tokenizer_module, "atomic_write", written)
     train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=300, num_threads=1)
     assert Tokenizer(tmp_path / "tok").vocab_size == 300

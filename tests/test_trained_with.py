@@ -104,8 +104,9 @@ def test_a_model_directory_without_the_record_reads_as_before(dirs, capsys):
     assert (recorded["vocab_size"], recorded["sha256"]) == (64, sha256(dirs / "old" / "tokenizer.model"))
 
 
-def test_a_record_that_names_no_tokenizer_is_one_line(dirs, capsys):
-    (dirs / "model" / "trained_with.json").write_text('{"tokenizer": {"vocab_size": 64}}\n')
+@pytest.mark.parametrize("record", ['{"tokenizer": {"vocab_size": 64}}', '{"tokenizer": 5}', '{"tokenizer": "x"}'])
+def test_a_record_that_names_no_tokenizer_is_one_line(dirs, capsys, record):
+    (dirs / "model" / "trained_with.json").write_text(record + "\n")
     err = cli_error(["generate", str(dirs / "model"), "--prompt", "a"], capsys)
     assert err.startswith(f"fabric-lin generate: error: checkpoint_dir: {dirs / 'model' / 'trained_with.json'}: "
                           "expected "), err

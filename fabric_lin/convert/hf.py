@@ -79,7 +79,7 @@ def convert_to_hf(
     from fabric_lin.data.tokenizer import weights_trained_with
 
     if not 0 < max_shard_gb < float("inf"):
-        raise InvalidValue(f"convert_to_hf: --max_shard_gb must be a size above 0 (GiB per safetensors file), got {max_shard_gb}")
+        raise InvalidValue(f"--max_shard_gb must be a size above 0 (GiB per safetensors file), got {max_shard_gb}")
     model_dir = Path(model_dir)
     check_model_dir_given(model_dir, "model_dir", "convert_to_hf")
     torch_dtype = parse_dtype(dtype)

@@ -80,15 +80,19 @@ def models_below(directory: Path) -> str:
 
 def check_model_dir_given(model_dir: Path, argument: str, command: str) -> None:
     """Refuse what the `argument` of `command` names where a model directory is expected, naming what it is and the
-    command that makes a model directory of it: no directory at all, a training run's out_dir, a Hugging Face
-    directory (an fla export), a directory with nothing of a model in it (naming the models below it)."""
-    from fabric_lin.checkpoint import checkpoint_dirs
+    command that makes a model directory of it: no directory at all, a training checkpoint, a training run's out_dir,
+    a Hugging Face directory (an fla export), a directory with nothing of a model in it (naming the models below it)."""
+    from fabric_lin.checkpoint import checkpoint_dirs, is_training_checkpoint
 
     model_dir = Path(model_dir)
     if model_dir.is_file() and (model_dir.parent / CONFIG_FILE).is_file():
         raise InvalidValue(f"{argument} {model_dir} is a file: give the model directory that holds it, {model_dir.parent}")
     if not model_dir.is_dir():
         raise MissingFile(f"{argument} {str(model_dir)!r} is not a directory")
+    # told by its step.json and manifest.json, before its weights are read: they come with the optimizer's state
+    if is_training_checkpoint(model_dir):
+        raise InvalidValue(f"{argument} {model_dir} is a training checkpoint: {command} reads a model directory; make one "
+                           f"of it with: fabric-lin convert_pretrained_checkpoint {model_dir} --output_dir <DIR>")
     if (model_dir / CONFIG_FILE).is_file():
         return
     check_not_lora_adapters(model_dir, command, reads_exports=False)

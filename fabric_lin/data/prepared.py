@@ -13,7 +13,13 @@ import numpy as np
 from fabric_lin.args import SHORTEST_SEQ_LENGTH
 from fabric_lin.config import OTHER_VOCAB_SIZE
 from fabric_lin.data.raw_files import TEXT_SUFFIXES
-from fabric_lin.data.tokenizer import Tokenizer, copy_tokenizer_files, describe_tokenizer, tokenizer_identity
+from fabric_lin.data.tokenizer import (
+    Tokenizer,
+    copy_tokenizer_files,
+    describe_tokenizer,
+    recorded_tokenizer,
+    tokenizer_identity,
+)
 from fabric_lin.errors import InvalidValue, MissingFile
 from fabric_lin.files import read_json
 
@@ -225,7 +231,7 @@ def check_made_for(path: Union[str, Path], info: dict, tokenizer: Optional[Token
     with a vocabulary larger than the model's `vocab_size` (either check skipped where None)."""
     if tokenizer is not None and tokenizer_identity(info) != tokenizer.identity:
         raise MadeWithAnotherTokenizer(path, info, tokenizer)
-    data_vocab = (info.get("tokenizer") or {}).get("vocab_size")
+    data_vocab = recorded_tokenizer(info).get("vocab_size")
     if vocab_size is not None and isinstance(data_vocab, int) and data_vocab > vocab_size:
         raise VocabularyTooLarge(path, data_vocab, vocab_size)
 

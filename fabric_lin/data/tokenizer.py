@@ -45,16 +45,23 @@ def copy_tokenizer_files(src_dir: Union[str, Path], dst_dir: Union[str, Path]) -
     return copied
 
 
+def recorded_tokenizer(info: dict) -> dict:
+    """The "tokenizer" mapping of a prepared.json or a trained_with.json; {} where it has none, or a value of another
+    kind (a file edited by hand), which its reader then refuses by name."""
+    made_by = info.get("tokenizer")
+    return made_by if isinstance(made_by, dict) else {}
+
+
 def tokenizer_identity(info: dict) -> tuple:
     """(vocab_size, sha256) of the tokenizer that a prepared.json or a trained_with.json records."""
-    made_by = info.get("tokenizer") or {}
+    made_by = recorded_tokenizer(info)
     return made_by.get("vocab_size"), made_by.get("sha256")
 
 
 def describe_tokenizer(info: dict) -> str:
     """The tokenizer a prepared.json or a trained_with.json records: "vocab_size=..., sha256=...", and the directory
     it came from."""
-    made_by = info.get("tokenizer") or {}
+    made_by = recorded_tokenizer(info)
     source = f", from {made_by['source']}" if made_by.get("source") else ""
     return f"vocab_size={made_by.get('vocab_size')}, sha256={str(made_by.get('sha256'))[:12]}...{source}"
 

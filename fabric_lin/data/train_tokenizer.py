@@ -20,13 +20,16 @@ from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data.raw_files import BadFileError, iter_text_documents, text_files_to_read
 from fabric_lin.data.tokenizer import TOKENIZER_FILES, Tokenizer
 from fabric_lin.errors import AlreadyExists, InvalidValue, UserError
-from fabric_lin.files import atomic_write, check_dir_can_be_made, files_taken_back_on_failure
+from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, files_taken_back_on_failure
 
 MAX_SENTENCES = 5_000_000
 MAX_SENTENCE_LENGTH = 4192
 CHARACTER_COVERAGE = 0.9995
 SEED = 42
 MAX_THREADS = 1024  # the most threads SentencePiece's trainer takes
+MAX_TRAINER_INT = 2**31 - 1  # the trainer's settings are 32-bit ints: a larger one is a ValueError from its parser
+# the pieces every tokenizer written here has, whatever its input: <unk>, <s>, </s> and the 256 byte-fallback pieces
+FIXED_PIECES = 3 + 256
 
 
 class ReadCounts:
@@ -132,11 +135,11 @@ def write_tokenizer(sentences: List[str], output_dir: Path, vocab_size: int, sou
             raise
         raise refusal from None
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": False}
     # each file whole or not there (a directory with a cut tokenizer.model would load and encode wrongly), and both
-    # or neither: a tokenizer_config.json alone would stop the same command run again
-    with files_taken_back_on_failure(output_dir):
+    # or neither: a tokenizer_config.json alone would stop the same command run again; the directories made for
+    # them go too
+    with created_dir(output_dir), files_taken_back_on_failure(output_dir):
         atomic_write(output_dir / "tokenizer_config.json",
                      lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
         atomic_write(output_dir / "tokenizer.model", lambda tmp: Path(tmp).write_bytes(model.getvalue()))
@@ -168,11 +171,18 @@ def vocab_size_error(err: RuntimeError, vocab_size: int, source: str) -> Optiona
 def check_settings(vocab_size: int, max_files: Optional[int], max_sentences: int, max_sentence_length: int,
                    character_coverage: float, num_threads: Optional[int] = None) -> None:
     """Refuse, before any file is read, the values the sampling or SentencePiece's trainer cannot take (its own
-    checks end in a C++ assertion)."""
-    for name, value, least in (("vocab_size", vocab_size, 1), ("max_files", max_files, 1),
-                               ("max_sentences", max_sentences, 1), ("max_sentence_length", max_sentence_length, 10)):
+    checks end in a C++ assertion, or in its parser's error for a number past 32 bits)."""
+    fixed = " (the 256 byte-fallback pieces, <unk>, <s> and </s>)"
+    for name, value, least, why in (("vocab_size", vocab_size, FIXED_PIECES, fixed), ("max_files", max_files, 1, ""),
+                                    ("max_sentences", max_sentences, 1, ""),
+                                    ("max_sentence_length", max_sentence_length, 10, "")):
         if value is not None and value < least:
-            raise InvalidValue(f"--{name} must be at least {least}, got {value}")
+            raise InvalidValue(f"--{name} must be at least {least}{why}, got {value}")
+    if vocab_size > MAX_TRAINER_INT:
+        raise InvalidValue(f"--vocab_size must be at most {MAX_TRAINER_INT} (SentencePiece's limit), got {vocab_size}")
+    if max_sentence_length > MAX_TRAINER_INT // 4:  # the trainer is given it in bytes (write_tokenizer)
+        raise InvalidValue(f"--max_sentence_length must be at most {MAX_TRAINER_INT // 4} (SentencePiece's limit of "
+                           f"2**31 - 1 bytes, 4 per character), got {max_sentence_length}")
     if not 0.98 <= character_coverage <= 1.0:
         raise InvalidValue(f"--character_coverage must be in [0.98, 1] (SentencePiece's range; the rest of the characters "
                            f"use byte fallback), got {character_coverage}")
