@@ -202,9 +202,9 @@ def setup(
                            f"{config.block_type!r}, which has no GLA layers: leave it false")
     check_fp8(fp8, torch.device("cuda" if cuda else "cpu"),
               sharded=devices * num_nodes > 1 and parallelism.data_parallel == "fsdp")
-    if initial_checkpoint_dir is not None:
-        check_initial_checkpoint_dir(Path(initial_checkpoint_dir))
     out_dir = Path(out_dir)
+    if initial_checkpoint_dir is not None:
+        check_initial_checkpoint_dir(Path(initial_checkpoint_dir), resume, out_dir)
     check_dir_can_be_made(out_dir, "--out_dir")
     check_out_dir_is_no_model_or_data(out_dir)
     check_earlier_run(out_dir, resume, overwrite, config)
