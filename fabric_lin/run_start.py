@@ -11,6 +11,7 @@ import torch
 from fabric_lin.checkpoint import (
     HPARAMS_FILE,
     checkpoint_dirs,
+    damaged_checkpoints,
     earlier_run_checkpoints,
     explicit_resume_dir,
     is_training_checkpoint,
@@ -41,11 +42,13 @@ def check_initial_checkpoint_dir(model_dir: Path, resume: Union[bool, str, Path,
 
 def may_start_fresh(resume: Union[bool, str, Path, None], out_dir: Path) -> bool:
     """Whether a run given `resume` can start from step 0: --resume true and --resume <dir> resume or fail, and
-    --resume auto starts fresh only where out_dir holds no checkpoint (damaged ones are set aside, and a run whose
-    every checkpoint was is refused, not started again)."""
+    --resume auto starts fresh only where out_dir holds no checkpoint, none set aside as damaged and none recorded in
+    its metrics.jsonl (each of those resumes, or is refused naming the checkpoints)."""
     if resume is False or resume is None:
         return True
-    return resume == "auto" and not checkpoint_dirs(out_dir)
+    if resume != "auto":
+        return False
+    return not (checkpoint_dirs(out_dir) or damaged_checkpoints(out_dir) or recorded_checkpoints(out_dir))
 
 
 def check_out_dir_is_no_model_or_data(out_dir: Path) -> None:
