@@ -85,7 +85,8 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
     inside = named is not None and Path(named).resolve().parent == Path(out_dir).resolve()
     if overwrite and continuing:
         raise InvalidValue(
-            f"--overwrite true deletes the checkpoints in {out_dir} that --resume {resume} would continue from: give one of the two"
+            f"--overwrite true deletes the checkpoints in {out_dir} that --resume {resume} would continue from: give one of "
+            f"the two (a checkpoint's hyperparameters.yaml records resume: auto; --resume false with it starts afresh)"
         )
     if overwrite and inside:
         raise InvalidValue(f"--overwrite true would delete the checkpoint --resume {resume} names, in out_dir {out_dir}")

@@ -134,6 +134,27 @@ def test_a_resume_goes_on_when_the_model_directory_it_started_from_is_gone(tmp_p
         setup_pretrain(tmp_path, resume="auto", initial_checkpoint_dir=model_dir, out_dir=tmp_path / "fresh")
 
 
+def test_the_hyperparameters_yaml_of_a_run_resumed_from_a_named_checkpoint_continues_it(tmp_path, capsys):
+    """A run resumed from a named earlier checkpoint (step 1 of 2, as back before a loss spike) recorded that --resume in
+    its hyperparameters.yaml: `--config <its final>/hyperparameters.yaml` went back to step 1 once more and set the
+    checkpoints saved since aside. The file records `resume: auto`, and continues the run from its newest checkpoint."""
+    import yaml
+
+    from fabric_lin.cli import main as cli_main
+
+    out, no_validation = tmp_path / "out", EvalArgs(final_validation=False)
+    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32, save_interval=1)
+    setup_pretrain(tmp_path, train=train, eval=no_validation)
+    setup_pretrain(tmp_path, train=train, resume=out / "step-00000001", eval=no_validation)
+    hparams = out / "final" / "hyperparameters.yaml"
+    assert yaml.safe_load(hparams.read_text())["resume"] == "auto"
+    checkpoints = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    cli_main(["pretrain", "--config", str(hparams)])
+    assert "Nothing to train: the checkpoint is at step 2" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == checkpoints  # none set aside
+
+
 def test_a_larger_global_batch_on_resume_keeps_tokens_and_the_schedule_in_tokens(tmp_path, capsys):
     """Four steps of 2 x 32 tokens, then with --resume_changes a global batch of 4 to the end of a 512-token
     budget: two more steps of 128 tokens. The tokens count on, the learning rate is the schedule's at the
