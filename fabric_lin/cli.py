@@ -147,6 +147,9 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
     unloadable = re.match(r'Parser key "([\w.]+)":\s*Unable to load config \'([^\']*)\'', message)
     if unloadable and unloadable.group(1) in groups:
         key, given = unloadable.groups()
+        inner = re.search(r"^  - (Parser key .*)", message, re.M | re.S)
+        if inner and Path(given).is_file():  # a YAML file of the group's keys, one of them refused
+            return one_line_parse_error(re.sub(r"^    ", "", inner.group(1), flags=re.M), parser, argv) + f" (in {given})"
         switched = "enabled" in groups[key][1] and given in ("true", "false")  # `--compile true`
         switch = f" (did you mean --{key}.enabled {given}?)" if switched else ""
         return group_value_error(key, given, groups[key][1]) + ", or the path of a YAML file of them" + switch
@@ -187,6 +190,29 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
             how += closest_data_module(value)
         return f"{key}: got {value}, expected {' or '.join(expected)}{how}"
     return f"{key}: " + " ".join(rest.split())
+
+
+def config_file_being_read() -> Optional[str]:
+    """The YAML file jsonargparse is reading (a --config file, a --model_config file or one that a file names), where a
+    value it refuses comes from one: as given where the command line gave it, else its absolute path. jsonargparse's
+    own messages name the key and the value only; its stack of files being read is no public API, so where it is not
+    there (another version) no file is named."""
+    stack = getattr(importlib.import_module("jsonargparse._util"), "config_load_stack", None)
+    files = stack.get() if stack is not None else ()
+    if not files:
+        return None
+    absolute, as_given = files[-1]
+    return as_given if len(files) == 1 else absolute
+
+
+def config_file_of(error: Optional[BaseException]) -> Optional[str]:
+    """The file that a refusal of a nested parser (a class key's own keys: model_config's) was read from, carried by
+    the errors that jsonargparse raises from it."""
+    while error is not None:
+        if getattr(error, "config_file", None) is not None:
+            return error.config_file
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optional[str]:
@@ -660,11 +686,18 @@ def run(argv: List[str]) -> None:
             from jsonargparse._common import debug_mode_active
 
             if not self.exit_on_error or debug_mode_active() or debug_enabled():
-                return super().error(message, ex)
+                try:
+                    return super().error(message, ex)
+                except Exception as raised:  # passed up to the parser that reports it, which no longer reads the file
+                    raised.config_file = config_file_of(ex) or config_file_being_read()
+                    raise
             parser = getattr(ex, "subcommand_parser", None) or self
             prog = parser.prog.replace(" [options]", "")
-            print(f"{prog}: error: {one_line_parse_error(str(message), parser, argv)}\n({prog} --help lists the options)",
-                  file=sys.stderr)
+            line = one_line_parse_error(str(message), parser, argv)
+            in_file = config_file_of(ex) or config_file_being_read()
+            if in_file is not None and in_file not in line:
+                line += f" (in {in_file})"
+            print(f"{prog}: error: {line}\n({prog} --help lists the options)", file=sys.stderr)
             raise SystemExit(2)
 
         def instantiate(self, cfg, *args, **kwargs):

@@ -34,7 +34,6 @@ from fabric_lin.checkpoint import (
     load_train_state,
     select_resume_dir,
     set_aside_later_checkpoints,
-    to_plain,
     train_state,
 )
 from fabric_lin.config import OTHER_VOCAB_SIZE, Config, resolve_model_config
@@ -58,7 +57,7 @@ from fabric_lin.parallelism import (
     peer_lost_during,
 )
 from fabric_lin.precompile import precompile_first_step
-from fabric_lin.run_identity import check_changeable, compare_with_checkpoint
+from fabric_lin.run_identity import check_changeable, compare_with_checkpoint, recorded_settings
 from fabric_lin.run_start import (
     check_earlier_run,
     check_initial_checkpoint_dir,
@@ -179,11 +178,9 @@ def setup(
     if not cuda:
         check_cpu_processes(devices)
         set_cpu_threads(devices)
-    # this run's arguments, as resolved above, for hyperparameters.yaml and the logger (loadable with --config);
-    # not `overwrite` and `resume_changes`, actions of this command rather than settings of the run
+    # this run's arguments, as resolved above, for hyperparameters.yaml and the logger (loadable with --config)
     arguments = locals()
-    hparams = to_plain({name: arguments[name] for name in inspect.signature(setup).parameters
-                        if name not in ("overwrite", "resume_changes")})
+    hparams = recorded_settings({name: arguments[name] for name in inspect.signature(setup).parameters})
     # after hparams, which keep the count asked for, as a larger machine runs it. A CPU run's processes share this
     # process's cores; a GPU's process may have cores of its own (a scheduler binds each rank to some), so it is
     # held to the cores it may use, not to a share of them
@@ -202,9 +199,9 @@ def setup(
                            f"{config.block_type!r}, which has no GLA layers: leave it false")
     check_fp8(fp8, torch.device("cuda" if cuda else "cpu"),
               sharded=devices * num_nodes > 1 and parallelism.data_parallel == "fsdp")
-    if initial_checkpoint_dir is not None:
-        check_initial_checkpoint_dir(Path(initial_checkpoint_dir))
     out_dir = Path(out_dir)
+    if initial_checkpoint_dir is not None:
+        check_initial_checkpoint_dir(Path(initial_checkpoint_dir), resume, out_dir)
     check_dir_can_be_made(out_dir, "--out_dir")
     check_out_dir_is_no_model_or_data(out_dir)
     check_earlier_run(out_dir, resume, overwrite, config)

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import yaml
 
-from fabric_lin.checkpoint import HPARAMS_FILE
+from fabric_lin.checkpoint import HPARAMS_FILE, to_plain
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import InvalidValue
 from fabric_lin.files import read_yaml
@@ -25,6 +25,15 @@ FIXED = ("model", "train.max_seq_length")
 NOT_COMPARED = ("resume", "resume_changes", "out_dir", "model_name", "model_config", "data.num_workers")
 # settings of a fresh run's start, which a resume leaves aside: a change says so
 NOT_READ_ON_RESUME = {"initial_checkpoint_dir": "not read: a resume's weights are its checkpoint's"}
+
+
+def recorded_settings(arguments: Dict[str, Any]) -> Dict[str, Any]:
+    """pretrain's `arguments` as hyperparameters.yaml records them (and the logger), for `--config` to read back: not
+    `overwrite` and `resume_changes`, actions of one command rather than settings of the run, and `resume` as `auto`
+    however this attempt began, so that the file continues the run from its newest checkpoint. Recorded as given, a
+    resume from a named checkpoint would go back to that one again and set aside the checkpoints saved since."""
+    recorded = {name: value for name, value in arguments.items() if name not in ("overwrite", "resume_changes")}
+    return to_plain({**recorded, "resume": "auto"})
 
 
 def flat(value: Any, prefix: str = "") -> Dict[str, Any]:

@@ -11,6 +11,7 @@ import torch
 from fabric_lin.checkpoint import (
     HPARAMS_FILE,
     checkpoint_dirs,
+    damaged_checkpoints,
     earlier_run_checkpoints,
     explicit_resume_dir,
     is_training_checkpoint,
@@ -22,11 +23,14 @@ from fabric_lin.files import is_a, read_yaml, short_list
 from fabric_lin.metrics import METRICS_FILE, recorded_checkpoints
 
 
-def check_initial_checkpoint_dir(model_dir: Path) -> None:
+def check_initial_checkpoint_dir(model_dir: Path, resume: Union[bool, str, Path, None], out_dir: Path) -> None:
     """--initial_checkpoint_dir reads a model directory: what else it is given (a training checkpoint, a run's out_dir, a
-    Hugging Face Llama or fla directory) is refused before any work, naming what it is and how to go on from it."""
+    Hugging Face Llama or fla directory) is refused before any work, naming what it is and how to go on from it. A run
+    that resumes does not read it (its weights are the checkpoint's), so the directory a recipe names may be gone."""
     from fabric_lin.convert.model_dir import check_model_dir_given
 
+    if not may_start_fresh(resume, out_dir):
+        return
     if is_training_checkpoint(model_dir):
         raise InvalidValue(
             f"--initial_checkpoint_dir {model_dir} is a training checkpoint, and it reads a model directory: to go on with "
@@ -34,6 +38,17 @@ def check_initial_checkpoint_dir(model_dir: Path) -> None:
             f"{model_dir} --output_dir <DIR>, then --initial_checkpoint_dir <DIR>"
         )
     check_model_dir_given(model_dir, "--initial_checkpoint_dir", "--initial_checkpoint_dir")
+
+
+def may_start_fresh(resume: Union[bool, str, Path, None], out_dir: Path) -> bool:
+    """Whether a run given `resume` can start from step 0: --resume true and --resume <dir> resume or fail, and
+    --resume auto starts fresh only where out_dir holds no checkpoint, none set aside as damaged and none recorded in
+    its metrics.jsonl (each of those resumes, or is refused naming the checkpoints)."""
+    if resume is False or resume is None:
+        return True
+    if resume != "auto":
+        return False
+    return not (checkpoint_dirs(out_dir) or damaged_checkpoints(out_dir) or recorded_checkpoints(out_dir))
 
 
 def check_out_dir_is_no_model_or_data(out_dir: Path) -> None:
@@ -70,7 +85,8 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
     inside = named is not None and Path(named).resolve().parent == Path(out_dir).resolve()
     if overwrite and continuing:
         raise InvalidValue(
-            f"--overwrite true deletes the checkpoints in {out_dir} that --resume {resume} would continue from: give one of the two"
+            f"--overwrite true deletes the checkpoints in {out_dir} that --resume {resume} would continue from: give one of "
+            f"the two (a checkpoint's hyperparameters.yaml records resume: auto; --resume false with it starts afresh)"
         )
     if overwrite and inside:
         raise InvalidValue(f"--overwrite true would delete the checkpoint --resume {resume} names, in out_dir {out_dir}")

@@ -65,6 +65,28 @@ def test_a_bad_value_is_one_line_and_a_hint_not_the_usage(tmp_path, capsys):
     )
 
 
+def test_a_bad_value_from_a_config_file_names_the_file(tmp_path, capsys):
+    """With two --config files, a --model_config file, one that a config file names or an option group's file, the
+    one line named the key and the value but not the file they came from. A value given on the command line names
+    none."""
+    run, more, model, train = (tmp_path / name for name in ("run.yaml", "more.yaml", "model.yaml", "train.yaml"))
+    run.write_text("model_name: gla-debug\ntrain:\n  max_steps: 2\n")
+    more.write_text("train:\n  max_steps: many\n")
+    model.write_text("hidden_size: big\nnum_layers: 2\n")
+    train.write_text("max_steps: many\n")
+    (tmp_path / "names_model.yaml").write_text(f"model_config: {model}\n")
+    out = ["--out_dir", str(tmp_path / "out")]
+    max_steps = "fabric-lin pretrain: error: train.max_steps: got many, expected int or null"
+    hidden_size = "fabric-lin pretrain: error: model_config.hidden_size: got big, expected int or null"
+    assert parse_error(["pretrain", "--config", str(run), "--config", str(more), *out], capsys) == f"{max_steps} (in {more})"
+    assert parse_error(["pretrain", "--model_config", str(model), *out], capsys) == f"{hidden_size} (in {model})"
+    assert parse_error(["pretrain", "--config", str(tmp_path / "names_model.yaml"), *out],
+                       capsys) == f"{hidden_size} (in {model})"
+    assert parse_error(["pretrain", "--model_name", "gla-debug", "--train", str(train), *out],
+                       capsys) == f"{max_steps} (in {train})"
+    assert parse_error(["pretrain", "--config", str(run), "--train.max_steps", "many", *out], capsys) == max_steps
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--resume_changes", "train.max_steps"], "resume_changes: got train.max_steps, expected list or null; in brackets, "
                                               "quoted for the shell: --resume_changes '[train.max_steps]'"),
@@ -303,7 +325,7 @@ def test_a_data_module_s_option_in_a_config_file_without_the_module_says_where_i
     --data TextFiles before it", which a config file has no place for."""
     (tmp_path / "run.yaml").write_text("model_name: gla-debug\n" + content)
     err = parse_error(["pretrain", "--config", str(tmp_path / "run.yaml"), "--out_dir", str(tmp_path / "out")], capsys)
-    assert err == f"fabric-lin pretrain: error: {message}"
+    assert err == f"fabric-lin pretrain: error: {message} (in {tmp_path / 'run.yaml'})"
 
 
 def test_error_data_options_without_a_data_module(tmp_path, capsys):
@@ -573,9 +595,9 @@ def test_a_class_key_given_a_number_says_what_it_takes(tmp_path, capsys, key, va
     and the one-line error said only "expected null"."""
     config = tmp_path / "run.yaml"
     config.write_text(f"{key}: {value}\n" + ("model_name: gla-debug\n" if key == "data" else ""))
-    for argv in (["--config", str(config)], [f"--{key}", value]):
+    for argv, where in ((["--config", str(config)], f" (in {config})"), ([f"--{key}", value], "")):
         err = parse_error(["pretrain", *argv, "--out_dir", str(tmp_path / "out")], capsys)
-        assert err == f"fabric-lin pretrain: error: {key}: got {value}, expected {expected} or null"
+        assert err == f"fabric-lin pretrain: error: {key}: got {value}, expected {expected} or null{where}"
 
 
 def test_a_model_config_file_that_is_not_there_is_named(tmp_path, capsys):
@@ -599,12 +621,13 @@ def test_a_model_config_file_that_is_not_there_is_named(tmp_path, capsys):
 def test_an_import_path_that_is_no_data_module_says_what_data_takes(tmp_path, capsys, given, shown, hint):
     """An import path to no class, or to a class that is no data module, was refused as "expected null"; a config
     file's class_path was shown as the whole mapping."""
+    where = ""
     if isinstance(given, str):
         (tmp_path / "run.yaml").write_text(given)
-        given = ["--config", str(tmp_path / "run.yaml")]
+        given, where = ["--config", str(tmp_path / "run.yaml")], f" (in {tmp_path / 'run.yaml'})"
     err = parse_error(["pretrain", "--model_name", "gla-debug", *given, "--out_dir", str(tmp_path / "out")], capsys)
     assert err == (f"fabric-lin pretrain: error: data: got {shown}, expected a data module (SampleCorpus, LongDocuments, "
-                   f"TokenChunks, SlimPajamaStarcoder, TextFiles or an import path) or null{hint}")
+                   f"TokenChunks, SlimPajamaStarcoder, TextFiles or an import path) or null{hint}{where}")
 
 
 @pytest.mark.parametrize("misspelt,meant", [("init_arg", "init_args"), ("class_pth", "class_path")])
@@ -616,7 +639,7 @@ def test_a_misspelt_key_of_the_data_mapping_is_named_with_the_one_meant(tmp_path
         f"  {misspelt if key == meant else key}: {value}\n" for key, value in keys.items()))
     err = parse_error(["pretrain", "--config", str(tmp_path / "run.yaml"), "--out_dir", str(tmp_path / "out")], capsys)
     assert err == (f"fabric-lin pretrain: error: data: got the key {misspelt} (did you mean {meant}?), expected "
-                   f"class_path (the data module) and init_args (its options)")
+                   f"class_path (the data module) and init_args (its options) (in {tmp_path / 'run.yaml'})")
 
 
 def test_a_path_that_begins_with_a_tilde_is_in_the_home_directory(tmp_path, capsys, monkeypatch):
@@ -644,7 +667,7 @@ def test_the_optimizer_given_as_litgpt_gives_it_says_what_it_takes(tmp_path, cap
     config.write_text("model_name: gla-debug\noptimizer:\n  class_path: torch.optim.AdamW\n  init_args:\n    lr: 4.0e-4\n")
     assert parse_error(["pretrain", "--config", str(config)], capsys) == (
         "fabric-lin pretrain: error: optimizer: class_path torch.optim.AdamW is not taken: give the keys of optimizer "
-        "(lr, weight_decay, betas, eps) themselves, without class_path and init_args")
+        f"(lr, weight_decay, betas, eps) themselves, without class_path and init_args (in {config})")
     assert parse_error(["pretrain", "--model_name", "gla-debug", "--optimizer", "AdamW"], capsys) == (
         "fabric-lin pretrain: error: optimizer: got AdamW, expected a mapping of its keys (lr, weight_decay, betas, eps), "
         "or the path of a YAML file of them")

@@ -16,7 +16,7 @@ from fabric_lin.args import EvalArgs, OptimizerArgs, TrainArgs
 from fabric_lin.config import Config
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.model import GPT
-from helpers import cli_error, metrics_records, setup_pretrain
+from helpers import cli_error, logged_losses, metrics_records, setup_pretrain
 
 
 def test_resume_with_another_global_batch_size_refuses_in_one_line(tmp_path, capsys):
@@ -111,6 +111,48 @@ def test_initial_checkpoint_dir_given_to_a_resume_is_said_to_be_left_unread(tmp_
                    eval=EvalArgs(final_validation=False))
     assert (f"Note: resuming with other settings than the checkpoint's: initial_checkpoint_dir: None in the checkpoint, "
             f"'{tmp_path / 'model'}' here (not read: a resume's weights are its checkpoint's)") in capsys.readouterr().out
+
+
+def test_a_resume_goes_on_when_the_model_directory_it_started_from_is_gone(tmp_path):
+    """A run started from --initial_checkpoint_dir resumes with the same recipe after that model directory was deleted:
+    the resume does not read it. A fresh start (--resume auto into an out_dir with no checkpoint) still needs it."""
+    import shutil
+
+    from fabric_lin.convert.model_dir import save_model_dir
+    from fabric_lin.errors import MissingFile
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    save_model_dir(GPT(Config.from_name("gla-debug")).state_dict(), Config.from_name("gla-debug"), model_dir)
+    setup_pretrain(tmp_path, initial_checkpoint_dir=model_dir, eval=EvalArgs(final_validation=False))
+    shutil.rmtree(model_dir)
+    setup_pretrain(tmp_path, resume="auto", initial_checkpoint_dir=model_dir, resume_changes=["train.max_steps"],
+                   train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32),
+                   eval=EvalArgs(final_validation=False))
+    assert max(logged_losses(tmp_path / "out")) == 2
+    with pytest.raises(MissingFile, match=f"--initial_checkpoint_dir '{model_dir}' is not a directory"):
+        setup_pretrain(tmp_path, resume="auto", initial_checkpoint_dir=model_dir, out_dir=tmp_path / "fresh")
+
+
+def test_the_hyperparameters_yaml_of_a_run_resumed_from_a_named_checkpoint_continues_it(tmp_path, capsys):
+    """A run resumed from a named earlier checkpoint (step 1 of 2, as back before a loss spike) recorded that --resume in
+    its hyperparameters.yaml: `--config <its final>/hyperparameters.yaml` went back to step 1 once more and set the
+    checkpoints saved since aside. The file records `resume: auto`, and continues the run from its newest checkpoint."""
+    import yaml
+
+    from fabric_lin.cli import main as cli_main
+
+    out, no_validation = tmp_path / "out", EvalArgs(final_validation=False)
+    train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32, save_interval=1)
+    setup_pretrain(tmp_path, train=train, eval=no_validation)
+    setup_pretrain(tmp_path, train=train, resume=out / "step-00000001", eval=no_validation)
+    hparams = out / "final" / "hyperparameters.yaml"
+    assert yaml.safe_load(hparams.read_text())["resume"] == "auto"
+    checkpoints = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    cli_main(["pretrain", "--config", str(hparams)])
+    assert "Nothing to train: the checkpoint is at step 2" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == checkpoints  # none set aside
 
 
 def test_a_larger_global_batch_on_resume_keeps_tokens_and_the_schedule_in_tokens(tmp_path, capsys):
