@@ -197,8 +197,10 @@ def config_file_being_read() -> Optional[str]:
     value it refuses comes from one: as given where the command line gave it, else its absolute path. jsonargparse's
     own messages name the key and the value only; its stack of files being read is no public API, so where it is not
     there (another version) no file is named."""
-    stack = getattr(importlib.import_module("jsonargparse._util"), "config_load_stack", None)
-    files = stack.get() if stack is not None else ()
+    try:
+        files = importlib.import_module("jsonargparse._util").config_load_stack.get()
+    except (ImportError, AttributeError):
+        return None
     if not files:
         return None
     absolute, as_given = files[-1]
