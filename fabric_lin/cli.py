@@ -189,6 +189,25 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
     return f"{key}: " + " ".join(rest.split())
 
 
+def missing_arguments(message: str, parser) -> Optional[Tuple[object, str]]:
+    """A subcommand's arguments missing (`fabric-lin generate` alone), which jsonargparse's top-level parser names as
+    `generate.checkpoint_dir`: the subcommand's parser, to name the command and its --help, and the line naming them
+    with the command's usage; None for any other message."""
+    missing = re.fullmatch(r"the following arguments are required: (.*)", message.strip())
+    subcommands = getattr(parser, "_subcommands_action", None)
+    if not missing or subcommands is None:
+        return None
+    keys = missing.group(1).split(", ")
+    command = keys[0].partition(".")[0]
+    subparser = subcommands._name_parser_map.get(command)
+    if subparser is None or not all(key.startswith(command + ".") for key in keys):
+        return None
+    names = [key[len(command) + 1:] for key in keys]
+    positionals = [a.dest for a in subparser._actions if not a.option_strings and a.dest != "help"]
+    usage = " ".join([subparser.prog.replace(" [options]", "")] + [name.upper() for name in positionals] + ["[options]"])
+    return subparser, f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} required: {usage}"
+
+
 def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optional[str]:
     """The option that `words`, given where the command takes no more arguments, were most likely meant for, with its
     value, or None: a YAML file's --config, else the command's first option that the command line `argv` does not give
@@ -662,9 +681,10 @@ def run(argv: List[str]) -> None:
             if not self.exit_on_error or debug_mode_active() or debug_enabled():
                 return super().error(message, ex)
             parser = getattr(ex, "subcommand_parser", None) or self
+            missing = missing_arguments(str(message), parser)
+            parser, line = missing if missing else (parser, one_line_parse_error(str(message), parser, argv))
             prog = parser.prog.replace(" [options]", "")
-            print(f"{prog}: error: {one_line_parse_error(str(message), parser, argv)}\n({prog} --help lists the options)",
-                  file=sys.stderr)
+            print(f"{prog}: error: {line}\n({prog} --help lists the options)", file=sys.stderr)
             raise SystemExit(2)
 
         def instantiate(self, cfg, *args, **kwargs):

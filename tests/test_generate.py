@@ -623,3 +623,17 @@ def test_generate_reads_the_prompt_from_a_file(tmp_path, capsys):
                                                        "the prompt"),
     ):
         assert cli_error(["generate", model, *argv], capsys) == f"fabric-lin generate: error: {message}\n", argv
+
+
+@pytest.mark.parametrize("command, argument", [("generate", "checkpoint_dir"), ("evaluate", "checkpoint_dir"),
+                                               ("convert_to_hf", "model_dir")])
+def test_a_command_without_its_argument_points_to_its_own_help(capsys, command, argument):
+    """`fabric-lin generate` alone: the missing argument named with the command's usage, and the command's --help
+    pointed to, not fabric-lin's (where jsonargparse's top-level parser, which finds it missing, pointed)."""
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main([command])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (f"fabric-lin {command}: error: {argument} is required: fabric-lin {command} "
+                                       f"{argument.upper()} [options]\n(fabric-lin {command} --help lists the options)\n")
