@@ -208,6 +208,19 @@ def missing_arguments(message: str, parser) -> Optional[Tuple[object, str]]:
     return subparser, f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} required: {usage}"
 
 
+def check_temperatures(values: List[str]) -> None:
+    """generate's --temperature values refused as generate refuses them (jsonargparse takes no inf or nan for a float,
+    and says only "expected float"; argparse takes -inf for an option)."""
+    from fabric_lin.generate import check_generation_args
+
+    for value in values:
+        try:
+            temperature = float(value)
+        except ValueError:
+            continue  # not a number: jsonargparse says so
+        check_generation_args(0, temperature, None, option_prefix="--")
+
+
 def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optional[str]:
     """The option that `words`, given where the command takes no more arguments, were most likely meant for, with its
     value, or None: a YAML file's --config, else the command's first option that the command line `argv` does not give
@@ -711,6 +724,8 @@ def run(argv: List[str]) -> None:
         from fabric_lin.errors import InvalidValue  # generate itself cannot tell --prompt given as its default
 
         raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
+    if argv and argv[0] == "generate":
+        check_temperatures(option_values(argv, "--temperature"))
     if argv and argv[0] == "pretrain" and not option_values(argv, "--out_dir"):
         from fabric_lin.run_start import check_config_of_a_moved_run
 

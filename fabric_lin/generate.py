@@ -3,6 +3,7 @@
 GLA decodes with its recurrent state (one [B, H, K, V] tensor per layer, whatever the length);
 the transformer baseline with a growing key/value cache.
 """
+import math
 import sys
 import time
 from pathlib import Path
@@ -100,8 +101,9 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_k: Option
     line's options, "" for the Python arguments."""
     if max_new_tokens < 0:
         raise InvalidValue(f"{option_prefix}max_new_tokens {max_new_tokens}: expected 0 or a positive number of tokens")
-    if not temperature >= 0:  # also refuses NaN
-        raise InvalidValue(f"{option_prefix}temperature {temperature:g}: expected 0 (greedy) or a positive number")
+    # NaN fails both comparisons; an infinite temperature would sample every token alike, top_k or not
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise InvalidValue(f"{option_prefix}temperature {temperature:g}: expected a finite number >= 0 (0: greedy)")
     if top_k is not None and top_k < 0:
         no_value = "null" if option_prefix else "None"
         raise InvalidValue(f"{option_prefix}top_k {top_k}: expected a positive number of tokens, or 0 or {no_value} for "
@@ -215,7 +217,7 @@ def main(
         max_new_tokens: how many tokens to sample at most (stops early at the end-of-text token).
         stop: stop once the generated text (not the prompt) contains this string; the text printed ends before it,
             as OpenAI-style APIs and vLLM leave their stop sequences out. A new line in bash: --stop $'\\n'.
-        temperature: 0 for greedy decoding; higher is more random.
+        temperature: 0 for greedy decoding; higher is more random (a finite number).
         top_k: sample only among the k most likely tokens; 0 or null: no top-k filter (all tokens).
         seed: random seed for sampling.
         device: "cpu", "cuda", ...; default: cuda if available.

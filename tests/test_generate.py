@@ -164,10 +164,12 @@ def test_generation_runs_no_forward_pass_whose_logits_are_unused(max_new_tokens)
         (torch.tensor([], dtype=torch.long), {}, "prompt"),
         (torch.tensor([[1, 2, 3]]), {}, "prompt"),
         (torch.tensor([1, 2, 3]), {"max_new_tokens": -1}, "^max_new_tokens -1: expected 0 or a positive number of tokens$"),
-        (torch.tensor([1, 2, 3]), {"temperature": -0.5}, r"^temperature -0\.5: expected 0 \(greedy\) or a positive number$"),
-        (torch.tensor([1, 2, 3]), {"temperature": float("nan")}, r"^temperature nan: expected 0 \(greedy\)"),
+        (torch.tensor([1, 2, 3]), {"temperature": -0.5}, r"^temperature -0\.5: expected a finite number >= 0 \(0: greedy\)$"),
+        (torch.tensor([1, 2, 3]), {"temperature": float("nan")}, r"^temperature nan: expected a finite number >= 0 "),
+        (torch.tensor([1, 2, 3]), {"temperature": float("inf")}, r"^temperature inf: expected a finite number >= 0 "),
     ],
-    ids=["empty-prompt", "batched-prompt", "negative-max-new-tokens", "negative-temperature", "nan-temperature"],
+    ids=["empty-prompt", "batched-prompt", "negative-max-new-tokens", "negative-temperature", "nan-temperature",
+         "inf-temperature"],
 )
 def test_bad_arguments_are_refused_by_name(prompt, kwargs, match):
     model = debug_model("gla-debug")
@@ -382,7 +384,7 @@ def test_generate_checks_its_arguments_before_the_model_and_the_tokenizer_agains
     err = cli_error(["generate", model, "--precision", "bf16-mixed"], capsys)
     assert err == "fabric-lin generate: error: --precision bf16-mixed: expected one of 16-true, 32-true, bf16-true\n"
     err = cli_error(["generate", model, "--temperature", "-1"], capsys)
-    assert err == "fabric-lin generate: error: --temperature -1: expected 0 (greedy) or a positive number\n"
+    assert err == "fabric-lin generate: error: --temperature -1: expected a finite number >= 0 (0: greedy)\n"
     err = cli_error(["generate", model, "--device", "cpu"], capsys)
     assert err.startswith(f"fabric-lin generate: error: {model}: its tokenizer has 64 pieces and its model 32 embeddings")
     # on the CPU the model decodes with PyTorch's ops, not the Triton kernels, which need a GPU
@@ -623,6 +625,16 @@ def test_generate_reads_the_prompt_from_a_file(tmp_path, capsys):
                                                        "the prompt"),
     ):
         assert cli_error(["generate", model, *argv], capsys) == f"fabric-lin generate: error: {message}\n", argv
+
+
+@pytest.mark.parametrize("value, named", [("inf", "inf"), ("nan", "nan"), ("-inf", "-inf"), ("Infinity", "inf"),
+                                          ("1e400", "inf"), (".inf", "inf")])
+def test_generate_a_temperature_that_is_not_finite_is_one_line(tmp_path, capsys, value, named):
+    """jsonargparse refuses inf and nan for a float as "expected float" (which they are), and argparse -inf as an
+    option: each is refused as a temperature, a finite number >= 0."""
+    make_model_dir(tmp_path / "model", small_config())
+    err = cli_error(["generate", str(tmp_path / "model"), "--temperature", value], capsys)
+    assert err == f"fabric-lin generate: error: --temperature {named}: expected a finite number >= 0 (0: greedy)\n"
 
 
 @pytest.mark.parametrize("command, argument", [("generate", "checkpoint_dir"), ("evaluate", "checkpoint_dir"),
