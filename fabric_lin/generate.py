@@ -4,6 +4,7 @@ GLA decodes with its recurrent state (one [B, H, K, V] tensor per layer, whateve
 the transformer baseline with a growing key/value cache.
 """
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -108,6 +109,16 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_k: Option
         no_value = "null" if option_prefix else "None"
         raise InvalidValue(f"{option_prefix}top_k {top_k}: expected a positive number of tokens, or 0 or {no_value} for "
                            "no top-k filter")
+
+
+# The escapes of a --stop string that a shell leaves as typed (bash's "\n" is a backslash and an n)
+STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def stop_string(typed: str) -> str:
+    """--stop as the user meant it: \\n a new line, \\t a tab, \\r a carriage return, \\\\ a backslash; a backslash
+    before any other character is itself."""
+    return re.sub(r"\\([ntr\\])", lambda m: STOP_ESCAPES[m.group(1)], typed)
 
 
 class StopString:
@@ -216,7 +227,8 @@ def main(
             one line end at its end, which editors add, is left out. `-` reads standard input.
         max_new_tokens: how many tokens to sample at most (stops early at the end-of-text token).
         stop: stop once the generated text (not the prompt) contains this string; the text printed ends before it,
-            as OpenAI-style APIs and vLLM leave their stop sequences out. A new line in bash: --stop $'\\n'.
+            as OpenAI-style APIs and vLLM leave their stop sequences out. \\n in it is a new line, \\t a tab, \\r a
+            carriage return and \\\\ a backslash, so --stop '\\n' stops at the end of a line.
         temperature: 0 for greedy decoding; higher is more random (a finite number).
         top_k: sample only among the k most likely tokens; 0 or null: no top-k filter (all tokens).
         seed: random seed for sampling.
@@ -241,6 +253,7 @@ def main(
             raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
         prompt = read_prompt_file(Path(prompt_file))
     check_prompt(prompt)
+    stop = stop_string(stop)
 
     tokenizer = Tokenizer(checkpoint_dir, "checkpoint_dir")
     model = load_model(checkpoint_dir, device, dtypes[precision])

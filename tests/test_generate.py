@@ -627,6 +627,27 @@ def test_generate_reads_the_prompt_from_a_file(tmp_path, capsys):
         assert cli_error(["generate", model, *argv], capsys) == f"fabric-lin generate: error: {message}\n", argv
 
 
+@pytest.mark.parametrize("typed, meant", [("\\n", "\n"), ("a\\tb", "a\tb"), ("\\r\\n", "\r\n"), ("\\\\n", "\\n"),
+                                          ("\n", "\n"), ("\\d+", "\\d+"), ("end\\", "end\\")])
+def test_generate_stop_reads_the_escapes_that_a_shell_leaves(tmp_path, capsys, monkeypatch, typed, meant):
+    """`--stop "\\n"` on a shell is a backslash and an n, which generated text hardly ever holds: it is a new line, as
+    \\t a tab, \\r a carriage return and \\\\ a backslash; a backslash before anything else, or at the end, is itself."""
+    import fabric_lin.generate as generate_module
+    from fabric_lin.cli import main as cli_main
+
+    stops = []
+
+    class RecordedStop(generate_module.StopString):
+        def __init__(self, stop):
+            stops.append(stop)
+            super().__init__(stop)
+
+    monkeypatch.setattr(generate_module, "StopString", RecordedStop)
+    make_model_dir(tmp_path / "model", small_config())
+    cli_main(["generate", str(tmp_path / "model"), "--stop", typed, "--max_new_tokens", "2", "--device", "cpu"])
+    assert stops == [meant]
+
+
 @pytest.mark.parametrize("value, named", [("inf", "inf"), ("nan", "nan"), ("-inf", "-inf"), ("Infinity", "inf"),
                                           ("1e400", "inf"), (".inf", "inf")])
 def test_generate_a_temperature_that_is_not_finite_is_one_line(tmp_path, capsys, value, named):
