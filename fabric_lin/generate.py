@@ -150,7 +150,8 @@ class StopString:
 
 def read_prompt_file(path: Path) -> str:
     """The prompt in the file `path` (`-`: standard input): UTF-8 text (a byte order mark at its start left out), less
-    the one line end at its end that an editor adds to a file it saves."""
+    the one line end at its end that an editor adds to a file it saves. An empty file is an empty prompt, as an empty
+    --prompt is."""
     from fabric_lin.data.raw_files import OTHER_UNICODE_MARKS
     from fabric_lin.errors import MissingFile
 
@@ -175,10 +176,7 @@ def read_prompt_file(path: Path) -> str:
     except UnicodeDecodeError as e:
         raise InvalidValue(f"--prompt_file {named} is not UTF-8 text: byte 0x{data[e.start]:02x} at byte {e.start} (a "
                            f"file in another encoding, e.g. Latin-1?); save it as UTF-8") from None
-    text = text.removesuffix("\n").removesuffix("\r")
-    if not text:
-        raise InvalidValue(f"--prompt_file {named} is empty: expected the text of the prompt")
-    return text
+    return text.removesuffix("\n").removesuffix("\r")
 
 
 def check_prompt(prompt: str) -> None:
@@ -222,9 +220,12 @@ def main(
 
     Args:
         checkpoint_dir: a model directory, e.g. the output of `fabric-lin convert_pretrained_checkpoint`.
-        prompt: the text to continue.
+        prompt: the text to continue. An empty prompt (or one the tokenizer makes no token of, such as spaces where
+            it drops them) samples a document from its start: the model continues the end-of-text token alone, which
+            comes before every prompt; a line on stderr says so.
         prompt_file: a UTF-8 text file whose text is the prompt, in place of --prompt (for long or many-line prompts);
-            one line end at its end, which editors add, is left out. `-` reads standard input.
+            one line end at its end, which editors add, is left out. `-` reads standard input. An empty file is an
+            empty prompt.
         max_new_tokens: how many tokens to sample at most (stops early at the end-of-text token).
         stop: stop once the generated text (not the prompt) contains this string; the text printed ends before it,
             as OpenAI-style APIs and vLLM leave their stop sequences out. \\n in it is a new line, \\t a tab, \\r a
@@ -264,6 +265,14 @@ def main(
     prompt_ids = prompt_tokens
     if tokenizer.eos_id is not None:
         prompt_ids = torch.cat([prompt_tokens.new_tensor([tokenizer.eos_id]), prompt_tokens])
+    if len(prompt_tokens) == 0:
+        given = f"--prompt_file {prompt_file}" if prompt_file is not None else f"--prompt {prompt!r}"
+        no_token = "is empty" if not prompt else "gives the tokenizer no token"
+        if len(prompt_ids) == 0:
+            raise InvalidValue(f"{given} {no_token}, and the tokenizer has no end-of-text token to start a document "
+                               f"after ({tokenizer.describe()}): expected a prompt of at least one token")
+        # given on purpose or by mistake, an empty prompt is said to be one
+        print(f"({given} {no_token}: the model samples a document from its start)", file=sys.stderr, flush=True)
     generator = torch.Generator().manual_seed(seed)
     tokens = stream_tokens(
         model, prompt_ids, max_new_tokens, temperature, top_k, tokenizer.eos_id, generator, vocab_size=tokenizer.vocab_size

@@ -578,8 +578,8 @@ def test_generate_stops_before_the_stop_string(tmp_path, capsys):
 
 def test_generate_reads_the_prompt_from_a_file(tmp_path, capsys):
     """--prompt_file: the file's UTF-8 text is the prompt (less the line end an editor adds; a byte order mark left
-    out), `-` standard input; a file that is missing, a directory, empty, in another encoding, or given with --prompt
-    too is refused in one line before the model is read."""
+    out), `-` standard input; a file that is missing, a directory, in another encoding, or given with --prompt too is
+    refused in one line before the model is read."""
     import io
     import sys
 
@@ -603,7 +603,6 @@ def test_generate_reads_the_prompt_from_a_file(tmp_path, capsys):
 
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
     (tmp_path / "utf16.txt").write_bytes("the model".encode("utf-16"))
-    (tmp_path / "empty.txt").write_bytes(b"\n")
     model, given = str(tmp_path / "model"), str(tmp_path / "plain.txt")
     for argv, message in (
         (["--prompt", "the model", "--prompt_file", given], "--prompt and --prompt_file both give the prompt: give one "
@@ -618,13 +617,53 @@ def test_generate_reads_the_prompt_from_a_file(tmp_path, capsys):
         (["--prompt_file", str(tmp_path / "utf16.txt")], f"--prompt_file {tmp_path / 'utf16.txt'} is UTF-16 text (it "
                                                          "starts with UTF-16's byte order mark), expected UTF-8: convert "
                                                          "it first, e.g. iconv -f UTF-16 -t UTF-8"),
-        (["--prompt_file", str(tmp_path / "empty.txt")], f"--prompt_file {tmp_path / 'empty.txt'} is empty: expected "
-                                                         "the text of the prompt"),
         (["--prompt_file", model + "/lit_model.pth"], f"--prompt_file {model}/lit_model.pth is not a text file (it "
                                                        "holds a NUL byte at byte 4): expected a UTF-8 text file holding "
                                                        "the prompt"),
     ):
         assert cli_error(["generate", model, *argv], capsys) == f"fabric-lin generate: error: {message}\n", argv
+
+
+def test_generate_an_empty_prompt_samples_a_document_from_its_start(tmp_path, capsys):
+    """An empty --prompt, one the tokenizer makes no token of (spaces, which SentencePiece drops here) and an empty
+    --prompt_file alike: the model continues the end-of-text token alone (the full forward's greedy tokens after it),
+    and a line on stderr says the prompt is empty."""
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.generate import main as generate
+
+    config = small_config()
+    state = make_model_dir(tmp_path / "model", config)
+    model = GPT(config).eval()
+    model.load_state_dict(state)
+    tokenizer = Tokenizer(tmp_path / "model")
+    assert tokenizer.encode("   ").tolist() == []
+    greedy = full_forward_continuation(model, [tokenizer.eos_id], 8, tokenizer.vocab_size, tokenizer.eos_id,
+                                       lambda logits: logits.argmax().item())
+    (tmp_path / "empty.txt").write_bytes(b"\n")
+    for kwargs, said in (({"prompt": ""}, "--prompt '' is empty"),
+                         ({"prompt": "   "}, "--prompt '   ' gives the tokenizer no token"),
+                         ({"prompt_file": tmp_path / "empty.txt"}, f"--prompt_file {tmp_path / 'empty.txt'} is empty")):
+        capsys.readouterr()
+        text = generate(tmp_path / "model", max_new_tokens=8, temperature=0.0, device="cpu", **kwargs)
+        out, err = capsys.readouterr()
+        assert text == tokenizer.decode(greedy) and out == text + "\n" and text, kwargs
+        assert err.startswith(f"({said}: the model samples a document from its start)\n"), err
+
+
+def test_generate_an_empty_prompt_without_end_of_text_is_one_line(tmp_path, capsys):
+    """A tokenizer without an end-of-text token leaves an empty prompt nothing to continue: one line, not the error of
+    a prompt tensor of no token."""
+    import sentencepiece as spm
+
+    make_model_dir(tmp_path / "model", small_config())
+    (tmp_path / "corpus.txt").write_text("\n".join(f"the gated linear attention model number {i}" for i in range(200)))
+    spm.SentencePieceTrainer.Train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "model" / "tokenizer"),
+                                   vocab_size=64, model_type="bpe", bos_id=1, eos_id=-1, unk_id=0, pad_id=-1,
+                                   minloglevel=2)
+    err = cli_error(["generate", str(tmp_path / "model"), "--prompt", "", "--device", "cpu"], capsys)
+    assert err.startswith("fabric-lin generate: error: --prompt '' is empty, and the tokenizer has no end-of-text token "
+                          f"to start a document after ({tmp_path / 'model' / 'tokenizer.model'} (vocab_size=64"), err
+    assert err.endswith("): expected a prompt of at least one token\n"), err
 
 
 @pytest.mark.parametrize("typed, meant", [("\\n", "\n"), ("a\\tb", "a\tb"), ("\\r\\n", "\r\n"), ("\\\\n", "\\n"),
