@@ -49,6 +49,7 @@ def stream_tokens(
     check_generation_args(max_new_tokens, temperature, top_k)
     if prompt.dim() != 1 or len(prompt) == 0:
         raise InvalidValue(f"prompt must be a 1-D tensor of at least one token id, got shape {tuple(prompt.shape)}")
+    check_context_length(model.config, len(prompt), max_new_tokens)
     cache = model.new_cache()
     input_ids = prompt[None]  # the whole prompt in one chunked pass, then one token at a time
     for _ in range(max_new_tokens):  # a pass only when its logits are sampled: none after the last token
@@ -109,6 +110,26 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_k: Option
         no_value = "null" if option_prefix else "None"
         raise InvalidValue(f"{option_prefix}top_k {top_k}: expected a positive number of tokens, or 0 or {no_value} for "
                            "no top-k filter")
+
+
+def check_context_length(config: Config, prompt_length: int, max_new_tokens: int, option_prefix: str = "") -> None:
+    """Refuse a prompt and new tokens longer than the max_seq_length of a model with softmax attention (a transformer,
+    or a hybrid's attention layers): its rotary positions past the length it was trained at were never trained, and
+    its text there is noise (LitGPT refuses it too). Linear attention carries a state of one size whatever the length,
+    and has no such limit. `option_prefix` as for `check_generation_args`; from the command line, the prompt's length
+    counts the end-of-text token put before it."""
+    if config.block_type != "transformer" and not config.attn_layers:
+        return
+    limit, total = config.max_seq_length, prompt_length + max_new_tokens
+    if max_new_tokens == 0 or total <= limit:  # no new token, no position past the prompt's read
+        return
+    what = "this transformer was" if config.block_type == "transformer" else "this hybrid's softmax-attention layers were"
+    counted = " (the end-of-text token before it included)" if option_prefix else ""
+    head = (f"{option_prefix}max_new_tokens {max_new_tokens}: a prompt of {prompt_length} tokens{counted} and {max_new_tokens} "
+            f"new ones are {total} positions, past the max_seq_length of {limit} that {what} trained at")
+    if prompt_length < limit:
+        raise InvalidValue(f"{head}: give {option_prefix}max_new_tokens {limit - prompt_length} or less, or a shorter prompt")
+    raise InvalidValue(f"{head}: give a prompt shorter than {limit} tokens")
 
 
 # The escapes of a --stop string that a shell leaves as typed (bash's "\n" is a backslash and an n)
@@ -191,10 +212,11 @@ def check_prompt(prompt: str) -> None:
                            "encoding, e.g. Latin-1?); give the prompt as UTF-8") from None
 
 
-def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -> GPT:
+def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype, config: Optional[Config] = None) -> GPT:
+    """The model of a model directory (its config read there unless given), in `dtype` on `device`, for decoding."""
     from fabric_lin.convert.model_dir import load_model_dir_weights
 
-    config = Config.from_checkpoint(checkpoint_dir)
+    config = config or Config.from_checkpoint(checkpoint_dir)
     with torch.device("meta"):
         model = GPT(config, fused=device.type == "cuda")
     model.load_state_dict(load_model_dir_weights(checkpoint_dir, model), assign=True)
@@ -257,8 +279,8 @@ def main(
     stop = stop_string(stop)
 
     tokenizer = Tokenizer(checkpoint_dir, "checkpoint_dir")
-    model = load_model(checkpoint_dir, device, dtypes[precision])
-    tokenizer.check_fits(model.config.vocab_size, checkpoint_dir)
+    config = Config.from_checkpoint(checkpoint_dir)
+    tokenizer.check_fits(config.vocab_size, checkpoint_dir)
     # Pretraining data is documents joined by end-of-text tokens (no BOS), so a prompt that starts a
     # document is one that follows an end-of-text token.
     prompt_tokens = tokenizer.encode(prompt).to(device=device, dtype=torch.long)
@@ -273,6 +295,8 @@ def main(
                                f"after ({tokenizer.describe()}): expected a prompt of at least one token")
         # given on purpose or by mistake, an empty prompt is said to be one
         print(f"({given} {no_token}: the model samples a document from its start)", file=sys.stderr, flush=True)
+    check_context_length(config, len(prompt_ids), max_new_tokens, option_prefix="--")  # before the model's weights
+    model = load_model(checkpoint_dir, device, dtypes[precision], config)
     generator = torch.Generator().manual_seed(seed)
     tokens = stream_tokens(
         model, prompt_ids, max_new_tokens, temperature, top_k, tokenizer.eos_id, generator, vocab_size=tokenizer.vocab_size

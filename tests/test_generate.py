@@ -687,6 +687,51 @@ def test_generate_stop_reads_the_escapes_that_a_shell_leaves(tmp_path, capsys, m
     assert stops == [meant]
 
 
+def test_generate_refuses_softmax_attention_past_its_max_seq_length(tmp_path, capsys, monkeypatch):
+    """A transformer's and a hybrid's prompt (with the end-of-text token before it) and new tokens past the
+    max_seq_length they were trained at: one line naming --max_new_tokens and the most it can be, before the weights
+    are read; up to it, the text is generated. GLA keeps a state, not positions, and generates past it."""
+    import fabric_lin.generate as generate_module
+    from fabric_lin.data import Tokenizer
+
+    def config(family):
+        overrides = dict(max_seq_length=16)
+        if family == "hybrid":
+            overrides.update(attn_layers=[1], attn_num_heads=2)
+        name = "transformer-debug" if family == "transformer" else "gla-debug"
+        return Config.from_name(name, vocab_size=64, num_layers=2, **overrides)
+
+    for family in ("transformer", "hybrid", "gla"):
+        make_model_dir(tmp_path / family, config(family))
+    prompt_length = 1 + len(Tokenizer(tmp_path / "gla").encode("the model"))  # the end-of-text token first
+    room = 16 - prompt_length
+    assert room > 0
+    for family, trained in (("transformer", "this transformer was"),
+                            ("hybrid", "this hybrid's softmax-attention layers were")):
+        argv = ["generate", str(tmp_path / family), "--prompt", "the model", "--device", "cpu", "--temperature", "0"]
+        with monkeypatch.context() as patch:
+            patch.setattr(generate_module, "load_model", None)  # refused before the model is loaded
+            err = cli_error(argv + ["--max_new_tokens", str(room + 1)], capsys)
+        assert err == (f"fabric-lin generate: error: --max_new_tokens {room + 1}: a prompt of {prompt_length} tokens (the "
+                       f"end-of-text token before it included) and {room + 1} new ones are 17 positions, past the "
+                       f"max_seq_length of 16 that {trained} trained at: give --max_new_tokens {room} or less, or a "
+                       f"shorter prompt\n"), err
+        text = generate_module.main(tmp_path / family, prompt="the model", max_new_tokens=room, temperature=0.0,
+                                    device="cpu")
+        assert text.startswith("the model")
+        # the Python function refuses it too, naming its own argument; a prompt of the whole length leaves no room
+        model = generate_module.load_model(tmp_path / family, torch.device("cpu"), torch.float32)
+        with pytest.raises(ValueError, match=r"^max_new_tokens 5: a prompt of 12 tokens and 5 new ones are 17 "
+                                             r"positions, .*: give max_new_tokens 4 or less, or a shorter prompt$"):
+            generate_tokens(model, torch.arange(12), 5)
+        with pytest.raises(ValueError, match=r"^max_new_tokens 1: a prompt of 16 tokens .*: give a prompt shorter than "
+                                             r"16 tokens$"):
+            generate_tokens(model, torch.arange(16), 1)
+    capsys.readouterr()
+    generate_module.main(tmp_path / "gla", prompt="the model", max_new_tokens=24, temperature=0.0, device="cpu")
+    assert capsys.readouterr().err.startswith("24 tokens in ")  # 31 positions, no end-of-text token among them
+
+
 @pytest.mark.parametrize("value, named", [("inf", "inf"), ("nan", "nan"), ("-inf", "-inf"), ("Infinity", "inf"),
                                           ("1e400", "inf"), (".inf", "inf")])
 def test_generate_a_temperature_that_is_not_finite_is_one_line(tmp_path, capsys, value, named):
