@@ -217,6 +217,38 @@ def config_file_of(error: Optional[BaseException]) -> Optional[str]:
     return None
 
 
+def missing_arguments(message: str, parser) -> Optional[Tuple[object, str]]:
+    """A subcommand's arguments missing (`fabric-lin generate` alone), which jsonargparse's top-level parser names as
+    `generate.checkpoint_dir`: the subcommand's parser, to name the command and its --help, and the line naming them
+    with the command's usage; None for any other message."""
+    missing = re.fullmatch(r"the following arguments are required: (.*)", message.strip())
+    subcommands = getattr(parser, "_subcommands_action", None)
+    if not missing or subcommands is None:
+        return None
+    keys = missing.group(1).split(", ")
+    command = keys[0].partition(".")[0]
+    subparser = subcommands._name_parser_map.get(command)
+    if subparser is None or not all(key.startswith(command + ".") for key in keys):
+        return None
+    names = [key[len(command) + 1:] for key in keys]
+    positionals = [a.dest for a in subparser._actions if not a.option_strings and a.dest != "help"]
+    usage = " ".join([subparser.prog.replace(" [options]", "")] + [name.upper() for name in positionals] + ["[options]"])
+    return subparser, f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} required: {usage}"
+
+
+def check_temperatures(values: List[str]) -> None:
+    """generate's --temperature values refused as generate refuses them (jsonargparse takes no inf or nan for a float,
+    and says only "expected float"; argparse takes -inf for an option)."""
+    from fabric_lin.generate import check_generation_args
+
+    for value in values:
+        try:
+            temperature = float(value)
+        except ValueError:
+            continue  # not a number: jsonargparse says so
+        check_generation_args(0, temperature, None, option_prefix="--")
+
+
 def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optional[str]:
     """The option that `words`, given where the command takes no more arguments, were most likely meant for, with its
     value, or None: a YAML file's --config, else the command's first option that the command line `argv` does not give
@@ -694,9 +726,10 @@ def run(argv: List[str]) -> None:
                     raised.config_file = config_file_of(ex) or config_file_being_read()
                     raise
             parser = getattr(ex, "subcommand_parser", None) or self
+            missing = missing_arguments(str(message), parser)
+            parser, line = missing if missing else (parser, one_line_parse_error(str(message), parser, argv))
             prog = parser.prog.replace(" [options]", "")
-            line = one_line_parse_error(str(message), parser, argv)
-            in_file = config_file_of(ex) or config_file_being_read()
+            in_file = None if missing else config_file_of(ex) or config_file_being_read()
             if in_file is not None and in_file not in line:
                 line += f" (in {in_file})"
             print(f"{prog}: error: {line}\n({prog} --help lists the options)", file=sys.stderr)
@@ -726,6 +759,8 @@ def run(argv: List[str]) -> None:
         from fabric_lin.errors import InvalidValue  # generate itself cannot tell --prompt given as its default
 
         raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
+    if argv and argv[0] == "generate":
+        check_temperatures(option_values(argv, "--temperature"))
     if argv and argv[0] == "pretrain" and not option_values(argv, "--out_dir"):
         from fabric_lin.run_start import check_config_of_a_moved_run
 

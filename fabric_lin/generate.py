@@ -3,6 +3,8 @@
 GLA decodes with its recurrent state (one [B, H, K, V] tensor per layer, whatever the length);
 the transformer baseline with a growing key/value cache.
 """
+import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,7 @@ def stream_tokens(
     check_generation_args(max_new_tokens, temperature, top_k)
     if prompt.dim() != 1 or len(prompt) == 0:
         raise InvalidValue(f"prompt must be a 1-D tensor of at least one token id, got shape {tuple(prompt.shape)}")
+    check_context_length(model.config, len(prompt), max_new_tokens)
     cache = model.new_cache()
     input_ids = prompt[None]  # the whole prompt in one chunked pass, then one token at a time
     for _ in range(max_new_tokens):  # a pass only when its logits are sampled: none after the last token
@@ -100,12 +103,43 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_k: Option
     line's options, "" for the Python arguments."""
     if max_new_tokens < 0:
         raise InvalidValue(f"{option_prefix}max_new_tokens {max_new_tokens}: expected 0 or a positive number of tokens")
-    if not temperature >= 0:  # also refuses NaN
-        raise InvalidValue(f"{option_prefix}temperature {temperature:g}: expected 0 (greedy) or a positive number")
+    # NaN fails both comparisons; an infinite temperature would sample every token alike, top_k or not
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise InvalidValue(f"{option_prefix}temperature {temperature:g}: expected a finite number >= 0 (0: greedy)")
     if top_k is not None and top_k < 0:
         no_value = "null" if option_prefix else "None"
         raise InvalidValue(f"{option_prefix}top_k {top_k}: expected a positive number of tokens, or 0 or {no_value} for "
                            "no top-k filter")
+
+
+def check_context_length(config: Config, prompt_length: int, max_new_tokens: int, option_prefix: str = "") -> None:
+    """Refuse a prompt and new tokens longer than the max_seq_length of a model with softmax attention (a transformer,
+    or a hybrid's attention layers): its rotary positions past the length it was trained at were never trained, and
+    its text there is noise (LitGPT refuses it too). Linear attention carries a state of one size whatever the length,
+    and has no such limit. `option_prefix` as for `check_generation_args`; from the command line, the prompt's length
+    counts the end-of-text token put before it."""
+    if config.block_type != "transformer" and not config.attn_layers:
+        return
+    limit, total = config.max_seq_length, prompt_length + max_new_tokens
+    if max_new_tokens == 0 or total <= limit:  # no new token, no position past the prompt's read
+        return
+    what = "this transformer was" if config.block_type == "transformer" else "this hybrid's softmax-attention layers were"
+    counted = " (the end-of-text token before it included)" if option_prefix else ""
+    head = (f"{option_prefix}max_new_tokens {max_new_tokens}: a prompt of {prompt_length} tokens{counted} and {max_new_tokens} "
+            f"new ones are {total} positions, past the max_seq_length of {limit} that {what} trained at")
+    if prompt_length < limit:
+        raise InvalidValue(f"{head}: give {option_prefix}max_new_tokens {limit - prompt_length} or less, or a shorter prompt")
+    raise InvalidValue(f"{head}: give a prompt shorter than {limit} tokens")
+
+
+# The escapes of a --stop string that a shell leaves as typed (bash's "\n" is a backslash and an n)
+STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def stop_string(typed: str) -> str:
+    """--stop as the user meant it: \\n a new line, \\t a tab, \\r a carriage return, \\\\ a backslash; a backslash
+    before any other character is itself."""
+    return re.sub(r"\\([ntr\\])", lambda m: STOP_ESCAPES[m.group(1)], typed)
 
 
 class StopString:
@@ -137,7 +171,8 @@ class StopString:
 
 def read_prompt_file(path: Path) -> str:
     """The prompt in the file `path` (`-`: standard input): UTF-8 text (a byte order mark at its start left out), less
-    the one line end at its end that an editor adds to a file it saves."""
+    the one line end at its end that an editor adds to a file it saves. An empty file is an empty prompt, as an empty
+    --prompt is."""
     from fabric_lin.data.raw_files import OTHER_UNICODE_MARKS
     from fabric_lin.errors import MissingFile
 
@@ -162,10 +197,7 @@ def read_prompt_file(path: Path) -> str:
     except UnicodeDecodeError as e:
         raise InvalidValue(f"--prompt_file {named} is not UTF-8 text: byte 0x{data[e.start]:02x} at byte {e.start} (a "
                            f"file in another encoding, e.g. Latin-1?); save it as UTF-8") from None
-    text = text.removesuffix("\n").removesuffix("\r")
-    if not text:
-        raise InvalidValue(f"--prompt_file {named} is empty: expected the text of the prompt")
-    return text
+    return text.removesuffix("\n").removesuffix("\r")
 
 
 def check_prompt(prompt: str) -> None:
@@ -180,10 +212,11 @@ def check_prompt(prompt: str) -> None:
                            "encoding, e.g. Latin-1?); give the prompt as UTF-8") from None
 
 
-def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -> GPT:
+def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype, config: Optional[Config] = None) -> GPT:
+    """The model of a model directory (its config read there unless given), in `dtype` on `device`, for decoding."""
     from fabric_lin.convert.model_dir import load_model_dir_weights
 
-    config = Config.from_checkpoint(checkpoint_dir)
+    config = config or Config.from_checkpoint(checkpoint_dir)
     with torch.device("meta"):
         model = GPT(config, fused=device.type == "cuda")
     model.load_state_dict(load_model_dir_weights(checkpoint_dir, model), assign=True)
@@ -209,13 +242,17 @@ def main(
 
     Args:
         checkpoint_dir: a model directory, e.g. the output of `fabric-lin convert_pretrained_checkpoint`.
-        prompt: the text to continue.
+        prompt: the text to continue. An empty prompt (or one the tokenizer makes no token of, such as spaces where
+            it drops them) samples a document from its start: the model continues the end-of-text token alone, which
+            comes before every prompt; a line on stderr says so.
         prompt_file: a UTF-8 text file whose text is the prompt, in place of --prompt (for long or many-line prompts);
-            one line end at its end, which editors add, is left out. `-` reads standard input.
+            one line end at its end, which editors add, is left out. `-` reads standard input. An empty file is an
+            empty prompt.
         max_new_tokens: how many tokens to sample at most (stops early at the end-of-text token).
         stop: stop once the generated text (not the prompt) contains this string; the text printed ends before it,
-            as OpenAI-style APIs and vLLM leave their stop sequences out. A new line in bash: --stop $'\\n'.
-        temperature: 0 for greedy decoding; higher is more random.
+            as OpenAI-style APIs and vLLM leave their stop sequences out. \\n in it is a new line, \\t a tab, \\r a
+            carriage return and \\\\ a backslash, so --stop '\\n' stops at the end of a line.
+        temperature: 0 for greedy decoding; higher is more random (a finite number).
         top_k: sample only among the k most likely tokens; 0 or null: no top-k filter (all tokens).
         seed: random seed for sampling.
         device: "cpu", "cuda", ...; default: cuda if available.
@@ -239,16 +276,27 @@ def main(
             raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
         prompt = read_prompt_file(Path(prompt_file))
     check_prompt(prompt)
+    stop = stop_string(stop)
 
     tokenizer = Tokenizer(checkpoint_dir, "checkpoint_dir")
-    model = load_model(checkpoint_dir, device, dtypes[precision])
-    tokenizer.check_fits(model.config.vocab_size, checkpoint_dir)
+    config = Config.from_checkpoint(checkpoint_dir)
+    tokenizer.check_fits(config.vocab_size, checkpoint_dir)
     # Pretraining data is documents joined by end-of-text tokens (no BOS), so a prompt that starts a
     # document is one that follows an end-of-text token.
     prompt_tokens = tokenizer.encode(prompt).to(device=device, dtype=torch.long)
     prompt_ids = prompt_tokens
     if tokenizer.eos_id is not None:
         prompt_ids = torch.cat([prompt_tokens.new_tensor([tokenizer.eos_id]), prompt_tokens])
+    if len(prompt_tokens) == 0:
+        given = f"--prompt_file {prompt_file}" if prompt_file is not None else f"--prompt {prompt!r}"
+        no_token = "is empty" if not prompt else "gives the tokenizer no token"
+        if len(prompt_ids) == 0:
+            raise InvalidValue(f"{given} {no_token}, and the tokenizer has no end-of-text token to start a document "
+                               f"after ({tokenizer.describe()}): expected a prompt of at least one token")
+        # given on purpose or by mistake, an empty prompt is said to be one
+        print(f"({given} {no_token}: the model samples a document from its start)", file=sys.stderr, flush=True)
+    check_context_length(config, len(prompt_ids), max_new_tokens, option_prefix="--")  # before the model's weights
+    model = load_model(checkpoint_dir, device, dtypes[precision], config)
     generator = torch.Generator().manual_seed(seed)
     tokens = stream_tokens(
         model, prompt_ids, max_new_tokens, temperature, top_k, tokenizer.eos_id, generator, vocab_size=tokenizer.vocab_size

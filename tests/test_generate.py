@@ -164,10 +164,12 @@ def test_generation_runs_no_forward_pass_whose_logits_are_unused(max_new_tokens)
         (torch.tensor([], dtype=torch.long), {}, "prompt"),
         (torch.tensor([[1, 2, 3]]), {}, "prompt"),
         (torch.tensor([1, 2, 3]), {"max_new_tokens": -1}, "^max_new_tokens -1: expected 0 or a positive number of tokens$"),
-        (torch.tensor([1, 2, 3]), {"temperature": -0.5}, r"^temperature -0\.5: expected 0 \(greedy\) or a positive number$"),
-        (torch.tensor([1, 2, 3]), {"temperature": float("nan")}, r"^temperature nan: expected 0 \(greedy\)"),
+        (torch.tensor([1, 2, 3]), {"temperature": -0.5}, r"^temperature -0\.5: expected a finite number >= 0 \(0: greedy\)$"),
+        (torch.tensor([1, 2, 3]), {"temperature": float("nan")}, r"^temperature nan: expected a finite number >= 0 "),
+        (torch.tensor([1, 2, 3]), {"temperature": float("inf")}, r"^temperature inf: expected a finite number >= 0 "),
     ],
-    ids=["empty-prompt", "batched-prompt", "negative-max-new-tokens", "negative-temperature", "nan-temperature"],
+    ids=["empty-prompt", "batched-prompt", "negative-max-new-tokens", "negative-temperature", "nan-temperature",
+         "inf-temperature"],
 )
 def test_bad_arguments_are_refused_by_name(prompt, kwargs, match):
     model = debug_model("gla-debug")
@@ -382,7 +384,7 @@ def test_generate_checks_its_arguments_before_the_model_and_the_tokenizer_agains
     err = cli_error(["generate", model, "--precision", "bf16-mixed"], capsys)
     assert err == "fabric-lin generate: error: --precision bf16-mixed: expected one of 16-true, 32-true, bf16-true\n"
     err = cli_error(["generate", model, "--temperature", "-1"], capsys)
-    assert err == "fabric-lin generate: error: --temperature -1: expected 0 (greedy) or a positive number\n"
+    assert err == "fabric-lin generate: error: --temperature -1: expected a finite number >= 0 (0: greedy)\n"
     err = cli_error(["generate", model, "--device", "cpu"], capsys)
     assert err.startswith(f"fabric-lin generate: error: {model}: its tokenizer has 64 pieces and its model 32 embeddings")
     # on the CPU the model decodes with PyTorch's ops, not the Triton kernels, which need a GPU
@@ -576,8 +578,8 @@ def test_generate_stops_before_the_stop_string(tmp_path, capsys):
 
 def test_generate_reads_the_prompt_from_a_file(tmp_path, capsys):
     """--prompt_file: the file's UTF-8 text is the prompt (less the line end an editor adds; a byte order mark left
-    out), `-` standard input; a file that is missing, a directory, empty, in another encoding, or given with --prompt
-    too is refused in one line before the model is read."""
+    out), `-` standard input; a file that is missing, a directory, in another encoding, or given with --prompt too is
+    refused in one line before the model is read."""
     import io
     import sys
 
@@ -601,7 +603,6 @@ def test_generate_reads_the_prompt_from_a_file(tmp_path, capsys):
 
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
     (tmp_path / "utf16.txt").write_bytes("the model".encode("utf-16"))
-    (tmp_path / "empty.txt").write_bytes(b"\n")
     model, given = str(tmp_path / "model"), str(tmp_path / "plain.txt")
     for argv, message in (
         (["--prompt", "the model", "--prompt_file", given], "--prompt and --prompt_file both give the prompt: give one "
@@ -616,10 +617,140 @@ def test_generate_reads_the_prompt_from_a_file(tmp_path, capsys):
         (["--prompt_file", str(tmp_path / "utf16.txt")], f"--prompt_file {tmp_path / 'utf16.txt'} is UTF-16 text (it "
                                                          "starts with UTF-16's byte order mark), expected UTF-8: convert "
                                                          "it first, e.g. iconv -f UTF-16 -t UTF-8"),
-        (["--prompt_file", str(tmp_path / "empty.txt")], f"--prompt_file {tmp_path / 'empty.txt'} is empty: expected "
-                                                         "the text of the prompt"),
         (["--prompt_file", model + "/lit_model.pth"], f"--prompt_file {model}/lit_model.pth is not a text file (it "
                                                        "holds a NUL byte at byte 4): expected a UTF-8 text file holding "
                                                        "the prompt"),
     ):
         assert cli_error(["generate", model, *argv], capsys) == f"fabric-lin generate: error: {message}\n", argv
+
+
+def test_generate_an_empty_prompt_samples_a_document_from_its_start(tmp_path, capsys):
+    """An empty --prompt, one the tokenizer makes no token of (spaces, which SentencePiece drops here) and an empty
+    --prompt_file alike: the model continues the end-of-text token alone (the full forward's greedy tokens after it),
+    and a line on stderr says the prompt is empty."""
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.generate import main as generate
+
+    config = small_config()
+    state = make_model_dir(tmp_path / "model", config)
+    model = GPT(config).eval()
+    model.load_state_dict(state)
+    tokenizer = Tokenizer(tmp_path / "model")
+    assert tokenizer.encode("   ").tolist() == []
+    greedy = full_forward_continuation(model, [tokenizer.eos_id], 8, tokenizer.vocab_size, tokenizer.eos_id,
+                                       lambda logits: logits.argmax().item())
+    (tmp_path / "empty.txt").write_bytes(b"\n")
+    for kwargs, said in (({"prompt": ""}, "--prompt '' is empty"),
+                         ({"prompt": "   "}, "--prompt '   ' gives the tokenizer no token"),
+                         ({"prompt_file": tmp_path / "empty.txt"}, f"--prompt_file {tmp_path / 'empty.txt'} is empty")):
+        capsys.readouterr()
+        text = generate(tmp_path / "model", max_new_tokens=8, temperature=0.0, device="cpu", **kwargs)
+        out, err = capsys.readouterr()
+        assert text == tokenizer.decode(greedy) and out == text + "\n" and text, kwargs
+        assert err.startswith(f"({said}: the model samples a document from its start)\n"), err
+
+
+def test_generate_an_empty_prompt_without_end_of_text_is_one_line(tmp_path, capsys):
+    """A tokenizer without an end-of-text token leaves an empty prompt nothing to continue: one line, not the error of
+    a prompt tensor of no token."""
+    import sentencepiece as spm
+
+    make_model_dir(tmp_path / "model", small_config())
+    (tmp_path / "corpus.txt").write_text("\n".join(f"the gated linear attention model number {i}" for i in range(200)))
+    spm.SentencePieceTrainer.Train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "model" / "tokenizer"),
+                                   vocab_size=64, model_type="bpe", bos_id=1, eos_id=-1, unk_id=0, pad_id=-1,
+                                   minloglevel=2)
+    err = cli_error(["generate", str(tmp_path / "model"), "--prompt", "", "--device", "cpu"], capsys)
+    assert err.startswith("fabric-lin generate: error: --prompt '' is empty, and the tokenizer has no end-of-text token "
+                          f"to start a document after ({tmp_path / 'model' / 'tokenizer.model'} (vocab_size=64"), err
+    assert err.endswith("): expected a prompt of at least one token\n"), err
+
+
+@pytest.mark.parametrize("typed, meant", [("\\n", "\n"), ("a\\tb", "a\tb"), ("\\r\\n", "\r\n"), ("\\\\n", "\\n"),
+                                          ("\n", "\n"), ("\\d+", "\\d+"), ("end\\", "end\\")])
+def test_generate_stop_reads_the_escapes_that_a_shell_leaves(tmp_path, capsys, monkeypatch, typed, meant):
+    """`--stop "\\n"` on a shell is a backslash and an n, which generated text hardly ever holds: it is a new line, as
+    \\t a tab, \\r a carriage return and \\\\ a backslash; a backslash before anything else, or at the end, is itself."""
+    import fabric_lin.generate as generate_module
+    from fabric_lin.cli import main as cli_main
+
+    stops = []
+
+    class RecordedStop(generate_module.StopString):
+        def __init__(self, stop):
+            stops.append(stop)
+            super().__init__(stop)
+
+    monkeypatch.setattr(generate_module, "StopString", RecordedStop)
+    make_model_dir(tmp_path / "model", small_config())
+    cli_main(["generate", str(tmp_path / "model"), "--stop", typed, "--max_new_tokens", "2", "--device", "cpu"])
+    assert stops == [meant]
+
+
+def test_generate_refuses_softmax_attention_past_its_max_seq_length(tmp_path, capsys, monkeypatch):
+    """A transformer's and a hybrid's prompt (with the end-of-text token before it) and new tokens past the
+    max_seq_length they were trained at: one line naming --max_new_tokens and the most it can be, before the weights
+    are read; up to it, the text is generated. GLA keeps a state, not positions, and generates past it."""
+    import fabric_lin.generate as generate_module
+    from fabric_lin.data import Tokenizer
+
+    def config(family):
+        overrides = dict(max_seq_length=16)
+        if family == "hybrid":
+            overrides.update(attn_layers=[1], attn_num_heads=2)
+        name = "transformer-debug" if family == "transformer" else "gla-debug"
+        return Config.from_name(name, vocab_size=64, num_layers=2, **overrides)
+
+    for family in ("transformer", "hybrid", "gla"):
+        make_model_dir(tmp_path / family, config(family))
+    prompt_length = 1 + len(Tokenizer(tmp_path / "gla").encode("the model"))  # the end-of-text token first
+    room = 16 - prompt_length
+    assert room > 0
+    for family, trained in (("transformer", "this transformer was"),
+                            ("hybrid", "this hybrid's softmax-attention layers were")):
+        argv = ["generate", str(tmp_path / family), "--prompt", "the model", "--device", "cpu", "--temperature", "0"]
+        with monkeypatch.context() as patch:
+            patch.setattr(generate_module, "load_model", None)  # refused before the model is loaded
+            err = cli_error(argv + ["--max_new_tokens", str(room + 1)], capsys)
+        assert err == (f"fabric-lin generate: error: --max_new_tokens {room + 1}: a prompt of {prompt_length} tokens (the "
+                       f"end-of-text token before it included) and {room + 1} new ones are 17 positions, past the "
+                       f"max_seq_length of 16 that {trained} trained at: give --max_new_tokens {room} or less, or a "
+                       f"shorter prompt\n"), err
+        text = generate_module.main(tmp_path / family, prompt="the model", max_new_tokens=room, temperature=0.0,
+                                    device="cpu")
+        assert text.startswith("the model")
+        # the Python function refuses it too, naming its own argument; a prompt of the whole length leaves no room
+        model = generate_module.load_model(tmp_path / family, torch.device("cpu"), torch.float32)
+        with pytest.raises(ValueError, match=r"^max_new_tokens 5: a prompt of 12 tokens and 5 new ones are 17 "
+                                             r"positions, .*: give max_new_tokens 4 or less, or a shorter prompt$"):
+            generate_tokens(model, torch.arange(12), 5)
+        with pytest.raises(ValueError, match=r"^max_new_tokens 1: a prompt of 16 tokens .*: give a prompt shorter than "
+                                             r"16 tokens$"):
+            generate_tokens(model, torch.arange(16), 1)
+    capsys.readouterr()
+    generate_module.main(tmp_path / "gla", prompt="the model", max_new_tokens=24, temperature=0.0, device="cpu")
+    assert capsys.readouterr().err.startswith("24 tokens in ")  # 31 positions, no end-of-text token among them
+
+
+@pytest.mark.parametrize("value, named", [("inf", "inf"), ("nan", "nan"), ("-inf", "-inf"), ("Infinity", "inf"),
+                                          ("1e400", "inf"), (".inf", "inf")])
+def test_generate_a_temperature_that_is_not_finite_is_one_line(tmp_path, capsys, value, named):
+    """jsonargparse refuses inf and nan for a float as "expected float" (which they are), and argparse -inf as an
+    option: each is refused as a temperature, a finite number >= 0."""
+    make_model_dir(tmp_path / "model", small_config())
+    err = cli_error(["generate", str(tmp_path / "model"), "--temperature", value], capsys)
+    assert err == f"fabric-lin generate: error: --temperature {named}: expected a finite number >= 0 (0: greedy)\n"
+
+
+@pytest.mark.parametrize("command, argument", [("generate", "checkpoint_dir"), ("evaluate", "checkpoint_dir"),
+                                               ("convert_to_hf", "model_dir")])
+def test_a_command_without_its_argument_points_to_its_own_help(capsys, command, argument):
+    """`fabric-lin generate` alone: the missing argument named with the command's usage, and the command's --help
+    pointed to, not fabric-lin's (where jsonargparse's top-level parser, which finds it missing, pointed)."""
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main([command])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (f"fabric-lin {command}: error: {argument} is required: fabric-lin {command} "
+                                       f"{argument.upper()} [options]\n(fabric-lin {command} --help lists the options)\n")
