@@ -630,3 +630,16 @@ def assert_close(actual, expected, name, tol=2e-5):
     err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
     bound = tol * max(1.0, expected.abs().max().item() if expected.numel() else 0.0)
     assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+
+
+def parse_error(argv, capsys) -> str:
+    """The one-line error of a command line or config file that jsonargparse refuses, followed by the --help hint."""
+    from fabric_lin.cli import main as cli_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == 2
+    line, hint = capsys.readouterr().err.splitlines()
+    assert hint == f"(fabric-lin {argv[0]} --help lists the options)"
+    return line
