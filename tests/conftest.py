@@ -502,6 +502,59 @@ def litdata_blocks(path, block_size: int) -> list:
     return [bytes(np.asarray(block).astype(np.int64)) for block in dataset]
 
 
+# The training run the evaluate tests read (test_evaluate.py, test_evaluate_harness.py, test_evaluate_errors.py):
+# each of those modules builds its own with train_evaluate_run in a module-scoped fixture.
+TRAIN_LEN = 32
+VAL_ITERS = 3
+WORDS = "the model reads a line of text and predicts the next word of it".split()
+
+
+def text_lines(n: int, seed: int) -> list:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=rng.integers(4, 12))) for _ in range(n)]
+
+
+def train_evaluate_run(root):
+    """A 2-step gla-debug run in root with a final validation of VAL_ITERS batches on a small corpus of its own
+    (a 300-piece tokenizer; 4 chunk files of 1000 tokens each for training and for validation)."""
+    import numpy as np
+
+    from fabric_lin.args import EvalArgs, TrainArgs
+    from fabric_lin.data import TokenChunks, Tokenizer
+    from fabric_lin.data.train_tokenizer import main as train_tokenizer
+    from fabric_lin.pretrain import setup
+    from helpers import write_prepared
+
+    (root / "raw").mkdir()
+    (root / "raw" / "a.txt").write_text("\n".join(text_lines(400, 0)))
+    train_tokenizer(root / "raw", root / "tok", vocab_size=300, num_threads=1)
+    tokenizer = Tokenizer(root / "tok")
+    for name, seed in (("train", 1), ("val", 2)):
+        ids = tokenizer.encode_batch(text_lines(900, seed), eos=True, num_threads=1)
+        write_prepared(root / name, np.concatenate(ids)[:4000].astype(np.uint16), tokenizer)
+    setup(
+        model_name="gla-debug", out_dir=root / "out", logger_name="csv", devices=1, tokenizer_dir=root / "tok",
+        data=TokenChunks(data_path=root / "train", val_path=root / "val", num_workers=0),
+        train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=TRAIN_LEN, save_interval=None,
+                        lr_warmup_steps=0),
+        eval=EvalArgs(max_iters=VAL_ITERS, interval=1000, final_validation=True),
+    )
+    return root
+
+
+def final_weights(run):
+    """The model of train_evaluate_run's final checkpoint (a GPT in eval mode), read without evaluate's loader."""
+    from fabric_lin.config import Config
+    from fabric_lin.model import GPT
+
+    checkpoint = torch.load(run / "out" / "final" / "lit_model.pth", weights_only=False)
+    model = GPT(Config.from_checkpoint(run / "out" / "final"))
+    model.load_state_dict(checkpoint["model"])
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """The uninterrupted debug run (helpers.DEBUG_ARGS), what the stopped and resumed ones must reproduce; with a

@@ -4,7 +4,7 @@ document asked about out of them, so a task of 4 documents has 3. The reference 
 run, 4 fail. Needs the optional extra (`pip install -e '.[eval]'`), skipped without it."""
 import pytest
 
-from test_evaluate import evaluate_in_subprocess, run, write_tasks  # noqa: F401 - run: the fixture of a trained model
+from test_evaluate_harness import evaluate_in_subprocess, run, write_tasks  # noqa: F401 - run: the fixture of a trained model
 
 pytestmark = pytest.mark.slow
 

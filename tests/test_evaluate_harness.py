@@ -1,0 +1,394 @@
+"""`fabric-lin evaluate --tasks`: the harness adapter's log-likelihoods equal log-softmax sums of a full forward
+pass (all three families, the rolling one across blocks of carried state), greedy only where every continuation token
+is the most likely, and its generation stops at the first stop string and samples where asked; three local tasks run
+by lm-evaluation-harness itself, against the model's own log-probabilities; too few few-shot examples, unknown or
+empty task names, a task file that is not there, --limit and the harness's options without --tasks are one line,
+the names checked before the model is read. The lm-evaluation-harness run itself needs the optional extra
+(`pip install -e '.[eval]'`) and is skipped without it."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning_fabric as L
+import numpy as np
+import pytest
+import torch
+
+from conftest import TRAIN_LEN, final_weights, text_lines, train_evaluate_run
+from fabric_lin.config import Config
+from fabric_lin.errors import InvalidValue
+from fabric_lin.evaluate import HarnessScorer, main as evaluate
+from fabric_lin.model import GPT
+from helpers import cli_error
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """conftest's train_evaluate_run, once for this module (a module-scoped fixture keeps the module's tests on one
+    pytest-xdist worker: conftest's pytest_xdist_make_scheduler)."""
+    return train_evaluate_run(tmp_path_factory.mktemp("evaluate"))
+
+
+# ---------------------------------------------------------------- the harness adapter, without the harness
+
+
+def scorer_for(model: GPT, tokenizer, batch_size: int, block_size: int) -> HarnessScorer:
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    return HarnessScorer(fabric, fabric.setup_module(model), tokenizer, batch_size, block_size)
+
+
+def full_logprobs(model: GPT, tokens: list) -> torch.Tensor:
+    """log p(tokens[t] | tokens[:t]) for t >= 1, from one forward pass over the whole sequence."""
+    ids = torch.tensor(tokens)[None]
+    with torch.no_grad():
+        logits = model(ids[:, :-1])[0].double()
+    return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+
+
+@pytest.fixture(scope="module", params=["gla-debug", "gdn-debug", "transformer-debug"])
+def family_model(request):
+    torch.manual_seed(0)
+    return GPT(Config.from_name(request.param)).eval()
+
+
+def test_harness_loglikelihood_equals_a_full_forward_log_softmax(run, family_model):
+    """Requests of several lengths in padded batches; an empty context (the end-of-text token alone before the
+    continuation) and a context ending in spaces (moved to the continuation)."""
+    from fabric_lin.data import Tokenizer
+
+    tokenizer = Tokenizer(run / "tok")
+    lines = text_lines(7, 5)
+    requests = [(lines[0], " " + lines[1]), ("", lines[2]), (lines[3] + "  ", lines[4]), (lines[5] * 3, " next"),
+                ("the", " model")]
+    got = scorer_for(family_model, tokenizer, batch_size=2, block_size=TRAIN_LEN).loglikelihood(requests)
+    eos = tokenizer.eos_id
+    for (context, continuation), (logprob, greedy) in zip(requests, got):
+        stripped = context.rstrip()
+        whole = tokenizer.encode(context + continuation).tolist()
+        n = len(whole) - len(tokenizer.encode(stripped).tolist() if stripped else [])
+        assert n > 0
+        expected = full_logprobs(family_model, [eos] + whole)[-n:]
+        assert logprob == pytest.approx(expected.sum().item(), abs=1e-4)
+        with torch.no_grad():
+            logits = family_model(torch.tensor([eos] + whole)[None, :-1])[0, -n:]
+        assert greedy == bool((logits.argmax(-1) == torch.tensor(whole[-n:])).all())
+
+
+def test_harness_greedy_means_every_continuation_token_is_the_most_likely(run, family_model):
+    """A continuation of the model's most likely token and then a token that is not (the tokens given as such): not
+    greedy; its first token alone is."""
+    from fabric_lin.data import Tokenizer
+
+    tokenizer = Tokenizer(run / "tok")
+    context = tokenizer.encode("the model").tolist()
+    with torch.no_grad():
+        likely = int(family_model(torch.tensor([tokenizer.eos_id] + context)[None])[0, -1].argmax())
+        after = int(family_model(torch.tensor([tokenizer.eos_id] + context + [likely])[None])[0, -1].argmax())
+    unlikely = (after + 1) % tokenizer.vocab_size
+    scorer = scorer_for(family_model, tokenizer, batch_size=2, block_size=TRAIN_LEN)
+    continuations = {"both": [likely, unlikely], "first": [likely]}
+    scorer.split = lambda context_text, continuation_text: (context, continuations[continuation_text])
+    assert [greedy for _, greedy in scorer.loglikelihood([("the model", "both"), ("the model", "first")])] == [False, True]
+
+
+def test_harness_rolling_loglikelihood_carries_the_state_across_blocks(run, family_model):
+    """Blocks of 8 tokens through the decoding cache against one forward pass over the whole document."""
+    from fabric_lin.data import Tokenizer
+
+    tokenizer = Tokenizer(run / "tok")
+    texts = [" ".join(text_lines(6, 7)), "the", " ".join(text_lines(3, 8))]
+    got = scorer_for(family_model, tokenizer, batch_size=1, block_size=8).loglikelihood_rolling(texts)
+    for text, logprob in zip(texts, got):
+        tokens = [tokenizer.eos_id] + tokenizer.encode(text).tolist()
+        assert logprob == pytest.approx(full_logprobs(family_model, tokens).sum().item(), abs=1e-4)
+    assert len(tokenizer.encode(texts[0])) > 3 * 8  # several blocks
+
+
+def test_harness_generate_until_stops_at_the_first_stop_string(run):
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.generate import generate_tokens
+
+    tokenizer = Tokenizer(run / "tok")
+    model = final_weights(run)
+    context = "the model reads a line"
+    prompt = torch.tensor([tokenizer.eos_id] + tokenizer.encode(context).tolist())
+    greedy = generate_tokens(model, prompt, 12, temperature=0, eos_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size)
+    full = tokenizer.decode(prompt[1:].tolist() + greedy.tolist())[len(context):]
+    assert len(full.strip()) > 3
+    stop = full.strip()[2:4]
+    scorer = scorer_for(model, tokenizer, batch_size=1, block_size=TRAIN_LEN)
+    got = scorer.generate_until([(context, {"until": [stop, "never there"], "max_gen_toks": 12}),
+                                 (context, {"until": "never there", "max_gen_toks": 12})])
+    assert got == [full[: full.index(stop)], full]
+    # two stop strings that the same token completes: the text ends before the one that begins first
+    ending = next(full[i: i + 3] for i in range(2, len(full) - 2) if full.find(full[i + 1: i + 3]) == i + 1)
+    assert scorer.generate_until([(context, {"until": [ending[1:], ending], "max_gen_toks": 12})]) == [
+        full[: full.index(ending)]]
+
+
+def test_harness_generate_until_samples_where_asked(run):
+    """do_sample with a temperature: the tokens sampled from the model's logits with the harness's seeded generator."""
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.generate import generate_tokens
+
+    tokenizer = Tokenizer(run / "tok")
+    model = final_weights(run)
+    context = "the model reads a line"
+    prompt = torch.tensor([tokenizer.eos_id] + tokenizer.encode(context).tolist())
+    text = {}
+    for temperature in (0.0, 1.5):
+        tokens = generate_tokens(model, prompt, 12, temperature=temperature, eos_id=tokenizer.eos_id,
+                                 generator=torch.Generator().manual_seed(1234), vocab_size=tokenizer.vocab_size)
+        text[temperature] = tokenizer.decode(prompt[1:].tolist() + tokens.tolist())[len(context):]
+    assert text[1.5] != text[0.0]
+    scorer = scorer_for(model, tokenizer, batch_size=1, block_size=TRAIN_LEN)
+    options = {"until": "never there", "max_gen_toks": 12, "do_sample": True, "temperature": 1.5}
+    assert scorer.generate_until([(context, options)]) == [text[1.5]]
+
+
+# ---------------------------------------------------------------- lm-evaluation-harness itself (optional extra)
+
+
+TASKS = {
+    "tiny_choice": """
+output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: label
+metric_list: [{metric: acc}]
+""",
+    "tiny_rolling": """
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{context}}"
+metric_list: [{metric: bits_per_byte}]
+""",
+    "tiny_generate": """
+output_type: generate_until
+doc_to_text: "{{context}}"
+doc_to_target: "{{choices[0]}}"
+generation_kwargs: {until: ["\\n"], max_gen_toks: 6}
+metric_list: [{metric: exact_match}]
+""",
+}
+
+
+def write_tasks(tmp_path: Path, n_docs: int = 4) -> list:
+    """TASKS as YAML files in tmp_path/tasks, over `n_docs` documents of tmp_path/docs.jsonl (a test split alone,
+    which is also where the harness takes few-shot examples from); returns the documents."""
+    lines = text_lines(n_docs + 4, 9)
+    docs = [{"context": lines[i], "choices": [lines[i + 1], lines[i + 2]], "label": i % 2} for i in range(n_docs)]
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps(doc) + "\n" for doc in docs)
+    (tmp_path / "tasks").mkdir()
+    for name, body in TASKS.items():
+        (tmp_path / "tasks" / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n"
+            f"test_split: test\nmetadata: {{version: 1.0}}\n{body}"
+        )
+    return docs
+
+
+def evaluate_in_subprocess(run: Path, tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
+    """`fabric-lin evaluate` of the run's final checkpoint with the tasks of `write_tasks`, into tmp_path/out, offline."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1])] + sys.path)}
+    return subprocess.run(
+        [sys.executable, "-m", "fabric_lin.cli", "evaluate", str(run / "out" / "final"), *options,
+         "--task_dir", str(tmp_path / "tasks"), "--out_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_harness_tasks_on_the_model_in_memory(run, tmp_path):
+    """Three local tasks (multiple choice, rolling log-likelihood, generation) through `fabric-lin evaluate --tasks`,
+    the results against the model's own log-probabilities."""
+    pytest.importorskip("lm_eval")
+    from fabric_lin.data import Tokenizer
+
+    docs = write_tasks(tmp_path)
+    proc = evaluate_in_subprocess(run, tmp_path, "--max_batches", "0", "--tasks", ",".join(TASKS))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "evaluate.json").read_text())["tasks"]["results"]
+
+    tokenizer = Tokenizer(run / "tok")
+    model = final_weights(run)
+    eos = tokenizer.eos_id
+    correct = 0
+    for doc in docs:  # the harness joins context and choice with a space (its target_delimiter)
+        scores = []
+        for choice in doc["choices"]:
+            whole = tokenizer.encode(doc["context"] + " " + choice).tolist()
+            n = len(whole) - len(tokenizer.encode(doc["context"]).tolist())
+            scores.append(full_logprobs(model, [eos] + whole)[-n:].sum().item())
+        correct += int(np.argmax(scores) == doc["label"])
+    assert results["tiny_choice"]["acc,none"] == pytest.approx(correct / len(docs))
+    logprob = sum(full_logprobs(model, [eos] + tokenizer.encode(doc["context"]).tolist()).sum().item() for doc in docs)
+    n_bytes = sum(len(doc["context"].encode("utf-8")) for doc in docs)
+    assert results["tiny_rolling"]["bits_per_byte,none"] == pytest.approx(-logprob / n_bytes / np.log(2), rel=1e-5)
+    assert "exact_match,none" in results["tiny_generate"]
+
+
+@pytest.mark.slow
+def test_unknown_task_name_is_one_line(run, capsys):
+    pytest.importorskip("lm_eval")
+    err = cli_error(["evaluate", str(run / "out" / "final"), "--tasks", "hellaswagg"], capsys)
+    assert "lm-evaluation-harness has no task, group or tag named 'hellaswagg' (did you mean hellaswag" in err
+
+
+@pytest.mark.slow
+def test_too_few_few_shot_examples_keep_the_data_s_results_and_are_one_line(run, tmp_path):
+    """--num_fewshot 5 of a task of 4 documents (its few-shot examples from them): the harness fails after the data
+    evaluation. The data's results are kept in evaluate.json, equal to those of the data alone, the task marked
+    failed, and the error is one line naming the task, --num_fewshot and how many examples the task has."""
+    pytest.importorskip("lm_eval")
+    write_tasks(tmp_path)
+    proc = evaluate_in_subprocess(run, tmp_path, "--max_batches", "1", "--tasks", "tiny_choice", "--num_fewshot", "5")
+    failed = "--num_fewshot 5: task tiny_choice has 4 few-shot examples: give --num_fewshot 4 or fewer"
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.endswith(f"fabric-lin evaluate: error: {failed}; the data's results are in "
+                                f"{tmp_path / 'out' / 'evaluate.json'}\n"), proc.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "evaluate.json").read_text())
+    assert results["tasks"] == {"failed": failed}
+    alone = evaluate(run / "out" / "final", max_batches=1, out_dir=tmp_path / "alone")
+    assert results["lengths"][0]["loss"] == alone["lengths"][0]["loss"]
+    assert evaluate_in_subprocess(run, tmp_path, "--max_batches", "1", "--tasks", "tiny_choice", "--num_fewshot", "4",
+                                  "--overwrite", "true").returncode == 0
+
+
+# ---------------------------------------------------------------- --tasks and the harness's options, checked first
+
+
+@pytest.mark.parametrize("limit,refused", [(0.5, False), (1.0, False), (20, False), (1.5, True), (0.0, True), (-2, True)])
+def test_limit_is_a_fraction_below_one_or_a_whole_count(limit, refused):
+    """lm-evaluation-harness reads a --limit of 1 or more as a count and cuts it to a whole one: 1.5 (one and a half
+    percent?) ran 1 example per task."""
+    from fabric_lin.evaluate import check_arguments
+
+    if refused:
+        with pytest.raises(InvalidValue, match=rf"^--limit must be a fraction below 1 or a whole count of examples per "
+                                               rf"task \(e\.g\. 0\.1 or 100\); got {limit}$"):
+            check_arguments(None, None, None, None, None, None, limit)
+    else:
+        check_arguments(None, None, None, None, None, None, limit)
+
+
+@pytest.mark.parametrize("tasks", ["", ",", " , "])
+def test_tasks_that_name_no_task_are_one_line(run, tmp_path, capsys, tasks):
+    """--tasks given with no name in it (an empty shell variable, say) evaluated the data alone, as if no task was
+    asked for."""
+    err = cli_error(["evaluate", str(run / "out" / "final"), "--max_batches", "1", "--out_dir", str(tmp_path / "eval"),
+                     "--tasks", tasks], capsys)
+    assert err == (f"fabric-lin evaluate: error: --tasks {tasks!r} names no task: give task, group or tag names "
+                   "separated by commas (e.g. hellaswag,arc_easy), or leave --tasks out\n")
+    assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.parametrize("tasks, entry", [("hellaswag,,arc_easy", "entry 2 of 3"), ("hellaswag, ,arc_easy", "entry 2 of 3"),
+                                          ("hellaswag,", "entry 2 of 2"), (",hellaswag,arc_easy", "entry 1 of 3"),
+                                          ("[hellaswag, '', arc_easy]", "entry 2 of 3")])
+def test_tasks_with_an_empty_entry_are_refused(tmp_path, capsys, tasks, entry):
+    """An empty entry among the names (a shell variable left unset: --tasks "hellaswag,$MORE,arc_easy") was dropped, and
+    fewer tasks than meant were evaluated; lm-eval refuses it (no task is named ''). Refused before a model is read."""
+    err = cli_error(["evaluate", str(tmp_path / "no checkpoint"), "--tasks", tasks], capsys)
+    given = repr(tasks) if not tasks.startswith("[") else "['hellaswag', '', 'arc_easy']"
+    assert err == (f"fabric-lin evaluate: error: --tasks {given}: {entry} is empty (a shell variable left unset, or a "
+                   f"comma too many?): every entry between commas names a task, group or tag, e.g. --tasks "
+                   f"{'hellaswag' if tasks == 'hellaswag,' else 'hellaswag,arc_easy'}\n")
+
+
+def test_task_names_are_checked_before_the_model_is_loaded(tmp_path, capsys, monkeypatch):
+    """Against a stand-in for the harness's TaskManager (its index of task names): an unknown name is one line with
+    the close ones; names all in --task_dir (or YAML files) leave the built-in tasks unindexed."""
+    import types
+
+    from fabric_lin.evaluate import find_tasks
+
+    built = []
+
+    class TaskManager:
+        def __init__(self, include_path=None, include_defaults=True):
+            built.append(include_defaults)
+            self.all_tasks = (["arc_easy", "hellaswag", "hellaswag_de"] if include_defaults else []) + (
+                [p.stem for p in Path(include_path).glob("*.yaml")] if include_path else [])
+
+    harness = types.ModuleType("lm_eval")
+    harness.tasks = types.ModuleType("lm_eval.tasks")
+    harness.tasks.TaskManager = TaskManager
+    monkeypatch.setitem(sys.modules, "lm_eval", harness)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "mine.yaml").write_text("task: mine\n")
+    err = cli_error(["evaluate", str(tmp_path / "no checkpoint"), "--tasks", "hellaswagg,arc_easy"], capsys)
+    assert err == ("fabric-lin evaluate: error: --tasks: lm-evaluation-harness has no task, group or tag named 'hellaswagg' "
+                   "(did you mean hellaswag, hellaswag_de?); `lm-eval ls tasks` lists them; a task of your own: the path "
+                   "of its YAML file, or --task_dir DIR\n")
+    built.clear()
+    assert find_tasks(["mine"], tmp_path / "tasks").all_tasks == ["mine"] and built == [False]
+    assert find_tasks([str(tmp_path / "tasks" / "mine.yaml")], None).all_tasks == [] and built == [False, False]
+    assert find_tasks(["mine", "hellaswag"], tmp_path / "tasks").all_tasks[-1] == "mine" and built[-1] is True
+
+
+def test_a_task_file_that_is_not_there_or_a_directory_of_tasks_in_tasks_is_named(tmp_path, capsys, monkeypatch):
+    """--tasks given a task file's path that does not exist, or a directory of task files (where --task_dir belongs),
+    is one line about that path, not an unknown task name with the harness's unrelated close names; a file's before the
+    harness indexes its tasks. A harness task that shares its name with a directory here is still the task."""
+    import types
+
+    built = []
+
+    class TaskManager:
+        def __init__(self, include_path=None, include_defaults=True):
+            built.append(include_defaults)
+            self.all_tasks = ["hellaswag", "openai_mmlu", "sib_tasks"] if include_defaults else []
+
+    harness = types.ModuleType("lm_eval")
+    harness.tasks = types.ModuleType("lm_eval.tasks")
+    harness.tasks.TaskManager = TaskManager
+    monkeypatch.setitem(sys.modules, "lm_eval", harness)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "mine.yaml").write_text("task: mine\n")
+    (tmp_path / "hellaswag").mkdir()
+    missing = tmp_path / "no checkpoint"
+    assert cli_error(["evaluate", str(missing), "--tasks", "hellaswag,tasks/mine.yml"], capsys) == (
+        "fabric-lin evaluate: error: --tasks tasks/mine.yml: no such task file (a task of your own: the path of its "
+        "YAML file, or its name with --task_dir DIR)\n")
+    assert built == []
+    assert cli_error(["evaluate", str(missing), "--tasks", "tasks/"], capsys) == (
+        "fabric-lin evaluate: error: --tasks tasks/ is a directory, not a task: give it as --task_dir tasks/ and name "
+        "the tasks of its YAML files in --tasks\n")
+    assert cli_error(["evaluate", str(missing), "--tasks", "tasks.yaml"], capsys) == (
+        "fabric-lin evaluate: error: --tasks tasks.yaml: no such task file (a task of your own: the path of its YAML "
+        "file, or its name with --task_dir DIR)\n")
+    (tmp_path / "dir.yaml").mkdir()
+    assert "--tasks dir.yaml is a directory, not a task" in cli_error(["evaluate", str(missing), "--tasks", "dir.yaml"], capsys)
+    assert f"error: {missing} is not a directory" in cli_error(["evaluate", str(missing), "--tasks", "hellaswag"], capsys)
+
+
+def test_a_task_file_s_path_starting_with_a_tilde_is_in_the_home_directory(tmp_path, capsys, monkeypatch,
+                                                                           harness_with_hellaswag):
+    """--tasks=~/mine.yaml (which no shell expands), alone or in a list, names the file in the home directory, as a
+    path option's ~ does: the names pass, and the command goes on to the checkpoint (here none: its one-line error)."""
+    from fabric_lin.evaluate import task_list
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "mine.yaml").write_text("task: mine\n")
+    missing = tmp_path / "no checkpoint"
+    for tasks in ("--tasks=~/mine.yaml", "--tasks=[~/mine.yaml, hellaswag]", "--tasks=hellaswag,~/mine.yaml"):
+        err = cli_error(["evaluate", str(missing), tasks], capsys)
+        assert f"error: {missing} is not a directory" in err, (tasks, err)
+    assert task_list("hellaswag, ~/mine.yaml") == ["hellaswag", str(tmp_path / "mine.yaml")]
+    assert task_list(["~/mine.yml"]) == [str(tmp_path / "mine.yml")]  # the other YAML suffix: a file too
+
+
+def test_harness_options_without_tasks_are_one_line(run, capsys):
+    final = run / "out" / "final"
+    for option, value in (("--limit", "5"), ("--num_fewshot", "2"), ("--task_dir", str(run))):
+        err = cli_error(["evaluate", str(final), option, value], capsys)
+        assert f"error: {option} set how lm-evaluation-harness runs its tasks, and no --tasks is given: give --tasks, " \
+               f"or leave {option} out\n" in err, err
