@@ -163,37 +163,37 @@ def fla_gdn_reference_logits(hf_dir: Path, input_ids: torch.Tensor) -> torch.Ten
     return x @ head.T
 
 
+def exported_and_our_logits(tmp_path: Path, config, length: int):
+    """(the fla export's directory, token ids [2, length], our model's logits for them in fp64): the model of a model
+    directory with random weights, written by convert_to_hf into tmp_path/hf."""
+    make_model_dir(tmp_path / "model", config)
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    model = GPT(config)
+    model.load_state_dict(load_model_dir_weights(tmp_path / "model"))
+    ids = torch.randint(0, config.vocab_size, (2, length))
+    with torch.no_grad():
+        return tmp_path / "hf", ids, model(ids).double()
+
+
 @pytest.mark.parametrize("overrides", [{}, {"attn_layers": [1], "attn_num_heads": 4, "attn_num_kv_heads": 2, "rope_base": 500.0},
                                        {"tie_embeddings": True, "head_dim": 32, "expand_v": 1.5}],
                          ids=["gdn", "gdn-hybrid", "gdn-tied"])
 def test_exported_gdn_computes_fla_logits(tmp_path, overrides):
     config = small_config(block_type="gdn", **{"head_dim": 48, "expand_v": 2.0, **overrides})
-    make_model_dir(tmp_path / "model", config)
-    convert_to_hf(tmp_path / "model", tmp_path / "hf")
-    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    hf_dir, ids, ours = exported_and_our_logits(tmp_path, config, 70)  # more than one 64-token chunk
+    cfg = json.loads((hf_dir / "config.json").read_text())
     assert cfg["model_type"] == "gated_deltanet" and cfg["architectures"] == ["GatedDeltaNetForCausalLM"]
     assert (cfg["head_dim"], cfg["num_heads"], cfg["use_gate"], cfg["use_short_conv"], cfg["conv_size"]) == (
         config.head_dim, 2, True, True, 4)
-    model = GPT(config)
-    model.load_state_dict(load_model_dir_weights(tmp_path / "model"))
-    ids = torch.randint(0, config.vocab_size, (2, 70))  # more than one 64-token chunk
-    with torch.no_grad():
-        ours = model(ids).double()
-    ref = fla_gdn_reference_logits(tmp_path / "hf", ids)
+    ref = fla_gdn_reference_logits(hf_dir, ids)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"num_kv_heads": 2}], ids=["mha", "gqa"])
 def test_exported_transformer_computes_fla_logits(tmp_path, overrides):
     config = small_config(block_type="transformer", num_heads=4, rope_base=500.0, **overrides)  # fast turns
-    make_model_dir(tmp_path / "model", config)
-    convert_to_hf(tmp_path / "model", tmp_path / "hf")
-    model = GPT(config)
-    model.load_state_dict(load_model_dir_weights(tmp_path / "model"))
-    ids = torch.randint(0, config.vocab_size, (2, 40))
-    with torch.no_grad():
-        ours = model(ids).double()
-    ref = fla_transformer_reference_logits(tmp_path / "hf", ids)
+    hf_dir, ids, ours = exported_and_our_logits(tmp_path, config, 40)
+    ref = fla_transformer_reference_logits(hf_dir, ids)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -203,12 +203,6 @@ def test_exported_transformer_computes_fla_logits(tmp_path, overrides):
 def test_exported_model_computes_fla_logits(tmp_path, overrides):
     # fla's head norm eps is norm_eps; with head_norm_eps equal to it the two models are the same function
     config = small_config(**{"head_norm_eps": 1e-6, **overrides})
-    make_model_dir(tmp_path / "model", config)
-    convert_to_hf(tmp_path / "model", tmp_path / "hf")
-    model = GPT(config)
-    model.load_state_dict(load_model_dir_weights(tmp_path / "model"))
-    ids = torch.randint(0, config.vocab_size, (2, 70))  # more than one 64-token chunk
-    with torch.no_grad():
-        ours = model(ids).double()
-    ref = fla_gla_reference_logits(tmp_path / "hf", ids)
+    hf_dir, ids, ours = exported_and_our_logits(tmp_path, config, 70)  # more than one 64-token chunk
+    ref = fla_gla_reference_logits(hf_dir, ids)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
