@@ -473,7 +473,10 @@ def test_a_rank_in_the_start_up_ends_when_the_rank_that_started_it_is_gone(tmp_p
     out.mkdir()
     launcher = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), str(out), str(tmp_path / "rank.py")],
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert launcher.wait(timeout=120) == 0
+    try:
+        assert launcher.wait(timeout=120) == 0
+    finally:
+        launcher.kill()  # ended already, unless the ranks never got ready
     assert (out / "launcher.done").read_text() == "joined.ready joining.ready"  # nothing told while rank 0 lived
     deadline = time.time() + 30
     while not ((out / "joining.lost").exists() and ((out / "joined.done").exists() or (out / "joined.lost").exists())) \
