@@ -6,7 +6,8 @@ frees its weights as asked, and validation leaves them sharded; Blocks wrapped f
 compiled train under FSDP2 as without it; fused AdamW skips an update on sharded weights as the loop asks; bf16-mixed
 gathers bf16 weights, keeps fp32 shards and gradients and reduces in fp32; FP8-converted layers gather their weights
 in FP8 where asked; a parameter that no reset_parameters() initialises is refused. The strategy for each choice (one process on each of several nodes too), its timeout, and FSDP's mesh of nodes; 16-mixed
-refused in one line; the errors of a lost peer told from others.
+refused in one line; the errors of a lost peer told from others. A rank that Fabric's launcher started ends when the
+rank that started it is gone before the rendezvous ends, and only then; the launching rank names itself to them.
 
 Run as a script (`python tests/test_parallelism.py OUT_DIR`), this file is the 4-process job that shards the model and
 writes what each layout's processes hold."""
@@ -417,6 +418,93 @@ def test_other_errors_pass_unchanged(error):
         with peer_lost_during("training"):
             raise error
     assert raised.value is error
+
+
+# The ranks of the watch's test: a launching rank (no torch: it starts at once) that starts two ranks as Fabric's
+# launcher starts them, one still in the rendezvous and one past it, and ends once both are there; each rank writes
+# <role>.ready, and <role>.lost if its watch calls on_lost, or <role>.done if it outlived the launching rank
+LAUNCHING_RANK = """
+import os, subprocess, sys, time
+out, rank_script = sys.argv[1:]
+env = {**os.environ, "FABRIC_LIN_LAUNCHING_RANK_PID": str(os.getpid()), "LOCAL_RANK": "1"}
+for role in ("joining", "joined"):
+    subprocess.Popen([sys.executable, rank_script, out, role], env=env)
+deadline = time.time() + 60
+while time.time() < deadline and not any(name.endswith(".lost") for name in os.listdir(out)) and not all(
+        os.path.exists(os.path.join(out, role + ".ready")) for role in ("joining", "joined")):
+    time.sleep(0.05)
+time.sleep(0.5)  # a watch that fired while this rank is alive has written its file by now
+seen = " ".join(sorted(os.listdir(out)))
+open(os.path.join(out, "launcher.done"), "w").write(seen)
+"""
+WATCHED_RANK = """
+import os, sys, time
+from fabric_lin.parallelism import launching_rank_watched
+out, role = sys.argv[1:]
+parent = os.getppid()
+
+def on_lost(lost):
+    open(os.path.join(out, role + ".lost"), "w").write(str(lost))
+    os._exit(75)
+
+with launching_rank_watched(on_lost, poll_seconds=0.05):
+    if role == "joining":  # a rendezvous that does not end
+        open(os.path.join(out, role + ".ready"), "w").close()
+        time.sleep(60)
+open(os.path.join(out, role + ".ready"), "w").close()
+deadline = time.time() + 60
+while os.getppid() == parent and time.time() < deadline:  # training on, past the launching rank's end
+    time.sleep(0.05)
+time.sleep(0.5)
+open(os.path.join(out, role + ".done"), "w").close()
+"""
+
+
+def test_a_rank_in_the_start_up_ends_when_the_rank_that_started_it_is_gone(tmp_path):
+    """Fabric's launcher starts ranks 1.. from rank 0: one waiting in the rendezvous when rank 0 ends is told at once
+    (its on_lost called, from the watch's thread), naming rank 0's process; one past the rendezvous is not watched any
+    more (it ends as its collectives fail), and neither is told while rank 0 lives."""
+    import subprocess
+    import time
+
+    (tmp_path / "launcher.py").write_text(LAUNCHING_RANK)
+    (tmp_path / "rank.py").write_text(WATCHED_RANK)
+    out = tmp_path / "out"
+    out.mkdir()
+    launcher = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), str(out), str(tmp_path / "rank.py")],
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert launcher.wait(timeout=120) == 0
+    finally:
+        launcher.kill()  # ended already, unless the ranks never got ready
+    assert (out / "launcher.done").read_text() == "joined.ready joining.ready"  # nothing told while rank 0 lived
+    deadline = time.time() + 30
+    while not ((out / "joining.lost").exists() and ((out / "joined.done").exists() or (out / "joined.lost").exists())) \
+            and time.time() < deadline:
+        time.sleep(0.1)
+    assert (out / "joining.lost").read_text() == (
+        f"a peer process of the run ended or became unreachable during the start-up (process {launcher.pid}, the "
+        f"rank that started this one, ended before every process had joined)")
+    assert (out / "joined.done").exists() and not (out / "joined.lost").exists()
+
+
+def test_the_launching_rank_names_itself_to_the_ranks_it_starts(monkeypatch):
+    """Within the rendezvous, the rank that Fabric's launcher starts the others from puts its own process id in their
+    environment, whatever its own held (it may itself have been started by a run's rank); afterwards it is as before."""
+    from fabric_lin.parallelism import LAUNCHING_RANK_PID, launching_rank_watched
+
+    told = []
+    for inherited in (None, "1"):
+        with monkeypatch.context() as env:
+            env.delenv("LOCAL_RANK", raising=False)
+            if inherited is None:
+                env.delenv(LAUNCHING_RANK_PID, raising=False)
+            else:
+                env.setenv(LAUNCHING_RANK_PID, inherited)
+            with launching_rank_watched(told.append, poll_seconds=0.01):
+                assert os.environ[LAUNCHING_RANK_PID] == str(os.getpid())
+            assert os.environ.get(LAUNCHING_RANK_PID) == inherited
+    assert told == []
 
 
 def test_fsdp_mesh_shards_over_a_nodes_processes_and_replicates_across_nodes(monkeypatch):

@@ -5,10 +5,11 @@ that are not tensors are named, not dropped, and a DCP directory without the ent
 checkpoint's optimizer state is resumed in a sharded run only into parameter groups of the sizes it was saved with,
 each parameter getting its own state, and only into a model of its parameters; a sharded checkpoint resumed in a run
 that does not shard gives each parameter the state saved under its name (whatever order its model registered them in),
-the counters and the data loader's position, and is refused where its model or its groups hold other parameters. A
-shard, .metadata or meta.pt missing, cut short or garbled is named in one line by every reader, in one process or in a
-sharded run (and by evaluate and convert where a shard goes after the manifest verified); a Ctrl-C during a read stays
-a Ctrl-C.
+the counters and the data loader's position, and is refused where its model or its groups hold other parameters (groups
+of the same sizes too); both take a resuming model wrapped for activation checkpointing. A sharded run resuming its own
+checkpoint keeps its data loader, at the saved position. A shard, .metadata or meta.pt missing, cut short (by one byte
+too) or garbled is named in one line by every reader, in one process or in a sharded run (and by evaluate and convert
+where a shard goes after the manifest verified, or during the read); a Ctrl-C during a read stays a Ctrl-C.
 (Sharded checkpoints written by pretrain, converted and resumed on other meshes in one process or several:
 test_pretrain_sharded.py.)"""
 import collections
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from fabric_lin.sharded_checkpoint import load_one_file_train_state, load_sharded_model_state
+from fabric_lin.weights import canonical_name
 from helpers import TouchOnUnpickle
 
 
@@ -53,8 +55,10 @@ def test_sharded_metadata_calling_python_or_torch_is_refused(tmp_path, call, nam
     weights = tmp_path / "lit_model.pth"
     weights.mkdir()
     (weights / ".metadata").write_bytes(pickle.dumps(call(tmp_path / "pwned")))
-    with pytest.raises(ValueError, match=rf"refers to {named}, which is not part of a torch.distributed.checkpoint"):
+    with pytest.raises(ValueError) as info:
         load_sharded_model_state(weights)
+    assert str(info.value) == (f"{weights / '.metadata'} refers to {named}, which is not part of a torch.distributed."
+                               f"checkpoint metadata file; refusing to unpickle it")
     assert not (tmp_path / "pwned").exists()
 
 
@@ -153,10 +157,20 @@ class Tiny(torch.nn.Module):
         return self.norm(self.proj(x))
 
 
+def checkpointed(model: Tiny) -> Tiny:
+    """`model` with its projection wrapped for activation checkpointing, as pretrain wraps the Blocks: its parameters'
+    names gain the wrapper's prefix (proj._checkpoint_wrapped_module.weight), which no checkpoint holds."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, torch.nn.Linear))
+    assert "proj._checkpoint_wrapped_module.weight" in dict(model.named_parameters())
+    return model
+
+
 GROUPINGS = {  # an optimizer's parameter groups
     # pretrain's: weight decay on the projection's weight, none on biases and norms, each group in the model's order
     "pretrain's": lambda m: [{"params": [m.proj.weight], "weight_decay": 0.1},
-                             {"params": [p for n, p in m.named_parameters() if n != "proj.weight"], "weight_decay": 0.0}],
+                             {"params": [p for p in m.parameters() if p is not m.proj.weight], "weight_decay": 0.0}],
     "one group": lambda m: [{"params": list(m.parameters()), "weight_decay": 0.1}],
     "without norm.bias": lambda m: [{"params": [m.proj.weight], "weight_decay": 0.1},
                                     {"params": [m.proj.bias, m.norm.weight], "weight_decay": 0.0}],
@@ -164,8 +178,9 @@ GROUPINGS = {  # an optimizer's parameter groups
 
 
 def moments(model, optimizer) -> dict:
-    """Each parameter's AdamW exp_avg, by name."""
-    return {name: optimizer.state[p]["exp_avg"] for name, p in model.named_parameters() if p in optimizer.state}
+    """Each parameter's AdamW exp_avg, by name (the bare model's)."""
+    return {canonical_name(name): optimizer.state[p]["exp_avg"] for name, p in model.named_parameters()
+            if p in optimizer.state}
 
 
 def save_one_file_checkpoint(path, grouping: str) -> dict:
@@ -178,9 +193,10 @@ def save_one_file_checkpoint(path, grouping: str) -> dict:
     return moments(model, optimizer)
 
 
-def resuming_state() -> dict:
-    """What load_one_file_train_state restores in place: a fresh Tiny and pretrain's groups, in Fabric's wrappers."""
-    model = Tiny()
+def resuming_state(wrap=lambda model: model) -> dict:
+    """What load_one_file_train_state restores in place: a fresh Tiny (`wrap`ped) and pretrain's groups, in Fabric's
+    wrappers."""
+    model = wrap(Tiny())
     optimizer = torch.optim.AdamW(GROUPINGS["pretrain's"](model))
     return {"model": types.SimpleNamespace(module=model), "optimizer": types.SimpleNamespace(optimizer=optimizer),
             "step_count": 0}
@@ -204,6 +220,19 @@ def test_a_one_file_optimizer_state_of_other_parameter_groups_is_refused(tmp_pat
     load_one_file_train_state(tmp_path / "same.pth", state)
     torch.testing.assert_close(moments(state["model"].module, state["optimizer"].optimizer), expected, rtol=0, atol=0)
     assert state["step_count"] == 1
+
+
+def test_a_one_file_checkpoint_resumes_into_a_model_wrapped_for_activation_checkpointing(tmp_path):
+    """The resuming run's parameters are named with the wrapper's prefix, the checkpoint's without: each gets its own
+    weights and moments all the same."""
+    torch.manual_seed(0)
+    expected = save_one_file_checkpoint(tmp_path / "one.pth", "pretrain's")
+    state = resuming_state(checkpointed)
+    load_one_file_train_state(tmp_path / "one.pth", state)
+    model = state["model"].module
+    torch.testing.assert_close({canonical_name(n): p.detach() for n, p in model.named_parameters()},
+                               torch.load(tmp_path / "one.pth", weights_only=True)["model"], rtol=0, atol=0)
+    torch.testing.assert_close(moments(model, state["optimizer"].optimizer), expected, rtol=0, atol=0)
 
 
 def test_a_one_file_checkpoint_of_another_model_is_refused_naming_the_parameters(tmp_path):
@@ -254,30 +283,33 @@ def save_sharded_checkpoint(path, model: Tiny, optimizer_state=None) -> dict:
     return moments(model, optimizer)
 
 
-def resuming_unsharded_state() -> dict:
-    """What load_sharded_train_state restores in place: a fresh Tiny (registered norm first), pretrain's groups and a
-    data loader in Fabric's wrapper."""
+def resuming_unsharded_state(wrap=lambda model: model) -> dict:
+    """What load_sharded_train_state restores in place: a fresh Tiny (registered norm first, `wrap`ped), pretrain's
+    groups and a data loader in Fabric's wrapper."""
     from lightning_fabric.wrappers import _FabricDataLoader
 
-    model = Tiny()
+    model = wrap(Tiny())
     return {"model": model, "optimizer": torch.optim.AdamW(GROUPINGS["pretrain's"](model)), "step_count": 0,
             "train_dataloader": _FabricDataLoader(ResumableLoader())}
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.parametrize("projection_first", [False, True], ids=["same-order", "registered-in-another-order"])
-def test_a_sharded_checkpoint_resumes_in_a_run_that_does_not_shard(tmp_path, projection_first):
+@pytest.mark.parametrize("projection_first, wrap", [(False, None), (True, None), (False, checkpointed)],
+                         ids=["same-order", "registered-in-another-order", "resumed-with-activation-checkpointing"])
+def test_a_sharded_checkpoint_resumes_in_a_run_that_does_not_shard(tmp_path, projection_first, wrap):
     """The weights, each parameter's moments (saved under its name: whatever order the saving run's model registered its
-    parameters in, and so its groups listed them), the counters and the data loader's position."""
+    parameters in, and so its groups listed them, and whatever wrapper the resuming run's model puts around a module),
+    the counters and the data loader's position."""
     from fabric_lin.sharded_checkpoint import load_sharded_train_state
 
     torch.manual_seed(0)
     saved_model = Tiny(projection_first)
     expected = save_sharded_checkpoint(tmp_path / "lit_model.pth", saved_model)
-    state = resuming_unsharded_state()
+    state = resuming_unsharded_state(wrap) if wrap else resuming_unsharded_state()
     load_sharded_train_state(tmp_path / "lit_model.pth", state)
     model, optimizer = state["model"], state["optimizer"]
-    torch.testing.assert_close(dict(model.named_parameters()), dict(saved_model.named_parameters()), rtol=0, atol=0)
+    torch.testing.assert_close({canonical_name(n): p for n, p in model.named_parameters()},
+                               dict(saved_model.named_parameters()), rtol=0, atol=0)
     torch.testing.assert_close(moments(model, optimizer), expected, rtol=0, atol=0)
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
     assert state["step_count"] == 1 and state["train_dataloader"]._dataloader.position == 3
@@ -310,6 +342,13 @@ def test_a_sharded_checkpoint_of_other_parameters_or_groups_is_refused_naming_th
     with pytest.raises(ValueError, match=r"regrouped: the checkpoint's optimizer groups the parameters otherwise than "
                        r"this run's: its group 0 holds \['norm.bias', 'proj.weight'\], this run's \['proj.weight'\]"):
         load_sharded_train_state(tmp_path / "regrouped", resuming_unsharded_state())
+    # groups of this run's sizes (1 + 3) holding other parameters: weight decay on the norm's bias, none on the projection
+    optimizer = torch.optim.AdamW([{"params": [model.norm.bias], "weight_decay": 0.1},
+                                   {"params": [model.norm.weight, model.proj.weight, model.proj.bias], "weight_decay": 0.0}])
+    save_sharded_checkpoint(tmp_path / "swapped", model, get_optimizer_state_dict(model, optimizer))
+    with pytest.raises(ValueError, match=r"swapped: the checkpoint's optimizer groups the parameters otherwise than "
+                       r"this run's: its group 0 holds \['norm.bias'\], this run's \['proj.weight'\]"):
+        load_sharded_train_state(tmp_path / "swapped", resuming_unsharded_state())
     # the state of a parameter that no group holds
     saved_optimizer = get_optimizer_state_dict(model, torch.optim.AdamW(GROUPINGS["pretrain's"](model)))
     saved_optimizer["state"]["ghost.weight"] = {"step": torch.tensor(1.0)}
@@ -329,6 +368,12 @@ def _shard_missing(weights):
 def _shard_truncated(weights):
     with open(weights / "__0_0.distcp", "r+b") as f:
         f.truncate(100)
+
+
+def _shard_short_by_a_byte(weights):  # what the furthest byte the .metadata places there needs
+    shard = weights / "__0_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1)
 
 
 def _shard_garbled(weights):  # its size kept: what only the manifest's CRC-32 would tell
@@ -355,6 +400,9 @@ DAMAGES = {  # what is done to a sharded lit_model.pth -> the error that names i
     "shard truncated": (_shard_truncated, ValueError,
                         r"{weights}/__0_0\.distcp is truncated: 100 bytes, where the checkpoint's \.metadata places data "
                         r"up to byte [\d,]+$"),
+    "shard short by a byte": (_shard_short_by_a_byte, ValueError,
+                              r"{weights}/__0_0\.distcp is truncated: [\d,]+ bytes, where the checkpoint's \.metadata "
+                              r"places data up to byte [\d,]+$"),
     "shard garbled": (_shard_garbled, ValueError,
                       r"{weights}: the sharded checkpoint cannot be read \(UnpicklingError: Weights only load failed\): "
                       r"it is damaged; load an older checkpoint of the run$"),
@@ -409,6 +457,27 @@ def test_a_ctrl_c_while_a_sharded_checkpoint_is_read_stays_a_ctrl_c(tmp_path, mo
     monkeypatch.setattr(DefaultLoadPlanner, "resolve_tensor", interrupted)
     with pytest.raises(KeyboardInterrupt):
         load_sharded_model_state(weights)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_shard_gone_while_the_checkpoint_is_read_is_named(tmp_path, monkeypatch):
+    """The files are checked before the read, but the run that wrote the checkpoint may prune it in the meantime
+    (keep_last_n): a shard gone by the time torch.distributed.checkpoint opens it is named as one gone before."""
+    from fabric_lin.sharded_checkpoint import _SafeDCPReader
+
+    weights = tmp_path / "lit_model.pth"
+    save_sharded_checkpoint(weights, Tiny())
+    read_data = _SafeDCPReader.read_data
+
+    def pruned_first(self, *args, **kwargs):
+        (weights / "__0_0.distcp").unlink()
+        return read_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(_SafeDCPReader, "read_data", pruned_first)
+    with pytest.raises(FileNotFoundError) as info:
+        load_sharded_model_state(weights)
+    assert str(info.value) == (f"{weights}: the sharded checkpoint is incomplete: its shard __0_0.distcp is missing (its "
+                               f".metadata places tensors in it)")
 
 
 def sharded_training_checkpoint(checkpoint):
@@ -471,6 +540,38 @@ def test_a_shard_gone_after_the_checkpoint_verified_is_named_by_the_command(tmp_
     line = cli_error(argv, capsys)
     assert line == (f"fabric-lin {command}: error: {checkpoint / 'lit_model.pth'}: the sharded checkpoint is incomplete: "
                     f"its shard __0_0.distcp is missing (its .metadata places tensors in it)\n")
+
+
+def _sharded_run_resumes_its_checkpoint(rank: int, out_dir, port: int) -> None:
+    """One of the 2 CPU processes of a sharded (FSDP2) run: it saves a checkpoint at step 5 with its data loader 3
+    batches in, then resumes it into a fresh train state (the loader, Fabric-wrapped as pretrain's is, at 0); what it
+    resumed is left in out_dir/../resumed-<rank>.pt."""
+    from lightning_fabric.wrappers import _FabricDataLoader
+
+    from fabric_lin.checkpoint import Checkpointer, load_train_state, train_state
+    from helpers import sharded_gla_rank
+
+    fabric, state, config = sharded_gla_rank(rank, port, "sharded-resume")
+    state.update(step_count=5, iter_num=20, train_dataloader=_FabricDataLoader(ResumableLoader()))
+    state["train_dataloader"]._dataloader.position = 3
+    saved = Checkpointer(out_dir, {}, config).save(fabric, state)
+    loader = _FabricDataLoader(ResumableLoader())
+    resumed = train_state(state["model"], state["optimizer"], loader)
+    load_train_state(fabric, saved, resumed)
+    torch.save({"loader kept": resumed["train_dataloader"] is loader, "position": loader._dataloader.position,
+                "counters": (resumed["step_count"], resumed["iter_num"])}, out_dir.parent / f"resumed-{rank}.pt")
+
+
+@pytest.mark.slow
+def test_a_sharded_run_resumes_its_data_loaders_position_and_counters(tmp_path):
+    """Fabric's sharded load puts what a checkpoint saved of an object other than the model and the optimizer (the data
+    loader's state dict) in the object's place; resumed, each rank's loader is the run's own, at the saved position."""
+    from helpers import run_forked_ranks
+
+    assert run_forked_ranks(lambda rank, port: _sharded_run_resumes_its_checkpoint(rank, tmp_path / "out", port)) == [0, 0]
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"resumed-{rank}.pt", weights_only=True) == {
+            "loader kept": True, "position": 3, "counters": (5, 20)}, rank
 
 
 def _sharded_run_resumes_damaged_copies(rank: int, out_dir, port: int) -> None:
