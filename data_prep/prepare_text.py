@@ -25,7 +25,7 @@ from typing import Iterator, List, Optional, Union
 
 import numpy as np
 
-from fabric_lin.errors import AlreadyExists, InvalidValue
+from fabric_lin.errors import AlreadyExists, InvalidValue, sigterm_interrupts
 
 if __name__ == "__main__":  # run as a script: make `data_prep` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,7 +49,6 @@ from fabric_lin.data.recipe import (
 )
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
 from fabric_lin.files import check_empty_output_dir, created_dir
-from fabric_lin.stopping import sigterm_interrupts
 
 # Documents read from a file at once (and so handed to the tokenizer together, in groups of
 # recipe.ENCODE_GROUP_CHARS characters).

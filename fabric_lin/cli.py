@@ -4,9 +4,9 @@ command line (jsonargparse turns typed arguments into flags and YAML keys).
 A failure that fabric-lin anticipates (a bad value, a missing or damaged file, ...: `fabric_lin.errors.UserError`)
 is reported in one line naming the key, value or file and the fix, by rank 0 (and the first process of each other
 node, naming its rank), with exit code 2; an unexpected one (a bug) keeps its traceback, as does every failure with
-FABRIC_LIN_DEBUG=1. Ctrl-C exits with 130. A run of several processes that lost one of them
-(`fabric_lin.errors.PeerLost`) says so in one line on every rank that is left, with exit code 75, unless the rank that
-is gone left the error it ended on: rank 0 then prints that, naming the rank.
+FABRIC_LIN_DEBUG=1. Ctrl-C exits with 130, SIGTERM with 143 (but in pretrain). A run of several processes that lost one
+of them (`fabric_lin.errors.PeerLost`) says so in one line on every rank that is left, with exit code 75, unless the
+rank that is gone left the error it ended on: rank 0 then prints that, naming the rank.
 """
 import time
 
@@ -14,6 +14,7 @@ import time
 # derives the start of Python from the two). Taken before anything else is imported.
 ENTERED_AT = (time.time(), time.process_time())
 
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
@@ -22,7 +23,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
-from fabric_lin.errors import FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, process_rank  # noqa: E402
+from fabric_lin.errors import (FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, process_rank,  # noqa: E402
+                               sigterm_interrupts)
 
 DEBUG_ENV = "FABRIC_LIN_DEBUG"
 
@@ -447,8 +449,9 @@ def run_and_report(argv=None) -> None:
     """The command, its anticipated errors reported in one line each and turned into exit codes."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = f"fabric-lin {argv[0]}" if argv and argv[0] in COMMANDS else "fabric-lin"
-    try:
-        run(argv)
+    try:  # SIGTERM ends every command as Ctrl-C does, but pretrain, which checkpoints on it (fabric_lin.stopping)
+        with sigterm_interrupts() if prog != "fabric-lin pretrain" else contextlib.nullcontext():
+            run(argv)
     except KeyboardInterrupt as e:
         if debug_enabled():
             raise
@@ -458,6 +461,9 @@ def run_and_report(argv=None) -> None:
         writes = bool(argv) and argv[0] in COMMANDS and argv[0] != "generate"
         what_now = (": nothing half-written is left; run the same command again"
                     if writes and (not said or said.startswith("SIG")) else "")
+        if said == "SIGTERM" and prog != "fabric-lin pretrain":  # 143: what a scheduler expects of a job it stopped
+            report(prog, "stopped by SIGTERM" + what_now)
+            raise SystemExit(128 + signal.SIGTERM) from None
         report(prog, "interrupted" + (f" ({said})" if said else "") + what_now)
         raise SystemExit(130) from None
     except BrokenPipeError:

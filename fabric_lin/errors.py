@@ -12,8 +12,11 @@ rank left in the run's store (`leave_error_for_rank_0`)."""
 import errno
 import json
 import os
+import signal
 import sys
-from typing import Optional, Tuple
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Optional, Tuple
 
 # The errors of a file system that a command reports in one line where they name their file: no space left, a quota
 # reached, no permission, a read-only file system (nothing the command could have done otherwise)
@@ -118,3 +121,23 @@ def process_rank() -> int:
         if os.environ.get(key, "").isdigit():
             return int(os.environ[key])
     return 0
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within the block, SIGTERM (`kill`, `timeout`, a scheduler) raises KeyboardInterrupt("SIGTERM") as Ctrl-C does, so
+    that the block's clean-up of what it was writing runs; SIGTERM's default action would end the process where it
+    stands, leaving half-written files behind. Outside the main thread, where no handler can be set, the block runs as
+    it is. (KeyboardInterrupt itself: a script ends on an uncaught one as killed by SIGINT, on a subclass with 1.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -2,10 +2,8 @@
 (update skipped, stop requested) agreed across ranks without the host waiting for the GPU."""
 import os
 import signal
-import threading
 from collections import deque
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 
@@ -120,23 +118,3 @@ class StopRequest:
         if self.announce and name == "SIGINT":
             # os.write, not print: a handler that prints while the loop prints fails with a reentrant call
             os.write(2, b"\nCtrl-C: stopping with a checkpoint at the end of this step (Ctrl-C again to stop at once, without it)\n")
-
-
-@contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """Within the block, SIGTERM (`kill`, `timeout`, a scheduler) raises KeyboardInterrupt("SIGTERM") as Ctrl-C does, so
-    that the block's clean-up of what it was writing runs; SIGTERM's default action would end the process where it
-    stands, leaving a half-written working directory behind. Outside the main thread, where no handler can be set,
-    the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -764,17 +764,20 @@ def test_ctrl_c_is_one_line_with_exit_code_130_and_the_debug_flag_shows_its_trac
 
     monkeypatch.setattr(cli, "run", interrupted)
     capsys.readouterr()
-    # a Ctrl-C, the SIGTERM that the preprocessors turn into one, pretrain's second Ctrl-C, which says what to do, and
-    # generate's Ctrl-C, which writes nothing
-    for command, reason, said in (
-            ("evaluate", "", "interrupted: nothing half-written is left; run the same command again"),
+    # a Ctrl-C, a SIGTERM (143: what a scheduler expects of a job it stopped), pretrain's second Ctrl-C, which says
+    # what to do, a SIGTERM while pretrain prepares data (pretrain's own stops otherwise), and generate's Ctrl-C, which
+    # writes nothing
+    for command, reason, said, code in (
+            ("evaluate", "", "interrupted: nothing half-written is left; run the same command again", 130),
             ("prepare_text", "SIGTERM",
-             "interrupted (SIGTERM): nothing half-written is left; run the same command again"),
-            ("pretrain", "a second Ctrl-C: stopped at once", "interrupted (a second Ctrl-C: stopped at once)"),
-            ("generate", "", "interrupted")):
+             "stopped by SIGTERM: nothing half-written is left; run the same command again", 143),
+            ("pretrain", "a second Ctrl-C: stopped at once", "interrupted (a second Ctrl-C: stopped at once)", 130),
+            ("pretrain", "SIGTERM",
+             "interrupted (SIGTERM): nothing half-written is left; run the same command again", 130),
+            ("generate", "", "interrupted", 130), ("generate", "SIGTERM", "stopped by SIGTERM", 143)):
         with pytest.raises(SystemExit) as info:
             cli.main([command])
-        assert info.value.code == 130 and capsys.readouterr().err == f"fabric-lin {command}: {said}\n"
+        assert info.value.code == code and capsys.readouterr().err == f"fabric-lin {command}: {said}\n"
     reason = ""
     monkeypatch.setenv("FABRIC_LIN_DEBUG", "1")
     with pytest.raises(KeyboardInterrupt):

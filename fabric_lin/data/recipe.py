@@ -24,9 +24,8 @@ from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data.prepared import SMALLEST_CHUNK, check_prepared_dir, write_prepared_info
 from fabric_lin.data.raw_files import BadFileError, check_input_dir
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
-from fabric_lin.errors import AlreadyExists, InvalidValue, UserError
+from fabric_lin.errors import AlreadyExists, InvalidValue, UserError, sigterm_interrupts
 from fabric_lin.files import check_empty_output_dir, created_dir, environment_variables
-from fabric_lin.stopping import sigterm_interrupts
 
 # Documents are encoded in groups of about this many characters: large enough for SentencePiece's
 # threads to share, small enough that the Python lists of ids stay a few hundred MB at most.
