@@ -21,6 +21,18 @@ def rms(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def fla_mlp(x, p, eps):
+    """fla's GatedMLP of a layer after its mlp_norm; p(name) gives that layer's weight."""
+    h = rms(x, p("mlp_norm.weight"), eps)
+    return (F.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+
+
+def fla_logits(x, w, eps):
+    """The final norm and the head (the embeddings where tied) of fla's weights w."""
+    head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.embeddings.weight"]
+    return rms(x, w["model.norm.weight"], eps) @ head.T
+
+
 def fla_gla_reference_logits(hf_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
     """GLAForCausalLM's forward as fla defines it, written from fla's modeling_gla.py / layers/gla.py
     and reading only config.json and the safetensors file: token-by-token recurrence in fp64."""
@@ -48,11 +60,8 @@ def fla_gla_reference_logits(hf_dir: Path, input_ids: torch.Tensor) -> torch.Ten
             o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * Dk**-0.5, S)
         o = rms(o, p("attn.g_norm_swish_gate.weight"), eps) * F.silu(g.view(B, T, H, Dv))
         x = x + o.reshape(B, T, H * Dv) @ p("attn.o_proj.weight").T
-        h = rms(x, p("mlp_norm.weight"), eps)
-        x = x + (F.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
-    x = rms(x, w["model.norm.weight"], eps)
-    head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.embeddings.weight"]
-    return x @ head.T
+        x = x + fla_mlp(x, p, eps)
+    return fla_logits(x, w, eps)
 
 
 def rotate(x: torch.Tensor, base: float) -> torch.Tensor:
@@ -75,28 +84,12 @@ def fla_transformer_reference_logits(hf_dir: Path, input_ids: torch.Tensor) -> t
     cfg = json.loads((hf_dir / "config.json").read_text())
     w = {k: v.double() for k, v in load_file(hf_dir / "model.safetensors").items()}
     eps, H, base = cfg["norm_eps"], cfg["num_heads"], cfg["rope_theta"]
-    groups = H // (cfg["num_kv_heads"] or H)
     x = F.embedding(input_ids, w["model.embeddings.weight"])
-    B, T, d = x.shape
-    D = d // H
     for i in range(cfg["num_hidden_layers"]):
         p = lambda n: w[f"model.layers.{i}.{n}"]  # noqa: E731
-        h = rms(x, p("attn_norm.weight"), eps)
-        q, k, v = (h @ p(f"attn.{n}_proj.weight").T for n in "qkv")
-        q, k = rotate(q.view(B, T, H, D), base), rotate(k.view(B, T, H // groups, D), base)
-        v = v.view(B, T, H // groups, D)
-        o = torch.empty(B, T, H, D, dtype=torch.float64)
-        for head in range(H):
-            kv = head // groups  # query heads share their group's key/value head
-            for t in range(T):
-                scores = (k[:, : t + 1, kv] @ q[:, t, head, :, None])[..., 0] / math.sqrt(D)  # [B, t+1]
-                o[:, t, head] = (scores.softmax(-1)[:, None, :] @ v[:, : t + 1, kv])[:, 0]
-        x = x + o.reshape(B, T, d) @ p("attn.o_proj.weight").T
-        h = rms(x, p("mlp_norm.weight"), eps)
-        x = x + (F.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
-    x = rms(x, w["model.norm.weight"], eps)
-    head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.embeddings.weight"]
-    return x @ head.T
+        x = x + fla_attention_layer(rms(x, p("attn_norm.weight"), eps), p, H, cfg["num_kv_heads"] or H, base)
+        x = x + fla_mlp(x, p, eps)
+    return fla_logits(x, w, eps)
 
 
 def fla_attention_layer(h: torch.Tensor, p, heads: int, kv_heads: int, base: float) -> torch.Tensor:
@@ -156,11 +149,8 @@ def fla_gdn_reference_logits(hf_dir: Path, input_ids: torch.Tensor) -> torch.Ten
                 o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * K**-0.5, S)
             o = rms(o, p("attn.o_norm.weight"), eps) * F.silu((h @ p("attn.g_proj.weight").T).view(B, T, H, V))
             x = x + o.reshape(B, T, H * V) @ p("attn.o_proj.weight").T
-        h = rms(x, p("mlp_norm.weight"), eps)
-        x = x + (F.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
-    x = rms(x, w["model.norm.weight"], eps)
-    head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.embeddings.weight"]
-    return x @ head.T
+        x = x + fla_mlp(x, p, eps)
+    return fla_logits(x, w, eps)
 
 
 def exported_and_our_logits(tmp_path: Path, config, length: int):
