@@ -14,9 +14,10 @@ gradient by it). `ours-reference-attention` and `ours-unfused-projections` are o
 PyTorch reference: which part carries ours' extra error. Runs on the CPU too (reference-bf16 alone, and ours then on its reference ops), for the tests.
 """
 import argparse
+import itertools
 import re
 from contextlib import contextmanager
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
 import torch
 
@@ -90,16 +91,20 @@ def total_norm(grads: Dict[str, torch.Tensor]) -> float:
 
 
 @contextmanager
-def gla_calls_recorded(calls: List[dict]):
-    """Each call of the GLA op in our model appends its inputs (q, k, v, gate logits, as the model passed them) and,
-    once the backward pass has run, the gradient that reached its output (`do`)."""
+def gla_calls_recorded(layers: List[int]) -> Iterator[Dict[int, dict]]:
+    """Within: the calls of the GLA op in our model at `layers` (counted in the forward pass's order) recorded, each
+    with its inputs (q, k, v, gate logits, as the model passed them) and, once the backward pass has run, the gradient
+    that reached its output (`do`); the others are not kept."""
     original = fabric_lin.model.chunk_gla_from_logits
+    calls: Dict[int, dict] = {}
+    count = itertools.count()
 
     def recording(q, k, v, gate_logits, normalizer, **kwargs):
         o, state = original(q, k, v, gate_logits, normalizer, **kwargs)
-        call = {"inputs": [t.detach().clone() for t in (q, k, v, gate_logits)], "normalizer": normalizer}
-        o.register_hook(lambda grad: call.__setitem__("do", grad.detach().clone()))
-        calls.append(call)
+        layer = next(count)
+        if layer in layers:
+            call = calls[layer] = {"inputs": [t.detach().clone() for t in (q, k, v, gate_logits)], "normalizer": normalizer}
+            o.register_hook(lambda grad: call.__setitem__("do", grad.detach().clone()))
         return o, state
 
     fabric_lin.model.chunk_gla_from_logits = recording
@@ -125,16 +130,13 @@ def token_sum_error(x: torch.Tensor, yardstick: torch.Tensor) -> float:
     return rel_rms(x.float().sum((0, 1)), yardstick.float().sum((0, 1)))
 
 
-def op_precision(model: GPT, batch: torch.Tensor, layers: List[int], device: torch.device) -> Dict[str, dict]:
-    """At each of `layers`: the GLA op's own bf16 output and gradients against fp32's, for the inputs and output
-    gradient it met in our model's bf16 step: our Triton kernels (on CUDA) and the PyTorch reference in autocast."""
-    calls: List[dict] = []
-    with gla_calls_recorded(calls):
-        gradients(model, batch, fp32=False)
+def op_precision(calls: Dict[int, dict], device: torch.device) -> Dict[str, dict]:
+    """At each layer of `calls` (gla_calls_recorded's, in our model's bf16 step): the GLA op's own bf16 output and
+    gradients against fp32's, for the inputs and output gradient it met there: our Triton kernels (on CUDA) and the
+    PyTorch reference in autocast."""
     report = {}
     backends = {"triton": "triton", "reference-bf16": "torch"} if device.type == "cuda" else {"reference-bf16": "torch"}
-    for layer in layers:
-        call = calls[layer]
+    for layer, call in calls.items():
         yardstick = op_gradients(call, "torch", autocast=False, fp32=True)
         row = report[f"layer {layer}"] = {}
         for name, backend in backends.items():
@@ -165,6 +167,8 @@ def main(argv=None):
         raise SystemExit("--peers fla: fla's kernels need a GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     config = Config.from_name(args.model)
+    if any(not 0 <= layer < config.num_layers for layer in args.op_layers):
+        raise SystemExit(f"--op_layers {args.op_layers}: {args.model} has layers 0 to {config.num_layers - 1}")
     batches = corpus_batches(args.data, args.after + 1, args.batch_size, args.seq_len, config.vocab_size)
 
     torch.manual_seed(args.seed)
@@ -191,7 +195,10 @@ def main(argv=None):
             models[peer] = lambda part=peer.rsplit("-", 1)[1]: ours_with_references(ours, config, part)
     for name, make in models.items():
         model = make().to(device).train()
-        loss, grads = gradients(model, batch, fp32=False)
+        with gla_calls_recorded(args.op_layers if name == "ours" else []) as calls:
+            loss, grads = gradients(model, batch, fp32=False)
+        if name == "ours":
+            ours_calls = calls
         if name == "fla":  # fla's names for our parameters
             grads = {ours_name: grads[to_hf_name(ours_name)] for ours_name in grads32}
         kinds = compare(grads, grads32)
@@ -203,7 +210,7 @@ def main(argv=None):
         if model is not ours:
             del model
     if args.op_layers:
-        report["gla_op"] = op_precision(ours, batch, args.op_layers, device)
+        report["gla_op"] = op_precision(ours_calls, device)
         for layer, row in report["gla_op"].items():
             print(layer, {name: {k: f"{e:.1e}" for k, e in errors.items()} for name, errors in row.items()}, flush=True)
     write_result(report, args.out, fla_ran="fla" in args.peers)
