@@ -16,7 +16,7 @@ import torch
 from lightning_fabric.plugins import TorchCheckpointIO
 
 from fabric_lin.errors import FILE_SYSTEM_ERRNOS
-from fabric_lin.files import write_error
+from fabric_lin.files import refused_write
 
 class CheckpointFileIO(TorchCheckpointIO):
     """Fabric's writer of lit_model.pth (one device and DDP): `torch.save` straight into the file.
@@ -35,7 +35,7 @@ class CheckpointFileIO(TorchCheckpointIO):
         except RuntimeError as error:
             # torch's zip writer reports a failed write (a full disk, a quota) as a RuntimeError about file
             # positions: the file system's own error is the one to report, naming the file
-            reason = write_error(Path(path).parent)
+            reason = refused_write(error, Path(path).parent)
             if reason is None:
                 raise
             raise OSError(reason.errno, reason.strerror, str(path)) from error
@@ -57,7 +57,7 @@ def file_system_error(error: BaseException, checkpoint_dir: Path, rank: int = 0)
             return None
         error = own[0]  # (the exception, its stack)
     if isinstance(error, RuntimeError):
-        refused = write_error(checkpoint_dir.parent)
+        refused = refused_write(error, checkpoint_dir.parent)
         error = OSError(refused.errno, refused.strerror) if refused is not None else error
     if not isinstance(error, OSError) or error.errno not in FILE_SYSTEM_ERRNOS:
         return None
