@@ -222,6 +222,14 @@ def test_ddp_continues_a_sharded_run_on_its_samples(four, tmp_path):
     assert (out / "final" / "lit_model.pth").is_file()  # DDP writes one file
 
 
+def environment_of(pid: int) -> bytes:
+    """The environment a process was started with, each entry between NUL bytes (empty where it has ended)."""
+    try:
+        return b"\0" + Path(f"/proc/{pid}/environ").read_bytes() + b"\0"
+    except OSError:
+        return b""
+
+
 def test_rank_0_gone_before_the_other_joined_ends_it_within_seconds(tmp_path):
     """Fabric's own launch of two processes: rank 0 is stopped before rank 1 has joined the process group, so that
     rank 1 waits in the rendezvous, then killed. Rank 1, which torch.distributed would keep waiting for rank 0's store
@@ -240,7 +248,10 @@ def test_rank_0_gone_before_the_other_joined_ends_it_within_seconds(tmp_path):
     rank_1, status, waited = None, None, None
     try:
         def started_by_rank_0():
-            return [pid for pid, (_, parent, _) in fabric_lin_process.process_table().items() if parent == rank_0.pid]
+            """Rank 0's child that is rank 1 (Fabric starts it with LOCAL_RANK=1), not a short-lived helper process
+            that rank 0 may run while it starts."""
+            return [pid for pid, (_, parent, _) in fabric_lin_process.process_table().items()
+                    if parent == rank_0.pid and b"\0LOCAL_RANK=1\0" in environment_of(pid)]
 
         assert wait_for(started_by_rank_0, rank_0, poll=0.01), fabric_lin_process.describe([rank_0])
         os.kill(rank_0.pid, signal.SIGSTOP)
