@@ -1,0 +1,79 @@
+"""The YAML files of a `fabric-lin` command line (`--config FILE`, a group's or a class key's file: `--optimizer
+opt.yaml`, `--model_config model.yaml`): read before jsonargparse reads them, for the errors its own messages leave
+unnamed, and after it refused one of their keys or values, to name the file that holds it."""
+import importlib
+import os
+from pathlib import Path
+from typing import List, Optional
+
+
+def option_values(argv: List[str], option: str) -> List[str]:
+    """The values given to `option` on the command line (`--option VALUE` or `--option=VALUE`), in order."""
+    return [value if arg == option else arg[len(option) + 1:]
+            for arg, value in zip(argv, argv[1:] + [""]) if arg == option or arg.startswith(option + "=")]
+
+
+def check_config_files(argv: List[str]) -> None:
+    """Each `--config FILE` and `--model_config FILE` read before jsonargparse reads it: its own messages for a file
+    that is not YAML, is empty or holds a list name no file ("<unicode string>", "Unexpected config"), and it keeps
+    the last of a key given twice without a word."""
+    from fabric_lin.config import CONFIG_FILE
+    from fabric_lin.errors import InvalidValue, MissingFile
+    from fabric_lin.files import is_a, read_yaml
+
+    for value in option_values(argv, "--model_config"):
+        path = Path(value).expanduser()
+        if is_a(path, "file"):
+            read_yaml(path)
+        elif is_a(path, "dir"):
+            has_config = (path / CONFIG_FILE).is_file()
+            raise InvalidValue(f"--model_config {value} is a directory: "
+                               + (f"give its {CONFIG_FILE}, {path / CONFIG_FILE}" if has_config else "expected a YAML file"))
+        elif value.endswith((".yaml", ".yml")) or (os.sep in value and not value.lstrip().startswith("{")):  # a path
+            raise MissingFile(f"--model_config {value} does not exist: expected a YAML file of the model's fields "
+                              f"(`fabric-lin pretrain list NAME > model.yaml` writes one to edit)")
+    for value in option_values(argv, "--config"):
+        if not is_a(Path(value).expanduser(), "file"):  # inline YAML, or a path that jsonargparse says is missing
+            continue
+        content = read_yaml(Path(value).expanduser())
+        if not isinstance(content, dict):
+            what = "nothing" if content is None else f"a {type(content).__name__}"
+            raise InvalidValue(f"--config {value} holds {what}: expected YAML keys and their values, as in config_hub/debug.yaml")
+
+
+def config_file_being_read() -> Optional[str]:
+    """The YAML file jsonargparse is reading (a --config file, a --model_config file or one that a file names), where a
+    value it refuses comes from one: as given where the command line gave it, else its absolute path. jsonargparse's
+    own messages name the key and the value only; its stack of files being read is no public API, so where it is not
+    there (another version) no file is named."""
+    try:
+        files = importlib.import_module("jsonargparse._util").config_load_stack.get()
+    except (ImportError, AttributeError):
+        return None
+    if not files:
+        return None
+    absolute, as_given = files[-1]
+    return as_given if len(files) == 1 else absolute
+
+
+def config_file_of(error: Optional[BaseException]) -> Optional[str]:
+    """The file that a refusal of a nested parser (a class key's own keys: model_config's) was read from, carried by
+    the errors that jsonargparse raises from it."""
+    while error is not None:
+        if getattr(error, "config_file", None) is not None:
+            return error.config_file
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def check_temperatures(values: List[str]) -> None:
+    """generate's --temperature values refused as generate refuses them (jsonargparse takes no inf or nan for a float,
+    and says only "expected float"; argparse takes -inf for an option)."""
+    from fabric_lin.generate import check_generation_args
+
+    for value in values:
+        try:
+            temperature = float(value)
+        except ValueError:
+            continue  # not a number: jsonargparse says so
+        check_generation_args(0, temperature, None, option_prefix="--")
