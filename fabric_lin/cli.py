@@ -24,7 +24,7 @@ from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 from fabric_lin.cli_config_files import (check_config_files, check_temperatures, config_file_being_read,  # noqa: E402
-                                         config_file_of, option_values)
+                                         config_file_of, files_holding_key, option_values)
 from fabric_lin.errors import (FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, process_rank,  # noqa: E402
                                sigterm_interrupts)
 
@@ -138,7 +138,12 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
     rejected = re.match(r"Subcommand '([^']+)' does not accept option '([\w.]+)'", message)
     if rejected:
         command, key = rejected.groups()
-        return " ".join(message.split()) + unknown_key_hint(key, parser) + config_of_another_command(command, argv)
+        line = " ".join(message.split()) + unknown_key_hint(key, parser) + config_of_another_command(command, argv)
+        return line + files_named(files_holding_key(f"{command}.{key}", command, list(argv)), line)
+    before = re.match(r"Option '([\w.]+)' is not accepted before subcommand '(\w+)'", message)  # a global --config's
+    if before:
+        key, command = before.groups()
+        return " ".join(message.split()) + files_named(files_holding_key(key, command, list(argv)), message)
     groups = option_groups(parser)
     # a group given as LitGPT gives its optimizer: `optimizer: {class_path: torch.optim.AdamW, init_args: ...}`
     class_path = re.match(r"Subclasses are disabled for (\w+), thus '([^']+)' is not accepted as class_path", message)
@@ -315,6 +320,13 @@ def unknown_key_hint(key: str, parser) -> str:
         close = [f"{top}.{others}" for top in difflib.get_close_matches(first, [k for k in keys if "." not in k],
                                                                        n=1, cutoff=0.75)]
     return (f" (did you mean {close[0]}?)" if close else "") + "; " + listed
+
+
+def files_named(files: List[str], line: str) -> str:
+    """' (in FILE)' for the files that hold a key refused in `line` ('' for none, or where `line` names one)."""
+    if not files or any(file in line for file in files):
+        return ""
+    return f" (in {' and '.join(files)})"
 
 
 def config_of_another_command(command: str, argv: Sequence[str]) -> str:

@@ -77,3 +77,52 @@ def check_temperatures(values: List[str]) -> None:
         except ValueError:
             continue  # not a number: jsonargparse says so
         check_generation_args(0, temperature, None, option_prefix="--")
+
+
+def files_holding_key(key: str, command: str, argv: List[str]) -> List[str]:
+    """The YAML files of the command line `argv` that give `key`, a key of the top-level parser (`pretrain.trian`: the
+    subcommand `command`'s own keys under its name), each named as the command line gives it: a --config file before
+    the subcommand (its keys under the subcommand's name), the subcommand's --config files, an option given a file
+    (`--optimizer opt.yaml` gives optimizer's keys), and the files that these name in a key's place. jsonargparse
+    checks the keys once it has merged every file's, and names none; [] where no file gives the key (it came from
+    the command line: `--optimizer '{bogus: 1}'`)."""
+    from fabric_lin.files import is_a
+
+    at = next((i for i, arg in enumerate(argv) if arg == command and (i == 0 or argv[i - 1] != "--config")), len(argv))
+    sources = [("", value) for value in option_values(argv[:at], "--config")]
+    for arg, following in zip(argv[at + 1:], argv[at + 2:] + [""]):
+        option, equals, value = arg.partition("=")
+        if option.startswith("--"):
+            sources.append((f"{command}." if option == "--config" else f"{command}.{option[2:]}.", value if equals else following))
+    found = []
+    for prefix, value in sources:
+        path = Path(value).expanduser()
+        holder = yaml_file_holding(path, key[len(prefix):], value) if key.startswith(prefix) and is_a(path, "file") else None
+        if holder is not None and holder not in found:
+            found.append(holder)
+    return found
+
+
+def yaml_file_holding(path: Path, key: str, name: str) -> Optional[str]:
+    """`name` (the YAML file `path`) if the file gives `key` (nested, `train: {max_steps: ..}`, or dotted,
+    `train.max_steps:`); the name of a file that it gives in the place of a part of the key (`optimizer: opt.yaml`,
+    read from the directory of the file naming it, as jsonargparse reads it) if that file gives the rest; else None."""
+    from fabric_lin.errors import UserError
+    from fabric_lin.files import is_a, read_yaml
+
+    try:
+        content = read_yaml(path)
+    except UserError:  # not YAML: jsonargparse refused it before any key
+        return None
+    while isinstance(content, dict):
+        if key in content:
+            return name
+        # the first part of the key that the mapping gives; the key is shorter at each step, so files naming each
+        # other end too
+        given = next((part for part in content if isinstance(part, str) and key.startswith(part + ".")), None)
+        if given is None:
+            return None
+        content, key = content[given], key[len(given) + 1:]
+        if isinstance(content, str) and is_a(path.parent / Path(content).expanduser(), "file"):
+            return yaml_file_holding(path.parent / Path(content).expanduser(), key, str(Path(name).parent / content))
+    return None
