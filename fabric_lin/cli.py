@@ -707,8 +707,8 @@ def run(argv: List[str]) -> None:
         from fabric_lin.errors import InvalidValue  # generate itself cannot tell --prompt given as its default
 
         raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
-    if argv and argv[0] == "generate":
-        check_temperatures(option_values(argv, "--temperature"))
+    if "generate" in argv:  # also after a --config given before it
+        check_temperatures(argv)
     if argv and argv[0] == "pretrain" and not option_values(argv, "--out_dir"):
         from fabric_lin.run_start import check_config_of_a_moved_run
 

@@ -66,17 +66,51 @@ def config_file_of(error: Optional[BaseException]) -> Optional[str]:
     return None
 
 
-def check_temperatures(values: List[str]) -> None:
-    """generate's --temperature values refused as generate refuses them (jsonargparse takes no inf or nan for a float,
-    and says only "expected float"; argparse takes -inf for an option)."""
+def check_temperatures(argv: List[str]) -> None:
+    """generate's temperatures refused as generate refuses them, before jsonargparse reads them: it takes no inf or nan
+    for a float and says only "expected float" (argparse takes -inf for an option), while a file's `.inf` or -1
+    reached generate, which named the option. Each --temperature value and the temperature of each --config (a file,
+    named in the error, or inline YAML; one before the subcommand under `generate:`), each as jsonargparse reads it,
+    also one that a later one replaces."""
+    import yaml
+
+    from fabric_lin.errors import InvalidValue, UserError
+    from fabric_lin.files import is_a, read_yaml
     from fabric_lin.generate import check_generation_args
 
-    for value in values:
+    at = subcommand_at(argv, "generate")
+    for value in option_values(argv[at + 1:], "--temperature"):
         try:
             temperature = float(value)
         except ValueError:
             continue  # not a number: jsonargparse says so
         check_generation_args(0, temperature, None, option_prefix="--")
+    for before, value in [(True, value) for value in option_values(argv[:at], "--config")] + [
+            (False, value) for value in option_values(argv[at + 1:], "--config")]:
+        path = Path(value).expanduser()
+        try:
+            content = read_yaml(path) if is_a(path, "file") else yaml.safe_load(value)
+        except (UserError, yaml.YAMLError):
+            continue  # jsonargparse names what is wrong with it
+        if before:
+            content = content.get("generate") if isinstance(content, dict) else None
+        given = content.get("temperature") if isinstance(content, dict) else None
+        if isinstance(given, bool) or not isinstance(given, (int, float, str)):
+            continue  # none given, or no number: jsonargparse says so
+        try:
+            temperature = float(given)
+        except ValueError:
+            continue  # a word that is no number: jsonargparse says so
+        try:
+            check_generation_args(0, temperature, None)
+        except InvalidValue as refused:
+            raise InvalidValue(f"{refused} (in {value})" if is_a(path, "file") else str(refused)) from None
+
+
+def subcommand_at(argv: List[str], command: str) -> int:
+    """Where the subcommand `command` is named on the command line `argv` (after the top-level options, as
+    `--config global.yaml`), len(argv) where it is not."""
+    return next((i for i, arg in enumerate(argv) if arg == command and (i == 0 or argv[i - 1] != "--config")), len(argv))
 
 
 def files_holding_key(key: str, command: str, argv: List[str]) -> List[str]:
@@ -88,7 +122,7 @@ def files_holding_key(key: str, command: str, argv: List[str]) -> List[str]:
     the command line: `--optimizer '{bogus: 1}'`)."""
     from fabric_lin.files import is_a
 
-    at = next((i for i, arg in enumerate(argv) if arg == command and (i == 0 or argv[i - 1] != "--config")), len(argv))
+    at = subcommand_at(argv, command)
     sources = [("", value) for value in option_values(argv[:at], "--config")]
     for arg, following in zip(argv[at + 1:], argv[at + 2:] + [""]):
         option, equals, value = arg.partition("=")

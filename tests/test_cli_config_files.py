@@ -228,3 +228,21 @@ def test_an_unknown_nested_mapping_in_model_config_is_named(tmp_path, capsys):
     assert parse_error(["pretrain", "--model_config", str(config)], capsys).startswith(
         "fabric-lin pretrain: error: model_config: fabric_lin.config.Config has no option 'fabric_lin.name'; valid options "
         "are: name, block_type, vocab_size, hidden_size,")
+
+
+@pytest.mark.parametrize("value,shown", [("inf", "inf"), ("nan", "nan"), ("-inf", "-inf"), (".inf", "inf")])
+def test_a_config_files_temperature_that_is_no_finite_number_is_refused_as_on_the_command_line(tmp_path, capsys, value,
+                                                                                               shown):
+    """jsonargparse refused a file's `temperature: inf` (or nan) as "got inf, expected float", where the command line's
+    --temperature inf is told what generate takes; a YAML float (`.inf`) reached generate, which named --temperature."""
+    model = str(tmp_path / "model")
+    expected = f"temperature {shown}: expected a finite number >= 0 (0: greedy)"
+    assert cli_error(["generate", model, f"--temperature={shown}"], capsys) == f"fabric-lin generate: error: --{expected}\n"
+    config, before = tmp_path / "g.yaml", tmp_path / "global.yaml"
+    config.write_text(f"temperature: {value}\n")
+    before.write_text(f"generate:\n  temperature: {value}\n")
+    assert cli_error(["generate", model, "--config", str(config)], capsys) == (
+        f"fabric-lin generate: error: {expected} (in {config})\n")
+    assert cli_error(["--config", str(before), "generate", model], capsys) == f"fabric-lin: error: {expected} (in {before})\n"
+    assert cli_error(["generate", model, "--config", f"{{temperature: {value}}}"], capsys) == (
+        f"fabric-lin generate: error: {expected}\n")
