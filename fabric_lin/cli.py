@@ -23,6 +23,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
+from fabric_lin.cli_config_files import (check_config_files, check_temperatures, config_file_being_read,  # noqa: E402
+                                         config_file_of, files_holding_key, option_values)
 from fabric_lin.errors import (FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, process_rank,  # noqa: E402
                                sigterm_interrupts)
 
@@ -136,7 +138,12 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
     rejected = re.match(r"Subcommand '([^']+)' does not accept option '([\w.]+)'", message)
     if rejected:
         command, key = rejected.groups()
-        return " ".join(message.split()) + unknown_key_hint(key, parser) + config_of_another_command(command, argv)
+        line = " ".join(message.split()) + unknown_key_hint(key, parser) + config_of_another_command(command, argv)
+        return line + files_named(files_holding_key(f"{command}.{key}", command, list(argv)), line)
+    before = re.match(r"Option '([\w.]+)' is not accepted before subcommand '(\w+)'", message)  # a global --config's
+    if before:
+        key, command = before.groups()
+        return " ".join(message.split()) + files_named(files_holding_key(key, command, list(argv)), message)
     groups = option_groups(parser)
     # a group given as LitGPT gives its optimizer: `optimizer: {class_path: torch.optim.AdamW, init_args: ...}`
     class_path = re.match(r"Subclasses are disabled for (\w+), thus '([^']+)' is not accepted as class_path", message)
@@ -194,31 +201,6 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
     return f"{key}: " + " ".join(rest.split())
 
 
-def config_file_being_read() -> Optional[str]:
-    """The YAML file jsonargparse is reading (a --config file, a --model_config file or one that a file names), where a
-    value it refuses comes from one: as given where the command line gave it, else its absolute path. jsonargparse's
-    own messages name the key and the value only; its stack of files being read is no public API, so where it is not
-    there (another version) no file is named."""
-    try:
-        files = importlib.import_module("jsonargparse._util").config_load_stack.get()
-    except (ImportError, AttributeError):
-        return None
-    if not files:
-        return None
-    absolute, as_given = files[-1]
-    return as_given if len(files) == 1 else absolute
-
-
-def config_file_of(error: Optional[BaseException]) -> Optional[str]:
-    """The file that a refusal of a nested parser (a class key's own keys: model_config's) was read from, carried by
-    the errors that jsonargparse raises from it."""
-    while error is not None:
-        if getattr(error, "config_file", None) is not None:
-            return error.config_file
-        error = error.__cause__ or error.__context__
-    return None
-
-
 def missing_arguments(message: str, parser) -> Optional[Tuple[object, str]]:
     """A subcommand's arguments missing (`fabric-lin generate` alone), which jsonargparse's top-level parser names as
     `generate.checkpoint_dir`: the subcommand's parser, to name the command and its --help, and the line naming them
@@ -236,19 +218,6 @@ def missing_arguments(message: str, parser) -> Optional[Tuple[object, str]]:
     positionals = [a.dest for a in subparser._actions if not a.option_strings and a.dest != "help"]
     usage = " ".join([subparser.prog.replace(" [options]", "")] + [name.upper() for name in positionals] + ["[options]"])
     return subparser, f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} required: {usage}"
-
-
-def check_temperatures(values: List[str]) -> None:
-    """generate's --temperature values refused as generate refuses them (jsonargparse takes no inf or nan for a float,
-    and says only "expected float"; argparse takes -inf for an option)."""
-    from fabric_lin.generate import check_generation_args
-
-    for value in values:
-        try:
-            temperature = float(value)
-        except ValueError:
-            continue  # not a number: jsonargparse says so
-        check_generation_args(0, temperature, None, option_prefix="--")
 
 
 def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optional[str]:
@@ -351,6 +320,13 @@ def unknown_key_hint(key: str, parser) -> str:
         close = [f"{top}.{others}" for top in difflib.get_close_matches(first, [k for k in keys if "." not in k],
                                                                        n=1, cutoff=0.75)]
     return (f" (did you mean {close[0]}?)" if close else "") + "; " + listed
+
+
+def files_named(files: List[str], line: str) -> str:
+    """' (in FILE)' for the files that hold a key refused in `line` ('' for none, or where `line` names one)."""
+    if not files or any(file in line for file in files):
+        return ""
+    return f" (in {' and '.join(files)})"
 
 
 def config_of_another_command(command: str, argv: Sequence[str]) -> str:
@@ -578,12 +554,6 @@ def print_model_names_or_config(names: List[str]) -> None:
     print(yaml.safe_dump(Config.from_name(names[0]).to_dict(), sort_keys=False), end="")
 
 
-def option_values(argv: List[str], option: str) -> List[str]:
-    """The values given to `option` on the command line (`--option VALUE` or `--option=VALUE`), in order."""
-    return [value if arg == option else arg[len(option) + 1:]
-            for arg, value in zip(argv, argv[1:] + [""]) if arg == option or arg.startswith(option + "=")]
-
-
 def command_line_model_replaces_the_config_files(argv: List[str]) -> List[str]:
     """`argv` with the command line's choice of model replacing a --config file's: a recipe names its model by
     model_name (or model_config), and the other key given on the command line (`--config config_hub/gla_340M.yaml
@@ -686,34 +656,6 @@ def data_options_change_the_run_s_data(argv: List[str]) -> List[str]:
     return argv[:first] + [f"--data={json.dumps(run_data_entry(hparams, hparams_path))}"] + argv[first:]
 
 
-def check_config_files(argv: List[str]) -> None:
-    """Each `--config FILE` and `--model_config FILE` read before jsonargparse reads it: its own messages for a file
-    that is not YAML, is empty or holds a list name no file ("<unicode string>", "Unexpected config"), and it keeps
-    the last of a key given twice without a word."""
-    from fabric_lin.config import CONFIG_FILE
-    from fabric_lin.errors import InvalidValue, MissingFile
-    from fabric_lin.files import is_a, read_yaml
-
-    for value in option_values(argv, "--model_config"):
-        path = Path(value).expanduser()
-        if is_a(path, "file"):
-            read_yaml(path)
-        elif is_a(path, "dir"):
-            has_config = (path / CONFIG_FILE).is_file()
-            raise InvalidValue(f"--model_config {value} is a directory: "
-                               + (f"give its {CONFIG_FILE}, {path / CONFIG_FILE}" if has_config else "expected a YAML file"))
-        elif value.endswith((".yaml", ".yml")) or (os.sep in value and not value.lstrip().startswith("{")):  # a path
-            raise MissingFile(f"--model_config {value} does not exist: expected a YAML file of the model's fields "
-                              f"(`fabric-lin pretrain list NAME > model.yaml` writes one to edit)")
-    for value in option_values(argv, "--config"):
-        if not is_a(Path(value).expanduser(), "file"):  # inline YAML, or a path that jsonargparse says is missing
-            continue
-        content = read_yaml(Path(value).expanduser())
-        if not isinstance(content, dict):
-            what = "nothing" if content is None else f"a {type(content).__name__}"
-            raise InvalidValue(f"--config {value} holds {what}: expected YAML keys and their values, as in config_hub/debug.yaml")
-
-
 def run(argv: List[str]) -> None:
     from jsonargparse import CLI, ArgumentParser, Namespace, set_parsing_settings
 
@@ -765,8 +707,8 @@ def run(argv: List[str]) -> None:
         from fabric_lin.errors import InvalidValue  # generate itself cannot tell --prompt given as its default
 
         raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
-    if argv and argv[0] == "generate":
-        check_temperatures(option_values(argv, "--temperature"))
+    if "generate" in argv:  # also after a --config given before it
+        check_temperatures(argv)
     if argv and argv[0] == "pretrain" and not option_values(argv, "--out_dir"):
         from fabric_lin.run_start import check_config_of_a_moved_run
 

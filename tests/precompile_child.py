@@ -1,8 +1,9 @@
 """Run by tests/test_precompile.py in a process of its own, without Triton's interpreter: the kernels are compiled
-Triton functions, as on a GPU, and a stand-in driver answers Triton's questions about the device as an H100 would
-(device 0, compute capability 9.0). A launch then gets as far as its compile and no further, which is as far as
-fabric_lin.precompile lets one go; the compiles themselves run for real (Triton's CUDA backend and its ptxas need
-no GPU). The fused ops run their Triton path on the CPU tensors as they do in the interpreter.
+Triton functions, as on a GPU, and benchmarks/kernel_registers.py's compile-only driver answers Triton's questions
+about the device as an H100 would (device 0, compute capability 9.0). A launch then gets as far as its compile and
+no further, which is as far as fabric_lin.precompile lets one go; the compiles themselves run for real (Triton's
+CUDA backend and its ptxas need no GPU). The fused ops run their Triton path on the CPU tensors as they do in the
+interpreter.
 
     python tests/precompile_child.py find '[{"model": "gla-debug", "batch": 2, "seq": 128}, {"model": "gdn-debug"}]'
     python tests/precompile_child.py compile '{"model": "gla-debug", "kernels": ["_norm_fwd_kernel"], "workers": 2}'
@@ -16,11 +17,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without Triton's interpreter"
 
 import torch  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
 import fabric_lin.ops.backend  # noqa: E402
@@ -28,18 +29,8 @@ from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT  # noqa: E402
 from fabric_lin.precompile import Precompile, find_kernels, one_block_of_each_kind  # noqa: E402
 
-
-class H100Driver:
-    """What Triton asks the active driver on its way to a compile: the device, its stream and its target."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from kernel_registers import CompileOnlyDriver  # noqa: E402
 
 
 def config_of(spec):
@@ -109,7 +100,7 @@ def main():
     mode, spec = sys.argv[1], json.loads(sys.argv[2])
     if mode == "gpu":
         return gpu(spec)
-    driver.set_active(H100Driver())
+    driver.set_active(CompileOnlyDriver())
     fabric_lin.ops.backend._interpreting = lambda: True  # the ops' Triton path takes CPU tensors
     if mode == "find":
         print(json.dumps([{"kernels": [[k.name, k.specialization] for k in kernels_of(one)],

@@ -1,7 +1,8 @@
-"""fabric_lin/cli.py with configuration files: a key a file may not hold (named with the closest one and its group's
-keys, or as another command's file), a group given no mapping, a file that is empty, no mapping or not YAML, a key
-given twice, a class key given a number, a missing model_config file, an import path that is no data module, a
-misspelt key of the data mapping, `~` in paths, the optimizer as LitGPT gives it, an unknown nested model_config key."""
+"""fabric_lin/cli.py with configuration files: a key a file may not hold (named with the closest one, its group's keys
+and the file that gives it, or as another command's file), a group given no mapping, a file that is empty, no mapping
+or not YAML, a key given twice, a class key given a number, a missing model_config file, an import path that is no
+data module, a misspelt key of the data mapping, `~` in paths, the optimizer as LitGPT gives it, an unknown nested
+model_config key."""
 import pytest
 import torch
 
@@ -26,7 +27,40 @@ def test_a_config_files_unknown_key_is_named_with_the_closest_and_the_keys_of_it
     assert err.startswith(f"fabric-lin pretrain: error: Subcommand 'pretrain' does not accept option '{key}'"
                           + (f" (did you mean {closest}?)" if closest else ";"))
     assert listed in err
+    assert err.endswith(f" (in {config})"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_key_names_the_file_that_gives_it(tmp_path, capsys, monkeypatch):
+    """jsonargparse checks the keys once it has merged every file's, and its message named no file: a --config file's
+    key, a group's file (`--optimizer opt.yaml`), a file that a config file gives in a group's place (read from that
+    file's directory), a --config given before the subcommand (its keys under the subcommand's name, or outside it). A
+    key given on the command line (inline YAML) names none."""
+    from fabric_lin.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    files = {"run.yaml": "model_name: gla-debug\ntrian:\n  max_steps: 3\n", "opt.yaml": "lr: 1.0e-3\nbogus: 2\n",
+             "sub/run.yaml": "model_name: gla-debug\noptimizer: opt.yaml\n", "sub/opt.yaml": "bogus: 2\n",
+             "global.yaml": "pretrain:\n  trian:\n    max_steps: 3\n", "outside.yaml": "train:\n  max_steps: 3\n"}
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    for argv, holder in [
+        (["pretrain", "--config", "run.yaml"], "run.yaml"),
+        (["pretrain", "--model_name", "gla-debug", "--optimizer", "opt.yaml"], "opt.yaml"),
+        (["pretrain", "--model_name=gla-debug", f"--optimizer={tmp_path / 'opt.yaml'}"], str(tmp_path / "opt.yaml")),
+        (["pretrain", "--config", "sub/run.yaml"], "sub/opt.yaml"),
+        (["--config", "global.yaml", "pretrain", "--model_name", "gla-debug"], "global.yaml"),
+        (["--config", "outside.yaml", "pretrain", "--model_name", "gla-debug"], "outside.yaml"),
+        (["pretrain", "--config", "{model_name: gla-debug, trian: {max_steps: 3}}"], None),
+        (["pretrain", "--model_name", "gla-debug", "--optimizer", "{lr: 1.0e-3, bogus: 2}"], None),
+    ]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            cli_main(argv)
+        err = capsys.readouterr().err.splitlines()[0]
+        assert "does not accept option 'trian.max_steps'" in err or "'optimizer.bogus'" in err or "'train.max_steps'" in err, err
+        assert err.endswith(f" (in {holder})") if holder else "(in " not in err, (argv, err)
 
 
 def test_a_config_file_of_another_command_is_named_as_such(tmp_path, capsys):
@@ -194,3 +228,21 @@ def test_an_unknown_nested_mapping_in_model_config_is_named(tmp_path, capsys):
     assert parse_error(["pretrain", "--model_config", str(config)], capsys).startswith(
         "fabric-lin pretrain: error: model_config: fabric_lin.config.Config has no option 'fabric_lin.name'; valid options "
         "are: name, block_type, vocab_size, hidden_size,")
+
+
+@pytest.mark.parametrize("value,shown", [("inf", "inf"), ("nan", "nan"), ("-inf", "-inf"), (".inf", "inf")])
+def test_a_config_files_temperature_that_is_no_finite_number_is_refused_as_on_the_command_line(tmp_path, capsys, value,
+                                                                                               shown):
+    """jsonargparse refused a file's `temperature: inf` (or nan) as "got inf, expected float", where the command line's
+    --temperature inf is told what generate takes; a YAML float (`.inf`) reached generate, which named --temperature."""
+    model = str(tmp_path / "model")
+    expected = f"temperature {shown}: expected a finite number >= 0 (0: greedy)"
+    assert cli_error(["generate", model, f"--temperature={shown}"], capsys) == f"fabric-lin generate: error: --{expected}\n"
+    config, before = tmp_path / "g.yaml", tmp_path / "global.yaml"
+    config.write_text(f"temperature: {value}\n")
+    before.write_text(f"generate:\n  temperature: {value}\n")
+    assert cli_error(["generate", model, "--config", str(config)], capsys) == (
+        f"fabric-lin generate: error: {expected} (in {config})\n")
+    assert cli_error(["--config", str(before), "generate", model], capsys) == f"fabric-lin: error: {expected} (in {before})\n"
+    assert cli_error(["generate", model, "--config", f"{{temperature: {value}}}"], capsys) == (
+        f"fabric-lin generate: error: {expected}\n")

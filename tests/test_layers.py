@@ -31,7 +31,7 @@ FLOORS = [
     ["fabric_lin.pretrain"],
     # the preprocessing commands (fabric_lin imports none of them: the command line names them by module path)
     ["data_prep"],
-    ["fabric_lin.cli", "fabric_lin"],
+    ["fabric_lin.cli", "fabric_lin.cli_config_files", "fabric_lin"],
 ]
 
 

@@ -1,10 +1,10 @@
 """fabric_lin.precompile: the first step's Triton kernels found by a pass whose launches are recorded instead of run,
 and compiled by worker processes before their first launch.
 
-Without a GPU, the pass runs in a process of its own with compiled (not interpreted) Triton functions and a stand-in
-driver (tests/precompile_child.py), and its workers compile for real (an H100's target, with Triton's ptxas). The
-reference for which kernels a training step launches is Triton's interpreter running the step. On a GPU, a step
-after the precompile must compile none of the kernels again.
+Without a GPU, the pass runs in a process of its own (tests/precompile_child.py) with compiled (not interpreted)
+Triton functions and benchmarks/kernel_registers.py's compile-only driver, and its workers compile for real (an
+H100's target, with Triton's ptxas). The reference for which kernels a training step launches is Triton's
+interpreter running the step. On a GPU, a step after the precompile must compile none of the kernels again.
 """
 import json
 import os

@@ -1,0 +1,162 @@
+"""The YAML files of a `fabric-lin` command line (`--config FILE`, a group's or a class key's file: `--optimizer
+opt.yaml`, `--model_config model.yaml`): read before jsonargparse reads them, for the errors its own messages leave
+unnamed, and after it refused one of their keys or values, to name the file that holds it."""
+import importlib
+import os
+from pathlib import Path
+from typing import List, Optional
+
+
+def option_values(argv: List[str], option: str) -> List[str]:
+    """The values given to `option` on the command line (`--option VALUE` or `--option=VALUE`), in order."""
+    return [value if arg == option else arg[len(option) + 1:]
+            for arg, value in zip(argv, argv[1:] + [""]) if arg == option or arg.startswith(option + "=")]
+
+
+def check_config_files(argv: List[str]) -> None:
+    """Each `--config FILE` and `--model_config FILE` read before jsonargparse reads it: its own messages for a file
+    that is not YAML, is empty or holds a list name no file ("<unicode string>", "Unexpected config"), and it keeps
+    the last of a key given twice without a word."""
+    from fabric_lin.config import CONFIG_FILE
+    from fabric_lin.errors import InvalidValue, MissingFile
+    from fabric_lin.files import is_a, read_yaml
+
+    for value in option_values(argv, "--model_config"):
+        path = Path(value).expanduser()
+        if is_a(path, "file"):
+            read_yaml(path)
+        elif is_a(path, "dir"):
+            has_config = (path / CONFIG_FILE).is_file()
+            raise InvalidValue(f"--model_config {value} is a directory: "
+                               + (f"give its {CONFIG_FILE}, {path / CONFIG_FILE}" if has_config else "expected a YAML file"))
+        elif value.endswith((".yaml", ".yml")) or (os.sep in value and not value.lstrip().startswith("{")):  # a path
+            raise MissingFile(f"--model_config {value} does not exist: expected a YAML file of the model's fields "
+                              f"(`fabric-lin pretrain list NAME > model.yaml` writes one to edit)")
+    for value in option_values(argv, "--config"):
+        if not is_a(Path(value).expanduser(), "file"):  # inline YAML, or a path that jsonargparse says is missing
+            continue
+        content = read_yaml(Path(value).expanduser())
+        if not isinstance(content, dict):
+            what = "nothing" if content is None else f"a {type(content).__name__}"
+            raise InvalidValue(f"--config {value} holds {what}: expected YAML keys and their values, as in config_hub/debug.yaml")
+
+
+def config_file_being_read() -> Optional[str]:
+    """The YAML file jsonargparse is reading (a --config file, a --model_config file or one that a file names), where a
+    value it refuses comes from one: as given where the command line gave it, else its absolute path. jsonargparse's
+    own messages name the key and the value only; its stack of files being read is no public API, so where it is not
+    there (another version) no file is named."""
+    try:
+        files = importlib.import_module("jsonargparse._util").config_load_stack.get()
+    except (ImportError, AttributeError):
+        return None
+    if not files:
+        return None
+    absolute, as_given = files[-1]
+    return as_given if len(files) == 1 else absolute
+
+
+def config_file_of(error: Optional[BaseException]) -> Optional[str]:
+    """The file that a refusal of a nested parser (a class key's own keys: model_config's) was read from, carried by
+    the errors that jsonargparse raises from it."""
+    while error is not None:
+        if getattr(error, "config_file", None) is not None:
+            return error.config_file
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def check_temperatures(argv: List[str]) -> None:
+    """generate's temperatures refused as generate refuses them, before jsonargparse reads them: it takes no inf or nan
+    for a float and says only "expected float" (argparse takes -inf for an option), while a file's `.inf` or -1
+    reached generate, which named the option. Each --temperature value and the temperature of each --config (a file,
+    named in the error, or inline YAML; one before the subcommand under `generate:`), each as jsonargparse reads it,
+    also one that a later one replaces."""
+    import yaml
+
+    from fabric_lin.errors import InvalidValue, UserError
+    from fabric_lin.files import is_a, read_yaml
+    from fabric_lin.generate import check_generation_args
+
+    at = subcommand_at(argv, "generate")
+    for value in option_values(argv[at + 1:], "--temperature"):
+        try:
+            temperature = float(value)
+        except ValueError:
+            continue  # not a number: jsonargparse says so
+        check_generation_args(0, temperature, None, option_prefix="--")
+    for before, value in [(True, value) for value in option_values(argv[:at], "--config")] + [
+            (False, value) for value in option_values(argv[at + 1:], "--config")]:
+        path = Path(value).expanduser()
+        try:
+            content = read_yaml(path) if is_a(path, "file") else yaml.safe_load(value)
+        except (UserError, yaml.YAMLError):
+            continue  # jsonargparse names what is wrong with it
+        if before:
+            content = content.get("generate") if isinstance(content, dict) else None
+        given = content.get("temperature") if isinstance(content, dict) else None
+        if isinstance(given, bool) or not isinstance(given, (int, float, str)):
+            continue  # none given, or no number: jsonargparse says so
+        try:
+            temperature = float(given)
+        except ValueError:
+            continue  # a word that is no number: jsonargparse says so
+        try:
+            check_generation_args(0, temperature, None)
+        except InvalidValue as refused:
+            raise InvalidValue(f"{refused} (in {value})" if is_a(path, "file") else str(refused)) from None
+
+
+def subcommand_at(argv: List[str], command: str) -> int:
+    """Where the subcommand `command` is named on the command line `argv` (after the top-level options, as
+    `--config global.yaml`), len(argv) where it is not."""
+    return next((i for i, arg in enumerate(argv) if arg == command and (i == 0 or argv[i - 1] != "--config")), len(argv))
+
+
+def files_holding_key(key: str, command: str, argv: List[str]) -> List[str]:
+    """The YAML files of the command line `argv` that give `key`, a key of the top-level parser (`pretrain.trian`: the
+    subcommand `command`'s own keys under its name), each named as the command line gives it: a --config file before
+    the subcommand (its keys under the subcommand's name), the subcommand's --config files, an option given a file
+    (`--optimizer opt.yaml` gives optimizer's keys), and the files that these name in a key's place. jsonargparse
+    checks the keys once it has merged every file's, and names none; [] where no file gives the key (it came from
+    the command line: `--optimizer '{bogus: 1}'`)."""
+    from fabric_lin.files import is_a
+
+    at = subcommand_at(argv, command)
+    sources = [("", value) for value in option_values(argv[:at], "--config")]
+    for arg, following in zip(argv[at + 1:], argv[at + 2:] + [""]):
+        option, equals, value = arg.partition("=")
+        if option.startswith("--"):
+            sources.append((f"{command}." if option == "--config" else f"{command}.{option[2:]}.", value if equals else following))
+    found = []
+    for prefix, value in sources:
+        path = Path(value).expanduser()
+        holder = yaml_file_holding(path, key[len(prefix):], value) if key.startswith(prefix) and is_a(path, "file") else None
+        if holder is not None and holder not in found:
+            found.append(holder)
+    return found
+
+
+def yaml_file_holding(path: Path, key: str, name: str) -> Optional[str]:
+    """`name` (the YAML file `path`) if the file gives `key` (nested, `train: {max_steps: ..}`, or dotted,
+    `train.max_steps:`); the name of a file that it gives in the place of a part of the key (`optimizer: opt.yaml`,
+    read from the directory of the file naming it, as jsonargparse reads it) if that file gives the rest; else None."""
+    from fabric_lin.errors import UserError
+    from fabric_lin.files import is_a, read_yaml
+
+    try:
+        content = read_yaml(path)
+    except UserError:  # not YAML: jsonargparse refused it before any key
+        return None
+    while isinstance(content, dict):
+        if key in content:
+            return name
+        # the first part of the key that the mapping gives; the key is shorter at each step, so files naming each
+        # other end too
+        given = next((part for part in content if isinstance(part, str) and key.startswith(part + ".")), None)
+        if given is None:
+            return None
+        content, key = content[given], key[len(given) + 1:]
+        if isinstance(content, str) and is_a(path.parent / Path(content).expanduser(), "file"):
+            return yaml_file_holding(path.parent / Path(content).expanduser(), key, str(Path(name).parent / content))
+    return None
