@@ -477,6 +477,35 @@ def test_a_validation_split_too_small_for_a_sample_says_raise_val_fraction(tmp_p
         data.val_dataloader()
 
 
+def test_a_training_split_too_small_for_a_sample_is_not_told_to_raise_val_fraction(tmp_path, prepared):
+    """prepare_text's train/ records its --val_fraction too: where it is too small for one sample, a larger share held
+    out would only shrink it further, so the fix is a shorter length or more data."""
+    import numpy as np
+
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.data.prepared import BlockTooLong
+
+    write_prepared(tmp_path / "train", np.arange(100, dtype=np.uint16), Tokenizer(prepared / "tok300"), recipe="text",
+                   split="train", val_fraction=0.005)
+    assert str(BlockTooLong(tmp_path / "train", 129)) == (
+        f"train.max_seq_length=128 is too long for {tmp_path / 'train'}: a sample is a block of train.max_seq_length + 1 "
+        f"= 129 tokens from one chunk file, and it holds 100 tokens in all; lower train.max_seq_length or give it more data")
+
+
+def test_tokens_enough_for_one_sample_in_all_but_not_in_one_chunk_file_say_so(tmp_path, prepared):
+    """Exactly one sample's tokens in all, cut into two chunk files: the chunk files are what is too small (a larger
+    chunk_size), not the amount of data."""
+    import numpy as np
+
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.data.prepared import BlockTooLong
+
+    write_prepared(tmp_path / "val", np.arange(129, dtype=np.uint16), Tokenizer(prepared / "tok300"), item=65,
+                   chunk_size=65, recipe="text", split="val", val_fraction=0.005)
+    assert str(BlockTooLong(tmp_path / "val", 129)).endswith(
+        "and its largest chunk file holds 65 tokens; lower train.max_seq_length or prepare the data with a larger chunk_size")
+
+
 def test_validation_covers_the_same_tokens_whatever_the_micro_batch_and_processes(prepared):
     """pretrain's validate reads eval.max_iters global batches: the mean cross-entropy of the first max_iters x
     global_batch_size blocks of the split whatever the micro batch size and the number of processes (each process's
