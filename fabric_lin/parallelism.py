@@ -72,7 +72,7 @@ def launching_rank_watched(on_lost: Callable[[PeerLost], None], poll_seconds: fl
     neither an exception nor a signal interrupts, so `on_lost` must end the process itself. The launching rank passes
     its process id to the ranks it starts. Ranks started otherwise are not watched: torchrun ends the processes of a
     node when one of them fails, Fabric's launcher ends every rank when one it started fails, and a process on another
-    node cannot be seen from here."""
+    node cannot be seen from here (`fabric_lin.rendezvous` bounds the wait for it)."""
     launcher = os.environ.get(LAUNCHING_RANK_PID)
     if launcher is None or os.environ.get("LOCAL_RANK", "0") == "0":  # not a rank that Fabric's launcher started
         with environment_variables({LAUNCHING_RANK_PID: str(os.getpid())}):
