@@ -197,12 +197,16 @@ class ParallelismArgs:
     activation_checkpointing: bool = False
     """Recompute each Block's activations in the backward pass (less memory, about a third more compute)"""
     timeout_minutes: float = 30.0
-    """With several processes: how long a process waits for the others before it fails, at the start (until every
-    process has joined) and in every exchange of data. A process that ended before the others joined leaves them
-    waiting this long, unless they know it (rank 0 that started them with Fabric's launcher; one that ends later is
-    found at once). Rank 0 alone writes a one-file (DDP) checkpoint, searches
-    the GLA kernels' launch settings (compile.kernel_autotune) and builds a data module's cached corpus while the
-    others wait: keep it above the longest of these"""
+    """With several processes: how long a process waits for the others before it fails, in every exchange of data and
+    at the start until every process has joined (on several nodes, but under torchrun, join_timeout_minutes bounds the
+    start). A process that stops answering leaves the others waiting this long (one that ends is found at its next
+    exchange). Rank 0 alone writes a one-file (DDP) checkpoint, searches the GLA kernels' launch settings
+    (compile.kernel_autotune) and builds a data module's cached corpus while the others wait: keep it above the
+    longest of these"""
+    join_timeout_minutes: float = 10.0
+    """With several nodes (not under torchrun, which bounds its own rendezvous): how long the processes wait at the
+    start for all of them to join at MASTER_ADDR:MASTER_PORT (at most timeout_minutes) before they stop, saying how
+    many joined; every node's command must have started by then"""
 
     def validate(self) -> None:
         if self.data_parallel not in ("fsdp", "ddp"):
@@ -211,6 +215,8 @@ class ParallelismArgs:
             raise InvalidValue(f"parallelism.fsdp_unit must be 'block' or 'model', got {self.fsdp_unit!r}")
         if not self.timeout_minutes > 0:
             raise InvalidValue(f"parallelism.timeout_minutes must be positive, got {self.timeout_minutes!r}")
+        if not self.join_timeout_minutes > 0:
+            raise InvalidValue(f"parallelism.join_timeout_minutes must be positive, got {self.join_timeout_minutes!r}")
 
 
 AUTO_MODE_FIX = "leave compile.mode at auto (CUDA graphs where they can run, else default)"

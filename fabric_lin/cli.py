@@ -6,7 +6,8 @@ is reported in one line naming the key, value or file and the fix, by rank 0 (an
 node, naming its rank), with exit code 2; an unexpected one (a bug) keeps its traceback, as does every failure with
 FABRIC_LIN_DEBUG=1. Ctrl-C exits with 130, SIGTERM with 143 (but in pretrain). A run of several processes that lost one
 of them (`fabric_lin.errors.PeerLost`) says so in one line on every rank that is left, with exit code 75, unless the
-rank that is gone left the error it ended on: rank 0 then prints that, naming the rank.
+rank that is gone left the error it ended on: rank 0 then prints that, naming the rank. One on several nodes whose
+processes do not all join within parallelism.join_timeout_minutes ends with 69 (`fabric_lin.rendezvous`).
 """
 import time
 

@@ -46,6 +46,10 @@ class MissingPackage(UserError, ImportError):
 # sysexits.h's EX_TEMPFAIL: nothing the user gave is wrong (not 2), the same command may succeed, and a job script can
 # tell it from a bug's 1
 PEER_LOST_EXIT_CODE = 75
+# sysexits.h's EX_UNAVAILABLE: the run's processes did not all join (another node's command not started, or started
+# with another MASTER_ADDR or MASTER_PORT, or a firewall between them): not a lost peer (75), which a job script
+# resubmits with --resume auto, while the same command on the same nodes would wait in vain again
+JOIN_FAILED_EXIT_CODE = 69
 
 
 class PeerLost(Exception):

@@ -72,7 +72,7 @@ def launching_rank_watched(on_lost: Callable[[PeerLost], None], poll_seconds: fl
     neither an exception nor a signal interrupts, so `on_lost` must end the process itself. The launching rank passes
     its process id to the ranks it starts. Ranks started otherwise are not watched: torchrun ends the processes of a
     node when one of them fails, Fabric's launcher ends every rank when one it started fails, and a process on another
-    node cannot be seen from here."""
+    node cannot be seen from here (`fabric_lin.rendezvous` bounds the wait for it)."""
     launcher = os.environ.get(LAUNCHING_RANK_PID)
     if launcher is None or os.environ.get("LOCAL_RANK", "0") == "0":  # not a rank that Fabric's launcher started
         with environment_variables({LAUNCHING_RANK_PID: str(os.getpid())}):
@@ -115,7 +115,8 @@ def check_other_nodes_launched(num_nodes: int) -> None:
     """Refuse --num_nodes above 1 where nothing starts the command on the other nodes: without a launcher's variables
     Fabric starts this node's processes itself, as node 0, and they wait for the other nodes' processes, which never
     come. torchrun, SLURM's srun, LSF's jsrun and MPI are found as Fabric finds them; NODE_RANK (or torchrun's
-    GROUP_RANK) is Fabric's own multi-node launch, the command started by hand on every node."""
+    GROUP_RANK) is Fabric's own multi-node launch, the command started by hand on every node, which needs MASTER_ADDR
+    and MASTER_PORT there too: without them, each node would meet at a port of its own choosing, on its own host."""
     from lightning_fabric.plugins.environments import (
         LSFEnvironment,
         MPIEnvironment,
@@ -123,9 +124,17 @@ def check_other_nodes_launched(num_nodes: int) -> None:
         TorchElasticEnvironment,
     )
 
-    if num_nodes == 1 or "NODE_RANK" in os.environ or "GROUP_RANK" in os.environ:
+    if num_nodes == 1:
         return
     if any(environment.detect() for environment in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment)):
+        return
+    if "NODE_RANK" in os.environ or "GROUP_RANK" in os.environ:
+        unset = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if unset:
+            raise InvalidValue(
+                f"--num_nodes {num_nodes} with NODE_RANK set and {' and '.join(unset)} unset: set MASTER_ADDR (node 0's "
+                f"address) and MASTER_PORT (a port free there) to the same values on every node"
+            )
         return
     raise InvalidValue(
         f"--num_nodes {num_nodes}: nothing starts this command on the other node(s) (no torchrun, SLURM, LSF or MPI "

@@ -57,6 +57,7 @@ from fabric_lin.parallelism import (
     peer_lost_during,
 )
 from fabric_lin.precompile import precompile_first_step
+from fabric_lin.rendezvous import joining_watched, rendezvous_of
 from fabric_lin.run_identity import check_changeable, compare_with_checkpoint, recorded_settings
 from fabric_lin.run_start import (
     check_earlier_run,
@@ -220,7 +221,9 @@ def setup(
                 plugins=[] if isinstance(strategy, ModelParallelStrategy) else [CheckpointFileIO()],
             )
             with peer_lost_during("the start-up"):  # training, validations and saves name themselves
-                with launching_rank_watched(partial(exit_at_once, out_dir=out_dir, resume=resume, overwrite=overwrite)):
+                lost = partial(exit_at_once, out_dir=out_dir, resume=resume, overwrite=overwrite)
+                with launching_rank_watched(lost), joining_watched(fabric, rendezvous_of(fabric, num_nodes, devices),
+                                                                   parallelism, created):
                     fabric.launch()
                 main(
                     fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,

@@ -15,9 +15,9 @@ from it, as from any Python on Linux); the other ranks of a multi-process run ar
 A new Python starts for every other command, where CUDA is present (a CUDA context must not come through a fork),
 and where the environment differs from this one in a variable a library reads as it is imported (HF_HOME,
 TRITON_INTERPRET): any variable but OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES (read when used), PYTEST_CURRENT_TEST
-(read by nothing; an environment copied at import, as helpers.CPU_ONLY, holds another test's) and torchrun's
-rendezvous variables (read when the process group starts; Lightning's rank_zero_only rank, read at import, is set
-again by Fabric's strategy as it starts).
+(read by nothing; an environment copied at import, as helpers.CPU_ONLY, holds another test's), torchrun's
+rendezvous variables and Fabric's NODE_RANK (read when the process group starts; Lightning's rank_zero_only rank, read
+at import, is set again by Fabric's strategy as it starts).
 
 `start_ranks` starts the processes of a multi-process run as torchrun's agents would, one per rank with torchrun's
 variables set, forked as above: Fabric then launches nothing itself, as under torchrun. (Fabric's own launch of
@@ -53,7 +53,7 @@ def forkable(command: List[str], env: Optional[Dict[str, str]]) -> bool:
     env = os.environ if env is None else env
     changed = {key for key in set(os.environ) | set(env) if os.environ.get(key) != env.get(key)}
     # read when used (CUDA is not, on this machine); PYTEST_CURRENT_TEST, which pytest sets for each test, by nothing
-    return changed <= {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST", *TORCHRUN_VARIABLES}
+    return changed <= {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST", *TORCHRUN_VARIABLES, "NODE_RANK"}
 
 
 TORCHRUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",

@@ -359,7 +359,8 @@ def test_the_strategy_for_each_choice():
 
 
 def test_the_processes_wait_for_each_other_as_long_as_parallelism_timeout_minutes_says():
-    """The rendezvous's and every collective's timeout, for FSDP and DDP alike: the setting (30 minutes by default)."""
+    """The rendezvous's and every collective's timeout, for FSDP and DDP alike: the setting (30 minutes by default).
+    The bound of the start on several nodes (fabric_lin.rendezvous) is checked as it."""
     from datetime import timedelta
 
     from fabric_lin.parallelism import make_strategy
@@ -371,6 +372,8 @@ def test_the_processes_wait_for_each_other_as_long_as_parallelism_timeout_minute
         assert shorter._timeout == timedelta(seconds=150)
     with pytest.raises(ValueError, match="parallelism.timeout_minutes must be positive, got 0"):
         ParallelismArgs(timeout_minutes=0).validate()
+    with pytest.raises(ValueError, match="parallelism.join_timeout_minutes must be positive, got -1"):
+        ParallelismArgs(join_timeout_minutes=-1).validate()
 
 
 # What a process whose peer is gone gets from torch.distributed: gloo's errors as torch 2.14 raised them in the sharded

@@ -275,7 +275,8 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_W
 def test_error_num_nodes_without_a_launcher(tmp_path, capsys, monkeypatch):
     """--num_nodes 2 typed on one machine, with nothing that starts the command on another node: Fabric started this
     node's processes, which waited for the other node's for ever. With a launcher's variables (torchrun's, SLURM's) or
-    NODE_RANK (set by hand on each node, Fabric's own way), the other nodes are someone else's to start."""
+    NODE_RANK (set by hand on each node, Fabric's own way, with MASTER_ADDR and MASTER_PORT), the other nodes are
+    someone else's to start."""
     from fabric_lin.errors import InvalidValue
     from fabric_lin.parallelism import check_other_nodes_launched
 
@@ -290,10 +291,18 @@ def test_error_num_nodes_without_a_launcher(tmp_path, capsys, monkeypatch):
     assert "torchrun" in err and "srun" in err and "NODE_RANK" in err and "--num_nodes 1" in err
     assert not (tmp_path / "out").exists()
     check_other_nodes_launched(1)
-    for name, value in (("NODE_RANK", "1"), ("SLURM_NTASKS", "16")):
-        with monkeypatch.context() as launched:
-            launched.setenv(name, value)
+    with monkeypatch.context() as launched:
+        launched.setenv("SLURM_NTASKS", "16")
+        check_other_nodes_launched(2)
+    # by hand, each node needs node 0's address and port: else each would meet at a free port of its own, on its host
+    with monkeypatch.context() as launched:
+        launched.setenv("NODE_RANK", "1")
+        launched.delenv("MASTER_ADDR", raising=False)
+        launched.setenv("MASTER_PORT", "29500")
+        with pytest.raises(InvalidValue, match="--num_nodes 2 with NODE_RANK set and MASTER_ADDR unset: set MASTER_ADDR"):
             check_other_nodes_launched(2)
+        launched.setenv("MASTER_ADDR", "10.0.0.1")
+        check_other_nodes_launched(2)
 
 
 def test_error_data_parallel_choice(tmp_path):

@@ -5,7 +5,9 @@ of the sums, and validate on the same blocks to the same val_loss; a checkpoint 
 on another one holding the same state bit for bit (4 -> 2 -> 1, 1 -> 4), and a DDP run continues a sharded one.
 Killed by SIGKILL of one rank in the middle of a save, a run leaves no checkpoint that is taken for complete (the
 other rank says so in one line) and resumes as if never stopped; so does a run of two torchrun agents stopped by
-SIGTERM. Rank 0 killed before the rank it started has joined ends that rank within seconds, in one line. A sharded checkpoint is converted and evaluated in one process. An error every rank meets is printed once.
+SIGTERM. Rank 0 killed before the rank it started has joined ends that rank within seconds, in one line. Two nodes
+started by hand that do not meet (a mistyped MASTER_PORT) stop at parallelism.join_timeout_minutes, in one line each.
+A sharded checkpoint is converted and evaluated in one process. An error every rank meets is printed once.
 
 The four-process runs are started as torchrun's agents would start them (fabric_lin_process.start_ranks: forked, no
 second import of torch), two nodes of two processes on this machine; the torchrun test starts real agents."""
@@ -278,6 +280,45 @@ def test_rank_0_gone_before_the_other_joined_ends_it_within_seconds(tmp_path):
         f"fabric-lin pretrain: error on rank 1: a peer process of the run ended or became unreachable during the start-up "
         f"(process {rank_0.pid}, the rank that started this one, ended before every process had joined); no checkpoint "
         f"in {out} is complete: to start again, run the same command with --resume auto"], log.read_text()[-3000:]
+
+
+def test_nodes_that_do_not_meet_stop_at_the_join_bound_in_one_line_each(tmp_path):
+    """Fabric's own launch of two nodes of one process each, node 1's MASTER_PORT mistyped: node 0 waits at its port for
+    a node that never comes, node 1 at a port where nothing answers, both of which torch.distributed would let wait
+    without a word for parallelism.timeout_minutes (30) and longer. With parallelism.join_timeout_minutes at 6 s, each
+    says once for what it waits, then stops in one line saying what joined and what to check, with exit code 69; the
+    out_dir they share is gone again."""
+    import time
+
+    from fabric_lin.errors import JOIN_FAILED_EXIT_CODE
+
+    out, logs = tmp_path / "out", [tmp_path / "node-0.log", tmp_path / "node-1.log"]
+    ports = [free_port()]
+    while len(ports) < 2:
+        ports += [port for port in [free_port()] if port != ports[0]]
+    started = time.monotonic()
+    nodes = [fabric_lin_process.start(command(out, 2, 1, "--parallelism.join_timeout_minutes", "0.1"), log, {
+        **CPU_ONLY, "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        for node, (log, port) in enumerate(zip(logs, ports))]
+    codes = fabric_lin_process.wait_all(nodes, TIMEOUT)
+    elapsed = time.monotonic() - started
+    texts = [log.read_text() for log in logs]
+    assert codes == [JOIN_FAILED_EXIT_CODE] * 2 and elapsed < 60, (codes, elapsed, texts[0][-3000:], texts[1][-3000:])
+    node_0, node_1 = (f"127.0.0.1:{port}" for port in ports)
+    assert [line for line in texts[0].splitlines() if line.startswith("fabric-lin")] == [
+        f"fabric-lin pretrain: waiting for 1 of 2 processes to join at {node_0} (missing on node 1); the run stops after "
+        f"6 s without them (parallelism.join_timeout_minutes)",
+        f"fabric-lin pretrain: error: 1 of 2 processes joined at {node_0} within 6 s (parallelism.join_timeout_minutes; "
+        f"missing on node 1): check that the command was started on every node with --num_nodes 2 --devices 1 and the "
+        f"same MASTER_ADDR and MASTER_PORT, and that no firewall closes port {ports[0]} to the other nodes; nothing was "
+        f"written"], texts[0][-3000:]
+    assert [line for line in texts[1].splitlines() if line.startswith("fabric-lin")] == [
+        f"fabric-lin pretrain: waiting for rank 0's store at {node_1} (MASTER_ADDR:MASTER_PORT), which answers once node "
+        f"0's command runs; this process stops after 6 s without it (parallelism.join_timeout_minutes) (rank 1)",
+        f"fabric-lin pretrain: error on rank 1: nothing answered at {node_1} (MASTER_ADDR:MASTER_PORT) within 6 s "
+        f"(parallelism.join_timeout_minutes): check that node 0's command runs with the same MASTER_ADDR and MASTER_PORT "
+        f"as this node's, and that no firewall closes that port to this node; nothing was written"], texts[1][-3000:]
+    assert not any("Traceback" in text for text in texts) and not out.exists()
 
 
 def test_sigkill_of_a_rank_in_the_middle_of_a_save_leaves_no_checkpoint_taken_for_complete(two, tmp_path):
