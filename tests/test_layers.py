@@ -25,7 +25,7 @@ FLOORS = [
     # a run's files: checkpoints (whole or sharded), metrics, model directories
     ["fabric_lin.sharded_checkpoint", "fabric_lin.metrics", "fabric_lin.save_failures"],
     ["fabric_lin.checkpoint"],
-    ["fabric_lin.convert.model_dir", "fabric_lin.run_identity", "fabric_lin.run_start"],
+    ["fabric_lin.convert.model_dir", "fabric_lin.run_identity", "fabric_lin.run_start", "fabric_lin.rendezvous"],
     # the jobs
     ["fabric_lin.convert", "fabric_lin.generate", "fabric_lin.evaluate", "fabric_lin.checkpoint_kinds"],
     ["fabric_lin.pretrain"],
