@@ -56,10 +56,7 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
     from fabric_lin.data.tokenizer import Tokenizer
 
     checkpoint_dir = Path(checkpoint_dir)
-    expected = ("expected a training checkpoint (a run's step-XXXXXXXX/ or final/), a model directory "
-                "(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output)")
-    if not checkpoint_dir.is_dir():
-        raise MissingFile(f"{checkpoint_dir} is not a directory: {expected}")
+    check_checkpoint_dir(checkpoint_dir)
 
     def has(name: str) -> bool:
         return (checkpoint_dir / name).exists()
@@ -88,8 +85,18 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
             else f"; {below}" if below else "")
     raise MissingFile(
         f"{checkpoint_dir} is not a checkpoint: it holds none of {MODEL_FILE}, {SAFETENSORS_FILE} or {HF_CONFIG_FILE}; "
-        f"{expected}{hint}"
+        f"{CHECKPOINT_EXPECTED}{hint}"
     )
+
+
+CHECKPOINT_EXPECTED = ("expected a training checkpoint (a run's step-XXXXXXXX/ or final/), a model directory "
+                       "(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output)")
+
+
+def check_checkpoint_dir(checkpoint_dir: Path) -> None:
+    """Refuse a `checkpoint_dir` that is no directory, before anything is read."""
+    if not Path(checkpoint_dir).is_dir():
+        raise MissingFile(f"{checkpoint_dir} is not a directory: {CHECKPOINT_EXPECTED}")
 
 
 def read_hparams(path: Path) -> Dict[str, Any]:
