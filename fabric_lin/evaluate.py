@@ -333,12 +333,20 @@ def default_out_dir(checkpoint_dir: Path, kind: str) -> Path:
 
 
 def check_out_dir_outside_training_checkpoint(out_dir: Path, checkpoint_dir: Path, kind: str) -> None:
-    """Refuse an --out_dir in a training checkpoint: its files are the ones its manifest lists, and results among them
-    would go with it when the run prunes or replaces it (a model directory or an export holds its evaluate/ itself)."""
+    """Refuse an --out_dir in a training checkpoint, the one evaluated or another: its files are the ones its manifest
+    lists, and results among them would go with it when the run prunes or replaces it (a model directory or an export
+    holds its evaluate/ itself)."""
+    from fabric_lin.checkpoint import is_training_checkpoint
+
     if kind == TRAINING_CHECKPOINT and out_dir.resolve().is_relative_to(checkpoint_dir.resolve()):
         raise InvalidValue(f"--out_dir {out_dir} is inside the training checkpoint {checkpoint_dir}, whose files are the "
                            f"ones its manifest lists: give a directory outside it, or leave --out_dir out for "
                            f"{default_out_dir(checkpoint_dir, kind)}")
+    resolved = out_dir.resolve()
+    another = next((d for d in (resolved, *resolved.parents) if d.is_dir() and is_training_checkpoint(d)), None)
+    if another is not None:
+        raise InvalidValue(f"--out_dir {out_dir} is inside the training checkpoint {another}, whose files are the ones its "
+                           f"manifest lists: give a directory outside it")
 
 
 def build_model(fabric, checkpoint: "Checkpoint"):
