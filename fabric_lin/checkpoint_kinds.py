@@ -56,10 +56,7 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
     from fabric_lin.data.tokenizer import Tokenizer
 
     checkpoint_dir = Path(checkpoint_dir)
-    expected = ("expected a training checkpoint (a run's step-XXXXXXXX/ or final/), a model directory "
-                "(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output)")
-    if not checkpoint_dir.is_dir():
-        raise MissingFile(f"{checkpoint_dir} is not a directory: {expected}")
+    check_checkpoint_dir(checkpoint_dir)
 
     def has(name: str) -> bool:
         return (checkpoint_dir / name).exists()
@@ -88,8 +85,27 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
             else f"; {below}" if below else "")
     raise MissingFile(
         f"{checkpoint_dir} is not a checkpoint: it holds none of {MODEL_FILE}, {SAFETENSORS_FILE} or {HF_CONFIG_FILE}; "
-        f"{expected}{hint}"
+        f"{CHECKPOINT_EXPECTED}{hint}"
     )
+
+
+CHECKPOINT_EXPECTED = ("expected a training checkpoint (a run's step-XXXXXXXX/ or final/), a model directory "
+                       "(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output)")
+
+
+def check_checkpoint_dir(checkpoint_dir: Path) -> None:
+    """Refuse a `checkpoint_dir` that is no directory, before anything is read: a file of a checkpoint (its weights, its
+    config) named with the directory that holds it."""
+    from fabric_lin.convert.model_dir import what_it_holds
+
+    checkpoint_dir = Path(checkpoint_dir)
+    if checkpoint_dir.is_dir():
+        return
+    holder = checkpoint_dir.parent
+    kind = what_it_holds(holder) if checkpoint_dir.is_file() else None
+    if kind is not None and kind != "LoRA adapters alone":
+        raise InvalidValue(f"{checkpoint_dir} is a file: give the directory that holds it, {holder} ({kind})")
+    raise MissingFile(f"{checkpoint_dir} is not a directory: {CHECKPOINT_EXPECTED}")
 
 
 def read_hparams(path: Path) -> Dict[str, Any]:
@@ -188,6 +204,12 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
         finals = [FINAL_DIR] if (checkpoint_dir / FINAL_DIR / MODEL_FILE).exists() else []
         hint = f"; it holds checkpoints {(steps[-3:] + finals)}, pass one of those" if steps or finals else ""
         raise MissingFile(f"{checkpoint_dir} is not a training checkpoint: it has no {MODEL_FILE}{hint}")
+    if not is_training_checkpoint(checkpoint_dir) and weights_path.is_dir():
+        raise InvalidValue(
+            f"{weights_path} is a directory, as a sharded training checkpoint's weights are, but {checkpoint_dir} has no "
+            f"{STEP_FILE} or {MANIFEST_FILE} beside it: not a whole training checkpoint (copied without them, or saved by "
+            f"a run that did not finish it); give the checkpoint directory as pretrain wrote it"
+        )
     if not is_training_checkpoint(checkpoint_dir):
         raise InvalidValue(
             f"{checkpoint_dir} holds {MODEL_FILE} but no {STEP_FILE} or {MANIFEST_FILE}: it is already a model directory "

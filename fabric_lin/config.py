@@ -216,8 +216,10 @@ class Config:
         if not path.is_file():
             raise MissingFile(f"{path} does not exist: expected a model_config.yaml")
         data = read_yaml(path)
-        if not isinstance(data, dict):
-            raise InvalidValue(f"{path}: expected a mapping of Config fields, got {type(data).__name__}")
+        if not isinstance(data, dict):  # an empty file reads as None
+            held = "nothing (the file is empty)" if data is None else f"a {type(data).__name__}"
+            raise InvalidValue(f"{path} holds {held}: expected a mapping of Config fields (name, block_type, "
+                               f"hidden_size, ...)")
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - valid)
         if unknown:

@@ -585,7 +585,8 @@ def harness_with_hellaswag(monkeypatch):
 
     harness = types.ModuleType("lm_eval")
     harness.tasks = types.ModuleType("lm_eval.tasks")
-    harness.tasks.TaskManager = lambda include_path=None, include_defaults=True: types.SimpleNamespace(all_tasks=["hellaswag"])
+    harness.tasks.TaskManager = lambda include_path=None, include_defaults=True: types.SimpleNamespace(
+        all_tasks=["hellaswag"], load=lambda names: {"tasks": {}, "groups": {}})
     monkeypatch.setitem(sys.modules, "lm_eval", harness)
     monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
 

@@ -19,6 +19,10 @@ TRITON_INTERPRET): any variable but OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES (re
 rendezvous variables and Fabric's NODE_RANK (read when the process group starts; Lightning's rank_zero_only rank, read
 at import, is set again by Fabric's strategy as it starts).
 
+`start(..., held_before=NAME)` starts a run that stops just before it renames a finished temporary file onto NAME (the
+last step of `fabric_lin.files.atomic_write`), says so on stdout and waits there: a test's signal then reaches the
+command mid-write, at a point it knows, not after a guessed sleep.
+
 `start_ranks` starts the processes of a multi-process run as torchrun's agents would, one per rank with torchrun's
 variables set, forked as above: Fabric then launches nothing itself, as under torchrun. (Fabric's own launch of
 `--devices N` starts the other ranks as new Pythons: a second import of torch for each.)
@@ -60,7 +64,35 @@ TORCHRUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "WORL
                       "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
-def _as_fabric_lin(argv: List[str], env: Dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
+HELD = "held before renaming a temporary file onto {}"
+
+
+def hold_before_renaming_onto(name: str) -> None:
+    """In the run's process, before the command starts: its first rename of a file onto one named `name` (os.replace,
+    as atomic_write makes a finished temporary file the output) prints HELD, then sleeps instead, until a signal
+    ends the sleep (its handler raising, as SIGTERM's does in every command but pretrain) or the test kills the run."""
+    replace = os.replace
+
+    def held(src, dst, *args, **kwargs):
+        if Path(dst).name == name:
+            print(HELD.format(name), flush=True)
+            while True:
+                time.sleep(60)
+        return replace(src, dst, *args, **kwargs)
+
+    os.replace = held
+
+
+def run_held(argv: List[str]) -> None:
+    """`python -c` that imported this module: argv is [the file name to hold before (or ""), fabric-lin's arguments]."""
+    if argv[0]:
+        hold_before_renaming_onto(argv[0])
+    sys.argv = [FABRIC_LIN[2], *argv[1:]]
+    runpy.run_module("fabric_lin.cli", run_name="__main__", alter_sys=True)
+
+
+def _as_fabric_lin(argv: List[str], env: Dict[str, str], cwd: str, stdout: str, stderr: str,
+                   held_before: Optional[str] = None) -> None:
     """In the forked process: become `python -m fabric_lin.cli <argv>` in a session of its own, to its exit as
     Python's: the exit code SystemExit's (1 after an uncaught exception's traceback), the atexit functions run."""
     os.setsid()
@@ -71,6 +103,8 @@ def _as_fabric_lin(argv: List[str], env: Dict[str, str], cwd: str, stdout: str, 
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(target, fd)
         os.close(target)
+    if held_before:
+        hold_before_renaming_onto(held_before)
     sys.argv = [FABRIC_LIN[2], *argv]
     multiprocessing.set_start_method(None, force=True)  # the platform's own (fork on Linux), not the forkserver
     try:
@@ -127,9 +161,12 @@ Job = Union[LoggedPopen, ForkedRun]
 _unstopped: List[Job] = []  # every job started here that `stop` has not yet seen to
 
 
-def start(command: List[str], log: Union[str, Path], env: Optional[Dict[str, str]] = None) -> Job:
-    """`command` in the background, in a session of its own, stdout and stderr appended to `log`."""
-    return _start(command, str(log), str(log), env)
+def start(command: List[str], log: Union[str, Path], env: Optional[Dict[str, str]] = None,
+          err_log: Union[str, Path, None] = None, held_before: Optional[str] = None) -> Job:
+    """`command` in the background, in a session of its own, stdout and stderr appended to `log` (stderr to `err_log`
+    where given). `held_before`: for a fabric-lin command, a file name it is held before renaming onto
+    (`hold_before_renaming_onto`)."""
+    return _start(command, str(log), str(err_log or log), env, held_before)
 
 
 def run(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
@@ -145,12 +182,19 @@ def run(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None
         return subprocess.CompletedProcess(command, returncode, out.read_text(), err.read_text())
 
 
-def _start(command, stdout: str, stderr: str, env) -> Job:
+def _start(command, stdout: str, stderr: str, env, held_before: Optional[str] = None) -> Job:
     global _forkserver
     logs = list(dict.fromkeys((stdout, stderr)))
     for path in logs:  # there before start returns, as a subprocess's output file is
         Path(path).touch()
+    if held_before is not None:
+        assert command[:3] == FABRIC_LIN, "only a fabric-lin command is held"
     if not forkable(command, env):
+        if held_before is not None:  # a new Python that imports this module first, from tests/
+            env = dict(os.environ if env is None else env)
+            env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])])
+            command = [sys.executable, "-c", "import sys, fabric_lin_process; fabric_lin_process.run_held(sys.argv[1:])",
+                       held_before, *command[3:]]
         with open(stdout, "ab") as out, open(stderr, "ab") as err:
             job = LoggedPopen(command, logs, stdout=out, stderr=err, env=env, start_new_session=True)
     else:
@@ -158,7 +202,7 @@ def _start(command, stdout: str, stderr: str, env) -> Job:
             _forkserver = multiprocessing.get_context("forkserver")
             _forkserver.set_forkserver_preload(PRELOADED)
         process = _forkserver.Process(target=_as_fabric_lin, daemon=False, args=(
-            command[3:], dict(os.environ if env is None else env), os.getcwd(), stdout, stderr))
+            command[3:], dict(os.environ if env is None else env), os.getcwd(), stdout, stderr, held_before))
         process.start()
         job = ForkedRun(command, process, logs)
     _unstopped.append(job)

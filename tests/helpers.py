@@ -548,14 +548,16 @@ def running_processes_of_group(group: int) -> List[int]:
     return [pid for pid, (state, _, pgrp) in fabric_lin_process.process_table().items() if pgrp == group and state != "Z"]
 
 
-def interrupt_preparation(command: List[str], directory: Path, started: str, how: str) -> int:
+def interrupt_preparation(command: List[str], directory: Path, started: str, how: str,
+                          stderr: Optional[Path] = None) -> int:
     """Run a data preparation script (`command`) in a session of its own, wait until the glob pattern `started`
     under `directory` names what it writes while it runs (a worker's report of its first file: with many files
     the run is mid-way), then stop it: SIGKILL to the whole session (a killed job: nothing runs after it), SIGINT
     to the script (Ctrl-C), SIGTERM to the script (`kill PID`, `timeout`) or "SIGTERM to the job" (every process
     of the session, as SLURM's scancel sends it). Returns its exit code; unless killed, no process of the run
-    (a worker) may outlive the script."""
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    (a worker) may outlive the script. Its stderr goes to the file `stderr` where given."""
+    with open(stderr or os.devnull, "wb") as err:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
         deadline = time.time() + 60
         while not list(directory.glob(started)) and time.time() < deadline and process.poll() is None:

@@ -70,9 +70,10 @@ def test_a_model_config_file_that_is_missing_empty_or_not_a_mapping_is_named(tmp
 
     with pytest.raises(MissingFile, match=rf"{tmp_path / 'model_config.yaml'} does not exist: expected a model_config.yaml"):
         Config.from_checkpoint(tmp_path)
-    for text, kind in (("", "NoneType"), ("- hidden_size\n", "list")):
+    for text, held in (("", r"nothing \(the file is empty\)"), ("- hidden_size\n", "a list")):
         (tmp_path / "model_config.yaml").write_text(text)
-        with pytest.raises(UserError, match=rf"model_config.yaml: expected a mapping of Config fields, got {kind}$"):
+        with pytest.raises(UserError, match=rf"model_config.yaml holds {held}: expected a mapping of Config fields "
+                                            rf"\(name, block_type, hidden_size, \.\.\.\)$"):
             Config.from_checkpoint(tmp_path)
 
 

@@ -159,6 +159,19 @@ def test_a_training_checkpoint_or_run_is_never_an_output_dir(tmp_path):
     with pytest.raises(FileExistsError, match="is a training checkpoint"):
         convert_to_hf(tmp_path / "model", other_step, overwrite=True)
     assert sorted(p.name for p in other_step.iterdir()) == sorted(p.name for p in ckpt_dir.iterdir())
+    # nor into prepared data (its tokenizer files, which its prepared.json records, would be the model's)
+    from fabric_lin.data import Tokenizer
+    from helpers import write_prepared
+
+    data = tmp_path / "data"
+    write_prepared(data, np.arange(64, dtype=np.uint16), Tokenizer(ckpt_dir))
+    files_before = {p.name: p.read_bytes() for p in data.iterdir()}
+    for convert in (convert_pretrained_checkpoint, convert_to_hf):
+        with pytest.raises(FileExistsError, match=rf"^output_dir {data} is a prepared data directory \(it holds "
+                           r"prepared.json\), which a conversion does not write into \(the model's tokenizer files would "
+                           r"replace the data's\): choose another directory$"):
+            convert(ckpt_dir if convert is convert_pretrained_checkpoint else tmp_path / "model", data, overwrite=True)
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == files_before
     # the weights file named in place of its checkpoint directory
     with pytest.raises(ValueError, match=rf"{ckpt_dir / 'lit_model.pth'} is the weights of the training checkpoint "
                        rf"{ckpt_dir}: pass that directory"):

@@ -275,6 +275,28 @@ def test_interrupted_run_leaves_nothing_the_trainer_accepts(corpus, tmp_path, ho
         assert list(runs.iterdir()) == []
 
 
+def test_prepare_slimpajama_stopped_by_sigterm_is_one_line_with_143(corpus, tmp_path):
+    """A scheduler's SIGTERM to the job (fabric-lin and its workers) mid-run: it ends as Ctrl-C does, in one line, with
+    the exit code of a job stopped by SIGTERM (143), removing what it wrote; its input stays as it was."""
+    from fabric_lin_process import FABRIC_LIN
+
+    raw, runs = tmp_path / "raw", tmp_path / "runs"
+    for i in range(40):  # interrupted once the first is done, while the worker reads the others
+        write_json_lines(raw / f"part-{i:03d}.jsonl.zst", slimpajama_rows(100 + i), "zst")
+    runs.mkdir()
+    before = {path: path.read_bytes() for path in raw.iterdir()}
+    command = [*FABRIC_LIN, "prepare_slimpajama", "--input_dir", str(raw), "--output_dir", str(runs / "interrupted"),
+               "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "1"]
+    returncode = interrupt_preparation(command, runs, f".tmp-interrupted-*/{REPORTS_DIR}/*.jsonl", "SIGTERM to the job",
+                                       stderr=tmp_path / "stderr")
+    said = (tmp_path / "stderr").read_text()
+    assert returncode == 128 + signal.SIGTERM, said[-3000:]
+    assert said.splitlines()[-1] == ("fabric-lin prepare_slimpajama: stopped by SIGTERM: nothing half-written is left; "
+                                     "run the same command again") and "Traceback" not in said, said[-3000:]
+    assert list(runs.iterdir()) == []
+    assert {path: path.read_bytes() for path in raw.iterdir()} == before
+
+
 def test_a_signal_stops_the_workers_before_the_run_ends(tmp_path):
     """SIGINT/SIGTERM in the main process: every worker is told to stop and ended before KeyboardInterrupt is raised,
     so the caller's removal of the unfinished output is not raced by a worker still writing into it; in a worker

@@ -93,6 +93,36 @@ def test_out_dir_inside_the_training_checkpoint_is_one_line(run, tmp_path, capsy
     assert sorted(p.name for p in final.iterdir()) == files_before
 
 
+def test_a_file_of_a_checkpoint_sharded_weights_alone_and_out_dir_in_another_checkpoint_are_one_line(run, tmp_path,
+                                                                                                   capsys):
+    """A checkpoint's weights file given for the checkpoint: the directory that holds it named (evaluate said only that
+    the file is no directory). A directory lit_model.pth, as sharded weights are, without step.json and manifest.json
+    beside it: not a whole training checkpoint (evaluate and convert_pretrained_checkpoint called it a model directory
+    already, which evaluate reads). An --out_dir inside a training checkpoint other than the one evaluated: refused as
+    one inside the evaluated one is, nothing written there."""
+    final = run / "out" / "final"
+    err = cli_error(["evaluate", str(final / "lit_model.pth"), "--max_batches", "1"], capsys)
+    assert err == (f"fabric-lin evaluate: error: {final / 'lit_model.pth'} is a file: give the directory that holds it, "
+                   f"{final} (a training checkpoint)\n")
+    weights_alone = tmp_path / "weights_alone"
+    (weights_alone / "lit_model.pth").mkdir(parents=True)
+    shutil.copy(final / "model_config.yaml", weights_alone)
+    for command in ("evaluate", "convert_pretrained_checkpoint"):
+        err = cli_error([command, str(weights_alone), "--out_dir" if command == "evaluate" else "--output_dir",
+                         str(tmp_path / "out")], capsys)
+        assert err == (f"fabric-lin {command}: error: {weights_alone / 'lit_model.pth'} is a directory, as a sharded "
+                       f"training checkpoint's weights are, but {weights_alone} has no step.json or manifest.json beside "
+                       f"it: not a whole training checkpoint (copied without them, or saved by a run that did not finish "
+                       f"it); give the checkpoint directory as pretrain wrote it\n"), err
+    other = tmp_path / "other"
+    shutil.copytree(final, other)
+    files_before = sorted(p.name for p in other.iterdir())
+    err = cli_error(["evaluate", str(final), "--max_batches", "1", "--out_dir", str(other / "evaluate")], capsys)
+    assert err == (f"fabric-lin evaluate: error: --out_dir {other / 'evaluate'} is inside the training checkpoint {other}, "
+                   f"whose files are the ones its manifest lists: give a directory outside it\n")
+    assert sorted(p.name for p in other.iterdir()) == files_before and not (tmp_path / "out").exists()
+
+
 def test_an_unfinished_checkpoint_given_as_the_current_directory_is_one_line(run, tmp_path, capsys, monkeypatch):
     """`.` inside a `.tmp-` directory (a checkpoint still being written, its manifest already there) is as unfinished
     as the directory named by its path."""

@@ -191,12 +191,13 @@ def write_tasks(tmp_path: Path, n_docs: int = 4) -> list:
     return docs
 
 
-def evaluate_in_subprocess(run: Path, tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
-    """`fabric-lin evaluate` of the run's final checkpoint with the tasks of `write_tasks`, into tmp_path/out, offline."""
+def evaluate_in_subprocess(run: Path, tmp_path: Path, *options: str, checkpoint: Path = None) -> subprocess.CompletedProcess:
+    """`fabric-lin evaluate` of the run's final checkpoint (or `checkpoint`) with the tasks of `write_tasks`, into
+    tmp_path/out, offline."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1])] + sys.path)}
     return subprocess.run(
-        [sys.executable, "-m", "fabric_lin.cli", "evaluate", str(run / "out" / "final"), *options,
+        [sys.executable, "-m", "fabric_lin.cli", "evaluate", str(checkpoint or run / "out" / "final"), *options,
          "--task_dir", str(tmp_path / "tasks"), "--out_dir", str(tmp_path / "out")],
         capture_output=True, text=True, env=env, timeout=600,
     )
@@ -240,23 +241,45 @@ def test_unknown_task_name_is_one_line(run, capsys):
 
 
 @pytest.mark.slow
-def test_too_few_few_shot_examples_keep_the_data_s_results_and_are_one_line(run, tmp_path):
-    """--num_fewshot 5 of a task of 4 documents (its few-shot examples from them): the harness fails after the data
-    evaluation. The data's results are kept in evaluate.json, equal to those of the data alone, the task marked
-    failed, and the error is one line naming the task, --num_fewshot and how many examples the task has."""
+def test_too_few_few_shot_examples_are_one_line_before_the_model_is_loaded(run, tmp_path):
+    """--num_fewshot 5 of a task of 4 documents (its few-shot examples from them): one line naming the task,
+    --num_fewshot and how many examples the task has, before the weights are read (here those of a copy of the
+    checkpoint whose weights are damaged, which evaluate would name first had it read them) and before the data is
+    evaluated: nothing is written. The harness itself is the reference: --num_fewshot 4 runs."""
+    import shutil
+
     pytest.importorskip("lm_eval")
     write_tasks(tmp_path)
-    proc = evaluate_in_subprocess(run, tmp_path, "--max_batches", "1", "--tasks", "tiny_choice", "--num_fewshot", "5")
-    failed = "--num_fewshot 5: task tiny_choice has 4 few-shot examples: give --num_fewshot 4 or fewer"
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run / "out" / "final", damaged)
+    (damaged / "lit_model.pth").write_bytes(b"not the weights")
+    proc = evaluate_in_subprocess(run, tmp_path, "--max_batches", "1", "--tasks", "tiny_choice", "--num_fewshot", "5",
+                                  checkpoint=damaged)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.endswith(f"fabric-lin evaluate: error: {failed}; the data's results are in "
-                                f"{tmp_path / 'out' / 'evaluate.json'}\n"), proc.stderr[-3000:]
+    assert proc.stderr.endswith("fabric-lin evaluate: error: --num_fewshot 5: task tiny_choice has 4 few-shot examples: "
+                                "give --num_fewshot 4 or fewer\n"), proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+    assert evaluate_in_subprocess(run, tmp_path, "--max_batches", "1", "--tasks", "tiny_choice",
+                                  "--num_fewshot", "4").returncode == 0
+
+
+def test_a_failure_of_the_harness_keeps_the_data_s_results(run, tmp_path, monkeypatch, harness_with_hellaswag):
+    """The harness failing after the data was evaluated (minutes or hours of it): evaluate.json holds the data's results,
+    equal to those of the data alone, and the tasks marked failed; the failure itself is raised."""
+    import fabric_lin.evaluate
+
+    def failing(*args):
+        raise RuntimeError("the harness failed")
+
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot: this test does not look at it
+        monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.setattr(fabric_lin.evaluate, "run_tasks", failing)
+    with pytest.raises(RuntimeError, match="the harness failed"):
+        evaluate(run / "out" / "final", max_batches=1, tasks="hellaswag", out_dir=tmp_path / "out")
     results = json.loads((tmp_path / "out" / "evaluate.json").read_text())
-    assert results["tasks"] == {"failed": failed}
+    assert results["tasks"] == {"failed": "RuntimeError: the harness failed"}
     alone = evaluate(run / "out" / "final", max_batches=1, out_dir=tmp_path / "alone")
     assert results["lengths"][0]["loss"] == alone["lengths"][0]["loss"]
-    assert evaluate_in_subprocess(run, tmp_path, "--max_batches", "1", "--tasks", "tiny_choice", "--num_fewshot", "4",
-                                  "--overwrite", "true").returncode == 0
 
 
 # ---------------------------------------------------------------- --tasks and the harness's options, checked first
@@ -330,6 +353,40 @@ def test_task_names_are_checked_before_the_model_is_loaded(tmp_path, capsys, mon
     assert find_tasks(["mine"], tmp_path / "tasks").all_tasks == ["mine"] and built == [False]
     assert find_tasks([str(tmp_path / "tasks" / "mine.yaml")], None).all_tasks == [] and built == [False, False]
     assert find_tasks(["mine", "hellaswag"], tmp_path / "tasks").all_tasks[-1] == "mine" and built[-1] is True
+
+
+@pytest.mark.parametrize("num_fewshot, own, split, refused", [
+    (4, None, "train", "--num_fewshot 4: task tiny has 3 few-shot examples: give --num_fewshot 3 or fewer"),
+    (3, None, "test", "--num_fewshot 3: task tiny has 2 few-shot examples: give --num_fewshot 2 or fewer"),
+    (None, 5, "train", "task tiny asks for 5 few-shot examples (its num_fewshot) and has 3: give --num_fewshot 3 or fewer"),
+    (3, None, "train", None), (9, 0, "train", None)])
+def test_more_few_shot_examples_than_a_task_has_are_refused_before_the_model_is_loaded(tmp_path, capsys, monkeypatch,
+                                                                                       num_fewshot, own, split, refused):
+    """Against a stand-in for the harness's TaskManager and a task it builds of 3 few-shot examples from its train
+    split, or its test split (the one it is evaluated on, whose document asked about the harness leaves out of them):
+    --num_fewshot, or the task's own num_fewshot, beyond them is one line, before the checkpoint's weights are read
+    (the harness itself fails on it after the model is loaded and the data evaluated). A task's own 0 is kept by the
+    harness whatever --num_fewshot says."""
+    import types
+
+    import fabric_lin.evaluate
+
+    task = types.SimpleNamespace(config=types.SimpleNamespace(task="tiny", num_fewshot=own, test_split="test"),
+                                 fewshot_cfg=types.SimpleNamespace(split=split),
+                                 sampler=types.SimpleNamespace(fewshot_docs=lambda: [{"doc": i} for i in range(3)]))
+    harness = types.ModuleType("lm_eval")
+    harness.tasks = types.ModuleType("lm_eval.tasks")
+    harness.tasks.TaskManager = lambda include_path=None, include_defaults=True: types.SimpleNamespace(
+        all_tasks=["tiny"], load=lambda names: {"tasks": {"tiny": task}, "groups": {}})
+    monkeypatch.setitem(sys.modules, "lm_eval", harness)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
+    monkeypatch.setattr(fabric_lin.evaluate, "load_checkpoint", lambda *args: pytest.fail("the model was loaded"))
+    argv = ["evaluate", str(tmp_path), "--tasks", "tiny"] + (["--num_fewshot", str(num_fewshot)] if num_fewshot else [])
+    if refused:
+        assert cli_error(argv, capsys) == f"fabric-lin evaluate: error: {refused}\n"
+    else:
+        with pytest.raises(pytest.fail.Exception, match="the model was loaded"):
+            fabric_lin.evaluate.main(tmp_path, tasks="tiny", num_fewshot=num_fewshot)
 
 
 def test_a_task_file_that_is_not_there_or_a_directory_of_tasks_in_tasks_is_named(tmp_path, capsys, monkeypatch):

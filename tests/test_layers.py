@@ -27,7 +27,7 @@ FLOORS = [
     ["fabric_lin.checkpoint"],
     ["fabric_lin.convert.model_dir", "fabric_lin.run_identity", "fabric_lin.run_start", "fabric_lin.rendezvous"],
     # the jobs
-    ["fabric_lin.convert", "fabric_lin.generate", "fabric_lin.evaluate", "fabric_lin.checkpoint_kinds"],
+    ["fabric_lin.convert", "fabric_lin.generate", "fabric_lin.evaluate", "fabric_lin.harness", "fabric_lin.checkpoint_kinds"],
     ["fabric_lin.pretrain"],
     # the preprocessing commands (fabric_lin imports none of them: the command line names them by module path)
     ["data_prep"],

@@ -414,7 +414,8 @@ def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: Optional[torch.dty
 def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path] = ()) -> Path:
     """Check `output_dir` before anything is written: refuse a non-empty one unless `overwrite`, and one
     that is a source, and a training checkpoint or run directory even with `overwrite` (a model directory's weights
-    would replace the checkpoint's). Create it with `fabric_lin.files.created_dir(output_dir)`, which removes it again
+    would replace the checkpoint's), and a prepared data directory (its tokenizer files, which its prepared.json
+    records, would be replaced by the model's). Create it with `fabric_lin.files.created_dir(output_dir)`, which removes it again
     (when still empty) if the conversion fails."""
     from fabric_lin.checkpoint import checkpoint_dirs, is_training_checkpoint
 
@@ -430,6 +431,13 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
     if run_checkpoints:
         raise AlreadyExists(f"output_dir {output_dir} is a training run's directory (it holds {', '.join(run_checkpoints[:3])}), "
                             f"which a conversion does not write into: choose another directory")
+    from fabric_lin.data.prepared import INDEX_FILE, PREPARED_INFO_FILE
+
+    data_files = [name for name in (PREPARED_INFO_FILE, INDEX_FILE) if (output_dir / name).is_file()]
+    if data_files:
+        raise AlreadyExists(f"output_dir {output_dir} is a prepared data directory (it holds {data_files[0]}), which a "
+                            f"conversion does not write into (the model's tokenizer files would replace the data's): "
+                            f"choose another directory")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         kind = what_it_holds(output_dir)
         # a model that a printed suggestion's --output_dir (checkpoints/<model name>) may name; adapters stay beside one

@@ -202,7 +202,16 @@ class InterruptibleDataProcessor(DataProcessor):
     def run(self, data_recipe: DataChunkRecipe) -> None:
         self._main_pid = os.getpid()
         signal.signal(signal.SIGTERM, self._signal_handler)  # litdata's run sets this handler for SIGINT
-        super().run(data_recipe)
+        try:
+            super().run(data_recipe)
+        except KeyboardInterrupt:
+            # litdata's progress bar, left open by the interruption, ends its line now: the line that says the run
+            # was stopped starts a line of its own, and no bar is drawn again after it when the bar is freed at exit
+            from tqdm import tqdm
+
+            for bar in list(tqdm._instances):
+                bar.close()
+            raise
 
     def _signal_handler(self, signum, frame) -> None:
         if os.getpid() != self._main_pid:
