@@ -137,17 +137,23 @@ def test_a_resume_goes_on_when_the_model_directory_it_started_from_is_gone(tmp_p
 def test_the_hyperparameters_yaml_of_a_run_resumed_from_a_named_checkpoint_continues_it(tmp_path, capsys):
     """A run resumed from a named earlier checkpoint (step 1 of 2, as back before a loss spike) recorded that --resume in
     its hyperparameters.yaml: `--config <its final>/hyperparameters.yaml` went back to step 1 once more and set the
-    checkpoints saved since aside. The file records `resume: auto`, and continues the run from its newest checkpoint."""
+    checkpoints saved since aside. The file records `resume: auto`, and continues the run from its newest checkpoint,
+    and records neither --overwrite nor --resume_changes, which the first two commands were given."""
     import yaml
 
     from fabric_lin.cli import main as cli_main
 
     out, no_validation = tmp_path / "out", EvalArgs(final_validation=False)
     train = TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32, save_interval=1)
-    setup_pretrain(tmp_path, train=train, eval=no_validation)
-    setup_pretrain(tmp_path, train=train, resume=out / "step-00000001", eval=no_validation)
+    setup_pretrain(tmp_path, train=train, eval=no_validation, overwrite=True)
+    setup_pretrain(tmp_path, train=train, resume=out / "step-00000001", eval=no_validation,
+                   resume_changes=["train.max_steps"])
     hparams = out / "final" / "hyperparameters.yaml"
-    assert yaml.safe_load(hparams.read_text())["resume"] == "auto"
+    recorded = yaml.safe_load(hparams.read_text())
+    assert recorded["resume"] == "auto"
+    # actions of the command that ran, not settings of the run: `--config` with the file neither deletes the run
+    # (overwrite) nor lets a setting change unasked (resume_changes)
+    assert "overwrite" not in recorded and "resume_changes" not in recorded
     checkpoints = sorted(p.name for p in out.iterdir())
     capsys.readouterr()
     cli_main(["pretrain", "--config", str(hparams)])
