@@ -23,7 +23,7 @@ def trained_model(config: Config, steps: int = 2, compile_prefix: bool = False):
     torch.manual_seed(0)
     model = GPT(config)
     # pretrain's two parameter groups (weight decay, and none for norms and biases)
-    from fabric_lin.pretrain import no_decay_parameter_names
+    from fabric_lin.model_setup import no_decay_parameter_names
     from fabric_lin.weights import canonical_name
 
     no_decay = no_decay_parameter_names(model)

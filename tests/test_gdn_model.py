@@ -186,7 +186,7 @@ def test_flops_per_token_gdn_340m_and_a_hybrid():
 
 
 def test_a_log_and_dt_bias_take_no_weight_decay():
-    from fabric_lin.pretrain import no_decay_parameter_names
+    from fabric_lin.model_setup import no_decay_parameter_names
 
     model = GPT(tiny(attn_layers=[1], attn_num_heads=4))
     names = no_decay_parameter_names(model)

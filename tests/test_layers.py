@@ -26,6 +26,8 @@ FLOORS = [
     ["fabric_lin.sharded_checkpoint", "fabric_lin.metrics", "fabric_lin.save_failures"],
     ["fabric_lin.checkpoint"],
     ["fabric_lin.convert.model_dir", "fabric_lin.run_identity", "fabric_lin.run_start", "fabric_lin.rendezvous"],
+    # the model a training run trains and its optimizer, as Fabric sets them up
+    ["fabric_lin.model_setup"],
     # the jobs
     ["fabric_lin.convert", "fabric_lin.generate", "fabric_lin.evaluate", "fabric_lin.harness", "fabric_lin.checkpoint_kinds"],
     ["fabric_lin.pretrain"],

@@ -105,7 +105,7 @@ def four(tmp_path_factory) -> Path:
 def optimizer_order(config) -> List[str]:
     """The parameters in the order of pretrain's two AdamW groups (with weight decay, then without): the order
     a one-file checkpoint's optimizer state numbers them in."""
-    from fabric_lin.pretrain import no_decay_parameter_names
+    from fabric_lin.model_setup import no_decay_parameter_names
     from fabric_lin.weights import meta_model
 
     model = meta_model(config)

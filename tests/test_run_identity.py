@@ -94,7 +94,7 @@ def test_resume_with_other_optimizer_settings_passes_with_a_note(tmp_path, capsy
 def test_initial_checkpoint_dir_given_to_a_resume_is_said_to_be_left_unread(tmp_path, capsys, monkeypatch):
     """--initial_checkpoint_dir starts a new run's weights; a resume takes them from its checkpoint. Given to a resume
     where the checkpoint's run had none, it is not read, and the note says so rather than list it as a setting in use."""
-    from fabric_lin import pretrain
+    from fabric_lin import model_setup
     from fabric_lin.convert.model_dir import save_model_dir
 
     setup_pretrain(tmp_path, eval=EvalArgs(final_validation=False))
@@ -104,7 +104,7 @@ def test_initial_checkpoint_dir_given_to_a_resume_is_said_to_be_left_unread(tmp_
     def read(*args, **kwargs):
         raise AssertionError("the initial weights were read")
 
-    monkeypatch.setattr(pretrain, "load_initial_weights", read)
+    monkeypatch.setattr(model_setup, "load_initial_weights", read)
     capsys.readouterr()
     setup_pretrain(tmp_path, resume="auto", initial_checkpoint_dir=tmp_path / "model", resume_changes=["train.max_steps"],
                    train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32),

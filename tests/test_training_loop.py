@@ -35,7 +35,7 @@ WEIGHT_ATOL = 1e-5
 def reference_training():
     """The reference loop's per-step losses, gradient norms, data checksums and weights after the step, and the
     validation loss at the end."""
-    from fabric_lin.pretrain import no_decay_parameter_names
+    from fabric_lin.model_setup import no_decay_parameter_names
     from fabric_lin.run_start import load_tokenizer
 
     config = Config.from_name("gla-debug")
