@@ -1,10 +1,11 @@
 """fabric_lin/metrics.py: tokens/s over each log interval and, in the summary, after the first step, with the time
-paused for validation and saving left out (benchmarks/train_throughput.py reports these), and an ETA without the first
-step's compilation; each step's record, the progress line's loss and MFU, and a validation's perplexity, of two
+paused for validation and saving left out (benchmarks/train_throughput.py reports these), and an ETA without the
+first step's compilation; each step's record, the progress line's loss and MFU, and a validation's perplexity, of two
 processes (also where their values differ); a resumed attempt's history: the records after its step superseded, a
-line cut short by a kill left out (also inside the superseded file, or an empty superseded file), the attempt numbered after every recorded one, its moves on disk before the
-rename; every record at its step, each step's once; the CSV log written row by row and continued by a resume; a
-logger that cannot write at the end of a failed run. (End to end, across kills and resumes: test_pretrain_resume.py.)"""
+line cut short by a kill left out (also inside the superseded file, or an empty superseded file), the attempt
+numbered after every recorded one, its moves on disk before the rename; every record at its step, each step's once;
+the CSV log written row by row and continued by a resume; a logger that cannot write at the end of a failed run. (End
+to end, across kills and resumes: test_pretrain_resume.py.)"""
 import json
 import math
 import shutil
