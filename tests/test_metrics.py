@@ -1,10 +1,11 @@
 """fabric_lin/metrics.py: tokens/s over each log interval and, in the summary, after the first step, with the time
-paused for validation and saving left out (benchmarks/train_throughput.py reports these), and an ETA without the first
-step's compilation; each step's record, the progress line's loss and MFU, and a validation's perplexity, of two
-processes; a resumed attempt's history: the records after its step superseded, a line cut short by a kill left out
-(also inside the superseded file), the attempt numbered after every recorded one, its moves on disk before the
-rename; every record at its step, each step's once; the CSV log written row by row and continued by a resume; a
-logger that cannot write at the end of a failed run. (End to end, across kills and resumes: test_pretrain_resume.py.)"""
+paused for validation and saving left out (benchmarks/train_throughput.py reports these), and an ETA without the
+first step's compilation; each step's record, the progress line's loss and MFU, and a validation's perplexity, of two
+processes (also where their values differ); a resumed attempt's history: the records after its step superseded, a
+line cut short by a kill left out (also inside the superseded file, or an empty superseded file), the attempt
+numbered after every recorded one, its moves on disk before the rename; every record at its step, each step's once;
+the CSV log written row by row and continued by a resume; a logger that cannot write at the end of a failed run. (End
+to end, across kills and resumes: test_pretrain_resume.py.)"""
 import json
 import math
 import shutil
@@ -114,6 +115,32 @@ def test_two_processes_records_progress_line_and_validation(tmp_path, monkeypatc
     assert records[-1]["val_ppl"] == pytest.approx(math.exp(2.0)) and records[-1]["val_tokens"] == 640
 
 
+class UnequalTwoProcessFabric(TwoProcessFabric):
+    """Rank 0 of two processes whose values differ: the other one holds `peer`'s losses and data fingerprints."""
+
+    def __init__(self, peer):
+        super().__init__()
+        self.peer = peer
+
+    def all_reduce(self, tensor, reduce_op):
+        other = torch.tensor(self.peer[reduce_op], dtype=tensor.dtype)
+        return (tensor + other) / 2 if reduce_op == "mean" else tensor + other
+
+
+def test_each_step_s_loss_is_the_mean_of_the_processes_and_its_fingerprint_their_sum(tmp_path):
+    """Losses 3 and 2 here and 5 and 1 on the other process: steps 1 and 2 record 4 and 1.5, and the progress line the
+    last of them; data fingerprints 7 and 14 here and 1 and 2 there: 8 and 16."""
+    fabric = UnequalTwoProcessFabric({"mean": [5.0, 1.0], "sum": [1, 2]})
+    writer = MetricsWriter(fabric, tmp_path, max_steps=2, tokens_per_step=100)
+    writer.start(0, max_steps=2)
+    for step, loss in ((1, 3.0), (2, 2.0)):
+        writer.add_step(step, torch.tensor(loss), 1e-3, torch.tensor(1.0), torch.tensor(7 * step))
+    writer.log_progress(2, 1e-3, torch.tensor(1.0), skipped_steps=0, tokens=200)
+    records = read_records(tmp_path / METRICS_FILE)
+    assert [(r["step"], r["loss"], r["data_fingerprint"]) for r in records if "loss" in r] == [(1, 4.0, 8), (2, 1.5, 16)]
+    assert fabric.logged[0][1]["loss"] == 1.5
+
+
 def test_records_moved_after_a_line_cut_inside_the_superseded_file_are_all_kept(tmp_path):
     """A kill cut a record being moved to metrics.superseded.jsonl; the next attempt's moves start on a line of their
     own, so none of them is lost with the cut one."""
@@ -137,6 +164,18 @@ def test_a_line_cut_inside_the_superseded_file_hides_no_record_after_it(tmp_path
     writer = MetricsWriter(fabric, tmp_path, max_steps=8, tokens_per_step=100)
     writer.begin_attempt(2)
     assert writer.attempt == 3
+
+
+def test_an_empty_superseded_file_left_by_a_kill_takes_the_next_moves(tmp_path):
+    """A kill (or a full disk) after metrics.superseded.jsonl was made and before its first record was in it leaves the
+    file empty: the next resume moves its records into it as into a new one."""
+    records = [{"step": s, "loss": 1.0, "attempt": 1} for s in (1, 2, 3)]
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / SUPERSEDED_FILE).write_text("")
+    writer = MetricsWriter(L.Fabric(accelerator="cpu", devices=1), tmp_path, max_steps=8, tokens_per_step=100)
+    writer.begin_attempt(1)
+    assert writer.attempt == 2
+    assert read_records(tmp_path / METRICS_FILE) == records[:1] and read_records(tmp_path / SUPERSEDED_FILE) == records[1:]
 
 
 def test_a_logger_that_cannot_write_at_the_end_of_a_failed_run_hides_not_why_it_failed(tmp_path, capsys):

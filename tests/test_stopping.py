@@ -1,8 +1,8 @@
 """fabric_lin/stopping.py: each step's skip and stop flags, read by the host a step later unless waited for, and one
 process's flags (and a signal during the start-up) reaching the other of two; fused AdamW's found_inf, on which
 skipping a non-finite step relies; and, end to end, a run whose every step is non-finite skipping its updates and
-stopping with a checkpoint; the signals that ask for a checkpoint and a stop. (Stopped by a signal and resumed:
-test_pretrain_resume.py.)"""
+stopping with a checkpoint; the signals that ask for a checkpoint and a stop, a first Ctrl-C told by one process.
+(Stopped by a signal and resumed: test_pretrain_resume.py.)"""
 import os
 import signal
 
@@ -71,8 +71,8 @@ dist.destroy_process_group()
 
 
 def test_the_flags_of_one_rank_reach_every_rank():
-    """Two processes, this one and a peer (PEER_RANK): the peer's skipped update and its stop are this process's
-    too, as is the signal it received during the start-up."""
+    """Two processes, this one and a peer (PEER_RANK): the peer's skipped update (left out here at once) and its stop
+    are this process's too, as is the signal it received during the start-up."""
     import subprocess
     import sys
     from datetime import timedelta
@@ -89,8 +89,9 @@ def test_the_flags_of_one_rank_reach_every_rank():
     dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=60))
     try:
         flags = StepFlags(SimpleNamespace(world_size=2))
-        flags.push(1, torch.tensor(False), stop_requested=False)
-        flags.push(2, torch.tensor(False), stop_requested=False)
+        # the optimizer's found_inf: this process leaves step 1's update out too, before its host reads a flag
+        assert float(flags.push(1, torch.tensor(False), stop_requested=False)) == 1.0
+        assert float(flags.push(2, torch.tensor(False), stop_requested=False)) == 0.0
         assert flags.pop(wait_all=True) == [(1, True, False), (2, False, True)]
         assert StopRequest().requested_on_any_rank(SimpleNamespace(world_size=2, device=torch.device("cpu")))
     finally:
@@ -116,6 +117,20 @@ def test_scheduler_signals_and_ctrl_c_ask_for_a_stop_and_the_handlers_are_given_
             signal.raise_signal(signal.SIGINT)
     assert {name: signal.getsignal(getattr(signal, name)) for name in names} == before
 
+
+
+def test_a_first_ctrl_c_is_told_by_the_announcing_process_only(capfd):
+    """A terminal's Ctrl-C reaches every process of a run: the first (announce) says what it does, the others keep
+    quiet; a scheduler's signal is told by the stop's own line, not on arrival."""
+    told = "\nCtrl-C: stopping with a checkpoint at the end of this step (Ctrl-C again to stop at once, without it)\n"
+    with StopRequest(announce=True):
+        signal.raise_signal(signal.SIGTERM)
+        assert capfd.readouterr().err == ""
+        signal.raise_signal(signal.SIGINT)
+        assert capfd.readouterr().err == told
+    with StopRequest(announce=False) as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.requested and capfd.readouterr().err == ""
 
 
 def test_a_second_ctrl_c_stops_at_once_after_a_scheduler_s_signal_in_between():
