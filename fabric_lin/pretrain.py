@@ -220,7 +220,7 @@ def setup(
             with peer_lost_during("the start-up"):  # training, validations and saves name themselves
                 lost = partial(exit_at_once, out_dir=out_dir, resume=resume, overwrite=overwrite)
                 with launching_rank_watched(lost), joining_watched(fabric, rendezvous_of(fabric, num_nodes, devices),
-                                                                   parallelism, created):
+                                                                   parallelism, created, lost):
                     fabric.launch()
                 main(
                     fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,
@@ -238,8 +238,9 @@ def setup(
 
 
 def exit_at_once(lost: PeerLost, out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:
-    """End a rank that Fabric's launcher started as the CLI ends one whose peer is gone (one line, PEER_LOST_EXIT_CODE),
-    from a thread other than the main one, which waits where no exception reaches it: the process group's rendezvous."""
+    """End a rank that lost a peer in the rendezvous (the rank that started it, or rank 0's store) as the CLI ends one
+    whose peer is gone (one line, PEER_LOST_EXIT_CODE), from wherever that is found: the main thread waits in the
+    rendezvous, where no exception from another thread reaches it."""
     lost.advice = how_to_continue_without_the_peer(out_dir, resume, overwrite, earlier_run_deleted=False)  # main has not begun
     sys.stdout.flush()
     print(lost.line("fabric-lin pretrain", process_rank()), file=sys.stderr, flush=True)

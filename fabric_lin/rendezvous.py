@@ -13,7 +13,15 @@ The store counts the processes that join it, but under a key that its Python int
 every key it is given), so each process counts itself in again, under its node's key of our own, as soon as the store
 answers: from a thread, since the main thread waits inside torch.distributed, where neither an exception nor a signal
 reaches it. Under torchrun the processes meet at the store of torchrun's agents, which have met before they started
-them (torchrun bounds that itself); a run on one node is Fabric's launcher's to watch (`launching_rank_watched`)."""
+them (torchrun bounds that itself); a run on one node is Fabric's launcher's to watch (`launching_rank_watched`).
+
+Rank 0 opens the store on node 0, on one node too, and there the address and the port can be wrong before anyone else
+comes: a MASTER_PORT that another process (another run, or one left over from one) listens on (torch.distributed's
+EADDRINUSE traceback), a MASTER_ADDR that does not resolve or does not reach node 0 itself (rank 0's own client of
+its store then tries again, warning each second, for timeout_minutes). Each is said in one line, at once, naming the
+address, the port and the fix. A process whose store closes under it before every process has joined lost rank 0,
+as a process that loses a peer later does: it ends as one (PEER_LOST_EXIT_CODE, the one line of `PeerLost`)."""
+import errno
 import os
 import socket
 import sys
@@ -23,12 +31,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 
 from fabric_lin.args import ParallelismArgs
-from fabric_lin.errors import JOIN_FAILED_EXIT_CODE, process_rank
+from fabric_lin.errors import JOIN_FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, InvalidValue, PeerLost, process_rank
 from fabric_lin.files import remove_empty_dirs
 from fabric_lin.parallelism import LAUNCHING_RANK_PID
 
@@ -42,6 +50,11 @@ STOP_SEEN_KEY = "fabric_lin/rank-0-stopped-waiting/seen"
 STOP_GRACE_SECONDS = 3.0
 # How long rank 0 waits before it says for whom it waits: longer than a node's processes take to start together
 NOTICE_SECONDS = 10.0
+# How long rank 0 tries to reach its own store at MASTER_ADDR, once the store listens, before it stops: a connection to
+# one's own host is made at once or never
+OWN_STORE_SECONDS = 5.0
+# getaddrinfo's answers that a name is unknown, not that the name service failed for now (EAI_AGAIN)
+UNKNOWN_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
 
 @dataclass(frozen=True)
@@ -69,11 +82,11 @@ class Rendezvous:
 
 
 def rendezvous_of(fabric, num_nodes: int, devices: int) -> Optional[Rendezvous]:
-    """The rendezvous to watch before `fabric.launch()`: None on one node and under torchrun."""
+    """The rendezvous to watch before `fabric.launch()`: None for one process and under torchrun."""
     from lightning_fabric.plugins.environments import TorchElasticEnvironment
 
     environment = getattr(fabric.strategy, "cluster_environment", None)
-    if num_nodes == 1 or environment is None or isinstance(environment, TorchElasticEnvironment):
+    if num_nodes * devices == 1 or environment is None or isinstance(environment, TorchElasticEnvironment):
         return None
     # read once here: Fabric's own environment picks a free port where MASTER_PORT is unset, and keeps it
     return Rendezvous(environment.main_address, environment.main_port, num_nodes, devices, fabric.node_rank,
@@ -98,6 +111,30 @@ def counted_in(rendezvous: Rendezvous, bounded: bool):
         return None
 
 
+def counting_in(rendezvous: Rendezvous, bounded: bool) -> Callable[[], Optional[object]]:
+    """A function that returns the client of `counted_in` once it is made, else None, each call going on with it: it
+    is made in a thread of its own, one try at a time, since a TCPStore client that meets a port that accepts but does
+    not answer (a stopped process's, or no store's) waits there for ever, whatever its timeout, and whoever calls this
+    must keep to its bound."""
+    made: List[object] = []
+    trying: Optional[threading.Thread] = None
+
+    def attempt() -> None:
+        store = counted_in(rendezvous, bounded)
+        if store is not None:
+            made.append(store)
+
+    def store() -> Optional[object]:
+        nonlocal trying
+        if not made and (trying is None or not trying.is_alive()):
+            trying = threading.Thread(target=attempt, name="rendezvous-count-in", daemon=True)
+            trying.start()
+            trying.join(0.1)  # where the store answers, at once
+        return made[0] if made else None
+
+    return store
+
+
 def tell_the_others(store, line: str) -> None:
     """Rank 0, stopping: leave `line` in its store, and keep the store open until every process that waits with a
     bound has read it (or for STOP_GRACE_SECONDS): they stop with it, where its store closing under them would end
@@ -112,15 +149,22 @@ def tell_the_others(store, line: str) -> None:
 
 
 def told_by_rank_0(store) -> Optional[str]:
-    """The line rank 0 stopped with, once it has left one (`tell_the_others`), else None."""
+    """The line rank 0 stopped with, once it has left one (`tell_the_others`), else None. Its reading is told to rank
+    0 apart (`seen`), once this process is sure to end with it: rank 0 then closes its store."""
     try:
         if not store.check([STOPPED_KEY]):
             return None
-        line = store.get(STOPPED_KEY).decode("utf-8", "replace")
-        store.add(STOP_SEEN_KEY, 1)
-        return line
+        return store.get(STOPPED_KEY).decode("utf-8", "replace")
     except Exception:  # noqa: BLE001 - the store closed: the main thread's error says so
         return None
+
+
+def seen(store) -> None:
+    """Tell rank 0 that this process has read the line it stopped with (`told_by_rank_0`)."""
+    try:
+        store.add(STOP_SEEN_KEY, 1)
+    except Exception:  # noqa: BLE001 - rank 0 no longer waits for it
+        pass
 
 
 def joined_per_node(store, rendezvous: Rendezvous) -> Optional[List[int]]:
@@ -179,21 +223,117 @@ def failure_line(rendezvous: Rendezvous, joined: Optional[List[int]], bound: flo
             f"nothing was written")
 
 
+def answers(host: str, port: int, timeout: float) -> bool:
+    """Whether something accepts a connection at host:port within `timeout` seconds."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:  # refused, unreachable, timed out, or a name that does not resolve
+        return False
+
+
+def is_address_of_this_host(address: str) -> bool:
+    """Whether `address` (a name or an IP address) names this host: a socket can be bound to it (where it resolves)."""
+    try:
+        found = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, sockaddr in found:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind((sockaddr[0], 0, *sockaddr[2:]))
+                return True
+            except OSError as error:
+                if error.errno != errno.EADDRNOTAVAIL:  # in use, or not allowed: this host's all the same
+                    return True
+    return False
+
+
+def unresolved_line(rendezvous: Rendezvous, error: socket.gaierror) -> str:
+    fix = ("leave MASTER_ADDR unset (on one node, 127.0.0.1) or give this host's name or IP address"
+           if rendezvous.nodes == 1 else "give node 0's host name or IP address, the same on every node")
+    return (f"MASTER_ADDR {rendezvous.address} does not resolve on this host ({error.strerror}): {fix}; nothing was "
+            f"written")
+
+
+def check_address_resolves(rendezvous: Rendezvous) -> None:
+    """Refuse a MASTER_ADDR that the name service does not know, where torch.distributed would ask again, warning each
+    second, for parallelism.timeout_minutes. A name service that fails for now (EAI_AGAIN) is let through."""
+    try:
+        socket.getaddrinfo(rendezvous.address, rendezvous.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        if error.errno in UNKNOWN_NAME:
+            raise InvalidValue(unresolved_line(rendezvous, error)) from None
+
+
+def reaches_own_store(rendezvous: Rendezvous) -> Optional[bool]:
+    """On rank 0: None while its store does not listen yet (nothing answers at MASTER_PORT through the loopback), else
+    whether MASTER_ADDR:MASTER_PORT reaches it, as rank 0's own client of its store must."""
+    if not any(answers(loopback, rendezvous.port, 1) for loopback in ("127.0.0.1", "::1")):
+        return None
+    return answers(rendezvous.address, rendezvous.port, 2)
+
+
+def own_store_line(rendezvous: Rendezvous, waited: float, of_this_host: bool) -> str:
+    """Why rank 0 stops where its own client cannot reach its store at MASTER_ADDR:MASTER_PORT (`of_this_host`: whether
+    MASTER_ADDR is an address of this host, `is_address_of_this_host`)."""
+    if not of_this_host:
+        fix = ("leave MASTER_ADDR unset (on one node, 127.0.0.1) or give this host's name or IP address"
+               if rendezvous.nodes == 1 else "give this host's name or IP address, the same on every node")
+        return (f"MASTER_ADDR {rendezvous.address} is not an address of this host ({socket.gethostname()}), where rank 0 "
+                f"opens the run's store at port {rendezvous.port}, and does not reach it within {duration(waited)}: "
+                f"{fix}; nothing was written")
+    return (f"rank 0 opened the run's store at port {rendezvous.port} of this host but cannot reach it at "
+            f"{rendezvous.where} (MASTER_ADDR:MASTER_PORT) within {duration(waited)}: check that no firewall of this "
+            f"host closes that port; nothing was written")
+
+
+def port_in_use_line(rendezvous: Rendezvous) -> str:
+    every = "" if rendezvous.nodes == 1 else ", the same on every node"
+    return (f"MASTER_PORT {rendezvous.port} is in use on this host, where rank 0 opens the run's store "
+            f"({rendezvous.where}, MASTER_ADDR:MASTER_PORT): another run, or a process left over from one, listens "
+            f"there; give another MASTER_PORT{every}, or end that process; nothing was written")
+
+
+def is_port_in_use(error: BaseException) -> bool:
+    """Whether torch.distributed's error is its store's port found in use."""
+    return isinstance(error, torch.distributed.DistNetworkError) and "EADDRINUSE" in str(error)
+
+
+def store_closed(rendezvous: Rendezvous) -> PeerLost:
+    """What a process whose rank 0's store closed before every process had joined lost: rank 0 (killed, its node lost,
+    ended on an error of its own) as a peer later is. Where rank 0 stopped waiting at the bound, the others read why
+    (`told_by_rank_0`) before its store closes."""
+    return PeerLost("the start-up", f"rank 0's store at {rendezvous.where} closed before every process had joined: "
+                                    f"rank 0 ended, node 0's output says why")
+
+
 @contextmanager
 def joining_watched(fabric, rendezvous: Optional[Rendezvous], parallelism: ParallelismArgs, created: List[Path],
-                    prog: str = "fabric-lin pretrain", poll_seconds: float = 0.5) -> Iterator[None]:
-    """Within: `fabric.launch()`, the rendezvous. This process counts itself in at the store as soon as it answers.
-    Unless Fabric's launcher started it (the process that did, its node's first, ends it), it waits at most
+                    on_lost: Callable[[PeerLost], None], prog: str = "fabric-lin pretrain",
+                    poll_seconds: float = 0.5) -> Iterator[None]:
+    """Within: `fabric.launch()`, the rendezvous. A MASTER_ADDR that does not resolve is refused first. Rank 0 stops
+    in one line where its store's port is in use (`InvalidValue`, raised once the processes Fabric's launcher started
+    are ended) or where MASTER_ADDR does not reach its own store (exit code 2 where MASTER_ADDR is not this host's,
+    else JOIN_FAILED_EXIT_CODE). On several nodes, each process counts itself in at the store as soon as it answers,
+    and, unless Fabric's launcher started it (the process that did, its node's first, ends it), it waits at most
     parallelism.join_timeout_minutes (and timeout_minutes) from here, and no longer than rank 0: then it ends the
     processes it started, removes the empty directories `created` (out_dir and its new parents) and ends with
-    JOIN_FAILED_EXIT_CODE, and, as the first process of its node, says why in one line. Rank 0 says once, after a few
-    seconds, for how many it waits."""
+    JOIN_FAILED_EXIT_CODE, and, as the first process of its node, says why in one line; rank 0 says once, after a few
+    seconds, for how many it waits. One whose rank 0's store closes before then lost rank 0: it ends likewise, but
+    through `on_lost` (which says so in one line and ends the process with PEER_LOST_EXIT_CODE) where it speaks for its
+    node."""
     if rendezvous is None:
         yield
         return
+    check_address_resolves(rendezvous)
     launcher = os.environ.get(LAUNCHING_RANK_PID)
-    bounded = not (rendezvous.local_rank != 0 and launcher == str(os.getppid()))
-    speaks = bounded and rendezvous.local_rank == 0
+    started_by_launcher = rendezvous.local_rank != 0 and launcher == str(os.getppid())
+    if rendezvous.nodes == 1 and not rendezvous.is_rank_0:  # watched by `launching_rank_watched`
+        yield
+        return
+    bounded = rendezvous.nodes > 1 and not started_by_launcher
+    speaks = rendezvous.local_rank == 0
     bound = 60 * min(parallelism.join_timeout_minutes, parallelism.timeout_minutes)
     notice = min(NOTICE_SECONDS, bound / 2)
     joined, ending = threading.Event(), threading.Lock()
@@ -209,45 +349,63 @@ def joining_watched(fabric, rendezvous: Optional[Rendezvous], parallelism: Paral
             line = f"{line} (rank {rank})"
         print(f"{prog}: {line}", file=sys.stderr, flush=True)
 
-    def end(line: str, store=None) -> None:
+    def end_children() -> None:  # Fabric's launcher's, in the rendezvous: nothing else would end them
+        for child in getattr(fabric.strategy.launcher, "procs", []):
+            child.kill()
+            child.wait()
+
+    def end(line: str, store=None, exit_code: int = JOIN_FAILED_EXIT_CODE, lost: Optional[PeerLost] = None,
+            told: bool = False) -> None:
         ending.acquire()  # once: the watch's bound and the main thread's error may come together; the second waits
         try:
             if rendezvous.is_rank_0 and store is not None:
                 tell_the_others(store, line)
-            for child in getattr(fabric.strategy.launcher, "procs", []):  # Fabric's launcher's, in the rendezvous
-                child.kill()
-                child.wait()
-            if speaks:
+            if told:  # only now: rank 0's store closing, the main thread's error, waits for the lock
+                seen(store)
+            end_children()
+            remove_empty_dirs(created)  # no process of the run is past the rendezvous: none writes there
+            # a process that Fabric's launcher started leaves the line to the process that started it, while it lives
+            if lost is not None and (speaks or launcher != str(os.getppid())):
+                on_lost(lost)
+            elif speaks:
                 sys.stdout.flush()
                 say(line, error=True)
-            remove_empty_dirs(created)  # no process of the run is past the rendezvous: none writes there
         finally:  # whatever fails above: the main thread waits where nothing else would end it
-            os._exit(JOIN_FAILED_EXIT_CODE)
+            os._exit(exit_code)
 
     def watch() -> None:
-        start, store, noticed = time.monotonic(), None, False
+        start, store, noticed, reached, listened = time.monotonic(), None, False, not rendezvous.is_rank_0, None
+        client = counting_in(rendezvous, bounded) if rendezvous.nodes > 1 else lambda: None
         while not joined.wait(poll_seconds):
-            if store is None:
-                store = counted_in(rendezvous, bounded)
+            store = client() if store is None else store
             waited = time.monotonic() - start
+            if not reached:  # rank 0: its own client of its store reaches it (the others' bound says the rest)
+                reached = store is not None or reaches_own_store(rendezvous)
+                listened = listened or (time.monotonic() if reached is False else None)
+                if reached is False and time.monotonic() - listened >= OWN_STORE_SECONDS:
+                    ours = is_address_of_this_host(rendezvous.address)  # else a mistake in what was given: exit 2
+                    end(own_store_line(rendezvous, OWN_STORE_SECONDS, ours), exit_code=JOIN_FAILED_EXIT_CODE if ours else 2)
+            if not bounded:
+                continue
             # the counts (a key per node) read when said only, not by every process twice a second
             if speaks and not noticed and waited >= notice and (rendezvous.is_rank_0 or store is None):
                 noticed = True
                 say(waiting_line(rendezvous, counts(store), bound))
-            told = told_by_rank_0(store) if bounded and store is not None and not rendezvous.is_rank_0 else None
-            if told is not None or (bounded and waited >= bound):
-                if not joined.is_set():
-                    end(told or failure_line(rendezvous, counts(store), bound), store)
+            told = told_by_rank_0(store) if store is not None and not rendezvous.is_rank_0 else None
+            if (told is not None or waited >= bound) and not joined.is_set():
+                end(told or failure_line(rendezvous, counts(store), bound), store, told=told is not None)
 
     threading.Thread(target=watch, name="rendezvous-watch", daemon=True).start()
     try:
         yield
-    except torch.distributed.DistNetworkError:
-        # rank 0's store closed while this process waited in it: rank 0 ended, or stopped waiting before this process
-        # read why
-        if not rendezvous.is_rank_0 and not joined.is_set():
-            end(f"rank 0's store at {rendezvous.where} closed before every process had joined: rank 0 stopped waiting "
-                f"or ended (node 0's output says why); nothing was written")
+    except torch.distributed.DistNetworkError as error:
+        if rendezvous.is_rank_0 and is_port_in_use(error):
+            with ending:  # the processes Fabric's launcher started would wait for a store that never opens
+                end_children()
+            raise InvalidValue(port_in_use_line(rendezvous)) from None
+        if not rendezvous.is_rank_0 and not joined.is_set():  # rank 0's store closed while this process waited in it
+            lost = store_closed(rendezvous)
+            end(str(lost), exit_code=PEER_LOST_EXIT_CODE, lost=lost)
         raise
     finally:
         joined.set()

@@ -6,7 +6,8 @@ on another one holding the same state bit for bit (4 -> 2 -> 1, 1 -> 4), and a D
 Killed by SIGKILL of one rank in the middle of a save, a run leaves no checkpoint that is taken for complete (the
 other rank says so in one line) and resumes as if never stopped; so does a run of two torchrun agents stopped by
 SIGTERM. Rank 0 killed before the rank it started has joined ends that rank within seconds, in one line. Two nodes
-started by hand that do not meet (a mistyped MASTER_PORT) stop at parallelism.join_timeout_minutes, in one line each.
+started by hand that do not meet (a mistyped MASTER_PORT) stop at parallelism.join_timeout_minutes, in one line each;
+a MASTER_PORT in use is said in one line.
 A sharded checkpoint is converted and evaluated in one process. An error every rank meets is printed once.
 
 The four-process runs are started as torchrun's agents would start them (fabric_lin_process.start_ranks: forked, no
@@ -319,6 +320,27 @@ def test_nodes_that_do_not_meet_stop_at_the_join_bound_in_one_line_each(tmp_path
         f"(parallelism.join_timeout_minutes): check that node 0's command runs with the same MASTER_ADDR and MASTER_PORT "
         f"as this node's, and that no firewall closes that port to this node; nothing was written"], texts[1][-3000:]
     assert not any("Traceback" in text for text in texts) and not out.exists()
+
+
+def test_a_master_port_in_use_is_said_in_one_line(tmp_path):
+    """Fabric's own launch of two processes with MASTER_PORT set to a port another process listens on (another run's
+    store): rank 0 cannot open its store there, which torch.distributed reports in a traceback, and rank 1, started
+    already, would wait for it. Rank 0 ends rank 1 and says in one line which port is in use and what to do (exit 2);
+    the out_dir is gone again. (The other mistakes of the address: test_rendezvous.py.)"""
+    import socket
+
+    out = tmp_path / "out"
+    with socket.socket() as other_run:
+        other_run.bind(("127.0.0.1", 0))
+        other_run.listen()
+        port = other_run.getsockname()[1]
+        result = fabric_lin_process.run(command(out, 1, 2), TIMEOUT, {**CPU_ONLY, "MASTER_PORT": str(port)})
+    said = [line for line in result.stderr.splitlines() if line.startswith("fabric-lin")]
+    assert result.returncode == 2 and said == [
+        f"fabric-lin pretrain: error: MASTER_PORT {port} is in use on this host, where rank 0 opens the run's store "
+        f"(127.0.0.1:{port}, MASTER_ADDR:MASTER_PORT): another run, or a process left over from one, listens there; "
+        f"give another MASTER_PORT, or end that process; nothing was written"], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not out.exists()
 
 
 def test_sigkill_of_a_rank_in_the_middle_of_a_save_leaves_no_checkpoint_taken_for_complete(two, tmp_path):

@@ -1,0 +1,112 @@
+"""fabric_lin/rendezvous.py in this process, without a run: what rank 0 finds wrong with its store's address and port
+before anyone else comes (a port in use, as torch.distributed's own store reports it; a MASTER_ADDR that does not
+resolve, or that is no address of this host and does not reach the store rank 0 opened), and what a process whose
+rank 0's store closes before every process has joined ends with (a lost peer). As a run meets them:
+test_pretrain_sharded.py."""
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fabric_lin import rendezvous as rdv
+from fabric_lin.args import ParallelismArgs
+from fabric_lin.errors import PEER_LOST_EXIT_CODE, InvalidValue, PeerLost
+from helpers import free_port
+
+# TEST-NET-1 (RFC 5737): an address for documentation, no host's
+NO_HOST_S = "192.0.2.1"
+
+
+def rendezvous(address: str = "127.0.0.1", port: int = 29500, nodes: int = 2, node: int = 0) -> rdv.Rendezvous:
+    return rdv.Rendezvous(address, port, nodes=nodes, devices=1, node=node, local_rank=0)
+
+
+def test_a_port_in_use_is_told_from_torch_distributed_s_own_error_in_one_line():
+    """The store rank 0 opens, torch.distributed's TCPStore, at a port another process listens on: its error is
+    recognised as such, and the line names the address and port, and what to do. Another error of the store is not."""
+    from torch.distributed import TCPStore
+
+    with socket.socket() as other_run:
+        other_run.bind(("127.0.0.1", 0))
+        other_run.listen()
+        port = other_run.getsockname()[1]
+        with pytest.raises(torch.distributed.DistNetworkError) as raised:
+            TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    assert rdv.is_port_in_use(raised.value)
+    assert not rdv.is_port_in_use(torch.distributed.DistNetworkError("Connection was likely closed"))
+    assert rdv.port_in_use_line(rendezvous("node0", port)) == (
+        f"MASTER_PORT {port} is in use on this host, where rank 0 opens the run's store (node0:{port}, "
+        f"MASTER_ADDR:MASTER_PORT): another run, or a process left over from one, listens there; give another "
+        f"MASTER_PORT, the same on every node, or end that process; nothing was written")
+
+
+def test_a_master_addr_the_name_service_does_not_know_is_refused_and_one_it_cannot_ask_for_now_is_not(monkeypatch):
+    def unknown(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    with pytest.raises(InvalidValue, match=r"^MASTER_ADDR nodee0 does not resolve on this host \(Name or service not "
+                                           r"known\): give node 0's host name or IP address, the same on every node; "
+                                           r"nothing was written$"):
+        rdv.check_address_resolves(rendezvous("nodee0"))
+    with pytest.raises(InvalidValue, match=r"\): leave MASTER_ADDR unset \(on one node, 127.0.0.1\) or give this "
+                                           r"host's name or IP address; nothing"):
+        rdv.check_address_resolves(rendezvous("nodee0", nodes=1))
+
+    def failing_for_now(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", failing_for_now)
+    rdv.check_address_resolves(rendezvous("node0"))  # torch.distributed asks again, as it may succeed
+
+
+def test_rank_0_tells_whether_master_addr_reaches_the_store_it_opened():
+    """None while nothing listens at the port (the store not open yet); then whether MASTER_ADDR reaches it: an address
+    of this host does, an address that is no host's does not, and the line says which of the two mistakes it is."""
+    port = free_port()
+    assert rdv.reaches_own_store(rendezvous("127.0.0.1", port)) is None
+    with socket.socket() as store:  # in the place of the store rank 0 opens, on every address of this host
+        store.bind(("0.0.0.0", port))
+        store.listen()
+        assert rdv.reaches_own_store(rendezvous("127.0.0.1", port)) is True
+        assert rdv.reaches_own_store(rendezvous(NO_HOST_S, port)) is False
+    assert rdv.is_address_of_this_host("127.0.0.1") and rdv.is_address_of_this_host("localhost")
+    assert not rdv.is_address_of_this_host(NO_HOST_S)
+    assert rdv.own_store_line(rendezvous(NO_HOST_S, port), 5, of_this_host=False) == (
+        f"MASTER_ADDR {NO_HOST_S} is not an address of this host ({socket.gethostname()}), where rank 0 opens the run's "
+        f"store at port {port}, and does not reach it within 5 s: give this host's name or IP address, the same on "
+        f"every node; nothing was written")
+    assert rdv.own_store_line(rendezvous("10.0.0.1", port), 5, of_this_host=True) == (
+        f"rank 0 opened the run's store at port {port} of this host but cannot reach it at 10.0.0.1:{port} "
+        f"(MASTER_ADDR:MASTER_PORT) within 5 s: check that no firewall of this host closes that port; nothing was "
+        f"written")
+
+
+def test_rank_0_s_store_closed_before_every_process_joined_is_a_lost_peer(monkeypatch, tmp_path):
+    """Node 1's first process waits in rank 0's store when it closes without a word from rank 0 (which leaves one where
+    it stops at the bound): rank 0 ended, killed or its node lost, and the process ends as one whose peer is gone after
+    the join does (the requeue scripts resubmit PEER_LOST_EXIT_CODE), through `on_lost`, removing the out_dir it made."""
+    lost, ended = [], []
+
+    def exit_here(code):
+        ended.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", exit_here)
+    monkeypatch.setenv("RANK", "1")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=None))
+    where = rendezvous("127.0.0.1", free_port(), node=1)
+    with pytest.raises(SystemExit):
+        with rdv.joining_watched(fabric, where, ParallelismArgs(), [out_dir], on_lost=lost.append):
+            raise torch.distributed.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+    assert ended == [PEER_LOST_EXIT_CODE] and not out_dir.exists()
+    [peer] = lost
+    assert isinstance(peer, PeerLost) and str(peer) == (
+        f"a peer process of the run ended or became unreachable during the start-up (rank 0's store at {where.where} "
+        f"closed before every process had joined: rank 0 ended, node 0's output says why)")
