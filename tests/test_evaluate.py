@@ -459,6 +459,20 @@ def test_without_max_batches_every_block_of_the_split_is_read(run, tmp_path, mon
     assert length["data_fingerprint"] == int(batch_fingerprint(blocks))
 
 
+
+def test_the_result_line_counts_its_batches(run, tmp_path, monkeypatch, capsys):
+    """The line printed for a length says how many batches were read, and how many were short, in words that fit
+    the count: the split's 120 blocks in batches of 7 are 18 batches, the last short; in one batch of 121, one batch
+    that is short (where it said "1 batches of 121 (1 of them shorter: ...)")."""
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot: this test reads the printed line only
+        monkeypatch.setitem(sys.modules, module, None)
+    blocks = len(litdata_blocks(run / "val", TRAIN_LEN + 1))
+    for batch_size, said in ((7, f"in {-(-blocks // 7)} batches of 7 (1 of them shorter: the split's last blocks) |"),
+                             (blocks + 1, f"in 1 batch of {blocks + 1} (shorter: the split's last blocks) |")):
+        capsys.readouterr()
+        evaluate(run / "out" / "final", batch_size=batch_size, out_dir=tmp_path / str(batch_size))
+        assert said in capsys.readouterr().out
+
 def test_loader_workers_are_at_most_the_cores(run, tmp_path, capsys, monkeypatch):
     """A run's data.num_workers from a larger machine: evaluate starts a worker per core of this one at most."""
     import fabric_lin.cpu_cores
