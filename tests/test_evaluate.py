@@ -305,7 +305,7 @@ def test_finetune_lora_md_measures_every_held_out_document(run, tmp_path, monkey
         assert command[0] == "fabric-lin"
         cli_main([{"512": "16"}.get(arg, arg) for arg in command[1:]])
     tokens = sum(len(ids) for ids in Tokenizer(run / "tok").encode_batch(documents, eos=True, num_threads=1))
-    results = [json.loads(path.read_text())["lengths"][0] for path in sorted(Path("checkpoints").glob("**/evaluate.json"))]
+    results = [json.loads(path.read_text())["lengths"][0] for path in sorted(Path(".").glob("**/evaluate.json"))]
     assert len(results) == 2 and [r["tokens"] for r in results] == [tokens // 17 * 16] * 2
 
 
