@@ -50,6 +50,15 @@ except ImportError:
     pass
 
 
+def batches_read(batches: int, batch_size: int, short_batches: int) -> str:
+    """How a length's result line says what was read: "30 batches of 4 (1 of them shorter: the split's last blocks)";
+    one batch is "1 batch of 4", and "(shorter: ...)" where it holds fewer blocks than the batch size."""
+    if batches == 1:
+        return f"1 batch of {batch_size}" + (" (shorter: the split's last blocks)" if short_batches else "")
+    short = f" ({short_batches} of them shorter: the split's last blocks)" if short_batches else ""
+    return f"{batches} batches of {batch_size}{short}"
+
+
 def main(
     checkpoint_dir: Path,
     data: Optional[DataModule] = None,
@@ -209,10 +218,8 @@ def main(
                 result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts,
                                          checkpoint.tokenizer.eos_id if reset_state_at_doc_boundaries else None)
                 results["lengths"].append(result)
-                short = result["short_batches"]
-                short = f" ({short} of them shorter: the split's last blocks)" if short else ""
                 print(f"seq_len {length}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
-                      f"{result['tokens']:,} tokens in {result['batches']} batches of {batch_size}{short} | "
+                      f"{result['tokens']:,} tokens in {batches_read(result['batches'], batch_size, result['short_batches'])} | "
                       f"{result['tokens_per_sec']:,.0f} tokens/s", flush=True)
         if task_names:
             scorer = HarnessScorer(fabric, model, checkpoint.tokenizer, batch_size, block_size=train_seq_len)

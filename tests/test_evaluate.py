@@ -305,7 +305,7 @@ def test_finetune_lora_md_measures_every_held_out_document(run, tmp_path, monkey
         assert command[0] == "fabric-lin"
         cli_main([{"512": "16"}.get(arg, arg) for arg in command[1:]])
     tokens = sum(len(ids) for ids in Tokenizer(run / "tok").encode_batch(documents, eos=True, num_threads=1))
-    results = [json.loads(path.read_text())["lengths"][0] for path in sorted(Path("checkpoints").glob("**/evaluate.json"))]
+    results = [json.loads(path.read_text())["lengths"][0] for path in sorted(Path(".").glob("**/evaluate.json"))]
     assert len(results) == 2 and [r["tokens"] for r in results] == [tokens // 17 * 16] * 2
 
 
@@ -458,6 +458,20 @@ def test_without_max_batches_every_block_of_the_split_is_read(run, tmp_path, mon
     assert length["short_batches"] == 1
     assert length["data_fingerprint"] == int(batch_fingerprint(blocks))
 
+
+
+def test_the_result_line_counts_its_batches(run, tmp_path, monkeypatch, capsys):
+    """The line printed for a length says how many batches were read, and how many were short, in words that fit
+    the count: the split's 120 blocks in batches of 7 are 18 batches, the last short; in one batch of 121, one batch
+    that is short (where it said "1 batches of 121 (1 of them shorter: ...)")."""
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot: this test reads the printed line only
+        monkeypatch.setitem(sys.modules, module, None)
+    blocks = len(litdata_blocks(run / "val", TRAIN_LEN + 1))
+    for batch_size, said in ((7, f"in {-(-blocks // 7)} batches of 7 (1 of them shorter: the split's last blocks) |"),
+                             (blocks + 1, f"in 1 batch of {blocks + 1} (shorter: the split's last blocks) |")):
+        capsys.readouterr()
+        evaluate(run / "out" / "final", batch_size=batch_size, out_dir=tmp_path / str(batch_size))
+        assert said in capsys.readouterr().out
 
 def test_loader_workers_are_at_most_the_cores(run, tmp_path, capsys, monkeypatch):
     """A run's data.num_workers from a larger machine: evaluate starts a worker per core of this one at most."""
