@@ -338,7 +338,8 @@ def test_a_kill_while_replacing_a_checkpoint_leaves_a_whole_one_under_its_name(t
     assert [p.name for p in tmp_path.glob(".tmp-*")] == [".tmp-old-step-00000002"]
     monkeypatch.undo()
     saved_checkpoint(tmp_path, 2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"] and verify_checkpoint(tmp_path / "step-00000002").ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]
+    assert verify_checkpoint(tmp_path / "step-00000002").ok
 
 
 def test_a_finished_run_continued_past_a_step_it_also_saved_keeps_that_checkpoint(tmp_path):
