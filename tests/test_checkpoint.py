@@ -287,6 +287,9 @@ def test_save_replaces_a_directory_of_the_same_step_and_a_leftover_temporary_one
     (tmp_path / ".tmp-step-00000002" / "half.bin").write_bytes(b"x")
     checkpointer.save(fabric, state)
     assert not (tmp_path / "step-00000002" / "stale.txt").exists()
+    # what the killed save left is no part of the new checkpoint (nor of its manifest)
+    assert {p.name for p in (tmp_path / "step-00000002").iterdir()} == {MODEL_FILE, STEP_FILE, HPARAMS_FILE, CONFIG_FILE,
+                                                                       MANIFEST_FILE}
     assert (tmp_path / "step-00000002" / MODEL_FILE).is_file() and not list(tmp_path.glob(".tmp-*"))
 
 
@@ -331,6 +334,12 @@ def test_a_kill_while_replacing_a_checkpoint_leaves_a_whole_one_under_its_name(t
     with pytest.raises(KeyboardInterrupt):
         saved_checkpoint(tmp_path, 2)
     assert verify_checkpoint(tmp_path / "step-00000002").ok
+    # the half-deleted one left under its .tmp- name is deleted by the next save of that step, which replaces it
+    assert [p.name for p in tmp_path.glob(".tmp-*")] == [".tmp-old-step-00000002"]
+    monkeypatch.undo()
+    saved_checkpoint(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]
+    assert verify_checkpoint(tmp_path / "step-00000002").ok
 
 
 def test_a_finished_run_continued_past_a_step_it_also_saved_keeps_that_checkpoint(tmp_path):
@@ -349,6 +358,73 @@ def test_a_finished_run_continued_past_a_step_it_also_saved_keeps_that_checkpoin
     assert final_checkpoint_step(tmp_path) == 5 and verify_checkpoint(step_3).ok
 
 
+def test_a_finished_run_continued_keeps_its_end_as_final_until_the_new_end_and_never_prunes_it(tmp_path):
+    """A finished run (final/ at step 1) continued with keep_last_n=1: its step saves leave final/ as it was (the end of
+    the run it still is, if this one is stopped), and the new final/ keeps it as step-00000001, which no pruning counts
+    among the step saves of the continued run."""
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    checkpointer = Checkpointer(tmp_path, {}, Config.from_name("gla-debug"), keep_last_n=1)
+    model, optimizer = small_state(0)
+    state = train_state(model, optimizer, train_dataloader={})
+    state["step_count"] = 1
+    checkpointer.save(fabric, state, final=True)
+    first_end = (tmp_path / "final" / MODEL_FILE).read_bytes()
+    for step in (2, 3):
+        state["step_count"] = step
+        checkpointer.save(fabric, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "step-00000003"]
+    assert final_checkpoint_step(tmp_path) == 1 and (tmp_path / "final" / MODEL_FILE).read_bytes() == first_end
+    state["step_count"] = 4
+    checkpointer.save(fabric, state, final=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "step-00000001", "step-00000003"]
+    assert (tmp_path / "step-00000001" / MODEL_FILE).read_bytes() == first_end and final_checkpoint_step(tmp_path) == 4
+
+
+def test_a_ctrl_c_between_the_renames_that_replace_a_checkpoint_waits_for_both(tmp_path, monkeypatch):
+    """Ctrl-C right after the old checkpoint is renamed out of the way: the new one is renamed into place, the old one
+    deleted, and then the KeyboardInterrupt raised; the step's name holds the new checkpoint."""
+    import signal
+
+    saved_checkpoint(tmp_path, 2)
+    real_replace = os.replace
+
+    def replace_then_ctrl_c(src, dst):
+        real_replace(src, dst)
+        if Path(dst).name == ".tmp-old-step-00000002":
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(os, "replace", replace_then_ctrl_c)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # a foreground job's, as in a terminal
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            saved_checkpoint(tmp_path, 2, seed=1)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]
+    assert verify_checkpoint(tmp_path / "step-00000002").ok
+    weights = torch.load(tmp_path / "step-00000002" / MODEL_FILE, weights_only=True)["model"]["weight"]
+    assert torch.equal(weights, small_state(1)[0].weight)
+
+
+def test_an_out_dir_that_refuses_a_write_is_refused_before_the_run_and_left_as_it_was(tmp_path, monkeypatch):
+    """A file system that takes a write and refuses it only at fsync (a quota, NFS, a full disk under delayed
+    allocation): out_dir is refused before the run trains, and the probe written there is gone again."""
+    from fabric_lin.checkpoint import check_out_dir
+    from fabric_lin.errors import UserError
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    out = tmp_path / "out"
+    check_out_dir(out, Config.from_name("gla-debug"))
+    assert list(out.iterdir()) == []
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(UserError, match=rf"^out_dir {out} is not writable: \[Errno {errno.ENOSPC}\] "
+                                        f"{os.strerror(errno.ENOSPC)}$"):
+        check_out_dir(out, Config.from_name("gla-debug"))
+    assert list(out.iterdir()) == []
+
+
 def test_load_of_a_model_directory_points_to_initial_checkpoint_dir(tmp_path):
     fabric = L.Fabric(accelerator="cpu", devices=1)
     model, optimizer = small_state(0)
@@ -360,9 +436,9 @@ def test_load_of_a_model_directory_points_to_initial_checkpoint_dir(tmp_path):
 # ---------------------------------------------------------------- verification
 
 
-def saved_checkpoint(out_dir: Path, step: int = 2, fabric=None) -> Path:
+def saved_checkpoint(out_dir: Path, step: int = 2, fabric=None, seed: int = 0) -> Path:
     fabric = fabric or L.Fabric(accelerator="cpu", devices=1)
-    model, optimizer = small_state(0)
+    model, optimizer = small_state(seed)
     state = train_state(model, optimizer, train_dataloader={"samples": 4})
     state["step_count"] = step
     return Checkpointer(out_dir, {"train": {"micro_batch_size": 2}}, Config.from_name("gla-debug")).save(fabric, state)
@@ -398,6 +474,11 @@ def test_a_truncated_file_is_found(tmp_path):
     check = verify_checkpoint(saved)
     assert not check.ok
     assert check.problems == [f"{MODEL_FILE} has {size - 1000:,} bytes, {size:,} when it was written (truncated)"]
+    with open(saved / CONFIG_FILE, "ab") as f:
+        f.write(b"# appended\n")
+    config_size = json.loads((saved / MANIFEST_FILE).read_text())["files"][CONFIG_FILE]["size"]
+    assert verify_checkpoint(saved).problems[1:] == [f"{CONFIG_FILE} has {config_size + 11:,} bytes, {config_size:,} when it "
+                                                     f"was written (grown)"]
 
 
 @pytest.mark.parametrize("where", ["first block", "middle", "last byte"])
@@ -484,6 +565,11 @@ def test_resume_falls_back_to_the_newest_verified_checkpoint_and_sets_the_damage
     (tmp_path / "step-00000004" / CONFIG_FILE).unlink()
     assert select_resume_dir(fabric, True, tmp_path) == tmp_path / "step-00000002"
     assert (tmp_path / ".damaged-step-00000004-2").is_dir()
+    saved_checkpoint(tmp_path, 4, fabric)
+    (tmp_path / "step-00000004" / CONFIG_FILE).unlink()
+    assert select_resume_dir(fabric, True, tmp_path) == tmp_path / "step-00000002"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".damaged-step-00000004")) == [
+        ".damaged-step-00000004", ".damaged-step-00000004-2", ".damaged-step-00000004-3"]
 
 
 def test_resume_with_every_checkpoint_damaged_refuses(tmp_path):

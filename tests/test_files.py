@@ -32,6 +32,22 @@ def test_a_failed_write_leaves_the_earlier_file_whole_and_no_temporary_file(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model_config.yaml"]
 
 
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
+def test_a_whole_that_fails_takes_back_its_own_files_and_only_those(tmp_path, failure):
+    """A model written into a directory that already holds files: failing half-way (a full disk, Ctrl-C), the files it
+    wrote are removed, and those that were there before stay as they were."""
+    (tmp_path / "notes.txt").write_text("the user's\n")
+    (tmp_path / "tokenizer.model").write_bytes(b"an earlier tokenizer")
+    with pytest.raises(type(failure)):
+        with files.files_taken_back_on_failure(tmp_path):
+            (tmp_path / "lit_model.pth").write_bytes(b"weights")
+            (tmp_path / "model_config.yaml").write_text("n_layer: 2\n")
+            raise failure
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "tokenizer.model"]
+    assert (tmp_path / "notes.txt").read_text() == "the user's\n"
+    assert (tmp_path / "tokenizer.model").read_bytes() == b"an earlier tokenizer"
+
+
 def test_a_failed_command_takes_back_the_empty_directories_it_made_and_nothing_else(tmp_path):
     (tmp_path / "runs").mkdir()  # there before: stays, though empty
     with pytest.raises(KeyError):

@@ -1,7 +1,8 @@
 """fabric_lin/run_start.py, in this process without a run: which --config files tell of a moved run (a checkpoint's own
 hyperparameters.yaml, the last file that sets out_dir counting), and a model directory's weights checked against the
 run's model (a name alone is no difference; the hint of the directory's own model only where its weights are that
-model). The refusals as a run meets them: test_pretrain.py, test_pretrain_data.py."""
+model); which runs read --initial_checkpoint_dir at all, and what a rank whose peer is gone says of the checkpoints.
+The refusals as a run meets them: test_pretrain.py, test_pretrain_data.py."""
 import json
 from dataclasses import replace
 
@@ -121,3 +122,41 @@ def test_weights_that_are_not_their_directory_s_model_either_get_no_hint_of_it(t
     with pytest.raises(ValueError) as mismatch:
         load_initial_weights(tmp_path / "model", Config.from_name("gla-debug"), log=lambda line: None)
     assert "missing (42): layers.1." in str(mismatch.value) and "they are the model of its" not in str(mismatch.value)
+
+
+def test_only_a_run_that_may_start_from_step_0_reads_its_initial_checkpoint_dir(tmp_path):
+    """A model directory that is gone is refused where the run may start from step 0, and not read where the run resumes
+    (--resume true or <dir>) or --resume auto finds out_dir's run to continue or to refuse: a checkpoint set aside as
+    damaged, or one that metrics.jsonl records as saved (each refusal names those checkpoints, not the model)."""
+    from fabric_lin.errors import MissingFile
+    from fabric_lin.run_start import check_initial_checkpoint_dir
+
+    gone, out = tmp_path / "model", tmp_path / "out"
+    out.mkdir()
+    for resume in (False, None, "auto"):
+        with pytest.raises(MissingFile, match="is not a directory"):
+            check_initial_checkpoint_dir(gone, resume, out)
+    for resume in (True, tmp_path / "other" / "step-00000002"):
+        check_initial_checkpoint_dir(gone, resume, out)
+    (out / ".damaged-step-00000002").mkdir()
+    check_initial_checkpoint_dir(gone, "auto", out)
+    (out / ".damaged-step-00000002").rmdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 2, "checkpoint": "step-00000002"}) + "\n")
+    check_initial_checkpoint_dir(gone, "auto", out)
+    with pytest.raises(MissingFile, match="is not a directory"):
+        check_initial_checkpoint_dir(gone, False, out)
+
+
+def test_a_rank_whose_peer_is_gone_names_the_newest_checkpoint_and_whose_run_it_is(tmp_path):
+    """The newest of out_dir's checkpoints by step; under --overwrite true, the earlier run's until the start-up deleted
+    them, the run's own after that."""
+    from fabric_lin.run_start import how_to_continue_without_the_peer
+
+    for step in (4, 12):
+        (tmp_path / f"step-{step:08d}").mkdir()
+    newest = f"the newest complete checkpoint is {tmp_path / 'step-00000012'}: to continue from it, run the same command "
+    assert how_to_continue_without_the_peer(tmp_path, "auto", False, False) == newest + "with --resume auto"
+    assert how_to_continue_without_the_peer(tmp_path, False, True, True) == (
+        newest + "with --resume auto instead of --overwrite true")
+    assert how_to_continue_without_the_peer(tmp_path, False, True, False).startswith(
+        f"the checkpoints in {tmp_path} are still the earlier run's")
