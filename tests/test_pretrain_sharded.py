@@ -286,7 +286,7 @@ def test_rank_0_gone_before_the_other_joined_ends_it_within_seconds(tmp_path):
 def test_nodes_that_do_not_meet_stop_at_the_join_bound_in_one_line_each(tmp_path):
     """Fabric's own launch of two nodes of one process each, node 1's MASTER_PORT mistyped: node 0 waits at its port for
     a node that never comes, node 1 at a port where nothing answers, both of which torch.distributed would let wait
-    without a word for parallelism.timeout_minutes (30) and longer. With parallelism.join_timeout_minutes at 6 s, each
+    without a word for parallelism.timeout_minutes (30) and longer. With parallelism.join_timeout_minutes at 3 s, each
     says once for what it waits, then stops in one line saying what joined and what to check, with exit code 69; the
     out_dir they share is gone again."""
     import time
@@ -298,7 +298,7 @@ def test_nodes_that_do_not_meet_stop_at_the_join_bound_in_one_line_each(tmp_path
     while len(ports) < 2:
         ports += [port for port in [free_port()] if port != ports[0]]
     started = time.monotonic()
-    nodes = [fabric_lin_process.start(command(out, 2, 1, "--parallelism.join_timeout_minutes", "0.1"), log, {
+    nodes = [fabric_lin_process.start(command(out, 2, 1, "--parallelism.join_timeout_minutes", "0.05"), log, {
         **CPU_ONLY, "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         for node, (log, port) in enumerate(zip(logs, ports))]
     codes = fabric_lin_process.wait_all(nodes, TIMEOUT)
@@ -308,15 +308,15 @@ def test_nodes_that_do_not_meet_stop_at_the_join_bound_in_one_line_each(tmp_path
     node_0, node_1 = (f"127.0.0.1:{port}" for port in ports)
     assert [line for line in texts[0].splitlines() if line.startswith("fabric-lin")] == [
         f"fabric-lin pretrain: waiting for 1 of 2 processes to join at {node_0} (missing on node 1); the run stops after "
-        f"6 s without them (parallelism.join_timeout_minutes)",
-        f"fabric-lin pretrain: error: 1 of 2 processes joined at {node_0} within 6 s (parallelism.join_timeout_minutes; "
+        f"3 s without them (parallelism.join_timeout_minutes)",
+        f"fabric-lin pretrain: error: 1 of 2 processes joined at {node_0} within 3 s (parallelism.join_timeout_minutes; "
         f"missing on node 1): check that the command was started on every node with --num_nodes 2 --devices 1 and the "
         f"same MASTER_ADDR and MASTER_PORT, and that no firewall closes port {ports[0]} to the other nodes; nothing was "
         f"written"], texts[0][-3000:]
     assert [line for line in texts[1].splitlines() if line.startswith("fabric-lin")] == [
         f"fabric-lin pretrain: waiting for rank 0's store at {node_1} (MASTER_ADDR:MASTER_PORT), which answers once node "
-        f"0's command runs; this process stops after 6 s without it (parallelism.join_timeout_minutes) (rank 1)",
-        f"fabric-lin pretrain: error on rank 1: nothing answered at {node_1} (MASTER_ADDR:MASTER_PORT) within 6 s "
+        f"0's command runs; this process stops after 3 s without it (parallelism.join_timeout_minutes) (rank 1)",
+        f"fabric-lin pretrain: error on rank 1: nothing answered at {node_1} (MASTER_ADDR:MASTER_PORT) within 3 s "
         f"(parallelism.join_timeout_minutes): check that node 0's command runs with the same MASTER_ADDR and MASTER_PORT "
         f"as this node's, and that no firewall closes that port to this node; nothing was written"], texts[1][-3000:]
     assert not any("Traceback" in text for text in texts) and not out.exists()
