@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 from fabric_lin.cli_config_files import (check_config_files, check_temperatures, config_file_being_read,  # noqa: E402
                                          config_file_of, files_holding_key, option_values)
-from fabric_lin.errors import (FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, process_rank,  # noqa: E402
+from fabric_lin.errors import (FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, named_for_rank, process_rank,  # noqa: E402
                                sigterm_interrupts)
 
 DEBUG_ENV = "FABRIC_LIN_DEBUG"
@@ -76,9 +76,7 @@ def report(prog: str, message: str) -> None:
     if rank == 0 or debug_enabled():
         print(f"{prog}: {message}", file=sys.stderr, flush=True)
     elif os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID")) == "0":
-        named = (message.replace("error: ", f"error on rank {rank}: ", 1) if message.startswith("error: ")
-                 else f"{message} (rank {rank})")
-        print(f"{prog}: {named}", file=sys.stderr, flush=True)
+        print(f"{prog}: {named_for_rank(message, rank)}", file=sys.stderr, flush=True)
 
 
 DATA_MODULES = ("SampleCorpus", "LongDocuments", "TokenChunks", "SlimPajamaStarcoder", "TextFiles")

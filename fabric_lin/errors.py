@@ -127,6 +127,16 @@ def process_rank() -> int:
     return 0
 
 
+def named_for_rank(message: str, rank: int) -> str:
+    """A command's one line as a rank other than 0 says it: "error: ..." as "error on rank N: ...", any other line
+    followed by "(rank N)"; rank 0's as it is."""
+    if rank == 0:
+        return message
+    if message.startswith("error: "):
+        return message.replace("error: ", f"error on rank {rank}: ", 1)
+    return f"{message} (rank {rank})"
+
+
 @contextmanager
 def sigterm_interrupts() -> Iterator[None]:
     """Within the block, SIGTERM (`kill`, `timeout`, a scheduler) raises KeyboardInterrupt("SIGTERM") as Ctrl-C does, so

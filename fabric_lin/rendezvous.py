@@ -36,7 +36,8 @@ from typing import Callable, Iterator, List, Optional
 import torch
 
 from fabric_lin.args import ParallelismArgs
-from fabric_lin.errors import JOIN_FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, InvalidValue, PeerLost, process_rank
+from fabric_lin.errors import (JOIN_FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, InvalidValue, PeerLost, named_for_rank,
+                               process_rank)
 from fabric_lin.files import remove_empty_dirs
 from fabric_lin.parallelism import LAUNCHING_RANK_PID
 
@@ -342,11 +343,7 @@ def joining_watched(fabric, rendezvous: Optional[Rendezvous], parallelism: Paral
         return None if store is None else joined_per_node(store, rendezvous)
 
     def say(line: str, error: bool = False) -> None:  # as the CLI reports: rank 0's plain, the others' naming the rank
-        rank = process_rank()
-        if error:
-            line = f"error{'' if rank == 0 else f' on rank {rank}'}: {line}"
-        elif rank != 0:
-            line = f"{line} (rank {rank})"
+        line = named_for_rank(f"error: {line}" if error else line, process_rank())
         print(f"{prog}: {line}", file=sys.stderr, flush=True)
 
     def end_children() -> None:  # Fabric's launcher's, in the rendezvous: nothing else would end them
