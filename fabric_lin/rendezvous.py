@@ -100,15 +100,16 @@ def counted_in(rendezvous: Rendezvous, bounded: bool):
     for as long as its timeout."""
     from torch.distributed import TCPStore
 
+    if not answers(rendezvous.address, rendezvous.port, 2):
+        return None
     try:
-        socket.create_connection((rendezvous.address, rendezvous.port), timeout=2).close()
         store = TCPStore(rendezvous.address, rendezvous.port, is_master=False, timeout=timedelta(seconds=5),
                          wait_for_workers=False)
         store.add(JOINED_KEY.format(rendezvous.node), 1)
         if bounded and not rendezvous.is_rank_0:
             store.add(BOUNDED_KEY, 1)
         return store
-    except Exception:  # noqa: BLE001 - no such address, nothing listening, or something there that is no store
+    except Exception:  # noqa: BLE001 - something there that is no store, or that closed since
         return None
 
 
