@@ -21,6 +21,7 @@ EADDRINUSE traceback), a MASTER_ADDR that does not resolve or does not reach nod
 its store then tries again, warning each second, for timeout_minutes). Each is said in one line, at once, naming the
 address, the port and the fix. A process whose store closes under it before every process has joined lost rank 0,
 as a process that loses a peer later does: it ends as one (PEER_LOST_EXIT_CODE, the one line of `PeerLost`)."""
+import ctypes
 import errno
 import os
 import socket
@@ -36,8 +37,8 @@ from typing import Callable, Iterator, List, Optional
 import torch
 
 from fabric_lin.args import ParallelismArgs
-from fabric_lin.errors import (JOIN_FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, InvalidValue, PeerLost, named_for_rank,
-                               process_rank)
+from fabric_lin.errors import (JOIN_FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, InvalidValue, PeerLost, debug_enabled,
+                               named_for_rank, process_rank)
 from fabric_lin.files import remove_empty_dirs
 from fabric_lin.parallelism import LAUNCHING_RANK_PID
 
@@ -54,6 +55,8 @@ NOTICE_SECONDS = 10.0
 # How long rank 0 tries to reach its own store at MASTER_ADDR, once the store listens, before it stops: a connection to
 # one's own host is made at once or never
 OWN_STORE_SECONDS = 5.0
+# c10's log level of ERROR: torch's C++ errors printed, its warnings not (TORCH_CPP_LOG_LEVEL=ERROR)
+C10_ERROR_LEVEL = 2
 # getaddrinfo's answers that a name is unknown, not that the name service failed for now (EAI_AGAIN)
 UNKNOWN_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
@@ -310,6 +313,36 @@ def store_closed(rendezvous: Rendezvous) -> PeerLost:
                                     f"rank 0 ended, node 0's output says why")
 
 
+def c10_log_level() -> Optional[ctypes.c_int]:
+    """The level below which torch's C++ messages are not printed (c10's FLAGS_caffe2_log_level, which
+    TORCH_CPP_LOG_LEVEL sets as torch loads), where torch's c10 library exposes it, else None."""
+    for library in sorted((Path(torch.__file__).parent / "lib").glob("*c10.*")):  # libc10.so, libc10.dylib, c10.dll
+        try:
+            return ctypes.c_int.in_dll(ctypes.CDLL(str(library)), "FLAGS_caffe2_log_level")
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+@contextmanager
+def torch_warnings_quiet() -> Iterator[None]:
+    """Within: torch's C++ warnings not printed, its errors still. While the processes meet, torch.distributed's store
+    warns, in several lines with a C++ stack, of each connection it fails to make (every second while it tries again)
+    and of the store closing under it, before the error that is said in one line (`joining_watched`), and before
+    the line this module says of a wait it bounds. With FABRIC_LIN_DEBUG=1, or a TORCH_CPP_LOG_LEVEL of one's own,
+    they are printed."""
+    level = None if debug_enabled() or "TORCH_CPP_LOG_LEVEL" in os.environ else c10_log_level()
+    if level is None:
+        yield
+        return
+    before = level.value
+    level.value = max(before, C10_ERROR_LEVEL)
+    try:
+        yield
+    finally:
+        level.value = before
+
+
 @contextmanager
 def joining_watched(fabric, rendezvous: Optional[Rendezvous], parallelism: ParallelismArgs, created: List[Path],
                     on_lost: Callable[[PeerLost], None], prog: str = "fabric-lin pretrain",
@@ -324,11 +357,20 @@ def joining_watched(fabric, rendezvous: Optional[Rendezvous], parallelism: Paral
     JOIN_FAILED_EXIT_CODE, and, as the first process of its node, says why in one line; rank 0 says once, after a few
     seconds, for how many it waits. One whose rank 0's store closes before then lost rank 0: it ends likewise, but
     through `on_lost` (which says so in one line and ends the process with PEER_LOST_EXIT_CODE) where it speaks for its
-    node."""
+    node. torch's C++ warnings are held back meanwhile (`torch_warnings_quiet`)."""
     if rendezvous is None:
         yield
         return
     check_address_resolves(rendezvous)
+    with torch_warnings_quiet(), rendezvous_watched(fabric, rendezvous, parallelism, created, on_lost, prog,
+                                                    poll_seconds):
+        yield
+
+
+@contextmanager
+def rendezvous_watched(fabric, rendezvous: Rendezvous, parallelism: ParallelismArgs, created: List[Path],
+                       on_lost: Callable[[PeerLost], None], prog: str, poll_seconds: float) -> Iterator[None]:
+    """`joining_watched`, once MASTER_ADDR has resolved."""
     launcher = os.environ.get(LAUNCHING_RANK_PID)
     started_by_launcher = rendezvous.local_rank != 0 and launcher == str(os.getppid())
     if rendezvous.nodes == 1 and not rendezvous.is_rank_0:  # watched by `launching_rank_watched`

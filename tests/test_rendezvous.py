@@ -5,6 +5,7 @@ rank 0's store closes before every process has joined ends with (a lost peer). A
 test_pretrain_sharded.py."""
 import os
 import socket
+import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -86,10 +87,14 @@ def test_rank_0_tells_whether_master_addr_reaches_the_store_it_opened():
         f"written")
 
 
-def test_rank_0_s_store_closed_before_every_process_joined_is_a_lost_peer(monkeypatch, tmp_path):
-    """Node 1's first process waits in rank 0's store when it closes without a word from rank 0 (which leaves one where
-    it stops at the bound): rank 0 ended, killed or its node lost, and the process ends as one whose peer is gone after
-    the join does (the requeue scripts resubmit PEER_LOST_EXIT_CODE), through `on_lost`, removing the out_dir it made."""
+def waiting_in_a_store_that_closes(monkeypatch, tmp_path):
+    """Node 1's first process, its main thread waiting in rank 0's store (torch.distributed's TCPStore, opened here) as
+    torch.distributed's rendezvous does, when rank 0 closes it without a word: the exit codes it ended with, the lost
+    peers it was ended through, and whether its out_dir is gone."""
+    import gc
+    import threading
+    from torch.distributed import TCPStore
+
     lost, ended = [], []
 
     def exit_here(code):
@@ -99,14 +104,43 @@ def test_rank_0_s_store_closed_before_every_process_joined_is_a_lost_peer(monkey
     monkeypatch.setattr(os, "_exit", exit_here)
     monkeypatch.setenv("RANK", "1")
     out_dir = tmp_path / "out"
-    out_dir.mkdir()
+    out_dir.mkdir(parents=True)
     fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=None))
-    where = rendezvous("127.0.0.1", free_port(), node=1)
+    port = free_port()
+    stores = [TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)]
+    where = rendezvous("127.0.0.1", port, node=1)
+
+    def close_rank_0_s_store():
+        time.sleep(0.3)
+        stores.clear()
+        gc.collect()
+
     with pytest.raises(SystemExit):
         with rdv.joining_watched(fabric, where, ParallelismArgs(), [out_dir], on_lost=lost.append):
-            raise torch.distributed.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
-    assert ended == [PEER_LOST_EXIT_CODE] and not out_dir.exists()
+            client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+            threading.Thread(target=close_rank_0_s_store).start()
+            client.get("rank 0's address, never set")
+    return ended, lost, where, out_dir.exists()
+
+
+def test_rank_0_s_store_closed_before_every_process_joined_is_a_lost_peer_said_without_torch_s_warning(
+        monkeypatch, tmp_path, capfd):
+    """Node 1's first process waits in rank 0's store when it closes without a word from rank 0 (which leaves one where
+    it stops at the bound): rank 0 ended, killed or its node lost, and the process ends as one whose peer is gone after
+    the join does (the requeue scripts resubmit PEER_LOST_EXIT_CODE), through `on_lost`, removing the out_dir it made.
+    torch's C++ warning of the closed connection (several lines and a C++ stack, before the line `on_lost` prints) is
+    not printed; with FABRIC_LIN_DEBUG=1 it is."""
+    monkeypatch.delenv("FABRIC_LIN_DEBUG", raising=False)
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    ended, lost, where, out_dir_left = waiting_in_a_store_that_closes(monkeypatch, tmp_path / "quiet")
+    assert ended == [PEER_LOST_EXIT_CODE] and not out_dir_left
     [peer] = lost
     assert isinstance(peer, PeerLost) and str(peer) == (
         f"a peer process of the run ended or became unreachable during the start-up (rank 0's store at {where.where} "
         f"closed before every process had joined: rank 0 ended, node 0's output says why)")
+    assert "[c10d]" not in capfd.readouterr().err
+
+    monkeypatch.setenv("FABRIC_LIN_DEBUG", "1")
+    ended, lost, _, _ = waiting_in_a_store_that_closes(monkeypatch, tmp_path / "debug")
+    assert ended == [PEER_LOST_EXIT_CODE] and len(lost) == 1
+    assert "[c10d] recvValueWithTimeout failed" in capfd.readouterr().err
