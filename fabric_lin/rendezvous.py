@@ -98,13 +98,10 @@ def rendezvous_of(fabric, num_nodes: int, devices: int) -> Optional[Rendezvous]:
 
 
 def counted_in(rendezvous: Rendezvous, bounded: bool):
-    """A client of the run's store, through which this process has counted itself in, or None while nothing answers
-    at its address. A plain connection is tried first: a TCPStore client that finds nothing there warns and retries
-    for as long as its timeout."""
+    """A client of the run's store, through which this process has counted itself in, or None where none could be
+    made (something there that is no store, or that closed since)."""
     from torch.distributed import TCPStore
 
-    if not answers(rendezvous.address, rendezvous.port, 2):
-        return None
     try:
         store = TCPStore(rendezvous.address, rendezvous.port, is_master=False, timeout=timedelta(seconds=5),
                          wait_for_workers=False)
@@ -112,32 +109,40 @@ def counted_in(rendezvous: Rendezvous, bounded: bool):
         if bounded and not rendezvous.is_rank_0:
             store.add(BOUNDED_KEY, 1)
         return store
-    except Exception:  # noqa: BLE001 - something there that is no store, or that closed since
+    except Exception:  # noqa: BLE001
         return None
 
 
-def counting_in(rendezvous: Rendezvous, bounded: bool) -> Callable[[], Optional[object]]:
-    """A function that returns the client of `counted_in` once it is made, else None, each call going on with it: it
-    is made in a thread of its own, one try at a time, since a TCPStore client that meets a port that accepts but does
-    not answer (a stopped process's, or no store's) waits there for ever, whatever its timeout, and whoever calls this
-    must keep to its bound."""
-    made: List[object] = []
-    trying: Optional[threading.Thread] = None
+class CountingIn:
+    """Called, the client of `counted_in` once it is made, else None, each call going on with it: it is made in a
+    thread of its own, one try at a time, since a TCPStore client that meets a port that accepts but does not answer
+    (a stopped process's, or another program's) waits there for ever, whatever its timeout, and whoever calls this must
+    keep to its bound. Each try connects plainly first: a TCPStore client that finds nothing there warns and retries
+    for as long as its timeout. `accepting`: whether, at the latest try, something accepted the connection but has not
+    answered as a store, which a process waiting for rank 0's store tells apart from nothing answering there."""
 
-    def attempt() -> None:
-        store = counted_in(rendezvous, bounded)
+    def __init__(self, rendezvous: Rendezvous, bounded: bool):
+        self.rendezvous, self.bounded = rendezvous, bounded
+        self.made: List[object] = []
+        self.trying: Optional[threading.Thread] = None
+        self.accepting = False
+
+    def attempt(self) -> None:
+        if not answers(self.rendezvous.address, self.rendezvous.port, 2):
+            self.accepting = False
+            return
+        self.accepting = True  # until the store answers, if it ever does
+        store = counted_in(self.rendezvous, self.bounded)
         if store is not None:
-            made.append(store)
+            self.made.append(store)
+            self.accepting = False
 
-    def store() -> Optional[object]:
-        nonlocal trying
-        if not made and (trying is None or not trying.is_alive()):
-            trying = threading.Thread(target=attempt, name="rendezvous-count-in", daemon=True)
-            trying.start()
-            trying.join(0.1)  # where the store answers, at once
-        return made[0] if made else None
-
-    return store
+    def __call__(self) -> Optional[object]:
+        if not self.made and (self.trying is None or not self.trying.is_alive()):
+            self.trying = threading.Thread(target=self.attempt, name="rendezvous-count-in", daemon=True)
+            self.trying.start()
+            self.trying.join(0.1)  # where the store answers, at once
+        return self.made[0] if self.made else None
 
 
 def tell_the_others(store, line: str) -> None:
@@ -194,8 +199,13 @@ def duration(seconds: float) -> str:
     return f"{seconds:g} s" if seconds < 120 else f"{seconds / 60:g} min"
 
 
-def waiting_line(rendezvous: Rendezvous, joined: Optional[List[int]], bound: float) -> str:
-    """What rank 0 says once while it waits (and the first process of another node, while nothing answers there)."""
+def waiting_line(rendezvous: Rendezvous, joined: Optional[List[int]], bound: float, accepting: bool = False) -> str:
+    """What rank 0 says once while it waits (and the first process of another node, while no store answers there;
+    `accepting`: something there accepts connections, `CountingIn`)."""
+    if joined is None and accepting:
+        return (f"something at {rendezvous.where} (MASTER_ADDR:MASTER_PORT) accepts connections but does not answer as "
+                f"rank 0's store (torch.distributed's TCPStore); this process stops after {duration(bound)} without it "
+                f"(parallelism.join_timeout_minutes)")
     if joined is None:
         return (f"waiting for rank 0's store at {rendezvous.where} (MASTER_ADDR:MASTER_PORT), which answers once node "
                 f"0's command runs; this process stops after {duration(bound)} without it "
@@ -209,9 +219,15 @@ def waiting_line(rendezvous: Rendezvous, joined: Optional[List[int]], bound: flo
             f"(parallelism.join_timeout_minutes)")
 
 
-def failure_line(rendezvous: Rendezvous, joined: Optional[List[int]], bound: float) -> str:
-    """Why the run stops at the bound, and what to check."""
+def failure_line(rendezvous: Rendezvous, joined: Optional[List[int]], bound: float, accepting: bool = False) -> str:
+    """Why the run stops at the bound, and what to check (`accepting`: as for `waiting_line`)."""
     within = f"within {duration(bound)} (parallelism.join_timeout_minutes"
+    if joined is None and accepting:  # on node 0, rank 0 finds its port in use and stops at once
+        return (f"something at {rendezvous.where} (MASTER_ADDR:MASTER_PORT) accepts connections but did not answer as "
+                f"rank 0's store (torch.distributed's TCPStore) {within}): another program listens at that port (on "
+                f"node 0 its rank 0 then stops at once, saying MASTER_PORT {rendezvous.port} is in use), or MASTER_ADDR "
+                f"is not node 0's address; give node 0's address and a port free there, the same on every node; "
+                f"nothing was written")
     if joined is None:
         return (f"nothing answered at {rendezvous.where} (MASTER_ADDR:MASTER_PORT) {within}): check that node 0's "
                 f"command runs with the same MASTER_ADDR and MASTER_PORT as this node's, and that no firewall closes "
@@ -415,9 +431,10 @@ def rendezvous_watched(fabric, rendezvous: Rendezvous, parallelism: ParallelismA
 
     def watch() -> None:
         start, store, noticed, reached, listened = time.monotonic(), None, False, not rendezvous.is_rank_0, None
-        client = counting_in(rendezvous, bounded) if rendezvous.nodes > 1 else lambda: None
+        client = CountingIn(rendezvous, bounded) if rendezvous.nodes > 1 else None
         while not joined.wait(poll_seconds):
-            store = client() if store is None else store
+            store = client() if store is None and client is not None else store
+            accepting = store is None and client is not None and client.accepting
             waited = time.monotonic() - start
             if not reached:  # rank 0: its own client of its store reaches it (the others' bound says the rest)
                 reached = store is not None or reaches_own_store(rendezvous)
@@ -430,10 +447,10 @@ def rendezvous_watched(fabric, rendezvous: Rendezvous, parallelism: ParallelismA
             # the counts (a key per node) read when said only, not by every process twice a second
             if speaks and not noticed and waited >= notice and (rendezvous.is_rank_0 or store is None):
                 noticed = True
-                say(waiting_line(rendezvous, counts(store), bound))
+                say(waiting_line(rendezvous, counts(store), bound, accepting))
             told = told_by_rank_0(store) if store is not None and not rendezvous.is_rank_0 else None
             if (told is not None or waited >= bound) and not joined.is_set():
-                end(told or failure_line(rendezvous, counts(store), bound), store, told=told is not None)
+                end(told or failure_line(rendezvous, counts(store), bound, accepting), store, told=told is not None)
 
     threading.Thread(target=watch, name="rendezvous-watch", daemon=True).start()
     try:

@@ -144,3 +144,35 @@ def test_rank_0_s_store_closed_before_every_process_joined_is_a_lost_peer_said_w
     ended, lost, _, _ = waiting_in_a_store_that_closes(monkeypatch, tmp_path / "debug")
     assert ended == [PEER_LOST_EXIT_CODE] and len(lost) == 1
     assert "[c10d] recvValueWithTimeout failed" in capfd.readouterr().err
+
+
+def test_node_1_finding_another_program_at_master_port_says_so_not_that_nothing_answered(monkeypatch, tmp_path, capfd):
+    """Node 1's first process, where another program listens at MASTER_ADDR:MASTER_PORT (on node 0, whose rank 0 then
+    stops at once: test_a_port_in_use_...): something accepts its connections, but torch.distributed's store client
+    waits there for an answer for ever. At the bound it says that something there is not rank 0's store, and what to
+    check, not that nothing answered."""
+    from fabric_lin.errors import JOIN_FAILED_EXIT_CODE
+
+    ended = []
+    monkeypatch.setattr(os, "_exit", ended.append)
+    monkeypatch.setattr(rdv, "process_rank", lambda: 1)
+    fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=None))
+    with socket.socket() as other_program:
+        other_program.bind(("127.0.0.1", 0))
+        other_program.listen()
+        where = rendezvous("127.0.0.1", other_program.getsockname()[1], node=1)
+        with rdv.joining_watched(fabric, where, ParallelismArgs(join_timeout_minutes=0.02), [], on_lost=None,
+                                 poll_seconds=0.1):
+            deadline = time.monotonic() + 10
+            while not ended and time.monotonic() < deadline:
+                time.sleep(0.05)
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("fabric-lin")]
+    assert ended == [JOIN_FAILED_EXIT_CODE] and said == [
+        f"fabric-lin pretrain: something at {where.where} (MASTER_ADDR:MASTER_PORT) accepts connections but does not "
+        f"answer as rank 0's store (torch.distributed's TCPStore); this process stops after 1.2 s without it "
+        f"(parallelism.join_timeout_minutes) (rank 1)",
+        f"fabric-lin pretrain: error on rank 1: something at {where.where} (MASTER_ADDR:MASTER_PORT) accepts "
+        f"connections but did not answer as rank 0's store (torch.distributed's TCPStore) within 1.2 s "
+        f"(parallelism.join_timeout_minutes): another program listens at that port (on node 0 its rank 0 then stops at "
+        f"once, saying MASTER_PORT {where.port} is in use), or MASTER_ADDR is not node 0's address; give node 0's "
+        f"address and a port free there, the same on every node; nothing was written"], said
