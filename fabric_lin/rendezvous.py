@@ -314,9 +314,9 @@ def failure_line(rendezvous: Rendezvous, joined: Optional[List[int]], bound: flo
     if joined is None and accepting:  # on node 0, rank 0 finds its port in use and stops at once
         return (f"something at {rendezvous.where} (MASTER_ADDR:MASTER_PORT) accepts connections but did not answer as "
                 f"rank 0's store (torch.distributed's TCPStore) {within}): another program listens at that port (on "
-                f"node 0 its rank 0 then stops at once, saying MASTER_PORT {rendezvous.port} is in use), or MASTER_ADDR "
-                f"is not node 0's address; give node 0's address and a port free there, the same on every node; "
-                f"nothing was written")
+                f"node 0 its rank 0 then stops at once, saying MASTER_PORT {rendezvous.port} is in use), or "
+                f"MASTER_ADDR is not node 0's address; give node 0's address and a port free there, the same on every "
+                f"node; nothing was written")
     if joined is None:
         return (f"nothing answered at {rendezvous.where} (MASTER_ADDR:MASTER_PORT) {within}): check that node 0's "
                 f"command runs with the same MASTER_ADDR and MASTER_PORT as this node's, and that no firewall closes "

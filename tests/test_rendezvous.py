@@ -257,8 +257,8 @@ def test_a_process_gone_after_it_joined_before_the_process_group_was_made_is_a_l
     assert ended == [PEER_LOST_EXIT_CODE] and not out_dir.exists()
     [peer] = lost
     assert isinstance(peer, PeerLost) and str(peer) == (
-        f"a peer process of the run ended or became unreachable during the start-up (rank 1 joined at 127.0.0.1:{port}, "
-        f"then went away before the processes had connected to each other (no sign of it there for 1 s): its node's "
+        f"a peer process of the run ended or became unreachable during the start-up (rank 1 joined at "
+        f"127.0.0.1:{port}, then went away before the processes had connected to each other (no sign of it there for 1 s): its node's "
         f"output says why)")
     [told] = told_rank_2
     assert isinstance(told, PeerLost) and str(told) == str(peer)
