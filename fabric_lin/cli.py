@@ -26,10 +26,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 from fabric_lin.cli_config_files import (check_config_files, check_temperatures, config_file_being_read,  # noqa: E402
                                          config_file_of, files_holding_key, option_values)
-from fabric_lin.errors import (FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, named_for_rank, process_rank,  # noqa: E402
-                               sigterm_interrupts)
-
-DEBUG_ENV = "FABRIC_LIN_DEBUG"
+from fabric_lin.errors import (DEBUG_ENV, FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, debug_enabled,  # noqa: E402
+                               named_for_rank, process_rank, sigterm_interrupts)
 
 # subcommand -> "module:function". A module is imported only when its subcommand runs (or for --help).
 COMMANDS: Dict[str, str] = {
@@ -50,10 +48,6 @@ COMMANDS: Dict[str, str] = {
 def load_command(name: str) -> Callable:
     module_name, function_name = COMMANDS[name].split(":")
     return getattr(importlib.import_module(module_name), function_name)
-
-
-def debug_enabled() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0", "false", "False")
 
 
 def expected_failure(error: BaseException) -> bool:

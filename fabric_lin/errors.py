@@ -21,6 +21,12 @@ from typing import Iterator, Optional, Tuple
 # The errors of a file system that a command reports in one line where they name their file: no space left, a quota
 # reached, no permission, a read-only file system (nothing the command could have done otherwise)
 FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+# Set (to anything but 0 or false), every error keeps its traceback and nothing that torch prints is held back
+DEBUG_ENV = "FABRIC_LIN_DEBUG"
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0", "false", "False")
 
 
 class UserError(Exception):

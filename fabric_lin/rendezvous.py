@@ -19,10 +19,21 @@ Rank 0 opens the store on node 0, on one node too, and there the address and the
 comes: a MASTER_PORT that another process (another run, or one left over from one) listens on (torch.distributed's
 EADDRINUSE traceback), a MASTER_ADDR that does not resolve or does not reach node 0 itself (rank 0's own client of
 its store then tries again, warning each second, for timeout_minutes). Each is said in one line, at once, naming the
-address, the port and the fix. A process whose store closes under it before every process has joined lost rank 0,
-as a process that loses a peer later does: it ends as one (PEER_LOST_EXIT_CODE, the one line of `PeerLost`)."""
+address, the port and the fix. On the other nodes, the same port in use shows as something at MASTER_ADDR:MASTER_PORT
+that accepts connections but does not answer as a store (torch.distributed's client then waits for an answer for
+ever), which they tell apart from nothing answering there.
+
+A process whose store closes under it before every process has joined lost rank 0, as a process that loses a peer
+later does: it ends as one (PEER_LOST_EXIT_CODE, the one line of `PeerLost`). A process other than rank 0 that joined
+and went away before the processes connected to each other leaves them waiting for it in torch.distributed (or fails
+gloo's connection to it); so each process beats, in the store, from the moment it joins until it is past the join,
+and rank 0 takes one whose heartbeat stands still for GONE_SECONDS for lost, and tells the others, who end as it does.
+torch's C++ warnings (several lines and a C++ stack for each connection its store client fails to make or loses) are
+held back meanwhile, unless FABRIC_LIN_DEBUG is set: the line said here is what a process ends with."""
+import ctypes
 import errno
 import os
+import re
 import socket
 import sys
 import threading
@@ -31,13 +42,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from fabric_lin.args import ParallelismArgs
-from fabric_lin.errors import (JOIN_FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, InvalidValue, PeerLost, named_for_rank,
-                               process_rank)
+from fabric_lin.errors import (JOIN_FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, InvalidValue, PeerLost, debug_enabled,
+                               named_for_rank, process_rank)
 from fabric_lin.files import remove_empty_dirs
 from fabric_lin.parallelism import LAUNCHING_RANK_PID
 
@@ -47,6 +58,19 @@ JOINED_KEY = "fabric_lin/joined/node-{}"
 BOUNDED_KEY = "fabric_lin/joined/bounded"
 STOPPED_KEY = "fabric_lin/rank-0-stopped-waiting"
 STOP_SEEN_KEY = "fabric_lin/rank-0-stopped-waiting/seen"
+# Where rank 0, stopping on a process gone after it joined, leaves what is lost (`PeerLost`'s cause), before the line
+LOST_KEY = "fabric_lin/rank-0-stopped-waiting/lost"
+# Where each process but rank 0 counts its heartbeats from the moment it joins (one each poll of its watch), and adds
+# PAST_THE_JOIN once it is past the process group's join: rank 0, which may wait for others still, then no longer
+# watches it
+ALIVE_KEY = "fabric_lin/alive/rank-{}"
+PAST_THE_JOIN = 1 << 40
+# How long the heartbeat of a process that has joined may stand still before rank 0 takes it for gone (killed, out of
+# memory, its node lost or stopped): it beats each poll of its watch (twice a second), and the margin is for a main
+# thread that holds Python's lock a while as the process starts, or a node too busy to run the watch's thread
+GONE_SECONDS = 30.0
+# How long this module's own client of the store tries to connect, and waits for an answer from it
+CLIENT_SECONDS = 5.0
 # How long rank 0 keeps its store open for the others to read why it stops: they poll it twice a second
 STOP_GRACE_SECONDS = 3.0
 # How long rank 0 waits before it says for whom it waits: longer than a node's processes take to start together
@@ -54,6 +78,11 @@ NOTICE_SECONDS = 10.0
 # How long rank 0 tries to reach its own store at MASTER_ADDR, once the store listens, before it stops: a connection to
 # one's own host is made at once or never
 OWN_STORE_SECONDS = 5.0
+# c10's log level of ERROR: torch's C++ errors printed, its warnings not (TORCH_CPP_LOG_LEVEL=ERROR)
+C10_ERROR_LEVEL = 2
+# torch.distributed's errors, in the process group's join, of a connection to a peer that it could not make or lost
+# (gloo connects every process to every other once all have joined; NCCL does later)
+CONNECTION_FAILED = re.compile(r"connectFullMesh failed|Connection (refused|reset|closed)")
 # getaddrinfo's answers that a name is unknown, not that the name service failed for now (EAI_AGAIN)
 UNKNOWN_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
@@ -68,6 +97,7 @@ class Rendezvous:
     devices: int  # processes per node
     node: int
     local_rank: int
+    rank: int  # global
 
     @property
     def where(self) -> str:
@@ -91,58 +121,74 @@ def rendezvous_of(fabric, num_nodes: int, devices: int) -> Optional[Rendezvous]:
         return None
     # read once here: Fabric's own environment picks a free port where MASTER_PORT is unset, and keeps it
     return Rendezvous(environment.main_address, environment.main_port, num_nodes, devices, fabric.node_rank,
-                      fabric.local_rank)
+                      fabric.local_rank, fabric.global_rank)
 
 
 def counted_in(rendezvous: Rendezvous, bounded: bool):
-    """A client of the run's store, through which this process has counted itself in, or None while nothing answers
-    at its address. A plain connection is tried first: a TCPStore client that finds nothing there warns and retries
-    for as long as its timeout."""
+    """A client of the run's store, through which this process has counted itself in, or None where none could be
+    made (something there that is no store, or that closed since). Its first heartbeat comes first: a process that
+    counted itself in has one."""
     from torch.distributed import TCPStore
 
-    if not answers(rendezvous.address, rendezvous.port, 2):
-        return None
     try:
-        store = TCPStore(rendezvous.address, rendezvous.port, is_master=False, timeout=timedelta(seconds=5),
-                         wait_for_workers=False)
+        store = TCPStore(rendezvous.address, rendezvous.port, is_master=False,
+                         timeout=timedelta(seconds=CLIENT_SECONDS), wait_for_workers=False)
+        if not rendezvous.is_rank_0:
+            store.add(ALIVE_KEY.format(rendezvous.rank), 1)
         store.add(JOINED_KEY.format(rendezvous.node), 1)
         if bounded and not rendezvous.is_rank_0:
             store.add(BOUNDED_KEY, 1)
         return store
-    except Exception:  # noqa: BLE001 - something there that is no store, or that closed since
+    except Exception:  # noqa: BLE001
         return None
 
 
-def counting_in(rendezvous: Rendezvous, bounded: bool) -> Callable[[], Optional[object]]:
-    """A function that returns the client of `counted_in` once it is made, else None, each call going on with it: it
-    is made in a thread of its own, one try at a time, since a TCPStore client that meets a port that accepts but does
-    not answer (a stopped process's, or no store's) waits there for ever, whatever its timeout, and whoever calls this
-    must keep to its bound."""
-    made: List[object] = []
-    trying: Optional[threading.Thread] = None
+class CountingIn:
+    """Called, the client of `counted_in` once it is made, else None, each call going on with it: it is made in a
+    thread of its own, one try at a time, since a TCPStore client that meets a port that accepts but does not answer
+    (a stopped process's, or another program's) waits there for ever, whatever its timeout, and whoever calls this must
+    keep to its bound. Each try connects plainly first: a TCPStore client that finds nothing there warns and retries
+    for as long as its timeout. `accepting`: whether, at the latest try, something accepted the connection but has not
+    answered as a store, which a process waiting for rank 0's store tells apart from nothing answering there."""
 
-    def attempt() -> None:
-        store = counted_in(rendezvous, bounded)
+    def __init__(self, rendezvous: Rendezvous, bounded: bool):
+        self.rendezvous, self.bounded = rendezvous, bounded
+        self.made: List[object] = []
+        self.trying: Optional[threading.Thread] = None
+        self.accepting = False
+
+    def attempt(self) -> None:
+        if not answers(self.rendezvous.address, self.rendezvous.port, 2):
+            self.accepting = False
+            return
+        self.accepting = True  # until the store answers, if it ever does
+        store = counted_in(self.rendezvous, self.bounded)
         if store is not None:
-            made.append(store)
+            self.made.append(store)
+            self.accepting = False
 
-    def store() -> Optional[object]:
-        nonlocal trying
-        if not made and (trying is None or not trying.is_alive()):
-            trying = threading.Thread(target=attempt, name="rendezvous-count-in", daemon=True)
-            trying.start()
-            trying.join(0.1)  # where the store answers, at once
-        return made[0] if made else None
+    def __call__(self) -> Optional[object]:
+        if not self.made and (self.trying is None or not self.trying.is_alive()):
+            self.trying = threading.Thread(target=self.attempt, name="rendezvous-count-in", daemon=True)
+            self.trying.start()
+            self.trying.join(0.1)  # where the store answers, at once
+        return self.made[0] if self.made else None
 
-    return store
+    def settled(self, timeout: float) -> Optional[object]:
+        """The client, where the try under way when this process passed its join makes one within `timeout` s."""
+        if not self.made and self.trying is not None:
+            self.trying.join(timeout)
+        return self.made[0] if self.made else None
 
 
-def tell_the_others(store, line: str) -> None:
-    """Rank 0, stopping: leave `line` in its store, and keep the store open until every process that waits with a
-    bound has read it (or for STOP_GRACE_SECONDS): they stop with it, where its store closing under them would end
-    them with torch.distributed's error."""
+def tell_the_others(store, line: str, lost: Optional[PeerLost] = None) -> None:
+    """Rank 0, stopping: leave `line` in its store (and, where it stops on a lost process, `lost`), and keep the store
+    open until every process that waits with a bound has read it (or for STOP_GRACE_SECONDS): they stop with it, where
+    its store closing under them would end them with torch.distributed's error."""
     deadline = time.monotonic() + STOP_GRACE_SECONDS
     try:
+        if lost is not None:
+            store.set(LOST_KEY, lost.cause)
         store.set(STOPPED_KEY, line)
         while store.add(STOP_SEEN_KEY, 0) < store.add(BOUNDED_KEY, 0) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -150,12 +196,15 @@ def tell_the_others(store, line: str) -> None:
         pass
 
 
-def told_by_rank_0(store) -> Optional[str]:
-    """The line rank 0 stopped with, once it has left one (`tell_the_others`), else None. Its reading is told to rank
-    0 apart (`seen`), once this process is sure to end with it: rank 0 then closes its store."""
+def told_by_rank_0(store) -> Union[None, str, PeerLost]:
+    """The line rank 0 stopped with, once it has left one (`tell_the_others`), or the lost process it stopped on, else
+    None. Its reading is told to rank 0 apart (`seen`), once this process is sure to end with it: rank 0 then closes
+    its store."""
     try:
         if not store.check([STOPPED_KEY]):
             return None
+        if store.check([LOST_KEY]):  # left before the line
+            return PeerLost("the start-up", store.get(LOST_KEY).decode("utf-8", "replace"))
         return store.get(STOPPED_KEY).decode("utf-8", "replace")
     except Exception:  # noqa: BLE001 - the store closed: the main thread's error says so
         return None
@@ -169,6 +218,49 @@ def seen(store) -> None:
         pass
 
 
+def heartbeat(store, rank: int) -> bool:
+    """One heartbeat of this process (ALIVE_KEY), and whether rank 0's store took it, else it is gone."""
+    try:
+        store.add(ALIVE_KEY.format(rank), 1)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def past_the_join(store, rank: int) -> None:
+    try:
+        store.add(ALIVE_KEY.format(rank), PAST_THE_JOIN)
+    except Exception:  # noqa: BLE001 - rank 0's store gone, as the process group can do without it
+        pass
+
+
+class Heartbeats:
+    """Rank 0's reading of the others' heartbeats (ALIVE_KEY): which of the processes that joined, and are not past the
+    process group's join yet, have not beaten for `gone_seconds` (killed, out of memory, their node lost or stopped),
+    where torch.distributed would keep the others waiting for them until the bound. Each count is timed by rank 0's
+    clock when it is seen to change: rank 0's own pauses take no other process for gone."""
+
+    def __init__(self, processes: int, gone_seconds: float):
+        self.processes, self.gone_seconds = processes, gone_seconds
+        self.changed: Dict[int, Tuple[int, float]] = {}  # rank: its count, and when rank 0 saw it change
+
+    def gone(self, store) -> List[int]:
+        now = time.monotonic()
+        try:
+            counts = [int(store.add(ALIVE_KEY.format(rank), 0)) for rank in range(1, self.processes)]
+        except Exception:  # noqa: BLE001 - rank 0's own store gone: its main thread's error says why
+            return []
+        gone = []
+        for rank, count in enumerate(counts, start=1):
+            if count == 0 or count >= PAST_THE_JOIN:  # not joined yet, or past the join
+                continue
+            if self.changed.get(rank, (0, now))[0] != count:
+                self.changed[rank] = (count, now)
+            elif now - self.changed[rank][1] >= self.gone_seconds:
+                gone.append(rank)
+        return gone
+
+
 def joined_per_node(store, rendezvous: Rendezvous) -> Optional[List[int]]:
     """How many processes of each node have counted themselves in, or None where the store stopped answering."""
     try:
@@ -177,22 +269,32 @@ def joined_per_node(store, rendezvous: Rendezvous) -> Optional[List[int]]:
         return None
 
 
+def listed(word: str, numbers: List[int]) -> str:
+    """ "node 1", "nodes 1 and 3", "nodes 1, 2, 3 and 9 more" (`word`: "node"), "no node"."""
+    named = [str(number) for number in numbers]
+    if len(named) <= 1:
+        return f"{word} {named[0]}" if named else f"no {word}"
+    if len(named) <= 4:
+        return f"{word}s {', '.join(named[:-1])} and {named[-1]}"
+    return f"{word}s {', '.join(named[:3])} and {len(named) - 3} more"
+
+
 def nodes_short_of(joined: List[int], devices: int) -> str:
-    """The nodes some of whose processes have not joined: "node 1", "nodes 1 and 3", "nodes 1, 2, 3 and 9 more"."""
-    short = [str(node) for node, count in enumerate(joined) if count < devices]
-    if len(short) <= 1:
-        return f"node {short[0]}" if short else "no node"
-    if len(short) <= 4:
-        return f"nodes {', '.join(short[:-1])} and {short[-1]}"
-    return f"nodes {', '.join(short[:3])} and {len(short) - 3} more"
+    """The nodes some of whose processes have not joined."""
+    return listed("node", [node for node, count in enumerate(joined) if count < devices])
 
 
 def duration(seconds: float) -> str:
     return f"{seconds:g} s" if seconds < 120 else f"{seconds / 60:g} min"
 
 
-def waiting_line(rendezvous: Rendezvous, joined: Optional[List[int]], bound: float) -> str:
-    """What rank 0 says once while it waits (and the first process of another node, while nothing answers there)."""
+def waiting_line(rendezvous: Rendezvous, joined: Optional[List[int]], bound: float, accepting: bool = False) -> str:
+    """What rank 0 says once while it waits (and the first process of another node, while no store answers there;
+    `accepting`: something there accepts connections, `CountingIn`)."""
+    if joined is None and accepting:
+        return (f"something at {rendezvous.where} (MASTER_ADDR:MASTER_PORT) accepts connections but does not answer as "
+                f"rank 0's store (torch.distributed's TCPStore); this process stops after {duration(bound)} without it "
+                f"(parallelism.join_timeout_minutes)")
     if joined is None:
         return (f"waiting for rank 0's store at {rendezvous.where} (MASTER_ADDR:MASTER_PORT), which answers once node "
                 f"0's command runs; this process stops after {duration(bound)} without it "
@@ -206,9 +308,15 @@ def waiting_line(rendezvous: Rendezvous, joined: Optional[List[int]], bound: flo
             f"(parallelism.join_timeout_minutes)")
 
 
-def failure_line(rendezvous: Rendezvous, joined: Optional[List[int]], bound: float) -> str:
-    """Why the run stops at the bound, and what to check."""
+def failure_line(rendezvous: Rendezvous, joined: Optional[List[int]], bound: float, accepting: bool = False) -> str:
+    """Why the run stops at the bound, and what to check (`accepting`: as for `waiting_line`)."""
     within = f"within {duration(bound)} (parallelism.join_timeout_minutes"
+    if joined is None and accepting:  # on node 0, rank 0 finds its port in use and stops at once
+        return (f"something at {rendezvous.where} (MASTER_ADDR:MASTER_PORT) accepts connections but did not answer as "
+                f"rank 0's store (torch.distributed's TCPStore) {within}): another program listens at that port (on "
+                f"node 0 its rank 0 then stops at once, saying MASTER_PORT {rendezvous.port} is in use), or "
+                f"MASTER_ADDR is not node 0's address; give node 0's address and a port free there, the same on every "
+                f"node; nothing was written")
     if joined is None:
         return (f"nothing answered at {rendezvous.where} (MASTER_ADDR:MASTER_PORT) {within}): check that node 0's "
                 f"command runs with the same MASTER_ADDR and MASTER_PORT as this node's, and that no firewall closes "
@@ -310,10 +418,48 @@ def store_closed(rendezvous: Rendezvous) -> PeerLost:
                                     f"rank 0 ended, node 0's output says why")
 
 
+def c10_log_level() -> Optional[ctypes.c_int]:
+    """The level below which torch's C++ messages are not printed (c10's FLAGS_caffe2_log_level, which
+    TORCH_CPP_LOG_LEVEL sets as torch loads), where torch's c10 library exposes it, else None."""
+    for library in sorted((Path(torch.__file__).parent / "lib").glob("*c10.*")):  # libc10.so, libc10.dylib, c10.dll
+        try:
+            return ctypes.c_int.in_dll(ctypes.CDLL(str(library)), "FLAGS_caffe2_log_level")
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def gone_after_joining(rendezvous: Rendezvous, ranks: List[int], gone_seconds: float) -> PeerLost:
+    """What the processes lose where those of `ranks` joined, then went away before the process group was made."""
+    it, its = ("it", "its node's") if len(ranks) == 1 else ("them", "their nodes'")
+    return PeerLost("the start-up", f"{listed('rank', ranks)} joined at {rendezvous.where}, then went away before the "
+                                    f"processes had connected to each other (no sign of {it} there for "
+                                    f"{duration(gone_seconds)}): {its} output says why")
+
+
+@contextmanager
+def torch_warnings_quiet() -> Iterator[None]:
+    """Within: torch's C++ warnings not printed, its errors still. While the processes meet, torch.distributed's store
+    warns, in several lines with a C++ stack, of each connection it fails to make (every second while it tries again)
+    and of the store closing under it, before the error that is said in one line (`joining_watched`), and before
+    the line this module says of a wait it bounds. With FABRIC_LIN_DEBUG=1, or a TORCH_CPP_LOG_LEVEL of one's own,
+    they are printed."""
+    level = None if debug_enabled() or "TORCH_CPP_LOG_LEVEL" in os.environ else c10_log_level()
+    if level is None:
+        yield
+        return
+    before = level.value
+    level.value = max(before, C10_ERROR_LEVEL)
+    try:
+        yield
+    finally:
+        level.value = before
+
+
 @contextmanager
 def joining_watched(fabric, rendezvous: Optional[Rendezvous], parallelism: ParallelismArgs, created: List[Path],
                     on_lost: Callable[[PeerLost], None], prog: str = "fabric-lin pretrain",
-                    poll_seconds: float = 0.5) -> Iterator[None]:
+                    poll_seconds: float = 0.5, gone_seconds: float = GONE_SECONDS) -> Iterator[None]:
     """Within: `fabric.launch()`, the rendezvous. A MASTER_ADDR that does not resolve is refused first. Rank 0 stops
     in one line where its store's port is in use (`InvalidValue`, raised once the processes Fabric's launcher started
     are ended) or where MASTER_ADDR does not reach its own store (exit code 2 where MASTER_ADDR is not this host's,
@@ -324,11 +470,23 @@ def joining_watched(fabric, rendezvous: Optional[Rendezvous], parallelism: Paral
     JOIN_FAILED_EXIT_CODE, and, as the first process of its node, says why in one line; rank 0 says once, after a few
     seconds, for how many it waits. One whose rank 0's store closes before then lost rank 0: it ends likewise, but
     through `on_lost` (which says so in one line and ends the process with PEER_LOST_EXIT_CODE) where it speaks for its
-    node."""
+    node. So does rank 0 where a process that joined has gone (its heartbeat stood still for `gone_seconds`) before the
+    process group was made, and every process that waits with a bound, told by rank 0. torch's C++ warnings are held
+    back meanwhile (`torch_warnings_quiet`)."""
     if rendezvous is None:
         yield
         return
     check_address_resolves(rendezvous)
+    with torch_warnings_quiet(), rendezvous_watched(fabric, rendezvous, parallelism, created, on_lost, prog,
+                                                    poll_seconds, gone_seconds):
+        yield
+
+
+@contextmanager
+def rendezvous_watched(fabric, rendezvous: Rendezvous, parallelism: ParallelismArgs, created: List[Path],
+                       on_lost: Callable[[PeerLost], None], prog: str, poll_seconds: float,
+                       gone_seconds: float) -> Iterator[None]:
+    """`joining_watched`, once MASTER_ADDR has resolved."""
     launcher = os.environ.get(LAUNCHING_RANK_PID)
     started_by_launcher = rendezvous.local_rank != 0 and launcher == str(os.getppid())
     if rendezvous.nodes == 1 and not rendezvous.is_rank_0:  # watched by `launching_rank_watched`
@@ -338,7 +496,7 @@ def joining_watched(fabric, rendezvous: Optional[Rendezvous], parallelism: Paral
     speaks = rendezvous.local_rank == 0
     bound = 60 * min(parallelism.join_timeout_minutes, parallelism.timeout_minutes)
     notice = min(NOTICE_SECONDS, bound / 2)
-    joined, ending = threading.Event(), threading.Lock()
+    joined, passed, ending = threading.Event(), threading.Event(), threading.Lock()
 
     def counts(store) -> Optional[List[int]]:
         return None if store is None else joined_per_node(store, rendezvous)
@@ -357,7 +515,7 @@ def joining_watched(fabric, rendezvous: Optional[Rendezvous], parallelism: Paral
         ending.acquire()  # once: the watch's bound and the main thread's error may come together; the second waits
         try:
             if rendezvous.is_rank_0 and store is not None:
-                tell_the_others(store, line)
+                tell_the_others(store, line, lost)
             if told:  # only now: rank 0's store closing, the main thread's error, waits for the lock
                 seen(store)
             end_children()
@@ -373,10 +531,21 @@ def joining_watched(fabric, rendezvous: Optional[Rendezvous], parallelism: Paral
 
     def watch() -> None:
         start, store, noticed, reached, listened = time.monotonic(), None, False, not rendezvous.is_rank_0, None
-        client = counting_in(rendezvous, bounded) if rendezvous.nodes > 1 else lambda: None
+        client = CountingIn(rendezvous, bounded) if rendezvous.nodes > 1 else None
+        heartbeats = Heartbeats(rendezvous.processes, gone_seconds)
         while not joined.wait(poll_seconds):
-            store = client() if store is None else store
+            store = client() if store is None and client is not None else store
+            accepting = store is None and client is not None and client.accepting
             waited = time.monotonic() - start
+            # rank 0's store gone: where the main thread waits on a peer instead (gloo connects to each), it is not told
+            if store is not None and not rendezvous.is_rank_0 and not heartbeat(store, rendezvous.rank):
+                if not joined.is_set():
+                    lost = store_closed(rendezvous)
+                    end(str(lost), exit_code=PEER_LOST_EXIT_CODE, lost=lost)
+            gone = heartbeats.gone(store) if store is not None and rendezvous.is_rank_0 else []
+            if gone and not joined.is_set():
+                lost = gone_after_joining(rendezvous, gone, gone_seconds)
+                end(str(lost), store, exit_code=PEER_LOST_EXIT_CODE, lost=lost)
             if not reached:  # rank 0: its own client of its store reaches it (the others' bound says the rest)
                 reached = store is not None or reaches_own_store(rendezvous)
                 listened = listened or (time.monotonic() if reached is False else None)
@@ -388,14 +557,22 @@ def joining_watched(fabric, rendezvous: Optional[Rendezvous], parallelism: Paral
             # the counts (a key per node) read when said only, not by every process twice a second
             if speaks and not noticed and waited >= notice and (rendezvous.is_rank_0 or store is None):
                 noticed = True
-                say(waiting_line(rendezvous, counts(store), bound))
+                say(waiting_line(rendezvous, counts(store), bound, accepting))
             told = told_by_rank_0(store) if store is not None and not rendezvous.is_rank_0 else None
+            if isinstance(told, PeerLost) and not joined.is_set():
+                end(str(told), store, exit_code=PEER_LOST_EXIT_CODE, lost=told, told=True)
             if (told is not None or waited >= bound) and not joined.is_set():
-                end(told or failure_line(rendezvous, counts(store), bound), store, told=told is not None)
+                end(told or failure_line(rendezvous, counts(store), bound, accepting), store, told=told is not None)
+        if passed.is_set() and client is not None and not rendezvous.is_rank_0:
+            store = store or client.settled(CLIENT_SECONDS)  # it counts itself in yet: its heartbeat would stand still
+            if store is not None:
+                past_the_join(store, rendezvous.rank)
 
-    threading.Thread(target=watch, name="rendezvous-watch", daemon=True).start()
+    watching = threading.Thread(target=watch, name="rendezvous-watch", daemon=True)
+    watching.start()
     try:
         yield
+        passed.set()
     except torch.distributed.DistNetworkError as error:
         if rendezvous.is_rank_0 and is_port_in_use(error):
             with ending:  # the processes Fabric's launcher started would wait for a store that never opens
@@ -405,5 +582,13 @@ def joining_watched(fabric, rendezvous: Optional[Rendezvous], parallelism: Paral
             lost = store_closed(rendezvous)
             end(str(lost), exit_code=PEER_LOST_EXIT_CODE, lost=lost)
         raise
+    except RuntimeError as error:
+        # a peer that had joined and went away since (or one that a firewall keeps out): rank 0 finds the first from
+        # its heartbeat within gone_seconds and tells the others (the watch ends the process); the second is raised
+        if rendezvous.nodes > 1 and CONNECTION_FAILED.search(str(error)) and not joined.is_set():
+            time.sleep(gone_seconds + STOP_GRACE_SECONDS + 4 * poll_seconds)
+        raise
     finally:
         joined.set()
+        if passed.is_set():  # past the join before it goes on, whatever it meets next, as rank 0 reads it
+            watching.join(CLIENT_SECONDS + 1)

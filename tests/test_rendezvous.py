@@ -1,10 +1,12 @@
 """fabric_lin/rendezvous.py in this process, without a run: what rank 0 finds wrong with its store's address and port
 before anyone else comes (a port in use, as torch.distributed's own store reports it; a MASTER_ADDR that does not
-resolve, or that is no address of this host and does not reach the store rank 0 opened), and what a process whose
-rank 0's store closes before every process has joined ends with (a lost peer). As a run meets them:
-test_pretrain_sharded.py."""
+resolve, or that is no address of this host and does not reach the store rank 0 opened); what another node finds at
+a port in use (no store); and what a process whose rank 0's store closes before every process has joined, or whose
+peer joined and went away, ends with (a lost peer, without torch's warnings). The stores are torch.distributed's own,
+opened here; the other processes, their clients. As a run meets them: test_pretrain_sharded.py."""
 import os
 import socket
+import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +24,7 @@ NO_HOST_S = "192.0.2.1"
 
 
 def rendezvous(address: str = "127.0.0.1", port: int = 29500, nodes: int = 2, node: int = 0) -> rdv.Rendezvous:
-    return rdv.Rendezvous(address, port, nodes=nodes, devices=1, node=node, local_rank=0)
+    return rdv.Rendezvous(address, port, nodes=nodes, devices=1, node=node, local_rank=0, rank=node)
 
 
 def test_a_port_in_use_is_told_from_torch_distributed_s_own_error_in_one_line():
@@ -86,27 +88,194 @@ def test_rank_0_tells_whether_master_addr_reaches_the_store_it_opened():
         f"written")
 
 
-def test_rank_0_s_store_closed_before_every_process_joined_is_a_lost_peer(monkeypatch, tmp_path):
-    """Node 1's first process waits in rank 0's store when it closes without a word from rank 0 (which leaves one where
-    it stops at the bound): rank 0 ended, killed or its node lost, and the process ends as one whose peer is gone after
-    the join does (the requeue scripts resubmit PEER_LOST_EXIT_CODE), through `on_lost`, removing the out_dir it made."""
-    lost, ended = [], []
+def exiting_here(monkeypatch) -> list:
+    """os._exit, in the watch's thread or in the main thread, raising SystemExit there (the watch's thread thus ends);
+    the exit codes it was called with."""
+    ended = []
 
     def exit_here(code):
         ended.append(code)
         raise SystemExit(code)
 
     monkeypatch.setattr(os, "_exit", exit_here)
+    return ended
+
+
+# the watch's thread, ended by os._exit as `exiting_here` has it
+watch_ended = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+
+
+def waiting_in_a_store_that_closes(monkeypatch, tmp_path, in_the_store: bool = True):
+    """Node 1's first process, its main thread waiting in rank 0's store (torch.distributed's TCPStore, opened here) as
+    torch.distributed's rendezvous does (else, once the process has counted itself in, waiting elsewhere, as for a
+    connection to a peer), when rank 0 closes it without a word: the exit codes it ended with, the lost peers it was
+    ended through, and whether its out_dir is gone."""
+    import contextlib
+    import gc
+    import threading
+    from torch.distributed import TCPStore
+
+    lost, ended = [], exiting_here(monkeypatch)
     monkeypatch.setenv("RANK", "1")
     out_dir = tmp_path / "out"
-    out_dir.mkdir()
+    out_dir.mkdir(parents=True)
     fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=None))
-    where = rendezvous("127.0.0.1", free_port(), node=1)
-    with pytest.raises(SystemExit):
-        with rdv.joining_watched(fabric, where, ParallelismArgs(), [out_dir], on_lost=lost.append):
-            raise torch.distributed.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
-    assert ended == [PEER_LOST_EXIT_CODE] and not out_dir.exists()
+    port = free_port()
+    stores = [TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)]
+    where = rendezvous("127.0.0.1", port, node=1)
+
+    def close_rank_0_s_store():
+        time.sleep(0.3)
+        stores.clear()
+        gc.collect()
+
+    with contextlib.suppress(SystemExit):
+        with rdv.joining_watched(fabric, where, ParallelismArgs(), [out_dir], on_lost=lost.append, poll_seconds=0.1):
+            if in_the_store:
+                client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10),
+                                  wait_for_workers=False)
+                threading.Thread(target=close_rank_0_s_store).start()
+                client.get("rank 0's address, never set")
+            deadline = time.monotonic() + 5
+            while not stores[0].add(rdv.JOINED_KEY.format(1), 0) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            close_rank_0_s_store()
+            while not ended and time.monotonic() < deadline:
+                time.sleep(0.05)
+    return ended, lost, where, out_dir.exists()
+
+
+def test_rank_0_s_store_closed_before_every_process_joined_is_a_lost_peer_said_without_torch_s_warning(
+        monkeypatch, tmp_path, capfd):
+    """Node 1's first process waits in rank 0's store when it closes without a word from rank 0 (which leaves one where
+    it stops at the bound): rank 0 ended, killed or its node lost, and the process ends as one whose peer is gone after
+    the join does (the requeue scripts resubmit PEER_LOST_EXIT_CODE), through `on_lost`, removing the out_dir it made.
+    torch's C++ warning of the closed connection (several lines and a C++ stack, before the line `on_lost` prints) is
+    not printed; with FABRIC_LIN_DEBUG=1 it is."""
+    monkeypatch.delenv("FABRIC_LIN_DEBUG", raising=False)
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    ended, lost, where, out_dir_left = waiting_in_a_store_that_closes(monkeypatch, tmp_path / "quiet")
+    assert ended == [PEER_LOST_EXIT_CODE] and not out_dir_left
     [peer] = lost
     assert isinstance(peer, PeerLost) and str(peer) == (
         f"a peer process of the run ended or became unreachable during the start-up (rank 0's store at {where.where} "
         f"closed before every process had joined: rank 0 ended, node 0's output says why)")
+    assert "[c10d]" not in capfd.readouterr().err
+
+    monkeypatch.setenv("FABRIC_LIN_DEBUG", "1")
+    ended, lost, _, _ = waiting_in_a_store_that_closes(monkeypatch, tmp_path / "debug")
+    assert ended == [PEER_LOST_EXIT_CODE] and len(lost) == 1
+    assert "[c10d] recvValueWithTimeout failed" in capfd.readouterr().err
+
+
+@watch_ended
+def test_rank_0_s_store_closed_while_the_process_waits_elsewhere_is_a_lost_peer_too(monkeypatch, tmp_path):
+    """As above, the process's main thread waiting not in the store but on a connection to another process (gloo
+    connects each process to every other once all have joined): no error of torch's says that the store closed, and
+    the watch finds it so itself."""
+    ended, lost, where, out_dir_left = waiting_in_a_store_that_closes(monkeypatch, tmp_path, in_the_store=False)
+    assert ended == [PEER_LOST_EXIT_CODE] and not out_dir_left
+    assert [str(peer) for peer in lost] == [str(rdv.store_closed(where))]
+
+
+@watch_ended
+def test_node_1_finding_another_program_at_master_port_says_so_not_that_nothing_answered(monkeypatch, tmp_path, capfd):
+    """Node 1's first process, where another program listens at MASTER_ADDR:MASTER_PORT (on node 0, whose rank 0 then
+    stops at once: test_a_port_in_use_...): something accepts its connections, but torch.distributed's store client
+    waits there for an answer for ever. At the bound it says that something there is not rank 0's store, and what to
+    check, not that nothing answered."""
+    from fabric_lin.errors import JOIN_FAILED_EXIT_CODE
+
+    ended = exiting_here(monkeypatch)
+    monkeypatch.setattr(rdv, "process_rank", lambda: 1)
+    fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=None))
+    with socket.socket() as other_program:
+        other_program.bind(("127.0.0.1", 0))
+        other_program.listen()
+        where = rendezvous("127.0.0.1", other_program.getsockname()[1], node=1)
+        with rdv.joining_watched(fabric, where, ParallelismArgs(join_timeout_minutes=0.02), [], on_lost=None,
+                                 poll_seconds=0.1):
+            deadline = time.monotonic() + 10
+            while not ended and time.monotonic() < deadline:
+                time.sleep(0.05)
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("fabric-lin")]
+    assert ended == [JOIN_FAILED_EXIT_CODE] and said == [
+        f"fabric-lin pretrain: something at {where.where} (MASTER_ADDR:MASTER_PORT) accepts connections but does not "
+        f"answer as rank 0's store (torch.distributed's TCPStore); this process stops after 1.2 s without it "
+        f"(parallelism.join_timeout_minutes) (rank 1)",
+        f"fabric-lin pretrain: error on rank 1: something at {where.where} (MASTER_ADDR:MASTER_PORT) accepts "
+        f"connections but did not answer as rank 0's store (torch.distributed's TCPStore) within 1.2 s "
+        f"(parallelism.join_timeout_minutes): another program listens at that port (on node 0 its rank 0 then stops at "
+        f"once, saying MASTER_PORT {where.port} is in use), or MASTER_ADDR is not node 0's address; give node 0's "
+        f"address and a port free there, the same on every node; nothing was written"], said
+
+
+@watch_ended
+def test_a_process_gone_after_it_joined_before_the_process_group_was_made_is_a_lost_peer_named_by_rank_0(
+        monkeypatch, tmp_path):
+    """Four nodes of one process: rank 1 counts itself in at rank 0's store, then is gone (killed, out of memory) before
+    the process group is made, where torch.distributed would keep the others waiting until the bound, and the run
+    would end as one whose processes all joined but did not connect (JOIN_FAILED_EXIT_CODE, not resubmitted), or rank
+    0 on gloo's error connecting to it (with a traceback, as a bug). Rank 2 waits, alive, and rank 3 is past its join.
+    Rank 0 finds rank 1's heartbeat stopped and ends as a process whose peer is gone (PEER_LOST_EXIT_CODE, through
+    `on_lost`), naming rank 1, and leaves the same in its store for rank 2."""
+    import threading
+    from torch.distributed import TCPStore
+
+    lost, ended = [], exiting_here(monkeypatch)
+    monkeypatch.setattr(rdv, "STOP_GRACE_SECONDS", 0.5)  # rank 1 never reads rank 0's line
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    at = {rank: rendezvous("127.0.0.1", port, nodes=4, node=rank) for rank in range(4)}
+    rdv.counted_in(at[1], bounded=True)  # and no more
+    rank_3 = rdv.counted_in(at[3], bounded=True)
+    rdv.past_the_join(rank_3, 3)
+    rank_2, told_rank_2, waiting = rdv.counted_in(at[2], bounded=True), [], threading.Event()
+
+    def rank_2_waits():
+        while not waiting.wait(0.05):
+            rdv.heartbeat(rank_2, 2)
+            told = rdv.told_by_rank_0(rank_2)
+            if told is not None:
+                told_rank_2.append(told)
+                rdv.seen(rank_2)
+                return
+
+    threading.Thread(target=rank_2_waits, daemon=True).start()
+    fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=None))
+    try:
+        with pytest.raises(RuntimeError):  # where os._exit, ending the process, has not
+            with rdv.joining_watched(fabric, at[0], ParallelismArgs(), [out_dir], on_lost=lost.append,
+                                     poll_seconds=0.1, gone_seconds=1):
+                # as gloo says it, once every process has joined the store, connecting to rank 1
+                raise RuntimeError("Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:152] timed out "
+                                   "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:1411$0")
+    finally:
+        waiting.set()
+    assert ended == [PEER_LOST_EXIT_CODE] and not out_dir.exists()
+    [peer] = lost
+    assert isinstance(peer, PeerLost) and str(peer) == (
+        f"a peer process of the run ended or became unreachable during the start-up (rank 1 joined at "
+        f"127.0.0.1:{port}, then went away before the processes had connected to each other (no sign of it there for 1 s): its node's "
+        f"output says why)")
+    [told] = told_rank_2
+    assert isinstance(told, PeerLost) and str(told) == str(peer)
+
+
+def test_a_process_past_its_join_tells_rank_0_so():
+    """Its heartbeat then stops, and rank 0 (which may wait for others still) must not take it for gone."""
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    alive = rdv.ALIVE_KEY.format(1)
+    fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=None))
+    with rdv.joining_watched(fabric, rendezvous("127.0.0.1", port, node=1), ParallelismArgs(), [], on_lost=None,
+                             poll_seconds=0.05):
+        deadline = time.monotonic() + 5
+        while not store.add(alive, 0) and time.monotonic() < deadline:  # counted in
+            time.sleep(0.05)
+        assert 0 < store.add(alive, 0) < rdv.PAST_THE_JOIN
+    assert store.add(alive, 0) >= rdv.PAST_THE_JOIN
