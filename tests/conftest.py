@@ -103,20 +103,40 @@ def no_process_left():
         warnings.warn(f"still running at the end of the test, killed: {fabric_lin_process.describe([job])}")
 
 
+def restore_environment(before: dict) -> None:
+    """os.environ back to `before`, but for PYTEST_CURRENT_TEST (pytest's own)."""
+    for key in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value and key != "PYTEST_CURRENT_TEST":
+            os.environ[key] = value
+
+
 @pytest.fixture(autouse=True)
 def environment_kept():
     """What a test changes in os.environ is undone after it. Lightning's seed_everything (pretrain's main,
     build_model) sets PL_GLOBAL_SEED and PL_SEED_WORKERS, Fabric's launch WORLD_SIZE, LOCAL_RANK and more: left
     set, a later `--devices 2` run takes itself for a launched rank, and every run a later test of this worker starts
     differs from an environment copied before (helpers.CPU_ONLY), so that it starts as a new Python instead of a fork
-    (fabric_lin_process.forkable): ~4 s of imports each. (PYTEST_CURRENT_TEST is pytest's own.)"""
+    (fabric_lin_process.forkable): ~4 s of imports each, for each process of a run."""
     before = dict(os.environ)
     yield
-    for key in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:
-        del os.environ[key]
-    for key, value in before.items():
-        if os.environ.get(key) != value and key != "PYTEST_CURRENT_TEST":
-            os.environ[key] = value
+    restore_environment(before)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """What a module- or session-scoped fixture changes in os.environ while it is set up is undone once it is: such
+    a fixture is set up before the first test that uses it, outside that test's environment_kept, and one that trains
+    in this process (evaluate's training run) would leave Lightning's variables set for the rest of the worker. (No
+    fixture here sets a variable for the tests that use it; one that did would have to set it in each test.)"""
+    if fixturedef.scope == "function":
+        return (yield)
+    before = dict(os.environ)
+    try:
+        return (yield)
+    finally:
+        restore_environment(before)
 
 
 @pytest.fixture(scope="module")
