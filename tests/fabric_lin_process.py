@@ -162,11 +162,12 @@ _unstopped: List[Job] = []  # every job started here that `stop` has not yet see
 
 
 def start(command: List[str], log: Union[str, Path], env: Optional[Dict[str, str]] = None,
-          err_log: Union[str, Path, None] = None, held_before: Optional[str] = None) -> Job:
+          err_log: Union[str, Path, None] = None, held_before: Optional[str] = None,
+          cwd: Union[str, Path, None] = None) -> Job:
     """`command` in the background, in a session of its own, stdout and stderr appended to `log` (stderr to `err_log`
-    where given). `held_before`: for a fabric-lin command, a file name it is held before renaming onto
-    (`hold_before_renaming_onto`)."""
-    return _start(command, str(log), str(err_log or log), env, held_before)
+    where given), in the working directory `cwd` (by default this process's). `held_before`: for a fabric-lin
+    command, a file name it is held before renaming onto (`hold_before_renaming_onto`)."""
+    return _start(command, str(log), str(err_log or log), env, held_before, cwd)
 
 
 def run(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
@@ -182,7 +183,7 @@ def run(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None
         return subprocess.CompletedProcess(command, returncode, out.read_text(), err.read_text())
 
 
-def _start(command, stdout: str, stderr: str, env, held_before: Optional[str] = None) -> Job:
+def _start(command, stdout: str, stderr: str, env, held_before: Optional[str] = None, cwd=None) -> Job:
     global _forkserver
     logs = list(dict.fromkeys((stdout, stderr)))
     for path in logs:  # there before start returns, as a subprocess's output file is
@@ -196,13 +197,13 @@ def _start(command, stdout: str, stderr: str, env, held_before: Optional[str] = 
             command = [sys.executable, "-c", "import sys, fabric_lin_process; fabric_lin_process.run_held(sys.argv[1:])",
                        held_before, *command[3:]]
         with open(stdout, "ab") as out, open(stderr, "ab") as err:
-            job = LoggedPopen(command, logs, stdout=out, stderr=err, env=env, start_new_session=True)
+            job = LoggedPopen(command, logs, stdout=out, stderr=err, env=env, cwd=cwd, start_new_session=True)
     else:
         if _forkserver is None:
             _forkserver = multiprocessing.get_context("forkserver")
             _forkserver.set_forkserver_preload(PRELOADED)
         process = _forkserver.Process(target=_as_fabric_lin, daemon=False, args=(
-            command[3:], dict(os.environ if env is None else env), os.getcwd(), stdout, stderr, held_before))
+            command[3:], dict(os.environ if env is None else env), str(cwd or os.getcwd()), stdout, stderr, held_before))
         process.start()
         job = ForkedRun(command, process, logs)
     _unstopped.append(job)
