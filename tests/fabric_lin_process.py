@@ -132,17 +132,23 @@ def _as_fabric_lin(command: List[str], env: Dict[str, str], cwd: str, stdout: st
         hold_before_renaming_onto(held_before)
     main = _main_of(command)
     multiprocessing.set_start_method(None, force=True)  # the platform's own (fork on Linux), not the forkserver
+    interrupted = False
     try:
         main()
         status = None
     except SystemExit as stop:
         status = stop.code
-    except BaseException:
+    except BaseException as failure:
         traceback.print_exc()
-        status = 1
+        status, interrupted = 1, isinstance(failure, KeyboardInterrupt)
     # Out of the except blocks, the failure's traceback no longer holds the run's frames, nor what they hold (the
     # DataLoader's workers, shut down as their iterator goes): as at Python's exit, before the atexit functions
     atexit._run_exitfuncs()
+    if interrupted:  # Python ends on an uncaught KeyboardInterrupt by SIGINT, its default action, once it is done
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     sys.exit(status)
 
 
