@@ -1,4 +1,5 @@
 import contextlib
+import functools
 import json
 import math
 import os
@@ -46,7 +47,8 @@ def pytest_xdist_auto_num_workers(config):
     return min(usable_cores(), MAX_WORKERS)
 
 
-def modules_with_module_fixtures() -> set:
+@functools.lru_cache(maxsize=None)
+def modules_with_module_fixtures() -> frozenset:
     """The test modules (paths relative to the repository) that define a module-scoped fixture, read from their
     source (the controller of pytest-xdist collects nothing)."""
     import ast
@@ -60,22 +62,38 @@ def modules_with_module_fixtures() -> set:
                 if isinstance(decorator, ast.Call) and any(
                         k.arg == "scope" and getattr(k.value, "value", None) == "module" for k in decorator.keywords):
                     found.add(f"{here.name}/{path.name}")
-    return found
+    return frozenset(found)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(pytest-xdist's controller) Each worker is told the modules whose tests go to one worker together, for its
+    order of the tests (pytest_collection_modifyitems)."""
+    node.workerinput["modules_with_module_fixtures"] = sorted(modules_with_module_fixtures())
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the slow tests (subprocesses that train) first, so that no worker starts one when the
-    others have run out of work (the order within each kind kept; in one process, the order of the files)."""
+    """Under pytest-xdist, the slow tests (subprocesses that train) first, then the modules whose tests go to one
+    worker together (pytest_xdist_make_scheduler), then the other tests, so that no worker starts a long one, or a
+    module's share, when the others have run out of work: the work left at the end is single tests (the order within
+    each kind kept; in one process, the order of the files)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        together = set(getattr(config, "workerinput", {}).get("modules_with_module_fixtures", ()))
+
+        def kind(item) -> int:
+            if item.get_closest_marker("slow") is not None:
+                return 0
+            return 1 if item.nodeid.split("::", 1)[0] in together else 2
+
+        items.sort(key=kind)
 
 
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's default distribution (`--dist load`), except that the tests of a module with a module-scoped
     fixture (a corpus, a tokenizer, a training run) go to one worker together, which builds it once; every other test
     goes to whichever worker is free (the e2e runs' session fixtures are built at most once per worker). Work is handed
-    out in the workers' order (slow tests first: pytest_collection_modifyitems), not by the size of each module's
-    share. An explicit --dist keeps xdist's own scheduler. (xdist's `--dist loadgroup` does not group under pytest
+    out in the workers' order (slow tests first, then such modules: pytest_collection_modifyitems), not by the size
+    of each module's share. An explicit --dist keeps xdist's own scheduler. (xdist's `--dist loadgroup` does not group under pytest
     9.2: pytest-dev/pytest-xdist#1386.)"""
     if config.getoption("dist") != "load":
         return None
