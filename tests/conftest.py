@@ -93,8 +93,8 @@ def pytest_xdist_make_scheduler(config, log):
     fixture (a corpus, a tokenizer, a training run) go to one worker together, which builds it once; every other test
     goes to whichever worker is free (the e2e runs' session fixtures are built at most once per worker). Work is handed
     out in the workers' order (slow tests first, then such modules: pytest_collection_modifyitems), not by the size
-    of each module's share. An explicit --dist keeps xdist's own scheduler. (xdist's `--dist loadgroup` does not group under pytest
-    9.2: pytest-dev/pytest-xdist#1386.)"""
+    of each module's share. An explicit --dist keeps xdist's own scheduler. (xdist's `--dist loadgroup` does not
+    group under pytest 9.2: pytest-dev/pytest-xdist#1386.)"""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling

@@ -42,5 +42,6 @@ def test_linears_cases_run_forward_and_backward():
 
 
 def test_the_command_line_parses():
-    result = fabric_lin_process.run([sys.executable, str(ROOT / "benchmarks" / "fused_ops.py"), "--help"], 120, scripts=True)
+    script = str(ROOT / "benchmarks" / "fused_ops.py")
+    result = fabric_lin_process.run([sys.executable, script, "--help"], 120, scripts=True)
     assert result.returncode == 0 and "--linears-only" in result.stdout, result.stderr

@@ -210,7 +210,8 @@ def test_the_script_runs_cells_in_processes_and_merges_their_rows(corpus, tmp_pa
     tiny = ["--device", "cpu", "--size", "debug", "--quality_layers", "1", "--tokens_per_step", "2048",
             "--contexts", "2048", "--eval_window", "2048", "--speed_warmup", "0", "--speed_steps", "1",
             "--quality_steps", "1", "--val_windows", "2"]
-    monkeypatch.setattr(long_context, "subprocess", types.SimpleNamespace(run=run_forked, TimeoutExpired=subprocess.TimeoutExpired))
+    monkeypatch.setattr(long_context, "subprocess",
+                        types.SimpleNamespace(run=run_forked, TimeoutExpired=subprocess.TimeoutExpired))
     monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "long_context.py"), *tiny, "--families", "gla",
                                       "transformer", "--out", str(out)])
     long_context.main()

@@ -26,7 +26,8 @@ def test_sample_corpus_builds_once_under_concurrency(tmp_path):
     code = "import sys; from fabric_lin.data.sample_corpus import ensure_sample_corpus; print('PATH', ensure_sample_corpus(sys.argv[1]))"
     logs = [tmp_path / f"process-{i}.log" for i in range(2)]
     start = time.perf_counter()
-    processes = [fabric_lin_process.start([sys.executable, "-c", code, str(cache_dir)], log, scripts=True) for log in logs]
+    processes = [fabric_lin_process.start([sys.executable, "-c", code, str(cache_dir)], log, scripts=True)
+                 for log in logs]
     codes = fabric_lin_process.wait_all(processes, 300)
     seconds = time.perf_counter() - start
     outputs = [log.read_text() for log in logs]

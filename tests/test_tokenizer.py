@@ -424,9 +424,9 @@ def test_train_tokenizer_stopped_by_sigterm_ends_in_one_line_with_143_and_leaves
     (tmp_path / "raw" / "a.txt").write_text("\n".join(f"the quick brown fox {i} jumps" for i in range(200)))
     out, log, stderr = tmp_path / "tok", tmp_path / "stdout", tmp_path / "stderr"
     env = {key: value for key, value in os.environ.items() if key != "FABRIC_LIN_DEBUG"}
-    proc = fabric_lin_process.start(
-        [*fabric_lin_process.FABRIC_LIN, "train_tokenizer", "--input_dir", str(tmp_path / "raw"), "--output_dir",
-         str(out), "--vocab_size", "300", "--num_threads", "1"], log, env, err_log=stderr, held_before="tokenizer.model")
+    command = [*fabric_lin_process.FABRIC_LIN, "train_tokenizer", "--input_dir", str(tmp_path / "raw"), "--output_dir",
+               str(out), "--vocab_size", "300", "--num_threads", "1"]
+    proc = fabric_lin_process.start(command, log, env, err_log=stderr, held_before="tokenizer.model")
     try:
         held = fabric_lin_process.HELD.format("tokenizer.model")
         assert wait_for(lambda: held in log.read_text(), proc, timeout=60), stderr.read_text()[-3000:]
