@@ -189,3 +189,21 @@ def test_a_tests_changes_to_the_environment_are_undone_so_the_next_run_is_forked
     pytester.makepyfile(test_three=ENVIRONMENT_OF_THREE_TESTS)
     result = pytester.runpytest_inprocess("-p", "conftest", "-p", "no:cacheprovider", "-q")
     result.assert_outcomes(passed=3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA every run starts a new Python")
+def test_a_forked_script_sees_what_a_new_python_would_and_ends_as_it_does(tmp_path):
+    """`python script.py` and `python -c` forked (scripts=True): the script's argv, its folder (or, for -c, the working
+    directory) first on sys.path, __name__ "__main__"; an uncaught KeyboardInterrupt ends the process by SIGINT, as
+    Python's own ending does, after its traceback."""
+    script = tmp_path / "script.py"
+    assert fabric_lin_process.forkable([sys.executable, str(script)], None, scripts=True)
+    script.write_text("import sys\nprint(sys.argv, sys.path[0], __name__)\nif sys.argv[1:] == ['stop']:\n"
+                      "    raise KeyboardInterrupt\n")
+    done = fabric_lin_process.run([sys.executable, str(script), "a"], 60, scripts=True)
+    assert (done.returncode, done.stdout) == (0, f"{[str(script), 'a']} {tmp_path} __main__\n"), done.stderr
+    stopped = fabric_lin_process.run([sys.executable, str(script), "stop"], 60, scripts=True)
+    assert stopped.returncode == -signal.SIGINT and stopped.stderr.endswith("KeyboardInterrupt\n"), stopped.stderr
+    code = fabric_lin_process.run([sys.executable, "-c", "import sys; print(sys.argv, repr(sys.path[0]))", "b"], 60,
+                                  cwd=tmp_path, scripts=True)
+    assert (code.returncode, code.stdout) == (0, "['-c', 'b'] ''\n"), code.stderr
