@@ -1,4 +1,5 @@
 import contextlib
+import functools
 import json
 import math
 import os
@@ -46,7 +47,8 @@ def pytest_xdist_auto_num_workers(config):
     return min(usable_cores(), MAX_WORKERS)
 
 
-def modules_with_module_fixtures() -> set:
+@functools.lru_cache(maxsize=None)
+def modules_with_module_fixtures() -> frozenset:
     """The test modules (paths relative to the repository) that define a module-scoped fixture, read from their
     source (the controller of pytest-xdist collects nothing)."""
     import ast
@@ -60,23 +62,39 @@ def modules_with_module_fixtures() -> set:
                 if isinstance(decorator, ast.Call) and any(
                         k.arg == "scope" and getattr(k.value, "value", None) == "module" for k in decorator.keywords):
                     found.add(f"{here.name}/{path.name}")
-    return found
+    return frozenset(found)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(pytest-xdist's controller) Each worker is told the modules whose tests go to one worker together, for its
+    order of the tests (pytest_collection_modifyitems)."""
+    node.workerinput["modules_with_module_fixtures"] = sorted(modules_with_module_fixtures())
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the slow tests (subprocesses that train) first, so that no worker starts one when the
-    others have run out of work (the order within each kind kept; in one process, the order of the files)."""
+    """Under pytest-xdist, the slow tests (subprocesses that train) first, then the modules whose tests go to one
+    worker together (pytest_xdist_make_scheduler), then the other tests, so that no worker starts a long one, or a
+    module's share, when the others have run out of work: the work left at the end is single tests (the order within
+    each kind kept; in one process, the order of the files)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        together = set(getattr(config, "workerinput", {}).get("modules_with_module_fixtures", ()))
+
+        def kind(item) -> int:
+            if item.get_closest_marker("slow") is not None:
+                return 0
+            return 1 if item.nodeid.split("::", 1)[0] in together else 2
+
+        items.sort(key=kind)
 
 
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's default distribution (`--dist load`), except that the tests of a module with a module-scoped
     fixture (a corpus, a tokenizer, a training run) go to one worker together, which builds it once; every other test
     goes to whichever worker is free (the e2e runs' session fixtures are built at most once per worker). Work is handed
-    out in the workers' order (slow tests first: pytest_collection_modifyitems), not by the size of each module's
-    share. An explicit --dist keeps xdist's own scheduler. (xdist's `--dist loadgroup` does not group under pytest
-    9.2: pytest-dev/pytest-xdist#1386.)"""
+    out in the workers' order (slow tests first, then such modules: pytest_collection_modifyitems), not by the size
+    of each module's share. An explicit --dist keeps xdist's own scheduler. (xdist's `--dist loadgroup` does not
+    group under pytest 9.2: pytest-dev/pytest-xdist#1386.)"""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -103,20 +121,40 @@ def no_process_left():
         warnings.warn(f"still running at the end of the test, killed: {fabric_lin_process.describe([job])}")
 
 
+def restore_environment(before: dict) -> None:
+    """os.environ back to `before`, but for PYTEST_CURRENT_TEST (pytest's own)."""
+    for key in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value and key != "PYTEST_CURRENT_TEST":
+            os.environ[key] = value
+
+
 @pytest.fixture(autouse=True)
 def environment_kept():
     """What a test changes in os.environ is undone after it. Lightning's seed_everything (pretrain's main,
     build_model) sets PL_GLOBAL_SEED and PL_SEED_WORKERS, Fabric's launch WORLD_SIZE, LOCAL_RANK and more: left
     set, a later `--devices 2` run takes itself for a launched rank, and every run a later test of this worker starts
     differs from an environment copied before (helpers.CPU_ONLY), so that it starts as a new Python instead of a fork
-    (fabric_lin_process.forkable): ~4 s of imports each. (PYTEST_CURRENT_TEST is pytest's own.)"""
+    (fabric_lin_process.forkable): ~4 s of imports each, for each process of a run."""
     before = dict(os.environ)
     yield
-    for key in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:
-        del os.environ[key]
-    for key, value in before.items():
-        if os.environ.get(key) != value and key != "PYTEST_CURRENT_TEST":
-            os.environ[key] = value
+    restore_environment(before)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """What a module- or session-scoped fixture changes in os.environ while it is set up is undone once it is: such
+    a fixture is set up before the first test that uses it, outside that test's environment_kept, and one that trains
+    in this process (evaluate's training run) would leave Lightning's variables set for the rest of the worker. (No
+    fixture here sets a variable for the tests that use it; one that did would have to set it in each test.)"""
+    if fixturedef.scope == "function":
+        return (yield)
+    before = dict(os.environ)
+    try:
+        return (yield)
+    finally:
+        restore_environment(before)
 
 
 @pytest.fixture(scope="module")

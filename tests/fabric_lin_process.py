@@ -19,6 +19,10 @@ TRITON_INTERPRET): any variable but OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES (re
 rendezvous variables and Fabric's NODE_RANK (read when the process group starts; Lightning's rank_zero_only rank, read
 at import, is set again by Fabric's strategy as it starts).
 
+With `scripts=True`, `python script.py ...` and `python -c code ...` are forked the same way (the script run as
+`__main__`, its folder, or the working directory for -c, first on sys.path), for the tests whose scripts set nothing
+that an import reads before their imports (a script that sets TRITON_INTERPRET itself, say, must start anew).
+
 `start(..., held_before=NAME)` starts a run that stops just before it renames a finished temporary file onto NAME (the
 last step of `fabric_lin.files.atomic_write`), says so on stdout and waits there: a test's signal then reaches the
 command mid-write, at a point it knows, not after a guessed sleep.
@@ -51,8 +55,13 @@ _forkserver = None
 STOP_TIMEOUT = 30  # seconds for processes sent SIGKILL to be gone (they go at once, unless stuck in the kernel)
 
 
-def forkable(command: List[str], env: Optional[Dict[str, str]]) -> bool:
-    if command[:3] != FABRIC_LIN or torch.cuda.is_available():
+def is_python_script(command: List[str]) -> bool:
+    """`python script.py ...` or `python -c code ...`, as this Python runs them."""
+    return len(command) >= 2 and command[0] == sys.executable and (command[1] == "-c" or command[1].endswith(".py"))
+
+
+def forkable(command: List[str], env: Optional[Dict[str, str]], scripts: bool = False) -> bool:
+    if not (command[:3] == FABRIC_LIN or scripts and is_python_script(command)) or torch.cuda.is_available():
         return False
     env = os.environ if env is None else env
     changed = {key for key in set(os.environ) | set(env) if os.environ.get(key) != env.get(key)}
@@ -91,10 +100,26 @@ def run_held(argv: List[str]) -> None:
     runpy.run_module("fabric_lin.cli", run_name="__main__", alter_sys=True)
 
 
-def _as_fabric_lin(argv: List[str], env: Dict[str, str], cwd: str, stdout: str, stderr: str,
+def _main_of(command: List[str]):
+    """What `command` (`python -m fabric_lin.cli ...`, `python script.py ...` or `python -c code ...`) runs as
+    __main__, as a function, once sys.argv and sys.path are set as that Python's would be."""
+    if command[:3] == FABRIC_LIN:
+        sys.argv = [FABRIC_LIN[2], *command[3:]]
+        return lambda: runpy.run_module("fabric_lin.cli", run_name="__main__", alter_sys=True)
+    if command[1] == "-c":
+        sys.argv = ["-c", *command[3:]]
+        sys.path.insert(0, "")  # the working directory first, as for `python -c`
+        return lambda: exec(compile(command[2], "<string>", "exec"), {"__name__": "__main__"})
+    sys.argv = command[1:]
+    sys.path.insert(0, str(Path(command[1]).resolve().parent))  # the script's folder first, as `python script.py`
+    return lambda: runpy.run_path(command[1], run_name="__main__")
+
+
+def _as_fabric_lin(command: List[str], env: Dict[str, str], cwd: str, stdout: str, stderr: str,
                    held_before: Optional[str] = None) -> None:
-    """In the forked process: become `python -m fabric_lin.cli <argv>` in a session of its own, to its exit as
-    Python's: the exit code SystemExit's (1 after an uncaught exception's traceback), the atexit functions run."""
+    """In the forked process: become `command` (a fabric-lin command, or a Python script: `_main_of`) in a session
+    of its own, to its exit as Python's: the exit code SystemExit's (1 after an uncaught exception's traceback), the
+    atexit functions run."""
     os.setsid()
     os.chdir(cwd)
     os.environ.clear()
@@ -105,19 +130,25 @@ def _as_fabric_lin(argv: List[str], env: Dict[str, str], cwd: str, stdout: str, 
         os.close(target)
     if held_before:
         hold_before_renaming_onto(held_before)
-    sys.argv = [FABRIC_LIN[2], *argv]
+    main = _main_of(command)
     multiprocessing.set_start_method(None, force=True)  # the platform's own (fork on Linux), not the forkserver
+    interrupted = False
     try:
-        runpy.run_module("fabric_lin.cli", run_name="__main__", alter_sys=True)
+        main()
         status = None
     except SystemExit as stop:
         status = stop.code
-    except BaseException:
+    except BaseException as failure:
         traceback.print_exc()
-        status = 1
+        status, interrupted = 1, isinstance(failure, KeyboardInterrupt)
     # Out of the except blocks, the failure's traceback no longer holds the run's frames, nor what they hold (the
     # DataLoader's workers, shut down as their iterator goes): as at Python's exit, before the atexit functions
     atexit._run_exitfuncs()
+    if interrupted:  # Python ends on an uncaught KeyboardInterrupt by SIGINT, its default action, once it is done
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     sys.exit(status)
 
 
@@ -162,19 +193,24 @@ _unstopped: List[Job] = []  # every job started here that `stop` has not yet see
 
 
 def start(command: List[str], log: Union[str, Path], env: Optional[Dict[str, str]] = None,
-          err_log: Union[str, Path, None] = None, held_before: Optional[str] = None) -> Job:
+          err_log: Union[str, Path, None] = None, held_before: Optional[str] = None,
+          cwd: Union[str, Path, None] = None, scripts: bool = False) -> Job:
     """`command` in the background, in a session of its own, stdout and stderr appended to `log` (stderr to `err_log`
-    where given). `held_before`: for a fabric-lin command, a file name it is held before renaming onto
-    (`hold_before_renaming_onto`)."""
-    return _start(command, str(log), str(err_log or log), env, held_before)
+    where given), in the working directory `cwd` (by default this process's). `held_before`: for a fabric-lin
+    command, a file name it is held before renaming onto (`hold_before_renaming_onto`). `scripts`: a Python script
+    (`python script.py ...`, `python -c code ...`) is forked too, where the environment lets it, as a fabric-lin
+    command is; for scripts that set nothing an import reads before their imports."""
+    return _start(command, str(log), str(err_log or log), env, held_before, cwd, scripts)
 
 
-def run(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+def run(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None, cwd: Union[str, Path, None] = None,
+        scripts: bool = False) -> subprocess.CompletedProcess:
     """`command` to its end, its output captured. Past `timeout` seconds it is killed and TimeoutError names it;
-    however the wait ends, even at the command's own end, no process it started is left running."""
+    however the wait ends, even at the command's own end, no process it started is left running. `cwd` and `scripts`
+    as for `start`."""
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        job = _start(command, str(out), str(err), env)
+        job = _start(command, str(out), str(err), env, cwd=cwd, scripts=scripts)
         try:
             [returncode] = wait_all([job], timeout)
         finally:
@@ -182,27 +218,28 @@ def run(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None
         return subprocess.CompletedProcess(command, returncode, out.read_text(), err.read_text())
 
 
-def _start(command, stdout: str, stderr: str, env, held_before: Optional[str] = None) -> Job:
+def _start(command, stdout: str, stderr: str, env, held_before: Optional[str] = None, cwd=None,
+           scripts: bool = False) -> Job:
     global _forkserver
     logs = list(dict.fromkeys((stdout, stderr)))
     for path in logs:  # there before start returns, as a subprocess's output file is
         Path(path).touch()
     if held_before is not None:
         assert command[:3] == FABRIC_LIN, "only a fabric-lin command is held"
-    if not forkable(command, env):
+    if not forkable(command, env, scripts):
         if held_before is not None:  # a new Python that imports this module first, from tests/
             env = dict(os.environ if env is None else env)
             env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])])
             command = [sys.executable, "-c", "import sys, fabric_lin_process; fabric_lin_process.run_held(sys.argv[1:])",
                        held_before, *command[3:]]
         with open(stdout, "ab") as out, open(stderr, "ab") as err:
-            job = LoggedPopen(command, logs, stdout=out, stderr=err, env=env, start_new_session=True)
+            job = LoggedPopen(command, logs, stdout=out, stderr=err, env=env, cwd=cwd, start_new_session=True)
     else:
         if _forkserver is None:
             _forkserver = multiprocessing.get_context("forkserver")
             _forkserver.set_forkserver_preload(PRELOADED)
         process = _forkserver.Process(target=_as_fabric_lin, daemon=False, args=(
-            command[3:], dict(os.environ if env is None else env), os.getcwd(), stdout, stderr, held_before))
+            command, dict(os.environ if env is None else env), str(cwd or os.getcwd()), stdout, stderr, held_before))
         process.start()
         job = ForkedRun(command, process, logs)
     _unstopped.append(job)

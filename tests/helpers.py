@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -555,9 +556,10 @@ def interrupt_preparation(command: List[str], directory: Path, started: str, how
     the run is mid-way), then stop it: SIGKILL to the whole session (a killed job: nothing runs after it), SIGINT
     to the script (Ctrl-C), SIGTERM to the script (`kill PID`, `timeout`) or "SIGTERM to the job" (every process
     of the session, as SLURM's scancel sends it). Returns its exit code; unless killed, no process of the run
-    (a worker) may outlive the script. Its stderr goes to the file `stderr` where given."""
-    with open(stderr or os.devnull, "wb") as err:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    (a worker) may outlive the script. Its stderr goes to the file `stderr` where given. (The script is forked from
+    an interpreter that has imported torch: fabric_lin_process, scripts=True.)"""
+    stdout = Path(tempfile.mkdtemp()) / "stdout"
+    process = fabric_lin_process.start(command, stdout, err_log=stderr or stdout.with_name("stderr"), scripts=True)
     try:
         deadline = time.time() + 60
         while not list(directory.glob(started)) and time.time() < deadline and process.poll() is None:
@@ -576,6 +578,7 @@ def interrupt_preparation(command: List[str], directory: Path, started: str, how
         return returncode
     finally:
         fabric_lin_process.stop(process)  # the script, and any worker left behind
+        shutil.rmtree(stdout.parent)
 
 
 # ---- the kernel tests: values and gradients against a reference

@@ -24,7 +24,6 @@ if __name__ == "__main__":
 
 import importlib.util  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -234,9 +233,12 @@ def load_as_convert_md_says() -> dict:
 
 
 def run_interpreted(*cases: str, timeout: float = 1200) -> list:
-    """This file as a script in a subprocess; its JSON lines."""
+    """This file as a script in a process of its own (forked from an interpreter that has imported torch and Triton,
+    with TRITON_INTERPRET=1 as here: fabric_lin_process); its JSON lines."""
+    import fabric_lin_process
+
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, *cases], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = fabric_lin_process.run([sys.executable, __file__, *cases], timeout, env, scripts=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 

@@ -142,14 +142,27 @@ def test_a_run_that_never_reaches_the_awaited_point_is_killed_with_every_process
     assert not [pid for pid in processes if running(pid)]
 
 
-ENVIRONMENT_OF_TWO_TESTS = """
+ENVIRONMENT_OF_THREE_TESTS = """
 import os
 
+import pytest
 from lightning_fabric.utilities.seed import seed_everything
 
 import fabric_lin_process
 
 BEFORE = dict(os.environ)
+
+
+def unchanged():
+    changed = {key for key in set(BEFORE) | set(os.environ) if BEFORE.get(key) != os.environ.get(key)}
+    assert changed <= {"PYTEST_CURRENT_TEST"}, changed
+    assert fabric_lin_process.forkable(fabric_lin_process.FABRIC_LIN + ["pretrain"], BEFORE)
+
+
+@pytest.fixture(scope="module")
+def trained_here():
+    seed_everything(3, verbose=False)  # as a module's training run in this process does (evaluate's)
+    return 3
 
 
 def test_that_seeds():
@@ -158,18 +171,39 @@ def test_that_seeds():
 
 
 def test_after_it():
-    changed = {key for key in set(BEFORE) | set(os.environ) if BEFORE.get(key) != os.environ.get(key)}
-    assert changed <= {"PYTEST_CURRENT_TEST"}, changed
-    assert fabric_lin_process.forkable(fabric_lin_process.FABRIC_LIN + ["pretrain"], BEFORE)
+    unchanged()
+
+
+def test_with_a_module_fixture_that_seeded(trained_here):
+    unchanged()
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA every run starts a new Python")
 def test_a_tests_changes_to_the_environment_are_undone_so_the_next_run_is_forked(pytester):
-    """Lightning's seed_everything sets PL_GLOBAL_SEED and PL_SEED_WORKERS; left set after the test that called it,
-    every later run of the pytest worker differs from an environment copied before (helpers.CPU_ONLY) and starts
-    as a new Python instead of a fork. Two tests run with this suite's conftest: the second finds the environment
-    the first found, and a run it starts with that environment is forked."""
-    pytester.makepyfile(test_two=ENVIRONMENT_OF_TWO_TESTS)
+    """Lightning's seed_everything sets PL_GLOBAL_SEED and PL_SEED_WORKERS; left set after the test or the module
+    fixture that called it, every later run of the pytest worker differs from an environment copied before
+    (helpers.CPU_ONLY) and starts as a new Python instead of a fork. Three tests run with this suite's conftest: the
+    one after a test that seeded and the one using a module fixture that seeded find the environment the first found,
+    and a run either starts with that environment is forked."""
+    pytester.makepyfile(test_three=ENVIRONMENT_OF_THREE_TESTS)
     result = pytester.runpytest_inprocess("-p", "conftest", "-p", "no:cacheprovider", "-q")
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA every run starts a new Python")
+def test_a_forked_script_sees_what_a_new_python_would_and_ends_as_it_does(tmp_path):
+    """`python script.py` and `python -c` forked (scripts=True): the script's argv, its folder (or, for -c, the working
+    directory) first on sys.path, __name__ "__main__"; an uncaught KeyboardInterrupt ends the process by SIGINT, as
+    Python's own ending does, after its traceback."""
+    script = tmp_path / "script.py"
+    assert fabric_lin_process.forkable([sys.executable, str(script)], None, scripts=True)
+    script.write_text("import sys\nprint(sys.argv, sys.path[0], __name__)\nif sys.argv[1:] == ['stop']:\n"
+                      "    raise KeyboardInterrupt\n")
+    done = fabric_lin_process.run([sys.executable, str(script), "a"], 60, scripts=True)
+    assert (done.returncode, done.stdout) == (0, f"{[str(script), 'a']} {tmp_path} __main__\n"), done.stderr
+    stopped = fabric_lin_process.run([sys.executable, str(script), "stop"], 60, scripts=True)
+    assert stopped.returncode == -signal.SIGINT and stopped.stderr.endswith("KeyboardInterrupt\n"), stopped.stderr
+    code = fabric_lin_process.run([sys.executable, "-c", "import sys; print(sys.argv, repr(sys.path[0]))", "b"], 60,
+                                  cwd=tmp_path, scripts=True)
+    assert (code.returncode, code.stdout) == (0, "['-c', 'b'] ''\n"), code.stderr

@@ -1,14 +1,31 @@
 """benchmarks/first_step.py on the CPU with the debug model: both of its runs (empty caches, then a resumed run
-into the same out_dir) reach a first step and report it. The figures themselves are GPU work."""
+into the same out_dir) reach a first step and report it. The figures themselves are GPU work.
+
+The benchmark starts each `python -m fabric_lin.cli pretrain` with subprocess.Popen; here they are forked as the
+suite's runs are (fabric_lin_process): the same command line, run as __main__ in a process of its own, its output in
+the benchmark's log file, without ~4 s of imports each."""
+import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+
+import fabric_lin_process
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import first_step  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def forked_runs(monkeypatch):
+    def popen(command, env=None, stdout=None, stderr=None, cwd=None):
+        assert command[:3] == fabric_lin_process.FABRIC_LIN and stderr is subprocess.STDOUT, (command, stderr)
+        return fabric_lin_process.start(command, stdout.name, env, cwd=cwd)
+
+    monkeypatch.setattr(first_step, "subprocess", types.SimpleNamespace(Popen=popen, STDOUT=subprocess.STDOUT))
 
 
 def test_both_runs_reach_their_first_step(tmp_path, monkeypatch):

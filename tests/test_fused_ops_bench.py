@@ -1,11 +1,13 @@
 """benchmarks/fused_ops.py on the CPU (its timings need a GPU): the rms_norm_linears cases it times are the layers'
-own shapes, and run forward and backward at a debug model's shapes; its command line parses."""
+own shapes, and run forward and backward at a debug model's shapes; its command line parses (the script forked from
+an interpreter that has imported torch: fabric_lin_process, scripts=True)."""
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+import fabric_lin_process
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -40,6 +42,6 @@ def test_linears_cases_run_forward_and_backward():
 
 
 def test_the_command_line_parses():
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fused_ops.py"), "--help"], capture_output=True,
-                            text=True, timeout=120)
+    script = str(ROOT / "benchmarks" / "fused_ops.py")
+    result = fabric_lin_process.run([sys.executable, script, "--help"], 120, scripts=True)
     assert result.returncode == 0 and "--linears-only" in result.stdout, result.stderr

@@ -103,17 +103,17 @@ def _shard_worker(rank: int, world_size: int, out_dir: str, port: int) -> None:
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
-    import subprocess
-
     import numpy as np
 
+    import fabric_lin_process
     from helpers import write_prepared
 
     out = tmp_path_factory.mktemp("sharded")
     tokens = np.random.default_rng(0).integers(0, config().vocab_size, VAL_TOKENS).astype(np.uint16)
     write_prepared(out / "val", tokens, tokenizer=None)
-    proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    # this file as a script, forked from an interpreter that has imported torch (it forks its four ranks in turn)
+    proc = fabric_lin_process.run([sys.executable, __file__, str(out)], 300,
+                                  {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}, scripts=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

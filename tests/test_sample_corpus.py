@@ -1,8 +1,8 @@
 """fabric_lin/data/sample_corpus.py: the embedded corpus (the Python standard library's modules through the
 preprocessors, and its tokenizer) built once in its cache though two processes ask for it at the same time, the
-same byte for byte on every build, read by SampleCorpus; a Ctrl-C during the build keeps nothing."""
+same byte for byte on every build, read by SampleCorpus; a Ctrl-C during the build keeps nothing. The processes are
+`python -c` forked from an interpreter that has imported torch (fabric_lin_process), each in a session of its own."""
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fabric_lin_process
 from fabric_lin.data.recipe import REPORTS_DIR
 from fabric_lin.config import Config
 from fabric_lin.data import SampleCorpus, Tokenizer
@@ -23,14 +24,14 @@ pytestmark = pytest.mark.slow  # subprocesses that build the corpus (about 4 s o
 def test_sample_corpus_builds_once_under_concurrency(tmp_path):
     cache_dir = tmp_path / "sample_corpus"
     code = "import sys; from fabric_lin.data.sample_corpus import ensure_sample_corpus; print('PATH', ensure_sample_corpus(sys.argv[1]))"
+    logs = [tmp_path / f"process-{i}.log" for i in range(2)]
     start = time.perf_counter()
-    processes = [
-        subprocess.Popen([sys.executable, "-c", code, str(cache_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(2)
-    ]
-    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    processes = [fabric_lin_process.start([sys.executable, "-c", code, str(cache_dir)], log, scripts=True)
+                 for log in logs]
+    codes = fabric_lin_process.wait_all(processes, 300)
     seconds = time.perf_counter() - start
-    assert all(p.returncode == 0 for p in processes), outputs
+    outputs = [log.read_text() for log in logs]
+    assert codes == [0, 0], outputs
     paths = {line.split(" ", 1)[1] for out in outputs for line in out.splitlines() if line.startswith("PATH ")}
     assert len(paths) == 1
     assert sum(out.count("Built the sample corpus") for out in outputs) == 1
@@ -86,15 +87,17 @@ def test_ctrl_c_while_the_sample_corpus_builds_says_interrupted_and_keeps_nothin
 
     cache_dir = tmp_path / "sample_corpus"
     code = "import sys; from fabric_lin.data.sample_corpus import ensure_sample_corpus; ensure_sample_corpus(sys.argv[1])"
-    proc = subprocess.Popen([sys.executable, "-c", code, str(cache_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    first = proc.stdout.readline()
+    log = tmp_path / "build.log"
+    proc = fabric_lin_process.start([sys.executable, "-c", code, str(cache_dir)], log, scripts=True)
+    assert wait_for(lambda: "\n" in log.read_text(), proc, timeout=120), log.read_text()
+    first = log.read_text()
     assert first.startswith("Building the sample corpus (first use)"), first
     # inside the build, in a preprocessor: its worker has reported the first of the training files
     assert wait_for(lambda: list(cache_dir.glob(f".tmp-*/slimpajama/.tmp-train-*/{REPORTS_DIR}/*.jsonl")), proc, timeout=120)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole process group, the preprocessor's workers too
-    out = proc.communicate(timeout=120)[0]
-    assert proc.returncode != 0
+    [returncode] = fabric_lin_process.wait_all([proc], 120)
+    out = log.read_text()
+    assert returncode != 0
     assert "The sample corpus build was interrupted: nothing was kept; the next run builds it again" in out
     assert "failed" not in out
     assert not [p for p in cache_dir.iterdir() if p.is_dir()]  # no corpus, complete or not

@@ -409,51 +409,34 @@ def test_a_tokenizer_that_is_not_one_is_named_by_the_argument_that_gave_it(tmp_p
                           "SentencePiece model"), err
 
 
-# `fabric-lin train_tokenizer` with tokenizer.model's write held half-done until the test has seen its .tmp- file
-STOPPED_MID_WRITE = """
-import sys, time
-import fabric_lin.data.train_tokenizer as module
-from fabric_lin import cli
-
-write = module.atomic_write
-
-def held(path, write_to):
-    def half(tmp):
-        write_to(tmp)
-        print("half-written", flush=True)
-        time.sleep(60)
-    write(path, half if path.name == "tokenizer.model" else write_to)
-
-module.atomic_write = held
-cli.main(sys.argv[1:])
-"""
-
-
 def test_train_tokenizer_stopped_by_sigterm_ends_in_one_line_with_143_and_leaves_nothing(tmp_path):
     """SIGTERM (a scheduler's stop) mid-write takes Ctrl-C's clean-up, not its default action, which ends the process at
-    once and leaves the output directory with a hidden .tmp- file, refused by the same command run again."""
+    once and leaves the output directory with a hidden .tmp- file, refused by the same command run again. The command
+    is held with tokenizer.model written whole under its temporary name, before its rename (fabric_lin_process's
+    held_before)."""
     import os
     import signal
-    import subprocess
-    import sys
+
+    import fabric_lin_process
+    from helpers import wait_for
 
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "a.txt").write_text("\n".join(f"the quick brown fox {i} jumps" for i in range(200)))
-    out, repo = tmp_path / "tok", Path(__file__).resolve().parents[1]
+    out, log, stderr = tmp_path / "tok", tmp_path / "stdout", tmp_path / "stderr"
     env = {key: value for key, value in os.environ.items() if key != "FABRIC_LIN_DEBUG"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", STOPPED_MID_WRITE, "train_tokenizer", "--input_dir", str(tmp_path / "raw"),
-         "--output_dir", str(out), "--vocab_size", "300", "--num_threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo,
-        env={**env, "PYTHONPATH": str(repo)})
+    command = [*fabric_lin_process.FABRIC_LIN, "train_tokenizer", "--input_dir", str(tmp_path / "raw"), "--output_dir",
+               str(out), "--vocab_size", "300", "--num_threads", "1"]
+    proc = fabric_lin_process.start(command, log, env, err_log=stderr, held_before="tokenizer.model")
     try:
-        assert "half-written\n" in iter(proc.stdout.readline, "")  # read up to it (the lines before say what it trains)
+        held = fabric_lin_process.HELD.format("tokenizer.model")
+        assert wait_for(lambda: held in log.read_text(), proc, timeout=60), stderr.read_text()[-3000:]
         assert (out / ".tmp-tokenizer.model").is_file()
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        returncode = proc.wait(30)
     finally:
-        proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM
+        fabric_lin_process.stop(proc)
+    err = stderr.read_text()
+    assert returncode == 128 + signal.SIGTERM, err[-3000:]
     assert err.splitlines()[-1:] == [
         "fabric-lin train_tokenizer: stopped by SIGTERM: nothing half-written is left; run the same command again"]
     assert not out.exists()
