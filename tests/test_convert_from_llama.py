@@ -196,6 +196,10 @@ def test_bad_inputs_get_clear_errors(tmp_path, mistral_shaped_gla):
         convert_from_llama(tmp_path / "wide", "gla-8B", tmp_path / "gla")
     with pytest.raises(ValueError, match=r"model_name 'gdn-debug' is a gdn model; expected a GLA model"):
         convert_from_llama(tmp_path / "wide", "gdn-debug", tmp_path / "gla")
+    write_tiny_llama(tmp_path / "fits")  # torch's generator takes 64 bits: a larger --seed was an OverflowError's traceback
+    with pytest.raises(ValueError, match=rf"^--seed {2**64}: expected a 64-bit seed, 0 to {2**64 - 1}$"):
+        convert_from_llama(tmp_path / "fits", mistral_shaped_gla, tmp_path / "gla", seed=2**64)
+    assert not (tmp_path / "gla").exists()
     ok = tmp_path / "ok"
     write_tiny_llama(ok, shards=2)
     index = json.loads((ok / "model.safetensors.index.json").read_text())

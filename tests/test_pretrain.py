@@ -158,8 +158,10 @@ def test_error_more_cpu_processes_than_cores(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("option, value, expected", [
     ("--devices", "0", "a positive number of devices per node, or auto"),
     ("--num_nodes", "0", "a positive number of nodes"),
+    ("--seed", "-5", "a seed from 0 to 4294967295 (it seeds NumPy's generator too)"),  # was Lightning's traceback
+    ("--seed", "4294967296", "a seed from 0 to 4294967295 (it seeds NumPy's generator too)"),
 ])
-def test_error_no_devices_or_nodes_names_the_option(tmp_path, capsys, option, value, expected):
+def test_error_no_devices_or_nodes_or_a_seed_out_of_range_names_the_option(tmp_path, capsys, option, value, expected):
     err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
                      option, value], capsys)
     assert err == f"fabric-lin pretrain: error: {option} {value}: expected {expected}\n"

@@ -81,6 +81,8 @@ def convert_from_llama(
         raise InvalidValue("--checkpoint_dir is required: the Hugging Face Llama or Mistral directory to convert")
     if output_dir is None:
         raise InvalidValue("--output_dir is required: where to write the model directory")
+    if not -(2**63) <= seed < 2**64:  # torch.Generator's seeds are 64-bit (a negative one is taken as its two's complement)
+        raise InvalidValue(f"--seed {seed}: expected a 64-bit seed, 0 to {2**64 - 1}")
     checkpoint_dir = Path(checkpoint_dir)
     config_path = checkpoint_dir / HF_CONFIG_FILE
     expected = "expected a Hugging Face Llama/Mistral directory"
