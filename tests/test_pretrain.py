@@ -403,6 +403,20 @@ def test_an_out_dir_that_is_a_model_or_data_is_refused_naming_the_flag_it_may_ha
             setup_pretrain(tmp_path, out_dir=out_dir, overwrite=True)
         assert str(info.value) == f"--out_dir {out_dir} is {message}"
         assert sorted(p.name for p in out_dir.iterdir()) == before
+    # a directory inside one of them: the run's checkpoints went with the checkpoint when its run pruned or replaced
+    # it, and with the data when it was prepared again
+    inside = {
+        tmp_path / "run" / "final" / "sub": f"{tmp_path / 'run' / 'final'}, a training checkpoint, whose files are the "
+                                             "ones its manifest lists and go with it when its run prunes or replaces it",
+        tmp_path / "data" / "runs" / "a": f"{tmp_path / 'data'}, a prepared data directory, whose files go with it when "
+                                          "it is prepared again",
+    }
+    for out_dir, message in inside.items():
+        with pytest.raises(FileExistsError) as info:
+            setup_pretrain(tmp_path, out_dir=out_dir)
+        assert str(info.value) == f"--out_dir {out_dir} is inside {message}: give a directory outside it"
+        assert not out_dir.exists()
+    assert not (tmp_path / "data" / "runs").exists()
 
 
 def test_initial_checkpoint_dir_is_checked_against_the_model(tmp_path, capsys):
