@@ -419,11 +419,18 @@ def parse_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:
 
 
 def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
-    """Cast the floating-point tensors in place, one at a time, so a 7B model is never held twice."""
+    """Cast the floating-point tensors in place, one at a time, so a 7B model is never held twice. A value past the
+    range of a narrower `dtype` (float16's 65504) is refused, naming the tensor: it would become inf."""
     if dtype is not None:
         for name, tensor in state_dict.items():
             if tensor.is_floating_point():
-                state_dict[name] = tensor.to(dtype)
+                state_dict[name] = cast = tensor.to(dtype)
+                if torch.finfo(dtype).max < torch.finfo(tensor.dtype).max and torch.isinf(cast).sum() > torch.isinf(tensor).sum():
+                    given = next((key for key, value in DTYPES.items() if value == dtype), str(dtype))
+                    finite = tensor[torch.isfinite(tensor)]
+                    raise InvalidValue(
+                        f"--dtype {given}: {name} holds {finite[finite.abs().argmax()].item():g}, past {given}'s largest "
+                        f"value ({torch.finfo(dtype).max:g}), which would be inf: give --dtype bfloat16 or float32")
     return state_dict
 
 
