@@ -265,6 +265,13 @@ def check_made_for(path: Union[str, Path], info: dict, tokenizer: Optional[Token
     with a vocabulary larger than the model's `vocab_size` (either check skipped where None)."""
     if tokenizer is not None and tokenizer_identity(info) != tokenizer.identity:
         raise MadeWithAnotherTokenizer(path, info, tokenizer)
+    data_eos = recorded_tokenizer(info).get("eos_id", tokenizer.eos_id) if tokenizer is not None else None
+    if tokenizer is not None and data_eos != tokenizer.eos_id:  # the same tokenizer.model, another tokenizer_config.json
+        raise InvalidValue(
+            f"{path}: its documents end with {tokenizer.describe_id(data_eos)} ({tokenizer.piece_of(data_eos)}, the "
+            f"end-of-text token of the tokenizer that prepared it, in its {PREPARED_INFO_FILE}), and the end-of-text token "
+            f"of {tokenizer.checkpoint_dir} is {tokenizer.describe_eos()}: give the tokenizer_config.json that prepared "
+            f"the data")
     data_vocab = recorded_tokenizer(info).get("vocab_size")
     if vocab_size is not None and isinstance(data_vocab, int) and data_vocab > vocab_size:
         raise VocabularyTooLarge(path, data_vocab, vocab_size)
