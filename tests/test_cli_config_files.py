@@ -1,7 +1,8 @@
 """fabric_lin/cli.py with configuration files: a key a file may not hold (named with the closest one, its group's keys
 and the file that gives it, or as another command's file), a group given no mapping, a file that is empty, no mapping
 or not YAML, a key given twice, a class key given a number, a missing model_config file, an import path that is no
-data module, a misspelt key of the data mapping, `~` and `$VARIABLE` in paths, the optimizer as LitGPT gives it, an unknown nested
+data module, a misspelt key of the data mapping, `~` and `$VARIABLE` in paths, the optimizer as LitGPT gives it, an
+unknown nested
 model_config key."""
 import pytest
 import torch
@@ -220,7 +221,8 @@ def test_a_path_that_names_an_environment_variable_is_refused_naming_key_and_fil
     assert cli_error(["pretrain", "--config", str(config)], capsys) == (
         f"fabric-lin pretrain: error: out_dir: $SCRATCH/runs/a {said.format('$SCRATCH', '$SCRATCH')} (in {config})\n")
     err = cli_error(["pretrain", "--config", str(config), "--out_dir", str(tmp_path / "out")], capsys)
-    assert err == f"fabric-lin pretrain: error: data.data_path: ${{DATA}}/train {said.format('${DATA}', '${DATA}')} (in {config})\n"
+    assert err == (f"fabric-lin pretrain: error: data.data_path: ${{DATA}}/train {said.format('${DATA}', '${DATA}')} "
+                   f"(in {config})\n")
     err = cli_error(["pretrain", "--config", str(config), "--out_dir", "$OUT/a"], capsys)  # the command line's, quoted
     assert err == f"fabric-lin pretrain: error: out_dir: $OUT/a {said.format('$OUT', '$OUT')}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]

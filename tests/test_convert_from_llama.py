@@ -256,11 +256,13 @@ def test_a_llama_whose_files_lack_a_weight_of_its_config_is_refused_naming_it(tm
     """config.json's num_hidden_layers says 2, and the files hold one layer (a checkpoint cut down by hand, or an index
     left out of a download): the second layer's norms, attention and MLP kept their fresh init, said only as a count."""
     llama = write_tiny_llama(tmp_path / "cut", layers=2)
-    save_file({name: tensor for name, tensor in llama.items() if ".layers.1." not in name}, tmp_path / "cut" / "model.safetensors")
+    one_layer = {name: tensor for name, tensor in llama.items() if ".layers.1." not in name}
+    save_file(one_layer, tmp_path / "cut" / "model.safetensors")
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'cut'} holds no model.layers.1.input_layernorm.weight, "
-                                         r"model.layers.1.self_attn.q_proj.weight, model.layers.1.self_attn.k_proj.weight, "
-                                         r"... \(6 more\), which its config.json's model \(num_hidden_layers 2\) has: a "
-                                         r"download or copy that left files out\? Give the whole checkpoint$"):
+                                         r"model.layers.1.self_attn.q_proj.weight, "
+                                         r"model.layers.1.self_attn.k_proj.weight, ... \(6 more\), which its "
+                                         r"config.json's model \(num_hidden_layers 2\) has: a download or copy that "
+                                         r"left files out\? Give the whole checkpoint$"):
         convert_from_llama(tmp_path / "cut", mistral_shaped_gla, tmp_path / "gla")
     assert not (tmp_path / "gla").exists()
 

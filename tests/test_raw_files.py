@@ -280,9 +280,9 @@ def test_a_recipe_that_finds_none_of_its_files_names_those_prepare_text_reads(tm
     (tmp_path / "2024").mkdir()
     for name in ("2024/a.jsonl", "2024/b.jsonl", "notes.txt", "README.md"):
         (tmp_path / name).write_text('{"text": "a"}\n')
-    with pytest.raises(FileNotFoundError, match=rf"^No \*\.parquet files found under {tmp_path} \(searched recursively\); "
-                                                r"it holds 3 that fabric-lin prepare_text reads \(2024/a.jsonl, 2024/b.jsonl, "
-                                                r"notes.txt\): give it these$"):
+    with pytest.raises(FileNotFoundError, match=rf"^No \*\.parquet files found under {tmp_path} \(searched "
+                                                r"recursively\); it holds 3 that fabric-lin prepare_text reads "
+                                                r"\(2024/a.jsonl, 2024/b.jsonl, notes.txt\): give it these$"):
         find_files(tmp_path, ".parquet")
 
 

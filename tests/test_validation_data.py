@@ -53,9 +53,11 @@ def test_a_copy_of_the_training_directory_given_for_validation_is_said(tmp_path,
     assert out == (f"Warning: data.val_dir {tmp_path / 'copy'} holds documents that data.train_dir {train} trains on: "
                    f"their index.json is the same, one data set: the validation loss is measured on training data {HINT}\n")
     out = set_up(TokenChunks(data_path=train, val_path=tmp_path / "copy", num_workers=0), tokenizer, capsys)
-    assert out.startswith(f"Warning: data.val_path {tmp_path / 'copy'} holds documents that data.data_path {train} trains on")
+    assert out.startswith(f"Warning: data.val_path {tmp_path / 'copy'} holds documents that data.data_path {train} "
+                          f"trains on")
     out = set_up(TokenChunks(data_path=train, val_path=train, num_workers=0), tokenizer, capsys)
-    assert out == f"Warning: data.val_path {train} is also data.data_path: the validation loss is measured on training data\n"
+    assert out == (f"Warning: data.val_path {train} is also data.data_path: the validation loss is measured on training "
+                   f"data\n")
 
 
 def test_slimpajama_validation_prepared_from_the_training_files_is_said(tmp_path, tokenizer, capsys):

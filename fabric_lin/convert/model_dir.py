@@ -425,7 +425,8 @@ def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: Optional[torch.dty
         for name, tensor in state_dict.items():
             if tensor.is_floating_point():
                 state_dict[name] = cast = tensor.to(dtype)
-                if torch.finfo(dtype).max < torch.finfo(tensor.dtype).max and torch.isinf(cast).sum() > torch.isinf(tensor).sum():
+                narrower = torch.finfo(dtype).max < torch.finfo(tensor.dtype).max
+                if narrower and torch.isinf(cast).sum() > torch.isinf(tensor).sum():
                     given = next((key for key, value in DTYPES.items() if value == dtype), str(dtype))
                     finite = tensor[torch.isfinite(tensor)]
                     raise InvalidValue(

@@ -131,7 +131,8 @@ def shares_documents(val: dict, train: dict) -> Optional[str]:
     val_input, train_input = Path(val["input_dir"]), Path(train["input_dir"])
     recursively = "(its files found recursively)"
     if val_input.is_relative_to(train_input) and train.get("pattern", "**/*") == "**/*":
-        return f"it was prepared from {val_input}, inside {train_input}, which the training data was prepared from {recursively}"
+        return (f"it was prepared from {val_input}, inside {train_input}, which the training data was prepared from "
+                f"{recursively}")
     if train_input.is_relative_to(val_input) and val.get("pattern", "**/*") == "**/*":
         return (f"it was prepared from {val_input}, which holds {train_input}, which the training data was prepared "
                 f"from {recursively}")

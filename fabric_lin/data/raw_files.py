@@ -67,7 +67,8 @@ def find_files(input_dir: Union[str, Path], suffix: str) -> List[Path]:
         # your own corpus, given to a recipe of SlimPajama's or Starcoder's files
         texts = sorted(str(p.relative_to(input_dir)) for p in input_dir.rglob("*") if p.name.endswith(TEXT_SUFFIXES)
                        and listed_file(p))
-        others = f"; it holds {len(texts)} that fabric-lin prepare_text reads ({short_list(texts, 3)}): give it these" if texts else ""
+        others = (f"; it holds {len(texts)} that fabric-lin prepare_text reads ({short_list(texts, 3)}): give it these"
+                  if texts else "")
         raise MissingFile(f"No *{suffix} files found under {input_dir} (searched recursively){others}")
     return files
 

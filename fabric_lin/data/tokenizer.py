@@ -204,7 +204,7 @@ class Tokenizer:
                 f"({describe_tokenizer(trained_with)}, recorded in {TRAINED_WITH_FILE}): an id is another piece in each; "
                 f"put back the tokenizer.model the model was trained with"
             )
-        trained_eos = recorded_tokenizer(trained_with).get("eos_id", self.eos_id) if trained_with is not None else self.eos_id
+        trained_eos = self.eos_id if trained_with is None else recorded_tokenizer(trained_with).get("eos_id", self.eos_id)
         if trained_eos != self.eos_id:  # the same tokenizer.model, with another tokenizer_config.json
             raise InvalidValue(
                 f"{self.checkpoint_dir}: its end-of-text token is {self.describe_eos()}, and its weights were trained on "
@@ -213,7 +213,8 @@ class Tokenizer:
             )
 
     def piece_of(self, token_id: Optional[int]) -> str:
-        return repr(self.processor.IdToPiece(token_id)) if isinstance(token_id, int) and 0 <= token_id < self.vocab_size else "none"
+        known = isinstance(token_id, int) and 0 <= token_id < self.vocab_size
+        return repr(self.processor.IdToPiece(token_id)) if known else "none"
 
     @staticmethod
     def describe_id(token_id: Optional[int]) -> str:
