@@ -2,8 +2,8 @@
 opt.yaml`, `--model_config model.yaml`): read before jsonargparse reads them, for the errors its own messages leave
 unnamed, and after it refused one of their keys or values, to name the file that holds it."""
 import importlib
-import re
 import os
+import re
 from pathlib import Path
 from typing import List, Optional
 
