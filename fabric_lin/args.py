@@ -167,6 +167,10 @@ class OptimizerArgs:
             raise InvalidValue(f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}")
         if not 0.0 < self.eps < float("inf"):
             raise InvalidValue(f"optimizer.eps must be a finite number > 0 (it keeps AdamW's division finite), got {self.eps}")
+        if min_lr > self.lr == 0:
+            raise InvalidValue(f"optimizer.lr 0 changes no weight at any step, and train.min_lr ({min_lr:g}) is above "
+                               f"it: give a positive optimizer.lr (config_hub's 340M recipes: 3e-4); train.min_lr 0 too "
+                               f"runs the steps without changing the weights")
         if min_lr > self.lr:
             raise InvalidValue(
                 f"train.min_lr ({min_lr:g}) is above optimizer.lr ({self.lr:g}): the schedule decays from optimizer.lr to "

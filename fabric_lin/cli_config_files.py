@@ -3,6 +3,7 @@ opt.yaml`, `--model_config model.yaml`): read before jsonargparse reads them, fo
 unnamed, and after it refused one of their keys or values, to name the file that holds it."""
 import importlib
 import os
+import re
 from pathlib import Path
 from typing import List, Optional
 
@@ -160,3 +161,30 @@ def yaml_file_holding(path: Path, key: str, name: str) -> Optional[str]:
         if isinstance(content, str) and is_a(path.parent / Path(content).expanduser(), "file"):
             return yaml_file_holding(path.parent / Path(content).expanduser(), key, str(Path(name).parent / content))
     return None
+
+
+ENVIRONMENT_VARIABLE = re.compile(r"\$(\w+|\{\w+\})")
+
+
+def check_no_variable_in_paths(cfg, argv: List[str]) -> None:
+    """Refuse a path that names an environment variable (`out_dir: $SCRATCH/runs/a`, `${HOME}/data`): a shell expands
+    one on the command line, but nothing does in a config file or in quotes, and taken as it is a run's checkpoints
+    would go into a directory named `$SCRATCH` under the current one. `cfg`: the command's parsed values, under the
+    subcommand's name (`pretrain.out_dir`); the key, its value and the file giving it are named."""
+    from fabric_lin.errors import InvalidValue
+
+    command = cfg.get("subcommand") if hasattr(cfg, "get") else None
+    for key, value in cfg.items():
+        for path in value if isinstance(value, (list, tuple)) else [value]:
+            found = ENVIRONMENT_VARIABLE.search(str(path)) if isinstance(path, Path) else None
+            if found is None:
+                continue
+            shown = key.removeprefix(f"{command}.").replace(".init_args.", ".")
+            given_on_the_command_line = bool(option_values(argv, f"--{shown}"))
+            files = files_holding_key(key, command, argv) if command and not given_on_the_command_line else []
+            raise InvalidValue(
+                f"{shown}: {path} names the environment variable {found.group(0)}, which a config file's (or a quoted) "
+                f"value does not expand: the path would be a directory named {found.group(0)} under the current one; "
+                f"write the path out, or give it on the command line, where the shell expands it"
+                + (f" (in {', '.join(files)})" if files else "")
+            )

@@ -130,6 +130,9 @@ def main(
     torch_device = resolve_device(device)
     cuda = torch_device.type == "cuda"
     precision = precision or ("bf16-mixed" if cuda else "32-true")
+    if precision == "16-mixed" and not cuda:  # Fabric would run bf16-mixed, which evaluate.json would call 16-mixed
+        raise InvalidValue("--precision 16-mixed needs a CUDA GPU (the CPU has no fp16 autocast): give --precision "
+                           "bf16-mixed or 32-true (exact, and the fastest on the CPU)")
     task_manager = find_tasks(task_names, task_dir) if task_names else None  # before the minutes of loading a model
     if out_dir is not None:
         check_dir_can_be_made(out_dir, "--out_dir")

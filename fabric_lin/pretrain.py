@@ -157,6 +157,8 @@ def setup(
         raise InvalidValue(f"--devices {devices}: expected a positive number of devices per node, or auto")
     if num_nodes < 1:
         raise InvalidValue(f"--num_nodes {num_nodes}: expected a positive number of nodes")
+    if not 0 <= seed < 2**32:  # Fabric's seed_everything seeds NumPy's generator too, whose seeds are 32-bit
+        raise InvalidValue(f"--seed {seed}: expected a seed from 0 to {2**32 - 1} (it seeds NumPy's generator too)")
     if cuda and devices > torch.cuda.device_count():
         raise InvalidValue(
             f"--devices {devices}: this machine has {torch.cuda.device_count()} CUDA GPU(s) (CUDA_VISIBLE_DEVICES="

@@ -54,11 +54,15 @@ def may_start_fresh(resume: Union[bool, str, Path, None], out_dir: Path) -> bool
 def check_out_dir_is_no_model_or_data(out_dir: Path) -> None:
     """Refuse an out_dir that is a model (a training checkpoint, a model directory, an export) or a prepared data
     directory, most likely a path typed for another flag: the run would write its checkpoints, logs and metrics into
-    it, mixing a run with the model or the data. Named with the flag that reads such a directory."""
-    from fabric_lin.convert.model_dir import what_it_holds
+    it, mixing a run with the model or the data. Named with the flag that reads such a directory. An out_dir inside a
+    training checkpoint or prepared data is refused too: the run would go with them."""
+    from fabric_lin.convert.model_dir import enclosing_checkpoint_or_data, what_it_holds
     from fabric_lin.data.prepared import INDEX_FILE
 
     out_dir = Path(out_dir)
+    enclosing = enclosing_checkpoint_or_data(out_dir)
+    if enclosing is not None:
+        raise AlreadyExists(f"--out_dir {out_dir} is inside {enclosing}: give a directory outside it")
     if not out_dir.is_dir():
         return
     kind = what_it_holds(out_dir) or ("a prepared data directory" if (out_dir / INDEX_FILE).is_file() else None)

@@ -168,3 +168,13 @@ def test_optimizer_values_at_the_edge_of_their_range_are_taken():
 def test_optimizer_values_just_outside_their_range_are_named(fields, message):
     with pytest.raises(ValueError, match=f"^{message}$"):
         OptimizerArgs(**fields).validate(min_lr=0.0)
+
+
+def test_a_learning_rate_of_0_is_not_answered_with_a_min_lr_of_0():
+    """optimizer.lr 0 (a slip for 3e-4, say) under the default train.min_lr was told to give a min_lr of "10% of it: 0",
+    which trains a run in which no step changes the weights."""
+    with pytest.raises(ValueError, match=r"^optimizer.lr 0 changes no weight at any step, and train.min_lr \(4e-05\) is "
+                                         r"above it: give a positive optimizer.lr \(config_hub's 340M recipes: 3e-4\); "
+                                         r"train.min_lr 0 too runs the steps without changing the weights$"):
+        OptimizerArgs(lr=0.0).validate(min_lr=4e-5)
+

@@ -1,7 +1,8 @@
 """fabric_lin/cli.py with configuration files: a key a file may not hold (named with the closest one, its group's keys
 and the file that gives it, or as another command's file), a group given no mapping, a file that is empty, no mapping
 or not YAML, a key given twice, a class key given a number, a missing model_config file, an import path that is no
-data module, a misspelt key of the data mapping, `~` in paths, the optimizer as LitGPT gives it, an unknown nested
+data module, a misspelt key of the data mapping, `~` and `$VARIABLE` in paths, the optimizer as LitGPT gives it, an
+unknown nested
 model_config key."""
 import pytest
 import torch
@@ -203,6 +204,28 @@ def test_a_path_that_begins_with_a_tilde_is_in_the_home_directory(tmp_path, caps
     assert f"Prepared data directory '{tmp_path / 'home' / 'data' / 'train'}' does not exist" in err
     assert cli_error(["generate", "~/model"], capsys) == f"fabric-lin generate: error: checkpoint_dir '{tmp_path / 'home' / 'model'}' is not a directory\n"
     assert not (tmp_path / "~").exists()
+
+
+def test_a_path_that_names_an_environment_variable_is_refused_naming_key_and_file(tmp_path, capsys, monkeypatch):
+    """`out_dir: $SCRATCH/runs/a` in a config file (or quoted on the command line) is expanded by no shell: the run
+    wrote its checkpoints into a directory named $SCRATCH under the current one. A data module's path too; the file
+    is named where the value came from one."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SCRATCH", str(tmp_path / "scratch"))
+    config = tmp_path / "run.yaml"
+    config.write_text("model_name: gla-debug\nout_dir: $SCRATCH/runs/a\ntrain:\n  max_steps: 1\n"
+                      "data:\n  class_path: TokenChunks\n  init_args:\n    data_path: ${DATA}/train\n")
+    said = ("names the environment variable {}, which a config file's (or a quoted) value does not expand: the path would "
+            "be a directory named {} under the current one; write the path out, or give it on the command line, where "
+            "the shell expands it")
+    assert cli_error(["pretrain", "--config", str(config)], capsys) == (
+        f"fabric-lin pretrain: error: out_dir: $SCRATCH/runs/a {said.format('$SCRATCH', '$SCRATCH')} (in {config})\n")
+    err = cli_error(["pretrain", "--config", str(config), "--out_dir", str(tmp_path / "out")], capsys)
+    assert err == (f"fabric-lin pretrain: error: data.data_path: ${{DATA}}/train {said.format('${DATA}', '${DATA}')} "
+                   f"(in {config})\n")
+    err = cli_error(["pretrain", "--config", str(config), "--out_dir", "$OUT/a"], capsys)  # the command line's, quoted
+    assert err == f"fabric-lin pretrain: error: out_dir: $OUT/a {said.format('$OUT', '$OUT')}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
 
 
 def test_the_optimizer_given_as_litgpt_gives_it_says_what_it_takes(tmp_path, capsys):

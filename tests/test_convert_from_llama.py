@@ -196,6 +196,10 @@ def test_bad_inputs_get_clear_errors(tmp_path, mistral_shaped_gla):
         convert_from_llama(tmp_path / "wide", "gla-8B", tmp_path / "gla")
     with pytest.raises(ValueError, match=r"model_name 'gdn-debug' is a gdn model; expected a GLA model"):
         convert_from_llama(tmp_path / "wide", "gdn-debug", tmp_path / "gla")
+    write_tiny_llama(tmp_path / "fits")  # torch's generator takes 64 bits: a larger --seed was an OverflowError's traceback
+    with pytest.raises(ValueError, match=rf"^--seed {2**64}: expected a 64-bit seed, 0 to {2**64 - 1}$"):
+        convert_from_llama(tmp_path / "fits", mistral_shaped_gla, tmp_path / "gla", seed=2**64)
+    assert not (tmp_path / "gla").exists()
     ok = tmp_path / "ok"
     write_tiny_llama(ok, shards=2)
     index = json.loads((ok / "model.safetensors.index.json").read_text())
@@ -245,6 +249,21 @@ def test_shards_that_are_missing_lack_a_tensor_or_lie_beside_another_export_are_
     save_file({"model.embed_tokens.weight": torch.zeros(64, 128)}, mixed / "model.safetensors")
     with pytest.raises(ValueError, match=r"holds both model.safetensors and model.safetensors.index.json"):
         convert_from_llama(mixed, mistral_shaped_gla, tmp_path / "gla")
+    assert not (tmp_path / "gla").exists()
+
+
+def test_a_llama_whose_files_lack_a_weight_of_its_config_is_refused_naming_it(tmp_path, mistral_shaped_gla):
+    """config.json's num_hidden_layers says 2, and the files hold one layer (a checkpoint cut down by hand, or an index
+    left out of a download): the second layer's norms, attention and MLP kept their fresh init, said only as a count."""
+    llama = write_tiny_llama(tmp_path / "cut", layers=2)
+    one_layer = {name: tensor for name, tensor in llama.items() if ".layers.1." not in name}
+    save_file(one_layer, tmp_path / "cut" / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'cut'} holds no model.layers.1.input_layernorm.weight, "
+                                         r"model.layers.1.self_attn.q_proj.weight, "
+                                         r"model.layers.1.self_attn.k_proj.weight, ... \(6 more\), which its "
+                                         r"config.json's model \(num_hidden_layers 2\) has: a download or copy that "
+                                         r"left files out\? Give the whole checkpoint$"):
+        convert_from_llama(tmp_path / "cut", mistral_shaped_gla, tmp_path / "gla")
     assert not (tmp_path / "gla").exists()
 
 

@@ -129,6 +129,16 @@ def test_a_cast_to_another_precision_keeps_integer_tensors():
     assert cast["w"].dtype == torch.bfloat16 and cast["step"].dtype == torch.int64 and cast["step"].item() == 7
 
 
+def test_a_cast_past_the_range_of_float16_names_the_tensor(tmp_path, config):
+    """A weight above float16's largest value (65504) became inf in the export or model directory, without a word."""
+    state = {"norm.weight": torch.tensor([1.0, 7e4]), "w": torch.tensor([float("inf")])}  # an inf already there stays
+    with pytest.raises(ValueError, match=r"^--dtype float16: norm.weight holds 70000, past float16's largest value "
+                                         r"\(65504\), which would be inf: give --dtype bfloat16 or float32$"):
+        cast_floating(dict(state), torch.float16)
+    assert cast_floating(dict(state), torch.bfloat16)["norm.weight"][1] == 70144  # bfloat16 has float32's range
+    assert cast_floating({"w": torch.tensor([-65504.0])}, torch.float16)["w"].item() == -65504
+
+
 def test_models_below_asks_what_each_directory_holds_once(tmp_path, monkeypatch):
     """The directories below one that holds no model, each asked once what it holds: the list names the kind it found,
     without asking the models it found a second time (a training checkpoint's is a look into its files)."""

@@ -172,6 +172,13 @@ def test_a_training_checkpoint_or_run_is_never_an_output_dir(tmp_path):
                            r"replace the data's\): choose another directory$"):
             convert(ckpt_dir if convert is convert_pretrained_checkpoint else tmp_path / "model", data, overwrite=True)
     assert {p.name: p.read_bytes() for p in data.iterdir()} == files_before
+    # nor into a directory inside either: the model went with the checkpoint when its run pruned or replaced it, and
+    # with the data when it was prepared again
+    for inside, holder, kind in ((other_step / "model", other_step, "a training checkpoint"),
+                                 (data / "models" / "a", data, "a prepared data directory")):
+        with pytest.raises(FileExistsError, match=rf"^output_dir {inside} is inside {holder}, {kind}, whose files "):
+            convert_pretrained_checkpoint(ckpt_dir, inside)
+        assert not inside.exists() and not (data / "models").exists()
     # the weights file named in place of its checkpoint directory
     with pytest.raises(ValueError, match=rf"{ckpt_dir / 'lit_model.pth'} is the weights of the training checkpoint "
                        rf"{ckpt_dir}: pass that directory"):

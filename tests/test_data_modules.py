@@ -142,7 +142,7 @@ def test_text_files_validating_on_a_training_directory_says_so(mix, capsys):
         data = TextFiles(train_dir=[mix["data"] / "slimpajama" / "train", train], val_dir=val_dir, num_workers=0)
         data.connect(mix["tokenizer"], batch_size=10, max_seq_length=SEQ)
         data.setup()
-        assert (f"Warning: data.val_dir {val_dir} is also a data.train_dir: the validation loss is measured on training "
+        assert (f"Warning: data.val_dir {val_dir} is also data.train_dir: the validation loss is measured on training "
                 "data") in capsys.readouterr().out
 
 

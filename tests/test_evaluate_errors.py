@@ -55,6 +55,10 @@ def test_errors_are_one_line(run, tmp_path, capsys, monkeypatch):
         ["evaluate", str(final), "--bucket_edges", "[16, 8]"], capsys)
     assert "--bucket_size and --bucket_edges both set the buckets" in cli_error(
         ["evaluate", str(final), "--bucket_edges", "[8]", "--bucket_size", "4"], capsys)
+    # Fabric runs bf16-mixed in its place, with a warning of its own, and evaluate.json said 16-mixed
+    assert cli_error(["evaluate", str(final), "--precision", "16-mixed"], capsys) == (
+        "fabric-lin evaluate: error: --precision 16-mixed needs a CUDA GPU (the CPU has no fp16 autocast): give "
+        "--precision bf16-mixed or 32-true (exact, and the fastest on the CPU)\n")
     # blocks longer than the data's chunk files (1000 tokens): the fix names evaluate's option, not pretrain's
     err = cli_error(["evaluate", str(final), "--seq_len", "1000"], capsys)
     assert "--seq_len=1000 is too long" in err and "lower --seq_len or prepare" in err and "train.max_seq_length" not in err

@@ -158,8 +158,10 @@ def test_error_more_cpu_processes_than_cores(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("option, value, expected", [
     ("--devices", "0", "a positive number of devices per node, or auto"),
     ("--num_nodes", "0", "a positive number of nodes"),
+    ("--seed", "-5", "a seed from 0 to 4294967295 (it seeds NumPy's generator too)"),  # was Lightning's traceback
+    ("--seed", "4294967296", "a seed from 0 to 4294967295 (it seeds NumPy's generator too)"),
 ])
-def test_error_no_devices_or_nodes_names_the_option(tmp_path, capsys, option, value, expected):
+def test_error_no_devices_or_nodes_or_a_seed_out_of_range_names_the_option(tmp_path, capsys, option, value, expected):
     err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
                      option, value], capsys)
     assert err == f"fabric-lin pretrain: error: {option} {value}: expected {expected}\n"
@@ -401,6 +403,20 @@ def test_an_out_dir_that_is_a_model_or_data_is_refused_naming_the_flag_it_may_ha
             setup_pretrain(tmp_path, out_dir=out_dir, overwrite=True)
         assert str(info.value) == f"--out_dir {out_dir} is {message}"
         assert sorted(p.name for p in out_dir.iterdir()) == before
+    # a directory inside one of them: the run's checkpoints went with the checkpoint when its run pruned or replaced
+    # it, and with the data when it was prepared again
+    inside = {
+        tmp_path / "run" / "final" / "sub": f"{tmp_path / 'run' / 'final'}, a training checkpoint, whose files are the "
+                                             "ones its manifest lists and go with it when its run prunes or replaces it",
+        tmp_path / "data" / "runs" / "a": f"{tmp_path / 'data'}, a prepared data directory, whose files go with it when "
+                                          "it is prepared again",
+    }
+    for out_dir, message in inside.items():
+        with pytest.raises(FileExistsError) as info:
+            setup_pretrain(tmp_path, out_dir=out_dir)
+        assert str(info.value) == f"--out_dir {out_dir} is inside {message}: give a directory outside it"
+        assert not out_dir.exists()
+    assert not (tmp_path / "data" / "runs").exists()
 
 
 def test_initial_checkpoint_dir_is_checked_against_the_model(tmp_path, capsys):

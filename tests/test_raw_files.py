@@ -272,6 +272,20 @@ def test_files_that_hold_nothing_are_named_as_empty(tmp_path):
                        "nothing.txt": "empty file"}
 
 
+def test_a_recipe_that_finds_none_of_its_files_names_those_prepare_text_reads(tmp_path):
+    """Your own .jsonl (or parquet, text) given to prepare_slimpajama or prepare_starcoder: the error named the suffix
+    it looked for only, not the files that are there nor the command that reads them."""
+    from fabric_lin.data.raw_files import find_files
+
+    (tmp_path / "2024").mkdir()
+    for name in ("2024/a.jsonl", "2024/b.jsonl", "notes.txt", "README.md"):
+        (tmp_path / name).write_text('{"text": "a"}\n')
+    with pytest.raises(FileNotFoundError, match=rf"^No \*\.parquet files found under {tmp_path} \(searched "
+                                                r"recursively\); it holds 3 that fabric-lin prepare_text reads "
+                                                r"\(2024/a.jsonl, 2024/b.jsonl, notes.txt\): give it these$"):
+        find_files(tmp_path, ".parquet")
+
+
 def test_a_slimpajama_row_without_a_meta_object_has_no_set_name(tmp_path):
     rows = [{"text": "no meta"}, {"text": "meta null", "meta": None}, {"text": "meta a string", "meta": "RedPajamaC4"},
             {"text": "named", "meta": {"redpajama_set_name": "RedPajamaBook"}}]

@@ -149,3 +149,26 @@ def test_a_model_directory_without_its_tokenizer_names_the_recorded_one(dirs, ca
                    f"text; {recorded}")
     (model / "trained_with.json").unlink()
     assert cli_error(["generate", str(model)], capsys).endswith("(found: lit_model.pth, model_config.yaml)\n")
+
+
+def test_another_end_of_text_token_in_tokenizer_config_json_is_refused(dirs, capsys):
+    """The same tokenizer.model beside a tokenizer_config.json that names another eos_token: the weights were trained
+    on documents that end with the recorded id, and the data holds that one; generate began the prompt with the other,
+    and --reset_state_at_doc_boundaries found no document's end in the data (the run trained as without it), without
+    a word."""
+    from fabric_lin.data import Tokenizer
+    from fabric_lin.data.prepared import check_prepared_dirs
+
+    write_prepared(dirs / "val", np.arange(200, dtype=np.uint16) % 64, Tokenizer(dirs / "old"), item=100, chunk_size=100)
+    (dirs / "model" / "tokenizer_config.json").write_text('{"eos_token": "<unk>"}\n')
+    err = cli_error(["generate", str(dirs / "model"), "--prompt", "a"], capsys)
+    assert err == (f"fabric-lin generate: error: checkpoint_dir: {dirs / 'model'}: its end-of-text token is id 0 ('<unk>', "
+                   f"the eos_token of its tokenizer_config.json), and its weights were trained on documents that end "
+                   f"with id 2 ('</s>', recorded in trained_with.json): put back the tokenizer_config.json the model was "
+                   f"trained with\n")
+    shutil.copytree(dirs / "model", dirs / "tokenizer", ignore=lambda *_: ["trained_with.json", "lit_model.pth"])
+    with pytest.raises(ValueError, match=rf"^{dirs / 'val'}: its documents end with id 2 \('</s>', the end-of-text token "
+                                         rf"of the tokenizer that prepared it, in its prepared.json\), and the end-of-text "
+                                         rf"token of {dirs / 'tokenizer'} is id 0 \('<unk>', the eos_token of its "
+                                         r"tokenizer_config.json\): give the tokenizer_config.json that prepared the data$"):
+        check_prepared_dirs([dirs / "val"], Tokenizer(dirs / "tokenizer"))

@@ -37,7 +37,7 @@ from fabric_lin.convert.model_dir import (
     save_model_dir,
 )
 from fabric_lin.errors import InvalidValue, MissingFile
-from fabric_lin.files import created_dir, read_json
+from fabric_lin.files import created_dir, read_json, short_list
 from fabric_lin.weights import inside, meta_model, open_safetensors
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -81,6 +81,8 @@ def convert_from_llama(
         raise InvalidValue("--checkpoint_dir is required: the Hugging Face Llama or Mistral directory to convert")
     if output_dir is None:
         raise InvalidValue("--output_dir is required: where to write the model directory")
+    if not -(2**63) <= seed < 2**64:  # torch.Generator's seeds are 64-bit (a negative one is taken as its two's complement)
+        raise InvalidValue(f"--seed {seed}: expected a 64-bit seed, 0 to {2**64 - 1}")
     checkpoint_dir = Path(checkpoint_dir)
     config_path = checkpoint_dir / HF_CONFIG_FILE
     expected = "expected a Hugging Face Llama/Mistral directory"
@@ -121,6 +123,12 @@ def convert_from_llama(
     torch_dtype = parse_dtype(dtype) or reader.dtype("model.embed_tokens.weight")
     llama_tied = bool(llama.get("tie_word_embeddings", False)) or "lm_head.weight" not in reader.names
     sources = {name: llama_name(name, llama_tied) for name in meta_model(config).state_dict()}
+    # a weight the Llama's config gives it and its files lack would keep its fresh init, said as a count only
+    lacking = [source for source in sources.values() if source is not None and source not in reader.names]
+    if lacking:
+        raise InvalidValue(
+            f"{checkpoint_dir} holds no {short_list(lacking, 3)}, which its {HF_CONFIG_FILE}'s model (num_hidden_layers "
+            f"{llama.get('num_hidden_layers')}) has: a download or copy that left files out? Give the whole checkpoint")
 
     state, copied, initialized, partial = {}, [], [], []
     model = meta_model(config)

@@ -71,6 +71,22 @@ def what_it_holds(directory: Path) -> Optional[str]:
     return None
 
 
+def enclosing_checkpoint_or_data(path: Path) -> Optional[str]:
+    """Where `path` lies inside a training checkpoint or a prepared data directory, what to say of it ("DIR, a
+    training checkpoint, whose files ..."); else None. Both own every file in them: a checkpoint goes whole when its run
+    prunes or replaces it, and prepared data when it is prepared again, taking what was written inside along."""
+    from fabric_lin.checkpoint import is_training_checkpoint
+    from fabric_lin.data.prepared import INDEX_FILE
+
+    for above in Path(path).absolute().parents:
+        if is_training_checkpoint(above):
+            return (f"{above}, a training checkpoint, whose files are the ones its manifest lists and go with it when "
+                    f"its run prunes or replaces it")
+        if (above / INDEX_FILE).is_file():
+            return f"{above}, a prepared data directory, whose files go with it when it is prepared again"
+    return None
+
+
 def models_below(directory: Path) -> str:
     """For a directory that holds no model: "below it: DIR (what it holds), ..." where a model lies one or two levels
     down (the output of tutorials/finetune_lora.md's script holds adapter/ and merged/), else ""."""
@@ -403,11 +419,19 @@ def parse_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:
 
 
 def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
-    """Cast the floating-point tensors in place, one at a time, so a 7B model is never held twice."""
+    """Cast the floating-point tensors in place, one at a time, so a 7B model is never held twice. A value past the
+    range of a narrower `dtype` (float16's 65504) is refused, naming the tensor: it would become inf."""
     if dtype is not None:
         for name, tensor in state_dict.items():
             if tensor.is_floating_point():
-                state_dict[name] = tensor.to(dtype)
+                state_dict[name] = cast = tensor.to(dtype)
+                narrower = torch.finfo(dtype).max < torch.finfo(tensor.dtype).max
+                if narrower and torch.isinf(cast).sum() > torch.isinf(tensor).sum():
+                    given = next((key for key, value in DTYPES.items() if value == dtype), str(dtype))
+                    finite = tensor[torch.isfinite(tensor)]
+                    raise InvalidValue(
+                        f"--dtype {given}: {name} holds {finite[finite.abs().argmax()].item():g}, past {given}'s largest "
+                        f"value ({torch.finfo(dtype).max:g}), which would be inf: give --dtype bfloat16 or float32")
     return state_dict
 
 
@@ -438,6 +462,9 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
         raise AlreadyExists(f"output_dir {output_dir} is a prepared data directory (it holds {data_files[0]}), which a "
                             f"conversion does not write into (the model's tokenizer files would replace the data's): "
                             f"choose another directory")
+    enclosing = enclosing_checkpoint_or_data(output_dir)
+    if enclosing is not None:
+        raise AlreadyExists(f"output_dir {output_dir} is inside {enclosing}: give a directory outside it")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         kind = what_it_holds(output_dir)
         # a model that a printed suggestion's --output_dir (checkpoints/<model name>) may name; adapters stay beside one

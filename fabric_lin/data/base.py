@@ -80,6 +80,27 @@ class DataModule:
         self.prepared = {Path(path): info for path, info in zip(dirs, infos)}
         return infos
 
+    def warn_of_validation_trained_on(self, val_dir: Path, train_dirs: Sequence[Path], val_key: str = "",
+                                      train_key: str = "", fix: str = "") -> None:
+        """Say once where the validation directory holds documents that a training directory trains on: the same
+        directory, a copy of it (one index.json), or as their prepared.json (read by `setup()`) tell
+        (`shares_documents`). `val_key`, `train_key`: the options naming them; `fix` ends the line."""
+        from fabric_lin.data.prepared import shares_documents
+        from fabric_lin.data.sample_order import source_key
+
+        val = Path(val_dir)
+        for train in map(Path, train_dirs):
+            given = (f"{val_key} {val}" if val_key else str(val), f"{train_key} {train}" if train_key else str(train))
+            if train.resolve() == val.resolve():
+                said = f"{given[0]} is also {train_key or train}"
+            else:
+                how = ("their index.json is the same, one data set" if source_key(train) == source_key(val)
+                       else shares_documents(self.prepared[val], self.prepared[train]))
+                said = f"{given[0]} holds documents that {given[1]} trains on: {how}" if how else None
+            if said:
+                say_once(f"Warning: {said}: the validation loss is measured on training data{fix}")
+                return
+
     def setup_validation(self) -> None:
         """`setup()` for a reader of the validation split alone (evaluate): a module whose validation directories
         stand apart from its training ones checks only those, so data without the training split is read."""

@@ -111,6 +111,41 @@ def prepared_from(info: dict) -> Optional[str]:
     return ", ".join([f"{info.get('recipe')} of {info['input_dir']}"] + read)
 
 
+def shares_documents(val: dict, train: dict) -> Optional[str]:
+    """How a validation directory and a training directory, by their prepared.json `val` and `train`, hold some of the
+    same documents: prepared from one input (prepare_text's splits of it apart: a document's hash falls at or above
+    --val_fraction for train/, below it for val/), or from an input inside the other's, whose files the preprocessors
+    find recursively (prepare_text's default --pattern). None where their records tell of none."""
+    source = prepared_from(val)
+    if source is None or prepared_from(train) is None:
+        return None
+    if source == prepared_from(train):
+        (val_low, val_high), (train_low, train_high) = hashes_held(val), hashes_held(train)
+        if max(val_low, train_low) >= min(val_high, train_high):
+            return None
+        shares = (f", with other shares held out (--val_fraction {val.get('val_fraction')} and "
+                  f"{train.get('val_fraction')})" if "split" in val and "split" in train else "")
+        return f"both were prepared from {source}{shares}"
+    if any(val.get(key) != train.get(key) for key in ("recipe", "text_key")):
+        return None
+    val_input, train_input = Path(val["input_dir"]), Path(train["input_dir"])
+    recursively = "(its files found recursively)"
+    if val_input.is_relative_to(train_input) and train.get("pattern", "**/*") == "**/*":
+        return (f"it was prepared from {val_input}, inside {train_input}, which the training data was prepared from "
+                f"{recursively}")
+    if train_input.is_relative_to(val_input) and val.get("pattern", "**/*") == "**/*":
+        return (f"it was prepared from {val_input}, which holds {train_input}, which the training data was prepared "
+                f"from {recursively}")
+    return None
+
+
+def hashes_held(info: dict) -> tuple:
+    """The documents of its input that a prepared directory holds, as the range of their hash in [0, 1): prepare_text's
+    train/ those at or above --val_fraction, its val/ those below it, a directory of another preprocessor all."""
+    share = info.get("val_fraction") or 0
+    return {"train": (share, 1), "val": (0, share)}.get(info.get("split"), (0, 1))
+
+
 def check_prepared_dir(
     path: Union[str, Path], tokenizer: Optional[Tokenizer] = None, vocab_size: Optional[int] = None
 ) -> dict:
@@ -231,6 +266,13 @@ def check_made_for(path: Union[str, Path], info: dict, tokenizer: Optional[Token
     with a vocabulary larger than the model's `vocab_size` (either check skipped where None)."""
     if tokenizer is not None and tokenizer_identity(info) != tokenizer.identity:
         raise MadeWithAnotherTokenizer(path, info, tokenizer)
+    data_eos = recorded_tokenizer(info).get("eos_id", tokenizer.eos_id) if tokenizer is not None else None
+    if tokenizer is not None and data_eos != tokenizer.eos_id:  # the same tokenizer.model, another tokenizer_config.json
+        raise InvalidValue(
+            f"{path}: its documents end with {tokenizer.describe_id(data_eos)} ({tokenizer.piece_of(data_eos)}, the "
+            f"end-of-text token of the tokenizer that prepared it, in its {PREPARED_INFO_FILE}), and the end-of-text token "
+            f"of {tokenizer.checkpoint_dir} is {tokenizer.describe_eos()}: give the tokenizer_config.json that prepared "
+            f"the data")
     data_vocab = recorded_tokenizer(info).get("vocab_size")
     if vocab_size is not None and isinstance(data_vocab, int) and data_vocab > vocab_size:
         raise VocabularyTooLarge(path, data_vocab, vocab_size)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator, List, NamedTuple, Optional, Tuple, Union
 
 from fabric_lin.errors import InvalidValue, MissingFile, UserError
-from fabric_lin.files import LFS_POINTER_FIX, is_lfs_pointer, json_type
+from fabric_lin.files import LFS_POINTER_FIX, is_lfs_pointer, json_type, short_list
 
 
 class BadFileError(UserError):
@@ -64,7 +64,12 @@ def find_files(input_dir: Union[str, Path], suffix: str) -> List[Path]:
     check_input_dir(input_dir)
     files = sorted(p for p in input_dir.rglob(f"*{suffix}") if listed_file(p))
     if not files:
-        raise MissingFile(f"No *{suffix} files found under {input_dir} (searched recursively)")
+        # your own corpus, given to a recipe of SlimPajama's or Starcoder's files
+        texts = sorted(str(p.relative_to(input_dir)) for p in input_dir.rglob("*") if p.name.endswith(TEXT_SUFFIXES)
+                       and listed_file(p))
+        others = (f"; it holds {len(texts)} that fabric-lin prepare_text reads ({short_list(texts, 3)}): give it these"
+                  if texts else "")
+        raise MissingFile(f"No *{suffix} files found under {input_dir} (searched recursively){others}")
     return files
 
 

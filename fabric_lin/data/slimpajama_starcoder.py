@@ -106,6 +106,9 @@ class SlimPajamaStarcoder(DataModule):
         self.check_weights()  # again here: subclasses with their own __post_init__ reach this
         self.check_layout(self.prepared_dirs())
         super().setup()
+        if self.validation:
+            train = [self.slimpajama_train] + ([self.starcoder_train] if self.use_starcoder else [])
+            self.warn_of_validation_trained_on(self.slimpajama_val, train)
 
     def setup_validation(self) -> None:
         # evaluate reads slimpajama/val alone: the training directories need not be on this machine

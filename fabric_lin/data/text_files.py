@@ -66,11 +66,9 @@ class TextFiles(DataModule):
         self.check_each_train_dir_once(train_infos)
         if self.val_dir is None:
             say_once("TextFiles: no validation: data.val_dir is not set")
-        elif self.train_dirs and any(Path(self.val_dir).resolve() == Path(d).resolve() for d in self.train_dirs):
-            say_once(f"Warning: data.val_dir {self.val_dir} is also a data.train_dir: the validation loss is measured "
-                     "on training data (prepare_text's --val_fraction holds documents out into OUT/val)")
         else:
-            self.warn_of_validation_documents_trained_on(train_infos, val=infos[-1])
+            self.warn_of_validation_trained_on(self.val_dir, self.train_dirs, "data.val_dir", "data.train_dir",
+                                               fix=" (prepare_text's --val_fraction holds documents out into OUT/val)")
 
     def setup_validation(self) -> None:
         # evaluate reads val_dir alone: the training directories need not be on this machine
@@ -86,22 +84,6 @@ class TextFiles(DataModule):
             raise MissingFile(f"data.val_dir {self.val_dir} does not exist: give a prepared validation directory "
                               f"(prepare_text's OUT/val, written where --val_fraction held out any document){other_fix}")
         check_not_prepare_text_output(Path(self.val_dir), "data.val_dir")
-
-    def warn_of_validation_documents_trained_on(self, train_infos: List[dict], val: dict) -> None:
-        """prepare_text holds a document out where a hash of its place falls below --val_fraction, so the val/ of one
-        preparation holds documents that the train/ of another of the same input, with a smaller share, trains on.
-        `train_infos`, `val`: the directories' prepared.json."""
-        source = prepared_from(val)
-        if source is None or val.get("split") != "val":
-            return
-        for path, train in zip(self.train_dirs, train_infos):
-            if prepared_from(train) == source and train.get("split") == "train" and (
-                    train.get("val_fraction", 0) < val.get("val_fraction", 0)):
-                say_once(f"Warning: data.val_dir {self.val_dir} holds documents that data.train_dir {path} trains on: "
-                         f"both were prepared from {source}, with other shares held out (--val_fraction "
-                         f"{val.get('val_fraction')} and {train.get('val_fraction')}): validate on the val/ prepared "
-                         f"with the training directory")
-                return
 
     def check_each_train_dir_once(self, train_infos: List[dict]) -> None:
         """Refuse a training directory listed twice, under one path or two (a link, a copy: one index.json), and two

@@ -36,6 +36,8 @@ class TokenChunks(DataModule):
         super().setup()
         if self.val_path is None:
             say_once("TokenChunks: no validation: data.val_path is not set")
+        elif self.data_path is not None:
+            self.warn_of_validation_trained_on(self.val_path, [self.data_path], "data.val_path", "data.data_path")
 
     def setup_validation(self) -> None:
         # evaluate reads val_path alone: the training directory need not be on this machine

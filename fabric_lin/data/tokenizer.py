@@ -171,6 +171,7 @@ class Tokenizer:
         self.vocab_size = self.processor.GetPieceSize()
         self.bos_id = self.processor.bos_id()
         self.eos_id = self.processor.eos_id()
+        self.eos_named_by = "its tokenizer.model's own"
         config_path = checkpoint_dir / "tokenizer_config.json"
         if config_path.is_file():
             config = read_json(config_path)
@@ -184,6 +185,8 @@ class Tokenizer:
                 if token_id == self.processor.unk_id() and token != self.processor.IdToPiece(token_id):
                     raise InvalidValue(f"{config_path}: {key}={token!r} is not a piece of {self.model_path}")
                 setattr(self, key.replace("_token", "_id"), token_id)
+                if key == "eos_token":
+                    self.eos_named_by = f"the eos_token of its {config_path.name}"
         for name in ("bos_id", "eos_id"):
             if getattr(self, name) < 0:
                 setattr(self, name, None)
@@ -201,6 +204,25 @@ class Tokenizer:
                 f"({describe_tokenizer(trained_with)}, recorded in {TRAINED_WITH_FILE}): an id is another piece in each; "
                 f"put back the tokenizer.model the model was trained with"
             )
+        trained_eos = self.eos_id if trained_with is None else recorded_tokenizer(trained_with).get("eos_id", self.eos_id)
+        if trained_eos != self.eos_id:  # the same tokenizer.model, with another tokenizer_config.json
+            raise InvalidValue(
+                f"{self.checkpoint_dir}: its end-of-text token is {self.describe_eos()}, and its weights were trained on "
+                f"documents that end with {self.describe_id(trained_eos)} ({self.piece_of(trained_eos)}, recorded in "
+                f"{TRAINED_WITH_FILE}): put back the tokenizer_config.json the model was trained with"
+            )
+
+    def piece_of(self, token_id: Optional[int]) -> str:
+        known = isinstance(token_id, int) and 0 <= token_id < self.vocab_size
+        return repr(self.processor.IdToPiece(token_id)) if known else "none"
+
+    @staticmethod
+    def describe_id(token_id: Optional[int]) -> str:
+        return f"id {token_id}" if token_id is not None else "no id"
+
+    def describe_eos(self) -> str:
+        """"id 2 ('</s>', its tokenizer.model's own)": the end-of-text token and what names it."""
+        return f"{self.describe_id(self.eos_id)} ({self.piece_of(self.eos_id)}, {self.eos_named_by})"
 
     @property
     def model_hash(self) -> str:

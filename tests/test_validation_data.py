@@ -1,0 +1,99 @@
+"""Validation data that the run's training data holds, in any data module: the same directory, a copy of it, another
+preparation of the same input, or one of an input inside the other's (read recursively). Each is said once at
+start-up, naming both directories: the validation loss would be measured on documents the model trains on. Data of
+other inputs, and prepare_text's train/ and val/ of one preparation, say nothing."""
+import shutil
+
+import numpy as np
+import pytest
+
+from fabric_lin.data import SlimPajamaStarcoder, TextFiles, TokenChunks, Tokenizer
+from fabric_lin.data.train_tokenizer import main as train_tokenizer
+from helpers import write_prepared
+
+SEQ = 7
+HINT = "(prepare_text's --val_fraction holds documents out into OUT/val)"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    raw = tmp_path_factory.mktemp("raw")
+    (raw / "a.txt").write_text("\n".join(f"line {i} of some text for a tokenizer" for i in range(500)))
+    train_tokenizer(raw, raw / "tokenizer", vocab_size=300, num_threads=1)
+    return Tokenizer(raw / "tokenizer")
+
+
+def prepared(path, tokenizer, seed, **fields):
+    tokens = np.random.default_rng(seed).integers(0, 300, 4000).astype(np.uint16)
+    write_prepared(path, tokens, tokenizer, chunk_size=4000, **fields)
+    return path
+
+
+def set_up(data, tokenizer, capsys) -> str:
+    capsys.readouterr()
+    data.connect(tokenizer, batch_size=2, max_seq_length=SEQ)
+    data.setup()
+    return capsys.readouterr().out
+
+
+def slimpajama_layout(root, tokenizer, train_input, val_input):
+    """data_path of SlimPajamaStarcoder, its three directories prepared by the slimpajama and starcoder recipes from
+    the raw directories named."""
+    prepared(root / "slimpajama" / "train", tokenizer, 0, recipe="slimpajama", input_dir=str(train_input))
+    prepared(root / "slimpajama" / "val", tokenizer, 1, recipe="slimpajama", input_dir=str(val_input))
+    prepared(root / "starcoder", tokenizer, 2, recipe="starcoder", input_dir="/raw/starcoderdata")
+    return root
+
+
+def test_a_copy_of_the_training_directory_given_for_validation_is_said(tmp_path, tokenizer, capsys):
+    """A copy has other paths: only a val_dir equal to a train_dir was said."""
+    train = prepared(tmp_path / "train", tokenizer, 0)
+    shutil.copytree(train, tmp_path / "copy")
+    out = set_up(TextFiles(train_dir=train, val_dir=tmp_path / "copy", num_workers=0), tokenizer, capsys)
+    assert out == (f"Warning: data.val_dir {tmp_path / 'copy'} holds documents that data.train_dir {train} trains on: "
+                   f"their index.json is the same, one data set: the validation loss is measured on training data {HINT}\n")
+    out = set_up(TokenChunks(data_path=train, val_path=tmp_path / "copy", num_workers=0), tokenizer, capsys)
+    assert out.startswith(f"Warning: data.val_path {tmp_path / 'copy'} holds documents that data.data_path {train} "
+                          f"trains on")
+    out = set_up(TokenChunks(data_path=train, val_path=train, num_workers=0), tokenizer, capsys)
+    assert out == (f"Warning: data.val_path {train} is also data.data_path: the validation loss is measured on training "
+                   f"data\n")
+
+
+def test_slimpajama_validation_prepared_from_the_training_files_is_said(tmp_path, tokenizer, capsys):
+    """prepare_slimpajama's val/ from the training files (README's line copied, --input_dir left at .../train), or
+    training data prepared from the whole download, which holds validation/ too: SlimPajamaStarcoder said nothing."""
+    data = slimpajama_layout(tmp_path / "same", tokenizer, "/raw/slimpajama/train", "/raw/slimpajama/train")
+    out = set_up(SlimPajamaStarcoder(data_path=data, num_workers=0), tokenizer, capsys)
+    assert out == (f"Warning: {data / 'slimpajama' / 'val'} holds documents that {data / 'slimpajama' / 'train'} trains "
+                   f"on: both were prepared from slimpajama of /raw/slimpajama/train: the validation loss is measured on "
+                   f"training data\n")
+    data = slimpajama_layout(tmp_path / "whole", tokenizer, "/raw/slimpajama", "/raw/slimpajama/validation")
+    out = set_up(SlimPajamaStarcoder(data_path=data, num_workers=0), tokenizer, capsys)
+    assert out == (f"Warning: {data / 'slimpajama' / 'val'} holds documents that {data / 'slimpajama' / 'train'} trains "
+                   f"on: it was prepared from /raw/slimpajama/validation, inside /raw/slimpajama, which the training "
+                   f"data was prepared from (its files found recursively): the validation loss is measured on "
+                   f"training data\n")
+    data = slimpajama_layout(tmp_path / "apart", tokenizer, "/raw/slimpajama/train", "/raw/slimpajama/validation")
+    assert set_up(SlimPajamaStarcoder(data_path=data, num_workers=0), tokenizer, capsys) == ""
+
+
+def test_prepare_text_inputs_one_inside_the_other_are_said_where_read_recursively(tmp_path, tokenizer, capsys):
+    """The validation data prepared from a corpus that holds the training corpus's folder (every file, recursively);
+    with a --pattern of its own the files read are not known to overlap."""
+    text = dict(recipe="text", text_key="text")
+    train = prepared(tmp_path / "a" / "train", tokenizer, 0, input_dir="/corpus/2024", pattern="**/*", **text)
+    val = prepared(tmp_path / "b" / "val", tokenizer, 1, input_dir="/corpus", pattern="**/*", split="val",
+                   val_fraction=0.01, **text)
+    out = set_up(TextFiles(train_dir=train, val_dir=val, num_workers=0), tokenizer, capsys)
+    assert out == (f"Warning: data.val_dir {val} holds documents that data.train_dir {train} trains on: it was "
+                   f"prepared from /corpus, which holds /corpus/2024, which the training data was prepared from (its "
+                   f"files found recursively): the validation loss is measured on training data {HINT}\n")
+    other = prepared(tmp_path / "c" / "val", tokenizer, 2, input_dir="/corpus", pattern="2025/*.jsonl", split="val",
+                     val_fraction=0.01, **text)
+    assert set_up(TextFiles(train_dir=train, val_dir=other, num_workers=0), tokenizer, capsys) == ""
+    # prepare_text's own train/ and val/ hold other documents of one input
+    split = dict(input_dir="/corpus/2024", pattern="**/*", val_fraction=0.01, **text)
+    own_train = prepared(tmp_path / "own" / "train", tokenizer, 3, split="train", **split)
+    own_val = prepared(tmp_path / "own" / "val", tokenizer, 4, split="val", **split)
+    assert set_up(TextFiles(train_dir=own_train, val_dir=own_val, num_workers=0), tokenizer, capsys) == ""
