@@ -90,11 +90,12 @@ def test_rank_0_tells_whether_master_addr_reaches_the_store_it_opened():
 
 def exiting_here(monkeypatch) -> list:
     """os._exit, in the watch's thread or in the main thread, raising SystemExit there (the watch's thread thus ends);
-    the exit codes it was called with."""
+    the exit code the process ended with: the first call's (a real os._exit ends the process there, where here the
+    other thread may call it again)."""
     ended = []
 
     def exit_here(code):
-        ended.append(code)
+        ended[:] = ended or [code]
         raise SystemExit(code)
 
     monkeypatch.setattr(os, "_exit", exit_here)
@@ -145,6 +146,7 @@ def waiting_in_a_store_that_closes(monkeypatch, tmp_path, in_the_store: bool = T
     return ended, lost, where, out_dir.exists()
 
 
+@watch_ended
 def test_rank_0_s_store_closed_before_every_process_joined_is_a_lost_peer_said_without_torch_s_warning(
         monkeypatch, tmp_path, capfd):
     """Node 1's first process waits in rank 0's store when it closes without a word from rank 0 (which leaves one where
