@@ -68,7 +68,7 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
             or weights_of_a_run:
         config, weights_path = find_training_checkpoint(checkpoint_dir, use="evaluate")
         state_dict = canonical_state_dict(load_model_weights(weights_path))
-        check_state_dict(state_dict, config, source=str(weights_path))
+        check_state_dict(state_dict, config, source=str(weights_path), config_file=checkpoint_dir / CONFIG_FILE)
         hparams = read_hparams(checkpoint_dir / HPARAMS_FILE) if has(HPARAMS_FILE) else None
         step = read_step(checkpoint_dir / STEP_FILE)
         return Checkpoint(TRAINING_CHECKPOINT, config, state_dict, tokenizer, hparams, step)

@@ -21,6 +21,7 @@ from fabric_lin.data import DataModule
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
 from fabric_lin.files import is_a, read_yaml, short_list
 from fabric_lin.metrics import METRICS_FILE, recorded_checkpoints
+from fabric_lin.weights import config_outline, weights_outline
 
 
 def check_initial_checkpoint_dir(model_dir: Path, resume: Union[bool, str, Path, None], out_dir: Path) -> None:
@@ -182,14 +183,15 @@ def how_to_continue_without_the_peer(out_dir: Path, resume: Union[bool, str, Pat
 
 
 def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str, torch.Tensor]:
-    """The weights of a model directory, checked against `config` (a model of another family refused in one line;
-    names, shapes, dtypes: each mismatch listed, and where they are the model of the directory's model_config.yaml,
-    the flag that builds that one); a
-    model_config.yaml there that differs from `config` in fields that keep the shapes (eps, RoPE base, ...) is
-    reported, not refused: continued pretraining may change them on purpose."""
+    """The weights of a model directory, checked against `config`: a model of another family, depth or width refused
+    in one line, with the flag that builds the directory's model where the weights are that of its model_config.yaml;
+    a few tensors' names, shapes or dtypes that differ listed. A model_config.yaml there that differs from `config` in
+    fields that keep the shapes (eps, RoPE base, ...) is reported, not refused: continued pretraining may change them
+    on purpose."""
     from fabric_lin.convert.model_dir import (
         check_state_dict,
         load_model_dir_weights,  # weights_only
+        weights_file,
     )
 
     saved_config = Path(model_dir) / CONFIG_FILE
@@ -211,13 +213,15 @@ def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str
                 + ", ".join(f"{k} ({a!r} there, {b!r} here)" for k, (a, b) in sorted(differ.items()))
             )
     state = load_model_dir_weights(model_dir)
-    try:
-        check_state_dict(state, config, source=str(model_dir))
-    except InvalidValue as mismatch:
+    if not fits(state, config):
+        fix = None  # the weights of no model at hand: what differs is told alone
         if saved is not None and fits(state, saved):
-            raise InvalidValue(f"{mismatch}\n  they are the model of its {CONFIG_FILE}: start this run with "
-                               f"{saved.flag(saved_config)}") from None
-        raise
+            fix = f"they are the model of its {CONFIG_FILE}: start this run with {saved.flag(saved_config)}"
+        elif saved is not None and not weights_outline(state).same_model(config_outline(saved)):
+            fix = (f"nor are they the model of its {CONFIG_FILE}, {saved.name}: put back the {CONFIG_FILE} written "
+                   f"with these weights, then start this run with the model it names")
+        check_state_dict(state, config, source=f"--initial_checkpoint_dir {weights_file(model_dir)}",
+                         model_is="this run builds", fix=fix)
     return state
 
 
