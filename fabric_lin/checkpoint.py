@@ -47,13 +47,11 @@ import yaml
 
 from fabric_lin.config import CONFIG_FILE
 from fabric_lin.errors import InvalidValue, MissingFile, UserError
-from fabric_lin.files import write_error
+from fabric_lin.files import MANIFEST_FILE, STEP_FILE, is_training_checkpoint, write_error
 from fabric_lin.save_failures import all_gather_objects, failure_shared
 from fabric_lin.weights import MODEL_FILE, meta_model
 
 HPARAMS_FILE = "hyperparameters.yaml"
-STEP_FILE = "step.json"
-MANIFEST_FILE = "manifest.json"
 FINAL_DIR = "final"
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = ".damaged-"
@@ -520,12 +518,6 @@ def checkpoint_dirs(out_dir: Path) -> List[Path]:
         step = checkpoint_step(final)
         found.append((step if step is not None else float("inf"), 1, final))
     return [path for *_, path in sorted(found, reverse=True)]
-
-
-def is_training_checkpoint(directory: Path) -> bool:
-    """Whether `directory` holds what pretrain writes beside a checkpoint's weights (step.json, manifest.json): a training
-    checkpoint, whole or not, and not a model directory."""
-    return (Path(directory) / STEP_FILE).is_file() or (Path(directory) / MANIFEST_FILE).is_file()
 
 
 def explicit_resume_dir(resume: Union[str, Path]) -> Path:

@@ -19,7 +19,7 @@ from fabric_lin.checkpoint import (
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import is_a, read_yaml, short_list
+from fabric_lin.files import check_outside_checkpoint_or_data, is_a, read_yaml, short_list
 from fabric_lin.metrics import METRICS_FILE, recorded_checkpoints
 from fabric_lin.weights import config_outline, weights_outline
 
@@ -57,13 +57,11 @@ def check_out_dir_is_no_model_or_data(out_dir: Path) -> None:
     directory, most likely a path typed for another flag: the run would write its checkpoints, logs and metrics into
     it, mixing a run with the model or the data. Named with the flag that reads such a directory. An out_dir inside a
     training checkpoint or prepared data is refused too: the run would go with them."""
-    from fabric_lin.convert.model_dir import enclosing_checkpoint_or_data, what_it_holds
+    from fabric_lin.convert.model_dir import what_it_holds
     from fabric_lin.data.prepared import INDEX_FILE
 
     out_dir = Path(out_dir)
-    enclosing = enclosing_checkpoint_or_data(out_dir)
-    if enclosing is not None:
-        raise AlreadyExists(f"--out_dir {out_dir} is inside {enclosing}: give a directory outside it")
+    check_outside_checkpoint_or_data(out_dir, "--out_dir")
     if not out_dir.is_dir():
         return
     kind = what_it_holds(out_dir) or ("a prepared data directory" if (out_dir / INDEX_FILE).is_file() else None)

@@ -26,6 +26,7 @@ from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile
 from fabric_lin.files import (
     atomic_write,
     check_dir_can_be_made,
+    check_outside_checkpoint_or_data,
     directories_below,
     files_taken_back_on_failure,
     read_json,
@@ -73,22 +74,6 @@ def what_it_holds(directory: Path) -> Optional[str]:
         if is_llama_dir(directory):
             return "a Hugging Face Llama/Mistral directory"
         return "an fla export" if hf_model_type(directory) in MODEL_TYPES.values() else "a Hugging Face directory"
-    return None
-
-
-def enclosing_checkpoint_or_data(path: Path) -> Optional[str]:
-    """Where `path` lies inside a training checkpoint or a prepared data directory, what to say of it ("DIR, a
-    training checkpoint, whose files ..."); else None. Both own every file in them: a checkpoint goes whole when its run
-    prunes or replaces it, and prepared data when it is prepared again, taking what was written inside along."""
-    from fabric_lin.checkpoint import is_training_checkpoint
-    from fabric_lin.data.prepared import INDEX_FILE
-
-    for above in Path(path).absolute().parents:
-        if is_training_checkpoint(above):
-            return (f"{above}, a training checkpoint, whose files are the ones its manifest lists and go with it when "
-                    f"its run prunes or replaces it")
-        if (above / INDEX_FILE).is_file():
-            return f"{above}, a prepared data directory, whose files go with it when it is prepared again"
     return None
 
 
@@ -496,9 +481,7 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
         raise AlreadyExists(f"output_dir {output_dir} is a prepared data directory (it holds {data_files[0]}), which a "
                             f"conversion does not write into (the model's tokenizer files would replace the data's): "
                             f"choose another directory")
-    enclosing = enclosing_checkpoint_or_data(output_dir)
-    if enclosing is not None:
-        raise AlreadyExists(f"output_dir {output_dir} is inside {enclosing}: give a directory outside it")
+    check_outside_checkpoint_or_data(output_dir, "output_dir")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         kind = what_it_holds(output_dir)
         # a model that a printed suggestion's --output_dir (checkpoints/<model name>) may name; adapters stay beside one

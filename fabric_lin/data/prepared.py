@@ -21,10 +21,9 @@ from fabric_lin.data.tokenizer import (
     tokenizer_identity,
 )
 from fabric_lin.errors import InvalidValue, MissingFile
-from fabric_lin.files import read_json
+from fabric_lin.files import INDEX_FILE, read_json
 
 PREPARED_INFO_FILE = "prepared.json"
-INDEX_FILE = "index.json"
 PREPARE_RAW_TEXT = "e.g. fabric-lin prepare_text --input_dir {} --output_dir DIR --tokenizer_path TOKENIZER_DIR"
 
 
