@@ -19,7 +19,8 @@ A checkpoint directory holds:
     model_config.yaml     the model's `Config`
     tokenizer files       `fabric_lin.data.tokenizer.TOKENIZER_FILES`, when the run has a tokenizer
     trained_with.json     the tokenizer that prepared the training data (`fabric_lin.data.tokenizer.TRAINED_WITH_FILE`),
-                          which the tokenizer files must be, when the run knows it
+                          which the tokenizer files must be, when the run knows it; and the training data (its
+                          directories, their index.json digest), which evaluate compares its data with
     manifest.json         size and CRC-32 of every other file (under FSDP, each file of lit_model.pth/),
                           written last
 

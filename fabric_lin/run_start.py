@@ -269,6 +269,24 @@ def training_data_tokenizer(data: DataModule, tokenizer) -> Optional[Dict[str, A
     return {"tokenizer": tokenizer.record()} if tokenizer is not None else None
 
 
+def with_training_data(trained_with: Optional[Dict[str, Any]], data: DataModule,
+                       earlier_weights: Optional[Path]) -> Optional[Dict[str, Any]]:
+    """`trained_with` (`training_data_tokenizer`) with the data the weights are trained on, "data": what the weights
+    this run starts from (`earlier_weights`: --resume's, --initial_checkpoint_dir's) record of theirs, then this run's
+    training directories (`DataModule.training_data_record`), each once. None where `trained_with` is: the record is
+    first the tokenizer's."""
+    from fabric_lin.data.tokenizer import read_trained_with
+
+    if trained_with is None:
+        return None
+    earlier = (read_trained_with(earlier_weights) or {}).get("data") if earlier_weights is not None else None
+    record = [entry for entry in earlier if isinstance(entry, dict)] if isinstance(earlier, list) else []
+    for entry in data.training_data_record():
+        if entry not in record:
+            record.append(entry)
+    return {**trained_with, "data": record}
+
+
 def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, data_trained_with: Optional[Dict[str, Any]],
                                fix: str, log=print) -> None:
     """Refuse to train on from weights (a checkpoint or a model directory; each holds the tokenizer its model was

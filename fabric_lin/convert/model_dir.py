@@ -5,8 +5,9 @@
     model_config.yaml    `Config.save`
     tokenizer files      `fabric_lin.data.tokenizer.TOKENIZER_FILES`
     trained_with.json    the tokenizer the weights were trained with (vocab_size, sha256 of its tokenizer.model):
-                         `fabric_lin.data.tokenizer.Tokenizer` refuses another tokenizer.model put there. A
-                         directory written before it was kept has none, and loads as before
+                         `fabric_lin.data.tokenizer.Tokenizer` refuses another tokenizer.model put there; and the
+                         data they were trained on, which evaluate compares its data with. A directory written
+                         before it was kept has none, and loads as before
 
 Everything read here comes from files that travel between people, so nothing is unpickled beyond
 tensors (`torch.load(weights_only=True)`, safetensors), and file names read from an index stay

@@ -110,6 +110,11 @@ def prepared_from(info: dict) -> Optional[str]:
     return ", ".join([f"{info.get('recipe')} of {info['input_dir']}"] + read)
 
 
+# what a prepared.json says of the input of the documents it holds, which `shares_documents` compares: kept in the
+# trained_with.json of weights trained on it, for when the directory is gone
+DOCUMENT_KEYS = ("recipe", "input_dir", "pattern", "text_key", "split", "val_fraction")
+
+
 def shares_documents(val: dict, train: dict) -> Optional[str]:
     """How a validation directory and a training directory, by their prepared.json `val` and `train`, hold some of the
     same documents: prepared from one input (prepare_text's splits of it apart: a document's hash falls at or above
