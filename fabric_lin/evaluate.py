@@ -407,13 +407,14 @@ def warn_of_training_data(data: DataModule, data_origin: str, checkpoint_dir: Pa
 
     records, source = recorded_training_data(checkpoint_dir, hparams)
     for val in map(Path, data.validation_dirs()):
-        for record in records:
-            train = Path(str(record.get("dir")))
-            if train.resolve() == val.resolve():
+        for record in records:  # a file edited by hand may hold anything: what is not a record of its kind tells nothing
+            train = Path(record["dir"]) if isinstance(record.get("dir"), str) else None
+            documents = record.get("documents") if isinstance(record.get("documents"), dict) else {}
+            if train is not None and train.resolve() == val.resolve():
                 said = "is the data the model was trained on"
             else:
-                how = documents_in_common(val, data.prepared[val], record.get("index"), record.get("documents") or {})
-                said = f"holds documents of {train}, which the model was trained on: {how}" if how else None
+                how = documents_in_common(val, data.prepared[val], record.get("index"), documents)
+                said = f"holds documents of {train or 'the data'}, which the model was trained on: {how}" if how else None
             if said:
                 print(f"Warning: {data_origin}: {val} {said} (as {source} records): the loss on it is not a held-out "
                       f"loss", flush=True)

@@ -1,7 +1,8 @@
 """Reading the files a user gives (a path's leading ~ is the home directory, `expand_home`), where a file that cannot
 be parsed is one error naming it (`reading`, `read_yaml`, `read_json`; a Git LFS pointer in its place is named as
-one); writing a command's outputs: whole files, renamed into place, with the mode any new file gets; and output
-directories that a failed command removes again when it wrote nothing into them."""
+one); writing a command's outputs: whole files, renamed into place, with the mode any new file gets; output
+directories that a failed command removes again when it wrote nothing into them, and none inside a directory that owns
+every file in it (a training checkpoint, prepared data), told by the file that marks it."""
 import json
 import os
 import re
