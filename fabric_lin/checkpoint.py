@@ -19,7 +19,8 @@ A checkpoint directory holds:
     model_config.yaml     the model's `Config`
     tokenizer files       `fabric_lin.data.tokenizer.TOKENIZER_FILES`, when the run has a tokenizer
     trained_with.json     the tokenizer that prepared the training data (`fabric_lin.data.tokenizer.TRAINED_WITH_FILE`),
-                          which the tokenizer files must be, when the run knows it
+                          which the tokenizer files must be, when the run knows it; and the training data (its
+                          directories, their index.json digest), which evaluate compares its data with
     manifest.json         size and CRC-32 of every other file (under FSDP, each file of lit_model.pth/),
                           written last
 
@@ -47,13 +48,11 @@ import yaml
 
 from fabric_lin.config import CONFIG_FILE
 from fabric_lin.errors import InvalidValue, MissingFile, UserError
-from fabric_lin.files import write_error
+from fabric_lin.files import MANIFEST_FILE, STEP_FILE, is_training_checkpoint, write_error
 from fabric_lin.save_failures import all_gather_objects, failure_shared
 from fabric_lin.weights import MODEL_FILE, meta_model
 
 HPARAMS_FILE = "hyperparameters.yaml"
-STEP_FILE = "step.json"
-MANIFEST_FILE = "manifest.json"
 FINAL_DIR = "final"
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = ".damaged-"
@@ -520,12 +519,6 @@ def checkpoint_dirs(out_dir: Path) -> List[Path]:
         step = checkpoint_step(final)
         found.append((step if step is not None else float("inf"), 1, final))
     return [path for *_, path in sorted(found, reverse=True)]
-
-
-def is_training_checkpoint(directory: Path) -> bool:
-    """Whether `directory` holds what pretrain writes beside a checkpoint's weights (step.json, manifest.json): a training
-    checkpoint, whole or not, and not a model directory."""
-    return (Path(directory) / STEP_FILE).is_file() or (Path(directory) / MANIFEST_FILE).is_file()
 
 
 def explicit_resume_dir(resume: Union[str, Path]) -> Path:

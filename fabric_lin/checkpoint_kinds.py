@@ -4,7 +4,7 @@ training checkpoint, its run's hyperparameters, step and data module."""
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -22,7 +22,7 @@ from fabric_lin.checkpoint import (
 )
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule
-from fabric_lin.errors import InvalidValue, MissingFile
+from fabric_lin.errors import InvalidValue, MissingFile, UserError
 from fabric_lin.files import read_yaml
 from fabric_lin.weights import MODEL_FILE, canonical_state_dict, tensor_dict, torch_load_tensors
 
@@ -68,7 +68,7 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
             or weights_of_a_run:
         config, weights_path = find_training_checkpoint(checkpoint_dir, use="evaluate")
         state_dict = canonical_state_dict(load_model_weights(weights_path))
-        check_state_dict(state_dict, config, source=str(weights_path))
+        check_state_dict(state_dict, config, source=str(weights_path), config_file=checkpoint_dir / CONFIG_FILE)
         hparams = read_hparams(checkpoint_dir / HPARAMS_FILE) if has(HPARAMS_FILE) else None
         step = read_step(checkpoint_dir / STEP_FILE)
         return Checkpoint(TRAINING_CHECKPOINT, config, state_dict, tokenizer, hparams, step)
@@ -163,6 +163,37 @@ def is_run_data(data: DataModule, hparams: Dict[str, Any]) -> bool:
 
     recorded = hparams.get("data")
     return isinstance(recorded, dict) and but_workers(to_plain(data)) == but_workers(recorded)
+
+
+def recorded_training_data(checkpoint_dir: Path, hparams: Optional[Dict[str, Any]]) -> Tuple[List[dict], Optional[Path]]:
+    """The data the weights of `checkpoint_dir` were trained on, as `DataModule.training_data_record` entries, and the
+    file that records it: their trained_with.json's "data", else (a checkpoint of a run from before that record was
+    kept) the training directories of its hyperparameters.yaml's data module (`hparams`), as they are now; ([], None)
+    where nothing records it."""
+    from fabric_lin.data.prepared import DOCUMENT_KEYS, PREPARED_INFO_FILE
+    from fabric_lin.data.sample_order import source_key
+    from fabric_lin.data.tokenizer import TRAINED_WITH_FILE, read_trained_with
+    from fabric_lin.files import INDEX_FILE, read_json
+
+    recorded = (read_trained_with(checkpoint_dir) or {}).get("data")
+    if isinstance(recorded, list):
+        return [entry for entry in recorded if isinstance(entry, dict)], checkpoint_dir / TRAINED_WITH_FILE
+    if hparams is None or not isinstance(hparams.get("data"), dict):
+        return [], None
+    try:
+        dirs = run_data_module(hparams, checkpoint_dir / HPARAMS_FILE).training_dirs()
+    except UserError:  # a data entry that no longer loads: the evaluation names it where it reads the run's data
+        return [], None
+    entries = []
+    for directory in dirs:
+        try:
+            info = read_json(directory / PREPARED_INFO_FILE) if (directory / PREPARED_INFO_FILE).is_file() else {}
+        except UserError:  # damaged since: its index.json may still tell
+            info = {}
+        entries.append({"dir": str(directory.absolute()),
+                        "index": source_key(directory) if (directory / INDEX_FILE).is_file() else None,
+                        "documents": {key: info[key] for key in DOCUMENT_KEYS if key in info}})
+    return entries, checkpoint_dir / HPARAMS_FILE
 
 
 def check_run_data_is_there(data: DataModule, path: Path) -> None:

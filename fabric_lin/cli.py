@@ -25,8 +25,8 @@ from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 from fabric_lin.cli_config_files import (check_config_files, check_no_variable_in_paths,  # noqa: E402
-                                         check_temperatures, config_file_being_read, config_file_of,
-                                         files_holding_key, option_values)
+                                         check_stop_strings, check_temperatures, config_file_being_read,
+                                         config_file_of, files_holding_key, option_values)
 from fabric_lin.errors import (DEBUG_ENV, FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, debug_enabled,  # noqa: E402
                                named_for_rank, process_rank, sigterm_interrupts)
 
@@ -231,7 +231,10 @@ def option_meant(words: List[str], command: str, argv: Sequence[str]) -> Optiona
     if command not in COMMANDS:
         return None
     parameters = inspect.signature(load_command(command)).parameters.values()
-    cut = text_cut_at_its_spaces(words, [p.name for p in parameters if p.annotation is str], list(argv))
+    # options of text: a str, or a str or a list of them (generate's --stop), not an optional one (--device)
+    text_options = [p.name for p in parameters if str in (typing.get_args(p.annotation) or (p.annotation,))
+                    and type(None) not in typing.get_args(p.annotation)]
+    cut = text_cut_at_its_spaces(words, text_options, list(argv))
     if cut is not None:
         return cut
     first_option = next((p for p in parameters if p.default is not inspect.Parameter.empty
@@ -704,6 +707,7 @@ def run(argv: List[str]) -> None:
         raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
     if "generate" in argv:  # also after a --config given before it
         check_temperatures(argv)
+        check_stop_strings(argv)
     if argv and argv[0] == "pretrain" and not option_values(argv, "--out_dir"):
         from fabric_lin.run_start import check_config_of_a_moved_run
 

@@ -5,7 +5,7 @@ import importlib
 import os
 import re
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 
 def option_values(argv: List[str], option: str) -> List[str]:
@@ -67,35 +67,46 @@ def config_file_of(error: Optional[BaseException]) -> Optional[str]:
     return None
 
 
-def check_temperatures(argv: List[str]) -> None:
-    """generate's temperatures refused as generate refuses them, before jsonargparse reads them: it takes no inf or nan
-    for a float and says only "expected float" (argparse takes -inf for an option), while a file's `.inf` or -1
-    reached generate, which named the option. Each --temperature value and the temperature of each --config (a file,
-    named in the error, or inline YAML; one before the subcommand under `generate:`), each as jsonargparse reads it,
-    also one that a later one replaces."""
+def generate_config_values(argv: List[str], key: str) -> List[Tuple[Any, str, bool]]:
+    """generate's `key` as each --config of the command line `argv` gives it (a file or inline YAML; one before the
+    subcommand under `generate:`), also one that a later one replaces: (the value as YAML reads it, the --config value,
+    whether that is a file). A --config that is not YAML gives none: jsonargparse names what is wrong with it."""
     import yaml
 
-    from fabric_lin.errors import InvalidValue, UserError
+    from fabric_lin.errors import UserError
     from fabric_lin.files import is_a, read_yaml
-    from fabric_lin.generate import check_generation_args
 
     at = subcommand_at(argv, "generate")
-    for value in option_values(argv[at + 1:], "--temperature"):
-        try:
-            temperature = float(value)
-        except ValueError:
-            continue  # not a number: jsonargparse says so
-        check_generation_args(0, temperature, None, option_prefix="--")
+    found = []
     for before, value in [(True, value) for value in option_values(argv[:at], "--config")] + [
             (False, value) for value in option_values(argv[at + 1:], "--config")]:
         path = Path(value).expanduser()
         try:
             content = read_yaml(path) if is_a(path, "file") else yaml.safe_load(value)
         except (UserError, yaml.YAMLError):
-            continue  # jsonargparse names what is wrong with it
+            continue
         if before:
             content = content.get("generate") if isinstance(content, dict) else None
-        given = content.get("temperature") if isinstance(content, dict) else None
+        if isinstance(content, dict) and key in content:
+            found.append((content[key], value, is_a(path, "file")))
+    return found
+
+
+def check_temperatures(argv: List[str]) -> None:
+    """generate's temperatures refused as generate refuses them, before jsonargparse reads them: it takes no inf or nan
+    for a float and says only "expected float" (argparse takes -inf for an option), while a file's `.inf` or -1
+    reached generate, which named the option. Each --temperature value and the temperature of each --config (a file,
+    named in the error, or inline YAML), each as jsonargparse reads it."""
+    from fabric_lin.errors import InvalidValue
+    from fabric_lin.generate import check_generation_args
+
+    for value in option_values(argv[subcommand_at(argv, "generate") + 1:], "--temperature"):
+        try:
+            temperature = float(value)
+        except ValueError:
+            continue  # not a number: jsonargparse says so
+        check_generation_args(0, temperature, None, option_prefix="--")
+    for given, value, is_file in generate_config_values(argv, "temperature"):
         if isinstance(given, bool) or not isinstance(given, (int, float, str)):
             continue  # none given, or no number: jsonargparse says so
         try:
@@ -105,7 +116,41 @@ def check_temperatures(argv: List[str]) -> None:
         try:
             check_generation_args(0, temperature, None)
         except InvalidValue as refused:
-            raise InvalidValue(f"{refused} (in {value})" if is_a(path, "file") else str(refused)) from None
+            raise InvalidValue(f"{refused} (in {value})" if is_file else str(refused)) from None
+
+
+def one_plain_item(value: str) -> Optional[str]:
+    """The item of `value` where it is YAML's list of one string written without quotes (`[END]`, `[/INST]`), which
+    jsonargparse reads as that list, where a stop string may well be the bracketed text itself; else None."""
+    import yaml
+
+    try:
+        items = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return None
+    if isinstance(items, list) and len(items) == 1 and isinstance(items[0], str) and not re.search("[\"']", value):
+        return items[0]
+    return None
+
+
+def check_stop_strings(argv: List[str]) -> None:
+    """generate's --stop of one plain item in brackets (`--stop '[END]'`, and `stop: '[END]'`, text in a YAML file),
+    which jsonargparse reads as a list of that one stop string, refused with how to give either: the text in brackets,
+    or the item. A list of several (`[a, b]`) is a list; so is a YAML list (`stop: [END]`)."""
+    from fabric_lin.errors import InvalidValue
+
+    for value in option_values(argv[subcommand_at(argv, "generate") + 1:], "--stop"):
+        item = one_plain_item(value)
+        if item is not None:
+            raise InvalidValue(f"--stop {value} reads as a list of one stop string, {item}: to stop at the text "
+                               f"{value.strip()}, give it quoted in a list, --stop '[\"{value.strip()}\"]'; to stop at "
+                               f"{item}, --stop {item}")
+    for given, value, is_file in generate_config_values(argv, "stop"):
+        item = one_plain_item(given) if isinstance(given, str) else None
+        if item is not None:
+            raise InvalidValue(f"stop: '{given}'{f' (in {value})' if is_file else ''} reads as a list of one stop "
+                               f"string, {item}: to stop at the text {given.strip()}, write it quoted in a list, "
+                               f"stop: ['{given.strip()}']; to stop at {item}, stop: {item}")
 
 
 def subcommand_at(argv: List[str], command: str) -> int:

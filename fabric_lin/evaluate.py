@@ -30,6 +30,7 @@ from fabric_lin.checkpoint_kinds import (
     is_run_data,
     load_checkpoint,
     plain_value,
+    recorded_training_data,
     run_data_module,
 )
 from fabric_lin.cpu_cores import loader_workers
@@ -184,6 +185,7 @@ def main(
         if data_of_run:
             check_run_data_is_there(data, checkpoint_dir / HPARAMS_FILE)
         setup_validation_data(data, data_origin, checkpoint, checkpoint_dir, batch_size)
+        warn_of_training_data(data, data_origin, checkpoint_dir, checkpoint.hparams)
         validation_loader(data, data_origin, max(seq_lens))
         if checkpoint.tokenizer is None and data.validation_dirs():  # else setup_validation() checked the data with it
             check_data_tokenizer(checkpoint_dir, data, data_origin)
@@ -393,6 +395,30 @@ def setup_validation_data(data: DataModule, data_origin: str, checkpoint: "Check
             f"{e.model_vocab} embeddings of the model of {checkpoint_dir}: its ids are not those of the tokenizer the model "
             f"was trained with; evaluate on data prepared with that tokenizer"
         ) from None
+
+
+def warn_of_training_data(data: DataModule, data_origin: str, checkpoint_dir: Path,
+                          hparams: Optional[Dict[str, Any]]) -> None:
+    """Say in one line where the validation data is data the model was trained on, as its weights record it
+    (`recorded_training_data`): the same directory, a copy of it (one index.json) or documents of the same input
+    (`documents_in_common`, the comparison of a data module's validation and training directories): the loss is then
+    no held-out loss. `data_origin`: where `data` comes from, as the line names it."""
+    from fabric_lin.data.base import documents_in_common
+
+    records, source = recorded_training_data(checkpoint_dir, hparams)
+    for val in map(Path, data.validation_dirs()):
+        for record in records:  # a file edited by hand may hold anything: what is not a record of its kind tells nothing
+            train = Path(record["dir"]) if isinstance(record.get("dir"), str) else None
+            documents = record.get("documents") if isinstance(record.get("documents"), dict) else {}
+            if train is not None and train.resolve() == val.resolve():
+                said = "is the data the model was trained on"
+            else:
+                how = documents_in_common(val, data.prepared[val], record.get("index"), documents)
+                said = f"holds documents of {train or 'the data'}, which the model was trained on: {how}" if how else None
+            if said:
+                print(f"Warning: {data_origin}: {val} {said} (as {source} records): the loss on it is not a held-out "
+                      f"loss", flush=True)
+                return
 
 
 def validation_loader(data: DataModule, data_origin: str, seq_len: int):

@@ -1,7 +1,8 @@
 """Reading the files a user gives (a path's leading ~ is the home directory, `expand_home`), where a file that cannot
 be parsed is one error naming it (`reading`, `read_yaml`, `read_json`; a Git LFS pointer in its place is named as
-one); writing a command's outputs: whole files, renamed into place, with the mode any new file gets; and output
-directories that a failed command removes again when it wrote nothing into them."""
+one); writing a command's outputs: whole files, renamed into place, with the mode any new file gets; output
+directories that a failed command removes again when it wrote nothing into them, and none inside a directory that owns
+every file in it (a training checkpoint, prepared data), told by the file that marks it."""
 import json
 import os
 import re
@@ -17,6 +18,11 @@ DAMAGED_FILE_FIX = "it may be truncated or damaged (an interrupted copy or downl
 LFS_POINTER_START = b"version https://git-lfs.github.com/spec/v1\n"
 LFS_POINTER_MAX_BYTES = 1024
 LFS_POINTER_FIX = "fetch it with `git lfs pull` in its clone (after `git lfs install`)"
+# the directories that own every file in them, told by a file of their own: a training checkpoint (what pretrain writes
+# beside its weights) and prepared data (litdata's index of its chunks)
+STEP_FILE = "step.json"
+MANIFEST_FILE = "manifest.json"
+INDEX_FILE = "index.json"
 
 
 def is_lfs_pointer(path: Union[str, Path]) -> bool:
@@ -237,11 +243,40 @@ def check_dir_can_be_made(path: Union[str, Path], named: str = "directory") -> N
 
 
 def check_empty_output_dir(path: Union[str, Path]) -> None:
-    """Refuse an --output_dir that holds anything (what is there would be read with what is written) or that a file
-    is in the way of; one that is empty or not there yet is taken."""
+    """Refuse an --output_dir that holds anything (what is there would be read with what is written), that a file
+    is in the way of, or that lies inside a training checkpoint or prepared data; one that is empty or not there yet
+    is taken."""
     check_dir_can_be_made(path, "--output_dir")
+    check_outside_checkpoint_or_data(path, "--output_dir")
     if Path(path).is_dir() and any(Path(path).iterdir()):
         raise AlreadyExists(f"Output directory {path} exists and is not empty: delete it or pick another")
+
+
+def is_training_checkpoint(directory: Union[str, Path]) -> bool:
+    """Whether `directory` holds what pretrain writes beside a checkpoint's weights (step.json, manifest.json): a training
+    checkpoint, whole or not, and not a model directory."""
+    return (Path(directory) / STEP_FILE).is_file() or (Path(directory) / MANIFEST_FILE).is_file()
+
+
+def enclosing_checkpoint_or_data(path: Union[str, Path]) -> Optional[str]:
+    """Where `path` lies inside a training checkpoint or a prepared data directory, what to say of it ("DIR, a
+    training checkpoint, whose files ..."); else None. Both own every file in them: a checkpoint goes whole when its run
+    prunes or replaces it, and prepared data when it is prepared again, taking what was written inside along."""
+    for above in Path(path).absolute().parents:
+        if is_training_checkpoint(above):
+            return (f"{above}, a training checkpoint, whose files are the ones its manifest lists and go with it when "
+                    f"its run prunes or replaces it")
+        if (above / INDEX_FILE).is_file():
+            return f"{above}, a prepared data directory, whose files go with it when it is prepared again"
+    return None
+
+
+def check_outside_checkpoint_or_data(path: Union[str, Path], named: str) -> None:
+    """Refuse an output directory (given as the option `named`) inside a training checkpoint or prepared data: what is
+    written there would go with them."""
+    enclosing = enclosing_checkpoint_or_data(path)
+    if enclosing is not None:
+        raise AlreadyExists(f"{named} {path} is inside {enclosing}: give a directory outside it")
 
 
 def short_list(items: Iterable, limit: int = 12) -> str:

@@ -3,12 +3,13 @@
 GLA decodes with its recurrent state (one [B, H, K, V] tensor per layer, whatever the length);
 the transformer baseline with a growing key/value cache.
 """
+import json
 import math
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
 
@@ -142,24 +143,43 @@ def stop_string(typed: str) -> str:
     return re.sub(r"\\([ntr\\])", lambda m: STOP_ESCAPES[m.group(1)], typed)
 
 
-class StopString:
-    """Generated text as it may be printed, up to the first occurrence of `stop`, which is left out: text that may
-    begin it is held back until the next text tells (or the generation ends, `rest`)."""
+def stop_strings(stop: Union[str, List[str]]) -> List[str]:
+    """--stop as the list of stop strings it gives: one string (none where empty), or a list of them in brackets, each
+    as `stop_string` reads it. A value in brackets that YAML does not read as a list of strings (`[Q:, A:]`, an item
+    with a colon and a space; `[3]`, a number) reaches here as text, and is refused with how to quote its items."""
+    if isinstance(stop, str):
+        text = stop.strip()
+        if text.startswith("[") and text.endswith("]"):
+            quoted = ", ".join(json.dumps(item.strip()) for item in text[1:-1].split(","))
+            raise InvalidValue(f"--stop {stop} is in brackets, as a list of stop strings is, but YAML does not read it as "
+                               f"a list of strings: quote its items, --stop '[{quoted}]', or, to stop at the text "
+                               f"{text} itself, --stop '[{json.dumps(text)}]'")
+        return [stop_string(stop)] if stop else []
+    if not all(isinstance(item, str) and item for item in stop):
+        raise InvalidValue(f"--stop {stop}: expected a list of stop strings, none of them empty")
+    return [stop_string(item) for item in stop]
 
-    def __init__(self, stop: str):
-        self.stop, self.held, self.found = stop, "", False
+
+class StopString:
+    """Generated text as it may be printed, up to the first occurrence of any of the strings `stops`, which is left
+    out: text that may begin one of them is held back until the next text tells (or the generation ends, `rest`)."""
+
+    def __init__(self, stops: List[str]):
+        self.stops, self.held, self.found = stops, "", False
 
     def add(self, new: str) -> str:
         """What of the generated text so far can be printed now, besides what was; "" once `found`."""
         if self.found:
             return ""
         text = self.held + new
-        at = text.find(self.stop)
+        at = min((i for i in (text.find(stop) for stop in self.stops) if i >= 0), default=-1)
         if at >= 0:
             self.found, self.held = True, ""
             return text[:at]
-        # the longest end of the text that the stop string begins with waits
-        held = next((k for k in range(min(len(text), len(self.stop) - 1), 0, -1) if self.stop.startswith(text[-k:])), 0)
+        # the longest end of the text that a stop string begins with waits (no earlier end of the text can begin one:
+        # it would have waited, being longer)
+        held = max(next((k for k in range(min(len(text), len(stop) - 1), 0, -1) if stop.startswith(text[-k:])), 0)
+                   for stop in self.stops)
         self.held = text[len(text) - held:] if held else ""
         return text[:len(text) - held]
 
@@ -231,7 +251,7 @@ def main(
     prompt: str = DEFAULT_PROMPT,
     prompt_file: Optional[Path] = None,
     max_new_tokens: int = 50,
-    stop: str = "",
+    stop: Union[str, List[str]] = "",
     temperature: float = 0.8,
     top_k: Optional[int] = 50,
     seed: int = 1234,
@@ -249,9 +269,10 @@ def main(
             one line end at its end, which editors add, is left out. `-` reads standard input. An empty file is an
             empty prompt.
         max_new_tokens: how many tokens to sample at most (stops early at the end-of-text token).
-        stop: stop once the generated text (not the prompt) contains this string; the text printed ends before it,
-            as OpenAI-style APIs and vLLM leave their stop sequences out. \\n in it is a new line, \\t a tab, \\r a
-            carriage return and \\\\ a backslash, so --stop '\\n' stops at the end of a line.
+        stop: stop once the generated text (not the prompt) contains this string, or any string of a list of them
+            (--stop '[a, b]', quoted items where one holds a colon, a comma or brackets: '["Q:", "[END]"]'); the text
+            printed ends before it, as OpenAI-style APIs and vLLM leave their stop sequences out. \\n in it is a new
+            line, \\t a tab, \\r a carriage return and \\\\ a backslash, so --stop '\\n' stops at the end of a line.
         temperature: 0 for greedy decoding; higher is more random (a finite number).
         top_k: sample only among the k most likely tokens; 0 or null: no top-k filter (all tokens).
         seed: random seed for sampling.
@@ -276,7 +297,7 @@ def main(
             raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
         prompt = read_prompt_file(Path(prompt_file))
     check_prompt(prompt)
-    stop = stop_string(stop)
+    stops = stop_strings(stop)
 
     tokenizer = Tokenizer(checkpoint_dir, "checkpoint_dir")
     config = Config.from_checkpoint(checkpoint_dir)
@@ -305,7 +326,7 @@ def main(
     text = GrowingText(tokenizer, prompt_tokens.tolist())
     printed = text.text
     print(printed, end="", flush=True)
-    until = StopString(stop) if stop else None
+    until = StopString(stops) if stops else None
     count, start = 0, time.perf_counter()
     try:
         for token in tokens:

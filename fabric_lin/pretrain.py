@@ -70,6 +70,7 @@ from fabric_lin.run_start import (
     resume_hint,
     run_tokenizer_dir,
     training_data_tokenizer,
+    with_training_data,
 )
 from fabric_lin.save_failures import CheckpointFileIO
 from fabric_lin.stopping import StepFlags, StopRequest
@@ -311,6 +312,7 @@ def main(
         elif initial_checkpoint_dir is not None:
             check_trained_on_these_ids(initial_checkpoint_dir, "--initial_checkpoint_dir", tokenizer, trained_with, fix=(
                 f"prepare the data with --tokenizer_path {initial_checkpoint_dir}"), log=fabric.print)
+        trained_with = with_training_data(trained_with, data, resume_dir or initial_checkpoint_dir)
         if tokenizer is None:  # said once the data is found good: a mistake in its paths is the error to show
             fabric.print(
                 f"Warning: no tokenizer (--tokenizer_dir, or a data module that has one): the checkpoints will hold "

@@ -19,8 +19,9 @@ from fabric_lin.checkpoint import (
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.data import DataModule
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile, UserError
-from fabric_lin.files import is_a, read_yaml, short_list
+from fabric_lin.files import check_outside_checkpoint_or_data, is_a, read_yaml, short_list
 from fabric_lin.metrics import METRICS_FILE, recorded_checkpoints
+from fabric_lin.weights import config_outline, weights_outline
 
 
 def check_initial_checkpoint_dir(model_dir: Path, resume: Union[bool, str, Path, None], out_dir: Path) -> None:
@@ -56,13 +57,11 @@ def check_out_dir_is_no_model_or_data(out_dir: Path) -> None:
     directory, most likely a path typed for another flag: the run would write its checkpoints, logs and metrics into
     it, mixing a run with the model or the data. Named with the flag that reads such a directory. An out_dir inside a
     training checkpoint or prepared data is refused too: the run would go with them."""
-    from fabric_lin.convert.model_dir import enclosing_checkpoint_or_data, what_it_holds
+    from fabric_lin.convert.model_dir import what_it_holds
     from fabric_lin.data.prepared import INDEX_FILE
 
     out_dir = Path(out_dir)
-    enclosing = enclosing_checkpoint_or_data(out_dir)
-    if enclosing is not None:
-        raise AlreadyExists(f"--out_dir {out_dir} is inside {enclosing}: give a directory outside it")
+    check_outside_checkpoint_or_data(out_dir, "--out_dir")
     if not out_dir.is_dir():
         return
     kind = what_it_holds(out_dir) or ("a prepared data directory" if (out_dir / INDEX_FILE).is_file() else None)
@@ -182,14 +181,15 @@ def how_to_continue_without_the_peer(out_dir: Path, resume: Union[bool, str, Pat
 
 
 def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str, torch.Tensor]:
-    """The weights of a model directory, checked against `config` (a model of another family refused in one line;
-    names, shapes, dtypes: each mismatch listed, and where they are the model of the directory's model_config.yaml,
-    the flag that builds that one); a
-    model_config.yaml there that differs from `config` in fields that keep the shapes (eps, RoPE base, ...) is
-    reported, not refused: continued pretraining may change them on purpose."""
+    """The weights of a model directory, checked against `config`: a model of another family, depth or width refused
+    in one line, with the flag that builds the directory's model where the weights are that of its model_config.yaml;
+    a few tensors' names, shapes or dtypes that differ listed. A model_config.yaml there that differs from `config` in
+    fields that keep the shapes (eps, RoPE base, ...) is reported, not refused: continued pretraining may change them
+    on purpose."""
     from fabric_lin.convert.model_dir import (
         check_state_dict,
         load_model_dir_weights,  # weights_only
+        weights_file,
     )
 
     saved_config = Path(model_dir) / CONFIG_FILE
@@ -211,13 +211,15 @@ def load_initial_weights(model_dir: Path, config: Config, log=print) -> Dict[str
                 + ", ".join(f"{k} ({a!r} there, {b!r} here)" for k, (a, b) in sorted(differ.items()))
             )
     state = load_model_dir_weights(model_dir)
-    try:
-        check_state_dict(state, config, source=str(model_dir))
-    except InvalidValue as mismatch:
+    if not fits(state, config):
+        fix = None  # the weights of no model at hand: what differs is told alone
         if saved is not None and fits(state, saved):
-            raise InvalidValue(f"{mismatch}\n  they are the model of its {CONFIG_FILE}: start this run with "
-                               f"{saved.flag(saved_config)}") from None
-        raise
+            fix = f"they are the model of its {CONFIG_FILE}: start this run with {saved.flag(saved_config)}"
+        elif saved is not None and not weights_outline(state).same_model(config_outline(saved)):
+            fix = (f"nor are they the model of its {CONFIG_FILE}, {saved.name}: put back the {CONFIG_FILE} written "
+                   f"with these weights, then start this run with the model it names")
+        check_state_dict(state, config, source=f"--initial_checkpoint_dir {weights_file(model_dir)}",
+                         model_is="this run builds", fix=fix)
     return state
 
 
@@ -265,6 +267,24 @@ def training_data_tokenizer(data: DataModule, tokenizer) -> Optional[Dict[str, A
     if None not in tokenizer_identity(info):
         return {"tokenizer": info["tokenizer"]}
     return {"tokenizer": tokenizer.record()} if tokenizer is not None else None
+
+
+def with_training_data(trained_with: Optional[Dict[str, Any]], data: DataModule,
+                       earlier_weights: Optional[Path]) -> Optional[Dict[str, Any]]:
+    """`trained_with` (`training_data_tokenizer`) with the data the weights are trained on, "data": what the weights
+    this run starts from (`earlier_weights`: --resume's, --initial_checkpoint_dir's) record of theirs, then this run's
+    training directories (`DataModule.training_data_record`), each once. None where `trained_with` is: the record is
+    first the tokenizer's."""
+    from fabric_lin.data.tokenizer import read_trained_with
+
+    if trained_with is None:
+        return None
+    earlier = (read_trained_with(earlier_weights) or {}).get("data") if earlier_weights is not None else None
+    record = [entry for entry in earlier if isinstance(entry, dict)] if isinstance(earlier, list) else []
+    for entry in data.training_data_record():
+        if entry not in record:
+            record.append(entry)
+    return {**trained_with, "data": record}
 
 
 def check_trained_on_these_ids(weights_dir: Path, option: str, tokenizer, data_trained_with: Optional[Dict[str, Any]],

@@ -1,13 +1,16 @@
 """A model's weights as files hold them: the file name, loading tensors without unpickling anything else,
-the parameter names free of the wrappers' prefixes, and a model of the right shapes that holds no memory.
+the parameter names free of the wrappers' prefixes, a model of the right shapes that holds no memory, and what model
+a set of weights is at a glance (family, layers, width), for the error of weights beside another model's config.
 Used by the training checkpoint (fabric_lin.checkpoint), the FSDP shard reader (fabric_lin.sharded_checkpoint)
 and the model directories of fabric_lin.convert alike."""
 import contextlib
 import os
 import pickle
+import re
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -39,6 +42,53 @@ def canonical_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch
             raise InvalidValue(f"two tensors map to {clean!r} once the wrappers' prefixes are removed (one is {name!r})")
         out[clean] = tensor
     return out
+
+
+FAMILY_NAMES = {"gla": "GLA", "gdn": "Gated DeltaNet", "deltanet": "DeltaNet", "transformer": "Transformer"}
+# a tensor of the layers of one family alone (GDN's layers hold a b_proj too, so A_log is looked for first); a
+# transformer's layers, and a hybrid's attention layers, hold none of them
+FAMILY_TENSORS = (("gdn", "attn.A_log"), ("gla", "attn.gk_proj.0.weight"), ("deltanet", "attn.b_proj.weight"))
+_LAYER_TENSOR = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class Outline:
+    """What a model is at a glance: its family (a Config's block_type), number of layers and width (hidden size)."""
+    family: str
+    layers: int
+    width: Optional[int]
+    sign: str = ""  # in the weights, the tensor that tells the family
+
+    def __str__(self) -> str:
+        width = f", width {self.width}" if self.width is not None else ""
+        layers = f"{self.layers} layer{'' if self.layers == 1 else 's'}"
+        return f"a {FAMILY_NAMES[self.family]} model ({layers}{width}{self.sign})"
+
+    def same_model(self, other: "Outline") -> bool:
+        return (self.family, self.layers, self.width) == (other.family, other.layers, other.width)
+
+
+def config_outline(config: Config) -> Outline:
+    return Outline(config.block_type, config.num_layers, config.hidden_size)
+
+
+def weights_outline(state_dict: Dict[str, torch.Tensor]) -> Outline:
+    """The family, layer count and width of the model whose weights (canonical names) `state_dict` holds: the family told
+    by the tensors its layers hold, the layers by their indices, the width by the embeddings."""
+    layer_tensors = {}
+    for name in state_dict:
+        match = _LAYER_TENSOR.fullmatch(name)
+        if match:
+            layer_tensors.setdefault(match[2], set()).add(int(match[1]))
+    family, sign = "transformer", f"; its layers hold none of {', '.join(t for _, t in FAMILY_TENSORS)}"
+    for block_type, tensor in FAMILY_TENSORS:
+        if tensor in layer_tensors:
+            family, sign = block_type, f"; its layers hold {tensor}"
+            break
+    layers = 1 + max((i for indices in layer_tensors.values() for i in indices), default=-1)
+    embeddings = state_dict.get("embeddings.weight")
+    width = embeddings.shape[-1] if embeddings is not None and embeddings.dim() == 2 else None
+    return Outline(family, layers, width, sign)
 
 
 def meta_model(config: Config) -> nn.Module:

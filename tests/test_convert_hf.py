@@ -266,7 +266,8 @@ def test_import_refuses_unsupported_fla_features_and_bad_files(tmp_path):
         convert_from_hf(tmp_path / "hf", tmp_path / "back")
 
     cfg_path.write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
-    with pytest.raises(ValueError, match=r"missing \(14\): layers.2"):
+    with pytest.raises(ValueError, match=r"hf holds a GLA model \(2 layers, .* and .*config.json describes gla-debug, a GLA "
+                                         r"model \(3 layers, width 128\): .* put back the config.json written with these"):
         convert_from_hf(tmp_path / "hf", tmp_path / "back")
 
     cfg_path.write_text(json.dumps(cfg))

@@ -271,3 +271,29 @@ def test_a_directory_the_file_system_will_not_make_is_named_in_one_line_and_noth
         with created_dir(target):
             pass
     assert list(tmp_path.iterdir()) == []  # the "a" it made on the way is taken back
+
+
+@pytest.mark.parametrize("command", ["prepare_text", "train_tokenizer", "prepare_slimpajama"])
+def test_a_preparation_s_output_dir_inside_a_checkpoint_or_prepared_data_is_refused(tmp_path, capsys, command):
+    """prepare_text's, the recipes' and train_tokenizer's --output_dir inside a training checkpoint (told by its
+    step.json or manifest.json) or a prepared data directory (its index.json): what is written there would go with them
+    when the run prunes or replaces the checkpoint, or the data is prepared again. One line, before any input is read,
+    nothing made; as pretrain's --out_dir and the converters' --output_dir are refused."""
+    from helpers import cli_error
+
+    checkpoint, data = tmp_path / "run" / "step-00000002", tmp_path / "data" / "train"
+    for directory, marker in ((checkpoint, "step.json"), (data, "index.json")):
+        directory.mkdir(parents=True)
+        (directory / marker).write_text("{}")
+    tokenizer = tmp_path / "tok"  # not read: the output dir is refused first
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.jsonl.zst").write_bytes(b"")  # nor is the input
+    for inside, holder, kind in ((checkpoint / "tok", checkpoint, "a training checkpoint, whose files are the ones its "
+                                  "manifest lists and go with it when its run prunes or replaces it"),
+                                 (data / "more" / "fineweb", data, "a prepared data directory, whose files go with it "
+                                  "when it is prepared again")):
+        argv = [command, "--input_dir", str(tmp_path / "raw"), "--output_dir", str(inside)]
+        argv += [] if command == "train_tokenizer" else ["--tokenizer_path", str(tokenizer)]
+        assert cli_error(argv, capsys) == (f"fabric-lin {command}: error: --output_dir {inside} is inside {holder}, "
+                                           f"{kind}: give a directory outside it\n")
+        assert not inside.exists() and not (data / "more").exists()

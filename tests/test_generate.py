@@ -551,31 +551,6 @@ def test_readmes_python_lines_run_as_written(tmp_path, capsys):
     assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[name], state[name]) for name in state)
 
 
-def test_generate_stops_before_the_stop_string(tmp_path, capsys):
-    """--stop: the text printed and returned is the prompt and the generated text up to the stop string's first
-    occurrence in it (a piece of the text that the model makes when not stopped, spanning tokens), left out, and the
-    model samples no token past it; a stop string that never comes holds nothing back."""
-    from fabric_lin.generate import main as generate
-
-    make_model_dir(tmp_path / "model", small_config())
-    prompt = "the model"
-    full = generate(tmp_path / "model", prompt=prompt, max_new_tokens=30, temperature=0.0, device="cpu")
-    generated = full[len(prompt):]
-    assert full.startswith(prompt) and len(generated) > 12
-    stop = generated[8:12]  # three characters before it and after it would be held back, were they its start
-    expected = prompt + generated[:generated.find(stop)]
-    capsys.readouterr()
-    text = generate(tmp_path / "model", prompt=prompt, max_new_tokens=30, temperature=0.0, device="cpu", stop=stop)
-    out, err = capsys.readouterr()
-    assert text == expected and out == expected + "\n"
-    assert int(err.split(" tokens in ")[0]) < 30
-    assert generate(tmp_path / "model", prompt=prompt, max_new_tokens=30, temperature=0.0, device="cpu",
-                    stop=generated[-3:] + "\x00") == full  # its start, the text's last characters, printed at the end
-    # a stop string in the prompt alone stops nothing
-    assert generate(tmp_path / "model", prompt=prompt, max_new_tokens=30, temperature=0.0, device="cpu",
-                    stop=prompt) == full
-
-
 def test_generate_reads_the_prompt_from_a_file(tmp_path, capsys):
     """--prompt_file: the file's UTF-8 text is the prompt (less the line end an editor adds; a byte order mark left
     out), `-` standard input; a file that is missing, a directory, in another encoding, or given with --prompt too is
@@ -664,27 +639,6 @@ def test_generate_an_empty_prompt_without_end_of_text_is_one_line(tmp_path, caps
     assert err.startswith("fabric-lin generate: error: --prompt '' is empty, and the tokenizer has no end-of-text token "
                           f"to start a document after ({tmp_path / 'model' / 'tokenizer.model'} (vocab_size=64"), err
     assert err.endswith("): expected a prompt of at least one token\n"), err
-
-
-@pytest.mark.parametrize("typed, meant", [("\\n", "\n"), ("a\\tb", "a\tb"), ("\\r\\n", "\r\n"), ("\\\\n", "\\n"),
-                                          ("\n", "\n"), ("\\d+", "\\d+"), ("end\\", "end\\")])
-def test_generate_stop_reads_the_escapes_that_a_shell_leaves(tmp_path, capsys, monkeypatch, typed, meant):
-    """`--stop "\\n"` on a shell is a backslash and an n, which generated text hardly ever holds: it is a new line, as
-    \\t a tab, \\r a carriage return and \\\\ a backslash; a backslash before anything else, or at the end, is itself."""
-    import fabric_lin.generate as generate_module
-    from fabric_lin.cli import main as cli_main
-
-    stops = []
-
-    class RecordedStop(generate_module.StopString):
-        def __init__(self, stop):
-            stops.append(stop)
-            super().__init__(stop)
-
-    monkeypatch.setattr(generate_module, "StopString", RecordedStop)
-    make_model_dir(tmp_path / "model", small_config())
-    cli_main(["generate", str(tmp_path / "model"), "--stop", typed, "--max_new_tokens", "2", "--device", "cpu"])
-    assert stops == [meant]
 
 
 def test_generate_refuses_softmax_attention_past_its_max_seq_length(tmp_path, capsys, monkeypatch):

@@ -434,8 +434,8 @@ def test_initial_checkpoint_dir_is_checked_against_the_model(tmp_path, capsys):
 
 
 def test_initial_weights_of_another_model_name_the_flag_of_their_own(tmp_path):
-    """A model directory's weights given to a run of another model (two layers where they have four): the mismatch is
-    listed, then the flag that builds the directory's model: --model_name where its model_config.yaml is a named model,
+    """A model directory's weights given to a run of another model (two layers where they have four): one line names
+    both, then the flag that builds the directory's model: --model_name where its model_config.yaml is a named model,
     else --model_config of that file."""
     from fabric_lin.convert.model_dir import save_model_dir
 
@@ -446,9 +446,10 @@ def test_initial_weights_of_another_model_name_the_flag_of_their_own(tmp_path):
         with pytest.raises(ValueError) as info:
             setup_pretrain(tmp_path, model_name=None, model_config=Config.from_name("gla-debug", num_layers=2),
                            initial_checkpoint_dir=tmp_path / "model")
-        lines = str(info.value).splitlines()
-        assert lines[0] == f"{tmp_path / 'model'} does not match the model:" and lines[1].startswith("  unexpected (28): layers.2.")
-        assert lines[-1] == f"  they are the model of its model_config.yaml: start this run with {flag}"
+        assert str(info.value) == (
+            f"--initial_checkpoint_dir {tmp_path / 'model' / 'lit_model.pth'} holds a GLA model (4 layers, width 128; its "
+            f"layers hold attn.gk_proj.0.weight) and this run builds gla-debug, a GLA model (2 layers, width 128): they "
+            f"are the model of its model_config.yaml: start this run with {flag}")
         shutil.rmtree(tmp_path / "model")
     assert not (tmp_path / "out").exists()
 

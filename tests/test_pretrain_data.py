@@ -178,7 +178,7 @@ def test_no_tokenizer_is_warned_of(tmp_path, prepared, capsys):
     final = tmp_path / "out" / "final"
     assert not (final / "tokenizer.model").exists()
     data_tokenizer = json.loads((prepared / "tokens" / "prepared.json").read_text())["tokenizer"]
-    assert json.loads((final / "trained_with.json").read_text()) == {"tokenizer": data_tokenizer}
+    assert json.loads((final / "trained_with.json").read_text())["tokenizer"] == data_tokenizer
 
 
 def test_hyperparameters_yaml_holds_absolute_paths(tmp_path, monkeypatch, prepared):
@@ -398,7 +398,7 @@ def test_checkpoints_record_the_data_s_tokenizer_which_another_tokenizer_model_c
     convert_pretrained_checkpoint(final, model)
     data_tokenizer = json.loads((prepared / "tokens300" / "prepared.json").read_text())["tokenizer"]
     for directory in (final, model):
-        assert json.loads((directory / "trained_with.json").read_text()) == {"tokenizer": data_tokenizer}
+        assert json.loads((directory / "trained_with.json").read_text())["tokenizer"] == data_tokenizer
 
     sha = {name: hashlib.sha256((prepared / name / "tokenizer.model").read_bytes()).hexdigest()[:12]
            for name in ("tok300", "tok300b")}

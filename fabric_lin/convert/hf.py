@@ -89,8 +89,7 @@ def convert_to_hf(
     check_tokenizer_fits_model(model_dir, config, "model_dir")
     tokenizer_ids = special_token_ids(model_dir)
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[model_dir])  # before the minutes of reading
-    state_dict = load_model_dir_weights(model_dir)
-    check_state_dict(state_dict, config, source=str(model_dir))
+    state_dict = load_model_dir_weights(model_dir, config)
 
     state_dict = cast_floating(state_dict, torch_dtype)
     hf_state = {to_hf_name(name): tensor for name, tensor in state_dict.items()}
@@ -170,7 +169,7 @@ def read_fla_checkpoint(checkpoint_dir: Path, name: Optional[str] = None) -> Tup
     if config.tie_embeddings:
         hf_state.pop("lm_head.weight", None)  # tied: the same tensor as the embeddings
     state_dict = {from_hf_name(name): tensor for name, tensor in hf_state.items()}
-    check_state_dict(state_dict, config, source=str(checkpoint_dir))
+    check_state_dict(state_dict, config, source=str(checkpoint_dir), config_file=config_path)
     return config, state_dict
 
 

@@ -5,8 +5,9 @@
     model_config.yaml    `Config.save`
     tokenizer files      `fabric_lin.data.tokenizer.TOKENIZER_FILES`
     trained_with.json    the tokenizer the weights were trained with (vocab_size, sha256 of its tokenizer.model):
-                         `fabric_lin.data.tokenizer.Tokenizer` refuses another tokenizer.model put there. A
-                         directory written before it was kept has none, and loads as before
+                         `fabric_lin.data.tokenizer.Tokenizer` refuses another tokenizer.model put there; and the
+                         data they were trained on, which evaluate compares its data with. A directory written
+                         before it was kept has none, and loads as before
 
 Everything read here comes from files that travel between people, so nothing is unpickled beyond
 tensors (`torch.load(weights_only=True)`, safetensors), and file names read from an index stay
@@ -26,6 +27,7 @@ from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile
 from fabric_lin.files import (
     atomic_write,
     check_dir_can_be_made,
+    check_outside_checkpoint_or_data,
     directories_below,
     files_taken_back_on_failure,
     read_json,
@@ -34,11 +36,13 @@ from fabric_lin.files import (
 from fabric_lin.weights import (
     MODEL_FILE,
     canonical_state_dict,
+    config_outline,
     inside,
     load_safetensors,
     meta_model,
     tensor_dict,
     torch_load_tensors,
+    weights_outline,
 )
 
 HF_CONFIG_FILE = "config.json"  # a Hugging Face directory's (e.g. an fla export's) configuration
@@ -47,6 +51,9 @@ LLAMA_MODEL_TYPES = ("llama", "mistral")  # the Hugging Face models convert_from
 # fla's model_type of each block_type: the fla models convert_from_hf reads
 MODEL_TYPES = {"gla": "gla", "gdn": "gated_deltanet", "deltanet": "delta_net", "transformer": "transformer"}
 SAFETENSORS_FILE = "model.safetensors"
+# more tensors than this of other shapes, within one family, depth and width, are a model of another size (head
+# widths, MLP width), told in one line as another family is
+ANOTHER_SIZE = 3
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,22 +75,6 @@ def what_it_holds(directory: Path) -> Optional[str]:
         if is_llama_dir(directory):
             return "a Hugging Face Llama/Mistral directory"
         return "an fla export" if hf_model_type(directory) in MODEL_TYPES.values() else "a Hugging Face directory"
-    return None
-
-
-def enclosing_checkpoint_or_data(path: Path) -> Optional[str]:
-    """Where `path` lies inside a training checkpoint or a prepared data directory, what to say of it ("DIR, a
-    training checkpoint, whose files ..."); else None. Both own every file in them: a checkpoint goes whole when its run
-    prunes or replaces it, and prepared data when it is prepared again, taking what was written inside along."""
-    from fabric_lin.checkpoint import is_training_checkpoint
-    from fabric_lin.data.prepared import INDEX_FILE
-
-    for above in Path(path).absolute().parents:
-        if is_training_checkpoint(above):
-            return (f"{above}, a training checkpoint, whose files are the ones its manifest lists and go with it when "
-                    f"its run prunes or replaces it")
-        if (above / INDEX_FILE).is_file():
-            return f"{above}, a prepared data directory, whose files go with it when it is prepared again"
     return None
 
 
@@ -241,8 +232,8 @@ def load_model_dir_weights(
 
     `torch.compile`'s `_orig_mod.` prefixes are removed. A training checkpoint (the dict with
     `model`, `optimizer`, ...) or a sharded one is refused with the command that converts it.
-    With `model` (a module, possibly on meta, or a Config), the tensors are checked against it by
-    `check_state_dict`, so a mismatch is reported name by name.
+    With `model` (a module, possibly on meta, or a Config: the model of the directory's model_config.yaml), the
+    tensors are checked against it by `check_state_dict`.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -269,12 +260,23 @@ def load_model_dir_weights(
         )
     state = canonical_state_dict(tensor_dict(state, path))
     if model is not None:
-        check_state_dict(state, model, source=str(model_dir))
+        check_state_dict(state, model, source=str(weights_file(model_dir)), config_file=model_dir / CONFIG_FILE)
     return state
 
 
+def weights_file(model_dir: Path) -> Path:
+    """The file of a model directory that holds its weights, as the errors name it: lit_model.pth, else the safetensors
+    file or the index of its shards."""
+    for name in (MODEL_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE):
+        if (Path(model_dir) / name).exists():
+            return Path(model_dir) / name
+    return Path(model_dir) / MODEL_FILE
+
+
 def check_state_dict(
-    state_dict: Dict[str, torch.Tensor], model: Union[nn.Module, Config], exact_dtype: bool = False, source: str = "state dict"
+    state_dict: Dict[str, torch.Tensor], model: Union[nn.Module, Config], exact_dtype: bool = False,
+    source: str = "state dict", config_file: Optional[Path] = None, model_is: Optional[str] = None,
+    fix: Optional[str] = None,
 ) -> None:
     """Raise a ValueError listing every difference between `state_dict` and `model`'s own:
     missing and unexpected names, shape mismatches and dtype mismatches.
@@ -282,29 +284,47 @@ def check_state_dict(
     Floating-point tensors of another precision are accepted unless `exact_dtype` (a bf16 export
     loads into an fp32 model); a floating tensor where an integer one is expected, or the reverse,
     is always a mismatch. `model` may be on the meta device, or a `Config` (checked on meta).
+
+    Weights of another model (another family, depth or width, or many tensors of other shapes) are told in one line:
+    what the weights are and what the model is, which `config_file` (the file the model was read from, beside the
+    weights) or `model_is` ("this run builds") names, then `fix` (by default: put back the config file written with the
+    weights). A given `fix` also ends the list of a few differences.
     """
+    config = model if isinstance(model, Config) else getattr(model, "config", None)
     if isinstance(model, Config):
         model = meta_model(model)
     expected = model.state_dict()
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
-    problems = []
+    problems, shapes = [], []
     for name, want in expected.items():
         got = state_dict.get(name)
         if got is None:
             continue
         if tuple(got.shape) != tuple(want.shape):
             problems.append(f"{name}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+            shapes.append((name, tuple(got.shape), tuple(want.shape)))
         if got.dtype != want.dtype and (exact_dtype or got.dtype.is_floating_point != want.dtype.is_floating_point):
             problems.append(f"{name}: dtype {got.dtype}, expected {want.dtype}")
-    if missing or unexpected or problems:
-        lines = [f"{source} does not match the model:"]
-        if missing:
-            lines.append(f"  missing ({len(missing)}): {short_list(missing)}")
-        if unexpected:
-            lines.append(f"  unexpected ({len(unexpected)}): {short_list(unexpected)}")
-        lines += [f"  {p}" for p in problems]
-        raise InvalidValue("\n".join(lines))
+    if not (missing or unexpected or problems):
+        return
+    if isinstance(config, Config):
+        weights, wanted = weights_outline(state_dict), config_outline(config)
+        if not weights.same_model(wanted) or len(shapes) > ANOTHER_SIZE:
+            model_is = f"{config_file} describes" if config_file is not None else (model_is or "the model is")
+            name, got, want = shapes[0] if shapes and weights.same_model(wanted) else (None, None, None)
+            differs = f", whose {name} is {want} where the weights' is {got}" if name is not None else ""
+            default = (f"they were not written together; put back the {Path(config_file).name} written with these "
+                       f"weights" if config_file is not None else "give the weights of this model, or a model of these")
+            raise InvalidValue(f"{source} holds {weights} and {model_is} {config.name}, {wanted}{differs}: "
+                               f"{fix or default}")
+    lines = [f"{source} does not match the model:"]
+    if missing:
+        lines.append(f"  missing ({len(missing)}): {short_list(missing)}")
+    if unexpected:
+        lines.append(f"  unexpected ({len(unexpected)}): {short_list(unexpected)}")
+    lines += [f"  {p}" for p in problems] + ([f"  {fix}"] if fix else [])
+    raise InvalidValue("\n".join(lines))
 
 
 def load_safetensors_dir(directory: Union[str, Path], prefix_filter: Optional[str] = None) -> Dict[str, torch.Tensor]:
@@ -462,9 +482,7 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
         raise AlreadyExists(f"output_dir {output_dir} is a prepared data directory (it holds {data_files[0]}), which a "
                             f"conversion does not write into (the model's tokenizer files would replace the data's): "
                             f"choose another directory")
-    enclosing = enclosing_checkpoint_or_data(output_dir)
-    if enclosing is not None:
-        raise AlreadyExists(f"output_dir {output_dir} is inside {enclosing}: give a directory outside it")
+    check_outside_checkpoint_or_data(output_dir, "output_dir")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         kind = what_it_holds(output_dir)
         # a model that a printed suggestion's --output_dir (checkpoints/<model name>) may name; adapters stay beside one

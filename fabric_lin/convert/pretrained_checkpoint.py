@@ -53,7 +53,7 @@ def convert_pretrained_checkpoint(
 
     state_dict = canonical_state_dict(load_model_weights(weights_path))
     form = f"sharded ({len(list(weights_path.glob('*.distcp')))} shard files)" if weights_path.is_dir() else "single file"
-    check_state_dict(state_dict, config, source=str(weights_path))
+    check_state_dict(state_dict, config, source=str(weights_path), config_file=checkpoint_dir / CONFIG_FILE)
     state_dict = cast_floating(state_dict, torch_dtype)
 
     with created_dir(output_dir):

@@ -7,7 +7,13 @@ from typing import Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from fabric_lin.data.prepared import carried_tokenizer_dir, check_prepared_dirs, sample_tokens
+from fabric_lin.data.prepared import (
+    DOCUMENT_KEYS,
+    carried_tokenizer_dir,
+    check_prepared_dirs,
+    sample_tokens,
+    shares_documents,
+)
 from fabric_lin.data.tokenizer import Tokenizer
 from fabric_lin.errors import InvalidValue
 from fabric_lin.stopping import STOP_SIGNALS
@@ -68,6 +74,24 @@ class DataModule:
         """The prepared directories the validation loader reads. A module that does not tell: all of them."""
         return self.prepared_dirs()
 
+    def training_dirs(self) -> List[Path]:
+        """The prepared directories a run trains on: those it does not read for validation alone."""
+        validation = {Path(d) for d in self.validation_dirs()}
+        return [Path(d) for d in self.prepared_dirs() if Path(d) not in validation]
+
+    def training_data_record(self) -> List[dict]:
+        """What weights trained on this data record of it (their trained_with.json's "data", which evaluate compares
+        its data with): each training directory, the digest of its index.json (a copy's is the same) and what its
+        prepared.json, read by `setup()`, says of the documents' input (`DOCUMENT_KEYS`), for when it is gone."""
+        from fabric_lin.data.sample_order import source_key
+
+        record = []
+        for directory in self.training_dirs():
+            info = self.prepared.get(directory, {})
+            record.append({"dir": str(directory.absolute()), "index": source_key(directory),
+                           "documents": {key: info[key] for key in DOCUMENT_KEYS if key in info}})
+        return record
+
     def setup(self) -> None:
         """Check the data before any of it is read: every directory complete, all made by one tokenizer, the
         run's `tokenizer` (when connected) and made for the model's `vocab_size`, each wrong one named."""
@@ -85,7 +109,6 @@ class DataModule:
         """Say once where the validation directory holds documents that a training directory trains on: the same
         directory, a copy of it (one index.json), or as their prepared.json (read by `setup()`) tell
         (`shares_documents`). `val_key`, `train_key`: the options naming them; `fix` ends the line."""
-        from fabric_lin.data.prepared import shares_documents
         from fabric_lin.data.sample_order import source_key
 
         val = Path(val_dir)
@@ -94,8 +117,7 @@ class DataModule:
             if train.resolve() == val.resolve():
                 said = f"{given[0]} is also {train_key or train}"
             else:
-                how = ("their index.json is the same, one data set" if source_key(train) == source_key(val)
-                       else shares_documents(self.prepared[val], self.prepared[train]))
+                how = documents_in_common(val, self.prepared[val], source_key(train), self.prepared[train])
                 said = f"{given[0]} holds documents that {given[1]} trains on: {how}" if how else None
             if said:
                 say_once(f"Warning: {said}: the validation loss is measured on training data{fix}")
@@ -167,6 +189,18 @@ def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
     when it stops, and a worker whose trainer has died notices within seconds and exits."""
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+def documents_in_common(val_dir: Path, val_info: dict, train_index: Optional[str], train_info: dict) -> Optional[str]:
+    """How the prepared directory `val_dir` (its prepared.json `val_info`) holds documents of another, a training
+    directory, told by the digest of its index.json `train_index` (`source_key`: the same, a copy of one data set) or
+    its prepared.json's `train_info` (`shares_documents`: the same input, or one inside the other's); None where
+    neither tells of any."""
+    from fabric_lin.data.sample_order import source_key
+
+    if train_index is not None and train_index == source_key(val_dir):
+        return "their index.json is the same, one data set"
+    return shares_documents(val_info, train_info)
 
 
 def say_once(message: str) -> None:

@@ -21,10 +21,9 @@ from fabric_lin.data.tokenizer import (
     tokenizer_identity,
 )
 from fabric_lin.errors import InvalidValue, MissingFile
-from fabric_lin.files import read_json
+from fabric_lin.files import INDEX_FILE, read_json
 
 PREPARED_INFO_FILE = "prepared.json"
-INDEX_FILE = "index.json"
 PREPARE_RAW_TEXT = "e.g. fabric-lin prepare_text --input_dir {} --output_dir DIR --tokenizer_path TOKENIZER_DIR"
 
 
@@ -109,6 +108,11 @@ def prepared_from(info: dict) -> Optional[str]:
         return None
     read = [f"--{key} {info[key]!r}" for key in ("pattern", "text_key") if key in info]
     return ", ".join([f"{info.get('recipe')} of {info['input_dir']}"] + read)
+
+
+# what a prepared.json says of the input of the documents it holds, which `shares_documents` compares: kept in the
+# trained_with.json of weights trained on it, for when the directory is gone
+DOCUMENT_KEYS = ("recipe", "input_dir", "pattern", "text_key", "split", "val_fraction")
 
 
 def shares_documents(val: dict, train: dict) -> Optional[str]:

@@ -17,7 +17,9 @@ from fabric_lin.errors import InvalidValue, MissingFile, UserError
 from fabric_lin.files import atomic_write, directories_below, read_json, reading, short_list
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json")
-TRAINED_WITH_FILE = "trained_with.json"  # {"tokenizer": Tokenizer.record()} of the tokenizer the weights were trained with
+# {"tokenizer": Tokenizer.record()} of the tokenizer the weights were trained with, and "data": the data they were trained
+# on (`DataModule.training_data_record`; pretrain writes it, a converter carries it over)
+TRAINED_WITH_FILE = "trained_with.json"
 
 
 def tokenizer_model_hash(model_path: Union[str, Path]) -> str:

@@ -20,7 +20,13 @@ from fabric_lin.cpu_cores import usable_cpu_cores
 from fabric_lin.data.raw_files import BadFileError, iter_text_documents, text_files_to_read
 from fabric_lin.data.tokenizer import TOKENIZER_FILES, Tokenizer
 from fabric_lin.errors import AlreadyExists, InvalidValue, UserError
-from fabric_lin.files import atomic_write, check_dir_can_be_made, created_dir, files_taken_back_on_failure
+from fabric_lin.files import (
+    atomic_write,
+    check_dir_can_be_made,
+    check_outside_checkpoint_or_data,
+    created_dir,
+    files_taken_back_on_failure,
+)
 
 MAX_SENTENCES = 5_000_000
 MAX_SENTENCE_LENGTH = 4192
@@ -192,8 +198,10 @@ def check_settings(vocab_size: int, max_files: Optional[int], max_sentences: int
 
 def check_output_dir(output_dir: Path) -> None:
     """Refuse a directory that holds a tokenizer already (a tokenizer's, a model's, a prepared data directory's):
-    what was made with it reads its ids through it, and would read other pieces through a new one."""
+    what was made with it reads its ids through it, and would read other pieces through a new one. And one inside a
+    training checkpoint or prepared data, which would take the tokenizer along when replaced."""
     check_dir_can_be_made(output_dir, "--output_dir")
+    check_outside_checkpoint_or_data(output_dir, "--output_dir")
     held = [name for name in TOKENIZER_FILES if (output_dir / name).exists()]
     if not held:
         return
