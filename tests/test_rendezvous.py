@@ -180,6 +180,9 @@ def test_rank_0_s_store_closed_while_the_process_waits_elsewhere_is_a_lost_peer_
     assert [str(peer) for peer in lost] == [str(rdv.store_closed(where))]
 
 
+LISTENING_FOR_EVER = []
+
+
 @watch_ended
 def test_node_1_finding_another_program_at_master_port_says_so_not_that_nothing_answered(monkeypatch, tmp_path, capfd):
     """Node 1's first process, where another program listens at MASTER_ADDR:MASTER_PORT (on node 0, whose rank 0 then
@@ -191,15 +194,19 @@ def test_node_1_finding_another_program_at_master_port_says_so_not_that_nothing_
     ended = exiting_here(monkeypatch)
     monkeypatch.setattr(rdv, "process_rank", lambda: 1)
     fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=None))
-    with socket.socket() as other_program:
-        other_program.bind(("127.0.0.1", 0))
-        other_program.listen()
-        where = rendezvous("127.0.0.1", other_program.getsockname()[1], node=1)
-        with rdv.joining_watched(fabric, where, ParallelismArgs(join_timeout_minutes=0.02), [], on_lost=None,
-                                 poll_seconds=0.1):
-            deadline = time.monotonic() + 10
-            while not ended and time.monotonic() < deadline:
-                time.sleep(0.05)
+    other_program = socket.socket()
+    other_program.bind(("127.0.0.1", 0))
+    other_program.listen()
+    # left open until this test process ends (a copy of its descriptor, which nothing closes before): the watch's store
+    # client, in a thread of its own, waits there for an answer for ever, silent; closed, it would try again for
+    # seconds, printing torch's warnings into later tests' output
+    LISTENING_FOR_EVER.append(os.dup(other_program.fileno()))
+    where = rendezvous("127.0.0.1", other_program.getsockname()[1], node=1)
+    with rdv.joining_watched(fabric, where, ParallelismArgs(join_timeout_minutes=0.02), [], on_lost=None,
+                             poll_seconds=0.1):
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
     said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("fabric-lin")]
     assert ended == [JOIN_FAILED_EXIT_CODE] and said == [
         f"fabric-lin pretrain: something at {where.where} (MASTER_ADDR:MASTER_PORT) accepts connections but does not "
