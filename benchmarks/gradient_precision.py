@@ -28,23 +28,10 @@ from fabric_lin.convert.hf import to_hf_name
 from fabric_lin.model import GPT
 from fabric_lin.ops.gla import chunk_gla_from_logits
 from fabric_lin.ops.gla.tune import rel_rms
-from learning_parity import Trainee, adamw, corpus_batches, fla_from_export, reference_copy, train_side_by_side
+from learning_parity import (PART_PEERS, Trainee, adamw, corpus_batches, fla_from_export, ours_with_references,
+                             reference_copy, train_side_by_side)
 
-PEERS = ("fla", "reference-bf16", "ours-reference-attention", "ours-unfused-projections")
-
-
-def ours_with_references(model: GPT, config: Config, part: str) -> GPT:
-    """Our fused model with one part back on its PyTorch reference, the rest fused: `attention` (the GLA / delta-rule
-    op between the projections) or `projections` (each norm, its projections and the output gate as separate ops).
-    Which of our fused parts carries our gradient's extra error is then the one whose reference brings it down."""
-    copy = GPT(config, fused=model.fused)
-    copy.load_state_dict(model.state_dict())
-    for block in copy.layers:
-        if part == "attention":
-            block.attn.backend = "torch"
-        else:
-            block.attn.fused_linears = block.mlp.fused_linears = False
-    return copy
+PEERS = ("fla", "reference-bf16") + PART_PEERS
 
 
 def parameter_kind(name: str) -> str:

@@ -4,8 +4,10 @@ norms, biases, A_log, dt_bias), the same warmup and cosine schedule, gradient cl
 flash-linear-attention's model (`fla`, loaded from ours exported with `convert_to_hf`), our own model with its
 products in FP8 (`fp8-fused` / `fp8-tensorwise`, as `--fp8.recipe` sets them), `fp32`: our
 model on its PyTorch reference ops (`fused=False`) in fp32 without autocast or TF32, a sequence at a time with the
-gradients summed over the batch, or `reference-bf16`: the same reference ops trained as ours is, in bf16 autocast
-over the whole batch. fp32 is the yardstick for the others: two bf16 models that differ from each other are told
+gradients summed over the batch, `reference-bf16`: the same reference ops trained as ours is, in bf16 autocast
+over the whole batch, or our fused model with one part on its reference (`ours-reference-attention`: the GLA or
+delta-rule op; `ours-unfused-projections`: norms, projections and gates as separate ops), which tells which fused
+part makes ours train apart from the others. fp32 is the yardstick for the others: two bf16 models that differ from each other are told
 apart by which one stays nearer the fp32 run. reference-bf16 is the noise floor of bf16 training: it computes what
 ours computes, rounded elsewhere (its products where autocast makes them, the rest as the PyTorch code does: the
 GLA and delta-rule references in fp32), so ours against it is how far two bf16 runs of one model drift apart by
@@ -44,7 +46,9 @@ from fabric_lin.config import Config
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.model import GPT
 
-PEERS = ("fla", "fp8-tensorwise", "fp8-fused", "fp32", "reference-bf16")
+# our fused model with one part back on its reference: which part makes ours train differently
+PART_PEERS = ("ours-reference-attention", "ours-unfused-projections")
+PEERS = ("fla", "fp8-tensorwise", "fp8-fused", "fp32", "reference-bf16") + PART_PEERS
 REFERENCE_PEERS = ("fp32", "reference-bf16")  # our model on its PyTorch reference ops: they run on the CPU too
 
 
@@ -112,6 +116,20 @@ def reference_copy(model: GPT, config: Config) -> GPT:
     the noise floor."""
     copy = GPT(config, fused=False)
     copy.load_state_dict(model.state_dict())
+    return copy
+
+
+def ours_with_references(model: GPT, config: Config, part: str) -> GPT:
+    """Our fused model with one part back on its PyTorch reference, the rest fused: `attention` (the GLA / delta-rule
+    op between the projections) or `projections` (each norm, its projections and the output gate as separate ops).
+    Which of our fused parts carries our gradient's extra error is then the one whose reference brings it down."""
+    copy = GPT(config, fused=model.fused)
+    copy.load_state_dict(model.state_dict())
+    for block in copy.layers:
+        if part == "attention":
+            block.attn.backend = "torch"
+        else:
+            block.attn.fused_linears = block.mlp.fused_linears = False
     return copy
 
 
@@ -262,7 +280,8 @@ def main(argv=None):
     models = {"ours": ours}
     for peer in peers:
         models[peer] = (fla_from_export(ours, config) if peer == "fla" else reference_copy(ours, config)
-                        if peer in REFERENCE_PEERS else fp8_copy(ours, config, peer.removeprefix("fp8-")))
+                        if peer in REFERENCE_PEERS else ours_with_references(ours, config, peer.rsplit("-", 1)[1])
+                        if peer in PART_PEERS else fp8_copy(ours, config, peer.removeprefix("fp8-")))
     trainees = [Trainee(name, model.to(device).train(), adamw(model.named_parameters(), args.lr, args.weight_decay),
                         fp32=name == "fp32") for name, model in models.items()]
     shares, share_at = [], {}
