@@ -28,8 +28,8 @@ from fabric_lin.convert.hf import to_hf_name
 from fabric_lin.model import GPT
 from fabric_lin.ops.gla import chunk_gla_from_logits
 from fabric_lin.ops.gla.tune import rel_rms
-from learning_parity import (PART_PEERS, Trainee, adamw, corpus_batches, fla_from_export, ours_with_references,
-                             reference_copy, train_side_by_side)
+from learning_parity import (PART_PEERS, Trainee, adamw, corpus_batches, fla_from_export, part_peer, reference_copy,
+                             train_side_by_side)
 
 PEERS = ("fla", "reference-bf16") + PART_PEERS
 
@@ -179,7 +179,7 @@ def main(argv=None):
         elif peer == "reference-bf16":
             models[peer] = lambda: reference_copy(ours, config)
         else:
-            models[peer] = lambda part=peer.rsplit("-", 1)[1]: ours_with_references(ours, config, part)
+            models[peer] = lambda peer=peer: part_peer(ours, config, peer)
     for name, make in models.items():
         model = make().to(device).train()
         with gla_calls_recorded(args.op_layers if name == "ours" else []) as calls:

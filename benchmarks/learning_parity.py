@@ -6,8 +6,9 @@ products in FP8 (`fp8-fused` / `fp8-tensorwise`, as `--fp8.recipe` sets them), `
 model on its PyTorch reference ops (`fused=False`) in fp32 without autocast or TF32, a sequence at a time with the
 gradients summed over the batch, `reference-bf16`: the same reference ops trained as ours is, in bf16 autocast
 over the whole batch, or our fused model with one part on its reference (`ours-reference-attention`: the GLA or
-delta-rule op; `ours-unfused-projections`: norms, projections and gates as separate ops), which tells which fused
-part makes ours train apart from the others. fp32 is the yardstick for the others: two bf16 models that differ from each other are told
+delta-rule op; `ours-unfused-projections`: norms, projections and gates as separate ops) or the reference model
+with our attention kernels alone (`reference-our-attention`), which tell which fused part makes ours train apart
+from the others. fp32 is the yardstick for the others: two bf16 models that differ from each other are told
 apart by which one stays nearer the fp32 run. reference-bf16 is the noise floor of bf16 training: it computes what
 ours computes, rounded elsewhere (its products where autocast makes them, the rest as the PyTorch code does: the
 GLA and delta-rule references in fp32), so ours against it is how far two bf16 runs of one model drift apart by
@@ -46,8 +47,9 @@ from fabric_lin.config import Config
 from fabric_lin.lr_schedule import learning_rate
 from fabric_lin.model import GPT
 
-# our fused model with one part back on its reference: which part makes ours train differently
-PART_PEERS = ("ours-reference-attention", "ours-unfused-projections")
+# our fused model with one part back on its reference, or the reference model with our attention kernels alone:
+# which part makes ours train differently
+PART_PEERS = ("ours-reference-attention", "ours-unfused-projections", "reference-our-attention")
 PEERS = ("fla", "fp8-tensorwise", "fp8-fused", "fp32", "reference-bf16") + PART_PEERS
 REFERENCE_PEERS = ("fp32", "reference-bf16")  # our model on its PyTorch reference ops: they run on the CPU too
 
@@ -131,6 +133,20 @@ def ours_with_references(model: GPT, config: Config, part: str) -> GPT:
         else:
             block.attn.fused_linears = block.mlp.fused_linears = False
     return copy
+
+
+def reference_with_our_attention(model: GPT, config: Config) -> GPT:
+    """Our model on its PyTorch reference ops but for the attention (the GLA / delta-rule op), on our kernels."""
+    copy = reference_copy(model, config)
+    for block in copy.layers:
+        block.attn.backend = "triton"
+    return copy
+
+
+def part_peer(model: GPT, config: Config, peer: str) -> GPT:
+    if peer == "reference-our-attention":
+        return reference_with_our_attention(model, config)
+    return ours_with_references(model, config, peer.rsplit("-", 1)[1])
 
 
 @dataclass
@@ -280,8 +296,7 @@ def main(argv=None):
     models = {"ours": ours}
     for peer in peers:
         models[peer] = (fla_from_export(ours, config) if peer == "fla" else reference_copy(ours, config)
-                        if peer in REFERENCE_PEERS else ours_with_references(ours, config, peer.rsplit("-", 1)[1])
-                        if peer in PART_PEERS else fp8_copy(ours, config, peer.removeprefix("fp8-")))
+                        if peer in REFERENCE_PEERS else part_peer(ours, config, peer) if peer in PART_PEERS else fp8_copy(ours, config, peer.removeprefix("fp8-")))
     trainees = [Trainee(name, model.to(device).train(), adamw(model.named_parameters(), args.lr, args.weight_decay),
                         fp32=name == "fp32") for name, model in models.items()]
     shares, share_at = [], {}

@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import gradient_precision  # noqa: E402
+import learning_parity  # noqa: E402
 
 from fabric_lin.config import Config  # noqa: E402
 from fabric_lin.model import GPT  # noqa: E402
@@ -55,15 +56,20 @@ def test_fla_is_refused_on_the_cpu():
 def test_the_bisecting_peers_put_one_part_back_on_its_reference_and_keep_the_weights():
     config = Config.from_name("gla-debug", num_layers=2)
     fused = GPT(config, fused=True)
-    attention = gradient_precision.ours_with_references(fused, config, "attention")
-    projections = gradient_precision.ours_with_references(fused, config, "projections")
+    attention = learning_parity.part_peer(fused, config, "ours-reference-attention")
+    projections = learning_parity.part_peer(fused, config, "ours-unfused-projections")
+    only_attention = learning_parity.part_peer(fused, config, "reference-our-attention")
     for block in attention.layers:
         assert block.attn.backend == "torch" and block.attn.fused_linears and block.mlp.fused_linears
         assert block.mlp.backend == "triton" and block.attn_norm.backend == "triton"
     for block in projections.layers:
         assert block.attn.backend == "triton"
         assert not block.attn.fused_linears and not block.mlp.fused_linears
-    for copy in (attention, projections):
+    for block in only_attention.layers:
+        assert block.attn.backend == "triton" and not block.attn.fused_linears and not block.mlp.fused_linears
+        assert block.mlp.backend == "torch" and block.attn_norm.backend == "torch"
+    assert not only_attention.fused
+    for copy in (attention, projections, only_attention):
         for (name, p), (_, q) in zip(fused.state_dict().items(), copy.state_dict().items()):
             assert torch.equal(p, q), name
 
