@@ -23,6 +23,8 @@ LFS_POINTER_FIX = "fetch it with `git lfs pull` in its clone (after `git lfs ins
 STEP_FILE = "step.json"
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.json"
+# the name of a file that atomic_write is writing, until it is renamed to its own: one a kill left is part-written
+PART_WRITTEN_PREFIX = ".tmp-"
 
 
 def is_lfs_pointer(path: Union[str, Path]) -> bool:
@@ -194,7 +196,7 @@ def atomic_write(path: Union[str, Path], write: Callable[[str], object]) -> None
     file gets the usual mode (safetensors, like mkstemp, creates its files readable by the owner alone). A write
     that the file system refuses (no space left, a quota reached) fails with its OSError, naming `path`."""
     path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
+    tmp = path.with_name(f"{PART_WRITTEN_PREFIX}{path.name}")
     try:
         with naming_the_file(path):
             try:

@@ -416,6 +416,31 @@ def test_overwrite_removes_the_earlier_models_evaluation(tmp_path):
     assert not (tmp_path / "old" / "evaluate").exists()
 
 
+def test_an_export_over_a_hugging_face_model_is_read_with_its_own_tokenizer(tmp_path):
+    """An export written with --overwrite true over a directory of a Hugging Face model that save_pretrained wrote: its
+    tokenizer.json stayed, which transformers' AutoTokenizer reads before the export's tokenizer.model, and its
+    generation_config.json, whose end-of-text id generate takes: the export was read with the earlier model's."""
+    transformers = pytest.importorskip("transformers")
+    import sentencepiece as spm
+
+    from helpers import train_sentencepiece
+
+    make_model_dir(tmp_path / "model", small_config())  # a tokenizer of 64 pieces
+    train_sentencepiece(tmp_path / "other", vocab_size=80, sentence="another tokenizer, for model {} of another kind")
+    (tmp_path / "other" / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer"}')
+    transformers.AutoTokenizer.from_pretrained(tmp_path / "other").save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 79}')
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+    convert_to_hf(tmp_path / "model", tmp_path / "hf", overwrite=True)
+    read = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    pieces = spm.SentencePieceProcessor(model_file=str(tmp_path / "model" / "tokenizer.model"))
+    assert len(read) == 64 and read.convert_ids_to_tokens(list(range(64))) == [pieces.IdToPiece(i) for i in range(64)]
+    # without a generation_config.json, generate takes the ids of config.json, which are the export's
+    assert not (tmp_path / "hf" / "generation_config.json").exists()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == pieces.eos_id()
+
+
 def test_directory_mixing_two_exports_is_refused(tmp_path):
     make_model_dir(tmp_path / "model", small_config())
     convert_to_hf(tmp_path / "model", tmp_path / "single")

@@ -162,3 +162,41 @@ def test_models_below_asks_what_each_directory_holds_once(tmp_path, monkeypatch)
         f"{runs / 'd'} (a model directory), ... (1 more)")
     # the six directories below tmp_path/runs and runs itself, each once
     assert sorted(asked.values()) == [1] * 7 and set(asked) == {runs, *runs.iterdir()}
+
+
+def test_a_conversion_killed_before_its_weights_is_no_model_and_overwrite_takes_its_part_written_file(tmp_path, config):
+    """A conversion killed while it wrote lit_model.pth (no time to take its files back) leaves model_config.yaml, the
+    tokenizer and a part-written .tmp-lit_model.pth, up to the model's size: the refusal of that directory said it held
+    "a model directory already" that --overwrite true would replace, and --overwrite true left the part-written file
+    there for good."""
+    from fabric_lin.errors import AlreadyExists
+
+    out = tmp_path / "out"
+    out.mkdir()
+    config.save(out / "model_config.yaml")
+    for name in ("tokenizer.model", "trained_with.json"):
+        (out / name).write_text("written before the kill")
+    (out / ".tmp-lit_model.pth").write_bytes(b"the first part of the weights")
+    (out / "notes.txt").write_text("the user's own file stays")
+    with pytest.raises(AlreadyExists, match=rf"^output_dir {out} holds a model_config.yaml without weights "
+                                            r"\(lit_model.pth\), and the part-written .tmp-lit_model.pth of a "
+                                            r"conversion that was stopped: no whole model; pass --overwrite true"):
+        model_dir.prepare_output_dir(out, overwrite=False)
+    (out / "model_config.yaml").unlink()  # killed at its first file: the part-written file alone is named
+    with pytest.raises(AlreadyExists, match=r"holds the part-written .tmp-lit_model.pth of a conversion that was stopped"):
+        model_dir.prepare_output_dir(out, overwrite=False)
+    model_dir.save_model_dir(GPT(config).state_dict(), config, model_dir.prepare_output_dir(out, overwrite=True))
+    assert sorted(p.name for p in out.iterdir()) == ["lit_model.pth", "model_config.yaml", "notes.txt"]
+
+
+def test_a_model_written_over_a_hugging_face_model_leaves_none_of_its_files(tmp_path, config):
+    """save_pretrained writes a tokenizer.json, which transformers' AutoTokenizer reads before tokenizer.model, and a
+    generation_config.json, whose ids generate takes before config.json's: left beside a model written over that one,
+    they were the earlier model's tokenizer and end-of-text id for the new weights."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+                 "generation_config.json", "notes.txt"):
+        (out / name).write_text("of the earlier model")
+    model_dir.save_model_dir(GPT(config).state_dict(), config, out)
+    assert sorted(p.name for p in out.iterdir()) == ["lit_model.pth", "model_config.yaml", "notes.txt"]

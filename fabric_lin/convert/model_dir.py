@@ -25,6 +25,7 @@ from fabric_lin.checkpoint import EVALUATION_DIR, remove_evaluation_results
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile
 from fabric_lin.files import (
+    PART_WRITTEN_PREFIX,
     atomic_write,
     check_dir_can_be_made,
     check_outside_checkpoint_or_data,
@@ -374,22 +375,41 @@ def refuse_mixed_exports(directory: Path, index_files: Iterable[str], index_path
         )
 
 
-def remove_earlier_model(directory: Path) -> None:
-    """Delete what a conversion wrote into `directory` before (`--overwrite true`), in either format: a model
-    directory's lit_model.pth and model_config.yaml, an export's config.json and safetensors (one file, or shards and
-    their index), the tokenizer files and trained_with.json, and evaluate's results of that model in its evaluate/;
-    other files stay. Left beside the new model, the earlier one is what some reader would load: generate reads
-    lit_model.pth, convert_from_hf and transformers config.json and the safetensors, a stale index or model.safetensors
-    wins over new shards or the reverse; its tokenizer and trained_with.json would be taken for the new weights', and
-    its results (which name the directory, not the weights) for theirs. Removed before writing, an interrupted
-    conversion leaves no weights rather than a mix of two models."""
+# what Hugging Face's save_pretrained writes beside a model's config.json and safetensors: transformers' AutoTokenizer
+# reads tokenizer.json before tokenizer.model, and generate the ids of generation_config.json before config.json's
+HF_MODEL_FILES = ("generation_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def is_model_file(name: str) -> bool:
+    """Whether a file of this name in a model directory or an export is one of its model's (its weights, its config,
+    its tokenizer and the record of it), which a conversion writes and `--overwrite true` replaces."""
     from fabric_lin.data.tokenizer import TOKENIZER_FILES, TRAINED_WITH_FILE
 
     written_by_a_conversion = {MODEL_FILE, CONFIG_FILE, HF_CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE,
-                               TRAINED_WITH_FILE, *TOKENIZER_FILES}
+                               TRAINED_WITH_FILE, *TOKENIZER_FILES, *HF_MODEL_FILES}
+    return name in written_by_a_conversion or _SHARD_NAME.fullmatch(name) is not None
+
+
+def part_written(name: str) -> bool:
+    """Whether a file of this name is one that `atomic_write` had not finished (a conversion killed in the middle of
+    writing it): the size of the whole file at most, and read by nothing."""
+    return name.startswith(PART_WRITTEN_PREFIX) and is_model_file(name[len(PART_WRITTEN_PREFIX):])
+
+
+def remove_earlier_model(directory: Path) -> None:
+    """Delete what a conversion wrote into `directory` before (`--overwrite true`), in either format: a model
+    directory's lit_model.pth and model_config.yaml, an export's config.json and safetensors (one file, or shards and
+    their index), the tokenizer files and trained_with.json, what save_pretrained writes beside a Hugging Face model
+    (`HF_MODEL_FILES`), the part-written files of a conversion killed there, and evaluate's results of that model in its
+    evaluate/; other files stay. Left beside the new model, the earlier one is what some reader would load: generate
+    reads lit_model.pth, convert_from_hf and transformers config.json and the safetensors, a stale index or
+    model.safetensors wins over new shards or the reverse; its tokenizer and trained_with.json would be taken for the
+    new weights' (transformers takes an earlier tokenizer.json over the new tokenizer.model), and its results (which
+    name the directory, not the weights) for theirs. Removed before writing, an interrupted conversion leaves no weights
+    rather than a mix of two models."""
     removed = []
     for path in sorted(Path(directory).iterdir()):
-        if path.is_file() and (path.name in written_by_a_conversion or _SHARD_NAME.fullmatch(path.name)):
+        if path.is_file() and (is_model_file(path.name) or part_written(path.name)):
             path.unlink()
             removed.append(path.name)
     removed += [f"{EVALUATION_DIR}/{name}" for name in remove_evaluation_results(Path(directory) / EVALUATION_DIR)]
@@ -484,6 +504,10 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
                             f"choose another directory")
     check_outside_checkpoint_or_data(output_dir, "output_dir")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        unfinished = unfinished_conversion(output_dir)
+        if unfinished:
+            raise AlreadyExists(f"output_dir {output_dir} holds {unfinished}: no whole model; pass --overwrite true to "
+                                f"write this one in its place")
         kind = what_it_holds(output_dir)
         # a model that a printed suggestion's --output_dir (checkpoints/<model name>) may name; adapters stay beside one
         if kind is not None and kind != "LoRA adapters alone":
@@ -494,6 +518,21 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
             "pass --overwrite true to write into it"
         )
     return output_dir
+
+
+def unfinished_conversion(directory: Path) -> str:
+    """What a conversion stopped before its end (killed: it had no time to take its files back) left in `directory`, as
+    the refusal of it says it ("a model_config.yaml without weights, and the part-written .tmp-lit_model.pth"); "" where
+    it holds no such thing. A model directory gets its weights last, so its model_config.yaml without them is not a
+    model, whatever wrote it."""
+    names = {path.name for path in Path(directory).iterdir()}
+    parts = []
+    if CONFIG_FILE in names and not names & {MODEL_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE}:
+        parts.append(f"a {CONFIG_FILE} without weights ({MODEL_FILE})")
+    leftovers = sorted(name for name in names if part_written(name))
+    if leftovers:
+        parts.append(f"the part-written {short_list(leftovers, 3)} of a conversion that was stopped")
+    return ", and ".join(parts)
 
 
 def save_model_dir(
