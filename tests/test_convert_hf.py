@@ -565,6 +565,35 @@ def test_a_config_json_value_of_the_wrong_type_is_named_not_converted(tmp_path, 
     assert config_from_fla({**hf, "norm_eps": 1e-5, "tie_word_embeddings": None}, path, "x").norm_eps == 1e-5
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"fabric_lin": {"head_norm_eps": "1e-5x"}}, "fabric_lin.head_norm_eps must be a number, got '1e-5x'"),
+    ({"fabric_lin": {"head_norm_eps": None}}, "fabric_lin.head_norm_eps must be a number, got None"),
+    ({"fabric_lin": {"head_norm_eps": True}}, "fabric_lin.head_norm_eps must be a number, got True"),  # float(): 1.0
+    ({"fabric_lin": {"name": 7}}, "fabric_lin.name must be a string, got 7"),
+    ({"fabric_lin": "gla-debug"}, "fabric_lin must be a mapping (fabric-lin's own fields: name, head_norm_eps), got "
+                                  "'gla-debug'"),
+    ({"attn": {"layers": 1, "num_heads": 2}}, "attn must be a mapping (or list of mappings) with layers (a list of "
+                                              "layer indices) and num_heads (an integer), got {'layers': 1, 'num_heads': 2}"),
+    ({"attn": {"layers": [1], "num_heads": [2]}}, "attn must be a mapping"),
+    ({"attn": {"layers": ["1", 0], "num_heads": 2}}, "attn must be a mapping"),
+    ({"attn": {"layers": [1], "num_heads": 2, "num_kv_heads": [1]}}, "attn must be a mapping"),
+], ids=["eps-quoted", "eps-null", "eps-true", "name-number", "not-a-mapping", "layers-one-index", "heads-list",
+        "layers-mixed", "kv-heads-list"])
+def test_a_wrong_type_in_fabric_lins_key_or_the_hybrids_attn_is_one_line(tmp_path, capsys, change, message):
+    """The "fabric_lin" key that convert_to_hf adds to config.json, and fla's "attn" key of a hybrid, edited by hand
+    to a value of another type: float() and the layers' sorting failed with a traceback, and true was read as the head
+    norm's eps 1.0."""
+    from helpers import cli_error
+
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    err = cli_error(["convert_from_hf", str(tmp_path / "hf"), "--output_dir", str(tmp_path / "back")], capsys)
+    assert err.startswith(f"fabric-lin convert_from_hf: error: {path}: {message}")
+    assert not (tmp_path / "back").exists()
+
+
 def test_the_directory_above_a_model_names_the_models_below_it(tmp_path, capsys):
     """The output directory of tutorials/finetune_lora.md's script (adapter/ and merged/ in it) given where a model or a
     tokenizer goes: each command names what lies below it, where generate said tokenizer.model does not exist,

@@ -360,7 +360,7 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
     missing = [k for k in required if not isinstance(hf.get(k), int)]
     if missing:
         raise InvalidValue(f"{path}: missing or non-integer fields {missing}")
-    ours = hf.get("fabric_lin") if isinstance(hf.get("fabric_lin"), dict) else {}
+    ours = fabric_lin_key(hf, path)
     norm_eps = typed("norm_eps", 1e-6, "a number")
     block_type = {v: k for k, v in MODEL_TYPES.items()}[model_type]
     fields = dict(
@@ -396,13 +396,37 @@ def config_from_fla(hf: dict, path: Path, name: str) -> Config:
         raise InvalidValue(f"{path}: {e}") from None
 
 
+def fabric_lin_key(hf: dict, path: Path) -> dict:
+    """The "fabric_lin" mapping of an export's config.json ({} where it has none: an fla-trained model), its values
+    checked, since float() fails on a quoted or null head_norm_eps and takes true for the eps 1.0."""
+    ours = hf.get("fabric_lin")
+    if ours is None:
+        return {}
+    if not isinstance(ours, dict):
+        raise InvalidValue(f"{path}: fabric_lin must be a mapping (fabric-lin's own fields: name, head_norm_eps), got {ours!r}")
+    if "head_norm_eps" in ours and not is_kind(ours["head_norm_eps"], "a number"):
+        raise InvalidValue(f"{path}: fabric_lin.head_norm_eps must be a number, got {ours['head_norm_eps']!r}")
+    if not isinstance(ours.get("name", ""), (str, type(None))):
+        raise InvalidValue(f"{path}: fabric_lin.name must be a string, got {ours['name']!r}")
+    return ours
+
+
 def attn_fields(attn, path: Path) -> dict:
     """Our hybrid fields from fla's `attn` key: one set of heads for every attention layer, full context."""
     if attn is None:
         return {}
     specs = [attn] if isinstance(attn, dict) else attn
-    if not isinstance(specs, list) or not specs or not all(isinstance(s, dict) and "layers" in s and "num_heads" in s for s in specs):
-        raise InvalidValue(f"{path}: attn must be a mapping (or list of mappings) with layers and num_heads, got {attn!r}")
+
+    def well_formed(spec) -> bool:
+        """layers a list of layer indices, num_heads (and num_kv_heads, where given) a count: the sorting and the set
+        of heads below fail on anything else."""
+        return (isinstance(spec, dict) and isinstance(spec.get("layers"), list)
+                and all(is_kind(i, "an integer") for i in spec["layers"]) and is_kind(spec.get("num_heads"), "an integer")
+                and (spec.get("num_kv_heads") is None or is_kind(spec["num_kv_heads"], "an integer")))
+
+    if not isinstance(specs, list) or not specs or not all(well_formed(s) for s in specs):
+        raise InvalidValue(f"{path}: attn must be a mapping (or list of mappings) with layers (a list of layer indices) "
+                           f"and num_heads (an integer), got {attn!r}")
     heads = {(s["num_heads"], s.get("num_kv_heads") or s["num_heads"]) for s in specs}
     unsupported = [f"{k}={s[k]!r}" for s in specs for k in ("qkv_bias", "window_size", "qk_norm") if s.get(k)]
     bases = {rope_theta(s, "attn.rope_theta", path) for s in specs}
