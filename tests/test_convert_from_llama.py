@@ -391,3 +391,20 @@ def test_a_checkpoint_dir_that_is_not_the_llamas_names_what_to_give(tmp_path, ca
     assert cli_error(["convert_from_llama", "--checkpoint_dir", str(tmp_path / "nothing"), *args], capsys) == (
         f"{prefix}{tmp_path / 'nothing'} does not exist: expected a Hugging Face Llama/Mistral directory\n")
     assert not (tmp_path / "gla").exists()
+
+
+def test_a_tokenizer_that_cannot_be_copied_is_refused_before_any_weight_is_read(tmp_path, mistral_shaped_gla, monkeypatch):
+    """A clone made without Git LFS holds a pointer in place of tokenizer.model: found when the model directory was
+    written, after every weight of a 7B had been read and checked (minutes), where convert_to_hf reads its tokenizer
+    before the weights."""
+    from fabric_lin.convert import from_llama
+
+    write_tiny_llama(tmp_path / "llama")
+    (tmp_path / "llama" / "tokenizer.model").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 493443\n")
+    read = []
+    get = from_llama.SafetensorsReader.get
+    monkeypatch.setattr(from_llama.SafetensorsReader, "get", lambda self, name: read.append(name) or get(self, name))
+    with pytest.raises(ValueError, match=r"tokenizer.model is a Git LFS pointer, not the file's content"):
+        convert_from_llama(tmp_path / "llama", mistral_shaped_gla, tmp_path / "gla")
+    assert read == [] and not (tmp_path / "gla").exists()

@@ -594,6 +594,30 @@ def test_a_wrong_type_in_fabric_lins_key_or_the_hybrids_attn_is_one_line(tmp_pat
     assert not (tmp_path / "back").exists()
 
 
+def test_a_tokenizer_that_cannot_be_copied_is_refused_before_the_weights_are_read(tmp_path, monkeypatch):
+    """An export whose tokenizer.model is a Git LFS pointer (a clone made without Git LFS), or has more pieces than the
+    model has embeddings: refused after every weight had been read and checked, where convert_to_hf reads its tokenizer
+    first."""
+    from fabric_lin.convert import hf
+
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    read = []
+    load = hf.load_safetensors_dir
+    monkeypatch.setattr(hf, "load_safetensors_dir", lambda directory: read.append(directory) or load(directory))
+    (tmp_path / "hf" / "trained_with.json").unlink()
+    from helpers import train_sentencepiece
+
+    train_sentencepiece(tmp_path / "hf", vocab_size=80, sentence="a tokenizer of more pieces than model {} embeds")
+    with pytest.raises(ValueError, match=r"its tokenizer has 80 pieces and its model 64 embeddings"):
+        convert_from_hf(tmp_path / "hf", tmp_path / "back")
+    (tmp_path / "hf" / "tokenizer.model").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 493443\n")
+    with pytest.raises(ValueError, match=r"tokenizer.model is a Git LFS pointer, not the file's content"):
+        convert_from_hf(tmp_path / "hf", tmp_path / "back")
+    assert read == [] and not (tmp_path / "back").exists()
+
+
 def test_the_directory_above_a_model_names_the_models_below_it(tmp_path, capsys):
     """The output directory of tutorials/finetune_lora.md's script (adapter/ and merged/ in it) given where a model or a
     tokenizer goes: each command names what lies below it, where generate said tokenizer.model does not exist,

@@ -77,6 +77,8 @@ def convert_from_llama(
 
     Returns the report: names `copied`, `initialized` (kept at init), `ignored` (Llama tensors not used).
     """
+    from fabric_lin.data.tokenizer import weights_trained_with
+
     if checkpoint_dir is None:
         raise InvalidValue("--checkpoint_dir is required: the Hugging Face Llama or Mistral directory to convert")
     if output_dir is None:
@@ -118,6 +120,9 @@ def convert_from_llama(
                 "choose a GLA config of the Llama's width and depth"
             )
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])
+    # the tokenizer to copy, before the minutes of reading 7B weights: one that cannot be read (a Git LFS pointer, a
+    # truncated download) or is not the one its trained_with.json records is refused at once
+    weights_trained_with(checkpoint_dir, "--checkpoint_dir")
 
     reader = SafetensorsReader(checkpoint_dir)
     torch_dtype = parse_dtype(dtype) or reader.dtype("model.embed_tokens.weight")

@@ -137,12 +137,17 @@ def convert_from_hf(
     """
     if output_dir is None:
         raise InvalidValue("--output_dir is required: where to write the model directory")
+    from fabric_lin.data.tokenizer import weights_trained_with
+
     checkpoint_dir = Path(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
     check_export_given(checkpoint_dir, "convert_from_hf")
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])  # before the weights are read
+    # the tokenizer to copy, before the minutes of reading the weights: one that cannot be read (a Git LFS pointer), is
+    # not the one its trained_with.json records, or has more pieces than the model has embeddings is refused at once
+    weights_trained_with(checkpoint_dir, "checkpoint_dir")
+    check_tokenizer_fits_model(checkpoint_dir, fla_checkpoint_config(checkpoint_dir, name), "checkpoint_dir")
     config, state_dict = read_fla_checkpoint(checkpoint_dir, name)
-    check_tokenizer_fits_model(checkpoint_dir, config, "checkpoint_dir")
     state_dict = cast_floating(state_dict, torch_dtype)
     with created_dir(output_dir):
         tokenizer_files = save_model_dir(state_dict, config, output_dir, tokenizer_dir=checkpoint_dir,
@@ -156,9 +161,7 @@ def read_fla_checkpoint(checkpoint_dir: Path, name: Optional[str] = None) -> Tup
     the directory name)."""
     checkpoint_dir = Path(checkpoint_dir)
     config_path = checkpoint_dir / HF_CONFIG_FILE
-    if not config_path.is_file():
-        raise MissingFile(f"{config_path} does not exist: expected a Hugging Face checkpoint directory with config.json")
-    config = config_from_fla(read_json(config_path), config_path, name=name or Path(os.path.abspath(checkpoint_dir)).name)  # `.` too
+    config = fla_checkpoint_config(checkpoint_dir, name)
     if not any(checkpoint_dir.glob("*.safetensors")) and any(checkpoint_dir.glob("*.bin")):
         raise InvalidValue(
             f"{checkpoint_dir} holds PyTorch .bin weights; only safetensors are read (a .bin file is a pickle that "
@@ -171,6 +174,15 @@ def read_fla_checkpoint(checkpoint_dir: Path, name: Optional[str] = None) -> Tup
     state_dict = {from_hf_name(name): tensor for name, tensor in hf_state.items()}
     check_state_dict(state_dict, config, source=str(checkpoint_dir), config_file=config_path)
     return config, state_dict
+
+
+def fla_checkpoint_config(checkpoint_dir: Path, name: Optional[str] = None) -> Config:
+    """Our Config of a flash-linear-attention checkpoint directory's config.json. `name`: the model's name (default: the
+    one recorded at export, else the directory name)."""
+    config_path = Path(checkpoint_dir) / HF_CONFIG_FILE
+    if not config_path.is_file():
+        raise MissingFile(f"{config_path} does not exist: expected a Hugging Face checkpoint directory with config.json")
+    return config_from_fla(read_json(config_path), config_path, name=name or Path(os.path.abspath(checkpoint_dir)).name)  # `.` too
 
 
 # the names peft gives a layer it adapts: its own weight moves to `base_layer`, beside the adapters' `lora_A`, `lora_B`, ...
