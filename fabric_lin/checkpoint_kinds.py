@@ -2,6 +2,7 @@
 checkpoint (verified against its manifest, as a resume does), a model directory, an fla export; and, for a
 training checkpoint, its run's hyperparameters, step and data module."""
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -231,6 +232,9 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
         raise InvalidValue(f"{checkpoint_dir} is an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
     weights_path = checkpoint_dir / MODEL_FILE
     if not weights_path.exists():
+        distributed = distributed_checkpoint_of_another_kind(checkpoint_dir)
+        if distributed:
+            raise InvalidValue(distributed)
         steps = [p.name for p in step_checkpoints(checkpoint_dir)]
         finals = [FINAL_DIR] if (checkpoint_dir / FINAL_DIR / MODEL_FILE).exists() else []
         hint = f"; it holds checkpoints {(steps[-3:] + finals)}, pass one of those" if steps or finals else ""
@@ -258,6 +262,37 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
             f"{use}{'d' if use.endswith('e') else 'ed'}; {use} an older checkpoint of the run"
         )
     return Config.from_checkpoint(checkpoint_dir), weights_path
+
+
+def distributed_checkpoint_of_another_kind(directory: Path) -> str:
+    """Where `directory` is, or holds, a torch.distributed.checkpoint (its `.metadata`) that is no training checkpoint of
+    fabric-lin's (whose shards lie in a lit_model.pth/ beside its step.json and manifest.json), what it is and how to
+    read it; else "". flame and torchtitan save theirs as checkpoint/step-N/; the shards of one of fabric-lin's, taken
+    out of their checkpoint, have Fabric's meta.pt beside them."""
+    from fabric_lin.sharded_checkpoint import FABRIC_META_FILE
+
+    directory = Path(directory)
+    below = sorted(p for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []
+    found = [d for d in [directory, *below] if (d / ".metadata").is_file()]
+    if not found:
+        return ""
+    if (found[0] / FABRIC_META_FILE).is_file():
+        return (f"{found[0]} holds the shards of a sharded training checkpoint's {MODEL_FILE} (Fabric's {FABRIC_META_FILE} "
+                f"beside them) without the checkpoint around them: give the checkpoint directory as pretrain wrote it, "
+                f"with its {STEP_FILE} and {MANIFEST_FILE}")
+    if found[0] == directory:
+        what = f"{directory} is"
+    else:
+        what = f"{directory} holds {found[0].name}" + (f" and {len(found) - 1} more, each" if len(found) > 1 else ",")
+    step = re.fullmatch(r"step-(\d+)", found[0].name)
+    # flame's dump folder holds checkpoint/step-N/; its converter is given the folder and N
+    dump, n = ((found[0].parent.parent, int(step.group(1))) if step and found[0].parent.name == "checkpoint"
+               else ("<its dump folder>", "N"))
+    return (f"{what} a torch.distributed.checkpoint of another program (flame and torchtitan save theirs as "
+            f"checkpoint/step-N), not a training checkpoint of fabric-lin's ({MODEL_FILE}, {STEP_FILE}, {MANIFEST_FILE}): "
+            f"convert it to Hugging Face format with that program (flame: python -m flame.utils.convert_dcp_to_hf --path "
+            f"{dump} --step {n} --config <model config> --tokenizer <tokenizer>) and give fabric-lin convert_from_hf the "
+            f"directory it writes")
 
 
 def load_model_weights(weights_path: Path) -> Dict[str, torch.Tensor]:

@@ -371,3 +371,33 @@ def test_an_output_dir_that_holds_a_model_says_overwrite_replaces_it(tmp_path, c
 def test_an_output_dir_is_required(tmp_path):
     with pytest.raises(ValueError, match=r"^--output_dir is required: where to write the model directory$"):
         convert_pretrained_checkpoint(tmp_path)
+
+
+def test_a_distributed_checkpoint_of_another_program_names_what_it_is(tmp_path, capsys):
+    """flame (and torchtitan) save torch.distributed.checkpoint's files in <dump folder>/checkpoint/step-N/: given where
+    a training checkpoint goes, the step directory or the one above it was "not a training checkpoint: it has no
+    lit_model.pth", which a flame user reads as a file to find. Its shards are no fabric-lin checkpoint, and the way
+    from them goes through flame's converter and convert_from_hf; the shards of a fabric-lin checkpoint taken out of it
+    (Fabric's meta.pt beside them) are named so."""
+    import torch.distributed.checkpoint as dcp
+
+    from helpers import cli_error
+
+    step = tmp_path / "exp" / "checkpoint" / "step-100"
+    dcp.save({"model": GPT(Config.from_name("gla-debug", num_layers=1)).state_dict()}, checkpoint_id=step, no_dist=True)
+    assert (step / ".metadata").is_file()
+    for given in (step, step.parent):
+        err = cli_error(["convert_pretrained_checkpoint", str(given), "--output_dir", str(tmp_path / "model")], capsys)
+        assert err.startswith(f"fabric-lin convert_pretrained_checkpoint: error: {given} "
+                              + ("is" if given == step else "holds step-100,")
+                              + " a torch.distributed.checkpoint of another program (flame and torchtitan save theirs as "
+                                "checkpoint/step-N), not a training checkpoint of fabric-lin's")
+        assert err.endswith(f"(flame: python -m flame.utils.convert_dcp_to_hf --path {tmp_path / 'exp'} --step 100 "
+                            "--config <model config> --tokenizer <tokenizer>) and give fabric-lin convert_from_hf the "
+                            "directory it writes\n")
+    torch.save({}, step / "meta.pt")
+    err = cli_error(["convert_pretrained_checkpoint", str(step), "--output_dir", str(tmp_path / "model")], capsys)
+    assert err == (f"fabric-lin convert_pretrained_checkpoint: error: {step} holds the shards of a sharded training "
+                   f"checkpoint's lit_model.pth (Fabric's meta.pt beside them) without the checkpoint around them: give "
+                   f"the checkpoint directory as pretrain wrote it, with its step.json and manifest.json\n")
+    assert not (tmp_path / "model").exists()
