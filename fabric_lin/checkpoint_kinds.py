@@ -21,7 +21,7 @@ from fabric_lin.checkpoint import (
     to_plain,
     verify_checkpoint,
 )
-from fabric_lin.config import CONFIG_FILE, Config
+from fabric_lin.config import CONFIG_FILE, Config, refuse_litgpt_config
 from fabric_lin.data import DataModule
 from fabric_lin.errors import InvalidValue, MissingFile, UserError
 from fabric_lin.files import read_yaml
@@ -246,6 +246,8 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
             f"a run that did not finish it); give the checkpoint directory as pretrain wrote it"
         )
     if not is_training_checkpoint(checkpoint_dir):
+        if (checkpoint_dir / CONFIG_FILE).is_file():
+            refuse_litgpt_config(checkpoint_dir / CONFIG_FILE, read_yaml(checkpoint_dir / CONFIG_FILE))
         raise InvalidValue(
             f"{checkpoint_dir} holds {MODEL_FILE} but no {STEP_FILE} or {MANIFEST_FILE}: it is already a model directory "
             f"(convert_pretrained_checkpoint's output), not a training checkpoint"

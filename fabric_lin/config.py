@@ -12,6 +12,8 @@ from fabric_lin.errors import InvalidValue, MissingFile, process_rank
 from fabric_lin.files import read_yaml
 
 CONFIG_FILE = "model_config.yaml"  # the model's Config, in a checkpoint and in a model directory
+# keys of LitGPT's Config, whose checkpoints hold a lit_model.pth and a model_config.yaml of that name too
+LITGPT_KEYS = ("n_embd", "n_layer", "block_size")
 # how a user changes one field of a named model's config, for messages that ask for another vocab_size
 OTHER_VOCAB_SIZE = ("`fabric-lin pretrain list NAME > model.yaml` writes the model's config: set vocab_size there and "
                     "give --model_config model.yaml in place of --model_name")
@@ -222,6 +224,7 @@ class Config:
                                f"hidden_size, ...)")
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - valid)
+        refuse_litgpt_config(path, data)
         if unknown:
             raise InvalidValue(f"{path}: unknown keys {unknown}; valid keys are {sorted(valid)}")
         try:
@@ -305,6 +308,16 @@ configs = [
     dict(name="transformer-debug", block_type="transformer", vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4),
 ]
 name_to_config = {c["name"]: c for c in configs}
+
+
+def refuse_litgpt_config(path: Path, data: Any) -> None:
+    """Refuse the model_config.yaml `path` (read as `data`) where it is LitGPT's: its directory is a LitGPT checkpoint,
+    whose lit_model.pth would otherwise be taken for a fabric-lin model directory's, or its keys listed as unknown."""
+    if isinstance(data, dict) and set(LITGPT_KEYS) <= set(data):
+        raise InvalidValue(
+            f"{path} is LitGPT's model config ({', '.join(LITGPT_KEYS)}), not fabric-lin's: {Path(path).parent} is a LitGPT "
+            f"checkpoint, which no fabric-lin command reads; for a Llama or Mistral, give fabric-lin convert_from_llama "
+            f"the Hugging Face directory (safetensors) it was downloaded from")
 
 
 def resolve_model_config(model_name: Optional[str], model_config: Optional[Config]) -> Config:

@@ -401,3 +401,27 @@ def test_a_distributed_checkpoint_of_another_program_names_what_it_is(tmp_path, 
                    f"checkpoint's lit_model.pth (Fabric's meta.pt beside them) without the checkpoint around them: give "
                    f"the checkpoint directory as pretrain wrote it, with its step.json and manifest.json\n")
     assert not (tmp_path / "model").exists()
+
+
+def test_a_litgpt_checkpoint_is_named_as_such(tmp_path, capsys):
+    """A LitGPT checkpoint directory holds a lit_model.pth and a model_config.yaml too, LitGPT's: convert_pretrained_
+    checkpoint took it for a model directory of fabric-lin's ("convert_pretrained_checkpoint's output"), and the
+    commands that read model directories listed a dozen of its keys as unknown."""
+    import yaml
+
+    from helpers import cli_error
+
+    litgpt = tmp_path / "checkpoints" / "meta-llama" / "Llama-2-7b-hf"
+    litgpt.mkdir(parents=True)
+    (litgpt / "model_config.yaml").write_text(yaml.safe_dump(dict(
+        name="Llama-2-7b-hf", hf_config={"name": "Llama-2-7b-hf", "org": "meta-llama"}, block_size=4096, vocab_size=32000,
+        padding_multiple=64, padded_vocab_size=32000, n_layer=2, n_head=4, n_embd=64, rotary_percentage=1.0,
+        parallel_residual=False, bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=128)))
+    torch.save({"transformer.wte.weight": torch.zeros(8, 64), "lm_head.weight": torch.zeros(8, 64)}, litgpt / "lit_model.pth")
+    expected = (f"{litgpt / 'model_config.yaml'} is LitGPT's model config (n_embd, n_layer, block_size), not fabric-lin's: "
+                f"{litgpt} is a LitGPT checkpoint, which no fabric-lin command reads; for a Llama or Mistral, give "
+                f"fabric-lin convert_from_llama the Hugging Face directory (safetensors) it was downloaded from\n")
+    for command in ("convert_pretrained_checkpoint", "convert_to_hf"):
+        err = cli_error([command, str(litgpt), "--output_dir", str(tmp_path / "out")], capsys)
+        assert err == f"fabric-lin {command}: error: {expected}"
+    assert not (tmp_path / "out").exists()
