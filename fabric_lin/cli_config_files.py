@@ -233,3 +233,22 @@ def check_no_variable_in_paths(cfg, argv: List[str]) -> None:
                 f"write the path out, or give it on the command line, where the shell expands it"
                 + (f" (in {', '.join(files)})" if files else "")
             )
+
+
+def check_no_empty_paths(cfg, argv: List[str]) -> None:
+    """Refuse a path given on the command line as an empty word (`--output_dir "$OUT"` with OUT unset): Path("") is
+    the current directory, where a converter with --overwrite true would write (and remove) a model's files. `cfg`:
+    the command's parsed values, under the subcommand's name; a path written "." is taken as it is."""
+    from fabric_lin.cli import positional_arguments
+    from fabric_lin.errors import InvalidValue
+
+    command = cfg.get("subcommand") if hasattr(cfg, "get") else None
+    empty_positional = "" in positional_arguments(argv)
+    for key, value in cfg.items():
+        if not (isinstance(value, Path) and str(value) == "."):
+            continue
+        shown = key.removeprefix(f"{command}.").replace(".init_args.", ".")
+        given = option_values(argv, f"--{shown}")
+        if "" in given or (not given and empty_positional):
+            raise InvalidValue(f"{shown}: an empty path (an unset shell variable, as in \"$OUT\"?) would be the current "
+                               f"directory; give the path, or . for the current directory")

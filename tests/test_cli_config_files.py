@@ -1,7 +1,7 @@
 """fabric_lin/cli.py with configuration files: a key a file may not hold (named with the closest one, its group's keys
 and the file that gives it, or as another command's file), a group given no mapping, a file that is empty, no mapping
 or not YAML, a key given twice, a class key given a number, a missing model_config file, an import path that is no
-data module, a misspelt key of the data mapping, `~` and `$VARIABLE` in paths, the optimizer as LitGPT gives it, an
+data module, a misspelt key of the data mapping, `~`, `$VARIABLE` and the empty word in paths, the optimizer as LitGPT gives it, an
 unknown nested
 model_config key."""
 import pytest
@@ -226,6 +226,28 @@ def test_a_path_that_names_an_environment_variable_is_refused_naming_key_and_fil
     err = cli_error(["pretrain", "--config", str(config), "--out_dir", "$OUT/a"], capsys)  # the command line's, quoted
     assert err == f"fabric-lin pretrain: error: out_dir: $OUT/a {said.format('$OUT', '$OUT')}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
+def test_an_empty_path_on_the_command_line_is_refused_not_taken_for_the_current_directory(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """`--output_dir "$OUT"` with OUT unset gives the empty word, which Path() takes for the current directory: a
+    converter with --overwrite true wrote a model's files there (after removing one it found). An option's or a
+    positional argument's; a path written "." is the user's own choice and goes on to the command's own checks."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    said = "an empty path (an unset shell variable, as in \"$OUT\"?) would be the current directory; give the path, or . " \
+           "for the current directory\n"
+    model = tmp_path / "model"
+    model.mkdir()
+    assert cli_error(["convert_to_hf", str(model), "--output_dir", "", "--overwrite", "true"], capsys) == (
+        f"fabric-lin convert_to_hf: error: output_dir: {said}")
+    assert cli_error(["convert_to_hf", str(model), "--output_dir=", "--overwrite", "true"], capsys) == (
+        f"fabric-lin convert_to_hf: error: output_dir: {said}")
+    assert cli_error(["generate", ""], capsys) == f"fabric-lin generate: error: checkpoint_dir: {said}"
+    assert cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", ""], capsys) == (
+        f"fabric-lin pretrain: error: out_dir: {said}")
+    assert "empty path" not in cli_error(["generate", "."], capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "notes.txt"]
 
 
 def test_the_optimizer_given_as_litgpt_gives_it_says_what_it_takes(tmp_path, capsys):
