@@ -215,6 +215,16 @@ def atomic_write(path: Union[str, Path], write: Callable[[str], object]) -> None
             tmp.unlink()
 
 
+def sync_to_disk(path: Union[str, Path]) -> None:
+    """Return once the file or directory `path` is on the disk (fsync), not in the page cache alone: a file whose other
+    copy is to be deleted next, or a directory whose renames must survive a power cut."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def copy_file(src: Union[str, Path], dst: Union[str, Path]) -> Path:
     """Copy the contents of `src` to `dst` atomically, as a new file of the usual mode (not `src`'s)."""
     atomic_write(dst, lambda tmp: shutil.copyfile(src, tmp))

@@ -200,3 +200,35 @@ def test_a_model_written_over_a_hugging_face_model_leaves_none_of_its_files(tmp_
         (out / name).write_text("of the earlier model")
     model_dir.save_model_dir(GPT(config).state_dict(), config, out)
     assert sorted(p.name for p in out.iterdir()) == ["lit_model.pth", "model_config.yaml", "notes.txt"]
+
+
+def test_the_replacement_takes_the_earlier_weights_first_and_brings_the_new_ones_last(tmp_path, config, monkeypatch):
+    """--overwrite true, once the new model is written aside: a kill -9 within the replacement leaves no mix of two
+    models and nothing taken for one, as the earlier export's weights and config.json go before its other files, and
+    the new lit_model.pth comes after every other file of its model."""
+    import os
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("added_tokens.json", "config.json", "model.safetensors", "tokenizer.model", "trained_with.json"):
+        (out / name).write_text("of the earlier model")
+    steps = []
+    unlink, replace = Path.unlink, os.replace
+
+    def removed(path, *args, **kwargs):
+        if path.parent == out:
+            steps.append(("removed", path.name))
+        return unlink(path, *args, **kwargs)
+
+    def moved(src, dst, *args, **kwargs):
+        if Path(dst).parent == out:
+            steps.append(("moved", Path(dst).name))
+        return replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", removed)
+    monkeypatch.setattr(os, "replace", moved)
+    model_dir.save_model_dir(GPT(config).state_dict(), config, out)
+    assert steps == [("removed", "config.json"), ("removed", "model.safetensors"), ("removed", "added_tokens.json"),
+                     ("removed", "tokenizer.model"), ("removed", "trained_with.json"),
+                     ("moved", "model_config.yaml"), ("moved", "lit_model.pth")]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import fabric_lin_process
+from fabric_lin.convert.model_dir import STAGING_DIR
 from helpers import make_model_dir, small_config, wait_for, write_prepared
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,8 @@ def test_sigterm_mid_write_ends_in_one_line_with_143_and_leaves_no_output(inputs
     try:
         held = fabric_lin_process.HELD.format(last_file)
         assert wait_for(lambda: held in log.read_text(), job, timeout=120), err.read_text()[-3000:]
-        temporary = {"evaluate": inputs / "model" / "evaluate"}.get(command, out) / f".tmp-{last_file}"
+        # a converter writes its files into a staging directory inside the output directory
+        temporary = {"evaluate": inputs / "model" / "evaluate"}.get(command, out / STAGING_DIR) / f".tmp-{last_file}"
         assert temporary.is_file()  # written whole, its rename to come
         job.send_signal(signal.SIGTERM)
         returncode = job.wait(60)

@@ -127,10 +127,11 @@ def test_a_model_directory_cut_short_while_its_tokenizer_is_copied_holds_no_weig
     with pytest.raises(KeyboardInterrupt):
         save_model_dir(state, small_config(), dirs / "cut", tokenizer_dir=dirs / "old")
     assert list((dirs / "cut").iterdir()) == []
-    # written over an earlier model directory (--overwrite): its weights are not left beside the new files
+    # written over an earlier model directory (--overwrite): that one stays as it was, with its own tokenizer
+    before = {path.name: path.read_bytes() for path in (dirs / "model").iterdir()}
     with pytest.raises(KeyboardInterrupt):
         save_model_dir(state, small_config(), dirs / "model", tokenizer_dir=dirs / "old")
-    assert not (dirs / "model" / "lit_model.pth").exists()
+    assert {path.name: path.read_bytes() for path in (dirs / "model").iterdir()} == before
 
 
 def test_a_model_directory_without_its_tokenizer_names_the_recorded_one(dirs, capsys, harness_with_hellaswag):

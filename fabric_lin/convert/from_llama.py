@@ -72,7 +72,7 @@ def convert_from_llama(
         output_dir: (required) where to write the model directory (for `pretrain --initial_checkpoint_dir`).
         dtype: float32, bfloat16 or float16 (default: the Llama's embedding dtype).
         overwrite: write into a non-empty output_dir, in place of the model written there before (its other
-            files stay).
+            files stay), which is removed only once this one is written whole.
         seed: seed of the fresh init of the weights that are not copied.
 
     Returns the report: names `copied`, `initialized` (kept at init), `ignored` (Llama tensors not used).

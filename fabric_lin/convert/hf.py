@@ -40,14 +40,14 @@ from fabric_lin.convert.model_dir import (
     from_llama_command,
     load_model_dir_weights,
     load_safetensors_dir,
+    model_written_aside,
     parse_dtype,
     prepare_output_dir,
-    remove_earlier_model,
     save_model_dir,
     save_safetensors_dir,
 )
 from fabric_lin.errors import InvalidValue, MissingFile
-from fabric_lin.files import created_dir, files_taken_back_on_failure, read_json
+from fabric_lin.files import created_dir, read_json
 
 # fla's architecture for each model_type
 ARCHITECTURES = {"gla": "GLAForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM", "delta_net": "DeltaNetForCausalLM",
@@ -71,7 +71,7 @@ def convert_to_hf(
             files and trained_with.json.
         dtype: cast floating-point weights to float32, bfloat16 or float16 (default: keep).
         overwrite: write into a non-empty output_dir, in place of the model written there before (its other
-            files stay).
+            files stay), which is removed only once this one is written whole.
         max_shard_gb: largest safetensors file; more weights than this are split into shards with an index.
     """
     if output_dir is None:
@@ -97,18 +97,16 @@ def convert_to_hf(
     hf_config["torch_dtype"] = str(floating.pop()).removeprefix("torch.") if len(floating) == 1 else "float32"
     hf_config.update(tokenizer_ids)
 
-    with created_dir(output_dir):
-        remove_earlier_model(output_dir)
-        with files_taken_back_on_failure(output_dir):
-            files = save_safetensors_dir(hf_state, output_dir, max_shard_bytes=int(max_shard_gb * 2**30))
-            tokenizer_files = copy_tokenizer(model_dir, output_dir, trained_with)
-            if "tokenizer_config.json" in tokenizer_files:
-                without_bos_token(output_dir / "tokenizer_config.json")
-            elif tokenizer_files:
-                write_hf_tokenizer_config(output_dir, model_dir)
-                tokenizer_files.append("tokenizer_config.json")
-            # config.json last: what transformers and convert_from_hf take for an export, so a kill leaves none
-            atomic_write(output_dir / HF_CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
+    with created_dir(output_dir), model_written_aside(output_dir) as staging:
+        files = save_safetensors_dir(hf_state, staging, max_shard_bytes=int(max_shard_gb * 2**30))
+        tokenizer_files = copy_tokenizer(model_dir, staging, trained_with, output_dir)
+        if "tokenizer_config.json" in tokenizer_files:
+            without_bos_token(staging / "tokenizer_config.json", output_dir / "tokenizer_config.json")
+        elif tokenizer_files:
+            write_hf_tokenizer_config(staging, model_dir)
+            tokenizer_files.append("tokenizer_config.json")
+        # config.json last: what transformers and convert_from_hf take for an export, which a kill -9 leaves none of
+        atomic_write(staging / HF_CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
     print(f"Exported {model_dir} as fla {hf_config['architectures'][0]} ({len(hf_state)} tensors) -> {output_dir}: {files}")
     if config.block_type != "transformer" and config.head_norm_eps != config.norm_eps:
         print(
@@ -132,7 +130,7 @@ def convert_from_hf(
         output_dir: where to write the model directory (required).
         dtype: cast floating-point weights to float32, bfloat16 or float16 (default: keep).
         overwrite: write into a non-empty output_dir, in place of the model written there before (its other
-            files stay).
+            files stay), which is removed only once this one is written whole.
         name: the model's name in model_config.yaml (default: the one recorded at export, else the directory name).
     """
     if output_dir is None:
@@ -490,8 +488,9 @@ def write_hf_tokenizer_config(output_dir: Path, model_dir: Path) -> None:
     atomic_write(output_dir / "tokenizer_config.json", lambda p: Path(p).write_text(json.dumps(data, indent=2) + "\n"))
 
 
-def without_bos_token(path: Path) -> None:
-    """Set "add_bos_token": false in a copied tokenizer_config.json, keeping every other key.
+def without_bos_token(path: Path, named: Path) -> None:
+    """Set "add_bos_token": false in a copied tokenizer_config.json, keeping every other key; `named`: the file as the
+    change is told, where it ends up.
 
     fabric-lin's documents have no BOS (data prep encodes with bos=False, eos=True; generate encodes
     prompts without BOS), but LlamaTokenizer prepends one when the key is true (Llama-2's file) or absent."""
@@ -501,4 +500,4 @@ def without_bos_token(path: Path) -> None:
     before = json.dumps(data["add_bos_token"]) if "add_bos_token" in data else "absent"
     data["add_bos_token"] = False
     atomic_write(path, lambda p: Path(p).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"))
-    print(f"{path}: add_bos_token {before} -> false (fabric-lin's training data and generate have no BOS)")
+    print(f"{named}: add_bos_token {before} -> false (fabric-lin's training data and generate have no BOS)")

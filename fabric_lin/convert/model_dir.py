@@ -14,14 +14,18 @@ tensors (`torch.load(weights_only=True)`, safetensors), and file names read from
 inside their directory.
 """
 import json
+import os
 import re
+import shutil
+import signal
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 import torch.nn as nn
 
-from fabric_lin.checkpoint import EVALUATION_DIR, remove_evaluation_results
+from fabric_lin.checkpoint import EVALUATION_DIR, remove_evaluation_results, signals_deferred
 from fabric_lin.config import CONFIG_FILE, Config
 from fabric_lin.errors import AlreadyExists, InvalidValue, MissingFile
 from fabric_lin.files import (
@@ -30,9 +34,9 @@ from fabric_lin.files import (
     check_dir_can_be_made,
     check_outside_checkpoint_or_data,
     directories_below,
-    files_taken_back_on_failure,
     read_json,
     short_list,
+    sync_to_disk,
 )
 from fabric_lin.weights import (
     MODEL_FILE,
@@ -378,6 +382,9 @@ def refuse_mixed_exports(directory: Path, index_files: Iterable[str], index_path
 # what Hugging Face's save_pretrained writes beside a model's config.json and safetensors: transformers' AutoTokenizer
 # reads tokenizer.json before tokenizer.model, and generate the ids of generation_config.json before config.json's
 HF_MODEL_FILES = ("generation_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json")
+# the files by which a reader takes a directory for a model, with its weights: the model directory's lit_model.pth
+# (model_config.yaml without it is no model: `unfinished_conversion`), an export's config.json
+MODEL_MARKS = (MODEL_FILE, HF_CONFIG_FILE)
 
 
 def is_model_file(name: str) -> bool:
@@ -405,10 +412,10 @@ def remove_earlier_model(directory: Path) -> None:
     reads lit_model.pth, convert_from_hf and transformers config.json and the safetensors, a stale index or
     model.safetensors wins over new shards or the reverse; its tokenizer and trained_with.json would be taken for the
     new weights' (transformers takes an earlier tokenizer.json over the new tokenizer.model), and its results (which
-    name the directory, not the weights) for theirs. Removed before writing, an interrupted conversion leaves no weights
-    rather than a mix of two models."""
+    name the directory, not the weights) for theirs. The weights and config.json go first: a kill in the middle leaves
+    files that no reader takes for a model (`unfinished_conversion` names them), not a model without its tokenizer."""
     removed = []
-    for path in sorted(Path(directory).iterdir()):
+    for path in sorted(Path(directory).iterdir(), key=lambda path: (not weights_or_mark(path.name), path.name)):
         if path.is_file() and (is_model_file(path.name) or part_written(path.name)):
             path.unlink()
             removed.append(path.name)
@@ -417,11 +424,72 @@ def remove_earlier_model(directory: Path) -> None:
         print(f"Removed the files of an earlier model in {directory}: {short_list(removed, 6)}")
 
 
+def weights_or_mark(name: str) -> bool:
+    """Whether a file of this name holds a model's weights (lit_model.pth, the safetensors, their index) or is one of
+    the `MODEL_MARKS`."""
+    weights = (MODEL_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, *MODEL_MARKS)
+    return name in weights or _SHARD_NAME.fullmatch(name) is not None
+
+
+# where a conversion writes its model before the model in its output directory is replaced: inside that directory, so
+# on its file system (the files move in by renames), and under atomic_write's prefix for what is not written whole yet:
+# hidden, so no search for models below a directory looks into it
+STAGING_DIR = f"{PART_WRITTEN_PREFIX}new-model"
+
+
+@contextmanager
+def model_written_aside(output_dir: Path) -> Iterator[Path]:
+    """Within the block, a conversion writes its model's files into the directory yielded, a staging directory inside
+    the existing `output_dir`; once the block has ended, and only then, the model written there before
+    (`remove_earlier_model`) is replaced by them, every one of them written whole and on the disk. A block that fails
+    (Ctrl-C, SIGTERM, a full disk) takes the staging directory with it and leaves `output_dir` as it was, the earlier
+    model whole: removed before the new one was written, it would be lost to a conversion that stops. (The cost: room
+    for both models until the end.) A file system error names the file by its name in `output_dir`, where the user
+    will look for it.
+
+    The replacement (unlinks and renames: no data written, milliseconds) runs with SIGINT and SIGTERM deferred, so a
+    Ctrl-C does not split it. A kill that cannot be deferred (SIGKILL) leaves no mix of two models: the earlier model's
+    weights go first, and the new model's lit_model.pth or config.json, which a reader takes the directory by, comes
+    last; its staging directory is removed by the next conversion into `output_dir` (`prepare_output_dir`)."""
+    output_dir = Path(output_dir)
+    staging = output_dir / STAGING_DIR
+    remove_stopped_staging(output_dir)
+    staging.mkdir()
+    try:
+        try:
+            yield staging
+            for path in staging.iterdir():  # on the disk before the earlier model goes, not lost with it to a power cut
+                sync_to_disk(path)
+        except OSError as error:
+            if error.filename is None or staging not in Path(error.filename).parents:
+                raise
+            named = output_dir / Path(error.filename).relative_to(staging)
+            raise OSError(error.errno, error.strerror, str(named)) from error
+        with signals_deferred(signal.SIGINT, signal.SIGTERM):
+            remove_earlier_model(output_dir)
+            for path in sorted(staging.iterdir(), key=lambda path: (path.name in MODEL_MARKS, path.name)):
+                os.replace(path, output_dir / path.name)
+        sync_to_disk(output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def remove_stopped_staging(output_dir: Path) -> None:
+    """Remove the staging directory (`model_written_aside`) of a conversion into `output_dir` that was killed outright
+    (SIGKILL, a power cut), with the part of a model it holds."""
+    staging = Path(output_dir) / STAGING_DIR
+    if staging.is_symlink() or staging.is_file():
+        staging.unlink()
+    elif staging.is_dir():
+        shutil.rmtree(staging)
+        print(f"Removed {staging}: the unfinished files of a conversion that was stopped")
+
+
 def save_safetensors_dir(
     state_dict: Dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = 5 * 2**30, metadata: Optional[dict] = None
 ) -> List[str]:
     """Write `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` plus the index when the
-    tensors exceed `max_shard_bytes`, into `directory` (cleared of an earlier model by `remove_earlier_model`).
+    tensors exceed `max_shard_bytes`, into `directory` (a conversion's staging directory: `model_written_aside`).
     Returns the file names written."""
     from safetensors.torch import save_file
 
@@ -479,8 +547,10 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
     """Check `output_dir` before anything is written: refuse a non-empty one unless `overwrite`, and one
     that is a source, and a training checkpoint or run directory even with `overwrite` (a model directory's weights
     would replace the checkpoint's), and a prepared data directory (its tokenizer files, which its prepared.json
-    records, would be replaced by the model's). Create it with `fabric_lin.files.created_dir(output_dir)`, which removes it again
-    (when still empty) if the conversion fails."""
+    records, would be replaced by the model's). The staging directory of a conversion into it that was killed outright
+    (`model_written_aside`) is removed first: it holds no model, and the directory is taken as if it were not there.
+    Create it with `fabric_lin.files.created_dir(output_dir)`, which removes it again (when still empty) if the
+    conversion fails."""
     from fabric_lin.checkpoint import checkpoint_dirs, is_training_checkpoint
 
     output_dir = Path(output_dir)
@@ -503,6 +573,7 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, sources: Iterable[Path
                             f"conversion does not write into (the model's tokenizer files would replace the data's): "
                             f"choose another directory")
     check_outside_checkpoint_or_data(output_dir, "output_dir")
+    remove_stopped_staging(output_dir)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         unfinished = unfinished_conversion(output_dir)
         if unfinished:
@@ -540,33 +611,34 @@ def save_model_dir(
     tokenizer_given_by: str = "",
 ) -> List[str]:
     """Write (from `tokenizer_dir`, named by the argument `tokenizer_given_by` where it is wrong) the tokenizer files with the record of the tokenizer the weights were trained with,
-    model_config.yaml and lit_model.pth into the existing `output_dir`, in place of any model written there before
-    (`remove_earlier_model`). A tokenizer.model that is not the one `tokenizer_dir` records is refused before anything
-    is written. Returns the names of the tokenizer files copied."""
+    model_config.yaml and lit_model.pth into the existing `output_dir`, in place of any model written there before,
+    which stays until every new file is written whole (`model_written_aside`). A tokenizer.model that is not the one
+    `tokenizer_dir` records is refused before anything is written. Returns the names of the tokenizer files copied."""
     from fabric_lin.data.tokenizer import weights_trained_with
 
     output_dir = Path(output_dir)
     trained_with = weights_trained_with(tokenizer_dir, tokenizer_given_by) if tokenizer_dir is not None else None
-    remove_earlier_model(output_dir)
-    with files_taken_back_on_failure(output_dir):
-        copied = copy_tokenizer(tokenizer_dir, output_dir, trained_with) if tokenizer_dir is not None else []
-        atomic_write(output_dir / CONFIG_FILE, config.save)
-        # the weights last: a directory left by a kill has none, and no command takes it for a model
-        atomic_write(output_dir / MODEL_FILE, lambda p: torch.save(dict(state_dict), p))
+    with model_written_aside(output_dir) as staging:
+        copied = copy_tokenizer(tokenizer_dir, staging, trained_with, output_dir) if tokenizer_dir is not None else []
+        atomic_write(staging / CONFIG_FILE, config.save)
+        # the weights last: a staging directory that a kill -9 left holds no model a command given it would load
+        atomic_write(staging / MODEL_FILE, lambda p: torch.save(dict(state_dict), p))
     return copied
 
 
-def copy_tokenizer(src_dir: Path, dst_dir: Path, trained_with: Optional[dict]) -> List[str]:
+def copy_tokenizer(src_dir: Path, dst_dir: Path, trained_with: Optional[dict], output_dir: Optional[Path] = None
+                   ) -> List[str]:
     """Copy the tokenizer files of `src_dir` and write `trained_with` (`weights_trained_with(src_dir)`) as
-    `dst_dir`'s trained_with.json; without a tokenizer.model, warn and copy no tokenizer."""
+    `dst_dir`'s trained_with.json; without a tokenizer.model, warn that `output_dir` (the directory the files end up in,
+    by default `dst_dir`) gets no tokenizer, and copy none."""
     from fabric_lin.data.tokenizer import TOKENIZER_FILES, copy_tokenizer_files, write_trained_with
 
     if trained_with is not None:
         write_trained_with(dst_dir, trained_with)
     if not (Path(src_dir) / "tokenizer.model").is_file():
         print(
-            f"Warning: {src_dir} has no tokenizer.model, so {dst_dir} gets no tokenizer; copy a SentencePiece "
-            f"tokenizer.model there before running generate"
+            f"Warning: {src_dir} has no tokenizer.model, so {output_dir or dst_dir} gets no tokenizer; copy a "
+            f"SentencePiece tokenizer.model there before running generate"
             + (" (the one its weights were trained with, as trained_with.json records)" if trained_with else "")
         )
         return []

@@ -40,7 +40,7 @@ def convert_pretrained_checkpoint(
         output_dir: where to write the model directory (required).
         dtype: cast floating-point weights to float32, bfloat16 or float16 (default: keep).
         overwrite: write into a non-empty output_dir, in place of the model written there before (its other
-            files stay).
+            files stay), which is removed only once this one is written whole.
     """
     if output_dir is None:
         raise InvalidValue("--output_dir is required: where to write the model directory")

@@ -1,0 +1,182 @@
+"""--overwrite true: a converter writes the new model aside (model_dir.model_written_aside) and replaces the earlier
+model only once every file of the new one is written whole. Stopped before that, by a KeyboardInterrupt as any of its
+files is written or by a real Ctrl-C to the command, the output directory keeps the earlier model byte for byte (and
+loadable), its evaluation and the user's own files; completed, it holds the new model's files and the user's own alone.
+Neither leaves a staging file, and one that a kill -9 left is removed by the next conversion."""
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import fabric_lin_process
+from fabric_lin import files
+from fabric_lin.config import Config
+from fabric_lin.convert import model_dir
+from fabric_lin.convert.hf import convert_from_hf, convert_to_hf, read_fla_checkpoint
+from fabric_lin.convert.model_dir import STAGING_DIR, load_model_dir_weights
+from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+from helpers import ctrl_c, make_model_dir, small_config, wait_for
+
+# the user's own files in the output directory, and the earlier model's evaluation (which goes with that model)
+USERS_FILES = {Path("notes.txt"): b"the user's own file stays", Path("evaluate/notes.txt"): b"so does this one"}
+EARLIER_EVALUATION = Path("evaluate/evaluate.json")
+# (convert_from_llama writes its model directory as convert_pretrained_checkpoint and convert_from_hf do)
+CONVERTERS = {"convert_to_hf": convert_to_hf, "convert_pretrained_checkpoint": convert_pretrained_checkpoint,
+              "convert_from_hf": convert_from_hf}
+# the last file each converter writes: the one by which a reader takes the directory for a model
+LAST_FILE = {"convert_to_hf": "config.json", "convert_pretrained_checkpoint": "lit_model.pth",
+             "convert_from_hf": "lit_model.pth"}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """For each converter: the new model's source, and an output directory holding an earlier model of the kind the
+    converter writes (an export of other weights, a model directory of another model), the earlier model's evaluation
+    and the user's files."""
+    from test_convert_pretrained_checkpoint import fabric_single_device_checkpoint
+
+    root = tmp_path_factory.mktemp("inputs")
+    make_model_dir(root / "old", small_config(), seed=0)
+    make_model_dir(root / "new", small_config(), seed=1)
+    convert_to_hf(root / "old", root / "convert_to_hf" / "out")
+    convert_to_hf(root / "new", root / "new_hf")
+    checkpoint, _ = fabric_single_device_checkpoint(root / "run", Config.from_name("gla-debug"))
+    for command in ("convert_pretrained_checkpoint", "convert_from_hf"):
+        shutil.copytree(root / "old", root / command / "out")
+    for command in CONVERTERS:
+        out = root / command / "out"
+        for name, content in {**USERS_FILES, EARLIER_EVALUATION: b'{"val_loss": 4.1}'}.items():
+            (out / name).parent.mkdir(exist_ok=True)
+            (out / name).write_bytes(content)
+    return {"convert_to_hf": (root / "new", root / "convert_to_hf" / "out"),
+            "convert_pretrained_checkpoint": (checkpoint, root / "convert_pretrained_checkpoint" / "out"),
+            "convert_from_hf": (root / "new_hf", root / "convert_from_hf" / "out")}
+
+
+def files_of(directory: Path) -> dict:
+    return {path.relative_to(directory): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def earlier_model(out: Path, command: str) -> dict:
+    """The tensors of the model in `out`, read as the next command reads it."""
+    if command == "convert_to_hf":
+        return read_fla_checkpoint(out)[1]
+    return load_model_dir_weights(out, Config.from_checkpoint(out))
+
+
+def interrupt_file(monkeypatch, number: int) -> list:
+    """Ctrl-C as a conversion has written its file `number` (from 0) whole, before it renames the file to its name
+    (`files.atomic_write`, which writes each of them, asks for the file's mode between the two). Returns a list that
+    grows by one as each file is written."""
+    written = []
+    mode = files.default_file_mode
+
+    def counted() -> int:
+        if len(written) == number:
+            raise KeyboardInterrupt
+        written.append(len(written))
+        return mode()
+
+    monkeypatch.setattr(files, "default_file_mode", counted)
+    return written
+
+
+@pytest.mark.parametrize("command", CONVERTERS)
+def test_an_overwrite_interrupted_at_any_file_keeps_the_earlier_model(inputs, tmp_path, monkeypatch, command):
+    source, earlier = inputs[command]
+    before, weights = files_of(earlier), earlier_model(earlier, command)
+    with monkeypatch.context() as patch:
+        written = interrupt_file(patch, number=10**6)  # counts alone
+        CONVERTERS[command](source, tmp_path / "whole")
+    assert len(written) >= 4  # the weights, their config, the tokenizer and its record at least
+    for number in range(len(written)):
+        out = tmp_path / f"interrupted-at-{number}"
+        shutil.copytree(earlier, out)
+        with monkeypatch.context() as patch:
+            interrupt_file(patch, number)
+            with pytest.raises(KeyboardInterrupt):
+                CONVERTERS[command](source, out, overwrite=True)
+        assert files_of(out) == before, f"interrupted at file {number}"
+        assert [p.name for p in out.iterdir() if p.name.startswith(".tmp-")] == []
+    kept = earlier_model(out, command)
+    assert kept.keys() == weights.keys() and all(torch.equal(kept[name], weights[name]) for name in weights)
+
+
+@pytest.mark.parametrize("command", CONVERTERS)
+def test_a_completed_overwrite_leaves_the_new_model_and_the_users_files_alone(inputs, tmp_path, command):
+    source, earlier = inputs[command]
+    CONVERTERS[command](source, tmp_path / "alone")
+    out = tmp_path / "out"
+    shutil.copytree(earlier, out)
+    CONVERTERS[command](source, out, overwrite=True)
+    assert files_of(out) == {**files_of(tmp_path / "alone"), **USERS_FILES}
+    assert not (out / STAGING_DIR).exists()
+
+
+@pytest.mark.parametrize("command", CONVERTERS)
+def test_a_ctrl_c_during_the_replacement_waits_for_its_end(inputs, tmp_path, monkeypatch, command):
+    """SIGINT as the earlier model's files are removed: the replacement (renames, milliseconds) goes on to its end, so
+    the directory holds the new model whole, and the Ctrl-C then ends the command."""
+    source, earlier = inputs[command]
+    CONVERTERS[command](source, tmp_path / "alone")
+    out = tmp_path / "out"
+    shutil.copytree(earlier, out)
+    remove = model_dir.remove_earlier_model
+
+    def ctrl_c_first(directory):
+        signal.raise_signal(signal.SIGINT)
+        remove(directory)
+
+    monkeypatch.setattr(model_dir, "remove_earlier_model", ctrl_c_first)
+    with pytest.raises(KeyboardInterrupt):
+        CONVERTERS[command](source, out, overwrite=True)
+    assert files_of(out) == {**files_of(tmp_path / "alone"), **USERS_FILES}
+
+
+def test_a_staging_directory_that_a_kill_left_is_removed_by_the_next_conversion(inputs, tmp_path, capsys):
+    """A kill -9 leaves the staging directory with what it held: no model to any command (hidden from the search for
+    models below a directory), and gone with the next conversion into that directory, which takes a directory holding
+    nothing else for an empty one."""
+    source, earlier = inputs["convert_to_hf"]
+    out = tmp_path / "out"
+    (out / STAGING_DIR).mkdir(parents=True)
+    for name in ("model.safetensors", ".tmp-config.json"):
+        (out / STAGING_DIR / name).write_bytes(b"part of a model")
+    assert model_dir.what_it_holds(out) is None and model_dir.models_below(tmp_path) == ""
+    convert_to_hf(source, out)  # no --overwrite: nothing else is there
+    assert f"Removed {out / STAGING_DIR}: the unfinished files of a conversion that was stopped" in capsys.readouterr().out
+    assert not (out / STAGING_DIR).exists()
+    shutil.copytree(earlier, tmp_path / "earlier")
+    (tmp_path / "earlier" / STAGING_DIR).mkdir()
+    (tmp_path / "earlier" / STAGING_DIR / "config.json").write_text("{}")
+    convert_to_hf(source, tmp_path / "earlier", overwrite=True)
+    assert files_of(tmp_path / "earlier") == {**files_of(out), **USERS_FILES}
+
+
+@pytest.mark.slow  # a new command, held mid-write: seconds
+@pytest.mark.parametrize("command", CONVERTERS)
+def test_ctrl_c_to_an_overwriting_command_keeps_the_earlier_model(inputs, tmp_path, command):
+    """A real SIGINT to the command's job, held (fabric_lin_process's held_before) as it is about to rename the last
+    file of the new model, written whole, to its name: the command ends as interrupted (130), and the output
+    directory is as it was."""
+    source, earlier = inputs[command]
+    out = tmp_path / "out"
+    shutil.copytree(earlier, out)
+    before = files_of(out)
+    log, err = tmp_path / "stdout", tmp_path / "stderr"
+    argv = [*fabric_lin_process.FABRIC_LIN, command, str(source), "--output_dir", str(out), "--overwrite", "true"]
+    job = fabric_lin_process.start(argv, log, err_log=err, held_before=LAST_FILE[command])
+    try:
+        held = fabric_lin_process.HELD.format(LAST_FILE[command])
+        assert wait_for(lambda: held in log.read_text(), job, timeout=120), err.read_text()[-3000:]
+        assert (out / STAGING_DIR / f".tmp-{LAST_FILE[command]}").is_file()
+        ctrl_c(job)
+        returncode = job.wait(60)
+    finally:
+        fabric_lin_process.stop(job)
+    assert returncode == 130, err.read_text()[-3000:]
+    assert err.read_text().splitlines()[-1] == (f"fabric-lin {command}: interrupted: nothing half-written is left; run "
+                                                f"the same command again")
+    assert files_of(out) == before
