@@ -25,8 +25,9 @@ from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 from fabric_lin.cli_config_files import (check_config_files, check_no_empty_paths,  # noqa: E402
-                                         check_no_variable_in_paths, check_stop_strings, check_temperatures, config_file_being_read,
-                                         config_file_of, files_holding_key, option_values)
+                                         check_no_variable_in_paths, check_stop_strings, check_temperatures,
+                                         config_file_being_read, config_file_of, files_holding_key, option_values,
+                                         positional_arguments)
 from fabric_lin.errors import (DEBUG_ENV, FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, debug_enabled,  # noqa: E402
                                named_for_rank, process_rank, sigterm_interrupts)
 
@@ -613,19 +614,6 @@ def model_named_before(argv: List[str], at: int) -> Optional[str]:
             if isinstance(content, dict) and ("model_name" in content or "model_config" in content):
                 named = None if content.get("model_config") is not None else content.get("model_name")
     return named
-
-
-def positional_arguments(argv: List[str]) -> List[str]:
-    """The words of a subcommand's command line `argv` (its name first) that are its arguments: every option of a
-    fabric-lin command takes one value (`--name value` or `--name=value`), but --help."""
-    words, rest = [], argv[1:]
-    while rest:
-        word, rest = rest[0], rest[1:]
-        if not word.startswith("-"):
-            words.append(word)
-        elif "=" not in word and word not in ("--help", "-h"):
-            rest = rest[1:]  # the option's value
-    return words
 
 
 def data_options_change_the_run_s_data(argv: List[str]) -> List[str]:

@@ -14,6 +14,19 @@ def option_values(argv: List[str], option: str) -> List[str]:
             for arg, value in zip(argv, argv[1:] + [""]) if arg == option or arg.startswith(option + "=")]
 
 
+def positional_arguments(argv: List[str]) -> List[str]:
+    """The words of a subcommand's command line `argv` (its name first) that are its arguments: every option of a
+    fabric-lin command takes one value (`--name value` or `--name=value`), but --help."""
+    words, rest = [], argv[1:]
+    while rest:
+        word, rest = rest[0], rest[1:]
+        if not word.startswith("-"):
+            words.append(word)
+        elif "=" not in word and word not in ("--help", "-h"):
+            rest = rest[1:]  # the option's value
+    return words
+
+
 def check_config_files(argv: List[str]) -> None:
     """Each `--config FILE` and `--model_config FILE` read before jsonargparse reads it: its own messages for a file
     that is not YAML, is empty or holds a list name no file ("<unicode string>", "Unexpected config"), and it keeps
@@ -239,7 +252,6 @@ def check_no_empty_paths(cfg, argv: List[str]) -> None:
     """Refuse a path given on the command line as an empty word (`--output_dir "$OUT"` with OUT unset): Path("") is
     the current directory, where a converter with --overwrite true would write (and remove) a model's files. `cfg`:
     the command's parsed values, under the subcommand's name; a path written "." is taken as it is."""
-    from fabric_lin.cli import positional_arguments
     from fabric_lin.errors import InvalidValue
 
     command = cfg.get("subcommand") if hasattr(cfg, "get") else None
