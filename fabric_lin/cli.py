@@ -25,8 +25,8 @@ from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 from fabric_lin.cli_config_files import (check_config_files, check_no_empty_paths,  # noqa: E402
-                                         check_no_variable_in_paths, check_stop_strings, check_temperatures, config_file_being_read,
-                                         config_file_of, files_holding_key, option_values)
+                                         check_no_variable_in_paths, check_sampling_values, check_stop_strings,
+                                         config_file_being_read, config_file_of, files_holding_key, option_values)
 from fabric_lin.errors import (DEBUG_ENV, FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, debug_enabled,  # noqa: E402
                                named_for_rank, process_rank, sigterm_interrupts)
 
@@ -707,7 +707,7 @@ def run(argv: List[str]) -> None:
 
         raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
     if "generate" in argv:  # also after a --config given before it
-        check_temperatures(argv)
+        check_sampling_values(argv)
         check_stop_strings(argv)
     if argv and argv[0] == "pretrain" and not option_values(argv, "--out_dir"):
         from fabric_lin.run_start import check_config_of_a_moved_run

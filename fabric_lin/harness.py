@@ -134,7 +134,8 @@ class HarnessScorer:
     @torch.no_grad()
     def generate_until(self, requests: Sequence[Tuple[str, dict]]) -> List[str]:
         """The text generated after each context, up to the first of its `until` strings (left out), the
-        end-of-text token or `max_gen_toks` tokens (default 256); greedy unless do_sample with a temperature."""
+        end-of-text token or `max_gen_toks` tokens (default 256); greedy unless do_sample with a temperature, then
+        within the request's top_k and top_p where it gives them (as Hugging Face's `generate` reads them)."""
         from tqdm import tqdm
 
         from fabric_lin.generate import GrowingText, stream_tokens
@@ -148,13 +149,14 @@ class HarnessScorer:
             until = [until] if isinstance(until, str) else list(until)
             max_new_tokens = int(options.get("max_gen_toks", 256))
             temperature = float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0
+            top_p = float(options["top_p"]) if options.get("do_sample") and options.get("top_p") is not None else 1.0
             context_ids = self.encode(context)
             text = GrowingText(self.tokenizer, context_ids)
             generated = ""
             prompt = torch.tensor([eos] + context_ids, device=self.fabric.device)
             with self.fabric.autocast():
                 for token in stream_tokens(self.model, prompt, max_new_tokens, temperature, options.get("top_k"), eos,
-                                           generator, vocab_size=self.tokenizer.vocab_size):
+                                           generator, vocab_size=self.tokenizer.vocab_size, top_p=top_p):
                     if int(token) == eos:
                         break
                     generated += text.add(token)
