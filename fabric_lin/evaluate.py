@@ -139,6 +139,7 @@ def main(
         check_dir_can_be_made(out_dir, "--out_dir")
     if task_manager is not None:  # the tasks built and their few-shot examples counted, before the model is loaded
         check_checkpoint_dir(checkpoint_dir)
+        check_tokenizer_for_tasks(checkpoint_dir)
         task_manager = load_tasks(task_manager, task_names, num_fewshot)
 
     checkpoint = load_checkpoint(checkpoint_dir)
@@ -168,9 +169,6 @@ def main(
             f"{checkpoint_dir} is a {checkpoint.kind}, which names no validation data (a training checkpoint's "
             f"{HPARAMS_FILE} does): give --data (e.g. --data TextFiles --data.val_dir DIR) or --tasks"
         )
-    if task_names and checkpoint.tokenizer is None:
-        raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text"
-                           f"{the_recorded_tokenizer(checkpoint_dir)}")
     if reset_state_at_doc_boundaries and evaluate_data and checkpoint.tokenizer is None:
         raise InvalidValue(f"--reset_state_at_doc_boundaries true needs the end-of-text token's id, and {checkpoint_dir} "
                            f"has no tokenizer.model{the_recorded_tokenizer(checkpoint_dir)}")
@@ -237,6 +235,19 @@ def main(
                 raise
         write_results(results, out_dir, evaluate_data)
     return results
+
+
+def check_tokenizer_for_tasks(checkpoint_dir: Path) -> None:
+    """Refuse --tasks for weights without their tokenizer.model (the harness's tasks are text), before the tasks are
+    built (their datasets read, minutes for some) and the weights read. A directory that holds no weights is left to
+    load_checkpoint, which says what it is."""
+    from fabric_lin.convert.model_dir import HF_CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE
+    from fabric_lin.weights import MODEL_FILE
+
+    weights = (MODEL_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, HF_CONFIG_FILE)
+    if any((checkpoint_dir / name).exists() for name in weights) and not (checkpoint_dir / "tokenizer.model").exists():
+        raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text"
+                           f"{the_recorded_tokenizer(checkpoint_dir)}")
 
 
 def write_results(results: Dict[str, Any], out_dir: Path, evaluate_data: bool) -> None:

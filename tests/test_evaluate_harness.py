@@ -389,6 +389,34 @@ def test_more_few_shot_examples_than_a_task_has_are_refused_before_the_model_is_
             fabric_lin.evaluate.main(tmp_path, tasks="tiny", num_fewshot=num_fewshot)
 
 
+def test_weights_without_their_tokenizer_are_refused_before_the_tasks_are_built(tmp_path, capsys, monkeypatch):
+    """--tasks on a model directory or an fla export without its tokenizer.model: one line before the harness builds
+    the tasks (reads their datasets: minutes for some, a download for the first run) and before the weights are read."""
+    import types
+
+    import fabric_lin.evaluate
+    from helpers import make_model_dir, small_config
+
+    harness = types.ModuleType("lm_eval")
+    harness.tasks = types.ModuleType("lm_eval.tasks")
+    harness.tasks.TaskManager = lambda include_path=None, include_defaults=True: types.SimpleNamespace(
+        all_tasks=["tiny"], load=lambda names: pytest.fail("the tasks were built"))
+    monkeypatch.setitem(sys.modules, "lm_eval", harness)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
+    monkeypatch.setattr(fabric_lin.evaluate, "load_checkpoint", lambda *args: pytest.fail("the model was loaded"))
+    make_model_dir(tmp_path / "model", small_config())
+    (tmp_path / "model" / "tokenizer.model").unlink()
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}")
+    for directory in (tmp_path / "model", tmp_path / "export"):
+        assert cli_error(["evaluate", str(directory), "--tasks", "tiny"], capsys) == (
+            f"fabric-lin evaluate: error: --tasks: {directory} has no tokenizer.model, and the harness's tasks are text\n")
+    # a directory of no weights at all is told what it is, by the checkpoint's reading, as before
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(pytest.fail.Exception, match="the tasks were built"):
+        fabric_lin.evaluate.main(tmp_path / "empty", tasks="tiny")
+
+
 def test_a_task_file_that_is_not_there_or_a_directory_of_tasks_in_tasks_is_named(tmp_path, capsys, monkeypatch):
     """--tasks given a task file's path that does not exist, or a directory of task files (where --task_dir belongs),
     is one line about that path, not an unknown task name with the harness's unrelated close names; a file's before the
