@@ -138,6 +138,48 @@ def test_an_unfinished_checkpoint_given_as_the_current_directory_is_one_line(run
     assert not (tmp_path / "evaluate").exists()
 
 
+def test_a_checkpoint_still_being_written_is_one_line_saying_so(run, tmp_path, capsys):
+    """`evaluate out/step-X` (or convert it) while the run writes `out/.tmp-step-X`: the checkpoint is being written,
+    not missing; the ones complete beside it are named."""
+    out = tmp_path / "out"
+    shutil.copytree(run / "out" / "final", out / "step-00000002")
+    shutil.copytree(run / "out" / "final", out / ".tmp-step-00000004")
+    expected = (f"{out / 'step-00000004'} is not there yet: {out / '.tmp-step-00000004'} is being written (a running "
+                f"pretrain saves a checkpoint there and renames it when complete; one killed while saving leaves it): "
+                f"give it once the run has saved it, or one that is complete (step-00000002)\n")
+    assert cli_error(["evaluate", str(out / "step-00000004")], capsys) == f"fabric-lin evaluate: error: {expected}"
+    assert cli_error(["convert_pretrained_checkpoint", str(out / "step-00000004"), "--output_dir", str(tmp_path / "m")],
+                     capsys) == f"fabric-lin convert_pretrained_checkpoint: error: {expected}"
+
+
+@pytest.mark.parametrize("when", ["verifying", "loading", "replaced"])
+def test_a_checkpoint_deleted_or_replaced_while_it_is_read_is_one_line(run, tmp_path, capsys, monkeypatch, when):
+    """A running pretrain deletes its oldest step-* checkpoint past train.keep_last_n (renamed to `.tmp-deleted-*`,
+    then removed) while evaluate verifies or loads it, or replaces it by another (a step saved again): one line that
+    says so, not a damaged checkpoint, a missing model_config.yaml or torch's FileNotFoundError."""
+    import fabric_lin.checkpoint_kinds as kinds
+
+    checkpoint = tmp_path / "out" / "step-00000002"
+    shutil.copytree(run / "out" / "final", checkpoint)
+
+    def pretrain_meanwhile():
+        if when == "replaced":  # another save of the step: the same files but for the manifest's record of them
+            manifest = json.loads((checkpoint / "manifest.json").read_text())
+            (checkpoint / "manifest.json").write_text(json.dumps({**manifest, "written": "again"}))
+        else:
+            shutil.move(checkpoint, tmp_path / "out" / ".tmp-deleted-step-00000002")
+            shutil.rmtree(tmp_path / "out" / ".tmp-deleted-step-00000002")
+
+    patched = "verify_checkpoint" if when == "verifying" else "load_model_weights"
+    original = getattr(kinds, patched)
+    monkeypatch.setattr(kinds, patched, lambda path, *args: (pretrain_meanwhile(), original(path, *args))[1])
+    assert cli_error(["evaluate", str(checkpoint), "--max_batches", "1"], capsys) == (
+        f"fabric-lin evaluate: error: {checkpoint} was deleted or replaced while it was read: a running pretrain deletes "
+        f"its oldest step-* checkpoints past train.keep_last_n, and replaces a checkpoint it saves again; evaluate it "
+        f"again where it is still there, or a checkpoint that the run keeps\n")
+    assert not (tmp_path / "out" / "evaluate").exists()
+
+
 def test_an_empty_length_list_is_one_line(run, capsys):
     """--seq_len [] (evaluated at the training length, as if not given). (--data.num_workers without --data and without
     a run's data: test_data_options_alone_change_the_run_s_own_data.)"""
