@@ -485,26 +485,28 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
         expected_batches = max_batches
     if max_batches is not None and expected_batches is not None:
         expected_batches = min(expected_batches, max_batches)
-    progress = tqdm(desc=f"seq_len {seq_len}", unit="tok", unit_scale=True, dynamic_ncols=True,
-                    total=expected_batches * batch_size * seq_len if expected_batches else None)
-    start = time.perf_counter()
-    for batch in loader:
-        batch = batch.to(fabric.device).long()
-        if batch.shape[1] != seq_len + 1:
-            raise UserError(f"the validation loader gave blocks of {batch.shape[1]} tokens, expected seq_len + 1 = {seq_len + 1}")
-        with fabric.autocast():
-            losses = token_losses(model, batch[:, :-1], batch[:, 1:], eos_id)
-        sums += losses.sum(0, dtype=torch.float64)
-        fingerprint += batch_fingerprint(batch)
-        rows += batch.shape[0]
-        batches += 1
-        short_batches += batch.shape[0] < batch_size
-        progress.update(batch.shape[0] * seq_len)
-        if batches == max_batches:
-            break
-    sums = sums.cpu()  # waits for the device: the time below is the computation's
-    elapsed = time.perf_counter() - start
-    progress.close()
+    # closed however the loop ends: a bar left open is drawn again when it is collected, after an error's line or
+    # Ctrl-C's, which would then not be the last
+    with tqdm(desc=f"seq_len {seq_len}", unit="tok", unit_scale=True, dynamic_ncols=True,
+              total=expected_batches * batch_size * seq_len if expected_batches else None) as progress:
+        start = time.perf_counter()
+        for batch in loader:
+            batch = batch.to(fabric.device).long()
+            if batch.shape[1] != seq_len + 1:
+                raise UserError(f"the validation loader gave blocks of {batch.shape[1]} tokens, expected seq_len + 1 = "
+                                f"{seq_len + 1}")
+            with fabric.autocast():
+                losses = token_losses(model, batch[:, :-1], batch[:, 1:], eos_id)
+            sums += losses.sum(0, dtype=torch.float64)
+            fingerprint += batch_fingerprint(batch)
+            rows += batch.shape[0]
+            batches += 1
+            short_batches += batch.shape[0] < batch_size
+            progress.update(batch.shape[0] * seq_len)
+            if batches == max_batches:
+                break
+        sums = sums.cpu()  # waits for the device: the time below is the computation's
+        elapsed = time.perf_counter() - start
     if batches == 0:
         raise InvalidValue(
             f"seq_len {seq_len}: the validation data gives no block of {seq_len + 1} tokens; lower --seq_len"

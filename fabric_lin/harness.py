@@ -63,33 +63,32 @@ class HarnessScorer:
             sequences.append(([eos] + context_ids + continuation_ids, len(continuation_ids)))
         answers: List[Tuple[float, bool]] = [(0.0, True)] * len(sequences)
         order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0]))
-        progress = tqdm(desc="loglikelihood", total=sum(len(s) for s, _ in sequences), unit="tok", unit_scale=True,
-                        dynamic_ncols=True)
-        for first in range(0, len(order), self.batch_size):
-            chosen = order[first : first + self.batch_size]
-            longest = len(sequences[chosen[0]][0])
-            ids = torch.full((len(chosen), longest), eos, dtype=torch.long)
-            rows, positions, targets = [], [], []
-            for row, i in enumerate(chosen):
-                tokens, n = sequences[i]
-                ids[row, : len(tokens)] = torch.tensor(tokens)
-                # the continuation's tokens are predicted at the positions before them
-                rows += [row] * n
-                positions += range(len(tokens) - n - 1, len(tokens) - 1)
-                targets += tokens[len(tokens) - n:]
-            ids = ids.to(self.fabric.device)
-            with self.fabric.autocast():
-                hidden = self.model(ids, return_hidden=True)
-                logprobs, greedy = self.target_logprobs(hidden[rows, positions],
-                                                        torch.tensor(targets, dtype=torch.long, device=ids.device))
-            logprobs, greedy = logprobs.tolist(), greedy.tolist()
-            taken = 0
-            for i in chosen:
-                n = sequences[i][1]
-                answers[i] = (float(sum(logprobs[taken : taken + n])), all(greedy[taken : taken + n]))
-                taken += n
-            progress.update(sum(len(sequences[i][0]) for i in chosen))
-        progress.close()
+        with tqdm(desc="loglikelihood", total=sum(len(s) for s, _ in sequences), unit="tok", unit_scale=True,
+                  dynamic_ncols=True) as progress:
+            for first in range(0, len(order), self.batch_size):
+                chosen = order[first : first + self.batch_size]
+                longest = len(sequences[chosen[0]][0])
+                ids = torch.full((len(chosen), longest), eos, dtype=torch.long)
+                rows, positions, targets = [], [], []
+                for row, i in enumerate(chosen):
+                    tokens, n = sequences[i]
+                    ids[row, : len(tokens)] = torch.tensor(tokens)
+                    # the continuation's tokens are predicted at the positions before them
+                    rows += [row] * n
+                    positions += range(len(tokens) - n - 1, len(tokens) - 1)
+                    targets += tokens[len(tokens) - n:]
+                ids = ids.to(self.fabric.device)
+                with self.fabric.autocast():
+                    hidden = self.model(ids, return_hidden=True)
+                    logprobs, greedy = self.target_logprobs(hidden[rows, positions],
+                                                            torch.tensor(targets, dtype=torch.long, device=ids.device))
+                logprobs, greedy = logprobs.tolist(), greedy.tolist()
+                taken = 0
+                for i in chosen:
+                    n = sequences[i][1]
+                    answers[i] = (float(sum(logprobs[taken : taken + n])), all(greedy[taken : taken + n]))
+                    taken += n
+                progress.update(sum(len(sequences[i][0]) for i in chosen))
         return answers
 
     @torch.no_grad()
@@ -99,24 +98,23 @@ class HarnessScorer:
 
         eos = self.tokenizer.eos_id
         documents = [[eos] + self.encode(text) for text in texts]
-        progress = tqdm(desc="loglikelihood_rolling", total=sum(len(d) - 1 for d in documents), unit="tok",
-                        unit_scale=True, dynamic_ncols=True)
         answers = []
-        for tokens in documents:
-            ids = torch.tensor(tokens, device=self.fabric.device)
-            cache = self.model.new_cache()
-            total = 0.0
-            for start in range(0, len(tokens) - 1, self.block_size):
-                inputs = ids[start : start + self.block_size]
-                targets = ids[start + 1 : start + self.block_size + 1]
-                inputs = inputs[: len(targets)]
-                with self.fabric.autocast():
-                    hidden = self.model(inputs[None], cache=cache, return_hidden=True)[0]
-                    logprobs, _ = self.target_logprobs(hidden, targets)
-                total += float(logprobs.double().sum())
-                progress.update(len(targets))
-            answers.append(total)
-        progress.close()
+        with tqdm(desc="loglikelihood_rolling", total=sum(len(d) - 1 for d in documents), unit="tok", unit_scale=True,
+                  dynamic_ncols=True) as progress:
+            for tokens in documents:
+                ids = torch.tensor(tokens, device=self.fabric.device)
+                cache = self.model.new_cache()
+                total = 0.0
+                for start in range(0, len(tokens) - 1, self.block_size):
+                    inputs = ids[start : start + self.block_size]
+                    targets = ids[start + 1 : start + self.block_size + 1]
+                    inputs = inputs[: len(targets)]
+                    with self.fabric.autocast():
+                        hidden = self.model(inputs[None], cache=cache, return_hidden=True)[0]
+                        logprobs, _ = self.target_logprobs(hidden, targets)
+                    total += float(logprobs.double().sum())
+                    progress.update(len(targets))
+                answers.append(total)
         return answers
 
     def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -143,28 +141,29 @@ class HarnessScorer:
         eos = self.tokenizer.eos_id
         answers = []
         generator = torch.Generator().manual_seed(1234)
-        for context, options in tqdm(requests, desc="generate_until", dynamic_ncols=True):
-            options = dict(options or {})
-            until = options.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new_tokens = int(options.get("max_gen_toks", 256))
-            temperature = float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0
-            top_p = float(options["top_p"]) if options.get("do_sample") and options.get("top_p") is not None else 1.0
-            context_ids = self.encode(context)
-            text = GrowingText(self.tokenizer, context_ids)
-            generated = ""
-            prompt = torch.tensor([eos] + context_ids, device=self.fabric.device)
-            with self.fabric.autocast():
-                for token in stream_tokens(self.model, prompt, max_new_tokens, temperature, options.get("top_k"), eos,
-                                           generator, vocab_size=self.tokenizer.vocab_size, top_p=top_p):
-                    if int(token) == eos:
-                        break
-                    generated += text.add(token)
-                    stops = [generated.find(s) for s in until if s and s in generated]
-                    if stops:
-                        generated = generated[: min(stops)]
-                        break
-            answers.append(generated)
+        with tqdm(requests, desc="generate_until", dynamic_ncols=True) as progress:
+            for context, options in progress:
+                options = dict(options or {})
+                until = options.get("until") or []
+                until = [until] if isinstance(until, str) else list(until)
+                max_new_tokens = int(options.get("max_gen_toks", 256))
+                temperature = float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0
+                top_p = float(options["top_p"]) if options.get("do_sample") and options.get("top_p") is not None else 1.0
+                context_ids = self.encode(context)
+                text = GrowingText(self.tokenizer, context_ids)
+                generated = ""
+                prompt = torch.tensor([eos] + context_ids, device=self.fabric.device)
+                with self.fabric.autocast():
+                    for token in stream_tokens(self.model, prompt, max_new_tokens, temperature, options.get("top_k"), eos,
+                                               generator, vocab_size=self.tokenizer.vocab_size, top_p=top_p):
+                        if int(token) == eos:
+                            break
+                        generated += text.add(token)
+                        stops = [generated.find(s) for s in until if s and s in generated]
+                        if stops:
+                            generated = generated[: min(stops)]
+                            break
+                answers.append(generated)
         return answers
 
 

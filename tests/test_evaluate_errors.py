@@ -180,6 +180,42 @@ def test_a_checkpoint_deleted_or_replaced_while_it_is_read_is_one_line(run, tmp_
     assert not (tmp_path / "out" / "evaluate").exists()
 
 
+def error_after_progress(argv, capsys, exit_code: int = 2) -> str:
+    """`fabric-lin <argv>` in this process, failing once its progress bar has started: the bar is closed (its line
+    ended) before the one line of the failure, which is the last. Returns that line."""
+    from fabric_lin.cli import main as cli_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == exit_code
+    err = capsys.readouterr().err
+    bar, _, line = err.rpartition("\n" + argv[0].join(["fabric-lin ", ":"]))
+    assert bar.startswith("\rseq_len") and "\n" not in bar and "Traceback" not in err, err
+    return f"fabric-lin {argv[0]}:{line}"
+
+
+def test_ctrl_c_while_a_length_is_read_is_the_last_line_below_the_progress_bar(run, tmp_path, capsys, monkeypatch):
+    """The bar left open was drawn again when it was collected: the interruption's line began on the bar's line, and the
+    bar came again after it."""
+    import fabric_lin.evaluate
+
+    batches = []
+
+    def interrupted_on_the_second(*args):
+        batches.append(args)
+        if len(batches) == 2:
+            raise KeyboardInterrupt
+        return original(*args)
+
+    original = fabric_lin.evaluate.token_losses
+    monkeypatch.setattr(fabric_lin.evaluate, "token_losses", interrupted_on_the_second)
+    line = error_after_progress(["evaluate", str(run / "out" / "final"), "--out_dir", str(tmp_path / "evaluation")],
+                                capsys, exit_code=130)
+    assert line == "fabric-lin evaluate: interrupted: nothing half-written is left; run the same command again\n"
+    assert not (tmp_path / "evaluation").exists()
+
+
 def test_an_empty_length_list_is_one_line(run, capsys):
     """--seq_len [] (evaluated at the training length, as if not given). (--data.num_workers without --data and without
     a run's data: test_data_options_alone_change_the_run_s_own_data.)"""
