@@ -503,6 +503,8 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
             batches += 1
             short_batches += batch.shape[0] < batch_size
             progress.update(batch.shape[0] * seq_len)
+            if batches == 1:  # weights or a precision that give no finite logits, told before the whole split is read
+                check_finite_loss(sums, seq_len, "its first batch")
             if batches == max_batches:
                 break
         sums = sums.cpu()  # waits for the device: the time below is the computation's
@@ -511,6 +513,7 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
         raise InvalidValue(
             f"seq_len {seq_len}: the validation data gives no block of {seq_len + 1} tokens; lower --seq_len"
         )
+    check_finite_loss(sums, seq_len, f"its {batches} batches")
     tokens = rows * seq_len
     loss = float(sums.sum() / tokens)
     starts = list(starts)
@@ -535,6 +538,18 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
             "tokens": [rows * (e - s) for s, e in zip(starts, ends)],
         },
     }
+
+
+def check_finite_loss(sums: torch.Tensor, seq_len: int, read: str) -> None:
+    """Refuse a loss that is NaN or inf (`sums`: the loss summed per position): a JSON file holds no such number, and
+    its cause is the model's logits, not the data."""
+    if not bool(torch.isfinite(sums).all()):
+        loss = float(sums.sum())
+        raise InvalidValue(
+            f"seq_len {seq_len}: the loss of {read} is {loss}: the model's logits are not finite (its weights hold NaN or "
+            f"inf, or its activations overflow the --precision it runs in: float16's range ends at 65504, bf16's and "
+            f"32-true's go past 1e38); no results are written"
+        )
 
 
 def token_losses(model, input_ids: torch.Tensor, targets: torch.Tensor, eos_id: Optional[int] = None) -> torch.Tensor:

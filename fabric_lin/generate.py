@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional, Sequence, Union
 import torch
 
 from fabric_lin.config import Config
-from fabric_lin.errors import InvalidValue
+from fabric_lin.errors import InvalidValue, UserError
 from fabric_lin.model import GPT
 
 
@@ -56,9 +56,15 @@ def stream_tokens(
     check_context_length(model.config, len(prompt), max_new_tokens)
     cache = model.new_cache()
     input_ids = prompt[None]  # the whole prompt in one chunked pass, then one token at a time
-    for _ in range(max_new_tokens):  # a pass only when its logits are sampled: none after the last token
-        logits = model(input_ids, cache=cache)[0, -1]
-        token = sample(logits[:vocab_size], temperature, top_k, generator, top_p)
+    for step in range(max_new_tokens):  # a pass only when its logits are sampled: none after the last token
+        logits = model(input_ids, cache=cache)[0, -1][:vocab_size]
+        if not torch.isfinite(logits).all():  # NaN would be argmax's pick, or torch.multinomial's RuntimeError
+            raise InvalidValue(
+                f"the model's logits for new token {step + 1} are not finite (NaN or inf): its weights hold NaN or inf, "
+                f"or its activations overflow {str(logits.dtype).removeprefix('torch.')} (float16's range ends at 65504: "
+                f"bfloat16 or float32, --precision bf16-true or 32-true, go past 1e38)"
+            )
+        token = sample(logits, temperature, top_k, generator, top_p)
         yield token
         if eos_id is not None and token.item() == eos_id:
             return
@@ -345,7 +351,7 @@ def main(
     printed = text.text
     print(printed, end="", flush=True)
     until = StopString(stops) if stops else None
-    count, start = 0, time.perf_counter()
+    count, start, failed = 0, time.perf_counter(), False
     try:
         for token in tokens:
             count += 1
@@ -355,6 +361,9 @@ def main(
             print(new, end="", flush=True)
             if until is not None and until.found:
                 break
+    except UserError:  # its one line, the last, says what went wrong
+        failed = True
+        raise
     finally:
         if until is not None:  # held back as the start of the stop string, which did not follow
             rest = until.rest()
@@ -362,7 +371,9 @@ def main(
             print(rest, end="")
         elapsed = time.perf_counter() - start
         print(flush=True)
-        print(f"{count} tokens in {elapsed:.2f} s ({count / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr, flush=True)
+        if not failed:
+            print(f"{count} tokens in {elapsed:.2f} s ({count / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr,
+                  flush=True)
     return printed
 
 

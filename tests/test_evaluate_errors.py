@@ -214,6 +214,51 @@ def test_ctrl_c_while_a_length_is_read_is_the_last_line_below_the_progress_bar(r
                                 capsys, exit_code=130)
     assert line == "fabric-lin evaluate: interrupted: nothing half-written is left; run the same command again\n"
     assert not (tmp_path / "evaluation").exists()
+def test_a_model_whose_logits_are_not_finite_is_one_line_and_writes_nothing(run, tmp_path, capsys):
+    """Weights holding a NaN (or a precision whose range the activations overflow): the loss is NaN, which evaluate.json
+    held as `NaN` (no JSON: jq and JavaScript refuse the file) beside a plot of nothing, and the line said only
+    `loss nan`."""
+    import torch
+
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+
+    model = tmp_path / "model"
+    convert_pretrained_checkpoint(run / "out" / "final", model)
+    state = torch.load(model / "lit_model.pth")
+    state["layers.0.attn_norm.weight"][0] = float("nan")
+    torch.save(state, model / "lit_model.pth")
+    err = error_after_progress(["evaluate", str(model), "--data", "TokenChunks", "--data.val_path", str(run / "val"),
+                                "--data.num_workers", "0"], capsys)
+    assert err == (f"fabric-lin evaluate: error: seq_len {TRAIN_LEN}: the loss of its first batch is nan: the model's "
+                   f"logits are not finite (its weights hold NaN or inf, or its activations overflow the --precision it "
+                   f"runs in: float16's range ends at 65504, bf16's and 32-true's go past 1e38); no results are written\n")
+    assert not (model / "evaluate").exists()
+
+
+def test_a_loss_that_turns_not_finite_after_the_first_batch_is_refused_at_the_end():
+    import lightning_fabric as L
+    import torch
+
+    from fabric_lin.evaluate import evaluate_length
+
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("gla-debug", num_layers=1, vocab_size=64)).eval()
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    blocks = torch.randint(0, 64, (2, 9))
+    batches = [blocks, blocks.clone()]
+
+    class Loader:
+        def __iter__(self):
+            yield batches[0]
+            with torch.no_grad():
+                model.lm_head.weight[0, 0] = float("inf")
+            yield batches[1]
+
+        def __len__(self):
+            return 2
+
+    with pytest.raises(InvalidValue, match=r"^seq_len 8: the loss of its 2 batches is nan: the model's logits are not "):
+        evaluate_length(fabric, model, Loader(), seq_len=8, batch_size=2, max_batches=None, starts=[0])
 
 
 def test_an_empty_length_list_is_one_line(run, capsys):

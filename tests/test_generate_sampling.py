@@ -101,3 +101,21 @@ def test_the_harness_s_generate_until_samples_within_a_task_s_top_p(model_dir):
     (expected,) = scorer.generate_until([(context, greedy)])
     assert scorer.generate_until([(context, {**sampled, "top_p": 1e-6})]) == [expected]
     assert scorer.generate_until([(context, sampled)]) != [expected]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_model_whose_logits_are_not_finite_is_one_line(model_dir, tmp_path, capsys, temperature):
+    """Weights holding a NaN (or a float16 overflow): sampling raised torch.multinomial's RuntimeError, and greedy
+    decoding printed the tokens that argmax picks among NaNs."""
+    import shutil
+
+    broken = tmp_path / "model"
+    shutil.copytree(model_dir, broken)
+    state = torch.load(broken / "lit_model.pth")
+    name = next(name for name in state if name.endswith("norm.weight"))
+    state[name][0] = float("nan")
+    torch.save(state, broken / "lit_model.pth")
+    err = cli_error(["generate", str(broken), "--temperature", str(temperature), "--device", "cpu"], capsys)
+    assert err == ("fabric-lin generate: error: the model's logits for new token 1 are not finite (NaN or inf): its "
+                   "weights hold NaN or inf, or its activations overflow float32 (float16's range ends at 65504: bfloat16 "
+                   "or float32, --precision bf16-true or 32-true, go past 1e38)\n")
