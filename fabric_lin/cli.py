@@ -86,12 +86,17 @@ NO_CLASS_OF_ITS_KIND = re.compile(r"Problem with given class_path|Import path do
                                   r"|Expected a dot import path string|Not a valid subclass of|^Expected a (?:DataModule|Config)",
                                   re.M)
 
-# Flags that Lightning's and LitGPT's users type for what fabric-lin names otherwise, too unlike its flag for the
-# closest spelling to find it: the flag -> fabric-lin's, as the "did you mean" hint gives it (where the command has it)
-LIGHTNING_FLAGS = {
+# Flags that Lightning's, LitGPT's and lm-evaluation-harness's users type for what fabric-lin names otherwise, too
+# unlike its flag for the closest spelling to find it: the flag -> fabric-lin's, as the "did you mean" hint gives it
+# (where the command has it)
+OTHER_TOOLS_FLAGS = {
     "--strategy": "--parallelism.data_parallel fsdp or ddp",
     "--fsdp": "--parallelism.data_parallel fsdp",
     "--ddp": "--parallelism.data_parallel ddp",
+    "--include_path": "--task_dir",  # lm-eval's directory of task YAML files
+    "--output_path": "--out_dir",  # lm-eval's
+    "--save_filepath": "--out_dir",  # LitGPT evaluate's results file
+    "--dtype": "--precision",  # LitGPT evaluate's
 }
 
 
@@ -118,8 +123,8 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
             return (f"unknown option {option}: {option[2:]} is this command's argument, given without a name: "
                     f"{prog} {' '.join(name.upper() for name in positionals)} [options]")
         options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
-        if option in LIGHTNING_FLAGS and LIGHTNING_FLAGS[option].split()[0] in options:
-            return f"unknown option {option} (did you mean {LIGHTNING_FLAGS[option]}?)"
+        if option in OTHER_TOOLS_FLAGS and OTHER_TOOLS_FLAGS[option].split()[0] in options:
+            return f"unknown option {option} (did you mean {OTHER_TOOLS_FLAGS[option]}?)"
         without_init_args = option.replace(".init_args.", ".")  # LitGPT's form of a class's keys
         close = ([without_init_args] if without_init_args in options
                  else difflib.get_close_matches(option, options, n=1, cutoff=0.75))

@@ -477,3 +477,17 @@ def test_harness_options_without_tasks_are_one_line(run, capsys):
         err = cli_error(["evaluate", str(final), option, value], capsys)
         assert f"error: {option} set how lm-evaluation-harness runs its tasks, and no --tasks is given: give --tasks, " \
                f"or leave {option} out\n" in err, err
+
+
+@pytest.mark.parametrize("flag, ours", [("--include_path", "--task_dir"), ("--output_path", "--out_dir"),
+                                        ("--save_filepath", "--out_dir"), ("--dtype", "--precision")])
+def test_lm_eval_s_and_litgpt_s_names_of_evaluate_s_options_point_to_them(tmp_path, capsys, flag, ours):
+    """lm-evaluation-harness's --include_path and --output_path, LitGPT evaluate's --save_filepath and --dtype: no
+    spelling of fabric-lin's resembles them, and the error named no option to use."""
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["evaluate", str(tmp_path), "--tasks", "hellaswag", flag, "x"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (f"fabric-lin evaluate: error: unknown option {flag} (did you mean {ours}?)\n"
+                                       f"(fabric-lin evaluate --help lists the options)\n")
