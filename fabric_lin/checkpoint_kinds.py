@@ -121,17 +121,24 @@ def changed_while_read(checkpoint_dir: Path) -> InvalidValue:
     )
 
 
-def being_written(checkpoint_dir: Path) -> Optional[str]:
-    """Where `checkpoint_dir` is not there but its `.tmp-` directory is, a pretrain that is saving it (or one killed
-    while it saved): what to do, for the error that `checkpoint_dir` is not there; else None."""
+def not_saved_yet(checkpoint_dir: Path) -> Optional[str]:
+    """Where `checkpoint_dir` is not there but is a checkpoint's name in a run's out_dir: its `.tmp-` directory there (a
+    pretrain that is saving it, or one killed while it saved), or the run's other checkpoints (final/ comes at the end
+    of a run): what to do, for the error that `checkpoint_dir` is not there; else None."""
     checkpoint_dir = Path(checkpoint_dir)
     tmp = checkpoint_dir.parent / f"{TMP_PREFIX}{checkpoint_dir.name}"
-    if checkpoint_dir.name in ("", ".", "..") or not tmp.is_dir():
+    if checkpoint_dir.name in ("", ".", "..") or checkpoint_dir.exists():
         return None
     finished = [p.name for p in checkpoint_dirs(checkpoint_dir.parent)]
-    return (f"{checkpoint_dir} is not there yet: {tmp} is being written (a running pretrain saves a checkpoint there "
-            f"and renames it when complete; one killed while saving leaves it): give it once the run has saved it"
-            + (f", or one that is complete ({', '.join(finished[:3])})" if finished else ""))
+    if tmp.is_dir():
+        return (f"{checkpoint_dir} is not there yet: {tmp} is being written (a running pretrain saves a checkpoint there "
+                f"and renames it when complete; one killed while saving leaves it): give it once the run has saved it"
+                + (f", or one that is complete ({', '.join(finished[:3])})" if finished else ""))
+    if not finished:
+        return None
+    ends = " (a run saves final/ when it ends)" if checkpoint_dir.name == FINAL_DIR else ""
+    return (f"{checkpoint_dir} does not exist{ends}: the run in {checkpoint_dir.parent} has saved "
+            f"{', '.join(finished[:3])}{', ...' if len(finished) > 3 else ''}: give one of them")
 
 
 def check_checkpoint_dir(checkpoint_dir: Path) -> None:
@@ -146,7 +153,7 @@ def check_checkpoint_dir(checkpoint_dir: Path) -> None:
     kind = what_it_holds(holder) if checkpoint_dir.is_file() else None
     if kind is not None and kind != "LoRA adapters alone":
         raise InvalidValue(f"{checkpoint_dir} is a file: give the directory that holds it, {holder} ({kind})")
-    raise MissingFile(being_written(checkpoint_dir) or f"{checkpoint_dir} is not a directory: {CHECKPOINT_EXPECTED}")
+    raise MissingFile(not_saved_yet(checkpoint_dir) or f"{checkpoint_dir} is not a directory: {CHECKPOINT_EXPECTED}")
 
 
 def read_hparams(path: Path) -> Dict[str, Any]:
@@ -267,7 +274,7 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
     if checkpoint_dir.name == MODEL_FILE and is_training_checkpoint(checkpoint_dir.parent):
         raise InvalidValue(f"{checkpoint_dir} is the weights of the training checkpoint {checkpoint_dir.parent}: pass that directory")
     if not checkpoint_dir.is_dir():
-        raise MissingFile(being_written(checkpoint_dir)
+        raise MissingFile(not_saved_yet(checkpoint_dir)
                           or f"{checkpoint_dir} is not a directory: expected a training checkpoint directory")
     if checkpoint_dir.resolve().name.startswith(TMP_PREFIX):  # resolved: `.` given inside one has no name of its own
         raise InvalidValue(f"{checkpoint_dir} is an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")

@@ -140,7 +140,7 @@ def test_an_unfinished_checkpoint_given_as_the_current_directory_is_one_line(run
 
 def test_a_checkpoint_still_being_written_is_one_line_saying_so(run, tmp_path, capsys):
     """`evaluate out/step-X` (or convert it) while the run writes `out/.tmp-step-X`: the checkpoint is being written,
-    not missing; the ones complete beside it are named."""
+    not missing; the ones complete beside it are named, and so they are for a final/ the run has not saved yet."""
     out = tmp_path / "out"
     shutil.copytree(run / "out" / "final", out / "step-00000002")
     shutil.copytree(run / "out" / "final", out / ".tmp-step-00000004")
@@ -150,6 +150,10 @@ def test_a_checkpoint_still_being_written_is_one_line_saying_so(run, tmp_path, c
     assert cli_error(["evaluate", str(out / "step-00000004")], capsys) == f"fabric-lin evaluate: error: {expected}"
     assert cli_error(["convert_pretrained_checkpoint", str(out / "step-00000004"), "--output_dir", str(tmp_path / "m")],
                      capsys) == f"fabric-lin convert_pretrained_checkpoint: error: {expected}"
+    # final/ of a run still training: the run's checkpoints so far are named
+    assert cli_error(["evaluate", str(out / "final"), "--max_batches", "1"], capsys) == (
+        f"fabric-lin evaluate: error: {out / 'final'} does not exist (a run saves final/ when it ends): the run in {out} "
+        f"has saved step-00000002: give one of them\n")
 
 
 @pytest.mark.parametrize("when", ["verifying", "loading", "replaced"])
