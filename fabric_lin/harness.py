@@ -246,8 +246,25 @@ def load_tasks(manager, names: List[str], num_fewshot: Optional[int]) -> "Loaded
     """The tasks of `names` built by the harness from `manager` (`find_tasks`'s): their datasets read (downloaded once,
     then from the harness's cache) and their few-shot examples counted, before the minutes of loading a model. A task
     that would be asked for more few-shot examples than it has is refused here, where the harness itself would fail
-    on it only once it builds the task's first request, after the model is loaded and the data evaluated."""
-    loaded = manager.load(names)
+    on it only once it builds the task's first request, after the model is loaded and the data evaluated. A dataset
+    that cannot be read (the hub out of reach, a data file of a task of one's own missing) and a template that its
+    documents cannot fill (the harness fills each with the first document as it builds the task) are one line too."""
+    from jinja2 import TemplateError
+
+    listed = ",".join(names)
+    try:
+        loaded = manager.load(names)
+    except OSError as error:  # the datasets library's ConnectionError or FileNotFoundError
+        raise InvalidValue(
+            f"--tasks {listed}: lm-evaluation-harness could not read a task's dataset: {' '.join(str(error).split())} "
+            f"(a built-in task downloads its dataset from the Hugging Face hub once, then reads it from the cache, also "
+            f"with HF_DATASETS_OFFLINE=1; a task of your own reads the files its YAML names)"
+        ) from None
+    except TemplateError as error:  # jinja2's, as the harness fills a template: a typo in a task of one's own
+        raise InvalidValue(
+            f"--tasks {listed}: a task's template cannot be filled from its documents: {' '.join(str(error).split())} (its "
+            f"doc_to_text, doc_to_target or doc_to_choice names what the documents of its dataset do not hold)"
+        ) from None
     for task in loaded["tasks"].values():
         shortfall = few_shot_shortfall(task, num_fewshot)
         if shortfall is not None:

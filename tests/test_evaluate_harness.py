@@ -234,6 +234,61 @@ def test_harness_tasks_on_the_model_in_memory(run, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_task_s_dataset_that_cannot_be_read_or_a_template_it_cannot_fill_is_one_line(run, tmp_path):
+    """A task of one's own whose data file is not there, or whose template names a field its documents lack (a typo):
+    the harness raised datasets' FileNotFoundError or jinja2's UndefinedError as it built the task, a traceback."""
+    pytest.importorskip("lm_eval")
+    write_tasks(tmp_path)
+    tasks = tmp_path / "tasks"
+    body = (tasks / "tiny_choice.yaml").read_text()
+    (tasks / "tiny_gone.yaml").write_text(body.replace("tiny_choice", "tiny_gone").replace("docs.jsonl", "gone.jsonl"))
+    (tasks / "tiny_typo.yaml").write_text(body.replace("tiny_choice", "tiny_typo").replace("{{context}}", "{{contxt}}"))
+    proc = evaluate_in_subprocess(run, tmp_path, "--max_batches", "0", "--tasks", "tiny_gone")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == (
+        f"fabric-lin evaluate: error: --tasks tiny_gone: lm-evaluation-harness could not read a task's dataset: Unable "
+        f"to find '{tmp_path / 'gone.jsonl'}' (a built-in task downloads its dataset from the Hugging Face hub once, then "
+        f"reads it from the cache, also with HF_DATASETS_OFFLINE=1; a task of your own reads the files its YAML names)")
+    proc = evaluate_in_subprocess(run, tmp_path, "--max_batches", "0", "--tasks", "tiny_typo")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == (
+        "fabric-lin evaluate: error: --tasks tiny_typo: a task's template cannot be filled from its documents: 'contxt' is "
+        "undefined (its doc_to_text, doc_to_target or doc_to_choice names what the documents of its dataset do not hold)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("raised, said", [
+    (ConnectionError("Couldn't reach 'allenai/ai2_arc' on the Hub (LocalEntryNotFoundError)"),
+     "lm-evaluation-harness could not read a task's dataset: Couldn't reach 'allenai/ai2_arc' on the Hub "
+     "(LocalEntryNotFoundError) (a built-in task downloads its dataset from the Hugging Face hub once"),
+    ("template", "a task's template cannot be filled from its documents: 'contxt' is undefined (its doc_to_text")])
+def test_a_task_the_harness_cannot_build_is_one_line_before_the_model_is_loaded(tmp_path, capsys, monkeypatch, raised,
+                                                                                  said):
+    """Against a stand-in for the harness's TaskManager whose building of a task fails as the harness's does on a
+    machine that cannot reach the hub (a compute node, offline), or on a template naming what the documents lack."""
+    import types
+
+    import jinja2
+
+    import fabric_lin.evaluate
+
+    def load(names):
+        if raised == "template":
+            jinja2.Environment(undefined=jinja2.StrictUndefined).from_string("{{contxt}}").render(context="a")
+        raise raised
+
+    harness = types.ModuleType("lm_eval")
+    harness.tasks = types.ModuleType("lm_eval.tasks")
+    harness.tasks.TaskManager = lambda include_path=None, include_defaults=True: types.SimpleNamespace(
+        all_tasks=["arc_easy"], load=load)
+    monkeypatch.setitem(sys.modules, "lm_eval", harness)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
+    monkeypatch.setattr(fabric_lin.evaluate, "load_checkpoint", lambda *args: pytest.fail("the model was loaded"))
+    err = cli_error(["evaluate", str(tmp_path), "--tasks", "arc_easy"], capsys)
+    assert err.startswith(f"fabric-lin evaluate: error: --tasks arc_easy: {said}"), err
+
+
+@pytest.mark.slow
 def test_unknown_task_name_is_one_line(run, capsys):
     pytest.importorskip("lm_eval")
     err = cli_error(["evaluate", str(run / "out" / "final"), "--tasks", "hellaswagg"], capsys)
