@@ -227,13 +227,23 @@ def find_tasks(names: List[str], task_dir: Optional[Path]):
 def run_tasks(scorer: HarnessScorer, names: List[str], task_manager, num_fewshot: Optional[int],
               limit: Optional[float]) -> Dict[str, Any]:
     """The harness's results of `names` (its `simple_evaluate`, on the model in memory), and its table printed."""
+    import contextlib
+    from unittest import mock
+
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.utils import make_table
 
-    output = lm_eval.simple_evaluate(
-        model=harness_model(scorer), tasks=names, task_manager=task_manager, num_fewshot=num_fewshot, limit=limit,
-        log_samples=False,
-    )
+    # simple_evaluate records the git commit of the working directory (its results' git_hash, not kept here) by running
+    # `git describe`, whose stderr is this command's: "fatal: not a git repository" in a successful evaluation, wherever
+    # the working directory is in none
+    no_git = (mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None)
+              if hasattr(lm_eval.evaluator, "get_git_commit_hash") else contextlib.nullcontext())
+    with no_git:
+        output = lm_eval.simple_evaluate(
+            model=harness_model(scorer), tasks=names, task_manager=task_manager, num_fewshot=num_fewshot, limit=limit,
+            log_samples=False,
+        )
     print(make_table(output))
     from importlib.metadata import version
 

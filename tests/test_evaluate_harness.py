@@ -193,13 +193,13 @@ def write_tasks(tmp_path: Path, n_docs: int = 4) -> list:
 
 def evaluate_in_subprocess(run: Path, tmp_path: Path, *options: str, checkpoint: Path = None) -> subprocess.CompletedProcess:
     """`fabric-lin evaluate` of the run's final checkpoint (or `checkpoint`) with the tasks of `write_tasks`, into
-    tmp_path/out, offline."""
+    tmp_path/out, offline, in tmp_path (a directory in no git repository)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1])] + sys.path)}
     return subprocess.run(
         [sys.executable, "-m", "fabric_lin.cli", "evaluate", str(checkpoint or run / "out" / "final"), *options,
          "--task_dir", str(tmp_path / "tasks"), "--out_dir", str(tmp_path / "out")],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
     )
 
 
@@ -231,6 +231,8 @@ def test_harness_tasks_on_the_model_in_memory(run, tmp_path):
     n_bytes = sum(len(doc["context"].encode("utf-8")) for doc in docs)
     assert results["tiny_rolling"]["bits_per_byte,none"] == pytest.approx(-logprob / n_bytes / np.log(2), rel=1e-5)
     assert "exact_match,none" in results["tiny_generate"]
+    # the harness's record of the working directory's git commit: `git describe` said it is in no repository
+    assert "fatal: not a git repository" not in proc.stderr
 
 
 @pytest.mark.slow
