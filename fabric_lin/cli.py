@@ -190,7 +190,9 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
         class_path = re.fullmatch(r"\{'class_path': '([^']+)'.*\}", value)  # a config file's `data: {class_path: ...}`
         value = class_path.group(1) if class_path else value
         # `--resume_changes train.max_steps`: a list is one argument in brackets, which a shell needs quoted
-        example = f"[{value}]" if "list" in expected else "[a, b]" if "tuple" in expected else None
+        numbers = value.split()  # `--seq_len '2048 4096'`: YAML's list takes commas between its items
+        items = ", ".join(numbers) if len(numbers) > 1 and all(re.fullmatch(r"-?[\d.]+", n) for n in numbers) else value
+        example = f"[{items}]" if "list" in expected else "[a, b]" if "tuple" in expected else None
         how = f"; in brackets, quoted for the shell: --{key} '{example}'" if example and not value.startswith("[") else ""
         if value.startswith("[") and not value.endswith("]"):  # `--seq_len [256, 512]`: the shell cut it at its spaces
             how = f"; the shell cut the list at its spaces: quote it whole, --{key} '{value} ...]'"
