@@ -1,8 +1,10 @@
 """`fabric-lin evaluate`'s bad input is one line (exit code 2) and leaves no results: a directory that is no checkpoint,
-a damaged or unfinished one, a model directory without data, bad lengths, buckets and arguments, an out_dir inside the
-training checkpoint, the run's data moved away or prepared again (named with the hyperparameters.yaml that names it),
-data of another tokenizer, a tokenizer larger than the model's embeddings; an earlier evaluation in out_dir is kept
-unless --overwrite, and a write cut short leaves it as it was."""
+a damaged or unfinished one, one still being written, deleted or replaced by a running pretrain while it is read, a
+model directory without data, bad lengths, buckets and arguments, an out_dir inside the training checkpoint, the run's
+data moved away or prepared again (named with the hyperparameters.yaml that names it), data of another tokenizer, a
+tokenizer larger than the model's embeddings, logits that are not finite; Ctrl-C's and an error's line come below the
+progress bar, last; an earlier evaluation in out_dir is kept unless --overwrite, and a write cut short leaves it as it
+was."""
 import json
 import os
 import shutil

@@ -2,9 +2,10 @@
 pass (all three families, the rolling one across blocks of carried state), greedy only where every continuation token
 is the most likely, and its generation stops at the first stop string and samples where asked; three local tasks run
 by lm-evaluation-harness itself, against the model's own log-probabilities; too few few-shot examples, unknown or
-empty task names, a task file that is not there, --limit and the harness's options without --tasks are one line,
-the names checked before the model is read. The lm-evaluation-harness run itself needs the optional extra
-(`pip install -e '.[eval]'`) and is skipped without it."""
+empty task names, a task file that is not there, a dataset that cannot be read or a template its documents cannot fill,
+weights without their tokenizer, --limit and the harness's options without --tasks are one line, the names checked
+before the model is read; lm-eval's and LitGPT's names of evaluate's options point to them. The lm-evaluation-harness
+run itself needs the optional extra (`pip install -e '.[eval]'`) and is skipped without it."""
 import json
 import os
 import subprocess
