@@ -67,11 +67,21 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
     weights_of_a_run = checkpoint_dir.name == MODEL_FILE and is_training_checkpoint(checkpoint_dir.parent)
     if has(STEP_FILE) or has(MANIFEST_FILE) or has(HPARAMS_FILE) or (checkpoint_dir / MODEL_FILE).is_dir() \
             or weights_of_a_run:
-        config, weights_path = find_training_checkpoint(checkpoint_dir, use="evaluate")
-        state_dict = canonical_state_dict(load_model_weights(weights_path))
+        # a running pretrain may delete the checkpoint meanwhile (its oldest past train.keep_last_n), or replace it (a
+        # step it saves again): what was read is then no one checkpoint, and the reading fails on files that went
+        manifest = manifest_bytes(checkpoint_dir)
+        try:
+            config, weights_path = find_training_checkpoint(checkpoint_dir, use="evaluate")
+            state_dict = canonical_state_dict(load_model_weights(weights_path))
+            hparams = read_hparams(checkpoint_dir / HPARAMS_FILE) if has(HPARAMS_FILE) else None
+            step = read_step(checkpoint_dir / STEP_FILE)
+        except (OSError, UserError):
+            if manifest is not None and manifest_bytes(checkpoint_dir) != manifest:
+                raise changed_while_read(checkpoint_dir) from None
+            raise
+        if manifest is not None and manifest_bytes(checkpoint_dir) != manifest:
+            raise changed_while_read(checkpoint_dir)
         check_state_dict(state_dict, config, source=str(weights_path), config_file=checkpoint_dir / CONFIG_FILE)
-        hparams = read_hparams(checkpoint_dir / HPARAMS_FILE) if has(HPARAMS_FILE) else None
-        step = read_step(checkpoint_dir / STEP_FILE)
         return Checkpoint(TRAINING_CHECKPOINT, config, state_dict, tokenizer, hparams, step)
     if has(CONFIG_FILE) and (has(MODEL_FILE) or has(SAFETENSORS_FILE) or has("model.safetensors.index.json")):
         config = Config.from_checkpoint(checkpoint_dir)
@@ -94,6 +104,43 @@ CHECKPOINT_EXPECTED = ("expected a training checkpoint (a run's step-XXXXXXXX/ o
                        "(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output)")
 
 
+def manifest_bytes(checkpoint_dir: Path) -> Optional[bytes]:
+    """The bytes of a training checkpoint's manifest.json, None where it has none (or is gone): a checkpoint replaced
+    has another (its files' CRC-32s), and one deleted none."""
+    try:
+        return (Path(checkpoint_dir) / MANIFEST_FILE).read_bytes()
+    except OSError:
+        return None
+
+
+def changed_while_read(checkpoint_dir: Path) -> InvalidValue:
+    return InvalidValue(
+        f"{checkpoint_dir} was deleted or replaced while it was read: a running pretrain deletes its oldest step-* "
+        f"checkpoints past train.keep_last_n, and replaces a checkpoint it saves again; evaluate it again where it is "
+        f"still there, or a checkpoint that the run keeps"
+    )
+
+
+def not_saved_yet(checkpoint_dir: Path) -> Optional[str]:
+    """Where `checkpoint_dir` is not there but is a checkpoint's name in a run's out_dir: its `.tmp-` directory there (a
+    pretrain that is saving it, or one killed while it saved), or the run's other checkpoints (final/ comes at the end
+    of a run): what to do, for the error that `checkpoint_dir` is not there; else None."""
+    checkpoint_dir = Path(checkpoint_dir)
+    tmp = checkpoint_dir.parent / f"{TMP_PREFIX}{checkpoint_dir.name}"
+    if checkpoint_dir.name in ("", ".", "..") or checkpoint_dir.exists():
+        return None
+    finished = [p.name for p in checkpoint_dirs(checkpoint_dir.parent)]
+    if tmp.is_dir():
+        return (f"{checkpoint_dir} is not there yet: {tmp} is being written (a running pretrain saves a checkpoint there "
+                f"and renames it when complete; one killed while saving leaves it): give it once the run has saved it"
+                + (f", or one that is complete ({', '.join(finished[:3])})" if finished else ""))
+    if not finished:
+        return None
+    ends = " (a run saves final/ when it ends)" if checkpoint_dir.name == FINAL_DIR else ""
+    return (f"{checkpoint_dir} does not exist{ends}: the run in {checkpoint_dir.parent} has saved "
+            f"{', '.join(finished[:3])}{', ...' if len(finished) > 3 else ''}: give one of them")
+
+
 def check_checkpoint_dir(checkpoint_dir: Path) -> None:
     """Refuse a `checkpoint_dir` that is no directory, before anything is read: a file of a checkpoint (its weights, its
     config) named with the directory that holds it."""
@@ -106,7 +153,7 @@ def check_checkpoint_dir(checkpoint_dir: Path) -> None:
     kind = what_it_holds(holder) if checkpoint_dir.is_file() else None
     if kind is not None and kind != "LoRA adapters alone":
         raise InvalidValue(f"{checkpoint_dir} is a file: give the directory that holds it, {holder} ({kind})")
-    raise MissingFile(f"{checkpoint_dir} is not a directory: {CHECKPOINT_EXPECTED}")
+    raise MissingFile(not_saved_yet(checkpoint_dir) or f"{checkpoint_dir} is not a directory: {CHECKPOINT_EXPECTED}")
 
 
 def read_hparams(path: Path) -> Dict[str, Any]:
@@ -227,7 +274,8 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
     if checkpoint_dir.name == MODEL_FILE and is_training_checkpoint(checkpoint_dir.parent):
         raise InvalidValue(f"{checkpoint_dir} is the weights of the training checkpoint {checkpoint_dir.parent}: pass that directory")
     if not checkpoint_dir.is_dir():
-        raise MissingFile(f"{checkpoint_dir} is not a directory: expected a training checkpoint directory")
+        raise MissingFile(not_saved_yet(checkpoint_dir)
+                          or f"{checkpoint_dir} is not a directory: expected a training checkpoint directory")
     if checkpoint_dir.resolve().name.startswith(TMP_PREFIX):  # resolved: `.` given inside one has no name of its own
         raise InvalidValue(f"{checkpoint_dir} is an unfinished checkpoint (a `{TMP_PREFIX}` directory is renamed when complete)")
     weights_path = checkpoint_dir / MODEL_FILE

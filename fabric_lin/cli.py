@@ -25,7 +25,7 @@ from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 from fabric_lin.cli_config_files import (check_config_files, check_no_empty_paths,  # noqa: E402
-                                         check_no_variable_in_paths, check_stop_strings, check_temperatures,
+                                         check_no_variable_in_paths, check_sampling_values, check_stop_strings,
                                          config_file_being_read, config_file_of, files_holding_key, option_values,
                                          positional_arguments)
 from fabric_lin.errors import (DEBUG_ENV, FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, debug_enabled,  # noqa: E402
@@ -87,12 +87,17 @@ NO_CLASS_OF_ITS_KIND = re.compile(r"Problem with given class_path|Import path do
                                   r"|Expected a dot import path string|Not a valid subclass of|^Expected a (?:DataModule|Config)",
                                   re.M)
 
-# Flags that Lightning's and LitGPT's users type for what fabric-lin names otherwise, too unlike its flag for the
-# closest spelling to find it: the flag -> fabric-lin's, as the "did you mean" hint gives it (where the command has it)
-LIGHTNING_FLAGS = {
+# Flags that Lightning's, LitGPT's and lm-evaluation-harness's users type for what fabric-lin names otherwise, too
+# unlike its flag for the closest spelling to find it: the flag -> fabric-lin's, as the "did you mean" hint gives it
+# (where the command has it)
+OTHER_TOOLS_FLAGS = {
     "--strategy": "--parallelism.data_parallel fsdp or ddp",
     "--fsdp": "--parallelism.data_parallel fsdp",
     "--ddp": "--parallelism.data_parallel ddp",
+    "--include_path": "--task_dir",  # lm-eval's directory of task YAML files
+    "--output_path": "--out_dir",  # lm-eval's
+    "--save_filepath": "--out_dir",  # LitGPT evaluate's results file
+    "--dtype": "--precision",  # LitGPT evaluate's
 }
 
 
@@ -119,8 +124,8 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
             return (f"unknown option {option}: {option[2:]} is this command's argument, given without a name: "
                     f"{prog} {' '.join(name.upper() for name in positionals)} [options]")
         options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
-        if option in LIGHTNING_FLAGS and LIGHTNING_FLAGS[option].split()[0] in options:
-            return f"unknown option {option} (did you mean {LIGHTNING_FLAGS[option]}?)"
+        if option in OTHER_TOOLS_FLAGS and OTHER_TOOLS_FLAGS[option].split()[0] in options:
+            return f"unknown option {option} (did you mean {OTHER_TOOLS_FLAGS[option]}?)"
         without_init_args = option.replace(".init_args.", ".")  # LitGPT's form of a class's keys
         close = ([without_init_args] if without_init_args in options
                  else difflib.get_close_matches(option, options, n=1, cutoff=0.75))
@@ -186,7 +191,9 @@ def one_line_parse_error(message: str, parser, argv: Sequence[str] = ()) -> str:
         class_path = re.fullmatch(r"\{'class_path': '([^']+)'.*\}", value)  # a config file's `data: {class_path: ...}`
         value = class_path.group(1) if class_path else value
         # `--resume_changes train.max_steps`: a list is one argument in brackets, which a shell needs quoted
-        example = f"[{value}]" if "list" in expected else "[a, b]" if "tuple" in expected else None
+        numbers = value.split()  # `--seq_len '2048 4096'`: YAML's list takes commas between its items
+        items = ", ".join(numbers) if len(numbers) > 1 and all(re.fullmatch(r"-?[\d.]+", n) for n in numbers) else value
+        example = f"[{items}]" if "list" in expected else "[a, b]" if "tuple" in expected else None
         how = f"; in brackets, quoted for the shell: --{key} '{example}'" if example and not value.startswith("[") else ""
         if value.startswith("[") and not value.endswith("]"):  # `--seq_len [256, 512]`: the shell cut it at its spaces
             how = f"; the shell cut the list at its spaces: quote it whole, --{key} '{value} ...]'"
@@ -695,7 +702,7 @@ def run(argv: List[str]) -> None:
 
         raise InvalidValue("--prompt and --prompt_file both give the prompt: give one of them")
     if "generate" in argv:  # also after a --config given before it
-        check_temperatures(argv)
+        check_sampling_values(argv)
         check_stop_strings(argv)
     if argv and argv[0] == "pretrain" and not option_values(argv, "--out_dir"):
         from fabric_lin.run_start import check_config_of_a_moved_run

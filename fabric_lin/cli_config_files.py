@@ -105,31 +105,36 @@ def generate_config_values(argv: List[str], key: str) -> List[Tuple[Any, str, bo
     return found
 
 
-def check_temperatures(argv: List[str]) -> None:
-    """generate's temperatures refused as generate refuses them, before jsonargparse reads them: it takes no inf or nan
-    for a float and says only "expected float" (argparse takes -inf for an option), while a file's `.inf` or -1
-    reached generate, which named the option. Each --temperature value and the temperature of each --config (a file,
-    named in the error, or inline YAML), each as jsonargparse reads it."""
+def check_sampling_values(argv: List[str]) -> None:
+    """generate's temperatures and top_p refused as generate refuses them, before jsonargparse reads them: it takes no
+    inf or nan for a float and says only "expected float" (argparse takes -inf for an option), while a file's `.inf` or
+    -1 reached generate, which named the option. Each --temperature and --top_p value and the value of each --config (a
+    file, named in the error, or inline YAML), each as jsonargparse reads it."""
     from fabric_lin.errors import InvalidValue
     from fabric_lin.generate import check_generation_args
 
-    for value in option_values(argv[subcommand_at(argv, "generate") + 1:], "--temperature"):
-        try:
-            temperature = float(value)
-        except ValueError:
-            continue  # not a number: jsonargparse says so
-        check_generation_args(0, temperature, None, option_prefix="--")
-    for given, value, is_file in generate_config_values(argv, "temperature"):
-        if isinstance(given, bool) or not isinstance(given, (int, float, str)):
-            continue  # none given, or no number: jsonargparse says so
-        try:
-            temperature = float(given)
-        except ValueError:
-            continue  # a word that is no number: jsonargparse says so
-        try:
-            check_generation_args(0, temperature, None)
-        except InvalidValue as refused:
-            raise InvalidValue(f"{refused} (in {value})" if is_file else str(refused)) from None
+    def check(key: str, value: float, option_prefix: str) -> None:
+        check_generation_args(0, value if key == "temperature" else 1.0, None, option_prefix,
+                              top_p=value if key == "top_p" else 1.0)
+
+    for key in ("temperature", "top_p"):
+        for value in option_values(argv[subcommand_at(argv, "generate") + 1:], f"--{key}"):
+            try:
+                number = float(value)
+            except ValueError:
+                continue  # not a number: jsonargparse says so
+            check(key, number, "--")
+        for given, value, is_file in generate_config_values(argv, key):
+            if isinstance(given, bool) or not isinstance(given, (int, float, str)):
+                continue  # none given, or no number: jsonargparse says so
+            try:
+                number = float(given)
+            except ValueError:
+                continue  # a word that is no number: jsonargparse says so
+            try:
+                check(key, number, "")
+            except InvalidValue as refused:
+                raise InvalidValue(f"{refused} (in {value})" if is_file else str(refused)) from None
 
 
 def one_plain_item(value: str) -> Optional[str]:

@@ -139,6 +139,7 @@ def main(
         check_dir_can_be_made(out_dir, "--out_dir")
     if task_manager is not None:  # the tasks built and their few-shot examples counted, before the model is loaded
         check_checkpoint_dir(checkpoint_dir)
+        check_tokenizer_for_tasks(checkpoint_dir)
         task_manager = load_tasks(task_manager, task_names, num_fewshot)
 
     checkpoint = load_checkpoint(checkpoint_dir)
@@ -168,9 +169,6 @@ def main(
             f"{checkpoint_dir} is a {checkpoint.kind}, which names no validation data (a training checkpoint's "
             f"{HPARAMS_FILE} does): give --data (e.g. --data TextFiles --data.val_dir DIR) or --tasks"
         )
-    if task_names and checkpoint.tokenizer is None:
-        raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text"
-                           f"{the_recorded_tokenizer(checkpoint_dir)}")
     if reset_state_at_doc_boundaries and evaluate_data and checkpoint.tokenizer is None:
         raise InvalidValue(f"--reset_state_at_doc_boundaries true needs the end-of-text token's id, and {checkpoint_dir} "
                            f"has no tokenizer.model{the_recorded_tokenizer(checkpoint_dir)}")
@@ -237,6 +235,19 @@ def main(
                 raise
         write_results(results, out_dir, evaluate_data)
     return results
+
+
+def check_tokenizer_for_tasks(checkpoint_dir: Path) -> None:
+    """Refuse --tasks for weights without their tokenizer.model (the harness's tasks are text), before the tasks are
+    built (their datasets read, minutes for some) and the weights read. A directory that holds no weights is left to
+    load_checkpoint, which says what it is."""
+    from fabric_lin.convert.model_dir import HF_CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE
+    from fabric_lin.weights import MODEL_FILE
+
+    weights = (MODEL_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, HF_CONFIG_FILE)
+    if any((checkpoint_dir / name).exists() for name in weights) and not (checkpoint_dir / "tokenizer.model").exists():
+        raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text"
+                           f"{the_recorded_tokenizer(checkpoint_dir)}")
 
 
 def write_results(results: Dict[str, Any], out_dir: Path, evaluate_data: bool) -> None:
@@ -474,30 +485,35 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
         expected_batches = max_batches
     if max_batches is not None and expected_batches is not None:
         expected_batches = min(expected_batches, max_batches)
-    progress = tqdm(desc=f"seq_len {seq_len}", unit="tok", unit_scale=True, dynamic_ncols=True,
-                    total=expected_batches * batch_size * seq_len if expected_batches else None)
-    start = time.perf_counter()
-    for batch in loader:
-        batch = batch.to(fabric.device).long()
-        if batch.shape[1] != seq_len + 1:
-            raise UserError(f"the validation loader gave blocks of {batch.shape[1]} tokens, expected seq_len + 1 = {seq_len + 1}")
-        with fabric.autocast():
-            losses = token_losses(model, batch[:, :-1], batch[:, 1:], eos_id)
-        sums += losses.sum(0, dtype=torch.float64)
-        fingerprint += batch_fingerprint(batch)
-        rows += batch.shape[0]
-        batches += 1
-        short_batches += batch.shape[0] < batch_size
-        progress.update(batch.shape[0] * seq_len)
-        if batches == max_batches:
-            break
-    sums = sums.cpu()  # waits for the device: the time below is the computation's
-    elapsed = time.perf_counter() - start
-    progress.close()
+    # closed however the loop ends: a bar left open is drawn again when it is collected, after an error's line or
+    # Ctrl-C's, which would then not be the last
+    with tqdm(desc=f"seq_len {seq_len}", unit="tok", unit_scale=True, dynamic_ncols=True,
+              total=expected_batches * batch_size * seq_len if expected_batches else None) as progress:
+        start = time.perf_counter()
+        for batch in loader:
+            batch = batch.to(fabric.device).long()
+            if batch.shape[1] != seq_len + 1:
+                raise UserError(f"the validation loader gave blocks of {batch.shape[1]} tokens, expected seq_len + 1 = "
+                                f"{seq_len + 1}")
+            with fabric.autocast():
+                losses = token_losses(model, batch[:, :-1], batch[:, 1:], eos_id)
+            sums += losses.sum(0, dtype=torch.float64)
+            fingerprint += batch_fingerprint(batch)
+            rows += batch.shape[0]
+            batches += 1
+            short_batches += batch.shape[0] < batch_size
+            progress.update(batch.shape[0] * seq_len)
+            if batches == 1:  # weights or a precision that give no finite logits, told before the whole split is read
+                check_finite_loss(sums, seq_len, "its first batch")
+            if batches == max_batches:
+                break
+        sums = sums.cpu()  # waits for the device: the time below is the computation's
+        elapsed = time.perf_counter() - start
     if batches == 0:
         raise InvalidValue(
             f"seq_len {seq_len}: the validation data gives no block of {seq_len + 1} tokens; lower --seq_len"
         )
+    check_finite_loss(sums, seq_len, f"its {batches} batches")
     tokens = rows * seq_len
     loss = float(sums.sum() / tokens)
     starts = list(starts)
@@ -522,6 +538,18 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
             "tokens": [rows * (e - s) for s, e in zip(starts, ends)],
         },
     }
+
+
+def check_finite_loss(sums: torch.Tensor, seq_len: int, read: str) -> None:
+    """Refuse a loss that is NaN or inf (`sums`: the loss summed per position): a JSON file holds no such number, and
+    its cause is the model's logits, not the data."""
+    if not bool(torch.isfinite(sums).all()):
+        loss = float(sums.sum())
+        raise InvalidValue(
+            f"seq_len {seq_len}: the loss of {read} is {loss}: the model's logits are not finite (its weights hold NaN or "
+            f"inf, or its activations overflow the --precision it runs in: float16's range ends at 65504, bf16's and "
+            f"32-true's go past 1e38); no results are written"
+        )
 
 
 def token_losses(model, input_ids: torch.Tensor, targets: torch.Tensor, eos_id: Optional[int] = None) -> torch.Tensor:

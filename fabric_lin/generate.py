@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional, Sequence, Union
 import torch
 
 from fabric_lin.config import Config
-from fabric_lin.errors import InvalidValue
+from fabric_lin.errors import InvalidValue, UserError
 from fabric_lin.model import GPT
 
 
@@ -27,11 +27,13 @@ def generate_tokens(
     eos_id: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     vocab_size: Optional[int] = None,
+    top_p: float = 1.0,
 ) -> torch.Tensor:
     """prompt: [T] token ids. Returns the new tokens [<= max_new_tokens] (stops after eos_id). With
     `vocab_size`, only ids below it are sampled: a model may have more rows than its tokenizer has pieces
     (a padded vocabulary), and those ids decode to nothing."""
-    new_tokens = list(stream_tokens(model, prompt, max_new_tokens, temperature, top_k, eos_id, generator, vocab_size))
+    new_tokens = list(stream_tokens(model, prompt, max_new_tokens, temperature, top_k, eos_id, generator, vocab_size,
+                                    top_p))
     return torch.stack(new_tokens) if new_tokens else prompt.new_empty(0)
 
 
@@ -45,17 +47,24 @@ def stream_tokens(
     eos_id: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     vocab_size: Optional[int] = None,
+    top_p: float = 1.0,
 ) -> Iterator[torch.Tensor]:
     """`generate_tokens`, one new token (a 0-d tensor) at a time, as each is sampled."""
-    check_generation_args(max_new_tokens, temperature, top_k)
+    check_generation_args(max_new_tokens, temperature, top_k, top_p=top_p)
     if prompt.dim() != 1 or len(prompt) == 0:
         raise InvalidValue(f"prompt must be a 1-D tensor of at least one token id, got shape {tuple(prompt.shape)}")
     check_context_length(model.config, len(prompt), max_new_tokens)
     cache = model.new_cache()
     input_ids = prompt[None]  # the whole prompt in one chunked pass, then one token at a time
-    for _ in range(max_new_tokens):  # a pass only when its logits are sampled: none after the last token
-        logits = model(input_ids, cache=cache)[0, -1]
-        token = sample(logits[:vocab_size], temperature, top_k, generator)
+    for step in range(max_new_tokens):  # a pass only when its logits are sampled: none after the last token
+        logits = model(input_ids, cache=cache)[0, -1][:vocab_size]
+        if not torch.isfinite(logits).all():  # NaN would be argmax's pick, or torch.multinomial's RuntimeError
+            raise InvalidValue(
+                f"the model's logits for new token {step + 1} are not finite (NaN or inf): its weights hold NaN or inf, "
+                f"or its activations overflow {str(logits.dtype).removeprefix('torch.')} (float16's range ends at 65504: "
+                f"bfloat16 or float32, --precision bf16-true or 32-true, go past 1e38)"
+            )
+        token = sample(logits, temperature, top_k, generator, top_p)
         yield token
         if eos_id is not None and token.item() == eos_id:
             return
@@ -83,9 +92,11 @@ class GrowingText:
         return new
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator=None) -> torch.Tensor:
+def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator=None,
+           top_p: float = 1.0) -> torch.Tensor:
     """One token from `logits` [V]: greedy at temperature <= 0, else among the `top_k` most likely
-    tokens (None or 0: all of them, as in Hugging Face's `generate`)."""
+    tokens (None or 0: all of them, as in Hugging Face's `generate`), and of those the fewest most likely whose
+    probability adds up to `top_p` at least (nucleus sampling; 1: all of them)."""
     logits = logits.float()
     if temperature <= 0:
         return logits.argmax(dim=-1)
@@ -96,10 +107,16 @@ def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], gener
         threshold = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        # a token is kept while the tokens more likely than it hold less than top_p: the most likely one always is
+        sorted_probs, order = torch.sort(probs, descending=True)
+        dropped = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        probs = probs.masked_fill(dropped.scatter(0, order, dropped), 0.0)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
-def check_generation_args(max_new_tokens: int, temperature: float, top_k: Optional[int], option_prefix: str = "") -> None:
+def check_generation_args(max_new_tokens: int, temperature: float, top_k: Optional[int], option_prefix: str = "",
+                          top_p: float = 1.0) -> None:
     """Refuse a value that cannot be sampled with, named as the caller gave it: `option_prefix` "--" for the command
     line's options, "" for the Python arguments."""
     if max_new_tokens < 0:
@@ -111,6 +128,9 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_k: Option
         no_value = "null" if option_prefix else "None"
         raise InvalidValue(f"{option_prefix}top_k {top_k}: expected a positive number of tokens, or 0 or {no_value} for "
                            "no top-k filter")
+    if not 0 < top_p <= 1:  # NaN too; 0 would keep no token
+        raise InvalidValue(f"{option_prefix}top_p {top_p:g}: expected a probability in (0, 1]: the share of the probability "
+                           "that the tokens sampled among hold (1: every token)")
 
 
 def check_context_length(config: Config, prompt_length: int, max_new_tokens: int, option_prefix: str = "") -> None:
@@ -254,6 +274,7 @@ def main(
     stop: Union[str, List[str]] = "",
     temperature: float = 0.8,
     top_k: Optional[int] = 50,
+    top_p: float = 1.0,
     seed: int = 1234,
     device: Optional[str] = None,
     precision: Optional[str] = None,
@@ -275,6 +296,8 @@ def main(
             line, \\t a tab, \\r a carriage return and \\\\ a backslash, so --stop '\\n' stops at the end of a line.
         temperature: 0 for greedy decoding; higher is more random (a finite number).
         top_k: sample only among the k most likely tokens; 0 or null: no top-k filter (all tokens).
+        top_p: then only among the fewest most likely tokens whose probability adds up to top_p (nucleus sampling,
+            0 < top_p <= 1); 1: no filter.
         seed: random seed for sampling.
         device: "cpu", "cuda", ...; default: cuda if available.
         precision: "32-true", "bf16-true" or "16-true"; default bf16-true on CUDA, 32-true on CPU.
@@ -289,7 +312,7 @@ def main(
     dtypes = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
     if precision not in dtypes:
         raise InvalidValue(f"--precision {precision}: expected one of {', '.join(sorted(dtypes))}")
-    check_generation_args(max_new_tokens, temperature, top_k, option_prefix="--")  # before loading the model, minutes for a large one
+    check_generation_args(max_new_tokens, temperature, top_k, option_prefix="--", top_p=top_p)  # before loading the model, minutes for a large one
     if not -(2**63) <= seed < 2**64:  # torch.Generator's seeds are 64-bit (a negative one is taken as its two's complement)
         raise InvalidValue(f"--seed {seed}: expected a 64-bit seed, 0 to {2**64 - 1}")
     if prompt_file is not None:
@@ -320,14 +343,15 @@ def main(
     model = load_model(checkpoint_dir, device, dtypes[precision], config)
     generator = torch.Generator().manual_seed(seed)
     tokens = stream_tokens(
-        model, prompt_ids, max_new_tokens, temperature, top_k, tokenizer.eos_id, generator, vocab_size=tokenizer.vocab_size
+        model, prompt_ids, max_new_tokens, temperature, top_k, tokenizer.eos_id, generator, vocab_size=tokenizer.vocab_size,
+        top_p=top_p,
     )
     # printed as it is sampled; after a Ctrl-C what was printed stays (fabric_lin.cli then exits with 130)
     text = GrowingText(tokenizer, prompt_tokens.tolist())
     printed = text.text
     print(printed, end="", flush=True)
     until = StopString(stops) if stops else None
-    count, start = 0, time.perf_counter()
+    count, start, failed = 0, time.perf_counter(), False
     try:
         for token in tokens:
             count += 1
@@ -337,6 +361,9 @@ def main(
             print(new, end="", flush=True)
             if until is not None and until.found:
                 break
+    except UserError:  # its one line, the last, says what went wrong
+        failed = True
+        raise
     finally:
         if until is not None:  # held back as the start of the stop string, which did not follow
             rest = until.rest()
@@ -344,7 +371,9 @@ def main(
             print(rest, end="")
         elapsed = time.perf_counter() - start
         print(flush=True)
-        print(f"{count} tokens in {elapsed:.2f} s ({count / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr, flush=True)
+        if not failed:
+            print(f"{count} tokens in {elapsed:.2f} s ({count / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr,
+                  flush=True)
     return printed
 
 

@@ -63,33 +63,32 @@ class HarnessScorer:
             sequences.append(([eos] + context_ids + continuation_ids, len(continuation_ids)))
         answers: List[Tuple[float, bool]] = [(0.0, True)] * len(sequences)
         order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0]))
-        progress = tqdm(desc="loglikelihood", total=sum(len(s) for s, _ in sequences), unit="tok", unit_scale=True,
-                        dynamic_ncols=True)
-        for first in range(0, len(order), self.batch_size):
-            chosen = order[first : first + self.batch_size]
-            longest = len(sequences[chosen[0]][0])
-            ids = torch.full((len(chosen), longest), eos, dtype=torch.long)
-            rows, positions, targets = [], [], []
-            for row, i in enumerate(chosen):
-                tokens, n = sequences[i]
-                ids[row, : len(tokens)] = torch.tensor(tokens)
-                # the continuation's tokens are predicted at the positions before them
-                rows += [row] * n
-                positions += range(len(tokens) - n - 1, len(tokens) - 1)
-                targets += tokens[len(tokens) - n:]
-            ids = ids.to(self.fabric.device)
-            with self.fabric.autocast():
-                hidden = self.model(ids, return_hidden=True)
-                logprobs, greedy = self.target_logprobs(hidden[rows, positions],
-                                                        torch.tensor(targets, dtype=torch.long, device=ids.device))
-            logprobs, greedy = logprobs.tolist(), greedy.tolist()
-            taken = 0
-            for i in chosen:
-                n = sequences[i][1]
-                answers[i] = (float(sum(logprobs[taken : taken + n])), all(greedy[taken : taken + n]))
-                taken += n
-            progress.update(sum(len(sequences[i][0]) for i in chosen))
-        progress.close()
+        with tqdm(desc="loglikelihood", total=sum(len(s) for s, _ in sequences), unit="tok", unit_scale=True,
+                  dynamic_ncols=True) as progress:
+            for first in range(0, len(order), self.batch_size):
+                chosen = order[first : first + self.batch_size]
+                longest = len(sequences[chosen[0]][0])
+                ids = torch.full((len(chosen), longest), eos, dtype=torch.long)
+                rows, positions, targets = [], [], []
+                for row, i in enumerate(chosen):
+                    tokens, n = sequences[i]
+                    ids[row, : len(tokens)] = torch.tensor(tokens)
+                    # the continuation's tokens are predicted at the positions before them
+                    rows += [row] * n
+                    positions += range(len(tokens) - n - 1, len(tokens) - 1)
+                    targets += tokens[len(tokens) - n:]
+                ids = ids.to(self.fabric.device)
+                with self.fabric.autocast():
+                    hidden = self.model(ids, return_hidden=True)
+                    logprobs, greedy = self.target_logprobs(hidden[rows, positions],
+                                                            torch.tensor(targets, dtype=torch.long, device=ids.device))
+                logprobs, greedy = logprobs.tolist(), greedy.tolist()
+                taken = 0
+                for i in chosen:
+                    n = sequences[i][1]
+                    answers[i] = (float(sum(logprobs[taken : taken + n])), all(greedy[taken : taken + n]))
+                    taken += n
+                progress.update(sum(len(sequences[i][0]) for i in chosen))
         return answers
 
     @torch.no_grad()
@@ -99,24 +98,23 @@ class HarnessScorer:
 
         eos = self.tokenizer.eos_id
         documents = [[eos] + self.encode(text) for text in texts]
-        progress = tqdm(desc="loglikelihood_rolling", total=sum(len(d) - 1 for d in documents), unit="tok",
-                        unit_scale=True, dynamic_ncols=True)
         answers = []
-        for tokens in documents:
-            ids = torch.tensor(tokens, device=self.fabric.device)
-            cache = self.model.new_cache()
-            total = 0.0
-            for start in range(0, len(tokens) - 1, self.block_size):
-                inputs = ids[start : start + self.block_size]
-                targets = ids[start + 1 : start + self.block_size + 1]
-                inputs = inputs[: len(targets)]
-                with self.fabric.autocast():
-                    hidden = self.model(inputs[None], cache=cache, return_hidden=True)[0]
-                    logprobs, _ = self.target_logprobs(hidden, targets)
-                total += float(logprobs.double().sum())
-                progress.update(len(targets))
-            answers.append(total)
-        progress.close()
+        with tqdm(desc="loglikelihood_rolling", total=sum(len(d) - 1 for d in documents), unit="tok", unit_scale=True,
+                  dynamic_ncols=True) as progress:
+            for tokens in documents:
+                ids = torch.tensor(tokens, device=self.fabric.device)
+                cache = self.model.new_cache()
+                total = 0.0
+                for start in range(0, len(tokens) - 1, self.block_size):
+                    inputs = ids[start : start + self.block_size]
+                    targets = ids[start + 1 : start + self.block_size + 1]
+                    inputs = inputs[: len(targets)]
+                    with self.fabric.autocast():
+                        hidden = self.model(inputs[None], cache=cache, return_hidden=True)[0]
+                        logprobs, _ = self.target_logprobs(hidden, targets)
+                    total += float(logprobs.double().sum())
+                    progress.update(len(targets))
+                answers.append(total)
         return answers
 
     def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +132,8 @@ class HarnessScorer:
     @torch.no_grad()
     def generate_until(self, requests: Sequence[Tuple[str, dict]]) -> List[str]:
         """The text generated after each context, up to the first of its `until` strings (left out), the
-        end-of-text token or `max_gen_toks` tokens (default 256); greedy unless do_sample with a temperature."""
+        end-of-text token or `max_gen_toks` tokens (default 256); greedy unless do_sample with a temperature, then
+        within the request's top_k and top_p where it gives them (as Hugging Face's `generate` reads them)."""
         from tqdm import tqdm
 
         from fabric_lin.generate import GrowingText, stream_tokens
@@ -142,27 +141,29 @@ class HarnessScorer:
         eos = self.tokenizer.eos_id
         answers = []
         generator = torch.Generator().manual_seed(1234)
-        for context, options in tqdm(requests, desc="generate_until", dynamic_ncols=True):
-            options = dict(options or {})
-            until = options.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new_tokens = int(options.get("max_gen_toks", 256))
-            temperature = float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0
-            context_ids = self.encode(context)
-            text = GrowingText(self.tokenizer, context_ids)
-            generated = ""
-            prompt = torch.tensor([eos] + context_ids, device=self.fabric.device)
-            with self.fabric.autocast():
-                for token in stream_tokens(self.model, prompt, max_new_tokens, temperature, options.get("top_k"), eos,
-                                           generator, vocab_size=self.tokenizer.vocab_size):
-                    if int(token) == eos:
-                        break
-                    generated += text.add(token)
-                    stops = [generated.find(s) for s in until if s and s in generated]
-                    if stops:
-                        generated = generated[: min(stops)]
-                        break
-            answers.append(generated)
+        with tqdm(requests, desc="generate_until", dynamic_ncols=True) as progress:
+            for context, options in progress:
+                options = dict(options or {})
+                until = options.get("until") or []
+                until = [until] if isinstance(until, str) else list(until)
+                max_new_tokens = int(options.get("max_gen_toks", 256))
+                temperature = float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0
+                top_p = float(options["top_p"]) if options.get("do_sample") and options.get("top_p") is not None else 1.0
+                context_ids = self.encode(context)
+                text = GrowingText(self.tokenizer, context_ids)
+                generated = ""
+                prompt = torch.tensor([eos] + context_ids, device=self.fabric.device)
+                with self.fabric.autocast():
+                    for token in stream_tokens(self.model, prompt, max_new_tokens, temperature, options.get("top_k"), eos,
+                                               generator, vocab_size=self.tokenizer.vocab_size, top_p=top_p):
+                        if int(token) == eos:
+                            break
+                        generated += text.add(token)
+                        stops = [generated.find(s) for s in until if s and s in generated]
+                        if stops:
+                            generated = generated[: min(stops)]
+                            break
+                answers.append(generated)
         return answers
 
 
@@ -226,13 +227,23 @@ def find_tasks(names: List[str], task_dir: Optional[Path]):
 def run_tasks(scorer: HarnessScorer, names: List[str], task_manager, num_fewshot: Optional[int],
               limit: Optional[float]) -> Dict[str, Any]:
     """The harness's results of `names` (its `simple_evaluate`, on the model in memory), and its table printed."""
+    import contextlib
+    from unittest import mock
+
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.utils import make_table
 
-    output = lm_eval.simple_evaluate(
-        model=harness_model(scorer), tasks=names, task_manager=task_manager, num_fewshot=num_fewshot, limit=limit,
-        log_samples=False,
-    )
+    # simple_evaluate records the git commit of the working directory (its results' git_hash, not kept here) by running
+    # `git describe`, whose stderr is this command's: "fatal: not a git repository" in a successful evaluation, wherever
+    # the working directory is in none
+    no_git = (mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None)
+              if hasattr(lm_eval.evaluator, "get_git_commit_hash") else contextlib.nullcontext())
+    with no_git:
+        output = lm_eval.simple_evaluate(
+            model=harness_model(scorer), tasks=names, task_manager=task_manager, num_fewshot=num_fewshot, limit=limit,
+            log_samples=False,
+        )
     print(make_table(output))
     from importlib.metadata import version
 
@@ -245,8 +256,25 @@ def load_tasks(manager, names: List[str], num_fewshot: Optional[int]) -> "Loaded
     """The tasks of `names` built by the harness from `manager` (`find_tasks`'s): their datasets read (downloaded once,
     then from the harness's cache) and their few-shot examples counted, before the minutes of loading a model. A task
     that would be asked for more few-shot examples than it has is refused here, where the harness itself would fail
-    on it only once it builds the task's first request, after the model is loaded and the data evaluated."""
-    loaded = manager.load(names)
+    on it only once it builds the task's first request, after the model is loaded and the data evaluated. A dataset
+    that cannot be read (the hub out of reach, a data file of a task of one's own missing) and a template that its
+    documents cannot fill (the harness fills each with the first document as it builds the task) are one line too."""
+    from jinja2 import TemplateError
+
+    listed = ",".join(names)
+    try:
+        loaded = manager.load(names)
+    except OSError as error:  # the datasets library's ConnectionError or FileNotFoundError
+        raise InvalidValue(
+            f"--tasks {listed}: lm-evaluation-harness could not read a task's dataset: {' '.join(str(error).split())} "
+            f"(a built-in task downloads its dataset from the Hugging Face hub once, then reads it from the cache, also "
+            f"with HF_DATASETS_OFFLINE=1; a task of your own reads the files its YAML names)"
+        ) from None
+    except TemplateError as error:  # jinja2's, as the harness fills a template: a typo in a task of one's own
+        raise InvalidValue(
+            f"--tasks {listed}: a task's template cannot be filled from its documents: {' '.join(str(error).split())} (its "
+            f"doc_to_text, doc_to_target or doc_to_choice names what the documents of its dataset do not hold)"
+        ) from None
     for task in loaded["tasks"].values():
         shortfall = few_shot_shortfall(task, num_fewshot)
         if shortfall is not None:

@@ -92,6 +92,8 @@ def test_a_bad_value_from_a_config_file_names_the_file(tmp_path, capsys):
                                               "quoted for the shell: --resume_changes '[train.max_steps]'"),
     (["--data", "TextFiles", "--data.train_weights", "1,2"],
      "data.train_weights: got 1,2, expected list or null; in brackets, quoted for the shell: --data.train_weights '[1,2]'"),
+    (["--data", "TextFiles", "--data.train_weights", "1 2"],  # YAML reads '[1 2]' as a list of the one string '1 2'
+     "data.train_weights: got 1 2, expected list or null; in brackets, quoted for the shell: --data.train_weights '[1, 2]'"),
     (["--optimizer.betas", "0.9"], "optimizer.betas: got 0.9, expected tuple; in brackets, quoted for the shell: "
                                    "--optimizer.betas '[a, b]'"),
 ])

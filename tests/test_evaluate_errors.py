@@ -1,8 +1,10 @@
 """`fabric-lin evaluate`'s bad input is one line (exit code 2) and leaves no results: a directory that is no checkpoint,
-a damaged or unfinished one, a model directory without data, bad lengths, buckets and arguments, an out_dir inside the
-training checkpoint, the run's data moved away or prepared again (named with the hyperparameters.yaml that names it),
-data of another tokenizer, a tokenizer larger than the model's embeddings; an earlier evaluation in out_dir is kept
-unless --overwrite, and a write cut short leaves it as it was."""
+a damaged or unfinished one, one still being written, deleted or replaced by a running pretrain while it is read, a
+model directory without data, bad lengths, buckets and arguments, an out_dir inside the training checkpoint, the run's
+data moved away or prepared again (named with the hyperparameters.yaml that names it), data of another tokenizer, a
+tokenizer larger than the model's embeddings, logits that are not finite; Ctrl-C's and an error's line come below the
+progress bar, last; an earlier evaluation in out_dir is kept unless --overwrite, and a write cut short leaves it as it
+was."""
 import json
 import os
 import shutil
@@ -136,6 +138,133 @@ def test_an_unfinished_checkpoint_given_as_the_current_directory_is_one_line(run
     err = cli_error(["evaluate", ".", "--max_batches", "1"], capsys)
     assert err == "fabric-lin evaluate: error: . is an unfinished checkpoint (a `.tmp-` directory is renamed when complete)\n"
     assert not (tmp_path / "evaluate").exists()
+
+
+def test_a_checkpoint_still_being_written_is_one_line_saying_so(run, tmp_path, capsys):
+    """`evaluate out/step-X` (or convert it) while the run writes `out/.tmp-step-X`: the checkpoint is being written,
+    not missing; the ones complete beside it are named, and so they are for a final/ the run has not saved yet."""
+    out = tmp_path / "out"
+    shutil.copytree(run / "out" / "final", out / "step-00000002")
+    shutil.copytree(run / "out" / "final", out / ".tmp-step-00000004")
+    expected = (f"{out / 'step-00000004'} is not there yet: {out / '.tmp-step-00000004'} is being written (a running "
+                f"pretrain saves a checkpoint there and renames it when complete; one killed while saving leaves it): "
+                f"give it once the run has saved it, or one that is complete (step-00000002)\n")
+    assert cli_error(["evaluate", str(out / "step-00000004")], capsys) == f"fabric-lin evaluate: error: {expected}"
+    assert cli_error(["convert_pretrained_checkpoint", str(out / "step-00000004"), "--output_dir", str(tmp_path / "m")],
+                     capsys) == f"fabric-lin convert_pretrained_checkpoint: error: {expected}"
+    # final/ of a run still training: the run's checkpoints so far are named
+    assert cli_error(["evaluate", str(out / "final"), "--max_batches", "1"], capsys) == (
+        f"fabric-lin evaluate: error: {out / 'final'} does not exist (a run saves final/ when it ends): the run in {out} "
+        f"has saved step-00000002: give one of them\n")
+
+
+@pytest.mark.parametrize("when", ["verifying", "loading", "replaced"])
+def test_a_checkpoint_deleted_or_replaced_while_it_is_read_is_one_line(run, tmp_path, capsys, monkeypatch, when):
+    """A running pretrain deletes its oldest step-* checkpoint past train.keep_last_n (renamed to `.tmp-deleted-*`,
+    then removed) while evaluate verifies or loads it, or replaces it by another (a step saved again): one line that
+    says so, not a damaged checkpoint, a missing model_config.yaml or torch's FileNotFoundError."""
+    import fabric_lin.checkpoint_kinds as kinds
+
+    checkpoint = tmp_path / "out" / "step-00000002"
+    shutil.copytree(run / "out" / "final", checkpoint)
+
+    def pretrain_meanwhile():
+        if when == "replaced":  # another save of the step: the same files but for the manifest's record of them
+            manifest = json.loads((checkpoint / "manifest.json").read_text())
+            (checkpoint / "manifest.json").write_text(json.dumps({**manifest, "written": "again"}))
+        else:
+            shutil.move(checkpoint, tmp_path / "out" / ".tmp-deleted-step-00000002")
+            shutil.rmtree(tmp_path / "out" / ".tmp-deleted-step-00000002")
+
+    patched = "verify_checkpoint" if when == "verifying" else "load_model_weights"
+    original = getattr(kinds, patched)
+    monkeypatch.setattr(kinds, patched, lambda path, *args: (pretrain_meanwhile(), original(path, *args))[1])
+    assert cli_error(["evaluate", str(checkpoint), "--max_batches", "1"], capsys) == (
+        f"fabric-lin evaluate: error: {checkpoint} was deleted or replaced while it was read: a running pretrain deletes "
+        f"its oldest step-* checkpoints past train.keep_last_n, and replaces a checkpoint it saves again; evaluate it "
+        f"again where it is still there, or a checkpoint that the run keeps\n")
+    assert not (tmp_path / "out" / "evaluate").exists()
+
+
+def error_after_progress(argv, capsys, exit_code: int = 2) -> str:
+    """`fabric-lin <argv>` in this process, failing once its progress bar has started: the bar is closed (its line
+    ended) before the one line of the failure, which is the last. Returns that line."""
+    from fabric_lin.cli import main as cli_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == exit_code
+    err = capsys.readouterr().err
+    bar, _, line = err.rpartition("\n" + argv[0].join(["fabric-lin ", ":"]))
+    assert bar.startswith("\rseq_len") and "\n" not in bar and "Traceback" not in err, err
+    return f"fabric-lin {argv[0]}:{line}"
+
+
+def test_ctrl_c_while_a_length_is_read_is_the_last_line_below_the_progress_bar(run, tmp_path, capsys, monkeypatch):
+    """The bar left open was drawn again when it was collected: the interruption's line began on the bar's line, and the
+    bar came again after it."""
+    import fabric_lin.evaluate
+
+    batches = []
+
+    def interrupted_on_the_second(*args):
+        batches.append(args)
+        if len(batches) == 2:
+            raise KeyboardInterrupt
+        return original(*args)
+
+    original = fabric_lin.evaluate.token_losses
+    monkeypatch.setattr(fabric_lin.evaluate, "token_losses", interrupted_on_the_second)
+    line = error_after_progress(["evaluate", str(run / "out" / "final"), "--out_dir", str(tmp_path / "evaluation")],
+                                capsys, exit_code=130)
+    assert line == "fabric-lin evaluate: interrupted: nothing half-written is left; run the same command again\n"
+    assert not (tmp_path / "evaluation").exists()
+def test_a_model_whose_logits_are_not_finite_is_one_line_and_writes_nothing(run, tmp_path, capsys):
+    """Weights holding a NaN (or a precision whose range the activations overflow): the loss is NaN, which evaluate.json
+    held as `NaN` (no JSON: jq and JavaScript refuse the file) beside a plot of nothing, and the line said only
+    `loss nan`."""
+    import torch
+
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+
+    model = tmp_path / "model"
+    convert_pretrained_checkpoint(run / "out" / "final", model)
+    state = torch.load(model / "lit_model.pth")
+    state["layers.0.attn_norm.weight"][0] = float("nan")
+    torch.save(state, model / "lit_model.pth")
+    err = error_after_progress(["evaluate", str(model), "--data", "TokenChunks", "--data.val_path", str(run / "val"),
+                                "--data.num_workers", "0"], capsys)
+    assert err == (f"fabric-lin evaluate: error: seq_len {TRAIN_LEN}: the loss of its first batch is nan: the model's "
+                   f"logits are not finite (its weights hold NaN or inf, or its activations overflow the --precision it "
+                   f"runs in: float16's range ends at 65504, bf16's and 32-true's go past 1e38); no results are written\n")
+    assert not (model / "evaluate").exists()
+
+
+def test_a_loss_that_turns_not_finite_after_the_first_batch_is_refused_at_the_end():
+    import lightning_fabric as L
+    import torch
+
+    from fabric_lin.evaluate import evaluate_length
+
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("gla-debug", num_layers=1, vocab_size=64)).eval()
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    blocks = torch.randint(0, 64, (2, 9))
+    batches = [blocks, blocks.clone()]
+
+    class Loader:
+        def __iter__(self):
+            yield batches[0]
+            with torch.no_grad():
+                model.lm_head.weight[0, 0] = float("inf")
+            yield batches[1]
+
+        def __len__(self):
+            return 2
+
+    with pytest.raises(InvalidValue, match=r"^seq_len 8: the loss of its 2 batches is nan: the model's logits are not "):
+        evaluate_length(fabric, model, Loader(), seq_len=8, batch_size=2, max_batches=None, starts=[0])
 
 
 def test_an_empty_length_list_is_one_line(run, capsys):

@@ -2,9 +2,10 @@
 pass (all three families, the rolling one across blocks of carried state), greedy only where every continuation token
 is the most likely, and its generation stops at the first stop string and samples where asked; three local tasks run
 by lm-evaluation-harness itself, against the model's own log-probabilities; too few few-shot examples, unknown or
-empty task names, a task file that is not there, --limit and the harness's options without --tasks are one line,
-the names checked before the model is read. The lm-evaluation-harness run itself needs the optional extra
-(`pip install -e '.[eval]'`) and is skipped without it."""
+empty task names, a task file that is not there, a dataset that cannot be read or a template its documents cannot fill,
+weights without their tokenizer, --limit and the harness's options without --tasks are one line, the names checked
+before the model is read; lm-eval's and LitGPT's names of evaluate's options point to them. The lm-evaluation-harness
+run itself needs the optional extra (`pip install -e '.[eval]'`) and is skipped without it."""
 import json
 import os
 import subprocess
@@ -193,13 +194,13 @@ def write_tasks(tmp_path: Path, n_docs: int = 4) -> list:
 
 def evaluate_in_subprocess(run: Path, tmp_path: Path, *options: str, checkpoint: Path = None) -> subprocess.CompletedProcess:
     """`fabric-lin evaluate` of the run's final checkpoint (or `checkpoint`) with the tasks of `write_tasks`, into
-    tmp_path/out, offline."""
+    tmp_path/out, offline, in tmp_path (a directory in no git repository)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1])] + sys.path)}
     return subprocess.run(
         [sys.executable, "-m", "fabric_lin.cli", "evaluate", str(checkpoint or run / "out" / "final"), *options,
          "--task_dir", str(tmp_path / "tasks"), "--out_dir", str(tmp_path / "out")],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
     )
 
 
@@ -231,6 +232,63 @@ def test_harness_tasks_on_the_model_in_memory(run, tmp_path):
     n_bytes = sum(len(doc["context"].encode("utf-8")) for doc in docs)
     assert results["tiny_rolling"]["bits_per_byte,none"] == pytest.approx(-logprob / n_bytes / np.log(2), rel=1e-5)
     assert "exact_match,none" in results["tiny_generate"]
+    # the harness's record of the working directory's git commit: `git describe` said it is in no repository
+    assert "fatal: not a git repository" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_task_s_dataset_that_cannot_be_read_or_a_template_it_cannot_fill_is_one_line(run, tmp_path):
+    """A task of one's own whose data file is not there, or whose template names a field its documents lack (a typo):
+    the harness raised datasets' FileNotFoundError or jinja2's UndefinedError as it built the task, a traceback."""
+    pytest.importorskip("lm_eval")
+    write_tasks(tmp_path)
+    tasks = tmp_path / "tasks"
+    body = (tasks / "tiny_choice.yaml").read_text()
+    (tasks / "tiny_gone.yaml").write_text(body.replace("tiny_choice", "tiny_gone").replace("docs.jsonl", "gone.jsonl"))
+    (tasks / "tiny_typo.yaml").write_text(body.replace("tiny_choice", "tiny_typo").replace("{{context}}", "{{contxt}}"))
+    proc = evaluate_in_subprocess(run, tmp_path, "--max_batches", "0", "--tasks", "tiny_gone")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == (
+        f"fabric-lin evaluate: error: --tasks tiny_gone: lm-evaluation-harness could not read a task's dataset: Unable "
+        f"to find '{tmp_path / 'gone.jsonl'}' (a built-in task downloads its dataset from the Hugging Face hub once, then "
+        f"reads it from the cache, also with HF_DATASETS_OFFLINE=1; a task of your own reads the files its YAML names)")
+    proc = evaluate_in_subprocess(run, tmp_path, "--max_batches", "0", "--tasks", "tiny_typo")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == (
+        "fabric-lin evaluate: error: --tasks tiny_typo: a task's template cannot be filled from its documents: 'contxt' is "
+        "undefined (its doc_to_text, doc_to_target or doc_to_choice names what the documents of its dataset do not hold)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("raised, said", [
+    (ConnectionError("Couldn't reach 'allenai/ai2_arc' on the Hub (LocalEntryNotFoundError)"),
+     "lm-evaluation-harness could not read a task's dataset: Couldn't reach 'allenai/ai2_arc' on the Hub "
+     "(LocalEntryNotFoundError) (a built-in task downloads its dataset from the Hugging Face hub once"),
+    ("template", "a task's template cannot be filled from its documents: 'contxt' is undefined (its doc_to_text")])
+def test_a_task_the_harness_cannot_build_is_one_line_before_the_model_is_loaded(tmp_path, capsys, monkeypatch, raised,
+                                                                                  said):
+    """Against a stand-in for the harness's TaskManager whose building of a task fails as the harness's does on a
+    machine that cannot reach the hub (a compute node, offline), or on a template naming what the documents lack."""
+    import types
+
+    import jinja2
+
+    import fabric_lin.evaluate
+
+    def load(names):
+        if raised == "template":
+            jinja2.Environment(undefined=jinja2.StrictUndefined).from_string("{{contxt}}").render(context="a")
+        raise raised
+
+    harness = types.ModuleType("lm_eval")
+    harness.tasks = types.ModuleType("lm_eval.tasks")
+    harness.tasks.TaskManager = lambda include_path=None, include_defaults=True: types.SimpleNamespace(
+        all_tasks=["arc_easy"], load=load)
+    monkeypatch.setitem(sys.modules, "lm_eval", harness)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
+    monkeypatch.setattr(fabric_lin.evaluate, "load_checkpoint", lambda *args: pytest.fail("the model was loaded"))
+    err = cli_error(["evaluate", str(tmp_path), "--tasks", "arc_easy"], capsys)
+    assert err.startswith(f"fabric-lin evaluate: error: --tasks arc_easy: {said}"), err
 
 
 @pytest.mark.slow
@@ -389,6 +447,34 @@ def test_more_few_shot_examples_than_a_task_has_are_refused_before_the_model_is_
             fabric_lin.evaluate.main(tmp_path, tasks="tiny", num_fewshot=num_fewshot)
 
 
+def test_weights_without_their_tokenizer_are_refused_before_the_tasks_are_built(tmp_path, capsys, monkeypatch):
+    """--tasks on a model directory or an fla export without its tokenizer.model: one line before the harness builds
+    the tasks (reads their datasets: minutes for some, a download for the first run) and before the weights are read."""
+    import types
+
+    import fabric_lin.evaluate
+    from helpers import make_model_dir, small_config
+
+    harness = types.ModuleType("lm_eval")
+    harness.tasks = types.ModuleType("lm_eval.tasks")
+    harness.tasks.TaskManager = lambda include_path=None, include_defaults=True: types.SimpleNamespace(
+        all_tasks=["tiny"], load=lambda names: pytest.fail("the tasks were built"))
+    monkeypatch.setitem(sys.modules, "lm_eval", harness)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", harness.tasks)
+    monkeypatch.setattr(fabric_lin.evaluate, "load_checkpoint", lambda *args: pytest.fail("the model was loaded"))
+    make_model_dir(tmp_path / "model", small_config())
+    (tmp_path / "model" / "tokenizer.model").unlink()
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}")
+    for directory in (tmp_path / "model", tmp_path / "export"):
+        assert cli_error(["evaluate", str(directory), "--tasks", "tiny"], capsys) == (
+            f"fabric-lin evaluate: error: --tasks: {directory} has no tokenizer.model, and the harness's tasks are text\n")
+    # a directory of no weights at all is told what it is, by the checkpoint's reading, as before
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(pytest.fail.Exception, match="the tasks were built"):
+        fabric_lin.evaluate.main(tmp_path / "empty", tasks="tiny")
+
+
 def test_a_task_file_that_is_not_there_or_a_directory_of_tasks_in_tasks_is_named(tmp_path, capsys, monkeypatch):
     """--tasks given a task file's path that does not exist, or a directory of task files (where --task_dir belongs),
     is one line about that path, not an unknown task name with the harness's unrelated close names; a file's before the
@@ -449,3 +535,17 @@ def test_harness_options_without_tasks_are_one_line(run, capsys):
         err = cli_error(["evaluate", str(final), option, value], capsys)
         assert f"error: {option} set how lm-evaluation-harness runs its tasks, and no --tasks is given: give --tasks, " \
                f"or leave {option} out\n" in err, err
+
+
+@pytest.mark.parametrize("flag, ours", [("--include_path", "--task_dir"), ("--output_path", "--out_dir"),
+                                        ("--save_filepath", "--out_dir"), ("--dtype", "--precision")])
+def test_lm_eval_s_and_litgpt_s_names_of_evaluate_s_options_point_to_them(tmp_path, capsys, flag, ours):
+    """lm-evaluation-harness's --include_path and --output_path, LitGPT evaluate's --save_filepath and --dtype: no
+    spelling of fabric-lin's resembles them, and the error named no option to use."""
+    from fabric_lin.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["evaluate", str(tmp_path), "--tasks", "hellaswag", flag, "x"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (f"fabric-lin evaluate: error: unknown option {flag} (did you mean {ours}?)\n"
+                                       f"(fabric-lin evaluate --help lists the options)\n")
