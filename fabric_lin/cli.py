@@ -300,23 +300,32 @@ def closest_data_module(given: str) -> str:
 
 
 def unknown_key_hint(key: str, parser) -> str:
-    """For a key that a config file gives and the command does not take (`train.max_step`): the closest key it takes,
-    and the keys of the key's group (the command's own keys for one outside any group)."""
+    """For a key that a config file gives and the command does not take (`train.max_step`): the key it most likely
+    meant, and the keys of the key's group (the command's own keys for one outside any group). The key meant is the
+    one of that name in another group where one group alone has it (LitGPT's `train.weight_decay`, `train.lr`) and
+    the closest spelling, one or both; never the key itself (`train.epochs`, which no key of fabric-lin's resembles)."""
     import difflib
 
     keys = [option[2:] for option in getattr(parser, "_option_string_actions", {})
             if option.startswith("--") and option not in ("--help", "--config", "--print_config")
             and not option.endswith((".help", "+"))]
-    group = key.rpartition(".")[0]
+    # the group of the key: its longest start that is one (optimizer, for LitGPT's optimizer.init_args.lr)
+    parts = key.split(".")
+    group = next((g for g in (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
+                  if any(k.startswith(g + ".") for k in keys)), "")
     members = [k[len(group) + 1:] for k in keys if group and k.startswith(group + ".")]
     listed = (f"the keys of {group} are: {', '.join(members)}" if members
               else f"the keys are: {', '.join(k for k in keys if '.' not in k)}")
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    leaf = key.rpartition(".")[2]
+    elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf and k != key]
+    close = elsewhere if len(elsewhere) == 1 else []
+    close += [k for k in difflib.get_close_matches(key, keys, n=1, cutoff=0.75) if k not in close]
     first, _, others = key.partition(".")
-    if not close and others:  # a misspelt class key, whose own keys the parser does not list: dta.init_args.num_workers
-        close = [f"{top}.{others}" for top in difflib.get_close_matches(first, [k for k in keys if "." not in k],
-                                                                       n=1, cutoff=0.75)]
-    return (f" (did you mean {close[0]}?)" if close else "") + "; " + listed
+    top_level = [k for k in keys if "." not in k]
+    if not close and others and first not in top_level:
+        # a misspelt class key, whose own keys the parser does not list: dta.init_args.num_workers
+        close = [f"{top}.{others}" for top in difflib.get_close_matches(first, top_level, n=1, cutoff=0.75)]
+    return (f" (did you mean {' or '.join(close)}?)" if close else "") + "; " + listed
 
 
 def files_named(files: List[str], line: str) -> str:
