@@ -24,9 +24,9 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
-from fabric_lin.cli_config_files import (check_config_files, check_no_variable_in_paths,  # noqa: E402
-                                         check_stop_strings, check_temperatures, config_file_being_read,
-                                         config_file_of, files_holding_key, option_values)
+from fabric_lin.cli_config_files import (check_config_files, check_no_null_values,  # noqa: E402
+                                         check_no_variable_in_paths, check_stop_strings, check_temperatures,
+                                         config_file_being_read, config_file_of, files_holding_key, option_values)
 from fabric_lin.errors import (DEBUG_ENV, FILE_SYSTEM_ERRNOS, PEER_LOST_EXIT_CODE, debug_enabled,  # noqa: E402
                                named_for_rank, process_rank, sigterm_interrupts)
 
@@ -698,6 +698,9 @@ def run(argv: List[str]) -> None:
                     self.error(group_value_error(key, "null" if value is None else repr(value), keys)
                                + ("; to keep their defaults, leave the key out" if value is None else ""))
             check_no_variable_in_paths(cfg, argv)
+            command = cfg.get("subcommand")
+            if command in COMMANDS:
+                check_no_null_values(cfg, argv, load_command(command))
             return super().instantiate(cfg, *args, **kwargs)
 
     if len(argv) >= 2 and argv[1] == "list" and argv[0] in ("pretrain", "generate"):
