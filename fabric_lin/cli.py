@@ -313,18 +313,21 @@ def unknown_key_hint(key: str, parser) -> str:
     parts = key.split(".")
     group = next((g for g in (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
                   if any(k.startswith(g + ".") for k in keys)), "")
-    members = [k[len(group) + 1:] for k in keys if group and k.startswith(group + ".")]
-    listed = (f"the keys of {group} are: {', '.join(members)}" if members
-              else f"the keys are: {', '.join(k for k in keys if '.' not in k)}")
     leaf = key.rpartition(".")[2]
     elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf and k != key]
     close = elsewhere if len(elsewhere) == 1 else []
     close += [k for k in difflib.get_close_matches(key, keys, n=1, cutoff=0.75) if k not in close]
     first, _, others = key.partition(".")
     top_level = [k for k in keys if "." not in k]
-    if not close and others and first not in top_level:
-        # a misspelt class key, whose own keys the parser does not list: dta.init_args.num_workers
-        close = [f"{top}.{others}" for top in difflib.get_close_matches(first, top_level, n=1, cutoff=0.75)]
+    for top in difflib.get_close_matches(first, top_level, n=1, cutoff=0.75) if others and not group else []:
+        children = [k for k in keys if k.startswith(top + ".")]
+        if not children:  # a class key, whose own keys the parser does not list: dta.init_args.num_workers
+            close = close or [f"{top}.{others}"]
+        else:  # a misspelt group (trian.max_steps): the key meant among its keys, if any is close
+            close = close or difflib.get_close_matches(f"{top}.{others}", children, n=1, cutoff=0.75)
+    members = [k[len(group) + 1:] for k in keys if group and k.startswith(group + ".")]
+    listed = (f"the keys of {group} are: {', '.join(members)}" if members
+              else f"the keys are: {', '.join(top_level)}")
     return (f" (did you mean {' or '.join(close)}?)" if close else "") + "; " + listed
 
 

@@ -18,6 +18,10 @@ TRAIN_KEYS = ("the keys of train are: save_interval, log_interval, global_batch_
     ("train", "lr", "optimizer.lr or train.min_lr"),
     ("train", "max_iters", "eval.max_iters or train.max_steps"),
     ("train", "devices", "devices"),
+    # a misspelt group (flame's `training:`): the key meant among its keys, or none; no key that the group does not
+    # have (train.seq_len, train.epochs)
+    ("training", "seq_len", "train.max_seq_length"),
+    ("trian", "epochs", None),
 ])
 def test_a_config_files_key_is_never_said_to_be_meant_for_itself(tmp_path, capsys, group, key, meant):
     config = tmp_path / "run.yaml"
