@@ -1,7 +1,8 @@
 """Validation data that the run's training data holds, in any data module: the same directory, a copy of it, another
 preparation of the same input, or one of an input inside the other's (read recursively). Each is said once at
 start-up, naming both directories: the validation loss would be measured on documents the model trains on. Data of
-other inputs, and prepare_text's train/ and val/ of one preparation (or of one input read with two globs), say nothing."""
+other inputs, and prepare_text's train/ and val/ of one preparation (or of one input read with two globs), say nothing;
+its two splits given for each other are said."""
 import shutil
 
 import numpy as np
@@ -145,3 +146,21 @@ def test_another_preparation_of_the_files_the_training_data_read_is_told_by_thos
                    f"prepared from {corpus}, with the --pattern '**/*' and '**/*.jsonl', which both read 2 file(s) (e.g. "
                    f"{corpus / '2024' / 'a.jsonl'}), with other shares held out (--val_fraction 0.2 and 0.05): the "
                    f"validation loss is measured on training data {HINT}\n")
+
+
+def test_prepare_text_s_two_splits_given_for_each_other_are_said(tmp_path, tokenizer, capsys):
+    """--data.train_dir OUT/val --data.val_dir OUT/train trained on the held-out share alone, repeated, and said
+    nothing of it. Each the right way round, or a val/ mixed into the training data beside its train/, says nothing;
+    TokenChunks' data_path and val_path are told the same."""
+    split = dict(recipe="text", input_dir="/corpus", pattern="**/*", text_key="text", val_fraction=0.01)
+    train = prepared(tmp_path / "out" / "train", tokenizer, 0, split="train", **split)
+    val = prepared(tmp_path / "out" / "val", tokenizer, 1, split="val", **split)
+    out = set_up(TextFiles(train_dir=val, val_dir=train, num_workers=0), tokenizer, capsys)
+    assert out == (f"Warning: data.train_dir {val} is the val/ split that prepare_text held out and data.val_dir {train} "
+                   f"the train/ split of the same input, given for each other: the run trains on the held-out documents "
+                   f"and validates on the others; did you mean --data.train_dir {train} --data.val_dir {val}?\n")
+    out = set_up(TokenChunks(data_path=val, val_path=train, num_workers=0), tokenizer, capsys)
+    assert out.startswith(f"Warning: data.data_path {val} is the val/ split that prepare_text held out and "
+                          f"data.val_path {train} the train/ split of the same input")
+    assert set_up(TextFiles(train_dir=train, val_dir=val, num_workers=0), tokenizer, capsys) == ""
+    assert set_up(TextFiles(train_dir=[train, val], num_workers=0), tokenizer, capsys).startswith("TextFiles: no validation")
