@@ -521,8 +521,9 @@ def checkpoint_dirs(out_dir: Path) -> List[Path]:
     return [path for *_, path in sorted(found, reverse=True)]
 
 
-def explicit_resume_dir(resume: Union[str, Path]) -> Path:
-    """The directory `--resume <path>` names (the path of its lit_model.pth is taken too)."""
+def explicit_resume_dir(resume: Union[str, Path], out_dir: Optional[Path] = None) -> Path:
+    """The directory `--resume <path>` names (the path of its lit_model.pth is taken too). `out_dir`: the run's, whose
+    checkpoint a path that is not there may have meant by its name (`--resume final`)."""
     path = Path(resume)
     if path.name == MODEL_FILE:
         path = path.parent
@@ -535,7 +536,7 @@ def explicit_resume_dir(resume: Union[str, Path]) -> Path:
                 f"--resume {resume} is a run's out_dir, not one of its checkpoints ({', '.join(held[:3])}): to continue from "
                 f"its newest, give --out_dir {path} --resume auto; or name one, e.g. --resume {path / held[0]}"
             )
-        raise not_a_checkpoint_to_resume(resume, path)
+        raise not_a_checkpoint_to_resume(resume, path, out_dir)
     if not is_training_checkpoint(path):
         raise InvalidValue(
             f"--resume {resume}: it is not a training checkpoint (it has no {STEP_FILE} or {MANIFEST_FILE}); to start "
@@ -544,10 +545,15 @@ def explicit_resume_dir(resume: Union[str, Path]) -> Path:
     return path
 
 
-def not_a_checkpoint_to_resume(resume: Union[str, Path], path: Path) -> MissingFile:
-    """The error for a --resume path that holds no checkpoint: one that is not there names the checkpoints of the run
-    directory it points into (a mistyped step), one that is there says what it holds (an export, adapters, ...) and
+def not_a_checkpoint_to_resume(resume: Union[str, Path], path: Path, out_dir: Optional[Path] = None) -> MissingFile:
+    """The error for a --resume path that holds no checkpoint: one that is not there names the checkpoint of `out_dir`
+    it names relative to it (`final`: a path is relative to the current directory), else the checkpoints of the run
+    directory it points into (a mistyped step); one that is there says what it holds (an export, adapters, ...) and
     what takes a model's weights."""
+    in_out_dir = Path(out_dir) / path if out_dir is not None and not path.is_absolute() else None
+    if not path.exists() and in_out_dir is not None and (in_out_dir / MODEL_FILE).exists():
+        return MissingFile(f"--resume {resume} does not exist (a path is relative to the current directory): did you "
+                           f"mean --resume {in_out_dir}, out_dir's checkpoint, or --resume auto for its newest?")
     if not path.exists():
         beside = [p.name for p in checkpoint_dirs(path.parent)]
         return MissingFile(f"--resume {resume} does not exist: expected a training checkpoint (a run's "
@@ -573,7 +579,7 @@ def select_resume_dir(fabric, resume: Union[bool, str, Path, None], out_dir: Pat
     if resume is False or resume is None:
         return None
     if not (resume is True or resume == "auto"):
-        path = explicit_resume_dir(resume)
+        path = explicit_resume_dir(resume, out_dir)
         check = verify_checkpoint(path, fabric)
         if not check.ok:
             raise InvalidValue(
