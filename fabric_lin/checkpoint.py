@@ -92,10 +92,15 @@ class Checkpointer:
 
     def __init__(self, out_dir: Path, hparams: Dict[str, Any], config, tokenizer_dir: Optional[Path] = None,
                  keep_last_n: Optional[int] = None, trained_with: Optional[Dict[str, Any]] = None):
+        from fabric_lin.data.tokenizer import read_tokenizer_files
+
         self.out_dir = Path(out_dir)
         self.hparams = hparams
         self.config = config
-        self.tokenizer_dir = tokenizer_dir
+        # read once, before the first step: each checkpoint holds the tokenizer the run started with, also where its
+        # directory is moved, deleted or written over while the run trains (a save would fail, losing the steps since
+        # the last one, or copy another tokenizer than its trained_with.json records)
+        self.tokenizer_files = read_tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else None
         self.keep_last_n = keep_last_n
         self.trained_with = trained_with
 
@@ -166,13 +171,13 @@ class Checkpointer:
 
     def write_beside_the_weights(self, directory: Path, step_count: int) -> None:
         """step.json, hyperparameters.yaml, model_config.yaml, the tokenizer's files and `trained_with` (rank 0)."""
-        from fabric_lin.data.tokenizer import copy_tokenizer_files, write_trained_with
+        from fabric_lin.data.tokenizer import write_tokenizer_files, write_trained_with
 
         (directory / STEP_FILE).write_text(json.dumps({"step_count": step_count}) + "\n")
         save_hparams(self.hparams, directory / HPARAMS_FILE)
         self.config.save(directory / CONFIG_FILE)
-        if self.tokenizer_dir is not None:
-            copy_tokenizer_files(self.tokenizer_dir, directory)
+        if self.tokenizer_files is not None:
+            write_tokenizer_files(self.tokenizer_files, directory)
         if self.trained_with is not None:
             write_trained_with(directory, self.trained_with)
 
