@@ -92,10 +92,15 @@ class Checkpointer:
 
     def __init__(self, out_dir: Path, hparams: Dict[str, Any], config, tokenizer_dir: Optional[Path] = None,
                  keep_last_n: Optional[int] = None, trained_with: Optional[Dict[str, Any]] = None):
+        from fabric_lin.data.tokenizer import read_tokenizer_files
+
         self.out_dir = Path(out_dir)
         self.hparams = hparams
         self.config = config
-        self.tokenizer_dir = tokenizer_dir
+        # read once, before the first step: each checkpoint holds the tokenizer the run started with, also where its
+        # directory is moved, deleted or written over while the run trains (a save would fail, losing the steps since
+        # the last one, or copy another tokenizer than its trained_with.json records)
+        self.tokenizer_files = read_tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else None
         self.keep_last_n = keep_last_n
         self.trained_with = trained_with
 
@@ -166,13 +171,13 @@ class Checkpointer:
 
     def write_beside_the_weights(self, directory: Path, step_count: int) -> None:
         """step.json, hyperparameters.yaml, model_config.yaml, the tokenizer's files and `trained_with` (rank 0)."""
-        from fabric_lin.data.tokenizer import copy_tokenizer_files, write_trained_with
+        from fabric_lin.data.tokenizer import write_tokenizer_files, write_trained_with
 
         (directory / STEP_FILE).write_text(json.dumps({"step_count": step_count}) + "\n")
         save_hparams(self.hparams, directory / HPARAMS_FILE)
         self.config.save(directory / CONFIG_FILE)
-        if self.tokenizer_dir is not None:
-            copy_tokenizer_files(self.tokenizer_dir, directory)
+        if self.tokenizer_files is not None:
+            write_tokenizer_files(self.tokenizer_files, directory)
         if self.trained_with is not None:
             write_trained_with(directory, self.trained_with)
 
@@ -521,8 +526,9 @@ def checkpoint_dirs(out_dir: Path) -> List[Path]:
     return [path for *_, path in sorted(found, reverse=True)]
 
 
-def explicit_resume_dir(resume: Union[str, Path]) -> Path:
-    """The directory `--resume <path>` names (the path of its lit_model.pth is taken too)."""
+def explicit_resume_dir(resume: Union[str, Path], out_dir: Optional[Path] = None) -> Path:
+    """The directory `--resume <path>` names (the path of its lit_model.pth is taken too). `out_dir`: the run's, whose
+    checkpoint a path that is not there may have meant by its name (`--resume final`)."""
     path = Path(resume)
     if path.name == MODEL_FILE:
         path = path.parent
@@ -535,7 +541,7 @@ def explicit_resume_dir(resume: Union[str, Path]) -> Path:
                 f"--resume {resume} is a run's out_dir, not one of its checkpoints ({', '.join(held[:3])}): to continue from "
                 f"its newest, give --out_dir {path} --resume auto; or name one, e.g. --resume {path / held[0]}"
             )
-        raise not_a_checkpoint_to_resume(resume, path)
+        raise not_a_checkpoint_to_resume(resume, path, out_dir)
     if not is_training_checkpoint(path):
         raise InvalidValue(
             f"--resume {resume}: it is not a training checkpoint (it has no {STEP_FILE} or {MANIFEST_FILE}); to start "
@@ -544,10 +550,15 @@ def explicit_resume_dir(resume: Union[str, Path]) -> Path:
     return path
 
 
-def not_a_checkpoint_to_resume(resume: Union[str, Path], path: Path) -> MissingFile:
-    """The error for a --resume path that holds no checkpoint: one that is not there names the checkpoints of the run
-    directory it points into (a mistyped step), one that is there says what it holds (an export, adapters, ...) and
+def not_a_checkpoint_to_resume(resume: Union[str, Path], path: Path, out_dir: Optional[Path] = None) -> MissingFile:
+    """The error for a --resume path that holds no checkpoint: one that is not there names the checkpoint of `out_dir`
+    it names relative to it (`final`: a path is relative to the current directory), else the checkpoints of the run
+    directory it points into (a mistyped step); one that is there says what it holds (an export, adapters, ...) and
     what takes a model's weights."""
+    in_out_dir = Path(out_dir) / path if out_dir is not None and not path.is_absolute() else None
+    if not path.exists() and in_out_dir is not None and (in_out_dir / MODEL_FILE).exists():
+        return MissingFile(f"--resume {resume} does not exist (a path is relative to the current directory): did you "
+                           f"mean --resume {in_out_dir}, out_dir's checkpoint, or --resume auto for its newest?")
     if not path.exists():
         beside = [p.name for p in checkpoint_dirs(path.parent)]
         return MissingFile(f"--resume {resume} does not exist: expected a training checkpoint (a run's "
@@ -573,7 +584,7 @@ def select_resume_dir(fabric, resume: Union[bool, str, Path, None], out_dir: Pat
     if resume is False or resume is None:
         return None
     if not (resume is True or resume == "auto"):
-        path = explicit_resume_dir(resume)
+        path = explicit_resume_dir(resume, out_dir)
         check = verify_checkpoint(path, fabric)
         if not check.ok:
             raise InvalidValue(

@@ -24,7 +24,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
-from fabric_lin.cli_config_files import (check_config_files, check_no_empty_paths,  # noqa: E402
+from fabric_lin.cli_config_files import (check_config_files, check_no_empty_paths, check_no_null_values,  # noqa: E402
                                          check_no_variable_in_paths, check_sampling_values, check_stop_strings,
                                          config_file_being_read, config_file_of, files_holding_key, option_values,
                                          positional_arguments)
@@ -308,23 +308,35 @@ def closest_data_module(given: str) -> str:
 
 
 def unknown_key_hint(key: str, parser) -> str:
-    """For a key that a config file gives and the command does not take (`train.max_step`): the closest key it takes,
-    and the keys of the key's group (the command's own keys for one outside any group)."""
+    """For a key that a config file gives and the command does not take (`train.max_step`): the key it most likely
+    meant, and the keys of the key's group (the command's own keys for one outside any group). The key meant is the
+    one of that name in another group where one group alone has it (LitGPT's `train.weight_decay`, `train.lr`) and
+    the closest spelling, one or both; never the key itself (`train.epochs`, which no key of fabric-lin's resembles)."""
     import difflib
 
     keys = [option[2:] for option in getattr(parser, "_option_string_actions", {})
             if option.startswith("--") and option not in ("--help", "--config", "--print_config")
             and not option.endswith((".help", "+"))]
-    group = key.rpartition(".")[0]
+    # the group of the key: its longest start that is one (optimizer, for LitGPT's optimizer.init_args.lr)
+    parts = key.split(".")
+    group = next((g for g in (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
+                  if any(k.startswith(g + ".") for k in keys)), "")
+    leaf = key.rpartition(".")[2]
+    elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf and k != key]
+    close = elsewhere if len(elsewhere) == 1 else []
+    close += [k for k in difflib.get_close_matches(key, keys, n=1, cutoff=0.75) if k not in close]
+    first, _, others = key.partition(".")
+    top_level = [k for k in keys if "." not in k]
+    for top in difflib.get_close_matches(first, top_level, n=1, cutoff=0.75) if others and not group else []:
+        children = [k for k in keys if k.startswith(top + ".")]
+        if not children:  # a class key, whose own keys the parser does not list: dta.init_args.num_workers
+            close = close or [f"{top}.{others}"]
+        else:  # a misspelt group (trian.max_steps): the key meant among its keys, if any is close
+            close = close or difflib.get_close_matches(f"{top}.{others}", children, n=1, cutoff=0.75)
     members = [k[len(group) + 1:] for k in keys if group and k.startswith(group + ".")]
     listed = (f"the keys of {group} are: {', '.join(members)}" if members
-              else f"the keys are: {', '.join(k for k in keys if '.' not in k)}")
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
-    first, _, others = key.partition(".")
-    if not close and others:  # a misspelt class key, whose own keys the parser does not list: dta.init_args.num_workers
-        close = [f"{top}.{others}" for top in difflib.get_close_matches(first, [k for k in keys if "." not in k],
-                                                                       n=1, cutoff=0.75)]
-    return (f" (did you mean {close[0]}?)" if close else "") + "; " + listed
+              else f"the keys are: {', '.join(top_level)}")
+    return (f" (did you mean {' or '.join(close)}?)" if close else "") + "; " + listed
 
 
 def files_named(files: List[str], line: str) -> str:
@@ -685,6 +697,9 @@ def run(argv: List[str]) -> None:
                                + ("; to keep their defaults, leave the key out" if value is None else ""))
             check_no_variable_in_paths(cfg, argv)
             check_no_empty_paths(cfg, argv)
+            command = cfg.get("subcommand")
+            if command in COMMANDS:
+                check_no_null_values(cfg, argv, load_command(command))
             return super().instantiate(cfg, *args, **kwargs)
 
     if len(argv) >= 2 and argv[1] == "list" and argv[0] in ("pretrain", "generate"):

@@ -1,6 +1,7 @@
 """The YAML files of a `fabric-lin` command line (`--config FILE`, a group's or a class key's file: `--optimizer
 opt.yaml`, `--model_config model.yaml`): read before jsonargparse reads them, for the errors its own messages leave
-unnamed, and after it refused one of their keys or values, to name the file that holds it."""
+unnamed, after it refused one of their keys or values, to name the file that holds it, and after it took their values,
+for those it lets through unchecked (null, `$VARIABLE` in a path)."""
 import importlib
 import os
 import re
@@ -269,3 +270,79 @@ def check_no_empty_paths(cfg, argv: List[str]) -> None:
         if "" in given or (not given and empty_positional):
             raise InvalidValue(f"{shown}: an empty path (an unset shell variable, as in \"$OUT\"?) would be the current "
                                f"directory; give the path, or . for the current directory")
+
+
+def check_no_null_values(cfg, argv: List[str], function) -> None:
+    """Refuse a config file's key left empty or given null (`seed:`, `out_dir:`, `optimizer: {lr: }`) where the option
+    takes no null: jsonargparse checks the type of a file's values but lets null through as "not set", and the command
+    then met it as its value, to fail on it with a TypeError far from the file (`None < 1`), or to read null as false
+    or nothing (`eval.final_validation:`, `text_key:`). `cfg`: the command's parsed values, under the subcommand's name;
+    `function`: the command's; the key, what it takes and the file giving it are named."""
+    import dataclasses
+    import inspect
+
+    from fabric_lin.errors import InvalidValue
+
+    command = cfg.get("subcommand") if hasattr(cfg, "get") else None
+    if command is None:
+        return
+    for name, parameter in inspect.signature(function).parameters.items():
+        annotation = type_hints(function).get(name, parameter.annotation)
+        options = [(name, annotation, parameter.default)]
+        if dataclasses.is_dataclass(annotation) and dataclasses.is_dataclass(parameter.default):  # an option group
+            hints = type_hints(annotation)
+            options = [(f"{name}.{field.name}", hints.get(field.name, field.type), getattr(parameter.default, field.name))
+                       for field in dataclasses.fields(annotation) if field.init]
+        for key, kind, default in options:
+            if cfg.get(f"{command}.{key}", "unset") is not None or default is None or takes_null(kind):
+                continue
+            files = files_holding_key(f"{command}.{key}", command, argv)
+            keeps = "" if default is inspect.Parameter.empty else f", or leave the key out for its default ({shown(default)})"
+            raise InvalidValue(f"{key}: got null, expected {described(kind)}: give a value{keeps}"
+                               + (f" (in {', '.join(files)})" if files else ""))
+
+
+def type_hints(obj) -> dict:
+    """The type hints of a function or class, their names resolved; {} where one names what cannot be imported."""
+    import typing
+
+    try:
+        return typing.get_type_hints(obj)
+    except Exception:  # a name imported for type checkers alone: its option is not looked into
+        return {}
+
+
+def takes_null(kind) -> bool:
+    import typing
+
+    if kind is typing.Any or kind is type(None) or kind is None or isinstance(kind, str):  # str: an unresolved hint
+        return True
+    return typing.get_origin(kind) is typing.Union and type(None) in typing.get_args(kind)
+
+
+def described(kind) -> str:
+    """A type as the one-line errors say what a key takes: int, a path, true or false, 'auto'."""
+    import typing
+    from pathlib import PurePath
+
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Union:
+        return " or ".join(described(arg) for arg in args)
+    if origin is typing.Literal:
+        return " or ".join(repr(arg) for arg in args)
+    if origin in (list, tuple):
+        return "a list"
+    if kind is bool:
+        return "true or false"
+    if isinstance(kind, type) and issubclass(kind, PurePath):
+        return "a path"
+    return getattr(kind, "__name__", str(kind))
+
+
+def shown(value) -> str:
+    """A default value as YAML writes it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(shown, value)) + "]"
+    return str(value)

@@ -82,7 +82,7 @@ def check_earlier_run(out_dir: Path, resume: Union[bool, str, Path], overwrite: 
     earlier run trained another model than this run's `config`, continuing it is no way on for this run."""
     continuing = resume is True or resume == "auto"
     # a --resume path that names no checkpoint is said before out_dir's earlier run, which it may have meant to name
-    named = None if continuing or resume is False or resume is None else explicit_resume_dir(resume)
+    named = None if continuing or resume is False or resume is None else explicit_resume_dir(resume, out_dir)
     # resolved: a checkpoint named through a symbolic link to out_dir (or out_dir through one) is out_dir's, which
     # --overwrite true would delete before the resume
     inside = named is not None and Path(named).resolve().parent == Path(out_dir).resolve()

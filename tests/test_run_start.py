@@ -163,3 +163,22 @@ def test_a_rank_whose_peer_is_gone_names_the_newest_checkpoint_and_whose_run_it_
         newest + "with --resume auto instead of --overwrite true")
     assert how_to_continue_without_the_peer(tmp_path, False, True, False).startswith(
         f"the checkpoints in {tmp_path} are still the earlier run's")
+
+
+@pytest.mark.parametrize("name", ["final", "step-00000002"])
+def test_a_resume_by_the_name_of_out_dir_s_checkpoint_names_its_path(tmp_path, capsys, monkeypatch, name):
+    """`--resume final` is a path relative to the current directory, where there is none: the error named the current
+    directory's checkpoints (none) and the words --resume takes, not out_dir's checkpoint of that name. A name that is
+    none of out_dir's is said as before."""
+    from helpers import cli_error
+
+    out = tmp_path / "runs" / "a"
+    training_checkpoint(out / name)
+    monkeypatch.chdir(tmp_path)
+    argv = ["pretrain", "--model_name", "gla-debug", "--train.max_steps", "2", "--out_dir", str(out), "--resume"]
+    assert cli_error([*argv, name], capsys) == (
+        f"fabric-lin pretrain: error: --resume {name} does not exist (a path is relative to the current directory): did "
+        f"you mean --resume {out / name}, out_dir's checkpoint, or --resume auto for its newest?\n")
+    assert cli_error([*argv, "step-00000003"], capsys) == (
+        "fabric-lin pretrain: error: --resume step-00000003 does not exist: expected a training checkpoint (a run's "
+        "step-XXXXXXXX/ or final/), or false, true or auto\n")

@@ -123,6 +123,26 @@ class DataModule:
                 say_once(f"Warning: {said}: the validation loss is measured on training data{fix}")
                 return
 
+    def warn_of_splits_given_for_each_other(self, train_dirs: Sequence[Path], val_dir: Optional[Path], train_key: str,
+                                            val_key: str) -> None:
+        """Say once where the validation directory is the train/ split of an input whose val/ split (the documents
+        prepare_text held out) is a training directory, by their prepared.json (read by `setup()`): the two given for
+        each other, most likely. The run would train on the held-out share, epoch after epoch, and measure its loss on
+        the rest. (A val/ mixed into the training data beside its train/ is no mistake.)"""
+        from fabric_lin.data.prepared import prepared_from
+
+        val_info = self.prepared.get(Path(val_dir), {}) if val_dir is not None else {}
+        if val_info.get("split") != "train" or prepared_from(val_info) is None:
+            return
+        for train in map(Path, train_dirs):
+            info = self.prepared.get(train, {})
+            if info.get("split") == "val" and prepared_from(info) == prepared_from(val_info):
+                say_once(f"Warning: {train_key} {train} is the val/ split that prepare_text held out and {val_key} "
+                         f"{val_dir} the train/ split of the same input, given for each other: the run trains on the "
+                         f"held-out documents and validates on the others; did you mean --{train_key} {val_dir} "
+                         f"--{val_key} {train}?")
+                return
+
     def setup_validation(self) -> None:
         """`setup()` for a reader of the validation split alone (evaluate): a module whose validation directories
         stand apart from its training ones checks only those, so data without the training split is read."""

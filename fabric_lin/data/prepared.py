@@ -118,21 +118,37 @@ DOCUMENT_KEYS = ("recipe", "input_dir", "pattern", "text_key", "split", "val_fra
 def shares_documents(val: dict, train: dict) -> Optional[str]:
     """How a validation directory and a training directory, by their prepared.json `val` and `train`, hold some of the
     same documents: prepared from one input (prepare_text's splits of it apart: a document's hash falls at or above
-    --val_fraction for train/, below it for val/), or from an input inside the other's, whose files the preprocessors
-    find recursively (prepare_text's default --pattern). None where their records tell of none."""
+    --val_fraction for train/, below it for val/), or from an input inside the other's, or from one input with other
+    --pattern globs, whose files both read. Which files both read is told by the inputs where they are on disk, else by
+    the globs (the preprocessors find files recursively, prepare_text's default --pattern). None where their records
+    tell of none."""
     source = prepared_from(val)
     if source is None or prepared_from(train) is None:
         return None
+    (val_low, val_high), (train_low, train_high) = hashes_held(val), hashes_held(train)
+    held_apart = max(val_low, train_low) >= min(val_high, train_high)
+    shares = (f", with other shares held out (--val_fraction {val.get('val_fraction')} and "
+              f"{train.get('val_fraction')})" if "split" in val and "split" in train else "")
     if source == prepared_from(train):
-        (val_low, val_high), (train_low, train_high) = hashes_held(val), hashes_held(train)
-        if max(val_low, train_low) >= min(val_high, train_high):
-            return None
-        shares = (f", with other shares held out (--val_fraction {val.get('val_fraction')} and "
-                  f"{train.get('val_fraction')})" if "split" in val and "split" in train else "")
-        return f"both were prepared from {source}{shares}"
+        return None if held_apart else f"both were prepared from {source}{shares}"
     if any(val.get(key) != train.get(key) for key in ("recipe", "text_key")):
         return None
     val_input, train_input = Path(val["input_dir"]), Path(train["input_dir"])
+    if not (val_input.is_relative_to(train_input) or train_input.is_relative_to(val_input)):
+        return None
+    # a document's hash is of its file's path relative to the input directory: under one input, the same in both
+    if val_input == train_input and held_apart:
+        return None
+    common = files_read_by_both(val, train)
+    if common is not None:
+        if not common:
+            return None
+        files = f"{len(common)} file(s) (e.g. {common[0]})"
+        if val_input == train_input:
+            return (f"both were prepared from {val_input}, with the --pattern {val.get('pattern', '**/*')!r} and "
+                    f"{train.get('pattern', '**/*')!r}, which both read {files}{shares}")
+        return (f"it was prepared from {val_input}, the training data from {train_input}, and both read {files}: "
+                f"their splits hold out other documents of them (by their path relative to each input)")
     recursively = "(its files found recursively)"
     if val_input.is_relative_to(train_input) and train.get("pattern", "**/*") == "**/*":
         return (f"it was prepared from {val_input}, inside {train_input}, which the training data was prepared from "
@@ -141,6 +157,22 @@ def shares_documents(val: dict, train: dict) -> Optional[str]:
         return (f"it was prepared from {val_input}, which holds {train_input}, which the training data was prepared "
                 f"from {recursively}")
     return None
+
+
+def files_read_by_both(val: dict, train: dict) -> Optional[List[Path]]:
+    """The input files that two prepared directories were both made from (their prepared.json `val` and `train`),
+    sorted: those of each input directory that its --pattern matches (prepare_text's files; another preprocessor's
+    are its input's files found recursively). None where either input directory is not on this machine."""
+    from fabric_lin.data.raw_files import listed_file
+
+    read = []
+    for info in (val, train):
+        input_dir = Path(info["input_dir"])
+        if not input_dir.is_dir():
+            return None
+        read.append({p.resolve() for p in input_dir.glob(info.get("pattern", "**/*"))
+                     if p.name.endswith(TEXT_SUFFIXES) and listed_file(p)})
+    return sorted(read[0] & read[1])
 
 
 def hashes_held(info: dict) -> tuple:

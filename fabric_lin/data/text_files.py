@@ -64,6 +64,7 @@ class TextFiles(DataModule):
         infos = self.check_prepared(self.prepared_dirs())
         train_infos = infos[:len(self.train_dirs)]
         self.check_each_train_dir_once(train_infos)
+        self.warn_of_splits_given_for_each_other(self.train_dirs, self.val_dir, "data.train_dir", "data.val_dir")
         if self.val_dir is None:
             say_once("TextFiles: no validation: data.val_dir is not set")
         else:

@@ -34,6 +34,8 @@ class TokenChunks(DataModule):
         if self.val_path is not None:
             check_not_prepare_text_output(Path(self.val_path), "data.val_path")
         super().setup()
+        self.warn_of_splits_given_for_each_other([self.data_path] if self.data_path is not None else [], self.val_path,
+                                                 "data.data_path", "data.val_path")
         if self.val_path is None:
             say_once("TokenChunks: no validation: data.val_path is not set")
         elif self.data_path is not None:

@@ -9,7 +9,7 @@ of the same vocabulary size too, reads every id as another piece.
 import hashlib
 import json
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -34,17 +34,24 @@ def tokenizer_model_hash(model_path: Union[str, Path]) -> str:
 def copy_tokenizer_files(src_dir: Union[str, Path], dst_dir: Union[str, Path]) -> List[Path]:
     """Copy the tokenizer files present in `src_dir` into `dst_dir`, as new files of the usual mode;
     `tokenizer.model` is required."""
-    from fabric_lin.files import copy_file
+    return write_tokenizer_files(read_tokenizer_files(src_dir), dst_dir)
 
-    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+
+def read_tokenizer_files(src_dir: Union[str, Path]) -> Dict[str, bytes]:
+    """The contents of the tokenizer files present in `src_dir`, by name; `tokenizer.model` is required."""
+    src_dir = Path(src_dir)
     if not (src_dir / "tokenizer.model").is_file():
         raise MissingFile(f"{src_dir / 'tokenizer.model'} does not exist: expected a SentencePiece tokenizer.model")
+    return {name: (src_dir / name).read_bytes() for name in TOKENIZER_FILES if (src_dir / name).is_file()}
+
+
+def write_tokenizer_files(files: Dict[str, bytes], dst_dir: Union[str, Path]) -> List[Path]:
+    """Write the tokenizer files `read_tokenizer_files` read into `dst_dir`, each atomically, of the usual mode."""
+    dst_dir = Path(dst_dir)
     dst_dir.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (src_dir / name).is_file():
-            copied.append(copy_file(src_dir / name, dst_dir / name))
-    return copied
+    for name, content in files.items():
+        atomic_write(dst_dir / name, lambda tmp, content=content: Path(tmp).write_bytes(content))
+    return [dst_dir / name for name in files]
 
 
 def recorded_tokenizer(info: dict) -> dict:
