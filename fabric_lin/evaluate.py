@@ -27,6 +27,7 @@ from fabric_lin.checkpoint_kinds import (
     Checkpoint,
     check_checkpoint_dir,
     check_run_data_is_there,
+    check_tokenizer_is_there,
     is_run_data,
     load_checkpoint,
     plain_value,
@@ -139,7 +140,7 @@ def main(
         check_dir_can_be_made(out_dir, "--out_dir")
     if task_manager is not None:  # the tasks built and their few-shot examples counted, before the model is loaded
         check_checkpoint_dir(checkpoint_dir)
-        check_tokenizer_for_tasks(checkpoint_dir)
+        check_tokenizer_is_there(checkpoint_dir, "--tasks: ", "the harness's tasks are text")
         task_manager = load_tasks(task_manager, task_names, num_fewshot)
 
     checkpoint = load_checkpoint(checkpoint_dir)
@@ -235,19 +236,6 @@ def main(
                 raise
         write_results(results, out_dir, evaluate_data)
     return results
-
-
-def check_tokenizer_for_tasks(checkpoint_dir: Path) -> None:
-    """Refuse --tasks for weights without their tokenizer.model (the harness's tasks are text), before the tasks are
-    built (their datasets read, minutes for some) and the weights read. A directory that holds no weights is left to
-    load_checkpoint, which says what it is."""
-    from fabric_lin.convert.model_dir import HF_CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE
-    from fabric_lin.weights import MODEL_FILE
-
-    weights = (MODEL_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, HF_CONFIG_FILE)
-    if any((checkpoint_dir / name).exists() for name in weights) and not (checkpoint_dir / "tokenizer.model").exists():
-        raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text"
-                           f"{the_recorded_tokenizer(checkpoint_dir)}")
 
 
 def write_results(results: Dict[str, Any], out_dir: Path, evaluate_data: bool) -> None:
