@@ -28,6 +28,7 @@ from fabric_lin.checkpoint_kinds import (
     check_checkpoint_dir,
     check_run_data_is_there,
     check_tokenizer_is_there,
+    checkpoint_kind,
     is_run_data,
     load_checkpoint,
     plain_value,
@@ -135,9 +136,17 @@ def main(
     if precision == "16-mixed" and not cuda:  # Fabric would run bf16-mixed, which evaluate.json would call 16-mixed
         raise InvalidValue("--precision 16-mixed needs a CUDA GPU (the CPU has no fp16 autocast): give --precision "
                            "bf16-mixed or 32-true (exact, and the fastest on the CPU)")
-    task_manager = find_tasks(task_names, task_dir) if task_names else None  # before the minutes of loading a model
+    # where the results go, and an earlier evaluation's there, before any slow work (indexing the harness's tasks,
+    # reading their datasets, the weights and the data): the directory's kind is told by the names of its files
+    kind = checkpoint_kind(checkpoint_dir)
     if out_dir is not None:
         check_dir_can_be_made(out_dir, "--out_dir")
+        check_out_dir_outside_training_checkpoint(Path(out_dir), checkpoint_dir, kind)
+    out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, kind)
+    if (out_dir / RESULTS_FILE).exists() and not overwrite:
+        raise AlreadyExists(f"{out_dir / RESULTS_FILE} holds the results of an earlier evaluation: write this one to "
+                            "another --out_dir, or replace them with --overwrite true")
+    task_manager = find_tasks(task_names, task_dir) if task_names else None  # before the minutes of loading a model
     if task_manager is not None:  # the tasks built and their few-shot examples counted, before the model is loaded
         check_checkpoint_dir(checkpoint_dir)
         check_tokenizer_is_there(checkpoint_dir, "--tasks: ", "the harness's tasks are text")
@@ -175,9 +184,6 @@ def main(
                            f"has no tokenizer.model{the_recorded_tokenizer(checkpoint_dir)}")
     if checkpoint.tokenizer is not None:  # before the data is compared with it
         checkpoint.tokenizer.check_fits(checkpoint.config.vocab_size, checkpoint_dir)
-    if out_dir is not None:
-        check_out_dir_outside_training_checkpoint(Path(out_dir), checkpoint_dir, checkpoint.kind)
-    out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)
     if evaluate_data:  # the data's errors (no validation split, blocks too long) before the model is set up
         data.num_workers = loader_workers(data.num_workers)  # a run's setting may come from a larger machine
         data.prepare_data()
@@ -188,11 +194,6 @@ def main(
         validation_loader(data, data_origin, max(seq_lens))
         if checkpoint.tokenizer is None and data.validation_dirs():  # else setup_validation() checked the data with it
             check_data_tokenizer(checkpoint_dir, data, data_origin)
-
-    # after every check of the input, so that a mistake there is told first; before the minutes of evaluating
-    if (out_dir / RESULTS_FILE).exists() and not overwrite:
-        raise AlreadyExists(f"{out_dir / RESULTS_FILE} holds the results of an earlier evaluation: write this one to "
-                            "another --out_dir, or replace them with --overwrite true")
 
     fabric = L.Fabric(accelerator="cuda" if cuda else "cpu", devices=[torch_device.index or 0] if cuda else 1,
                       precision=precision)
@@ -334,7 +335,7 @@ def other_tokenizers_data(data_origin: str, data_dir: Path, data_info: dict, che
     )
 
 
-def default_out_dir(checkpoint_dir: Path, kind: str) -> Path:
+def default_out_dir(checkpoint_dir: Path, kind: Optional[str]) -> Path:
     """Beside a training checkpoint, never inside it: its files are the ones its manifest lists."""
     if kind == TRAINING_CHECKPOINT:
         if checkpoint_dir.name in ("", ".."):  # `.` and `..` have no name of their own (and `.` no parent): its path has
