@@ -144,8 +144,8 @@ def main(
         check_out_dir_outside_training_checkpoint(Path(out_dir), checkpoint_dir, kind)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, kind)
     if (out_dir / RESULTS_FILE).exists() and not overwrite:
-        raise AlreadyExists(f"{out_dir / RESULTS_FILE} holds the results of an earlier evaluation: write this one to "
-                            "another --out_dir, or replace them with --overwrite true")
+        raise AlreadyExists(f"{out_dir / RESULTS_FILE} holds the {earlier_results(out_dir / RESULTS_FILE)}: write this "
+                            f"one to another --out_dir, or replace them with --overwrite true")
     task_manager = find_tasks(task_names, task_dir) if task_names else None  # before the minutes of loading a model
     if task_manager is not None:  # the tasks built and their few-shot examples counted, before the model is loaded
         check_checkpoint_dir(checkpoint_dir)
@@ -230,13 +230,43 @@ def main(
             scorer = HarnessScorer(fabric, model, checkpoint.tokenizer, batch_size, block_size=train_seq_len)
             try:
                 results["tasks"] = run_tasks(scorer, task_names, task_manager, num_fewshot, limit)
-            except Exception as error:  # the data's results, minutes or hours of evaluation, are kept whatever it was
-                if evaluate_data:
-                    results["tasks"] = {"failed": f"{type(error).__name__}: {error}"}
-                    write_results(results, out_dir, evaluate_data)
+            except (Exception, KeyboardInterrupt) as stopped:  # a failure, Ctrl-C or SIGTERM
+                if evaluate_data:  # minutes or hours of evaluation, kept whatever stopped the tasks
+                    write_partial_results(results, out_dir, stopped)
                 raise
         write_results(results, out_dir, evaluate_data)
     return results
+
+
+def earlier_results(path: Path) -> str:
+    """What the evaluate.json at `path` holds, as the refusal to write over it names it: an earlier evaluation's results,
+    or the partial ones of an evaluation whose tasks did not finish (`write_partial_results`)."""
+    try:
+        partial = json.loads(path.read_text(encoding="utf-8")).get("partial")
+    except (OSError, ValueError, AttributeError):  # not what evaluate writes: results all the same, kept
+        partial = None
+    return ("partial results of an earlier evaluation (its tasks did not finish)" if partial
+            else "results of an earlier evaluation")
+
+
+def write_partial_results(results: Dict[str, Any], out_dir: Path, stopped: BaseException) -> None:
+    """The validation data's results, whole, where the harness's tasks did not finish: marked partial first thing in the
+    file (its `partial` says why; `tasks` holds what stopped them: a failure, Ctrl-C or SIGTERM), so that nothing takes
+    them for a complete evaluation. A KeyboardInterrupt carries what was written (`kept`) to the command's last line,
+    which would otherwise say that nothing was."""
+    if isinstance(stopped, KeyboardInterrupt):
+        how = "SIGTERM" if str(stopped) == "SIGTERM" else "Ctrl-C"
+        results["tasks"] = {"interrupted": how}
+        why = f"the lm-evaluation-harness tasks were interrupted ({how})"
+    else:
+        results["tasks"] = {"failed": f"{type(stopped).__name__}: {stopped}"}
+        why = "lm-evaluation-harness failed before its tasks finished"
+    write_results({"partial": f"{why}: the validation data's results are whole, the tasks have none", **results}, out_dir,
+                  evaluate_data=True)
+    if isinstance(stopped, KeyboardInterrupt):
+        stopped.kept = (f"the validation data's results are in {out_dir / RESULTS_FILE}, marked partial (the tasks have "
+                        f"none): run the tasks alone with --max_batches 0 and another --out_dir, or everything again "
+                        f"with --overwrite true")
 
 
 def write_results(results: Dict[str, Any], out_dir: Path, evaluate_data: bool) -> None:

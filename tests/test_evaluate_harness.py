@@ -4,8 +4,9 @@ is the most likely, and its generation stops at the first stop string and sample
 by lm-evaluation-harness itself, against the model's own log-probabilities; too few few-shot examples, unknown or
 empty task names, a task file that is not there, a dataset that cannot be read or a template its documents cannot fill,
 weights without their tokenizer, --limit and the harness's options without --tasks are one line, the names checked
-before the model is read; lm-eval's and LitGPT's names of evaluate's options point to them. The lm-evaluation-harness
-run itself needs the optional extra (`pip install -e '.[eval]'`) and is skipped without it."""
+before the model is read; the data's results are kept, marked partial, where the harness fails or is interrupted;
+lm-eval's and LitGPT's names of evaluate's options point to them. The lm-evaluation-harness run itself needs the
+optional extra (`pip install -e '.[eval]'`) and is skipped without it."""
 import json
 import os
 import subprocess
@@ -336,8 +337,60 @@ def test_a_failure_of_the_harness_keeps_the_data_s_results(run, tmp_path, monkey
         evaluate(run / "out" / "final", max_batches=1, tasks="hellaswag", out_dir=tmp_path / "out")
     results = json.loads((tmp_path / "out" / "evaluate.json").read_text())
     assert results["tasks"] == {"failed": "RuntimeError: the harness failed"}
+    assert results["partial"] == ("lm-evaluation-harness failed before its tasks finished: the validation data's results "
+                                  "are whole, the tasks have none")
     alone = evaluate(run / "out" / "final", max_batches=1, out_dir=tmp_path / "alone")
     assert results["lengths"][0]["loss"] == alone["lengths"][0]["loss"]
+
+
+@pytest.mark.parametrize("said, how, line, exit_code", [("", "Ctrl-C", "interrupted", 130),
+                                                      ("SIGTERM", "SIGTERM", "stopped by SIGTERM", 143)])
+def test_ctrl_c_during_the_tasks_keeps_the_data_s_results_marked_partial(run, tmp_path, capsys, monkeypatch,
+                                                                         harness_with_hellaswag, said, how, line,
+                                                                         exit_code):
+    """Ctrl-C (or SIGTERM) while the harness runs the tasks, after the data was evaluated (minutes or hours of it):
+    evaluate.json holds the data's results, those of the data alone, marked partial first thing in the file and the
+    tasks interrupted; the last line says where they are and how to go on (it said that nothing was written), and an
+    evaluation into the same out_dir names them partial. With no data evaluated, nothing is written, as it says."""
+    import fabric_lin.evaluate
+    from fabric_lin.cli import main as cli_main
+
+    def interrupted(*args):
+        raise KeyboardInterrupt(said)
+
+    def last_line(argv) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            cli_main(argv)
+        assert info.value.code == exit_code
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        return err.splitlines()[-1]
+
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot: this test does not look at it
+        monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.setattr(fabric_lin.evaluate, "run_tasks", interrupted)
+    final, out = run / "out" / "final", tmp_path / "out"
+    assert last_line(["evaluate", str(final), "--max_batches", "1", "--tasks", "hellaswag", "--out_dir", str(out)]) == (
+        f"fabric-lin evaluate: {line}: the validation data's results are in {out / 'evaluate.json'}, marked partial (the "
+        f"tasks have none): run the tasks alone with --max_batches 0 and another --out_dir, or everything again with "
+        f"--overwrite true")
+    results = json.loads((out / "evaluate.json").read_text())
+    assert next(iter(results)) == "partial"
+    assert results["partial"] == (f"the lm-evaluation-harness tasks were interrupted ({how}): the validation data's "
+                                  f"results are whole, the tasks have none")
+    assert results["tasks"] == {"interrupted": how}
+    alone = evaluate(final, max_batches=1, out_dir=tmp_path / "alone")["lengths"][0]
+    kept = results["lengths"][0]
+    assert (kept["loss"], kept["data_fingerprint"], kept["tokens"]) == (alone["loss"], alone["data_fingerprint"],
+                                                                         alone["tokens"])
+    assert cli_error(["evaluate", str(final), "--max_batches", "1", "--out_dir", str(out)], capsys) == (
+        f"fabric-lin evaluate: error: {out / 'evaluate.json'} holds the partial results of an earlier evaluation (its "
+        f"tasks did not finish): write this one to another --out_dir, or replace them with --overwrite true\n")
+    tasks_only = tmp_path / "tasks-only"
+    assert last_line(["evaluate", str(final), "--max_batches", "0", "--tasks", "hellaswag", "--out_dir", str(tasks_only)]) == (
+        f"fabric-lin evaluate: {line}: nothing half-written is left; run the same command again")
+    assert not tasks_only.exists()
 
 
 # ---------------------------------------------------------------- --tasks and the harness's options, checked first
