@@ -134,18 +134,28 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_k: Option
                            "that the tokens sampled among hold (1: every token)")
 
 
-def check_context_length(config: Config, prompt_length: int, max_new_tokens: int, option_prefix: str = "") -> None:
-    """Refuse a prompt and new tokens longer than the max_seq_length of a model with softmax attention (a transformer,
-    or a hybrid's attention layers): its rotary positions past the length it was trained at were never trained, and
-    its text there is noise (LitGPT refuses it too). Linear attention carries a state of one size whatever the length,
-    and has no such limit. `option_prefix` as for `check_generation_args`; from the command line, the prompt's length
-    counts the end-of-text token put before it."""
+def context_limit(config: Config) -> Optional[int]:
+    """The most positions a model with softmax attention (a transformer, or a hybrid's attention layers) reads: the
+    max_seq_length it was trained at, past which its rotary positions were never trained and its output is noise
+    (LitGPT refuses them too). None for linear attention, which carries a state of one size whatever the length."""
     if config.block_type != "transformer" and not config.attn_layers:
+        return None
+    return config.max_seq_length
+
+
+def limited_by(config: Config) -> str:
+    """What was trained at the `context_limit` of `config`, as a line names it ("... that {limited_by} trained at")."""
+    return "this transformer was" if config.block_type == "transformer" else "this hybrid's softmax-attention layers were"
+
+
+def check_context_length(config: Config, prompt_length: int, max_new_tokens: int, option_prefix: str = "") -> None:
+    """Refuse a prompt and new tokens longer than the `context_limit` of a model with softmax attention; linear
+    attention has none. `option_prefix` as for `check_generation_args`; from the command line, the prompt's length
+    counts the end-of-text token put before it."""
+    limit, total = context_limit(config), prompt_length + max_new_tokens
+    if limit is None or max_new_tokens == 0 or total <= limit:  # no new token, no position past the prompt's read
         return
-    limit, total = config.max_seq_length, prompt_length + max_new_tokens
-    if max_new_tokens == 0 or total <= limit:  # no new token, no position past the prompt's read
-        return
-    what = "this transformer was" if config.block_type == "transformer" else "this hybrid's softmax-attention layers were"
+    what = limited_by(config)
     counted = " (the end-of-text token before it included)" if option_prefix else ""
     head = (f"{option_prefix}max_new_tokens {max_new_tokens}: a prompt of {prompt_length} tokens{counted} and {max_new_tokens} "
             f"new ones are {total} positions, past the max_seq_length of {limit} that {what} trained at")

@@ -238,6 +238,38 @@ def test_harness_tasks_on_the_model_in_memory(run, tmp_path):
 
 
 @pytest.mark.slow
+def test_harness_tasks_on_a_transformer_are_cut_to_its_max_seq_length(run, tmp_path):
+    """A transformer trained at 16 positions (its model directory's max_seq_length) through the three local tasks, whose
+    requests are longer: cut as the harness's own Hugging Face model cuts them (test_evaluate_truncation.py), said once
+    per kind of request and counted in evaluate.json; the generation task ran past 16 positions, which generate
+    refuses, and failed."""
+    import shutil
+
+    pytest.importorskip("lm_eval")
+    from helpers import make_model_dir
+
+    model = tmp_path / "model"
+    make_model_dir(model, Config.from_name("transformer-debug", vocab_size=320, num_layers=2, max_seq_length=16))
+    shutil.copy(run / "tok" / "tokenizer.model", model)  # the run's, whose 300 pieces are the words of text_lines
+    write_tasks(tmp_path)
+    words = text_lines(8, 3)
+    with open(tmp_path / "docs.jsonl", "w") as f:  # contexts of some 30 tokens and choices of a word or two
+        for i in range(4):
+            doc = {"context": " ".join(words[2 * i : 2 * i + 3]), "choices": words[2 * i + 1].split()[:2], "label": 0}
+            f.write(json.dumps(doc) + "\n")
+    proc = evaluate_in_subprocess(run, tmp_path, "--max_batches", "0", "--tasks", ",".join(TASKS), checkpoint=model)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tasks = json.loads((tmp_path / "out" / "evaluate.json").read_text())["tasks"]
+    cut = tasks["requests_cut"]
+    assert cut.keys() == {"max_length", "loglikelihood", "loglikelihood_rolling", "generate_until"} and cut["max_length"] == 16
+    for kind in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
+        said = [line for line in proc.stdout.splitlines() if line.startswith(f"lm-evaluation-harness: {cut[kind]} of ")
+                and f" {kind} requests are longer than the max_seq_length of 16 that this transformer" in line]
+        assert len(said) == 1 and cut[kind] > 0, proc.stdout[-3000:]
+    assert set(tasks["results"]) == set(TASKS)
+
+
+@pytest.mark.slow
 def test_a_task_s_dataset_that_cannot_be_read_or_a_template_it_cannot_fill_is_one_line(run, tmp_path):
     """A task of one's own whose data file is not there, or whose template names a field its documents lack (a typo):
     the harness raised datasets' FileNotFoundError or jinja2's UndefinedError as it built the task, a traceback."""
