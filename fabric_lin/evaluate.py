@@ -155,7 +155,7 @@ def main(
     checkpoint = load_checkpoint(checkpoint_dir)
     hparams = checkpoint.hparams or {}
     train_hparams = hparams.get("train") if isinstance(hparams.get("train"), dict) else {}
-    train_seq_len = train_hparams.get("max_seq_length") or checkpoint.config.max_seq_length
+    train_seq_len = checkpoint.config.max_seq_length  # a training checkpoint's: its run's train.max_seq_length
     batch_size = batch_size or train_hparams.get("micro_batch_size") or 1
     seq_lens = seq_lens or [train_seq_len]
     bucket_size = bucket_size or max(1, train_seq_len // BUCKETS_PER_TRAINING_LENGTH)
