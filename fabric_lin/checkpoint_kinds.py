@@ -1,11 +1,11 @@
-"""The three kinds of directory a model is read from for `fabric-lin evaluate` (tutorials/convert.md): a training
-checkpoint (verified against its manifest, as a resume does), a model directory, an fla export; and, for a
+"""The three kinds of directory a model is read from for `fabric-lin evaluate` and `generate` (tutorials/convert.md): a
+training checkpoint (verified against its manifest, as a resume does), a model directory, an fla export; and, for a
 training checkpoint, its run's hyperparameters, step and data module."""
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -43,53 +43,107 @@ class Checkpoint:
     step: Optional[int] = None  # a training checkpoint's optimizer step
 
 
-def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
+def load_checkpoint(checkpoint_dir: Path, command: str = "evaluate") -> Checkpoint:
     """The model of a training checkpoint (verified against its manifest first, as a resume does), a model
-    directory or an fla export; which one is told by the files it holds."""
-    from fabric_lin.convert.hf import HF_CONFIG_FILE, read_fla_checkpoint
-    from fabric_lin.convert.model_dir import (
-        SAFETENSORS_FILE,
-        check_not_lora_adapters,
-        check_state_dict,
-        load_model_dir_weights,
-        models_below,
-    )
-    from fabric_lin.data.tokenizer import Tokenizer
+    directory or an fla export; which one is told by the files it holds. `command`: the one that reads it, as its
+    errors name it."""
+    return find_checkpoint(checkpoint_dir, command).read()
+
+
+@dataclass
+class FoundCheckpoint:
+    """A directory's model as far as its files tell it before its weights are read (`find_checkpoint`): its kind, config
+    and tokenizer, and a training checkpoint's hyperparameters and step, that checkpoint verified against its manifest.
+    `read()` reads the weights: a check that needs the config or the tokenizer alone comes before them, without the
+    minutes of reading a large model."""
+
+    directory: Path
+    kind: str
+    config: Config
+    tokenizer: Any  # fabric_lin.data.Tokenizer, or None where the directory holds no tokenizer.model
+    hparams: Optional[Dict[str, Any]] = None
+    step: Optional[int] = None
+    weights_path: Optional[Path] = None  # a training checkpoint's lit_model.pth, one file or a directory of shards
+    manifest: Optional[bytes] = None  # a training checkpoint's manifest.json as it was verified
+
+    def read(self) -> Checkpoint:
+        from fabric_lin.convert.hf import read_fla_checkpoint
+        from fabric_lin.convert.model_dir import check_state_dict, load_model_dir_weights
+
+        if self.kind == TRAINING_CHECKPOINT:
+            state_dict = read_unchanged(self.directory, self.manifest,
+                                        lambda: canonical_state_dict(load_model_weights(self.weights_path)))
+            check_state_dict(state_dict, self.config, source=str(self.weights_path),
+                             config_file=self.directory / CONFIG_FILE)
+        elif self.kind == MODEL_DIRECTORY:
+            state_dict = load_model_dir_weights(self.directory, self.config)
+        else:
+            state_dict = read_fla_checkpoint(self.directory)[1]
+        return Checkpoint(self.kind, self.config, state_dict, self.tokenizer, self.hparams, self.step)
+
+
+def checkpoint_kind(checkpoint_dir: Path) -> Optional[str]:
+    """Which of the three kinds `checkpoint_dir` is, told by the names of the files it holds (none is read); None where
+    it holds none of them. A training checkpoint is named as one whole or not (its step.json, manifest.json or
+    hyperparameters.yaml, or a directory lit_model.pth of shards), so that what is missing of it is told as such."""
+    from fabric_lin.convert.hf import HF_CONFIG_FILE
+    from fabric_lin.convert.model_dir import SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE
 
     checkpoint_dir = Path(checkpoint_dir)
-    check_checkpoint_dir(checkpoint_dir)
 
     def has(name: str) -> bool:
         return (checkpoint_dir / name).exists()
 
-    tokenizer = Tokenizer(checkpoint_dir, "checkpoint_dir") if has("tokenizer.model") else None
     # a sharded lit_model.pth is a directory: given in place of its checkpoint, find_training_checkpoint names it
     weights_of_a_run = checkpoint_dir.name == MODEL_FILE and is_training_checkpoint(checkpoint_dir.parent)
     if has(STEP_FILE) or has(MANIFEST_FILE) or has(HPARAMS_FILE) or (checkpoint_dir / MODEL_FILE).is_dir() \
             or weights_of_a_run:
+        return TRAINING_CHECKPOINT
+    if has(CONFIG_FILE) and (has(MODEL_FILE) or has(SAFETENSORS_FILE) or has(SAFETENSORS_INDEX_FILE)):
+        return MODEL_DIRECTORY
+    if has(HF_CONFIG_FILE):
+        return FLA_EXPORT
+    return None
+
+
+def find_checkpoint(checkpoint_dir: Path, command: str = "evaluate", tokenizer_for: str = "") -> FoundCheckpoint:
+    """The kind, config and tokenizer of a training checkpoint (verified against its manifest first, as a resume does;
+    its config at the length its run trained at), a model directory or an fla export, its weights not read yet; or the
+    error that says what `checkpoint_dir` is instead. `command`: the one that reads it (evaluate, generate), as its
+    errors name it. `tokenizer_for`: what needs the tokenizer, where a directory without one is refused (after the
+    config of a model directory or an export, which may say it is no model of fabric-lin's; before the checksums of a
+    training checkpoint, seconds to minutes of reading)."""
+    from fabric_lin.convert.hf import HF_CONFIG_FILE, fla_checkpoint_config
+    from fabric_lin.convert.model_dir import SAFETENSORS_FILE, check_not_lora_adapters, models_below
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    checkpoint_dir = Path(checkpoint_dir)
+    check_checkpoint_dir(checkpoint_dir)
+    kind = checkpoint_kind(checkpoint_dir)
+    tokenizer = Tokenizer(checkpoint_dir, "checkpoint_dir") if (checkpoint_dir / "tokenizer.model").exists() else None
+
+    def tokenizer_is_there() -> None:
+        if tokenizer_for:
+            check_tokenizer_is_there(checkpoint_dir, "", tokenizer_for)
+
+    if kind == TRAINING_CHECKPOINT:
+        tokenizer_is_there()
         # a running pretrain may delete the checkpoint meanwhile (its oldest past train.keep_last_n), or replace it (a
         # step it saves again): what was read is then no one checkpoint, and the reading fails on files that went
         manifest = manifest_bytes(checkpoint_dir)
-        try:
-            config, weights_path = find_training_checkpoint(checkpoint_dir, use="evaluate")
-            state_dict = canonical_state_dict(load_model_weights(weights_path))
-            hparams = read_hparams(checkpoint_dir / HPARAMS_FILE) if has(HPARAMS_FILE) else None
-            step = read_step(checkpoint_dir / STEP_FILE)
-        except (OSError, UserError):
-            if manifest is not None and manifest_bytes(checkpoint_dir) != manifest:
-                raise changed_while_read(checkpoint_dir) from None
-            raise
-        if manifest is not None and manifest_bytes(checkpoint_dir) != manifest:
-            raise changed_while_read(checkpoint_dir)
-        check_state_dict(state_dict, config, source=str(weights_path), config_file=checkpoint_dir / CONFIG_FILE)
-        return Checkpoint(TRAINING_CHECKPOINT, config, state_dict, tokenizer, hparams, step)
-    if has(CONFIG_FILE) and (has(MODEL_FILE) or has(SAFETENSORS_FILE) or has("model.safetensors.index.json")):
-        config = Config.from_checkpoint(checkpoint_dir)
-        return Checkpoint(MODEL_DIRECTORY, config, load_model_dir_weights(checkpoint_dir, config), tokenizer)
-    if has(HF_CONFIG_FILE):
-        config, state_dict = read_fla_checkpoint(checkpoint_dir)
-        return Checkpoint(FLA_EXPORT, config, state_dict, tokenizer)
-    check_not_lora_adapters(checkpoint_dir, "evaluate", reads_exports=True)
+
+        def verified():
+            config, weights_path = find_training_checkpoint(checkpoint_dir, use=command)
+            hparams = read_hparams(checkpoint_dir / HPARAMS_FILE) if (checkpoint_dir / HPARAMS_FILE).exists() else None
+            return at_the_trained_length(config, hparams), weights_path, hparams, read_step(checkpoint_dir / STEP_FILE)
+
+        config, weights_path, hparams, step = read_unchanged(checkpoint_dir, manifest, verified)
+        return FoundCheckpoint(checkpoint_dir, kind, config, tokenizer, hparams, step, weights_path, manifest)
+    if kind in (MODEL_DIRECTORY, FLA_EXPORT):
+        config = Config.from_checkpoint(checkpoint_dir) if kind == MODEL_DIRECTORY else fla_checkpoint_config(checkpoint_dir)
+        tokenizer_is_there()
+        return FoundCheckpoint(checkpoint_dir, kind, config, tokenizer)
+    check_not_lora_adapters(checkpoint_dir, command, reads_exports=True)
     inside = [p.name for p in checkpoint_dirs(checkpoint_dir)]
     below = models_below(checkpoint_dir)
     hint = (f"; it holds a run's checkpoints ({', '.join(inside[:3])}): pass one of them" if inside
@@ -98,6 +152,32 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint:
         f"{checkpoint_dir} is not a checkpoint: it holds none of {MODEL_FILE}, {SAFETENSORS_FILE} or {HF_CONFIG_FILE}; "
         f"{CHECKPOINT_EXPECTED}{hint}"
     )
+
+
+def at_the_trained_length(config: Config, hparams: Optional[Dict[str, Any]]) -> Config:
+    """`config` with the length its run trained at, its hyperparameters' (`hparams`) train.max_seq_length: a run may
+    train past (or short of) its model config's max_seq_length, which nothing else sets. A model directory's is this
+    length (convert_pretrained_checkpoint), which evaluate takes for the training length, convert_to_hf exports as
+    max_position_embeddings, and generate and the harness's requests keep a transformer within."""
+    train = hparams.get("train") if isinstance(hparams, dict) else None
+    length = train.get("max_seq_length") if isinstance(train, dict) else None
+    if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+        return replace(config, max_seq_length=length)
+    return config
+
+
+def read_unchanged(checkpoint_dir: Path, manifest: Optional[bytes], read: Callable[[], Any]) -> Any:
+    """`read()` of a training checkpoint whose manifest.json was `manifest` when it was found: its error, or its value
+    where the checkpoint was deleted or replaced meanwhile, is the error that says so."""
+    try:
+        value = read()
+    except (OSError, UserError):
+        if manifest is not None and manifest_bytes(checkpoint_dir) != manifest:
+            raise changed_while_read(checkpoint_dir) from None
+        raise
+    if manifest is not None and manifest_bytes(checkpoint_dir) != manifest:
+        raise changed_while_read(checkpoint_dir)
+    return value
 
 
 CHECKPOINT_EXPECTED = ("expected a training checkpoint (a run's step-XXXXXXXX/ or final/), a model directory "
@@ -154,6 +234,21 @@ def check_checkpoint_dir(checkpoint_dir: Path) -> None:
     if kind is not None and kind != "LoRA adapters alone":
         raise InvalidValue(f"{checkpoint_dir} is a file: give the directory that holds it, {holder} ({kind})")
     raise MissingFile(not_saved_yet(checkpoint_dir) or f"{checkpoint_dir} is not a directory: {CHECKPOINT_EXPECTED}")
+
+
+def check_tokenizer_is_there(checkpoint_dir: Path, said_first: str, needs_it: str) -> None:
+    """Refuse weights without their tokenizer.model where the command needs it for text (`needs_it`, said after the
+    directory, `said_first` before it), naming the one its trained_with.json records: before the minutes of reading the
+    weights. A directory that holds no weights is left to `find_checkpoint`, which says what it is."""
+    from fabric_lin.convert.hf import HF_CONFIG_FILE
+    from fabric_lin.convert.model_dir import SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE
+    from fabric_lin.data.tokenizer import the_recorded_tokenizer
+
+    checkpoint_dir = Path(checkpoint_dir)
+    weights = (MODEL_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, HF_CONFIG_FILE)
+    if any((checkpoint_dir / name).exists() for name in weights) and not (checkpoint_dir / "tokenizer.model").exists():
+        raise InvalidValue(f"{said_first}{checkpoint_dir} has no tokenizer.model, and {needs_it}"
+                           f"{the_recorded_tokenizer(checkpoint_dir)}")
 
 
 def read_hparams(path: Path) -> Dict[str, Any]:
@@ -269,7 +364,7 @@ def plain_value(value: Any) -> Any:
 
 def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]:
     """(Config, path of lit_model.pth) of a training checkpoint directory whose checksums hold, or a clear error.
-    use: what the caller does with it ("evaluate", "convert"), for the error of a damaged checkpoint."""
+    use: the command that reads it ("evaluate", "convert", "generate"), for the error of a damaged checkpoint."""
     checkpoint_dir = Path(checkpoint_dir)
     if checkpoint_dir.name == MODEL_FILE and is_training_checkpoint(checkpoint_dir.parent):
         raise InvalidValue(f"{checkpoint_dir} is the weights of the training checkpoint {checkpoint_dir.parent}: pass that directory")
@@ -307,9 +402,11 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
         )
     check = verify_checkpoint(checkpoint_dir)
     if not check.ok:
+        not_done = {"evaluate": "evaluated", "convert": "converted"}.get(use, "read")
+        instead = "generate from" if use == "generate" else use
         raise InvalidValue(
-            f"{checkpoint_dir}: the checkpoint is damaged: {check.describe()}. It is not "
-            f"{use}{'d' if use.endswith('e') else 'ed'}; {use} an older checkpoint of the run"
+            f"{checkpoint_dir}: the checkpoint is damaged: {check.describe()}. It is not {not_done}; {instead} an older "
+            f"checkpoint of the run"
         )
     return Config.from_checkpoint(checkpoint_dir), weights_path
 

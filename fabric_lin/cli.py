@@ -450,9 +450,11 @@ def run_and_report(argv=None) -> None:
             raise
         said = str(e)
         # a KeyboardInterrupt that names a signal at most (a first Ctrl-C, the preprocessors' SIGTERM) says no more:
-        # every command that writes leaves nothing half-written (pretrain's own stops say what they saved)
+        # every command that writes leaves nothing half-written (pretrain's own stops say what they saved), or says what
+        # it wrote whole before it stopped (`kept`: evaluate's results of the data, where its tasks were interrupted)
         writes = bool(argv) and argv[0] in COMMANDS and argv[0] != "generate"
-        what_now = (": nothing half-written is left; run the same command again"
+        kept = getattr(e, "kept", None)
+        what_now = (f": {kept}" if kept else ": nothing half-written is left; run the same command again"
                     if writes and (not said or said.startswith("SIG")) else "")
         if said == "SIGTERM" and prog != "fabric-lin pretrain":  # 143: what a scheduler expects of a job it stopped
             report(prog, "stopped by SIGTERM" + what_now)

@@ -27,6 +27,8 @@ from fabric_lin.checkpoint_kinds import (
     Checkpoint,
     check_checkpoint_dir,
     check_run_data_is_there,
+    check_tokenizer_is_there,
+    checkpoint_kind,
     is_run_data,
     load_checkpoint,
     plain_value,
@@ -134,18 +136,26 @@ def main(
     if precision == "16-mixed" and not cuda:  # Fabric would run bf16-mixed, which evaluate.json would call 16-mixed
         raise InvalidValue("--precision 16-mixed needs a CUDA GPU (the CPU has no fp16 autocast): give --precision "
                            "bf16-mixed or 32-true (exact, and the fastest on the CPU)")
-    task_manager = find_tasks(task_names, task_dir) if task_names else None  # before the minutes of loading a model
+    # where the results go, and an earlier evaluation's there, before any slow work (indexing the harness's tasks,
+    # reading their datasets, the weights and the data): the directory's kind is told by the names of its files
+    kind = checkpoint_kind(checkpoint_dir)
     if out_dir is not None:
         check_dir_can_be_made(out_dir, "--out_dir")
+        check_out_dir_outside_training_checkpoint(Path(out_dir), checkpoint_dir, kind)
+    out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, kind)
+    if (out_dir / RESULTS_FILE).exists() and not overwrite:
+        raise AlreadyExists(f"{out_dir / RESULTS_FILE} holds the {earlier_results(out_dir / RESULTS_FILE)}: write this "
+                            f"one to another --out_dir, or replace them with --overwrite true")
+    task_manager = find_tasks(task_names, task_dir) if task_names else None  # before the minutes of loading a model
     if task_manager is not None:  # the tasks built and their few-shot examples counted, before the model is loaded
         check_checkpoint_dir(checkpoint_dir)
-        check_tokenizer_for_tasks(checkpoint_dir)
+        check_tokenizer_is_there(checkpoint_dir, "--tasks: ", "the harness's tasks are text")
         task_manager = load_tasks(task_manager, task_names, num_fewshot)
 
     checkpoint = load_checkpoint(checkpoint_dir)
     hparams = checkpoint.hparams or {}
     train_hparams = hparams.get("train") if isinstance(hparams.get("train"), dict) else {}
-    train_seq_len = train_hparams.get("max_seq_length") or checkpoint.config.max_seq_length
+    train_seq_len = checkpoint.config.max_seq_length  # a training checkpoint's: its run's train.max_seq_length
     batch_size = batch_size or train_hparams.get("micro_batch_size") or 1
     seq_lens = seq_lens or [train_seq_len]
     bucket_size = bucket_size or max(1, train_seq_len // BUCKETS_PER_TRAINING_LENGTH)
@@ -174,9 +184,6 @@ def main(
                            f"has no tokenizer.model{the_recorded_tokenizer(checkpoint_dir)}")
     if checkpoint.tokenizer is not None:  # before the data is compared with it
         checkpoint.tokenizer.check_fits(checkpoint.config.vocab_size, checkpoint_dir)
-    if out_dir is not None:
-        check_out_dir_outside_training_checkpoint(Path(out_dir), checkpoint_dir, checkpoint.kind)
-    out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, checkpoint.kind)
     if evaluate_data:  # the data's errors (no validation split, blocks too long) before the model is set up
         data.num_workers = loader_workers(data.num_workers)  # a run's setting may come from a larger machine
         data.prepare_data()
@@ -187,11 +194,6 @@ def main(
         validation_loader(data, data_origin, max(seq_lens))
         if checkpoint.tokenizer is None and data.validation_dirs():  # else setup_validation() checked the data with it
             check_data_tokenizer(checkpoint_dir, data, data_origin)
-
-    # after every check of the input, so that a mistake there is told first; before the minutes of evaluating
-    if (out_dir / RESULTS_FILE).exists() and not overwrite:
-        raise AlreadyExists(f"{out_dir / RESULTS_FILE} holds the results of an earlier evaluation: write this one to "
-                            "another --out_dir, or replace them with --overwrite true")
 
     fabric = L.Fabric(accelerator="cuda" if cuda else "cpu", devices=[torch_device.index or 0] if cuda else 1,
                       precision=precision)
@@ -228,26 +230,43 @@ def main(
             scorer = HarnessScorer(fabric, model, checkpoint.tokenizer, batch_size, block_size=train_seq_len)
             try:
                 results["tasks"] = run_tasks(scorer, task_names, task_manager, num_fewshot, limit)
-            except Exception as error:  # the data's results, minutes or hours of evaluation, are kept whatever it was
-                if evaluate_data:
-                    results["tasks"] = {"failed": f"{type(error).__name__}: {error}"}
-                    write_results(results, out_dir, evaluate_data)
+            except (Exception, KeyboardInterrupt) as stopped:  # a failure, Ctrl-C or SIGTERM
+                if evaluate_data:  # minutes or hours of evaluation, kept whatever stopped the tasks
+                    write_partial_results(results, out_dir, stopped)
                 raise
         write_results(results, out_dir, evaluate_data)
     return results
 
 
-def check_tokenizer_for_tasks(checkpoint_dir: Path) -> None:
-    """Refuse --tasks for weights without their tokenizer.model (the harness's tasks are text), before the tasks are
-    built (their datasets read, minutes for some) and the weights read. A directory that holds no weights is left to
-    load_checkpoint, which says what it is."""
-    from fabric_lin.convert.model_dir import HF_CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE
-    from fabric_lin.weights import MODEL_FILE
+def earlier_results(path: Path) -> str:
+    """What the evaluate.json at `path` holds, as the refusal to write over it names it: an earlier evaluation's results,
+    or the partial ones of an evaluation whose tasks did not finish (`write_partial_results`)."""
+    try:
+        partial = json.loads(path.read_text(encoding="utf-8")).get("partial")
+    except (OSError, ValueError, AttributeError):  # not what evaluate writes: results all the same, kept
+        partial = None
+    return ("partial results of an earlier evaluation (its tasks did not finish)" if partial
+            else "results of an earlier evaluation")
 
-    weights = (MODEL_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, HF_CONFIG_FILE)
-    if any((checkpoint_dir / name).exists() for name in weights) and not (checkpoint_dir / "tokenizer.model").exists():
-        raise InvalidValue(f"--tasks: {checkpoint_dir} has no tokenizer.model, and the harness's tasks are text"
-                           f"{the_recorded_tokenizer(checkpoint_dir)}")
+
+def write_partial_results(results: Dict[str, Any], out_dir: Path, stopped: BaseException) -> None:
+    """The validation data's results, whole, where the harness's tasks did not finish: marked partial first thing in the
+    file (its `partial` says why; `tasks` holds what stopped them: a failure, Ctrl-C or SIGTERM), so that nothing takes
+    them for a complete evaluation. A KeyboardInterrupt carries what was written (`kept`) to the command's last line,
+    which would otherwise say that nothing was."""
+    if isinstance(stopped, KeyboardInterrupt):
+        how = "SIGTERM" if str(stopped) == "SIGTERM" else "Ctrl-C"
+        results["tasks"] = {"interrupted": how}
+        why = f"the lm-evaluation-harness tasks were interrupted ({how})"
+    else:
+        results["tasks"] = {"failed": f"{type(stopped).__name__}: {stopped}"}
+        why = "lm-evaluation-harness failed before its tasks finished"
+    write_results({"partial": f"{why}: the validation data's results are whole, the tasks have none", **results}, out_dir,
+                  evaluate_data=True)
+    if isinstance(stopped, KeyboardInterrupt):
+        stopped.kept = (f"the validation data's results are in {out_dir / RESULTS_FILE}, marked partial (the tasks have "
+                        f"none): run the tasks alone with --max_batches 0 and another --out_dir, or everything again "
+                        f"with --overwrite true")
 
 
 def write_results(results: Dict[str, Any], out_dir: Path, evaluate_data: bool) -> None:
@@ -346,7 +365,7 @@ def other_tokenizers_data(data_origin: str, data_dir: Path, data_info: dict, che
     )
 
 
-def default_out_dir(checkpoint_dir: Path, kind: str) -> Path:
+def default_out_dir(checkpoint_dir: Path, kind: Optional[str]) -> Path:
     """Beside a training checkpoint, never inside it: its files are the ones its manifest lists."""
     if kind == TRAINING_CHECKPOINT:
         if checkpoint_dir.name in ("", ".."):  # `.` and `..` have no name of their own (and `.` no parent): its path has

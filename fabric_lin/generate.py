@@ -1,4 +1,5 @@
-"""`fabric-lin generate`: sample text from a model directory.
+"""`fabric-lin generate`: sample text from a model directory, a training checkpoint or an fla export (read as
+`fabric-lin evaluate` reads them: fabric_lin.checkpoint_kinds).
 
 GLA decodes with its recurrent state (one [B, H, K, V] tensor per layer, whatever the length);
 the transformer baseline with a growing key/value cache.
@@ -133,18 +134,28 @@ def check_generation_args(max_new_tokens: int, temperature: float, top_k: Option
                            "that the tokens sampled among hold (1: every token)")
 
 
-def check_context_length(config: Config, prompt_length: int, max_new_tokens: int, option_prefix: str = "") -> None:
-    """Refuse a prompt and new tokens longer than the max_seq_length of a model with softmax attention (a transformer,
-    or a hybrid's attention layers): its rotary positions past the length it was trained at were never trained, and
-    its text there is noise (LitGPT refuses it too). Linear attention carries a state of one size whatever the length,
-    and has no such limit. `option_prefix` as for `check_generation_args`; from the command line, the prompt's length
-    counts the end-of-text token put before it."""
+def context_limit(config: Config) -> Optional[int]:
+    """The most positions a model with softmax attention (a transformer, or a hybrid's attention layers) reads: the
+    max_seq_length it was trained at, past which its rotary positions were never trained and its output is noise
+    (LitGPT refuses them too). None for linear attention, which carries a state of one size whatever the length."""
     if config.block_type != "transformer" and not config.attn_layers:
+        return None
+    return config.max_seq_length
+
+
+def limited_by(config: Config) -> str:
+    """What was trained at the `context_limit` of `config`, as a line names it ("... that {limited_by} trained at")."""
+    return "this transformer was" if config.block_type == "transformer" else "this hybrid's softmax-attention layers were"
+
+
+def check_context_length(config: Config, prompt_length: int, max_new_tokens: int, option_prefix: str = "") -> None:
+    """Refuse a prompt and new tokens longer than the `context_limit` of a model with softmax attention; linear
+    attention has none. `option_prefix` as for `check_generation_args`; from the command line, the prompt's length
+    counts the end-of-text token put before it."""
+    limit, total = context_limit(config), prompt_length + max_new_tokens
+    if limit is None or max_new_tokens == 0 or total <= limit:  # no new token, no position past the prompt's read
         return
-    limit, total = config.max_seq_length, prompt_length + max_new_tokens
-    if max_new_tokens == 0 or total <= limit:  # no new token, no position past the prompt's read
-        return
-    what = "this transformer was" if config.block_type == "transformer" else "this hybrid's softmax-attention layers were"
+    what = limited_by(config)
     counted = " (the end-of-text token before it included)" if option_prefix else ""
     head = (f"{option_prefix}max_new_tokens {max_new_tokens}: a prompt of {prompt_length} tokens{counted} and {max_new_tokens} "
             f"new ones are {total} positions, past the max_seq_length of {limit} that {what} trained at")
@@ -252,14 +263,19 @@ def check_prompt(prompt: str) -> None:
                            "encoding, e.g. Latin-1?); give the prompt as UTF-8") from None
 
 
-def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype, config: Optional[Config] = None) -> GPT:
-    """The model of a model directory (its config read there unless given), in `dtype` on `device`, for decoding."""
-    from fabric_lin.convert.model_dir import load_model_dir_weights
+def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -> GPT:
+    """The model of a model directory, a training checkpoint or an fla export, in `dtype` on `device`, for decoding."""
+    from fabric_lin.checkpoint_kinds import load_checkpoint
 
-    config = config or Config.from_checkpoint(checkpoint_dir)
+    return decoding_model(load_checkpoint(checkpoint_dir, "generate"), device, dtype)
+
+
+def decoding_model(checkpoint, device: torch.device, dtype: torch.dtype) -> GPT:
+    """The model of `checkpoint` (a `fabric_lin.checkpoint_kinds.Checkpoint`) in `dtype` on `device`, in eval mode: the
+    fused kernels on CUDA, their PyTorch references elsewhere."""
     with torch.device("meta"):
-        model = GPT(config, fused=device.type == "cuda")
-    model.load_state_dict(load_model_dir_weights(checkpoint_dir, model), assign=True)
+        model = GPT(checkpoint.config, fused=device.type == "cuda")
+    model.load_state_dict(checkpoint.state_dict, assign=True)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -279,10 +295,12 @@ def main(
     device: Optional[str] = None,
     precision: Optional[str] = None,
 ) -> str:
-    """Generate text from a model directory (lit_model.pth, model_config.yaml, tokenizer files).
+    """Generate text from a model directory, a training checkpoint or an fla export, with its tokenizer files.
 
     Args:
-        checkpoint_dir: a model directory, e.g. the output of `fabric-lin convert_pretrained_checkpoint`.
+        checkpoint_dir: a training checkpoint (out_dir/step-XXXXXXXX or out_dir/final, sharded or not), a model
+            directory (convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output), as
+            `fabric-lin evaluate` reads them.
         prompt: the text to continue. An empty prompt (or one the tokenizer makes no token of, such as spaces where
             it drops them) samples a document from its start: the model continues the end-of-text token alone, which
             comes before every prompt; a line on stderr says so.
@@ -302,11 +320,10 @@ def main(
         device: "cpu", "cuda", ...; default: cuda if available.
         precision: "32-true", "bf16-true" or "16-true"; default bf16-true on CUDA, 32-true on CPU.
     """
-    from fabric_lin.convert.model_dir import check_model_dir_given
-    from fabric_lin.data.tokenizer import Tokenizer
+    from fabric_lin.checkpoint_kinds import check_checkpoint_dir, find_checkpoint
 
     checkpoint_dir = Path(checkpoint_dir)
-    check_model_dir_given(checkpoint_dir, "checkpoint_dir", "generate")
+    check_checkpoint_dir(checkpoint_dir)
     device = resolve_device(device)
     precision = precision or ("bf16-true" if device.type == "cuda" else "32-true")
     dtypes = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
@@ -322,8 +339,9 @@ def main(
     check_prompt(prompt)
     stops = stop_strings(stop)
 
-    tokenizer = Tokenizer(checkpoint_dir, "checkpoint_dir")
-    config = Config.from_checkpoint(checkpoint_dir)
+    # the config and the tokenizer, and what they refuse, before the weights are read (minutes for a large model)
+    found = find_checkpoint(checkpoint_dir, "generate", tokenizer_for="generate reads and writes text")
+    tokenizer, config = found.tokenizer, found.config
     tokenizer.check_fits(config.vocab_size, checkpoint_dir)
     # Pretraining data is documents joined by end-of-text tokens (no BOS), so a prompt that starts a
     # document is one that follows an end-of-text token.
@@ -339,8 +357,8 @@ def main(
                                f"after ({tokenizer.describe()}): expected a prompt of at least one token")
         # given on purpose or by mistake, an empty prompt is said to be one
         print(f"({given} {no_token}: the model samples a document from its start)", file=sys.stderr, flush=True)
-    check_context_length(config, len(prompt_ids), max_new_tokens, option_prefix="--")  # before the model's weights
-    model = load_model(checkpoint_dir, device, dtypes[precision], config)
+    check_context_length(config, len(prompt_ids), max_new_tokens, option_prefix="--")
+    model = decoding_model(found.read(), device, dtypes[precision])
     generator = torch.Generator().manual_seed(seed)
     tokens = stream_tokens(
         model, prompt_ids, max_new_tokens, temperature, top_k, tokenizer.eos_id, generator, vocab_size=tokenizer.vocab_size,

@@ -4,7 +4,7 @@ the model in memory (`run_tasks`, through `HarnessScorer`: what the harness asks
 optional extra (`pip install -e '.[eval]'`), imported only here, and only when tasks are asked for."""
 import difflib
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,16 +24,35 @@ class HarnessScorer:
     and out of the harness's requests, the tokens in between through the checkpoint's tokenizer.
 
     Every sequence starts with the end-of-text token: the training data is documents joined by it (no BOS), so a
-    text that starts a document follows one. The model has no context limit (a recurrent state, or rotary
-    positions), so nothing is truncated: a continuation is scored after its whole context, and a document's
-    rolling log-likelihood scores every token once, after every token before it, `block_size` tokens per forward
-    pass with the recurrent state (or key/value cache) carried from one block to the next."""
+    text that starts a document follows one. Linear attention has no context limit (a state of one size), so nothing
+    is truncated: a continuation is scored after its whole context, and a document's rolling log-likelihood scores
+    every token once, after every token before it, `block_size` tokens per forward pass with the recurrent state
+    carried from one block to the next. A model with softmax attention reads no more positions than it was trained
+    at (`context_limit`, `max_length`), and its requests are cut as the harness's own Hugging Face model cuts them: a
+    context from the left, to `max_length` tokens with the continuation, or `max_length` less the tokens to generate;
+    a document scored in windows of `max_length` tokens, each from a fresh cache, each token once, after the window's
+    tokens before it. How many were cut is said once per kind of request, and kept in `cut`."""
 
     def __init__(self, fabric, model, tokenizer, batch_size: int = 1, block_size: int = 2048):
+        from fabric_lin.generate import context_limit, limited_by
+
         if tokenizer.eos_id is None:
             raise InvalidValue(f"{tokenizer.model_path} defines no end-of-text token, which starts every request's tokens")
         self.fabric, self.model, self.tokenizer = fabric, model, tokenizer
         self.batch_size, self.block_size = batch_size, block_size
+        self.max_length = context_limit(model.config)
+        # as lines name the limit: "the max_seq_length of 2048 that this transformer was trained at"
+        self.limit_said = f"the max_seq_length of {self.max_length} that {limited_by(model.config)} trained at"
+        self.cut: Dict[str, int] = {}  # requests cut to max_length, by the harness's name of their kind
+
+    def say_cut(self, kind: str, cut: int, total: int, how: str) -> None:
+        """Say (once per kind of request: the harness asks for all of a kind at once) how many of `total` requests were
+        longer than `max_length`, and `how` they are read; keep the count for the results."""
+        if not cut:
+            return
+        self.cut[kind] = self.cut.get(kind, 0) + cut
+        print(f"lm-evaluation-harness: {cut} of {total} {kind} requests are longer than {self.limit_said}: {how}, as the "
+              f"harness's own Hugging Face model reads them", flush=True)
 
     def encode(self, text: str) -> List[int]:
         return self.tokenizer.encode(text).tolist()
@@ -56,23 +75,33 @@ class HarnessScorer:
         model is causal: padding after a sequence does not change it)."""
         from tqdm import tqdm
 
-        eos = self.tokenizer.eos_id
+        eos, limit = self.tokenizer.eos_id, self.max_length
         sequences = []  # (tokens, number of continuation tokens at their end)
+        cut = 0
         for context, continuation in requests:
             context_ids, continuation_ids = self.split(context, continuation)
-            sequences.append(([eos] + context_ids + continuation_ids, len(continuation_ids)))
+            tokens = [eos] + context_ids + continuation_ids
+            if limit is not None and len(tokens) - 1 > limit:  # the last token is a target alone, read at no position
+                if len(continuation_ids) > limit:
+                    raise InvalidValue(f"lm-evaluation-harness asks for the log-likelihood of a continuation of "
+                                       f"{len(continuation_ids)} tokens, longer than {self.limit_said}: no context can "
+                                       f"be cut to fit it")
+                tokens, cut = tokens[-(limit + 1):], cut + 1
+            sequences.append((tokens, len(continuation_ids)))
+        self.say_cut("loglikelihood", cut, len(requests), "their contexts are cut from the left to fit")
         answers: List[Tuple[float, bool]] = [(0.0, True)] * len(sequences)
         order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0]))
         with tqdm(desc="loglikelihood", total=sum(len(s) for s, _ in sequences), unit="tok", unit_scale=True,
                   dynamic_ncols=True) as progress:
             for first in range(0, len(order), self.batch_size):
                 chosen = order[first : first + self.batch_size]
+                # the inputs: each sequence but its last token, which is predicted and read at no position
                 longest = len(sequences[chosen[0]][0])
-                ids = torch.full((len(chosen), longest), eos, dtype=torch.long)
+                ids = torch.full((len(chosen), max(longest - 1, 1)), eos, dtype=torch.long)
                 rows, positions, targets = [], [], []
                 for row, i in enumerate(chosen):
                     tokens, n = sequences[i]
-                    ids[row, : len(tokens)] = torch.tensor(tokens)
+                    ids[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
                     # the continuation's tokens are predicted at the positions before them
                     rows += [row] * n
                     positions += range(len(tokens) - n - 1, len(tokens) - 1)
@@ -93,29 +122,44 @@ class HarnessScorer:
 
     @torch.no_grad()
     def loglikelihood_rolling(self, texts: Sequence[str]) -> List[float]:
-        """The log-probability of each whole text, every token scored once after all of the text before it."""
+        """The log-probability of each whole text, every token scored once after all of the text before it, or, past
+        `max_length`, after the tokens of its window before it (`rolling_windows`)."""
         from tqdm import tqdm
 
         eos = self.tokenizer.eos_id
         documents = [[eos] + self.encode(text) for text in texts]
+        if self.max_length is not None:
+            self.say_cut("loglikelihood_rolling", sum(len(d) - 1 > self.max_length for d in documents), len(documents),
+                         f"they are scored in windows of {self.max_length} tokens, each token once, after the tokens "
+                         f"of its window before it")
         answers = []
         with tqdm(desc="loglikelihood_rolling", total=sum(len(d) - 1 for d in documents), unit="tok", unit_scale=True,
                   dynamic_ncols=True) as progress:
             for tokens in documents:
                 ids = torch.tensor(tokens, device=self.fabric.device)
-                cache = self.model.new_cache()
+                # linear attention: the state carried from one block to the next; softmax attention: each window afresh
+                cache = self.model.new_cache() if self.max_length is None else None
                 total = 0.0
-                for start in range(0, len(tokens) - 1, self.block_size):
-                    inputs = ids[start : start + self.block_size]
-                    targets = ids[start + 1 : start + self.block_size + 1]
-                    inputs = inputs[: len(targets)]
+                for start, end, first in self.rolling_windows(len(tokens) - 1):
                     with self.fabric.autocast():
-                        hidden = self.model(inputs[None], cache=cache, return_hidden=True)[0]
-                        logprobs, _ = self.target_logprobs(hidden, targets)
+                        hidden = self.model(ids[None, start:end], cache=cache, return_hidden=True)[0]
+                        logprobs, _ = self.target_logprobs(hidden[first - start:], ids[first + 1 : end + 1])
                     total += float(logprobs.double().sum())
-                    progress.update(len(targets))
+                    progress.update(end - first)
                 answers.append(total)
         return answers
+
+    def rolling_windows(self, n: int) -> Iterator[Tuple[int, int, int]]:
+        """The forward passes that score the `n` tokens of a document after its first (the end-of-text token): each
+        (start, end, first) reads the tokens start:end and scores the targets first + 1 to end, each once. Without
+        `max_length`, blocks of `block_size` tokens one after the other (the state carried from one to the next); with
+        it, windows of `max_length` positions whose targets are the `max_length` past the last window's (the harness's
+        rolling windows with a context of 1, `lm_eval.utils.get_rolling_token_windows`): the first window reads from
+        the document's start, the others end `max_length` targets apart, and the last reads back `max_length` tokens."""
+        step = self.block_size if self.max_length is None else self.max_length
+        for first in range(0, n, step):
+            end = min(first + step, n)
+            yield (first if self.max_length is None else max(0, end - self.max_length)), end, first
 
     def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """log p(target) (fp32) and whether the target is the most likely token, for hidden states [N, d]."""
@@ -138,21 +182,37 @@ class HarnessScorer:
 
         from fabric_lin.generate import GrowingText, stream_tokens
 
-        eos = self.tokenizer.eos_id
+        eos, limit = self.tokenizer.eos_id, self.max_length
+        prompts = []  # (the prompt's tokens, those of the context it holds, the request's options)
+        cut = 0
+        for context, options in requests:
+            options = dict(options or {})
+            context_ids = self.encode(context)
+            prompt = [eos] + context_ids
+            if limit is not None:  # room for the context and for max_gen_toks new tokens
+                room = limit - int(options.get("max_gen_toks", 256))
+                if room < 1:
+                    raise InvalidValue(f"lm-evaluation-harness asks for up to {limit - room} generated tokens (a task's "
+                                       f"max_gen_toks), and the model reads no more than {self.limit_said}: no room is "
+                                       f"left for a context before them")
+                if len(prompt) > room:
+                    context_ids = prompt = context_ids[-room:]
+                    cut += 1
+            prompts.append((prompt, context_ids, options))
+        self.say_cut("generate_until", cut, len(requests),
+                     "their contexts are cut from the left to leave room for the tokens to generate (max_gen_toks)")
         answers = []
         generator = torch.Generator().manual_seed(1234)
-        with tqdm(requests, desc="generate_until", dynamic_ncols=True) as progress:
-            for context, options in progress:
-                options = dict(options or {})
+        with tqdm(prompts, desc="generate_until", dynamic_ncols=True) as progress:
+            for prompt, context_ids, options in progress:
                 until = options.get("until") or []
                 until = [until] if isinstance(until, str) else list(until)
                 max_new_tokens = int(options.get("max_gen_toks", 256))
                 temperature = float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0
                 top_p = float(options["top_p"]) if options.get("do_sample") and options.get("top_p") is not None else 1.0
-                context_ids = self.encode(context)
                 text = GrowingText(self.tokenizer, context_ids)
                 generated = ""
-                prompt = torch.tensor([eos] + context_ids, device=self.fabric.device)
+                prompt = torch.tensor(prompt, device=self.fabric.device)
                 with self.fabric.autocast():
                     for token in stream_tokens(self.model, prompt, max_new_tokens, temperature, options.get("top_k"), eos,
                                                generator, vocab_size=self.tokenizer.vocab_size, top_p=top_p):
@@ -226,7 +286,8 @@ def find_tasks(names: List[str], task_dir: Optional[Path]):
 
 def run_tasks(scorer: HarnessScorer, names: List[str], task_manager, num_fewshot: Optional[int],
               limit: Optional[float]) -> Dict[str, Any]:
-    """The harness's results of `names` (its `simple_evaluate`, on the model in memory), and its table printed."""
+    """The harness's results of `names` (its `simple_evaluate`, on the model in memory), with the count of requests cut
+    to the model's max_seq_length where any were (`requests_cut`), and its table printed."""
     import contextlib
     from unittest import mock
 
@@ -248,8 +309,10 @@ def run_tasks(scorer: HarnessScorer, names: List[str], task_manager, num_fewshot
     from importlib.metadata import version
 
     kept = ("results", "groups", "group_subtasks", "versions", "n-shot", "n-samples", "higher_is_better")
+    # requests cut to the model's max_seq_length: how many of each kind, since the scores are those of the parts read
+    cut = {"requests_cut": {"max_length": scorer.max_length, **scorer.cut}} if scorer.cut else {}
     return {"lm_eval_version": version("lm_eval"), **{key: output[key] for key in kept if key in output},
-            **({"limit": limit} if limit is not None else {})}
+            **({"limit": limit} if limit is not None else {}), **cut}
 
 
 def load_tasks(manager, names: List[str], num_fewshot: Optional[int]) -> "LoadedTasks":

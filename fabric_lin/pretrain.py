@@ -612,11 +612,11 @@ def steps_note(train: TrainArgs, start_step: int, end_step: int, accumulation: i
 
 
 def next_steps_note(final_dir: Path, model_name: str) -> str:
-    """Where a finished run's model is and the commands that take it on: evaluate reads a training checkpoint as it is,
-    generate, convert_to_hf and --initial_checkpoint_dir a model directory made of it."""
-    return (f"The model: {final_dir}. Evaluate it with fabric-lin evaluate {final_dir}; for generate, convert_to_hf and "
-            f"--initial_checkpoint_dir, make a model directory of it: fabric-lin convert_pretrained_checkpoint {final_dir} "
-            f"--output_dir checkpoints/{model_name or 'model'}")
+    """Where a finished run's model is and the commands that take it on: evaluate and generate read a training
+    checkpoint as it is, convert_to_hf and --initial_checkpoint_dir a model directory made of it."""
+    return (f"The model: {final_dir}. Evaluate it with fabric-lin evaluate {final_dir}, sample from it with fabric-lin "
+            f"generate {final_dir}; for convert_to_hf and --initial_checkpoint_dir, make a model directory of it: "
+            f"fabric-lin convert_pretrained_checkpoint {final_dir} --output_dir checkpoints/{model_name or 'model'}")
 
 
 @peer_lost_during("a checkpoint save")

@@ -270,7 +270,8 @@ def test_a_llama_whose_files_lack_a_weight_of_its_config_is_refused_naming_it(tm
 def test_a_llama_directory_given_where_a_model_directory_belongs_names_convert_from_llama(tmp_path, capsys):
     """The Llama itself given to pretrain --initial_checkpoint_dir, generate, evaluate or convert_from_hf: each names
     convert_from_llama, the one command that reads it (pretrain listed a hundred mismatched tensors; the others sent
-    the user to convert_from_hf, which refuses model_type llama)."""
+    the user to convert_from_hf, which refuses model_type llama); generate and evaluate in the same words, those of
+    the loader they share."""
     from helpers import cli_error
 
     llama = tmp_path / "llama"
@@ -286,10 +287,9 @@ def test_a_llama_directory_given_where_a_model_directory_belongs_names_convert_f
     }
     for command, args in cases.items():
         err = cli_error([command, *args], capsys)
-        if command in ("pretrain", "generate"):
-            argument = "--initial_checkpoint_dir" if command == "pretrain" else "generate"
-            assert err == (f"fabric-lin {command}: error: {llama} is a Hugging Face Llama/Mistral directory: {argument} reads "
-                           f"a model directory; " + fix.format("one")), err
+        if command == "pretrain":
+            assert err == (f"fabric-lin {command}: error: {llama} is a Hugging Face Llama/Mistral directory: "
+                           f"--initial_checkpoint_dir reads a model directory; " + fix.format("one")), err
         else:
             assert err == (f"fabric-lin {command}: error: {llama / 'config.json'}: model_type 'llama' is a Llama/Mistral "
                            f"model, not one of fla's; " + fix.format("model directory")), err

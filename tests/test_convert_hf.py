@@ -233,7 +233,7 @@ def test_lora_adapters_alone_given_for_a_model_name_the_merged_export(tmp_path, 
     model_dir = "the model directory that fabric-lin convert_from_hf makes of the merged export\n"
     out = ["--output_dir", str(tmp_path / "out")]
     cases = {
-        "generate": ([str(adapters)], "generate " + model_dir),
+        "generate": ([str(adapters)], "generate the merged export\n"),
         "convert_to_hf": ([str(adapters), *out], "convert_to_hf " + model_dir),
         "pretrain": (["--model_name", "gla-debug", "--train.max_steps", "1", "--out_dir", str(tmp_path / "out"),
                       "--initial_checkpoint_dir", str(adapters)], "--initial_checkpoint_dir " + model_dir),
@@ -635,16 +635,16 @@ def test_the_directory_above_a_model_names_the_models_below_it(tmp_path, capsys)
     out = ["--output_dir", str(tmp_path / "out")]
     not_a_model_dir = f"{lora} holds no model_config.yaml and no weights: {{}} reads a model directory; {below}"
     cases = {
-        "generate": ([str(lora)], not_a_model_dir.format("generate")),
         "convert_to_hf": ([str(lora), *out], not_a_model_dir.format("convert_to_hf")),
         "pretrain": (["--model_name", "gla-debug", "--train.max_steps", "1", "--out_dir", str(tmp_path / "out"),
                       "--initial_checkpoint_dir", str(lora)], not_a_model_dir.format("--initial_checkpoint_dir")),
         "convert_from_hf": ([str(lora), *out], f"{lora} holds no config.json: expected an fla export (config.json and "
                                                f"safetensors, as convert_to_hf writes them); {below}"),
-        "evaluate": ([str(lora), "--max_batches", "0"],
+        **{command: ([str(lora)] + (["--max_batches", "0"] if command == "evaluate" else []),
                      f"{lora} is not a checkpoint: it holds none of lit_model.pth, model.safetensors or config.json; "
                      f"expected a training checkpoint (a run's step-XXXXXXXX/ or final/), a model directory "
-                     f"(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output); {below}"),
+                     f"(convert_pretrained_checkpoint's output) or an fla export (convert_to_hf's output); {below}")
+           for command in ("generate", "evaluate")},
         "convert_pretrained_checkpoint": ([str(lora), *out], f"{lora} is not a training checkpoint: it has no "
                                                              f"lit_model.pth; {below}"),
         "prepare_text": (["--input_dir", str(tmp_path / "text"), "--tokenizer_path", str(lora), *out],
@@ -690,7 +690,10 @@ def test_a_file_of_a_model_directory_names_the_directory(tmp_path, capsys):
     make_model_dir(tmp_path / "model", small_config())
     weights = tmp_path / "model" / "lit_model.pth"
     fix = f"{weights} is a file: give the model directory that holds it, {tmp_path / 'model'}\n"
-    assert cli_error(["generate", str(weights)], capsys) == f"fabric-lin generate: error: checkpoint_dir {fix}"
+    for command in ("generate", "evaluate"):  # in the words of the loader the two share
+        assert cli_error([command, str(weights)], capsys) == (
+            f"fabric-lin {command}: error: {weights} is a file: give the directory that holds it, {tmp_path / 'model'} "
+            f"(a model directory)\n")
     assert cli_error(["convert_to_hf", str(weights), "--output_dir", str(tmp_path / "out")], capsys) == (
         f"fabric-lin convert_to_hf: error: model_dir {fix}")
     assert not (tmp_path / "out").exists()

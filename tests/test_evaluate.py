@@ -518,7 +518,8 @@ def test_data_options_alone_change_the_run_s_own_data(run, tmp_path, capsys, mon
               "--out_dir", str(tmp_path / "b")])
     results = json.loads((tmp_path / "b" / "evaluate.json").read_text())
     assert results["data"] == {**recorded, "init_args": {**recorded["init_args"], "val_path": str(tmp_path / "val")}}
-    err = cli_error(["evaluate", str(final), "--data.val_path", str(tmp_path / "missing")], capsys)
+    err = cli_error(["evaluate", str(final), "--data.val_path", str(tmp_path / "missing"), "--out_dir", str(tmp_path / "c")],
+                    capsys)
     assert f"data.val_path {tmp_path / 'missing'} does not exist" in err and "hyperparameters.yaml" not in err, err
 
     convert_pretrained_checkpoint(final, tmp_path / "model")

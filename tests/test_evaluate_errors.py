@@ -3,8 +3,8 @@ a damaged or unfinished one, one still being written, deleted or replaced by a r
 model directory without data, bad lengths, buckets and arguments, an out_dir inside the training checkpoint, the run's
 data moved away or prepared again (named with the hyperparameters.yaml that names it), data of another tokenizer, a
 tokenizer larger than the model's embeddings, logits that are not finite; Ctrl-C's and an error's line come below the
-progress bar, last; an earlier evaluation in out_dir is kept unless --overwrite, and a write cut short leaves it as it
-was."""
+progress bar, last; an earlier evaluation in out_dir is kept unless --overwrite, told before any slow work, and a write
+cut short leaves it as it was."""
 import json
 import os
 import shutil
@@ -365,6 +365,31 @@ def test_an_earlier_evaluation_in_out_dir_is_kept_unless_overwrite(run, tmp_path
     assert not (out / "loss_by_position.png").exists()
     assert second["lengths"][0]["batches"] == 2
     assert json.loads((out / "evaluate.json").read_text()) == json.loads(json.dumps(second))
+
+
+def test_an_earlier_evaluation_is_told_before_any_slow_work(run, tmp_path, capsys, monkeypatch):
+    """An evaluate.json already in out_dir (a training checkpoint's default one beside it, a model directory's in it, or
+    --out_dir) stops the command before the harness indexes its tasks and builds them (their datasets read: minutes, a
+    download) and before the weights are read (and so the data, after them); the earlier results stay as they were."""
+    import fabric_lin.evaluate
+    from fabric_lin.convert.pretrained_checkpoint import convert_pretrained_checkpoint
+
+    checkpoint = tmp_path / "run" / "final"
+    shutil.copytree(run / "out" / "final", checkpoint)
+    convert_pretrained_checkpoint(checkpoint, tmp_path / "model")
+    earlier = {tmp_path / "run" / "evaluate" / "final": [], tmp_path / "model" / "evaluate": [],
+               tmp_path / "elsewhere": ["--out_dir", str(tmp_path / "elsewhere")]}
+    for out_dir in earlier:
+        out_dir.mkdir(parents=True)
+        (out_dir / "evaluate.json").write_text('{"earlier": true}\n')
+    for slow in ("find_tasks", "load_tasks", "load_checkpoint"):
+        monkeypatch.setattr(fabric_lin.evaluate, slow, lambda *args, slow=slow: pytest.fail(f"{slow} ran"))
+    for out_dir, options in earlier.items():
+        directory = tmp_path / "model" if out_dir == tmp_path / "model" / "evaluate" else checkpoint
+        err = cli_error(["evaluate", str(directory), "--tasks", "hellaswag", "--max_batches", "1", *options], capsys)
+        assert err == (f"fabric-lin evaluate: error: {out_dir / 'evaluate.json'} holds the results of an earlier "
+                       f"evaluation: write this one to another --out_dir, or replace them with --overwrite true\n"), err
+        assert (out_dir / "evaluate.json").read_text() == '{"earlier": true}\n'
 
 
 def test_data_of_another_tokenizer_names_the_models_tokenizer_to_prepare_it_with(run, tmp_path, capsys):

@@ -4,8 +4,9 @@ is the most likely, and its generation stops at the first stop string and sample
 by lm-evaluation-harness itself, against the model's own log-probabilities; too few few-shot examples, unknown or
 empty task names, a task file that is not there, a dataset that cannot be read or a template its documents cannot fill,
 weights without their tokenizer, --limit and the harness's options without --tasks are one line, the names checked
-before the model is read; lm-eval's and LitGPT's names of evaluate's options point to them. The lm-evaluation-harness
-run itself needs the optional extra (`pip install -e '.[eval]'`) and is skipped without it."""
+before the model is read; the data's results are kept, marked partial, where the harness fails or is interrupted;
+lm-eval's and LitGPT's names of evaluate's options point to them. The lm-evaluation-harness run itself needs the
+optional extra (`pip install -e '.[eval]'`) and is skipped without it."""
 import json
 import os
 import subprocess
@@ -237,6 +238,38 @@ def test_harness_tasks_on_the_model_in_memory(run, tmp_path):
 
 
 @pytest.mark.slow
+def test_harness_tasks_on_a_transformer_are_cut_to_its_max_seq_length(run, tmp_path):
+    """A transformer trained at 16 positions (its model directory's max_seq_length) through the three local tasks, whose
+    requests are longer: cut as the harness's own Hugging Face model cuts them (test_evaluate_truncation.py), said once
+    per kind of request and counted in evaluate.json; the generation task ran past 16 positions, which generate
+    refuses, and failed."""
+    import shutil
+
+    pytest.importorskip("lm_eval")
+    from helpers import make_model_dir
+
+    model = tmp_path / "model"
+    make_model_dir(model, Config.from_name("transformer-debug", vocab_size=320, num_layers=2, max_seq_length=16))
+    shutil.copy(run / "tok" / "tokenizer.model", model)  # the run's, whose 300 pieces are the words of text_lines
+    write_tasks(tmp_path)
+    words = text_lines(8, 3)
+    with open(tmp_path / "docs.jsonl", "w") as f:  # contexts of some 30 tokens and choices of a word or two
+        for i in range(4):
+            doc = {"context": " ".join(words[2 * i : 2 * i + 3]), "choices": words[2 * i + 1].split()[:2], "label": 0}
+            f.write(json.dumps(doc) + "\n")
+    proc = evaluate_in_subprocess(run, tmp_path, "--max_batches", "0", "--tasks", ",".join(TASKS), checkpoint=model)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tasks = json.loads((tmp_path / "out" / "evaluate.json").read_text())["tasks"]
+    cut = tasks["requests_cut"]
+    assert cut.keys() == {"max_length", "loglikelihood", "loglikelihood_rolling", "generate_until"} and cut["max_length"] == 16
+    for kind in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
+        said = [line for line in proc.stdout.splitlines() if line.startswith(f"lm-evaluation-harness: {cut[kind]} of ")
+                and f" {kind} requests are longer than the max_seq_length of 16 that this transformer" in line]
+        assert len(said) == 1 and cut[kind] > 0, proc.stdout[-3000:]
+    assert set(tasks["results"]) == set(TASKS)
+
+
+@pytest.mark.slow
 def test_a_task_s_dataset_that_cannot_be_read_or_a_template_it_cannot_fill_is_one_line(run, tmp_path):
     """A task of one's own whose data file is not there, or whose template names a field its documents lack (a typo):
     the harness raised datasets' FileNotFoundError or jinja2's UndefinedError as it built the task, a traceback."""
@@ -336,8 +369,60 @@ def test_a_failure_of_the_harness_keeps_the_data_s_results(run, tmp_path, monkey
         evaluate(run / "out" / "final", max_batches=1, tasks="hellaswag", out_dir=tmp_path / "out")
     results = json.loads((tmp_path / "out" / "evaluate.json").read_text())
     assert results["tasks"] == {"failed": "RuntimeError: the harness failed"}
+    assert results["partial"] == ("lm-evaluation-harness failed before its tasks finished: the validation data's results "
+                                  "are whole, the tasks have none")
     alone = evaluate(run / "out" / "final", max_batches=1, out_dir=tmp_path / "alone")
     assert results["lengths"][0]["loss"] == alone["lengths"][0]["loss"]
+
+
+@pytest.mark.parametrize("said, how, line, exit_code", [("", "Ctrl-C", "interrupted", 130),
+                                                      ("SIGTERM", "SIGTERM", "stopped by SIGTERM", 143)])
+def test_ctrl_c_during_the_tasks_keeps_the_data_s_results_marked_partial(run, tmp_path, capsys, monkeypatch,
+                                                                         harness_with_hellaswag, said, how, line,
+                                                                         exit_code):
+    """Ctrl-C (or SIGTERM) while the harness runs the tasks, after the data was evaluated (minutes or hours of it):
+    evaluate.json holds the data's results, those of the data alone, marked partial first thing in the file and the
+    tasks interrupted; the last line says where they are and how to go on (it said that nothing was written), and an
+    evaluation into the same out_dir names them partial. With no data evaluated, nothing is written, as it says."""
+    import fabric_lin.evaluate
+    from fabric_lin.cli import main as cli_main
+
+    def interrupted(*args):
+        raise KeyboardInterrupt(said)
+
+    def last_line(argv) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            cli_main(argv)
+        assert info.value.code == exit_code
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        return err.splitlines()[-1]
+
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot: this test does not look at it
+        monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.setattr(fabric_lin.evaluate, "run_tasks", interrupted)
+    final, out = run / "out" / "final", tmp_path / "out"
+    assert last_line(["evaluate", str(final), "--max_batches", "1", "--tasks", "hellaswag", "--out_dir", str(out)]) == (
+        f"fabric-lin evaluate: {line}: the validation data's results are in {out / 'evaluate.json'}, marked partial (the "
+        f"tasks have none): run the tasks alone with --max_batches 0 and another --out_dir, or everything again with "
+        f"--overwrite true")
+    results = json.loads((out / "evaluate.json").read_text())
+    assert next(iter(results)) == "partial"
+    assert results["partial"] == (f"the lm-evaluation-harness tasks were interrupted ({how}): the validation data's "
+                                  f"results are whole, the tasks have none")
+    assert results["tasks"] == {"interrupted": how}
+    alone = evaluate(final, max_batches=1, out_dir=tmp_path / "alone")["lengths"][0]
+    kept = results["lengths"][0]
+    assert (kept["loss"], kept["data_fingerprint"], kept["tokens"]) == (alone["loss"], alone["data_fingerprint"],
+                                                                         alone["tokens"])
+    assert cli_error(["evaluate", str(final), "--max_batches", "1", "--out_dir", str(out)], capsys) == (
+        f"fabric-lin evaluate: error: {out / 'evaluate.json'} holds the partial results of an earlier evaluation (its "
+        f"tasks did not finish): write this one to another --out_dir, or replace them with --overwrite true\n")
+    tasks_only = tmp_path / "tasks-only"
+    assert last_line(["evaluate", str(final), "--max_batches", "0", "--tasks", "hellaswag", "--out_dir", str(tasks_only)]) == (
+        f"fabric-lin evaluate: {line}: nothing half-written is left; run the same command again")
+    assert not tasks_only.exists()
 
 
 # ---------------------------------------------------------------- --tasks and the harness's options, checked first

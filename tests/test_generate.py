@@ -391,38 +391,11 @@ def test_generate_checks_its_arguments_before_the_model_and_the_tokenizer_agains
     assert not load_model(tmp_path / "model", torch.device("cpu"), torch.float32).fused
 
 
-def test_generate_on_a_hugging_face_directory_points_to_convert_from_hf(tmp_path, capsys):
-    """An fla export (config.json, model.safetensors, the tokenizer) is not a model directory: the error says how to
-    make one."""
-    make_model_dir(tmp_path / "model", small_config())
-    export = tmp_path / "fla-export"
-    export.mkdir()
-    (export / "config.json").write_text('{"model_type": "gla"}')
-    (export / "model.safetensors").write_bytes(b"")
-    (export / "tokenizer.model").write_bytes((tmp_path / "model" / "tokenizer.model").read_bytes())
-    err = cli_error(["generate", str(export), "--device", "cpu"], capsys)
-    assert f"{export} is a Hugging Face directory" in err
-    assert f"make one with: fabric-lin convert_from_hf {export} --output_dir <DIR>" in err
-
-
-def test_generate_on_a_run_directory_points_to_its_checkpoint(tmp_path, capsys):
-    """A training run's out_dir (its final/ and step-* checkpoints) is named as such, with the conversion to run on its
-    newest checkpoint, rather than as a directory missing tokenizer.model."""
-    run = tmp_path / "run"
-    for name in ("step-00000002", "final"):
-        (run / name).mkdir(parents=True)
-        (run / name / "lit_model.pth").write_bytes(b"")
-    err = cli_error(["generate", str(run), "--device", "cpu"], capsys)
-    assert err == (f"fabric-lin generate: error: {run} is a training run's directory (it holds final, step-00000002): "
-                   f"generate reads a model directory; make one from a checkpoint with: fabric-lin "
-                   f"convert_pretrained_checkpoint {run / 'final'} --output_dir <DIR>\n")
-
-
-@pytest.mark.parametrize("command", ["generate", "convert_to_hf"])
-def test_a_training_checkpoint_is_refused_before_its_weights_are_read(tmp_path, capsys, monkeypatch, command):
+def test_a_training_checkpoint_is_refused_by_convert_to_hf_before_its_weights_are_read(tmp_path, capsys, monkeypatch):
     """A run's final/ (its lit_model.pth holds the optimizer's state too, twice the weights and more) is named as a
     training checkpoint from its step.json and manifest.json, with the conversion that makes a model directory of it:
-    it was read whole first, minutes and memory for a large model, to be refused by the keys it held."""
+    it was read whole first, minutes and memory for a large model, to be refused by the keys it held. (generate reads
+    it, as evaluate does: test_generate_checkpoints.py.)"""
     import fabric_lin.convert.model_dir as model_dir
 
     checkpoint = tmp_path / "run" / "final"
@@ -435,11 +408,9 @@ def test_a_training_checkpoint_is_refused_before_its_weights_are_read(tmp_path, 
         raise AssertionError(f"{path} was read")
 
     monkeypatch.setattr(model_dir, "torch_load_tensors", not_read)
-    argument, option = ("checkpoint_dir", ["--device", "cpu"]) if command == "generate" else (
-        "model_dir", ["--output_dir", str(tmp_path / "out")])
-    err = cli_error([command, str(checkpoint), *option], capsys)
-    assert err == (f"fabric-lin {command}: error: {argument} {checkpoint} is a training checkpoint: {command} reads a "
-                   f"model directory; make one of it with: fabric-lin convert_pretrained_checkpoint {checkpoint} "
+    err = cli_error(["convert_to_hf", str(checkpoint), "--output_dir", str(tmp_path / "out")], capsys)
+    assert err == (f"fabric-lin convert_to_hf: error: model_dir {checkpoint} is a training checkpoint: convert_to_hf reads "
+                   f"a model directory; make one of it with: fabric-lin convert_pretrained_checkpoint {checkpoint} "
                    f"--output_dir <DIR>\n")
     assert not (tmp_path / "out").exists()
 
@@ -645,6 +616,7 @@ def test_generate_refuses_softmax_attention_past_its_max_seq_length(tmp_path, ca
     """A transformer's and a hybrid's prompt (with the end-of-text token before it) and new tokens past the
     max_seq_length they were trained at: one line naming --max_new_tokens and the most it can be, before the weights
     are read; up to it, the text is generated. GLA keeps a state, not positions, and generates past it."""
+    import fabric_lin.checkpoint_kinds as kinds
     import fabric_lin.generate as generate_module
     from fabric_lin.data import Tokenizer
 
@@ -664,7 +636,7 @@ def test_generate_refuses_softmax_attention_past_its_max_seq_length(tmp_path, ca
                             ("hybrid", "this hybrid's softmax-attention layers were")):
         argv = ["generate", str(tmp_path / family), "--prompt", "the model", "--device", "cpu", "--temperature", "0"]
         with monkeypatch.context() as patch:
-            patch.setattr(generate_module, "load_model", None)  # refused before the model is loaded
+            patch.setattr(kinds.FoundCheckpoint, "read", None)  # refused before the weights are read
             err = cli_error(argv + ["--max_new_tokens", str(room + 1)], capsys)
         assert err == (f"fabric-lin generate: error: --max_new_tokens {room + 1}: a prompt of {prompt_length} tokens (the "
                        f"end-of-text token before it included) and {room + 1} new ones are 17 positions, past the "

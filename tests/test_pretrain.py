@@ -97,8 +97,8 @@ def test_a_run_says_that_its_steps_are_optimizer_steps_and_what_one_holds(tmp_pa
 
 
 def test_a_finished_run_names_its_model_and_the_commands_that_read_it(tmp_path, capsys, monkeypatch):
-    """The end of a run names final/ and the commands to take it on; the one that makes a model directory, run as
-    printed, gives generate what it reads."""
+    """The end of a run names final/ and the commands to take it on; generate reads final/ as it is, and the command
+    that makes a model directory, run as printed, gives convert_to_hf what it reads."""
     import shlex
 
     from fabric_lin.cli import main as cli_main
@@ -106,11 +106,12 @@ def test_a_finished_run_names_its_model_and_the_commands_that_read_it(tmp_path, 
     monkeypatch.chdir(tmp_path)
     setup_pretrain(tmp_path, out_dir=Path("out"), eval=EvalArgs(final_validation=False))
     last = capsys.readouterr().out.splitlines()[-1]
-    assert last == ("The model: out/final. Evaluate it with fabric-lin evaluate out/final; for generate, convert_to_hf and "
-                    "--initial_checkpoint_dir, make a model directory of it: fabric-lin convert_pretrained_checkpoint "
-                    "out/final --output_dir checkpoints/gla-debug")
+    assert last == ("The model: out/final. Evaluate it with fabric-lin evaluate out/final, sample from it with fabric-lin "
+                    "generate out/final; for convert_to_hf and --initial_checkpoint_dir, make a model directory of it: "
+                    "fabric-lin convert_pretrained_checkpoint out/final --output_dir checkpoints/gla-debug")
+    cli_main(["generate", "out/final", "--max_new_tokens", "2"])
     cli_main(shlex.split(last.split(": fabric-lin ")[-1]))
-    cli_main(["generate", "checkpoints/gla-debug", "--max_new_tokens", "2"])
+    cli_main(["convert_to_hf", "checkpoints/gla-debug", "--output_dir", "hf/gla-debug"])
 
 
 def test_error_cuda_graphs_need_one_gpu(tmp_path, monkeypatch):

@@ -5,13 +5,12 @@ The training checkpoint's format (one file, or FSDP-sharded in torch.distributed
 consolidated in this process, on the CPU, without a process group. The checkpoint is verified against
 its manifest first: a damaged one is not converted.
 """
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 from fabric_lin.checkpoint import HPARAMS_FILE
-from fabric_lin.checkpoint_kinds import find_training_checkpoint, load_model_weights
-from fabric_lin.config import CONFIG_FILE, Config
+from fabric_lin.checkpoint_kinds import at_the_trained_length, find_training_checkpoint, load_model_weights
+from fabric_lin.config import CONFIG_FILE
 from fabric_lin.convert.model_dir import (
     cast_floating,
     check_state_dict,
@@ -49,7 +48,8 @@ def convert_pretrained_checkpoint(
     check_training_checkpoint_given(checkpoint_dir)
     output_dir = prepare_output_dir(Path(output_dir), overwrite, sources=[checkpoint_dir])  # before the checksums are read
     config, weights_path = find_training_checkpoint(checkpoint_dir, use="convert")
-    config = at_the_trained_length(config, checkpoint_dir)
+    hparams_path = checkpoint_dir / HPARAMS_FILE
+    config = at_the_trained_length(config, read_yaml(hparams_path) if hparams_path.is_file() else None)
 
     state_dict = canonical_state_dict(load_model_weights(weights_path))
     form = f"sharded ({len(list(weights_path.glob('*.distcp')))} shard files)" if weights_path.is_dir() else "single file"
@@ -65,16 +65,3 @@ def convert_pretrained_checkpoint(
         f"dtype {dtype or 'as saved'} -> {output_dir / MODEL_FILE}"
     )
     print(f"Copied {CONFIG_FILE} (max_seq_length {config.max_seq_length}) and tokenizer files {tokenizer_files}")
-
-
-def at_the_trained_length(config: Config, checkpoint_dir: Path) -> Config:
-    """`config` with the length the run trained at, its hyperparameters.yaml's train.max_seq_length: a run may train past
-    (or short of) its model config's max_seq_length, which nothing else sets, and a model directory's is what evaluate
-    takes for the training length and convert_to_hf exports as max_position_embeddings."""
-    hparams_path = checkpoint_dir / HPARAMS_FILE
-    hparams = read_yaml(hparams_path) if hparams_path.is_file() else None
-    train = hparams.get("train") if isinstance(hparams, dict) else None
-    length = train.get("max_seq_length") if isinstance(train, dict) else None
-    if isinstance(length, int) and not isinstance(length, bool) and length > 0:
-        return replace(config, max_seq_length=length)
-    return config
