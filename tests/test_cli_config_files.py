@@ -245,9 +245,14 @@ def test_an_empty_path_on_the_command_line_is_refused_not_taken_for_the_current_
     assert cli_error(["convert_to_hf", str(model), "--output_dir=", "--overwrite", "true"], capsys) == (
         f"fabric-lin convert_to_hf: error: output_dir: {said}")
     assert cli_error(["generate", ""], capsys) == f"fabric-lin generate: error: checkpoint_dir: {said}"
+    # the empty word after an option given as --name=value is the positional argument, not that option's value
+    assert cli_error(["generate", "--max_new_tokens=5", ""], capsys) == (
+        f"fabric-lin generate: error: checkpoint_dir: {said}")
     assert cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", ""], capsys) == (
         f"fabric-lin pretrain: error: out_dir: {said}")
     assert "empty path" not in cli_error(["generate", "."], capsys)
+    # an empty value of an option that is no path is no empty positional argument
+    assert "empty path" not in cli_error(["generate", ".", "--prompt", ""], capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "notes.txt"]
 
 
@@ -292,3 +297,20 @@ def test_a_config_files_temperature_that_is_no_finite_number_is_refused_as_on_th
     assert cli_error(["--config", str(before), "generate", model], capsys) == f"fabric-lin: error: {expected} (in {before})\n"
     assert cli_error(["generate", model, "--config", f"{{temperature: {value}}}"], capsys) == (
         f"fabric-lin generate: error: {expected}\n")
+
+
+@pytest.mark.parametrize("content", ["temperature: abc", "top_p: abc", "top_p: false"])
+def test_a_sampling_value_that_is_no_number_is_left_to_jsonargparse_which_names_it_as_given(tmp_path, capsys,
+                                                                                           content):
+    """generate's own check of temperature and top_p takes numbers alone: a word, or YAML's false (which float() reads
+    as 0), is jsonargparse's to refuse, as the user wrote it, not a traceback of float() nor "top_p 0"."""
+    model = str(tmp_path / "model")
+    key, value = content.split(": ")
+    got = "False" if value == "false" else value
+    config = tmp_path / "g.yaml"
+    config.write_text(content + "\n")
+    assert parse_error(["generate", model, "--config", str(config)], capsys) == (
+        f"fabric-lin generate: error: {key}: got {got}, expected float (in {config})")
+    if value == "abc":
+        assert parse_error(["generate", model, f"--{key}", value], capsys) == (
+            f"fabric-lin generate: error: {key}: got {value}, expected float")

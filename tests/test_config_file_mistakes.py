@@ -65,6 +65,12 @@ def test_litgpts_init_args_beside_the_optimizers_own_keys_is_pointed_to_the_key(
      "eval.final_validation: got null, expected true or false: give a value, or leave the key out for its default (true)"),
     ("prepare_text", "input_dir: corpus\noutput_dir: out\ntokenizer_path: tok\ntext_key:\n",
      "text_key: got null, expected str: give a value, or leave the key out for its default (text)"),
+    # a choice of words, and a pair of numbers, as YAML writes them
+    ("pretrain", "model_name: gla-debug\nlogger_name:\n",
+     "logger_name: got null, expected 'tensorboard' or 'csv' or 'wandb': give a value, or leave the key out for its "
+     "default (tensorboard)"),
+    ("pretrain", "model_name: gla-debug\noptimizer:\n  betas:\n",
+     "optimizer.betas: got null, expected a list: give a value, or leave the key out for its default ([0.9, 0.95])"),
 ])
 def test_a_key_left_empty_where_its_option_takes_a_value_is_named_with_its_file(tmp_path, capsys, monkeypatch, command,
                                                                                 content, message):

@@ -1,7 +1,8 @@
 """load_model_dir_weights and check_state_dict: what generate and --initial_checkpoint_dir rely on; a shard that lacks
 what its index places there or is not there, the order in which a model directory is written and that it replaces every
-file of an earlier model, the input directory refused as output_dir however named, a cast that keeps integer tensors,
-the models below a directory that holds none, each directory asked once what it holds."""
+file of an earlier model (a file system error meanwhile named where the user looks), the input directory refused as
+output_dir however named, a cast that keeps integer tensors, the models below a directory that holds none, each
+directory asked once what it holds."""
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -205,7 +206,8 @@ def test_a_model_written_over_a_hugging_face_model_leaves_none_of_its_files(tmp_
 def test_the_replacement_takes_the_earlier_weights_first_and_brings_the_new_ones_last(tmp_path, config, monkeypatch):
     """--overwrite true, once the new model is written aside: a kill -9 within the replacement leaves no mix of two
     models and nothing taken for one, as the earlier export's weights and config.json go before its other files, and
-    the new lit_model.pth comes after every other file of its model."""
+    the new lit_model.pth comes after every other file of its model. A power cut loses neither: every new file is on
+    the disk before the first earlier one goes, and the directory's renames once the last is made."""
     import os
     from pathlib import Path
 
@@ -226,9 +228,45 @@ def test_the_replacement_takes_the_earlier_weights_first_and_brings_the_new_ones
             steps.append(("moved", Path(dst).name))
         return replace(src, dst, *args, **kwargs)
 
+    def synced(path):
+        steps.append(("synced", "the directory" if Path(path) == out else Path(path).name))
+        return sync_to_disk(path)
+
+    sync_to_disk = model_dir.sync_to_disk
     monkeypatch.setattr(Path, "unlink", removed)
     monkeypatch.setattr(os, "replace", moved)
+    monkeypatch.setattr(model_dir, "sync_to_disk", synced)
     model_dir.save_model_dir(GPT(config).state_dict(), config, out)
-    assert steps == [("removed", "config.json"), ("removed", "model.safetensors"), ("removed", "added_tokens.json"),
-                     ("removed", "tokenizer.model"), ("removed", "trained_with.json"),
-                     ("moved", "model_config.yaml"), ("moved", "lit_model.pth")]
+    assert sorted(steps[:2]) == [("synced", "lit_model.pth"), ("synced", "model_config.yaml")]
+    assert steps[2:] == [("removed", "config.json"), ("removed", "model.safetensors"), ("removed", "added_tokens.json"),
+                         ("removed", "tokenizer.model"), ("removed", "trained_with.json"),
+                         ("moved", "model_config.yaml"), ("moved", "lit_model.pth"), ("synced", "the directory")]
+
+
+def test_a_file_system_error_in_the_staging_directory_names_the_file_where_it_would_have_been(tmp_path):
+    """A full disk as the new model is written aside: the error names the file in output_dir (where the user looks,
+    not the hidden staging directory), keeps its errno and message, and the earlier model stays; an error of another
+    file (a source read) or of none is raised as it is. A staging directory left by a conversion killed outright
+    brings none of its files into the new model."""
+    import errno
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "lit_model.pth").write_bytes(b"the earlier weights")
+    errors = [OSError(errno.ENOSPC, "No space left on device", str(out / model_dir.STAGING_DIR / "lit_model.pth")),
+              OSError(errno.EACCES, "Permission denied", str(tmp_path / "source" / "tokenizer.model")),
+              OSError(errno.EIO, "Input/output error")]
+    for error in errors:
+        with pytest.raises(OSError) as raised:
+            with model_dir.model_written_aside(out) as staging:
+                (staging / "model_config.yaml").write_text("the new model's")
+                raise error
+        named = str(out / "lit_model.pth") if error.errno == errno.ENOSPC else error.filename
+        got = raised.value
+        assert (got.errno, got.strerror, got.filename) == (error.errno, error.strerror, named)
+        assert sorted(p.name for p in out.iterdir()) == ["lit_model.pth"]
+    (out / model_dir.STAGING_DIR).mkdir()
+    (out / model_dir.STAGING_DIR / "tokenizer.model").write_text("of a conversion killed outright")
+    with model_dir.model_written_aside(out) as staging:
+        (staging / "lit_model.pth").write_bytes(b"the new weights")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {"lit_model.pth": b"the new weights"}

@@ -2,7 +2,8 @@
 model only once every file of the new one is written whole. Stopped before that, by a KeyboardInterrupt as any of its
 files is written or by a real Ctrl-C to the command, the output directory keeps the earlier model byte for byte (and
 loadable), its evaluation and the user's own files; completed, it holds the new model's files and the user's own alone.
-Neither leaves a staging file, and one that a kill -9 left is removed by the next conversion."""
+Neither leaves a staging file, and one that a kill -9 left is removed by the next conversion (so is a file or a
+link at its name, not what the link names)."""
 import shutil
 import signal
 from pathlib import Path
@@ -136,14 +137,14 @@ def test_a_ctrl_c_during_the_replacement_waits_for_its_end(inputs, tmp_path, mon
 
 
 def test_a_staging_directory_that_a_kill_left_is_removed_by_the_next_conversion(inputs, tmp_path, capsys):
-    """A kill -9 leaves the staging directory with what it held: no model to any command (hidden from the search for
-    models below a directory), and gone with the next conversion into that directory, which takes a directory holding
-    nothing else for an empty one."""
+    """A kill -9 leaves the staging directory with what it held, up to a whole new model not moved in yet: no model to
+    any command (hidden from the search for models below a directory), and gone with the next conversion into that
+    directory, which takes a directory holding nothing else for an empty one."""
     source, earlier = inputs["convert_to_hf"]
     out = tmp_path / "out"
     (out / STAGING_DIR).mkdir(parents=True)
-    for name in ("model.safetensors", ".tmp-config.json"):
-        (out / STAGING_DIR / name).write_bytes(b"part of a model")
+    for name in ("model.safetensors", "config.json", ".tmp-tokenizer.model"):
+        (out / STAGING_DIR / name).write_bytes(b"of the model written aside")
     assert model_dir.what_it_holds(out) is None and model_dir.models_below(tmp_path) == ""
     convert_to_hf(source, out)  # no --overwrite: nothing else is there
     assert f"Removed {out / STAGING_DIR}: the unfinished files of a conversion that was stopped" in capsys.readouterr().out
@@ -153,6 +154,25 @@ def test_a_staging_directory_that_a_kill_left_is_removed_by_the_next_conversion(
     (tmp_path / "earlier" / STAGING_DIR / "config.json").write_text("{}")
     convert_to_hf(source, tmp_path / "earlier", overwrite=True)
     assert files_of(tmp_path / "earlier") == {**files_of(out), **USERS_FILES}
+
+
+def test_a_file_or_a_link_where_the_staging_directory_goes_is_taken_away_and_not_what_the_link_names(inputs, tmp_path):
+    """Whatever stands at the staging directory's name is the conversion's to take away, with --overwrite or without:
+    a file, or a link to a directory, whose directory and files stay."""
+    source, _ = inputs["convert_to_hf"]
+    convert_to_hf(source, tmp_path / "alone")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("not the conversion's")
+    makers = {"file": lambda path: path.write_text("a file"), "link": lambda path: path.symlink_to(elsewhere)}
+    for overwrite in (False, True):
+        for name, make in makers.items():
+            out = tmp_path / f"{name}-{overwrite}"
+            out.mkdir()
+            make(out / STAGING_DIR)
+            convert_to_hf(source, out, overwrite=overwrite)
+            assert files_of(out) == files_of(tmp_path / "alone"), (name, overwrite)
+    assert files_of(elsewhere) == {Path("notes.txt"): b"not the conversion's"}
 
 
 @pytest.mark.slow  # a new command, held mid-write: seconds

@@ -2,7 +2,8 @@
 before anyone else comes (a port in use, as torch.distributed's own store reports it; a MASTER_ADDR that does not
 resolve, or that is no address of this host and does not reach the store rank 0 opened); what another node finds at
 a port in use (no store); and what a process whose rank 0's store closes before every process has joined, or whose
-peer joined and went away, ends with (a lost peer, without torch's warnings). The stores are torch.distributed's own,
+peer joined and went away, ends with (a lost peer, without torch's warnings); when rank 0 takes a process for gone
+(its heartbeat stood still), and when a process says it is past its join. The stores are torch.distributed's own,
 opened here; the other processes, their clients. As a run meets them: test_pretrain_sharded.py."""
 import os
 import socket
@@ -288,3 +289,122 @@ def test_a_process_past_its_join_tells_rank_0_so():
             time.sleep(0.05)
         assert 0 < store.add(alive, 0) < rdv.PAST_THE_JOIN
     assert store.add(alive, 0) >= rdv.PAST_THE_JOIN
+
+
+def rank_0_s_store(port: int):
+    """The run's store, as rank 0 opens it, at `port` of this host."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+
+
+class CountingStore:
+    """The counters of a store (TCPStore's `add`: the new value), for rank 0's reading of them alone."""
+
+    def __init__(self, counts=None):
+        self.counts = dict(counts or {})
+
+    def add(self, key, amount):
+        self.counts[key] = self.counts.get(key, 0) + amount
+        return self.counts[key]
+
+
+def test_rank_0_takes_for_gone_only_a_joined_process_whose_heartbeat_stood_still_for_gone_seconds(monkeypatch):
+    """Rank 0's clock, polling twice a second: rank 1 has not joined yet; rank 2 beats for longer than gone_seconds,
+    then stops; rank 3 is past its join; rank 4, the last, beat for the 30 minutes a join may last at most
+    (parallelism.timeout_minutes) before it stood still. Each is gone once gone_seconds have passed since its count last changed, not before, and
+    no other is; a store that no longer answers finds none."""
+    now = [0.0]
+    monkeypatch.setattr(rdv, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    store = CountingStore({rdv.ALIVE_KEY.format(3): rdv.PAST_THE_JOIN + 7, rdv.ALIVE_KEY.format(4): 2 * 60 * 30})
+    heartbeats, first_gone = rdv.Heartbeats(processes=5, gone_seconds=30), {}
+    for tick in range(400):
+        now[0] = tick / 2
+        if now[0] < 100:
+            store.add(rdv.ALIVE_KEY.format(2), 1)
+        for rank in heartbeats.gone(store):
+            first_gone.setdefault(rank, now[0])
+    assert first_gone == {4: 30.0, 2: 99.5 + 30}
+
+    class Closed:
+        def add(self, key, amount):
+            raise torch.distributed.DistNetworkError("Connection reset by peer")
+
+    assert heartbeats.gone(Closed()) == []
+
+
+@watch_ended
+def test_the_last_process_of_a_node_of_several_gone_after_it_joined_is_found_while_others_have_not_joined(
+        monkeypatch, tmp_path):
+    """Two nodes of two processes: rank 3, node 1's second, counts itself in and is gone, while ranks 1 and 2 have not
+    joined yet. Rank 0 reads the heartbeat of every process, not one per node, and names rank 3 as lost."""
+    lost, ended = [], exiting_here(monkeypatch)
+    monkeypatch.setattr(rdv, "STOP_GRACE_SECONDS", 0.5)  # rank 3 never reads rank 0's line
+    port = free_port()
+    store = rank_0_s_store(port)
+    at = {rank: rdv.Rendezvous("127.0.0.1", port, nodes=2, devices=2, node=rank // 2, local_rank=rank % 2, rank=rank)
+          for rank in range(4)}
+    rdv.counted_in(at[3], bounded=True)
+    fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=None))
+    with pytest.raises(RuntimeError):  # where os._exit, ending the process, has not
+        with rdv.joining_watched(fabric, at[0], ParallelismArgs(), [], on_lost=lost.append, poll_seconds=0.1,
+                                 gone_seconds=1):
+            raise RuntimeError("Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:152] timed out "
+                               "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:1411$0")
+    assert ended == [PEER_LOST_EXIT_CODE] and [str(peer) for peer in lost] == [
+        str(rdv.gone_after_joining(at[0], [3], 1))]
+    del store
+
+
+@watch_ended
+def test_a_process_other_than_rank_0_leaves_a_peer_gone_to_rank_0(monkeypatch):
+    """Node 1's first process, rank 2 joined and standing still past gone_seconds: it waits for rank 0's word (which
+    rank 0 leaves in its store), without ending on its own or reading every peer's heartbeat twice a second."""
+    lost, ended = [], exiting_here(monkeypatch)
+    port = free_port()
+    store = rank_0_s_store(port)
+    rdv.counted_in(rendezvous("127.0.0.1", port, nodes=3, node=2), bounded=True)
+    fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=None))
+    with rdv.joining_watched(fabric, rendezvous("127.0.0.1", port, nodes=3, node=1), ParallelismArgs(), [],
+                             on_lost=lost.append, poll_seconds=0.05, gone_seconds=0.2):
+        time.sleep(1)
+    assert ended == [] and lost == []
+    assert store.add(rdv.ALIVE_KEY.format(1), 0) >= rdv.PAST_THE_JOIN
+
+
+def test_a_process_counted_in_only_after_its_join_still_tells_rank_0_it_is_past_it(monkeypatch):
+    """Its client of the store, made in a thread that is still trying when the process passes its join, counts it in
+    afterwards: its heartbeat would then stand still, and rank 0 take it for gone."""
+    port = free_port()
+    store = rank_0_s_store(port)
+    count_in = rdv.counted_in
+
+    def late(*args, **kwargs):
+        time.sleep(0.5)
+        return count_in(*args, **kwargs)
+
+    monkeypatch.setattr(rdv, "counted_in", late)
+    fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=None))
+    with rdv.joining_watched(fabric, rendezvous("127.0.0.1", port, node=1), ParallelismArgs(), [], on_lost=None,
+                             poll_seconds=0.05):
+        time.sleep(0.2)
+        assert store.add(rdv.ALIVE_KEY.format(1), 0) == 0  # not counted in yet
+    assert store.add(rdv.ALIVE_KEY.format(1), 0) > rdv.PAST_THE_JOIN
+
+
+def test_a_process_whose_join_failed_does_not_tell_rank_0_it_is_past_it():
+    """An error in the join (here a ValueError): the process ends, and its heartbeat stops as a process gone does, for
+    rank 0 to find, not as a process past the join does."""
+    port = free_port()
+    store = rank_0_s_store(port)
+    alive = rdv.ALIVE_KEY.format(1)
+    fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=None))
+    with pytest.raises(ValueError):
+        with rdv.joining_watched(fabric, rendezvous("127.0.0.1", port, node=1), ParallelismArgs(), [], on_lost=None,
+                                 poll_seconds=0.05):
+            deadline = time.monotonic() + 5
+            while not store.add(alive, 0) and time.monotonic() < deadline:  # counted in
+                time.sleep(0.05)
+            raise ValueError("an error of the join")
+    time.sleep(0.5)  # the watch has ended
+    assert 0 < store.add(alive, 0) < rdv.PAST_THE_JOIN
