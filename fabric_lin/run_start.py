@@ -53,8 +53,8 @@ def may_start_fresh(resume: Union[bool, str, Path, None], out_dir: Path) -> bool
 
 
 def check_out_dir_is_no_model_or_data(out_dir: Path) -> None:
-    """Refuse an out_dir that is a model (a training checkpoint, a model directory, an export), a prepared data
-    directory or a tokenizer's (train_tokenizer's output), most likely a path typed for another flag: the run would write its checkpoints, logs and metrics into
+    """Refuse an out_dir that is a model (a training checkpoint, a model directory, an export) or a prepared data
+    directory, most likely a path typed for another flag: the run would write its checkpoints, logs and metrics into
     it, mixing a run with the model or the data. Named with the flag that reads such a directory. An out_dir inside a
     training checkpoint or prepared data is refused too: the run would go with them."""
     from fabric_lin.convert.model_dir import what_it_holds
@@ -64,15 +64,13 @@ def check_out_dir_is_no_model_or_data(out_dir: Path) -> None:
     check_outside_checkpoint_or_data(out_dir, "--out_dir")
     if not out_dir.is_dir():
         return
-    kind = (what_it_holds(out_dir) or ("a prepared data directory" if (out_dir / INDEX_FILE).is_file() else None)
-            or ("a tokenizer directory" if (out_dir / "tokenizer.model").is_file() else None))
+    kind = what_it_holds(out_dir) or ("a prepared data directory" if (out_dir / INDEX_FILE).is_file() else None)
     if kind is None:
         return
     meant = {
         "a model directory": f"to start from this model's weights: --initial_checkpoint_dir {out_dir}",
         "a training checkpoint": f"to continue this checkpoint's run: --out_dir {out_dir.parent} --resume auto",
         "a prepared data directory": f"to train on this data: --data TextFiles --data.train_dir {out_dir}",
-        "a tokenizer directory": f"to train with this tokenizer: --tokenizer_dir {out_dir}",
     }.get(kind)
     raise AlreadyExists(f"--out_dir {out_dir} is {kind}: a run writes its checkpoints, logs and metrics.jsonl into its "
                         f"out_dir; give it a directory of its own" + (f" ({meant})" if meant else ""))

@@ -376,8 +376,8 @@ def test_resume_from_a_damaged_directory_refuses_in_one_line(tmp_path, capsys):
 
 
 def test_an_out_dir_that_is_a_model_or_data_is_refused_naming_the_flag_it_may_have_been_meant_for(tmp_path):
-    """--out_dir given a model directory, a training checkpoint, a prepared data directory or a tokenizer's (a path typed
-    for another flag): the run wrote final/, logs/ and metrics.jsonl into it, mixing a run with the model or the data."""
+    """--out_dir given a model directory, a training checkpoint or a prepared data directory (a path typed for another
+    flag): the run wrote final/, logs/ and metrics.jsonl into it, mixing a run with the model or the data."""
     from fabric_lin.convert.model_dir import save_model_dir
     from helpers import write_prepared
 
@@ -387,8 +387,6 @@ def test_an_out_dir_that_is_a_model_or_data_is_refused_naming_the_flag_it_may_ha
     (tmp_path / "run" / "final").mkdir(parents=True)
     (tmp_path / "run" / "final" / "step.json").write_text('{"step_count": 1}')
     write_prepared(tmp_path / "data", torch.arange(3000) % 100, None)
-    (tmp_path / "tokenizer").mkdir()
-    (tmp_path / "tokenizer" / "tokenizer.model").write_bytes(b"a SentencePiece model")
     cases = {
         tmp_path / "model": "a model directory: a run writes its checkpoints, logs and metrics.jsonl into its out_dir; give "
                             "it a directory of its own (to start from this model's weights: --initial_checkpoint_dir "
@@ -399,9 +397,6 @@ def test_an_out_dir_that_is_a_model_or_data_is_refused_naming_the_flag_it_may_ha
         tmp_path / "data": "a prepared data directory: a run writes its checkpoints, logs and metrics.jsonl into its out_dir; "
                            "give it a directory of its own (to train on this data: --data TextFiles --data.train_dir "
                            f"{tmp_path / 'data'})",
-        tmp_path / "tokenizer": "a tokenizer directory: a run writes its checkpoints, logs and metrics.jsonl into its "
-                                "out_dir; give it a directory of its own (to train with this tokenizer: --tokenizer_dir "
-                                f"{tmp_path / 'tokenizer'})",
     }
     for out_dir, message in cases.items():
         before = sorted(p.name for p in out_dir.iterdir())
