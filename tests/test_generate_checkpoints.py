@@ -196,3 +196,16 @@ def test_a_run_s_length_that_is_no_positive_whole_number_leaves_the_config_s(len
     config = small_config()
     assert at_the_trained_length(config, {"train": {"max_seq_length": length}}).max_seq_length == config.max_seq_length
     assert at_the_trained_length(config, {"train": {"max_seq_length": 7}}).max_seq_length == 7
+
+
+def test_no_new_token_reads_no_position_past_the_prompt():
+    """A transformer's prompt past its max_seq_length is refused where a token is to be generated after it; with
+    max_new_tokens 0 nothing is, and nothing is refused."""
+    from fabric_lin.errors import InvalidValue
+    from fabric_lin.generate import check_context_length
+
+    config = Config.from_name("transformer-debug", max_seq_length=16)
+    check_context_length(config, 40, 0)
+    check_context_length(config, 12, 4)
+    with pytest.raises(InvalidValue):
+        check_context_length(config, 12, 5)
