@@ -350,6 +350,13 @@ def test_an_earlier_evaluation_in_out_dir_is_kept_unless_overwrite(run, tmp_path
     assert err == (f"fabric-lin evaluate: error: {out / 'evaluate.json'} holds the results of an earlier evaluation: "
                    "write this one to another --out_dir, or replace them with --overwrite true\n"), err
     assert (out / "evaluate.json").read_bytes() == first
+    for held in ("not JSON", "[1, 2]"):  # not what evaluate writes: kept all the same, in the same line
+        other = tmp_path / f"held{len(held)}"
+        other.mkdir()
+        (other / "evaluate.json").write_text(held)
+        err = cli_error(["evaluate", str(final), "--max_batches", "2", "--out_dir", str(other)], capsys)
+        assert err == (f"fabric-lin evaluate: error: {other / 'evaluate.json'} holds the results of an earlier "
+                       "evaluation: write this one to another --out_dir, or replace them with --overwrite true\n"), err
 
     def interrupted(written, path):  # Ctrl-C with the new results written, before they take the place of the first
         assert Path(written).stat().st_size > 0

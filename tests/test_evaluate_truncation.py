@@ -35,11 +35,11 @@ def model_of(family: str) -> GPT:
     return GPT(Config.from_name("gla-debug" if family in ("gla", "hybrid") else "transformer-debug", **overrides)).eval()
 
 
-def scorer_for(model: GPT, tokenizer, batch_size: int = 2) -> HarnessScorer:
+def scorer_for(model: GPT, tokenizer, batch_size: int = 2, block_size: int = LIMIT) -> HarnessScorer:
     import lightning_fabric as L
 
     fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
-    return HarnessScorer(fabric, fabric.setup_module(model), tokenizer, batch_size, block_size=LIMIT)
+    return HarnessScorer(fabric, fabric.setup_module(model), tokenizer, batch_size, block_size=block_size)
 
 
 def logprobs_after(model: GPT, tokens: list) -> torch.Tensor:
@@ -52,6 +52,11 @@ def logprobs_after(model: GPT, tokens: list) -> torch.Tensor:
 
 def text(words: int, start: int = 0) -> str:
     return " ".join(SENTENCE.format(i) for i in range(start, start + words))
+
+
+def thes(n: int) -> str:
+    """n tokens exactly: "the" is one token of the tokenizer, with or without the space before it."""
+    return " ".join(["the"] * n)
 
 
 @pytest.mark.parametrize("family", ["transformer", "hybrid"])
@@ -105,7 +110,8 @@ def test_a_rolling_log_likelihood_past_the_limit_is_read_in_the_harness_s_window
     document = text(2) + " the gated linear attention"
     tokens = [tokenizer.eos_id] + tokenizer.encode(document).tolist()
     assert len(tokens) == 1 + 41
-    scorer = scorer_for(model, tokenizer, batch_size=1)
+    # the windows are the limit's whatever the block size (that of linear attention's blocks)
+    scorer = scorer_for(model, tokenizer, batch_size=1, block_size=LIMIT // 2)
     assert list(scorer.rolling_windows(41)) == [(0, 16, 0), (16, 32, 16), (25, 41, 32)]
     expected = (logprobs_after(model, tokens[0:17]).sum() + logprobs_after(model, tokens[16:33]).sum()
                 + logprobs_after(model, tokens[25:42])[-9:].sum()).item()
@@ -157,8 +163,64 @@ def test_a_generation_past_the_limit_reads_the_context_s_last_tokens(tokenizer, 
         "lm-evaluation-harness: 1 of 1 generate_until requests are longer than the max_seq_length of 16 that this "
         "transformer was trained at: their contexts are cut from the left to leave room for the tokens to generate")
     assert scorer.cut == {"generate_until": 1}
+    scorer.generate_until([(context, {"until": ["never there"], "max_gen_toks": 4})])
+    assert scorer.cut == {"generate_until": 2}  # counted over every call, as run_tasks keeps them
     with pytest.raises(InvalidValue, match=r"^lm-evaluation-harness asks for up to 16 generated tokens \(a task's "
                                            r"max_gen_toks\), and the model reads no more than the max_seq_length of 16 "
                                            r"that this transformer was trained at: no room is left for a context before "
                                            r"them$"):
         scorer.generate_until([("the", {"max_gen_toks": 16})])
+
+
+def test_requests_at_the_limit_are_read_whole_and_not_counted_as_cut(tokenizer, capsys):
+    """The boundaries, a token either side: a log-likelihood of max_seq_length tokens after the end-of-text token, a
+    document of max_seq_length tokens and a generation's prompt (the end-of-text token counted) of max_seq_length less
+    max_gen_toks are read whole, keep their end-of-text token and are not counted; one token more is cut. A continuation
+    of max_seq_length tokens is scored after the last context token, one of max_seq_length + 1 is refused."""
+    model = model_of("transformer")
+    eos = tokenizer.eos_id
+    scorer = scorer_for(model, tokenizer)
+    assert len(tokenizer.encode(thes(LIMIT + 1))) == LIMIT + 1
+    capsys.readouterr()
+
+    [the] = tokenizer.encode("the").tolist()
+    at, past = [eos] + [the] * LIMIT, [eos] + [the] * (LIMIT + 1)
+    got = [logprob for logprob, _ in scorer.loglikelihood([(thes(LIMIT - 1), " the"), (thes(LIMIT), " the"),
+                                                            ("the", " " + thes(LIMIT))])]
+    expected = [logprobs_after(model, at)[-1].item(), logprobs_after(model, past[1:])[-1].item(),
+                logprobs_after(model, past[1:]).sum().item()]
+    assert got == pytest.approx(expected, abs=1e-4)
+    assert scorer.cut == {"loglikelihood": 2}
+    with pytest.raises(InvalidValue, match=r"a continuation of 17 tokens, longer than the max_seq_length of 16"):
+        scorer.loglikelihood([("the", " " + thes(LIMIT + 1))])
+
+    got = scorer.loglikelihood_rolling([thes(LIMIT), thes(LIMIT + 1)])
+    expected = [logprobs_after(model, at).sum().item(),
+                (logprobs_after(model, past[:-1]).sum() + logprobs_after(model, past[1:])[-1]).item()]
+    assert got == pytest.approx(expected, abs=1e-4)
+    assert scorer.cut["loglikelihood_rolling"] == 1
+
+    def greedy(prompt: list, n: int) -> str:
+        new = []
+        with torch.no_grad():
+            for _ in range(n):
+                new.append(int(model(torch.tensor([prompt + new]))[0, -1, :tokenizer.vocab_size].argmax()))
+                if new[-1] == eos:
+                    new.pop()
+                    break
+        context = [t for t in prompt if t != eos]
+        return tokenizer.decode(context + new)[len(tokenizer.decode(context)):]
+
+    fits, cut = at[: LIMIT - 4], at[: LIMIT - 3]  # the prompts' tokens, the end-of-text token first
+    options = {"until": ["never there"], "max_gen_toks": 4}
+    got = scorer.generate_until([(thes(LIMIT - 5), options), (thes(LIMIT - 4), options)])
+    assert got == [greedy(fits, 4), greedy(cut[1:], 4)]
+    assert scorer.cut["generate_until"] == 1
+    capsys.readouterr()
+
+
+def test_a_generation_without_max_gen_toks_leaves_room_for_the_harness_s_256(tokenizer):
+    """The harness's default max_gen_toks, 256, is that of a request that gives none: past a limit of 16, no room."""
+    scorer = scorer_for(model_of("transformer"), tokenizer)
+    with pytest.raises(InvalidValue, match=r"^lm-evaluation-harness asks for up to 256 generated tokens"):
+        scorer.generate_until([("the", {"until": ["never there"]})])

@@ -185,3 +185,27 @@ def test_weights_without_their_tokenizer_are_refused_before_they_are_read(tmp_pa
     # the export records the tokenizer the weights were trained with (convert_to_hf's trained_with.json)
     assert "; its weights were trained with the tokenizer its trained_with.json records (vocab_size=64" in error_of(
         "generate", tmp_path / "fla", capsys)
+
+
+@pytest.mark.parametrize("length", [True, 0, -8, "64", 64.0, None])
+def test_a_run_s_length_that_is_no_positive_whole_number_leaves_the_config_s(length):
+    """hyperparameters.yaml's train.max_seq_length sets a training checkpoint's length only where it is a positive int:
+    YAML's true (a bool, which Python takes for the int 1), a string or a float leave the model config's."""
+    from fabric_lin.checkpoint_kinds import at_the_trained_length
+
+    config = small_config()
+    assert at_the_trained_length(config, {"train": {"max_seq_length": length}}).max_seq_length == config.max_seq_length
+    assert at_the_trained_length(config, {"train": {"max_seq_length": 7}}).max_seq_length == 7
+
+
+def test_no_new_token_reads_no_position_past_the_prompt():
+    """A transformer's prompt past its max_seq_length is refused where a token is to be generated after it; with
+    max_new_tokens 0 nothing is, and nothing is refused."""
+    from fabric_lin.errors import InvalidValue
+    from fabric_lin.generate import check_context_length
+
+    config = Config.from_name("transformer-debug", max_seq_length=16)
+    check_context_length(config, 40, 0)
+    check_context_length(config, 12, 4)
+    with pytest.raises(InvalidValue):
+        check_context_length(config, 12, 5)

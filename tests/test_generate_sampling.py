@@ -48,6 +48,15 @@ def test_top_p_of_one_is_no_filter_and_a_tiny_one_is_the_most_likely_token():
         assert sample(logits, 1.0, None, torch.Generator().manual_seed(seed), 1e-6).item() == 2
 
 
+
+@pytest.mark.parametrize("top_p, kept", [(0.25, 1), (0.5, 2), (0.75, 3), (0.76, 4)])
+def test_a_token_whose_more_likely_tokens_hold_top_p_exactly_is_left_out(top_p, kept):
+    """Four tokens of probability 1/4 each (exact in floating point): the tokens before one hold 0, 1/4, 1/2 and 3/4,
+    and where that is top_p or more it is left out, as Hugging Face's formulation (`nucleus`) leaves it out."""
+    logits, probs = torch.zeros(4), torch.full((4,), 0.25, dtype=torch.float64)
+    assert int((nucleus(probs, top_p) > 0).sum()) == kept
+    assert int((frequencies(logits, 1.0, None, top_p, draws=400) > 0).sum()) == kept
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sampling") / "model"
