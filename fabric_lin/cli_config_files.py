@@ -227,6 +227,11 @@ def yaml_file_holding(path: Path, key: str, name: str) -> Optional[str]:
     return None
 
 
+def option_name(key: str, command: Optional[str]) -> str:
+    """A parsed value's key as its option is written: `pretrain.data.init_args.data_path` -> `data.data_path`."""
+    return key.removeprefix(f"{command}.").replace(".init_args.", ".")
+
+
 ENVIRONMENT_VARIABLE = re.compile(r"\$(\w+|\{\w+\})")
 
 
@@ -243,7 +248,7 @@ def check_no_variable_in_paths(cfg, argv: List[str]) -> None:
             found = ENVIRONMENT_VARIABLE.search(str(path)) if isinstance(path, Path) else None
             if found is None:
                 continue
-            shown = key.removeprefix(f"{command}.").replace(".init_args.", ".")
+            shown = option_name(key, command)
             given_on_the_command_line = bool(option_values(argv, f"--{shown}"))
             files = files_holding_key(key, command, argv) if command and not given_on_the_command_line else []
             raise InvalidValue(
@@ -265,7 +270,7 @@ def check_no_empty_paths(cfg, argv: List[str]) -> None:
     for key, value in cfg.items():
         if not (isinstance(value, Path) and str(value) == "."):
             continue
-        shown = key.removeprefix(f"{command}.").replace(".init_args.", ".")
+        shown = option_name(key, command)
         given = option_values(argv, f"--{shown}")
         if "" in given or (not given and empty_positional):
             raise InvalidValue(f"{shown}: an empty path (an unset shell variable, as in \"$OUT\"?) would be the current "
