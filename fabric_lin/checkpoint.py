@@ -195,9 +195,12 @@ def keep_evaluation_as(checkpoint_dir: Path, kept_as: Path) -> None:
 
 class signals_deferred:
     """Run the block without Python's handlers of these signals: one that arrives meanwhile goes to its
-    handler when the block ends. (Blocking the signal with pthread_sigmask would not do: the kernel hands
-    it to another thread, and Python runs the handler on the main thread all the same.) Elsewhere than
-    on the main thread, where no handler runs, it does nothing."""
+    handler when the block ends; where its action was the default one (to end the process), it ends the block as a
+    KeyboardInterrupt, as a Ctrl-C to Python's own handler does (naming the signal but for SIGINT), so that what
+    called the block says how it ended: sent again to the process, it would kill it without a word, after a block
+    that finished its work. (Blocking the signal with pthread_sigmask would not do: the kernel hands it to another
+    thread, and Python runs the handler on the main thread all the same.) Elsewhere than on the main thread, where no
+    handler runs, it does nothing."""
 
     def __init__(self, *signals):
         self.signals = signals
@@ -217,7 +220,7 @@ class signals_deferred:
             if callable(handler):
                 handler(signum, None)
             elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), signum)
+                raise KeyboardInterrupt() if signum == signal.SIGINT else KeyboardInterrupt(signal.Signals(signum).name)
 
 
 # ---------------------------------------------------------------- the manifest

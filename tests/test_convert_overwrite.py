@@ -3,7 +3,8 @@ model only once every file of the new one is written whole. Stopped before that,
 files is written or by a real Ctrl-C to the command, the output directory keeps the earlier model byte for byte (and
 loadable), its evaluation and the user's own files; completed, it holds the new model's files and the user's own alone.
 Neither leaves a staging file, and one that a kill -9 left is removed by the next conversion (so is a file or a
-link at its name, not what the link names)."""
+link at its name, not what the link names). A signal as the new model moves in waits for its end, and the command's
+last line then says that the model is whole."""
 import shutil
 import signal
 from pathlib import Path
@@ -200,3 +201,53 @@ def test_ctrl_c_to_an_overwriting_command_keeps_the_earlier_model(inputs, tmp_pa
     assert err.read_text().splitlines()[-1] == (f"fabric-lin {command}: interrupted: nothing half-written is left; run "
                                                 f"the same command again")
     assert files_of(out) == before
+
+
+# (the signal, how this process handles it before the command starts, the command's last line, its exit code): a
+# terminal's Ctrl-C to Python's own handler, one to a process that left SIGINT to its default action (the deferred
+# signal was sent again to it: killed, -2, without a word), and a scheduler's SIGTERM
+SIGNALS_IN_THE_SWAP = {"ctrl-c": (signal.SIGINT, signal.default_int_handler, "interrupted", 130),
+                       "ctrl-c, default action": (signal.SIGINT, signal.SIG_DFL, "interrupted", 130),
+                       "sigterm": (signal.SIGTERM, None, "stopped by SIGTERM", 143)}
+
+
+@pytest.mark.parametrize("command, case", [(command, "ctrl-c") for command in CONVERTERS]
+                         + [("convert_to_hf", "ctrl-c, default action"), ("convert_pretrained_checkpoint", "sigterm")])
+def test_a_signal_as_the_new_model_moves_in_ends_the_command_saying_the_model_is_whole(inputs, tmp_path, monkeypatch,
+                                                                                        capsys, command, case):
+    """A signal as the new model takes the earlier one's place (held until that is done): the command ends with one line
+    that says the new model is whole in its directory, and 130 (143 for SIGTERM), where it said that nothing
+    half-written was left and to run the command again, or, where SIGINT's action was the default one, ended killed by
+    the signal with no line at all. The directory holds the new model, as a conversion that was not stopped leaves it."""
+    import os
+
+    from fabric_lin.cli import main as cli_main
+
+    signum, handler, said, exit_code = SIGNALS_IN_THE_SWAP[case]
+    source, earlier = inputs[command]
+    CONVERTERS[command](source, tmp_path / "alone")
+    out = tmp_path / "out"
+    shutil.copytree(earlier, out)
+    remove = model_dir.remove_earlier_model
+
+    def signal_first(directory):
+        signal.raise_signal(signum)
+        remove(directory)
+
+    monkeypatch.setattr(model_dir, "remove_earlier_model", signal_first)
+    monkeypatch.setattr(os, "kill", lambda pid, sent: pytest.fail(f"the process sent itself signal {sent}"))
+    inherited = signal.signal(signal.SIGINT, handler) if handler is not None else None
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as ended:
+            cli_main([command, str(source), "--output_dir", str(out), "--overwrite", "true"])
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, inherited)
+    err = capsys.readouterr().err
+    assert ended.value.code == exit_code and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (f"fabric-lin {command}: {said}: the conversion had finished: the new model in {out} "
+                                    f"is whole (the signal came as its files took the earlier model's place, which "
+                                    f"went on to its end)")
+    assert files_of(out) == {**files_of(tmp_path / "alone"), **USERS_FILES}
+    assert not (out / STAGING_DIR).exists()

@@ -448,7 +448,8 @@ def model_written_aside(output_dir: Path) -> Iterator[Path]:
     will look for it.
 
     The replacement (unlinks and renames: no data written, milliseconds) runs with SIGINT and SIGTERM deferred, so a
-    Ctrl-C does not split it. A kill that cannot be deferred (SIGKILL) leaves no mix of two models: the earlier model's
+    Ctrl-C does not split it; one that came meanwhile ends the block once the new model is whole and on the disk, as a
+    KeyboardInterrupt whose `kept` says so (the command's last line: not "run it again"). A kill that cannot be deferred (SIGKILL) leaves no mix of two models: the earlier model's
     weights go first, and the new model's lit_model.pth or config.json, which a reader takes the directory by, comes
     last; its staging directory is removed by the next conversion into `output_dir` (`prepare_output_dir`)."""
     output_dir = Path(output_dir)
@@ -465,11 +466,16 @@ def model_written_aside(output_dir: Path) -> Iterator[Path]:
                 raise
             named = output_dir / Path(error.filename).relative_to(staging)
             raise OSError(error.errno, error.strerror, str(named)) from error
-        with signals_deferred(signal.SIGINT, signal.SIGTERM):
-            remove_earlier_model(output_dir)
-            for path in sorted(staging.iterdir(), key=lambda path: (path.name in MODEL_MARKS, path.name)):
-                os.replace(path, output_dir / path.name)
-        sync_to_disk(output_dir)
+        try:
+            with signals_deferred(signal.SIGINT, signal.SIGTERM):
+                remove_earlier_model(output_dir)
+                for path in sorted(staging.iterdir(), key=lambda path: (path.name in MODEL_MARKS, path.name)):
+                    os.replace(path, output_dir / path.name)
+                sync_to_disk(output_dir)
+        except KeyboardInterrupt as stopped:  # a signal that came as the files moved in, raised once all of them had
+            stopped.kept = (f"the conversion had finished: the new model in {output_dir} is whole (the signal came as its "
+                            f"files took the earlier model's place, which went on to its end)")
+            raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
