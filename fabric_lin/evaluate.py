@@ -16,7 +16,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Sequence, Union
+from typing import Any, Dict, List, Literal, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -220,8 +220,12 @@ def main(
             for length in seq_lens:
                 loader = validation_loader(data, data_origin, length)
                 starts = bucket_starts(length, bucket_size, bucket_edges)
-                result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts,
-                                         checkpoint.tokenizer.eos_id if reset_state_at_doc_boundaries else None)
+                try:
+                    result = evaluate_length(fabric, model, loader, length, batch_size, max_batches, starts,
+                                             checkpoint.tokenizer.eos_id if reset_state_at_doc_boundaries else None)
+                except KeyboardInterrupt as stopped:  # Ctrl-C or SIGTERM: what was measured, kept
+                    write_interrupted_data_results(results, out_dir, stopped, length, seq_lens, task_names)
+                    raise
                 results["lengths"].append(result)
                 print(f"seq_len {length}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
                       f"{result['tokens']:,} tokens in {batches_read(result['batches'], batch_size, result['short_batches'])} | "
@@ -242,11 +246,55 @@ def earlier_results(path: Path) -> str:
     """What the evaluate.json at `path` holds, as the refusal to write over it names it: an earlier evaluation's results,
     or the partial ones of an evaluation whose tasks did not finish (`write_partial_results`)."""
     try:
-        partial = json.loads(path.read_text(encoding="utf-8")).get("partial")
+        earlier = json.loads(path.read_text(encoding="utf-8"))
+        partial, in_the_data = earlier.get("partial"), "not_evaluated" in earlier
     except (OSError, ValueError, AttributeError):  # not what evaluate writes: results all the same, kept
         partial = None
-    return ("partial results of an earlier evaluation (its tasks did not finish)" if partial
-            else "results of an earlier evaluation")
+    if not partial:
+        return "results of an earlier evaluation"
+    return ("partial results of an earlier evaluation (" + ("it was interrupted as it read the validation data"
+                                                            if in_the_data else "its tasks did not finish") + ")")
+
+
+def interruption(stopped: KeyboardInterrupt) -> str:
+    """What a KeyboardInterrupt stands for: SIGTERM (as the command's handler of it raises it), else Ctrl-C."""
+    return "SIGTERM" if str(stopped) == "SIGTERM" else "Ctrl-C"
+
+
+def write_interrupted_data_results(results: Dict[str, Any], out_dir: Path, stopped: KeyboardInterrupt, length: int,
+                                   seq_lens: List[int], task_names: List[str]) -> None:
+    """What was measured of the validation data where Ctrl-C or SIGTERM (`stopped`) came as it read `length`: the lengths
+    read whole, and that length over the batches it had read (`evaluate_length`'s `measured`, marked partial itself),
+    written whole as evaluate.json, marked partial first thing in the file, the lengths and tasks not reached named in
+    `not_evaluated`; nothing where no batch had been read. Says which (`kept`) in the command's last line, where the
+    CLI reports the interruption."""
+    measured = getattr(stopped, "measured", None)
+    lengths = results["lengths"] + ([measured] if measured is not None else [])
+    if not lengths:
+        stopped.kept = ("no batch of the validation data had been evaluated, so nothing was written; run the same "
+                        "command again")
+        return
+    how = interruption(stopped)
+    not_read = seq_lens[seq_lens.index(length) + (measured is not None):]
+    whole = [str(result["seq_len"]) for result in results["lengths"]]
+    said, summary = [], []
+    if whole:
+        said.append(f"seq_len {', '.join(whole)} {'is' if len(whole) == 1 else 'are'} whole")
+        summary.append(f"seq_len {', '.join(whole)} whole")
+    if measured is not None:
+        said.append(f"seq_len {length} holds its first {measured['read']}")
+        summary.append(f"seq_len {length} over its first {measured['read']}")
+    if not_read or task_names:
+        missing = [f"seq_len {', '.join(map(str, not_read))}"] if not_read else []
+        missing += ["the tasks"] if task_names else []
+        said.append(f"{' and '.join(missing)} {'was' if len(not_read) == 1 and not task_names else 'were'} not evaluated")
+    partial = {"partial": f"the evaluation was interrupted ({how}) as it read seq_len {length}: {'; '.join(said)}",
+               **results, "lengths": [{key: value for key, value in result.items() if key != "read"}
+                                      for result in lengths],
+               "not_evaluated": {"seq_len": not_read, **({"tasks": task_names} if task_names else {})}}
+    write_results(partial, out_dir, evaluate_data=True)
+    stopped.kept = (f"what had been measured is in {out_dir / RESULTS_FILE}, marked partial ({', '.join(summary)}): "
+                    f"evaluate again with --overwrite true for the whole evaluation")
 
 
 def write_partial_results(results: Dict[str, Any], out_dir: Path, stopped: BaseException) -> None:
@@ -255,7 +303,7 @@ def write_partial_results(results: Dict[str, Any], out_dir: Path, stopped: BaseE
     them for a complete evaluation. A KeyboardInterrupt carries what was written (`kept`) to the command's last line,
     which would otherwise say that nothing was."""
     if isinstance(stopped, KeyboardInterrupt):
-        how = "SIGTERM" if str(stopped) == "SIGTERM" else "Ctrl-C"
+        how = interruption(stopped)
         results["tasks"] = {"interrupted": how}
         why = f"the lm-evaluation-harness tasks were interrupted ({how})"
     else:
@@ -482,20 +530,34 @@ def bucket_starts(seq_len: int, bucket_size: Optional[int], bucket_edges: Option
     return list(range(0, seq_len, bucket_size))
 
 
+class BatchesRead(NamedTuple):
+    """What the batches of one length read so far sum to (`evaluate_length`): the loss per position (fp64), the sum of
+    their blocks' checksums, their rows, their number and how many were short."""
+
+    sums: torch.Tensor
+    fingerprint: torch.Tensor
+    rows: int = 0
+    batches: int = 0
+    short_batches: int = 0
+
+
 @torch.no_grad()
 def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_batches: Optional[int],
                     starts: Sequence[int], eos_id: Optional[int] = None) -> Dict[str, Any]:
     """The loss of every token of the loader's batches ([B, seq_len + 1] blocks: inputs and shifted targets),
     in the loader's order, up to `max_batches` batches: summed per position (fp64), then the mean over all
     tokens (loss, perplexity) and over each bucket of positions, from each of `starts` to the next. With `eos_id`,
-    the state resets after each of its tokens."""
+    the state resets after each of its tokens. Interrupted (Ctrl-C, SIGTERM) after a batch or more, the
+    KeyboardInterrupt carries the result of the batches read (`measured`, marked partial), which is that of
+    --max_batches that many."""
     from tqdm import tqdm
 
     from fabric_lin.batches import batch_fingerprint
 
-    sums = torch.zeros(seq_len, dtype=torch.float64, device=fabric.device)
-    fingerprint = torch.zeros((), dtype=torch.int64, device=fabric.device)
-    rows = batches = short_batches = 0
+    # replaced whole after each batch (one assignment, new tensors): a KeyboardInterrupt, which comes between two
+    # statements, finds it as it was after some batch, never with one part of a batch counted and not another
+    read = BatchesRead(torch.zeros(seq_len, dtype=torch.float64, device=fabric.device),
+                       torch.zeros((), dtype=torch.int64, device=fabric.device))
     if fabric.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(fabric.device)
     try:
@@ -504,57 +566,71 @@ def evaluate_length(fabric, model, loader, seq_len: int, batch_size: int, max_ba
         expected_batches = max_batches
     if max_batches is not None and expected_batches is not None:
         expected_batches = min(expected_batches, max_batches)
-    # closed however the loop ends: a bar left open is drawn again when it is collected, after an error's line or
-    # Ctrl-C's, which would then not be the last
-    with tqdm(desc=f"seq_len {seq_len}", unit="tok", unit_scale=True, dynamic_ncols=True,
-              total=expected_batches * batch_size * seq_len if expected_batches else None) as progress:
-        start = time.perf_counter()
-        for batch in loader:
-            batch = batch.to(fabric.device).long()
-            if batch.shape[1] != seq_len + 1:
-                raise UserError(f"the validation loader gave blocks of {batch.shape[1]} tokens, expected seq_len + 1 = "
-                                f"{seq_len + 1}")
-            with fabric.autocast():
-                losses = token_losses(model, batch[:, :-1], batch[:, 1:], eos_id)
-            sums += losses.sum(0, dtype=torch.float64)
-            fingerprint += batch_fingerprint(batch)
-            rows += batch.shape[0]
-            batches += 1
-            short_batches += batch.shape[0] < batch_size
-            progress.update(batch.shape[0] * seq_len)
-            if batches == 1:  # weights or a precision that give no finite logits, told before the whole split is read
-                check_finite_loss(sums, seq_len, "its first batch")
-            if batches == max_batches:
-                break
-        sums = sums.cpu()  # waits for the device: the time below is the computation's
-        elapsed = time.perf_counter() - start
-    if batches == 0:
+    start = time.perf_counter()
+    try:
+        # closed however the loop ends: a bar left open is drawn again when it is collected, after an error's line or
+        # Ctrl-C's, which would then not be the last
+        with tqdm(desc=f"seq_len {seq_len}", unit="tok", unit_scale=True, dynamic_ncols=True,
+                  total=expected_batches * batch_size * seq_len if expected_batches else None) as progress:
+            for batch in loader:
+                batch = batch.to(fabric.device).long()
+                if batch.shape[1] != seq_len + 1:
+                    raise UserError(f"the validation loader gave blocks of {batch.shape[1]} tokens, expected seq_len + 1 "
+                                    f"= {seq_len + 1}")
+                with fabric.autocast():
+                    losses = token_losses(model, batch[:, :-1], batch[:, 1:], eos_id)
+                read = BatchesRead(read.sums + losses.sum(0, dtype=torch.float64),
+                                   read.fingerprint + batch_fingerprint(batch), read.rows + batch.shape[0],
+                                   read.batches + 1, read.short_batches + (batch.shape[0] < batch_size))
+                progress.update(batch.shape[0] * seq_len)
+                if read.batches == 1:  # weights or a precision that give no finite logits, told before the whole split is read
+                    check_finite_loss(read.sums, seq_len, "its first batch")
+                if read.batches == max_batches:
+                    break
+            sums = read.sums.cpu()  # waits for the device: the time below is the computation's
+            elapsed = time.perf_counter() - start
+    except KeyboardInterrupt as stopped:
+        sums = read.sums.cpu()
+        if read.batches and bool(torch.isfinite(sums).all()):
+            of = f" of {expected_batches}" if expected_batches else ""
+            batches = f"{read.batches}{of} batch{'es' if read.batches > 1 or of else ''}"
+            stopped.measured = {**length_result(read, sums, seq_len, batch_size, starts, time.perf_counter() - start,
+                                                fabric.device),
+                                "partial": f"interrupted ({interruption(stopped)}) after {batches}", "read": batches}
+        raise
+    if read.batches == 0:
         raise InvalidValue(
             f"seq_len {seq_len}: the validation data gives no block of {seq_len + 1} tokens; lower --seq_len"
         )
-    check_finite_loss(sums, seq_len, f"its {batches} batches")
-    tokens = rows * seq_len
+    check_finite_loss(sums, seq_len, f"its {read.batches} batches")
+    return length_result(read, sums, seq_len, batch_size, starts, elapsed, fabric.device)
+
+
+def length_result(read: BatchesRead, sums: torch.Tensor, seq_len: int, batch_size: int, starts: Sequence[int],
+                  elapsed: float, device: torch.device) -> Dict[str, Any]:
+    """One length's entry of evaluate.json, from the batches `read` (their loss per position: `sums`, on the CPU)."""
+    tokens = read.rows * seq_len
     loss = float(sums.sum() / tokens)
     starts = list(starts)
     ends = starts[1:] + [seq_len]
     return {
         "seq_len": seq_len,
-        "batches": batches,
+        "batches": read.batches,
         "batch_size": batch_size,
-        "short_batches": short_batches,
+        "short_batches": read.short_batches,
         "tokens": tokens,
         "loss": loss,
         "perplexity": math.exp(min(loss, 100.0)),
         "tokens_per_sec": tokens / max(elapsed, 1e-9),
         "seconds": elapsed,
-        "max_memory_gb": torch.cuda.max_memory_allocated(fabric.device) / 1e9 if fabric.device.type == "cuda" else None,
+        "max_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
         # the sum of the blocks' checksums (fabric_lin.batches): two evaluations with equal values read the same tokens
-        "data_fingerprint": int(fingerprint),
+        "data_fingerprint": int(read.fingerprint),
         "by_position": {
             "start": starts,
             "end": ends,
-            "loss": [float(sums[s:e].sum() / (rows * (e - s))) for s, e in zip(starts, ends)],
-            "tokens": [rows * (e - s) for s, e in zip(starts, ends)],
+            "loss": [float(sums[s:e].sum() / (read.rows * (e - s))) for s, e in zip(starts, ends)],
+            "tokens": [read.rows * (e - s) for s, e in zip(starts, ends)],
         },
     }
 
@@ -603,7 +679,9 @@ def plot_loss_by_position(results: Dict[str, Any], path: Path) -> bool:
     for length in results["lengths"]:
         buckets = length["by_position"]
         centres = [(s + e) / 2 for s, e in zip(buckets["start"], buckets["end"])]
-        axes.plot(centres, buckets["loss"], marker=".", label=f"seq_len {length['seq_len']} (loss {length['loss']:.3f})")
+        partial = f", partial: {length['batches']} batches" if "partial" in length else ""
+        axes.plot(centres, buckets["loss"], marker=".",
+                  label=f"seq_len {length['seq_len']} (loss {length['loss']:.3f}{partial})")
     axes.axvline(results["train_seq_len"], color="grey", linestyle="--", label=f"training length {results['train_seq_len']}")
     axes.set_xlabel("position in the sequence (tokens)")
     axes.set_ylabel("mean loss (nats per token)")

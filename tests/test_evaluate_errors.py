@@ -201,25 +201,79 @@ def error_after_progress(argv, capsys, exit_code: int = 2) -> str:
     return f"fabric-lin {argv[0]}:{line}"
 
 
-def test_ctrl_c_while_a_length_is_read_is_the_last_line_below_the_progress_bar(run, tmp_path, capsys, monkeypatch):
-    """The bar left open was drawn again when it was collected: the interruption's line began on the bar's line, and the
-    bar came again after it."""
+def interrupt_batch(monkeypatch, number: int, said: str = "") -> None:
+    """A KeyboardInterrupt (`said`: "" for Ctrl-C, "SIGTERM" as the command's handler raises it) as evaluate computes the
+    loss of its batch `number`, counted from 1 over every length."""
     import fabric_lin.evaluate
 
     batches = []
+    original = fabric_lin.evaluate.token_losses
 
-    def interrupted_on_the_second(*args):
+    def interrupted(*args):
         batches.append(args)
-        if len(batches) == 2:
-            raise KeyboardInterrupt
+        if len(batches) == number:
+            raise KeyboardInterrupt(said)
         return original(*args)
 
-    original = fabric_lin.evaluate.token_losses
-    monkeypatch.setattr(fabric_lin.evaluate, "token_losses", interrupted_on_the_second)
+    monkeypatch.setattr(fabric_lin.evaluate, "token_losses", interrupted)
+
+
+def test_ctrl_c_while_a_length_is_read_is_the_last_line_below_the_progress_bar(run, tmp_path, capsys, monkeypatch):
+    """The bar left open was drawn again when it was collected: the interruption's line began on the bar's line, and the
+    bar came again after it. With no batch evaluated, the line says that nothing was written."""
+    interrupt_batch(monkeypatch, 1)
     line = error_after_progress(["evaluate", str(run / "out" / "final"), "--out_dir", str(tmp_path / "evaluation")],
                                 capsys, exit_code=130)
-    assert line == "fabric-lin evaluate: interrupted: nothing half-written is left; run the same command again\n"
+    assert line == ("fabric-lin evaluate: interrupted: no batch of the validation data had been evaluated, so nothing was "
+                    "written; run the same command again\n")
     assert not (tmp_path / "evaluation").exists()
+
+
+@pytest.mark.parametrize("said, line, exit_code", [("", "interrupted", 130), ("SIGTERM", "stopped by SIGTERM", 143)])
+def test_ctrl_c_during_the_data_keeps_what_was_measured_marked_partial(run, tmp_path, capsys, monkeypatch, said, line,
+                                                                       exit_code):
+    """Ctrl-C (or SIGTERM) as the second of three lengths is read, 2 of its batches done: evaluate.json holds the first
+    length whole and the second over the batches read, each equal to an evaluation of those batches alone
+    (--max_batches), marked partial first thing in the file, the length and the tasks not reached named; the last line
+    says where it is. It wrote nothing: the minutes of the first length were lost."""
+    import fabric_lin.evaluate
+    from fabric_lin.cli import main as cli_main
+
+    for module in ("matplotlib", "matplotlib.figure"):  # no plot: this test does not look at it
+        monkeypatch.setitem(sys.modules, module, None)
+    final, out = run / "out" / "final", tmp_path / "out"
+    monkeypatch.setattr(fabric_lin.evaluate, "find_tasks", lambda *args: "tasks")  # the tasks are not reached
+    monkeypatch.setattr(fabric_lin.evaluate, "load_tasks", lambda manager, *args: manager)
+    interrupt_batch(monkeypatch, 3 + 3, said)  # the first length's 3 batches, the second's 2, then the third of those
+    argv = ["evaluate", str(final), "--seq_len", "[16, 32, 64]", "--max_batches", "3", "--tasks", "hellaswag",
+            "--out_dir", str(out)]
+    how = "SIGTERM" if said else "Ctrl-C"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == exit_code and "Traceback" not in err, err
+    assert err.rpartition("\r")[2].splitlines()[-1] + "\n" == (
+        f"fabric-lin evaluate: {line}: what had been measured is in {out / 'evaluate.json'}, marked "
+        f"partial (seq_len 16 whole, seq_len 32 over its first 2 of 3 batches): evaluate again with --overwrite true "
+        f"for the whole evaluation\n")
+    monkeypatch.undo()
+    results = json.loads((out / "evaluate.json").read_text())
+    assert next(iter(results)) == "partial"
+    assert results["partial"] == (f"the evaluation was interrupted ({how}) as it read seq_len 32: seq_len 16 is whole; "
+                                  f"seq_len 32 holds its first 2 of 3 batches; seq_len 64 and the tasks were not "
+                                  f"evaluated")
+    assert results["not_evaluated"] == {"seq_len": [64], "tasks": ["hellaswag"]}
+    for kept, (length, batches) in zip(results["lengths"], [(16, 3), (32, 2)], strict=True):
+        alone = evaluate(final, seq_len=length, max_batches=batches, out_dir=tmp_path / f"alone-{length}")["lengths"][0]
+        assert {key: kept[key] for key in ("loss", "data_fingerprint", "tokens", "batches", "by_position")} == {
+            key: alone[key] for key in ("loss", "data_fingerprint", "tokens", "batches", "by_position")}
+    assert "partial" not in results["lengths"][0]
+    assert results["lengths"][1]["partial"] == f"interrupted ({how}) after 2 of 3 batches"
+    assert cli_error(["evaluate", str(final), "--max_batches", "1", "--out_dir", str(out)], capsys) == (
+        f"fabric-lin evaluate: error: {out / 'evaluate.json'} holds the partial results of an earlier evaluation (it was "
+        f"interrupted as it read the validation data): write this one to another --out_dir, or replace them with "
+        f"--overwrite true\n")
 def test_a_model_whose_logits_are_not_finite_is_one_line_and_writes_nothing(run, tmp_path, capsys):
     """Weights holding a NaN (or a precision whose range the activations overflow): the loss is NaN, which evaluate.json
     held as `NaN` (no JSON: jq and JavaScript refuse the file) beside a plot of nothing, and the line said only
@@ -338,6 +392,7 @@ def test_an_earlier_evaluation_in_out_dir_is_kept_unless_overwrite(run, tmp_path
     two ways on; the first's results stay. With --overwrite true it replaces them, whole: a write cut short (Ctrl-C)
     leaves the earlier file as it was and no partial one beside it."""
     import fabric_lin.evaluate
+    from fabric_lin.cli import main as cli_main
 
     for module in ("matplotlib", "matplotlib.figure"):  # no plot: this test does not look at it
         monkeypatch.setitem(sys.modules, module, None)
