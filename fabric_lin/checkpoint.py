@@ -49,6 +49,7 @@ import yaml
 from fabric_lin.config import CONFIG_FILE
 from fabric_lin.errors import InvalidValue, MissingFile, UserError
 from fabric_lin.files import MANIFEST_FILE, STEP_FILE, is_training_checkpoint, write_error
+from fabric_lin.model_bytes import model_part_problems, with_model_checksum
 from fabric_lin.save_failures import all_gather_objects, failure_shared
 from fabric_lin.weights import MODEL_FILE, meta_model
 
@@ -273,13 +274,14 @@ def share(names: List[str], rank: int, world: int) -> List[str]:
 
 def write_manifest(fabric, directory: Path) -> Dict[str, Any]:
     """Write `directory`/manifest.json: size and CRC-32 of every other file, under FSDP each shard of
-    lit_model.pth/ too. Every rank calls it: the files are shared out (`share`), so that each rank reads
+    lit_model.pth/ too, with that of its bytes of the model (`fabric_lin.model_bytes`). Every rank calls it: the files are shared out (`share`), so that each rank reads
     (and fsyncs) about 1/world_size of a sharded checkpoint; rank 0 writes the manifest, atomically."""
     directory = Path(directory)
     rank, world = fabric.global_rank, fabric.world_size
     files = fabric.broadcast(checkpoint_files(directory) if rank == 0 else None, src=0)
     with failure_shared(fabric, directory):  # an fsync may be where a file system reports a full disk
-        mine = {name: file_checksum(directory / name, fsync=True) for name in share(files, rank, world)}
+        mine = {name: with_model_checksum(directory, name, file_checksum(directory / name, fsync=True))
+                for name in share(files, rank, world)}
     entries: Dict[str, Any] = {}
     for part in all_gather_objects(fabric, mine):
         entries.update(part)
@@ -316,18 +318,20 @@ class Verification:
         return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
 
 
-def verify_checkpoint(directory: Path, fabric=None) -> Verification:
+def verify_checkpoint(directory: Path, fabric=None, model_only: bool = False) -> Verification:
     """Check a checkpoint directory against its manifest: every file listed is there, of its size and
-    CRC-32. With `fabric`, every rank calls it and checks a share of the files; all get the whole result."""
+    CRC-32. With `fabric`, every rank calls it and checks a share of the files; all get the whole result.
+    `model_only`: of lit_model.pth, the bytes of the model alone, where they can be told apart (`fabric_lin.model_bytes`):
+    for a command that reads nothing else, not the optimizer's state, twice as large."""
     directory = Path(directory)
     rank, world = (fabric.global_rank, fabric.world_size) if fabric is not None else (0, 1)
-    problems = _verify_share(directory, rank, world)
+    problems = _verify_share(directory, rank, world, model_only)
     if fabric is not None and world > 1:
         problems = sorted({p for part in all_gather_objects(fabric, problems) for p in part})
     return Verification(directory, problems)
 
 
-def _verify_share(directory: Path, rank: int, world: int) -> List[str]:
+def _verify_share(directory: Path, rank: int, world: int, model_only: bool = False) -> List[str]:
     if not directory.is_dir():
         return [f"{directory} is not a directory"]
     manifest_path = directory / MANIFEST_FILE
@@ -346,11 +350,11 @@ def _verify_share(directory: Path, rank: int, world: int) -> List[str]:
     if not any(name == MODEL_FILE or name.startswith(MODEL_FILE + "/") for name in files):
         problems.append(f"{MANIFEST_FILE} lists no {MODEL_FILE}")
     for name in share(sorted(files), rank, world):
-        problems += _file_problems(directory, name, files[name])
+        problems += _file_problems(directory, name, files[name], model_only)
     return problems
 
 
-def _file_problems(directory: Path, name: str, expected: Dict[str, Any]) -> List[str]:
+def _file_problems(directory: Path, name: str, expected: Dict[str, Any], model_only: bool = False) -> List[str]:
     parts = Path(name).parts
     if Path(name).is_absolute() or ".." in parts or not parts:
         return [f"{MANIFEST_FILE} lists {name!r}, which is not a path inside the checkpoint"]
@@ -361,6 +365,9 @@ def _file_problems(directory: Path, name: str, expected: Dict[str, Any]) -> List
     if size != expected["size"]:
         how = "truncated" if size < expected["size"] else "grown"
         return [f"{name} has {size:,} bytes, {expected['size']:,} when it was written ({how})"]
+    model_part = model_part_problems(directory, name, expected) if model_only else None
+    if model_part is not None:
+        return model_part
     got = file_checksum(path)
     if got["size"] != expected["size"]:
         return [f"{name} changed size while it was read"]

@@ -400,7 +400,7 @@ def find_training_checkpoint(checkpoint_dir: Path, use: str) -> Tuple[Any, Path]
             f"{weights_path} is a directory without the torch.distributed.checkpoint `.metadata` file; "
             "expected Fabric's sharded FSDP checkpoint"
         )
-    check = verify_checkpoint(checkpoint_dir)
+    check = verify_checkpoint(checkpoint_dir, model_only=True)  # the model is all that is read of it
     if not check.ok:
         not_done = {"evaluate": "evaluated", "convert": "converted"}.get(use, "read")
         instead = "generate from" if use == "generate" else use

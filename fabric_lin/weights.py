@@ -102,12 +102,7 @@ def torch_load_tensors(path: Path, allow_numpy: bool = False):
     `allow_numpy` admits plain numpy arrays (what a NumPy RNG state is made of, in a training
     checkpoint's metadata); no other global is ever admitted. A file cut short is one InvalidValue naming it.
     """
-    safe = []
-    if allow_numpy:
-        import numpy as np
-
-        reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct  # numpy 2 / numpy 1
-        safe = [reconstruct, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in ("uint32", "int64", "float64"))]
+    safe = numpy_rng_globals() if allow_numpy else []
     # torch.load fails on a damaged file with any of these, by where the file breaks off
     with reading(path, "tensors written by torch.save", RuntimeError, OSError, EOFError, pickle.UnpicklingError):
         try:
@@ -124,6 +119,15 @@ def torch_load_tensors(path: Path, allow_numpy: bool = False):
             if not zipfile.is_zipfile(path):
                 raise
             raise not_plain_values(str(path), e) from None
+
+
+def numpy_rng_globals() -> list:
+    """What torch.load(weights_only=True) must admit, beyond tensors and plain values, to read a NumPy RNG state (plain
+    arrays), as a training checkpoint's train state holds one."""
+    import numpy as np
+
+    reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct  # numpy 2 / numpy 1
+    return [reconstruct, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in ("uint32", "int64", "float64"))]
 
 
 def not_plain_values(what: str, error: pickle.UnpicklingError) -> InvalidValue:

@@ -178,7 +178,8 @@ def test_a_checkpoint_deleted_or_replaced_while_it_is_read_is_one_line(run, tmp_
 
     patched = "verify_checkpoint" if when == "verifying" else "load_model_weights"
     original = getattr(kinds, patched)
-    monkeypatch.setattr(kinds, patched, lambda path, *args: (pretrain_meanwhile(), original(path, *args))[1])
+    monkeypatch.setattr(kinds, patched, lambda path, *args, **kwargs: (pretrain_meanwhile(),
+                                                                       original(path, *args, **kwargs))[1])
     assert cli_error(["evaluate", str(checkpoint), "--max_batches", "1"], capsys) == (
         f"fabric-lin evaluate: error: {checkpoint} was deleted or replaced while it was read: a running pretrain deletes "
         f"its oldest step-* checkpoints past train.keep_last_n, and replaces a checkpoint it saves again; evaluate it "

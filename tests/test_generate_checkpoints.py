@@ -6,6 +6,7 @@ checkpoint still being written, another model's weights, a damaged checkpoint, w
 before a training checkpoint's checksums are read)."""
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -29,10 +30,10 @@ class OneProcess:
 
 
 def training_checkpoint(model_dir: Path, checkpoint: Path, hparams: str = "model_name: gla-debug\n",
-                        sharded: bool = False) -> Path:
+                        sharded: bool = False, optimizer: Optional[dict] = None) -> Path:
     """A training checkpoint of the weights of `model_dir` as pretrain writes one: lit_model.pth (the model beside the
-    optimizer's state and the counters, or a directory of shards), the other files of the model directory,
-    hyperparameters.yaml (`hparams`), step.json, and manifest.json last."""
+    optimizer's state, `optimizer` or an empty one, and the counters, or a directory of shards), the other files of
+    the model directory, hyperparameters.yaml (`hparams`), step.json, and manifest.json last."""
     import torch.distributed.checkpoint as dcp
 
     from fabric_lin.checkpoint import write_manifest
@@ -43,10 +44,11 @@ def training_checkpoint(model_dir: Path, checkpoint: Path, hparams: str = "model
             shutil.copy(path, checkpoint)
     state = torch.load(model_dir / "lit_model.pth")
     if sharded:
-        dcp.save({"model": state}, checkpoint_id=checkpoint / "lit_model.pth", no_dist=True)
+        dcp.save({"model": state, **({"optimizer": optimizer} if optimizer else {})},
+                 checkpoint_id=checkpoint / "lit_model.pth", no_dist=True)
         torch.save({"step_count": 2}, checkpoint / "lit_model.pth" / "meta.pt")
     else:
-        torch.save({"model": state, "optimizer": {"state": {}}, "iter_num": 4, "step_count": 2},
+        torch.save({"model": state, "optimizer": optimizer or {"state": {}}, "iter_num": 4, "step_count": 2},
                    checkpoint / "lit_model.pth")
     (checkpoint / "hyperparameters.yaml").write_text(hparams)
     (checkpoint / "step.json").write_text('{"step_count": 2}\n')

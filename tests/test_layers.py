@@ -23,7 +23,7 @@ FLOORS = [
     # modules, the sample corpus and the long-document corpus
     ["fabric_lin.data"],
     # a run's files: checkpoints (whole or sharded), metrics, model directories
-    ["fabric_lin.sharded_checkpoint", "fabric_lin.metrics", "fabric_lin.save_failures"],
+    ["fabric_lin.sharded_checkpoint", "fabric_lin.model_bytes", "fabric_lin.metrics", "fabric_lin.save_failures"],
     ["fabric_lin.checkpoint"],
     ["fabric_lin.convert.model_dir", "fabric_lin.run_identity", "fabric_lin.run_start", "fabric_lin.rendezvous"],
     # the model a training run trains and its optimizer, as Fabric sets them up

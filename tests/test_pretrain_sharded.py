@@ -420,6 +420,7 @@ def test_a_sharded_checkpoint_is_converted_and_evaluated_in_one_process(four, tm
     from fabric_lin.data import SampleCorpus
     from fabric_lin.evaluate import main as evaluate
     from fabric_lin.model import GPT
+    from fabric_lin.model_bytes import model_ranges
     from fabric_lin.sharded_checkpoint import load_sharded_train_state
 
     final = four / "final"
@@ -432,13 +433,22 @@ def test_a_sharded_checkpoint_is_converted_and_evaluated_in_one_process(four, tm
                          out_dir=tmp_path / "eval-model")["lengths"][0]
     assert sharded["data_fingerprint"] == converted["data_fingerprint"] and sharded["loss"] == converted["loss"]
 
-    damaged = tmp_path / "damaged"
-    shutil.copytree(final, damaged)
-    with open(damaged / "lit_model.pth" / "__3_0.distcp", "r+b") as f:
-        f.seek(100)
-        f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
-    with pytest.raises(ValueError, match=r"the checkpoint is damaged: lit_model.pth/__3_0.distcp's bytes changed"):
-        convert_pretrained_checkpoint(damaged, tmp_path / "model2")
+    # each rank recorded the checksum of its shard's bytes of the model: a byte of them changed is refused, one of the
+    # optimizer's state, which a conversion does not read, is not
+    manifest = json.loads((final / "manifest.json").read_text())["files"]
+    assert all("model_crc32" in manifest[f"lit_model.pth/__{rank}_0.distcp"] for rank in range(4))
+    for entry in ("optimizer", "model"):
+        damaged = tmp_path / f"damaged-{entry}"
+        shutil.copytree(final, damaged)
+        offset, length = model_ranges(damaged / "lit_model.pth", entry)["__3_0.distcp"][0]
+        with open(damaged / "lit_model.pth" / "__3_0.distcp", "r+b") as f:
+            f.seek(offset + length // 2)
+            f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
+    convert_pretrained_checkpoint(tmp_path / "damaged-optimizer", tmp_path / "model-of-damaged-optimizer")
+    assert_same_contents(torch.load(tmp_path / "model-of-damaged-optimizer" / "lit_model.pth", weights_only=True), weights)
+    with pytest.raises(ValueError, match=r"the checkpoint is damaged: lit_model.pth/__3_0.distcp's bytes of the model "
+                                         r"changed"):
+        convert_pretrained_checkpoint(tmp_path / "damaged-model", tmp_path / "model2")
 
     class Loader:
         def load_state_dict(self, state):

@@ -530,8 +530,8 @@ def test_a_shard_gone_after_the_checkpoint_verified_is_named_by_the_command(tmp_
 
     checkpoint = sharded_training_checkpoint(tmp_path / "out" / "step-00000002")
 
-    def verified_then_pruned(directory, fabric=None):
-        check = verify_checkpoint(directory, fabric)
+    def verified_then_pruned(directory, fabric=None, model_only=False):
+        check = verify_checkpoint(directory, fabric, model_only)
         (checkpoint / "lit_model.pth" / "__0_0.distcp").unlink()
         return check
 

@@ -1,0 +1,132 @@
+"""evaluate, generate and convert_pretrained_checkpoint read a training checkpoint's model alone, and check only its
+bytes (fabric_lin.model_bytes), not the optimizer's state beside it (twice as large): a byte of that state changed on
+the disk leaves the model read whole and the text it generates that of the model directory, in either layout (one
+file: torch.save's zip records; sharded: the ranges of the shard files that .metadata places the model in), while a
+resume, which reads that state, still refuses the checkpoint; a byte of the model changed is refused as before. A
+sharded checkpoint whose manifest records no checksum of its model's bytes is checked whole."""
+import json
+import zipfile
+from pathlib import Path
+from typing import Tuple
+
+import pytest
+import torch
+
+from fabric_lin.checkpoint import verify_checkpoint, write_manifest
+from fabric_lin.checkpoint_kinds import load_checkpoint
+from fabric_lin.generate import main as generate
+from fabric_lin.model_bytes import model_ranges, model_records
+from helpers import cli_error, make_model_dir, small_config
+from test_generate_checkpoints import PROMPT, OneProcess, training_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+LAYOUTS = ("one file", "sharded")
+
+
+def optimizer_state(state: dict, sharded: bool) -> dict:
+    """AdamW's state after one step on a model of the weights `state`: keyed by parameter index as one device saves it,
+    or by parameter name as FSDP2 does."""
+    from fabric_lin.model import GPT
+
+    model = GPT(small_config())
+    model.load_state_dict(state)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long)).float().sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    if not sharded:
+        return saved
+    names = [name for name, _ in model.named_parameters()]
+    return {"state": {names[index]: value for index, value in saved["state"].items()}}
+
+
+def zip_record_offset(path: Path, name: str) -> int:
+    """Where the bytes of the record `name` of the zip archive `path` begin (after its local header)."""
+    with zipfile.ZipFile(path) as archive:
+        header = archive.getinfo(name).header_offset
+    with open(path, "rb") as f:
+        f.seek(header)
+        local = f.read(30)
+    return header + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+
+
+def byte_of(checkpoint: Path, layout: str, entry: str) -> Tuple[Path, int]:
+    """A file of the checkpoint and the place of a byte in it of the train state's `entry` ("model" or "optimizer"): the
+    middle of its largest record (one file) or of its longest range (sharded)."""
+    weights = checkpoint / "lit_model.pth"
+    if layout == "sharded":
+        (shard, ranges), = model_ranges(weights, entry).items()
+        offset, length = max(ranges, key=lambda span: span[1])
+        return weights / shard, offset + length // 2
+    with zipfile.ZipFile(weights) as archive:
+        of_model = model_records(archive)[1:]
+        storages = [info for info in archive.infolist() if "/data/" in info.filename]
+    chosen = [info for info in storages if (info.filename in of_model) == (entry == "model")]
+    largest = max(chosen, key=lambda info: info.file_size)
+    return weights, zip_record_offset(weights, largest.filename) + largest.file_size // 2
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Tuple[Path, dict]:
+    directory = tmp_path / "model"
+    return directory, make_model_dir(directory, small_config())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_byte_of_the_optimizer_s_state_changed_leaves_the_model_read_whole(model_dir, tmp_path, monkeypatch, layout):
+    import fabric_lin.sharded_checkpoint as sharded_checkpoint
+
+    directory, state = model_dir
+    checkpoint = training_checkpoint(directory, tmp_path / "run" / "final", sharded=layout == "sharded",
+                                     optimizer=optimizer_state(state, sharded=layout == "sharded"))
+    expected = generate(directory, prompt=PROMPT, max_new_tokens=8, temperature=0.0, device="cpu")
+    flip(*byte_of(checkpoint, layout, "optimizer"))
+    assert not verify_checkpoint(checkpoint).ok  # a resume's check, which reads the optimizer's state too
+    assert generate(checkpoint, prompt=PROMPT, max_new_tokens=8, temperature=0.0, device="cpu") == expected
+    asked = []  # what the sharded read asks DCP for: the model's entry alone
+    load = sharded_checkpoint.load_in_this_process
+    monkeypatch.setattr(sharded_checkpoint, "load_in_this_process",
+                        lambda path, wanted, *args: (asked.append(sorted(wanted)), load(path, wanted, *args))[1])
+    read = load_checkpoint(checkpoint, "generate").state_dict
+    assert read.keys() == state.keys() and all(torch.equal(read[name], state[name]) for name in state)
+    assert asked == ([["model"]] if layout == "sharded" else [])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_byte_of_the_model_changed_is_refused(model_dir, tmp_path, capsys, layout):
+    directory, state = model_dir
+    checkpoint = training_checkpoint(directory, tmp_path / "run" / "final", sharded=layout == "sharded",
+                                     optimizer=optimizer_state(state, sharded=layout == "sharded"))
+    path, offset = byte_of(checkpoint, layout, "model")
+    flip(path, offset)
+    err = cli_error(["generate", str(checkpoint), "--prompt", PROMPT, "--device", "cpu"], capsys)
+    changed = ("lit_model.pth/__0_0.distcp's bytes of the model changed since it was written (CRC-32 " if layout == "sharded"
+               else "lit_model.pth's bytes changed since it was written (its record lit_model/data/")
+    assert err.startswith(f"fabric-lin generate: error: {checkpoint}: the checkpoint is damaged: {changed}"), err
+    if layout == "one file":
+        assert ", of the model, does not give the CRC-32 that its zip directory records)." in err
+    assert err.endswith("It is not read; generate from an older checkpoint of the run\n"), err
+
+
+def test_a_sharded_checkpoint_whose_manifest_has_no_checksum_of_the_model_is_checked_whole(model_dir, tmp_path, capsys):
+    directory, state = model_dir
+    checkpoint = training_checkpoint(directory, tmp_path / "run" / "final", sharded=True,
+                                     optimizer=optimizer_state(state, sharded=True))
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert all("model_crc32" in entry for name, entry in manifest["files"].items() if name.endswith(".distcp"))
+    for entry in manifest["files"].values():
+        entry.pop("model_crc32", None)
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    flip(*byte_of(checkpoint, "sharded", "optimizer"))
+    assert "the checkpoint is damaged: lit_model.pth/__0_0.distcp's bytes changed since it was written" in cli_error(
+        ["generate", str(checkpoint), "--prompt", PROMPT, "--device", "cpu"], capsys)
+    write_manifest(OneProcess(), checkpoint)  # as pretrain writes it, with the model's checksum
+    assert generate(checkpoint, prompt=PROMPT, max_new_tokens=2, temperature=0.0, device="cpu").startswith(PROMPT)
