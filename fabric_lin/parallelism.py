@@ -144,6 +144,33 @@ def check_other_nodes_launched(num_nodes: int) -> None:
     )
 
 
+def check_launch_variables(devices: int, num_nodes: int) -> None:
+    """Refuse a launch variable that Fabric would read as what it is not, where more than one process meets: a
+    MASTER_PORT that is no port number (Fabric's int() of it stopped the command with a traceback; torchrun checks its
+    own), and, in Fabric's own launch (no torchrun, SLURM, LSF or MPI), a NODE_RANK (or GROUP_RANK) that is no node of
+    --num_nodes: its processes took ranks past the run's last and waited for the others until the join bound."""
+    from lightning_fabric.plugins.environments import (
+        LSFEnvironment,
+        MPIEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    if devices * num_nodes == 1 or TorchElasticEnvironment.detect():
+        return
+    port = os.environ.get("MASTER_PORT")
+    if port is not None and not (port.strip().isdigit() and 1 <= int(port) <= 65535):
+        raise InvalidValue(f"MASTER_PORT {port!r}: expected a port number from 1 to 65535 (a port free on node 0, the "
+                           f"same on every node; on one node, leave it unset for a free one)")
+    if any(environment.detect() for environment in (SLURMEnvironment, LSFEnvironment, MPIEnvironment)):
+        return
+    for name in ("NODE_RANK", "GROUP_RANK"):
+        value = os.environ.get(name)
+        if value is not None and not (value.strip().isdigit() and int(value) < num_nodes):
+            raise InvalidValue(f"{name} {value!r}: expected this node's number among the run's --num_nodes {num_nodes}, "
+                               f"from 0 to {num_nodes - 1} (0 on node 0, whose address MASTER_ADDR is)")
+
+
 def make_strategy(cuda: bool, devices: int, num_nodes: int, parallelism: ParallelismArgs,
                   precision: str) -> Union[str, Strategy]:
     """Fabric's strategy for `devices` processes on each of `num_nodes` nodes: "auto" for one process; else FSDP2

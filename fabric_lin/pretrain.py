@@ -49,6 +49,7 @@ from fabric_lin.lr_schedule import TokenSchedule, learning_rate
 from fabric_lin.metrics import MetricsWriter, make_logger
 from fabric_lin.model_setup import COMPILE_CACHE_DIR, build_model, gpt_options, make_optimizer, tune_gla_kernels
 from fabric_lin.parallelism import (
+    check_launch_variables,
     check_other_nodes_launched,
     check_torchrun_processes,
     free_gathered_weights,
@@ -167,6 +168,7 @@ def setup(
         )
     check_torchrun_processes(devices, num_nodes)
     check_other_nodes_launched(num_nodes)
+    check_launch_variables(devices, num_nodes)
     precision = precision or ("bf16-mixed" if cuda else "32-true")
     if precision == "16-mixed" and not cuda:
         # Fabric would run bf16-mixed instead, with a warning, while hyperparameters.yaml records 16-mixed

@@ -1,0 +1,63 @@
+"""Fabric's own multi-node launch (tutorials/multi_node.md: NODE_RANK, MASTER_ADDR and MASTER_PORT set by hand on each
+node) with a variable that is no node or port: one line naming the variable, its value and what is expected, before
+any process starts, where a MASTER_PORT or NODE_RANK that is no number was int()'s traceback, and a NODE_RANK past the
+last node (or any but 0 with --num_nodes 1) gave ranks past the run's last, which waited until the join bound (10
+minutes). torchrun checks its own port; its variables are not Fabric's launch."""
+import pytest
+
+from fabric_lin.errors import InvalidValue
+from helpers import cli_error
+
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                      "SLURM_NTASKS", "LSB_JOBID", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+BY_HAND = {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+EXPECTED_NODE = "expected this node's number among the run's --num_nodes 2, from 0 to 1 (0 on node 0, whose address " \
+                "MASTER_ADDR is)"
+EXPECTED_PORT = ("expected a port number from 1 to 65535 (a port free on node 0, the same on every node; on one "
+                 "node, leave it unset for a free one)")
+
+
+@pytest.mark.parametrize("name, value, expected", [("NODE_RANK", "x", EXPECTED_NODE), ("NODE_RANK", "2", EXPECTED_NODE),
+                                                   ("NODE_RANK", "-1", EXPECTED_NODE), ("MASTER_PORT", "abc", EXPECTED_PORT),
+                                                   ("MASTER_PORT", "70000", EXPECTED_PORT)])
+def test_a_launch_variable_that_is_no_node_or_port_is_one_line(tmp_path, capsys, monkeypatch, name, value, expected):
+    from fabric_lin.parallelism import check_launch_variables
+
+    for variable in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    for variable, given in {**BY_HAND, name: value}.items():
+        monkeypatch.setenv(variable, given)
+    with pytest.raises(InvalidValue):  # first: were the check missing, the command below would wait or fail later
+        check_launch_variables(1, 2)
+    err = cli_error(["pretrain", "--model_name", "gla-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1",
+                     "--train.global_batch_size", "2", "--train.micro_batch_size", "1", "--devices", "1",
+                     "--num_nodes", "2"], capsys)
+    assert err == f"fabric-lin pretrain: error: {name} {value!r}: {expected}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_node_rank_on_one_node_and_what_is_left_alone(monkeypatch):
+    """NODE_RANK 1 with --num_nodes 1 (left in the shell from a multi-node run): the processes took ranks 2 and 3 of a
+    run of 2. One process reads none of these variables; torchrun's processes and SLURM's node numbers are theirs."""
+    from fabric_lin.parallelism import check_launch_variables
+
+    for variable in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("NODE_RANK", "1")
+    with pytest.raises(InvalidValue, match=r"^NODE_RANK '1': expected this node's number among the run's --num_nodes 1, "
+                                           r"from 0 to 0 "):
+        check_launch_variables(2, 1)
+    check_launch_variables(1, 1)
+    monkeypatch.setenv("NODE_RANK", "0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    check_launch_variables(2, 1)
+    check_launch_variables(8, 4)
+    with monkeypatch.context() as slurm:
+        slurm.setenv("NODE_RANK", "7")
+        slurm.setenv("SLURM_NTASKS", "16")
+        slurm.setenv("SLURM_JOB_NAME", "gla")
+        slurm.setenv("SLURM_NODELIST", "n[1-2]")
+        slurm.setenv("SLURM_PROCID", "0")
+        slurm.setenv("SLURM_LOCALID", "0")
+        slurm.setenv("SLURM_NODEID", "0")
+        check_launch_variables(8, 2)
