@@ -19,10 +19,13 @@ pytest_plugins = ["pytester"]  # test_fabric_lin_process runs two tests with thi
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton_interpreter import reuse_type_objects, skip_repatching_in_helper_calls
+    import triton_interpreter
 
-    skip_repatching_in_helper_calls()
-    reuse_type_objects()
+    triton_interpreter.skip_repatching_in_helper_calls()
+    triton_interpreter.reuse_type_objects()
+    triton_interpreter.share_tensor_shapes()
+    triton_interpreter.skip_unasserted_overflow_checks()
+    triton_interpreter.skip_broadcasting_equal_shapes()
 
 MAX_WORKERS = 4  # pytest-xdist's `-n auto` (pyproject's addopts): one worker per core, at most this many
 
