@@ -121,6 +121,9 @@ def _as_fabric_lin(command: List[str], env: Dict[str, str], cwd: str, stdout: st
     of its own, to its exit as Python's: the exit code SystemExit's (1 after an uncaught exception's traceback), the
     atexit functions run."""
     os.setsid()
+    # Ctrl-C raises KeyboardInterrupt, as in a Python started in a terminal's foreground job, also where this pytest
+    # runs as a shell's background job (`pytest &`), which leaves SIGINT ignored in every process it starts
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

@@ -273,35 +273,28 @@ def test_gpu_decoding_matches_full_forward(name, dtype):
 
 def test_generate_prints_the_text_as_it_is_sampled_and_ctrl_c_keeps_it(tmp_path):
     """The prompt, then each token's text as it comes; a Ctrl-C (SIGINT to the foreground job) stops at once,
-    keeping what was printed, with the count of tokens and exit code 130."""
+    keeping what was printed, with the count of tokens and exit code 130. (The command is forked as the suite's
+    fabric-lin runs are, fabric_lin_process: its output goes to a file, read here while it runs.)"""
     import os
-    import signal
-    import subprocess
-    import sys
+
+    import fabric_lin_process
+    from helpers import ctrl_c, wait_for
 
     make_model_dir(tmp_path / "model", small_config())
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fabric_lin.cli", "generate", str(tmp_path / "model"), "--prompt", "the model",
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    proc = fabric_lin_process.start(
+        [*fabric_lin_process.FABRIC_LIN, "generate", str(tmp_path / "model"), "--prompt", "the model",
          "--max_new_tokens", "1000000", "--device", "cpu", "--top_k", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        # as in a terminal's foreground job: a shell's background job (`pytest &`) passes SIGINT on ignored
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    try:
-        printed = b""
-        while len(printed) <= len("the model") + 20:  # the prompt, then text of sampled tokens, while it runs
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            assert chunk, proc.stderr.read().decode()
-            printed += chunk
-        assert proc.poll() is None and printed.startswith(b"the model")
-        os.killpg(proc.pid, signal.SIGINT)
-        rest, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130
-    assert (printed + rest).endswith(b"\n")  # the text kept, its line ended
-    lines = err.decode().splitlines()
-    assert "Traceback" not in err.decode()
+        out, {**os.environ, "OMP_NUM_THREADS": "1"}, err_log=err)
+    # the prompt, then text of sampled tokens, while it runs
+    assert wait_for(lambda: len(out.read_bytes()) > len("the model") + 20, proc, timeout=60), err.read_text()
+    printed = out.read_bytes()
+    assert proc.poll() is None and printed.startswith(b"the model")
+    ctrl_c(proc)
+    assert proc.wait(60) == 130
+    assert out.read_bytes().startswith(printed) and out.read_bytes().endswith(b"\n")  # the text kept, its line ended
+    lines = err.read_text().splitlines()
+    assert "Traceback" not in err.read_text()
     assert lines[-1] == "fabric-lin generate: interrupted"
     count = int(lines[-2].split(" tokens in ")[0])
     assert 0 < count < 1000000
