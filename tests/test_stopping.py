@@ -70,10 +70,10 @@ dist.destroy_process_group()
 """
 
 
-def test_the_flags_of_one_rank_reach_every_rank():
-    """Two processes, this one and a peer (PEER_RANK): the peer's skipped update (left out here at once) and its stop
-    are this process's too, as is the signal it received during the start-up."""
-    import subprocess
+def test_the_flags_of_one_rank_reach_every_rank(tmp_path):
+    """Two processes, this one and a peer (PEER_RANK, forked as the suite's commands are, run in the repository so
+    that it imports this checkout's fabric_lin): the peer's skipped update (left out here at once) and its stop are
+    this process's too, as is the signal it received during the start-up."""
     import sys
     from datetime import timedelta
     from pathlib import Path
@@ -83,9 +83,10 @@ def test_the_flags_of_one_rank_reach_every_rank():
 
     store = dist.TCPStore("127.0.0.1", 0, world_size=2, is_master=True, timeout=timedelta(seconds=60),
                           wait_for_workers=False)
-    repository = str(Path(__file__).resolve().parents[1])
-    peer = subprocess.Popen([sys.executable, "-c", PEER_RANK, str(store.port)], cwd=repository,
-                            env={**os.environ, "PYTHONPATH": repository, "CUDA_VISIBLE_DEVICES": ""})
+    repository = Path(__file__).resolve().parents[1]
+    log = tmp_path / "peer.log"
+    peer = fabric_lin_process.start([sys.executable, "-c", PEER_RANK, str(store.port)], log,
+                                    {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, cwd=repository, scripts=True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=60))
     try:
         flags = StepFlags(SimpleNamespace(world_size=2))
@@ -96,7 +97,7 @@ def test_the_flags_of_one_rank_reach_every_rank():
         assert StopRequest().requested_on_any_rank(SimpleNamespace(world_size=2, device=torch.device("cpu")))
     finally:
         dist.destroy_process_group()
-        assert peer.wait(timeout=90) == 0
+        assert peer.wait(timeout=90) == 0, log.read_text()[-3000:]
 
 
 def test_scheduler_signals_and_ctrl_c_ask_for_a_stop_and_the_handlers_are_given_back():
