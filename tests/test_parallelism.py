@@ -423,15 +423,46 @@ def test_other_errors_pass_unchanged(error):
     assert raised.value is error
 
 
-# The ranks of the watch's test: a launching rank (no torch: it starts at once) that starts two ranks as Fabric's
-# launcher starts them, one still in the rendezvous and one past it, and ends once both are there; each rank writes
-# <role>.ready, and <role>.lost if its watch calls on_lost, or <role>.done if it outlived the launching rank
+# The watch's test: a launching rank that starts two ranks as Fabric's launcher starts them (its children, told its
+# process id), one still in the rendezvous and one past it, and ends once both are there; each rank writes
+# <role>.ready, and <role>.lost if its watch calls on_lost, or <role>.done if it outlived the launching rank. The
+# ranks are forked once the launching rank has imported fabric_lin.parallelism, so that they start at once (the
+# launching rank itself is forked by the test as the suite's scripts are: fabric_lin_process)
 LAUNCHING_RANK = """
-import os, subprocess, sys, time
-out, rank_script = sys.argv[1:]
-env = {**os.environ, "FABRIC_LIN_LAUNCHING_RANK_PID": str(os.getpid()), "LOCAL_RANK": "1"}
+import os, sys, time, traceback
+from fabric_lin.parallelism import launching_rank_watched
+out = sys.argv[1]
+
+
+def watched_rank(role):
+    parent = os.getppid()
+
+    def on_lost(lost):
+        open(os.path.join(out, role + ".lost"), "w").write(str(lost))
+        os._exit(75)
+
+    with launching_rank_watched(on_lost, poll_seconds=0.05):
+        if role == "joining":  # a rendezvous that does not end
+            open(os.path.join(out, role + ".ready"), "w").close()
+            time.sleep(60)
+    open(os.path.join(out, role + ".ready"), "w").close()
+    deadline = time.time() + 60
+    while os.getppid() == parent and time.time() < deadline:  # training on, past the launching rank's end
+        time.sleep(0.05)
+    time.sleep(0.5)
+    open(os.path.join(out, role + ".done"), "w").close()
+
+
 for role in ("joining", "joined"):
-    subprocess.Popen([sys.executable, rank_script, out, role], env=env)
+    if os.fork() == 0:
+        os.environ.update(FABRIC_LIN_LAUNCHING_RANK_PID=str(os.getppid()), LOCAL_RANK="1")
+        try:
+            watched_rank(role)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        os._exit(code)
 deadline = time.time() + 60
 while time.time() < deadline and not any(name.endswith(".lost") for name in os.listdir(out)) and not all(
         os.path.exists(os.path.join(out, role + ".ready")) for role in ("joining", "joined")):
@@ -440,46 +471,23 @@ time.sleep(0.5)  # a watch that fired while this rank is alive has written its f
 seen = " ".join(sorted(os.listdir(out)))
 open(os.path.join(out, "launcher.done"), "w").write(seen)
 """
-WATCHED_RANK = """
-import os, sys, time
-from fabric_lin.parallelism import launching_rank_watched
-out, role = sys.argv[1:]
-parent = os.getppid()
-
-def on_lost(lost):
-    open(os.path.join(out, role + ".lost"), "w").write(str(lost))
-    os._exit(75)
-
-with launching_rank_watched(on_lost, poll_seconds=0.05):
-    if role == "joining":  # a rendezvous that does not end
-        open(os.path.join(out, role + ".ready"), "w").close()
-        time.sleep(60)
-open(os.path.join(out, role + ".ready"), "w").close()
-deadline = time.time() + 60
-while os.getppid() == parent and time.time() < deadline:  # training on, past the launching rank's end
-    time.sleep(0.05)
-time.sleep(0.5)
-open(os.path.join(out, role + ".done"), "w").close()
-"""
 
 
 def test_a_rank_in_the_start_up_ends_when_the_rank_that_started_it_is_gone(tmp_path):
     """Fabric's launcher starts ranks 1.. from rank 0: one waiting in the rendezvous when rank 0 ends is told at once
     (its on_lost called, from the watch's thread), naming rank 0's process; one past the rendezvous is not watched any
     more (it ends as its collectives fail), and neither is told while rank 0 lives."""
-    import subprocess
     import time
 
+    import fabric_lin_process
+
     (tmp_path / "launcher.py").write_text(LAUNCHING_RANK)
-    (tmp_path / "rank.py").write_text(WATCHED_RANK)
     out = tmp_path / "out"
     out.mkdir()
-    launcher = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), str(out), str(tmp_path / "rank.py")],
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        assert launcher.wait(timeout=120) == 0
-    finally:
-        launcher.kill()  # ended already, unless the ranks never got ready
+    log = tmp_path / "launcher.log"
+    launcher = fabric_lin_process.start([sys.executable, str(tmp_path / "launcher.py"), str(out)], log,
+                                        {**os.environ, "OMP_NUM_THREADS": "1"}, scripts=True)
+    assert launcher.wait(timeout=120) == 0, log.read_text()[-3000:]
     assert (out / "launcher.done").read_text() == "joined.ready joining.ready"  # nothing told while rank 0 lived
     deadline = time.time() + 30
     while not ((out / "joining.lost").exists() and ((out / "joined.done").exists() or (out / "joined.lost").exists())) \
@@ -488,7 +496,7 @@ def test_a_rank_in_the_start_up_ends_when_the_rank_that_started_it_is_gone(tmp_p
     assert (out / "joining.lost").read_text() == (
         f"a peer process of the run ended or became unreachable during the start-up (process {launcher.pid}, the "
         f"rank that started this one, ended before every process had joined)")
-    assert (out / "joined.done").exists() and not (out / "joined.lost").exists()
+    assert (out / "joined.done").exists() and not (out / "joined.lost").exists(), log.read_text()[-3000:]
 
 
 def test_the_launching_rank_names_itself_to_the_ranks_it_starts(monkeypatch):
