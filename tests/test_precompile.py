@@ -75,21 +75,33 @@ def test_launches_are_recorded_inside_only_and_the_hook_before_is_put_back():
         knobs.runtime.jit_cache_hook = before
 
 
-@pytest.mark.slow
-def test_one_block_of_each_kind_launches_every_kernel_of_the_whole_model(tmp_path):
-    specs = [{"model": "gla-debug"},
-             {"model": "gla-debug", "config": {"attn_layers": [1, 3], "attn_num_heads": 2}},
-             {"model": "gdn-debug"},
-             {"model": "deltanet-debug", "eos_id": 2},  # packed documents: the varlen kernels
-             {"model": "transformer-debug"}]
-    for spec, found in zip(specs, run_child("find", specs, tmp_path)):
-        assert found["kernels"], f"no Triton kernel found: {spec}"
-        assert {tuple(k) for k in found["kernels"]} == {tuple(k) for k in found["whole_model"]}, spec
-        assert len({tuple(k) for k in found["kernels"]}) == len(found["kernels"])  # each specialization once
+# the models whose kernels `find` is asked for: every kind of block (test_one_block_of_each_kind_launches_every_...),
+# and the training step the interpreter runs (test_found_kernels_are_those_the_interpreter_runs_in_a_training_step)
+EVERY_KIND = [{"model": "gla-debug"},
+              {"model": "gla-debug", "config": {"attn_layers": [1, 3], "attn_num_heads": 2}},
+              {"model": "gdn-debug"},
+              {"model": "deltanet-debug", "eos_id": 2},  # packed documents: the varlen kernels
+              {"model": "transformer-debug"}]
+TRAINING_STEP = {"model": "gla-debug", "config": {"num_layers": 2}, "batch": 2, "seq": 128}
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory) -> list:
+    """What `find` returns for EVERY_KIND and TRAINING_STEP, in that order, from one child process (its imports of
+    torch, Triton and fabric-lin, about 2.5 s, paid once)."""
+    return run_child("find", [*EVERY_KIND, TRAINING_STEP], tmp_path_factory.mktemp("find"))
 
 
 @pytest.mark.slow
-def test_found_kernels_are_those_the_interpreter_runs_in_a_training_step(tmp_path):
+def test_one_block_of_each_kind_launches_every_kernel_of_the_whole_model(found):
+    for spec, kinds in zip(EVERY_KIND, found):
+        assert kinds["kernels"], f"no Triton kernel found: {spec}"
+        assert {tuple(k) for k in kinds["kernels"]} == {tuple(k) for k in kinds["whole_model"]}, spec
+        assert len({tuple(k) for k in kinds["kernels"]}) == len(kinds["kernels"])  # each specialization once
+
+
+@pytest.mark.slow
+def test_found_kernels_are_those_the_interpreter_runs_in_a_training_step(found):
     """The pass skips every launch (its tensors hold garbage); Triton's interpreter runs the same step for real."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the reference runs in Triton's interpreter (no GPU)")
@@ -97,8 +109,7 @@ def test_found_kernels_are_those_the_interpreter_runs_in_a_training_step(tmp_pat
 
     from fabric_lin.model import GPT
 
-    spec = {"model": "gla-debug", "config": {"num_layers": 2}, "batch": 2, "seq": 128}
-    found = run_child("find", [spec], tmp_path)[0]
+    step = found[len(EVERY_KIND)]
     launched = []
     run_grid = interpreter.GridExecutor.__call__
 
@@ -106,14 +117,14 @@ def test_found_kernels_are_those_the_interpreter_runs_in_a_training_step(tmp_pat
         launched.append(f"{self.fn.__module__}.{self.fn.__qualname__}")
         return run_grid(self, *args, **kwargs)
 
-    config = Config(**{**Config.from_name("gla-debug").to_dict(), "num_layers": 2})
+    config = Config(**{**Config.from_name(TRAINING_STEP["model"]).to_dict(), **TRAINING_STEP["config"]})
     model = GPT(config, fused=True)
-    input_ids = torch.full((2, 128), 1, dtype=torch.int64)
+    input_ids = torch.full((TRAINING_STEP["batch"], TRAINING_STEP["seq"]), 1, dtype=torch.int64)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(interpreter.GridExecutor, "__call__", recorded)
         model(input_ids, targets=input_ids).backward()
     assert len(set(launched)) >= 8
-    assert {name for name, _ in found["kernels"]} == set(launched)
+    assert {name for name, _ in step["kernels"]} == set(launched)
 
 
 # ---------------------------------------------------------------- the workers
@@ -243,10 +254,9 @@ def test_the_summary_comes_at_a_launch_of_a_kernel_already_compiled(tmp_path):
     precompile = Precompile(kernels, 1, log=logged.append)
     y.pre_run_hooks[0]("launch")
     assert logged == [] and len(z.pre_run_hooks) == 1
-    deadline = time.time() + 30
-    while not (tmp_path / "sleep-1").exists() and time.time() < deadline:  # z compiled
-        time.sleep(0.1)
-    time.sleep(2)  # its report sent (a loaded machine may take a while)
+    # z compiled and its report sent: the worker, with no kernel left to take, has ended
+    precompile.workers[0].join(timeout=30)
+    assert (tmp_path / "sleep-1").exists() and precompile.workers[0].exitcode == 0
     x.pre_run_hooks[0]("launch")
     assert len(logged) == 1 and logged[0].startswith("Precompiled 4 of the first step's 4 Triton kernels in 1 process, ")
     assert precompile.workers == []
