@@ -27,6 +27,9 @@ that an import reads before their imports (a script that sets TRITON_INTERPRET i
 last step of `fabric_lin.files.atomic_write`), says so on stdout and waits there: a test's signal then reaches the
 command mid-write, at a point it knows, not after a guessed sleep.
 
+`run(..., tmpfs=(PATH, SIZE, COPY_TO))` runs a command where PATH is a tmpfs of SIZE, in a mount namespace of its own
+(`enter_small_tmpfs`), and copies what it wrote there to COPY_TO at its end: a full disk without a new Python.
+
 `start_ranks` starts the processes of a multi-process run as torchrun's agents would, one per rank with torchrun's
 variables set, forked as above: Fabric then launches nothing itself, as under torchrun. (Fabric's own launch of
 `--devices N` starts the other ranks as new Pythons: a second import of torch for each.)
@@ -37,6 +40,7 @@ import multiprocessing.util
 import os
 import runpy
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,11 +119,38 @@ def _main_of(command: List[str]):
     return lambda: runpy.run_path(command[1], run_name="__main__")
 
 
+# Linux's constants (sched.h, mount.h) for enter_small_tmpfs
+CLONE_NEWNS, CLONE_NEWUSER, MS_REC, MS_PRIVATE = 0x00020000, 0x10000000, 0x4000, 0x40000
+
+
+def enter_small_tmpfs(path: str, size: str) -> None:
+    """This process (single-threaded, as a forked one is) in a user namespace of its own, where it is root, and a mount
+    namespace of its own, with `path` a tmpfs of `size` (e.g. "1536k"): what `unshare --user --map-root-user --mount
+    sh -c "mount -t tmpfs -o size=SIZE tmpfs PATH"` makes for the commands it runs. The tmpfs goes with the process;
+    other processes see neither it nor the namespaces. OSError where the kernel refuses a step."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"{what}: {os.strerror(error)}")
+
+    uid, gid = os.getuid(), os.getgid()
+    check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare")
+    for name, line in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+        Path(f"/proc/self/{name}").write_text(line)
+    # mounts made here stay here (unshare's own --propagation private)
+    check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+    check(libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", 0, f"size={size}".encode()), f"mount tmpfs {path}")
+
+
 def _as_fabric_lin(command: List[str], env: Dict[str, str], cwd: str, stdout: str, stderr: str,
-                   held_before: Optional[str] = None) -> None:
+                   held_before: Optional[str] = None, tmpfs: Optional[Tuple[str, str, Optional[str]]] = None) -> None:
     """In the forked process: become `command` (a fabric-lin command, or a Python script: `_main_of`) in a session
     of its own, to its exit as Python's: the exit code SystemExit's (1 after an uncaught exception's traceback), the
-    atexit functions run."""
+    atexit functions run. `tmpfs`: (path, size, copy_to), as `run` takes it."""
     os.setsid()
     # Ctrl-C raises KeyboardInterrupt, as in a Python started in a terminal's foreground job, also where this pytest
     # runs as a shell's background job (`pytest &`), which leaves SIGINT ignored in every process it starts
@@ -133,6 +164,8 @@ def _as_fabric_lin(command: List[str], env: Dict[str, str], cwd: str, stdout: st
         os.close(target)
     if held_before:
         hold_before_renaming_onto(held_before)
+    if tmpfs is not None:
+        enter_small_tmpfs(tmpfs[0], tmpfs[1])
     main = _main_of(command)
     multiprocessing.set_start_method(None, force=True)  # the platform's own (fork on Linux), not the forkserver
     interrupted = False
@@ -147,6 +180,8 @@ def _as_fabric_lin(command: List[str], env: Dict[str, str], cwd: str, stdout: st
     # Out of the except blocks, the failure's traceback no longer holds the run's frames, nor what they hold (the
     # DataLoader's workers, shut down as their iterator goes): as at Python's exit, before the atexit functions
     atexit._run_exitfuncs()
+    if tmpfs is not None and tmpfs[2] is not None:  # before the tmpfs goes with this process
+        shutil.copytree(tmpfs[0], tmpfs[2], symlinks=True, dirs_exist_ok=True)
     if interrupted:  # Python ends on an uncaught KeyboardInterrupt by SIGINT, its default action, once it is done
         sys.stdout.flush()
         sys.stderr.flush()
@@ -207,13 +242,19 @@ def start(command: List[str], log: Union[str, Path], env: Optional[Dict[str, str
 
 
 def run(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None, cwd: Union[str, Path, None] = None,
-        scripts: bool = False) -> subprocess.CompletedProcess:
+        scripts: bool = False, tmpfs: Optional[Tuple[Union[str, Path], str, Union[str, Path, None]]] = None
+        ) -> subprocess.CompletedProcess:
     """`command` to its end, its output captured. Past `timeout` seconds it is killed and TimeoutError names it;
     however the wait ends, even at the command's own end, no process it started is left running. `cwd` and `scripts`
-    as for `start`."""
+    as for `start`. `tmpfs`: (path, size, copy_to) - the command runs where `path` (an empty directory) is a tmpfs of
+    `size` (`enter_small_tmpfs`), and what it wrote there is copied into `copy_to` (None: nowhere) as it ends; for a
+    command that is forked, which one with a tmpfs must be."""
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        job = _start(command, str(out), str(err), env, cwd=cwd, scripts=scripts)
+        if tmpfs is not None:
+            assert forkable(command, env, scripts), f"a command with a tmpfs must be one that is forked: {command}"
+            tmpfs = (str(tmpfs[0]), tmpfs[1], None if tmpfs[2] is None else str(tmpfs[2]))
+        job = _start(command, str(out), str(err), env, cwd=cwd, scripts=scripts, tmpfs=tmpfs)
         try:
             [returncode] = wait_all([job], timeout)
         finally:
@@ -222,7 +263,7 @@ def run(command: List[str], timeout: float, env: Optional[Dict[str, str]] = None
 
 
 def _start(command, stdout: str, stderr: str, env, held_before: Optional[str] = None, cwd=None,
-           scripts: bool = False) -> Job:
+           scripts: bool = False, tmpfs=None) -> Job:
     global _forkserver
     logs = list(dict.fromkeys((stdout, stderr)))
     for path in logs:  # there before start returns, as a subprocess's output file is
@@ -242,7 +283,8 @@ def _start(command, stdout: str, stderr: str, env, held_before: Optional[str] = 
             _forkserver = multiprocessing.get_context("forkserver")
             _forkserver.set_forkserver_preload(PRELOADED)
         process = _forkserver.Process(target=_as_fabric_lin, daemon=False, args=(
-            command, dict(os.environ if env is None else env), str(cwd or os.getcwd()), stdout, stderr, held_before))
+            command, dict(os.environ if env is None else env), str(cwd or os.getcwd()), stdout, stderr, held_before,
+            tmpfs))
         process.start()
         job = ForkedRun(command, process, logs)
     _unstopped.append(job)

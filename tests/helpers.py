@@ -215,7 +215,10 @@ def start_debug_run(out_dir: Path, *extra: str, env: Optional[Dict[str, str]] = 
 def run_with_a_small_tmpfs(small: Path, size: str, argv, *, env: str = "", copy_to: Path = None):
     """`argv` run where `small` is a tmpfs of `size` (a mount namespace of its own, with a user namespace where the
     user may not mount), after `env` (NAME=value words); what it wrote there is copied to `copy_to`, as the tmpfs
-    goes with the namespace. Skips the test where no tmpfs can be mounted."""
+    goes with the namespace. Skips the test where no tmpfs can be mounted. A command that is forked with nothing
+    set in its environment is forked into the namespace (fabric_lin_process.run's tmpfs), not a new Python: a new
+    Python in `sh` under `unshare` costs seconds of imports. (`env`'s variables may be read by a library at its
+    import, which a forked command has done already: TMPDIR, by tempfile's first use.)"""
     if shutil.which("unshare") is None:
         pytest.skip("needs util-linux's unshare")
     small.mkdir()
@@ -224,6 +227,8 @@ def run_with_a_small_tmpfs(small: Path, size: str, argv, *, env: str = "", copy_
     probe = subprocess.run([*unshare, mount], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {probe.stderr.decode().strip()}")
+    if not env and fabric_lin_process.forkable(list(argv), None):
+        return fabric_lin_process.run(list(argv), RUN_TIMEOUT, tmpfs=(small, size, copy_to))
     copy = f"cp -a {small}/. {copy_to}" if copy_to is not None else "true"
     script = f'{mount} && {{ env {env} "$@"; status=$?; {copy}; exit $status; }}'
     return subprocess.run([*unshare, script, "sh", *argv], capture_output=True, text=True, timeout=RUN_TIMEOUT)

@@ -297,7 +297,6 @@ def test_a_failed_conversion_removes_the_directories_it_created(tmp_path, monkey
     assert (tmp_path / "kept").is_dir()
 
 
-@pytest.mark.slow  # a new Python in a mount namespace of its own: seconds
 @pytest.mark.parametrize("command", ["convert_pretrained_checkpoint", "convert_to_hf"])
 def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_model(tmp_path, command):
     """The output on a file system of 1.5 MiB, smaller than the model's weights (2 MB and more): torch.save's zip writer and
