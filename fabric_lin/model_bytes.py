@@ -62,13 +62,15 @@ def single_file_problems(path: Path) -> Optional[List[str]]:
     record = "data.pkl"
     try:
         with zipfile.ZipFile(path) as archive:
+            # saved without CRC-32s (torch.utils.serialization.config.save.compute_crc32 off), data.pkl's 0 too: no
+            # record can be checked, not even read (zipfile would take each for damaged)
+            if any(info.CRC == 0 and info.file_size for info in archive.infolist()):
+                return None
             try:
                 records = model_records(archive)  # its data.pkl read whole, so checked against its CRC-32
             except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, AttributeError, RuntimeError):
                 return None  # as it was written, and not what a train state is: the loader's error says what it holds
             for record in records:
-                if archive.getinfo(record).CRC == 0 and archive.getinfo(record).file_size:
-                    return None  # saved without CRC-32s (torch.serialization.config.save.compute_crc32 off)
                 with archive.open(record) as f:  # raises BadZipFile at the end of bytes that do not give its CRC-32
                     while f.read(READ_BLOCK):
                         pass

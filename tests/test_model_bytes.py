@@ -130,3 +130,39 @@ def test_a_sharded_checkpoint_whose_manifest_has_no_checksum_of_the_model_is_che
         ["generate", str(checkpoint), "--prompt", PROMPT, "--device", "cpu"], capsys)
     write_manifest(OneProcess(), checkpoint)  # as pretrain writes it, with the model's checksum
     assert generate(checkpoint, prompt=PROMPT, max_new_tokens=2, temperature=0.0, device="cpu").startswith(PROMPT)
+
+
+def small_train_state() -> dict:
+    """A train state of a few small tensors: the model's, the optimizer's beside them, and a counter."""
+    generator = torch.Generator().manual_seed(0)
+    model = {"wte.weight": torch.randn(5, 3, generator=generator), "head.weight": torch.randn(70, generator=generator)}
+    optimizer = {"state": {"wte.weight": {"exp_avg": torch.randn(5, 3, generator=generator), "step": torch.tensor(1.0)}}}
+    return {"model": model, "optimizer": optimizer, "iter_num": 4}
+
+
+def one_file_checkpoint(directory: Path) -> Path:
+    """A training checkpoint of `small_train_state` in one file, and its manifest (what verify_checkpoint reads)."""
+    directory.mkdir()
+    torch.save(small_train_state(), directory / "lit_model.pth")
+    write_manifest(OneProcess(), directory)
+    return directory
+
+
+def test_a_one_file_checkpoint_saved_without_zip_checksums_is_checked_whole(tmp_path, monkeypatch):
+    """torch.save with its CRC-32s turned off (torch.utils.serialization.config.save.compute_crc32) records 0 for each
+    record, data.pkl's too: the file is whole, and was refused as damaged; a byte of it changed is refused by the whole
+    file's CRC-32 in the manifest."""
+    from torch.utils.serialization import config
+
+    monkeypatch.setattr(config.save, "compute_crc32", False)
+    checkpoint = one_file_checkpoint(tmp_path / "final")
+    monkeypatch.undo()
+    weights = checkpoint / "lit_model.pth"
+    with zipfile.ZipFile(weights) as archive:
+        assert {info.CRC for info in archive.infolist()} == {0}
+        storages = [info for info in archive.infolist() if "/data/" in info.filename]
+    largest = max(storages, key=lambda info: info.file_size)  # the model's head.weight
+    assert verify_checkpoint(checkpoint, model_only=True).ok
+    flip(weights, zip_record_offset(weights, largest.filename) + largest.file_size // 2)
+    assert verify_checkpoint(checkpoint, model_only=True).describe().startswith(
+        "lit_model.pth's bytes changed since it was written (CRC-32 ")
