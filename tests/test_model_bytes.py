@@ -140,12 +140,54 @@ def small_train_state() -> dict:
     return {"model": model, "optimizer": optimizer, "iter_num": 4}
 
 
+def test_the_model_s_ranges_hold_its_tensors_alone_and_their_checksum_is_of_those_bytes(tmp_path, monkeypatch):
+    """Each byte range that model_ranges places the model in holds one of its tensors whole, as torch.load reads it back
+    from those bytes alone, every tensor once and nothing else (not the optimizer's, not the counter), in the order of
+    the file; the manifest's model_crc32 is zlib's CRC-32 of those bytes one after the other, however many blocks they
+    are read in, as 8 hex digits (those of 0 where a shard holds none of the model)."""
+    import io
+    import zlib
+
+    import torch.distributed.checkpoint as dcp
+
+    import fabric_lin.model_bytes as model_bytes
+    from fabric_lin.model_bytes import ranges_crc32, with_model_checksum
+
+    state = small_train_state()
+    dcp.save(state, checkpoint_id=tmp_path / "lit_model.pth", no_dist=True)
+    shard = tmp_path / "lit_model.pth" / "__0_0.distcp"
+    data = shard.read_bytes()
+    (name, ranges), = model_ranges(tmp_path / "lit_model.pth").items()
+    assert name == shard.name and ranges == sorted(ranges) and len(ranges) == len(state["model"])
+    read = [torch.load(io.BytesIO(data[offset:offset + length]), weights_only=True) for offset, length in ranges]
+    assert sorted(tensor.numel() for tensor in read) == [15, 70]
+    assert all(any(torch.equal(tensor, kept) for tensor in read) for kept in state["model"].values())
+    monkeypatch.setattr(model_bytes, "READ_BLOCK", 100)  # each tensor's bytes in several reads
+    expected = zlib.crc32(b"".join(data[offset:offset + length] for offset, length in ranges))
+    entry = with_model_checksum(tmp_path, "lit_model.pth/__0_0.distcp", {"size": len(data)})
+    assert entry == {"size": len(data), "model_crc32": f"{expected:08x}"}
+    assert ranges_crc32(shard, []) == "00000000"
+
+
 def one_file_checkpoint(directory: Path) -> Path:
     """A training checkpoint of `small_train_state` in one file, and its manifest (what verify_checkpoint reads)."""
     directory.mkdir()
     torch.save(small_train_state(), directory / "lit_model.pth")
     write_manifest(OneProcess(), directory)
     return directory
+
+
+def test_a_one_file_checkpoint_whose_zip_directory_does_not_read_is_refused(tmp_path):
+    """A byte of the zip archive's end record changed: the file is no zip archive any more, so its records cannot be
+    told apart, and the whole file's CRC-32 refuses it, as it does a resume."""
+    checkpoint = one_file_checkpoint(tmp_path / "final")
+    weights = checkpoint / "lit_model.pth"
+    assert verify_checkpoint(checkpoint, model_only=True).ok
+    flip(weights, weights.stat().st_size - 22)  # the end of central directory record's signature
+    assert not zipfile.is_zipfile(weights)
+    for model_only in (True, False):
+        check = verify_checkpoint(checkpoint, model_only=model_only)
+        assert check.describe().startswith("lit_model.pth's bytes changed since it was written (CRC-32 "), model_only
 
 
 def test_a_one_file_checkpoint_saved_without_zip_checksums_is_checked_whole(tmp_path, monkeypatch):
