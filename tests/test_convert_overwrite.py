@@ -5,6 +5,7 @@ loadable), its evaluation and the user's own files; completed, it holds the new 
 Neither leaves a staging file, and one that a kill -9 left is removed by the next conversion (so is a file or a
 link at its name, not what the link names). A signal as the new model moves in waits for its end, and the command's
 last line then says that the model is whole."""
+import contextlib
 import shutil
 import signal
 from pathlib import Path
@@ -251,3 +252,55 @@ def test_a_signal_as_the_new_model_moves_in_ends_the_command_saying_the_model_is
                                     f"went on to its end)")
     assert files_of(out) == {**files_of(tmp_path / "alone"), **USERS_FILES}
     assert not (out / STAGING_DIR).exists()
+
+
+def test_a_signal_as_the_files_move_in_ends_the_block_once_the_directory_is_synced(tmp_path, monkeypatch):
+    """Ctrl-C as the earlier model goes: the block goes on to put the new files in place and sync the directory, whose
+    renames a power cut would otherwise undo, then ends as a KeyboardInterrupt that says the model is whole."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "lit_model.pth").write_bytes(b"earlier")
+    synced = []
+    sync = model_dir.sync_to_disk
+    monkeypatch.setattr(model_dir, "sync_to_disk", lambda path: (synced.append(Path(path).name), sync(path)))
+    remove = model_dir.remove_earlier_model
+    monkeypatch.setattr(model_dir, "remove_earlier_model",
+                        lambda directory: (signal.raise_signal(signal.SIGINT), remove(directory)))
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            with model_dir.model_written_aside(out) as staging:
+                (staging / "lit_model.pth").write_bytes(b"new")
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    assert synced == ["lit_model.pth", "out"]
+    assert "the new model in" in stopped.value.kept and files_of(out) == {Path("lit_model.pth"): b"new"}
+
+
+@pytest.mark.parametrize("signum, action, said", [(signal.SIGTERM, signal.SIG_DFL, "SIGTERM"),
+                                                  (signal.SIGINT, signal.SIG_DFL, ""),
+                                                  (signal.SIGTERM, signal.SIG_IGN, None)])
+def test_a_signal_deferred_at_its_default_action_ends_the_block_as_the_cli_tells_it(signum, action, said):
+    """A signal whose action is to end the process ends the block, once done, as a KeyboardInterrupt that the CLI tells
+    by its text: SIGTERM's (143, "stopped by SIGTERM"), or none for SIGINT (130, "interrupted"); one that is ignored is
+    dropped. Off the main thread, where Python runs no handler and sets none, the block runs as it is."""
+    import threading
+
+    from fabric_lin.checkpoint import signals_deferred
+
+    inherited = signal.signal(signum, action)
+    done = []
+    try:
+        with pytest.raises(KeyboardInterrupt) if said is not None else contextlib.nullcontext() as stopped:
+            with signals_deferred(signal.SIGINT, signal.SIGTERM):
+                signal.raise_signal(signum)
+                done.append(signum)
+        assert done == [signum] and signal.getsignal(signum) == action
+        if said is not None:
+            assert str(stopped.value) == said
+        thread = threading.Thread(target=lambda: done.append(signals_deferred(signum).__enter__()))
+        thread.start()
+        thread.join()
+        assert len(done) == 2 and signal.getsignal(signum) == action
+    finally:
+        signal.signal(signum, inherited)
