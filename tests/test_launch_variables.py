@@ -61,3 +61,45 @@ def test_node_rank_on_one_node_and_what_is_left_alone(monkeypatch):
         slurm.setenv("SLURM_LOCALID", "0")
         slurm.setenv("SLURM_NODEID", "0")
         check_launch_variables(8, 2)
+
+
+def launched_by_hand(monkeypatch, **variables) -> None:
+    """The environment of one node of Fabric's own launch (BY_HAND), with `variables` set beside or over it."""
+    for variable in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    for variable, given in {**BY_HAND, **variables}.items():
+        monkeypatch.setenv(variable, given)
+
+
+@pytest.mark.parametrize("name, value", [("MASTER_PORT", "0"), ("MASTER_PORT", "65536"), ("MASTER_PORT", ""),
+                                         ("GROUP_RANK", "2")])
+def test_a_port_past_either_end_an_empty_one_and_a_group_rank_past_the_last_node_are_refused(monkeypatch, name, value):
+    """Port 0 is "any free port" to the process that listens, which the other nodes cannot know; the empty port was
+    int()'s traceback; GROUP_RANK is Fabric's node number where NODE_RANK is not set."""
+    launched_by_hand(monkeypatch, **{name: value})
+    if name == "GROUP_RANK":
+        monkeypatch.delenv("NODE_RANK")
+    from fabric_lin.parallelism import check_launch_variables
+
+    with pytest.raises(InvalidValue, match=rf"^{name} {value!r}: expected "):
+        check_launch_variables(1, 2)
+
+
+def test_what_fabric_reads_as_a_port_and_node_and_other_launchers_variables_are_left_alone(monkeypatch):
+    """The last port and one written with spaces around it (Fabric's int() reads it) pass. Under torchrun a NODE_RANK
+    left in the shell is not read (GROUP_RANK is), nor under LSF's jsrun; SLURM's MASTER_PORT is read, and checked."""
+    from fabric_lin.parallelism import check_launch_variables
+
+    for port in ("65535", " 29500\n"):
+        launched_by_hand(monkeypatch, MASTER_PORT=port, NODE_RANK="1")
+        check_launch_variables(4, 2)
+    launched_by_hand(monkeypatch, NODE_RANK="5", TORCHELASTIC_RUN_ID="run", GROUP_RANK="1", RANK="4", LOCAL_RANK="0",
+                     WORLD_SIZE="8", LOCAL_WORLD_SIZE="4")
+    check_launch_variables(4, 2)
+    launched_by_hand(monkeypatch, NODE_RANK="5", LSB_JOBID="1", LSB_DJOB_RANKFILE="/tmp/ranks",
+                     JSM_NAMESPACE_LOCAL_RANK="0", JSM_NAMESPACE_SIZE="8")
+    check_launch_variables(4, 2)
+    launched_by_hand(monkeypatch, MASTER_PORT="abc", SLURM_NTASKS="8", SLURM_JOB_NAME="gla", SLURM_NODELIST="n[1-2]",
+                     SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
+    with pytest.raises(InvalidValue, match=r"^MASTER_PORT 'abc': expected a port number from 1 to 65535"):
+        check_launch_variables(4, 2)
