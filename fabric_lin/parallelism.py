@@ -159,14 +159,14 @@ def check_launch_variables(devices: int, num_nodes: int) -> None:
     if devices * num_nodes == 1 or TorchElasticEnvironment.detect():
         return
     port = os.environ.get("MASTER_PORT")
-    if port is not None and not (port.strip().isdigit() and 1 <= int(port) <= 65535):
+    if port is not None and not (port.strip().isdecimal() and 1 <= int(port) <= 65535):
         raise InvalidValue(f"MASTER_PORT {port!r}: expected a port number from 1 to 65535 (a port free on node 0, the "
                            f"same on every node; on one node, leave it unset for a free one)")
     if any(environment.detect() for environment in (SLURMEnvironment, LSFEnvironment, MPIEnvironment)):
         return
     for name in ("NODE_RANK", "GROUP_RANK"):
         value = os.environ.get(name)
-        if value is not None and not (value.strip().isdigit() and int(value) < num_nodes):
+        if value is not None and not (value.strip().isdecimal() and int(value) < num_nodes):
             raise InvalidValue(f"{name} {value!r}: expected this node's number among the run's --num_nodes {num_nodes}, "
                                f"from 0 to {num_nodes - 1} (0 on node 0, whose address MASTER_ADDR is)")
 

@@ -72,10 +72,11 @@ def launched_by_hand(monkeypatch, **variables) -> None:
 
 
 @pytest.mark.parametrize("name, value", [("MASTER_PORT", "0"), ("MASTER_PORT", "65536"), ("MASTER_PORT", ""),
-                                         ("GROUP_RANK", "2")])
+                                         ("GROUP_RANK", "2"), ("NODE_RANK", "\u00b2"), ("MASTER_PORT", "\u00b2")])
 def test_a_port_past_either_end_an_empty_one_and_a_group_rank_past_the_last_node_are_refused(monkeypatch, name, value):
     """Port 0 is "any free port" to the process that listens, which the other nodes cannot know; the empty port was
-    int()'s traceback; GROUP_RANK is Fabric's node number where NODE_RANK is not set."""
+    int()'s traceback; GROUP_RANK is Fabric's node number where NODE_RANK is not set. A superscript two is a digit to
+    str.isdigit, not to int(), whose traceback it was."""
     launched_by_hand(monkeypatch, **{name: value})
     if name == "GROUP_RANK":
         monkeypatch.delenv("NODE_RANK")
