@@ -190,15 +190,18 @@ def test_a_one_file_checkpoint_whose_zip_directory_does_not_read_is_refused(tmp_
         assert check.describe().startswith("lit_model.pth's bytes changed since it was written (CRC-32 "), model_only
 
 
-def test_a_one_file_checkpoint_saved_without_zip_checksums_is_checked_whole(tmp_path, monkeypatch):
+def test_a_one_file_checkpoint_saved_without_zip_checksums_is_checked_whole(tmp_path):
     """torch.save with its CRC-32s turned off (torch.utils.serialization.config.save.compute_crc32) records 0 for each
     record, data.pkl's too: the file is whole, and was refused as damaged; a byte of it changed is refused by the whole
     file's CRC-32 in the manifest."""
     from torch.utils.serialization import config
 
-    monkeypatch.setattr(config.save, "compute_crc32", False)
-    checkpoint = one_file_checkpoint(tmp_path / "final")
-    monkeypatch.undo()
+    computed = config.save.compute_crc32  # (monkeypatch's undo would delete the setting: a config module's own)
+    config.save.compute_crc32 = False
+    try:
+        checkpoint = one_file_checkpoint(tmp_path / "final")
+    finally:
+        config.save.compute_crc32 = computed
     weights = checkpoint / "lit_model.pth"
     with zipfile.ZipFile(weights) as archive:
         assert {info.CRC for info in archive.infolist()} == {0}
