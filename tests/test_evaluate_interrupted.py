@@ -61,9 +61,10 @@ def test_an_interrupted_length_carries_the_mean_of_the_batches_read(monkeypatch,
     assert (measured["partial"], measured["read"]) == (f"interrupted ({how}) after {read}", read)
 
 
-def test_one_batch_read_of_a_loader_of_unknown_length_is_one_batch(monkeypatch):
-    stopped = measure(monkeypatch, [3.0, 9.0], [2, 2], interrupt_at=2, counted=False)
-    assert (stopped.measured["partial"], stopped.measured["loss"]) == ("interrupted (Ctrl-C) after 1 batch", 3.0)
+@pytest.mark.parametrize("counted, read", [(False, "1 batch"), (True, "1 of 2 batches")])
+def test_one_batch_read_is_one_batch_or_one_of_the_loader_s(monkeypatch, counted, read):
+    stopped = measure(monkeypatch, [3.0, 9.0], [2, 2], interrupt_at=2, counted=counted)
+    assert (stopped.measured["partial"], stopped.measured["loss"]) == (f"interrupted (Ctrl-C) after {read}", 3.0)
 
 
 @pytest.mark.parametrize("losses, interrupt_at", [([1.0, float("nan"), 9.0], 3), ([9.0], 1)])
