@@ -118,21 +118,28 @@ def test_a_completed_overwrite_leaves_the_new_model_and_the_users_files_alone(in
     assert not (out / STAGING_DIR).exists()
 
 
-@pytest.mark.parametrize("command", CONVERTERS)
-def test_a_ctrl_c_during_the_replacement_waits_for_its_end(inputs, tmp_path, monkeypatch, command):
-    """SIGINT as the earlier model's files are removed: the replacement (renames, milliseconds) goes on to its end, so
-    the directory holds the new model whole, and the Ctrl-C then ends the command."""
+def earlier_model_with_a_signal_in_the_swap(inputs, tmp_path, monkeypatch, command, signum):
+    """(source, out): out holds an earlier model (the user's files beside it), and `signum` is raised as the next
+    conversion into it starts to remove that model, in the middle of the replacement."""
     source, earlier = inputs[command]
     CONVERTERS[command](source, tmp_path / "alone")
     out = tmp_path / "out"
     shutil.copytree(earlier, out)
     remove = model_dir.remove_earlier_model
 
-    def ctrl_c_first(directory):
-        signal.raise_signal(signal.SIGINT)
+    def signal_first(directory):
+        signal.raise_signal(signum)
         remove(directory)
 
-    monkeypatch.setattr(model_dir, "remove_earlier_model", ctrl_c_first)
+    monkeypatch.setattr(model_dir, "remove_earlier_model", signal_first)
+    return source, out
+
+
+@pytest.mark.parametrize("command", CONVERTERS)
+def test_a_ctrl_c_during_the_replacement_waits_for_its_end(inputs, tmp_path, monkeypatch, command):
+    """SIGINT as the earlier model's files are removed: the replacement (renames, milliseconds) goes on to its end, so
+    the directory holds the new model whole, and the Ctrl-C then ends the command."""
+    source, out = earlier_model_with_a_signal_in_the_swap(inputs, tmp_path, monkeypatch, command, signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         CONVERTERS[command](source, out, overwrite=True)
     assert files_of(out) == {**files_of(tmp_path / "alone"), **USERS_FILES}
@@ -225,17 +232,7 @@ def test_a_signal_as_the_new_model_moves_in_ends_the_command_saying_the_model_is
     from fabric_lin.cli import main as cli_main
 
     signum, handler, said, exit_code = SIGNALS_IN_THE_SWAP[case]
-    source, earlier = inputs[command]
-    CONVERTERS[command](source, tmp_path / "alone")
-    out = tmp_path / "out"
-    shutil.copytree(earlier, out)
-    remove = model_dir.remove_earlier_model
-
-    def signal_first(directory):
-        signal.raise_signal(signum)
-        remove(directory)
-
-    monkeypatch.setattr(model_dir, "remove_earlier_model", signal_first)
+    source, out = earlier_model_with_a_signal_in_the_swap(inputs, tmp_path, monkeypatch, command, signum)
     monkeypatch.setattr(os, "kill", lambda pid, sent: pytest.fail(f"the process sent itself signal {sent}"))
     inherited = signal.signal(signal.SIGINT, handler) if handler is not None else None
     capsys.readouterr()
