@@ -274,8 +274,9 @@ def share(names: List[str], rank: int, world: int) -> List[str]:
 
 def write_manifest(fabric, directory: Path) -> Dict[str, Any]:
     """Write `directory`/manifest.json: size and CRC-32 of every other file, under FSDP each shard of
-    lit_model.pth/ too, with that of its bytes of the model (`fabric_lin.model_bytes`). Every rank calls it: the files are shared out (`share`), so that each rank reads
-    (and fsyncs) about 1/world_size of a sharded checkpoint; rank 0 writes the manifest, atomically."""
+    lit_model.pth/ too, with that of its bytes of the model (`fabric_lin.model_bytes`). Every rank calls it: the
+    files are shared out (`share`), so that each rank reads (and fsyncs) about 1/world_size of a sharded checkpoint;
+    rank 0 writes the manifest, atomically."""
     directory = Path(directory)
     rank, world = fabric.global_rank, fabric.world_size
     files = fabric.broadcast(checkpoint_files(directory) if rank == 0 else None, src=0)

@@ -449,9 +449,10 @@ def model_written_aside(output_dir: Path) -> Iterator[Path]:
 
     The replacement (unlinks and renames: no data written, milliseconds) runs with SIGINT and SIGTERM deferred, so a
     Ctrl-C does not split it; one that came meanwhile ends the block once the new model is whole and on the disk, as a
-    KeyboardInterrupt whose `kept` says so (the command's last line: not "run it again"). A kill that cannot be deferred (SIGKILL) leaves no mix of two models: the earlier model's
-    weights go first, and the new model's lit_model.pth or config.json, which a reader takes the directory by, comes
-    last; its staging directory is removed by the next conversion into `output_dir` (`prepare_output_dir`)."""
+    KeyboardInterrupt whose `kept` says so (the command's last line: not "run it again"). A kill that cannot be
+    deferred (SIGKILL) leaves no mix of two models: the earlier model's weights go first, and the new model's
+    lit_model.pth or config.json, which a reader takes the directory by, comes last; its staging directory is
+    removed by the next conversion into `output_dir` (`prepare_output_dir`)."""
     output_dir = Path(output_dir)
     staging = output_dir / STAGING_DIR
     remove_stopped_staging(output_dir)
