@@ -49,7 +49,7 @@ import yaml
 from fabric_lin.config import CONFIG_FILE
 from fabric_lin.errors import InvalidValue, MissingFile, UserError
 from fabric_lin.files import MANIFEST_FILE, STEP_FILE, is_training_checkpoint, write_error
-from fabric_lin.model_bytes import model_part_problems, with_model_checksum
+from fabric_lin.model_bytes import ShardRanges, model_part_problems, shard_ranges_once, with_model_checksum
 from fabric_lin.save_failures import all_gather_objects, failure_shared
 from fabric_lin.weights import MODEL_FILE, meta_model
 
@@ -280,8 +280,9 @@ def write_manifest(fabric, directory: Path) -> Dict[str, Any]:
     directory = Path(directory)
     rank, world = fabric.global_rank, fabric.world_size
     files = fabric.broadcast(checkpoint_files(directory) if rank == 0 else None, src=0)
+    shard_ranges = shard_ranges_once(directory)
     with failure_shared(fabric, directory):  # an fsync may be where a file system reports a full disk
-        mine = {name: with_model_checksum(directory, name, file_checksum(directory / name, fsync=True))
+        mine = {name: with_model_checksum(directory, name, file_checksum(directory / name, fsync=True), shard_ranges)
                 for name in share(files, rank, world)}
     entries: Dict[str, Any] = {}
     for part in all_gather_objects(fabric, mine):
@@ -333,6 +334,7 @@ def verify_checkpoint(directory: Path, fabric=None, model_only: bool = False) ->
 
 
 def _verify_share(directory: Path, rank: int, world: int, model_only: bool = False) -> List[str]:
+    shard_ranges = shard_ranges_once(directory) if model_only else None
     if not directory.is_dir():
         return [f"{directory} is not a directory"]
     manifest_path = directory / MANIFEST_FILE
@@ -351,11 +353,14 @@ def _verify_share(directory: Path, rank: int, world: int, model_only: bool = Fal
     if not any(name == MODEL_FILE or name.startswith(MODEL_FILE + "/") for name in files):
         problems.append(f"{MANIFEST_FILE} lists no {MODEL_FILE}")
     for name in share(sorted(files), rank, world):
-        problems += _file_problems(directory, name, files[name], model_only)
+        problems += _file_problems(directory, name, files[name], shard_ranges)
     return problems
 
 
-def _file_problems(directory: Path, name: str, expected: Dict[str, Any], model_only: bool = False) -> List[str]:
+def _file_problems(directory: Path, name: str, expected: Dict[str, Any],
+                   shard_ranges: Optional[ShardRanges] = None) -> List[str]:
+    """What is wrong with the file `name` against its manifest entry `expected`; with `shard_ranges`
+    (`verify_checkpoint`'s model_only), of lit_model.pth only the model's part where it can be told apart."""
     parts = Path(name).parts
     if Path(name).is_absolute() or ".." in parts or not parts:
         return [f"{MANIFEST_FILE} lists {name!r}, which is not a path inside the checkpoint"]
@@ -366,7 +371,7 @@ def _file_problems(directory: Path, name: str, expected: Dict[str, Any], model_o
     if size != expected["size"]:
         how = "truncated" if size < expected["size"] else "grown"
         return [f"{name} has {size:,} bytes, {expected['size']:,} when it was written ({how})"]
-    model_part = model_part_problems(directory, name, expected) if model_only else None
+    model_part = model_part_problems(directory, name, expected, shard_ranges) if shard_ranges is not None else None
     if model_part is not None:
         return model_part
     got = file_checksum(path)

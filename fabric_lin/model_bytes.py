@@ -12,12 +12,13 @@ files that its .metadata places (`model_ranges`). pretrain's manifest records, b
 the bytes of those ranges in the order of the file (`model_crc32`); a checkpoint whose manifest has none is checked
 whole.
 """
+import functools
 import io
 import pickle
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -26,12 +27,21 @@ from fabric_lin.weights import MODEL_FILE
 
 READ_BLOCK = 16 << 20  # bytes read at a time: a tensor of gigabytes is never held in memory for its checksum
 MODEL_ENTRY = "model"  # the entry of the train state that holds the model's tensors (`fabric_lin.checkpoint.train_state`)
+ShardRanges = Callable[[], Dict[str, List[Tuple[int, int]]]]
 
 
-def model_part_problems(directory: Path, name: str, expected: Dict[str, Any]) -> Optional[List[str]]:
+def shard_ranges_once(directory: Path) -> ShardRanges:
+    """`model_ranges` of the checkpoint `directory`'s sharded lit_model.pth, read on the first call and kept for the
+    next: one read of its .metadata for all of its shard files (a .metadata that does not read is tried again)."""
+    return functools.cache(functools.partial(model_ranges, Path(directory) / MODEL_FILE))
+
+
+def model_part_problems(directory: Path, name: str, expected: Dict[str, Any],
+                        shard_ranges: ShardRanges) -> Optional[List[str]]:
     """What is wrong with the model's part of the file `name` of the checkpoint `directory` (its manifest entry
-    `expected`, whose size it has): [] where it is whole; None where that part cannot be told apart (a file other than
-    the weights, or a shard of a manifest without `model_crc32`), and the file is to be checked whole."""
+    `expected`, whose size it has; `shard_ranges` from `shard_ranges_once(directory)`): [] where it is whole; None where
+    that part cannot be told apart (a file other than the weights, or a shard of a manifest without `model_crc32`),
+    and the file is to be checked whole."""
     path = Path(directory) / name
     if name == MODEL_FILE:
         return single_file_problems(path)
@@ -39,7 +49,7 @@ def model_part_problems(directory: Path, name: str, expected: Dict[str, Any]) ->
     if "model_crc32" not in expected or path.parent != shards or not name.endswith(".distcp"):
         return None
     try:
-        ranges = model_ranges(shards).get(path.name, [])
+        ranges = shard_ranges().get(path.name, [])
     except UserError as error:  # a .metadata damaged since: its own entry names it too
         return [f"{name}: the model's part cannot be found: {error}"]
     got = ranges_crc32(path, ranges)
@@ -153,13 +163,14 @@ def ranges_crc32(path: Path, ranges: List[Tuple[int, int]]) -> str:
     return f"{crc:08x}"
 
 
-def with_model_checksum(directory: Path, name: str, entry: Dict[str, Any]) -> Dict[str, Any]:
+def with_model_checksum(directory: Path, name: str, entry: Dict[str, Any], shard_ranges: ShardRanges) -> Dict[str, Any]:
     """The manifest entry `entry` of the file `name` of the checkpoint `directory`, with `model_crc32` where it is a
-    shard file of a sharded lit_model.pth (`model_part_problems` reads it)."""
+    shard file of a sharded lit_model.pth (`model_part_problems` reads it); `shard_ranges` from
+    `shard_ranges_once(directory)`."""
     path = Path(directory) / name
     if path.parent == Path(directory) / MODEL_FILE and name.endswith(".distcp"):
         try:
-            ranges = model_ranges(path.parent).get(path.name, [])
+            ranges = shard_ranges().get(path.name, [])
         except UserError:  # a .metadata that is not DCP's: the shard is checked whole, as its reader will refuse it
             return entry
         entry = {**entry, "model_crc32": ranges_crc32(path, ranges)}

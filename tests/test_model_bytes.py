@@ -151,7 +151,7 @@ def test_the_model_s_ranges_hold_its_tensors_alone_and_their_checksum_is_of_thos
     import torch.distributed.checkpoint as dcp
 
     import fabric_lin.model_bytes as model_bytes
-    from fabric_lin.model_bytes import ranges_crc32, with_model_checksum
+    from fabric_lin.model_bytes import ranges_crc32, shard_ranges_once, with_model_checksum
 
     state = small_train_state()
     dcp.save(state, checkpoint_id=tmp_path / "lit_model.pth", no_dist=True)
@@ -164,7 +164,7 @@ def test_the_model_s_ranges_hold_its_tensors_alone_and_their_checksum_is_of_thos
     assert all(any(torch.equal(tensor, kept) for tensor in read) for kept in state["model"].values())
     monkeypatch.setattr(model_bytes, "READ_BLOCK", 100)  # each tensor's bytes in several reads
     expected = zlib.crc32(b"".join(data[offset:offset + length] for offset, length in ranges))
-    entry = with_model_checksum(tmp_path, "lit_model.pth/__0_0.distcp", {"size": len(data)})
+    entry = with_model_checksum(tmp_path, "lit_model.pth/__0_0.distcp", {"size": len(data)}, shard_ranges_once(tmp_path))
     assert entry == {"size": len(data), "model_crc32": f"{expected:08x}"}
     assert ranges_crc32(shard, []) == "00000000"
 
