@@ -329,11 +329,19 @@ def check_plan(args) -> Dict:
     data.prepare_data()
     vocab_size = Tokenizer(data.tokenizer_dir).vocab_size
     document_tokens = chunk_tokens(data.train_path)
+    longest_held_out = int(chunk_tokens(data.val_path).max(initial=0))
     problems, cells = [], []
     for context in args.contexts:
         if args.tokens_per_step % context or args.eval_window % context:
             problems.append(f"context {context}: --tokens_per_step {args.tokens_per_step} and --eval_window "
                             f"{args.eval_window} must be multiples of it (the same tokens per step and held-out tokens)")
+            continue
+        # each chunk file of the corpus is one document, and a block never crosses documents: said here in this
+        # script's terms, not the loader's (which names pretrain's train.max_seq_length and chunk_size)
+        if context + 1 > document_tokens.max(initial=0):
+            problems.append(f"context {context}: a training block of {context + 1} tokens lies within one document, "
+                            f"and the longest training document holds {document_tokens.max(initial=0)}: leave it out "
+                            f"of --contexts")
             continue
         micro_batch = micro_batch_size(args, context)
         blocks = int((document_tokens // (context + 1)).sum())
@@ -355,10 +363,16 @@ def check_plan(args) -> Dict:
             speed_config(family, max(args.contexts), args), quality_config(family, max(args.contexts), args, vocab_size)
         except UserError as e:
             problems.append(f"{family}: {e}")
-    try:
-        windows = held_out_windows(data, args.eval_window, args.val_windows, vocab_size)
-    except UserError as e:
-        problems.append(f"--eval_window {args.eval_window}: {e}")
+    windows = None
+    if args.eval_window + 1 > longest_held_out:
+        problems.append(f"--eval_window {args.eval_window}: a held-out window of {args.eval_window + 1} tokens lies "
+                        f"within one document, and the longest held-out document holds {longest_held_out}: lower "
+                        f"--eval_window (with the contexts it is a multiple of)")
+    else:
+        try:
+            windows = held_out_windows(data, args.eval_window, args.val_windows, vocab_size)
+        except UserError as e:
+            problems.append(f"--eval_window {args.eval_window}: {e}")
     if problems:
         raise SystemExit("long_context.py: the plan does not fit the long-document corpus "
                          f"({data.data_path}):\n  " + "\n  ".join(problems))
