@@ -492,13 +492,20 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict]:
         print(json.dumps(plan, indent=1))
         return []
     rows = earlier_rows(args.out, settings(args, plan))  # a file of another plan refused before the first cell
-    for family in args.families:
-        for context in args.contexts:
+    cells = [(family, context) for family in args.families for context in args.contexts]
+    for done, (family, context) in enumerate(cells):
+        try:
             row = measure_cell(family, context, argv, args)
-            rows = merged(rows, {**row, "run": run_record()})
-            if args.out:
-                write_rows(args, plan, rows)
-            print(summary_line(row), flush=True)
+        except KeyboardInterrupt:  # Ctrl-C: which of this call's cells --out lacks, rather than a traceback
+            left = ", ".join(f"{f} at {c}" for f, c in cells[done:])
+            kept = f"{args.out} holds the {done} finished before it" if args.out else "nothing is written (no --out)"
+            print(f"long_context.py: interrupted during {family} at {context}: {kept}; not measured: {left}",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
+        rows = merged(rows, {**row, "run": run_record()})
+        if args.out:
+            write_rows(args, plan, rows)
+        print(summary_line(row), flush=True)
     print(markdown_table(rows, args.eval_window))
     return rows
 

@@ -274,6 +274,24 @@ def test_a_part_out_of_memory_is_measured_again_with_activation_checkpointing(mo
     assert row["quality"] == {"measured": "quality", "activation_checkpointing": True}
 
 
+def test_a_call_interrupted_says_which_cells_out_lacks(corpus, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the second cell: --out keeps the first, and the call names the cells it did not measure (no
+    traceback), so that the file's table is not taken for the whole call's."""
+    def measure_cell(family, context, argv, args):
+        if context == 8192:
+            raise KeyboardInterrupt
+        return {"family": family, "context": context, "quality": {"val_perplexity": 9.0, "train_tokens": 2048}}
+
+    monkeypatch.setattr(long_context, "measure_cell", measure_cell)
+    out = tmp_path / "long_context.json"
+    with pytest.raises(SystemExit) as stopped:
+        long_context.main(["--device", "cpu", "--families", "gla", "--contexts", "2048", "8192", "16384",
+                           "--out", str(out)])
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.strip() == (f"long_context.py: interrupted during gla at 8192: {out} holds the 1 "
+                                               "finished before it; not measured: gla at 8192, gla at 16384")
+    assert [(r["family"], r["context"]) for r in json.loads(out.read_text())["rows"]] == [("gla", 2048)]
+
 def test_rows_merge_by_cell_and_the_table_shows_each_measure_and_note():
     gla_2k = {"family": "gla", "context": 2048,
               "speed": {"micro_batch": 16, "tokens_per_s": 123456, "peak_memory_gib": 20.5,
