@@ -331,6 +331,20 @@ def test_pickle_weights_are_not_read(tmp_path):
         convert_from_hf(tmp_path / "hf", tmp_path / "back")
 
 
+def test_safetensors_beside_pickled_weights_are_refused(tmp_path, capsys):
+    """A merged model saved with safe_serialization=False into the directory of an earlier export: the stale
+    safetensors would be read without a word (as transformers reads them), so the two formats are refused."""
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "hf")
+    torch.save(load_file(tmp_path / "hf" / "model.safetensors"), tmp_path / "hf" / "pytorch_model.bin")
+    from helpers import cli_error
+
+    assert cli_error(["convert_from_hf", str(tmp_path / "hf"), "--output_dir", str(tmp_path / "back")], capsys) == (
+        f"fabric-lin convert_from_hf: error: {tmp_path / 'hf'} holds weights in two formats, safetensors and "
+        "pytorch_model.bin: which are meant is unclear (only the safetensors would be read); remove the stale ones, or "
+        "save again into an empty directory with safe_serialization=True\n")
+    assert not (tmp_path / "back").exists()
+
 def test_fla_trained_checkpoint_without_fabric_lin_key(tmp_path, monkeypatch):
     # as fla's own save_pretrained writes it: no "fabric_lin" entry, fuse_norm false -> attn.g_norm
     state = make_model_dir(tmp_path / "model", small_config())

@@ -47,7 +47,7 @@ from fabric_lin.convert.model_dir import (
     save_safetensors_dir,
 )
 from fabric_lin.errors import InvalidValue, MissingFile
-from fabric_lin.files import created_dir, read_json
+from fabric_lin.files import created_dir, read_json, short_list
 
 # fla's architecture for each model_type
 ARCHITECTURES = {"gla": "GLAForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM", "delta_net": "DeltaNetForCausalLM",
@@ -164,6 +164,15 @@ def read_fla_checkpoint(checkpoint_dir: Path, name: Optional[str] = None) -> Tup
         raise InvalidValue(
             f"{checkpoint_dir} holds PyTorch .bin weights; only safetensors are read (a .bin file is a pickle that "
             "can run code). Save it with `model.save_pretrained(dir, safe_serialization=True)`"
+        )
+    # a save with safe_serialization=False into an earlier export's directory leaves that export's safetensors
+    # beside the new .bin, and every reader (transformers too) would take the stale safetensors without a word
+    pickled = sorted(path.name for path in checkpoint_dir.glob("pytorch_model*.bin"))
+    if pickled and any(checkpoint_dir.glob("*.safetensors")):
+        raise InvalidValue(
+            f"{checkpoint_dir} holds weights in two formats, safetensors and {short_list(pickled)}: which are meant "
+            f"is unclear (only the safetensors would be read); remove the stale ones, or save again into an empty "
+            f"directory with safe_serialization=True"
         )
     hf_state = load_safetensors_dir(checkpoint_dir)
     refuse_unmerged_lora(checkpoint_dir, hf_state)
