@@ -437,16 +437,17 @@ def markdown_table(rows: List[Dict], eval_window: int) -> str:
                 notes.append(f"{part}: activation checkpointing")
         if "error" in row:
             notes.append(row["error"].splitlines()[-1][:80])
+        # a context's buckets start at the columns' edges; its last one ends at the context, which may fall short of
+        # the column's end (context 1K: positions 0-1K of column 0-2K), so a bucket is placed by its start
         loss_at = {}
         if "by_position" in quality:
-            by_position = quality["by_position"]
-            loss_at = dict(zip(zip(by_position["start"], by_position["end"]), by_position["loss"]))
+            loss_at = dict(zip(quality["by_position"]["start"], quality["by_position"]["loss"]))
         cells = [
             row["family"], f"{row['context']:,}", str(speed.get("micro_batch", quality.get("micro_batch", "-"))),
             f"{speed['tokens_per_s']:,}" if "tokens_per_s" in speed else "-",
             str(speed["peak_memory_gib"]) if speed.get("peak_memory_gib") is not None else "-",
             f"{quality['val_perplexity']:.2f}" if "val_perplexity" in quality else "-",
-            *[f"{loss_at[bucket]:.3f}" if bucket in loss_at else "-" for bucket in buckets],
+            *[f"{loss_at[start]:.3f}" if start in loss_at else "-" for start, _ in buckets],
             "; ".join(notes),
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -319,6 +319,11 @@ def test_rows_merge_by_cell_and_the_table_shows_each_measure_and_note():
         "activation checkpointing; quality: activation checkpointing |",
         "| gla | 2,048 | 16 | 123,456 | 20.5 | 30.00 | 3.500 | - | - | - |  |",
     ]
+    # a context shorter than the first bucket (the CPU try's): its loss over all its positions, in that column
+    gla_1k = dict(gla_2k, context=1024, quality=dict(gla_2k["quality"], by_position={
+        "start": [0], "end": [1024], "loss": [3.25], "tokens": [100]}))
+    assert long_context.markdown_table([gla_1k], eval_window=2048).splitlines()[2] == (
+        "| gla | 1,024 | 16 | 123,456 | 20.5 | 30.00 | 3.250 |  |")
 
 
 def test_readme_table_quotes_every_cell_of_its_record():
