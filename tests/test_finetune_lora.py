@@ -219,3 +219,21 @@ def test_the_tutorial_script_stops_at_a_target_that_names_no_module(exports, tmp
     assert info.value.code == ("targets that name no module of the model: ['o_prj'] (its Linear layers: down_proj, "
                                "g_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj)")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_tutorial_quotes_what_stops_its_script_on_a_cpu(exports, tmp_path, monkeypatch):
+    """On a machine without a GPU, the script as a user saves it stops at its first `.cuda()`, before fla's kernels
+    run: section 7 quotes that error, not only the one fla's kernels give."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "finetune_lora.py"
+    script.write_text(tutorial_script())
+    (tmp_path / "train.jsonl").write_text('{"text": "A document of ones own."}\n')
+    monkeypatch.setattr(sys, "argv", [str(script), str(exports["gla"]), str(tmp_path / "train.jsonl"), str(tmp_path / "out")])
+    with pytest.raises((RuntimeError, AssertionError)) as info:  # torch built with CUDA, or without
+        runpy.run_path(str(script), run_name="__main__")
+    said = str(info.value).split(".")[0]
+    tutorial = " ".join((Path(__file__).parents[1] / "tutorials" / "finetune_lora.md").read_text().split())
+    assert said in tutorial, said
