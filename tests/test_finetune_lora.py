@@ -230,8 +230,9 @@ def test_the_tutorial_quotes_what_stops_its_script_on_a_cpu(exports, tmp_path, m
 
     script = tmp_path / "finetune_lora.py"
     script.write_text(tutorial_script())
-    (tmp_path / "train.jsonl").write_text('{"text": "A document of ones own."}\n')
-    monkeypatch.setattr(sys, "argv", [str(script), str(exports["gla"]), str(tmp_path / "train.jsonl"), str(tmp_path / "out")])
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "A document of ones own."}\n')
+    monkeypatch.setattr(sys, "argv", [str(script), str(exports["gla"]), str(data), str(tmp_path / "out")])
     with pytest.raises((RuntimeError, AssertionError)) as info:  # torch built with CUDA, or without
         runpy.run_path(str(script), run_name="__main__")
     said = str(info.value).split(".")[0]

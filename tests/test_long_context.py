@@ -170,11 +170,12 @@ def test_the_gpu_plan_fits_the_corpus_and_a_plan_that_does_not_is_refused(corpus
     assert problems[0] == (f"  context 2048: the quality runs read 614400 blocks of 2049 tokens (--quality_steps x micro "
                            f"batch 2048), the training split holds {blocks_at_2k}: lower --quality_steps")
     # in the script's own terms (--contexts, --eval_window), not pretrain's train.max_seq_length and chunk_size
-    longest = {split: max(d["tokens"] for d in corpus[1]["documents"] if d["split"] == split) for split in ("train", "val")}
+    longest = {split: max(d["tokens"] for d in corpus[1]["documents"] if d["split"] == split)
+               for split in ("train", "val")}
     assert problems[1] == (f"  context 4194304: a training block of 4194305 tokens lies within one document, and the "
                            f"longest training document holds {longest['train']}: leave it out of --contexts")
-    assert problems[2] == (f"  --eval_window 4194304: a held-out window of 4194305 tokens lies within one document, and "
-                           f"the longest held-out document holds {longest['val']}: lower --eval_window (with the "
+    assert problems[2] == (f"  --eval_window 4194304: a held-out window of 4194305 tokens lies within one document, "
+                           f"and the longest held-out document holds {longest['val']}: lower --eval_window (with the "
                            f"contexts it is a multiple of)")
     assert len(problems) == 3
     with pytest.raises(SystemExit, match="context 3000: --tokens_per_step 32768 and --eval_window 32768 must be multiples"):
