@@ -238,3 +238,17 @@ def test_the_tutorial_quotes_what_stops_its_script_on_a_cpu(exports, tmp_path, m
     said = str(info.value).split(".")[0]
     tutorial = " ".join((Path(__file__).parents[1] / "tutorials" / "finetune_lora.md").read_text().split())
     assert said in tutorial, said
+
+
+def test_the_tutorial_script_copies_every_file_of_the_export_s_tokenizer():
+    """The merged directory gets what convert_to_hf writes beside the weights for the tokenizer: its files and
+    trained_with.json, the record convert_from_hf carries on to the model directory (without it, the model directory
+    named the merged directory as its tokenizer's source and the pretraining data's record was gone)."""
+    import ast
+    import re
+
+    from fabric_lin.data.tokenizer import TOKENIZER_FILES, TRAINED_WITH_FILE
+
+    copied = re.search(r"for name in (\(.*?\)):\n\s+shutil\.copy\(export_dir / name", tutorial_script())
+    assert copied, "the script's copy of the tokenizer files"
+    assert sorted(ast.literal_eval(copied.group(1))) == sorted((*TOKENIZER_FILES, TRAINED_WITH_FILE))
