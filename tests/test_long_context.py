@@ -5,8 +5,9 @@ family at 2K to 32K) fits the corpus's real splits, and a plan that does not is 
 each part; the script runs its cells in processes of their own on the CPU with tiny models, every context predicting
 the same held-out tokens, and merges the rows into one JSON document; the tokens/s of a step, the retry of a part out
 of memory with activation checkpointing, the merge by cell and the table's columns and notes are checked on hand-made
-timings and rows. The corpus is built once per installed torch into its cache (~12 s of CPU, then read); its build
-is also checked on a few files with its lengths made small, and its name, documents and summary on their own."""
+timings and rows, and how calls fill one --out file on stand-in cells. The corpus is built once per installed torch
+into its cache (~12 s of CPU, then read); its build is also checked on a few files with its lengths made small, and
+its name, documents and summary on their own."""
 import json
 import math
 import subprocess
@@ -186,6 +187,47 @@ def test_the_gpu_plan_fits_the_corpus_and_a_plan_that_does_not_is_refused(corpus
                                                          "--tokens_per_step", "30000"]))
 
 
+def test_the_plan_s_edges_a_block_or_window_that_just_fits_and_one_token_more(corpus):
+    """A context whose block (context + 1 tokens) fills the longest training document exactly fits, one token more is
+    refused in the script's words; so is a held-out window, and the quality runs reading every block there is; a
+    context over --tokens_per_step (no whole block a step) is named, not run into the loader."""
+    longest = {split: max(d["tokens"] for d in corpus[1]["documents"] if d["split"] == split)
+               for split in ("train", "val")}
+
+    def problems(*argv):
+        with pytest.raises(SystemExit) as refused:
+            long_context.check_plan(long_context.parse_args(["--device", "cpu", "--families", "gla", *argv]))
+        return str(refused.value).splitlines()[1:]
+
+    def only(context, eval_window, *argv):
+        return ["--contexts", str(context), "--tokens_per_step", str(context), "--eval_window", str(eval_window), *argv]
+
+    train, val = longest["train"], longest["val"]
+    window_refused = (f"  --eval_window {{0}}: a held-out window of {{1}} tokens lies within one document, and the "
+                      f"longest held-out document holds {val}: lower --eval_window (with the contexts it is a multiple "
+                      f"of)")
+    assert problems(*only(train - 1, train - 1, "--quality_steps", "1")) == [
+        window_refused.format(train - 1, train)]
+    assert problems(*only(train, train, "--quality_steps", "1")) == [
+        f"  context {train}: a training block of {train + 1} tokens lies within one document, and the longest "
+        f"training document holds {train}: leave it out of --contexts", window_refused.format(train, train + 1)]
+    assert problems(*only(val, val, "--quality_steps", "1")) == [window_refused.format(val, val + 1)]
+    # the held-out window filling each held-out document, and the quality runs reading every training block of it
+    windows = sum(d["tokens"] // val for d in corpus[1]["documents"] if d["split"] == "val")
+    blocks = sum(d["tokens"] // val for d in corpus[1]["documents"] if d["split"] == "train")
+    plan = long_context.check_plan(long_context.parse_args(
+        ["--device", "cpu", "--families", "gla", *only(val - 1, val - 1, "--quality_steps", str(blocks),
+                                                       "--val_windows", str(windows))]))
+    assert plan["cells"] == [{"family": "gla", "context": val - 1, "micro_batch": 1, "training_blocks": blocks}]
+    assert plan["held_out_tokens"] == windows * (val - 1)
+    assert problems(*only(val - 1, val - 1, "--quality_steps", str(blocks + 1), "--val_windows", str(windows))) == [
+        f"  context {val - 1}: the quality runs read {blocks + 1} blocks of {val} tokens (--quality_steps x micro "
+        f"batch 1), the training split holds {blocks}: lower --quality_steps"]
+    assert problems("--contexts", "65536", "--eval_window", "65536", "--val_windows", "1") == [
+        "  context 65536: --tokens_per_step 32768 and --eval_window 65536 must be multiples of it (the same tokens per "
+        "step and held-out tokens)"]
+
+
 def test_pieces_of_the_held_out_windows_predict_the_same_tokens_at_every_context():
     windows = torch.randint(0, 100, (2, 8 + 1))
     for context, batch_size in ((2, 3), (4, 2), (8, 1)):
@@ -325,6 +367,63 @@ def test_rows_merge_by_cell_and_the_table_shows_each_measure_and_note():
         "start": [0], "end": [1024], "loss": [3.25], "tokens": [100]}))
     assert long_context.markdown_table([gla_1k], eval_window=2048).splitlines()[2] == (
         "| gla | 1,024 | 16 | 123,456 | 20.5 | 30.00 | 3.250 |  |")
+
+
+def test_the_table_s_dashes_notes_and_last_column_of_a_short_window():
+    """A CPU row (no peak memory: None), a cell whose process failed (the row's error), a part's error of several
+    lines (its last line, where a traceback says what went wrong), and the last column ending at --eval_window."""
+    cpu = {"family": "gla", "context": 1024,
+           "speed": {"micro_batch": 2, "tokens_per_s": 900, "peak_memory_gib": None, "activation_checkpointing": False},
+           "quality": {"error": "Traceback (most recent call last):\n  File ...\nValueError: no held-out window"}}
+    failed = {"family": "gdn", "context": 2048, "error": "Traceback ...\nRuntimeError: the cell's process died"}
+    assert long_context.markdown_table([cpu, failed], eval_window=4096).splitlines() == [
+        "| family | context | micro batch | tokens/s | peak memory (GiB) | val perplexity | loss 0-2K | loss 2K-4K "
+        "| note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| gla | 1,024 | 2 | 900 | - | - | - | - | quality: ValueError: no held-out window |",
+        "| gdn | 2,048 | - | - | - | - | - | - | RuntimeError: the cell's process died |",
+    ]
+
+
+def test_calls_fill_one_out_file_of_one_plan(tmp_path, monkeypatch, capsys):
+    """Rows of earlier calls kept and merged with this call's by cell; a file of another plan (another setting, or
+    another corpus) refused before any cell; Ctrl-C without --out says nothing is written. The plan and the cells
+    are stand-ins: what is checked is how main keeps the rows."""
+    plan = {"corpus": {"fingerprint": "corpus-a", "source": {"package": "torch", "version": "0"},
+                       "train": {"tokens": 1}}, "held_out_tokens": 1, "cells": []}
+    measured = []
+
+    def measure_cell(family, context, argv, args):
+        if family == "deltanet":
+            raise KeyboardInterrupt
+        measured.append((family, context))
+        return {"family": family, "context": context, "seconds": float(len(measured))}
+
+    monkeypatch.setattr(long_context, "check_plan", lambda args: plan)
+    monkeypatch.setattr(long_context, "measure_cell", measure_cell)
+    out = tmp_path / "long_context.json"
+
+    def call(*argv):
+        return long_context.main(["--device", "cpu", "--out", str(out), *argv])
+
+    call("--families", "gla", "--contexts", "2048", "8192")
+    call("--families", "transformer", "gla", "--contexts", "8192")
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["family"], r["context"], r["seconds"]) for r in rows] == [
+        ("transformer", 8192, 3.0), ("gla", 2048, 1.0), ("gla", 8192, 4.0)]
+    with pytest.raises(SystemExit, match=r"holds the rows of another plan \(eval_window 32768 there, 16384 here\)"):
+        call("--families", "gla", "--contexts", "2048", "--eval_window", "16384")
+    plan["corpus"]["fingerprint"] = "corpus-b"
+    with pytest.raises(SystemExit, match="another plan \\(corpus_fingerprint 'corpus-a' there, 'corpus-b' here\\)"):
+        call("--families", "gla", "--contexts", "2048")
+    assert len(measured) == 4 and json.loads(out.read_text())["rows"] == rows
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        long_context.main(["--device", "cpu", "--families", "deltanet", "--contexts", "2048"])
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.strip() == ("long_context.py: interrupted during deltanet at 2048: nothing is "
+                                               "written (no --out); not measured: deltanet at 2048")
 
 
 def test_readme_table_quotes_every_cell_of_its_record():
