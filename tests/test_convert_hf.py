@@ -345,6 +345,25 @@ def test_safetensors_beside_pickled_weights_are_refused(tmp_path, capsys):
         "save again into an empty directory with safe_serialization=True\n")
     assert not (tmp_path / "back").exists()
 
+
+def test_sharded_weights_in_both_formats_and_a_bin_of_another_name(tmp_path):
+    """The two formats refused when either is sharded (transformers names shards model-00001-of-00002.safetensors
+    and pytorch_model-00001-of-00002.bin), and a .bin alone refused whatever its name."""
+    make_model_dir(tmp_path / "model", small_config())
+    convert_to_hf(tmp_path / "model", tmp_path / "hf", max_shard_gb=100_000 / 2**30)
+    shards = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert len(shards) > 1 and "model.safetensors" not in shards
+    torch.save({}, tmp_path / "hf" / "pytorch_model-00001-of-00002.bin")
+    with pytest.raises(ValueError, match="holds weights in two formats, safetensors and pytorch_model-00001-of-00002"):
+        convert_from_hf(tmp_path / "hf", tmp_path / "back")
+    for shard in shards:
+        (tmp_path / "hf" / shard).unlink()
+    (tmp_path / "hf" / "pytorch_model-00001-of-00002.bin").rename(tmp_path / "hf" / "model.bin")
+    with pytest.raises(ValueError, match="holds PyTorch .bin weights; only safetensors are read"):
+        convert_from_hf(tmp_path / "hf", tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+
 def test_fla_trained_checkpoint_without_fabric_lin_key(tmp_path, monkeypatch):
     # as fla's own save_pretrained writes it: no "fabric_lin" entry, fuse_norm false -> attn.g_norm
     state = make_model_dir(tmp_path / "model", small_config())
