@@ -59,7 +59,9 @@ from fabric_lin.parallelism import (
 )
 from fabric_lin.precompile import precompile_first_step
 from fabric_lin.rendezvous import joining_watched, rendezvous_of
-from fabric_lin.run_identity import check_changeable, compare_with_checkpoint, recorded_settings
+from fabric_lin.run_identity import (
+    check_changeable, check_every_process_runs_this_command, compare_with_checkpoint, recorded_settings,
+)
 from fabric_lin.run_start import (
     check_earlier_run,
     check_initial_checkpoint_dir,
@@ -227,6 +229,8 @@ def setup(
                 with launching_rank_watched(lost), joining_watched(fabric, rendezvous_of(fabric, num_nodes, devices),
                                                                    parallelism, created, lost):
                     fabric.launch()
+                check_every_process_runs_this_command(fabric, {
+                    **hparams, "resume": resume, "overwrite": overwrite, "resume_changes": resume_changes}, devices)
                 main(
                     fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,
                     earlier_run_deleted=earlier_run_deleted, initial_checkpoint_dir=initial_checkpoint_dir,

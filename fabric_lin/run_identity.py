@@ -8,7 +8,7 @@ on purpose, so they pass when named, and are then logged. The rest (logging, eva
 of processes and workers, the optimizer's settings) may change freely; changes are reported in one note.
 """
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -128,3 +128,50 @@ def compare_with_checkpoint(checkpoint_dir: Path, hparams: Dict[str, Any], model
     run_changes = [describe(k, saved.get(k), given.get(k)) for k in changed if group_of(k) in CHANGEABLE]
     other = [describe(k, saved.get(k), given.get(k)) for k in changed if group_of(k) not in CHANGEABLE]
     return run_changes, other
+
+
+def check_every_process_runs_this_command(fabric, command: Dict[str, Any], devices: int) -> None:
+    """Each process of a run is started by a command of its own (on every node by hand or by its scheduler): one given
+    another model, data, seed or out_dir would still join the others and train with them, its weights and batches
+    mixed into theirs, so every process compares its `command` (the run's settings and how this attempt starts) with
+    every other's and all stop, with the same message, where one differs. The processes of one node that Fabric
+    starts itself inherit one command; the check is cheap, so it is made there too."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or fabric.world_size == 1:
+        return
+    mine = flat(yaml.safe_load(yaml.safe_dump(to_plain(command))))
+    every: List[Dict[str, Any]] = [{} for _ in range(fabric.world_size)]
+    dist.all_gather_object(every, mine)
+    line = settings_across_processes(every, devices)
+    if line is not None:
+        raise InvalidValue(line)
+
+
+def settings_across_processes(every: List[Dict[str, Any]], devices: int, shown: int = 3) -> Optional[str]:
+    """The settings (dotted keys) in which the processes' commands differ, each with its values and the ranks (and
+    nodes of `devices` processes) that gave them, or None where they are all alike."""
+    from fabric_lin.rendezvous import listed
+
+    keys = sorted({key for settings_ in every for key in settings_})
+    differ = [key for key in keys if any(s.get(key) != every[0].get(key) for s in every)]
+    if not differ:
+        return None
+    parts = []
+    for key in differ[:shown]:
+        values: List[Tuple[Any, List[int]]] = []
+        for rank, settings_ in enumerate(every):
+            value = settings_.get(key)
+            for known, ranks in values:
+                if known == value:
+                    ranks.append(rank)
+                    break
+            else:
+                values.append((value, [rank]))
+        parts.append(f"{key}: " + ", ".join(
+            f"{value!r} on {listed('rank', ranks)} ({listed('node', sorted({rank // devices for rank in ranks}))})"
+            for value, ranks in values))
+    more = f"; and {len(differ) - shown} more" if len(differ) > shown else ""
+    return ("the processes of this run were started with different commands, which would train one model on mixed "
+            "weights and data: " + "; ".join(parts) + more + ". Start every node with the same command and options "
+            "(only NODE_RANK, or what torchrun or the scheduler sets, differs between them)")

@@ -6,7 +6,7 @@ minutes). torchrun checks its own port; its variables are not Fabric's launch.""
 import pytest
 
 from fabric_lin.errors import InvalidValue
-from helpers import cli_error
+from helpers import DEBUG_ARGS, cli_error, run_forked_ranks
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
                       "SLURM_NTASKS", "LSB_JOBID", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -104,3 +104,32 @@ def test_what_fabric_reads_as_a_port_and_node_and_other_launchers_variables_are_
                      SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
     with pytest.raises(InvalidValue, match=r"^MASTER_PORT 'abc': expected a port number from 1 to 65535"):
         check_launch_variables(4, 2)
+
+
+def _node_by_hand(rank: int, port: int, out_dir, other_node: list) -> None:
+    import os
+    import sys
+
+    from fabric_lin import cli
+
+    for variable in LAUNCHER_VARIABLES:
+        os.environ.pop(variable, None)
+    os.environ.update(NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.stderr = open(out_dir.parent / f"stderr-{rank}", "w")
+    cli.main(["pretrain", *DEBUG_ARGS, "--out_dir", str(out_dir), "--devices", "1", "--num_nodes", "2",
+              *(other_node if rank == 1 else [])])
+
+
+def test_a_node_started_with_another_command_than_node_0_s_is_refused_by_every_node(tmp_path):
+    """Two nodes by hand, node 1 given another seed and data: they would train one model together, each node its own
+    replica of other initial weights on other samples, and save rank 0's; every node stops before its first step."""
+    codes = run_forked_ranks(lambda rank, port: _node_by_hand(
+        rank, port, tmp_path / "out", ["--seed", "7", "--data", "SampleCorpus", "--data.seed", "7"]), timeout=60)
+    said = [(tmp_path / f"stderr-{rank}").read_text() for rank in range(2)]
+    assert codes == [2, 2], said
+    expected = ("the processes of this run were started with different commands, which would train one model on mixed "
+                "weights and data: data.seed: 42 on rank 0 (node 0), 7 on rank 1 (node 1); seed: 42 on rank 0 (node 0), 7 on "
+                "rank 1 (node 1). Start every node")
+    assert f"fabric-lin pretrain: error: {expected}" in said[0]
+    assert f"fabric-lin pretrain: error on rank 1: {expected}" in said[1]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
