@@ -278,7 +278,7 @@ def main(
         count_recompilations=compile.enabled,
     )
     # SIGTERM, SIGUSR1 and Ctrl-C from here on: checkpoint at the next step boundary
-    with StopRequest(announce=fabric.global_rank == 0) as stop:
+    with StopRequest(announce=fabric.local_rank == 0) as stop:
         resume_dir = select_resume_dir(fabric, resume, out_dir)  # before any work, so a bad --resume fails fast
         if resume_dir is None and resume == "auto":
             check_no_checkpoint_went_missing(out_dir)
@@ -407,9 +407,10 @@ def main(
             status = "success"
         finally:
             metrics.close(status)
-    if stop.signal_name == "SIGINT" and fabric.global_rank == 0:
-        # the shell's code for a command ended by Ctrl-C; the other ranks exit 0, as Fabric's launcher ends
-        # every process as soon as one of them exits with an error
+    if stop.signal_name == "SIGINT" and fabric.local_rank == 0:
+        # the shell's code for a command ended by Ctrl-C, in each node's shell that got one (nodes started by hand
+        # have one each); the node's other ranks exit 0, as Fabric's launcher ends every process as soon as one of
+        # them exits with an error
         raise SystemExit(130)
 
 

@@ -81,7 +81,7 @@ class StopRequest:
         self.requested = False
         self.interrupted = False  # a first Ctrl-C came
         self.signal_name: Optional[str] = None  # the first signal this process received
-        self.announce = announce  # say so on the console (rank 0: a terminal's Ctrl-C reaches every rank)
+        self.announce = announce  # say so on the console (each node's first rank: a terminal's Ctrl-C reaches its node's ranks)
 
     def __enter__(self) -> "StopRequest":
         self.previous = {}

@@ -116,6 +116,8 @@ def _node_by_hand(rank: int, port: int, out_dir, other_node: list) -> None:
         os.environ.pop(variable, None)
     os.environ.update(NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.stderr = open(out_dir.parent / f"stderr-{rank}", "w")
+    os.dup2(sys.stderr.fileno(), 2)  # what a signal handler writes itself too
+    sys.stdout = open(out_dir.parent / f"stdout-{rank}", "w")
     cli.main(["pretrain", *DEBUG_ARGS, "--out_dir", str(out_dir), "--devices", "1", "--num_nodes", "2",
               *(other_node if rank == 1 else [])])
 
@@ -133,3 +135,31 @@ def test_a_node_started_with_another_command_than_node_0_s_is_refused_by_every_n
     assert f"fabric-lin pretrain: error: {expected}" in said[0]
     assert f"fabric-lin pretrain: error on rank 1: {expected}" in said[1]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def _node_by_hand_given_ctrl_c(rank: int, port: int, out_dir) -> None:
+    import os
+    import signal
+
+    from fabric_lin import stopping
+
+    if rank == 1:  # Ctrl-C in node 1's shell alone, as the run starts
+        enter = stopping.StopRequest.__enter__
+
+        def enter_and_interrupt(self):
+            entered = enter(self)
+            os.kill(os.getpid(), signal.SIGINT)
+            return entered
+
+        stopping.StopRequest.__enter__ = enter_and_interrupt
+    _node_by_hand(rank, port, out_dir, [])
+
+
+def test_ctrl_c_in_the_shell_of_node_1_is_answered_there_and_ends_that_command_with_130(tmp_path):
+    """Each node started by hand has a shell of its own: the node that got the Ctrl-C says at once that it stops with
+    a checkpoint, and its command ends as one stopped by Ctrl-C does; node 0's, which got none, ends with 0."""
+    codes = run_forked_ranks(lambda rank, port: _node_by_hand_given_ctrl_c(rank, port, tmp_path / "out"), timeout=60)
+    said = [(tmp_path / f"stderr-{rank}").read_text() for rank in range(2)]
+    assert codes == [0, 130], said
+    assert "Ctrl-C: stopping with a checkpoint" not in said[0] and "Ctrl-C: stopping with a checkpoint" in said[1]
+    assert "Stopped by SIGINT" in (tmp_path / "stdout-1").read_text(), (tmp_path / "stdout-1").read_text()
