@@ -67,8 +67,12 @@ class TrainArgs:
         nearest = " or ".join(str(size) for size in (below, below + per_pass) if size > 0)
         fix = f"give a train.global_batch_size that is a multiple of {per_pass} (the nearest: {nearest}), or "
         per_process, spread = divmod(self.global_batch_size, processes)
-        if spread:
-            return fix + "a number of devices x num_nodes that divides it"
+        if spread:  # no micro batch helps: another number of processes, whose share the micro batch then divides
+            fewer = max(n for n in range(1, processes) if self.global_batch_size % n == 0) if processes > 1 else None
+            more = next((n for n in range(processes + 1, self.global_batch_size + 1) if self.global_batch_size % n == 0), None)
+            counts = " or ".join(str(n) for n in (fewer, more) if n is not None)
+            return fix + (f"a number of devices x num_nodes that divides it (the nearest: {counts}), with a "
+                          f"train.micro_batch_size that divides each process's share")
         micro = max(size for size in range(1, min(self.micro_batch_size, per_process) + 1) if per_process % size == 0)
         return fix + f"a train.micro_batch_size that divides the {per_process} sequences of each process (e.g. {micro})"
 

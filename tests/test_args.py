@@ -38,7 +38,12 @@ def test_gradient_accumulation_arithmetic():
                   "that divides the 8 sequences of each process (e.g. 8)"),
     # 256 sequences do not share out over 6 processes: no micro batch helps
     (256, 8, 6, 1, "give a train.global_batch_size that is a multiple of 48 (the nearest: 240 or 288), or a number of "
-                   "devices x num_nodes that divides it"),
+                   "devices x num_nodes that divides it (the nearest: 4 or 8), with a train.micro_batch_size that "
+                   "divides each process's share"),
+    # 7 sequences over 2 processes: over 1 or 7, each process's 7 or 1 then in micro batches that divide them
+    (7, 4, 2, 1, "give a train.global_batch_size that is a multiple of 8 (the nearest: 8), or a number of devices x "
+                 "num_nodes that divides it (the nearest: 1 or 7), with a train.micro_batch_size that divides each "
+                 "process's share"),
 ])
 def test_a_global_batch_that_does_not_share_out_names_the_values_that_do(global_batch, micro_batch, devices, num_nodes, fix):
     """The refusal said what the global batch must be a multiple of, not which values would do: the nearest multiples,
@@ -53,6 +58,9 @@ def test_a_global_batch_that_does_not_share_out_names_the_values_that_do(global_
     for value in [int(v) for v in fix.split("(the nearest: ")[1].split(")")[0].split(" or ")]:
         assert TrainArgs(global_batch_size=value, micro_batch_size=micro_batch, max_steps=1).gradient_accumulation_iters(
             devices, num_nodes) >= 1
+    if "divides it (the nearest: " in fix:  # each process count named shares the global batch out whole
+        counts = fix.split("divides it (the nearest: ")[1].split(")")[0].split(" or ")
+        assert all(global_batch % int(n) == 0 for n in counts) and len(counts) == 2
     if "(e.g. " in fix:
         micro = int(fix.split("(e.g. ")[1].rstrip(")"))
         assert micro <= micro_batch and TrainArgs(global_batch_size=global_batch, micro_batch_size=micro, max_steps=1
