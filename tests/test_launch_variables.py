@@ -163,3 +163,17 @@ def test_ctrl_c_in_the_shell_of_node_1_is_answered_there_and_ends_that_command_w
     assert codes == [0, 130], said
     assert "Ctrl-C: stopping with a checkpoint" not in said[0] and "Ctrl-C: stopping with a checkpoint" in said[1]
     assert "Stopped by SIGINT" in (tmp_path / "stdout-1").read_text(), (tmp_path / "stdout-1").read_text()
+
+
+def test_the_settings_that_differ_are_named_with_their_values_ranks_and_nodes():
+    """Two nodes of two processes: each setting that differs with every value it has and where, the first three of
+    them and how many more (a key one process lacks differs too); processes alike, nothing."""
+    from fabric_lin.run_identity import settings_across_processes
+
+    node_0, node_1 = {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5}, {"a": 1, "b": 9, "c": 8, "d": 7}
+    line = settings_across_processes([node_0, dict(node_0), node_1, {**node_1, "b": 2}], devices=2)
+    assert line.startswith("the processes of this run were started with different commands, which would train one "
+                           "model on mixed weights and data: b: 2 on ranks 0, 1 and 3 (nodes 0 and 1), 9 on rank 2 "
+                           "(node 1); c: 3 on ranks 0 and 1 (node 0), 8 on ranks 2 and 3 (node 1); d: 4 on ranks 0 and 1 "
+                           "(node 0), 7 on ranks 2 and 3 (node 1); and 1 more. Start every node"), line
+    assert settings_across_processes([node_0, dict(node_0)], devices=1) is None
