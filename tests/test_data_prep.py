@@ -171,6 +171,16 @@ def test_slimpajama_fast_dev_run_is_a_prefix(corpus, fast_prepared):
     assert json.loads((out / "prepared.json").read_text())["fast_dev_run"] == 2
 
 
+def test_a_run_on_a_fast_dev_run_slice_says_it_reads_the_first_files_only(corpus, fast_prepared, capsys):
+    from fabric_lin.data import TokenChunks
+
+    out, _ = fast_prepared
+    found = len(list(Path(corpus["sp"]).rglob("*.jsonl.zst")))
+    TokenChunks(data_path=out).setup()  # as pretrain and evaluate check their directories
+    assert (f"Note: {out} was prepared with --fast_dev_run 2: it holds the first 2 of the {found} files of {corpus['sp']} "
+            "only; prepare it again without --fast_dev_run for all of them") in capsys.readouterr().out
+
+
 def test_fast_dev_run_true_is_the_first_ten_files_whatever_the_workers(corpus, tmp_path, capfd):
     tokenizer = Tokenizer(corpus["tokenizer"])
     texts = paragraphs(12, 12)

@@ -102,6 +102,8 @@ class DataModule:
         returns, kept in `prepared`."""
         infos = check_prepared_dirs(dirs, self.tokenizer, self.vocab_size)
         self.prepared = {Path(path): info for path, info in zip(dirs, infos)}
+        for path, info in self.prepared.items():
+            say_of_fast_dev_run(path, info)
         return infos
 
     def warn_of_validation_trained_on(self, val_dir: Path, train_dirs: Sequence[Path], val_key: str = "",
@@ -221,6 +223,17 @@ def documents_in_common(val_dir: Path, val_info: dict, train_index: Optional[str
     if train_index is not None and train_index == source_key(val_dir):
         return "their index.json is the same, one data set"
     return shares_documents(val_info, train_info)
+
+
+def say_of_fast_dev_run(path: Path, info: dict) -> None:
+    """A directory prepared with --fast_dev_run holds the first files of its input only, yet is as complete as any: say
+    so once, or a trial slice left where the full preparation belongs passes for all of the data."""
+    first, found = info.get("fast_dev_run"), info.get("input_files")
+    if not first or (isinstance(found, int) and found <= first):
+        return
+    of = f" of the {found:,}" if isinstance(found, int) else ""
+    say_once(f"Note: {path} was prepared with --fast_dev_run {first}: it holds the first {first}{of} files of "
+             f"{info.get('input_dir', 'its input')} only; prepare it again without --fast_dev_run for all of them")
 
 
 def say_once(message: str) -> None:
