@@ -97,7 +97,7 @@ def check_model_dir_loads(out: Path) -> dict:
 
 def test_copies_every_matching_tensor_from_a_sharded_mistral(tmp_path, mistral_shaped_gla, capsys):
     llama = write_tiny_llama(tmp_path / "mistral", shards=3)
-    train_sentencepiece(tmp_path / "mistral", vocab_size=80)  # more pieces than the model's 64 rows
+    train_sentencepiece(tmp_path / "mistral", vocab_size=64)
     report = convert_from_llama(tmp_path / "mistral", mistral_shaped_gla, tmp_path / "gla")
 
     expected_copied = ["embeddings.weight", "norm.weight", "lm_head.weight"] + [f"layers.{i}.{n}" for i in range(2) for n in SHARED]
@@ -120,9 +120,7 @@ def test_copies_every_matching_tensor_from_a_sharded_mistral(tmp_path, mistral_s
     config = Config.from_checkpoint(tmp_path / "gla")
     assert config.norm_eps == 1e-5 and config.name == "gla-tiny-mistral"
     assert (tmp_path / "gla" / "tokenizer.model").read_bytes() == (tmp_path / "mistral" / "tokenizer.model").read_bytes()
-    printed = capsys.readouterr().out
-    assert "the tokenizer has 80 pieces but gla-tiny-mistral has vocab_size=64" in printed
-    assert "kept at init (10): layers.{i}.attn.g_proj.weight (x2)" in printed
+    assert "kept at init (10): layers.{i}.attn.g_proj.weight (x2)" in capsys.readouterr().out
 
 
 def test_shape_mismatch_keeps_init_and_is_reported(tmp_path, capsys):
@@ -143,11 +141,14 @@ def test_shape_mismatch_keeps_init_and_is_reported(tmp_path, capsys):
 @pytest.mark.parametrize("llama_vocab", [80, 48])
 def test_vocabulary_mismatch_truncates_or_extends(tmp_path, mistral_shaped_gla, capsys, llama_vocab):
     llama = write_tiny_llama(tmp_path / "mistral", vocab=llama_vocab)
+    train_sentencepiece(tmp_path / "mistral", vocab_size=llama_vocab)  # the Llama's own: one piece a row
     report = convert_from_llama(tmp_path / "mistral", mistral_shaped_gla, tmp_path / "gla")
     assert sorted(report["partial"]) == ["embeddings.weight", "lm_head.weight"]
     # the vocabulary rows copied in part are used, not ignored
     assert sorted(report["ignored"]) == [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(2)]
-    assert "vocabulary sizes differ" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "vocabulary sizes differ" in printed
+    assert ("the tokenizer has 80 pieces but gla-tiny-mistral has vocab_size=64" in printed) == (llama_vocab > 64)
     state = check_model_dir_loads(tmp_path / "gla")
     rows = min(llama_vocab, 64)
     for ours, theirs in (("embeddings.weight", "model.embed_tokens.weight"), ("lm_head.weight", "lm_head.weight")):
@@ -407,4 +408,24 @@ def test_a_tokenizer_that_cannot_be_copied_is_refused_before_any_weight_is_read(
     monkeypatch.setattr(from_llama.SafetensorsReader, "get", lambda self, name: read.append(name) or get(self, name))
     with pytest.raises(ValueError, match=r"tokenizer.model is a Git LFS pointer, not the file's content"):
         convert_from_llama(tmp_path / "llama", mistral_shaped_gla, tmp_path / "gla")
+    assert read == [] and not (tmp_path / "gla").exists()
+
+
+def test_a_tokenizer_of_more_pieces_than_the_llamas_rows_is_refused_before_any_weight_is_read(tmp_path, mistral_shaped_gla,
+                                                                                             monkeypatch):
+    """Another model's tokenizer.model copied beside the Llama's weights: its ids are other pieces, and those past the
+    Llama's embedding rows would be trained from a fresh init as if they were the Llama's."""
+    from fabric_lin.convert import from_llama
+
+    write_tiny_llama(tmp_path / "llama", vocab=48)
+    train_sentencepiece(tmp_path / "llama", vocab_size=64)
+    read = []
+    get = from_llama.SafetensorsReader.get
+    monkeypatch.setattr(from_llama.SafetensorsReader, "get", lambda self, name: read.append(name) or get(self, name))
+    with pytest.raises(ValueError) as refused:
+        convert_from_llama(tmp_path / "llama", mistral_shaped_gla, tmp_path / "gla")
+    assert str(refused.value) == (
+        f"--checkpoint_dir {tmp_path / 'llama'}: its tokenizer.model has 64 pieces, more than the 48 rows of the Llama's "
+        "model.embed_tokens.weight, so it is not the tokenizer the Llama was trained with (ids 48 and up have no trained "
+        "row); put the Llama's own tokenizer.model (and tokenizer_config.json) there")
     assert read == [] and not (tmp_path / "gla").exists()

@@ -125,6 +125,7 @@ def convert_from_llama(
     weights_trained_with(checkpoint_dir, "--checkpoint_dir")
 
     reader = SafetensorsReader(checkpoint_dir)
+    check_tokenizer_fits_the_llama(checkpoint_dir, reader)
     torch_dtype = parse_dtype(dtype) or reader.dtype("model.embed_tokens.weight")
     llama_tied = bool(llama.get("tie_word_embeddings", False)) or "lm_head.weight" not in reader.names
     sources = {name: llama_name(name, llama_tied) for name in meta_model(config).state_dict()}
@@ -260,6 +261,11 @@ class SafetensorsReader:
                 raise InvalidValue(f"{self.file_of[name]} lacks {name}, which the index places there")
             return f.get_tensor(name)
 
+    def rows(self, name: str) -> int:
+        """The first dimension of tensor `name`, from its file's header: no weight is read."""
+        with open_safetensors(self.file_of[name]) as f:
+            return f.get_slice(name).get_shape()[0]
+
     def dtype(self, name: str) -> torch.dtype:
         with open_safetensors(self.file_of[name]) as f:
             code = f.get_slice(name).get_dtype()
@@ -267,6 +273,22 @@ class SafetensorsReader:
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def check_tokenizer_fits_the_llama(checkpoint_dir: Path, reader: SafetensorsReader) -> None:
+    """Refuse a tokenizer.model of more pieces than the Llama has embedding rows: the Llama was not trained with it (a
+    tokenizer of another model copied in), so its ids are other pieces and those past the rows were never trained. One
+    of fewer pieces is allowed: checkpoints pad their embedding to a round number of rows."""
+    if not (checkpoint_dir / "tokenizer.model").is_file():
+        return
+    from fabric_lin.data.tokenizer import Tokenizer
+
+    pieces, rows = Tokenizer(checkpoint_dir, "--checkpoint_dir").vocab_size, reader.rows("model.embed_tokens.weight")
+    if pieces > rows:
+        raise InvalidValue(
+            f"--checkpoint_dir {checkpoint_dir}: its tokenizer.model has {pieces} pieces, more than the {rows} rows of "
+            f"the Llama's model.embed_tokens.weight, so it is not the tokenizer the Llama was trained with (ids {rows} "
+            f"and up have no trained row); put the Llama's own tokenizer.model (and tokenizer_config.json) there")
 
 
 def warn_tokenizer_vocab(model_dir: Path, config: Config) -> None:
