@@ -56,6 +56,19 @@ def test_train_tokenizer_counts_only_the_files_it_read(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "tokenizer").iterdir()) == ["tokenizer.model", "tokenizer_config.json"]
 
 
+def test_a_corpus_without_text_is_refused_saying_what_its_files_held(tmp_path):
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("")
+    (tmp_path / "raw" / "b.jsonl").write_text('{"text": "  "}\n{"body": "x"}\n')
+    with pytest.raises(ValueError) as refused:
+        train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=300, num_threads=1)
+    assert str(refused.value) == (
+        f"No text found in the 2 input file(s) under {tmp_path / 'raw'}: 1 skipped (empty, or not readable as their kind; "
+        "named above); 1 bad row(s) left out (named above); 1 empty or whitespace-only document(s) left out; a tokenizer "
+        "is trained on the text of its input")
+    assert not (tmp_path / "tok").exists()
+
+
 def test_encode_decode_round_trip(tokenizer_dir):
     tokenizer = Tokenizer(tokenizer_dir)
     ids = tokenizer.encode(CODE)

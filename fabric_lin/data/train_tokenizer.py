@@ -57,6 +57,16 @@ class ReadCounts:
         return "; ".join(parts)
 
 
+def why_no_text(counts: ReadCounts) -> str:
+    """What the files read came to, where none gave a line of text (each skipped file and bad row was named on stderr)."""
+    parts = [f"{counts.skipped} skipped (empty, or not readable as their kind; named above)"] if counts.skipped else []
+    if counts.bad_rows:
+        parts.append(f"{counts.bad_rows} bad row(s) left out (named above)")
+    if counts.empty_documents:
+        parts.append(f"{counts.empty_documents} empty or whitespace-only document(s) left out")
+    return "; ".join(parts) or "their documents hold no line of text"
+
+
 def iter_documents(files: List[Path], text_key: str, counts: ReadCounts) -> Iterator[str]:
     """The documents of `files`; a file or row that cannot be read is reported on stderr, counted in `counts` and
     passed over (a file damaged part of the way gives its documents before the damage)."""
@@ -264,8 +274,8 @@ def main(
     counts = ReadCounts()
     sample, seen = sample_sentences(iter_documents(files, text_key, counts), max_sentences, max_sentence_length, seed)
     if not sample:
-        raise InvalidValue(f"No text found in the {len(files)} input file(s) under {input_dir}: {counts}"
-                           + (" (see the lines above)" if counts.skipped or counts.bad_rows else ""))
+        raise InvalidValue(f"No text found in the {len(files)} input file(s) under {input_dir}: {why_no_text(counts)}; "
+                           "a tokenizer is trained on the text of its input")
     print(f"Training a {vocab_size}-piece BPE tokenizer on {len(sample)} of {seen} lines from {counts}", flush=True)
     return write_tokenizer(sample, output_dir, vocab_size, source=str(input_dir), max_sentence_length=max_sentence_length,
                            character_coverage=character_coverage, num_threads=num_threads)
