@@ -39,6 +39,7 @@ from fabric_lin.data.recipe import (
     check_chunk_size,
     check_fast_dev_run,
     check_num_workers,
+    check_output_dir_is_free,
     default_num_workers,
     file_record,
     format_summary,
@@ -49,7 +50,7 @@ from fabric_lin.data.recipe import (
     summarize,
 )
 from fabric_lin.data.tokenizer import Tokenizer, token_dtype
-from fabric_lin.files import check_empty_output_dir, created_dir
+from fabric_lin.files import created_dir
 
 # Documents read from a file at once (and so handed to the tokenizer together, in groups of
 # recipe.ENCODE_GROUP_CHARS characters).
@@ -159,7 +160,7 @@ def prepare(
     check_fast_dev_run(fast_dev_run)
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
     # never mixed with the chunks of an earlier run: the trainer would read both
-    check_empty_output_dir(output_dir)
+    check_output_dir_is_free(output_dir, tokenizer_path)
     note_killed_preparations(output_dir)
     text_files_to_read(input_dir, pattern)  # a missing or empty input directory fails here
     num_workers = num_workers or default_num_workers()

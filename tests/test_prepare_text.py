@@ -19,8 +19,9 @@ from fabric_lin.data.recipe import REPORTS_DIR
 from data_prep.prepare_text import prepare as prepare_text
 from fabric_lin.cli import main as cli_main
 from fabric_lin.data import Tokenizer, check_prepared_dir
+from fabric_lin.data.tokenizer import describe_tokenizer
 from helpers import (REPO, cli_error, expected_tokens, interrupt_preparation, paragraphs, read_tokens, split_documents,
-                     write_json_lines, write_parquet_with_a_damaged_row_group)
+                     train_sentencepiece, write_json_lines, write_parquet_with_a_damaged_row_group)
 
 
 @pytest.fixture(scope="module")
@@ -275,14 +276,21 @@ def test_a_validation_split_smaller_than_a_sample_is_said_at_prepare_time_and_st
     assert validation["val_tokens"] == int((chunk_tokens(out / "val") // (seq + 1)).sum()) * seq == 3 * seq
 
 
-def test_prepare_text_refuses_a_finished_output_dir(paragraphs_tokenizer, text_corpus, text_prepared, capfd):
+def test_prepare_text_refuses_a_finished_output_dir_naming_its_tokenizer_and_the_runs(paragraphs_tokenizer, text_corpus,
+                                                                                      text_prepared, capfd, tmp_path):
     out, _ = text_prepared
+    train_sentencepiece(tmp_path / "other")
+    made_with = describe_tokenizer({"tokenizer": Tokenizer(paragraphs_tokenizer).record()})
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    with pytest.raises(SystemExit) as info:
-        cli_main(["prepare_text", "--input_dir", str(text_corpus["raw"]), "--output_dir", str(out),
-                  "--tokenizer_path", str(paragraphs_tokenizer)])
-    assert info.value.code == 2
-    assert f"Output directory {out} exists and is not empty: delete it or pick another" in capfd.readouterr().err
+    for tokenizer, this in ((paragraphs_tokenizer, "the same tokenizer"),
+                            (tmp_path / "other", describe_tokenizer({"tokenizer": Tokenizer(tmp_path / "other").record()}))):
+        with pytest.raises(SystemExit) as info:
+            cli_main(["prepare_text", "--input_dir", str(text_corpus["raw"]), "--output_dir", str(out),
+                      "--tokenizer_path", str(tokenizer)])
+        assert info.value.code == 2
+        assert (f"Output directory {out} exists and is not empty: it holds data prepared with the tokenizer {made_with} "
+                f"(in train/), and this run's --tokenizer_path is {this}; delete it to prepare it again, or pick another"
+                ) in capfd.readouterr().err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 

@@ -21,9 +21,9 @@ from litdata.processing.data_processor import DataChunkRecipe, DataProcessor
 from litdata.streaming.item_loader import TokensLoader
 
 from fabric_lin.cpu_cores import usable_cpu_cores
-from fabric_lin.data.prepared import SMALLEST_CHUNK, check_prepared_dir, write_prepared_info
+from fabric_lin.data.prepared import PREPARED_INFO_FILE, SMALLEST_CHUNK, check_prepared_dir, write_prepared_info
 from fabric_lin.data.raw_files import BadFileError, check_input_dir
-from fabric_lin.data.tokenizer import Tokenizer, token_dtype
+from fabric_lin.data.tokenizer import Tokenizer, describe_tokenizer, token_dtype, tokenizer_identity
 from fabric_lin.errors import AlreadyExists, InvalidValue, UserError, sigterm_interrupts
 from fabric_lin.files import check_empty_output_dir, created_dir, environment_variables
 
@@ -165,6 +165,30 @@ def check_num_workers(num_workers: Optional[int]) -> None:
     if num_workers is not None and num_workers < 0:
         raise InvalidValue(f"--num_workers {num_workers}: expected a number of worker processes (0 or none given: one "
                            f"per CPU core)")
+
+
+def check_output_dir_is_free(output_dir: Path, tokenizer_path: Union[str, Path]) -> None:
+    """`check_empty_output_dir`, never overwritten: where --output_dir holds prepared data (prepare_text's in train/),
+    the refusal names the tokenizer that made it beside this run's, so a directory being prepared again with another
+    tokenizer is seen to be so (the other directories of its run hold the ids of the first one)."""
+    try:
+        check_empty_output_dir(output_dir)
+    except AlreadyExists as refused:
+        held = next((d / PREPARED_INFO_FILE for d in (output_dir, output_dir / "train") if (d / PREPARED_INFO_FILE).is_file()), None)
+        try:
+            info = json.loads(held.read_text(encoding="utf-8")) if held else None
+            ours = Tokenizer(tokenizer_path, "--tokenizer_path").record() if info else None
+        except (OSError, ValueError, UserError):  # only what the line says of it is lost: the refusal stands
+            info = None
+        if not isinstance(info, dict) or not tokenizer_identity(info)[1]:
+            raise
+        this = ("the same tokenizer" if tokenizer_identity(info) == tokenizer_identity({"tokenizer": ours})
+                else describe_tokenizer({"tokenizer": ours}))
+        raise AlreadyExists(
+            f"Output directory {output_dir} exists and is not empty: it holds data prepared with the tokenizer "
+            f"{describe_tokenizer(info)}{'' if held.parent == output_dir else f' (in {held.parent.name}/)'}, and this run's "
+            f"--tokenizer_path is {this}; "
+            "delete it to prepare it again, or pick another") from None
 
 
 def check_fast_dev_run(fast_dev_run: Union[bool, int]) -> None:
@@ -335,7 +359,7 @@ def run_recipe(
     tokenizer `tokenizer_shown_as` (where a caller moves it to afterwards)."""
     input_dir, output_dir = Path(input_dir).resolve(), Path(output_dir).resolve()
     check_input_dir(input_dir)
-    check_empty_output_dir(output_dir)
+    check_output_dir_is_free(output_dir, recipe.tokenizer_path)
     note_killed_preparations(output_dir)
     check_num_workers(num_workers)
     check_fast_dev_run(fast_dev_run)
