@@ -146,6 +146,24 @@ def test_error_tokenizer_dir_differs_from_the_one_that_made_the_data(tmp_path, p
         setup_pretrain(tmp_path, tokenizer_dir=prepared / "tok320", data=TokenChunks(data_path=prepared / "tokens", num_workers=0))
 
 
+def test_the_tokenizer_files_beside_the_tokens_replaced_by_anothers_are_named_so(tmp_path, prepared):
+    """Without --tokenizer_dir the run takes the data's own tokenizer files: another's copied over them is refused as
+    such, not with the fix for a --tokenizer_dir of another tokenizer (prepare the data with it)."""
+    import shutil
+
+    from fabric_lin.data import TokenChunks, Tokenizer
+
+    shutil.copytree(prepared / "tokens300", tmp_path / "tokens")
+    shutil.copy(prepared / "tok300b" / "tokenizer.model", tmp_path / "tokens")
+    with pytest.raises(ValueError) as refused:
+        setup_pretrain(tmp_path, data=TokenChunks(data_path=tmp_path / "tokens", num_workers=0))
+    assert str(refused.value).startswith(f"{tmp_path / 'tokens'} was tokenized with vocab_size=300, sha256=")
+    assert str(refused.value).endswith(
+        f"and {tmp_path / 'tokens' / 'tokenizer.model'} (vocab_size=300, sha256={Tokenizer(prepared / 'tok300b').model_hash[:12]}...), "
+        "taken as the run's tokenizer, is not the one its own prepared.json records: the tokenizer files beside those "
+        "tokens were replaced; put back the files of the tokenizer that prepared them, or give that one as --tokenizer_dir")
+
+
 def test_data_smaller_than_a_micro_batch_is_read_epoch_after_epoch(tmp_path, prepared, capsys):
     """4 chunk files give 4 blocks of 501 tokens, half a micro batch of 8: the stream reads them again
     in the next epoch (in another order), so the micro batch holds each block twice, and the run says so."""

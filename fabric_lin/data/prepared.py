@@ -320,10 +320,27 @@ class MadeWithAnotherTokenizer(InvalidValue):
 
     def __init__(self, path: Union[str, Path], info: dict, tokenizer: Tokenizer) -> None:
         self.path, self.info, self.tokenizer = Path(path), info, tokenizer
+        if beside_other_tokens(tokenizer):
+            # the tokenizer carried beside the tokens, taken without --tokenizer_dir: its files were replaced since
+            super().__init__(
+                f"{path} was tokenized with {describe_tokenizer(info)}, and {tokenizer.describe()}, taken as the run's "
+                f"tokenizer, is not the one its own {PREPARED_INFO_FILE} records: the tokenizer files beside those tokens "
+                "were replaced; put back the files of the tokenizer that prepared them, or give that one as --tokenizer_dir"
+            )
+            return
         super().__init__(
             f"{path} was tokenized with a different tokenizer ({describe_tokenizer(info)}) than {tokenizer.describe()};"
             " prepare the data with this tokenizer, or use the one that made it"
         )
+
+
+def beside_other_tokens(tokenizer: Tokenizer) -> bool:
+    """Whether `tokenizer` lies in a prepared directory whose prepared.json records another tokenizer."""
+    try:
+        info = json.loads((Path(tokenizer.checkpoint_dir) / PREPARED_INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and tokenizer_identity(info) != tokenizer.identity
 
 
 class VocabularyTooLarge(InvalidValue):
