@@ -63,8 +63,8 @@ def test_a_corpus_without_text_is_refused_saying_what_its_files_held(tmp_path):
     with pytest.raises(ValueError) as refused:
         train_tokenizer(tmp_path / "raw", tmp_path / "tok", vocab_size=300, num_threads=1)
     assert str(refused.value) == (
-        f"No text found in the 2 input file(s) under {tmp_path / 'raw'}: 1 skipped (empty, or not readable as their kind; "
-        "named above); 1 bad row(s) left out (named above); 1 empty or whitespace-only document(s) left out; a tokenizer "
+        f"No text found in the 2 input file(s) under {tmp_path / 'raw'}: 1 skipped (each named above, with why); "
+        "1 bad row(s) left out (named above); 1 empty or whitespace-only document(s) left out; a tokenizer "
         "is trained on the text of its input")
     assert not (tmp_path / "tok").exists()
 

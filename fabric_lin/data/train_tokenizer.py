@@ -59,7 +59,7 @@ class ReadCounts:
 
 def why_no_text(counts: ReadCounts) -> str:
     """What the files read came to, where none gave a line of text (each skipped file and bad row was named on stderr)."""
-    parts = [f"{counts.skipped} skipped (empty, or not readable as their kind; named above)"] if counts.skipped else []
+    parts = [f"{counts.skipped} skipped (each named above, with why)"] if counts.skipped else []
     if counts.bad_rows:
         parts.append(f"{counts.bad_rows} bad row(s) left out (named above)")
     if counts.empty_documents:
