@@ -217,6 +217,23 @@ def test_the_working_directories_of_a_killed_preparation_are_named(corpus, tmp_p
     check_prepared_dir(tmp_path / "out" / ("train" if command == "prepare_text" else ""), Tokenizer(corpus["tokenizer"]))
 
 
+@pytest.mark.parametrize("command", ["prepare_slimpajama", "prepare_starcoder"])
+def test_an_input_without_the_recipe_s_files_is_one_line_before_litdata_starts(corpus, tmp_path, capfd, command):
+    """An input directory of other files (your own .jsonl here) was refused after litdata's processor had started,
+    its set-up lines ("Storing the files under ...", "Setup started ...") printed first; now the error alone, exit 2,
+    nothing written beside the output."""
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "mine.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(SystemExit) as info:
+        cli_main([command, "--input_dir", str(tmp_path / "raw"), "--output_dir", str(tmp_path / "out"),
+                  "--tokenizer_path", str(corpus["tokenizer"]), "--num_workers", "1"])
+    printed = capfd.readouterr()
+    assert info.value.code == 2
+    assert printed.out == ""
+    assert printed.err.startswith(f"fabric-lin {command}: error: No *.") and printed.err.count("\n") == 1, printed.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
+
+
 def test_starcoder_round_trip_and_bad_files_through_cli(corpus, capfd):
     tokenizer = Tokenizer(corpus["tokenizer"])
     out = corpus["root"] / "starcoder"

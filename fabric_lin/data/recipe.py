@@ -376,14 +376,14 @@ def run_recipe(
     fast_dev_run = 10 if fast_dev_run is True else int(fast_dev_run or 0)
     recipe.first_files = fast_dev_run or None
     recipe.num_threads = max(1, usable_cpu_cores() // num_workers)
-    found = None
+    # before litdata's processor starts (and prints its set-up lines): an input without the recipe's files fails here
+    found = len(recipe.find_inputs(str(input_dir)))
     if fast_dev_run:
-        found = len(recipe.find_inputs(str(input_dir)))
         print(f"fast_dev_run: the first {min(fast_dev_run, found)} of the {found} input files (sorted by path)", flush=True)
 
     info = {"recipe": recipe.name or type(recipe).__name__, "input_dir": str(input_dir), "fast_dev_run": fast_dev_run,
             "chunk_size": recipe.chunk_size, **(info or {})}
-    if found is not None:  # so a run on the slice can say how much of the input it misses
+    if fast_dev_run:  # so a run on the slice can say how much of the input it misses
         info["input_files"] = found
     with created_dir(output_dir.parent), sigterm_interrupts():
         return _run_into(recipe, input_dir, output_dir, tokenizer, num_workers, fast_dev_run, info, shown_as or output_dir,
