@@ -16,7 +16,6 @@ which this process then writes, in input file order, as the chunks of OUT/val. B
 written inside a hidden sibling of OUT that is renamed to OUT last, so an interrupted run leaves no OUT.
 """
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -31,7 +30,7 @@ from fabric_lin.errors import AlreadyExists, InvalidValue, sigterm_interrupts
 if __name__ == "__main__":  # run as a script: make `data_prep` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fabric_lin.data.prepared import PREPARED_INFO_FILE, check_prepared_dir, write_prepared_info
+from fabric_lin.data.prepared import check_prepared_dir, write_prepared_info
 from fabric_lin.data.raw_files import BadFileError, find_text_files, iter_text_documents, text_files_to_read
 from fabric_lin.data.recipe import (
     EMPTY_DOCUMENTS_ARE,
@@ -201,9 +200,8 @@ def _prepare_into(stage: Path, input_dir: Path, output_dir: Path, tokenizer_path
                        shown_as=output_dir / "train")
     info = {"split": "val", "recipe": TextRecipe.name, "input_dir": str(input_dir), "chunk_size": chunk_size,
             "fast_dev_run": 10 if fast_dev_run is True else int(fast_dev_run or 0), **settings}
-    # a --fast_dev_run slice says of how many files, as the train/ split does
-    train_info = json.loads((stage / "train" / PREPARED_INFO_FILE).read_text(encoding="utf-8"))
-    info.update({"input_files": train_info["input_files"]} if "input_files" in train_info else {})
+    if fast_dev_run:  # a --fast_dev_run slice says of how many files, as the train/ split does
+        info["input_files"] = len(recipe.inputs)
     val = write_held_out_split(held_out_dir, stage / "val", input_dir, Tokenizer(tokenizer_path, "--tokenizer_path"), chunk_size, info,
                                shown_as=output_dir / "val")
     if val is None:

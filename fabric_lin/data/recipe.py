@@ -66,6 +66,7 @@ class TokenizeRecipe(DataChunkRecipe):
         self._bad_rows_more = 0  # reports of bad rows beyond those
         self._held_out = 0  # documents of the current file held out for the validation split
         self.first_files: Optional[int] = None  # only the first this many files (fast_dev_run; set by run_recipe)
+        self.inputs: Optional[List[str]] = None  # what find_inputs found, before litdata starts (set by run_recipe)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -77,13 +78,14 @@ class TokenizeRecipe(DataChunkRecipe):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_tokenizer"] = None
+        state["inputs"] = None  # the workers get their files from litdata
         return state
 
     def find_inputs(self, input_dir: str) -> List[str]:
         raise NotImplementedError
 
     def prepare_structure(self, input_dir: Optional[str]) -> List[str]:
-        files = self.find_inputs(input_dir)
+        files = self.inputs if self.inputs is not None else self.find_inputs(input_dir)
         return files[: self.first_files] if self.first_files else files
 
     def read_documents(self, path: str) -> Iterator[List[str]]:
@@ -377,7 +379,8 @@ def run_recipe(
     recipe.first_files = fast_dev_run or None
     recipe.num_threads = max(1, usable_cpu_cores() // num_workers)
     # before litdata's processor starts (and prints its set-up lines): an input without the recipe's files fails here
-    found = len(recipe.find_inputs(str(input_dir)))
+    recipe.inputs = recipe.find_inputs(str(input_dir))
+    found = len(recipe.inputs)
     if fast_dev_run:
         print(f"fast_dev_run: the first {min(fast_dev_run, found)} of the {found} input files (sorted by path)", flush=True)
 
