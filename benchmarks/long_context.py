@@ -329,6 +329,7 @@ def check_plan(args) -> Dict:
     data.prepare_data()
     vocab_size = Tokenizer(data.tokenizer_dir).vocab_size
     document_tokens = chunk_tokens(data.train_path)
+    longest_training = int(document_tokens.max(initial=0))
     longest_held_out = int(chunk_tokens(data.val_path).max(initial=0))
     problems, cells = [], []
     for context in args.contexts:
@@ -338,9 +339,9 @@ def check_plan(args) -> Dict:
             continue
         # each chunk file of the corpus is one document, and a block never crosses documents: said here in this
         # script's terms, not the loader's (which names pretrain's train.max_seq_length and chunk_size)
-        if context + 1 > document_tokens.max(initial=0):
+        if context + 1 > longest_training:
             problems.append(f"context {context}: a training block of {context + 1} tokens lies within one document, "
-                            f"and the longest training document holds {document_tokens.max(initial=0)}: leave it out "
+                            f"and the longest training document holds {longest_training}: leave it out "
                             f"of --contexts")
             continue
         micro_batch = micro_batch_size(args, context)
