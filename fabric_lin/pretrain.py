@@ -35,6 +35,7 @@ from fabric_lin.checkpoint import (
     load_train_state,
     select_resume_dir,
     set_aside_later_checkpoints,
+    to_plain,
     train_state,
 )
 from fabric_lin.config import OTHER_VOCAB_SIZE, Config, resolve_model_config
@@ -185,7 +186,8 @@ def setup(
         set_cpu_threads(devices)
     # this run's arguments, as resolved above, for hyperparameters.yaml and the logger (loadable with --config)
     arguments = locals()
-    hparams = recorded_settings({name: arguments[name] for name in inspect.signature(setup).parameters})
+    command = to_plain({name: arguments[name] for name in inspect.signature(setup).parameters})
+    hparams = recorded_settings(command)
     # after hparams, which keep the count asked for, as a larger machine runs it. A CPU run's processes share this
     # process's cores; a GPU's process may have cores of its own (a scheduler binds each rank to some), so it is
     # held to the cores it may use, not to a share of them
@@ -229,8 +231,7 @@ def setup(
                 with launching_rank_watched(lost), joining_watched(fabric, rendezvous_of(fabric, num_nodes, devices),
                                                                    parallelism, created, lost):
                     fabric.launch()
-                check_every_process_runs_this_command(fabric, {
-                    **hparams, "resume": resume, "overwrite": overwrite, "resume_changes": resume_changes}, devices)
+                check_every_process_runs_this_command(fabric, command, devices)
                 main(
                     fabric, config, out_dir=out_dir, resume=resume, resume_changes=resume_changes or [], overwrite=overwrite,
                     earlier_run_deleted=earlier_run_deleted, initial_checkpoint_dir=initial_checkpoint_dir,
